@@ -1,0 +1,205 @@
+"""The experience buffer: rewarded trajectories in, complete GRPO groups out.
+
+:class:`BufferCore` is the pure state machine: it admits trajectories one by one, holds a
+group until all its siblings are in, and hands out complete groups first-in first-out.
+Every trajectory leaves it exactly once, with a status (consumed, discarded, or still
+buffered at the end) — nothing is dropped silently. :class:`ExperienceBuffer` is the Dask
+actor around it: the single writer of ``trajectories.zarr``, appending whatever leaves the
+core in batches from a background thread.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from collections import OrderedDict, deque
+from dataclasses import dataclass, field
+
+from laminar.contract import Trajectory
+
+
+@dataclass
+class _Group:
+    size: int
+    members: list[Trajectory] = field(default_factory=list)
+
+
+class BufferCore:
+    """Group-complete FIFO sampling over admitted trajectories.
+
+    A group with a sibling whose reward failed (``finish_reason == "error"``) is
+    discarded whole when it completes: GRPO advantages need every sibling's reward.
+
+    >>> import numpy as np
+    >>> def traj(uid, group, reward=1.0):
+    ...     z = np.zeros(1, np.int32)
+    ...     return Trajectory(uid, group, 0, 0, 2, z, z, z.astype(np.float32), z.astype(np.uint8),
+    ...                       0, "eos", "r0", 0., 0., 0., reward=reward)
+    >>> core = BufferCore()
+    >>> core.insert([traj("a", "g0")], version=0, now=1.0)
+    []
+    >>> core.sample(1, version=0, now=2.0) is None   # g0 still misses a sibling
+    True
+    >>> core.insert([traj("b", "g0")], version=1, now=3.0)
+    []
+    >>> [t.uid for t in core.sample(1, version=1, now=4.0)]
+    ['a', 'b']
+    """
+
+    def __init__(self) -> None:
+        self.partial: dict[str, _Group] = {}
+        self.ready: OrderedDict[str, list[Trajectory]] = OrderedDict()
+        self.seen: set[str] = set()
+        self.counts = {
+            "inserted": 0,
+            "duplicates": 0,
+            "consumed": 0,
+            "discarded": 0,
+            "groups_consumed": 0,
+            "groups_discarded": 0,
+        }
+
+    @property
+    def depth(self) -> int:
+        """Trajectories held (complete groups and partial ones)."""
+        return sum(len(g) for g in self.ready.values()) + sum(
+            len(g.members) for g in self.partial.values()
+        )
+
+    def insert(self, trajs: list[Trajectory], *, version: int, now: float) -> list[Trajectory]:
+        """Admit rewarded trajectories; returns those that leave at once (discarded)."""
+        leaving: list[Trajectory] = []
+        for t in trajs:
+            if t.uid in self.seen:
+                self.counts["duplicates"] += 1
+                continue
+            self.seen.add(t.uid)
+            # The trainer's version when the trajectory finished; never below the version
+            # that generated it (a rollout may see a version before the buffer hears of it).
+            t.finish_version = max(version, t.behavior_version)
+            t.t_insert = now
+            t.status = "buffered"
+            self.counts["inserted"] += 1
+            group = self.partial.setdefault(t.prompt_uid, _Group(t.group_size))
+            group.members.append(t)
+            if len(group.members) < group.size:
+                continue
+            del self.partial[t.prompt_uid]
+            members = sorted(group.members, key=lambda x: x.sample_idx)
+            if any(m.finish_reason == "error" for m in members):
+                for m in members:
+                    m.status = "discarded"
+                self.counts["discarded"] += len(members)
+                self.counts["groups_discarded"] += 1
+                leaving.extend(members)
+            else:
+                self.ready[t.prompt_uid] = members
+        return leaving
+
+    def sample(self, n_groups: int, *, version: int, now: float) -> list[Trajectory] | None:
+        """The ``n_groups`` oldest complete groups, or ``None`` if fewer are ready."""
+        if len(self.ready) < n_groups:
+            return None
+        out: list[Trajectory] = []
+        for _ in range(n_groups):
+            _, members = self.ready.popitem(last=False)
+            for m in members:
+                m.sample_version = version
+                m.t_sample = now
+                m.status = "consumed"
+            out.extend(members)
+        self.counts["consumed"] += len(out)
+        self.counts["groups_consumed"] += n_groups
+        return out
+
+    def drain(self) -> list[Trajectory]:
+        """Everything still held (status ``buffered``), emptying the buffer."""
+        out = [m for g in self.ready.values() for m in g]
+        out += [m for g in self.partial.values() for m in g.members]
+        self.ready.clear()
+        self.partial.clear()
+        return out
+
+    def stats(self) -> dict[str, int]:
+        return {
+            **self.counts,
+            "depth": self.depth,
+            "ready_groups": len(self.ready),
+            "partial_groups": len(self.partial),
+        }
+
+
+class ExperienceBuffer:
+    """Dask actor around :class:`BufferCore`; single writer of the trajectory store.
+
+    Methods are ``async``: they run on the worker's event loop, never on the actor thread,
+    so calls from rollouts and the trainer interleave and the buffer may call the prompt
+    pool on the same worker without deadlock.
+    """
+
+    def __init__(self, run_dir: str, pool, flush_records: int, flush_interval_s: float) -> None:
+        from storage.trajectories import TrajectoryWriter
+
+        self.core = BufferCore()
+        self.pool = pool
+        self.version = 0
+        self.writer = TrajectoryWriter(run_dir)
+        self.flush_records = flush_records
+        self.flush_interval_s = flush_interval_s
+        self._pending: deque[Trajectory] = deque()
+        self._last_flush = time.time()
+        self._jobs: queue.Queue[list[Trajectory] | None] = queue.Queue()
+        self._written = 0
+        self._write_error: str | None = None
+        self._writer_thread = threading.Thread(target=self._write_loop, daemon=True)
+        self._writer_thread.start()
+
+    def _write_loop(self) -> None:
+        while (batch := self._jobs.get()) is not None:
+            try:
+                self._written = self.writer.append([t.to_record() for t in batch])
+            except Exception as e:  # keep the run alive; surfaced through stats()
+                self._write_error = f"{type(e).__name__}: {e}"
+
+    def _leave(self, trajs: list[Trajectory], force: bool = False) -> None:
+        self._pending.extend(trajs)
+        due = time.time() - self._last_flush > self.flush_interval_s
+        if self._pending and (force or due or len(self._pending) >= self.flush_records):
+            self._jobs.put(list(self._pending))
+            self._pending.clear()
+            self._last_flush = time.time()
+
+    async def insert(self, trajs: list[Trajectory]) -> int:
+        leaving = self.core.insert(trajs, version=self.version, now=time.time())
+        if leaving:
+            await self.pool.release(sorted({t.prompt_uid for t in leaving}))
+        self._leave(leaving)
+        return self.core.depth
+
+    async def sample(self, n_groups: int, version: int) -> list[Trajectory] | None:
+        batch = self.core.sample(n_groups, version=version, now=time.time())
+        if batch is not None:
+            await self.pool.release(sorted({t.prompt_uid for t in batch}))
+            self._leave(batch)
+        return batch
+
+    async def version_published(self, version: int) -> None:
+        self.version = max(self.version, version)
+
+    async def stats(self) -> dict:
+        return {
+            **self.core.stats(),
+            "version": self.version,
+            "written": self._written,
+            "write_error": self._write_error,
+        }
+
+    async def close(self) -> dict:
+        """Write everything still held (status ``buffered``) and wait for the writer."""
+        self._leave(self.core.drain(), force=True)
+        self._jobs.put(None)
+        import asyncio
+
+        await asyncio.to_thread(self._writer_thread.join)
+        return await self.stats()

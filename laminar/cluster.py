@@ -1,0 +1,100 @@
+"""Dask cluster helpers: a local cluster with role resources, and actor placement.
+
+Every long-lived component is a Dask actor pinned to a worker by its role resource
+(``rollout``, ``trainer``, ``data``; ``relay`` comes with the relay tier). Any cluster
+works — the local one below, a scheduler address, a ``dask_jobqueue.SLURMCluster`` — as
+long as its workers advertise those resources (``dask worker ADDR --resources rollout=1``).
+"""
+
+from __future__ import annotations
+
+from laminar.errors import ClusterError
+
+ROLES = ("data", "trainer", "rollout")
+
+
+def local_cluster(n_rollouts: int, *, memory_limit: str = "4GiB", torch_threads: int = 1):
+    """A cluster of worker *processes* on this machine, one per role instance.
+
+    Like :class:`distributed.LocalCluster`, but each worker carries its own resources:
+    one worker for the data module and the trainer (``data=1, trainer=1``) and one per
+    rollout replica (``rollout=1``). Built as a :class:`distributed.SpecCluster` of
+    nannies because ``LocalCluster`` gives every worker the same resources.
+    """
+    from distributed import Nanny, Scheduler, SpecCluster
+
+    env = {"OMP_NUM_THREADS": str(torch_threads), "MKL_NUM_THREADS": str(torch_threads)}
+
+    def worker(resources: dict[str, int]) -> dict:
+        return {
+            "cls": Nanny,
+            "options": {
+                "nthreads": 1,
+                "resources": resources,
+                "memory_limit": memory_limit,
+                "env": env,
+                "host": "127.0.0.1",
+            },
+        }
+
+    workers = {"data-trainer": worker({"data": 1, "trainer": 1})}
+    for i in range(n_rollouts):
+        workers[f"rollout-{i}"] = worker({"rollout": 1})
+    scheduler = {
+        "cls": Scheduler,
+        "options": {"dashboard_address": ":0", "host": "127.0.0.1"},
+    }
+    return SpecCluster(workers=workers, scheduler=scheduler, name="laminar-local")
+
+
+def workers_with(client, resource: str) -> list[str]:
+    """Addresses of workers advertising ``resource``, sorted for a stable placement."""
+    info = client.scheduler_info(n_workers=-1)["workers"]
+    return sorted(a for a, w in info.items() if w.get("resources", {}).get(resource, 0) > 0)
+
+
+def place(client, resource: str, count: int) -> list[str]:
+    """``count`` distinct worker addresses for a role, or a :class:`ClusterError` saying why.
+
+    Actors hold their worker's resource only while being created, so placement pins each
+    actor to an explicit worker rather than relying on the resource count.
+    """
+    addrs = workers_with(client, resource)
+    if len(addrs) < count:
+        raise ClusterError(
+            f"the cluster has {len(addrs)} worker(s) with resource {resource!r}, the run "
+            f"needs {count}; start workers with `--resources {resource}=1` or lower the count "
+            "in the config"
+        )
+    return addrs[:count]
+
+
+def submit_actor(client, cls, *args, worker: str, resource: str, **kwargs):
+    """Create an actor of ``cls`` on ``worker`` and return its handle (waits for it)."""
+    future = client.submit(
+        cls,
+        *args,
+        actor=True,
+        workers=[worker],
+        allow_other_workers=False,
+        resources={resource: 1},
+        pure=False,
+        **kwargs,
+    )
+    return future.result()
+
+
+def start_thread(target, name: str):
+    """Start a daemon thread inside a copy of the caller's context.
+
+    Called from an actor method, the new thread keeps the Dask worker context, so
+    ``get_worker()``/``get_client()`` work in it and actor handles can bind to the worker.
+    (A plain ``threading.Thread`` starts with an empty context and cannot.)
+    """
+    import contextvars
+    import threading
+
+    ctx = contextvars.copy_context()
+    thread = threading.Thread(target=ctx.run, args=(target,), name=name, daemon=True)
+    thread.start()
+    return thread

@@ -1,0 +1,239 @@
+"""Typed, frozen run configuration, loaded from YAML with ``a.b=value`` overrides.
+
+One pydantic model per role; unknown keys are rejected; cross-field checks say the reason
+and the fix. Every error is a :class:`~laminar.errors.ConfigError` naming the field.
+
+>>> cfg = RunConfig.model_validate({"trainer": {"steps": 3}})
+>>> cfg.trainer.steps, cfg.rollout.group_size
+(3, 8)
+>>> with_overrides(cfg, ["trainer.lr=1e-4"]).trainer.lr
+0.0001
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from laminar.errors import ConfigError
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class ModelConfig(_Section):
+    """The policy. ``path`` names a local HF folder; empty builds the built-in tiny Llama."""
+
+    path: str | None = None
+    hidden_size: int = Field(128, gt=0)
+    num_layers: int = Field(4, gt=0)
+    num_heads: int = Field(4, gt=0)
+    intermediate_size: int = Field(512, gt=0)
+
+    @model_validator(mode="after")
+    def _heads_divide(self) -> ModelConfig:
+        if self.hidden_size % self.num_heads:
+            raise ValueError(
+                f"hidden_size {self.hidden_size} is not divisible by num_heads "
+                f"{self.num_heads}; pick num_heads among the divisors of hidden_size"
+            )
+        return self
+
+
+class TaskConfig(_Section):
+    """Where prompts come from and how responses are scored."""
+
+    name: Literal["count", "copy", "reverse", "sort"] = "count"
+    prompt_file: str | None = None  # JSONL with "prompt" and "answer" on every line
+    reward: str = "exact_match"  # a name in laminar.rewards.REWARDS or "module:function"
+    num_prompts: int = Field(20000, gt=0)
+    median_len: float = Field(6.0, gt=0)
+    tail_ratio: float = Field(10.0, ge=1)  # P99 / median of the answer length
+    max_len: int = Field(64, gt=0)
+    truncated_reward: float = 0.0  # reward of a response cut at max_new_tokens
+
+
+class SFTConfig(_Section):
+    """Supervised warm start on task demonstrations, cached by a hash of its inputs."""
+
+    enabled: bool = True
+    steps: int = Field(250, ge=0)
+    batch_size: int = Field(64, gt=0)
+    lr: float = Field(3e-3, gt=0)
+    # Probability that a demonstration token is replaced by a random one. Imperfect
+    # demonstrations leave the policy at a middling sampled reward that RL can raise.
+    demo_error_rate: float = Field(0.1, ge=0, lt=1)
+    torch_threads: int = Field(2, gt=0)
+    cache_dir: str | None = None  # default: ~/.cache/laminar
+
+
+class RolloutConfig(_Section):
+    """Rollout replicas and their engines."""
+
+    replicas: int = Field(2, gt=0)
+    group_size: int = Field(8, ge=2)  # GRPO responses per prompt
+    groups_per_batch: int = Field(8, gt=0)  # prompt groups in one local batch
+    max_new_tokens: int = Field(80, gt=0)
+    max_seq_len: int = Field(160, gt=0)
+    temperature: float = Field(1.0, gt=0)
+    engine: Literal["torch"] = "torch"
+
+
+class BufferConfig(_Section):
+    """The experience buffer and prompt dispatch."""
+
+    sampler: Literal["fifo"] = "fifo"
+    # Back-pressure: prompt groups dispatched but not yet consumed never exceed this.
+    max_outstanding_groups: int = Field(48, gt=0)
+    flush_records: int = Field(512, gt=0)  # store append size
+    flush_interval_s: float = Field(5.0, gt=0)
+
+
+class TrainerConfig(_Section):
+    """GRPO with clip-higher; one published version per global batch."""
+
+    steps: int = Field(60, gt=0)  # global batches, i.e. published versions
+    groups_per_step: int = Field(16, gt=0)
+    lr: float = Field(3e-4, gt=0)
+    weight_decay: float = Field(0.0, ge=0)
+    betas: tuple[float, float] = (0.9, 0.99)
+    clip_low: float = Field(0.2, ge=0, lt=1)
+    clip_high: float = Field(0.28, ge=0)
+    max_grad_norm: float = Field(1.0, gt=0)
+
+
+class ClusterConfig(_Section):
+    """How the Dask cluster is found or started."""
+
+    scheduler: str | None = None  # address of a running scheduler; empty starts a local one
+    torch_threads: int = Field(1, gt=0)  # per worker process (cores are shared)
+    actor_timeout_s: float = Field(60.0, gt=0)
+    memory_limit: str = "4GiB"
+
+
+class RunConfig(_Section):
+    """A whole run."""
+
+    seed: int = 0
+    run_dir: str | None = None  # default: runs/<timestamp>
+    model: ModelConfig = ModelConfig()
+    task: TaskConfig = TaskConfig()
+    sft: SFTConfig = SFTConfig()
+    rollout: RolloutConfig = RolloutConfig()
+    buffer: BufferConfig = BufferConfig()
+    trainer: TrainerConfig = TrainerConfig()
+    cluster: ClusterConfig = ClusterConfig()
+
+    @model_validator(mode="after")
+    def _cross_checks(self) -> RunConfig:
+        r, b, t, task = self.rollout, self.buffer, self.trainer, self.task
+        longest_prompt = task.max_len + 3  # <bos>, tag and '>' around the symbols
+        if task.prompt_file is None and longest_prompt + r.max_new_tokens > r.max_seq_len:
+            raise ValueError(
+                f"rollout.max_seq_len ({r.max_seq_len}) is shorter than the longest prompt "
+                f"({longest_prompt}, from task.max_len) plus rollout.max_new_tokens "
+                f"({r.max_new_tokens}); raise rollout.max_seq_len to at least "
+                f"{longest_prompt + r.max_new_tokens}"
+            )
+        if task.prompt_file is None and task.name == "count" and task.max_len > 255:
+            raise ValueError(
+                f"task.max_len ({task.max_len}) exceeds 255, the largest number the built-in "
+                "vocabulary holds for the count task"
+            )
+        if b.max_outstanding_groups < t.groups_per_step:
+            raise ValueError(
+                f"buffer.max_outstanding_groups ({b.max_outstanding_groups}) is smaller than "
+                f"trainer.groups_per_step ({t.groups_per_step}): the trainer could never "
+                "fill a batch; raise max_outstanding_groups"
+            )
+        return self
+
+    def fingerprint(self, *sections: str) -> str:
+        """A short content hash of the named sections (all when none are named)."""
+        data = self.model_dump(mode="json")
+        if sections:
+            data = {k: data[k] for k in sections}
+        blob = json.dumps(data, sort_keys=True).encode()
+        return hashlib.sha256(blob).hexdigest()[:16]
+
+    def to_yaml(self) -> str:
+        return yaml.safe_dump(self.model_dump(mode="json"), sort_keys=False)
+
+
+def _format_errors(err: ValidationError, source: str) -> str:
+    lines = [f"invalid config ({source}):"]
+    for e in err.errors():
+        loc = ".".join(str(p) for p in e["loc"]) or "(top level)"
+        if e["type"] == "extra_forbidden":
+            lines.append(f"  {loc}: unknown key; remove it or check its spelling")
+            continue
+        msg = e["msg"].removeprefix("Value error, ")
+        given = e.get("input")
+        shown = "" if isinstance(given, dict) else f" (got {given!r})"
+        lines.append(f"  {loc}: {msg}{shown}")
+    return "\n".join(lines)
+
+
+def _set_path(data: dict[str, Any], dotted: str, value: Any) -> None:
+    keys = dotted.split(".")
+    node = data
+    for k in keys[:-1]:
+        child = node.setdefault(k, {})
+        if not isinstance(child, dict):
+            raise ConfigError(f"override {dotted!r}: {k!r} is not a section")
+        node = child
+    node[keys[-1]] = value
+
+
+def parse_overrides(overrides: list[str] | tuple[str, ...]) -> list[tuple[str, Any]]:
+    """Split ``a.b=value`` strings; values are parsed as YAML scalars (``1e-4``, ``true``)."""
+    parsed = []
+    for item in overrides:
+        key, sep, raw = item.partition("=")
+        if not sep or not key.strip():
+            raise ConfigError(f"override {item!r} is not of the form section.key=value")
+        # YAML scalars: ints, floats, booleans, null; pydantic coerces "1e-4" for floats.
+        value = yaml.safe_load(raw) if raw.strip() else None
+        parsed.append((key.strip(), value))
+    return parsed
+
+
+def _validate(data: dict[str, Any], source: str) -> RunConfig:
+    try:
+        return RunConfig.model_validate(data)
+    except ValidationError as e:
+        raise ConfigError(_format_errors(e, source)) from None
+
+
+def with_overrides(cfg: RunConfig, overrides: list[str] | tuple[str, ...]) -> RunConfig:
+    """A new config with ``a.b=value`` overrides applied and validated."""
+    data = cfg.model_dump(mode="json")
+    for key, value in parse_overrides(overrides):
+        _set_path(data, key, value)
+    return _validate(data, f"--set {' '.join(overrides)}")
+
+
+def load_config(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> RunConfig:
+    """Read a YAML run config, apply overrides, validate.
+
+    Raises :class:`ConfigError` for a missing file, bad YAML, unknown keys, wrong types
+    and inconsistent fields, naming each.
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"config file {str(path)!r} does not exist")
+    try:
+        data = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as e:
+        raise ConfigError(f"config file {str(path)!r} is not valid YAML: {e}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"config file {str(path)!r} must hold a mapping of sections")
+    for key, value in parse_overrides(overrides):
+        _set_path(data, key, value)
+    return _validate(data, str(path) + (f" with --set {' '.join(overrides)}" if overrides else ""))

@@ -1,0 +1,276 @@
+"""The policy: a tiny Llama built locally, HF folders on disk, and a KV-cached forward.
+
+Nothing is ever downloaded. :func:`build_tiny_policy` writes a normal Hugging Face folder
+(``config.json``, ``model.safetensors``, ``tokenizer.json``) that ``transformers`` or any
+HF-compatible engine loads; :func:`load_policy` opens that folder or any local Llama/Qwen2
+checkpoint folder.
+
+:class:`CachedDecoder` is the generation side's forward pass: the same maths as
+``LlamaForCausalLM`` (parity is tested against it) over a preallocated KV cache, because
+HF's growing cache spends most of a long decode concatenating tensors.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn.functional as F
+
+from laminar.errors import ModelError
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel, PreTrainedTokenizerFast
+
+PAD, BOS, EOS, UNK = "<pad>", "<bos>", "<eos>", "<unk>"
+SPECIAL_TOKENS = (PAD, BOS, EOS, UNK)
+# Word-level vocabulary of the built-in tiny model: specials, the numbers 0..255, letters
+# and the punctuation the synthetic tasks use. Fixed, so a saved model and a fresh one agree.
+TINY_WORDS = (
+    *SPECIAL_TOKENS,
+    *(str(i) for i in range(256)),
+    *"abcdefghijklmnopqrstuvwxyz",
+    ">", "=", "|", ":", ",", "+", "-", "?",
+)
+SUPPORTED_ARCHITECTURES = ("llama", "qwen2")
+
+
+def build_tokenizer() -> PreTrainedTokenizerFast:
+    """The built-in word-level tokenizer: one token per whitespace-separated symbol.
+
+    >>> tok = build_tokenizer()
+    >>> tok.decode(tok("3 1 4 >")["input_ids"])
+    '3 1 4 >'
+    """
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {w: i for i, w in enumerate(TINY_WORDS)}
+    core = Tokenizer(models.WordLevel(vocab=vocab, unk_token=UNK))
+    core.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    core.decoder = decoders.WordPiece(prefix="##", cleanup=False)  # joins words with spaces
+    return PreTrainedTokenizerFast(
+        tokenizer_object=core,
+        pad_token=PAD,
+        bos_token=BOS,
+        eos_token=EOS,
+        unk_token=UNK,
+    )
+
+
+def build_tiny_policy(
+    path: str | Path,
+    *,
+    hidden_size: int = 128,
+    num_layers: int = 4,
+    num_heads: int = 4,
+    intermediate_size: int = 512,
+    max_position_embeddings: int = 512,
+    seed: int = 0,
+) -> Path:
+    """Create a freshly initialised tiny Llama and its tokenizer as an HF folder at ``path``."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    path = Path(path)
+    tok = build_tokenizer()
+    cfg = LlamaConfig(
+        vocab_size=len(TINY_WORDS),
+        hidden_size=hidden_size,
+        intermediate_size=intermediate_size,
+        num_hidden_layers=num_layers,
+        num_attention_heads=num_heads,
+        num_key_value_heads=num_heads,
+        max_position_embeddings=max_position_embeddings,
+        pad_token_id=tok.pad_token_id,
+        bos_token_id=tok.bos_token_id,
+        eos_token_id=tok.eos_token_id,
+        tie_word_embeddings=False,
+    )
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(cfg)
+    path.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(path)
+    tok.save_pretrained(path)
+    return path
+
+
+def check_policy_dir(path: str | Path) -> Path:
+    """Raise :class:`ModelError` unless ``path`` is a loadable HF causal-LM folder."""
+    path = Path(path)
+    if not path.is_dir():
+        raise ModelError(
+            f"model folder {str(path)!r} does not exist; set model.path to a local HF "
+            "checkpoint folder, or leave it empty to build the built-in tiny model"
+        )
+    missing = [f for f in ("config.json", "tokenizer.json") if not (path / f).exists()]
+    if not any(path.glob("*.safetensors")) and not (path / "pytorch_model.bin").exists():
+        missing.append("model.safetensors")
+    if missing:
+        raise ModelError(
+            f"model folder {str(path)!r} lacks {missing}; it must be an HF folder "
+            "written by save_pretrained (config.json, model.safetensors, tokenizer.json)"
+        )
+    model_type = json.loads((path / "config.json").read_text()).get("model_type")
+    if model_type not in SUPPORTED_ARCHITECTURES:
+        raise ModelError(
+            f"model folder {str(path)!r} has model_type {model_type!r}; the torch engine "
+            f"supports {list(SUPPORTED_ARCHITECTURES)}"
+        )
+    return path
+
+
+def load_policy(path: str | Path) -> tuple[PreTrainedModel, PreTrainedTokenizerFast]:
+    """Load an HF causal LM and its tokenizer from a local folder (never a hub)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    path = check_policy_dir(path)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, local_files_only=True)
+    tok = AutoTokenizer.from_pretrained(path, local_files_only=True)
+    return model, tok
+
+
+def _rope_theta(cfg) -> float:
+    params = getattr(cfg, "rope_parameters", None) or {}
+    theta = params.get("rope_theta", getattr(cfg, "rope_theta", None))
+    if params.get("rope_type", "default") != "default":
+        raise ModelError(f"rope_type {params['rope_type']!r} is not supported by CachedDecoder")
+    return float(theta if theta is not None else 10000.0)
+
+
+class CachedDecoder:
+    """Llama/Qwen2 forward over a preallocated, slotted KV cache (inference only).
+
+    Rows of the cache are sequences; columns are token positions. Prompts are left-padded
+    so that every row writes its next token into the same column; ``valid`` marks the
+    columns that hold real tokens of each row.
+    """
+
+    def __init__(self, config, state: dict[str, torch.Tensor], device: str = "cpu") -> None:
+        self.config = config
+        self.device = torch.device(device)
+        self.n_layers = config.num_hidden_layers
+        self.n_heads = config.num_attention_heads
+        self.n_kv = getattr(config, "num_key_value_heads", None) or self.n_heads
+        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.n_heads
+        self.eps = config.rms_norm_eps
+        dim = self.head_dim
+        inv_freq = 1.0 / (_rope_theta(config) ** (torch.arange(0, dim, 2).float() / dim))
+        self.inv_freq = inv_freq.to(self.device)
+        self.load(state)
+
+    def load(self, state: dict[str, torch.Tensor]) -> None:
+        """Take weights from an HF state dict (``model.layers.N...`` names)."""
+
+        def get(name: str, required: bool = True) -> torch.Tensor | None:
+            t = state.get(name)
+            if t is None and required:
+                raise ModelError(f"weights lack {name!r}: not a Llama/Qwen2 state dict")
+            return None if t is None else t.detach().to(self.device, torch.float32)
+
+        self.embed = get("model.embed_tokens.weight")
+        self.final_norm = get("model.norm.weight")
+        lm_head = get("lm_head.weight", required=False)
+        self.lm_head = self.embed if lm_head is None else lm_head
+        self.layers = []
+        for i in range(self.n_layers):
+            p = f"model.layers.{i}."
+            self.layers.append(
+                {
+                    "ln1": get(p + "input_layernorm.weight"),
+                    "ln2": get(p + "post_attention_layernorm.weight"),
+                    **{
+                        k: get(p + f"self_attn.{k}_proj.weight") for k in ("q", "k", "v", "o")
+                    },
+                    **{
+                        f"{k}_b": get(p + f"self_attn.{k}_proj.bias", required=False)
+                        for k in ("q", "k", "v")
+                    },
+                    **{k: get(p + f"mlp.{k}_proj.weight") for k in ("gate", "up", "down")},
+                }
+            )
+
+    def new_cache(self, batch: int, length: int) -> torch.Tensor:
+        """A zeroed cache ``[layers, 2, batch, kv_heads, length, head_dim]``."""
+        return torch.zeros(
+            self.n_layers, 2, batch, self.n_kv, length, self.head_dim, device=self.device
+        )
+
+    def _norm(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        var = x.pow(2).mean(-1, keepdim=True)
+        return w * (x * torch.rsqrt(var + self.eps))
+
+    def _rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        freqs = positions.float()[..., None] * self.inv_freq  # [B, T, D/2]
+        emb = torch.cat((freqs, freqs), dim=-1)[:, None]  # [B, 1, T, D]
+        return emb.cos(), emb.sin()
+
+    @staticmethod
+    def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        half = x.shape[-1] // 2
+        rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+        return x * cos + rotated * sin
+
+    @torch.inference_mode()
+    def forward(
+        self,
+        tokens: torch.Tensor,
+        positions: torch.Tensor,
+        cache: torch.Tensor,
+        start: int,
+        valid: torch.Tensor,
+    ) -> torch.Tensor:
+        """Run ``tokens`` ``[B, T]`` written at cache columns ``start..start+T``.
+
+        ``valid`` ``[B, start+T]`` marks real (non-pad) columns. Returns the logits of the
+        last position of each row, ``[B, vocab]``.
+        """
+        bsz, t = tokens.shape
+        end = start + t
+        x = self.embed[tokens]
+        cos, sin = self._rope(positions)
+        # Query i (column start+i) sees key columns <= its own that hold real tokens, and
+        # always itself, so a pad query never has an empty (NaN) softmax row.
+        cols = torch.arange(end, device=self.device)
+        qcols = cols[start:end]
+        allowed = (cols[None, :] <= qcols[:, None])[None] & valid[:, None, :end]
+        allowed |= cols[None, None, :] == qcols[None, :, None]
+        mask = allowed[:, None]  # [B, 1, T, end]
+        rep = self.n_heads // self.n_kv
+        for i, w in enumerate(self.layers):
+            h = self._norm(x, w["ln1"])
+            q = F.linear(h, w["q"], w["q_b"]).view(bsz, t, self.n_heads, self.head_dim)
+            k = F.linear(h, w["k"], w["k_b"]).view(bsz, t, self.n_kv, self.head_dim)
+            v = F.linear(h, w["v"], w["v_b"]).view(bsz, t, self.n_kv, self.head_dim)
+            q = self._rotate(q.transpose(1, 2), cos, sin)
+            k = self._rotate(k.transpose(1, 2), cos, sin)
+            cache[i, 0, :, :, start:end] = k
+            cache[i, 1, :, :, start:end] = v.transpose(1, 2)
+            keys, values = cache[i, 0, :, :, :end], cache[i, 1, :, :, :end]
+            if rep > 1:
+                keys = keys.repeat_interleave(rep, dim=1)
+                values = values.repeat_interleave(rep, dim=1)
+            att = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask)
+            x = x + F.linear(att.transpose(1, 2).reshape(bsz, t, -1), w["o"])
+            h = self._norm(x, w["ln2"])
+            x = x + F.linear(F.silu(F.linear(h, w["gate"])) * F.linear(h, w["up"]), w["down"])
+        x = self._norm(x[:, -1], self.final_norm)
+        return F.linear(x, self.lm_head)
+
+
+def param_count(state: dict[str, torch.Tensor]) -> int:
+    """Number of parameters in a state dict."""
+    return sum(math.prod(t.shape) for t in state.values())
+
+
+def encode_prompt(tok, text: str) -> list[int]:
+    """``<bos>`` + the tokens of ``text`` (no other special tokens)."""
+    ids = tok(text, add_special_tokens=False)["input_ids"]
+    return ([tok.bos_token_id] if tok.bos_token_id is not None else []) + list(ids)
+
+
+def state_dict_cpu(model) -> dict[str, torch.Tensor]:
+    """A detached CPU copy of a model's weights, safe to ship while training goes on."""
+    return {k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()}

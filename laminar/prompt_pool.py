@@ -1,0 +1,132 @@
+"""The prompt pool: hands prompt groups to rollouts, with back-pressure.
+
+:class:`PromptPoolCore` is the pure logic (what to hand out, what is in flight);
+:class:`PromptPool` is the Dask actor around it. A group is dispatched to one rollout as a
+unit and stays *outstanding* until the buffer reports it consumed or discarded; dispatch
+pauses while ``max_outstanding`` groups are outstanding, so a fast rollout tier cannot
+grow the buffer without bound.
+"""
+
+from __future__ import annotations
+
+from laminar.config import RunConfig
+from laminar.contract import PromptGroup
+from laminar.errors import DataError
+from laminar.tasks import Prompt, iter_epochs, jsonl_prompts, synthetic_prompts
+
+
+class PromptPoolCore:
+    """Which prompt groups are handed out and which are still outstanding.
+
+    >>> core = PromptPoolCore([(Prompt(0, "n 2 >", "1 2"), (1, 5))], group_size=4,
+    ...                       max_outstanding=2, seed=0)
+    >>> [g.prompt_uid for g in core.acquire(5)]
+    ['p00000000', 'p00000001']
+    >>> core.acquire(1), core.release(["p00000000"]), len(core.acquire(1))
+    ([], None, 1)
+    """
+
+    def __init__(
+        self,
+        prompts: list[tuple[Prompt, tuple[int, ...]]],
+        *,
+        group_size: int,
+        max_outstanding: int,
+        seed: int,
+    ) -> None:
+        if not prompts:
+            raise DataError("the prompt pool is empty; check task.prompt_file or task.num_prompts")
+        self.prompts = prompts
+        self.group_size = group_size
+        self.max_outstanding = max_outstanding
+        self._order = iter_epochs(range(len(prompts)), seed)
+        self.outstanding: set[str] = set()
+        self.n_dispatched = 0
+        self.n_released = 0
+        self.epoch = 0
+
+    def acquire(self, n: int) -> list[PromptGroup]:
+        """Up to ``n`` new groups, fewer (or none) while back-pressure holds."""
+        room = max(0, self.max_outstanding - len(self.outstanding))
+        groups = []
+        for _ in range(min(n, room)):
+            self.epoch, idx = next(self._order)
+            prompt, tokens = self.prompts[idx]
+            uid = f"p{self.n_dispatched:08d}"
+            self.n_dispatched += 1
+            self.outstanding.add(uid)
+            groups.append(
+                PromptGroup(uid, prompt.key, tokens, prompt.answer, self.group_size, self.epoch)
+            )
+        return groups
+
+    def release(self, prompt_uids: list[str]) -> None:
+        """Groups that left the system (consumed, evicted or discarded)."""
+        for uid in prompt_uids:
+            if uid in self.outstanding:
+                self.outstanding.remove(uid)
+                self.n_released += 1
+
+    def stats(self) -> dict[str, int]:
+        return {
+            "dispatched": self.n_dispatched,
+            "released": self.n_released,
+            "outstanding": len(self.outstanding),
+            "epoch": self.epoch,
+        }
+
+
+def load_prompts(cfg: RunConfig) -> list[Prompt]:
+    """The run's prompts: the JSONL file if one is named, else the synthetic task."""
+    t = cfg.task
+    if t.prompt_file:
+        return jsonl_prompts(t.prompt_file)
+    return synthetic_prompts(
+        t.name,
+        size=t.num_prompts,
+        median_len=t.median_len,
+        tail_ratio=t.tail_ratio,
+        max_len=t.max_len,
+        seed=cfg.seed + 1,
+    )
+
+
+class PromptPool:
+    """Dask actor around :class:`PromptPoolCore` (placed on a ``data`` worker)."""
+
+    def __init__(self, cfg: RunConfig, policy_dir: str) -> None:
+        from transformers import AutoTokenizer
+
+        from laminar.model import encode_prompt
+
+        tok = AutoTokenizer.from_pretrained(policy_dir, local_files_only=True)
+        prompts = load_prompts(cfg)
+        max_prompt = cfg.rollout.max_seq_len - cfg.rollout.max_new_tokens
+        encoded = []
+        for p in prompts:
+            ids = tuple(encode_prompt(tok, p.text))
+            if len(ids) > max_prompt:
+                raise DataError(
+                    f"prompt {p.key} has {len(ids)} tokens, more than rollout.max_seq_len - "
+                    f"rollout.max_new_tokens = {max_prompt}; raise rollout.max_seq_len"
+                )
+            if tok.unk_token_id is not None and tok.unk_token_id in ids:
+                raise DataError(
+                    f"prompt {p.key} ({p.text!r}) has symbols outside the model's vocabulary"
+                )
+            encoded.append((p, ids))
+        self.core = PromptPoolCore(
+            encoded,
+            group_size=cfg.rollout.group_size,
+            max_outstanding=cfg.buffer.max_outstanding_groups,
+            seed=cfg.seed,
+        )
+
+    async def acquire(self, n: int) -> list[PromptGroup]:
+        return self.core.acquire(n)
+
+    async def release(self, prompt_uids: list[str]) -> None:
+        self.core.release(prompt_uids)
+
+    async def stats(self) -> dict[str, int]:
+        return self.core.stats()

@@ -1,0 +1,115 @@
+"""Rule-based verifiable rewards, and the guarded call that scores trajectories.
+
+A reward function is a plain function ``fn(response: str, answer: str) -> float``. Name
+one in the config as ``task.reward``: a key of :data:`REWARDS` or ``"module:function"``.
+:func:`score_batch` runs as a Dask task; a function that raises or returns a non-finite
+value marks that trajectory (``finish_reason="error"``) instead of killing the run.
+"""
+
+from __future__ import annotations
+
+import importlib
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from laminar.errors import RewardError
+
+RewardFn = Callable[[str, str], float]
+
+
+def exact_match(response: str, answer: str) -> float:
+    """1.0 when the response equals the answer (ignoring surrounding whitespace), else 0.0.
+
+    >>> exact_match("1 2 3", "1 2 3"), exact_match("1 2", "1 2 3")
+    (1.0, 0.0)
+    """
+    return float(response.strip() == answer.strip())
+
+
+def prefix_credit(response: str, answer: str) -> float:
+    """Partial credit: the fraction of answer symbols matched before the first mistake,
+    and 1.0 only for an exact match (a longer response loses the last step's credit).
+
+    >>> prefix_credit("1 2 3", "1 2 3"), prefix_credit("1 2 9", "1 2 3"), prefix_credit("", "1 2")
+    (1.0, 0.6666666666666666, 0.0)
+    """
+    got, want = response.split(), answer.split()
+    if got == want:
+        return 1.0
+    n = 0
+    for g, w in zip(got, want):
+        if g != w:
+            break
+        n += 1
+    return min(n, len(want) - 1) / len(want) if want else 0.0
+
+
+REWARDS: dict[str, RewardFn] = {"exact_match": exact_match, "prefix_credit": prefix_credit}
+
+
+def resolve_reward(name: str) -> RewardFn:
+    """The reward function called ``name`` (a :data:`REWARDS` key or ``module:function``)."""
+    if name in REWARDS:
+        return REWARDS[name]
+    module, sep, attr = name.partition(":")
+    if not sep:
+        raise RewardError(
+            f"task.reward {name!r} is neither a built-in reward {sorted(REWARDS)} nor "
+            "'module:function'"
+        )
+    try:
+        fn = getattr(importlib.import_module(module), attr)
+    except (ImportError, AttributeError) as e:
+        raise RewardError(
+            f"task.reward {name!r} cannot be imported ({e}); the module must be importable "
+            "on every Dask worker"
+        ) from None
+    if not callable(fn):
+        raise RewardError(f"task.reward {name!r} is not callable")
+    return fn
+
+
+@dataclass(frozen=True)
+class Score:
+    """The outcome of scoring one response: a finite reward, or the error that prevented it."""
+
+    reward: float
+    error: str | None = None
+
+
+def score_batch(
+    reward_name: str,
+    items: Sequence[tuple[str, str, bool]],
+    truncated_reward: float = 0.0,
+) -> list[Score]:
+    """Score ``(response, answer, ended_with_eos)`` items; runs as a Dask task.
+
+    Responses cut at the length limit get ``truncated_reward`` without calling the function.
+
+    >>> score_batch("exact_match", [("1 2", "1 2", True), ("1 2", "1 2", False)])
+    [Score(reward=1.0, error=None), Score(reward=0.0, error=None)]
+    >>> score_batch("laminar.rewards:_broken", [("1", "1", True)])[0].error
+    'reward laminar.rewards:_broken raised ZeroDivisionError: division by zero'
+    """
+    fn = resolve_reward(reward_name)
+    out = []
+    for response, answer, ended in items:
+        if not ended:
+            out.append(Score(float(truncated_reward)))
+            continue
+        try:
+            value = float(fn(response, answer))
+        except Exception as e:  # a user function may raise anything: mark, don't crash
+            out.append(Score(math.nan, f"reward {reward_name} raised {type(e).__name__}: {e}"))
+            continue
+        if not math.isfinite(value):
+            out.append(Score(math.nan, f"reward {reward_name} returned {value!r}"))
+        else:
+            out.append(Score(value))
+    return out
+
+
+def _broken(response: str, answer: str) -> float:
+    """A reward that always raises; used by tests and doctests of the error path."""
+    return 1 / 0

@@ -1,0 +1,173 @@
+"""The supervised warm start, cached by a content hash of everything that shapes it.
+
+GRPO from a chance-level policy has nothing to reinforce (``shared/notes/rl-tiny.md``),
+so a run starts from a policy fine-tuned on task demonstrations. The demonstrations are
+deliberately imperfect (``sft.demo_error_rate``): the policy learns the task's structure
+but samples a mistake now and then, which leaves a middling reward for RL to raise.
+
+The result is an HF folder under ``<cache>/sft-<hash>``; the hash covers the base model's
+bytes, the task and SFT config and the seed, so any change retrains and a rerun reuses it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from laminar.config import RunConfig
+from laminar.errors import DataError
+from laminar.model import build_tiny_policy, check_policy_dir, encode_prompt, load_policy
+from laminar.tasks import Prompt
+
+# Bump when the SFT procedure changes, so cached results of the old one are not reused.
+SFT_VERSION = 1
+
+
+def cache_root(cfg: RunConfig) -> Path:
+    root = cfg.sft.cache_dir or os.environ.get("LAMINAR_CACHE") or "~/.cache/laminar"
+    return Path(root).expanduser()
+
+
+def base_policy(cfg: RunConfig) -> Path:
+    """The starting checkpoint: ``model.path``, or the built-in tiny Llama (cached)."""
+    if cfg.model.path:
+        return check_policy_dir(cfg.model.path)
+    m = cfg.model
+    out = cache_root(cfg) / f"tiny-{cfg.fingerprint('model')}-seed{cfg.seed}"
+    if not (out / "config.json").exists():
+        with _staging(out) as tmp:
+            build_tiny_policy(
+                tmp,
+                hidden_size=m.hidden_size,
+                num_layers=m.num_layers,
+                num_heads=m.num_heads,
+                intermediate_size=m.intermediate_size,
+                seed=cfg.seed,
+            )
+    return out
+
+
+def folder_hash(path: Path) -> str:
+    """sha256 over the names and bytes of the files of an HF folder."""
+    h = hashlib.sha256()
+    for f in sorted(p for p in path.iterdir() if p.is_file()):
+        h.update(f.name.encode())
+        with f.open("rb") as fh:
+            for block in iter(lambda: fh.read(1 << 20), b""):
+                h.update(block)
+    return h.hexdigest()
+
+
+def warm_start(cfg: RunConfig, prompts: list[Prompt]) -> tuple[Path, dict]:
+    """Return the policy folder RL starts from, training it first unless cached.
+
+    Runs where it is called (the pipeline submits it as a Dask task on the trainer worker).
+    Returns the folder and ``{"cached": bool, "seconds": float, "final_loss": float}``.
+    """
+    base = base_policy(cfg)
+    if not cfg.sft.enabled or cfg.sft.steps == 0:
+        return base, {"cached": True, "seconds": 0.0, "final_loss": float("nan")}
+    key = json.dumps(
+        {
+            "base": folder_hash(base),
+            "sft": cfg.sft.model_dump(mode="json", exclude={"cache_dir", "torch_threads"}),
+            "task": cfg.task.model_dump(mode="json"),
+            "prompts": hashlib.sha256("\n".join(p.text + "\t" + p.answer for p in prompts).encode()).hexdigest(),
+            "seed": cfg.seed,
+            "version": SFT_VERSION,
+        },
+        sort_keys=True,
+    )
+    out = cache_root(cfg) / f"sft-{hashlib.sha256(key.encode()).hexdigest()[:16]}"
+    if (out / "sft_info.json").exists():
+        info = json.loads((out / "sft_info.json").read_text())
+        return out, {**info, "cached": True}
+    torch.set_num_threads(cfg.sft.torch_threads)
+    t0 = time.time()
+    model, tok = load_policy(base)
+    loss = _train(cfg, model, tok, prompts)
+    info = {"cached": False, "seconds": time.time() - t0, "final_loss": loss, "base": str(base)}
+    with _staging(out) as tmp:
+        model.save_pretrained(tmp)
+        tok.save_pretrained(tmp)
+        (tmp / "sft_info.json").write_text(json.dumps(info, indent=2))
+    return out, info
+
+
+def _train(cfg: RunConfig, model, tok, prompts: list[Prompt]) -> float:
+    s = cfg.sft
+    rng = np.random.default_rng(cfg.seed)
+    torch.manual_seed(cfg.seed)
+    examples = []
+    for p in prompts:
+        answer = tok(p.answer, add_special_tokens=False)["input_ids"]
+        examples.append((encode_prompt(tok, p.text), answer))
+    unk = tok.unk_token_id
+    if unk is not None:
+        bad = next((p for p, (q, a) in zip(prompts, examples) if unk in q or unk in a), None)
+        if bad is not None:
+            raise DataError(
+                f"prompt {bad.key} ({bad.text!r} -> {bad.answer!r}) has symbols outside the "
+                "model's vocabulary; use a tokenizer that covers them"
+            )
+    # Mistakes are drawn from the symbols that answers use, so they look plausible.
+    alphabet = np.unique(np.concatenate([np.asarray(a, dtype=np.int64) for _, a in examples]))
+    opt = torch.optim.AdamW(model.parameters(), lr=s.lr, weight_decay=0.0)
+    model.train()
+    loss = torch.tensor(float("nan"))
+    for _ in range(s.steps):
+        rows = []
+        for i in rng.integers(0, len(examples), s.batch_size):
+            q, a = examples[i]
+            a = np.asarray(a, dtype=np.int64)
+            flip = rng.random(len(a)) < s.demo_error_rate
+            a = np.where(flip, rng.choice(alphabet, size=len(a)), a)
+            rows.append((q, [*a.tolist(), tok.eos_token_id]))
+        width = max(len(q) + len(a) for q, a in rows)
+        ids = torch.full((len(rows), width), tok.pad_token_id, dtype=torch.long)
+        labels = torch.full((len(rows), width), -100, dtype=torch.long)
+        att = torch.zeros(len(rows), width, dtype=torch.long)
+        for j, (q, a) in enumerate(rows):
+            n, k = len(q), len(a)
+            ids[j, : n + k] = torch.tensor(q + a)
+            att[j, : n + k] = 1
+            labels[j, n : n + k] = torch.tensor(a)
+        loss = model(input_ids=ids, attention_mask=att, labels=labels).loss
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+    model.eval()
+    return float(loss.detach())
+
+
+class _staging:
+    """Write a folder under a temporary name, then rename it into place (atomic on POSIX).
+
+    Two runs warming the same cache entry at once both succeed; the second rename loses
+    and its copy is dropped.
+    """
+
+    def __init__(self, final: Path) -> None:
+        self.final = final
+
+    def __enter__(self) -> Path:
+        self.final.parent.mkdir(parents=True, exist_ok=True)
+        self.tmp = Path(tempfile.mkdtemp(prefix=self.final.name + ".", dir=self.final.parent))
+        return self.tmp
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc_type is not None:
+            shutil.rmtree(self.tmp, ignore_errors=True)
+            return
+        try:
+            os.rename(self.tmp, self.final)
+        except OSError:  # someone else finished first
+            shutil.rmtree(self.tmp, ignore_errors=True)

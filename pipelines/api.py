@@ -1,0 +1,119 @@
+"""The run API that notebooks and the CLI share.
+
+>>> from distributed import Client                                  # doctest: +SKIP
+>>> import pipelines
+>>> client = Client("tcp://scheduler:8786")                          # doctest: +SKIP
+>>> run = pipelines.submit("configs/tiny.yaml", client,
+...                        overrides=["trainer.steps=20"])           # doctest: +SKIP
+>>> run.progress()          # latest progress dict, never blocks     # doctest: +SKIP
+>>> summary = run.wait()    # or run.stop() to end early, store intact  # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+import traceback
+from pathlib import Path
+
+from laminar.config import RunConfig, load_config, with_overrides
+from laminar.errors import ConfigError, LaminarError
+
+logger = logging.getLogger("laminar")
+
+
+def resolve_config(config: RunConfig | str | Path, overrides: list[str] | tuple[str, ...] = ()) -> RunConfig:
+    """A config object from a path or an object, with ``a.b=value`` overrides applied."""
+    if isinstance(config, RunConfig):
+        return with_overrides(config, list(overrides)) if overrides else config
+    return load_config(config, list(overrides))
+
+
+def prepare_run_dir(cfg: RunConfig, run_dir: str | Path | None) -> Path:
+    """Create the run directory and store the exact resolved config in it."""
+    path = Path(run_dir or cfg.run_dir or Path("runs") / time.strftime("%Y%m%d-%H%M%S"))
+    if (path / "trajectories.zarr").exists():
+        raise ConfigError(
+            f"run directory {str(path)!r} already holds a run; pass a new --run-dir "
+            "(resuming a run is not supported yet)"
+        )
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "config.yaml").write_text(cfg.model_copy(update={"run_dir": str(path)}).to_yaml())
+    return path.resolve()
+
+
+class RunHandle:
+    """A run in progress on a Dask cluster; every method returns at once except ``wait``."""
+
+    def __init__(self, cfg: RunConfig, client, run_dir: Path) -> None:
+        from pipelines.laminar import LaminarSchedule
+
+        self.config = cfg
+        self.client = client
+        self.run_dir = run_dir
+        self.summary: dict | None = None
+        self.error: BaseException | None = None
+        self._progress: dict = {"phase": "submitted"}
+        self._stop = threading.Event()
+        self._done = threading.Event()
+        self._schedule = LaminarSchedule(cfg, client, run_dir)
+        self._thread = threading.Thread(target=self._drive, name="laminar-driver", daemon=True)
+        self._thread.start()
+
+    def _set_progress(self, p: dict) -> None:
+        self._progress = {**self._progress, **p}
+
+    def _drive(self) -> None:
+        from pipelines.laminar import summarize
+
+        try:
+            self._schedule.setup(self._set_progress)
+            raw = self._schedule.run(self._set_progress, self._stop.is_set)
+            self.summary = summarize(self.run_dir, raw, self._schedule.sft_info, self.config)
+            self._set_progress({"phase": "done"})
+        except BaseException as e:  # surfaced by wait(); never lost in a thread
+            self.error = e
+            self._set_progress({"phase": "failed", "error": "".join(traceback.format_exception_only(e)).strip()})
+            logger.debug("run failed", exc_info=True)
+        finally:
+            self._done.set()
+
+    def progress(self) -> dict:
+        """The latest progress: phase, version, reward, tokens/s, buffer depth, staleness."""
+        return dict(self._progress)
+
+    def done(self) -> bool:
+        return self._done.is_set()
+
+    def stop(self) -> None:
+        """Ask the run to end: rollouts stop, the trainer checkpoints, the store is flushed."""
+        self._stop.set()
+
+    def wait(self, timeout: float | None = None) -> dict:
+        """Block until the run ends; returns the summary (also in ``RUN_DIR/summary.json``)."""
+        if not self._done.wait(timeout):
+            raise TimeoutError(f"run {str(self.run_dir)!r} still going after {timeout} s")
+        if self.error is not None:
+            if isinstance(self.error, LaminarError):
+                raise self.error
+            raise LaminarError(f"run {str(self.run_dir)!r} failed: {self.error!r}") from self.error
+        assert self.summary is not None
+        return self.summary
+
+
+def submit(
+    config: RunConfig | str | Path,
+    client,
+    *,
+    overrides: list[str] | tuple[str, ...] = (),
+    run_dir: str | Path | None = None,
+) -> RunHandle:
+    """Start a run on ``client``'s cluster and return its handle without blocking.
+
+    The cluster's workers must advertise the role resources (``data``, ``trainer``,
+    ``rollout``); :func:`laminar.cluster.local_cluster` starts such a cluster.
+    """
+    cfg = resolve_config(config, overrides)
+    path = prepare_run_dir(cfg, run_dir)
+    return RunHandle(cfg, client, path)

@@ -1,0 +1,125 @@
+"""The ``laminar`` command: a thin shell over :mod:`pipelines.api`.
+
+    laminar run CONFIG [--set k=v ...] [--run-dir DIR] [--scheduler ADDRESS]
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import signal
+import sys
+import time
+
+from laminar.errors import LaminarError
+
+
+def _fmt(x, spec: str = ".3f") -> str:
+    return "-" if x is None else format(x, spec)
+
+
+def _progress_line(p: dict) -> str:
+    if p.get("phase") != "training":
+        return f"[{p.get('phase')}]"
+    return (
+        f"t={p['elapsed_s']:6.1f}s  version {p['version']:>3}/{p['steps']}  "
+        f"reward {_fmt(p['reward'])}  gen {p['gen_tok_s']:7.0f} tok/s  "
+        f"buffer {p['buffer_depth']:>4}  s_train {_fmt(p['s_train_mean'], '.2f')}  "
+        f"trajectories {p['trajectories']}"
+    )
+
+
+def _print_summary(s: dict) -> None:
+    sft = s["sft"]
+    print("\n== summary ==")
+    print(f"run dir            {s['run_dir']}  ({s['reason']})")
+    print(
+        f"reward             first 20% {s['reward_first_20pct']:.3f} -> last 20% "
+        f"{s['reward_last_20pct']:.3f}  (gain {s['reward_gain']:+.3f})"
+    )
+    print(f"versions           {s['versions']}")
+    print(f"trajectories       {s['trajectories']} ({s['consumed']} consumed)")
+    print(f"tokens             {s['prompt_tokens']} prompt + {s['response_tokens']} response")
+    print(f"staleness (mean)   " + "  ".join(f"{k[:-5]} {v:.2f}" for k, v in s["staleness"].items()))
+    print(
+        f"wall time          RL {s['rl_wall_s']:.1f} s; warm start {sft.get('wall_s', 0):.1f} s "
+        f"({'cached' if sft.get('cached') else 'trained'})"
+    )
+    print(f"checkpoint         {s['checkpoint']}")
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    from distributed import Client
+
+    from laminar.cluster import local_cluster
+    from pipelines.api import RunHandle, prepare_run_dir, resolve_config
+
+    cfg = resolve_config(args.config, args.set or [])
+    run_dir = prepare_run_dir(cfg, args.run_dir)
+    scheduler = args.scheduler or cfg.cluster.scheduler
+    cluster = None
+    if scheduler:
+        client = Client(scheduler, timeout="60s")
+    else:
+        cluster = local_cluster(
+            cfg.rollout.replicas,
+            memory_limit=cfg.cluster.memory_limit,
+            torch_threads=cfg.cluster.torch_threads,
+        )
+        client = Client(cluster)
+    client.forward_logging("laminar", level=logging.WARNING)
+    print(f"dashboard          {client.dashboard_link}")
+    print(f"run dir            {run_dir}")
+    handle = RunHandle(cfg, client, run_dir)
+    interrupted = 0
+
+    def on_sigint(signum, frame):
+        nonlocal interrupted
+        interrupted += 1
+        if interrupted == 1:
+            print("\nstopping: finishing the current update and flushing the store "
+                  "(Ctrl-C again to abort)", flush=True)
+            handle.stop()
+        else:
+            raise KeyboardInterrupt
+
+    old = signal.signal(signal.SIGINT, on_sigint)
+    try:
+        last = None
+        while not handle.done():
+            line = _progress_line(handle.progress())
+            if line != last:
+                print(line, flush=True)
+                last = line
+            time.sleep(2.0 if line.startswith("t=") else 0.5)
+        summary = handle.wait()
+        _print_summary(summary)
+        return 0 if summary["reason"] in ("completed", "stopped") else 1
+    finally:
+        signal.signal(signal.SIGINT, old)
+        client.close()
+        if cluster is not None:
+            cluster.close()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="laminar", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    run = sub.add_parser("run", help="train a policy with the Laminar schedule")
+    run.add_argument("config", help="YAML run config, e.g. configs/tiny.yaml")
+    run.add_argument("--set", action="append", metavar="KEY=VALUE",
+                     help="override a config field, e.g. --set trainer.steps=20 (repeatable)")
+    run.add_argument("--run-dir", help="where the run's stores go (default runs/<timestamp>)")
+    run.add_argument("--scheduler", help="address of a running Dask scheduler (default: "
+                     "start a local cluster)")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    try:
+        return cmd_run(args)
+    except LaminarError as e:
+        print(f"laminar: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

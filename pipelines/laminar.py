@@ -1,0 +1,191 @@
+"""The Laminar schedule: nothing global. Trajectories stream into the buffer one by one,
+the trainer samples complete groups at its own pace, and each rollout pulls the newest
+weights only when its own local batch has drained.
+
+Run it::
+
+    laminar run configs/tiny.yaml
+
+or from a notebook::
+
+    import pipelines
+    handle = pipelines.submit("configs/tiny.yaml", client)   # returns at once
+    handle.progress(); handle.wait()
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+
+from laminar.buffer import ExperienceBuffer
+from laminar.cluster import place, submit_actor
+from laminar.config import RunConfig
+from laminar.prompt_pool import PromptPool, load_prompts
+from laminar.rollout import RolloutReplica
+from laminar.trainer import Trainer
+
+
+def prepare_policy(cfg: RunConfig) -> tuple[str, dict]:
+    """Dask task: the warm-started policy folder (cached) and how it was obtained."""
+    from laminar.sft import warm_start
+
+    path, info = warm_start(cfg, load_prompts(cfg))
+    return str(path), info
+
+
+class LaminarSchedule:
+    """Wires the actors of one run on a Dask client and drives them to the end.
+
+    ``progress`` is called with a dict about twice a second; ``should_stop`` is polled
+    (Ctrl-C in the CLI, ``RunHandle.stop()`` in a notebook).
+    """
+
+    def __init__(self, cfg: RunConfig, client, run_dir: Path) -> None:
+        self.cfg = cfg
+        self.client = client
+        self.run_dir = run_dir
+        self.actors: dict = {}
+        self.sft_info: dict = {}
+
+    def setup(self, progress: Callable[[dict], None]) -> None:
+        cfg, client = self.cfg, self.client
+        data_w = place(client, "data", 1)[0]
+        trainer_w = place(client, "trainer", 1)[0]
+        rollout_ws = place(client, "rollout", cfg.rollout.replicas)
+        progress({"phase": "warm-start"})
+        t0 = time.time()
+        fut = client.submit(
+            prepare_policy, cfg, workers=[trainer_w], resources={"trainer": 1}, pure=False
+        )
+        policy_dir, self.sft_info = fut.result()
+        self.sft_info["wall_s"] = time.time() - t0
+        self.policy_dir = policy_dir
+        progress({"phase": "starting actors", "policy_dir": policy_dir, "sft": self.sft_info})
+        b = cfg.buffer
+        pool = submit_actor(client, PromptPool, cfg, policy_dir, worker=data_w, resource="data")
+        buffer = submit_actor(
+            client, ExperienceBuffer, str(self.run_dir), pool, b.flush_records,
+            b.flush_interval_s, worker=data_w, resource="data",
+        )
+        trainer = submit_actor(
+            client, Trainer, cfg, policy_dir, str(self.run_dir), buffer,
+            worker=trainer_w, resource="trainer",
+        )
+        rollouts = [
+            submit_actor(
+                client, RolloutReplica, f"r{i}", cfg, policy_dir, pool, buffer, trainer,
+                worker=w, resource="rollout",
+            )
+            for i, w in enumerate(rollout_ws)
+        ]
+        self.actors = {"pool": pool, "buffer": buffer, "trainer": trainer, "rollouts": rollouts}
+
+    def run(self, progress: Callable[[dict], None], should_stop: Callable[[], bool]) -> dict:
+        a = self.actors
+        a["trainer"].start().result()
+        for r in a["rollouts"]:
+            r.start().result()
+        t_start = last_t = time.time()
+        last_tokens = 0
+        reason = "completed"
+        while True:
+            time.sleep(0.5)
+            t_stats = a["trainer"].stats().result()
+            b_stats = a["buffer"].stats().result()
+            r_stats = [r.stats().result() for r in a["rollouts"]]
+            now = time.time()
+            tokens = sum(s["response_tokens"] for s in r_stats)
+            last = t_stats["last"] or {}
+            progress(
+                {
+                    "phase": "training",
+                    "elapsed_s": now - t_start,
+                    "version": t_stats["version"],
+                    "steps": t_stats["steps"],
+                    "reward": last.get("reward_mean"),
+                    "s_train_mean": last.get("s_train_mean"),
+                    "gen_tok_s": (tokens - last_tokens) / max(now - last_t, 1e-9),
+                    "buffer_depth": b_stats["depth"],
+                    "trajectories": b_stats["inserted"],
+                    "rollout_versions": [s["version"] for s in r_stats],
+                }
+            )
+            last_t, last_tokens = now, tokens
+            failed = [s for s in r_stats if s["error"]] + ([t_stats] if t_stats["error"] else [])
+            if failed:
+                reason = "failed: " + failed[0]["error"].strip().splitlines()[-1]
+                break
+            if t_stats["done"]:
+                break
+            if should_stop():
+                reason = "stopped"
+                break
+        return self.shutdown(reason, t_start)
+
+    def shutdown(self, reason: str, t_start: float) -> dict:
+        """Stop rollouts (their rewarded trajectories still reach the buffer), then the
+        trainer (final checkpoint), then close the buffer (flushes the store)."""
+        a = self.actors
+        r_stats = [r.stop().result() for r in a["rollouts"]]
+        t_stats = a["trainer"].stop().result()
+        history = a["trainer"].get_history().result()
+        b_stats = a["buffer"].close().result()
+        p_stats = a["pool"].stats().result()
+        wall = time.time() - t_start
+        return {
+            "reason": reason,
+            "wall_s": wall,
+            "trainer": t_stats,
+            "buffer": b_stats,
+            "pool": p_stats,
+            "rollouts": r_stats,
+            "history": history,
+        }
+
+
+def summarize(run_dir: Path, raw: dict, sft_info: dict, cfg: RunConfig) -> dict:
+    """The run summary: reward of the first vs last 20% of trajectories (by finish time),
+    token counts, wall time, staleness; written to ``RUN_DIR/summary.json``."""
+    from storage import open_run
+
+    ds = open_run(run_dir)
+    order = np.argsort(ds["t_finish"].values, kind="stable")
+    rewards = ds["reward"].values[order]
+    ok = ds["finish_reason"].values[order] != "error"
+    rewards = rewards[ok]
+    k = max(1, len(rewards) // 5)
+    first = float(np.mean(rewards[:k])) if len(rewards) else float("nan")
+    last = float(np.mean(rewards[-k:])) if len(rewards) else float("nan")
+    consumed = ds["status"].values == "consumed"
+    st = ds.laminar.summary()
+    history = raw.get("history", [])
+    summary = {
+        "run_dir": str(run_dir),
+        "reason": raw["reason"],
+        "seed": cfg.seed,
+        "versions": raw["trainer"]["version"],
+        "trajectories": int(ds.sizes["trajectory"]),
+        "consumed": int(consumed.sum()),
+        "reward_first_20pct": first,
+        "reward_last_20pct": last,
+        "reward_gain": last - first,
+        "response_tokens": int(ds.sizes["response_token"]),
+        "prompt_tokens": int(ds.sizes["prompt_token"]),
+        "rl_wall_s": raw["wall_s"],
+        "sft": sft_info,
+        "staleness": {k: v for k, v in st.items() if k.endswith("_mean")},
+        "status_counts": {k: v for k, v in st.items() if k.startswith("n_")},
+        "trainer_wait_s": raw["trainer"]["wait_s"],
+        "buffer": raw["buffer"],
+        "pool": raw["pool"],
+        "rollouts": raw["rollouts"],
+        "checkpoint": raw["trainer"]["checkpoint"],
+        "updates": history,
+    }
+    (run_dir / "summary.json").write_text(json.dumps(summary, indent=2, default=float))
+    return summary

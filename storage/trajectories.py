@@ -1,0 +1,217 @@
+"""``trajectories.zarr``: a single writer appends record batches; readers never see a torn one.
+
+The writer appends every token-level array first, then every per-trajectory array, and
+only then raises the group attribute ``n_committed`` (with the token counts beside it).
+Readers slice every array to the committed lengths, so a batch half-written when a reader
+looks (or when the writer dies) is invisible rather than corrupt.
+
+Only one process may write a store: several appenders to one Zarr array corrupt it
+silently (see ``shared/notes/stack.md``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import xarray as xr
+import zarr
+
+from storage.schema import (
+    COMMIT_ATTR,
+    RAGGED,
+    SCALARS,
+    SCHEMA_VERSION,
+    TRAJECTORY_DIM,
+)
+
+STORE_NAME = "trajectories.zarr"
+_CHUNK_TRAJ = 4096
+_CHUNK_TOK = 65536
+
+
+class StoreError(ValueError):
+    """A run store is missing or does not match the schema (names the path and the fix)."""
+
+
+def _store_path(path: str | Path) -> Path:
+    path = Path(path)
+    return path if path.name.endswith(".zarr") else path / STORE_NAME
+
+
+class TrajectoryWriter:
+    """Append trajectory records (mappings of field -> value) to a Zarr store.
+
+    Examples
+    --------
+    >>> import tempfile, numpy as np
+    >>> from storage.schema import ALL_FIELDS
+    >>> w = TrajectoryWriter(tempfile.mkdtemp())
+    >>> rec = {f: 0 for f in ALL_FIELDS} | {
+    ...     "uid": "t0", "prompt_uid": "p0", "finish_reason": "eos", "rollout_ids": "r0",
+    ...     "status": "consumed", "prompt_tokens": np.array([1, 5]),
+    ...     "response_tokens": np.array([7, 2]), "behavior_logprobs": np.array([-.1, -.2]),
+    ...     "loss_mask": np.array([1, 1]), "token_versions": np.array([], int)}
+    >>> w.append([rec])
+    1
+    >>> open_trajectories(w.path)["response_tokens"].tolist()
+    [7, 2]
+    """
+
+    def __init__(self, path: str | Path) -> None:
+        self.path = _store_path(path)
+        exists = (self.path / "zarr.json").exists()
+        self.group = zarr.open_group(str(self.path), mode="a", zarr_format=3)
+        if not exists:
+            self._create()
+        elif self.group.attrs.get("schema_version") != SCHEMA_VERSION:
+            raise StoreError(
+                f"{str(self.path)!r} has schema_version "
+                f"{self.group.attrs.get('schema_version')!r}, this code writes "
+                f"{SCHEMA_VERSION}; use a new run directory"
+            )
+        self.n_committed = int(self.group.attrs[COMMIT_ATTR])
+        self.tokens_committed = dict(self.group.attrs["n_committed_tokens"])
+        self._truncate_uncommitted()
+
+    def _create(self) -> None:
+        for name, dtype in SCALARS.items():
+            self.group.create_array(
+                name, shape=(0,), dtype=dtype, chunks=(_CHUNK_TRAJ,),
+                dimension_names=[TRAJECTORY_DIM], fill_value=_fill(dtype),
+            )
+        for group, (dim, fields) in RAGGED.items():
+            for name in (f"{group}_start", f"{group}_len"):
+                self.group.create_array(
+                    name, shape=(0,), dtype="int64", chunks=(_CHUNK_TRAJ,),
+                    dimension_names=[TRAJECTORY_DIM], fill_value=0,
+                )
+            for name, dtype in fields.items():
+                self.group.create_array(
+                    name, shape=(0,), dtype=dtype, chunks=(_CHUNK_TOK,),
+                    dimension_names=[dim], fill_value=_fill(dtype),
+                )
+        self.group.attrs.update(
+            {
+                "schema_version": SCHEMA_VERSION,
+                COMMIT_ATTR: 0,
+                "n_committed_tokens": {dim: 0 for dim, _ in RAGGED.values()},
+            }
+        )
+
+    def _truncate_uncommitted(self) -> None:
+        """Drop a batch a previous writer left half-appended (reopening after a crash)."""
+        for name in SCALARS:
+            if self.group[name].shape[0] != self.n_committed:
+                self.group[name].resize((self.n_committed,))
+        for group, (dim, fields) in RAGGED.items():
+            for name in (f"{group}_start", f"{group}_len"):
+                if self.group[name].shape[0] != self.n_committed:
+                    self.group[name].resize((self.n_committed,))
+            for name in fields:
+                if self.group[name].shape[0] != self.tokens_committed[dim]:
+                    self.group[name].resize((self.tokens_committed[dim],))
+
+    def append(self, records: Sequence[Mapping[str, Any]]) -> int:
+        """Append records and commit them; returns the number of committed trajectories."""
+        if not records:
+            return self.n_committed
+        tokens = dict(self.tokens_committed)
+        per_traj: dict[str, np.ndarray] = {}
+        for group, (dim, fields) in RAGGED.items():
+            lead = next(iter(fields))
+            lens = np.array([len(r[lead]) for r in records], dtype=np.int64)
+            for name, dtype in fields.items():
+                values = [np.asarray(r[name]) for r in records]
+                bad = [i for i, v in enumerate(values) if len(v) != lens[i]]
+                if bad:
+                    raise StoreError(
+                        f"record {records[bad[0]]['uid']!r}: {name} has {len(values[bad[0]])} "
+                        f"values but {lead} has {lens[bad[0]]}"
+                    )
+                flat = np.concatenate(values).astype(dtype) if values else np.zeros(0, dtype)
+                self.group[name].append(flat)
+            starts = tokens[dim] + np.concatenate([[0], np.cumsum(lens)[:-1]])
+            per_traj[f"{group}_start"] = starts.astype(np.int64)
+            per_traj[f"{group}_len"] = lens
+            tokens[dim] += int(lens.sum())
+        for name, dtype in SCALARS.items():
+            per_traj[name] = np.array([r[name] for r in records], dtype=dtype)
+        for name, values in per_traj.items():
+            self.group[name].append(values)
+        self.n_committed += len(records)
+        self.tokens_committed = tokens
+        # The commit marker goes last: readers slice to it.
+        self.group.attrs.update({COMMIT_ATTR: self.n_committed, "n_committed_tokens": tokens})
+        return self.n_committed
+
+
+def _fill(dtype: np.dtype) -> Any:
+    if dtype.kind in "TU":
+        return ""
+    if dtype.kind == "f":
+        return np.nan
+    return 0
+
+
+def _open_group(path: str | Path) -> tuple[Path, zarr.Group]:
+    store = _store_path(path)
+    if not (store / "zarr.json").exists():
+        raise StoreError(
+            f"no trajectory store at {str(store)!r}; pass a run directory written by "
+            "`laminar run` (it holds trajectories.zarr)"
+        )
+    group = zarr.open_group(str(store), mode="r", zarr_format=3)
+    if group.attrs.get("schema_version") != SCHEMA_VERSION:
+        raise StoreError(
+            f"{str(store)!r} has schema_version {group.attrs.get('schema_version')!r}; "
+            f"this laminar reads {SCHEMA_VERSION}"
+        )
+    return store, group
+
+
+def open_trajectories(path: str | Path) -> dict[str, np.ndarray]:
+    """Every committed array of a store as numpy, sliced to the commit marker."""
+    _, group = _open_group(path)
+    n = int(group.attrs[COMMIT_ATTR])
+    tokens = group.attrs["n_committed_tokens"]
+    out: dict[str, np.ndarray] = {}
+    for name in SCALARS:
+        out[name] = group[name][:n]
+    for g, (dim, fields) in RAGGED.items():
+        out[f"{g}_start"] = group[f"{g}_start"][:n]
+        out[f"{g}_len"] = group[f"{g}_len"][:n]
+        for name in fields:
+            out[name] = group[name][: tokens[dim]]
+    return out
+
+
+def open_run(path: str | Path) -> xr.Dataset:
+    """The trajectories of a run as an :class:`xarray.Dataset` on a ``trajectory`` dimension.
+
+    Ragged fields sit on their own token dimensions (see :mod:`storage.schema`); the
+    ``.laminar`` accessor gives staleness and per-trajectory token views. Only committed
+    records are visible. Derived staleness columns are added: ``s_gen``, ``residence``,
+    ``s_train`` (NaN where a trajectory was never sampled).
+    """
+    store, group = _open_group(path)
+    n = int(group.attrs[COMMIT_ATTR])
+    tokens = group.attrs["n_committed_tokens"]
+    ds = xr.open_zarr(str(store), consolidated=False, zarr_format=3, mask_and_scale=False)
+    ds = ds.isel({TRAJECTORY_DIM: slice(0, n), **{d: slice(0, c) for d, c in tokens.items()}})
+    ds = ds.assign_coords({TRAJECTORY_DIM: np.arange(n)})
+    # Per-trajectory fields are small: load them so masks and groupby work directly;
+    # token-level fields stay lazy.
+    for name, var in ds.data_vars.items():
+        if var.dims == (TRAJECTORY_DIM,):
+            values = var.values
+            # numpy's StringDType is still new to pandas/xarray groupby: hand out "<U".
+            ds[name] = (var.dims, np.array(values.tolist()) if values.dtype.kind == "T" else values)
+    sampled = ds["sample_version"] >= 0
+    ds["s_gen"] = ds["finish_version"] - ds["behavior_version"]
+    ds["residence"] = (ds["sample_version"] - ds["finish_version"]).where(sampled)
+    ds["s_train"] = (ds["sample_version"] - ds["behavior_version"]).where(sampled)
+    ds.attrs["run_dir"] = str(store.parent)
+    return ds
