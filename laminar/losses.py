@@ -37,16 +37,19 @@ def group_advantages(
     >>> group_advantages(torch.tensor([1., 0., 5., 5.]), torch.tensor([0, 0, 1, 1]))
     tensor([ 1.0000, -1.0000,  0.0000,  0.0000])
     """
-    rewards = rewards.float()
+    # float64 inside: with a near-zero group std, float32 rounding of a shifted reward
+    # would be amplified into a visibly different advantage.
+    rewards = rewards.double()
     _, inverse = torch.unique(group_index, return_inverse=True)
     n_groups = int(inverse.max()) + 1 if inverse.numel() else 0
-    count = torch.zeros(n_groups).index_add_(0, inverse, torch.ones_like(rewards))
-    mean = torch.zeros(n_groups).index_add_(0, inverse, rewards) / count
+    zeros = torch.zeros(n_groups, dtype=torch.float64)
+    count = zeros.index_add(0, inverse, torch.ones_like(rewards))
+    mean = zeros.index_add(0, inverse, rewards) / count
     centred = rewards - mean[inverse]
     if not norm_by_std:
-        return centred
-    var = torch.zeros(n_groups).index_add_(0, inverse, centred.pow(2)) / count
-    return centred / (var.sqrt()[inverse] + eps)
+        return centred.float()
+    var = zeros.index_add(0, inverse, centred.pow(2)) / count
+    return (centred / (var.sqrt()[inverse] + eps)).float()
 
 
 def policy_loss(

@@ -74,6 +74,9 @@ def build_tiny_policy(
     """Create a freshly initialised tiny Llama and its tokenizer as an HF folder at ``path``."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
     path = Path(path)
     tok = build_tokenizer()
     cfg = LlamaConfig(
@@ -125,7 +128,9 @@ def check_policy_dir(path: str | Path) -> Path:
 def load_policy(path: str | Path) -> tuple[PreTrainedModel, PreTrainedTokenizerFast]:
     """Load an HF causal LM and its tokenizer from a local folder (never a hub)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers.utils import logging as hf_logging
 
+    hf_logging.disable_progress_bar()
     path = check_policy_dir(path)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, local_files_only=True)
     tok = AutoTokenizer.from_pretrained(path, local_files_only=True)

@@ -96,7 +96,7 @@ def grpo_step(
         n = batch.response_mask.sum().clamp(min=1)
         diff = (logp.detach() - batch.old_logprobs).abs() * batch.response_mask
     metrics.update(
-        loss=float(loss),
+        loss=float(loss.detach()),
         grad_norm=float(grad_norm),
         # Behavior vs trainer logprob mismatch on the same tokens: 0 when on-policy and
         # the engine agrees with the trainer's forward; grows with staleness.

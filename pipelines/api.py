@@ -30,6 +30,20 @@ def resolve_config(config: RunConfig | str | Path, overrides: list[str] | tuple[
     return load_config(config, list(overrides))
 
 
+def preflight(cfg: RunConfig) -> None:
+    """Check what can be checked before any cluster work: the model folder, the prompt
+    file and the reward function. Each failure names the field and the fix."""
+    from laminar.model import check_policy_dir
+    from laminar.rewards import resolve_reward
+    from laminar.tasks import jsonl_prompts
+
+    if cfg.model.path:
+        check_policy_dir(cfg.model.path)
+    if cfg.task.prompt_file:
+        jsonl_prompts(cfg.task.prompt_file)
+    resolve_reward(cfg.task.reward)
+
+
 def prepare_run_dir(cfg: RunConfig, run_dir: str | Path | None) -> Path:
     """Create the run directory and store the exact resolved config in it."""
     path = Path(run_dir or cfg.run_dir or Path("runs") / time.strftime("%Y%m%d-%H%M%S"))
@@ -115,5 +129,6 @@ def submit(
     ``rollout``); :func:`laminar.cluster.local_cluster` starts such a cluster.
     """
     cfg = resolve_config(config, overrides)
+    preflight(cfg)
     path = prepare_run_dir(cfg, run_dir)
     return RunHandle(cfg, client, path)

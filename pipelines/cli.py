@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import signal
 import sys
 import time
@@ -52,9 +53,10 @@ def cmd_run(args: argparse.Namespace) -> int:
     from distributed import Client
 
     from laminar.cluster import local_cluster
-    from pipelines.api import RunHandle, prepare_run_dir, resolve_config
+    from pipelines.api import RunHandle, preflight, prepare_run_dir, resolve_config
 
     cfg = resolve_config(args.config, args.set or [])
+    preflight(cfg)
     run_dir = prepare_run_dir(cfg, args.run_dir)
     scheduler = args.scheduler or cfg.cluster.scheduler
     cluster = None
@@ -92,6 +94,11 @@ def cmd_run(args: argparse.Namespace) -> int:
                 print(line, flush=True)
                 last = line
             time.sleep(2.0 if line.startswith("t=") else 0.5)
+        final = handle.progress()
+        if "version" in final:  # the last state, which the polling may have missed
+            line = _progress_line({**final, "phase": "training"})
+            if line != last:
+                print(line, flush=True)
         summary = handle.wait()
         _print_summary(summary)
         return 0 if summary["reason"] in ("completed", "stopped") else 1
@@ -100,6 +107,14 @@ def cmd_run(args: argparse.Namespace) -> int:
         client.close()
         if cluster is not None:
             cluster.close()
+
+
+def _quiet_libraries() -> None:
+    # Worker processes inherit the environment: keep Dask's INFO chatter and HF progress
+    # bars out of the progress display (warnings and errors still show).
+    os.environ.setdefault("DASK_LOGGING__DISTRIBUTED", "warning")
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -113,6 +128,7 @@ def main(argv: list[str] | None = None) -> int:
     run.add_argument("--scheduler", help="address of a running Dask scheduler (default: "
                      "start a local cluster)")
     args = parser.parse_args(argv)
+    _quiet_libraries()
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     try:
         return cmd_run(args)

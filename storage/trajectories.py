@@ -196,19 +196,24 @@ def open_run(path: str | Path) -> xr.Dataset:
     records are visible. Derived staleness columns are added: ``s_gen``, ``residence``,
     ``s_train`` (NaN where a trajectory was never sampled).
     """
+    import dask.array as da
+
     store, group = _open_group(path)
     n = int(group.attrs[COMMIT_ATTR])
-    tokens = group.attrs["n_committed_tokens"]
-    ds = xr.open_zarr(str(store), consolidated=False, zarr_format=3, mask_and_scale=False)
-    ds = ds.isel({TRAJECTORY_DIM: slice(0, n), **{d: slice(0, c) for d, c in tokens.items()}})
-    ds = ds.assign_coords({TRAJECTORY_DIM: np.arange(n)})
-    # Per-trajectory fields are small: load them so masks and groupby work directly;
-    # token-level fields stay lazy.
-    for name, var in ds.data_vars.items():
-        if var.dims == (TRAJECTORY_DIM,):
-            values = var.values
-            # numpy's StringDType is still new to pandas/xarray groupby: hand out "<U".
-            ds[name] = (var.dims, np.array(values.tolist()) if values.dtype.kind == "T" else values)
+    lengths = {TRAJECTORY_DIM: n, **group.attrs["n_committed_tokens"]}
+    # Built array by array rather than with xr.open_zarr: during (or after a crash in) an
+    # append, arrays on one dimension have different lengths, which open_zarr refuses.
+    variables = {}
+    for name, arr in group.arrays():
+        (dim,) = arr.metadata.dimension_names
+        if dim == TRAJECTORY_DIM:
+            values = arr[:n]
+            if values.dtype.kind == "T":  # numpy's StringDType is still new to pandas/xarray
+                values = np.array(values.tolist(), dtype=str)
+            variables[name] = (dim, values)
+        else:  # token-level: lazy
+            variables[name] = (dim, da.from_zarr(arr)[: lengths[dim]])
+    ds = xr.Dataset(variables, coords={TRAJECTORY_DIM: np.arange(n)})
     sampled = ds["sample_version"] >= 0
     ds["s_gen"] = ds["finish_version"] - ds["behavior_version"]
     ds["residence"] = (ds["sample_version"] - ds["finish_version"]).where(sampled)

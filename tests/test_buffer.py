@@ -1,0 +1,111 @@
+"""The buffer core against a plain model of what it must do (hypothesis state machine)."""
+
+import numpy as np
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+
+from laminar.buffer import BufferCore
+from laminar.contract import Trajectory
+
+
+def traj(uid, group, size, idx=0, version=0, reason="eos", reward=1.0):
+    z = np.zeros(2, np.int32)
+    return Trajectory(
+        uid, group, 0, idx, size, z, z, z.astype(np.float32), z.astype(np.uint8),
+        version, reason, "r0", 0.0, 0.0, 0.0, reward=reward,
+    )
+
+
+class BufferMachine(RuleBasedStateMachine):
+    """Insert siblings in any order, sample, drain: compare with a list-based model."""
+
+    def __init__(self):
+        super().__init__()
+        self.core = BufferCore()
+        self.version = 0
+        self.group_sizes: dict[str, int] = {}
+        self.arrived: dict[str, list[str]] = {}
+        self.errored: set[str] = set()
+        self.completed_order: list[str] = []  # complete, non-error groups, FIFO
+        self.left: dict[str, str] = {}  # uid -> status it left with
+        self.next_group = 0
+
+    @rule(size=st.integers(2, 4))
+    def open_group(self, size):
+        g = f"g{self.next_group}"
+        self.next_group += 1
+        self.group_sizes[g] = size
+        self.arrived[g] = []
+
+    @precondition(lambda self: any(len(v) < self.group_sizes[g] for g, v in self.arrived.items()))
+    @rule(data=st.data(), error=st.booleans(), duplicate=st.booleans())
+    def insert_sibling(self, data, error, duplicate):
+        open_groups = sorted(g for g, v in self.arrived.items() if len(v) < self.group_sizes[g])
+        g = data.draw(st.sampled_from(open_groups))
+        idx = len(self.arrived[g])
+        uid = f"{g}-{idx}"
+        t = traj(uid, g, self.group_sizes[g], idx, self.version, "error" if error else "eos")
+        batch = [t, traj(uid, g, self.group_sizes[g], idx)] if duplicate else [t]
+        leaving = self.core.insert(batch, version=self.version, now=0.0)
+        self.arrived[g].append(uid)
+        if error:
+            self.errored.add(g)
+        if len(self.arrived[g]) == self.group_sizes[g]:
+            if g in self.errored:
+                assert sorted(x.uid for x in leaving) == sorted(self.arrived[g])
+                assert all(x.status == "discarded" for x in leaving)
+                self.left.update({x.uid: "discarded" for x in leaving})
+            else:
+                assert leaving == []
+                self.completed_order.append(g)
+        else:
+            assert leaving == []
+
+    @rule(n=st.integers(1, 3))
+    def sample(self, n):
+        out = self.core.sample(n, version=self.version, now=1.0)
+        if len(self.completed_order) < n:
+            assert out is None
+            return
+        expect = self.completed_order[:n]
+        del self.completed_order[:n]
+        assert out is not None
+        assert [t.prompt_uid for t in out] == [g for g in expect for _ in range(self.group_sizes[g])]
+        for t in out:
+            assert t.status == "consumed" and t.sample_version == self.version
+            assert t.uid not in self.left
+            self.left[t.uid] = "consumed"
+
+    @rule()
+    def publish(self):
+        self.version += 1
+
+    @invariant()
+    def depth_counts_everything_not_left(self):
+        inserted = sum(len(v) for v in self.arrived.values())
+        assert self.core.depth == inserted - len(self.left)
+
+    def teardown(self):
+        for t in self.core.drain():
+            assert t.uid not in self.left
+            self.left[t.uid] = "buffered"
+        inserted = [u for v in self.arrived.values() for u in v]
+        assert sorted(self.left) == sorted(inserted)  # every trajectory left exactly once
+
+
+TestBufferMachine = BufferMachine.TestCase
+TestBufferMachine.settings = settings(max_examples=60, stateful_step_count=40, deadline=None)
+
+
+def test_finish_version_never_below_behavior_version():
+    core = BufferCore()
+    t = traj("a", "g", 2, version=3)
+    core.insert([t], version=1, now=0.0)
+    assert t.finish_version == 3 and t.t_insert == 0.0
+
+
+def test_duplicates_are_counted_not_stored():
+    core = BufferCore()
+    core.insert([traj("a", "g", 2), traj("a", "g", 2)], version=0, now=0.0)
+    assert core.depth == 1 and core.counts["duplicates"] == 1

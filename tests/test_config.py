@@ -1,0 +1,59 @@
+import pytest
+
+from laminar.config import RunConfig, load_config, with_overrides
+from laminar.errors import ConfigError
+
+from conftest import REPO
+
+
+def test_tiny_config_loads_and_records_every_section():
+    cfg = load_config(REPO / "configs" / "tiny.yaml")
+    assert cfg.task.name == "count" and cfg.rollout.replicas == 2
+    again = RunConfig.model_validate(__import__("yaml").safe_load(cfg.to_yaml()))
+    assert again == cfg  # the stored config reproduces the run's config exactly
+
+
+def test_overrides_are_typed():
+    cfg = with_overrides(RunConfig(), ["trainer.lr=1e-4", "sft.enabled=false", "task.prompt_file=p.jsonl"])
+    assert cfg.trainer.lr == 1e-4 and cfg.sft.enabled is False and cfg.task.prompt_file == "p.jsonl"
+
+
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        (["trainer.lrr=1"], r"trainer.lrr: unknown key"),
+        (["bogus.x=1"], r"bogus: unknown key"),
+        (["trainer.steps=abc"], r"trainer.steps: .*valid integer.*'abc'"),
+        (["trainer.steps=0"], r"trainer.steps: .*greater than 0"),
+        (["task.name=poetry"], r"task.name: .*'count'.*'poetry'"),
+        (["rollout.max_seq_len=20"], r"raise rollout.max_seq_len to at least"),
+        (["model.num_heads=3"], r"not divisible by num_heads"),
+        (["buffer.max_outstanding_groups=2"], r"raise max_outstanding_groups"),
+        (["trainer"], r"not of the form section.key=value"),
+        (["trainer.steps.x=1"], r"'steps' is not a section"),
+    ],
+)
+def test_bad_values_name_the_field_and_the_fix(override, message):
+    with pytest.raises(ConfigError, match=message):
+        with_overrides(with_overrides(RunConfig(), ["trainer.steps=5"]), override)
+
+
+def test_bad_files(tmp_path):
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_config(tmp_path / "missing.yaml")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("trainer: [1, 2")
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        load_config(bad)
+    bad.write_text("- 1\n- 2\n")
+    with pytest.raises(ConfigError, match="must hold a mapping"):
+        load_config(bad)
+    bad.write_text("trainer:\n  stepz: 3\n")
+    with pytest.raises(ConfigError, match=r"bad.yaml.*\n  trainer.stepz: unknown key"):
+        load_config(bad)
+
+
+def test_config_is_frozen():
+    cfg = RunConfig()
+    with pytest.raises(Exception):
+        cfg.trainer.steps = 3  # type: ignore[misc]

@@ -1,0 +1,147 @@
+"""End to end on real worker processes: the CLI, the notebook API, stop, reward failures.
+
+Each run is checked against the data contract with ``Dataset.laminar.audit()``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+from conftest import REPO, SMALL_RUN
+from storage import open_run
+
+pytestmark = pytest.mark.slow
+
+
+def check_store(run_dir, expect_consumed_groups=None):
+    ds = open_run(run_dir)
+    assert ds.laminar.audit() == []
+    consumed = ds["status"].values == "consumed"
+    if expect_consumed_groups is not None:
+        assert len(set(ds["prompt_uid"].values[consumed])) == expect_consumed_groups
+    assert (ds["versions_len"].values == 0).all()  # one weight version per trajectory
+    assert all("," not in r for r in ds["rollout_ids"].values)
+    assert (ds["t_submit"].values <= ds["t_start"].values).all()
+    assert (ds["t_start"].values <= ds["t_finish"].values).all()
+    assert (ds["t_finish"].values <= ds["t_insert"].values).all()
+    assert (ds["t_insert"].values[consumed] <= ds["t_sample"].values[consumed]).all()
+    return ds
+
+
+def laminar_cli(*args, **kw):
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    return subprocess.Popen(
+        [sys.executable, "-m", "pipelines.cli", *args], cwd=REPO, env=env, text=True,
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, **kw,
+    )
+
+
+def sets(overrides):
+    return [a for o in overrides for a in ("--set", o)]
+
+
+def test_cli_run_end_to_end(tmp_path):
+    run_dir = tmp_path / "run"
+    proc = laminar_cli("run", "configs/tiny.yaml", "--run-dir", str(run_dir), *sets(SMALL_RUN))
+    out, _ = proc.communicate(timeout=400)
+    assert proc.returncode == 0, out
+    assert "dashboard" in out and str(run_dir) in out and "== summary ==" in out
+    assert "version   4/4" in out
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["reason"] == "completed" and summary["versions"] == 4
+    assert summary["consumed"] == 4 * 4 * 4
+    assert np.isfinite(summary["reward_first_20pct"]) and np.isfinite(summary["reward_last_20pct"])
+    assert (run_dir / "config.yaml").exists()
+    ckpt = run_dir / "checkpoints" / "version-000004"
+    assert {"config.json", "model.safetensors", "tokenizer.json", "optimizer.pt"} <= {p.name for p in ckpt.iterdir()}
+    ds = check_store(run_dir, expect_consumed_groups=16)
+    assert set(ds["sample_version"].values[ds["status"].values == "consumed"]) == {0, 1, 2, 3}
+    assert ds.sizes["trajectory"] == summary["trajectories"]
+
+
+def test_cli_ctrl_c_stops_cleanly_with_the_store_intact(tmp_path):
+    run_dir = tmp_path / "run"
+    proc = laminar_cli("run", "configs/tiny.yaml", "--run-dir", str(run_dir),
+                       *sets(SMALL_RUN + ["trainer.steps=1000"]))
+    lines = []
+    deadline = time.time() + 300
+    for line in proc.stdout:
+        lines.append(line)
+        m = re.search(r"version\s+(\d+)/", line)
+        if (m and int(m.group(1)) >= 2) or time.time() > deadline:
+            break
+    proc.send_signal(signal.SIGINT)
+    rest, _ = proc.communicate(timeout=120)
+    out = "".join(lines) + rest
+    assert proc.returncode == 0, out
+    assert "stopping" in out and "(stopped)" in out
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["reason"] == "stopped" and summary["versions"] >= 2
+    ds = check_store(run_dir)
+    assert (ds["status"].values == "consumed").sum() == summary["consumed"] >= 32
+
+
+def test_bad_config_fails_before_any_work(tmp_path):
+    proc = laminar_cli("run", "configs/tiny.yaml", "--run-dir", str(tmp_path / "r"),
+                       "--set", "trainer.stepz=3")
+    out, _ = proc.communicate(timeout=60)
+    assert proc.returncode == 2 and "trainer.stepz: unknown key" in out
+    assert not (tmp_path / "r").exists()
+    proc = laminar_cli("run", "configs/tiny.yaml", "--run-dir", str(tmp_path / "r"),
+                       "--set", f"model.path={tmp_path / 'missing'}")
+    out, _ = proc.communicate(timeout=60)
+    assert proc.returncode == 2 and "does not exist; set model.path" in out
+    assert "dashboard" not in out  # no cluster was started
+
+
+def test_api_submit_is_non_blocking_and_stop_keeps_every_trajectory(cluster_client, small_config, tmp_path):
+    import pipelines
+    from laminar.config import with_overrides
+
+    cfg = with_overrides(small_config, ["trainer.steps=1000"])
+    t0 = time.time()
+    run = pipelines.submit(cfg, cluster_client, run_dir=tmp_path / "run")
+    assert time.time() - t0 < 5 and not run.done()
+    while run.progress().get("version", 0) < 2:
+        assert not run.done(), run.error
+        time.sleep(0.5)
+    run.stop()
+    summary = run.wait(timeout=120)
+    assert summary["reason"] == "stopped"
+    ds = check_store(run.run_dir)
+    stats = summary["buffer"]
+    # Every trajectory that entered the buffer is in the store, with its final status.
+    assert ds.sizes["trajectory"] == stats["inserted"] == stats["written"]
+    n_buffered = (ds["status"].values == "buffered").sum()
+    assert n_buffered == stats["inserted"] - stats["consumed"] - stats["discarded"] > 0
+    assert set(np.unique(ds["status"].values)) <= {"consumed", "buffered"}
+
+
+def test_failing_reward_marks_trajectories_and_the_run_goes_on(cluster_client, small_config, tmp_path):
+    import pipelines
+
+    run = pipelines.submit(small_config, cluster_client, run_dir=tmp_path / "run",
+                           overrides=["task.reward=laminar.rewards:_broken"])
+    deadline = time.time() + 120
+    while run.progress().get("trajectories", 0) < 32 and time.time() < deadline:
+        assert not run.done(), run.error
+        time.sleep(0.5)
+    assert run.progress()["phase"] == "training"
+    run.stop()
+    summary = run.wait(timeout=120)
+    assert summary["reason"] == "stopped" and summary["versions"] == 0
+    ds = open_run(run.run_dir)
+    assert ds.laminar.audit() == []
+    ended = ds["finish_reason"].values != "length"
+    assert (ds["finish_reason"].values[ended] == "error").all()
+    assert (ds["status"].values[ended] == "discarded").sum() >= 16
+    assert np.isnan(ds["reward"].values[ended]).all()

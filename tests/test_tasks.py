@@ -1,0 +1,76 @@
+import json
+import math
+
+import numpy as np
+import pytest
+
+from laminar.errors import DataError, RewardError
+from laminar.rewards import exact_match, resolve_reward, score_batch
+from laminar.tasks import TASKS, jsonl_prompts, synthetic_prompts
+
+
+def test_answer_lengths_are_long_tailed_like_the_paper():
+    prompts = synthetic_prompts("count", size=20000, median_len=6, tail_ratio=10, max_len=255, seed=0)
+    lengths = np.array([len(p.answer.split()) for p in prompts])
+    assert 5 <= np.median(lengths) <= 7
+    assert 8 <= np.percentile(lengths, 99) / np.median(lengths) <= 12
+
+
+@pytest.mark.parametrize("task", sorted(TASKS))
+def test_synthetic_answers_follow_the_rule(task):
+    for p in synthetic_prompts(task, size=50, median_len=4, tail_ratio=3, max_len=20, seed=1):
+        tag, *xs, arrow = p.text.split()
+        assert arrow == ">" and tag == TASKS[task][0]
+        expect = {"count": [str(i) for i in range(1, int(xs[0]) + 1)] if xs else [], "copy": xs,
+                  "reverse": xs[::-1], "sort": sorted(xs)}[task]
+        assert p.answer.split() == expect
+
+
+def test_same_seed_same_prompts():
+    a = synthetic_prompts("sort", size=30, median_len=5, tail_ratio=10, max_len=30, seed=3)
+    assert a == synthetic_prompts("sort", size=30, median_len=5, tail_ratio=10, max_len=30, seed=3)
+
+
+def test_jsonl_prompts_and_their_errors(tmp_path):
+    f = tmp_path / "p.jsonl"
+    f.write_text(json.dumps({"prompt": "n 2 >", "answer": "1 2"}) + "\n\n")
+    assert jsonl_prompts(f)[0].answer == "1 2"
+    f.write_text(json.dumps({"prompt": "n 2 >", "answer": "1 2"}) + "\n" + json.dumps({"prompt": "x"}) + "\n")
+    with pytest.raises(DataError, match=r"p.jsonl:2: field 'answer' is missing"):
+        jsonl_prompts(f)
+    f.write_text("{not json\n")
+    with pytest.raises(DataError, match=r"p.jsonl:1: not valid JSON"):
+        jsonl_prompts(f)
+    f.write_text("")
+    with pytest.raises(DataError, match="holds no prompts"):
+        jsonl_prompts(f)
+    with pytest.raises(DataError, match="does not exist; set task.prompt_file"):
+        jsonl_prompts(tmp_path / "nope.jsonl")
+
+
+def test_reward_failures_mark_the_trajectory():
+    scores = score_batch("laminar.rewards:_broken", [("1", "1", True), ("1", "1", False)])
+    assert math.isnan(scores[0].reward) and "ZeroDivisionError" in scores[0].error
+    assert scores[1].reward == 0.0 and scores[1].error is None  # truncated: not scored
+    nan = score_batch("math:sqrt", [("x", "y", True)])  # raises TypeError (2 args)
+    assert nan[0].error is not None
+
+
+def test_non_finite_rewards_are_errors():
+    scores = score_batch("numpy:true_divide", [("1", "1", True)])  # str / str raises
+    assert scores[0].error is not None
+    import laminar.rewards as r
+
+    r.REWARDS["_nan"] = lambda response, answer: float("nan")
+    try:
+        assert score_batch("_nan", [("a", "a", True)])[0].error == "reward _nan returned nan"
+    finally:
+        del r.REWARDS["_nan"]
+
+
+def test_resolve_reward():
+    assert resolve_reward("exact_match") is exact_match
+    with pytest.raises(RewardError, match="neither a built-in reward"):
+        resolve_reward("nope")
+    with pytest.raises(RewardError, match="cannot be imported"):
+        resolve_reward("no_such_module:fn")
