@@ -106,6 +106,9 @@ class TrainerConfig(_Section):
     clip_low: float = Field(0.2, ge=0, lt=1)
     clip_high: float = Field(0.28, ge=0)
     max_grad_norm: float = Field(1.0, gt=0)
+    # Padded tokens per forward/backward; the global batch is split into length-sorted
+    # micro-batches (same gradient, far less padding with long-tailed lengths).
+    micro_batch_tokens: int = Field(4096, gt=0)
 
 
 class ClusterConfig(_Section):

@@ -29,6 +29,7 @@ from laminar.tasks import Prompt
 
 # Bump when the SFT procedure changes, so cached results of the old one are not reused.
 SFT_VERSION = 1
+EVAL_PROMPTS = 256  # the warm-started policy's reward is measured on this many prompts
 
 
 def cache_root(cfg: RunConfig) -> Path:
@@ -94,12 +95,45 @@ def warm_start(cfg: RunConfig, prompts: list[Prompt]) -> tuple[Path, dict]:
     t0 = time.time()
     model, tok = load_policy(base)
     loss = _train(cfg, model, tok, prompts)
-    info = {"cached": False, "seconds": time.time() - t0, "final_loss": loss, "base": str(base)}
+    seconds = time.time() - t0
+    info = {
+        "cached": False,
+        "seconds": seconds,
+        "final_loss": loss,
+        "base": str(base),
+        "eval_reward": evaluate(cfg, model, tok, prompts[-EVAL_PROMPTS:]),
+        "eval_prompts": min(EVAL_PROMPTS, len(prompts)),
+    }
     with _staging(out) as tmp:
         model.save_pretrained(tmp)
         tok.save_pretrained(tmp)
         (tmp / "sft_info.json").write_text(json.dumps(info, indent=2))
     return out, info
+
+
+def evaluate(cfg: RunConfig, model, tok, prompts: list[Prompt]) -> float:
+    """Mean reward of one sampled response per prompt, as the rollouts will sample them."""
+    from laminar.engine import GenerationRequest, TorchEngine
+    from laminar.rewards import score_batch
+
+    r = cfg.rollout
+    engine = TorchEngine(
+        model.config, model.state_dict(), eos_token_id=tok.eos_token_id,
+        pad_token_id=tok.pad_token_id, max_batch=64, max_seq_len=r.max_seq_len,
+        temperature=r.temperature, seed=cfg.seed,
+    )
+    for i, p in enumerate(prompts):
+        engine.add_request(
+            GenerationRequest(str(i), tuple(encode_prompt(tok, p.text)), r.max_new_tokens, {"p": p})
+        )
+    items = []
+    while engine.has_work():
+        for out in engine.step():
+            ended = out.finish_reason == "eos"
+            text = tok.decode(out.response_tokens[:-1] if ended else out.response_tokens)
+            items.append((text, out.request.meta["p"].answer, ended))
+    scores = score_batch(cfg.task.reward, items, cfg.task.truncated_reward)
+    return float(np.nanmean([s.reward for s in scores]))
 
 
 def _train(cfg: RunConfig, model, tok, prompts: list[Prompt]) -> float:

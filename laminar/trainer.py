@@ -25,7 +25,7 @@ import torch
 from laminar.cluster import start_thread
 from laminar.config import RunConfig
 from laminar.contract import Trajectory
-from laminar.update import grpo_step, pack
+from laminar.update import grpo_step
 
 logger = logging.getLogger(__name__)
 
@@ -128,24 +128,22 @@ class Trainer:
                 continue
             self.wait_s += time.time() - t_wait
             t0 = time.time()
-            packed = pack(
-                [t.prompt_tokens for t in batch],
-                [t.response_tokens for t in batch],
-                [t.behavior_logprobs for t in batch],
-                [t.loss_mask for t in batch],
-                self.tok.pad_token_id,
-            )
             groups = {uid: i for i, uid in enumerate(dict.fromkeys(t.prompt_uid for t in batch))}
             metrics = grpo_step(
                 self.model,
                 self.optimizer,
-                packed,
+                [t.prompt_tokens for t in batch],
+                [t.response_tokens for t in batch],
+                [t.behavior_logprobs for t in batch],
+                [t.loss_mask for t in batch],
                 torch.tensor([t.reward for t in batch], dtype=torch.float32),
                 torch.tensor([groups[t.prompt_uid] for t in batch]),
+                pad_token_id=self.tok.pad_token_id,
                 clip_low=t_cfg.clip_low,
                 clip_high=t_cfg.clip_high,
                 temperature=self.cfg.rollout.temperature,
                 max_grad_norm=t_cfg.max_grad_norm,
+                micro_batch_tokens=t_cfg.micro_batch_tokens,
             )
             self.version += 1
             # Publication: tell the buffer first, then expose the snapshot to rollouts.

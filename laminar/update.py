@@ -69,39 +69,88 @@ def response_logprobs(model, batch: PackedBatch, temperature: float = 1.0) -> to
     return out * valid
 
 
+def micro_batches(lengths: Sequence[int], max_tokens: int) -> list[list[int]]:
+    """Split row indices into micro-batches of similar length, each at most ``max_tokens``
+    padded tokens (a single longer row gets a micro-batch of its own).
+
+    Long-tailed lengths make one padded batch mostly padding; sorting by length first
+    keeps the short majority in dense micro-batches.
+
+    >>> micro_batches([5, 100, 6, 7], max_tokens=21)
+    [[0, 2, 3], [1]]
+    """
+    order = sorted(range(len(lengths)), key=lambda i: lengths[i])
+    batches: list[list[int]] = []
+    current: list[int] = []
+    for i in order:
+        if current and (len(current) + 1) * lengths[i] > max_tokens:
+            batches.append(current)
+            current = []
+        current.append(i)
+    if current:
+        batches.append(current)
+    return batches
+
+
 def grpo_step(
     model,
     optimizer: torch.optim.Optimizer,
-    batch: PackedBatch,
+    prompts: Sequence[np.ndarray],
+    responses: Sequence[np.ndarray],
+    behavior_logprobs: Sequence[np.ndarray],
+    loss_masks: Sequence[np.ndarray],
     rewards: torch.Tensor,
     group_index: torch.Tensor,
     *,
+    pad_token_id: int,
     clip_low: float,
     clip_high: float,
     temperature: float = 1.0,
     max_grad_norm: float = 1.0,
+    micro_batch_tokens: int = 4096,
 ) -> dict[str, float]:
-    """One optimizer step of GRPO on ``batch``; returns metrics."""
+    """One optimizer step of GRPO on a global batch; returns metrics.
+
+    The batch is processed in length-sorted micro-batches whose losses are weighted by
+    their share of the batch's loss tokens, so the gradient equals that of one token-mean
+    over the whole batch.
+    """
     model.train()
     adv = group_advantages(rewards, group_index)
-    logp = response_logprobs(model, batch, temperature)
-    loss, metrics = policy_loss(
-        logp, batch.old_logprobs, adv, batch.response_mask, clip_low=clip_low, clip_high=clip_high
-    )
+    n_total = float(sum(np.asarray(m).sum() for m in loss_masks)) or 1.0
+    lengths = [len(p) + len(r) for p, r in zip(prompts, responses)]
     optimizer.zero_grad(set_to_none=True)
-    loss.backward()
-    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm)
-    optimizer.step()
-    with torch.no_grad():
-        n = batch.response_mask.sum().clamp(min=1)
-        diff = (logp.detach() - batch.old_logprobs).abs() * batch.response_mask
-    metrics.update(
-        loss=float(loss.detach()),
-        grad_norm=float(grad_norm),
+    sums: dict[str, float] = {}
+    diff_max = 0.0
+    for idx in micro_batches(lengths, micro_batch_tokens):
+        batch = pack(
+            [prompts[i] for i in idx],
+            [responses[i] for i in idx],
+            [behavior_logprobs[i] for i in idx],
+            [loss_masks[i] for i in idx],
+            pad_token_id,
+        )
+        weight = float(batch.response_mask.sum()) / n_total
+        logp = response_logprobs(model, batch, temperature)
+        loss, metrics = policy_loss(
+            logp, batch.old_logprobs, adv[idx], batch.response_mask,
+            clip_low=clip_low, clip_high=clip_high,
+        )
+        (loss * weight).backward()
+        with torch.no_grad():
+            diff = (logp.detach() - batch.old_logprobs).abs() * batch.response_mask
+        metrics["loss"] = float(loss.detach())
         # Behavior vs trainer logprob mismatch on the same tokens: 0 when on-policy and
         # the engine agrees with the trainer's forward; grows with staleness.
-        logprob_diff_mean=float(diff.sum() / n),
-        logprob_diff_max=float(diff.max()) if diff.numel() else 0.0,
-        adv_abs_mean=float(adv.abs().mean()),
-    )
-    return metrics
+        metrics["logprob_diff_mean"] = float(diff.sum()) / max(float(batch.response_mask.sum()), 1.0)
+        diff_max = max(diff_max, float(diff.max()) if diff.numel() else 0.0)
+        for k, v in metrics.items():
+            sums[k] = sums.get(k, 0.0) + weight * v
+    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm)
+    optimizer.step()
+    return {
+        **sums,
+        "grad_norm": float(grad_norm),
+        "logprob_diff_max": diff_max,
+        "adv_abs_mean": float(adv.abs().mean()),
+    }

@@ -128,7 +128,13 @@ def submit(
     The cluster's workers must advertise the role resources (``data``, ``trainer``,
     ``rollout``); :func:`laminar.cluster.local_cluster` starts such a cluster.
     """
+    from laminar.cluster import place
+
     cfg = resolve_config(config, overrides)
     preflight(cfg)
+    # Placement errors (a cluster without role resources) surface here, not in wait().
+    place(client, "data", 1)
+    place(client, "trainer", 1)
+    place(client, "rollout", cfg.rollout.replicas)
     path = prepare_run_dir(cfg, run_dir)
     return RunHandle(cfg, client, path)

@@ -46,6 +46,8 @@ def _print_summary(s: dict) -> None:
         f"wall time          RL {s['rl_wall_s']:.1f} s; warm start {sft.get('wall_s', 0):.1f} s "
         f"({'cached' if sft.get('cached') else 'trained'})"
     )
+    if "eval_reward" in sft:
+        print(f"warm-start reward  {sft['eval_reward']:.3f} (one sample each of {sft['eval_prompts']} prompts)")
     print(f"checkpoint         {s['checkpoint']}")
 
 
