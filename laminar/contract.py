@@ -11,7 +11,7 @@ Derived staleness: ``s_gen = finish_version - behavior_version``,
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 import numpy as np
@@ -60,12 +60,9 @@ class Trajectory:
                     f"for {n} response tokens"
                 )
 
-    @property
-    def group_key(self) -> str:
-        return self.prompt_uid
-
     def to_record(self) -> dict[str, Any]:
-        return asdict(self)
+        """Field name -> value (arrays shared, not copied), as the store writer takes it."""
+        return {f.name: getattr(self, f.name) for f in fields(self)}
 
     @classmethod
     def field_names(cls) -> tuple[str, ...]:

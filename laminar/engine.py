@@ -130,7 +130,7 @@ class TorchEngine:
         self.temperature = temperature
         self.device = torch.device(device)
         self.generator = torch.Generator(device=self.device).manual_seed(seed)
-        self._waiting: deque[tuple[GenerationRequest, float]] = deque()
+        self._waiting: deque[GenerationRequest] = deque()
         self._rows: list[_Row] = []
         self._cache: torch.Tensor | None = None
         self._valid: torch.Tensor | None = None
@@ -148,7 +148,7 @@ class TorchEngine:
                 f"({request.max_new_tokens}) exceeds the engine's max_seq_len "
                 f"({self.max_seq_len}); raise rollout.max_seq_len or lower max_new_tokens"
             )
-        self._waiting.append((request, time.time()))
+        self._waiting.append(request)
 
     def has_work(self) -> bool:
         return bool(self._rows or self._waiting)
@@ -184,14 +184,14 @@ class TorchEngine:
     # -- internals --------------------------------------------------------------------
     def _prefill(self) -> torch.Tensor:
         batch = [self._waiting.popleft() for _ in range(min(self.max_batch, len(self._waiting)))]
-        plen = max(len(req.prompt_tokens) for req, _ in batch)
-        width = plen + max(req.max_new_tokens for req, _ in batch)
+        plen = max(len(req.prompt_tokens) for req in batch)
+        width = plen + max(req.max_new_tokens for req in batch)
         bsz = len(batch)
         tokens = torch.full((bsz, plen), self.pad, dtype=torch.long)
         self._valid = torch.zeros(bsz, width, dtype=torch.bool, device=self.device)
         now = time.time()
         self._rows = []
-        for i, (req, _t_submit) in enumerate(batch):
+        for i, req in enumerate(batch):
             n = len(req.prompt_tokens)
             tokens[i, plen - n :] = torch.tensor(req.prompt_tokens)
             self._valid[i, plen - n : plen] = True

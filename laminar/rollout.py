@@ -63,6 +63,7 @@ class RolloutReplica:
             "batches": 0,
             "trajectories": 0,
             "inserted": 0,
+            "reward_errors": 0,
             "response_tokens": 0,
             "decode_steps": 0,
             "weight_loads": 0,
@@ -196,6 +197,12 @@ class RolloutReplica:
                 t.reward = s.reward
                 if s.error is not None:
                     t.finish_reason = "error"
-                    logger.warning("trajectory %s: %s", t.uid, s.error)
+                    self.counts["reward_errors"] += 1
+                    n = self.counts["reward_errors"]
+                    if n == 1 or n % 1000 == 0:  # say it, without flooding the console
+                        logger.warning(
+                            "rollout %s: %d reward failures so far; latest (%s): %s; its "
+                            "group is discarded", self.rollout_id, n, t.uid, s.error,
+                        )
             self._call(self.buffer.insert(trajs))
             self.counts["inserted"] += len(trajs)

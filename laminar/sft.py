@@ -11,12 +11,14 @@ bytes, the task and SFT config and the seed, so any change retrains and a rerun 
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
 import shutil
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -44,7 +46,7 @@ def base_policy(cfg: RunConfig) -> Path:
     m = cfg.model
     out = cache_root(cfg) / f"tiny-{cfg.fingerprint('model')}-seed{cfg.seed}"
     if not (out / "config.json").exists():
-        with _staging(out) as tmp:
+        with _staged(out) as tmp:
             build_tiny_policy(
                 tmp,
                 hidden_size=m.hidden_size,
@@ -104,7 +106,7 @@ def warm_start(cfg: RunConfig, prompts: list[Prompt]) -> tuple[Path, dict]:
         "eval_reward": evaluate(cfg, model, tok, prompts[-EVAL_PROMPTS:]),
         "eval_prompts": min(EVAL_PROMPTS, len(prompts)),
     }
-    with _staging(out) as tmp:
+    with _staged(out) as tmp:
         model.save_pretrained(tmp)
         tok.save_pretrained(tmp)
         (tmp / "sft_info.json").write_text(json.dumps(info, indent=2))
@@ -182,26 +184,21 @@ def _train(cfg: RunConfig, model, tok, prompts: list[Prompt]) -> float:
     return float(loss.detach())
 
 
-class _staging:
+@contextlib.contextmanager
+def _staged(final: Path) -> Iterator[Path]:
     """Write a folder under a temporary name, then rename it into place (atomic on POSIX).
 
-    Two runs warming the same cache entry at once both succeed; the second rename loses
-    and its copy is dropped.
+    Two runs warming the same cache entry at once both succeed; the later rename loses
+    and its copy is dropped. A failure leaves nothing behind.
     """
-
-    def __init__(self, final: Path) -> None:
-        self.final = final
-
-    def __enter__(self) -> Path:
-        self.final.parent.mkdir(parents=True, exist_ok=True)
-        self.tmp = Path(tempfile.mkdtemp(prefix=self.final.name + ".", dir=self.final.parent))
-        return self.tmp
-
-    def __exit__(self, exc_type, exc, tb) -> None:
-        if exc_type is not None:
-            shutil.rmtree(self.tmp, ignore_errors=True)
-            return
-        try:
-            os.rename(self.tmp, self.final)
-        except OSError:  # someone else finished first
-            shutil.rmtree(self.tmp, ignore_errors=True)
+    final.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=final.name + ".", dir=final.parent))
+    try:
+        yield tmp
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    try:
+        os.rename(tmp, final)
+    except OSError:  # someone else finished first
+        shutil.rmtree(tmp, ignore_errors=True)

@@ -27,6 +27,7 @@ def _progress_line(p: dict) -> str:
         f"reward {_fmt(p['reward'])}  gen {p['gen_tok_s']:7.0f} tok/s  "
         f"buffer {p['buffer_depth']:>4}  s_train {_fmt(p['s_train_mean'], '.2f')}  "
         f"trajectories {p['trajectories']}"
+        + (f"  discarded {p['discarded']} (reward errors)" if p.get("discarded") else "")
     )
 
 

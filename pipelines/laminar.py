@@ -112,6 +112,7 @@ class LaminarSchedule:
                     "gen_tok_s": (tokens - last_tokens) / max(now - last_t, 1e-9),
                     "buffer_depth": b_stats["depth"],
                     "trajectories": b_stats["inserted"],
+                    "discarded": b_stats["discarded"],
                     "rollout_versions": [s["version"] for s in r_stats],
                 }
             )

@@ -15,6 +15,7 @@ def test_placement_needs_role_resources(small_config):
             pipelines.submit(small_config, client)
 
 
+@pytest.mark.slow
 def test_local_cluster_gives_each_role_its_own_worker(cluster_client):
     rollouts = place(cluster_client, "rollout", 2)
     trainer = place(cluster_client, "trainer", 1)

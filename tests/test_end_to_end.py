@@ -145,3 +145,25 @@ def test_failing_reward_marks_trajectories_and_the_run_goes_on(cluster_client, s
     assert (ds["finish_reason"].values[ended] == "error").all()
     assert (ds["status"].values[ended] == "discarded").sum() >= 16
     assert np.isnan(ds["reward"].values[ended]).all()
+
+
+def test_any_hf_folder_and_a_jsonl_prompt_file(cluster_client, small_config, tiny_policy, tmp_path):
+    import pipelines
+
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(
+        json.dumps({"prompt": f"n {n} >", "answer": " ".join(str(i) for i in range(1, n + 1))}) + "\n"
+        for n in range(1, 9)
+    ))
+    run = pipelines.submit(
+        small_config, cluster_client, run_dir=tmp_path / "run",
+        overrides=[f"model.path={tiny_policy}", f"task.prompt_file={prompts}",
+                   "task.reward=prefix_credit", "sft.enabled=false", "trainer.steps=2"],
+    )
+    summary = run.wait(timeout=300)
+    assert summary["reason"] == "completed" and summary["versions"] == 2
+    assert summary["sft"]["cached"] is True  # no warm start: the folder is used as is
+    ds = check_store(run.run_dir)
+    assert set(ds["prompt_key"].values) <= set(range(8))
+    rewards = ds["reward"].values
+    assert ((rewards >= 0) & (rewards <= 1)).all()

@@ -136,3 +136,23 @@ def test_model_folder_errors(tmp_path, tiny_policy):
     (other / "config.json").write_text(json.dumps({"model_type": "gpt2"}))
     with pytest.raises(ModelError, match="model_type 'gpt2'"):
         check_policy_dir(other)
+
+
+def test_cached_decoder_matches_qwen2_with_biases_and_gqa():
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(0)
+    cfg = Qwen2Config(vocab_size=50, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    model = Qwen2ForCausalLM(cfg).eval()
+    with torch.no_grad():  # HF initialises biases to zero: make them matter
+        for layer in model.model.layers:
+            for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
+                proj.bias.normal_()
+    dec = CachedDecoder(model.config, model.state_dict())
+    seq = torch.tensor([[3, 7, 11, 13, 17]])
+    valid = torch.ones(1, 5, dtype=torch.bool)
+    logits = dec.forward(seq, torch.arange(5)[None], dec.new_cache(1, 5), 0, valid)
+    with torch.no_grad():
+        ref = model(seq).logits[0, -1]
+    assert torch.allclose(ref, logits[0], atol=1e-4)

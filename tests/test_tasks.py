@@ -74,3 +74,11 @@ def test_resolve_reward():
         resolve_reward("nope")
     with pytest.raises(RewardError, match="cannot be imported"):
         resolve_reward("no_such_module:fn")
+
+
+def test_config_offers_exactly_the_tasks_that_exist():
+    from typing import get_args
+
+    from laminar.config import TaskConfig
+
+    assert set(get_args(TaskConfig.model_fields["name"].annotation)) == set(TASKS)
