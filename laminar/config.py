@@ -69,6 +69,7 @@ class SFTConfig(_Section):
     # Probability that a demonstration token is replaced by a random one. Imperfect
     # demonstrations leave the policy at a middling sampled reward that RL can raise.
     demo_error_rate: float = Field(0.1, ge=0, lt=1)
+    micro_batch_tokens: int = Field(4096, gt=0)  # padded tokens per forward/backward
     torch_threads: int = Field(2, gt=0)
     cache_dir: str | None = None  # default: ~/.cache/laminar
 

@@ -28,9 +28,10 @@ from laminar.config import RunConfig
 from laminar.errors import DataError
 from laminar.model import build_tiny_policy, check_policy_dir, encode_prompt, load_policy
 from laminar.tasks import Prompt
+from laminar.update import micro_batches, pack, response_logprobs
 
 # Bump when the SFT procedure changes, so cached results of the old one are not reused.
-SFT_VERSION = 1
+SFT_VERSION = 2
 EVAL_PROMPTS = 256  # the warm-started policy's reward is measured on this many prompts
 
 
@@ -158,30 +159,33 @@ def _train(cfg: RunConfig, model, tok, prompts: list[Prompt]) -> float:
     alphabet = np.unique(np.concatenate([np.asarray(a, dtype=np.int64) for _, a in examples]))
     opt = torch.optim.AdamW(model.parameters(), lr=s.lr, weight_decay=0.0)
     model.train()
-    loss = torch.tensor(float("nan"))
+    loss = float("nan")
     for _ in range(s.steps):
-        rows = []
+        prompts_, answers = [], []
         for i in rng.integers(0, len(examples), s.batch_size):
             q, a = examples[i]
             a = np.asarray(a, dtype=np.int64)
             flip = rng.random(len(a)) < s.demo_error_rate
             a = np.where(flip, rng.choice(alphabet, size=len(a)), a)
-            rows.append((q, [*a.tolist(), tok.eos_token_id]))
-        width = max(len(q) + len(a) for q, a in rows)
-        ids = torch.full((len(rows), width), tok.pad_token_id, dtype=torch.long)
-        labels = torch.full((len(rows), width), -100, dtype=torch.long)
-        att = torch.zeros(len(rows), width, dtype=torch.long)
-        for j, (q, a) in enumerate(rows):
-            n, k = len(q), len(a)
-            ids[j, : n + k] = torch.tensor(q + a)
-            att[j, : n + k] = 1
-            labels[j, n : n + k] = torch.tensor(a)
-        loss = model(input_ids=ids, attention_mask=att, labels=labels).loss
+            prompts_.append(np.asarray(q))
+            answers.append(np.append(a, tok.eos_token_id))
+        # Token-mean NLL of the answers over the whole batch, computed in length-sorted
+        # micro-batches (long-tailed lengths would make one padded batch mostly padding).
+        n_tokens = sum(len(a) for a in answers)
         opt.zero_grad(set_to_none=True)
-        loss.backward()
+        total = 0.0
+        lengths = [len(q) + len(a) for q, a in zip(prompts_, answers)]
+        for idx in micro_batches(lengths, s.micro_batch_tokens):
+            ones = [np.ones(len(answers[i])) for i in idx]
+            batch = pack([prompts_[i] for i in idx], [answers[i] for i in idx], ones, ones,
+                         tok.pad_token_id)
+            nll = -(response_logprobs(model, batch) * batch.response_mask).sum() / n_tokens
+            nll.backward()
+            total += float(nll.detach())
         opt.step()
+        loss = total
     model.eval()
-    return float(loss.detach())
+    return loss
 
 
 @contextlib.contextmanager
