@@ -219,7 +219,9 @@ class TorchEngine:
         tok_logp = logp.gather(1, tok[:, None])[:, 0]
         now = time.time()
         finished, keep = [], []
-        for i, (row, t, lp) in enumerate(zip(self._rows, tok.tolist(), tok_logp.tolist())):
+        for i, (row, t, lp) in enumerate(
+            zip(self._rows, tok.tolist(), tok_logp.tolist(), strict=True)
+        ):
             row.tokens.append(t)
             row.logprobs.append(lp)
             reason = None

@@ -33,7 +33,14 @@ TINY_WORDS = (
     *SPECIAL_TOKENS,
     *(str(i) for i in range(256)),
     *"abcdefghijklmnopqrstuvwxyz",
-    ">", "=", "|", ":", ",", "+", "-", "?",
+    ">",
+    "=",
+    "|",
+    ":",
+    ",",
+    "+",
+    "-",
+    "?",
 )
 SUPPORTED_ARCHITECTURES = ("llama", "qwen2")
 
@@ -73,7 +80,6 @@ def build_tiny_policy(
 ) -> Path:
     """Create a freshly initialised tiny Llama and its tokenizer as an HF folder at ``path``."""
     from transformers import LlamaConfig, LlamaForCausalLM
-
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()
@@ -186,9 +192,7 @@ class CachedDecoder:
                 {
                     "ln1": get(p + "input_layernorm.weight"),
                     "ln2": get(p + "post_attention_layernorm.weight"),
-                    **{
-                        k: get(p + f"self_attn.{k}_proj.weight") for k in ("q", "k", "v", "o")
-                    },
+                    **{k: get(p + f"self_attn.{k}_proj.weight") for k in ("q", "k", "v", "o")},
                     **{
                         f"{k}_b": get(p + f"self_attn.{k}_proj.bias", required=False)
                         for k in ("q", "k", "v")

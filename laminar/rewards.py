@@ -38,7 +38,7 @@ def prefix_credit(response: str, answer: str) -> float:
     if got == want:
         return 1.0
     n = 0
-    for g, w in zip(got, want):
+    for g, w in zip(got, want, strict=False):
         if g != w:
             break
         n += 1

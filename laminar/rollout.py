@@ -193,7 +193,7 @@ class RolloutReplica:
         while self._pending and (block or self._pending[0][1].done()):
             trajs, future = self._pending.popleft()
             scores = future.result(timeout=self.cfg.cluster.actor_timeout_s)
-            for t, s in zip(trajs, scores):
+            for t, s in zip(trajs, scores, strict=True):
                 t.reward = s.reward
                 if s.error is not None:
                     t.finish_reason = "error"
@@ -202,7 +202,11 @@ class RolloutReplica:
                     if n == 1 or n % 1000 == 0:  # say it, without flooding the console
                         logger.warning(
                             "rollout %s: %d reward failures so far; latest (%s): %s; its "
-                            "group is discarded", self.rollout_id, n, t.uid, s.error,
+                            "group is discarded",
+                            self.rollout_id,
+                            n,
+                            t.uid,
+                            s.error,
                         )
             self._call(self.buffer.insert(trajs))
             self.counts["inserted"] += len(trajs)

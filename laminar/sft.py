@@ -82,9 +82,13 @@ def warm_start(cfg: RunConfig, prompts: list[Prompt]) -> tuple[Path, dict]:
     key = json.dumps(
         {
             "base": folder_hash(base),
-            "sft": cfg.sft.model_dump(mode="json", exclude={"cache_dir", "torch_threads"}),
+            "sft": cfg.sft.model_dump(
+                mode="json", exclude={"cache_dir", "torch_threads", "micro_batch_tokens"}
+            ),
             "task": cfg.task.model_dump(mode="json"),
-            "prompts": hashlib.sha256("\n".join(p.text + "\t" + p.answer for p in prompts).encode()).hexdigest(),
+            "prompts": hashlib.sha256(
+                "\n".join(p.text + "\t" + p.answer for p in prompts).encode()
+            ).hexdigest(),
             "seed": cfg.seed,
             "version": SFT_VERSION,
         },
@@ -121,9 +125,14 @@ def evaluate(cfg: RunConfig, model, tok, prompts: list[Prompt]) -> float:
 
     r = cfg.rollout
     engine = TorchEngine(
-        model.config, model.state_dict(), eos_token_id=tok.eos_token_id,
-        pad_token_id=tok.pad_token_id, max_batch=64, max_seq_len=r.max_seq_len,
-        temperature=r.temperature, seed=cfg.seed,
+        model.config,
+        model.state_dict(),
+        eos_token_id=tok.eos_token_id,
+        pad_token_id=tok.pad_token_id,
+        max_batch=64,
+        max_seq_len=r.max_seq_len,
+        temperature=r.temperature,
+        seed=cfg.seed,
     )
     for i, p in enumerate(prompts):
         engine.add_request(
@@ -149,7 +158,9 @@ def _train(cfg: RunConfig, model, tok, prompts: list[Prompt]) -> float:
         examples.append((encode_prompt(tok, p.text), answer))
     unk = tok.unk_token_id
     if unk is not None:
-        bad = next((p for p, (q, a) in zip(prompts, examples) if unk in q or unk in a), None)
+        bad = next(
+            (p for p, (q, a) in zip(prompts, examples, strict=True) if unk in q or unk in a), None
+        )
         if bad is not None:
             raise DataError(
                 f"prompt {bad.key} ({bad.text!r} -> {bad.answer!r}) has symbols outside the "
@@ -174,11 +185,12 @@ def _train(cfg: RunConfig, model, tok, prompts: list[Prompt]) -> float:
         n_tokens = sum(len(a) for a in answers)
         opt.zero_grad(set_to_none=True)
         total = 0.0
-        lengths = [len(q) + len(a) for q, a in zip(prompts_, answers)]
+        lengths = [len(q) + len(a) for q, a in zip(prompts_, answers, strict=True)]
         for idx in micro_batches(lengths, s.micro_batch_tokens):
             ones = [np.ones(len(answers[i])) for i in idx]
-            batch = pack([prompts_[i] for i in idx], [answers[i] for i in idx], ones, ones,
-                         tok.pad_token_id)
+            batch = pack(
+                [prompts_[i] for i in idx], [answers[i] for i in idx], ones, ones, tok.pad_token_id
+            )
             nll = -(response_logprobs(model, batch) * batch.response_mask).sum() / n_tokens
             nll.backward()
             total += float(nll.detach())

@@ -15,13 +15,13 @@ task           prompt                       answer
 
 from __future__ import annotations
 
+import itertools  # noqa: F401 (doctest)
 import json
 import math
-import itertools  # noqa: F401 (doctest)
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import TypeVar
 from pathlib import Path
+from typing import TypeVar
 
 import numpy as np
 
@@ -90,7 +90,9 @@ def synthetic_prompts(
         raise DataError(f"unknown task {task!r}; choose one of {sorted(TASKS)}")
     tag, fn = TASKS[task]
     rng = np.random.default_rng(seed)
-    lengths = lognormal_lengths(rng, size, median=median_len, tail_ratio=tail_ratio, max_len=max_len)
+    lengths = lognormal_lengths(
+        rng, size, median=median_len, tail_ratio=tail_ratio, max_len=max_len
+    )
     prompts = []
     for key, n in enumerate(lengths):
         xs = [SYMBOLS[i] for i in rng.integers(0, len(SYMBOLS), size=int(n))]

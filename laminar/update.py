@@ -44,7 +44,9 @@ def pack(
     att = torch.zeros(bsz, width, dtype=torch.long)
     rmask = torch.zeros(bsz, rwidth)
     old = torch.zeros(bsz, rwidth)
-    for i, (p, r, lp, m) in enumerate(zip(prompts, responses, behavior_logprobs, loss_masks)):
+    for i, (p, r, lp, m) in enumerate(
+        zip(prompts, responses, behavior_logprobs, loss_masks, strict=True)
+    ):
         n, k = len(p), len(r)
         ids[i, :n] = torch.as_tensor(p, dtype=torch.long)
         ids[i, n : n + k] = torch.as_tensor(r, dtype=torch.long)
@@ -118,7 +120,7 @@ def grpo_step(
     model.train()
     adv = group_advantages(rewards, group_index)
     n_total = float(sum(np.asarray(m).sum() for m in loss_masks)) or 1.0
-    lengths = [len(p) + len(r) for p, r in zip(prompts, responses)]
+    lengths = [len(p) + len(r) for p, r in zip(prompts, responses, strict=True)]
     optimizer.zero_grad(set_to_none=True)
     sums: dict[str, float] = {}
     diff_max = 0.0
@@ -133,8 +135,12 @@ def grpo_step(
         weight = float(batch.response_mask.sum()) / n_total
         logp = response_logprobs(model, batch, temperature)
         loss, metrics = policy_loss(
-            logp, batch.old_logprobs, adv[idx], batch.response_mask,
-            clip_low=clip_low, clip_high=clip_high,
+            logp,
+            batch.old_logprobs,
+            adv[idx],
+            batch.response_mask,
+            clip_low=clip_low,
+            clip_high=clip_high,
         )
         (loss * weight).backward()
         with torch.no_grad():
@@ -142,7 +148,9 @@ def grpo_step(
         metrics["loss"] = float(loss.detach())
         # Behavior vs trainer logprob mismatch on the same tokens: 0 when on-policy and
         # the engine agrees with the trainer's forward; grows with staleness.
-        metrics["logprob_diff_mean"] = float(diff.sum()) / max(float(batch.response_mask.sum()), 1.0)
+        metrics["logprob_diff_mean"] = float(diff.sum()) / max(
+            float(batch.response_mask.sum()), 1.0
+        )
         diff_max = max(diff_max, float(diff.max()) if diff.numel() else 0.0)
         for k, v in metrics.items():
             sums[k] = sums.get(k, 0.0) + weight * v

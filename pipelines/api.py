@@ -23,7 +23,9 @@ from laminar.errors import ConfigError, LaminarError
 logger = logging.getLogger("laminar")
 
 
-def resolve_config(config: RunConfig | str | Path, overrides: list[str] | tuple[str, ...] = ()) -> RunConfig:
+def resolve_config(
+    config: RunConfig | str | Path, overrides: list[str] | tuple[str, ...] = ()
+) -> RunConfig:
     """A config object from a path or an object, with ``a.b=value`` overrides applied."""
     if isinstance(config, RunConfig):
         return with_overrides(config, list(overrides)) if overrides else config
@@ -88,7 +90,9 @@ class RunHandle:
             self._set_progress({"phase": "done"})
         except BaseException as e:  # surfaced by wait(); never lost in a thread
             self.error = e
-            self._set_progress({"phase": "failed", "error": "".join(traceback.format_exception_only(e)).strip()})
+            self._set_progress(
+                {"phase": "failed", "error": "".join(traceback.format_exception_only(e)).strip()}
+            )
             logger.debug("run failed", exc_info=True)
         finally:
             self._done.set()

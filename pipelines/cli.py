@@ -1,6 +1,6 @@
 """The ``laminar`` command: a thin shell over :mod:`pipelines.api`.
 
-    laminar run CONFIG [--set k=v ...] [--run-dir DIR] [--scheduler ADDRESS]
+laminar run CONFIG [--set k=v ...] [--run-dir DIR] [--scheduler ADDRESS]
 """
 
 from __future__ import annotations
@@ -42,13 +42,16 @@ def _print_summary(s: dict) -> None:
     print(f"versions           {s['versions']}")
     print(f"trajectories       {s['trajectories']} ({s['consumed']} consumed)")
     print(f"tokens             {s['prompt_tokens']} prompt + {s['response_tokens']} response")
-    print(f"staleness (mean)   " + "  ".join(f"{k[:-5]} {v:.2f}" for k, v in s["staleness"].items()))
+    print("staleness (mean)   " + "  ".join(f"{k[:-5]} {v:.2f}" for k, v in s["staleness"].items()))
     print(
         f"wall time          RL {s['rl_wall_s']:.1f} s; warm start {sft.get('wall_s', 0):.1f} s "
         f"({'cached' if sft.get('cached') else 'trained'})"
     )
     if "eval_reward" in sft:
-        print(f"warm-start reward  {sft['eval_reward']:.3f} (one sample each of {sft['eval_prompts']} prompts)")
+        print(
+            f"warm-start reward  {sft['eval_reward']:.3f} "
+            f"(one sample each of {sft['eval_prompts']} prompts)"
+        )
     print(f"checkpoint         {s['checkpoint']}")
 
 
@@ -82,8 +85,11 @@ def cmd_run(args: argparse.Namespace) -> int:
         nonlocal interrupted
         interrupted += 1
         if interrupted == 1:
-            print("\nstopping: finishing the current update and flushing the store "
-                  "(Ctrl-C again to abort)", flush=True)
+            print(
+                "\nstopping: finishing the current update and flushing the store "
+                "(Ctrl-C again to abort)",
+                flush=True,
+            )
             handle.stop()
         else:
             raise KeyboardInterrupt
@@ -125,11 +131,16 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     run = sub.add_parser("run", help="train a policy with the Laminar schedule")
     run.add_argument("config", help="YAML run config, e.g. configs/tiny.yaml")
-    run.add_argument("--set", action="append", metavar="KEY=VALUE",
-                     help="override a config field, e.g. --set trainer.steps=20 (repeatable)")
+    run.add_argument(
+        "--set",
+        action="append",
+        metavar="KEY=VALUE",
+        help="override a config field, e.g. --set trainer.steps=20 (repeatable)",
+    )
     run.add_argument("--run-dir", help="where the run's stores go (default runs/<timestamp>)")
-    run.add_argument("--scheduler", help="address of a running Dask scheduler (default: "
-                     "start a local cluster)")
+    run.add_argument(
+        "--scheduler", help="address of a running Dask scheduler (default: start a local cluster)"
+    )
     args = parser.parse_args(argv)
     _quiet_libraries()
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")

@@ -69,17 +69,37 @@ class LaminarSchedule:
         b = cfg.buffer
         pool = submit_actor(client, PromptPool, cfg, policy_dir, worker=data_w, resource="data")
         buffer = submit_actor(
-            client, ExperienceBuffer, str(self.run_dir), pool, b.flush_records,
-            b.flush_interval_s, worker=data_w, resource="data",
+            client,
+            ExperienceBuffer,
+            str(self.run_dir),
+            pool,
+            b.flush_records,
+            b.flush_interval_s,
+            worker=data_w,
+            resource="data",
         )
         trainer = submit_actor(
-            client, Trainer, cfg, policy_dir, str(self.run_dir), buffer,
-            worker=trainer_w, resource="trainer",
+            client,
+            Trainer,
+            cfg,
+            policy_dir,
+            str(self.run_dir),
+            buffer,
+            worker=trainer_w,
+            resource="trainer",
         )
         rollouts = [
             submit_actor(
-                client, RolloutReplica, f"r{i}", cfg, policy_dir, pool, buffer, trainer,
-                worker=w, resource="rollout",
+                client,
+                RolloutReplica,
+                f"r{i}",
+                cfg,
+                policy_dir,
+                pool,
+                buffer,
+                trainer,
+                worker=w,
+                resource="rollout",
             )
             for i, w in enumerate(rollout_ws)
         ]

@@ -69,9 +69,15 @@ class LaminarAccessor:
         consumed = status == "consumed"
         uid = ds["uid"].values
         if (bad := np.flatnonzero(k > m_f)).size:
-            problems.append(f"{bad.size} trajectories finish before their behavior version, e.g. {uid[bad[0]]!r}")
+            problems.append(
+                f"{bad.size} trajectories finish before their behavior version, "
+                f"e.g. {uid[bad[0]]!r}"
+            )
         if (bad := np.flatnonzero(consumed & (m_f > m_t))).size:
-            problems.append(f"{bad.size} consumed trajectories sampled before they finished, e.g. {uid[bad[0]]!r}")
+            problems.append(
+                f"{bad.size} consumed trajectories sampled before they finished, "
+                f"e.g. {uid[bad[0]]!r}"
+            )
         if (bad := np.flatnonzero(consumed != (m_t >= 0))).size:
             problems.append(f"{bad.size} trajectories have sample_version inconsistent with status")
         if (bad := np.flatnonzero(consumed == np.isnan(ds["t_sample"].values))).size:
@@ -81,7 +87,10 @@ class LaminarAccessor:
             problems.append(f"unknown statuses {sorted(unknown)}")
         values, counts = np.unique(uid, return_counts=True)
         if (counts > 1).any():
-            problems.append(f"{int((counts > 1).sum())} uids stored more than once, e.g. {values[counts > 1][0]!r}")
+            problems.append(
+                f"{int((counts > 1).sum())} uids stored more than once, "
+                f"e.g. {values[counts > 1][0]!r}"
+            )
         n_versions = ds["versions_len"].values
         if n_versions.any():
             tv = ds["token_versions"].values
@@ -89,7 +98,9 @@ class LaminarAccessor:
             for i in np.flatnonzero(n_versions):
                 seg = tv[starts[i] : starts[i] + n_versions[i]]
                 if (seg != k[i]).any():
-                    problems.append(f"trajectory {uid[i]!r} mixes weight versions {sorted(set(seg))}")
+                    problems.append(
+                        f"trajectory {uid[i]!r} mixes weight versions {sorted(set(seg))}"
+                    )
                     break
         if consumed.any():
             pu = ds["prompt_uid"].values[consumed]
@@ -97,7 +108,10 @@ class LaminarAccessor:
             want = np.zeros(len(groups), dtype=np.int64)
             want[inverse] = ds["group_size"].values[consumed]
             if (bad := np.flatnonzero(sizes != want)).size:
-                problems.append(f"{bad.size} consumed groups incomplete, e.g. {groups[bad[0]]!r} ({sizes[bad[0]]}/{want[bad[0]]})")
+                problems.append(
+                    f"{bad.size} consumed groups incomplete, e.g. {groups[bad[0]]!r} "
+                    f"({sizes[bad[0]]}/{want[bad[0]]})"
+                )
             mt = m_t[consumed]
             lo = np.full(len(groups), np.iinfo(np.int64).max)
             hi = np.full(len(groups), np.iinfo(np.int64).min)

@@ -79,19 +79,31 @@ class TrajectoryWriter:
     def _create(self) -> None:
         for name, dtype in SCALARS.items():
             self.group.create_array(
-                name, shape=(0,), dtype=dtype, chunks=(_CHUNK_TRAJ,),
-                dimension_names=[TRAJECTORY_DIM], fill_value=_fill(dtype),
+                name,
+                shape=(0,),
+                dtype=dtype,
+                chunks=(_CHUNK_TRAJ,),
+                dimension_names=[TRAJECTORY_DIM],
+                fill_value=_fill(dtype),
             )
         for group, (dim, fields) in RAGGED.items():
             for name in (f"{group}_start", f"{group}_len"):
                 self.group.create_array(
-                    name, shape=(0,), dtype="int64", chunks=(_CHUNK_TRAJ,),
-                    dimension_names=[TRAJECTORY_DIM], fill_value=0,
+                    name,
+                    shape=(0,),
+                    dtype="int64",
+                    chunks=(_CHUNK_TRAJ,),
+                    dimension_names=[TRAJECTORY_DIM],
+                    fill_value=0,
                 )
             for name, dtype in fields.items():
                 self.group.create_array(
-                    name, shape=(0,), dtype=dtype, chunks=(_CHUNK_TOK,),
-                    dimension_names=[dim], fill_value=_fill(dtype),
+                    name,
+                    shape=(0,),
+                    dtype=dtype,
+                    chunks=(_CHUNK_TOK,),
+                    dimension_names=[dim],
+                    fill_value=_fill(dtype),
                 )
         self.group.attrs.update(
             {

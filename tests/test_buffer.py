@@ -12,8 +12,22 @@ from laminar.contract import Trajectory
 def traj(uid, group, size, idx=0, version=0, reason="eos", reward=1.0):
     z = np.zeros(2, np.int32)
     return Trajectory(
-        uid, group, 0, idx, size, z, z, z.astype(np.float32), z.astype(np.uint8),
-        version, reason, "r0", 0.0, 0.0, 0.0, reward=reward,
+        uid,
+        group,
+        0,
+        idx,
+        size,
+        z,
+        z,
+        z.astype(np.float32),
+        z.astype(np.uint8),
+        version,
+        reason,
+        "r0",
+        0.0,
+        0.0,
+        0.0,
+        reward=reward,
     )
 
 
@@ -71,7 +85,9 @@ class BufferMachine(RuleBasedStateMachine):
         expect = self.completed_order[:n]
         del self.completed_order[:n]
         assert out is not None
-        assert [t.prompt_uid for t in out] == [g for g in expect for _ in range(self.group_sizes[g])]
+        assert [t.prompt_uid for t in out] == [
+            g for g in expect for _ in range(self.group_sizes[g])
+        ]
         for t in out:
             assert t.status == "consumed" and t.sample_version == self.version
             assert t.uid not in self.left

@@ -9,9 +9,14 @@ def test_placement_needs_role_resources(small_config):
 
     import pipelines
 
-    with LocalCluster(n_workers=1, processes=False, dashboard_address=":0") as cluster, Client(cluster) as client:
+    with (
+        LocalCluster(n_workers=1, processes=False, dashboard_address=":0") as cluster,
+        Client(cluster) as client,
+    ):
         assert workers_with(client, "rollout") == []
-        with pytest.raises(ClusterError, match=r"0 worker\(s\) with resource 'data'.*--resources data=1"):
+        with pytest.raises(
+            ClusterError, match=r"0 worker\(s\) with resource 'data'.*--resources data=1"
+        ):
             pipelines.submit(small_config, client)
 
 

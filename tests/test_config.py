@@ -1,9 +1,9 @@
+import pydantic
 import pytest
+from conftest import REPO
 
 from laminar.config import RunConfig, load_config, with_overrides
 from laminar.errors import ConfigError
-
-from conftest import REPO
 
 
 def test_tiny_config_loads_and_records_every_section():
@@ -14,7 +14,9 @@ def test_tiny_config_loads_and_records_every_section():
 
 
 def test_overrides_are_typed():
-    cfg = with_overrides(RunConfig(), ["trainer.lr=1e-4", "sft.enabled=false", "task.prompt_file=p.jsonl"])
+    cfg = with_overrides(
+        RunConfig(), ["trainer.lr=1e-4", "sft.enabled=false", "task.prompt_file=p.jsonl"]
+    )
     assert cfg.trainer.lr == 1e-4 and cfg.sft.enabled is False and cfg.task.prompt_file == "p.jsonl"
 
 
@@ -55,5 +57,5 @@ def test_bad_files(tmp_path):
 
 def test_config_is_frozen():
     cfg = RunConfig()
-    with pytest.raises(Exception):
+    with pytest.raises(pydantic.ValidationError, match="frozen"):
         cfg.trainer.steps = 3  # type: ignore[misc]

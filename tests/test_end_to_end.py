@@ -15,8 +15,8 @@ import time
 
 import numpy as np
 import pytest
-
 from conftest import REPO, SMALL_RUN
+
 from storage import open_run
 
 pytestmark = pytest.mark.slow
@@ -40,8 +40,13 @@ def check_store(run_dir, expect_consumed_groups=None):
 def laminar_cli(*args, **kw):
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     return subprocess.Popen(
-        [sys.executable, "-m", "pipelines.cli", *args], cwd=REPO, env=env, text=True,
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, **kw,
+        [sys.executable, "-m", "pipelines.cli", *args],
+        cwd=REPO,
+        env=env,
+        text=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        **kw,
     )
 
 
@@ -62,7 +67,9 @@ def test_cli_run_end_to_end(tmp_path):
     assert np.isfinite(summary["reward_first_20pct"]) and np.isfinite(summary["reward_last_20pct"])
     assert (run_dir / "config.yaml").exists()
     ckpt = run_dir / "checkpoints" / "version-000004"
-    assert {"config.json", "model.safetensors", "tokenizer.json", "optimizer.pt"} <= {p.name for p in ckpt.iterdir()}
+    assert {"config.json", "model.safetensors", "tokenizer.json", "optimizer.pt"} <= {
+        p.name for p in ckpt.iterdir()
+    }
     ds = check_store(run_dir, expect_consumed_groups=16)
     assert set(ds["sample_version"].values[ds["status"].values == "consumed"]) == {0, 1, 2, 3}
     assert ds.sizes["trajectory"] == summary["trajectories"]
@@ -70,8 +77,13 @@ def test_cli_run_end_to_end(tmp_path):
 
 def test_cli_ctrl_c_stops_cleanly_with_the_store_intact(tmp_path):
     run_dir = tmp_path / "run"
-    proc = laminar_cli("run", "configs/tiny.yaml", "--run-dir", str(run_dir),
-                       *sets(SMALL_RUN + ["trainer.steps=1000"]))
+    proc = laminar_cli(
+        "run",
+        "configs/tiny.yaml",
+        "--run-dir",
+        str(run_dir),
+        *sets(SMALL_RUN + ["trainer.steps=1000"]),
+    )
     lines = []
     deadline = time.time() + 300
     for line in proc.stdout:
@@ -91,19 +103,28 @@ def test_cli_ctrl_c_stops_cleanly_with_the_store_intact(tmp_path):
 
 
 def test_bad_config_fails_before_any_work(tmp_path):
-    proc = laminar_cli("run", "configs/tiny.yaml", "--run-dir", str(tmp_path / "r"),
-                       "--set", "trainer.stepz=3")
+    proc = laminar_cli(
+        "run", "configs/tiny.yaml", "--run-dir", str(tmp_path / "r"), "--set", "trainer.stepz=3"
+    )
     out, _ = proc.communicate(timeout=60)
     assert proc.returncode == 2 and "trainer.stepz: unknown key" in out
     assert not (tmp_path / "r").exists()
-    proc = laminar_cli("run", "configs/tiny.yaml", "--run-dir", str(tmp_path / "r"),
-                       "--set", f"model.path={tmp_path / 'missing'}")
+    proc = laminar_cli(
+        "run",
+        "configs/tiny.yaml",
+        "--run-dir",
+        str(tmp_path / "r"),
+        "--set",
+        f"model.path={tmp_path / 'missing'}",
+    )
     out, _ = proc.communicate(timeout=60)
     assert proc.returncode == 2 and "does not exist; set model.path" in out
     assert "dashboard" not in out  # no cluster was started
 
 
-def test_api_submit_is_non_blocking_and_stop_keeps_every_trajectory(cluster_client, small_config, tmp_path):
+def test_api_submit_is_non_blocking_and_stop_keeps_every_trajectory(
+    cluster_client, small_config, tmp_path
+):
     import pipelines
     from laminar.config import with_overrides
 
@@ -126,11 +147,17 @@ def test_api_submit_is_non_blocking_and_stop_keeps_every_trajectory(cluster_clie
     assert set(np.unique(ds["status"].values)) <= {"consumed", "buffered"}
 
 
-def test_failing_reward_marks_trajectories_and_the_run_goes_on(cluster_client, small_config, tmp_path):
+def test_failing_reward_marks_trajectories_and_the_run_goes_on(
+    cluster_client, small_config, tmp_path
+):
     import pipelines
 
-    run = pipelines.submit(small_config, cluster_client, run_dir=tmp_path / "run",
-                           overrides=["task.reward=laminar.rewards:_broken"])
+    run = pipelines.submit(
+        small_config,
+        cluster_client,
+        run_dir=tmp_path / "run",
+        overrides=["task.reward=laminar.rewards:_broken"],
+    )
     deadline = time.time() + 120
     while run.progress().get("trajectories", 0) < 32 and time.time() < deadline:
         assert not run.done(), run.error
@@ -151,14 +178,24 @@ def test_any_hf_folder_and_a_jsonl_prompt_file(cluster_client, small_config, tin
     import pipelines
 
     prompts = tmp_path / "prompts.jsonl"
-    prompts.write_text("".join(
-        json.dumps({"prompt": f"n {n} >", "answer": " ".join(str(i) for i in range(1, n + 1))}) + "\n"
-        for n in range(1, 9)
-    ))
+    prompts.write_text(
+        "".join(
+            json.dumps({"prompt": f"n {n} >", "answer": " ".join(str(i) for i in range(1, n + 1))})
+            + "\n"
+            for n in range(1, 9)
+        )
+    )
     run = pipelines.submit(
-        small_config, cluster_client, run_dir=tmp_path / "run",
-        overrides=[f"model.path={tiny_policy}", f"task.prompt_file={prompts}",
-                   "task.reward=prefix_credit", "sft.enabled=false", "trainer.steps=2"],
+        small_config,
+        cluster_client,
+        run_dir=tmp_path / "run",
+        overrides=[
+            f"model.path={tiny_policy}",
+            f"task.prompt_file={prompts}",
+            "task.reward=prefix_credit",
+            "sft.enabled=false",
+            "trainer.steps=2",
+        ],
     )
     summary = run.wait(timeout=300)
     assert summary["reason"] == "completed" and summary["versions"] == 2

@@ -1,7 +1,7 @@
 import math
 
 import torch
-from hypothesis import given, settings
+from hypothesis import given
 from hypothesis import strategies as st
 
 from laminar.losses import group_advantages, policy_loss
@@ -34,7 +34,9 @@ def test_advantages_invariant_to_constant_shift(rows, shift):
 
 
 def test_advantages_normalised_by_group_std():
-    adv = group_advantages(torch.tensor([0.0, 2.0, 0.0, 0.0, 4.0, 4.0]), torch.tensor([0, 0, 1, 1, 2, 2]))
+    adv = group_advantages(
+        torch.tensor([0.0, 2.0, 0.0, 0.0, 4.0, 4.0]), torch.tensor([0, 0, 1, 1, 2, 2])
+    )
     assert torch.allclose(adv, torch.tensor([-1.0, 1.0, 0.0, 0.0, 0.0, 0.0]), atol=1e-5)
     centred = group_advantages(torch.tensor([0.0, 2.0]), torch.tensor([7, 7]), norm_by_std=False)
     assert torch.allclose(centred, torch.tensor([-1.0, 1.0]))
@@ -93,9 +95,20 @@ def test_micro_batched_step_equals_one_full_batch_step(tiny_policy):
     for budget in (10**6, 40):
         m = copy.deepcopy(model)
         opt = torch.optim.SGD(m.parameters(), lr=0.0)
-        metrics = grpo_step(m, opt, prompts, responses, logps, masks, rewards, groups,
-                            pad_token_id=tok.pad_token_id, clip_low=0.2, clip_high=0.28,
-                            micro_batch_tokens=budget)
+        metrics = grpo_step(
+            m,
+            opt,
+            prompts,
+            responses,
+            logps,
+            masks,
+            rewards,
+            groups,
+            pad_token_id=tok.pad_token_id,
+            clip_low=0.2,
+            clip_high=0.28,
+            micro_batch_tokens=budget,
+        )
         grads.append(torch.cat([p.grad.flatten() for p in m.parameters() if p.grad is not None]))
         assert np.isfinite(metrics["loss"])
     assert torch.allclose(grads[0], grads[1], atol=1e-6, rtol=1e-4)

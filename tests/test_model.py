@@ -19,13 +19,17 @@ def policy(tiny_policy):
 
 def make_engine(policy, **kw):
     model, tok = policy
-    opts = dict(eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, max_batch=8, max_seq_len=48)
+    opts = dict(
+        eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, max_batch=8, max_seq_len=48
+    )
     return TorchEngine(model.config, model.state_dict(), **(opts | kw))
 
 
 def test_policy_folder_is_a_plain_hf_checkpoint(tiny_policy, policy):
     model, tok = policy
-    assert {"config.json", "model.safetensors", "tokenizer.json"} <= {p.name for p in tiny_policy.iterdir()}
+    assert {"config.json", "model.safetensors", "tokenizer.json"} <= {
+        p.name for p in tiny_policy.iterdir()
+    }
     assert 1_000_000 <= sum(p.numel() for p in model.parameters()) <= 5_000_000
     assert tok.decode(tok("n 12 >")["input_ids"]) == "n 12 >"
     from transformers import AutoModelForCausalLM
@@ -42,8 +46,8 @@ def test_cached_decoder_matches_hf_forward_with_left_padding(policy):
     toks = torch.zeros(len(seqs), width, dtype=torch.long)
     valid = torch.zeros(len(seqs), width + 1, dtype=torch.bool)
     for i, s in enumerate(seqs):
-        toks[i, width - len(s):] = torch.tensor(s)
-        valid[i, width - len(s):width] = True
+        toks[i, width - len(s) :] = torch.tensor(s)
+        valid[i, width - len(s) : width] = True
     pos = (valid[:, :width].long().cumsum(1) - 1).clamp(min=0)
     cache = dec.new_cache(len(seqs), width + 1)
     logits = dec.forward(toks, pos, cache, 0, valid)
@@ -67,8 +71,13 @@ def test_behavior_logprobs_match_the_trainer_forward(policy):
     while eng.has_work():
         outs += eng.step()
     outs.sort(key=lambda o: o.request.request_id)
-    batch = pack([np.array(o.request.prompt_tokens) for o in outs], [o.response_tokens for o in outs],
-                 [o.logprobs for o in outs], [np.ones(len(o.response_tokens)) for o in outs], tok.pad_token_id)
+    batch = pack(
+        [np.array(o.request.prompt_tokens) for o in outs],
+        [o.response_tokens for o in outs],
+        [o.logprobs for o in outs],
+        [np.ones(len(o.response_tokens)) for o in outs],
+        tok.pad_token_id,
+    )
     with torch.no_grad():
         trainer_lp = response_logprobs(model, batch, temperature=0.7)
     diff = ((trainer_lp - batch.old_logprobs).abs() * batch.response_mask).max()
@@ -82,7 +91,9 @@ def test_engine_finishes_every_request_and_reports_kv(policy):
     assert eng.kv_stats().waiting == 5
     eng.step()
     kv = eng.kv_stats()
-    assert kv.running == 3 and kv.waiting == 2 and 0 < kv.used_tokens <= kv.capacity_tokens == 3 * 48
+    assert (
+        kv.running == 3 and kv.waiting == 2 and 0 < kv.used_tokens <= kv.capacity_tokens == 3 * 48
+    )
     outs = eng.step()
     while eng.has_work():
         outs += eng.step()
@@ -142,8 +153,15 @@ def test_cached_decoder_matches_qwen2_with_biases_and_gqa():
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     torch.manual_seed(0)
-    cfg = Qwen2Config(vocab_size=50, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    cfg = Qwen2Config(
+        vocab_size=50,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+    )
     model = Qwen2ForCausalLM(cfg).eval()
     with torch.no_grad():  # HF initialises biases to zero: make them matter
         for layer in model.model.layers:

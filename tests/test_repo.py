@@ -5,7 +5,6 @@ import re
 import tomllib
 
 import yaml
-
 from conftest import REPO
 
 README = (REPO / "README.md").read_text()
@@ -56,8 +55,24 @@ def _imports(path):
 
 
 def test_imports_point_down_only():
-    forbidden = {"storage": {"laminar", "pipelines", "torch", "distributed"}, "laminar": {"pipelines"}}
+    forbidden = {
+        "storage": {"laminar", "pipelines", "torch", "distributed"},
+        "laminar": {"pipelines"},
+    }
     for package, banned in forbidden.items():
         for path in (REPO / package).rglob("*.py"):
             bad = banned & set(_imports(path))
             assert not bad, f"{path.relative_to(REPO)} imports {sorted(bad)}"
+
+
+def test_code_passes_ruff():
+    import subprocess
+    import sys
+
+    result = subprocess.run(
+        [sys.executable, "-m", "ruff", "check", "laminar", "pipelines", "storage", "tests"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr

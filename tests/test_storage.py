@@ -13,13 +13,26 @@ from storage.trajectories import StoreError
 
 def record(i, n_prompt=3, n_resp=4, **kw):
     t = Trajectory(
-        uid=f"u{i}", prompt_uid=f"p{i // 2}", prompt_key=i, sample_idx=i % 2, group_size=2,
+        uid=f"u{i}",
+        prompt_uid=f"p{i // 2}",
+        prompt_key=i,
+        sample_idx=i % 2,
+        group_size=2,
         prompt_tokens=np.arange(n_prompt, dtype=np.int32),
         response_tokens=np.arange(n_resp, dtype=np.int32) + 100,
         behavior_logprobs=-np.linspace(0, 1, n_resp).astype(np.float32),
-        loss_mask=np.ones(n_resp, np.uint8), behavior_version=1, finish_reason="eos",
-        rollout_ids="r0", t_submit=1.0, t_start=2.0, t_finish=3.0,
-        finish_version=2, sample_version=3, reward=0.5, t_insert=4.0, t_sample=5.0,
+        loss_mask=np.ones(n_resp, np.uint8),
+        behavior_version=1,
+        finish_reason="eos",
+        rollout_ids="r0",
+        t_submit=1.0,
+        t_start=2.0,
+        t_finish=3.0,
+        finish_version=2,
+        sample_version=3,
+        reward=0.5,
+        t_insert=4.0,
+        t_sample=5.0,
         status="consumed",
     )
     for k, v in kw.items():
@@ -31,8 +44,16 @@ def test_contract_and_schema_agree():
     assert set(Trajectory.field_names()) == set(ALL_FIELDS)
 
 
-@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(st.lists(st.lists(st.tuples(st.integers(1, 9), st.integers(0, 12)), min_size=1, max_size=6), min_size=1, max_size=4))
+@settings(
+    max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(
+    st.lists(
+        st.lists(st.tuples(st.integers(1, 9), st.integers(0, 12)), min_size=1, max_size=6),
+        min_size=1,
+        max_size=4,
+    )
+)
 def test_ragged_round_trip(tmp_path_factory, batches):
     path = tmp_path_factory.mktemp("store")
     w = TrajectoryWriter(path)
@@ -56,7 +77,12 @@ def test_torn_append_is_invisible_and_truncated_on_reopen(tmp_path):
     # A writer that died mid-append: token arrays grown, per-trajectory arrays not, no commit.
     w.group["response_tokens"].append(np.arange(50, dtype=np.int32))
     w.group["uid"].append(np.array(["ghost"], dtype=w.group["uid"].dtype))
-    assert open_run(tmp_path).sizes == {"trajectory": 2, "prompt_token": 6, "response_token": 8, "version_token": 0}
+    assert open_run(tmp_path).sizes == {
+        "trajectory": 2,
+        "prompt_token": 6,
+        "response_token": 8,
+        "version_token": 0,
+    }
     assert len(open_trajectories(tmp_path)["response_tokens"]) == 8
     w2 = TrajectoryWriter(tmp_path)  # reopening drops the uncommitted tail
     w2.append([record(2)])
@@ -83,7 +109,9 @@ def test_audit_finds_violations(tmp_path):
     w = TrajectoryWriter(tmp_path)
     w.append([record(0), record(1)])
     assert open_run(tmp_path).laminar.audit() == []
-    w.append([record(2, finish_version=0), record(2)])  # finishes early; uid twice; group p1 incomplete
+    w.append(
+        [record(2, finish_version=0), record(2)]
+    )  # finishes early; uid twice; group p1 incomplete
     problems = open_run(tmp_path).laminar.audit()
     text = "\n".join(problems)
     assert "finish before their behavior version" in text

@@ -10,7 +10,9 @@ from laminar.tasks import TASKS, jsonl_prompts, synthetic_prompts
 
 
 def test_answer_lengths_are_long_tailed_like_the_paper():
-    prompts = synthetic_prompts("count", size=20000, median_len=6, tail_ratio=10, max_len=255, seed=0)
+    prompts = synthetic_prompts(
+        "count", size=20000, median_len=6, tail_ratio=10, max_len=255, seed=0
+    )
     lengths = np.array([len(p.answer.split()) for p in prompts])
     assert 5 <= np.median(lengths) <= 7
     assert 8 <= np.percentile(lengths, 99) / np.median(lengths) <= 12
@@ -21,8 +23,12 @@ def test_synthetic_answers_follow_the_rule(task):
     for p in synthetic_prompts(task, size=50, median_len=4, tail_ratio=3, max_len=20, seed=1):
         tag, *xs, arrow = p.text.split()
         assert arrow == ">" and tag == TASKS[task][0]
-        expect = {"count": [str(i) for i in range(1, int(xs[0]) + 1)] if xs else [], "copy": xs,
-                  "reverse": xs[::-1], "sort": sorted(xs)}[task]
+        expect = {
+            "count": [str(i) for i in range(1, int(xs[0]) + 1)] if xs else [],
+            "copy": xs,
+            "reverse": xs[::-1],
+            "sort": sorted(xs),
+        }[task]
         assert p.answer.split() == expect
 
 
@@ -35,7 +41,9 @@ def test_jsonl_prompts_and_their_errors(tmp_path):
     f = tmp_path / "p.jsonl"
     f.write_text(json.dumps({"prompt": "n 2 >", "answer": "1 2"}) + "\n\n")
     assert jsonl_prompts(f)[0].answer == "1 2"
-    f.write_text(json.dumps({"prompt": "n 2 >", "answer": "1 2"}) + "\n" + json.dumps({"prompt": "x"}) + "\n")
+    f.write_text(
+        json.dumps({"prompt": "n 2 >", "answer": "1 2"}) + "\n" + json.dumps({"prompt": "x"}) + "\n"
+    )
     with pytest.raises(DataError, match=r"p.jsonl:2: field 'answer' is missing"):
         jsonl_prompts(f)
     f.write_text("{not json\n")

@@ -1,0 +1,38 @@
+"""The warm start is cached by a content hash of everything that shapes it."""
+
+import json
+
+from laminar.config import with_overrides
+from laminar.prompt_pool import load_prompts
+from laminar.sft import warm_start
+
+
+def test_warm_start_is_cached_by_its_inputs(small_config, tmp_path):
+    cfg = with_overrides(small_config, [f"sft.cache_dir={tmp_path}", "sft.steps=3"])
+    prompts = load_prompts(cfg)
+    path, info = warm_start(cfg, prompts)
+    assert info["cached"] is False and 0 <= info["eval_reward"] <= 1
+    assert {"config.json", "model.safetensors", "tokenizer.json"} <= {
+        p.name for p in path.iterdir()
+    }
+    again, info2 = warm_start(cfg, prompts)
+    assert again == path and info2["cached"] is True
+    assert info2["eval_reward"] == json.loads((path / "sft_info.json").read_text())["eval_reward"]
+    # Anything that changes the result changes the entry; threads and micro-batching do not.
+    assert warm_start(with_overrides(cfg, ["sft.demo_error_rate=0.2"]), prompts)[0] != path
+    assert (
+        warm_start(
+            with_overrides(cfg, ["sft.torch_threads=1", "sft.micro_batch_tokens=64"]), prompts
+        )[0]
+        == path
+    )
+    assert warm_start(cfg, prompts[:-1])[0] != path
+
+
+def test_disabled_warm_start_uses_the_base_policy(small_config, tiny_policy, tmp_path):
+    cfg = with_overrides(
+        small_config,
+        [f"sft.cache_dir={tmp_path}", "sft.enabled=false", f"model.path={tiny_policy}"],
+    )
+    path, info = warm_start(cfg, load_prompts(cfg))
+    assert path == tiny_policy and info["cached"] is True
