@@ -121,10 +121,17 @@ class BufferCore:
         self.partial.clear()
         return out
 
-    def stats(self) -> dict[str, int]:
+    def oldest_insert(self) -> float:
+        """``t_insert`` of the oldest trajectory held (NaN when empty): buffer age."""
+        times = [m.t_insert for g in self.ready.values() for m in g]
+        times += [m.t_insert for g in self.partial.values() for m in g.members]
+        return min(times, default=float("nan"))
+
+    def stats(self) -> dict[str, float]:
         return {
             **self.counts,
             "depth": self.depth,
+            "oldest_t_insert": self.oldest_insert(),
             "ready_groups": len(self.ready),
             "partial_groups": len(self.partial),
         }

@@ -98,8 +98,9 @@ class Trainer:
             "last": self.history[-1] if self.history else None,
         }
 
-    def get_history(self) -> list[dict]:
-        return list(self.history)
+    def get_history(self, start: int = 0) -> list[dict]:
+        """Per-update metrics from update ``start`` on (0-based)."""
+        return self.history[start:]
 
     def _run(self) -> None:
         try:

@@ -29,6 +29,24 @@ from laminar.prompt_pool import PromptPool, load_prompts
 from laminar.rollout import RolloutReplica
 from laminar.trainer import Trainer
 
+METRICS_FLUSH_S = 5.0
+# Rollout stats recorded per poll (besides the rollout id and the time).
+ROLLOUT_METRICS = (
+    "version",
+    "kv_used",
+    "kv_capacity",
+    "running",
+    "batches",
+    "trajectories",
+    "response_tokens",
+    "decode_steps",
+    "weight_loads",
+    "idle_s",
+    "weight_wait_s",
+    "decode_s",
+    "reward_errors",
+)
+
 
 def prepare_policy(cfg: RunConfig) -> tuple[str, dict]:
     """Dask task: the warm-started policy folder (cached) and how it was obtained."""
@@ -106,21 +124,29 @@ class LaminarSchedule:
         self.actors = {"pool": pool, "buffer": buffer, "trainer": trainer, "rollouts": rollouts}
 
     def run(self, progress: Callable[[dict], None], should_stop: Callable[[], bool]) -> dict:
+        from storage.metrics import MetricsWriter
+
         a = self.actors
         a["trainer"].start().result()
         for r in a["rollouts"]:
             r.start().result()
-        t_start = last_t = time.time()
+        self.metrics = MetricsWriter(self.run_dir)
+        self._rows: dict[str, list[dict]] = {"cluster": [], "rollouts": []}
+        self._n_updates = 0
+        t_start = last_t = last_flush = time.time()
         last_tokens = 0
         reason = "completed"
         while True:
             time.sleep(0.5)
             t_stats = a["trainer"].stats().result()
             b_stats = a["buffer"].stats().result()
+            p_stats = a["pool"].stats().result()
             r_stats = [r.stats().result() for r in a["rollouts"]]
             now = time.time()
             tokens = sum(s["response_tokens"] for s in r_stats)
+            gen_tok_s = (tokens - last_tokens) / max(now - last_t, 1e-9)
             last = t_stats["last"] or {}
+            self._record(now - t_start, now, t_stats, b_stats, p_stats, r_stats, tokens)
             progress(
                 {
                     "phase": "training",
@@ -129,7 +155,7 @@ class LaminarSchedule:
                     "steps": t_stats["steps"],
                     "reward": last.get("reward_mean"),
                     "s_train_mean": last.get("s_train_mean"),
-                    "gen_tok_s": (tokens - last_tokens) / max(now - last_t, 1e-9),
+                    "gen_tok_s": gen_tok_s,
                     "buffer_depth": b_stats["depth"],
                     "trajectories": b_stats["inserted"],
                     "discarded": b_stats["discarded"],
@@ -137,6 +163,9 @@ class LaminarSchedule:
                 }
             )
             last_t, last_tokens = now, tokens
+            if now - last_flush > METRICS_FLUSH_S:
+                self._flush_metrics()
+                last_flush = now
             failed = [s for s in r_stats if s["error"]] + ([t_stats] if t_stats["error"] else [])
             if failed:
                 reason = "failed: " + failed[0]["error"].strip().splitlines()[-1]
@@ -148,13 +177,48 @@ class LaminarSchedule:
                 break
         return self.shutdown(reason, t_start)
 
+    def _record(self, elapsed, now, t_stats, b_stats, p_stats, r_stats, tokens) -> None:
+        """One row of the ``cluster`` table and one ``rollouts`` row per replica."""
+        oldest = b_stats["oldest_t_insert"]
+        self._rows["cluster"].append(
+            {
+                "elapsed_s": elapsed,
+                "wall_time": now,
+                "version": t_stats["version"],
+                "buffer_depth": b_stats["depth"],
+                "ready_groups": b_stats["ready_groups"],
+                "partial_groups": b_stats["partial_groups"],
+                "inserted": b_stats["inserted"],
+                "consumed": b_stats["consumed"],
+                "discarded": b_stats["discarded"],
+                "oldest_buffered_age_s": now - oldest,  # NaN when the buffer is empty
+                "outstanding_groups": p_stats["outstanding"],
+                "dispatched_groups": p_stats["dispatched"],
+                "response_tokens": tokens,
+                "trainer_wait_s": t_stats["wait_s"],
+            }
+        )
+        for s in r_stats:
+            self._rows["rollouts"].append(
+                {"elapsed_s": elapsed, "rollout": s["rollout_id"]}
+                | {k: s[k] for k in ROLLOUT_METRICS}
+            )
+
+    def _flush_metrics(self) -> None:
+        for table, rows in self._rows.items():
+            self.metrics.append(table, rows)
+            rows.clear()
+        new = self.actors["trainer"].get_history(self._n_updates).result()
+        self.metrics.append("updates", new)
+        self._n_updates += len(new)
+
     def shutdown(self, reason: str, t_start: float) -> dict:
         """Stop rollouts (their rewarded trajectories still reach the buffer), then the
         trainer (final checkpoint), then close the buffer (flushes the store)."""
         a = self.actors
         r_stats = [r.stop().result() for r in a["rollouts"]]
         t_stats = a["trainer"].stop().result()
-        history = a["trainer"].get_history().result()
+        self._flush_metrics()
         b_stats = a["buffer"].close().result()
         p_stats = a["pool"].stats().result()
         wall = time.time() - t_start
@@ -165,7 +229,7 @@ class LaminarSchedule:
             "buffer": b_stats,
             "pool": p_stats,
             "rollouts": r_stats,
-            "history": history,
+            "updates": self._n_updates,
         }
 
 
@@ -184,7 +248,6 @@ def summarize(run_dir: Path, raw: dict, sft_info: dict, cfg: RunConfig) -> dict:
     last = float(np.mean(rewards[-k:])) if len(rewards) else float("nan")
     consumed = ds["status"].values == "consumed"
     st = ds.laminar.summary()
-    history = raw.get("history", [])
     summary = {
         "run_dir": str(run_dir),
         "reason": raw["reason"],
@@ -206,7 +269,7 @@ def summarize(run_dir: Path, raw: dict, sft_info: dict, cfg: RunConfig) -> dict:
         "pool": raw["pool"],
         "rollouts": raw["rollouts"],
         "checkpoint": raw["trainer"]["checkpoint"],
-        "updates": history,
+        "metrics": str(run_dir / "metrics.zarr"),
     }
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2, default=float))
     return summary

@@ -70,6 +70,15 @@ def test_cli_run_end_to_end(tmp_path):
     assert {"config.json", "model.safetensors", "tokenizer.json", "optimizer.pt"} <= {
         p.name for p in ckpt.iterdir()
     }
+    from storage.metrics import open_metrics
+
+    updates = open_metrics(run_dir, "updates")
+    assert updates["version"].values.tolist() == [1, 2, 3, 4]
+    assert np.isfinite(updates["loss"].values).all()
+    cluster = open_metrics(run_dir, "cluster")
+    assert cluster.sizes["time"] >= 1 and (np.diff(cluster["inserted"].values) >= 0).all()
+    rollouts = open_metrics(run_dir, "rollouts")
+    assert sorted(rollouts["rollout"].values) == ["r0", "r1"]
     ds = check_store(run_dir, expect_consumed_groups=16)
     assert set(ds["sample_version"].values[ds["status"].values == "consumed"]) == {0, 1, 2, 3}
     assert ds.sizes["trajectory"] == summary["trajectories"]
