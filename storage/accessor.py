@@ -4,6 +4,8 @@
 >>> ds.laminar.staleness()                                         # doctest: +SKIP
 >>> ds.laminar.tokens("response_tokens", 0)                        # doctest: +SKIP
 >>> ds.laminar.audit()       # [] when every contract invariant holds  # doctest: +SKIP
+>>> ds.laminar.reward_curve(by="version").plot()                   # doctest: +SKIP
+>>> ds.laminar.throughput(window=10).to_dataframe()                # doctest: +SKIP
 """
 
 from __future__ import annotations
@@ -35,6 +37,115 @@ class LaminarAccessor:
         ds = self._ds
         consumed = ds.isel({"trajectory": np.flatnonzero(ds["status"].values == "consumed")})
         return consumed[["behavior_version", "s_gen", "residence", "s_train"]]
+
+    def staleness_histogram(self) -> xr.Dataset:
+        """Counts of consumed trajectories per staleness value (in versions), for
+        ``s_gen``, ``residence`` and ``s_train``, on a ``staleness`` dimension."""
+        st = self.staleness()
+        names = ("s_gen", "residence", "s_train")
+        top = max((int(st[n].max()) for n in names if st.sizes["trajectory"]), default=0)
+        edges = np.arange(top + 2)  # one bin per integer staleness 0..top
+        out = {n: ("staleness", np.histogram(st[n].values, bins=edges - 0.5)[0]) for n in names}
+        return xr.Dataset(out, coords={"staleness": edges[:-1]})
+
+    @property
+    def t0(self) -> float:
+        """Wall-clock origin of the run: the first request's submit time."""
+        return float(np.nanmin(self._ds["t_submit"].values))
+
+    def buffer_age(self) -> xr.DataArray:
+        """Seconds each consumed trajectory spent in the buffer (``t_sample - t_insert``)."""
+        ds = self._ds
+        idx = np.flatnonzero(ds["status"].values == "consumed")
+        age = ds["t_sample"].values[idx] - ds["t_insert"].values[idx]
+        return xr.DataArray(age, dims="trajectory", coords={"trajectory": idx}, name="buffer_age_s")
+
+    def _windows(self, t: np.ndarray, window: float) -> np.ndarray:
+        return np.floor((t - self.t0) / window).astype(np.int64)
+
+    def throughput(self, window: float = 10.0) -> xr.Dataset:
+        """Tokens per second in windows of ``window`` seconds since the run started.
+
+        ``generated``: prompt + response tokens of trajectories that finished in the window;
+        ``trained``: those of trajectories the trainer consumed in the window.
+        """
+        ds = self._ds
+        tokens = (ds["prompt_len"].values + ds["response_len"].values).astype(np.float64)
+        finish = self._windows(ds["t_finish"].values, window)
+        consumed = ds["status"].values == "consumed"
+        sample = self._windows(ds["t_sample"].values[consumed], window)
+        n = int(max(finish.max(initial=-1), sample.max(initial=-1))) + 1
+        gen = np.bincount(finish, weights=tokens, minlength=n)[:n] / window
+        trained = np.bincount(sample, weights=tokens[consumed], minlength=n)[:n] / window
+        return xr.Dataset(
+            {"generated": ("time", gen), "trained": ("time", trained)},
+            coords={"time": np.arange(n) * window},
+            attrs={"units": "tokens/s", "window_s": window},
+        )
+
+    def reward_curve(self, by: str = "version", window: float = 10.0) -> xr.DataArray:
+        """Mean reward by ``behavior_version`` (``by="version"``) or by finish-time window
+        (``by="time"``, seconds since the run started); failed rewards are left out."""
+        ds = self._ds
+        ok = ds["finish_reason"].values != "error"
+        reward = ds["reward"].values[ok].astype(np.float64)
+        if by == "version":
+            key, dim = ds["behavior_version"].values[ok], "behavior_version"
+        elif by == "time":
+            key, dim = self._windows(ds["t_finish"].values[ok], window), "time"
+        else:
+            raise ValueError(f"by={by!r}; choose 'version' or 'time'")
+        keys, inverse = np.unique(key, return_inverse=True)
+        mean = np.bincount(inverse, weights=reward) / np.bincount(inverse)
+        coord = keys * window if by == "time" else keys
+        return xr.DataArray(mean, dims=dim, coords={dim: coord}, name="reward")
+
+    def groups(self) -> xr.Dataset:
+        """One row per prompt group (``prompt_uid``): siblings stored, group size,
+        completeness, weight versions within the group, and how many were consumed."""
+        ds = self._ds
+        pu = ds["prompt_uid"].values
+        uids, inverse = np.unique(pu, return_inverse=True)
+        n = len(uids)
+        stored = np.bincount(inverse, minlength=n)
+        size = np.zeros(n, np.int64)
+        size[inverse] = ds["group_size"].values
+        k = ds["behavior_version"].values
+        vmin = np.full(n, np.iinfo(np.int64).max)
+        vmax = np.full(n, np.iinfo(np.int64).min)
+        np.minimum.at(vmin, inverse, k)
+        np.maximum.at(vmax, inverse, k)
+        consumed = np.bincount(inverse, weights=ds["status"].values == "consumed", minlength=n)
+        return xr.Dataset(
+            {
+                "stored": ("group", stored),
+                "group_size": ("group", size),
+                "complete": ("group", stored == size),
+                "versions": ("group", vmax - vmin + 1),
+                "consumed": ("group", consumed.astype(np.int64)),
+            },
+            coords={"group": uids},
+        )
+
+    def by_rollout(self) -> xr.Dataset:
+        """Per rollout (the last in ``rollout_ids``): trajectories, response tokens, mean
+        reward and mean response length."""
+        ds = self._ds
+        last = np.array([r.rsplit(",", 1)[-1] for r in ds["rollout_ids"].values])
+        ids, inverse = np.unique(last, return_inverse=True)
+        count = np.bincount(inverse, minlength=len(ids))
+        rlen = ds["response_len"].values.astype(np.float64)
+        reward = np.nan_to_num(ds["reward"].values.astype(np.float64))
+        scored = np.bincount(inverse, weights=~np.isnan(ds["reward"].values), minlength=len(ids))
+        return xr.Dataset(
+            {
+                "trajectories": ("rollout", count),
+                "response_tokens": ("rollout", np.bincount(inverse, weights=rlen).astype(np.int64)),
+                "reward_mean": ("rollout", np.bincount(inverse, weights=reward) / scored),
+                "response_len_mean": ("rollout", np.bincount(inverse, weights=rlen) / count),
+            },
+            coords={"rollout": ids},
+        )
 
     def summary(self) -> dict[str, float]:
         """Counts by status and mean staleness of consumed trajectories."""

@@ -1,0 +1,121 @@
+"""The ``Dataset.laminar`` analysis figures agree with a direct computation on raw arrays."""
+
+import numpy as np
+import pytest
+
+from laminar.contract import Trajectory
+from storage import TrajectoryWriter, open_run, open_trajectories
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    """A synthetic run: 40 groups of 4, versions, times and statuses drawn at random."""
+    rng = np.random.default_rng(0)
+    path = tmp_path_factory.mktemp("run")
+    records = []
+    for g in range(40):
+        k = int(rng.integers(0, 5))
+        status = rng.choice(["consumed", "buffered", "discarded"], p=[0.7, 0.2, 0.1])
+        for i in range(4):
+            n = int(rng.integers(1, 20))
+            t_finish = 100.0 + rng.uniform(0, 60)
+            t_insert = t_finish + rng.uniform(0, 1)
+            consumed = status == "consumed"
+            m_f = k + int(rng.integers(0, 2))
+            records.append(
+                Trajectory(
+                    uid=f"g{g}-{i}",
+                    prompt_uid=f"g{g}",
+                    prompt_key=g,
+                    sample_idx=i,
+                    group_size=4,
+                    prompt_tokens=np.ones(3, np.int32),
+                    response_tokens=np.ones(n, np.int32),
+                    behavior_logprobs=np.zeros(n, np.float32),
+                    loss_mask=np.ones(n, np.uint8),
+                    behavior_version=k,
+                    finish_reason="error" if status == "discarded" else "eos",
+                    rollout_ids=f"r{g % 3}",
+                    t_submit=t_finish - 5,
+                    t_start=t_finish - 4,
+                    t_finish=t_finish,
+                    finish_version=m_f,
+                    sample_version=m_f + int(rng.integers(0, 3)) if consumed else -1,
+                    reward=np.nan if status == "discarded" else float(rng.random()),
+                    t_insert=t_insert,
+                    t_sample=t_insert + rng.uniform(0, 9) if consumed else np.nan,
+                    status=str(status),
+                ).to_record()
+            )
+    TrajectoryWriter(path).append(records)
+    return open_run(path), open_trajectories(path)
+
+
+def test_staleness_and_its_histogram(run):
+    ds, raw = run
+    consumed = raw["status"] == "consumed"
+    s_train = (raw["sample_version"] - raw["behavior_version"])[consumed]
+    st = ds.laminar.staleness()
+    np.testing.assert_array_equal(st["s_train"].values, s_train)
+    hist = ds.laminar.staleness_histogram()
+    for value in range(int(s_train.max()) + 1):
+        assert hist["s_train"].sel(staleness=value).item() == (s_train == value).sum()
+    assert hist["residence"].sum().item() == consumed.sum()
+
+
+def test_buffer_age(run):
+    ds, raw = run
+    consumed = raw["status"] == "consumed"
+    np.testing.assert_allclose(
+        ds.laminar.buffer_age().values, (raw["t_sample"] - raw["t_insert"])[consumed]
+    )
+
+
+def test_throughput(run):
+    ds, raw = run
+    tp = ds.laminar.throughput(window=7.0)
+    t0 = raw["t_submit"].min()
+    tokens = raw["prompt_len"] + raw["response_len"]
+    for w in range(tp.sizes["time"]):
+        in_w = (raw["t_finish"] - t0 >= 7.0 * w) & (raw["t_finish"] - t0 < 7.0 * (w + 1))
+        assert tp["generated"].values[w] == pytest.approx(tokens[in_w].sum() / 7.0)
+        sampled = (raw["t_sample"] - t0 >= 7.0 * w) & (raw["t_sample"] - t0 < 7.0 * (w + 1))
+        assert tp["trained"].values[w] == pytest.approx(tokens[sampled].sum() / 7.0)
+    assert tp["trained"].sum().item() * 7.0 == pytest.approx(
+        tokens[raw["status"] == "consumed"].sum()
+    )
+
+
+def test_reward_curves(run):
+    ds, raw = run
+    ok = raw["finish_reason"] != "error"
+    by_version = ds.laminar.reward_curve(by="version")
+    for k in np.unique(raw["behavior_version"][ok]):
+        sel = ok & (raw["behavior_version"] == k)
+        assert by_version.sel(behavior_version=k).item() == pytest.approx(raw["reward"][sel].mean())
+    by_time = ds.laminar.reward_curve(by="time", window=20.0)
+    t = raw["t_finish"] - raw["t_submit"].min()
+    for start in by_time["time"].values:
+        sel = ok & (t >= start) & (t < start + 20.0)
+        assert by_time.sel(time=start).item() == pytest.approx(raw["reward"][sel].mean())
+    with pytest.raises(ValueError, match="choose 'version' or 'time'"):
+        ds.laminar.reward_curve(by="step")
+
+
+def test_groups_and_rollouts(run):
+    ds, raw = run
+    groups = ds.laminar.groups()
+    assert groups.sizes["group"] == 40 and groups["complete"].all()
+    assert (groups["versions"] == 1).all()
+    consumed_groups = {
+        p for p, s in zip(raw["prompt_uid"], raw["status"], strict=True) if s == "consumed"
+    }
+    assert set(groups["group"].values[groups["consumed"].values == 4]) == consumed_groups
+    per = ds.laminar.by_rollout()
+    for r in per["rollout"].values:
+        sel = raw["rollout_ids"] == r
+        assert per["trajectories"].sel(rollout=r).item() == sel.sum()
+        assert per["response_tokens"].sel(rollout=r).item() == raw["response_len"][sel].sum()
+        assert per["reward_mean"].sel(rollout=r).item() == pytest.approx(
+            np.nanmean(raw["reward"][sel])
+        )
