@@ -13,6 +13,7 @@ import sys
 import time
 
 from laminar.errors import LaminarError
+from storage.trajectories import StoreError
 
 
 def _fmt(x, spec: str = ".3f") -> str:
@@ -126,6 +127,16 @@ def _quiet_libraries() -> None:
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
 
+def cmd_report(args: argparse.Namespace) -> int:
+    from pipelines.report import build_report
+
+    report = build_report(args.runs, args.out)
+    print(f"report             {report}")
+    for png in sorted(report.parent.glob("*.png")):
+        print(f"figure             {png}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="laminar", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -141,12 +152,15 @@ def main(argv: list[str] | None = None) -> int:
     run.add_argument(
         "--scheduler", help="address of a running Dask scheduler (default: start a local cluster)"
     )
+    report = sub.add_parser("report", help="plots and a summary page of one or more runs")
+    report.add_argument("runs", nargs="+", metavar="RUN_DIR", help="run directories to compare")
+    report.add_argument("--out", help="output folder (default RUN_DIR/report of the first run)")
     args = parser.parse_args(argv)
     _quiet_libraries()
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     try:
-        return cmd_run(args)
-    except LaminarError as e:
+        return {"run": cmd_run, "report": cmd_report}[args.command](args)
+    except (LaminarError, StoreError, FileNotFoundError) as e:
         print(f"laminar: error: {e}", file=sys.stderr)
         return 2
 

@@ -119,3 +119,14 @@ def test_groups_and_rollouts(run):
         assert per["reward_mean"].sel(rollout=r).item() == pytest.approx(
             np.nanmean(raw["reward"][sel])
         )
+
+
+def test_report_of_a_run_without_metrics_still_draws_what_it_can(run, tmp_path):
+    from pipelines.report import build_report
+
+    ds, _ = run
+    report = build_report([ds.attrs["run_dir"]], tmp_path / "out")
+    made = {p.name for p in report.parent.iterdir()}
+    assert made == {"report.md", "reward.png", "throughput.png", "staleness.png"}
+    text = report.read_text()
+    assert "![reward.png](reward.png)" in text and "buffer.png" not in text

@@ -80,6 +80,13 @@ def test_cli_run_end_to_end(tmp_path):
     rollouts = open_metrics(run_dir, "rollouts")
     assert sorted(rollouts["rollout"].values) == ["r0", "r1"]
     ds = check_store(run_dir, expect_consumed_groups=16)
+    report = laminar_cli("report", str(run_dir))
+    out, _ = report.communicate(timeout=120)
+    assert report.returncode == 0, out
+    made = {p.name for p in (run_dir / "report").iterdir()}
+    assert {"report.md", "reward.png", "throughput.png", "staleness.png", "buffer.png"} <= made
+    assert "rollouts-0.png" in made
+    assert "| run | versions |" in (run_dir / "report" / "report.md").read_text()
     assert set(ds["sample_version"].values[ds["status"].values == "consumed"]) == {0, 1, 2, 3}
     assert ds.sizes["trajectory"] == summary["trajectories"]
 

@@ -1,0 +1,177 @@
+"""``laminar report RUN_DIR [RUN_DIR ...] [--out DIR]``: plots and a one-page summary.
+
+Reads only the run directories (no cluster). Writes PNG figures and ``report.md`` into
+``DIR`` (default ``<first run>/report``); several runs are drawn on the same axes, one
+colour each.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+
+from storage import open_run
+from storage.metrics import open_metrics
+
+
+def _load(run_dir: Path) -> dict:
+    run = {"name": run_dir.name, "dir": run_dir, "ds": open_run(run_dir)}
+    for table in ("cluster", "rollouts", "updates"):
+        try:
+            run[table] = open_metrics(run_dir, table)
+        except (FileNotFoundError, KeyError):
+            run[table] = None
+    summary = run_dir / "summary.json"
+    run["summary"] = json.loads(summary.read_text()) if summary.exists() else {}
+    return run
+
+
+def _figure(title: str, ncols: int = 1):
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, ncols, figsize=(5.5 * ncols, 3.6), squeeze=False)
+    fig.suptitle(title)
+    return fig, axes[0]
+
+
+def _save(fig, out: Path, name: str) -> str:
+    import matplotlib.pyplot as plt
+
+    fig.tight_layout()
+    fig.savefig(out / name, dpi=110)
+    plt.close(fig)
+    return name
+
+
+def plot_reward(runs: list[dict], out: Path) -> str:
+    fig, (ax_t, ax_v) = _figure("Reward (mean over trajectories)", 2)
+    for r in runs:
+        by_time = r["ds"].laminar.reward_curve(by="time", window=5.0)
+        ax_t.plot(by_time["time"], by_time, label=r["name"])
+        by_version = r["ds"].laminar.reward_curve(by="version")
+        ax_v.plot(by_version["behavior_version"], by_version, label=r["name"])
+    ax_t.set(xlabel="finish time (s since start)", ylabel="reward", title="vs wall time (5 s bins)")
+    ax_v.set(xlabel="behavior version", ylabel="reward", title="vs weight version")
+    ax_v.legend(fontsize=7)
+    return _save(fig, out, "reward.png")
+
+
+def plot_throughput(runs: list[dict], out: Path) -> str:
+    fig, (ax_g, ax_u) = _figure("Throughput", 2)
+    for r in runs:
+        tp = r["ds"].laminar.throughput(window=5.0)
+        ax_g.plot(tp["time"], tp["generated"], label=f"{r['name']} generated")
+        ax_g.plot(tp["time"], tp["trained"], "--", label=f"{r['name']} trained")
+        u = r["updates"]
+        if u is not None and u.sizes["update"] > 1:
+            # The paper's measure: tokens of a global batch / time between adjacent updates.
+            ax_u.plot(u["version"][1:], (u["tokens"] / u["interval_s"])[1:], label=r["name"])
+    ax_g.set(
+        xlabel="time (s since start)", ylabel="tokens/s", title="generated vs trained (5 s bins)"
+    )
+    ax_u.set(xlabel="version", ylabel="tokens/s", title="actor-update throughput")
+    ax_g.legend(fontsize=7)
+    return _save(fig, out, "throughput.png")
+
+
+def plot_staleness(runs: list[dict], out: Path) -> str:
+    fig, axes = _figure("Staleness of consumed trajectories (versions)", 3)
+    width = 0.8 / len(runs)
+    for i, r in enumerate(runs):
+        hist = r["ds"].laminar.staleness_histogram()
+        x = hist["staleness"].values + i * width
+        for ax, name in zip(axes, ("s_gen", "residence", "s_train"), strict=True):
+            ax.bar(x, hist[name].values, width=width, label=r["name"])
+    top = max(int(r["ds"].laminar.staleness_histogram()["staleness"].max()) for r in runs)
+    centre = np.arange(top + 1) + (len(runs) - 1) * width / 2
+    for ax, title in zip(
+        axes, ("s_gen = M_f − K", "residence = M_t − M_f", "s_train = M_t − K"), strict=True
+    ):
+        ax.set(xlabel="versions", ylabel="trajectories", title=title)
+        ax.set_xticks(centre, [str(v) for v in range(top + 1)])
+    axes[-1].legend(fontsize=7)
+    return _save(fig, out, "staleness.png")
+
+
+def plot_buffer(runs: list[dict], out: Path) -> str | None:
+    have = [r for r in runs if r["cluster"] is not None]
+    if not have:
+        return None
+    fig, (ax_d, ax_a) = _figure("Experience buffer", 2)
+    for r in have:
+        c = r["cluster"]
+        ax_d.plot(c["time"], c["buffer_depth"], label=r["name"])
+        ax_a.plot(c["time"], c["oldest_buffered_age_s"], label=r["name"])
+    ax_d.set(xlabel="time (s)", ylabel="trajectories", title="depth")
+    ax_a.set(xlabel="time (s)", ylabel="seconds", title="age of the oldest buffered trajectory")
+    ax_d.legend(fontsize=7)
+    return _save(fig, out, "buffer.png")
+
+
+def plot_rollouts(run: dict, out: Path) -> str | None:
+    ro = run["rollouts"]
+    if ro is None:
+        return None
+    fig, (ax_kv, ax_v) = _figure(f"Rollouts of {run['name']}", 2)
+    for rid in ro["rollout"].values:
+        one = ro.sel(rollout=rid)
+        ax_kv.plot(one["time"], 100 * one["kv_used"] / one["kv_capacity"], label=str(rid))
+        ax_v.step(one["time"], one["version"], where="post", label=str(rid))
+    if run["cluster"] is not None:
+        c = run["cluster"]
+        ax_v.step(c["time"], c["version"], "k--", where="post", label="trainer")
+    ax_kv.set(xlabel="time (s)", ylabel="% of KV slots", title="KV-cache use")
+    ax_v.set(xlabel="time (s)", ylabel="version", title="weight version live per rollout")
+    ax_v.yaxis.get_major_locator().set_params(integer=True)
+    ax_v.legend(fontsize=7)
+    return _save(fig, out, f"rollouts-{run['index']}.png")
+
+
+def _row(r: dict) -> str:
+    s, st = r["summary"], r["ds"].laminar.summary()
+    gain = s.get("reward_gain")
+    return (
+        f"| {r['name']} | {s.get('versions', '-')} | {r['ds'].sizes['trajectory']} | "
+        f"{s.get('reward_first_20pct', float('nan')):.3f} → "
+        f"{s.get('reward_last_20pct', float('nan')):.3f}"
+        f"{'' if gain is None else f' ({gain:+.3f})'} | "
+        f"{st['s_gen_mean']:.2f} / {st['residence_mean']:.2f} / {st['s_train_mean']:.2f} | "
+        f"{st.get('n_discarded', 0)} | "
+        + " / ".join(f"{v:.0f}" for v in percentile_lengths(r["ds"]).values())
+        + f" | {s.get('rl_wall_s', float('nan')):.0f} |"
+    )
+
+
+def build_report(run_dirs: list[str | Path], out: str | Path | None = None) -> Path:
+    """Write the figures and ``report.md``; returns the report's path."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    runs = [_load(Path(d)) | {"index": i} for i, d in enumerate(run_dirs)]
+    out = Path(out) if out else runs[0]["dir"] / "report"
+    out.mkdir(parents=True, exist_ok=True)
+    figures = [plot_reward(runs, out), plot_throughput(runs, out), plot_staleness(runs, out)]
+    figures += [plot_buffer(runs, out)] + [plot_rollouts(r, out) for r in runs]
+    lines = [
+        "# laminar report",
+        "",
+        "| run | versions | trajectories | reward first → last 20% | s_gen / residence / "
+        "s_train (mean) | discarded | response length p50 / p90 / p99 | RL wall s |",
+        "|---|---|---|---|---|---|---|---|",
+        *(_row(r) for r in runs),
+        "",
+        "Repack moves, relay events and fault recoveries are not recorded by this version "
+        "of laminar yet; their figures come with those components.",
+        "",
+    ]
+    lines += [f"![{name}]({name})" for name in figures if name]
+    report = out / "report.md"
+    report.write_text("\n".join(lines) + "\n")
+    return report
+
+
+def percentile_lengths(ds, q=(50, 90, 99)) -> dict[str, float]:
+    """Response-length percentiles (tokens): the long tail the schedule must absorb."""
+    return {f"p{p}": float(np.percentile(ds["response_len"].values, p)) for p in q}
