@@ -67,7 +67,8 @@ class LaminarAccessor:
         """Tokens per second in windows of ``window`` seconds since the run started.
 
         ``generated``: prompt + response tokens of trajectories that finished in the window;
-        ``trained``: those of trajectories the trainer consumed in the window.
+        ``trained``: those of trajectories the trainer consumed in the window. The last
+        window ends at the last event and is divided by its own length.
         """
         ds = self._ds
         tokens = (ds["prompt_len"].values + ds["response_len"].values).astype(np.float64)
@@ -75,8 +76,13 @@ class LaminarAccessor:
         consumed = ds["status"].values == "consumed"
         sample = self._windows(ds["t_sample"].values[consumed], window)
         n = int(max(finish.max(initial=-1), sample.max(initial=-1))) + 1
-        gen = np.bincount(finish, weights=tokens, minlength=n)[:n] / window
-        trained = np.bincount(sample, weights=tokens[consumed], minlength=n)[:n] / window
+        # Every window lasts `window` seconds except the last, cut at the last event.
+        t_end = np.nanmax(np.concatenate([ds["t_finish"].values, ds["t_sample"].values]))
+        span = np.full(n, float(window))
+        if n:
+            span[-1] = max(t_end - self.t0 - (n - 1) * window, 1e-9)
+        gen = np.bincount(finish, weights=tokens, minlength=n)[:n] / span
+        trained = np.bincount(sample, weights=tokens[consumed], minlength=n)[:n] / span
         return xr.Dataset(
             {"generated": ("time", gen), "trained": ("time", trained)},
             coords={"time": np.arange(n) * window},

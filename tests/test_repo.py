@@ -76,3 +76,11 @@ def test_code_passes_ruff():
         text=True,
     )
     assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_docs_images_and_links_resolve():
+    for doc in [REPO / "README.md", *(REPO / "docs").glob("*.md")]:
+        for target in re.findall(r"\]\(([^)#]+)\)", doc.read_text()):
+            if "://" in target:
+                continue
+            assert (doc.parent / target).exists(), f"{doc.name} links to missing {target}"
