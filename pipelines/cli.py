@@ -32,6 +32,53 @@ def _progress_line(p: dict) -> str:
     )
 
 
+class _Lines:
+    """Progress as plain lines (logs, pipes, CI): on every phase change, and every 2 s
+    while training."""
+
+    def __init__(self) -> None:
+        self.last, self.t_last = "", 0.0
+
+    def show(self, p: dict, force: bool = False) -> None:
+        line = _progress_line(p)
+        due = line.startswith("t=") and time.time() - self.t_last >= 2.0
+        if line != self.last and (force or due or not line.startswith("t=")):
+            print(line, flush=True)
+            self.last, self.t_last = line, time.time()
+
+    def close(self) -> None:
+        pass
+
+
+class _Bar:
+    """Progress as a bar over published versions (interactive terminals)."""
+
+    def __init__(self) -> None:
+        self.bar = None
+        self.phase = None
+
+    def show(self, p: dict, force: bool = False) -> None:
+        from tqdm import tqdm
+
+        if p.get("phase") != "training":
+            if p.get("phase") != self.phase:
+                print(f"[{p.get('phase')}]", flush=True)
+                self.phase = p.get("phase")
+            return
+        if self.bar is None:
+            self.bar = tqdm(total=p["steps"], unit="version", dynamic_ncols=True)
+        self.bar.n = p["version"]
+        self.bar.set_postfix_str(
+            f"reward {_fmt(p['reward'])} gen {p['gen_tok_s']:.0f} tok/s "
+            f"buffer {p['buffer_depth']} s_train {_fmt(p['s_train_mean'], '.2f')}"
+            + (f" discarded {p['discarded']}" if p.get("discarded") else "")
+        )
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+
 def _print_summary(s: dict) -> None:
     sft = s["sft"]
     print("\n== summary ==")
@@ -97,18 +144,14 @@ def cmd_run(args: argparse.Namespace) -> int:
 
     old = signal.signal(signal.SIGINT, on_sigint)
     try:
-        last = None
+        display = _Bar() if sys.stdout.isatty() else _Lines()
         while not handle.done():
-            line = _progress_line(handle.progress())
-            if line != last:
-                print(line, flush=True)
-                last = line
-            time.sleep(2.0 if line.startswith("t=") else 0.5)
+            display.show(handle.progress())
+            time.sleep(0.5)
         final = handle.progress()
         if "version" in final:  # the last state, which the polling may have missed
-            line = _progress_line({**final, "phase": "training"})
-            if line != last:
-                print(line, flush=True)
+            display.show({**final, "phase": "training"}, force=True)
+        display.close()
         summary = handle.wait()
         _print_summary(summary)
         return 0 if summary["reason"] in ("completed", "stopped") else 1

@@ -106,7 +106,8 @@ def open_metrics(path: str | Path, table: str) -> xr.Dataset:
     """One metrics table of a run as an :class:`xarray.Dataset` (committed rows only).
 
     ``rollouts`` comes back pivoted to dimensions ``time × rollout``; ``cluster`` has a
-    ``time`` coordinate (seconds since the run started) so ``.sel``/``.interp`` work.
+    ``time`` coordinate (seconds since the run started) so ``.sel``/``.interp`` work, and
+    a ``wall_time`` datetime coordinate for ``resample``.
     """
     store = _metrics_path(path)
     if not (store / "zarr.json").exists():
@@ -129,4 +130,9 @@ def open_metrics(path: str | Path, table: str) -> xr.Dataset:
         ds = ds.rename({"elapsed_s": "time"})
     elif table == "cluster" and n:
         ds = ds.set_coords("elapsed_s").swap_dims({dim: "elapsed_s"}).rename({"elapsed_s": dim})
+        # A datetime coordinate beside the seconds, for resample():
+        # ds.swap_dims(time="wall_time").resample(wall_time="10s").mean()
+        if "wall_time" in ds:
+            seconds = ds["wall_time"].values
+            ds = ds.assign_coords(wall_time=(dim, (seconds * 1e9).astype("datetime64[ns]")))
     return ds

@@ -19,6 +19,15 @@ def test_columns_appear_and_back_fill(tmp_path):
     assert ds["buffer_depth"].sel(time=1.0).item() == 5
 
 
+def test_cluster_table_resamples_by_wall_time(tmp_path):
+    w = MetricsWriter(tmp_path)
+    rows = [{"elapsed_s": t, "wall_time": 1.8e9 + t, "inserted": 10 * t} for t in range(30)]
+    w.append("cluster", rows)
+    ds = open_metrics(tmp_path, "cluster")
+    per_10s = ds.swap_dims(time="wall_time")["inserted"].resample(wall_time="10s").max()
+    assert per_10s.values.tolist() == [90.0, 190.0, 290.0]
+
+
 def test_rollout_table_is_pivoted_to_time_by_rollout(tmp_path):
     w = MetricsWriter(tmp_path)
     rows = [
