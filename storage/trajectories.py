@@ -77,34 +77,23 @@ class TrajectoryWriter:
         self._truncate_uncommitted()
 
     def _create(self) -> None:
-        for name, dtype in SCALARS.items():
+        def new(name: str, dtype: np.dtype, chunk: int, dim: str) -> None:
             self.group.create_array(
                 name,
                 shape=(0,),
                 dtype=dtype,
-                chunks=(_CHUNK_TRAJ,),
-                dimension_names=[TRAJECTORY_DIM],
+                chunks=(chunk,),
+                dimension_names=[dim],
                 fill_value=_fill(dtype),
             )
+
+        for name, dtype in SCALARS.items():
+            new(name, dtype, _CHUNK_TRAJ, TRAJECTORY_DIM)
         for group, (dim, fields) in RAGGED.items():
             for name in (f"{group}_start", f"{group}_len"):
-                self.group.create_array(
-                    name,
-                    shape=(0,),
-                    dtype="int64",
-                    chunks=(_CHUNK_TRAJ,),
-                    dimension_names=[TRAJECTORY_DIM],
-                    fill_value=0,
-                )
+                new(name, np.dtype("int64"), _CHUNK_TRAJ, TRAJECTORY_DIM)
             for name, dtype in fields.items():
-                self.group.create_array(
-                    name,
-                    shape=(0,),
-                    dtype=dtype,
-                    chunks=(_CHUNK_TOK,),
-                    dimension_names=[dim],
-                    fill_value=_fill(dtype),
-                )
+                new(name, dtype, _CHUNK_TOK, dim)
         self.group.attrs.update(
             {
                 "schema_version": SCHEMA_VERSION,
