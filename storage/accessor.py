@@ -1,11 +1,14 @@
-"""``Dataset.laminar``: analysis helpers that work in a notebook with no cluster.
+"""``Dataset.laminar``: analysis helpers that work in a notebook with no cluster::
 
->>> ds = open_run("runs/my-run")                                   # doctest: +SKIP
->>> ds.laminar.staleness()                                         # doctest: +SKIP
->>> ds.laminar.tokens("response_tokens", 0)                        # doctest: +SKIP
->>> ds.laminar.audit()       # [] when every contract invariant holds  # doctest: +SKIP
->>> ds.laminar.reward_curve(by="version").plot()                   # doctest: +SKIP
->>> ds.laminar.throughput(window=10).to_dataframe()                # doctest: +SKIP
+    ds = open_run("runs/my-run")
+    ds.laminar.staleness()                       # s_gen, residence, s_train per trajectory
+    ds.laminar.tokens("response_tokens", 0)      # one trajectory's ragged field
+    ds.laminar.audit()                           # [] when every contract invariant holds
+    ds.laminar.reward_curve(by="version").plot()
+    ds.laminar.throughput(window=10).to_dataframe()
+
+Every figure is tested against a direct computation on the raw arrays
+(``tests/test_analysis.py``); recipes are in ``docs/analysis.md``.
 """
 
 from __future__ import annotations
