@@ -70,7 +70,7 @@ def test_code_passes_ruff():
     import sys
 
     result = subprocess.run(
-        [sys.executable, "-m", "ruff", "check", "laminar", "pipelines", "storage", "tests"],
+        [sys.executable, "-m", "ruff", "check", "."],
         cwd=REPO,
         capture_output=True,
         text=True,
