@@ -106,6 +106,8 @@ class TrainerConfig(_Section):
     betas: tuple[float, float] = (0.9, 0.99)
     clip_low: float = Field(0.2, ge=0, lt=1)
     clip_high: float = Field(0.28, ge=0)
+    clip_c: float | None = Field(None, gt=1)  # dual-clip bound for negative advantages
+    loss_agg: Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean"] = "token-mean"
     max_grad_norm: float = Field(1.0, gt=0)
     # Padded tokens per forward/backward; the global batch is split into length-sorted
     # micro-batches (same gradient, far less padding with long-tailed lengths).

@@ -52,6 +52,32 @@ def group_advantages(
     return (centred / (var.sqrt()[inverse] + eps)).float()
 
 
+AGGREGATIONS = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean")
+
+
+def aggregate(values: torch.Tensor, mask: torch.Tensor, agg: str = "token-mean") -> torch.Tensor:
+    """Reduce per-token ``values`` ``[batch, tokens]`` under ``mask`` to a scalar.
+
+    * ``token-mean``: ``sum(v·m) / sum(m)`` — every token weighs the same (DAPO);
+    * ``seq-mean-token-sum``: mean over sequences of ``sum_t v·m`` (Dr. GRPO style);
+    * ``seq-mean-token-mean``: mean over sequences of ``sum_t v·m / sum_t m`` (GRPO paper).
+
+    >>> v = torch.tensor([[1., 1., 1.], [4., 0., 0.]])
+    >>> m = torch.tensor([[1., 1., 1.], [1., 0., 0.]])
+    >>> [float(aggregate(v, m, a)) for a in AGGREGATIONS]
+    [1.75, 3.5, 2.5]
+    """
+    mask = mask.to(values.dtype)
+    if agg == "token-mean":
+        return (values * mask).sum() / mask.sum().clamp(min=1.0)
+    per_seq = (values * mask).sum(-1)
+    if agg == "seq-mean-token-sum":
+        return per_seq.mean()
+    if agg == "seq-mean-token-mean":
+        return (per_seq / mask.sum(-1).clamp(min=1.0)).mean()
+    raise ValueError(f"agg={agg!r}; choose one of {AGGREGATIONS}")
+
+
 def policy_loss(
     logprobs: torch.Tensor,
     old_logprobs: torch.Tensor,
@@ -60,33 +86,130 @@ def policy_loss(
     *,
     clip_low: float = 0.2,
     clip_high: float = 0.28,
+    clip_c: float | None = None,
+    agg: str = "token-mean",
+    is_weights: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
-    """Clipped PPO surrogate with clip-higher, token-mean aggregated.
+    """Clipped PPO surrogate with clip-higher, optional dual-clip and importance weights.
 
     ``logprobs``, ``old_logprobs`` and ``mask`` are ``[batch, tokens]``; ``advantages`` is
-    ``[batch]`` (one per sequence) or ``[batch, tokens]``. Returns the loss and metrics
-    (clip fractions, mean ratio).
+    ``[batch]`` (one per sequence) or ``[batch, tokens]``. Per token, with
+    ``r = exp(logprobs - old_logprobs)``::
+
+        L = -min(r·A, clip(r, 1 - clip_low, 1 + clip_high)·A)
+        L = min(L, -clip_c·A)   where A < 0, if clip_c is set (dual-clip, clip_c > 1)
+        L = w·L                 if is_weights w is given (treated as constants)
+
+    aggregated by :func:`aggregate`. Returns the loss and metrics: ``clip_frac`` (tokens
+    whose clipped branch is active, ``_low``/``_high`` by side), ``dual_clip_frac``,
+    ``ratio_mean``, ``approx_kl`` (k3 of old vs new).
 
     >>> lp = torch.zeros(2, 3)
     >>> loss, m = policy_loss(lp, lp, torch.tensor([1., -1.]), torch.ones(2, 3))
     >>> float(loss), m["clip_frac"]
     (0.0, 0.0)
     """
+    if clip_c is not None and clip_c <= 1.0:
+        raise ValueError(f"clip_c={clip_c!r} must be > 1 (dual-clip bounds the loss at c·|A|)")
     if advantages.dim() == 1:
         advantages = advantages[:, None]
+    advantages = advantages.expand_as(logprobs)
     mask = mask.to(logprobs.dtype)
     ratio = torch.exp(logprobs - old_logprobs)
     clipped = ratio.clamp(1.0 - clip_low, 1.0 + clip_high)
     per_token = -torch.minimum(ratio * advantages, clipped * advantages)
-    n_tokens = mask.sum().clamp(min=1.0)
-    loss = (per_token * mask).sum() / n_tokens
+    dual = torch.zeros_like(mask, dtype=torch.bool)
+    if clip_c is not None:
+        bound = -clip_c * advantages
+        dual = (advantages < 0) & (per_token > bound)
+        per_token = torch.where(dual, bound, per_token)
+    if is_weights is not None:
+        per_token = per_token * is_weights.detach()
+    loss = aggregate(per_token, mask, agg)
     with torch.no_grad():
+        n_tokens = mask.sum().clamp(min=1.0)
         was_clipped = (ratio * advantages > clipped * advantages) & (mask > 0)
         metrics = {
             "clip_frac": float(was_clipped.sum() / n_tokens),
             "clip_frac_low": float(((ratio < 1 - clip_low) & was_clipped).sum() / n_tokens),
             "clip_frac_high": float(((ratio > 1 + clip_high) & was_clipped).sum() / n_tokens),
+            "dual_clip_frac": float((dual & (mask > 0)).sum() / n_tokens),
             "ratio_mean": float((ratio * mask).sum() / n_tokens),
             "approx_kl": float(((ratio - 1 - torch.log(ratio)) * mask).sum() / n_tokens),
         }
     return loss, metrics
+
+
+def truncated_is_weights(
+    target_logprobs: torch.Tensor, behavior_logprobs: torch.Tensor, cap: float = 2.0
+) -> torch.Tensor:
+    """Truncated importance weights ``min(π_target / π_behavior, cap)`` per token, detached.
+
+    The behavior policy is the engine that sampled the token (possibly several versions
+    old); the target is the trainer-side policy the loss is taken against.
+
+    >>> truncated_is_weights(torch.tensor([0.0, 2.0]), torch.zeros(2), cap=2.0)
+    tensor([1., 2.])
+    """
+    return torch.exp(target_logprobs - behavior_logprobs).clamp(max=cap).detach()
+
+
+def decoupled_policy_loss(
+    logprobs: torch.Tensor,
+    proximal_logprobs: torch.Tensor,
+    behavior_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    is_cap: float = 2.0,
+    **kwargs,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """Decoupled PPO (AReaL): clip against the *proximal* policy (the trainer's weights
+    before this update), and correct for the stale behavior policy with truncated
+    importance weights ``min(π_prox / π_behav, is_cap)``. ``kwargs`` go to
+    :func:`policy_loss`. With fresh data (proximal = behavior) it equals plain PPO.
+    """
+    weights = truncated_is_weights(proximal_logprobs, behavior_logprobs, is_cap)
+    loss, metrics = policy_loss(
+        logprobs, proximal_logprobs, advantages, mask, is_weights=weights, **kwargs
+    )
+    n = mask.sum().clamp(min=1.0)
+    metrics["is_weight_mean"] = float((weights * mask).sum() / n)
+    metrics["is_weight_capped_frac"] = float(((weights >= is_cap) * mask).sum() / n)
+    return loss, metrics
+
+
+def kl_penalty(
+    logprobs: torch.Tensor,
+    ref_logprobs: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    kind: str = "k3",
+    agg: str = "token-mean",
+) -> torch.Tensor:
+    """KL(π‖π_ref) estimated from sampled tokens: ``k1 = log r``, ``k2 = (log r)²/2``,
+    ``k3 = r⁻¹ - 1 + log r`` with ``r = π/π_ref`` (k3: unbiased, always ≥ 0).
+
+    >>> float(kl_penalty(torch.zeros(1, 2), torch.zeros(1, 2), torch.ones(1, 2)))
+    0.0
+    """
+    log_r = logprobs - ref_logprobs
+    if kind == "k1":
+        values = log_r
+    elif kind == "k2":
+        values = 0.5 * log_r.pow(2)
+    elif kind == "k3":
+        values = torch.exp(-log_r) - 1 + log_r
+    else:
+        raise ValueError(f"kind={kind!r}; choose k1, k2 or k3")
+    return aggregate(values, mask, agg)
+
+
+def entropy(logits: torch.Tensor, mask: torch.Tensor, agg: str = "token-mean") -> torch.Tensor:
+    """Mean entropy of the token distributions ``logits`` ``[batch, tokens, vocab]``.
+
+    >>> round(float(entropy(torch.zeros(1, 1, 4), torch.ones(1, 1))), 4)  # uniform over 4
+    1.3863
+    """
+    logp = torch.log_softmax(logits.float(), dim=-1)
+    return aggregate(-(logp.exp() * logp).sum(-1), mask, agg)

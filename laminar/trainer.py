@@ -145,6 +145,8 @@ class Trainer:
                 temperature=self.cfg.rollout.temperature,
                 max_grad_norm=t_cfg.max_grad_norm,
                 micro_batch_tokens=t_cfg.micro_batch_tokens,
+                agg=t_cfg.loss_agg,
+                clip_c=t_cfg.clip_c,
             )
             self.version += 1
             # Publication: tell the buffer first, then expose the snapshot to rollouts.

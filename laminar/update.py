@@ -110,12 +110,15 @@ def grpo_step(
     temperature: float = 1.0,
     max_grad_norm: float = 1.0,
     micro_batch_tokens: int = 4096,
+    agg: str = "token-mean",
+    clip_c: float | None = None,
 ) -> dict[str, float]:
     """One optimizer step of GRPO on a global batch; returns metrics.
 
     The batch is processed in length-sorted micro-batches whose losses are weighted by
-    their share of the batch's loss tokens, so the gradient equals that of one token-mean
-    over the whole batch.
+    their share of the batch (of its loss tokens for ``token-mean``, of its sequences for
+    the ``seq-mean-*`` aggregations), so the gradient equals that of one aggregation over
+    the whole batch.
     """
     model.train()
     adv = group_advantages(rewards, group_index)
@@ -132,7 +135,10 @@ def grpo_step(
             [loss_masks[i] for i in idx],
             pad_token_id,
         )
-        weight = float(batch.response_mask.sum()) / n_total
+        if agg == "token-mean":
+            weight = float(batch.response_mask.sum()) / n_total
+        else:
+            weight = len(idx) / len(prompts)
         logp = response_logprobs(model, batch, temperature)
         loss, metrics = policy_loss(
             logp,
@@ -141,6 +147,8 @@ def grpo_step(
             batch.response_mask,
             clip_low=clip_low,
             clip_high=clip_high,
+            clip_c=clip_c,
+            agg=agg,
         )
         (loss * weight).backward()
         with torch.no_grad():

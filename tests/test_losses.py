@@ -1,10 +1,19 @@
 import math
 
+import pytest
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from laminar.losses import group_advantages, policy_loss
+from laminar.losses import (
+    AGGREGATIONS,
+    decoupled_policy_loss,
+    entropy,
+    group_advantages,
+    kl_penalty,
+    policy_loss,
+    truncated_is_weights,
+)
 
 rewards_and_groups = st.integers(1, 6).flatmap(
     lambda n_groups: st.lists(
@@ -73,7 +82,11 @@ def test_policy_loss_token_mean_ignores_masked_tokens():
     assert math.isclose(float(loss), -5 / 3, rel_tol=1e-6)
 
 
-def test_micro_batched_step_equals_one_full_batch_step(tiny_policy):
+@pytest.mark.parametrize(
+    "agg, clip_c",
+    [("token-mean", None), ("seq-mean-token-sum", 3.0), ("seq-mean-token-mean", None)],
+)
+def test_micro_batched_step_equals_one_full_batch_step(tiny_policy, agg, clip_c):
     """Splitting a global batch into length-sorted micro-batches leaves the gradient unchanged."""
     import copy
 
@@ -112,3 +125,99 @@ def test_micro_batched_step_equals_one_full_batch_step(tiny_policy):
         grads.append(torch.cat([p.grad.flatten() for p in m.parameters() if p.grad is not None]))
         assert np.isfinite(metrics["loss"])
     assert torch.allclose(grads[0], grads[1], atol=1e-6, rtol=1e-4)
+
+
+def _hand_loss(logp, old, adv, mask, agg, clip_low=0.2, clip_high=0.28, clip_c=None):
+    """The same surrogate written out token by token in plain Python."""
+    rows = []
+    for lp_row, old_row, a, m_row in zip(logp, old, adv, mask, strict=True):
+        row = []
+        for lp, o, m in zip(lp_row, old_row, m_row, strict=True):
+            r = math.exp(lp - o)
+            clipped = min(max(r, 1 - clip_low), 1 + clip_high)
+            value = -min(r * a, clipped * a)
+            if clip_c is not None and a < 0:
+                value = min(value, -clip_c * a)
+            row.append((value, m))
+        rows.append(row)
+    if agg == "token-mean":
+        return sum(v * m for row in rows for v, m in row) / sum(m for row in rows for _, m in row)
+    if agg == "seq-mean-token-sum":
+        return sum(sum(v * m for v, m in row) for row in rows) / len(rows)
+    return sum(sum(v * m for v, m in row) / sum(m for _, m in row) for row in rows) / len(rows)
+
+
+@pytest.mark.parametrize("agg", AGGREGATIONS)
+@pytest.mark.parametrize("clip_c", [None, 1.5])
+def test_policy_loss_equals_a_hand_computation(agg, clip_c):
+    logp = [[0.5, -0.1, 0.0], [-1.5, 0.2, 0.9], [0.05, -2.0, 0.0]]
+    old = [[0.0, 0.0, 0.1], [0.0, 0.1, 0.0], [0.0, 0.0, 0.0]]
+    adv = [1.0, -2.0, -0.5]
+    mask = [[1, 1, 0], [1, 1, 1], [1, 0, 0]]
+    loss, metrics = policy_loss(
+        torch.tensor(logp),
+        torch.tensor(old),
+        torch.tensor(adv),
+        torch.tensor(mask),
+        clip_c=clip_c,
+        agg=agg,
+    )
+    assert float(loss) == pytest.approx(
+        _hand_loss(logp, old, adv, mask, agg, clip_c=clip_c), rel=1e-5
+    )
+    if clip_c is None:
+        assert metrics["dual_clip_frac"] == 0.0
+    else:  # only token (1, 2): r = e^0.9 = 2.46 and A = -2, so -r·A = 4.92 > 1.5·2
+        assert metrics["dual_clip_frac"] == pytest.approx(1 / 6)
+
+
+def test_clip_fractions_at_the_boundaries():
+    mask = torch.ones(1, 4)
+    old = torch.zeros(1, 4)
+    # ratios exactly at 1 + clip_high and 1 - clip_low are not clipped; just beyond they are.
+    ratios = torch.tensor([[1.28, 1.2801, 0.8, 0.7999]])
+    _, m = policy_loss(ratios.log(), old, torch.tensor([1.0]), mask)
+    assert m["clip_frac_high"] == 0.25 and m["clip_frac_low"] == 0.0  # A > 0: low side free
+    _, m = policy_loss(ratios.log(), old, torch.tensor([-1.0]), mask)
+    assert m["clip_frac_low"] == 0.25 and m["clip_frac_high"] == 0.0  # A < 0: high side free
+    with pytest.raises(ValueError, match="must be > 1"):
+        policy_loss(old, old, torch.tensor([1.0]), mask, clip_c=1.0)
+    with pytest.raises(ValueError, match="choose one of"):
+        policy_loss(old, old, torch.tensor([1.0]), mask, agg="sum")
+
+
+def test_importance_weights_and_decoupled_ppo():
+    logp = torch.tensor([[0.1, -0.3, 0.2]], requires_grad=True)
+    behavior = torch.tensor([[-0.5, -0.2, 0.0]])
+    mask = torch.ones(1, 3)
+    adv = torch.tensor([1.0])
+    w = truncated_is_weights(torch.zeros(1, 3), behavior, cap=1.5)
+    assert torch.allclose(w, torch.tensor([[1.5, math.exp(0.2), 1.0]]))
+    # Fresh data (proximal == behavior): weights are 1, decoupled PPO is plain PPO.
+    fresh, _ = decoupled_policy_loss(logp, behavior, behavior, adv, mask)
+    plain, _ = policy_loss(logp, behavior, adv, mask)
+    assert float(fresh.detach()) == pytest.approx(float(plain.detach()))
+    stale, m = decoupled_policy_loss(logp, torch.zeros(1, 3), behavior, adv, mask, is_cap=1.5)
+    weighted, _ = policy_loss(logp, torch.zeros(1, 3), adv, mask, is_weights=w)
+    assert float(stale.detach()) == pytest.approx(float(weighted.detach()))
+    assert m["is_weight_capped_frac"] == pytest.approx(1 / 3)
+    stale.backward()  # weights are constants: gradient flows through logp only
+    assert logp.grad is not None
+
+
+@given(
+    st.lists(st.floats(-3, 3), min_size=1, max_size=8),
+    st.lists(st.floats(-3, 3), min_size=1, max_size=8),
+)
+def test_k3_kl_is_non_negative_and_zero_at_equality(a, b):
+    n = min(len(a), len(b))
+    lp, ref = torch.tensor([a[:n]]), torch.tensor([b[:n]])
+    assert float(kl_penalty(lp, ref, torch.ones(1, n))) >= -1e-6
+    assert float(kl_penalty(lp, lp, torch.ones(1, n))) == 0.0
+
+
+def test_entropy_bounds():
+    mask = torch.ones(1, 2)
+    peaked = torch.tensor([[[50.0, 0.0, 0.0], [0.0, 50.0, 0.0]]])
+    assert float(entropy(peaked, mask)) < 1e-6
+    assert float(entropy(torch.zeros(1, 2, 3), mask)) == pytest.approx(math.log(3))
