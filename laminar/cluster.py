@@ -24,9 +24,6 @@ def local_cluster(n_rollouts: int, *, memory_limit: str = "4GiB", torch_threads:
     import dask
     from distributed import Nanny, Scheduler, SpecCluster
 
-    threads = str(torch_threads)
-    env = {"OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads}
-
     def worker(resources: dict[str, int]) -> dict:
         return {
             "cls": Nanny,
@@ -34,7 +31,6 @@ def local_cluster(n_rollouts: int, *, memory_limit: str = "4GiB", torch_threads:
                 "nthreads": 1,
                 "resources": resources,
                 "memory_limit": memory_limit,
-                "env": env,
                 "host": "127.0.0.1",
             },
         }

@@ -47,6 +47,15 @@ class FinishedOutput:
     t_start: float
     t_finish: float
 
+    @property
+    def ended(self) -> bool:
+        """Whether the response ended with the stop token (else it was cut at the limit)."""
+        return self.finish_reason == "eos"
+
+    def text(self, tok) -> str:
+        """The response as text, without the stop token: what a reward function scores."""
+        return tok.decode(self.response_tokens[:-1] if self.ended else self.response_tokens)
+
 
 @dataclass(frozen=True)
 class KVStats:

@@ -159,9 +159,7 @@ class RolloutReplica:
         for out in outputs:
             g: PromptGroup = out.request.meta["group"]
             resp = out.response_tokens
-            ended = out.finish_reason == "eos"
-            text = self.tok.decode(resp[:-1] if ended else resp)
-            items.append((text, g.answer, ended))
+            items.append((out.text(self.tok), g.answer, out.ended))
             trajs.append(
                 Trajectory(
                     uid=out.request.request_id,

@@ -141,9 +141,7 @@ def evaluate(cfg: RunConfig, model, tok, prompts: list[Prompt]) -> float:
     items = []
     while engine.has_work():
         for out in engine.step():
-            ended = out.finish_reason == "eos"
-            text = tok.decode(out.response_tokens[:-1] if ended else out.response_tokens)
-            items.append((text, out.request.meta["p"].answer, ended))
+            items.append((out.text(tok), out.request.meta["p"].answer, out.ended))
     scores = score_batch(cfg.task.reward, items, cfg.task.truncated_reward)
     return float(np.nanmean([s.reward for s in scores]))
 

@@ -15,7 +15,6 @@ task           prompt                       answer
 
 from __future__ import annotations
 
-import itertools  # noqa: F401 (doctest)
 import json
 import math
 from collections.abc import Callable, Iterator, Sequence
@@ -136,6 +135,7 @@ def jsonl_prompts(path: str | Path) -> list[Prompt]:
 def iter_epochs(items: Sequence[T], seed: int) -> Iterator[tuple[int, T]]:
     """Yield ``(epoch, item)`` forever, reshuffling the items each epoch.
 
+    >>> import itertools
     >>> [e for e, _ in itertools.islice(iter_epochs("ab", 0), 5)]
     [0, 0, 1, 1, 2]
     """

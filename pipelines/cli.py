@@ -1,6 +1,7 @@
-"""The ``laminar`` command: a thin shell over :mod:`pipelines.api`.
+"""The ``laminar`` command: a thin shell over :mod:`pipelines.api` and :mod:`pipelines.report`::
 
 laminar run CONFIG [--set k=v ...] [--run-dir DIR] [--scheduler ADDRESS]
+laminar report RUN_DIR [RUN_DIR ...] [--out DIR]
 """
 
 from __future__ import annotations
@@ -181,7 +182,9 @@ def cmd_report(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="laminar", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        prog="laminar", description="Asynchronous RL post-training of LLMs on Dask."
+    )
     sub = parser.add_subparsers(dest="command", required=True)
     run = sub.add_parser("run", help="train a policy with the Laminar schedule")
     run.add_argument("config", help="YAML run config, e.g. configs/tiny.yaml")

@@ -28,15 +28,11 @@ import xarray as xr
 import zarr
 
 from storage.schema import COMMIT_ATTR, STRING
+from storage.trajectories import store_path
 
 STORE_NAME = "metrics.zarr"
 TABLES = {"cluster": "time", "rollouts": "sample", "updates": "update"}
 _CHUNK = 4096
-
-
-def _metrics_path(path: str | Path) -> Path:
-    path = Path(path)
-    return path if path.name.endswith(".zarr") else path / STORE_NAME
 
 
 def _column(name: str, values: list[Any]) -> np.ndarray:
@@ -61,7 +57,7 @@ class MetricsWriter:
     """
 
     def __init__(self, path: str | Path) -> None:
-        self.path = _metrics_path(path)
+        self.path = store_path(path, STORE_NAME)
         self.root = zarr.open_group(str(self.path), mode="a", zarr_format=3)
 
     def _table(self, table: str) -> zarr.Group:
@@ -109,7 +105,7 @@ def open_metrics(path: str | Path, table: str) -> xr.Dataset:
     ``time`` coordinate (seconds since the run started) so ``.sel``/``.interp`` work, and
     a ``wall_time`` datetime coordinate for ``resample``.
     """
-    store = _metrics_path(path)
+    store = store_path(path, STORE_NAME)
     if not (store / "zarr.json").exists():
         raise FileNotFoundError(f"no metrics store at {str(store)!r}")
     root = zarr.open_group(str(store), mode="r", zarr_format=3)

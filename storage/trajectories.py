@@ -36,9 +36,10 @@ class StoreError(ValueError):
     """A run store is missing or does not match the schema (names the path and the fix)."""
 
 
-def _store_path(path: str | Path) -> Path:
+def store_path(path: str | Path, name: str = STORE_NAME) -> Path:
+    """``path`` itself if it names a ``.zarr`` store, else the store ``name`` inside it."""
     path = Path(path)
-    return path if path.name.endswith(".zarr") else path / STORE_NAME
+    return path if path.name.endswith(".zarr") else path / name
 
 
 class TrajectoryWriter:
@@ -61,7 +62,7 @@ class TrajectoryWriter:
     """
 
     def __init__(self, path: str | Path) -> None:
-        self.path = _store_path(path)
+        self.path = store_path(path)
         exists = (self.path / "zarr.json").exists()
         self.group = zarr.open_group(str(self.path), mode="a", zarr_format=3)
         if not exists:
@@ -158,7 +159,7 @@ def _fill(dtype: np.dtype) -> Any:
 
 
 def _open_group(path: str | Path) -> tuple[Path, zarr.Group]:
-    store = _store_path(path)
+    store = store_path(path)
     if not (store / "zarr.json").exists():
         raise StoreError(
             f"no trajectory store at {str(store)!r}; pass a run directory written by "
