@@ -74,6 +74,27 @@ class SFTConfig(_Section):
     cache_dir: str | None = None  # default: ~/.cache/laminar
 
 
+class PacingConfig(_Section):
+    """Emulated accelerator timing for every rollout engine (see docs/pacing.md)."""
+
+    accelerator: str = "H800"  # a name in laminar.pacing.ACCELERATORS
+    model: str = "7B"  # a name in laminar.pacing.MODELS
+    tp: int = Field(4, gt=0)  # devices per replica
+    dilation: float = Field(1.0, gt=0)  # every modelled time × this
+    strict: bool = True  # stop with an error if real compute exceeds the model
+
+    @model_validator(mode="after")
+    def _known(self) -> PacingConfig:
+        from laminar.errors import LaminarError
+        from laminar.pacing import TimeModel
+
+        try:
+            _ = TimeModel.named(self.accelerator, self.model, self.tp).kv_capacity_tokens
+        except LaminarError as e:
+            raise ValueError(str(e)) from None
+        return self
+
+
 class RolloutConfig(_Section):
     """Rollout replicas and their engines."""
 
@@ -83,7 +104,32 @@ class RolloutConfig(_Section):
     max_new_tokens: int = Field(80, gt=0)
     max_seq_len: int = Field(160, gt=0)
     temperature: float = Field(1.0, gt=0)
-    engine: Literal["torch"] = "torch"
+    top_p: float = Field(1.0, gt=0, le=1)
+    top_k: int = Field(0, ge=0)  # 0: off
+    engine: Literal["torch", "vllm"] = "torch"
+    # KV tokens an engine may hold (default: max_seq_len × the local batch's requests)
+    kv_capacity_tokens: int | None = Field(None, gt=1)
+    pacing: PacingConfig | None = None
+    # Every this many local batches, check the engine's behavior logprobs against the
+    # trainer's forward on 8 of the batch's responses (0: never).
+    parity_every: int = Field(10, ge=0)
+
+    @property
+    def max_batch(self) -> int:
+        """Requests an engine decodes at once: one local batch."""
+        return self.groups_per_batch * self.group_size
+
+    def sampling_params(self, seed: int | None = None):
+        """The :class:`~laminar.engine.SamplingParams` of every rollout request."""
+        from laminar.engine import SamplingParams
+
+        return SamplingParams(
+            max_new_tokens=self.max_new_tokens,
+            temperature=self.temperature,
+            top_p=self.top_p,
+            top_k=self.top_k,
+            seed=seed,
+        )
 
 
 class BufferConfig(_Section):
@@ -147,6 +193,13 @@ class RunConfig(_Section):
                 f"({r.max_new_tokens}); raise rollout.max_seq_len to at least "
                 f"{longest_prompt + r.max_new_tokens}"
             )
+        cap = r.kv_capacity_tokens
+        if cap is not None and not r.max_seq_len <= cap <= r.max_batch * r.max_seq_len:
+            raise ValueError(
+                f"rollout.kv_capacity_tokens ({cap}) must be between rollout.max_seq_len "
+                f"({r.max_seq_len}: one whole request) and max_seq_len × groups_per_batch × "
+                f"group_size ({r.max_batch * r.max_seq_len}: every cache slot)"
+            )
         if task.prompt_file is None and task.name == "count" and task.max_len > 255:
             raise ValueError(
                 f"task.max_len ({task.max_len}) exceeds 255, the largest number the built-in "
@@ -191,6 +244,8 @@ def _set_path(data: dict[str, Any], dotted: str, value: Any) -> None:
     node = data
     for k in keys[:-1]:
         child = node.setdefault(k, {})
+        if child is None:  # an optional section that is off (rollout.pacing): switch it on
+            child = node[k] = {}
         if not isinstance(child, dict):
             raise ConfigError(f"override {dotted!r}: {k!r} is not a section")
         node = child

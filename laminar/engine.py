@@ -1,28 +1,75 @@
-"""Generation engines behind one protocol, and the torch engine.
+"""The generation-engine contract: requests, sampling parameters, in-flight state.
 
 An engine holds requests, advances them one decode step at a time, and hands back each
 finished request with the logprob of every sampled token under the policy that sampled it
-(the *behavior* logprobs the trainer corrects against). It reports its KV-cache use and
-loads new weights only when no request of the old version is running.
+(the *behavior* logprobs the trainer corrects against). Besides generating, an engine
+must let the rollout tier manage it while it runs:
 
-:class:`TorchEngine` is deliberately minimal: static batches (requests join when the
-running batch has drained, finished rows leave at once), a slotted KV cache of
-``max_batch × max_seq_len`` token slots, temperature sampling. Continuous batching,
-export/import of in-flight requests and pacing come with the engine issue.
+* :meth:`Engine.kv_stats` — KV-cache use now (repack decides from it);
+* :meth:`Engine.export` / :meth:`Engine.import_` — move unfinished requests between
+  engines (repack, recovery). A request's whole state is a :class:`RequestState`: its
+  tokens and logprobs so far, sampling parameters and seed. Sampling randomness is a pure
+  function of ``(seed, token index)`` (:mod:`laminar.sampling`), so a request resumed
+  elsewhere by re-prefilling its tokens continues exactly as it would have unmoved;
+* :meth:`Engine.load_weights` — in place, refused while a request of the old version is
+  in flight (the rollout drains or exports first).
+
+Implementations: :class:`laminar.torch_engine.TorchEngine` (continuous batching over a
+slotted KV cache, CPU or CUDA) and :class:`laminar.vllm_engine.VLLMEngine`. Every engine
+passes the shipped contract suite, :class:`laminar.testing.EngineContract`.
 """
 
 from __future__ import annotations
 
-import time
-from collections import deque
-from dataclasses import dataclass, field
-from typing import Any, Protocol
+import math
+from dataclasses import dataclass, field, replace
+from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 import torch
 
 from laminar.errors import LaminarError
-from laminar.model import CachedDecoder
+
+
+class EngineError(LaminarError):
+    """A request or call the engine cannot take; the message names what to change."""
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How one request is sampled.
+
+    ``temperature=0`` is greedy decoding. ``top_k=0`` and ``top_p=1`` switch those filters
+    off. Generation stops at the engine's end-of-sequence token, at any of
+    ``stop_token_ids`` (both kept as the last response token; ``ignore_eos`` disables the
+    former), when the decoded response
+    contains one of ``stop`` (the tokens are kept; ``finish_reason`` is ``"stop"``), or
+    after ``max_new_tokens``. ``seed=None`` lets the engine derive a seed from its own seed
+    and the request id, so a run is reproducible either way.
+    """
+
+    max_new_tokens: int
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    stop_token_ids: tuple[int, ...] = ()
+    stop: tuple[str, ...] = ()
+    seed: int | None = None
+    ignore_eos: bool = False  # benchmarks: always generate max_new_tokens
+
+    def check(self, request_id: str) -> None:
+        """Raise :class:`EngineError` naming the first bad field."""
+        where = f"request {request_id!r}: sampling"
+        if not isinstance(self.max_new_tokens, int) or self.max_new_tokens <= 0:
+            raise EngineError(f"{where} max_new_tokens={self.max_new_tokens!r}; must be ≥ 1")
+        if not (self.temperature >= 0 and math.isfinite(self.temperature)):
+            raise EngineError(f"{where} temperature={self.temperature!r}; must be ≥ 0 (0: greedy)")
+        if not 0 < self.top_p <= 1:
+            raise EngineError(f"{where} top_p={self.top_p!r}; must be in (0, 1] (1: off)")
+        if self.top_k < 0:
+            raise EngineError(f"{where} top_k={self.top_k!r}; must be ≥ 0 (0: off)")
+        if any(not s for s in self.stop):
+            raise EngineError(f"{where} stop contains an empty string; remove it")
 
 
 @dataclass(frozen=True)
@@ -31,8 +78,44 @@ class GenerationRequest:
 
     request_id: str
     prompt_tokens: tuple[int, ...]
-    max_new_tokens: int
+    params: SamplingParams
     meta: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class RequestState:
+    """Everything needed to continue a request on another engine.
+
+    The sampler's random stream is ``(seed, len(tokens))``: nothing else to carry.
+    ``token_versions`` is the weight version that sampled each token.
+    """
+
+    request: GenerationRequest
+    seed: int
+    tokens: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    token_versions: list[int] = field(default_factory=list)
+    t_start: float = math.nan
+    n_moves: int = 0
+
+    @property
+    def request_id(self) -> str:
+        return self.request.request_id
+
+    @property
+    def context_len(self) -> int:
+        """Tokens a (re-)prefill writes to the KV cache: prompt plus response so far."""
+        return len(self.request.prompt_tokens) + len(self.tokens)
+
+    def moved(self) -> RequestState:
+        """A copy counted as moved once more (what :meth:`Engine.export` hands out)."""
+        return replace(
+            self,
+            tokens=list(self.tokens),
+            logprobs=list(self.logprobs),
+            token_versions=list(self.token_versions),
+            n_moves=self.n_moves + 1,
+        )
 
 
 @dataclass(frozen=True)
@@ -42,236 +125,146 @@ class FinishedOutput:
     request: GenerationRequest
     response_tokens: np.ndarray  # int32
     logprobs: np.ndarray  # float32, one per response token
-    finish_reason: str  # "eos" | "length"
-    version: int
+    token_versions: np.ndarray  # int32, the version that sampled each token
+    finish_reason: str  # "eos" | "stop" | "length"
+    version: int  # the version of the last token
     t_start: float
     t_finish: float
+    n_moves: int = 0
 
     @property
     def ended(self) -> bool:
-        """Whether the response ended with the stop token (else it was cut at the limit)."""
-        return self.finish_reason == "eos"
+        """Whether the response ended on its own (stop token/string), not at the limit."""
+        return self.finish_reason in ("eos", "stop")
 
     def text(self, tok) -> str:
-        """The response as text, without the stop token: what a reward function scores."""
-        return tok.decode(self.response_tokens[:-1] if self.ended else self.response_tokens)
+        """The response as text, without a final stop token: what a reward function scores."""
+        resp = self.response_tokens
+        if self.finish_reason == "eos":
+            resp = resp[:-1]
+        return tok.decode(resp)
+
+    @classmethod
+    def from_state(cls, state: RequestState, reason: str, t_finish: float) -> FinishedOutput:
+        return cls(
+            request=state.request,
+            response_tokens=np.asarray(state.tokens, dtype=np.int32),
+            logprobs=np.asarray(state.logprobs, dtype=np.float32),
+            token_versions=np.asarray(state.token_versions, dtype=np.int32),
+            finish_reason=reason,
+            version=state.token_versions[-1],
+            t_start=state.t_start,
+            t_finish=t_finish,
+            n_moves=state.n_moves,
+        )
 
 
 @dataclass(frozen=True)
 class KVStats:
-    """KV-cache use at one moment, in token slots."""
+    """KV-cache use at one moment, in tokens."""
 
     used_tokens: int
     capacity_tokens: int
     running: int
     waiting: int
 
+    @property
+    def free_tokens(self) -> int:
+        return self.capacity_tokens - self.used_tokens
 
+
+@runtime_checkable
 class Engine(Protocol):
-    """What a rollout needs from a generation engine."""
+    """What the rollout tier needs from a generation engine.
+
+    Methods are called from one thread at a time (the rollout serialises them).
+    """
 
     version: int
 
-    def add_request(self, request: GenerationRequest) -> None: ...
+    def add_request(self, request: GenerationRequest) -> None:
+        """Queue a request; raise :class:`EngineError` if it can never run here."""
 
-    def step(self) -> list[FinishedOutput]: ...
+    def step(self) -> list[FinishedOutput]:
+        """Admit what fits, advance every running request one token; return those done."""
 
-    def has_work(self) -> bool: ...
+    def has_work(self) -> bool:
+        """Whether any request is running or waiting."""
 
-    def load_weights(self, state: dict[str, torch.Tensor], version: int) -> None: ...
+    def request_ids(self) -> list[str]:
+        """Ids of every request in flight (running or waiting), oldest first."""
 
     def kv_stats(self) -> KVStats: ...
 
+    def stats(self) -> dict[str, float]:
+        """Cumulative counters (steps, prefill/decode tokens, preemptions, pacing...)."""
 
-class TorchEngine:
-    """Batched decode with a preallocated KV cache over :class:`CachedDecoder`.
+    def export(self, request_ids: list[str]) -> list[RequestState]:
+        """Remove these requests and return their states (unknown ids raise)."""
 
-    Parameters
-    ----------
-    config
-        The HF model config (``LlamaConfig``/``Qwen2Config``).
-    state
-        An HF state dict holding the weights of ``version``.
-    eos_token_id, pad_token_id
-        Token ids that end a response / fill left padding.
-    max_batch, max_seq_len
-        The cache holds ``max_batch`` rows of ``max_seq_len`` tokens (prompt + response).
-    temperature
-        Sampling temperature; behavior logprobs are those of the tempered distribution.
-    seed
-        Seeds this engine's sampler.
+    def import_(self, states: list[RequestState], *, allow_version_change: bool = False) -> None:
+        """Resume exported requests here (ahead of new requests), re-prefilling them.
 
-    Examples
-    --------
-    >>> from laminar.model import build_tiny_policy, load_policy
-    >>> import tempfile
-    >>> model, tok = load_policy(build_tiny_policy(tempfile.mkdtemp()))
-    >>> eng = TorchEngine(model.config, model.state_dict(), eos_token_id=tok.eos_token_id,
-    ...                   pad_token_id=tok.pad_token_id, max_batch=4, max_seq_len=32)
-    >>> eng.add_request(GenerationRequest("a", (1, 5, 6), max_new_tokens=4))
-    >>> outs = []
-    >>> while eng.has_work():
-    ...     outs += eng.step()
-    >>> len(outs[0].response_tokens) == len(outs[0].logprobs) <= 4
-    True
-    """
-
-    def __init__(
-        self,
-        config,
-        state: dict[str, torch.Tensor],
-        *,
-        eos_token_id: int,
-        pad_token_id: int,
-        max_batch: int = 64,
-        max_seq_len: int = 256,
-        temperature: float = 1.0,
-        seed: int = 0,
-        version: int = 0,
-        device: str = "cpu",
-    ) -> None:
-        self.decoder = CachedDecoder(config, state, device=device)
-        self.version = version
-        self.eos = eos_token_id
-        self.pad = pad_token_id
-        self.max_batch = max_batch
-        self.max_seq_len = max_seq_len
-        self.temperature = temperature
-        self.device = torch.device(device)
-        self.generator = torch.Generator(device=self.device).manual_seed(seed)
-        self._waiting: deque[GenerationRequest] = deque()
-        self._rows: list[_Row] = []
-        self._cache: torch.Tensor | None = None
-        self._valid: torch.Tensor | None = None
-        self._col = 0  # next cache column to write
-        self._last: torch.Tensor | None = None  # last sampled token per row
-
-    # -- protocol ---------------------------------------------------------------------
-    def add_request(self, request: GenerationRequest) -> None:
-        n = len(request.prompt_tokens)
-        if n == 0:
-            raise LaminarError(f"request {request.request_id!r} has an empty prompt")
-        if n + request.max_new_tokens > self.max_seq_len:
-            raise LaminarError(
-                f"request {request.request_id!r}: prompt ({n}) + max_new_tokens "
-                f"({request.max_new_tokens}) exceeds the engine's max_seq_len "
-                f"({self.max_seq_len}); raise rollout.max_seq_len or lower max_new_tokens"
-            )
-        self._waiting.append(request)
-
-    def has_work(self) -> bool:
-        return bool(self._rows or self._waiting)
-
-    def kv_stats(self) -> KVStats:
-        used = sum(r.n_prompt + len(r.tokens) for r in self._rows)
-        return KVStats(
-            used_tokens=used,
-            capacity_tokens=self.max_batch * self.max_seq_len,
-            running=len(self._rows),
-            waiting=len(self._waiting),
-        )
+        A state whose last token was sampled by another version is refused unless
+        ``allow_version_change`` (then its response mixes versions, recorded per token).
+        """
 
     def load_weights(self, state: dict[str, torch.Tensor], version: int) -> None:
-        if self._rows:
-            raise LaminarError(
-                f"cannot load version {version} while {len(self._rows)} requests of version "
-                f"{self.version} are running; drain the batch first"
-            )
-        self.decoder.load(state)
-        self.version = version
+        """Swap weights in place; refused while any request of the old version is in flight."""
 
-    def step(self) -> list[FinishedOutput]:
-        """Advance every running request by one token (admitting a new batch if idle)."""
-        if not self._rows:
-            if not self._waiting:
-                return []
-            logits = self._prefill()
-        else:
-            logits = self._decode()
-        return self._sample(logits)
+    def close(self) -> None:
+        """Release the engine's resources (processes, memory)."""
 
-    # -- internals --------------------------------------------------------------------
-    def _prefill(self) -> torch.Tensor:
-        batch = [self._waiting.popleft() for _ in range(min(self.max_batch, len(self._waiting)))]
-        plen = max(len(req.prompt_tokens) for req in batch)
-        width = plen + max(req.max_new_tokens for req in batch)
-        bsz = len(batch)
-        tokens = torch.full((bsz, plen), self.pad, dtype=torch.long)
-        self._valid = torch.zeros(bsz, width, dtype=torch.bool, device=self.device)
-        now = time.time()
-        self._rows = []
-        for i, req in enumerate(batch):
-            n = len(req.prompt_tokens)
-            tokens[i, plen - n :] = torch.tensor(req.prompt_tokens)
-            self._valid[i, plen - n : plen] = True
-            self._rows.append(_Row(req, n, now))
-        self._cache = self.decoder.new_cache(bsz, width)
-        positions = (self._valid[:, :plen].long().cumsum(1) - 1).clamp(min=0)
-        self._col = plen
-        return self.decoder.forward(tokens.to(self.device), positions, self._cache, 0, self._valid)
 
-    def _decode(self) -> torch.Tensor:
-        assert self._cache is not None and self._valid is not None and self._last is not None
-        self._valid[:, self._col] = True
-        positions = torch.tensor(
-            [[r.n_prompt + len(r.tokens) - 1] for r in self._rows], device=self.device
+def default_seed(engine_seed: int, request_id: str) -> int:
+    """The seed of a request that names none: stable across processes (no ``hash()``)."""
+    import zlib
+
+    return (engine_seed * 0x9E3779B1 + zlib.crc32(request_id.encode())) % (1 << 63)
+
+
+def make_engine(rollout, policy_dir: str, *, seed: int, version: int = 0) -> Engine:
+    """The engine ``rollout.engine`` names, built from a policy folder for one replica.
+
+    ``rollout`` is a :class:`~laminar.config.RolloutConfig`; its ``pacing`` section, if
+    set, paces the engine (:mod:`laminar.pacing`).
+    """
+    from laminar.model import load_policy, load_tokenizer
+
+    pacer = None
+    if rollout.pacing is not None:
+        from laminar.pacing import Pacer, TimeModel
+
+        p = rollout.pacing
+        pacer = Pacer(TimeModel.named(p.accelerator, p.model, p.tp), p.dilation, strict=p.strict)
+    common = dict(
+        max_batch=rollout.max_batch,
+        max_seq_len=rollout.max_seq_len,
+        kv_capacity_tokens=rollout.kv_capacity_tokens,
+        seed=seed,
+        version=version,
+    )
+    if rollout.engine == "vllm":
+        from laminar.vllm_engine import VLLMEngine
+
+        tok = load_tokenizer(policy_dir)
+        return VLLMEngine(
+            policy_dir,
+            eos_token_id=tok.eos_token_id,
+            pad_token_id=tok.pad_token_id,
+            tokenizer=tok,
+            pacer=pacer,
+            **common,
         )
-        logits = self.decoder.forward(
-            self._last[:, None], positions, self._cache, self._col, self._valid
-        )
-        self._col += 1
-        return logits
+    from laminar.torch_engine import TorchEngine
 
-    def _sample(self, logits: torch.Tensor) -> list[FinishedOutput]:
-        logp = torch.log_softmax(logits.float() / self.temperature, dim=-1)
-        tok = torch.multinomial(logp.exp(), 1, generator=self.generator)[:, 0]
-        tok_logp = logp.gather(1, tok[:, None])[:, 0]
-        now = time.time()
-        finished, keep = [], []
-        for i, (row, t, lp) in enumerate(
-            zip(self._rows, tok.tolist(), tok_logp.tolist(), strict=True)
-        ):
-            row.tokens.append(t)
-            row.logprobs.append(lp)
-            reason = None
-            if t == self.eos:
-                reason = "eos"
-            elif len(row.tokens) >= row.request.max_new_tokens:
-                reason = "length"
-            if reason is None:
-                keep.append(i)
-            else:
-                finished.append(row.finish(reason, self.version, now))
-        if len(keep) < len(self._rows):
-            # Finished rows leave the batch now, so the tail of a batch decodes only the
-            # requests still running (a cheap gather of the cache rows).
-            self._rows = [self._rows[i] for i in keep]
-            if keep:
-                idx = torch.tensor(keep, device=self.device)
-                self._cache = self._cache.index_select(2, idx)
-                self._valid = self._valid.index_select(0, idx)
-                tok = tok.index_select(0, idx)
-            else:
-                self._cache = self._valid = None
-        self._last = tok if keep else None
-        return finished
-
-
-@dataclass
-class _Row:
-    request: GenerationRequest
-    n_prompt: int
-    t_start: float
-    tokens: list[int] = field(default_factory=list)
-    logprobs: list[float] = field(default_factory=list)
-
-    def finish(self, reason: str, version: int, now: float) -> FinishedOutput:
-        return FinishedOutput(
-            request=self.request,
-            response_tokens=np.asarray(self.tokens, dtype=np.int32),
-            logprobs=np.asarray(self.logprobs, dtype=np.float32),
-            finish_reason=reason,
-            version=version,
-            t_start=self.t_start,
-            t_finish=now,
-        )
+    model, tok = load_policy(policy_dir)
+    return TorchEngine(
+        model.config,
+        model.state_dict(),
+        eos_token_id=tok.eos_token_id,
+        pad_token_id=tok.pad_token_id,
+        tokenizer=tok,
+        pacer=pacer,
+        **common,
+    )

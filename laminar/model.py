@@ -133,14 +133,20 @@ def check_policy_dir(path: str | Path) -> Path:
 
 def load_policy(path: str | Path) -> tuple[PreTrainedModel, PreTrainedTokenizerFast]:
     """Load an HF causal LM and its tokenizer from a local folder (never a hub)."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()
     path = check_policy_dir(path)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, local_files_only=True)
-    tok = AutoTokenizer.from_pretrained(path, local_files_only=True)
-    return model, tok
+    return model, load_tokenizer(path)
+
+
+def load_tokenizer(path: str | Path) -> PreTrainedTokenizerFast:
+    """The tokenizer of a local policy folder."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(check_policy_dir(path), local_files_only=True)
 
 
 def _rope_theta(cfg) -> float:
@@ -154,9 +160,15 @@ def _rope_theta(cfg) -> float:
 class CachedDecoder:
     """Llama/Qwen2 forward over a preallocated, slotted KV cache (inference only).
 
-    Rows of the cache are sequences; columns are token positions. Prompts are left-padded
-    so that every row writes its next token into the same column; ``valid`` marks the
-    columns that hold real tokens of each row.
+    The cache is ``[layers, 2, rows, kv_heads, columns, head_dim]``: one row per running
+    sequence, column ``c`` holding the keys/values of the sequence's token ``c`` (RoPE
+    position ``c``; there is no padding inside a row). Two entry points, both on a view of
+    the first rows of the cache:
+
+    * :meth:`prefill` — right-padded sequences written from column 0 (new or resumed
+      requests); returns the logits after each sequence's last real token;
+    * :meth:`decode` — one token per row, each written at its own column (rows have
+      different lengths: continuous batching).
     """
 
     def __init__(self, config, state: dict[str, torch.Tensor], device: str = "cpu") -> None:
@@ -166,6 +178,7 @@ class CachedDecoder:
         self.n_heads = config.num_attention_heads
         self.n_kv = getattr(config, "num_key_value_heads", None) or self.n_heads
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.n_heads
+        self.vocab_size = config.vocab_size
         self.eps = config.rms_norm_eps
         dim = self.head_dim
         inv_freq = 1.0 / (_rope_theta(config) ** (torch.arange(0, dim, 2).float() / dim))
@@ -201,11 +214,90 @@ class CachedDecoder:
                 }
             )
 
-    def new_cache(self, batch: int, length: int) -> torch.Tensor:
-        """A zeroed cache ``[layers, 2, batch, kv_heads, length, head_dim]``."""
+    def new_cache(self, rows: int, columns: int) -> torch.Tensor:
+        """A zeroed cache ``[layers, 2, rows, kv_heads, columns, head_dim]``."""
         return torch.zeros(
-            self.n_layers, 2, batch, self.n_kv, length, self.head_dim, device=self.device
+            self.n_layers, 2, rows, self.n_kv, columns, self.head_dim, device=self.device
         )
+
+    @torch.inference_mode()
+    def prefill(
+        self, tokens: torch.Tensor, lengths: torch.Tensor, cache: torch.Tensor
+    ) -> torch.Tensor:
+        """Write right-padded ``tokens`` ``[B, T]`` to columns ``0..T`` of ``cache``'s rows.
+
+        ``lengths`` ``[B]`` counts each row's real tokens; columns past it receive garbage
+        that later decode steps overwrite and never attend to. Returns ``[B, vocab]``: the
+        logits after each row's last real token.
+        """
+        bsz, t = tokens.shape
+        cols = torch.arange(t, device=self.device)
+        positions = cols[None].expand(bsz, t)
+        # Causal, and pad keys hidden; a pad query still sees itself, so no row is empty.
+        allowed = (cols[None, :] <= cols[:, None])[None] & (cols < lengths[:, None])[:, None, :]
+        allowed |= torch.eye(t, dtype=torch.bool, device=self.device)[None]
+
+        def write(i: int, k: torch.Tensor, v: torch.Tensor):
+            cache[i, 0, :, :, :t] = k
+            cache[i, 1, :, :, :t] = v
+            return cache[i, 0, :, :, :t], cache[i, 1, :, :, :t]
+
+        x = self._layers(tokens, positions, allowed[:, None], write)
+        last = x[torch.arange(bsz, device=self.device), lengths - 1]
+        return F.linear(self._norm(last, self.final_norm), self.lm_head)
+
+    @torch.inference_mode()
+    def decode(self, tokens: torch.Tensor, columns: torch.Tensor, cache: torch.Tensor):
+        """Write one token per row, ``tokens[i]`` at column ``columns[i]`` of row ``i``.
+
+        Row ``i`` attends to its columns ``0..columns[i]``. Returns ``[B, vocab]`` logits.
+        """
+        bsz = tokens.shape[0]
+        end = int(columns.max()) + 1
+        rows = torch.arange(bsz, device=self.device)
+        hidden = torch.arange(end, device=self.device)[None, :] > columns[:, None]
+        bias = torch.zeros(bsz, 1, 1, end, device=self.device).masked_fill_(
+            hidden[:, None, None], float("-inf")
+        )
+
+        def write(i: int, k: torch.Tensor, v: torch.Tensor):
+            cache[i, 0, rows, :, columns] = k[:, :, 0]
+            cache[i, 1, rows, :, columns] = v[:, :, 0]
+            return cache[i, 0, :, :, :end], cache[i, 1, :, :, :end]
+
+        x = self._layers(tokens[:, None], columns[:, None], bias, write, single=True)
+        return F.linear(self._norm(x[:, -1], self.final_norm), self.lm_head)
+
+    def _layers(self, tokens, positions, mask, write, single: bool = False) -> torch.Tensor:
+        """The decoder layers. ``single``: one query per row, and ``mask`` is an additive
+        bias ``[B, 1, 1, S]``; plain matmuls then beat SDPA's masked path on CPU ≈ 2×
+        (the cache views are strided), and grouped-query heads need no key copies."""
+        bsz, t = tokens.shape
+        x = self.embed[tokens]
+        cos, sin = self._rope(positions)
+        rep = self.n_heads // self.n_kv
+        for i, w in enumerate(self.layers):
+            h = self._norm(x, w["ln1"])
+            q = F.linear(h, w["q"], w["q_b"]).view(bsz, t, self.n_heads, self.head_dim)
+            k = F.linear(h, w["k"], w["k_b"]).view(bsz, t, self.n_kv, self.head_dim)
+            v = F.linear(h, w["v"], w["v_b"]).view(bsz, t, self.n_kv, self.head_dim)
+            q = self._rotate(q.transpose(1, 2), cos, sin)
+            k = self._rotate(k.transpose(1, 2), cos, sin)
+            keys, values = write(i, k, v.transpose(1, 2))
+            if single:
+                # Query heads j*rep..j*rep+rep-1 share key/value head j.
+                qg = q.reshape(bsz, self.n_kv, rep, self.head_dim)
+                scores = qg @ keys.transpose(-1, -2) * self.head_dim**-0.5 + mask
+                att = (torch.softmax(scores, dim=-1) @ values).reshape(bsz, self.n_heads, 1, -1)
+            else:
+                if rep > 1:
+                    keys = keys.repeat_interleave(rep, dim=1)
+                    values = values.repeat_interleave(rep, dim=1)
+                att = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask)
+            x = x + F.linear(att.transpose(1, 2).reshape(bsz, t, -1), w["o"])
+            h = self._norm(x, w["ln2"])
+            x = x + F.linear(F.silu(F.linear(h, w["gate"])) * F.linear(h, w["up"]), w["down"])
+        return x
 
     def _norm(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         var = x.pow(2).mean(-1, keepdim=True)
@@ -221,52 +313,6 @@ class CachedDecoder:
         half = x.shape[-1] // 2
         rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
         return x * cos + rotated * sin
-
-    @torch.inference_mode()
-    def forward(
-        self,
-        tokens: torch.Tensor,
-        positions: torch.Tensor,
-        cache: torch.Tensor,
-        start: int,
-        valid: torch.Tensor,
-    ) -> torch.Tensor:
-        """Run ``tokens`` ``[B, T]`` written at cache columns ``start..start+T``.
-
-        ``valid`` ``[B, start+T]`` marks real (non-pad) columns. Returns the logits of the
-        last position of each row, ``[B, vocab]``.
-        """
-        bsz, t = tokens.shape
-        end = start + t
-        x = self.embed[tokens]
-        cos, sin = self._rope(positions)
-        # Query i (column start+i) sees key columns <= its own that hold real tokens, and
-        # always itself, so a pad query never has an empty (NaN) softmax row.
-        cols = torch.arange(end, device=self.device)
-        qcols = cols[start:end]
-        allowed = (cols[None, :] <= qcols[:, None])[None] & valid[:, None, :end]
-        allowed |= cols[None, None, :] == qcols[None, :, None]
-        mask = allowed[:, None]  # [B, 1, T, end]
-        rep = self.n_heads // self.n_kv
-        for i, w in enumerate(self.layers):
-            h = self._norm(x, w["ln1"])
-            q = F.linear(h, w["q"], w["q_b"]).view(bsz, t, self.n_heads, self.head_dim)
-            k = F.linear(h, w["k"], w["k_b"]).view(bsz, t, self.n_kv, self.head_dim)
-            v = F.linear(h, w["v"], w["v_b"]).view(bsz, t, self.n_kv, self.head_dim)
-            q = self._rotate(q.transpose(1, 2), cos, sin)
-            k = self._rotate(k.transpose(1, 2), cos, sin)
-            cache[i, 0, :, :, start:end] = k
-            cache[i, 1, :, :, start:end] = v.transpose(1, 2)
-            keys, values = cache[i, 0, :, :, :end], cache[i, 1, :, :, :end]
-            if rep > 1:
-                keys = keys.repeat_interleave(rep, dim=1)
-                values = values.repeat_interleave(rep, dim=1)
-            att = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask)
-            x = x + F.linear(att.transpose(1, 2).reshape(bsz, t, -1), w["o"])
-            h = self._norm(x, w["ln2"])
-            x = x + F.linear(F.silu(F.linear(h, w["gate"])) * F.linear(h, w["up"]), w["down"])
-        x = self._norm(x[:, -1], self.final_norm)
-        return F.linear(x, self.lm_head)
 
 
 def param_count(state: dict[str, torch.Tensor]) -> int:

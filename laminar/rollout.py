@@ -24,9 +24,11 @@ import torch
 from laminar.cluster import start_thread
 from laminar.config import RunConfig
 from laminar.contract import PromptGroup, Trajectory
-from laminar.engine import FinishedOutput, GenerationRequest, TorchEngine
+from laminar.engine import FinishedOutput, GenerationRequest, make_engine
 
 logger = logging.getLogger(__name__)
+
+PARITY_SAMPLE = 8  # responses per parity check
 
 
 class RolloutReplica:
@@ -35,26 +37,28 @@ class RolloutReplica:
     def __init__(
         self, rollout_id: str, cfg: RunConfig, policy_dir: str, pool, buffer, trainer
     ) -> None:
-        from laminar.model import load_policy
+        from laminar.model import load_tokenizer
 
         torch.set_num_threads(cfg.cluster.torch_threads)
         self.rollout_id = rollout_id
         self.cfg = cfg
         self.pool, self.buffer, self.trainer = pool, buffer, trainer
-        model, self.tok = load_policy(policy_dir)
-        r = cfg.rollout
-        self.engine = TorchEngine(
-            model.config,
-            model.state_dict(),
-            eos_token_id=self.tok.eos_token_id,
-            pad_token_id=self.tok.pad_token_id,
-            max_batch=r.groups_per_batch * r.group_size,
-            max_seq_len=r.max_seq_len,
-            temperature=r.temperature,
+        self.tok = load_tokenizer(policy_dir)
+        self.engine = make_engine(
+            cfg.rollout,
+            policy_dir,
             seed=cfg.seed * 1000 + int(rollout_id.lstrip("r") or 0),
             version=0,
         )
-        del model
+        self._params = cfg.rollout.sampling_params()
+        # Behavior/trainer parity: the trainer's forward (laminar.update) on this
+        # replica's own finished responses, with the same weights, every few batches.
+        self._reference = None
+        if cfg.rollout.parity_every:
+            from laminar.model import load_policy
+
+            self._reference, _ = load_policy(policy_dir)
+            self._reference.eval()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._pending: deque = deque()  # (trajectories, reward future)
@@ -67,6 +71,10 @@ class RolloutReplica:
             "response_tokens": 0,
             "decode_steps": 0,
             "weight_loads": 0,
+            "parity_checks": 0,
+            "parity_max_abs": float("nan"),  # latest check
+            "parity_mean_abs": float("nan"),
+            "parity_worst_abs": 0.0,  # over the run
             "idle_s": 0.0,
             "weight_wait_s": 0.0,
             "decode_s": 0.0,
@@ -87,11 +95,13 @@ class RolloutReplica:
         kv = self.engine.kv_stats()
         return {
             **self.counts,
+            **{f"engine_{k}": v for k, v in self.engine.stats().items()},
             "rollout_id": self.rollout_id,
             "version": self.engine.version,
             "kv_used": kv.used_tokens,
             "kv_capacity": kv.capacity_tokens,
             "running": kv.running,
+            "waiting": kv.waiting,
             "pending_rewards": len(self._pending),
             "alive": self._thread is not None and self._thread.is_alive(),
             "error": self.error,
@@ -125,6 +135,8 @@ class RolloutReplica:
         if update is not None:
             version, state = update
             self.engine.load_weights(state, version)
+            if self._reference is not None:
+                self._reference.load_state_dict(state)
             self.counts["weight_loads"] += 1
         self.counts["weight_wait_s"] += time.time() - t
 
@@ -136,19 +148,46 @@ class RolloutReplica:
                     GenerationRequest(
                         request_id=f"{g.prompt_uid}-{i:03d}",
                         prompt_tokens=g.prompt_tokens,
-                        max_new_tokens=self.cfg.rollout.max_new_tokens,
+                        params=self._params,
                         meta={"group": g, "sample_idx": i, "t_submit": now},
                     )
                 )
         self.counts["batches"] += 1
+        every = self.cfg.rollout.parity_every
+        check = every and (self.counts["batches"] - 1) % every == 0
+        sample: list[FinishedOutput] = []
         t0 = time.time()
         while self.engine.has_work() and not self._stop.is_set():
             finished = self.engine.step()
             self.counts["decode_steps"] += 1
             if finished:
                 self._submit_rewards(finished)
+                if check and len(sample) < PARITY_SAMPLE:
+                    sample += finished[: PARITY_SAMPLE - len(sample)]
             self._collect_rewards(block=False)
         self.counts["decode_s"] += time.time() - t0
+        if sample:
+            self._check_parity(sample)
+
+    def _check_parity(self, outputs: list[FinishedOutput]) -> None:
+        """Max/mean |behavior logprob - trainer logprob| over these responses' tokens."""
+        from laminar.update import pack, response_logprobs
+
+        batch = pack(
+            [np.asarray(o.request.prompt_tokens) for o in outputs],
+            [o.response_tokens for o in outputs],
+            [o.logprobs for o in outputs],
+            [np.ones(len(o.response_tokens)) for o in outputs],
+            self.tok.pad_token_id,
+        )
+        with torch.no_grad():
+            lp = response_logprobs(self._reference, batch, self.cfg.rollout.temperature)
+        diff = (lp - batch.old_logprobs).abs() * batch.response_mask
+        c = self.counts
+        c["parity_checks"] += 1
+        c["parity_max_abs"] = float(diff.max())
+        c["parity_mean_abs"] = float(diff.sum() / batch.response_mask.sum())
+        c["parity_worst_abs"] = max(c["parity_worst_abs"], c["parity_max_abs"])
 
     def _submit_rewards(self, outputs: list[FinishedOutput]) -> None:
         from distributed import get_client
@@ -171,7 +210,12 @@ class RolloutReplica:
                     response_tokens=resp,
                     behavior_logprobs=out.logprobs,
                     loss_mask=np.ones(len(resp), dtype=np.uint8),
-                    behavior_version=out.version,
+                    behavior_version=int(out.token_versions.min()),
+                    # Stored only when a response mixes versions (the schema's convention).
+                    token_versions=out.token_versions
+                    if out.token_versions.min() != out.token_versions.max()
+                    else np.zeros(0, np.int32),
+                    n_migrations=out.n_moves,
                     finish_reason=out.finish_reason,
                     rollout_ids=self.rollout_id,
                     t_submit=out.request.meta["t_submit"],

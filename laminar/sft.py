@@ -120,8 +120,9 @@ def warm_start(cfg: RunConfig, prompts: list[Prompt]) -> tuple[Path, dict]:
 
 def evaluate(cfg: RunConfig, model, tok, prompts: list[Prompt]) -> float:
     """Mean reward of one sampled response per prompt, as the rollouts will sample them."""
-    from laminar.engine import GenerationRequest, TorchEngine
+    from laminar.engine import GenerationRequest
     from laminar.rewards import score_batch
+    from laminar.torch_engine import TorchEngine
 
     r = cfg.rollout
     engine = TorchEngine(
@@ -131,12 +132,12 @@ def evaluate(cfg: RunConfig, model, tok, prompts: list[Prompt]) -> float:
         pad_token_id=tok.pad_token_id,
         max_batch=64,
         max_seq_len=r.max_seq_len,
-        temperature=r.temperature,
         seed=cfg.seed,
     )
+    params = r.sampling_params()
     for i, p in enumerate(prompts):
         engine.add_request(
-            GenerationRequest(str(i), tuple(encode_prompt(tok, p.text)), r.max_new_tokens, {"p": p})
+            GenerationRequest(str(i), tuple(encode_prompt(tok, p.text)), params, {"p": p})
         )
     items = []
     while engine.has_work():

@@ -2,6 +2,7 @@
 
 laminar run CONFIG [--set k=v ...] [--run-dir DIR] [--scheduler ADDRESS]
 laminar report RUN_DIR [RUN_DIR ...] [--out DIR]
+laminar bench NAME [--out FILE.json] [--repeats N] [...]
 """
 
 from __future__ import annotations
@@ -101,6 +102,17 @@ def _print_summary(s: dict) -> None:
             f"warm-start reward  {sft['eval_reward']:.3f} "
             f"(one sample each of {sft['eval_prompts']} prompts)"
         )
+    eng = s.get("engine", {})
+    if eng.get("parity_checks"):
+        print(
+            f"engine parity      max |behavior - trainer logprob| {eng['parity_max_abs']:.2e} "
+            f"over {eng['parity_checks']} checks"
+        )
+    if "modelled_s" in eng:
+        print(
+            f"pacing             modelled {eng['modelled_s']:.1f} s, real compute "
+            f"{eng['compute_s']:.1f} s, {eng['overruns']} steps over the model"
+        )
     print(f"checkpoint         {s['checkpoint']}")
 
 
@@ -181,6 +193,24 @@ def cmd_report(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_bench(args: argparse.Namespace) -> int:
+    from pipelines.bench import run_bench
+
+    options = {}
+    if args.repeats is not None:
+        options["repeats"] = args.repeats
+    if args.batches:
+        options["batches"] = tuple(int(b) for b in args.batches.split(","))
+    if args.new_tokens is not None:
+        options["new_tokens"] = args.new_tokens
+    if args.threads is not None:
+        options["threads"] = args.threads
+    if args.vllm_python:
+        options["vllm"] = args.vllm_python
+    run_bench(args.name, args.out, **options)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="laminar", description="Asynchronous RL post-training of LLMs on Dask."
@@ -201,11 +231,19 @@ def main(argv: list[str] | None = None) -> int:
     report = sub.add_parser("report", help="plots and a summary page of one or more runs")
     report.add_argument("runs", nargs="+", metavar="RUN_DIR", help="run directories to compare")
     report.add_argument("--out", help="output folder (default RUN_DIR/report of the first run)")
+    bench = sub.add_parser("bench", help="a benchmark: prints a table, writes figures + ratios")
+    bench.add_argument("name", choices=["engine"], help="which benchmark")
+    bench.add_argument("--out", metavar="FILE.json", help="write figures, ratios and samples")
+    bench.add_argument("--repeats", type=int, help="measurements of each figure (median)")
+    bench.add_argument("--batches", help="engine: comma-separated batch sizes (1,16,64,256)")
+    bench.add_argument("--new-tokens", type=int, help="engine: tokens per request (200)")
+    bench.add_argument("--threads", type=int, help="torch threads (1)")
+    bench.add_argument("--vllm-python", help="engine: the vLLM environment's python")
     args = parser.parse_args(argv)
     _quiet_libraries()
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     try:
-        return {"run": cmd_run, "report": cmd_report}[args.command](args)
+        return {"run": cmd_run, "report": cmd_report, "bench": cmd_bench}[args.command](args)
     except (LaminarError, StoreError, FileNotFoundError) as e:
         print(f"laminar: error: {e}", file=sys.stderr)
         return 2

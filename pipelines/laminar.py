@@ -16,6 +16,7 @@ or from a notebook::
 from __future__ import annotations
 
 import json
+import math
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -45,6 +46,13 @@ ROLLOUT_METRICS = (
     "weight_wait_s",
     "decode_s",
     "reward_errors",
+    "waiting",
+    "engine_preemptions",
+    "engine_prefill_tokens",
+    "parity_max_abs",
+    "parity_mean_abs",
+    "engine_modelled_s",  # paced engines only
+    "engine_compute_s",
 )
 
 
@@ -201,7 +209,7 @@ class LaminarSchedule:
         for s in r_stats:
             self._rows["rollouts"].append(
                 {"elapsed_s": elapsed, "rollout": s["rollout_id"]}
-                | {k: s[k] for k in ROLLOUT_METRICS}
+                | {k: s.get(k, math.nan) for k in ROLLOUT_METRICS}
             )
 
     def _flush_metrics(self) -> None:
@@ -268,8 +276,23 @@ def summarize(run_dir: Path, raw: dict, sft_info: dict, cfg: RunConfig) -> dict:
         "buffer": raw["buffer"],
         "pool": raw["pool"],
         "rollouts": raw["rollouts"],
+        "engine": _engine_summary(raw["rollouts"]),
         "checkpoint": raw["trainer"]["checkpoint"],
         "metrics": str(run_dir / "metrics.zarr"),
     }
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2, default=float))
     return summary
+
+
+def _engine_summary(rollouts: list[dict]) -> dict:
+    """Behavior/trainer parity over the run, and modelled vs real time when paced."""
+    out = {
+        "parity_checks": sum(r.get("parity_checks", 0) for r in rollouts),
+        "parity_max_abs": max((r.get("parity_worst_abs", 0.0) for r in rollouts), default=0.0),
+        "preemptions": sum(r.get("engine_preemptions", 0) for r in rollouts),
+    }
+    if any("engine_modelled_s" in r for r in rollouts):
+        out["modelled_s"] = sum(r["engine_modelled_s"] for r in rollouts)
+        out["compute_s"] = sum(r["engine_compute_s"] for r in rollouts)
+        out["overruns"] = sum(r["engine_overruns"] for r in rollouts)
+    return out

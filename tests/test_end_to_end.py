@@ -65,6 +65,10 @@ def test_cli_run_end_to_end(tmp_path):
     assert summary["reason"] == "completed" and summary["versions"] == 4
     assert summary["consumed"] == 4 * 4 * 4
     assert np.isfinite(summary["reward_first_20pct"]) and np.isfinite(summary["reward_last_20pct"])
+    # Behavior/trainer parity, checked in the run on the replicas' own responses.
+    assert summary["engine"]["parity_checks"] >= 2
+    assert 0 <= summary["engine"]["parity_max_abs"] <= 1e-4
+    assert "engine parity" in out
     assert (run_dir / "config.yaml").exists()
     ckpt = run_dir / "checkpoints" / "version-000004"
     assert {"config.json", "model.safetensors", "tokenizer.json", "optimizer.pt"} <= {
@@ -79,6 +83,8 @@ def test_cli_run_end_to_end(tmp_path):
     assert cluster.sizes["time"] >= 1 and (np.diff(cluster["inserted"].values) >= 0).all()
     rollouts = open_metrics(run_dir, "rollouts")
     assert sorted(rollouts["rollout"].values) == ["r0", "r1"]
+    parity = rollouts["parity_max_abs"].values
+    assert np.isfinite(parity).any() and np.nanmax(parity) <= 1e-4
     ds = check_store(run_dir, expect_consumed_groups=16)
     report = laminar_cli("report", str(run_dir))
     out, _ = report.communicate(timeout=120)
@@ -220,3 +226,27 @@ def test_any_hf_folder_and_a_jsonl_prompt_file(cluster_client, small_config, tin
     assert set(ds["prompt_key"].values) <= set(range(8))
     rewards = ds["reward"].values
     assert ((rewards >= 0) & (rewards <= 1)).all()
+
+
+def test_paced_replicas_keep_the_modelled_time(cluster_client, small_config, tmp_path):
+    """Engines paced as TP4 H800s serving a 7B model: the run's decode time is the
+    modelled one (× dilation), and the real compute stays below it."""
+    import pipelines
+
+    run = pipelines.submit(
+        small_config,
+        cluster_client,
+        run_dir=tmp_path / "run",
+        overrides=["rollout.pacing.dilation=15", "trainer.steps=2"],
+    )
+    summary = run.wait(timeout=300)
+    assert summary["reason"] == "completed", summary
+    eng = summary["engine"]
+    assert eng["modelled_s"] > 0 and eng["compute_s"] < eng["modelled_s"]
+    decode_s = sum(r["decode_s"] for r in summary["rollouts"])
+    assert decode_s >= eng["modelled_s"] * 0.99  # nobody decodes faster than the model
+    check_store(run.run_dir)
+    from storage.metrics import open_metrics
+
+    rollouts = open_metrics(run.run_dir, "rollouts")
+    assert np.nanmax(rollouts["engine_modelled_s"].values) > 0

@@ -1,0 +1,234 @@
+"""Benchmarks, one form for all: ``laminar bench NAME [--out FILE.json]``.
+
+A benchmark measures the things it compares side by side in one run (interleaved, so a
+noisy neighbour hits all of them alike), repeats each measurement, and reports medians:
+a table on stdout and, with ``--out``, JSON holding ``figures`` (name -> median),
+``ratios`` (name -> quotient of two figures of this same run), every raw sample
+(``samples``) and what it ran on (``machine``, ``options``).
+
+Benchmarks: ``engine`` (generation throughput of each engine and of HF ``generate``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+@dataclass
+class BenchResult:
+    name: str
+    figures: dict[str, float | None]
+    ratios: dict[str, float | None]
+    samples: dict[str, list[float]]
+    columns: list[str]
+    rows: list[list]
+    options: dict
+    notes: list[str] = field(default_factory=list)
+
+    def to_json(self) -> dict:
+        import torch
+
+        return {
+            "bench": self.name,
+            "figures": self.figures,
+            "ratios": self.ratios,
+            "samples": self.samples,
+            "options": self.options,
+            "notes": self.notes,
+            "machine": {
+                "cpus": os.cpu_count(),
+                "python": platform.python_version(),
+                "torch": torch.__version__,
+                "platform": platform.platform(),
+            },
+            "finished": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        }
+
+    def table(self) -> str:
+        cells = [self.columns] + [[_cell(v) for v in row] for row in self.rows]
+        widths = [max(len(str(r[i])) for r in cells) for i in range(len(self.columns))]
+        lines = ["  ".join(str(c).rjust(w) for c, w in zip(r, widths, strict=True)) for r in cells]
+        lines.insert(1, "  ".join("-" * w for w in widths))
+        return "\n".join(lines + [f"note: {n}" for n in self.notes])
+
+
+def _cell(v) -> str:
+    if v is None:
+        return "-"
+    if isinstance(v, float):
+        return f"{v:,.2f}" if abs(v) < 100 else f"{v:,.0f}"
+    return str(v)
+
+
+def _ratio(a: float | None, b: float | None) -> float | None:
+    return None if a is None or b is None or b == 0 else a / b
+
+
+def _median(xs: list[float]) -> float | None:
+    return statistics.median(xs) if xs else None
+
+
+# -- engine ---------------------------------------------------------------------------------
+PROMPT_LEN = 8
+
+
+def _torch_tok_s(policy, batch: int, new_tokens: int) -> float:
+    from laminar.engine import GenerationRequest, SamplingParams
+    from laminar.torch_engine import TorchEngine
+
+    model, tok = policy
+    eng = TorchEngine(
+        model.config,
+        model.state_dict(),
+        eos_token_id=tok.eos_token_id,
+        pad_token_id=tok.pad_token_id,
+        max_batch=batch,
+        max_seq_len=PROMPT_LEN + new_tokens,
+    )
+    for i in range(batch):
+        prompt = tuple(3 + (i + j) % 50 for j in range(PROMPT_LEN))
+        sp = SamplingParams(new_tokens, seed=i, ignore_eos=True)
+        eng.add_request(GenerationRequest(str(i), prompt, sp))
+    t = time.perf_counter()
+    produced = 0
+    while eng.has_work():
+        produced += sum(len(o.response_tokens) for o in eng.step())
+    elapsed = time.perf_counter() - t
+    assert produced == batch * new_tokens
+    return produced / elapsed
+
+
+def _hf_tok_s(policy, batch: int, new_tokens: int) -> float:
+    import torch
+
+    model, tok = policy
+    ids = torch.tensor([[3 + (i + j) % 50 for j in range(PROMPT_LEN)] for i in range(batch)])
+    t = time.perf_counter()
+    with torch.no_grad():
+        out = model.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            do_sample=True,
+            max_new_tokens=new_tokens,
+            min_new_tokens=new_tokens,
+            pad_token_id=tok.pad_token_id,
+        )
+    elapsed = time.perf_counter() - t
+    assert out.shape == (batch, PROMPT_LEN + new_tokens)
+    return batch * new_tokens / elapsed
+
+
+def vllm_python(explicit: str | None = None) -> str | None:
+    """The interpreter of the vLLM environment: ``--vllm-python``, ``$LAMINAR_VLLM_PYTHON``,
+    or the ``.venv-vllm`` that ``.ci/vllm-env`` builds."""
+    for cand in (explicit, os.environ.get("LAMINAR_VLLM_PYTHON"), REPO / ".venv-vllm/bin/python"):
+        if cand and Path(cand).exists():
+            return str(cand)
+    return None
+
+
+def _vllm_tok_s(python: str, policy_dir: str, batch: int, new_tokens: int, repeats: int):
+    cmd = [
+        python, "-m", "laminar.vllm_engine", "--bench", "--policy", policy_dir,
+        "--batch", str(batch), "--new-tokens", str(new_tokens), "--repeats", str(repeats),
+    ]  # fmt: skip
+    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, timeout=1800)
+    if proc.returncode != 0:
+        raise RuntimeError(f"vLLM bench failed ({proc.returncode}): {proc.stderr[-2000:]}")
+    line = [x for x in proc.stdout.splitlines() if x.startswith("{")][-1]
+    return json.loads(line)["tokens_per_s"]
+
+
+def bench_engine(
+    batches: tuple[int, ...] = (1, 16, 64, 256),
+    new_tokens: int = 200,
+    repeats: int = 5,
+    threads: int = 1,
+    vllm: str | None = None,
+) -> BenchResult:
+    """Decode throughput (tokens/s, ``new_tokens`` per request, EOS ignored) of the torch
+    engine, HF ``generate`` and vLLM (in its own environment) at each batch size."""
+    import torch
+
+    from laminar.model import build_tiny_policy, load_policy
+
+    torch.set_num_threads(threads)
+    policy_dir = build_tiny_policy(tempfile.mkdtemp(prefix="laminar-bench-"))
+    policy = load_policy(policy_dir)
+    python = vllm_python(vllm)
+    notes = []
+    if python is None:
+        notes.append(
+            "vLLM skipped: no vLLM environment (build it with .ci/vllm-env, or pass "
+            "--vllm-python / set LAMINAR_VLLM_PYTHON)"
+        )
+    samples: dict[str, list[float]] = {}
+    _torch_tok_s(policy, 4, 8)  # warm up kernels and allocator
+    for b in batches:
+        for _ in range(repeats):  # interleaved: both see the same machine state
+            samples.setdefault(f"torch_b{b}", []).append(_torch_tok_s(policy, b, new_tokens))
+            samples.setdefault(f"hf_b{b}", []).append(_hf_tok_s(policy, b, new_tokens))
+        if python is not None:
+            env_threads = {"OMP_NUM_THREADS": str(threads)}
+            os.environ.update(env_threads)
+            try:
+                samples[f"vllm_b{b}"] = _vllm_tok_s(python, str(policy_dir), b, new_tokens, repeats)
+            except (RuntimeError, subprocess.TimeoutExpired) as e:
+                notes.append(f"vLLM at batch {b}: {e}")
+    figures, ratios, rows = {}, {}, []
+    for b in batches:
+        med = {e: _median(samples.get(f"{e}_b{b}", [])) for e in ("torch", "hf", "vllm")}
+        for e, v in med.items():
+            figures[f"{e}_tok_s_b{b}"] = v
+        ratios[f"torch_vs_hf_b{b}"] = _ratio(med["torch"], med["hf"])
+        ratios[f"torch_vs_vllm_b{b}"] = _ratio(med["torch"], med["vllm"])
+        rows.append(
+            [b, med["torch"], med["hf"], med["vllm"], ratios[f"torch_vs_hf_b{b}"],
+             ratios[f"torch_vs_vllm_b{b}"]]
+        )  # fmt: skip
+    return BenchResult(
+        name="engine",
+        figures=figures,
+        ratios=ratios,
+        samples=samples,
+        columns=["batch", "torch tok/s", "hf tok/s", "vllm tok/s", "torch/hf", "torch/vllm"],
+        rows=rows,
+        options={
+            "batches": list(batches),
+            "new_tokens": new_tokens,
+            "prompt_tokens": PROMPT_LEN,
+            "repeats": repeats,
+            "threads": threads,
+            "vllm_python": python,
+            "statistic": "median",
+        },
+        notes=notes,
+    )
+
+
+BENCHES: dict[str, Callable[..., BenchResult]] = {"engine": bench_engine}
+
+
+def run_bench(name: str, out: str | None = None, **options) -> BenchResult:
+    """Run benchmark ``name``, print its table, write its JSON to ``out`` if given."""
+    if name not in BENCHES:
+        raise KeyError(f"no benchmark {name!r}; known: {sorted(BENCHES)}")
+    result = BENCHES[name](**options)
+    print(result.table())
+    if out:
+        Path(out).parent.mkdir(parents=True, exist_ok=True)
+        Path(out).write_text(json.dumps(result.to_json(), indent=2))
+        print(f"wrote {out}", file=sys.stderr)
+    return result

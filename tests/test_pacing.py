@@ -1,0 +1,96 @@
+"""Emulated accelerator timing: the model's numbers and a paced engine that follows them."""
+
+import statistics
+import time
+
+import pytest
+
+from laminar.engine import GenerationRequest, SamplingParams
+from laminar.errors import LaminarError
+from laminar.model import load_policy
+from laminar.pacing import Pacer, PacingError, TimeModel
+from laminar.torch_engine import TorchEngine
+
+
+def test_the_7b_h800_model_reproduces_the_cluster_notes():
+    m = TimeModel.named("H800", "7B", tp=4)
+    assert m.weight_read_time == pytest.approx(1.27e-3, rel=0.01)
+    assert m.compute_per_sequence == pytest.approx(7.7e-6, rel=0.01)
+    assert m.model.kv_bytes_per_token == 57_344
+    assert m.prefill_time(1) == pytest.approx(6.4e-6, rel=0.01)
+    assert m.decode_time(1, 0) == pytest.approx(3.3e-3, rel=0.02)
+    assert m.decode_time(256, 256 * 4096) == pytest.approx(9.5e-3, rel=0.03)
+    assert 160 < m.batch_limit < 170
+    # Memory-bound below B: a step costs nearly the same for 1 or 100 sequences.
+    assert m.decode_time(100, 0) / m.decode_time(1, 0) < 1.1
+    assert m.decode_time(400, 0) > 1.5 * m.decode_time(100, 0)  # compute-bound above
+    big = TimeModel.named("H800", "32B", tp=4)
+    assert big.decode_time(64, 64 * 2000) > m.decode_time(64, 64 * 2000)
+    assert big.kv_capacity_tokens < m.kv_capacity_tokens
+
+
+def test_unknown_names_and_impossible_placements_are_refused():
+    with pytest.raises(LaminarError, match="accelerator 'B300' is unknown"):
+        TimeModel.named("B300", "7B")
+    with pytest.raises(LaminarError, match="do not fit"):
+        _ = TimeModel.named("L40S", "72B", tp=1).kv_capacity_tokens
+
+
+@pytest.fixture(scope="module")
+def policy(tiny_policy):
+    return load_policy(tiny_policy)
+
+
+def test_a_paced_engine_steps_at_the_modelled_times(policy):
+    model, tok = policy
+    pacer = Pacer(TimeModel.named("H800", "7B", tp=4), dilation=8.0)  # ≈ 26 ms a step
+    eng = TorchEngine(
+        model.config,
+        model.state_dict(),
+        eos_token_id=tok.eos_token_id,
+        pad_token_id=tok.pad_token_id,
+        max_batch=8,
+        max_seq_len=64,
+        pacer=pacer,
+    )
+    for i in range(8):
+        prompt = (3,) * (2 + 3 * i)
+        eng.add_request(GenerationRequest(str(i), prompt, SamplingParams(4 + 2 * i, seed=i)))
+    walls, modelled = [], []
+    while eng.has_work():
+        kv = eng.kv_stats()
+        batch, context = kv.running, kv.used_tokens
+        t0 = time.perf_counter()
+        before = pacer.modelled_s
+        eng.step()
+        walls.append(time.perf_counter() - t0)
+        modelled.append(pacer.modelled_s - before)
+        if batch:  # a decode step: its modelled time follows from batch and context alone
+            m = pacer.model
+            assert modelled[-1] >= 8.0 * m.decode_time(batch, context) * 0.999
+    assert len(walls) > 10 and len(set(round(x, 6) for x in modelled)) > 3
+    lag = [w - m for w, m in zip(walls, modelled, strict=True)]
+    assert min(lag) > -1e-3  # never faster than the model
+    assert statistics.median(lag) < 5e-3  # and close to it
+    stats = eng.stats()
+    assert stats["paced_steps"] == len(walls) and stats["compute_s"] < stats["modelled_s"]
+
+
+def test_a_pacer_that_cannot_keep_up_stops_the_run(policy):
+    model, tok = policy
+    pacer = Pacer(TimeModel.named("H800", "7B", tp=4), dilation=1e-4, window=8)
+    eng = TorchEngine(
+        model.config,
+        model.state_dict(),
+        eos_token_id=tok.eos_token_id,
+        pad_token_id=tok.pad_token_id,
+        max_batch=8,
+        max_seq_len=64,
+        pacer=pacer,
+    )
+    for i in range(8):
+        eng.add_request(GenerationRequest(str(i), (3, 4), SamplingParams(40, seed=i)))
+    with pytest.raises(PacingError, match=r"Raise rollout.pacing.dilation to at least"):
+        for _ in range(40):
+            eng.step()
+    assert pacer.overruns >= 8
