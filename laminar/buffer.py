@@ -1,9 +1,17 @@
 """The experience buffer: rewarded trajectories in, complete GRPO groups out.
 
 :class:`BufferCore` is the pure state machine: it admits trajectories one by one, holds a
-group until all its siblings are in, and hands out complete groups first-in first-out.
-Every trajectory leaves it exactly once, with a status (consumed, discarded, or still
-buffered at the end) — nothing is dropped silently. :class:`ExperienceBuffer` is the Dask
+group until all its siblings are in, and hands out complete groups by a sampler policy:
+
+* ``fifo`` — in the order groups completed (the paper's);
+* ``oldest_version`` — lowest behavior version first (bounds the tail of staleness);
+* ``same_version`` — every batch from one behavior version, the oldest that has enough.
+
+Optionally, groups whose training would exceed ``max_train_staleness`` versions
+(``sample_version - behavior_version``) are *evicted*, and groups whose rewards are all
+equal — no GRPO signal — are *filtered* (DAPO's dynamic sampling). Every trajectory leaves
+exactly once, with a status (consumed, discarded, evicted, filtered, or still buffered at
+the end) — nothing is dropped silently. :class:`ExperienceBuffer` is the Dask
 actor around it: the single writer of ``trajectories.zarr``, appending whatever leaves the
 core in batches from a background thread.
 """
@@ -23,6 +31,14 @@ from laminar.contract import Trajectory
 class _Group:
     size: int
     members: list[Trajectory] = field(default_factory=list)
+
+
+SAMPLERS = ("fifo", "oldest_version", "same_version")
+
+
+def _behavior_version(members: list[Trajectory]) -> int:
+    """A group's behavior version for staleness: its oldest member's."""
+    return min(m.behavior_version for m in members)
 
 
 class BufferCore:
@@ -47,7 +63,18 @@ class BufferCore:
     ['a', 'b']
     """
 
-    def __init__(self) -> None:
+    def __init__(
+        self,
+        sampler: str = "fifo",
+        *,
+        max_train_staleness: int | None = None,
+        dynamic_sampling: bool = False,
+    ) -> None:
+        if sampler not in SAMPLERS:
+            raise ValueError(f"buffer.sampler {sampler!r} is not one of {SAMPLERS}")
+        self.sampler = sampler
+        self.max_train_staleness = max_train_staleness
+        self.dynamic_sampling = dynamic_sampling
         self.partial: dict[str, _Group] = {}
         self.ready: OrderedDict[str, list[Trajectory]] = OrderedDict()
         self.seen: set[str] = set()
@@ -56,8 +83,12 @@ class BufferCore:
             "duplicates": 0,
             "consumed": 0,
             "discarded": 0,
+            "evicted": 0,
+            "filtered": 0,
             "groups_consumed": 0,
             "groups_discarded": 0,
+            "groups_evicted": 0,
+            "groups_filtered": 0,
         }
 
     @property
@@ -88,22 +119,45 @@ class BufferCore:
             del self.partial[t.prompt_uid]
             members = sorted(group.members, key=lambda x: x.sample_idx)
             if any(m.finish_reason == "error" for m in members):
-                for m in members:
-                    m.status = "discarded"
-                self.counts["discarded"] += len(members)
-                self.counts["groups_discarded"] += 1
-                leaving.extend(members)
+                leaving += self._leave(members, "discarded")
+            elif self.dynamic_sampling and len({m.reward for m in members}) == 1:
+                leaving += self._leave(members, "filtered")
+            elif self._too_stale(members, version):
+                leaving += self._leave(members, "evicted")
             else:
                 self.ready[t.prompt_uid] = members
         return leaving
 
+    def evict_stale(self, version: int) -> list[Trajectory]:
+        """Evict the complete groups that training at ``version`` would make too stale."""
+        stale = [uid for uid, g in self.ready.items() if self._too_stale(g, version)]
+        return [m for uid in stale for m in self._leave(self.ready.pop(uid), "evicted")]
+
+    def _too_stale(self, members: list[Trajectory], version: int) -> bool:
+        k = self.max_train_staleness
+        return k is not None and version - _behavior_version(members) > k
+
+    def _leave(self, members: list[Trajectory], status: str) -> list[Trajectory]:
+        for m in members:
+            m.status = status
+        self.counts[status] += len(members)
+        self.counts[f"groups_{status}"] += 1
+        return members
+
     def sample(self, n_groups: int, *, version: int, now: float) -> list[Trajectory] | None:
-        """The ``n_groups`` oldest complete groups, or ``None`` if fewer are ready."""
-        if len(self.ready) < n_groups:
+        """``n_groups`` complete groups chosen by the sampler, or ``None`` if it cannot yet.
+
+        Stale groups must have been evicted first (:meth:`evict_stale`); sampling one
+        would break the staleness bound, so it raises.
+        """
+        uids = self._choose(n_groups)
+        if uids is None:
             return None
         out: list[Trajectory] = []
-        for _ in range(n_groups):
-            _, members = self.ready.popitem(last=False)
+        for uid in uids:
+            members = self.ready.pop(uid)
+            if self._too_stale(members, version):
+                raise RuntimeError(f"group {uid!r} exceeds max_train_staleness; evict first")
             for m in members:
                 m.sample_version = version
                 m.t_sample = now
@@ -112,6 +166,20 @@ class BufferCore:
         self.counts["consumed"] += len(out)
         self.counts["groups_consumed"] += n_groups
         return out
+
+    def _choose(self, n: int) -> list[str] | None:
+        if len(self.ready) < n:
+            return None
+        if self.sampler == "fifo":
+            return list(self.ready)[:n]
+        by_version = sorted(self.ready, key=lambda u: _behavior_version(self.ready[u]))
+        if self.sampler == "oldest_version":
+            return by_version[:n]
+        for v in sorted({_behavior_version(g) for g in self.ready.values()}):
+            same = [u for u in by_version if _behavior_version(self.ready[u]) == v]
+            if len(same) >= n:
+                return same[:n]
+        return None
 
     def drain(self) -> list[Trajectory]:
         """Everything still held (status ``buffered``), emptying the buffer."""
@@ -145,15 +213,19 @@ class ExperienceBuffer:
     pool on the same worker without deadlock.
     """
 
-    def __init__(self, run_dir: str, pool, flush_records: int, flush_interval_s: float) -> None:
+    def __init__(self, run_dir: str, pool, cfg) -> None:
         from storage.trajectories import TrajectoryWriter
 
-        self.core = BufferCore()
+        self.core = BufferCore(
+            cfg.sampler,
+            max_train_staleness=cfg.max_train_staleness,
+            dynamic_sampling=cfg.dynamic_sampling,
+        )
         self.pool = pool
         self.version = 0
         self.writer = TrajectoryWriter(run_dir)
-        self.flush_records = flush_records
-        self.flush_interval_s = flush_interval_s
+        self.flush_records = cfg.flush_records
+        self.flush_interval_s = cfg.flush_interval_s
         self._pending: deque[Trajectory] = deque()
         self._last_flush = time.time()
         self._jobs: queue.Queue[list[Trajectory] | None] = queue.Queue()
@@ -177,22 +249,26 @@ class ExperienceBuffer:
             self._pending.clear()
             self._last_flush = time.time()
 
+    async def _release(self, trajs: list[Trajectory]) -> None:
+        """Groups that left (any status) free their back-pressure slots; then store them."""
+        if trajs:
+            await self.pool.release(sorted({t.prompt_uid for t in trajs}))
+            self._leave(trajs)
+
     async def insert(self, trajs: list[Trajectory]) -> int:
-        leaving = self.core.insert(trajs, version=self.version, now=time.time())
-        if leaving:
-            await self.pool.release(sorted({t.prompt_uid for t in leaving}))
-        self._leave(leaving)
+        await self._release(self.core.insert(trajs, version=self.version, now=time.time()))
         return self.core.depth
 
     async def sample(self, n_groups: int, version: int) -> list[Trajectory] | None:
+        await self._release(self.core.evict_stale(version))
         batch = self.core.sample(n_groups, version=version, now=time.time())
-        if batch is not None:
-            await self.pool.release(sorted({t.prompt_uid for t in batch}))
-            self._leave(batch)
+        await self._release(batch or [])
         return batch
 
     async def version_published(self, version: int) -> None:
         self.version = max(self.version, version)
+        # Groups the next update would train too stale leave now, freeing dispatch.
+        await self._release(self.core.evict_stale(self.version))
 
     async def stats(self) -> dict:
         return {

@@ -13,12 +13,19 @@ from laminar.errors import ClusterError
 ROLES = ("data", "trainer", "rollout")
 
 
-def local_cluster(n_rollouts: int, *, memory_limit: str = "4GiB", torch_threads: int = 1):
+def local_cluster(
+    n_rollouts: int,
+    *,
+    trainer_ranks: int = 1,
+    memory_limit: str = "4GiB",
+    torch_threads: int = 1,
+):
     """A cluster of worker *processes* on this machine, one per role instance.
 
     Like :class:`distributed.LocalCluster`, but each worker carries its own resources:
-    one worker for the data module and the trainer (``data=1, trainer=1``) and one per
-    rollout replica (``rollout=1``). Built as a :class:`distributed.SpecCluster` of
+    one worker for the data module and the trainer (``data=1, trainer=1``), one more
+    ``trainer=1`` worker per extra data-parallel trainer rank, and one per rollout
+    replica (``rollout=1``). Built as a :class:`distributed.SpecCluster` of
     nannies because ``LocalCluster`` gives every worker the same resources.
     """
     import dask
@@ -36,6 +43,8 @@ def local_cluster(n_rollouts: int, *, memory_limit: str = "4GiB", torch_threads:
         }
 
     workers = {"data-trainer": worker({"data": 1, "trainer": 1})}
+    for i in range(1, trainer_ranks):
+        workers[f"trainer-{i}"] = worker({"trainer": 1})
     for i in range(n_rollouts):
         workers[f"rollout-{i}"] = worker({"rollout": 1})
     scheduler = {

@@ -135,7 +135,14 @@ class RolloutConfig(_Section):
 class BufferConfig(_Section):
     """The experience buffer and prompt dispatch."""
 
-    sampler: Literal["fifo"] = "fifo"
+    # fifo: groups in completion order (the paper's); oldest_version: lowest behavior
+    # version first; same_version: every batch from one behavior version.
+    sampler: Literal["fifo", "oldest_version", "same_version"] = "fifo"
+    # Evict groups whose training would exceed this many versions of staleness
+    # (sample_version - behavior_version); stored with status "evicted". None: no bound.
+    max_train_staleness: int | None = Field(None, ge=0)
+    # DAPO dynamic sampling: drop groups whose rewards are all equal (status "filtered").
+    dynamic_sampling: bool = False
     # Back-pressure: prompt groups dispatched but not yet consumed never exceed this.
     max_outstanding_groups: int = Field(48, gt=0)
     flush_records: int = Field(512, gt=0)  # store append size
@@ -158,6 +165,20 @@ class TrainerConfig(_Section):
     # Padded tokens per forward/backward; the global batch is split into length-sorted
     # micro-batches (same gradient, far less padding with long-tailed lengths).
     micro_batch_tokens: int = Field(4096, gt=0)
+    # Off-policy correction (docs/losses.md): none (clip around the behavior policy, the
+    # paper's), tis (truncated-IS policy gradient), decoupled (AReaL: clip around the
+    # proximal policy, truncated IS for the behavior gap).
+    correction: Literal["none", "tis", "decoupled"] = "none"
+    is_cap: float = Field(2.0, ge=1)  # truncation of importance weights
+    kl_coef: float = Field(0.0, ge=0)  # KL penalty to the warm-started policy
+    kl_kind: Literal["k1", "k2", "k3"] = "k3"
+    entropy_coef: float = Field(0.0, ge=0)  # entropy bonus
+    # Optimizer steps per global batch (whole groups each); still one version per batch.
+    mini_batches: int = Field(1, gt=0)
+    # Data-parallel ranks, one `trainer` worker each (gloo on CPU, NCCL on GPU).
+    ranks: int = Field(1, gt=0)
+    # A checkpoints/version-N folder to continue from (weights, optimizer, RNG, version).
+    resume_from: str | None = None
 
 
 class ClusterConfig(_Section):
@@ -192,6 +213,11 @@ class RunConfig(_Section):
                 f"({longest_prompt}, from task.max_len) plus rollout.max_new_tokens "
                 f"({r.max_new_tokens}); raise rollout.max_seq_len to at least "
                 f"{longest_prompt + r.max_new_tokens}"
+            )
+        if b.sampler == "same_version" and b.max_train_staleness is None:
+            raise ValueError(
+                "buffer.sampler=same_version needs buffer.max_train_staleness: without it, "
+                "groups of a version too rare to fill a batch would wait forever"
             )
         cap = r.kv_capacity_tokens
         if cap is not None and not r.max_seq_len <= cap <= r.max_batch * r.max_seq_len:

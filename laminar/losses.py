@@ -154,6 +154,41 @@ def truncated_is_weights(
     return torch.exp(target_logprobs - behavior_logprobs).clamp(max=cap).detach()
 
 
+def tis_policy_loss(
+    logprobs: torch.Tensor,
+    behavior_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    is_cap: float = 2.0,
+    agg: str = "token-mean",
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """Truncated-IS policy gradient: ``L = -sg(min(π/π_behav, is_cap))·A·log π``.
+
+    No trust-region clip: every token keeps a gradient, weighted by its importance
+    ratio against the behavior policy, truncated at ``is_cap`` and detached (the
+    estimator of IMPALA-style V-trace without values, and of CISPO). On-policy it is
+    plain REINFORCE with group advantages.
+
+    >>> lp = torch.log(torch.tensor([[0.5, 0.5]]))
+    >>> loss, m = tis_policy_loss(lp, lp, torch.tensor([1.0]), torch.ones(1, 2))
+    >>> round(float(loss), 4), m["is_weight_mean"]
+    (0.6931, 1.0)
+    """
+    if advantages.dim() == 1:
+        advantages = advantages[:, None]
+    advantages = advantages.expand_as(logprobs)
+    mask = mask.to(logprobs.dtype)
+    weights = truncated_is_weights(logprobs.detach(), behavior_logprobs, is_cap)
+    loss = aggregate(-weights * advantages * logprobs, mask, agg)
+    n = mask.sum().clamp(min=1.0)
+    metrics = {
+        "is_weight_mean": float((weights * mask).sum() / n),
+        "is_weight_capped_frac": float(((weights >= is_cap) * mask).sum() / n),
+    }
+    return loss, metrics
+
+
 def decoupled_policy_loss(
     logprobs: torch.Tensor,
     proximal_logprobs: torch.Tensor,

@@ -183,6 +183,7 @@ class CachedDecoder:
         dim = self.head_dim
         inv_freq = 1.0 / (_rope_theta(config) ** (torch.arange(0, dim, 2).float() / dim))
         self.inv_freq = inv_freq.to(self.device)
+        self._rope_len = 0
         self.load(state)
 
     def load(self, state: dict[str, torch.Tensor]) -> None:
@@ -300,13 +301,17 @@ class CachedDecoder:
         return x
 
     def _norm(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        var = x.pow(2).mean(-1, keepdim=True)
-        return w * (x * torch.rsqrt(var + self.eps))
+        return F.rms_norm(x, (x.shape[-1],), w, self.eps)
 
     def _rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        freqs = positions.float()[..., None] * self.inv_freq  # [B, T, D/2]
-        emb = torch.cat((freqs, freqs), dim=-1)[:, None]  # [B, 1, T, D]
-        return emb.cos(), emb.sin()
+        """cos/sin ``[B, 1, T, D]`` at ``positions``, from a table grown on demand."""
+        need = int(positions.max()) + 1
+        if need > self._rope_len:
+            n = max(need, 2 * self._rope_len, 256)
+            freqs = torch.arange(n, device=self.device).float()[:, None] * self.inv_freq
+            emb = torch.cat((freqs, freqs), dim=-1)  # [n, D]
+            self._cos, self._sin, self._rope_len = emb.cos(), emb.sin(), n
+        return self._cos[positions][:, None], self._sin[positions][:, None]
 
     @staticmethod
     def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -1,5 +1,11 @@
 """The trainer: samples complete groups from the buffer, updates, publishes a version.
 
+With ``trainer.ranks = N > 1`` the trainer is data-parallel: :class:`Trainer` is rank 0
+and :class:`TrainerRank` actors on other ``trainer`` workers are ranks 1..N-1. Their
+threads join one ``torch.distributed`` group (gloo on CPU, NCCL on GPU) when started and
+leave it when stopped; rank 0 samples each global batch and broadcasts it, every rank
+trains on its shard, gradients are summed, and rank 0 alone publishes and checkpoints.
+
 The training loop runs in its own thread; :meth:`Trainer.get_weights` (called by rollouts
 at their batch boundaries) and :meth:`Trainer.stats` answer from the actor thread
 meanwhile. A published version is an immutable CPU snapshot, so a rollout never reads
@@ -12,7 +18,6 @@ so no trajectory ever finishes before the version that generated it
 
 from __future__ import annotations
 
-import json
 import logging
 import threading
 import time
@@ -25,7 +30,7 @@ import torch
 from laminar.cluster import start_thread
 from laminar.config import RunConfig
 from laminar.contract import Trajectory
-from laminar.update import grpo_step
+from laminar.learner import Learner
 
 logger = logging.getLogger(__name__)
 
@@ -49,21 +54,19 @@ def batch_stats(batch: list[Trajectory]) -> dict[str, float]:
 class Trainer:
     """Dask actor: the policy, its optimizer and the version counter (``trainer`` worker)."""
 
-    def __init__(self, cfg: RunConfig, policy_dir: str, run_dir: str, buffer) -> None:
-        from laminar.model import load_policy, state_dict_cpu
+    def __init__(
+        self, cfg: RunConfig, policy_dir: str, run_dir: str, buffer, init_method: str = ""
+    ) -> None:
+        from laminar.model import state_dict_cpu
 
         torch.set_num_threads(cfg.cluster.torch_threads)
-        torch.manual_seed(cfg.seed)
         self.cfg = cfg
         self.run_dir = Path(run_dir)
         self.buffer = buffer
-        self.model, self.tok = load_policy(policy_dir)
-        t = cfg.trainer
-        self.optimizer = torch.optim.AdamW(
-            self.model.parameters(), lr=t.lr, weight_decay=t.weight_decay, betas=t.betas
-        )
-        self.version = 0
-        self._published = (0, state_dict_cpu(self.model))
+        self.ranks = cfg.trainer.ranks
+        self.init_method = init_method
+        self.learner = _learner(cfg, policy_dir, rank=0)
+        self._published = (self.version, state_dict_cpu(self.learner.model))
         self.history: list[dict] = []
         self.done = False
         self.error: str | None = None
@@ -71,6 +74,7 @@ class Trainer:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self.wait_s = 0.0  # time spent waiting for the buffer to hold a full batch
+        self.weights_checksum: float | None = None  # at the end, when data-parallel
 
     def start(self) -> None:
         self._thread = start_thread(self._run, "trainer")
@@ -81,6 +85,10 @@ class Trainer:
         if self._thread is not None:
             self._thread.join(timeout)
         return self.stats()
+
+    @property
+    def version(self) -> int:
+        return self.learner.version
 
     def get_weights(self, have_version: int) -> tuple[int, dict[str, torch.Tensor]] | None:
         """The newest published version, or ``None`` if the caller already has it."""
@@ -94,6 +102,9 @@ class Trainer:
             "done": self.done,
             "error": self.error,
             "wait_s": self.wait_s,
+            "skipped_steps": self.learner.skipped_steps,
+            "ranks": self.ranks,
+            "weights_checksum": self.weights_checksum,
             "checkpoint": self.checkpoint,
             "last": self.history[-1] if self.history else None,
         }
@@ -104,12 +115,17 @@ class Trainer:
 
     def _run(self) -> None:
         try:
+            if self.ranks > 1:
+                _join_group(self.cfg, self.init_method, rank=0)
             self._train()
         except Exception:
             self.error = traceback.format_exc()
             logger.error("trainer failed:\n%s", self.error)
         finally:
             try:
+                if self.ranks > 1:
+                    _broadcast(None)  # the other ranks leave the group
+                    self.weights_checksum = _leave_group(self.learner)
                 self.checkpoint = self._save_checkpoint()
             except Exception:
                 self.error = (self.error or "") + traceback.format_exc()
@@ -119,6 +135,8 @@ class Trainer:
         from laminar.model import state_dict_cpu
 
         t_cfg, timeout = self.cfg.trainer, self.cfg.cluster.actor_timeout_s
+        if self.version:  # resumed: trajectories finish at the checkpoint's version on
+            self.buffer.version_published(self.version).result(timeout)
         last_update = time.time()
         while self.version < t_cfg.steps and not self._stop.is_set():
             t_wait = time.time()
@@ -129,30 +147,21 @@ class Trainer:
                 continue
             self.wait_s += time.time() - t_wait
             t0 = time.time()
-            groups = {uid: i for i, uid in enumerate(dict.fromkeys(t.prompt_uid for t in batch))}
-            metrics = grpo_step(
-                self.model,
-                self.optimizer,
-                [t.prompt_tokens for t in batch],
-                [t.response_tokens for t in batch],
-                [t.behavior_logprobs for t in batch],
-                [t.loss_mask for t in batch],
-                torch.tensor([t.reward for t in batch], dtype=torch.float32),
-                torch.tensor([groups[t.prompt_uid] for t in batch]),
-                pad_token_id=self.tok.pad_token_id,
-                clip_low=t_cfg.clip_low,
-                clip_high=t_cfg.clip_high,
-                temperature=self.cfg.rollout.temperature,
-                max_grad_norm=t_cfg.max_grad_norm,
-                micro_batch_tokens=t_cfg.micro_batch_tokens,
-                agg=t_cfg.loss_agg,
-                clip_c=t_cfg.clip_c,
-            )
-            self.version += 1
+            if self.ranks > 1:
+                _broadcast(batch)
+            metrics = self.learner.update(batch)
+            if not metrics["applied_steps"]:
+                logger.warning(
+                    "update at version %d skipped: non-finite loss or gradient (%d so far); "
+                    "its batch is consumed, no weights are published",
+                    self.version,
+                    self.learner.skipped_steps,
+                )
+                continue
             # Publication: tell the buffer first, then expose the snapshot to rollouts.
             self.buffer.version_published(self.version).result(timeout)
             t_pub = time.time()
-            self._published = (self.version, state_dict_cpu(self.model))
+            self._published = (self.version, state_dict_cpu(self.learner.model))
             now = time.time()
             self.history.append(
                 {
@@ -168,13 +177,101 @@ class Trainer:
             last_update = now
 
     def _save_checkpoint(self) -> str:
-        """HF folder + optimizer state + trainer state under ``checkpoints/version-N``."""
+        """HF folder + optimizer, RNG and trainer state under ``checkpoints/version-N``."""
         out = self.run_dir / "checkpoints" / f"version-{self.version:06d}"
-        out.mkdir(parents=True, exist_ok=True)
-        self.model.save_pretrained(out)
-        self.tok.save_pretrained(out)
-        torch.save(self.optimizer.state_dict(), out / "optimizer.pt")
-        (out / "trainer_state.json").write_text(
-            json.dumps({"version": self.version, "seed": self.cfg.seed}, indent=2)
-        )
-        return str(out)
+        return str(self.learner.save(out))
+
+
+class TrainerRank:
+    """Dask actor: data-parallel rank ``rank`` ≥ 1 of the trainer (another ``trainer``
+    worker). It holds a full replica of the policy and optimizer, trains on its shard of
+    every batch rank 0 broadcasts, and ends when rank 0 broadcasts ``None``."""
+
+    def __init__(self, cfg: RunConfig, policy_dir: str, rank: int, init_method: str) -> None:
+        torch.set_num_threads(cfg.cluster.torch_threads)
+        self.cfg, self.rank, self.init_method = cfg, rank, init_method
+        self.learner = _learner(cfg, policy_dir, rank=rank)
+        self.error: str | None = None
+        self.done = False
+        self.weights_checksum: float | None = None
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> None:
+        self._thread = start_thread(self._run, f"trainer-rank{self.rank}")
+
+    def _run(self) -> None:
+        try:
+            _join_group(self.cfg, self.init_method, rank=self.rank)
+            while (batch := _broadcast()) is not None:
+                self.learner.update(batch)
+            self.weights_checksum = _leave_group(self.learner)
+        except Exception:
+            self.error = traceback.format_exc()
+            logger.error("trainer rank %d failed:\n%s", self.rank, self.error)
+        finally:
+            self.done = True
+
+    def stats(self) -> dict:
+        return {
+            "rank": self.rank,
+            "version": self.learner.version,
+            "done": self.done,
+            "error": self.error,
+            "weights_checksum": self.weights_checksum,
+        }
+
+
+def _learner(cfg: RunConfig, policy_dir: str, rank: int) -> Learner:
+    from laminar.learner import torch_all_reduce
+
+    n = cfg.trainer.ranks
+    return Learner(
+        cfg,
+        policy_dir,
+        resume_from=cfg.trainer.resume_from,
+        rank=rank,
+        world_size=n,
+        all_reduce=torch_all_reduce if n > 1 else None,
+    )
+
+
+def _join_group(cfg: RunConfig, init_method: str, rank: int) -> None:
+    import datetime
+
+    import torch.distributed as dist
+
+    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    dist.init_process_group(
+        backend,
+        init_method=init_method,
+        rank=rank,
+        world_size=cfg.trainer.ranks,
+        timeout=datetime.timedelta(seconds=cfg.cluster.actor_timeout_s * 5),
+    )
+
+
+def _broadcast(batch=None):
+    """Rank 0 sends ``batch`` (or ``None``: stop); every other rank receives it."""
+    import torch.distributed as dist
+
+    box = [batch]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def _leave_group(learner: Learner) -> float:
+    """Leave the process group; returns a checksum of the weights (equal on every rank)."""
+    import torch.distributed as dist
+
+    dist.destroy_process_group()
+    with torch.no_grad():
+        return float(sum(p.double().sum() for p in learner.model.parameters()))
+
+
+def free_port() -> int:
+    """A free TCP port on this machine (a Dask task on rank 0's worker)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("", 0))
+        return s.getsockname()[1]

@@ -12,7 +12,16 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from laminar.losses import group_advantages, policy_loss
+from laminar.losses import (
+    aggregate,
+    decoupled_policy_loss,
+    group_advantages,
+    kl_penalty,
+    policy_loss,
+    tis_policy_loss,
+)
+
+CORRECTIONS = ("none", "tis", "decoupled")
 
 
 @dataclass(frozen=True)
@@ -56,8 +65,11 @@ def pack(
     return PackedBatch(ids, att, rmask, old, plens, rlens)
 
 
-def response_logprobs(model, batch: PackedBatch, temperature: float = 1.0) -> torch.Tensor:
-    """Log-probabilities ``[B, R]`` the model gives each response token (0 on padding)."""
+def response_logprobs(
+    model, batch: PackedBatch, temperature: float = 1.0, *, with_entropy: bool = False
+):
+    """Log-probabilities ``[B, R]`` the model gives each response token (0 on padding);
+    with ``with_entropy``, also the entropy ``[B, R]`` of each token's distribution."""
     logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits
     logp = torch.log_softmax(logits.float() / temperature, dim=-1)
     # Token at column c is predicted by the logits at column c-1.
@@ -68,7 +80,17 @@ def response_logprobs(model, batch: PackedBatch, temperature: float = 1.0) -> to
     picked = logp.gather(1, cols[..., None].expand(-1, -1, logp.shape[-1]))
     out = picked.gather(2, targets[..., None])[..., 0]
     valid = torch.arange(rwidth)[None, :] < batch.response_lens[:, None]
-    return out * valid
+    if not with_entropy:
+        return out * valid
+    ent = -(picked.exp() * picked).sum(-1)
+    return out * valid, ent * valid
+
+
+def _pad(values: Sequence[np.ndarray], width: int) -> torch.Tensor:
+    out = torch.zeros(len(values), width)
+    for i, v in enumerate(values):
+        out[i, : len(v)] = torch.as_tensor(v, dtype=torch.float32)
+    return out
 
 
 def micro_batches(lengths: Sequence[int], max_tokens: int) -> list[list[int]]:
@@ -112,6 +134,15 @@ def grpo_step(
     micro_batch_tokens: int = 4096,
     agg: str = "token-mean",
     clip_c: float | None = None,
+    shard: Sequence[int] | None = None,
+    all_reduce=None,
+    correction: str = "none",
+    is_cap: float = 2.0,
+    proximal_logprobs: Sequence[np.ndarray] | None = None,
+    ref_model=None,
+    kl_coef: float = 0.0,
+    kl_kind: str = "k3",
+    entropy_coef: float = 0.0,
 ) -> dict[str, float]:
     """One optimizer step of GRPO on a global batch; returns metrics.
 
@@ -119,15 +150,34 @@ def grpo_step(
     their share of the batch (of its loss tokens for ``token-mean``, of its sequences for
     the ``seq-mean-*`` aggregations), so the gradient equals that of one aggregation over
     the whole batch.
+
+    Data parallelism: with ``shard`` (the rows this rank computes) and ``all_reduce``
+    (``all_reduce(tensor, op)`` reduces in place over ranks, ``op`` "sum" or "max"), each
+    rank computes its rows' share of the *global* gradient, the shares are summed, and
+    every rank takes the same optimizer step.
+
+    The surrogate (``docs/losses.md``): ``correction="none"`` clips the ratio to the
+    behavior policy (the paper's); ``"tis"`` is the truncated-IS policy gradient;
+    ``"decoupled"`` clips around the proximal policy — ``proximal_logprobs`` if given,
+    else this very forward pass (exact when this is the batch's first optimizer step) —
+    with truncated weights for the behavior gap. ``kl_coef`` adds a KL penalty to
+    ``ref_model``; ``entropy_coef`` subtracts an entropy bonus.
+
+    A non-finite loss or gradient skips the step (``metrics["skipped"] == 1``), leaving
+    the weights and the optimizer state untouched.
     """
+    if correction not in CORRECTIONS:
+        raise ValueError(f"trainer.correction={correction!r}; choose one of {CORRECTIONS}")
     model.train()
     adv = group_advantages(rewards, group_index)
     n_total = float(sum(np.asarray(m).sum() for m in loss_masks)) or 1.0
-    lengths = [len(p) + len(r) for p, r in zip(prompts, responses, strict=True)]
+    rows = list(range(len(prompts))) if shard is None else list(shard)
+    lengths = [len(prompts[i]) + len(responses[i]) for i in rows]
     optimizer.zero_grad(set_to_none=True)
     sums: dict[str, float] = {}
     diff_max = 0.0
-    for idx in micro_batches(lengths, micro_batch_tokens):
+    for local in micro_batches(lengths, micro_batch_tokens) if rows else []:
+        idx = [rows[j] for j in local]
         batch = pack(
             [prompts[i] for i in idx],
             [responses[i] for i in idx],
@@ -139,17 +189,35 @@ def grpo_step(
             weight = float(batch.response_mask.sum()) / n_total
         else:
             weight = len(idx) / len(prompts)
-        logp = response_logprobs(model, batch, temperature)
-        loss, metrics = policy_loss(
-            logp,
-            batch.old_logprobs,
-            adv[idx],
-            batch.response_mask,
-            clip_low=clip_low,
-            clip_high=clip_high,
-            clip_c=clip_c,
-            agg=agg,
-        )
+        logp, ent = response_logprobs(model, batch, temperature, with_entropy=True)
+        mask = batch.response_mask
+        clip = dict(clip_low=clip_low, clip_high=clip_high, clip_c=clip_c, agg=agg)
+        if correction == "none":
+            loss, metrics = policy_loss(logp, batch.old_logprobs, adv[idx], mask, **clip)
+        elif correction == "tis":
+            loss, metrics = tis_policy_loss(
+                logp, batch.old_logprobs, adv[idx], mask, is_cap=is_cap, agg=agg
+            )
+        else:
+            prox = (
+                logp.detach()
+                if proximal_logprobs is None
+                else _pad([proximal_logprobs[i] for i in idx], mask.shape[1])
+            )
+            loss, metrics = decoupled_policy_loss(
+                logp, prox, batch.old_logprobs, adv[idx], mask, is_cap=is_cap, **clip
+            )
+        metrics["pg_loss"] = float(loss.detach())
+        ent_mean = aggregate(ent, mask, agg)
+        metrics["entropy"] = float(ent_mean.detach())
+        if entropy_coef:
+            loss = loss - entropy_coef * ent_mean
+        if kl_coef:
+            with torch.no_grad():
+                ref = response_logprobs(ref_model, batch, temperature)
+            kl = kl_penalty(logp, ref, mask, kind=kl_kind, agg=agg)
+            metrics["kl_ref"] = float(kl.detach())
+            loss = loss + kl_coef * kl
         (loss * weight).backward()
         with torch.no_grad():
             diff = (logp.detach() - batch.old_logprobs).abs() * batch.response_mask
@@ -162,11 +230,38 @@ def grpo_step(
         diff_max = max(diff_max, float(diff.max()) if diff.numel() else 0.0)
         for k, v in metrics.items():
             sums[k] = sums.get(k, 0.0) + weight * v
-    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm)
-    optimizer.step()
+    params = [p for p in model.parameters() if p.requires_grad]
+    if all_reduce is not None:
+        _all_reduce_grads(params, all_reduce)
+        keys = sorted(sums)
+        packed = torch.tensor([sums[k] for k in keys], dtype=torch.float64)
+        all_reduce(packed, "sum")  # the weighted metric sums add up over ranks
+        sums = dict(zip(keys, packed.tolist(), strict=True))
+        worst = torch.tensor([diff_max], dtype=torch.float64)
+        all_reduce(worst, "max")
+        diff_max = float(worst[0])
+    grad_norm = torch.nn.utils.clip_grad_norm_(params, max_grad_norm)
+    skipped = not torch.isfinite(grad_norm)
+    if skipped:
+        optimizer.zero_grad(set_to_none=True)
+    else:
+        optimizer.step()
     return {
         **sums,
         "grad_norm": float(grad_norm),
         "logprob_diff_max": diff_max,
         "adv_abs_mean": float(adv.abs().mean()),
+        "skipped": float(skipped),
     }
+
+
+def _all_reduce_grads(params: list[torch.Tensor], all_reduce) -> None:
+    """Sum every parameter's gradient over ranks, as one flat buffer (one collective)."""
+    grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    all_reduce(flat, "sum")
+    offset = 0
+    for p in params:
+        n = p.numel()
+        p.grad = flat[offset : offset + n].view_as(p).clone()
+        offset += n

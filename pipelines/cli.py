@@ -90,7 +90,12 @@ def _print_summary(s: dict) -> None:
         f"{s['reward_last_20pct']:.3f}  (gain {s['reward_gain']:+.3f})"
     )
     print(f"versions           {s['versions']}")
-    print(f"trajectories       {s['trajectories']} ({s['consumed']} consumed)")
+    left = {k[2:]: v for k, v in s.get("status_counts", {}).items() if k != "n_consumed" and v}
+    print(
+        f"trajectories       {s['trajectories']} ({s['consumed']} consumed"
+        + "".join(f", {v} {k}" for k, v in sorted(left.items()))
+        + ")"
+    )
     print(f"tokens             {s['prompt_tokens']} prompt + {s['response_tokens']} response")
     print("staleness (mean)   " + "  ".join(f"{k[:-5]} {v:.2f}" for k, v in s["staleness"].items()))
     print(
@@ -132,6 +137,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     else:
         cluster = local_cluster(
             cfg.rollout.replicas,
+            trainer_ranks=cfg.trainer.ranks,
             memory_limit=cfg.cluster.memory_limit,
             torch_threads=cfg.cluster.torch_threads,
         )

@@ -20,6 +20,7 @@ import math
 import time
 from collections.abc import Callable
 from pathlib import Path
+from urllib.parse import urlparse
 
 import numpy as np
 
@@ -28,7 +29,7 @@ from laminar.cluster import place, submit_actor
 from laminar.config import RunConfig
 from laminar.prompt_pool import PromptPool, load_prompts
 from laminar.rollout import RolloutReplica
-from laminar.trainer import Trainer
+from laminar.trainer import Trainer, TrainerRank, free_port
 
 METRICS_FLUSH_S = 5.0
 # Rollout stats recorded per poll (besides the rollout id and the time).
@@ -81,7 +82,8 @@ class LaminarSchedule:
     def setup(self, progress: Callable[[dict], None]) -> None:
         cfg, client = self.cfg, self.client
         data_w = place(client, "data", 1)[0]
-        trainer_w = place(client, "trainer", 1)[0]
+        trainer_ws = place(client, "trainer", cfg.trainer.ranks)
+        trainer_w = trainer_ws[0]
         rollout_ws = place(client, "rollout", cfg.rollout.replicas)
         progress({"phase": "warm-start"})
         t0 = time.time()
@@ -99,11 +101,27 @@ class LaminarSchedule:
             ExperienceBuffer,
             str(self.run_dir),
             pool,
-            b.flush_records,
-            b.flush_interval_s,
+            b,
             worker=data_w,
             resource="data",
         )
+        init_method = ""
+        if cfg.trainer.ranks > 1:  # data-parallel: rank 0's worker hosts the rendezvous
+            port = client.submit(free_port, workers=[trainer_w], pure=False).result()
+            init_method = f"tcp://{urlparse(trainer_w).hostname}:{port}"
+        ranks = [
+            submit_actor(
+                client,
+                TrainerRank,
+                cfg,
+                policy_dir,
+                r,
+                init_method,
+                worker=w,
+                resource="trainer",
+            )
+            for r, w in enumerate(trainer_ws[1:], start=1)
+        ]
         trainer = submit_actor(
             client,
             Trainer,
@@ -111,6 +129,7 @@ class LaminarSchedule:
             policy_dir,
             str(self.run_dir),
             buffer,
+            init_method,
             worker=trainer_w,
             resource="trainer",
         )
@@ -129,12 +148,20 @@ class LaminarSchedule:
             )
             for i, w in enumerate(rollout_ws)
         ]
-        self.actors = {"pool": pool, "buffer": buffer, "trainer": trainer, "rollouts": rollouts}
+        self.actors = {
+            "pool": pool,
+            "buffer": buffer,
+            "trainer": trainer,
+            "trainer_ranks": ranks,
+            "rollouts": rollouts,
+        }
 
     def run(self, progress: Callable[[dict], None], should_stop: Callable[[], bool]) -> dict:
         from storage.metrics import MetricsWriter
 
         a = self.actors
+        for r in a["trainer_ranks"]:  # they wait in the group's rendezvous for rank 0
+            r.start().result()
         a["trainer"].start().result()
         for r in a["rollouts"]:
             r.start().result()
@@ -167,6 +194,8 @@ class LaminarSchedule:
                     "buffer_depth": b_stats["depth"],
                     "trajectories": b_stats["inserted"],
                     "discarded": b_stats["discarded"],
+                    "evicted": b_stats["evicted"],
+                    "filtered": b_stats["filtered"],
                     "rollout_versions": [s["version"] for s in r_stats],
                 }
             )
@@ -175,6 +204,7 @@ class LaminarSchedule:
                 self._flush_metrics()
                 last_flush = now
             failed = [s for s in r_stats if s["error"]] + ([t_stats] if t_stats["error"] else [])
+            failed += [s for s in (r.stats().result() for r in a["trainer_ranks"]) if s["error"]]
             if failed:
                 reason = "failed: " + failed[0]["error"].strip().splitlines()[-1]
                 break
@@ -226,6 +256,7 @@ class LaminarSchedule:
         a = self.actors
         r_stats = [r.stop().result() for r in a["rollouts"]]
         t_stats = a["trainer"].stop().result()
+        t_stats["ranks_stats"] = [r.stats().result() for r in a["trainer_ranks"]]
         self._flush_metrics()
         b_stats = a["buffer"].close().result()
         p_stats = a["pool"].stats().result()
@@ -277,7 +308,12 @@ def summarize(run_dir: Path, raw: dict, sft_info: dict, cfg: RunConfig) -> dict:
         "pool": raw["pool"],
         "rollouts": raw["rollouts"],
         "engine": _engine_summary(raw["rollouts"]),
+        "trainer_ranks": cfg.trainer.ranks,
+        "skipped_steps": raw["trainer"]["skipped_steps"],
         "checkpoint": raw["trainer"]["checkpoint"],
+        # Data-parallel ranks end with equal weights: one checksum per rank, rank 0 first.
+        "weights_checksums": [raw["trainer"]["weights_checksum"]]
+        + [r["weights_checksum"] for r in raw["trainer"]["ranks_stats"]],
         "metrics": str(run_dir / "metrics.zarr"),
     }
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2, default=float))

@@ -16,8 +16,8 @@ from __future__ import annotations
 
 import numpy as np
 
-FINISH_REASONS = ("eos", "length", "tool_limit", "error")
-STATUSES = ("buffered", "consumed", "evicted", "discarded")
+FINISH_REASONS = ("eos", "stop", "length", "tool_limit", "error")
+STATUSES = ("buffered", "consumed", "evicted", "discarded", "filtered")
 
 TRAJECTORY_DIM = "trajectory"
 # Variable-length UTF-8 in Zarr (has a v3 spec, unlike fixed-width unicode).

@@ -1,7 +1,7 @@
 """The buffer core against a plain model of what it must do (hypothesis state machine)."""
 
 import numpy as np
-from hypothesis import settings
+from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
@@ -125,3 +125,72 @@ def test_duplicates_are_counted_not_stored():
     core = BufferCore()
     core.insert([traj("a", "g", 2), traj("a", "g", 2)], version=0, now=0.0)
     assert core.depth == 1 and core.counts["duplicates"] == 1
+
+
+def group(name, size=2, version=0, rewards=None):
+    rewards = rewards or [float(i) for i in range(size)]
+    return [traj(f"{name}-{i}", name, size, i, version, reward=rewards[i]) for i in range(size)]
+
+
+def test_oldest_version_sampler_takes_the_lowest_behavior_version_first():
+    core = BufferCore("oldest_version")
+    for name, v in (("a", 3), ("b", 1), ("c", 2)):
+        core.insert(group(name, version=v), version=3, now=0.0)
+    assert [t.prompt_uid for t in core.sample(2, version=3, now=1.0)][::2] == ["b", "c"]
+
+
+def test_same_version_sampler_fills_a_batch_from_one_version():
+    core = BufferCore("same_version", max_train_staleness=5)
+    for name, v in (("a", 1), ("b", 2), ("c", 2), ("d", 1)):
+        core.insert(group(name, version=v), version=2, now=0.0)
+    first = core.sample(2, version=2, now=1.0)
+    assert {t.behavior_version for t in first} == {1} and len(first) == 4
+    core.insert(group("e", version=3), version=3, now=2.0)
+    second = core.sample(2, version=3, now=3.0)
+    assert {t.behavior_version for t in second} == {2}
+    assert core.sample(1, version=3, now=4.0)[0].prompt_uid == "e"
+
+
+def test_dynamic_sampling_filters_groups_without_signal():
+    core = BufferCore(dynamic_sampling=True)
+    left = core.insert(group("flat", rewards=[1.0, 1.0]), version=0, now=0.0)
+    left += core.insert(group("ok", rewards=[0.0, 1.0]), version=0, now=0.0)
+    assert [t.status for t in left] == ["filtered", "filtered"]
+    assert core.counts["groups_filtered"] == 1 and len(core.ready) == 1
+
+
+@settings(max_examples=80, deadline=None)
+@given(
+    events=st.lists(
+        st.tuples(st.sampled_from(["insert", "sample", "publish"]), st.integers(0, 3)),
+        max_size=60,
+    ),
+    k=st.integers(0, 3),
+    sampler=st.sampled_from(["fifo", "oldest_version", "same_version"]),
+)
+def test_no_consumed_trajectory_exceeds_max_train_staleness(events, k, sampler):
+    """Any interleaving of arrivals (of any behavior version up to the current one),
+    samples and publications: consumed trajectories have s_train <= k, stale groups are
+    evicted with their status, and every trajectory leaves exactly once."""
+    core = BufferCore(sampler, max_train_staleness=k)
+    version, n, left, inserted = 0, 0, [], []
+    for kind, x in events:
+        if kind == "insert":
+            g = group(f"g{n}", version=max(0, version - x))
+            n += 1
+            inserted += g
+            left += core.insert(g, version=version, now=0.0)
+        elif kind == "sample":
+            left += core.evict_stale(version)
+            left += core.sample(1 + x % 2, version=version, now=0.0) or []
+        else:
+            version += 1
+            left += core.evict_stale(version)
+    left += core.drain()
+    assert sorted(t.uid for t in left) == sorted(t.uid for t in inserted)
+    for t in left:
+        if t.status == "consumed":
+            assert t.sample_version - t.behavior_version <= k
+        if t.status == "evicted":  # it was too stale when evicted, and versions only grow
+            assert version - t.behavior_version > k
+    assert core.counts["evicted"] == sum(t.status == "evicted" for t in left)

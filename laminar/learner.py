@@ -1,0 +1,270 @@
+"""The learner: a policy, its optimizer and its version — updates and exact checkpoints.
+
+No Dask here. The :class:`~laminar.trainer.Trainer` actor owns one per rank; a test or a
+notebook can drive one directly. One :meth:`Learner.update` consumes one global batch of
+complete groups, split into ``trainer.mini_batches`` optimizer steps, and counts as one
+version. With ``world_size > 1`` every rank calls :meth:`update` with the same batch and
+computes a shard of it; gradients are summed over ranks (``all_reduce``), so every rank
+takes the same steps and holds the same weights.
+
+A checkpoint (:meth:`Learner.save`) is a plain HF folder (safetensors weights, config,
+tokenizer) plus ``optimizer.pt``, ``rng.pt`` and ``trainer_state.json``. Resuming from it
+(``Learner(..., resume_from=dir)``) continues bit-identically to an uninterrupted run fed
+the same batches; a checkpoint of another model shape or optimizer setting is refused with
+the mismatch named.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from laminar.config import RunConfig
+from laminar.contract import Trajectory
+from laminar.errors import LaminarError
+from laminar.update import grpo_step
+
+CHECKPOINT_FORMAT = 1
+# Trainer settings a resumed run must share with its checkpoint (the optimizer's state is
+# only meaningful under them); everything else — steps, clipping, batch sizes — may change.
+OPTIMIZER_FIELDS = ("lr", "weight_decay", "betas")
+# Model-config keys that define the architecture (a checkpoint must match them).
+ARCH_KEYS = (
+    "model_type",
+    "vocab_size",
+    "hidden_size",
+    "intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "tie_word_embeddings",
+)
+
+
+class CheckpointError(LaminarError):
+    """A checkpoint is missing, incomplete, or does not match the model or config."""
+
+
+class Learner:
+    """Policy + AdamW + version counter; see the module docstring.
+
+    ``all_reduce(tensor, op)`` reduces a tensor in place over the ranks (``op`` "sum" or
+    "max"); :func:`torch_all_reduce` is the ``torch.distributed`` one.
+    """
+
+    def __init__(
+        self,
+        cfg: RunConfig,
+        policy_dir: str | Path,
+        *,
+        resume_from: str | Path | None = None,
+        rank: int = 0,
+        world_size: int = 1,
+        all_reduce: Callable | None = None,
+    ) -> None:
+        from laminar.model import load_policy
+
+        if world_size > 1 and all_reduce is None:
+            raise ValueError("world_size > 1 needs an all_reduce")
+        self.cfg = cfg
+        self.rank, self.world_size, self.all_reduce = rank, world_size, all_reduce
+        torch.manual_seed(cfg.seed)
+        self.model, self.tok = load_policy(policy_dir)
+        self.version = 0
+        state = None
+        if resume_from is not None:
+            state = check_checkpoint(resume_from, self.model.config, cfg)
+            self.model, self.tok = load_policy(resume_from)
+        t = cfg.trainer
+        self.optimizer = torch.optim.AdamW(
+            self.model.parameters(), lr=t.lr, weight_decay=t.weight_decay, betas=t.betas
+        )
+        self.skipped_steps = 0
+        if state is not None:
+            self._restore(Path(resume_from), state)
+        self.reference = None  # the warm-started policy, frozen: the KL penalty's anchor
+        if cfg.trainer.kl_coef:
+            self.reference, _ = load_policy(policy_dir)
+            self.reference.eval().requires_grad_(False)
+
+    # -- training ---------------------------------------------------------------------------
+    def update(self, batch: list[Trajectory]) -> dict[str, float]:
+        """Train on one global batch of complete groups; returns metrics.
+
+        The batch's groups are split into ``trainer.mini_batches`` consecutive optimizer
+        steps (advantages are per group, so each mini-batch holds whole groups). A step
+        whose loss or gradient is not finite is skipped and counted; the version advances
+        if at least one step was taken (``metrics["applied_steps"]``).
+        """
+        t = self.cfg.trainer
+        uids = list(dict.fromkeys(x.prompt_uid for x in batch))
+        n_mini = min(t.mini_batches, len(uids))
+        parts = np.array_split(np.arange(len(uids)), n_mini)
+        # Decoupled PPO's proximal policy is the weights before this batch's first step;
+        # with several steps, later ones need those logprobs computed up front.
+        prox = None
+        if t.correction == "decoupled" and n_mini > 1:
+            prox = dict(zip((x.uid for x in batch), self.logprobs(batch), strict=True))
+        totals: dict[str, float] = {}
+        applied = 0
+        for part in parts:
+            chosen = {uids[i] for i in part}
+            mini = [x for x in batch if x.prompt_uid in chosen]
+            metrics = self._step(mini, None if prox is None else [prox[x.uid] for x in mini])
+            applied += int(not metrics["skipped"])
+            for k, v in metrics.items():
+                totals[k] = totals.get(k, 0.0) + v / len(parts)
+        self.skipped_steps += len(parts) - applied
+        if applied:
+            self.version += 1
+        return {**totals, "mini_batches": float(len(parts)), "applied_steps": float(applied)}
+
+    @torch.no_grad()
+    def logprobs(self, batch: list[Trajectory]) -> list[np.ndarray]:
+        """The current policy's logprobs of each trajectory's response tokens."""
+        from laminar.update import micro_batches, pack, response_logprobs
+
+        out: list[np.ndarray] = [np.zeros(0, np.float32)] * len(batch)
+        lengths = [len(x.prompt_tokens) + len(x.response_tokens) for x in batch]
+        for idx in micro_batches(lengths, self.cfg.trainer.micro_batch_tokens):
+            rows = [batch[i] for i in idx]
+            packed = pack(
+                [x.prompt_tokens for x in rows],
+                [x.response_tokens for x in rows],
+                [x.behavior_logprobs for x in rows],
+                [x.loss_mask for x in rows],
+                self.tok.pad_token_id,
+            )
+            lp = response_logprobs(self.model, packed, self.cfg.rollout.temperature)
+            for j, i in enumerate(idx):
+                out[i] = lp[j, : len(batch[i].response_tokens)].numpy()
+        return out
+
+    def _step(self, batch: list[Trajectory], proximal=None) -> dict[str, float]:
+        t = self.cfg.trainer
+        groups = {uid: i for i, uid in enumerate(dict.fromkeys(x.prompt_uid for x in batch))}
+        return grpo_step(
+            self.model,
+            self.optimizer,
+            [x.prompt_tokens for x in batch],
+            [x.response_tokens for x in batch],
+            [x.behavior_logprobs for x in batch],
+            [x.loss_mask for x in batch],
+            torch.tensor([x.reward for x in batch], dtype=torch.float32),
+            torch.tensor([groups[x.prompt_uid] for x in batch]),
+            pad_token_id=self.tok.pad_token_id,
+            clip_low=t.clip_low,
+            clip_high=t.clip_high,
+            temperature=self.cfg.rollout.temperature,
+            max_grad_norm=t.max_grad_norm,
+            micro_batch_tokens=t.micro_batch_tokens,
+            agg=t.loss_agg,
+            clip_c=t.clip_c,
+            shard=self.shard(batch) if self.world_size > 1 else None,
+            all_reduce=self.all_reduce if self.world_size > 1 else None,
+            correction=t.correction,
+            is_cap=t.is_cap,
+            proximal_logprobs=proximal,
+            ref_model=self.reference,
+            kl_coef=t.kl_coef,
+            kl_kind=t.kl_kind,
+            entropy_coef=t.entropy_coef,
+        )
+
+    def shard(self, batch: list[Trajectory]) -> list[int]:
+        """This rank's rows: a balanced split of the tokens (longest first, greedy)."""
+        sizes = [len(x.prompt_tokens) + len(x.response_tokens) for x in batch]
+        load = [0] * self.world_size
+        mine = []
+        for i in sorted(range(len(batch)), key=lambda i: (-sizes[i], i)):
+            r = min(range(self.world_size), key=lambda r: (load[r], r))
+            load[r] += sizes[i]
+            if r == self.rank:
+                mine.append(i)
+        return sorted(mine)
+
+    # -- checkpoints ----------------------------------------------------------------------------
+    def save(self, out: str | Path) -> Path:
+        """Write a checkpoint folder (atomic per file; the state file last)."""
+        out = Path(out)
+        out.mkdir(parents=True, exist_ok=True)
+        self.model.save_pretrained(out)
+        self.tok.save_pretrained(out)
+        torch.save(self.optimizer.state_dict(), out / "optimizer.pt")
+        torch.save(
+            {
+                "torch": torch.get_rng_state(),
+                "numpy": np.random.get_state(),
+                "python": random.getstate(),
+            },
+            out / "rng.pt",
+        )
+        state = {
+            "format": CHECKPOINT_FORMAT,
+            "version": self.version,
+            "seed": self.cfg.seed,
+            "skipped_steps": self.skipped_steps,
+            "trainer": self.cfg.trainer.model_dump(mode="json"),
+        }
+        (out / "trainer_state.json").write_text(json.dumps(state, indent=2))
+        return out
+
+    def _restore(self, ckpt: Path, state: dict) -> None:
+        self.optimizer.load_state_dict(torch.load(ckpt / "optimizer.pt", weights_only=True))
+        rng = torch.load(ckpt / "rng.pt", weights_only=False)
+        torch.set_rng_state(rng["torch"])
+        np.random.set_state(rng["numpy"])
+        random.setstate(rng["python"])
+        self.version = int(state["version"])
+        self.skipped_steps = int(state.get("skipped_steps", 0))
+
+
+def check_checkpoint(ckpt: str | Path, model_config, cfg: RunConfig) -> dict:
+    """The checkpoint's trainer state, after checking it fits this model and config."""
+    ckpt = Path(ckpt)
+    need = ["config.json", "model.safetensors", "optimizer.pt", "rng.pt", "trainer_state.json"]
+    missing = [n for n in need if not (ckpt / n).exists()]
+    if missing:
+        raise CheckpointError(
+            f"checkpoint {str(ckpt)!r} lacks {missing}; point trainer.resume_from at a "
+            "checkpoints/version-N folder written by laminar"
+        )
+    state = json.loads((ckpt / "trainer_state.json").read_text())
+    if state.get("format") != CHECKPOINT_FORMAT:
+        raise CheckpointError(
+            f"checkpoint {str(ckpt)!r} has format {state.get('format')!r}; this laminar "
+            f"reads format {CHECKPOINT_FORMAT}"
+        )
+    theirs = json.loads((ckpt / "config.json").read_text())
+    ours = model_config.to_dict()
+    diff = [k for k in ARCH_KEYS if k in ours and theirs.get(k) != ours.get(k)]
+    if diff:
+        shown = ", ".join(f"{k}: checkpoint {theirs.get(k)!r}, model {ours.get(k)!r}" for k in diff)
+        raise CheckpointError(f"checkpoint {str(ckpt)!r} is another model ({shown})")
+    saved = state.get("trainer", {})
+    now = cfg.trainer.model_dump(mode="json")
+    diff = [k for k in OPTIMIZER_FIELDS if k in saved and saved[k] != now[k]]
+    if diff:
+        shown = ", ".join(f"trainer.{k}: checkpoint {saved[k]!r}, now {now[k]!r}" for k in diff)
+        raise CheckpointError(
+            f"checkpoint {str(ckpt)!r} was trained with other optimizer settings ({shown}); "
+            "set them to the checkpoint's values to resume"
+        )
+    if cfg.trainer.steps <= state["version"]:
+        raise CheckpointError(
+            f"checkpoint {str(ckpt)!r} is at version {state['version']}, and trainer.steps is "
+            f"{cfg.trainer.steps}: nothing left to train; raise trainer.steps"
+        )
+    return state
+
+
+def torch_all_reduce(tensor: torch.Tensor, op: str) -> None:
+    """``all_reduce`` over the default ``torch.distributed`` group (gloo or NCCL)."""
+    import torch.distributed as dist
+
+    dist.all_reduce(tensor, op=dist.ReduceOp.SUM if op == "sum" else dist.ReduceOp.MAX)
