@@ -46,6 +46,7 @@ def batch_stats(batch: list[Trajectory]) -> dict[str, float]:
         "s_gen_mean": float(s_gen.mean()),
         "s_gen_max": int(s_gen.max()),
         "residence_mean": float(res.mean()),
+        "residence_max": int(res.max()),
         "s_train_mean": float((s_gen + res).mean()),
         "s_train_max": int((s_gen + res).max()),
     }

@@ -1,32 +1,21 @@
 """The buffer core against a plain model of what it must do (hypothesis state machine)."""
 
-import numpy as np
+from factories import trajectory
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from laminar.buffer import BufferCore
-from laminar.contract import Trajectory
 
 
 def traj(uid, group, size, idx=0, version=0, reason="eos", reward=1.0):
-    z = np.zeros(2, np.int32)
-    return Trajectory(
+    return trajectory(
         uid,
         group,
-        0,
-        idx,
-        size,
-        z,
-        z,
-        z.astype(np.float32),
-        z.astype(np.uint8),
-        version,
-        reason,
-        "r0",
-        0.0,
-        0.0,
-        0.0,
+        sample_idx=idx,
+        group_size=size,
+        behavior_version=version,
+        finish_reason=reason,
         reward=reward,
     )
 

@@ -8,6 +8,7 @@ import socket
 import numpy as np
 import pytest
 import torch
+from factories import trajectory
 
 from laminar.config import RunConfig, with_overrides
 from laminar.contract import Trajectory
@@ -27,22 +28,15 @@ def batch(step: int, groups: int = 4, size: int = 4, nan: bool = False) -> list[
         for i in range(size):
             n = int(rng.integers(1, 12))
             out.append(
-                Trajectory(
-                    uid=f"s{step}g{g}-{i}",
-                    prompt_uid=f"s{step}g{g}",
-                    prompt_key=g,
+                trajectory(
+                    f"s{step}g{g}-{i}",
+                    f"s{step}g{g}",
+                    prompt=prompt,
+                    response=rng.integers(5, 60, size=n),
+                    behavior_logprobs=-rng.uniform(3, 6, size=n),
                     sample_idx=i,
                     group_size=size,
-                    prompt_tokens=prompt,
-                    response_tokens=rng.integers(5, 60, size=n).astype(np.int32),
-                    behavior_logprobs=-rng.uniform(3, 6, size=n).astype(np.float32),
-                    loss_mask=np.ones(n, np.uint8),
-                    behavior_version=0,
-                    finish_reason="eos",
-                    rollout_ids="r0",
-                    t_submit=0.0,
-                    t_start=0.0,
-                    t_finish=0.0,
+                    prompt_key=g,
                     reward=float("nan") if nan else float(rng.integers(0, 2)),
                 )
             )

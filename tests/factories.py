@@ -1,0 +1,47 @@
+"""Test data: a trajectory with every contract field, overridable field by field."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from laminar.contract import Trajectory
+
+
+def trajectory(
+    uid: str,
+    prompt_uid: str,
+    *,
+    prompt=(1, 2, 3),
+    response=(4, 5),
+    behavior_logprobs=None,
+    sample_idx: int = 0,
+    group_size: int = 2,
+    behavior_version: int = 0,
+    finish_reason: str = "eos",
+    **fields,
+) -> Trajectory:
+    """A buffered trajectory (times 0, reward 1) unless ``fields`` say otherwise."""
+    response = np.asarray(response, dtype=np.int32)
+    if behavior_logprobs is None:
+        behavior_logprobs = np.full(len(response), -1.0, np.float32)
+    base = dict(
+        prompt_key=0,
+        rollout_ids="r0",
+        t_submit=0.0,
+        t_start=0.0,
+        t_finish=0.0,
+        reward=1.0,
+    )
+    return Trajectory(
+        uid=uid,
+        prompt_uid=prompt_uid,
+        sample_idx=sample_idx,
+        group_size=group_size,
+        prompt_tokens=np.asarray(prompt, dtype=np.int32),
+        response_tokens=response,
+        behavior_logprobs=np.asarray(behavior_logprobs, dtype=np.float32),
+        loss_mask=np.ones(len(response), np.uint8),
+        behavior_version=behavior_version,
+        finish_reason=finish_reason,
+        **(base | fields),
+    )
