@@ -269,6 +269,31 @@ class EngineContract:
         assert out.finish_reason == "stop" and word in out.text(tok)
         assert len(out.response_tokens) <= first + 1
 
+    def test_ignore_eos_generates_max_new_tokens(self, make_engine, policy_dir):
+        from laminar.model import load_tokenizer
+
+        eos = load_tokenizer(policy_dir).eos_token_id
+        n = 60
+
+        def run(**params):
+            eng = make_engine(max_batch=16, max_seq_len=n + 8)
+            for r in requests(16, max_new_tokens=n, **params):
+                eng.add_request(r)
+            return drain(eng)
+
+        natural = run()
+        # The untrained policy samples eos at T = 1, or this test would prove nothing.
+        assert any(o.finish_reason == "eos" for o in natural.values())
+        forced = run(ignore_eos=True)
+        assert set(forced) == set(natural)
+        for rid, o in forced.items():
+            assert len(o.response_tokens) == len(o.logprobs) == n
+            assert o.finish_reason == "length" and not o.ended
+            # Ignoring eos changes where a request stops, not what it samples.
+            ref = natural[rid].response_tokens.tolist()
+            assert o.response_tokens[: len(ref)].tolist() == ref
+        assert any(eos in o.response_tokens[:-1].tolist() for o in forced.values())
+
     # -- bad input --------------------------------------------------------------------------------
     def test_bad_requests_are_refused_with_the_reason(self, make_engine):
         eng = make_engine(max_batch=4, max_seq_len=32, kv_capacity_tokens=40)

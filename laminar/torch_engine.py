@@ -55,7 +55,8 @@ class TorchEngine:
         The HF model config (``LlamaConfig``/``Qwen2Config``) and a state dict of
         ``version``'s weights.
     eos_token_id, pad_token_id
-        The end-of-sequence token (always stops a request) and the padding token.
+        The end-of-sequence token (stops a request unless it sets ``ignore_eos``)
+        and the padding token.
     max_batch
         Rows of the cache: the most requests decoding at once.
     max_seq_len

@@ -22,8 +22,9 @@ logprobs, versions), decides what runs, and samples:
   waiting requests that fit, imported ones first. vLLM gets enough blocks that it never
   has to preempt on its own, so the capacity is exact to the token although vLLM's CPU
   KV blocks hold 32.
-* **Stops**: eos and ``stop_token_ids`` are vLLM stop tokens (vLLM's own eos handling is
-  off: only the engine's ``eos_token_id`` counts); stop strings are checked here on the
+* **Stops**: eos (unless the request sets ``ignore_eos``) and ``stop_token_ids`` are vLLM
+  stop tokens (vLLM's own eos handling is off: only the engine's ``eos_token_id``
+  counts); stop strings are checked here on the
   decoded response, as the torch engine does, and the request is aborted in vLLM.
 * **Export/import** abort the vLLM request; a resumed request is resubmitted with prompt
   + tokens so far as its prompt, the tokens it has left, and the sampler's token index
@@ -210,7 +211,8 @@ class VLLMEngine:
         A local HF folder (:func:`laminar.model.build_tiny_policy` or any Llama/Qwen2
         checkpoint) holding ``version``'s weights.
     eos_token_id, pad_token_id
-        The end-of-sequence token (always stops a request) and the padding token.
+        The end-of-sequence token (stops a request unless it sets ``ignore_eos``)
+        and the padding token.
     max_batch
         The most requests decoding at once (vLLM's ``max_num_seqs``).
     max_seq_len
@@ -548,11 +550,12 @@ class VLLMEngine:
         rid = state.request_id
         key = f"{self.uid}:{next(self._submissions)}:{rid}"
         offset = len(state.tokens)
+        eos = () if p.ignore_eos else (self.eos,)
         params = VllmParams(
             max_tokens=p.max_new_tokens - offset,
             temperature=0.0,  # the processor leaves one token: vLLM's greedy pick takes it
             ignore_eos=True,  # the engine's eos is a stop token below; nothing else is
-            stop_token_ids=[t for t in (self.eos, *p.stop_token_ids) if t >= 0],
+            stop_token_ids=[t for t in (*eos, *p.stop_token_ids) if t >= 0],
             detokenize=False,
             output_kind=RequestOutputKind.DELTA,
             extra_args={_EXTRA_KEY: (key, state.seed, offset, p.temperature, p.top_k, p.top_p)},
@@ -594,7 +597,7 @@ class VLLMEngine:
         return None
 
     def _stop_reason(self, s: RequestState, p, token: int) -> str | None:
-        if token == self.eos:
+        if token == self.eos and not p.ignore_eos:
             return "eos"
         if token in p.stop_token_ids:
             return "stop"
@@ -617,10 +620,11 @@ def bench(
 ) -> dict[str, Any]:
     """Decode throughput: ``batch`` requests of exactly ``new_tokens`` tokens each.
 
-    No request ends early: the engine's eos is an id no token has. Prompts are
-    ``prompt_len`` random tokens; one torch thread. Each repeat times add → drained.
+    No request ends early (``ignore_eos``). Prompts are ``prompt_len`` random tokens; one
+    torch thread. Each repeat times add → drained.
     """
     from laminar.engine import SamplingParams
+    from laminar.model import load_tokenizer
 
     torch.set_num_threads(1)
     t0 = time.perf_counter()
@@ -628,10 +632,12 @@ def bench(
     import vllm.v1.engine.llm_engine  # noqa: F401  (timed apart from the engine's start)
 
     import_s = time.perf_counter() - t0
+    tok = load_tokenizer(policy)
     eng = VLLMEngine(
         policy,
-        eos_token_id=-1,  # no token has it: every request runs to new_tokens
-        pad_token_id=0,
+        eos_token_id=tok.eos_token_id,
+        pad_token_id=tok.pad_token_id,
+        tokenizer=tok,
         max_batch=batch,
         max_seq_len=prompt_len + new_tokens,
     )
@@ -641,7 +647,9 @@ def bench(
         for r in range(repeats):
             for i in range(batch):
                 prompt = tuple(int(t) for t in rng.integers(4, eng.vocab_size, prompt_len))
-                params = SamplingParams(new_tokens, temperature=1.0, seed=r * batch + i)
+                params = SamplingParams(
+                    new_tokens, temperature=1.0, seed=r * batch + i, ignore_eos=True
+                )
                 eng.add_request(GenerationRequest(f"b{r}-{i}", prompt, params))
             t0 = time.perf_counter()
             n_steps, outs = 0, []
