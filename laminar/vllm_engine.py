@@ -230,6 +230,9 @@ class VLLMEngine:
     tokenizer
         Used for requests with ``stop`` strings (default: ``policy_dir``'s tokenizer,
         loaded when first needed).
+    pacer
+        A :class:`laminar.pacing.Pacer` makes each step last as long as the modelled
+        accelerator would take (``None``: as fast as this machine goes).
 
     Examples
     --------
@@ -256,6 +259,7 @@ class VLLMEngine:
         seed: int = 0,
         version: int = 0,
         tokenizer=None,
+        pacer=None,
     ) -> None:
         from laminar.model import check_policy_dir
 
@@ -280,6 +284,7 @@ class VLLMEngine:
         self.seed = seed
         self.version = version
         self.tokenizer = tokenizer
+        self.pacer = pacer
         self.uid = uuid.uuid4().hex[:12]
         self._running: dict[str, RequestState] = {}  # handed to vLLM, in admission order
         self._waiting: deque[RequestState] = deque()
@@ -438,17 +443,21 @@ class VLLMEngine:
 
     def step(self) -> list[FinishedOutput]:
         """Make room, admit, one vLLM step (prefill + decode, laminar's sampler), finish."""
+        t0 = time.perf_counter()
         llm = self._llm_checked()
         self._make_room()
+        # KV the decoding requests attend over: all but their last token's.
+        context = sum(s.context_len - 1 for s in self._running.values())
         n_old = len(self._running)
         admitted = self._admit()
         if not self._running:
             return []
+        prefill_tokens = sum(s.context_len for s in admitted)
         with _VLLM_LOCK:
             outputs = llm.step()
         self.counters["steps"] += 1
         self.counters["decode_tokens"] += n_old
-        self.counters["prefill_tokens"] += sum(s.context_len for s in admitted)
+        self.counters["prefill_tokens"] += prefill_tokens
         now = time.time()
         finished: list[FinishedOutput] = []
         aborts: list[str] = []
@@ -469,17 +478,19 @@ class VLLMEngine:
                 finished.append(FinishedOutput.from_state(self._release(rid), reason, now))
         self._abort(aborts)
         self.counters["finished"] += len(finished)
+        if self.pacer is not None:
+            self.pacer.pace(t0, batch=n_old, context_tokens=context, prefill_tokens=prefill_tokens)
         return finished
 
-    def stats(self) -> dict[str, int]:
-        """Counters since the start (steps, tokens, preemptions, moves, weight loads) and
-        vLLM's KV block pool now (blocks of 32 tokens, sized above the capacity)."""
+    def stats(self) -> dict[str, float]:
+        """Counters since the start (steps, tokens, preemptions, moves, weight loads),
+        vLLM's KV block pool now (blocks of 32 tokens, sized above the capacity) and the
+        pacer's figures, if paced."""
         pool = self._core().scheduler.kv_cache_manager.block_pool
         total = pool.num_gpu_blocks - 1  # less the null block
-        return self.counters | {
-            "kv_blocks_total": total,
-            "kv_blocks_used": total - pool.get_num_free_blocks(),
-        }
+        used = total - pool.get_num_free_blocks()
+        pacing = self.pacer.stats() if self.pacer is not None else {}
+        return self.counters | {"kv_blocks_total": total, "kv_blocks_used": used} | pacing
 
     # -- internals ------------------------------------------------------------------------
     def _llm_checked(self):

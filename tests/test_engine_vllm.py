@@ -200,6 +200,22 @@ def test_reloaded_weights_sample_like_the_torch_engine_on_them(policy, make_vllm
     assert_same_outputs(after, run(make_torch(policy, new, max_batch=8, max_seq_len=64), reqs))
 
 
+def test_paced_steps_are_modelled_as_on_the_torch_engine(policy, make_vllm):
+    """Pacing sees the same steps on both engines: same batch, context and prefill."""
+    from laminar.pacing import Pacer, TimeModel
+
+    def pacer():  # not strict: this machine is slower than the modelled H800s
+        return Pacer(TimeModel.named("H800", "7B", tp=4), 1.0, strict=False)
+
+    reqs = mixed_requests(8, max_new_tokens=20)
+    paced_vllm = make_vllm(max_batch=4, max_seq_len=64, pacer=pacer())
+    paced_torch = make_torch(policy, max_batch=4, max_seq_len=64, pacer=pacer())
+    assert_same_outputs(run(paced_vllm, reqs), run(paced_torch, reqs))
+    v, t = paced_vllm.stats(), paced_torch.stats()
+    assert v["paced_steps"] == t["paced_steps"] == v["steps"] > 0
+    assert v["modelled_s"] == pytest.approx(t["modelled_s"], rel=1e-12)
+
+
 def test_stop_strings_need_no_tokenizer_argument(policy, make_vllm):
     tok = policy[1]
     req = mixed_requests(3)[2]  # greedy
@@ -251,3 +267,26 @@ def test_bench_prints_one_json_line(tiny_policy, capsys):
     result = json.loads(line)
     assert result["batch"] == 4 and result["new_tokens"] == 12
     assert len(result["tokens_per_s"]) == 3 and min(result["tokens_per_s"]) > 0
+
+
+@pytest.mark.slow
+def test_a_small_run_on_the_vllm_engine(cluster_client, small_config, tmp_path):
+    """The tiny run with ``rollout.engine=vllm``: each rollout replica builds a VLLMEngine
+    inside its Dask worker process, and the run trains on what it samples."""
+    import pipelines
+    from storage import open_run
+
+    run = pipelines.submit(
+        small_config,
+        cluster_client,
+        run_dir=tmp_path / "run",
+        overrides=["rollout.engine=vllm", "trainer.steps=2"],
+    )
+    summary = run.wait(timeout=400)
+    assert summary["reason"] == "completed" and summary["versions"] == 2
+    # kv_blocks_* are VLLMEngine's own stats: every replica sampled with vLLM.
+    assert all(r["engine_kv_blocks_total"] > 0 for r in summary["rollouts"])
+    assert open_run(run.run_dir).laminar.audit() == []
+    engine = summary["engine"]
+    assert engine["parity_checks"] >= 1
+    assert 0 <= engine["parity_max_abs"] <= 1e-4
