@@ -311,6 +311,10 @@ class EngineContract:
             with pytest.raises(EngineError, match=reason):
                 eng.add_request(req)
         assert not eng.has_work()
+        eng.add_request(GenerationRequest("twice", (5,), sp))
+        with pytest.raises(EngineError, match="already in flight"):
+            eng.add_request(GenerationRequest("twice", (6,), sp))
+        assert eng.request_ids() == ["twice"]
         small = make_engine(max_batch=4, max_seq_len=64, kv_capacity_tokens=40)
         with pytest.raises(EngineError, match="capacity"):
             small.add_request(GenerationRequest("cap", (5,) * 30, SamplingParams(20)))

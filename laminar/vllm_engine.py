@@ -16,16 +16,19 @@ logprobs, versions), decides what runs, and samples:
 * **Behavior logprobs** are the sampler's, ``log_softmax(logits / T)[token]`` of the raw
   float32 logits (``T = 1`` for greedy requests), handed back through :data:`_DRAWS`;
   vLLM's own logprobs are never requested.
-* **Admission is laminar's**, the torch engine's rule: a step first preempts the most
-  recently admitted requests while the running ones would outgrow ``kv_capacity_tokens``
-  (they go back to the head of the queue and resume by re-prefill), then hands vLLM the
-  waiting requests that fit, imported ones first. vLLM gets enough blocks that it never
-  has to preempt on its own, so the capacity is exact to the token although vLLM's CPU
-  KV blocks hold 32.
+* **Admission is laminar's**, the rule every engine shares
+  (:func:`laminar.engine.plan_admission`, applied by :class:`laminar.engine.EngineBase`,
+  which also keeps the queue, the request checks and export/import): a step first
+  preempts the most recently admitted requests while the running ones would outgrow
+  ``kv_capacity_tokens`` (they go back to the head of the queue and resume by
+  re-prefill), then hands vLLM the waiting requests that fit, imported ones first. vLLM
+  gets enough blocks that it never has to preempt on its own, so the capacity is exact
+  to the token although vLLM's CPU KV blocks hold 32.
 * **Stops**: eos (unless the request sets ``ignore_eos``) and ``stop_token_ids`` are vLLM
   stop tokens (vLLM's own eos handling is off: only the engine's ``eos_token_id``
-  counts); stop strings are checked here on the
-  decoded response, as the torch engine does, and the request is aborted in vLLM.
+  counts); stop strings are checked here on the decoded response and the request is
+  aborted in vLLM. Every finish reason is :func:`laminar.engine.stop_reason`'s, as on
+  the torch engine.
 * **Export/import** abort the vLLM request; a resumed request is resubmitted with prompt
   + tokens so far as its prompt, the tokens it has left, and the sampler's token index
   starting at ``len(tokens)``.
@@ -52,7 +55,6 @@ import threading
 import time
 import uuid
 import weakref
-from collections import deque
 from pathlib import Path
 from typing import Any
 
@@ -60,12 +62,11 @@ import numpy as np
 import torch
 
 from laminar.engine import (
+    EngineBase,
     EngineError,
     FinishedOutput,
     GenerationRequest,
-    KVStats,
     RequestState,
-    default_seed,
 )
 from laminar.sampling import sample, uniforms
 
@@ -83,16 +84,6 @@ _LIVE: set[str] = set()
 # vLLM keeps the forward pass's context in a module global: two engines of one process
 # must never run a step (or a weight load) at the same time.
 _VLLM_LOCK = threading.Lock()
-_COUNTERS = (
-    "steps",
-    "prefill_tokens",
-    "decode_tokens",
-    "preemptions",
-    "finished",
-    "exported",
-    "imported",
-    "weight_loads",
-)
 
 
 @functools.cache
@@ -202,7 +193,7 @@ def _shutdown(llm, uid: str) -> None:
         core.shutdown()
 
 
-class VLLMEngine:
+class VLLMEngine(EngineBase):
     """The :class:`laminar.engine.Engine` protocol on vLLM V1, in this process.
 
     Parameters
@@ -263,41 +254,32 @@ class VLLMEngine:
     ) -> None:
         from laminar.model import check_policy_dir
 
-        if max_batch <= 0 or max_seq_len <= 1:
-            raise EngineError(
-                f"max_batch={max_batch!r}, max_seq_len={max_seq_len!r}: need ≥ 1 and ≥ 2"
-            )
-        capacity = max_batch * max_seq_len if kv_capacity_tokens is None else kv_capacity_tokens
-        if not 1 < capacity <= max_batch * max_seq_len:
-            raise EngineError(
-                f"kv_capacity_tokens={kv_capacity_tokens!r} must be in [2, max_batch * "
-                f"max_seq_len = {max_batch * max_seq_len}]"
-            )
+        super().__init__(
+            eos_token_id=eos_token_id,
+            pad_token_id=pad_token_id,
+            max_batch=max_batch,
+            max_seq_len=max_seq_len,
+            kv_capacity_tokens=kv_capacity_tokens,
+            seed=seed,
+            version=version,
+            tokenizer=tokenizer,
+            pacer=pacer,
+        )
         self.policy_dir = check_policy_dir(policy_dir)
         shape = _policy_shape(self.policy_dir)
         self.vocab_size = shape["vocab_size"]
-        self.eos = eos_token_id
-        self.pad = pad_token_id
-        self.max_batch = max_batch
-        self.max_seq_len = max_seq_len
-        self.capacity = capacity
-        self.seed = seed
-        self.version = version
-        self.tokenizer = tokenizer
-        self.pacer = pacer
         self.uid = uuid.uuid4().hex[:12]
         self._running: dict[str, RequestState] = {}  # handed to vLLM, in admission order
-        self._waiting: deque[RequestState] = deque()
         self._keys: dict[str, str] = {}  # request id -> key of its vLLM submission
         self._submissions = itertools.count()
-        self.counters = dict.fromkeys(_COUNTERS, 0)
+        self.counters["weight_loads"] = 0
         t0 = time.perf_counter()
-        self._llm = self._start(shape)
+        self._llm = self._start_vllm(shape)
         self.start_s = time.perf_counter() - t0
         _LIVE.add(self.uid)
         self._finalizer = weakref.finalize(self, _shutdown, self._llm, self.uid)
 
-    def _start(self, shape: dict[str, int]):
+    def _start_vllm(self, shape: dict[str, int]):
         _vllm_environment()
         from vllm.engine.arg_utils import EngineArgs
         from vllm.v1.engine.llm_engine import LLMEngine
@@ -349,87 +331,7 @@ class VLLMEngine:
             finalizer.detach()
         return llm
 
-    # -- the protocol -------------------------------------------------------------------
-    def add_request(self, request: GenerationRequest) -> None:
-        self._check(request)
-        rid = request.request_id
-        if rid in self._keys or any(s.request_id == rid for s in self._waiting):
-            raise EngineError(f"request {rid!r} is already in flight on this engine")
-        seed = request.params.seed
-        if seed is None:
-            seed = default_seed(self.seed, rid)
-        self._waiting.append(RequestState(request, seed=seed, t_start=time.time()))
-
-    def has_work(self) -> bool:
-        return bool(self._running or self._waiting)
-
-    def request_ids(self) -> list[str]:
-        return [*self._running, *(s.request_id for s in self._waiting)]
-
-    def kv_stats(self) -> KVStats:
-        sched = self._core().scheduler
-        # KV entries written for the requests running here (shared prefix blocks are
-        # counted once per request, as the torch engine, which shares none, would).
-        return KVStats(
-            used_tokens=sum(r.num_computed_tokens for r in sched.running),
-            capacity_tokens=self.capacity,
-            running=len(self._running),
-            waiting=len(self._waiting),
-        )
-
-    def export(self, request_ids: list[str]) -> list[RequestState]:
-        wanted = list(dict.fromkeys(request_ids))
-        queued = {s.request_id: s for s in self._waiting}
-        unknown = [rid for rid in wanted if rid not in self._running and rid not in queued]
-        if unknown:
-            raise EngineError(f"export: no request {unknown[0]!r} in flight on this engine")
-        self._abort([self._keys[rid] for rid in wanted if rid in self._running])
-        states = {rid: queued[rid] if rid in queued else self._release(rid) for rid in wanted}
-        self._waiting = deque(s for s in self._waiting if s.request_id not in states)
-        self.counters["exported"] += len(wanted)
-        return [states[rid].moved() for rid in wanted]
-
-    def import_(self, states: list[RequestState], *, allow_version_change: bool = False) -> None:
-        present = set(self.request_ids())
-        for s in states:
-            self._check(s.request)
-            rid = s.request_id
-            if rid in present:
-                raise EngineError(f"import: request {rid!r} is already in flight here")
-            present.add(rid)
-            if not len(s.tokens) == len(s.logprobs) == len(s.token_versions):
-                raise EngineError(
-                    f"import: request {rid!r} has {len(s.tokens)} tokens, "
-                    f"{len(s.logprobs)} logprobs and {len(s.token_versions)} versions"
-                )
-            if len(s.tokens) >= s.request.params.max_new_tokens:
-                raise EngineError(f"import: request {rid!r} already has all its tokens")
-            if s.tokens and s.token_versions[-1] != self.version and not allow_version_change:
-                raise EngineError(
-                    f"import: request {rid!r} was sampled by version {s.token_versions[-1]} "
-                    f"and this engine holds version {self.version}; import it on an engine "
-                    "of that version, or pass allow_version_change=True to mix versions"
-                )
-        self._waiting.extendleft(reversed(states))
-        self.counters["imported"] += len(states)
-
-    def load_weights(self, state: dict[str, torch.Tensor], version: int) -> None:
-        llm = self._llm_checked()
-        partial = sum(1 for s in self._waiting if s.tokens)
-        if self._running or partial:
-            raise EngineError(
-                f"cannot load version {version}: {len(self._running)} running and {partial} "
-                f"preempted requests hold tokens of version {self.version}; drain the "
-                "batch or export them first"
-            )
-        weights = [(k, v.detach().to("cpu", torch.float32)) for k, v in state.items()]
-        with _VLLM_LOCK:
-            llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
-            # Cached prefix blocks hold KV of the old weights.
-            llm.reset_prefix_cache()
-        self.version = version
-        self.counters["weight_loads"] += 1
-
+    # -- the protocol (the rest is EngineBase's) ----------------------------------------
     def close(self) -> None:
         if self._llm is None:
             return
@@ -443,21 +345,12 @@ class VLLMEngine:
 
     def step(self) -> list[FinishedOutput]:
         """Make room, admit, one vLLM step (prefill + decode, laminar's sampler), finish."""
-        t0 = time.perf_counter()
         llm = self._llm_checked()
-        self._make_room()
-        # KV the decoding requests attend over: all but their last token's.
-        context = sum(s.context_len - 1 for s in self._running.values())
-        n_old = len(self._running)
-        admitted = self._admit()
+        start = self._begin_step()
         if not self._running:
             return []
-        prefill_tokens = sum(s.context_len for s in admitted)
         with _VLLM_LOCK:
             outputs = llm.step()
-        self.counters["steps"] += 1
-        self.counters["decode_tokens"] += n_old
-        self.counters["prefill_tokens"] += prefill_tokens
         now = time.time()
         finished: list[FinishedOutput] = []
         aborts: list[str] = []
@@ -477,9 +370,7 @@ class VLLMEngine:
                     aborts.append(out.request_id)
                 finished.append(FinishedOutput.from_state(self._release(rid), reason, now))
         self._abort(aborts)
-        self.counters["finished"] += len(finished)
-        if self.pacer is not None:
-            self.pacer.pace(t0, batch=n_old, context_tokens=context, prefill_tokens=prefill_tokens)
+        self._end_step(start, finished)
         return finished
 
     def stats(self) -> dict[str, float]:
@@ -489,70 +380,13 @@ class VLLMEngine:
         pool = self._core().scheduler.kv_cache_manager.block_pool
         total = pool.num_gpu_blocks - 1  # less the null block
         used = total - pool.get_num_free_blocks()
-        pacing = self.pacer.stats() if self.pacer is not None else {}
-        return self.counters | {"kv_blocks_total": total, "kv_blocks_used": used} | pacing
+        return super().stats() | {"kv_blocks_total": total, "kv_blocks_used": used}
 
-    # -- internals ------------------------------------------------------------------------
-    def _llm_checked(self):
-        if self._llm is None:
-            raise EngineError("this VLLMEngine is closed; build a new one")
-        return self._llm
+    # -- EngineBase's hooks -----------------------------------------------------------------
+    def _running_states(self) -> list[RequestState]:
+        return list(self._running.values())
 
-    def _core(self):
-        return self._llm_checked().engine_core.engine_core
-
-    def _check(self, request: GenerationRequest) -> None:
-        rid = request.request_id
-        request.params.check(rid)
-        n = len(request.prompt_tokens)
-        if n == 0:
-            raise EngineError(f"request {rid!r} has an empty prompt; give at least one token")
-        bad = [t for t in request.prompt_tokens if not 0 <= t < self.vocab_size]
-        if bad:
-            raise EngineError(
-                f"request {rid!r}: prompt token id {bad[0]!r} is outside the model's "
-                f"vocabulary [0, {self.vocab_size}); encode prompts with the policy's tokenizer"
-            )
-        if n + request.params.max_new_tokens > self.max_seq_len:
-            raise EngineError(
-                f"request {rid!r}: prompt ({n}) + max_new_tokens "
-                f"({request.params.max_new_tokens}) exceeds the engine's max_seq_len "
-                f"({self.max_seq_len}); raise rollout.max_seq_len or lower max_new_tokens"
-            )
-        if n + request.params.max_new_tokens > self.capacity:
-            raise EngineError(
-                f"request {rid!r}: prompt ({n}) + max_new_tokens "
-                f"({request.params.max_new_tokens}) exceeds the KV capacity "
-                f"({self.capacity} tokens); it could never finish here"
-            )
-
-    def _make_room(self) -> None:
-        # After this step every running request holds KV for its whole context.
-        while self._running and sum(s.context_len for s in self._running.values()) > (
-            self.capacity
-        ):
-            rid = next(reversed(self._running))  # the most recently admitted
-            self._abort([self._keys[rid]])
-            self._waiting.appendleft(self._release(rid))
-            self.counters["preemptions"] += 1
-
-    def _admit(self) -> list[RequestState]:
-        # KV entries once this step has run: each running request's context, each
-        # admitted one's. A request is admitted if, on top of that, the next step's
-        # decode (one entry per request, itself included) fits too.
-        after = sum(s.context_len for s in self._running.values())
-        admitted: list[RequestState] = []
-        while self._waiting and len(self._running) < self.max_batch:
-            s = self._waiting[0]
-            if self._running and after + s.context_len + len(self._running) + 1 > self.capacity:
-                break
-            self._waiting.popleft()
-            self._submit(s)
-            admitted.append(s)
-            after += s.context_len
-        return admitted
-
-    def _submit(self, state: RequestState) -> None:
+    def _start(self, state: RequestState) -> None:
         """Hand a request (new or resumed) to vLLM: its prompt is prompt + tokens so far."""
         from vllm import SamplingParams as VllmParams
         from vllm.sampling_params import RequestOutputKind
@@ -576,6 +410,40 @@ class VLLMEngine:
         self._running[rid] = state
         self._keys[rid] = key
 
+    def _stop(self, request_ids: list[str]) -> list[RequestState]:
+        self._abort([self._keys[rid] for rid in request_ids])
+        return [self._release(rid) for rid in request_ids]
+
+    def _load(self, state: dict[str, torch.Tensor]) -> None:
+        llm = self._llm_checked()
+        weights = [(k, v.detach().to("cpu", torch.float32)) for k, v in state.items()]
+        with _VLLM_LOCK:
+            llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
+            # Cached prefix blocks hold KV of the old weights.
+            llm.reset_prefix_cache()
+        self.counters["weight_loads"] += 1
+
+    def _used_tokens(self) -> int:
+        # KV entries written for the requests running here (shared prefix blocks are
+        # counted once per request, as the torch engine, which shares none, would).
+        return sum(r.num_computed_tokens for r in self._core().scheduler.running)
+
+    def _check(self, request: GenerationRequest) -> None:
+        if request.params.stop and self.tokenizer is None:  # loaded when first needed
+            from laminar.model import load_tokenizer
+
+            self.tokenizer = load_tokenizer(self.policy_dir)
+        super()._check(request)
+
+    # -- internals ------------------------------------------------------------------------
+    def _llm_checked(self):
+        if self._llm is None:
+            raise EngineError("this VLLMEngine is closed; build a new one")
+        return self._llm
+
+    def _core(self):
+        return self._llm_checked().engine_core.engine_core
+
     def _abort(self, keys: list[str]) -> None:
         """Abort vLLM submissions (by key)."""
         if keys:
@@ -590,7 +458,6 @@ class VLLMEngine:
         """Record the tokens vLLM produced for ``rid``; return its finish reason, if any."""
         state = self._running[rid]
         draws = _DRAWS.get(self._keys[rid], {})
-        p = state.request.params
         for token in out.outputs[0].token_ids:
             drawn = draws.pop(len(state.tokens), None)
             if drawn is None or drawn[0] != token:
@@ -602,28 +469,10 @@ class VLLMEngine:
             state.tokens.append(token)
             state.logprobs.append(drawn[1])
             state.token_versions.append(self.version)
-            reason = self._stop_reason(state, p, token)
+            reason = self._stop_reason(state, token)
             if reason is not None:
                 return reason
         return None
-
-    def _stop_reason(self, s: RequestState, p, token: int) -> str | None:
-        if token == self.eos and not p.ignore_eos:
-            return "eos"
-        if token in p.stop_token_ids:
-            return "stop"
-        if p.stop and any(x in self._tokenizer().decode(s.tokens) for x in p.stop):
-            return "stop"
-        if len(s.tokens) >= p.max_new_tokens:
-            return "length"
-        return None
-
-    def _tokenizer(self):
-        if self.tokenizer is None:
-            from laminar.model import load_tokenizer
-
-            self.tokenizer = load_tokenizer(self.policy_dir)
-        return self.tokenizer
 
 
 def bench(
