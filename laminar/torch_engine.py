@@ -13,9 +13,9 @@ rows stay packed at the front, so every step works on a plain view of the cache.
    admitted ones, then sample a token for every row at once;
 4. **finish** rows that hit a stop condition; the last row moves into the freed one.
 
-Steps 1-2 are the rule every engine shares (:func:`laminar.engine.plan_admission`), and
+Steps 1-2 are the rule every engine shares (:func:`laminar.engine_base.plan_admission`), and
 the queue, request checks, export/import and weight-load refusal are
-:class:`laminar.engine.EngineBase`'s: this module is the cache and the compute.
+:class:`laminar.engine_base.EngineBase`'s: this module is the cache and the compute.
 
 ``kv_stats().used_tokens`` counts the KV entries written, and never exceeds
 ``capacity_tokens`` (a property test checks it after every step).
@@ -30,7 +30,8 @@ from itertools import count
 import numpy as np
 import torch
 
-from laminar.engine import EngineBase, FinishedOutput, RequestState
+from laminar.engine import FinishedOutput, RequestState
+from laminar.engine_base import EngineBase
 from laminar.model import CachedDecoder
 from laminar.sampling import sample, uniforms
 

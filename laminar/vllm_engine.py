@@ -17,7 +17,7 @@ logprobs, versions), decides what runs, and samples:
   float32 logits (``T = 1`` for greedy requests), handed back through :data:`_DRAWS`;
   vLLM's own logprobs are never requested.
 * **Admission is laminar's**, the rule every engine shares
-  (:func:`laminar.engine.plan_admission`, applied by :class:`laminar.engine.EngineBase`,
+  (:func:`laminar.engine_base.plan_admission`, applied by :class:`laminar.engine_base.EngineBase`,
   which also keeps the queue, the request checks and export/import): a step first
   preempts the most recently admitted requests while the running ones would outgrow
   ``kv_capacity_tokens`` (they go back to the head of the queue and resume by
@@ -27,7 +27,7 @@ logprobs, versions), decides what runs, and samples:
 * **Stops**: eos (unless the request sets ``ignore_eos``) and ``stop_token_ids`` are vLLM
   stop tokens (vLLM's own eos handling is off: only the engine's ``eos_token_id``
   counts); stop strings are checked here on the decoded response and the request is
-  aborted in vLLM. Every finish reason is :func:`laminar.engine.stop_reason`'s, as on
+  aborted in vLLM. Every finish reason is :func:`laminar.engine_base.stop_reason`'s, as on
   the torch engine.
 * **Export/import** abort the vLLM request; a resumed request is resubmitted with prompt
   + tokens so far as its prompt, the tokens it has left, and the sampler's token index
@@ -61,13 +61,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from laminar.engine import (
-    EngineBase,
-    EngineError,
-    FinishedOutput,
-    GenerationRequest,
-    RequestState,
-)
+from laminar.engine import EngineError, FinishedOutput, GenerationRequest, RequestState
+from laminar.engine_base import EngineBase
 from laminar.sampling import sample, uniforms
 
 # vLLM's CPU attention kernel works on blocks of a multiple of 32 tokens.

@@ -30,6 +30,11 @@ def laminar_cache(tmp_path_factory) -> Path:
     """Keep warm-start results of the test session out of the user's cache."""
     path = tmp_path_factory.mktemp("laminar-cache")
     os.environ["LAMINAR_CACHE"] = str(path)
+    # One intra-op thread in the test process, as in every worker: on a shared 2-core
+    # machine a second OpenMP thread is often descheduled, and each op then waits for it.
+    import torch
+
+    torch.set_num_threads(int(os.environ.get("LAMINAR_TEST_THREADS", "1")))
     os.environ.setdefault("DASK_LOGGING__DISTRIBUTED", "warning")
     return path
 
