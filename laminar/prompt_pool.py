@@ -9,6 +9,9 @@ grow the buffer without bound.
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 from laminar.config import RunConfig
 from laminar.contract import PromptGroup
 from laminar.errors import DataError
@@ -33,17 +36,22 @@ class PromptPoolCore:
         group_size: int,
         max_outstanding: int,
         seed: int,
+        start: int = 0,
     ) -> None:
+        """``start``: groups already dispatched by the run being resumed (the data
+        position): the order continues after them, and so do the prompt uids."""
         if not prompts:
             raise DataError("the prompt pool is empty; check task.prompt_file or task.num_prompts")
         self.prompts = prompts
         self.group_size = group_size
         self.max_outstanding = max_outstanding
         self._order = iter_epochs(range(len(prompts)), seed)
-        self.outstanding: set[str] = set()
-        self.n_dispatched = 0
-        self.n_released = 0
         self.epoch = 0
+        for _ in range(start):
+            self.epoch, _ = next(self._order)
+        self.outstanding: set[str] = set()
+        self.n_dispatched = start
+        self.n_released = 0
 
     def acquire(self, n: int) -> list[PromptGroup]:
         """Up to ``n`` new groups, fewer (or none) while back-pressure holds."""
@@ -74,6 +82,19 @@ class PromptPoolCore:
             "outstanding": len(self.outstanding),
             "epoch": self.epoch,
         }
+
+
+DATA_STATE = "data_state.json"  # in a checkpoint folder: where the prompt order stood
+
+
+def data_position(checkpoint: str | None) -> int:
+    """Prompt groups dispatched by the run that wrote ``checkpoint`` (0: start afresh)."""
+    if checkpoint is None:
+        return 0
+    path = Path(checkpoint) / DATA_STATE
+    if not path.exists():
+        return 0
+    return int(json.loads(path.read_text())["dispatched"])
 
 
 def load_prompts(cfg: RunConfig) -> list[Prompt]:
@@ -120,6 +141,7 @@ class PromptPool:
             group_size=cfg.rollout.group_size,
             max_outstanding=cfg.buffer.max_outstanding_groups,
             seed=cfg.seed,
+            start=data_position(cfg.trainer.resume_from),
         )
 
     async def acquire(self, n: int) -> list[PromptGroup]:

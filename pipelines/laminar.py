@@ -27,7 +27,7 @@ import numpy as np
 from laminar.buffer import ExperienceBuffer
 from laminar.cluster import place, submit_actor
 from laminar.config import RunConfig
-from laminar.prompt_pool import PromptPool, load_prompts
+from laminar.prompt_pool import DATA_STATE, PromptPool, load_prompts
 from laminar.rollout import RolloutReplica
 from laminar.trainer import Trainer, TrainerRank, free_port
 
@@ -257,6 +257,9 @@ class LaminarSchedule:
         r_stats = [r.stop().result() for r in a["rollouts"]]
         t_stats = a["trainer"].stop().result()
         t_stats["ranks_stats"] = [r.stats().result() for r in a["trainer_ranks"]]
+        if t_stats["checkpoint"]:  # the data position, for trainer.resume_from
+            pool = a["pool"].stats().result()
+            Path(t_stats["checkpoint"], DATA_STATE).write_text(json.dumps(pool, indent=2))
         self._flush_metrics()
         b_stats = a["buffer"].close().result()
         p_stats = a["pool"].stats().result()

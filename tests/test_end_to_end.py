@@ -297,6 +297,11 @@ def test_a_run_resumes_from_its_checkpoint(cluster_client, small_config, tmp_pat
     assert set(ds["sample_version"].values[consumed]) == {2, 3}
     assert (ds["behavior_version"].values >= 2).all()  # rollouts start from the checkpoint
     assert (tmp_path / "b" / "checkpoints" / "version-000004" / "rng.pt").exists()
+    # The data position: the resumed run continues the prompt order, it does not restart it.
+    first_ds = open_run(first.run_dir)
+    dispatched = json.loads((ckpt / "data_state.json").read_text())["dispatched"]
+    assert dispatched >= len(set(first_ds["prompt_uid"].values))
+    assert min(ds["prompt_uid"].values) == f"p{dispatched:08d}"
 
 
 def test_cli_run_with_two_data_parallel_trainer_ranks(tmp_path):

@@ -8,43 +8,11 @@ import socket
 import numpy as np
 import pytest
 import torch
-from factories import trajectory
+from learner_cases import CFG, batch, rank_main, weights
 
-from laminar.config import RunConfig, with_overrides
+from laminar.config import with_overrides
 from laminar.contract import Trajectory
-from laminar.learner import CheckpointError, Learner, torch_all_reduce
-
-CFG = with_overrides(
-    RunConfig(), ["trainer.lr=1e-3", "trainer.micro_batch_tokens=96", "trainer.steps=10"]
-)
-
-
-def batch(step: int, groups: int = 4, size: int = 4, nan: bool = False) -> list[Trajectory]:
-    """A deterministic global batch of complete groups with varied lengths and rewards."""
-    rng = np.random.default_rng(step)
-    out = []
-    for g in range(groups):
-        prompt = rng.integers(5, 60, size=int(rng.integers(2, 6))).astype(np.int32)
-        for i in range(size):
-            n = int(rng.integers(1, 12))
-            out.append(
-                trajectory(
-                    f"s{step}g{g}-{i}",
-                    f"s{step}g{g}",
-                    prompt=prompt,
-                    response=rng.integers(5, 60, size=n),
-                    behavior_logprobs=-rng.uniform(3, 6, size=n),
-                    sample_idx=i,
-                    group_size=size,
-                    prompt_key=g,
-                    reward=float("nan") if nan else float(rng.integers(0, 2)),
-                )
-            )
-    return out
-
-
-def weights(learner: Learner) -> dict[str, torch.Tensor]:
-    return {k: v.detach().clone() for k, v in learner.model.state_dict().items()}
+from laminar.learner import CheckpointError, Learner
 
 
 def test_resume_from_a_checkpoint_is_bit_identical(tiny_policy, tmp_path):
@@ -102,22 +70,6 @@ def test_mini_batches_take_several_steps_for_one_version(tiny_policy):
     assert steps == {2}
 
 
-def _rank_main(rank: int, world: int, port: int, policy: str, out: str) -> None:
-    import torch.distributed as dist
-
-    torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world
-    )
-    try:
-        learner = Learner(CFG, policy, rank=rank, world_size=world, all_reduce=torch_all_reduce)
-        for s in range(3):
-            learner.update(batch(s))
-        torch.save(weights(learner), f"{out}/rank{rank}.pt")
-    finally:
-        dist.destroy_process_group()
-
-
 def test_two_ranks_train_the_same_weights_as_one(tiny_policy, tmp_path):
     """Two gloo ranks, each computing half of every batch, end where one rank does."""
     with socket.socket() as s:
@@ -125,7 +77,7 @@ def test_two_ranks_train_the_same_weights_as_one(tiny_policy, tmp_path):
         port = s.getsockname()[1]
     ctx = mp.get_context("spawn")
     procs = [
-        ctx.Process(target=_rank_main, args=(r, 2, port, str(tiny_policy), str(tmp_path)))
+        ctx.Process(target=rank_main, args=(r, 2, port, str(tiny_policy), str(tmp_path)))
         for r in range(2)
     ]
     for p in procs:

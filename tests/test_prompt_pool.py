@@ -22,3 +22,17 @@ def test_groups_carry_prompt_and_unique_uids_across_epochs():
     assert len({g.prompt_uid for g in groups}) == 7
     assert sorted(g.prompt_key for g in groups[:3]) == [0, 1, 2]  # each prompt once per epoch
     assert groups[-1].epoch == 2 and all(g.group_size == 4 for g in groups)
+
+
+def test_a_resumed_pool_continues_the_prompt_order():
+    from laminar.prompt_pool import PromptPoolCore
+    from laminar.tasks import Prompt
+
+    prompts = [(Prompt(i, f"n {i} >", "x"), (1, i)) for i in range(5)]
+    whole = PromptPoolCore(prompts, group_size=2, max_outstanding=100, seed=3)
+    first = whole.acquire(12)
+    resumed = PromptPoolCore(prompts, group_size=2, max_outstanding=100, seed=3, start=7)
+    rest = resumed.acquire(5)
+    assert [g.prompt_key for g in rest] == [g.prompt_key for g in first[7:]]
+    assert [g.prompt_uid for g in rest] == [g.prompt_uid for g in first[7:]]
+    assert [g.epoch for g in rest] == [g.epoch for g in first[7:]]
