@@ -45,3 +45,11 @@ def trajectory(
         finish_reason=finish_reason,
         **(base | fields),
     )
+
+
+def run_to_end(client, cfg, run_dir, overrides=(), timeout: float = 400):
+    """Submit a run on ``client``, wait for it; returns ``(handle, summary)``."""
+    import pipelines
+
+    run = pipelines.submit(cfg, client, run_dir=run_dir, overrides=list(overrides))
+    return run, run.wait(timeout=timeout)

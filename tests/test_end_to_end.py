@@ -16,6 +16,7 @@ import time
 import numpy as np
 import pytest
 from conftest import REPO, SMALL_RUN
+from factories import run_to_end
 
 from storage import open_run
 
@@ -231,15 +232,12 @@ def test_any_hf_folder_and_a_jsonl_prompt_file(cluster_client, small_config, tin
 def test_paced_replicas_keep_the_modelled_time(cluster_client, small_config, tmp_path):
     """Engines paced as TP4 H800s serving a 7B model: the run's decode time is the
     modelled one (× dilation), and the real compute stays below it."""
-    import pipelines
-
-    run = pipelines.submit(
-        small_config,
+    run, summary = run_to_end(
         cluster_client,
-        run_dir=tmp_path / "run",
-        overrides=["rollout.pacing.dilation=15", "trainer.steps=2"],
+        small_config,
+        tmp_path / "run",
+        ["rollout.pacing.dilation=15", "trainer.steps=2"],
     )
-    summary = run.wait(timeout=300)
     assert summary["reason"] == "completed", summary
     eng = summary["engine"]
     assert eng["modelled_s"] > 0 and eng["compute_s"] < eng["modelled_s"]
@@ -257,15 +255,12 @@ def test_max_train_staleness_bounds_every_consumed_trajectory(
 ):
     """With max_train_staleness=0 every update trains on its own version's groups only;
     the rest are evicted — in the store with their status, and counted in the summary."""
-    import pipelines
-
-    run = pipelines.submit(
-        small_config,
+    run, summary = run_to_end(
         cluster_client,
-        run_dir=tmp_path / "run",
-        overrides=["buffer.max_train_staleness=0", "buffer.sampler=same_version"],
+        small_config,
+        tmp_path / "run",
+        ["buffer.max_train_staleness=0", "buffer.sampler=same_version"],
     )
-    summary = run.wait(timeout=400)
     assert summary["reason"] == "completed" and summary["versions"] == 4
     ds = check_store(run.run_dir, expect_consumed_groups=16)
     st = ds.laminar.staleness()
@@ -277,20 +272,15 @@ def test_max_train_staleness_bounds_every_consumed_trajectory(
 
 
 def test_a_run_resumes_from_its_checkpoint(cluster_client, small_config, tmp_path):
-    import pipelines
-
-    first = pipelines.submit(
-        small_config, cluster_client, run_dir=tmp_path / "a", overrides=["trainer.steps=2"]
-    )
-    assert first.wait(timeout=300)["versions"] == 2
+    first, summary = run_to_end(cluster_client, small_config, tmp_path / "a", ["trainer.steps=2"])
+    assert summary["versions"] == 2
     ckpt = tmp_path / "a" / "checkpoints" / "version-000002"
-    second = pipelines.submit(
-        small_config,
+    second, summary = run_to_end(
         cluster_client,
-        run_dir=tmp_path / "b",
-        overrides=[f"trainer.resume_from={ckpt}", "trainer.steps=4"],
+        small_config,
+        tmp_path / "b",
+        [f"trainer.resume_from={ckpt}", "trainer.steps=4"],
     )
-    summary = second.wait(timeout=300)
     assert summary["reason"] == "completed" and summary["versions"] == 4
     ds = check_store(second.run_dir)
     consumed = ds["status"].values == "consumed"

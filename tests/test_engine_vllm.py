@@ -273,16 +273,13 @@ def test_bench_prints_one_json_line(tiny_policy, capsys):
 def test_a_small_run_on_the_vllm_engine(cluster_client, small_config, tmp_path):
     """The tiny run with ``rollout.engine=vllm``: each rollout replica builds a VLLMEngine
     inside its Dask worker process, and the run trains on what it samples."""
-    import pipelines
+    from factories import run_to_end
+
     from storage import open_run
 
-    run = pipelines.submit(
-        small_config,
-        cluster_client,
-        run_dir=tmp_path / "run",
-        overrides=["rollout.engine=vllm", "trainer.steps=2"],
+    run, summary = run_to_end(
+        cluster_client, small_config, tmp_path / "run", ["rollout.engine=vllm", "trainer.steps=2"]
     )
-    summary = run.wait(timeout=400)
     assert summary["reason"] == "completed" and summary["versions"] == 2
     # kv_blocks_* are VLLMEngine's own stats: every replica sampled with vLLM.
     assert all(r["engine_kv_blocks_total"] > 0 for r in summary["rollouts"])
