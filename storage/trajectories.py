@@ -222,3 +222,28 @@ def open_run(path: str | Path) -> xr.Dataset:
     ds["s_train"] = (ds["sample_version"] - ds["behavior_version"]).where(sampled)
     ds.attrs["run_dir"] = str(store.parent)
     return ds
+
+
+def open_runs(paths, names: list[str] | None = None) -> xr.Dataset:
+    """Several runs' trajectory records in one Dataset, on dimensions ``(run, trajectory)``.
+
+    Every per-trajectory field (staleness, versions, rewards, times, status, lengths) of
+    each run; runs with fewer trajectories are padded (NaN; ``""`` for strings; integer
+    fields become floats). Token-level arrays stay with :func:`open_run`. ``names`` label
+    the ``run`` coordinate (default: the run directories' names); ``n_trajectories``
+    holds each run's own count.
+    """
+    paths = [Path(p) for p in paths]
+    names = [p.name for p in paths] if names is None else list(names)
+    if len(names) != len(paths) or len(set(names)) != len(names):
+        raise StoreError(f"open_runs: need one distinct name per run, got {names!r}")
+    records = []
+    for p in paths:
+        ds = open_run(p)
+        records.append(ds[[v for v in ds.data_vars if ds[v].dims == (TRAJECTORY_DIM,)]])
+    fill = {v: "" if r[v].dtype.kind == "U" else np.nan for r in records for v in r.data_vars}
+    out = xr.concat(records, dim="run", join="outer", fill_value=fill)
+    out = out.assign_coords(run=names)
+    out["n_trajectories"] = ("run", [r.sizes[TRAJECTORY_DIM] for r in records])
+    out.attrs = {"run_dirs": [str(p) for p in paths]}
+    return out

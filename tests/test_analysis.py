@@ -131,3 +131,33 @@ def test_report_of_a_run_without_metrics_still_draws_what_it_can(run, tmp_path):
     assert made == {"report.md", "reward.png", "throughput.png", "staleness.png"}
     text = report.read_text()
     assert "![reward.png](reward.png)" in text and "buffer.png" not in text
+
+
+def test_several_runs_in_one_dataset(run, tmp_path):
+    """open_runs: every per-trajectory field of each run on (run, trajectory), padded."""
+    from factories import trajectory
+
+    from storage import open_runs
+
+    ds, _ = run
+    small = tmp_path / "small"
+    TrajectoryWriter(small).append(
+        [
+            trajectory(f"u{i}", f"g{i // 2}", sample_idx=i % 2, behavior_version=i).to_record()
+            for i in range(10)
+        ]
+    )
+    both = open_runs([ds.attrs["run_dir"], small], names=["big", "small"])
+    assert list(both["run"].values) == ["big", "small"]
+    assert both.sizes == {"run": 2, "trajectory": ds.sizes["trajectory"]}
+    assert both["n_trajectories"].values.tolist() == [ds.sizes["trajectory"], 10]
+    big = both.sel(run="big")
+    np.testing.assert_array_equal(big["s_train"].values, ds["s_train"].values)
+    assert (big["uid"].values == ds["uid"].values).all()
+    own = open_run(small)
+    head = both.sel(run="small").isel(trajectory=slice(0, 10))
+    np.testing.assert_array_equal(head["behavior_version"].values, own["behavior_version"])
+    assert (head["uid"].values == own["uid"].values).all()
+    tail = both.sel(run="small").isel(trajectory=slice(10, None))
+    assert np.isnan(tail["reward"].values).all() and (tail["uid"].values == "").all()
+    assert "response_tokens" not in both  # token-level arrays stay with open_run
