@@ -27,7 +27,7 @@ import torch
 from laminar.config import RunConfig
 from laminar.contract import Trajectory
 from laminar.errors import LaminarError
-from laminar.update import grpo_step
+from laminar.update import grpo_step, trajectory_logprobs
 
 CHECKPOINT_FORMAT = 1
 # Trainer settings a resumed run must share with its checkpoint (the optimizer's state is
@@ -67,19 +67,21 @@ class Learner:
         world_size: int = 1,
         all_reduce: Callable | None = None,
     ) -> None:
-        from laminar.model import load_policy
+        from laminar.model import check_policy_dir, load_policy
 
         if world_size > 1 and all_reduce is None:
             raise ValueError("world_size > 1 needs an all_reduce")
         self.cfg = cfg
         self.rank, self.world_size, self.all_reduce = rank, world_size, all_reduce
         torch.manual_seed(cfg.seed)
-        self.model, self.tok = load_policy(policy_dir)
         self.version = 0
         state = None
-        if resume_from is not None:
-            state = check_checkpoint(resume_from, self.model.config, cfg)
-            self.model, self.tok = load_policy(resume_from)
+        if resume_from is not None:  # the policy's config is all the check needs
+            from transformers import AutoConfig
+
+            config = AutoConfig.from_pretrained(check_policy_dir(policy_dir), local_files_only=True)
+            state = check_checkpoint(resume_from, config, cfg)
+        self.model, self.tok = load_policy(policy_dir if resume_from is None else resume_from)
         t = cfg.trainer
         self.optimizer = torch.optim.AdamW(
             self.model.parameters(), lr=t.lr, weight_decay=t.weight_decay, betas=t.betas
@@ -124,26 +126,16 @@ class Learner:
             self.version += 1
         return {**totals, "mini_batches": float(len(parts)), "applied_steps": float(applied)}
 
-    @torch.no_grad()
     def logprobs(self, batch: list[Trajectory]) -> list[np.ndarray]:
         """The current policy's logprobs of each trajectory's response tokens."""
-        from laminar.update import micro_batches, pack, response_logprobs
-
-        out: list[np.ndarray] = [np.zeros(0, np.float32)] * len(batch)
-        lengths = [len(x.prompt_tokens) + len(x.response_tokens) for x in batch]
-        for idx in micro_batches(lengths, self.cfg.trainer.micro_batch_tokens):
-            rows = [batch[i] for i in idx]
-            packed = pack(
-                [x.prompt_tokens for x in rows],
-                [x.response_tokens for x in rows],
-                [x.behavior_logprobs for x in rows],
-                [x.loss_mask for x in rows],
-                self.tok.pad_token_id,
-            )
-            lp = response_logprobs(self.model, packed, self.cfg.rollout.temperature)
-            for j, i in enumerate(idx):
-                out[i] = lp[j, : len(batch[i].response_tokens)].numpy()
-        return out
+        return trajectory_logprobs(
+            self.model,
+            [x.prompt_tokens for x in batch],
+            [x.response_tokens for x in batch],
+            pad_token_id=self.tok.pad_token_id,
+            temperature=self.cfg.rollout.temperature,
+            micro_batch_tokens=self.cfg.trainer.micro_batch_tokens,
+        )
 
     def _step(self, batch: list[Trajectory], proximal=None) -> dict[str, float]:
         t = self.cfg.trainer
@@ -190,7 +182,8 @@ class Learner:
 
     # -- checkpoints ----------------------------------------------------------------------------
     def save(self, out: str | Path) -> Path:
-        """Write a checkpoint folder (atomic per file; the state file last)."""
+        """Write a checkpoint folder; ``trainer_state.json`` last, so a folder that has it
+        is complete."""
         out = Path(out)
         out.mkdir(parents=True, exist_ok=True)
         self.model.save_pretrained(out)

@@ -36,6 +36,13 @@ class PackedBatch:
     response_lens: torch.Tensor  # [B]
 
 
+def _pad(values: Sequence[np.ndarray], width: int) -> torch.Tensor:
+    out = torch.zeros(len(values), width)
+    for i, v in enumerate(values):
+        out[i, : len(v)] = torch.as_tensor(v, dtype=torch.float32)
+    return out
+
+
 def pack(
     prompts: Sequence[np.ndarray],
     responses: Sequence[np.ndarray],
@@ -51,17 +58,12 @@ def pack(
     rwidth = int(rlens.max())
     ids = torch.full((bsz, width), pad_token_id, dtype=torch.long)
     att = torch.zeros(bsz, width, dtype=torch.long)
-    rmask = torch.zeros(bsz, rwidth)
-    old = torch.zeros(bsz, rwidth)
-    for i, (p, r, lp, m) in enumerate(
-        zip(prompts, responses, behavior_logprobs, loss_masks, strict=True)
-    ):
+    for i, (p, r) in enumerate(zip(prompts, responses, strict=True)):
         n, k = len(p), len(r)
         ids[i, :n] = torch.as_tensor(p, dtype=torch.long)
         ids[i, n : n + k] = torch.as_tensor(r, dtype=torch.long)
         att[i, : n + k] = 1
-        rmask[i, :k] = torch.as_tensor(m, dtype=torch.float32)
-        old[i, :k] = torch.as_tensor(lp, dtype=torch.float32)
+    rmask, old = _pad(loss_masks, rwidth), _pad(behavior_logprobs, rwidth)
     return PackedBatch(ids, att, rmask, old, plens, rlens)
 
 
@@ -86,10 +88,27 @@ def response_logprobs(
     return out * valid, ent * valid
 
 
-def _pad(values: Sequence[np.ndarray], width: int) -> torch.Tensor:
-    out = torch.zeros(len(values), width)
-    for i, v in enumerate(values):
-        out[i, : len(v)] = torch.as_tensor(v, dtype=torch.float32)
+@torch.no_grad()
+def trajectory_logprobs(
+    model,
+    prompts: Sequence[np.ndarray],
+    responses: Sequence[np.ndarray],
+    *,
+    pad_token_id: int,
+    temperature: float = 1.0,
+    micro_batch_tokens: int = 4096,
+) -> list[np.ndarray]:
+    """``model``'s logprobs of each response's tokens (one array per response), computed
+    in length-sorted micro-batches."""
+    out: list[np.ndarray] = [np.zeros(0, np.float32)] * len(responses)
+    lengths = [len(p) + len(r) for p, r in zip(prompts, responses, strict=True)]
+    for idx in micro_batches(lengths, micro_batch_tokens):
+        rows = [responses[i] for i in idx]
+        zeros = [np.zeros(len(r), np.float32) for r in rows]
+        packed = pack([prompts[i] for i in idx], rows, zeros, zeros, pad_token_id)
+        lp = response_logprobs(model, packed, temperature)
+        for j, i in enumerate(idx):
+            out[i] = lp[j, : len(responses[i])].numpy()
     return out
 
 

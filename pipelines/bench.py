@@ -139,12 +139,15 @@ def vllm_python(explicit: str | None = None) -> str | None:
     return None
 
 
-def _vllm_tok_s(python: str, policy_dir: str, batch: int, new_tokens: int, repeats: int):
+def _vllm_tok_s(
+    python: str, policy_dir: str, batch: int, new_tokens: int, repeats: int, threads: int
+):
     cmd = [
         python, "-m", "laminar.vllm_engine", "--bench", "--policy", policy_dir,
         "--batch", str(batch), "--new-tokens", str(new_tokens), "--repeats", str(repeats),
     ]  # fmt: skip
-    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, timeout=1800)
+    env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
+    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, env=env, timeout=1800)
     if proc.returncode != 0:
         raise RuntimeError(f"vLLM bench failed ({proc.returncode}): {proc.stderr[-2000:]}")
     line = [x for x in proc.stdout.splitlines() if x.startswith("{")][-1]
@@ -181,10 +184,10 @@ def bench_engine(
             samples.setdefault(f"torch_b{b}", []).append(_torch_tok_s(policy, b, new_tokens))
             samples.setdefault(f"hf_b{b}", []).append(_hf_tok_s(policy, b, new_tokens))
         if python is not None:
-            env_threads = {"OMP_NUM_THREADS": str(threads)}
-            os.environ.update(env_threads)
             try:
-                samples[f"vllm_b{b}"] = _vllm_tok_s(python, str(policy_dir), b, new_tokens, repeats)
+                samples[f"vllm_b{b}"] = _vllm_tok_s(
+                    python, str(policy_dir), b, new_tokens, repeats, threads
+                )
             except (RuntimeError, subprocess.TimeoutExpired) as e:
                 notes.append(f"vLLM at batch {b}: {e}")
     figures, ratios, rows = {}, {}, []

@@ -257,12 +257,11 @@ class LaminarSchedule:
         r_stats = [r.stop().result() for r in a["rollouts"]]
         t_stats = a["trainer"].stop().result()
         t_stats["ranks_stats"] = [r.stats().result() for r in a["trainer_ranks"]]
+        p_stats = a["pool"].stats().result()  # rollouts have stopped: dispatch is final
         if t_stats["checkpoint"]:  # the data position, for trainer.resume_from
-            pool = a["pool"].stats().result()
-            Path(t_stats["checkpoint"], DATA_STATE).write_text(json.dumps(pool, indent=2))
+            Path(t_stats["checkpoint"], DATA_STATE).write_text(json.dumps(p_stats, indent=2))
         self._flush_metrics()
         b_stats = a["buffer"].close().result()
-        p_stats = a["pool"].stats().result()
         wall = time.time() - t_start
         return {
             "reason": reason,
