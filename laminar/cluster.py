@@ -1,7 +1,7 @@
 """Dask cluster helpers: a local cluster with role resources, and actor placement.
 
 Every long-lived component is a Dask actor pinned to a worker by its role resource
-(``rollout``, ``trainer``, ``data``; ``relay`` comes with the relay tier). Any cluster
+(``rollout``, ``trainer``, ``data``, ``relay``). Any cluster
 works — the local one below, a scheduler address, a ``dask_jobqueue.SLURMCluster`` — as
 long as its workers advertise those resources (``dask worker ADDR --resources rollout=1``).
 """
@@ -10,13 +10,14 @@ from __future__ import annotations
 
 from laminar.errors import ClusterError
 
-ROLES = ("data", "trainer", "rollout")
+ROLES = ("data", "trainer", "rollout", "relay")
 
 
 def local_cluster(
     n_rollouts: int,
     *,
     trainer_ranks: int = 1,
+    relays: int = 0,
     memory_limit: str = "4GiB",
     torch_threads: int = 1,
 ):
@@ -25,7 +26,8 @@ def local_cluster(
     Like :class:`distributed.LocalCluster`, but each worker carries its own resources:
     one worker for the data module and the trainer (``data=1, trainer=1``), one more
     ``trainer=1`` worker per extra data-parallel trainer rank, and one per rollout
-    replica (``rollout=1``). Built as a :class:`distributed.SpecCluster` of
+    replica (``rollout=1``), and ``relays`` workers with ``relay=1`` (downstream relays;
+    the master relay shares the trainer's process). Built as a :class:`distributed.SpecCluster` of
     nannies because ``LocalCluster`` gives every worker the same resources.
     """
     import dask
@@ -47,6 +49,8 @@ def local_cluster(
         workers[f"trainer-{i}"] = worker({"trainer": 1})
     for i in range(n_rollouts):
         workers[f"rollout-{i}"] = worker({"rollout": 1})
+    for i in range(1, relays + 1):
+        workers[f"relay-{i}"] = worker({"relay": 1})
     scheduler = {
         "cls": Scheduler,
         "options": {"dashboard_address": ":0", "host": "127.0.0.1"},

@@ -181,6 +181,30 @@ class TrainerConfig(_Section):
     resume_from: str | None = None
 
 
+class RelayConfig(_Section):
+    """The relay tier that carries weights from the trainer to rollouts (docs/relay.md)."""
+
+    # Relays below the master (which lives in the trainer's process). None: one per host
+    # that runs rollouts, other than the trainer's host. A number places that many on
+    # workers with the `relay` resource (the local cluster starts them).
+    relays: int | None = Field(None, ge=0)
+    keep_versions: int = Field(2, ge=1)  # complete versions each relay keeps (recovery)
+    # Per relay; default exactly keep_versions + 1 snapshots (the arriving one).
+    memory_budget_mb: float | None = Field(None, gt=0)
+    chunks: int | None = Field(None, gt=0)  # chunks per broadcast; None: the model's k*
+    # Receive buffers above glibc's mmap threshold (<= 32 MiB) are fresh mappings that
+    # page-fault on every transfer; smaller ones are recycled warm from the heap.
+    max_chunk_mb: float = Field(8.0, gt=0)
+    # Link model T(p,k) = (p+k-2)(M*t_byte/k + t_start); None: measured at start.
+    t_byte: float | None = Field(None, gt=0)  # seconds per byte, one hop
+    t_start: float | None = Field(None, ge=0)  # seconds per chunk call, one hop
+    timeout_s: float = Field(60.0, gt=0)  # every relay-to-relay and rollout-to-relay call
+    # Rollouts and the trainer fingerprint every version they load/publish (CRC32 of the
+    # weights; one extra pass over them) so a run proves the loaded weights are the
+    # published ones (summary.json `relay.fingerprints`).
+    audit_weights: bool = False
+
+
 class ClusterConfig(_Section):
     """How the Dask cluster is found or started."""
 
@@ -201,6 +225,7 @@ class RunConfig(_Section):
     rollout: RolloutConfig = RolloutConfig()
     buffer: BufferConfig = BufferConfig()
     trainer: TrainerConfig = TrainerConfig()
+    relay: RelayConfig = RelayConfig()
     cluster: ClusterConfig = ClusterConfig()
 
     @model_validator(mode="after")

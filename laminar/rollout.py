@@ -3,7 +3,8 @@
 The generation loop runs in its own thread, so the actor's control methods (stats, stop)
 answer while it decodes. One iteration of the loop is one *local batch*:
 
-1. at the batch boundary, pull the newest weights (never mid-trajectory);
+1. at the batch boundary, pull the newest complete version from the local relay (never
+   mid-trajectory; see :mod:`laminar.relay`);
 2. take ``rollout.groups_per_batch`` prompt groups from the pool (back-pressure may give
    fewer, or none: then wait a little);
 3. decode until the batch drains; every finished trajectory is rewarded by a Dask task and
@@ -35,14 +36,18 @@ class RolloutReplica:
     """Dask actor: one replica of the rollout tier (placed on a ``rollout`` worker)."""
 
     def __init__(
-        self, rollout_id: str, cfg: RunConfig, policy_dir: str, pool, buffer, trainer
+        self, rollout_id: str, cfg: RunConfig, policy_dir: str, pool, buffer, relay
     ) -> None:
         from laminar.model import load_tokenizer
+        from laminar.relay import Puller
 
         torch.set_num_threads(cfg.cluster.torch_threads)
         self.rollout_id = rollout_id
         self.cfg = cfg
-        self.pool, self.buffer, self.trainer = pool, buffer, trainer
+        self.pool, self.buffer = pool, buffer
+        self.puller = Puller(relay, cfg.relay.timeout_s)
+        self.fingerprints: dict[int, int] = {}  # version loaded -> CRC32 (audit_weights)
+        self._synced = False  # the relay has shown us a version
         self.tok = load_tokenizer(policy_dir)
         self.engine = make_engine(
             cfg.rollout,
@@ -71,6 +76,7 @@ class RolloutReplica:
             "response_tokens": 0,
             "decode_steps": 0,
             "weight_loads": 0,
+            "weight_bytes": 0,
             "parity_checks": 0,
             "parity_max_abs": float("nan"),  # latest check
             "parity_mean_abs": float("nan"),
@@ -130,15 +136,32 @@ class RolloutReplica:
         return actor_future.result(timeout=self.cfg.cluster.actor_timeout_s)
 
     def _maybe_load_weights(self) -> None:
+        """The rollout wait: ask the local relay for a newer complete version, load it.
+
+        Before its first batch a rollout waits until the relay holds the trainer's
+        starting version: a resumed trainer starts at its checkpoint's version, not at
+        the base policy the engine was built from."""
         t = time.time()
-        update = self._call(self.trainer.get_weights(self.engine.version))
+        while not self._synced and not self._stop.is_set():
+            self._synced = bool(self._call(self.puller.relay.versions()))
+            if not self._synced:
+                self._stop.wait(0.02)
+        update = self.puller.newest(self.engine.version)
         if update is not None:
             version, state = update
             self.engine.load_weights(state, version)
             if self._reference is not None:
                 self._reference.load_state_dict(state)
+            if self.cfg.relay.audit_weights:
+                from laminar.relay import state_fingerprint
+
+                self.fingerprints[version] = state_fingerprint(state)
             self.counts["weight_loads"] += 1
+            self.counts["weight_bytes"] = self.puller.bytes
         self.counts["weight_wait_s"] += time.time() - t
+
+    def get_fingerprints(self) -> dict[int, int]:
+        return dict(self.fingerprints)
 
     def _generate(self, groups: list[PromptGroup]) -> None:
         now = time.time()

@@ -6,10 +6,11 @@ threads join one ``torch.distributed`` group (gloo on CPU, NCCL on GPU) when sta
 leave it when stopped; rank 0 samples each global batch and broadcasts it, every rank
 trains on its shard, gradients are summed, and rank 0 alone publishes and checkpoints.
 
-The training loop runs in its own thread; :meth:`Trainer.get_weights` (called by rollouts
-at their batch boundaries) and :meth:`Trainer.stats` answer from the actor thread
-meanwhile. A published version is an immutable CPU snapshot, so a rollout never reads
-weights halfway through an update.
+The training loop runs in its own thread; :meth:`Trainer.stats` answers from the actor
+thread meanwhile. Weights leave the trainer only through the relay tier
+(:mod:`laminar.relay`): after each update the loop copies the weights into the master
+relay, which shares this process (the *publication stall*, recorded as ``publish_s``),
+and goes on training while the relays carry the version to the rollouts.
 
 Order of publication: the buffer hears of version ``v`` *before* any rollout can load it,
 so no trajectory ever finishes before the version that generated it
@@ -56,9 +57,15 @@ class Trainer:
     """Dask actor: the policy, its optimizer and the version counter (``trainer`` worker)."""
 
     def __init__(
-        self, cfg: RunConfig, policy_dir: str, run_dir: str, buffer, init_method: str = ""
+        self,
+        cfg: RunConfig,
+        policy_dir: str,
+        run_dir: str,
+        buffer,
+        master_relay,
+        init_method: str = "",
     ) -> None:
-        from laminar.model import state_dict_cpu
+        from laminar.relay import Publisher
 
         torch.set_num_threads(cfg.cluster.torch_threads)
         self.cfg = cfg
@@ -67,7 +74,8 @@ class Trainer:
         self.ranks = cfg.trainer.ranks
         self.init_method = init_method
         self.learner = _learner(cfg, policy_dir, rank=0)
-        self._published = (self.version, state_dict_cpu(self.learner.model))
+        self.publisher = Publisher(master_relay, cfg.relay.timeout_s)
+        self.fingerprints: dict[int, int] = {}  # version -> CRC32 (relay.audit_weights)
         self.history: list[dict] = []
         self.done = False
         self.error: str | None = None
@@ -91,10 +99,18 @@ class Trainer:
     def version(self) -> int:
         return self.learner.version
 
-    def get_weights(self, have_version: int) -> tuple[int, dict[str, torch.Tensor]] | None:
-        """The newest published version, or ``None`` if the caller already has it."""
-        version, state = self._published
-        return None if version <= have_version else (version, state)
+    def publish(self) -> float:
+        """Hand the current weights to the master relay; returns the stall (seconds)."""
+        state = self.learner.model.state_dict()
+        stall = self.publisher.publish(self.version, state)
+        if self.cfg.relay.audit_weights:
+            from laminar.relay import state_fingerprint
+
+            self.fingerprints[self.version] = state_fingerprint(state)
+        return stall
+
+    def get_fingerprints(self) -> dict[int, int]:
+        return dict(self.fingerprints)
 
     def stats(self) -> dict:
         return {
@@ -133,11 +149,10 @@ class Trainer:
             self.done = True
 
     def _train(self) -> None:
-        from laminar.model import state_dict_cpu
-
         t_cfg, timeout = self.cfg.trainer, self.cfg.cluster.actor_timeout_s
         if self.version:  # resumed: trajectories finish at the checkpoint's version on
             self.buffer.version_published(self.version).result(timeout)
+        self.publish()  # the starting version (rollouts start from the base policy)
         last_update = time.time()
         while self.version < t_cfg.steps and not self._stop.is_set():
             t_wait = time.time()
@@ -159,17 +174,17 @@ class Trainer:
                     self.learner.skipped_steps,
                 )
                 continue
-            # Publication: tell the buffer first, then expose the snapshot to rollouts.
+            # Publication: tell the buffer first, then hand the weights to the relays.
             self.buffer.version_published(self.version).result(timeout)
             t_pub = time.time()
-            self._published = (self.version, state_dict_cpu(self.learner.model))
+            stall = self.publish()
             now = time.time()
             self.history.append(
                 {
                     "version": self.version,
                     "time": now,
                     "update_s": t_pub - t0,
-                    "publish_s": now - t_pub,
+                    "publish_s": stall,
                     "interval_s": now - last_update,
                     **batch_stats(batch),
                     **metrics,

@@ -130,7 +130,8 @@ def submit(
     """Start a run on ``client``'s cluster and return its handle without blocking.
 
     The cluster's workers must advertise the role resources (``data``, ``trainer``,
-    ``rollout``); :func:`laminar.cluster.local_cluster` starts such a cluster.
+    ``rollout``; ``relay`` when ``relay.relays`` is set);
+    :func:`laminar.cluster.local_cluster` starts such a cluster.
     """
     from laminar.cluster import place
 
@@ -140,5 +141,7 @@ def submit(
     place(client, "data", 1)
     place(client, "trainer", 1)
     place(client, "rollout", cfg.rollout.replicas)
+    if cfg.relay.relays:
+        place(client, "relay", cfg.relay.relays)
     path = prepare_run_dir(cfg, run_dir)
     return RunHandle(cfg, client, path)

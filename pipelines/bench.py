@@ -221,7 +221,13 @@ def bench_engine(
     )
 
 
-BENCHES: dict[str, Callable[..., BenchResult]] = {"engine": bench_engine}
+def _bench_relay(**options) -> BenchResult:
+    from pipelines.bench_relay import bench_relay
+
+    return bench_relay(**options)
+
+
+BENCHES: dict[str, Callable[..., BenchResult]] = {"engine": bench_engine, "relay": _bench_relay}
 
 
 def run_bench(name: str, out: str | None = None, **options) -> BenchResult:

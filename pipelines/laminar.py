@@ -28,6 +28,7 @@ from laminar.buffer import ExperienceBuffer
 from laminar.cluster import place, submit_actor
 from laminar.config import RunConfig
 from laminar.prompt_pool import DATA_STATE, PromptPool, load_prompts
+from laminar.relay import build_tier
 from laminar.rollout import RolloutReplica
 from laminar.trainer import Trainer, TrainerRank, free_port
 
@@ -43,6 +44,7 @@ ROLLOUT_METRICS = (
     "response_tokens",
     "decode_steps",
     "weight_loads",
+    "weight_bytes",
     "idle_s",
     "weight_wait_s",
     "decode_s",
@@ -122,6 +124,9 @@ class LaminarSchedule:
             )
             for r, w in enumerate(trainer_ws[1:], start=1)
         ]
+        progress({"phase": "relays"})
+        tier = build_tier(client, cfg, trainer_w, rollout_ws)
+        self.relay_info = {"chain": tier.ids, "workers": tier.workers, **tier.calibration}
         trainer = submit_actor(
             client,
             Trainer,
@@ -129,10 +134,12 @@ class LaminarSchedule:
             policy_dir,
             str(self.run_dir),
             buffer,
+            tier.master,
             init_method,
             worker=trainer_w,
             resource="trainer",
         )
+        taken: dict[int, int] = {}
         rollouts = [
             submit_actor(
                 client,
@@ -142,7 +149,7 @@ class LaminarSchedule:
                 policy_dir,
                 pool,
                 buffer,
-                trainer,
+                tier.local_relay(w, taken),
                 worker=w,
                 resource="rollout",
             )
@@ -154,6 +161,7 @@ class LaminarSchedule:
             "trainer": trainer,
             "trainer_ranks": ranks,
             "rollouts": rollouts,
+            "relays": tier.relays,
         }
 
     def run(self, progress: Callable[[dict], None], should_stop: Callable[[], bool]) -> dict:
@@ -260,10 +268,13 @@ class LaminarSchedule:
         p_stats = a["pool"].stats().result()  # rollouts have stopped: dispatch is final
         if t_stats["checkpoint"]:  # the data position, for trainer.resume_from
             Path(t_stats["checkpoint"], DATA_STATE).write_text(json.dumps(p_stats, indent=2))
+        relay = self._relay_summary(r_stats)
+        self.metrics.append("publications", relay.pop("publications"))
         self._flush_metrics()
         b_stats = a["buffer"].close().result()
         wall = time.time() - t_start
         return {
+            "relay": relay,
             "reason": reason,
             "wall_s": wall,
             "trainer": t_stats,
@@ -272,6 +283,58 @@ class LaminarSchedule:
             "rollouts": r_stats,
             "updates": self._n_updates,
         }
+
+    def _relay_summary(self, r_stats: list[dict]) -> dict:
+        """The relay tier over the run: each publication (stall, time until every relay
+        held it), each relay's memory, each rollout's waits, and — with
+        ``relay.audit_weights`` — whether every version a rollout loaded was bit-identical
+        to the one the trainer published."""
+        a = self.actors
+        stats = [r.stats().result() for r in a["relays"]]
+        pubs = stats[0].get("publications", [])
+        out = {
+            **self.relay_info,
+            "publications": pubs,
+            "stall_s_median": _median([p["stall_s"] for p in pubs]),
+            "broadcast_s_median": _median([p["broadcast_s"] for p in pubs]),
+            "relays": [
+                {
+                    k: s[k]
+                    for k in (
+                        "relay_id",
+                        "kept",
+                        "versions",
+                        "evicted",
+                        "allocated_bytes",
+                        "peak_bytes",
+                        "forwarded_chunks",
+                        "errors",
+                    )
+                }
+                | {"budget_bytes": s["budget_bytes"]}
+                for s in stats
+            ],
+            "rollout_wait_s": [s["weight_wait_s"] for s in r_stats],
+            "weight_loads": [s["weight_loads"] for s in r_stats],
+        }
+        if self.cfg.relay.audit_weights:
+            published = a["trainer"].get_fingerprints().result()
+            checked = mismatched = 0
+            for r in a["rollouts"]:
+                for v, fp in r.get_fingerprints().result().items():
+                    checked += 1
+                    mismatched += published.get(v) != fp
+            out["fingerprints"] = {
+                "published": len(published),
+                "loads_checked": checked,
+                "mismatched": mismatched,
+            }
+        return out
+
+
+def _median(xs: list[float]) -> float:
+    xs = [x for x in xs if x == x]
+    return float(np.median(xs)) if xs else math.nan
 
 
 def summarize(run_dir: Path, raw: dict, sft_info: dict, cfg: RunConfig) -> dict:
@@ -316,6 +379,7 @@ def summarize(run_dir: Path, raw: dict, sft_info: dict, cfg: RunConfig) -> dict:
         # Data-parallel ranks end with equal weights: one checksum per rank, rank 0 first.
         "weights_checksums": [raw["trainer"]["weights_checksum"]]
         + [r["weights_checksum"] for r in raw["trainer"]["ranks_stats"]],
+        "relay": raw["relay"],
         "metrics": str(run_dir / "metrics.zarr"),
     }
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2, default=float))

@@ -31,7 +31,12 @@ from storage.schema import COMMIT_ATTR, STRING
 from storage.trajectories import store_path
 
 STORE_NAME = "metrics.zarr"
-TABLES = {"cluster": "time", "rollouts": "sample", "updates": "update"}
+TABLES = {
+    "cluster": "time",
+    "rollouts": "sample",
+    "updates": "update",
+    "publications": "publication",  # one row per version the trainer published
+}
 _CHUNK = 4096
 
 

@@ -312,3 +312,47 @@ def test_cli_run_with_two_data_parallel_trainer_ranks(tmp_path):
     sums = summary["weights_checksums"]
     assert len(sums) == 2 and sums[0] == sums[1]
     check_store(run_dir, expect_consumed_groups=12)
+
+
+def test_cli_run_through_a_relay_chain_loads_exactly_the_published_weights(tmp_path):
+    """relay.relays=2: the master (in the trainer's process) and two relay workers form
+    a chain; three rollouts pull from the downstream relays. Every version a rollout
+    loaded is bit-identical to the one the trainer published, several versions are live
+    across rollouts at once, and each trajectory has one behavior version."""
+    run_dir = tmp_path / "run"
+    overrides = SMALL_RUN + [
+        "relay.relays=2",
+        "rollout.replicas=3",
+        "relay.audit_weights=true",
+        "trainer.steps=5",
+    ]
+    proc = laminar_cli("run", "configs/tiny.yaml", "--run-dir", str(run_dir), *sets(overrides))
+    out, _ = proc.communicate(timeout=400)
+    assert proc.returncode == 0, out
+    summary = json.loads((run_dir / "summary.json").read_text())
+    relay = summary["relay"]
+    assert relay["chain"] == ["master", "relay1", "relay2"] and relay["measured"]
+    fp = relay["fingerprints"]
+    assert fp["published"] == 6 and fp["mismatched"] == 0 and fp["loads_checked"] >= 3
+    for r in relay["relays"]:
+        assert not r["errors"] and r["peak_bytes"] <= r["budget_bytes"]
+    assert sum(relay["weight_loads"]) >= 3
+    from storage.metrics import open_metrics
+
+    pubs = open_metrics(run_dir, "publications")
+    assert pubs["version"].values.tolist() == [0, 1, 2, 3, 4, 5]
+    assert (pubs["relays_complete"].values == 3).all()
+    assert np.isfinite(pubs["broadcast_s"].values).all()
+    assert np.isfinite(open_metrics(run_dir, "updates")["publish_s"].values).all()
+    ds = check_store(run_dir, expect_consumed_groups=20)
+    # Versions live at once: trajectories of different rollouts, generated at overlapping
+    # times, by different weight versions.
+    start, finish = ds["t_start"].values, ds["t_finish"].values
+    version, rollout = ds["behavior_version"].values, ds["rollout_ids"].values
+    overlap = (
+        (start[:, None] < finish[None, :])
+        & (start[None, :] < finish[:, None])
+        & (version[:, None] != version[None, :])
+        & (rollout[:, None] != rollout[None, :])
+    )
+    assert overlap.any()

@@ -1,0 +1,994 @@
+"""The relay tier: versioned host-memory weight snapshots, a pipelined chain broadcast,
+and rollout-local pulls (paper §4, Appendix D).
+
+The trainer publishes a version to the *master* relay, which lives in the trainer's own
+worker process: publication is one host copy into a pre-allocated slot (the *publication
+stall*), after which training goes on. The master then cuts the snapshot into ``k``
+chunks and sends chunk ``j`` to the next relay of the chain while that relay forwards
+chunk ``j-1`` to its own successor, and so on down the chain. Each rollout asks its local
+relay for the newest complete version at its batch boundary and copies it into its
+engine (the *rollout wait*).
+
+Pieces, from the bottom up:
+
+* :class:`Layout` — where each tensor of a state dict lives in one flat byte buffer.
+* :class:`RelayCore` — the versioned snapshot store of one relay, without Dask: slots
+  recycled under a memory budget, the last ``keep_versions`` complete versions kept,
+  per-chunk CRC32 verification, monotonic visibility, pins for readers and forwarders.
+* :class:`Relay` — the Dask actor around a core: chain forwarding, calibration of
+  ``T_byte``/``T_start``, completion reports to the master, statistics.
+* :func:`pull_newest` / :func:`fetch_version` — the rollout side: newest version, or a
+  given old one (kept by a relay, else the trainer's checkpoint on disk).
+
+Guarantees: a version becomes visible only once every chunk is present and its checksum
+verified; visible versions only grow; a visible snapshot is never written again until it
+is evicted, and a slot that a reader or forwarder holds is never recycled. Readers verify
+every chunk again on their side, so a torn read is detected, never loaded.
+
+Bytes travel actor-to-actor over Dask's comm (TCP, or UCX on a UCX cluster), never
+through the scheduler, and every relay-to-relay call has a timeout: a call to an actor
+whose worker died otherwise waits forever.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import threading
+import time
+import zlib
+from collections.abc import Mapping
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+
+from laminar.errors import LaminarError
+
+if TYPE_CHECKING:
+    from laminar.config import RelayConfig, RunConfig
+
+logger = logging.getLogger(__name__)
+
+ALIGN = 64  # byte alignment of every tensor in a snapshot buffer
+MB = 1 << 20
+
+
+class RelayError(LaminarError):
+    """A relay cannot do what was asked (budget, unknown version, corrupt chunk)."""
+
+
+class VersionUnavailable(RelayError):
+    """The asked-for version is neither kept by the relay nor checkpointed on disk."""
+
+
+# -- layout ---------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    name: str
+    dtype: str  # torch dtype name, e.g. "float32"
+    shape: tuple[int, ...]
+    offset: int
+    nbytes: int
+
+
+@dataclass(frozen=True)
+class Layout:
+    """The flat byte layout of a state dict: tensors in order, each 64-byte aligned."""
+
+    tensors: tuple[TensorSpec, ...]
+    nbytes: int
+
+    @classmethod
+    def of(cls, state: Mapping[str, torch.Tensor]) -> Layout:
+        specs, offset = [], 0
+        for name, t in state.items():
+            n = t.numel() * t.element_size()
+            specs.append(
+                TensorSpec(name, str(t.dtype).removeprefix("torch."), tuple(t.shape), offset, n)
+            )
+            offset += -(-n // ALIGN) * ALIGN
+        return cls(tuple(specs), offset)
+
+    def write(self, buf: np.ndarray, state: Mapping[str, torch.Tensor]) -> None:
+        """Copy ``state`` into ``buf`` (one host copy; a device tensor is copied D2H)."""
+        if list(state) != [s.name for s in self.tensors]:
+            raise RelayError(
+                "the state dict's tensors differ from this relay's layout (names or order); "
+                "publish the same model's state_dict every time"
+            )
+        with torch.no_grad():
+            for s in self.tensors:
+                t = state[s.name]
+                if tuple(t.shape) != s.shape or str(t.dtype).removeprefix("torch.") != s.dtype:
+                    raise RelayError(
+                        f"tensor {s.name!r} is {tuple(t.shape)} {t.dtype}, the layout has "
+                        f"{s.shape} {s.dtype}; publish the same model every time"
+                    )
+                _view(buf, s).copy_(t.detach().reshape(s.shape))
+
+    def read(self, buf: np.ndarray) -> dict[str, torch.Tensor]:
+        """Tensors viewing ``buf`` (no copy): valid as long as ``buf`` is not rewritten."""
+        return {s.name: _view(buf, s) for s in self.tensors}
+
+
+def _view(buf: np.ndarray, s: TensorSpec) -> torch.Tensor:
+    dtype = getattr(torch, s.dtype)
+    if s.nbytes == 0:
+        return torch.empty(s.shape, dtype=dtype)
+    raw = torch.from_numpy(buf[s.offset : s.offset + s.nbytes])
+    return raw.view(dtype).view(s.shape)
+
+
+def crc32(data) -> int:
+    return zlib.crc32(memoryview(data).cast("B"))
+
+
+def state_fingerprint(state: Mapping[str, torch.Tensor]) -> int:
+    """CRC32 over every tensor's bytes in order: equal iff the weights are bit-identical
+    (up to CRC collisions). The trainer and each rollout compute it when
+    ``relay.audit_weights`` is on."""
+    crc = 0
+    for t in state.values():
+        t = t.detach().to("cpu").contiguous()
+        crc = zlib.crc32(t.view(torch.uint8).numpy() if t.numel() else b"", crc)
+    return crc
+
+
+# -- the chain's time model (paper, Appendix D) ------------------------------------------
+
+
+def chain_time(p: int, k: int, m_bytes: float, t_byte: float, t_start: float) -> float:
+    """``T(p, k) = (p + k − 2)(M·T_byte/k + T_start)``: ``k`` chunks through ``p`` relays."""
+    return (p + k - 2) * (m_bytes * t_byte / k + t_start)
+
+
+def optimal_chunks(p: int, m_bytes: float, t_byte: float, t_start: float) -> int:
+    """The integer ``k ≥ 1`` minimising :func:`chain_time` (around
+    ``k* = sqrt((p − 2)·M·T_byte/T_start)``)."""
+    if p <= 2 or t_start <= 0:
+        return 1
+    k_star = math.sqrt((p - 2) * m_bytes * t_byte / t_start)
+    cands = {max(1, math.floor(k_star)), max(1, math.ceil(k_star))}
+    return min(cands, key=lambda k: chain_time(p, k, m_bytes, t_byte, t_start))
+
+
+def model_optimum(p: int, m_bytes: float, t_byte: float, t_start: float) -> float:
+    """``T*(p) = M·T_byte + (p−2)·T_start + 2·sqrt((p−2)·M·T_byte·T_start)``."""
+    q = max(p - 2, 0)
+    return m_bytes * t_byte + q * t_start + 2 * math.sqrt(q * m_bytes * t_byte * t_start)
+
+
+def plan_chunks(
+    p: int,
+    m_bytes: int,
+    t_byte: float,
+    t_start: float,
+    *,
+    chunks: int | None = None,
+    max_chunk_bytes: int = 8 * MB,
+) -> int:
+    """The chunk count for one broadcast: ``chunks`` if set, else the model's optimum,
+    raised so that no chunk exceeds ``max_chunk_bytes`` (see :class:`RelayConfig`)."""
+    if chunks is not None:
+        return max(1, min(chunks, m_bytes or 1))
+    k = optimal_chunks(p, m_bytes, t_byte, t_start)
+    return max(1, k, -(-m_bytes // max_chunk_bytes))
+
+
+# -- the store of one relay --------------------------------------------------------------
+
+
+@dataclass
+class Snapshot:
+    """One version in one slot. ``complete`` once every chunk is in and verified."""
+
+    version: int
+    layout: Layout
+    chunk_bytes: int
+    buf: np.ndarray
+    crcs: list[int | None]
+    received: int = 0
+    complete: bool = False
+    pins: int = 0  # readers copying and forwarders sending from this slot
+    t_begin: float = field(default_factory=time.time)
+    t_complete: float = math.nan
+
+    @property
+    def n_chunks(self) -> int:
+        return len(self.crcs)
+
+    def span(self, j: int) -> tuple[int, int]:
+        if not 0 <= j < self.n_chunks:
+            raise RelayError(f"chunk {j} out of range (version {self.version} has {self.n_chunks})")
+        start = j * self.chunk_bytes
+        return start, min(start + self.chunk_bytes, self.layout.nbytes)
+
+    def info(self) -> dict:
+        """What a reader needs to pull this version (small: no tensor data)."""
+        return {
+            "version": self.version,
+            "layout": self.layout,
+            "chunk_bytes": self.chunk_bytes,
+            "crcs": list(self.crcs),
+        }
+
+
+class RelayCore:
+    """The versioned snapshots of one relay: thread-safe, no Dask.
+
+    Memory is a set of slots of the snapshot size, allocated once and recycled (a fresh
+    allocation of hundreds of MB costs page faults on every publish; a warm slot is one
+    memcpy). At most ``budget_bytes`` are ever allocated — enough for ``keep_versions``
+    complete versions plus the one arriving, or a :class:`RelayError` says how to fix the
+    config. Beginning a new version evicts the oldest complete one beyond
+    ``keep_versions`` that nobody holds.
+    """
+
+    def __init__(self, keep_versions: int = 2, budget_bytes: int | None = None) -> None:
+        if keep_versions < 1:
+            raise RelayError("keep_versions must be at least 1")
+        self.keep_versions = keep_versions
+        self.budget_bytes = budget_bytes
+        self._lock = threading.Condition()
+        self._snaps: dict[int, Snapshot] = {}  # version -> snapshot (arriving or complete)
+        self._free: list[np.ndarray] = []
+        self.allocated_bytes = 0
+        self.peak_bytes = 0
+        self.newest_begun = -1
+        self.slot_bytes = 0  # the snapshot size, known from the first version
+        self.counts = {"versions": 0, "evicted": 0, "corrupt_chunks": 0, "refused": 0}
+
+    # -- writing ------------------------------------------------------------------------
+    def begin(
+        self, version: int, layout: Layout, chunk_bytes: int, timeout: float = 30.0
+    ) -> Snapshot | None:
+        """Reserve a slot for ``version``; ``None`` if it is not newer than one already
+        begun (versions only move forward: a late or repeated one is ignored)."""
+        with self._lock:
+            if version <= self.newest_begun:
+                self.counts["refused"] += 1
+                return None
+            n_chunks = max(1, -(-layout.nbytes // chunk_bytes)) if layout.nbytes else 1
+            # Versions arrive in order: an older one still incomplete will never complete.
+            for v in [v for v, s in self._snaps.items() if not s.complete and not s.pins]:
+                self._free.append(self._snaps.pop(v).buf)
+            buf = self._slot(layout.nbytes, timeout)
+            self.slot_bytes = layout.nbytes
+            snap = Snapshot(version, layout, chunk_bytes, buf, [None] * n_chunks)
+            self._snaps[version] = snap
+            self.newest_begun = version
+            return snap
+
+    def budget_for(self, nbytes: int) -> int:
+        """The bytes this relay may hold: ``budget_bytes``, or by default exactly
+        ``keep_versions`` complete versions plus the arriving one."""
+        if self.budget_bytes is not None:
+            return self.budget_bytes
+        return nbytes * (self.keep_versions + 1)
+
+    def _slot(self, nbytes: int, timeout: float) -> np.ndarray:
+        """A slot of ``nbytes`` (lock held): a free one, a new one within the budget, or
+        the oldest evictable version's; waits for a pinned one to be released."""
+        budget = self.budget_for(nbytes)
+        if nbytes * (self.keep_versions + 1) > budget:
+            raise RelayError(
+                f"relay memory budget {budget / MB:.0f} MiB cannot hold "
+                f"keep_versions={self.keep_versions} versions plus the arriving one of "
+                f"{nbytes / MB:.1f} MiB each ({nbytes * (self.keep_versions + 1) / MB:.0f} "
+                "MiB); raise relay.memory_budget_mb or lower relay.keep_versions"
+            )
+        deadline = time.monotonic() + timeout
+        while True:
+            self._evict(keep=self.keep_versions)
+            for i, buf in enumerate(self._free):
+                if buf.nbytes == nbytes:
+                    return self._free.pop(i)
+            # Free slots of another size (the model changed) are dropped.
+            while self._free and self.allocated_bytes + nbytes > budget:
+                self.allocated_bytes -= self._free.pop().nbytes
+            if self.allocated_bytes + nbytes <= budget:
+                self.allocated_bytes += nbytes
+                self.peak_bytes = max(self.peak_bytes, self.allocated_bytes)
+                return np.empty(nbytes, dtype=np.uint8)
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise RelayError(
+                    f"no slot freed within {timeout:.0f} s: every kept version is held by a "
+                    "reader or forwarder; raise relay.memory_budget_mb"
+                )
+            self._lock.wait(min(left, 0.1))
+
+    def _evict(self, keep: int) -> bool:
+        """Free the oldest complete, unpinned versions beyond the newest ``keep`` complete
+        ones (lock held). Incomplete versions older than the newest complete one were
+        abandoned by their sender and are dropped too."""
+        done = sorted(v for v, s in self._snaps.items() if s.complete)
+        newest_done = done[-1] if done else -1
+        evicted = False
+        for v in sorted(self._snaps):
+            s = self._snaps[v]
+            stale = not s.complete and v < newest_done
+            if (s.complete and v in done[: max(len(done) - keep, 0)] or stale) and not s.pins:
+                del self._snaps[v]
+                self._free.append(s.buf)
+                self.counts["evicted"] += s.complete
+                evicted = True
+        return evicted
+
+    def prewarm(self, nbytes: int) -> bool:
+        """Allocate and touch one spare slot of ``nbytes`` ahead of the next version, if
+        the budget allows (a fresh allocation's first touch costs page faults: better
+        here, in the relay's thread, than inside the next publication stall)."""
+        with self._lock:
+            if any(b.nbytes == nbytes for b in self._free):
+                return False
+            if self.allocated_bytes + nbytes > self.budget_for(nbytes):
+                return False
+            self.allocated_bytes += nbytes
+            self.peak_bytes = max(self.peak_bytes, self.allocated_bytes)
+        buf = np.empty(nbytes, dtype=np.uint8)
+        buf.fill(0)
+        with self._lock:
+            self._free.append(buf)
+            self._lock.notify_all()
+        return True
+
+    def write_state(self, snap: Snapshot, state: Mapping[str, torch.Tensor]) -> None:
+        """The master's path: copy a whole state dict into the reserved slot."""
+        snap.layout.write(snap.buf, state)
+
+    def checksum_chunk(self, snap: Snapshot, j: int) -> int:
+        """The master's path: the CRC of chunk ``j`` of its own copy (computed once)."""
+        crc = snap.crcs[j]
+        if crc is None:
+            a, b = snap.span(j)
+            crc = snap.crcs[j] = crc32(snap.buf[a:b])
+        return crc
+
+    def write_chunk(self, version: int, j: int, data, crc: int) -> bool:
+        """A downstream relay's path: store and verify chunk ``j``. Returns whether the
+        version just became complete. A corrupt chunk raises and leaves it missing."""
+        with self._lock:
+            snap = self._snaps.get(version)
+        if snap is None:
+            raise RelayError(f"version {version} was not begun here (or was dropped)")
+        a, b = snap.span(j)
+        data = np.frombuffer(memoryview(data).cast("B"), dtype=np.uint8)
+        if data.nbytes != b - a:
+            raise RelayError(
+                f"chunk {j} of version {version}: {data.nbytes} bytes, expected {b - a}"
+            )
+        got = crc32(data)
+        if got != crc:
+            with self._lock:
+                self.counts["corrupt_chunks"] += 1
+            raise RelayError(f"chunk {j} of version {version} failed its checksum; it is dropped")
+        snap.buf[a:b] = data
+        with self._lock:
+            if snap.crcs[j] is None:
+                snap.received += 1
+            snap.crcs[j] = crc
+            if snap.received == snap.n_chunks and not snap.complete:
+                self._complete(snap)
+                return True
+        return False
+
+    def complete(self, snap: Snapshot) -> None:
+        """The master's path: every chunk's checksum computed, the version is visible."""
+        with self._lock:
+            if any(c is None for c in snap.crcs):
+                raise RelayError(f"version {snap.version} has chunks without a checksum")
+            snap.received = snap.n_chunks
+            self._complete(snap)
+
+    def _complete(self, snap: Snapshot) -> None:
+        snap.complete = True
+        snap.t_complete = time.time()
+        self.counts["versions"] += 1
+        self._evict(keep=self.keep_versions)
+        self._lock.notify_all()
+
+    # -- reading --------------------------------------------------------------------------
+    def newest(self) -> Snapshot | None:
+        with self._lock:
+            done = [v for v, s in self._snaps.items() if s.complete]
+            return self._snaps[max(done)] if done else None
+
+    def versions(self) -> list[int]:
+        with self._lock:
+            return sorted(v for v, s in self._snaps.items() if s.complete)
+
+    def get(self, version: int) -> Snapshot:
+        with self._lock:
+            snap = self._snaps.get(version)
+            if snap is None or not snap.complete:
+                raise VersionUnavailable(
+                    f"version {version} is not kept here (kept: {self.versions_locked()})"
+                )
+            return snap
+
+    def versions_locked(self) -> list[int]:
+        return sorted(v for v, s in self._snaps.items() if s.complete)
+
+    def pin(self, version: int) -> Snapshot:
+        """Hold a complete version's slot (a reader copying, a forwarder sending)."""
+        with self._lock:
+            snap = self._snaps.get(version)
+            if snap is None:
+                raise VersionUnavailable(
+                    f"version {version} is no longer kept here (kept: {self.versions_locked()})"
+                )
+            snap.pins += 1
+            return snap
+
+    def unpin(self, snap: Snapshot) -> None:
+        with self._lock:
+            snap.pins -= 1
+            self._lock.notify_all()
+
+    def read_chunk(self, version: int, j: int) -> tuple[np.ndarray, int]:
+        """A copy of chunk ``j`` of a complete version and its CRC (the slot is pinned
+        during the copy, so it cannot be recycled underneath)."""
+        snap = self.pin(version)
+        try:
+            if not snap.complete:
+                raise VersionUnavailable(f"version {version} is still arriving")
+            a, b = snap.span(j)
+            return snap.buf[a:b].copy(), snap.crcs[j]
+        finally:
+            self.unpin(snap)
+
+    def stats(self) -> dict:
+        with self._lock:
+            return {
+                **self.counts,
+                "kept": self.versions_locked(),
+                "arriving": sorted(v for v, s in self._snaps.items() if not s.complete),
+                "allocated_bytes": self.allocated_bytes,
+                "peak_bytes": self.peak_bytes,
+                "budget_bytes": self.budget_for(self.slot_bytes) if self.slot_bytes else None,
+            }
+
+
+# -- the Dask actor ------------------------------------------------------------------------
+
+
+class Relay:
+    """Dask actor: one relay of the chain (the master when ``relay_id == "master"``).
+
+    Every method a peer or a rollout calls is ``async``: it runs on the worker's event
+    loop, so a relay answers while the rollout or trainer sharing its worker computes.
+    Copies and checksums run in a private thread (they release the GIL) so that socket
+    I/O goes on meanwhile.
+    """
+
+    def __init__(self, relay_id: str, cfg: RelayConfig | None = None) -> None:
+        from laminar.config import RelayConfig
+
+        cfg = cfg or RelayConfig()
+        self.relay_id = relay_id
+        budget = None if cfg.memory_budget_mb is None else int(cfg.memory_budget_mb * MB)
+        self.core = RelayCore(cfg.keep_versions, budget)
+        self.timeout_s = cfg.timeout_s
+        self.chunks, self.max_chunk_bytes = cfg.chunks, int(cfg.max_chunk_mb * MB)
+        self.t_byte, self.t_start = cfg.t_byte, cfg.t_start
+        self.measured: dict[str, float] = {}
+        self.downstream = None  # the next relay's handle
+        self.chain: list[str] = [relay_id]  # ids from the master down, set by set_chain
+        self.master = None  # the master's handle (downstream relays report completions)
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix=f"relay-{relay_id}")
+        self._read_pool = ThreadPoolExecutor(1, thread_name_prefix=f"relay-{relay_id}-read")
+        self._queue: asyncio.Queue | None = None
+        self._forwarder: asyncio.Task | None = None
+        self._loop = None
+        self.publications: list[dict] = []  # master: one record per published version
+        self.completions: dict[int, dict[str, float]] = {}  # master: version -> relay -> t
+        self.errors: list[str] = []
+        self._ignored = -1  # a version refused at its first chunk: drop the rest of it
+        self._forwarding: dict[int, Snapshot] = {}  # versions pinned until forwarded
+        self._tasks: set[asyncio.Task] = set()
+        self.forwarded_chunks = 0
+        self.forward_s = 0.0
+
+    # -- wiring --------------------------------------------------------------------------
+    async def set_chain(self, chain: list[str], downstream, master) -> None:
+        """Place this relay in the chain: its successor (``None`` at the tail), the master
+        (for completion reports) and the ids of the whole chain, master first."""
+        self.chain, self.downstream, self.master = list(chain), downstream, master
+        self._ensure_forwarder()
+
+    def _ensure_forwarder(self) -> None:
+        if self._forwarder is None or self._forwarder.done():
+            self._loop = asyncio.get_running_loop()
+            self._queue = asyncio.Queue()
+            self._forwarder = asyncio.ensure_future(self._forward_loop())
+
+    async def calibrate(self, large_bytes: int = 16 * MB, repeats: int = 5) -> dict:
+        """Measure ``T_start`` (a tiny call) and ``T_byte`` (a large one) to the next relay,
+        medians of ``repeats``; configured values override the measured ones."""
+        if self.downstream is None:
+            return {"t_byte": self.t_byte, "t_start": self.t_start, "measured": False}
+        small, large = np.zeros(1, np.uint8), np.ones(large_bytes, np.uint8)
+        ts, tl = [], []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            await self._call(self.downstream.probe(small))
+            t1 = time.perf_counter()
+            await self._call(self.downstream.probe(large))
+            t2 = time.perf_counter()
+            ts.append(t1 - t0)
+            tl.append(t2 - t1)
+        t_start = float(np.median(ts))
+        t_byte = max(float(np.median(tl)) - t_start, 1e-9) / large_bytes
+        self.measured = {"t_start": t_start, "t_byte": t_byte}
+        if self.t_start is None:
+            self.t_start = t_start
+        if self.t_byte is None:
+            self.t_byte = t_byte
+        return {
+            "t_byte": self.t_byte,
+            "t_start": self.t_start,
+            "measured": True,
+            **{f"measured_{k}": v for k, v in self.measured.items()},
+        }
+
+    async def probe(self, payload) -> int:
+        """Calibration sink: receives bytes and drops them."""
+        return memoryview(payload).nbytes
+
+    # -- publication (master) --------------------------------------------------------------
+    def publish_local(self, version: int, state: Mapping[str, torch.Tensor]) -> float:
+        """Publish from the trainer's thread in this same process. Returns the stall: the
+        time to reserve a slot and copy ``state`` into it. Forwarding down the chain and
+        checksumming happen afterwards, on the relay's own loop and thread."""
+        if self._loop is None:
+            raise RelayError(f"relay {self.relay_id!r} has no chain yet: call set_chain first")
+        t0 = time.perf_counter()
+        layout = Layout.of(state)
+        k = self._plan(layout.nbytes)
+        snap = self.core.begin(version, layout, _chunk_bytes(layout.nbytes, k), self.timeout_s)
+        if snap is None:
+            raise RelayError(f"version {version} is not newer than one already published")
+        self.core.write_state(snap, state)
+        stall = time.perf_counter() - t0
+        record = {
+            "version": version,
+            "t_publish": time.time(),
+            "stall_s": stall,
+            "bytes": layout.nbytes,
+            "chunks": snap.n_chunks,
+        }
+        self.publications.append(record)
+        self._loop.call_soon_threadsafe(
+            self._queue.put_nowait, ("version", version, record["t_publish"])
+        )
+        return stall
+
+    async def publish(self, version: int, state: dict[str, torch.Tensor]) -> float:
+        """Publish from another process (the state arrived with the call). Prefer
+        :meth:`publish_local` from the trainer's process: see :func:`publisher`."""
+        self._ensure_forwarder()
+        return await self._run(self.publish_local, version, state)
+
+    def _plan(self, nbytes: int) -> int:
+        p = len(self.chain)
+        return plan_chunks(
+            p,
+            nbytes,
+            self.t_byte or 0.0,
+            self.t_start or 0.0,
+            chunks=self.chunks,
+            max_chunk_bytes=self.max_chunk_bytes,
+        )
+
+    # -- forwarding (every relay) ----------------------------------------------------------
+    async def _forward_loop(self) -> None:
+        """Send down the chain in order. The master queues whole versions (a version
+        overtaken by a newer one before it started is skipped: downstream only ever needs
+        the newest); a downstream relay queues each chunk as it arrives, so it forwards
+        chunk ``j`` while its upstream sends ``j+1``."""
+        while True:
+            item = await self._queue.get()
+            try:
+                if item[0] == "version":
+                    while not self._queue.empty():
+                        item = self._queue.get_nowait()
+                    await self._forward_version(item[1], item[2])
+                else:
+                    await self._forward_chunk(*item[1:])
+            except Exception as e:  # noqa: BLE001 — reported in stats, the loop goes on
+                msg = f"{self.relay_id} forwarding {item[:3]}: {e!r}"
+                logger.error(msg)
+                self.errors.append(msg)
+
+    async def _forward_version(self, version: int, t_publish: float) -> None:
+        """Master: checksum chunk after chunk (in the relay thread) and send each as soon
+        as its checksum is known; the version is visible here once all are."""
+        try:
+            snap = self.core.pin(version)
+        except VersionUnavailable:
+            return  # evicted by newer versions meanwhile
+        try:
+            ready = [asyncio.Event() for _ in range(snap.n_chunks)]
+
+            async def checksums() -> None:
+                for j in range(snap.n_chunks):
+                    await self._run(self.core.checksum_chunk, snap, j)
+                    ready[j].set()
+                self.core.complete(snap)
+                self._completed(self.relay_id, version)
+                await self._run(self.core.prewarm, snap.layout.nbytes)
+
+            summing = asyncio.ensure_future(checksums())
+            if self.downstream is not None:
+                for j in range(snap.n_chunks):
+                    await ready[j].wait()
+                    await self._send(snap, j, t_publish)
+            await summing
+        finally:
+            self.core.unpin(snap)
+
+    async def _forward_chunk(self, version: int, j: int, t_publish: float) -> None:
+        """Send one chunk; the version stays pinned (not evictable) from its first chunk
+        to its last, so a lagging forwarder never loses a version halfway."""
+        snap = self._forwarding.get(version)
+        if snap is None:
+            return  # its forwarding failed earlier: the rest of it is dropped
+        try:
+            await self._send(snap, j, t_publish)
+        except Exception:
+            self._forwarding.pop(version, None)
+            self.core.unpin(snap)
+            raise
+        if j == snap.n_chunks - 1:
+            self._forwarding.pop(version, None)
+            self.core.unpin(snap)
+
+    async def _send(self, snap: Snapshot, j: int, t_publish: float) -> None:
+        a, b = snap.span(j)
+        t0 = time.perf_counter()
+        await self._call(
+            self.downstream.receive_chunk(
+                snap.version,
+                snap.layout,
+                snap.chunk_bytes,
+                j,
+                snap.buf[a:b],  # a view of the pinned slot: no copy on our side
+                snap.crcs[j],
+                t_publish,
+            )
+        )
+        self.forward_s += time.perf_counter() - t0
+        self.forwarded_chunks += 1
+
+    async def receive_chunk(
+        self,
+        version: int,
+        layout: Layout,
+        chunk_bytes: int,
+        j: int,
+        data,
+        crc: int,
+        t_publish: float,
+    ) -> None:
+        """From the upstream relay: hand chunk ``j`` to the relay thread (store, verify)
+        and return at once, so the upstream sends ``j+1`` while we verify ``j`` and
+        forward ``j-1``. A chunk that fails verification never completes its version
+        (the error is in :meth:`stats`); the next version replaces it."""
+        self._ensure_forwarder()
+        if j == 0:
+            snap = await self._run(self.core.begin, version, layout, chunk_bytes, self.timeout_s)
+            # The relay thread ran every earlier write first: an older version still
+            # incomplete now was abandoned upstream, so stop forwarding it.
+            for v, old in list(self._forwarding.items()):
+                if v < version and not old.complete:
+                    del self._forwarding[v]
+                    self.core.unpin(old)
+            if snap is None:  # not newer than what we hold: the whole version is ignored
+                self._ignored = version
+                return
+            if self.downstream is not None:
+                self._forwarding[version] = self.core.pin(version)
+        elif version == self._ignored:
+            return
+        # Submitted now (not when a task first runs): the relay thread keeps arrival order.
+        stored = asyncio.get_running_loop().run_in_executor(
+            self._pool, self.core.write_chunk, version, j, data, crc
+        )
+        task = asyncio.ensure_future(self._after_store(stored, version, j, t_publish, layout))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _after_store(self, stored, version: int, j: int, t_publish: float, layout) -> None:
+        try:
+            done = await stored
+        except RelayError as e:
+            self.errors.append(str(e))
+            logger.error("relay %s: %s", self.relay_id, e)
+            return
+        if self.downstream is not None:
+            self._queue.put_nowait(("chunk", version, j, t_publish))
+        if done:
+            self._completed(self.relay_id, version)
+            await self._report(version)
+            await self._run(self.core.prewarm, layout.nbytes)
+
+    async def _report(self, version: int) -> None:
+        if self.master is None:
+            return
+        try:
+            await self._call(self.master.relay_completed(self.relay_id, version))
+        except Exception as e:  # noqa: BLE001 — a lost master must not stop the chain
+            self.errors.append(f"reporting version {version} to the master: {e!r}")
+
+    async def relay_completed(self, relay_id: str, version: int) -> None:
+        """Master: relay ``relay_id`` holds ``version`` complete (timed on our clock)."""
+        self._completed(relay_id, version)
+
+    def _completed(self, relay_id: str, version: int) -> None:
+        self.completions.setdefault(version, {})[relay_id] = time.time()
+
+    # -- reading (rollouts) ------------------------------------------------------------------
+    async def newest(self, have_version: int = -1) -> dict | None:
+        """The newest complete version's pull info, or ``None`` if not newer than
+        ``have_version``."""
+        snap = self.core.newest()
+        if snap is None or snap.version <= have_version:
+            return None
+        return snap.info()
+
+    async def info(self, version: int) -> dict:
+        """Pull info of a kept version (:class:`VersionUnavailable` if not kept)."""
+        return self.core.get(version).info()
+
+    async def read_chunk(self, version: int, j: int):
+        # Reads have their own thread: a write waiting for a slot must not stall pulls.
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._read_pool, self.core.read_chunk, version, j)
+
+    async def versions(self) -> list[int]:
+        return self.core.versions()
+
+    async def stats(self) -> dict:
+        out = {
+            "relay_id": self.relay_id,
+            "chain": self.chain,
+            **self.core.stats(),
+            "t_byte": self.t_byte,
+            "t_start": self.t_start,
+            "forwarded_chunks": self.forwarded_chunks,
+            "forward_s": self.forward_s,
+            "errors": self.errors[-5:],
+        }
+        if self.master is None:
+            out["publications"] = self.publication_records()
+        return out
+
+    def publication_records(self) -> list[dict]:
+        """Master: each publication with the time until every relay held it."""
+        out = []
+        for rec in self.publications:
+            done = self.completions.get(rec["version"], {})
+            times = [done.get(r) for r in self.chain]
+            row = dict(rec)
+            row["relays_complete"] = sum(t is not None for t in times)
+            row["broadcast_s"] = (
+                max(times) - rec["t_publish"] if all(t is not None for t in times) else math.nan
+            )
+            out.append(row)
+        return out
+
+    # -- helpers ---------------------------------------------------------------------------
+    async def _run(self, fn, *args):
+        return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
+
+    async def _call(self, actor_future):
+        # A call to an actor whose worker died never returns on its own.
+        return await asyncio.wait_for(_awaitable(actor_future), self.timeout_s)
+
+
+async def _awaitable(fut):
+    return await fut
+
+
+def _chunk_bytes(nbytes: int, k: int) -> int:
+    per = -(-max(nbytes, 1) // max(k, 1))
+    return -(-per // ALIGN) * ALIGN
+
+
+# -- the trainer and rollout sides ----------------------------------------------------------
+
+
+def local_instance(actor):
+    """The object behind an actor handle when it lives in this very process, else ``None``
+    (the trainer's thread publishes to its co-located master without any comm)."""
+    try:
+        from distributed import get_worker
+
+        worker = get_worker()
+    except ValueError:
+        return None
+    if getattr(actor, "_address", None) != worker.address:
+        return None
+    return worker.state.actors.get(actor.key)
+
+
+class Publisher:
+    """The trainer's end of the relay tier: publish in-process when the master is
+    co-located (one host copy), else through a call that carries the weights."""
+
+    def __init__(self, master, timeout_s: float) -> None:
+        self.master = master
+        self.local = local_instance(master)
+        self.timeout_s = timeout_s
+
+    def publish(self, version: int, state: Mapping[str, torch.Tensor]) -> float:
+        if self.local is not None:
+            return self.local.publish_local(version, state)
+        cpu = {k: v.detach().to("cpu", copy=True) for k, v in state.items()}
+        return self.master.publish(version, cpu).result(timeout=self.timeout_s)
+
+
+class Puller:
+    """A rollout's end: the newest version from its local relay, verified chunk by chunk,
+    into a buffer kept warm across pulls. Up to ``window`` chunk reads are in flight."""
+
+    def __init__(self, relay, timeout_s: float, window: int = 4) -> None:
+        self.relay = relay
+        self.timeout_s = timeout_s
+        self.window = window
+        self._buf: np.ndarray | None = None
+        self.pulls = 0
+        self.bytes = 0
+        self.retries = 0
+
+    def newest(self, have_version: int) -> tuple[int, dict[str, torch.Tensor]] | None:
+        """``(version, state)`` if the relay holds a version newer than ``have_version``.
+        The tensors view a buffer this puller reuses: load them before the next pull."""
+        for _ in range(3):
+            info = self.relay.newest(have_version).result(timeout=self.timeout_s)
+            if info is None:
+                return None
+            try:
+                return info["version"], self._read(info)
+            except VersionUnavailable:  # evicted while we read: take the newer one
+                self.retries += 1
+        raise RelayError("the relay evicted three versions in a row while they were read")
+
+    def version(self, version: int) -> dict[str, torch.Tensor]:
+        """A given (older) version if the relay keeps it, else :class:`VersionUnavailable`."""
+        info = self.relay.info(version).result(timeout=self.timeout_s)
+        return self._read(info)
+
+    def _read(self, info: dict) -> dict[str, torch.Tensor]:
+        layout: Layout = info["layout"]
+        if self._buf is None or self._buf.nbytes != layout.nbytes:
+            self._buf = np.empty(layout.nbytes, np.uint8)
+        crcs, cb, n = info["crcs"], info["chunk_bytes"], len(info["crcs"])
+        futures, ahead = {}, 0
+        for j in range(n):
+            while ahead < min(n, j + self.window):
+                futures[ahead] = self.relay.read_chunk(info["version"], ahead)
+                ahead += 1
+            data, crc = futures.pop(j).result(timeout=self.timeout_s)
+            if crc != crcs[j] or crc32(data) != crc:
+                raise RelayError(
+                    f"chunk {j} of version {info['version']} failed its checksum on pull"
+                )
+            self._buf[j * cb : j * cb + data.nbytes] = data
+        self.pulls += 1
+        self.bytes += layout.nbytes
+        return layout.read(self._buf)
+
+
+def fetch_version(
+    version: int, puller: Puller | None, checkpoints_dir: str | Path | None
+) -> dict[str, torch.Tensor]:
+    """Weights of an old ``version`` (recovery): a relay's kept copy, else the trainer's
+    checkpoint ``checkpoints_dir/version-NNNNNN`` on disk."""
+    if puller is not None:
+        try:
+            return puller.version(version)
+        except VersionUnavailable:
+            pass
+    if checkpoints_dir is not None:
+        folder = Path(checkpoints_dir) / f"version-{version:06d}"
+        files = sorted(folder.glob("*.safetensors"))
+        if files:
+            from safetensors.torch import load_file
+
+            state: dict[str, torch.Tensor] = {}
+            for f in files:
+                state.update(load_file(f))
+            return state
+    raise VersionUnavailable(
+        f"version {version} is neither kept by the relay nor checkpointed under "
+        f"{checkpoints_dir}; raise relay.keep_versions or checkpoint more often"
+    )
+
+
+# -- placement ---------------------------------------------------------------------------
+
+
+@dataclass
+class RelayTier:
+    """The chain of one run: the master (in the trainer's process) first, then the
+    downstream relays, and which relay each rollout pulls from."""
+
+    relays: list  # actor handles, master first
+    ids: list[str]
+    workers: list[str]
+    calibration: dict
+
+    @property
+    def master(self):
+        return self.relays[0]
+
+    def local_relay(self, rollout_worker: str, taken: dict[int, int]):
+        """The relay a rollout on ``rollout_worker`` pulls from: a downstream relay on its
+        host if there is one (the least used), else the master if it shares the host,
+        else the least used relay anywhere."""
+        host = _host(rollout_worker)
+        down = [i for i in range(1, len(self.relays)) if _host(self.workers[i]) == host]
+        cands = down or ([0] if _host(self.workers[0]) == host else list(range(len(self.relays))))
+        i = min(cands, key=lambda i: (taken.get(i, 0), i))
+        taken[i] = taken.get(i, 0) + 1
+        return self.relays[i]
+
+
+def _host(address: str) -> str:
+    from urllib.parse import urlparse
+
+    return urlparse(address).hostname or address
+
+
+def build_tier(
+    client, cfg: RunConfig, trainer_worker: str, rollout_workers: list[str]
+) -> RelayTier:
+    """Create the relays of a run, chain them and measure the first link.
+
+    The master goes on the trainer's worker (publication is then one host copy in that
+    process). ``relay.relays = None`` puts one relay on every other host that runs
+    rollouts — on a worker of that host with the ``relay`` resource if any, else on its
+    first rollout worker; a number ``n`` takes ``n`` workers with the ``relay`` resource.
+    """
+    from laminar.cluster import place, submit_actor, workers_with
+
+    rcfg = cfg.relay
+    placed: list[tuple[str, str]] = []  # (worker, resource)
+    if rcfg.relays is None:
+        relay_ws = workers_with(client, "relay")
+        hosts = []
+        for w in rollout_workers:
+            h = _host(w)
+            if h != _host(trainer_worker) and h not in hosts:
+                hosts.append(h)
+        for h in hosts:
+            own = [w for w in relay_ws if _host(w) == h]
+            placed.append(
+                (own[0], "relay")
+                if own
+                else (next(w for w in rollout_workers if _host(w) == h), "rollout")
+            )
+    else:
+        placed = [(w, "relay") for w in place(client, "relay", rcfg.relays)]
+    ids = ["master"] + [f"relay{i}" for i in range(1, len(placed) + 1)]
+    relays = [
+        submit_actor(client, Relay, "master", rcfg, worker=trainer_worker, resource="trainer")
+    ]
+    relays += [
+        submit_actor(client, Relay, rid, rcfg, worker=w, resource=res)
+        for rid, (w, res) in zip(ids[1:], placed, strict=True)
+    ]
+    for i, r in enumerate(relays):
+        nxt = relays[i + 1] if i + 1 < len(relays) else None
+        r.set_chain(ids, nxt, None if i == 0 else relays[0]).result(timeout=rcfg.timeout_s)
+    calibration = relays[0].calibrate().result(timeout=rcfg.timeout_s * 2)
+    return RelayTier(relays, ids, [trainer_worker] + [w for w, _ in placed], calibration)

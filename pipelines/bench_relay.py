@@ -1,0 +1,303 @@
+"""``laminar bench relay``: publication stall, chain broadcast and rollout wait of the relay
+tier against the model of the paper's Appendix D and against two baselines, in one run.
+
+For each weight size ``M`` and chain length ``p`` (relays in separate worker processes,
+the master in the publisher's process as in a run):
+
+* **relay** — the publisher copies a synthetic state dict into the master relay (the
+  *stall*), the chain carries it to every relay (*broadcast*: until the last relay holds
+  it, verified), then a rollout process pulls it from the tail relay (*rollout wait*).
+* **naive** — the publisher sends the state to each of the ``p − 1`` other processes
+  itself and returns when all hold it (the trainer as the fan-out point).
+* **dask** — ``Client.scatter(..., broadcast=True)`` to the same workers, and
+  ``Client.replicate`` of one copy to all of them.
+
+``T_byte``/``T_start`` are measured on the running cluster (one hop, alone), and the
+model's ``T*(p)`` is reported beside the measured broadcast. Run it::
+
+    laminar bench relay --out relay.json
+"""
+
+from __future__ import annotations
+
+import math
+import time
+
+import numpy as np
+import torch
+
+from laminar.relay import MB, Publisher, Puller, Relay, model_optimum, state_fingerprint
+
+N_TENSORS = 8
+
+
+def synthetic_state(nbytes: int, version: int = 0) -> dict[str, torch.Tensor]:
+    """``N_TENSORS`` float32 tensors totalling ``nbytes``, every element equal to
+    ``version`` (so a reader can check a whole snapshot cheaply and exactly)."""
+    per = max(1, nbytes // 4 // N_TENSORS)
+    return {f"layer{i}.weight": torch.full((per,), float(version)) for i in range(N_TENSORS)}
+
+
+class RelayDriver:
+    """Dask actor on the master relay's worker: publishes as the trainer does (in-process,
+    through :class:`laminar.relay.Publisher`) and runs the naive fan-out baseline."""
+
+    def __init__(self, master, nbytes: int, timeout_s: float = 120.0) -> None:
+        torch.set_num_threads(1)
+        self.publisher = Publisher(master, timeout_s)
+        self.state = synthetic_state(nbytes)
+        self.timeout_s = timeout_s
+
+    def is_local(self) -> bool:
+        return self.publisher.local is not None
+
+    def publish(self, version: int, fill: bool = False) -> float:
+        """Publish ``version``; with ``fill`` every element becomes ``version`` first."""
+        if fill:
+            for t in self.state.values():
+                t.fill_(float(version))
+        else:  # a marker suffices for timing; the relay copies all bytes either way
+            next(iter(self.state.values()))[0] = float(version)
+        return self.publisher.publish(version, self.state)
+
+    def fan_out(self, sinks: list) -> float:
+        """Send the state to every sink actor ourselves; seconds until all hold it."""
+        t0 = time.perf_counter()
+        futures = [s.receive(self.state) for s in sinks]
+        for f in futures:
+            f.result(timeout=self.timeout_s)
+        return time.perf_counter() - t0
+
+
+class Sink:
+    """Dask actor: a rollout-like process. Receives pushed weights (naive baseline) or
+    pulls them from a relay (rollout wait), and checks what it got."""
+
+    def __init__(self) -> None:
+        torch.set_num_threads(1)
+        self.puller: Puller | None = None
+
+    def receive(self, state: dict) -> int:
+        return sum(t.numel() for t in state.values())
+
+    def pull(self, relay, have_version: int, timeout_s: float = 120.0) -> dict | None:
+        """Pull the newest version newer than ``have_version`` from ``relay``; returns its
+        version, the wait and whether every element equals the version (filled states)."""
+        if self.puller is None or self.puller.relay.key != relay.key:
+            self.puller = Puller(relay, timeout_s)
+        t0 = time.perf_counter()
+        got = self.puller.newest(have_version)
+        wait = time.perf_counter() - t0
+        if got is None:
+            return None
+        version, state = got
+        uniform = all(bool((t == t.flatten()[0]).all()) for t in state.values())
+        values = {float(t.flatten()[0]) for t in state.values() if t.numel()}
+        return {
+            "version": version,
+            "wait_s": wait,
+            "consistent": uniform and len(values) <= 1,
+            "value": values.pop() if values else math.nan,
+            "fingerprint": state_fingerprint(state),
+        }
+
+
+def relay_cluster(p: int, sinks: int, memory_limit: str = "6GiB"):
+    """A local cluster: ``p`` relay workers (the first hosts the master and the driver)
+    and ``sinks`` rollout-like workers."""
+    from distributed import Nanny, Scheduler, SpecCluster
+
+    from laminar.cluster import worker_environ
+
+    def worker(resources):
+        return {
+            "cls": Nanny,
+            "options": {
+                "nthreads": 1,
+                "resources": resources,
+                "memory_limit": memory_limit,
+                "host": "127.0.0.1",
+                "env": worker_environ(1),
+            },
+        }
+
+    workers = {f"relay-{i}": worker({"relay": 1}) for i in range(p)}
+    workers |= {f"sink-{i}": worker({"rollout": 1}) for i in range(sinks)}
+    scheduler = {"cls": Scheduler, "options": {"dashboard_address": ":0", "host": "127.0.0.1"}}
+    return SpecCluster(workers=workers, scheduler=scheduler, name="laminar-relay-bench")
+
+
+def build_chain(client, relay_workers: list[str], cfg) -> list:
+    """Relays on ``relay_workers`` (master first), chained; the master calibrated."""
+    from laminar.cluster import submit_actor
+
+    ids = ["master"] + [f"relay{i}" for i in range(1, len(relay_workers))]
+    relays = [
+        submit_actor(client, Relay, rid, cfg, worker=w, resource="relay")
+        for rid, w in zip(ids, relay_workers, strict=True)
+    ]
+    for i, r in enumerate(relays):
+        nxt = relays[i + 1] if i + 1 < len(relays) else None
+        r.set_chain(ids, nxt, None if i == 0 else relays[0]).result()
+    return relays
+
+
+def wait_broadcast(master, version: int, timeout_s: float) -> dict:
+    """Poll the master until every relay reported ``version``; its publication record."""
+    deadline = time.time() + timeout_s
+    while time.time() < deadline:
+        recs = [r for r in master.stats().result()["publications"] if r["version"] == version]
+        if recs and not math.isnan(recs[0]["broadcast_s"]):
+            return recs[0]
+        time.sleep(0.01)
+    raise TimeoutError(f"version {version} did not reach every relay within {timeout_s} s")
+
+
+def host_copy_s(nbytes: int, repeats: int = 5) -> float:
+    """One host copy of ``nbytes`` into a warm buffer (the stall's floor), median."""
+    src = synthetic_state(nbytes)
+    dst = {k: torch.empty_like(v) for k, v in src.items()}
+    times = []
+    for _ in range(repeats + 1):
+        t0 = time.perf_counter()
+        for k, v in src.items():
+            dst[k].copy_(v)
+        times.append(time.perf_counter() - t0)
+    return float(np.median(times[1:]))
+
+
+def measure(
+    p: int, nbytes: int, repeats: int, timeout_s: float = 300.0, max_chunk_mb: float = 8.0
+) -> dict:
+    """Every figure for one (p, M) on a fresh cluster (medians over ``repeats``)."""
+    from distributed import Client
+
+    from laminar.cluster import submit_actor
+    from laminar.config import RelayConfig
+
+    cfg = RelayConfig(keep_versions=1, timeout_s=timeout_s, max_chunk_mb=max_chunk_mb)
+    with relay_cluster(p, sinks=1) as cluster, Client(cluster) as client:
+        info = client.scheduler_info(n_workers=-1)["workers"]
+        relay_ws = sorted(a for a, w in info.items() if w["resources"].get("relay"))
+        sink_w = next(a for a, w in info.items() if w["resources"].get("rollout"))
+        relays = build_chain(client, relay_ws, cfg)
+        calib = relays[0].calibrate().result()
+        driver = submit_actor(
+            client, RelayDriver, relays[0], nbytes, timeout_s, worker=relay_ws[0], resource="relay"
+        )
+        assert driver.is_local().result(), "the driver must share the master's process"
+        sink = submit_actor(client, Sink, worker=sink_w, resource="rollout")
+        # Naive fan-out: one sink per non-master relay worker (the rollouts of those hosts).
+        fan_sinks = [submit_actor(client, Sink, worker=w, resource="relay") for w in relay_ws[1:]]
+        rows = []
+        for v in range(1, repeats + 2):  # the first version warms the slots up
+            stall = driver.publish(v).result()
+            rec = wait_broadcast(relays[0], v, timeout_s)
+            pull = sink.pull(relays[-1], v - 1, timeout_s).result()
+            naive = driver.fan_out(fan_sinks).result()
+            rows.append(
+                {
+                    "stall_s": stall,
+                    "broadcast_s": rec["broadcast_s"],
+                    "chunks": rec["chunks"],
+                    "wait_s": pull["wait_s"],
+                    "naive_s": naive,
+                }
+            )
+        rows = rows[1:]
+        data = np.ones(nbytes, np.uint8)
+        scatter, replicate = [], []
+        targets = relay_ws[1:]
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            fut = client.scatter(data, workers=targets, broadcast=True, hash=False)
+            scatter.append(time.perf_counter() - t0)
+            del fut
+            one = client.scatter(data, workers=[relay_ws[0]], hash=False)
+            t0 = time.perf_counter()
+            client.replicate(one, n=len(relay_ws), workers=relay_ws)
+            replicate.append(time.perf_counter() - t0)
+            del one
+        t_byte, t_start = calib["measured_t_byte"], calib["measured_t_start"]
+        med = {k: float(np.median([r[k] for r in rows])) for k in rows[0]}
+        return {
+            "p": p,
+            "mb": nbytes / MB,
+            **med,
+            "scatter_s": float(np.median(scatter)),
+            "replicate_s": float(np.median(replicate)),
+            "t_byte": t_byte,
+            "t_start": t_start,
+            "model_s": model_optimum(p, nbytes, t_byte, t_start),
+            "host_copy_s": host_copy_s(nbytes),
+        }
+
+
+COLUMNS = [
+    "stall_s",
+    "host_copy_s",
+    "broadcast_s",
+    "model_s",
+    "wait_s",
+    "naive_s",
+    "scatter_s",
+    "replicate_s",
+    "chunks",
+]
+
+
+def bench_relay(
+    sizes_mb: tuple[int, ...] = (64, 512), ps: tuple[int, ...] = (2, 4, 8), repeats: int = 5
+):
+    """The relay bench; see the module docstring. Each (M, p) on a fresh cluster."""
+    from pipelines.bench import BenchResult
+
+    figures: dict[str, float] = {}
+    ratios: dict[str, float] = {}
+    rows = []
+    for mb in sizes_mb:
+        for p in ps:
+            row = measure(p, mb * MB, repeats)
+            for c in COLUMNS + ["t_byte", "t_start"]:
+                figures[f"m{mb}_p{p}_{c}"] = row[c]
+            rows.append([mb, p] + [row[c] for c in COLUMNS])
+            print(
+                f"  M={mb} MB p={p}: " + ", ".join(f"{c} {row[c]:.4g}" for c in COLUMNS), flush=True
+            )
+        f = {k: v for k, v in figures.items() if k.startswith(f"m{mb}_")}
+        lo, hi = min(ps), max(ps)
+        if lo != hi:
+            for c in ("stall_s", "naive_s"):
+                name = f"m{mb}_{c.removesuffix('_s')}_p{hi}_vs_p{lo}"
+                ratios[name] = f[f"m{mb}_p{hi}_{c}"] / f[f"m{mb}_p{lo}_{c}"]
+        for p in ps:
+            k = f"m{mb}_p{p}_"
+            ratios[k + "stall_vs_host_copy"] = f[k + "stall_s"] / f[k + "host_copy_s"]
+            ratios[k + "broadcast_vs_model"] = f[k + "broadcast_s"] / f[k + "model_s"]
+            ratios[k + "naive_vs_relay_stall"] = f[k + "naive_s"] / f[k + "stall_s"]
+    # The headline ratios, at the largest M and the p the issue names.
+    m, lo, hi = max(sizes_mb), min(ps), max(ps)
+    headline = {
+        "stall_p8_vs_p2": f"m{m}_stall_p{hi}_vs_p{lo}",
+        "stall_vs_host_copy": f"m{m}_p{hi}_stall_vs_host_copy",
+        "broadcast_vs_model_p8": f"m{m}_p{hi}_broadcast_vs_model",
+        "naive_stall_p8_vs_relay_stall_p8": f"m{m}_p{hi}_naive_vs_relay_stall",
+    }
+    for name, key in headline.items():
+        if key in ratios:
+            ratios[name] = ratios[key]
+    return BenchResult(
+        name="relay",
+        figures=figures,
+        ratios=ratios,
+        samples={},
+        columns=["M (MB)", "p"] + COLUMNS,
+        rows=rows,
+        options={"sizes_mb": list(sizes_mb), "ps": list(ps), "repeats": repeats},
+        notes=[
+            "stall: publish() returns once the master (in the publisher's process) holds "
+            "a copy; broadcast: until the last relay holds the version, verified",
+            "model_s: T*(p) from T_byte/T_start measured on one hop alone; on a shared "
+            "2-core host the p-1 hops of a chain compete for the same cores",
+        ],
+    )

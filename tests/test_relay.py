@@ -1,0 +1,277 @@
+"""The relay tier: snapshot store, chunk model, chain broadcast on real worker processes,
+and a stress test of back-to-back publication while rollouts pull."""
+
+from __future__ import annotations
+
+import math
+import threading
+import time
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from laminar.relay import (
+    Layout,
+    RelayCore,
+    RelayError,
+    VersionUnavailable,
+    chain_time,
+    crc32,
+    fetch_version,
+    model_optimum,
+    optimal_chunks,
+    plan_chunks,
+)
+
+
+def _state(version: float = 0.0) -> dict[str, torch.Tensor]:
+    version = float(version)
+    return {
+        "a": torch.full((300,), version),
+        "b": torch.full((7, 5), version, dtype=torch.bfloat16),
+        "c": torch.arange(11, dtype=torch.int64) + int(version),
+        "empty": torch.zeros(0),
+    }
+
+
+def _publish(core: RelayCore, version: int, state, chunk_bytes: int = 256):
+    """What the master does: reserve, copy, checksum every chunk, complete."""
+    layout = Layout.of(state)
+    snap = core.begin(version, layout, chunk_bytes)
+    if snap is None:
+        return None
+    core.write_state(snap, state)
+    for j in range(snap.n_chunks):
+        core.checksum_chunk(snap, j)
+    core.complete(snap)
+    return snap
+
+
+def _read(core: RelayCore, version: int) -> dict[str, torch.Tensor]:
+    snap = core.get(version)
+    buf = np.empty(snap.layout.nbytes, np.uint8)
+    for j in range(snap.n_chunks):
+        data, crc = core.read_chunk(version, j)
+        assert crc32(data) == crc
+        a, _ = snap.span(j)
+        buf[a : a + data.nbytes] = data
+    return snap.layout.read(buf)
+
+
+def test_layout_round_trips_every_dtype_and_aligns():
+    state = _state(3.0)
+    layout = Layout.of(state)
+    assert all(s.offset % 64 == 0 for s in layout.tensors)
+    buf = np.zeros(layout.nbytes, np.uint8)
+    layout.write(buf, state)
+    back = layout.read(buf)
+    assert list(back) == list(state)
+    for k in state:
+        assert back[k].dtype == state[k].dtype and torch.equal(back[k], state[k])
+    with pytest.raises(RelayError, match="publish the same model"):
+        layout.write(buf, {**state, "a": torch.zeros(299)})
+
+
+def test_versions_are_monotonic_and_kept_within_the_budget():
+    core = RelayCore(keep_versions=2)
+    for v in range(1, 6):
+        _publish(core, v, _state(v))
+    assert core.versions() == [4, 5]
+    assert _publish(core, 3, _state(3)) is None  # late version: ignored, not visible
+    assert core.newest().version == 5
+    assert torch.equal(_read(core, 4)["c"], _state(4)["c"])
+    nbytes = Layout.of(_state()).nbytes
+    assert core.peak_bytes <= 3 * nbytes  # keep 2 + the arriving one
+    with pytest.raises(VersionUnavailable, match="not kept"):
+        core.get(2)
+
+
+def test_budget_too_small_names_the_fix():
+    nbytes = Layout.of(_state()).nbytes
+    core = RelayCore(keep_versions=2, budget_bytes=2 * nbytes)
+    with pytest.raises(RelayError, match="raise relay.memory_budget_mb or lower relay.keep"):
+        _publish(core, 1, _state())
+
+
+def test_a_corrupt_chunk_is_refused_and_the_version_never_visible():
+    src = RelayCore()
+    snap = _publish(src, 1, _state(1))
+    dst = RelayCore()
+    dst.begin(1, snap.layout, snap.chunk_bytes)
+    for j in range(snap.n_chunks):
+        a, b = snap.span(j)
+        data = snap.buf[a:b].copy()
+        if j == 1:
+            data[0] ^= 0xFF
+            with pytest.raises(RelayError, match="failed its checksum"):
+                dst.write_chunk(1, j, data, snap.crcs[j])
+            continue
+        dst.write_chunk(1, j, data, snap.crcs[j])
+    assert dst.newest() is None and dst.counts["corrupt_chunks"] == 1
+
+
+def test_a_pinned_version_is_not_recycled_until_released():
+    core = RelayCore(keep_versions=1)
+    _publish(core, 1, _state(1))
+    pinned = core.pin(1)
+    _publish(core, 2, _state(2))  # the second slot
+    started = threading.Event()
+
+    def third():
+        started.set()
+        _publish(core, 3, _state(3))
+
+    t = threading.Thread(target=third)
+    t.start()
+    started.wait()
+    time.sleep(0.2)
+    assert t.is_alive()  # waits: version 1's slot is held, the budget allows no third
+    assert torch.equal(pinned.layout.read(pinned.buf)["a"], _state(1)["a"])
+    core.unpin(pinned)
+    t.join(5)
+    assert not t.is_alive() and core.versions() == [3]
+
+
+def test_readers_never_see_a_torn_version_while_versions_arrive():
+    """Threads read random kept versions while a writer publishes back to back: every
+    read is one whole version (all elements equal its number) or refused."""
+    core = RelayCore(keep_versions=2)
+    _publish(core, 0, _state(0))
+    stop = threading.Event()
+    seen: list[int] = []
+    bad: list[str] = []
+
+    def reader():
+        while not stop.is_set():
+            v = core.newest().version
+            try:
+                state = _read(core, v)
+            except VersionUnavailable:
+                continue
+            if not (state["a"] == v).all() or not (state["b"] == v).all():
+                bad.append(f"torn read of version {v}")
+            seen.append(v)
+
+    threads = [threading.Thread(target=reader) for _ in range(3)]
+    for t in threads:
+        t.start()
+    for v in range(1, 200):
+        _publish(core, v, _state(v))
+    stop.set()
+    for t in threads:
+        t.join()
+    assert not bad and len(seen) > 50
+    assert core.peak_bytes <= 3 * Layout.of(_state()).nbytes
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    p=st.integers(2, 64),
+    m=st.floats(1e3, 1e11),
+    t_byte=st.floats(1e-12, 1e-8),
+    t_start=st.floats(1e-6, 1e-1),
+)
+def test_chunk_count_minimises_the_chain_model(p, m, t_byte, t_start):
+    k = optimal_chunks(p, m, t_byte, t_start)
+    best = chain_time(p, k, m, t_byte, t_start)
+    for other in (1, 2, max(1, k - 1), k + 1, 4 * k):
+        assert best <= chain_time(p, other, m, t_byte, t_start) * (1 + 1e-9)
+    # The closed form T*(p) is the continuous optimum: never above the integer one.
+    assert model_optimum(p, m, t_byte, t_start) <= best * (1 + 1e-9)
+
+
+def test_chunk_plan_respects_the_largest_chunk_and_overrides():
+    assert plan_chunks(8, 512 << 20, 1e-9, 1e-3, max_chunk_bytes=8 << 20) >= 64
+    assert plan_chunks(8, 512 << 20, 1e-9, 1e-3, chunks=5) == 5
+    assert plan_chunks(2, 100, 1e-9, 1e-3) == 1
+
+
+def test_fetch_version_falls_back_to_the_checkpoint(tmp_path):
+    from safetensors.torch import save_file
+
+    folder = tmp_path / "version-000007"
+    folder.mkdir()
+    save_file({"w": torch.ones(3)}, folder / "model.safetensors")
+    assert torch.equal(fetch_version(7, None, tmp_path)["w"], torch.ones(3))
+    with pytest.raises(VersionUnavailable, match="raise relay.keep_versions"):
+        fetch_version(8, None, tmp_path)
+
+
+# -- on real worker processes -----------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def relay_client():
+    from distributed import Client
+
+    from pipelines.bench_relay import relay_cluster
+
+    with relay_cluster(3, sinks=2, memory_limit="2GiB") as cluster, Client(cluster) as client:
+        yield client
+
+
+def test_chain_broadcast_and_pulls_under_back_to_back_publication(relay_client):
+    """The stress test: 40 versions published back to back through a chain of three
+    relay processes while two rollout processes pull from the tail and the middle. Every
+    loaded version is whole (each element equals its number), versions a rollout loads
+    only increase, every relay ends with the last version, and no relay's memory ever
+    exceeds its budget."""
+    from laminar.cluster import submit_actor
+    from laminar.config import RelayConfig
+    from pipelines.bench_relay import RelayDriver, Sink, build_chain, wait_broadcast
+
+    client = relay_client
+    info = client.scheduler_info(n_workers=-1)["workers"]
+    relay_ws = sorted(a for a, w in info.items() if w["resources"].get("relay"))
+    sink_ws = sorted(a for a, w in info.items() if w["resources"].get("rollout"))
+    cfg = RelayConfig(keep_versions=2, max_chunk_mb=0.25, timeout_s=30)
+    relays = build_chain(client, relay_ws, cfg)
+    assert relays[0].calibrate().result()["measured"]
+    nbytes = 2 << 20
+    driver = submit_actor(
+        client, RelayDriver, relays[0], nbytes, 30.0, worker=relay_ws[0], resource="relay"
+    )
+    assert driver.is_local().result()
+    sinks = [submit_actor(client, Sink, worker=w, resource="rollout") for w in sink_ws]
+    last = 40
+    loads: list[list[dict]] = [[], []]
+    stop = threading.Event()
+
+    def pull(i, relay):
+        have = -1
+        while not stop.is_set() or have < last:
+            got = sinks[i].pull(relay, have, 30.0).result()
+            if got is not None:
+                loads[i].append(got)
+                have = got["version"]
+
+    pullers = [
+        threading.Thread(target=pull, args=(0, relays[-1])),
+        threading.Thread(target=pull, args=(1, relays[1])),
+    ]
+    for t in pullers:
+        t.start()
+    stalls = [driver.publish(v, fill=True).result() for v in range(1, last + 1)]
+    wait_broadcast(relays[0], last, 60)
+    stop.set()
+    for t in pullers:
+        t.join(60)
+    assert not any(t.is_alive() for t in pullers)
+    for got in loads:
+        versions = [g["version"] for g in got]
+        assert versions == sorted(set(versions)) and versions[-1] == last
+        assert all(g["consistent"] and g["value"] == g["version"] for g in got)
+    stats = [r.stats().result() for r in relays]
+    for s in stats:
+        assert not s["errors"], s["errors"]
+        assert s["kept"][-1] == last
+        assert s["peak_bytes"] <= s["budget_bytes"] == 3 * stats[0]["publications"][0]["bytes"]
+    pubs = stats[0]["publications"]
+    assert len(pubs) == last and all(np.isfinite(stalls))
+    # Back-to-back publication skips versions the chain had no time to carry: the
+    # downstream relays saw fewer versions than were published, never a torn one.
+    assert stats[-1]["versions"] <= last
+    assert math.isfinite(pubs[-1]["broadcast_s"])
