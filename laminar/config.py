@@ -199,7 +199,7 @@ class RelayConfig(_Section):
     t_byte: float | None = Field(None, gt=0)  # seconds per byte, one hop
     t_start: float | None = Field(None, ge=0)  # seconds per chunk call, one hop
     timeout_s: float = Field(60.0, gt=0)  # every relay-to-relay and rollout-to-relay call
-    # Rollouts and the trainer fingerprint every version they load/publish (CRC32 of the
+    # Rollouts and the trainer fingerprint every version they load/publish (xxh3-64 of the
     # weights; one extra pass over them) so a run proves the loaded weights are the
     # published ones (summary.json `relay.fingerprints`).
     audit_weights: bool = False

@@ -14,7 +14,7 @@ Pieces, from the bottom up:
 * :class:`Layout` — where each tensor of a state dict lives in one flat byte buffer.
 * :class:`RelayCore` — the versioned snapshot store of one relay, without Dask: slots
   recycled under a memory budget, the last ``keep_versions`` complete versions kept,
-  per-chunk CRC32 verification, monotonic visibility, pins for readers and forwarders.
+  per-chunk checksum (xxh3-64) verification, monotonic visibility, pins for readers and forwarders.
 * :class:`Relay` — the Dask actor around a core: chain forwarding, calibration of
   ``T_byte``/``T_start``, completion reports to the master, statistics.
 * :func:`pull_newest` / :func:`fetch_version` — the rollout side: newest version, or a
@@ -37,7 +37,6 @@ import logging
 import math
 import threading
 import time
-import zlib
 from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -46,6 +45,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
+import xxhash
 
 from laminar.errors import LaminarError
 
@@ -126,19 +126,22 @@ def _view(buf: np.ndarray, s: TensorSpec) -> torch.Tensor:
     return raw.view(dtype).view(s.shape)
 
 
-def crc32(data) -> int:
-    return zlib.crc32(memoryview(data).cast("B"))
+def checksum(data) -> int:
+    """xxh3-64 of a buffer: ≈ 28 GB/s here against ≈ 4 GB/s for zlib's CRC32, which
+    made verification the largest CPU cost of a relay hop."""
+    return xxhash.xxh3_64_intdigest(memoryview(data).cast("B"))
 
 
 def state_fingerprint(state: Mapping[str, torch.Tensor]) -> int:
-    """CRC32 over every tensor's bytes in order: equal iff the weights are bit-identical
-    (up to CRC collisions). The trainer and each rollout compute it when
+    """xxh3-64 over every tensor's bytes in order: equal iff the weights are
+    bit-identical (up to hash collisions). The trainer and each rollout compute it when
     ``relay.audit_weights`` is on."""
-    crc = 0
+    h = xxhash.xxh3_64()
     for t in state.values():
         t = t.detach().to("cpu").contiguous()
-        crc = zlib.crc32(t.view(torch.uint8).numpy() if t.numel() else b"", crc)
-    return crc
+        if t.numel():
+            h.update(memoryview(t.view(torch.uint8).numpy()))
+    return h.intdigest()
 
 
 # -- the chain's time model (paper, Appendix D) ------------------------------------------
@@ -345,11 +348,11 @@ class RelayCore:
         snap.layout.write(snap.buf, state)
 
     def checksum_chunk(self, snap: Snapshot, j: int) -> int:
-        """The master's path: the CRC of chunk ``j`` of its own copy (computed once)."""
+        """The master's path: the checksum of chunk ``j`` of its own copy (computed once)."""
         crc = snap.crcs[j]
         if crc is None:
             a, b = snap.span(j)
-            crc = snap.crcs[j] = crc32(snap.buf[a:b])
+            crc = snap.crcs[j] = checksum(snap.buf[a:b])
         return crc
 
     def write_chunk(self, version: int, j: int, data, crc: int) -> bool:
@@ -365,7 +368,7 @@ class RelayCore:
             raise RelayError(
                 f"chunk {j} of version {version}: {data.nbytes} bytes, expected {b - a}"
             )
-        got = crc32(data)
+        got = checksum(data)
         if got != crc:
             with self._lock:
                 self.counts["corrupt_chunks"] += 1
@@ -434,7 +437,7 @@ class RelayCore:
             self._lock.notify_all()
 
     def read_chunk(self, version: int, j: int) -> tuple[np.ndarray, int]:
-        """A copy of chunk ``j`` of a complete version and its CRC (the slot is pinned
+        """A copy of chunk ``j`` of a complete version and its checksum (the slot is pinned
         during the copy, so it cannot be recycled underneath)."""
         snap = self.pin(version)
         try:
@@ -878,7 +881,7 @@ class Puller:
                 futures[ahead] = self.relay.read_chunk(info["version"], ahead)
                 ahead += 1
             data, crc = futures.pop(j).result(timeout=self.timeout_s)
-            if crc != crcs[j] or crc32(data) != crc:
+            if crc != crcs[j] or checksum(data) != crc:
                 raise RelayError(
                     f"chunk {j} of version {info['version']} failed its checksum on pull"
                 )

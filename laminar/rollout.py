@@ -46,7 +46,7 @@ class RolloutReplica:
         self.cfg = cfg
         self.pool, self.buffer = pool, buffer
         self.puller = Puller(relay, cfg.relay.timeout_s)
-        self.fingerprints: dict[int, int] = {}  # version loaded -> CRC32 (audit_weights)
+        self.fingerprints: dict[int, int] = {}  # version loaded -> xxh3-64 (audit_weights)
         self._synced = False  # the relay has shown us a version
         self.tok = load_tokenizer(policy_dir)
         self.engine = make_engine(

@@ -75,7 +75,7 @@ class Trainer:
         self.init_method = init_method
         self.learner = _learner(cfg, policy_dir, rank=0)
         self.publisher = Publisher(master_relay, cfg.relay.timeout_s)
-        self.fingerprints: dict[int, int] = {}  # version -> CRC32 (relay.audit_weights)
+        self.fingerprints: dict[int, int] = {}  # version -> xxh3-64 (relay.audit_weights)
         self.history: list[dict] = []
         self.done = False
         self.error: str | None = None
