@@ -1,0 +1,108 @@
+"""The repack planner: the paper's example and its rules as properties on random loads."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from laminar.repack import Move, RolloutLoad, apply, is_candidate, plan
+
+C_MAX, MAX_BATCH = 0.9, 16
+
+
+def test_the_papers_example():
+    loads = [
+        RolloutLoad("R1", 7, kv_used=0.12, kv_prev=0.30, n_requests=3),
+        RolloutLoad("R2", 7, kv_used=0.18, kv_prev=0.35, n_requests=4),
+        RolloutLoad("R3", 7, kv_used=0.25, kv_prev=0.50, n_requests=5),
+    ]
+    assert plan(loads, c_max=0.9, max_batch=16) == [Move("R1", "R3"), Move("R2", "R3")]
+
+
+def test_versions_never_mix_and_rising_or_full_rollouts_stay():
+    loads = [
+        RolloutLoad("a", 1, 0.10, 0.20, 2),
+        RolloutLoad("b", 2, 0.10, 0.20, 2),  # another version: no partner
+        RolloutLoad("c", 1, 0.30, 0.10, 2),  # rising: new work is arriving
+        RolloutLoad("d", 1, 0.85, 0.95, 15),  # too full to take 'a'
+    ]
+    assert plan(loads, c_max=C_MAX, max_batch=MAX_BATCH) == []
+
+
+def test_duplicate_ids_are_refused():
+    load = RolloutLoad("a", 1, 0.1, 0.2, 1)
+    with pytest.raises(ValueError, match="unique"):
+        plan([load, load], c_max=C_MAX, max_batch=MAX_BATCH)
+
+
+@st.composite
+def loads_strategy(draw):
+    n = draw(st.integers(0, 24))
+    versions = draw(st.integers(1, 3))
+    out = []
+    for i in range(n):
+        kv = draw(st.floats(0.0, 1.0))
+        prev = draw(st.floats(0.0, 1.0))
+        reqs = draw(st.integers(0, MAX_BATCH + 2))
+        out.append(RolloutLoad(f"r{i}", draw(st.integers(0, versions - 1)), kv, prev, reqs))
+    return out
+
+
+@settings(max_examples=400, deadline=None)
+@given(loads=loads_strategy(), c_max=st.floats(0.3, 1.0), max_batch=st.integers(2, 32))
+def test_planner_rules_hold_on_random_loads(loads, c_max, max_batch):
+    moves = plan(loads, c_max=c_max, max_batch=max_batch)
+    by_id = {load.rollout_id: load for load in loads}
+    sources = [m.source for m in moves]
+    dests = {m.destination for m in moves}
+    # every source moves wholly, once; no rollout is both a source and a destination
+    assert len(sources) == len(set(sources))
+    assert not set(sources) & dests
+    for m in moves:
+        s, d = by_id[m.source], by_id[m.destination]
+        assert s.version == d.version  # never mixes versions
+        assert is_candidate(s, c_max, max_batch) and is_candidate(d, c_max, max_batch)
+    # never over c_max or max_batch after the moves (checked after each one in order)
+    kv = {i: load.kv_used for i, load in by_id.items()}
+    n = {i: load.n_requests for i, load in by_id.items()}
+    for m in moves:
+        kv[m.destination] += kv[m.source]
+        n[m.destination] += n[m.source]
+        kv[m.source], n[m.source] = 0.0, 0
+        assert kv[m.destination] <= c_max + 1e-12 and n[m.destination] <= max_batch
+    # within a version, sources are planned in ascending KV use
+    for v in {load.version for load in loads}:
+        used = [by_id[s].kv_used for s in sources if by_id[s].version == v]
+        assert used == sorted(used)
+    # idempotent on its own output
+    assert plan(apply(loads, moves), c_max=c_max, max_batch=max_batch) == []
+
+
+@settings(max_examples=200, deadline=None)
+@given(loads=loads_strategy())
+def test_each_source_goes_to_the_fullest_feasible_destination(loads):
+    """Best fit: replaying the plan, no other destination available at that moment would
+    have ended fuller while staying within the limits."""
+    moves = plan(loads, c_max=C_MAX, max_batch=MAX_BATCH)
+    by_id = {load.rollout_id: load for load in loads}
+    kv = {i: load.kv_used for i, load in by_id.items()}
+    n = {i: load.n_requests for i, load in by_id.items()}
+    moved: set[str] = set()
+    for m in moves:
+        src = by_id[m.source]
+        peers = [
+            r.rollout_id
+            for r in loads
+            if r.version == src.version
+            and is_candidate(r, C_MAX, MAX_BATCH)
+            and r.rollout_id not in moved | {m.source}
+        ]
+        feasible = [
+            d for d in peers if kv[d] + kv[m.source] <= C_MAX and n[d] + n[m.source] <= MAX_BATCH
+        ]
+        assert kv[m.destination] + kv[m.source] == max(kv[d] + kv[m.source] for d in feasible)
+        kv[m.destination] += kv[m.source]
+        n[m.destination] += n[m.source]
+        kv[m.source], n[m.source] = 0.0, 0
+        moved.add(m.source)
