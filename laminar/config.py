@@ -205,6 +205,17 @@ class RelayConfig(_Section):
     audit_weights: bool = False
 
 
+class RepackConfig(_Section):
+    """Dynamic repack of draining batches (docs/repack.md); absent: off."""
+
+    interval_s: float = Field(5.0, gt=0)  # planning period (the paper: 5 s)
+    on_publish: bool = True  # plan again right after each trainer publication
+    c_max: float = Field(0.9, gt=0, le=1)  # KV fraction a destination may reach
+    # Requests a destination may hold; None: the pacing roofline's memory-bound batch
+    # when paced, capped by rollout.groups_per_batch × group_size.
+    max_batch: int | None = Field(None, gt=1)
+
+
 class ClusterConfig(_Section):
     """How the Dask cluster is found or started."""
 
@@ -226,6 +237,7 @@ class RunConfig(_Section):
     buffer: BufferConfig = BufferConfig()
     trainer: TrainerConfig = TrainerConfig()
     relay: RelayConfig = RelayConfig()
+    repack: RepackConfig | None = None
     cluster: ClusterConfig = ClusterConfig()
 
     @model_validator(mode="after")

@@ -9,11 +9,20 @@ answer while it decodes. One iteration of the loop is one *local batch*:
    fewer, or none: then wait a little);
 3. decode until the batch drains; every finished trajectory is rewarded by a Dask task and
    enters the experience buffer on its own, while the rest of the batch decodes on.
+
+Repack (:mod:`laminar.repack`, driven by :class:`laminar.manager.RolloutManager`) moves a
+draining batch between rollouts of the same version. The generation thread alone touches
+the engine: the manager's requests (export everything, import these states) wait in a
+mailbox that the thread serves between decode steps. An exporting rollout is *held* at
+its batch boundary until the manager releases it, so a failed import can always be
+undone by importing the states back; once released, the freed rollout pulls the newest
+weights and takes new prompts.
 """
 
 from __future__ import annotations
 
 import logging
+import queue
 import threading
 import time
 import traceback
@@ -48,6 +57,11 @@ class RolloutReplica:
         self.puller = Puller(relay, cfg.relay.timeout_s)
         self.fingerprints: dict[int, int] = {}  # version loaded -> xxh3-64 (audit_weights)
         self._synced = False  # the relay has shown us a version
+        self._inbox: queue.Queue = queue.Queue()  # manager commands for the generation thread
+        self._in_batch = False  # decoding a batch: moves may take from or add to it
+        self._held = False  # exported for a move: wait at the boundary until released
+        self._reprefill = False  # the next step re-prefills imported requests
+        self._load: dict = {}  # published by the generation thread after every step
         self.tok = load_tokenizer(policy_dir)
         self.engine = make_engine(
             cfg.rollout,
@@ -78,12 +92,19 @@ class RolloutReplica:
             "weight_loads": 0,
             "weight_bytes": 0,
             "parity_checks": 0,
+            "parity_moved_responses": 0,  # moved by repack, then checked
             "parity_max_abs": float("nan"),  # latest check
             "parity_mean_abs": float("nan"),
             "parity_worst_abs": 0.0,  # over the run
             "idle_s": 0.0,
             "weight_wait_s": 0.0,
             "decode_s": 0.0,
+            "moves_out": 0,
+            "moves_in": 0,
+            "requests_out": 0,
+            "requests_in": 0,
+            "reprefill_tokens": 0,
+            "reprefill_s": 0.0,
         }
 
     # -- control methods (run on the actor thread while the loop decodes) ---------------
@@ -117,19 +138,24 @@ class RolloutReplica:
     def _run(self) -> None:
         try:
             while not self._stop.is_set():
-                self._maybe_load_weights()
-                groups = self._call(self.pool.acquire(self.cfg.rollout.groups_per_batch))
-                if not groups:
-                    t = time.time()
-                    self._collect_rewards(block=False)
-                    self._stop.wait(0.05)
-                    self.counts["idle_s"] += time.time() - t
-                    continue
-                self._generate(groups)
+                self._wait_while_held()
+                if not self.engine.has_work():  # a batch boundary
+                    self._maybe_load_weights()
+                    groups = self._call(self.pool.acquire(self.cfg.rollout.groups_per_batch))
+                    if not groups:
+                        t = time.time()
+                        self._collect_rewards(block=False)
+                        self._serve(0.05)
+                        self.counts["idle_s"] += time.time() - t
+                        continue
+                    self._add(groups)
+                self._decode()
             self._collect_rewards(block=True)
         except Exception:
             self.error = traceback.format_exc()
             logger.error("rollout %s failed:\n%s", self.rollout_id, self.error)
+        finally:
+            self._fail_commands()
 
     def _call(self, actor_future):
         # Every actor-to-actor call has a timeout: a call to a lost actor never returns.
@@ -163,7 +189,7 @@ class RolloutReplica:
     def get_fingerprints(self) -> dict[int, int]:
         return dict(self.fingerprints)
 
-    def _generate(self, groups: list[PromptGroup]) -> None:
+    def _add(self, groups: list[PromptGroup]) -> None:
         now = time.time()
         for g in groups:
             for i in range(g.group_size):
@@ -176,21 +202,156 @@ class RolloutReplica:
                     )
                 )
         self.counts["batches"] += 1
+
+    def _decode(self) -> None:
+        """Decode until the engine drains (or hands its requests away)."""
         every = self.cfg.rollout.parity_every
         check = every and (self.counts["batches"] - 1) % every == 0
         sample: list[FinishedOutput] = []
+        moved: list[FinishedOutput] = []
         t0 = time.time()
-        while self.engine.has_work() and not self._stop.is_set():
-            finished = self.engine.step()
-            self.counts["decode_steps"] += 1
-            if finished:
-                self._submit_rewards(finished)
-                if check and len(sample) < PARITY_SAMPLE:
-                    sample += finished[: PARITY_SAMPLE - len(sample)]
-            self._collect_rewards(block=False)
+        self._in_batch = True
+        try:
+            self._publish_load()
+            while self.engine.has_work() and not self._stop.is_set():
+                t_step = time.perf_counter()
+                finished = self.engine.step()
+                if self._reprefill:
+                    self.counts["reprefill_s"] += time.perf_counter() - t_step
+                    self._reprefill = False
+                self.counts["decode_steps"] += 1
+                if finished:
+                    self._submit_rewards(finished)
+                    # Moved responses (re-prefilled here) are always checked when parity
+                    # checks are on; others every `parity_every` batches.
+                    if every:
+                        got = [o for o in finished if o.n_moves]
+                        moved += got[: PARITY_SAMPLE - len(moved)]
+                    if check:
+                        got = [o for o in finished if not o.n_moves]
+                        sample += got[: PARITY_SAMPLE - len(sample)]
+                self._collect_rewards(block=False)
+                self._publish_load()
+                self._serve()
+        finally:
+            self._in_batch = False
+            self._publish_load()
         self.counts["decode_s"] += time.time() - t0
-        if sample:
-            self._check_parity(sample)
+        if sample or moved:
+            self._check_parity(sample + moved)
+
+    # -- repack: the manager's commands, served by the generation thread ----------------
+    def load(self) -> dict:
+        """This rollout's load for the repack planner (as of its latest decode step)."""
+        return dict(self._load)
+
+    def _publish_load(self) -> None:
+        kv = self.engine.kv_stats()
+        self._load = {
+            "rollout_id": self.rollout_id,
+            "version": self.engine.version,
+            "kv_used": kv.used_tokens / max(kv.capacity_tokens, 1),
+            "n_requests": kv.running + kv.waiting,
+            "in_batch": self._in_batch,
+            "held": self._held,
+            "t": time.time(),
+        }
+
+    def export_for_move(self) -> dict | None:
+        """Hand every unfinished request to the manager and hold at the batch boundary
+        until :meth:`release`. ``None`` if there is no batch to take any more."""
+        return self._command(self._export_all)
+
+    def import_for_move(self, version: int, states: list, rollback: bool = False) -> bool:
+        """Take over ``states`` (sampled by ``version``) into the running batch. Refused
+        (``False``) unless this rollout is decoding a batch of that same version — or,
+        with ``rollback``, is the held source taking its own states back."""
+        return self._command(lambda: self._import(version, states, rollback))
+
+    def release(self) -> None:
+        """End the hold of :meth:`export_for_move`: the rollout pulls the newest weights
+        and takes new prompts (or, after a rollback, decodes its batch on)."""
+        self._held = False
+
+    def _export_all(self):
+        if not self._in_batch or self._held or not self.engine.has_work():
+            return None
+        t0 = time.perf_counter()
+        states = self.engine.export(list(self.engine.request_ids()))
+        for st in states:  # the rollouts a trajectory passed through, in order
+            st.request.meta["rollout_path"] = [
+                *st.request.meta.get("rollout_path", []),
+                self.rollout_id,
+            ]
+        self._held = True
+        self.counts["moves_out"] += 1
+        self.counts["requests_out"] += len(states)
+        return {
+            "version": self.engine.version,
+            "states": states,
+            "tokens": sum(len(st.tokens) for st in states),
+            "context_tokens": sum(st.context_len for st in states),
+            "export_s": time.perf_counter() - t0,
+        }
+
+    def _import(self, version: int, states: list, rollback: bool) -> bool:
+        ok_state = self._held if rollback else (self._in_batch and not self._held)
+        if not ok_state or self.engine.version != version or self._stop.is_set():
+            return False
+        if rollback:
+            for st in states:
+                st.request.meta["rollout_path"] = st.request.meta["rollout_path"][:-1]
+        self.engine.import_(states)
+        self._reprefill = True
+        if not rollback:
+            self.counts["moves_in"] += 1
+            self.counts["requests_in"] += len(states)
+            self.counts["reprefill_tokens"] += sum(st.context_len for st in states)
+        return True
+
+    def _command(self, fn):
+        """Run ``fn`` on the generation thread between two decode steps; wait for it."""
+        if self._thread is None or not self._thread.is_alive():
+            raise RuntimeError(f"rollout {self.rollout_id} is not generating: {self.error}")
+        done, box = threading.Event(), {}
+        self._inbox.put((fn, box, done))
+        if not done.wait(self.cfg.cluster.actor_timeout_s):
+            raise TimeoutError(f"rollout {self.rollout_id} did not serve a repack command")
+        if "error" in box:
+            raise box["error"]
+        return box["result"]
+
+    def _serve(self, wait: float = 0.0) -> None:
+        """Run the manager's pending commands (waiting up to ``wait`` s for one)."""
+        try:
+            item = self._inbox.get(timeout=wait) if wait else self._inbox.get_nowait()
+        except queue.Empty:
+            return
+        while True:
+            fn, box, done = item
+            try:
+                box["result"] = fn()
+            except Exception as e:  # noqa: BLE001 — handed to the caller
+                box["error"] = e
+            done.set()
+            self._publish_load()
+            try:
+                item = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+
+    def _wait_while_held(self) -> None:
+        while self._held and not self._stop.is_set():
+            self._serve(0.02)
+
+    def _fail_commands(self) -> None:
+        while True:
+            try:
+                _, box, done = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            box["error"] = RuntimeError(f"rollout {self.rollout_id} stopped")
+            done.set()
 
     def _check_parity(self, outputs: list[FinishedOutput]) -> None:
         """Max/mean |behavior logprob - trainer logprob| over these responses' tokens."""
@@ -206,6 +367,7 @@ class RolloutReplica:
         diff = np.abs(np.concatenate(trainer_side) - np.concatenate([o.logprobs for o in outputs]))
         c = self.counts
         c["parity_checks"] += 1
+        c["parity_moved_responses"] += sum(o.n_moves > 0 for o in outputs)
         c["parity_max_abs"] = float(diff.max())
         c["parity_mean_abs"] = float(diff.mean())
         c["parity_worst_abs"] = max(c["parity_worst_abs"], c["parity_max_abs"])
@@ -238,7 +400,9 @@ class RolloutReplica:
                     else np.zeros(0, np.int32),
                     n_migrations=out.n_moves,
                     finish_reason=out.finish_reason,
-                    rollout_ids=self.rollout_id,
+                    rollout_ids=",".join(
+                        [*out.request.meta.get("rollout_path", []), self.rollout_id]
+                    ),
                     t_submit=out.request.meta["t_submit"],
                     t_start=out.t_start,
                     t_finish=out.t_finish,

@@ -45,6 +45,11 @@ ROLLOUT_METRICS = (
     "decode_steps",
     "weight_loads",
     "weight_bytes",
+    "moves_out",
+    "moves_in",
+    "requests_in",
+    "reprefill_tokens",
+    "reprefill_s",
     "idle_s",
     "weight_wait_s",
     "decode_s",
@@ -155,7 +160,21 @@ class LaminarSchedule:
             )
             for i, w in enumerate(rollout_ws)
         ]
+        manager = None
+        if cfg.repack is not None:
+            from laminar.manager import RolloutManager
+
+            manager = submit_actor(
+                client,
+                RolloutManager,
+                cfg,
+                {f"r{i}": r for i, r in enumerate(rollouts)},
+                tier.master,
+                worker=data_w,
+                resource="data",
+            )
         self.actors = {
+            "manager": manager,
             "pool": pool,
             "buffer": buffer,
             "trainer": trainer,
@@ -173,6 +192,9 @@ class LaminarSchedule:
         a["trainer"].start().result()
         for r in a["rollouts"]:
             r.start().result()
+        if a["manager"] is not None:
+            a["manager"].start().result()
+        self._n_repacks = 0
         self.metrics = MetricsWriter(self.run_dir)
         self._rows: dict[str, list[dict]] = {"cluster": [], "rollouts": []}
         self._n_updates = 0
@@ -213,6 +235,8 @@ class LaminarSchedule:
                 last_flush = now
             failed = [s for s in r_stats if s["error"]] + ([t_stats] if t_stats["error"] else [])
             failed += [s for s in (r.stats().result() for r in a["trainer_ranks"]) if s["error"]]
+            if a["manager"] is not None and (m := a["manager"].stats().result())["error"]:
+                failed.append(m)
             if failed:
                 reason = "failed: " + failed[0]["error"].strip().splitlines()[-1]
                 break
@@ -257,11 +281,17 @@ class LaminarSchedule:
         new = self.actors["trainer"].get_history(self._n_updates).result()
         self.metrics.append("updates", new)
         self._n_updates += len(new)
+        if self.actors["manager"] is not None:
+            moves = self.actors["manager"].get_rows(self._n_repacks).result()
+            self.metrics.append("repacks", moves)
+            self._n_repacks += len(moves)
 
     def shutdown(self, reason: str, t_start: float) -> dict:
         """Stop rollouts (their rewarded trajectories still reach the buffer), then the
         trainer (final checkpoint), then close the buffer (flushes the store)."""
         a = self.actors
+        # No moves while rollouts stop: the manager goes first.
+        m_stats = a["manager"].stop().result() if a["manager"] is not None else None
         r_stats = [r.stop().result() for r in a["rollouts"]]
         t_stats = a["trainer"].stop().result()
         t_stats["ranks_stats"] = [r.stats().result() for r in a["trainer_ranks"]]
@@ -274,6 +304,7 @@ class LaminarSchedule:
         b_stats = a["buffer"].close().result()
         wall = time.time() - t_start
         return {
+            "repack": m_stats,
             "relay": relay,
             "reason": reason,
             "wall_s": wall,
@@ -380,6 +411,7 @@ def summarize(run_dir: Path, raw: dict, sft_info: dict, cfg: RunConfig) -> dict:
         "weights_checksums": [raw["trainer"]["weights_checksum"]]
         + [r["weights_checksum"] for r in raw["trainer"]["ranks_stats"]],
         "relay": raw["relay"],
+        "repack": raw["repack"],
         "metrics": str(run_dir / "metrics.zarr"),
     }
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2, default=float))
@@ -390,6 +422,7 @@ def _engine_summary(rollouts: list[dict]) -> dict:
     """Behavior/trainer parity over the run, and modelled vs real time when paced."""
     out = {
         "parity_checks": sum(r.get("parity_checks", 0) for r in rollouts),
+        "parity_moved_responses": sum(r.get("parity_moved_responses", 0) for r in rollouts),
         "parity_max_abs": max((r.get("parity_worst_abs", 0.0) for r in rollouts), default=0.0),
         "preemptions": sum(r.get("engine_preemptions", 0) for r in rollouts),
     }

@@ -36,6 +36,7 @@ TABLES = {
     "rollouts": "sample",
     "updates": "update",
     "publications": "publication",  # one row per version the trainer published
+    "repacks": "move",  # one row per repack move (docs/repack.md)
 }
 _CHUNK = 4096
 

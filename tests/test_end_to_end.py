@@ -23,14 +23,18 @@ from storage import open_run
 pytestmark = pytest.mark.slow
 
 
-def check_store(run_dir, expect_consumed_groups=None):
+def check_store(run_dir, expect_consumed_groups=None, moved=False):
     ds = open_run(run_dir)
     assert ds.laminar.audit() == []
     consumed = ds["status"].values == "consumed"
     if expect_consumed_groups is not None:
         assert len(set(ds["prompt_uid"].values[consumed])) == expect_consumed_groups
     assert (ds["versions_len"].values == 0).all()  # one weight version per trajectory
-    assert all("," not in r for r in ds["rollout_ids"].values)
+    paths = [r.split(",") for r in ds["rollout_ids"].values]
+    # one rollout per trajectory, or (repack) one more per move
+    assert [len(p) - 1 for p in paths] == ds["n_migrations"].values.tolist()
+    if not moved:
+        assert (ds["n_migrations"].values == 0).all()
     assert (ds["t_submit"].values <= ds["t_start"].values).all()
     assert (ds["t_start"].values <= ds["t_finish"].values).all()
     assert (ds["t_finish"].values <= ds["t_insert"].values).all()
@@ -356,3 +360,42 @@ def test_cli_run_through_a_relay_chain_loads_exactly_the_published_weights(tmp_p
         & (rollout[:, None] != rollout[None, :])
     )
     assert overlap.any()
+
+
+def test_repack_moves_draining_batches_and_keeps_every_trajectory_whole(tmp_path):
+    """repack on (checks every 0.2 s, four rollouts): draining batches of one version
+    merge. Moved trajectories keep one behavior version, list the rollouts they passed
+    through, and their behavior logprobs — computed after re-prefill at the destination —
+    match the trainer's forward of the same tokens (the parity check takes every moved
+    response). The store audits clean and every move is a row of the repacks table."""
+    run_dir = tmp_path / "run"
+    overrides = [  # the tiny run's long local batches (64 requests), shorter
+        "task.num_prompts=400",
+        "task.max_len=24",
+        "sft.steps=20",
+        "rollout.replicas=4",
+        "buffer.max_outstanding_groups=32",
+        "trainer.groups_per_step=8",
+        "trainer.steps=5",
+        "repack.interval_s=0.2",
+        "repack.c_max=1.0",
+    ]
+    proc = laminar_cli("run", "configs/tiny.yaml", "--run-dir", str(run_dir), *sets(overrides))
+    out, _ = proc.communicate(timeout=400)
+    assert proc.returncode == 0, out
+    summary = json.loads((run_dir / "summary.json").read_text())
+    repack = summary["repack"]
+    assert repack["error"] is None and repack["moves"] >= 1, repack
+    ds = check_store(run_dir, moved=True)
+    # Every move of a stored trajectory was counted; the rest were still decoding when
+    # the run stopped (unfinished requests are not stored).
+    assert 1 <= ds["n_migrations"].values.sum() <= repack["requests_moved"]
+    assert summary["engine"]["parity_moved_responses"] >= 1
+    assert summary["engine"]["parity_max_abs"] <= 1e-4
+    from storage.metrics import open_metrics
+
+    rows = open_metrics(run_dir, "repacks")
+    assert rows.sizes["move"] == repack["moves"] + repack["rolled_back"]
+    ok = rows["ok"].values.astype(bool)
+    assert int(rows["requests"].values[ok].sum()) == repack["requests_moved"]
+    assert (rows["source"].values != rows["destination"].values).all()
