@@ -116,6 +116,16 @@ class Sink:
             "fingerprint": state_fingerprint(state),
         }
 
+    def fetch(self, relay, version: int, checkpoints_dir: str | None = None) -> dict:
+        """An old ``version`` as recovery asks for it (kept by ``relay``, else from
+        ``checkpoints_dir``): its value if every element agrees, else NaN."""
+        from laminar.relay import fetch_version
+
+        puller = Puller(relay, 60.0)
+        state = fetch_version(version, puller, checkpoints_dir)
+        values = {float(v) for t in state.values() for v in t.unique().tolist()}
+        return {"value": values.pop() if len(values) == 1 else math.nan}
+
 
 def relay_cluster(p: int, sinks: int, memory_limit: str = "6GiB"):
     """A local cluster: ``p`` relay workers (the first hosts the master and the driver)

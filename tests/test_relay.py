@@ -271,6 +271,11 @@ def test_chain_broadcast_and_pulls_under_back_to_back_publication(relay_client):
         assert s["peak_bytes"] <= s["budget_bytes"] == 3 * stats[0]["publications"][0]["bytes"]
     pubs = stats[0]["publications"]
     assert len(pubs) == last and all(np.isfinite(stalls))
+    # An old version, as recovery asks for it: served from the tail relay's kept copy.
+    kept = stats[-1]["kept"]
+    assert len(kept) == 2 and sinks[0].fetch(relays[-1], kept[0]).result()["value"] == kept[0]
+    with pytest.raises(VersionUnavailable):
+        sinks[0].fetch(relays[-1], 1).result()
     # Back-to-back publication skips versions the chain had no time to carry: the
     # downstream relays saw fewer versions than were published, never a torn one.
     assert stats[-1]["versions"] <= last
