@@ -275,6 +275,10 @@ class EngineBase:
         self.version = version
         self.tokenizer = tokenizer
         self.pacer = pacer
+        # Called instead of time.sleep while a paced step waits out its modelled time
+        # (the step's work is done, the engine consistent): a rollout serves its
+        # manager's commands there instead of only between steps.
+        self.wait_hook: Callable[[float], None] | None = None
         self._waiting: deque[RequestState] = deque()
         self.counters = dict.fromkeys(_COUNTERS, 0)
 
@@ -416,4 +420,5 @@ class EngineBase:
                 batch=start.decoding,
                 context_tokens=start.context_tokens,
                 prefill_tokens=start.prefill_tokens,
+                sleep=self.wait_hook or time.sleep,
             )

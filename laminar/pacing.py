@@ -28,6 +28,7 @@ from __future__ import annotations
 import statistics
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from laminar.errors import LaminarError
@@ -197,8 +198,17 @@ class Pacer:
         t = m.decode_time(batch, context_tokens) + m.prefill_time(prefill_tokens)
         return self.dilation * t
 
-    def pace(self, t0: float, *, batch: int, context_tokens: int, prefill_tokens: int) -> None:
-        """Sleep until ``t0`` (a ``perf_counter`` time) plus the modelled step time."""
+    def pace(
+        self,
+        t0: float,
+        *,
+        batch: int,
+        context_tokens: int,
+        prefill_tokens: int,
+        sleep: Callable[[float], None] = time.sleep,
+    ) -> None:
+        """Wait until ``t0`` (a ``perf_counter`` time) plus the modelled step time, with
+        ``sleep(seconds)`` (which may do other work meanwhile, within those seconds)."""
         target = self.modelled(batch, context_tokens, prefill_tokens)
         actual = time.perf_counter() - t0
         self.steps += 1
@@ -220,7 +230,7 @@ class Pacer:
                         f"{self.dilation * median * 1.5:.3g}, or run fewer replicas per core"
                     )
         else:
-            time.sleep(target - actual)
+            sleep(target - actual)
 
     def stats(self) -> dict:
         return {

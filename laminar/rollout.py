@@ -69,6 +69,8 @@ class RolloutReplica:
             seed=cfg.seed * 1000 + int(rollout_id.lstrip("r") or 0),
             version=0,
         )
+        # A paced engine waits out each step's modelled time: serve commands meanwhile.
+        self.engine.wait_hook = self._serve_for
         self._params = cfg.rollout.sampling_params()
         # Behavior/trainer parity: the trainer's forward (laminar.update) on this
         # replica's own finished responses, with the same weights, every few batches.
@@ -339,6 +341,12 @@ class RolloutReplica:
                 item = self._inbox.get_nowait()
             except queue.Empty:
                 return
+
+    def _serve_for(self, seconds: float) -> None:
+        """Sleep ``seconds``, serving the manager's commands as they come."""
+        deadline = time.perf_counter() + seconds
+        while (left := deadline - time.perf_counter()) > 0:
+            self._serve(left)
 
     def _wait_while_held(self) -> None:
         while self._held and not self._stop.is_set():

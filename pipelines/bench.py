@@ -227,7 +227,17 @@ def _bench_relay(**options) -> BenchResult:
     return bench_relay(**options)
 
 
-BENCHES: dict[str, Callable[..., BenchResult]] = {"engine": bench_engine, "relay": _bench_relay}
+def _bench_repack(**options) -> BenchResult:
+    from pipelines.bench_repack import bench_repack
+
+    return bench_repack(**options)
+
+
+BENCHES: dict[str, Callable[..., BenchResult]] = {
+    "engine": bench_engine,
+    "relay": _bench_relay,
+    "repack": _bench_repack,
+}
 
 
 def run_bench(name: str, out: str | None = None, **options) -> BenchResult:

@@ -218,6 +218,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
         options["sizes_mb"] = tuple(int(m) for m in args.sizes_mb.split(","))
     if args.relays:
         options["ps"] = tuple(int(p) for p in args.relays.split(","))
+    if args.duration_s is not None:
+        options["duration_s"] = args.duration_s
     run_bench(args.name, args.out, **options)
     return 0
 
@@ -243,7 +245,7 @@ def main(argv: list[str] | None = None) -> int:
     report.add_argument("runs", nargs="+", metavar="RUN_DIR", help="run directories to compare")
     report.add_argument("--out", help="output folder (default RUN_DIR/report of the first run)")
     bench = sub.add_parser("bench", help="a benchmark: prints a table, writes figures + ratios")
-    bench.add_argument("name", choices=["engine", "relay"], help="which benchmark")
+    bench.add_argument("name", choices=["engine", "relay", "repack"], help="which benchmark")
     bench.add_argument("--out", metavar="FILE.json", help="write figures, ratios and samples")
     bench.add_argument("--repeats", type=int, help="measurements of each figure (median)")
     bench.add_argument("--batches", help="engine: comma-separated batch sizes (1,16,64,256)")
@@ -252,6 +254,7 @@ def main(argv: list[str] | None = None) -> int:
     bench.add_argument("--vllm-python", help="engine: the vLLM environment's python")
     bench.add_argument("--sizes-mb", help="relay: comma-separated weight sizes in MB (64,512)")
     bench.add_argument("--relays", help="relay: comma-separated chain lengths p (2,4,8)")
+    bench.add_argument("--duration-s", type=float, help="repack: wall seconds per arm (60)")
     args = parser.parse_args(argv)
     _quiet_libraries()
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")

@@ -97,3 +97,35 @@ def test_a_pacer_that_cannot_keep_up_stops_the_run(policy):
         for _ in range(40):
             eng.step()
     assert pacer.overruns >= 8
+
+
+def test_a_paced_step_hands_its_wait_to_the_wait_hook(policy):
+    """A rollout serves repack commands while a paced step waits out its modelled time:
+    the engine calls its wait_hook with exactly the time left, and the step still takes
+    the modelled time; an import made from inside the hook is decoded from the next step."""
+    pacer = Pacer(TimeModel.named("H800", "7B", tp=4), dilation=30.0)
+    eng = paced_engine(policy, pacer)
+    waits: list[float] = []
+
+    def hook(seconds):
+        waits.append(seconds)
+        if len(waits) == 2:  # as the manager would: a request arrives mid-wait
+            eng.import_([*other.export(["moved"])])
+        time.sleep(seconds)
+
+    other = paced_engine(policy, Pacer(TimeModel.named("H800", "7B", tp=4), dilation=1.0))
+    other.add_request(GenerationRequest("moved", (3, 4, 5), SamplingParams(6, seed=7)))
+    other.step()
+    eng.wait_hook = hook
+    eng.add_request(GenerationRequest("own", (3,) * 5, SamplingParams(20, seed=1)))
+    done, t0 = {}, time.perf_counter()
+    while eng.has_work():
+        for out in eng.step():
+            done[out.request.request_id] = out
+    assert set(done) == {"own", "moved"} and done["moved"].n_moves == 1
+    ref = paced_engine(policy, None)  # the same request, never moved
+    ref.add_request(GenerationRequest("moved", (3, 4, 5), SamplingParams(6, seed=7)))
+    unmoved = [out for _ in range(64) if ref.has_work() for out in ref.step()]
+    assert [o.response_tokens.tolist() for o in unmoved] == [done["moved"].response_tokens.tolist()]
+    assert len(waits) == pacer.steps - pacer.overruns and all(w > 0 for w in waits)
+    assert time.perf_counter() - t0 >= pacer.modelled_s * 0.999
