@@ -140,13 +140,14 @@ def bench_repack(
     duration_s: float = 60.0,
     replicas: int = REPLICAS,
     dilation: float = 40.0,
-    interval_s: float | None = None,
+    interval_s: float = 1.0,
 ):
-    """The repack bench; see the module docstring. ``interval_s`` defaults to the
-    paper's 5 s in modelled time (× ``dilation``): in practice the manager plans right
-    after each trainer publication."""
-    if interval_s is None:
-        interval_s = 5.0 * dilation
+    """The repack bench; see the module docstring.
+
+    ``interval_s`` (wall seconds): 1 s is about 8 paced decode steps, a tenth of the
+    longest generation here. The paper's 5 s is about 1% of its longest generations but
+    150 decode steps; no single scaling keeps both with lengths cut 200× for CPU
+    (docs/repack.md has the measured sensitivity)."""
     from distributed import Client
 
     from laminar.cluster import local_cluster
