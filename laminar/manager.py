@@ -143,7 +143,13 @@ class RolloutManager:
             return None
         try:
             t1 = time.time()
-            ok = dst.import_for_move(out["version"], out["states"]).result(timeout=self.timeout)
+            try:
+                ok = dst.import_for_move(out["version"], out["states"]).result(timeout=self.timeout)
+            except Exception as e:  # noqa: BLE001 — the destination failed: take them back
+                logger.warning(
+                    "repack %s -> %s: import failed (%r); rolled back", source, destination, e
+                )
+                ok = False
             t_import = time.time() - t1
             if not ok:
                 back = src.import_for_move(out["version"], out["states"], rollback=True)

@@ -58,6 +58,7 @@ class RolloutReplica:
         self.fingerprints: dict[int, int] = {}  # version loaded -> xxh3-64 (audit_weights)
         self._synced = False  # the relay has shown us a version
         self._inbox: queue.Queue = queue.Queue()  # manager commands for the generation thread
+        self._claim = threading.Lock()  # a command runs, or is withdrawn, never both
         self._in_batch = False  # decoding a batch: moves may take from or add to it
         self._held = False  # exported for a move: wait at the boundary until released
         self._reprefill = False  # the next step re-prefills imported requests
@@ -312,13 +313,21 @@ class RolloutReplica:
         return True
 
     def _command(self, fn):
-        """Run ``fn`` on the generation thread between two decode steps; wait for it."""
+        """Run ``fn`` on the generation thread between two decode steps; wait for it.
+
+        A command not started within the timeout is withdrawn, so it can never run
+        later (a move the manager gave up on must not happen behind its back)."""
         if self._thread is None or not self._thread.is_alive():
             raise RuntimeError(f"rollout {self.rollout_id} is not generating: {self.error}")
-        done, box = threading.Event(), {}
+        done, box = threading.Event(), {"state": "pending"}
         self._inbox.put((fn, box, done))
         if not done.wait(self.cfg.cluster.actor_timeout_s):
-            raise TimeoutError(f"rollout {self.rollout_id} did not serve a repack command")
+            with self._claim:
+                withdrawn = box["state"] == "pending"
+                if withdrawn:
+                    box["state"] = "withdrawn"
+            if withdrawn or not done.wait(self.cfg.cluster.actor_timeout_s):
+                raise TimeoutError(f"rollout {self.rollout_id} did not serve a repack command")
         if "error" in box:
             raise box["error"]
         return box["result"]
@@ -331,12 +340,16 @@ class RolloutReplica:
             return
         while True:
             fn, box, done = item
-            try:
-                box["result"] = fn()
-            except Exception as e:  # noqa: BLE001 — handed to the caller
-                box["error"] = e
-            done.set()
-            self._publish_load()
+            with self._claim:
+                run = box["state"] == "pending"
+                box["state"] = "running" if run else box["state"]
+            if run:
+                try:
+                    box["result"] = fn()
+                except Exception as e:  # noqa: BLE001 — handed to the caller
+                    box["error"] = e
+                done.set()
+                self._publish_load()
             try:
                 item = self._inbox.get_nowait()
             except queue.Empty:

@@ -106,3 +106,30 @@ def test_each_source_goes_to_the_fullest_feasible_destination(loads):
         n[m.destination] += n[m.source]
         kv[m.source], n[m.source] = 0.0, 0
         moved.add(m.source)
+
+
+# -- a rollout's mailbox: the manager's commands run on its generation thread ------------
+
+
+def test_a_command_the_manager_gave_up_on_never_runs_later(tiny_policy, small_config):
+    """A move command not served within the timeout is withdrawn: when the generation
+    thread reaches its mailbox afterwards, it skips it (a move must not happen behind the
+    manager's back, after it rolled the states back elsewhere)."""
+    import threading
+
+    from laminar.config import with_overrides
+    from laminar.rollout import RolloutReplica
+
+    cfg = with_overrides(small_config, ["cluster.actor_timeout_s=0.2", "rollout.parity_every=0"])
+    rollout = RolloutReplica("r0", cfg, str(tiny_policy), None, None, None)
+    busy = threading.Event()
+    rollout._thread = threading.Thread(target=busy.wait, daemon=True)  # alive, never serving
+    rollout._thread.start()
+    ran = []
+    with pytest.raises(TimeoutError, match="did not serve"):
+        rollout._command(lambda: ran.append(1))
+    served = []
+    rollout._inbox.put((lambda: served.append(1), {"state": "pending"}, threading.Event()))
+    rollout._serve()  # the generation thread's turn: the withdrawn command is skipped
+    assert ran == [] and served == [1]
+    busy.set()
