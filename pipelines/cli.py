@@ -118,6 +118,27 @@ def _print_summary(s: dict) -> None:
             f"pacing             modelled {eng['modelled_s']:.1f} s, real compute "
             f"{eng['compute_s']:.1f} s, {eng['overruns']} steps over the model"
         )
+    relay = s.get("relay")
+    if relay:
+        waits = relay["rollout_wait_s"]
+        stall, bcast = relay["stall_s_median"] * 1e3, relay["broadcast_s_median"] * 1e3
+        print(
+            f"weights            {len(relay['chain'])} relay(s); publication stall {stall:.1f} ms, "
+            f"broadcast {bcast:.1f} ms (medians); rollout wait "
+            f"{sum(waits) / max(len(waits), 1):.1f} s per rollout"
+        )
+        if "fingerprints" in relay:
+            fp = relay["fingerprints"]
+            print(
+                f"weights audit      {fp['loads_checked']} loads checked, {fp['mismatched']} "
+                "differ from what the trainer published"
+            )
+    repack = s.get("repack")
+    if repack:
+        print(
+            f"repack             {repack['moves']} moves ({repack['rolled_back']} rolled back), "
+            f"{repack['requests_moved']} requests, pause {repack['pause_s']:.2f} s"
+        )
     print(f"checkpoint         {s['checkpoint']}")
 
 
