@@ -82,6 +82,9 @@ class PacingConfig(_Section):
     tp: int = Field(4, gt=0)  # devices per replica
     dilation: float = Field(1.0, gt=0)  # every modelled time × this
     strict: bool = True  # stop with an error if real compute exceeds the model
+    # How a step's prefill is charged: added to the decode step, or fused into its
+    # forward pass as a chunked-prefill engine does (docs/pacing.md).
+    prefill: Literal["additive", "fused"] = "additive"
 
     @model_validator(mode="after")
     def _known(self) -> PacingConfig:

@@ -237,7 +237,12 @@ def make_engine(rollout, policy_dir: str, *, seed: int, version: int = 0) -> Eng
         from laminar.pacing import Pacer, TimeModel
 
         p = rollout.pacing
-        pacer = Pacer(TimeModel.named(p.accelerator, p.model, p.tp), p.dilation, strict=p.strict)
+        pacer = Pacer(
+            TimeModel.named(p.accelerator, p.model, p.tp),
+            p.dilation,
+            strict=p.strict,
+            fused_prefill=p.prefill == "fused",
+        )
     tok = load_tokenizer(policy_dir)
     options = dict(
         eos_token_id=tok.eos_token_id,

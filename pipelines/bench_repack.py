@@ -141,6 +141,7 @@ def bench_repack(
     replicas: int = REPLICAS,
     dilation: float = 40.0,
     interval_s: float = 1.0,
+    prefill: str = "additive",
 ):
     """The repack bench; see the module docstring.
 
@@ -153,7 +154,11 @@ def bench_repack(
     from laminar.cluster import local_cluster
     from pipelines.bench import BenchResult
 
-    common = WORKLOAD + [f"rollout.replicas={replicas}", f"rollout.pacing.dilation={dilation}"]
+    common = WORKLOAD + [
+        f"rollout.replicas={replicas}",
+        f"rollout.pacing.dilation={dilation}",
+        f"rollout.pacing.prefill={prefill}",
+    ]
     arms = {"off": [], "on": [f"repack.interval_s={interval_s}"]}
     results: dict[str, list[dict]] = {"off": [], "on": []}
     root = Path(tempfile.mkdtemp(prefix="laminar-bench-repack-"))
@@ -200,6 +205,7 @@ def bench_repack(
             "replicas": replicas,
             "dilation": dilation,
             "interval_s": interval_s,
+            "prefill": prefill,
             "workload": common,
             "runs": str(root),
         },

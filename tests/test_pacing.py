@@ -129,3 +129,18 @@ def test_a_paced_step_hands_its_wait_to_the_wait_hook(policy):
     assert [o.response_tokens.tolist() for o in unmoved] == [done["moved"].response_tokens.tolist()]
     assert len(waits) == pacer.steps - pacer.overruns and all(w > 0 for w in waits)
     assert time.perf_counter() - t0 >= pacer.modelled_s * 0.999
+
+
+def test_fused_prefill_hides_compute_under_the_weight_read():
+    m = TimeModel.named("H800", "7B", tp=4)
+    decode = m.decode_time(32, 4000)
+    assert m.step_time(32, 4000, 0, fused=True) == decode == m.step_time(32, 4000, 0)
+    # a small prefill fits under the weight read: free when fused, not when additive
+    assert m.step_time(32, 4000, 50, fused=True) == decode < m.step_time(32, 4000, 50)
+    # a large one is compute-bound: fused saves the weight read, less the decode compute
+    # that the additive step already hid under it
+    big = 20_000
+    saved = m.step_time(32, 4000, big) - m.step_time(32, 4000, big, fused=True)
+    assert saved == pytest.approx(m.weight_read_time - 32 * m.compute_per_sequence, rel=1e-9)
+    pacer = Pacer(m, dilation=2.0, fused_prefill=True)
+    assert pacer.modelled(32, 4000, 50) == pytest.approx(2.0 * decode)
