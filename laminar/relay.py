@@ -39,7 +39,7 @@ import threading
 import time
 from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -200,8 +200,6 @@ class Snapshot:
     received: int = 0
     complete: bool = False
     pins: int = 0  # readers copying and forwarders sending from this slot
-    t_begin: float = field(default_factory=time.time)
-    t_complete: float = math.nan
 
     @property
     def n_chunks(self) -> int:
@@ -289,7 +287,7 @@ class RelayCore:
             )
         deadline = time.monotonic() + timeout
         while True:
-            self._evict(keep=self.keep_versions)
+            self._evict()
             for i, buf in enumerate(self._free):
                 if buf.nbytes == nbytes:
                     return self._free.pop(i)
@@ -308,22 +306,20 @@ class RelayCore:
                 )
             self._lock.wait(min(left, 0.1))
 
-    def _evict(self, keep: int) -> bool:
-        """Free the oldest complete, unpinned versions beyond the newest ``keep`` complete
-        ones (lock held). Incomplete versions older than the newest complete one were
-        abandoned by their sender and are dropped too."""
-        done = sorted(v for v, s in self._snaps.items() if s.complete)
+    def _evict(self) -> None:
+        """Free the oldest complete, unpinned versions beyond the newest
+        ``keep_versions`` complete ones (lock held). Incomplete versions older than the
+        newest complete one were abandoned by their sender and are dropped too."""
+        done = self._kept()
         newest_done = done[-1] if done else -1
-        evicted = False
+        surplus = set(done[: max(len(done) - self.keep_versions, 0)])
         for v in sorted(self._snaps):
             s = self._snaps[v]
             stale = not s.complete and v < newest_done
-            if (s.complete and v in done[: max(len(done) - keep, 0)] or stale) and not s.pins:
+            if (v in surplus or stale) and not s.pins:
                 del self._snaps[v]
                 self._free.append(s.buf)
                 self.counts["evicted"] += s.complete
-                evicted = True
-        return evicted
 
     def prewarm(self, nbytes: int) -> bool:
         """Allocate and touch one spare slot of ``nbytes`` ahead of the next version, if
@@ -393,40 +389,41 @@ class RelayCore:
 
     def _complete(self, snap: Snapshot) -> None:
         snap.complete = True
-        snap.t_complete = time.time()
         self.counts["versions"] += 1
-        self._evict(keep=self.keep_versions)
+        self._evict()
         self._lock.notify_all()
 
     # -- reading --------------------------------------------------------------------------
     def newest(self) -> Snapshot | None:
         with self._lock:
-            done = [v for v, s in self._snaps.items() if s.complete]
-            return self._snaps[max(done)] if done else None
+            kept = self._kept()
+            return self._snaps[kept[-1]] if kept else None
 
     def versions(self) -> list[int]:
         with self._lock:
-            return sorted(v for v, s in self._snaps.items() if s.complete)
+            return self._kept()
 
     def get(self, version: int) -> Snapshot:
         with self._lock:
             snap = self._snaps.get(version)
             if snap is None or not snap.complete:
                 raise VersionUnavailable(
-                    f"version {version} is not kept here (kept: {self.versions_locked()})"
+                    f"version {version} is not kept here (kept: {self._kept()})"
                 )
             return snap
 
-    def versions_locked(self) -> list[int]:
+    def _kept(self) -> list[int]:
+        """The complete versions, oldest first (lock held)."""
         return sorted(v for v, s in self._snaps.items() if s.complete)
 
     def pin(self, version: int) -> Snapshot:
-        """Hold a complete version's slot (a reader copying, a forwarder sending)."""
+        """Hold a version's slot, complete or arriving (a reader copying, a forwarder
+        sending): it is not recycled until :meth:`unpin`."""
         with self._lock:
             snap = self._snaps.get(version)
             if snap is None:
                 raise VersionUnavailable(
-                    f"version {version} is no longer kept here (kept: {self.versions_locked()})"
+                    f"version {version} is no longer kept here (kept: {self._kept()})"
                 )
             snap.pins += 1
             return snap
@@ -452,7 +449,7 @@ class RelayCore:
         with self._lock:
             return {
                 **self.counts,
-                "kept": self.versions_locked(),
+                "kept": self._kept(),
                 "arriving": sorted(v for v, s in self._snaps.items() if not s.complete),
                 "allocated_bytes": self.allocated_bytes,
                 "peak_bytes": self.peak_bytes,
