@@ -25,16 +25,37 @@ def local_cluster(
 
     Like :class:`distributed.LocalCluster`, but each worker carries its own resources:
     one worker for the data module and the trainer (``data=1, trainer=1``), one more
-    ``trainer=1`` worker per extra data-parallel trainer rank, and one per rollout
-    replica (``rollout=1``), and ``relays`` workers with ``relay=1`` (downstream relays;
-    the master relay shares the trainer's process). Built as a :class:`distributed.SpecCluster` of
-    nannies because ``LocalCluster`` gives every worker the same resources.
+    ``trainer=1`` worker per extra data-parallel trainer rank, one per rollout replica
+    (``rollout=1``), and ``relays`` workers with ``relay=1`` (downstream relays; the
+    master relay shares the trainer's process).
     """
+    workers = {"data-trainer": {"data": 1, "trainer": 1}}
+    for i in range(1, trainer_ranks):
+        workers[f"trainer-{i}"] = {"trainer": 1}
+    for i in range(n_rollouts):
+        workers[f"rollout-{i}"] = {"rollout": 1}
+    for i in range(1, relays + 1):
+        workers[f"relay-{i}"] = {"relay": 1}
+    return role_cluster(
+        workers, memory_limit=memory_limit, torch_threads=torch_threads, name="laminar-local"
+    )
+
+
+def role_cluster(
+    workers: dict[str, dict[str, int]],
+    *,
+    memory_limit: str = "4GiB",
+    torch_threads: int = 1,
+    name: str = "laminar",
+):
+    """One single-threaded worker process on this machine per ``workers`` entry (name ->
+    its resources), with :func:`worker_environ`. A :class:`distributed.SpecCluster` of
+    nannies, because ``LocalCluster`` gives every worker the same resources."""
     import dask
     from distributed import Nanny, Scheduler, SpecCluster
 
-    def worker(resources: dict[str, int]) -> dict:
-        return {
+    specs = {
+        w: {
             "cls": Nanny,
             "options": {
                 "nthreads": 1,
@@ -43,20 +64,14 @@ def local_cluster(
                 "host": "127.0.0.1",
             },
         }
-
-    workers = {"data-trainer": worker({"data": 1, "trainer": 1})}
-    for i in range(1, trainer_ranks):
-        workers[f"trainer-{i}"] = worker({"trainer": 1})
-    for i in range(n_rollouts):
-        workers[f"rollout-{i}"] = worker({"rollout": 1})
-    for i in range(1, relays + 1):
-        workers[f"relay-{i}"] = worker({"relay": 1})
+        for w, resources in workers.items()
+    }
     scheduler = {
         "cls": Scheduler,
         "options": {"dashboard_address": ":0", "host": "127.0.0.1"},
     }
     with dask.config.set({"distributed.nanny.pre-spawn-environ": worker_environ(torch_threads)}):
-        return SpecCluster(workers=workers, scheduler=scheduler, name="laminar-local")
+        return SpecCluster(workers=specs, scheduler=scheduler, name=name)
 
 
 def worker_environ(torch_threads: int = 1) -> dict[str, str]:

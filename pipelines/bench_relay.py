@@ -130,26 +130,11 @@ class Sink:
 def relay_cluster(p: int, sinks: int, memory_limit: str = "6GiB"):
     """A local cluster: ``p`` relay workers (the first hosts the master and the driver)
     and ``sinks`` rollout-like workers."""
-    from distributed import Nanny, Scheduler, SpecCluster
+    from laminar.cluster import role_cluster
 
-    from laminar.cluster import worker_environ
-
-    def worker(resources):
-        return {
-            "cls": Nanny,
-            "options": {
-                "nthreads": 1,
-                "resources": resources,
-                "memory_limit": memory_limit,
-                "host": "127.0.0.1",
-                "env": worker_environ(1),
-            },
-        }
-
-    workers = {f"relay-{i}": worker({"relay": 1}) for i in range(p)}
-    workers |= {f"sink-{i}": worker({"rollout": 1}) for i in range(sinks)}
-    scheduler = {"cls": Scheduler, "options": {"dashboard_address": ":0", "host": "127.0.0.1"}}
-    return SpecCluster(workers=workers, scheduler=scheduler, name="laminar-relay-bench")
+    workers = {f"relay-{i}": {"relay": 1} for i in range(p)}
+    workers |= {f"sink-{i}": {"rollout": 1} for i in range(sinks)}
+    return role_cluster(workers, memory_limit=memory_limit, name="laminar-relay-bench")
 
 
 def build_chain(client, relay_workers: list[str], cfg) -> list:
