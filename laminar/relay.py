@@ -949,6 +949,24 @@ def _host(address: str) -> str:
     return urlparse(address).hostname or address
 
 
+def start_chain(
+    client, placement: list[tuple[str, str]], cfg: RelayConfig
+) -> tuple[list, list[str]]:
+    """A :class:`Relay` on each ``(worker, resource)`` of ``placement``, the first being
+    the master, chained in that order. Returns the handles and their ids."""
+    from laminar.cluster import submit_actor
+
+    ids = ["master"] + [f"relay{i}" for i in range(1, len(placement))]
+    relays = [
+        submit_actor(client, Relay, rid, cfg, worker=w, resource=res)
+        for rid, (w, res) in zip(ids, placement, strict=True)
+    ]
+    for i, r in enumerate(relays):
+        nxt = relays[i + 1] if i + 1 < len(relays) else None
+        r.set_chain(ids, nxt, None if i == 0 else relays[0]).result(timeout=cfg.timeout_s)
+    return relays, ids
+
+
 def build_tier(
     client, cfg: RunConfig, trainer_worker: str, rollout_workers: list[str]
 ) -> RelayTier:
@@ -959,7 +977,7 @@ def build_tier(
     rollouts — on a worker of that host with the ``relay`` resource if any, else on its
     first rollout worker; a number ``n`` takes ``n`` workers with the ``relay`` resource.
     """
-    from laminar.cluster import place, submit_actor, workers_with
+    from laminar.cluster import place, workers_with
 
     rcfg = cfg.relay
     placed: list[tuple[str, str]] = []  # (worker, resource)
@@ -979,16 +997,6 @@ def build_tier(
             )
     else:
         placed = [(w, "relay") for w in place(client, "relay", rcfg.relays)]
-    ids = ["master"] + [f"relay{i}" for i in range(1, len(placed) + 1)]
-    relays = [
-        submit_actor(client, Relay, "master", rcfg, worker=trainer_worker, resource="trainer")
-    ]
-    relays += [
-        submit_actor(client, Relay, rid, rcfg, worker=w, resource=res)
-        for rid, (w, res) in zip(ids[1:], placed, strict=True)
-    ]
-    for i, r in enumerate(relays):
-        nxt = relays[i + 1] if i + 1 < len(relays) else None
-        r.set_chain(ids, nxt, None if i == 0 else relays[0]).result(timeout=rcfg.timeout_s)
+    relays, ids = start_chain(client, [(trainer_worker, "trainer"), *placed], rcfg)
     calibration = relays[0].calibrate().result(timeout=rcfg.timeout_s * 2)
     return RelayTier(relays, ids, [trainer_worker] + [w for w, _ in placed], calibration)

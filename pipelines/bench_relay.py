@@ -26,7 +26,7 @@ import time
 import numpy as np
 import torch
 
-from laminar.relay import MB, Publisher, Puller, Relay, model_optimum, state_fingerprint
+from laminar.relay import MB, Publisher, Puller, model_optimum, start_chain, state_fingerprint
 
 N_TENSORS = 8
 
@@ -137,21 +137,6 @@ def relay_cluster(p: int, sinks: int, memory_limit: str = "6GiB"):
     return role_cluster(workers, memory_limit=memory_limit, name="laminar-relay-bench")
 
 
-def build_chain(client, relay_workers: list[str], cfg) -> list:
-    """Relays on ``relay_workers`` (master first), chained; the master calibrated."""
-    from laminar.cluster import submit_actor
-
-    ids = ["master"] + [f"relay{i}" for i in range(1, len(relay_workers))]
-    relays = [
-        submit_actor(client, Relay, rid, cfg, worker=w, resource="relay")
-        for rid, w in zip(ids, relay_workers, strict=True)
-    ]
-    for i, r in enumerate(relays):
-        nxt = relays[i + 1] if i + 1 < len(relays) else None
-        r.set_chain(ids, nxt, None if i == 0 else relays[0]).result()
-    return relays
-
-
 def wait_broadcast(master, version: int, timeout_s: float) -> dict:
     """Poll the master until every relay reported ``version``; its publication record."""
     deadline = time.time() + timeout_s
@@ -177,7 +162,7 @@ def measure(
         info = client.scheduler_info(n_workers=-1)["workers"]
         relay_ws = sorted(a for a, w in info.items() if w["resources"].get("relay"))
         sink_w = next(a for a, w in info.items() if w["resources"].get("rollout"))
-        relays = build_chain(client, relay_ws, cfg)
+        relays, _ = start_chain(client, [(w, "relay") for w in relay_ws], cfg)
         calib = relays[0].calibrate().result()
         driver = submit_actor(
             client, RelayDriver, relays[0], nbytes, timeout_s, worker=relay_ws[0], resource="relay"

@@ -24,6 +24,7 @@ from laminar.relay import (
     model_optimum,
     optimal_chunks,
     plan_chunks,
+    start_chain,
 )
 
 
@@ -221,14 +222,14 @@ def test_chain_broadcast_and_pulls_under_back_to_back_publication(relay_client):
     exceeds its budget."""
     from laminar.cluster import submit_actor
     from laminar.config import RelayConfig
-    from pipelines.bench_relay import RelayDriver, Sink, build_chain, wait_broadcast
+    from pipelines.bench_relay import RelayDriver, Sink, wait_broadcast
 
     client = relay_client
     info = client.scheduler_info(n_workers=-1)["workers"]
     relay_ws = sorted(a for a, w in info.items() if w["resources"].get("relay"))
     sink_ws = sorted(a for a, w in info.items() if w["resources"].get("rollout"))
     cfg = RelayConfig(keep_versions=2, max_chunk_mb=0.25, timeout_s=30)
-    relays = build_chain(client, relay_ws, cfg)
+    relays, _ = start_chain(client, [(w, "relay") for w in relay_ws], cfg)
     assert relays[0].calibrate().result()["measured"]
     nbytes = 2 << 20
     driver = submit_actor(
