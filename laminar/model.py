@@ -329,8 +329,3 @@ def encode_prompt(tok, text: str) -> list[int]:
     """``<bos>`` + the tokens of ``text`` (no other special tokens)."""
     ids = tok(text, add_special_tokens=False)["input_ids"]
     return ([tok.bos_token_id] if tok.bos_token_id is not None else []) + list(ids)
-
-
-def state_dict_cpu(model) -> dict[str, torch.Tensor]:
-    """A detached CPU copy of a model's weights, safe to ship while training goes on."""
-    return {k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()}

@@ -338,11 +338,11 @@ class LaminarSchedule:
                         "evicted",
                         "allocated_bytes",
                         "peak_bytes",
+                        "budget_bytes",
                         "forwarded_chunks",
                         "errors",
                     )
                 }
-                | {"budget_bytes": s["budget_bytes"]}
                 for s in stats
             ],
             "rollout_wait_s": [s["weight_wait_s"] for s in r_stats],
