@@ -59,14 +59,19 @@ def sets(overrides):
     return [a for o in overrides for a in ("--set", o)]
 
 
+def cli_run(run_dir, overrides, timeout: float = 400):
+    """`laminar run configs/tiny.yaml` to the end: its output and summary.json."""
+    proc = laminar_cli("run", "configs/tiny.yaml", "--run-dir", str(run_dir), *sets(overrides))
+    out, _ = proc.communicate(timeout=timeout)
+    assert proc.returncode == 0, out
+    return out, json.loads((run_dir / "summary.json").read_text())
+
+
 def test_cli_run_end_to_end(tmp_path):
     run_dir = tmp_path / "run"
-    proc = laminar_cli("run", "configs/tiny.yaml", "--run-dir", str(run_dir), *sets(SMALL_RUN))
-    out, _ = proc.communicate(timeout=400)
-    assert proc.returncode == 0, out
+    out, summary = cli_run(run_dir, SMALL_RUN)
     assert "dashboard" in out and str(run_dir) in out and "== summary ==" in out
     assert "version   4/4" in out
-    summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["reason"] == "completed" and summary["versions"] == 4
     assert summary["consumed"] == 4 * 4 * 4
     assert np.isfinite(summary["reward_first_20pct"]) and np.isfinite(summary["reward_last_20pct"])
@@ -302,16 +307,7 @@ def test_cli_run_with_two_data_parallel_trainer_ranks(tmp_path):
     """trainer.ranks=2: the CLI's local cluster gets a second trainer worker, the ranks
     form a gloo group, and both end with the same weights."""
     run_dir = tmp_path / "run"
-    proc = laminar_cli(
-        "run",
-        "configs/tiny.yaml",
-        "--run-dir",
-        str(run_dir),
-        *sets(SMALL_RUN + ["trainer.ranks=2", "trainer.steps=3"]),
-    )
-    out, _ = proc.communicate(timeout=400)
-    assert proc.returncode == 0, out
-    summary = json.loads((run_dir / "summary.json").read_text())
+    _, summary = cli_run(run_dir, SMALL_RUN + ["trainer.ranks=2", "trainer.steps=3"])
     assert summary["versions"] == 3 and summary["trainer_ranks"] == 2
     sums = summary["weights_checksums"]
     assert len(sums) == 2 and sums[0] == sums[1]
@@ -330,10 +326,7 @@ def test_cli_run_through_a_relay_chain_loads_exactly_the_published_weights(tmp_p
         "relay.audit_weights=true",
         "trainer.steps=5",
     ]
-    proc = laminar_cli("run", "configs/tiny.yaml", "--run-dir", str(run_dir), *sets(overrides))
-    out, _ = proc.communicate(timeout=400)
-    assert proc.returncode == 0, out
-    summary = json.loads((run_dir / "summary.json").read_text())
+    _, summary = cli_run(run_dir, overrides)
     relay = summary["relay"]
     assert relay["chain"] == ["master", "relay1", "relay2"] and relay["measured"]
     fp = relay["fingerprints"]
@@ -380,10 +373,7 @@ def test_repack_moves_draining_batches_and_keeps_every_trajectory_whole(tmp_path
         "repack.interval_s=0.2",
         "repack.c_max=1.0",
     ]
-    proc = laminar_cli("run", "configs/tiny.yaml", "--run-dir", str(run_dir), *sets(overrides))
-    out, _ = proc.communicate(timeout=400)
-    assert proc.returncode == 0, out
-    summary = json.loads((run_dir / "summary.json").read_text())
+    _, summary = cli_run(run_dir, overrides)
     repack = summary["repack"]
     assert repack["error"] is None and repack["moves"] >= 1, repack
     ds = check_store(run_dir, moved=True)
