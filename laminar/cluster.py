@@ -21,13 +21,27 @@ def local_cluster(
     memory_limit: str = "4GiB",
     torch_threads: int = 1,
 ):
-    """A cluster of worker *processes* on this machine, one per role instance.
+    """A cluster of worker *processes* on this machine, one per role instance
+    (:func:`role_workers`)."""
+    return role_cluster(
+        role_workers(n_rollouts, trainer_ranks=trainer_ranks, relays=relays),
+        memory_limit=memory_limit,
+        torch_threads=torch_threads,
+        name="laminar-local",
+    )
 
-    Like :class:`distributed.LocalCluster`, but each worker carries its own resources:
-    one worker for the data module and the trainer (``data=1, trainer=1``), one more
-    ``trainer=1`` worker per extra data-parallel trainer rank, one per rollout replica
-    (``rollout=1``), and ``relays`` workers with ``relay=1`` (downstream relays; the
-    master relay shares the trainer's process).
+
+def role_workers(n_rollouts: int, *, trainer_ranks: int = 1, relays: int = 0) -> dict:
+    """Worker name -> resources, one worker per role instance.
+
+    The data module shares the first trainer worker (``data=1, trainer=1``): it is small
+    and talks mostly to the trainer. Then one ``trainer=1`` worker per extra
+    data-parallel rank, one ``rollout=1`` per replica and one ``relay=1`` per downstream
+    relay (the master relay lives in the trainer's process).
+
+    >>> list(role_workers(2, relays=1).items())  # doctest: +NORMALIZE_WHITESPACE
+    [('data-trainer', {'data': 1, 'trainer': 1}), ('rollout-0', {'rollout': 1}),
+     ('rollout-1', {'rollout': 1}), ('relay-1', {'relay': 1})]
     """
     workers = {"data-trainer": {"data": 1, "trainer": 1}}
     for i in range(1, trainer_ranks):
@@ -36,9 +50,7 @@ def local_cluster(
         workers[f"rollout-{i}"] = {"rollout": 1}
     for i in range(1, relays + 1):
         workers[f"relay-{i}"] = {"relay": 1}
-    return role_cluster(
-        workers, memory_limit=memory_limit, torch_threads=torch_threads, name="laminar-local"
-    )
+    return workers
 
 
 def role_cluster(
@@ -47,10 +59,15 @@ def role_cluster(
     memory_limit: str = "4GiB",
     torch_threads: int = 1,
     name: str = "laminar",
+    protocol: str = "tcp",
+    security=None,
 ):
     """One single-threaded worker process on this machine per ``workers`` entry (name ->
     its resources), with :func:`worker_environ`. A :class:`distributed.SpecCluster` of
-    nannies, because ``LocalCluster`` gives every worker the same resources."""
+    nannies, because ``LocalCluster`` gives every worker the same resources.
+
+    ``protocol`` is ``tcp``, ``tls`` (with ``security``, a :class:`distributed.Security`)
+    or ``ucx``."""
     import dask
     from distributed import Nanny, Scheduler, SpecCluster
 
@@ -62,16 +79,23 @@ def role_cluster(
                 "resources": resources,
                 "memory_limit": memory_limit,
                 "host": "127.0.0.1",
+                "protocol": f"{protocol}://",
+                "security": security,
             },
         }
         for w, resources in workers.items()
     }
     scheduler = {
         "cls": Scheduler,
-        "options": {"dashboard_address": ":0", "host": "127.0.0.1"},
+        "options": {
+            "dashboard_address": ":0",
+            "host": "127.0.0.1",
+            "protocol": f"{protocol}://",
+            "security": security,
+        },
     }
     with dask.config.set({"distributed.nanny.pre-spawn-environ": worker_environ(torch_threads)}):
-        return SpecCluster(workers=specs, scheduler=scheduler, name=name)
+        return SpecCluster(workers=specs, scheduler=scheduler, name=name, security=security)
 
 
 def worker_environ(torch_threads: int = 1) -> dict[str, str]:
@@ -80,8 +104,9 @@ def worker_environ(torch_threads: int = 1) -> dict[str, str]:
     Dask's nanny sets ``MALLOC_TRIM_THRESHOLD_=65536`` by default so that workers hand
     memory back to the OS promptly. For torch's many short-lived tensors that makes glibc
     trim on nearly every free: a training step ran 2x slower, mostly in system calls. We
-    keep glibc's default (adaptive) threshold instead. Set the same on remote workers
-    (``distributed.nanny.pre-spawn-environ`` in their Dask config).
+    keep glibc's default (adaptive) threshold instead. Slurm jobs export these variables
+    and run their worker without a nanny (:func:`laminar.deploy.slurm_cluster`); for
+    workers you start yourself, see docs/deploy.md.
     """
     import dask
 

@@ -219,13 +219,104 @@ class RepackConfig(_Section):
     max_batch: int | None = Field(None, gt=1)
 
 
-class ClusterConfig(_Section):
-    """How the Dask cluster is found or started."""
+class TLSConfig(_Section):
+    """TLS for every connection of the run (docs/deploy.md, "Security").
 
-    scheduler: str | None = None  # address of a running scheduler; empty starts a local one
+    Either the three files (one CA, one certificate and key used by the scheduler, the
+    workers and the client), or ``generate: true`` for certificates made for this run only
+    (written to ``RUN_DIR/tls``). With TLS on, the cluster refuses plaintext connections.
+    """
+
+    ca_file: str | None = None
+    cert: str | None = None
+    key: str | None = None
+    generate: bool = False
+
+    @model_validator(mode="after")
+    def _files_or_generate(self) -> TLSConfig:
+        files = {"ca_file": self.ca_file, "cert": self.cert, "key": self.key}
+        given = [k for k, v in files.items() if v]
+        if self.generate and given:
+            raise ValueError(
+                f"cluster.security: generate=true makes new certificates, but {given} "
+                "are set too; drop one or the other"
+            )
+        if not self.generate and len(given) != 3:
+            missing = [k for k in files if k not in given]
+            raise ValueError(
+                f"cluster.security needs ca_file, cert and key (missing: {missing}), "
+                "or generate: true for certificates made for this run"
+            )
+        return self
+
+
+class SlurmRole(_Section):
+    """One Slurm job per worker of a role: what it asks for."""
+
+    cores: int = Field(1, gt=0)  # --cpus-per-task
+    memory: str = "4GB"  # --mem (Slurm units: 4GB, 500MB)
+    gpus: int = Field(0, ge=0)  # --gres=gpu:N
+
+
+class SlurmConfig(_Section):
+    """dask-jobqueue ``SLURMCluster``: one job per worker, each with its role resources."""
+
+    partition: str | None = None  # -p
+    account: str | None = None  # -A
+    walltime: str = "01:00:00"  # -t
+    # Shell lines run before the worker starts (modules, a virtual environment).
+    job_prologue: list[str] = []
+    job_directives: list[str] = []  # extra `#SBATCH` lines, e.g. "--constraint=a100"
+    python: str | None = None  # interpreter on compute nodes; default: this one
+    interface: str | None = None  # network interface of workers and scheduler (e.g. ib0)
+    log_directory: str | None = None  # default: RUN_DIR/slurm
+    trainer: SlurmRole = SlurmRole()  # the trainer job also holds the data module
+    rollout: SlurmRole = SlurmRole()
+    relay: SlurmRole = SlurmRole()
+
+
+class ClusterConfig(_Section):
+    """How the Dask cluster is found or started (docs/deploy.md)."""
+
+    # local: worker processes on this machine; address: a running scheduler (`address`
+    # or `scheduler_file`); slurm: a SLURMCluster started for the run.
+    kind: Literal["local", "address", "slurm"] = "local"
+    address: str | None = None  # tcp://host:8786, tls://..., ucx://...
+    scheduler_file: str | None = None  # written by `dask scheduler --scheduler-file`
+    # Protocol of a cluster laminar starts (local, slurm); tls with `security` set.
+    protocol: Literal["tcp", "tls", "ucx"] = "tcp"
+    security: TLSConfig | None = None
+    slurm: SlurmConfig = SlurmConfig()
+    # How long a run waits for workers of every role to join before failing with what
+    # is missing (Slurm jobs queue; a local cluster starts them at once).
+    placement_timeout_s: float = Field(60.0, ge=0)
     torch_threads: int = Field(1, gt=0)  # per worker process (cores are shared)
     actor_timeout_s: float = Field(60.0, gt=0)
-    memory_limit: str = "4GiB"
+    memory_limit: str = "4GiB"  # per local worker
+
+    @model_validator(mode="after")
+    def _kind_is_complete(self) -> ClusterConfig:
+        if self.kind == "address" and not (self.address or self.scheduler_file):
+            raise ValueError(
+                "cluster.kind=address needs cluster.address (tcp://host:8786) or "
+                "cluster.scheduler_file (or --scheduler / --scheduler-file on the command line)"
+            )
+        if self.address and self.scheduler_file:
+            raise ValueError("cluster.address and cluster.scheduler_file are both set; give one")
+        if self.kind != "address" and (self.address or self.scheduler_file):
+            raise ValueError(
+                f"cluster.address / cluster.scheduler_file are set but cluster.kind is "
+                f"{self.kind!r}; set cluster.kind=address to connect to that scheduler"
+            )
+        if self.protocol == "tls" and self.security is None:
+            raise ValueError(
+                "cluster.protocol=tls needs cluster.security (certificate files, or generate: true)"
+            )
+        if self.security is not None and self.protocol == "ucx":
+            raise ValueError(
+                "cluster.security (TLS) and protocol=ucx don't combine; use protocol=tls"
+            )
+        return self
 
 
 class RunConfig(_Section):

@@ -131,17 +131,14 @@ def submit(
 
     The cluster's workers must advertise the role resources (``data``, ``trainer``,
     ``rollout``; ``relay`` when ``relay.relays`` is set);
-    :func:`laminar.cluster.local_cluster` starts such a cluster.
+    :func:`laminar.deploy.open_cluster` starts or finds such a cluster. Workers still
+    joining (queued Slurm jobs) are waited for up to ``cluster.placement_timeout_s``.
     """
-    from laminar.cluster import place
+    from laminar.deploy import role_needs, wait_for_roles
 
     cfg = resolve_config(config, overrides)
     preflight(cfg)
     # Placement errors (a cluster without role resources) surface here, not in wait().
-    place(client, "data", 1)
-    place(client, "trainer", 1)
-    place(client, "rollout", cfg.rollout.replicas)
-    if cfg.relay.relays:
-        place(client, "relay", cfg.relay.relays)
+    wait_for_roles(client, role_needs(cfg), cfg.cluster.placement_timeout_s)
     path = prepare_run_dir(cfg, run_dir)
     return RunHandle(cfg, client, path)

@@ -1,6 +1,7 @@
 """The ``laminar`` command: a thin shell over :mod:`pipelines.api` and :mod:`pipelines.report`::
 
-laminar run CONFIG [--set k=v ...] [--run-dir DIR] [--scheduler ADDRESS]
+laminar run CONFIG [--set k=v ...] [--run-dir DIR] [--scheduler ADDRESS | --scheduler-file F]
+laminar certs DIR
 laminar report RUN_DIR [RUN_DIR ...] [--out DIR]
 laminar bench NAME [--out FILE.json] [--repeats N] [...]
 """
@@ -143,31 +144,29 @@ def _print_summary(s: dict) -> None:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    from distributed import Client
-
-    from laminar.cluster import local_cluster
+    from laminar.deploy import open_cluster
     from pipelines.api import RunHandle, preflight, prepare_run_dir, resolve_config
 
-    cfg = resolve_config(args.config, args.set or [])
+    overrides = list(args.set or [])
+    if args.scheduler or args.scheduler_file:
+        overrides += [
+            "cluster.kind=address",
+            f"cluster.address={args.scheduler or 'null'}",
+            f"cluster.scheduler_file={args.scheduler_file or 'null'}",
+        ]
+    cfg = resolve_config(args.config, overrides)
     preflight(cfg)
     run_dir = prepare_run_dir(cfg, args.run_dir)
-    scheduler = args.scheduler or cfg.cluster.scheduler
-    cluster = None
-    if scheduler:
-        client = Client(scheduler, timeout="60s")
-    else:
-        cluster = local_cluster(
-            cfg.rollout.replicas,
-            trainer_ranks=cfg.trainer.ranks,
-            relays=cfg.relay.relays or 0,
-            memory_limit=cfg.cluster.memory_limit,
-            torch_threads=cfg.cluster.torch_threads,
-        )
-        client = Client(cluster)
-    client.forward_logging("laminar", level=logging.WARNING)
-    print(f"dashboard          {client.dashboard_link}")
-    print(f"run dir            {run_dir}")
-    handle = RunHandle(cfg, client, run_dir)
+    print(f"run dir            {run_dir}", flush=True)
+    with open_cluster(cfg, run_dir) as client:
+        client.forward_logging("laminar", level=logging.WARNING)
+        print(f"scheduler          {client.scheduler.address}")
+        print(f"dashboard          {client.dashboard_link}")
+        return _follow(RunHandle(cfg, client, run_dir))
+
+
+def _follow(handle) -> int:
+    """Show a run's progress until it ends (Ctrl-C stops it cleanly), then its summary."""
     interrupted = 0
 
     def on_sigint(signum, frame):
@@ -198,9 +197,20 @@ def cmd_run(args: argparse.Namespace) -> int:
         return 0 if summary["reason"] in ("completed", "stopped") else 1
     finally:
         signal.signal(signal.SIGINT, old)
-        client.close()
-        if cluster is not None:
-            cluster.close()
+
+
+def cmd_certs(args: argparse.Namespace) -> int:
+    from laminar.deploy import generate_tls
+
+    paths = generate_tls(args.dir)
+    for field, path in paths.items():
+        print(f"{field:<18} {path}")
+    print(
+        f"\ndask scheduler --tls-ca-file {paths['ca_file']} --tls-cert {paths['cert']} "
+        f"--tls-key {paths['key']} --protocol tls ...\n"
+        "config: cluster.security: {ca_file: ..., cert: ..., key: ...}"
+    )
+    return 0
 
 
 def _quiet_libraries() -> None:
@@ -260,8 +270,18 @@ def main(argv: list[str] | None = None) -> int:
     )
     run.add_argument("--run-dir", help="where the run's stores go (default runs/<timestamp>)")
     run.add_argument(
-        "--scheduler", help="address of a running Dask scheduler (default: start a local cluster)"
+        "--scheduler",
+        metavar="ADDRESS",
+        help="address of a running Dask scheduler, tcp:// tls:// or ucx:// (default: "
+        "cluster.kind of the config, a local cluster unless set)",
     )
+    run.add_argument(
+        "--scheduler-file",
+        metavar="FILE",
+        help="the file `dask scheduler --scheduler-file FILE` wrote (HPC recipe)",
+    )
+    certs = sub.add_parser("certs", help="write a new TLS CA, certificate and key to a folder")
+    certs.add_argument("dir", help="folder for ca.pem, cert.pem, key.pem")
     report = sub.add_parser("report", help="plots and a summary page of one or more runs")
     report.add_argument("runs", nargs="+", metavar="RUN_DIR", help="run directories to compare")
     report.add_argument("--out", help="output folder (default RUN_DIR/report of the first run)")
@@ -280,7 +300,8 @@ def main(argv: list[str] | None = None) -> int:
     _quiet_libraries()
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     try:
-        return {"run": cmd_run, "report": cmd_report, "bench": cmd_bench}[args.command](args)
+        commands = {"run": cmd_run, "report": cmd_report, "bench": cmd_bench, "certs": cmd_certs}
+        return commands[args.command](args)
     except (LaminarError, StoreError, FileNotFoundError) as e:
         print(f"laminar: error: {e}", file=sys.stderr)
         return 2

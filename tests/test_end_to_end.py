@@ -6,65 +6,19 @@ Each run is checked against the data contract with ``Dataset.laminar.audit()``.
 from __future__ import annotations
 
 import json
-import os
 import re
 import signal
-import subprocess
-import sys
 import time
 
 import numpy as np
 import pytest
-from conftest import REPO, SMALL_RUN
+from conftest import SMALL_RUN
 from factories import run_to_end
+from runs import check_store, cli_run, laminar_cli, sets
 
 from storage import open_run
 
 pytestmark = pytest.mark.slow
-
-
-def check_store(run_dir, expect_consumed_groups=None, moved=False):
-    ds = open_run(run_dir)
-    assert ds.laminar.audit() == []
-    consumed = ds["status"].values == "consumed"
-    if expect_consumed_groups is not None:
-        assert len(set(ds["prompt_uid"].values[consumed])) == expect_consumed_groups
-    assert (ds["versions_len"].values == 0).all()  # one weight version per trajectory
-    paths = [r.split(",") for r in ds["rollout_ids"].values]
-    # one rollout per trajectory, or (repack) one more per move
-    assert [len(p) - 1 for p in paths] == ds["n_migrations"].values.tolist()
-    if not moved:
-        assert (ds["n_migrations"].values == 0).all()
-    assert (ds["t_submit"].values <= ds["t_start"].values).all()
-    assert (ds["t_start"].values <= ds["t_finish"].values).all()
-    assert (ds["t_finish"].values <= ds["t_insert"].values).all()
-    assert (ds["t_insert"].values[consumed] <= ds["t_sample"].values[consumed]).all()
-    return ds
-
-
-def laminar_cli(*args, **kw):
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    return subprocess.Popen(
-        [sys.executable, "-m", "pipelines.cli", *args],
-        cwd=REPO,
-        env=env,
-        text=True,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        **kw,
-    )
-
-
-def sets(overrides):
-    return [a for o in overrides for a in ("--set", o)]
-
-
-def cli_run(run_dir, overrides, timeout: float = 400):
-    """`laminar run configs/tiny.yaml` to the end: its output and summary.json."""
-    proc = laminar_cli("run", "configs/tiny.yaml", "--run-dir", str(run_dir), *sets(overrides))
-    out, _ = proc.communicate(timeout=timeout)
-    assert proc.returncode == 0, out
-    return out, json.loads((run_dir / "summary.json").read_text())
 
 
 def test_cli_run_end_to_end(tmp_path):

@@ -42,7 +42,11 @@ def test_environment_yml_installs_the_package():
     python = next(d for d in env["dependencies"] if isinstance(d, str) and d.startswith("python="))
     assert project["requires-python"] == ">=" + python.split("=")[1]
     pip = next(d["pip"] for d in env["dependencies"] if isinstance(d, dict))
-    assert pip == ["-e .[cpu]"]  # dependencies come from pyproject.toml alone
+    # Dependencies come from pyproject.toml alone: the package with extras it defines.
+    [line] = pip
+    extras = re.fullmatch(r"-e \.\[([a-z,-]+)\]", line).group(1).split(",")
+    assert set(extras) <= set(project["optional-dependencies"]), extras
+    assert {"cpu", "slurm"} <= set(extras)
 
 
 def _imports(path):

@@ -1,0 +1,287 @@
+"""Where a run's workers come from: a local cluster, a running scheduler, or Slurm jobs.
+
+:func:`open_cluster` is what ``laminar run`` uses; notebooks use it too, or bring their
+own :class:`distributed.Client`::
+
+    with open_cluster(cfg, run_dir) as client:
+        handle = pipelines.submit(cfg, client, run_dir=run_dir)
+
+Every kind gives one worker per role instance (:func:`role_workers`), each advertising
+its role as a Dask resource, so actors land where they belong. A cluster that cannot
+hold the run is reported by :func:`wait_for_roles`, naming the role and the fix, instead
+of leaving actors waiting forever for a worker that never comes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+from laminar.cluster import role_cluster, role_workers, worker_environ, workers_with
+from laminar.config import ClusterConfig, RunConfig, SlurmRole
+from laminar.errors import ClusterError, ConfigError
+
+log = logging.getLogger(__name__)
+
+# The file names of `cluster.security.generate` and of `laminar certs DIR`.
+TLS_FILES = {"ca_file": "ca.pem", "cert": "cert.pem", "key": "key.pem"}
+
+
+def run_workers(cfg: RunConfig) -> dict:
+    """:func:`role_workers` for a run config."""
+    return role_workers(
+        cfg.rollout.replicas, trainer_ranks=cfg.trainer.ranks, relays=cfg.relay.relays or 0
+    )
+
+
+def role_needs(cfg: RunConfig) -> dict[str, int]:
+    """Workers per role resource the run needs: ``{"data": 1, "trainer": 1, ...}``."""
+    needs: dict[str, int] = {}
+    for resources in run_workers(cfg).values():
+        for role in resources:
+            needs[role] = needs.get(role, 0) + 1
+    return needs
+
+
+def wait_for_roles(client, needs: dict[str, int], timeout_s: float, poll_s: float = 0.5) -> None:
+    """Wait until the cluster has ``needs[role]`` workers with each role resource.
+
+    Raises :class:`ClusterError` after ``timeout_s`` listing every role still short, with
+    the command that adds such a worker. ``timeout_s=0`` checks once.
+    """
+    deadline = time.monotonic() + timeout_s
+    logged = None
+    while True:
+        have = {role: len(workers_with(client, role)) for role in needs}
+        short = {r: (have[r], n) for r, n in needs.items() if have[r] < n}
+        if not short:
+            return
+        if time.monotonic() >= deadline:
+            lines = [
+                f"  {role}: {got} worker(s) with resource {role!r}, the run needs {n}; start "
+                f"{n - got} more with `dask worker ADDRESS --resources {role}=1` (or lower "
+                "the count in the config)"
+                for role, (got, n) in short.items()
+            ]
+            raise ClusterError(
+                f"the cluster cannot place this run (waited {timeout_s:g} s, "
+                "cluster.placement_timeout_s):\n" + "\n".join(lines)
+            )
+        if short != logged:
+            log.warning(
+                "waiting for workers: %s",
+                ", ".join(f"{r} {g}/{n}" for r, (g, n) in short.items()),
+            )
+            logged = short
+        time.sleep(poll_s)
+
+
+def _wait_for_file(path: str, timeout_s: float) -> None:
+    """A scheduler started as a Slurm job writes its file once the job runs."""
+    deadline = time.monotonic() + timeout_s
+    while not Path(path).expanduser().is_file():
+        if time.monotonic() >= deadline:
+            raise ClusterError(
+                f"no scheduler file at {path!r} after {timeout_s:g} s "
+                "(cluster.placement_timeout_s); start the scheduler with "
+                f"`dask scheduler --scheduler-file {path}` (or sbatch "
+                "deploy/slurm/scheduler.sbatch), on a file system this machine shares"
+            )
+        time.sleep(0.5)
+
+
+# -- TLS ---------------------------------------------------------------------------------
+
+
+def generate_tls(directory: str | Path) -> dict[str, str]:
+    """Write a new self-signed CA, certificate and key (one for every role) to
+    ``directory`` (``ca.pem``, ``cert.pem``, ``key.pem``; the key readable by its owner
+    only) and return their paths as ``cluster.security`` fields."""
+    from distributed.security import Security
+
+    try:
+        made = Security.temporary()
+    except ImportError as e:  # pragma: no cover - cryptography is a dependency
+        raise ConfigError(
+            "cluster.security.generate needs the `cryptography` package; pip install "
+            "cryptography, or give certificate files"
+        ) from e
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    contents = {
+        "ca_file": made.tls_ca_file,
+        "cert": made.tls_client_cert,
+        "key": made.tls_client_key,
+    }
+    paths = {}
+    for field, name in TLS_FILES.items():
+        path = directory / name
+        path.touch(mode=0o600 if field == "key" else 0o644)
+        path.write_text(contents[field])
+        paths[field] = str(path)
+    return paths
+
+
+def security_for(cfg: ClusterConfig, run_dir: str | Path | None):
+    """The run's :class:`distributed.Security`, or ``None`` without ``cluster.security``.
+
+    ``generate: true`` writes new certificates to ``RUN_DIR/tls`` (so a second client, a
+    notebook say, can join the run's cluster with them).
+    """
+    from distributed.security import Security
+
+    tls = cfg.security
+    if tls is None:
+        return None
+    if tls.generate:
+        if run_dir is None:
+            raise ConfigError("cluster.security.generate needs a run directory to hold them")
+        paths = generate_tls(Path(run_dir) / "tls")
+    else:
+        paths = {"ca_file": tls.ca_file, "cert": tls.cert, "key": tls.key}
+        for field, path in paths.items():
+            if not Path(path).expanduser().is_file():
+                raise ConfigError(
+                    f"cluster.security.{field}: no file at {path!r}; give the path of a "
+                    "PEM file, or generate: true (`laminar certs DIR` writes a set)"
+                )
+        paths = {k: str(Path(v).expanduser()) for k, v in paths.items()}
+    ca, cert, key = paths["ca_file"], paths["cert"], paths["key"]
+    return Security(
+        tls_ca_file=ca,
+        tls_client_cert=cert,
+        tls_client_key=key,
+        tls_scheduler_cert=cert,
+        tls_scheduler_key=key,
+        tls_worker_cert=cert,
+        tls_worker_key=key,
+        require_encryption=True,
+    )
+
+
+def _protocol(cfg: ClusterConfig) -> str:
+    return "tls" if cfg.security is not None else cfg.protocol
+
+
+# -- Slurm -------------------------------------------------------------------------------
+
+
+def slurm_cluster(cfg: RunConfig, run_dir: str | Path, security=None):
+    """A ``dask_jobqueue.SLURMCluster`` with one job per worker of :func:`run_workers`.
+
+    Each job carries its own role resources (``--resources rollout=1``), cores, memory
+    and GPUs (``--gres=gpu:N``) from ``cluster.slurm.<role>``; the trainer's job also
+    holds the data module. Workers run without a nanny: one process per job, with the
+    job's environment (and glibc's adaptive malloc, see :func:`worker_environ`); Slurm
+    enforces the job's memory.
+    """
+    try:
+        from dask_jobqueue import SLURMCluster
+        from dask_jobqueue.slurm import SLURMJob
+    except ImportError as e:
+        raise ConfigError(
+            "cluster.kind=slurm needs dask-jobqueue: pip install 'laminar-rl[slurm]'"
+        ) from e
+    s = cfg.cluster.slurm
+    log_dir = Path(s.log_directory or Path(run_dir) / "slurm").expanduser()
+    log_dir.mkdir(parents=True, exist_ok=True)
+    env = worker_environ(cfg.cluster.torch_threads)
+    prologue = [f"export {k}={v}" for k, v in sorted(env.items())]
+    prologue += list(s.job_prologue)
+    protocol = _protocol(cfg.cluster)
+    base = dict(
+        queue=s.partition,
+        account=s.account,
+        walltime=s.walltime,
+        processes=1,
+        cores=1,
+        memory="1GB",
+        nanny=False,
+        python=s.python or sys.executable,
+        job_script_prologue=prologue,
+        log_directory=str(log_dir),
+        interface=s.interface,
+        protocol=f"{protocol}://",
+        security=security,
+        # Jobs from other runs must not be mistaken for ours in squeue.
+        job_name=f"laminar-{Path(run_dir).name}"[:64],
+        scheduler_options={"dashboard_address": ":0"},
+    )
+    cluster = SLURMCluster(**{k: v for k, v in base.items() if v is not None})
+    jobs = {}
+    for name, resources in run_workers(cfg).items():
+        role: SlurmRole = getattr(s, "trainer" if "trainer" in resources else next(iter(resources)))
+        options = dict(cluster._job_kwargs)
+        directives = list(s.job_directives) + ([f"--gres=gpu:{role.gpus}"] * (role.gpus > 0))
+        res = ",".join(f"{k}={v}" for k, v in resources.items())
+        options.update(
+            cores=role.cores,
+            memory=role.memory,
+            job_extra_directives=directives,
+            worker_extra_args=list(options.get("worker_extra_args") or []) + ["--resources", res],
+        )
+        jobs[name] = {"cls": SLURMJob, "options": options}
+    cluster.worker_spec.update(jobs)
+    cluster.sync(cluster._correct_state)
+    return cluster
+
+
+# -- one entry point ---------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def open_cluster(cfg: RunConfig, run_dir: str | Path | None = None) -> Iterator:
+    """A :class:`distributed.Client` to a cluster that can hold ``cfg``'s run.
+
+    ``cluster.kind`` picks it: ``local`` starts worker processes on this machine,
+    ``slurm`` submits one job per worker, ``address`` connects to a running scheduler
+    (``cluster.address`` or ``cluster.scheduler_file``). Waits up to
+    ``cluster.placement_timeout_s`` for every role's workers, then fails saying which role
+    is missing. What this function started, it stops on exit (Slurm jobs are cancelled).
+    """
+    from distributed import Client
+
+    c = cfg.cluster
+    kind, address, scheduler_file = c.kind, c.address, c.scheduler_file
+    security = security_for(c, run_dir)
+    with contextlib.ExitStack() as stack:
+        if kind == "address":
+            if scheduler_file:
+                _wait_for_file(scheduler_file, c.placement_timeout_s)
+            target = (
+                {"scheduler_file": str(Path(scheduler_file).expanduser())}
+                if scheduler_file
+                else {"address": address}
+            )
+            try:
+                client = Client(**target, security=security, timeout="30s")
+            except (OSError, TimeoutError) as e:
+                where = scheduler_file or address
+                raise ClusterError(
+                    f"cannot reach the scheduler at {where}: {e}; check that it runs and, "
+                    "for a tls:// scheduler, that cluster.security gives its CA and a "
+                    "certificate it trusts"
+                ) from e
+            stack.enter_context(client)
+        else:
+            if kind == "local":
+                cluster = role_cluster(
+                    run_workers(cfg),
+                    memory_limit=c.memory_limit,
+                    torch_threads=c.torch_threads,
+                    name="laminar-local",
+                    protocol=_protocol(c),
+                    security=security,
+                )
+            else:
+                if run_dir is None:
+                    raise ConfigError("cluster.kind=slurm needs a run directory (job logs)")
+                cluster = slurm_cluster(cfg, run_dir, security)
+            stack.enter_context(cluster)
+            client = stack.enter_context(Client(cluster, security=security))
+        wait_for_roles(client, role_needs(cfg), c.placement_timeout_s)
+        yield client

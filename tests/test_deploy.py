@@ -1,0 +1,158 @@
+"""Deployment without Slurm: cluster configs, TLS, and runs that cannot be placed.
+
+The Slurm paths are in test_slurm.py.
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+from conftest import SMALL_RUN
+from runs import check_store, cli_run, laminar_cli
+
+from laminar.config import RunConfig, with_overrides
+from laminar.deploy import generate_tls, role_needs, security_for, wait_for_roles
+from laminar.errors import ClusterError, ConfigError
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (["cluster.kind=address"], "needs cluster.address"),
+        (["cluster.address=tcp://h:8786"], "set cluster.kind=address"),
+        (
+            ["cluster.kind=address", "cluster.address=tcp://h:1", "cluster.scheduler_file=f"],
+            "both set",
+        ),
+        (["cluster.protocol=tls"], "protocol=tls needs cluster.security"),
+        (["cluster.security.cert=c.pem"], r"missing: \['ca_file', 'key'\]"),
+        (
+            ["cluster.security.generate=true", "cluster.security.key=k.pem"],
+            "drop one or the other",
+        ),
+        (["cluster.security.generate=true", "cluster.protocol=ucx"], "don't combine"),
+        (["cluster.kind=yarn"], "cluster.kind"),
+    ],
+)
+def test_cluster_config_errors_name_the_field_and_the_fix(overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        with_overrides(RunConfig(), overrides)
+
+
+def test_role_needs_follow_the_config():
+    cfg = with_overrides(RunConfig(), ["rollout.replicas=3", "relay.relays=2", "trainer.ranks=2"])
+    assert role_needs(cfg) == {"data": 1, "trainer": 2, "rollout": 3, "relay": 2}
+
+
+def test_certificate_files_must_exist(tmp_path):
+    paths = generate_tls(tmp_path / "tls")
+    assert oct((tmp_path / "tls" / "key.pem").stat().st_mode & 0o777) == "0o600"
+    cfg = with_overrides(
+        RunConfig(),
+        [f"cluster.security.{k}={v}" for k, v in {**paths, "cert": tmp_path / "no.pem"}.items()],
+    )
+    with pytest.raises(ConfigError, match=r"cluster.security.cert: no file at .*no.pem"):
+        security_for(cfg.cluster, tmp_path)
+    ok = with_overrides(RunConfig(), [f"cluster.security.{k}={v}" for k, v in paths.items()])
+    sec = security_for(ok.cluster, tmp_path)
+    assert sec.require_encryption and sec.tls_worker_cert == paths["cert"]
+
+
+@pytest.mark.slow
+def test_a_tls_cluster_refuses_plaintext_clients(tmp_path):
+    from distributed import Client
+
+    from laminar.cluster import role_cluster
+
+    cfg = with_overrides(RunConfig(), ["cluster.security.generate=true"])
+    sec = security_for(cfg.cluster, tmp_path)
+    with role_cluster({"w": {"rollout": 1}}, protocol="tls", security=sec) as cluster:
+        address = cluster.scheduler_address
+        assert address.startswith("tls://")
+        # A plaintext client: to the same port over tcp, and over tls without certificates.
+        with pytest.raises((OSError, TimeoutError)):
+            Client(address.replace("tls://", "tcp://"), timeout="3s")
+        with pytest.raises((OSError, TimeoutError, TypeError)):  # no certificate to offer
+            Client(address, timeout="3s")
+        with Client(address, security=sec, timeout="10s") as client:
+            assert client.submit(sum, [1, 2]).result(timeout=10) == 3
+
+
+@pytest.mark.slow
+def test_a_run_on_a_tls_cluster(tmp_path):
+    """Every connection of the run over TLS, with certificates made for it."""
+    run_dir = tmp_path / "run"
+    out, summary = cli_run(run_dir, [*SMALL_RUN, "cluster.security.generate=true"])
+    assert "scheduler          tls://" in out
+    assert summary["reason"] == "completed"
+    assert {p.name for p in (run_dir / "tls").iterdir()} == {"ca.pem", "cert.pem", "key.pem"}
+    check_store(run_dir, expect_consumed_groups=4 * 4)
+
+
+def test_a_cluster_without_a_role_fails_fast_naming_it(tmp_path):
+    from distributed import Client, LocalCluster
+
+    cfg = with_overrides(RunConfig(), ["rollout.replicas=2"])
+    with (
+        LocalCluster(
+            n_workers=1,
+            processes=False,
+            resources={"data": 1, "trainer": 1},
+            dashboard_address=":0",
+        ) as cluster,
+        Client(cluster) as client,
+    ):
+        t0 = time.monotonic()
+        with pytest.raises(ClusterError) as e:
+            wait_for_roles(client, role_needs(cfg), timeout_s=1.0, poll_s=0.1)
+        assert 1.0 <= time.monotonic() - t0 < 5
+        message = str(e.value)
+        assert "rollout: 0 worker(s) with resource 'rollout', the run needs 2" in message
+        assert "--resources rollout=1" in message and "trainer" not in message.split("\n", 1)[1]
+
+
+@pytest.mark.slow
+def test_the_cli_reports_an_unplaceable_run_and_exits(tmp_path):
+    """`laminar run --scheduler ADDR` on a cluster with no rollout workers: exit 2 and a
+    message that names the role, after cluster.placement_timeout_s, not a hang."""
+    from distributed import LocalCluster
+
+    with LocalCluster(
+        n_workers=1,
+        processes=False,
+        resources={"data": 1, "trainer": 1},
+        dashboard_address=":0",
+        protocol="tcp",
+        host="127.0.0.1",
+    ) as cluster:
+        proc = laminar_cli(
+            "run",
+            "configs/tiny.yaml",
+            "--scheduler",
+            cluster.scheduler_address,
+            "--run-dir",
+            str(tmp_path / "run"),
+            "--set",
+            "cluster.placement_timeout_s=2",
+        )
+        out, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 2, out
+    assert "cannot place this run" in out and "rollout: 0 worker(s)" in out
+
+
+def test_a_missing_scheduler_file_says_how_to_start_one(tmp_path):
+    from laminar.deploy import open_cluster
+
+    missing = tmp_path / "scheduler.json"
+    cfg = with_overrides(
+        RunConfig(),
+        [
+            "cluster.kind=address",
+            f"cluster.scheduler_file={missing}",
+            "cluster.placement_timeout_s=0",
+        ],
+    )
+    with pytest.raises(ClusterError, match=r"dask scheduler --scheduler-file .*scheduler.json"):
+        with open_cluster(cfg, tmp_path):
+            pass
