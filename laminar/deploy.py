@@ -212,6 +212,10 @@ def slurm_cluster(cfg: RunConfig, run_dir: str | Path, security=None):
         scheduler_options={"dashboard_address": ":0"},
     )
     cluster = SLURMCluster(**{k: v for k, v in base.items() if v is not None})
+    # A SLURMCluster has one job template; ours differ per role. It is a SpecCluster, so
+    # each worker gets its own spec (the template's options with the role's resources,
+    # cores, memory, GPUs) and _correct_state submits them, as scale() does for one
+    # template. Both are private to dask-jobqueue (tested with 0.9).
     jobs = {}
     for name, resources in run_workers(cfg).items():
         role: SlurmRole = getattr(s, "trainer" if "trainer" in resources else next(iter(resources)))

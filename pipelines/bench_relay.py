@@ -127,14 +127,16 @@ class Sink:
         return {"value": values.pop() if len(values) == 1 else math.nan}
 
 
-def relay_cluster(p: int, sinks: int, memory_limit: str = "6GiB"):
+def relay_cluster(p: int, sinks: int, memory_limit: str = "6GiB", protocol: str = "tcp"):
     """A local cluster: ``p`` relay workers (the first hosts the master and the driver)
-    and ``sinks`` rollout-like workers."""
+    and ``sinks`` rollout-like workers, every connection over ``protocol``."""
     from laminar.cluster import role_cluster
 
     workers = {f"relay-{i}": {"relay": 1} for i in range(p)}
     workers |= {f"sink-{i}": {"rollout": 1} for i in range(sinks)}
-    return role_cluster(workers, memory_limit=memory_limit, name="laminar-relay-bench")
+    return role_cluster(
+        workers, memory_limit=memory_limit, name="laminar-relay-bench", protocol=protocol
+    )
 
 
 def wait_broadcast(master, version: int, timeout_s: float) -> dict:
@@ -149,7 +151,12 @@ def wait_broadcast(master, version: int, timeout_s: float) -> dict:
 
 
 def measure(
-    p: int, nbytes: int, repeats: int, timeout_s: float = 300.0, max_chunk_mb: float = 8.0
+    p: int,
+    nbytes: int,
+    repeats: int,
+    timeout_s: float = 300.0,
+    max_chunk_mb: float = 8.0,
+    protocol: str = "tcp",
 ) -> dict:
     """Every figure for one (p, M) on a fresh cluster (medians over ``repeats``)."""
     from distributed import Client
@@ -158,7 +165,7 @@ def measure(
     from laminar.config import RelayConfig
 
     cfg = RelayConfig(keep_versions=1, timeout_s=timeout_s, max_chunk_mb=max_chunk_mb)
-    with relay_cluster(p, sinks=1) as cluster, Client(cluster) as client:
+    with relay_cluster(p, sinks=1, protocol=protocol) as cluster, Client(cluster) as client:
         info = client.scheduler_info(n_workers=-1)["workers"]
         relay_ws = sorted(a for a, w in info.items() if w["resources"].get("relay"))
         sink_w = next(a for a, w in info.items() if w["resources"].get("rollout"))
@@ -244,23 +251,33 @@ COLUMNS = [
 
 
 def bench_relay(
-    sizes_mb: tuple[int, ...] = (64, 512), ps: tuple[int, ...] = (2, 4, 8), repeats: int = 5
+    sizes_mb: tuple[int, ...] = (64, 512),
+    ps: tuple[int, ...] = (2, 4, 8),
+    repeats: int = 5,
+    protocols: tuple[str, ...] = ("tcp",),
 ):
-    """The relay bench; see the module docstring. Each (M, p) on a fresh cluster."""
+    """The relay bench; see the module docstring. Each (M, p) on a fresh cluster, once per
+    protocol (figures of a protocol other than tcp are prefixed with its name, and
+    ``<proto>_vs_tcp_*`` ratios compare them, measured in the same run)."""
     from pipelines.bench import BenchResult
 
     figures: dict[str, float] = {}
     ratios: dict[str, float] = {}
     rows = []
+    for proto in protocols:
+        pre = "" if proto == "tcp" else f"{proto}_"
+        for mb in sizes_mb:
+            for p in ps:
+                row = measure(p, mb * MB, repeats, protocol=proto)
+                for c in COLUMNS + ["t_byte", "t_start", "t_byte_loaded"]:
+                    figures[f"{pre}m{mb}_p{p}_{c}"] = row[c]
+                rows.append([proto, mb, p] + [row[c] for c in COLUMNS])
+                print(
+                    f"  {proto} M={mb} MB p={p}: "
+                    + ", ".join(f"{c} {row[c]:.4g}" for c in COLUMNS),
+                    flush=True,
+                )
     for mb in sizes_mb:
-        for p in ps:
-            row = measure(p, mb * MB, repeats)
-            for c in COLUMNS + ["t_byte", "t_start", "t_byte_loaded"]:
-                figures[f"m{mb}_p{p}_{c}"] = row[c]
-            rows.append([mb, p] + [row[c] for c in COLUMNS])
-            print(
-                f"  M={mb} MB p={p}: " + ", ".join(f"{c} {row[c]:.4g}" for c in COLUMNS), flush=True
-            )
         f = {k: v for k, v in figures.items() if k.startswith(f"m{mb}_")}
         lo, hi = min(ps), max(ps)
         if lo != hi:
@@ -273,6 +290,11 @@ def bench_relay(
             ratios[k + "broadcast_vs_model"] = f[k + "broadcast_s"] / f[k + "model_s"]
             ratios[k + "broadcast_vs_model_loaded"] = f[k + "broadcast_s"] / f[k + "model_loaded_s"]
             ratios[k + "naive_vs_relay_stall"] = f[k + "naive_s"] / f[k + "stall_s"]
+            for proto in protocols:
+                if proto != "tcp":
+                    for c in ("broadcast_s", "wait_s", "t_byte", "t_start"):
+                        name = f"{proto}_vs_tcp_m{mb}_p{p}_{c.removesuffix('_s')}"
+                        ratios[name] = figures[f"{proto}_{k}{c}"] / f[k + c]
     # The headline ratios, at the largest M and the p the issue names.
     m, lo, hi = max(sizes_mb), min(ps), max(ps)
     headline = {
@@ -290,9 +312,14 @@ def bench_relay(
         figures=figures,
         ratios=ratios,
         samples={},
-        columns=["M (MB)", "p"] + COLUMNS,
+        columns=["protocol", "M (MB)", "p"] + COLUMNS,
         rows=rows,
-        options={"sizes_mb": list(sizes_mb), "ps": list(ps), "repeats": repeats},
+        options={
+            "sizes_mb": list(sizes_mb),
+            "ps": list(ps),
+            "repeats": repeats,
+            "protocols": list(protocols),
+        },
         notes=[
             "stall: publish() returns once the master (in the publisher's process) holds "
             "a copy; broadcast: until the last relay holds the version, verified",

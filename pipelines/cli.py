@@ -249,6 +249,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
         options["sizes_mb"] = tuple(int(m) for m in args.sizes_mb.split(","))
     if args.relays:
         options["ps"] = tuple(int(p) for p in args.relays.split(","))
+    if args.protocols:
+        options["protocols"] = tuple(args.protocols.split(","))
     if args.duration_s is not None:
         options["duration_s"] = args.duration_s
     run_bench(args.name, args.out, **options)
@@ -295,6 +297,9 @@ def main(argv: list[str] | None = None) -> int:
     bench.add_argument("--vllm-python", help="engine: the vLLM environment's python")
     bench.add_argument("--sizes-mb", help="relay: comma-separated weight sizes in MB (64,512)")
     bench.add_argument("--relays", help="relay: comma-separated chain lengths p (2,4,8)")
+    bench.add_argument(
+        "--protocols", help="relay: comma-separated tcp,ucx (ucx needs .venv-ucx, .ci/ucx-env)"
+    )
     bench.add_argument("--duration-s", type=float, help="repack: wall seconds per arm (60)")
     args = parser.parse_args(argv)
     _quiet_libraries()
