@@ -213,7 +213,8 @@ class ExperienceBuffer:
     pool on the same worker without deadlock.
     """
 
-    def __init__(self, run_dir: str, pool, cfg) -> None:
+    def __init__(self, run_dir: str, pool, cfg, partial=None) -> None:
+        """``partial``: the partial-response pool, told which trajectories arrived."""
         from storage.trajectories import TrajectoryWriter
 
         self.core = BufferCore(
@@ -221,7 +222,7 @@ class ExperienceBuffer:
             max_train_staleness=cfg.max_train_staleness,
             dynamic_sampling=cfg.dynamic_sampling,
         )
-        self.pool = pool
+        self.pool, self.partial = pool, partial
         self.version = 0
         self.writer = TrajectoryWriter(run_dir)
         self.flush_records = cfg.flush_records
@@ -256,7 +257,11 @@ class ExperienceBuffer:
             self._leave(trajs)
 
     async def insert(self, trajs: list[Trajectory]) -> int:
+        """Admit rewarded trajectories (a uid seen before is dropped: a recovered
+        trajectory may arrive twice) and tell the partial-response pool they are safe."""
         await self._release(self.core.insert(trajs, version=self.version, now=time.time()))
+        if self.partial is not None:
+            await self.partial.forget([t.uid for t in trajs])
         return self.core.depth
 
     async def sample(self, n_groups: int, version: int) -> list[Trajectory] | None:

@@ -219,6 +219,19 @@ class RepackConfig(_Section):
     max_batch: int | None = Field(None, gt=1)
 
 
+class FaultsConfig(_Section):
+    """Fault tolerance (docs/faults.md): the partial-response log and rollout recovery."""
+
+    # A rollout logs its unfinished trajectories' new tokens when any has this many
+    # unlogged, or this long after its last log: a loss regenerates at most that much.
+    flush_tokens: int = Field(16, gt=0)
+    flush_s: float = Field(2.0, gt=0)
+    # How often the manager checks that every rollout's worker is alive.
+    detect_interval_s: float = Field(0.5, gt=0)
+    # Resume a lost rollout's unfinished trajectories on healthy rollouts.
+    recover: bool = True
+
+
 class TLSConfig(_Section):
     """TLS for every connection of the run (docs/deploy.md, "Security").
 
@@ -332,6 +345,7 @@ class RunConfig(_Section):
     trainer: TrainerConfig = TrainerConfig()
     relay: RelayConfig = RelayConfig()
     repack: RepackConfig | None = None
+    faults: FaultsConfig = FaultsConfig()
     cluster: ClusterConfig = ClusterConfig()
 
     @model_validator(mode="after")

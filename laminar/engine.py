@@ -195,6 +195,10 @@ class Engine(Protocol):
     def request_ids(self) -> list[str]:
         """Ids of every request in flight (running or waiting), oldest first."""
 
+    def in_flight(self) -> list[RequestState]:
+        """The in-flight requests' states as of the last step, read-only (the
+        partial-response log reads their tokens between steps)."""
+
     def kv_stats(self) -> KVStats: ...
 
     def stats(self) -> dict[str, float]:

@@ -315,6 +315,11 @@ class EngineBase:
     def request_ids(self) -> list[str]:
         return [s.request_id for s in (*self._running_states(), *self._waiting)]
 
+    def in_flight(self) -> list[RequestState]:
+        """The unfinished requests' states as of the last step: the engine's own objects,
+        to read between steps (the partial-response log), never to change."""
+        return [*self._running_states(), *self._waiting]
+
     def kv_stats(self) -> KVStats:
         return KVStats(
             used_tokens=self._used_tokens(),

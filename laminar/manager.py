@@ -1,4 +1,17 @@
-"""The rollout manager: runs the repack planner and carries out its moves.
+"""The rollout manager: recovers lost rollouts, runs the repack planner and carries out
+its moves.
+
+**Recovery** (``faults.recover``, docs/faults.md). Every ``faults.detect_interval_s`` the
+manager checks with the scheduler that every rollout's worker is alive. A lost rollout's
+unfinished trajectories come back from the partial-response pool (:mod:`laminar.partial`)
+and are imported into a healthy rollout decoding a batch of the same weight version; if
+none is, the least loaded healthy rollout *adopts* them as a batch of their own at its
+next boundary, loading that version from its relay's kept versions or the trainer's
+checkpoint. Either way each trajectory keeps one behavior version, its group stays whole,
+and at most one flush interval of tokens is regenerated. Each recovery is a row of the
+``faults`` table of ``metrics.zarr``.
+
+**Repack** (with a ``repack`` section).
 
 Every ``repack.interval_s`` (the paper: 5 s), and right after each trainer publication,
 the manager asks every rollout for its load, plans with :func:`laminar.repack.plan` and
@@ -30,6 +43,11 @@ from laminar.repack import RolloutLoad, plan
 logger = logging.getLogger(__name__)
 
 
+def _worker_addresses(dask_scheduler=None) -> list[str]:
+    """Runs on the scheduler: the addresses of the workers it has now."""
+    return list(dask_scheduler.workers)
+
+
 def repack_max_batch(cfg: RunConfig) -> int:
     """``B`` for the planner: ``repack.max_batch`` if set; else the pacing model's
     memory-bound batch limit when paced, capped by what one engine decodes at once."""
@@ -48,10 +66,16 @@ def repack_max_batch(cfg: RunConfig) -> int:
 class RolloutManager:
     """Dask actor (on the data worker): the repack loop over every rollout."""
 
-    def __init__(self, cfg: RunConfig, rollouts: dict, master_relay) -> None:
-        """``rollouts`` maps each rollout id to its actor handle."""
-        if cfg.repack is None:
-            raise ValueError("RolloutManager needs a repack section in the config")
+    def __init__(
+        self,
+        cfg: RunConfig,
+        rollouts: dict,
+        master_relay,
+        partial=None,
+        workers: dict | None = None,
+    ) -> None:
+        """``rollouts`` maps each rollout id to its actor handle, ``workers`` to its
+        worker's address (for loss detection); ``partial`` is the partial-response pool."""
         self.cfg = cfg
         self.rcfg = cfg.repack
         self.rollouts = dict(rollouts)
@@ -64,6 +88,10 @@ class RolloutManager:
         self._thread: threading.Thread | None = None
         self.rows: list[dict] = []  # one per executed (or rolled back) move
         self.counts = {"checks": 0, "moves": 0, "rolled_back": 0, "skipped": 0}
+        self.partial = partial
+        self.workers = dict(workers or {})
+        self.lost: dict[str, float] = {}  # rollout id -> when its loss was detected
+        self.fault_rows: list[dict] = []  # one per recovered batch
         self.error: str | None = None
 
     def start(self) -> None:
@@ -78,6 +106,9 @@ class RolloutManager:
     def stats(self) -> dict:
         moved = [r for r in self.rows if r["ok"]]
         return {
+            "lost": dict(self.lost),
+            "recoveries": len(self.fault_rows),
+            "recovered_requests": sum(r["requests"] for r in self.fault_rows),
             **self.counts,
             "max_batch": self.max_batch,
             "requests_moved": sum(r["requests"] for r in moved),
@@ -90,10 +121,23 @@ class RolloutManager:
     def get_rows(self, start: int = 0) -> list[dict]:
         return self.rows[start:]
 
+    def get_fault_rows(self, start: int = 0) -> list[dict]:
+        return self.fault_rows[start:]
+
+    def get_lost(self) -> dict[str, float]:
+        return dict(self.lost)
+
     def _run(self) -> None:
-        last = time.time()
+        last = last_detect = time.time()
+        detect = self.cfg.faults.recover and self.partial is not None and self.workers
         try:
             while not self._stop.wait(0.05):
+                now = time.time()
+                if detect and now - last_detect >= self.cfg.faults.detect_interval_s:
+                    last_detect = now
+                    self.detect()
+                if self.rcfg is None:
+                    continue
                 published = self._published()
                 if published or time.time() - last >= self.rcfg.interval_s:
                     last = time.time()
@@ -113,10 +157,8 @@ class RolloutManager:
 
     def check(self) -> list[dict]:
         """One planning round: loads, plan, moves. Returns the rows of its moves."""
-        futures = {rid: r.load() for rid, r in self.rollouts.items()}
         loads = []
-        for rid, f in futures.items():
-            load = f.result(timeout=self.timeout)
+        for rid, load in self._loads().items():
             if not load:
                 continue  # not started yet
             prev = self._prev.get(rid, load["kv_used"])
@@ -141,10 +183,13 @@ class RolloutManager:
         if out is None:  # the source drained meanwhile: nothing to move
             self.counts["skipped"] += 1
             return None
+        ids = [st.request_id for st in out["states"]]
         try:
             t1 = time.time()
             try:
                 ok = dst.import_for_move(out["version"], out["states"]).result(timeout=self.timeout)
+                if ok and self.partial is not None:
+                    self.partial.reassign(ids, destination).result(timeout=self.timeout)
             except Exception as e:  # noqa: BLE001 — the destination failed: take them back
                 logger.warning(
                     "repack %s -> %s: import failed (%r); rolled back", source, destination, e
@@ -173,3 +218,116 @@ class RolloutManager:
             "import_s": t_import,
             "pause_s": time.time() - t0,
         }
+
+    # -- faults ---------------------------------------------------------------------------
+    def _alive(self) -> list[str]:
+        return [rid for rid in self.rollouts if rid not in self.lost]
+
+    def _loads(self) -> dict[str, dict]:
+        """Every live rollout's load; one that does not answer within a few seconds is
+        skipped this round (a lost one is detected by :meth:`detect`)."""
+        futures = {rid: self.rollouts[rid].load() for rid in self._alive()}
+        out = {}
+        for rid, f in futures.items():
+            try:
+                out[rid] = f.result(timeout=min(self.timeout, 5.0))
+            except Exception:  # noqa: BLE001 — lost or stalled: not a candidate now
+                continue
+        return out
+
+    def detect(self) -> list[str]:
+        """Rollouts whose worker the scheduler no longer has: recover each."""
+        from distributed import get_client
+
+        workers = set(get_client().run_on_scheduler(_worker_addresses))
+        gone = [rid for rid in self._alive() if self.workers.get(rid) not in workers]
+        for rid in gone:
+            self.lost[rid] = time.time()
+            logger.warning("rollout %s lost (worker %s gone); recovering", rid, self.workers[rid])
+            self.recover(rid)
+        return gone
+
+    def recover(self, lost: str) -> list[dict]:
+        """Resume ``lost``'s unfinished trajectories on healthy rollouts, one batch per
+        weight version: imported into a running batch of that version, else adopted."""
+        t0 = time.time()
+        states = self.partial.take(lost).result(timeout=self.timeout)
+        by_version: dict[int, list] = {}
+        for st in states:
+            by_version.setdefault(st.request.meta["behavior_version"], []).append(st)
+        rows = []
+        for version, batch in sorted(by_version.items()):
+            alive = self._alive()
+            if not alive:
+                raise RuntimeError(
+                    f"every rollout is lost ({sorted(self.lost)}); {len(states)} unfinished "
+                    "trajectories wait in the partial-response pool"
+                )
+            loads = self._loads()
+            same = sorted(
+                (
+                    rid
+                    for rid, ld in loads.items()
+                    if ld and ld["in_batch"] and not ld["held"] and ld["version"] == version
+                ),
+                key=lambda rid: loads[rid]["kv_used"],
+            )
+            how, dest = "adopt", None
+            for rid in same:
+                try:
+                    ok = (
+                        self.rollouts[rid]
+                        .import_for_move(version, batch)
+                        .result(timeout=self.timeout)
+                    )
+                except Exception:  # noqa: BLE001 — try the next one
+                    ok = False
+                if ok:
+                    how, dest = "import", rid
+                    break
+            if dest is None:
+                dest = min(
+                    (rid for rid in alive if rid in loads),
+                    key=lambda rid: (loads[rid] or {}).get("n_requests", 0),
+                    default=alive[0],
+                )
+                self.rollouts[dest].adopt(version, batch).result(timeout=self.timeout)
+            ids = [st.request_id for st in batch]
+            self.partial.reassign(ids, dest).result(timeout=self.timeout)
+            rows.append(
+                {
+                    "time": t0,
+                    "rollout": lost,
+                    "destination": dest,
+                    "how": how,
+                    "version": version,
+                    "requests": len(batch),
+                    "tokens_recovered": sum(len(st.tokens) for st in batch),
+                    "max_since_flush_s": max(t0 - st.request.meta["t_flush"] for st in batch),
+                    "recovery_s": time.time() - t0,
+                }
+            )
+            logger.warning(
+                "rollout %s: %d unfinished trajectories of version %d resumed on %s (%s)",
+                lost,
+                len(batch),
+                version,
+                dest,
+                how,
+            )
+        if not states:
+            rows.append(
+                {
+                    "time": t0,
+                    "rollout": lost,
+                    "destination": "",
+                    "how": "none",
+                    "version": -1,
+                    "requests": 0,
+                    "tokens_recovered": 0,
+                    "max_since_flush_s": 0.0,
+                    "recovery_s": time.time() - t0,
+                }
+            )
+        self.fault_rows += rows
+        return rows

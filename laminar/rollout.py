@@ -34,7 +34,7 @@ import torch
 from laminar.cluster import start_thread
 from laminar.config import RunConfig
 from laminar.contract import PromptGroup, Trajectory
-from laminar.engine import FinishedOutput, GenerationRequest, make_engine
+from laminar.engine import FinishedOutput, GenerationRequest, RequestState, make_engine
 
 logger = logging.getLogger(__name__)
 
@@ -45,15 +45,30 @@ class RolloutReplica:
     """Dask actor: one replica of the rollout tier (placed on a ``rollout`` worker)."""
 
     def __init__(
-        self, rollout_id: str, cfg: RunConfig, policy_dir: str, pool, buffer, relay
+        self,
+        rollout_id: str,
+        cfg: RunConfig,
+        policy_dir: str,
+        pool,
+        buffer,
+        relay,
+        partial=None,
+        checkpoints_dir: str | None = None,
     ) -> None:
+        """``partial``: the :class:`~laminar.partial.PartialResponsePool` to log unfinished
+        trajectories to (none: no log); ``checkpoints_dir``: where old versions are found
+        when the relay no longer keeps them (recovery)."""
         from laminar.model import load_tokenizer
         from laminar.relay import Puller
 
         torch.set_num_threads(cfg.cluster.torch_threads)
         self.rollout_id = rollout_id
         self.cfg = cfg
-        self.pool, self.buffer = pool, buffer
+        self.pool, self.buffer, self.partial = pool, buffer, partial
+        self.checkpoints_dir = checkpoints_dir
+        self._logged: dict[str, int] = {}  # request id -> tokens in the partial log
+        self._t_logged = time.time()
+        self._adopted: queue.Queue = queue.Queue()  # (version, states) from recovery
         self.puller = Puller(relay, cfg.relay.timeout_s)
         self.fingerprints: dict[int, int] = {}  # version loaded -> xxh3-64 (audit_weights)
         self._synced = False  # the relay has shown us a version
@@ -108,6 +123,11 @@ class RolloutReplica:
             "requests_in": 0,
             "reprefill_tokens": 0,
             "reprefill_s": 0.0,
+            "partial_flushes": 0,
+            "partial_tokens": 0,
+            "adopted_batches": 0,
+            "adopted_requests": 0,
+            "restarted_requests": 0,  # recovered, but their version was gone: started over
         }
 
     # -- control methods (run on the actor thread while the loop decodes) ---------------
@@ -142,7 +162,9 @@ class RolloutReplica:
         try:
             while not self._stop.is_set():
                 self._wait_while_held()
-                if not self.engine.has_work():  # a batch boundary
+                if not self.engine.has_work() and not self._adopted.empty():
+                    self._take_adopted()  # a lost rollout's batch, at its own version
+                elif not self.engine.has_work():  # a batch boundary
                     self._maybe_load_weights()
                     groups = self._call(self.pool.acquire(self.cfg.rollout.groups_per_batch))
                     if not groups:
@@ -194,17 +216,106 @@ class RolloutReplica:
 
     def _add(self, groups: list[PromptGroup]) -> None:
         now = time.time()
+        new = []
         for g in groups:
             for i in range(g.group_size):
-                self.engine.add_request(
-                    GenerationRequest(
-                        request_id=f"{g.prompt_uid}-{i:03d}",
-                        prompt_tokens=g.prompt_tokens,
-                        params=self._params,
-                        meta={"group": g, "sample_idx": i, "t_submit": now},
-                    )
+                req = GenerationRequest(
+                    request_id=f"{g.prompt_uid}-{i:03d}",
+                    prompt_tokens=g.prompt_tokens,
+                    params=self._params,
+                    meta={"group": g, "sample_idx": i, "t_submit": now},
                 )
+                self.engine.add_request(req)
+                new.append(req.request_id)
+        if self.partial is not None:
+            added = set(new)
+            states = [
+                RequestState(st.request, seed=st.seed, t_start=st.t_start)
+                for st in self.engine.in_flight()
+                if st.request_id in added
+            ]
+            self._call(self.partial.register(self.rollout_id, self.engine.version, states))
+            self._logged.update(dict.fromkeys(new, 0))
         self.counts["batches"] += 1
+
+    # -- the partial-response log (laminar.partial) --------------------------------------
+    def _log_partial(self, finished=(), force: bool = False) -> None:
+        """Send the unfinished requests' new tokens to the partial-response pool when one
+        has ``faults.flush_tokens`` unlogged or ``faults.flush_s`` have passed (a loss
+        then regenerates at most that much). Waits for the pool: one log in flight."""
+        if self.partial is None:
+            return
+        for out in finished:
+            self._logged.pop(out.request.request_id, None)
+        f = self.cfg.faults
+        states = self.engine.in_flight()
+        due = force or time.time() - self._t_logged >= f.flush_s
+        if not due:
+            due = any(
+                len(st.tokens) - self._logged.get(st.request_id, 0) >= f.flush_tokens
+                for st in states
+            )
+        if not due:
+            return
+        tokens = {}
+        for st in states:
+            n = self._logged.get(st.request_id, 0)
+            if len(st.tokens) > n:
+                tokens[st.request_id] = (
+                    n,
+                    st.tokens[n:],
+                    st.logprobs[n:],
+                    st.token_versions[n:],
+                )
+        if tokens:
+            self._call(self.partial.flush(self.rollout_id, tokens))
+            for rid, (n, toks, _, _) in tokens.items():
+                self._logged[rid] = n + len(toks)
+            self.counts["partial_flushes"] += 1
+            self.counts["partial_tokens"] += sum(len(t[1]) for t in tokens.values())
+        self._t_logged = time.time()
+
+    def adopt(self, version: int, states: list) -> None:
+        """Take a lost rollout's unfinished requests (sampled by ``version``) as a batch of
+        their own at the next batch boundary, loading that version for them."""
+        self._adopted.put((version, states))
+
+    def _take_adopted(self) -> None:
+        from laminar.relay import VersionUnavailable, fetch_version
+
+        version, states = self._adopted.get_nowait()
+        if self.engine.version != version:
+            try:
+                weights = fetch_version(version, self.puller, self.checkpoints_dir)
+            except VersionUnavailable as e:
+                # No copy of that version is left: the trajectories start over at this
+                # rollout's version (same uids, same groups; their tokens are lost).
+                logger.warning(
+                    "rollout %s: %s; %d recovered trajectories restart at version %d",
+                    self.rollout_id,
+                    e,
+                    len(states),
+                    self.engine.version,
+                )
+                states = [
+                    RequestState(st.request, seed=st.seed, t_start=time.time(), n_moves=st.n_moves)
+                    for st in states
+                ]
+                if self.partial is not None:
+                    self._call(self.partial.register(self.rollout_id, self.engine.version, states))
+                self.counts["restarted_requests"] += len(states)
+                version = self.engine.version
+            else:
+                self.engine.load_weights(weights, version)
+                if self._reference is not None:
+                    self._reference.load_state_dict(weights)
+                self.counts["weight_loads"] += 1
+        self.engine.import_(states)
+        self._logged.update({st.request_id: len(st.tokens) for st in states})
+        self._reprefill = True
+        self.counts["adopted_batches"] += 1
+        self.counts["adopted_requests"] += len(states)
+        self.counts["reprefill_tokens"] += sum(st.context_len for st in states)
 
     def _decode(self) -> None:
         """Decode until the engine drains (or hands its requests away)."""
@@ -223,6 +334,7 @@ class RolloutReplica:
                     self.counts["reprefill_s"] += time.perf_counter() - t_step
                     self._reprefill = False
                 self.counts["decode_steps"] += 1
+                self._log_partial(finished)
                 if finished:
                     self._submit_rewards(finished)
                     # Moved responses (re-prefilled here) are always checked when parity
@@ -280,7 +392,10 @@ class RolloutReplica:
         if not self._in_batch or self._held or not self.engine.has_work():
             return None
         t0 = time.perf_counter()
+        self._log_partial(force=True)  # the log holds every exported token
         states = self.engine.export(list(self.engine.request_ids()))
+        for st in states:
+            self._logged.pop(st.request_id, None)
         for st in states:  # the rollouts a trajectory passed through, in order
             st.request.meta["rollout_path"] = [
                 *st.request.meta.get("rollout_path", []),
@@ -305,6 +420,7 @@ class RolloutReplica:
             for st in states:
                 st.request.meta["rollout_path"] = st.request.meta["rollout_path"][:-1]
         self.engine.import_(states)
+        self._logged.update({st.request_id: len(st.tokens) for st in states})
         self._reprefill = True
         if not rollback:
             self.counts["moves_in"] += 1

@@ -171,6 +171,23 @@ class EngineContract:
         drain(eng)
         assert eng.kv_stats().used_tokens == 0 and eng.request_ids() == []
 
+    def test_in_flight_shows_each_requests_tokens_so_far(self, make_engine):
+        """What the partial-response log reads between steps: the tokens, logprobs and
+        versions an export would carry, without taking the requests away."""
+        reqs = requests(6, max_new_tokens=20, temperature=0.8)
+        eng = self._fresh(make_engine, reqs, max_batch=4)
+        for _ in range(5):
+            eng.step()
+        seen = {
+            s.request_id: (list(s.tokens), list(s.logprobs), list(s.token_versions), s.seed)
+            for s in eng.in_flight()
+        }
+        assert list(seen) == eng.request_ids() and any(t for t, *_ in seen.values())
+        exported = eng.export(eng.request_ids())
+        assert {
+            s.request_id: (s.tokens, s.logprobs, s.token_versions, s.seed) for s in exported
+        } == seen
+
     # -- export / import ----------------------------------------------------------------------
     @pytest.mark.parametrize("after_steps", [1, 7])
     def test_exported_requests_continue_exactly_elsewhere(self, make_engine, after_steps):

@@ -27,6 +27,8 @@ import numpy as np
 from laminar.buffer import ExperienceBuffer
 from laminar.cluster import place, submit_actor
 from laminar.config import RunConfig
+from laminar.manager import RolloutManager
+from laminar.partial import PartialResponsePool
 from laminar.prompt_pool import DATA_STATE, PromptPool, load_prompts
 from laminar.relay import build_tier
 from laminar.rollout import RolloutReplica
@@ -103,12 +105,16 @@ class LaminarSchedule:
         progress({"phase": "starting actors", "policy_dir": policy_dir, "sft": self.sft_info})
         b = cfg.buffer
         pool = submit_actor(client, PromptPool, cfg, policy_dir, worker=data_w, resource="data")
+        partial = None
+        if cfg.faults.recover:
+            partial = submit_actor(client, PartialResponsePool, worker=data_w, resource="data")
         buffer = submit_actor(
             client,
             ExperienceBuffer,
             str(self.run_dir),
             pool,
             b,
+            partial,
             worker=data_w,
             resource="data",
         )
@@ -155,26 +161,29 @@ class LaminarSchedule:
                 pool,
                 buffer,
                 tier.local_relay(w, taken),
+                partial,
+                str(self.run_dir / "checkpoints"),
                 worker=w,
                 resource="rollout",
             )
             for i, w in enumerate(rollout_ws)
         ]
         manager = None
-        if cfg.repack is not None:
-            from laminar.manager import RolloutManager
-
+        if cfg.repack is not None or partial is not None:
             manager = submit_actor(
                 client,
                 RolloutManager,
                 cfg,
                 {f"r{i}": r for i, r in enumerate(rollouts)},
                 tier.master,
+                partial,
+                {f"r{i}": w for i, w in enumerate(rollout_ws)},
                 worker=data_w,
                 resource="data",
             )
         self.actors = {
             "manager": manager,
+            "partial": partial,
             "pool": pool,
             "buffer": buffer,
             "trainer": trainer,
@@ -194,7 +203,7 @@ class LaminarSchedule:
             r.start().result()
         if a["manager"] is not None:
             a["manager"].start().result()
-        self._n_repacks = 0
+        self._n_repacks = self._n_faults = 0
         self.metrics = MetricsWriter(self.run_dir)
         self._rows: dict[str, list[dict]] = {"cluster": [], "rollouts": []}
         self._n_updates = 0
@@ -206,7 +215,7 @@ class LaminarSchedule:
             t_stats = a["trainer"].stats().result()
             b_stats = a["buffer"].stats().result()
             p_stats = a["pool"].stats().result()
-            r_stats = [r.stats().result() for r in a["rollouts"]]
+            r_stats = self._rollout_stats()
             now = time.time()
             tokens = sum(s["response_tokens"] for s in r_stats)
             gen_tok_s = (tokens - last_tokens) / max(now - last_t, 1e-9)
@@ -285,6 +294,27 @@ class LaminarSchedule:
             moves = self.actors["manager"].get_rows(self._n_repacks).result()
             self.metrics.append("repacks", moves)
             self._n_repacks += len(moves)
+            faults = self.actors["manager"].get_fault_rows(self._n_faults).result()
+            self.metrics.append("faults", faults)
+            self._n_faults += len(faults)
+
+    def _live_rollouts(self) -> list:
+        """The rollouts the manager has not declared lost."""
+        a = self.actors
+        lost = a["manager"].get_lost().result() if a["manager"] is not None else {}
+        return [r for i, r in enumerate(a["rollouts"]) if f"r{i}" not in lost]
+
+    def _rollout_stats(self) -> list[dict]:
+        """Stats of every live rollout that answers within a few seconds (one lost but
+        not yet detected does not hold the run up)."""
+        futures = [r.stats() for r in self._live_rollouts()]
+        out = []
+        for f in futures:
+            try:
+                out.append(f.result(timeout=5.0))
+            except Exception:  # noqa: BLE001 — lost or stalled: the manager decides
+                continue
+        return out
 
     def shutdown(self, reason: str, t_start: float) -> dict:
         """Stop rollouts (their rewarded trajectories still reach the buffer), then the
@@ -292,7 +322,7 @@ class LaminarSchedule:
         a = self.actors
         # No moves while rollouts stop: the manager goes first.
         m_stats = a["manager"].stop().result() if a["manager"] is not None else None
-        r_stats = [r.stop().result() for r in a["rollouts"]]
+        r_stats = [r.stop().result() for r in self._live_rollouts()]
         t_stats = a["trainer"].stop().result()
         t_stats["ranks_stats"] = [r.stats().result() for r in a["trainer_ranks"]]
         p_stats = a["pool"].stats().result()  # rollouts have stopped: dispatch is final
@@ -303,8 +333,10 @@ class LaminarSchedule:
         self._flush_metrics()
         b_stats = a["buffer"].close().result()
         wall = time.time() - t_start
+        partial = a["partial"].stats().result() if a["partial"] is not None else None
         return {
-            "repack": m_stats,
+            "faults": _faults_summary(m_stats, partial),
+            "repack": m_stats if self.cfg.repack is not None else None,
             "relay": relay,
             "reason": reason,
             "wall_s": wall,
@@ -351,7 +383,7 @@ class LaminarSchedule:
         if self.cfg.relay.audit_weights:
             published = a["trainer"].get_fingerprints().result()
             checked = mismatched = 0
-            for r in a["rollouts"]:
+            for r in self._live_rollouts():
                 for v, fp in r.get_fingerprints().result().items():
                     checked += 1
                     mismatched += published.get(v) != fp
@@ -361,6 +393,19 @@ class LaminarSchedule:
                 "mismatched": mismatched,
             }
         return out
+
+
+def _faults_summary(m_stats: dict | None, partial: dict | None) -> dict | None:
+    """Losses and recoveries over the run, and the partial-response log's counters."""
+    if partial is None:
+        return None
+    m = m_stats or {}
+    return {
+        "lost": m.get("lost", {}),
+        "recoveries": m.get("recoveries", 0),
+        "recovered_requests": m.get("recovered_requests", 0),
+        "partial": partial,
+    }
 
 
 def _median(xs: list[float]) -> float:
@@ -412,6 +457,7 @@ def summarize(run_dir: Path, raw: dict, sft_info: dict, cfg: RunConfig) -> dict:
         + [r["weights_checksum"] for r in raw["trainer"]["ranks_stats"]],
         "relay": raw["relay"],
         "repack": raw["repack"],
+        "faults": raw["faults"],
         "metrics": str(run_dir / "metrics.zarr"),
     }
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2, default=float))

@@ -37,6 +37,7 @@ TABLES = {
     "updates": "update",
     "publications": "publication",  # one row per version the trainer published
     "repacks": "move",  # one row per repack move (docs/repack.md)
+    "faults": "recovery",  # one row per recovered batch of a lost rollout (docs/faults.md)
 }
 _CHUNK = 4096
 

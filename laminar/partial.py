@@ -1,0 +1,154 @@
+"""The partial-response pool: what every unfinished trajectory has generated so far.
+
+Rollouts register each request when they start it and stream its new tokens, logprobs and
+token versions here every ``faults.flush_tokens`` tokens or ``faults.flush_s`` seconds;
+the experience buffer forgets a trajectory once it holds it. When a rollout is lost, the
+manager :meth:`~PartialCore.take`\\ s its entries and resumes them on healthy rollouts of
+the same weight version: with counter-based sampling (:mod:`laminar.sampling`) a resumed
+request continues with exactly the tokens it would have produced, so a loss costs at
+most one flush interval of regeneration per trajectory, never a trajectory.
+
+A request's last token is never logged as unfinished: an engine hands a request back in
+the step that finishes it, so a logged entry can always be resumed. A finished
+trajectory stays here until the buffer has it; if its rollout is lost in between (its
+reward still in flight), the entry is resumed and regenerates its last tokens.
+
+:class:`PartialCore` is the logic; :class:`PartialResponsePool` the actor (on the data
+worker, beside the buffer).
+"""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+
+from laminar.engine import RequestState
+
+
+class PartialCore:
+    """Unfinished trajectories by request id, each owned by the rollout decoding it.
+
+    >>> from laminar.engine import GenerationRequest, SamplingParams
+    >>> core = PartialCore()
+    >>> req = GenerationRequest("p0-000", (1, 2), SamplingParams(8))
+    >>> core.register("r0", 3, [RequestState(req, seed=7)])
+    >>> core.flush("r0", {"p0-000": (0, [5, 6], [-0.1, -0.2], [3, 3])})
+    >>> [(s.tokens, s.n_moves, s.request.meta["rollout_path"]) for s in core.take("r0")]
+    [([5, 6], 1, ['r0'])]
+    >>> core.take("r0"), core.owned()  # taken: ownerless until reassigned
+    ([], {None: (1, 2)})
+    >>> core.forget(["p0-000"]); core.stats()["entries"]
+    0
+    """
+
+    def __init__(self) -> None:
+        self.entries: dict[str, dict] = {}
+        self.counts: Counter = Counter()
+
+    def register(self, rollout_id: str, version: int, states: list[RequestState]) -> None:
+        """New requests of ``rollout_id`` (sampled by ``version``), with no tokens yet."""
+        now = time.time()
+        for st in states:
+            self.entries[st.request_id] = {
+                "state": st,
+                "owner": rollout_id,
+                "version": version,
+                "t_flush": now,
+            }
+        self.counts["registered"] += len(states)
+
+    def flush(self, rollout_id: str, tokens: dict[str, tuple]) -> None:
+        """New tokens: ``{request_id: (offset, tokens, logprobs, token_versions)}``.
+
+        ``offset`` is how many tokens the rollout had logged before: a repeated or late
+        flush overwrites from there instead of appending twice. A flush names its sender
+        as the owner (a request moved by repack is flushed by its new rollout)."""
+        now = time.time()
+        for rid, (offset, toks, lps, tvs) in tokens.items():
+            e = self.entries.get(rid)
+            if e is None:  # already in the buffer
+                continue
+            st: RequestState = e["state"]
+            if offset > len(st.tokens):  # a gap: keep what is contiguous
+                self.counts["gaps"] += 1
+                continue
+            st.tokens[offset:] = list(toks)
+            st.logprobs[offset:] = list(lps)
+            st.token_versions[offset:] = list(tvs)
+            e["owner"], e["t_flush"] = rollout_id, now
+            self.counts["flushed_tokens"] += len(toks)
+        self.counts["flushes"] += 1
+
+    def reassign(self, request_ids: list[str], rollout_id: str) -> None:
+        """Requests now decoded by ``rollout_id`` (moved by repack or recovery)."""
+        for rid in request_ids:
+            if rid in self.entries:
+                self.entries[rid]["owner"] = rollout_id
+
+    def forget(self, uids: list[str]) -> None:
+        """Trajectories the buffer now holds."""
+        for uid in uids:
+            if self.entries.pop(uid, None) is not None:
+                self.counts["forgotten"] += 1
+
+    def take(self, rollout_id: str) -> list[RequestState]:
+        """The lost ``rollout_id``'s entries as states to import elsewhere (counted as
+        moved once more, with the lost rollout on their path), oldest first. They stay
+        registered, ownerless, until :meth:`reassign`."""
+        out = []
+        for e in self.entries.values():
+            if e["owner"] != rollout_id:
+                continue
+            st: RequestState = e["state"]
+            moved = st.moved()
+            moved.request.meta["rollout_path"] = [
+                *st.request.meta.get("rollout_path", []),
+                rollout_id,
+            ]
+            moved.request.meta["recovered_tokens"] = len(st.tokens)
+            moved.request.meta["t_flush"] = e["t_flush"]
+            moved.request.meta["behavior_version"] = e["version"]
+            e["owner"] = None
+            out.append(moved)
+        self.counts["taken"] += len(out)
+        return sorted(out, key=lambda s: s.t_start)
+
+    def owned(self) -> dict[str | None, tuple[int, int]]:
+        """Owner -> (entries, tokens logged) (``None``: taken, not yet reassigned)."""
+        out: dict[str | None, tuple[int, int]] = {}
+        for e in self.entries.values():
+            n, t = out.get(e["owner"], (0, 0))
+            out[e["owner"]] = (n + 1, t + len(e["state"].tokens))
+        return out
+
+    def stats(self) -> dict:
+        return {"entries": len(self.entries), **self.counts}
+
+
+class PartialResponsePool:
+    """Dask actor around :class:`PartialCore` (async: calls run on the event loop, in
+    order, without a thread hop)."""
+
+    def __init__(self) -> None:
+        self.core = PartialCore()
+
+    async def register(self, rollout_id: str, version: int, states: list) -> None:
+        self.core.register(rollout_id, version, states)
+
+    async def flush(self, rollout_id: str, tokens: dict) -> None:
+        self.core.flush(rollout_id, tokens)
+
+    async def reassign(self, request_ids: list[str], rollout_id: str) -> None:
+        self.core.reassign(request_ids, rollout_id)
+
+    async def forget(self, uids: list[str]) -> None:
+        self.core.forget(uids)
+
+    async def take(self, rollout_id: str) -> list:
+        return self.core.take(rollout_id)
+
+    async def owned(self) -> dict:
+        return self.core.owned()
+
+    async def stats(self) -> dict:
+        return self.core.stats()
