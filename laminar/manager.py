@@ -73,9 +73,11 @@ class RolloutManager:
         master_relay,
         partial=None,
         workers: dict | None = None,
+        relays: list | None = None,
     ) -> None:
         """``rollouts`` maps each rollout id to its actor handle, ``workers`` to its
-        worker's address (for loss detection); ``partial`` is the partial-response pool."""
+        worker's address (for loss detection); ``partial`` is the partial-response pool;
+        ``relays`` every relay, told which versions unfinished trajectories use."""
         self.cfg = cfg
         self.rcfg = cfg.repack
         self.rollouts = dict(rollouts)
@@ -90,6 +92,7 @@ class RolloutManager:
         self.counts = {"checks": 0, "moves": 0, "rolled_back": 0, "skipped": 0}
         self.partial = partial
         self.workers = dict(workers or {})
+        self.relays = list(relays or [])
         self.lost: dict[str, float] = {}  # rollout id -> when its loss was detected
         self.fault_rows: list[dict] = []  # one per recovered batch
         self.error: str | None = None
@@ -136,6 +139,7 @@ class RolloutManager:
                 if detect and now - last_detect >= self.cfg.faults.detect_interval_s:
                     last_detect = now
                     self.detect()
+                    self._retain()
                 if self.rcfg is None:
                     continue
                 published = self._published()
@@ -226,7 +230,12 @@ class RolloutManager:
     def _loads(self) -> dict[str, dict]:
         """Every live rollout's load; one that does not answer within a few seconds is
         skipped this round (a lost one is detected by :meth:`detect`)."""
-        futures = {rid: self.rollouts[rid].load() for rid in self._alive()}
+        futures = {}
+        for rid in self._alive():
+            try:
+                futures[rid] = self.rollouts[rid].load()
+            except Exception:  # noqa: BLE001 — its worker is known lost
+                continue
         out = {}
         for rid, f in futures.items():
             try:
@@ -235,15 +244,27 @@ class RolloutManager:
                 continue
         return out
 
+    def _retain(self) -> None:
+        """Tell every relay which versions unfinished trajectories were sampled by."""
+        versions = self.partial.versions().result(timeout=self.timeout)
+        futures = [r.retain(versions) for r in self.relays]
+        for f in futures:
+            try:
+                f.result(timeout=min(self.timeout, 5.0))
+            except Exception:  # noqa: BLE001 — a lost relay: not this loop's to handle
+                continue
+
     def detect(self) -> list[str]:
         """Rollouts whose worker the scheduler no longer has: recover each."""
         from distributed import get_client
 
         workers = set(get_client().run_on_scheduler(_worker_addresses))
         gone = [rid for rid in self._alive() if self.workers.get(rid) not in workers]
-        for rid in gone:
-            self.lost[rid] = time.time()
+        now = time.time()
+        for rid in gone:  # all of them first: none is a candidate for another's work
+            self.lost[rid] = now
             logger.warning("rollout %s lost (worker %s gone); recovering", rid, self.workers[rid])
+        for rid in gone:
             self.recover(rid)
         return gone
 

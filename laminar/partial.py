@@ -113,6 +113,11 @@ class PartialCore:
         self.counts["taken"] += len(out)
         return sorted(out, key=lambda s: s.t_start)
 
+    def versions(self) -> list[int]:
+        """The weight versions of the unfinished trajectories: the relays keep these
+        (:meth:`laminar.relay.RelayCore.retain`) so a recovery can resume them exactly."""
+        return sorted({e["version"] for e in self.entries.values()})
+
     def owned(self) -> dict[str | None, tuple[int, int]]:
         """Owner -> (entries, tokens logged) (``None``: taken, not yet reassigned)."""
         out: dict[str | None, tuple[int, int]] = {}
@@ -146,6 +151,9 @@ class PartialResponsePool:
 
     async def take(self, rollout_id: str) -> list:
         return self.core.take(rollout_id)
+
+    async def versions(self) -> list[int]:
+        return self.core.versions()
 
     async def owned(self) -> dict:
         return self.core.owned()

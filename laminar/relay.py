@@ -236,6 +236,7 @@ class RelayCore:
         if keep_versions < 1:
             raise RelayError("keep_versions must be at least 1")
         self.keep_versions = keep_versions
+        self.retained: set[int] = set()  # versions in use: kept before older unused ones
         self.budget_bytes = budget_bytes
         self._lock = threading.Condition()
         self._snaps: dict[int, Snapshot] = {}  # version -> snapshot (arriving or complete)
@@ -306,13 +307,29 @@ class RelayCore:
                 )
             self._lock.wait(min(left, 0.1))
 
+    def retain(self, versions) -> None:
+        """Versions still in use (unfinished trajectories sampled by them, which recovery
+        may have to resume): among the ``keep_versions`` kept, these go before older
+        unused ones. No extra memory: the newest version is always kept.
+        """
+        with self._lock:
+            self.retained = set(versions)
+
     def _evict(self) -> None:
-        """Free the oldest complete, unpinned versions beyond the newest
-        ``keep_versions`` complete ones (lock held). Incomplete versions older than the
-        newest complete one were abandoned by their sender and are dropped too."""
+        """Free the complete, unpinned versions beyond ``keep_versions`` (lock held): the
+        newest stays, then retained ones (newest first), then the newest others.
+        Incomplete versions older than the newest complete one were abandoned by their
+        sender and are dropped too."""
         done = self._kept()
         newest_done = done[-1] if done else -1
-        surplus = set(done[: max(len(done) - self.keep_versions, 0)])
+        keep = done[-1:]
+        ranked = sorted(self.retained & set(done), reverse=True) + done[::-1]
+        for v in ranked:
+            if len(keep) >= self.keep_versions:
+                break
+            if v not in keep:
+                keep.append(v)
+        surplus = set(done) - set(keep)
         for v in sorted(self._snaps):
             s = self._snaps[v]
             stale = not s.complete and v < newest_done
@@ -755,6 +772,10 @@ class Relay:
 
     async def versions(self) -> list[int]:
         return self.core.versions()
+
+    async def retain(self, versions: list[int]) -> None:
+        """See :meth:`RelayCore.retain` (the manager sends the versions in use)."""
+        self.core.retain(versions)
 
     async def stats(self) -> dict:
         out = {

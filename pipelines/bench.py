@@ -165,10 +165,16 @@ def bench_engine(
     engine, HF ``generate`` and vLLM (in its own environment) at each batch size."""
     import torch
 
-    from laminar.model import build_tiny_policy, load_policy
+    from laminar.model import build_tiny_policy
 
     torch.set_num_threads(threads)
-    policy_dir = build_tiny_policy(tempfile.mkdtemp(prefix="laminar-bench-"))
+    with tempfile.TemporaryDirectory(prefix="laminar-bench-") as tmp:
+        return _bench_engine(build_tiny_policy(tmp), batches, new_tokens, repeats, threads, vllm)
+
+
+def _bench_engine(policy_dir, batches, new_tokens, repeats, threads, vllm) -> BenchResult:
+    from laminar.model import load_policy
+
     policy = load_policy(policy_dir)
     python = vllm_python(vllm)
     notes = []

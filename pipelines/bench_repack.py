@@ -161,8 +161,12 @@ def bench_repack(
     ]
     arms = {"off": [], "on": [f"repack.interval_s={interval_s}"]}
     results: dict[str, list[dict]] = {"off": [], "on": []}
-    root = Path(tempfile.mkdtemp(prefix="laminar-bench-repack-"))
-    with local_cluster(replicas, memory_limit="2GiB") as cluster, Client(cluster) as client:
+    with (
+        tempfile.TemporaryDirectory(prefix="laminar-bench-repack-") as tmp,
+        local_cluster(replicas, memory_limit="2GiB") as cluster,
+        Client(cluster) as client,
+    ):
+        root = Path(tmp)  # the arms' run directories (~90 MB), removed at the end
         for rep in range(repeats):
             order = ["off", "on"] if rep % 2 == 0 else ["on", "off"]
             for arm in order:

@@ -2,6 +2,7 @@
 
 laminar run CONFIG [--set k=v ...] [--run-dir DIR] [--scheduler ADDRESS | --scheduler-file F]
 laminar certs DIR
+laminar audit RUN_DIR [--json]
 laminar report RUN_DIR [RUN_DIR ...] [--out DIR]
 laminar bench NAME [--out FILE.json] [--repeats N] [...]
 """
@@ -140,6 +141,14 @@ def _print_summary(s: dict) -> None:
             f"repack             {repack['moves']} moves ({repack['rolled_back']} rolled back), "
             f"{repack['requests_moved']} requests, pause {repack['pause_s']:.2f} s"
         )
+    faults = s.get("faults")
+    if faults and faults["lost"]:
+        print(
+            f"faults             {len(faults['lost'])} rollout(s) lost "
+            f"({', '.join(sorted(faults['lost']))}); {faults['recovered_requests']} unfinished "
+            f"trajectories resumed elsewhere in {faults['recoveries']} recoveries "
+            "(`laminar audit RUN_DIR`)"
+        )
     print(f"checkpoint         {s['checkpoint']}")
 
 
@@ -197,6 +206,18 @@ def _follow(handle) -> int:
         return 0 if summary["reason"] in ("completed", "stopped") else 1
     finally:
         signal.signal(signal.SIGINT, old)
+
+
+def cmd_audit(args: argparse.Namespace) -> int:
+    import json
+
+    from storage.audit import audit_run
+
+    report = audit_run(args.run_dir)
+    print(report.text())
+    if args.json:
+        print(json.dumps(report.to_dict(), indent=2, default=float))
+    return 0 if report.ok else 1
 
 
 def cmd_certs(args: argparse.Namespace) -> int:
@@ -282,6 +303,11 @@ def main(argv: list[str] | None = None) -> int:
         metavar="FILE",
         help="the file `dask scheduler --scheduler-file FILE` wrote (HPC recipe)",
     )
+    audit = sub.add_parser(
+        "audit", help="check a run from its stores: contract, groups, recoveries (exit 1: problems)"
+    )
+    audit.add_argument("run_dir", metavar="RUN_DIR")
+    audit.add_argument("--json", action="store_true", help="also print the report as JSON")
     certs = sub.add_parser("certs", help="write a new TLS CA, certificate and key to a folder")
     certs.add_argument("dir", help="folder for ca.pem, cert.pem, key.pem")
     report = sub.add_parser("report", help="plots and a summary page of one or more runs")
@@ -305,7 +331,13 @@ def main(argv: list[str] | None = None) -> int:
     _quiet_libraries()
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     try:
-        commands = {"run": cmd_run, "report": cmd_report, "bench": cmd_bench, "certs": cmd_certs}
+        commands = {
+            "run": cmd_run,
+            "report": cmd_report,
+            "bench": cmd_bench,
+            "certs": cmd_certs,
+            "audit": cmd_audit,
+        }
         return commands[args.command](args)
     except (LaminarError, StoreError, FileNotFoundError) as e:
         print(f"laminar: error: {e}", file=sys.stderr)

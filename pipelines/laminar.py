@@ -178,6 +178,7 @@ class LaminarSchedule:
                 tier.master,
                 partial,
                 {f"r{i}": w for i, w in enumerate(rollout_ws)},
+                tier.relays,
                 worker=data_w,
                 resource="data",
             )
@@ -307,14 +308,7 @@ class LaminarSchedule:
     def _rollout_stats(self) -> list[dict]:
         """Stats of every live rollout that answers within a few seconds (one lost but
         not yet detected does not hold the run up)."""
-        futures = [r.stats() for r in self._live_rollouts()]
-        out = []
-        for f in futures:
-            try:
-                out.append(f.result(timeout=5.0))
-            except Exception:  # noqa: BLE001 — lost or stalled: the manager decides
-                continue
-        return out
+        return _answers([lambda r=r: r.stats() for r in self._live_rollouts()])
 
     def shutdown(self, reason: str, t_start: float) -> dict:
         """Stop rollouts (their rewarded trajectories still reach the buffer), then the
@@ -322,7 +316,7 @@ class LaminarSchedule:
         a = self.actors
         # No moves while rollouts stop: the manager goes first.
         m_stats = a["manager"].stop().result() if a["manager"] is not None else None
-        r_stats = [r.stop().result() for r in self._live_rollouts()]
+        r_stats = _answers([lambda r=r: r.stop() for r in self._live_rollouts()], timeout=60.0)
         t_stats = a["trainer"].stop().result()
         t_stats["ranks_stats"] = [r.stats().result() for r in a["trainer_ranks"]]
         p_stats = a["pool"].stats().result()  # rollouts have stopped: dispatch is final
@@ -383,8 +377,9 @@ class LaminarSchedule:
         if self.cfg.relay.audit_weights:
             published = a["trainer"].get_fingerprints().result()
             checked = mismatched = 0
-            for r in self._live_rollouts():
-                for v, fp in r.get_fingerprints().result().items():
+            loaded = _answers([lambda r=r: r.get_fingerprints() for r in self._live_rollouts()])
+            for fingerprints in loaded:
+                for v, fp in fingerprints.items():
                     checked += 1
                     mismatched += published.get(v) != fp
             out["fingerprints"] = {
@@ -393,6 +388,25 @@ class LaminarSchedule:
                 "mismatched": mismatched,
             }
         return out
+
+
+def _answers(calls: list, timeout: float = 5.0) -> list:
+    """Call every actor method at once; the results of those that answer in time. A call
+    to an actor whose worker is lost raises at once or never returns: skipped (the
+    manager detects the loss and recovers its work)."""
+    futures = []
+    for call in calls:
+        try:
+            futures.append(call())
+        except Exception:  # noqa: BLE001 — its worker is known lost
+            continue
+    out = []
+    for f in futures:
+        try:
+            out.append(f.result(timeout=timeout))
+        except Exception:  # noqa: BLE001 — lost or stalled
+            continue
+    return out
 
 
 def _faults_summary(m_stats: dict | None, partial: dict | None) -> dict | None:

@@ -17,7 +17,7 @@ def test_placement_needs_role_resources(small_config):
         with pytest.raises(
             ClusterError, match=r"0 worker\(s\) with resource 'data'.*--resources data=1"
         ):
-            pipelines.submit(small_config, client)
+            pipelines.submit(small_config, client, overrides=["cluster.placement_timeout_s=0"])
 
 
 @pytest.mark.slow

@@ -62,6 +62,23 @@ def _read(core: RelayCore, version: int) -> dict[str, torch.Tensor]:
     return snap.layout.read(buf)
 
 
+def test_retained_versions_are_kept_before_older_unused_ones():
+    """Versions in use by unfinished trajectories outlive newer unused ones, within the
+    same memory (recovery resumes them at their own version)."""
+    core = RelayCore(keep_versions=2)
+    for v in (1, 2):
+        _publish(core, v, {"w": torch.full((64,), float(v))})
+    core.retain([1])  # a batch of version 1 is still decoding
+    for v in (3, 4):
+        _publish(core, v, {"w": torch.full((64,), float(v))})
+    assert core.versions() == [1, 4]  # the newest, then the one in use (not 3)
+    assert core.allocated_bytes <= 3 * 64 * 4  # keep_versions + 1 slots, as always
+    assert core.get(1).buf.view(np.float32)[0] == 1.0
+    core.retain([])
+    _publish(core, 5, {"w": torch.full((64,), 5.0)})
+    assert core.versions() == [4, 5]
+
+
 def test_layout_round_trips_every_dtype_and_aligns():
     state = _state(3.0)
     layout = Layout.of(state)

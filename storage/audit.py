@@ -1,0 +1,141 @@
+"""``laminar audit RUN_DIR``: what a run's stores prove about it, faults included.
+
+From the stores alone (no cluster, no actors): the data contract
+(:meth:`LaminarAccessor.audit`), where every stored trajectory ended up, the groups, and
+each lost rollout's recovery (the ``faults`` table of ``metrics.zarr``)::
+
+    report = audit_run("runs/my-run")
+    print(report.text())
+    assert report.ok, report.problems
+
+A *problem* breaks a guarantee (a uid stored twice, a consumed group incomplete, a
+trajectory that mixes weight versions, a lost rollout's trajectory that finished
+nowhere); a *note* is a fact worth knowing (groups still in flight when the run stopped).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from storage.schema import STATUSES
+
+
+@dataclass
+class AuditReport:
+    run_dir: str
+    problems: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+    figures: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems
+
+    def text(self) -> str:
+        lines = [f"audit of {self.run_dir}: " + ("CLEAN" if self.ok else "PROBLEMS")]
+        lines += [f"  {k:<34} {_fmt(v)}" for k, v in self.figures.items()]
+        lines += [f"  note: {n}" for n in self.notes]
+        lines += [f"  PROBLEM: {p}" for p in self.problems]
+        return "\n".join(lines)
+
+    def to_dict(self) -> dict:
+        return {
+            "run_dir": self.run_dir,
+            "ok": self.ok,
+            "problems": self.problems,
+            "notes": self.notes,
+            "figures": self.figures,
+        }
+
+
+def _fmt(v) -> str:
+    return f"{v:.4g}" if isinstance(v, float) else str(v)
+
+
+def audit_run(run_dir: str | Path) -> AuditReport:
+    """Audit a run directory; raises ``FileNotFoundError`` without a trajectory store."""
+    from storage.trajectories import open_run
+
+    run_dir = Path(run_dir)
+    ds = open_run(run_dir)
+    report = AuditReport(str(run_dir))
+    report.problems += ds.laminar.audit()
+    status = ds["status"].values
+    n = int(ds.sizes["trajectory"])
+    report.figures["trajectories"] = n
+    for s in STATUSES:
+        report.figures[f"  {s}"] = int((status == s).sum())
+
+    # Groups: every stored group is whole, except those still generating at the stop.
+    prompt_uid = ds["prompt_uid"].values
+    groups, inverse, sizes = np.unique(prompt_uid, return_inverse=True, return_counts=True)
+    want = np.zeros(len(groups), dtype=np.int64)
+    want[inverse] = ds["group_size"].values
+    short = sizes < want
+    report.figures["groups"] = len(groups)
+    if short.any():
+        open_groups = set(groups[short])
+        in_flight = np.isin(prompt_uid, list(open_groups))
+        if (status[in_flight] != "buffered").any():
+            report.problems.append(
+                f"{int((status[in_flight] != 'buffered').sum())} trajectories of incomplete "
+                "groups left the buffer (consumed, evicted or discarded without siblings)"
+            )
+        report.notes.append(
+            f"{int(short.sum())} groups were still generating when the run stopped "
+            f"({int(in_flight.sum())} of their trajectories are stored as buffered)"
+        )
+    if (sizes > want).any():
+        report.problems.append(f"{int((sizes > want).sum())} groups have more members than size")
+
+    _audit_faults(run_dir, ds, report)
+    return report
+
+
+def _audit_faults(run_dir: Path, ds, report: AuditReport) -> None:
+    """Each lost rollout's trajectories finished elsewhere, counted against the recovery
+    records; recovery times and what the log held."""
+    from storage.metrics import open_metrics
+
+    try:
+        rows = open_metrics(run_dir, "faults")
+    except (FileNotFoundError, KeyError):
+        report.figures["rollouts lost"] = 0
+        return
+    lost = sorted(set(rows["rollout"].values.tolist()))
+    report.figures["rollouts lost"] = len(lost)
+    report.figures["recovered trajectories"] = int(rows["requests"].sum())
+    report.figures["recovered tokens (kept)"] = int(rows["tokens_recovered"].sum())
+    if rows.sizes["recovery"]:
+        t = rows["recovery_s"].values
+        report.figures["recovery time mean (s)"] = float(np.mean(t))
+        report.figures["recovery time max (s)"] = float(np.max(t))
+        report.figures["since last log, max (s)"] = float(rows["max_since_flush_s"].max())
+    paths = [p.split(",") for p in ds["rollout_ids"].values]
+    # Trajectories still generating when the run stopped are not stored; the partial
+    # log's count of them bounds how many recovered ones may be missing for that reason.
+    faults = _summary(run_dir).get("faults") or {}
+    unfinished = int((faults.get("partial") or {}).get("entries", 0))
+    report.figures["unfinished at the stop"] = unfinished
+    for rid in lost:
+        # A trajectory it had started and that finished elsewhere: rid on its path, not last.
+        resumed = sum(1 for p in paths if rid in p[:-1])
+        recorded = int(rows["requests"].values[rows["rollout"].values == rid].sum())
+        if resumed < recorded:
+            msg = (
+                f"rollout {rid}: {recorded} trajectories recovered, {resumed} stored as "
+                f"finished elsewhere ({unfinished} trajectories were unfinished at the stop)"
+            )
+            (report.notes if recorded - resumed <= unfinished else report.problems).append(msg)
+        report.figures[f"  {rid}: resumed and stored"] = resumed
+
+
+def _summary(run_dir: Path) -> dict:
+    try:
+        return json.loads((run_dir / "summary.json").read_text())
+    except (OSError, ValueError):
+        return {}
