@@ -73,11 +73,9 @@ class RolloutManager:
         master_relay,
         partial=None,
         workers: dict | None = None,
-        relays: list | None = None,
     ) -> None:
         """``rollouts`` maps each rollout id to its actor handle, ``workers`` to its
-        worker's address (for loss detection); ``partial`` is the partial-response pool;
-        ``relays`` every relay, told which versions unfinished trajectories use."""
+        worker's address (for loss detection); ``partial`` is the partial-response pool."""
         self.cfg = cfg
         self.rcfg = cfg.repack
         self.rollouts = dict(rollouts)
@@ -92,7 +90,6 @@ class RolloutManager:
         self.counts = {"checks": 0, "moves": 0, "rolled_back": 0, "skipped": 0}
         self.partial = partial
         self.workers = dict(workers or {})
-        self.relays = list(relays or [])
         self.lost: dict[str, float] = {}  # rollout id -> when its loss was detected
         self.fault_rows: list[dict] = []  # one per recovered batch
         self.error: str | None = None
@@ -139,7 +136,6 @@ class RolloutManager:
                 if detect and now - last_detect >= self.cfg.faults.detect_interval_s:
                     last_detect = now
                     self.detect()
-                    self._retain()
                 if self.rcfg is None:
                     continue
                 published = self._published()
@@ -243,16 +239,6 @@ class RolloutManager:
             except Exception:  # noqa: BLE001 — lost or stalled: not a candidate now
                 continue
         return out
-
-    def _retain(self) -> None:
-        """Tell every relay which versions unfinished trajectories were sampled by."""
-        versions = self.partial.versions().result(timeout=self.timeout)
-        futures = [r.retain(versions) for r in self.relays]
-        for f in futures:
-            try:
-                f.result(timeout=min(self.timeout, 5.0))
-            except Exception:  # noqa: BLE001 — a lost relay: not this loop's to handle
-                continue
 
     def detect(self) -> list[str]:
         """Rollouts whose worker the scheduler no longer has: recover each."""

@@ -132,13 +132,39 @@ class PartialCore:
 
 class PartialResponsePool:
     """Dask actor around :class:`PartialCore` (async: calls run on the event loop, in
-    order, without a thread hop)."""
+    order, without a thread hop).
 
-    def __init__(self) -> None:
+    It also keeps the relays' retained versions (:meth:`laminar.relay.RelayCore.retain`)
+    equal to the versions of its entries, as they change: a batch's version is retained
+    from the moment the batch is registered, so a recovery can resume it at that version.
+    """
+
+    def __init__(self, timeout_s: float = 60.0) -> None:
         self.core = PartialCore()
+        self.relays: list = []
+        self.timeout_s = timeout_s
+        self._retained: list[int] = []
+
+    async def set_relays(self, relays: list) -> None:
+        self.relays = list(relays)
+        await self._sync_retained()
+
+    async def _sync_retained(self) -> None:
+        import asyncio
+
+        versions = self.core.versions()
+        if versions == self._retained or not self.relays:
+            return
+        self._retained = versions
+        calls = [r.retain(versions) for r in self.relays]
+        results = await asyncio.gather(
+            *(asyncio.wait_for(c, self.timeout_s) for c in calls), return_exceptions=True
+        )
+        self.core.counts["retain_errors"] += sum(isinstance(r, Exception) for r in results)
 
     async def register(self, rollout_id: str, version: int, states: list) -> None:
         self.core.register(rollout_id, version, states)
+        await self._sync_retained()
 
     async def flush(self, rollout_id: str, tokens: dict) -> None:
         self.core.flush(rollout_id, tokens)
@@ -148,6 +174,7 @@ class PartialResponsePool:
 
     async def forget(self, uids: list[str]) -> None:
         self.core.forget(uids)
+        await self._sync_retained()
 
     async def take(self, rollout_id: str) -> list:
         return self.core.take(rollout_id)

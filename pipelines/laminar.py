@@ -27,6 +27,7 @@ import numpy as np
 from laminar.buffer import ExperienceBuffer
 from laminar.cluster import place, submit_actor
 from laminar.config import RunConfig
+from laminar.errors import ClusterError
 from laminar.manager import RolloutManager
 from laminar.partial import PartialResponsePool
 from laminar.prompt_pool import DATA_STATE, PromptPool, load_prompts
@@ -107,7 +108,13 @@ class LaminarSchedule:
         pool = submit_actor(client, PromptPool, cfg, policy_dir, worker=data_w, resource="data")
         partial = None
         if cfg.faults.recover:
-            partial = submit_actor(client, PartialResponsePool, worker=data_w, resource="data")
+            partial = submit_actor(
+                client,
+                PartialResponsePool,
+                cfg.relay.timeout_s,
+                worker=data_w,
+                resource="data",
+            )
         buffer = submit_actor(
             client,
             ExperienceBuffer,
@@ -138,6 +145,8 @@ class LaminarSchedule:
         progress({"phase": "relays"})
         tier = build_tier(client, cfg, trainer_w, rollout_ws)
         self.relay_info = {"chain": tier.ids, "workers": tier.workers, **tier.calibration}
+        if partial is not None:  # the versions of unfinished trajectories stay kept
+            partial.set_relays(tier.relays).result()
         trainer = submit_actor(
             client,
             Trainer,
@@ -178,10 +187,12 @@ class LaminarSchedule:
                 tier.master,
                 partial,
                 {f"r{i}": w for i, w in enumerate(rollout_ws)},
-                tier.relays,
                 worker=data_w,
                 resource="data",
             )
+        # Where the actors that a run cannot go on without live (loss is reported by role).
+        self.core_workers = {"trainer and data module": trainer_w, "data module": data_w}
+        self.core_workers |= {f"trainer rank {r}": w for r, w in enumerate(trainer_ws[1:], 1)}
         self.actors = {
             "manager": manager,
             "partial": partial,
@@ -211,50 +222,59 @@ class LaminarSchedule:
         t_start = last_t = last_flush = time.time()
         last_tokens = 0
         reason = "completed"
-        while True:
-            time.sleep(0.5)
-            t_stats = a["trainer"].stats().result()
-            b_stats = a["buffer"].stats().result()
-            p_stats = a["pool"].stats().result()
-            r_stats = self._rollout_stats()
-            now = time.time()
-            tokens = sum(s["response_tokens"] for s in r_stats)
-            gen_tok_s = (tokens - last_tokens) / max(now - last_t, 1e-9)
-            last = t_stats["last"] or {}
-            self._record(now - t_start, now, t_stats, b_stats, p_stats, r_stats, tokens)
-            progress(
-                {
-                    "phase": "training",
-                    "elapsed_s": now - t_start,
-                    "version": t_stats["version"],
-                    "steps": t_stats["steps"],
-                    "reward": last.get("reward_mean"),
-                    "s_train_mean": last.get("s_train_mean"),
-                    "gen_tok_s": gen_tok_s,
-                    "buffer_depth": b_stats["depth"],
-                    "trajectories": b_stats["inserted"],
-                    "discarded": b_stats["discarded"],
-                    "evicted": b_stats["evicted"],
-                    "filtered": b_stats["filtered"],
-                    "rollout_versions": [s["version"] for s in r_stats],
-                }
-            )
-            last_t, last_tokens = now, tokens
-            if now - last_flush > METRICS_FLUSH_S:
-                self._flush_metrics()
-                last_flush = now
-            failed = [s for s in r_stats if s["error"]] + ([t_stats] if t_stats["error"] else [])
-            failed += [s for s in (r.stats().result() for r in a["trainer_ranks"]) if s["error"]]
-            if a["manager"] is not None and (m := a["manager"].stats().result())["error"]:
-                failed.append(m)
-            if failed:
-                reason = "failed: " + failed[0]["error"].strip().splitlines()[-1]
-                break
-            if t_stats["done"]:
-                break
-            if should_stop():
-                reason = "stopped"
-                break
+        try:
+            while True:
+                time.sleep(0.5)
+                futures = [a["trainer"].stats(), a["buffer"].stats(), a["pool"].stats()]
+                t_stats, b_stats, p_stats = (
+                    f.result(timeout=self.cfg.cluster.actor_timeout_s) for f in futures
+                )
+                r_stats = self._rollout_stats()
+                now = time.time()
+                tokens = sum(s["response_tokens"] for s in r_stats)
+                gen_tok_s = (tokens - last_tokens) / max(now - last_t, 1e-9)
+                last = t_stats["last"] or {}
+                self._record(now - t_start, now, t_stats, b_stats, p_stats, r_stats, tokens)
+                progress(
+                    {
+                        "phase": "training",
+                        "elapsed_s": now - t_start,
+                        "version": t_stats["version"],
+                        "steps": t_stats["steps"],
+                        "reward": last.get("reward_mean"),
+                        "s_train_mean": last.get("s_train_mean"),
+                        "gen_tok_s": gen_tok_s,
+                        "buffer_depth": b_stats["depth"],
+                        "trajectories": b_stats["inserted"],
+                        "discarded": b_stats["discarded"],
+                        "evicted": b_stats["evicted"],
+                        "filtered": b_stats["filtered"],
+                        "rollout_versions": [s["version"] for s in r_stats],
+                    }
+                )
+                last_t, last_tokens = now, tokens
+                if now - last_flush > METRICS_FLUSH_S:
+                    self._flush_metrics()
+                    last_flush = now
+                failed = [s for s in r_stats if s["error"]] + (
+                    [t_stats] if t_stats["error"] else []
+                )
+                failed += [
+                    s for s in (r.stats().result() for r in a["trainer_ranks"]) if s["error"]
+                ]
+                if a["manager"] is not None and (m := a["manager"].stats().result())["error"]:
+                    failed.append(m)
+                if failed:
+                    reason = "failed: " + failed[0]["error"].strip().splitlines()[-1]
+                    break
+                if t_stats["done"]:
+                    break
+                if should_stop():
+                    reason = "stopped"
+                    break
+        except Exception as e:  # a lost trainer or data module: say so, stop the rest
+            self._fail_on_lost_core(e)
+            raise
         return self.shutdown(reason, t_start)
 
     def _record(self, elapsed, now, t_stats, b_stats, p_stats, r_stats, tokens) -> None:
@@ -299,10 +319,45 @@ class LaminarSchedule:
             self.metrics.append("faults", faults)
             self._n_faults += len(faults)
 
+    def _fail_on_lost_core(self, error: Exception) -> None:
+        """A call to the trainer or the data module failed: if its worker is gone, stop
+        what still runs and raise a :class:`ClusterError` that says what was lost and how
+        to continue (recovering these is not built yet; docs/faults.md)."""
+        workers = set(self.client.scheduler_info(n_workers=-1)["workers"])
+        lost = {role: w for role, w in self.core_workers.items() if w not in workers}
+        if not lost:
+            return
+        self._abort()
+        role, worker = next(iter(lost.items()))
+        saved = sorted((self.run_dir / "checkpoints").glob("version-*"))
+        how = (
+            f"continue it from its last checkpoint with `--set trainer.resume_from={saved[-1]}`"
+            if saved
+            else "it has no checkpoint yet (one is written when a run ends): start it again"
+        )
+        raise ClusterError(
+            f"lost the {role} (worker {worker} is gone: {type(error).__name__}); the run "
+            f"cannot continue; {how} (docs/faults.md)"
+        ) from error
+
+    def _abort(self) -> None:
+        """Best effort: stop the manager and the rollouts that still run, so no worker
+        generates for a run that has ended."""
+        a = self.actors
+        calls = [lambda r=r: r.stop(timeout=5.0) for r in self._live_rollouts()]
+        if a["manager"] is not None:
+            calls.insert(0, lambda: a["manager"].stop(timeout=5.0))
+        _answers(calls, timeout=15.0)
+
     def _live_rollouts(self) -> list:
         """The rollouts the manager has not declared lost."""
         a = self.actors
-        lost = a["manager"].get_lost().result() if a["manager"] is not None else {}
+        lost = {}
+        if a["manager"] is not None:
+            try:
+                lost = a["manager"].get_lost().result(timeout=5.0)
+            except Exception:  # noqa: BLE001 — the manager (data worker) is gone itself
+                pass
         return [r for i, r in enumerate(a["rollouts"]) if f"r{i}" not in lost]
 
     def _rollout_stats(self) -> list[dict]:
