@@ -140,7 +140,19 @@ def place(client, resource: str, count: int) -> list[str]:
 
 
 def submit_actor(client, cls, *args, worker: str, resource: str, **kwargs):
-    """Create an actor of ``cls`` on ``worker`` and return its handle (waits for it)."""
+    """Create an actor of ``cls`` on ``worker`` and return its handle (waits for it).
+
+    The handle is bound to ``client``. Unpickled, a :class:`distributed.Actor` binds to
+    whatever ``get_client()`` finds first: the newest default client of the process, which
+    may belong to another cluster (or be a failed connect that was never closed). Then the
+    run's client forgets the actor's key once the creating future is dropped, the scheduler
+    releases the actor, and every task that takes the handle as an argument is cancelled
+    for "lost dependencies". So it is built again here, in the caller's thread, with
+    ``client`` current: its ``Future`` keeps the key alive on the right client for as long
+    as the handle lives.
+    """
+    from distributed import Actor
+
     future = client.submit(
         cls,
         *args,
@@ -151,7 +163,9 @@ def submit_actor(client, cls, *args, worker: str, resource: str, **kwargs):
         pure=False,
         **kwargs,
     )
-    return future.result()
+    future.result()  # raises the constructor's error
+    with client.as_current():
+        return Actor(cls, worker, future.key)
 
 
 def start_thread(target, name: str):

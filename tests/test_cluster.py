@@ -28,3 +28,49 @@ def test_local_cluster_gives_each_role_its_own_worker(cluster_client):
     assert place(cluster_client, "data", 1) == trainer  # data module beside the trainer
     with pytest.raises(ClusterError, match="needs 3"):
         place(cluster_client, "rollout", 3)
+
+
+@pytest.mark.slow
+def test_actor_handles_stay_bound_to_their_clients_cluster():
+    """A newer default client (another cluster, a failed connect) must not capture the
+    handles laminar creates: the run's client holds each actor, and a task that takes a
+    handle as an argument depends on it. Bound to the wrong client, the scheduler forgets
+    the actor and the dependent fails with "lost dependencies"."""
+    from distributed import Client, LocalCluster
+
+    from laminar.cluster import role_cluster, submit_actor
+
+    class Counter:
+        def __init__(self):
+            self.n = 0
+
+        def add(self, k):
+            self.n += k
+            return self.n
+
+    class Holder:
+        def __init__(self, counter):
+            self.counter = counter
+
+        def bump(self):
+            return self.counter.add(2).result()
+
+    def task_state(key, dask_scheduler=None):  # nested: pickled by value, not by module
+        task = dask_scheduler.tasks.get(key)
+        return task.state if task is not None else None
+
+    with (
+        role_cluster({"a": {"data": 1}, "b": {"rollout": 1}}, name="bound") as cluster,
+        Client(cluster) as client,
+    ):
+        a, b = workers_with(client, "data")[0], workers_with(client, "rollout")[0]
+        with (
+            LocalCluster(n_workers=0, processes=False, dashboard_address=":0") as other,
+            Client(other),  # now the newest default client
+        ):
+            counter = submit_actor(client, Counter, worker=a, resource="data")
+            assert counter.add(1).result() == 1  # the handle talks to the right cluster
+            holder = submit_actor(client, Holder, counter, worker=b, resource="rollout")
+            assert holder.bump().result() == 3
+            # The scheduler still holds the actor for the run's client.
+            assert client.run_on_scheduler(task_state, key=counter.key) == "memory"

@@ -160,6 +160,13 @@ def test_losing_the_trainer_fails_the_run_clearly(tmp_path):
     from laminar.cluster import local_cluster, workers_with
     from laminar.errors import LaminarError
 
+    def generating(dask_worker=None) -> list[str]:
+        """Rollout generation threads still alive on this worker. Nested, so that it is
+        pickled by value: workers cannot import the test modules."""
+        import threading
+
+        return [t.name for t in threading.enumerate() if t.name.startswith("gen-") and t.is_alive()]
+
     run_dir = tmp_path / "run"
     with local_cluster(2, memory_limit="3GiB") as cluster, Client(cluster) as client:
         handle = pipelines.submit(
@@ -186,13 +193,6 @@ def test_losing_the_trainer_fails_the_run_clearly(tmp_path):
         # The rollouts were told to stop; one waiting on the lost data module or master
         # relay gives up after cluster.actor_timeout_s or relay.timeout_s (10 s here).
         deadline = time.time() + 30
-        while any(client.run(_generating, workers=workers_with(client, "rollout")).values()):
+        while any(client.run(generating, workers=workers_with(client, "rollout")).values()):
             assert time.time() < deadline, "rollouts still generate after the run failed"
             time.sleep(0.5)
-
-
-def _generating(dask_worker=None) -> list[str]:
-    """Rollout generation threads still alive on this worker."""
-    import threading
-
-    return [t.name for t in threading.enumerate() if t.name.startswith("gen-") and t.is_alive()]
