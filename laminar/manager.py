@@ -254,16 +254,49 @@ class RolloutManager:
             self.recover(rid)
         return gone
 
+    def _least_loaded(self, alive: list[str], loads: dict[str, dict]) -> str:
+        return min(
+            (rid for rid in alive if rid in loads),
+            key=lambda rid: (loads[rid] or {}).get("n_requests", 0),
+            default=alive[0],
+        )
+
+    def _resume(
+        self, version: int, batch: list, alive: list[str], loads: dict[str, dict]
+    ) -> tuple[str, str]:
+        """Import ``batch`` into a running batch of ``version`` (the least KV-loaded that
+        accepts it), else have the least loaded rollout adopt it. Returns (how, where)."""
+        same = sorted(
+            (
+                rid
+                for rid, ld in loads.items()
+                if ld and ld["in_batch"] and not ld["held"] and ld["version"] == version
+            ),
+            key=lambda rid: loads[rid]["kv_used"],
+        )
+        for rid in same:
+            try:
+                ok = self.rollouts[rid].import_for_move(version, batch).result(timeout=self.timeout)
+            except Exception:  # noqa: BLE001 — try the next one
+                ok = False
+            if ok:
+                return "import", rid
+        dest = self._least_loaded(alive, loads)
+        self.rollouts[dest].adopt(version, batch).result(timeout=self.timeout)
+        return "adopt", dest
+
     def recover(self, lost: str) -> list[dict]:
         """Resume ``lost``'s unfinished trajectories on healthy rollouts, one batch per
-        weight version: imported into a running batch of that version, else adopted."""
+        weight version: imported into a running batch of that version, else adopted.
+        Its finished ones (rewards in flight when it died) are scored again elsewhere."""
         t0 = time.time()
         states = self.partial.take(lost).result(timeout=self.timeout)
-        by_version: dict[int, list] = {}
+        by_version: dict[tuple[bool, int], list] = {}
         for st in states:
-            by_version.setdefault(st.request.meta["behavior_version"], []).append(st)
+            key = ("finished" in st.request.meta, st.request.meta["behavior_version"])
+            by_version.setdefault(key, []).append(st)
         rows = []
-        for version, batch in sorted(by_version.items()):
+        for (finished, version), batch in sorted(by_version.items()):
             alive = self._alive()
             if not alive:
                 raise RuntimeError(
@@ -271,34 +304,11 @@ class RolloutManager:
                     "trajectories wait in the partial-response pool"
                 )
             loads = self._loads()
-            same = sorted(
-                (
-                    rid
-                    for rid, ld in loads.items()
-                    if ld and ld["in_batch"] and not ld["held"] and ld["version"] == version
-                ),
-                key=lambda rid: loads[rid]["kv_used"],
-            )
-            how, dest = "adopt", None
-            for rid in same:
-                try:
-                    ok = (
-                        self.rollouts[rid]
-                        .import_for_move(version, batch)
-                        .result(timeout=self.timeout)
-                    )
-                except Exception:  # noqa: BLE001 — try the next one
-                    ok = False
-                if ok:
-                    how, dest = "import", rid
-                    break
-            if dest is None:
-                dest = min(
-                    (rid for rid in alive if rid in loads),
-                    key=lambda rid: (loads[rid] or {}).get("n_requests", 0),
-                    default=alive[0],
-                )
-                self.rollouts[dest].adopt(version, batch).result(timeout=self.timeout)
+            if finished:
+                how, dest = "rescore", self._least_loaded(alive, loads)
+                self.rollouts[dest].rescore(batch).result(timeout=self.timeout)
+            else:
+                how, dest = self._resume(version, batch, alive, loads)
             ids = [st.request_id for st in batch]
             self.partial.reassign(ids, dest).result(timeout=self.timeout)
             rows.append(
@@ -315,9 +325,10 @@ class RolloutManager:
                 }
             )
             logger.warning(
-                "rollout %s: %d unfinished trajectories of version %d resumed on %s (%s)",
+                "rollout %s: %d %s trajectories of version %d resumed on %s (%s)",
                 lost,
                 len(batch),
+                "finished" if finished else "unfinished",
                 version,
                 dest,
                 how,

@@ -9,9 +9,12 @@ request continues with exactly the tokens it would have produced, so a loss cost
 most one flush interval of regeneration per trajectory, never a trajectory.
 
 A request's last token is never logged as unfinished: an engine hands a request back in
-the step that finishes it, so a logged entry can always be resumed. A finished
-trajectory stays here until the buffer has it; if its rollout is lost in between (its
-reward still in flight), the entry is resumed and regenerates its last tokens.
+the step that finishes it, so a logged entry can always be resumed. A finished request is
+logged as *finished* (all its tokens, how it ended) before its rollout starts another
+batch, and stays here until the buffer has it: if its rollout is lost in between (its
+reward still in flight), the entry is scored again elsewhere, with no token regenerated.
+A finished entry needs no weights, so only unfinished entries' versions are retained:
+each rollout decodes one version at a time, so at most ``rollout.replicas`` versions are.
 
 :class:`PartialCore` is the logic; :class:`PartialResponsePool` the actor (on the data
 worker, beside the buffer).
@@ -21,6 +24,7 @@ from __future__ import annotations
 
 import time
 from collections import Counter
+from dataclasses import replace
 
 from laminar.engine import RequestState
 
@@ -36,7 +40,13 @@ class PartialCore:
     >>> [(s.tokens, s.n_moves, s.request.meta["rollout_path"]) for s in core.take("r0")]
     [([5, 6], 1, ['r0'])]
     >>> core.take("r0"), core.owned()  # taken: ownerless until reassigned
-    ([], {None: (1, 2)})
+    ([], {None: (1, 2, 0)})
+    >>> core.reassign(["p0-000"], "r1")
+    >>> core.flush("r1", {"p0-000": (2, [7], [-0.3], [3])}, finished={"p0-000": ("eos", 9.5)})
+    >>> core.versions()  # finished: its version need not be kept
+    []
+    >>> [(s.tokens, s.request.meta["finished"]) for s in core.take("r1")]
+    [([5, 6, 7], ('eos', 9.5))]
     >>> core.forget(["p0-000"]); core.stats()["entries"]
     0
     """
@@ -57,13 +67,20 @@ class PartialCore:
             }
         self.counts["registered"] += len(states)
 
-    def flush(self, rollout_id: str, tokens: dict[str, tuple]) -> None:
-        """New tokens: ``{request_id: (offset, tokens, logprobs, token_versions)}``.
+    def flush(
+        self,
+        rollout_id: str,
+        tokens: dict[str, tuple],
+        finished: dict[str, tuple[str, float]] | None = None,
+    ) -> None:
+        """New tokens: ``{request_id: (offset, tokens, logprobs, token_versions)}``, and
+        the requests that ended with them: ``{request_id: (finish_reason, t_finish)}``.
 
         ``offset`` is how many tokens the rollout had logged before: a repeated or late
         flush overwrites from there instead of appending twice. A flush names its sender
         as the owner (a request moved by repack is flushed by its new rollout)."""
         now = time.time()
+        finished = finished or {}
         for rid, (offset, toks, lps, tvs) in tokens.items():
             e = self.entries.get(rid)
             if e is None:  # already in the buffer
@@ -77,6 +94,9 @@ class PartialCore:
             st.token_versions[offset:] = list(tvs)
             e["owner"], e["t_flush"] = rollout_id, now
             self.counts["flushed_tokens"] += len(toks)
+            if rid in finished:
+                e["finished"] = finished[rid]
+                self.counts["finished"] += 1
         self.counts["flushes"] += 1
 
     def reassign(self, request_ids: list[str], rollout_id: str) -> None:
@@ -94,20 +114,30 @@ class PartialCore:
     def take(self, rollout_id: str) -> list[RequestState]:
         """The lost ``rollout_id``'s entries as states to import elsewhere (counted as
         moved once more, with the lost rollout on their path), oldest first. They stay
-        registered, ownerless, until :meth:`reassign`."""
+        registered, ownerless, until :meth:`reassign`.
+
+        Each copy's ``request.meta`` also says what the recovery needs:
+        ``behavior_version``, ``recovered_tokens``, ``t_flush`` and, for an entry that
+        had finished, ``finished`` = (finish_reason, t_finish): score it, do not decode."""
         out = []
         for e in self.entries.values():
             if e["owner"] != rollout_id:
                 continue
             st: RequestState = e["state"]
-            moved = st.moved()
-            moved.request.meta["rollout_path"] = [
+            # The path is kept on the entry: a second loss appends to it.
+            st.request.meta["rollout_path"] = [
                 *st.request.meta.get("rollout_path", []),
                 rollout_id,
             ]
-            moved.request.meta["recovered_tokens"] = len(st.tokens)
-            moved.request.meta["t_flush"] = e["t_flush"]
-            moved.request.meta["behavior_version"] = e["version"]
+            meta = {
+                **st.request.meta,
+                "recovered_tokens": len(st.tokens),
+                "t_flush": e["t_flush"],
+                "behavior_version": e["version"],
+            }
+            if "finished" in e:
+                meta["finished"] = e["finished"]
+            moved = replace(st.moved(), request=replace(st.request, meta=meta))
             e["owner"] = None
             out.append(moved)
         self.counts["taken"] += len(out)
@@ -115,15 +145,17 @@ class PartialCore:
 
     def versions(self) -> list[int]:
         """The weight versions of the unfinished trajectories: the relays keep these
-        (:meth:`laminar.relay.RelayCore.retain`) so a recovery can resume them exactly."""
-        return sorted({e["version"] for e in self.entries.values()})
+        (:meth:`laminar.relay.RelayCore.retain`) so a recovery can resume them exactly.
+        (A finished entry is only scored again: it needs no weights.)"""
+        return sorted({e["version"] for e in self.entries.values() if "finished" not in e})
 
-    def owned(self) -> dict[str | None, tuple[int, int]]:
-        """Owner -> (entries, tokens logged) (``None``: taken, not yet reassigned)."""
-        out: dict[str | None, tuple[int, int]] = {}
+    def owned(self) -> dict[str | None, tuple[int, int, int]]:
+        """Owner -> (entries, tokens logged, finished entries) (``None``: taken, not yet
+        reassigned)."""
+        out: dict[str | None, tuple[int, int, int]] = {}
         for e in self.entries.values():
-            n, t = out.get(e["owner"], (0, 0))
-            out[e["owner"]] = (n + 1, t + len(e["state"].tokens))
+            n, t, f = out.get(e["owner"], (0, 0, 0))
+            out[e["owner"]] = (n + 1, t + len(e["state"].tokens), f + ("finished" in e))
         return out
 
     def stats(self) -> dict:
@@ -166,8 +198,10 @@ class PartialResponsePool:
         self.core.register(rollout_id, version, states)
         await self._sync_retained()
 
-    async def flush(self, rollout_id: str, tokens: dict) -> None:
-        self.core.flush(rollout_id, tokens)
+    async def flush(self, rollout_id: str, tokens: dict, finished: dict | None = None) -> None:
+        self.core.flush(rollout_id, tokens, finished)
+        if finished:
+            await self._sync_retained()
 
     async def reassign(self, request_ids: list[str], rollout_id: str) -> None:
         self.core.reassign(request_ids, rollout_id)

@@ -113,3 +113,11 @@ def score_batch(
 def _broken(response: str, answer: str) -> float:
     """A reward that always raises; used by tests and doctests of the error path."""
     return 1 / 0
+
+
+def _slow(response: str, answer: str) -> float:
+    """:func:`exact_match` after 0.25 s: rewards stay in flight (the fault tests)."""
+    import time
+
+    time.sleep(0.25)
+    return exact_match(response, answer)

@@ -67,8 +67,11 @@ class RolloutReplica:
         self.pool, self.buffer, self.partial = pool, buffer, partial
         self.checkpoints_dir = checkpoints_dir
         self._logged: dict[str, int] = {}  # request id -> tokens in the partial log
+        # Finished, not yet logged as finished: request id -> (tokens logged, output).
+        self._ended: dict[str, tuple[int, FinishedOutput]] = {}
         self._t_logged = time.time()
         self._adopted: queue.Queue = queue.Queue()  # (version, states) from recovery
+        self._rescore: queue.Queue = queue.Queue()  # finished states from recovery
         self.puller = Puller(relay, cfg.relay.timeout_s)
         self.fingerprints: dict[int, int] = {}  # version loaded -> xxh3-64 (audit_weights)
         self._synced = False  # the relay has shown us a version
@@ -128,6 +131,7 @@ class RolloutReplica:
             "adopted_batches": 0,
             "adopted_requests": 0,
             "restarted_requests": 0,  # recovered, but their version was gone: started over
+            "rescored_requests": 0,  # recovered finished, reward was in flight: scored here
         }
 
     # -- control methods (run on the actor thread while the loop decodes) ---------------
@@ -242,11 +246,16 @@ class RolloutReplica:
     def _log_partial(self, finished=(), force: bool = False) -> None:
         """Send the unfinished requests' new tokens to the partial-response pool when one
         has ``faults.flush_tokens`` unlogged or ``faults.flush_s`` have passed (a loss
-        then regenerates at most that much). Waits for the pool: one log in flight."""
+        then regenerates at most that much). Waits for the pool: one log in flight.
+
+        Requests that finished go with the next send, marked finished (their version no
+        longer needs keeping); the end of a batch always sends them (:meth:`_decode`)."""
         if self.partial is None:
             return
         for out in finished:
-            self._logged.pop(out.request.request_id, None)
+            rid = out.request.request_id
+            if rid in self._logged:
+                self._ended[rid] = (self._logged.pop(rid), out)
         f = self.cfg.faults
         states = self.engine.in_flight()
         due = force or time.time() - self._t_logged >= f.flush_s
@@ -267,13 +276,29 @@ class RolloutReplica:
                     st.logprobs[n:],
                     st.token_versions[n:],
                 )
+        ended = {}
+        for rid, (n, out) in self._ended.items():
+            tokens[rid] = (
+                n,
+                out.response_tokens[n:].tolist(),
+                out.logprobs[n:].tolist(),
+                out.token_versions[n:].tolist(),
+            )
+            ended[rid] = (out.finish_reason, out.t_finish)
         if tokens:
-            self._call(self.partial.flush(self.rollout_id, tokens))
+            self._call(self.partial.flush(self.rollout_id, tokens, ended))
+            self._ended.clear()
             for rid, (n, toks, _, _) in tokens.items():
-                self._logged[rid] = n + len(toks)
+                if rid not in ended:
+                    self._logged[rid] = n + len(toks)
             self.counts["partial_flushes"] += 1
             self.counts["partial_tokens"] += sum(len(t[1]) for t in tokens.values())
         self._t_logged = time.time()
+
+    def rescore(self, states: list) -> None:
+        """Take a lost rollout's *finished* trajectories (their rewards were in flight):
+        score them and insert them into the buffer; nothing is decoded."""
+        self._rescore.put(states)
 
     def adopt(self, version: int, states: list) -> None:
         """Take a lost rollout's unfinished requests (sampled by ``version``) as a batch of
@@ -348,6 +373,8 @@ class RolloutReplica:
                 self._collect_rewards(block=False)
                 self._publish_load()
                 self._serve()
+            if self._ended:  # the batch is over: no finished request stays unlogged
+                self._log_partial(force=True)
         finally:
             self._in_batch = False
             self._publish_load()
@@ -553,7 +580,14 @@ class RolloutReplica:
         self._pending.append((trajs, future))
 
     def _collect_rewards(self, block: bool) -> None:
-        """Move rewarded trajectories into the buffer, oldest first."""
+        """Move rewarded trajectories into the buffer, oldest first (after submitting the
+        rewards of any recovered finished trajectories)."""
+        while not self._rescore.empty():
+            states = self._rescore.get_nowait()
+            self._submit_rewards(
+                [FinishedOutput.from_state(st, *st.request.meta["finished"]) for st in states]
+            )
+            self.counts["rescored_requests"] += len(states)
         while self._pending and (block or self._pending[0][1].done()):
             trajs, future = self._pending.popleft()
             scores = future.result(timeout=self.cfg.cluster.actor_timeout_s)

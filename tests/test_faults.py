@@ -34,9 +34,17 @@ def wait_for(handle, predicate, timeout: float = 300.0) -> dict:
     raise TimeoutError(f"no progress matched within {timeout} s: {p}")
 
 
-def run_and_kill(run_dir, victims: list[str]) -> tuple[dict, float]:
-    """A run on 3 rollouts; once each victim's batch has logged some tokens,
-    SIGKILL their workers at once. Returns the summary and when they were killed."""
+def logged_tokens(owned: tuple[int, int, int]) -> bool:
+    """Mid-generation: the victim's batch has logged some tokens."""
+    return owned[1] >= 8
+
+
+def run_and_kill(
+    run_dir, victims: list[str], ready=logged_tokens, extra: tuple[str, ...] = ()
+) -> tuple[dict, float]:
+    """A run on 3 rollouts; once ``ready(entries, tokens, finished)`` holds for what each
+    victim owns in the partial-response pool, SIGKILL their workers at once. Returns the
+    summary and when they were killed."""
     from distributed import Client
 
     import pipelines
@@ -53,14 +61,14 @@ def run_and_kill(run_dir, victims: list[str]) -> tuple[dict, float]:
         # lost batch is resumed at its own version (docs/faults.md).
         "relay.keep_versions=4",
         "buffer.max_outstanding_groups=16",  # room for every rollout to hold a batch
+        *extra,
     ]
     with local_cluster(3, memory_limit="3GiB") as cluster, Client(cluster) as client:
         handle = pipelines.submit("configs/tiny.yaml", client, overrides=overrides, run_dir=run_dir)
         wait_for(handle, lambda p: p.get("phase") == "training" and p["version"] >= 2)
-        # Mid-generation: once every victim's batch has logged some tokens.
         partial = handle._schedule.actors["partial"]
         deadline = time.time() + 60
-        while not all(partial.owned().result().get(v, (0, 0))[1] >= 8 for v in victims):
+        while not all(ready(partial.owned().result().get(v, (0, 0, 0))) for v in victims):
             assert time.time() < deadline and not handle.done(), "the victims never decoded"
             time.sleep(0.02)
         rollout_ws = workers_with(client, "rollout")  # r0, r1, r2: placed in this order
@@ -128,6 +136,37 @@ def test_a_killed_rollout_loses_no_trajectory(tmp_path):
     out, _ = proc.communicate(timeout=120)
     assert proc.returncode == 1, out
     assert "PROBLEM: rollout r0: 500 trajectories recovered, 0 stored" in out
+
+
+def test_a_rollout_lost_with_rewards_in_flight_has_them_scored_elsewhere(tmp_path):
+    """Killed once it owns finished trajectories whose (slow) rewards are in flight, while
+    it decodes its next batch, maybe of a newer version: the finished ones are scored on
+    a healthy rollout with no token regenerated, the unfinished ones resume at their own
+    version (kept: only unfinished trajectories' versions are retained), none restarts."""
+    run_dir = tmp_path / "run"
+    summary, _ = run_and_kill(
+        run_dir,
+        ["r1"],
+        # (entries, tokens, finished): finished ones and a batch that decodes.
+        ready=lambda owned: owned[0] > owned[2] >= 1,
+        extra=("task.reward=laminar.rewards:_slow",),
+    )
+    assert summary["reason"] == "completed", summary["reason"]
+    rows = open_metrics(run_dir, "faults")
+    how = rows["how"].values
+    rescored = int(rows["requests"].values[how == "rescore"].sum())
+    assert rescored >= 1
+    assert int(rows["requests"].values[how != "rescore"].sum()) >= 1  # import or adopt
+    assert int(rows["tokens_recovered"].values[how == "rescore"].sum()) >= rescored
+    counts = summary["rollouts"]
+    assert sum(r.get("rescored_requests", 0) for r in counts) == rescored
+    assert sum(r.get("restarted_requests", 0) for r in counts) == 0
+    ds = check_store(run_dir, moved=True)
+    stored_via_r1 = sum(p.startswith("r1,") or ",r1," in p for p in ds["rollout_ids"].values)
+    unfinished = summary["faults"]["partial"]["entries"]
+    assert stored_via_r1 <= int(rows["requests"].sum()) <= stored_via_r1 + unfinished
+    report = audit_run(run_dir)
+    assert report.ok, report.text()
 
 
 def test_two_rollouts_killed_at_once(tmp_path):
