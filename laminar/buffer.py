@@ -18,10 +18,11 @@ core in batches from a background thread.
 
 from __future__ import annotations
 
+import math
 import queue
 import threading
 import time
-from collections import OrderedDict, deque
+from collections import OrderedDict
 from dataclasses import dataclass, field
 
 from laminar.contract import Trajectory
@@ -91,6 +92,14 @@ class BufferCore:
             "groups_filtered": 0,
         }
 
+    def restore(self, groups: list[list[Trajectory]], stored: set[str]) -> None:
+        """Hold again complete groups a resumed run's store had not trained (they were
+        admitted before; ``stored``: every uid of the store, never admitted again)."""
+        for members in groups:
+            self.ready[members[0].prompt_uid] = sorted(members, key=lambda m: m.sample_idx)
+        self.seen |= stored
+        self.counts["restored"] = sum(len(g) for g in groups)
+
     @property
     def depth(self) -> int:
         """Trajectories held (complete groups and partial ones)."""
@@ -98,14 +107,24 @@ class BufferCore:
             len(g.members) for g in self.partial.values()
         )
 
-    def insert(self, trajs: list[Trajectory], *, version: int, now: float) -> list[Trajectory]:
-        """Admit rewarded trajectories; returns those that leave at once (discarded)."""
+    def insert(
+        self,
+        trajs: list[Trajectory],
+        *,
+        version: int,
+        now: float,
+        admitted: list[Trajectory] | None = None,
+    ) -> list[Trajectory]:
+        """Admit rewarded trajectories (appended to ``admitted`` when given; a uid seen
+        before is not); returns those that leave at once (discarded, filtered, evicted)."""
         leaving: list[Trajectory] = []
         for t in trajs:
             if t.uid in self.seen:
                 self.counts["duplicates"] += 1
                 continue
             self.seen.add(t.uid)
+            if admitted is not None:
+                admitted.append(t)
             # The trainer's version when the trajectory finished; never below the version
             # that generated it (a rollout may see a version before the buffer hears of it).
             t.finish_version = max(version, t.behavior_version)
@@ -208,13 +227,19 @@ class BufferCore:
 class ExperienceBuffer:
     """Dask actor around :class:`BufferCore`; single writer of the trajectory store.
 
+    A trajectory is stored when it is admitted (status ``buffered``) and a leave event
+    when it leaves (:mod:`storage.trajectories`), in batches of ``flush_records`` or every
+    ``flush_interval_s``: the store holds every admitted trajectory but the last batch.
+    One that leaves before its batch is written is written once, as it left.
+
     Methods are ``async``: they run on the worker's event loop, never on the actor thread,
     so calls from rollouts and the trainer interleave and the buffer may call the prompt
     pool on the same worker without deadlock.
     """
 
-    def __init__(self, run_dir: str, pool, cfg, partial=None) -> None:
-        """``partial``: the partial-response pool, told which trajectories arrived."""
+    def __init__(self, run_dir: str, pool, cfg, partial=None, resume=None) -> None:
+        """``partial``: the partial-response pool, told which trajectories arrived.
+        ``resume``: the :class:`storage.resume.ResumePlan` of a run resumed in place."""
         from storage.trajectories import TrajectoryWriter
 
         self.core = BufferCore(
@@ -227,39 +252,76 @@ class ExperienceBuffer:
         self.writer = TrajectoryWriter(run_dir)
         self.flush_records = cfg.flush_records
         self.flush_interval_s = cfg.flush_interval_s
-        self._pending: deque[Trajectory] = deque()
+        self._records: dict[str, Trajectory] = {}  # admitted, not yet handed to the writer
+        self._events: list[dict] = []  # leave events of trajectories handed to it before
         self._last_flush = time.time()
-        self._jobs: queue.Queue[list[Trajectory] | None] = queue.Queue()
+        self._jobs: queue.Queue[tuple[list[dict], list[dict]] | None] = queue.Queue()
         self._written = 0
         self._write_error: str | None = None
         self._writer_thread = threading.Thread(target=self._write_loop, daemon=True)
         self._writer_thread.start()
+        if resume is not None:
+            self._resume(run_dir, resume)
+
+    def _resume(self, run_dir: str, plan) -> None:
+        """Re-admit the plan's groups (back to ``buffered``) and drop the rest."""
+        from storage.trajectories import open_trajectories, records_at
+
+        arrays = open_trajectories(run_dir)
+        rows = {uid: i for i, uid in enumerate(arrays["uid"].tolist())}
+        groups: dict[str, list[Trajectory]] = {}
+        for rec in records_at(arrays, [rows[u] for u in plan.readmit]):
+            t = Trajectory(**rec)
+            t.status, t.sample_version, t.t_sample = "buffered", -1, math.nan
+            groups.setdefault(t.prompt_uid, []).append(t)
+        self.core.restore(list(groups.values()), set(rows))
+        self.version = plan.version
+        for uid in plan.readmit:
+            if arrays["status"][rows[uid]] != "buffered":  # consumed by a lost update
+                self._events.append(_event(uid, "buffered"))
+        self._events += [_event(uid, "dropped") for uid in plan.drop]
+        self._flush(force=True)
 
     def _write_loop(self) -> None:
-        while (batch := self._jobs.get()) is not None:
+        while (job := self._jobs.get()) is not None:
             try:
-                self._written = self.writer.append([t.to_record() for t in batch])
+                self._written = self.writer.append(*job)
             except Exception as e:  # keep the run alive; surfaced through stats()
                 self._write_error = f"{type(e).__name__}: {e}"
+            finally:
+                self._jobs.task_done()
 
-    def _leave(self, trajs: list[Trajectory], force: bool = False) -> None:
-        self._pending.extend(trajs)
+    def _flush(self, force: bool = False) -> None:
+        """Hand the pending records and events to the writer thread when due. Records are
+        taken as they stand now: a trajectory that already left is written as it left."""
+        n = len(self._records) + len(self._events)
         due = time.time() - self._last_flush > self.flush_interval_s
-        if self._pending and (force or due or len(self._pending) >= self.flush_records):
-            self._jobs.put(list(self._pending))
-            self._pending.clear()
+        if n and (force or due or n >= self.flush_records):
+            self._jobs.put(([t.to_record() for t in self._records.values()], self._events))
+            self._records, self._events = {}, []
             self._last_flush = time.time()
 
+    def _leave(self, trajs: list[Trajectory]) -> None:
+        for t in trajs:
+            if t.uid not in self._records:  # stored already: its leave is an event
+                self._events.append(_event(t.uid, t.status, t.sample_version, t.t_sample))
+        self._flush()
+
     async def _release(self, trajs: list[Trajectory]) -> None:
-        """Groups that left (any status) free their back-pressure slots; then store them."""
+        """Groups that left (any status) free their back-pressure slots; then record it."""
         if trajs:
             await self.pool.release(sorted({t.prompt_uid for t in trajs}))
             self._leave(trajs)
 
     async def insert(self, trajs: list[Trajectory]) -> int:
         """Admit rewarded trajectories (a uid seen before is dropped: a recovered
-        trajectory may arrive twice) and tell the partial-response pool they are safe."""
-        await self._release(self.core.insert(trajs, version=self.version, now=time.time()))
+        trajectory may arrive twice), store them, and tell the partial-response pool
+        they are safe."""
+        admitted: list[Trajectory] = []
+        leaving = self.core.insert(trajs, version=self.version, now=time.time(), admitted=admitted)
+        self._records.update((t.uid, t) for t in admitted)
+        self._flush()
+        await self._release(leaving)
         if self.partial is not None:
             await self.partial.forget([t.uid for t in trajs])
         return self.core.depth
@@ -268,12 +330,25 @@ class ExperienceBuffer:
         await self._release(self.core.evict_stale(version))
         batch = self.core.sample(n_groups, version=version, now=time.time())
         await self._release(batch or [])
+        self._flush()  # the trainer polls while it waits: pending writes go out on time
         return batch
 
     async def version_published(self, version: int) -> None:
         self.version = max(self.version, version)
         # Groups the next update would train too stale leave now, freeing dispatch.
         await self._release(self.core.evict_stale(self.version))
+
+    async def sync(self) -> int:
+        """Write everything pending and wait until it is committed; returns the number
+        of stored trajectories. The trainer calls it before each checkpoint, so that the
+        store records every trajectory the checkpoint's updates consumed."""
+        import asyncio
+
+        self._flush(force=True)
+        await asyncio.to_thread(self._jobs.join)
+        if self._write_error is not None:
+            raise RuntimeError(f"the trajectory store cannot be written: {self._write_error}")
+        return self._written
 
     async def stats(self) -> dict:
         return {
@@ -284,10 +359,17 @@ class ExperienceBuffer:
         }
 
     async def close(self) -> dict:
-        """Write everything still held (status ``buffered``) and wait for the writer."""
-        self._leave(self.core.drain(), force=True)
+        """Write what is pending (what the buffer still holds is stored as ``buffered``)
+        and wait for the writer."""
+        self.core.drain()
+        self._flush(force=True)
         self._jobs.put(None)
         import asyncio
 
         await asyncio.to_thread(self._writer_thread.join)
         return await self.stats()
+
+
+def _event(uid: str, status: str, sample_version: int = -1, t_sample: float = math.nan) -> dict:
+    """A leave event of the trajectory store (:data:`storage.schema.EVENT_FIELDS`)."""
+    return {"uid": uid, "status": status, "sample_version": sample_version, "t_sample": t_sample}

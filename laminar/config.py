@@ -182,6 +182,9 @@ class TrainerConfig(_Section):
     ranks: int = Field(1, gt=0)
     # A checkpoints/version-N folder to continue from (weights, optimizer, RNG, version).
     resume_from: str | None = None
+    # Also checkpoint every this many versions (0: only when the run ends), so a lost
+    # run can be resumed (`laminar run --resume RUN_DIR`) losing at most these updates.
+    checkpoint_every: int = Field(0, ge=0)
 
 
 class RelayConfig(_Section):

@@ -217,6 +217,17 @@ class Learner:
         self.skipped_steps = int(state.get("skipped_steps", 0))
 
 
+def checkpoint_version(ckpt: str | Path) -> int:
+    """The version a checkpoint folder holds (from its ``trainer_state.json``)."""
+    path = Path(ckpt) / "trainer_state.json"
+    if not path.exists():
+        raise CheckpointError(
+            f"checkpoint {str(ckpt)!r} has no trainer_state.json; point at a "
+            "checkpoints/version-N folder written by laminar"
+        )
+    return int(json.loads(path.read_text())["version"])
+
+
 def check_checkpoint(ckpt: str | Path, model_config, cfg: RunConfig) -> dict:
     """The checkpoint's trainer state, after checking it fits this model and config."""
     ckpt = Path(ckpt)

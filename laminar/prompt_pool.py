@@ -37,9 +37,12 @@ class PromptPoolCore:
         max_outstanding: int,
         seed: int,
         start: int = 0,
+        outstanding: tuple[str, ...] = (),
     ) -> None:
         """``start``: groups already dispatched by the run being resumed (the data
-        position): the order continues after them, and so do the prompt uids."""
+        position): the order continues after them, and so do the prompt uids.
+        ``outstanding``: its groups the buffer holds again (they count against
+        ``max_outstanding`` until they leave)."""
         if not prompts:
             raise DataError("the prompt pool is empty; check task.prompt_file or task.num_prompts")
         self.prompts = prompts
@@ -49,7 +52,7 @@ class PromptPoolCore:
         self.epoch = 0
         for _ in range(start):
             self.epoch, _ = next(self._order)
-        self.outstanding: set[str] = set()
+        self.outstanding: set[str] = set(outstanding)
         self.n_dispatched = start
         self.n_released = 0
 
@@ -115,7 +118,9 @@ def load_prompts(cfg: RunConfig) -> list[Prompt]:
 class PromptPool:
     """Dask actor around :class:`PromptPoolCore` (placed on a ``data`` worker)."""
 
-    def __init__(self, cfg: RunConfig, policy_dir: str) -> None:
+    def __init__(self, cfg: RunConfig, policy_dir: str, resume=None) -> None:
+        """``resume``: the :class:`storage.resume.ResumePlan` of a run resumed in place
+        (where its prompt order stood, and the groups its buffer holds again)."""
         from transformers import AutoTokenizer
 
         from laminar.model import encode_prompt
@@ -141,7 +146,8 @@ class PromptPool:
             group_size=cfg.rollout.group_size,
             max_outstanding=cfg.buffer.max_outstanding_groups,
             seed=cfg.seed,
-            start=data_position(cfg.trainer.resume_from),
+            start=data_position(cfg.trainer.resume_from) if resume is None else resume.start,
+            outstanding=() if resume is None else tuple(resume.readmit_groups),
         )
 
     async def acquire(self, n: int) -> list[PromptGroup]:

@@ -20,6 +20,7 @@ so no trajectory ever finishes before the version that generated it
 from __future__ import annotations
 
 import logging
+import shutil
 import threading
 import time
 import traceback
@@ -191,11 +192,38 @@ class Trainer:
                 }
             )
             last_update = now
+            every = t_cfg.checkpoint_every
+            if every and self.version % every == 0 and self.version < t_cfg.steps:
+                self.checkpoint = self._save_checkpoint()
 
-    def _save_checkpoint(self) -> str:
-        """HF folder + optimizer, RNG and trainer state under ``checkpoints/version-N``."""
-        out = self.run_dir / "checkpoints" / f"version-{self.version:06d}"
-        return str(self.learner.save(out))
+    def _save_checkpoint(self) -> str | None:
+        """HF folder + optimizer, RNG and trainer state under ``checkpoints/version-N``,
+        written aside and renamed into place: a folder there is always complete. A
+        version already saved (periodically, then at the end) is not written again.
+
+        First the buffer commits its store, so that it records every trajectory the
+        updates up to here consumed (a resume must not train them again); when it cannot
+        (the data module is lost) no checkpoint is written and the newest one stands."""
+        root = self.run_dir / "checkpoints"
+        out = root / f"version-{self.version:06d}"
+        if out.exists():
+            return str(out)
+        try:
+            self.buffer.sync().result(timeout=self.cfg.cluster.actor_timeout_s)
+        except Exception as e:  # noqa: BLE001 — the data module is gone or cannot write
+            logger.warning(
+                "no checkpoint at version %d: the trajectory store could not be committed "
+                "(%s: %s); the newest checkpoint stands",
+                self.version,
+                type(e).__name__,
+                e,
+            )
+            return self.checkpoint
+        tmp = root / f".version-{self.version:06d}.partial"
+        shutil.rmtree(tmp, ignore_errors=True)
+        self.learner.save(tmp)
+        tmp.rename(out)
+        return str(out)
 
 
 class TrainerRank:

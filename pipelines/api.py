@@ -7,6 +7,8 @@
 ...                        overrides=["trainer.steps=20"])           # doctest: +SKIP
 >>> run.progress()          # latest progress dict, never blocks     # doctest: +SKIP
 >>> summary = run.wait()    # or run.stop() to end early, store intact  # doctest: +SKIP
+>>> run = pipelines.resume(run.run_dir, client,
+...                        overrides=["trainer.steps=40"])           # doctest: +SKIP
 """
 
 from __future__ import annotations
@@ -51,8 +53,8 @@ def prepare_run_dir(cfg: RunConfig, run_dir: str | Path | None) -> Path:
     path = Path(run_dir or cfg.run_dir or Path("runs") / time.strftime("%Y%m%d-%H%M%S"))
     if (path / "trajectories.zarr").exists():
         raise ConfigError(
-            f"run directory {str(path)!r} already holds a run; pass a new --run-dir "
-            "(resuming a run is not supported yet)"
+            f"run directory {str(path)!r} already holds a run; pass a new --run-dir, or "
+            f"continue it with `laminar run --resume {path}`"
         )
     path.mkdir(parents=True, exist_ok=True)
     (path / "config.yaml").write_text(cfg.model_copy(update={"run_dir": str(path)}).to_yaml())
@@ -62,7 +64,7 @@ def prepare_run_dir(cfg: RunConfig, run_dir: str | Path | None) -> Path:
 class RunHandle:
     """A run in progress on a Dask cluster; every method returns at once except ``wait``."""
 
-    def __init__(self, cfg: RunConfig, client, run_dir: Path) -> None:
+    def __init__(self, cfg: RunConfig, client, run_dir: Path, resume=None) -> None:
         from pipelines.laminar import LaminarSchedule
 
         self.config = cfg
@@ -73,7 +75,7 @@ class RunHandle:
         self._progress: dict = {"phase": "submitted"}
         self._stop = threading.Event()
         self._done = threading.Event()
-        self._schedule = LaminarSchedule(cfg, client, run_dir)
+        self._schedule = LaminarSchedule(cfg, client, run_dir, resume)
         self._thread = threading.Thread(target=self._drive, name="laminar-driver", daemon=True)
         self._thread.start()
 
@@ -142,3 +144,61 @@ def submit(
     wait_for_roles(client, role_needs(cfg), cfg.cluster.placement_timeout_s)
     path = prepare_run_dir(cfg, run_dir)
     return RunHandle(cfg, client, path)
+
+
+def newest_checkpoint(run_dir: Path) -> Path | None:
+    """The run's checkpoint of the highest version (every folder there is complete)."""
+    saved = sorted((run_dir / "checkpoints").glob("version-*"))
+    return saved[-1] if saved else None
+
+
+def prepare_resume(run_dir: str | Path, overrides: list[str] | tuple[str, ...] = ()):
+    """The config, resume plan and run directory to continue ``run_dir`` in place: its
+    own ``config.yaml`` with ``overrides``, from its newest checkpoint. Refuses, naming
+    the fix, when there is nothing to continue from."""
+    from laminar.learner import checkpoint_version
+    from storage.resume import plan_resume
+
+    path = Path(run_dir).resolve()
+    config = path / "config.yaml"
+    if not config.exists():
+        raise ConfigError(
+            f"cannot resume {str(path)!r}: it has no config.yaml, so it is not a run "
+            "directory written by `laminar run`"
+        )
+    ckpt = newest_checkpoint(path)
+    if ckpt is None:
+        raise ConfigError(
+            f"cannot resume {str(path)!r}: it has no checkpoint (checkpoints/version-N); "
+            "a run checkpoints when it ends and every trainer.checkpoint_every versions; "
+            "start it again"
+        )
+    cfg = load_config(config, [*overrides, f"trainer.resume_from={ckpt}", f"run_dir={path}"])
+    version = checkpoint_version(ckpt)
+    if cfg.trainer.steps <= version:
+        raise ConfigError(
+            f"cannot resume {str(path)!r}: its checkpoint is at version {version} and "
+            f"trainer.steps={cfg.trainer.steps}; ask for more, e.g. "
+            f"--set trainer.steps={version + cfg.trainer.steps}"
+        )
+    preflight(cfg)
+    plan = plan_resume(path, version)
+    config.write_text(cfg.to_yaml())
+    return cfg, plan, path
+
+
+def resume(
+    run_dir: str | Path, client, *, overrides: list[str] | tuple[str, ...] = ()
+) -> RunHandle:
+    """Continue a stopped or lost run in its own directory, from its newest checkpoint.
+
+    The trainer restarts from the checkpoint (weights, optimizer, RNG, version); the
+    buffer holds again the whole groups the store has that the checkpoint did not train
+    (:mod:`storage.resume`); the prompt order goes on; every store is appended to.
+    ``overrides`` change its ``config.yaml`` (e.g. ``trainer.steps``).
+    """
+    from laminar.deploy import role_needs, wait_for_roles
+
+    cfg, plan, path = prepare_resume(run_dir, overrides)
+    wait_for_roles(client, role_needs(cfg), cfg.cluster.placement_timeout_s)
+    return RunHandle(cfg, client, path, resume=plan)

@@ -1,6 +1,7 @@
 """The ``laminar`` command: a thin shell over :mod:`pipelines.api` and :mod:`pipelines.report`::
 
 laminar run CONFIG [--set k=v ...] [--run-dir DIR] [--scheduler ADDRESS | --scheduler-file F]
+laminar run --resume RUN_DIR [--set k=v ...] [--scheduler ADDRESS | --scheduler-file F]
 laminar certs DIR
 laminar audit RUN_DIR [--json]
 laminar report RUN_DIR [RUN_DIR ...] [--out DIR]
@@ -92,6 +93,11 @@ def _print_summary(s: dict) -> None:
         f"{s['reward_last_20pct']:.3f}  (gain {s['reward_gain']:+.3f})"
     )
     print(f"versions           {s['versions']}")
+    if r := s.get("resumed"):
+        print(
+            f"resumed            at version {r['version']}: {r['readmitted']} trajectories "
+            f"back in the buffer, {r['dropped']} dropped"
+        )
     left = {k[2:]: v for k, v in s.get("status_counts", {}).items() if k != "n_consumed" and v}
     print(
         f"trajectories       {s['trajectories']} ({s['consumed']} consumed"
@@ -154,7 +160,14 @@ def _print_summary(s: dict) -> None:
 
 def cmd_run(args: argparse.Namespace) -> int:
     from laminar.deploy import open_cluster
-    from pipelines.api import RunHandle, preflight, prepare_run_dir, resolve_config
+    from laminar.errors import ConfigError
+    from pipelines.api import (
+        RunHandle,
+        preflight,
+        prepare_resume,
+        prepare_run_dir,
+        resolve_config,
+    )
 
     overrides = list(args.set or [])
     if args.scheduler or args.scheduler_file:
@@ -163,15 +176,37 @@ def cmd_run(args: argparse.Namespace) -> int:
             f"cluster.address={args.scheduler or 'null'}",
             f"cluster.scheduler_file={args.scheduler_file or 'null'}",
         ]
-    cfg = resolve_config(args.config, overrides)
-    preflight(cfg)
-    run_dir = prepare_run_dir(cfg, args.run_dir)
-    print(f"run dir            {run_dir}", flush=True)
+    plan = None
+    if args.resume:
+        if args.config or args.run_dir:
+            raise ConfigError(
+                "laminar run --resume RUN_DIR continues RUN_DIR with its own config.yaml; "
+                "drop CONFIG and --run-dir (change settings with --set)"
+            )
+        cfg, plan, run_dir = prepare_resume(args.resume, overrides)
+        print(f"run dir            {run_dir}  (resumed from {cfg.trainer.resume_from})")
+        print(
+            f"store              {plan.stored} trajectories; {len(plan.readmit)} back in the "
+            f"buffer ({len(plan.readmit_groups)} groups), {len(plan.drop)} dropped "
+            "(docs/faults.md)",
+            flush=True,
+        )
+    else:
+        if not args.config:
+            raise ConfigError("laminar run needs a CONFIG file (or --resume RUN_DIR)")
+        cfg = resolve_config(args.config, overrides)
+        preflight(cfg)
+        run_dir = prepare_run_dir(cfg, args.run_dir)
+        print(f"run dir            {run_dir}", flush=True)
     with open_cluster(cfg, run_dir) as client:
         client.forward_logging("laminar", level=logging.WARNING)
         print(f"scheduler          {client.scheduler.address}")
         print(f"dashboard          {client.dashboard_link}")
-        return _follow(RunHandle(cfg, client, run_dir))
+        if plan is not None:
+            from laminar.deploy import role_needs, wait_for_roles
+
+            wait_for_roles(client, role_needs(cfg), cfg.cluster.placement_timeout_s)
+        return _follow(RunHandle(cfg, client, run_dir, resume=plan))
 
 
 def _follow(handle) -> int:
@@ -284,7 +319,13 @@ def main(argv: list[str] | None = None) -> int:
     )
     sub = parser.add_subparsers(dest="command", required=True)
     run = sub.add_parser("run", help="train a policy with the Laminar schedule")
-    run.add_argument("config", help="YAML run config, e.g. configs/tiny.yaml")
+    run.add_argument("config", nargs="?", help="YAML run config, e.g. configs/tiny.yaml")
+    run.add_argument(
+        "--resume",
+        metavar="RUN_DIR",
+        help="continue a stopped or lost run in its own directory, from its newest "
+        "checkpoint (docs/faults.md)",
+    )
     run.add_argument(
         "--set",
         action="append",

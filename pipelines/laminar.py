@@ -82,10 +82,12 @@ class LaminarSchedule:
     (Ctrl-C in the CLI, ``RunHandle.stop()`` in a notebook).
     """
 
-    def __init__(self, cfg: RunConfig, client, run_dir: Path) -> None:
+    def __init__(self, cfg: RunConfig, client, run_dir: Path, resume=None) -> None:
+        """``resume``: the :class:`storage.resume.ResumePlan` of a run resumed in place."""
         self.cfg = cfg
         self.client = client
         self.run_dir = run_dir
+        self.resume = resume
         self.actors: dict = {}
         self.sft_info: dict = {}
 
@@ -105,7 +107,9 @@ class LaminarSchedule:
         self.policy_dir = policy_dir
         progress({"phase": "starting actors", "policy_dir": policy_dir, "sft": self.sft_info})
         b = cfg.buffer
-        pool = submit_actor(client, PromptPool, cfg, policy_dir, worker=data_w, resource="data")
+        pool = submit_actor(
+            client, PromptPool, cfg, policy_dir, self.resume, worker=data_w, resource="data"
+        )
         partial = None
         if cfg.faults.recover:
             partial = submit_actor(
@@ -122,6 +126,7 @@ class LaminarSchedule:
             pool,
             b,
             partial,
+            self.resume,
             worker=data_w,
             resource="data",
         )
@@ -220,6 +225,7 @@ class LaminarSchedule:
         self._rows: dict[str, list[dict]] = {"cluster": [], "rollouts": []}
         self._n_updates = 0
         t_start = last_t = last_flush = time.time()
+        t_origin = self._origin(t_start)
         last_tokens = 0
         reason = "completed"
         try:
@@ -234,7 +240,7 @@ class LaminarSchedule:
                 tokens = sum(s["response_tokens"] for s in r_stats)
                 gen_tok_s = (tokens - last_tokens) / max(now - last_t, 1e-9)
                 last = t_stats["last"] or {}
-                self._record(now - t_start, now, t_stats, b_stats, p_stats, r_stats, tokens)
+                self._record(now - t_origin, now, t_stats, b_stats, p_stats, r_stats, tokens)
                 progress(
                     {
                         "phase": "training",
@@ -276,6 +282,22 @@ class LaminarSchedule:
             self._fail_on_lost_core(e)
             raise
         return self.shutdown(reason, t_start)
+
+    def _origin(self, t_start: float) -> float:
+        """When the run first started: a resumed run's ``cluster`` rows go on from its
+        earlier ones (``elapsed_s`` keeps rising, across the gap)."""
+        if self.resume is None:
+            return t_start
+        from storage.metrics import open_metrics
+
+        try:
+            rows = open_metrics(self.run_dir, "cluster")
+        except Exception:  # noqa: BLE001 — lost before its first metrics flush
+            return t_start
+        if not rows.sizes.get("time"):
+            return t_start
+        wall = rows["wall_time"].values[-1].astype("datetime64[ns]").astype(np.int64) / 1e9
+        return float(wall - rows["time"].values[-1])
 
     def _record(self, elapsed, now, t_stats, b_stats, p_stats, r_stats, tokens) -> None:
         """One row of the ``cluster`` table and one ``rollouts`` row per replica."""
@@ -331,9 +353,11 @@ class LaminarSchedule:
         role, worker = next(iter(lost.items()))
         saved = sorted((self.run_dir / "checkpoints").glob("version-*"))
         how = (
-            f"continue it from its last checkpoint with `--set trainer.resume_from={saved[-1]}`"
+            f"continue it from its last checkpoint ({saved[-1].name}) with `laminar run "
+            f"--resume {self.run_dir}`"
             if saved
-            else "it has no checkpoint yet (one is written when a run ends): start it again"
+            else "it has no checkpoint yet (one is written when a run ends and every "
+            "trainer.checkpoint_every versions): start it again"
         )
         raise ClusterError(
             f"lost the {role} (worker {worker} is gone: {type(error).__name__}); the run "
@@ -388,6 +412,7 @@ class LaminarSchedule:
             "repack": m_stats if self.cfg.repack is not None else None,
             "relay": relay,
             "reason": reason,
+            "resumed": self.resume.summary() if self.resume is not None else None,
             "wall_s": wall,
             "trainer": t_stats,
             "buffer": b_stats,
@@ -527,6 +552,7 @@ def summarize(run_dir: Path, raw: dict, sft_info: dict, cfg: RunConfig) -> dict:
         "relay": raw["relay"],
         "repack": raw["repack"],
         "faults": raw["faults"],
+        "resumed": raw["resumed"],  # this segment's start, when resumed in place
         "metrics": str(run_dir / "metrics.zarr"),
     }
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2, default=float))

@@ -70,7 +70,8 @@ def audit_run(run_dir: str | Path) -> AuditReport:
     for s in STATUSES:
         report.figures[f"  {s}"] = int((status == s).sum())
 
-    # Groups: every stored group is whole, except those still generating at the stop.
+    # Groups: every stored group is whole, except those still generating at the stop
+    # (buffered), or when a lost run stopped and was resumed (dropped then).
     prompt_uid = ds["prompt_uid"].values
     groups, inverse, sizes = np.unique(prompt_uid, return_inverse=True, return_counts=True)
     want = np.zeros(len(groups), dtype=np.int64)
@@ -80,14 +81,18 @@ def audit_run(run_dir: str | Path) -> AuditReport:
     if short.any():
         open_groups = set(groups[short])
         in_flight = np.isin(prompt_uid, list(open_groups))
-        if (status[in_flight] != "buffered").any():
+        left = in_flight & (status != "buffered") & (status != "dropped")
+        if left.any():
             report.problems.append(
-                f"{int((status[in_flight] != 'buffered').sum())} trajectories of incomplete "
-                "groups left the buffer (consumed, evicted or discarded without siblings)"
+                f"{int(left.sum())} trajectories of incomplete groups left the buffer "
+                "(consumed, evicted or discarded without siblings)"
             )
+        buffered = in_flight & (status == "buffered")
+        dropped = in_flight & (status == "dropped")
         report.notes.append(
             f"{int(short.sum())} groups were still generating when the run stopped "
-            f"({int(in_flight.sum())} of their trajectories are stored as buffered)"
+            f"({int(buffered.sum())} of their trajectories are stored as buffered, "
+            f"{int(dropped.sum())} were dropped when it resumed)"
         )
     if (sizes > want).any():
         report.problems.append(f"{int((sizes > want).sum())} groups have more members than size")

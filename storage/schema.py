@@ -10,6 +10,9 @@ group         dimension             fields
 ``response``  ``response_token``    ``response_tokens``, ``behavior_logprobs``, ``loss_mask``
 ``versions``  ``version_token``     ``token_versions`` (empty unless a trajectory mixes versions)
 ============  ====================  ===================================================
+
+Leave events (:data:`EVENT_FIELDS`, on the ``event`` dimension) update a stored
+trajectory's status, ``sample_version`` and ``t_sample``.
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ from __future__ import annotations
 import numpy as np
 
 FINISH_REASONS = ("eos", "stop", "length", "tool_limit", "error")
-STATUSES = ("buffered", "consumed", "evicted", "discarded", "filtered")
+STATUSES = ("buffered", "consumed", "evicted", "discarded", "filtered", "dropped")
 
 TRAJECTORY_DIM = "trajectory"
 # Variable-length UTF-8 in Zarr (has a v3 spec, unlike fixed-width unicode).
@@ -61,5 +64,21 @@ RAGGED: dict[str, tuple[str, dict[str, np.dtype]]] = {
 
 RAGGED_FIELDS: dict[str, str] = {f: g for g, (_, fs) in RAGGED.items() for f in fs}
 ALL_FIELDS: tuple[str, ...] = (*SCALARS, *RAGGED_FIELDS)
+
+# The leave events: a trajectory is stored when the buffer admits it (status
+# ``buffered``); when it leaves later (consumed, evicted, …) an event is appended rather
+# than the record rewritten. Readers apply the events in order (the last one wins).
+EVENT_DIM = "event"
+EVENT_FIELDS: dict[str, str] = {  # event array -> the trajectory field it sets
+    "event_uid": "uid",
+    "event_status": "status",
+    "event_sample_version": "sample_version",
+    "event_t_sample": "t_sample",
+}
+EVENT_COMMIT_ATTR = "n_committed_events"
+
 COMMIT_ATTR = "n_committed"  # trajectories visible to readers; token counts alongside
-SCHEMA_VERSION = 1
+# 2: trajectories are stored on admission and leave events follow (1: stored on leaving,
+# no events; still read).
+SCHEMA_VERSION = 2
+READABLE_SCHEMA_VERSIONS = (1, 2)

@@ -1,9 +1,16 @@
 """``trajectories.zarr``: a single writer appends record batches; readers never see a torn one.
 
-The writer appends every token-level array first, then every per-trajectory array, and
-only then raises the group attribute ``n_committed`` (with the token counts beside it).
-Readers slice every array to the committed lengths, so a batch half-written when a reader
-looks (or when the writer dies) is invisible rather than corrupt.
+The writer appends every token-level array first, then every per-trajectory array, then
+the leave events, and only then raises the group attributes ``n_committed`` (with the
+token and event counts beside it) in one update. Readers slice every array to the
+committed lengths, so a batch half-written when a reader looks (or when the writer dies)
+is invisible rather than corrupt.
+
+A trajectory is stored once, when the buffer admits it (status ``buffered``); when it
+leaves (consumed, evicted, …) a small *leave event* is appended, and readers apply the
+events (:data:`storage.schema.EVENT_FIELDS`). So the store always holds every admitted
+trajectory — a crash loses at most the batch not yet flushed — and what is still
+unconsumed is what a reader sees as ``buffered``.
 
 Only one process may write a store: several appenders to one Zarr array corrupt it
 silently (see ``shared/notes/stack.md``).
@@ -21,9 +28,14 @@ import zarr
 
 from storage.schema import (
     COMMIT_ATTR,
+    EVENT_COMMIT_ATTR,
+    EVENT_DIM,
+    EVENT_FIELDS,
     RAGGED,
+    READABLE_SCHEMA_VERSIONS,
     SCALARS,
     SCHEMA_VERSION,
+    STATUSES,
     TRAJECTORY_DIM,
 )
 
@@ -75,6 +87,7 @@ class TrajectoryWriter:
             )
         self.n_committed = int(self.group.attrs[COMMIT_ATTR])
         self.tokens_committed = dict(self.group.attrs["n_committed_tokens"])
+        self.events_committed = int(self.group.attrs[EVENT_COMMIT_ATTR])
         self._truncate_uncommitted()
 
     def _create(self) -> None:
@@ -95,11 +108,14 @@ class TrajectoryWriter:
                 new(name, np.dtype("int64"), _CHUNK_TRAJ, TRAJECTORY_DIM)
             for name, dtype in fields.items():
                 new(name, dtype, _CHUNK_TOK, dim)
+        for name, field in EVENT_FIELDS.items():
+            new(name, SCALARS[field], _CHUNK_TRAJ, EVENT_DIM)
         self.group.attrs.update(
             {
                 "schema_version": SCHEMA_VERSION,
                 COMMIT_ATTR: 0,
                 "n_committed_tokens": {dim: 0 for dim, _ in RAGGED.values()},
+                EVENT_COMMIT_ATTR: 0,
             }
         )
 
@@ -115,11 +131,24 @@ class TrajectoryWriter:
             for name in fields:
                 if self.group[name].shape[0] != self.tokens_committed[dim]:
                     self.group[name].resize((self.tokens_committed[dim],))
+        for name in EVENT_FIELDS:
+            if self.group[name].shape[0] != self.events_committed:
+                self.group[name].resize((self.events_committed,))
 
-    def append(self, records: Sequence[Mapping[str, Any]]) -> int:
-        """Append records and commit them; returns the number of committed trajectories."""
-        if not records:
+    def append(
+        self, records: Sequence[Mapping[str, Any]], events: Sequence[Mapping[str, Any]] = ()
+    ) -> int:
+        """Append records, then leave events (mappings with ``uid``, ``status``,
+        ``sample_version``, ``t_sample`` of trajectories stored before or in this call),
+        and commit them together; returns the number of committed trajectories."""
+        if not records and not events:
             return self.n_committed
+        bad = [e for e in events if e["status"] not in STATUSES]
+        if bad:
+            raise StoreError(
+                f"leave event for {bad[0]['uid']!r}: status {bad[0]['status']!r} is not one "
+                f"of {STATUSES}"
+            )
         tokens = dict(self.tokens_committed)
         per_traj: dict[str, np.ndarray] = {}
         for group, (dim, fields) in RAGGED.items():
@@ -143,10 +172,19 @@ class TrajectoryWriter:
             per_traj[name] = np.array([r[name] for r in records], dtype=dtype)
         for name, values in per_traj.items():
             self.group[name].append(values)
+        for name, field in EVENT_FIELDS.items():
+            self.group[name].append(np.array([e[field] for e in events], dtype=SCALARS[field]))
         self.n_committed += len(records)
         self.tokens_committed = tokens
-        # The commit marker goes last: readers slice to it.
-        self.group.attrs.update({COMMIT_ATTR: self.n_committed, "n_committed_tokens": tokens})
+        self.events_committed += len(events)
+        # The commit markers go last, in one update: readers slice to them.
+        self.group.attrs.update(
+            {
+                COMMIT_ATTR: self.n_committed,
+                "n_committed_tokens": tokens,
+                EVENT_COMMIT_ATTR: self.events_committed,
+            }
+        )
         return self.n_committed
 
 
@@ -166,22 +204,54 @@ def _open_group(path: str | Path) -> tuple[Path, zarr.Group]:
             "`laminar run` (it holds trajectories.zarr)"
         )
     group = zarr.open_group(str(store), mode="r", zarr_format=3)
-    if group.attrs.get("schema_version") != SCHEMA_VERSION:
+    if group.attrs.get("schema_version") not in READABLE_SCHEMA_VERSIONS:
         raise StoreError(
             f"{str(store)!r} has schema_version {group.attrs.get('schema_version')!r}; "
-            f"this laminar reads {SCHEMA_VERSION}"
+            f"this laminar reads {READABLE_SCHEMA_VERSIONS}"
         )
     return store, group
 
 
-def open_trajectories(path: str | Path) -> dict[str, np.ndarray]:
-    """Every committed array of a store as numpy, sliced to the commit marker."""
-    _, group = _open_group(path)
+def _apply_events(store: Path, group: zarr.Group, scalars: dict[str, np.ndarray]) -> None:
+    """Apply the committed leave events, in order, to the per-trajectory ``scalars``."""
+    n_events = int(group.attrs.get(EVENT_COMMIT_ATTR, 0))
+    if not n_events:
+        return
+    events = {name: group[name][:n_events] for name in EVENT_FIELDS}
+    rows = {uid: i for i, uid in enumerate(scalars["uid"].tolist())}
+    try:
+        index = np.array([rows[u] for u in events["event_uid"].tolist()], dtype=np.int64)
+    except KeyError as e:
+        raise StoreError(
+            f"{str(store)!r}: a leave event names trajectory {e.args[0]!r}, which the store "
+            "does not hold; the store is corrupt (was it written by two processes at once?)"
+        ) from None
+    for name, field in EVENT_FIELDS.items():
+        if field != "uid":
+            scalars[field] = scalars[field].copy()
+            scalars[field][index] = events[name]  # in order: the last event wins
+
+
+def open_trajectories(
+    path: str | Path, fields: Sequence[str] | None = None
+) -> dict[str, np.ndarray]:
+    """Every committed array of a store as numpy, sliced to the commit marker, with the
+    leave events applied; with ``fields``, only those per-trajectory fields (and those
+    the events set), no token-level arrays."""
+    store, group = _open_group(path)
     n = int(group.attrs[COMMIT_ATTR])
     tokens = group.attrs["n_committed_tokens"]
     out: dict[str, np.ndarray] = {}
+    wanted = SCALARS if fields is None else {*fields, *EVENT_FIELDS.values()}
+    unknown = set(wanted) - set(SCALARS)
+    if unknown:
+        raise StoreError(f"open_trajectories: no per-trajectory fields {sorted(unknown)}")
     for name in SCALARS:
-        out[name] = group[name][:n]
+        if name in wanted:
+            out[name] = group[name][:n]
+    _apply_events(store, group, out)
+    if fields is not None:
+        return out
     for g, (dim, fields) in RAGGED.items():
         out[f"{g}_start"] = group[f"{g}_start"][:n]
         out[f"{g}_len"] = group[f"{g}_len"][:n]
@@ -190,13 +260,31 @@ def open_trajectories(path: str | Path) -> dict[str, np.ndarray]:
     return out
 
 
+def records_at(arrays: Mapping[str, np.ndarray], rows: Sequence[int]) -> list[dict[str, Any]]:
+    """The records (field -> value, as :meth:`TrajectoryWriter.append` takes them) at
+    ``rows`` of :func:`open_trajectories`' arrays."""
+    out = []
+    for i in rows:
+        rec: dict[str, Any] = {}
+        for name, dtype in SCALARS.items():
+            v = arrays[name][i]
+            rec[name] = str(v) if dtype.kind == "T" else v.item()
+        for g, (_, fields) in RAGGED.items():
+            start, n = int(arrays[f"{g}_start"][i]), int(arrays[f"{g}_len"][i])
+            for name in fields:
+                rec[name] = np.array(arrays[name][start : start + n])
+        out.append(rec)
+    return out
+
+
 def open_run(path: str | Path) -> xr.Dataset:
     """The trajectories of a run as an :class:`xarray.Dataset` on a ``trajectory`` dimension.
 
     Ragged fields sit on their own token dimensions (see :mod:`storage.schema`); the
     ``.laminar`` accessor gives staleness and per-trajectory token views. Only committed
-    records are visible. Derived staleness columns are added: ``s_gen``, ``residence``,
-    ``s_train`` (NaN where a trajectory was never sampled).
+    records are visible, with their leave events applied (``status``, ``sample_version``,
+    ``t_sample`` are where each trajectory stands now). Derived staleness columns are added:
+    ``s_gen``, ``residence``, ``s_train`` (NaN where a trajectory was never sampled).
     """
     import dask.array as da
 
@@ -206,15 +294,18 @@ def open_run(path: str | Path) -> xr.Dataset:
     # Built array by array rather than with xr.open_zarr: during (or after a crash in) an
     # append, arrays on one dimension have different lengths, which open_zarr refuses.
     variables = {}
+    scalars = {}
     for name, arr in group.arrays():
         (dim,) = arr.metadata.dimension_names
         if dim == TRAJECTORY_DIM:
-            values = arr[:n]
-            if values.dtype.kind == "T":  # numpy's StringDType is still new to pandas/xarray
-                values = np.array(values.tolist(), dtype=str)
-            variables[name] = (dim, values)
-        else:  # token-level: lazy
+            scalars[name] = arr[:n]
+        elif dim != EVENT_DIM:  # token-level: lazy
             variables[name] = (dim, da.from_zarr(arr)[: lengths[dim]])
+    _apply_events(store, group, scalars)
+    for name, values in scalars.items():
+        if values.dtype.kind == "T":  # numpy's StringDType is still new to pandas/xarray
+            values = np.array(values.tolist(), dtype=str)
+        variables[name] = (TRAJECTORY_DIM, values)
     ds = xr.Dataset(variables, coords={TRAJECTORY_DIM: np.arange(n)})
     sampled = ds["sample_version"] >= 0
     ds["s_gen"] = ds["finish_version"] - ds["behavior_version"]

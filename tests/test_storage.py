@@ -129,3 +129,105 @@ def test_staleness_columns(tmp_path):
     assert ds["s_train"].values[0] == 2 and np.isnan(ds["s_train"].values[1])
     assert ds.laminar.staleness().sizes["trajectory"] == 1
     assert ds.laminar.summary()["n_buffered"] == 1
+
+
+def _leave(i, status="consumed", sample_version=3, t_sample=5.0):
+    return {
+        "uid": f"u{i}",
+        "status": status,
+        "sample_version": sample_version,
+        "t_sample": t_sample,
+    }
+
+
+def test_leave_events_update_stored_trajectories_in_order(tmp_path):
+    """Stored on admission as buffered; where each stands now comes from its events."""
+    w = TrajectoryWriter(tmp_path)
+    admitted = dict(status="buffered", sample_version=-1, t_sample=np.nan)
+    w.append([record(0, **admitted), record(1, **admitted), record(2, **admitted)])
+    assert set(open_run(tmp_path)["status"].values) == {"buffered"}
+    w.append([record(3, **admitted)], events=[_leave(0), _leave(3, "evicted", -1, np.nan)])
+    w.append([], events=[_leave(1, "consumed", 4, 6.0)])
+    ds = open_run(tmp_path)
+    assert ds["status"].values.tolist() == ["consumed", "consumed", "buffered", "evicted"]
+    assert ds["sample_version"].values.tolist() == [3, 4, -1, -1]
+    assert ds["s_train"].values[1] == 3 and np.isnan(ds["s_train"].values[2])
+    raw = open_trajectories(tmp_path)
+    assert raw["status"].tolist() == ds["status"].values.tolist()
+    assert raw["t_sample"][1] == 6.0
+    assert "event_uid" not in ds  # applied, not shown
+
+
+def test_a_half_written_event_batch_is_invisible_and_dropped_on_reopen(tmp_path):
+    w = TrajectoryWriter(tmp_path)
+    w.append([record(0, status="buffered", sample_version=-1, t_sample=np.nan)])
+    # A writer dies after appending events but before the commit marker.
+    w.group["event_uid"].append(np.array(["u0"], dtype=w.group["event_uid"].dtype))
+    w.group["event_status"].append(np.array(["consumed"], dtype=w.group["event_status"].dtype))
+    assert open_run(tmp_path)["status"].values.tolist() == ["buffered"]
+    w2 = TrajectoryWriter(tmp_path)
+    assert w2.group["event_uid"].shape[0] == 0 and w2.group["event_status"].shape[0] == 0
+    w2.append([], events=[_leave(0)])
+    assert open_run(tmp_path)["status"].values.tolist() == ["consumed"]
+
+
+def test_bad_leave_events_are_refused(tmp_path):
+    w = TrajectoryWriter(tmp_path)
+    with pytest.raises(StoreError, match="status 'lost' is not one of"):
+        w.append([record(0)], events=[_leave(0, "lost")])
+    assert open_trajectories(tmp_path)["uid"].tolist() == []  # nothing written
+    w.append([], events=[_leave(7)])  # a trajectory the store does not hold
+    with pytest.raises(StoreError, match="names trajectory 'u7'.*corrupt"):
+        open_run(tmp_path)
+
+
+def test_stores_of_schema_1_are_still_read(tmp_path):
+    """Schema 1 stored trajectories when they left the buffer, without events."""
+    w = TrajectoryWriter(tmp_path)
+    w.append([record(0), record(1)])
+    w.group.attrs.update({"schema_version": 1})
+    for name in ("event_uid", "event_status", "event_sample_version", "event_t_sample"):
+        del w.group[name]
+    del w.group.attrs["n_committed_events"]
+    assert open_run(tmp_path)["status"].values.tolist() == ["consumed", "consumed"]
+    with pytest.raises(StoreError, match="schema_version 1, this code writes 2"):
+        TrajectoryWriter(tmp_path)
+
+
+def test_a_resume_readmits_whole_untrained_groups_and_drops_the_rest(tmp_path):
+    """Checkpoint at version 2: what it trained stays consumed; complete groups it did not
+    train (buffered, or consumed by an update after it) come back; the rest is dropped."""
+    from storage.resume import plan_resume
+
+    def group(g, status="buffered", members=2, **kw):
+        if status == "buffered":
+            kw = {"sample_version": -1, "t_sample": np.nan} | kw
+        return [
+            record(
+                2 * g + k, prompt_uid=f"p{g:08d}", status=status, **{"uid": f"p{g:08d}-{k}"} | kw
+            )
+            for k in range(members)
+        ]
+
+    w = TrajectoryWriter(tmp_path)
+    w.append(
+        group(0, "consumed", sample_version=1)  # trained into the checkpoint
+        + group(1, "consumed", sample_version=2, finish_version=2)  # by a lost update
+        + group(2, finish_version=1)  # buffered, whole
+        + group(3, members=1)  # a sibling still generating when the run ended
+        + group(5, finish_version=3)  # finished after the checkpoint: its policy is gone
+        + group(6, members=1)
+        + group(6, members=1, finish_reason="error", uid="p00000006-1")  # reward failed
+        + group(8, "evicted", sample_version=-1, t_sample=np.nan)
+    )
+    plan = plan_resume(tmp_path, version=2)
+    assert plan.readmit == ["p00000001-0", "p00000001-1", "p00000002-0", "p00000002-1"]
+    assert plan.readmit_groups == ["p00000001", "p00000002"]
+    assert plan.drop == [
+        "p00000003-0",
+        "p00000005-0",
+        "p00000005-1",
+        "p00000006-0",
+        "p00000006-1",
+    ]
+    assert plan.start == 9 and plan.consumed == 2 and plan.stored == 13
