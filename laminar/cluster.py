@@ -139,6 +139,31 @@ def place(client, resource: str, count: int) -> list[str]:
     return addrs[:count]
 
 
+def start_actor(client, cls, *args, worker: str, resource: str, **kwargs):
+    """Start creating an actor of ``cls`` on ``worker``; returns the creating future
+    (:func:`bind_actor` makes the handle once it is done)."""
+    return client.submit(
+        cls,
+        *args,
+        actor=True,
+        workers=[worker],
+        allow_other_workers=False,
+        resources={resource: 1},
+        pure=False,
+        **kwargs,
+    )
+
+
+def bind_actor(client, cls, worker: str, future):
+    """The handle of the actor ``future`` created on ``worker``, bound to ``client``
+    (raises the constructor's error). See :func:`submit_actor` for why it is rebuilt."""
+    from distributed import Actor
+
+    future.result()
+    with client.as_current():
+        return Actor(cls, worker, future.key)
+
+
 def submit_actor(client, cls, *args, worker: str, resource: str, **kwargs):
     """Create an actor of ``cls`` on ``worker`` and return its handle (waits for it).
 
@@ -151,21 +176,8 @@ def submit_actor(client, cls, *args, worker: str, resource: str, **kwargs):
     ``client`` current: its ``Future`` keeps the key alive on the right client for as long
     as the handle lives.
     """
-    from distributed import Actor
-
-    future = client.submit(
-        cls,
-        *args,
-        actor=True,
-        workers=[worker],
-        allow_other_workers=False,
-        resources={resource: 1},
-        pure=False,
-        **kwargs,
-    )
-    future.result()  # raises the constructor's error
-    with client.as_current():
-        return Actor(cls, worker, future.key)
+    future = start_actor(client, cls, *args, worker=worker, resource=resource, **kwargs)
+    return bind_actor(client, cls, worker, future)
 
 
 def start_thread(target, name: str):

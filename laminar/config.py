@@ -233,6 +233,9 @@ class FaultsConfig(_Section):
     detect_interval_s: float = Field(0.5, gt=0)
     # Resume a lost rollout's unfinished trajectories on healthy rollouts.
     recover: bool = True
+    # Start a new rollout on a `rollout` worker that hosts none (the nanny restarted the
+    # lost one's worker, or a new worker joined), so capacity comes back after a loss.
+    replace: bool = True
 
 
 class TLSConfig(_Section):

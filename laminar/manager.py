@@ -32,6 +32,7 @@ destination or back into the source. Each move is a row of the ``repacks`` table
 from __future__ import annotations
 
 import logging
+import queue
 import threading
 import time
 import traceback
@@ -92,6 +93,8 @@ class RolloutManager:
         self.workers = dict(workers or {})
         self.lost: dict[str, float] = {}  # rollout id -> when its loss was detected
         self.fault_rows: list[dict] = []  # one per recovered batch
+        self.replacements: dict[str, str] = {}  # lost rollout id -> the one that replaced it
+        self._joining: queue.Queue = queue.Queue()  # (id, handle, worker, replaces)
         self.error: str | None = None
 
     def start(self) -> None:
@@ -107,6 +110,7 @@ class RolloutManager:
         moved = [r for r in self.rows if r["ok"]]
         return {
             "lost": dict(self.lost),
+            "replacements": dict(self.replacements),
             "recoveries": len(self.fault_rows),
             "recovered_requests": sum(r["requests"] for r in self.fault_rows),
             **self.counts,
@@ -127,11 +131,24 @@ class RolloutManager:
     def get_lost(self) -> dict[str, float]:
         return dict(self.lost)
 
+    def add_rollout(self, rollout_id: str, handle, worker: str, replaces: str) -> None:
+        """A new rollout (started by the driver in place of the lost ``replaces``): a
+        candidate for moves and recovery, and watched for loss, from the next round."""
+        self._joining.put((rollout_id, handle, worker, replaces))
+
+    def _take_joining(self) -> None:
+        while not self._joining.empty():
+            rid, handle, worker, replaces = self._joining.get_nowait()
+            self.rollouts[rid], self.workers[rid] = handle, worker
+            self.replacements[replaces] = rid
+            logger.warning("rollout %s replaces %s (worker %s)", rid, replaces, worker)
+
     def _run(self) -> None:
         last = last_detect = time.time()
         detect = self.cfg.faults.recover and self.partial is not None and self.workers
         try:
             while not self._stop.wait(0.05):
+                self._take_joining()
                 now = time.time()
                 if detect and now - last_detect >= self.cfg.faults.detect_interval_s:
                     last_detect = now

@@ -16,6 +16,7 @@ or from a notebook::
 from __future__ import annotations
 
 import json
+import logging
 import math
 import time
 from collections.abc import Callable
@@ -25,7 +26,7 @@ from urllib.parse import urlparse
 import numpy as np
 
 from laminar.buffer import ExperienceBuffer
-from laminar.cluster import place, submit_actor
+from laminar.cluster import bind_actor, place, start_actor, submit_actor, workers_with
 from laminar.config import RunConfig
 from laminar.errors import ClusterError
 from laminar.manager import RolloutManager
@@ -34,6 +35,8 @@ from laminar.prompt_pool import DATA_STATE, PromptPool, load_prompts
 from laminar.relay import build_tier
 from laminar.rollout import RolloutReplica
 from laminar.trainer import Trainer, TrainerRank, free_port
+
+logger = logging.getLogger("laminar")
 
 METRICS_FLUSH_S = 5.0
 # Rollout stats recorded per poll (besides the rollout id and the time).
@@ -165,6 +168,9 @@ class LaminarSchedule:
             resource="trainer",
         )
         taken: dict[int, int] = {}
+        self._tier, self._taken = tier, taken
+        self.rollout_workers = {f"r{i}": w for i, w in enumerate(rollout_ws)}
+        self._joining: tuple[str, str, str, object] | None = None  # a replacement starting
         rollouts = [
             submit_actor(
                 client,
@@ -270,6 +276,8 @@ class LaminarSchedule:
                 ]
                 if a["manager"] is not None and (m := a["manager"].stats().result())["error"]:
                     failed.append(m)
+                elif a["manager"] is not None:
+                    self._replace_lost(m)
                 if failed:
                     reason = "failed: " + failed[0]["error"].strip().splitlines()[-1]
                     break
@@ -282,6 +290,53 @@ class LaminarSchedule:
             self._fail_on_lost_core(e)
             raise
         return self.shutdown(reason, t_start)
+
+    def _replace_lost(self, m_stats: dict) -> None:
+        """Start a rollout in place of a lost one on a ``rollout`` worker that hosts none
+        (its worker restarted by the nanny, or a new one), one at a time, without
+        blocking the poll: created on one poll, started and handed to the manager on a
+        later one. The new rollout takes the next id (``r<N>``)."""
+        cfg, client, a = self.cfg, self.client, self.actors
+        if not (cfg.faults.recover and cfg.faults.replace):
+            return
+        if self._joining is not None:
+            rid, worker, replaces, future = self._joining
+            if not future.done():
+                return
+            self._joining = None
+            try:
+                handle = bind_actor(client, RolloutReplica, worker, future)
+                handle.start().result(timeout=cfg.cluster.actor_timeout_s)
+            except Exception as e:  # noqa: BLE001 — that worker went too: try again later
+                logger.warning("rollout %s could not start on %s: %s", rid, worker, e)
+                return
+            a["rollouts"].append(handle)
+            self.rollout_workers[rid] = worker
+            a["manager"].add_rollout(rid, handle, worker, replaces).result()
+            return
+        waiting = [r for r in m_stats["lost"] if r not in m_stats["replacements"]]
+        if not waiting:
+            return
+        hosting = {w for r, w in self.rollout_workers.items() if r not in m_stats["lost"]}
+        free = [w for w in workers_with(client, "rollout") if w not in hosting]
+        if not free:
+            return
+        rid, worker = f"r{len(a['rollouts'])}", free[0]
+        future = start_actor(
+            client,
+            RolloutReplica,
+            rid,
+            cfg,
+            self.policy_dir,
+            a["pool"],
+            a["buffer"],
+            self._tier.local_relay(worker, self._taken),
+            a["partial"],
+            str(self.run_dir / "checkpoints"),
+            worker=worker,
+            resource="rollout",
+        )
+        self._joining = (rid, worker, waiting[0], future)
 
     def _origin(self, t_start: float) -> float:
         """When the run first started: a resumed run's ``cluster`` rows go on from its
@@ -498,6 +553,7 @@ def _faults_summary(m_stats: dict | None, partial: dict | None) -> dict | None:
         "lost": m.get("lost", {}),
         "recoveries": m.get("recoveries", 0),
         "recovered_requests": m.get("recovered_requests", 0),
+        "replacements": m.get("replacements", {}),
         "partial": partial,
     }
 

@@ -84,12 +84,16 @@ def run_and_kill(
 
 def test_a_killed_rollout_loses_no_trajectory(tmp_path):
     run_dir = tmp_path / "run"
-    summary, t_kill = run_and_kill(run_dir, ["r1"])
+    # Long enough for r1's worker to restart and a replacement to join (~10 s here).
+    summary, t_kill = run_and_kill(run_dir, ["r1"], extra=("trainer.steps=80",))
     assert summary["reason"] == "completed", summary["reason"]
     faults = summary["faults"]
     assert list(faults["lost"]) == ["r1"]
     detection_s = faults["lost"]["r1"] - t_kill
     assert 0 <= detection_s < 5, detection_s
+    # The nanny restarted r1's worker and a new rollout took its place.
+    assert faults["replacements"] == {"r1": "r3"}
+    assert "r3" in [r["rollout_id"] for r in summary["rollouts"]]
 
     ds = check_store(run_dir, moved=True)
     rows = open_metrics(run_dir, "faults")
@@ -104,6 +108,7 @@ def test_a_killed_rollout_loses_no_trajectory(tmp_path):
     unfinished = summary["faults"]["partial"]["entries"]
     assert 0 < via_r1.sum() <= recovered <= via_r1.sum() + unfinished
     assert (ds["n_migrations"].values[via_r1] >= 1).all()
+    assert sum(p.endswith("r3") for p in paths) > 0  # the replacement generated
     assert float(rows["recovery_s"].max()) < 10
     # Resumed from the log at the version that sampled them (the relay kept it): the
     # logged tokens were reused, none started over.
