@@ -6,7 +6,9 @@ a table on stdout and, with ``--out``, JSON holding ``figures`` (name -> median)
 ``ratios`` (name -> quotient of two figures of this same run), every raw sample
 (``samples``) and what it ran on (``machine``, ``options``).
 
-Benchmarks: ``engine`` (generation throughput of each engine and of HF ``generate``).
+Benchmarks: ``engine`` (generation throughput of each engine and of HF ``generate``),
+``relay`` (pipelined chain broadcast vs its model), ``repack`` (repack on vs off),
+``soak`` (a long run with a random worker killed every minute; docs/faults.md).
 """
 
 from __future__ import annotations
@@ -239,10 +241,17 @@ def _bench_repack(**options) -> BenchResult:
     return bench_repack(**options)
 
 
+def _bench_soak(**options) -> BenchResult:
+    from pipelines.bench_soak import bench_soak
+
+    return bench_soak(**options)
+
+
 BENCHES: dict[str, Callable[..., BenchResult]] = {
     "engine": bench_engine,
     "relay": _bench_relay,
     "repack": _bench_repack,
+    "soak": _bench_soak,
 }
 
 

@@ -309,6 +309,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
         options["protocols"] = tuple(args.protocols.split(","))
     if args.duration_s is not None:
         options["duration_s"] = args.duration_s
+    if args.kill_every_s is not None:
+        options["kill_every_s"] = args.kill_every_s
     run_bench(args.name, args.out, **options)
     return 0
 
@@ -355,7 +357,9 @@ def main(argv: list[str] | None = None) -> int:
     report.add_argument("runs", nargs="+", metavar="RUN_DIR", help="run directories to compare")
     report.add_argument("--out", help="output folder (default RUN_DIR/report of the first run)")
     bench = sub.add_parser("bench", help="a benchmark: prints a table, writes figures + ratios")
-    bench.add_argument("name", choices=["engine", "relay", "repack"], help="which benchmark")
+    bench.add_argument(
+        "name", choices=["engine", "relay", "repack", "soak"], help="which benchmark"
+    )
     bench.add_argument("--out", metavar="FILE.json", help="write figures, ratios and samples")
     bench.add_argument("--repeats", type=int, help="measurements of each figure (median)")
     bench.add_argument("--batches", help="engine: comma-separated batch sizes (1,16,64,256)")
@@ -367,7 +371,10 @@ def main(argv: list[str] | None = None) -> int:
     bench.add_argument(
         "--protocols", help="relay: comma-separated tcp,ucx (ucx needs .venv-ucx, .ci/ucx-env)"
     )
-    bench.add_argument("--duration-s", type=float, help="repack: wall seconds per arm (60)")
+    bench.add_argument(
+        "--duration-s", type=float, help="repack: wall seconds per arm (60); soak: seconds (600)"
+    )
+    bench.add_argument("--kill-every-s", type=float, help="soak: seconds between worker kills (60)")
     args = parser.parse_args(argv)
     _quiet_libraries()
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
