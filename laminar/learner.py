@@ -217,6 +217,13 @@ class Learner:
         self.skipped_steps = int(state.get("skipped_steps", 0))
 
 
+def newest_checkpoint(run_dir: str | Path) -> Path | None:
+    """A run's checkpoint of the highest version (every folder there is complete: they
+    are written aside and renamed into place), or ``None``."""
+    saved = sorted((Path(run_dir) / "checkpoints").glob("version-*"))
+    return saved[-1] if saved else None
+
+
 def checkpoint_version(ckpt: str | Path) -> int:
     """The version a checkpoint folder holds (from its ``trainer_state.json``)."""
     path = Path(ckpt) / "trainer_state.json"

@@ -146,17 +146,11 @@ def submit(
     return RunHandle(cfg, client, path)
 
 
-def newest_checkpoint(run_dir: Path) -> Path | None:
-    """The run's checkpoint of the highest version (every folder there is complete)."""
-    saved = sorted((run_dir / "checkpoints").glob("version-*"))
-    return saved[-1] if saved else None
-
-
 def prepare_resume(run_dir: str | Path, overrides: list[str] | tuple[str, ...] = ()):
     """The config, resume plan and run directory to continue ``run_dir`` in place: its
     own ``config.yaml`` with ``overrides``, from its newest checkpoint. Refuses, naming
     the fix, when there is nothing to continue from."""
-    from laminar.learner import checkpoint_version
+    from laminar.learner import checkpoint_version, newest_checkpoint
     from storage.resume import plan_resume
 
     path = Path(run_dir).resolve()

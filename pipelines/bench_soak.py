@@ -90,7 +90,6 @@ def bench_soak(
 
     import pipelines
     from laminar.cluster import local_cluster, workers_with
-    from laminar.deploy import role_needs, wait_for_roles
     from laminar.errors import LaminarError
     from storage import open_run
     from storage.audit import audit_run
@@ -136,9 +135,7 @@ def bench_soak(
                         handle.wait(timeout=120)
                     except LaminarError as e:
                         kill["error"] = str(e).split(";")[0]
-                    cfg = handle.config
-                    wait_for_roles(client, role_needs(cfg), cfg.cluster.placement_timeout_s)
-                    handle = pipelines.resume(run, client)
+                    handle = pipelines.resume(run, client)  # waits for the worker back
                     _wait_training(handle)
                     kill["downtime_s"] = time.time() - t_kill
                     resumes.append(handle._schedule.resume.summary())

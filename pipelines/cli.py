@@ -201,11 +201,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     with open_cluster(cfg, run_dir) as client:
         client.forward_logging("laminar", level=logging.WARNING)
         print(f"scheduler          {client.scheduler.address}")
-        print(f"dashboard          {client.dashboard_link}")
-        if plan is not None:
-            from laminar.deploy import role_needs, wait_for_roles
-
-            wait_for_roles(client, role_needs(cfg), cfg.cluster.placement_timeout_s)
+        print(f"dashboard          {client.dashboard_link}")  # open_cluster waited for roles
         return _follow(RunHandle(cfg, client, run_dir, resume=plan))
 
 

@@ -29,6 +29,7 @@ from laminar.buffer import ExperienceBuffer
 from laminar.cluster import bind_actor, place, start_actor, submit_actor, workers_with
 from laminar.config import RunConfig
 from laminar.errors import ClusterError
+from laminar.learner import newest_checkpoint
 from laminar.manager import RolloutManager
 from laminar.partial import PartialResponsePool
 from laminar.prompt_pool import DATA_STATE, PromptPool, load_prompts
@@ -406,11 +407,11 @@ class LaminarSchedule:
             return
         self._abort()
         role, worker = next(iter(lost.items()))
-        saved = sorted((self.run_dir / "checkpoints").glob("version-*"))
+        saved = newest_checkpoint(self.run_dir)
         how = (
-            f"continue it from its last checkpoint ({saved[-1].name}) with `laminar run "
+            f"continue it from its last checkpoint ({saved.name}) with `laminar run "
             f"--resume {self.run_dir}`"
-            if saved
+            if saved is not None
             else "it has no checkpoint yet (one is written when a run ends and every "
             "trainer.checkpoint_every versions): start it again"
         )
