@@ -69,12 +69,13 @@ def run_and_kill(
         handle = pipelines.submit("configs/tiny.yaml", client, overrides=overrides, run_dir=run_dir)
         wait_for(handle, lambda p: p.get("phase") == "training" and p["version"] >= 2)
         partial = handle._schedule.actors["partial"]
+        # The pids first: the kill follows the moment ``ready`` holds, with no round trip.
+        rollout_ws = workers_with(client, "rollout")  # r0, r1, r2: placed in this order
+        pids = [client.run(os.getpid, workers=[rollout_ws[int(v[1:])]]) for v in victims]
         deadline = time.time() + 60
         while not all(ready(partial.owned().result().get(v, (0, 0, 0))) for v in victims):
             assert time.time() < deadline and not handle.done(), "the victims never decoded"
             time.sleep(0.02)
-        rollout_ws = workers_with(client, "rollout")  # r0, r1, r2: placed in this order
-        pids = [client.run(os.getpid, workers=[rollout_ws[int(v[1:])]]) for v in victims]
         t_kill = time.time()
         for by_worker in pids:
             os.kill(next(iter(by_worker.values())), signal.SIGKILL)
@@ -151,11 +152,21 @@ def test_a_rollout_lost_with_rewards_in_flight_has_them_scored_elsewhere(tmp_pat
     a healthy rollout with no token regenerated, the unfinished ones resume at their own
     version (kept: only unfinished trajectories' versions are retained), none restarts."""
     run_dir = tmp_path / "run"
+    last: list[int | None] = [None]
+
+    def batch_just_registered(owned: tuple[int, int, int]) -> bool:
+        """Finished ones, and a batch registered since the last poll: its 40 decode steps
+        are ahead, so it is still unfinished when the kill lands (a batch caught near its
+        end could finish first, and there would be nothing to import or adopt)."""
+        entries, _, finished = owned
+        grew = last[0] is not None and entries > last[0]
+        last[0] = entries
+        return grew and entries > finished >= 1
+
     summary, _ = run_and_kill(
         run_dir,
         ["r1"],
-        # (entries, tokens, finished): finished ones and a batch that decodes.
-        ready=lambda owned: owned[0] > owned[2] >= 1,
+        ready=batch_just_registered,
         extra=("task.reward=laminar.rewards:_slow",),
     )
     assert summary["reason"] == "completed", summary["reason"]
