@@ -238,6 +238,24 @@ class FaultsConfig(_Section):
     replace: bool = True
 
 
+class MetricsConfig(_Section):
+    """The run's time series (docs/analysis.md): always ``metrics.zarr``; optionally also
+    TensorBoard scalars under ``RUN_DIR/tensorboard``."""
+
+    tensorboard: bool = False
+
+    @model_validator(mode="after")
+    def _tensorboard_installed(self) -> MetricsConfig:
+        import importlib.util
+
+        if self.tensorboard and importlib.util.find_spec("tensorboardX") is None:
+            raise ValueError(
+                "metrics.tensorboard is true but tensorboardX (its writer) is not installed: "
+                "pip install 'laminar[tensorboard]', or set metrics.tensorboard=false"
+            )
+        return self
+
+
 class TLSConfig(_Section):
     """TLS for every connection of the run (docs/deploy.md, "Security").
 
@@ -352,6 +370,7 @@ class RunConfig(_Section):
     relay: RelayConfig = RelayConfig()
     repack: RepackConfig | None = None
     faults: FaultsConfig = FaultsConfig()
+    metrics: MetricsConfig = MetricsConfig()
     cluster: ClusterConfig = ClusterConfig()
 
     @model_validator(mode="after")

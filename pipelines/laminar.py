@@ -228,7 +228,7 @@ class LaminarSchedule:
         if a["manager"] is not None:
             a["manager"].start().result()
         self._n_repacks = self._n_faults = 0
-        self.metrics = MetricsWriter(self.run_dir)
+        self.metrics = MetricsWriter(self.run_dir, tensorboard=self.cfg.metrics.tensorboard)
         self._rows: dict[str, list[dict]] = {"cluster": [], "rollouts": []}
         self._n_updates = 0
         t_start = last_t = last_flush = time.time()
@@ -288,9 +288,13 @@ class LaminarSchedule:
                     reason = "stopped"
                     break
         except Exception as e:  # a lost trainer or data module: say so, stop the rest
+            self.metrics.close()
             self._fail_on_lost_core(e)
             raise
-        return self.shutdown(reason, t_start)
+        try:
+            return self.shutdown(reason, t_start)
+        finally:
+            self.metrics.close()
 
     def _replace_lost(self, m_stats: dict) -> None:
         """Start a rollout in place of a lost one on a ``rollout`` worker that hosts none

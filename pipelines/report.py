@@ -2,7 +2,9 @@
 
 Reads only the run directories (no cluster). Writes PNG figures and ``report.md`` into
 ``DIR`` (default ``<first run>/report``); several runs are drawn on the same axes, one
-colour each.
+colour each. Per run, ``rollouts-N.png`` marks repack moves and lost rollouts on the
+rollouts' KV use, and ``events-N.png`` draws the events behind them: weight publications
+(stall and chain broadcast), repack moves and fault recoveries.
 """
 
 from __future__ import annotations
@@ -13,19 +15,39 @@ from pathlib import Path
 import numpy as np
 
 from storage import open_run
-from storage.metrics import open_metrics
+from storage.metrics import TABLES, open_metrics
 
 
 def _load(run_dir: Path) -> dict:
     run = {"name": run_dir.name, "dir": run_dir, "ds": open_run(run_dir)}
-    for table in ("cluster", "rollouts", "updates"):
+    for table in TABLES:
         try:
             run[table] = open_metrics(run_dir, table)
         except (FileNotFoundError, KeyError):
             run[table] = None
     summary = run_dir / "summary.json"
     run["summary"] = json.loads(summary.read_text()) if summary.exists() else {}
+    # Event tables hold epoch seconds; the time series hold seconds since the run began.
+    c = run["cluster"]
+    run["t0"] = (
+        float(c["wall_time"].values[0].astype("datetime64[ns]").astype(np.int64) / 1e9)
+        - float(c["time"].values[0])
+        if c is not None and "wall_time" in c.coords and c.sizes["time"]
+        else None
+    )
     return run
+
+
+def _since_start(run: dict, epoch) -> np.ndarray:
+    return np.asarray(epoch, dtype=float) - run["t0"]
+
+
+def _lost(run: dict) -> dict[str, float]:
+    """Lost rollout -> when its loss was detected (s since the run began)."""
+    lost = run["summary"].get("faults", {}).get("lost", {})
+    if run["t0"] is None:
+        return {}
+    return {rid: float(t) - run["t0"] for rid, t in lost.items()}
 
 
 def _figure(title: str, ncols: int = 1):
@@ -115,18 +137,133 @@ def plot_rollouts(run: dict, out: Path) -> str | None:
     if ro is None:
         return None
     fig, (ax_kv, ax_v) = _figure(f"Rollouts of {run['name']}", 2)
+    colour = {}
     for rid in ro["rollout"].values:
         one = ro.sel(rollout=rid)
-        ax_kv.plot(one["time"], 100 * one["kv_used"] / one["kv_capacity"], label=str(rid))
+        (line,) = ax_kv.plot(one["time"], 100 * one["kv_used"] / one["kv_capacity"], label=str(rid))
+        colour[str(rid)] = line.get_color()
         ax_v.step(one["time"], one["version"], where="post", label=str(rid))
     if run["cluster"] is not None:
         c = run["cluster"]
         ax_v.step(c["time"], c["version"], "k--", where="post", label="trainer")
+    moves = run["repacks"]
+    if moves is not None and run["t0"] is not None and moves.sizes["move"]:
+        # Each move: a drop on its source, a rise on its destination, at the move's time.
+        ok = moves["ok"].values.astype(bool)
+        t = _since_start(run, moves["time"].values)
+        top = ax_kv.get_xaxis_transform()  # x in data, y in axes fraction
+        for end, marker, y in (("source", "v", 0.97), ("destination", "^", 0.91)):
+            for rid, ti in zip(moves[end].values[ok], t[ok], strict=True):
+                ax_kv.plot(ti, y, marker, color=colour.get(str(rid), "k"), ms=5, transform=top)
+        ax_kv.plot([], [], "kv", ms=5, label=f"repack move out ({ok.sum()})")
+        ax_kv.plot([], [], "k^", ms=5, label="repack move in")
+    for rid, t in _lost(run).items():
+        for ax in (ax_kv, ax_v):
+            ax.axvline(t, color=colour.get(rid, "r"), ls=":", lw=1.5)
+        ax_kv.annotate(
+            f"{rid} lost",
+            (t, 0.85),
+            xycoords=("data", "axes fraction"),
+            fontsize=7,
+            rotation=90,
+            ha="right",
+            va="top",
+        )
     ax_kv.set(xlabel="time (s)", ylabel="% of KV slots", title="KV-cache use")
+    # Below the axes: the move markers sit along the top.
+    ax_kv.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.2), ncol=4)
     ax_v.set(xlabel="time (s)", ylabel="version", title="weight version live per rollout")
     ax_v.yaxis.get_major_locator().set_params(integer=True)
     ax_v.legend(fontsize=7)
     return _save(fig, out, f"rollouts-{run['index']}.png")
+
+
+def plot_events(run: dict, out: Path) -> str | None:
+    """Weight publications, repack moves and fault recoveries of one run, on one time axis."""
+    pubs, moves, faults = run["publications"], run["repacks"], run["faults"]
+    if run["t0"] is None or all(x is None for x in (pubs, moves, faults)):
+        return None
+    fig, (ax_w, ax_m, ax_f) = _figure(f"Events of {run['name']}", 3)
+    if pubs is not None and pubs.sizes["publication"]:
+        t = _since_start(run, pubs["t_publish"].values)
+        ax_w.plot(t, 1e3 * pubs["stall_s"].values, "o-", ms=3, label="trainer stall")
+        if "broadcast_s" in pubs:
+            ax_w.plot(t, 1e3 * pubs["broadcast_s"].values, "s-", ms=3, label="to every relay")
+        ax_w.set_yscale("log")
+        ax_w.legend(fontsize=7)
+    ax_w.set(xlabel="publish time (s)", ylabel="ms", title="weight publications")
+    if moves is not None and moves.sizes["move"]:
+        t = _since_start(run, moves["time"].values)
+        ok = moves["ok"].values.astype(bool)
+        ax_m.bar(t[ok], moves["requests"].values[ok], width=0.6, label="moved")
+        if (~ok).any():
+            ax_m.bar(t[~ok], moves["requests"].values[~ok], width=0.6, label="rolled back")
+        pause = float(np.nansum(moves["pause_s"].values))
+        ax_m.set_title(f"repack: {ok.sum()} moves, {pause:.2f} s paused", fontsize=10)
+        ax_m.legend(fontsize=7)
+    else:
+        ax_m.set_title("repack: no moves (off, or none planned)", fontsize=10)
+    ax_m.set(xlabel="time (s)", ylabel="requests per move")
+    lost = _lost(run)
+    for rid, t in lost.items():
+        ax_f.axvline(t, color="r", ls=":", lw=1.5)
+        ax_f.annotate(
+            f"{rid} lost",
+            (t, 0.98),
+            xycoords=("data", "axes fraction"),
+            fontsize=7,
+            rotation=90,
+            ha="right",
+            va="top",
+        )
+    if faults is not None and faults.sizes["recovery"]:
+        t = _since_start(run, faults["time"].values)
+        how, n_req = faults["how"].values, faults["requests"].values
+        bottom = np.zeros_like(t)  # one bar per recovery, stacked by how
+        for kind in dict.fromkeys(how):
+            sel = how == kind
+            ax_f.bar(t[sel], n_req[sel], width=0.6, bottom=bottom[sel], label=kind)
+            for ti, n in zip(t[sel], n_req[sel], strict=True):
+                bottom[t == ti] += n
+        n = int(np.nansum(faults["requests"].values))
+        ax_f.set_title(f"faults: {len(lost)} lost, {n} trajectories recovered", fontsize=10)
+        ax_f.legend(fontsize=7, title="how")
+    else:
+        ax_f.set_title("faults: none", fontsize=10)
+    ax_f.set(xlabel="time (s)", ylabel="trajectories recovered")
+    for ax in (ax_w, ax_m, ax_f):  # one time axis for the three
+        ax.set_xlim(0, float(run["cluster"]["time"].values[-1]))
+    return _save(fig, out, f"events-{run['index']}.png")
+
+
+def _events_row(r: dict) -> str:
+    s = r["summary"]
+    pubs = r["publications"]
+    stall = (
+        f"{1e3 * float(np.nanmedian(pubs['stall_s'].values)):.1f}"
+        if pubs is not None and pubs.sizes["publication"]
+        else "-"
+    )
+    broadcast = (
+        f"{1e3 * float(np.nanmedian(pubs['broadcast_s'].values)):.1f}"
+        if pubs is not None and "broadcast_s" in pubs and pubs.sizes["publication"]
+        else "-"
+    )
+    repack = s.get("repack") or {}
+    faults = s.get("faults") or {}
+    how = (
+        ", ".join(
+            f"{k} {int(np.nansum(r['faults']['requests'].values[r['faults']['how'].values == k]))}"
+            for k in dict.fromkeys(r["faults"]["how"].values)
+        )
+        if r["faults"] is not None
+        else "-"
+    )
+    return (
+        f"| {r['name']} | {0 if pubs is None else pubs.sizes['publication']} | {stall} | "
+        f"{broadcast} | {repack.get('moves', 0)} | {len(faults.get('lost', {}))} | {how} | "
+        f"{len(faults.get('replacements', {}))} |"
+    )
 
 
 def _row(r: dict) -> str:
@@ -153,7 +290,8 @@ def build_report(run_dirs: list[str | Path], out: str | Path | None = None) -> P
     out = Path(out) if out else runs[0]["dir"] / "report"
     out.mkdir(parents=True, exist_ok=True)
     figures = [plot_reward(runs, out), plot_throughput(runs, out), plot_staleness(runs, out)]
-    figures += [plot_buffer(runs, out)] + [plot_rollouts(r, out) for r in runs]
+    figures += [plot_buffer(runs, out)]
+    figures += [f(r, out) for r in runs for f in (plot_rollouts, plot_events)]
     lines = [
         "# laminar report",
         "",
@@ -162,8 +300,10 @@ def build_report(run_dirs: list[str | Path], out: str | Path | None = None) -> P
         "|---|---|---|---|---|---|---|---|",
         *(_row(r) for r in runs),
         "",
-        "Repack moves, relay events and fault recoveries are not recorded by this version "
-        "of laminar yet; their figures come with those components.",
+        "| run | publications | stall ms (median) | to every relay ms (median) | "
+        "repack moves | rollouts lost | trajectories recovered, by how | replacements |",
+        "|---|---|---|---|---|---|---|---|",
+        *(_events_row(r) for r in runs),
         "",
     ]
     lines += [f"![{name}]({name})" for name in figures if name]

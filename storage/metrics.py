@@ -11,6 +11,10 @@ table         dimension   one row per
 ``updates``   ``update``  trainer update (published version)
 ============  ==========  ======================================================
 
+With ``metrics.tensorboard: true`` every appended row is also written as TensorBoard
+scalars under ``RUN_DIR/tensorboard`` (:class:`TensorBoardMirror`), for watching a run
+live; ``metrics.zarr`` stays the record the analysis reads.
+
 Columns are created on first use; a column that appears later is back-filled with NaN
 (or ``""``), so components can add metrics without a schema migration. As in
 ``trajectories.zarr`` the group attribute ``n_committed`` is raised after each append and
@@ -19,6 +23,8 @@ readers slice to it.
 
 from __future__ import annotations
 
+import os
+import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -63,9 +69,14 @@ class MetricsWriter:
     ([0.5, 0.4], [nan, 1.0])
     """
 
-    def __init__(self, path: str | Path) -> None:
+    def __init__(self, path: str | Path, tensorboard: bool = False) -> None:
         self.path = store_path(path, STORE_NAME)
         self.root = zarr.open_group(str(self.path), mode="a", zarr_format=3)
+        self.tensorboard = TensorBoardMirror(self.path.parent) if tensorboard else None
+
+    def close(self) -> None:
+        if self.tensorboard is not None:
+            self.tensorboard.close()
 
     def _table(self, table: str) -> zarr.Group:
         if table not in TABLES:
@@ -81,6 +92,8 @@ class MetricsWriter:
         group = self._table(table)
         dim = TABLES[table]
         n = int(group.attrs[COMMIT_ATTR])
+        if self.tensorboard is not None:
+            self.tensorboard.add(table, rows, first=n)
         names = list(dict.fromkeys(k for r in rows for k in r))
         columns = {name: _column(f"{table}.{name}", [r.get(name) for r in rows]) for name in names}
         for name, values in columns.items():
@@ -103,6 +116,62 @@ class MetricsWriter:
                     arr.resize((n,))
                 arr.resize((n + len(rows),))
         group.attrs[COMMIT_ATTR] = n + len(rows)
+
+
+# Columns that place a row rather than measure something: not drawn as scalars.
+_PLACING = {"elapsed_s", "wall_time", "time", "t_publish", "rollout"}
+_WALL = ("wall_time", "time", "t_publish")  # epoch seconds, in the tables that have one
+
+
+class TensorBoardMirror:
+    """Each metrics row as TensorBoard scalars, tagged ``<table>/<column>`` (``rollouts``:
+    ``rollouts/<column>/<rollout>``). The step is the weight version in ``updates`` and
+    ``publications``, milliseconds since the run began in ``cluster`` and ``rollouts`` (so
+    their curves line up, and a resumed run continues them), and the event's number in
+    ``repacks`` and ``faults``; every point carries its row's wall time, for TensorBoard's
+    "relative" axis. Strings, and columns that only place a row, are not drawn.
+    """
+
+    def __init__(self, run_dir: str | Path) -> None:
+        try:  # tensorboardX: TensorBoard's event files without TensorFlow (or torch)
+            from tensorboardX import SummaryWriter
+        except ImportError as e:  # the config check says so first; this is the backstop
+            raise ImportError(
+                "metrics.tensorboard needs the tensorboard package: "
+                "pip install 'laminar[tensorboard]', or set metrics.tensorboard=false"
+            ) from e
+        self.log_dir = Path(run_dir) / "tensorboard"
+        # A file of its own, even for a writer opened in the same second (a resume).
+        suffix = f".{os.getpid()}.{time.time_ns()}"
+        self.writer = SummaryWriter(logdir=str(self.log_dir), filename_suffix=suffix)
+        self._origin: float | None = None  # wall_time - elapsed_s, from the cluster rows
+
+    def add(self, table: str, rows: Sequence[Mapping[str, Any]], first: int) -> None:
+        for i, row in enumerate(rows):
+            wall = next((float(row[k]) for k in _WALL if row.get(k) is not None), None)
+            skip, tag = _PLACING, f"{table}/{{}}"
+            if "elapsed_s" in row:  # cluster, rollouts
+                step = round(1000 * float(row["elapsed_s"]))
+                if wall is not None:
+                    self._origin = wall - float(row["elapsed_s"])
+                elif self._origin is not None:  # rollouts rows: the poll's wall time
+                    wall = self._origin + float(row["elapsed_s"])
+                if table == "rollouts":
+                    tag = f"{table}/{{}}/{row['rollout']}"
+            elif row.get("version") is not None and table in ("updates", "publications"):
+                step, skip = int(row["version"]), _PLACING | {"version"}
+            else:
+                step = first + i
+            for name, value in row.items():
+                if name in skip or isinstance(value, str) or value is None:
+                    continue
+                value = float(value)
+                if not np.isnan(value):
+                    self.writer.add_scalar(tag.format(name), value, global_step=step, walltime=wall)
+        self.writer.flush()
+
+    def close(self) -> None:
+        self.writer.close()
 
 
 def open_metrics(path: str | Path, table: str) -> xr.Dataset:

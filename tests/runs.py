@@ -55,3 +55,19 @@ def cli_run(run_dir, overrides, timeout: float = 400, config="configs/tiny.yaml"
     out, _ = proc.communicate(timeout=timeout)
     assert proc.returncode == 0, out
     return out, json.loads((run_dir / "summary.json").read_text())
+
+
+def tensorboard_scalars(log_dir) -> dict[str, list[tuple[float, int, float]]]:
+    """Every scalar of every event file under ``log_dir``: tag -> [(wall, step, value)]."""
+    from tensorboard.backend.event_processing.event_multiplexer import EventMultiplexer
+
+    mux = EventMultiplexer(size_guidance={"scalars": 0})  # 0: keep every point
+    mux.AddRunsFromDirectory(str(log_dir))
+    mux.Reload()
+    out: dict[str, list] = {}
+    for run in mux.Runs():
+        for tag in mux.GetAccumulator(run).Tags()["scalars"]:
+            out.setdefault(tag, []).extend(
+                (e.wall_time, e.step, e.value) for e in mux.Scalars(run, tag)
+            )
+    return {tag: sorted(points) for tag, points in out.items()}

@@ -161,3 +161,89 @@ def test_several_runs_in_one_dataset(run, tmp_path):
     tail = both.sel(run="small").isel(trajectory=slice(10, None))
     assert np.isnan(tail["reward"].values).all() and (tail["uid"].values == "").all()
     assert "response_tokens" not in both  # token-level arrays stay with open_run
+
+
+def test_report_draws_the_events_of_a_run(run, tmp_path):
+    """Repack moves, a lost rollout and its recovery, publications: in report.md's events
+    table and as figures, on the run's own clock (event tables hold epoch seconds)."""
+    import json
+    import shutil
+
+    from pipelines.report import build_report
+    from storage.metrics import MetricsWriter
+
+    ds, _ = run
+    run_dir = tmp_path / "run"
+    shutil.copytree(ds.attrs["run_dir"], run_dir)
+    t0 = 1.8e9  # the run's start, epoch seconds
+    w = MetricsWriter(run_dir)
+    w.append(
+        "cluster",
+        [
+            {
+                "elapsed_s": t,
+                "wall_time": t0 + t,
+                "version": t // 10,
+                "buffer_depth": 3,
+                "oldest_buffered_age_s": 1.0,
+            }
+            for t in range(0, 60, 5)
+        ],
+    )
+    w.append(
+        "rollouts",
+        [
+            {"elapsed_s": t, "rollout": r, "kv_used": t, "kv_capacity": 100, "version": t // 10}
+            for t in range(0, 60, 5)
+            for r in ("r0", "r1")
+        ],
+    )
+    w.append(
+        "publications",
+        [
+            {"version": v, "t_publish": t0 + 10 * v, "stall_s": 0.001 * v, "broadcast_s": 0.01 * v}
+            for v in (1, 2, 3)
+        ],
+    )
+    w.append(
+        "repacks",
+        [
+            {
+                "time": t0 + 12,
+                "source": "r1",
+                "destination": "r0",
+                "ok": True,
+                "requests": 5,
+                "pause_s": 0.02,
+            }
+        ],
+    )
+    w.append(
+        "faults",
+        [
+            {
+                "time": t0 + 30,
+                "rollout": "r1",
+                "destination": "r0",
+                "how": how,
+                "version": 2,
+                "requests": n,
+                "tokens_recovered": 9,
+                "recovery_s": 0.01,
+            }
+            for how, n in (("import", 7), ("rescore", 4))
+        ],
+    )
+    summary = {
+        "faults": {"lost": {"r1": t0 + 30}, "replacements": {"r1": "r2"}},
+        "repack": {"moves": 1},
+    }
+    (run_dir / "summary.json").write_text(json.dumps(summary))
+
+    report = build_report([run_dir], tmp_path / "out")
+    made = {p.name for p in report.parent.iterdir()}
+    assert {"rollouts-0.png", "events-0.png", "buffer.png"} <= made
+    text = report.read_text()
+    # publications, median stall / broadcast (ms), moves, lost, by how, replacements
+    assert "| run | 3 | 2.0 | 20.0 | 1 | 1 | import 7, rescore 4 | 1 |" in text
+    assert "![events-0.png](events-0.png)" in text

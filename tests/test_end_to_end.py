@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 from conftest import SMALL_RUN
 from factories import run_to_end
-from runs import check_store, cli_run, laminar_cli, sets
+from runs import check_store, cli_run, laminar_cli, sets, tensorboard_scalars
 
 from storage import open_run
 
@@ -23,7 +23,7 @@ pytestmark = pytest.mark.slow
 
 def test_cli_run_end_to_end(tmp_path):
     run_dir = tmp_path / "run"
-    out, summary = cli_run(run_dir, SMALL_RUN)
+    out, summary = cli_run(run_dir, [*SMALL_RUN, "metrics.tensorboard=true"])
     assert "dashboard" in out and str(run_dir) in out and "== summary ==" in out
     assert "version   4/4" in out
     assert summary["reason"] == "completed" and summary["versions"] == 4
@@ -55,8 +55,17 @@ def test_cli_run_end_to_end(tmp_path):
     assert report.returncode == 0, out
     made = {p.name for p in (run_dir / "report").iterdir()}
     assert {"report.md", "reward.png", "throughput.png", "staleness.png", "buffer.png"} <= made
-    assert "rollouts-0.png" in made
-    assert "| run | versions |" in (run_dir / "report" / "report.md").read_text()
+    assert {"rollouts-0.png", "events-0.png"} <= made
+    text = (run_dir / "report" / "report.md").read_text()
+    assert "| run | versions |" in text and "| run | publications |" in text
+    # The TensorBoard mirror holds what metrics.zarr holds.
+    scalars = tensorboard_scalars(run_dir / "tensorboard")
+    for column in ("loss", "grad_norm", "reward_mean"):
+        points = scalars[f"updates/{column}"]
+        assert [step for _, step, _ in points] == [1, 2, 3, 4]
+        assert [v for _, _, v in points] == pytest.approx(updates[column].values, rel=1e-6)
+    assert len(scalars["cluster/buffer_depth"]) == cluster.sizes["time"]
+    assert {"rollouts/kv_used/r0", "rollouts/kv_used/r1", "publications/stall_s"} <= set(scalars)
     assert set(ds["sample_version"].values[ds["status"].values == "consumed"]) == {0, 1, 2, 3}
     assert ds.sizes["trajectory"] == summary["trajectories"]
 

@@ -2,6 +2,7 @@
 
 import numpy as np
 import pytest
+from runs import tensorboard_scalars
 
 from storage.metrics import MetricsWriter, open_metrics
 
@@ -59,3 +60,74 @@ def test_bad_tables_and_columns(tmp_path):
         w.append("updates", [{"x": 1}, {"x": "a"}])
     with pytest.raises(FileNotFoundError, match="no metrics store"):
         open_metrics(tmp_path / "missing", "updates")
+
+
+def test_tensorboard_mirrors_every_numeric_column(tmp_path):
+    w = MetricsWriter(tmp_path, tensorboard=True)
+    t0 = 1.8e9
+    w.append(
+        "cluster",
+        [
+            {"elapsed_s": t, "wall_time": t0 + t, "version": t // 2, "buffer_depth": 10 + t}
+            for t in (1.0, 2.0)
+        ],
+    )
+    w.append(
+        "rollouts",
+        [
+            {"elapsed_s": t, "rollout": r, "kv_used": 100 * t + i}
+            for t in (1.0, 2.0)
+            for i, r in enumerate(("r0", "r1"))
+        ],
+    )
+    w.append(
+        "updates",
+        [{"version": v, "time": t0 + 5 * v, "loss": 1 / v, "note": "x"} for v in (1, 2, 3)],
+    )
+    w.append(
+        "repacks",
+        [{"time": t0 + 3, "source": "r1", "destination": "r0", "ok": True, "requests": 7}],
+    )
+    w.close()
+    # A resumed run appends to the same directory; its steps continue the curves.
+    w = MetricsWriter(tmp_path, tensorboard=True)
+    w.append("updates", [{"version": 4, "time": t0 + 20, "loss": 0.2}])
+    w.close()
+
+    got = tensorboard_scalars(tmp_path / "tensorboard")
+    # time series: the step is milliseconds since the start
+    assert got["cluster/buffer_depth"] == [(t0 + 1, 1000, 11.0), (t0 + 2, 2000, 12.0)]
+    assert got["cluster/version"] == [(t0 + 1, 1000, 0.0), (t0 + 2, 2000, 1.0)]
+    # rollouts: one curve per rollout, at the wall time of its poll
+    assert got["rollouts/kv_used/r1"] == [(t0 + 1, 1000, 101.0), (t0 + 2, 2000, 201.0)]
+    assert [p[1:] for p in got["rollouts/kv_used/r0"]] == [(1000, 100.0), (2000, 200.0)]
+    # updates: the version is the step, not a curve; strings are not drawn
+    assert [(s, pytest.approx(v)) for _, s, v in got["updates/loss"]] == [
+        (1, 1.0),
+        (2, 0.5),
+        (3, 1 / 3),
+        (4, 0.2),
+    ]
+    assert "updates/version" not in got and "updates/note" not in got
+    assert got["repacks/requests"] == [(t0 + 3, 0, 7.0)] and got["repacks/ok"][0][2] == 1.0
+    assert not any(tag.endswith(("/elapsed_s", "/wall_time", "/time")) for tag in got)
+    # ... and metrics.zarr holds the same rows.
+    assert open_metrics(tmp_path, "updates")["loss"].values.tolist()[-1] == 0.2
+
+
+def test_tensorboard_without_its_package_is_a_config_error(monkeypatch):
+    import importlib.util
+
+    from laminar.config import RunConfig, with_overrides
+    from laminar.errors import ConfigError
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util,
+        "find_spec",
+        lambda name, *a: None if name == "tensorboardX" else real(name, *a),
+    )
+    with pytest.raises(
+        ConfigError, match=r"metrics\.tensorboard.*pip install 'laminar\[tensorboard\]'"
+    ):
+        with_overrides(RunConfig(), ["metrics.tensorboard=true"])
