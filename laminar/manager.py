@@ -74,9 +74,16 @@ class RolloutManager:
         master_relay,
         partial=None,
         workers: dict | None = None,
+        *,
+        relays: dict | None = None,
+        relay_workers: dict | None = None,
+        rollout_relays: dict | None = None,
     ) -> None:
         """``rollouts`` maps each rollout id to its actor handle, ``workers`` to its
-        worker's address (for loss detection); ``partial`` is the partial-response pool."""
+        worker's address (for loss detection); ``partial`` is the partial-response pool.
+        ``relays`` maps each relay id to its handle in chain order (master first),
+        ``relay_workers`` to its worker, ``rollout_relays`` each rollout to the relay it
+        pulls from: a lost downstream relay is cut out of the chain (:meth:`drop_relays`)."""
         self.cfg = cfg
         self.rcfg = cfg.repack
         self.rollouts = dict(rollouts)
@@ -94,7 +101,11 @@ class RolloutManager:
         self.lost: dict[str, float] = {}  # rollout id -> when its loss was detected
         self.fault_rows: list[dict] = []  # one per recovered batch
         self.replacements: dict[str, str] = {}  # lost rollout id -> the one that replaced it
-        self._joining: queue.Queue = queue.Queue()  # (id, handle, worker, replaces)
+        self._joining: queue.Queue = queue.Queue()  # (id, handle, worker, replaces, relay)
+        self.relays = dict(relays or {"master": master_relay})
+        self.relay_workers = dict(relay_workers or {})
+        self.rollout_relays = dict(rollout_relays or {})
+        self.relays_lost: dict[str, dict] = {}  # relay id -> what its loss changed
         self.error: str | None = None
 
     def start(self) -> None:
@@ -111,6 +122,8 @@ class RolloutManager:
         return {
             "lost": dict(self.lost),
             "replacements": dict(self.replacements),
+            "relays_lost": {rid: dict(info) for rid, info in self.relays_lost.items()},
+            "chain": self._chain(),
             "recoveries": len(self.fault_rows),
             "recovered_requests": sum(r["requests"] for r in self.fault_rows),
             **self.counts,
@@ -131,15 +144,19 @@ class RolloutManager:
     def get_lost(self) -> dict[str, float]:
         return dict(self.lost)
 
-    def add_rollout(self, rollout_id: str, handle, worker: str, replaces: str) -> None:
-        """A new rollout (started by the driver in place of the lost ``replaces``): a
-        candidate for moves and recovery, and watched for loss, from the next round."""
-        self._joining.put((rollout_id, handle, worker, replaces))
+    def add_rollout(
+        self, rollout_id: str, handle, worker: str, replaces: str, relay_id: str = "master"
+    ) -> None:
+        """A new rollout (started by the driver in place of the lost ``replaces``, pulling
+        from ``relay_id``): a candidate for moves and recovery, and watched for loss, from
+        the next round."""
+        self._joining.put((rollout_id, handle, worker, replaces, relay_id))
 
     def _take_joining(self) -> None:
         while not self._joining.empty():
-            rid, handle, worker, replaces = self._joining.get_nowait()
+            rid, handle, worker, replaces, relay_id = self._joining.get_nowait()
             self.rollouts[rid], self.workers[rid] = handle, worker
+            self.rollout_relays[rid] = relay_id
             self.replacements[replaces] = rid
             logger.warning("rollout %s replaces %s (worker %s)", rid, replaces, worker)
 
@@ -258,7 +275,8 @@ class RolloutManager:
         return out
 
     def detect(self) -> list[str]:
-        """Rollouts whose worker the scheduler no longer has: recover each."""
+        """Relays and rollouts whose worker the scheduler no longer has: cut each relay
+        out of the chain, then recover each rollout. Returns the lost rollouts."""
         from distributed import get_client
 
         workers = set(get_client().run_on_scheduler(_worker_addresses))
@@ -267,9 +285,70 @@ class RolloutManager:
         for rid in gone:  # all of them first: none is a candidate for another's work
             self.lost[rid] = now
             logger.warning("rollout %s lost (worker %s gone); recovering", rid, self.workers[rid])
+        # The master lives in the trainer's process: its loss is the trainer's (the run
+        # fails and resumes, docs/faults.md). Downstream relays are cut out here, before
+        # recovery, which may read old versions from them.
+        relays = [r for r in self._chain()[1:] if self.relay_workers.get(r) not in workers]
+        if relays:
+            self.drop_relays(relays)
         for rid in gone:
             self.recover(rid)
         return gone
+
+    def _chain(self) -> list[str]:
+        return [rid for rid in self.relays if rid not in self.relays_lost]
+
+    def drop_relays(self, gone: list[str]) -> dict[str, dict]:
+        """Rebuild the chain without the ``gone`` relays: every live relay takes its new
+        place (the one above a lost relay sends its newest complete version to its new
+        successor at once), each rollout that pulled from a lost relay pulls from the
+        nearest live relay above it (which held every chunk the lost one had), and the
+        partial-response pool keeps versions on the live relays only."""
+        t0 = time.time()
+        old = self._chain()
+        chain = [r for r in old if r not in gone]
+        for rid in gone:
+            logger.warning(
+                "relay %s lost (worker %s gone); chain rebuilt: %s",
+                rid,
+                self.relay_workers.get(rid),
+                " -> ".join(chain),
+            )
+        resent = {}
+        for i, rid in enumerate(chain):
+            nxt = self.relays[chain[i + 1]] if i + 1 < len(chain) else None
+            master = None if i == 0 else self.relays[chain[0]]
+            version = self.relays[rid].rechain(chain, nxt, master).result(timeout=self.timeout)
+            if version is not None:
+                resent[rid] = version
+        repointed: dict[str, dict[str, str]] = {rid: {} for rid in gone}
+        for roll, rel in sorted(self.rollout_relays.items()):
+            if rel not in gone or roll in self.lost:
+                continue
+            above = next(r for r in reversed(old[: old.index(rel)]) if r not in gone)
+            self.rollouts[roll].set_relay(self.relays[above]).result(timeout=self.timeout)
+            self.rollout_relays[roll] = above
+            repointed[rel][roll] = above
+        if self.partial is not None:
+            self.partial.set_relays([self.relays[r] for r in chain]).result(timeout=self.timeout)
+        t1 = time.time()
+        for rid in gone:
+            self.relays_lost[rid] = {
+                "time": t0,
+                "worker": self.relay_workers.get(rid, ""),
+                "chain": chain,
+                "rollouts": repointed[rid],
+                "resent": resent,
+                "rechain_s": t1 - t0,
+            }
+            logger.warning(
+                "relay %s: %s; rebuilt in %.3f s",
+                rid,
+                ", ".join(f"{r} now pulls from {up}" for r, up in repointed[rid].items())
+                or "no rollout pulled from it",
+                t1 - t0,
+            )
+        return {rid: self.relays_lost[rid] for rid in gone}
 
     def _least_loaded(self, alive: list[str], loads: dict[str, dict]) -> str:
         return min(

@@ -162,6 +162,9 @@ class PartialCore:
         return {"entries": len(self.entries), **self.counts}
 
 
+RETAIN_WAIT_S = 1.0  # the longest a register or flush waits on the relays' retain calls
+
+
 class PartialResponsePool:
     """Dask actor around :class:`PartialCore` (async: calls run on the event loop, in
     order, without a thread hop).
@@ -176,6 +179,7 @@ class PartialResponsePool:
         self.relays: list = []
         self.timeout_s = timeout_s
         self._retained: list[int] = []
+        self._pending: set = set()  # retain calls still running
 
     async def set_relays(self, relays: list) -> None:
         self.relays = list(relays)
@@ -188,11 +192,21 @@ class PartialResponsePool:
         if versions == self._retained or not self.relays:
             return
         self._retained = versions
-        calls = [r.retain(versions) for r in self.relays]
-        results = await asyncio.gather(
-            *(asyncio.wait_for(c, self.timeout_s) for c in calls), return_exceptions=True
-        )
-        self.core.counts["retain_errors"] += sum(isinstance(r, Exception) for r in results)
+
+        async def one(relay) -> None:
+            try:
+                await asyncio.wait_for(relay.retain(versions), self.timeout_s)
+            except Exception:  # noqa: BLE001 — a lost relay: dropped when detected
+                self.core.counts["retain_errors"] += 1
+
+        # Live relays answer in milliseconds. A relay lost but not yet detected never
+        # answers: its call runs out its timeout in the background, and the rollout
+        # whose register or flush triggered this is not held up more than RETAIN_WAIT_S.
+        tasks = [asyncio.ensure_future(one(r)) for r in self.relays]
+        self._pending |= set(tasks)
+        for t in tasks:
+            t.add_done_callback(self._pending.discard)
+        await asyncio.wait(tasks, timeout=RETAIN_WAIT_S)
 
     async def register(self, rollout_id: str, version: int, states: list) -> None:
         self.core.register(rollout_id, version, states)

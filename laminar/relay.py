@@ -513,6 +513,7 @@ class Relay:
         self._tasks: set[asyncio.Task] = set()
         self.forwarded_chunks = 0
         self.forward_s = 0.0
+        self.rechains = 0
 
     # -- wiring --------------------------------------------------------------------------
     async def set_chain(self, chain: list[str], downstream, master) -> None:
@@ -520,6 +521,31 @@ class Relay:
         (for completion reports) and the ids of the whole chain, master first."""
         self.chain, self.downstream, self.master = list(chain), downstream, master
         self._ensure_forwarder()
+
+    async def rechain(self, chain: list[str], downstream, master) -> int | None:
+        """The chain was rebuilt without a lost relay (docs/faults.md): take the new place
+        in it. If the successor changed, whatever was being sent to the old one is
+        abandoned (a send to a lost relay would wait out its timeout), and the newest
+        complete version is sent to the new one, which ignores it if it has it already.
+        Returns that version (``None``: nothing to send)."""
+        changed = downstream is not None and getattr(downstream, "key", None) != getattr(
+            self.downstream, "key", None
+        )
+        if changed or downstream is None:
+            if self._forwarder is not None:
+                self._forwarder.cancel()
+                await asyncio.gather(self._forwarder, return_exceptions=True)
+                self._forwarder = None
+            for snap in self._forwarding.values():
+                self.core.unpin(snap)
+            self._forwarding.clear()
+        await self.set_chain(chain, downstream, master)
+        self.rechains += 1
+        newest = self.core.newest()
+        if not changed or newest is None:
+            return None
+        self._queue.put_nowait(("resend", newest.version, time.time()))
+        return newest.version
 
     def _ensure_forwarder(self) -> None:
         if self._forwarder is None or self._forwarder.done():
@@ -614,10 +640,13 @@ class Relay:
         while True:
             item = await self._queue.get()
             try:
-                if item[0] == "version":
-                    while not self._queue.empty():
+                if item[0] == "version":  # (only the master queues versions; a "resend"
+                    while not self._queue.empty():  # is first in a fresh queue: never skipped)
                         item = self._queue.get_nowait()
+                if item[0] == "version":
                     await self._forward_version(item[1], item[2])
+                elif item[0] == "resend":
+                    await self._resend(item[1], item[2])
                 else:
                     await self._forward_chunk(*item[1:])
             except Exception as e:  # noqa: BLE001 — reported in stats, the loop goes on
@@ -644,11 +673,26 @@ class Relay:
                 await self._run(self.core.prewarm, snap.layout.nbytes)
 
             summing = asyncio.ensure_future(checksums())
-            if self.downstream is not None:
-                for j in range(snap.n_chunks):
-                    await ready[j].wait()
-                    await self._send(snap, j, t_publish)
-            await summing
+            try:
+                if self.downstream is not None:
+                    for j in range(snap.n_chunks):
+                        await ready[j].wait()
+                        await self._send(snap, j, t_publish)
+            finally:  # even when a rechain cancels the sends: the version completes here
+                await asyncio.wait([summing])
+            summing.result()
+        finally:
+            self.core.unpin(snap)
+
+    async def _resend(self, version: int, t_publish: float) -> None:
+        """Send a complete version we hold to the (new) successor, chunk after chunk."""
+        try:
+            snap = self.core.pin(version)
+        except VersionUnavailable:
+            return  # evicted meanwhile: the newer one follows through the chain anyway
+        try:
+            for j in range(snap.n_chunks):
+                await self._send(snap, j, t_publish)
         finally:
             self.core.unpin(snap)
 
@@ -786,6 +830,7 @@ class Relay:
             "t_start": self.t_start,
             "forwarded_chunks": self.forwarded_chunks,
             "forward_s": self.forward_s,
+            "rechains": self.rechains,
             "errors": self.errors[-5:],
         }
         if self.master is None:
@@ -857,38 +902,104 @@ class Publisher:
         return self.master.publish(version, cpu).result(timeout=self.timeout_s)
 
 
+class RelaySwitched(RelayError):
+    """The rollout was pointed at another relay while a pull waited on the old one."""
+
+
 class Puller:
     """A rollout's end: the newest version from its local relay, verified chunk by chunk,
-    into a buffer kept warm across pulls. Up to ``window`` chunk reads are in flight."""
+    into a buffer kept warm across pulls. Up to ``window`` chunk reads are in flight.
 
-    def __init__(self, relay, timeout_s: float, window: int = 4) -> None:
+    :meth:`switch` points it at another relay (its own was lost, docs/faults.md); a pull
+    waiting on the old relay gives up within ``poll_s`` and starts again on the new one,
+    instead of waiting out the timeout of a call that will never be answered.
+    """
+
+    def __init__(self, relay, timeout_s: float, window: int = 4, poll_s: float = 0.1) -> None:
         self.relay = relay
         self.timeout_s = timeout_s
         self.window = window
+        self.poll_s = poll_s
         self._buf: np.ndarray | None = None
         self.pulls = 0
         self.bytes = 0
         self.retries = 0
+        self.switches = 0
+
+    def switch(self, relay) -> None:
+        """Pull from ``relay`` from now on (called from another thread)."""
+        self.relay = relay
+        self.switches += 1
+
+    def _result(self, future, switches: int):
+        """``future.result()``, abandoned as soon as :meth:`switch` was called."""
+        deadline = time.monotonic() + self.timeout_s
+        while True:
+            try:
+                return future.result(timeout=self.poll_s)
+            except TimeoutError:
+                if self.switches != switches:
+                    raise RelaySwitched("the relay was switched during a pull") from None
+                if time.monotonic() >= deadline:
+                    raise
+
+    def _retrying(self, fn):
+        """``fn(relay, switches)``, started again on the new relay after a switch. A relay
+        that cannot be reached (its worker lost: the call fails, or never returns) is
+        given up for the one the manager switches us to, if that comes within the
+        timeout; an answer that is an error (checksum, eviction) is raised as it is."""
+        while True:
+            switches = self.switches
+            try:
+                return fn(self.relay, switches)
+            except RelaySwitched:
+                self.retries += 1
+            except RelayError:
+                raise
+            except Exception:
+                if not self._switched_since(switches):
+                    raise
+                self.retries += 1
+
+    def _switched_since(self, switches: int) -> bool:
+        deadline = time.monotonic() + self.timeout_s
+        while self.switches == switches:
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(self.poll_s)
+        return True
+
+    def versions(self) -> list[int]:
+        """The versions the relay holds complete."""
+        return self._retrying(lambda relay, sw: self._result(relay.versions(), sw))
 
     def newest(self, have_version: int) -> tuple[int, dict[str, torch.Tensor]] | None:
         """``(version, state)`` if the relay holds a version newer than ``have_version``.
         The tensors view a buffer this puller reuses: load them before the next pull."""
-        for _ in range(3):
-            info = self.relay.newest(have_version).result(timeout=self.timeout_s)
-            if info is None:
-                return None
-            try:
-                return info["version"], self._read(info)
-            except VersionUnavailable:  # evicted while we read: take the newer one
-                self.retries += 1
-        raise RelayError("the relay evicted three versions in a row while they were read")
+
+        def pull(relay, switches):
+            for _ in range(3):
+                info = self._result(relay.newest(have_version), switches)
+                if info is None:
+                    return None
+                try:
+                    return info["version"], self._read(relay, info, switches)
+                except VersionUnavailable:  # evicted while we read: take the newer one
+                    self.retries += 1
+            raise RelayError("the relay evicted three versions in a row while they were read")
+
+        return self._retrying(pull)
 
     def version(self, version: int) -> dict[str, torch.Tensor]:
         """A given (older) version if the relay keeps it, else :class:`VersionUnavailable`."""
-        info = self.relay.info(version).result(timeout=self.timeout_s)
-        return self._read(info)
 
-    def _read(self, info: dict) -> dict[str, torch.Tensor]:
+        def pull(relay, switches):
+            info = self._result(relay.info(version), switches)
+            return self._read(relay, info, switches)
+
+        return self._retrying(pull)
+
+    def _read(self, relay, info: dict, switches: int) -> dict[str, torch.Tensor]:
         layout: Layout = info["layout"]
         if self._buf is None or self._buf.nbytes != layout.nbytes:
             self._buf = np.empty(layout.nbytes, np.uint8)
@@ -896,9 +1007,9 @@ class Puller:
         futures, ahead = {}, 0
         for j in range(n):
             while ahead < min(n, j + self.window):
-                futures[ahead] = self.relay.read_chunk(info["version"], ahead)
+                futures[ahead] = relay.read_chunk(info["version"], ahead)
                 ahead += 1
-            data, crc = futures.pop(j).result(timeout=self.timeout_s)
+            data, crc = self._result(futures.pop(j), switches)
             if crc != crcs[j] or checksum(data) != crc:
                 raise RelayError(
                     f"chunk {j} of version {info['version']} failed its checksum on pull"
@@ -952,16 +1063,18 @@ class RelayTier:
     def master(self):
         return self.relays[0]
 
-    def local_relay(self, rollout_worker: str, taken: dict[int, int]):
-        """The relay a rollout on ``rollout_worker`` pulls from: a downstream relay on its
-        host if there is one (the least used), else the master if it shares the host,
-        else the least used relay anywhere."""
+    def local_relay(self, rollout_worker: str, taken: dict[int, int], lost=()) -> int:
+        """The index of the relay a rollout on ``rollout_worker`` pulls from: a
+        downstream relay on its host if there is one (the least used), else the master if
+        it shares the host, else the least used relay anywhere; never one of ``lost``
+        (ids). ``taken`` counts the rollouts each relay serves."""
         host = _host(rollout_worker)
-        down = [i for i in range(1, len(self.relays)) if _host(self.workers[i]) == host]
-        cands = down or ([0] if _host(self.workers[0]) == host else list(range(len(self.relays))))
+        live = [i for i in range(len(self.relays)) if self.ids[i] not in set(lost)]
+        down = [i for i in live if i > 0 and _host(self.workers[i]) == host]
+        cands = down or ([0] if _host(self.workers[0]) == host else live)
         i = min(cands, key=lambda i: (taken.get(i, 0), i))
         taken[i] = taken.get(i, 0) + 1
-        return self.relays[i]
+        return i
 
 
 def _host(address: str) -> str:

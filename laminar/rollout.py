@@ -157,6 +157,7 @@ class RolloutReplica:
             "running": kv.running,
             "waiting": kv.waiting,
             "pending_rewards": len(self._pending),
+            "relay_switches": self.puller.switches,
             "alive": self._thread is not None and self._thread.is_alive(),
             "error": self.error,
         }
@@ -198,7 +199,7 @@ class RolloutReplica:
         the base policy the engine was built from."""
         t = time.time()
         while not self._synced and not self._stop.is_set():
-            self._synced = bool(self._call(self.puller.relay.versions()))
+            self._synced = bool(self.puller.versions())
             if not self._synced:
                 self._stop.wait(0.02)
         update = self.puller.newest(self.engine.version)
@@ -214,6 +215,11 @@ class RolloutReplica:
             self.counts["weight_loads"] += 1
             self.counts["weight_bytes"] = self.puller.bytes
         self.counts["weight_wait_s"] += time.time() - t
+
+    def set_relay(self, relay) -> None:
+        """Pull from ``relay`` from now on: the manager's answer to the loss of ours
+        (docs/faults.md). A pull waiting on the lost relay starts again on this one."""
+        self.puller.switch(relay)
 
     def get_fingerprints(self) -> dict[int, int]:
         return dict(self.fingerprints)

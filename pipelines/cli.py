@@ -155,6 +155,12 @@ def _print_summary(s: dict) -> None:
             f"trajectories resumed elsewhere in {faults['recoveries']} recoveries "
             "(`laminar audit RUN_DIR`)"
         )
+    if faults and faults.get("relays_lost"):
+        print(
+            f"relays             {len(faults['relays_lost'])} lost "
+            f"({', '.join(sorted(faults['relays_lost']))}); chain now "
+            + " -> ".join(faults["chain"] or [])
+        )
     print(f"checkpoint         {s['checkpoint']}")
 
 

@@ -171,7 +171,11 @@ class LaminarSchedule:
         taken: dict[int, int] = {}
         self._tier, self._taken = tier, taken
         self.rollout_workers = {f"r{i}": w for i, w in enumerate(rollout_ws)}
-        self._joining: tuple[str, str, str, object] | None = None  # a replacement starting
+        # The relay each rollout pulls from (the manager re-points them when one is lost).
+        self.rollout_relays = {
+            f"r{i}": tier.ids[tier.local_relay(w, taken)] for i, w in enumerate(rollout_ws)
+        }
+        self._joining: tuple[str, str, str, str, object] | None = None  # a replacement
         rollouts = [
             submit_actor(
                 client,
@@ -181,7 +185,7 @@ class LaminarSchedule:
                 policy_dir,
                 pool,
                 buffer,
-                tier.local_relay(w, taken),
+                tier.relays[tier.ids.index(self.rollout_relays[f"r{i}"])],
                 partial,
                 str(self.run_dir / "checkpoints"),
                 worker=w,
@@ -199,6 +203,9 @@ class LaminarSchedule:
                 tier.master,
                 partial,
                 {f"r{i}": w for i, w in enumerate(rollout_ws)},
+                relays=dict(zip(tier.ids, tier.relays, strict=True)),
+                relay_workers=dict(zip(tier.ids, tier.workers, strict=True)),
+                rollout_relays=self.rollout_relays,
                 worker=data_w,
                 resource="data",
             )
@@ -305,7 +312,7 @@ class LaminarSchedule:
         if not (cfg.faults.recover and cfg.faults.replace):
             return
         if self._joining is not None:
-            rid, worker, replaces, future = self._joining
+            rid, worker, replaces, relay_id, future = self._joining
             if not future.done():
                 return
             self._joining = None
@@ -317,7 +324,7 @@ class LaminarSchedule:
                 return
             a["rollouts"].append(handle)
             self.rollout_workers[rid] = worker
-            a["manager"].add_rollout(rid, handle, worker, replaces).result()
+            a["manager"].add_rollout(rid, handle, worker, replaces, relay_id).result()
             return
         waiting = [r for r in m_stats["lost"] if r not in m_stats["replacements"]]
         if not waiting:
@@ -327,6 +334,9 @@ class LaminarSchedule:
         if not free:
             return
         rid, worker = f"r{len(a['rollouts'])}", free[0]
+        tier = self._tier
+        relay_id = tier.ids[tier.local_relay(worker, self._taken, lost=m_stats["relays_lost"])]
+        self.rollout_relays[rid] = relay_id
         future = start_actor(
             client,
             RolloutReplica,
@@ -335,13 +345,13 @@ class LaminarSchedule:
             self.policy_dir,
             a["pool"],
             a["buffer"],
-            self._tier.local_relay(worker, self._taken),
+            tier.relays[tier.ids.index(relay_id)],
             a["partial"],
             str(self.run_dir / "checkpoints"),
             worker=worker,
             resource="rollout",
         )
-        self._joining = (rid, worker, waiting[0], future)
+        self._joining = (rid, worker, waiting[0], relay_id, future)
 
     def _origin(self, t_start: float) -> float:
         """When the run first started: a resumed run's ``cluster`` rows go on from its
@@ -487,7 +497,8 @@ class LaminarSchedule:
         ``relay.audit_weights`` — whether every version a rollout loaded was bit-identical
         to the one the trainer published."""
         a = self.actors
-        stats = [r.stats().result() for r in a["relays"]]
+        master, *down = a["relays"]  # a lost downstream relay does not answer: left out
+        stats = [master.stats().result(), *_answers([lambda r=r: r.stats() for r in down])]
         pubs = stats[0].get("publications", [])
         out = {
             **self.relay_info,
@@ -559,6 +570,8 @@ def _faults_summary(m_stats: dict | None, partial: dict | None) -> dict | None:
         "recoveries": m.get("recoveries", 0),
         "recovered_requests": m.get("recovered_requests", 0),
         "replacements": m.get("replacements", {}),
+        "relays_lost": m.get("relays_lost", {}),
+        "chain": m.get("chain"),
         "partial": partial,
     }
 

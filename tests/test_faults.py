@@ -287,3 +287,119 @@ def test_a_lost_trainer_fails_the_run_clearly_and_it_resumes_in_place(tmp_path):
     assert (ds["status"].values == "dropped").sum() == resumed["dropped"]
     report = audit_run(run_dir)
     assert report.ok, report.text()
+
+
+def test_a_lost_relay_is_cut_out_of_the_chain_and_its_readers_switch():
+    """master -> relay1 -> relay2, relay1's worker SIGKILLed: a publication the master was
+    sending to it is not waited out, the rebuilt chain master -> relay2 carries it at once
+    (resent) and every later version, and a pull stuck on relay1 finishes on the master as
+    soon as it is switched there, well inside the calls' timeout."""
+    import threading
+
+    from distributed import Client
+
+    from laminar.cluster import submit_actor
+    from laminar.config import RelayConfig
+    from laminar.relay import Puller, start_chain
+    from pipelines.bench_relay import RelayDriver, relay_cluster, wait_broadcast
+
+    timeout = 30.0
+    with relay_cluster(3, sinks=0, memory_limit="2GiB") as cluster, Client(cluster) as client:
+        info = client.scheduler_info(n_workers=-1)["workers"]
+        ws = sorted(a for a, w in info.items() if w["resources"].get("relay"))
+        cfg = RelayConfig(keep_versions=2, max_chunk_mb=0.25, timeout_s=timeout)
+        relays, ids = start_chain(client, [(w, "relay") for w in ws], cfg)
+        master, lost, tail = relays
+        driver = submit_actor(
+            client, RelayDriver, master, 1 << 20, timeout, worker=ws[0], resource="relay"
+        )
+        driver.publish(1, fill=True).result()
+        wait_broadcast(master, 1, 30)
+
+        pid = next(iter(client.run(os.getpid, workers=[ws[1]]).values()))
+        os.kill(pid, signal.SIGKILL)
+        deadline = time.time() + 30
+        while ws[1] in client.scheduler_info(n_workers=-1)["workers"]:
+            assert time.time() < deadline, "the scheduler never noticed the loss"
+            time.sleep(0.05)
+        driver.publish(2, fill=True).result()  # the master now sends to a lost relay
+        puller = Puller(lost, timeout)
+        got: list = []
+        stuck = threading.Thread(target=lambda: got.append(puller.newest(1)))
+        stuck.start()
+        time.sleep(0.5)
+        assert stuck.is_alive()  # waiting on a relay that will never answer
+
+        t0 = time.time()
+        chain = [ids[0], ids[2]]
+        assert master.rechain(chain, tail, None).result(timeout=5) == 2  # resent at once
+        assert tail.rechain(chain, None, master).result(timeout=5) is None  # (now the tail)
+        puller.switch(master)
+        stuck.join(10)
+        assert not stuck.is_alive() and got[0][0] == 2
+        assert all(float(t.flatten()[0]) == 2 for t in got[0][1].values())
+        assert puller.switches == 1 and puller.retries >= 1
+        while 2 not in tail.versions().result():
+            assert time.time() - t0 < 10, "the resent version never reached the new successor"
+            time.sleep(0.02)
+        assert time.time() - t0 < timeout / 3  # nothing waited out a timeout
+
+        driver.publish(3, fill=True).result()  # the rebuilt chain carries later versions
+        record = wait_broadcast(master, 3, 30)
+        assert record["relays_complete"] == 2
+        stats = master.stats().result()
+        assert stats["chain"] == chain and stats["rechains"] == 1
+        assert 3 in tail.versions().result()
+
+
+def test_a_run_loses_a_relay_and_goes_on_through_the_rebuilt_chain(tmp_path):
+    """A run through master -> relay1 -> relay2 (r0 pulls from relay1, r1 from relay2);
+    relay1's worker is SIGKILLed mid-run. The chain becomes master -> relay2, r0 pulls
+    from the master, both rollouts keep loading new versions, each bit-identical to what
+    the trainer published, and the run completes with a clean audit."""
+    from distributed import Client
+
+    import pipelines
+    from laminar.cluster import local_cluster
+
+    run_dir = tmp_path / "run"
+    overrides = [
+        *SMALL_RUN,
+        "trainer.steps=16",
+        "relay.relays=2",
+        "relay.audit_weights=true",
+        "relay.timeout_s=30",
+    ]
+    with local_cluster(2, relays=2, memory_limit="3GiB") as cluster, Client(cluster) as client:
+        handle = pipelines.submit("configs/tiny.yaml", client, overrides=overrides, run_dir=run_dir)
+        p = wait_for(handle, lambda p: p.get("phase") == "training" and p["version"] >= 4)
+        info = handle._schedule.relay_info
+        assert info["chain"] == ["master", "relay1", "relay2"]
+        assert handle._schedule.rollout_relays == {"r0": "relay1", "r1": "relay2"}
+        victim = info["workers"][1]
+        pid = next(iter(client.run(os.getpid, workers=[victim]).values()))
+        os.kill(pid, signal.SIGKILL)
+        t_kill, v_kill = time.time(), p["version"]
+        summary = handle.wait()
+    assert summary["reason"] == "completed", summary["reason"]
+    faults = summary["faults"]
+    assert faults["chain"] == ["master", "relay2"]
+    lost = faults["relays_lost"]["relay1"]
+    assert 0 <= lost["time"] - t_kill < 5 and lost["rechain_s"] < 5
+    assert lost["rollouts"] == {"r0": "master"} and lost["worker"] == victim
+    assert not faults["lost"]  # no rollout was lost
+    by_id = {r["rollout_id"]: r for r in summary["rollouts"]}
+    assert by_id["r0"]["relay_switches"] == 1 and by_id["r1"]["relay_switches"] == 0
+    # Both kept following the trainer after the loss, through the rebuilt chain.
+    rollouts = open_metrics(run_dir, "rollouts")
+    for rid in ("r0", "r1"):
+        assert np.nanmax(rollouts["version"].sel(rollout=rid).values) >= v_kill + 4, rid
+    audit = summary["relay"]["fingerprints"]
+    assert audit["mismatched"] == 0 and audit["loads_checked"] >= 2
+    pubs = open_metrics(run_dir, "publications")
+    late = pubs["t_publish"].values > lost["time"] + lost["rechain_s"]
+    assert late.any() and (pubs["relays_complete"].values[late] == 2).all()
+    assert np.isfinite(pubs["broadcast_s"].values[late]).all()
+    check_store(run_dir)
+    report = audit_run(run_dir)
+    assert report.ok, report.text()
