@@ -231,6 +231,10 @@ class FaultsConfig(_Section):
     flush_s: float = Field(2.0, gt=0)
     # How often the manager checks that every rollout's worker is alive.
     detect_interval_s: float = Field(0.5, gt=0)
+    # A rollout that neither answers nor advances its generation loop (a step, a pulled
+    # chunk, an idle poll) for this long is hung: its worker is restarted (the nanny kills
+    # the process), and it is then recovered as a lost one.
+    heartbeat_timeout_s: float = Field(60.0, gt=0)
     # Resume a lost rollout's unfinished trajectories on healthy rollouts.
     recover: bool = True
     # Start a new rollout on a `rollout` worker that hosts none (the nanny restarted the

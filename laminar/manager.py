@@ -106,6 +106,9 @@ class RolloutManager:
         self.relay_workers = dict(relay_workers or {})
         self.rollout_relays = dict(rollout_relays or {})
         self.relays_lost: dict[str, dict] = {}  # relay id -> what its loss changed
+        self._alive_at: dict[str, float] = {}  # rollout -> when it last showed progress
+        self._beat_calls: dict[str, object] = {}  # rollout -> its heartbeat call in flight
+        self.hung: dict[str, dict] = {}  # rollout -> when it was declared hung, its fence
         self.error: str | None = None
 
     def start(self) -> None:
@@ -123,6 +126,7 @@ class RolloutManager:
             "lost": dict(self.lost),
             "replacements": dict(self.replacements),
             "relays_lost": {rid: dict(info) for rid, info in self.relays_lost.items()},
+            "hung": {rid: dict(info) for rid, info in self.hung.items()},
             "chain": self._chain(),
             "recoveries": len(self.fault_rows),
             "recovered_requests": sum(r["requests"] for r in self.fault_rows),
@@ -279,6 +283,7 @@ class RolloutManager:
         out of the chain, then recover each rollout. Returns the lost rollouts."""
         from distributed import get_client
 
+        self.check_heartbeats()
         workers = set(get_client().run_on_scheduler(_worker_addresses))
         gone = [rid for rid in self._alive() if self.workers.get(rid) not in workers]
         now = time.time()
@@ -294,6 +299,62 @@ class RolloutManager:
         for rid in gone:
             self.recover(rid)
         return gone
+
+    def check_heartbeats(self) -> list[str]:
+        """Rollouts that neither answered nor advanced for ``faults.heartbeat_timeout_s``
+        are hung: each one's worker is restarted (the nanny stops the process, or kills
+        it), in the background. Its actor is then gone, so a later :meth:`detect` round
+        recovers it like any lost rollout: a hung rollout is fenced before its
+        trajectories resume elsewhere, never generating beside them. Returns the newly
+        hung."""
+        limit = self.cfg.faults.heartbeat_timeout_s
+        now = time.time()
+        futures = {}
+        for rid in self._alive():
+            if rid in self.hung:
+                continue
+            self._alive_at.setdefault(rid, now)  # (a new rollout: from when it is watched)
+            pending = self._beat_calls.get(rid)
+            if pending is not None and not pending.done():
+                futures[rid] = pending  # one call at a time to a rollout that is silent
+                continue
+            try:
+                futures[rid] = self._beat_calls[rid] = self.rollouts[rid].heartbeat()
+            except Exception:  # noqa: BLE001 — its worker is gone: detect() sees to it
+                continue
+        deadline = now + min(self.timeout, 2.0)
+        for rid, f in futures.items():
+            try:
+                age = f.result(timeout=max(0.01, deadline - time.time()))
+            except Exception:  # noqa: BLE001 — no answer (yet): no sign of progress
+                continue
+            if age is not None:
+                self._alive_at[rid] = max(self._alive_at[rid], now - age)
+        hung = [r for r in futures if now - self._alive_at[r] > limit]
+        for rid in hung:
+            silent = now - self._alive_at[rid]
+            logger.warning(
+                "rollout %s hung: no progress for %.1f s (faults.heartbeat_timeout_s=%s); "
+                "restarting its worker %s",
+                rid,
+                silent,
+                limit,
+                self.workers[rid],
+            )
+            self.hung[rid] = {"time": now, "silent_s": silent, "worker": self.workers[rid]}
+            start_thread(lambda rid=rid: self._fence(rid), f"fence-{rid}")
+        return hung
+
+    def _fence(self, rid: str) -> None:
+        from distributed import get_client
+
+        t0 = time.time()
+        try:
+            out = get_client().restart_workers([self.workers[rid]], timeout=10)
+            self.hung[rid]["fence"] = str(out.get(self.workers[rid], out))
+        except Exception as e:  # noqa: BLE001 — the worker went meanwhile: also fenced
+            self.hung[rid]["fence"] = repr(e)
+        self.hung[rid]["fence_s"] = time.time() - t0
 
     def _chain(self) -> list[str]:
         return [rid for rid in self.relays if rid not in self.relays_lost]

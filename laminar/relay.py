@@ -925,6 +925,7 @@ class Puller:
         self.bytes = 0
         self.retries = 0
         self.switches = 0
+        self.on_chunk = None  # called after each chunk read (a rollout's heartbeat)
 
     def switch(self, relay) -> None:
         """Pull from ``relay`` from now on (called from another thread)."""
@@ -1015,6 +1016,8 @@ class Puller:
                     f"chunk {j} of version {info['version']} failed its checksum on pull"
                 )
             self._buf[j * cb : j * cb + data.nbytes] = data
+            if self.on_chunk is not None:
+                self.on_chunk()
         self.pulls += 1
         self.bytes += layout.nbytes
         return layout.read(self._buf)

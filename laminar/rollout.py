@@ -26,7 +26,6 @@ import queue
 import threading
 import time
 import traceback
-from collections import deque
 
 import numpy as np
 import torch
@@ -73,6 +72,8 @@ class RolloutReplica:
         self._adopted: queue.Queue = queue.Queue()  # (version, states) from recovery
         self._rescore: queue.Queue = queue.Queue()  # finished states from recovery
         self.puller = Puller(relay, cfg.relay.timeout_s)
+        self._beat = time.time()  # the generation loop's last sign of progress
+        self.puller.on_chunk = self._tick  # a long pull is progress too
         self.fingerprints: dict[int, int] = {}  # version loaded -> xxh3-64 (audit_weights)
         self._synced = False  # the relay has shown us a version
         self._inbox: queue.Queue = queue.Queue()  # manager commands for the generation thread
@@ -101,7 +102,9 @@ class RolloutReplica:
             self._reference.eval()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
-        self._pending: deque = deque()  # (trajectories, reward future)
+        # (trajectories, reward future), oldest first, for the reward collector's thread.
+        self._to_score: queue.Queue = queue.Queue()
+        self._abandon = threading.Event()  # stop waiting for rewards (stopped, not drained)
         self.error: str | None = None
         self.counts = {
             "batches": 0,
@@ -137,6 +140,7 @@ class RolloutReplica:
     # -- control methods (run on the actor thread while the loop decodes) ---------------
     def start(self) -> None:
         self._thread = start_thread(self._run, f"gen-{self.rollout_id}")
+        start_thread(self._collect_loop, f"rewards-{self.rollout_id}")
 
     def stop(self, timeout: float = 30.0) -> dict:
         """Stop after the current decode step; finished trajectories still reach the buffer."""
@@ -156,16 +160,29 @@ class RolloutReplica:
             "kv_capacity": kv.capacity_tokens,
             "running": kv.running,
             "waiting": kv.waiting,
-            "pending_rewards": len(self._pending),
+            "pending_rewards": self._to_score.unfinished_tasks,
             "relay_switches": self.puller.switches,
             "alive": self._thread is not None and self._thread.is_alive(),
             "error": self.error,
         }
 
     # -- the generation loop ----------------------------------------------------------
+    def _tick(self) -> None:
+        self._beat = time.time()
+
+    def heartbeat(self) -> float | None:
+        """Seconds since the generation loop last advanced (a step, a served command, a
+        chunk pulled, an idle poll); ``None`` once it has ended (failed or stopped: not
+        hung). The manager declares a rollout hung when this grows past
+        ``faults.heartbeat_timeout_s``, or when this call goes unanswered that long."""
+        if self._thread is None or not self._thread.is_alive():
+            return None
+        return time.time() - self._beat
+
     def _run(self) -> None:
         try:
             while not self._stop.is_set():
+                self._tick()
                 self._wait_while_held()
                 if not self.engine.has_work() and not self._adopted.empty():
                     self._take_adopted()  # a lost rollout's batch, at its own version
@@ -182,10 +199,11 @@ class RolloutReplica:
                 self._decode()
             self._collect_rewards(block=True)
         except Exception:
-            self.error = traceback.format_exc()
+            self.error = self.error or traceback.format_exc()
             logger.error("rollout %s failed:\n%s", self.rollout_id, self.error)
         finally:
             self._fail_commands()
+            self._to_score.put(None)  # the collector ends after what is queued
 
     def _call(self, actor_future):
         # Every actor-to-actor call has a timeout: a call to a lost actor never returns.
@@ -199,6 +217,7 @@ class RolloutReplica:
         the base policy the engine was built from."""
         t = time.time()
         while not self._synced and not self._stop.is_set():
+            self._tick()
             self._synced = bool(self.puller.versions())
             if not self._synced:
                 self._stop.wait(0.02)
@@ -359,6 +378,7 @@ class RolloutReplica:
         try:
             self._publish_load()
             while self.engine.has_work() and not self._stop.is_set():
+                self._tick()
                 t_step = time.perf_counter()
                 finished = self.engine.step()
                 if self._reprefill:
@@ -483,6 +503,7 @@ class RolloutReplica:
 
     def _serve(self, wait: float = 0.0) -> None:
         """Run the manager's pending commands (waiting up to ``wait`` s for one)."""
+        self._tick()
         try:
             item = self._inbox.get(timeout=wait) if wait else self._inbox.get_nowait()
         except queue.Empty:
@@ -583,34 +604,73 @@ class RolloutReplica:
         future = get_client().submit(
             score_batch, self.cfg.task.reward, items, self.cfg.task.truncated_reward, pure=False
         )
-        self._pending.append((trajs, future))
+        self._to_score.put((trajs, future))
 
     def _collect_rewards(self, block: bool) -> None:
-        """Move rewarded trajectories into the buffer, oldest first (after submitting the
-        rewards of any recovered finished trajectories)."""
+        """Submit the rewards of recovered finished trajectories; with ``block``, wait
+        (up to ``cluster.actor_timeout_s``) until every reward has reached the buffer.
+        Raises what failed the reward collector."""
         while not self._rescore.empty():
             states = self._rescore.get_nowait()
             self._submit_rewards(
                 [FinishedOutput.from_state(st, *st.request.meta["finished"]) for st in states]
             )
             self.counts["rescored_requests"] += len(states)
-        while self._pending and (block or self._pending[0][1].done()):
-            trajs, future = self._pending.popleft()
-            scores = future.result(timeout=self.cfg.cluster.actor_timeout_s)
-            for t, s in zip(trajs, scores, strict=True):
-                t.reward = s.reward
-                if s.error is not None:
-                    t.finish_reason = "error"
-                    self.counts["reward_errors"] += 1
-                    n = self.counts["reward_errors"]
-                    if n == 1 or n % 1000 == 0:  # say it, without flooding the console
-                        logger.warning(
-                            "rollout %s: %d reward failures so far; latest (%s): %s; its "
-                            "group is discarded",
-                            self.rollout_id,
-                            n,
-                            t.uid,
-                            s.error,
-                        )
-            self._call(self.buffer.insert(trajs))
-            self.counts["inserted"] += len(trajs)
+        deadline = time.time() + self.cfg.cluster.actor_timeout_s
+        while block and self._to_score.unfinished_tasks and self.error is None:
+            if time.time() > deadline:
+                self._abandon.set()
+                logger.warning(
+                    "rollout %s: stopped with %d reward batches still out after %.0f s",
+                    self.rollout_id,
+                    self._to_score.unfinished_tasks,
+                    self.cfg.cluster.actor_timeout_s,
+                )
+                break
+            time.sleep(0.02)
+        if self.error is not None:
+            raise RuntimeError(f"rollout {self.rollout_id}: the reward collector failed")
+
+    def _collect_loop(self) -> None:
+        """Rewarded trajectories into the buffer, oldest first, on a thread of their own:
+        a reward whose result sits on a hung worker holds up this thread (Dask computes
+        it again once that worker is gone), never generation or the rollout's heartbeat."""
+        while (item := self._to_score.get()) is not None:
+            try:
+                self._insert_scored(*item)
+            except Exception:
+                self.error = self.error or traceback.format_exc()
+                logger.error(
+                    "rollout %s: reward collector failed:\n%s", self.rollout_id, self.error
+                )
+                self._abandon.set()
+            finally:
+                self._to_score.task_done()
+        self._to_score.task_done()
+
+    def _insert_scored(self, trajs: list[Trajectory], future) -> None:
+        while not self._abandon.is_set():
+            try:
+                scores = future.result(timeout=1.0)
+                break
+            except TimeoutError:
+                continue
+        else:
+            return
+        for t, s in zip(trajs, scores, strict=True):
+            t.reward = s.reward
+            if s.error is not None:
+                t.finish_reason = "error"
+                self.counts["reward_errors"] += 1
+                n = self.counts["reward_errors"]
+                if n == 1 or n % 1000 == 0:  # say it, without flooding the console
+                    logger.warning(
+                        "rollout %s: %d reward failures so far; latest (%s): %s; its "
+                        "group is discarded",
+                        self.rollout_id,
+                        n,
+                        t.uid,
+                        s.error,
+                    )
+        self._call(self.buffer.insert(trajs))
+        self.counts["inserted"] += len(trajs)

@@ -155,6 +155,11 @@ def _print_summary(s: dict) -> None:
             f"trajectories resumed elsewhere in {faults['recoveries']} recoveries "
             "(`laminar audit RUN_DIR`)"
         )
+    if faults and faults.get("hung"):
+        print(
+            f"hung               {', '.join(sorted(faults['hung']))}: no progress for "
+            "faults.heartbeat_timeout_s; worker restarted, then recovered as lost"
+        )
     if faults and faults.get("relays_lost"):
         print(
             f"relays             {len(faults['relays_lost'])} lost "

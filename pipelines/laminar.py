@@ -571,6 +571,7 @@ def _faults_summary(m_stats: dict | None, partial: dict | None) -> dict | None:
         "recovered_requests": m.get("recovered_requests", 0),
         "replacements": m.get("replacements", {}),
         "relays_lost": m.get("relays_lost", {}),
+        "hung": m.get("hung", {}),
         "chain": m.get("chain"),
         "partial": partial,
     }

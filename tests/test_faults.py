@@ -42,11 +42,15 @@ def logged_tokens(owned: tuple[int, int, int]) -> bool:
 
 
 def run_and_kill(
-    run_dir, victims: list[str], ready=logged_tokens, extra: tuple[str, ...] = ()
+    run_dir,
+    victims: list[str],
+    ready=logged_tokens,
+    extra: tuple[str, ...] = (),
+    sig: int = signal.SIGKILL,
 ) -> tuple[dict, float]:
     """A run on 3 rollouts; once ``ready(entries, tokens, finished)`` holds for what each
-    victim owns in the partial-response pool, SIGKILL their workers at once. Returns the
-    summary and when they were killed."""
+    victim owns in the partial-response pool, send ``sig`` to their workers at once
+    (SIGKILL; SIGSTOP: hung). Returns the summary and when they were signalled."""
     from distributed import Client
 
     import pipelines
@@ -78,7 +82,7 @@ def run_and_kill(
             time.sleep(0.02)
         t_kill = time.time()
         for by_worker in pids:
-            os.kill(next(iter(by_worker.values())), signal.SIGKILL)
+            os.kill(next(iter(by_worker.values())), sig)
         summary = handle.wait()
     return summary, t_kill
 
@@ -183,6 +187,33 @@ def test_a_rollout_lost_with_rewards_in_flight_has_them_scored_elsewhere(tmp_pat
     stored_via_r1 = sum(p.startswith("r1,") or ",r1," in p for p in ds["rollout_ids"].values)
     unfinished = summary["faults"]["partial"]["entries"]
     assert stored_via_r1 <= int(rows["requests"].sum()) <= stored_via_r1 + unfinished
+    report = audit_run(run_dir)
+    assert report.ok, report.text()
+
+
+def test_a_hung_rollout_is_fenced_then_recovered(tmp_path):
+    """SIGSTOP: the worker lives on for the scheduler (its heartbeat TTL is minutes) but
+    neither answers nor generates. After faults.heartbeat_timeout_s the manager has the
+    nanny restart it (SIGKILL, since it cannot stop itself), and only then resumes its
+    trajectories elsewhere: nothing generated twice, nothing lost."""
+    run_dir = tmp_path / "run"
+    summary, t_stop = run_and_kill(
+        run_dir,
+        ["r1"],
+        extra=("faults.heartbeat_timeout_s=3", "trainer.steps=40"),
+        sig=signal.SIGSTOP,
+    )
+    assert summary["reason"] == "completed", summary["reason"]
+    faults = summary["faults"]
+    hung = faults["hung"]["r1"]
+    assert 3 <= hung["time"] - t_stop < 3 + 5, hung  # the timeout, plus a detection round
+    assert hung["fence"] == "OK", hung
+    lost_after = faults["lost"]["r1"] - hung["time"]
+    assert 0 <= lost_after < 15, lost_after  # fenced (killed and gone), then recovered
+    rows = open_metrics(run_dir, "faults")
+    assert int(rows["requests"].sum()) > 0
+    assert sum(r.get("restarted_requests", 0) for r in summary["rollouts"]) == 0
+    check_store(run_dir, moved=True)
     report = audit_run(run_dir)
     assert report.ok, report.text()
 
