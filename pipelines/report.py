@@ -158,17 +158,8 @@ def plot_rollouts(run: dict, out: Path) -> str | None:
         ax_kv.plot([], [], "kv", ms=5, label=f"repack move out ({ok.sum()})")
         ax_kv.plot([], [], "k^", ms=5, label="repack move in")
     for rid, t in _lost(run).items():
-        for ax in (ax_kv, ax_v):
-            ax.axvline(t, color=colour.get(rid, "r"), ls=":", lw=1.5)
-        ax_kv.annotate(
-            f"{rid} lost",
-            (t, 0.85),
-            xycoords=("data", "axes fraction"),
-            fontsize=7,
-            rotation=90,
-            ha="right",
-            va="top",
-        )
+        ax_v.axvline(t, color=colour.get(rid, "r"), ls=":", lw=1.5)
+        _mark_loss(ax_kv, rid, t, colour.get(rid, "r"), y=0.85)
     ax_kv.set(xlabel="time (s)", ylabel="% of KV slots", title="KV-cache use")
     # Below the axes: the move markers sit along the top.
     ax_kv.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.2), ncol=4)
@@ -176,6 +167,20 @@ def plot_rollouts(run: dict, out: Path) -> str | None:
     ax_v.yaxis.get_major_locator().set_params(integer=True)
     ax_v.legend(fontsize=7)
     return _save(fig, out, f"rollouts-{run['index']}.png")
+
+
+def _mark_loss(ax, rid: str, t: float, colour: str, y: float) -> None:
+    """A dotted line at a rollout's loss, labelled along it."""
+    ax.axvline(t, color=colour, ls=":", lw=1.5)
+    ax.annotate(
+        f"{rid} lost",
+        (t, y),
+        xycoords=("data", "axes fraction"),
+        fontsize=7,
+        rotation=90,
+        ha="right",
+        va="top",
+    )
 
 
 def plot_events(run: dict, out: Path) -> str | None:
@@ -206,16 +211,7 @@ def plot_events(run: dict, out: Path) -> str | None:
     ax_m.set(xlabel="time (s)", ylabel="requests per move")
     lost = _lost(run)
     for rid, t in lost.items():
-        ax_f.axvline(t, color="r", ls=":", lw=1.5)
-        ax_f.annotate(
-            f"{rid} lost",
-            (t, 0.98),
-            xycoords=("data", "axes fraction"),
-            fontsize=7,
-            rotation=90,
-            ha="right",
-            va="top",
-        )
+        _mark_loss(ax_f, rid, t, "r", y=0.98)
     if faults is not None and faults.sizes["recovery"]:
         t = _since_start(run, faults["time"].values)
         how, n_req = faults["how"].values, faults["requests"].values
