@@ -93,10 +93,15 @@ class BufferCore:
         }
 
     def restore(self, groups: list[list[Trajectory]], stored: set[str]) -> None:
-        """Hold again complete groups a resumed run's store had not trained (they were
-        admitted before; ``stored``: every uid of the store, never admitted again)."""
+        """Hold again the groups a resumed run's store had not trained (they were admitted
+        before; ``stored``: every uid of the store, never admitted again). A group missing
+        siblings waits for them (re-issued by the prompt pool) like any partial group."""
         for members in groups:
-            self.ready[members[0].prompt_uid] = sorted(members, key=lambda m: m.sample_idx)
+            uid, size = members[0].prompt_uid, members[0].group_size
+            if len(members) < size:
+                self.partial[uid] = _Group(size, list(members))
+            else:
+                self.ready[uid] = sorted(members, key=lambda m: m.sample_idx)
         self.seen |= stored
         self.counts["restored"] = sum(len(g) for g in groups)
 

@@ -79,3 +79,10 @@ class PromptGroup:
     answer: str
     group_size: int
     epoch: int
+    # The sample indices to generate; None: all ``group_size``. A resumed run re-issues
+    # only the siblings its store lacks (:mod:`storage.resume`).
+    samples: tuple[int, ...] | None = None
+
+    @property
+    def sample_indices(self) -> tuple[int, ...]:
+        return tuple(range(self.group_size)) if self.samples is None else self.samples

@@ -38,11 +38,14 @@ class PromptPoolCore:
         seed: int,
         start: int = 0,
         outstanding: tuple[str, ...] = (),
+        reissue: dict[str, tuple[int, int, tuple[int, ...]]] | None = None,
     ) -> None:
         """``start``: groups already dispatched by the run being resumed (the data
         position): the order continues after them, and so do the prompt uids.
         ``outstanding``: its groups the buffer holds again (they count against
-        ``max_outstanding`` until they leave)."""
+        ``max_outstanding`` until they leave). ``reissue``: of those, the groups whose
+        missing samples are handed out again first (prompt uid -> prompt key, group size,
+        sample indices; :class:`storage.resume.ResumePlan`)."""
         if not prompts:
             raise DataError("the prompt pool is empty; check task.prompt_file or task.num_prompts")
         self.prompts = prompts
@@ -55,12 +58,28 @@ class PromptPoolCore:
         self.outstanding: set[str] = set(outstanding)
         self.n_dispatched = start
         self.n_released = 0
+        self.n_reissued = 0
+        by_key = {p.key: (p, tokens) for p, tokens in prompts}
+        self._reissue: list[PromptGroup] = []
+        for uid, (key, size, samples) in (reissue or {}).items():
+            if key not in by_key:
+                raise DataError(
+                    f"the resumed run's group {uid} is of prompt {key}, which the dataset no "
+                    "longer has: resume with the task settings (or prompt file) it ran with"
+                )
+            prompt, tokens = by_key[key]
+            group = PromptGroup(uid, key, tokens, prompt.answer, size, self.epoch, samples)
+            self._reissue.append(group)
+            self.outstanding.add(uid)
 
     def acquire(self, n: int) -> list[PromptGroup]:
-        """Up to ``n`` new groups, fewer (or none) while back-pressure holds."""
+        """Up to ``n`` groups, fewer (or none) while back-pressure holds. The missing
+        samples of a resumed run's groups come first (they are outstanding already)."""
+        groups = self._reissue[:n]
+        del self._reissue[: len(groups)]
+        self.n_reissued += len(groups)
         room = max(0, self.max_outstanding - len(self.outstanding))
-        groups = []
-        for _ in range(min(n, room)):
+        for _ in range(min(n - len(groups), room)):
             self.epoch, idx = next(self._order)
             prompt, tokens = self.prompts[idx]
             uid = f"p{self.n_dispatched:08d}"
@@ -83,6 +102,7 @@ class PromptPoolCore:
             "dispatched": self.n_dispatched,
             "released": self.n_released,
             "outstanding": len(self.outstanding),
+            "reissued": self.n_reissued,
             "epoch": self.epoch,
         }
 
@@ -148,6 +168,7 @@ class PromptPool:
             seed=cfg.seed,
             start=data_position(cfg.trainer.resume_from) if resume is None else resume.start,
             outstanding=() if resume is None else tuple(resume.readmit_groups),
+            reissue=None if resume is None else resume.reissue,
         )
 
     async def acquire(self, n: int) -> list[PromptGroup]:

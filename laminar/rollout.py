@@ -247,7 +247,7 @@ class RolloutReplica:
         now = time.time()
         new = []
         for g in groups:
-            for i in range(g.group_size):
+            for i in g.sample_indices:
                 req = GenerationRequest(
                     request_id=f"{g.prompt_uid}-{i:03d}",
                     prompt_tokens=g.prompt_tokens,

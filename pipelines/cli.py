@@ -96,7 +96,8 @@ def _print_summary(s: dict) -> None:
     if r := s.get("resumed"):
         print(
             f"resumed            at version {r['version']}: {r['readmitted']} trajectories "
-            f"back in the buffer, {r['dropped']} dropped"
+            f"back in the buffer, {r.get('reissued_samples', 0)} missing siblings re-issued, "
+            f"{r['dropped']} dropped"
         )
     left = {k[2:]: v for k, v in s.get("status_counts", {}).items() if k != "n_consumed" and v}
     print(
@@ -198,8 +199,8 @@ def cmd_run(args: argparse.Namespace) -> int:
         print(f"run dir            {run_dir}  (resumed from {cfg.trainer.resume_from})")
         print(
             f"store              {plan.stored} trajectories; {len(plan.readmit)} back in the "
-            f"buffer ({len(plan.readmit_groups)} groups), {len(plan.drop)} dropped "
-            "(docs/faults.md)",
+            f"buffer ({len(plan.readmit_groups)} groups; the missing siblings of "
+            f"{len(plan.reissue)} re-issued), {len(plan.drop)} dropped (docs/faults.md)",
             flush=True,
         )
     else:

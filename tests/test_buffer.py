@@ -183,3 +183,18 @@ def test_no_consumed_trajectory_exceeds_max_train_staleness(events, k, sampler):
         if t.status == "evicted":  # it was too stale when evicted, and versions only grow
             assert version - t.behavior_version > k
     assert core.counts["evicted"] == sum(t.status == "evicted" for t in left)
+
+
+def test_a_restored_group_missing_siblings_completes_when_they_arrive():
+    """A resumed run: whole groups are ready at once, a group missing siblings waits for
+    the re-issued ones; stored uids are never admitted again."""
+    core = BufferCore()
+    whole = [traj("a0", "a", 2, 0), traj("a1", "a", 2, 1)]
+    part = [traj("b1", "b", 3, 1)]
+    core.restore([whole, part], stored={"a0", "a1", "b1", "old"})
+    assert core.depth == 3 and list(core.ready) == ["a"]
+    core.insert([traj("b1", "b", 3, 1), traj("old", "c", 1)], version=0, now=1.0)
+    assert core.counts["duplicates"] == 2 and list(core.ready) == ["a"]
+    core.insert([traj("b0", "b", 3, 0), traj("b2", "b", 3, 2)], version=0, now=2.0)
+    batch = core.sample(2, version=0, now=3.0)
+    assert [t.uid for t in batch] == ["a0", "a1", "b0", "b1", "b2"]

@@ -194,9 +194,10 @@ def test_stores_of_schema_1_are_still_read(tmp_path):
         TrajectoryWriter(tmp_path)
 
 
-def test_a_resume_readmits_whole_untrained_groups_and_drops_the_rest(tmp_path):
-    """Checkpoint at version 2: what it trained stays consumed; complete groups it did not
-    train (buffered, or consumed by an update after it) come back; the rest is dropped."""
+def test_a_resume_readmits_untrained_groups_reissues_missing_samples_drops_the_rest(tmp_path):
+    """Checkpoint at version 2: what it trained stays consumed; groups it did not train
+    (buffered, or consumed by an update after it) come back, and a group whose siblings
+    were still generating gets only those re-issued; the rest is dropped."""
     from storage.resume import plan_resume
 
     def group(g, status="buffered", members=2, **kw):
@@ -221,10 +222,17 @@ def test_a_resume_readmits_whole_untrained_groups_and_drops_the_rest(tmp_path):
         + group(8, "evicted", sample_version=-1, t_sample=np.nan)
     )
     plan = plan_resume(tmp_path, version=2)
-    assert plan.readmit == ["p00000001-0", "p00000001-1", "p00000002-0", "p00000002-1"]
-    assert plan.readmit_groups == ["p00000001", "p00000002"]
-    assert plan.drop == [
+    assert plan.readmit == [
+        "p00000001-0",
+        "p00000001-1",
+        "p00000002-0",
+        "p00000002-1",
         "p00000003-0",
+    ]
+    assert plan.readmit_groups == ["p00000001", "p00000002", "p00000003"]
+    # p00000003's sample 1 was generating: re-issued (prompt key 6 of a group of 2)
+    assert plan.reissue == {"p00000003": (6, 2, (1,))}
+    assert plan.drop == [
         "p00000005-0",
         "p00000005-1",
         "p00000006-0",
