@@ -232,8 +232,8 @@ class FaultsConfig(_Section):
     # How often the manager checks that every rollout's worker is alive.
     detect_interval_s: float = Field(0.5, gt=0)
     # A rollout that neither answers nor advances its generation loop (a step, a pulled
-    # chunk, an idle poll) for this long is hung: its worker is restarted (the nanny kills
-    # the process), and it is then recovered as a lost one.
+    # chunk, an idle poll) for this long, or a downstream relay that does not answer, is
+    # hung: its worker is restarted (the nanny kills the process), then handled as lost.
     heartbeat_timeout_s: float = Field(60.0, gt=0)
     # Resume a lost rollout's unfinished trajectories on healthy rollouts.
     recover: bool = True

@@ -300,26 +300,32 @@ class RolloutManager:
             self.recover(rid)
         return gone
 
+    def _watched(self) -> dict[str, tuple[object, str | None, str]]:
+        """Id -> (handle, worker, kind) of every live rollout and downstream relay."""
+        out = {rid: (self.rollouts[rid], self.workers.get(rid), "rollout") for rid in self._alive()}
+        for rid in self._chain()[1:]:  # (the master's loss is the trainer's)
+            out[rid] = (self.relays[rid], self.relay_workers.get(rid), "relay")
+        return out
+
     def check_heartbeats(self) -> list[str]:
-        """Rollouts that neither answered nor advanced for ``faults.heartbeat_timeout_s``
+        """Rollouts and relays that showed no progress for ``faults.heartbeat_timeout_s``
         are hung: each one's worker is restarted (the nanny stops the process, or kills
         it), in the background. Its actor is then gone, so a later :meth:`detect` round
-        recovers it like any lost rollout: a hung rollout is fenced before its
-        trajectories resume elsewhere, never generating beside them. Returns the newly
-        hung."""
+        handles it like any lost one — a hung rollout is fenced before its trajectories
+        resume elsewhere, never generating beside them. A rollout shows progress by its
+        generation loop's heartbeat, a relay by answering. Returns the newly hung."""
         limit = self.cfg.faults.heartbeat_timeout_s
         now = time.time()
+        watched = {k: v for k, v in self._watched().items() if k not in self.hung}
         futures = {}
-        for rid in self._alive():
-            if rid in self.hung:
-                continue
-            self._alive_at.setdefault(rid, now)  # (a new rollout: from when it is watched)
+        for rid, (handle, _, _) in watched.items():
+            self._alive_at.setdefault(rid, now)  # (a new one: from when it is watched)
             pending = self._beat_calls.get(rid)
             if pending is not None and not pending.done():
-                futures[rid] = pending  # one call at a time to a rollout that is silent
+                futures[rid] = pending  # one call at a time to one that is silent
                 continue
             try:
-                futures[rid] = self._beat_calls[rid] = self.rollouts[rid].heartbeat()
+                futures[rid] = self._beat_calls[rid] = handle.heartbeat()
             except Exception:  # noqa: BLE001 — its worker is gone: detect() sees to it
                 continue
         deadline = now + min(self.timeout, 2.0)
@@ -332,26 +338,28 @@ class RolloutManager:
                 self._alive_at[rid] = max(self._alive_at[rid], now - age)
         hung = [r for r in futures if now - self._alive_at[r] > limit]
         for rid in hung:
+            _, worker, kind = watched[rid]
             silent = now - self._alive_at[rid]
             logger.warning(
-                "rollout %s hung: no progress for %.1f s (faults.heartbeat_timeout_s=%s); "
+                "%s %s hung: no progress for %.1f s (faults.heartbeat_timeout_s=%s); "
                 "restarting its worker %s",
+                kind,
                 rid,
                 silent,
                 limit,
-                self.workers[rid],
+                worker,
             )
-            self.hung[rid] = {"time": now, "silent_s": silent, "worker": self.workers[rid]}
-            start_thread(lambda rid=rid: self._fence(rid), f"fence-{rid}")
+            self.hung[rid] = {"kind": kind, "time": now, "silent_s": silent, "worker": worker}
+            start_thread(lambda rid=rid, w=worker: self._fence(rid, w), f"fence-{rid}")
         return hung
 
-    def _fence(self, rid: str) -> None:
+    def _fence(self, rid: str, worker: str) -> None:
         from distributed import get_client
 
         t0 = time.time()
         try:
-            out = get_client().restart_workers([self.workers[rid]], timeout=10)
-            self.hung[rid]["fence"] = str(out.get(self.workers[rid], out))
+            out = get_client().restart_workers([worker], timeout=10)
+            self.hung[rid]["fence"] = str(out.get(worker, out))
         except Exception as e:  # noqa: BLE001 — the worker went meanwhile: also fenced
             self.hung[rid]["fence"] = repr(e)
         self.hung[rid]["fence_s"] = time.time() - t0

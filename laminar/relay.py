@@ -817,6 +817,10 @@ class Relay:
     async def versions(self) -> list[int]:
         return self.core.versions()
 
+    async def heartbeat(self) -> float:
+        """0: it answered (its event loop runs). The manager's hung-relay check."""
+        return 0.0
+
     async def retain(self, versions: list[int]) -> None:
         """See :meth:`RelayCore.retain` (the manager sends the versions in use)."""
         self.core.retain(versions)
@@ -925,7 +929,10 @@ class Puller:
         self.bytes = 0
         self.retries = 0
         self.switches = 0
-        self.on_chunk = None  # called after each chunk read (a rollout's heartbeat)
+        # Called after each chunk read and each poll while waiting on the relay: the
+        # rollout's heartbeat (waiting on a relay is not hanging; a hung relay is the
+        # manager's to fence, and a switch ends the wait).
+        self.on_progress = None
 
     def switch(self, relay) -> None:
         """Pull from ``relay`` from now on (called from another thread)."""
@@ -939,6 +946,7 @@ class Puller:
             try:
                 return future.result(timeout=self.poll_s)
             except TimeoutError:
+                self._progress()
                 if self.switches != switches:
                     raise RelaySwitched("the relay was switched during a pull") from None
                 if time.monotonic() >= deadline:
@@ -967,8 +975,13 @@ class Puller:
         while self.switches == switches:
             if time.monotonic() >= deadline:
                 return False
+            self._progress()
             time.sleep(self.poll_s)
         return True
+
+    def _progress(self) -> None:
+        if self.on_progress is not None:
+            self.on_progress()
 
     def versions(self) -> list[int]:
         """The versions the relay holds complete."""
@@ -1016,8 +1029,7 @@ class Puller:
                     f"chunk {j} of version {info['version']} failed its checksum on pull"
                 )
             self._buf[j * cb : j * cb + data.nbytes] = data
-            if self.on_chunk is not None:
-                self.on_chunk()
+            self._progress()
         self.pulls += 1
         self.bytes += layout.nbytes
         return layout.read(self._buf)

@@ -73,7 +73,7 @@ class RolloutReplica:
         self._rescore: queue.Queue = queue.Queue()  # finished states from recovery
         self.puller = Puller(relay, cfg.relay.timeout_s)
         self._beat = time.time()  # the generation loop's last sign of progress
-        self.puller.on_chunk = self._tick  # a long pull is progress too
+        self.puller.on_progress = self._tick  # a long pull, or a wait on a relay
         self.fingerprints: dict[int, int] = {}  # version loaded -> xxh3-64 (audit_weights)
         self._synced = False  # the relay has shown us a version
         self._inbox: queue.Queue = queue.Queue()  # manager commands for the generation thread
@@ -172,9 +172,10 @@ class RolloutReplica:
 
     def heartbeat(self) -> float | None:
         """Seconds since the generation loop last advanced (a step, a served command, a
-        chunk pulled, an idle poll); ``None`` once it has ended (failed or stopped: not
-        hung). The manager declares a rollout hung when this grows past
-        ``faults.heartbeat_timeout_s``, or when this call goes unanswered that long."""
+        chunk pulled, an idle poll, a poll while waiting on its relay); ``None`` once it
+        has ended (failed or stopped: not hung). The manager declares a rollout hung when
+        this grows past ``faults.heartbeat_timeout_s``, or when this call goes unanswered
+        that long."""
         if self._thread is None or not self._thread.is_alive():
             return None
         return time.time() - self._beat

@@ -389,11 +389,13 @@ def test_a_lost_relay_is_cut_out_of_the_chain_and_its_readers_switch():
         assert 3 in tail.versions().result()
 
 
-def test_a_run_loses_a_relay_and_goes_on_through_the_rebuilt_chain(tmp_path):
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGSTOP], ids=["killed", "hung"])
+def test_a_run_loses_a_relay_and_goes_on_through_the_rebuilt_chain(tmp_path, sig):
     """A run through master -> relay1 -> relay2 (r0 pulls from relay1, r1 from relay2);
-    relay1's worker is SIGKILLed mid-run. The chain becomes master -> relay2, r0 pulls
-    from the master, both rollouts keep loading new versions, each bit-identical to what
-    the trainer published, and the run completes with a clean audit."""
+    relay1's worker is SIGKILLed (or SIGSTOPped: hung, fenced after the heartbeat
+    timeout) mid-run. The chain becomes master -> relay2, r0 pulls from the master, both
+    rollouts keep loading new versions, each bit-identical to what the trainer published,
+    and the run completes with a clean audit."""
     from distributed import Client
 
     import pipelines
@@ -406,6 +408,7 @@ def test_a_run_loses_a_relay_and_goes_on_through_the_rebuilt_chain(tmp_path):
         "relay.relays=2",
         "relay.audit_weights=true",
         "relay.timeout_s=30",
+        "faults.heartbeat_timeout_s=3",
     ]
     with local_cluster(2, relays=2, memory_limit="3GiB") as cluster, Client(cluster) as client:
         handle = pipelines.submit("configs/tiny.yaml", client, overrides=overrides, run_dir=run_dir)
@@ -415,14 +418,20 @@ def test_a_run_loses_a_relay_and_goes_on_through_the_rebuilt_chain(tmp_path):
         assert handle._schedule.rollout_relays == {"r0": "relay1", "r1": "relay2"}
         victim = info["workers"][1]
         pid = next(iter(client.run(os.getpid, workers=[victim]).values()))
-        os.kill(pid, signal.SIGKILL)
+        os.kill(pid, sig)
         t_kill, v_kill = time.time(), p["version"]
         summary = handle.wait()
     assert summary["reason"] == "completed", summary["reason"]
     faults = summary["faults"]
     assert faults["chain"] == ["master", "relay2"]
     lost = faults["relays_lost"]["relay1"]
-    assert 0 <= lost["time"] - t_kill < 5 and lost["rechain_s"] < 5
+    if sig == signal.SIGSTOP:  # declared hung after the timeout, then fenced
+        hung = faults["hung"]["relay1"]
+        assert hung["kind"] == "relay" and hung["fence"] == "OK", hung
+        assert 3 <= hung["time"] - t_kill < 3 + 5 and 0 <= lost["time"] - hung["time"] < 15
+    else:
+        assert not faults["hung"] and 0 <= lost["time"] - t_kill < 5
+    assert lost["rechain_s"] < 5
     assert lost["rollouts"] == {"r0": "master"} and lost["worker"] == victim
     assert not faults["lost"]  # no rollout was lost
     by_id = {r["rollout_id"]: r for r in summary["rollouts"]}
