@@ -160,6 +160,9 @@ class RolloutManager:
         while not self._joining.empty():
             rid, handle, worker, replaces, relay_id = self._joining.get_nowait()
             self.rollouts[rid], self.workers[rid] = handle, worker
+            if relay_id in self.relays_lost:  # lost while the replacement was starting
+                relay_id = self._chain()[0]
+                handle.set_relay(self.relays[relay_id]).result(timeout=self.timeout)
             self.rollout_relays[rid] = relay_id
             self.replacements[replaces] = rid
             logger.warning("rollout %s replaces %s (worker %s)", rid, replaces, worker)
@@ -283,7 +286,6 @@ class RolloutManager:
         out of the chain, then recover each rollout. Returns the lost rollouts."""
         from distributed import get_client
 
-        self.check_heartbeats()
         workers = set(get_client().run_on_scheduler(_worker_addresses))
         gone = [rid for rid in self._alive() if self.workers.get(rid) not in workers]
         now = time.time()
@@ -298,6 +300,7 @@ class RolloutManager:
             self.drop_relays(relays)
         for rid in gone:
             self.recover(rid)
+        self.check_heartbeats()  # (after: it must not delay the recovery of a lost one)
         return gone
 
     def _watched(self) -> dict[str, tuple[object, str | None, str]]:
@@ -317,26 +320,24 @@ class RolloutManager:
         limit = self.cfg.faults.heartbeat_timeout_s
         now = time.time()
         watched = {k: v for k, v in self._watched().items() if k not in self.hung}
-        futures = {}
         for rid, (handle, _, _) in watched.items():
             self._alive_at.setdefault(rid, now)  # (a new one: from when it is watched)
-            pending = self._beat_calls.get(rid)
-            if pending is not None and not pending.done():
-                futures[rid] = pending  # one call at a time to one that is silent
-                continue
+            call = self._beat_calls.get(rid)
+            if call is not None and not call.done():
+                continue  # one call at a time: a silent one is not asked again
+            if call is not None:  # answered since the last round (never waited on here)
+                try:
+                    age = call.result(timeout=1.0)
+                except Exception:  # noqa: BLE001 — its worker is gone: detect() sees to it
+                    age = None
+                # (None: its generation loop ended — failed or stopped, for the driver
+                # to see — not hung.)
+                self._alive_at[rid] = max(self._alive_at[rid], now - (age or 0.0))
             try:
-                futures[rid] = self._beat_calls[rid] = handle.heartbeat()
+                self._beat_calls[rid] = handle.heartbeat()
             except Exception:  # noqa: BLE001 — its worker is gone: detect() sees to it
-                continue
-        deadline = now + min(self.timeout, 2.0)
-        for rid, f in futures.items():
-            try:
-                age = f.result(timeout=max(0.01, deadline - time.time()))
-            except Exception:  # noqa: BLE001 — no answer (yet): no sign of progress
-                continue
-            if age is not None:
-                self._alive_at[rid] = max(self._alive_at[rid], now - age)
-        hung = [r for r in futures if now - self._alive_at[r] > limit]
+                self._beat_calls.pop(rid, None)
+        hung = [r for r in watched if now - self._alive_at[r] > limit]
         for rid in hung:
             _, worker, kind = watched[rid]
             silent = now - self._alive_at[rid]
@@ -376,40 +377,55 @@ class RolloutManager:
         t0 = time.time()
         old = self._chain()
         chain = [r for r in old if r not in gone]
-        for rid in gone:
+        for rid in gone:  # recorded first: out of the chain even if a call below fails
+            self.relays_lost[rid] = {
+                "time": t0,
+                "worker": self.relay_workers.get(rid, ""),
+                "chain": chain,
+                "rollouts": {},
+                "resent": {},
+                "errors": [],
+            }
             logger.warning(
                 "relay %s lost (worker %s gone); chain rebuilt: %s",
                 rid,
                 self.relay_workers.get(rid),
                 " -> ".join(chain),
             )
+        errors: list[str] = []
+
+        def call(what: str, future) -> object:
+            """A call that may fail when more than the relay was lost (a whole host): the
+            failure is recorded, and what it left undone falls to the next round."""
+            try:
+                return future.result(timeout=self.timeout)
+            except Exception as e:  # noqa: BLE001
+                errors.append(f"{what}: {e!r}")
+                logger.warning("rebuilding the chain: %s failed: %r", what, e)
+                return None
+
         resent = {}
         for i, rid in enumerate(chain):
             nxt = self.relays[chain[i + 1]] if i + 1 < len(chain) else None
             master = None if i == 0 else self.relays[chain[0]]
-            version = self.relays[rid].rechain(chain, nxt, master).result(timeout=self.timeout)
+            version = call(f"{rid}.rechain", self.relays[rid].rechain(chain, nxt, master))
             if version is not None:
                 resent[rid] = version
         repointed: dict[str, dict[str, str]] = {rid: {} for rid in gone}
         for roll, rel in sorted(self.rollout_relays.items()):
-            if rel not in gone or roll in self.lost:
+            if rel not in gone or roll in self.lost or roll in self.hung:
                 continue
             above = next(r for r in reversed(old[: old.index(rel)]) if r not in gone)
-            self.rollouts[roll].set_relay(self.relays[above]).result(timeout=self.timeout)
             self.rollout_relays[roll] = above
+            call(f"{roll}.set_relay", self.rollouts[roll].set_relay(self.relays[above]))
             repointed[rel][roll] = above
         if self.partial is not None:
-            self.partial.set_relays([self.relays[r] for r in chain]).result(timeout=self.timeout)
+            call("partial.set_relays", self.partial.set_relays([self.relays[r] for r in chain]))
         t1 = time.time()
         for rid in gone:
-            self.relays_lost[rid] = {
-                "time": t0,
-                "worker": self.relay_workers.get(rid, ""),
-                "chain": chain,
-                "rollouts": repointed[rid],
-                "resent": resent,
-                "rechain_s": t1 - t0,
-            }
+            self.relays_lost[rid].update(
+                rollouts=repointed[rid], resent=resent, errors=errors, rechain_s=t1 - t0
+            )
             logger.warning(
                 "relay %s: %s; rebuilt in %.3f s",
                 rid,

@@ -526,26 +526,36 @@ class Relay:
         """The chain was rebuilt without a lost relay (docs/faults.md): take the new place
         in it. If the successor changed, whatever was being sent to the old one is
         abandoned (a send to a lost relay would wait out its timeout), and the newest
-        complete version is sent to the new one, which ignores it if it has it already.
-        Returns that version (``None``: nothing to send)."""
+        complete version is sent to the new one, which ignores it if it holds or began it
+        (a version it began from the lost relay stays incomplete there; the next
+        publication reaches it). Versions the master had queued are still forwarded.
+        Returns the version resent (``None``: none)."""
         changed = downstream is not None and getattr(downstream, "key", None) != getattr(
             self.downstream, "key", None
         )
+        published: list[tuple] = []  # (master) versions queued, not yet forwarded
         if changed or downstream is None:
-            if self._forwarder is not None:
-                self._forwarder.cancel()
-                await asyncio.gather(self._forwarder, return_exceptions=True)
-                self._forwarder = None
+            forwarder, queue = self._forwarder, self._queue
+            self._forwarder = None  # (a chunk arriving meanwhile starts a fresh forwarder)
+            if forwarder is not None:
+                forwarder.cancel()
+                await asyncio.gather(forwarder, return_exceptions=True)
+            while queue is not None and not queue.empty():
+                item = queue.get_nowait()
+                if item[0] == "version":
+                    published.append(item)
             for snap in self._forwarding.values():
                 self.core.unpin(snap)
             self._forwarding.clear()
         await self.set_chain(chain, downstream, master)
         self.rechains += 1
         newest = self.core.newest()
-        if not changed or newest is None:
-            return None
-        self._queue.put_nowait(("resend", newest.version, time.time()))
-        return newest.version
+        resend = changed and newest is not None
+        if resend:
+            self._queue.put_nowait(("resend", newest.version, time.time()))
+        for item in published:  # checksummed and sent as ever (the newest one only)
+            self._queue.put_nowait(item)
+        return newest.version if resend else None
 
     def _ensure_forwarder(self) -> None:
         if self._forwarder is None or self._forwarder.done():
@@ -609,10 +619,12 @@ class Relay:
             "chunks": snap.n_chunks,
         }
         self.publications.append(record)
-        self._loop.call_soon_threadsafe(
-            self._queue.put_nowait, ("version", version, record["t_publish"])
-        )
+        # (The queue is read on the loop: a rechain may have replaced it meanwhile.)
+        self._loop.call_soon_threadsafe(self._enqueue, ("version", version, record["t_publish"]))
         return stall
+
+    def _enqueue(self, item: tuple) -> None:
+        self._queue.put_nowait(item)
 
     async def publish(self, version: int, state: dict[str, torch.Tensor]) -> float:
         """Publish from another process (the state arrived with the call). Prefer
@@ -745,13 +757,15 @@ class Relay:
         (the error is in :meth:`stats`); the next version replaces it."""
         self._ensure_forwarder()
         if j == 0:
-            snap = await self._run(self.core.begin, version, layout, chunk_bytes, self.timeout_s)
-            # The relay thread ran every earlier write first: an older version still
-            # incomplete now was abandoned upstream, so stop forwarding it.
+            # Once the relay thread has run every earlier write, an older version still
+            # incomplete was abandoned upstream (or by a rechain): stop forwarding it, and
+            # free its pin before a slot is asked for the new one.
+            await self._run(lambda: None)
             for v, old in list(self._forwarding.items()):
                 if v < version and not old.complete:
                     del self._forwarding[v]
                     self.core.unpin(old)
+            snap = await self._run(self.core.begin, version, layout, chunk_bytes, self.timeout_s)
             if snap is None:  # not newer than what we hold: the whole version is ignored
                 self._ignored = version
                 return

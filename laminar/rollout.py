@@ -640,10 +640,9 @@ class RolloutReplica:
             try:
                 self._insert_scored(*item)
             except Exception:
-                self.error = self.error or traceback.format_exc()
-                logger.error(
-                    "rollout %s: reward collector failed:\n%s", self.rollout_id, self.error
-                )
+                error = traceback.format_exc()
+                self.error = self.error or error
+                logger.error("rollout %s: reward collector failed:\n%s", self.rollout_id, error)
                 self._abandon.set()
             finally:
                 self._to_score.task_done()

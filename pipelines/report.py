@@ -44,7 +44,7 @@ def _since_start(run: dict, epoch) -> np.ndarray:
 
 def _lost(run: dict) -> dict[str, float]:
     """Lost rollout -> when its loss was detected (s since the run began)."""
-    lost = run["summary"].get("faults", {}).get("lost", {})
+    lost = (run["summary"].get("faults") or {}).get("lost", {})  # null: recovery off
     if run["t0"] is None:
         return {}
     return {rid: float(t) - run["t0"] for rid, t in lost.items()}

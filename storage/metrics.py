@@ -23,6 +23,7 @@ readers slice to it.
 
 from __future__ import annotations
 
+import logging
 import os
 import time
 from collections.abc import Mapping, Sequence
@@ -35,6 +36,8 @@ import zarr
 
 from storage.schema import COMMIT_ATTR, STRING
 from storage.trajectories import store_path
+
+logger = logging.getLogger(__name__)
 
 STORE_NAME = "metrics.zarr"
 TABLES = {
@@ -92,8 +95,6 @@ class MetricsWriter:
         group = self._table(table)
         dim = TABLES[table]
         n = int(group.attrs[COMMIT_ATTR])
-        if self.tensorboard is not None:
-            self.tensorboard.add(table, rows, first=n)
         names = list(dict.fromkeys(k for r in rows for k in r))
         columns = {name: _column(f"{table}.{name}", [r.get(name) for r in rows]) for name in names}
         for name, values in columns.items():
@@ -116,6 +117,11 @@ class MetricsWriter:
                     arr.resize((n,))
                 arr.resize((n + len(rows),))
         group.attrs[COMMIT_ATTR] = n + len(rows)
+        if self.tensorboard is not None:  # after the commit: the record comes first
+            try:
+                self.tensorboard.add(table, rows, first=n)
+            except Exception as e:  # noqa: BLE001 — a mirror must not stop the run
+                logger.warning("TensorBoard mirror: %s rows not written: %r", table, e)
 
 
 # Columns that place a row rather than measure something: not drawn as scalars.
@@ -137,7 +143,7 @@ class TensorBoardMirror:
             from tensorboardX import SummaryWriter
         except ImportError as e:  # the config check says so first; this is the backstop
             raise ImportError(
-                "metrics.tensorboard needs the tensorboard package: "
+                "metrics.tensorboard needs tensorboardX (its writer): "
                 "pip install 'laminar[tensorboard]', or set metrics.tensorboard=false"
             ) from e
         self.log_dir = Path(run_dir) / "tensorboard"
