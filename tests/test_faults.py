@@ -219,9 +219,11 @@ def test_a_hung_rollout_is_fenced_then_recovered(tmp_path):
 
 
 def test_two_rollouts_killed_at_once(tmp_path):
-    """Both losses are detected in the same round; the survivor takes both batches."""
+    """Both losses are detected within seconds (the scheduler may drop the two workers a
+    round apart); the survivor takes both batches. The run goes on long enough after the
+    kill for both detections (with 10 steps it could end first)."""
     run_dir = tmp_path / "run"
-    summary, t_kill = run_and_kill(run_dir, ["r1", "r2"])
+    summary, t_kill = run_and_kill(run_dir, ["r1", "r2"], extra=("trainer.steps=30",))
     assert summary["reason"] == "completed", summary["reason"]
     lost = summary["faults"]["lost"]
     assert sorted(lost) == ["r1", "r2"]
