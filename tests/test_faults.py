@@ -319,11 +319,12 @@ def test_a_lost_trainer_fails_the_run_clearly_and_it_resumes_in_place(tmp_path):
     assert per_version.tolist() == [16] * (version + 3)
     dropped = ds["status"].values == "dropped"
     assert dropped.sum() == resumed["dropped"]
-    # Only groups trained by lost weights or with a failed reward are dropped; a group
-    # still generating at the loss had its missing siblings re-issued and completed.
-    errored = set(ds["prompt_uid"].values[ds["finish_reason"].values == "error"])
-    for i in np.flatnonzero(dropped):
-        assert ds["finish_version"].values[i] > version or ds["prompt_uid"].values[i] in errored
+    # Only groups with a sibling from lost weights (finished after the checkpoint) or a
+    # failed reward are dropped; a group still generating at the loss had its missing
+    # siblings re-issued and completed.
+    uids, fv = ds["prompt_uid"].values, ds["finish_version"].values
+    why = dropped & ((fv > version) | (ds["finish_reason"].values == "error"))
+    assert set(uids[dropped]) == set(uids[why])
     report = audit_run(run_dir)
     assert report.ok, report.text()
 
