@@ -358,16 +358,13 @@ class LaminarSchedule:
         earlier ones (``elapsed_s`` keeps rising, across the gap)."""
         if self.resume is None:
             return t_start
-        from storage.metrics import open_metrics
+        from storage.metrics import open_metrics, time_origin
 
         try:
-            rows = open_metrics(self.run_dir, "cluster")
+            origin = time_origin(open_metrics(self.run_dir, "cluster"))
         except Exception:  # noqa: BLE001 — lost before its first metrics flush
             return t_start
-        if not rows.sizes.get("time"):
-            return t_start
-        wall = rows["wall_time"].values[-1].astype("datetime64[ns]").astype(np.int64) / 1e9
-        return float(wall - rows["time"].values[-1])
+        return t_start if origin is None else origin
 
     def _record(self, elapsed, now, t_stats, b_stats, p_stats, r_stats, tokens) -> None:
         """One row of the ``cluster`` table and one ``rollouts`` row per replica."""

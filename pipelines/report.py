@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 
 from storage import open_run
-from storage.metrics import TABLES, open_metrics
+from storage.metrics import TABLES, open_metrics, time_origin
 
 
 def _load(run_dir: Path) -> dict:
@@ -28,13 +28,7 @@ def _load(run_dir: Path) -> dict:
     summary = run_dir / "summary.json"
     run["summary"] = json.loads(summary.read_text()) if summary.exists() else {}
     # Event tables hold epoch seconds; the time series hold seconds since the run began.
-    c = run["cluster"]
-    run["t0"] = (
-        float(c["wall_time"].values[0].astype("datetime64[ns]").astype(np.int64) / 1e9)
-        - float(c["time"].values[0])
-        if c is not None and "wall_time" in c.coords and c.sizes["time"]
-        else None
-    )
+    run["t0"] = None if run["cluster"] is None else time_origin(run["cluster"])
     return run
 
 

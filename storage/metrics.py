@@ -214,3 +214,12 @@ def open_metrics(path: str | Path, table: str) -> xr.Dataset:
             seconds = ds["wall_time"].values
             ds = ds.assign_coords(wall_time=(dim, (seconds * 1e9).astype("datetime64[ns]")))
     return ds
+
+
+def time_origin(cluster: xr.Dataset) -> float | None:
+    """When the run's clock began, in epoch seconds (``cluster.time`` counts from it,
+    across resumes; the event tables hold epoch seconds): ``None`` with no rows yet."""
+    if "wall_time" not in cluster.coords or not cluster.sizes.get("time"):
+        return None
+    wall = cluster["wall_time"].values[-1].astype("datetime64[ns]").astype(np.int64) / 1e9
+    return float(wall - cluster["time"].values[-1])
