@@ -91,13 +91,19 @@ def test_two_ranks_train_the_same_weights_as_one(tiny_policy, tmp_path):
     one = weights(single)
     r0, r1 = (torch.load(tmp_path / f"rank{r}.pt") for r in range(2))
     assert all(torch.equal(r0[k], r1[k]) for k in r0)  # ranks agree exactly
-    # vs one rank: the gradients differ by fp32 summation order only; Adam divides by
-    # sqrt(v), which magnifies that for the few weights with near-zero gradients, so:
-    # all weights within 1% of the distance 3 steps move them, 99.9% within 1e-6.
+    # vs one rank: the gradients differ by fp32 summation order only. Adam divides by
+    # sqrt(v): a weight whose gradient is zero up to rounding steps by about lr either
+    # way, so a few weights may differ by up to 2·lr a step (seen: 1.1e-4 after 3 steps
+    # of 1e-3); 99.9% agree within 1e-6, and the two policies compute the same logprobs.
     worst = max(float((r0[k] - one[k]).abs().max()) for k in one)
-    assert worst < 0.01 * 3 * CFG.trainer.lr
+    assert worst <= 2 * 3 * CFG.trainer.lr
     off = sum(int(((r0[k] - one[k]).abs() > 1e-6).sum()) for k in one)
     assert off < 1e-3 * sum(v.numel() for v in one.values())
+    ranked = Learner(CFG, tiny_policy)
+    ranked.model.load_state_dict(r0)
+    seen = [t for s in range(3) for t in batch(s)]
+    gap = np.abs(np.concatenate(ranked.logprobs(seen)) - np.concatenate(single.logprobs(seen)))
+    assert gap.max() < 1e-4
     assert any(
         not torch.equal(one[k], Learner(CFG, tiny_policy).model.state_dict()[k]) for k in one
     )  # and training did move the weights
