@@ -242,9 +242,12 @@ class ExperienceBuffer:
     pool on the same worker without deadlock.
     """
 
-    def __init__(self, run_dir: str, pool, cfg, partial=None, resume=None) -> None:
+    def __init__(
+        self, run_dir: str, pool, cfg, partial=None, resume=None, schedule: str = "laminar"
+    ) -> None:
         """``partial``: the partial-response pool, told which trajectories arrived.
-        ``resume``: the :class:`storage.resume.ResumePlan` of a run resumed in place."""
+        ``resume``: the :class:`storage.resume.ResumePlan` of a run resumed in place.
+        ``schedule``: the run's ``pipeline.schedule``, recorded in the store."""
         from storage.trajectories import TrajectoryWriter
 
         self.core = BufferCore(
@@ -254,7 +257,7 @@ class ExperienceBuffer:
         )
         self.pool, self.partial = pool, partial
         self.version = 0
-        self.writer = TrajectoryWriter(run_dir)
+        self.writer = TrajectoryWriter(run_dir, schedule)
         self.flush_records = cfg.flush_records
         self.flush_interval_s = cfg.flush_interval_s
         self._records: dict[str, Trajectory] = {}  # admitted, not yet handed to the writer
@@ -340,6 +343,7 @@ class ExperienceBuffer:
 
     async def version_published(self, version: int) -> None:
         self.version = max(self.version, version)
+        await self.pool.version_published(self.version)  # its staleness bound counts from it
         # Groups the next update would train too stale leave now, freeing dispatch.
         await self._release(self.core.evict_stale(self.version))
 

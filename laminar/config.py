@@ -85,6 +85,14 @@ class PacingConfig(_Section):
     # How a step's prefill is charged: added to the decode step, or fused into its
     # forward pass as a chunked-prefill engine does (docs/pacing.md).
     prefill: Literal["additive", "fused"] = "additive"
+    # A scaled-down workload: each real token stands for length_scale modelled tokens,
+    # each real request for request_scale modelled requests; modelled time runs
+    # length_scale times faster (docs/pacing.md, "Scaled workloads").
+    length_scale: float = Field(1.0, gt=0)
+    request_scale: float = Field(1.0, gt=0)
+    # Modelled seconds a rollout waits when it loads a version from its relay (host to
+    # device over PCIe; the shared cluster model: 1 s for a 7B model). 0: only real time.
+    pull_s: float = Field(0.0, ge=0)
 
     @model_validator(mode="after")
     def _known(self) -> PacingConfig:
@@ -104,6 +112,9 @@ class RolloutConfig(_Section):
     replicas: int = Field(2, gt=0)
     group_size: int = Field(8, ge=2)  # GRPO responses per prompt
     groups_per_batch: int = Field(8, gt=0)  # prompt groups in one local batch
+    # Requests an engine decodes at once (its KV cache rows); more wait in its queue.
+    # None: one local batch, groups_per_batch × group_size.
+    max_concurrency: int | None = Field(None, gt=0)
     max_new_tokens: int = Field(80, gt=0)
     max_seq_len: int = Field(160, gt=0)
     temperature: float = Field(1.0, gt=0)
@@ -119,8 +130,8 @@ class RolloutConfig(_Section):
 
     @property
     def max_batch(self) -> int:
-        """Requests an engine decodes at once: one local batch."""
-        return self.groups_per_batch * self.group_size
+        """Requests an engine decodes at once: ``max_concurrency``, else one local batch."""
+        return self.max_concurrency or self.groups_per_batch * self.group_size
 
     def sampling_params(self, seed: int | None = None):
         """The :class:`~laminar.engine.SamplingParams` of every rollout request."""
@@ -150,6 +161,34 @@ class BufferConfig(_Section):
     max_outstanding_groups: int = Field(48, gt=0)
     flush_records: int = Field(512, gt=0)  # store append size
     flush_interval_s: float = Field(5.0, gt=0)
+
+
+class TrainerPacingConfig(_Section):
+    """Emulated trainer GPUs and weight-movement costs (docs/pacing.md), on the scale and
+    dilation of ``rollout.pacing``: an update lasts at least its modelled time, and each
+    way of moving weights to the rollouts costs what the shared cluster model says. All
+    times are modelled seconds of the full-size cluster."""
+
+    gpus: int = Field(16, gt=0)  # trainer GPUs (colocated: the whole cluster)
+    tok_s_per_gpu: float = Field(5000.0, gt=0)  # training tokens/s of one GPU
+    update_s: float = Field(2.0, ge=0)  # per update besides: optimizer, all-reduce
+    publish_s: float = Field(0.5, ge=0)  # Laminar: the copy into the master relay
+    global_sync_s: float = Field(3.0, ge=0)  # global NCCL broadcast: 3 s ...
+    global_sync_log2_s: float = Field(0.25, ge=0)  # ... + 0.25 s · log2(replicas)
+    colocated_switch_s: float = Field(8.0, ge=0)  # colocated: training -> generation
+
+
+class PipelineConfig(_Section):
+    """Which schedule drives the run (docs/schedules.md): what it keeps global."""
+
+    # laminar: nothing global (the paper); sync: generate the whole batch, train, update
+    # every rollout (verl); one_step: generation of batch i+1 overlaps training of batch
+    # i; stream: mini-batches train as trajectories finish, global update; partial_rollout:
+    # every update interrupts all rollouts, which resume with the new weights (AReaL).
+    schedule: Literal["laminar", "sync", "one_step", "stream", "partial_rollout"] = "laminar"
+    # partial_rollout: AReaL's staleness bound η — prompt groups dispatched never exceed
+    # (trainer version + η + 1) × trainer.groups_per_step.
+    eta: int = Field(4, ge=0)
 
 
 class TrainerConfig(_Section):
@@ -185,6 +224,7 @@ class TrainerConfig(_Section):
     # Also checkpoint every this many versions (0: only when the run ends), so a lost
     # run can be resumed (`laminar run --resume RUN_DIR`) losing at most these updates.
     checkpoint_every: int = Field(0, ge=0)
+    pacing: TrainerPacingConfig | None = None  # needs rollout.pacing (its scale)
 
 
 class RelayConfig(_Section):
@@ -372,6 +412,7 @@ class RunConfig(_Section):
     buffer: BufferConfig = BufferConfig()
     trainer: TrainerConfig = TrainerConfig()
     relay: RelayConfig = RelayConfig()
+    pipeline: PipelineConfig = PipelineConfig()
     repack: RepackConfig | None = None
     faults: FaultsConfig = FaultsConfig()
     metrics: MetricsConfig = MetricsConfig()
@@ -397,13 +438,37 @@ class RunConfig(_Section):
         if cap is not None and not r.max_seq_len <= cap <= r.max_batch * r.max_seq_len:
             raise ValueError(
                 f"rollout.kv_capacity_tokens ({cap}) must be between rollout.max_seq_len "
-                f"({r.max_seq_len}: one whole request) and max_seq_len × groups_per_batch × "
-                f"group_size ({r.max_batch * r.max_seq_len}: every cache slot)"
+                f"({r.max_seq_len}: one whole request) and max_seq_len × the requests an "
+                f"engine decodes at once (rollout.max_concurrency, else groups_per_batch × "
+                f"group_size): {r.max_batch * r.max_seq_len}, every cache slot"
             )
         if task.prompt_file is None and task.name == "count" and task.max_len > 255:
             raise ValueError(
                 f"task.max_len ({task.max_len}) exceeds 255, the largest number the built-in "
                 "vocabulary holds for the count task"
+            )
+        if t.pacing is not None and r.pacing is None:
+            raise ValueError(
+                "trainer.pacing needs rollout.pacing: the trainer is paced on its dilation "
+                "and scales; set rollout.pacing (e.g. --set rollout.pacing.dilation=16)"
+            )
+        schedule = self.pipeline.schedule
+        if self.repack is not None and schedule != "laminar":
+            raise ValueError(
+                f"repack is Laminar's (it moves batches between rollouts of one version); "
+                f"pipeline.schedule is {schedule!r}: remove the repack section or use "
+                "pipeline.schedule=laminar"
+            )
+        if schedule == "stream" and t.ranks > 1:
+            raise ValueError(
+                "pipeline.schedule=stream trains each mini-batch as it arrives, on one "
+                "trainer rank; set trainer.ranks=1"
+            )
+        if schedule == "stream" and t.correction == "decoupled" and t.mini_batches > 1:
+            raise ValueError(
+                "pipeline.schedule=stream with trainer.correction=decoupled: the proximal "
+                "policy of a global batch's later mini-batches is gone by the time they "
+                "arrive; use correction none or tis, or trainer.mini_batches=1"
             )
         if b.max_outstanding_groups < t.groups_per_step:
             raise ValueError(

@@ -204,8 +204,10 @@ class Engine(Protocol):
     def stats(self) -> dict[str, float]:
         """Cumulative counters (steps, prefill/decode tokens, preemptions, pacing...)."""
 
-    def export(self, request_ids: list[str]) -> list[RequestState]:
-        """Remove these requests and return their states (unknown ids raise)."""
+    def export(self, request_ids: list[str], *, moved: bool = True) -> list[RequestState]:
+        """Remove these requests and return their states (unknown ids raise), each
+        counted as moved once more (``n_moves``) unless ``moved=False`` (a request paused
+        to resume here, as partial rollout does)."""
 
     def import_(self, states: list[RequestState], *, allow_version_change: bool = False) -> None:
         """Resume exported requests here (ahead of new requests), re-prefilling them.
@@ -246,6 +248,8 @@ def make_engine(rollout, policy_dir: str, *, seed: int, version: int = 0) -> Eng
             p.dilation,
             strict=p.strict,
             fused_prefill=p.prefill == "fused",
+            length_scale=p.length_scale,
+            request_scale=p.request_scale,
         )
     tok = load_tokenizer(policy_dir)
     options = dict(

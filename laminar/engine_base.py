@@ -331,7 +331,7 @@ class EngineBase:
     def stats(self) -> dict[str, float]:
         return self.counters | (self.pacer.stats() if self.pacer is not None else {})
 
-    def export(self, request_ids: list[str]) -> list[RequestState]:
+    def export(self, request_ids: list[str], *, moved: bool = True) -> list[RequestState]:
         wanted = list(dict.fromkeys(request_ids))
         in_flight = set(self.request_ids())
         unknown = [rid for rid in wanted if rid not in in_flight]
@@ -343,7 +343,7 @@ class EngineBase:
         running = [s.request_id for s in self._running_states() if s.request_id in moving]
         states.update(zip(running, self._stop(running), strict=True))
         self.counters["exported"] += len(wanted)
-        return [states[rid].moved() for rid in wanted]
+        return [states[rid].moved() if moved else states[rid] for rid in wanted]
 
     def import_(self, states: list[RequestState], *, allow_version_change: bool = False) -> None:
         check_imports(

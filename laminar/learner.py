@@ -87,6 +87,7 @@ class Learner:
             self.model.parameters(), lr=t.lr, weight_decay=t.weight_decay, betas=t.betas
         )
         self.skipped_steps = 0
+        self._part_applied = 0  # update_part: steps applied so far in this global batch
         if state is not None:
             self._restore(Path(resume_from), state)
         self.reference = None  # the warm-started policy, frozen: the KL penalty's anchor
@@ -125,6 +126,26 @@ class Learner:
         if applied:
             self.version += 1
         return {**totals, "mini_batches": float(len(parts)), "applied_steps": float(applied)}
+
+    def update_part(self, part: list[Trajectory], *, last: bool) -> dict[str, float]:
+        """One optimizer step on one mini-batch of a global batch whose mini-batches
+        arrive one at a time (the stream schedule); the version advances after the
+        ``last`` one if any of the batch's steps was applied. Decoupled PPO would need the
+        proximal policy of the batch's first step for later parts: refused."""
+        if self.cfg.trainer.correction == "decoupled" and self.cfg.trainer.mini_batches > 1:
+            raise LaminarError(
+                "trainer.correction=decoupled needs every mini-batch of a global batch at "
+                "once; the stream schedule trains them as they arrive: use none or tis"
+            )
+        metrics = self._step(part)
+        self._part_applied += int(not metrics["skipped"])
+        self.skipped_steps += int(metrics["skipped"])
+        applied = self._part_applied
+        if last:
+            self._part_applied = 0
+            if applied:
+                self.version += 1
+        return {**metrics, "applied_steps": float(applied)}
 
     def logprobs(self, batch: list[Trajectory]) -> list[np.ndarray]:
         """The current policy's logprobs of each trajectory's response tokens."""

@@ -60,7 +60,8 @@ def repack_max_batch(cfg: RunConfig) -> int:
         from laminar.pacing import TimeModel
 
         model = TimeModel.named(pacing.accelerator, pacing.model, tp=pacing.tp)
-        limit = min(limit, max(2, int(model.batch_limit)))
+        # in real requests: each stands for request_scale modelled ones
+        limit = min(limit, max(2, int(model.batch_limit / pacing.request_scale)))
     return limit
 
 
@@ -147,6 +148,28 @@ class RolloutManager:
 
     def get_lost(self) -> dict[str, float]:
         return dict(self.lost)
+
+    async def pause_all(self, version: int) -> dict:
+        """A global weight update (partial rollout): every live rollout holds its
+        unfinished requests until it has loaded ``version`` (:meth:`RolloutReplica.pause`).
+        Returns once each has paused; one that does not answer within
+        ``cluster.actor_timeout_s`` is left to loss detection."""
+        import asyncio
+
+        live = [r for rid, r in list(self.rollouts.items()) if rid not in self.lost]
+
+        async def one(rollout) -> int | None:
+            try:
+                return await asyncio.wait_for(rollout.pause(version), self.timeout)
+            except Exception:  # noqa: BLE001 — lost or hung: detection handles it
+                return None
+
+        held = await asyncio.gather(*(one(r) for r in live))
+        self.counts["global_pauses"] = self.counts.get("global_pauses", 0) + 1
+        return {
+            "paused": sum(h is not None for h in held),
+            "requests": sum(h or 0 for h in held),
+        }
 
     def add_rollout(
         self, rollout_id: str, handle, worker: str, replaces: str, relay_id: str = "master"

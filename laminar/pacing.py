@@ -21,10 +21,22 @@ ratios between schedules are unchanged — so that the real compute of many repl
 trainer on two cores stays under the modelled times. A pacer that finds its steps
 *longer* than the model (the median of a recent window) stops the run with an error:
 its timings would be this machine's, not the accelerator's.
+
+**Scaled workloads.** The schedules bench emulates a whole cluster with lengths and batch
+sizes cut for the CPU: each real token stands for ``length_scale`` modelled tokens and
+each real request for ``request_scale`` modelled requests (:class:`Scale`). A real decode
+step then stands for ``length_scale`` modelled steps of ``request_scale ×`` as many
+requests over ``request_scale · length_scale ×`` as much context, and every modelled time
+is compressed by ``length_scale`` (the steps are that many times fewer), so the cluster's
+clock runs ``length_scale / dilation`` times faster than the emulated one and every
+ratio between its parts — decode, prefill, training, weight syncs — is kept.
+:class:`TrainerTimeModel` and :class:`WeightSyncModel` give the trainer's and the weight
+movements' modelled times on the same scale (docs/pacing.md).
 """
 
 from __future__ import annotations
 
+import math
 import statistics
 import time
 from collections import deque
@@ -196,6 +208,86 @@ class TimeModel:
         return self.t_fix + max(self.weight_read_time, compute) + self.c_seq * batch + kv_read
 
 
+@dataclass(frozen=True)
+class Scale:
+    """How the emulation maps onto this machine (see the module docstring).
+
+    ``dilation`` stretches every modelled time; ``length_scale`` modelled tokens per real
+    token and ``request_scale`` modelled requests per real request shrink the workload.
+    :meth:`wall` turns a modelled duration of the full-size cluster into wall seconds here.
+
+    >>> Scale(dilation=16, length_scale=256).wall(8.0)  # an 8 s weight switch
+    0.5
+    """
+
+    dilation: float = 1.0
+    length_scale: float = 1.0
+    request_scale: float = 1.0
+
+    def __post_init__(self) -> None:
+        for name in ("dilation", "length_scale", "request_scale"):
+            if not getattr(self, name) > 0:
+                raise LaminarError(f"pacing.{name}={getattr(self, name)!r}; must be > 0")
+
+    def wall(self, modelled_s: float) -> float:
+        return modelled_s * self.dilation / self.length_scale
+
+    @property
+    def tokens(self) -> float:
+        """Modelled tokens per real token of a batch (requests × length)."""
+        return self.request_scale * self.length_scale
+
+
+@dataclass(frozen=True)
+class TrainerTimeModel:
+    """One update of the trainer: ``tokens / (gpus · tok_s_per_gpu) + update_s``.
+
+    ``tok_s_per_gpu`` is the training throughput of one GPU on the model (prompt and
+    response tokens, forward, backward and optimizer), ``update_s`` what an update costs
+    besides (optimizer step, gradient all-reduce, launch). The defaults are the shared
+    cluster model's for a 7B model on H800s: 5,000 tokens/s per GPU and 2 s.
+
+    >>> round(TrainerTimeModel(gpus=32).update_time(8192 * 3000), 1)  # 8192 × 3K tokens
+    155.6
+    """
+
+    gpus: int
+    tok_s_per_gpu: float = 5000.0
+    update_s: float = 2.0
+
+    def update_time(self, tokens: float) -> float:
+        return tokens / (self.gpus * self.tok_s_per_gpu) + self.update_s
+
+    def tokens_time(self, tokens: float) -> float:
+        """The token-proportional part alone (a stream mini-batch's forward/backward)."""
+        return tokens / (self.gpus * self.tok_s_per_gpu)
+
+
+@dataclass(frozen=True)
+class WeightSyncModel:
+    """What moving a version to the rollouts costs, by how it is done (modelled seconds).
+
+    * ``relay`` (Laminar): the trainer stalls ``publish_s`` while the master relay takes its
+      copy; each rollout waits ``pull_s`` when it loads a version at its batch boundary;
+    * ``global``: an NCCL broadcast to every rollout at once, ``global_s + global_log2_s ·
+      log2(replicas)``, while the trainer and every rollout wait;
+    * ``colocated``: trainer and rollouts share the GPUs; switching them from training to
+      generation (weights resharded, KV re-allocated) costs ``colocated_s`` per iteration.
+
+    >>> round(WeightSyncModel().global_sync(16), 2)
+    4.0
+    """
+
+    publish_s: float = 0.5
+    pull_s: float = 1.0
+    global_s: float = 3.0
+    global_log2_s: float = 0.25
+    colocated_s: float = 8.0
+
+    def global_sync(self, replicas: int) -> float:
+        return self.global_s + self.global_log2_s * math.log2(max(replicas, 1))
+
+
 class Pacer:
     """Holds each engine step to ``dilation ×`` the modelled time, and checks it can.
 
@@ -212,9 +304,10 @@ class Pacer:
         strict: bool = True,
         window: int = 32,
         fused_prefill: bool = False,
+        length_scale: float = 1.0,
+        request_scale: float = 1.0,
     ) -> None:
-        if dilation <= 0:
-            raise LaminarError(f"pacing.dilation={dilation}; must be > 0")
+        self.scale = Scale(dilation, length_scale, request_scale)  # checks each > 0
         self.model = model
         self.dilation = dilation
         self.strict = strict
@@ -227,8 +320,24 @@ class Pacer:
         self.max_ratio = 0.0
 
     def modelled(self, batch: int, context_tokens: int, prefill_tokens: int) -> float:
-        t = self.model.step_time(batch, context_tokens, prefill_tokens, fused=self.fused_prefill)
-        return self.dilation * t
+        """Wall seconds one real step takes: with the scales of :class:`Scale`, the mean
+        of ``length_scale`` modelled steps of which the first also prefills.
+
+        >>> m = TimeModel.named("H800", "7B", tp=4)
+        >>> plain = Pacer(m).modelled(32, 32 * 4000, 0)
+        >>> scaled = Pacer(m, length_scale=250, request_scale=8).modelled(4, 4 * 16, 0)
+        >>> round(plain * 1e3, 2), round(scaled * 1e3, 2)  # 32 requests at 4K context
+        (3.94, 3.94)
+        """
+        sc = self.scale
+        batch *= sc.request_scale
+        context_tokens *= sc.tokens
+        prefill_tokens *= sc.tokens
+        first = self.model.step_time(
+            batch, context_tokens, prefill_tokens, fused=self.fused_prefill
+        )
+        rest = (sc.length_scale - 1) * self.model.decode_time(batch, context_tokens)
+        return self.dilation * (first + rest) / sc.length_scale
 
     def pace(
         self,
@@ -273,3 +382,63 @@ class Pacer:
             "max_compute_ratio": self.max_ratio,
             "dilation": self.dilation,
         }
+
+
+class Clock:
+    """Holds stretches of real work (trainer updates, weight movements) to their
+    modelled durations on a :class:`Scale`, and checks the real work fits.
+
+    ``hold(t0, modelled_s, what)`` waits until ``t0`` (a ``time.time()``) plus the wall
+    time of ``modelled_s``; a stretch whose real work already took longer is counted as
+    an overrun of ``what``. With ``strict``, once the median of the last ``window``
+    stretches of one kind overran, :class:`PacingError` names the dilation that would do.
+    """
+
+    def __init__(
+        self,
+        scale: Scale,
+        *,
+        strict: bool = True,
+        window: int = 8,
+        sleep: Callable[[float], None] = time.sleep,
+    ) -> None:
+        self.scale = scale
+        self.strict = strict
+        self.window = window
+        self.sleep = sleep
+        self._ratios: dict[str, deque[float]] = {}
+        self.figures: dict[str, dict[str, float]] = {}
+
+    def hold(self, t0: float, modelled_s: float, what: str) -> float:
+        """Wait out ``modelled_s`` from ``t0``; returns the wall seconds since ``t0``."""
+        target = self.scale.wall(modelled_s)
+        actual = time.time() - t0
+        fig = self.figures.setdefault(
+            what, {"n": 0, "modelled_s": 0.0, "compute_s": 0.0, "overruns": 0}
+        )
+        fig["n"] += 1
+        fig["modelled_s"] += target
+        fig["compute_s"] += actual
+        ratios = self._ratios.setdefault(what, deque(maxlen=self.window))
+        ratios.append(actual / target if target > 0 else 0.0)
+        if actual <= target:
+            self.sleep(target - actual)
+            return time.time() - t0
+        fig["overruns"] += 1
+        if self.strict and len(ratios) == self.window and statistics.median(ratios) > 1.0:
+            median = statistics.median(ratios)
+            raise PacingError(
+                f"{what}: real work takes {median:.2f}× its modelled time (median of the "
+                f"last {self.window}): this machine cannot keep the emulated cluster's pace. "
+                f"Raise rollout.pacing.dilation to at least "
+                f"{self.scale.dilation * median * 1.5:.3g}"
+            )
+        return actual
+
+    def stats(self) -> dict[str, dict[str, float]]:
+        return {k: dict(v) for k, v in self.figures.items()}
+
+
+def scale_of(pacing) -> Scale:
+    """The :class:`Scale` of a ``rollout.pacing`` config section."""
+    return Scale(pacing.dilation, pacing.length_scale, pacing.request_scale)

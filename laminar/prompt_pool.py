@@ -2,9 +2,16 @@
 
 :class:`PromptPoolCore` is the pure logic (what to hand out, what is in flight);
 :class:`PromptPool` is the Dask actor around it. A group is dispatched to one rollout as a
-unit and stays *outstanding* until the buffer reports it consumed or discarded; dispatch
-pauses while ``max_outstanding`` groups are outstanding, so a fast rollout tier cannot
-grow the buffer without bound.
+unit and stays *outstanding* until the buffer reports it consumed or discarded. How much
+is handed out is the schedule's dispatch rule (:mod:`laminar.schedule`):
+
+* ``free`` — dispatch pauses while ``max_outstanding`` groups are outstanding, so a fast
+  rollout tier cannot grow the buffer without bound (Laminar);
+* ``batches`` — one global batch of ``groups_per_step`` groups per version, each rollout
+  taking at most its even share of it, and batch ``b`` only to rollouts that hold
+  version ``b - lag`` (sync and stream: ``lag = 0``; one-step: ``lag = 1``);
+* ``eta`` — back-pressure as ``free``, and never more than ``(version + eta + 1) ×
+  groups_per_step`` groups dispatched in all (AReaL's staleness bound η).
 """
 
 from __future__ import annotations
@@ -27,6 +34,16 @@ class PromptPoolCore:
     ['p00000000', 'p00000001']
     >>> core.acquire(1), core.release(["p00000000"]), len(core.acquire(1))
     ([], None, 1)
+
+    With ``batches``, version 0 gets the first global batch, shared by the replicas:
+
+    >>> b = PromptPoolCore([(Prompt(0, "n 2 >", "1 2"), (1, 5))], group_size=4,
+    ...                    max_outstanding=8, seed=0, dispatch="batches",
+    ...                    groups_per_step=4, replicas=2)
+    >>> len(b.acquire(9, "r0", version=0)), len(b.acquire(9, "r1", version=0))
+    (2, 2)
+    >>> len(b.acquire(9, "r0", version=0)), len(b.acquire(9, "r0", version=1))
+    (0, 2)
     """
 
     def __init__(
@@ -39,13 +56,23 @@ class PromptPoolCore:
         start: int = 0,
         outstanding: tuple[str, ...] = (),
         reissue: dict[str, tuple[int, int, tuple[int, ...]]] | None = None,
+        dispatch: str = "free",
+        groups_per_step: int = 1,
+        replicas: int = 1,
+        lag: int = 0,
+        eta: int = 0,
+        first_version: int = 0,
     ) -> None:
         """``start``: groups already dispatched by the run being resumed (the data
         position): the order continues after them, and so do the prompt uids.
         ``outstanding``: its groups the buffer holds again (they count against
         ``max_outstanding`` until they leave). ``reissue``: of those, the groups whose
         missing samples are handed out again first (prompt uid -> prompt key, group size,
-        sample indices; :class:`storage.resume.ResumePlan`)."""
+        sample indices; :class:`storage.resume.ResumePlan`).
+
+        ``dispatch``, ``groups_per_step``, ``replicas``, ``lag`` and ``eta``: the
+        schedule's dispatch rule (module docstring), counted from the trainer's starting
+        version ``first_version`` (a run started from a checkpoint)."""
         if not prompts:
             raise DataError("the prompt pool is empty; check task.prompt_file or task.num_prompts")
         self.prompts = prompts
@@ -55,6 +82,19 @@ class PromptPoolCore:
         self.epoch = 0
         for _ in range(start):
             self.epoch, _ = next(self._order)
+        if dispatch not in ("free", "batches", "eta"):
+            raise ValueError(f"dispatch {dispatch!r} is not one of free, batches, eta")
+        self.dispatch = dispatch
+        self.groups_per_step = groups_per_step
+        self.share = -(-groups_per_step // replicas)  # a rollout's part of a global batch
+        self.lag, self.eta = lag, eta
+        self.first_version = first_version
+        self.version = first_version  # the trainer's newest published version (eta)
+        # batches: the global batch being handed out, numbered by the version that
+        # generates it (+ lag) ...
+        self.batch = first_version
+        self._in_batch: dict[str, int] = {}  # ... and each rollout's groups of it
+        self._start = start
         self.outstanding: set[str] = set(outstanding)
         self.n_dispatched = start
         self.n_released = 0
@@ -72,14 +112,14 @@ class PromptPoolCore:
             self._reissue.append(group)
             self.outstanding.add(uid)
 
-    def acquire(self, n: int) -> list[PromptGroup]:
-        """Up to ``n`` groups, fewer (or none) while back-pressure holds. The missing
-        samples of a resumed run's groups come first (they are outstanding already)."""
+    def acquire(self, n: int, rollout_id: str = "", version: int = 0) -> list[PromptGroup]:
+        """Up to ``n`` groups for ``rollout_id``, which holds weight ``version``: fewer (or
+        none) as the dispatch rule says. The missing samples of a resumed run's groups
+        come first (they are outstanding already)."""
         groups = self._reissue[:n]
         del self._reissue[: len(groups)]
         self.n_reissued += len(groups)
-        room = max(0, self.max_outstanding - len(self.outstanding))
-        for _ in range(min(n - len(groups), room)):
+        while len(groups) < n and self._may_dispatch(rollout_id, version):
             self.epoch, idx = next(self._order)
             prompt, tokens = self.prompts[idx]
             uid = f"p{self.n_dispatched:08d}"
@@ -88,7 +128,28 @@ class PromptPoolCore:
             groups.append(
                 PromptGroup(uid, prompt.key, tokens, prompt.answer, self.group_size, self.epoch)
             )
+            if self.dispatch == "batches":
+                self._in_batch[rollout_id] = self._in_batch.get(rollout_id, 0) + 1
+                if sum(self._in_batch.values()) == self.groups_per_step:
+                    self.batch += 1  # the global batch is out: the next one waits
+                    self._in_batch = {}
         return groups
+
+    def _may_dispatch(self, rollout_id: str, version: int) -> bool:
+        if self.dispatch == "batches":  # the schedule's barrier bounds what is out
+            return (
+                version >= self.batch - self.lag and self._in_batch.get(rollout_id, 0) < self.share
+            )
+        if len(self.outstanding) >= self.max_outstanding:
+            return False
+        if self.dispatch == "eta":
+            ahead = (self.version - self.first_version + self.eta + 1) * self.groups_per_step
+            return self.n_dispatched - self._start < ahead
+        return True
+
+    def version_published(self, version: int) -> None:
+        """The trainer published ``version`` (the ``eta`` rule counts from it)."""
+        self.version = max(self.version, version)
 
     def release(self, prompt_uids: list[str]) -> None:
         """Groups that left the system (consumed, evicted or discarded)."""
@@ -104,6 +165,7 @@ class PromptPoolCore:
             "outstanding": len(self.outstanding),
             "reissued": self.n_reissued,
             "epoch": self.epoch,
+            "batch": self.batch,
         }
 
 
@@ -138,12 +200,15 @@ def load_prompts(cfg: RunConfig) -> list[Prompt]:
 class PromptPool:
     """Dask actor around :class:`PromptPoolCore` (placed on a ``data`` worker)."""
 
-    def __init__(self, cfg: RunConfig, policy_dir: str, resume=None) -> None:
+    def __init__(self, cfg: RunConfig, policy_dir: str, resume=None, spec=None) -> None:
         """``resume``: the :class:`storage.resume.ResumePlan` of a run resumed in place
-        (where its prompt order stood, and the groups its buffer holds again)."""
+        (where its prompt order stood, and the groups its buffer holds again).
+        ``spec``: the run's :class:`~laminar.schedule.ScheduleSpec` (default: Laminar's)."""
         from transformers import AutoTokenizer
 
+        from laminar.learner import checkpoint_version
         from laminar.model import encode_prompt
+        from laminar.schedule import LAMINAR
 
         tok = AutoTokenizer.from_pretrained(policy_dir, local_files_only=True)
         prompts = load_prompts(cfg)
@@ -161,6 +226,8 @@ class PromptPool:
                     f"prompt {p.key} ({p.text!r}) has symbols outside the model's vocabulary"
                 )
             encoded.append((p, ids))
+        spec = spec or LAMINAR
+        resumed_from = cfg.trainer.resume_from
         self.core = PromptPoolCore(
             encoded,
             group_size=cfg.rollout.group_size,
@@ -169,10 +236,19 @@ class PromptPool:
             start=data_position(cfg.trainer.resume_from) if resume is None else resume.start,
             outstanding=() if resume is None else tuple(resume.readmit_groups),
             reissue=None if resume is None else resume.reissue,
+            dispatch=spec.dispatch,
+            groups_per_step=cfg.trainer.groups_per_step,
+            replicas=cfg.rollout.replicas,
+            lag=spec.lag,
+            eta=spec.eta,
+            first_version=checkpoint_version(resumed_from) if resumed_from else 0,
         )
 
-    async def acquire(self, n: int) -> list[PromptGroup]:
-        return self.core.acquire(n)
+    async def acquire(self, n: int, rollout_id: str = "", version: int = 0) -> list[PromptGroup]:
+        return self.core.acquire(n, rollout_id, version)
+
+    async def version_published(self, version: int) -> None:
+        self.core.version_published(version)
 
     async def release(self, prompt_uids: list[str]) -> None:
         self.core.release(prompt_uids)

@@ -10,6 +10,14 @@ answer while it decodes. One iteration of the loop is one *local batch*:
 3. decode until the batch drains; every finished trajectory is rewarded by a Dask task and
    enters the experience buffer on its own, while the rest of the batch decodes on.
 
+How many groups a rollout asks for, and when it loads weights, follow the run's schedule
+(:class:`~laminar.schedule.ScheduleSpec`): under ``refill`` (partial rollout) it takes new
+groups whenever its engine has room instead of draining local batches, and under
+``interrupt`` every publication pauses it (:meth:`RolloutReplica.pause`): its unfinished
+requests wait while it loads the new version, then resume with their KV recomputed, the
+new tokens sampled by the new weights. Paced with ``rollout.pacing.pull_s``, a pull at a
+batch boundary lasts the modelled host-to-device copy.
+
 Repack (:mod:`laminar.repack`, driven by :class:`laminar.manager.RolloutManager`) moves a
 draining batch between rollouts of the same version. The generation thread alone touches
 the engine: the manager's requests (export everything, import these states) wait in a
@@ -53,15 +61,22 @@ class RolloutReplica:
         relay,
         partial=None,
         checkpoints_dir: str | None = None,
+        spec=None,
     ) -> None:
         """``partial``: the :class:`~laminar.partial.PartialResponsePool` to log unfinished
         trajectories to (none: no log); ``checkpoints_dir``: where old versions are found
-        when the relay no longer keeps them (recovery)."""
+        when the relay no longer keeps them (recovery); ``spec``: the run's
+        :class:`~laminar.schedule.ScheduleSpec` (default: Laminar's)."""
         from laminar.model import load_tokenizer
         from laminar.relay import Puller
+        from laminar.schedule import LAMINAR
 
         torch.set_num_threads(cfg.cluster.torch_threads)
         self.rollout_id = rollout_id
+        self.spec = spec or LAMINAR
+        # interrupt: (the version to wait for, the requests held meanwhile)
+        self._paused: tuple[int, list[RequestState]] | None = None
+        self._t_refill = 0.0  # refill: when the pool was last asked during a batch
         self.cfg = cfg
         self.pool, self.buffer, self.partial = pool, buffer, partial
         self.checkpoints_dir = checkpoints_dir
@@ -135,6 +150,9 @@ class RolloutReplica:
             "adopted_requests": 0,
             "restarted_requests": 0,  # recovered, but their version was gone: started over
             "rescored_requests": 0,  # recovered finished, reward was in flight: scored here
+            "interrupts": 0,  # interrupt: publications that paused this rollout
+            "sync_wait_s": 0.0,  # ... and the time it waited for their weights
+            "recomputed_tokens": 0,  # ... and the KV it recomputed after them
         }
 
     # -- control methods (run on the actor thread while the loop decodes) ---------------
@@ -185,11 +203,14 @@ class RolloutReplica:
             while not self._stop.is_set():
                 self._tick()
                 self._wait_while_held()
+                if self._paused is not None:  # a global weight update interrupted us
+                    self._resume_paused()
+                    continue
                 if not self.engine.has_work() and not self._adopted.empty():
                     self._take_adopted()  # a lost rollout's batch, at its own version
                 elif not self.engine.has_work():  # a batch boundary
                     self._maybe_load_weights()
-                    groups = self._call(self.pool.acquire(self.cfg.rollout.groups_per_batch))
+                    groups = self._acquire(self._ask())
                     if not groups:
                         t = time.time()
                         self._collect_rewards(block=False)
@@ -210,6 +231,65 @@ class RolloutReplica:
         # Every actor-to-actor call has a timeout: a call to a lost actor never returns.
         return actor_future.result(timeout=self.cfg.cluster.actor_timeout_s)
 
+    def _ask(self) -> int:
+        """Groups to ask the pool for at a batch boundary: a local batch (Laminar), the
+        whole global batch (the sync family: the pool gives this rollout its share), or
+        what fills the engine (refill)."""
+        r = self.cfg.rollout
+        if self.spec.dispatch == "batches":
+            return self.cfg.trainer.groups_per_step
+        if self.spec.refill:
+            return max(1, r.max_batch // r.group_size)
+        return r.groups_per_batch
+
+    def _acquire(self, n: int) -> list[PromptGroup]:
+        return self._call(self.pool.acquire(n, self.rollout_id, self.engine.version))
+
+    def _refill(self, finished: bool) -> None:
+        """Refill: take new groups while the engine has room for a whole group (asked
+        when requests finished, else at most every 0.1 s while the pool says no)."""
+        r = self.cfg.rollout
+        room = r.max_batch - len(self.engine.request_ids())
+        if room < r.group_size or (not finished and time.time() - self._t_refill < 0.1):
+            return
+        self._t_refill = time.time()
+        groups = self._acquire(room // r.group_size)
+        if groups:
+            self._add(groups)
+
+    def pause(self, version: int) -> int:
+        """Interrupt (partial rollout): hold every unfinished request until the relay has
+        ``version``, load it, and resume them, recomputing their KV; served between two
+        decode steps. Returns how many requests were held."""
+        return self._command(lambda: self._pause(version))
+
+    def _pause(self, version: int) -> int:
+        if self.engine.version >= version:
+            return 0
+        states = self.engine.export(list(self.engine.request_ids()), moved=False)
+        self._paused = (version, states)
+        self.counts["interrupts"] += 1
+        return len(states)
+
+    def _resume_paused(self) -> None:
+        version, states = self._paused
+        t = time.time()
+        while self.engine.version < version and not self._stop.is_set():
+            self._tick()
+            update = self.puller.newest(self.engine.version)
+            if update is not None:
+                self._load_version(*update)
+            else:
+                self._serve(0.01)
+        self.counts["sync_wait_s"] += time.time() - t
+        self._paused = None
+        if self._stop.is_set() and self.engine.version < version:
+            # Stopped before the version came: the requests stay unfinished (the store
+            # keeps nothing of them, as of any request still generating at a stop).
+            return
+        self.engine.import_(states, allow_version_change=True)
+        self.counts["recomputed_tokens"] += sum(st.context_len for st in states)
+
     def _maybe_load_weights(self) -> None:
         """The rollout wait: ask the local relay for a newer complete version, load it.
 
@@ -222,19 +302,30 @@ class RolloutReplica:
             self._synced = bool(self.puller.versions())
             if not self._synced:
                 self._stop.wait(0.02)
+        t_pull = time.time()
         update = self.puller.newest(self.engine.version)
         if update is not None:
-            version, state = update
-            self.engine.load_weights(state, version)
-            if self._reference is not None:
-                self._reference.load_state_dict(state)
-            if self.cfg.relay.audit_weights:
-                from laminar.relay import state_fingerprint
+            self._load_version(*update)
+            pacing = self.cfg.rollout.pacing
+            if self.spec.weights == "relay" and pacing is not None and pacing.pull_s:
+                from laminar.pacing import scale_of
 
-                self.fingerprints[version] = state_fingerprint(state)
-            self.counts["weight_loads"] += 1
-            self.counts["weight_bytes"] = self.puller.bytes
+                # The modelled host-to-device copy, of which the real pull was part.
+                left = scale_of(pacing).wall(pacing.pull_s) - (time.time() - t_pull)
+                self._serve_for(max(0.0, left))
         self.counts["weight_wait_s"] += time.time() - t
+
+    def _load_version(self, version: int, state: dict) -> None:
+        """Load ``version`` into the engine (and the parity reference)."""
+        self.engine.load_weights(state, version)
+        if self._reference is not None:
+            self._reference.load_state_dict(state)
+        if self.cfg.relay.audit_weights:
+            from laminar.relay import state_fingerprint
+
+            self.fingerprints[version] = state_fingerprint(state)
+        self.counts["weight_loads"] += 1
+        self.counts["weight_bytes"] = self.puller.bytes
 
     def set_relay(self, relay) -> None:
         """Pull from ``relay`` from now on: the manager's answer to the loss of ours
@@ -357,10 +448,7 @@ class RolloutReplica:
                 self.counts["restarted_requests"] += len(states)
                 version = self.engine.version
             else:
-                self.engine.load_weights(weights, version)
-                if self._reference is not None:
-                    self._reference.load_state_dict(weights)
-                self.counts["weight_loads"] += 1
+                self._load_version(version, weights)
         self.engine.import_(states)
         self._logged.update({st.request_id: len(st.tokens) for st in states})
         self._reprefill = True
@@ -390,14 +478,19 @@ class RolloutReplica:
                 if finished:
                     self._submit_rewards(finished)
                     # Moved responses (re-prefilled here) are always checked when parity
-                    # checks are on; others every `parity_every` batches.
+                    # checks are on; others every `parity_every` batches. Only responses
+                    # wholly of this version compare with this version's forward.
+                    v = self.engine.version
+                    same = [o for o in finished if (o.token_versions == v).all()]
                     if every:
-                        got = [o for o in finished if o.n_moves]
+                        got = [o for o in same if o.n_moves]
                         moved += got[: PARITY_SAMPLE - len(moved)]
                     if check:
-                        got = [o for o in finished if not o.n_moves]
+                        got = [o for o in same if not o.n_moves]
                         sample += got[: PARITY_SAMPLE - len(sample)]
                 self._collect_rewards(block=False)
+                if self.spec.refill and self._paused is None:
+                    self._refill(bool(finished))
                 self._publish_load()
                 self._serve()
             if self._ended:  # the batch is over: no finished request stays unlogged

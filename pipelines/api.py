@@ -65,7 +65,7 @@ class RunHandle:
     """A run in progress on a Dask cluster; every method returns at once except ``wait``."""
 
     def __init__(self, cfg: RunConfig, client, run_dir: Path, resume=None) -> None:
-        from pipelines.laminar import LaminarSchedule
+        from pipelines.driver import schedule_class
 
         self.config = cfg
         self.client = client
@@ -75,7 +75,7 @@ class RunHandle:
         self._progress: dict = {"phase": "submitted"}
         self._stop = threading.Event()
         self._done = threading.Event()
-        self._schedule = LaminarSchedule(cfg, client, run_dir, resume)
+        self._schedule = schedule_class(cfg.pipeline.schedule)(cfg, client, run_dir, resume)
         self._thread = threading.Thread(target=self._drive, name="laminar-driver", daemon=True)
         self._thread.start()
 
@@ -83,7 +83,7 @@ class RunHandle:
         self._progress = {**self._progress, **p}
 
     def _drive(self) -> None:
-        from pipelines.laminar import summarize
+        from pipelines.driver import summarize
 
         try:
             self._schedule.setup(self._set_progress)
@@ -168,6 +168,13 @@ def prepare_resume(run_dir: str | Path, overrides: list[str] | tuple[str, ...] =
             "start it again"
         )
     cfg = load_config(config, [*overrides, f"trainer.resume_from={ckpt}", f"run_dir={path}"])
+    if cfg.pipeline.schedule != "laminar":
+        raise ConfigError(
+            f"cannot resume {str(path)!r} in place: it ran pipeline.schedule="
+            f"{cfg.pipeline.schedule!r}, and resuming in place is built for the laminar "
+            "schedule; start a new run from its checkpoint with "
+            f"--set trainer.resume_from={ckpt}"
+        )
     version = checkpoint_version(ckpt)
     if cfg.trainer.steps <= version:
         raise ConfigError(

@@ -16,7 +16,7 @@ from __future__ import annotations
 import numpy as np
 import xarray as xr
 
-from storage.schema import ALL_FIELDS, RAGGED_FIELDS, STATUSES
+from storage.schema import ALL_FIELDS, MIXED_VERSION_SCHEDULES, RAGGED_FIELDS, STATUSES
 
 
 @xr.register_dataset_accessor("laminar")
@@ -171,7 +171,10 @@ class LaminarAccessor:
 
         * every contract field is present;
         * ``behavior_version <= finish_version <= sample_version`` (for consumed ones);
-        * one behavior version per trajectory (``token_versions`` empty or all equal to it);
+        * one behavior version per trajectory (``token_versions`` empty or all equal to it)
+          — or, in a schedule whose responses mix versions (partial rollout: the store's
+          ``schedule`` attribute), one version per response token, rising from the
+          behavior version to at most the finish version;
         * uids unique, so nothing was stored — or consumed — twice;
         * ``sample_version``/``t_sample`` set exactly for consumed trajectories;
         * every consumed group complete: ``group_size`` consumed siblings per prompt_uid,
@@ -212,14 +215,28 @@ class LaminarAccessor:
                 f"e.g. {values[counts > 1][0]!r}"
             )
         n_versions = ds["versions_len"].values
+        mixing = ds.attrs.get("schedule") in MIXED_VERSION_SCHEDULES
         if n_versions.any():
             tv = ds["token_versions"].values
             starts = ds["versions_start"].values
+            n_resp = ds["response_len"].values
             for i in np.flatnonzero(n_versions):
                 seg = tv[starts[i] : starts[i] + n_versions[i]]
-                if (seg != k[i]).any():
+                if not mixing and (seg != k[i]).any():
                     problems.append(
                         f"trajectory {uid[i]!r} mixes weight versions {sorted(set(seg))}"
+                    )
+                    break
+                if mixing and not (
+                    n_versions[i] == n_resp[i]
+                    and seg[0] == k[i]
+                    and (np.diff(seg) >= 0).all()
+                    and seg[-1] <= m_f[i]
+                ):
+                    problems.append(
+                        f"trajectory {uid[i]!r}: token versions {sorted(set(seg))} are not one "
+                        f"per response token, rising from its behavior version {k[i]} to at "
+                        f"most its finish version {m_f[i]}"
                     )
                     break
         if consumed.any():

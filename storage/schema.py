@@ -22,6 +22,10 @@ import numpy as np
 FINISH_REASONS = ("eos", "stop", "length", "tool_limit", "error")
 STATUSES = ("buffered", "consumed", "evicted", "discarded", "filtered", "dropped")
 
+# Schedules (the store's ``schedule`` attribute) whose responses may mix weight versions,
+# one per token in ``token_versions``; in every other, a trajectory has one version.
+MIXED_VERSION_SCHEDULES = ("partial_rollout",)
+
 TRAJECTORY_DIM = "trajectory"
 # Variable-length UTF-8 in Zarr (has a v3 spec, unlike fixed-width unicode).
 STRING = np.dtypes.StringDType()

@@ -73,12 +73,15 @@ class TrajectoryWriter:
     [7, 2]
     """
 
-    def __init__(self, path: str | Path) -> None:
+    def __init__(self, path: str | Path, schedule: str = "laminar") -> None:
+        """``schedule``: the ``pipeline.schedule`` that writes the run, recorded in the
+        store's attributes (the audit knows from it whether responses may mix versions)."""
         self.path = store_path(path)
         exists = (self.path / "zarr.json").exists()
         self.group = zarr.open_group(str(self.path), mode="a", zarr_format=3)
         if not exists:
             self._create()
+            self.group.attrs["schedule"] = schedule
         elif self.group.attrs.get("schema_version") != SCHEMA_VERSION:
             raise StoreError(
                 f"{str(self.path)!r} has schema_version "
@@ -312,6 +315,7 @@ def open_run(path: str | Path) -> xr.Dataset:
     ds["residence"] = (ds["sample_version"] - ds["finish_version"]).where(sampled)
     ds["s_train"] = (ds["sample_version"] - ds["behavior_version"]).where(sampled)
     ds.attrs["run_dir"] = str(store.parent)
+    ds.attrs["schedule"] = group.attrs.get("schedule", "laminar")  # older stores: laminar
     return ds
 
 

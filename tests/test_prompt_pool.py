@@ -1,3 +1,6 @@
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
 from laminar.prompt_pool import PromptPoolCore
 from laminar.tasks import Prompt
 
@@ -19,6 +22,7 @@ def test_back_pressure_bounds_outstanding_groups():
         "outstanding": 3,
         "reissued": 0,
         "epoch": 0,
+        "batch": 0,
     }
 
 
@@ -74,3 +78,87 @@ def test_a_resumed_pool_reissues_the_missing_samples_first():
         PromptPoolCore(
             prompts, group_size=4, max_outstanding=4, seed=3, reissue={"p1": (9, 4, (0,))}
         )
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    replicas=st.integers(1, 5),
+    groups_per_step=st.integers(1, 9),
+    lag=st.integers(0, 1),
+    calls=st.lists(st.tuples(st.integers(0, 4), st.integers(1, 12), st.booleans()), max_size=60),
+)
+def test_batches_go_out_whole_one_version_at_a_time(replicas, groups_per_step, lag, calls):
+    """The sync-family rule: global batch b goes only to rollouts holding version b - lag,
+    each rollout takes at most its even share of it, and batch b + 1 starts only once
+    batch b is out whole — whatever order rollouts come in and whatever they ask for."""
+    prompts = [(Prompt(i, f"n {i} >", "x"), (1, i + 4)) for i in range(7)]
+    pool = PromptPoolCore(
+        prompts,
+        group_size=2,
+        max_outstanding=1,  # not the rule here: the barrier bounds what is out
+        seed=0,
+        dispatch="batches",
+        groups_per_step=groups_per_step,
+        replicas=replicas,
+        lag=lag,
+    )
+    share = -(-groups_per_step // replicas)
+    versions = [0] * replicas
+    taken: dict[tuple[int, int], int] = {}  # (batch, rollout) -> groups
+    n = 0
+    for r, ask, advance in calls:
+        r %= replicas
+        if advance and versions[r] < pool.batch:  # the rollout loads a newer version
+            versions[r] += 1
+        batch_before = pool.batch
+        got = pool.acquire(ask, f"r{r}", versions[r])
+        assert len(got) <= ask
+        for _ in got:
+            b = n // groups_per_step  # the batch this group belongs to
+            assert versions[r] >= b - lag
+            taken[b, r] = taken.get((b, r), 0) + 1
+            assert taken[b, r] <= share
+            n += 1
+        assert pool.batch == n // groups_per_step >= batch_before
+    assert pool.stats()["dispatched"] == n
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    eta=st.integers(0, 3),
+    groups_per_step=st.integers(1, 5),
+    events=st.lists(
+        st.tuples(st.sampled_from(["acquire", "release", "publish"]), st.integers(1, 6)),
+        max_size=60,
+    ),
+)
+def test_eta_bounds_dispatch_by_the_trainer_version(eta, groups_per_step, events):
+    """AReaL's rule: never more than (version + eta + 1) x groups_per_step groups out in
+    all, and never more than max_outstanding at once."""
+    prompts = [(Prompt(i, f"n {i} >", "x"), (1, i + 4)) for i in range(7)]
+    pool = PromptPoolCore(
+        prompts,
+        group_size=2,
+        max_outstanding=6,
+        seed=0,
+        dispatch="eta",
+        groups_per_step=groups_per_step,
+        eta=eta,
+    )
+    version, out = 0, []
+    for kind, k in events:
+        if kind == "acquire":
+            out += [g.prompt_uid for g in pool.acquire(k)]
+        elif kind == "release":
+            pool.release(out[:k])
+            out = out[k:]
+        else:
+            version += 1
+            pool.version_published(version)
+        assert pool.stats()["dispatched"] <= (version + eta + 1) * groups_per_step
+        assert pool.stats()["outstanding"] <= 6
+    # nothing holds dispatch back but the rules: with room, it hands out up to the bound
+    pool.release(out)
+    pool.acquire(1000)
+    bound = (version + eta + 1) * groups_per_step
+    assert pool.stats()["dispatched"] == min(bound, pool.stats()["released"] + 6)

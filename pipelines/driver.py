@@ -1,0 +1,684 @@
+"""What every schedule's driver does: wire the actors of one run on a Dask client,
+drive them to the end, record the run's metrics and summary.
+
+The five schedules (``pipelines/laminar.py``, ``sync.py``, ``one_step.py``, ``stream.py``,
+``partial_rollout.py``) are subclasses of :class:`Schedule` that say what they keep
+global as a :class:`~laminar.schedule.ScheduleSpec`; every actor takes the spec and
+follows it. ``pipeline.schedule`` in the config picks one (:func:`schedule_class`).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import time
+from collections.abc import Callable
+from pathlib import Path
+from urllib.parse import urlparse
+
+import numpy as np
+
+from laminar.buffer import ExperienceBuffer
+from laminar.cluster import bind_actor, place, start_actor, submit_actor, workers_with
+from laminar.config import RunConfig
+from laminar.errors import ClusterError
+from laminar.learner import newest_checkpoint
+from laminar.manager import RolloutManager
+from laminar.partial import PartialResponsePool
+from laminar.prompt_pool import DATA_STATE, PromptPool, load_prompts
+from laminar.relay import build_tier
+from laminar.rollout import RolloutReplica
+from laminar.schedule import ScheduleSpec
+from laminar.trainer import Trainer, TrainerRank, free_port
+
+logger = logging.getLogger("laminar")
+
+METRICS_FLUSH_S = 5.0
+# Rollout stats recorded per poll (besides the rollout id and the time).
+ROLLOUT_METRICS = (
+    "version",
+    "kv_used",
+    "kv_capacity",
+    "running",
+    "batches",
+    "trajectories",
+    "response_tokens",
+    "decode_steps",
+    "weight_loads",
+    "weight_bytes",
+    "moves_out",
+    "moves_in",
+    "requests_in",
+    "reprefill_tokens",
+    "reprefill_s",
+    "idle_s",
+    "weight_wait_s",
+    "decode_s",
+    "reward_errors",
+    "waiting",
+    "engine_preemptions",
+    "engine_prefill_tokens",
+    "parity_max_abs",
+    "parity_mean_abs",
+    "engine_modelled_s",  # paced engines only
+    "engine_compute_s",
+    "interrupts",  # partial rollout: global updates that paused it ...
+    "sync_wait_s",  # ... the time it waited for their weights
+    "recomputed_tokens",  # ... and the KV it recomputed after them
+)
+
+
+def prepare_policy(cfg: RunConfig) -> tuple[str, dict]:
+    """Dask task: the warm-started policy folder (cached) and how it was obtained."""
+    from laminar.sft import warm_start
+
+    path, info = warm_start(cfg, load_prompts(cfg))
+    return str(path), info
+
+
+class Schedule:
+    """Wires the actors of one run on a Dask client and drives them to the end.
+
+    A subclass says what its schedule keeps global (:meth:`spec`). ``progress`` is called
+    with a dict about twice a second; ``should_stop`` is polled (Ctrl-C in the CLI,
+    ``RunHandle.stop()`` in a notebook).
+    """
+
+    name = "laminar"
+
+    @classmethod
+    def spec(cls, cfg: RunConfig) -> ScheduleSpec:
+        """What the schedule keeps global, for the actors to follow."""
+        raise NotImplementedError
+
+    def __init__(self, cfg: RunConfig, client, run_dir: Path, resume=None) -> None:
+        """``resume``: the :class:`storage.resume.ResumePlan` of a run resumed in place."""
+        self.schedule = self.spec(cfg)
+        self.cfg = cfg
+        self.client = client
+        self.run_dir = run_dir
+        self.resume = resume
+        self.actors: dict = {}
+        self.sft_info: dict = {}
+
+    def setup(self, progress: Callable[[dict], None]) -> None:
+        cfg, client = self.cfg, self.client
+        data_w = place(client, "data", 1)[0]
+        trainer_ws = place(client, "trainer", cfg.trainer.ranks)
+        trainer_w = trainer_ws[0]
+        rollout_ws = place(client, "rollout", cfg.rollout.replicas)
+        progress({"phase": "warm-start"})
+        t0 = time.time()
+        fut = client.submit(
+            prepare_policy, cfg, workers=[trainer_w], resources={"trainer": 1}, pure=False
+        )
+        policy_dir, self.sft_info = fut.result()
+        self.sft_info["wall_s"] = time.time() - t0
+        self.policy_dir = policy_dir
+        progress({"phase": "starting actors", "policy_dir": policy_dir, "sft": self.sft_info})
+        b = cfg.buffer
+        spec = self.schedule
+        pool = submit_actor(
+            client,
+            PromptPool,
+            cfg,
+            policy_dir,
+            self.resume,
+            spec,
+            worker=data_w,
+            resource="data",
+        )
+        partial = None
+        if cfg.faults.recover:
+            partial = submit_actor(
+                client,
+                PartialResponsePool,
+                cfg.relay.timeout_s,
+                worker=data_w,
+                resource="data",
+            )
+        buffer = submit_actor(
+            client,
+            ExperienceBuffer,
+            str(self.run_dir),
+            pool,
+            b,
+            partial,
+            self.resume,
+            spec.name,
+            worker=data_w,
+            resource="data",
+        )
+        init_method = ""
+        if cfg.trainer.ranks > 1:  # data-parallel: rank 0's worker hosts the rendezvous
+            port = client.submit(free_port, workers=[trainer_w], pure=False).result()
+            init_method = f"tcp://{urlparse(trainer_w).hostname}:{port}"
+        ranks = [
+            submit_actor(
+                client,
+                TrainerRank,
+                cfg,
+                policy_dir,
+                r,
+                init_method,
+                worker=w,
+                resource="trainer",
+            )
+            for r, w in enumerate(trainer_ws[1:], start=1)
+        ]
+        progress({"phase": "relays"})
+        tier = build_tier(client, cfg, trainer_w, rollout_ws)
+        self.relay_info = {"chain": tier.ids, "workers": tier.workers, **tier.calibration}
+        if partial is not None:  # the versions of unfinished trajectories stay kept
+            partial.set_relays(tier.relays).result()
+        taken: dict[int, int] = {}
+        self._tier, self._taken = tier, taken
+        self.rollout_workers = {f"r{i}": w for i, w in enumerate(rollout_ws)}
+        # The relay each rollout pulls from (the manager re-points them when one is lost).
+        self.rollout_relays = {
+            f"r{i}": tier.ids[tier.local_relay(w, taken)] for i, w in enumerate(rollout_ws)
+        }
+        self._joining: tuple[str, str, str, str, object] | None = None  # a replacement
+        rollouts = [
+            submit_actor(
+                client,
+                RolloutReplica,
+                f"r{i}",
+                cfg,
+                policy_dir,
+                pool,
+                buffer,
+                tier.relays[tier.ids.index(self.rollout_relays[f"r{i}"])],
+                partial,
+                str(self.run_dir / "checkpoints"),
+                spec,
+                worker=w,
+                resource="rollout",
+            )
+            for i, w in enumerate(rollout_ws)
+        ]
+        manager = None
+        if cfg.repack is not None or partial is not None or spec.interrupt:
+            manager = submit_actor(
+                client,
+                RolloutManager,
+                cfg,
+                {f"r{i}": r for i, r in enumerate(rollouts)},
+                tier.master,
+                partial,
+                {f"r{i}": w for i, w in enumerate(rollout_ws)},
+                relays=dict(zip(tier.ids, tier.relays, strict=True)),
+                relay_workers=dict(zip(tier.ids, tier.workers, strict=True)),
+                rollout_relays=self.rollout_relays,
+                worker=data_w,
+                resource="data",
+            )
+        trainer = submit_actor(
+            client,
+            Trainer,
+            cfg,
+            policy_dir,
+            str(self.run_dir),
+            buffer,
+            tier.master,
+            init_method,
+            spec,
+            manager,
+            worker=trainer_w,
+            resource="trainer",
+        )
+        # Where the actors that a run cannot go on without live (loss is reported by role).
+        self.core_workers = {"trainer and data module": trainer_w, "data module": data_w}
+        self.core_workers |= {f"trainer rank {r}": w for r, w in enumerate(trainer_ws[1:], 1)}
+        self.actors = {
+            "manager": manager,
+            "partial": partial,
+            "pool": pool,
+            "buffer": buffer,
+            "trainer": trainer,
+            "trainer_ranks": ranks,
+            "rollouts": rollouts,
+            "relays": tier.relays,
+        }
+
+    def run(self, progress: Callable[[dict], None], should_stop: Callable[[], bool]) -> dict:
+        from storage.metrics import MetricsWriter
+
+        a = self.actors
+        for r in a["trainer_ranks"]:  # they wait in the group's rendezvous for rank 0
+            r.start().result()
+        a["trainer"].start().result()
+        for r in a["rollouts"]:
+            r.start().result()
+        if a["manager"] is not None:
+            a["manager"].start().result()
+        self._n_repacks = self._n_faults = 0
+        self.metrics = MetricsWriter(self.run_dir, tensorboard=self.cfg.metrics.tensorboard)
+        self._rows: dict[str, list[dict]] = {"cluster": [], "rollouts": []}
+        self._n_updates = 0
+        t_start = last_t = last_flush = time.time()
+        t_origin = self._origin(t_start)
+        last_tokens = 0
+        reason = "completed"
+        try:
+            while True:
+                time.sleep(0.5)
+                futures = [a["trainer"].stats(), a["buffer"].stats(), a["pool"].stats()]
+                t_stats, b_stats, p_stats = (
+                    f.result(timeout=self.cfg.cluster.actor_timeout_s) for f in futures
+                )
+                r_stats = self._rollout_stats()
+                now = time.time()
+                tokens = sum(s["response_tokens"] for s in r_stats)
+                gen_tok_s = (tokens - last_tokens) / max(now - last_t, 1e-9)
+                last = t_stats["last"] or {}
+                self._record(now - t_origin, now, t_stats, b_stats, p_stats, r_stats, tokens)
+                progress(
+                    {
+                        "phase": "training",
+                        "elapsed_s": now - t_start,
+                        "version": t_stats["version"],
+                        "steps": t_stats["steps"],
+                        "reward": last.get("reward_mean"),
+                        "s_train_mean": last.get("s_train_mean"),
+                        "gen_tok_s": gen_tok_s,
+                        "buffer_depth": b_stats["depth"],
+                        "trajectories": b_stats["inserted"],
+                        "discarded": b_stats["discarded"],
+                        "evicted": b_stats["evicted"],
+                        "filtered": b_stats["filtered"],
+                        "rollout_versions": [s["version"] for s in r_stats],
+                    }
+                )
+                last_t, last_tokens = now, tokens
+                if now - last_flush > METRICS_FLUSH_S:
+                    self._flush_metrics()
+                    last_flush = now
+                failed = [s for s in r_stats if s["error"]] + (
+                    [t_stats] if t_stats["error"] else []
+                )
+                failed += [
+                    s for s in (r.stats().result() for r in a["trainer_ranks"]) if s["error"]
+                ]
+                if a["manager"] is not None and (m := a["manager"].stats().result())["error"]:
+                    failed.append(m)
+                elif a["manager"] is not None:
+                    self._replace_lost(m)
+                if failed:
+                    reason = "failed: " + failed[0]["error"].strip().splitlines()[-1]
+                    break
+                if t_stats["done"]:
+                    break
+                if should_stop():
+                    reason = "stopped"
+                    break
+        except Exception as e:  # a lost trainer or data module: say so, stop the rest
+            self.metrics.close()
+            self._fail_on_lost_core(e)
+            raise
+        try:
+            return self.shutdown(reason, t_start)
+        finally:
+            self.metrics.close()
+
+    def _replace_lost(self, m_stats: dict) -> None:
+        """Start a rollout in place of a lost one on a ``rollout`` worker that hosts none
+        (its worker restarted by the nanny, or a new one), one at a time, without
+        blocking the poll: created on one poll, started and handed to the manager on a
+        later one. The new rollout takes the next id (``r<N>``)."""
+        cfg, client, a = self.cfg, self.client, self.actors
+        if not (cfg.faults.recover and cfg.faults.replace):
+            return
+        if self._joining is not None:
+            rid, worker, replaces, relay_id, future = self._joining
+            if not future.done():
+                return
+            self._joining = None
+            try:
+                handle = bind_actor(client, RolloutReplica, worker, future)
+                handle.start().result(timeout=cfg.cluster.actor_timeout_s)
+            except Exception as e:  # noqa: BLE001 — that worker went too: try again later
+                logger.warning("rollout %s could not start on %s: %s", rid, worker, e)
+                return
+            a["rollouts"].append(handle)
+            self.rollout_workers[rid] = worker
+            a["manager"].add_rollout(rid, handle, worker, replaces, relay_id).result()
+            return
+        waiting = [r for r in m_stats["lost"] if r not in m_stats["replacements"]]
+        if not waiting:
+            return
+        hosting = {w for r, w in self.rollout_workers.items() if r not in m_stats["lost"]}
+        free = [w for w in workers_with(client, "rollout") if w not in hosting]
+        if not free:
+            return
+        rid, worker = f"r{len(a['rollouts'])}", free[0]
+        tier = self._tier
+        relay_id = tier.ids[tier.local_relay(worker, self._taken, lost=m_stats["relays_lost"])]
+        self.rollout_relays[rid] = relay_id
+        future = start_actor(
+            client,
+            RolloutReplica,
+            rid,
+            cfg,
+            self.policy_dir,
+            a["pool"],
+            a["buffer"],
+            tier.relays[tier.ids.index(relay_id)],
+            a["partial"],
+            str(self.run_dir / "checkpoints"),
+            self.schedule,
+            worker=worker,
+            resource="rollout",
+        )
+        self._joining = (rid, worker, waiting[0], relay_id, future)
+
+    def _origin(self, t_start: float) -> float:
+        """When the run first started: a resumed run's ``cluster`` rows go on from its
+        earlier ones (``elapsed_s`` keeps rising, across the gap)."""
+        if self.resume is None:
+            return t_start
+        from storage.metrics import open_metrics, time_origin
+
+        try:
+            origin = time_origin(open_metrics(self.run_dir, "cluster"))
+        except Exception:  # noqa: BLE001 — lost before its first metrics flush
+            return t_start
+        return t_start if origin is None else origin
+
+    def _record(self, elapsed, now, t_stats, b_stats, p_stats, r_stats, tokens) -> None:
+        """One row of the ``cluster`` table and one ``rollouts`` row per replica."""
+        oldest = b_stats["oldest_t_insert"]
+        self._rows["cluster"].append(
+            {
+                "elapsed_s": elapsed,
+                "wall_time": now,
+                "version": t_stats["version"],
+                "buffer_depth": b_stats["depth"],
+                "ready_groups": b_stats["ready_groups"],
+                "partial_groups": b_stats["partial_groups"],
+                "inserted": b_stats["inserted"],
+                "consumed": b_stats["consumed"],
+                "discarded": b_stats["discarded"],
+                "oldest_buffered_age_s": now - oldest,  # NaN when the buffer is empty
+                "outstanding_groups": p_stats["outstanding"],
+                "dispatched_groups": p_stats["dispatched"],
+                "response_tokens": tokens,
+                "trainer_wait_s": t_stats["wait_s"],
+            }
+        )
+        for s in r_stats:
+            self._rows["rollouts"].append(
+                {"elapsed_s": elapsed, "rollout": s["rollout_id"]}
+                | {k: s.get(k, math.nan) for k in ROLLOUT_METRICS}
+            )
+
+    def _flush_metrics(self) -> None:
+        for table, rows in self._rows.items():
+            self.metrics.append(table, rows)
+            rows.clear()
+        new = self.actors["trainer"].get_history(self._n_updates).result()
+        self.metrics.append("updates", new)
+        self._n_updates += len(new)
+        if self.actors["manager"] is not None:
+            moves = self.actors["manager"].get_rows(self._n_repacks).result()
+            self.metrics.append("repacks", moves)
+            self._n_repacks += len(moves)
+            faults = self.actors["manager"].get_fault_rows(self._n_faults).result()
+            self.metrics.append("faults", faults)
+            self._n_faults += len(faults)
+
+    def _fail_on_lost_core(self, error: Exception) -> None:
+        """A call to the trainer or the data module failed: if its worker is gone, stop
+        what still runs and raise a :class:`ClusterError` that says what was lost and how
+        to continue (recovering these is not built yet; docs/faults.md)."""
+        workers = set(self.client.scheduler_info(n_workers=-1)["workers"])
+        lost = {role: w for role, w in self.core_workers.items() if w not in workers}
+        if not lost:
+            return
+        self._abort()
+        role, worker = next(iter(lost.items()))
+        saved = newest_checkpoint(self.run_dir)
+        how = (
+            f"continue it from its last checkpoint ({saved.name}) with `laminar run "
+            f"--resume {self.run_dir}`"
+            if saved is not None
+            else "it has no checkpoint yet (one is written when a run ends and every "
+            "trainer.checkpoint_every versions): start it again"
+        )
+        raise ClusterError(
+            f"lost the {role} (worker {worker} is gone: {type(error).__name__}); the run "
+            f"cannot continue; {how} (docs/faults.md)"
+        ) from error
+
+    def _abort(self) -> None:
+        """Best effort: stop the manager and the rollouts that still run, so no worker
+        generates for a run that has ended."""
+        a = self.actors
+        calls = [lambda r=r: r.stop(timeout=5.0) for r in self._live_rollouts()]
+        if a["manager"] is not None:
+            calls.insert(0, lambda: a["manager"].stop(timeout=5.0))
+        _answers(calls, timeout=15.0)
+
+    def _live_rollouts(self) -> list:
+        """The rollouts the manager has not declared lost."""
+        a = self.actors
+        lost = {}
+        if a["manager"] is not None:
+            try:
+                lost = a["manager"].get_lost().result(timeout=5.0)
+            except Exception:  # noqa: BLE001 — the manager (data worker) is gone itself
+                pass
+        return [r for i, r in enumerate(a["rollouts"]) if f"r{i}" not in lost]
+
+    def _rollout_stats(self) -> list[dict]:
+        """Stats of every live rollout that answers within a few seconds (one lost but
+        not yet detected does not hold the run up)."""
+        return _answers([lambda r=r: r.stats() for r in self._live_rollouts()])
+
+    def shutdown(self, reason: str, t_start: float) -> dict:
+        """Stop rollouts (their rewarded trajectories still reach the buffer), then the
+        trainer (final checkpoint), then close the buffer (flushes the store)."""
+        a = self.actors
+        # No moves while rollouts stop: the manager goes first.
+        m_stats = a["manager"].stop().result() if a["manager"] is not None else None
+        r_stats = _answers([lambda r=r: r.stop() for r in self._live_rollouts()], timeout=60.0)
+        t_stats = a["trainer"].stop().result()
+        t_stats["ranks_stats"] = [r.stats().result() for r in a["trainer_ranks"]]
+        p_stats = a["pool"].stats().result()  # rollouts have stopped: dispatch is final
+        if t_stats["checkpoint"]:  # the data position, for trainer.resume_from
+            Path(t_stats["checkpoint"], DATA_STATE).write_text(json.dumps(p_stats, indent=2))
+        relay = self._relay_summary(r_stats)
+        self.metrics.append("publications", relay.pop("publications"))
+        self._flush_metrics()
+        b_stats = a["buffer"].close().result()
+        wall = time.time() - t_start
+        partial = a["partial"].stats().result() if a["partial"] is not None else None
+        return {
+            "faults": _faults_summary(m_stats, partial),
+            "repack": m_stats if self.cfg.repack is not None else None,
+            "relay": relay,
+            "reason": reason,
+            "resumed": self.resume.summary() if self.resume is not None else None,
+            "wall_s": wall,
+            "trainer": t_stats,
+            "buffer": b_stats,
+            "pool": p_stats,
+            "rollouts": r_stats,
+            "updates": self._n_updates,
+        }
+
+    def _relay_summary(self, r_stats: list[dict]) -> dict:
+        """The relay tier over the run: each publication (stall, time until every relay
+        held it), each relay's memory, each rollout's waits, and — with
+        ``relay.audit_weights`` — whether every version a rollout loaded was bit-identical
+        to the one the trainer published."""
+        a = self.actors
+        master, *down = a["relays"]  # a lost downstream relay does not answer: left out
+        stats = [master.stats().result(), *_answers([lambda r=r: r.stats() for r in down])]
+        pubs = stats[0].get("publications", [])
+        out = {
+            **self.relay_info,
+            "publications": pubs,
+            "stall_s_median": _median([p["stall_s"] for p in pubs]),
+            "broadcast_s_median": _median([p["broadcast_s"] for p in pubs]),
+            "relays": [
+                {
+                    k: s[k]
+                    for k in (
+                        "relay_id",
+                        "kept",
+                        "versions",
+                        "evicted",
+                        "allocated_bytes",
+                        "peak_bytes",
+                        "budget_bytes",
+                        "forwarded_chunks",
+                        "errors",
+                    )
+                }
+                for s in stats
+            ],
+            "rollout_wait_s": [s["weight_wait_s"] for s in r_stats],
+            "weight_loads": [s["weight_loads"] for s in r_stats],
+        }
+        if self.cfg.relay.audit_weights:
+            published = a["trainer"].get_fingerprints().result()
+            checked = mismatched = 0
+            loaded = _answers([lambda r=r: r.get_fingerprints() for r in self._live_rollouts()])
+            for fingerprints in loaded:
+                for v, fp in fingerprints.items():
+                    checked += 1
+                    mismatched += published.get(v) != fp
+            out["fingerprints"] = {
+                "published": len(published),
+                "loads_checked": checked,
+                "mismatched": mismatched,
+            }
+        return out
+
+
+def _answers(calls: list, timeout: float = 5.0) -> list:
+    """Call every actor method at once; the results of those that answer in time. A call
+    to an actor whose worker is lost raises at once or never returns: skipped (the
+    manager detects the loss and recovers its work)."""
+    futures = []
+    for call in calls:
+        try:
+            futures.append(call())
+        except Exception:  # noqa: BLE001 — its worker is known lost
+            continue
+    out = []
+    for f in futures:
+        try:
+            out.append(f.result(timeout=timeout))
+        except Exception:  # noqa: BLE001 — lost or stalled
+            continue
+    return out
+
+
+def _faults_summary(m_stats: dict | None, partial: dict | None) -> dict | None:
+    """Losses and recoveries over the run, and the partial-response log's counters."""
+    if partial is None:
+        return None
+    m = m_stats or {}
+    return {
+        "lost": m.get("lost", {}),
+        "recoveries": m.get("recoveries", 0),
+        "recovered_requests": m.get("recovered_requests", 0),
+        "replacements": m.get("replacements", {}),
+        "relays_lost": m.get("relays_lost", {}),
+        "hung": m.get("hung", {}),
+        "chain": m.get("chain"),
+        "partial": partial,
+    }
+
+
+def _median(xs: list[float]) -> float:
+    xs = [x for x in xs if x == x]
+    return float(np.median(xs)) if xs else math.nan
+
+
+def summarize(run_dir: Path, raw: dict, sft_info: dict, cfg: RunConfig) -> dict:
+    """The run summary: reward of the first vs last 20% of trajectories (by finish time),
+    token counts, wall time, staleness; written to ``RUN_DIR/summary.json``."""
+    from storage import open_run
+
+    ds = open_run(run_dir)
+    order = np.argsort(ds["t_finish"].values, kind="stable")
+    rewards = ds["reward"].values[order]
+    ok = ds["finish_reason"].values[order] != "error"
+    rewards = rewards[ok]
+    k = max(1, len(rewards) // 5)
+    first = float(np.mean(rewards[:k])) if len(rewards) else float("nan")
+    last = float(np.mean(rewards[-k:])) if len(rewards) else float("nan")
+    consumed = ds["status"].values == "consumed"
+    st = ds.laminar.summary()
+    summary = {
+        "run_dir": str(run_dir),
+        "reason": raw["reason"],
+        "seed": cfg.seed,
+        "versions": raw["trainer"]["version"],
+        "trajectories": int(ds.sizes["trajectory"]),
+        "consumed": int(consumed.sum()),
+        "reward_first_20pct": first,
+        "reward_last_20pct": last,
+        "reward_gain": last - first,
+        "response_tokens": int(ds.sizes["response_token"]),
+        "prompt_tokens": int(ds.sizes["prompt_token"]),
+        "rl_wall_s": raw["wall_s"],
+        "sft": sft_info,
+        "staleness": {k: v for k, v in st.items() if k.endswith("_mean")},
+        "status_counts": {k: v for k, v in st.items() if k.startswith("n_")},
+        "trainer_wait_s": raw["trainer"]["wait_s"],
+        "buffer": raw["buffer"],
+        "pool": raw["pool"],
+        "rollouts": raw["rollouts"],
+        "engine": _engine_summary(raw["rollouts"]),
+        "trainer_ranks": cfg.trainer.ranks,
+        "skipped_steps": raw["trainer"]["skipped_steps"],
+        "checkpoint": raw["trainer"]["checkpoint"],
+        # Data-parallel ranks end with equal weights: one checksum per rank, rank 0 first.
+        "weights_checksums": [raw["trainer"]["weights_checksum"]]
+        + [r["weights_checksum"] for r in raw["trainer"]["ranks_stats"]],
+        "relay": raw["relay"],
+        "repack": raw["repack"],
+        "faults": raw["faults"],
+        "resumed": raw["resumed"],  # this segment's start, when resumed in place
+        "metrics": str(run_dir / "metrics.zarr"),
+    }
+    (run_dir / "summary.json").write_text(json.dumps(summary, indent=2, default=float))
+    return summary
+
+
+def _engine_summary(rollouts: list[dict]) -> dict:
+    """Behavior/trainer parity over the run, and modelled vs real time when paced."""
+    out = {
+        "parity_checks": sum(r.get("parity_checks", 0) for r in rollouts),
+        "parity_moved_responses": sum(r.get("parity_moved_responses", 0) for r in rollouts),
+        "parity_max_abs": max((r.get("parity_worst_abs", 0.0) for r in rollouts), default=0.0),
+        "preemptions": sum(r.get("engine_preemptions", 0) for r in rollouts),
+    }
+    if any("engine_modelled_s" in r for r in rollouts):
+        out["modelled_s"] = sum(r["engine_modelled_s"] for r in rollouts)
+        out["compute_s"] = sum(r["engine_compute_s"] for r in rollouts)
+        out["overruns"] = sum(r["engine_overruns"] for r in rollouts)
+    return out
+
+
+def schedule_class(name: str) -> type[Schedule]:
+    """The driver of ``pipeline.schedule`` ``name``."""
+    from pipelines.laminar import LaminarSchedule
+    from pipelines.one_step import OneStepSchedule
+    from pipelines.partial_rollout import PartialRolloutSchedule
+    from pipelines.stream import StreamSchedule
+    from pipelines.sync import SyncSchedule
+
+    classes = (
+        LaminarSchedule,
+        SyncSchedule,
+        OneStepSchedule,
+        StreamSchedule,
+        PartialRolloutSchedule,
+    )
+    return {c.name: c for c in classes}[name]

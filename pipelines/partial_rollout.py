@@ -1,0 +1,38 @@
+"""Partial rollout (AReaL's): rollouts generate continuously; every weight update
+interrupts all of them, which load the new version and resume their unfinished
+responses, recomputing the KV cache — one response then mixes versions.
+
+What it keeps global: the weight update. The trainer samples complete groups as they
+arrive, like Laminar's; at each publication the manager pauses every rollout, the
+weights reach all of them at once (paced: a global NCCL broadcast) and each recomputes
+the KV of everything it holds (paced: prefill time). Rollouts keep their engines full
+(no local batches). Staleness is bounded as AReaL bounds it: prompt groups dispatched
+never exceed ``(version + pipeline.eta + 1) × trainer.groups_per_step``. Every token
+records the version that sampled it (``token_versions``); ``behavior_version`` is the
+oldest.
+
+Run it::
+
+    laminar run configs/tiny.yaml --set pipeline.schedule=partial_rollout --set pipeline.eta=4
+"""
+
+from __future__ import annotations
+
+from laminar.config import RunConfig
+from laminar.schedule import ScheduleSpec
+from pipelines.driver import Schedule
+
+
+class PartialRolloutSchedule(Schedule):
+    name = "partial_rollout"
+
+    @classmethod
+    def spec(cls, cfg: RunConfig) -> ScheduleSpec:
+        return ScheduleSpec(
+            "partial_rollout",
+            dispatch="eta",
+            eta=cfg.pipeline.eta,
+            weights="global",
+            interrupt=True,
+            refill=True,
+        )
