@@ -127,6 +127,11 @@ class RolloutConfig(_Section):
     # Every this many local batches, check the engine's behavior logprobs against the
     # trainer's forward on 8 of the batch's responses (0: never).
     parity_every: int = Field(10, ge=0)
+    # OS scheduling priority (nice, 0-19) of the generation threads. Paced replicas have
+    # slack (their real steps are shorter than the model's); on a machine that many
+    # replicas and the trainer share, a higher value keeps the trainer's real compute at
+    # its pace (the schedules bench uses 10).
+    nice: int = Field(0, ge=0, le=19)
 
     @property
     def max_batch(self) -> int:
@@ -287,6 +292,10 @@ class MetricsConfig(_Section):
     TensorBoard scalars under ``RUN_DIR/tensorboard``."""
 
     tensorboard: bool = False
+    # How often the driver polls every actor for a row of the cluster and rollouts tables
+    # (and the progress line). Each poll calls every rollout: on a busy machine with many
+    # replicas, poll less often.
+    poll_s: float = Field(0.5, gt=0)
 
     @model_validator(mode="after")
     def _tensorboard_installed(self) -> MetricsConfig:

@@ -243,15 +243,56 @@ class PromptPool:
             eta=spec.eta,
             first_version=checkpoint_version(resumed_from) if resumed_from else 0,
         )
+        self._waiting = None  # an asyncio.Event that waiting takes share, made on first use
 
     async def acquire(self, n: int, rollout_id: str = "", version: int = 0) -> list[PromptGroup]:
-        return self.core.acquire(n, rollout_id, version)
+        groups = self.core.acquire(n, rollout_id, version)
+        if groups:
+            self._changed()  # a batch may be out: the next one may go to a waiting rollout
+        return groups
 
-    async def version_published(self, version: int) -> None:
-        self.core.version_published(version)
+    async def take(
+        self, n: int, rollout_id: str, version: int, wait_s: float = 0.0
+    ) -> tuple[list[PromptGroup], int]:
+        """:meth:`acquire`, waiting up to ``wait_s`` for groups (a long poll: an idle
+        rollout waits here rather than calling again and again). Returns the groups and
+        the trainer's newest published version: none are given to a rollout behind it
+        while the dispatch rule holds them back — it should load that version first."""
+        import asyncio
+
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + wait_s
+        while True:
+            changed = self._event()
+            groups = await self.acquire(n, rollout_id, version)
+            left = deadline - loop.time()
+            if groups or version < self.core.version or left <= 0:
+                return groups, self.core.version
+            try:
+                await asyncio.wait_for(changed.wait(), left)
+            except TimeoutError:
+                return [], self.core.version
+
+    def _event(self):
+        import asyncio
+
+        if self._waiting is None:
+            self._waiting = asyncio.Event()
+        return self._waiting
+
+    def _changed(self) -> None:
+        """Something a waiting :meth:`take` may now get: groups released, a version."""
+        if self._waiting is not None:
+            self._waiting.set()
+            self._waiting = None
 
     async def release(self, prompt_uids: list[str]) -> None:
         self.core.release(prompt_uids)
+        self._changed()
+
+    async def version_published(self, version: int) -> None:
+        self.core.version_published(version)
+        self._changed()
 
     async def stats(self) -> dict[str, int]:
         return self.core.stats()

@@ -246,6 +246,9 @@ class RelayCore:
         self.newest_begun = -1
         self.slot_bytes = 0  # the snapshot size, known from the first version
         self.counts = {"versions": 0, "evicted": 0, "corrupt_chunks": 0, "refused": 0}
+        # Called (lock held, from whichever thread completed it) when a version becomes
+        # visible: the Relay actor wakes the pulls that wait for one (it must not block).
+        self.on_complete = None
 
     # -- writing ------------------------------------------------------------------------
     def begin(
@@ -409,6 +412,8 @@ class RelayCore:
         self.counts["versions"] += 1
         self._evict()
         self._lock.notify_all()
+        if self.on_complete is not None:
+            self.on_complete()
 
     # -- reading --------------------------------------------------------------------------
     def newest(self) -> Snapshot | None:
@@ -505,6 +510,7 @@ class Relay:
         self._queue: asyncio.Queue | None = None
         self._forwarder: asyncio.Task | None = None
         self._loop = None
+        self._new_version: asyncio.Event | None = None  # pulls waiting for a version
         self.publications: list[dict] = []  # master: one record per published version
         self.completions: dict[int, dict[str, float]] = {}  # master: version -> relay -> t
         self.errors: list[str] = []
@@ -811,13 +817,33 @@ class Relay:
         self.completions.setdefault(version, {})[relay_id] = time.time()
 
     # -- reading (rollouts) ------------------------------------------------------------------
-    async def newest(self, have_version: int = -1) -> dict | None:
-        """The newest complete version's pull info, or ``None`` if not newer than
-        ``have_version``."""
-        snap = self.core.newest()
-        if snap is None or snap.version <= have_version:
-            return None
-        return snap.info()
+    async def newest(self, have_version: int = -1, wait_s: float = 0.0) -> dict | None:
+        """The newest complete version's pull info, or ``None`` if none is newer than
+        ``have_version`` — at once, or once ``wait_s`` has passed without one (a long
+        poll: an idle rollout waits here, not in a loop of calls)."""
+        loop = asyncio.get_running_loop()
+        if self.core.on_complete is None:  # armed before the check below: no lost wake-up
+            self.core.on_complete = lambda: loop.call_soon_threadsafe(self._wake_pulls)
+        deadline = loop.time() + wait_s
+        while True:
+            snap = self.core.newest()
+            if snap is not None and snap.version > have_version:
+                return snap.info()
+            left = deadline - loop.time()
+            if left <= 0:
+                return None
+            if self._new_version is None:
+                self._new_version = asyncio.Event()
+            try:
+                await asyncio.wait_for(self._new_version.wait(), left)
+            except TimeoutError:
+                return None
+
+    def _wake_pulls(self) -> None:
+        """On the event loop: a version became visible."""
+        if self._new_version is not None:
+            self._new_version.set()
+            self._new_version = None
 
     async def info(self, version: int) -> dict:
         """Pull info of a kept version (:class:`VersionUnavailable` if not kept)."""
@@ -1001,13 +1027,16 @@ class Puller:
         """The versions the relay holds complete."""
         return self._retrying(lambda relay, sw: self._result(relay.versions(), sw))
 
-    def newest(self, have_version: int) -> tuple[int, dict[str, torch.Tensor]] | None:
-        """``(version, state)`` if the relay holds a version newer than ``have_version``.
-        The tensors view a buffer this puller reuses: load them before the next pull."""
+    def newest(
+        self, have_version: int, wait_s: float = 0.0
+    ) -> tuple[int, dict[str, torch.Tensor]] | None:
+        """``(version, state)`` if the relay holds a version newer than ``have_version``
+        (waiting up to ``wait_s`` for one). The tensors view a buffer this puller reuses:
+        load them before the next pull."""
 
         def pull(relay, switches):
             for _ in range(3):
-                info = self._result(relay.newest(have_version), switches)
+                info = self._result(relay.newest(have_version, wait_s), switches)
                 if info is None:
                     return None
                 try:

@@ -46,6 +46,10 @@ from laminar.engine import FinishedOutput, GenerationRequest, RequestState, make
 logger = logging.getLogger(__name__)
 
 PARITY_SAMPLE = 8  # responses per parity check
+# An idle rollout waits this long in one call (a long poll of the prompt pool or its
+# relay) before it looks again: waiting costs no calls, and it wakes as soon as groups
+# or a version come.
+IDLE_WAIT_S = 2.0
 
 
 class RolloutReplica:
@@ -200,6 +204,7 @@ class RolloutReplica:
 
     def _run(self) -> None:
         try:
+            _lower_priority(self.cfg.rollout.nice)
             while not self._stop.is_set():
                 self._tick()
                 self._wait_while_held()
@@ -210,11 +215,12 @@ class RolloutReplica:
                     self._take_adopted()  # a lost rollout's batch, at its own version
                 elif not self.engine.has_work():  # a batch boundary
                     self._maybe_load_weights()
-                    groups = self._acquire(self._ask())
+                    t = time.time()
+                    groups, published = self._take(self._ask(), IDLE_WAIT_S)
                     if not groups:
-                        t = time.time()
+                        if published > self.engine.version:  # it is on its way to our relay
+                            self._wait_for_version(published, IDLE_WAIT_S)
                         self._collect_rewards(block=False)
-                        self._serve(0.05)
                         self.counts["idle_s"] += time.time() - t
                         continue
                     self._add(groups)
@@ -244,6 +250,30 @@ class RolloutReplica:
 
     def _acquire(self, n: int) -> list[PromptGroup]:
         return self._call(self.pool.acquire(n, self.rollout_id, self.engine.version))
+
+    def _take(self, n: int, wait_s: float) -> tuple[list[PromptGroup], int]:
+        """Ask the pool for ``n`` groups, waiting up to ``wait_s`` for them in the pool
+        (a long poll); returns the groups and the trainer's newest published version.
+
+        The generation thread blocks meanwhile, and nothing it must do waits on it: an
+        idle rollout holds no batch to move, the manager's other calls and stats are not
+        served by it, and a publication (which a partial rollout's pause follows) wakes
+        the poll at once."""
+        self._tick()
+        future = self.pool.take(n, self.rollout_id, self.engine.version, wait_s)
+        return future.result(timeout=wait_s + self.cfg.cluster.actor_timeout_s)
+
+    def _wait_for_version(self, version: int, wait_s: float) -> None:
+        """Wait up to ``wait_s`` until the relay has ``version`` (or newer) and load it,
+        in short long polls with the manager's commands served between them."""
+        deadline = time.time() + wait_s
+        while self.engine.version < version and time.time() < deadline:
+            if self._stop.is_set() or self._paused is not None:
+                return
+            self._serve()
+            update = self.puller.newest(self.engine.version, wait_s=0.05)
+            if update is not None:
+                self._load_version(*update)
 
     def _refill(self, finished: bool) -> None:
         """Refill: take new groups while the engine has room for a whole group (asked
@@ -276,11 +306,10 @@ class RolloutReplica:
         t = time.time()
         while self.engine.version < version and not self._stop.is_set():
             self._tick()
-            update = self.puller.newest(self.engine.version)
+            self._serve()
+            update = self.puller.newest(self.engine.version, wait_s=0.05)
             if update is not None:
                 self._load_version(*update)
-            else:
-                self._serve(0.01)
         self.counts["sync_wait_s"] += time.time() - t
         self._paused = None
         if self._stop.is_set() and self.engine.version < version:
@@ -729,6 +758,7 @@ class RolloutReplica:
         """Rewarded trajectories into the buffer, oldest first, on a thread of their own:
         a reward whose result sits on a hung worker holds up this thread (Dask computes
         it again once that worker is gone), never generation or the rollout's heartbeat."""
+        _lower_priority(self.cfg.rollout.nice)
         while (item := self._to_score.get()) is not None:
             try:
                 self._insert_scored(*item)
@@ -767,3 +797,12 @@ class RolloutReplica:
                     )
         self._call(self.buffer.insert(trajs))
         self.counts["inserted"] += len(trajs)
+
+
+def _lower_priority(nice: int) -> None:
+    """Lower the calling thread's OS priority by ``nice`` (Linux: per thread)."""
+    import os
+
+    if nice and hasattr(os, "setpriority"):
+        tid = threading.get_native_id()
+        os.setpriority(os.PRIO_PROCESS, tid, os.getpriority(os.PRIO_PROCESS, tid) + nice)

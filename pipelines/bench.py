@@ -8,7 +8,8 @@ a table on stdout and, with ``--out``, JSON holding ``figures`` (name -> median)
 
 Benchmarks: ``engine`` (generation throughput of each engine and of HF ``generate``),
 ``relay`` (pipelined chain broadcast vs its model), ``repack`` (repack on vs off),
-``soak`` (a long run with a random worker killed every minute; docs/faults.md).
+``soak`` (a long run with a random worker killed every minute; docs/faults.md),
+``schedules`` (the five schedules on one emulated cluster; docs/benchmarks.md).
 """
 
 from __future__ import annotations
@@ -38,6 +39,8 @@ class BenchResult:
     rows: list[list]
     options: dict
     notes: list[str] = field(default_factory=list)
+    # Writes more files beside the JSON (a markdown table, plots): extras(result, out)
+    extras: Callable[[BenchResult, Path], list[Path]] | None = None
 
     def to_json(self) -> dict:
         import torch
@@ -241,6 +244,12 @@ def _bench_repack(**options) -> BenchResult:
     return bench_repack(**options)
 
 
+def _bench_schedules(**options) -> BenchResult:
+    from pipelines.bench_schedules import bench_schedules
+
+    return bench_schedules(**options)
+
+
 def _bench_soak(**options) -> BenchResult:
     from pipelines.bench_soak import bench_soak
 
@@ -252,6 +261,7 @@ BENCHES: dict[str, Callable[..., BenchResult]] = {
     "relay": _bench_relay,
     "repack": _bench_repack,
     "soak": _bench_soak,
+    "schedules": _bench_schedules,
 }
 
 
@@ -265,4 +275,6 @@ def run_bench(name: str, out: str | None = None, **options) -> BenchResult:
         Path(out).parent.mkdir(parents=True, exist_ok=True)
         Path(out).write_text(json.dumps(result.to_json(), indent=2))
         print(f"wrote {out}", file=sys.stderr)
+        for path in result.extras(result, Path(out)) if result.extras else []:
+            print(f"wrote {path}", file=sys.stderr)
     return result

@@ -319,6 +319,17 @@ def cmd_bench(args: argparse.Namespace) -> int:
         options["duration_s"] = args.duration_s
     if args.kill_every_s is not None:
         options["kill_every_s"] = args.kill_every_s
+    for key in ("gpus", "seeds", "warmup", "iterations", "reward_threshold", "runs_dir"):
+        if getattr(args, key) is not None:
+            options[key] = getattr(args, key)
+    if args.no_search:
+        options["search"] = False
+    if args.arms:
+        options["arms"] = tuple(args.arms.split(","))
+    if args.splits:
+        options["splits"] = {
+            arm: int(r) for arm, r in (item.split("=") for item in args.splits.split(","))
+        }
     run_bench(args.name, args.out, **options)
     return 0
 
@@ -366,7 +377,9 @@ def main(argv: list[str] | None = None) -> int:
     report.add_argument("--out", help="output folder (default RUN_DIR/report of the first run)")
     bench = sub.add_parser("bench", help="a benchmark: prints a table, writes figures + ratios")
     bench.add_argument(
-        "name", choices=["engine", "relay", "repack", "soak"], help="which benchmark"
+        "name",
+        choices=["engine", "relay", "repack", "soak", "schedules"],
+        help="which benchmark",
     )
     bench.add_argument("--out", metavar="FILE.json", help="write figures, ratios and samples")
     bench.add_argument("--repeats", type=int, help="measurements of each figure (median)")
@@ -383,6 +396,19 @@ def main(argv: list[str] | None = None) -> int:
         "--duration-s", type=float, help="repack: wall seconds per arm (60); soak: seconds (600)"
     )
     bench.add_argument("--kill-every-s", type=float, help="soak: seconds between worker kills (60)")
+    bench.add_argument("--gpus", type=int, help="schedules: emulated GPUs in all (64)")
+    bench.add_argument("--seeds", type=int, help="schedules: seeds per schedule (3)")
+    bench.add_argument("--warmup", type=int, help="schedules: warm-up updates (5)")
+    bench.add_argument("--iterations", type=int, help="schedules: measured updates (10)")
+    bench.add_argument("--arms", help="schedules: comma-separated subset of the schedules")
+    bench.add_argument(
+        "--splits", help="schedules: fixed rollout replicas, e.g. laminar=6,stream=7 (no search)"
+    )
+    bench.add_argument(
+        "--no-search", action="store_true", help="schedules: no split search (model's split)"
+    )
+    bench.add_argument("--reward-threshold", type=float, help="schedules: time-to-reward target")
+    bench.add_argument("--runs-dir", help="schedules: keep the runs here (default: a temp dir)")
     args = parser.parse_args(argv)
     _quiet_libraries()
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")

@@ -59,6 +59,8 @@ ROLLOUT_METRICS = (
     "waiting",
     "engine_preemptions",
     "engine_prefill_tokens",
+    "engine_decode_tokens",
+    "engine_steps",
     "parity_max_abs",
     "parity_mean_abs",
     "engine_modelled_s",  # paced engines only
@@ -180,8 +182,9 @@ class Schedule:
             f"r{i}": tier.ids[tier.local_relay(w, taken)] for i, w in enumerate(rollout_ws)
         }
         self._joining: tuple[str, str, str, str, object] | None = None  # a replacement
-        rollouts = [
-            submit_actor(
+        # Created at once (each loads its policy and builds its engine), then bound.
+        starting = [
+            start_actor(
                 client,
                 RolloutReplica,
                 f"r{i}",
@@ -197,6 +200,10 @@ class Schedule:
                 resource="rollout",
             )
             for i, w in enumerate(rollout_ws)
+        ]
+        rollouts = [
+            bind_actor(client, RolloutReplica, w, f)
+            for w, f in zip(rollout_ws, starting, strict=True)
         ]
         manager = None
         if cfg.repack is not None or partial is not None or spec.interrupt:
@@ -263,7 +270,7 @@ class Schedule:
         reason = "completed"
         try:
             while True:
-                time.sleep(0.5)
+                time.sleep(self.cfg.metrics.poll_s)
                 futures = [a["trainer"].stats(), a["buffer"].stats(), a["pool"].stats()]
                 t_stats, b_stats, p_stats = (
                     f.result(timeout=self.cfg.cluster.actor_timeout_s) for f in futures
@@ -630,7 +637,10 @@ def summarize(run_dir: Path, raw: dict, sft_info: dict, cfg: RunConfig) -> dict:
         "sft": sft_info,
         "staleness": {k: v for k, v in st.items() if k.endswith("_mean")},
         "status_counts": {k: v for k, v in st.items() if k.startswith("n_")},
+        "schedule": cfg.pipeline.schedule,
         "trainer_wait_s": raw["trainer"]["wait_s"],
+        # trainer.pacing: modelled vs real time of updates and weight movements
+        "trainer_pacing": raw["trainer"]["paced"],
         "buffer": raw["buffer"],
         "pool": raw["pool"],
         "rollouts": raw["rollouts"],

@@ -1,0 +1,607 @@
+"""``laminar bench schedules``: the five schedules side by side on one emulated cluster,
+measured as the paper measures them (§8.1–8.2), with the accounting it leaves out.
+
+**The emulated cluster** (default 64 GPUs, ``--gpus 128`` for twice that): H800s serving a
+7B model in rollout replicas of 4 GPUs (TP4), the trainer on the rest. Every rollout
+engine is paced by the roofline of ``laminar.pacing``, the trainer by its time model
+(5,000 tokens/s per GPU + 2 s per update), weight movements by what each schedule does
+(a relay publication and per-rollout pulls, a global NCCL broadcast, or the colocated
+switch): ``docs/pacing.md``. Sync is colocated and uses every GPU for both; every other
+schedule runs at its best trainer/rollout split, searched here (:func:`search_split`).
+
+**The workload**, the same for every schedule: the paper's shape scaled down so that one
+real token stands for ``length_scale = 256`` modelled ones and one real request for
+``request_scale = 8``: 16 responses per prompt, response lengths lognormal with
+``P99/median = 10`` and a hard cap of 64 real tokens (16,384 modelled), the median
+chosen so that cap / mean is the paper's (16,384 / ≈2,420 ≈ 6.8); a global batch of 64
+prompts × 16 = 1,024 real trajectories (8,192 modelled); at most 32 real requests (256
+modelled) decoding per replica. Four optimizer steps per global batch for every
+schedule; Laminar and partial rollout share the staleness bound η = 4 (back-pressure of
+``(η + 1)`` global batches for Laminar).
+
+**Figures** per schedule (medians over seeds; modelled units of the full-size cluster):
+actor-update throughput (prompt + response tokens of a global batch over the time
+between adjacent updates, after warm-up), generation throughput, time to a training
+reward, rollout and trainer idle fractions, mean decode batch, staleness (``s_gen``,
+residence, ``s_train``: mean / p99 / max), buffer depth and age, arrival vs consumption
+rate, evicted / discarded / filtered trajectories, wasted and recomputed tokens, and
+whether the real compute stayed under the model.
+
+Run it::
+
+    laminar bench schedules --out schedules.json            # 64 GPUs, 3 seeds
+    laminar bench schedules --gpus 128 --out schedules-128.json
+"""
+
+from __future__ import annotations
+
+import math
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+GPUS_PER_REPLICA = 4
+# The paper's workload (§8): responses lognormal, median 1,500 and P99/median 10, capped
+# at 16,384 tokens; their mean, clipped: ≈ 2,420 tokens.
+PAPER_RESPONSE_CAP = 16384
+PAPER_RESPONSE_MEAN = 2420.0
+LENGTH_SCALE = 256  # modelled tokens per real token: 16,384 / 64
+REQUEST_SCALE = 8  # modelled requests per real request
+CAP = PAPER_RESPONSE_CAP // LENGTH_SCALE  # 64 real tokens, the answer's <eos> included
+# The count task answers n symbols and <eos>: a lognormal n with P99/median 10 has mean
+# 1.63 x its median, so a median of 5.2 gives a mean response of 9.45 tokens and
+# cap / mean = 6.8, the paper's.
+MEDIAN_LEN = 5.2
+GROUPS_PER_STEP = 64  # 64 × 16 = 1,024 real trajectories, 8,192 modelled
+GROUP_SIZE = 16
+CONCURRENCY = 256 // REQUEST_SCALE  # the paper's per-rollout max concurrency, 256
+ETA = 4
+DILATION_PER_64_GPUS = 16.0  # dilation grows with the cluster: real compute stays the same
+REPACK_INTERVAL_S = 5.0  # the paper's, in modelled seconds
+
+# name -> (pipeline.schedule, repack on)
+ARMS = {
+    "sync": ("sync", False),
+    "one_step": ("one_step", False),
+    "stream": ("stream", False),
+    "partial_rollout": ("partial_rollout", False),
+    "laminar": ("laminar", True),
+    "laminar_no_repack": ("laminar", False),
+}
+
+WORKLOAD = [
+    "task.name=count",
+    "task.num_prompts=20000",
+    f"task.median_len={MEDIAN_LEN}",
+    "task.tail_ratio=10",
+    f"task.max_len={CAP - 1}",
+    f"rollout.group_size={GROUP_SIZE}",
+    f"rollout.max_new_tokens={CAP}",
+    f"rollout.max_seq_len={CAP + CAP + 2}",
+    f"rollout.max_concurrency={CONCURRENCY}",
+    f"rollout.groups_per_batch={CONCURRENCY // GROUP_SIZE}",  # Laminar's local batch
+    "rollout.parity_every=0",
+    # replicas have slack against their model; the trainer, on the critical path, has
+    # less: the OS serves it first (real compute stays under the model for both)
+    "rollout.nice=10",
+    "rollout.pacing.accelerator=H800",
+    "rollout.pacing.model=7B",
+    f"rollout.pacing.tp={GPUS_PER_REPLICA}",
+    "rollout.pacing.strict=false",  # overruns are counted and reported, not fatal
+    "rollout.pacing.prefill=fused",  # chunked prefill, as vLLM V1 and SGLang do
+    f"rollout.pacing.length_scale={LENGTH_SCALE}",
+    f"rollout.pacing.request_scale={REQUEST_SCALE}",
+    "rollout.pacing.pull_s=1.0",
+    f"trainer.groups_per_step={GROUPS_PER_STEP}",
+    "trainer.mini_batches=4",
+    # the same gradient, in length-sorted micro-batches that fit this CPU's caches
+    # (measured: 6.5k tokens/s at 1024 against 4.8k at the default 4096)
+    "trainer.micro_batch_tokens=1024",
+    f"buffer.max_outstanding_groups={(ETA + 1) * GROUPS_PER_STEP}",
+    f"pipeline.eta={ETA}",
+    "cluster.memory_limit=2GiB",
+    # every poll calls each of up to 32 rollouts: once a second leaves the CPU to them
+    "metrics.poll_s=1.0",
+    "faults.detect_interval_s=2",  # no faults here: the manager's checks cost CPU alone
+]
+
+
+@dataclass(frozen=True)
+class Cluster:
+    """The emulated cluster of one bench: ``gpus`` in all, replicas of 4."""
+
+    gpus: int = 64
+
+    @property
+    def dilation(self) -> float:
+        return DILATION_PER_64_GPUS * self.gpus / 64
+
+    @property
+    def max_replicas(self) -> int:
+        return self.gpus // GPUS_PER_REPLICA
+
+    def kv_capacity(self) -> int:
+        """A replica's KV capacity in real tokens (TP4 H800s beside a 7B model)."""
+        from laminar.pacing import TimeModel
+
+        model = TimeModel.named("H800", "7B", tp=GPUS_PER_REPLICA)
+        return int(model.kv_capacity_tokens / (REQUEST_SCALE * LENGTH_SCALE))
+
+    def wall(self, modelled_s: float) -> float:
+        return modelled_s * self.dilation / LENGTH_SCALE
+
+    def modelled(self, wall_s: float) -> float:
+        return wall_s * LENGTH_SCALE / self.dilation
+
+    def balanced_replicas(self) -> int:
+        """Where the search starts: the split at which the trainer's and the rollouts'
+        work per global batch take equally long (mean prompt 4 and response 9.45 real
+        tokens; a replica at 60% of its full-batch peak)."""
+        from laminar.pacing import TimeModel
+
+        m = TimeModel.named("H800", "7B", tp=GPUS_PER_REPLICA)
+        tokens = GROUPS_PER_STEP * GROUP_SIZE * REQUEST_SCALE * LENGTH_SCALE
+        train = tokens * (4 + 9.45) / 5000.0  # GPU-seconds
+        context = 256 * (4 + 9.45 / 2) * LENGTH_SCALE
+        peak = 256 / m.decode_time(256, context)  # tokens/s of one replica
+        gen = tokens * 9.45 / (0.6 * peak) * GPUS_PER_REPLICA  # GPU-seconds
+        trainer_gpus = self.gpus * train / (train + gen)
+        r = round((self.gpus - trainer_gpus) / GPUS_PER_REPLICA)
+        return min(max(r, 1), self.max_replicas - 1)
+
+    def overrides(self, arm: str, replicas: int, steps: int, seed: int) -> list[str]:
+        schedule, repack = ARMS[arm]
+        colocated = schedule == "sync"
+        trainer_gpus = self.gpus if colocated else self.gpus - GPUS_PER_REPLICA * replicas
+        if trainer_gpus <= 0:
+            raise ValueError(f"{replicas} replicas leave no trainer GPU of {self.gpus}")
+        out = WORKLOAD + [
+            f"seed={seed}",
+            f"pipeline.schedule={schedule}",
+            f"rollout.replicas={replicas}",
+            f"rollout.kv_capacity_tokens={self.kv_capacity()}",
+            f"rollout.pacing.dilation={self.dilation}",
+            f"trainer.pacing.gpus={trainer_gpus}",
+            f"trainer.steps={steps}",
+        ]
+        if repack:
+            out.append(f"repack.interval_s={self.wall(REPACK_INTERVAL_S):.4g}")
+        return out
+
+
+def search_split(
+    evaluate: Callable[[int], float], *, lo: int, hi: int, start: int
+) -> tuple[int, dict[int, float]]:
+    """The replica count in ``[lo, hi]`` that maximises ``evaluate``, by hill climbing
+    from ``start`` in steps of 2, then 1 (throughput is unimodal in the split: too few
+    rollouts starve the trainer, too few trainer GPUs leave rollouts back-pressured).
+    Returns the best count and every value evaluated.
+
+    >>> best, seen = search_split(lambda r: -abs(r - 9), lo=1, hi=15, start=4)
+    >>> best, sorted(seen)
+    (9, [4, 6, 8, 9, 10])
+    """
+    seen: dict[int, float] = {}
+
+    def f(r: int) -> float:
+        if r not in seen:
+            seen[r] = evaluate(r)
+        return seen[r]
+
+    best = min(max(start, lo), hi)
+    for step in (2, 1):
+        moved = True
+        while moved:
+            moved = False
+            for r in (best + step, best - step):
+                if lo <= r <= hi and f(r) > f(best):
+                    best, moved = r, True
+                    break
+    return best, seen
+
+
+# -- figures of one run, from its stores -------------------------------------------------
+
+
+def arm_figures(run_dir: Path, summary: dict, cluster: Cluster, warmup: int) -> dict:
+    """Every figure of one run (see the module docstring), in modelled units."""
+    from storage import open_run
+    from storage.audit import audit_run
+    from storage.metrics import open_metrics
+
+    scale_tok = REQUEST_SCALE * LENGTH_SCALE
+    ups = open_metrics(run_dir, "updates").sortby("version")
+    version = ups["version"].values
+    measured = version > warmup
+    if measured.sum() < 1:
+        raise RuntimeError(f"{run_dir}: no update after the {warmup} warm-up ones")
+    tokens = ups["tokens"].values[measured].sum()
+    interval = ups["interval_s"].values[measured].sum()
+    t_end = ups["time"].values[measured][-1]
+    t_begin = t_end - interval
+    out: dict[str, float] = {
+        # prompt + response tokens of a global batch / time between adjacent updates
+        "throughput": tokens * scale_tok / cluster.modelled(interval),
+        "iteration_s": cluster.modelled(interval / measured.sum()),
+    }
+    # Time to reward: from the first publication to the first update whose trained
+    # batch (mean of it and the one before) reaches the reward threshold.
+    t0 = ups["time"].values[0] - ups["interval_s"].values[0]
+    rewards = ups["reward_mean"].values
+    smooth = np.convolve(rewards, np.ones(2) / 2, mode="full")[: len(rewards)]
+    smooth[0] = rewards[0]
+    out["reward_first"] = float(rewards[0])
+    out["reward_last"] = float(np.mean(rewards[-3:]))
+    out["_rewards"] = rewards.tolist()
+    out["_reward_times"] = [cluster.modelled(t - t0) for t in ups["time"].values]
+    out["_smoothed"] = smooth.tolist()
+
+    cl = open_metrics(run_dir, "cluster")
+    wall = cl["wall_time"].values.astype("datetime64[ns]").astype(np.float64) / 1e9
+    window = (wall >= t_begin) & (wall <= t_end)
+    if window.sum() < 2:
+        window = wall <= t_end
+    first, last = np.flatnonzero(window)[[0, -1]]
+    dt = wall[last] - wall[first]
+
+    def rate(col: str) -> float:  # a cumulative column's growth per modelled second
+        return float(cl[col].values[last] - cl[col].values[first]) / cluster.modelled(dt)
+
+    out["gen_throughput"] = rate("response_tokens") * scale_tok
+    out["arrivals_per_s"] = rate("inserted") * REQUEST_SCALE
+    out["consumption_per_s"] = rate("consumed") * REQUEST_SCALE
+    out["trainer_idle"] = (
+        float(cl["trainer_wait_s"].values[last] - cl["trainer_wait_s"].values[first]) / dt
+    )
+    out["buffer_depth"] = (
+        float(np.mean(cl["buffer_depth"].values[first : last + 1])) * REQUEST_SCALE
+    )
+    age = cl["oldest_buffered_age_s"].values[first : last + 1]
+    out["buffer_age_s"] = (
+        cluster.modelled(float(np.nanmean(age))) if np.isfinite(age).any() else 0.0
+    )
+
+    ro = open_metrics(run_dir, "rollouts")
+    rt = ro["time"].values
+    a, b = (
+        rt[np.argmin(np.abs(rt - cl["time"].values[first]))],
+        rt[np.argmin(np.abs(rt - cl["time"].values[last]))],
+    )
+
+    def delta(col: str) -> np.ndarray:  # per rollout, over the window (NaN: absent then)
+        v = ro[col]
+        return v.sel(time=b).values - v.sel(time=a).values
+
+    busy = delta("decode_s")
+    span = b - a
+    n_roll = np.isfinite(busy).sum()
+    out["rollout_idle"] = (
+        float(1 - np.nansum(busy) / (n_roll * span)) if n_roll and span > 0 else math.nan
+    )
+    steps, decoded = delta("engine_steps"), delta("engine_decode_tokens")
+    out["decode_batch"] = float(np.nansum(decoded) / max(np.nansum(steps), 1)) * REQUEST_SCALE
+
+    ds = open_run(run_dir)
+    st = ds.laminar.staleness()
+    for name in ("s_gen", "residence", "s_train"):
+        v = st[name].values
+        out[f"{name}_mean"] = float(v.mean()) if v.size else math.nan
+        out[f"{name}_p99"] = float(np.percentile(v, 99)) if v.size else math.nan
+        out[f"{name}_max"] = float(v.max()) if v.size else math.nan
+    status = ds["status"].values
+    resp_len = ds["response_len"].values
+    for s in ("evicted", "discarded", "filtered"):
+        out[s] = int((status == s).sum()) * REQUEST_SCALE
+    wasted = np.isin(status, ["evicted", "discarded", "filtered"])
+    out["wasted_tokens"] = float(resp_len[wasted].sum()) * scale_tok
+    out["recomputed_tokens"] = (
+        float(sum(r.get("recomputed_tokens", 0) for r in summary["rollouts"])) * scale_tok
+    )
+    eng = summary["engine"]
+    out["compute_vs_modelled"] = (
+        eng["compute_s"] / eng["modelled_s"] if eng.get("modelled_s") else math.nan
+    )
+    out["overrun_steps"] = eng.get("overruns", 0)
+    paced = (summary.get("trainer_pacing") or {}).get("update", {})
+    out["trainer_compute_vs_modelled"] = (
+        paced["compute_s"] / paced["modelled_s"] if paced.get("modelled_s") else math.nan
+    )
+    out["trainer_overruns"] = paced.get("overruns", 0)
+    out["audit_ok"] = float(audit_run(run_dir).ok)
+    out["moves"] = (summary.get("repack") or {}).get("moves", 0)
+    return out
+
+
+def time_to_reward(fig: dict, threshold: float) -> float:
+    """Modelled seconds until the smoothed trained reward first reaches ``threshold``
+    (NaN: never, within the run)."""
+    for t, r in zip(fig["_reward_times"], fig["_smoothed"], strict=True):
+        if r >= threshold:
+            return t
+    return math.nan
+
+
+# -- the bench -------------------------------------------------------------------------------
+
+
+def _run(client, run_dir: Path, overrides: list[str]) -> dict:
+    import pipelines
+
+    run = pipelines.submit("configs/tiny.yaml", client, run_dir=run_dir, overrides=overrides)
+    return run.wait(timeout=3600)
+
+
+def bench_schedules(
+    gpus: int = 64,
+    seeds: int = 3,
+    warmup: int = 5,
+    iterations: int = 10,
+    search: bool = True,
+    probe_warmup: int = 2,
+    probe_iterations: int = 3,
+    arms: tuple[str, ...] = tuple(ARMS),
+    splits: dict[str, int] | None = None,
+    reward_threshold: float | None = None,
+    runs_dir: str | None = None,
+):
+    """The schedules bench; see the module docstring.
+
+    ``splits`` fixes an arm's rollout replicas (skipping its search); ``reward_threshold``
+    the time-to-reward threshold (default: halfway from the warm start's trained reward
+    to the lowest final reward of any schedule, so that every schedule reaches it)."""
+    from distributed import Client
+
+    from laminar.cluster import local_cluster
+
+    cluster = Cluster(gpus)
+    unknown = [a for a in arms if a not in ARMS]
+    if unknown:
+        raise ValueError(f"unknown arms {unknown}; known: {list(ARMS)}")
+    splits = dict(splits or {})
+    splits.setdefault("sync", cluster.max_replicas)  # colocated: every GPU generates
+    probes: dict[str, dict[int, float]] = {}
+    results: dict[str, list[dict]] = {a: [] for a in arms}
+    root = Path(runs_dir or tempfile.mkdtemp(prefix="laminar-bench-schedules-"))
+    root.mkdir(parents=True, exist_ok=True)
+    t_bench = time.time()
+    with (
+        # The data module on a worker of its own, as on the paper's CPU nodes: the
+        # trainer's process then runs its (paced) updates undisturbed.
+        local_cluster(cluster.max_replicas, memory_limit="2GiB", data_apart=True) as lc,
+        Client(lc) as client,
+    ):
+
+        def run(arm: str, replicas: int, steps: int, seed: int, tag: str) -> dict:
+            run_dir = root / f"{arm}-r{replicas}-{tag}"
+            summary = _run(client, run_dir, cluster.overrides(arm, replicas, steps, seed))
+            fig = arm_figures(run_dir, summary, cluster, warmup if tag[0] == "s" else probe_warmup)
+            fig["replicas"] = replicas
+            fig["trainer_gpus"] = gpus if arm == "sync" else gpus - GPUS_PER_REPLICA * replicas
+            print(
+                f"  {arm:<18} R={replicas:<2} {tag:<8} throughput {fig['throughput']:>10,.0f} "
+                f"tok/s  iteration {fig['iteration_s']:6.1f} s  rollout idle "
+                f"{fig['rollout_idle']:.2f}  decode batch {fig['decode_batch']:5.0f}  "
+                f"s_train {fig['s_train_mean']:.2f}  ({time.time() - t_bench:,.0f} s)",
+                flush=True,
+            )
+            return fig
+
+        for arm in arms:
+            if arm in splits or not search:
+                splits.setdefault(arm, cluster.balanced_replicas())
+                continue
+            steps = probe_warmup + probe_iterations
+
+            def evaluate(r: int, arm=arm, steps=steps) -> float:
+                return run(arm, r, steps, seed=0, tag="probe")["throughput"]
+
+            best, seen = search_split(
+                evaluate, lo=1, hi=cluster.max_replicas - 1, start=cluster.balanced_replicas()
+            )
+            splits[arm], probes[arm] = best, seen
+        for seed in range(seeds):
+            order = list(arms)[seed % len(arms) :] + list(arms)[: seed % len(arms)]
+            for arm in order:
+                results[arm].append(run(arm, splits[arm], warmup + iterations, seed, f"s{seed}"))
+    return _result(
+        cluster,
+        arms,
+        results,
+        splits,
+        probes,
+        reward_threshold,
+        root,
+        locals_=dict(
+            seeds=seeds,
+            warmup=warmup,
+            iterations=iterations,
+            search=search,
+            probe_warmup=probe_warmup,
+            probe_iterations=probe_iterations,
+        ),
+    )
+
+
+FIGURES = [
+    "throughput",
+    "gen_throughput",
+    "ttr_s",
+    "iteration_s",
+    "rollout_idle",
+    "trainer_idle",
+    "decode_batch",
+    "s_gen_mean",
+    "s_gen_p99",
+    "s_gen_max",
+    "residence_mean",
+    "residence_p99",
+    "residence_max",
+    "s_train_mean",
+    "s_train_p99",
+    "s_train_max",
+    "buffer_depth",
+    "buffer_age_s",
+    "arrivals_per_s",
+    "consumption_per_s",
+    "evicted",
+    "discarded",
+    "filtered",
+    "wasted_tokens",
+    "recomputed_tokens",
+    "reward_first",
+    "reward_last",
+    "compute_vs_modelled",
+    "overrun_steps",
+    "trainer_compute_vs_modelled",
+    "trainer_overruns",
+    "audit_ok",
+    "moves",
+    "replicas",
+    "trainer_gpus",
+]
+TABLE = [
+    "replicas",
+    "trainer_gpus",
+    "throughput",
+    "gen_throughput",
+    "ttr_s",
+    "rollout_idle",
+    "trainer_idle",
+    "decode_batch",
+    "s_train_mean",
+    "s_train_max",
+    "buffer_depth",
+    "wasted_tokens",
+]
+
+
+def _result(cluster, arms, results, splits, probes, reward_threshold, root, locals_):
+    from pipelines.bench import BenchResult
+
+    if reward_threshold is None:
+        # Halfway from the first trained batch's reward to the lowest final reward, so
+        # that every run reaches it (the same threshold for all).
+        finals = [f["reward_last"] for rs in results.values() for f in rs]
+        firsts = [f["reward_first"] for rs in results.values() for f in rs]
+        reward_threshold = float(np.median(firsts) + 0.5 * (min(finals) - np.median(firsts)))
+    for rs in results.values():
+        for f in rs:
+            f["ttr_s"] = time_to_reward(f, reward_threshold)
+    med = {
+        arm: {k: float(np.nanmedian([f[k] for f in rs])) for k in FIGURES}
+        for arm, rs in results.items()
+    }
+
+    def ratio(a: str, b: str, key: str = "throughput") -> float | None:
+        if a not in med or b not in med or not med[b][key]:
+            return None
+        return med[a][key] / med[b][key]
+
+    ratios = {
+        f"laminar_vs_{b}": ratio("laminar", b)
+        for b in ("sync", "one_step", "stream", "partial_rollout")
+    }
+    ratios["laminar_repack_on_vs_off"] = ratio("laminar", "laminar_no_repack")
+    ttr = ratio("sync", "laminar", "ttr_s")  # time: sync's over Laminar's
+    ratios["ttr_laminar_vs_sync"] = ttr
+    ratios["gen_throughput_laminar_vs_sync"] = ratio("laminar", "sync", "gen_throughput")
+    figures = {f"{arm}_{k}": v for arm, m in med.items() for k, v in m.items()}
+    figures["reward_threshold"] = reward_threshold
+    samples = {f"{arm}_{k}": [f[k] for f in rs] for arm, rs in results.items() for k in FIGURES}
+    samples |= {f"{arm}_rewards": [f["_rewards"] for f in rs] for arm, rs in results.items()}
+    samples |= {
+        f"{arm}_reward_times_s": [f["_reward_times"] for f in rs] for arm, rs in results.items()
+    }
+    result = BenchResult(
+        name="schedules",
+        figures=figures,
+        ratios=ratios,
+        samples=samples,
+        columns=["schedule"] + TABLE,
+        rows=[[arm] + [med[arm][c] for c in TABLE] for arm in arms],
+        options={
+            "gpus": cluster.gpus,
+            "dilation": cluster.dilation,
+            "length_scale": LENGTH_SCALE,
+            "request_scale": REQUEST_SCALE,
+            "splits": splits,
+            "probes": {arm: {str(r): v for r, v in seen.items()} for arm, seen in probes.items()},
+            "workload": WORKLOAD,
+            "runs": str(root),
+            **locals_,
+        },
+        notes=[
+            f"{cluster.gpus} emulated H800 GPUs (TP4 replicas; sync colocated on all); "
+            f"modelled units of the full-size cluster; medians over {locals_['seeds']} seeds",
+            "ratios: " + ", ".join(f"{k} {v:.2f}" for k, v in ratios.items() if v is not None),
+            f"time to reward: smoothed trained reward >= {reward_threshold:.3f}",
+        ],
+    )
+    result.extras = write_extras
+    return result
+
+
+def write_extras(result, out: Path) -> list[Path]:
+    """Beside ``out`` (the JSON): a markdown table and the plots."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    out = Path(out)
+    stem = out.with_suffix("")
+    md = stem.with_suffix(".md")
+    md.write_text(markdown(result))
+    arms = [row[0] for row in result.rows]
+    fig, ax = plt.subplots(1, 2, figsize=(11, 3.6))
+    thr = [result.figures[f"{a}_throughput"] / 1e3 for a in arms]
+    ax[0].bar(arms, thr, color=["#999"] * (len(arms) - 2) + ["#1f77b4", "#aec7e8"][: len(arms)])
+    ax[0].set_ylabel("actor-update throughput (k tok/s)")
+    ax[0].tick_params(axis="x", rotation=30)
+    for a in arms:
+        for rewards, times in zip(
+            result.samples[f"{a}_rewards"], result.samples[f"{a}_reward_times_s"], strict=True
+        ):
+            ax[1].plot(
+                times,
+                rewards,
+                lw=0.8,
+                label=a if rewards is result.samples[f"{a}_rewards"][0] else None,
+            )
+    ax[1].axhline(result.figures["reward_threshold"], color="k", ls=":", lw=0.8)
+    ax[1].set_xlabel("modelled time (s)")
+    ax[1].set_ylabel("trained batch reward")
+    ax[1].legend(fontsize=7)
+    fig.suptitle(f"laminar bench schedules, {result.options['gpus']} emulated GPUs")
+    fig.tight_layout()
+    png = stem.parent / f"{stem.name}.png"
+    fig.savefig(png, dpi=110)
+    plt.close(fig)
+    return [md, png]
+
+
+def markdown(result) -> str:
+    """The bench's table and ratios as markdown."""
+    cols = result.columns
+    lines = [
+        "| " + " | ".join(cols) + " |",
+        "|" + "---|" * len(cols),
+    ]
+    for row in result.rows:
+        cells = [row[0]] + [_md(v) for v in row[1:]]
+        lines.append("| " + " | ".join(cells) + " |")
+    lines += ["", "| ratio | value |", "|---|---|"]
+    lines += [f"| {k} | {_md(v)} |" for k, v in result.ratios.items()]
+    return "\n".join(lines) + "\n"
+
+
+def _md(v) -> str:
+    if v is None or (isinstance(v, float) and math.isnan(v)):
+        return "–"
+    if isinstance(v, float):
+        return f"{v:,.2f}" if abs(v) < 100 else f"{v:,.0f}"
+    return str(v)
