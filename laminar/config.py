@@ -127,11 +127,6 @@ class RolloutConfig(_Section):
     # Every this many local batches, check the engine's behavior logprobs against the
     # trainer's forward on 8 of the batch's responses (0: never).
     parity_every: int = Field(10, ge=0)
-    # OS scheduling priority (nice, 0-19) of the generation threads. Paced replicas have
-    # slack (their real steps are shorter than the model's); on a machine that many
-    # replicas and the trainer share, a higher value keeps the trainer's real compute at
-    # its pace (the schedules bench uses 10).
-    nice: int = Field(0, ge=0, le=19)
 
     @property
     def max_batch(self) -> int:
@@ -181,6 +176,11 @@ class TrainerPacingConfig(_Section):
     global_sync_s: float = Field(3.0, ge=0)  # global NCCL broadcast: 3 s ...
     global_sync_log2_s: float = Field(0.25, ge=0)  # ... + 0.25 s · log2(replicas)
     colocated_switch_s: float = Field(8.0, ge=0)  # colocated: training -> generation
+    # OS priority (nice) of the training thread. On a machine that many paced replicas
+    # share with the trainer, the replicas have slack against their model and the trainer
+    # little: a negative value (it needs the privilege to raise priority, e.g. root) keeps
+    # its real compute at its pace. Refused by the OS: a warning, and the run goes on.
+    nice: int = Field(0, ge=-20, le=19)
 
 
 class PipelineConfig(_Section):
@@ -263,7 +263,7 @@ class RepackConfig(_Section):
     on_publish: bool = True  # plan again right after each trainer publication
     c_max: float = Field(0.9, gt=0, le=1)  # KV fraction a destination may reach
     # Requests a destination may hold; None: the pacing roofline's memory-bound batch
-    # when paced, capped by rollout.groups_per_batch × group_size.
+    # when paced (in real requests), capped by what an engine decodes at once.
     max_batch: int | None = Field(None, gt=1)
 
 

@@ -204,7 +204,6 @@ class RolloutReplica:
 
     def _run(self) -> None:
         try:
-            _lower_priority(self.cfg.rollout.nice)
             while not self._stop.is_set():
                 self._tick()
                 self._wait_while_held()
@@ -687,10 +686,6 @@ class RolloutReplica:
         c["parity_worst_abs"] = max(c["parity_worst_abs"], c["parity_max_abs"])
 
     def _submit_rewards(self, outputs: list[FinishedOutput]) -> None:
-        from distributed import get_client
-
-        from laminar.rewards import score_batch
-
         trajs, items = [], []
         for out in outputs:
             g: PromptGroup = out.request.meta["group"]
@@ -724,10 +719,7 @@ class RolloutReplica:
             )
             self.counts["response_tokens"] += len(resp)
         self.counts["trajectories"] += len(trajs)
-        future = get_client().submit(
-            score_batch, self.cfg.task.reward, items, self.cfg.task.truncated_reward, pure=False
-        )
-        self._to_score.put((trajs, future))
+        self._to_score.put((trajs, items, self._reward_task(items)))
 
     def _collect_rewards(self, block: bool) -> None:
         """Submit the rewards of recovered finished trajectories; with ``block``, wait
@@ -754,11 +746,35 @@ class RolloutReplica:
         if self.error is not None:
             raise RuntimeError(f"rollout {self.rollout_id}: the reward collector failed")
 
+    def _scores(self, items: list, future=None, attempts: int = 3):
+        """The scores of ``items`` once their reward task is done (``None``: abandoned).
+
+        Waits on a done-callback rather than ``future.result(timeout=...)`` in a loop:
+        distributed's ``sync`` can meet the task finishing as its own timeout fires and
+        then fails with ``UnboundLocalError`` instead of a result (seen under load). A
+        task the cluster cancelled (its worker lost) is submitted again."""
+        future = future or self._reward_task(items)
+        done = threading.Event()
+        future.add_done_callback(lambda _: done.set())
+        while not done.wait(1.0):
+            if self._abandon.is_set():
+                return None
+        if future.status == "cancelled" and attempts > 1:
+            return self._scores(items, None, attempts - 1)
+        return future.result()
+
+    def _reward_task(self, items: list):
+        from distributed import get_client
+
+        from laminar.rewards import score_batch
+
+        t = self.cfg.task
+        return get_client().submit(score_batch, t.reward, items, t.truncated_reward, pure=False)
+
     def _collect_loop(self) -> None:
         """Rewarded trajectories into the buffer, oldest first, on a thread of their own:
         a reward whose result sits on a hung worker holds up this thread (Dask computes
         it again once that worker is gone), never generation or the rollout's heartbeat."""
-        _lower_priority(self.cfg.rollout.nice)
         while (item := self._to_score.get()) is not None:
             try:
                 self._insert_scored(*item)
@@ -771,14 +787,9 @@ class RolloutReplica:
                 self._to_score.task_done()
         self._to_score.task_done()
 
-    def _insert_scored(self, trajs: list[Trajectory], future) -> None:
-        while not self._abandon.is_set():
-            try:
-                scores = future.result(timeout=1.0)
-                break
-            except TimeoutError:
-                continue
-        else:
+    def _insert_scored(self, trajs: list[Trajectory], items: list, future) -> None:
+        scores = self._scores(items, future)
+        if scores is None:
             return
         for t, s in zip(trajs, scores, strict=True):
             t.reward = s.reward
@@ -797,12 +808,3 @@ class RolloutReplica:
                     )
         self._call(self.buffer.insert(trajs))
         self.counts["inserted"] += len(trajs)
-
-
-def _lower_priority(nice: int) -> None:
-    """Lower the calling thread's OS priority by ``nice`` (Linux: per thread)."""
-    import os
-
-    if nice and hasattr(os, "setpriority"):
-        tid = threading.get_native_id()
-        os.setpriority(os.PRIO_PROCESS, tid, os.getpriority(os.PRIO_PROCESS, tid) + nice)

@@ -160,6 +160,8 @@ class Trainer:
 
     def _run(self) -> None:
         try:
+            if self.cfg.trainer.pacing is not None and self.cfg.trainer.pacing.nice:
+                _set_priority(self.cfg.trainer.pacing.nice)
             if self.ranks > 1:
                 _join_group(self.cfg, self.init_method, rank=0)
             self._train()
@@ -418,6 +420,18 @@ def _learner(cfg: RunConfig, policy_dir: str, rank: int) -> Learner:
         world_size=n,
         all_reduce=torch_all_reduce if n > 1 else None,
     )
+
+
+def _set_priority(nice: int) -> None:
+    """Set the calling thread's OS priority (Linux: per thread); refused: a warning."""
+    import os
+
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), nice)
+    except (OSError, AttributeError) as e:
+        logger.warning(
+            "trainer.pacing.nice=%d refused (%s): the trainer runs at normal priority", nice, e
+        )
 
 
 def _join_group(cfg: RunConfig, init_method: str, rank: int) -> None:

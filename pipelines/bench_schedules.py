@@ -58,9 +58,15 @@ CAP = PAPER_RESPONSE_CAP // LENGTH_SCALE  # 64 real tokens, the answer's <eos> i
 MEDIAN_LEN = 5.2
 GROUPS_PER_STEP = 64  # 64 × 16 = 1,024 real trajectories, 8,192 modelled
 GROUP_SIZE = 16
+# Time to reward: the threshold lies this far from the base policy's reward to the lowest
+# final reward of any run.
+TTR_FRACTION = 0.75
 CONCURRENCY = 256 // REQUEST_SCALE  # the paper's per-rollout max concurrency, 256
-ETA = 4
-DILATION_PER_64_GPUS = 16.0  # dilation grows with the cluster: real compute stays the same
+ETA = 1  # Laminar's back-pressure and partial rollout's bound alike: 2 global batches out
+# Dilation grows with the cluster, so that the real compute per wall second stays the same.
+# At 32 per 64 GPUs real compute stays at a quarter (replicas) to a half (the trainer) of the
+# model's time here; at 16 the machine saturated and replicas overran the model.
+DILATION_PER_64_GPUS = 32.0
 REPACK_INTERVAL_S = 5.0  # the paper's, in modelled seconds
 
 # name -> (pipeline.schedule, repack on)
@@ -85,9 +91,6 @@ WORKLOAD = [
     f"rollout.max_concurrency={CONCURRENCY}",
     f"rollout.groups_per_batch={CONCURRENCY // GROUP_SIZE}",  # Laminar's local batch
     "rollout.parity_every=0",
-    # replicas have slack against their model; the trainer, on the critical path, has
-    # less: the OS serves it first (real compute stays under the model for both)
-    "rollout.nice=10",
     "rollout.pacing.accelerator=H800",
     "rollout.pacing.model=7B",
     f"rollout.pacing.tp={GPUS_PER_REPLICA}",
@@ -101,6 +104,9 @@ WORKLOAD = [
     # the same gradient, in length-sorted micro-batches that fit this CPU's caches
     # (measured: 6.5k tokens/s at 1024 against 4.8k at the default 4096)
     "trainer.micro_batch_tokens=1024",
+    # replicas have slack against their model, the trainer (on the critical path) less: the
+    # OS serves the trainer first where it may (root; else a warning and normal priority)
+    "trainer.pacing.nice=-10",
     f"buffer.max_outstanding_groups={(ETA + 1) * GROUPS_PER_STEP}",
     f"pipeline.eta={ETA}",
     "cluster.memory_limit=2GiB",
@@ -133,9 +139,6 @@ class Cluster:
 
     def wall(self, modelled_s: float) -> float:
         return modelled_s * self.dilation / LENGTH_SCALE
-
-    def modelled(self, wall_s: float) -> float:
-        return wall_s * LENGTH_SCALE / self.dilation
 
     def balanced_replicas(self) -> int:
         """Where the search starts: the split at which the trainer's and the rollouts'
@@ -207,13 +210,24 @@ def search_split(
 # -- figures of one run, from its stores -------------------------------------------------
 
 
-def arm_figures(run_dir: Path, summary: dict, cluster: Cluster, warmup: int) -> dict:
-    """Every figure of one run (see the module docstring), in modelled units."""
+def arm_figures(run_dir: Path, summary: dict, warmup: int) -> dict:
+    """Every figure of one run (see the module docstring), in modelled units of the
+    full-size cluster: the run's ``rollout.pacing`` scales and dilation convert them."""
+    from laminar.config import load_config
+    from laminar.pacing import scale_of
     from storage import open_run
     from storage.audit import audit_run
     from storage.metrics import open_metrics
 
-    scale_tok = REQUEST_SCALE * LENGTH_SCALE
+    cfg = load_config(Path(run_dir) / "config.yaml")
+    sc = scale_of(cfg.rollout.pacing)
+    # a version's policy reward counts once its rollouts finished a quarter of a batch
+    min_version = max(1, cfg.trainer.groups_per_step * cfg.rollout.group_size // 4)
+    scale_tok, scale_req = sc.tokens, sc.request_scale
+
+    def modelled(wall_s: float) -> float:
+        return wall_s * sc.length_scale / sc.dilation
+
     ups = open_metrics(run_dir, "updates").sortby("version")
     version = ups["version"].values
     measured = version > warmup
@@ -225,20 +239,30 @@ def arm_figures(run_dir: Path, summary: dict, cluster: Cluster, warmup: int) -> 
     t_begin = t_end - interval
     out: dict[str, float] = {
         # prompt + response tokens of a global batch / time between adjacent updates
-        "throughput": tokens * scale_tok / cluster.modelled(interval),
-        "iteration_s": cluster.modelled(interval / measured.sum()),
+        "throughput": tokens * scale_tok / modelled(interval),
+        "iteration_s": modelled(interval / measured.sum()),
     }
-    # Time to reward: from the first publication to the first update whose trained
-    # batch (mean of it and the one before) reaches the reward threshold.
+    # Reward against modelled time since the first publication, two ways: the trained
+    # batches' (an update's batch, when it is published: what a trainer logs, lagging the
+    # policy by its staleness) and the policy's (the rollouts of version v, at the time v
+    # was published: when the trainer first held a policy that good).
     t0 = ups["time"].values[0] - ups["interval_s"].values[0]
-    rewards = ups["reward_mean"].values
-    smooth = np.convolve(rewards, np.ones(2) / 2, mode="full")[: len(rewards)]
-    smooth[0] = rewards[0]
-    out["reward_first"] = float(rewards[0])
-    out["reward_last"] = float(np.mean(rewards[-3:]))
-    out["_rewards"] = rewards.tolist()
-    out["_reward_times"] = [cluster.modelled(t - t0) for t in ups["time"].values]
-    out["_smoothed"] = smooth.tolist()
+    published = {0: t0} | dict(zip(version.tolist(), ups["time"].values.tolist(), strict=True))
+    out["_trained"] = [
+        (modelled(t - t0), float(r))
+        for t, r in zip(ups["time"].values, ups["reward_mean"].values, strict=True)
+    ]
+    ds = open_run(run_dir)
+    ok = ds["finish_reason"].values != "error"
+    k = ds["behavior_version"].values[ok]
+    rew = ds["reward"].values[ok]
+    out["_policy"] = [
+        (modelled(published[v] - t0), float(rew[k == v].mean()))
+        for v in sorted(published)
+        if (k == v).sum() >= min_version
+    ]
+    out["reward_first"] = out["_policy"][0][1]
+    out["reward_last"] = float(np.mean([r for _, r in out["_policy"][-2:]]))
 
     cl = open_metrics(run_dir, "cluster")
     wall = cl["wall_time"].values.astype("datetime64[ns]").astype(np.float64) / 1e9
@@ -249,21 +273,17 @@ def arm_figures(run_dir: Path, summary: dict, cluster: Cluster, warmup: int) -> 
     dt = wall[last] - wall[first]
 
     def rate(col: str) -> float:  # a cumulative column's growth per modelled second
-        return float(cl[col].values[last] - cl[col].values[first]) / cluster.modelled(dt)
+        return float(cl[col].values[last] - cl[col].values[first]) / modelled(dt)
 
     out["gen_throughput"] = rate("response_tokens") * scale_tok
-    out["arrivals_per_s"] = rate("inserted") * REQUEST_SCALE
-    out["consumption_per_s"] = rate("consumed") * REQUEST_SCALE
+    out["arrivals_per_s"] = rate("inserted") * scale_req
+    out["consumption_per_s"] = rate("consumed") * scale_req
     out["trainer_idle"] = (
         float(cl["trainer_wait_s"].values[last] - cl["trainer_wait_s"].values[first]) / dt
     )
-    out["buffer_depth"] = (
-        float(np.mean(cl["buffer_depth"].values[first : last + 1])) * REQUEST_SCALE
-    )
+    out["buffer_depth"] = float(np.mean(cl["buffer_depth"].values[first : last + 1])) * scale_req
     age = cl["oldest_buffered_age_s"].values[first : last + 1]
-    out["buffer_age_s"] = (
-        cluster.modelled(float(np.nanmean(age))) if np.isfinite(age).any() else 0.0
-    )
+    out["buffer_age_s"] = modelled(float(np.nanmean(age))) if np.isfinite(age).any() else 0.0
 
     ro = open_metrics(run_dir, "rollouts")
     rt = ro["time"].values
@@ -283,9 +303,8 @@ def arm_figures(run_dir: Path, summary: dict, cluster: Cluster, warmup: int) -> 
         float(1 - np.nansum(busy) / (n_roll * span)) if n_roll and span > 0 else math.nan
     )
     steps, decoded = delta("engine_steps"), delta("engine_decode_tokens")
-    out["decode_batch"] = float(np.nansum(decoded) / max(np.nansum(steps), 1)) * REQUEST_SCALE
+    out["decode_batch"] = float(np.nansum(decoded) / max(np.nansum(steps), 1)) * scale_req
 
-    ds = open_run(run_dir)
     st = ds.laminar.staleness()
     for name in ("s_gen", "residence", "s_train"):
         v = st[name].values
@@ -295,7 +314,7 @@ def arm_figures(run_dir: Path, summary: dict, cluster: Cluster, warmup: int) -> 
     status = ds["status"].values
     resp_len = ds["response_len"].values
     for s in ("evicted", "discarded", "filtered"):
-        out[s] = int((status == s).sum()) * REQUEST_SCALE
+        out[s] = int((status == s).sum()) * scale_req
     wasted = np.isin(status, ["evicted", "discarded", "filtered"])
     out["wasted_tokens"] = float(resp_len[wasted].sum()) * scale_tok
     out["recomputed_tokens"] = (
@@ -316,11 +335,16 @@ def arm_figures(run_dir: Path, summary: dict, cluster: Cluster, warmup: int) -> 
     return out
 
 
-def time_to_reward(fig: dict, threshold: float) -> float:
-    """Modelled seconds until the smoothed trained reward first reaches ``threshold``
-    (NaN: never, within the run)."""
-    for t, r in zip(fig["_reward_times"], fig["_smoothed"], strict=True):
-        if r >= threshold:
+def time_to_reward(curve: list[tuple[float, float]], threshold: float) -> float:
+    """Modelled seconds until a reward curve (two-point moving average) first reaches
+    ``threshold`` (NaN: never, within the run).
+
+    >>> time_to_reward([(0, 0.5), (10, 0.6), (20, 0.8), (30, 0.9)], 0.7)
+    20
+    """
+    for i, (t, _) in enumerate(curve):
+        window = [r for _, r in curve[max(0, i - 1) : i + 1]]
+        if np.mean(window) >= threshold:
             return t
     return math.nan
 
@@ -338,11 +362,11 @@ def _run(client, run_dir: Path, overrides: list[str]) -> dict:
 def bench_schedules(
     gpus: int = 64,
     seeds: int = 3,
-    warmup: int = 5,
-    iterations: int = 10,
+    warmup: int = 3,
+    iterations: int = 6,
     search: bool = True,
     probe_warmup: int = 2,
-    probe_iterations: int = 3,
+    probe_iterations: int = 2,
     arms: tuple[str, ...] = tuple(ARMS),
     splits: dict[str, int] | None = None,
     reward_threshold: float | None = None,
@@ -378,7 +402,7 @@ def bench_schedules(
         def run(arm: str, replicas: int, steps: int, seed: int, tag: str) -> dict:
             run_dir = root / f"{arm}-r{replicas}-{tag}"
             summary = _run(client, run_dir, cluster.overrides(arm, replicas, steps, seed))
-            fig = arm_figures(run_dir, summary, cluster, warmup if tag[0] == "s" else probe_warmup)
+            fig = arm_figures(run_dir, summary, warmup if tag[0] == "s" else probe_warmup)
             fig["replicas"] = replicas
             fig["trainer_gpus"] = gpus if arm == "sync" else gpus - GPUS_PER_REPLICA * replicas
             print(
@@ -430,6 +454,7 @@ FIGURES = [
     "throughput",
     "gen_throughput",
     "ttr_s",
+    "ttr_trained_s",
     "iteration_s",
     "rollout_idle",
     "trainer_idle",
@@ -483,14 +508,17 @@ def _result(cluster, arms, results, splits, probes, reward_threshold, root, loca
     from pipelines.bench import BenchResult
 
     if reward_threshold is None:
-        # Halfway from the first trained batch's reward to the lowest final reward, so
-        # that every run reaches it (the same threshold for all).
+        # Three quarters of the way from the base policy's reward to the lowest final one
+        # of any run: every run reaches it, late enough that the pipelines' first
+        # iterations do not decide it (the same threshold for all).
         finals = [f["reward_last"] for rs in results.values() for f in rs]
         firsts = [f["reward_first"] for rs in results.values() for f in rs]
-        reward_threshold = float(np.median(firsts) + 0.5 * (min(finals) - np.median(firsts)))
+        base = float(np.median(firsts))
+        reward_threshold = base + TTR_FRACTION * (min(finals) - base)
     for rs in results.values():
         for f in rs:
-            f["ttr_s"] = time_to_reward(f, reward_threshold)
+            f["ttr_s"] = time_to_reward(f["_policy"], reward_threshold)
+            f["ttr_trained_s"] = time_to_reward(f["_trained"], reward_threshold)
     med = {
         arm: {k: float(np.nanmedian([f[k] for f in rs])) for k in FIGURES}
         for arm, rs in results.items()
@@ -506,16 +534,16 @@ def _result(cluster, arms, results, splits, probes, reward_threshold, root, loca
         for b in ("sync", "one_step", "stream", "partial_rollout")
     }
     ratios["laminar_repack_on_vs_off"] = ratio("laminar", "laminar_no_repack")
-    ttr = ratio("sync", "laminar", "ttr_s")  # time: sync's over Laminar's
-    ratios["ttr_laminar_vs_sync"] = ttr
+    ratios["ttr_laminar_vs_sync"] = ratio("sync", "laminar", "ttr_s")  # sync's time / Laminar's
+    ratios["ttr_trained_laminar_vs_sync"] = ratio("sync", "laminar", "ttr_trained_s")
     ratios["gen_throughput_laminar_vs_sync"] = ratio("laminar", "sync", "gen_throughput")
     figures = {f"{arm}_{k}": v for arm, m in med.items() for k, v in m.items()}
     figures["reward_threshold"] = reward_threshold
     samples = {f"{arm}_{k}": [f[k] for f in rs] for arm, rs in results.items() for k in FIGURES}
-    samples |= {f"{arm}_rewards": [f["_rewards"] for f in rs] for arm, rs in results.items()}
-    samples |= {
-        f"{arm}_reward_times_s": [f["_reward_times"] for f in rs] for arm, rs in results.items()
-    }
+    for curve in ("policy", "trained"):  # [(modelled s, reward)] of every run
+        samples |= {
+            f"{arm}_{curve}_reward": [f[f"_{curve}"] for f in rs] for arm, rs in results.items()
+        }
     result = BenchResult(
         name="schedules",
         figures=figures,
@@ -538,7 +566,9 @@ def _result(cluster, arms, results, splits, probes, reward_threshold, root, loca
             f"{cluster.gpus} emulated H800 GPUs (TP4 replicas; sync colocated on all); "
             f"modelled units of the full-size cluster; medians over {locals_['seeds']} seeds",
             "ratios: " + ", ".join(f"{k} {v:.2f}" for k, v in ratios.items() if v is not None),
-            f"time to reward: smoothed trained reward >= {reward_threshold:.3f}",
+            f"time to reward: the policy's reward (its rollouts', at its publication; "
+            f"ttr_trained_s: the trained batches', at their update), 2-point mean >= "
+            f"{reward_threshold:.3f}",
         ],
     )
     result.extras = write_extras
@@ -563,18 +593,12 @@ def write_extras(result, out: Path) -> list[Path]:
     ax[0].set_ylabel("actor-update throughput (k tok/s)")
     ax[0].tick_params(axis="x", rotation=30)
     for a in arms:
-        for rewards, times in zip(
-            result.samples[f"{a}_rewards"], result.samples[f"{a}_reward_times_s"], strict=True
-        ):
-            ax[1].plot(
-                times,
-                rewards,
-                lw=0.8,
-                label=a if rewards is result.samples[f"{a}_rewards"][0] else None,
-            )
+        for i, curve in enumerate(result.samples[f"{a}_policy_reward"]):
+            t, r = zip(*curve, strict=True) if curve else ((), ())
+            ax[1].plot(t, r, lw=0.8, label=a if i == 0 else None)
     ax[1].axhline(result.figures["reward_threshold"], color="k", ls=":", lw=0.8)
     ax[1].set_xlabel("modelled time (s)")
-    ax[1].set_ylabel("trained batch reward")
+    ax[1].set_ylabel("reward of each version's rollouts")
     ax[1].legend(fontsize=7)
     fig.suptitle(f"laminar bench schedules, {result.options['gpus']} emulated GPUs")
     fig.tight_layout()

@@ -398,8 +398,8 @@ def main(argv: list[str] | None = None) -> int:
     bench.add_argument("--kill-every-s", type=float, help="soak: seconds between worker kills (60)")
     bench.add_argument("--gpus", type=int, help="schedules: emulated GPUs in all (64)")
     bench.add_argument("--seeds", type=int, help="schedules: seeds per schedule (3)")
-    bench.add_argument("--warmup", type=int, help="schedules: warm-up updates (5)")
-    bench.add_argument("--iterations", type=int, help="schedules: measured updates (10)")
+    bench.add_argument("--warmup", type=int, help="schedules: warm-up updates (3)")
+    bench.add_argument("--iterations", type=int, help="schedules: measured updates (6)")
     bench.add_argument("--arms", help="schedules: comma-separated subset of the schedules")
     bench.add_argument(
         "--splits", help="schedules: fixed rollout replicas, e.g. laminar=6,stream=7 (no search)"

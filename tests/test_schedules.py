@@ -1,0 +1,206 @@
+"""The five schedules: what each keeps global, end to end on real worker processes, and
+the pure parts the schedules bench rests on (time models, the split search)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from factories import run_to_end
+from runs import check_store
+
+from laminar.config import RunConfig, with_overrides
+from laminar.errors import ConfigError
+from laminar.pacing import Clock, PacingError, Scale, TrainerTimeModel, WeightSyncModel
+from laminar.schedule import ScheduleSpec
+from pipelines.driver import schedule_class
+from storage import open_run
+
+SCHEDULES = ("laminar", "sync", "one_step", "stream", "partial_rollout")
+
+
+def test_each_pipeline_module_states_what_it_keeps_global_and_how_to_run_it():
+    import importlib
+
+    for name in SCHEDULES:
+        cls = schedule_class(name)
+        assert cls.name == name and cls.spec(RunConfig()).name == name
+        doc = importlib.import_module(f"pipelines.{name}").__doc__
+        assert "What it keeps global" in doc and "laminar run configs/tiny.yaml" in doc
+
+
+def test_a_spec_that_cannot_work_is_refused():
+    with pytest.raises(ConfigError, match="dispatch='batches', lag=1"):
+        ScheduleSpec("x", trainer="one_step", dispatch="free")
+    with pytest.raises(ConfigError, match="weights='nccl' is not one of"):
+        ScheduleSpec("x", weights="nccl")
+
+
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        (["repack.interval_s=1", "pipeline.schedule=sync"], r"repack is Laminar's"),
+        (["pipeline.schedule=stream", "trainer.ranks=2"], r"set trainer.ranks=1"),
+        (["trainer.pacing.gpus=8"], r"trainer.pacing needs rollout.pacing"),
+        (["pipeline.schedule=pipelined"], r"pipeline.schedule: .*'laminar'"),
+        (
+            ["pipeline.schedule=stream", "trainer.correction=decoupled", "trainer.mini_batches=2"],
+            r"proximal policy",
+        ),
+    ],
+)
+def test_schedule_configs_that_cannot_run_name_the_fix(override, message):
+    with pytest.raises(ConfigError, match=message):
+        with_overrides(RunConfig(), override)
+
+
+def test_scales_keep_the_model_and_compress_its_time():
+    """A real step of b requests over S tokens, with length scale L and request scale R,
+    lasts the mean of L modelled steps of R·b requests over R·L·S tokens, the first of
+    which prefills; everything else modelled (training, weight syncs) is divided by L."""
+    from laminar.pacing import Pacer, TimeModel
+
+    m = TimeModel.named("H800", "7B", tp=4)
+    plain = Pacer(m, dilation=2.0)
+    assert plain.modelled(16, 4000, 300) == pytest.approx(2 * m.step_time(16, 4000, 300))
+    scaled = Pacer(m, dilation=2.0, length_scale=100, request_scale=4)
+    want = (m.step_time(64, 4000 * 400, 300 * 400) + 99 * m.decode_time(64, 4000 * 400)) / 100
+    assert scaled.modelled(16, 4000, 300) == pytest.approx(2 * want)
+    sc = Scale(dilation=16, length_scale=256, request_scale=8)
+    assert sc.wall(256.0) == 16.0 and sc.tokens == 2048
+    train = TrainerTimeModel(gpus=40)
+    assert train.update_time(200_000 * 40) == pytest.approx(40 + 2.0)
+    assert train.tokens_time(200_000 * 40) == pytest.approx(40)
+    syncs = WeightSyncModel()
+    assert syncs.global_sync(1) == 3.0 and syncs.global_sync(64) == pytest.approx(4.5)
+    with pytest.raises(Exception, match="length_scale=0"):
+        Scale(length_scale=0)
+
+
+def test_a_clock_holds_work_to_its_model_and_counts_what_overran():
+    import time
+
+    slept: list[float] = []
+    clock = Clock(Scale(dilation=2.0, length_scale=4.0), strict=True, window=2, sleep=slept.append)
+    t0 = time.time()
+    clock.hold(t0, 2.0, "update")  # 2 s modelled: 1 s here
+    assert slept and 0.9 < slept[0] <= 1.0
+    clock.hold(time.time() - 5, 2.0, "sync")  # the work took 5 s: an overrun, no sleep
+    assert len(slept) == 1
+    stats = clock.stats()
+    assert stats["update"]["n"] == 1 and stats["update"]["overruns"] == 0
+    assert stats["sync"]["overruns"] == 1 and stats["sync"]["compute_s"] >= 5
+    with pytest.raises(PacingError, match="Raise rollout.pacing.dilation to at least 15"):
+        clock.hold(time.time() - 5, 2.0, "sync")  # a median of 2 overran: strict stops
+
+
+def test_the_split_search_finds_the_best_split_of_a_unimodal_throughput():
+    from pipelines.bench_schedules import search_split
+
+    for best in range(1, 16):
+        for start in (1, 6, 15):
+            calls = []
+
+            def f(r, best=best, calls=calls):
+                calls.append(r)
+                return -((r - best) ** 2)
+
+            got, seen = search_split(f, lo=1, hi=15, start=start)
+            assert got == best and len(set(calls)) == len(calls)  # each split run once
+            assert got in seen
+
+
+# -- end to end -------------------------------------------------------------------------
+
+
+def _consumed(ds):
+    c = ds["status"].values == "consumed"
+    return {k: ds[k].values[c] for k in ("behavior_version", "sample_version", "prompt_uid")}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("schedule", ["sync", "one_step", "stream", "partial_rollout"])
+def test_each_baseline_schedule_runs_end_to_end_and_keeps_its_promises(
+    schedule, cluster_client, small_config, tmp_path
+):
+    """Every baseline trains its versions on whole groups and audits clean; what it keeps
+    global shows in the store: sync and stream train on-policy, one-step exactly one
+    version stale, partial rollout interrupts every rollout at every publication."""
+    overrides = [f"pipeline.schedule={schedule}", "trainer.mini_batches=2"]
+    run, summary = run_to_end(cluster_client, small_config, tmp_path / "run", overrides)
+    assert summary["reason"] == "completed", summary
+    assert summary["schedule"] == schedule and summary["versions"] == 4
+    ds = open_run(run.run_dir)
+    assert ds.attrs["schedule"] == schedule
+    c = _consumed(ds)
+    groups = small_config.trainer.groups_per_step
+    for v in range(4):  # one global batch of whole groups per version
+        assert len(set(c["prompt_uid"][c["sample_version"] == v])) == groups
+    s_train = c["sample_version"] - c["behavior_version"]
+    if schedule in ("sync", "stream"):
+        assert (s_train == 0).all()
+        check_store(run.run_dir)
+    elif schedule == "one_step":  # batches 0 and 1 by version 0, then b by b - 1
+        assert (s_train == np.minimum(c["sample_version"], 1)).all()
+        check_store(run.run_dir)
+    else:
+        assert ds.laminar.audit() == []  # mixed versions rise from the behavior version
+        assert all(r["interrupts"] >= 3 for r in summary["rollouts"])
+        assert sum(r["recomputed_tokens"] for r in summary["rollouts"]) > 0
+    if schedule == "stream":
+        from storage.metrics import open_metrics
+
+        updates = open_metrics(run.run_dir, "updates")
+        assert (updates["mini_batches"].values == 2).all()
+
+
+@pytest.mark.slow
+def test_paced_schedules_pay_their_weight_movements_and_the_bench_reads_them(
+    cluster_client, small_config, tmp_path
+):
+    """One-step on emulated trainer GPUs: each update lasts at least its modelled time
+    and each publication a global NCCL sync, and the bench's figures of the run are the
+    tables' own numbers in modelled units."""
+    from pipelines.bench_schedules import arm_figures
+    from storage.metrics import open_metrics
+
+    pacing = [
+        "rollout.pacing.dilation=8",
+        "rollout.pacing.strict=false",
+        "rollout.pacing.length_scale=32",
+        "rollout.pacing.request_scale=2",
+        "trainer.pacing.gpus=4",
+        "trainer.pacing.global_sync_s=4",  # with 2 replicas 4.25 s modelled: 1.06 s here
+        "pipeline.schedule=one_step",
+        "trainer.steps=3",
+    ]
+    run, summary = run_to_end(cluster_client, small_config, tmp_path / "run", pacing)
+    assert summary["reason"] == "completed", summary
+    paced = summary["trainer_pacing"]
+    assert paced["update"]["n"] == 3 and paced["global_sync"]["n"] == 3
+    updates = open_metrics(run.run_dir, "updates")
+    sync_wall = (4 + 0.25 * 1) * 8 / 32
+    assert (updates["sync_s"].values >= sync_wall * 0.99).all()
+    want = TrainerTimeModel(gpus=4).update_time(updates["tokens"].values * 64) * 8 / 32
+    assert (updates["update_s"].values >= want * 0.99).all()
+    check_store(run.run_dir)
+
+    fig = arm_figures(run.run_dir, summary, warmup=1)
+    rows = updates.sortby("version")
+    measured = rows["version"].values > 1
+    tokens = rows["tokens"].values[measured].sum()
+    interval = rows["interval_s"].values[measured].sum()
+    assert fig["throughput"] == pytest.approx(tokens * 64 / (interval * 32 / 8))
+    assert 0 <= fig["rollout_idle"] <= 1 and 0 <= fig["trainer_idle"] <= 1
+    assert fig["s_train_max"] == 1 and fig["audit_ok"] == 1.0
+
+
+def test_a_baseline_run_is_not_resumed_in_place(tmp_path):
+    import pipelines
+
+    run = tmp_path / "run"
+    (run / "checkpoints" / "version-000002").mkdir(parents=True)
+    (run / "checkpoints" / "version-000002" / "trainer_state.json").write_text('{"version": 2}')
+    cfg = with_overrides(RunConfig(), ["pipeline.schedule=sync"])
+    (run / "config.yaml").write_text(cfg.to_yaml())
+    with pytest.raises(ConfigError, match="start a new run from its checkpoint"):
+        pipelines.resume(run, client=None)
