@@ -318,7 +318,9 @@ class ExperienceBuffer:
     async def _release(self, trajs: list[Trajectory]) -> None:
         """Groups that left (any status) free their back-pressure slots; then record it."""
         if trajs:
-            await self.pool.release(sorted({t.prompt_uid for t in trajs}))
+            uids = sorted({t.prompt_uid for t in trajs})
+            trained = {t.prompt_uid for t in trajs if t.status == "consumed"}
+            await self.pool.release(uids, tuple(u for u in uids if u not in trained))
             self._leave(trajs)
 
     async def insert(self, trajs: list[Trajectory]) -> int:
@@ -340,6 +342,11 @@ class ExperienceBuffer:
         await self._release(batch or [])
         self._flush()  # the trainer polls while it waits: pending writes go out on time
         return batch
+
+    async def update_skipped(self) -> None:
+        """The trainer consumed a batch and published no version (the pool's dispatch
+        rule makes up for it)."""
+        await self.pool.update_skipped()
 
     async def version_published(self, version: int) -> None:
         self.version = max(self.version, version)

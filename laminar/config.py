@@ -468,6 +468,12 @@ class RunConfig(_Section):
                 f"pipeline.schedule is {schedule!r}: remove the repack section or use "
                 "pipeline.schedule=laminar"
             )
+        if schedule == "one_step" and b.max_train_staleness == 0:
+            raise ValueError(
+                "pipeline.schedule=one_step trains every batch one version after the one "
+                "that generated it, so buffer.max_train_staleness=0 would evict them all; "
+                "set it to 1 or more (or leave it unset)"
+            )
         if schedule == "stream" and t.ranks > 1:
             raise ValueError(
                 "pipeline.schedule=stream trains each mini-batch as it arrives, on one "

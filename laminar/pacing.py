@@ -232,6 +232,10 @@ class Scale:
     def wall(self, modelled_s: float) -> float:
         return modelled_s * self.dilation / self.length_scale
 
+    def modelled(self, wall_s: float) -> float:
+        """The inverse of :meth:`wall`."""
+        return wall_s * self.length_scale / self.dilation
+
     @property
     def tokens(self) -> float:
         """Modelled tokens per real token of a batch (requests × length)."""
@@ -268,7 +272,8 @@ class WeightSyncModel:
     """What moving a version to the rollouts costs, by how it is done (modelled seconds).
 
     * ``relay`` (Laminar): the trainer stalls ``publish_s`` while the master relay takes its
-      copy; each rollout waits ``pull_s`` when it loads a version at its batch boundary;
+      copy (each rollout's own pull at its batch boundary is ``rollout.pacing.pull_s``,
+      paced by the rollout);
     * ``global``: an NCCL broadcast to every rollout at once, ``global_s + global_log2_s ·
       log2(replicas)``, while the trainer and every rollout wait;
     * ``colocated``: trainer and rollouts share the GPUs; switching them from training to
@@ -279,7 +284,6 @@ class WeightSyncModel:
     """
 
     publish_s: float = 0.5
-    pull_s: float = 1.0
     global_s: float = 3.0
     global_log2_s: float = 0.25
     colocated_s: float = 8.0
@@ -327,7 +331,9 @@ class Pacer:
         >>> plain = Pacer(m).modelled(32, 32 * 4000, 0)
         >>> scaled = Pacer(m, length_scale=250, request_scale=8).modelled(4, 4 * 16, 0)
         >>> round(plain * 1e3, 2), round(scaled * 1e3, 2)  # 32 requests at 4K context
-        (3.94, 3.94)
+        (3.94, 3.96)
+
+        (The scaled step stands for 250 steps, over which the KV grows by 250 × 32 tokens.)
         """
         sc = self.scale
         batch *= sc.request_scale
@@ -336,7 +342,11 @@ class Pacer:
         first = self.model.step_time(
             batch, context_tokens, prefill_tokens, fused=self.fused_prefill
         )
-        rest = (sc.length_scale - 1) * self.model.decode_time(batch, context_tokens)
+        # The other steps read the KV their predecessors wrote: ``batch`` tokens each, so
+        # steps 1 .. L-1 read on average ``L·batch/2`` more than the first (decode time is
+        # linear in the KV read).
+        mean_context = context_tokens + sc.length_scale * batch / 2
+        rest = (sc.length_scale - 1) * self.model.decode_time(batch, mean_context)
         return self.dilation * (first + rest) / sc.length_scale
 
     def pace(
@@ -410,9 +420,12 @@ class Clock:
         self.figures: dict[str, dict[str, float]] = {}
 
     def hold(self, t0: float, modelled_s: float, what: str) -> float:
-        """Wait out ``modelled_s`` from ``t0``; returns the wall seconds since ``t0``."""
+        """Wait out ``modelled_s`` from ``t0``; returns the wall seconds since ``t0``.
+        A stretch modelled to take no time (e.g. ``publish_s=0``) is not held or counted."""
         target = self.scale.wall(modelled_s)
         actual = time.time() - t0
+        if target <= 0:
+            return actual
         fig = self.figures.setdefault(
             what, {"n": 0, "modelled_s": 0.0, "compute_s": 0.0, "overruns": 0}
         )
@@ -420,7 +433,7 @@ class Clock:
         fig["modelled_s"] += target
         fig["compute_s"] += actual
         ratios = self._ratios.setdefault(what, deque(maxlen=self.window))
-        ratios.append(actual / target if target > 0 else 0.0)
+        ratios.append(actual / target)
         if actual <= target:
             self.sleep(target - actual)
             return time.time() - t0

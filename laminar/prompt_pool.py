@@ -21,7 +21,7 @@ from pathlib import Path
 
 from laminar.config import RunConfig
 from laminar.contract import PromptGroup
-from laminar.errors import DataError
+from laminar.errors import ConfigError, DataError
 from laminar.tasks import Prompt, iter_epochs, jsonl_prompts, synthetic_prompts
 
 
@@ -83,7 +83,7 @@ class PromptPoolCore:
         for _ in range(start):
             self.epoch, _ = next(self._order)
         if dispatch not in ("free", "batches", "eta"):
-            raise ValueError(f"dispatch {dispatch!r} is not one of free, batches, eta")
+            raise ConfigError(f"dispatch {dispatch!r} is not one of free, batches, eta")
         self.dispatch = dispatch
         self.groups_per_step = groups_per_step
         self.share = -(-groups_per_step // replicas)  # a rollout's part of a global batch
@@ -94,10 +94,14 @@ class PromptPoolCore:
         # generates it (+ lag) ...
         self.batch = first_version
         self._in_batch: dict[str, int] = {}  # ... and each rollout's groups of it
+        self._batch_of: dict[str, int] = {}  # the batch of each outstanding group
+        self._owed: list[int] = []  # batches owed a group that left untrained
         self._start = start
         self.outstanding: set[str] = set(outstanding)
         self.n_dispatched = start
         self.n_released = 0
+        self.n_untrained = 0  # of those released, the groups no update consumed
+        self.n_skipped = 0  # updates that consumed a batch and published no version
         self.n_reissued = 0
         by_key = {p.key: (p, tokens) for p, tokens in prompts}
         self._reissue: list[PromptGroup] = []
@@ -119,21 +123,33 @@ class PromptPoolCore:
         groups = self._reissue[:n]
         del self._reissue[: len(groups)]
         self.n_reissued += len(groups)
+        while len(groups) < n and (owed := self._owed_to(version)) is not None:
+            # A replacement for a group of batch ``owed`` that left untrained: the
+            # trainer still needs it for that batch's update.
+            self._owed.remove(owed)
+            groups.append(self._next_group(owed))
         while len(groups) < n and self._may_dispatch(rollout_id, version):
-            self.epoch, idx = next(self._order)
-            prompt, tokens = self.prompts[idx]
-            uid = f"p{self.n_dispatched:08d}"
-            self.n_dispatched += 1
-            self.outstanding.add(uid)
-            groups.append(
-                PromptGroup(uid, prompt.key, tokens, prompt.answer, self.group_size, self.epoch)
-            )
+            groups.append(self._next_group(self.batch))
             if self.dispatch == "batches":
                 self._in_batch[rollout_id] = self._in_batch.get(rollout_id, 0) + 1
                 if sum(self._in_batch.values()) == self.groups_per_step:
                     self.batch += 1  # the global batch is out: the next one waits
                     self._in_batch = {}
         return groups
+
+    def _next_group(self, batch: int) -> PromptGroup:
+        self.epoch, idx = next(self._order)
+        prompt, tokens = self.prompts[idx]
+        uid = f"p{self.n_dispatched:08d}"
+        self.n_dispatched += 1
+        self.outstanding.add(uid)
+        if self.dispatch == "batches":
+            self._batch_of[uid] = batch
+        return PromptGroup(uid, prompt.key, tokens, prompt.answer, self.group_size, self.epoch)
+
+    def _owed_to(self, version: int) -> int | None:
+        """The batch of a replacement owed that a rollout at ``version`` may generate."""
+        return next((b for b in self._owed if version >= b - self.lag), None)
 
     def _may_dispatch(self, rollout_id: str, version: int) -> bool:
         if self.dispatch == "batches":  # the schedule's barrier bounds what is out
@@ -143,25 +159,45 @@ class PromptPoolCore:
         if len(self.outstanding) >= self.max_outstanding:
             return False
         if self.dispatch == "eta":
+            # Groups that left untrained (dropped, evicted) feed no update: they are made
+            # up for, or a trainer that needs G groups per version would starve.
             ahead = (self.version - self.first_version + self.eta + 1) * self.groups_per_step
-            return self.n_dispatched - self._start < ahead
+            spent = self.n_untrained + self.n_skipped * self.groups_per_step
+            return self.n_dispatched - self._start - spent < ahead
         return True
 
     def version_published(self, version: int) -> None:
         """The trainer published ``version`` (the ``eta`` rule counts from it)."""
         self.version = max(self.version, version)
 
-    def release(self, prompt_uids: list[str]) -> None:
-        """Groups that left the system (consumed, evicted or discarded)."""
+    def release(self, prompt_uids: list[str], untrained: tuple[str, ...] = ()) -> None:
+        """Groups that left the system: consumed by an update, or (``untrained``, a
+        subset) evicted or discarded without one."""
         for uid in prompt_uids:
             if uid in self.outstanding:
                 self.outstanding.remove(uid)
                 self.n_released += 1
+                self.n_untrained += uid in untrained
+                batch = self._batch_of.pop(uid, None)
+                if batch is not None and uid in untrained:
+                    self._owed.append(batch)
+
+    def update_skipped(self) -> None:
+        """The trainer consumed a batch but published no version (a non-finite update):
+        it trains the next batch at the same version, so with ``batches`` every batch
+        still to come is generated one version earlier than counted, and with ``eta``
+        one more batch may be out."""
+        self.n_skipped += 1
+        if self.dispatch == "batches":
+            self.batch -= 1
+            self._owed = [b - 1 for b in self._owed]
+            self._batch_of = {u: b - 1 for u, b in self._batch_of.items()}
 
     def stats(self) -> dict[str, int]:
         return {
             "dispatched": self.n_dispatched,
             "released": self.n_released,
+            "untrained": self.n_untrained,
             "outstanding": len(self.outstanding),
             "reissued": self.n_reissued,
             "epoch": self.epoch,
@@ -286,12 +322,16 @@ class PromptPool:
             self._waiting.set()
             self._waiting = None
 
-    async def release(self, prompt_uids: list[str]) -> None:
-        self.core.release(prompt_uids)
+    async def release(self, prompt_uids: list[str], untrained: tuple[str, ...] = ()) -> None:
+        self.core.release(prompt_uids, tuple(untrained))
         self._changed()
 
     async def version_published(self, version: int) -> None:
         self.core.version_published(version)
+        self._changed()
+
+    async def update_skipped(self) -> None:
+        self.core.update_skipped()
         self._changed()
 
     async def stats(self) -> dict[str, int]:

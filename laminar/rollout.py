@@ -50,6 +50,9 @@ PARITY_SAMPLE = 8  # responses per parity check
 # relay) before it looks again: waiting costs no calls, and it wakes as soon as groups
 # or a version come.
 IDLE_WAIT_S = 2.0
+# A rollout waiting for a version it was told of polls its relay this long at a time (it
+# wakes the moment the version completes), serving the manager's commands between polls.
+VERSION_POLL_S = 0.5
 
 
 class RolloutReplica:
@@ -222,6 +225,7 @@ class RolloutReplica:
                         self._collect_rewards(block=False)
                         self.counts["idle_s"] += time.time() - t
                         continue
+                    self.counts["idle_s"] += time.time() - t  # (the long poll's wait)
                     self._add(groups)
                 self._decode()
             self._collect_rewards(block=True)
@@ -270,7 +274,7 @@ class RolloutReplica:
             if self._stop.is_set() or self._paused is not None:
                 return
             self._serve()
-            update = self.puller.newest(self.engine.version, wait_s=0.05)
+            update = self.puller.newest(self.engine.version, wait_s=VERSION_POLL_S)
             if update is not None:
                 self._load_version(*update)
 
@@ -295,21 +299,26 @@ class RolloutReplica:
     def _pause(self, version: int) -> int:
         if self.engine.version >= version:
             return 0
+        if self._paused is not None:  # paused already (served while waiting): wait longer
+            held, states = self._paused
+            self._paused = (max(held, version), states)
+            return 0
         states = self.engine.export(list(self.engine.request_ids()), moved=False)
         self._paused = (version, states)
         self.counts["interrupts"] += 1
         return len(states)
 
     def _resume_paused(self) -> None:
-        version, states = self._paused
         t = time.time()
-        while self.engine.version < version and not self._stop.is_set():
+        # (The target is read again each round: a pause served meanwhile may raise it.)
+        while self.engine.version < self._paused[0] and not self._stop.is_set():
             self._tick()
             self._serve()
-            update = self.puller.newest(self.engine.version, wait_s=0.05)
+            update = self.puller.newest(self.engine.version, wait_s=VERSION_POLL_S)
             if update is not None:
                 self._load_version(*update)
         self.counts["sync_wait_s"] += time.time() - t
+        version, states = self._paused
         self._paused = None
         if self._stop.is_set() and self.engine.version < version:
             # Stopped before the version came: the requests stay unfinished (the store

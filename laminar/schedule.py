@@ -43,7 +43,7 @@ class ScheduleSpec:
     """One schedule, as the actors see it (see the module docstring).
 
     >>> ScheduleSpec("one_step", dispatch="batches", lag=1, trainer="one_step",
-    ...              weights="global").staleness
+    ...              weights="global").lag
     1
     """
 
@@ -67,6 +67,12 @@ class ScheduleSpec:
                     f"schedule {self.name!r}: {field}={getattr(self, field)!r} is not one "
                     f"of {allowed}"
                 )
+        if self.interrupt and self.weights == "relay":
+            raise ConfigError(
+                f"schedule {self.name!r}: interrupt stops every rollout at each publication "
+                "until it holds the new version, which needs weights moved to all at once "
+                "(weights='global' or 'colocated'), not pulled at batch boundaries ('relay')"
+            )
         if self.lag < 0 or self.eta < 0:
             raise ConfigError(f"schedule {self.name!r}: lag and eta must be ≥ 0")
         if self.trainer == "one_step" and (self.dispatch, self.lag) != ("batches", 1):
@@ -74,18 +80,6 @@ class ScheduleSpec:
                 f"schedule {self.name!r}: the one_step trainer needs batches dispatched "
                 "one version ahead (dispatch='batches', lag=1)"
             )
-
-    @property
-    def staleness(self) -> int | None:
-        """``s_train`` of every trajectory when the schedule fixes it (``None``: it varies)."""
-        if self.dispatch == "batches":
-            return self.lag
-        return None
-
-    @property
-    def mixes_versions(self) -> bool:
-        """Whether one response may hold tokens of several versions."""
-        return self.interrupt
 
 
 LAMINAR = ScheduleSpec("laminar")

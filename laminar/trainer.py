@@ -286,6 +286,7 @@ class Trainer:
             self.version,
             self.learner.skipped_steps,
         )
+        self.buffer.update_skipped().result(self.cfg.cluster.actor_timeout_s)
 
     def _publish_update(self, record: dict) -> None:
         """Tell the buffer, move the weights as the schedule does, record the update, and

@@ -83,7 +83,7 @@ class RunHandle:
         self._progress = {**self._progress, **p}
 
     def _drive(self) -> None:
-        from pipelines.driver import summarize
+        from pipelines.summary import summarize
 
         try:
             self._schedule.setup(self._set_progress)

@@ -16,7 +16,7 @@ real token stands for ``length_scale = 256`` modelled ones and one real request 
 chosen so that cap / mean is the paper's (16,384 / ≈2,420 ≈ 6.8); a global batch of 64
 prompts × 16 = 1,024 real trajectories (8,192 modelled); at most 32 real requests (256
 modelled) decoding per replica. Four optimizer steps per global batch for every
-schedule; Laminar and partial rollout share the staleness bound η = 4 (back-pressure of
+schedule; Laminar and partial rollout share the staleness bound η = 1 (back-pressure of
 ``(η + 1)`` global batches for Laminar).
 
 **Figures** per schedule (medians over seeds; modelled units of the full-size cluster):
@@ -79,6 +79,10 @@ ARMS = {
     "laminar_no_repack": ("laminar", False),
 }
 
+# An ablation runs at the split searched for the schedule it ablates: repack on vs off
+# is then measured at one placement.
+ABLATION_OF = {"laminar_no_repack": "laminar"}
+
 WORKLOAD = [
     "task.name=count",
     "task.num_prompts=20000",
@@ -137,8 +141,11 @@ class Cluster:
         model = TimeModel.named("H800", "7B", tp=GPUS_PER_REPLICA)
         return int(model.kv_capacity_tokens / (REQUEST_SCALE * LENGTH_SCALE))
 
-    def wall(self, modelled_s: float) -> float:
-        return modelled_s * self.dilation / LENGTH_SCALE
+    @property
+    def scale(self):
+        from laminar.pacing import Scale
+
+        return Scale(self.dilation, LENGTH_SCALE, REQUEST_SCALE)
 
     def balanced_replicas(self) -> int:
         """Where the search starts: the split at which the trainer's and the rollouts'
@@ -172,7 +179,7 @@ class Cluster:
             f"trainer.steps={steps}",
         ]
         if repack:
-            out.append(f"repack.interval_s={self.wall(REPACK_INTERVAL_S):.4g}")
+            out.append(f"repack.interval_s={self.scale.wall(REPACK_INTERVAL_S):.4g}")
         return out
 
 
@@ -222,11 +229,9 @@ def arm_figures(run_dir: Path, summary: dict, warmup: int) -> dict:
     cfg = load_config(Path(run_dir) / "config.yaml")
     sc = scale_of(cfg.rollout.pacing)
     # a version's policy reward counts once its rollouts finished a quarter of a batch
-    min_version = max(1, cfg.trainer.groups_per_step * cfg.rollout.group_size // 4)
+    min_samples = max(1, cfg.trainer.groups_per_step * cfg.rollout.group_size // 4)
     scale_tok, scale_req = sc.tokens, sc.request_scale
-
-    def modelled(wall_s: float) -> float:
-        return wall_s * sc.length_scale / sc.dilation
+    modelled = sc.modelled
 
     ups = open_metrics(run_dir, "updates").sortby("version")
     version = ups["version"].values
@@ -259,8 +264,13 @@ def arm_figures(run_dir: Path, summary: dict, warmup: int) -> dict:
     out["_policy"] = [
         (modelled(published[v] - t0), float(rew[k == v].mean()))
         for v in sorted(published)
-        if (k == v).sum() >= min_version
+        if (k == v).sum() >= min_samples
     ]
+    if not out["_policy"]:
+        raise RuntimeError(
+            f"{run_dir}: no version generated {min_samples} finished responses; the run "
+            "is too short to measure (raise --iterations)"
+        )
     out["reward_first"] = out["_policy"][0][1]
     out["reward_last"] = float(np.mean([r for _, r in out["_policy"][-2:]]))
 
@@ -375,8 +385,9 @@ def bench_schedules(
     """The schedules bench; see the module docstring.
 
     ``splits`` fixes an arm's rollout replicas (skipping its search); ``reward_threshold``
-    the time-to-reward threshold (default: halfway from the warm start's trained reward
-    to the lowest final reward of any schedule, so that every schedule reaches it)."""
+    the time-to-reward threshold (default: ``TTR_FRACTION`` of the way from the base
+    policy's reward to the lowest final reward of any schedule, so that every schedule
+    reaches it)."""
     from distributed import Client
 
     from laminar.cluster import local_cluster
@@ -415,6 +426,10 @@ def bench_schedules(
             return fig
 
         for arm in arms:
+            base = ABLATION_OF.get(arm)
+            if arm not in splits and base in splits:  # an ablation: at its base's placement
+                splits[arm] = splits[base]
+                continue
             if arm in splits or not search:
                 splits.setdefault(arm, cluster.balanced_replicas())
                 continue
@@ -589,7 +604,8 @@ def write_extras(result, out: Path) -> list[Path]:
     arms = [row[0] for row in result.rows]
     fig, ax = plt.subplots(1, 2, figsize=(11, 3.6))
     thr = [result.figures[f"{a}_throughput"] / 1e3 for a in arms]
-    ax[0].bar(arms, thr, color=["#999"] * (len(arms) - 2) + ["#1f77b4", "#aec7e8"][: len(arms)])
+    colours = {"laminar": "#1f77b4", "laminar_no_repack": "#aec7e8"}  # the baselines grey
+    ax[0].bar(arms, thr, color=[colours.get(a, "#999") for a in arms])
     ax[0].set_ylabel("actor-update throughput (k tok/s)")
     ax[0].tick_params(axis="x", rotation=30)
     for a in arms:

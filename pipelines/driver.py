@@ -17,8 +17,6 @@ from collections.abc import Callable
 from pathlib import Path
 from urllib.parse import urlparse
 
-import numpy as np
-
 from laminar.buffer import ExperienceBuffer
 from laminar.cluster import bind_actor, place, start_actor, submit_actor, workers_with
 from laminar.config import RunConfig
@@ -31,6 +29,7 @@ from laminar.relay import build_tier
 from laminar.rollout import RolloutReplica
 from laminar.schedule import ScheduleSpec
 from laminar.trainer import Trainer, TrainerRank, free_port
+from pipelines.summary import faults_summary, median
 
 logger = logging.getLogger("laminar")
 
@@ -502,7 +501,7 @@ class Schedule:
         wall = time.time() - t_start
         partial = a["partial"].stats().result() if a["partial"] is not None else None
         return {
-            "faults": _faults_summary(m_stats, partial),
+            "faults": faults_summary(m_stats, partial),
             "repack": m_stats if self.cfg.repack is not None else None,
             "relay": relay,
             "reason": reason,
@@ -527,8 +526,8 @@ class Schedule:
         out = {
             **self.relay_info,
             "publications": pubs,
-            "stall_s_median": _median([p["stall_s"] for p in pubs]),
-            "broadcast_s_median": _median([p["broadcast_s"] for p in pubs]),
+            "stall_s_median": median([p["stall_s"] for p in pubs]),
+            "broadcast_s_median": median([p["broadcast_s"] for p in pubs]),
             "relays": [
                 {
                     k: s[k]
@@ -581,98 +580,6 @@ def _answers(calls: list, timeout: float = 5.0) -> list:
             out.append(f.result(timeout=timeout))
         except Exception:  # noqa: BLE001 — lost or stalled
             continue
-    return out
-
-
-def _faults_summary(m_stats: dict | None, partial: dict | None) -> dict | None:
-    """Losses and recoveries over the run, and the partial-response log's counters."""
-    if partial is None:
-        return None
-    m = m_stats or {}
-    return {
-        "lost": m.get("lost", {}),
-        "recoveries": m.get("recoveries", 0),
-        "recovered_requests": m.get("recovered_requests", 0),
-        "replacements": m.get("replacements", {}),
-        "relays_lost": m.get("relays_lost", {}),
-        "hung": m.get("hung", {}),
-        "chain": m.get("chain"),
-        "partial": partial,
-    }
-
-
-def _median(xs: list[float]) -> float:
-    xs = [x for x in xs if x == x]
-    return float(np.median(xs)) if xs else math.nan
-
-
-def summarize(run_dir: Path, raw: dict, sft_info: dict, cfg: RunConfig) -> dict:
-    """The run summary: reward of the first vs last 20% of trajectories (by finish time),
-    token counts, wall time, staleness; written to ``RUN_DIR/summary.json``."""
-    from storage import open_run
-
-    ds = open_run(run_dir)
-    order = np.argsort(ds["t_finish"].values, kind="stable")
-    rewards = ds["reward"].values[order]
-    ok = ds["finish_reason"].values[order] != "error"
-    rewards = rewards[ok]
-    k = max(1, len(rewards) // 5)
-    first = float(np.mean(rewards[:k])) if len(rewards) else float("nan")
-    last = float(np.mean(rewards[-k:])) if len(rewards) else float("nan")
-    consumed = ds["status"].values == "consumed"
-    st = ds.laminar.summary()
-    summary = {
-        "run_dir": str(run_dir),
-        "reason": raw["reason"],
-        "seed": cfg.seed,
-        "versions": raw["trainer"]["version"],
-        "trajectories": int(ds.sizes["trajectory"]),
-        "consumed": int(consumed.sum()),
-        "reward_first_20pct": first,
-        "reward_last_20pct": last,
-        "reward_gain": last - first,
-        "response_tokens": int(ds.sizes["response_token"]),
-        "prompt_tokens": int(ds.sizes["prompt_token"]),
-        "rl_wall_s": raw["wall_s"],
-        "sft": sft_info,
-        "staleness": {k: v for k, v in st.items() if k.endswith("_mean")},
-        "status_counts": {k: v for k, v in st.items() if k.startswith("n_")},
-        "schedule": cfg.pipeline.schedule,
-        "trainer_wait_s": raw["trainer"]["wait_s"],
-        # trainer.pacing: modelled vs real time of updates and weight movements
-        "trainer_pacing": raw["trainer"]["paced"],
-        "buffer": raw["buffer"],
-        "pool": raw["pool"],
-        "rollouts": raw["rollouts"],
-        "engine": _engine_summary(raw["rollouts"]),
-        "trainer_ranks": cfg.trainer.ranks,
-        "skipped_steps": raw["trainer"]["skipped_steps"],
-        "checkpoint": raw["trainer"]["checkpoint"],
-        # Data-parallel ranks end with equal weights: one checksum per rank, rank 0 first.
-        "weights_checksums": [raw["trainer"]["weights_checksum"]]
-        + [r["weights_checksum"] for r in raw["trainer"]["ranks_stats"]],
-        "relay": raw["relay"],
-        "repack": raw["repack"],
-        "faults": raw["faults"],
-        "resumed": raw["resumed"],  # this segment's start, when resumed in place
-        "metrics": str(run_dir / "metrics.zarr"),
-    }
-    (run_dir / "summary.json").write_text(json.dumps(summary, indent=2, default=float))
-    return summary
-
-
-def _engine_summary(rollouts: list[dict]) -> dict:
-    """Behavior/trainer parity over the run, and modelled vs real time when paced."""
-    out = {
-        "parity_checks": sum(r.get("parity_checks", 0) for r in rollouts),
-        "parity_moved_responses": sum(r.get("parity_moved_responses", 0) for r in rollouts),
-        "parity_max_abs": max((r.get("parity_worst_abs", 0.0) for r in rollouts), default=0.0),
-        "preemptions": sum(r.get("engine_preemptions", 0) for r in rollouts),
-    }
-    if any("engine_modelled_s" in r for r in rollouts):
-        out["modelled_s"] = sum(r["engine_modelled_s"] for r in rollouts)
-        out["compute_s"] = sum(r["engine_compute_s"] for r in rollouts)
-        out["overruns"] = sum(r["engine_overruns"] for r in rollouts)
     return out
 
 

@@ -127,9 +127,10 @@ def test_api_submit_is_non_blocking_and_stop_keeps_every_trajectory(
     t0 = time.time()
     run = pipelines.submit(cfg, cluster_client, run_dir=tmp_path / "run")
     assert time.time() - t0 < 5 and not run.done()
-    while run.progress().get("version", 0) < 2:
+    # Stopped while the buffer holds trajectories: they must be stored as buffered.
+    while (p := run.progress()).get("version", 0) < 2 or not p.get("buffer_depth"):
         assert not run.done(), run.error
-        time.sleep(0.5)
+        time.sleep(0.1)
     run.stop()
     summary = run.wait(timeout=120)
     assert summary["reason"] == "stopped"

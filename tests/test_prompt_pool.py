@@ -1,3 +1,5 @@
+from itertools import chain, repeat
+
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -19,6 +21,7 @@ def test_back_pressure_bounds_outstanding_groups():
     assert pool.stats() == {
         "dispatched": 4,
         "released": 1,
+        "untrained": 0,
         "outstanding": 3,
         "reissued": 0,
         "epoch": 0,
@@ -162,3 +165,70 @@ def test_eta_bounds_dispatch_by_the_trainer_version(eta, groups_per_step, events
     pool.acquire(1000)
     bound = (version + eta + 1) * groups_per_step
     assert pool.stats()["dispatched"] == min(bound, pool.stats()["released"] + 6)
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    replicas=st.integers(1, 4),
+    groups_per_step=st.integers(1, 6),
+    lag=st.integers(0, 1),
+    dropped=st.lists(st.booleans(), max_size=40),
+    skipped=st.lists(st.booleans(), max_size=10),
+)
+def test_batches_make_up_for_groups_and_updates_that_train_nothing(
+    replicas, groups_per_step, lag, dropped, skipped
+):
+    """A group that leaves untrained (filtered by dynamic sampling, discarded for a reward
+    error, evicted as too stale) is replaced within its batch, and an update skipped as
+    non-finite is trained again at the same version: the trainer never waits for a
+    group the pool holds back, and every group it trains was generated within ``lag``."""
+    prompts = [(Prompt(i, f"n {i} >", "x"), (1, i + 4)) for i in range(7)]
+    pool = PromptPoolCore(
+        prompts,
+        group_size=2,
+        max_outstanding=1,
+        seed=0,
+        dispatch="batches",
+        groups_per_step=groups_per_step,
+        replicas=replicas,
+        lag=lag,
+    )
+    drops, skips = chain(dropped, repeat(False)), chain(skipped, repeat(False))
+    version, ready = 0, []
+    for _ in range(200):  # rounds: each rollout asks at the newest version, then the trainer
+        if version == 6:
+            break
+        for r in range(replicas):
+            for g in pool.acquire(groups_per_step, f"r{r}", version):
+                if next(drops):
+                    pool.release([g.prompt_uid], untrained=(g.prompt_uid,))
+                else:
+                    ready.append((g.prompt_uid, version))
+        if len(ready) < groups_per_step:
+            continue
+        batch, ready = ready[:groups_per_step], ready[groups_per_step:]
+        assert all(0 <= version - made <= lag for _, made in batch), (version, batch)
+        pool.release([uid for uid, _ in batch])
+        if next(skips):
+            pool.update_skipped()
+        else:
+            version += 1
+            pool.version_published(version)
+    assert version == 6, f"the trainer starved at version {version}: {pool.stats()}"
+
+
+def test_eta_makes_up_for_groups_and_updates_that_train_nothing():
+    """AReaL's bound counts the groups that can still feed an update."""
+    prompts = [(Prompt(i, f"n {i} >", "x"), (1, i + 4)) for i in range(7)]
+    pool = PromptPoolCore(
+        prompts, group_size=2, max_outstanding=99, seed=0, dispatch="eta", groups_per_step=2
+    )
+    first = [g.prompt_uid for g in pool.acquire(9)]
+    assert len(first) == 2 and pool.acquire(9) == []
+    pool.release(first[:1], untrained=first[:1])  # filtered: one more may go out
+    second = [g.prompt_uid for g in pool.acquire(9)]
+    assert len(second) == 1
+    pool.release(first[1:] + second)  # a batch consumed, but the update was skipped
+    pool.update_skipped()
+    assert len(pool.acquire(9)) == 2
+    assert pool.stats()["untrained"] == 1

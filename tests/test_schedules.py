@@ -28,11 +28,22 @@ def test_each_pipeline_module_states_what_it_keeps_global_and_how_to_run_it():
         assert "What it keeps global" in doc and "laminar run configs/tiny.yaml" in doc
 
 
+def test_the_store_knows_which_schedules_mix_versions_in_a_response():
+    """The audit reads a store's ``schedule`` attribute alone (storage needs no pipeline):
+    its list of schedules whose responses mix versions is the specs' ``interrupt``."""
+    from storage.schema import MIXED_VERSION_SCHEDULES
+
+    interrupting = {n for n in SCHEDULES if schedule_class(n).spec(RunConfig()).interrupt}
+    assert interrupting == set(MIXED_VERSION_SCHEDULES)
+
+
 def test_a_spec_that_cannot_work_is_refused():
     with pytest.raises(ConfigError, match="dispatch='batches', lag=1"):
         ScheduleSpec("x", trainer="one_step", dispatch="free")
     with pytest.raises(ConfigError, match="weights='nccl' is not one of"):
         ScheduleSpec("x", weights="nccl")
+    with pytest.raises(ConfigError, match="not pulled at batch boundaries"):
+        ScheduleSpec("x", interrupt=True, weights="relay")
 
 
 @pytest.mark.parametrize(
@@ -42,6 +53,10 @@ def test_a_spec_that_cannot_work_is_refused():
         (["pipeline.schedule=stream", "trainer.ranks=2"], r"set trainer.ranks=1"),
         (["trainer.pacing.gpus=8"], r"trainer.pacing needs rollout.pacing"),
         (["pipeline.schedule=pipelined"], r"pipeline.schedule: .*'laminar'"),
+        (
+            ["pipeline.schedule=one_step", "buffer.max_train_staleness=0"],
+            r"set it to 1 or more",
+        ),
         (
             ["pipeline.schedule=stream", "trainer.correction=decoupled", "trainer.mini_batches=2"],
             r"proximal policy",
@@ -55,15 +70,18 @@ def test_schedule_configs_that_cannot_run_name_the_fix(override, message):
 
 def test_scales_keep_the_model_and_compress_its_time():
     """A real step of b requests over S tokens, with length scale L and request scale R,
-    lasts the mean of L modelled steps of R·b requests over R·L·S tokens, the first of
-    which prefills; everything else modelled (training, weight syncs) is divided by L."""
+    lasts the mean of L modelled steps of R·b requests, the first over R·L·S tokens of
+    KV (it also prefills), each later one over the R·b tokens more its predecessor wrote;
+    everything else modelled (training, weight syncs) is divided by L."""
     from laminar.pacing import Pacer, TimeModel
 
     m = TimeModel.named("H800", "7B", tp=4)
     plain = Pacer(m, dilation=2.0)
     assert plain.modelled(16, 4000, 300) == pytest.approx(2 * m.step_time(16, 4000, 300))
     scaled = Pacer(m, dilation=2.0, length_scale=100, request_scale=4)
-    want = (m.step_time(64, 4000 * 400, 300 * 400) + 99 * m.decode_time(64, 4000 * 400)) / 100
+    # (the 99 steps after the first read on average the 100 × 64 / 2 tokens written since)
+    rest = 99 * m.decode_time(64, 4000 * 400 + 100 * 64 / 2)
+    want = (m.step_time(64, 4000 * 400, 300 * 400) + rest) / 100
     assert scaled.modelled(16, 4000, 300) == pytest.approx(2 * want)
     sc = Scale(dilation=16, length_scale=256, request_scale=8)
     assert sc.wall(256.0) == 16.0 and sc.tokens == 2048
@@ -86,7 +104,9 @@ def test_a_clock_holds_work_to_its_model_and_counts_what_overran():
     assert slept and 0.9 < slept[0] <= 1.0
     clock.hold(time.time() - 5, 2.0, "sync")  # the work took 5 s: an overrun, no sleep
     assert len(slept) == 1
+    clock.hold(time.time() - 5, 0.0, "publish")  # modelled to cost nothing: not a stretch
     stats = clock.stats()
+    assert "publish" not in stats
     assert stats["update"]["n"] == 1 and stats["update"]["overruns"] == 0
     assert stats["sync"]["overruns"] == 1 and stats["sync"]["compute_s"] >= 5
     with pytest.raises(PacingError, match="Raise rollout.pacing.dilation to at least 15"):
