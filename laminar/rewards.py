@@ -121,3 +121,12 @@ def _slow(response: str, answer: str) -> float:
 
     time.sleep(0.25)
     return exact_match(response, answer)
+
+
+def _half_flat(response: str, answer: str) -> float:
+    """The same reward for every response to a prompt whose answer has an even number
+    of symbols, else the response's length: half the groups have no GRPO signal, so
+    dynamic sampling filters them (the schedule tests)."""
+    if len(answer.split()) % 2 == 0:
+        return 0.0
+    return float(len(response))

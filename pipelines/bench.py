@@ -244,9 +244,14 @@ def _bench_repack(**options) -> BenchResult:
     return bench_repack(**options)
 
 
-def _bench_schedules(**options) -> BenchResult:
-    from pipelines.bench_schedules import bench_schedules
+def _bench_schedules(from_runs: bool = False, **options) -> BenchResult:
+    from pipelines.bench_schedules import bench_schedules, reanalyse
 
+    if from_runs:
+        if not options.get("runs_dir"):
+            raise ValueError("--from-runs re-analyses the runs of --runs-dir DIR: give it")
+        kept = ("runs_dir", "warmup", "reward_threshold")
+        return reanalyse(**{k: v for k, v in options.items() if k in kept})
     return bench_schedules(**options)
 
 

@@ -413,9 +413,7 @@ def bench_schedules(
         def run(arm: str, replicas: int, steps: int, seed: int, tag: str) -> dict:
             run_dir = root / f"{arm}-r{replicas}-{tag}"
             summary = _run(client, run_dir, cluster.overrides(arm, replicas, steps, seed))
-            fig = arm_figures(run_dir, summary, warmup if tag[0] == "s" else probe_warmup)
-            fig["replicas"] = replicas
-            fig["trainer_gpus"] = gpus if arm == "sync" else gpus - GPUS_PER_REPLICA * replicas
+            fig = _figures(run_dir, summary, replicas, warmup, probe_warmup)
             print(
                 f"  {arm:<18} R={replicas:<2} {tag:<8} throughput {fig['throughput']:>10,.0f} "
                 f"tok/s  iteration {fig['iteration_s']:6.1f} s  rollout idle "
@@ -517,6 +515,61 @@ TABLE = [
     "buffer_depth",
     "wasted_tokens",
 ]
+
+
+def _figures(run_dir, summary, replicas, warmup, probe_warmup) -> dict:
+    """:func:`arm_figures` of one bench run (``ARM-rR-sN`` measured, ``ARM-rR-probe``)."""
+    from laminar.config import load_config
+
+    probe = run_dir.name.endswith("-probe")
+    fig = arm_figures(run_dir, summary, probe_warmup if probe else warmup)
+    fig["replicas"] = replicas
+    fig["trainer_gpus"] = load_config(run_dir / "config.yaml").trainer.pacing.gpus
+    return fig
+
+
+def reanalyse(
+    runs_dir: str,
+    warmup: int = 3,
+    probe_warmup: int = 2,
+    reward_threshold: float | None = None,
+):
+    """The bench's result from the runs a previous ``--runs-dir`` kept, without running
+    anything: the same figures, e.g. with another ``reward_threshold`` or ``warmup``, or
+    of a bench stopped before its end (the runs it finished)."""
+    import json
+    import re
+
+    from laminar.config import load_config
+
+    root = Path(runs_dir)
+    found = []
+    for d in sorted(root.iterdir()):
+        m = re.fullmatch(r"(.+)-r(\d+)-(probe|s(\d+))", d.name)
+        if m and m.group(1) in ARMS and (d / "summary.json").exists():
+            found.append((m.group(1), int(m.group(2)), m.group(4), d))
+    if not found:
+        raise FileNotFoundError(f"{runs_dir}: no finished bench runs (ARM-rR-sN/summary.json)")
+    arm, r, _, d = found[0]  # the cluster: the trainer's GPUs and the replicas' (sync: all)
+    trainer_gpus = load_config(d / "config.yaml").trainer.pacing.gpus
+    cluster = Cluster(trainer_gpus + (0 if arm == "sync" else GPUS_PER_REPLICA * r))
+    arms = [a for a in ARMS if any(f[0] == a for f in found if f[2] is not None)]
+    results: dict[str, list[dict]] = {a: [] for a in arms}
+    splits: dict[str, int] = {}
+    probes: dict[str, dict[int, float]] = {}
+    for arm, r, seed, d in found:
+        summary = json.loads((d / "summary.json").read_text())
+        if summary.get("reason") != "completed":
+            continue
+        fig = _figures(d, summary, r, warmup, probe_warmup)
+        if seed is None:
+            probes.setdefault(arm, {})[r] = fig["throughput"]
+        elif arm in results:
+            results[arm].append(fig)
+            splits[arm] = r
+    seeds = max(len(rs) for rs in results.values()) if results else 0
+    locals_ = dict(seeds=seeds, warmup=warmup, probe_warmup=probe_warmup, reanalysed=str(root))
+    return _result(cluster, arms, results, splits, probes, reward_threshold, root, locals_)
 
 
 def _result(cluster, arms, results, splits, probes, reward_threshold, root, locals_):

@@ -324,6 +324,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
             options[key] = getattr(args, key)
     if args.no_search:
         options["search"] = False
+    if args.from_runs:
+        options["from_runs"] = True
     if args.arms:
         options["arms"] = tuple(args.arms.split(","))
     if args.splits:
@@ -409,6 +411,11 @@ def main(argv: list[str] | None = None) -> int:
     )
     bench.add_argument("--reward-threshold", type=float, help="schedules: time-to-reward target")
     bench.add_argument("--runs-dir", help="schedules: keep the runs here (default: a temp dir)")
+    bench.add_argument(
+        "--from-runs",
+        action="store_true",
+        help="schedules: run nothing; the result of the runs --runs-dir kept",
+    )
     args = parser.parse_args(argv)
     _quiet_libraries()
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
