@@ -176,7 +176,9 @@ def test_a_rollout_lost_with_rewards_in_flight_has_them_scored_elsewhere(tmp_pat
         run_dir,
         ["r1"],
         ready=batch_just_registered,
-        extra=("task.reward=laminar.rewards:_slow",),
+        # (20 steps: the moment it waits for may take a while to come; with 10 the run
+        # sometimes ended first)
+        extra=("task.reward=laminar.rewards:_slow", "trainer.steps=20"),
     )
     assert summary["reason"] == "completed", summary["reason"]
     rows = open_metrics(run_dir, "faults")
