@@ -7,6 +7,15 @@ from laminar.prompt_pool import PromptPoolCore
 from laminar.tasks import Prompt
 
 
+def rule_pool(dispatch: str, max_outstanding: int, **rule) -> PromptPoolCore:
+    """A pool of 7 prompts in groups of 2 under a dispatch rule (``groups_per_step``,
+    ``replicas``, ``lag``, ``eta``)."""
+    prompts = [(Prompt(i, f"n {i} >", "x"), (1, i + 4)) for i in range(7)]
+    return PromptPoolCore(
+        prompts, group_size=2, max_outstanding=max_outstanding, seed=0, dispatch=dispatch, **rule
+    )
+
+
 def make_pool(max_outstanding=3, n=5):
     prompts = [(Prompt(i, f"n {i} >", "x"), (1, i + 4)) for i in range(n)]
     return PromptPoolCore(prompts, group_size=4, max_outstanding=max_outstanding, seed=0)
@@ -94,17 +103,9 @@ def test_batches_go_out_whole_one_version_at_a_time(replicas, groups_per_step, l
     """The sync-family rule: global batch b goes only to rollouts holding version b - lag,
     each rollout takes at most its even share of it, and batch b + 1 starts only once
     batch b is out whole — whatever order rollouts come in and whatever they ask for."""
-    prompts = [(Prompt(i, f"n {i} >", "x"), (1, i + 4)) for i in range(7)]
-    pool = PromptPoolCore(
-        prompts,
-        group_size=2,
-        max_outstanding=1,  # not the rule here: the barrier bounds what is out
-        seed=0,
-        dispatch="batches",
-        groups_per_step=groups_per_step,
-        replicas=replicas,
-        lag=lag,
-    )
+    pool = rule_pool(
+        "batches", 1, groups_per_step=groups_per_step, replicas=replicas, lag=lag
+    )  # not the rule here: the barrier bounds what is out
     share = -(-groups_per_step // replicas)
     versions = [0] * replicas
     taken: dict[tuple[int, int], int] = {}  # (batch, rollout) -> groups
@@ -138,16 +139,7 @@ def test_batches_go_out_whole_one_version_at_a_time(replicas, groups_per_step, l
 def test_eta_bounds_dispatch_by_the_trainer_version(eta, groups_per_step, events):
     """AReaL's rule: never more than (version + eta + 1) x groups_per_step groups out in
     all, and never more than max_outstanding at once."""
-    prompts = [(Prompt(i, f"n {i} >", "x"), (1, i + 4)) for i in range(7)]
-    pool = PromptPoolCore(
-        prompts,
-        group_size=2,
-        max_outstanding=6,
-        seed=0,
-        dispatch="eta",
-        groups_per_step=groups_per_step,
-        eta=eta,
-    )
+    pool = rule_pool("eta", 6, groups_per_step=groups_per_step, eta=eta)
     version, out = 0, []
     for kind, k in events:
         if kind == "acquire":
@@ -182,17 +174,7 @@ def test_batches_make_up_for_groups_and_updates_that_train_nothing(
     error, evicted as too stale) is replaced within its batch, and an update skipped as
     non-finite is trained again at the same version: the trainer never waits for a
     group the pool holds back, and every group it trains was generated within ``lag``."""
-    prompts = [(Prompt(i, f"n {i} >", "x"), (1, i + 4)) for i in range(7)]
-    pool = PromptPoolCore(
-        prompts,
-        group_size=2,
-        max_outstanding=1,
-        seed=0,
-        dispatch="batches",
-        groups_per_step=groups_per_step,
-        replicas=replicas,
-        lag=lag,
-    )
+    pool = rule_pool("batches", 1, groups_per_step=groups_per_step, replicas=replicas, lag=lag)
     drops, skips = chain(dropped, repeat(False)), chain(skipped, repeat(False))
     version, ready = 0, []
     for _ in range(200):  # rounds: each rollout asks at the newest version, then the trainer
@@ -219,10 +201,7 @@ def test_batches_make_up_for_groups_and_updates_that_train_nothing(
 
 def test_eta_makes_up_for_groups_and_updates_that_train_nothing():
     """AReaL's bound counts the groups that can still feed an update."""
-    prompts = [(Prompt(i, f"n {i} >", "x"), (1, i + 4)) for i in range(7)]
-    pool = PromptPoolCore(
-        prompts, group_size=2, max_outstanding=99, seed=0, dispatch="eta", groups_per_step=2
-    )
+    pool = rule_pool("eta", 99, groups_per_step=2)
     first = [g.prompt_uid for g in pool.acquire(9)]
     assert len(first) == 2 and pool.acquire(9) == []
     pool.release(first[:1], untrained=first[:1])  # filtered: one more may go out
