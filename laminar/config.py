@@ -49,13 +49,16 @@ class ModelConfig(_Section):
 class TaskConfig(_Section):
     """Where prompts come from and how responses are scored."""
 
-    name: Literal["count", "copy", "reverse", "sort"] = "count"
+    name: Literal["count", "copy", "reverse", "sort", "count_range"] = "count"
     prompt_file: str | None = None  # JSONL with "prompt" and "answer" on every line
     reward: str = "exact_match"  # a name in laminar.rewards.REWARDS or "module:function"
     num_prompts: int = Field(20000, gt=0)
     median_len: float = Field(6.0, gt=0)
     tail_ratio: float = Field(10.0, ge=1)  # P99 / median of the answer length
     max_len: int = Field(64, gt=0)
+    # count_range: the fraction of the length's log-variance a prompt fixes; the rest
+    # varies between the responses to it (the shared cluster model's half)
+    length_share: float = Field(0.5, ge=0, le=1)
     truncated_reward: float = 0.0  # reward of a response cut at max_new_tokens
 
 
@@ -451,10 +454,21 @@ class RunConfig(_Section):
                 f"engine decodes at once (rollout.max_concurrency, else groups_per_batch × "
                 f"group_size): {r.max_batch * r.max_seq_len}, every cache slot"
             )
-        if task.prompt_file is None and task.name == "count" and task.max_len > 255:
+        counting = task.prompt_file is None and task.name in ("count", "count_range")
+        if counting and task.max_len > 255:
             raise ValueError(
                 f"task.max_len ({task.max_len}) exceeds 255, the largest number the built-in "
-                "vocabulary holds for the count task"
+                f"vocabulary holds for the {task.name} task"
+            )
+        ranged = task.name == "count_range"
+        one_answer = task.reward in ("exact_match", "prefix_credit")
+        if task.prompt_file is None and (
+            (ranged and one_answer) or (not ranged and task.reward == "count_in_range")
+        ):
+            raise ValueError(
+                f"task.name={task.name} with task.reward={task.reward}: the count_range task "
+                "has many right answers (a band of lengths), which only its own reward "
+                "checks; use task.name=count_range with task.reward=count_in_range"
             )
         if t.pacing is not None and r.pacing is None:
             raise ValueError(

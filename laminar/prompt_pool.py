@@ -230,6 +230,7 @@ def load_prompts(cfg: RunConfig) -> list[Prompt]:
         tail_ratio=t.tail_ratio,
         max_len=t.max_len,
         seed=cfg.seed + 1,
+        length_share=t.length_share,
     )
 
 

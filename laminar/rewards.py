@@ -45,7 +45,40 @@ def prefix_credit(response: str, answer: str) -> float:
     return min(n, len(want) - 1) / len(want) if want else 0.0
 
 
-REWARDS: dict[str, RewardFn] = {"exact_match": exact_match, "prefix_credit": prefix_credit}
+def count_in_range(response: str, answer: str) -> float:
+    """The ``count_range`` task's reward: for a response of a length within the band
+    ``answer = "lo hi"``, the fraction of its symbols that count right (symbol ``i`` is
+    ``i``); 0.0 for any other length.
+
+    Per-symbol credit keeps the reward neutral to length: with a mistake rate ``e`` per
+    symbol, every length in the band expects ``1 − e``, so RL improves the counting and
+    leaves the length distribution (the workload's shape) where the prompts put it. An
+    all-or-nothing reward would favour the shortest lengths, which have the fewest
+    chances to err.
+
+    >>> count_in_range("1 2 3", "2 5"), count_in_range("1 2 3 4 5 6", "2 5")
+    (1.0, 0.0)
+    >>> count_in_range("1 9 3 4", "1 5"), count_in_range("", "1 5")
+    (0.75, 0.0)
+    """
+    try:
+        lo, hi = (int(x) for x in answer.split())
+    except ValueError:
+        raise RewardError(
+            f"count_in_range needs the answer 'lo hi' (two integers), got {answer!r}; it "
+            "scores the count_range task"
+        ) from None
+    got = response.split()
+    if not lo <= len(got) <= hi:
+        return 0.0
+    return sum(g == str(i) for i, g in enumerate(got, start=1)) / len(got)
+
+
+REWARDS: dict[str, RewardFn] = {
+    "exact_match": exact_match,
+    "prefix_credit": prefix_credit,
+    "count_in_range": count_in_range,
+}
 
 
 def resolve_reward(name: str) -> RewardFn:

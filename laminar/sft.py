@@ -27,7 +27,7 @@ import torch
 from laminar.config import RunConfig
 from laminar.errors import DataError
 from laminar.model import build_tiny_policy, check_policy_dir, encode_prompt, load_policy
-from laminar.tasks import Prompt
+from laminar.tasks import Prompt, demonstration, length_sigmas
 from laminar.update import micro_batches, pack, response_logprobs
 
 # Bump when the SFT procedure changes, so cached results of the old one are not reused.
@@ -151,10 +151,26 @@ def _train(cfg: RunConfig, model, tok, prompts: list[Prompt]) -> float:
     s = cfg.sft
     rng = np.random.default_rng(cfg.seed)
     torch.manual_seed(cfg.seed)
-    examples = []
-    for p in prompts:
-        answer = tok(p.answer, add_special_tokens=False)["input_ids"]
-        examples.append((encode_prompt(tok, p.text), answer))
+    task = None if cfg.task.prompt_file else cfg.task.name
+    own = length_sigmas(cfg.task.tail_ratio, cfg.task.length_share)[1]
+    ids: dict[str, list[int]] = {}  # demonstration text -> token ids
+
+    def encode(text: str) -> list[int]:
+        if text not in ids:
+            ids[text] = tok(text, add_special_tokens=False)["input_ids"]
+        return ids[text]
+
+    # Each draw's demonstration (count_range: a length drawn anew each time); for the
+    # vocabulary check and the mistakes' alphabet, the longest one each prompt allows.
+    def demo(p: Prompt) -> list[int]:
+        return encode(demonstration(task, p, rng, own))
+
+    def longest(p: Prompt) -> list[int]:
+        if task != "count_range":
+            return encode(p.answer)
+        return encode(" ".join(str(i) for i in range(1, int(p.answer.split()[1]) + 1)))
+
+    examples = [(encode_prompt(tok, p.text), longest(p)) for p in prompts]
     unk = tok.unk_token_id
     if unk is not None:
         bad = next(
@@ -173,8 +189,8 @@ def _train(cfg: RunConfig, model, tok, prompts: list[Prompt]) -> float:
     for _ in range(s.steps):
         prompts_, answers = [], []
         for i in rng.integers(0, len(examples), s.batch_size):
-            q, a = examples[i]
-            a = np.asarray(a, dtype=np.int64)
+            q = examples[i][0]
+            a = np.asarray(demo(prompts[i]), dtype=np.int64)
             flip = rng.random(len(a)) < s.demo_error_rate
             a = np.where(flip, rng.choice(alphabet, size=len(a)), a)
             prompts_.append(np.asarray(q))

@@ -4,13 +4,25 @@ The synthetic tasks turn a list of ``n`` random symbols into a verifiable answer
 lognormal, so response lengths are long-tailed like the paper's reasoning workloads:
 ``P99/median`` of ``n`` equals ``tail_ratio`` (default 10, as in the paper) before the cap.
 
-=============  ===========================  ===================
-task           prompt                       answer
-=============  ===========================  ===================
-``copy``       ``c 3 1 4 >``                ``3 1 4``
-``reverse``    ``r 3 1 4 >``                ``4 1 3``
-``sort``       ``s 3 1 4 >``                ``1 3 4``
-=============  ===========================  ===================
+===============  ===========================  =============================
+task             prompt                       answer
+===============  ===========================  =============================
+``count``        ``n 3 >``                    ``1 2 3``
+``copy``         ``c 3 1 4 >``                ``3 1 4``
+``reverse``      ``r 3 1 4 >``                ``4 1 3``
+``sort``         ``s 3 1 4 >``                ``1 3 4``
+``count_range``  ``b 2 5 >``                  any of ``1 2``, …, ``1 2 3 4 5``
+===============  ===========================  =============================
+
+In all but ``count_range`` a prompt has one right answer, so the responses to a prompt
+have one target length. ``count_range`` has many, of different lengths: count from 1 to
+any ``k`` in the band the prompt shows. Its demonstrations stop at a ``k`` drawn anew for
+each one (:func:`demonstration`), so a policy warm-started on them samples a length per
+response, and the 16 responses of a GRPO group differ in length as reasoning traces do.
+Only part of the length varies from prompt to prompt (``length_share`` of its
+log-variance, the shared cluster model's half); the rest varies within the group.
+``Prompt.answer`` holds the band, ``"lo hi"``, which :func:`laminar.rewards.count_in_range`
+checks.
 """
 
 from __future__ import annotations
@@ -39,6 +51,8 @@ class Prompt:
     key: int
     text: str
     answer: str
+    # count_range: the median of the demonstrations' lengths, the band's unrounded centre
+    centre: float | None = None
 
 
 def _copy(xs: list[str]) -> list[str]:
@@ -57,12 +71,16 @@ def _count(xs: list[str]) -> list[str]:
     return [str(i) for i in range(1, len(xs) + 1)]
 
 
-TASKS: dict[str, tuple[str, Callable[[list[str]], list[str]]]] = {
+TASKS: dict[str, tuple[str, Callable[[list[str]], list[str]] | None]] = {
     "count": ("n", _count),
     "copy": ("c", _copy),
     "reverse": ("r", _reverse),
     "sort": ("s", _sort),
+    "count_range": ("b", None),  # many right answers: see the module docstring
 }
+# count_range: the band reaches this many within-group standard deviations either side
+# of its centre (a wider band would admit lengths the demonstrations almost never show).
+BAND_SIGMAS = 2.5
 SYMBOLS = tuple("0123456789")
 
 
@@ -82,13 +100,26 @@ def lognormal_lengths(
 
 
 def synthetic_prompts(
-    task: str, *, size: int, median_len: float, tail_ratio: float, max_len: int, seed: int
+    task: str,
+    *,
+    size: int,
+    median_len: float,
+    tail_ratio: float,
+    max_len: int,
+    seed: int,
+    length_share: float = 0.5,
 ) -> list[Prompt]:
-    """``size`` prompts of a synthetic ``task``; the same arguments give the same prompts."""
+    """``size`` prompts of a synthetic ``task``; the same arguments give the same prompts.
+
+    ``length_share`` is used by ``count_range`` alone: the fraction of the answer
+    length's log-variance that the prompt fixes (1: one length per prompt, like ``count``).
+    """
     if task not in TASKS:
         raise DataError(f"unknown task {task!r}; choose one of {sorted(TASKS)}")
     tag, fn = TASKS[task]
     rng = np.random.default_rng(seed)
+    if fn is None:
+        return _count_range_prompts(rng, size, median_len, tail_ratio, max_len, length_share)
     lengths = lognormal_lengths(
         rng, size, median=median_len, tail_ratio=tail_ratio, max_len=max_len
     )
@@ -98,6 +129,55 @@ def synthetic_prompts(
         shown = [str(n)] if task == "count" else xs
         prompts.append(Prompt(key=key, text=" ".join([tag, *shown, ">"]), answer=" ".join(fn(xs))))
     return prompts
+
+
+def length_sigmas(tail_ratio: float, length_share: float) -> tuple[float, float]:
+    """The log-length standard deviations a prompt fixes and leaves to each response.
+
+    >>> [round(x, 3) for x in length_sigmas(10, 0.5)]
+    [0.7, 0.7]
+    """
+    sigma = math.log(tail_ratio) / _Z99 if tail_ratio > 1 else 0.0
+    return sigma * math.sqrt(length_share), sigma * math.sqrt(1.0 - length_share)
+
+
+def _count_range_prompts(rng, size, median_len, tail_ratio, max_len, length_share):
+    if not 0.0 <= length_share <= 1.0:
+        raise DataError(f"task.length_share={length_share!r}; must be within [0, 1]")
+    shared, own = length_sigmas(tail_ratio, length_share)
+    centre = np.exp(rng.normal(math.log(median_len), shared, size))
+    lo = np.clip(np.rint(centre * math.exp(-BAND_SIGMAS * own)), 1, max_len).astype(int)
+    hi = np.clip(np.rint(centre * math.exp(BAND_SIGMAS * own)), lo, max_len).astype(int)
+    return [
+        Prompt(key=key, text=f"b {a} {b} >", answer=f"{a} {b}", centre=c)
+        for key, (a, b, c) in enumerate(zip(lo.tolist(), hi.tolist(), centre.tolist(), strict=True))
+    ]
+
+
+def demonstration(
+    task: str | None, prompt: Prompt, rng: np.random.Generator, own_sigma: float
+) -> str:
+    """A demonstration answer to ``prompt`` of ``task`` (``None``: a prompt file's), for
+    the supervised warm start.
+
+    The one right answer for every task but ``count_range``, whose demonstrations count
+    to a ``k`` drawn lognormally about the band's centre (``own_sigma``: the log standard
+    deviation left to each response; the centre: ``prompt.centre``, else the band's
+    geometric mean), clipped to the band.
+
+    >>> p = Prompt(0, "b 2 8 >", "2 8")
+    >>> rng = np.random.default_rng(0)
+    >>> sorted({len(demonstration("count_range", p, rng, 0.5).split()) for _ in range(200)})
+    [2, 3, 4, 5, 6, 7, 8]
+    >>> demonstration("count", Prompt(1, "n 2 >", "1 2"), rng, 0.5)
+    '1 2'
+    """
+    if task != "count_range":
+        return prompt.answer
+    lo, hi = (int(x) for x in prompt.answer.split())
+    centre = prompt.centre if prompt.centre is not None else math.sqrt(lo * hi)
+    k = round(math.exp(rng.normal(math.log(centre), own_sigma)))
+    return " ".join(str(i) for i in range(1, min(max(k, lo), hi) + 1))
 
 
 def jsonl_prompts(path: str | Path) -> list[Prompt]:

@@ -33,6 +33,9 @@ def test_overrides_are_typed():
         (["buffer.max_outstanding_groups=2"], r"raise max_outstanding_groups"),
         (["trainer"], r"not of the form section.key=value"),
         (["trainer.steps.x=1"], r"'steps' is not a section"),
+        (["task.name=count_range"], r"use task.name=count_range with task.reward=count_in_range"),
+        (["task.reward=count_in_range"], r"only its own reward checks"),
+        (["task.length_share=2"], r"task.length_share: .*less than or equal to 1"),
     ],
 )
 def test_bad_values_name_the_field_and_the_fix(override, message):

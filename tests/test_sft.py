@@ -36,3 +36,13 @@ def test_disabled_warm_start_uses_the_base_policy(small_config, tiny_policy, tmp
     )
     path, info = warm_start(cfg, load_prompts(cfg))
     assert path == tiny_policy and info["cached"] is True
+
+
+def test_count_range_warm_start_learns_from_its_demonstrations(small_config, tmp_path):
+    """count_range trains on a demonstration drawn anew per draw and is evaluated with
+    its own reward; a run of it shares no cache entry with count's."""
+    base = with_overrides(small_config, [f"sft.cache_dir={tmp_path}", "sft.steps=3"])
+    cfg = with_overrides(base, ["task.name=count_range", "task.reward=count_in_range"])
+    path, info = warm_start(cfg, load_prompts(cfg))
+    assert info["cached"] is False and 0 <= info["eval_reward"] <= 1
+    assert warm_start(base, load_prompts(base))[0] != path

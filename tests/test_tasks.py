@@ -6,7 +6,7 @@ import pytest
 
 from laminar.errors import DataError, RewardError
 from laminar.rewards import exact_match, resolve_reward, score_batch
-from laminar.tasks import TASKS, jsonl_prompts, synthetic_prompts
+from laminar.tasks import TASKS, demonstration, jsonl_prompts, length_sigmas, synthetic_prompts
 
 
 def test_answer_lengths_are_long_tailed_like_the_paper():
@@ -28,8 +28,50 @@ def test_synthetic_answers_follow_the_rule(task):
             "copy": xs,
             "reverse": xs[::-1],
             "sort": sorted(xs),
+            "count_range": xs,  # the band "lo hi", which count_in_range checks
         }[task]
         assert p.answer.split() == expect
+        if task == "count_range":
+            lo, hi = map(int, xs)
+            assert 1 <= lo <= hi <= 20
+
+
+def test_count_range_lengths_vary_within_a_group_and_keep_the_tail():
+    """Demonstration lengths: P99/median as asked over all responses, half of the
+    log-variance within a prompt's group (length_share=0.5), every one in its band."""
+    prompts = synthetic_prompts(
+        "count_range", size=4000, median_len=6, tail_ratio=10, max_len=255, seed=0
+    )
+    own = length_sigmas(10, 0.5)[1]
+    rng = np.random.default_rng(1)
+    lengths = np.array(
+        [[len(demonstration("count_range", p, rng, own).split()) for _ in range(16)]
+         for p in prompts]
+    )  # fmt: skip
+    bands = np.array([list(map(int, p.answer.split())) for p in prompts])
+    assert ((bands[:, :1] <= lengths) & (lengths <= bands[:, 1:])).all()
+    assert 5 <= np.median(lengths) <= 7
+    assert 7 <= np.percentile(lengths, 99) / np.median(lengths) <= 12
+    logs = np.log(lengths)
+    within = logs.var(axis=1).mean()
+    assert 0.35 <= within / logs.var() <= 0.6, (within, logs.var())
+    # length_share=1: one length per prompt, as in count
+    same = synthetic_prompts(
+        "count_range", size=200, median_len=6, tail_ratio=10, max_len=255, seed=0,
+        length_share=1.0,
+    )  # fmt: skip
+    assert all(len(set(p.answer.split())) == 1 for p in same)
+
+
+def test_count_in_range_scores_any_length_in_the_band():
+    from laminar.rewards import count_in_range
+
+    assert [count_in_range(r, "2 4") for r in ("1", "1 2", "1 2 3 4", "1 2 3 4 5")] == [
+        0.0, 1.0, 1.0, 0.0,
+    ]  # fmt: skip
+    assert count_in_range("1 2 4", "1 5") == 2 / 3  # per-symbol credit
+    scores = score_batch("count_in_range", [("1 2", "1 2 3", True)])  # not a band: marked
+    assert scores[0].error is not None and "'lo hi'" in scores[0].error
 
 
 def test_same_seed_same_prompts():
