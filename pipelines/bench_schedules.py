@@ -13,10 +13,12 @@ schedule runs at its best trainer/rollout split, searched here (:func:`search_sp
 real token stands for ``length_scale = 256`` modelled ones and one real request for
 ``request_scale = 8``: 16 responses per prompt, response lengths lognormal with
 ``P99/median = 10`` and a hard cap of 64 real tokens (16,384 modelled), the median
-chosen so that cap / mean is the paper's (16,384 / ≈2,420 ≈ 6.8); a global batch of 64
+chosen so that cap / mean is the paper's (16,384 / ≈2,420 ≈ 6.8), half of the
+log-variance shared by a prompt's responses and half their own (the ``count_range``
+task: the policy samples each response's length, as a reasoning trace's); a global batch of 64
 prompts × 16 = 1,024 real trajectories (8,192 modelled); at most 32 real requests (256
 modelled) decoding per replica. Four optimizer steps per global batch for every
-schedule; Laminar and partial rollout share the staleness bound η = 1 (back-pressure of
+schedule; Laminar and partial rollout share the staleness bound η = 3 (back-pressure of
 ``(η + 1)`` global batches for Laminar).
 
 **Figures** per schedule (medians over seeds; modelled units of the full-size cluster):
@@ -52,17 +54,22 @@ PAPER_RESPONSE_MEAN = 2420.0
 LENGTH_SCALE = 256  # modelled tokens per real token: 16,384 / 64
 REQUEST_SCALE = 8  # modelled requests per real request
 CAP = PAPER_RESPONSE_CAP // LENGTH_SCALE  # 64 real tokens, the answer's <eos> included
-# The count task answers n symbols and <eos>: a lognormal n with P99/median 10 has mean
-# 1.63 x its median, so a median of 5.2 gives a mean response of 9.45 tokens and
-# cap / mean = 6.8, the paper's.
+# The count_range task answers k symbols and <eos>, k lognormal with P99/median 10, half
+# of its log-variance fixed by the prompt and half drawn per response (the shared cluster
+# model's): a median of 5.2 gives a mean response of 9.25 tokens (measured on the
+# demonstrations) and cap / mean = 6.9, the paper's 6.8.
 MEDIAN_LEN = 5.2
+MEAN_PROMPT, MEAN_RESPONSE = 5.0, 9.25  # real tokens: "<bos> b lo hi >", k + <eos>
 GROUPS_PER_STEP = 64  # 64 × 16 = 1,024 real trajectories, 8,192 modelled
 GROUP_SIZE = 16
 # Time to reward: the threshold lies this far from the base policy's reward to the lowest
 # final reward of any run.
 TTR_FRACTION = 0.75
 CONCURRENCY = 256 // REQUEST_SCALE  # the paper's per-rollout max concurrency, 256
-ETA = 1  # Laminar's back-pressure and partial rollout's bound alike: 2 global batches out
+# Laminar's back-pressure and partial rollout's bound alike: 4 global batches out, s_train
+# at most 4 (the shared cluster model's staleness bound). At 1, with lengths that vary
+# within a group, the window bound Laminar: its rollouts idled 43% waiting for it.
+ETA = 3
 # Dilation grows with the cluster, so that the real compute per wall second stays the same.
 # At 32 per 64 GPUs real compute stays at a quarter (replicas) to a half (the trainer) of the
 # model's time here; at 16 the machine saturated and replicas overran the model.
@@ -84,7 +91,9 @@ ARMS = {
 ABLATION_OF = {"laminar_no_repack": "laminar"}
 
 WORKLOAD = [
-    "task.name=count",
+    "task.name=count_range",
+    "task.reward=count_in_range",
+    "task.length_share=0.5",
     "task.num_prompts=20000",
     f"task.median_len={MEDIAN_LEN}",
     "task.tail_ratio=10",
@@ -149,16 +158,16 @@ class Cluster:
 
     def balanced_replicas(self) -> int:
         """Where the search starts: the split at which the trainer's and the rollouts'
-        work per global batch take equally long (mean prompt 4 and response 9.45 real
-        tokens; a replica at 60% of its full-batch peak)."""
+        work per global batch take equally long (mean prompt and response lengths of
+        the workload; a replica at 60% of its full-batch peak)."""
         from laminar.pacing import TimeModel
 
         m = TimeModel.named("H800", "7B", tp=GPUS_PER_REPLICA)
         tokens = GROUPS_PER_STEP * GROUP_SIZE * REQUEST_SCALE * LENGTH_SCALE
-        train = tokens * (4 + 9.45) / 5000.0  # GPU-seconds
-        context = 256 * (4 + 9.45 / 2) * LENGTH_SCALE
+        train = tokens * (MEAN_PROMPT + MEAN_RESPONSE) / 5000.0  # GPU-seconds
+        context = 256 * (MEAN_PROMPT + MEAN_RESPONSE / 2) * LENGTH_SCALE
         peak = 256 / m.decode_time(256, context)  # tokens/s of one replica
-        gen = tokens * 9.45 / (0.6 * peak) * GPUS_PER_REPLICA  # GPU-seconds
+        gen = tokens * MEAN_RESPONSE / (0.6 * peak) * GPUS_PER_REPLICA  # GPU-seconds
         trainer_gpus = self.gpus * train / (train + gen)
         r = round((self.gpus - trainer_gpus) / GPUS_PER_REPLICA)
         return min(max(r, 1), self.max_replicas - 1)
@@ -181,6 +190,29 @@ class Cluster:
         if repack:
             out.append(f"repack.interval_s={self.scale.wall(REPACK_INTERVAL_S):.4g}")
         return out
+
+
+def length_shape(lengths: np.ndarray, groups: np.ndarray, cap: int) -> dict[str, float]:
+    """The measured shape of the generated responses (in tokens, ``<eos>`` included):
+    ``len_p99_over_median``, ``len_cap_over_mean`` and ``len_within_share``, the share of
+    the log-length variance within a prompt's group (the rest is between prompts).
+
+    >>> lengths = np.array([2, 4, 2, 4, 8, 16, 8, 16])
+    >>> shape = length_shape(lengths, np.array([0, 0, 0, 0, 1, 1, 1, 1]), cap=32)
+    >>> round(shape["len_within_share"], 2), round(shape["len_cap_over_mean"], 2)
+    (0.2, 4.27)
+    """
+    logs = np.log(np.maximum(lengths, 1).astype(np.float64))
+    _, inverse = np.unique(groups, return_inverse=True)
+    n = np.bincount(inverse)
+    mean = np.bincount(inverse, logs) / n
+    within = float(((logs - mean[inverse]) ** 2).sum() / logs.size)
+    total = float(logs.var())
+    return {
+        "len_p99_over_median": float(np.percentile(lengths, 99) / np.median(lengths)),
+        "len_cap_over_mean": float(cap / lengths.mean()),
+        "len_within_share": within / total if total > 0 else 0.0,
+    }
 
 
 def search_split(
@@ -323,6 +355,7 @@ def arm_figures(run_dir: Path, summary: dict, warmup: int) -> dict:
         out[f"{name}_max"] = float(v.max()) if v.size else math.nan
     status = ds["status"].values
     resp_len = ds["response_len"].values
+    out.update(length_shape(resp_len, ds["prompt_uid"].values, cfg.rollout.max_new_tokens))
     for s in ("evicted", "discarded", "filtered"):
         out[s] = int((status == s).sum()) * scale_req
     wasted = np.isin(status, ["evicted", "discarded", "filtered"])
@@ -498,6 +531,9 @@ FIGURES = [
     "trainer_overruns",
     "audit_ok",
     "moves",
+    "len_p99_over_median",
+    "len_cap_over_mean",
+    "len_within_share",
     "replicas",
     "trainer_gpus",
 ]
