@@ -46,16 +46,30 @@ def logged_tokens(owned: tuple[int, int, int]) -> bool:
     return owned[1] >= 8
 
 
+def manager_stats(handle) -> dict:
+    return handle._schedule.actors["manager"].stats().result(timeout=30)
+
+
+def inserted_by(handle, rollout_id: str) -> int:
+    """Trajectories ``rollout_id`` has put into the buffer so far (0: not live)."""
+    stats = handle._schedule._rollout_stats()
+    return sum(s["inserted"] for s in stats if s["rollout_id"] == rollout_id)
+
+
 def run_and_kill(
     run_dir,
     victims: list[str],
     ready=logged_tokens,
     extra: tuple[str, ...] = (),
     sig: int = signal.SIGKILL,
+    until=None,
 ) -> tuple[dict, float]:
     """A run on 3 rollouts; once ``ready(entries, tokens, finished)`` holds for what each
     victim owns in the partial-response pool, send ``sig`` to their workers at once
-    (SIGKILL; SIGSTOP: hung). Returns the summary and when they were signalled."""
+    (SIGKILL; SIGSTOP: hung). ``until(handle)``: once it holds after the kill, the run is
+    stopped (gracefully: every finished trajectory is stored) instead of run to its last
+    step, so the test waits only for what it checks. Returns the summary and when the
+    victims were signalled."""
     from distributed import Client
 
     import pipelines
@@ -88,15 +102,61 @@ def run_and_kill(
         t_kill = time.time()
         for by_worker in pids:
             os.kill(next(iter(by_worker.values())), sig)
+        if until is not None:
+            deadline = time.time() + 240
+            while not handle.done() and not until(handle):
+                assert time.time() < deadline, "what the test waits for never happened"
+                time.sleep(0.5)
+            handle.stop()
         summary = handle.wait()
     return summary, t_kill
+
+
+ENDED = ("completed", "stopped")  # run to its last step, or stopped once ``until`` held
+
+
+def versions_after(cond, n: int):
+    """An ``until`` for :func:`run_and_kill`: ``cond(handle)`` held, and the trainer has
+    published ``n`` more versions since (the recovered work finished meanwhile)."""
+    seen: dict[str, int] = {}
+
+    def until(handle) -> bool:
+        version = handle.progress().get("version", 0)
+        if "at" not in seen:
+            if cond(handle):
+                seen["at"] = version
+            return False
+        return version >= seen["at"] + n
+
+    return until
+
+
+def replaced_and_generating(victim: str):
+    def cond(handle) -> bool:
+        new = manager_stats(handle)["replacements"].get(victim)
+        return new is not None and inserted_by(handle, new) > 0
+
+    return cond
+
+
+def lost_and_recovered(*victims: str):
+    def cond(handle) -> bool:
+        m = manager_stats(handle)
+        return set(victims) <= set(m["lost"]) and m["recovered_requests"] > 0
+
+    return cond
 
 
 def test_a_killed_rollout_loses_no_trajectory(tmp_path):
     run_dir = tmp_path / "run"
     # Long enough for r1's worker to restart and a replacement to join (~10 s here).
-    summary, t_kill = run_and_kill(run_dir, ["r1"], extra=("trainer.steps=80",))
-    assert summary["reason"] == "completed", summary["reason"]
+    summary, t_kill = run_and_kill(
+        run_dir,
+        ["r1"],
+        extra=("trainer.steps=80",),
+        until=versions_after(replaced_and_generating("r1"), 1),
+    )
+    assert summary["reason"] in ENDED, summary["reason"]
     faults = summary["faults"]
     assert list(faults["lost"]) == ["r1"]
     detection_s = faults["lost"]["r1"] - t_kill
@@ -155,6 +215,13 @@ def test_a_killed_rollout_loses_no_trajectory(tmp_path):
     assert "PROBLEM: rollout r0: 500 trajectories recovered, 0 stored" in out
 
 
+def rescored_and_resumed(handle) -> bool:
+    """Both kinds of recovery recorded: finished trajectories rescored, unfinished ones
+    imported or adopted."""
+    how = {r["how"] for r in handle._schedule.actors["manager"].get_fault_rows().result()}
+    return "rescore" in how and bool(how - {"rescore"})
+
+
 def test_a_rollout_lost_with_rewards_in_flight_has_them_scored_elsewhere(tmp_path):
     """Killed once it owns finished trajectories whose (slow) rewards are in flight, while
     it decodes its next batch, maybe of a newer version: the finished ones are scored on
@@ -179,8 +246,9 @@ def test_a_rollout_lost_with_rewards_in_flight_has_them_scored_elsewhere(tmp_pat
         # (20 steps: the moment it waits for may take a while to come; with 10 the run
         # sometimes ended first)
         extra=("task.reward=laminar.rewards:_slow", "trainer.steps=20"),
+        until=versions_after(rescored_and_resumed, 2),
     )
-    assert summary["reason"] == "completed", summary["reason"]
+    assert summary["reason"] in ENDED, summary["reason"]
     rows = open_metrics(run_dir, "faults")
     how = rows["how"].values
     rescored = int(rows["requests"].values[how == "rescore"].sum())
@@ -209,8 +277,9 @@ def test_a_hung_rollout_is_fenced_then_recovered(tmp_path):
         ["r1"],
         extra=("faults.heartbeat_timeout_s=3", "trainer.steps=40"),
         sig=signal.SIGSTOP,
+        until=versions_after(lost_and_recovered("r1"), 2),
     )
-    assert summary["reason"] == "completed", summary["reason"]
+    assert summary["reason"] in ENDED, summary["reason"]
     faults = summary["faults"]
     hung = faults["hung"]["r1"]
     assert hung["silent_s"] > 3, hung
@@ -233,8 +302,13 @@ def test_two_rollouts_killed_at_once(tmp_path):
     round apart); the survivor takes both batches. The run goes on long enough after the
     kill for both detections (with 10 steps it could end first)."""
     run_dir = tmp_path / "run"
-    summary, t_kill = run_and_kill(run_dir, ["r1", "r2"], extra=("trainer.steps=30",))
-    assert summary["reason"] == "completed", summary["reason"]
+    summary, t_kill = run_and_kill(
+        run_dir,
+        ["r1", "r2"],
+        extra=("trainer.steps=30",),
+        until=versions_after(lost_and_recovered("r1", "r2"), 2),
+    )
+    assert summary["reason"] in ENDED, summary["reason"]
     lost = summary["faults"]["lost"]
     assert sorted(lost) == ["r1", "r2"]
     assert all(0 <= t - t_kill < 5 for t in lost.values()), lost
