@@ -499,7 +499,9 @@ class RolloutReplica:
         check = every and (self.counts["batches"] - 1) % every == 0
         sample: list[FinishedOutput] = []
         moved: list[FinishedOutput] = []
-        t0 = time.time()
+        # decode_s grows step by step, not once per batch: a refilled batch (partial
+        # rollout) can last a whole update, and a counter read mid-batch would lag it.
+        t_mark = time.time()
         self._in_batch = True
         try:
             self._publish_load()
@@ -530,12 +532,15 @@ class RolloutReplica:
                     self._refill(bool(finished))
                 self._publish_load()
                 self._serve()
+                now = time.time()
+                self.counts["decode_s"] += now - t_mark
+                t_mark = now
             if self._ended:  # the batch is over: no finished request stays unlogged
                 self._log_partial(force=True)
         finally:
             self._in_batch = False
             self._publish_load()
-        self.counts["decode_s"] += time.time() - t0
+        self.counts["decode_s"] += time.time() - t_mark
         if sample or moved:
             self._check_parity(sample + moved)
 

@@ -166,11 +166,17 @@ def test_each_baseline_schedule_runs_end_to_end_and_keeps_its_promises(
         assert ds.laminar.audit() == []  # mixed versions rise from the behavior version
         assert all(r["interrupts"] >= 3 for r in summary["rollouts"])
         assert sum(r["recomputed_tokens"] for r in summary["rollouts"]) > 0
-    if schedule == "stream":
-        from storage.metrics import open_metrics
+    from storage.metrics import open_metrics
 
+    if schedule == "stream":
         updates = open_metrics(run.run_dir, "updates")
         assert (updates["mini_batches"].values == 2).all()
+    # Decoding time is counted as it passes (the idle fractions are read from it): between
+    # two polls it grows by at most the time between them, also while a refilled batch
+    # lasts a whole update (it used to be added once per batch).
+    decode = open_metrics(run.run_dir, "rollouts")["decode_s"].transpose("time", ...)
+    grow = np.diff(decode.values, axis=0) - np.diff(decode["time"].values)[:, None]
+    assert np.nanmax(grow) < 0.2, np.nanmax(grow)  # (once per batch: 0.47 s over here)
 
 
 @pytest.mark.slow
