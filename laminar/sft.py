@@ -27,7 +27,7 @@ import torch
 from laminar.config import RunConfig
 from laminar.errors import DataError
 from laminar.model import build_tiny_policy, check_policy_dir, encode_prompt, load_policy
-from laminar.tasks import Prompt, demonstration, length_sigmas
+from laminar.tasks import Prompt, demonstration, length_sigmas, longest_demonstration
 from laminar.update import micro_batches, pack, response_logprobs
 
 # Bump when the SFT procedure changes, so cached results of the old one are not reused.
@@ -165,12 +165,9 @@ def _train(cfg: RunConfig, model, tok, prompts: list[Prompt]) -> float:
     def demo(p: Prompt) -> list[int]:
         return encode(demonstration(task, p, rng, own))
 
-    def longest(p: Prompt) -> list[int]:
-        if task != "count_range":
-            return encode(p.answer)
-        return encode(" ".join(str(i) for i in range(1, int(p.answer.split()[1]) + 1)))
-
-    examples = [(encode_prompt(tok, p.text), longest(p)) for p in prompts]
+    examples = [
+        (encode_prompt(tok, p.text), encode(longest_demonstration(task, p))) for p in prompts
+    ]
     unk = tok.unk_token_id
     if unk is not None:
         bad = next(

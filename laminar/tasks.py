@@ -177,7 +177,23 @@ def demonstration(
     lo, hi = (int(x) for x in prompt.answer.split())
     centre = prompt.centre if prompt.centre is not None else math.sqrt(lo * hi)
     k = round(math.exp(rng.normal(math.log(centre), own_sigma)))
-    return " ".join(str(i) for i in range(1, min(max(k, lo), hi) + 1))
+    return _count_to(min(max(k, lo), hi))
+
+
+def longest_demonstration(task: str | None, prompt: Prompt) -> str:
+    """The longest answer :func:`demonstration` can give ``prompt`` (``count_range``: the
+    count to the band's top), for checks that must cover every one.
+
+    >>> longest_demonstration("count_range", Prompt(0, "b 2 4 >", "2 4"))
+    '1 2 3 4'
+    """
+    if task != "count_range":
+        return prompt.answer
+    return _count_to(int(prompt.answer.split()[1]))
+
+
+def _count_to(k: int) -> str:
+    return " ".join(_count([""] * k))
 
 
 def jsonl_prompts(path: str | Path) -> list[Prompt]:

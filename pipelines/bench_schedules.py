@@ -375,6 +375,8 @@ def arm_figures(run_dir: Path, summary: dict, warmup: int) -> dict:
     out["trainer_overruns"] = paced.get("overruns", 0)
     out["audit_ok"] = float(audit_run(run_dir).ok)
     out["moves"] = (summary.get("repack") or {}).get("moves", 0)
+    out["replicas"] = cfg.rollout.replicas
+    out["trainer_gpus"] = cfg.trainer.pacing.gpus if cfg.trainer.pacing else math.nan
     return out
 
 
@@ -446,7 +448,7 @@ def bench_schedules(
         def run(arm: str, replicas: int, steps: int, seed: int, tag: str) -> dict:
             run_dir = root / f"{arm}-r{replicas}-{tag}"
             summary = _run(client, run_dir, cluster.overrides(arm, replicas, steps, seed))
-            fig = _figures(run_dir, summary, replicas, warmup, probe_warmup)
+            fig = _figures(run_dir, summary, warmup, probe_warmup)
             print(
                 f"  {arm:<18} R={replicas:<2} {tag:<8} throughput {fig['throughput']:>10,.0f} "
                 f"tok/s  iteration {fig['iteration_s']:6.1f} s  rollout idle "
@@ -553,15 +555,10 @@ TABLE = [
 ]
 
 
-def _figures(run_dir, summary, replicas, warmup, probe_warmup) -> dict:
+def _figures(run_dir, summary, warmup, probe_warmup) -> dict:
     """:func:`arm_figures` of one bench run (``ARM-rR-sN`` measured, ``ARM-rR-probe``)."""
-    from laminar.config import load_config
-
     probe = run_dir.name.endswith("-probe")
-    fig = arm_figures(run_dir, summary, probe_warmup if probe else warmup)
-    fig["replicas"] = replicas
-    fig["trainer_gpus"] = load_config(run_dir / "config.yaml").trainer.pacing.gpus
-    return fig
+    return arm_figures(run_dir, summary, probe_warmup if probe else warmup)
 
 
 def reanalyse(
@@ -597,7 +594,7 @@ def reanalyse(
         summary = json.loads((d / "summary.json").read_text())
         if summary.get("reason") != "completed":
             continue
-        fig = _figures(d, summary, r, warmup, probe_warmup)
+        fig = _figures(d, summary, warmup, probe_warmup)
         if seed is None:
             probes.setdefault(arm, {})[r] = fig["throughput"]
         elif arm in results:
