@@ -315,10 +315,13 @@ class RolloutManager:
         for rid in gone:  # all of them first: none is a candidate for another's work
             self.lost[rid] = now
             logger.warning("rollout %s lost (worker %s gone); recovering", rid, self.workers[rid])
+        relays = [r for r in self._chain()[1:] if self.relay_workers.get(r) not in workers]
+        for rid in (*gone, *relays):
+            if rid in self.hung:  # fenced: the scheduler no longer has its process
+                self.hung[rid]["fenced_s"] = now - self.hung[rid]["time"]
         # The master lives in the trainer's process: its loss is the trainer's (the run
         # fails and resumes, docs/faults.md). Downstream relays are cut out here, before
         # recovery, which may read old versions from them.
-        relays = [r for r in self._chain()[1:] if self.relay_workers.get(r) not in workers]
         if relays:
             self.drop_relays(relays)
         for rid in gone:
@@ -373,7 +376,16 @@ class RolloutManager:
                 limit,
                 worker,
             )
-            self.hung[rid] = {"kind": kind, "time": now, "silent_s": silent, "worker": worker}
+            # "restart" stays "pending" until the nanny has a new worker up (that may come
+            # after the run ends); the fence proper is the old process's going, which
+            # detect() records as "fenced_s".
+            self.hung[rid] = {
+                "kind": kind,
+                "time": now,
+                "silent_s": silent,
+                "worker": worker,
+                "restart": "pending",
+            }
             start_thread(lambda rid=rid, w=worker: self._fence(rid, w), f"fence-{rid}")
         return hung
 
@@ -383,10 +395,10 @@ class RolloutManager:
         t0 = time.time()
         try:
             out = get_client().restart_workers([worker], timeout=10)
-            self.hung[rid]["fence"] = str(out.get(worker, out))
+            self.hung[rid]["restart"] = str(out.get(worker, out))
         except Exception as e:  # noqa: BLE001 — the worker went meanwhile: also fenced
-            self.hung[rid]["fence"] = repr(e)
-        self.hung[rid]["fence_s"] = time.time() - t0
+            self.hung[rid]["restart"] = repr(e)
+        self.hung[rid]["restart_s"] = time.time() - t0
 
     def _chain(self) -> list[str]:
         return [rid for rid in self.relays if rid not in self.relays_lost]

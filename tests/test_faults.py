@@ -286,9 +286,12 @@ def test_a_hung_rollout_is_fenced_then_recovered(tmp_path):
     # The last progress the manager saw was at most one check round before the signal:
     # the timeout, less that round, at the earliest; plus a detection round at the latest.
     assert 3 - ROUND_S <= hung["time"] - t_stop < 3 + 5, hung
-    assert hung["fence"] == "OK", hung
+    # Fenced (killed and gone for the scheduler), then recovered. The nanny's new worker
+    # may still be starting when the run stops early, but a restart never fails.
     lost_after = faults["lost"]["r1"] - hung["time"]
-    assert 0 <= lost_after < 15, lost_after  # fenced (killed and gone), then recovered
+    assert 0 <= lost_after < 15, lost_after
+    assert hung["fenced_s"] == pytest.approx(lost_after), hung
+    assert hung["restart"] in ("OK", "pending"), hung
     rows = open_metrics(run_dir, "faults")
     assert int(rows["requests"].sum()) > 0
     assert sum(r.get("restarted_requests", 0) for r in summary["rollouts"]) == 0
@@ -514,7 +517,8 @@ def test_a_run_loses_a_relay_and_goes_on_through_the_rebuilt_chain(tmp_path, sig
     lost = faults["relays_lost"]["relay1"]
     if sig == signal.SIGSTOP:  # declared hung after the timeout, then fenced
         hung = faults["hung"]["relay1"]
-        assert hung["kind"] == "relay" and hung["fence"] == "OK", hung
+        assert hung["kind"] == "relay" and hung["restart"] == "OK", hung
+        assert hung["fenced_s"] == pytest.approx(lost["time"] - hung["time"], abs=0.1), hung
         assert hung["silent_s"] > 3, hung
         assert 3 - ROUND_S <= hung["time"] - t_kill < 3 + 5, hung  # (see the hung rollout)
         assert 0 <= lost["time"] - hung["time"] < 15
