@@ -65,6 +65,38 @@ def repack_max_batch(cfg: RunConfig) -> int:
     return limit
 
 
+def planner_loads(loads: dict[str, dict], prev: dict[str, tuple[int | None, float]]):
+    """The planner's :class:`~laminar.repack.RolloutLoad` of each rollout decoding a batch
+    (and not held by a move), from the rollouts' published loads. ``kv_prev`` is a
+    rollout's KV at the previous check *of the same batch*: a batch seen for the first
+    time is not falling (a fresh batch after a long tail holds less KV than the tail did,
+    yet none of its requests has finished, and moving it would only pause it). ``prev``
+    is updated in place.
+
+    >>> prev = {}
+    >>> tail = {"version": 3, "kv_used": 0.4, "n_requests": 2, "in_batch": True, "held": False}
+    >>> planner_loads({"r0": {**tail, "batch": 1}}, prev)[0].kv_prev
+    0.4
+    >>> planner_loads({"r0": {**tail, "batch": 1, "kv_used": 0.3}}, prev)[0].kv_prev
+    0.4
+    >>> planner_loads({"r0": {**tail, "batch": 2, "kv_used": 0.1}}, prev)[0].kv_prev  # new
+    0.1
+    """
+    out = []
+    for rid, load in loads.items():
+        if not load:
+            continue  # not started yet
+        batch, kv_prev = prev.get(rid, (None, load["kv_used"]))
+        if batch != load.get("batch"):
+            kv_prev = load["kv_used"]
+        prev[rid] = (load.get("batch"), load["kv_used"])
+        if load["in_batch"] and not load["held"]:
+            out.append(
+                RolloutLoad(rid, load["version"], load["kv_used"], kv_prev, load["n_requests"])
+            )
+    return out
+
+
 class RolloutManager:
     """Dask actor (on the data worker): the repack loop over every rollout."""
 
@@ -91,7 +123,7 @@ class RolloutManager:
         self.master = master_relay
         self.max_batch = repack_max_batch(cfg)
         self.timeout = cfg.cluster.actor_timeout_s
-        self._prev: dict[str, float] = {}
+        self._prev: dict[str, tuple[int | None, float]] = {}  # rid -> (batch, kv_used)
         self._seen_version = -1
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -221,16 +253,7 @@ class RolloutManager:
 
     def check(self) -> list[dict]:
         """One planning round: loads, plan, moves. Returns the rows of its moves."""
-        loads = []
-        for rid, load in self._loads().items():
-            if not load:
-                continue  # not started yet
-            prev = self._prev.get(rid, load["kv_used"])
-            self._prev[rid] = load["kv_used"]
-            if load["in_batch"] and not load["held"]:
-                loads.append(
-                    RolloutLoad(rid, load["version"], load["kv_used"], prev, load["n_requests"])
-                )
+        loads = planner_loads(self._loads(), self._prev)
         self.counts["checks"] += 1
         rows = [
             self._move(m.source, m.destination)

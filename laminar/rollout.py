@@ -101,6 +101,7 @@ class RolloutReplica:
         self._inbox: queue.Queue = queue.Queue()  # manager commands for the generation thread
         self._claim = threading.Lock()  # a command runs, or is withdrawn, never both
         self._in_batch = False  # decoding a batch: moves may take from or add to it
+        self._batch_seq = 0  # batches decoded so far, this one included
         self._held = False  # exported for a move: wait at the boundary until released
         self._reprefill = False  # the next step re-prefills imported requests
         self._load: dict = {}  # published by the generation thread after every step
@@ -503,6 +504,7 @@ class RolloutReplica:
         # rollout) can last a whole update, and a counter read mid-batch would lag it.
         t_mark = time.time()
         self._in_batch = True
+        self._batch_seq += 1
         try:
             self._publish_load()
             while self.engine.has_work() and not self._stop.is_set():
@@ -557,6 +559,9 @@ class RolloutReplica:
             "kv_used": kv.used_tokens / max(kv.capacity_tokens, 1),
             "n_requests": kv.running + kv.waiting,
             "in_batch": self._in_batch,
+            # which batch: KV "falls" only within one (a new batch after a long one
+            # holds less KV, but nothing of it has finished)
+            "batch": self._batch_seq,
             "held": self._held,
             "t": time.time(),
         }

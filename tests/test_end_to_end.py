@@ -321,7 +321,7 @@ def test_cli_run_through_a_relay_chain_loads_exactly_the_published_weights(tmp_p
 
 
 def test_repack_moves_draining_batches_and_keeps_every_trajectory_whole(tmp_path):
-    """repack on (checks every 0.2 s, four rollouts): draining batches of one version
+    """repack on (checks every 0.05 s, four rollouts): draining batches of one version
     merge. Moved trajectories keep one behavior version, list the rollouts they passed
     through, and their behavior logprobs — computed after re-prefill at the destination —
     match the trainer's forward of the same tokens (the parity check takes every moved
@@ -335,7 +335,9 @@ def test_repack_moves_draining_batches_and_keeps_every_trajectory_whole(tmp_path
         "buffer.max_outstanding_groups=32",
         "trainer.groups_per_step=8",
         "trainer.steps=5",
-        "repack.interval_s=0.2",
+        # (a batch is seen draining only between two checks within it: unpaced, the tiny
+        # model's batches last about a second)
+        "repack.interval_s=0.05",
         "repack.c_max=1.0",
     ]
     _, summary = cli_run(run_dir, overrides)
