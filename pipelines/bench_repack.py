@@ -1,19 +1,26 @@
 """``laminar bench repack``: Laminar with dynamic repack on vs off, same workload, same
 emulated cluster, in one run.
 
-The workload has the paper's shape: 16 responses per prompt, answer lengths with
-P99/median ≈ 10 and a hard cap, paced replicas (TP4 H800s serving a 7B model, times
-dilated so that this machine's real compute stays below the model) each decoding a local
-batch of 64 requests (the paper's 256 per rollout, scaled to the tiny model's cache).
-Each run is stopped after the same wall time; generation is the bottleneck (the trainer
-is fast next to paced generation, back-pressure generous), as in the paper's setting.
+The workload and the emulation are ``laminar bench schedules``'s (``docs/pacing.md``):
+16 responses per prompt, response lengths with P99/median ≈ 10 that vary within a
+group as well as between prompts, a hard cap; one real token stands for 256 modelled
+ones and one real request for 8, so that a local batch of 32 real requests is the
+paper's 256 per rollout, and a trajectory spans as many modelled decode steps as the
+paper's do: a move's pause and re-prefill weigh on it as they would there. Replicas
+are TP4 H800s serving a 7B model with a chunked-prefill engine; the trainer is paced on
+the GPUs the replicas leave of the emulated cluster (default 8 replicas of 64 GPUs, the
+paper's half split). Back-pressure is off, so that generation, not the trainer, is what
+is measured; each arm stops after the same wall time and the arms alternate.
 
-Figures per arm (medians over ``repeats`` pairs, arms alternating):
+Figures per arm (medians over ``repeats`` pairs; modelled seconds of the full-size
+cluster), over the steady part of each run — after the first ``warmup`` share of it,
+when the replicas' batches have drifted apart:
 
 * generation throughput — response tokens decoded per second;
 * mean KV utilisation — ``kv_used / kv_capacity`` over rollouts × polls, busy or not;
 * repack overhead — the pause moves caused, per second of run, and per move;
-* mean / max trajectory latency — ``t_finish − t_submit`` of finished trajectories;
+* mean / max trajectory latency — ``t_finish − t_submit`` of the trajectories submitted
+  in the window that ends a cap-length generation before the stop (none is cut short);
 * replica-seconds freed — for each move, from the move to the last of its moved
   requests finishing elsewhere: the time the source would have spent on its stragglers.
 
@@ -32,31 +39,42 @@ from pathlib import Path
 import numpy as np
 
 REPLICAS = 8
-WORKLOAD = [
-    "task.num_prompts=4000",
-    "task.median_len=6",
-    "task.tail_ratio=10",
-    "task.max_len=64",
-    "rollout.group_size=16",
-    "rollout.groups_per_batch=4",
-    "rollout.max_new_tokens=80",
-    "rollout.max_seq_len=160",
-    # KV of one replica, scaled to the tiny model: a fresh local batch of 64 fills about
-    # 40% of it, its long tail can fill it (kv utilisation and c_max then mean something).
-    "rollout.kv_capacity_tokens=1536",
-    "rollout.parity_every=0",
-    "rollout.pacing.accelerator=H800",
-    "rollout.pacing.model=7B",
-    "rollout.pacing.tp=4",
-    "rollout.pacing.strict=false",
-    # generation is what repack changes: back-pressure must never idle a rollout here
-    "buffer.max_outstanding_groups=1000000",
-    "trainer.groups_per_step=8",
-    "trainer.steps=100000",
-]
+GPUS = 64
+# The schedules bench's (its workload and cluster); "32B" is the paper's repack
+# experiment's model (§8.4), with its tighter KV.
+MODEL = "7B"
 
 
-def _arm(client, run_dir: Path, overrides: list[str], duration_s: float) -> dict:
+def model_dilation(model: str, cluster_shape) -> float:
+    """The dilation that keeps one real decode step of ``model`` as long on this machine
+    as the schedules bench's 7B step (the real compute per wall second stays the same)."""
+    from laminar.pacing import TimeModel
+    from pipelines.bench_schedules import GPUS_PER_REPLICA
+
+    context = 256 * 3400  # a full local batch at the workload's mean context
+    base = TimeModel.named("H800", "7B", tp=GPUS_PER_REPLICA).decode_time(256, context)
+    step = TimeModel.named("H800", model, tp=GPUS_PER_REPLICA).decode_time(256, context)
+    return float(f"{cluster_shape.dilation * base / step:.4g}")
+
+
+def model_overrides(model: str, cluster_shape) -> list[str]:
+    """The replicas and trainer of ``model`` in place of the schedules bench's 7B: its
+    KV capacity (in real tokens), :func:`model_dilation`, and a trainer slower per GPU
+    in proportion to the parameters."""
+    from laminar.pacing import MODELS, TimeModel
+    from pipelines.bench_schedules import GPUS_PER_REPLICA, LENGTH_SCALE, REQUEST_SCALE
+
+    m = TimeModel.named("H800", model, tp=GPUS_PER_REPLICA)
+    params = MODELS[model].params / MODELS["7B"].params
+    return [
+        f"rollout.pacing.model={model}",
+        f"rollout.kv_capacity_tokens={int(m.kv_capacity_tokens / (REQUEST_SCALE * LENGTH_SCALE))}",
+        f"rollout.pacing.dilation={model_dilation(model, cluster_shape)}",
+        f"trainer.pacing.tok_s_per_gpu={5000.0 / params:.4g}",
+    ]
+
+
+def _arm(client, run_dir: Path, overrides: list[str], duration_s: float, scale, warmup) -> dict:
     import pipelines
 
     run = pipelines.submit("configs/tiny.yaml", client, run_dir=run_dir, overrides=overrides)
@@ -72,25 +90,41 @@ def _arm(client, run_dir: Path, overrides: list[str], duration_s: float) -> dict
             break
         time.sleep(0.2)
     summary = run.wait(timeout=600)
-    return _figures(run_dir, summary)
+    return _figures(run_dir, summary, scale, warmup)
 
 
-def _figures(run_dir: Path, summary: dict) -> dict:
+def _figures(run_dir: Path, summary: dict, scale, warmup: float) -> dict:
+    """One arm's figures over its steady window (see the module docstring)."""
     from storage import open_run
-    from storage.metrics import open_metrics
+    from storage.metrics import open_metrics, time_origin
 
     ds = open_run(run_dir)
-    wall = summary["rl_wall_s"]
-    tokens = sum(r["response_tokens"] for r in summary["rollouts"])
-    lat = ds["t_finish"].values - ds["t_submit"].values
+    cl = open_metrics(run_dir, "cluster")
+    elapsed = cl["time"].values
+    t = elapsed + time_origin(cl)  # epoch seconds, as the trajectories' times
+    tok = cl["response_tokens"].values
+    i0 = int(np.searchsorted(t, t[0] + warmup * (t[-1] - t[0])))
+    window = t[-1] - t[i0]
+    gen = (tok[-1] - tok[i0]) / window  # real tokens per wall second
+    t_submit, t_finish = ds["t_submit"].values, ds["t_finish"].values
+    lat = t_finish - t_submit
+    # Submitted early enough that even a cap-length generation finished before the stop.
+    late = t[-1] - float(np.max(lat[t_submit >= t[i0]], initial=0.0))
+    sel = (t_submit >= t[i0]) & (t_submit <= late)
+    if not sel.any():
+        raise RuntimeError(
+            f"{run_dir}: no trajectory submitted in the steady window; raise --duration-s"
+        )
     roll = open_metrics(run_dir, "rollouts")
+    roll = roll.sel(time=roll["time"] >= elapsed[i0])
     util = (roll["kv_used"] / roll["kv_capacity"]).values
     out = {
-        "gen_tok_s": tokens / wall,
+        "gen_tok_s": scale.tokens * gen / scale.modelled(1.0),
         "kv_util_mean": float(np.nanmean(util)),
-        "latency_mean_s": float(lat.mean()),
-        "latency_max_s": float(lat.max()),
-        "wall_s": wall,
+        "latency_mean_s": scale.modelled(float(lat[sel].mean())),
+        "latency_max_s": scale.modelled(float(lat[sel].max())),
+        "latency_trajectories": int(sel.sum()),
+        "window_s": scale.modelled(window),
         "trajectories": int(ds.sizes["trajectory"]),
         # real compute vs the modelled time: a run whose compute overran the model would
         # measure this machine, not the emulated cluster
@@ -103,9 +137,10 @@ def _figures(run_dir: Path, summary: dict) -> dict:
     }
     rep = summary.get("repack")
     if rep:
+        wall = summary["rl_wall_s"]
         out.update(moves=rep["moves"], pause_s=rep["pause_s"], overhead_frac=rep["pause_s"] / wall)
-        out["freed_replica_s"] = _freed(
-            ds, open_metrics(run_dir, "repacks") if rep["moves"] else None
+        out["freed_replica_s"] = scale.modelled(
+            _freed(ds, open_metrics(run_dir, "repacks") if rep["moves"] else None)
         )
     return out
 
@@ -137,40 +172,53 @@ def _freed(ds, moves) -> float:
 
 def bench_repack(
     repeats: int = 3,
-    duration_s: float = 60.0,
+    duration_s: float = 120.0,
     replicas: int = REPLICAS,
-    dilation: float = 40.0,
-    interval_s: float = 1.0,
-    prefill: str = "additive",
+    gpus: int = GPUS,
+    warmup_share: float = 0.25,
+    seed: int = 0,
+    model: str = MODEL,
+    runs_dir: str | None = None,
+    overrides: tuple[str, ...] = (),
 ):
-    """The repack bench; see the module docstring.
-
-    ``interval_s`` (wall seconds): 1 s is about 8 paced decode steps, a tenth of the
-    longest generation here. The paper's 5 s is about 1% of its longest generations but
-    150 decode steps; no single scaling keeps both with lengths cut 200× for CPU
-    (docs/repack.md has the measured sensitivity)."""
+    """The repack bench; see the module docstring. ``duration_s``: wall seconds per
+    arm, from its first update; ``warmup_share``: the share of each run left out of the
+    figures. ``runs_dir``: keep the arms' run directories there (default: a temporary
+    folder, removed at the end). ``overrides``: ``KEY=VALUE`` settings applied to both
+    arms after the bench's own (``laminar bench repack --set faults.recover=false``).
+    Repack checks every 5 modelled seconds (the paper's) and after each
+    publication."""
     from distributed import Client
 
     from laminar.cluster import local_cluster
+    from laminar.pacing import Scale
     from pipelines.bench import BenchResult
+    from pipelines.bench_schedules import LENGTH_SCALE, REQUEST_SCALE, Cluster
 
-    common = WORKLOAD + [
-        f"rollout.replicas={replicas}",
-        f"rollout.pacing.dilation={dilation}",
-        f"rollout.pacing.prefill={prefill}",
-    ]
-    arms = {"off": [], "on": [f"repack.interval_s={interval_s}"]}
+    cluster_shape = Cluster(gpus)
+    # generation is what repack changes: back-pressure must never idle a rollout here
+    unbounded = ["buffer.max_outstanding_groups=1000000"]
+    if model != "7B":
+        unbounded += model_overrides(model, cluster_shape)
+    unbounded += list(overrides)
+    dilation = model_dilation(model, cluster_shape)
+    scale = Scale(dilation, LENGTH_SCALE, REQUEST_SCALE)
+    arms = {
+        arm: cluster_shape.overrides(name, replicas, steps=100000, seed=seed) + unbounded
+        for arm, name in (("off", "laminar_no_repack"), ("on", "laminar"))
+    }
     results: dict[str, list[dict]] = {"off": [], "on": []}
     with (
         tempfile.TemporaryDirectory(prefix="laminar-bench-repack-") as tmp,
         local_cluster(replicas, memory_limit="2GiB") as cluster,
         Client(cluster) as client,
     ):
-        root = Path(tmp)  # the arms' run directories (~90 MB), removed at the end
+        root = Path(runs_dir or tmp)
         for rep in range(repeats):
             order = ["off", "on"] if rep % 2 == 0 else ["on", "off"]
             for arm in order:
-                fig = _arm(client, root / f"{arm}-{rep}", common + arms[arm], duration_s)
+                run_dir = root / f"{arm}-{rep}"
+                fig = _arm(client, run_dir, arms[arm], duration_s, scale, warmup_share)
                 results[arm].append(fig)
                 print(
                     f"  {arm} #{rep}: " + json.dumps({k: round(v, 4) for k, v in fig.items()}),
@@ -186,6 +234,10 @@ def bench_repack(
         "max_latency_on_vs_off": med["on"]["latency_max_s"] / med["off"]["latency_max_s"],
         "kv_util_on_vs_off": med["on"]["kv_util_mean"] / med["off"]["kv_util_mean"],
     }
+    # Pair by pair too: the arms of one pair ran back to back, on the same machine state.
+    for key, fig in (("gen_throughput", "gen_tok_s"), ("mean_latency", "latency_mean_s")):
+        pairs = [on[fig] / off[fig] for on, off in zip(results["on"], results["off"], strict=True)]
+        ratios[f"{key}_on_vs_off_pairs_median"] = float(np.median(pairs))
     cols = [
         "gen_tok_s",
         "kv_util_mean",
@@ -194,7 +246,7 @@ def bench_repack(
         "moves",
         "overhead_frac",
         "freed_replica_s",
-        "trajectories",
+        "latency_trajectories",
     ]
     return BenchResult(
         name="repack",
@@ -207,14 +259,15 @@ def bench_repack(
             "repeats": repeats,
             "duration_s": duration_s,
             "replicas": replicas,
-            "dilation": dilation,
-            "interval_s": interval_s,
-            "prefill": prefill,
-            "workload": common,
+            "gpus": gpus,
+            "warmup_share": warmup_share,
+            "seed": seed,
+            "model": model,
+            "workload": arms["on"],
             "runs": str(root),
         },
         notes=[
             "each arm runs the same paced workload for the same wall time; medians over "
-            f"{repeats} alternating pairs; run directories under {root}",
+            f"{repeats} alternating pairs; modelled units of the {gpus}-GPU cluster",
         ],
     )

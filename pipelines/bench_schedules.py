@@ -90,7 +90,9 @@ ARMS = {
 # is then measured at one placement.
 ABLATION_OF = {"laminar_no_repack": "laminar"}
 
-WORKLOAD = [
+# The workload and the replicas' emulation, the same for every schedule (and for
+# ``laminar bench repack``, which runs Laminar's generation alone on it).
+GENERATION_WORKLOAD = [
     "task.name=count_range",
     "task.reward=count_in_range",
     "task.length_share=0.5",
@@ -112,6 +114,8 @@ WORKLOAD = [
     f"rollout.pacing.length_scale={LENGTH_SCALE}",
     f"rollout.pacing.request_scale={REQUEST_SCALE}",
     "rollout.pacing.pull_s=1.0",
+]
+WORKLOAD = GENERATION_WORKLOAD + [
     f"trainer.groups_per_step={GROUPS_PER_STEP}",
     "trainer.mini_batches=4",
     # the same gradient, in length-sorted micro-batches that fit this CPU's caches

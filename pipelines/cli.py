@@ -328,6 +328,10 @@ def cmd_bench(args: argparse.Namespace) -> int:
         options["from_runs"] = True
     if args.arms:
         options["arms"] = tuple(args.arms.split(","))
+    if args.set:
+        if args.name != "repack":
+            raise LaminarError("bench --set applies to the repack bench only")
+        options["overrides"] = tuple(args.set)
     if args.splits:
         options["splits"] = {
             arm: int(r) for arm, r in (item.split("=") for item in args.splits.split(","))
@@ -395,10 +399,16 @@ def main(argv: list[str] | None = None) -> int:
         "--protocols", help="relay: comma-separated tcp,ucx (ucx needs .venv-ucx, .ci/ucx-env)"
     )
     bench.add_argument(
-        "--duration-s", type=float, help="repack: wall seconds per arm (60); soak: seconds (600)"
+        "--duration-s", type=float, help="repack: wall seconds per arm (120); soak: seconds (600)"
+    )
+    bench.add_argument(
+        "--set",
+        action="append",
+        metavar="KEY=VALUE",
+        help="repack: a config override for both arms (repeatable), e.g. faults.recover=false",
     )
     bench.add_argument("--kill-every-s", type=float, help="soak: seconds between worker kills (60)")
-    bench.add_argument("--gpus", type=int, help="schedules: emulated GPUs in all (64)")
+    bench.add_argument("--gpus", type=int, help="schedules, repack: emulated GPUs in all (64)")
     bench.add_argument("--seeds", type=int, help="schedules: seeds per schedule (3)")
     bench.add_argument("--warmup", type=int, help="schedules: warm-up updates (3)")
     bench.add_argument("--iterations", type=int, help="schedules: measured updates (6)")
@@ -410,7 +420,9 @@ def main(argv: list[str] | None = None) -> int:
         "--no-search", action="store_true", help="schedules: no split search (model's split)"
     )
     bench.add_argument("--reward-threshold", type=float, help="schedules: time-to-reward target")
-    bench.add_argument("--runs-dir", help="schedules: keep the runs here (default: a temp dir)")
+    bench.add_argument(
+        "--runs-dir", help="schedules, repack: keep the runs here (default: a temp dir)"
+    )
     bench.add_argument(
         "--from-runs",
         action="store_true",
