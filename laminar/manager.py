@@ -535,6 +535,11 @@ class RolloutManager:
             key = ("finished" in st.request.meta, st.request.meta["behavior_version"])
             by_version.setdefault(key, []).append(st)
         rows = []
+        # The loads once for every batch of the lost rollout: a rollout lost too but not
+        # detected yet (the scheduler may drop two workers a round apart) does not answer,
+        # and each asking would wait for it again. One that did not answer takes none of
+        # this work.
+        loads = self._loads() if states else {}
         for (finished, version), batch in sorted(by_version.items()):
             alive = self._alive()
             if not alive:
@@ -542,7 +547,7 @@ class RolloutManager:
                     f"every rollout is lost ({sorted(self.lost)}); {len(states)} unfinished "
                     "trajectories wait in the partial-response pool"
                 )
-            loads = self._loads()
+            alive = [rid for rid in alive if rid in loads] or alive
             if finished:
                 how, dest = "rescore", self._least_loaded(alive, loads)
                 self.rollouts[dest].rescore(batch).result(timeout=self.timeout)
@@ -550,6 +555,8 @@ class RolloutManager:
                 how, dest = self._resume(version, batch, alive, loads)
             ids = [st.request_id for st in batch]
             self.partial.reassign(ids, dest).result(timeout=self.timeout)
+            if loads.get(dest):  # the next batch goes where there is less to do
+                loads[dest] = {**loads[dest], "n_requests": loads[dest]["n_requests"] + len(ids)}
             rows.append(
                 {
                     "time": t0,

@@ -129,7 +129,11 @@ def _figures(run_dir: Path, summary: dict, scale, warmup: float) -> dict:
         # real compute vs the modelled time: a run whose compute overran the model would
         # measure this machine, not the emulated cluster
         "overrun_steps": summary["engine"].get("overruns", 0),
-        "compute_vs_modelled": summary["engine"]["compute_s"] / summary["engine"]["modelled_s"],
+        "compute_vs_modelled": (
+            summary["engine"]["compute_s"] / summary["engine"]["modelled_s"]
+            if summary["engine"].get("modelled_s")
+            else float("nan")  # not paced
+        ),
         "moves": 0,
         "pause_s": 0.0,
         "overhead_frac": 0.0,
