@@ -147,12 +147,12 @@ class Cluster:
     def max_replicas(self) -> int:
         return self.gpus // GPUS_PER_REPLICA
 
-    def kv_capacity(self) -> int:
-        """A replica's KV capacity in real tokens (TP4 H800s beside a 7B model)."""
+    def kv_capacity(self, model: str = "7B") -> int:
+        """A replica's KV capacity in real tokens (TP4 H800s beside ``model``)."""
         from laminar.pacing import TimeModel
 
-        model = TimeModel.named("H800", "7B", tp=GPUS_PER_REPLICA)
-        return int(model.kv_capacity_tokens / (REQUEST_SCALE * LENGTH_SCALE))
+        m = TimeModel.named("H800", model, tp=GPUS_PER_REPLICA)
+        return int(m.kv_capacity_tokens / (REQUEST_SCALE * LENGTH_SCALE))
 
     @property
     def scale(self):

@@ -399,7 +399,7 @@ def main(argv: list[str] | None = None) -> int:
         "--protocols", help="relay: comma-separated tcp,ucx (ucx needs .venv-ucx, .ci/ucx-env)"
     )
     bench.add_argument(
-        "--duration-s", type=float, help="repack: wall seconds per arm (120); soak: seconds (600)"
+        "--duration-s", type=float, help="repack: wall seconds per arm (90); soak: seconds (600)"
     )
     bench.add_argument(
         "--set",
