@@ -103,7 +103,7 @@ class BufferCore:
             else:
                 self.ready[uid] = sorted(members, key=lambda m: m.sample_idx)
         self.seen |= stored
-        self.counts["restored"] = sum(len(g) for g in groups)
+        self.counts["restored"] = self.counts.get("restored", 0) + sum(len(g) for g in groups)
 
     @property
     def depth(self) -> int:
@@ -268,6 +268,7 @@ class ExperienceBuffer:
         self._write_error: str | None = None
         self._writer_thread = threading.Thread(target=self._write_loop, daemon=True)
         self._writer_thread.start()
+        self.restarts: list[dict] = []  # trainer restarts: what each took back
         if resume is not None:
             self._resume(run_dir, resume)
 
@@ -343,6 +344,33 @@ class ExperienceBuffer:
         self._flush()  # the trainer polls while it waits: pending writes go out on time
         return batch
 
+    async def trainer_restarted(self, version: int) -> dict:
+        """The trainer was lost and restarts from its checkpoint at ``version``: the
+        updates after it are gone, so the groups they consumed (``sample_version >=
+        version``) are held again, whole, to be trained by the restarted trainer (each
+        trajectory's last leave event is the one that stands: nothing ends up trained
+        twice into the weights). They were sampled by versions the new trainer's numbers
+        come after (:class:`~laminar.trainer.Trainer` ``after_version``), so any may be
+        trained. Returns how many came back."""
+        import numpy as np
+
+        from storage.trajectories import open_trajectories, records_at
+
+        await self.sync()  # the lost updates' consumed events are in the store
+        arrays = open_trajectories(self.writer.path)
+        lost = (arrays["status"] == "consumed") & (arrays["sample_version"] >= version)
+        rows = np.flatnonzero(lost).tolist()
+        groups: dict[str, list[Trajectory]] = {}
+        for rec in records_at(arrays, rows):
+            t = Trajectory(**rec)
+            t.status, t.sample_version, t.t_sample = "buffered", -1, math.nan
+            groups.setdefault(t.prompt_uid, []).append(t)
+        self.core.restore(list(groups.values()), set())
+        self._events += [_event(str(arrays["uid"][i]), "buffered") for i in rows]
+        self._flush(force=True)
+        self.restarts.append({"checkpoint": version, "readmitted": len(rows)})
+        return {"readmitted": len(rows), "groups": len(groups)}
+
     async def update_skipped(self) -> None:
         """The trainer consumed a batch and published no version (the pool's dispatch
         rule makes up for it)."""
@@ -372,6 +400,7 @@ class ExperienceBuffer:
             "version": self.version,
             "written": self._written,
             "write_error": self._write_error,
+            "trainer_restarts": list(self.restarts),
         }
 
     async def close(self) -> dict:

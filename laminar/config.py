@@ -288,6 +288,15 @@ class FaultsConfig(_Section):
     # Start a new rollout on a `rollout` worker that hosts none (the nanny restarted the
     # lost one's worker, or a new worker joined), so capacity comes back after a loss.
     replace: bool = True
+    # A lost trainer (on a worker apart from the data module: cluster.data_apart, or a
+    # cluster whose `data` and `trainer` workers differ) restarts within the run, from
+    # its newest checkpoint, on a `trainer` worker that comes back or joins, while the
+    # rollouts keep generating. Off, or with trainer.ranks > 1, a lost trainer fails the
+    # run (continue it with `laminar run --resume RUN_DIR`).
+    restart_trainer: bool = True
+    # How long the run waits for a `trainer` worker to restart the trainer on before it
+    # fails (a local worker's nanny brings it back in seconds; a Slurm job may queue).
+    trainer_restart_timeout_s: float = Field(120.0, gt=0)
 
 
 class MetricsConfig(_Section):
@@ -363,9 +372,10 @@ class SlurmConfig(_Section):
     python: str | None = None  # interpreter on compute nodes; default: this one
     interface: str | None = None  # network interface of workers and scheduler (e.g. ib0)
     log_directory: str | None = None  # default: RUN_DIR/slurm
-    trainer: SlurmRole = SlurmRole()  # the trainer job also holds the data module
+    trainer: SlurmRole = SlurmRole()  # the trainer job also holds the data module ...
     rollout: SlurmRole = SlurmRole()
     relay: SlurmRole = SlurmRole()
+    data: SlurmRole = SlurmRole()  # ... unless cluster.data_apart: then it has this job
 
 
 class ClusterConfig(_Section):
@@ -386,6 +396,10 @@ class ClusterConfig(_Section):
     torch_threads: int = Field(1, gt=0)  # per worker process (cores are shared)
     actor_timeout_s: float = Field(60.0, gt=0)
     memory_limit: str = "4GiB"  # per local worker
+    # Give the data module (buffer, prompt pool, partial-response log, rollout manager)
+    # a worker of its own instead of sharing the trainer's: the trainer's loss is then
+    # recovered within the run (faults.restart_trainer), not only by a resume.
+    data_apart: bool = False
 
     @model_validator(mode="after")
     def _kind_is_complete(self) -> ClusterConfig:

@@ -34,7 +34,10 @@ TLS_FILES = {"ca_file": "ca.pem", "cert": "cert.pem", "key": "key.pem"}
 def run_workers(cfg: RunConfig) -> dict:
     """:func:`role_workers` for a run config."""
     return role_workers(
-        cfg.rollout.replicas, trainer_ranks=cfg.trainer.ranks, relays=cfg.relay.relays or 0
+        cfg.rollout.replicas,
+        trainer_ranks=cfg.trainer.ranks,
+        relays=cfg.relay.relays or 0,
+        data_apart=cfg.cluster.data_apart,
     )
 
 

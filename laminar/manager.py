@@ -142,6 +142,8 @@ class RolloutManager:
         self._alive_at: dict[str, float] = {}  # rollout -> when it last showed progress
         self._beat_calls: dict[str, object] = {}  # rollout -> its heartbeat call in flight
         self.hung: dict[str, dict] = {}  # rollout -> when it was declared hung, its fence
+        self.masters: list[dict] = []  # master relays that replaced a lost one (restarts)
+        self._master_lost: float | None = None  # when the master's worker was found gone
         self.error: str | None = None
 
     def start(self) -> None:
@@ -161,6 +163,7 @@ class RolloutManager:
             "relays_lost": {rid: dict(info) for rid, info in self.relays_lost.items()},
             "hung": {rid: dict(info) for rid, info in self.hung.items()},
             "chain": self._chain(),
+            "masters_replaced": [dict(m) for m in self.masters],
             "recoveries": len(self.fault_rows),
             "recovered_requests": sum(r["requests"] for r in self.fault_rows),
             **self.counts,
@@ -211,9 +214,80 @@ class RolloutManager:
         the next round."""
         self._joining.put((rollout_id, handle, worker, replaces, relay_id))
 
+    def replace_master(self, handle, worker: str) -> None:
+        """The trainer was restarted on ``worker`` with a new master relay (``handle``):
+        from the next round it heads the chain (each live relay takes its place after
+        it), the rollouts that pulled from the lost master pull from it, and the
+        partial-response pool keeps versions on it (docs/faults.md)."""
+        self._joining.put(("master", handle, worker, None, None))
+
+    def _lose_master(self, now: float) -> None:
+        """The master relay's worker (the trainer's) is gone: its readers stop waiting
+        on it and go on with the weights they hold until a restarted trainer's master
+        replaces it (:meth:`replace_master`). Without a restart the driver fails the run."""
+        self._master_lost = now
+        for roll, rel in sorted(self.rollout_relays.items()):
+            if rel == "master" and roll not in self.lost and roll not in self.hung:
+                try:
+                    self.rollouts[roll].set_relay(None).result(timeout=min(self.timeout, 5.0))
+                except Exception as e:  # noqa: BLE001 — lost too: detect() recovers it
+                    logger.warning("%s.set_relay(None) failed: %r", roll, e)
+        logger.warning(
+            "master relay lost (worker %s gone); its readers go on with the weights they hold",
+            self.relay_workers.get("master"),
+        )
+
+    def _take_master(self, handle, worker: str) -> None:
+        t0 = time.time()
+        lost_for = None if self._master_lost is None else t0 - self._master_lost
+        self._master_lost = None
+        self.master = handle
+        self.relays["master"], self.relay_workers["master"] = handle, worker
+        chain = self._chain()
+        errors = []
+        for i, rid in enumerate(chain):
+            nxt = self.relays[chain[i + 1]] if i + 1 < len(chain) else None
+            try:
+                self.relays[rid].rechain(chain, nxt, None if i == 0 else handle).result(
+                    timeout=self.timeout
+                )
+            except Exception as e:  # noqa: BLE001 — lost too: detect() cuts it out
+                errors.append(f"{rid}.rechain: {e!r}")
+        repointed = []
+        for roll, rel in sorted(self.rollout_relays.items()):
+            if rel == "master" and roll not in self.lost and roll not in self.hung:
+                try:
+                    self.rollouts[roll].set_relay(handle).result(timeout=self.timeout)
+                    repointed.append(roll)
+                except Exception as e:  # noqa: BLE001 — lost: detect() recovers it
+                    errors.append(f"{roll}.set_relay: {e!r}")
+        if self.partial is not None:
+            self.partial.set_relays([self.relays[r] for r in chain]).result(timeout=self.timeout)
+        self._seen_version = -1
+        self.masters.append(
+            {
+                "time": t0,
+                "worker": worker,
+                "master_lost_s": lost_for,  # since the lost master was detected
+                "chain": chain,
+                "rollouts": repointed,
+                "errors": errors,
+                "rechain_s": time.time() - t0,
+            }
+        )
+        logger.warning(
+            "new master relay on %s heads the chain %s; %s pull from it",
+            worker,
+            " -> ".join(chain),
+            ", ".join(repointed) or "no rollout",
+        )
+
     def _take_joining(self) -> None:
         while not self._joining.empty():
             rid, handle, worker, replaces, relay_id = self._joining.get_nowait()
+            if rid == "master":
+                self._take_master(handle, worker)
+                continue
             self.rollouts[rid], self.workers[rid] = handle, worker
             if relay_id in self.relays_lost:  # lost while the replacement was starting
                 relay_id = self._chain()[0]
@@ -245,7 +319,10 @@ class RolloutManager:
     def _published(self) -> bool:
         if not self.rcfg.on_publish:
             return False
-        info = self.master.newest(self._seen_version).result(timeout=self.timeout)
+        try:
+            info = self.master.newest(self._seen_version).result(timeout=self.timeout)
+        except Exception:  # noqa: BLE001 — the master went with the trainer: it restarts
+            return False
         if info is None:
             return False
         self._seen_version = info["version"]
@@ -339,6 +416,9 @@ class RolloutManager:
             self.lost[rid] = now
             logger.warning("rollout %s lost (worker %s gone); recovering", rid, self.workers[rid])
         relays = [r for r in self._chain()[1:] if self.relay_workers.get(r) not in workers]
+        master_w = self.relay_workers.get("master")
+        if self._master_lost is None and master_w is not None and master_w not in workers:
+            self._lose_master(now)
         for rid in (*gone, *relays):
             if rid in self.hung:  # fenced: the scheduler no longer has its process
                 self.hung[rid]["fenced_s"] = now - self.hung[rid]["time"]

@@ -950,6 +950,11 @@ class RelaySwitched(RelayError):
     """The rollout was pointed at another relay while a pull waited on the old one."""
 
 
+class RelayUnreachable(RelayError):
+    """The relay could not be reached (its worker is lost) and the caller chose not to
+    wait for the manager to point it at another one."""
+
+
 class Puller:
     """A rollout's end: the newest version from its local relay, verified chunk by chunk,
     into a buffer kept warm across pulls. Up to ``window`` chunk reads are in flight.
@@ -975,7 +980,10 @@ class Puller:
         self.on_progress = None
 
     def switch(self, relay) -> None:
-        """Pull from ``relay`` from now on (called from another thread)."""
+        """Pull from ``relay`` from now on (called from another thread); ``None``: the
+        relay is lost and there is none to pull from yet (the master, until the trainer
+        restarts): a pull waits for the next switch, or with ``wait_switch=False`` raises
+        :class:`RelayUnreachable` at once."""
         self.relay = relay
         self.switches += 1
 
@@ -992,20 +1000,32 @@ class Puller:
                 if time.monotonic() >= deadline:
                     raise
 
-    def _retrying(self, fn):
+    def _retrying(self, fn, wait_switch: bool = True):
         """``fn(relay, switches)``, started again on the new relay after a switch. A relay
         that cannot be reached (its worker lost: the call fails, or never returns) is
         given up for the one the manager switches us to, if that comes within the
-        timeout; an answer that is an error (checksum, eviction) is raised as it is."""
+        timeout (``wait_switch=False``: :class:`RelayUnreachable` at once); an answer
+        that is an error (checksum, eviction) is raised as it is."""
         while True:
             switches = self.switches
+            if self.relay is None:  # lost, none to pull from yet
+                if not wait_switch:
+                    raise RelayUnreachable("the relay is lost and none replaces it yet")
+                if not self._switched_since(switches):
+                    raise RelayUnreachable("the relay is lost and none replaced it in time")
+                continue
             try:
                 return fn(self.relay, switches)
             except RelaySwitched:
                 self.retries += 1
             except RelayError:
                 raise
-            except Exception:
+            except Exception as e:
+                if self.switches != switches:  # switched while it failed: go again
+                    self.retries += 1
+                    continue
+                if not wait_switch:
+                    raise RelayUnreachable(f"the relay cannot be reached: {e!r}") from e
                 if not self._switched_since(switches):
                     raise
                 self.retries += 1
@@ -1028,11 +1048,11 @@ class Puller:
         return self._retrying(lambda relay, sw: self._result(relay.versions(), sw))
 
     def newest(
-        self, have_version: int, wait_s: float = 0.0
+        self, have_version: int, wait_s: float = 0.0, wait_switch: bool = True
     ) -> tuple[int, dict[str, torch.Tensor]] | None:
         """``(version, state)`` if the relay holds a version newer than ``have_version``
         (waiting up to ``wait_s`` for one). The tensors view a buffer this puller reuses:
-        load them before the next pull."""
+        load them before the next pull. ``wait_switch``: see :meth:`_retrying`."""
 
         def pull(relay, switches):
             for _ in range(3):
@@ -1045,7 +1065,7 @@ class Puller:
                     self.retries += 1
             raise RelayError("the relay evicted three versions in a row while they were read")
 
-        return self._retrying(pull)
+        return self._retrying(pull, wait_switch)
 
     def version(self, version: int) -> dict[str, torch.Tensor]:
         """A given (older) version if the relay keeps it, else :class:`VersionUnavailable`."""

@@ -145,6 +145,7 @@ class RolloutReplica:
             "parity_worst_abs": 0.0,  # over the run
             "idle_s": 0.0,
             "weight_wait_s": 0.0,
+            "pulls_unreachable": 0,  # batch boundaries whose relay could not be reached
             "decode_s": 0.0,
             "moves_out": 0,
             "moves_in": 0,
@@ -270,12 +271,21 @@ class RolloutReplica:
     def _wait_for_version(self, version: int, wait_s: float) -> None:
         """Wait up to ``wait_s`` until the relay has ``version`` (or newer) and load it,
         in short long polls with the manager's commands served between them."""
+        from laminar.relay import RelayUnreachable
+
         deadline = time.time() + wait_s
         while self.engine.version < version and time.time() < deadline:
             if self._stop.is_set() or self._paused is not None:
                 return
             self._serve()
-            update = self.puller.newest(self.engine.version, wait_s=VERSION_POLL_S)
+            try:
+                update = self.puller.newest(
+                    self.engine.version, wait_s=VERSION_POLL_S, wait_switch=False
+                )
+            except RelayUnreachable:  # lost: the next boundary tries again
+                self.counts["pulls_unreachable"] += 1
+                self._serve_for(min(VERSION_POLL_S, max(0.0, deadline - time.time())))
+                continue
             if update is not None:
                 self._load_version(*update)
 
@@ -340,8 +350,25 @@ class RolloutReplica:
             self._synced = bool(self.puller.versions())
             if not self._synced:
                 self._stop.wait(0.02)
+        from laminar.relay import RelayUnreachable
+
         t_pull = time.time()
-        update = self.puller.newest(self.engine.version)
+        try:
+            # A lost relay is not waited on here: this batch goes on with the weights
+            # held, and the next boundary pulls again (from the relay the manager
+            # switched us to by then: within a detection round for a downstream relay,
+            # once the trainer has restarted for the master).
+            update = self.puller.newest(self.engine.version, wait_switch=False)
+        except RelayUnreachable as e:
+            if not self.counts["pulls_unreachable"]:
+                logger.warning(
+                    "rollout %s: %s; generating on at version %d",
+                    self.rollout_id,
+                    e,
+                    self.engine.version,
+                )
+            self.counts["pulls_unreachable"] += 1
+            update = None
         if update is not None:
             self._load_version(*update)
             pacing = self.cfg.rollout.pacing
@@ -367,7 +394,9 @@ class RolloutReplica:
 
     def set_relay(self, relay) -> None:
         """Pull from ``relay`` from now on: the manager's answer to the loss of ours
-        (docs/faults.md). A pull waiting on the lost relay starts again on this one."""
+        (docs/faults.md). A pull waiting on the lost relay starts again on this one.
+        ``None``: ours is lost and none replaces it yet (the master, while the trainer
+        restarts): batches go on with the weights held."""
         self.puller.switch(relay)
 
     def get_fingerprints(self) -> dict[int, int]:

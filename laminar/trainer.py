@@ -77,17 +77,24 @@ class Trainer:
         init_method: str = "",
         spec=None,
         manager=None,
+        after_version: int | None = None,
     ) -> None:
         """``spec``: the run's :class:`~laminar.schedule.ScheduleSpec` (default: Laminar's);
         ``manager``: the :class:`~laminar.manager.RolloutManager`, which stops every
-        rollout before a publication when the schedule interrupts them."""
+        rollout before a publication when the schedule interrupts them.
+
+        ``after_version``: a trainer restarted within the run (docs/faults.md) after the
+        lost one had published up to this version. Its checkpoint (``trainer.resume_from``)
+        is older; the versions between were published by weights that are gone, and
+        rollouts and the buffer still hold trajectories labelled with them. Version numbers
+        are never used twice: this trainer publishes nothing at its start (the rollouts
+        hold its checkpoint's version or newer ones) and labels its first update
+        ``after_version + 1``; the run still makes ``trainer.steps`` updates in all."""
         from laminar.relay import Publisher
         from laminar.schedule import LAMINAR
 
         torch.set_num_threads(cfg.cluster.torch_threads)
         self.spec = spec or LAMINAR
-        if self.spec.interrupt and manager is None:
-            raise ValueError(f"schedule {self.spec.name!r} interrupts rollouts: give a manager")
         self.manager = manager
         self.clock = None  # trainer.pacing: updates and weight movements on the model
         if cfg.trainer.pacing is not None:
@@ -100,6 +107,12 @@ class Trainer:
         self.ranks = cfg.trainer.ranks
         self.init_method = init_method
         self.learner = _learner(cfg, policy_dir, rank=0)
+        # A restart skips the lost trainer's version numbers (and trains that many more
+        # updates, so that the run's count of updates stays trainer.steps).
+        self.restarted = after_version is not None
+        self.skipped_versions = max(0, (after_version or 0) - self.learner.version)
+        self.learner.version += self.skipped_versions
+        self.steps = cfg.trainer.steps + self.skipped_versions
         self.publisher = Publisher(master_relay, cfg.relay.timeout_s)
         self.fingerprints: dict[int, int] = {}  # version -> xxh3-64 (relay.audit_weights)
         self.history: list[dict] = []
@@ -111,7 +124,16 @@ class Trainer:
         self.wait_s = 0.0  # time spent waiting for the buffer to hold a full batch
         self.weights_checksum: float | None = None  # at the end, when data-parallel
 
+    def set_manager(self, manager) -> None:
+        """The rollout manager, given after construction: a restarted trainer is created
+        without it, because a task that takes an actor handle as an argument depends on
+        it, and the scheduler errs such a task when one of the manager's own arguments
+        (the lost master relay) is gone."""
+        self.manager = manager
+
     def start(self) -> None:
+        if self.spec.interrupt and self.manager is None:
+            raise ValueError(f"schedule {self.spec.name!r} interrupts rollouts: give a manager")
         self._thread = start_thread(self._run, "trainer")
 
     def stop(self, timeout: float = 60.0) -> dict:
@@ -135,13 +157,15 @@ class Trainer:
             self.fingerprints[self.version] = state_fingerprint(state)
         return stall
 
-    def get_fingerprints(self) -> dict[int, int]:
-        return dict(self.fingerprints)
+    def get_fingerprints(self, since: int = -1) -> dict[int, int]:
+        """Version -> fingerprint of what it published, for versions after ``since``."""
+        return {v: fp for v, fp in self.fingerprints.items() if v > since}
 
     def stats(self) -> dict:
         return {
             "version": self.version,
-            "steps": self.cfg.trainer.steps,
+            "steps": self.steps,
+            "skipped_versions": self.skipped_versions,
             "done": self.done,
             "error": self.error,
             "wait_s": self.wait_s,
@@ -182,10 +206,11 @@ class Trainer:
         t_cfg, timeout = self.cfg.trainer, self.cfg.cluster.actor_timeout_s
         if self.version:  # resumed: trajectories finish at the checkpoint's version on
             self.buffer.version_published(self.version).result(timeout)
-        self.publish()  # the starting version (rollouts start from the base policy)
+        if not self.restarted:  # (restarted: the rollouts hold that version or newer)
+            self.publish()  # the starting version (rollouts start from the base policy)
         self._last_publication = time.time()
         pending = None  # one_step: an update whose publication waits for the next batch
-        while self.version < t_cfg.steps and not self._stop.is_set():
+        while self.version < self.steps and not self._stop.is_set():
             if self.spec.trainer == "stream":
                 record = self._stream_update()
             else:
@@ -310,7 +335,7 @@ class Trainer:
         )
         self._last_publication = now
         every = self.cfg.trainer.checkpoint_every
-        if every and self.version % every == 0 and self.version < self.cfg.trainer.steps:
+        if every and self.version % every == 0 and self.version < self.steps:
             self.checkpoint = self._save_checkpoint()
 
     def _move_weights(self) -> float:

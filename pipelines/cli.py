@@ -141,6 +141,11 @@ def _print_summary(s: dict) -> None:
             print(
                 f"weights audit      {fp['loads_checked']} loads checked, {fp['mismatched']} "
                 "differ from what the trainer published"
+                + (
+                    f" ({fp['unverified']} of versions a lost trainer published unchecked)"
+                    if fp.get("unverified")
+                    else ""
+                )
             )
     repack = s.get("repack")
     if repack:
@@ -160,6 +165,13 @@ def _print_summary(s: dict) -> None:
         print(
             f"hung               {', '.join(sorted(faults['hung']))}: no progress for "
             "faults.heartbeat_timeout_s; worker restarted, then recovered as lost"
+        )
+    for r in (faults or {}).get("trainer_restarts", []):
+        print(
+            f"trainer            lost, restarted in the run in {r['restart_s']:.1f} s from "
+            f"version {r['checkpoint_version']} ({r['lost_updates']} update(s) lost and "
+            f"redone, {r['readmitted']} trajectories back in the buffer); numbering goes on "
+            f"after version {r['after_version']}"
         )
     if faults and faults.get("relays_lost"):
         print(

@@ -62,6 +62,7 @@ ROLLOUT_METRICS = (
     "engine_steps",
     "parity_max_abs",
     "parity_mean_abs",
+    "pulls_unreachable",  # batch boundaries whose relay was lost (went on without)
     "engine_modelled_s",  # paced engines only
     "engine_compute_s",
     "interrupts",  # partial rollout: global updates that paused it ...
@@ -235,7 +236,27 @@ class Schedule:
             resource="trainer",
         )
         # Where the actors that a run cannot go on without live (loss is reported by role).
-        self.core_workers = {"trainer and data module": trainer_w, "data module": data_w}
+        if trainer_w == data_w:
+            self.core_workers = {"trainer and data module": trainer_w}
+        else:
+            self.core_workers = {"trainer": trainer_w, "data module": data_w}
+        # A lost trainer restarts within the run when it has a worker of its own and the
+        # manager can re-point the relays (pipelines/restart.py).
+        self.restartable = (
+            # (the schedules whose dispatch and weights do not count versions: Laminar's)
+            (spec.dispatch, spec.weights, spec.trainer) == ("free", "relay", "free")
+            and trainer_w != data_w
+            and cfg.trainer.ranks == 1
+            and cfg.faults.restart_trainer
+            and manager is not None
+        )
+        self.trainer_restarts: list[dict] = []
+        self._restart = None  # a TrainerRestart in progress
+        self._published_fps: dict[int, int] = {}  # kept across trainer restarts
+        self._old_publications: list[dict] = []  # the lost masters' records
+        self._master_publications: list[dict] = []  # the live master's, as last copied
+        self._last_t_stats: dict | None = None
+        self._updates_before = 0  # rows of the updates table from trainers since lost
         self.core_workers |= {f"trainer rank {r}": w for r, w in enumerate(trainer_ws[1:], 1)}
         self.actors = {
             "manager": manager,
@@ -270,10 +291,11 @@ class Schedule:
         try:
             while True:
                 time.sleep(self.cfg.metrics.poll_s)
-                futures = [a["trainer"].stats(), a["buffer"].stats(), a["pool"].stats()]
-                t_stats, b_stats, p_stats = (
+                futures = [a["buffer"].stats(), a["pool"].stats()]
+                b_stats, p_stats = (
                     f.result(timeout=self.cfg.cluster.actor_timeout_s) for f in futures
                 )
+                t_stats = self._trainer_stats()
                 r_stats = self._rollout_stats()
                 now = time.time()
                 tokens = sum(s["response_tokens"] for s in r_stats)
@@ -327,6 +349,69 @@ class Schedule:
             return self.shutdown(reason, t_start)
         finally:
             self.metrics.close()
+
+    def _trainer_stats(self) -> dict:
+        """The trainer's stats; while a lost trainer restarts (:attr:`restartable`), what
+        it last reported, and each call advances the restart. Raises when the trainer is
+        lost and cannot be restarted."""
+        a = self.actors
+        if self._restart is None:
+            try:
+                self._last_t_stats = (
+                    a["trainer"].stats().result(timeout=self.cfg.cluster.actor_timeout_s)
+                )
+                if self.restartable and self.cfg.relay.audit_weights:
+                    # Kept here, every poll: the fingerprints die with the trainer.
+                    since = max(self._published_fps, default=-1)
+                    new = a["trainer"].get_fingerprints(since).result(timeout=5.0)
+                    self._published_fps.update(new)
+                return self._last_t_stats
+            except Exception:
+                lost = self._lost_core()
+                if not (self.restartable and list(lost) == ["trainer"]):
+                    raise
+                from pipelines.restart import TrainerRestart
+
+                self._old_publications += self._master_publications
+                self._master_publications = []
+                self._restart = TrainerRestart(self, lost["trainer"], self._last_t_stats)
+        handle = self._restart.step()
+        if handle is None:
+            return self._restart.stand_in
+        r, self._restart = self._restart, None
+        a["trainer"] = handle
+        a["relays"][0] = self._tier.relays[0] = r.master
+        self.core_workers["trainer"] = r.worker
+        self._updates_before += self._n_updates
+        self._n_updates = 0  # the new trainer's history starts empty
+        self.trainer_restarts.append(r.record)
+        self._last_t_stats = handle.stats().result(timeout=self.cfg.cluster.actor_timeout_s)
+        return self._last_t_stats
+
+    def _keep_publications(self) -> None:
+        """The master's publication records, which only the trainer's process holds,
+        copied here while it lives (every metrics flush): they outlive a restart."""
+        a = self.actors
+        try:
+            self._master_publications = a["relays"][0].stats().result(timeout=5.0)["publications"]
+        except Exception:  # noqa: BLE001 — lost meanwhile: the last copy stands
+            pass
+
+    def relay_handle(self, relay_id: str):
+        return self._tier.relays[self._tier.ids.index(relay_id)]
+
+    def resume_hint(self) -> str:
+        """How to continue this run once it has failed."""
+        saved = newest_checkpoint(self.run_dir)
+        if saved is None:
+            return (
+                "it has no checkpoint yet (one is written when a run ends and every "
+                "trainer.checkpoint_every versions): start it again"
+            )
+        return (
+            f"continue it from its last checkpoint ({saved.name}) with `laminar run "
+            f"--resume {self.run_dir}`"
+        )
 
     def _replace_lost(self, m_stats: dict) -> None:
         """Start a rollout in place of a lost one on a ``rollout`` worker that hosts none
@@ -423,9 +508,17 @@ class Schedule:
         for table, rows in self._rows.items():
             self.metrics.append(table, rows)
             rows.clear()
-        new = self.actors["trainer"].get_history(self._n_updates).result()
-        self.metrics.append("updates", new)
-        self._n_updates += len(new)
+        if self._restart is None:  # (no trainer runs while one restarts)
+            try:
+                new = self.actors["trainer"].get_history(self._n_updates).result()
+            except Exception:
+                if not self.restartable:
+                    raise
+                new = []  # lost just now: the next poll starts its restart
+            self.metrics.append("updates", new)
+            self._n_updates += len(new)
+            if self.restartable:
+                self._keep_publications()
         if self.actors["manager"] is not None:
             moves = self.actors["manager"].get_rows(self._n_repacks).result()
             self.metrics.append("repacks", moves)
@@ -438,24 +531,23 @@ class Schedule:
         """A call to the trainer or the data module failed: if its worker is gone, stop
         what still runs and raise a :class:`ClusterError` that says what was lost and how
         to continue (recovering these is not built yet; docs/faults.md)."""
-        workers = set(self.client.scheduler_info(n_workers=-1)["workers"])
-        lost = {role: w for role, w in self.core_workers.items() if w not in workers}
+        if isinstance(error, ClusterError):  # said already (a restart that could not be)
+            self._abort()
+            return
+        lost = self._lost_core()
         if not lost:
             return
         self._abort()
         role, worker = next(iter(lost.items()))
-        saved = newest_checkpoint(self.run_dir)
-        how = (
-            f"continue it from its last checkpoint ({saved.name}) with `laminar run "
-            f"--resume {self.run_dir}`"
-            if saved is not None
-            else "it has no checkpoint yet (one is written when a run ends and every "
-            "trainer.checkpoint_every versions): start it again"
-        )
         raise ClusterError(
             f"lost the {role} (worker {worker} is gone: {type(error).__name__}); the run "
-            f"cannot continue; {how} (docs/faults.md)"
+            f"cannot continue; {self.resume_hint()} (docs/faults.md)"
         ) from error
+
+    def _lost_core(self) -> dict[str, str]:
+        """Role -> worker of the core actors whose worker the scheduler no longer has."""
+        workers = set(self.client.scheduler_info(n_workers=-1)["workers"])
+        return {role: w for role, w in self.core_workers.items() if w not in workers}
 
     def _abort(self) -> None:
         """Best effort: stop the manager and the rollouts that still run, so no worker
@@ -486,6 +578,9 @@ class Schedule:
         """Stop rollouts (their rewarded trajectories still reach the buffer), then the
         trainer (final checkpoint), then close the buffer (flushes the store)."""
         a = self.actors
+        while self._restart is not None:  # stopped while a lost trainer restarts
+            self._trainer_stats()
+            time.sleep(self.cfg.metrics.poll_s)
         # No moves while rollouts stop: the manager goes first.
         m_stats = a["manager"].stop().result() if a["manager"] is not None else None
         r_stats = _answers([lambda r=r: r.stop() for r in self._live_rollouts()], timeout=60.0)
@@ -501,7 +596,7 @@ class Schedule:
         wall = time.time() - t_start
         partial = a["partial"].stats().result() if a["partial"] is not None else None
         return {
-            "faults": faults_summary(m_stats, partial),
+            "faults": faults_summary(m_stats, partial, self.trainer_restarts),
             "repack": m_stats if self.cfg.repack is not None else None,
             "relay": relay,
             "reason": reason,
@@ -511,7 +606,7 @@ class Schedule:
             "buffer": b_stats,
             "pool": p_stats,
             "rollouts": r_stats,
-            "updates": self._n_updates,
+            "updates": self._updates_before + self._n_updates,
         }
 
     def _relay_summary(self, r_stats: list[dict]) -> dict:
@@ -522,7 +617,7 @@ class Schedule:
         a = self.actors
         master, *down = a["relays"]  # a lost downstream relay does not answer: left out
         stats = [master.stats().result(), *_answers([lambda r=r: r.stats() for r in down])]
-        pubs = stats[0].get("publications", [])
+        pubs = self._old_publications + stats[0].get("publications", [])
         out = {
             **self.relay_info,
             "publications": pubs,
@@ -549,17 +644,21 @@ class Schedule:
             "weight_loads": [s["weight_loads"] for s in r_stats],
         }
         if self.cfg.relay.audit_weights:
-            published = a["trainer"].get_fingerprints().result()
-            checked = mismatched = 0
+            published = self._published_fps | a["trainer"].get_fingerprints().result()
+            checked = mismatched = unverified = 0
             loaded = _answers([lambda r=r: r.get_fingerprints() for r in self._live_rollouts()])
             for fingerprints in loaded:
                 for v, fp in fingerprints.items():
+                    if v not in published:  # published by a lost trainer after our copy
+                        unverified += 1
+                        continue
                     checked += 1
-                    mismatched += published.get(v) != fp
+                    mismatched += published[v] != fp
             out["fingerprints"] = {
                 "published": len(published),
                 "loads_checked": checked,
                 "mismatched": mismatched,
+                "unverified": unverified,
             }
         return out
 

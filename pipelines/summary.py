@@ -12,7 +12,9 @@ import numpy as np
 from laminar.config import RunConfig
 
 
-def faults_summary(m_stats: dict | None, partial: dict | None) -> dict | None:
+def faults_summary(
+    m_stats: dict | None, partial: dict | None, trainer_restarts: list[dict] = ()
+) -> dict | None:
     """Losses and recoveries over the run, and the partial-response log's counters."""
     if partial is None:
         return None
@@ -25,6 +27,8 @@ def faults_summary(m_stats: dict | None, partial: dict | None) -> dict | None:
         "relays_lost": m.get("relays_lost", {}),
         "hung": m.get("hung", {}),
         "chain": m.get("chain"),
+        "masters_replaced": m.get("masters_replaced", []),
+        "trainer_restarts": list(trainer_restarts),
         "partial": partial,
     }
 

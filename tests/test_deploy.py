@@ -12,7 +12,7 @@ from conftest import SMALL_RUN
 from runs import check_store, cli_run, laminar_cli
 
 from laminar.config import RunConfig, with_overrides
-from laminar.deploy import generate_tls, role_needs, security_for, wait_for_roles
+from laminar.deploy import generate_tls, role_needs, run_workers, security_for, wait_for_roles
 from laminar.errors import ClusterError, ConfigError
 
 
@@ -43,6 +43,10 @@ def test_cluster_config_errors_name_the_field_and_the_fix(overrides, message):
 def test_role_needs_follow_the_config():
     cfg = with_overrides(RunConfig(), ["rollout.replicas=3", "relay.relays=2", "trainer.ranks=2"])
     assert role_needs(cfg) == {"data": 1, "trainer": 2, "rollout": 3, "relay": 2}
+    apart = with_overrides(cfg, ["cluster.data_apart=true"])
+    assert run_workers(apart)["data"] == {"data": 1}  # a worker (a Slurm job) of its own
+    assert run_workers(apart)["trainer"] == {"trainer": 1}
+    assert role_needs(apart) == role_needs(cfg)
 
 
 def test_certificate_files_must_exist(tmp_path):

@@ -416,6 +416,94 @@ def test_a_lost_trainer_fails_the_run_clearly_and_it_resumes_in_place(tmp_path):
     assert report.ok, report.text()
 
 
+def test_a_lost_trainer_restarts_within_the_run_while_rollouts_generate(tmp_path):
+    """The data module on a worker of its own, the trainer's worker SIGKILLed at version
+    >= 3 (a checkpoint every 2): the run goes on without a resume. Meanwhile the
+    rollouts keep generating into the buffer; the nanny brings the worker back, the
+    buffer takes back the groups the lost updates had consumed, a new master relay heads
+    the chain, and a new trainer continues from the checkpoint, numbering its updates
+    after the last lost version. The run ends with its 12 updates, every version number
+    used once, every load equal to what the trainer published, and a clean audit."""
+    from distributed import Client
+
+    import pipelines
+    from laminar.cluster import local_cluster, workers_with
+
+    steps = 12
+    run_dir = tmp_path / "run"
+    with (
+        local_cluster(2, memory_limit="3GiB", data_apart=True) as cluster,
+        Client(cluster) as client,
+    ):
+        handle = pipelines.submit(
+            "configs/tiny.yaml",
+            client,
+            overrides=[
+                *SMALL_RUN,
+                f"trainer.steps={steps}",
+                "trainer.checkpoint_every=2",
+                "relay.audit_weights=true",
+                "buffer.flush_interval_s=0.5",
+                # Generation-bound (paced as GPU replicas, as in `laminar bench soak`):
+                # unpaced, the tiny policy generates far faster than it trains, the
+                # buffer is full at the kill, and back-pressure alone holds the rollouts.
+                "rollout.pacing.dilation=15",
+                "rollout.pacing.strict=false",
+                "buffer.max_outstanding_groups=16",
+            ],
+            run_dir=run_dir,
+        )
+        wait_for(handle, lambda p: p.get("phase") == "training" and p["version"] >= 3)
+        trainer_w = workers_with(client, "trainer")[0]
+        pid = client.run(os.getpid, workers=[trainer_w])[trainer_w]
+        t_kill = time.time()
+        os.kill(pid, signal.SIGKILL)
+        summary = handle.wait(timeout=300)
+    assert summary["reason"] == "completed"
+    (r,) = summary["faults"]["trainer_restarts"]
+    v, after = r["checkpoint_version"], r["after_version"]
+    assert v % 2 == 0 and after >= 3 and after - v == r["lost_updates"] >= 0
+    assert r["restart_s"] < 60 and r["worker"] != trainer_w
+    # The lost updates' groups came back (and the batch in training at the kill, if any).
+    assert r["readmitted"] % 16 == 0 and r["readmitted"] >= 16 * r["lost_updates"]
+    assert summary["versions"] == steps + after - v
+    (m,) = summary["faults"]["masters_replaced"]
+    assert sorted(m["rollouts"]) == ["r0", "r1"] and m["errors"] == []
+    ds = check_store(run_dir)
+    consumed = ds["status"].values == "consumed"
+    # Each of the 12 updates trained one batch of 4 whole groups; the lost updates'
+    # version numbers (v .. after-1) were never trained into the final weights.
+    per_version = np.bincount(ds["sample_version"].values[consumed], minlength=after + steps)
+    trained = [*range(v), *range(after, after + steps - v)]
+    assert np.flatnonzero(per_version).tolist() == trained
+    assert (per_version[trained] == 16).all()
+    # The rollouts went on generating while no trainer ran, up to the back-pressure
+    # bound (this trainer-bound run is at it by the kill), never waiting on the lost
+    # master: a batch boundary whose relay is unreachable keeps the weights it has.
+    t_back = t_kill + r["restart_s"]
+    rows = open_metrics(run_dir, "cluster")
+    wall = rows["wall_time"].values.astype("datetime64[ns]").astype(np.int64) / 1e9
+    down = (wall > t_kill) & (wall < t_back)
+    assert down.sum() >= 5
+    tokens = rows["response_tokens"].values
+    assert tokens[down][-1] > tokens[wall <= t_kill][-1]
+    assert rows["outstanding_groups"].values[down][-1] == 16
+    assert rows["outstanding_groups"].values.max() <= 16
+    rollouts = summary["rollouts"]
+    assert sum(s["pulls_unreachable"] for s in rollouts) >= 1
+    assert max(s["weight_wait_s"] for s in rollouts) < 4.0
+    # Every version number was published once, in order; every load checked out.
+    pubs = open_metrics(run_dir, "publications")["version"].values.tolist()
+    assert pubs == sorted(set(pubs)) and pubs[-1] == after + steps - v
+    fp = summary["relay"]["fingerprints"]
+    assert fp["loads_checked"] > 0 and fp["mismatched"] == 0
+    # (Loads of versions the lost trainer published after the driver's last copy of its
+    # fingerprints, every few seconds, cannot be checked: at most the last few.)
+    assert fp["unverified"] <= 2 * r["lost_updates"] + 2
+    report = audit_run(run_dir)
+    assert report.ok, report.text()
+
+
 def test_a_lost_relay_is_cut_out_of_the_chain_and_its_readers_switch():
     """master -> relay1 -> relay2, relay1's worker SIGKILLed: a publication the master was
     sending to it is not waited out, the rebuilt chain master -> relay2 carries it at once

@@ -1,0 +1,153 @@
+"""Restarting a lost trainer within the run (docs/faults.md, "Trainer loss").
+
+When the trainer's worker is gone and the data module lives elsewhere
+(``cluster.data_apart``), the run does not stop. The rollouts keep generating from the
+weights they hold, and the buffer keeps admitting what they finish, up to its
+back-pressure bound. The driver then, without blocking its poll:
+
+1. waits for a ``trainer`` worker (the nanny restarts the killed one; a Slurm job joins),
+   up to ``faults.trainer_restart_timeout_s``;
+2. has the buffer hold again the groups that the updates after the newest checkpoint had
+   consumed (:meth:`laminar.buffer.ExperienceBuffer.trainer_restarted`). Those updates are
+   lost, so their groups are trained again, and no trajectory is trained twice into the
+   final weights;
+3. starts a new master relay on that worker. The rollout manager puts it at the head of
+   the chain and points the lost master's readers at it;
+4. starts a new :class:`~laminar.trainer.Trainer` from the checkpoint. It numbers its
+   updates after the newest version the lost trainer published (``after_version``), so no
+   version number is used for two sets of weights.
+
+:class:`TrainerRestart` is that sequence as a state machine that the driver advances
+once per poll.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+from laminar.cluster import bind_actor, start_actor, submit_actor, workers_with
+from laminar.errors import ClusterError
+from laminar.learner import checkpoint_version, newest_checkpoint
+from laminar.relay import Relay
+from laminar.trainer import Trainer
+
+logger = logging.getLogger(__name__)
+
+
+class TrainerRestart:
+    """One restart of a lost trainer: :meth:`step` each poll until it returns the new
+    trainer's handle; :attr:`record` is what ``summary.json`` reports for it."""
+
+    def __init__(self, schedule, lost_worker: str, last_stats: dict | None) -> None:
+        self.s = schedule  # the driver (pipelines.driver.Schedule)
+        self.lost_worker = lost_worker
+        self.t_lost = time.time()
+        last = last_stats or {}
+        # What the driver reports while no trainer runs.
+        self.stand_in = {
+            "version": last.get("version", 0),
+            "steps": last.get("steps", schedule.cfg.trainer.steps),
+            "done": False,
+            "error": None,
+            "wait_s": last.get("wait_s", 0.0),
+            "last": None,
+            "restarting": True,
+        }
+        self.worker: str | None = None
+        self.master = None
+        self.future = None
+        self.record: dict = {"lost_worker": lost_worker, "time": self.t_lost}
+        logger.warning(
+            "trainer lost (worker %s gone) at version %s; restarting it within the run",
+            lost_worker,
+            self.stand_in["version"],
+        )
+
+    def step(self):
+        """Advance; returns the new trainer's handle once it runs, else ``None``. Raises
+        :class:`ClusterError` when no ``trainer`` worker came within the timeout."""
+        if self.future is None:
+            self._begin()
+            return None
+        if not self.future.done():
+            return None
+        s = self.s
+        try:
+            handle = bind_actor(s.client, Trainer, self.worker, self.future)
+            handle.set_manager(s.actors["manager"]).result(timeout=s.cfg.cluster.actor_timeout_s)
+            handle.start().result(timeout=s.cfg.cluster.actor_timeout_s)
+        except Exception as e:  # noqa: BLE001 — that worker went too: wait for another
+            logger.warning("the trainer could not start on %s: %r", self.worker, e)
+            self.lost_worker, self.future, self.worker = self.worker, None, None
+            return None
+        now = time.time()
+        self.record.update(worker=self.worker, restart_s=now - self.t_lost)
+        logger.warning(
+            "trainer restarted on %s from version %s in %.1f s; its first update is version %s",
+            self.worker,
+            self.record["checkpoint_version"],
+            now - self.t_lost,
+            self.record["after_version"] + 1,
+        )
+        return handle
+
+    def _begin(self) -> None:
+        s = self.s
+        cfg, client, a = s.cfg, s.client, s.actors
+        # The workers the lost trainer or an earlier attempt ran on are out; a worker
+        # restarted by its nanny has a new address.
+        live = [w for w in workers_with(client, "trainer") if w != self.lost_worker]
+        if not live:
+            waited = time.time() - self.t_lost
+            if waited > cfg.faults.trainer_restart_timeout_s:
+                raise ClusterError(
+                    f"lost the trainer (worker {self.lost_worker} is gone) and no `trainer` "
+                    f"worker came back within faults.trainer_restart_timeout_s="
+                    f"{cfg.faults.trainer_restart_timeout_s:g} s; {s.resume_hint()}"
+                )
+            return
+        self.worker = live[0]
+        timeout = cfg.cluster.actor_timeout_s
+        ckpt = newest_checkpoint(s.run_dir)
+        version = checkpoint_version(ckpt) if ckpt is not None else 0
+        # The newest version any trainer of this run published (the buffer hears of
+        # each before it is published).
+        after = a["buffer"].stats().result(timeout)["version"]
+        back = a["buffer"].trainer_restarted(version).result(timeout)
+        m_stats = a["manager"].stats().result(timeout)
+        chain = m_stats["chain"]
+        rcfg = cfg.relay.model_copy(update={k: s.relay_info.get(k) for k in ("t_byte", "t_start")})
+        master = submit_actor(client, Relay, "master", rcfg, worker=self.worker, resource="trainer")
+        nxt = s.relay_handle(chain[1]) if len(chain) > 1 else None
+        master.set_chain(chain, nxt, None).result(timeout)
+        a["manager"].replace_master(master, self.worker).result(timeout)
+        self.master = master
+        steps = self.stand_in["steps"]  # the version the lost trainer was to end at
+        tcfg = cfg.trainer.model_copy(
+            update={"resume_from": str(ckpt) if ckpt is not None else None, "steps": steps}
+        )
+        self.future = start_actor(
+            client,
+            Trainer,
+            cfg.model_copy(update={"trainer": tcfg}),
+            s.policy_dir,
+            str(s.run_dir),
+            a["buffer"],
+            master,
+            "",
+            s.schedule,
+            None,  # (set once it runs: see Trainer.set_manager)
+            after_version=after,
+            worker=self.worker,
+            resource="trainer",
+        )
+        self.record.update(
+            worker_wait_s=time.time() - self.t_lost,
+            checkpoint=str(ckpt) if ckpt is not None else None,
+            checkpoint_version=version,
+            after_version=after,
+            lost_updates=after - version,
+            readmitted=back["readmitted"],
+            readmitted_groups=back["groups"],
+        )
