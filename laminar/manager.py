@@ -293,6 +293,9 @@ class RolloutManager:
                 relay_id = self._chain()[0]
                 handle.set_relay(self.relays[relay_id]).result(timeout=self.timeout)
             self.rollout_relays[rid] = relay_id
+            if relay_id == "master" and self._master_lost is not None:
+                # (started with the lost master's handle: the restart's re-points it)
+                handle.set_relay(None).result(timeout=self.timeout)
             self.replacements[replaces] = rid
             logger.warning("rollout %s replaces %s (worker %s)", rid, replaces, worker)
 
