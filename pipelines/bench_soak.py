@@ -84,7 +84,11 @@ def bench_soak(
     kill_every_s: float = 60.0,
     seed: int = 0,
     run_dir: str | None = None,
+    data_apart: bool = False,
 ) -> BenchResult:
+    """``data_apart``: the data module has a worker of its own, so a killed trainer is
+    restarted within the run (docs/faults.md) instead of failing it; the soak then kills
+    rollouts and the trainer, never the data module."""
     import psutil
     from distributed import Client
 
@@ -102,8 +106,12 @@ def bench_soak(
     memory: list[tuple[float, str, int, int]] = []  # (t, worker name, pid, rss)
     driver_rss: list[tuple[float, int]] = []
     resumes: list[dict] = []
-    with local_cluster(REPLICAS, memory_limit="3GiB") as cluster, Client(cluster) as client:
-        handle = pipelines.submit("configs/tiny.yaml", client, overrides=WORKLOAD, run_dir=run)
+    workload = [*WORKLOAD, *(["cluster.data_apart=true"] if data_apart else [])]
+    with (
+        local_cluster(REPLICAS, memory_limit="3GiB", data_apart=data_apart) as cluster,
+        Client(cluster) as client,
+    ):
+        handle = pipelines.submit("configs/tiny.yaml", client, overrides=workload, run_dir=run)
         _wait_training(handle)
         t0 = time.time()
         next_kill, next_sample = t0 + kill_every_s, t0
@@ -129,7 +137,9 @@ def bench_soak(
                 kill = {"t": t_kill - t0, "role": role, "rollout": rid}
                 kill["_n"] = len(handle._schedule.rollout_workers)
                 kills.append(kill)
-                if role == "trainer":  # the run fails; resume it as a supervisor would
+                if role == "trainer" and data_apart:  # restarted within the run
+                    kill.pop("_n")
+                elif role == "trainer":  # the run fails; resume it as a supervisor would
                     kill.pop("_n")
                     try:
                         handle.wait(timeout=120)
@@ -149,6 +159,14 @@ def bench_soak(
         handle.stop()
         summary = handle.wait(timeout=300)
     t_end = time.time() - t0
+    restarts = (summary.get("faults") or {}).get("trainer_restarts", [])
+    for k in kills:  # each in-run restart: from the kill to the new trainer running
+        if k["role"] == "trainer" and data_apart:
+            after = [r for r in restarts if r["time"] >= t0 + k["t"] - 1.0]
+            if after:
+                k["downtime_s"] = after[0]["time"] + after[0]["restart_s"] - (t0 + k["t"])
+                k["lost_updates"] = after[0]["lost_updates"]
+                k["readmitted"] = after[0]["readmitted"]
 
     # Rollout recoveries, from the faults table of every segment.
     try:
@@ -211,8 +229,9 @@ def bench_soak(
         "tokens_regenerated_bound": sum(k["requests"] for k in rk) * flush_tokens,
         "replacements": sum("replaced_s" in k for k in rk),
         "replaced_s_mean": _mean([k["replaced_s"] for k in rk if "replaced_s" in k]),
-        "trainer_downtime_s_mean": _mean([k["downtime_s"] for k in tk]),
-        "trainer_downtime_s_max": _max([k["downtime_s"] for k in tk]),
+        "trainer_restarts_in_run": len(restarts),
+        "trainer_downtime_s_mean": _mean([k["downtime_s"] for k in tk if "downtime_s" in k]),
+        "trainer_downtime_s_max": _max([k["downtime_s"] for k in tk if "downtime_s" in k]),
         "trajectories": int(ds.sizes["trajectory"]),
         "consumed": int((ds["status"].values == "consumed").sum()),
         "dropped_by_resumes": int((ds["status"].values == "dropped").sum()),
@@ -260,7 +279,8 @@ def bench_soak(
             "kill_every_s": kill_every_s,
             "seed": seed,
             "replicas": REPLICAS,
-            "workload": WORKLOAD,
+            "workload": workload,
+            "data_apart": data_apart,
         },
         notes=[
             f"run directory {run} (laminar audit {run}: {'CLEAN' if report.ok else 'PROBLEMS'})",

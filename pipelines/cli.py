@@ -336,6 +336,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
             options[key] = getattr(args, key)
     if args.no_search:
         options["search"] = False
+    if args.data_apart:
+        options["data_apart"] = True
     if args.from_runs:
         options["from_runs"] = True
     if args.arms:
@@ -420,6 +422,11 @@ def main(argv: list[str] | None = None) -> int:
         help="repack: a config override for both arms (repeatable), e.g. faults.recover=false",
     )
     bench.add_argument("--kill-every-s", type=float, help="soak: seconds between worker kills (60)")
+    bench.add_argument(
+        "--data-apart",
+        action="store_true",
+        help="soak: the data module on a worker of its own; a killed trainer restarts in the run",
+    )
     bench.add_argument("--gpus", type=int, help="schedules, repack: emulated GPUs in all (64)")
     bench.add_argument("--seeds", type=int, help="schedules: seeds per schedule (3)")
     bench.add_argument("--warmup", type=int, help="schedules: warm-up updates (3)")
