@@ -270,10 +270,75 @@ BENCHES: dict[str, Callable[..., BenchResult]] = {
 }
 
 
+# The function behind each benchmark: the options it takes are its keyword parameters.
+_TARGETS = {
+    "engine": ("pipelines.bench", "bench_engine"),
+    "relay": ("pipelines.bench_relay", "bench_relay"),
+    "repack": ("pipelines.bench_repack", "bench_repack"),
+    "soak": ("pipelines.bench_soak", "bench_soak"),
+    "schedules": ("pipelines.bench_schedules", "bench_schedules"),
+}
+
+
+# Benchmark option -> the `laminar bench` flag that sets it (pipelines/cli.py).
+_FLAGS = {
+    "repeats": "--repeats",
+    "batches": "--batches",
+    "new_tokens": "--new-tokens",
+    "threads": "--threads",
+    "vllm": "--vllm-python",
+    "sizes_mb": "--sizes-mb",
+    "ps": "--relays",
+    "protocols": "--protocols",
+    "duration_s": "--duration-s",
+    "overrides": "--set",
+    "kill_every_s": "--kill-every-s",
+    "data_apart": "--data-apart",
+    "gpus": "--gpus",
+    "seeds": "--seeds",
+    "warmup": "--warmup",
+    "iterations": "--iterations",
+    "arms": "--arms",
+    "splits": "--splits",
+    "search": "--no-search",
+    "reward_threshold": "--reward-threshold",
+    "runs_dir": "--runs-dir",
+    "from_runs": "--from-runs",
+}
+
+
+def bench_options(name: str) -> set[str]:
+    """The options benchmark ``name`` takes.
+
+    >>> sorted(bench_options("soak"))
+    ['data_apart', 'duration_s', 'kill_every_s', 'run_dir', 'seed']
+    """
+    import importlib
+    import inspect
+
+    module, fn = _TARGETS[name]
+    params = inspect.signature(getattr(importlib.import_module(module), fn)).parameters
+    return set(params) | ({"from_runs"} if name == "schedules" else set())
+
+
 def run_bench(name: str, out: str | None = None, **options) -> BenchResult:
-    """Run benchmark ``name``, print its table, write its JSON to ``out`` if given."""
+    """Run benchmark ``name``, print its table, write its JSON to ``out`` if given. An
+    option the benchmark does not take is refused, naming the ones it does."""
+    from laminar.errors import ConfigError
+
     if name not in BENCHES:
         raise KeyError(f"no benchmark {name!r}; known: {sorted(BENCHES)}")
+    takes = bench_options(name)
+    unknown = set(options) - takes
+    if unknown:
+        cli = sorted(_FLAGS[k] for k in takes if k in _FLAGS)
+        python = sorted(k for k in takes if k not in _FLAGS)
+        raise ConfigError(
+            f"laminar bench {name} does not take "
+            + ", ".join(f"{_FLAGS.get(k, k)}" for k in sorted(unknown))
+            + f"; it takes {', '.join(cli) or 'no option'}"
+            + (f" (and from Python: {', '.join(python)})" if python else "")
+        )
     result = BENCHES[name](**options)
     print(result.table())
     if out:

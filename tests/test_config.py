@@ -62,3 +62,19 @@ def test_config_is_frozen():
     cfg = RunConfig()
     with pytest.raises(pydantic.ValidationError, match="frozen"):
         cfg.trainer.steps = 3  # type: ignore[misc]
+
+
+@pytest.mark.parametrize(
+    "name, options, message",
+    [
+        ("repack", {"warmup": 3}, "laminar bench repack does not take --warmup; it takes"),
+        ("soak", {"overrides": ("a=b",)}, "laminar bench soak does not take --set"),
+        ("engine", {"gpus": 64}, "it takes --batches, --new-tokens, --repeats"),
+    ],
+)
+def test_a_bench_refuses_an_option_it_does_not_take_naming_those_it_does(name, options, message):
+    """Refused before anything starts: the message names the flags that do apply."""
+    from pipelines.bench import run_bench
+
+    with pytest.raises(ConfigError, match=message):
+        run_bench(name, **options)
