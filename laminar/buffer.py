@@ -268,28 +268,39 @@ class ExperienceBuffer:
         self._write_error: str | None = None
         self._writer_thread = threading.Thread(target=self._write_loop, daemon=True)
         self._writer_thread.start()
-        self.restarts: list[dict] = []  # trainer restarts: what each took back
         if resume is not None:
             self._resume(run_dir, resume)
 
     def _resume(self, run_dir: str, plan) -> None:
         """Re-admit the plan's groups (back to ``buffered``) and drop the rest."""
-        from storage.trajectories import open_trajectories, records_at
+        from storage.trajectories import open_trajectories
 
         arrays = open_trajectories(run_dir)
         rows = {uid: i for i, uid in enumerate(arrays["uid"].tolist())}
+        self._hold_again(arrays, [rows[u] for u in plan.readmit], stored=set(rows))
+        self.version = plan.version
+        self._events += [_event(uid, "dropped") for uid in plan.drop]
+        self._flush(force=True)
+
+    def _hold_again(self, arrays, rows: list[int], stored: set[str] = frozenset()) -> int:
+        """Hold again the stored trajectories at ``rows`` of :func:`open_trajectories`'
+        ``arrays``, by GRPO group, back to ``buffered`` (one consumed by a lost update gets
+        a ``buffered`` leave event). ``stored``: uids never to be admitted again. Returns
+        how many groups."""
+        from storage.trajectories import records_at
+
         groups: dict[str, list[Trajectory]] = {}
-        for rec in records_at(arrays, [rows[u] for u in plan.readmit]):
+        for rec in records_at(arrays, rows):
             t = Trajectory(**rec)
             t.status, t.sample_version, t.t_sample = "buffered", -1, math.nan
             groups.setdefault(t.prompt_uid, []).append(t)
-        self.core.restore(list(groups.values()), set(rows))
-        self.version = plan.version
-        for uid in plan.readmit:
-            if arrays["status"][rows[uid]] != "buffered":  # consumed by a lost update
-                self._events.append(_event(uid, "buffered"))
-        self._events += [_event(uid, "dropped") for uid in plan.drop]
-        self._flush(force=True)
+        self.core.restore(list(groups.values()), stored)
+        self._events += [
+            _event(str(arrays["uid"][i]), "buffered")
+            for i in rows
+            if arrays["status"][i] != "buffered"
+        ]
+        return len(groups)
 
     def _write_loop(self) -> None:
         while (job := self._jobs.get()) is not None:
@@ -354,22 +365,15 @@ class ExperienceBuffer:
         trained. Returns how many came back."""
         import numpy as np
 
-        from storage.trajectories import open_trajectories, records_at
+        from storage.trajectories import open_trajectories
 
         await self.sync()  # the lost updates' consumed events are in the store
         arrays = open_trajectories(self.writer.path)
         lost = (arrays["status"] == "consumed") & (arrays["sample_version"] >= version)
         rows = np.flatnonzero(lost).tolist()
-        groups: dict[str, list[Trajectory]] = {}
-        for rec in records_at(arrays, rows):
-            t = Trajectory(**rec)
-            t.status, t.sample_version, t.t_sample = "buffered", -1, math.nan
-            groups.setdefault(t.prompt_uid, []).append(t)
-        self.core.restore(list(groups.values()), set())
-        self._events += [_event(str(arrays["uid"][i]), "buffered") for i in rows]
+        groups = self._hold_again(arrays, rows)
         self._flush(force=True)
-        self.restarts.append({"checkpoint": version, "readmitted": len(rows)})
-        return {"readmitted": len(rows), "groups": len(groups)}
+        return {"readmitted": len(rows), "groups": groups}
 
     async def update_skipped(self) -> None:
         """The trainer consumed a batch and published no version (the pool's dispatch
@@ -400,7 +404,6 @@ class ExperienceBuffer:
             "version": self.version,
             "written": self._written,
             "write_error": self._write_error,
-            "trainer_restarts": list(self.restarts),
         }
 
     async def close(self) -> dict:

@@ -221,17 +221,24 @@ class RolloutManager:
         partial-response pool keeps versions on it (docs/faults.md)."""
         self._joining.put(("master", handle, worker, None, None))
 
+    def _master_readers(self) -> list[str]:
+        """The live rollouts that pull from the master relay."""
+        return [
+            roll
+            for roll, rel in sorted(self.rollout_relays.items())
+            if rel == "master" and roll not in self.lost and roll not in self.hung
+        ]
+
     def _lose_master(self, now: float) -> None:
         """The master relay's worker (the trainer's) is gone: its readers stop waiting
         on it and go on with the weights they hold until a restarted trainer's master
         replaces it (:meth:`replace_master`). Without a restart the driver fails the run."""
         self._master_lost = now
-        for roll, rel in sorted(self.rollout_relays.items()):
-            if rel == "master" and roll not in self.lost and roll not in self.hung:
-                try:
-                    self.rollouts[roll].set_relay(None).result(timeout=min(self.timeout, 5.0))
-                except Exception as e:  # noqa: BLE001 — lost too: detect() recovers it
-                    logger.warning("%s.set_relay(None) failed: %r", roll, e)
+        for roll in self._master_readers():
+            try:
+                self.rollouts[roll].set_relay(None).result(timeout=min(self.timeout, 5.0))
+            except Exception as e:  # noqa: BLE001 — lost too: detect() recovers it
+                logger.warning("%s.set_relay(None) failed: %r", roll, e)
         logger.warning(
             "master relay lost (worker %s gone); its readers go on with the weights they hold",
             self.relay_workers.get("master"),
@@ -244,23 +251,13 @@ class RolloutManager:
         self.master = handle
         self.relays["master"], self.relay_workers["master"] = handle, worker
         chain = self._chain()
-        errors = []
-        for i, rid in enumerate(chain):
-            nxt = self.relays[chain[i + 1]] if i + 1 < len(chain) else None
-            try:
-                self.relays[rid].rechain(chain, nxt, None if i == 0 else handle).result(
-                    timeout=self.timeout
-                )
-            except Exception as e:  # noqa: BLE001 — lost too: detect() cuts it out
-                errors.append(f"{rid}.rechain: {e!r}")
+        errors: list[str] = []
+        self._rechain(chain, errors)  # (a relay lost too is cut out by detect())
         repointed = []
-        for roll, rel in sorted(self.rollout_relays.items()):
-            if rel == "master" and roll not in self.lost and roll not in self.hung:
-                try:
-                    self.rollouts[roll].set_relay(handle).result(timeout=self.timeout)
-                    repointed.append(roll)
-                except Exception as e:  # noqa: BLE001 — lost: detect() recovers it
-                    errors.append(f"{roll}.set_relay: {e!r}")
+        for roll in self._master_readers():
+            ok, _ = self._noting(f"{roll}.set_relay", self.rollouts[roll].set_relay(handle), errors)
+            if ok:
+                repointed.append(roll)
         if self.partial is not None:
             self.partial.set_relays([self.relays[r] for r in chain]).result(timeout=self.timeout)
         self._seen_version = -1
@@ -509,6 +506,33 @@ class RolloutManager:
     def _chain(self) -> list[str]:
         return [rid for rid in self.relays if rid not in self.relays_lost]
 
+    def _noting(self, what: str, future, errors: list[str]) -> tuple[bool, object]:
+        """``(True, result)`` of ``future``, or ``(False, None)``. A call made while
+        rebuilding the chain may fail when more than one relay was lost (a whole host):
+        the failure is recorded in ``errors``, and what it left undone falls to the next
+        round."""
+        try:
+            return True, future.result(timeout=self.timeout)
+        except Exception as e:  # noqa: BLE001
+            errors.append(f"{what}: {e!r}")
+            logger.warning("rebuilding the chain: %s failed: %r", what, e)
+            return False, None
+
+    def _rechain(self, chain: list[str], errors: list[str]) -> dict[str, int]:
+        """Give every relay of ``chain`` (master first) its place in it
+        (:meth:`~laminar.relay.Relay.rechain`). Returns relay -> the version it resent to
+        its new successor."""
+        resent = {}
+        for i, rid in enumerate(chain):
+            nxt = self.relays[chain[i + 1]] if i + 1 < len(chain) else None
+            master = None if i == 0 else self.relays[chain[0]]
+            _, version = self._noting(
+                f"{rid}.rechain", self.relays[rid].rechain(chain, nxt, master), errors
+            )
+            if version is not None:
+                resent[rid] = version
+        return resent
+
     def drop_relays(self, gone: list[str]) -> dict[str, dict]:
         """Rebuild the chain without the ``gone`` relays: every live relay takes its new
         place (the one above a lost relay sends its newest complete version to its new
@@ -534,34 +558,23 @@ class RolloutManager:
                 " -> ".join(chain),
             )
         errors: list[str] = []
-
-        def call(what: str, future) -> object:
-            """A call that may fail when more than the relay was lost (a whole host): the
-            failure is recorded, and what it left undone falls to the next round."""
-            try:
-                return future.result(timeout=self.timeout)
-            except Exception as e:  # noqa: BLE001
-                errors.append(f"{what}: {e!r}")
-                logger.warning("rebuilding the chain: %s failed: %r", what, e)
-                return None
-
-        resent = {}
-        for i, rid in enumerate(chain):
-            nxt = self.relays[chain[i + 1]] if i + 1 < len(chain) else None
-            master = None if i == 0 else self.relays[chain[0]]
-            version = call(f"{rid}.rechain", self.relays[rid].rechain(chain, nxt, master))
-            if version is not None:
-                resent[rid] = version
+        resent = self._rechain(chain, errors)
         repointed: dict[str, dict[str, str]] = {rid: {} for rid in gone}
         for roll, rel in sorted(self.rollout_relays.items()):
             if rel not in gone or roll in self.lost or roll in self.hung:
                 continue
             above = next(r for r in reversed(old[: old.index(rel)]) if r not in gone)
             self.rollout_relays[roll] = above
-            call(f"{roll}.set_relay", self.rollouts[roll].set_relay(self.relays[above]))
+            self._noting(
+                f"{roll}.set_relay", self.rollouts[roll].set_relay(self.relays[above]), errors
+            )
             repointed[rel][roll] = above
         if self.partial is not None:
-            call("partial.set_relays", self.partial.set_relays([self.relays[r] for r in chain]))
+            self._noting(
+                "partial.set_relays",
+                self.partial.set_relays([self.relays[r] for r in chain]),
+                errors,
+            )
         t1 = time.time()
         for rid in gone:
             self.relays_lost[rid].update(

@@ -1141,6 +1141,10 @@ class RelayTier:
     def master(self):
         return self.relays[0]
 
+    def handle(self, relay_id: str):
+        """The handle of relay ``relay_id``."""
+        return self.relays[self.ids.index(relay_id)]
+
     def local_relay(self, rollout_worker: str, taken: dict[int, int], lost=()) -> int:
         """The index of the relay a rollout on ``rollout_worker`` pulls from: a
         downstream relay on its host if there is one (the least used), else the master if

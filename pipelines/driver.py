@@ -175,7 +175,7 @@ class Schedule:
         if partial is not None:  # the versions of unfinished trajectories stay kept
             partial.set_relays(tier.relays).result()
         taken: dict[int, int] = {}
-        self._tier, self._taken = tier, taken
+        self.tier, self._taken = tier, taken
         self.rollout_workers = {f"r{i}": w for i, w in enumerate(rollout_ws)}
         # The relay each rollout pulls from (the manager re-points them when one is lost).
         self.rollout_relays = {
@@ -192,7 +192,7 @@ class Schedule:
                 policy_dir,
                 pool,
                 buffer,
-                tier.relays[tier.ids.index(self.rollout_relays[f"r{i}"])],
+                tier.handle(self.rollout_relays[f"r{i}"]),
                 partial,
                 str(self.run_dir / "checkpoints"),
                 spec,
@@ -380,7 +380,7 @@ class Schedule:
             return self._restart.stand_in
         r, self._restart = self._restart, None
         a["trainer"] = handle
-        a["relays"][0] = self._tier.relays[0] = r.master
+        self.tier.relays[0] = r.master  # (a["relays"] is this list)
         self.core_workers["trainer"] = r.worker
         self._updates_before += self._n_updates
         self._n_updates = 0  # the new trainer's history starts empty
@@ -396,9 +396,6 @@ class Schedule:
             self._master_publications = a["relays"][0].stats().result(timeout=5.0)["publications"]
         except Exception:  # noqa: BLE001 — lost meanwhile: the last copy stands
             pass
-
-    def relay_handle(self, relay_id: str):
-        return self._tier.relays[self._tier.ids.index(relay_id)]
 
     def resume_hint(self) -> str:
         """How to continue this run once it has failed."""
@@ -444,7 +441,7 @@ class Schedule:
         if not free:
             return
         rid, worker = f"r{len(a['rollouts'])}", free[0]
-        tier = self._tier
+        tier = self.tier
         relay_id = tier.ids[tier.local_relay(worker, self._taken, lost=m_stats["relays_lost"])]
         self.rollout_relays[rid] = relay_id
         future = start_actor(
@@ -455,7 +452,7 @@ class Schedule:
             self.policy_dir,
             a["pool"],
             a["buffer"],
-            tier.relays[tier.ids.index(relay_id)],
+            tier.handle(relay_id),
             a["partial"],
             str(self.run_dir / "checkpoints"),
             self.schedule,

@@ -52,7 +52,6 @@ class TrainerRestart:
             "error": None,
             "wait_s": last.get("wait_s", 0.0),
             "last": None,
-            "restarting": True,
         }
         self.worker: str | None = None
         self.master = None
@@ -119,7 +118,7 @@ class TrainerRestart:
         chain = m_stats["chain"]
         rcfg = cfg.relay.model_copy(update={k: s.relay_info.get(k) for k in ("t_byte", "t_start")})
         master = submit_actor(client, Relay, "master", rcfg, worker=self.worker, resource="trainer")
-        nxt = s.relay_handle(chain[1]) if len(chain) > 1 else None
+        nxt = s.tier.handle(chain[1]) if len(chain) > 1 else None
         master.set_chain(chain, nxt, None).result(timeout)
         a["manager"].replace_master(master, self.worker).result(timeout)
         self.master = master
