@@ -381,6 +381,7 @@ class Schedule:
         r, self._restart = self._restart, None
         a["trainer"] = handle
         self.tier.relays[0] = r.master  # (a["relays"] is this list)
+        self.tier.workers[0] = r.worker  # (a replacement rollout's relay is chosen by host)
         self.core_workers["trainer"] = r.worker
         self._updates_before += self._n_updates
         self._n_updates = 0  # the new trainer's history starts empty
