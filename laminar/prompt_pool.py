@@ -12,17 +12,30 @@ is handed out is the schedule's dispatch rule (:mod:`laminar.schedule`):
   version ``b - lag`` (sync and stream: ``lag = 0``; one-step: ``lag = 1``);
 * ``eta`` — back-pressure as ``free``, and never more than ``(version + eta + 1) ×
   groups_per_step`` groups dispatched in all (AReaL's staleness bound η).
+
+Under back-pressure, room goes to idle rollouts in the order they asked for it: a rollout
+that got nothing at its batch boundary *queues*, and while it is queued no rollout behind
+it in the queue, and none that did not queue, takes a new group. Without the queue a
+rollout that loads a version between its asks (a replacement, one behind the trainer) is
+passed over for good by rollouts that wait in the pool, each freed slot going to whoever
+is waiting when it frees. A queued rollout that has not asked for
+:data:`QUEUE_EXPIRY_S` (lost, or busy with work from elsewhere) leaves the queue.
 """
 
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 
 from laminar.config import RunConfig
 from laminar.contract import PromptGroup
 from laminar.errors import ConfigError, DataError
 from laminar.tasks import Prompt, iter_epochs, jsonl_prompts, synthetic_prompts
+
+# How long a queued rollout keeps its place without asking again. An idle rollout asks at
+# least every rollout.IDLE_WAIT_S (2 s) plus the load of a version it waited for.
+QUEUE_EXPIRY_S = 4.0
 
 
 class PromptPoolCore:
@@ -44,6 +57,16 @@ class PromptPoolCore:
     (2, 2)
     >>> len(b.acquire(9, "r0", version=0)), len(b.acquire(9, "r0", version=1))
     (0, 2)
+
+    Under back-pressure, freed room goes to the idle rollout that queued for it first:
+
+    >>> q = PromptPoolCore([(Prompt(0, "n 2 >", "1 2"), (1, 5))], group_size=4,
+    ...                    max_outstanding=2, seed=0)
+    >>> len(q.acquire(2, "r0", idle=True, now=0.0)), q.acquire(2, "r1", idle=True, now=0.0)
+    (2, [])
+    >>> q.release(["p00000000"])
+    >>> q.acquire(2, "r0", idle=True, now=1.0), len(q.acquire(2, "r1", idle=True, now=1.5))
+    ([], 1)
     """
 
     def __init__(
@@ -103,6 +126,8 @@ class PromptPoolCore:
         self.n_untrained = 0  # of those released, the groups no update consumed
         self.n_skipped = 0  # updates that consumed a batch and published no version
         self.n_reissued = 0
+        self.n_queued = 0  # asks that found the room promised to a rollout ahead
+        self._queue: dict[str, float] = {}  # idle rollouts waiting for room -> last ask
         by_key = {p.key: (p, tokens) for p, tokens in prompts}
         self._reissue: list[PromptGroup] = []
         for uid, (key, size, samples) in (reissue or {}).items():
@@ -116,10 +141,23 @@ class PromptPoolCore:
             self._reissue.append(group)
             self.outstanding.add(uid)
 
-    def acquire(self, n: int, rollout_id: str = "", version: int = 0) -> list[PromptGroup]:
+    def acquire(
+        self,
+        n: int,
+        rollout_id: str = "",
+        version: int = 0,
+        *,
+        idle: bool = False,
+        now: float | None = None,
+    ) -> list[PromptGroup]:
         """Up to ``n`` groups for ``rollout_id``, which holds weight ``version``: fewer (or
         none) as the dispatch rule says. The missing samples of a resumed run's groups
-        come first (they are outstanding already)."""
+        come first (they are outstanding already).
+
+        ``idle``: the rollout has no work (a batch boundary). Given nothing, it queues for
+        room (module docstring); ``now`` is the time on :func:`time.monotonic`'s clock."""
+        now = time.monotonic() if now is None else now
+        turn = self._turn(rollout_id, now)
         groups = self._reissue[:n]
         del self._reissue[: len(groups)]
         self.n_reissued += len(groups)
@@ -128,14 +166,32 @@ class PromptPoolCore:
             # trainer still needs it for that batch's update.
             self._owed.remove(owed)
             groups.append(self._next_group(owed))
-        while len(groups) < n and self._may_dispatch(rollout_id, version):
+        while len(groups) < n and turn and self._may_dispatch(rollout_id, version):
             groups.append(self._next_group(self.batch))
             if self.dispatch == "batches":
                 self._in_batch[rollout_id] = self._in_batch.get(rollout_id, 0) + 1
                 if sum(self._in_batch.values()) == self.groups_per_step:
                     self.batch += 1  # the global batch is out: the next one waits
                     self._in_batch = {}
+        if groups:
+            self._queue.pop(rollout_id, None)
+        elif idle and self.dispatch != "batches":
+            self._queue[rollout_id] = now  # (keeps its place if it had one)
         return groups
+
+    def _turn(self, rollout_id: str, now: float) -> bool:
+        """Whether ``rollout_id`` may take new groups now: no live rollout is queued
+        ahead of it. Drops the queued rollouts that stopped asking."""
+        if self.dispatch == "batches":  # the share per rollout is the schedule's
+            return True
+        for rid, asked in list(self._queue.items()):
+            if now - asked > QUEUE_EXPIRY_S:
+                del self._queue[rid]
+        head = next(iter(self._queue), None)
+        if head is None or head == rollout_id:
+            return True
+        self.n_queued += 1
+        return False
 
     def _next_group(self, batch: int) -> PromptGroup:
         self.epoch, idx = next(self._order)
@@ -200,6 +256,8 @@ class PromptPoolCore:
             "untrained": self.n_untrained,
             "outstanding": len(self.outstanding),
             "reissued": self.n_reissued,
+            "queued": len(self._queue),
+            "passed_over": self.n_queued,
             "epoch": self.epoch,
             "batch": self.batch,
         }
@@ -283,7 +341,10 @@ class PromptPool:
         self._waiting = None  # an asyncio.Event that waiting takes share, made on first use
 
     async def acquire(self, n: int, rollout_id: str = "", version: int = 0) -> list[PromptGroup]:
-        groups = self.core.acquire(n, rollout_id, version)
+        return self._acquire(n, rollout_id, version, idle=False)
+
+    def _acquire(self, n: int, rollout_id: str, version: int, idle: bool) -> list[PromptGroup]:
+        groups = self.core.acquire(n, rollout_id, version, idle=idle)
         if groups:
             self._changed()  # a batch may be out: the next one may go to a waiting rollout
         return groups
@@ -301,7 +362,7 @@ class PromptPool:
         deadline = loop.time() + wait_s
         while True:
             changed = self._event()
-            groups = await self.acquire(n, rollout_id, version)
+            groups = self._acquire(n, rollout_id, version, idle=True)
             left = deadline - loop.time()
             if groups or version < self.core.version or left <= 0:
                 return groups, self.core.version

@@ -33,9 +33,57 @@ def test_back_pressure_bounds_outstanding_groups():
         "untrained": 0,
         "outstanding": 3,
         "reissued": 0,
+        "queued": 0,
+        "passed_over": 0,
         "epoch": 0,
         "batch": 0,
     }
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    waiting=st.integers(1, 3),
+    max_outstanding=st.integers(1, 6),
+    freed=st.lists(st.integers(1, 3), min_size=12, max_size=40),
+)
+def test_a_rollout_that_loads_weights_between_asks_is_not_passed_over(
+    waiting, max_outstanding, freed
+):
+    """Under back-pressure, ``waiting`` rollouts wait in the pool and ask the moment room
+    frees; ``late`` asks only after them (it loads a version between its asks, like a
+    replacement behind the trainer). Room goes in the order rollouts queued for it: every
+    rollout is served within a few releases, and the bound holds."""
+    pool = rule_pool("free", max_outstanding)
+    out = [g.prompt_uid for g in pool.acquire(max_outstanding, "r0", idle=True, now=0.0)]
+    served = {f"r{i}": 0 for i in range(waiting)} | {"late": 0}
+    starved = dict.fromkeys(served, 0)  # releases since each was last served
+    now = 1.0
+    for k in freed:
+        pool.release(out[:k])
+        out = out[k:]
+        for rid in [*served][:-1] + ["late"]:  # ``late`` always asks last
+            got = pool.acquire(2, rid, idle=True, now=now)
+            out += [g.prompt_uid for g in got]
+            served[rid] += len(got)
+            starved[rid] = 0 if got else starved[rid] + 1
+            assert len(pool.outstanding) <= max_outstanding
+        now += 1.0
+        assert max(starved.values()) <= len(served) + 1, (starved, pool.stats())
+    assert served["late"] > 0 or sum(freed) < 2 * len(served)
+
+
+def test_a_queued_rollout_that_stops_asking_gives_up_its_place():
+    pool = make_pool(max_outstanding=1)
+    assert len(pool.acquire(1, "r0", idle=True, now=0.0)) == 1
+    assert pool.acquire(1, "lost", idle=True, now=0.0) == []  # queued, then lost
+    pool.release([g for g in pool.outstanding])
+    assert pool.acquire(1, "r0", idle=True, now=1.0) == []  # room promised to "lost"
+    assert len(pool.acquire(1, "r0", idle=True, now=10.0)) == 1  # "lost" stopped asking
+    # A rollout that did not queue (a refill, not idle) does not jump the queue either.
+    assert pool.acquire(1, "r1", idle=True, now=10.0) == []
+    pool.release([g for g in pool.outstanding])
+    assert pool.acquire(1, "r2", now=10.5) == []
+    assert len(pool.acquire(1, "r1", idle=True, now=11.0)) == 1
 
 
 def test_groups_carry_prompt_and_unique_uids_across_epochs():
