@@ -18,6 +18,7 @@ core in batches from a background thread.
 
 from __future__ import annotations
 
+import collections
 import math
 import queue
 import threading
@@ -265,6 +266,9 @@ class ExperienceBuffer:
         self._last_flush = time.time()
         self._jobs: queue.Queue[tuple[list[dict], list[dict]] | None] = queue.Queue()
         self._written = 0
+        # uids the store committed, for the partial-response pool to forget (appended by
+        # the writer thread; a deque's append and popleft are thread-safe)
+        self._committed: collections.deque[str] = collections.deque()
         self._write_error: str | None = None
         self._writer_thread = threading.Thread(target=self._write_loop, daemon=True)
         self._writer_thread.start()
@@ -306,6 +310,7 @@ class ExperienceBuffer:
         while (job := self._jobs.get()) is not None:
             try:
                 self._written = self.writer.append(*job)
+                self._committed.extend(r["uid"] for r in job[0])
             except Exception as e:  # keep the run alive; surfaced through stats()
                 self._write_error = f"{type(e).__name__}: {e}"
             finally:
@@ -345,14 +350,26 @@ class ExperienceBuffer:
         self._flush()
         await self._release(leaving)
         if self.partial is not None:
-            await self.partial.forget([t.uid for t in trajs])
+            await self.partial.hold([t.uid for t in trajs])
+            await self._forget_committed()
         return self.core.depth
+
+    async def _forget_committed(self) -> None:
+        """Tell the partial-response pool which trajectories the store now has: it keeps
+        each until then, so that the pool and the store together always hold every
+        trajectory started (``RUN_DIR/partial.zarr`` outlives a lost data module)."""
+        uids = []
+        while self._committed:
+            uids.append(self._committed.popleft())
+        if uids and self.partial is not None:
+            await self.partial.forget(uids)
 
     async def sample(self, n_groups: int, version: int) -> list[Trajectory] | None:
         await self._release(self.core.evict_stale(version))
         batch = self.core.sample(n_groups, version=version, now=time.time())
         await self._release(batch or [])
         self._flush()  # the trainer polls while it waits: pending writes go out on time
+        await self._forget_committed()
         return batch
 
     async def trainer_restarted(self, version: int) -> dict:
@@ -394,6 +411,7 @@ class ExperienceBuffer:
 
         self._flush(force=True)
         await asyncio.to_thread(self._jobs.join)
+        await self._forget_committed()
         if self._write_error is not None:
             raise RuntimeError(f"the trajectory store cannot be written: {self._write_error}")
         return self._written
@@ -415,6 +433,7 @@ class ExperienceBuffer:
         import asyncio
 
         await asyncio.to_thread(self._writer_thread.join)
+        await self._forget_committed()
         return await self.stats()
 
 

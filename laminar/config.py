@@ -277,6 +277,9 @@ class FaultsConfig(_Section):
     # unlogged, or this long after its last log: a loss regenerates at most that much.
     flush_tokens: int = Field(16, gt=0)
     flush_s: float = Field(2.0, gt=0)
+    # The partial-response pool writes what it holds to RUN_DIR/partial.zarr this often,
+    # so that it outlives the pool's worker (a write costs tens of ms on a busy machine).
+    log_interval_s: float = Field(2.0, gt=0)
     # How often the manager checks that every rollout's worker is alive.
     detect_interval_s: float = Field(0.5, gt=0)
     # A rollout that neither answers nor advances its generation loop (a step, a pulled

@@ -16,17 +16,37 @@ reward still in flight), the entry is scored again elsewhere, with no token rege
 A finished entry needs no weights, so only unfinished entries' versions are retained:
 each rollout decodes one version at a time, so at most ``rollout.replicas`` versions are.
 
+When the buffer admits a trajectory its entry is *held* (not scored again if its rollout
+is lost: the buffer has it); when the trajectory store has committed it, the entry is
+forgotten. So what the pool holds, plus the store, is every trajectory started.
+
+The pool also writes its changes to ``RUN_DIR/partial.zarr`` (:mod:`storage.partial_log`)
+every ``faults.log_interval_s``, so the entries outlive the pool's worker:
+:func:`replay_log` rebuilds them from the run directory.
+
 :class:`PartialCore` is the logic; :class:`PartialResponsePool` the actor (on the data
 worker, beside the buffer).
 """
 
 from __future__ import annotations
 
+import dataclasses
+import json
+import logging
 import time
 from collections import Counter
 from dataclasses import replace
+from pathlib import Path
 
-from laminar.engine import RequestState
+from laminar.contract import PromptGroup
+from laminar.engine import GenerationRequest, RequestState, SamplingParams
+
+logger = logging.getLogger(__name__)
+
+# The log is compacted (rewritten with the live entries only) once it holds this many
+# times the live entries' tokens, and at least COMPACT_MIN_TOKENS.
+COMPACT_RATIO = 4
+COMPACT_MIN_TOKENS = 1 << 16
 
 
 class PartialCore:
@@ -51,20 +71,107 @@ class PartialCore:
     0
     """
 
-    def __init__(self) -> None:
+    def __init__(self, journal: bool = False) -> None:
+        """``journal``: also record every change as rows of the recovery log
+        (:mod:`storage.partial_log`), for :meth:`drain_journal`."""
         self.entries: dict[str, dict] = {}
         self.counts: Counter = Counter()
+        self.journal: dict[str, list[dict]] | None = _no_rows() if journal else None
+        self._seq = 0
 
+    # -- the journal (rows of storage.partial_log) ---------------------------------------
+    def _row(self, table: str, row: dict) -> None:
+        if self.journal is not None:
+            row["seq"] = self._seq
+            self._seq += 1
+            self.journal[table].append(row)
+
+    def _event(
+        self, rid: str, kind: str, owner: str | None = "", reason: str = "", t: float | None = None
+    ) -> None:
+        """``t``: when (a finished entry's: when it finished)."""
+        if self.journal is not None:
+            self._row(
+                "events",
+                {
+                    "request_id": rid,
+                    "kind": kind,
+                    "owner": owner or "",
+                    "finish_reason": reason,
+                    "t": time.time() if t is None else t,
+                },
+            )
+
+    def _register_rows(self, rid: str, e: dict) -> None:
+        st: RequestState = e["state"]
+        req = st.request
+        self._row(
+            "requests",
+            {
+                "request_id": rid,
+                "owner": e["owner"] or "",
+                "version": e["version"],
+                "seed": st.seed,
+                "t_start": st.t_start,
+                "n_moves": st.n_moves,
+                "params": json.dumps(dataclasses.asdict(req.params)),
+                "meta": encode_meta(req.meta),
+                "prompt_tokens": list(req.prompt_tokens),
+            },
+        )
+        if st.tokens:
+            self._chunk_row(rid, e["owner"], 0, st.tokens, st.logprobs, st.token_versions)
+
+    def _chunk_row(self, rid, owner, offset, toks, lps, tvs) -> None:
+        self._row(
+            "chunks",
+            {
+                "request_id": rid,
+                "owner": owner or "",
+                "offset": offset,
+                "t": time.time(),
+                "tokens": list(toks),
+                "logprobs": list(lps),
+                "token_versions": list(tvs),
+            },
+        )
+
+    def drain_journal(self) -> dict[str, list[dict]]:
+        """The rows recorded since the last drain (to append to the log)."""
+        rows, self.journal = self.journal or _no_rows(), _no_rows()
+        return rows
+
+    def snapshot(self) -> dict[str, list[dict]]:
+        """The live entries as a fresh journal (what compaction writes), and the journal
+        emptied: the snapshot stands for everything in it."""
+        saved, self.journal = self.journal, _no_rows()
+        for rid, e in self.entries.items():
+            self._register_rows(rid, e)
+            if "finished" in e:
+                self._event(rid, "finished", e["owner"], *e["finished"])
+            if e.get("held"):
+                self._event(rid, "held", e["owner"])
+        rows = self.drain_journal()
+        if saved is None:
+            self.journal = None
+        return rows
+
+    def live_tokens(self) -> int:
+        return sum(len(e["state"].tokens) for e in self.entries.values())
+
+    # -- changes --------------------------------------------------------------------------
     def register(self, rollout_id: str, version: int, states: list[RequestState]) -> None:
-        """New requests of ``rollout_id`` (sampled by ``version``), with no tokens yet."""
+        """New requests of ``rollout_id`` (sampled by ``version``), with no tokens yet
+        (or, for a batch adopted after a loss, with those it had)."""
         now = time.time()
         for st in states:
-            self.entries[st.request_id] = {
+            e = self.entries[st.request_id] = {
                 "state": st,
                 "owner": rollout_id,
                 "version": version,
                 "t_flush": now,
             }
+            self._register_rows(st.request_id, e)
         self.counts["registered"] += len(states)
 
     def flush(
@@ -93,9 +200,11 @@ class PartialCore:
             st.logprobs[offset:] = list(lps)
             st.token_versions[offset:] = list(tvs)
             e["owner"], e["t_flush"] = rollout_id, now
+            self._chunk_row(rid, rollout_id, offset, toks, lps, tvs)
             self.counts["flushed_tokens"] += len(toks)
             if rid in finished:
                 e["finished"] = finished[rid]
+                self._event(rid, "finished", rollout_id, *finished[rid])
                 self.counts["finished"] += 1
         self.counts["flushes"] += 1
 
@@ -104,11 +213,23 @@ class PartialCore:
         for rid in request_ids:
             if rid in self.entries:
                 self.entries[rid]["owner"] = rollout_id
+                self._event(rid, "owner", rollout_id)
+
+    def hold(self, uids: list[str]) -> None:
+        """Trajectories the buffer now holds: not scored again if their rollout is lost
+        (kept until the store has them: :meth:`forget`)."""
+        for uid in uids:
+            e = self.entries.get(uid)
+            if e is not None and not e.get("held"):
+                e["held"] = True
+                self._event(uid, "held", e["owner"])
+                self.counts["held"] += 1
 
     def forget(self, uids: list[str]) -> None:
-        """Trajectories the buffer now holds."""
+        """Trajectories the trajectory store has committed."""
         for uid in uids:
             if self.entries.pop(uid, None) is not None:
+                self._event(uid, "forgotten")
                 self.counts["forgotten"] += 1
 
     def take(self, rollout_id: str) -> list[RequestState]:
@@ -120,15 +241,13 @@ class PartialCore:
         ``behavior_version``, ``recovered_tokens``, ``t_flush`` and, for an entry that
         had finished, ``finished`` = (finish_reason, t_finish): score it, do not decode."""
         out = []
-        for e in self.entries.values():
-            if e["owner"] != rollout_id:
+        for rid, e in self.entries.items():
+            if e["owner"] != rollout_id or e.get("held"):  # (held: the buffer has it)
                 continue
             st: RequestState = e["state"]
             # The path is kept on the entry: a second loss appends to it.
-            st.request.meta["rollout_path"] = [
-                *st.request.meta.get("rollout_path", []),
-                rollout_id,
-            ]
+            _taken_from(st, rollout_id)
+            self._event(rid, "owner", None)
             meta = {
                 **st.request.meta,
                 "recovered_tokens": len(st.tokens),
@@ -147,19 +266,147 @@ class PartialCore:
         """The weight versions of the unfinished trajectories: the relays keep these
         (:meth:`laminar.relay.RelayCore.retain`) so a recovery can resume them exactly.
         (A finished entry is only scored again: it needs no weights.)"""
-        return sorted({e["version"] for e in self.entries.values() if "finished" not in e})
+        return sorted(
+            {e["version"] for e in self.entries.values() if not ("finished" in e or e.get("held"))}
+        )
 
     def owned(self) -> dict[str | None, tuple[int, int, int]]:
         """Owner -> (entries, tokens logged, finished entries) (``None``: taken, not yet
-        reassigned)."""
+        reassigned). The held are left out: the buffer has them."""
         out: dict[str | None, tuple[int, int, int]] = {}
         for e in self.entries.values():
+            if e.get("held"):
+                continue
             n, t, f = out.get(e["owner"], (0, 0, 0))
             out[e["owner"]] = (n + 1, t + len(e["state"].tokens), f + ("finished" in e))
         return out
 
     def stats(self) -> dict:
-        return {"entries": len(self.entries), **self.counts}
+        held = sum(1 for e in self.entries.values() if e.get("held"))
+        return {"entries": len(self.entries) - held, "held_entries": held, **self.counts}
+
+
+def _no_rows() -> dict[str, list[dict]]:
+    return {"requests": [], "chunks": [], "events": []}
+
+
+def _taken_from(st: RequestState, rollout_id: str) -> None:
+    st.request.meta["rollout_path"] = [*st.request.meta.get("rollout_path", []), rollout_id]
+
+
+def encode_meta(meta: dict) -> str:
+    """A request's ``meta`` as JSON (its :class:`PromptGroup` as a tagged object)."""
+
+    def default(obj):
+        if isinstance(obj, PromptGroup):
+            return {"__prompt_group__": dataclasses.asdict(obj)}
+        raise TypeError(f"request meta holds a {type(obj).__name__}, which the log cannot store")
+
+    return json.dumps(meta, default=default)
+
+
+def decode_meta(text: str) -> dict:
+    def hook(d: dict):
+        g = d.get("__prompt_group__")
+        if g is None:
+            return d
+        samples = g["samples"]
+        return PromptGroup(
+            **g
+            | {
+                "prompt_tokens": tuple(g["prompt_tokens"]),
+                "samples": None if samples is None else tuple(samples),
+            }
+        )
+
+    return json.loads(text, object_hook=hook)
+
+
+def _params(text: str) -> SamplingParams:
+    d = json.loads(text)
+    return SamplingParams(
+        **d | {"stop_token_ids": tuple(d["stop_token_ids"]), "stop": tuple(d["stop"])}
+    )
+
+
+def replay_log(run_dir: str | Path) -> PartialCore:
+    """The pool's entries as ``RUN_DIR/partial.zarr`` last recorded them (lost with its
+    worker, the pool's last ``faults.log_interval_s`` of changes are not in it): each
+    entry's state (tokens, logprobs and token versions logged), owner (``None``: taken
+    from a lost rollout, not yet given to another), version, and whether it finished or
+    the buffer holds it.
+
+    >>> import tempfile
+    >>> from laminar.engine import GenerationRequest, SamplingParams
+    >>> run = tempfile.mkdtemp()
+    >>> core = PartialCore(journal=True)
+    >>> group = PromptGroup("p0", 3, (1, 2), "4", 2, 0)
+    >>> req = GenerationRequest("p0-000", (1, 2), SamplingParams(8), {"group": group})
+    >>> core.register("r0", 3, [RequestState(req, seed=7)])
+    >>> core.flush("r0", {"p0-000": (0, [5, 6], [-0.5, -0.25], [3, 3])})
+    >>> from storage.partial_log import PartialLogWriter
+    >>> PartialLogWriter(run).append(**core.drain_journal())
+    >>> back = replay_log(run).entries["p0-000"]
+    >>> back["owner"], back["version"], back["state"].tokens
+    ('r0', 3, [5, 6])
+    >>> back["state"].request.meta["group"] == group
+    True
+    """
+    from storage.partial_log import ordered_rows, read_partial_log
+
+    log = read_partial_log(run_dir)
+    core = PartialCore()
+    entries = core.entries
+    for table, i in ordered_rows(log):
+        cols = log[table]
+        rid = str(cols["request_id"][i])
+        if table == "requests":
+            a, n = int(cols["prompt_start"][i]), int(cols["prompt_len"][i])
+            req = GenerationRequest(
+                rid,
+                tuple(int(t) for t in log["prompt_tokens"][a : a + n]),
+                _params(str(cols["params"][i])),
+                decode_meta(str(cols["meta"][i])),
+            )
+            state = RequestState(
+                req,
+                int(cols["seed"][i]),
+                t_start=float(cols["t_start"][i]),
+                n_moves=int(cols["n_moves"][i]),
+            )
+            entries[rid] = {
+                "state": state,
+                "owner": str(cols["owner"][i]) or None,
+                "version": int(cols["version"][i]),
+                "t_flush": float(cols["t_start"][i]),
+            }
+            continue
+        e = entries.get(rid)
+        if e is None:  # forgotten before (a late row)
+            continue
+        if table == "chunks":
+            st, off = e["state"], int(cols["offset"][i])
+            a, n = int(cols["start"][i]), int(cols["len"][i])
+            if off > len(st.tokens):
+                continue
+            st.tokens[off:] = log["tokens"][a : a + n].tolist()
+            st.logprobs[off:] = log["logprobs"][a : a + n].tolist()
+            st.token_versions[off:] = log["token_versions"][a : a + n].tolist()
+            e["owner"], e["t_flush"] = str(cols["owner"][i]) or None, float(cols["t"][i])
+            continue
+        kind, owner = str(cols["kind"][i]), str(cols["owner"][i]) or None
+        if kind == "finished":
+            e["finished"] = (str(cols["finish_reason"][i]), float(cols["t"][i]))
+        elif kind == "owner":
+            if owner is None and e["owner"] is not None:  # taken from a lost rollout
+                _taken_from(e["state"], e["owner"])
+            e["owner"] = owner
+        elif kind == "held":
+            e["held"] = True
+        elif kind == "forgotten":
+            del entries[rid]
+    core.counts["replayed"] = len(entries)
+    return core
 
 
 RETAIN_WAIT_S = 1.0  # the longest a register or flush waits on the relays' retain calls
@@ -172,16 +419,76 @@ class PartialResponsePool:
     It also keeps the relays' retained versions (:meth:`laminar.relay.RelayCore.retain`)
     equal to the versions of its entries, as they change: a batch's version is retained
     from the moment the batch is registered, so a recovery can resume it at that version.
+
+    With a ``run_dir`` it writes the recovery log ``RUN_DIR/partial.zarr`` every
+    ``log_interval_s`` from a thread (one write at a time; changes made meanwhile go with
+    the next), compacting it when it has grown to many times the live entries.
     """
 
-    def __init__(self, timeout_s: float = 60.0) -> None:
-        self.core = PartialCore()
+    def __init__(
+        self, timeout_s: float = 60.0, run_dir: str | None = None, log_interval_s: float = 2.0
+    ) -> None:
+        from storage.partial_log import PartialLogWriter
+
+        self.core = PartialCore(journal=run_dir is not None)
         self.relays: list = []
         self.timeout_s = timeout_s
         self._retained: list[int] = []
         self._pending: set = set()  # retain calls still running
+        # (a resumed run's plan has read the log it left: this run's starts empty)
+        self.writer = PartialLogWriter(run_dir, fresh=True) if run_dir is not None else None
+        self.log_interval_s = log_interval_s
+        self._log_task = None
+        self._log_error: str | None = None
+        self.log_counts: Counter = Counter()
+
+    # -- the recovery log -----------------------------------------------------------------
+    def _start_log(self) -> None:
+        import asyncio
+
+        if self.writer is not None and self._log_task is None:
+            self._log_task = asyncio.ensure_future(self._log_loop())
+
+    async def _log_loop(self) -> None:
+        import asyncio
+
+        while True:
+            await asyncio.sleep(self.log_interval_s)
+            await self._write_log()
+
+    async def _write_log(self) -> None:
+        """Append what changed since the last write (or compact), off the event loop."""
+        import asyncio
+
+        w = self.writer
+        live = self.core.live_tokens()
+        compact = w.tokens() > max(COMPACT_RATIO * live, COMPACT_MIN_TOKENS)
+        rows = self.core.snapshot() if compact else self.core.drain_journal()
+        if not compact and not any(rows.values()):
+            return
+        t = time.perf_counter()
+        try:
+            await asyncio.to_thread(w.compact if compact else w.append, **rows)
+        except Exception as e:  # noqa: BLE001 — keep the run going; reported in stats()
+            self._log_error = f"{type(e).__name__}: {e}"
+            logger.error("the recovery log %s cannot be written: %s", w.path, self._log_error)
+            return
+        self.log_counts["writes"] += 1
+        self.log_counts["compactions"] += compact
+        self.log_counts["rows"] += sum(len(r) for r in rows.values())
+        self.log_counts["write_s"] += time.perf_counter() - t
+
+    async def close(self) -> dict:
+        """Write what is left of the log (the run ends); returns :meth:`stats`."""
+        if self._log_task is not None:
+            self._log_task.cancel()
+            self._log_task = None
+        if self.writer is not None:
+            await self._write_log()
+        return await self.stats()
 
     async def set_relays(self, relays: list) -> None:
+        self._start_log()
         self.relays = list(relays)
         await self._sync_retained()
 
@@ -209,6 +516,7 @@ class PartialResponsePool:
         await asyncio.wait(tasks, timeout=RETAIN_WAIT_S)
 
     async def register(self, rollout_id: str, version: int, states: list) -> None:
+        self._start_log()
         self.core.register(rollout_id, version, states)
         await self._sync_retained()
 
@@ -220,9 +528,12 @@ class PartialResponsePool:
     async def reassign(self, request_ids: list[str], rollout_id: str) -> None:
         self.core.reassign(request_ids, rollout_id)
 
+    async def hold(self, uids: list[str]) -> None:
+        self.core.hold(uids)
+        await self._sync_retained()
+
     async def forget(self, uids: list[str]) -> None:
         self.core.forget(uids)
-        await self._sync_retained()
 
     async def take(self, rollout_id: str) -> list:
         return self.core.take(rollout_id)
@@ -234,4 +545,16 @@ class PartialResponsePool:
         return self.core.owned()
 
     async def stats(self) -> dict:
-        return self.core.stats()
+        out = self.core.stats()
+        if self.writer is not None:
+            c = self.log_counts
+            out["log"] = {
+                "path": str(self.writer.path),
+                "writes": c["writes"],
+                "rows": c["rows"],
+                "compactions": c["compactions"],
+                "mean_write_s": c["write_s"] / c["writes"] if c["writes"] else None,
+                "tokens": self.writer.tokens(),
+                "error": self._log_error,
+            }
+        return out

@@ -212,7 +212,14 @@ def cmd_run(args: argparse.Namespace) -> int:
         print(
             f"store              {plan.stored} trajectories; {len(plan.readmit)} back in the "
             f"buffer ({len(plan.readmit_groups)} groups; the missing siblings of "
-            f"{len(plan.reissue)} re-issued), {len(plan.drop)} dropped (docs/faults.md)",
+            f"{len(plan.reissue) - plan.log_groups} re-issued), {len(plan.drop)} dropped "
+            "(docs/faults.md)",
+            flush=True,
+        )
+        print(
+            f"recovery log       {plan.log_unfinished} trajectories were generating and "
+            f"{plan.log_completed} completed but not stored; {plan.log_groups} groups with "
+            "nothing stored re-issued whole",
             flush=True,
         )
     else:

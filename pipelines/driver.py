@@ -137,6 +137,8 @@ class Schedule:
                 client,
                 PartialResponsePool,
                 cfg.relay.timeout_s,
+                str(self.run_dir),
+                cfg.faults.log_interval_s,
                 worker=data_w,
                 resource="data",
             )
@@ -592,7 +594,8 @@ class Schedule:
         self._flush_metrics()
         b_stats = a["buffer"].close().result()
         wall = time.time() - t_start
-        partial = a["partial"].stats().result() if a["partial"] is not None else None
+        # (after the buffer's last commit: the log keeps only what the store lacks)
+        partial = a["partial"].close().result() if a["partial"] is not None else None
         return {
             "faults": faults_summary(m_stats, partial, self.trainer_restarts),
             "repack": m_stats if self.cfg.repack is not None else None,

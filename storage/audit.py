@@ -97,11 +97,43 @@ def audit_run(run_dir: str | Path) -> AuditReport:
     if (sizes > want).any():
         report.problems.append(f"{int((sizes > want).sum())} groups have more members than size")
 
-    _audit_faults(run_dir, ds, report)
+    unfinished = _audit_log(run_dir, ds, report)
+    _audit_faults(run_dir, ds, report, unfinished)
     return report
 
 
-def _audit_faults(run_dir: Path, ds, report: AuditReport) -> None:
+ENDED = ("completed", "stopped")  # summary.json reasons of a run that ended, not lost
+
+
+def _audit_log(run_dir: Path, ds, report: AuditReport) -> int | None:
+    """What the recovery log ``partial.zarr`` held at the stop and the store lacks.
+
+    The pool forgets a trajectory only once the store has committed it, so at the end of
+    a run that was not lost the log holds only trajectories still generating: a
+    completed one (finished, or held by the buffer) that is not in the store was lost.
+    After a loss the log lags the pool by up to ``faults.log_interval_s``, and what it
+    held is what a resume generates again. Returns how many were unfinished (``None``:
+    the run wrote no log)."""
+    from storage.partial_log import STORE_NAME, log_entries
+
+    if not (run_dir / STORE_NAME).exists():
+        return None
+    stored = set(ds["uid"].values.tolist())
+    left = {rid: e for rid, e in log_entries(run_dir).items() if rid not in stored}
+    done = [rid for rid, e in left.items() if e["finished"] or e["held"]]
+    unfinished = len(left) - len(done)
+    report.figures["unfinished at the stop"] = unfinished
+    report.figures["  tokens logged"] = sum(e["tokens"] for e in left.values())
+    if done:
+        msg = f"{len(done)} completed trajectories are in the recovery log but not the store"
+        if _summary(run_dir).get("reason") in ENDED:
+            report.problems.append(f"{msg}, e.g. {done[0]} (lost)")
+        else:
+            report.notes.append(f"{msg} (lost with the run; a resume generates them again)")
+    return unfinished
+
+
+def _audit_faults(run_dir: Path, ds, report: AuditReport, unfinished: int | None) -> None:
     """Each lost rollout's trajectories finished elsewhere, counted against the recovery
     records; recovery times and what the log held."""
     from storage.metrics import open_metrics
@@ -123,9 +155,10 @@ def _audit_faults(run_dir: Path, ds, report: AuditReport) -> None:
     paths = [p.split(",") for p in ds["rollout_ids"].values]
     # Trajectories still generating when the run stopped are not stored; the partial
     # log's count of them bounds how many recovered ones may be missing for that reason.
-    faults = _summary(run_dir).get("faults") or {}
-    unfinished = int((faults.get("partial") or {}).get("entries", 0))
-    report.figures["unfinished at the stop"] = unfinished
+    if unfinished is None:  # (a run without a log on disk: the pool's count at the stop)
+        faults = _summary(run_dir).get("faults") or {}
+        unfinished = int((faults.get("partial") or {}).get("entries", 0))
+        report.figures["unfinished at the stop"] = unfinished
     for rid in lost:
         # A trajectory it had started and that finished elsewhere: rid on its path, not last.
         resumed = sum(1 for p in paths if rid in p[:-1])

@@ -16,6 +16,10 @@ stored ones qualify as above. The others are **dropped** (status ``dropped``): g
 that finished after ``V``, and groups with a failed reward (they would be discarded).
 The prompt order continues after the last prompt the run dispatched.
 
+Groups that have no sibling in the store were generating when the run ended: the
+recovery log ``partial.zarr`` (:mod:`storage.partial_log`) names them, and they are
+re-issued whole (same prompt, same uids). Without the log, a group dispatched before the
+run's last stored one and not stored at all would never be generated again.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ from pathlib import Path
 
 import numpy as np
 
+from storage.partial_log import log_entries
 from storage.trajectories import open_trajectories
 
 _PROMPT_UID = re.compile(r"p(\d+)$")
@@ -45,6 +50,11 @@ class ResumePlan:
     start: int = 0
     stored: int = 0
     consumed: int = 0  # consumed into the checkpoint's weights (sample_version < version)
+    # from the recovery log: trajectories it held that the store lacks (generating, or
+    # completed and not yet stored), and of the re-issued groups, those it alone named
+    log_unfinished: int = 0
+    log_completed: int = 0
+    log_groups: int = 0
 
     def summary(self) -> dict:
         return {
@@ -56,6 +66,9 @@ class ResumePlan:
             "reissued_samples": sum(len(r[2]) for r in self.reissue.values()),
             "dropped": len(self.drop),
             "prompt_start": self.start,
+            "log_unfinished": self.log_unfinished,
+            "log_completed": self.log_completed,
+            "log_groups": self.log_groups,
         }
 
 
@@ -84,8 +97,21 @@ def plan_resume(run_dir: str | Path, version: int) -> ResumePlan:
             missing = tuple(sorted(set(range(size)) - {int(a["sample_idx"][i]) for i in rows}))
             if missing:
                 plan.reissue[prompt_uid] = (int(a["prompt_key"][rows[0]]), size, missing)
-    indices = [
-        int(m.group(1)) for u in set(a["prompt_uid"].tolist()) if (m := _PROMPT_UID.match(u))
-    ]
+    stored_uids = set(a["uid"].tolist())
+    prompt_uids = set(a["prompt_uid"].tolist())
+    in_log: dict[str, dict] = {}
+    for uid, e in log_entries(run_dir).items():
+        if uid in stored_uids:
+            continue
+        done = e["finished"] or e["held"]
+        plan.log_completed += done
+        plan.log_unfinished += not done
+        if e["prompt_uid"] not in prompt_uids:  # no sibling stored: generate it again
+            in_log.setdefault(e["prompt_uid"], e)
+    for prompt_uid, e in in_log.items():
+        size = int(e["group_size"])
+        plan.reissue[prompt_uid] = (int(e["prompt_key"]), size, tuple(range(size)))
+    plan.log_groups = len(in_log)
+    indices = [int(m.group(1)) for u in prompt_uids | set(in_log) if (m := _PROMPT_UID.match(u))]
     plan.start = max(indices, default=-1) + 1
     return plan

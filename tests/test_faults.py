@@ -22,6 +22,7 @@ from laminar.config import FaultsConfig
 from storage import open_run
 from storage.audit import audit_run
 from storage.metrics import MetricsWriter, open_metrics
+from storage.partial_log import log_entries
 
 pytestmark = pytest.mark.slow
 
@@ -387,6 +388,10 @@ def test_a_lost_trainer_fails_the_run_clearly_and_it_resumes_in_place(tmp_path):
     assert consumed.sum() >= 3 * 4 * 4  # three updates of 4 groups of 4 (SMALL_RUN)
     assert ds.laminar.audit() == []
     lost_updates = int(ds["sample_version"].max()) + 1 - int(ckpt.name.split("-")[1])
+    # What was generating (or completed, not yet stored) at the loss: the recovery log on
+    # disk names it, the pool being gone with the worker.
+    stored = set(ds["uid"].values.tolist())
+    pending = {u: e["prompt_uid"] for u, e in log_entries(run_dir).items() if u not in stored}
 
     version = int(ckpt.name.split("-")[1])
     proc = laminar_cli("run", "--resume", str(run_dir), "--set", f"trainer.steps={version + 3}")
@@ -412,6 +417,12 @@ def test_a_lost_trainer_fails_the_run_clearly_and_it_resumes_in_place(tmp_path):
     uids, fv = ds["prompt_uid"].values, ds["finish_version"].values
     why = dropped & ((fv > version) | (ds["finish_reason"].values == "error"))
     assert set(uids[dropped]) == set(uids[why])
+    # Each trajectory the log held at the loss was generated again (its uid is stored),
+    # or its group dropped, or it was generating again when the resumed run ended.
+    assert resumed["log_unfinished"] + resumed["log_completed"] == len(pending)
+    again = set(ds["uid"].values.tolist()) | set(log_entries(run_dir))
+    missed = [u for u, g in pending.items() if u not in again and g not in set(uids[dropped])]
+    assert not missed, missed
     report = audit_run(run_dir)
     assert report.ok, report.text()
 

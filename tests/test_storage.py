@@ -239,3 +239,57 @@ def test_a_resume_readmits_untrained_groups_reissues_missing_samples_drops_the_r
         "p00000006-1",
     ]
     assert plan.start == 9 and plan.consumed == 2 and plan.stored == 13
+
+
+def test_a_resume_reissues_the_groups_only_the_recovery_log_names(tmp_path):
+    """A group with nothing stored was generating when the run ended: the recovery log
+    names it, and it is re-issued whole, also below the last stored prompt; a logged
+    trajectory the store has (its forget lagged) or whose group is stored is not."""
+    from laminar.contract import PromptGroup
+    from laminar.engine import GenerationRequest, RequestState, SamplingParams
+    from laminar.partial import PartialCore
+    from storage.partial_log import PartialLogWriter
+    from storage.resume import plan_resume
+
+    TrajectoryWriter(tmp_path).append(
+        [record(k, prompt_uid="p00000000", uid=f"p00000000-{k}", sample_version=0) for k in (0, 1)]
+        + [  # its sibling is missing
+            record(
+                8,
+                prompt_uid="p00000003",
+                uid="p00000003-0",
+                status="buffered",
+                finish_version=1,
+                sample_version=-1,
+                t_sample=np.nan,
+            )
+        ]
+    )
+    core = PartialCore(journal=True)
+    for g, key in ((0, 5), (1, 6), (3, 8), (4, 9)):
+        uid = f"p{g:08d}"
+        group = PromptGroup(uid, key, (1, 2), "x", 2, 0)
+        core.register(
+            "r0",
+            1,
+            [
+                RequestState(
+                    GenerationRequest(
+                        f"{uid}-{k}", (1, 2), SamplingParams(4), {"group": group, "sample_idx": k}
+                    ),
+                    seed=k,
+                )
+                for k in range(2)
+            ],
+        )
+    core.flush("r0", {"p00000001-0": (0, [3], [-0.1], [1])}, {"p00000001-0": ("eos", 2.0)})
+    PartialLogWriter(tmp_path).append(**core.drain_journal())
+    plan = plan_resume(tmp_path, version=1)
+    assert plan.reissue == {
+        "p00000003": (8, 2, (1,)),  # (from the store: its missing sibling)
+        "p00000001": (6, 2, (0, 1)),  # below the last stored prompt: only the log knew
+        "p00000004": (9, 2, (0, 1)),
+    }
+    assert plan.start == 5 and plan.log_groups == 2
+    # not stored: p00000001's two (one had finished), p00000003-1, p00000004's two
+    assert (plan.log_completed, plan.log_unfinished) == (1, 4)

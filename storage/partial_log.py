@@ -1,0 +1,357 @@
+"""``partial.zarr``: the partial-response pool's recovery log on disk.
+
+The pool (:class:`laminar.partial.PartialResponsePool`) keeps what every unfinished
+trajectory has generated in memory; this log is the same on disk, so that it outlives the
+pool's worker. It is a journal of the pool's changes, one row per change, in three tables:
+
+=============  ============  =========================================================
+table          dimension     one row per
+=============  ============  =========================================================
+``requests``   ``request``   request registered: who decodes it, its weight version,
+                             seed, sampling parameters, ``meta`` (JSON), prompt tokens
+``chunks``     ``chunk``     tokens logged: ``offset`` (tokens logged before) and the
+                             new tokens, logprobs and token versions (flat arrays on
+                             the ``token`` dimension, ``start``/``len`` per chunk)
+``events``     ``event``     a change of state: ``finished`` (with ``finish_reason``),
+                             ``owner`` (moved to another rollout), ``held`` (the buffer
+                             has it), ``forgotten`` (the trajectory store has it)
+=============  ============  =========================================================
+
+Every row has a ``seq`` number, global across tables: replaying the rows in ``seq``
+order gives back the pool's entries (:func:`read_partial_log`). One writer appends; as
+in ``trajectories.zarr`` the counts it has committed are raised last, in one update of
+the root attributes, and readers slice to them, so a write half-done when the writer dies
+is invisible. Arrays grow by doubling and are written by slice (no metadata write per
+append).
+
+The journal of a long run is mostly trajectories long forgotten: when it holds many
+more tokens than the live entries, the writer **compacts** it, writing the live entries
+as a new *generation* (a subgroup ``g<N>``) and then pointing the root at it in the same
+one update; the old generation is removed after. A reader follows the root's pointer,
+so it sees one whole generation or the other.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import zarr
+
+from storage.schema import STRING
+from storage.trajectories import StoreError, store_path
+
+STORE_NAME = "partial.zarr"
+SCHEMA_VERSION = 1
+
+I64, I32, F64, F32 = (np.dtype(t) for t in ("int64", "int32", "float64", "float32"))
+# table -> (dimension, {column: dtype}); ``seq`` orders rows across tables
+TABLES: dict[str, tuple[str, dict[str, np.dtype]]] = {
+    "requests": (
+        "request",
+        {
+            "seq": I64,
+            "request_id": STRING,
+            "owner": STRING,
+            "version": I64,
+            "seed": I64,
+            "t_start": F64,
+            "n_moves": I64,
+            "params": STRING,
+            "meta": STRING,
+            "prompt_start": I64,
+            "prompt_len": I64,
+        },
+    ),
+    "chunks": (
+        "chunk",
+        {
+            "seq": I64,
+            "request_id": STRING,
+            "owner": STRING,
+            "offset": I64,
+            "start": I64,
+            "len": I64,
+            "t": F64,
+        },
+    ),
+    "events": (
+        "event",
+        {
+            "seq": I64,
+            "request_id": STRING,
+            "kind": STRING,
+            "owner": STRING,
+            "finish_reason": STRING,
+            "t": F64,
+        },
+    ),
+}
+# flat arrays: name -> (dimension, dtype, the table whose rows point into it)
+FLAT: dict[str, tuple[str, np.dtype, str]] = {
+    "prompt_tokens": ("prompt_token", I32, "requests"),
+    "tokens": ("token", I32, "chunks"),
+    "logprobs": ("token", F32, "chunks"),
+    "token_versions": ("token", I32, "chunks"),
+}
+EVENT_KINDS = ("finished", "owner", "held", "forgotten")
+DIMS = [dim for dim, _ in TABLES.values()] + sorted({d for d, _, _ in FLAT.values()})
+_FIRST_CAPACITY = 1024
+
+
+def _fill(dtype: np.dtype) -> Any:
+    if dtype.kind in "TU":
+        return ""
+    return np.nan if dtype.kind == "f" else 0
+
+
+class PartialLogWriter:
+    """Append the pool's changes to ``RUN_DIR/partial.zarr`` (one writer per store).
+
+    Rows are mappings of a table's columns; a ``requests`` row also has
+    ``prompt_tokens``, a ``chunks`` row ``tokens``, ``logprobs`` and ``token_versions``
+    (the row's ``start``/``len`` into them are filled in here).
+
+    >>> import tempfile
+    >>> run = tempfile.mkdtemp()
+    >>> w = PartialLogWriter(run)
+    >>> w.append(requests=[{"seq": 0, "request_id": "p0-000", "owner": "r0", "version": 3,
+    ...     "seed": 7, "t_start": 1.0, "params": "{}", "meta": "{}", "prompt_tokens": [1, 2]}],
+    ...     chunks=[{"seq": 1, "request_id": "p0-000", "owner": "r0", "offset": 0, "t": 2.0,
+    ...     "tokens": [5, 6], "logprobs": [-.5, -.25], "token_versions": [3, 3]}])
+    >>> log = read_partial_log(run)
+    >>> log["chunks"]["request_id"].tolist(), log["tokens"].tolist(), log["prompt_tokens"]
+    (['p0-000'], [5, 6], array([1, 2], dtype=int32))
+    """
+
+    def __init__(self, path: str | Path, fresh: bool = False) -> None:
+        """``fresh``: start an empty journal, replacing one the store holds (a run resumed
+        in place: its resume plan has read the old one)."""
+        self.path = store_path(path, STORE_NAME)
+        exists = (self.path / "zarr.json").exists()
+        self.root = zarr.open_group(str(self.path), mode="a", zarr_format=3)
+        self.rows_written = 0  # since this writer opened
+        self.compactions = 0
+        if not exists:
+            self.root.attrs.update({"schema_version": SCHEMA_VERSION})
+            self._new_generation(0)
+            self._commit()
+            return
+        _check(self.root, self.path)
+        self.generation = int(self.root.attrs["generation"])
+        self.committed = {d: int(n) for d, n in self.root.attrs["committed"].items()}
+        group = self.root[f"g{self.generation}"]
+        self.arrays = {
+            (t, c): group[f"{t}/{c}"] for t, (_, cols) in TABLES.items() for c in cols
+        } | {(None, name): group[name] for name in FLAT}
+        if fresh:
+            self.compact([], [])
+
+    def _new_generation(self, generation: int) -> None:
+        """Create the empty arrays of ``g<generation>`` (the root still points at the old
+        generation until :meth:`_commit` names this one)."""
+        group = self.root.create_group(f"g{generation}", overwrite=True)
+        self.arrays = {}
+        for table, (dim, cols) in TABLES.items():
+            sub = group.create_group(table)
+            for col, dtype in cols.items():
+                self.arrays[table, col] = _create(sub, col, dtype, dim, 4096)
+        for name, (dim, dtype, _) in FLAT.items():
+            self.arrays[None, name] = _create(group, name, dtype, dim, 16384)
+        self.generation = generation
+        self.committed = dict.fromkeys(DIMS, 0)
+
+    def _commit(self) -> None:
+        # The one update that makes the rows (and a new generation) visible.
+        self.root.attrs.update({"generation": self.generation, "committed": self.committed})
+
+    def append(
+        self,
+        requests: Sequence[Mapping[str, Any]] = (),
+        chunks: Sequence[Mapping[str, Any]] = (),
+        events: Sequence[Mapping[str, Any]] = (),
+    ) -> None:
+        """Append rows to the three tables and commit them together."""
+        rows = {"requests": list(requests), "chunks": list(chunks), "events": list(events)}
+        if not any(rows.values()):
+            return
+        counts = dict(self.committed)
+        writes: list[tuple[tuple[str | None, str], int, np.ndarray]] = []
+        for table, (dim, cols) in TABLES.items():
+            if not rows[table]:
+                continue
+            flats = [n for n, (_, _, t) in FLAT.items() if t == table]
+            if flats:  # each row's slice of its flat arrays
+                flat_dim = FLAT[flats[0]][0]
+                lens = np.array([len(r[flats[0]]) for r in rows[table]], dtype=np.int64)
+                for name in flats:
+                    values = [np.asarray(r[name], FLAT[name][1]) for r in rows[table]]
+                    if any(len(v) != n for v, n in zip(values, lens, strict=True)):
+                        raise StoreError(f"partial log: {name} and {flats[0]} differ in length")
+                    writes.append(((None, name), counts[flat_dim], np.concatenate(values)))
+                starts = counts[flat_dim] + np.concatenate([[0], np.cumsum(lens)[:-1]])
+                head = "prompt_" if table == "requests" else ""
+                rows[table] = [
+                    {**r, f"{head}start": int(s), f"{head}len": int(n)}
+                    for r, s, n in zip(rows[table], starts, lens, strict=True)
+                ]
+                counts[flat_dim] += int(lens.sum())
+            for col, dtype in cols.items():
+                values = np.array([r.get(col, _fill(dtype)) for r in rows[table]], dtype)
+                writes.append(((table, col), counts[dim], values))
+            counts[dim] += len(rows[table])
+        self._write_all(writes)
+        self.committed = counts
+        self._commit()
+        self.rows_written += sum(len(r) for r in rows.values())
+
+    def _write_all(self, writes: list[tuple[tuple[str | None, str], int, np.ndarray]]) -> None:
+        """Grow the arrays that need it (by doubling), then write every slice, each step
+        for all arrays at once: a log write touches ~25 arrays, and one at a time each
+        waits for its own file I/O."""
+        import asyncio
+
+        from zarr.core.sync import sync  # (runs coroutines on zarr's own event loop)
+
+        grow, put = [], []
+        for key, at, values in writes:
+            arr = self.arrays[key].async_array
+            need = at + len(values)
+            if need > arr.shape[0]:
+                grow.append(arr.resize((max(need, 2 * arr.shape[0], _FIRST_CAPACITY),)))
+            if len(values):
+                put.append((arr, slice(at, need), values))
+
+        async def run() -> None:
+            await asyncio.gather(*grow)
+            await asyncio.gather(*(arr.setitem(sel, v) for arr, sel, v in put))
+
+        sync(run())
+
+    def _write(self, key: tuple[str | None, str], at: int, values: np.ndarray) -> None:
+        self._write_all([(key, at, values)])
+
+    def compact(
+        self,
+        requests: Sequence[Mapping[str, Any]],
+        chunks: Sequence[Mapping[str, Any]],
+        events: Sequence[Mapping[str, Any]] = (),
+    ) -> None:
+        """Replace the journal by these rows (the live entries as a fresh journal): they
+        are written as a new generation, the root is pointed at it in the same update
+        that commits them, then the old generation is removed."""
+        old = self.generation
+        self._new_generation(old + 1)
+        self.append(requests, chunks, events)
+        self._commit()  # (also when there were no rows)
+        shutil.rmtree(self.path / f"g{old}", ignore_errors=True)
+        self.compactions += 1
+
+    def tokens(self) -> int:
+        """Tokens in the journal (what compaction weighs against the live entries)."""
+        return self.committed["token"]
+
+
+def _create(group: zarr.Group, name: str, dtype: np.dtype, dim: str, chunk: int):
+    return group.create_array(
+        name,
+        shape=(0,),
+        dtype=dtype,
+        chunks=(chunk,),
+        dimension_names=[dim],
+        fill_value=_fill(dtype),
+        compressors=None,  # written by slice, often: a compressed chunk is rewritten whole
+    )
+
+
+def _check(root: zarr.Group, path: Path) -> None:
+    version = root.attrs.get("schema_version")
+    if version != SCHEMA_VERSION or "generation" not in root.attrs:
+        raise StoreError(
+            f"{str(path)!r} is not a recovery log this code reads (schema_version "
+            f"{version!r}, expected {SCHEMA_VERSION}); move it aside or use a new run directory"
+        )
+
+
+def read_partial_log(path: str | Path) -> dict[str, Any]:
+    """The committed journal: ``{table: {column: array}}`` for the three tables, and the
+    flat arrays by name; every array sliced to what the writer committed. A run without
+    a log gives empty tables (a run with ``faults.recover: false`` writes none)."""
+    path = store_path(path, STORE_NAME)
+    out: dict[str, Any] = {}
+    if not (path / "zarr.json").exists():
+        for table, (_, cols) in TABLES.items():
+            out[table] = {c: np.zeros(0, d) for c, d in cols.items()}
+        out |= {name: np.zeros(0, d) for name, (_, d, _) in FLAT.items()}
+        return out
+    root = zarr.open_group(str(path), mode="r", zarr_format=3)
+    _check(root, path)
+    committed = root.attrs["committed"]
+    group = root[f"g{int(root.attrs['generation'])}"]
+    for table, (dim, cols) in TABLES.items():
+        n = int(committed[dim])
+        out[table] = {c: group[f"{table}/{c}"][:n] for c in cols}
+    for name, (dim, _, _) in FLAT.items():
+        out[name] = group[name][: int(committed[dim])]
+    return out
+
+
+def ordered_rows(log: Mapping[str, Any]) -> list[tuple[str, int]]:
+    """``(table, row)`` of every row of :func:`read_partial_log`'s journal, in the order
+    the pool made the changes (``seq``)."""
+    keyed = [
+        (int(seq), table, i) for table in TABLES for i, seq in enumerate(log[table]["seq"].tolist())
+    ]
+    return [(table, i) for _, table, i in sorted(keyed)]
+
+
+def log_entries(path: str | Path) -> dict[str, dict[str, Any]]:
+    """The entries the log last recorded, by request id (= trajectory uid), without
+    their tokens: ``version``, ``owner`` (``""``: taken from a lost rollout), ``tokens``
+    logged, ``finished`` and ``held`` (the buffer had it), and from its meta the
+    ``prompt_uid``, ``prompt_key``, ``group_size`` and ``sample_idx``. An entry the store
+    committed is forgotten, so what is here and not in ``trajectories.zarr`` was still
+    in the pool — generating, or completed and not yet stored.
+
+    (:func:`laminar.partial.replay_log` rebuilds the full states.)"""
+    log = read_partial_log(path)
+    out: dict[str, dict[str, Any]] = {}
+    req, chunks, events = log["requests"], log["chunks"], log["events"]
+    for table, i in ordered_rows(log):
+        rid = str(log[table]["request_id"][i])
+        if table == "requests":
+            meta = json.loads(str(req["meta"][i]))
+            group = meta.get("group", {}).get("__prompt_group__", {})
+            out[rid] = {
+                "version": int(req["version"][i]),
+                "owner": str(req["owner"][i]),
+                "tokens": 0,
+                "finished": False,
+                "held": False,
+                "prompt_uid": group.get("prompt_uid", ""),
+                "prompt_key": group.get("prompt_key", -1),
+                "group_size": group.get("group_size", 0),
+                "sample_idx": meta.get("sample_idx", -1),
+            }
+            continue
+        e = out.get(rid)
+        if e is None:
+            continue
+        if table == "chunks":
+            offset = int(chunks["offset"][i])
+            if offset <= e["tokens"]:
+                e["tokens"] = offset + int(chunks["len"][i])
+                e["owner"] = str(chunks["owner"][i])
+            continue
+        kind = str(events["kind"][i])
+        if kind == "forgotten":
+            del out[rid]
+        elif kind == "owner":
+            e["owner"] = str(events["owner"][i])
+        else:
+            e[kind] = True
+    return out

@@ -1,0 +1,184 @@
+"""The recovery log ``partial.zarr`` (storage.partial_log) and its replay into the pool's
+entries (laminar.partial.replay_log), on real Zarr stores."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from laminar.contract import PromptGroup
+from laminar.engine import GenerationRequest, RequestState, SamplingParams
+from laminar.partial import PartialCore, replay_log
+from storage.partial_log import PartialLogWriter, log_entries, read_partial_log
+from storage.trajectories import StoreError
+
+PARAMS = SamplingParams(16, temperature=0.7, stop_token_ids=(2,), stop=("\n",))
+
+
+def _states(ids: list[str], seed: int) -> list[RequestState]:
+    group = PromptGroup(ids[0][:3], 4, (1, 2, 3), "7", len(ids), 0, None)
+    return [
+        RequestState(
+            GenerationRequest(
+                rid, (1, 2, 3), PARAMS, {"group": group, "sample_idx": i, "t_submit": 1.5}
+            ),
+            seed=seed + i,
+            t_start=float(i),
+        )
+        for i, rid in enumerate(ids)
+    ]
+
+
+def _view(core: PartialCore) -> dict:
+    """What a recovery reads from an entry."""
+    out = {}
+    for rid, e in core.entries.items():
+        s = e["state"]
+        out[rid] = (
+            e["owner"],
+            e["version"],
+            s.seed,
+            s.n_moves,
+            s.tokens,
+            list(np.float32(s.logprobs)),  # (logged as float32)
+            s.token_versions,
+            s.request.prompt_tokens,
+            s.request.params,
+            json.dumps(s.request.meta, default=str, sort_keys=True),
+            e.get("finished"),
+            bool(e.get("held")),
+        )
+    return out
+
+
+OPS = st.lists(
+    st.tuples(
+        st.sampled_from(
+            [
+                "register",
+                "flush",
+                "finish",
+                "reassign",
+                "take",
+                "hold",
+                "forget",
+                "write",
+                "compact",
+            ]
+        ),
+        st.integers(0, 7),
+        st.integers(1, 5),
+    ),
+    max_size=40,
+)
+
+
+@settings(max_examples=25, deadline=None)
+@given(ops=OPS)
+def test_the_log_replays_to_the_pools_entries(tmp_path_factory, ops):
+    """Whatever the pool did, and however its changes were cut into writes (and
+    compactions), replaying the log gives back every entry as the pool holds it."""
+    run = tmp_path_factory.mktemp("run")
+    core, writer = PartialCore(journal=True), PartialLogWriter(run)
+    n = 0
+    for op, k, m in ops:
+        rids = list(core.entries)
+        rid = rids[k % len(rids)] if rids else None
+        owner = f"r{k % 3}"
+        if op == "register":
+            ids = [f"p{n:02d}-{i:03d}" for i in range(m)]
+            core.register(owner, k, _states(ids, seed=10 * n))
+            n += 1
+        elif op in ("flush", "finish") and rid is not None:
+            logged = len(core.entries[rid]["state"].tokens)
+            off = max(0, logged - (k % 2))  # sometimes a repeated flush
+            toks = list(range(off, off + m))
+            core.flush(
+                owner,
+                {rid: (off, toks, [-0.1 * t for t in toks], [k] * m)},
+                {rid: ("eos", 9.0 + k)} if op == "finish" else None,
+            )
+        elif op == "reassign" and rid is not None:
+            core.reassign([rid], owner)
+        elif op == "take":
+            core.take(owner)
+        elif op == "hold" and rid is not None:
+            core.hold([rid])
+        elif op == "forget" and rid is not None:
+            core.forget([rid])
+        elif op == "write":
+            writer.append(**core.drain_journal())
+        elif op == "compact":
+            writer.compact(**core.snapshot())
+    writer.append(**core.drain_journal())
+    assert _view(replay_log(run)) == _view(core)
+    # The storage-only reading (the audit's, resume's) says the same without the tokens.
+    assert log_entries(run) == {
+        rid: {
+            "version": e["version"],
+            "owner": e["owner"] or "",
+            "tokens": len(e["state"].tokens),
+            "finished": "finished" in e,
+            "held": bool(e.get("held")),
+            "prompt_uid": rid[:3],
+            "prompt_key": 4,
+            "group_size": e["state"].request.meta["group"].group_size,
+            "sample_idx": e["state"].request.meta["sample_idx"],
+        }
+        for rid, e in core.entries.items()
+    }
+
+
+def test_a_write_cut_short_is_invisible_and_the_next_writer_goes_on(tmp_path):
+    core = PartialCore(journal=True)
+    core.register("r0", 2, _states(["p00-000", "p00-001"], seed=0))
+    writer = PartialLogWriter(tmp_path)
+    writer.append(**core.drain_journal())
+    core.flush("r0", {"p00-000": (0, [5, 6], [-0.5, -0.5], [2, 2])})
+    rows = core.drain_journal()
+    # The writer dies after writing the chunk's tokens, before its commit.
+    writer._write((None, "tokens"), writer.committed["token"], np.array([5, 6], np.int32))
+    log = read_partial_log(tmp_path)
+    assert len(log["chunks"]["seq"]) == 0 and len(log["tokens"]) == 0
+    assert replay_log(tmp_path).entries["p00-000"]["state"].tokens == []
+    # A new writer (the pool restarted) appends from what was committed.
+    PartialLogWriter(tmp_path).append(**rows)
+    assert replay_log(tmp_path).entries["p00-000"]["state"].tokens == [5, 6]
+
+
+def test_compaction_keeps_the_live_entries_and_drops_the_rest(tmp_path):
+    core, writer = PartialCore(journal=True), PartialLogWriter(tmp_path)
+    for b in range(20):
+        ids = [f"p{b:02d}-{i:03d}" for i in range(4)]
+        core.register("r0", b, _states(ids, seed=b))
+        for rid in ids:
+            core.flush("r0", {rid: (0, list(range(50)), [0.0] * 50, [b] * 50)}, {rid: ("eos", 1.0)})
+        if b < 19:
+            core.hold(ids)
+            core.forget(ids)
+        writer.append(**core.drain_journal())
+    assert writer.tokens() == 20 * 4 * 50
+    before = _view(replay_log(tmp_path))
+    writer.compact(**core.snapshot())
+    assert writer.tokens() == 4 * 50 and writer.generation == 1
+    assert not (writer.path / "g0").exists()
+    assert _view(replay_log(tmp_path)) == before == _view(core)
+
+
+def test_a_store_that_is_not_a_recovery_log_is_refused(tmp_path):
+    PartialLogWriter(tmp_path)
+    meta = tmp_path / "partial.zarr" / "zarr.json"
+    doc = json.loads(meta.read_text())
+    doc["attributes"]["schema_version"] = 99
+    meta.write_text(json.dumps(doc))
+    with pytest.raises(StoreError, match="schema_version 99.*move it aside"):
+        read_partial_log(tmp_path)
+    with pytest.raises(StoreError, match="partial.zarr"):
+        PartialLogWriter(tmp_path)
+    shutil.rmtree(tmp_path / "partial.zarr")
+    assert replay_log(tmp_path).entries == {}  # no log: nothing to replay
