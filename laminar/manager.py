@@ -132,6 +132,7 @@ class RolloutManager:
         self.partial = partial
         self.workers = dict(workers or {})
         self.lost: dict[str, float] = {}  # rollout id -> when its loss was detected
+        self._t_workers = 0.0  # when the scheduler was last asked for its workers
         self.fault_rows: list[dict] = []  # one per recovered batch
         self.replacements: dict[str, str] = {}  # lost rollout id -> the one that replaced it
         self._joining: queue.Queue = queue.Queue()  # (id, handle, worker, replaces, relay)
@@ -397,19 +398,37 @@ class RolloutManager:
             except Exception:  # noqa: BLE001 — its worker is known lost
                 continue
         out = {}
-        for rid, f in futures.items():
-            try:
-                out[rid] = f.result(timeout=min(self.timeout, 5.0))
-            except Exception:  # noqa: BLE001 — lost or stalled: not a candidate now
-                continue
+        deadline = time.time() + min(self.timeout, 5.0)
+        while futures and time.time() < deadline:
+            for rid, f in list(futures.items()):
+                if f.done():
+                    del futures[rid]
+                    try:
+                        out[rid] = f.result(timeout=0)
+                    except Exception:  # noqa: BLE001 — failed: not a candidate now
+                        pass
+            if futures:
+                # A rollout lost at the same time as the one being recovered never
+                # answers: stop waiting for it once the scheduler has dropped its worker
+                # (the next detect() round then finds it at once).
+                time.sleep(0.01)
+                watched = [r for r in futures if r in self.workers]
+                if watched and time.time() - self._t_workers >= self.cfg.faults.detect_interval_s:
+                    workers = self._scheduler_workers()
+                    for rid in [r for r in watched if self.workers[r] not in workers]:
+                        del futures[rid]
         return out
+
+    def _scheduler_workers(self) -> set[str]:
+        from distributed import get_client
+
+        self._t_workers = time.time()
+        return set(get_client().run_on_scheduler(_worker_addresses))
 
     def detect(self) -> list[str]:
         """Relays and rollouts whose worker the scheduler no longer has: cut each relay
         out of the chain, then recover each rollout. Returns the lost rollouts."""
-        from distributed import get_client
-
-        workers = set(get_client().run_on_scheduler(_worker_addresses))
+        workers = self._scheduler_workers()
         gone = [rid for rid in self._alive() if self.workers.get(rid) not in workers]
         now = time.time()
         for rid in gone:  # all of them first: none is a candidate for another's work
