@@ -439,6 +439,7 @@ class PartialResponsePool:
         self.writer = PartialLogWriter(run_dir, fresh=True) if run_dir is not None else None
         self.log_interval_s = log_interval_s
         self._log_task = None
+        self._log_lock = None  # an asyncio.Lock, made on the event loop
         self._log_error: str | None = None
         self.log_counts: Counter = Counter()
 
@@ -457,7 +458,16 @@ class PartialResponsePool:
             await self._write_log()
 
     async def _write_log(self) -> None:
-        """Append what changed since the last write (or compact), off the event loop."""
+        """Append what changed since the last write (or compact), off the event loop; one
+        write at a time (a write still running in its thread is waited for)."""
+        import asyncio
+
+        if self._log_lock is None:
+            self._log_lock = asyncio.Lock()
+        async with self._log_lock:
+            await self._write_log_now()
+
+    async def _write_log_now(self) -> None:
         import asyncio
 
         w = self.writer
@@ -480,11 +490,11 @@ class PartialResponsePool:
 
     async def close(self) -> dict:
         """Write what is left of the log (the run ends); returns :meth:`stats`."""
-        if self._log_task is not None:
-            self._log_task.cancel()
-            self._log_task = None
         if self.writer is not None:
-            await self._write_log()
+            await self._write_log()  # (after a write in progress, if any)
+        if self._log_task is not None:
+            self._log_task.cancel()  # (it sleeps or waits for the lock: no write is cut)
+            self._log_task = None
         return await self.stats()
 
     async def set_relays(self, relays: list) -> None:

@@ -182,3 +182,29 @@ def test_a_store_that_is_not_a_recovery_log_is_refused(tmp_path):
         PartialLogWriter(tmp_path)
     shutil.rmtree(tmp_path / "partial.zarr")
     assert replay_log(tmp_path).entries == {}  # no log: nothing to replay
+
+
+def test_the_pool_writes_its_log_in_the_background_and_at_close(tmp_path):
+    """The actor's own loop (run here without a cluster): changes reach the disk within
+    a log interval, one write at a time, and ``close`` writes the rest."""
+    import asyncio
+
+    from laminar.partial import PartialResponsePool
+
+    async def run() -> tuple[list[int], dict]:
+        pool = PartialResponsePool(run_dir=str(tmp_path), log_interval_s=0.05)
+        await pool.register("r0", 1, _states(["p00-000"], seed=0))
+        seen = []
+        for i in range(20):
+            await pool.flush("r0", {"p00-000": (i, [i], [-0.5], [1])})
+            await asyncio.sleep(0.01)
+            entry = replay_log(tmp_path).entries.get("p00-000")
+            seen.append(len(entry["state"].tokens) if entry else 0)
+        await pool.flush("r0", {"p00-000": (20, [20], [-0.5], [1])}, {"p00-000": ("eos", 3.0)})
+        return seen, await pool.close()
+
+    seen, stats = asyncio.run(run())
+    assert seen == sorted(seen) and 0 < seen[-1] <= 20  # written as it went, in order
+    assert stats["log"]["writes"] >= 2 and stats["log"]["error"] is None
+    entry = replay_log(tmp_path).entries["p00-000"]
+    assert entry["state"].tokens == list(range(21)) and entry["finished"] == ("eos", 3.0)
