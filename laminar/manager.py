@@ -132,7 +132,6 @@ class RolloutManager:
         self.partial = partial
         self.workers = dict(workers or {})
         self.lost: dict[str, float] = {}  # rollout id -> when its loss was detected
-        self._t_workers = 0.0  # when the scheduler was last asked for its workers
         self.fault_rows: list[dict] = []  # one per recovered batch
         self.replacements: dict[str, str] = {}  # lost rollout id -> the one that replaced it
         self._joining: queue.Queue = queue.Queue()  # (id, handle, worker, replaces, relay)
@@ -333,56 +332,116 @@ class RolloutManager:
         """One planning round: loads, plan, moves. Returns the rows of its moves."""
         loads = planner_loads(self._loads(), self._prev)
         self.counts["checks"] += 1
-        rows = [
-            self._move(m.source, m.destination)
-            for m in plan(loads, c_max=self.rcfg.c_max, max_batch=self.max_batch)
-        ]
-        rows = [r for r in rows if r is not None]
+        moves = plan(loads, c_max=self.rcfg.c_max, max_batch=self.max_batch)
+        rows = self._execute(moves) if moves else []
         self.rows += rows
         return rows
 
-    def _move(self, source: str, destination: str) -> dict | None:
-        src, dst = self.rollouts[source], self.rollouts[destination]
+    def _execute(self, moves: list) -> list[dict]:
+        """Carry out a round's moves together: every source exports at once, then each
+        destination imports all its sources' requests in one call (destinations at
+        once), then every source is released. A command waits for its rollout's next
+        step boundary, so one move at a time cost two steps per move; a round now costs
+        about two steps, however many moves it has."""
         t0 = time.time()
-        out = src.export_for_move().result(timeout=self.timeout)
-        if out is None:  # the source drained meanwhile: nothing to move
-            self.counts["skipped"] += 1
-            return None
-        ids = [st.request_id for st in out["states"]]
+        exports = {m.source: self._try(self.rollouts[m.source].export_for_move) for m in moves}
+        outs: dict[str, dict] = {}
         try:
+            for src, future in exports.items():
+                try:
+                    if isinstance(future, Exception):
+                        raise future
+                    out = future.result(timeout=self.timeout)
+                except Exception as e:  # noqa: BLE001 — not exported: its batch stays
+                    logger.warning("repack: %s did not export (%r); not moved", src, e)
+                    out = None
+                if out is None:  # (or the source drained meanwhile: nothing to move)
+                    self.counts["skipped"] += 1
+                else:
+                    outs[src] = out
             t1 = time.time()
-            try:
-                ok = dst.import_for_move(out["version"], out["states"]).result(timeout=self.timeout)
-                if ok and self.partial is not None:
-                    self.partial.reassign(ids, destination).result(timeout=self.timeout)
-            except Exception as e:  # noqa: BLE001 — the destination failed: take them back
-                logger.warning(
-                    "repack %s -> %s: import failed (%r); rolled back", source, destination, e
+            # One import per destination and version (the planner merges one version;
+            # a source that loaded another since is refused and rolled back).
+            imports: dict[tuple[str, int], tuple[list[str], object]] = {}
+            for m in moves:
+                if m.source in outs:
+                    key = (m.destination, outs[m.source]["version"])
+                    imports.setdefault(key, ([], None))[0].append(m.source)
+            for (dst, version), (sources, _) in list(imports.items()):
+                states = [st for src in sources for st in outs[src]["states"]]
+                imports[dst, version] = (
+                    sources,
+                    self._try(
+                        lambda d=dst, v=version, s=states: self.rollouts[d].import_for_move(v, s)
+                    ),
                 )
-                ok = False
+            ok_of: dict[str, bool] = {}
+            for (dst, _), (sources, future) in imports.items():
+                ok = self._ok(future, f"repack {sources} -> {dst}: import")
+                ids = [st.request_id for src in sources for st in outs[src]["states"]]
+                if ok and self.partial is not None:
+                    ok = self._ok(
+                        self._try(lambda i=ids, d=dst: self.partial.reassign(i, d)),
+                        f"repack {sources} -> {dst}: log reassign",
+                    )
+                ok_of |= dict.fromkeys(sources, ok)
             t_import = time.time() - t1
-            if not ok:
-                back = src.import_for_move(out["version"], out["states"], rollback=True)
-                if not back.result(timeout=self.timeout):
-                    raise RuntimeError(f"rollout {source} refused its own states back")
+            for src, ok in ok_of.items():
+                if not ok:  # take them back: the source is held, its batch unchanged
+                    out = outs[src]
+                    back = self.rollouts[src].import_for_move(
+                        out["version"], out["states"], rollback=True
+                    )
+                    if not back.result(timeout=self.timeout):
+                        raise RuntimeError(f"rollout {src} refused its own states back")
         finally:
-            src.release().result(timeout=self.timeout)
-        self.counts["moves" if ok else "rolled_back"] += 1
-        for rid in (source, destination):
-            self._prev.pop(rid, None)  # their KV just jumped: not "falling" next time
-        return {
-            "time": t0,
-            "source": source,
-            "destination": destination,
-            "version": out["version"],
-            "ok": ok,
-            "requests": len(out["states"]),
-            "tokens": out["tokens"],
-            "context_tokens": out["context_tokens"],
-            "export_s": out["export_s"],
-            "import_s": t_import,
-            "pause_s": time.time() - t0,
-        }
+            released = [self._try(self.rollouts[src].release) for src in outs]
+            for future in released:
+                self._ok(future, "repack: release")
+        rows = []
+        for m in moves:
+            if m.source not in outs:
+                continue
+            out, ok = outs[m.source], ok_of[m.source]
+            self.counts["moves" if ok else "rolled_back"] += 1
+            for rid in (m.source, m.destination):
+                self._prev.pop(rid, None)  # their KV just jumped: not "falling" next time
+            rows.append(
+                {
+                    "time": t0,
+                    "source": m.source,
+                    "destination": m.destination,
+                    "version": out["version"],
+                    "ok": ok,
+                    "requests": len(out["states"]),
+                    "tokens": out["tokens"],
+                    "context_tokens": out["context_tokens"],
+                    "export_s": out["export_s"],
+                    "import_s": t_import,
+                    "pause_s": time.time() - t0,
+                    "round_moves": len(outs),
+                }
+            )
+        return rows
+
+    @staticmethod
+    def _try(call):
+        """Start an actor call; the exception instead of a future if it cannot start."""
+        try:
+            return call()
+        except Exception as e:  # noqa: BLE001 — a known-lost worker: a failed step
+            return e
+
+    def _ok(self, future, what: str) -> bool:
+        """Whether an actor call started by :meth:`_try` succeeded (logged if not)."""
+        try:
+            if isinstance(future, Exception):
+                raise future
+            result = future.result(timeout=self.timeout)
+        except Exception as e:  # noqa: BLE001 — the move rolls back
+            logger.warning("%s failed (%r); rolled back", what, e)
+            return False
+        return result is not False
 
     # -- faults ---------------------------------------------------------------------------
     def _alive(self) -> list[str]:
@@ -399,30 +458,25 @@ class RolloutManager:
                 continue
         out = {}
         deadline = time.time() + min(self.timeout, 5.0)
-        while futures and time.time() < deadline:
-            for rid, f in list(futures.items()):
-                if f.done():
-                    del futures[rid]
-                    try:
-                        out[rid] = f.result(timeout=0)
-                    except Exception:  # noqa: BLE001 — failed: not a candidate now
-                        pass
-            if futures:
-                # A rollout lost at the same time as the one being recovered never
-                # answers: stop waiting for it once the scheduler has dropped its worker
-                # (the next detect() round then finds it at once).
-                time.sleep(0.01)
-                watched = [r for r in futures if r in self.workers]
-                if watched and time.time() - self._t_workers >= self.cfg.faults.detect_interval_s:
-                    workers = self._scheduler_workers()
-                    for rid in [r for r in watched if self.workers[r] not in workers]:
-                        del futures[rid]
+        for rid, f in futures.items():
+            while (left := deadline - time.time()) > 0:
+                try:
+                    out[rid] = f.result(timeout=min(left, self.cfg.faults.detect_interval_s))
+                except TimeoutError:
+                    # A rollout lost at the same time as the one being recovered never
+                    # answers: stop waiting once the scheduler has dropped its worker
+                    # (the next detect() round then finds it at once).
+                    if rid in self.workers and self.workers[rid] not in self._scheduler_workers():
+                        break
+                    continue
+                except Exception:  # noqa: BLE001 — failed: not a candidate now
+                    pass
+                break
         return out
 
     def _scheduler_workers(self) -> set[str]:
         from distributed import get_client
 
-        self._t_workers = time.time()
         return set(get_client().run_on_scheduler(_worker_addresses))
 
     def detect(self) -> list[str]:

@@ -152,7 +152,8 @@ def bench_soak(
                 next_kill = time.time() + kill_every_s
             for k in kills:  # a replacement rollout started: how long after the kill
                 if k.get("_n") and len(handle._schedule.rollout_workers) > k["_n"]:
-                    k["replaced_s"] = time.time() - t0 - k.pop("_n") - k["t"]
+                    del k["_n"]
+                    k["replaced_s"] = time.time() - t0 - k["t"]
             if handle.done():
                 handle.wait()  # a failure the soak did not cause: raise it
             time.sleep(0.2)

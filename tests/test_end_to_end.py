@@ -341,9 +341,10 @@ def test_repack_moves_draining_batches_and_keeps_every_trajectory_whole(tmp_path
         "rollout.replicas=4",
         "buffer.max_outstanding_groups=32",
         "trainer.groups_per_step=8",
-        "trainer.steps=5",
         # (a batch is seen draining only between two checks within it: unpaced, the tiny
-        # model's batches last about a second)
+        # model's batches last about a second, and a check round with four rollouts takes
+        # ~0.4 s on 2 busy cores; 5 steps made 0-2 moves, and sometimes none)
+        "trainer.steps=10",
         "repack.interval_s=0.05",
         "repack.c_max=1.0",
     ]
