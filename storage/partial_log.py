@@ -43,7 +43,7 @@ import numpy as np
 import zarr
 
 from storage.schema import STRING
-from storage.trajectories import StoreError, store_path
+from storage.trajectories import StoreError, fill_value, new_array, store_path
 
 STORE_NAME = "partial.zarr"
 SCHEMA_VERSION = 1
@@ -101,12 +101,6 @@ FLAT: dict[str, tuple[str, np.dtype, str]] = {
 EVENT_KINDS = ("finished", "owner", "held", "forgotten")
 DIMS = [dim for dim, _ in TABLES.values()] + sorted({d for d, _, _ in FLAT.values()})
 _FIRST_CAPACITY = 1024
-
-
-def _fill(dtype: np.dtype) -> Any:
-    if dtype.kind in "TU":
-        return ""
-    return np.nan if dtype.kind == "f" else 0
 
 
 class PartialLogWriter:
@@ -201,7 +195,7 @@ class PartialLogWriter:
                 ]
                 counts[flat_dim] += int(lens.sum())
             for col, dtype in cols.items():
-                values = np.array([r.get(col, _fill(dtype)) for r in rows[table]], dtype)
+                values = np.array([r.get(col, fill_value(dtype)) for r in rows[table]], dtype)
                 writes.append(((table, col), counts[dim], values))
             counts[dim] += len(rows[table])
         self._write_all(writes)
@@ -257,15 +251,8 @@ class PartialLogWriter:
 
 
 def _create(group: zarr.Group, name: str, dtype: np.dtype, dim: str, chunk: int):
-    return group.create_array(
-        name,
-        shape=(0,),
-        dtype=dtype,
-        chunks=(chunk,),
-        dimension_names=[dim],
-        fill_value=_fill(dtype),
-        compressors=None,  # written by slice, often: a compressed chunk is rewritten whole
-    )
+    # uncompressed: written by slice, often, and a compressed chunk is rewritten whole
+    return new_array(group, name, dtype, dim, chunk, compressors=None)
 
 
 def _check(root: zarr.Group, path: Path) -> None:

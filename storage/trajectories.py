@@ -95,14 +95,7 @@ class TrajectoryWriter:
 
     def _create(self) -> None:
         def new(name: str, dtype: np.dtype, chunk: int, dim: str) -> None:
-            self.group.create_array(
-                name,
-                shape=(0,),
-                dtype=dtype,
-                chunks=(chunk,),
-                dimension_names=[dim],
-                fill_value=_fill(dtype),
-            )
+            new_array(self.group, name, dtype, dim, chunk)
 
         for name, dtype in SCALARS.items():
             new(name, dtype, _CHUNK_TRAJ, TRAJECTORY_DIM)
@@ -191,12 +184,26 @@ class TrajectoryWriter:
         return self.n_committed
 
 
-def _fill(dtype: np.dtype) -> Any:
+def fill_value(dtype: np.dtype) -> Any:
+    """What a store's array of ``dtype`` holds where nothing was written."""
     if dtype.kind in "TU":
         return ""
     if dtype.kind == "f":
         return np.nan
     return 0
+
+
+def new_array(group: zarr.Group, name: str, dtype: np.dtype, dim: str, chunk: int, **kwargs):
+    """An empty 1-d array of a run store, on dimension ``dim`` (``kwargs``: zarr's)."""
+    return group.create_array(
+        name,
+        shape=(0,),
+        dtype=dtype,
+        chunks=(chunk,),
+        dimension_names=[dim],
+        fill_value=fill_value(dtype),
+        **kwargs,
+    )
 
 
 def _open_group(path: str | Path) -> tuple[Path, zarr.Group]:
