@@ -246,7 +246,10 @@ class PartialCore:
                 continue
             st: RequestState = e["state"]
             # The path is kept on the entry: a second loss appends to it.
-            _taken_from(st, rollout_id)
+            st.request.meta["rollout_path"] = [
+                *st.request.meta.get("rollout_path", []),
+                rollout_id,
+            ]
             self._event(rid, "owner", None)
             meta = {
                 **st.request.meta,
@@ -290,10 +293,6 @@ def _no_rows() -> dict[str, list[dict]]:
     return {"requests": [], "chunks": [], "events": []}
 
 
-def _taken_from(st: RequestState, rollout_id: str) -> None:
-    st.request.meta["rollout_path"] = [*st.request.meta.get("rollout_path", []), rollout_id]
-
-
 def encode_meta(meta: dict) -> str:
     """A request's ``meta`` as JSON (its :class:`PromptGroup` as a tagged object)."""
 
@@ -305,27 +304,22 @@ def encode_meta(meta: dict) -> str:
     return json.dumps(meta, default=default)
 
 
-def decode_meta(text: str) -> dict:
-    def hook(d: dict):
-        g = d.get("__prompt_group__")
-        if g is None:
-            return d
-        samples = g["samples"]
-        return PromptGroup(
-            **g
-            | {
-                "prompt_tokens": tuple(g["prompt_tokens"]),
-                "samples": None if samples is None else tuple(samples),
-            }
-        )
-
-    return json.loads(text, object_hook=hook)
-
-
-def _params(text: str) -> SamplingParams:
-    d = json.loads(text)
-    return SamplingParams(
-        **d | {"stop_token_ids": tuple(d["stop_token_ids"]), "stop": tuple(d["stop"])}
+def revive_meta(meta):
+    """:func:`encode_meta`'s JSON, decoded, with its :class:`PromptGroup` back."""
+    if isinstance(meta, list):
+        return [revive_meta(v) for v in meta]
+    if not isinstance(meta, dict):
+        return meta
+    g = meta.get("__prompt_group__")
+    if g is None:
+        return {k: revive_meta(v) for k, v in meta.items()}
+    samples = g["samples"]
+    return PromptGroup(
+        **g
+        | {
+            "prompt_tokens": tuple(g["prompt_tokens"]),
+            "samples": None if samples is None else tuple(samples),
+        }
     )
 
 
@@ -352,60 +346,36 @@ def replay_log(run_dir: str | Path) -> PartialCore:
     >>> back["state"].request.meta["group"] == group
     True
     """
-    from storage.partial_log import ordered_rows, read_partial_log
+    from storage.partial_log import replay
 
-    log = read_partial_log(run_dir)
     core = PartialCore()
-    entries = core.entries
-    for table, i in ordered_rows(log):
-        cols = log[table]
-        rid = str(cols["request_id"][i])
-        if table == "requests":
-            a, n = int(cols["prompt_start"][i]), int(cols["prompt_len"][i])
-            req = GenerationRequest(
-                rid,
-                tuple(int(t) for t in log["prompt_tokens"][a : a + n]),
-                _params(str(cols["params"][i])),
-                decode_meta(str(cols["meta"][i])),
-            )
-            state = RequestState(
-                req,
-                int(cols["seed"][i]),
-                t_start=float(cols["t_start"][i]),
-                n_moves=int(cols["n_moves"][i]),
-            )
-            entries[rid] = {
-                "state": state,
-                "owner": str(cols["owner"][i]) or None,
-                "version": int(cols["version"][i]),
-                "t_flush": float(cols["t_start"][i]),
-            }
-            continue
-        e = entries.get(rid)
-        if e is None:  # forgotten before (a late row)
-            continue
-        if table == "chunks":
-            st, off = e["state"], int(cols["offset"][i])
-            a, n = int(cols["start"][i]), int(cols["len"][i])
-            if off > len(st.tokens):
-                continue
-            st.tokens[off:] = log["tokens"][a : a + n].tolist()
-            st.logprobs[off:] = log["logprobs"][a : a + n].tolist()
-            st.token_versions[off:] = log["token_versions"][a : a + n].tolist()
-            e["owner"], e["t_flush"] = str(cols["owner"][i]) or None, float(cols["t"][i])
-            continue
-        kind, owner = str(cols["kind"][i]), str(cols["owner"][i]) or None
-        if kind == "finished":
-            e["finished"] = (str(cols["finish_reason"][i]), float(cols["t"][i]))
-        elif kind == "owner":
-            if owner is None and e["owner"] is not None:  # taken from a lost rollout
-                _taken_from(e["state"], e["owner"])
-            e["owner"] = owner
-        elif kind == "held":
-            e["held"] = True
-        elif kind == "forgotten":
-            del entries[rid]
-    core.counts["replayed"] = len(entries)
+    for rid, e in replay(run_dir).items():
+        p = e["params"]
+        params = SamplingParams(
+            **p | {"stop_token_ids": tuple(p["stop_token_ids"]), "stop": tuple(p["stop"])}
+        )
+        req = GenerationRequest(rid, tuple(e["prompt_tokens"]), params, revive_meta(e["meta"]))
+        state = RequestState(
+            req,
+            e["seed"],
+            e["tokens"],
+            e["logprobs"],
+            e["token_versions"],
+            t_start=e["t_start"],
+            n_moves=e["n_moves"],
+        )
+        entry = {
+            "state": state,
+            "owner": e["owner"] or None,
+            "version": e["version"],
+            "t_flush": e["t_flush"],
+        }
+        if e["finished"] is not None:
+            entry["finished"] = e["finished"]
+        if e["held"]:
+            entry["held"] = True
+        core.entries[rid] = entry
+    core.counts["replayed"] = len(core.entries)
     return core
 
 

@@ -98,7 +98,6 @@ FLAT: dict[str, tuple[str, np.dtype, str]] = {
     "logprobs": ("token", F32, "chunks"),
     "token_versions": ("token", I32, "chunks"),
 }
-EVENT_KINDS = ("finished", "owner", "held", "forgotten")
 DIMS = [dim for dim, _ in TABLES.values()] + sorted({d for d, _, _ in FLAT.values()})
 _FIRST_CAPACITY = 1024
 
@@ -128,8 +127,6 @@ class PartialLogWriter:
         self.path = store_path(path, STORE_NAME)
         exists = (self.path / "zarr.json").exists()
         self.root = zarr.open_group(str(self.path), mode="a", zarr_format=3)
-        self.rows_written = 0  # since this writer opened
-        self.compactions = 0
         if not exists:
             self.root.attrs.update({"schema_version": SCHEMA_VERSION})
             self._new_generation(0)
@@ -201,7 +198,6 @@ class PartialLogWriter:
         self._write_all(writes)
         self.committed = counts
         self._commit()
-        self.rows_written += sum(len(r) for r in rows.values())
 
     def _write_all(self, writes: list[tuple[tuple[str | None, str], int, np.ndarray]]) -> None:
         """Grow the arrays that need it (by doubling), then write every slice, each step
@@ -226,9 +222,6 @@ class PartialLogWriter:
 
         sync(run())
 
-    def _write(self, key: tuple[str | None, str], at: int, values: np.ndarray) -> None:
-        self._write_all([(key, at, values)])
-
     def compact(
         self,
         requests: Sequence[Mapping[str, Any]],
@@ -243,7 +236,6 @@ class PartialLogWriter:
         self.append(requests, chunks, events)
         self._commit()  # (also when there were no rows)
         shutil.rmtree(self.path / f"g{old}", ignore_errors=True)
-        self.compactions += 1
 
     def tokens(self) -> int:
         """Tokens in the journal (what compaction weighs against the live entries)."""
@@ -296,49 +288,85 @@ def ordered_rows(log: Mapping[str, Any]) -> list[tuple[str, int]]:
     return [(table, i) for _, table, i in sorted(keyed)]
 
 
-def log_entries(path: str | Path) -> dict[str, dict[str, Any]]:
-    """The entries the log last recorded, by request id (= trajectory uid), without
-    their tokens: ``version``, ``owner`` (``""``: taken from a lost rollout), ``tokens``
-    logged, ``finished`` and ``held`` (the buffer had it), and from its meta the
-    ``prompt_uid``, ``prompt_key``, ``group_size`` and ``sample_idx``. An entry the store
-    committed is forgotten, so what is here and not in ``trajectories.zarr`` was still
-    in the pool — generating, or completed and not yet stored.
+def replay(path: str | Path) -> dict[str, dict[str, Any]]:
+    """The entries the log last recorded, by request id (= trajectory uid): the journal
+    replayed in ``seq`` order. Each has ``version``, ``owner`` (``""``: taken from a lost
+    rollout), ``seed``, ``t_start``, ``n_moves``, ``params`` and ``meta`` (decoded JSON;
+    a take appends the rollout to ``meta["rollout_path"]``), ``prompt_tokens``, the
+    ``tokens``, ``logprobs`` and ``token_versions`` logged, ``t_flush``, ``finished``
+    (``(finish_reason, t_finish)`` or ``None``) and ``held`` (the buffer had it). An entry
+    the store committed is forgotten.
 
-    (:func:`laminar.partial.replay_log` rebuilds the full states.)"""
+    (:func:`laminar.partial.replay_log` makes them the pool's states again.)"""
     log = read_partial_log(path)
     out: dict[str, dict[str, Any]] = {}
     req, chunks, events = log["requests"], log["chunks"], log["events"]
     for table, i in ordered_rows(log):
         rid = str(log[table]["request_id"][i])
         if table == "requests":
-            meta = json.loads(str(req["meta"][i]))
-            group = meta.get("group", {}).get("__prompt_group__", {})
+            a, n = int(req["prompt_start"][i]), int(req["prompt_len"][i])
             out[rid] = {
                 "version": int(req["version"][i]),
                 "owner": str(req["owner"][i]),
-                "tokens": 0,
-                "finished": False,
+                "seed": int(req["seed"][i]),
+                "t_start": float(req["t_start"][i]),
+                "n_moves": int(req["n_moves"][i]),
+                "params": json.loads(str(req["params"][i])),
+                "meta": json.loads(str(req["meta"][i])),
+                "prompt_tokens": log["prompt_tokens"][a : a + n].tolist(),
+                "tokens": [],
+                "logprobs": [],
+                "token_versions": [],
+                "t_flush": float(req["t_start"][i]),
+                "finished": None,
                 "held": False,
-                "prompt_uid": group.get("prompt_uid", ""),
-                "prompt_key": group.get("prompt_key", -1),
-                "group_size": group.get("group_size", 0),
-                "sample_idx": meta.get("sample_idx", -1),
             }
             continue
         e = out.get(rid)
-        if e is None:
+        if e is None:  # forgotten before (a late row)
             continue
         if table == "chunks":
             offset = int(chunks["offset"][i])
-            if offset <= e["tokens"]:
-                e["tokens"] = offset + int(chunks["len"][i])
-                e["owner"] = str(chunks["owner"][i])
+            if offset > len(e["tokens"]):  # a gap: the pool refused it too
+                continue
+            a, n = int(chunks["start"][i]), int(chunks["len"][i])
+            for name in ("tokens", "logprobs", "token_versions"):
+                e[name][offset:] = log[name][a : a + n].tolist()
+            e["owner"], e["t_flush"] = str(chunks["owner"][i]), float(chunks["t"][i])
             continue
-        kind = str(events["kind"][i])
-        if kind == "forgotten":
-            del out[rid]
+        kind, owner = str(events["kind"][i]), str(events["owner"][i])
+        if kind == "finished":
+            e["finished"] = (str(events["finish_reason"][i]), float(events["t"][i]))
         elif kind == "owner":
-            e["owner"] = str(events["owner"][i])
-        else:
-            e[kind] = True
+            if not owner and e["owner"]:  # taken from a lost rollout: on its path
+                path_ = e["meta"].setdefault("rollout_path", [])
+                path_.append(e["owner"])
+            e["owner"] = owner
+        elif kind == "held":
+            e["held"] = True
+        elif kind == "forgotten":
+            del out[rid]
+    return out
+
+
+def log_entries(path: str | Path) -> dict[str, dict[str, Any]]:
+    """:func:`replay` without the tokens: per request id ``version``, ``owner``,
+    ``tokens`` (how many logged), ``finished`` and ``held`` (booleans), and from its meta
+    the ``prompt_uid``, ``prompt_key``, ``group_size`` and ``sample_idx``. What is here
+    and not in ``trajectories.zarr`` was still in the pool — generating, or completed
+    and not yet stored."""
+    out = {}
+    for rid, e in replay(path).items():
+        group = e["meta"].get("group", {}).get("__prompt_group__", {})
+        out[rid] = {
+            "version": e["version"],
+            "owner": e["owner"],
+            "tokens": len(e["tokens"]),
+            "finished": e["finished"] is not None,
+            "held": e["held"],
+            "prompt_uid": group.get("prompt_uid", ""),
+            "prompt_key": group.get("prompt_key", -1),
+            "group_size": group.get("group_size", 0),
+            "sample_idx": e["meta"].get("sample_idx", -1),
+        }
     return out

@@ -142,7 +142,7 @@ def test_a_write_cut_short_is_invisible_and_the_next_writer_goes_on(tmp_path):
     core.flush("r0", {"p00-000": (0, [5, 6], [-0.5, -0.5], [2, 2])})
     rows = core.drain_journal()
     # The writer dies after writing the chunk's tokens, before its commit.
-    writer._write((None, "tokens"), writer.committed["token"], np.array([5, 6], np.int32))
+    writer._write_all([((None, "tokens"), writer.committed["token"], np.array([5, 6], np.int32))])
     log = read_partial_log(tmp_path)
     assert len(log["chunks"]["seq"]) == 0 and len(log["tokens"]) == 0
     assert replay_log(tmp_path).entries["p00-000"]["state"].tokens == []
