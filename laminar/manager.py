@@ -362,22 +362,23 @@ class RolloutManager:
             t1 = time.time()
             # One import per destination and version (the planner merges one version;
             # a source that loaded another since is refused and rolled back).
-            imports: dict[tuple[str, int], tuple[list[str], object]] = {}
+            merged: dict[tuple[str, int], list[str]] = {}
             for m in moves:
                 if m.source in outs:
-                    key = (m.destination, outs[m.source]["version"])
-                    imports.setdefault(key, ([], None))[0].append(m.source)
-            for (dst, version), (sources, _) in list(imports.items()):
-                states = [st for src in sources for st in outs[src]["states"]]
-                imports[dst, version] = (
-                    sources,
-                    self._try(
-                        lambda d=dst, v=version, s=states: self.rollouts[d].import_for_move(v, s)
-                    ),
+                    merged.setdefault((m.destination, outs[m.source]["version"]), []).append(
+                        m.source
+                    )
+            imports = {
+                (dst, v): self._try(
+                    lambda d=dst, v=v, s=sources: self.rollouts[d].import_for_move(
+                        v, [st for src in s for st in outs[src]["states"]]
+                    )
                 )
+                for (dst, v), sources in merged.items()
+            }
             ok_of: dict[str, bool] = {}
-            for (dst, _), (sources, future) in imports.items():
-                ok = self._ok(future, f"repack {sources} -> {dst}: import")
+            for (dst, v), sources in merged.items():
+                ok = self._ok(imports[dst, v], f"repack {sources} -> {dst}: import")
                 ids = [st.request_id for src in sources for st in outs[src]["states"]]
                 if ok and self.partial is not None:
                     ok = self._ok(
@@ -433,15 +434,10 @@ class RolloutManager:
             return e
 
     def _ok(self, future, what: str) -> bool:
-        """Whether an actor call started by :meth:`_try` succeeded (logged if not)."""
-        try:
-            if isinstance(future, Exception):
-                raise future
-            result = future.result(timeout=self.timeout)
-        except Exception as e:  # noqa: BLE001 — the move rolls back
-            logger.warning("%s failed (%r); rolled back", what, e)
-            return False
-        return result is not False
+        """Whether an actor call started by :meth:`_try` succeeded and did not refuse
+        (returned ``False``); a failure is logged, and the move rolls back."""
+        ok, result = self._noting(what, future)
+        return ok and result is not False
 
     # -- faults ---------------------------------------------------------------------------
     def _alive(self) -> list[str]:
@@ -579,16 +575,19 @@ class RolloutManager:
     def _chain(self) -> list[str]:
         return [rid for rid in self.relays if rid not in self.relays_lost]
 
-    def _noting(self, what: str, future, errors: list[str]) -> tuple[bool, object]:
-        """``(True, result)`` of ``future``, or ``(False, None)``. A call made while
-        rebuilding the chain may fail when more than one relay was lost (a whole host):
-        the failure is recorded in ``errors``, and what it left undone falls to the next
-        round."""
+    def _noting(self, what: str, future, errors: list[str] | None = None) -> tuple[bool, object]:
+        """``(True, result)`` of ``future`` (or of an exception :meth:`_try` returned in
+        its place), or ``(False, None)``, the failure logged and recorded in ``errors``.
+        A call made while rebuilding the chain may fail when more than one relay was lost
+        (a whole host): what it left undone falls to the next round."""
         try:
+            if isinstance(future, Exception):
+                raise future
             return True, future.result(timeout=self.timeout)
         except Exception as e:  # noqa: BLE001
-            errors.append(f"{what}: {e!r}")
-            logger.warning("rebuilding the chain: %s failed: %r", what, e)
+            if errors is not None:
+                errors.append(f"{what}: {e!r}")
+            logger.warning("%s failed: %r", what, e)
             return False, None
 
     def _rechain(self, chain: list[str], errors: list[str]) -> dict[str, int]:

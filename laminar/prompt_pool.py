@@ -126,7 +126,7 @@ class PromptPoolCore:
         self.n_untrained = 0  # of those released, the groups no update consumed
         self.n_skipped = 0  # updates that consumed a batch and published no version
         self.n_reissued = 0
-        self.n_queued = 0  # asks that found the room promised to a rollout ahead
+        self.n_passed_over = 0  # asks that found the room promised to a rollout ahead
         self._queue: dict[str, float] = {}  # idle rollouts waiting for room -> last ask
         by_key = {p.key: (p, tokens) for p, tokens in prompts}
         self._reissue: list[PromptGroup] = []
@@ -190,7 +190,7 @@ class PromptPoolCore:
         head = next(iter(self._queue), None)
         if head is None or head == rollout_id:
             return True
-        self.n_queued += 1
+        self.n_passed_over += 1
         return False
 
     def _next_group(self, batch: int) -> PromptGroup:
@@ -257,7 +257,7 @@ class PromptPoolCore:
             "outstanding": len(self.outstanding),
             "reissued": self.n_reissued,
             "queued": len(self._queue),
-            "passed_over": self.n_queued,
+            "passed_over": self.n_passed_over,
             "epoch": self.epoch,
             "batch": self.batch,
         }

@@ -94,18 +94,16 @@ class TrajectoryWriter:
         self._truncate_uncommitted()
 
     def _create(self) -> None:
-        def new(name: str, dtype: np.dtype, chunk: int, dim: str) -> None:
-            new_array(self.group, name, dtype, dim, chunk)
-
+        g = self.group
         for name, dtype in SCALARS.items():
-            new(name, dtype, _CHUNK_TRAJ, TRAJECTORY_DIM)
+            new_array(g, name, dtype, TRAJECTORY_DIM, _CHUNK_TRAJ)
         for group, (dim, fields) in RAGGED.items():
             for name in (f"{group}_start", f"{group}_len"):
-                new(name, np.dtype("int64"), _CHUNK_TRAJ, TRAJECTORY_DIM)
+                new_array(g, name, np.dtype("int64"), TRAJECTORY_DIM, _CHUNK_TRAJ)
             for name, dtype in fields.items():
-                new(name, dtype, _CHUNK_TOK, dim)
+                new_array(g, name, dtype, dim, _CHUNK_TOK)
         for name, field in EVENT_FIELDS.items():
-            new(name, SCALARS[field], _CHUNK_TRAJ, EVENT_DIM)
+            new_array(g, name, SCALARS[field], EVENT_DIM, _CHUNK_TRAJ)
         self.group.attrs.update(
             {
                 "schema_version": SCHEMA_VERSION,
