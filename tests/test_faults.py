@@ -43,8 +43,11 @@ def wait_for(handle, predicate, timeout: float = 300.0) -> dict:
 
 
 def logged_tokens(owned: tuple[int, int, int]) -> bool:
-    """Mid-generation: the victim's batch has logged some tokens."""
-    return owned[1] >= 8
+    """Mid-generation: the victim's batch has logged some tokens, and some of its
+    trajectories are still unfinished. (Finished ones alone may be on their way into
+    the buffer, which then holds them: a loss would leave nothing to recover.)"""
+    entries, tokens, finished = owned
+    return tokens >= 8 and entries > finished
 
 
 def manager_stats(handle) -> dict:
@@ -465,6 +468,14 @@ def test_a_lost_trainer_restarts_within_the_run_while_rollouts_generate(tmp_path
             run_dir=run_dir,
         )
         wait_for(handle, lambda p: p.get("phase") == "training" and p["version"] >= 3)
+        # The kill comes while a rollout is decoding: with the buffer already full of
+        # finished groups (a loaded machine slows the trainer more than the paced
+        # rollouts), there would be nothing to generate while the trainer is gone.
+        partial = handle._schedule.actors["partial"]
+        deadline = time.time() + 60
+        while not any(n > f for n, _, f in partial.owned().result().values()):
+            assert time.time() < deadline and not handle.done(), "no rollout ever decoded"
+            time.sleep(0.02)
         trainer_w = workers_with(client, "trainer")[0]
         pid = client.run(os.getpid, workers=[trainer_w])[trainer_w]
         t_kill = time.time()
