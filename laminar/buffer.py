@@ -244,11 +244,20 @@ class ExperienceBuffer:
     """
 
     def __init__(
-        self, run_dir: str, pool, cfg, partial=None, resume=None, schedule: str = "laminar"
+        self,
+        run_dir: str,
+        pool,
+        cfg,
+        partial=None,
+        resume=None,
+        schedule: str = "laminar",
+        rebuild=None,
     ) -> None:
         """``partial``: the partial-response pool, told which trajectories arrived.
         ``resume``: the :class:`storage.resume.ResumePlan` of a run resumed in place.
-        ``schedule``: the run's ``pipeline.schedule``, recorded in the store."""
+        ``schedule``: the run's ``pipeline.schedule``, recorded in the store.
+        ``rebuild``: the :class:`storage.resume.RebuildPlan` of a data module rebuilt
+        within the run, in place of a lost one (docs/faults.md)."""
         from storage.trajectories import TrajectoryWriter
 
         self.core = BufferCore(
@@ -267,13 +276,20 @@ class ExperienceBuffer:
         self._jobs: queue.Queue[tuple[list[dict], list[dict]] | None] = queue.Queue()
         self._written = 0
         # uids the store committed, for the partial-response pool to forget (appended by
-        # the writer thread; a deque's append and popleft are thread-safe)
+        # the writer thread; a deque's append and popleft are thread-safe) ...
         self._committed: collections.deque[str] = collections.deque()
+        # ... and for the rollout that sent them: it keeps every trajectory it sent
+        # until then, to send again to a buffer rebuilt after this one is lost
+        self._durable: dict[str, collections.deque[str]] = {}
+        self._stored_before: set[str] = set()  # a rebuilt buffer's store, as it found it
+        self._consumed_elsewhere: dict[str, tuple[int, float]] = {}
         self._write_error: str | None = None
         self._writer_thread = threading.Thread(target=self._write_loop, daemon=True)
         self._writer_thread.start()
         if resume is not None:
             self._resume(run_dir, resume)
+        if rebuild is not None:
+            self._rebuild(run_dir, rebuild)
 
     def _resume(self, run_dir: str, plan) -> None:
         """Re-admit the plan's groups (back to ``buffered``) and drop the rest."""
@@ -284,6 +300,31 @@ class ExperienceBuffer:
         self._hold_again(arrays, [rows[u] for u in plan.readmit], stored=set(rows))
         self.version = plan.version
         self._events += [_event(uid, "dropped") for uid in plan.drop]
+        self._flush(force=True)
+
+    def _rebuild(self, run_dir: str, plan) -> None:
+        """Take over from a lost buffer: hold again what the plan says, write the
+        consumed events its store lacks, and count what the store holds as this
+        buffer's own (its counters go on from the lost one's)."""
+        from storage.trajectories import open_trajectories
+
+        arrays = open_trajectories(run_dir)
+        rows = {uid: i for i, uid in enumerate(arrays["uid"].tolist())}
+        self._hold_again(arrays, [rows[u] for u in plan.hold], stored=set(rows))
+        for uid, (sample_version, t_sample) in plan.mark_consumed.items():
+            self._events.append(_event(uid, "consumed", sample_version, t_sample))
+        self._consumed_elsewhere = dict(plan.consumed_elsewhere)
+        self._stored_before = set(rows)
+        self.version = plan.version
+        status = arrays["status"].copy()
+        status[[rows[u] for u in plan.hold]] = "buffered"
+        status[[rows[u] for u in plan.mark_consumed]] = "consumed"
+        c = self.core.counts
+        c["inserted"] += len(rows)
+        for name in ("consumed", "discarded", "evicted", "filtered"):
+            mask = status == name
+            c[name] += int(mask.sum())
+            c[f"groups_{name}"] += len(set(arrays["prompt_uid"][mask].tolist()))
         self._flush(force=True)
 
     def _hold_again(self, arrays, rows: list[int], stored: set[str] = frozenset()) -> int:
@@ -311,6 +352,10 @@ class ExperienceBuffer:
             try:
                 self._written = self.writer.append(*job)
                 self._committed.extend(r["uid"] for r in job[0])
+                for r in job[0]:
+                    sent = self._durable.get(r["rollout_ids"].rsplit(",", 1)[-1])
+                    if sent is not None:
+                        sent.append(r["uid"])
             except Exception as e:  # keep the run alive; surfaced through stats()
                 self._write_error = f"{type(e).__name__}: {e}"
             finally:
@@ -340,19 +385,50 @@ class ExperienceBuffer:
             await self.pool.release(uids, tuple(u for u in uids if u not in trained))
             self._leave(trajs)
 
-    async def insert(self, trajs: list[Trajectory]) -> int:
+    async def insert(self, trajs: list[Trajectory], rollout_id: str = "") -> dict:
         """Admit rewarded trajectories (a uid seen before is dropped: a recovered
         trajectory may arrive twice), store them, and tell the partial-response pool
-        they are safe."""
+        they are safe. Returns the depth and, for ``rollout_id``, the uids it sent that
+        the store has committed since its last insert (it may forget those)."""
+        now = time.time()
+        consumed = [t for t in trajs if t.uid in self._consumed_elsewhere]
+        if consumed:
+            trajs = [t for t in trajs if t.uid not in self._consumed_elsewhere]
+            await self._admit_consumed(consumed, now)
         admitted: list[Trajectory] = []
-        leaving = self.core.insert(trajs, version=self.version, now=time.time(), admitted=admitted)
+        leaving = self.core.insert(trajs, version=self.version, now=now, admitted=admitted)
         self._records.update((t.uid, t) for t in admitted)
         self._flush()
         await self._release(leaving)
         if self.partial is not None:
             await self.partial.hold([t.uid for t in trajs])
             await self._forget_committed()
-        return self.core.depth
+        stored = []
+        if rollout_id:
+            done = self._durable.setdefault(rollout_id, collections.deque())
+            while done:
+                stored.append(done.popleft())
+            # sent again to a rebuilt buffer, and in the store it found: safe already
+            stored += [t.uid for t in trajs if t.uid in self._stored_before]
+        return {"depth": self.core.depth, "stored": stored}
+
+    async def _admit_consumed(self, trajs: list[Trajectory], now: float) -> None:
+        """Trajectories the trainer consumed from the lost buffer before its store had
+        them (:class:`storage.resume.RebuildPlan` ``consumed_elsewhere``), sent again by
+        their rollout: stored as consumed, their groups released."""
+        for t in trajs:
+            sample_version, t_sample = self._consumed_elsewhere.pop(t.uid)
+            # (when it finished is gone with the lost buffer: by the version it was
+            # sampled at, which bounds it)
+            t.finish_version = max(t.behavior_version, sample_version)
+            t.t_insert = min(now, t_sample)
+            t.sample_version, t.t_sample, t.status = sample_version, t_sample, "consumed"
+            self.core.seen.add(t.uid)
+            self.core.counts["inserted"] += 1
+            self.core.counts["consumed"] += 1
+            self._records[t.uid] = t
+        self._flush()
+        await self.pool.release(sorted({t.prompt_uid for t in trajs}))
 
     async def _forget_committed(self) -> None:
         """Tell the partial-response pool which trajectories the store now has: it keeps
@@ -416,9 +492,14 @@ class ExperienceBuffer:
             raise RuntimeError(f"the trajectory store cannot be written: {self._write_error}")
         return self._written
 
+    async def groups(self) -> list[str]:
+        """The prompt groups held (complete and partial)."""
+        return [*self.core.ready, *self.core.partial]
+
     async def stats(self) -> dict:
         return {
             **self.core.stats(),
+            "consumed_unstored": len(self._consumed_elsewhere),  # (a rebuilt buffer's)
             "version": self.version,
             "written": self._written,
             "write_error": self._write_error,

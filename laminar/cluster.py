@@ -193,6 +193,115 @@ def submit_actor(client, cls, *args, worker: str, resource: str, **kwargs):
     return bind_actor(client, cls, worker, future)
 
 
+LOST_POLL_S = 1.0  # how often actor_result looks whether the actor's worker is gone
+
+
+class ActorLost(ConnectionError):
+    """The worker holding an actor was lost (its creating task is gone)."""
+
+
+def is_lost(error: BaseException) -> bool:
+    """Whether a failed actor call says its actor may be lost (its worker gone, the
+    connection cut, the call cancelled or timed out), rather than an error the actor
+    raised itself (re-raised here as it was)."""
+    import asyncio
+    import concurrent.futures
+
+    from distributed.comm.core import CommClosedError
+
+    cut = (CommClosedError, ConnectionError, TimeoutError)
+    cancelled = (asyncio.CancelledError, concurrent.futures.CancelledError)
+    # (distributed raises a plain OSError when it cannot connect, and a RuntimeError
+    # for a call to an actor it knows lost; a FileNotFoundError is the actor's own)
+    return (
+        isinstance(error, cut + cancelled)
+        or type(error) is OSError
+        or (type(error) is RuntimeError and "Worker holding Actor was lost" in str(error))
+    )
+
+
+def actor_result(actor, future, timeout: float):
+    """``future.result(timeout)`` for a call on ``actor``, that raises
+    :class:`ActorLost` within about a second of the actor's worker being lost. (A call
+    in flight when its actor's worker dies otherwise waits out its whole timeout:
+    distributed waits for the actor's creating task, which is never done.)"""
+    import time
+
+    deadline = time.monotonic() + timeout
+    while True:
+        left = deadline - time.monotonic()
+        try:
+            return future.result(timeout=max(0.0, min(left, LOST_POLL_S)))
+        except UnboundLocalError:  # distributed's sync met the result as its timeout fired:
+            continue  # it is there now
+        except TimeoutError:
+            if left <= LOST_POLL_S:
+                raise
+            if not _worker_alive(actor):
+                raise ActorLost(
+                    f"the worker holding actor {actor.key} ({actor._address}) is gone"
+                ) from None
+
+
+def _worker_alive(actor) -> bool:
+    """Whether the scheduler still has the worker of ``actor`` (``True`` when it cannot
+    be asked: the call's own timeout then stands)."""
+    from distributed import get_client
+
+    try:
+        workers = get_client().scheduler_info(n_workers=-1)["workers"]
+    except Exception:  # noqa: BLE001 — no client here, or no scheduler to ask
+        return True
+    return actor._address in workers
+
+
+def detach(actor):
+    """A handle to ``actor`` that holds no future of the task that created it, for
+    passing in an actor method call (never as a task's argument).
+
+    When the worker of an actor's constructor argument is lost (the data module, whose
+    handles every rollout was built with), the scheduler marks the dependent creating
+    tasks erred, although those actors live on. A handle to such an actor unpickled in
+    another process asks the scheduler about its key, hears "erred", and refuses every
+    call; a task that takes it as an argument never runs. This one does neither, and a
+    call to it whose worker is gone fails at once instead of waiting for the task."""
+    return _Detached(actor._cls, actor._address, actor.key)
+
+
+def _detached_class():
+    from distributed import Actor
+
+    class Detached(Actor):
+        def _try_bind_worker_client(self):
+            from distributed import get_client, get_worker
+
+            if not self._worker:
+                try:
+                    self._worker = get_worker()
+                except ValueError:
+                    self._worker = None
+            if not self._client:
+                try:
+                    self._client = get_client()
+                except ValueError:
+                    self._client = None
+
+        def __reduce__(self):
+            return (_Detached, (self._cls, self._address, self.key))
+
+    return Detached
+
+
+def _Detached(cls, address: str, key: str):  # noqa: N802 — builds (and unpickles) one
+    global _DETACHED
+    if _DETACHED is None:
+        _DETACHED = _detached_class()
+    return _DETACHED(cls, address, key)
+
+
+_DETACHED = None
+
+
 def start_thread(target, name: str):
     """Start a daemon thread inside a copy of the caller's context.
 

@@ -300,6 +300,15 @@ class FaultsConfig(_Section):
     # How long the run waits for a `trainer` worker to restart the trainer on before it
     # fails (a local worker's nanny brings it back in seconds; a Slurm job may queue).
     trainer_restart_timeout_s: float = Field(120.0, gt=0)
+    # A lost data module (buffer, prompt pool, partial-response pool and rollout manager,
+    # on a worker apart from the trainer) is rebuilt within the run from the stores, the
+    # trainer's record of what it consumed and what the rollouts hold, on a `data`
+    # worker that comes back or joins. Off, a lost data module fails the run (continue
+    # it with `laminar run --resume RUN_DIR`).
+    restart_data: bool = True
+    # How long the run (and each rollout and the trainer, waiting) waits for a `data`
+    # worker to rebuild the data module on before it fails.
+    data_restart_timeout_s: float = Field(120.0, gt=0)
 
 
 class MetricsConfig(_Section):

@@ -36,6 +36,7 @@ import queue
 import threading
 import time
 import traceback
+from collections import Counter
 
 from laminar.cluster import start_thread
 from laminar.config import RunConfig
@@ -97,6 +98,17 @@ def planner_loads(loads: dict[str, dict], prev: dict[str, tuple[int | None, floa
     return out
 
 
+# The totals a manager's stats() sums over its rows, carried over by take_over().
+_CARRIED = (
+    "recoveries",
+    "recovered_requests",
+    "requests_moved",
+    "tokens_moved",
+    "reprefill_tokens",
+    "pause_s",
+)
+
+
 class RolloutManager:
     """Dask actor (on the data worker): the repack loop over every rollout."""
 
@@ -144,6 +156,8 @@ class RolloutManager:
         self.hung: dict[str, dict] = {}  # rollout -> when it was declared hung, its fence
         self.masters: list[dict] = []  # master relays that replaced a lost one (restarts)
         self._master_lost: float | None = None  # when the master's worker was found gone
+        # Totals of the managers this one took over from (lost with the data module).
+        self._carried: Counter = Counter()
         self.error: str | None = None
 
     def start(self) -> None:
@@ -155,23 +169,48 @@ class RolloutManager:
             self._thread.join(timeout)
         return self.stats()
 
+    def take_over(self, last: dict, rollouts: dict, workers: dict) -> None:
+        """Go on from a manager lost with the data module, from its last ``stats()``: the
+        rollouts and relays it had found lost, hung or replaced stay so, the relay each
+        rollout pulls from stands, and its totals carry on into this one's. ``rollouts``
+        (id -> handle, made by :func:`laminar.cluster.detach`: the scheduler holds their
+        creating tasks erred, their data-module arguments being lost) and ``workers``
+        are the live rollouts, given here rather than to the constructor for that
+        reason (a task with such an argument never runs)."""
+        self.rollouts.update(rollouts)
+        self.workers.update(workers)
+        self.lost.update(last["lost"])
+        self.replacements.update(last["replacements"])
+        self.relays_lost.update(last["relays_lost"])
+        self.hung.update(last["hung"])
+        self.masters += last["masters_replaced"]
+        self.rollout_relays.update(last["rollout_relays"])
+        for k in ("checks", "moves", "rolled_back", "skipped", "global_pauses"):
+            if k in last:
+                self.counts[k] = self.counts.get(k, 0) + last[k]
+        for k in _CARRIED:
+            self._carried[k] += last[k]
+
     def stats(self) -> dict:
         moved = [r for r in self.rows if r["ok"]]
+        c = self._carried
         return {
             "lost": dict(self.lost),
             "replacements": dict(self.replacements),
             "relays_lost": {rid: dict(info) for rid, info in self.relays_lost.items()},
             "hung": {rid: dict(info) for rid, info in self.hung.items()},
             "chain": self._chain(),
+            "rollout_relays": dict(self.rollout_relays),
             "masters_replaced": [dict(m) for m in self.masters],
-            "recoveries": len(self.fault_rows),
-            "recovered_requests": sum(r["requests"] for r in self.fault_rows),
+            "recoveries": c["recoveries"] + len(self.fault_rows),
+            "recovered_requests": c["recovered_requests"]
+            + sum(r["requests"] for r in self.fault_rows),
             **self.counts,
             "max_batch": self.max_batch,
-            "requests_moved": sum(r["requests"] for r in moved),
-            "tokens_moved": sum(r["tokens"] for r in moved),
-            "reprefill_tokens": sum(r["context_tokens"] for r in moved),
-            "pause_s": sum(r["pause_s"] for r in self.rows),
+            "requests_moved": c["requests_moved"] + sum(r["requests"] for r in moved),
+            "tokens_moved": c["tokens_moved"] + sum(r["tokens"] for r in moved),
+            "reprefill_tokens": c["reprefill_tokens"] + sum(r["context_tokens"] for r in moved),
+            "pause_s": c["pause_s"] + sum(r["pause_s"] for r in self.rows),
             "error": self.error,
         }
 

@@ -25,6 +25,13 @@ mailbox that the thread serves between decode steps. An exporting rollout is *he
 its batch boundary until the manager releases it, so a failed import can always be
 undone by importing the states back; once released, the freed rollout pulls the newest
 weights and takes new prompts.
+
+The data module (prompt pool, buffer, partial-response pool) may be lost with its
+worker and rebuilt within the run (docs/faults.md, "Data-module loss"). A rollout that
+finds it gone decodes its batch on, keeps every finished trajectory, and waits at the
+batch boundary until :meth:`RolloutReplica.attach_data` hands it the new one. It keeps
+each trajectory it sent to the buffer until the buffer says its store has it, and sends
+those again to the new buffer (which drops what it has).
 """
 
 from __future__ import annotations
@@ -38,7 +45,7 @@ import traceback
 import numpy as np
 import torch
 
-from laminar.cluster import start_thread
+from laminar.cluster import actor_result, is_lost, start_thread
 from laminar.config import RunConfig
 from laminar.contract import PromptGroup, Trajectory
 from laminar.engine import FinishedOutput, GenerationRequest, RequestState, make_engine
@@ -53,6 +60,11 @@ IDLE_WAIT_S = 2.0
 # A rollout waiting for a version it was told of polls its relay this long at a time (it
 # wakes the moment the version completes), serving the manager's commands between polls.
 VERSION_POLL_S = 0.5
+# While the data module looks lost, a rollout asks the old buffer this often whether it
+# answers after all (a slow call, not a loss) ...
+PROBE_S = 3.0
+RESEND_CHUNK = 64  # ... and sends its kept trajectories to a new one this many at a time
+_RESEND = object()  # the reward collector's cue to send the kept trajectories again
 
 
 class RolloutReplica:
@@ -91,6 +103,13 @@ class RolloutReplica:
         # Finished, not yet logged as finished: request id -> (tokens logged, output).
         self._ended: dict[str, tuple[int, FinishedOutput]] = {}
         self._t_logged = time.time()
+        # The data module: which one (rebuilt ones count up), and since when it is lost.
+        self._data_epoch = 0
+        self._data_lost: float | None = None
+        # Trajectories sent (or to be sent) to the buffer that its store has not committed
+        # yet: uid -> [trajectory, the data epoch it was sent in (None: not yet)].
+        self._unstored: dict[str, list] = {}
+        self._unstored_lock = threading.Lock()
         self._adopted: queue.Queue = queue.Queue()  # (version, states) from recovery
         self._rescore: queue.Queue = queue.Queue()  # finished states from recovery
         self.puller = Puller(relay, cfg.relay.timeout_s)
@@ -162,6 +181,9 @@ class RolloutReplica:
             "interrupts": 0,  # interrupt: publications that paused this rollout
             "sync_wait_s": 0.0,  # ... and the time it waited for their weights
             "recomputed_tokens": 0,  # ... and the KV it recomputed after them
+            "data_rebuilds": 0,  # data modules that replaced a lost one
+            "data_wait_s": 0.0,  # ... and the time it waited at a boundary for them
+            "resent": 0,  # trajectories sent again to a rebuilt buffer
         }
 
     # -- control methods (run on the actor thread while the loop decodes) ---------------
@@ -188,6 +210,8 @@ class RolloutReplica:
             "running": kv.running,
             "waiting": kv.waiting,
             "pending_rewards": self._to_score.unfinished_tasks,
+            "unstored": len(self._unstored),
+            "data_lost": self._data_lost is not None,
             "relay_switches": self.puller.switches,
             "alive": self._thread is not None and self._thread.is_alive(),
             "error": self.error,
@@ -238,8 +262,11 @@ class RolloutReplica:
             self._fail_commands()
             self._to_score.put(None)  # the collector ends after what is queued
 
-    def _call(self, actor_future):
-        # Every actor-to-actor call has a timeout: a call to a lost actor never returns.
+    def _call(self, actor_future, actor=None):
+        """Every actor-to-actor call has a timeout: a call to a lost actor never returns.
+        With its ``actor``, one whose worker is lost fails within a second."""
+        if actor is not None:
+            return actor_result(actor, actor_future, self.cfg.cluster.actor_timeout_s)
         return actor_future.result(timeout=self.cfg.cluster.actor_timeout_s)
 
     def _ask(self) -> int:
@@ -254,7 +281,13 @@ class RolloutReplica:
         return r.groups_per_batch
 
     def _acquire(self, n: int) -> list[PromptGroup]:
-        return self._call(self.pool.acquire(n, self.rollout_id, self.engine.version))
+        if self._data_lost is not None:
+            return []
+        try:
+            return self._call(self.pool.acquire(n, self.rollout_id, self.engine.version), self.pool)
+        except Exception as e:
+            self._lose_data(e)
+            return []
 
     def _take(self, n: int, wait_s: float) -> tuple[list[PromptGroup], int]:
         """Ask the pool for ``n`` groups, waiting up to ``wait_s`` for them in the pool
@@ -265,8 +298,124 @@ class RolloutReplica:
         served by it, and a publication (which a partial rollout's pause follows) wakes
         the poll at once."""
         self._tick()
-        future = self.pool.take(n, self.rollout_id, self.engine.version, wait_s)
-        return future.result(timeout=wait_s + self.cfg.cluster.actor_timeout_s)
+        epoch = self._data_epoch
+        if self._data_lost is None:
+            try:
+                future = self.pool.take(n, self.rollout_id, self.engine.version, wait_s)
+                return actor_result(self.pool, future, wait_s + self.cfg.cluster.actor_timeout_s)
+            except Exception as e:
+                self._lose_data(e)
+        self._await_data(epoch, serve=True)
+        return [], self.engine.version
+
+    # -- the data module's loss -----------------------------------------------------------
+    def _lose_data(self, error: Exception) -> None:
+        """A call to the data module failed: lost (its worker gone, or not answering),
+        or an error of its own, which fails this rollout as before."""
+        if not is_lost(error):
+            raise error
+        if self._data_lost is None:
+            self._data_lost = time.time()
+            logger.warning(
+                "rollout %s: the data module does not answer (%s: %s); generating on, "
+                "keeping what finishes, until it is back or rebuilt",
+                self.rollout_id,
+                type(error).__name__,
+                error,
+            )
+
+    def _await_data(self, epoch: int, serve: bool) -> None:
+        """Wait until a data module newer than ``epoch`` is attached, or the old one
+        answers after all; ``serve``: the generation thread, serving commands meanwhile.
+        Fails after ``faults.data_restart_timeout_s``."""
+        t0 = time.time()
+        timeout = self.cfg.faults.data_restart_timeout_s
+        next_probe = t0 + PROBE_S
+        while self._data_epoch == epoch and self._data_lost is not None:
+            if self._stop.is_set():
+                return
+            if time.time() - self._data_lost > timeout:
+                raise RuntimeError(
+                    f"rollout {self.rollout_id}: the data module was lost and not rebuilt "
+                    f"within faults.data_restart_timeout_s={timeout:g} s"
+                )
+            if time.time() > next_probe:
+                next_probe = time.time() + PROBE_S
+                try:
+                    actor_result(self.buffer, self.buffer.stats(), 2.0)
+                except Exception:  # noqa: BLE001 — still gone
+                    pass
+                else:
+                    if self._data_epoch == epoch:
+                        self._data_lost = None  # it was slow, not lost
+                        logger.warning("rollout %s: the data module answers again", self.rollout_id)
+            if serve:
+                self._serve(0.05)
+            else:
+                time.sleep(0.05)
+        if serve:
+            self.counts["data_wait_s"] += time.time() - t0
+
+    def data_holdings(self) -> list[str]:
+        """The prompt groups this rollout holds trajectories of: decoding, handed to it
+        by a recovery, waiting for a reward, or sent and not yet stored. (Served by the
+        generation thread: what it holds does not change meanwhile.)"""
+        return self._command(self._holdings)
+
+    def _holdings(self) -> list[str]:
+        groups = {st.request.meta["group"].prompt_uid for st in self.engine.in_flight()}
+        for _, states in list(self._adopted.queue):
+            groups |= {st.request.meta["group"].prompt_uid for st in states}
+        for states in list(self._rescore.queue):
+            groups |= {st.request.meta["group"].prompt_uid for st in states}
+        if self._paused is not None:
+            groups |= {st.request.meta["group"].prompt_uid for st in self._paused[1]}
+        with self._unstored_lock:
+            groups |= {t.prompt_uid for t, _ in self._unstored.values()}
+        return sorted(groups)
+
+    def attach_data(self, pool, buffer, partial) -> int:
+        """The data module rebuilt in place of a lost one: use it from now on. Every
+        unfinished trajectory is registered with the new partial-response pool, with the
+        tokens it has, and every kept one is sent again to the new buffer. Returns how
+        many were registered."""
+        return self._command(lambda: self._attach(pool, buffer, partial))
+
+    def _attach(self, pool, buffer, partial) -> int:
+        from dataclasses import replace
+
+        self.pool, self.buffer, self.partial = pool, buffer, partial
+        self._data_epoch += 1
+        self._data_lost = None
+        registered = 0
+        if partial is not None:
+            batches = [(self.engine.version, self.engine.in_flight())]
+            batches += list(self._adopted.queue)
+            for version, states in batches:
+                copies = [
+                    replace(
+                        st,
+                        tokens=list(st.tokens),
+                        logprobs=list(st.logprobs),
+                        token_versions=list(st.token_versions),
+                    )
+                    for st in states
+                ]
+                if copies:
+                    self._call(partial.register(self.rollout_id, version, copies), partial)
+                    registered += len(copies)
+            self._logged = {st.request_id: len(st.tokens) for st in self.engine.in_flight()}
+            self._ended.clear()  # (kept as unstored: the new buffer gets them)
+        self.counts["data_rebuilds"] += 1
+        self._to_score.put(_RESEND)
+        logger.warning(
+            "rollout %s: a rebuilt data module; %d unfinished trajectories registered with "
+            "it, %d kept trajectories to send again",
+            self.rollout_id,
+            registered,
+            len(self._unstored),
+        )
+        return registered
 
     def _wait_for_version(self, version: int, wait_s: float) -> None:
         """Wait up to ``wait_s`` until the relay has ``version`` (or newer) and load it,
@@ -415,15 +564,21 @@ class RolloutReplica:
                 )
                 self.engine.add_request(req)
                 new.append(req.request_id)
-        if self.partial is not None:
+        if self.partial is not None and self._data_lost is None:
             added = set(new)
             states = [
                 RequestState(st.request, seed=st.seed, t_start=st.t_start)
                 for st in self.engine.in_flight()
                 if st.request_id in added
             ]
-            self._call(self.partial.register(self.rollout_id, self.engine.version, states))
-            self._logged.update(dict.fromkeys(new, 0))
+            try:
+                self._call(
+                    self.partial.register(self.rollout_id, self.engine.version, states),
+                    self.partial,
+                )
+                self._logged.update(dict.fromkeys(new, 0))
+            except Exception as e:
+                self._lose_data(e)  # (a rebuilt pool has them registered in full)
         self.counts["batches"] += 1
 
     # -- the partial-response log (laminar.partial) --------------------------------------
@@ -434,8 +589,8 @@ class RolloutReplica:
 
         Requests that finished go with the next send, marked finished (their version no
         longer needs keeping); the end of a batch always sends them (:meth:`_decode`)."""
-        if self.partial is None:
-            return
+        if self.partial is None or self._data_lost is not None:
+            return  # (lost: a rebuilt pool has every unfinished one registered in full)
         for out in finished:
             rid = out.request.request_id
             if rid in self._logged:
@@ -470,7 +625,11 @@ class RolloutReplica:
             )
             ended[rid] = (out.finish_reason, out.t_finish)
         if tokens:
-            self._call(self.partial.flush(self.rollout_id, tokens, ended))
+            try:
+                self._call(self.partial.flush(self.rollout_id, tokens, ended), self.partial)
+            except Exception as e:
+                self._lose_data(e)
+                return
             self._ended.clear()
             for rid, (n, toks, _, _) in tokens.items():
                 if rid not in ended:
@@ -510,8 +669,14 @@ class RolloutReplica:
                     RequestState(st.request, seed=st.seed, t_start=time.time(), n_moves=st.n_moves)
                     for st in states
                 ]
-                if self.partial is not None:
-                    self._call(self.partial.register(self.rollout_id, self.engine.version, states))
+                if self.partial is not None and self._data_lost is None:
+                    try:
+                        self._call(
+                            self.partial.register(self.rollout_id, self.engine.version, states),
+                            self.partial,
+                        )
+                    except Exception as e:
+                        self._lose_data(e)
                 self.counts["restarted_requests"] += len(states)
                 version = self.engine.version
             else:
@@ -767,6 +932,8 @@ class RolloutReplica:
             )
             self.counts["response_tokens"] += len(resp)
         self.counts["trajectories"] += len(trajs)
+        with self._unstored_lock:  # kept until the store has it
+            self._unstored.update((t.uid, [t, None]) for t in trajs)
         self._to_score.put((trajs, items, self._reward_task(items)))
 
     def _collect_rewards(self, block: bool) -> None:
@@ -825,7 +992,10 @@ class RolloutReplica:
         it again once that worker is gone), never generation or the rollout's heartbeat."""
         while (item := self._to_score.get()) is not None:
             try:
-                self._insert_scored(*item)
+                if item is _RESEND:
+                    self._resend()
+                else:
+                    self._insert_scored(*item)
             except Exception:
                 error = traceback.format_exc()
                 self.error = self.error or error
@@ -854,5 +1024,37 @@ class RolloutReplica:
                         t.uid,
                         s.error,
                     )
-        self._call(self.buffer.insert(trajs))
+        self._send(trajs)
         self.counts["inserted"] += len(trajs)
+
+    def _send(self, trajs: list[Trajectory]) -> None:
+        """Insert into the buffer; forget what its store has committed. A lost buffer:
+        wait for the rebuilt one, to which :meth:`_resend` sends them (or retry, if the
+        old one answers after all)."""
+        while True:
+            epoch = self._data_epoch
+            with self._unstored_lock:
+                for t in trajs:
+                    if t.uid in self._unstored:
+                        self._unstored[t.uid][1] = epoch
+            try:
+                out = self._call(self.buffer.insert(trajs, self.rollout_id), self.buffer)
+            except Exception as e:
+                self._lose_data(e)
+                self._await_data(epoch, serve=False)
+                if self._data_epoch != epoch or self._stop.is_set():
+                    return  # a new buffer: the resend has them
+                continue  # the old buffer answers again: send them again
+            with self._unstored_lock:
+                for uid in out["stored"]:
+                    self._unstored.pop(uid, None)
+            return
+
+    def _resend(self) -> None:
+        """Send the kept trajectories that went to an earlier buffer to the current one."""
+        epoch = self._data_epoch
+        with self._unstored_lock:
+            old = [t for t, sent in self._unstored.values() if sent is not None and sent < epoch]
+        for i in range(0, len(old), RESEND_CHUNK):
+            self._send(old[i : i + RESEND_CHUNK])
+        self.counts["resent"] += len(old)

@@ -39,7 +39,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from laminar.cluster import start_thread
+from laminar.cluster import actor_result, is_lost, start_thread
 from laminar.config import RunConfig
 from laminar.contract import Trajectory
 from laminar.learner import Learner
@@ -123,6 +123,15 @@ class Trainer:
         self._thread: threading.Thread | None = None
         self.wait_s = 0.0  # time spent waiting for the buffer to hold a full batch
         self.weights_checksum: float | None = None  # at the end, when data-parallel
+        # What this trainer sampled at versions >= _since (uid -> sample version, time):
+        # a data module rebuilt after a loss learns from it what was consumed
+        # (storage.resume.plan_rebuild). Emptied up to each checkpoint, whose store
+        # commit records it.
+        self._consumed: dict[str, tuple[int, float]] = {}
+        self._since = self.learner.version
+        self._consumed_lock = threading.Lock()
+        self._data_epoch = 0  # data modules rebuilt in place of a lost one
+        self.data_wait_s = 0.0  # time spent waiting for one
 
     def set_manager(self, manager) -> None:
         """The rollout manager, given after construction: a restarted trainer is created
@@ -130,6 +139,61 @@ class Trainer:
         it, and the scheduler errs such a task when one of the manager's own arguments
         (the lost master relay) is gone."""
         self.manager = manager
+
+    def consumed_record(self) -> dict:
+        """What a rebuilt data module needs of this trainer (the data module is lost):
+        every trajectory it sampled at versions ``>= since``, and its version."""
+        with self._consumed_lock:
+            return {"consumed": dict(self._consumed), "since": self._since, "version": self.version}
+
+    def attach_data(self, buffer, manager) -> None:
+        """The data module rebuilt in place of a lost one: a call waiting on the lost
+        buffer goes to this one."""
+        self.buffer, self.manager = buffer, manager
+        self._data_epoch += 1
+
+    def _on_buffer(self, call):
+        """``call(buffer)``'s result. A lost buffer: wait for the rebuilt one (up to
+        ``faults.data_restart_timeout_s``) and call that; one that answers again after
+        all (a slow call), called again."""
+        timeout = self.cfg.cluster.actor_timeout_s
+        while True:
+            epoch = self._data_epoch
+            try:
+                return actor_result(self.buffer, call(self.buffer), timeout)
+            except Exception as e:
+                if not is_lost(e):
+                    raise
+                self._await_data(epoch, e)
+
+    def _await_data(self, epoch: int, error: Exception) -> None:
+        t0 = time.time()
+        limit = self.cfg.faults.data_restart_timeout_s
+        logger.warning(
+            "trainer: the buffer does not answer (%s: %s); waiting for it",
+            type(error).__name__,
+            error,
+        )
+        next_probe = t0 + 3.0
+        try:
+            while self._data_epoch == epoch:
+                if self._stop.is_set():
+                    raise RuntimeError("stopped while the buffer was lost") from error
+                if time.time() - t0 > limit:
+                    raise RuntimeError(
+                        f"the buffer was lost and not rebuilt within "
+                        f"faults.data_restart_timeout_s={limit:g} s"
+                    ) from error
+                if time.time() > next_probe:
+                    next_probe = time.time() + 3.0
+                    try:
+                        actor_result(self.buffer, self.buffer.stats(), 2.0)
+                        return  # slow, not lost
+                    except Exception:  # noqa: BLE001 — still gone
+                        pass
+                time.sleep(0.05)
+        finally:
+            self.data_wait_s += time.time() - t0
 
     def start(self) -> None:
         if self.spec.interrupt and self.manager is None:
@@ -169,6 +233,8 @@ class Trainer:
             "done": self.done,
             "error": self.error,
             "wait_s": self.wait_s,
+            "data_wait_s": self.data_wait_s,
+            "data_rebuilds": self._data_epoch,
             "skipped_steps": self.learner.skipped_steps,
             "ranks": self.ranks,
             "weights_checksum": self.weights_checksum,
@@ -203,9 +269,9 @@ class Trainer:
             self.done = True
 
     def _train(self) -> None:
-        t_cfg, timeout = self.cfg.trainer, self.cfg.cluster.actor_timeout_s
+        t_cfg = self.cfg.trainer
         if self.version:  # resumed: trajectories finish at the checkpoint's version on
-            self.buffer.version_published(self.version).result(timeout)
+            self._on_buffer(lambda b: b.version_published(self.version))
         if not self.restarted:  # (restarted: the rollouts hold that version or newer)
             self.publish()  # the starting version (rollouts start from the base policy)
         self._last_publication = time.time()
@@ -232,12 +298,15 @@ class Trainer:
 
     def _sample(self, n_groups: int) -> list[Trajectory] | None:
         """``n_groups`` complete groups from the buffer, waiting for them (``None``: stopped)."""
-        timeout = self.cfg.cluster.actor_timeout_s
         t_wait = time.time()
         try:
             while not self._stop.is_set():
-                batch = self.buffer.sample(n_groups, self.version).result(timeout)
+                batch = self._on_buffer(lambda b: b.sample(n_groups, self.version))
                 if batch is not None:
+                    with self._consumed_lock:
+                        self._consumed.update(
+                            (t.uid, (t.sample_version, t.t_sample)) for t in batch
+                        )
                     return batch
                 self._stop.wait(0.02)
             return None
@@ -311,13 +380,13 @@ class Trainer:
             self.version,
             self.learner.skipped_steps,
         )
-        self.buffer.update_skipped().result(self.cfg.cluster.actor_timeout_s)
+        self._on_buffer(lambda b: b.update_skipped())
 
     def _publish_update(self, record: dict) -> None:
         """Tell the buffer, move the weights as the schedule does, record the update, and
         checkpoint when due."""
         timeout = self.cfg.cluster.actor_timeout_s
-        self.buffer.version_published(self.version).result(timeout)
+        self._on_buffer(lambda b: b.version_published(self.version))
         t_pub = time.time()
         if self.spec.interrupt:  # every rollout stops before the weights move
             self.manager.pause_all(self.version).result(timeout)
@@ -378,7 +447,7 @@ class Trainer:
         if out.exists():
             return str(out)
         try:
-            self.buffer.sync().result(timeout=self.cfg.cluster.actor_timeout_s)
+            self._on_buffer(lambda b: b.sync())
         except Exception as e:  # noqa: BLE001 — the data module is gone or cannot write
             logger.warning(
                 "no checkpoint at version %d: the trajectory store could not be committed "
@@ -388,6 +457,9 @@ class Trainer:
                 e,
             )
             return self.checkpoint
+        with self._consumed_lock:  # the store has what was sampled before this version
+            self._consumed = {u: c for u, c in self._consumed.items() if c[0] >= self.version}
+            self._since = self.version
         tmp = root / f".version-{self.version:06d}.partial"
         shutil.rmtree(tmp, ignore_errors=True)
         self.learner.save(tmp)

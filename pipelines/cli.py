@@ -173,6 +173,13 @@ def _print_summary(s: dict) -> None:
             f"redone, {r['readmitted']} trajectories back in the buffer); numbering goes on "
             f"after version {r['after_version']}"
         )
+    for r in (faults or {}).get("data_restarts", []):
+        print(
+            f"data module        lost, rebuilt in the run in {r['restart_s']:.1f} s from the "
+            f"stores ({r['held_again']} trajectories held again, {r['marked_consumed']} "
+            f"consumed events written, {r['outstanding_groups']} groups outstanding, "
+            f"{r['registered']} unfinished trajectories registered anew)"
+        )
     if faults and faults.get("relays_lost"):
         print(
             f"relays             {len(faults['relays_lost'])} lost "

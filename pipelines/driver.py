@@ -18,7 +18,15 @@ from pathlib import Path
 from urllib.parse import urlparse
 
 from laminar.buffer import ExperienceBuffer
-from laminar.cluster import bind_actor, place, start_actor, submit_actor, workers_with
+from laminar.cluster import (
+    actor_result,
+    bind_actor,
+    is_lost,
+    place,
+    start_actor,
+    submit_actor,
+    workers_with,
+)
 from laminar.config import RunConfig
 from laminar.errors import ClusterError
 from laminar.learner import newest_checkpoint
@@ -34,6 +42,9 @@ from pipelines.summary import faults_summary, median
 logger = logging.getLogger("laminar")
 
 METRICS_FLUSH_S = 5.0
+# A data-module call that failed as if lost, with its worker still on the scheduler's
+# books, is tried again for this long before the run fails.
+DATA_SUSPECT_S = 10.0
 # Rollout stats recorded per poll (besides the rollout id and the time).
 ROLLOUT_METRICS = (
     "version",
@@ -254,6 +265,21 @@ class Schedule:
         )
         self.trainer_restarts: list[dict] = []
         self._restart = None  # a TrainerRestart in progress
+        # A lost data module is rebuilt within the run when it has a worker apart from the
+        # trainer, under Laminar's schedule, with the partial-response pool and manager
+        # it rebuilds (pipelines/restart.py).
+        self.data_restartable = (
+            (spec.dispatch, spec.weights, spec.trainer) == ("free", "relay", "free")
+            and trainer_w != data_w
+            and partial is not None
+            and manager is not None
+            and cfg.faults.restart_data
+        )
+        self.data_restarts: list[dict] = []
+        self._data_restart = None  # a DataRestart in progress
+        self._data_suspect: float | None = None  # a data-module call failed, not yet lost
+        self._last_data_stats: tuple[dict, dict] | None = None
+        self._last_m_stats: dict | None = None
         self._published_fps: dict[int, int] = {}  # kept across trainer restarts
         self._old_publications: list[dict] = []  # the lost masters' records
         self._master_publications: list[dict] = []  # the live master's, as last copied
@@ -293,10 +319,7 @@ class Schedule:
         try:
             while True:
                 time.sleep(self.cfg.metrics.poll_s)
-                futures = [a["buffer"].stats(), a["pool"].stats()]
-                b_stats, p_stats = (
-                    f.result(timeout=self.cfg.cluster.actor_timeout_s) for f in futures
-                )
+                b_stats, p_stats = self._data_stats()
                 t_stats = self._trainer_stats()
                 r_stats = self._rollout_stats()
                 now = time.time()
@@ -331,9 +354,10 @@ class Schedule:
                 failed += [
                     s for s in (r.stats().result() for r in a["trainer_ranks"]) if s["error"]
                 ]
-                if a["manager"] is not None and (m := a["manager"].stats().result())["error"]:
+                m = self._manager_stats()
+                if m is not None and m["error"]:
                     failed.append(m)
-                elif a["manager"] is not None:
+                elif m is not None:
                     self._replace_lost(m)
                 if failed:
                     reason = "failed: " + failed[0]["error"].strip().splitlines()[-1]
@@ -351,6 +375,54 @@ class Schedule:
             return self.shutdown(reason, t_start)
         finally:
             self.metrics.close()
+
+    def _data_stats(self) -> tuple[dict, dict]:
+        """The buffer's and prompt pool's stats; while a lost data module is rebuilt
+        (:attr:`data_restartable`), the last ones, and each call advances the rebuild.
+        Raises when the data module is lost and cannot be rebuilt."""
+        a = self.actors
+        timeout = self.cfg.cluster.actor_timeout_s
+        if self._data_restart is None:
+            try:
+                futures = [(x, x.stats()) for x in (a["buffer"], a["pool"])]
+                self._last_data_stats = tuple(actor_result(x, f, timeout) for x, f in futures)
+                self._data_suspect = None
+                return self._last_data_stats
+            except Exception as e:
+                lost = self._lost_core()
+                if not (self.data_restartable and self._last_m_stats is not None):
+                    raise
+                if not lost and is_lost(e):
+                    # (the call may fail a moment before the scheduler drops the worker)
+                    self._data_suspect = self._data_suspect or time.time()
+                    if time.time() - self._data_suspect < DATA_SUSPECT_S:
+                        return self._last_data_stats
+                if list(lost) != ["data module"]:
+                    raise
+                from pipelines.restart import DataRestart
+
+                self._data_suspect = None
+                self._data_restart = DataRestart(self, lost["data module"], self._last_m_stats)
+        if self._data_restart.step():
+            self.data_restarts.append(self._data_restart.record)
+            self._data_restart = None
+            self._n_repacks = self._n_faults = 0  # the new manager's rows start empty
+        return self._last_data_stats
+
+    def _manager_stats(self) -> dict | None:
+        """The manager's stats (``None``: there is none, or it is being rebuilt)."""
+        manager = self.actors["manager"]
+        if manager is None or self._data_restart is not None:
+            return None
+        try:
+            self._last_m_stats = actor_result(
+                manager, manager.stats(), self.cfg.cluster.actor_timeout_s
+            )
+        except Exception:
+            if not self.data_restartable:
+                raise
+            return None  # lost with the data module just now: the next poll rebuilds it
+        return self._last_m_stats
 
     def _trainer_stats(self) -> dict:
         """The trainer's stats; while a lost trainer restarts (:attr:`restartable`), what
@@ -419,7 +491,7 @@ class Schedule:
         blocking the poll: created on one poll, started and handed to the manager on a
         later one. The new rollout takes the next id (``r<N>``)."""
         cfg, client, a = self.cfg, self.client, self.actors
-        if not (cfg.faults.recover and cfg.faults.replace):
+        if not (cfg.faults.recover and cfg.faults.replace) or self._data_restart is not None:
             return
         if self._joining is not None:
             rid, worker, replaces, relay_id, future = self._joining
@@ -519,11 +591,16 @@ class Schedule:
             self._n_updates += len(new)
             if self.restartable:
                 self._keep_publications()
-        if self.actors["manager"] is not None:
-            moves = self.actors["manager"].get_rows(self._n_repacks).result()
+        if self.actors["manager"] is not None and self._data_restart is None:
+            try:
+                moves = self.actors["manager"].get_rows(self._n_repacks).result()
+                faults = self.actors["manager"].get_fault_rows(self._n_faults).result()
+            except Exception:
+                if not self.data_restartable:
+                    raise
+                return  # lost with the data module: its last rows are lost with it
             self.metrics.append("repacks", moves)
             self._n_repacks += len(moves)
-            faults = self.actors["manager"].get_fault_rows(self._n_faults).result()
             self.metrics.append("faults", faults)
             self._n_faults += len(faults)
 
@@ -564,9 +641,11 @@ class Schedule:
         lost = {}
         if a["manager"] is not None:
             try:
+                if self._data_restart is not None:
+                    raise RuntimeError("the manager is being rebuilt")
                 lost = a["manager"].get_lost().result(timeout=5.0)
             except Exception:  # noqa: BLE001 — the manager (data worker) is gone itself
-                pass
+                lost = (self._last_m_stats or {}).get("lost", {})
         return [r for i, r in enumerate(a["rollouts"]) if f"r{i}" not in lost]
 
     def _rollout_stats(self) -> list[dict]:
@@ -580,6 +659,9 @@ class Schedule:
         a = self.actors
         while self._restart is not None:  # stopped while a lost trainer restarts
             self._trainer_stats()
+            time.sleep(self.cfg.metrics.poll_s)
+        while self._data_restart is not None:  # ... or a lost data module is rebuilt
+            self._data_stats()
             time.sleep(self.cfg.metrics.poll_s)
         # No moves while rollouts stop: the manager goes first.
         m_stats = a["manager"].stop().result() if a["manager"] is not None else None
@@ -597,7 +679,7 @@ class Schedule:
         # (after the buffer's last commit: the log keeps only what the store lacks)
         partial = a["partial"].close().result() if a["partial"] is not None else None
         return {
-            "faults": faults_summary(m_stats, partial, self.trainer_restarts),
+            "faults": faults_summary(m_stats, partial, self.trainer_restarts, self.data_restarts),
             "repack": m_stats if self.cfg.repack is not None else None,
             "relay": relay,
             "reason": reason,

@@ -1,4 +1,5 @@
-"""Restarting a lost trainer within the run (docs/faults.md, "Trainer loss").
+"""Restarting a lost trainer, and rebuilding a lost data module, within the run
+(docs/faults.md, "Trainer loss" and "Data-module loss").
 
 When the trainer's worker is gone and the data module lives elsewhere
 (``cluster.data_apart``), the run does not stop. The rollouts keep generating from the
@@ -26,11 +27,16 @@ from __future__ import annotations
 import logging
 import time
 
-from laminar.cluster import bind_actor, start_actor, submit_actor, workers_with
+from laminar.buffer import ExperienceBuffer
+from laminar.cluster import bind_actor, detach, start_actor, submit_actor, workers_with
 from laminar.errors import ClusterError
 from laminar.learner import checkpoint_version, newest_checkpoint
+from laminar.manager import RolloutManager
+from laminar.partial import PartialResponsePool
+from laminar.prompt_pool import PromptPool
 from laminar.relay import Relay
 from laminar.trainer import Trainer
+from storage.resume import ResumePlan, plan_rebuild
 
 logger = logging.getLogger(__name__)
 
@@ -149,4 +155,169 @@ class TrainerRestart:
             lost_updates=after - version,
             readmitted=back["readmitted"],
             readmitted_groups=back["groups"],
+        )
+
+
+class DataRestart:
+    """One rebuild of a lost data module (the experience buffer, prompt pool,
+    partial-response pool and rollout manager, on their own ``data`` worker), while the
+    trainer and the rollouts run on. Meanwhile the rollouts decode their batches on and
+    keep what finishes, and the trainer waits for a buffer to sample from. Once a
+    ``data`` worker is back (the nanny restarts a killed local one; a Slurm job joins):
+
+    1. the trainer says what it sampled since its newest checkpoint (the store lacks
+       what the lost buffer had not yet committed), and each rollout which groups it
+       holds trajectories of;
+    2. :func:`storage.resume.plan_rebuild` reads the trajectory store against them: the
+       buffer holds again what is buffered (or consumed in the store by a batch the
+       trainer never received), writes the consumed events the store lacks, and the
+       prompt pool counts as outstanding every group still held anywhere;
+    3. a new prompt pool, partial-response pool, buffer and manager start on that
+       worker; the manager goes on from the lost one's last stats (what was lost, hung
+       or replaced; the chain);
+    4. the trainer and every rollout are handed the new actors. Each rollout registers
+       its unfinished trajectories, with their tokens, with the new partial-response
+       pool and sends the new buffer every trajectory the lost store had not committed.
+
+    :meth:`step` advances it once per poll; :attr:`record` is what ``summary.json``
+    reports."""
+
+    def __init__(self, schedule, lost_worker: str, last_manager: dict) -> None:
+        self.s = schedule  # the driver (pipelines.driver.Schedule)
+        self.lost_worker = lost_worker
+        self.t_lost = time.time()
+        self.last_manager = last_manager
+        self.record: dict = {"lost_worker": lost_worker, "time": self.t_lost}
+        logger.warning(
+            "data module lost (worker %s gone); rebuilding it within the run", lost_worker
+        )
+
+    def step(self) -> bool:
+        """Advance; ``True`` once the new data module runs. Raises
+        :class:`ClusterError` when no ``data`` worker came within the timeout."""
+        s = self.s
+        live = [w for w in workers_with(s.client, "data") if w != self.lost_worker]
+        if not live:
+            waited = time.time() - self.t_lost
+            if waited > s.cfg.faults.data_restart_timeout_s:
+                raise ClusterError(
+                    f"lost the data module (worker {self.lost_worker} is gone) and no `data` "
+                    f"worker came back within faults.data_restart_timeout_s="
+                    f"{s.cfg.faults.data_restart_timeout_s:g} s; {s.resume_hint()}"
+                )
+            return False
+        self.record["worker_wait_s"] = time.time() - self.t_lost
+        try:
+            self._rebuild(live[0])
+        except Exception as e:  # noqa: BLE001 — that worker went too: wait for another
+            if live[0] in workers_with(s.client, "data"):
+                raise
+            logger.warning("the data module could not be rebuilt on %s: %r", live[0], e)
+            self.lost_worker = live[0]
+            return False
+        return True
+
+    def _rebuild(self, worker: str) -> None:
+        from pipelines.driver import _answers
+
+        s = self.s
+        cfg, client, a = s.cfg, s.client, s.actors
+        timeout = cfg.cluster.actor_timeout_s
+        t0 = time.time()
+        m = self.last_manager
+        ids = [f"r{i}" for i in range(len(a["rollouts"]))]
+        live = {rid: h for rid, h in zip(ids, a["rollouts"], strict=True) if rid not in m["lost"]}
+        phases: dict[str, float] = {}
+
+        def mark(name: str) -> None:
+            phases[name] = time.time() - t0 - sum(phases.values())
+
+        record = a["trainer"].consumed_record().result(timeout)
+        held = _answers([lambda r=r: r.data_holdings() for r in live.values()], timeout=timeout)
+        plan = plan_rebuild(
+            s.run_dir,
+            version=record["version"],
+            consumed=record["consumed"],
+            since=record["since"],
+            held_groups={g for groups in held for g in groups},
+        )
+        mark("plan_s")
+        order = ResumePlan(version=plan.version, readmit_groups=plan.outstanding, start=plan.start)
+        pool = submit_actor(
+            client, PromptPool, cfg, s.policy_dir, order, s.schedule, worker=worker, resource="data"
+        )
+        partial = submit_actor(
+            client,
+            PartialResponsePool,
+            cfg.relay.timeout_s,
+            str(s.run_dir),
+            cfg.faults.log_interval_s,
+            worker=worker,
+            resource="data",
+        )
+        buffer = submit_actor(
+            client,
+            ExperienceBuffer,
+            str(s.run_dir),
+            pool,
+            cfg.buffer,
+            partial,
+            None,
+            s.schedule.name,
+            plan,
+            worker=worker,
+            resource="data",
+        )
+        mark("data_actors_s")
+        chain = m["chain"]
+        relays = {rid: s.tier.handle(rid) for rid in chain}
+        manager = submit_actor(
+            client,
+            RolloutManager,
+            cfg,
+            {},
+            s.tier.relays[0],
+            partial,
+            relays=relays,
+            relay_workers={rid: s.tier.workers[s.tier.ids.index(rid)] for rid in chain},
+            rollout_relays=m["rollout_relays"],
+            worker=worker,
+            resource="data",
+        )
+        manager.take_over(
+            m,
+            {rid: detach(h) for rid, h in live.items()},
+            {rid: s.rollout_workers[rid] for rid in live},
+        ).result(timeout)
+        partial.set_relays([relays[r] for r in chain]).result(timeout)
+        mark("manager_s")
+        a["trainer"].attach_data(buffer, manager).result(timeout)
+        registered = _answers(
+            [lambda r=r: r.attach_data(pool, buffer, partial) for r in live.values()],
+            timeout=timeout,
+        )
+        manager.start().result(timeout)
+        mark("attach_s")
+        a.update(pool=pool, partial=partial, buffer=buffer, manager=manager)
+        s.core_workers["data module"] = worker
+        now = time.time()
+        self.record.update(
+            worker=worker,
+            **plan.summary(),
+            rollouts_holding=len(held),
+            registered=sum(registered),
+            rollouts_attached=len(registered),
+            rebuild_s=now - t0,
+            phases=phases,
+            restart_s=now - self.t_lost,
+        )
+        logger.warning(
+            "data module rebuilt on %s in %.1f s: %d trajectories held again, %d consumed "
+            "events written, %d groups outstanding, %d unfinished trajectories registered",
+            worker,
+            now - self.t_lost,
+            len(plan.hold),
+            len(plan.mark_consumed),
+            len(plan.outstanding),
+            sum(registered),
         )

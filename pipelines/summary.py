@@ -13,7 +13,10 @@ from laminar.config import RunConfig
 
 
 def faults_summary(
-    m_stats: dict | None, partial: dict | None, trainer_restarts: list[dict] = ()
+    m_stats: dict | None,
+    partial: dict | None,
+    trainer_restarts: list[dict] = (),
+    data_restarts: list[dict] = (),
 ) -> dict | None:
     """Losses and recoveries over the run, and the partial-response log's counters."""
     if partial is None:
@@ -29,6 +32,7 @@ def faults_summary(
         "chain": m.get("chain"),
         "masters_replaced": m.get("masters_replaced", []),
         "trainer_restarts": list(trainer_restarts),
+        "data_restarts": list(data_restarts),
         "partial": partial,
     }
 

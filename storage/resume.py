@@ -115,3 +115,86 @@ def plan_resume(run_dir: str | Path, version: int) -> ResumePlan:
     indices = [int(m.group(1)) for u in prompt_uids | set(in_log) if (m := _PROMPT_UID.match(u))]
     plan.start = max(indices, default=-1) + 1
     return plan
+
+
+@dataclass
+class RebuildPlan:
+    """What a data module rebuilt within the run (the trainer and rollouts live on) takes
+    from its store, the trainer's record of what it consumed, and the rollouts' holdings
+    (:func:`plan_rebuild`; docs/faults.md, "Data-module loss")."""
+
+    version: int  # the trainer's newest version: trajectories finish at it on
+    # stored uids the buffer holds again: still buffered, or consumed in the store by a
+    # batch the trainer never received (the reply died with the buffer)
+    hold: list[str] = field(default_factory=list)
+    # stored uids the trainer consumed whose leave event the store lacks -> (sample
+    # version, when sampled): the new buffer writes it
+    mark_consumed: dict[str, tuple[int, float]] = field(default_factory=dict)
+    # uids the trainer consumed that the store lacks altogether (admitted and sampled
+    # within the lost buffer's last flush interval): stored as consumed when the rollout
+    # that generated them sends them again
+    consumed_elsewhere: dict[str, tuple[int, float]] = field(default_factory=dict)
+    outstanding: list[str] = field(default_factory=list)  # prompt groups still out
+    start: int = 0  # the prompt order continues after this many groups
+    stored: int = 0
+    taken_back: int = 0  # of ``hold``, consumed in the store but not by the trainer
+
+    def summary(self) -> dict:
+        return {
+            "version": self.version,
+            "stored": self.stored,
+            "held_again": len(self.hold),
+            "taken_back": self.taken_back,
+            "marked_consumed": len(self.mark_consumed),
+            "consumed_unstored": len(self.consumed_elsewhere),
+            "outstanding_groups": len(self.outstanding),
+            "prompt_start": self.start,
+        }
+
+
+def group_of(uid: str) -> str:
+    """A trajectory uid's prompt group (uids are ``<prompt uid>-<sample index>``)."""
+    return uid.rsplit("-", 1)[0]
+
+
+def plan_rebuild(
+    run_dir: str | Path,
+    *,
+    version: int,
+    consumed: dict[str, tuple[int, float]],
+    since: int,
+    held_groups: set[str] | frozenset[str] = frozenset(),
+) -> RebuildPlan:
+    """The plan for a data module rebuilt from ``run_dir``'s store within the run.
+
+    ``consumed``: every trajectory the live trainer sampled at versions ``>= since``
+    (uid -> sample version, time), complete for those versions. ``held_groups``: the
+    prompt groups the rollouts hold trajectories of (generating, waiting for a reward,
+    or sent to the lost buffer and not yet committed: they send those again).
+
+    The store is authoritative for what it has committed, the trainer for what it
+    consumed: a stored trajectory the trainer consumed is consumed (the event is written
+    if the store lacks it), one the store says consumed at ``>= since`` but the trainer
+    never received is held again, and every other buffered one is held again, by group.
+    No trajectory is trained twice and none that was admitted is lost."""
+    a = open_trajectories(run_dir, ["prompt_uid"])
+    uids = a["uid"].tolist()
+    status, sample_v = a["status"], a["sample_version"]
+    plan = RebuildPlan(version=version, stored=len(uids))
+    in_log = np.array([u in consumed for u in uids], dtype=bool)
+    buffered = status == "buffered"
+    taken_back = (status == "consumed") & (sample_v >= since) & ~in_log
+    hold = np.flatnonzero((buffered & ~in_log) | taken_back)
+    plan.hold = [uids[i] for i in hold]
+    plan.taken_back = int(taken_back.sum())
+    plan.mark_consumed = {uids[i]: consumed[uids[i]] for i in np.flatnonzero(buffered & in_log)}
+    stored = set(uids)
+    plan.consumed_elsewhere = {u: c for u, c in consumed.items() if u not in stored}
+    consumed_groups = {group_of(u) for u in consumed}
+    out = {str(a["prompt_uid"][i]) for i in hold} | set(held_groups)
+    plan.outstanding = sorted(out - consumed_groups)
+    known = set(a["prompt_uid"].tolist()) | set(held_groups) | consumed_groups
+    known |= {e["prompt_uid"] for e in log_entries(run_dir).values()}
+    indices = [int(m.group(1)) for u in known if (m := _PROMPT_UID.match(u))]
+    plan.start = max(indices, default=-1) + 1
+    return plan

@@ -526,6 +526,88 @@ def test_a_lost_trainer_restarts_within_the_run_while_rollouts_generate(tmp_path
     assert report.ok, report.text()
 
 
+def test_a_lost_data_module_is_rebuilt_within_the_run(tmp_path):
+    """The data module on a worker of its own, SIGKILLed while the rollouts decode, with
+    trajectories admitted and consumed that its store had not yet committed (a 4 s
+    flush interval). The trainer and rollouts run on: the nanny brings the worker back,
+    a new buffer, prompt pool, partial-response pool and manager start there from the
+    store, the trainer's record and what the rollouts hold; the rollouts send what the
+    lost store lacked. The run makes its 6 updates with no version lost: every
+    trajectory a rollout finished is stored once, each update trained one batch of 4
+    whole groups, and the audit is clean."""
+    from distributed import Client
+
+    import pipelines
+    from laminar.cluster import local_cluster, workers_with
+
+    steps = 6
+    run_dir = tmp_path / "run"
+    with (
+        local_cluster(2, memory_limit="3GiB", data_apart=True) as cluster,
+        Client(cluster) as client,
+    ):
+        handle = pipelines.submit(
+            "configs/tiny.yaml",
+            client,
+            overrides=[
+                *SMALL_RUN,
+                f"trainer.steps={steps}",
+                "buffer.flush_interval_s=4",
+                # generation-bound, and slow enough (a batch lasts ~13 s) that the
+                # batches decoding at the kill still decode when the new data module is
+                # there (~10 s later: most of it the new process's imports)
+                "rollout.pacing.dilation=160",
+                "rollout.pacing.strict=false",
+                "buffer.max_outstanding_groups=16",
+            ],
+            run_dir=run_dir,
+        )
+        wait_for(handle, lambda p: p.get("phase") == "training" and p["version"] >= 2)
+        partial = handle._schedule.actors["partial"]
+        deadline = time.time() + 60
+
+        def batch_begun(owned: dict) -> bool:
+            """A rollout has just begun a batch: it decodes through the outage."""
+            return any(n > f and t < 16 for r, (n, t, f) in owned.items() if r is not None)
+
+        while not batch_begun(partial.owned().result()):
+            assert time.time() < deadline and not handle.done(), "no rollout began a batch"
+            time.sleep(0.02)
+        data_w = workers_with(client, "data")[0]
+        pid = client.run(os.getpid, workers=[data_w])[data_w]
+        t_kill = time.time()
+        os.kill(pid, signal.SIGKILL)
+        summary = handle.wait(timeout=300)
+    assert summary["reason"] == "completed", summary["reason"]
+    (r,) = summary["faults"]["data_restarts"]
+    assert r["lost_worker"] == data_w and r["worker"] != data_w
+    assert 0 <= r["time"] - t_kill < 10 and r["restart_s"] < 60, r
+    # (the batch begun at the kill decodes on: its trajectories are registered anew)
+    assert r["rollouts_attached"] == 2 and r["registered"] > 0, r
+    assert summary["versions"] == steps
+    rollouts = summary["rollouts"]
+    assert [s["data_rebuilds"] for s in rollouts] == [1, 1]
+    ds = check_store(run_dir)
+    # Nothing a rollout finished is lost or stored twice (check_store: uids unique).
+    assert ds.sizes["trajectory"] == sum(s["trajectories"] for s in rollouts)
+    # What the lost store lacked came back: sent again by the rollouts, or written as
+    # consumed from the trainer's record (4 s of admissions at the kill).
+    assert sum(s["resent"] for s in rollouts) + r["marked_consumed"] > 0, r
+    consumed = ds["status"].values == "consumed"
+    per_version = np.bincount(ds["sample_version"].values[consumed], minlength=steps)
+    assert per_version.tolist() == [16] * steps
+    # The rollouts went on decoding while no data module ran.
+    rows = open_metrics(run_dir, "cluster")
+    wall = rows["wall_time"].values.astype("datetime64[ns]").astype(np.int64) / 1e9
+    t_back = r["time"] + r["restart_s"]
+    assert rows["outstanding_groups"].values.max() <= 16
+    assert max(s["data_wait_s"] for s in rollouts) < r["restart_s"] + 5
+    before = rows["response_tokens"].values[wall <= t_kill][-1]
+    assert rows["response_tokens"].values[wall > t_back][0] > before
+    report = audit_run(run_dir)
+    assert report.ok, report.text()
+
+
 def test_a_lost_relay_is_cut_out_of_the_chain_and_its_readers_switch():
     """master -> relay1 -> relay2, relay1's worker SIGKILLed: a publication the master was
     sending to it is not waited out, the rebuilt chain master -> relay2 carries it at once

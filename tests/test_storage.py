@@ -293,3 +293,44 @@ def test_a_resume_reissues_the_groups_only_the_recovery_log_names(tmp_path):
     assert plan.start == 5 and plan.log_groups == 2
     # not stored: p00000001's two (one had finished), p00000003-1, p00000004's two
     assert (plan.log_completed, plan.log_unfinished) == (1, 4)
+
+
+def test_a_rebuilt_data_module_takes_the_store_against_the_trainer_and_the_rollouts(tmp_path):
+    """The data module lost within the run: the trainer's record of what it sampled
+    (since its checkpoint at version 2) is the truth for consumption, the store for
+    everything it committed; what the rollouts still hold stays outstanding."""
+    from storage.resume import plan_rebuild
+
+    def group(g, status="buffered", **kw):
+        if status == "buffered":
+            kw = {"sample_version": -1, "t_sample": np.nan} | kw
+        return [
+            record(2 * g + k, prompt_uid=f"p{g:08d}", status=status, uid=f"p{g:08d}-{k}", **kw)
+            for k in range(2)
+        ]
+
+    TrajectoryWriter(tmp_path).append(
+        group(0, "consumed", sample_version=1)  # before the checkpoint: committed, as it is
+        + group(1, "consumed", sample_version=2)  # the trainer has it: stays consumed
+        + group(2, "consumed", sample_version=3)  # its reply died with the buffer
+        + group(3)  # consumed, its event not yet stored
+        + group(4)  # buffered
+        + group(5, "evicted", sample_version=-1, t_sample=np.nan)
+    )
+    consumed = {u: (v, 9.0) for u, v in [("p00000001-0", 2), ("p00000001-1", 2)]}
+    consumed |= {f"p00000003-{k}": (4, 9.5) for k in range(2)}
+    consumed |= {f"p00000007-{k}": (4, 9.5) for k in range(2)}  # never stored
+    plan = plan_rebuild(
+        tmp_path,
+        version=5,
+        consumed=consumed,
+        since=2,
+        held_groups={"p00000007", "p00000008", "p00000011"},  # 7: sent, not yet stored
+    )
+    assert plan.hold == ["p00000002-0", "p00000002-1", "p00000004-0", "p00000004-1"]
+    assert plan.taken_back == 2
+    assert plan.mark_consumed == {"p00000003-0": (4, 9.5), "p00000003-1": (4, 9.5)}
+    assert plan.consumed_elsewhere == {"p00000007-0": (4, 9.5), "p00000007-1": (4, 9.5)}
+    # held again or held by a rollout, and not consumed
+    assert plan.outstanding == ["p00000002", "p00000004", "p00000008", "p00000011"]
+    assert plan.start == 12 and plan.stored == 12 and plan.version == 5
