@@ -8,6 +8,8 @@ a new rollout replaces it); a lost trainer/data worker fails the run, and the so
 what an operator's supervisor would: ``pipelines.resume`` from the newest checkpoint
 (``trainer.checkpoint_every``), once the worker is back. At the end the run is stopped
 and audited from its stores (``storage.audit``); memory is sampled from every process.
+With ``--data-apart`` the data module has a worker of its own: a killed trainer is
+restarted and a killed data module rebuilt within the run, and nothing is resumed.
 
 Figures: kills (by role), rollout recoveries, detection, recovery and replacement times,
 the tokens the log kept and the bound on those regenerated, trainer-loss downtime,
@@ -87,8 +89,8 @@ def bench_soak(
     data_apart: bool = False,
 ) -> BenchResult:
     """``data_apart``: the data module has a worker of its own, so a killed trainer is
-    restarted within the run (docs/faults.md) instead of failing it; the soak then kills
-    rollouts and the trainer, never the data module."""
+    restarted, and a killed data module rebuilt, within the run (docs/faults.md) instead
+    of failing it: nothing is resumed."""
     import psutil
     from distributed import Client
 
@@ -126,8 +128,12 @@ def bench_soak(
                 next_sample = now + SAMPLE_S
             if now >= next_kill:
                 victims = workers_with(client, "rollout") + workers_with(client, "trainer")
+                if data_apart:
+                    victims += workers_with(client, "data")
                 victim = rng.choice(victims)
-                role = "trainer" if victim in workers_with(client, "trainer") else "rollout"
+                role = next(
+                    r for r in ("trainer", "data", "rollout") if victim in workers_with(client, r)
+                )
                 rid = next(
                     (r for r, w in handle._schedule.rollout_workers.items() if w == victim), None
                 )
@@ -137,7 +143,7 @@ def bench_soak(
                 kill = {"t": t_kill - t0, "role": role, "rollout": rid}
                 kill["_n"] = len(handle._schedule.rollout_workers)
                 kills.append(kill)
-                if role == "trainer" and data_apart:  # restarted within the run
+                if role in ("trainer", "data") and data_apart:  # restarted within the run
                     kill.pop("_n")
                 elif role == "trainer":  # the run fails; resume it as a supervisor would
                     kill.pop("_n")
@@ -161,13 +167,20 @@ def bench_soak(
         summary = handle.wait(timeout=300)
     t_end = time.time() - t0
     restarts = (summary.get("faults") or {}).get("trainer_restarts", [])
-    for k in kills:  # each in-run restart: from the kill to the new trainer running
+    rebuilds = (summary.get("faults") or {}).get("data_restarts", [])
+    for k in kills:  # each in-run restart: from the kill to the new trainer (data module)
         if k["role"] == "trainer" and data_apart:
             after = [r for r in restarts if r["time"] >= t0 + k["t"] - 1.0]
             if after:
                 k["downtime_s"] = after[0]["time"] + after[0]["restart_s"] - (t0 + k["t"])
                 k["lost_updates"] = after[0]["lost_updates"]
                 k["readmitted"] = after[0]["readmitted"]
+        if k["role"] == "data":
+            after = [r for r in rebuilds if r["time"] >= t0 + k["t"] - 1.0]
+            if after:
+                k["downtime_s"] = after[0]["time"] + after[0]["restart_s"] - (t0 + k["t"])
+                k["held_again"] = after[0]["held_again"]
+                k["registered"] = after[0]["registered"]
 
     # Rollout recoveries, from the faults table of every segment.
     try:
@@ -215,6 +228,7 @@ def bench_soak(
 
     rk = [k for k in kills if k["role"] == "rollout" and "recovery_s" in k]
     tk = [k for k in kills if k["role"] == "trainer"]
+    dk = [k for k in kills if k["role"] == "data"]
     figures = {
         "duration_s": t_end,
         "kills": len(kills),
@@ -233,6 +247,11 @@ def bench_soak(
         "trainer_restarts_in_run": len(restarts),
         "trainer_downtime_s_mean": _mean([k["downtime_s"] for k in tk if "downtime_s" in k]),
         "trainer_downtime_s_max": _max([k["downtime_s"] for k in tk if "downtime_s" in k]),
+        "kills_data": len(dk),
+        "data_rebuilds_in_run": len(rebuilds),
+        "data_downtime_s_mean": _mean([k["downtime_s"] for k in dk if "downtime_s" in k]),
+        "data_downtime_s_max": _max([k["downtime_s"] for k in dk if "downtime_s" in k]),
+        "resent": sum(r.get("resent", 0) for r in summary.get("rollouts", [])),
         "trajectories": int(ds.sizes["trajectory"]),
         "consumed": int((ds["status"].values == "consumed").sum()),
         "dropped_by_resumes": int((ds["status"].values == "dropped").sum()),

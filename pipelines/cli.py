@@ -437,7 +437,8 @@ def main(argv: list[str] | None = None) -> int:
     bench.add_argument(
         "--data-apart",
         action="store_true",
-        help="soak: the data module on a worker of its own; a killed trainer restarts in the run",
+        help="soak: the data module on a worker of its own; a killed trainer restarts, and a "
+        "killed data module is rebuilt, in the run",
     )
     bench.add_argument("--gpus", type=int, help="schedules, repack: emulated GPUs in all (64)")
     bench.add_argument("--seeds", type=int, help="schedules: seeds per schedule (3)")
