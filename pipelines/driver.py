@@ -278,6 +278,7 @@ class Schedule:
         self.data_restarts: list[dict] = []
         self._data_restart = None  # a DataRestart in progress
         self._data_suspect: float | None = None  # a data-module call failed, not yet lost
+        self._data_hung: dict | None = None  # ... or it did not answer: hung, fenced
         self._last_data_stats: tuple[dict, dict] | None = None
         self._last_m_stats: dict | None = None
         self._published_fps: dict[int, int] = {}  # kept across trainer restarts
@@ -380,8 +381,10 @@ class Schedule:
         """The buffer's and prompt pool's stats; while a lost data module is rebuilt
         (:attr:`data_restartable`), the last ones, and each call advances the rebuild.
         Raises when the data module is lost and cannot be rebuilt."""
-        a = self.actors
+        a, faults = self.actors, self.cfg.faults
         timeout = self.cfg.cluster.actor_timeout_s
+        if self.data_restartable:  # a data module silent this long is hung
+            timeout = min(timeout, faults.heartbeat_timeout_s)
         if self._data_restart is None:
             try:
                 futures = [(x, x.stats()) for x in (a["buffer"], a["pool"])]
@@ -393,9 +396,16 @@ class Schedule:
                 if not (self.data_restartable and self._last_m_stats is not None):
                     raise
                 if not lost and is_lost(e):
-                    # (the call may fail a moment before the scheduler drops the worker)
-                    self._data_suspect = self._data_suspect or time.time()
-                    if time.time() - self._data_suspect < DATA_SUSPECT_S:
+                    now = time.time()
+                    self._data_suspect = self._data_suspect or now
+                    if self._data_hung is not None:  # fenced: wait for its worker to go
+                        if now - self._data_hung["time"] < faults.data_restart_timeout_s:
+                            return self._last_data_stats
+                    elif isinstance(e, TimeoutError):  # silent for heartbeat_timeout_s
+                        self._fence_data(now, timeout)
+                        return self._last_data_stats
+                    # (a call may fail a moment before the scheduler drops the worker)
+                    elif now - self._data_suspect < DATA_SUSPECT_S:
                         return self._last_data_stats
                 if list(lost) != ["data module"]:
                     raise
@@ -403,16 +413,46 @@ class Schedule:
 
                 self._data_suspect = None
                 self._data_restart = DataRestart(self, lost["data module"], self._last_m_stats)
+                if self._data_hung is not None:
+                    self._data_restart.record["hung"] = self._data_hung
+                    self._data_hung = None
         if self._data_restart.step():
             self.data_restarts.append(self._data_restart.record)
             self._data_restart = None
             self._n_repacks = self._n_faults = 0  # the new manager's rows start empty
         return self._last_data_stats
 
+    def _fence_data(self, now: float, silent_s: float) -> None:
+        """The data module did not answer for ``faults.heartbeat_timeout_s``: hung. Its
+        worker is restarted (the nanny kills the process), in the background; once the
+        scheduler has dropped it, it is lost and rebuilt like a killed one."""
+        from laminar.cluster import start_thread
+
+        worker = self.core_workers["data module"]
+        self._data_hung = {"time": now, "worker": worker, "silent_s": silent_s}
+        logger.warning(
+            "data module on %s did not answer for %.1f s: hung; restarting its worker",
+            worker,
+            silent_s,
+        )
+        hung = self._data_hung
+
+        def fence() -> None:
+            t0 = time.time()
+            try:
+                out = self.client.restart_workers([worker], timeout=10)
+                hung["restart"] = str(out.get(worker, out))
+            except Exception as e:  # noqa: BLE001 — gone meanwhile: fenced all the same
+                hung["restart"] = repr(e)
+            hung["restart_s"] = time.time() - t0
+
+        start_thread(fence, "fence-data")
+
     def _manager_stats(self) -> dict | None:
-        """The manager's stats (``None``: there is none, or it is being rebuilt)."""
+        """The manager's stats (``None``: there is none, it is being rebuilt, or the data
+        module does not answer)."""
         manager = self.actors["manager"]
-        if manager is None or self._data_restart is not None:
+        if manager is None or self._data_restart is not None or self._data_suspect:
             return None
         try:
             self._last_m_stats = actor_result(
@@ -592,6 +632,8 @@ class Schedule:
             if self.restartable:
                 self._keep_publications()
         if self.actors["manager"] is not None and self._data_restart is None:
+            if self._data_suspect:
+                return  # (it does not answer now: its rows come with a later flush)
             try:
                 moves = self.actors["manager"].get_rows(self._n_repacks).result()
                 faults = self.actors["manager"].get_fault_rows(self._n_faults).result()

@@ -68,3 +68,55 @@ def test_a_late_or_repeated_flush_overwrites_and_a_gap_is_refused():
     assert core.stats()["entries"] == 0 and core.stats()["forgotten"] == 1
     core.flush("r0", {"a": (0, [1], [0.0], [1])})  # after the buffer has it: ignored
     assert core.stats()["entries"] == 0
+
+
+def test_a_rollout_registers_its_unfinished_trajectories_with_a_rebuilt_pool(
+    tiny_policy, small_config
+):
+    """A data module rebuilt after a loss (docs/faults.md): the rollout hands the new
+    partial-response pool every unfinished trajectory with the tokens it has, so that a
+    later loss of this rollout resumes them from there, and queues its kept trajectories
+    for the new buffer. (The actor is called in process, as Dask would call it.)"""
+    import asyncio
+    import concurrent.futures
+
+    from laminar.config import with_overrides
+    from laminar.contract import PromptGroup
+    from laminar.partial import PartialResponsePool
+    from laminar.rollout import _RESEND, RolloutReplica
+
+    class InProcess:
+        """An actor's call convention (``handle.method(...)`` -> a future) in process."""
+
+        def __init__(self, actor):
+            self.actor = actor
+
+        def __getattr__(self, name):
+            def call(*args, **kwargs):
+                future = concurrent.futures.Future()
+                future.set_result(asyncio.run(getattr(self.actor, name)(*args, **kwargs)))
+                return future
+
+            return call
+
+    cfg = with_overrides(small_config, ["rollout.parity_every=0"])
+    rollout = RolloutReplica("r0", cfg, str(tiny_policy), None, None, None)
+    groups = [PromptGroup(f"p{g:08d}", g, (5, 6, 7), "x", 4, 0) for g in range(2)]
+    rollout._add(groups)
+    for _ in range(3):
+        rollout.engine.step()
+    unfinished = {st.request_id: list(st.tokens) for st in rollout.engine.in_flight()}
+    assert unfinished and all(unfinished.values())
+    pool = PartialResponsePool()
+    assert rollout._attach(None, None, InProcess(pool)) == len(unfinished)
+    entries = pool.core.entries
+    assert {rid: e["state"].tokens for rid, e in entries.items()} == unfinished
+    assert {e["owner"] for e in entries.values()} == {"r0"}
+    assert {e["version"] for e in entries.values()} == {rollout.engine.version}
+    # copies: the engine decoding on does not change what the pool holds
+    rollout.engine.step()
+    assert {rid: e["state"].tokens for rid, e in entries.items()} == unfinished
+    assert rollout._logged == {rid: len(t) for rid, t in unfinished.items()}
+    assert rollout._data_epoch == 1 and rollout._data_lost is None
+    assert rollout._to_score.get_nowait() is _RESEND  # kept trajectories go out again
+    assert sorted(rollout._holdings()) == [g.prompt_uid for g in groups]
