@@ -130,40 +130,9 @@ class Schedule:
         self.sft_info["wall_s"] = time.time() - t0
         self.policy_dir = policy_dir
         progress({"phase": "starting actors", "policy_dir": policy_dir, "sft": self.sft_info})
-        b = cfg.buffer
         spec = self.schedule
-        pool = submit_actor(
-            client,
-            PromptPool,
-            cfg,
-            policy_dir,
-            self.resume,
-            spec,
-            worker=data_w,
-            resource="data",
-        )
-        partial = None
-        if cfg.faults.recover:
-            partial = submit_actor(
-                client,
-                PartialResponsePool,
-                cfg.relay.timeout_s,
-                str(self.run_dir),
-                cfg.faults.log_interval_s,
-                worker=data_w,
-                resource="data",
-            )
-        buffer = submit_actor(
-            client,
-            ExperienceBuffer,
-            str(self.run_dir),
-            pool,
-            b,
-            partial,
-            self.resume,
-            spec.name,
-            worker=data_w,
-            resource="data",
+        pool, partial, buffer = start_data_module(
+            client, cfg, policy_dir, self.run_dir, spec, data_w, resume=self.resume
         )
         init_method = ""
         if cfg.trainer.ranks > 1:  # data-parallel: rank 0's worker hosts the rendezvous
@@ -382,9 +351,7 @@ class Schedule:
         (:attr:`data_restartable`), the last ones, and each call advances the rebuild.
         Raises when the data module is lost and cannot be rebuilt."""
         a, faults = self.actors, self.cfg.faults
-        timeout = self.cfg.cluster.actor_timeout_s
-        if self.data_restartable:  # a data module silent this long is hung
-            timeout = min(timeout, faults.heartbeat_timeout_s)
+        timeout = self._data_timeout()
         if self._data_restart is None:
             try:
                 futures = [(x, x.stats()) for x in (a["buffer"], a["pool"])]
@@ -422,6 +389,23 @@ class Schedule:
             self._n_repacks = self._n_faults = 0  # the new manager's rows start empty
         return self._last_data_stats
 
+    def _data_timeout(self) -> float:
+        """How long a call to the data module may take: a restartable one that is silent
+        for ``faults.heartbeat_timeout_s`` is hung (and no call may wait on it longer)."""
+        timeout = self.cfg.cluster.actor_timeout_s
+        if self.data_restartable:
+            timeout = min(timeout, self.cfg.faults.heartbeat_timeout_s)
+        return timeout
+
+    def _data_silent(self, error: Exception) -> None:
+        """A call to the manager (the data module's) failed: if it was not answered
+        within :meth:`_data_timeout` and its worker is still there, the data module is
+        hung (the next poll of its stats then waits for the fenced worker to go)."""
+        if isinstance(error, TimeoutError) and self._data_hung is None and not self._lost_core():
+            now = time.time()
+            self._data_suspect = self._data_suspect or now
+            self._fence_data(now, self._data_timeout())
+
     def _fence_data(self, now: float, silent_s: float) -> None:
         """The data module did not answer for ``faults.heartbeat_timeout_s``: hung. Its
         worker is restarted (the nanny kills the process), in the background; once the
@@ -455,12 +439,11 @@ class Schedule:
         if manager is None or self._data_restart is not None or self._data_suspect:
             return None
         try:
-            self._last_m_stats = actor_result(
-                manager, manager.stats(), self.cfg.cluster.actor_timeout_s
-            )
-        except Exception:
+            self._last_m_stats = actor_result(manager, manager.stats(), self._data_timeout())
+        except Exception as e:
             if not self.data_restartable:
                 raise
+            self._data_silent(e)
             return None  # lost with the data module just now: the next poll rebuilds it
         return self._last_m_stats
 
@@ -634,12 +617,14 @@ class Schedule:
         if self.actors["manager"] is not None and self._data_restart is None:
             if self._data_suspect:
                 return  # (it does not answer now: its rows come with a later flush)
+            m, timeout = self.actors["manager"], self._data_timeout()
             try:
-                moves = self.actors["manager"].get_rows(self._n_repacks).result()
-                faults = self.actors["manager"].get_fault_rows(self._n_faults).result()
-            except Exception:
+                moves = actor_result(m, m.get_rows(self._n_repacks), timeout)
+                faults = actor_result(m, m.get_fault_rows(self._n_faults), timeout)
+            except Exception as e:
                 if not self.data_restartable:
                     raise
+                self._data_silent(e)
                 return  # lost with the data module: its last rows are lost with it
             self.metrics.append("repacks", moves)
             self._n_repacks += len(moves)
@@ -786,6 +771,42 @@ class Schedule:
                 "unverified": unverified,
             }
         return out
+
+
+def start_data_module(
+    client, cfg: RunConfig, policy_dir: str, run_dir: Path, spec, worker: str, **plans
+) -> tuple:
+    """The prompt pool, partial-response pool (``None`` without ``faults.recover``) and
+    experience buffer of a run, on ``worker``. ``plans``: ``resume`` (a run resumed in
+    place: :class:`storage.resume.ResumePlan`, for the pool and the buffer), or
+    ``order`` (the pool's) and ``rebuild`` (the buffer's) for a data module rebuilt
+    within the run (pipelines/restart.py)."""
+    resume = plans.get("resume")
+    on = {"worker": worker, "resource": "data"}
+    pool = submit_actor(client, PromptPool, cfg, policy_dir, plans.get("order", resume), spec, **on)
+    partial = None
+    if cfg.faults.recover:
+        partial = submit_actor(
+            client,
+            PartialResponsePool,
+            cfg.relay.timeout_s,
+            str(run_dir),
+            cfg.faults.log_interval_s,
+            **on,
+        )
+    buffer = submit_actor(
+        client,
+        ExperienceBuffer,
+        str(run_dir),
+        pool,
+        cfg.buffer,
+        partial,
+        resume,
+        spec.name,
+        plans.get("rebuild"),
+        **on,
+    )
+    return pool, partial, buffer
 
 
 def _answers(calls: list, timeout: float = 5.0) -> list:

@@ -27,13 +27,10 @@ from __future__ import annotations
 import logging
 import time
 
-from laminar.buffer import ExperienceBuffer
 from laminar.cluster import bind_actor, detach, start_actor, submit_actor, workers_with
 from laminar.errors import ClusterError
 from laminar.learner import checkpoint_version, newest_checkpoint
 from laminar.manager import RolloutManager
-from laminar.partial import PartialResponsePool
-from laminar.prompt_pool import PromptPool
 from laminar.relay import Relay
 from laminar.trainer import Trainer
 from storage.resume import ResumePlan, plan_rebuild
@@ -218,7 +215,7 @@ class DataRestart:
         return True
 
     def _rebuild(self, worker: str) -> None:
-        from pipelines.driver import _answers
+        from pipelines.driver import _answers, start_data_module
 
         s = self.s
         cfg, client, a = s.cfg, s.client, s.actors
@@ -243,30 +240,8 @@ class DataRestart:
         )
         mark("plan_s")
         order = ResumePlan(version=plan.version, readmit_groups=plan.outstanding, start=plan.start)
-        pool = submit_actor(
-            client, PromptPool, cfg, s.policy_dir, order, s.schedule, worker=worker, resource="data"
-        )
-        partial = submit_actor(
-            client,
-            PartialResponsePool,
-            cfg.relay.timeout_s,
-            str(s.run_dir),
-            cfg.faults.log_interval_s,
-            worker=worker,
-            resource="data",
-        )
-        buffer = submit_actor(
-            client,
-            ExperienceBuffer,
-            str(s.run_dir),
-            pool,
-            cfg.buffer,
-            partial,
-            None,
-            s.schedule.name,
-            plan,
-            worker=worker,
-            resource="data",
+        pool, partial, buffer = start_data_module(
+            client, cfg, s.policy_dir, s.run_dir, s.schedule, worker, order=order, rebuild=plan
         )
         mark("data_actors_s")
         chain = m["chain"]

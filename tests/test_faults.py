@@ -7,6 +7,7 @@ its group is whole.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -40,6 +41,44 @@ def wait_for(handle, predicate, timeout: float = 300.0) -> dict:
         assert not handle.done(), handle.wait()
         time.sleep(0.2)
     raise TimeoutError(f"no progress matched within {timeout} s: {p}")
+
+
+@contextlib.contextmanager
+def apart_run(run_dir, overrides: list[str]):
+    """A run on 2 rollouts paced as GPU replicas (not strictly) and the data module on a
+    worker of its own, back-pressure at 16 groups: yields the client and its handle."""
+    from distributed import Client
+
+    import pipelines
+    from laminar.cluster import local_cluster
+
+    with (
+        local_cluster(2, memory_limit="3GiB", data_apart=True) as cluster,
+        Client(cluster) as client,
+    ):
+        paced = ["rollout.pacing.strict=false", "buffer.max_outstanding_groups=16"]
+        overrides = [*SMALL_RUN, *paced, *overrides]
+        yield (
+            client,
+            pipelines.submit("configs/tiny.yaml", client, overrides=overrides, run_dir=run_dir),
+        )
+
+
+def until_decoding(handle, begun: bool = False, timeout: float = 60.0) -> None:
+    """Wait until a rollout holds unfinished trajectories in the partial-response pool
+    (``begun``: a batch just begun, fewer than 16 tokens logged, which may decode on
+    through an outage of seconds)."""
+    partial = handle._schedule.actors["partial"]
+    deadline = time.time() + timeout
+
+    def decoding(owned: dict) -> bool:
+        return any(
+            n > f and (not begun or t < 16) for r, (n, t, f) in owned.items() if r is not None
+        )
+
+    while not decoding(partial.owned().result()):
+        assert time.time() < deadline and not handle.done(), "no rollout decoded"
+        time.sleep(0.02)
 
 
 def logged_tokens(owned: tuple[int, int, int]) -> bool:
@@ -438,44 +477,26 @@ def test_a_lost_trainer_restarts_within_the_run_while_rollouts_generate(tmp_path
     the chain, and a new trainer continues from the checkpoint, numbering its updates
     after the last lost version. The run ends with its 12 updates, every version number
     used once, every load equal to what the trainer published, and a clean audit."""
-    from distributed import Client
-
-    import pipelines
-    from laminar.cluster import local_cluster, workers_with
+    from laminar.cluster import workers_with
 
     steps = 12
     run_dir = tmp_path / "run"
-    with (
-        local_cluster(2, memory_limit="3GiB", data_apart=True) as cluster,
-        Client(cluster) as client,
-    ):
-        handle = pipelines.submit(
-            "configs/tiny.yaml",
-            client,
-            overrides=[
-                *SMALL_RUN,
-                f"trainer.steps={steps}",
-                "trainer.checkpoint_every=2",
-                "relay.audit_weights=true",
-                "buffer.flush_interval_s=0.5",
-                # Generation-bound (paced as GPU replicas, as in `laminar bench soak`):
-                # unpaced, the tiny policy generates far faster than it trains, the
-                # buffer is full at the kill, and back-pressure alone holds the rollouts.
-                "rollout.pacing.dilation=15",
-                "rollout.pacing.strict=false",
-                "buffer.max_outstanding_groups=16",
-            ],
-            run_dir=run_dir,
-        )
+    overrides = [
+        f"trainer.steps={steps}",
+        "trainer.checkpoint_every=2",
+        "relay.audit_weights=true",
+        "buffer.flush_interval_s=0.5",
+        # Generation-bound (paced as GPU replicas, as in `laminar bench soak`): unpaced,
+        # the tiny policy generates far faster than it trains, the buffer is full at the
+        # kill, and back-pressure alone holds the rollouts.
+        "rollout.pacing.dilation=15",
+    ]
+    with apart_run(run_dir, overrides) as (client, handle):
         wait_for(handle, lambda p: p.get("phase") == "training" and p["version"] >= 3)
         # The kill comes while a rollout is decoding: with the buffer already full of
         # finished groups (a loaded machine slows the trainer more than the paced
         # rollouts), there would be nothing to generate while the trainer is gone.
-        partial = handle._schedule.actors["partial"]
-        deadline = time.time() + 60
-        while not any(n > f for n, _, f in partial.owned().result().values()):
-            assert time.time() < deadline and not handle.done(), "no rollout ever decoded"
-            time.sleep(0.02)
+        until_decoding(handle)
         trainer_w = workers_with(client, "trainer")[0]
         pid = client.run(os.getpid, workers=[trainer_w])[trainer_w]
         t_kill = time.time()
@@ -540,46 +561,23 @@ def test_a_lost_data_module_is_rebuilt_within_the_run(tmp_path, sig):
     SIGSTOP: the data module hangs (its worker lives on for the scheduler). After
     faults.heartbeat_timeout_s without an answer the driver has the nanny restart its
     worker, and then rebuilds it like a killed one."""
-    from distributed import Client
-
-    import pipelines
-    from laminar.cluster import local_cluster, workers_with
+    from laminar.cluster import workers_with
 
     hung = sig == signal.SIGSTOP
     steps = 6
     run_dir = tmp_path / "run"
-    with (
-        local_cluster(2, memory_limit="3GiB", data_apart=True) as cluster,
-        Client(cluster) as client,
-    ):
-        handle = pipelines.submit(
-            "configs/tiny.yaml",
-            client,
-            overrides=[
-                *SMALL_RUN,
-                f"trainer.steps={steps}",
-                "buffer.flush_interval_s=4",
-                # generation-bound, and slow enough (a batch lasts ~13 s) that the
-                # batches decoding at the kill still decode when the new data module is
-                # there (~10 s later: most of it the new process's imports)
-                "rollout.pacing.dilation=160",
-                "rollout.pacing.strict=false",
-                "buffer.max_outstanding_groups=16",
-                *(["faults.heartbeat_timeout_s=3"] if hung else []),
-            ],
-            run_dir=run_dir,
-        )
+    overrides = [
+        f"trainer.steps={steps}",
+        "buffer.flush_interval_s=4",
+        # generation-bound, and slow enough (a batch lasts ~13 s) that a batch decoding
+        # at the kill may still decode when the new data module is there (~10 s later:
+        # most of it the new process's imports)
+        "rollout.pacing.dilation=160",
+        *(["faults.heartbeat_timeout_s=3"] if hung else []),
+    ]
+    with apart_run(run_dir, overrides) as (client, handle):
         wait_for(handle, lambda p: p.get("phase") == "training" and p["version"] >= 2)
-        partial = handle._schedule.actors["partial"]
-        deadline = time.time() + 60
-
-        def batch_begun(owned: dict) -> bool:
-            """A rollout has just begun a batch: it may decode through the outage."""
-            return any(n > f and t < 16 for r, (n, t, f) in owned.items() if r is not None)
-
-        while not batch_begun(partial.owned().result()):
-            assert time.time() < deadline and not handle.done(), "no rollout began a batch"
-            time.sleep(0.02)
+        until_decoding(handle, begun=True)
         data_w = workers_with(client, "data")[0]
         pid = client.run(os.getpid, workers=[data_w])[data_w]
         t_kill = time.time()
