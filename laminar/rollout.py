@@ -281,13 +281,10 @@ class RolloutReplica:
         return r.groups_per_batch
 
     def _acquire(self, n: int) -> list[PromptGroup]:
-        if self._data_lost is not None:
-            return []
-        try:
-            return self._call(self.pool.acquire(n, self.rollout_id, self.engine.version), self.pool)
-        except Exception as e:
-            self._lose_data(e)
-            return []
+        ok, groups = self._data_call(
+            self.pool, lambda: self.pool.acquire(n, self.rollout_id, self.engine.version)
+        )
+        return groups if ok else []
 
     def _take(self, n: int, wait_s: float) -> tuple[list[PromptGroup], int]:
         """Ask the pool for ``n`` groups, waiting up to ``wait_s`` for them in the pool
@@ -309,6 +306,17 @@ class RolloutReplica:
         return [], self.engine.version
 
     # -- the data module's loss -----------------------------------------------------------
+    def _data_call(self, actor, call) -> tuple[bool, object]:
+        """``(True, result)`` of ``call()`` on the data module's ``actor``; ``(False,
+        None)`` while the data module is lost (this call may find it so)."""
+        if self._data_lost is not None:
+            return False, None
+        try:
+            return True, self._call(call(), actor)
+        except Exception as e:
+            self._lose_data(e)
+            return False, None
+
     def _lose_data(self, error: Exception) -> None:
         """A call to the data module failed: lost (its worker gone, or not answering),
         or an error of its own, which fails this rollout as before."""
@@ -564,21 +572,19 @@ class RolloutReplica:
                 )
                 self.engine.add_request(req)
                 new.append(req.request_id)
-        if self.partial is not None and self._data_lost is None:
+        if self.partial is not None:
             added = set(new)
             states = [
                 RequestState(st.request, seed=st.seed, t_start=st.t_start)
                 for st in self.engine.in_flight()
                 if st.request_id in added
             ]
-            try:
-                self._call(
-                    self.partial.register(self.rollout_id, self.engine.version, states),
-                    self.partial,
-                )
+            ok, _ = self._data_call(
+                self.partial,
+                lambda: self.partial.register(self.rollout_id, self.engine.version, states),
+            )
+            if ok:  # (lost: a rebuilt pool has them registered in full)
                 self._logged.update(dict.fromkeys(new, 0))
-            except Exception as e:
-                self._lose_data(e)  # (a rebuilt pool has them registered in full)
         self.counts["batches"] += 1
 
     # -- the partial-response log (laminar.partial) --------------------------------------
@@ -625,10 +631,10 @@ class RolloutReplica:
             )
             ended[rid] = (out.finish_reason, out.t_finish)
         if tokens:
-            try:
-                self._call(self.partial.flush(self.rollout_id, tokens, ended), self.partial)
-            except Exception as e:
-                self._lose_data(e)
+            ok, _ = self._data_call(
+                self.partial, lambda: self.partial.flush(self.rollout_id, tokens, ended)
+            )
+            if not ok:
                 return
             self._ended.clear()
             for rid, (n, toks, _, _) in tokens.items():
@@ -669,14 +675,11 @@ class RolloutReplica:
                     RequestState(st.request, seed=st.seed, t_start=time.time(), n_moves=st.n_moves)
                     for st in states
                 ]
-                if self.partial is not None and self._data_lost is None:
-                    try:
-                        self._call(
-                            self.partial.register(self.rollout_id, self.engine.version, states),
-                            self.partial,
-                        )
-                    except Exception as e:
-                        self._lose_data(e)
+                if self.partial is not None:
+                    self._data_call(
+                        self.partial,
+                        lambda: self.partial.register(self.rollout_id, self.engine.version, states),
+                    )
                 self.counts["restarted_requests"] += len(states)
                 version = self.engine.version
             else:
