@@ -310,11 +310,11 @@ class ExperienceBuffer:
 
         arrays = open_trajectories(run_dir)
         rows = {uid: i for i, uid in enumerate(arrays["uid"].tolist())}
-        self._hold_again(arrays, [rows[u] for u in plan.hold], stored=set(rows))
+        self._stored_before = set(rows)
+        self._hold_again(arrays, [rows[u] for u in plan.hold], stored=self._stored_before)
         for uid, (sample_version, t_sample) in plan.mark_consumed.items():
             self._events.append(_event(uid, "consumed", sample_version, t_sample))
         self._consumed_elsewhere = dict(plan.consumed_elsewhere)
-        self._stored_before = set(rows)
         self.version = plan.version
         status = arrays["status"].copy()
         status[[rows[u] for u in plan.hold]] = "buffered"
@@ -491,10 +491,6 @@ class ExperienceBuffer:
         if self._write_error is not None:
             raise RuntimeError(f"the trajectory store cannot be written: {self._write_error}")
         return self._written
-
-    async def groups(self) -> list[str]:
-        """The prompt groups held (complete and partial)."""
-        return [*self.core.ready, *self.core.partial]
 
     async def stats(self) -> dict:
         return {
