@@ -237,13 +237,13 @@ def actor_result(actor, future, timeout: float):
         except TimeoutError:
             if left <= LOST_POLL_S:
                 raise
-            if not _worker_alive(actor):
+            if not worker_alive(actor):
                 raise ActorLost(
                     f"the worker holding actor {actor.key} ({actor._address}) is gone"
                 ) from None
 
 
-def _worker_alive(actor) -> bool:
+def worker_alive(actor) -> bool:
     """Whether the scheduler still has the worker of ``actor`` (``True`` when it cannot
     be asked: the call's own timeout then stands)."""
     from distributed import get_client

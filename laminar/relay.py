@@ -988,8 +988,15 @@ class Puller:
         self.switches += 1
 
     def _result(self, future, switches: int):
-        """``future.result()``, abandoned as soon as :meth:`switch` was called."""
+        """``future.result()``, abandoned as soon as :meth:`switch` was called, or once
+        the relay's worker is gone (a call in flight to a lost actor otherwise waits out
+        its whole timeout; nobody may be there to switch us: the manager can be lost
+        with the master, when the trainer and data module share a worker)."""
+        from laminar.cluster import LOST_POLL_S, ActorLost, worker_alive
+
+        relay = self.relay
         deadline = time.monotonic() + self.timeout_s
+        next_check = time.monotonic() + LOST_POLL_S
         while True:
             try:
                 return future.result(timeout=self.poll_s)
@@ -999,6 +1006,10 @@ class Puller:
                     raise RelaySwitched("the relay was switched during a pull") from None
                 if time.monotonic() >= deadline:
                     raise
+                if time.monotonic() >= next_check:
+                    next_check = time.monotonic() + LOST_POLL_S
+                    if relay is not None and not worker_alive(relay):
+                        raise ActorLost(f"the worker of relay {relay.key} is gone") from None
 
     def _retrying(self, fn, wait_switch: bool = True):
         """``fn(relay, switches)``, started again on the new relay after a switch. A relay

@@ -34,6 +34,7 @@ import shutil
 import threading
 import time
 import traceback
+from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
@@ -132,6 +133,12 @@ class Trainer:
         self._consumed_lock = threading.Lock()
         self._data_epoch = 0  # data modules rebuilt in place of a lost one
         self.data_wait_s = 0.0  # time spent waiting for one
+        # The training loop's heartbeat (docs/faults.md, "Hung trainer"): its last sign of
+        # progress, and how many waits it is in that are bounded by a timeout of their
+        # own (a call to the buffer, a relay or the manager; a paced hold): those are
+        # not silence. An update or a collective that never returns is.
+        self._beat = time.time()
+        self._bounded_waits = 0
 
     def set_manager(self, manager) -> None:
         """The rollout manager, given after construction: a restarted trainer is created
@@ -152,6 +159,31 @@ class Trainer:
         self.buffer, self.manager = buffer, manager
         self._data_epoch += 1
 
+    def heartbeat(self) -> float | None:
+        """Seconds since the training loop last showed progress (an update, a sampled
+        batch, a poll of the buffer); 0 while it waits on something that has a timeout of
+        its own; ``None`` when the loop is not running (not started, or ended: failed or
+        done, not hung). The driver declares the trainer hung when this passes
+        ``faults.heartbeat_timeout_s``, or when this actor does not answer for as long."""
+        if self._thread is None or self.done:
+            return None
+        if self._bounded_waits:
+            return 0.0
+        return time.time() - self._beat
+
+    def _tick(self) -> None:
+        self._beat = time.time()
+
+    @contextmanager
+    def _bounded(self):
+        """A wait with a timeout of its own: progress, however long it lasts."""
+        self._bounded_waits += 1
+        try:
+            yield
+        finally:
+            self._bounded_waits -= 1
+            self._tick()
+
     def _on_buffer(self, call):
         """``call(buffer)``'s result. A lost buffer: wait for the rebuilt one (up to
         ``faults.data_restart_timeout_s``) and call that; one that answers again after
@@ -160,11 +192,13 @@ class Trainer:
         while True:
             epoch = self._data_epoch
             try:
-                return actor_result(self.buffer, call(self.buffer), timeout)
+                with self._bounded():
+                    return actor_result(self.buffer, call(self.buffer), timeout)
             except Exception as e:
                 if not is_lost(e):
                     raise
-                self._await_data(epoch, e)
+                with self._bounded():  # (itself bounded by faults.data_restart_timeout_s)
+                    self._await_data(epoch, e)
 
     def _await_data(self, epoch: int, error: Exception) -> None:
         t0 = time.time()
@@ -198,6 +232,7 @@ class Trainer:
     def start(self) -> None:
         if self.spec.interrupt and self.manager is None:
             raise ValueError(f"schedule {self.spec.name!r} interrupts rollouts: give a manager")
+        self._tick()
         self._thread = start_thread(self._run, "trainer")
 
     def stop(self, timeout: float = 60.0) -> dict:
@@ -214,7 +249,8 @@ class Trainer:
     def publish(self) -> float:
         """Hand the current weights to the master relay; returns the stall (seconds)."""
         state = self.learner.model.state_dict()
-        stall = self.publisher.publish(self.version, state)
+        with self._bounded():  # (relay.timeout_s)
+            stall = self.publisher.publish(self.version, state)
         if self.cfg.relay.audit_weights:
             from laminar.relay import state_fingerprint
 
@@ -235,6 +271,7 @@ class Trainer:
             "wait_s": self.wait_s,
             "data_wait_s": self.data_wait_s,
             "data_rebuilds": self._data_epoch,
+            "silent_s": self.heartbeat(),
             "skipped_steps": self.learner.skipped_steps,
             "ranks": self.ranks,
             "weights_checksum": self.weights_checksum,
@@ -277,6 +314,7 @@ class Trainer:
         self._last_publication = time.time()
         pending = None  # one_step: an update whose publication waits for the next batch
         while self.version < self.steps and not self._stop.is_set():
+            self._tick()
             if self.spec.trainer == "stream":
                 record = self._stream_update()
             else:
@@ -389,7 +427,8 @@ class Trainer:
         self._on_buffer(lambda b: b.version_published(self.version))
         t_pub = time.time()
         if self.spec.interrupt:  # every rollout stops before the weights move
-            self.manager.pause_all(self.version).result(timeout)
+            with self._bounded():
+                self.manager.pause_all(self.version).result(timeout)
         stall = self._move_weights()
         now = time.time()
         self.history.append(

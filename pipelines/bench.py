@@ -294,6 +294,7 @@ _FLAGS = {
     "overrides": "--set",
     "kill_every_s": "--kill-every-s",
     "data_apart": "--data-apart",
+    "resume": "--resume-lost",
     "gpus": "--gpus",
     "seeds": "--seeds",
     "warmup": "--warmup",
@@ -311,7 +312,7 @@ def bench_options(name: str) -> set[str]:
     """The options benchmark ``name`` takes.
 
     >>> sorted(bench_options("soak"))
-    ['data_apart', 'duration_s', 'kill_every_s', 'run_dir', 'seed']
+    ['data_apart', 'duration_s', 'kill_every_s', 'resume', 'run_dir', 'seed']
     """
     import importlib
     import inspect

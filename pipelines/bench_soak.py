@@ -4,12 +4,14 @@ A local cluster of worker processes (the data module with the trainer, three rol
 paced as GPU replicas) runs the tiny task for ``duration_s``; every ``kill_every_s`` one
 worker, chosen at random among all of them, is SIGKILLed, and Dask's nanny restarts its
 process. A lost rollout is recovered inside the run (its trajectories resume elsewhere,
-a new rollout replaces it); a lost trainer/data worker fails the run, and the soak does
-what an operator's supervisor would: ``pipelines.resume`` from the newest checkpoint
+a new rollout replaces it); a lost trainer/data worker is restarted within the run
+(both at once: :class:`pipelines.restart.CoreRestart`). With ``--resume-lost``
+(``faults.restart_trainer=false``) it fails the run instead, and the soak does what an
+operator's supervisor would: ``pipelines.resume`` from the newest checkpoint
 (``trainer.checkpoint_every``), once the worker is back. At the end the run is stopped
 and audited from its stores (``storage.audit``); memory is sampled from every process.
 With ``--data-apart`` the data module has a worker of its own: a killed trainer is
-restarted and a killed data module rebuilt within the run, and nothing is resumed.
+restarted and a killed data module rebuilt within the run, each alone.
 
 Figures: kills (by role), rollout recoveries, detection, recovery and replacement times,
 the tokens the log kept and the bound on those regenerated, trainer-loss downtime,
@@ -87,10 +89,14 @@ def bench_soak(
     seed: int = 0,
     run_dir: str | None = None,
     data_apart: bool = False,
+    resume: bool = False,
 ) -> BenchResult:
     """``data_apart``: the data module has a worker of its own, so a killed trainer is
-    restarted, and a killed data module rebuilt, within the run (docs/faults.md) instead
-    of failing it: nothing is resumed."""
+    restarted, and a killed data module rebuilt, each alone within the run
+    (docs/faults.md). ``resume``: a killed trainer fails the run, and the soak resumes it
+    (the data module with the trainer: ``data_apart`` off)."""
+    if resume and data_apart:
+        raise ValueError("soak: --resume-lost applies to the shared layout, not --data-apart")
     import psutil
     from distributed import Client
 
@@ -109,6 +115,7 @@ def bench_soak(
     driver_rss: list[tuple[float, int]] = []
     resumes: list[dict] = []
     workload = [*WORKLOAD, *(["cluster.data_apart=true"] if data_apart else [])]
+    workload += ["faults.restart_trainer=false"] if resume else []
     with (
         local_cluster(REPLICAS, memory_limit="3GiB", data_apart=data_apart) as cluster,
         Client(cluster) as client,
@@ -143,7 +150,7 @@ def bench_soak(
                 kill = {"t": t_kill - t0, "role": role, "rollout": rid}
                 kill["_n"] = len(handle._schedule.rollout_workers)
                 kills.append(kill)
-                if role in ("trainer", "data") and data_apart:  # restarted within the run
+                if role in ("trainer", "data") and not resume:  # restarted within the run
                     kill.pop("_n")
                 elif role == "trainer":  # the run fails; resume it as a supervisor would
                     kill.pop("_n")
@@ -168,13 +175,15 @@ def bench_soak(
     t_end = time.time() - t0
     restarts = (summary.get("faults") or {}).get("trainer_restarts", [])
     rebuilds = (summary.get("faults") or {}).get("data_restarts", [])
+    if not data_apart:  # (the trainer and data module together)
+        restarts = (summary.get("faults") or {}).get("core_restarts", [])
     for k in kills:  # each in-run restart: from the kill to the new trainer (data module)
-        if k["role"] == "trainer" and data_apart:
+        if k["role"] == "trainer" and not resume:
             after = [r for r in restarts if r["time"] >= t0 + k["t"] - 1.0]
             if after:
                 k["downtime_s"] = after[0]["time"] + after[0]["restart_s"] - (t0 + k["t"])
                 k["lost_updates"] = after[0]["lost_updates"]
-                k["readmitted"] = after[0]["readmitted"]
+                k["readmitted"] = after[0].get("readmitted", after[0].get("held_again"))
         if k["role"] == "data":
             after = [r for r in rebuilds if r["time"] >= t0 + k["t"] - 1.0]
             if after:
@@ -301,6 +310,7 @@ def bench_soak(
             "replicas": REPLICAS,
             "workload": workload,
             "data_apart": data_apart,
+            "resume": resume,
         },
         notes=[
             f"run directory {run} (laminar audit {run}: {'CLEAN' if report.ok else 'PROBLEMS'})",

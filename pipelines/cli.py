@@ -180,6 +180,14 @@ def _print_summary(s: dict) -> None:
             f"consumed events written, {r['outstanding_groups']} groups outstanding, "
             f"{r['registered']} unfinished trajectories registered anew)"
         )
+    for r in (faults or {}).get("core_restarts", []):
+        print(
+            f"trainer + data     lost together, restarted in the run in {r['restart_s']:.1f} s "
+            f"from version {r['checkpoint_version']} ({r['lost_updates']} update(s) lost and "
+            f"redone, {r['held_again']} trajectories held again, {r['registered']} "
+            f"unfinished trajectories registered anew); numbering goes on after version "
+            f"{r['after_version']}"
+        )
     if faults and faults.get("relays_lost"):
         print(
             f"relays             {len(faults['relays_lost'])} lost "
@@ -352,6 +360,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
         options["search"] = False
     if args.data_apart:
         options["data_apart"] = True
+    if args.resume_lost:
+        options["resume"] = True
     if args.from_runs:
         options["from_runs"] = True
     if args.arms:
@@ -439,6 +449,12 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="soak: the data module on a worker of its own; a killed trainer restarts, and a "
         "killed data module is rebuilt, in the run",
+    )
+    bench.add_argument(
+        "--resume-lost",
+        action="store_true",
+        help="soak: a killed trainer (and data module) fails the run, which the soak resumes "
+        "as a supervisor would (faults.restart_trainer=false), instead of restarting in the run",
     )
     bench.add_argument("--gpus", type=int, help="schedules, repack: emulated GPUs in all (64)")
     bench.add_argument("--seeds", type=int, help="schedules: seeds per schedule (3)")

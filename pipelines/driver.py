@@ -45,6 +45,9 @@ METRICS_FLUSH_S = 5.0
 # A data-module call that failed as if lost, with its worker still on the scheduler's
 # books, is tried again for this long before the run fails.
 DATA_SUSPECT_S = 10.0
+# A hung actor's worker is restarted (the nanny waits a few seconds, then kills it); the
+# run waits this long for the scheduler to drop it before it fails.
+FENCE_WAIT_S = 60.0
 # Rollout stats recorded per poll (besides the rollout id and the time).
 ROLLOUT_METRICS = (
     "version",
@@ -222,32 +225,29 @@ class Schedule:
             self.core_workers = {"trainer and data module": trainer_w}
         else:
             self.core_workers = {"trainer": trainer_w, "data module": data_w}
-        # A lost trainer restarts within the run when it has a worker of its own and the
-        # manager can re-point the relays (pipelines/restart.py).
+        # A lost trainer restarts within the run, and a lost data module is rebuilt,
+        # under Laminar's schedule (whose dispatch and weights do not count versions),
+        # with a single trainer rank and the partial-response pool and manager a rebuild
+        # needs (pipelines/restart.py). When the two share a worker (the local default)
+        # they are lost together and restarted together, which needs both switches.
+        laminar = (spec.dispatch, spec.weights, spec.trainer) == ("free", "relay", "free")
+        shared = trainer_w == data_w
+        trainer_ok = cfg.trainer.ranks == 1 and cfg.faults.restart_trainer
+        data_ok = partial is not None and cfg.faults.restart_data
         self.restartable = (
-            # (the schedules whose dispatch and weights do not count versions: Laminar's)
-            (spec.dispatch, spec.weights, spec.trainer) == ("free", "relay", "free")
-            and trainer_w != data_w
-            and cfg.trainer.ranks == 1
-            and cfg.faults.restart_trainer
-            and manager is not None
+            laminar and manager is not None and trainer_ok and (data_ok or not shared)
+        )
+        self.data_restartable = (
+            laminar and manager is not None and data_ok and (trainer_ok or not shared)
         )
         self.trainer_restarts: list[dict] = []
         self._restart = None  # a TrainerRestart in progress
-        # A lost data module is rebuilt within the run when it has a worker apart from the
-        # trainer, under Laminar's schedule, with the partial-response pool and manager
-        # it rebuilds (pipelines/restart.py).
-        self.data_restartable = (
-            (spec.dispatch, spec.weights, spec.trainer) == ("free", "relay", "free")
-            and trainer_w != data_w
-            and partial is not None
-            and manager is not None
-            and cfg.faults.restart_data
-        )
         self.data_restarts: list[dict] = []
-        self._data_restart = None  # a DataRestart in progress
+        self.core_restarts: list[dict] = []  # both at once (pipelines.restart.CoreRestart)
+        self._data_restart = None  # a DataRestart or CoreRestart in progress
+        # Workers restarted because what they host hung (worker -> when, why, outcome).
+        self._fenced: dict[str, dict] = {}
         self._data_suspect: float | None = None  # a data-module call failed, not yet lost
-        self._data_hung: dict | None = None  # ... or it did not answer: hung, fenced
         self._last_data_stats: tuple[dict, dict] | None = None
         self._last_m_stats: dict | None = None
         self._published_fps: dict[int, int] = {}  # kept across trainer restarts
@@ -350,87 +350,142 @@ class Schedule:
         """The buffer's and prompt pool's stats; while a lost data module is rebuilt
         (:attr:`data_restartable`), the last ones, and each call advances the rebuild.
         Raises when the data module is lost and cannot be rebuilt."""
-        a, faults = self.actors, self.cfg.faults
+        a = self.actors
         timeout = self._data_timeout()
         if self._data_restart is None:
             try:
+                if self._data_hung is not None:  # fenced: wait until the scheduler drops it
+                    raise TimeoutError(f"the data module on {self._data_worker()} is hung")
                 futures = [(x, x.stats()) for x in (a["buffer"], a["pool"])]
                 self._last_data_stats = tuple(actor_result(x, f, timeout) for x, f in futures)
                 self._data_suspect = None
                 return self._last_data_stats
             except Exception as e:
                 lost = self._lost_core()
-                if not (self.data_restartable and self._last_m_stats is not None):
-                    raise
-                if not lost and is_lost(e):
+                if not lost and is_lost(e) and self._last_data_stats is not None:
                     now = time.time()
                     self._data_suspect = self._data_suspect or now
-                    if self._data_hung is not None:  # fenced: wait for its worker to go
-                        if now - self._data_hung["time"] < faults.data_restart_timeout_s:
-                            return self._last_data_stats
-                    elif isinstance(e, TimeoutError):  # silent for heartbeat_timeout_s
-                        self._fence_data(now, timeout)
+                    hung = self._data_hung
+                    if hung is not None:  # fenced: wait for its worker to go
+                        if now - hung["time"] > FENCE_WAIT_S:
+                            raise ClusterError(
+                                f"the {hung['role']} on {hung['worker']} hung and its worker "
+                                f"did not go within {FENCE_WAIT_S:g} s of its restart "
+                                f"({hung.get('restart')}); {self.resume_hint()}"
+                            ) from e
+                        return self._last_data_stats
+                    if isinstance(e, TimeoutError):  # silent for heartbeat_timeout_s
+                        self._fence_data(timeout)
                         return self._last_data_stats
                     # (a call may fail a moment before the scheduler drops the worker)
-                    elif now - self._data_suspect < DATA_SUSPECT_S:
+                    if self.data_restartable and now - self._data_suspect < DATA_SUSPECT_S:
                         return self._last_data_stats
-                if list(lost) != ["data module"]:
-                    raise
-                from pipelines.restart import DataRestart
-
-                self._data_suspect = None
-                self._data_restart = DataRestart(self, lost["data module"], self._last_m_stats)
-                if self._data_hung is not None:
-                    self._data_restart.record["hung"] = self._data_hung
-                    self._data_hung = None
+                self._begin_restart(lost, e)
         if self._data_restart.step():
-            self.data_restarts.append(self._data_restart.record)
-            self._data_restart = None
-            self._n_repacks = self._n_faults = 0  # the new manager's rows start empty
+            self._restarted(self._data_restart)
         return self._last_data_stats
 
+    def _begin_restart(self, lost: dict[str, str], error: Exception) -> None:
+        """The core workers in ``lost`` are gone: begin restarting what they hosted
+        within the run, or raise ``error`` (what the call that found it raised) when that
+        cannot be."""
+        from pipelines.restart import CoreRestart, DataRestart, TrainerRestart
+
+        hung = self._fenced.get(next(iter(lost.values()), ""))
+        if self.restartable and list(lost) == ["trainer"]:
+            self._old_publications += self._master_publications
+            self._master_publications = []
+            self._restart = TrainerRestart(self, lost["trainer"], self._last_t_stats)
+            r = self._restart
+        elif self.data_restartable and list(lost) == ["data module"] and self._last_m_stats:
+            r = self._data_restart = DataRestart(self, lost["data module"], self._last_m_stats)
+        elif self.restartable and list(lost) == ["trainer and data module"] and self._last_m_stats:
+            self._old_publications += self._master_publications
+            self._master_publications = []
+            worker = lost["trainer and data module"]
+            r = CoreRestart(self, worker, self._last_t_stats, self._last_m_stats)
+            self._data_restart = r
+        else:
+            raise error
+        if r is not self._restart:
+            self._data_suspect = None
+        if hung is not None:
+            r.record["hung"] = hung
+
+    def _restarted(self, r) -> None:
+        """A data-module rebuild (or a core restart) finished: the driver's books follow."""
+        from pipelines.restart import CoreRestart
+
+        self._data_restart = None
+        self._n_repacks = self._n_faults = 0  # the new manager's rows start empty
+        if not isinstance(r, CoreRestart):
+            self.data_restarts.append(r.record)
+            return
+        self.core_restarts.append(r.record)
+        self.tier.relays[0], self.tier.workers[0] = r.master, r.worker
+        self.core_workers = {"trainer and data module": r.worker}
+        self._updates_before += self._n_updates
+        self._n_updates = 0  # the new trainer's history starts empty
+        self._last_t_stats = self._trainer_stats()
+
     def _data_timeout(self) -> float:
-        """How long a call to the data module may take: a restartable one that is silent
-        for ``faults.heartbeat_timeout_s`` is hung (and no call may wait on it longer)."""
-        timeout = self.cfg.cluster.actor_timeout_s
-        if self.data_restartable:
-            timeout = min(timeout, self.cfg.faults.heartbeat_timeout_s)
-        return timeout
+        """How long a call to the data module may take: one silent for
+        ``faults.heartbeat_timeout_s`` is hung (and no call may wait on it longer)."""
+        return min(self.cfg.cluster.actor_timeout_s, self.cfg.faults.heartbeat_timeout_s)
 
     def _data_silent(self, error: Exception) -> None:
         """A call to the manager (the data module's) failed: if it was not answered
         within :meth:`_data_timeout` and its worker is still there, the data module is
         hung (the next poll of its stats then waits for the fenced worker to go)."""
         if isinstance(error, TimeoutError) and self._data_hung is None and not self._lost_core():
-            now = time.time()
-            self._data_suspect = self._data_suspect or now
-            self._fence_data(now, self._data_timeout())
+            self._data_suspect = self._data_suspect or time.time()
+            self._fence_data(self._data_timeout())
 
-    def _fence_data(self, now: float, silent_s: float) -> None:
+    def _fence_data(self, silent_s: float) -> None:
         """The data module did not answer for ``faults.heartbeat_timeout_s``: hung. Its
-        worker is restarted (the nanny kills the process), in the background; once the
-        scheduler has dropped it, it is lost and rebuilt like a killed one."""
+        worker is restarted; once the scheduler has dropped it, it is lost and rebuilt
+        like a killed one (with the trainer, when they share it)."""
+        role = "data module" if "data module" in self.core_workers else "trainer and data module"
+        self._fence(role, self.core_workers[role], silent_s)
+
+    def _data_worker(self) -> str:
+        return self.core_workers.get("data module") or self.core_workers["trainer and data module"]
+
+    @property
+    def _data_hung(self) -> dict | None:
+        """The fence of the data module's worker, when it hung."""
+        return self._fenced.get(self._data_worker())
+
+    def _fence(self, role: str, worker: str, silent_s: float) -> dict:
+        """``role`` on ``worker`` showed no progress for ``silent_s``: hung. Its worker is
+        restarted (the nanny stops the process, or kills it), in the background, so that
+        it never runs beside its own replacement; the scheduler then drops it and it is
+        lost. Returns the record of the fence (``restart``: the nanny's outcome)."""
         from laminar.cluster import start_thread
 
-        worker = self.core_workers["data module"]
-        self._data_hung = {"time": now, "worker": worker, "silent_s": silent_s}
+        now = time.time()
+        info = {"role": role, "time": now, "worker": worker, "silent_s": silent_s}
+        self._fenced[worker] = info
         logger.warning(
-            "data module on %s did not answer for %.1f s: hung; restarting its worker",
+            "%s on %s showed no progress for %.1f s (faults.heartbeat_timeout_s=%g): hung; "
+            "restarting its worker",
+            role,
             worker,
             silent_s,
+            self.cfg.faults.heartbeat_timeout_s,
         )
-        hung = self._data_hung
 
         def fence() -> None:
             t0 = time.time()
             try:
                 out = self.client.restart_workers([worker], timeout=10)
-                hung["restart"] = str(out.get(worker, out))
+                info["restart"] = str(out.get(worker, out))
             except Exception as e:  # noqa: BLE001 — gone meanwhile: fenced all the same
-                hung["restart"] = repr(e)
-            hung["restart_s"] = time.time() - t0
+                info["restart"] = repr(e)
+            info["restart_s"] = time.time() - t0
 
-        start_thread(fence, "fence-data")
+        start_thread(fence, f"fence-{role.replace(' ', '-')}")
+        return info
 
     def _manager_stats(self) -> dict | None:
         """The manager's stats (``None``: there is none, it is being rebuilt, or the data
@@ -449,29 +504,48 @@ class Schedule:
 
     def _trainer_stats(self) -> dict:
         """The trainer's stats; while a lost trainer restarts (:attr:`restartable`), what
-        it last reported, and each call advances the restart. Raises when the trainer is
-        lost and cannot be restarted."""
-        a = self.actors
+        it last reported, and each call advances the restart. A trainer that does not
+        answer, or whose training loop shows no progress, for
+        ``faults.heartbeat_timeout_s`` is hung: its worker is restarted (:meth:`_fence`)
+        and it is then lost. Raises when the trainer is lost and cannot be restarted."""
+        from pipelines.restart import CoreRestart, trainer_stand_in
+
+        a, faults = self.actors, self.cfg.faults
+        if isinstance(self._data_restart, CoreRestart):  # (no trainer runs meanwhile)
+            return self._data_restart.stand_in
         if self._restart is None:
+            worker = self._trainer_worker()
             try:
-                self._last_t_stats = (
-                    a["trainer"].stats().result(timeout=self.cfg.cluster.actor_timeout_s)
-                )
+                if worker in self._fenced:  # hung: wait until the scheduler drops it
+                    raise TimeoutError(f"the trainer on {worker} is hung (fenced)")
+                t_stats = actor_result(a["trainer"], a["trainer"].stats(), self._trainer_timeout())
+                silent = t_stats.get("silent_s")
+                if silent is not None and silent > faults.heartbeat_timeout_s:
+                    self._fence("trainer", worker, silent)
+                    return self._last_t_stats or trainer_stand_in(None, self.cfg.trainer.steps)
+                self._last_t_stats = t_stats
                 if self.restartable and self.cfg.relay.audit_weights:
                     # Kept here, every poll: the fingerprints die with the trainer.
                     since = max(self._published_fps, default=-1)
                     new = a["trainer"].get_fingerprints(since).result(timeout=5.0)
                     self._published_fps.update(new)
                 return self._last_t_stats
-            except Exception:
+            except Exception as e:
                 lost = self._lost_core()
-                if not (self.restartable and list(lost) == ["trainer"]):
-                    raise
-                from pipelines.restart import TrainerRestart
-
-                self._old_publications += self._master_publications
-                self._master_publications = []
-                self._restart = TrainerRestart(self, lost["trainer"], self._last_t_stats)
+                if not lost and isinstance(e, TimeoutError):
+                    fenced = self._fenced.get(worker)
+                    if fenced is None:  # it did not answer for heartbeat_timeout_s
+                        self._fence("trainer", worker, self._trainer_timeout())
+                    elif time.time() - fenced["time"] > FENCE_WAIT_S:
+                        raise ClusterError(
+                            f"the trainer on {worker} hung and its worker did not go within "
+                            f"{FENCE_WAIT_S:g} s of its restart ({fenced.get('restart')}); "
+                            f"{self.resume_hint()}"
+                        ) from e
+                    return self._last_t_stats or trainer_stand_in(None, self.cfg.trainer.steps)
+                self._begin_restart(lost, e)
+                if self._restart is None:  # (lost with the data module: CoreRestart)
+                    return self._data_restart.stand_in
         handle = self._restart.step()
         if handle is None:
             return self._restart.stand_in
@@ -485,6 +559,14 @@ class Schedule:
         self.trainer_restarts.append(r.record)
         self._last_t_stats = handle.stats().result(timeout=self.cfg.cluster.actor_timeout_s)
         return self._last_t_stats
+
+    def _trainer_worker(self) -> str:
+        return self.core_workers.get("trainer") or self.core_workers["trainer and data module"]
+
+    def _trainer_timeout(self) -> float:
+        """How long a call to the trainer may take: one silent for
+        ``faults.heartbeat_timeout_s`` is hung."""
+        return min(self.cfg.cluster.actor_timeout_s, self.cfg.faults.heartbeat_timeout_s)
 
     def _keep_publications(self) -> None:
         """The master's publication records, which only the trainer's process holds,
@@ -603,9 +685,12 @@ class Schedule:
         for table, rows in self._rows.items():
             self.metrics.append(table, rows)
             rows.clear()
-        if self._restart is None:  # (no trainer runs while one restarts)
+        if self._restart is None and self._data_restart is None:  # (no trainer restarting)
             try:
-                new = self.actors["trainer"].get_history(self._n_updates).result()
+                if self._trainer_worker() in self._fenced:
+                    raise TimeoutError("the trainer is hung")
+                t = self.actors["trainer"]
+                new = actor_result(t, t.get_history(self._n_updates), self._trainer_timeout())
             except Exception:
                 if not self.restartable:
                     raise
@@ -643,10 +728,25 @@ class Schedule:
             return
         self._abort()
         role, worker = next(iter(lost.items()))
+        why = type(error).__name__
+        if worker in self._fenced:
+            hung = self._fenced[worker]
+            why = f"hung, no progress for {hung['silent_s']:.0f} s, and restarted"
         raise ClusterError(
-            f"lost the {role} (worker {worker} is gone: {type(error).__name__}); the run "
-            f"cannot continue; {self.resume_hint()} (docs/faults.md)"
+            f"lost the {role} (worker {worker} is gone: {why}); the run cannot continue "
+            f"{self._why_not_restarted()}; {self.resume_hint()} (docs/faults.md)"
         ) from error
+
+    def _why_not_restarted(self) -> str:
+        """Why a lost trainer or data module fails this run (docs/faults.md)."""
+        spec, cfg = self.schedule, self.cfg
+        if (spec.dispatch, spec.weights, spec.trainer) != ("free", "relay", "free"):
+            return f"(schedule {spec.name!r} does not restart them within the run)"
+        if cfg.trainer.ranks > 1:
+            return "(trainer.ranks > 1: a data-parallel trainer is not restarted in the run)"
+        if not (cfg.faults.restart_trainer and cfg.faults.restart_data):
+            return "(faults.restart_trainer or faults.restart_data is off)"
+        return "(faults.recover is off: no partial-response pool to rebuild from)"
 
     def _lost_core(self) -> dict[str, str]:
         """Role -> worker of the core actors whose worker the scheduler no longer has."""
@@ -706,7 +806,9 @@ class Schedule:
         # (after the buffer's last commit: the log keeps only what the store lacks)
         partial = a["partial"].close().result() if a["partial"] is not None else None
         return {
-            "faults": faults_summary(m_stats, partial, self.trainer_restarts, self.data_restarts),
+            "faults": faults_summary(
+                m_stats, partial, self.trainer_restarts, self.data_restarts, self.core_restarts
+            ),
             "repack": m_stats if self.cfg.repack is not None else None,
             "relay": relay,
             "reason": reason,

@@ -19,7 +19,9 @@ back-pressure bound. The driver then, without blocking its poll:
    version number is used for two sets of weights.
 
 :class:`TrainerRestart` is that sequence as a state machine that the driver advances
-once per poll.
+once per poll; :class:`DataRestart` rebuilds a lost data module; :class:`CoreRestart`
+does both at once, for a trainer and data module that shared the lost worker (the
+default on a local cluster).
 """
 
 from __future__ import annotations
@@ -38,6 +40,64 @@ from storage.resume import ResumePlan, plan_rebuild
 logger = logging.getLogger(__name__)
 
 
+def trainer_stand_in(last: dict | None, steps: int) -> dict:
+    """What the driver reports for the trainer while none runs (from its ``last`` stats)."""
+    last = last or {}
+    return {
+        "version": last.get("version", 0),
+        "steps": last.get("steps", steps),
+        "done": False,
+        "error": None,
+        "wait_s": last.get("wait_s", 0.0),
+        "last": None,
+    }
+
+
+def _new_master(s, worker: str, chain: list[str]):
+    """A master relay on ``worker`` (the restarted trainer's), linked to the live
+    ``chain``'s second relay, with the calibration measured at the run's start."""
+    cfg = s.cfg
+    rcfg = cfg.relay.model_copy(update={k: s.relay_info.get(k) for k in ("t_byte", "t_start")})
+    master = submit_actor(s.client, Relay, "master", rcfg, worker=worker, resource="trainer")
+    nxt = s.tier.handle(chain[1]) if len(chain) > 1 else None
+    master.set_chain(chain, nxt, None).result(cfg.cluster.actor_timeout_s)
+    return master
+
+
+def _start_trainer(s, worker: str, ckpt, steps: int, after: int, buffer, master):
+    """Create (not yet start) a :class:`Trainer` on ``worker`` from checkpoint ``ckpt``
+    (``None``: the warm-started policy) that numbers its updates after ``after`` and
+    ends at version ``steps`` + the versions it skips."""
+    cfg = s.cfg
+    tcfg = cfg.trainer.model_copy(
+        update={"resume_from": str(ckpt) if ckpt is not None else None, "steps": steps}
+    )
+    return start_actor(
+        s.client,
+        Trainer,
+        cfg.model_copy(update={"trainer": tcfg}),
+        s.policy_dir,
+        str(s.run_dir),
+        buffer,
+        master,
+        "",
+        s.schedule,
+        None,  # (set once it runs: see Trainer.set_manager)
+        after_version=after,
+        worker=worker,
+        resource="trainer",
+    )
+
+
+def _run_trainer(s, worker: str, future):
+    """Bind the trainer created on ``worker``, hand it the manager and start it."""
+    timeout = s.cfg.cluster.actor_timeout_s
+    handle = bind_actor(s.client, Trainer, worker, future)
+    handle.set_manager(s.actors["manager"]).result(timeout=timeout)
+    handle.start().result(timeout=timeout)
+    return handle
+
+
 class TrainerRestart:
     """One restart of a lost trainer: :meth:`step` each poll until it returns the new
     trainer's handle; :attr:`record` is what ``summary.json`` reports for it."""
@@ -46,16 +106,7 @@ class TrainerRestart:
         self.s = schedule  # the driver (pipelines.driver.Schedule)
         self.lost_worker = lost_worker
         self.t_lost = time.time()
-        last = last_stats or {}
-        # What the driver reports while no trainer runs.
-        self.stand_in = {
-            "version": last.get("version", 0),
-            "steps": last.get("steps", schedule.cfg.trainer.steps),
-            "done": False,
-            "error": None,
-            "wait_s": last.get("wait_s", 0.0),
-            "last": None,
-        }
+        self.stand_in = trainer_stand_in(last_stats, schedule.cfg.trainer.steps)
         self.worker: str | None = None
         self.master = None
         self.future = None
@@ -76,9 +127,7 @@ class TrainerRestart:
             return None
         s = self.s
         try:
-            handle = bind_actor(s.client, Trainer, self.worker, self.future)
-            handle.set_manager(s.actors["manager"]).result(timeout=s.cfg.cluster.actor_timeout_s)
-            handle.start().result(timeout=s.cfg.cluster.actor_timeout_s)
+            handle = _run_trainer(s, self.worker, self.future)
         except Exception as e:  # noqa: BLE001 — that worker went too: wait for another
             logger.warning("the trainer could not start on %s: %r", self.worker, e)
             self.lost_worker, self.future, self.worker = self.worker, None, None
@@ -117,32 +166,13 @@ class TrainerRestart:
         # each before it is published).
         after = a["buffer"].stats().result(timeout)["version"]
         back = a["buffer"].trainer_restarted(version).result(timeout)
-        m_stats = a["manager"].stats().result(timeout)
-        chain = m_stats["chain"]
-        rcfg = cfg.relay.model_copy(update={k: s.relay_info.get(k) for k in ("t_byte", "t_start")})
-        master = submit_actor(client, Relay, "master", rcfg, worker=self.worker, resource="trainer")
-        nxt = s.tier.handle(chain[1]) if len(chain) > 1 else None
-        master.set_chain(chain, nxt, None).result(timeout)
+        chain = a["manager"].stats().result(timeout)["chain"]
+        master = _new_master(s, self.worker, chain)
         a["manager"].replace_master(master, self.worker).result(timeout)
         self.master = master
-        steps = self.stand_in["steps"]  # the version the lost trainer was to end at
-        tcfg = cfg.trainer.model_copy(
-            update={"resume_from": str(ckpt) if ckpt is not None else None, "steps": steps}
-        )
-        self.future = start_actor(
-            client,
-            Trainer,
-            cfg.model_copy(update={"trainer": tcfg}),
-            s.policy_dir,
-            str(s.run_dir),
-            a["buffer"],
-            master,
-            "",
-            s.schedule,
-            None,  # (set once it runs: see Trainer.set_manager)
-            after_version=after,
-            worker=self.worker,
-            resource="trainer",
+        # (the lost trainer was to end at stand_in["steps"])
+        self.future = _start_trainer(
+            s, self.worker, ckpt, self.stand_in["steps"], after, a["buffer"], master
         )
         self.record.update(
             worker_wait_s=time.time() - self.t_lost,
@@ -214,7 +244,10 @@ class DataRestart:
             return False
         return True
 
-    def _rebuild(self, worker: str) -> None:
+    def _rebuild(self, worker: str, record: dict | None = None, master=None) -> None:
+        """Rebuild on ``worker``. ``record``: what the trainer consumed (default: asked of
+        the live trainer); ``master``: the master relay's handle when it is new (a
+        :class:`CoreRestart`; the live trainer is then not attached: a new one starts)."""
         from pipelines.driver import _answers, start_data_module
 
         s = self.s
@@ -229,7 +262,8 @@ class DataRestart:
         def mark(name: str) -> None:
             phases[name] = time.time() - t0 - sum(phases.values())
 
-        record = a["trainer"].consumed_record().result(timeout)
+        if record is None:
+            record = a["trainer"].consumed_record().result(timeout)
         held = _answers([lambda r=r: r.data_holdings() for r in live.values()], timeout=timeout)
         plan = plan_rebuild(
             s.run_dir,
@@ -246,15 +280,18 @@ class DataRestart:
         mark("data_actors_s")
         chain = m["chain"]
         relays = {rid: s.tier.handle(rid) for rid in chain}
+        relay_workers = {rid: s.tier.workers[s.tier.ids.index(rid)] for rid in chain}
+        if master is not None:  # (the lost one's handle must not be an argument: see detach)
+            relays["master"], relay_workers["master"] = master, worker
         manager = submit_actor(
             client,
             RolloutManager,
             cfg,
             {},
-            s.tier.relays[0],
+            relays["master"],
             partial,
             relays=relays,
-            relay_workers={rid: s.tier.workers[s.tier.ids.index(rid)] for rid in chain},
+            relay_workers=relay_workers,
             rollout_relays=m["rollout_relays"],
             worker=worker,
             resource="data",
@@ -266,7 +303,10 @@ class DataRestart:
         ).result(timeout)
         partial.set_relays([relays[r] for r in chain]).result(timeout)
         mark("manager_s")
-        a["trainer"].attach_data(buffer, manager).result(timeout)
+        if master is None:
+            a["trainer"].attach_data(buffer, manager).result(timeout)
+        else:  # the new master heads the chain, the lost one's readers pull from it
+            manager.replace_master(master, worker).result(timeout)
         registered = _answers(
             [lambda r=r: r.attach_data(pool, buffer, partial) for r in live.values()],
             timeout=timeout,
@@ -274,7 +314,8 @@ class DataRestart:
         manager.start().result(timeout)
         mark("attach_s")
         a.update(pool=pool, partial=partial, buffer=buffer, manager=manager)
-        s.core_workers["data module"] = worker
+        if master is None:
+            s.core_workers["data module"] = worker
         now = time.time()
         self.record.update(
             worker=worker,
@@ -296,3 +337,125 @@ class DataRestart:
             len(plan.outstanding),
             sum(registered),
         )
+
+
+class CoreRestart:
+    """One restart of a trainer and data module lost together: they shared the lost
+    worker (``data=1, trainer=1``, the default on a local cluster). It is the two
+    restarts above in one, and sound for the same reasons; what differs is that the
+    trainer's record of what it consumed is lost too. The newest checkpoint stands in
+    for it: the store recorded every trajectory consumed before the checkpoint's version
+    ``V`` (the checkpoint commits it first), and every update after ``V`` is lost and
+    redone. So the store is read with an empty record from ``V`` on
+    (:func:`storage.resume.plan_rebuild`): whatever it says was consumed at ``V`` or
+    later is held again, whole groups, and no trajectory is trained twice into the final
+    weights. Once a worker with both roles is back:
+
+    1. a new master relay starts on it, heading the live chain;
+    2. the data module is rebuilt as in :class:`DataRestart`, knowing version ``M``, the
+       newest any part of the run saw published (the driver's last look at the trainer
+       and buffer, the rollouts' and relays' versions); the rollouts register their
+       unfinished trajectories with it and send again what the lost store lacked;
+    3. a new trainer loads the checkpoint and numbers its updates after ``M``, as in
+       :class:`TrainerRestart`.
+
+    :meth:`step` advances it once per poll; :attr:`record` is what ``summary.json``
+    reports (``faults.core_restarts``)."""
+
+    def __init__(
+        self, schedule, lost_worker: str, last_trainer: dict | None, last_manager: dict
+    ) -> None:
+        self.s = schedule  # the driver (pipelines.driver.Schedule)
+        self.lost_worker = lost_worker
+        self.t_lost = time.time()
+        self.stand_in = trainer_stand_in(last_trainer, schedule.cfg.trainer.steps)
+        self.last_manager = last_manager
+        self.data = DataRestart.__new__(DataRestart)  # (its rebuild, driven from here)
+        self.data.s, self.data.last_manager = schedule, last_manager
+        self.data.t_lost, self.data.lost_worker = self.t_lost, lost_worker
+        self.worker: str | None = None
+        self.master = None
+        self.future = None
+        self.record: dict = {"lost_worker": lost_worker, "time": self.t_lost}
+        self.data.record = self.record
+        logger.warning(
+            "trainer and data module lost (worker %s gone) at version %s; restarting both "
+            "within the run",
+            lost_worker,
+            self.stand_in["version"],
+        )
+
+    def step(self) -> bool:
+        """Advance; ``True`` once the new data module and trainer run. Raises
+        :class:`ClusterError` when no worker with both roles came within the longer of
+        ``faults.trainer_restart_timeout_s`` and ``faults.data_restart_timeout_s``."""
+        s = self.s
+        if self.future is None:
+            self._begin()
+            return False
+        if not self.future.done():
+            return False
+        handle = _run_trainer(s, self.worker, self.future)
+        now = time.time()
+        self.record.update(restart_s=now - self.t_lost)
+        s.actors["trainer"] = handle
+        logger.warning(
+            "trainer restarted on %s from version %s in %.1f s; its first update is version %s",
+            self.worker,
+            self.record["checkpoint_version"],
+            now - self.t_lost,
+            self.record["after_version"] + 1,
+        )
+        return True
+
+    def _begin(self) -> None:
+        s = self.s
+        faults = s.cfg.faults
+        both = set(workers_with(s.client, "trainer")) & set(workers_with(s.client, "data"))
+        live = sorted(both - {self.lost_worker})
+        if not live:
+            limit = max(faults.trainer_restart_timeout_s, faults.data_restart_timeout_s)
+            if time.time() - self.t_lost > limit:
+                raise ClusterError(
+                    f"lost the trainer and data module (worker {self.lost_worker} is gone) "
+                    f"and no worker with both roles came back within {limit:g} s "
+                    f"(faults.trainer_restart_timeout_s, faults.data_restart_timeout_s); "
+                    f"{s.resume_hint()}"
+                )
+            return
+        worker = self.worker = live[0]
+        self.record["worker_wait_s"] = time.time() - self.t_lost
+        ckpt = newest_checkpoint(s.run_dir)
+        version = checkpoint_version(ckpt) if ckpt is not None else 0
+        after = self._newest_published()
+        self.master = _new_master(s, worker, self.last_manager["chain"])
+        # (the record stands in for the trainer's: nothing consumed at V or later stands)
+        record = {"consumed": {}, "since": version, "version": after}
+        self.data._rebuild(worker, record=record, master=self.master)
+        self.future = _start_trainer(
+            s, worker, ckpt, self.stand_in["steps"], after, s.actors["buffer"], self.master
+        )
+        self.record.update(
+            checkpoint=str(ckpt) if ckpt is not None else None,
+            checkpoint_version=version,
+            after_version=after,
+            lost_updates=after - version,
+        )
+
+    def _newest_published(self) -> int:
+        """``M``: the newest version the lost trainer published, as far as anything that
+        outlived it saw (it told the buffer of each before publishing it; a rollout or a
+        downstream relay may hold one the driver has not seen yet)."""
+        from pipelines.driver import _answers
+
+        s = self.s
+        seen = [self.stand_in["version"], max(s._published_fps, default=0)]
+        if s._last_data_stats is not None:
+            seen.append(s._last_data_stats[0]["version"])
+        lost = self.last_manager["lost"]
+        live = [r for i, r in enumerate(s.actors["rollouts"]) if f"r{i}" not in lost]
+        seen += [st["version"] for st in _answers([lambda r=r: r.stats() for r in live])]
+        down = [s.tier.handle(r) for r in self.last_manager["chain"][1:]]
+        for st in _answers([lambda r=r: r.stats() for r in down]):
+            seen += [*st["kept"], *st["arriving"]]  # (arriving: the master had published it)
+        return max(seen)

@@ -17,6 +17,7 @@ def faults_summary(
     partial: dict | None,
     trainer_restarts: list[dict] = (),
     data_restarts: list[dict] = (),
+    core_restarts: list[dict] = (),
 ) -> dict | None:
     """Losses and recoveries over the run, and the partial-response log's counters."""
     if partial is None:
@@ -33,6 +34,7 @@ def faults_summary(
         "masters_replaced": m.get("masters_replaced", []),
         "trainer_restarts": list(trainer_restarts),
         "data_restarts": list(data_restarts),
+        "core_restarts": list(core_restarts),  # trainer and data module lost together
         "partial": partial,
     }
 

@@ -44,16 +44,17 @@ def wait_for(handle, predicate, timeout: float = 300.0) -> dict:
 
 
 @contextlib.contextmanager
-def apart_run(run_dir, overrides: list[str]):
+def apart_run(run_dir, overrides: list[str], data_apart: bool = True):
     """A run on 2 rollouts paced as GPU replicas (not strictly) and the data module on a
-    worker of its own, back-pressure at 16 groups: yields the client and its handle."""
+    worker of its own (``data_apart``; else with the trainer), back-pressure at 16
+    groups: yields the client and its handle."""
     from distributed import Client
 
     import pipelines
     from laminar.cluster import local_cluster
 
     with (
-        local_cluster(2, memory_limit="3GiB", data_apart=True) as cluster,
+        local_cluster(2, memory_limit="3GiB", data_apart=data_apart) as cluster,
         Client(cluster) as client,
     ):
         paced = ["rollout.pacing.strict=false", "buffer.max_outstanding_groups=16"]
@@ -372,11 +373,12 @@ def test_two_rollouts_killed_at_once(tmp_path):
 
 
 def test_a_lost_trainer_fails_the_run_clearly_and_it_resumes_in_place(tmp_path):
-    """Trainer loss is not recovered within the run (docs/faults.md): the run ends at once
-    with an error that names what was lost and how to continue, and stops the rollouts;
-    nothing hangs. `laminar run --resume` then continues it in its own directory from its
-    periodic checkpoint: the updates after it are redone on the groups they had
-    consumed, and every version is trained on exactly one batch of whole groups."""
+    """With faults.restart_trainer off, trainer loss is not recovered within the run
+    (docs/faults.md): the run ends at once with an error that names what was lost, why
+    it is not restarted and how to continue, and stops the rollouts; nothing hangs.
+    `laminar run --resume` then continues it in its own directory from its periodic
+    checkpoint: the updates after it are redone on the groups they had consumed, and
+    every version is trained on exactly one batch of whole groups."""
     from distributed import Client
 
     import pipelines
@@ -402,6 +404,7 @@ def test_a_lost_trainer_fails_the_run_clearly_and_it_resumes_in_place(tmp_path):
                 "cluster.actor_timeout_s=10",
                 "relay.timeout_s=10",  # the master relay dies with the trainer
                 "buffer.flush_interval_s=0.5",
+                "faults.restart_trainer=false",  # (on, it restarts in the run: below)
             ],
             run_dir=run_dir,
         )
@@ -422,6 +425,7 @@ def test_a_lost_trainer_fails_the_run_clearly_and_it_resumes_in_place(tmp_path):
             time.sleep(0.5)
     ckpt = sorted((run_dir / "checkpoints").glob("version-*"))[-1]
     assert "lost the trainer and data module (worker" in str(failed.value)
+    assert "(faults.restart_trainer or faults.restart_data is off)" in str(failed.value)
     assert f"({ckpt.name}) with `laminar run --resume {run_dir}`" in str(failed.value)
     # The buffer died with the data worker, but it stored each trajectory on admission:
     # the store holds them (all but the last flush), with where each stood.
@@ -469,16 +473,32 @@ def test_a_lost_trainer_fails_the_run_clearly_and_it_resumes_in_place(tmp_path):
     assert report.ok, report.text()
 
 
-def test_a_lost_trainer_restarts_within_the_run_while_rollouts_generate(tmp_path):
+@pytest.mark.parametrize("fault", ["killed", "stuck"])
+def test_a_lost_trainer_restarts_within_the_run_while_rollouts_generate(tmp_path, fault):
     """The data module on a worker of its own, the trainer's worker SIGKILLed at version
     >= 3 (a checkpoint every 2): the run goes on without a resume. Meanwhile the
     rollouts keep generating into the buffer; the nanny brings the worker back, the
     buffer takes back the groups the lost updates had consumed, a new master relay heads
     the chain, and a new trainer continues from the checkpoint, numbering its updates
     after the last lost version. The run ends with its 12 updates, every version number
-    used once, every load equal to what the trainer published, and a clean audit."""
+    used once, every load equal to what the trainer published, and a clean audit.
+
+    ``stuck``: the trainer's update blocks for good while the actor still answers (a
+    hung collective). Its heartbeat stops; after faults.heartbeat_timeout_s the driver
+    has the nanny restart its worker, then restarts it like a killed one."""
     from laminar.cluster import workers_with
 
+    def stick_updates(dask_worker=None) -> None:
+        """Make every update on this worker's trainer block for good, as a collective
+        whose peer is gone does: the actor answers, its loop makes no progress. Nested,
+        so that it is pickled by value: workers cannot import the test modules."""
+        import threading
+
+        from laminar.learner import Learner
+
+        Learner.update = lambda self, batch: threading.Event().wait()
+
+    stuck = fault == "stuck"
     steps = 12
     run_dir = tmp_path / "run"
     overrides = [
@@ -490,6 +510,7 @@ def test_a_lost_trainer_restarts_within_the_run_while_rollouts_generate(tmp_path
         # the tiny policy generates far faster than it trains, the buffer is full at the
         # kill, and back-pressure alone holds the rollouts.
         "rollout.pacing.dilation=15",
+        *(["faults.heartbeat_timeout_s=5"] if stuck else []),
     ]
     with apart_run(run_dir, overrides) as (client, handle):
         wait_for(handle, lambda p: p.get("phase") == "training" and p["version"] >= 3)
@@ -500,10 +521,18 @@ def test_a_lost_trainer_restarts_within_the_run_while_rollouts_generate(tmp_path
         trainer_w = workers_with(client, "trainer")[0]
         pid = client.run(os.getpid, workers=[trainer_w])[trainer_w]
         t_kill = time.time()
-        os.kill(pid, signal.SIGKILL)
+        if stuck:
+            client.run(stick_updates, workers=[trainer_w])
+        else:
+            os.kill(pid, signal.SIGKILL)
         summary = handle.wait(timeout=300)
     assert summary["reason"] == "completed"
     (r,) = summary["faults"]["trainer_restarts"]
+    if stuck:  # the next update stuck; silent past the timeout, then fenced
+        hung = r["hung"]
+        assert hung["role"] == "trainer" and hung["worker"] == trainer_w, r
+        assert 5 < hung["silent_s"] < 5 + 3 and hung["restart"] == "OK", r
+        assert 5 < hung["time"] - t_kill < 60 and 0 <= r["time"] - hung["time"] < 15, r
     v, after = r["checkpoint_version"], r["after_version"]
     assert v % 2 == 0 and after >= 3 and after - v == r["lost_updates"] >= 0
     assert r["restart_s"] < 60 and r["worker"] != trainer_w
@@ -543,6 +572,88 @@ def test_a_lost_trainer_restarts_within_the_run_while_rollouts_generate(tmp_path
     # (Loads of versions the lost trainer published after the driver's last copy of its
     # fingerprints, every few seconds, cannot be checked: at most the last few.)
     assert fp["unverified"] <= 2 * r["lost_updates"] + 2
+    report = audit_run(run_dir)
+    assert report.ok, report.text()
+
+
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGSTOP], ids=["killed", "hung"])
+def test_a_lost_trainer_and_data_module_on_one_worker_restart_within_the_run(tmp_path, sig):
+    """The local default: the trainer and the data module share a worker, SIGKILLed at
+    version >= 3 (a checkpoint every 2) while a rollout decodes, with 2 s of admissions
+    and consumptions the store had not committed. Both restart within the run: the
+    nanny brings the worker back, a new master relay heads the chain, the data module is
+    rebuilt from the store with the checkpoint standing in for the lost trainer's record
+    (every group consumed after it is held again), the rollouts register what they
+    decode and resend what the store lacked, and a new trainer continues from the
+    checkpoint after the newest version anything saw. The run ends with its 12 updates,
+    every version number published once, each update's batch trained once, every load
+    equal to what was published, and a clean audit.
+
+    SIGSTOP: the worker hangs (the scheduler still has it). After
+    faults.heartbeat_timeout_s without an answer the driver has the nanny restart it,
+    and then restarts both like a killed one."""
+    from laminar.cluster import workers_with
+
+    hung = sig == signal.SIGSTOP
+    steps = 12
+    run_dir = tmp_path / "run"
+    overrides = [
+        f"trainer.steps={steps}",
+        "trainer.checkpoint_every=2",
+        "relay.audit_weights=true",
+        "buffer.flush_interval_s=2",
+        "rollout.pacing.dilation=15",  # generation-bound (as the trainer-restart test)
+        *(["faults.heartbeat_timeout_s=3"] if hung else []),
+    ]
+    with apart_run(run_dir, overrides, data_apart=False) as (client, handle):
+        wait_for(handle, lambda p: p.get("phase") == "training" and p["version"] >= 3)
+        until_decoding(handle)
+        core_w = workers_with(client, "trainer")[0]
+        assert workers_with(client, "data") == [core_w]
+        pid = client.run(os.getpid, workers=[core_w])[core_w]
+        t_kill = time.time()
+        os.kill(pid, sig)
+        summary = handle.wait(timeout=300)
+    assert summary["reason"] == "completed", summary["reason"]
+    faults = summary["faults"]
+    assert faults["trainer_restarts"] == [] and faults["data_restarts"] == []
+    (r,) = faults["core_restarts"]
+    assert r["lost_worker"] == core_w and r["worker"] != core_w, r
+    if hung:  # silent for the timeout (its last answer came at most a poll before)
+        assert r["hung"]["silent_s"] == 3 and r["hung"]["worker"] == core_w, r
+        assert 3 <= r["hung"]["time"] - t_kill < 3 + 5, r
+        assert 0 <= r["time"] - r["hung"]["time"] < 15, r
+    else:
+        assert 0 <= r["time"] - t_kill < 10, r
+    v, after = r["checkpoint_version"], r["after_version"]
+    assert v % 2 == 0 and after >= 3 and after - v == r["lost_updates"] >= 0, r
+    assert r["restart_s"] < 60 and r["rollouts_attached"] == 2, r
+    assert summary["versions"] == steps + after - v
+    (m,) = faults["masters_replaced"]
+    assert sorted(m["rollouts"]) == ["r0", "r1"] and m["errors"] == [], m
+    rollouts = summary["rollouts"]
+    assert [s["data_rebuilds"] for s in rollouts] == [1, 1]
+    ds = check_store(run_dir)
+    # Nothing a rollout finished is lost or stored twice (check_store: uids unique).
+    assert ds.sizes["trajectory"] == sum(s["trajectories"] for s in rollouts)
+    consumed = ds["status"].values == "consumed"
+    # Each of the 12 updates trained one batch of 4 whole groups; the lost updates'
+    # version numbers (v .. after-1) were never trained into the final weights.
+    per_version = np.bincount(ds["sample_version"].values[consumed], minlength=after + steps)
+    trained = [*range(v), *range(after, after + steps - v)]
+    assert np.flatnonzero(per_version).tolist() == trained
+    assert (per_version[trained] == 16).all()
+    # Every version number was published once, in order; every load checked out.
+    pubs = open_metrics(run_dir, "publications")["version"].values.tolist()
+    assert pubs == sorted(set(pubs)) and pubs[-1] == after + steps - v
+    fp = summary["relay"]["fingerprints"]
+    assert fp["loads_checked"] > 0 and fp["mismatched"] == 0, fp
+    # The rollouts went on decoding while neither ran, within the back-pressure bound.
+    rows = open_metrics(run_dir, "cluster")
+    wall = rows["wall_time"].values.astype("datetime64[ns]").astype(np.int64) / 1e9
+    assert rows["outstanding_groups"].values.max() <= 16
+    before = rows["response_tokens"].values[wall <= t_kill][-1]
+    assert rows["response_tokens"].values[wall > r["time"] + r["restart_s"]][0] > before
     report = audit_run(run_dir)
     assert report.ok, report.text()
 
