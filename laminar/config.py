@@ -283,28 +283,30 @@ class FaultsConfig(_Section):
     # How often the manager checks that every rollout's worker is alive.
     detect_interval_s: float = Field(0.5, gt=0)
     # A rollout that neither answers nor advances its generation loop (a step, a pulled
-    # chunk, an idle poll) for this long, or a downstream relay that does not answer, is
-    # hung: its worker is restarted (the nanny kills the process), then handled as lost.
+    # chunk, an idle poll) for this long, a downstream relay or data module that does not
+    # answer, or a trainer that does not answer or whose loop makes no progress (keep it
+    # above the longest update), is hung: its worker is restarted (the nanny kills the
+    # process), then handled as lost.
     heartbeat_timeout_s: float = Field(60.0, gt=0)
     # Resume a lost rollout's unfinished trajectories on healthy rollouts.
     recover: bool = True
     # Start a new rollout on a `rollout` worker that hosts none (the nanny restarted the
     # lost one's worker, or a new worker joined), so capacity comes back after a loss.
     replace: bool = True
-    # A lost trainer (on a worker apart from the data module: cluster.data_apart, or a
-    # cluster whose `data` and `trainer` workers differ) restarts within the run, from
-    # its newest checkpoint, on a `trainer` worker that comes back or joins, while the
-    # rollouts keep generating. Off, or with trainer.ranks > 1, a lost trainer fails the
-    # run (continue it with `laminar run --resume RUN_DIR`).
+    # A lost trainer restarts within the run, from its newest checkpoint, on a `trainer`
+    # worker that comes back or joins, while the rollouts keep generating (with the data
+    # module when they shared the lost worker, which needs restart_data too). Off, with
+    # trainer.ranks > 1 or another schedule than laminar, a lost trainer fails the run
+    # (continue it with `laminar run --resume RUN_DIR`).
     restart_trainer: bool = True
     # How long the run waits for a `trainer` worker to restart the trainer on before it
     # fails (a local worker's nanny brings it back in seconds; a Slurm job may queue).
     trainer_restart_timeout_s: float = Field(120.0, gt=0)
-    # A lost data module (buffer, prompt pool, partial-response pool and rollout manager,
-    # on a worker apart from the trainer) is rebuilt within the run from the stores, the
-    # trainer's record of what it consumed and what the rollouts hold, on a `data`
-    # worker that comes back or joins. Off, a lost data module fails the run (continue
-    # it with `laminar run --resume RUN_DIR`).
+    # A lost data module (buffer, prompt pool, partial-response pool and rollout manager)
+    # is rebuilt within the run from the stores, the trainer's record of what it consumed
+    # (its newest checkpoint, when the trainer was lost with it) and what the rollouts
+    # hold, on a `data` worker that comes back or joins. Off, a lost data module fails
+    # the run (continue it with `laminar run --resume RUN_DIR`).
     restart_data: bool = True
     # How long the run (and each rollout and the trainer, waiting) waits for a `data`
     # worker to rebuild the data module on before it fails.

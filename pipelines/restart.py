@@ -215,8 +215,11 @@ class DataRestart:
         self.t_lost = time.time()
         self.last_manager = last_manager
         self.record: dict = {"lost_worker": lost_worker, "time": self.t_lost}
+        self._announce()
+
+    def _announce(self) -> None:
         logger.warning(
-            "data module lost (worker %s gone); rebuilding it within the run", lost_worker
+            "data module lost (worker %s gone); rebuilding it within the run", self.lost_worker
         )
 
     def step(self) -> bool:
@@ -339,7 +342,7 @@ class DataRestart:
         )
 
 
-class CoreRestart:
+class CoreRestart(DataRestart):
     """One restart of a trainer and data module lost together: they shared the lost
     worker (``data=1, trainer=1``, the default on a local cluster). It is the two
     restarts above in one, and sound for the same reasons; what differs is that the
@@ -365,23 +368,17 @@ class CoreRestart:
     def __init__(
         self, schedule, lost_worker: str, last_trainer: dict | None, last_manager: dict
     ) -> None:
-        self.s = schedule  # the driver (pipelines.driver.Schedule)
-        self.lost_worker = lost_worker
-        self.t_lost = time.time()
         self.stand_in = trainer_stand_in(last_trainer, schedule.cfg.trainer.steps)
-        self.last_manager = last_manager
-        self.data = DataRestart.__new__(DataRestart)  # (its rebuild, driven from here)
-        self.data.s, self.data.last_manager = schedule, last_manager
-        self.data.t_lost, self.data.lost_worker = self.t_lost, lost_worker
         self.worker: str | None = None
         self.master = None
         self.future = None
-        self.record: dict = {"lost_worker": lost_worker, "time": self.t_lost}
-        self.data.record = self.record
+        super().__init__(schedule, lost_worker, last_manager)
+
+    def _announce(self) -> None:
         logger.warning(
             "trainer and data module lost (worker %s gone) at version %s; restarting both "
             "within the run",
-            lost_worker,
+            self.lost_worker,
             self.stand_in["version"],
         )
 
@@ -390,12 +387,19 @@ class CoreRestart:
         :class:`ClusterError` when no worker with both roles came within the longer of
         ``faults.trainer_restart_timeout_s`` and ``faults.data_restart_timeout_s``."""
         s = self.s
-        if self.future is None:
-            self._begin()
+        try:
+            if self.future is None:
+                self._begin()
+                return False
+            if not self.future.done():
+                return False
+            handle = _run_trainer(s, self.worker, self.future)
+        except Exception as e:  # noqa: BLE001 — that worker went too: start again
+            if self.worker is None or self.worker in workers_with(s.client, "trainer"):
+                raise
+            logger.warning("trainer and data module: no restart on %s: %r", self.worker, e)
+            self.lost_worker, self.worker, self.future = self.worker, None, None
             return False
-        if not self.future.done():
-            return False
-        handle = _run_trainer(s, self.worker, self.future)
         now = time.time()
         self.record.update(restart_s=now - self.t_lost)
         s.actors["trainer"] = handle
@@ -431,7 +435,7 @@ class CoreRestart:
         self.master = _new_master(s, worker, self.last_manager["chain"])
         # (the record stands in for the trainer's: nothing consumed at V or later stands)
         record = {"consumed": {}, "since": version, "version": after}
-        self.data._rebuild(worker, record=record, master=self.master)
+        self._rebuild(worker, record=record, master=self.master)
         self.future = _start_trainer(
             s, worker, ckpt, self.stand_in["steps"], after, s.actors["buffer"], self.master
         )
