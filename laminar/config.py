@@ -295,9 +295,9 @@ class FaultsConfig(_Section):
     replace: bool = True
     # A lost trainer restarts within the run, from its newest checkpoint, on a `trainer`
     # worker that comes back or joins, while the rollouts keep generating (with the data
-    # module when they shared the lost worker, which needs restart_data too). Off, with
-    # trainer.ranks > 1 or another schedule than laminar, a lost trainer fails the run
-    # (continue it with `laminar run --resume RUN_DIR`).
+    # module when they shared the lost worker, which needs restart_data too; all ranks of
+    # a data-parallel trainer when one is lost). Off, or under another schedule than
+    # laminar, a lost trainer fails the run (continue it with `laminar run --resume`).
     restart_trainer: bool = True
     # How long the run waits for a `trainer` worker to restart the trainer on before it
     # fails (a local worker's nanny brings it back in seconds; a Slurm job may queue).

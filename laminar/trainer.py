@@ -184,6 +184,11 @@ class Trainer:
             self._bounded_waits -= 1
             self._tick()
 
+    def _hold(self, t0: float, modelled_s: float, what: str) -> float:
+        """The paced clock's hold (trainer.pacing): a deliberate wait, not silence."""
+        with self._bounded():
+            return self.clock.hold(t0, modelled_s, what)
+
     def _on_buffer(self, call):
         """``call(buffer)``'s result. A lost buffer: wait for the rebuilt one (up to
         ``faults.data_restart_timeout_s``) and call that; one that answers again after
@@ -290,7 +295,8 @@ class Trainer:
             if self.cfg.trainer.pacing is not None and self.cfg.trainer.pacing.nice:
                 _set_priority(self.cfg.trainer.pacing.nice)
             if self.ranks > 1:
-                _join_group(self.cfg, self.init_method, rank=0)
+                with self._bounded():  # (the rendezvous has a timeout of its own)
+                    _join_group(self.cfg, self.init_method, rank=0)
             self._train()
         except Exception:
             self.error = traceback.format_exc()
@@ -375,7 +381,7 @@ class Trainer:
             self._skipped()
             return None
         if self.clock is not None:
-            self.clock.hold(t0, self._model().update_time(self._tokens(batch)), "update")
+            self._hold(t0, self._model().update_time(self._tokens(batch)), "update")
         return {"update_s": time.time() - t0, **batch_stats(batch), **metrics}
 
     def _stream_update(self) -> dict | None:
@@ -395,7 +401,7 @@ class Trainer:
             last = i == len(sizes) - 1
             metrics = self.learner.update_part(part, last=last)
             if self.clock is not None:
-                self.clock.hold(t0, self._model().tokens_time(self._tokens(part)), "mini_batch")
+                self._hold(t0, self._model().tokens_time(self._tokens(part)), "mini_batch")
             busy += time.time() - t0
             trained += part
             for k, v in metrics.items():
@@ -406,7 +412,7 @@ class Trainer:
             return None
         if self.clock is not None:  # the optimizer, all-reduce and launch costs of the update
             t0 = time.time()
-            self.clock.hold(t0, self.cfg.trainer.pacing.update_s, "update")
+            self._hold(t0, self.cfg.trainer.pacing.update_s, "update")
             busy += time.time() - t0
         totals |= {"mini_batches": float(len(sizes)), "applied_steps": metrics["applied_steps"]}
         return {"update_s": busy, **batch_stats(trained), **totals}
@@ -465,11 +471,11 @@ class Trainer:
         t0 = time.time()
         if self.spec.weights == "relay":
             self.publish()
-            return self.clock.hold(t0, costs.publish_s, "publish")
+            return self._hold(t0, costs.publish_s, "publish")
         if self.spec.weights == "global":
-            self.clock.hold(t0, costs.global_sync(self.cfg.rollout.replicas), "global_sync")
+            self._hold(t0, costs.global_sync(self.cfg.rollout.replicas), "global_sync")
         else:
-            self.clock.hold(t0, costs.colocated_s, "colocated_switch")
+            self._hold(t0, costs.colocated_s, "colocated_switch")
         self.publish()
         return time.time() - t0
 

@@ -42,8 +42,8 @@ from pipelines.summary import faults_summary, median
 logger = logging.getLogger("laminar")
 
 METRICS_FLUSH_S = 5.0
-# A data-module call that failed as if lost, with its worker still on the scheduler's
-# books, is tried again for this long before the run fails.
+# A data-module (or trainer) call that failed as if lost, with its worker still on the
+# scheduler's books, is tried again for this long before the run fails.
 DATA_SUSPECT_S = 10.0
 # A hung actor's worker is restarted (the nanny waits a few seconds, then kills it); the
 # run waits this long for the scheduler to drop it before it fails.
@@ -122,6 +122,8 @@ class Schedule:
         cfg, client = self.cfg, self.client
         data_w = place(client, "data", 1)[0]
         trainer_ws = place(client, "trainer", cfg.trainer.ranks)
+        if data_w in workers_with(client, "trainer"):  # it shares rank 0's (role_workers)
+            trainer_ws = [data_w, *[w for w in trainer_ws if w != data_w]][: len(trainer_ws)]
         trainer_w = trainer_ws[0]
         rollout_ws = place(client, "rollout", cfg.rollout.replicas)
         progress({"phase": "warm-start"})
@@ -225,14 +227,15 @@ class Schedule:
             self.core_workers = {"trainer and data module": trainer_w}
         else:
             self.core_workers = {"trainer": trainer_w, "data module": data_w}
-        # A lost trainer restarts within the run, and a lost data module is rebuilt,
-        # under Laminar's schedule (whose dispatch and weights do not count versions),
-        # with a single trainer rank and the partial-response pool and manager a rebuild
-        # needs (pipelines/restart.py). When the two share a worker (the local default)
-        # they are lost together and restarted together, which needs both switches.
+        # A lost trainer restarts within the run (all its ranks, when data-parallel: a
+        # lost rank breaks the group), and a lost data module is rebuilt, under Laminar's
+        # schedule (whose dispatch and weights do not count versions), with the
+        # partial-response pool and manager a rebuild needs (pipelines/restart.py). When
+        # the two share a worker (the local default) they are lost together and
+        # restarted together, which needs both switches.
         laminar = (spec.dispatch, spec.weights, spec.trainer) == ("free", "relay", "free")
         shared = trainer_w == data_w
-        trainer_ok = cfg.trainer.ranks == 1 and cfg.faults.restart_trainer
+        trainer_ok = cfg.faults.restart_trainer
         data_ok = partial is not None and cfg.faults.restart_data
         self.restartable = (
             laminar and manager is not None and trainer_ok and (data_ok or not shared)
@@ -248,6 +251,8 @@ class Schedule:
         # Workers restarted because what they host hung (worker -> when, why, outcome).
         self._fenced: dict[str, dict] = {}
         self._data_suspect: float | None = None  # a data-module call failed, not yet lost
+        self._trainer_suspect: float | None = None  # ... a trainer call
+        self._group_suspect: float | None = None  # a data-parallel rank failed
         self._last_data_stats: tuple[dict, dict] | None = None
         self._last_m_stats: dict | None = None
         self._published_fps: dict[int, int] = {}  # kept across trainer restarts
@@ -290,6 +295,7 @@ class Schedule:
             while True:
                 time.sleep(self.cfg.metrics.poll_s)
                 b_stats, p_stats = self._data_stats()
+                self._check_group()
                 t_stats = self._trainer_stats()
                 r_stats = self._rollout_stats()
                 now = time.time()
@@ -318,12 +324,7 @@ class Schedule:
                 if now - last_flush > METRICS_FLUSH_S:
                     self._flush_metrics()
                     last_flush = now
-                failed = [s for s in r_stats if s["error"]] + (
-                    [t_stats] if t_stats["error"] else []
-                )
-                failed += [
-                    s for s in (r.stats().result() for r in a["trainer_ranks"]) if s["error"]
-                ]
+                failed = [s for s in r_stats if s["error"]] + self._trainer_errors(t_stats)
                 m = self._manager_stats()
                 if m is not None and m["error"]:
                     failed.append(m)
@@ -332,7 +333,7 @@ class Schedule:
                 if failed:
                     reason = "failed: " + failed[0]["error"].strip().splitlines()[-1]
                     break
-                if t_stats["done"]:
+                if t_stats["done"] and not t_stats["error"]:  # (an error: a rank lost)
                     break
                 if should_stop():
                     reason = "stopped"
@@ -380,37 +381,103 @@ class Schedule:
                     # (a call may fail a moment before the scheduler drops the worker)
                     if self.data_restartable and now - self._data_suspect < DATA_SUSPECT_S:
                         return self._last_data_stats
-                self._begin_restart(lost, e)
+                if not self._begin_restart(lost, e):
+                    return self._last_data_stats
         if self._data_restart.step():
             self._restarted(self._data_restart)
         return self._last_data_stats
 
-    def _begin_restart(self, lost: dict[str, str], error: Exception) -> None:
+    def _begin_restart(self, lost: dict[str, str], error: Exception) -> bool:
         """The core workers in ``lost`` are gone: begin restarting what they hosted
-        within the run, or raise ``error`` (what the call that found it raised) when that
-        cannot be."""
+        within the run (``False``: not yet — a data-parallel rank is lost, and the rest of
+        its group is being fenced), or raise ``error`` (what the call that found it
+        raised) when that cannot be."""
         from pipelines.restart import CoreRestart, DataRestart, TrainerRestart
 
         hung = self._fenced.get(next(iter(lost.values()), ""))
-        if self.restartable and list(lost) == ["trainer"]:
+        group = self._group()
+        head = "trainer" if "trainer" in group else "trainer and data module"
+        in_group = set(lost) <= set(group)
+        if self.restartable and in_group and head not in lost:
+            self._check_group()  # (a rank other than 0: fence the group, then restart it)
+            return False
+        if self.restartable and in_group and head == "trainer":
             self._old_publications += self._master_publications
             self._master_publications = []
-            self._restart = TrainerRestart(self, lost["trainer"], self._last_t_stats)
-            r = self._restart
+            r = self._restart = TrainerRestart(
+                self, lost["trainer"], self._last_t_stats, exclude=set(group.values())
+            )
         elif self.data_restartable and list(lost) == ["data module"] and self._last_m_stats:
             r = self._data_restart = DataRestart(self, lost["data module"], self._last_m_stats)
-        elif self.restartable and list(lost) == ["trainer and data module"] and self._last_m_stats:
+        elif self.restartable and in_group and self._last_m_stats:  # (head shares data's)
             self._old_publications += self._master_publications
             self._master_publications = []
-            worker = lost["trainer and data module"]
-            r = CoreRestart(self, worker, self._last_t_stats, self._last_m_stats)
-            self._data_restart = r
+            r = self._data_restart = CoreRestart(
+                self,
+                lost[head],
+                self._last_t_stats,
+                self._last_m_stats,
+                exclude=set(group.values()),
+            )
         else:
             raise error
+        self._check_group()  # (the rest of a data-parallel group goes too)
         if r is not self._restart:
             self._data_suspect = None
+        self._group_suspect = None
         if hung is not None:
             r.record["hung"] = hung
+        return True
+
+    def _group(self) -> dict[str, str]:
+        """Role -> worker of the trainer's processes: rank 0 (``trainer``, or ``trainer
+        and data module``) and, data-parallel, ``trainer rank N``."""
+        return {r: w for r, w in self.core_workers.items() if r.startswith("trainer")}
+
+    def _check_group(self) -> None:
+        """A data-parallel trainer whose group lost a rank (its worker gone, or fenced)
+        cannot go on: every collective with the lost rank fails or hangs. Every other
+        rank's worker is fenced too, so that the whole group restarts from the
+        checkpoint (:class:`pipelines.restart.TrainerRestart`) once rank 0's is gone."""
+        if self.cfg.trainer.ranks == 1 or not self.restartable:
+            return
+        group = self._group()
+        workers = set(self.client.scheduler_info(n_workers=-1)["workers"])
+        if all(w in workers and w not in self._fenced for w in group.values()):
+            return
+        for role, w in group.items():
+            if w in workers and w not in self._fenced:
+                self._fence(role, w, 0.0, why="its data-parallel group lost a rank")
+
+    def _trainer_errors(self, t_stats: dict) -> list[dict]:
+        """The trainer's errors (and its other ranks') that fail the run. Restartable and
+        data-parallel, an error may be a collective that a lost rank broke: it fails
+        the run only if no rank's worker is lost within :data:`DATA_SUSPECT_S` (a lost
+        one restarts the group instead)."""
+        from pipelines.restart import CoreRestart
+
+        a = self.actors
+        if self._restart is not None or isinstance(self._data_restart, CoreRestart):
+            return []  # (no trainer runs)
+        out = [t_stats] if t_stats["error"] else []
+        for r in a["trainer_ranks"]:
+            if r._address in self._fenced:
+                continue
+            try:
+                rank = actor_result(r, r.stats(), min(5.0, self._trainer_timeout()))
+            except Exception:  # noqa: BLE001 — lost or hung: _check_group fences the group
+                continue
+            if rank["error"]:
+                out.append(rank)
+        if out and self.restartable and self.cfg.trainer.ranks > 1:
+            group = self._group().values()
+            if any(w in self._fenced for w in group):
+                return []  # (being restarted)
+            now = time.time()
+            self._group_suspect = self._group_suspect or now
+            if now - self._group_suspect < DATA_SUSPECT_S:
+                return []
+        return out
 
     def _restarted(self, r) -> None:
         """A data-module rebuild (or a core restart) finished: the driver's books follow."""
@@ -423,7 +490,7 @@ class Schedule:
             return
         self.core_restarts.append(r.record)
         self.tier.relays[0], self.tier.workers[0] = r.master, r.worker
-        self.core_workers = {"trainer and data module": r.worker}
+        self._new_group("trainer and data module", r.worker, r.group.rank_workers, r.ranks)
         self._updates_before += self._n_updates
         self._n_updates = 0  # the new trainer's history starts empty
         self._last_t_stats = self._trainer_stats()
@@ -456,7 +523,7 @@ class Schedule:
         """The fence of the data module's worker, when it hung."""
         return self._fenced.get(self._data_worker())
 
-    def _fence(self, role: str, worker: str, silent_s: float) -> dict:
+    def _fence(self, role: str, worker: str, silent_s: float, why: str = "") -> dict:
         """``role`` on ``worker`` showed no progress for ``silent_s``: hung. Its worker is
         restarted (the nanny stops the process, or kills it), in the background, so that
         it never runs beside its own replacement; the scheduler then drops it and it is
@@ -466,14 +533,18 @@ class Schedule:
         now = time.time()
         info = {"role": role, "time": now, "worker": worker, "silent_s": silent_s}
         self._fenced[worker] = info
-        logger.warning(
-            "%s on %s showed no progress for %.1f s (faults.heartbeat_timeout_s=%g): hung; "
-            "restarting its worker",
-            role,
-            worker,
-            silent_s,
-            self.cfg.faults.heartbeat_timeout_s,
-        )
+        if why:
+            info["why"] = why
+            logger.warning("%s on %s: %s; restarting its worker", role, worker, why)
+        else:
+            logger.warning(
+                "%s on %s showed no progress for %.1f s (faults.heartbeat_timeout_s=%g): "
+                "hung; restarting its worker",
+                role,
+                worker,
+                silent_s,
+                self.cfg.faults.heartbeat_timeout_s,
+            )
 
         def fence() -> None:
             t0 = time.time()
@@ -492,6 +563,8 @@ class Schedule:
         module does not answer)."""
         manager = self.actors["manager"]
         if manager is None or self._data_restart is not None or self._data_suspect:
+            return None
+        if self._data_hung is not None:  # (fenced: its worker is going)
             return None
         try:
             self._last_m_stats = actor_result(manager, manager.stats(), self._data_timeout())
@@ -523,7 +596,7 @@ class Schedule:
                 if silent is not None and silent > faults.heartbeat_timeout_s:
                     self._fence("trainer", worker, silent)
                     return self._last_t_stats or trainer_stand_in(None, self.cfg.trainer.steps)
-                self._last_t_stats = t_stats
+                self._last_t_stats, self._trainer_suspect = t_stats, None
                 if self.restartable and self.cfg.relay.audit_weights:
                     # Kept here, every poll: the fingerprints die with the trainer.
                     since = max(self._published_fps, default=-1)
@@ -532,18 +605,26 @@ class Schedule:
                 return self._last_t_stats
             except Exception as e:
                 lost = self._lost_core()
+                now = time.time()
+                if not lost and is_lost(e) and not isinstance(e, TimeoutError):
+                    # (a call may fail a moment before the scheduler drops the worker)
+                    self._trainer_suspect = self._trainer_suspect or now
+                    if self.restartable and now - self._trainer_suspect < DATA_SUSPECT_S:
+                        return self._last_t_stats or trainer_stand_in(None, self.cfg.trainer.steps)
                 if not lost and isinstance(e, TimeoutError):
                     fenced = self._fenced.get(worker)
                     if fenced is None:  # it did not answer for heartbeat_timeout_s
                         self._fence("trainer", worker, self._trainer_timeout())
-                    elif time.time() - fenced["time"] > FENCE_WAIT_S:
+                    elif now - fenced["time"] > FENCE_WAIT_S:
                         raise ClusterError(
                             f"the trainer on {worker} hung and its worker did not go within "
                             f"{FENCE_WAIT_S:g} s of its restart ({fenced.get('restart')}); "
                             f"{self.resume_hint()}"
                         ) from e
                     return self._last_t_stats or trainer_stand_in(None, self.cfg.trainer.steps)
-                self._begin_restart(lost, e)
+                self._trainer_suspect = None
+                if not self._begin_restart(lost, e):
+                    return self._last_t_stats or trainer_stand_in(None, self.cfg.trainer.steps)
                 if self._restart is None:  # (lost with the data module: CoreRestart)
                     return self._data_restart.stand_in
         handle = self._restart.step()
@@ -553,12 +634,22 @@ class Schedule:
         a["trainer"] = handle
         self.tier.relays[0] = r.master  # (a["relays"] is this list)
         self.tier.workers[0] = r.worker  # (a replacement rollout's relay is chosen by host)
-        self.core_workers["trainer"] = r.worker
+        self._new_group("trainer", r.worker, r.group.rank_workers, r.ranks)
         self._updates_before += self._n_updates
         self._n_updates = 0  # the new trainer's history starts empty
         self.trainer_restarts.append(r.record)
         self._last_t_stats = handle.stats().result(timeout=self.cfg.cluster.actor_timeout_s)
         return self._last_t_stats
+
+    def _new_group(self, head: str, worker: str, rank_workers: list[str], ranks: list) -> None:
+        """A restarted trainer's workers and its other ranks, in the driver's books."""
+        self.core_workers = {
+            role: w for role, w in self.core_workers.items() if not role.startswith("trainer")
+        }
+        self.core_workers[head] = worker
+        for i, w in enumerate(rank_workers, start=1):
+            self.core_workers[f"trainer rank {i}"] = w
+        self.actors["trainer_ranks"] = ranks
 
     def _trainer_worker(self) -> str:
         return self.core_workers.get("trainer") or self.core_workers["trainer and data module"]
@@ -700,7 +791,7 @@ class Schedule:
             if self.restartable:
                 self._keep_publications()
         if self.actors["manager"] is not None and self._data_restart is None:
-            if self._data_suspect:
+            if self._data_suspect or self._data_hung is not None:
                 return  # (it does not answer now: its rows come with a later flush)
             m, timeout = self.actors["manager"], self._data_timeout()
             try:
@@ -742,8 +833,6 @@ class Schedule:
         spec, cfg = self.schedule, self.cfg
         if (spec.dispatch, spec.weights, spec.trainer) != ("free", "relay", "free"):
             return f"(schedule {spec.name!r} does not restart them within the run)"
-        if cfg.trainer.ranks > 1:
-            return "(trainer.ranks > 1: a data-parallel trainer is not restarted in the run)"
         if not (cfg.faults.restart_trainer and cfg.faults.restart_data):
             return "(faults.restart_trainer or faults.restart_data is off)"
         return "(faults.recover is off: no partial-response pool to rebuild from)"

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import logging
 import time
+from urllib.parse import urlparse
 
 from laminar.cluster import bind_actor, detach, start_actor, submit_actor, workers_with
 from laminar.errors import ClusterError
@@ -64,52 +65,106 @@ def _new_master(s, worker: str, chain: list[str]):
     return master
 
 
-def _start_trainer(s, worker: str, ckpt, steps: int, after: int, buffer, master):
-    """Create (not yet start) a :class:`Trainer` on ``worker`` from checkpoint ``ckpt``
-    (``None``: the warm-started policy) that numbers its updates after ``after`` and
-    ends at version ``steps`` + the versions it skips."""
-    cfg = s.cfg
-    tcfg = cfg.trainer.model_copy(
-        update={"resume_from": str(ckpt) if ckpt is not None else None, "steps": steps}
-    )
-    return start_actor(
-        s.client,
-        Trainer,
-        cfg.model_copy(update={"trainer": tcfg}),
-        s.policy_dir,
-        str(s.run_dir),
-        buffer,
-        master,
-        "",
-        s.schedule,
-        None,  # (set once it runs: see Trainer.set_manager)
-        after_version=after,
-        worker=worker,
-        resource="trainer",
-    )
+class _Group:
+    """A trainer being started: rank 0 on ``worker`` (with the master relay) and, when
+    data-parallel, ranks 1.. on ``rank_workers``, in a new ``torch.distributed`` group
+    (a lost rank breaks the old one: the whole group restarts)."""
+
+    def __init__(self, s, worker: str, rank_workers: list[str]) -> None:
+        self.s, self.worker, self.rank_workers = s, worker, rank_workers
+        self.future = None
+        self.rank_futures: list = []
+
+    def start(self, ckpt, steps: int, after: int, buffer, master) -> None:
+        """Create (not yet start) the ranks from checkpoint ``ckpt`` (``None``: the
+        warm-started policy); rank 0 numbers its updates after ``after`` and ends at
+        version ``steps`` + the versions it skips."""
+        from laminar.trainer import TrainerRank, free_port
+
+        s = self.s
+        cfg, client = s.cfg, s.client
+        tcfg = cfg.trainer.model_copy(
+            update={"resume_from": str(ckpt) if ckpt is not None else None, "steps": steps}
+        )
+        cfg = cfg.model_copy(update={"trainer": tcfg})
+        init_method = ""
+        if self.rank_workers:  # a new rendezvous on rank 0's worker
+            port = client.submit(free_port, workers=[self.worker], pure=False).result()
+            init_method = f"tcp://{urlparse(self.worker).hostname}:{port}"
+        on = {"resource": "trainer"}
+        self.rank_futures = [
+            start_actor(client, TrainerRank, cfg, s.policy_dir, r, init_method, worker=w, **on)
+            for r, w in enumerate(self.rank_workers, start=1)
+        ]
+        self.future = start_actor(
+            client,
+            Trainer,
+            cfg,
+            s.policy_dir,
+            str(s.run_dir),
+            buffer,
+            master,
+            init_method,
+            s.schedule,
+            None,  # (set once it runs: see Trainer.set_manager)
+            after_version=after,
+            worker=self.worker,
+            **on,
+        )
+
+    def done(self) -> bool:
+        return all(f.done() for f in (self.future, *self.rank_futures))
+
+    def run(self) -> tuple:
+        """Bind the ranks and start them (they wait in the rendezvous), then rank 0 with
+        the manager. Returns rank 0's handle and the other ranks' handles."""
+        from laminar.trainer import TrainerRank
+
+        s = self.s
+        timeout = s.cfg.cluster.actor_timeout_s
+        ranks = [
+            bind_actor(s.client, TrainerRank, w, f)
+            for w, f in zip(self.rank_workers, self.rank_futures, strict=True)
+        ]
+        for r in ranks:
+            r.start().result(timeout=timeout)
+        handle = bind_actor(s.client, Trainer, self.worker, self.future)
+        handle.set_manager(s.actors["manager"]).result(timeout=timeout)
+        handle.start().result(timeout=timeout)
+        return handle, ranks
 
 
-def _run_trainer(s, worker: str, future):
-    """Bind the trainer created on ``worker``, hand it the manager and start it."""
-    timeout = s.cfg.cluster.actor_timeout_s
-    handle = bind_actor(s.client, Trainer, worker, future)
-    handle.set_manager(s.actors["manager"]).result(timeout=timeout)
-    handle.start().result(timeout=timeout)
-    return handle
+def _pick_workers(s, exclude: set[str], with_data: bool) -> tuple[str, list[str]] | None:
+    """A worker for rank 0 (with the ``data`` role too when ``with_data``) and one for
+    each other rank, none in ``exclude`` (the lost group's: a worker restarted by its
+    nanny has a new address); ``None`` while too few are there."""
+    trainers = [w for w in workers_with(s.client, "trainer") if w not in exclude]
+    heads = trainers
+    if with_data:
+        heads = [w for w in trainers if w in set(workers_with(s.client, "data"))]
+    if not heads or len(trainers) < s.cfg.trainer.ranks:
+        return None
+    head = heads[0]
+    return head, [w for w in trainers if w != head][: s.cfg.trainer.ranks - 1]
 
 
 class TrainerRestart:
-    """One restart of a lost trainer: :meth:`step` each poll until it returns the new
-    trainer's handle; :attr:`record` is what ``summary.json`` reports for it."""
+    """One restart of a lost trainer (all its ranks, when data-parallel): :meth:`step`
+    each poll until it returns the new trainer's handle; :attr:`record` is what
+    ``summary.json`` reports for it. ``exclude``: the lost group's workers."""
 
-    def __init__(self, schedule, lost_worker: str, last_stats: dict | None) -> None:
+    def __init__(
+        self, schedule, lost_worker: str, last_stats: dict | None, exclude: set[str] = frozenset()
+    ) -> None:
         self.s = schedule  # the driver (pipelines.driver.Schedule)
         self.lost_worker = lost_worker
+        self.exclude = {lost_worker, *exclude}
         self.t_lost = time.time()
         self.stand_in = trainer_stand_in(last_stats, schedule.cfg.trainer.steps)
         self.worker: str | None = None
         self.master = None
-        self.future = None
+        self.group: _Group | None = None
+        self.ranks: list = []  # the other ranks' handles, once running
         self.record: dict = {"lost_worker": lost_worker, "time": self.t_lost}
         logger.warning(
             "trainer lost (worker %s gone) at version %s; restarting it within the run",
@@ -120,20 +175,25 @@ class TrainerRestart:
     def step(self):
         """Advance; returns the new trainer's handle once it runs, else ``None``. Raises
         :class:`ClusterError` when no ``trainer`` worker came within the timeout."""
-        if self.future is None:
+        if self.group is None:
             self._begin()
             return None
-        if not self.future.done():
+        if not self.group.done():
             return None
-        s = self.s
         try:
-            handle = _run_trainer(s, self.worker, self.future)
-        except Exception as e:  # noqa: BLE001 — that worker went too: wait for another
+            handle, self.ranks = self.group.run()
+        except Exception as e:  # noqa: BLE001 — a worker went too: wait for others
+            tried = {self.group.worker, *self.group.rank_workers}
+            if len(tried) > 1 and tried & set(workers_with(self.s.client, "trainer")):
+                raise  # (a group half started: its live ranks wait in the old rendezvous)
             logger.warning("the trainer could not start on %s: %r", self.worker, e)
-            self.lost_worker, self.future, self.worker = self.worker, None, None
+            self.exclude |= tried
+            self.group = self.worker = None
             return None
         now = time.time()
-        self.record.update(worker=self.worker, restart_s=now - self.t_lost)
+        self.record.update(
+            worker=self.worker, rank_workers=self.group.rank_workers, restart_s=now - self.t_lost
+        )
         logger.warning(
             "trainer restarted on %s from version %s in %.1f s; its first update is version %s",
             self.worker,
@@ -145,20 +205,19 @@ class TrainerRestart:
 
     def _begin(self) -> None:
         s = self.s
-        cfg, client, a = s.cfg, s.client, s.actors
-        # The workers the lost trainer or an earlier attempt ran on are out; a worker
-        # restarted by its nanny has a new address.
-        live = [w for w in workers_with(client, "trainer") if w != self.lost_worker]
-        if not live:
+        cfg, a = s.cfg, s.actors
+        picked = _pick_workers(s, self.exclude, with_data=False)
+        if picked is None:
             waited = time.time() - self.t_lost
             if waited > cfg.faults.trainer_restart_timeout_s:
                 raise ClusterError(
-                    f"lost the trainer (worker {self.lost_worker} is gone) and no `trainer` "
-                    f"worker came back within faults.trainer_restart_timeout_s="
-                    f"{cfg.faults.trainer_restart_timeout_s:g} s; {s.resume_hint()}"
+                    f"lost the trainer (worker {self.lost_worker} is gone) and not "
+                    f"{cfg.trainer.ranks} `trainer` worker(s) came back within "
+                    f"faults.trainer_restart_timeout_s={cfg.faults.trainer_restart_timeout_s:g}"
+                    f" s; {s.resume_hint()}"
                 )
             return
-        self.worker = live[0]
+        self.worker, rank_workers = picked
         timeout = cfg.cluster.actor_timeout_s
         ckpt = newest_checkpoint(s.run_dir)
         version = checkpoint_version(ckpt) if ckpt is not None else 0
@@ -170,10 +229,9 @@ class TrainerRestart:
         master = _new_master(s, self.worker, chain)
         a["manager"].replace_master(master, self.worker).result(timeout)
         self.master = master
+        self.group = _Group(s, self.worker, rank_workers)
         # (the lost trainer was to end at stand_in["steps"])
-        self.future = _start_trainer(
-            s, self.worker, ckpt, self.stand_in["steps"], after, a["buffer"], master
-        )
+        self.group.start(ckpt, self.stand_in["steps"], after, a["buffer"], master)
         self.record.update(
             worker_wait_s=time.time() - self.t_lost,
             checkpoint=str(ckpt) if ckpt is not None else None,
@@ -366,12 +424,19 @@ class CoreRestart(DataRestart):
     reports (``faults.core_restarts``)."""
 
     def __init__(
-        self, schedule, lost_worker: str, last_trainer: dict | None, last_manager: dict
+        self,
+        schedule,
+        lost_worker: str,
+        last_trainer: dict | None,
+        last_manager: dict,
+        exclude: set[str] = frozenset(),
     ) -> None:
         self.stand_in = trainer_stand_in(last_trainer, schedule.cfg.trainer.steps)
+        self.exclude = {lost_worker, *exclude}  # (the lost group's workers)
         self.worker: str | None = None
         self.master = None
-        self.future = None
+        self.group: _Group | None = None
+        self.ranks: list = []  # the other ranks' handles, once running
         super().__init__(schedule, lost_worker, last_manager)
 
     def _announce(self) -> None:
@@ -384,24 +449,28 @@ class CoreRestart(DataRestart):
 
     def step(self) -> bool:
         """Advance; ``True`` once the new data module and trainer run. Raises
-        :class:`ClusterError` when no worker with both roles came within the longer of
-        ``faults.trainer_restart_timeout_s`` and ``faults.data_restart_timeout_s``."""
+        :class:`ClusterError` when no worker with both roles (and one for each other
+        rank) came within the longer of ``faults.trainer_restart_timeout_s`` and
+        ``faults.data_restart_timeout_s``."""
         s = self.s
         try:
-            if self.future is None:
+            if self.group is None:
                 self._begin()
                 return False
-            if not self.future.done():
+            if not self.group.done():
                 return False
-            handle = _run_trainer(s, self.worker, self.future)
-        except Exception as e:  # noqa: BLE001 — that worker went too: start again
-            if self.worker is None or self.worker in workers_with(s.client, "trainer"):
-                raise
+            handle, self.ranks = self.group.run()
+        except Exception as e:  # noqa: BLE001 — a worker went too: start again
+            tried = {self.worker, *(self.group.rank_workers if self.group else [])} - {None}
+            live = tried & set(workers_with(s.client, "trainer"))
+            if not tried or tried == live or (len(tried) > 1 and live):
+                raise  # (none went; or a group half started, see TrainerRestart.step)
             logger.warning("trainer and data module: no restart on %s: %r", self.worker, e)
-            self.lost_worker, self.worker, self.future = self.worker, None, None
+            self.exclude |= tried
+            self.worker = self.group = None
             return False
         now = time.time()
-        self.record.update(restart_s=now - self.t_lost)
+        self.record.update(rank_workers=self.group.rank_workers, restart_s=now - self.t_lost)
         s.actors["trainer"] = handle
         logger.warning(
             "trainer restarted on %s from version %s in %.1f s; its first update is version %s",
@@ -415,19 +484,20 @@ class CoreRestart(DataRestart):
     def _begin(self) -> None:
         s = self.s
         faults = s.cfg.faults
-        both = set(workers_with(s.client, "trainer")) & set(workers_with(s.client, "data"))
-        live = sorted(both - {self.lost_worker})
-        if not live:
+        picked = _pick_workers(s, self.exclude, with_data=True)
+        if picked is None:
             limit = max(faults.trainer_restart_timeout_s, faults.data_restart_timeout_s)
             if time.time() - self.t_lost > limit:
                 raise ClusterError(
                     f"lost the trainer and data module (worker {self.lost_worker} is gone) "
-                    f"and no worker with both roles came back within {limit:g} s "
+                    f"and no worker with both roles (and {s.cfg.trainer.ranks - 1} more "
+                    f"`trainer` workers) came back within {limit:g} s "
                     f"(faults.trainer_restart_timeout_s, faults.data_restart_timeout_s); "
                     f"{s.resume_hint()}"
                 )
             return
-        worker = self.worker = live[0]
+        worker, rank_workers = picked
+        self.worker = worker
         self.record["worker_wait_s"] = time.time() - self.t_lost
         ckpt = newest_checkpoint(s.run_dir)
         version = checkpoint_version(ckpt) if ckpt is not None else 0
@@ -436,9 +506,9 @@ class CoreRestart(DataRestart):
         # (the record stands in for the trainer's: nothing consumed at V or later stands)
         record = {"consumed": {}, "since": version, "version": after}
         self._rebuild(worker, record=record, master=self.master)
-        self.future = _start_trainer(
-            s, worker, ckpt, self.stand_in["steps"], after, s.actors["buffer"], self.master
-        )
+        group = _Group(s, worker, rank_workers)
+        group.start(ckpt, self.stand_in["steps"], after, s.actors["buffer"], self.master)
+        self.group = group
         self.record.update(
             checkpoint=str(ckpt) if ckpt is not None else None,
             checkpoint_version=version,

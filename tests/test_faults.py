@@ -44,17 +44,19 @@ def wait_for(handle, predicate, timeout: float = 300.0) -> dict:
 
 
 @contextlib.contextmanager
-def apart_run(run_dir, overrides: list[str], data_apart: bool = True):
+def apart_run(run_dir, overrides: list[str], data_apart: bool = True, ranks: int = 1):
     """A run on 2 rollouts paced as GPU replicas (not strictly) and the data module on a
     worker of its own (``data_apart``; else with the trainer), back-pressure at 16
-    groups: yields the client and its handle."""
+    groups, ``ranks`` trainer workers: yields the client and its handle."""
     from distributed import Client
 
     import pipelines
     from laminar.cluster import local_cluster
 
     with (
-        local_cluster(2, memory_limit="3GiB", data_apart=data_apart) as cluster,
+        local_cluster(
+            2, memory_limit="3GiB", data_apart=data_apart, trainer_ranks=ranks
+        ) as cluster,
         Client(cluster) as client,
     ):
         paced = ["rollout.pacing.strict=false", "buffer.max_outstanding_groups=16"]
@@ -654,6 +656,58 @@ def test_a_lost_trainer_and_data_module_on_one_worker_restart_within_the_run(tmp
     assert rows["outstanding_groups"].values.max() <= 16
     before = rows["response_tokens"].values[wall <= t_kill][-1]
     assert rows["response_tokens"].values[wall > r["time"] + r["restart_s"]][0] > before
+    report = audit_run(run_dir)
+    assert report.ok, report.text()
+
+
+def test_a_lost_rank_restarts_the_data_parallel_trainer_within_the_run(tmp_path):
+    """trainer.ranks=2, rank 0 sharing its worker with the data module (the local
+    default). Rank 1's worker is SIGKILLed at version >= 3: the group is broken (every
+    collective with rank 1 fails), so the driver fences rank 0's worker too, and then
+    restarts the whole group within the run with the data module (CoreRestart): two new
+    ranks from the checkpoint, in a new rendezvous. The run ends with its 8 updates,
+    each batch trained once, both ranks with the same weights, every load equal to what
+    was published, and a clean audit."""
+    from laminar.cluster import workers_with
+
+    steps = 8
+    run_dir = tmp_path / "run"
+    overrides = [
+        "trainer.ranks=2",
+        f"trainer.steps={steps}",
+        "trainer.checkpoint_every=2",
+        "relay.audit_weights=true",
+        "buffer.flush_interval_s=1",
+        "rollout.pacing.dilation=15",
+    ]
+    with apart_run(run_dir, overrides, data_apart=False, ranks=2) as (client, handle):
+        wait_for(handle, lambda p: p.get("phase") == "training" and p["version"] >= 3)
+        head_w = workers_with(client, "data")[0]
+        (rank1_w,) = [w for w in workers_with(client, "trainer") if w != head_w]
+        pid = client.run(os.getpid, workers=[rank1_w])[rank1_w]
+        t_kill = time.time()
+        os.kill(pid, signal.SIGKILL)
+        summary = handle.wait(timeout=300)
+    assert summary["reason"] == "completed", summary["reason"]
+    (r,) = summary["faults"]["core_restarts"]
+    # Rank 0's worker was fenced for the lost rank, then both restarted elsewhere.
+    assert r["lost_worker"] == head_w and "lost a rank" in r["hung"]["why"], r
+    assert 0 <= r["hung"]["time"] - t_kill < 10, r
+    assert r["worker"] not in (head_w, rank1_w) and len(r["rank_workers"]) == 1, r
+    assert r["rank_workers"][0] not in (head_w, rank1_w, r["worker"]), r
+    v, after = r["checkpoint_version"], r["after_version"]
+    assert v % 2 == 0 and after - v == r["lost_updates"] >= 0 and r["restart_s"] < 90, r
+    assert summary["versions"] == steps + after - v
+    sums = summary["weights_checksums"]
+    assert len(sums) == 2 and sums[0] == sums[1]
+    ds = check_store(run_dir)
+    consumed = ds["status"].values == "consumed"
+    per_version = np.bincount(ds["sample_version"].values[consumed], minlength=after + steps)
+    trained = [*range(v), *range(after, after + steps - v)]
+    assert np.flatnonzero(per_version).tolist() == trained
+    assert (per_version[trained] == 16).all()
+    fp = summary["relay"]["fingerprints"]
+    assert fp["loads_checked"] > 0 and fp["mismatched"] == 0, fp
     report = audit_run(run_dir)
     assert report.ok, report.text()
 
