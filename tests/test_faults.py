@@ -712,8 +712,7 @@ def test_a_lost_rank_restarts_the_data_parallel_trainer_within_the_run(tmp_path)
     assert report.ok, report.text()
 
 
-@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGSTOP], ids=["killed", "hung"])
-def test_a_lost_data_module_is_rebuilt_within_the_run(tmp_path, sig):
+def test_a_lost_data_module_is_rebuilt_within_the_run(tmp_path):
     """The data module on a worker of its own, SIGKILLed while the rollouts decode, with
     trajectories admitted and consumed that its store had not yet committed (a 4 s
     flush interval). The trainer and rollouts run on: the nanny brings the worker back,
@@ -723,12 +722,10 @@ def test_a_lost_data_module_is_rebuilt_within_the_run(tmp_path, sig):
     trajectory a rollout finished is stored once, each update trained one batch of 4
     whole groups, and the audit is clean.
 
-    SIGSTOP: the data module hangs (its worker lives on for the scheduler). After
-    faults.heartbeat_timeout_s without an answer the driver has the nanny restart its
-    worker, and then rebuilds it like a killed one."""
+    (A hung data module is detected and fenced the same way in either layout: the
+    SIGSTOP case is test_a_lost_trainer_and_data_module_on_one_worker_...[hung].)"""
     from laminar.cluster import workers_with
 
-    hung = sig == signal.SIGSTOP
     steps = 6
     run_dir = tmp_path / "run"
     overrides = [
@@ -738,7 +735,6 @@ def test_a_lost_data_module_is_rebuilt_within_the_run(tmp_path, sig):
         # at the kill may still decode when the new data module is there (~10 s later:
         # most of it the new process's imports)
         "rollout.pacing.dilation=160",
-        *(["faults.heartbeat_timeout_s=3"] if hung else []),
     ]
     with apart_run(run_dir, overrides) as (client, handle):
         wait_for(handle, lambda p: p.get("phase") == "training" and p["version"] >= 2)
@@ -746,17 +742,12 @@ def test_a_lost_data_module_is_rebuilt_within_the_run(tmp_path, sig):
         data_w = workers_with(client, "data")[0]
         pid = client.run(os.getpid, workers=[data_w])[data_w]
         t_kill = time.time()
-        os.kill(pid, sig)
+        os.kill(pid, signal.SIGKILL)
         summary = handle.wait(timeout=300)
     assert summary["reason"] == "completed", summary["reason"]
     (r,) = summary["faults"]["data_restarts"]
     assert r["lost_worker"] == data_w and r["worker"] != data_w
-    if hung:  # silent for the timeout (its last answer came at most a poll before)
-        assert r["hung"]["silent_s"] == 3 and r["hung"]["worker"] == data_w, r
-        assert 3 <= r["hung"]["time"] - t_kill < 3 + 5, r
-        assert 0 <= r["time"] - r["hung"]["time"] < 15, r
-    else:
-        assert 0 <= r["time"] - t_kill < 10, r
+    assert 0 <= r["time"] - t_kill < 10, r
     # (A batch still decoding at the attach is registered anew with the new pool, here
     # when the rebuild beats it: tests/test_partial.py checks what is registered.)
     assert r["restart_s"] < 60 and r["rollouts_attached"] == 2, r
