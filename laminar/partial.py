@@ -208,6 +208,19 @@ class PartialCore:
                 self.counts["finished"] += 1
         self.counts["flushes"] += 1
 
+    def restore(self, entries: dict[str, dict]) -> None:
+        """Entries of rollouts lost while no pool ran, as :func:`replay_log` read them
+        from the lost pool's log (request id -> entry): registered again with what was
+        logged, finished ones marked so (a recovery then scores them; one the store
+        had is dropped by the buffer as seen). The buffer that held some is lost: they
+        count as not held."""
+        for rid, e in entries.items():
+            self.register(e["owner"], e["version"], [e["state"]])
+            if "finished" in e:
+                self.entries[rid]["finished"] = e["finished"]
+                self._event(rid, "finished", e["owner"], *e["finished"])
+        self.counts["restored"] += len(entries)
+
     def reassign(self, request_ids: list[str], rollout_id: str) -> None:
         """Requests now decoded by ``rollout_id`` (moved by repack or recovery)."""
         for rid in request_ids:
@@ -504,6 +517,11 @@ class PartialResponsePool:
         self.core.flush(rollout_id, tokens, finished)
         if finished:
             await self._sync_retained()
+
+    async def restore(self, entries: dict) -> None:
+        self.core.restore(entries)
+        self._start_log()
+        await self._sync_retained()
 
     async def reassign(self, request_ids: list[str], rollout_id: str) -> None:
         self.core.reassign(request_ids, rollout_id)

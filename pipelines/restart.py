@@ -318,6 +318,19 @@ class DataRestart:
         m = self.last_manager
         ids = [f"r{i}" for i in range(len(a["rollouts"]))]
         live = {rid: h for rid, h in zip(ids, a["rollouts"], strict=True) if rid not in m["lost"]}
+        # Rollouts lost while no manager watched: their unfinished (and finished, not yet
+        # stored) trajectories are in the lost pool's log, read before the new pool
+        # starts its own; the new manager finds them lost and recovers them from it.
+        workers = set(client.scheduler_info(n_workers=-1)["workers"])
+        gone = {rid for rid in live if s.rollout_workers[rid] not in workers}
+        orphans: dict = {}
+        if gone:
+            from laminar.partial import replay_log
+
+            orphans = {
+                uid: e for uid, e in replay_log(s.run_dir).entries.items() if e["owner"] in gone
+            }
+        alive = {rid: h for rid, h in live.items() if rid not in gone}
         phases: dict[str, float] = {}
 
         def mark(name: str) -> None:
@@ -325,13 +338,15 @@ class DataRestart:
 
         if record is None:
             record = a["trainer"].consumed_record().result(timeout)
-        held = _answers([lambda r=r: r.data_holdings() for r in live.values()], timeout=timeout)
+        held = _answers([lambda r=r: r.data_holdings() for r in alive.values()], timeout=timeout)
+        held_groups = {g for groups in held for g in groups}
+        held_groups |= {e["state"].request.meta["group"].prompt_uid for e in orphans.values()}
         plan = plan_rebuild(
             s.run_dir,
             version=record["version"],
             consumed=record["consumed"],
             since=record["since"],
-            held_groups={g for groups in held for g in groups},
+            held_groups=held_groups,
         )
         mark("plan_s")
         order = ResumePlan(version=plan.version, readmit_groups=plan.outstanding, start=plan.start)
@@ -363,13 +378,15 @@ class DataRestart:
             {rid: s.rollout_workers[rid] for rid in live},
         ).result(timeout)
         partial.set_relays([relays[r] for r in chain]).result(timeout)
+        if orphans:  # (before the live rollouts register theirs: theirs stand)
+            partial.restore(orphans).result(timeout)
         mark("manager_s")
         if master is None:
             a["trainer"].attach_data(buffer, manager).result(timeout)
         else:  # the new master heads the chain, the lost one's readers pull from it
             manager.replace_master(master, worker).result(timeout)
         registered = _answers(
-            [lambda r=r: r.attach_data(pool, buffer, partial) for r in live.values()],
+            [lambda r=r: r.attach_data(pool, buffer, partial) for r in alive.values()],
             timeout=timeout,
         )
         manager.start().result(timeout)
@@ -384,6 +401,8 @@ class DataRestart:
             rollouts_holding=len(held),
             registered=sum(registered),
             rollouts_attached=len(registered),
+            rollouts_gone=sorted(gone),  # lost meanwhile: recovered by the new manager
+            restored_from_log=len(orphans),
             rebuild_s=now - t0,
             phases=phases,
             restart_s=now - self.t_lost,

@@ -775,6 +775,49 @@ def test_a_lost_data_module_is_rebuilt_within_the_run(tmp_path):
     assert report.ok, report.text()
 
 
+def test_a_rollout_lost_with_the_data_module_is_recovered_from_the_log(tmp_path):
+    """The data module (on its own worker) and a rollout that is decoding, SIGKILLed at
+    once: the partial-response pool that held the rollout's unfinished trajectories is
+    gone, and so is the manager that would recover them. The rebuild reads them from the
+    lost pool's log on disk (RUN_DIR/partial.zarr), registers them with the new pool,
+    and the new manager finds the rollout lost and resumes them on the other rollout; a
+    new rollout replaces it. The run makes its 6 updates, each batch of 4 whole groups
+    trained once, and the audit is clean."""
+    from laminar.cluster import workers_with
+
+    steps = 6
+    run_dir = tmp_path / "run"
+    overrides = [f"trainer.steps={steps}", "rollout.pacing.dilation=160"]  # ~13 s batches
+    with apart_run(run_dir, overrides) as (client, handle):
+        wait_for(handle, lambda p: p.get("phase") == "training" and p["version"] >= 2)
+        partial = handle._schedule.actors["partial"]
+        victim_w = handle._schedule.rollout_workers["r1"]
+        data_w = workers_with(client, "data")[0]
+        pids = client.run(os.getpid, workers=[data_w, victim_w])
+        deadline = time.time() + 120
+        while not logged_tokens(partial.owned().result().get("r1", (0, 0, 0))):
+            assert time.time() < deadline and not handle.done(), "r1 never decoded"
+            time.sleep(0.05)
+        time.sleep(2.5)  # a log interval: its entries are on disk
+        for pid in pids.values():
+            os.kill(pid, signal.SIGKILL)
+        summary = handle.wait(timeout=300)
+    assert summary["reason"] == "completed", summary["reason"]
+    (r,) = summary["faults"]["data_restarts"]
+    assert r["rollouts_gone"] == ["r1"] and r["restored_from_log"] > 0, r
+    assert r["rollouts_attached"] == 1, r
+    faults = summary["faults"]
+    assert "r1" in faults["lost"] and faults["recovered_requests"] > 0, faults
+    assert "r1" in faults["replacements"], faults
+    assert summary["versions"] == steps
+    ds = check_store(run_dir, moved=True)  # (uids unique: nothing stored twice)
+    consumed = ds["status"].values == "consumed"
+    per_version = np.bincount(ds["sample_version"].values[consumed], minlength=steps)
+    assert per_version.tolist() == [16] * steps
+    report = audit_run(run_dir)
+    assert report.ok, report.text()
+
+
 def test_a_lost_relay_is_cut_out_of_the_chain_and_its_readers_switch():
     """master -> relay1 -> relay2, relay1's worker SIGKILLed: a publication the master was
     sending to it is not waited out, the rebuilt chain master -> relay2 carries it at once
