@@ -148,6 +148,20 @@ def _pick_workers(s, exclude: set[str], with_data: bool) -> tuple[str, list[str]
     return head, [w for w in trainers if w != head][: s.cfg.trainer.ranks - 1]
 
 
+def _running(r) -> None:
+    """A restart ``r`` (:class:`TrainerRestart` or :class:`CoreRestart`) has its new
+    trainer running: recorded and said."""
+    now = time.time()
+    r.record.update(worker=r.worker, rank_workers=r.group.rank_workers, restart_s=now - r.t_lost)
+    logger.warning(
+        "trainer restarted on %s from version %s in %.1f s; its first update is version %s",
+        r.worker,
+        r.record["checkpoint_version"],
+        now - r.t_lost,
+        r.record["after_version"] + 1,
+    )
+
+
 class TrainerRestart:
     """One restart of a lost trainer (all its ranks, when data-parallel): :meth:`step`
     each poll until it returns the new trainer's handle; :attr:`record` is what
@@ -190,17 +204,7 @@ class TrainerRestart:
             self.exclude |= tried
             self.group = self.worker = None
             return None
-        now = time.time()
-        self.record.update(
-            worker=self.worker, rank_workers=self.group.rank_workers, restart_s=now - self.t_lost
-        )
-        logger.warning(
-            "trainer restarted on %s from version %s in %.1f s; its first update is version %s",
-            self.worker,
-            self.record["checkpoint_version"],
-            now - self.t_lost,
-            self.record["after_version"] + 1,
-        )
+        _running(self)
         return handle
 
     def _begin(self) -> None:
@@ -488,16 +492,8 @@ class CoreRestart(DataRestart):
             self.exclude |= tried
             self.worker = self.group = None
             return False
-        now = time.time()
-        self.record.update(rank_workers=self.group.rank_workers, restart_s=now - self.t_lost)
         s.actors["trainer"] = handle
-        logger.warning(
-            "trainer restarted on %s from version %s in %.1f s; its first update is version %s",
-            self.worker,
-            self.record["checkpoint_version"],
-            now - self.t_lost,
-            self.record["after_version"] + 1,
-        )
+        _running(self)
         return True
 
     def _begin(self) -> None:

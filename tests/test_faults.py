@@ -475,6 +475,17 @@ def test_a_lost_trainer_fails_the_run_clearly_and_it_resumes_in_place(tmp_path):
     assert report.ok, report.text()
 
 
+def trained_once_across_the_restart(ds, v: int, after: int, steps: int) -> None:
+    """Each of the run's ``steps`` updates trained one batch of 4 whole groups (16
+    trajectories); the lost updates' version numbers (``v`` .. ``after`` - 1: after the
+    checkpoint, by weights that are gone) were never trained into the final weights."""
+    consumed = ds["status"].values == "consumed"
+    per_version = np.bincount(ds["sample_version"].values[consumed], minlength=after + steps)
+    trained = [*range(v), *range(after, after + steps - v)]
+    assert np.flatnonzero(per_version).tolist() == trained
+    assert (per_version[trained] == 16).all()
+
+
 @pytest.mark.parametrize("fault", ["killed", "stuck"])
 def test_a_lost_trainer_restarts_within_the_run_while_rollouts_generate(tmp_path, fault):
     """The data module on a worker of its own, the trainer's worker SIGKILLed at version
@@ -544,13 +555,7 @@ def test_a_lost_trainer_restarts_within_the_run_while_rollouts_generate(tmp_path
     (m,) = summary["faults"]["masters_replaced"]
     assert sorted(m["rollouts"]) == ["r0", "r1"] and m["errors"] == []
     ds = check_store(run_dir)
-    consumed = ds["status"].values == "consumed"
-    # Each of the 12 updates trained one batch of 4 whole groups; the lost updates'
-    # version numbers (v .. after-1) were never trained into the final weights.
-    per_version = np.bincount(ds["sample_version"].values[consumed], minlength=after + steps)
-    trained = [*range(v), *range(after, after + steps - v)]
-    assert np.flatnonzero(per_version).tolist() == trained
-    assert (per_version[trained] == 16).all()
+    trained_once_across_the_restart(ds, v, after, steps)
     # The rollouts went on generating while no trainer ran, up to the back-pressure
     # bound (this trainer-bound run is at it by the kill), never waiting on the lost
     # master: a batch boundary whose relay is unreachable keeps the weights it has.
@@ -638,13 +643,7 @@ def test_a_lost_trainer_and_data_module_on_one_worker_restart_within_the_run(tmp
     ds = check_store(run_dir)
     # Nothing a rollout finished is lost or stored twice (check_store: uids unique).
     assert ds.sizes["trajectory"] == sum(s["trajectories"] for s in rollouts)
-    consumed = ds["status"].values == "consumed"
-    # Each of the 12 updates trained one batch of 4 whole groups; the lost updates'
-    # version numbers (v .. after-1) were never trained into the final weights.
-    per_version = np.bincount(ds["sample_version"].values[consumed], minlength=after + steps)
-    trained = [*range(v), *range(after, after + steps - v)]
-    assert np.flatnonzero(per_version).tolist() == trained
-    assert (per_version[trained] == 16).all()
+    trained_once_across_the_restart(ds, v, after, steps)
     # Every version number was published once, in order; every load checked out.
     pubs = open_metrics(run_dir, "publications")["version"].values.tolist()
     assert pubs == sorted(set(pubs)) and pubs[-1] == after + steps - v
@@ -701,11 +700,7 @@ def test_a_lost_rank_restarts_the_data_parallel_trainer_within_the_run(tmp_path)
     sums = summary["weights_checksums"]
     assert len(sums) == 2 and sums[0] == sums[1]
     ds = check_store(run_dir)
-    consumed = ds["status"].values == "consumed"
-    per_version = np.bincount(ds["sample_version"].values[consumed], minlength=after + steps)
-    trained = [*range(v), *range(after, after + steps - v)]
-    assert np.flatnonzero(per_version).tolist() == trained
-    assert (per_version[trained] == 16).all()
+    trained_once_across_the_restart(ds, v, after, steps)
     fp = summary["relay"]["fingerprints"]
     assert fp["loads_checked"] > 0 and fp["mismatched"] == 0, fp
     report = audit_run(run_dir)
