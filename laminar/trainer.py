@@ -507,7 +507,8 @@ class Trainer:
             self._since = self.version
         tmp = root / f".version-{self.version:06d}.partial"
         shutil.rmtree(tmp, ignore_errors=True)
-        self.learner.save(tmp)
+        with self._bounded():  # (a big checkpoint's write may outlast the heartbeat timeout)
+            self.learner.save(tmp)
         tmp.rename(out)
         return str(out)
 
