@@ -702,7 +702,14 @@ class Schedule:
                 return
             a["rollouts"].append(handle)
             self.rollout_workers[rid] = worker
-            a["manager"].add_rollout(rid, handle, worker, replaces, relay_id).result()
+            m = a["manager"]
+            try:
+                call = m.add_rollout(rid, handle, worker, replaces, relay_id)
+                actor_result(m, call, self._data_timeout())
+            except Exception as e:
+                if not self.data_restartable:
+                    raise
+                self._data_silent(e)  # (hung or lost: the rebuilt manager takes it over)
             return
         waiting = [r for r in m_stats["lost"] if r not in m_stats["replacements"]]
         if not waiting:
