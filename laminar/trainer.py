@@ -611,6 +611,14 @@ def _leave_group(learner: Learner) -> float:
         return float(sum(p.double().sum() for p in learner.model.parameters()))
 
 
+def rendezvous(client, worker: str) -> str:
+    """A ``torch.distributed`` init method on a free port of ``worker`` (rank 0's)."""
+    from urllib.parse import urlparse
+
+    port = client.submit(free_port, workers=[worker], pure=False).result()
+    return f"tcp://{urlparse(worker).hostname}:{port}"
+
+
 def free_port() -> int:
     """A free TCP port on this machine (a Dask task on rank 0's worker)."""
     import socket

@@ -15,7 +15,6 @@ import math
 import time
 from collections.abc import Callable
 from pathlib import Path
-from urllib.parse import urlparse
 
 from laminar.buffer import ExperienceBuffer
 from laminar.cluster import (
@@ -36,7 +35,7 @@ from laminar.prompt_pool import DATA_STATE, PromptPool, load_prompts
 from laminar.relay import build_tier
 from laminar.rollout import RolloutReplica
 from laminar.schedule import ScheduleSpec
-from laminar.trainer import Trainer, TrainerRank, free_port
+from laminar.trainer import Trainer, TrainerRank, rendezvous
 from pipelines.summary import faults_summary, median
 
 logger = logging.getLogger("laminar")
@@ -139,10 +138,8 @@ class Schedule:
         pool, partial, buffer = start_data_module(
             client, cfg, policy_dir, self.run_dir, spec, data_w, resume=self.resume
         )
-        init_method = ""
-        if cfg.trainer.ranks > 1:  # data-parallel: rank 0's worker hosts the rendezvous
-            port = client.submit(free_port, workers=[trainer_w], pure=False).result()
-            init_method = f"tcp://{urlparse(trainer_w).hostname}:{port}"
+        # data-parallel: rank 0's worker hosts the rendezvous
+        init_method = rendezvous(client, trainer_w) if cfg.trainer.ranks > 1 else ""
         ranks = [
             submit_actor(
                 client,
@@ -233,8 +230,8 @@ class Schedule:
         # partial-response pool and manager a rebuild needs (pipelines/restart.py). When
         # the two share a worker (the local default) they are lost together and
         # restarted together, which needs both switches.
-        laminar = (spec.dispatch, spec.weights, spec.trainer) == ("free", "relay", "free")
-        shared = trainer_w == data_w
+        self._laminar = (spec.dispatch, spec.weights, spec.trainer) == ("free", "relay", "free")
+        laminar, shared = self._laminar, trainer_w == data_w
         trainer_ok = cfg.faults.restart_trainer
         data_ok = partial is not None and cfg.faults.restart_data
         self.restartable = (
@@ -352,7 +349,7 @@ class Schedule:
         (:attr:`data_restartable`), the last ones, and each call advances the rebuild.
         Raises when the data module is lost and cannot be rebuilt."""
         a = self.actors
-        timeout = self._data_timeout()
+        timeout = self._core_timeout()
         if self._data_restart is None:
             try:
                 if self._data_hung is not None:  # fenced: wait until the scheduler drops it
@@ -368,12 +365,7 @@ class Schedule:
                     self._data_suspect = self._data_suspect or now
                     hung = self._data_hung
                     if hung is not None:  # fenced: wait for its worker to go
-                        if now - hung["time"] > FENCE_WAIT_S:
-                            raise ClusterError(
-                                f"the {hung['role']} on {hung['worker']} hung and its worker "
-                                f"did not go within {FENCE_WAIT_S:g} s of its restart "
-                                f"({hung.get('restart')}); {self.resume_hint()}"
-                            ) from e
+                        self._fence_overdue(hung, now, e)
                         return self._last_data_stats
                     if isinstance(e, TimeoutError):  # silent for heartbeat_timeout_s
                         self._fence_data(timeout)
@@ -402,16 +394,12 @@ class Schedule:
             self._check_group()  # (a rank other than 0: fence the group, then restart it)
             return False
         if self.restartable and in_group and head == "trainer":
-            self._old_publications += self._master_publications
-            self._master_publications = []
             r = self._restart = TrainerRestart(
                 self, lost["trainer"], self._last_t_stats, exclude=set(group.values())
             )
         elif self.data_restartable and list(lost) == ["data module"] and self._last_m_stats:
             r = self._data_restart = DataRestart(self, lost["data module"], self._last_m_stats)
         elif self.restartable and in_group and self._last_m_stats:  # (head shares data's)
-            self._old_publications += self._master_publications
-            self._master_publications = []
             r = self._data_restart = CoreRestart(
                 self,
                 lost[head],
@@ -421,6 +409,9 @@ class Schedule:
             )
         else:
             raise error
+        if isinstance(r, TrainerRestart | CoreRestart):  # (the master went with rank 0)
+            self._old_publications += self._master_publications
+            self._master_publications = []
         self._check_group()  # (the rest of a data-parallel group goes too)
         if r is not self._restart:
             self._data_suspect = None
@@ -464,7 +455,7 @@ class Schedule:
             if r._address in self._fenced:
                 continue
             try:
-                rank = actor_result(r, r.stats(), min(5.0, self._trainer_timeout()))
+                rank = actor_result(r, r.stats(), min(5.0, self._core_timeout()))
             except Exception:  # noqa: BLE001 — lost or hung: _check_group fences the group
                 continue
             if rank["error"]:
@@ -489,24 +480,20 @@ class Schedule:
             self.data_restarts.append(r.record)
             return
         self.core_restarts.append(r.record)
-        self.tier.relays[0], self.tier.workers[0] = r.master, r.worker
-        self._new_group("trainer and data module", r.worker, r.group.rank_workers, r.ranks)
-        self._updates_before += self._n_updates
-        self._n_updates = 0  # the new trainer's history starts empty
-        self._last_t_stats = self._trainer_stats()
+        self._trainer_back(r, "trainer and data module", r.handle)
 
-    def _data_timeout(self) -> float:
-        """How long a call to the data module may take: one silent for
+    def _core_timeout(self) -> float:
+        """How long a call to the trainer or the data module may take: one silent for
         ``faults.heartbeat_timeout_s`` is hung (and no call may wait on it longer)."""
         return min(self.cfg.cluster.actor_timeout_s, self.cfg.faults.heartbeat_timeout_s)
 
     def _data_silent(self, error: Exception) -> None:
         """A call to the manager (the data module's) failed: if it was not answered
-        within :meth:`_data_timeout` and its worker is still there, the data module is
+        within :meth:`_core_timeout` and its worker is still there, the data module is
         hung (the next poll of its stats then waits for the fenced worker to go)."""
         if isinstance(error, TimeoutError) and self._data_hung is None and not self._lost_core():
             self._data_suspect = self._data_suspect or time.time()
-            self._fence_data(self._data_timeout())
+            self._fence_data(self._core_timeout())
 
     def _fence_data(self, silent_s: float) -> None:
         """The data module did not answer for ``faults.heartbeat_timeout_s``: hung. Its
@@ -558,6 +545,16 @@ class Schedule:
         start_thread(fence, f"fence-{role.replace(' ', '-')}")
         return info
 
+    def _fence_overdue(self, hung: dict, now: float, error: Exception) -> None:
+        """Raise when a fenced worker is still the scheduler's :data:`FENCE_WAIT_S` after
+        its fence (its restart failed: nothing can be restarted in its place)."""
+        if now - hung["time"] > FENCE_WAIT_S:
+            raise ClusterError(
+                f"the {hung['role']} on {hung['worker']} hung and its worker did not go "
+                f"within {FENCE_WAIT_S:g} s of its restart ({hung.get('restart')}); "
+                f"{self.resume_hint()}"
+            ) from error
+
     def _manager_stats(self) -> dict | None:
         """The manager's stats (``None``: there is none, it is being rebuilt, or the data
         module does not answer)."""
@@ -567,7 +564,7 @@ class Schedule:
         if self._data_hung is not None:  # (fenced: its worker is going)
             return None
         try:
-            self._last_m_stats = actor_result(manager, manager.stats(), self._data_timeout())
+            self._last_m_stats = actor_result(manager, manager.stats(), self._core_timeout())
         except Exception as e:
             if not self.data_restartable:
                 raise
@@ -581,7 +578,7 @@ class Schedule:
         answer, or whose training loop shows no progress, for
         ``faults.heartbeat_timeout_s`` is hung: its worker is restarted (:meth:`_fence`)
         and it is then lost. Raises when the trainer is lost and cannot be restarted."""
-        from pipelines.restart import CoreRestart, trainer_stand_in
+        from pipelines.restart import CoreRestart
 
         a, faults = self.actors, self.cfg.faults
         if isinstance(self._data_restart, CoreRestart):  # (no trainer runs meanwhile)
@@ -591,11 +588,11 @@ class Schedule:
             try:
                 if worker in self._fenced:  # hung: wait until the scheduler drops it
                     raise TimeoutError(f"the trainer on {worker} is hung (fenced)")
-                t_stats = actor_result(a["trainer"], a["trainer"].stats(), self._trainer_timeout())
+                t_stats = actor_result(a["trainer"], a["trainer"].stats(), self._core_timeout())
                 silent = t_stats.get("silent_s")
                 if silent is not None and silent > faults.heartbeat_timeout_s:
                     self._fence("trainer", worker, silent)
-                    return self._last_t_stats or trainer_stand_in(None, self.cfg.trainer.steps)
+                    return self._t_stand_in()
                 self._last_t_stats, self._trainer_suspect = t_stats, None
                 if self.restartable and self.cfg.relay.audit_weights:
                     # Kept here, every poll: the fingerprints die with the trainer.
@@ -610,54 +607,53 @@ class Schedule:
                     # (a call may fail a moment before the scheduler drops the worker)
                     self._trainer_suspect = self._trainer_suspect or now
                     if self.restartable and now - self._trainer_suspect < DATA_SUSPECT_S:
-                        return self._last_t_stats or trainer_stand_in(None, self.cfg.trainer.steps)
+                        return self._t_stand_in()
                 if not lost and isinstance(e, TimeoutError):
                     fenced = self._fenced.get(worker)
                     if fenced is None:  # it did not answer for heartbeat_timeout_s
-                        self._fence("trainer", worker, self._trainer_timeout())
-                    elif now - fenced["time"] > FENCE_WAIT_S:
-                        raise ClusterError(
-                            f"the trainer on {worker} hung and its worker did not go within "
-                            f"{FENCE_WAIT_S:g} s of its restart ({fenced.get('restart')}); "
-                            f"{self.resume_hint()}"
-                        ) from e
-                    return self._last_t_stats or trainer_stand_in(None, self.cfg.trainer.steps)
+                        self._fence("trainer", worker, self._core_timeout())
+                    else:
+                        self._fence_overdue(fenced, now, e)
+                    return self._t_stand_in()
                 self._trainer_suspect = None
                 if not self._begin_restart(lost, e):
-                    return self._last_t_stats or trainer_stand_in(None, self.cfg.trainer.steps)
+                    return self._t_stand_in()
                 if self._restart is None:  # (lost with the data module: CoreRestart)
                     return self._data_restart.stand_in
         handle = self._restart.step()
         if handle is None:
             return self._restart.stand_in
         r, self._restart = self._restart, None
-        a["trainer"] = handle
-        self.tier.relays[0] = r.master  # (a["relays"] is this list)
-        self.tier.workers[0] = r.worker  # (a replacement rollout's relay is chosen by host)
-        self._new_group("trainer", r.worker, r.group.rank_workers, r.ranks)
-        self._updates_before += self._n_updates
-        self._n_updates = 0  # the new trainer's history starts empty
         self.trainer_restarts.append(r.record)
-        self._last_t_stats = handle.stats().result(timeout=self.cfg.cluster.actor_timeout_s)
+        self._trainer_back(r, "trainer", handle)
         return self._last_t_stats
 
-    def _new_group(self, head: str, worker: str, rank_workers: list[str], ranks: list) -> None:
-        """A restarted trainer's workers and its other ranks, in the driver's books."""
+    def _trainer_back(self, r, head: str, handle) -> None:
+        """A restart ``r`` has its new trainer (``handle``) running: its master relay, its
+        workers (rank 0's as ``head``) and other ranks, and its history, in the driver's
+        books."""
+        a = self.actors
+        a["trainer"], a["trainer_ranks"] = handle, r.ranks
+        self.tier.relays[0] = r.master  # (a["relays"] is this list)
+        self.tier.workers[0] = r.worker  # (a replacement rollout's relay is chosen by host)
         self.core_workers = {
             role: w for role, w in self.core_workers.items() if not role.startswith("trainer")
         }
-        self.core_workers[head] = worker
-        for i, w in enumerate(rank_workers, start=1):
+        self.core_workers[head] = r.worker
+        for i, w in enumerate(r.group.rank_workers, start=1):
             self.core_workers[f"trainer rank {i}"] = w
-        self.actors["trainer_ranks"] = ranks
+        self._updates_before += self._n_updates
+        self._n_updates = 0  # the new trainer's history starts empty
+        self._last_t_stats = handle.stats().result(timeout=self.cfg.cluster.actor_timeout_s)
+
+    def _t_stand_in(self) -> dict:
+        """The trainer's last stats, for a poll that cannot ask it (hung, or being lost)."""
+        from pipelines.restart import trainer_stand_in
+
+        return self._last_t_stats or trainer_stand_in(None, self.cfg.trainer.steps)
 
     def _trainer_worker(self) -> str:
         return self.core_workers.get("trainer") or self.core_workers["trainer and data module"]
-
-    def _trainer_timeout(self) -> float:
-        """How long a call to the trainer may take: one silent for
-        ``faults.heartbeat_timeout_s`` is hung."""
-        return min(self.cfg.cluster.actor_timeout_s, self.cfg.faults.heartbeat_timeout_s)
 
     def _keep_publications(self) -> None:
         """The master's publication records, which only the trainer's process holds,
@@ -705,7 +701,7 @@ class Schedule:
             m = a["manager"]
             try:
                 call = m.add_rollout(rid, handle, worker, replaces, relay_id)
-                actor_result(m, call, self._data_timeout())
+                actor_result(m, call, self._core_timeout())
             except Exception as e:
                 if not self.data_restartable:
                     raise
@@ -788,7 +784,7 @@ class Schedule:
                 if self._trainer_worker() in self._fenced:
                     raise TimeoutError("the trainer is hung")
                 t = self.actors["trainer"]
-                new = actor_result(t, t.get_history(self._n_updates), self._trainer_timeout())
+                new = actor_result(t, t.get_history(self._n_updates), self._core_timeout())
             except Exception:
                 if not self.restartable:
                     raise
@@ -800,7 +796,7 @@ class Schedule:
         if self.actors["manager"] is not None and self._data_restart is None:
             if self._data_suspect or self._data_hung is not None:
                 return  # (it does not answer now: its rows come with a later flush)
-            m, timeout = self.actors["manager"], self._data_timeout()
+            m, timeout = self.actors["manager"], self._core_timeout()
             try:
                 moves = actor_result(m, m.get_rows(self._n_repacks), timeout)
                 faults = actor_result(m, m.get_fault_rows(self._n_faults), timeout)
@@ -837,9 +833,9 @@ class Schedule:
 
     def _why_not_restarted(self) -> str:
         """Why a lost trainer or data module fails this run (docs/faults.md)."""
-        spec, cfg = self.schedule, self.cfg
-        if (spec.dispatch, spec.weights, spec.trainer) != ("free", "relay", "free"):
-            return f"(schedule {spec.name!r} does not restart them within the run)"
+        cfg = self.cfg
+        if not self._laminar:
+            return f"(schedule {self.schedule.name!r} does not restart them within the run)"
         if not (cfg.faults.restart_trainer and cfg.faults.restart_data):
             return "(faults.restart_trainer or faults.restart_data is off)"
         return "(faults.recover is off: no partial-response pool to rebuild from)"

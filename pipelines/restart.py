@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import logging
 import time
-from urllib.parse import urlparse
 
 from laminar.cluster import bind_actor, detach, start_actor, submit_actor, workers_with
 from laminar.errors import ClusterError
@@ -79,7 +78,7 @@ class _Group:
         """Create (not yet start) the ranks from checkpoint ``ckpt`` (``None``: the
         warm-started policy); rank 0 numbers its updates after ``after`` and ends at
         version ``steps`` + the versions it skips."""
-        from laminar.trainer import TrainerRank, free_port
+        from laminar.trainer import TrainerRank, rendezvous
 
         s = self.s
         cfg, client = s.cfg, s.client
@@ -87,10 +86,7 @@ class _Group:
             update={"resume_from": str(ckpt) if ckpt is not None else None, "steps": steps}
         )
         cfg = cfg.model_copy(update={"trainer": tcfg})
-        init_method = ""
-        if self.rank_workers:  # a new rendezvous on rank 0's worker
-            port = client.submit(free_port, workers=[self.worker], pure=False).result()
-            init_method = f"tcp://{urlparse(self.worker).hostname}:{port}"
+        init_method = rendezvous(client, self.worker) if self.rank_workers else ""
         on = {"resource": "trainer"}
         self.rank_futures = [
             start_actor(client, TrainerRank, cfg, s.policy_dir, r, init_method, worker=w, **on)
@@ -141,11 +137,26 @@ def _pick_workers(s, exclude: set[str], with_data: bool) -> tuple[str, list[str]
     trainers = [w for w in workers_with(s.client, "trainer") if w not in exclude]
     heads = trainers
     if with_data:
-        heads = [w for w in trainers if w in set(workers_with(s.client, "data"))]
+        data = set(workers_with(s.client, "data"))
+        heads = [w for w in trainers if w in data]
     if not heads or len(trainers) < s.cfg.trainer.ranks:
         return None
     head = heads[0]
     return head, [w for w in trainers if w != head][: s.cfg.trainer.ranks - 1]
+
+
+def _restart_point(run_dir, after: int) -> tuple:
+    """The newest checkpoint (``None``: none yet, the warm-started policy), its version,
+    and the restart record's fields for a restart from it after version ``after``."""
+    ckpt = newest_checkpoint(run_dir)
+    version = checkpoint_version(ckpt) if ckpt is not None else 0
+    fields = {
+        "checkpoint": str(ckpt) if ckpt is not None else None,
+        "checkpoint_version": version,
+        "after_version": after,
+        "lost_updates": after - version,
+    }
+    return ckpt, version, fields
 
 
 def _running(r) -> None:
@@ -223,11 +234,10 @@ class TrainerRestart:
             return
         self.worker, rank_workers = picked
         timeout = cfg.cluster.actor_timeout_s
-        ckpt = newest_checkpoint(s.run_dir)
-        version = checkpoint_version(ckpt) if ckpt is not None else 0
         # The newest version any trainer of this run published (the buffer hears of
         # each before it is published).
         after = a["buffer"].stats().result(timeout)["version"]
+        ckpt, version, fields = _restart_point(s.run_dir, after)
         back = a["buffer"].trainer_restarted(version).result(timeout)
         chain = a["manager"].stats().result(timeout)["chain"]
         master = _new_master(s, self.worker, chain)
@@ -238,10 +248,7 @@ class TrainerRestart:
         self.group.start(ckpt, self.stand_in["steps"], after, a["buffer"], master)
         self.record.update(
             worker_wait_s=time.time() - self.t_lost,
-            checkpoint=str(ckpt) if ckpt is not None else None,
-            checkpoint_version=version,
-            after_version=after,
-            lost_updates=after - version,
+            **fields,
             readmitted=back["readmitted"],
             readmitted_groups=back["groups"],
         )
@@ -459,6 +466,7 @@ class CoreRestart(DataRestart):
         self.worker: str | None = None
         self.master = None
         self.group: _Group | None = None
+        self.handle = None  # rank 0's, once running
         self.ranks: list = []  # the other ranks' handles, once running
         super().__init__(schedule, lost_worker, last_manager)
 
@@ -492,7 +500,7 @@ class CoreRestart(DataRestart):
             self.exclude |= tried
             self.worker = self.group = None
             return False
-        s.actors["trainer"] = handle
+        self.handle = handle
         _running(self)
         return True
 
@@ -514,9 +522,8 @@ class CoreRestart(DataRestart):
         worker, rank_workers = picked
         self.worker = worker
         self.record["worker_wait_s"] = time.time() - self.t_lost
-        ckpt = newest_checkpoint(s.run_dir)
-        version = checkpoint_version(ckpt) if ckpt is not None else 0
         after = self._newest_published()
+        ckpt, version, fields = _restart_point(s.run_dir, after)
         self.master = _new_master(s, worker, self.last_manager["chain"])
         # (the record stands in for the trainer's: nothing consumed at V or later stands)
         record = {"consumed": {}, "since": version, "version": after}
@@ -524,12 +531,7 @@ class CoreRestart(DataRestart):
         group = _Group(s, worker, rank_workers)
         group.start(ckpt, self.stand_in["steps"], after, s.actors["buffer"], self.master)
         self.group = group
-        self.record.update(
-            checkpoint=str(ckpt) if ckpt is not None else None,
-            checkpoint_version=version,
-            after_version=after,
-            lost_updates=after - version,
-        )
+        self.record.update(fields)
 
     def _newest_published(self) -> int:
         """``M``: the newest version the lost trainer published, as far as anything that
