@@ -73,6 +73,39 @@ def model_overrides(model: str, cluster_shape) -> list[str]:
     ]
 
 
+def arm_overrides(
+    model: str, gpus: int, replicas: int, seed: int, overrides: tuple[str, ...] = ()
+) -> dict[str, list[str]]:
+    """Each arm's config overrides: the schedules bench's workload and cluster, without
+    back-pressure; the user's ``overrides`` after, ``repack.*`` ones in the "on" arm
+    alone (a ``repack`` key in the "off" arm's config would switch repack on there).
+
+    >>> arms = arm_overrides("7B", 64, 8, 0, ("repack.kv_prev=peak", "seed=3"))
+    >>> [o for o in arms["off"] if o.startswith(("repack", "seed"))]
+    ['seed=0', 'seed=3']
+    >>> [o for o in arms["on"] if o.startswith(("repack", "seed"))][-3:]
+    ['repack.interval_s=0.625', 'seed=3', 'repack.kv_prev=peak']
+    """
+    from pipelines.bench_schedules import REPACK_INTERVAL_S, Cluster
+
+    cluster_shape = Cluster(gpus)
+    scale = replace(cluster_shape.scale, dilation=model_dilation(model, cluster_shape))
+    # generation is what repack changes: back-pressure must never idle a rollout here
+    unbounded = ["buffer.max_outstanding_groups=1000000"]
+    unbounded += model_overrides(model, cluster_shape)
+    mine = [o for o in overrides if o.split("=", 1)[0].split(".", 1)[0].strip() == "repack"]
+    both = [o for o in overrides if o not in mine]
+    arms = {
+        arm: cluster_shape.overrides(name, replicas, steps=100000, seed=seed) + unbounded
+        for arm, name in (("off", "laminar_no_repack"), ("on", "laminar"))
+    }
+    # The paper's 5 s in this dilation (another model's differs from the cluster's).
+    arms["on"].append(f"repack.interval_s={scale.wall(REPACK_INTERVAL_S):.4g}")
+    arms["off"] += both
+    arms["on"] += both + mine
+    return arms
+
+
 def _arm(client, run_dir: Path, overrides: list[str], duration_s: float, scale, warmup) -> dict:
     import pipelines
 
@@ -188,26 +221,19 @@ def bench_repack(
     arm, from its first update; ``warmup_share``: the share of each run left out of the
     figures. ``runs_dir``: keep the arms' run directories there (default: a temporary
     folder, removed at the end). ``overrides``: ``KEY=VALUE`` settings applied to both
-    arms after the bench's own (``laminar bench repack --set faults.recover=false``).
+    arms after the bench's own (``laminar bench repack --set faults.recover=false``),
+    except ``repack.*`` ones, which go to the "on" arm alone (:func:`arm_overrides`).
     Repack checks every 5 modelled seconds (the paper's) and after each
     publication."""
     from distributed import Client
 
     from laminar.cluster import local_cluster
     from pipelines.bench import BenchResult
-    from pipelines.bench_schedules import REPACK_INTERVAL_S, Cluster
+    from pipelines.bench_schedules import Cluster
 
     cluster_shape = Cluster(gpus)
-    # generation is what repack changes: back-pressure must never idle a rollout here
-    unbounded = ["buffer.max_outstanding_groups=1000000"]
-    unbounded += model_overrides(model, cluster_shape) + list(overrides)
     scale = replace(cluster_shape.scale, dilation=model_dilation(model, cluster_shape))
-    arms = {
-        arm: cluster_shape.overrides(name, replicas, steps=100000, seed=seed) + unbounded
-        for arm, name in (("off", "laminar_no_repack"), ("on", "laminar"))
-    }
-    # The paper's 5 s in this dilation (another model's differs from the cluster's).
-    arms["on"].append(f"repack.interval_s={scale.wall(REPACK_INTERVAL_S):.4g}")
+    arms = arm_overrides(model, gpus, replicas, seed, overrides)
     results: dict[str, list[dict]] = {"off": [], "on": []}
     with (
         tempfile.TemporaryDirectory(prefix="laminar-bench-repack-") as tmp,
