@@ -21,6 +21,9 @@ when the replicas' batches have drifted apart:
 * repack overhead — the pause moves caused, per second of run, and per move;
 * mean / max trajectory latency — ``t_finish − t_submit`` of the trajectories submitted
   in the window that ends a cap-length generation before the stop (none is cut short);
+* decode step — a modelled decode step's mean time (ms) and requests (``decode_batch``):
+  repack fills batches, and a fuller step reads more KV, which is why its mean latency
+  rises (``docs/repack.md``);
 * replica-seconds freed — for each move, from the move to the last of its moved
   requests finishing elsewhere: the time the source would have spent on its stragglers.
 
@@ -125,6 +128,9 @@ def _arm(client, run_dir: Path, overrides: list[str], duration_s: float, scale, 
     return _figures(run_dir, summary, scale, warmup)
 
 
+STEP_COLUMNS = ("decode_s", "engine_steps", "engine_decode_tokens")
+
+
 def _figures(run_dir: Path, summary: dict, scale, warmup: float) -> dict:
     """One arm's figures over its steady window (see the module docstring)."""
     from storage import open_run
@@ -150,6 +156,10 @@ def _figures(run_dir: Path, summary: dict, scale, warmup: float) -> dict:
     roll = open_metrics(run_dir, "rollouts")
     roll = roll.sel(time=roll["time"] >= elapsed[i0])
     util = (roll["kv_used"] / roll["kv_capacity"]).values
+    # What a rollout's decode step cost and held over the window: repack fills batches
+    # (more requests per step), and a fuller step reads more KV (it takes longer).
+    d = {k: float((roll[k].isel(time=-1) - roll[k].isel(time=0)).sum()) for k in STEP_COLUMNS}
+    steps = max(d["engine_steps"], 1.0)
     out = {
         "gen_tok_s": scale.tokens * gen / scale.modelled(1.0),
         "kv_util_mean": float(np.nanmean(util)),
@@ -157,6 +167,9 @@ def _figures(run_dir: Path, summary: dict, scale, warmup: float) -> dict:
         "latency_max_s": scale.modelled(float(lat[sel].max())),
         "latency_trajectories": int(sel.sum()),
         "window_s": scale.modelled(window),
+        # one modelled decode step (of the length_scale a real one stands for), in ms
+        "step_ms": 1e3 * scale.modelled(d["decode_s"] / steps) / scale.length_scale,
+        "decode_batch": scale.request_scale * d["engine_decode_tokens"] / steps,
         "trajectories": int(ds.sizes["trajectory"]),
         # real compute vs the modelled time: a run whose compute overran the model would
         # measure this machine, not the emulated cluster
@@ -270,6 +283,8 @@ def bench_repack(
         "kv_util_mean",
         "latency_mean_s",
         "latency_max_s",
+        "step_ms",
+        "decode_batch",
         "moves",
         "overhead_frac",
         "freed_replica_s",

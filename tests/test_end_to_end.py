@@ -373,3 +373,5 @@ def test_repack_moves_draining_batches_and_keeps_every_trajectory_whole(tmp_path
     assert 0 < fig["latency_trajectories"] <= fig["trajectories"]
     assert 0 < fig["latency_mean_s"] <= fig["latency_max_s"] and fig["gen_tok_s"] > 0
     assert 0 < fig["kv_util_mean"] < 1 and fig["freed_replica_s"] > 0
+    # unpaced (Scale()): a step's wall time; at most a local batch's 64 requests per step
+    assert fig["step_ms"] > 0 and 1 <= fig["decode_batch"] <= 64
