@@ -38,16 +38,11 @@ import time
 import traceback
 from collections import Counter
 
-from laminar.cluster import start_thread
+from laminar.cluster import scheduler_workers, start_thread
 from laminar.config import RunConfig
 from laminar.repack import RolloutLoad, plan
 
 logger = logging.getLogger(__name__)
-
-
-def _worker_addresses(dask_scheduler=None) -> list[str]:
-    """Runs on the scheduler: the addresses of the workers it has now."""
-    return list(dask_scheduler.workers)
 
 
 def repack_max_batch(cfg: RunConfig) -> int:
@@ -510,9 +505,7 @@ class RolloutManager:
         return out
 
     def _scheduler_workers(self) -> set[str]:
-        from distributed import get_client
-
-        return set(get_client().run_on_scheduler(_worker_addresses))
+        return set(scheduler_workers())
 
     def detect(self) -> list[str]:
         """Relays and rollouts whose worker the scheduler no longer has: cut each relay

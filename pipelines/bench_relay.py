@@ -161,12 +161,12 @@ def measure(
     """Every figure for one (p, M) on a fresh cluster (medians over ``repeats``)."""
     from distributed import Client
 
-    from laminar.cluster import submit_actor
+    from laminar.cluster import scheduler_workers, submit_actor
     from laminar.config import RelayConfig
 
     cfg = RelayConfig(keep_versions=1, timeout_s=timeout_s, max_chunk_mb=max_chunk_mb)
     with relay_cluster(p, sinks=1, protocol=protocol) as cluster, Client(cluster) as client:
-        info = client.scheduler_info(n_workers=-1)["workers"]
+        info = scheduler_workers(client)
         relay_ws = sorted(a for a, w in info.items() if w["resources"].get("relay"))
         sink_w = next(a for a, w in info.items() if w["resources"].get("rollout"))
         relays, _ = start_chain(client, [(w, "relay") for w in relay_ws], cfg)

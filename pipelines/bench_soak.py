@@ -101,7 +101,7 @@ def bench_soak(
     from distributed import Client
 
     import pipelines
-    from laminar.cluster import local_cluster, workers_with
+    from laminar.cluster import local_cluster, scheduler_workers, workers_with
     from laminar.errors import LaminarError
     from storage import open_run
     from storage.audit import audit_run
@@ -127,7 +127,7 @@ def bench_soak(
         while time.time() - t0 < duration_s:
             now = time.time()
             if now >= next_sample:
-                info = client.scheduler_info(n_workers=-1)["workers"]
+                info = scheduler_workers(client)
                 names = {a: w["name"] for a, w in info.items()}
                 for addr, (pid, rss) in client.run(_rss).items():
                     memory.append((now - t0, str(names.get(addr, addr)), pid, rss))

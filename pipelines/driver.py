@@ -22,6 +22,7 @@ from laminar.cluster import (
     bind_actor,
     is_lost,
     place,
+    scheduler_workers,
     start_actor,
     submit_actor,
     workers_with,
@@ -433,7 +434,7 @@ class Schedule:
         if self.cfg.trainer.ranks == 1 or not self.restartable:
             return
         group = self._group()
-        workers = set(self.client.scheduler_info(n_workers=-1)["workers"])
+        workers = set(scheduler_workers(self.client))
         if all(w in workers and w not in self._fenced for w in group.values()):
             return
         for role, w in group.items():
@@ -842,7 +843,7 @@ class Schedule:
 
     def _lost_core(self) -> dict[str, str]:
         """Role -> worker of the core actors whose worker the scheduler no longer has."""
-        workers = set(self.client.scheduler_info(n_workers=-1)["workers"])
+        workers = set(scheduler_workers(self.client))
         return {role: w for role, w in self.core_workers.items() if w not in workers}
 
     def _abort(self) -> None:

@@ -29,7 +29,14 @@ from __future__ import annotations
 import logging
 import time
 
-from laminar.cluster import bind_actor, detach, start_actor, submit_actor, workers_with
+from laminar.cluster import (
+    bind_actor,
+    detach,
+    scheduler_workers,
+    start_actor,
+    submit_actor,
+    workers_with,
+)
 from laminar.errors import ClusterError
 from laminar.learner import checkpoint_version, newest_checkpoint
 from laminar.manager import RolloutManager
@@ -332,7 +339,7 @@ class DataRestart:
         # Rollouts lost while no manager watched: their unfinished (and finished, not yet
         # stored) trajectories are in the lost pool's log, read before the new pool
         # starts its own; the new manager finds them lost and recovers them from it.
-        workers = set(client.scheduler_info(n_workers=-1)["workers"])
+        workers = set(scheduler_workers(client))
         gone = {rid for rid in live if s.rollout_workers[rid] not in workers}
         orphans: dict = {}
         if gone:

@@ -1,6 +1,6 @@
 import pytest
 
-from laminar.cluster import place, workers_with
+from laminar.cluster import place, scheduler_workers, worker_alive, workers_with
 from laminar.errors import ClusterError
 
 
@@ -18,6 +18,30 @@ def test_placement_needs_role_resources(small_config):
             ClusterError, match=r"0 worker\(s\) with resource 'data'.*--resources data=1"
         ):
             pipelines.submit(small_config, client, overrides=["cluster.placement_timeout_s=0"])
+
+
+def test_live_workers_are_read_from_the_scheduler_not_the_clients_cache():
+    """The client refreshes its cached identity every 2 s with no workers in it; a read of
+    that cache (``Client.scheduler_info()``) right after such a refresh finds every worker
+    gone. Loss detection must never read it: a live data module was once taken for lost."""
+    from distributed import Client, LocalCluster
+
+    with (
+        LocalCluster(n_workers=2, processes=False, dashboard_address=":0") as cluster,
+        Client(cluster) as client,
+    ):
+        client.wait_for_workers(2)
+        live = set(cluster.scheduler.workers)
+        client.sync(client._update_scheduler_info)  # what the periodic refresh does
+        assert client._scheduler_identity["workers"] == {}  # the cache a racing read sees
+        assert set(scheduler_workers(client)) == live
+        actor = client.submit(Counter, actor=True, workers=[min(live)]).result()
+        with client.as_current():
+            assert worker_alive(actor)
+
+
+class Counter:
+    pass
 
 
 @pytest.mark.slow

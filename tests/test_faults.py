@@ -786,14 +786,14 @@ def test_a_lost_relay_is_cut_out_of_the_chain_and_its_readers_switch():
 
     from distributed import Client
 
-    from laminar.cluster import submit_actor
+    from laminar.cluster import scheduler_workers, submit_actor
     from laminar.config import RelayConfig
     from laminar.relay import Puller, start_chain
     from pipelines.bench_relay import RelayDriver, relay_cluster, wait_broadcast
 
     timeout = 30.0
     with relay_cluster(3, sinks=0, memory_limit="2GiB") as cluster, Client(cluster) as client:
-        info = client.scheduler_info(n_workers=-1)["workers"]
+        info = scheduler_workers(client)
         ws = sorted(a for a, w in info.items() if w["resources"].get("relay"))
         cfg = RelayConfig(keep_versions=2, max_chunk_mb=0.25, timeout_s=timeout)
         relays, ids = start_chain(client, [(w, "relay") for w in ws], cfg)
@@ -807,7 +807,7 @@ def test_a_lost_relay_is_cut_out_of_the_chain_and_its_readers_switch():
         pid = next(iter(client.run(os.getpid, workers=[ws[1]]).values()))
         os.kill(pid, signal.SIGKILL)
         deadline = time.time() + 30
-        while ws[1] in client.scheduler_info(n_workers=-1)["workers"]:
+        while ws[1] in scheduler_workers(client):
             assert time.time() < deadline, "the scheduler never noticed the loss"
             time.sleep(0.05)
         driver.publish(2, fill=True).result()  # the master now sends to a lost relay

@@ -237,12 +237,12 @@ def test_chain_broadcast_and_pulls_under_back_to_back_publication(relay_client):
     loaded version is whole (each element equals its number), versions a rollout loads
     only increase, every relay ends with the last version, and no relay's memory ever
     exceeds its budget."""
-    from laminar.cluster import submit_actor
+    from laminar.cluster import scheduler_workers, submit_actor
     from laminar.config import RelayConfig
     from pipelines.bench_relay import RelayDriver, Sink, wait_broadcast
 
     client = relay_client
-    info = client.scheduler_info(n_workers=-1)["workers"]
+    info = scheduler_workers(client)
     relay_ws = sorted(a for a, w in info.items() if w["resources"].get("relay"))
     sink_ws = sorted(a for a, w in info.items() if w["resources"].get("rollout"))
     cfg = RelayConfig(keep_versions=2, max_chunk_mb=0.25, timeout_s=30)
