@@ -131,6 +131,7 @@ class RolloutManager:
         self.max_batch = repack_max_batch(cfg)
         self.timeout = cfg.cluster.actor_timeout_s
         self._prev: dict[str, tuple[int | None, float]] = {}  # rid -> (batch, kv_used)
+        self._batches: dict[str, int | None] = {}  # rid -> its batch when last planned
         self._seen_version = -1
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -364,7 +365,9 @@ class RolloutManager:
 
     def check(self) -> list[dict]:
         """One planning round: loads, plan, moves. Returns the rows of its moves."""
-        loads = planner_loads(self._loads(), self._prev)
+        raw = self._loads()
+        self._batches = {rid: load.get("batch") for rid, load in raw.items() if load}
+        loads = planner_loads(raw, self._prev)
         self.counts["checks"] += 1
         moves = plan(loads, c_max=self.rcfg.c_max, max_batch=self.max_batch)
         rows = self._execute(moves) if moves else []
@@ -405,7 +408,9 @@ class RolloutManager:
             imports = {
                 (dst, v): self._try(
                     lambda d=dst, v=v, s=sources: self.rollouts[d].import_for_move(
-                        v, [st for src in s for st in outs[src]["states"]]
+                        v,
+                        [st for src in s for st in outs[src]["states"]],
+                        batch=self._batches.get(d),
                     )
                 )
                 for (dst, v), sources in merged.items()
@@ -424,10 +429,15 @@ class RolloutManager:
             for src, ok in ok_of.items():
                 if not ok:  # take them back: the source is held, its batch unchanged
                     out = outs[src]
-                    back = self.rollouts[src].import_for_move(
-                        out["version"], out["states"], rollback=True
+                    back = self._try(
+                        lambda s=src, o=out: self.rollouts[s].import_for_move(
+                            o["version"], o["states"], rollback=True
+                        )
                     )
-                    if not back.result(timeout=self.timeout):
+                    took, answer = self._noting(f"repack: {src} takes its states back", back)
+                    # Not answered: the source was lost or stopped meanwhile; a lost one's
+                    # requests are in the partial-response log, and recovery resumes them.
+                    if took and not answer:
                         raise RuntimeError(f"rollout {src} refused its own states back")
         finally:
             released = [self._try(self.rollouts[src].release) for src in outs]

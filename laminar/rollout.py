@@ -249,6 +249,10 @@ class RolloutReplica:
                         if published > self.engine.version:  # it is on its way to our relay
                             self._wait_for_version(published, IDLE_WAIT_S)
                         self._collect_rewards(block=False)
+                        # A move planned while our batch drained arrives now: refused (no
+                        # batch to import into), so its source takes its states back
+                        # instead of waiting out the manager's timeout.
+                        self._serve()
                         self.counts["idle_s"] += time.time() - t
                         continue
                     self.counts["idle_s"] += time.time() - t  # (the long poll's wait)
@@ -290,10 +294,11 @@ class RolloutReplica:
         """Ask the pool for ``n`` groups, waiting up to ``wait_s`` for them in the pool
         (a long poll); returns the groups and the trainer's newest published version.
 
-        The generation thread blocks meanwhile, and nothing it must do waits on it: an
-        idle rollout holds no batch to move, the manager's other calls and stats are not
-        served by it, and a publication (which a partial rollout's pause follows) wakes
-        the poll at once."""
+        The generation thread blocks meanwhile, and little waits on it: an idle rollout
+        holds no batch to move, the manager's other calls and stats are not served by it,
+        a publication (which a partial rollout's pause follows) wakes the poll at once,
+        and a move's import, planned while the last batch drained, is refused after the
+        poll (``_run``)."""
         self._tick()
         epoch = self._data_epoch
         if self._data_lost is None:
@@ -768,11 +773,15 @@ class RolloutReplica:
         until :meth:`release`. ``None`` if there is no batch to take any more."""
         return self._command(self._export_all)
 
-    def import_for_move(self, version: int, states: list, rollback: bool = False) -> bool:
+    def import_for_move(
+        self, version: int, states: list, rollback: bool = False, batch: int | None = None
+    ) -> bool:
         """Take over ``states`` (sampled by ``version``) into the running batch. Refused
-        (``False``) unless this rollout is decoding a batch of that same version — or,
-        with ``rollback``, is the held source taking its own states back."""
-        return self._command(lambda: self._import(version, states, rollback))
+        (``False``) unless this rollout is decoding a batch of that same version — the
+        batch the manager planned with (``batch``, :meth:`load`'s), not a fresh one begun
+        since, which the planner did not count — or, with ``rollback``, is the held source
+        taking its own states back."""
+        return self._command(lambda: self._import(version, states, rollback, batch))
 
     def release(self) -> None:
         """End the hold of :meth:`export_for_move`: the rollout pulls the newest weights
@@ -803,9 +812,11 @@ class RolloutReplica:
             "export_s": time.perf_counter() - t0,
         }
 
-    def _import(self, version: int, states: list, rollback: bool) -> bool:
+    def _import(self, version: int, states: list, rollback: bool, batch: int | None) -> bool:
         ok_state = self._held if rollback else (self._in_batch and not self._held)
         if not ok_state or self.engine.version != version or self._stop.is_set():
+            return False
+        if batch is not None and batch != self._batch_seq:
             return False
         if rollback:
             for st in states:

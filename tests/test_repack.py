@@ -133,3 +133,23 @@ def test_a_command_the_manager_gave_up_on_never_runs_later(tiny_policy, small_co
     rollout._serve()  # the generation thread's turn: the withdrawn command is skipped
     assert ran == [] and served == [1]
     busy.set()
+
+
+def test_an_import_planned_against_a_batch_that_has_since_ended_is_refused(
+    tiny_policy, small_config
+):
+    """The manager plans with each destination's batch as it last saw it. If that batch
+    drained and a fresh one began before the import arrived, the planner never counted the
+    fresh batch against ``max_batch``: the import is refused (the source takes its states
+    back), while one into the planned batch, or with no batch named, goes in."""
+    from laminar.config import with_overrides
+    from laminar.rollout import RolloutReplica
+
+    cfg = with_overrides(small_config, ["rollout.parity_every=0"])
+    rollout = RolloutReplica("r0", cfg, str(tiny_policy), None, None, None)
+    rollout._in_batch, rollout._batch_seq = True, 3
+    v = rollout.engine.version
+    assert rollout._import(v, [], rollback=False, batch=2) is False
+    assert rollout._import(v + 1, [], rollback=False, batch=3) is False  # another version
+    assert rollout._import(v, [], rollback=False, batch=3) is True
+    assert rollout._import(v, [], rollback=False, batch=None) is True
