@@ -130,8 +130,9 @@ class RolloutManager:
         self.master = master_relay
         self.max_batch = repack_max_batch(cfg)
         self.timeout = cfg.cluster.actor_timeout_s
-        self._prev: dict[str, tuple[int | None, float]] = {}  # rid -> (batch, kv_used)
-        self._batches: dict[str, int | None] = {}  # rid -> its batch when last planned
+        # rid -> (batch, kv_used) at the last check: the falling-KV rule, and the batch a
+        # move of that round may import into
+        self._prev: dict[str, tuple[int | None, float]] = {}
         self._seen_version = -1
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -365,9 +366,7 @@ class RolloutManager:
 
     def check(self) -> list[dict]:
         """One planning round: loads, plan, moves. Returns the rows of its moves."""
-        raw = self._loads()
-        self._batches = {rid: load.get("batch") for rid, load in raw.items() if load}
-        loads = planner_loads(raw, self._prev)
+        loads = planner_loads(self._loads(), self._prev)
         self.counts["checks"] += 1
         moves = plan(loads, c_max=self.rcfg.c_max, max_batch=self.max_batch)
         rows = self._execute(moves) if moves else []
@@ -410,7 +409,7 @@ class RolloutManager:
                     lambda d=dst, v=v, s=sources: self.rollouts[d].import_for_move(
                         v,
                         [st for src in s for st in outs[src]["states"]],
-                        batch=self._batches.get(d),
+                        batch=self._prev[d][0],  # the batch this round planned with
                     )
                 )
                 for (dst, v), sources in merged.items()

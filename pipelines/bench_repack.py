@@ -83,11 +83,11 @@ def arm_overrides(
     back-pressure; the user's ``overrides`` after, ``repack.*`` ones in the "on" arm
     alone (a ``repack`` key in the "off" arm's config would switch repack on there).
 
-    >>> arms = arm_overrides("7B", 64, 8, 0, ("repack.kv_prev=peak", "seed=3"))
+    >>> arms = arm_overrides("7B", 64, 8, 0, ("repack.max_batch=12", "seed=3"))
     >>> [o for o in arms["off"] if o.startswith(("repack", "seed"))]
     ['seed=0', 'seed=3']
     >>> [o for o in arms["on"] if o.startswith(("repack", "seed"))][-3:]
-    ['repack.interval_s=0.625', 'seed=3', 'repack.kv_prev=peak']
+    ['repack.interval_s=0.625', 'seed=3', 'repack.max_batch=12']
     """
     from pipelines.bench_schedules import REPACK_INTERVAL_S, Cluster
 
