@@ -441,7 +441,8 @@ def main(argv: list[str] | None = None) -> int:
         "--set",
         action="append",
         metavar="KEY=VALUE",
-        help="repack: a config override for both arms (repeatable), e.g. faults.recover=false",
+        help="repack: a config override (repeatable), e.g. faults.recover=false; "
+        "repack.* ones apply to the on arm alone",
     )
     bench.add_argument("--kill-every-s", type=float, help="soak: seconds between worker kills (60)")
     bench.add_argument(

@@ -892,6 +892,7 @@ class Schedule:
         if t_stats["checkpoint"]:  # the data position, for trainer.resume_from
             Path(t_stats["checkpoint"], DATA_STATE).write_text(json.dumps(p_stats, indent=2))
         relay = self._relay_summary(r_stats)
+        _answers([lambda r=r: r.close() for r in a["relays"]])  # (a lost one: nothing to stop)
         self.metrics.append("publications", relay.pop("publications"))
         self._flush_metrics()
         b_stats = a["buffer"].close().result()

@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 
 from laminar.relay import (
     Layout,
+    Relay,
     RelayCore,
     RelayError,
     VersionUnavailable,
@@ -216,6 +217,26 @@ def test_fetch_version_falls_back_to_the_checkpoint(tmp_path):
     assert torch.equal(fetch_version(7, None, tmp_path)["w"], torch.ones(3))
     with pytest.raises(VersionUnavailable, match="raise relay.keep_versions"):
         fetch_version(8, None, tmp_path)
+
+
+def test_close_stops_the_forwarder_and_the_relay_threads():
+    """At a run's end the driver closes every relay: nothing of it is left running on a
+    long-lived worker (a forwarder destroyed pending is what asyncio complains of)."""
+    import asyncio
+
+    relay = Relay("rc")
+
+    async def run() -> asyncio.Task:
+        await relay.set_chain(["rc"], None, None)
+        await relay._run(relay.core.versions)  # (starts the relay thread)
+        forwarder = relay._forwarder
+        await relay.close()
+        return forwarder
+
+    forwarder = asyncio.run(run())
+    assert forwarder.cancelled()
+    assert relay._forwarder is None
+    assert not [t for t in threading.enumerate() if t.name.startswith("relay-rc")]
 
 
 # -- on real worker processes -----------------------------------------------------------
