@@ -848,12 +848,13 @@ class Schedule:
 
     def _abort(self) -> None:
         """Best effort: stop the manager and the rollouts that still run, so no worker
-        generates for a run that has ended."""
+        generates for a run that has ended, then close the relays they pulled from."""
         a = self.actors
         calls = [lambda r=r: r.stop(timeout=5.0) for r in self._live_rollouts()]
         if a["manager"] is not None:
             calls.insert(0, lambda: a["manager"].stop(timeout=5.0))
         _answers(calls, timeout=15.0)
+        _answers([lambda r=r: r.close() for r in a["relays"]])
 
     def _live_rollouts(self) -> list:
         """The rollouts the manager has not declared lost."""

@@ -387,12 +387,13 @@ def test_a_lost_trainer_fails_the_run_clearly_and_it_resumes_in_place(tmp_path):
     from laminar.cluster import local_cluster, workers_with
     from laminar.errors import LaminarError
 
-    def generating(dask_worker=None) -> list[str]:
-        """Rollout generation threads still alive on this worker. Nested, so that it is
-        pickled by value: workers cannot import the test modules."""
+    def still_running(dask_worker=None) -> list[str]:
+        """Rollout generation and relay threads still alive on this worker. Nested, so
+        that it is pickled by value: workers cannot import the test modules."""
         import threading
 
-        return [t.name for t in threading.enumerate() if t.name.startswith("gen-") and t.is_alive()]
+        prefixes = ("gen-", "relay-")
+        return [t.name for t in threading.enumerate() if t.name.startswith(prefixes)]
 
     run_dir = tmp_path / "run"
     with local_cluster(2, memory_limit="3GiB") as cluster, Client(cluster) as client:
@@ -421,9 +422,11 @@ def test_a_lost_trainer_fails_the_run_clearly_and_it_resumes_in_place(tmp_path):
         assert time.time() - t_kill < 30
         # The rollouts were told to stop; one waiting on the lost data module or master
         # relay gives up after cluster.actor_timeout_s or relay.timeout_s (10 s here).
+        # The relays they pulled from were closed after them.
         deadline = time.time() + 30
-        while any(client.run(generating, workers=workers_with(client, "rollout")).values()):
-            assert time.time() < deadline, "rollouts still generate after the run failed"
+        rollout_workers = workers_with(client, "rollout")
+        while left := sum(client.run(still_running, workers=rollout_workers).values(), []):
+            assert time.time() < deadline, f"{left} still run after the run failed"
             time.sleep(0.5)
     ckpt = sorted((run_dir / "checkpoints").glob("version-*"))[-1]
     assert "lost the trainer and data module (worker" in str(failed.value)
