@@ -420,10 +420,12 @@ def bench_schedules(
     splits: dict[str, int] | None = None,
     reward_threshold: float | None = None,
     runs_dir: str | None = None,
+    overrides: tuple[str, ...] = (),
 ):
     """The schedules bench; see the module docstring.
 
-    ``splits`` fixes an arm's rollout replicas (skipping its search); ``reward_threshold``
+    ``splits`` fixes an arm's rollout replicas (skipping its search); ``overrides``
+    (``--set``) go to every arm's config after the bench's own; ``reward_threshold``
     the time-to-reward threshold (default: ``TTR_FRACTION`` of the way from the base
     policy's reward to the lowest final reward of any schedule, so that every schedule
     reaches it)."""
@@ -451,7 +453,8 @@ def bench_schedules(
 
         def run(arm: str, replicas: int, steps: int, seed: int, tag: str) -> dict:
             run_dir = root / f"{arm}-r{replicas}-{tag}"
-            summary = _run(client, run_dir, cluster.overrides(arm, replicas, steps, seed))
+            arm_overrides = [*cluster.overrides(arm, replicas, steps, seed), *overrides]
+            summary = _run(client, run_dir, arm_overrides)
             fig = _figures(run_dir, summary, warmup, probe_warmup)
             print(
                 f"  {arm:<18} R={replicas:<2} {tag:<8} throughput {fig['throughput']:>10,.0f} "
@@ -498,6 +501,7 @@ def bench_schedules(
             search=search,
             probe_warmup=probe_warmup,
             probe_iterations=probe_iterations,
+            overrides=list(overrides),
         ),
     )
 

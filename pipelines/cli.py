@@ -367,7 +367,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     if args.arms:
         options["arms"] = tuple(args.arms.split(","))
     if args.set:
-        options["overrides"] = tuple(args.set)  # (repack only: run_bench says so)
+        options["overrides"] = tuple(args.set)  # (repack, schedules: run_bench says so)
     if args.splits:
         options["splits"] = {
             arm: int(r) for arm, r in (item.split("=") for item in args.splits.split(","))
@@ -441,8 +441,9 @@ def main(argv: list[str] | None = None) -> int:
         "--set",
         action="append",
         metavar="KEY=VALUE",
-        help="repack: a config override (repeatable), e.g. faults.recover=false; "
-        "repack.* ones apply to the on arm alone",
+        help="repack, schedules: a config override (repeatable), e.g. "
+        "rollout.groups_per_batch=4; repack: repack.* ones apply to the on arm alone; "
+        "schedules: every arm's",
     )
     bench.add_argument("--kill-every-s", type=float, help="soak: seconds between worker kills (60)")
     bench.add_argument(
