@@ -89,12 +89,15 @@ def arm_overrides(
     >>> [o for o in arms["on"] if o.startswith(("repack", "seed"))][-3:]
     ['repack.interval_s=0.625', 'seed=3', 'repack.max_batch=12']
     """
-    from pipelines.bench_schedules import REPACK_INTERVAL_S, Cluster
+    from pipelines.bench_schedules import CONCURRENCY, GROUP_SIZE, REPACK_INTERVAL_S, Cluster
 
     cluster_shape = Cluster(gpus)
     scale = replace(cluster_shape.scale, dilation=model_dilation(model, cluster_shape))
     # generation is what repack changes: back-pressure must never idle a rollout here
     unbounded = ["buffer.max_outstanding_groups=1000000"]
+    # one engine full per local batch: the paper's 256 per rollout (the schedules bench
+    # tunes Laminar's to twice that)
+    unbounded.append(f"rollout.groups_per_batch={CONCURRENCY // GROUP_SIZE}")
     unbounded += model_overrides(model, cluster_shape)
     mine = [o for o in overrides if o.split("=", 1)[0].split(".", 1)[0].strip() == "repack"]
     both = [o for o in overrides if o not in mine]
