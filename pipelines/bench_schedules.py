@@ -443,6 +443,12 @@ def bench_schedules(
         raise ValueError(f"unknown arms {unknown}; known: {list(ARMS)}")
     splits = dict(splits or {})
     splits.setdefault("sync", cluster.max_replicas)  # colocated: every GPU generates
+    if overrides:  # a bad --set fails here, naming the field, not after the cluster starts
+        from laminar.config import load_config
+
+        for arm in arms:
+            r = splits.get(arm, cluster.balanced_replicas())
+            load_config("configs/tiny.yaml", [*cluster.overrides(arm, r, 1, 0), *overrides])
     probes: dict[str, dict[int, float]] = {}
     results: dict[str, list[dict]] = {a: [] for a in arms}
     root = Path(runs_dir or tempfile.mkdtemp(prefix="laminar-bench-schedules-"))

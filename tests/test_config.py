@@ -78,3 +78,12 @@ def test_a_bench_refuses_an_option_it_does_not_take_naming_those_it_does(name, o
 
     with pytest.raises(ConfigError, match=message):
         run_bench(name, **options)
+
+
+def test_a_schedules_bench_override_with_a_bad_key_fails_before_the_cluster_starts():
+    """`laminar bench schedules --set` goes to every arm: a misspelt key is refused at
+    once, naming it (a 64- or 128-GPU bench would otherwise start its workers first)."""
+    from pipelines.bench import run_bench
+
+    with pytest.raises(ConfigError, match=r"rollout\.groups_per_bach: unknown key"):
+        run_bench("schedules", arms=("laminar",), overrides=("rollout.groups_per_bach=4",))
