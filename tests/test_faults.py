@@ -424,8 +424,9 @@ def test_a_lost_trainer_fails_the_run_clearly_and_it_resumes_in_place(tmp_path):
         # relay gives up after cluster.actor_timeout_s or relay.timeout_s (10 s here).
         # The relays they pulled from were closed after them.
         deadline = time.time() + 30
-        rollout_workers = workers_with(client, "rollout")
-        while left := sum(client.run(still_running, workers=rollout_workers).values(), []):
+        while left := sum(
+            client.run(still_running, workers=workers_with(client, "rollout")).values(), []
+        ):
             assert time.time() < deadline, f"{left} still run after the run failed"
             time.sleep(0.5)
     ckpt = sorted((run_dir / "checkpoints").glob("version-*"))[-1]
