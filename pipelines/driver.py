@@ -854,11 +854,8 @@ class Schedule:
         if a["manager"] is not None:
             calls.insert(0, lambda: a["manager"].stop(timeout=5.0))
         _answers(calls, timeout=15.0)
-        for relay in a["relays"]:  # not waited on: a lost one never answers
-            try:
-                relay.close()
-            except Exception:  # noqa: BLE001 — its worker is known lost
-                continue
+        # the relays: not waited on, a lost one never answers
+        _send([lambda r=r: r.close() for r in a["relays"]])
 
     def _live_rollouts(self) -> list:
         """The rollouts the manager has not declared lost."""
@@ -1010,18 +1007,24 @@ def start_data_module(
     return pool, partial, buffer
 
 
-def _answers(calls: list, timeout: float = 5.0) -> list:
-    """Call every actor method at once; the results of those that answer in time. A call
-    to an actor whose worker is lost raises at once or never returns: skipped (the
-    manager detects the loss and recovers its work)."""
+def _send(calls: list) -> list:
+    """Call every actor method at once; the futures of the calls made (one to an actor
+    whose worker is known lost raises at once: skipped)."""
     futures = []
     for call in calls:
         try:
             futures.append(call())
         except Exception:  # noqa: BLE001 — its worker is known lost
             continue
+    return futures
+
+
+def _answers(calls: list, timeout: float = 5.0) -> list:
+    """Call every actor method at once; the results of those that answer in time. A call
+    to an actor whose worker is lost raises at once or never returns: skipped (the
+    manager detects the loss and recovers its work)."""
     out = []
-    for f in futures:
+    for f in _send(calls):
         try:
             out.append(f.result(timeout=timeout))
         except Exception:  # noqa: BLE001 — lost or stalled
