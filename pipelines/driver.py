@@ -336,9 +336,12 @@ class Schedule:
                 if should_stop():
                     reason = "stopped"
                     break
-        except Exception as e:  # a lost trainer or data module: say so, stop the rest
-            self.metrics.close()
-            self._fail_on_lost_core(e)
+        except Exception as e:
+            try:  # a lost trainer or data module: say so, stop the rest
+                if not self._fail_on_lost_core(e):
+                    self._wind_down(e, t_start)  # anything else: stop the run in order
+            finally:
+                self.metrics.close()
             raise
         try:
             return self.shutdown(reason, t_start)
@@ -811,16 +814,18 @@ class Schedule:
             self.metrics.append("faults", faults)
             self._n_faults += len(faults)
 
-    def _fail_on_lost_core(self, error: Exception) -> None:
-        """A call to the trainer or the data module failed: if its worker is gone, stop
-        what still runs and raise a :class:`ClusterError` that says what was lost and how
-        to continue (recovering these is not built yet; docs/faults.md)."""
+    def _fail_on_lost_core(self, error: Exception) -> bool:
+        """The driver's loop failed on ``error``: if a call to the trainer or the data
+        module failed because its worker is gone, stop what still runs and raise a
+        :class:`ClusterError` that says what was lost and how to continue (docs/faults.md).
+        True if ``error`` is such a failure, said already (what still ran is stopped);
+        False if every core actor is still there."""
         if isinstance(error, ClusterError):  # said already (a restart that could not be)
             self._abort()
-            return
+            return True
         lost = self._lost_core()
         if not lost:
-            return
+            return False
         self._abort()
         role, worker = next(iter(lost.items()))
         why = type(error).__name__
@@ -831,6 +836,21 @@ class Schedule:
             f"lost the {role} (worker {worker} is gone: {why}); the run cannot continue "
             f"{self._why_not_restarted()}; {self.resume_hint()} (docs/faults.md)"
         ) from error
+
+    def _wind_down(self, error: Exception, t_start: float) -> None:
+        """The driver failed with every core actor still there (a full disk under
+        ``metrics.zarr``, a bug): stop the run as :meth:`shutdown` does — the rollouts,
+        then the trainer with its final checkpoint, then the buffer, which flushes the
+        store — so that nothing generates on for a run that has ended and nothing it
+        generated is lost. If that fails too, abort what still runs. The caller then
+        raises ``error``."""
+        logger.error("the run failed (%r): stopping its actors in order", error)
+        try:
+            self.shutdown(f"failed: {error!r}", t_start)
+        except Exception:  # noqa: BLE001 — the original error is the one raised
+            logger.exception("stopping the failed run in order failed too: aborting it")
+            self._abort()
+        logger.error("the run failed; %s", self.resume_hint())
 
     def _why_not_restarted(self) -> str:
         """Why a lost trainer or data module fails this run (docs/faults.md)."""
@@ -895,12 +915,13 @@ class Schedule:
             Path(t_stats["checkpoint"], DATA_STATE).write_text(json.dumps(p_stats, indent=2))
         relay = self._relay_summary(r_stats)
         _answers([lambda r=r: r.close() for r in a["relays"]])  # (a lost one: nothing to stop)
-        self.metrics.append("publications", relay.pop("publications"))
-        self._flush_metrics()
         b_stats = a["buffer"].close().result()
         wall = time.time() - t_start
         # (after the buffer's last commit: the log keeps only what the store lacks)
         partial = a["partial"].close().result() if a["partial"] is not None else None
+        # The driver's own tables last: if writing them fails, the store is whole.
+        self.metrics.append("publications", relay.pop("publications"))
+        self._flush_metrics()
         return {
             "faults": faults_summary(
                 m_stats, partial, self.trainer_restarts, self.data_restarts, self.core_restarts

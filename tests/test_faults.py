@@ -43,6 +43,20 @@ def wait_for(handle, predicate, timeout: float = 300.0) -> dict:
     raise TimeoutError(f"no progress matched within {timeout} s: {p}")
 
 
+def rollout_threads(client) -> list[str]:
+    """The rollout generation and relay threads still alive on the rollout workers."""
+    from laminar.cluster import workers_with
+
+    def names(dask_worker=None) -> list[str]:
+        # nested, so that it is pickled by value: workers cannot import the test modules
+        import threading
+
+        prefixes = ("gen-", "relay-")
+        return [t.name for t in threading.enumerate() if t.name.startswith(prefixes)]
+
+    return sum(client.run(names, workers=workers_with(client, "rollout")).values(), [])
+
+
 @contextlib.contextmanager
 def apart_run(run_dir, overrides: list[str], data_apart: bool = True, ranks: int = 1):
     """A run on 2 rollouts paced as GPU replicas (not strictly) and the data module on a
@@ -374,6 +388,52 @@ def test_two_rollouts_killed_at_once(tmp_path):
     assert report.ok, report.text()
 
 
+def test_a_failing_driver_stops_the_run_in_order_and_keeps_what_it_made(tmp_path):
+    """The driver fails with every actor alive — its ``metrics.zarr`` replaced by a file
+    mid-run, as a lost or full disk under it would fail it: the run fails with that
+    error, and ends as a stopped run does, so that nothing generates on and nothing is
+    lost: no rollout or relay thread is left, the trainer wrote its final checkpoint with
+    the data position, the buffer flushed the store (every consumed group is in it), and
+    `laminar run --resume` continues it."""
+    from distributed import Client
+
+    import pipelines
+    from laminar.cluster import local_cluster
+    from laminar.errors import LaminarError
+
+    run_dir = tmp_path / "run"
+    with local_cluster(2, memory_limit="3GiB") as cluster, Client(cluster) as client:
+        handle = pipelines.submit(
+            "configs/tiny.yaml",
+            client,
+            overrides=[*SMALL_RUN, "trainer.steps=200", "trainer.checkpoint_every=0"],
+            run_dir=run_dir,
+        )
+        p = wait_for(handle, lambda p: p.get("phase") == "training" and p["version"] >= 2)
+        metrics = run_dir / "metrics.zarr"
+        shutil.rmtree(metrics)
+        metrics.write_text("not a store any more")
+        with pytest.raises(LaminarError) as failed:
+            handle.wait(timeout=120)
+        assert "NotADirectoryError" in str(failed.value), failed.value
+        assert rollout_threads(client) == []  # stopped before the error was raised
+    ckpt = sorted((run_dir / "checkpoints").glob("version-*"))
+    assert len(ckpt) == 1, ckpt  # none periodic: the final one
+    version = int(ckpt[0].name.split("-")[1])
+    assert p["version"] <= version < 200
+    assert (ckpt[0] / "data_state.json").exists()
+    ds = open_run(run_dir)
+    consumed = ds["status"].values == "consumed"
+    assert np.bincount(ds["sample_version"].values[consumed]).tolist() == [16] * version
+    assert ds.laminar.audit() == []
+    # (metrics.zarr is gone: the resumed run starts a new one)
+    metrics.unlink()
+    proc = laminar_cli("run", "--resume", str(run_dir), "--set", f"trainer.steps={version + 1}")
+    out, _ = proc.communicate(timeout=400)
+    assert proc.returncode == 0, out
+    assert f"resumed from {ckpt[0]}" in out
+
+
 def test_a_lost_trainer_fails_the_run_clearly_and_it_resumes_in_place(tmp_path):
     """With faults.restart_trainer off, trainer loss is not recovered within the run
     (docs/faults.md): the run ends at once with an error that names what was lost, why
@@ -386,14 +446,6 @@ def test_a_lost_trainer_fails_the_run_clearly_and_it_resumes_in_place(tmp_path):
     import pipelines
     from laminar.cluster import local_cluster, workers_with
     from laminar.errors import LaminarError
-
-    def still_running(dask_worker=None) -> list[str]:
-        """Rollout generation and relay threads still alive on this worker. Nested, so
-        that it is pickled by value: workers cannot import the test modules."""
-        import threading
-
-        prefixes = ("gen-", "relay-")
-        return [t.name for t in threading.enumerate() if t.name.startswith(prefixes)]
 
     run_dir = tmp_path / "run"
     with local_cluster(2, memory_limit="3GiB") as cluster, Client(cluster) as client:
@@ -424,9 +476,7 @@ def test_a_lost_trainer_fails_the_run_clearly_and_it_resumes_in_place(tmp_path):
         # relay gives up after cluster.actor_timeout_s or relay.timeout_s (10 s here).
         # The relays they pulled from were closed after them.
         deadline = time.time() + 30
-        while left := sum(
-            client.run(still_running, workers=workers_with(client, "rollout")).values(), []
-        ):
+        while left := rollout_threads(client):
             assert time.time() < deadline, f"{left} still run after the run failed"
             time.sleep(0.5)
     ckpt = sorted((run_dir / "checkpoints").glob("version-*"))[-1]
