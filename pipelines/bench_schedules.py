@@ -26,8 +26,11 @@ actor-update throughput (prompt + response tokens of a global batch over the tim
 between adjacent updates, after warm-up), generation throughput, time to a training
 reward, rollout and trainer idle fractions, mean decode batch, staleness (``s_gen``,
 residence, ``s_train``: mean / p99 / max), buffer depth and age, arrival vs consumption
-rate, evicted / discarded / filtered trajectories, wasted and recomputed tokens, and
-whether the real compute stayed under the model.
+rate, evicted / discarded / filtered trajectories, wasted and recomputed tokens,
+whether the real compute stayed under the model, and the measured length shape with its
+drift (``len_drift``: the measured batches' mean response length over the base policy's
+first batch's; the policy learns, and a schedule that trains on fresher data moves its
+lengths faster).
 
 Run it::
 
@@ -287,6 +290,12 @@ def arm_figures(run_dir: Path, summary: dict, warmup: int) -> dict:
         "throughput": tokens * scale_tok / modelled(interval),
         "iteration_s": modelled(interval / measured.sum()),
     }
+    # The policy learns, and its response lengths move as it does: the workload is the
+    # same for every schedule at the start (the base policy's first batch), not after.
+    # The measured batches' mean response length, and over the first batch's.
+    lengths = ups["response_len_mean"].values
+    out["response_len"] = float(lengths[measured].mean()) * sc.length_scale
+    out["len_drift"] = float(lengths[measured].mean() / lengths[0])
     # Reward against modelled time since the first publication, two ways: the trained
     # batches' (an update's batch, when it is published: what a trainer logs, lagging the
     # policy by its staleness) and the policy's (the rollouts of version v, at the time v
@@ -554,6 +563,8 @@ FIGURES = [
     "len_p99_over_median",
     "len_cap_over_mean",
     "len_within_share",
+    "response_len",
+    "len_drift",
     "replicas",
     "trainer_gpus",
 ]
@@ -570,6 +581,7 @@ TABLE = [
     "s_train_max",
     "buffer_depth",
     "wasted_tokens",
+    "len_drift",
 ]
 
 
