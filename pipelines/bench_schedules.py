@@ -302,8 +302,9 @@ def arm_figures(run_dir: Path, summary: dict, warmup: int) -> dict:
     # same for every schedule at the start (the base policy's first batch), not after.
     # The measured batches' mean response length, and over the first batch's.
     lengths = ups["response_len_mean"].values
-    out["response_len"] = float(lengths[measured].mean()) * sc.length_scale
-    out["len_drift"] = float(lengths[measured].mean() / lengths[0])
+    mean_len = float(lengths[measured].mean())
+    out["response_len"] = mean_len * sc.length_scale
+    out["len_drift"] = mean_len / float(lengths[0])
     # Reward against modelled time since the first publication, two ways: the trained
     # batches' (an update's batch, when it is published: what a trainer logs, lagging the
     # policy by its staleness) and the policy's (the rollouts of version v, at the time v
