@@ -335,12 +335,17 @@ def test_a_hung_rollout_is_fenced_then_recovered(tmp_path):
     summary, t_stop = run_and_kill(
         run_dir,
         ["r1"],
-        extra=("faults.heartbeat_timeout_s=3", "trainer.steps=40"),
+        # (the steps only bound the run: it is stopped once r1 is recovered, ~10 versions
+        # in. Once, on CI, r1 was not found lost before the end: the message says how the
+        # run ended, the bound leaves no room for "completed" before the fence.)
+        extra=("faults.heartbeat_timeout_s=3", "trainer.steps=200"),
         sig=signal.SIGSTOP,
         until=versions_after(lost_and_recovered("r1"), 2),
     )
     assert summary["reason"] in ENDED, summary["reason"]
     faults = summary["faults"]
+    why = f"{summary['reason']} after {summary['versions']} versions: {faults}"
+    assert "r1" in faults["lost"], f"r1 was never found lost ({why})"
     hung = faults["hung"]["r1"]
     assert hung["silent_s"] > 3, hung
     # The last progress the manager saw was at most one check round before the signal:
