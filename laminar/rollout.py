@@ -201,6 +201,9 @@ class RolloutReplica:
     def stats(self) -> dict:
         kv = self.engine.kv_stats()
         return {
+            # (the wall time its counters were read: a driver's poll of many rollouts
+            # reads them seconds apart on a loaded host, and rates need their own clock)
+            "read_at": time.time(),
             **self.counts,
             **{f"engine_{k}": v for k, v in self.engine.stats().items()},
             "rollout_id": self.rollout_id,

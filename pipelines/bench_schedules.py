@@ -365,11 +365,14 @@ def arm_figures(run_dir: Path, summary: dict, warmup: int) -> dict:
         return v.sel(time=b).values - v.sel(time=a).values
 
     busy = delta("decode_s")
-    span = b - a
-    n_roll = np.isfinite(busy).sum()
-    out["rollout_idle"] = (
-        float(1 - np.nansum(busy) / (n_roll * span)) if n_roll and span > 0 else math.nan
-    )
+    # Over each rollout's own span between its two readings (``read_at``): a poll reads
+    # the rollouts one after another, and on a loaded host (128 emulated GPUs: a poll
+    # took up to a minute) the row's time is none of theirs; dividing by it read busy
+    # fractions of 0.82-1.16 per poll and an idle fraction of -0.02 over a run. Runs
+    # recorded before ``read_at`` existed: the row's time.
+    span = delta("read_at") if "read_at" in ro else np.full(busy.shape, b - a)
+    ok = np.isfinite(busy) & np.isfinite(span) & (span > 0)
+    out["rollout_idle"] = float(1 - busy[ok].sum() / span[ok].sum()) if ok.any() else math.nan
     steps, decoded = delta("engine_steps"), delta("engine_decode_tokens")
     out["decode_batch"] = float(np.nansum(decoded) / max(np.nansum(steps), 1)) * scale_req
 

@@ -68,6 +68,7 @@ ROLLOUT_METRICS = (
     "idle_s",
     "weight_wait_s",
     "decode_s",
+    "read_at",  # the wall time (epoch s) the rollout read these counters
     "reward_errors",
     "waiting",
     "engine_preemptions",

@@ -243,6 +243,14 @@ def test_paced_schedules_pay_their_weight_movements_and_the_bench_reads_them(
     interval = rows["interval_s"].values[measured].sum()
     assert fig["throughput"] == pytest.approx(tokens * 64 / (interval * 32 / 8))
     assert 0 <= fig["rollout_idle"] <= 1 and 0 <= fig["trainer_idle"] <= 1
+    # Each rollout's counters come with the time it read them: between two readings it
+    # decoded at most that long (plus the step under way at the first one, uncounted then)
+    ro = open_metrics(run.run_dir, "rollouts")
+    span = ro["read_at"].diff("time").values
+    busy = ro["decode_s"].diff("time").values
+    assert (span > 0).all() and (busy >= 0).all()
+    assert (busy <= span + 0.5).all(), (busy, span)
+    assert np.nansum(busy) > 0
     assert fig["s_train_max"] == 1 and fig["audit_ok"] == 1.0
     # ... and re-analysing the kept runs gives the same figures, the cluster read back
     again = reanalyse(str(runs), warmup=1)
