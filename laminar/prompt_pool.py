@@ -148,6 +148,7 @@ class PromptPoolCore:
         version: int = 0,
         *,
         idle: bool = False,
+        newest_only: bool = False,
         now: float | None = None,
     ) -> list[PromptGroup]:
         """Up to ``n`` groups for ``rollout_id``, which holds weight ``version``: fewer (or
@@ -155,7 +156,11 @@ class PromptPoolCore:
         come first (they are outstanding already).
 
         ``idle``: the rollout has no work (a batch boundary). Given nothing, it queues for
-        room (module docstring); ``now`` is the time on :func:`time.monotonic`'s clock."""
+        room (module docstring); ``now`` is the time on :func:`time.monotonic`'s clock.
+        ``newest_only``: none unless ``version`` is the newest published (a batch topping
+        up, ``rollout.top_up``: work for an older version waits for a fresh batch)."""
+        if newest_only and version < self.version:
+            return []
         now = time.monotonic() if now is None else now
         turn = self._turn(rollout_id, now)
         groups = self._reissue[:n]
@@ -343,8 +348,16 @@ class PromptPool:
     async def acquire(self, n: int, rollout_id: str = "", version: int = 0) -> list[PromptGroup]:
         return self._acquire(n, rollout_id, version, idle=False)
 
-    def _acquire(self, n: int, rollout_id: str, version: int, idle: bool) -> list[PromptGroup]:
-        groups = self.core.acquire(n, rollout_id, version, idle=idle)
+    async def top_up(self, n: int, rollout_id: str, version: int) -> tuple[list[PromptGroup], int]:
+        """Up to ``n`` groups for a draining batch of ``version`` while that version is the
+        newest published (none after), and the newest published version."""
+        groups = self._acquire(n, rollout_id, version, idle=False, newest_only=True)
+        return groups, self.core.version
+
+    def _acquire(
+        self, n: int, rollout_id: str, version: int, idle: bool, newest_only: bool = False
+    ) -> list[PromptGroup]:
+        groups = self.core.acquire(n, rollout_id, version, idle=idle, newest_only=newest_only)
         if groups:
             self._changed()  # a batch may be out: the next one may go to a waiting rollout
         return groups

@@ -121,6 +121,7 @@ class RolloutReplica:
         self._claim = threading.Lock()  # a command runs, or is withdrawn, never both
         self._in_batch = False  # decoding a batch: moves may take from or add to it
         self._batch_seq = 0  # batches decoded so far, this one included
+        self._topping_up = False  # rollout.top_up: this batch still takes new groups
         self._held = False  # exported for a move: wait at the boundary until released
         self._reprefill = False  # the next step re-prefills imported requests
         self._load: dict = {}  # published by the generation thread after every step
@@ -184,6 +185,7 @@ class RolloutReplica:
             "data_rebuilds": 0,  # data modules that replaced a lost one
             "data_wait_s": 0.0,  # ... and the time it waited at a boundary for them
             "resent": 0,  # trajectories sent again to a rebuilt buffer
+            "topped_up_groups": 0,  # rollout.top_up: groups taken into a draining batch
         }
 
     # -- control methods (run on the actor thread while the loop decodes) ---------------
@@ -243,6 +245,7 @@ class RolloutReplica:
                     self._resume_paused()
                     continue
                 if not self.engine.has_work() and not self._adopted.empty():
+                    self._topping_up = False
                     self._take_adopted()  # a lost rollout's batch, at its own version
                 elif not self.engine.has_work():  # a batch boundary
                     self._maybe_load_weights()
@@ -260,6 +263,7 @@ class RolloutReplica:
                         continue
                     self.counts["idle_s"] += time.time() - t  # (the long poll's wait)
                     self._add(groups)
+                    self._topping_up = self.cfg.rollout.top_up and published <= self.engine.version
                 self._decode()
             self._collect_rewards(block=True)
         except Exception:
@@ -466,6 +470,28 @@ class RolloutReplica:
         if groups:
             self._add(groups)
 
+    def _top_up(self) -> None:
+        """``rollout.top_up``: take new groups into the draining batch while the engine
+        has room for a whole group and this rollout's version is the newest published;
+        after the first newer publication, drain (and pull it at the boundary)."""
+        r = self.cfg.rollout
+        room = r.max_batch - len(self.engine.request_ids())
+        if room < r.group_size:
+            return
+        version = self.engine.version
+        ok, answer = self._data_call(
+            self.pool, lambda: self.pool.top_up(room // r.group_size, self.rollout_id, version)
+        )
+        if not ok:
+            self._topping_up = False
+            return
+        groups, published = answer
+        if published > version:
+            self._topping_up = False
+        if groups:
+            self._add(groups, batch=False)
+            self.counts["topped_up_groups"] += len(groups)
+
     def pause(self, version: int) -> int:
         """Interrupt (partial rollout): hold every unfinished request until the relay has
         ``version``, load it, and resume them, recomputing their KV; served between two
@@ -567,7 +593,7 @@ class RolloutReplica:
     def get_fingerprints(self) -> dict[int, int]:
         return dict(self.fingerprints)
 
-    def _add(self, groups: list[PromptGroup]) -> None:
+    def _add(self, groups: list[PromptGroup], batch: bool = True) -> None:
         now = time.time()
         new = []
         for g in groups:
@@ -593,7 +619,7 @@ class RolloutReplica:
             )
             if ok:  # (lost: a rebuilt pool has them registered in full)
                 self._logged.update(dict.fromkeys(new, 0))
-        self.counts["batches"] += 1
+        self.counts["batches"] += batch
 
     # -- the partial-response log (laminar.partial) --------------------------------------
     def _log_partial(self, finished=(), force: bool = False) -> None:
@@ -737,6 +763,8 @@ class RolloutReplica:
                 self._collect_rewards(block=False)
                 if self.spec.refill and self._paused is None:
                     self._refill(bool(finished))
+                elif self._topping_up and finished:
+                    self._top_up()
                 self._publish_load()
                 self._serve()
                 now = time.time()

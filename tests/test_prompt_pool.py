@@ -259,3 +259,21 @@ def test_eta_makes_up_for_groups_and_updates_that_train_nothing():
     pool.update_skipped()
     assert len(pool.acquire(9)) == 2
     assert pool.stats()["untrained"] == 1
+
+
+def test_a_topping_up_batch_gets_groups_only_while_its_version_is_the_newest():
+    """``rollout.top_up``: a draining batch of the newest version takes groups as a new
+    batch would; one of an older version gets none (its rollout should drain and pull),
+    and an idle rollout queued for room is served before any batch tops up."""
+    pool = make_pool(max_outstanding=4)
+    pool.version_published(2)
+    assert pool.acquire(1, "r0", version=1, newest_only=True) == []
+    got = pool.acquire(1, "r0", version=2, newest_only=True)
+    got += pool.acquire(1, "r0", version=1)  # (a new batch of an old version is not held)
+    got += pool.acquire(2, "r1", version=2)
+    assert len(got) == 4
+    assert pool.acquire(1, "r1", version=2, idle=True) == []  # full: r1 queues for room
+    pool.release([got[0].prompt_uid])
+    assert pool.acquire(1, "r0", version=2, newest_only=True) == []  # r1's turn
+    assert len(pool.acquire(1, "r1", version=2, idle=True)) == 1
+    assert pool.stats()["passed_over"] == 1

@@ -52,6 +52,7 @@ def test_a_spec_that_cannot_work_is_refused():
         (["repack.interval_s=1", "pipeline.schedule=sync"], r"repack is Laminar's"),
         (["pipeline.schedule=stream", "trainer.ranks=2"], r"set trainer.ranks=1"),
         (["trainer.pacing.gpus=8"], r"trainer.pacing needs rollout.pacing"),
+        (["pipeline.schedule=sync", "rollout.top_up=true"], r"drop rollout.top_up"),
         (["pipeline.schedule=pipelined"], r"pipeline.schedule: .*'laminar'"),
         (
             ["pipeline.schedule=one_step", "buffer.max_train_staleness=0"],
@@ -177,6 +178,24 @@ def test_each_baseline_schedule_runs_end_to_end_and_keeps_its_promises(
     decode = open_metrics(run.run_dir, "rollouts")["decode_s"].transpose("time", ...)
     grow = np.diff(decode.values, axis=0) - np.diff(decode["time"].values)[:, None]
     assert np.nanmax(grow) < 0.2, np.nanmax(grow)  # (once per batch: 0.47 s over here)
+
+
+@pytest.mark.slow
+def test_laminar_batches_top_up_at_the_newest_version_and_keep_one_version_a_group(
+    cluster_client, small_config, tmp_path
+):
+    """``rollout.top_up``: draining local batches take new groups while their version is
+    the newest published; every trajectory still has one weight version, every group one
+    behavior version, and the store audits clean."""
+    # (room for more than the two local batches: else back-pressure leaves none to top up)
+    overrides = ["rollout.top_up=true", "trainer.steps=6", "buffer.max_outstanding_groups=16"]
+    run, summary = run_to_end(cluster_client, small_config, tmp_path / "run", overrides)
+    assert summary["reason"] == "completed", summary
+    topped = sum(r["topped_up_groups"] for r in summary["rollouts"])
+    assert topped > 0, summary["rollouts"]
+    ds = check_store(run.run_dir)
+    versions = ds[["prompt_uid", "behavior_version"]].to_dataframe()
+    assert (versions.groupby("prompt_uid")["behavior_version"].nunique() == 1).all()
 
 
 @pytest.mark.slow
