@@ -114,6 +114,21 @@ def test_a_clock_holds_work_to_its_model_and_counts_what_overran():
         clock.hold(time.time() - 5, 2.0, "sync")  # a median of 2 overran: strict stops
 
 
+@pytest.mark.parametrize("gpus", [64, 128])
+def test_every_arm_of_the_bench_is_a_valid_run_on_one_workload(gpus):
+    """Each arm's config validates; they differ in the schedule, the split and Laminar's
+    own knobs alone (its local batches top up; its ablation only drops repack)."""
+    from pipelines.bench_schedules import ARMS, Cluster
+
+    cluster = Cluster(gpus)
+    cfgs = {a: with_overrides(RunConfig(), cluster.overrides(a, 5, 9, 0)) for a in ARMS}
+    for arm, cfg in cfgs.items():
+        assert cfg.pipeline.schedule == ARMS[arm][0]
+        assert cfg.rollout.top_up == (cfg.pipeline.schedule == "laminar")
+        assert (cfg.repack is not None) == ARMS[arm][1]
+        assert cfg.task == cfgs["sync"].task and cfg.trainer.lr == cfgs["sync"].trainer.lr
+
+
 def test_the_split_search_finds_the_best_split_of_a_unimodal_throughput():
     from pipelines.bench_schedules import search_split
 
