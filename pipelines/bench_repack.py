@@ -88,6 +88,8 @@ def arm_overrides(
     ['seed=0', 'seed=3']
     >>> [o for o in arms["on"] if o.startswith(("repack", "seed"))][-3:]
     ['repack.interval_s=0.625', 'seed=3', 'repack.max_batch=12']
+    >>> [o for o in arms["on"] if o.startswith("rollout.top_up")]  # the paper's batches
+    ['rollout.top_up=true', 'rollout.top_up=false']
     """
     from pipelines.bench_schedules import CONCURRENCY, GROUP_SIZE, REPACK_INTERVAL_S, Cluster
 
@@ -98,6 +100,10 @@ def arm_overrides(
     # one engine full per local batch: the paper's 256 per rollout (the schedules bench
     # tunes Laminar's to twice that)
     unbounded.append(f"rollout.groups_per_batch={CONCURRENCY // GROUP_SIZE}")
+    # repack on the paper's draining batches: the schedules bench's Laminar tops up its
+    # batches, which fills the same tails (docs/repack.md); --set rollout.top_up=true
+    # measures repack over topping-up ones
+    unbounded.append("rollout.top_up=false")
     unbounded += model_overrides(model, cluster_shape)
     mine = [o for o in overrides if o.split("=", 1)[0].split(".", 1)[0].strip() == "repack"]
     both = [o for o in overrides if o not in mine]
