@@ -458,15 +458,19 @@ class RolloutReplica:
             if update is not None:
                 self._load_version(*update)
 
+    def _room(self) -> int:
+        """Whole prompt groups the engine has room for beside its unfinished requests."""
+        r = self.cfg.rollout
+        return (r.max_batch - len(self.engine.request_ids())) // r.group_size
+
     def _refill(self, finished: bool) -> None:
         """Refill: take new groups while the engine has room for a whole group (asked
         when requests finished, else at most every 0.1 s while the pool says no)."""
-        r = self.cfg.rollout
-        room = r.max_batch - len(self.engine.request_ids())
-        if room < r.group_size or (not finished and time.time() - self._t_refill < 0.1):
+        room = self._room()
+        if room < 1 or (not finished and time.time() - self._t_refill < 0.1):
             return
         self._t_refill = time.time()
-        groups = self._acquire(room // r.group_size)
+        groups = self._acquire(room)
         if groups:
             self._add(groups)
 
@@ -474,13 +478,12 @@ class RolloutReplica:
         """``rollout.top_up``: take new groups into the draining batch while the engine
         has room for a whole group and this rollout's version is the newest published;
         after the first newer publication, drain (and pull it at the boundary)."""
-        r = self.cfg.rollout
-        room = r.max_batch - len(self.engine.request_ids())
-        if room < r.group_size:
+        room = self._room()
+        if room < 1:
             return
         version = self.engine.version
         ok, answer = self._data_call(
-            self.pool, lambda: self.pool.top_up(room // r.group_size, self.rollout_id, version)
+            self.pool, lambda: self.pool.top_up(room, self.rollout_id, version)
         )
         if not ok:
             self._topping_up = False
