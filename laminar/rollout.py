@@ -186,6 +186,8 @@ class RolloutReplica:
             "data_wait_s": 0.0,  # ... and the time it waited at a boundary for them
             "resent": 0,  # trajectories sent again to a rebuilt buffer
             "topped_up_groups": 0,  # rollout.top_up: groups taken into a draining batch
+            "top_up_asks": 0,  # ... the pool calls that asked for them
+            "top_up_s": 0.0,  # ... and the wall time between decode steps they took
         }
 
     # -- control methods (run on the actor thread while the loop decodes) ---------------
@@ -482,9 +484,12 @@ class RolloutReplica:
         if room < 1:
             return
         version = self.engine.version
+        t0 = time.perf_counter()
         ok, answer = self._data_call(
             self.pool, lambda: self.pool.top_up(room, self.rollout_id, version)
         )
+        self.counts["top_up_asks"] += 1
+        self.counts["top_up_s"] += time.perf_counter() - t0
         if not ok:
             self._topping_up = False
             return

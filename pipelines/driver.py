@@ -83,6 +83,9 @@ ROLLOUT_METRICS = (
     "interrupts",  # partial rollout: global updates that paused it ...
     "sync_wait_s",  # ... the time it waited for their weights
     "recomputed_tokens",  # ... and the KV it recomputed after them
+    "topped_up_groups",  # rollout.top_up: groups taken into draining batches ...
+    "top_up_asks",  # ... the pool calls that asked for them
+    "top_up_s",  # ... and the wall time between decode steps those calls took
 )
 
 

@@ -208,6 +208,15 @@ def test_laminar_batches_top_up_at_the_newest_version_and_keep_one_version_a_gro
     assert summary["reason"] == "completed", summary
     topped = sum(r["topped_up_groups"] for r in summary["rollouts"])
     assert topped > 0, summary["rollouts"]
+    # every ask is counted, and each that got groups got at most the room of one engine
+    asks = sum(r["top_up_asks"] for r in summary["rollouts"])
+    room = small_config.rollout.max_batch // small_config.rollout.group_size
+    assert topped <= asks * room, (topped, asks)
+    assert sum(r["top_up_s"] for r in summary["rollouts"]) > 0
+    from storage.metrics import open_metrics
+
+    polled = open_metrics(run.run_dir, "rollouts")["top_up_asks"].max("time").values
+    assert 0 < np.nansum(polled) <= asks
     ds = check_store(run.run_dir)
     versions = ds[["prompt_uid", "behavior_version"]].to_dataframe()
     assert (versions.groupby("prompt_uid")["behavior_version"].nunique() == 1).all()
