@@ -305,6 +305,7 @@ _FLAGS = {
     "reward_threshold": "--reward-threshold",
     "runs_dir": "--runs-dir",
     "from_runs": "--from-runs",
+    "model": "--model",
 }
 
 

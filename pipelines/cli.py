@@ -353,7 +353,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         options["duration_s"] = args.duration_s
     if args.kill_every_s is not None:
         options["kill_every_s"] = args.kill_every_s
-    for key in ("gpus", "seeds", "warmup", "iterations", "reward_threshold", "runs_dir"):
+    for key in ("gpus", "seeds", "warmup", "iterations", "reward_threshold", "runs_dir", "model"):
         if getattr(args, key) is not None:
             options[key] = getattr(args, key)
     if args.no_search:
@@ -377,6 +377,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from laminar.pacing import MODELS
+
     parser = argparse.ArgumentParser(
         prog="laminar", description="Asynchronous RL post-training of LLMs on Dask."
     )
@@ -459,6 +461,11 @@ def main(argv: list[str] | None = None) -> int:
         "as a supervisor would (faults.restart_trainer=false), instead of restarting in the run",
     )
     bench.add_argument("--gpus", type=int, help="schedules, repack: emulated GPUs in all (64)")
+    bench.add_argument(
+        "--model",
+        choices=sorted(MODELS),
+        help="repack: the model the replicas serve (7B; 32B is the paper's repack experiment's)",
+    )
     bench.add_argument("--seeds", type=int, help="schedules: seeds per schedule (3)")
     bench.add_argument("--warmup", type=int, help="schedules: warm-up updates (3)")
     bench.add_argument("--iterations", type=int, help="schedules: measured updates (6)")
