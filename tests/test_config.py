@@ -70,6 +70,8 @@ def test_config_is_frozen():
         ("repack", {"warmup": 3}, "laminar bench repack does not take --warmup; it takes"),
         ("soak", {"overrides": ("a=b",)}, "laminar bench soak does not take --set"),
         ("engine", {"gpus": 64}, "it takes --batches, --new-tokens, --repeats"),
+        ("schedules", {"model": "32B"}, "laminar bench schedules does not take --model"),
+        ("relay", {"model": "32B"}, "laminar bench relay does not take --model"),
     ],
 )
 def test_a_bench_refuses_an_option_it_does_not_take_naming_those_it_does(name, options, message):
