@@ -27,7 +27,10 @@ between adjacent updates, after warm-up), generation throughput, time to a train
 reward, rollout and trainer idle fractions, mean decode batch, staleness (``s_gen``,
 residence, ``s_train``: mean / p99 / max), buffer depth and age, arrival vs consumption
 rate, evicted / discarded / filtered trajectories, wasted and recomputed tokens,
-whether the real compute stayed under the model, and the measured length shape with its
+whether the real compute stayed under the model, how much of the rollouts' decode time
+fell outside their modelled steps (``decode_unmodelled``: the work between two steps,
+and overruns, which a run on GPUs would pay otherwise or not at all; ``top_up_share``:
+the part of it that Laminar's top-up asks took), and the measured length shape with its
 drift (``len_drift``: the measured batches' mean response length over the base policy's
 first batch's; the policy learns, and a schedule that trains on fresher data moves its
 lengths faster).
@@ -407,6 +410,14 @@ def arm_figures(run_dir: Path, summary: dict, warmup: int) -> dict:
         eng["compute_s"] / eng["modelled_s"] if eng.get("modelled_s") else math.nan
     )
     out["overrun_steps"] = eng.get("overruns", 0)
+    # Wall time of the decode loops that no modelled step accounts for: between-step work
+    # (rewards handed off, partial log, pool calls, commands served) and overruns.
+    decode_s = sum(r.get("decode_s", 0.0) for r in summary["rollouts"])
+    out["decode_unmodelled"] = (
+        1 - eng["modelled_s"] / decode_s if eng.get("modelled_s") and decode_s else math.nan
+    )
+    top_up_s = [r["top_up_s"] for r in summary["rollouts"] if "top_up_s" in r]
+    out["top_up_share"] = sum(top_up_s) / decode_s if top_up_s and decode_s else math.nan
     paced = (summary.get("trainer_pacing") or {}).get("update", {})
     out["trainer_compute_vs_modelled"] = (
         paced["compute_s"] / paced["modelled_s"] if paced.get("modelled_s") else math.nan
@@ -578,6 +589,8 @@ FIGURES = [
     "reward_last",
     "compute_vs_modelled",
     "overrun_steps",
+    "decode_unmodelled",
+    "top_up_share",
     "trainer_compute_vs_modelled",
     "trainer_overruns",
     "audit_ok",

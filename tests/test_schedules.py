@@ -295,6 +295,11 @@ def test_paced_schedules_pay_their_weight_movements_and_the_bench_reads_them(
     assert (busy <= span + 0.5).all(), (busy, span)
     assert np.nansum(busy) > 0
     assert fig["s_train_max"] == 1 and fig["audit_ok"] == 1.0
+    # the decode loops' time beyond their modelled steps: some (the work between steps),
+    # none of it top-up asks (one-step does not top up)
+    decode_s = sum(r["decode_s"] for r in summary["rollouts"])
+    assert fig["decode_unmodelled"] == pytest.approx(1 - summary["engine"]["modelled_s"] / decode_s)
+    assert 0 < fig["decode_unmodelled"] < 1 and fig["top_up_share"] == 0
     # ... and re-analysing the kept runs gives the same figures, the cluster read back
     again = reanalyse(str(runs), warmup=1)
     assert again.figures["one_step_throughput"] == fig["throughput"]
