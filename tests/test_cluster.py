@@ -55,6 +55,42 @@ def test_local_cluster_gives_each_role_its_own_worker(cluster_client):
 
 
 @pytest.mark.slow
+def test_local_workers_start_warm_with_the_nannies_environment(cluster_client):
+    """Workers are forked from a server that imported torch and laminar once (not spawned
+    to import them each), and still see the pre-spawn environment and single-threaded
+    torch that a spawned worker would."""
+
+    def state() -> dict:
+        import os
+        import sys
+        from pathlib import Path
+
+        import torch
+
+        from laminar.cluster import WORKER_PRELOAD
+
+        parent = Path(f"/proc/{os.getppid()}/cmdline").read_bytes().replace(b"\0", b" ")
+        return {
+            "parent": os.getppid(),
+            "from_forkserver": b"forkserver" in parent,
+            "preloaded": all(m in sys.modules for m in WORKER_PRELOAD),
+            "omp": os.environ.get("OMP_NUM_THREADS"),
+            "malloc_trim": os.environ.get("MALLOC_TRIM_THRESHOLD_"),
+            "torch_threads": torch.get_num_threads(),
+        }
+
+    import os
+
+    states = cluster_client.run(state)
+    assert len(states) == 3
+    assert len({s["parent"] for s in states.values()}) == 1  # one server forked them all
+    for s in states.values():
+        assert s["from_forkserver"] and s["parent"] != os.getpid(), s  # not this nanny's
+        assert s["preloaded"] and s["omp"] == "1" and s["torch_threads"] == 1, s
+        assert s["malloc_trim"] is None, s
+
+
+@pytest.mark.slow
 def test_actor_handles_stay_bound_to_their_clients_cluster():
     """A newer default client (another cluster, a failed connect) must not capture the
     handles laminar creates: the run's client holds each actor, and a task that takes a

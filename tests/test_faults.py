@@ -545,7 +545,7 @@ def trained_once_across_the_restart(ds, v: int, after: int, steps: int) -> None:
     assert (per_version[trained] == 16).all()
 
 
-def test_a_lost_trainer_restarts_within_the_run_while_rollouts_generate(tmp_path):
+def test_a_lost_trainer_restarts_within_the_run_while_rollouts_generate(tmp_path, monkeypatch):
     """The data module on a worker of its own, the trainer lost at version >= 3 (a
     checkpoint every 2): the run goes on without a resume. Meanwhile the rollouts keep
     generating into the buffer; the nanny brings the worker back, the buffer takes back
@@ -560,7 +560,13 @@ def test_a_lost_trainer_restarts_within_the_run_while_rollouts_generate(tmp_path
     (A SIGKILL of its worker takes the same restart; it is left out to keep the suite
     short: kills are detected the same way in the shared-worker and data-parallel
     tests, and `laminar bench soak --data-apart` kills trainers every few minutes.)"""
+    import asyncio
+
+    from distributed import Nanny
+
     from laminar.cluster import workers_with
+
+    RETURN_S = 4.0
 
     def stick_updates(dask_worker=None) -> None:
         """Make every update on this worker's trainer block for good, as a collective
@@ -592,6 +598,17 @@ def test_a_lost_trainer_restarts_within_the_run_while_rollouts_generate(tmp_path
         # rollouts), there would be nothing to generate while the trainer is gone.
         until_decoding(handle)
         trainer_w = workers_with(client, "trainer")[0]
+        # Its worker comes back RETURN_S after the restart, as a lost node's would (a
+        # forked local worker is back in ~0.3 s): meanwhile the master relay is gone and
+        # the rollouts' batch boundaries meet it unreachable. (Nannies run here, in this
+        # process; the trainer's is the only one that restarts.)
+        instantiate = Nanny.instantiate
+
+        async def slow_return(nanny):
+            await asyncio.sleep(RETURN_S)
+            return await instantiate(nanny)
+
+        monkeypatch.setattr(Nanny, "instantiate", slow_return)
         t_kill = time.time()
         client.run(stick_updates, workers=[trainer_w])
         summary = handle.wait(timeout=300)
