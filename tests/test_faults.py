@@ -305,7 +305,9 @@ def test_a_rollout_lost_with_rewards_in_flight_has_them_scored_elsewhere(tmp_pat
         ready=batch_just_registered,
         # (20 steps: the moment it waits for may take a while to come; with 10 the run
         # sometimes ended first)
-        extra=("task.reward=laminar.rewards:_slow", "trainer.steps=20"),
+        # (40 prompts, which the pool cycles through: the warm start scores one response
+        # to each with the slow reward, 0.25 s apiece; with 200 that took 50 s)
+        extra=("task.reward=laminar.rewards:_slow", "trainer.steps=20", "task.num_prompts=40"),
         until=versions_after(rescored_and_resumed, 2),
     )
     assert summary["reason"] in ENDED, summary["reason"]
