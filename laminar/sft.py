@@ -12,6 +12,7 @@ bytes, the task and SFT config and the seed, so any change retrains and a rerun 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import hashlib
 import json
 import os
@@ -74,7 +75,9 @@ def warm_start(cfg: RunConfig, prompts: list[Prompt]) -> tuple[Path, dict]:
     """Return the policy folder RL starts from, training it first unless cached.
 
     Runs where it is called (the pipeline submits it as a Dask task on the trainer worker).
-    Returns the folder and ``{"cached": bool, "seconds": float, "final_loss": float}``.
+    Returns the folder and ``{"cached": bool, "seconds": float, "final_loss": float,
+    "eval_reward": float, ...}``; ``eval_reward`` is the warm start's mean reward under
+    this run's reward and sampling (scored once per such :func:`_scoring`, then cached).
     """
     base = base_policy(cfg)
     if not cfg.sft.enabled or cfg.sft.steps == 0:
@@ -85,7 +88,8 @@ def warm_start(cfg: RunConfig, prompts: list[Prompt]) -> tuple[Path, dict]:
             "sft": cfg.sft.model_dump(
                 mode="json", exclude={"cache_dir", "torch_threads", "micro_batch_tokens"}
             ),
-            "task": cfg.task.model_dump(mode="json"),
+            # (not the reward: it scores the weights, :func:`_scoring`, and shapes nothing)
+            "task": cfg.task.model_dump(mode="json", exclude={"reward", "truncated_reward"}),
             "prompts": hashlib.sha256(
                 "\n".join(p.text + "\t" + p.answer for p in prompts).encode()
             ).hexdigest(),
@@ -95,9 +99,16 @@ def warm_start(cfg: RunConfig, prompts: list[Prompt]) -> tuple[Path, dict]:
         sort_keys=True,
     )
     out = cache_root(cfg) / f"sft-{hashlib.sha256(key.encode()).hexdigest()[:16]}"
+    scoring = _scoring(cfg)
     if (out / "sft_info.json").exists():
         info = json.loads((out / "sft_info.json").read_text())
-        return out, {**info, "cached": True}
+        rewards = info.get("eval_rewards", {})
+        if scoring not in rewards:  # the same weights, scored another way: score them
+            model, tok = load_policy(out)
+            rewards = {**rewards, scoring: evaluate(cfg, model, tok, prompts[-EVAL_PROMPTS:])}
+            info["eval_rewards"] = rewards
+            _replace_text(out / "sft_info.json", json.dumps(info, indent=2))
+        return out, {**_public(info), "eval_reward": rewards[scoring], "cached": True}
     torch.set_num_threads(cfg.sft.torch_threads)
     t0 = time.time()
     model, tok = load_policy(base)
@@ -108,14 +119,43 @@ def warm_start(cfg: RunConfig, prompts: list[Prompt]) -> tuple[Path, dict]:
         "seconds": seconds,
         "final_loss": loss,
         "base": str(base),
-        "eval_reward": evaluate(cfg, model, tok, prompts[-EVAL_PROMPTS:]),
         "eval_prompts": min(EVAL_PROMPTS, len(prompts)),
+        # the warm start's reward for each way of scoring it (reward and sampling)
+        "eval_rewards": {scoring: evaluate(cfg, model, tok, prompts[-EVAL_PROMPTS:])},
     }
     with _staged(out) as tmp:
         model.save_pretrained(tmp)
         tok.save_pretrained(tmp)
         (tmp / "sft_info.json").write_text(json.dumps(info, indent=2))
-    return out, info
+    return out, {**_public(info), "eval_reward": info["eval_rewards"][scoring]}
+
+
+def _public(info: dict) -> dict:
+    """``sft_info.json`` as a run reports it: without the other scorings' rewards."""
+    return {k: v for k, v in info.items() if k != "eval_rewards"}
+
+
+def _scoring(cfg: RunConfig) -> str:
+    """What :func:`evaluate` depends on beside the weights and prompts: the reward and
+    how the rollouts sample. A run that changes only these reuses the cached weights."""
+    r = cfg.rollout
+    return json.dumps(
+        {
+            "reward": cfg.task.reward,
+            "truncated_reward": cfg.task.truncated_reward,
+            "sampling": dataclasses.asdict(r.sampling_params()),
+            "max_seq_len": r.max_seq_len,
+        },
+        sort_keys=True,
+    )
+
+
+def _replace_text(path: Path, text: str) -> None:
+    """Write ``path`` whole or not at all (a reader never sees half of it)."""
+    fd, tmp = tempfile.mkstemp(prefix=path.name + ".", dir=path.parent)
+    with os.fdopen(fd, "w") as f:
+        f.write(text)
+    os.replace(tmp, path)
 
 
 def evaluate(cfg: RunConfig, model, tok, prompts: list[Prompt]) -> float:

@@ -17,7 +17,20 @@ def test_warm_start_is_cached_by_its_inputs(small_config, tmp_path):
     }
     again, info2 = warm_start(cfg, prompts)
     assert again == path and info2["cached"] is True
-    assert info2["eval_reward"] == json.loads((path / "sft_info.json").read_text())["eval_reward"]
+    (scored,) = json.loads((path / "sft_info.json").read_text())["eval_rewards"].values()
+    assert info2["eval_reward"] == info["eval_reward"] == scored
+    # Another reward scores the same weights (no training), once; sampling counts too.
+    stamp = (path / "model.safetensors").stat().st_mtime_ns
+    credit = with_overrides(cfg, ["task.reward=prefix_credit"])
+    path3, info3 = warm_start(credit, prompts)
+    assert path3 == path and info3["cached"] is True and 0 <= info3["eval_reward"] <= 1
+    assert info3["eval_reward"] != info["eval_reward"]  # partial credit: a different figure
+    assert (path / "model.safetensors").stat().st_mtime_ns == stamp
+    assert warm_start(credit, prompts)[1]["eval_reward"] == info3["eval_reward"]
+    cooler = with_overrides(cfg, ["rollout.temperature=0.5"])
+    assert warm_start(cooler, prompts)[0] == path
+    scorings = json.loads((path / "sft_info.json").read_text())["eval_rewards"]
+    assert len(scorings) == 3 and warm_start(cfg, prompts)[1]["eval_reward"] == scored
     # Anything that changes the result changes the entry; threads and micro-batching do not.
     assert warm_start(with_overrides(cfg, ["sft.demo_error_rate=0.2"]), prompts)[0] != path
     assert (
