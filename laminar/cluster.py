@@ -140,17 +140,17 @@ def fork_workers_from_a_warm_server() -> None:
     ``distributed.worker.multiprocessing-method`` for the process, and only if it still
     has Dask's default (``spawn``): a method you chose yourself is kept. The preload is
     taken only if the forkserver has not started yet."""
-    import multiprocessing
+    import multiprocessing as mp
 
     import dask
     from distributed.utils import get_mp_context
 
     key = "distributed.worker.multiprocessing-method"
-    if dask.config.get(key) != "spawn":
-        return
+    if dask.config.get(key) != "spawn" or "forkserver" not in mp.get_all_start_methods():
+        return  # (no forkserver: Windows)
     dask.config.set({key: "forkserver"})
     get_mp_context()  # Dask sets its own preload list on its first call: ours replaces it
-    multiprocessing.get_context("forkserver").set_forkserver_preload(list(WORKER_PRELOAD))
+    mp.get_context("forkserver").set_forkserver_preload(list(WORKER_PRELOAD))
 
 
 def worker_environ(torch_threads: int = 1) -> dict[str, str]:

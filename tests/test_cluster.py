@@ -134,3 +134,17 @@ def test_actor_handles_stay_bound_to_their_clients_cluster():
             assert holder.bump().result() == 3
             # The scheduler still holds the actor for the run's client.
             assert client.run_on_scheduler(task_state, key=counter.key) == "memory"
+
+
+def test_a_multiprocessing_method_the_user_chose_is_kept():
+    import dask
+
+    from laminar.cluster import fork_workers_from_a_warm_server
+
+    key = "distributed.worker.multiprocessing-method"
+    with dask.config.set({key: "fork"}):
+        fork_workers_from_a_warm_server()
+        assert dask.config.get(key) == "fork"
+    with dask.config.set({key: "spawn"}):  # Dask's default: laminar's choice
+        fork_workers_from_a_warm_server()
+        assert dask.config.get(key) == "forkserver"
