@@ -131,11 +131,12 @@ def fork_workers_from_a_warm_server() -> None:
     """Have this process's nannies fork their workers from a forkserver that has imported
     :data:`WORKER_PRELOAD`, instead of spawning fresh interpreters.
 
-    Spawned, every worker imports torch and laminar itself: ~3 s of CPU each, so on two
-    cores a run of six workers waited ~9 s for its actors, and a worker the nanny brings
-    back after a fault ~5 s more. The forkserver imports them once, with the nannies'
-    pre-spawn environment (``OMP_NUM_THREADS`` and the rest, :func:`worker_environ`), which
-    the nanny sets in this process before it starts its first worker. Dask reads the
+    Spawned, every worker imports torch and laminar itself: ~3 s of CPU each. On two
+    cores a short run of the tiny config (three workers) took 3-8 s longer, and a worker
+    the nanny brought back after a fault took seconds, not ~0.3 s. The forkserver imports
+    them once, with the nannies' pre-spawn environment (``OMP_NUM_THREADS`` and the rest,
+    :func:`worker_environ`), which the nanny sets in this process before it starts its
+    first worker. Dask reads the
     method when a nanny starts a worker, so this sets
     ``distributed.worker.multiprocessing-method`` for the process, and only if it still
     has Dask's default (``spawn``): a method you chose yourself is kept. The preload is

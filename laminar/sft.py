@@ -6,7 +6,9 @@ deliberately imperfect (``sft.demo_error_rate``): the policy learns the task's s
 but samples a mistake now and then, which leaves a middling reward for RL to raise.
 
 The result is an HF folder under ``<cache>/sft-<hash>``; the hash covers the base model's
-bytes, the task and SFT config and the seed, so any change retrains and a rerun reuses it.
+bytes, the prompts, the task (not its reward) and SFT config and the seed, so any change
+retrains and a rerun reuses it. The warm start's reward is scored once per reward and
+sampling setting and kept beside the weights (``sft_info.json``).
 """
 
 from __future__ import annotations
