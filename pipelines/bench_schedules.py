@@ -480,6 +480,8 @@ def bench_schedules(
     from laminar.cluster import local_cluster
 
     cluster = Cluster(gpus)
+    if seeds < 0:
+        raise ValueError(f"--seeds {seeds}: give a count >= 0 (0 searches the splits only)")
     unknown = [a for a in arms if a not in ARMS]
     if unknown:
         raise ValueError(f"unknown arms {unknown}; known: {list(ARMS)}")
@@ -538,6 +540,8 @@ def bench_schedules(
             order = list(arms)[seed % len(arms) :] + list(arms)[: seed % len(arms)]
             for arm in order:
                 results[arm].append(run(arm, splits[arm], warmup + iterations, seed, f"s{seed}"))
+    if seeds == 0:
+        return _search_result(cluster, arms, splits, probes, root)
     return _result(
         cluster,
         arms,
@@ -668,6 +672,50 @@ def reanalyse(
     seeds = max(len(rs) for rs in results.values()) if results else 0
     locals_ = dict(seeds=seeds, warmup=warmup, probe_warmup=probe_warmup, reanalysed=str(root))
     return _result(cluster, arms, results, splits, probes, reward_threshold, root, locals_)
+
+
+def _search_result(cluster, arms, splits, probes, root):
+    """``--seeds 0``: the splits alone, searched (or fixed), and every probe; nothing is
+    measured beyond the probes, so there are no medians and no ratios."""
+    from pipelines.bench import BenchResult
+
+    figures: dict[str, float | None] = {}
+    rows = []
+    for arm in arms:
+        seen = probes.get(arm, {})
+        best = seen.get(splits[arm])
+        figures[f"{arm}_replicas"] = float(splits[arm])
+        figures[f"{arm}_probe_throughput"] = best
+        probed = ", ".join(f"{r}: {v / 1e3:,.0f}k" for r, v in seen.items())
+        rows.append(
+            [
+                arm,
+                splits[arm],
+                cluster.gpus if arm == "sync" else cluster.gpus - GPUS_PER_REPLICA * splits[arm],
+                best,
+                probed or ("colocated" if arm == "sync" else "fixed"),
+            ]
+        )
+    return BenchResult(
+        name="schedules",
+        figures=figures,
+        ratios={},
+        samples={},
+        columns=["schedule", "replicas", "trainer_gpus", "probe_throughput", "probes (R: tok/s)"],
+        rows=rows,
+        options={
+            "gpus": cluster.gpus,
+            "seeds": 0,
+            "splits": splits,
+            "probes": {arm: {str(r): v for r, v in seen.items()} for arm, seen in probes.items()},
+            "workload": WORKLOAD,
+            "runs": str(root),
+        },
+        notes=[
+            f"{cluster.gpus} emulated H800 GPUs: the split search alone (--seeds 0), probes "
+            "of seed 0 in the probes' order; run with --splits ARM=R to measure at these"
+        ],
+    )
 
 
 def _result(cluster, arms, results, splits, probes, reward_threshold, root, locals_):

@@ -466,7 +466,9 @@ def main(argv: list[str] | None = None) -> int:
         choices=sorted(MODELS),
         help="repack: the model the replicas serve (7B; 32B is the paper's repack experiment's)",
     )
-    bench.add_argument("--seeds", type=int, help="schedules: seeds per schedule (3)")
+    bench.add_argument(
+        "--seeds", type=int, help="schedules: seeds per schedule (3); 0: search the splits only"
+    )
     bench.add_argument("--warmup", type=int, help="schedules: warm-up updates (3)")
     bench.add_argument("--iterations", type=int, help="schedules: measured updates (6)")
     bench.add_argument("--arms", help="schedules: comma-separated subset of the schedules")
