@@ -145,6 +145,28 @@ def test_the_split_search_finds_the_best_split_of_a_unimodal_throughput():
             assert got in seen
 
 
+def test_a_search_only_bench_reports_each_split_and_its_probes():
+    """``--seeds 0``: the splits the search found, with every probe, and no ratios
+    (nothing was measured at those splits)."""
+    from pipelines.bench_schedules import Cluster, _search_result
+
+    probes = {"laminar": {10: 390e3, 12: 371e3, 8: 355e3}}
+    res = _search_result(
+        Cluster(128), ("sync", "laminar"), {"sync": 32, "laminar": 10}, probes, "d"
+    )
+    assert res.ratios == {}
+    assert (
+        res.figures["laminar_replicas"] == 10 and res.figures["laminar_probe_throughput"] == 390e3
+    )
+    assert res.rows[0][:3] == ["sync", 32, 128]  # colocated: every GPU trains as well
+    assert res.rows[1][:4] == ["laminar", 10, 88, 390e3]
+    assert "12: 371k" in res.rows[1][4] and res.options["probes"]["laminar"]["8"] == 355e3
+    with pytest.raises(ValueError, match="--seeds -1"):
+        from pipelines.bench_schedules import bench_schedules
+
+        bench_schedules(seeds=-1)
+
+
 # -- end to end -------------------------------------------------------------------------
 
 
