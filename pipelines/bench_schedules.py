@@ -487,6 +487,12 @@ def bench_schedules(
         raise ValueError(f"unknown arms {unknown}; known: {list(ARMS)}")
     splits = dict(splits or {})
     splits.setdefault("sync", cluster.max_replicas)  # colocated: every GPU generates
+    searched = [a for a in arms if a not in splits and ABLATION_OF.get(a) not in {*splits, *arms}]
+    if seeds == 0 and not (search and searched):
+        raise ValueError(
+            "--seeds 0 runs the split search alone, but no arm's split is searched here "
+            "(--splits fixes it, --no-search skips it): drop them, or give --seeds 1 or more"
+        )
     if overrides:  # a bad --set fails here, naming the field, not after the cluster starts
         from laminar.config import load_config
 
@@ -669,6 +675,12 @@ def reanalyse(
         elif arm in results:
             results[arm].append(fig)
             splits[arm] = r
+    if not any(results.values()):  # a search-only bench (--seeds 0), or one stopped in it
+        if not probes:
+            raise FileNotFoundError(f"{runs_dir}: no completed bench run to read")
+        arms = [a for a in ARMS if a in probes]
+        best = {a: max(seen, key=seen.__getitem__) for a, seen in probes.items()}
+        return _search_result(cluster, arms, best, probes, root)
     seeds = max(len(rs) for rs in results.values()) if results else 0
     locals_ = dict(seeds=seeds, warmup=warmup, probe_warmup=probe_warmup, reanalysed=str(root))
     return _result(cluster, arms, results, splits, probes, reward_threshold, root, locals_)
@@ -687,13 +699,22 @@ def _search_result(cluster, arms, splits, probes, root):
         figures[f"{arm}_replicas"] = float(splits[arm])
         figures[f"{arm}_probe_throughput"] = best
         probed = ", ".join(f"{r}: {v / 1e3:,.0f}k" for r, v in seen.items())
+        if not probed:
+            base = ABLATION_OF.get(arm)
+            probed = (
+                "colocated"
+                if arm == "sync"
+                else f"at {base}'s split"
+                if base in splits and splits[base] == splits[arm]
+                else "fixed"
+            )
         rows.append(
             [
                 arm,
                 splits[arm],
                 cluster.gpus if arm == "sync" else cluster.gpus - GPUS_PER_REPLICA * splits[arm],
                 best,
-                probed or ("colocated" if arm == "sync" else "fixed"),
+                probed,
             ]
         )
     return BenchResult(
@@ -713,7 +734,8 @@ def _search_result(cluster, arms, splits, probes, root):
         },
         notes=[
             f"{cluster.gpus} emulated H800 GPUs: the split search alone (--seeds 0), probes "
-            "of seed 0 in the probes' order; run with --splits ARM=R to measure at these"
+            "of seed 0 in the probes' order; run with --splits ARM=R to measure at these; "
+            "no table or plots beside the JSON (nothing was measured at the splits)"
         ],
     )
 

@@ -3,6 +3,8 @@ the pure parts the schedules bench rests on (time models, the split search)."""
 
 from __future__ import annotations
 
+import shutil
+
 import numpy as np
 import pytest
 from factories import run_to_end
@@ -161,10 +163,23 @@ def test_a_search_only_bench_reports_each_split_and_its_probes():
     assert res.rows[0][:3] == ["sync", 32, 128]  # colocated: every GPU trains as well
     assert res.rows[1][:4] == ["laminar", 10, 88, 390e3]
     assert "12: 371k" in res.rows[1][4] and res.options["probes"]["laminar"]["8"] == 355e3
-    with pytest.raises(ValueError, match="--seeds -1"):
-        from pipelines.bench_schedules import bench_schedules
+    from pipelines.bench_schedules import bench_schedules
 
+    with pytest.raises(ValueError, match="--seeds -1"):
         bench_schedules(seeds=-1)
+    # nothing to search: refused before a cluster starts
+    with pytest.raises(ValueError, match="no arm's split is searched"):
+        bench_schedules(seeds=0, arms=("sync", "laminar"), splits={"laminar": 5})
+    with pytest.raises(ValueError, match="no arm's split is searched"):
+        bench_schedules(seeds=0, search=False)
+    ablation = _search_result(
+        Cluster(64),
+        ("laminar", "laminar_no_repack"),
+        {"laminar": 5, "laminar_no_repack": 5},
+        {"laminar": {5: 2e5}},
+        "d",
+    )
+    assert ablation.rows[1][4] == "at laminar's split"
 
 
 # -- end to end -------------------------------------------------------------------------
@@ -326,6 +341,13 @@ def test_paced_schedules_pay_their_weight_movements_and_the_bench_reads_them(
     again = reanalyse(str(runs), warmup=1)
     assert again.figures["one_step_throughput"] == fig["throughput"]
     assert again.options["gpus"] == 4 + 2 * 4 and again.options["splits"] == {"one_step": 2}
+    # ... and a folder of probes alone (a --seeds 0 bench, or one stopped in its search)
+    # gives the search's result: the best probe's split
+    probes = tmp_path / "probes"
+    shutil.copytree(run.run_dir, probes / "one_step-r2-probe")
+    searched = reanalyse(str(probes), probe_warmup=1)
+    assert searched.ratios == {} and searched.options["splits"] == {"one_step": 2}
+    assert searched.figures["one_step_probe_throughput"] == fig["throughput"]
 
 
 def test_a_baseline_run_is_not_resumed_in_place(tmp_path):
