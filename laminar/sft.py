@@ -17,6 +17,7 @@ import contextlib
 import dataclasses
 import hashlib
 import json
+import logging
 import os
 import shutil
 import tempfile
@@ -32,6 +33,8 @@ from laminar.errors import DataError
 from laminar.model import build_tiny_policy, check_policy_dir, encode_prompt, load_policy
 from laminar.tasks import Prompt, demonstration, length_sigmas, longest_demonstration
 from laminar.update import micro_batches, pack, response_logprobs
+
+logger = logging.getLogger(__name__)
 
 # Bump when the SFT procedure changes, so cached results of the old one are not reused.
 SFT_VERSION = 2
@@ -102,14 +105,17 @@ def warm_start(cfg: RunConfig, prompts: list[Prompt]) -> tuple[Path, dict]:
     )
     out = cache_root(cfg) / f"sft-{hashlib.sha256(key.encode()).hexdigest()[:16]}"
     scoring = _scoring(cfg)
-    if (out / "sft_info.json").exists():
-        info = json.loads((out / "sft_info.json").read_text())
+    info = _cached_info(out)
+    if info is not None:
         rewards = info.get("eval_rewards", {})
         if scoring not in rewards:  # the same weights, scored another way: score them
             model, tok = load_policy(out)
             rewards = {**rewards, scoring: evaluate(cfg, model, tok, prompts[-EVAL_PROMPTS:])}
             info["eval_rewards"] = rewards
-            _replace_text(out / "sft_info.json", json.dumps(info, indent=2))
+            try:
+                _replace_text(out / "sft_info.json", json.dumps(info, indent=2))
+            except OSError as e:  # a read-only cache: the score is not kept, the run goes on
+                logger.warning("warm start: could not keep this scoring in %s (%s)", out, e)
         return out, {**_public(info), "eval_reward": rewards[scoring], "cached": True}
     torch.set_num_threads(cfg.sft.torch_threads)
     t0 = time.time()
@@ -130,6 +136,32 @@ def warm_start(cfg: RunConfig, prompts: list[Prompt]) -> tuple[Path, dict]:
         tok.save_pretrained(tmp)
         (tmp / "sft_info.json").write_text(json.dumps(info, indent=2))
     return out, {**_public(info), "eval_reward": info["eval_rewards"][scoring]}
+
+
+def _cached_info(out: Path) -> dict | None:
+    """The cache entry's ``sft_info.json``, or None when there is no entry. An entry that
+    cannot be read (its info file truncated or missing: a crash, a full disk, someone's
+    hand) is moved aside, not deleted, and trained again."""
+    if not out.exists():
+        return None
+    try:
+        info = json.loads((out / "sft_info.json").read_text())
+        if not isinstance(info, dict):
+            raise ValueError(f"a JSON object expected, got {type(info).__name__}")
+        return info
+    except (OSError, ValueError) as e:  # (json.JSONDecodeError and UnicodeDecodeError too)
+        # (a fresh empty folder, renamed over: two set aside in one second stay apart)
+        aside = Path(tempfile.mkdtemp(prefix=f"{out.name}.unreadable-", dir=out.parent))
+        with contextlib.suppress(FileNotFoundError):  # (another run moved it first)
+            os.rename(out, aside)
+        logger.warning(
+            "warm start: the cache entry %s cannot be read (%s); moved to %s, training "
+            "again (delete it once you no longer need it)",
+            out,
+            e,
+            aside,
+        )
+        return None
 
 
 def _public(info: dict) -> dict:
@@ -153,11 +185,19 @@ def _scoring(cfg: RunConfig) -> str:
 
 
 def _replace_text(path: Path, text: str) -> None:
-    """Write ``path`` whole or not at all (a reader never sees half of it)."""
+    """Write ``path`` whole or not at all (a reader never sees half of it, nor, after a
+    crash, an empty file: the text reaches the disk before the rename)."""
     fd, tmp = tempfile.mkstemp(prefix=path.name + ".", dir=path.parent)
-    with os.fdopen(fd, "w") as f:
-        f.write(text)
-    os.replace(tmp, path)
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
 
 
 def evaluate(cfg: RunConfig, model, tok, prompts: list[Prompt]) -> float:

@@ -59,3 +59,23 @@ def test_count_range_warm_start_learns_from_its_demonstrations(small_config, tmp
     path, info = warm_start(cfg, load_prompts(cfg))
     assert info["cached"] is False and 0 <= info["eval_reward"] <= 1
     assert warm_start(base, load_prompts(base))[0] != path
+
+
+def test_an_unreadable_cache_entry_is_set_aside_and_trained_again(small_config, tmp_path, caplog):
+    """A truncated ``sft_info.json`` (a crash while it was written) neither fails every
+    later run nor is deleted: the entry moves aside, named in a warning, and is rebuilt."""
+    cfg = with_overrides(small_config, [f"sft.cache_dir={tmp_path}", "sft.steps=2"])
+    prompts = load_prompts(cfg)
+    path, _ = warm_start(cfg, prompts)
+    (path / "sft_info.json").write_text('{"cached": fal')
+    with caplog.at_level("WARNING", logger="laminar.sft"):
+        again, info = warm_start(cfg, prompts)
+    assert again == path and info["cached"] is False
+    (aside,) = tmp_path.glob(f"{path.name}.unreadable-*")
+    assert (aside / "sft_info.json").read_text() == '{"cached": fal'  # kept as it was
+    assert str(aside) in caplog.text and "cannot be read" in caplog.text
+    assert warm_start(cfg, prompts)[1]["cached"] is True
+    # a folder with no info file at all (not laminar's, or half-copied by hand): likewise
+    (path / "sft_info.json").unlink()
+    assert warm_start(cfg, prompts)[1]["cached"] is False
+    assert len(list(tmp_path.glob(f"{path.name}.unreadable-*"))) == 2
