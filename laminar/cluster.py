@@ -8,6 +8,8 @@ long as its workers advertise those resources (``dask worker ADDR --resources ro
 
 from __future__ import annotations
 
+import os
+
 from laminar.errors import ClusterError
 
 ROLES = ("data", "trainer", "rollout", "relay")
@@ -105,6 +107,17 @@ def role_cluster(
     environ = worker_environ(torch_threads)
     if protocol != "ucx":  # (the UCX run is checked in its own CI environment only)
         fork_workers_from_a_warm_server()
+    else:
+        spawn_workers_unless_the_user_chose()
+    if dask.config.get("distributed.worker.multiprocessing-method") == "forkserver":
+        # A forked worker starts with the forkserver's environment, from when it started
+        # (this process's first worker); a spawned one would have this process's, now. So
+        # that a variable set since (in a notebook: HF_HOME, LAMINAR_CACHE) reaches the
+        # workers as it would with spawn, the nannies set it in each worker.
+        theirs = {*environ, *dask.config.get("distributed.nanny.environ", {})}
+        current = {k: v for k, v in os.environ.items() if k not in theirs}
+        for spec in specs.values():
+            spec["options"]["env"] = current
     # Dask's statistical profiler samples every thread's stack every 10 ms in every
     # worker; a dozen workers on two cores lose a tenth of a core to it (measured: an
     # idle cluster of 17 workers used 0.37 cores with it, 0.25 without).
@@ -127,6 +140,21 @@ WORKER_PRELOAD = (
 )
 
 
+# Whether laminar, not the user, set the forkserver (see below).
+_FORKSERVER_IS_OURS = False
+
+
+def spawn_workers_unless_the_user_chose() -> None:
+    """Undo :func:`fork_workers_from_a_warm_server` (for clusters over UCX): back to
+    Dask's default, ``spawn``, unless the user chose the method."""
+    global _FORKSERVER_IS_OURS
+    import dask
+
+    if _FORKSERVER_IS_OURS:
+        dask.config.set({"distributed.worker.multiprocessing-method": "spawn"})
+        _FORKSERVER_IS_OURS = False
+
+
 def fork_workers_from_a_warm_server() -> None:
     """Have this process's nannies fork their workers from a forkserver that has imported
     :data:`WORKER_PRELOAD`, instead of spawning fresh interpreters.
@@ -139,8 +167,14 @@ def fork_workers_from_a_warm_server() -> None:
     first worker. Dask reads the
     method when a nanny starts a worker, so this sets
     ``distributed.worker.multiprocessing-method`` for the process, and only if it still
-    has Dask's default (``spawn``): a method you chose yourself is kept. The preload is
-    taken only if the forkserver has not started yet."""
+    has Dask's default (``spawn``) and no Dask config file or ``DASK_*`` variable of
+    yours set it: a method you chose yourself is kept. The preload is
+    taken only if the forkserver has not started yet.
+
+    A forked worker would start with the forkserver's environment; :func:`role_cluster`
+    has its nannies set this process's current one in it, as spawn would have (a variable
+    *removed* since still reaches the worker). Clusters over UCX undo this setting
+    (:func:`spawn_workers_unless_the_user_chose`)."""
     import multiprocessing as mp
 
     import dask
@@ -149,9 +183,27 @@ def fork_workers_from_a_warm_server() -> None:
     key = "distributed.worker.multiprocessing-method"
     if dask.config.get(key) != "spawn" or "forkserver" not in mp.get_all_start_methods():
         return  # (no forkserver: Windows)
+    if _set_in_users_config(key):  # "spawn" from a YAML file or a DASK_ variable: theirs
+        return
+    global _FORKSERVER_IS_OURS
     dask.config.set({key: "forkserver"})
+    _FORKSERVER_IS_OURS = True
     get_mp_context()  # Dask sets its own preload list on its first call: ours replaces it
     mp.get_context("forkserver").set_forkserver_preload(list(WORKER_PRELOAD))
+
+
+def _set_in_users_config(key: str) -> bool:
+    """Whether the user's Dask config files or ``DASK_*`` variables set ``key`` (whatever
+    the value: one equal to Dask's default is still their choice)."""
+    import dask
+
+    node = dask.config.collect()
+    for part in key.split("."):
+        names = {k.replace("_", "-"): k for k in node} if isinstance(node, dict) else {}
+        if part.replace("_", "-") not in names:
+            return False
+        node = node[names[part.replace("_", "-")]]
+    return True
 
 
 def worker_environ(torch_threads: int = 1) -> dict[str, str]:

@@ -1,3 +1,5 @@
+import multiprocessing
+
 import pytest
 
 from laminar.cluster import place, scheduler_workers, worker_alive, workers_with
@@ -60,20 +62,22 @@ def test_local_workers_start_warm_with_the_nannies_environment(cluster_client):
     to import them each), and still see the pre-spawn environment and single-threaded
     torch that a spawned worker would."""
 
-    def state() -> dict:
-        import os
+    from laminar.cluster import WORKER_PRELOAD
+
+    def state(preload) -> dict:
         import sys
+
+        preloaded = all(m in sys.modules for m in preload)  # before this imports any
+        import os
         from pathlib import Path
 
         import torch
-
-        from laminar.cluster import WORKER_PRELOAD
 
         parent = Path(f"/proc/{os.getppid()}/cmdline").read_bytes().replace(b"\0", b" ")
         return {
             "parent": os.getppid(),
             "from_forkserver": b"forkserver" in parent,
-            "preloaded": all(m in sys.modules for m in WORKER_PRELOAD),
+            "preloaded": preloaded,
             "omp": os.environ.get("OMP_NUM_THREADS"),
             "malloc_trim": os.environ.get("MALLOC_TRIM_THRESHOLD_"),
             "torch_threads": torch.get_num_threads(),
@@ -81,7 +85,7 @@ def test_local_workers_start_warm_with_the_nannies_environment(cluster_client):
 
     import os
 
-    states = cluster_client.run(state)
+    states = cluster_client.run(state, list(WORKER_PRELOAD))
     assert len(states) == 3
     assert len({s["parent"] for s in states.values()}) == 1  # one server forked them all
     for s in states.values():
@@ -136,15 +140,51 @@ def test_actor_handles_stay_bound_to_their_clients_cluster():
             assert client.run_on_scheduler(task_state, key=counter.key) == "memory"
 
 
-def test_a_multiprocessing_method_the_user_chose_is_kept():
+@pytest.mark.skipif(
+    "forkserver" not in multiprocessing.get_all_start_methods(), reason="no forkserver here"
+)
+def test_a_multiprocessing_method_the_user_chose_is_kept(monkeypatch):
     import dask
 
-    from laminar.cluster import fork_workers_from_a_warm_server
+    from laminar.cluster import fork_workers_from_a_warm_server, spawn_workers_unless_the_user_chose
 
     key = "distributed.worker.multiprocessing-method"
     with dask.config.set({key: "fork"}):
         fork_workers_from_a_warm_server()
         assert dask.config.get(key) == "fork"
+        spawn_workers_unless_the_user_chose()  # (for UCX) it was not laminar's: kept
+        assert dask.config.get(key) == "fork"
     with dask.config.set({key: "spawn"}):  # Dask's default: laminar's choice
         fork_workers_from_a_warm_server()
         assert dask.config.get(key) == "forkserver"
+        spawn_workers_unless_the_user_chose()  # laminar's: undone
+        assert dask.config.get(key) == "spawn"
+    # "spawn" from the environment (or a config file) is the user's, though it is the default
+    monkeypatch.setenv("DASK_DISTRIBUTED__WORKER__MULTIPROCESSING_METHOD", "spawn")
+    with dask.config.set({key: "spawn"}):
+        fork_workers_from_a_warm_server()
+        assert dask.config.get(key) == "spawn"
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(
+    "forkserver" not in multiprocessing.get_all_start_methods(), reason="no forkserver here"
+)
+def test_a_variable_set_after_the_forkserver_started_reaches_the_next_clusters_workers(
+    monkeypatch,
+):
+    """Forked workers get this process's environment of the moment their cluster starts
+    (a notebook that sets HF_HOME between two runs), not the forkserver's."""
+    from distributed import Client
+
+    from laminar.cluster import role_cluster
+
+    def mark():
+        import os
+
+        return os.environ.get("LAMINAR_TEST_MARK")
+
+    for value in ("first", "second"):
+        monkeypatch.setenv("LAMINAR_TEST_MARK", value)
+        with role_cluster({"w": {"rollout": 1}}, name=f"env-{value}") as c, Client(c) as client:
+            assert list(client.run(mark).values()) == [value]
