@@ -150,8 +150,9 @@ def spawn_workers_unless_the_user_chose() -> None:
     global _FORKSERVER_IS_OURS
     import dask
 
-    if _FORKSERVER_IS_OURS:
-        dask.config.set({"distributed.worker.multiprocessing-method": "spawn"})
+    key = "distributed.worker.multiprocessing-method"
+    if _FORKSERVER_IS_OURS and dask.config.get(key) == "forkserver":
+        dask.config.set({key: "spawn"})
         _FORKSERVER_IS_OURS = False
 
 
