@@ -724,20 +724,28 @@ def _search_result(cluster, arms, splits, probes, root):
         samples={},
         columns=["schedule", "replicas", "trainer_gpus", "probe_throughput", "probes (R: tok/s)"],
         rows=rows,
-        options={
-            "gpus": cluster.gpus,
-            "seeds": 0,
-            "splits": splits,
-            "probes": {arm: {str(r): v for r, v in seen.items()} for arm, seen in probes.items()},
-            "workload": WORKLOAD,
-            "runs": str(root),
-        },
+        options=_options(cluster, splits, probes, root, seeds=0),
         notes=[
             f"{cluster.gpus} emulated H800 GPUs: the split search alone (--seeds 0), probes "
             "of seed 0 in the probes' order; run with --splits ARM=R to measure at these; "
             "no table or plots beside the JSON (nothing was measured at the splits)"
         ],
     )
+
+
+def _options(cluster, splits, probes, root, **more) -> dict:
+    """What a result records of how it was made: cluster shape, scales, splits, every probe."""
+    return {
+        "gpus": cluster.gpus,
+        "dilation": cluster.dilation,
+        "length_scale": LENGTH_SCALE,
+        "request_scale": REQUEST_SCALE,
+        "splits": splits,
+        "probes": {arm: {str(r): v for r, v in seen.items()} for arm, seen in probes.items()},
+        "workload": WORKLOAD,
+        "runs": str(root),
+        **more,
+    }
 
 
 def _result(cluster, arms, results, splits, probes, reward_threshold, root, locals_):
@@ -787,17 +795,7 @@ def _result(cluster, arms, results, splits, probes, reward_threshold, root, loca
         samples=samples,
         columns=["schedule"] + TABLE,
         rows=[[arm] + [med[arm][c] for c in TABLE] for arm in arms],
-        options={
-            "gpus": cluster.gpus,
-            "dilation": cluster.dilation,
-            "length_scale": LENGTH_SCALE,
-            "request_scale": REQUEST_SCALE,
-            "splits": splits,
-            "probes": {arm: {str(r): v for r, v in seen.items()} for arm, seen in probes.items()},
-            "workload": WORKLOAD,
-            "runs": str(root),
-            **locals_,
-        },
+        options=_options(cluster, splits, probes, root, **locals_),
         notes=[
             f"{cluster.gpus} emulated H800 GPUs (TP4 replicas; sync colocated on all); "
             f"modelled units of the full-size cluster; medians over {locals_['seeds']} seeds",
