@@ -77,6 +77,9 @@ class SFTConfig(_Section):
     cache_dir: str | None = None  # default: ~/.cache/laminar
 
 
+_TIME_MODEL_FIELDS = ("t_fix", "bw_efficiency", "kv_efficiency", "decode_mfu", "prefill_mfu")
+
+
 class PacingConfig(_Section):
     """Emulated accelerator timing for every rollout engine (see docs/pacing.md)."""
 
@@ -96,14 +99,27 @@ class PacingConfig(_Section):
     # Modelled seconds a rollout waits when it loads a version from its relay (host to
     # device over PCIe; the shared cluster model: 1 s for a 7B model). 0: only real time.
     pull_s: float = Field(0.0, ge=0)
+    # The time model's constants (docs/pacing.md), e.g. as `laminar bench pacing` measured
+    # them on a GPU; None: laminar.pacing.TimeModel's defaults.
+    t_fix: float | None = Field(None, ge=0)  # seconds per decode step
+    bw_efficiency: float | None = Field(None, gt=0, le=1)  # of HBM bandwidth, weights
+    kv_efficiency: float | None = Field(None, gt=0, le=1)  # of HBM bandwidth, KV reads
+    decode_mfu: float | None = Field(None, gt=0, le=1)  # of peak FLOPs, decode
+    prefill_mfu: float | None = Field(None, gt=0, le=1)  # of peak FLOPs, prefill
+
+    def time_model(self):
+        """The :class:`~laminar.pacing.TimeModel` of one replica, with the constants set."""
+        from laminar.pacing import TimeModel
+
+        kw = {k: getattr(self, k) for k in _TIME_MODEL_FIELDS if getattr(self, k) is not None}
+        return TimeModel.named(self.accelerator, self.model, self.tp, **kw)
 
     @model_validator(mode="after")
     def _known(self) -> PacingConfig:
         from laminar.errors import LaminarError
-        from laminar.pacing import TimeModel
 
         try:
-            _ = TimeModel.named(self.accelerator, self.model, self.tp).kv_capacity_tokens
+            _ = self.time_model().kv_capacity_tokens
         except LaminarError as e:
             raise ValueError(str(e)) from None
         return self

@@ -240,11 +240,11 @@ def make_engine(rollout, policy_dir: str, *, seed: int, version: int = 0) -> Eng
 
     pacer = None
     if rollout.pacing is not None:
-        from laminar.pacing import Pacer, TimeModel
+        from laminar.pacing import Pacer
 
         p = rollout.pacing
         pacer = Pacer(
-            TimeModel.named(p.accelerator, p.model, p.tp),
+            p.time_model(),
             p.dilation,
             strict=p.strict,
             fused_prefill=p.prefill == "fused",

@@ -53,9 +53,7 @@ def repack_max_batch(cfg: RunConfig) -> int:
     limit = cfg.rollout.max_batch
     pacing = cfg.rollout.pacing
     if pacing is not None:
-        from laminar.pacing import TimeModel
-
-        model = TimeModel.named(pacing.accelerator, pacing.model, tp=pacing.tp)
+        model = pacing.time_model()
         # in real requests: each stands for request_scale modelled ones
         limit = min(limit, max(2, int(model.batch_limit / pacing.request_scale)))
     return limit

@@ -9,7 +9,7 @@ under-used — which is what the schedules are compared on.
 The model (a roofline with fixed costs; constants and sources in ``docs/pacing.md``)::
 
     decode(b, S) = t_fix + max(W / (tp·BW·η_bw), b · F / (tp·FLOPS·η_dec)) + c_seq·b
-                   + S · kv / (tp·BW·η_bw)
+                   + S · kv / (tp·BW·η_kv)
     prefill(n)   = n · F / (tp·FLOPS·η_pre)
 
 ``b`` requests decoding one token each over ``S`` context tokens in all; ``W`` the weight
@@ -125,6 +125,7 @@ class TimeModel:
     t_fix: float = 2e-3  # launches, all-reduces, scheduler, per step
     c_seq: float = 2e-6  # per sequence per step (sampling, bookkeeping)
     bw_efficiency: float = 0.9
+    kv_efficiency: float | None = None  # of HBM bandwidth for the KV read; None: bw_efficiency
     decode_mfu: float = 0.5
     prefill_mfu: float = 0.6
     memory_utilization: float = 0.9  # of HBM given to weights + KV
@@ -142,6 +143,11 @@ class TimeModel:
     @property
     def _bw(self) -> float:
         return self.tp * self.accelerator.mem_bw * self.bw_efficiency
+
+    @property
+    def _kv_bw(self) -> float:
+        eff = self.bw_efficiency if self.kv_efficiency is None else self.kv_efficiency
+        return self.tp * self.accelerator.mem_bw * eff
 
     @property
     def weight_read_time(self) -> float:
@@ -172,7 +178,7 @@ class TimeModel:
         """Seconds for one decode step of ``batch`` requests over ``context_tokens`` of KV."""
         if batch <= 0:
             return 0.0
-        kv_read = context_tokens * self.model.kv_bytes_per_token / self._bw
+        kv_read = context_tokens * self.model.kv_bytes_per_token / self._kv_bw
         body = max(self.weight_read_time, batch * self.compute_per_sequence)
         return self.t_fix + body + self.c_seq * batch + kv_read
 
@@ -203,7 +209,7 @@ class TimeModel:
             return self.decode_time(batch, context_tokens) + self.prefill_time(prefill_tokens)
         if batch <= 0 and prefill_tokens <= 0:
             return 0.0
-        kv_read = context_tokens * self.model.kv_bytes_per_token / self._bw
+        kv_read = context_tokens * self.model.kv_bytes_per_token / self._kv_bw
         compute = batch * self.compute_per_sequence + self.prefill_time(prefill_tokens)
         return self.t_fix + max(self.weight_read_time, compute) + self.c_seq * batch + kv_read
 
