@@ -9,7 +9,8 @@ a table on stdout and, with ``--out``, JSON holding ``figures`` (name -> median)
 Benchmarks: ``engine`` (generation throughput of each engine and of HF ``generate``),
 ``relay`` (pipelined chain broadcast vs its model), ``repack`` (repack on vs off),
 ``soak`` (a long run with a random worker killed every minute; docs/faults.md),
-``schedules`` (the five schedules on one emulated cluster; docs/benchmarks.md).
+``schedules`` (the five schedules on one emulated cluster; docs/benchmarks.md),
+``pacing`` (the pacing model's constants measured on a real accelerator; docs/pacing.md).
 """
 
 from __future__ import annotations
@@ -255,6 +256,12 @@ def _bench_schedules(from_runs: bool = False, **options) -> BenchResult:
     return bench_schedules(**options)
 
 
+def _bench_pacing(**options) -> BenchResult:
+    from pipelines.bench_pacing import bench_pacing
+
+    return bench_pacing(**options)
+
+
 def _bench_soak(**options) -> BenchResult:
     from pipelines.bench_soak import bench_soak
 
@@ -267,6 +274,7 @@ BENCHES: dict[str, Callable[..., BenchResult]] = {
     "repack": _bench_repack,
     "soak": _bench_soak,
     "schedules": _bench_schedules,
+    "pacing": _bench_pacing,
 }
 
 
@@ -277,6 +285,7 @@ _TARGETS = {
     "repack": ("pipelines.bench_repack", "bench_repack"),
     "soak": ("pipelines.bench_soak", "bench_soak"),
     "schedules": ("pipelines.bench_schedules", "bench_schedules"),
+    "pacing": ("pipelines.bench_pacing", "bench_pacing"),
 }
 
 
@@ -306,6 +315,10 @@ _FLAGS = {
     "runs_dir": "--runs-dir",
     "from_runs": "--from-runs",
     "model": "--model",
+    "contexts": "--contexts",
+    "accelerator": "--accelerator",
+    "layers": "--layers",
+    "tp": "--tp",
 }
 
 

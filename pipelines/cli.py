@@ -337,6 +337,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
         options["repeats"] = args.repeats
     if args.batches:
         options["batches"] = tuple(int(b) for b in args.batches.split(","))
+    if args.contexts:
+        options["contexts"] = tuple(int(c) for c in args.contexts.split(","))
     if args.new_tokens is not None:
         options["new_tokens"] = args.new_tokens
     if args.threads is not None:
@@ -353,7 +355,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
         options["duration_s"] = args.duration_s
     if args.kill_every_s is not None:
         options["kill_every_s"] = args.kill_every_s
-    for key in ("gpus", "seeds", "warmup", "iterations", "reward_threshold", "runs_dir", "model"):
+    keys = ("gpus", "seeds", "warmup", "iterations", "reward_threshold", "runs_dir", "model")
+    for key in keys + ("accelerator", "layers", "tp"):
         if getattr(args, key) is not None:
             options[key] = getattr(args, key)
     if args.no_search:
@@ -422,12 +425,25 @@ def main(argv: list[str] | None = None) -> int:
     bench = sub.add_parser("bench", help="a benchmark: prints a table, writes figures + ratios")
     bench.add_argument(
         "name",
-        choices=["engine", "relay", "repack", "soak", "schedules"],
+        choices=["engine", "relay", "repack", "soak", "schedules", "pacing"],
         help="which benchmark",
     )
     bench.add_argument("--out", metavar="FILE.json", help="write figures, ratios and samples")
     bench.add_argument("--repeats", type=int, help="measurements of each figure (median)")
-    bench.add_argument("--batches", help="engine: comma-separated batch sizes (1,16,64,256)")
+    bench.add_argument(
+        "--batches", help="engine, pacing: comma-separated batch sizes (engine: 1,16,64,256)"
+    )
+    bench.add_argument(
+        "--contexts", help="pacing: comma-separated KV tokens per sequence (256,1024,4096)"
+    )
+    bench.add_argument(
+        "--accelerator",
+        help="pacing: the datasheet efficiencies are taken against (default: the device's name)",
+    )
+    bench.add_argument("--layers", type=int, help="pacing: decoder layers built (the model's)")
+    bench.add_argument(
+        "--tp", type=int, help="pacing: time one device's shard of a TP-N replica (1)"
+    )
     bench.add_argument("--new-tokens", type=int, help="engine: tokens per request (200)")
     bench.add_argument("--threads", type=int, help="torch threads (1)")
     bench.add_argument("--vllm-python", help="engine: the vLLM environment's python")
@@ -464,7 +480,8 @@ def main(argv: list[str] | None = None) -> int:
     bench.add_argument(
         "--model",
         choices=sorted(MODELS),
-        help="repack: the model the replicas serve (7B; 32B is the paper's repack experiment's)",
+        help="repack: the model the replicas serve (7B; 32B is the paper's repack experiment's); "
+        "pacing: the decoder's shape (7B)",
     )
     bench.add_argument(
         "--seeds", type=int, help="schedules: seeds per schedule (3); 0: search the splits only"
