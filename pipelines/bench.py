@@ -319,6 +319,7 @@ _FLAGS = {
     "accelerator": "--accelerator",
     "layers": "--layers",
     "tp": "--tp",
+    "split_kv": "--split-kv",
 }
 
 

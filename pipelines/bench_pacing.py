@@ -243,13 +243,50 @@ def fit_decode(times: dict[tuple[int, int], float]) -> DecodeFit:
 # ----------------------------------------------------------------------- the decoder
 
 
+def _flash_with_lse(q, k, v):
+    """Flash attention's output and log-sum-exp per query row (float32)."""
+    import torch
+
+    if q.is_cuda:
+        out = torch.ops.aten._scaled_dot_product_flash_attention(q, k, v)
+    else:
+        out = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v)
+    return out[0], out[1]
+
+
+def split_kv_attention(q, k, v, n: int):
+    """Decode attention with each sequence's KV split into ``n`` chunks attended at once
+    (split-KV, "flash-decoding", as serving engines' decode kernels do) and merged by
+    their log-sum-exp. It gives a kernel ``n`` times the blocks when few sequences and
+    KV heads leave the device's multiprocessors idle. ``q`` ``(b, h, rows, d)``,
+    ``k``/``v`` ``(b, h, s, d)`` contiguous, ``s`` a multiple of ``n``: the chunks are
+    views, nothing of the KV is copied.
+
+    >>> import torch, torch.nn.functional as F
+    >>> q, k, v = torch.randn(2, 3, 7, 16), torch.randn(2, 3, 64, 16), torch.randn(2, 3, 64, 16)
+    >>> whole = F.scaled_dot_product_attention(q, k, v)
+    >>> bool(torch.allclose(split_kv_attention(q, k, v, 4), whole, atol=1e-5))
+    True
+    """
+    b, h, rows, d = q.shape
+    s = k.shape[2]
+    qn = q.unsqueeze(2).expand(b, h, n, rows, d).reshape(b, h * n, rows, d)
+    # (b, h, s, d) -> (b, h·n, s/n, d): a contiguous split of s, a view
+    out, lse = _flash_with_lse(qn, k.view(b, h * n, s // n, d), v.view(b, h * n, s // n, d))
+    out, lse = out.view(b, h, n, rows, d), lse.view(b, h, n, rows)
+    weight = (lse - lse.amax(dim=2, keepdim=True)).exp()
+    weight = weight / weight.sum(dim=2, keepdim=True)
+    return (out.float() * weight.unsqueeze(-1)).sum(dim=2).to(out.dtype)
+
+
 class _Decoder:
     """Random weights of ``arch`` on ``device``, and its forward passes."""
 
-    def __init__(self, arch: Arch, device, dtype, seed: int = 0):
+    def __init__(self, arch: Arch, device, dtype, seed: int = 0, split_kv: int = 1):
         import torch
 
         self.arch, self.device, self.dtype = arch, device, dtype
+        self.split_kv = split_kv
         gen = torch.Generator(device=device).manual_seed(seed)
 
         def weight(*shape):
@@ -305,7 +342,11 @@ class _Decoder:
                 vc[:, :, -1] = v.view(b, a.kv_heads, a.head_dim)
                 # GQA at one query position: a KV head's group of query heads are its
                 # query rows, so a plain (flash) attention call does it.
-                o = F.scaled_dot_product_attention(q.view(b, a.kv_heads, group, a.head_dim), kc, vc)
+                q = q.view(b, a.kv_heads, group, a.head_dim)
+                if self.split_kv > 1 and kc.shape[2] % self.split_kv == 0:
+                    o = split_kv_attention(q, kc, vc, self.split_kv)
+                else:
+                    o = F.scaled_dot_product_attention(q, kc, vc)
                 return o.reshape(b, a.heads * a.head_dim)
 
             x = self._layer(w, x, attend)
@@ -517,6 +558,7 @@ def bench_pacing(
     train_tokens: int | None = None,
     repeats: int = 3,
     steps: int = 10,
+    split_kv: int = 1,
     arch: Arch | None = None,
 ):
     """The pacing bench; see the module docstring. ``model``: a name in ``ARCHS``;
@@ -530,7 +572,10 @@ def bench_pacing(
     ``batches`` × ``contexts``: the decode grid (points whose KV does not fit are
     skipped and reported); ``prefills``: prompt lengths prefilled; ``train_tokens``: the
     training step's tokens (both default to less on a CPU); ``steps``: decode steps timed
-    per repeat; ``arch``: a shape of your own (Python only; ``model`` then only names it)."""
+    per repeat; ``split_kv``: decode attention splits each sequence's KV into that many
+    chunks (:func:`split_kv_attention`, as serving engines' decode kernels do; 1: one
+    flash call); ``arch``: a shape of your own (Python only; ``model`` then only names
+    it)."""
     import torch
 
     from laminar.errors import ConfigError
@@ -556,6 +601,11 @@ def bench_pacing(
         arch = arch.with_layers(layers)
     if tp < 1:
         raise ConfigError(f"laminar bench pacing: --tp must be ≥ 1, got {tp}")
+    if split_kv < 1 or any(s % split_kv for s in contexts):
+        raise ConfigError(
+            f"laminar bench pacing: --split-kv {split_kv} must be ≥ 1 and divide every "
+            f"context ({', '.join(map(str, contexts))})"
+        )
     if min(repeats, steps, train_layers, train_tokens) < 1:
         raise ConfigError("laminar bench pacing: repeats, steps, train_layers, train_tokens ≥ 1")
 
@@ -569,7 +619,7 @@ def bench_pacing(
     timer = _Timer(device)
     built = arch.shard(tp) if tp > 1 else arch
     torch.manual_seed(0)
-    dec = _Decoder(built, device, dtype)
+    dec = _Decoder(built, device, dtype, split_kv=split_kv)
     decode, skipped, modes = measure_decode(dec, batches, contexts, repeats, steps, timer)
     if not decode:
         raise ConfigError(
@@ -586,7 +636,9 @@ def bench_pacing(
     # tells the fixed cost per step from the weight read (split_fixed).
     narrow = built.narrow(4)
     b0, c0 = min(batches), min(contexts)
-    probe, _, _ = measure_decode(_Decoder(narrow, device, dtype), [b0], [c0], repeats, steps, timer)
+    probe, _, _ = measure_decode(
+        _Decoder(narrow, device, dtype, split_kv=split_kv), [b0], [c0], repeats, steps, timer
+    )
     if cuda:
         torch.cuda.empty_cache()
 
@@ -706,7 +758,8 @@ def bench_pacing(
 
     notes = [
         f"{device_name}, {dtype}, torch {torch.__version__}; "
-        f"decode steps: {'/'.join(sorted(modes))}",
+        f"decode steps: {'/'.join(sorted(modes))}"
+        + (f", attention split-KV in {split_kv} chunks" if split_kv > 1 else ""),
         f"decoder: {arch.layers} layers, {arch.params / 1e9:.2f} B params"
         + (f", one device's shard of TP{tp}" if tp > 1 else "")
         + f" ({read_bytes / 1e9:.1f} GB read per decode step)",
@@ -750,6 +803,7 @@ def bench_pacing(
             "dtype": str(dtype),
             "layers": arch.layers,
             "tp": tp,
+            "split_kv": split_kv,
             "batches": list(batches),
             "contexts": list(contexts),
             "prefills": list(prefills),

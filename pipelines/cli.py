@@ -356,7 +356,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     if args.kill_every_s is not None:
         options["kill_every_s"] = args.kill_every_s
     keys = ("gpus", "seeds", "warmup", "iterations", "reward_threshold", "runs_dir", "model")
-    for key in keys + ("accelerator", "layers", "tp"):
+    for key in keys + ("accelerator", "layers", "tp", "split_kv"):
         if getattr(args, key) is not None:
             options[key] = getattr(args, key)
     if args.no_search:
@@ -443,6 +443,11 @@ def main(argv: list[str] | None = None) -> int:
     bench.add_argument("--layers", type=int, help="pacing: decoder layers built (the model's)")
     bench.add_argument(
         "--tp", type=int, help="pacing: time one device's shard of a TP-N replica (1)"
+    )
+    bench.add_argument(
+        "--split-kv",
+        type=int,
+        help="pacing: decode attention splits each sequence's KV into N chunks (1)",
     )
     bench.add_argument("--new-tokens", type=int, help="engine: tokens per request (200)")
     bench.add_argument("--threads", type=int, help="torch threads (1)")

@@ -123,6 +123,34 @@ def test_the_bench_runs_here_and_its_constants_load_as_config(tmp_path):
     assert any("--set rollout.pacing." in n for n in result.notes)
 
 
+def test_split_kv_attention_equals_one_attention_call_and_runs_in_the_bench():
+    import torch
+    import torch.nn.functional as F
+
+    from pipelines.bench_pacing import split_kv_attention
+
+    q, k, v = torch.randn(3, 2, 7, 16), torch.randn(3, 2, 128, 16), torch.randn(3, 2, 128, 16)
+    whole = F.scaled_dot_product_attention(q, k, v)
+    for n in (2, 8, 128):
+        assert torch.allclose(split_kv_attention(q, k, v, n), whole, atol=1e-5), n
+    result = run_bench(
+        "pacing",
+        None,
+        model="tiny",
+        arch=TINY,
+        accelerator="H200",
+        split_kv=4,
+        batches=(1, 4),
+        contexts=(8, 16),
+        prefills=(16,),
+        repeats=1,
+        steps=1,
+        train_tokens=32,
+    )
+    assert result.options["split_kv"] == 4
+    assert any("split-KV in 4 chunks" in n for n in result.notes)
+
+
 def test_a_shard_run_times_one_device_and_skips_training():
     result = run_bench(
         "pacing",
@@ -150,6 +178,7 @@ def test_a_shard_run_times_one_device_and_skips_training():
         ({"batches": (0, 8)}, "--batches must be positive"),
         ({"tp": 0}, "--tp must be ≥ 1"),
         ({"layers": 0}, "--layers must be ≥ 1"),
+        ({"split_kv": 3, "contexts": (256, 1024)}, "--split-kv 3 must be ≥ 1 and divide"),
     ],
 )
 def test_bad_options_are_refused_naming_the_flag(options, message):
