@@ -24,6 +24,23 @@ from pipelines.cli import main
 TINY = Arch(hidden=128, intermediate=256, heads=8, kv_heads=4, head_dim=16, layers=2, vocab=512)
 
 
+def _quick_run(**options):
+    """The bench on the tiny decoder, one repeat of one step per point."""
+    return run_bench(
+        "pacing",
+        None,
+        model="tiny",
+        arch=TINY,
+        accelerator="H200",
+        batches=(1, 4),
+        contexts=(8, 16),
+        prefills=(16,),
+        repeats=1,
+        steps=1,
+        **options,
+    )
+
+
 def _grid(model: TimeModel, batches=BATCHES, contexts=CONTEXTS):
     return {(b, s): model.decode_time(b, b * s) for b in batches for s in contexts}
 
@@ -133,38 +150,13 @@ def test_split_kv_attention_equals_one_attention_call_and_runs_in_the_bench():
     whole = F.scaled_dot_product_attention(q, k, v)
     for n in (2, 8, 128):
         assert torch.allclose(split_kv_attention(q, k, v, n), whole, atol=1e-5), n
-    result = run_bench(
-        "pacing",
-        None,
-        model="tiny",
-        arch=TINY,
-        accelerator="H200",
-        split_kv=4,
-        batches=(1, 4),
-        contexts=(8, 16),
-        prefills=(16,),
-        repeats=1,
-        steps=1,
-        train_tokens=32,
-    )
+    result = _quick_run(split_kv=4, train_tokens=32)
     assert result.options["split_kv"] == 4
     assert any("split-KV in 4 chunks" in n for n in result.notes)
 
 
 def test_a_shard_run_times_one_device_and_skips_training():
-    result = run_bench(
-        "pacing",
-        None,
-        model="tiny",
-        arch=TINY,
-        accelerator="H200",
-        tp=2,
-        batches=(1, 4),
-        contexts=(8, 16),
-        prefills=(16,),
-        repeats=1,
-        steps=1,
-    )
+    result = _quick_run(tp=2)
     assert result.options["tp"] == 2
     assert result.figures["train_tok_s_per_gpu"] is None
     assert any("shard of TP2" in n for n in result.notes)
