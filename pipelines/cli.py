@@ -438,7 +438,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     bench.add_argument(
         "--accelerator",
-        help="pacing: the datasheet efficiencies are taken against (default: the device's name)",
+        help="pacing: the accelerator whose datasheet the efficiencies are taken against "
+        "(default: the one the device's name says)",
     )
     bench.add_argument("--layers", type=int, help="pacing: decoder layers built (the model's)")
     bench.add_argument(
