@@ -40,7 +40,7 @@ from __future__ import annotations
 import statistics
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 BATCHES = (1, 8, 32, 64, 128, 256, 512, 1024)
 CONTEXTS = (256, 1024, 4096)  # KV tokens per sequence
@@ -76,21 +76,15 @@ class Arch:
         return self.layers * self.layer_params + self.vocab * self.hidden * (1 if self.tied else 2)
 
     def with_layers(self, layers: int) -> Arch:
-        return Arch(**{**self.__dict__, "layers": layers})
+        return replace(self, layers=layers)
 
     def narrow(self, f: int) -> Arch:
         """The same layers and kernels with an MLP and vocabulary ``f`` times narrower:
         a decode step reads less, launches as much (:func:`split_fixed`)."""
-        return Arch(
-            **{
-                **self.__dict__,
-                "intermediate": -(-self.intermediate // f),
-                "vocab": -(-self.vocab // f),
-            }
-        )
+        return replace(self, intermediate=-(-self.intermediate // f), vocab=-(-self.vocab // f))
 
     @property
-    def read_bytes_per_element(self) -> int:
+    def decode_read_elements(self) -> int:
         """Weight elements a decode step reads: every layer and the LM head (the
         embedding only at the batch's rows)."""
         return self.layers * self.layer_params + self.vocab * self.hidden
@@ -111,20 +105,21 @@ class Arch:
                 raise ConfigError(f"laminar bench pacing: --tp {tp} does not divide {what} {n}")
         if (self.heads // tp) % kv:
             raise ConfigError(f"laminar bench pacing: --tp {tp} splits KV heads unevenly")
-        return Arch(
-            **{
-                **self.__dict__,
-                "intermediate": self.intermediate // tp,
-                "heads": self.heads // tp,
-                "kv_heads": kv,
-                "vocab": -(-self.vocab // tp),
-            }
+        return replace(
+            self,
+            intermediate=self.intermediate // tp,
+            heads=self.heads // tp,
+            kv_heads=kv,
+            vocab=-(-self.vocab // tp),
         )
 
-    def shape(self, name: str):
+    def shape(self, name: str, bytes_per_value: int = 2):
+        """The :class:`~laminar.pacing.ModelShape` the time model takes for this decoder."""
         from laminar.pacing import ModelShape
 
-        return ModelShape(name, self.params, self.layers, self.kv_heads, self.head_dim)
+        return ModelShape(
+            name, self.params, self.layers, self.kv_heads, self.head_dim, bytes_per_value
+        )
 
 
 # The Qwen2.5 configurations behind laminar.pacing.MODELS (params agree to 1%).
@@ -426,7 +421,7 @@ def _kv_capacity(arch: Arch, device, dtype, want: int) -> int:
     if device.type != "cuda":
         return want
     free, _ = torch.cuda.mem_get_info(device)
-    per_token = 2 * arch.layers * arch.kv_heads * arch.head_dim * torch.finfo(dtype).bits // 8
+    per_token = arch.shape("", torch.finfo(dtype).bits // 8).kv_bytes_per_token
     return min(want, int(free * KV_SHARE // per_token))
 
 
@@ -488,17 +483,16 @@ def measure_train(model: _Decoder, layers: int, tokens: int, repeats: int, timer
 
     a = model.arch
     seq = min(tokens, 4096)
-    ids = torch.zeros((max(tokens // seq, 1), seq), dtype=torch.long, device=model.device)
+    rows = max(tokens // seq, 1)
     trained = [
         {k: w.detach().requires_grad_() for k, w in lw.items()} for lw in model.layers[:layers]
     ]
     head = model.lm_head.detach().requires_grad_()
-    hidden = torch.randn(
-        (ids.shape[0], seq, a.hidden), device=model.device, dtype=model.dtype
-    ).requires_grad_()
-    labels = torch.zeros(ids.numel(), dtype=torch.long, device=model.device)
+    hidden = torch.randn((rows, seq, a.hidden), device=model.device, dtype=model.dtype)
+    hidden.requires_grad_()
+    labels = torch.zeros(rows * seq, dtype=torch.long, device=model.device)
 
-    attend = _causal_attention(a, ids.shape)
+    attend = _causal_attention(a, (rows, seq))
 
     def layers_step():
         x = hidden
@@ -579,7 +573,7 @@ def bench_pacing(
     import torch
 
     from laminar.errors import ConfigError
-    from laminar.pacing import ACCELERATORS, MODELS, ModelShape, TimeModel, TrainerTimeModel
+    from laminar.pacing import ACCELERATORS, MODELS, TimeModel, TrainerTimeModel
     from pipelines.bench import BenchResult
 
     cuda = torch.cuda.is_available()
@@ -615,7 +609,7 @@ def bench_pacing(
     acc = accelerator or accelerator_of(device_name)
     size = torch.finfo(dtype).bits // 8
 
-    shape = ModelShape(model, arch.params, arch.layers, arch.kv_heads, arch.head_dim, size)
+    shape = arch.shape(model, size)
     timer = _Timer(device)
     built = arch.shard(tp) if tp > 1 else arch
     torch.manual_seed(0)
@@ -646,11 +640,11 @@ def bench_pacing(
     fit = fit_decode(med)
     t0_narrow = statistics.median(probe[(b0, c0)]) - fit.k * b0 * c0
     t_fix, weight_bw = split_fixed(
-        fit.t0, t0_narrow, built.read_bytes_per_element, narrow.read_bytes_per_element, size
+        fit.t0, t0_narrow, built.decode_read_elements, narrow.decode_read_elements, size
     )
     flops_token = shape.flops_per_token
-    read_bytes = built.read_bytes_per_element * size
-    kv_bytes = 2 * built.layers * built.kv_heads * built.head_dim * size  # per token, a device
+    read_bytes = built.decode_read_elements * size
+    kv_bytes = built.shape(model, size).kv_bytes_per_token  # per token, one device
     train_tok_s, layer_s, head_s = None, None, None
     if train:
         layer_s = statistics.median(train["layers"]) / train_layers

@@ -355,8 +355,19 @@ def cmd_bench(args: argparse.Namespace) -> int:
         options["duration_s"] = args.duration_s
     if args.kill_every_s is not None:
         options["kill_every_s"] = args.kill_every_s
-    keys = ("gpus", "seeds", "warmup", "iterations", "reward_threshold", "runs_dir", "model")
-    for key in keys + ("accelerator", "layers", "tp", "split_kv"):
+    for key in (
+        "gpus",
+        "seeds",
+        "warmup",
+        "iterations",
+        "reward_threshold",
+        "runs_dir",
+        "model",
+        "accelerator",
+        "layers",
+        "tp",
+        "split_kv",
+    ):
         if getattr(args, key) is not None:
             options[key] = getattr(args, key)
     if args.no_search:
