@@ -275,6 +275,10 @@ class RelayConfig(_Section):
     t_byte: float | None = Field(None, gt=0)  # seconds per byte, one hop
     t_start: float | None = Field(None, ge=0)  # seconds per chunk call, one hop
     timeout_s: float = Field(60.0, gt=0)  # every relay-to-relay and rollout-to-relay call
+    # Where a relay's sends to its successor run: "thread", a thread of their own, so a
+    # relay receives and sends at once (tcp/tls; other protocols stay on the loop);
+    # "loop", the worker's event loop, where receiving and sending take turns.
+    sender: Literal["thread", "loop"] = "thread"
     # Rollouts and the trainer fingerprint every version they load/publish (xxh3-64 of the
     # weights; one extra pass over them) so a run proves the loaded weights are the
     # published ones (summary.json `relay.fingerprints`).

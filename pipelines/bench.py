@@ -299,6 +299,7 @@ _FLAGS = {
     "sizes_mb": "--sizes-mb",
     "ps": "--relays",
     "protocols": "--protocols",
+    "senders": "--senders",
     "duration_s": "--duration-s",
     "overrides": "--set",
     "kill_every_s": "--kill-every-s",

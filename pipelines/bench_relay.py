@@ -157,6 +157,7 @@ def measure(
     timeout_s: float = 300.0,
     max_chunk_mb: float = 8.0,
     protocol: str = "tcp",
+    sender: str = "thread",
 ) -> dict:
     """Every figure for one (p, M) on a fresh cluster (medians over ``repeats``)."""
     from distributed import Client
@@ -164,8 +165,17 @@ def measure(
     from laminar.cluster import scheduler_workers, submit_actor
     from laminar.config import RelayConfig
 
-    cfg = RelayConfig(keep_versions=1, timeout_s=timeout_s, max_chunk_mb=max_chunk_mb)
-    with relay_cluster(p, sinks=1, protocol=protocol) as cluster, Client(cluster) as client:
+    cfg = RelayConfig(
+        keep_versions=1, timeout_s=timeout_s, max_chunk_mb=max_chunk_mb, sender=sender
+    )
+    # The master's process holds the publisher's state, its host-copy target, the master's
+    # slots and the fan-out's sends: about 5 M at once. Below 6 M, Dask's nanny would kill
+    # it at 2 GB.
+    memory_limit = f"{max(6, math.ceil(6 * nbytes / 2**30))}GiB"
+    with (
+        relay_cluster(p, sinks=1, memory_limit=memory_limit, protocol=protocol) as cluster,
+        Client(cluster) as client,
+    ):
         info = scheduler_workers(client)
         relay_ws = sorted(a for a, w in info.items() if w["resources"].get("relay"))
         sink_w = next(a for a, w in info.items() if w["resources"].get("rollout"))
@@ -207,6 +217,11 @@ def measure(
                 }
             )
         rows = rows[1:]
+        # Seconds per chunk sent (the call, until the successor took it), over every
+        # publication: the master's, and the median inner relay's (one that receives
+        # and sends at once), beside the one-hop model's chunk time.
+        sent = [r.stats().result() for r in relays[:-1]]
+        per_chunk = [st["forward_s"] / max(1, st["forwarded_chunks"]) for st in sent]
         data = np.ones(nbytes, np.uint8)
         scatter, replicate = [], []
         targets = relay_ws[1:]
@@ -233,6 +248,9 @@ def measure(
             "model_s": model_optimum(p, nbytes, t_byte, t_start),
             "t_byte_loaded": t_byte_loaded,
             "model_loaded_s": model_optimum(p, nbytes, t_byte_loaded, t_start),
+            "chunk_model_s": nbytes / med["chunks"] * t_byte + t_start,
+            "send_master_s": per_chunk[0],
+            "send_inner_s": float(np.median(per_chunk[1:])) if p > 2 else math.nan,
         }
 
 
@@ -247,6 +265,9 @@ COLUMNS = [
     "scatter_s",
     "replicate_s",
     "chunks",
+    "chunk_model_s",
+    "send_master_s",
+    "send_inner_s",
 ]
 
 
@@ -255,25 +276,35 @@ def bench_relay(
     ps: tuple[int, ...] = (2, 4, 8),
     repeats: int = 5,
     protocols: tuple[str, ...] = ("tcp",),
+    senders: tuple[str, ...] = ("thread",),
 ):
     """The relay bench; see the module docstring. Each (M, p) on a fresh cluster, once per
-    protocol (figures of a protocol other than tcp are prefixed with its name, and
-    ``<proto>_vs_tcp_*`` ratios compare them, measured in the same run)."""
+    protocol and sender (``relay.sender``). Figures of a protocol other than tcp are
+    prefixed with its name, and ``<proto>_vs_tcp_*`` ratios compare them; figures of the
+    ``loop`` sender are prefixed ``loop_``, and ``loop_vs_thread_*`` ratios compare it
+    with the default, measured in the same run."""
+    from laminar.errors import ConfigError
     from pipelines.bench import BenchResult
 
+    bad = [s for s in senders if s not in ("thread", "loop")]
+    if bad or not senders:
+        raise ConfigError(
+            f"laminar bench relay: --senders {','.join(senders)}: each must be thread or loop"
+        )
     figures: dict[str, float] = {}
     ratios: dict[str, float] = {}
     rows = []
-    for proto in protocols:
-        pre = "" if proto == "tcp" else f"{proto}_"
+    variants = [(proto, sender) for proto in protocols for sender in senders]
+    for proto, sender in variants:
+        pre = ("" if proto == "tcp" else f"{proto}_") + ("" if sender == "thread" else "loop_")
         for mb in sizes_mb:
             for p in ps:
-                row = measure(p, mb * MB, repeats, protocol=proto)
+                row = measure(p, mb * MB, repeats, protocol=proto, sender=sender)
                 for c in COLUMNS + ["t_byte", "t_start", "t_byte_loaded"]:
                     figures[f"{pre}m{mb}_p{p}_{c}"] = row[c]
-                rows.append([proto, mb, p] + [row[c] for c in COLUMNS])
+                rows.append([proto, sender, mb, p] + [row[c] for c in COLUMNS])
                 print(
-                    f"  {proto} M={mb} MB p={p}: "
+                    f"  {proto} {sender} M={mb} MB p={p}: "
                     + ", ".join(f"{c} {row[c]:.4g}" for c in COLUMNS),
                     flush=True,
                 )
@@ -295,6 +326,10 @@ def bench_relay(
                     for c in ("broadcast_s", "wait_s", "t_byte", "t_start"):
                         name = f"{proto}_vs_tcp_m{mb}_p{p}_{c.removesuffix('_s')}"
                         ratios[name] = figures[f"{proto}_{k}{c}"] / f[k + c]
+            if "loop" in senders and "thread" in senders:
+                for c in ("broadcast_s", "stall_s", "wait_s"):
+                    name = f"loop_vs_thread_m{mb}_p{p}_{c.removesuffix('_s')}"
+                    ratios[name] = figures[f"loop_{k}{c}"] / f[k + c]
     # The headline ratios, at the largest M and the p the issue names.
     m, lo, hi = max(sizes_mb), min(ps), max(ps)
     headline = {
@@ -303,6 +338,7 @@ def bench_relay(
         "broadcast_vs_model_p8": f"m{m}_p{hi}_broadcast_vs_model",
         "broadcast_vs_model_loaded_p8": f"m{m}_p{hi}_broadcast_vs_model_loaded",
         "naive_stall_p8_vs_relay_stall_p8": f"m{m}_p{hi}_naive_vs_relay_stall",
+        "broadcast_loop_vs_thread_p8": f"loop_vs_thread_m{m}_p{hi}_broadcast",
     }
     for name, key in headline.items():
         if key in ratios:
@@ -312,13 +348,14 @@ def bench_relay(
         figures=figures,
         ratios=ratios,
         samples={},
-        columns=["protocol", "M (MB)", "p"] + COLUMNS,
+        columns=["protocol", "sender", "M (MB)", "p"] + COLUMNS,
         rows=rows,
         options={
             "sizes_mb": list(sizes_mb),
             "ps": list(ps),
             "repeats": repeats,
             "protocols": list(protocols),
+            "senders": list(senders),
         },
         notes=[
             "stall: publish() returns once the master (in the publisher's process) holds "

@@ -351,6 +351,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
         options["ps"] = tuple(int(p) for p in args.relays.split(","))
     if args.protocols:
         options["protocols"] = tuple(args.protocols.split(","))
+    if args.senders:
+        options["senders"] = tuple(args.senders.split(","))
     if args.duration_s is not None:
         options["duration_s"] = args.duration_s
     if args.kill_every_s is not None:
@@ -468,6 +470,10 @@ def main(argv: list[str] | None = None) -> int:
     bench.add_argument("--relays", help="relay: comma-separated chain lengths p (2,4,8)")
     bench.add_argument(
         "--protocols", help="relay: comma-separated tcp,ucx (ucx needs .venv-ucx, .ci/ucx-env)"
+    )
+    bench.add_argument(
+        "--senders",
+        help="relay: comma-separated relay.sender values to compare, thread,loop (thread)",
     )
     bench.add_argument(
         "--duration-s", type=float, help="repack: wall seconds per arm (90); soak: seconds (600)"

@@ -968,6 +968,7 @@ class Schedule:
                         "peak_bytes",
                         "budget_bytes",
                         "forwarded_chunks",
+                        "sender",
                         "errors",
                     )
                 }

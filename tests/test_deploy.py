@@ -117,11 +117,21 @@ def test_a_tls_cluster_refuses_plaintext_clients(tmp_path):
 
 @pytest.mark.slow
 def test_a_run_on_a_tls_cluster(tmp_path):
-    """Every connection of the run over TLS, with certificates made for it."""
+    """Every connection of the run over TLS, with certificates made for it: the relay
+    chain's bulk sends too, which open connections of their own (``relay.sender``)."""
     run_dir = tmp_path / "run"
-    out, summary = cli_run(run_dir, [*SMALL_RUN, "cluster.security.generate=true"])
+    overrides = [
+        *SMALL_RUN,
+        "cluster.security.generate=true",
+        "relay.relays=1",
+        "relay.audit_weights=true",
+    ]
+    out, summary = cli_run(run_dir, overrides)
     assert "scheduler          tls://" in out
     assert summary["reason"] == "completed"
+    relay = summary["relay"]
+    assert [r["sender"] for r in relay["relays"]] == ["thread", None]
+    assert relay["fingerprints"]["mismatched"] == 0 and relay["fingerprints"]["loads_checked"]
     assert {p.name for p in (run_dir / "tls").iterdir()} == {"ca.pem", "cert.pem", "key.pem"}
     check_store(run_dir, expect_consumed_groups=4 * 4)
 
