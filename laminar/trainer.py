@@ -47,6 +47,10 @@ from laminar.learner import Learner
 
 logger = logging.getLogger(__name__)
 
+# Where the learner's parameters and gradients live: the CPU (policies load there, and
+# no option moves them yet), whatever accelerators the host has.
+LEARNER_DEVICE = "cpu"
+
 
 def batch_stats(batch: list[Trajectory]) -> dict[str, float]:
     """Reward and staleness of a sampled batch (versions: ``s_gen``, ``residence``, ``s_train``)."""
@@ -578,12 +582,20 @@ def _set_priority(nice: int) -> None:
         )
 
 
+def group_backend(device: str | torch.device) -> str:
+    """The ``torch.distributed`` backend for tensors on ``device``: NCCL for CUDA ones,
+    gloo for CPU ones. Chosen by where the reduced tensors live, not by what the host
+    has: the learner trains on the CPU, and a GPU node that picked NCCL for it failed
+    at the first all-reduce (NCCL takes no CPU tensors)."""
+    return "nccl" if torch.device(device).type == "cuda" else "gloo"
+
+
 def _join_group(cfg: RunConfig, init_method: str, rank: int) -> None:
     import datetime
 
     import torch.distributed as dist
 
-    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    backend = group_backend(LEARNER_DEVICE)
     dist.init_process_group(
         backend,
         init_method=init_method,

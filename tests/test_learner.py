@@ -157,3 +157,15 @@ def test_kl_and_entropy_terms(tiny_policy):
     plain.update(batch(0))
     a, b = weights(plain), weights(learner)
     assert any(not torch.equal(a[k], b[k]) for k in a)  # the entropy bonus moved it
+
+
+def test_the_rank_group_backend_follows_the_learners_tensors(tiny_policy):
+    """The ranks' group reduces the learner's gradients, so its backend is chosen by
+    where they live (the CPU: gloo), not by the host: on a GPU node NCCL would refuse
+    them at the first all-reduce."""
+    from laminar.trainer import LEARNER_DEVICE, group_backend
+
+    device = next(Learner(CFG, tiny_policy).model.parameters()).device
+    assert device == torch.device(LEARNER_DEVICE)
+    assert group_backend(device) == "gloo"
+    assert group_backend("cuda:0") == "nccl" and group_backend(torch.device("cpu")) == "gloo"
