@@ -71,9 +71,16 @@ class BenchResult:
 
 
 def _cell(v) -> str:
+    """A table cell.
+
+    >>> [_cell(v) for v in (0.01377, 0.49, 8.0, 123.4, None, "tcp")]
+    ['0.0138', '0.49', '8.00', '123', '-', 'tcp']
+    """
     if v is None:
         return "-"
     if isinstance(v, float):
+        if 0 < abs(v) < 1:  # three significant digits: a 13 ms stall is not "0.01"
+            return f"{v:.3g}"
         return f"{v:,.2f}" if abs(v) < 100 else f"{v:,.0f}"
     return str(v)
 
