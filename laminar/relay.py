@@ -33,6 +33,7 @@ whose worker died otherwise waits forever.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import math
 import mmap
@@ -61,10 +62,12 @@ HUGE_PAGE = 2 * MB
 
 
 def host_buffer(nbytes: int) -> np.ndarray:
-    """A writable host buffer of ``nbytes``, backed by transparent huge pages where the
-    kernel allows them (``madvise`` mode, the common default). A copy into 4 KiB pages
-    ran 1.25-1.45x slower than into torch's own allocations (which get huge pages), and
-    that gap was the whole of the publication stall's excess over a host copy."""
+    """A writable host buffer of ``nbytes``: an anonymous mapping of its own, advised for
+    transparent huge pages where the kernel allows them (``madvise`` mode, the common
+    default). A copy of 512 MB into ``np.empty`` ran 1.25x slower than into torch's
+    allocations (here; NumPy's own huge-page advice notwithstanding) and 1.45x on a
+    16-core host, the whole of the publication stall's excess over a host copy; into
+    this mapping it runs as fast as into torch's."""
     if nbytes < HUGE_PAGE or not hasattr(mmap, "MADV_HUGEPAGE"):
         return np.empty(nbytes, dtype=np.uint8)
     region = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
@@ -528,33 +531,52 @@ class BulkSender:
         return bool(address) and address.split("://", 1)[0] in ("tcp", "tls")
 
     async def call(self, actor, function: str, *args, timeout_s: float):
-        """``actor.function(*args)`` from this thread; awaited on the caller's loop."""
+        """``actor.function(*args)`` from this thread; awaited on the caller's loop.
+
+        Cancelled or timed out, it returns only once the send has stopped (or after a
+        second more): the caller then unpins the slot the bytes were read from, which
+        may be recycled at once."""
+        settled = asyncio.Event()
+        caller = asyncio.get_running_loop()
         future = asyncio.run_coroutine_threadsafe(
-            self._call(actor._address, actor.key, function, args), self._loop
+            self._call(actor._address, actor.key, function, args, caller, settled), self._loop
         )
         try:
-            return await asyncio.wait_for(asyncio.wrap_future(future), timeout_s)
+            async with asyncio.timeout(timeout_s):
+                return await asyncio.wrap_future(future)
         finally:
-            future.cancel()  # (a no-op once done; on a timeout it ends the send)
+            if not settled.is_set():
+                future.cancel()
+                with contextlib.suppress(TimeoutError):
+                    async with asyncio.timeout(1.0):
+                        await settled.wait()
 
-    async def _call(self, address: str, key: str, function: str, args: tuple):
+    async def _call(self, address, key, function, args, caller, settled):
         from distributed.core import rpc
         from distributed.protocol import to_serialize
 
-        r = self._rpcs.get(address)
-        if r is None:
-            r = self._rpcs[address] = rpc(address, connection_args=self.connection_args)
-        reply = await r.actor_execute(
-            actor=key, function=function, args=[to_serialize(a) for a in args], kwargs={}
-        )
+        try:
+            r = self._rpcs.get(address)
+            if r is None:
+                r = self._rpcs[address] = rpc(address, connection_args=self.connection_args)
+            reply = await r.actor_execute(
+                actor=key, function=function, args=[to_serialize(a) for a in args], kwargs={}
+            )
+        finally:
+            with contextlib.suppress(RuntimeError):  # (the caller's loop is gone)
+                caller.call_soon_threadsafe(settled.set)
         if reply["status"] != "OK":
             raise reply["exception"]
         return reply["result"]
 
     def close(self, timeout_s: float = 5.0) -> None:
         async def close_all() -> None:
-            for r in self._rpcs.values():
-                await r.close_rpc()
+            results = await asyncio.gather(
+                *(r.close_rpc() for r in self._rpcs.values()), return_exceptions=True
+            )
+            for e in results:
+                if isinstance(e, Exception):
+                    logger.debug("closing a bulk sender connection: %r", e)
 
         if self._loop.is_closed():
             return
@@ -615,7 +637,11 @@ class Relay:
         (for completion reports) and the ids of the whole chain, master first."""
         self.chain, self.downstream, self.master = list(chain), downstream, master
         self._ensure_forwarder()
-        if self._sender is None and downstream is not None and self._sender_mode == "thread":
+        if (
+            self._sender is None
+            and self._sender_mode == "thread"
+            and BulkSender.serves(getattr(downstream, "_address", None))
+        ):
             self._sender = _bulk_sender(self.relay_id)
 
     async def rechain(self, chain: list[str], downstream, master) -> int | None:
@@ -665,9 +691,9 @@ class Relay:
         await asyncio.gather(*pending, return_exceptions=True)
         for pool in (self._pool, self._read_pool):  # (waits out a chunk being written)
             await asyncio.to_thread(pool.shutdown, wait=True, cancel_futures=True)
-        if self._sender is not None:
-            await asyncio.to_thread(self._sender.close)
-            self._sender = None
+        sender, self._sender = self._sender, None  # (a late chunk sends from the loop)
+        if sender is not None:
+            await asyncio.to_thread(sender.close)
 
     def _ensure_forwarder(self) -> None:
         if self._forwarder is None or self._forwarder.done():
@@ -1025,8 +1051,11 @@ class Relay:
         return await self._call(getattr(self.downstream, function)(*args))
 
     async def _call(self, actor_future):
-        # A call to an actor whose worker died never returns on its own.
-        return await asyncio.wait_for(_awaitable(actor_future), self.timeout_s)
+        # A call to an actor whose worker died never returns on its own. (asyncio.timeout,
+        # not wait_for: on 3.11 wait_for swallows a cancellation that arrives as the call
+        # completes, and a rechain waiting for the cancelled forwarder would hang.)
+        async with asyncio.timeout(self.timeout_s):
+            return await _awaitable(actor_future)
 
 
 async def _awaitable(fut):

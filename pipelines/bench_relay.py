@@ -216,12 +216,18 @@ def measure(
                     "naive_s": naive,
                 }
             )
+            if v == 1:  # (every relay holds the warm-up version: its sends are over)
+                warm = [r.stats().result() for r in relays[:-1]]
         rows = rows[1:]
-        # Seconds per chunk sent (the call, until the successor took it), over every
-        # publication: the master's, and the median inner relay's (one that receives
+        # Seconds per chunk sent (the call, until the successor took it) over the measured
+        # publications: the master's, and the median inner relay's (one that receives
         # and sends at once), beside the one-hop model's chunk time.
         sent = [r.stats().result() for r in relays[:-1]]
-        per_chunk = [st["forward_s"] / max(1, st["forwarded_chunks"]) for st in sent]
+        per_chunk = [
+            (st["forward_s"] - w["forward_s"])
+            / max(1, st["forwarded_chunks"] - w["forwarded_chunks"])
+            for st, w in zip(sent, warm, strict=True)
+        ]
         data = np.ones(nbytes, np.uint8)
         scatter, replicate = [], []
         targets = relay_ws[1:]
@@ -296,7 +302,9 @@ def bench_relay(
     rows = []
     variants = [(proto, sender) for proto in protocols for sender in senders]
     for proto, sender in variants:
-        pre = ("" if proto == "tcp" else f"{proto}_") + ("" if sender == "thread" else "loop_")
+        # The loop sender's figures are prefixed when both ran; alone, they are the figures.
+        beside = sender == "loop" and "thread" in senders
+        pre = ("" if proto == "tcp" else f"{proto}_") + ("loop_" if beside else "")
         for mb in sizes_mb:
             for p in ps:
                 row = measure(p, mb * MB, repeats, protocol=proto, sender=sender)
