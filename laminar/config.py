@@ -614,7 +614,14 @@ def parse_overrides(overrides: list[str] | tuple[str, ...]) -> list[tuple[str, A
         if not sep or not key.strip():
             raise ConfigError(f"override {item!r} is not of the form section.key=value")
         # YAML scalars: ints, floats, booleans, null; pydantic coerces "1e-4" for floats.
-        value = yaml.safe_load(raw) if raw.strip() else None
+        try:
+            value = yaml.safe_load(raw) if raw.strip() else None
+        except yaml.YAMLError as e:
+            reason = str(e).splitlines()[0]
+            raise ConfigError(
+                f"override {item!r}: the value {raw!r} is not valid YAML ({reason}); quote "
+                "a string, and write lists as [a, b]"
+            ) from None
         parsed.append((key.strip(), value))
     return parsed
 

@@ -259,6 +259,11 @@ def checkpoint_version(ckpt: str | Path) -> int:
 def check_checkpoint(ckpt: str | Path, model_config, cfg: RunConfig) -> dict:
     """The checkpoint's trainer state, after checking it fits this model and config."""
     ckpt = Path(ckpt)
+    if not ckpt.is_dir():
+        raise CheckpointError(
+            f"trainer.resume_from {str(ckpt)!r} is not a folder; point it at a "
+            "checkpoints/version-N folder written by laminar"
+        )
     need = ["config.json", "model.safetensors", "optimizer.pt", "rng.pt", "trainer_state.json"]
     missing = [n for n in need if not (ckpt / n).exists()]
     if missing:
@@ -277,7 +282,10 @@ def check_checkpoint(ckpt: str | Path, model_config, cfg: RunConfig) -> dict:
     diff = [k for k in ARCH_KEYS if k in ours and theirs.get(k) != ours.get(k)]
     if diff:
         shown = ", ".join(f"{k}: checkpoint {theirs.get(k)!r}, model {ours.get(k)!r}" for k in diff)
-        raise CheckpointError(f"checkpoint {str(ckpt)!r} is another model ({shown})")
+        raise CheckpointError(
+            f"checkpoint {str(ckpt)!r} is another model ({shown}); resume with the model "
+            "settings it was trained with (model.*), or start a new run"
+        )
     saved = state.get("trainer", {})
     now = cfg.trainer.model_dump(mode="json")
     diff = [k for k in OPTIMIZER_FIELDS if k in saved and saved[k] != now[k]]

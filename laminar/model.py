@@ -68,24 +68,19 @@ def build_tokenizer() -> PreTrainedTokenizerFast:
     )
 
 
-def build_tiny_policy(
-    path: str | Path,
+def tiny_config(
     *,
     hidden_size: int = 128,
     num_layers: int = 4,
     num_heads: int = 4,
     intermediate_size: int = 512,
     max_position_embeddings: int = 512,
-    seed: int = 0,
-) -> Path:
-    """Create a freshly initialised tiny Llama and its tokenizer as an HF folder at ``path``."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-    from transformers.utils import logging as hf_logging
+):
+    """The HF config of the built-in tiny Llama (what :func:`build_tiny_policy` builds)."""
+    from transformers import LlamaConfig
 
-    hf_logging.disable_progress_bar()
-    path = Path(path)
     tok = build_tokenizer()
-    cfg = LlamaConfig(
+    return LlamaConfig(
         vocab_size=len(TINY_WORDS),
         hidden_size=hidden_size,
         intermediate_size=intermediate_size,
@@ -97,6 +92,32 @@ def build_tiny_policy(
         bos_token_id=tok.bos_token_id,
         eos_token_id=tok.eos_token_id,
         tie_word_embeddings=False,
+    )
+
+
+def build_tiny_policy(
+    path: str | Path,
+    *,
+    hidden_size: int = 128,
+    num_layers: int = 4,
+    num_heads: int = 4,
+    intermediate_size: int = 512,
+    max_position_embeddings: int = 512,
+    seed: int = 0,
+) -> Path:
+    """Create a freshly initialised tiny Llama and its tokenizer as an HF folder at ``path``."""
+    from transformers import LlamaForCausalLM
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    path = Path(path)
+    tok = build_tokenizer()
+    cfg = tiny_config(
+        hidden_size=hidden_size,
+        num_layers=num_layers,
+        num_heads=num_heads,
+        intermediate_size=intermediate_size,
+        max_position_embeddings=max_position_embeddings,
     )
     torch.manual_seed(seed)
     model = LlamaForCausalLM(cfg)

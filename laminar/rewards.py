@@ -98,9 +98,49 @@ def resolve_reward(name: str) -> RewardFn:
             f"task.reward {name!r} cannot be imported ({e}); the module must be importable "
             "on every Dask worker"
         ) from None
+    except Exception as e:  # the module itself fails as it is imported (a bug, a syntax error)
+        raise RewardError(
+            f"task.reward {name!r}: importing {module!r} raised {type(e).__name__}: {e}"
+        ) from None
     if not callable(fn):
         raise RewardError(f"task.reward {name!r} is not callable")
     return fn
+
+
+def check_reward(name: str, answer: str) -> None:
+    """Call ``task.reward`` once, on a response equal to ``answer`` (a prompt's own), before
+    any cluster work: a function that raises there, or returns no finite number, would
+    mark every trajectory an error and the run would never train a batch.
+
+    >>> check_reward("exact_match", "1 2")
+    >>> check_reward("laminar.rewards:_broken", "1 2")  # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+    ...
+    laminar.errors.RewardError: task.reward 'laminar.rewards:_broken' raised ZeroDivision...
+    """
+    fn = resolve_reward(name)
+    how = "(response = answer = {!r}); a reward is fn(response: str, answer: str) -> float"
+    try:
+        value = fn(answer, answer)
+    except Exception as e:  # any failure of a user function is reported
+        raise RewardError(
+            f"task.reward {name!r} raised {type(e).__name__}: {e} on a sample {how.format(answer)}"
+        ) from None
+    if not math.isfinite(_reward_value(value)):
+        raise RewardError(
+            f"task.reward {name!r} returned {value!r} on a sample {how.format(answer)}"
+        )
+
+
+def _reward_value(value) -> float:
+    """A reward function's return value as a float; NaN for what is not a number (a
+    string, ``None``): such a value marks the trajectory, as a raise does."""
+    if isinstance(value, str | bytes):
+        return math.nan
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        return math.nan
 
 
 @dataclass(frozen=True)
@@ -132,12 +172,13 @@ def score_batch(
             out.append(Score(float(truncated_reward)))
             continue
         try:
-            value = float(fn(response, answer))
+            raw = fn(response, answer)
         except Exception as e:  # a user function may raise anything: mark, don't crash
             out.append(Score(math.nan, f"reward {reward_name} raised {type(e).__name__}: {e}"))
             continue
+        value = _reward_value(raw)
         if not math.isfinite(value):
-            out.append(Score(math.nan, f"reward {reward_name} returned {value!r}"))
+            out.append(Score(math.nan, f"reward {reward_name} returned {raw!r}"))
         else:
             out.append(Score(value))
     return out

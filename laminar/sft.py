@@ -30,7 +30,13 @@ import torch
 
 from laminar.config import RunConfig
 from laminar.errors import DataError
-from laminar.model import build_tiny_policy, check_policy_dir, encode_prompt, load_policy
+from laminar.model import (
+    build_tiny_policy,
+    check_policy_dir,
+    encode_prompt,
+    load_policy,
+    tiny_config,
+)
 from laminar.tasks import Prompt, demonstration, length_sigmas, longest_demonstration
 from laminar.update import micro_batches, pack, response_logprobs
 
@@ -63,6 +69,22 @@ def base_policy(cfg: RunConfig) -> Path:
                 seed=cfg.seed,
             )
     return out
+
+
+def base_model_config(cfg: RunConfig):
+    """The HF config of the model a run trains (``model.path``'s, or the tiny Llama's),
+    without building it: what a checkpoint to resume from must match."""
+    if cfg.model.path:
+        from transformers import AutoConfig
+
+        return AutoConfig.from_pretrained(check_policy_dir(cfg.model.path), local_files_only=True)
+    m = cfg.model
+    return tiny_config(
+        hidden_size=m.hidden_size,
+        num_layers=m.num_layers,
+        num_heads=m.num_heads,
+        intermediate_size=m.intermediate_size,
+    )
 
 
 def folder_hash(path: Path) -> str:

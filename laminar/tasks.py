@@ -202,11 +202,16 @@ def jsonl_prompts(path: str | Path) -> list[Prompt]:
     Raises :class:`DataError` naming the file, the line and the missing field.
     """
     path = Path(path)
+    if path.is_dir():
+        raise DataError(
+            f"prompt file {str(path)!r} is a directory; set task.prompt_file to a JSONL file"
+        )
     if not path.is_file():
         raise DataError(f"prompt file {str(path)!r} does not exist; set task.prompt_file")
     prompts = []
-    with path.open() as f:
-        for lineno, line in enumerate(f, start=1):
+    with path.open(encoding="utf-8") as f:
+        lines = _text_lines(f, path)
+        for lineno, line in enumerate(lines, start=1):
             if not line.strip():
                 continue
             try:
@@ -226,6 +231,16 @@ def jsonl_prompts(path: str | Path) -> list[Prompt]:
     if not prompts:
         raise DataError(f"prompt file {str(path)!r} holds no prompts")
     return prompts
+
+
+def _text_lines(f, path: Path) -> list[str]:
+    try:
+        return f.readlines()
+    except UnicodeDecodeError as e:
+        raise DataError(
+            f"prompt file {str(path)!r} is not UTF-8 text (byte {e.start}: {e.reason}); "
+            "task.prompt_file takes JSONL, one JSON object per line (decompress it first)"
+        ) from None
 
 
 def iter_epochs(items: Sequence[T], seed: int) -> Iterator[tuple[int, T]]:

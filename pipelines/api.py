@@ -35,17 +35,22 @@ def resolve_config(
 
 
 def preflight(cfg: RunConfig) -> None:
-    """Check what can be checked before any cluster work: the model folder, the prompt
-    file and the reward function. Each failure names the field and the fix."""
+    """Check what can be checked before any cluster work: the model folder, the prompts,
+    the reward function (called once, on a prompt's own answer) and the checkpoint to
+    resume from (against the model and optimizer settings). Each failure names the field
+    and the fix."""
+    from laminar.learner import check_checkpoint
     from laminar.model import check_policy_dir
-    from laminar.rewards import resolve_reward
-    from laminar.tasks import jsonl_prompts
+    from laminar.prompt_pool import load_prompts
+    from laminar.rewards import check_reward
+    from laminar.sft import base_model_config
 
     if cfg.model.path:
         check_policy_dir(cfg.model.path)
-    if cfg.task.prompt_file:
-        jsonl_prompts(cfg.task.prompt_file)
-    resolve_reward(cfg.task.reward)
+    prompts = load_prompts(cfg)
+    check_reward(cfg.task.reward, prompts[0].answer)
+    if cfg.trainer.resume_from:
+        check_checkpoint(cfg.trainer.resume_from, base_model_config(cfg), cfg)
 
 
 def prepare_run_dir(cfg: RunConfig, run_dir: str | Path | None) -> Path:

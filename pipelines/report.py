@@ -16,6 +16,7 @@ import numpy as np
 
 from storage import open_run
 from storage.metrics import TABLES, open_metrics, time_origin
+from storage.trajectories import reading
 
 
 def _load(run_dir: Path) -> dict:
@@ -26,7 +27,8 @@ def _load(run_dir: Path) -> dict:
         except (FileNotFoundError, KeyError):
             run[table] = None
     summary = run_dir / "summary.json"
-    run["summary"] = json.loads(summary.read_text()) if summary.exists() else {}
+    with reading(summary):
+        run["summary"] = json.loads(summary.read_text()) if summary.exists() else {}
     # Event tables hold epoch seconds; the time series hold seconds since the run began.
     run["t0"] = None if run["cluster"] is None else time_origin(run["cluster"])
     return run

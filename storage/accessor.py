@@ -208,6 +208,15 @@ class LaminarAccessor:
         unknown = set(np.unique(status)) - set(STATUSES)
         if unknown:
             problems.append(f"unknown statuses {sorted(unknown)}")
+        # A reward is NaN only where scoring failed (finish_reason "error"); elsewhere NaN
+        # is a missing or damaged chunk of the store, which zarr reads as its fill value.
+        unscored = ~np.isfinite(ds["reward"].values) & (ds["finish_reason"].values != "error")
+        if (bad := np.flatnonzero(unscored)).size:
+            problems.append(
+                f"{bad.size} trajectories ({int((unscored & consumed).sum())} consumed) have "
+                f"no reward and no reward error, e.g. {str(uid[bad[0]])!r}: a chunk of the store's "
+                "reward array is missing or damaged"
+            )
         values, counts = np.unique(uid, return_counts=True)
         if (counts > 1).any():
             problems.append(

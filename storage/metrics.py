@@ -35,7 +35,7 @@ import xarray as xr
 import zarr
 
 from storage.schema import COMMIT_ATTR, STRING
-from storage.trajectories import store_path
+from storage.trajectories import reading, store_path
 
 logger = logging.getLogger(__name__)
 
@@ -190,10 +190,16 @@ def open_metrics(path: str | Path, table: str) -> xr.Dataset:
     store = store_path(path, STORE_NAME)
     if not (store / "zarr.json").exists():
         raise FileNotFoundError(f"no metrics store at {str(store)!r}")
-    root = zarr.open_group(str(store), mode="r", zarr_format=3)
-    if table not in root:
+    with reading(store):
+        root = zarr.open_group(str(store), mode="r", zarr_format=3)
+        present = table in root
+    if not present:
         raise KeyError(f"metrics store {str(store)!r} has no table {table!r} yet")
-    group = root[table]
+    with reading(store):
+        return _read_table(root[table], table)
+
+
+def _read_table(group: zarr.Group, table: str) -> xr.Dataset:
     n = int(group.attrs[COMMIT_ATTR])
     dim = TABLES[table]
     data = {}

@@ -18,7 +18,8 @@ silently (see ``shared/notes/stack.md``).
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -204,6 +205,21 @@ def new_array(group: zarr.Group, name: str, dtype: np.dtype, dim: str, chunk: in
     )
 
 
+@contextmanager
+def reading(store: Path) -> Iterator[None]:
+    """Reads of ``store``: what a damaged store raises (a truncated ``zarr.json``, a chunk
+    that fails to decompress, an array gone) becomes a :class:`StoreError` naming it."""
+    try:
+        yield
+    except StoreError:
+        raise
+    except (ValueError, KeyError, RuntimeError, OSError) as e:  # (JSON errors: ValueError)
+        raise StoreError(
+            f"cannot read {str(store)!r} ({type(e).__name__}: {e}); the store is damaged "
+            "(a truncated or missing file?): restore the run directory from a copy"
+        ) from e
+
+
 def _open_group(path: str | Path) -> tuple[Path, zarr.Group]:
     store = store_path(path)
     if not (store / "zarr.json").exists():
@@ -211,7 +227,8 @@ def _open_group(path: str | Path) -> tuple[Path, zarr.Group]:
             f"no trajectory store at {str(store)!r}; pass a run directory written by "
             "`laminar run` (it holds trajectories.zarr)"
         )
-    group = zarr.open_group(str(store), mode="r", zarr_format=3)
+    with reading(store):
+        group = zarr.open_group(str(store), mode="r", zarr_format=3)
     if group.attrs.get("schema_version") not in READABLE_SCHEMA_VERSIONS:
         raise StoreError(
             f"{str(store)!r} has schema_version {group.attrs.get('schema_version')!r}; "
@@ -247,6 +264,11 @@ def open_trajectories(
     leave events applied; with ``fields``, only those per-trajectory fields (and those
     the events set), no token-level arrays."""
     store, group = _open_group(path)
+    with reading(store):
+        return _read_trajectories(store, group, fields)
+
+
+def _read_trajectories(store: Path, group: zarr.Group, fields) -> dict[str, np.ndarray]:
     n = int(group.attrs[COMMIT_ATTR])
     tokens = group.attrs["n_committed_tokens"]
     out: dict[str, np.ndarray] = {}
@@ -294,9 +316,14 @@ def open_run(path: str | Path) -> xr.Dataset:
     ``t_sample`` are where each trajectory stands now). Derived staleness columns are added:
     ``s_gen``, ``residence``, ``s_train`` (NaN where a trajectory was never sampled).
     """
+    store, group = _open_group(path)
+    with reading(store):
+        return _read_run(store, group)
+
+
+def _read_run(store: Path, group: zarr.Group) -> xr.Dataset:
     import dask.array as da
 
-    store, group = _open_group(path)
     n = int(group.attrs[COMMIT_ATTR])
     lengths = {TRAJECTORY_DIM: n, **group.attrs["n_committed_tokens"]}
     # Built array by array rather than with xr.open_zarr: during (or after a crash in) an

@@ -36,6 +36,7 @@ def test_overrides_are_typed():
         (["task.name=count_range"], r"use task.name=count_range with task.reward=count_in_range"),
         (["task.reward=count_in_range"], r"only its own reward checks"),
         (["task.length_share=2"], r"task.length_share: .*less than or equal to 1"),
+        (["trainer.steps=[1"], r"override 'trainer.steps=\[1': the value '\[1' is not valid YAML"),
     ],
 )
 def test_bad_values_name_the_field_and_the_fix(override, message):

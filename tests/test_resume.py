@@ -52,3 +52,44 @@ def test_the_cli_names_what_to_drop_or_add(tmp_path, capsys):
     (run / "trajectories.zarr").mkdir()
     assert main(["run", "configs/tiny.yaml", "--run-dir", str(run)]) == 2
     assert f"laminar run --resume {run}" in capsys.readouterr().err
+
+
+def _checkpointed_run(tmp_path):
+    """A run directory with a real checkpoint at version 1 of the default tiny model."""
+    from laminar.learner import Learner
+    from laminar.model import build_tiny_policy
+
+    run = _run_dir(tmp_path)
+    cfg = with_overrides(RunConfig(), ["trainer.steps=2"])
+    learner = Learner(cfg, build_tiny_policy(tmp_path / "policy", seed=0))
+    learner.version = 1
+    learner.save(run / "checkpoints" / "version-000001")
+    return run
+
+
+def test_resume_checks_the_checkpoint_before_it_writes_the_config(tmp_path):
+    """An override the checkpoint cannot take (other optimizer or model settings) is
+    refused before config.yaml is rewritten: the run stays resumable as it was."""
+    from laminar.learner import CheckpointError
+
+    run = _checkpointed_run(tmp_path)
+    before = (run / "config.yaml").read_text()
+    with pytest.raises(CheckpointError, match=r"other optimizer settings \(trainer.lr"):
+        prepare_resume(run, ["trainer.lr=1e-2"])
+    with pytest.raises(CheckpointError, match=r"another model.*hidden_size.*model\.\*"):
+        prepare_resume(run, ["model.hidden_size=64"])
+    assert (run / "config.yaml").read_text() == before
+    from storage import TrajectoryWriter
+
+    TrajectoryWriter(run)  # (an empty store: nothing generated before the stop)
+    cfg, _, _ = prepare_resume(run, ["trainer.steps=3"])  # and what it can take passes
+    assert cfg.trainer.steps == 3 and cfg.trainer.resume_from.endswith("version-000001")
+
+
+def test_a_missing_resume_from_is_refused_before_the_cluster(tmp_path):
+    from laminar.learner import CheckpointError
+    from pipelines.api import preflight
+
+    cfg = with_overrides(RunConfig(), [f"trainer.resume_from={tmp_path / 'nowhere'}"])
+    with pytest.raises(CheckpointError, match="trainer.resume_from .*nowhere.* is not a folder"):
+        preflight(cfg)

@@ -105,6 +105,38 @@ def test_missing_store_names_the_path(tmp_path):
         open_run(tmp_path / "nope")
 
 
+def test_a_damaged_store_is_named_not_a_traceback(tmp_path):
+    """What a damaged store raises (a truncated zarr.json, a chunk that does not
+    decompress) comes back as a StoreError naming it; a missing chunk of rewards, which
+    zarr reads as NaN, is an audit problem."""
+    import shutil
+
+    from storage.audit import audit_run
+
+    w = TrajectoryWriter(tmp_path / "good")
+    w.append([record(0), record(1), record(2), record(3)])
+    assert audit_run(tmp_path / "good").ok
+
+    def damaged(name, damage):
+        run = tmp_path / name
+        shutil.copytree(tmp_path / "good", run)
+        damage(run / "trajectories.zarr")
+        return run
+
+    def chunk(store, array):
+        return next(p for p in (store / array).rglob("*") if p.is_file() and p.name != "zarr.json")
+
+    run = damaged("trunc-json", lambda s: (s / "zarr.json").write_text('{"zarr_format": 3, '))
+    with pytest.raises(StoreError, match=r"cannot read .*trunc-json.*JSONDecodeError.*damaged"):
+        open_run(run)
+    run = damaged("trunc-chunk", lambda s: chunk(s, "uid").write_bytes(b"\x28\xb5\x2f\xfd\x00"))
+    with pytest.raises(StoreError, match=r"cannot read .*trunc-chunk.*damaged"):
+        open_trajectories(run)
+    run = damaged("no-reward-chunk", lambda s: chunk(s, "reward").unlink())
+    report = audit_run(run)
+    assert any("4 trajectories (4 consumed) have no reward" in p for p in report.problems)
+
+
 def test_audit_finds_violations(tmp_path):
     w = TrajectoryWriter(tmp_path)
     w.append([record(0), record(1)])

@@ -96,6 +96,13 @@ def test_jsonl_prompts_and_their_errors(tmp_path):
         jsonl_prompts(f)
     with pytest.raises(DataError, match="does not exist; set task.prompt_file"):
         jsonl_prompts(tmp_path / "nope.jsonl")
+    with pytest.raises(DataError, match="is a directory; set task.prompt_file"):
+        jsonl_prompts(tmp_path)
+    import gzip
+
+    f.write_bytes(gzip.compress(b'{"prompt": "n 2 >", "answer": "1 2"}\n'))
+    with pytest.raises(DataError, match=r"not UTF-8 text .*decompress it first"):
+        jsonl_prompts(f)
 
 
 def test_reward_failures_mark_the_trajectory():
@@ -118,12 +125,48 @@ def test_non_finite_rewards_are_errors():
         del r.REWARDS["_nan"]
 
 
-def test_resolve_reward():
+def test_resolve_reward(tmp_path, monkeypatch):
     assert resolve_reward("exact_match") is exact_match
     with pytest.raises(RewardError, match="neither a built-in reward"):
         resolve_reward("nope")
     with pytest.raises(RewardError, match="cannot be imported"):
         resolve_reward("no_such_module:fn")
+    (tmp_path / "laminar_test_badmod.py").write_text("raise RuntimeError('bad setup')\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.raises(RewardError, match="importing 'laminar_test_badmod' raised RuntimeError"):
+        resolve_reward("laminar_test_badmod:fn")
+
+
+def test_a_reward_that_cannot_score_is_refused_before_the_run():
+    """Preflight calls task.reward once, on a prompt's own answer: a function that
+    raises there, or returns no number, would make every trajectory an error and the run
+    would never train a batch. Values a rollout turns into floats pass (bool, numpy)."""
+    import laminar.rewards as r
+    from laminar.config import RunConfig, with_overrides
+    from pipelines.api import preflight
+
+    r.REWARDS.update(
+        _none=lambda response, answer: None,
+        _text=lambda response, answer: "0.5",
+        _bool=lambda response, answer: response == answer,
+        _np=lambda response, answer: np.float32(1.0),
+    )
+    try:
+        for name, match in (
+            ("laminar.rewards:_broken", "raised ZeroDivisionError"),
+            ("math:sqrt", "raised TypeError"),  # the wrong signature
+            ("_none", "returned None"),
+            ("_text", "returned '0.5'"),
+        ):
+            with pytest.raises(RewardError, match=f"task.reward '{name}' {match}.* on a sample"):
+                preflight(with_overrides(RunConfig(), [f"task.reward={name}"]))
+        for name in ("_bool", "_np", "exact_match"):
+            preflight(with_overrides(RunConfig(), [f"task.reward={name}"]))
+        # A string is not a reward at run time either.
+        assert "returned '0.5'" in score_batch("_text", [("a", "a", True)])[0].error
+    finally:
+        for name in ("_none", "_text", "_bool", "_np"):
+            del r.REWARDS[name]
 
 
 def test_config_offers_exactly_the_tasks_that_exist():
