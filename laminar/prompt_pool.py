@@ -297,6 +297,36 @@ def load_prompts(cfg: RunConfig) -> list[Prompt]:
     )
 
 
+def encode_prompts(tok, prompts: list[Prompt], cfg: RunConfig) -> list[tuple[Prompt, tuple]]:
+    """Each prompt with its token ids, after checking that it fits the rollout's sequence
+    and the model's vocabulary (run before any cluster work too: ``preflight``)."""
+    from laminar.model import encode_prompt
+
+    t = cfg.task
+    where = (
+        (lambda p: f"{t.prompt_file}: prompt {p.key + 1}")  # (its n-th prompt, 1-based)
+        if t.prompt_file
+        else (lambda p: f"task {t.name!r}: prompt {p.key}")
+    )
+    max_prompt = cfg.rollout.max_seq_len - cfg.rollout.max_new_tokens
+    encoded = []
+    for p in prompts:
+        ids = tuple(encode_prompt(tok, p.text))
+        if len(ids) > max_prompt:
+            raise DataError(
+                f"{where(p)} has {len(ids)} tokens, more than rollout.max_seq_len - "
+                f"rollout.max_new_tokens = {max_prompt}; raise rollout.max_seq_len"
+            )
+        if tok.unk_token_id is not None and tok.unk_token_id in ids:
+            raise DataError(
+                f"{where(p)} ({p.text!r}) has symbols outside the model's vocabulary; "
+                "write prompts in the model's symbols, or set model.path to a model whose "
+                "tokenizer has them"
+            )
+        encoded.append((p, ids))
+    return encoded
+
+
 class PromptPool:
     """Dask actor around :class:`PromptPoolCore` (placed on a ``data`` worker)."""
 
@@ -307,25 +337,10 @@ class PromptPool:
         from transformers import AutoTokenizer
 
         from laminar.learner import checkpoint_version
-        from laminar.model import encode_prompt
         from laminar.schedule import LAMINAR
 
         tok = AutoTokenizer.from_pretrained(policy_dir, local_files_only=True)
-        prompts = load_prompts(cfg)
-        max_prompt = cfg.rollout.max_seq_len - cfg.rollout.max_new_tokens
-        encoded = []
-        for p in prompts:
-            ids = tuple(encode_prompt(tok, p.text))
-            if len(ids) > max_prompt:
-                raise DataError(
-                    f"prompt {p.key} has {len(ids)} tokens, more than rollout.max_seq_len - "
-                    f"rollout.max_new_tokens = {max_prompt}; raise rollout.max_seq_len"
-                )
-            if tok.unk_token_id is not None and tok.unk_token_id in ids:
-                raise DataError(
-                    f"prompt {p.key} ({p.text!r}) has symbols outside the model's vocabulary"
-                )
-            encoded.append((p, ids))
+        encoded = encode_prompts(tok, load_prompts(cfg), cfg)
         spec = spec or LAMINAR
         resumed_from = cfg.trainer.resume_from
         self.core = PromptPoolCore(

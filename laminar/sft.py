@@ -32,6 +32,7 @@ from laminar.config import RunConfig
 from laminar.errors import DataError
 from laminar.model import (
     build_tiny_policy,
+    build_tokenizer,
     check_policy_dir,
     encode_prompt,
     load_policy,
@@ -85,6 +86,17 @@ def base_model_config(cfg: RunConfig):
         num_heads=m.num_heads,
         intermediate_size=m.intermediate_size,
     )
+
+
+def base_tokenizer(cfg: RunConfig):
+    """The tokenizer of the model a run trains (``model.path``'s, or the tiny Llama's)."""
+    if cfg.model.path:
+        from transformers import AutoTokenizer
+
+        return AutoTokenizer.from_pretrained(
+            check_policy_dir(cfg.model.path), local_files_only=True
+        )
+    return build_tokenizer()
 
 
 def folder_hash(path: Path) -> str:

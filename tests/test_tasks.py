@@ -175,3 +175,23 @@ def test_config_offers_exactly_the_tasks_that_exist():
     from laminar.config import TaskConfig
 
     assert set(get_args(TaskConfig.model_fields["name"].annotation)) == set(TASKS)
+
+
+def test_prompts_that_do_not_fit_the_model_are_refused_before_the_run(tmp_path):
+    """A prompt file's prompts are encoded with the model's tokenizer before any cluster
+    work: one with symbols outside the vocabulary, or longer than the rollout's sequence
+    leaves room for, is named by its file and position, with the fix."""
+    from laminar.config import RunConfig, with_overrides
+    from pipelines.api import preflight
+
+    f = tmp_path / "p.jsonl"
+    rows = [{"prompt": "n 2 >", "answer": "1 2"}, {"prompt": "n 2 hello >", "answer": "1 2"}]
+    f.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    cfg = with_overrides(RunConfig(), [f"task.prompt_file={f}"])
+    with pytest.raises(DataError, match=r"p.jsonl: prompt 2 .*outside the model's vocabulary"):
+        preflight(cfg)
+    f.write_text(json.dumps({"prompt": "n " + "2 " * 80 + ">", "answer": "1 2"}) + "\n")
+    with pytest.raises(DataError, match=r"p.jsonl: prompt 1 has \d+ tokens.*raise rollout"):
+        preflight(cfg)
+    f.write_text(json.dumps(rows[0]) + "\n")
+    preflight(cfg)
