@@ -253,7 +253,20 @@ def checkpoint_version(ckpt: str | Path) -> int:
             f"checkpoint {str(ckpt)!r} has no trainer_state.json; point at a "
             "checkpoints/version-N folder written by laminar"
         )
-    return int(json.loads(path.read_text())["version"])
+    return int(_trainer_state(path)["version"])
+
+
+def _trainer_state(path: Path) -> dict:
+    """A checkpoint's ``trainer_state.json``; a damaged one is a :class:`CheckpointError`."""
+    try:
+        state = json.loads(path.read_text())
+        int(state["version"])
+    except (ValueError, KeyError, TypeError) as e:
+        raise CheckpointError(
+            f"{str(path)!r} is damaged ({type(e).__name__}: {e}); point at another "
+            "checkpoints/version-N folder (or, to resume in place, move this one aside)"
+        ) from None
+    return state
 
 
 def check_checkpoint(ckpt: str | Path, model_config, cfg: RunConfig) -> dict:
@@ -271,7 +284,7 @@ def check_checkpoint(ckpt: str | Path, model_config, cfg: RunConfig) -> dict:
             f"checkpoint {str(ckpt)!r} lacks {missing}; point trainer.resume_from at a "
             "checkpoints/version-N folder written by laminar"
         )
-    state = json.loads((ckpt / "trainer_state.json").read_text())
+    state = _trainer_state(ckpt / "trainer_state.json")
     if state.get("format") != CHECKPOINT_FORMAT:
         raise CheckpointError(
             f"checkpoint {str(ckpt)!r} has format {state.get('format')!r}; this laminar "

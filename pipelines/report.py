@@ -14,6 +14,7 @@ from pathlib import Path
 
 import numpy as np
 
+from laminar.errors import ConfigError
 from storage import open_run
 from storage.metrics import TABLES, open_metrics, time_origin
 from storage.trajectories import reading
@@ -278,6 +279,8 @@ def build_report(run_dirs: list[str | Path], out: str | Path | None = None) -> P
     import matplotlib
 
     matplotlib.use("Agg")
+    if out is not None and Path(out).exists() and not Path(out).is_dir():
+        raise ConfigError(f"--out {str(out)!r} is a file; the report is a folder: name a new one")
     runs = [_load(Path(d)) | {"index": i} for i, d in enumerate(run_dirs)]
     out = Path(out) if out else runs[0]["dir"] / "report"
     out.mkdir(parents=True, exist_ok=True)

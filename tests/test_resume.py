@@ -93,3 +93,20 @@ def test_a_missing_resume_from_is_refused_before_the_cluster(tmp_path):
     cfg = with_overrides(RunConfig(), [f"trainer.resume_from={tmp_path / 'nowhere'}"])
     with pytest.raises(CheckpointError, match="trainer.resume_from .*nowhere.* is not a folder"):
         preflight(cfg)
+
+
+def test_a_damaged_checkpoint_state_is_named(tmp_path):
+    from laminar.learner import CheckpointError
+
+    run = _run_dir(tmp_path, checkpoint_version=2)
+    (run / "checkpoints" / "version-000002" / "trainer_state.json").write_text('{"vers')
+    with pytest.raises(CheckpointError, match=r"trainer_state.json' is damaged.*move this one"):
+        prepare_resume(run)
+
+
+def test_a_report_into_a_file_is_refused_first(tmp_path):
+    from pipelines.report import build_report
+
+    (tmp_path / "taken").write_text("")
+    with pytest.raises(ConfigError, match="is a file; the report is a folder"):
+        build_report([tmp_path / "no-run"], out=tmp_path / "taken")
