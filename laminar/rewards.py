@@ -189,6 +189,20 @@ def _broken(response: str, answer: str) -> float:
     return 1 / 0
 
 
+def _fails_on_workers(response: str, answer: str) -> float:
+    """A reward that works where the run is launched (so :func:`check_reward` passes) and
+    raises on the Dask workers that score responses, as one whose data file or
+    dependency only the launching machine has; used by tests of a run whose reward
+    never scores."""
+    from distributed import get_worker
+
+    try:
+        get_worker()
+    except ValueError:  # not on a worker
+        return exact_match(response, answer)
+    raise FileNotFoundError("rubric.json (only the launching machine has it)")
+
+
 def _slow(response: str, answer: str) -> float:
     """:func:`exact_match` after 0.25 s: rewards stay in flight (the fault tests)."""
     import time

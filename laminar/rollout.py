@@ -149,11 +149,13 @@ class RolloutReplica:
         self._to_score: queue.Queue = queue.Queue()
         self._abandon = threading.Event()  # stop waiting for rewards (stopped, not drained)
         self.error: str | None = None
+        self.last_reward_error: str | None = None
         self.counts = {
             "batches": 0,
             "trajectories": 0,
             "inserted": 0,
             "reward_errors": 0,
+            "rewards_scored": 0,  # responses the reward function scored (not truncated ones)
             "response_tokens": 0,
             "decode_steps": 0,
             "weight_loads": 0,
@@ -222,6 +224,7 @@ class RolloutReplica:
             "relay_switches": self.puller.switches,
             "alive": self._thread is not None and self._thread.is_alive(),
             "error": self.error,
+            "last_reward_error": self.last_reward_error,
         }
 
     # -- the generation loop ----------------------------------------------------------
@@ -1062,10 +1065,13 @@ class RolloutReplica:
         scores = self._scores(items, future)
         if scores is None:
             return
-        for t, s in zip(trajs, scores, strict=True):
+        for t, s, (_, _, scored) in zip(trajs, scores, items, strict=True):
             t.reward = s.reward
-            if s.error is not None:
+            if s.error is None:
+                self.counts["rewards_scored"] += scored
+            else:
                 t.finish_reason = "error"
+                self.last_reward_error = s.error
                 self.counts["reward_errors"] += 1
                 n = self.counts["reward_errors"]
                 if n == 1 or n % 1000 == 0:  # say it, without flooding the console

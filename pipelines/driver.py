@@ -48,6 +48,9 @@ DATA_SUSPECT_S = 10.0
 # A hung actor's worker is restarted (the nanny waits a few seconds, then kills it); the
 # run waits this long for the scheduler to drop it before it fails.
 FENCE_WAIT_S = 60.0
+# A run whose reward function has failed on this many responses and scored none stops:
+# every failure discards its group, so no batch would ever reach the trainer.
+REWARD_FAILURES_TO_STOP = 64
 # Rollout stats recorded per poll (besides the rollout id and the time).
 ROLLOUT_METRICS = (
     "version",
@@ -335,6 +338,9 @@ class Schedule:
                 if failed:
                     reason = "failed: " + failed[0]["error"].strip().splitlines()[-1]
                     break
+                if unscorable := self._reward_never_scores(r_stats):
+                    reason = "failed: " + unscorable
+                    break
                 if t_stats["done"] and not t_stats["error"]:  # (an error: a rank lost)
                     break
                 if should_stop():
@@ -351,6 +357,21 @@ class Schedule:
             return self.shutdown(reason, t_start)
         finally:
             self.metrics.close()
+
+    def _reward_never_scores(self, r_stats: list[dict]) -> str | None:
+        """Why the run must stop when ``task.reward`` has failed on every response given
+        to it, :data:`REWARD_FAILURES_TO_STOP` of them (else ``None``): each failure
+        discards its group, so no batch would ever reach the trainer and the run would
+        go on for ever. (Preflight called it once; this is the function failing on
+        real responses.)"""
+        errors = sum(s.get("reward_errors", 0) for s in r_stats)
+        if errors < REWARD_FAILURES_TO_STOP or any(s.get("rewards_scored") for s in r_stats):
+            return None
+        latest = next((s["last_reward_error"] for s in r_stats if s.get("last_reward_error")), "")
+        return (
+            f"task.reward {self.cfg.task.reward!r} failed on all {errors} responses it was "
+            f"given and scored none (latest: {latest}); fix the function"
+        )
 
     def _data_stats(self) -> tuple[dict, dict]:
         """The buffer's and prompt pool's stats; while a lost data module is rebuilt
