@@ -57,19 +57,22 @@ def base_policy(cfg: RunConfig) -> Path:
     """The starting checkpoint: ``model.path``, or the built-in tiny Llama (cached)."""
     if cfg.model.path:
         return check_policy_dir(cfg.model.path)
-    m = cfg.model
     out = cache_root(cfg) / f"tiny-{cfg.fingerprint('model')}-seed{cfg.seed}"
     if not (out / "config.json").exists():
         with _staged(out) as tmp:
-            build_tiny_policy(
-                tmp,
-                hidden_size=m.hidden_size,
-                num_layers=m.num_layers,
-                num_heads=m.num_heads,
-                intermediate_size=m.intermediate_size,
-                seed=cfg.seed,
-            )
+            build_tiny_policy(tmp, **_tiny_shape(cfg), seed=cfg.seed)
     return out
+
+
+def _tiny_shape(cfg: RunConfig) -> dict[str, int]:
+    """The tiny Llama's shape from the ``model`` section."""
+    m = cfg.model
+    return dict(
+        hidden_size=m.hidden_size,
+        num_layers=m.num_layers,
+        num_heads=m.num_heads,
+        intermediate_size=m.intermediate_size,
+    )
 
 
 def base_model_config(cfg: RunConfig):
@@ -79,13 +82,7 @@ def base_model_config(cfg: RunConfig):
         from transformers import AutoConfig
 
         return AutoConfig.from_pretrained(check_policy_dir(cfg.model.path), local_files_only=True)
-    m = cfg.model
-    return tiny_config(
-        hidden_size=m.hidden_size,
-        num_layers=m.num_layers,
-        num_heads=m.num_heads,
-        intermediate_size=m.intermediate_size,
-    )
+    return tiny_config(**_tiny_shape(cfg))
 
 
 def base_tokenizer(cfg: RunConfig):
