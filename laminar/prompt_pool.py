@@ -309,6 +309,11 @@ def encode_prompts(tok, prompts: list[Prompt], cfg: RunConfig) -> list[tuple[Pro
         else (lambda p: f"task {t.name!r}: prompt {p.key}")
     )
     max_prompt = cfg.rollout.max_seq_len - cfg.rollout.max_new_tokens
+    # An unknown symbol shows as the unk token, unless the tokenizer has none or uses a
+    # token it also places itself (GPT-2's family: unk = bos = <|endoftext|>).
+    unk = tok.unk_token_id
+    if unk in (tok.bos_token_id, tok.eos_token_id, tok.pad_token_id):
+        unk = None
     encoded = []
     for p in prompts:
         ids = tuple(encode_prompt(tok, p.text))
@@ -317,7 +322,7 @@ def encode_prompts(tok, prompts: list[Prompt], cfg: RunConfig) -> list[tuple[Pro
                 f"{where(p)} has {len(ids)} tokens, more than rollout.max_seq_len - "
                 f"rollout.max_new_tokens = {max_prompt}; raise rollout.max_seq_len"
             )
-        if tok.unk_token_id is not None and tok.unk_token_id in ids:
+        if unk is not None and unk in ids:
             raise DataError(
                 f"{where(p)} ({p.text!r}) has symbols outside the model's vocabulary; "
                 "write prompts in the model's symbols, or set model.path to a model whose "

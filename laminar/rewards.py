@@ -107,31 +107,6 @@ def resolve_reward(name: str) -> RewardFn:
     return fn
 
 
-def check_reward(name: str, answer: str) -> None:
-    """Call ``task.reward`` once, on a response equal to ``answer`` (a prompt's own), before
-    any cluster work: a function that raises there, or returns no finite number, would
-    mark every trajectory an error and the run would never train a batch.
-
-    >>> check_reward("exact_match", "1 2")
-    >>> check_reward("laminar.rewards:_broken", "1 2")  # doctest: +ELLIPSIS
-    Traceback (most recent call last):
-    ...
-    laminar.errors.RewardError: task.reward 'laminar.rewards:_broken' raised ZeroDivision...
-    """
-    fn = resolve_reward(name)
-    how = "(response = answer = {!r}); a reward is fn(response: str, answer: str) -> float"
-    try:
-        value = fn(answer, answer)
-    except Exception as e:  # any failure of a user function is reported
-        raise RewardError(
-            f"task.reward {name!r} raised {type(e).__name__}: {e} on a sample {how.format(answer)}"
-        ) from None
-    if not math.isfinite(_reward_value(value)):
-        raise RewardError(
-            f"task.reward {name!r} returned {value!r} on a sample {how.format(answer)}"
-        )
-
-
 def _reward_value(value) -> float:
     """A reward function's return value as a float; NaN for what is not a number (a
     string, ``None``): such a value marks the trajectory, as a raise does."""
@@ -139,7 +114,7 @@ def _reward_value(value) -> float:
         return math.nan
     try:
         return float(value)
-    except (TypeError, ValueError):
+    except (TypeError, ValueError, OverflowError):
         return math.nan
 
 
@@ -187,20 +162,6 @@ def score_batch(
 def _broken(response: str, answer: str) -> float:
     """A reward that always raises; used by tests and doctests of the error path."""
     return 1 / 0
-
-
-def _fails_on_workers(response: str, answer: str) -> float:
-    """A reward that works where the run is launched (so :func:`check_reward` passes) and
-    raises on the Dask workers that score responses, as one whose data file or
-    dependency only the launching machine has; used by tests of a run whose reward
-    never scores."""
-    from distributed import get_worker
-
-    try:
-        get_worker()
-    except ValueError:  # not on a worker
-        return exact_match(response, answer)
-    raise FileNotFoundError("rubric.json (only the launching machine has it)")
 
 
 def _slow(response: str, answer: str) -> float:

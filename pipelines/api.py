@@ -36,20 +36,21 @@ def resolve_config(
 
 def preflight(cfg: RunConfig) -> None:
     """Check what can be checked before any cluster work: the model folder; the prompts
-    (each fits the rollout's sequence and the model's vocabulary); the reward function
-    (called once, on a prompt's own answer); the checkpoint to resume from (against the
-    model and optimizer settings). Each failure names the field and the fix."""
+    (each fits the rollout's sequence and the model's vocabulary); that the reward
+    function imports (it is not called here: a reward may need what only the workers
+    have, a judge service or a GPU); the checkpoint to resume from (against the model
+    and optimizer settings). Each failure names the field and the fix."""
     from laminar.learner import check_checkpoint
     from laminar.model import check_policy_dir
     from laminar.prompt_pool import encode_prompts, load_prompts
-    from laminar.rewards import check_reward
+    from laminar.rewards import resolve_reward
     from laminar.sft import base_model_config, base_tokenizer
 
     if cfg.model.path:
         check_policy_dir(cfg.model.path)
     prompts = load_prompts(cfg)
     encode_prompts(base_tokenizer(cfg), prompts, cfg)
-    check_reward(cfg.task.reward, prompts[0].answer)
+    resolve_reward(cfg.task.reward)
     if cfg.trainer.resume_from:
         check_checkpoint(cfg.trainer.resume_from, base_model_config(cfg), cfg)
 

@@ -48,9 +48,11 @@ DATA_SUSPECT_S = 10.0
 # A hung actor's worker is restarted (the nanny waits a few seconds, then kills it); the
 # run waits this long for the scheduler to drop it before it fails.
 FENCE_WAIT_S = 60.0
-# A run whose reward function has failed on this many responses and scored none stops:
-# every failure discards its group, so no batch would ever reach the trainer.
+# A run whose reward function has failed on this many responses, over this long, and
+# scored none stops: every failure discards its group, so no batch would ever reach the
+# trainer. (The window lets a reward service that starts late, or restarts, catch up.)
 REWARD_FAILURES_TO_STOP = 64
+REWARD_FAILURE_WINDOW_S = 60.0
 # Rollout stats recorded per poll (besides the rollout id and the time).
 ROLLOUT_METRICS = (
     "version",
@@ -292,6 +294,8 @@ class Schedule:
         self.metrics = MetricsWriter(self.run_dir, tensorboard=self.cfg.metrics.tensorboard)
         self._rows: dict[str, list[dict]] = {"cluster": [], "rollouts": []}
         self._n_updates = 0
+        self._reward_scored = False  # (_reward_never_scores)
+        self._reward_failing_since: float | None = None
         t_start = last_t = last_flush = time.time()
         t_origin = self._origin(t_start)
         last_tokens = 0
@@ -360,17 +364,28 @@ class Schedule:
 
     def _reward_never_scores(self, r_stats: list[dict]) -> str | None:
         """Why the run must stop when ``task.reward`` has failed on every response given
-        to it, :data:`REWARD_FAILURES_TO_STOP` of them (else ``None``): each failure
-        discards its group, so no batch would ever reach the trainer and the run would
-        go on for ever. (Preflight called it once; this is the function failing on
-        real responses.)"""
+        to it, :data:`REWARD_FAILURES_TO_STOP` of them over at least
+        :data:`REWARD_FAILURE_WINDOW_S` (else ``None``): each failure discards its
+        group, so no batch would ever reach the trainer and the run would go on for
+        ever. Once anything has scored (as remembered here: a lost rollout's counters
+        leave the stats), the run goes on whatever fails later."""
+        if self._reward_scored or any(s.get("rewards_scored") for s in r_stats):
+            self._reward_scored = True
+            return None
         errors = sum(s.get("reward_errors", 0) for s in r_stats)
-        if errors < REWARD_FAILURES_TO_STOP or any(s.get("rewards_scored") for s in r_stats):
+        if not errors:
+            return None
+        now = time.time()
+        self._reward_failing_since = self._reward_failing_since or now
+        if errors < REWARD_FAILURES_TO_STOP or now - self._reward_failing_since < (
+            REWARD_FAILURE_WINDOW_S
+        ):
             return None
         latest = next((s["last_reward_error"] for s in r_stats if s.get("last_reward_error")), "")
         return (
             f"task.reward {self.cfg.task.reward!r} failed on all {errors} responses it was "
-            f"given and scored none (latest: {latest}); fix the function"
+            f"given and scored none in {now - self._reward_failing_since:.0f} s (latest: "
+            f"{latest}); fix the function, or what it needs on the workers"
         )
 
     def _data_stats(self) -> tuple[dict, dict]:

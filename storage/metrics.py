@@ -192,11 +192,11 @@ def open_metrics(path: str | Path, table: str) -> xr.Dataset:
         raise FileNotFoundError(f"no metrics store at {str(store)!r}")
     with reading(store):
         root = zarr.open_group(str(store), mode="r", zarr_format=3)
-        present = table in root
-    if not present:
+        group = root[table] if table in root else None
+    if group is None or COMMIT_ATTR not in group.attrs:  # (created, not yet committed)
         raise KeyError(f"metrics store {str(store)!r} has no table {table!r} yet")
     with reading(store):
-        return _read_table(root[table], table)
+        return _read_table(group, table)
 
 
 def _read_table(group: zarr.Group, table: str) -> xr.Dataset:

@@ -18,6 +18,7 @@ silently (see ``shared/notes/stack.md``).
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from pathlib import Path
@@ -207,16 +208,16 @@ def new_array(group: zarr.Group, name: str, dtype: np.dtype, dim: str, chunk: in
 
 @contextmanager
 def reading(store: Path) -> Iterator[None]:
-    """Reads of ``store``: what a damaged store raises (a truncated ``zarr.json``, a chunk
-    that fails to decompress, an array gone) becomes a :class:`StoreError` naming it."""
+    """Reads of ``store``: what a damaged file raises there (a truncated ``zarr.json`` or
+    ``summary.json``: a JSON error; a chunk that fails to decompress: the codec's
+    ``RuntimeError``) becomes a :class:`StoreError` naming it. Nothing else is caught:
+    a permission error or a bug must not read as damage."""
     try:
         yield
-    except StoreError:
-        raise
-    except (ValueError, KeyError, RuntimeError, OSError) as e:  # (JSON errors: ValueError)
+    except (json.JSONDecodeError, RuntimeError) as e:
         raise StoreError(
-            f"cannot read {str(store)!r} ({type(e).__name__}: {e}); the store is damaged "
-            "(a truncated or missing file?): restore the run directory from a copy"
+            f"cannot read {str(store)!r} ({type(e).__name__}: {e}); it looks damaged (a "
+            "truncated file?): restore the run directory from a copy"
         ) from e
 
 

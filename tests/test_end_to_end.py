@@ -151,26 +151,27 @@ def test_api_submit_is_non_blocking_and_stop_keeps_every_trajectory(
 
 
 def test_a_reward_that_never_scores_marks_trajectories_then_stops_the_run(
-    cluster_client, small_config, tmp_path
+    cluster_client, small_config, tmp_path, monkeypatch
 ):
-    """A reward that fails on every response the workers give it (it passes preflight's
-    one call, where the run is launched) marks each trajectory an error and its group
-    is discarded; the run goes on until REWARD_FAILURES_TO_STOP of them, then stops,
-    naming the function and its error, instead of waiting for ever for a batch."""
+    """A reward that fails on every response marks each trajectory an error and its
+    group is discarded; the run goes on until REWARD_FAILURES_TO_STOP of them (and
+    REWARD_FAILURE_WINDOW_S), then stops, naming the function and its error, instead of
+    waiting for ever for a batch."""
     import pipelines
     from pipelines.driver import REWARD_FAILURES_TO_STOP
 
-    run = pipelines.submit(
+    monkeypatch.setattr("pipelines.driver.REWARD_FAILURE_WINDOW_S", 5.0)  # (the driver
+    run = pipelines.submit(  # runs in this process)
         small_config,
         cluster_client,
         run_dir=tmp_path / "run",
-        overrides=["task.reward=laminar.rewards:_fails_on_workers"],
+        overrides=["task.reward=laminar.rewards:_broken"],
     )
     summary = run.wait(timeout=300)  # generous: CI machines are shared
     assert summary["reason"].startswith(
-        "failed: task.reward 'laminar.rewards:_fails_on_workers' failed on all"
+        "failed: task.reward 'laminar.rewards:_broken' failed on all"
     ), summary["reason"]
-    assert "FileNotFoundError: rubric.json" in summary["reason"] and summary["versions"] == 0
+    assert "ZeroDivisionError" in summary["reason"] and summary["versions"] == 0
     assert sum(r["reward_errors"] for r in summary["rollouts"]) >= REWARD_FAILURES_TO_STOP
     ds = open_run(run.run_dir)
     assert ds.laminar.audit() == []
