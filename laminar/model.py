@@ -95,30 +95,16 @@ def tiny_config(
     )
 
 
-def build_tiny_policy(
-    path: str | Path,
-    *,
-    hidden_size: int = 128,
-    num_layers: int = 4,
-    num_heads: int = 4,
-    intermediate_size: int = 512,
-    max_position_embeddings: int = 512,
-    seed: int = 0,
-) -> Path:
-    """Create a freshly initialised tiny Llama and its tokenizer as an HF folder at ``path``."""
+def build_tiny_policy(path: str | Path, *, seed: int = 0, **shape: int) -> Path:
+    """Create a freshly initialised tiny Llama and its tokenizer as an HF folder at
+    ``path``; ``shape`` takes :func:`tiny_config`'s keywords (``hidden_size``, …)."""
     from transformers import LlamaForCausalLM
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()
     path = Path(path)
     tok = build_tokenizer()
-    cfg = tiny_config(
-        hidden_size=hidden_size,
-        num_layers=num_layers,
-        num_heads=num_heads,
-        intermediate_size=intermediate_size,
-        max_position_embeddings=max_position_embeddings,
-    )
+    cfg = tiny_config(**shape)
     torch.manual_seed(seed)
     model = LlamaForCausalLM(cfg)
     path.mkdir(parents=True, exist_ok=True)

@@ -208,39 +208,34 @@ def jsonl_prompts(path: str | Path) -> list[Prompt]:
         )
     if not path.is_file():
         raise DataError(f"prompt file {str(path)!r} does not exist; set task.prompt_file")
-    prompts = []
-    with path.open(encoding="utf-8") as f:
-        lines = _text_lines(f, path)
-        for lineno, line in enumerate(lines, start=1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise DataError(f"{path}:{lineno}: not valid JSON ({e.msg})") from None
-            if not isinstance(row, dict):
-                raise DataError(f"{path}:{lineno}: expected a JSON object with prompt/answer")
-            for field in ("prompt", "answer"):
-                if not isinstance(row.get(field), str):
-                    raise DataError(
-                        f"{path}:{lineno}: field {field!r} is missing or not a string "
-                        f"(got {row.get(field)!r}); every line needs "
-                        '{"prompt": "...", "answer": "..."}'
-                    )
-            prompts.append(Prompt(key=len(prompts), text=row["prompt"], answer=row["answer"]))
-    if not prompts:
-        raise DataError(f"prompt file {str(path)!r} holds no prompts")
-    return prompts
-
-
-def _text_lines(f, path: Path) -> list[str]:
     try:
-        return f.readlines()
+        text = path.read_text(encoding="utf-8")
     except UnicodeDecodeError as e:
         raise DataError(
             f"prompt file {str(path)!r} is not UTF-8 text (byte {e.start}: {e.reason}); "
             "task.prompt_file takes JSONL, one JSON object per line (decompress it first)"
         ) from None
+    prompts = []
+    for lineno, line in enumerate(text.split("\n"), start=1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise DataError(f"{path}:{lineno}: not valid JSON ({e.msg})") from None
+        if not isinstance(row, dict):
+            raise DataError(f"{path}:{lineno}: expected a JSON object with prompt/answer")
+        for field in ("prompt", "answer"):
+            if not isinstance(row.get(field), str):
+                raise DataError(
+                    f"{path}:{lineno}: field {field!r} is missing or not a string "
+                    f"(got {row.get(field)!r}); every line needs "
+                    '{"prompt": "...", "answer": "..."}'
+                )
+        prompts.append(Prompt(key=len(prompts), text=row["prompt"], answer=row["answer"]))
+    if not prompts:
+        raise DataError(f"prompt file {str(path)!r} holds no prompts")
+    return prompts
 
 
 def iter_epochs(items: Sequence[T], seed: int) -> Iterator[tuple[int, T]]:
