@@ -14,17 +14,43 @@ from __future__ import annotations
 
 import hashlib
 import json
+import types
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, Union, get_args, get_origin
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 
 from laminar.errors import ConfigError
 
 
+def _is_number(annotation: Any) -> bool:
+    """Whether a field takes a number: ``int``, ``float`` or an optional one."""
+    if get_origin(annotation) in (Union, types.UnionType):
+        args = [a for a in get_args(annotation) if a is not type(None)]
+        return bool(args) and all(_is_number(a) for a in args)
+    return annotation in (int, float)
+
+
 class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _no_bool_for_number(cls, value: Any, info: ValidationInfo) -> Any:
+        # pydantic's lax mode reads true as 1 and 1.0: `lr: true` would train at lr 1.
+        # (It stays lax otherwise: PyYAML reads 1e-4 as a string, which floats take.)
+        if isinstance(value, bool) and _is_number(cls.model_fields[info.field_name].annotation):
+            raise ValueError("takes a number, not true/false")
+        return value
 
 
 class ModelConfig(_Section):

@@ -37,6 +37,10 @@ def test_overrides_are_typed():
         (["task.reward=count_in_range"], r"only its own reward checks"),
         (["task.length_share=2"], r"task.length_share: .*less than or equal to 1"),
         (["trainer.steps=[1"], r"override 'trainer.steps=\[1': the value '\[1' is not valid YAML"),
+        # lax pydantic would read these as 1 and 0.0: a number was meant, say so
+        (["trainer.lr=true"], r"trainer.lr: takes a number, not true/false \(got True\)"),
+        (["trainer.steps=yes"], r"trainer.steps: takes a number, not true/false"),
+        (["repack.max_batch=false"], r"repack.max_batch: takes a number, not true/false"),
     ],
 )
 def test_bad_values_name_the_field_and_the_fix(override, message):
