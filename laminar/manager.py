@@ -38,7 +38,7 @@ import time
 import traceback
 from collections import Counter
 
-from laminar.cluster import scheduler_workers, start_thread
+from laminar.cluster import actor_result, scheduler_workers, start_thread
 from laminar.config import RunConfig
 from laminar.repack import RolloutLoad, plan
 
@@ -367,35 +367,54 @@ class RolloutManager:
         loads = planner_loads(self._loads(), self._prev)
         self.counts["checks"] += 1
         moves = plan(loads, c_max=self.rcfg.c_max, max_batch=self.max_batch)
-        rows = self._execute(moves) if moves else []
+        rows = self._execute(moves, {ld.rollout_id: ld for ld in loads}) if moves else []
         self.rows += rows
         return rows
 
-    def _execute(self, moves: list) -> list[dict]:
+    def _execute(self, moves: list, loads: dict | None = None) -> list[dict]:
         """Carry out a round's moves together: every source exports at once, then each
         destination imports all its sources' requests in one call (destinations at
-        once), then every source is released. A command waits for its rollout's next
-        step boundary, so one move at a time cost two steps per move; a round now costs
-        about two steps, however many moves it has."""
+        once), then every source whose move went through is released and every other
+        takes its requests back. A command waits for its rollout's next step boundary, so
+        one move at a time cost two steps per move; a round now costs about two steps,
+        however many moves it has.
+
+        A request is never in no engine: a source holds what it exported until it is
+        released or aborted (and takes it back by itself after a hold nobody ends), and
+        the manager aborts every export it did not get the answer of, which may yet run.
+        ``loads`` (the planner's input) bounds each source's export to its planned batch."""
         t0 = time.time()
-        exports = {m.source: self._try(self.rollouts[m.source].export_for_move) for m in moves}
+        # Each phase's calls run at once: one deadline for all of them. (A command the
+        # manager stops waiting for may still run on its rollout, which starts its own
+        # clock later: every export not answered is aborted.)
+        window = self.timeout
+        exports = {
+            m.source: self._try(
+                lambda s=m.source: self.rollouts[s].export_for_move(
+                    batch=self._prev.get(s, (None, 0.0))[0],
+                    max_requests=loads[s].n_requests if loads and s in loads else None,
+                )
+            )
+            for m in moves
+        }
         outs: dict[str, dict] = {}
+        ok_of: dict[str, bool] = {}
+        aborts: dict[str, object] = {}
         try:
+            deadline = time.time() + window
             for src, future in exports.items():
-                try:
-                    if isinstance(future, Exception):
-                        raise future
-                    out = future.result(timeout=self.timeout)
-                except Exception as e:  # noqa: BLE001 — not exported: its batch stays
-                    logger.warning("repack: %s did not export (%r); not moved", src, e)
-                    out = None
-                if out is None:  # (or the source drained meanwhile: nothing to move)
+                got, out = self._noting(
+                    f"repack: {src} export", future, actor=self.rollouts[src], deadline=deadline
+                )
+                if not got:  # not answered: it may yet export, so undo it there
+                    aborts[src] = self._try(self.rollouts[src].abort_export)
+                if out is None:  # (or its batch drained or changed meanwhile)
                     self.counts["skipped"] += 1
                 else:
                     outs[src] = out
             t1 = time.time()
             # One import per destination and version (the planner merges one version;
-            # a source that loaded another since is refused and rolled back).
+            # a source that loaded another since is refused and takes its states back).
             merged: dict[tuple[str, int], list[str]] = {}
             for m in moves:
                 if m.source in outs:
@@ -408,43 +427,57 @@ class RolloutManager:
                         v,
                         [st for src in s for st in outs[src]["states"]],
                         batch=self._prev[d][0],  # the batch this round planned with
+                        sources=len(s),
                     )
                 )
                 for (dst, v), sources in merged.items()
             }
-            ok_of: dict[str, bool] = {}
+            deadline = time.time() + window
             for (dst, v), sources in merged.items():
-                ok = self._ok(imports[dst, v], f"repack {sources} -> {dst}: import")
-                ids = [st.request_id for src in sources for st in outs[src]["states"]]
+                ok = self._ok(
+                    imports[dst, v],
+                    f"repack {sources} -> {dst}: import",
+                    actor=self.rollouts[dst],
+                    deadline=deadline,
+                )
                 if ok and self.partial is not None:
-                    ok = self._ok(
+                    # The destination's next flush names it their owner too; until then
+                    # a loss of it would look for them under the source. An import is
+                    # never undone for this: the requests would decode twice.
+                    ids = [st.request_id for src in sources for st in outs[src]["states"]]
+                    self._ok(
                         self._try(lambda i=ids, d=dst: self.partial.reassign(i, d)),
                         f"repack {sources} -> {dst}: log reassign",
                     )
                 ok_of |= dict.fromkeys(sources, ok)
             t_import = time.time() - t1
-            for src, ok in ok_of.items():
-                if not ok:  # take them back: the source is held, its batch unchanged
-                    out = outs[src]
-                    back = self._try(
-                        lambda s=src, o=out: self.rollouts[s].import_for_move(
-                            o["version"], o["states"], rollback=True
-                        )
-                    )
-                    took, answer = self._noting(f"repack: {src} takes its states back", back)
-                    # Not answered: the source was lost or stopped meanwhile; a lost one's
-                    # requests are in the partial-response log, and recovery resumes them.
-                    if took and not answer:
-                        raise RuntimeError(f"rollout {src} refused its own states back")
         finally:
-            released = [self._try(self.rollouts[src].release) for src in outs]
-            for future in released:
-                self._ok(future, "repack: release")
+            for src in outs:
+                if not ok_of.get(src) and src not in aborts:  # refused, or not reached
+                    aborts[src] = self._try(self.rollouts[src].abort_export)
+            released = {
+                src: self._try(self.rollouts[src].release) for src in outs if ok_of.get(src)
+            }
+            deadline = time.time() + window
+            for src, future in released.items():
+                self._ok(
+                    future, f"repack: {src} release", actor=self.rollouts[src], deadline=deadline
+                )
+            # Not answered: the source was lost or stopped meanwhile (a lost one's requests
+            # are in the partial-response log, and recovery resumes them), or it is stuck
+            # and takes them back itself when its hold runs out.
+            for src, future in aborts.items():
+                self._noting(
+                    f"repack: {src} takes its states back",
+                    future,
+                    actor=self.rollouts[src],
+                    deadline=deadline,
+                )
         rows = []
         for m in moves:
             if m.source not in outs:
                 continue
-            out, ok = outs[m.source], ok_of[m.source]
+            out, ok = outs[m.source], ok_of.get(m.source, False)
             self.counts["moves" if ok else "rolled_back"] += 1
             for rid in (m.source, m.destination):
                 self._prev.pop(rid, None)  # their KV just jumped: not "falling" next time
@@ -474,10 +507,10 @@ class RolloutManager:
         except Exception as e:  # noqa: BLE001 — a known-lost worker: a failed step
             return e
 
-    def _ok(self, future, what: str) -> bool:
+    def _ok(self, future, what: str, *, actor=None, deadline: float | None = None) -> bool:
         """Whether an actor call started by :meth:`_try` succeeded and did not refuse
         (returned ``False``); a failure is logged, and the move rolls back."""
-        ok, result = self._noting(what, future)
+        ok, result = self._noting(what, future, actor=actor, deadline=deadline)
         return ok and result is not False
 
     # -- faults ---------------------------------------------------------------------------
@@ -614,15 +647,28 @@ class RolloutManager:
     def _chain(self) -> list[str]:
         return [rid for rid in self.relays if rid not in self.relays_lost]
 
-    def _noting(self, what: str, future, errors: list[str] | None = None) -> tuple[bool, object]:
+    def _noting(
+        self,
+        what: str,
+        future,
+        errors: list[str] | None = None,
+        *,
+        actor=None,
+        deadline: float | None = None,
+    ) -> tuple[bool, object]:
         """``(True, result)`` of ``future`` (or of an exception :meth:`_try` returned in
         its place), or ``(False, None)``, the failure logged and recorded in ``errors``.
         A call made while rebuilding the chain may fail when more than one relay was lost
-        (a whole host): what it left undone falls to the next round."""
+        (a whole host): what it left undone falls to the next round. The wait ends at
+        ``deadline`` (else after the actor timeout) and, given the call's ``actor``, about
+        a second after its worker is lost."""
+        timeout = self.timeout if deadline is None else max(deadline - time.time(), 0.1)
         try:
             if isinstance(future, Exception):
                 raise future
-            return True, future.result(timeout=self.timeout)
+            if actor is not None:
+                return True, actor_result(actor, future, timeout)
+            return True, future.result(timeout=timeout)
         except Exception as e:  # noqa: BLE001
             if errors is not None:
                 errors.append(f"{what}: {e!r}")
@@ -722,7 +768,8 @@ class RolloutManager:
         )
         for rid in same:
             try:
-                ok = self.rollouts[rid].import_for_move(version, batch).result(timeout=self.timeout)
+                roll = self.rollouts[rid]
+                ok = actor_result(roll, roll.import_for_move(version, batch), self.timeout)
             except Exception:  # noqa: BLE001 — try the next one
                 ok = False
             if ok:

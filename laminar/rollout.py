@@ -63,6 +63,11 @@ VERSION_POLL_S = 0.5
 # While the data module looks lost, a rollout asks the old buffer this often whether it
 # answers after all (a slow call, not a loss) ...
 PROBE_S = 3.0
+# A source held by a move for this many actor timeouts without being released takes its
+# requests back: the manager that held it was lost or gave up (a copy it had imported
+# elsewhere then decodes twice, and the buffer keeps the first to arrive; losing them would
+# leave their groups incomplete).
+HOLD_LIMIT_TIMEOUTS = 4
 RESEND_CHUNK = 64  # ... and sends its kept trajectories to a new one this many at a time
 _RESEND = object()  # the reward collector's cue to send the kept trajectories again
 
@@ -123,6 +128,11 @@ class RolloutReplica:
         self._batch_seq = 0  # batches decoded so far, this one included
         self._topping_up = False  # rollout.top_up: this batch still takes new groups
         self._held = False  # exported for a move: wait at the boundary until released
+        self._held_since = 0.0
+        # ... and what it exported, (version, states), until the manager commits the move
+        # (release) or aborts it (abort_export): they are still this rollout's
+        self._exported: tuple[int, list[RequestState]] | None = None
+        self._hold_lock = threading.Lock()
         self._reprefill = False  # the next step re-prefills imported requests
         self._load: dict = {}  # published by the generation thread after every step
         self.tok = load_tokenizer(policy_dir)
@@ -170,7 +180,9 @@ class RolloutReplica:
             "pulls_unreachable": 0,  # batch boundaries whose relay could not be reached
             "decode_s": 0.0,
             "moves_out": 0,
-            "moves_in": 0,
+            "moves_in": 0,  # sources whose requests this rollout took
+            "moves_taken_back": 0,  # exports undone: the move did not happen
+            "holds_timed_out": 0,  # ... of them, after a hold no manager ended
             "requests_out": 0,
             "requests_in": 0,
             "reprefill_tokens": 0,
@@ -389,7 +401,7 @@ class RolloutReplica:
 
     def _holdings(self) -> list[str]:
         groups = {st.request.meta["group"].prompt_uid for st in self.engine.in_flight()}
-        for _, states in list(self._adopted.queue):
+        for _, states in list(self._adopted.queue) + self._exported_batches():
             groups |= {st.request.meta["group"].prompt_uid for st in states}
         for states in list(self._rescore.queue):
             groups |= {st.request.meta["group"].prompt_uid for st in states}
@@ -415,7 +427,7 @@ class RolloutReplica:
         registered = 0
         if partial is not None:
             batches = [(self.engine.version, self.engine.in_flight())]
-            batches += list(self._adopted.queue)
+            batches += list(self._adopted.queue) + self._exported_batches()
             for version, states in batches:
                 copies = [
                     replace(
@@ -751,11 +763,14 @@ class RolloutReplica:
             self._publish_load()
             while self.engine.has_work() and not self._stop.is_set():
                 self._tick()
+                # Requests imported before this step re-prefill in it. (A paced engine
+                # serves commands while it waits out a step: what that step imports is
+                # the next step's to re-prefill.)
+                reprefill, self._reprefill = self._reprefill, False
                 t_step = time.perf_counter()
                 finished = self.engine.step()
-                if self._reprefill:
+                if reprefill:
                     self.counts["reprefill_s"] += time.perf_counter() - t_step
-                    self._reprefill = False
                 self.counts["decode_steps"] += 1
                 self._log_partial(finished)
                 if finished:
@@ -810,32 +825,54 @@ class RolloutReplica:
             "t": time.time(),
         }
 
-    def export_for_move(self) -> dict | None:
+    def export_for_move(
+        self, batch: int | None = None, max_requests: int | None = None
+    ) -> dict | None:
         """Hand every unfinished request to the manager and hold at the batch boundary
-        until :meth:`release`. ``None`` if there is no batch to take any more."""
-        return self._command(self._export_all)
+        until :meth:`release` (the move is done) or :meth:`abort_export` (it is not).
+        ``None`` if there is no batch to take any more, or if it is not the one the
+        manager planned with: another batch than ``batch`` (:meth:`load`'s; the planned
+        one drained and a fresh one began), or more than ``max_requests`` requests (it
+        took new groups since: the destination's limits were planned without them)."""
+        return self._command(lambda: self._export_all(batch, max_requests))
 
     def import_for_move(
-        self, version: int, states: list, rollback: bool = False, batch: int | None = None
+        self, version: int, states: list, batch: int | None = None, sources: int = 1
     ) -> bool:
-        """Take over ``states`` (sampled by ``version``) into the running batch. Refused
-        (``False``) unless this rollout is decoding a batch of that same version — the
-        batch the manager planned with (``batch``, :meth:`load`'s), not a fresh one begun
-        since, which the planner did not count — or, with ``rollback``, is the held source
-        taking its own states back."""
-        return self._command(lambda: self._import(version, states, rollback, batch))
+        """Take over ``states`` (sampled by ``version``; from ``sources`` rollouts) into
+        the running batch. Refused (``False``) unless this rollout is decoding a batch of
+        that same version — the batch the manager planned with (``batch``,
+        :meth:`load`'s), not a fresh one begun since, which the planner did not count."""
+        return self._command(lambda: self._import(version, states, batch, sources))
 
     def release(self) -> None:
-        """End the hold of :meth:`export_for_move`: the rollout pulls the newest weights
-        and takes new prompts (or, after a rollback, decodes its batch on)."""
-        self._held = False
+        """Commit the move :meth:`export_for_move` began: the exported requests are the
+        destination's now. The rollout pulls the newest weights and takes new prompts
+        (or, after :meth:`abort_export`, decodes its batch on)."""
+        with self._hold_lock:
+            self._held, self._exported = False, None
 
-    def _export_all(self):
+    def abort_export(self) -> int:
+        """Undo :meth:`export_for_move`: take the exported requests back and decode them
+        on. For a move that did not happen (the destination refused, or the manager gave
+        up waiting for the export, which may yet have run). Returns how many came back."""
+        return self._command(self._take_back)
+
+    def _exported_batches(self) -> list[tuple[int, list[RequestState]]]:
+        exported = self._exported
+        return [exported] if exported is not None else []
+
+    def _export_all(self, batch: int | None = None, max_requests: int | None = None):
         if not self._in_batch or self._held or not self.engine.has_work():
+            return None
+        if batch is not None and batch != self._batch_seq:
+            return None
+        ids = list(self.engine.request_ids())
+        if max_requests is not None and len(ids) > max_requests:
             return None
         t0 = time.perf_counter()
         self._log_partial(force=True)  # the log holds every exported token
-        states = self.engine.export(list(self.engine.request_ids()))
+        states = self.engine.export(ids)
         for st in states:
             self._logged.pop(st.request_id, None)
         for st in states:  # the rollouts a trajectory passed through, in order
@@ -843,7 +880,9 @@ class RolloutReplica:
                 *st.request.meta.get("rollout_path", []),
                 self.rollout_id,
             ]
-        self._held = True
+        with self._hold_lock:
+            self._held, self._exported = True, (self.engine.version, states)
+        self._held_since = time.time()
         self.counts["moves_out"] += 1
         self.counts["requests_out"] += len(states)
         return {
@@ -854,22 +893,47 @@ class RolloutReplica:
             "export_s": time.perf_counter() - t0,
         }
 
-    def _import(self, version: int, states: list, rollback: bool, batch: int | None) -> bool:
-        ok_state = self._held if rollback else (self._in_batch and not self._held)
-        if not ok_state or self.engine.version != version or self._stop.is_set():
+    def _take_back(self) -> int:
+        """The exported requests back into the engine, as they were before the export
+        (not counted as moved, nor this rollout as on their path twice)."""
+        from dataclasses import replace
+
+        with self._hold_lock:
+            exported, self._exported = self._exported, None
+            if exported is None:  # nothing exported, or the move was committed
+                return 0
+            version, states = exported
+            self._held = False
+        if self.engine.version != version:  # a held source loads no weights: a bug
+            raise RuntimeError(
+                f"rollout {self.rollout_id} holds requests of version {version} but its "
+                f"engine is at {self.engine.version}"
+            )
+        back = []
+        for st in states:
+            st.request.meta["rollout_path"] = st.request.meta["rollout_path"][:-1]
+            back.append(replace(st, n_moves=st.n_moves - 1))
+        self.engine.import_(back)
+        self._logged.update({st.request_id: len(st.tokens) for st in back})
+        self._reprefill = True
+        self.counts["moves_out"] -= 1
+        self.counts["requests_out"] -= len(back)
+        self.counts["moves_taken_back"] += 1
+        return len(back)
+
+    def _import(self, version: int, states: list, batch: int | None, sources: int) -> bool:
+        if not self._in_batch or self._held or self._stop.is_set():
+            return False
+        if self.engine.version != version:
             return False
         if batch is not None and batch != self._batch_seq:
             return False
-        if rollback:
-            for st in states:
-                st.request.meta["rollout_path"] = st.request.meta["rollout_path"][:-1]
         self.engine.import_(states)
         self._logged.update({st.request_id: len(st.tokens) for st in states})
         self._reprefill = True
-        if not rollback:
-            self.counts["moves_in"] += 1
-            self.counts["requests_in"] += len(states)
-            self.counts["reprefill_tokens"] += sum(st.context_len for st in states)
+        self.counts["moves_in"] += sources
+        self.counts["requests_in"] += len(states)
+        self.counts["reprefill_tokens"] += sum(st.context_len for st in states)
         return True
 
     def _command(self, fn):
@@ -923,8 +987,19 @@ class RolloutReplica:
             self._serve(left)
 
     def _wait_while_held(self) -> None:
+        limit = HOLD_LIMIT_TIMEOUTS * self.cfg.cluster.actor_timeout_s
         while self._held and not self._stop.is_set():
             self._serve(0.02)
+            if self._held and time.time() - self._held_since > limit:
+                logger.warning(
+                    "rollout %s: held by a move for over %.0f s, neither released nor "
+                    "aborted (the manager was lost?): taking its %d requests back",
+                    self.rollout_id,
+                    limit,
+                    len(self._exported[1]) if self._exported else 0,
+                )
+                self._take_back()
+                self.counts["holds_timed_out"] += 1
 
     def _fail_commands(self) -> None:
         while True:

@@ -18,7 +18,8 @@ when the replicas' batches have drifted apart:
 
 * generation throughput — response tokens decoded per second;
 * mean KV utilisation — ``kv_used / kv_capacity`` over rollouts × polls, busy or not;
-* repack overhead — the pause moves caused, per second of run, and per move;
+* repack overhead — the pause moves caused their sources, as a share of the rollouts'
+  time (``overhead_frac``: replica-seconds paused over replicas × run), and per move;
 * mean / max trajectory latency — ``t_finish − t_submit`` of the trajectories submitted
   in the window that ends a cap-length generation before the stop (none is cut short);
 * decode step — a modelled decode step's mean time (ms) and requests (``decode_batch``):
@@ -196,7 +197,14 @@ def _figures(run_dir: Path, summary: dict, scale, warmup: float) -> dict:
     rep = summary.get("repack")
     if rep:
         wall = summary["rl_wall_s"]
-        out.update(moves=rep["moves"], pause_s=rep["pause_s"], overhead_frac=rep["pause_s"] / wall)
+        # pause_s sums each move's pause of its source: replica-seconds, so its share of
+        # the rollouts' time divides by them all
+        replicas = max(len(summary["rollouts"]), 1)
+        out.update(
+            moves=rep["moves"],
+            pause_s=rep["pause_s"],
+            overhead_frac=rep["pause_s"] / (wall * replicas),
+        )
         out["freed_replica_s"] = scale.modelled(
             _freed(ds, open_metrics(run_dir, "repacks") if rep["moves"] else None)
         )

@@ -67,6 +67,8 @@ ROLLOUT_METRICS = (
     "weight_bytes",
     "moves_out",
     "moves_in",
+    "moves_taken_back",
+    "holds_timed_out",
     "requests_in",
     "reprefill_tokens",
     "reprefill_s",

@@ -374,6 +374,12 @@ def test_repack_moves_draining_batches_and_keeps_every_trajectory_whole(tmp_path
     ok = rows["ok"].values.astype(bool)
     assert int(rows["requests"].values[ok].sum()) == repack["requests_moved"]
     assert (rows["source"].values != rows["destination"].values).all()
+    # The rollouts count the same moves: a source's export undone (refused by its
+    # destination) is taken back, not counted as a move.
+    rolls = summary["rollouts"]
+    assert sum(r["moves_out"] for r in rolls) == repack["moves"], counts
+    assert sum(r["moves_in"] for r in rolls) == repack["moves"], counts
+    assert sum(r["moves_taken_back"] for r in rolls) >= repack["rolled_back"], counts
     # `laminar bench repack` reads its figures from such a run's stores.
     from laminar.pacing import Scale
     from pipelines.bench_repack import _figures
@@ -383,5 +389,6 @@ def test_repack_moves_draining_batches_and_keeps_every_trajectory_whole(tmp_path
     assert 0 < fig["latency_trajectories"] <= fig["trajectories"]
     assert 0 < fig["latency_mean_s"] <= fig["latency_max_s"] and fig["gen_tok_s"] > 0
     assert 0 < fig["kv_util_mean"] < 1 and fig["freed_replica_s"] > 0
+    assert 0 < fig["overhead_frac"] < 1  # a share of the rollouts' time
     # unpaced (Scale()): a step's wall time; at most a local batch's 64 requests per step
     assert fig["step_ms"] > 0 and 1 <= fig["decode_batch"] <= 64

@@ -149,7 +149,146 @@ def test_an_import_planned_against_a_batch_that_has_since_ended_is_refused(
     rollout = RolloutReplica("r0", cfg, str(tiny_policy), None, None, None)
     rollout._in_batch, rollout._batch_seq = True, 3
     v = rollout.engine.version
-    assert rollout._import(v, [], rollback=False, batch=2) is False
-    assert rollout._import(v + 1, [], rollback=False, batch=3) is False  # another version
-    assert rollout._import(v, [], rollback=False, batch=3) is True
-    assert rollout._import(v, [], rollback=False, batch=None) is True
+    assert rollout._import(v, [], batch=2, sources=1) is False
+    assert rollout._import(v + 1, [], batch=3, sources=1) is False  # another version
+    assert rollout._import(v, [], batch=3, sources=1) is True
+    assert rollout._import(v, [], batch=None, sources=1) is True
+
+
+# -- a move between two real rollouts, in this process -----------------------------------
+
+
+def _decoding(rollout_id: str, cfg, policy, n: int, batch: int = 1):
+    """A real rollout decoding a batch of ``n`` requests, its commands served by a
+    thread of its own as its generation loop would serve them between steps."""
+    import threading
+
+    from laminar.engine import GenerationRequest
+    from laminar.rollout import RolloutReplica
+
+    rollout = RolloutReplica(rollout_id, cfg, str(policy), None, None, None)
+    for i in range(n):
+        rollout.engine.add_request(
+            GenerationRequest(f"{rollout_id}-p{i}", (1, 2, 3), rollout._params, meta={})
+        )
+    rollout._in_batch, rollout._batch_seq = True, batch
+    for _ in range(2):
+        rollout.engine.step()
+    stop = threading.Event()
+
+    def serve():
+        while not stop.is_set():
+            if rollout._held:
+                rollout._wait_while_held()  # (what its loop does once the batch is out)
+            rollout._serve(0.01)
+
+    rollout._thread = threading.Thread(target=serve, daemon=True)
+    rollout._thread.start()
+    return rollout, stop
+
+
+class _Handle:
+    """An actor handle to a rollout in this process: a call returns a future."""
+
+    def __init__(self, obj):
+        self._obj = obj
+
+    def __getattr__(self, name):
+        from concurrent.futures import Future
+
+        def call(*args, **kwargs):
+            f = Future()
+            try:
+                f.set_result(getattr(self._obj, name)(*args, **kwargs))
+            except Exception as e:  # noqa: BLE001
+                f.set_exception(e)
+            return f
+
+        return call
+
+
+class _SlowLog:
+    """A partial-response pool that does not answer a reassign (a busy data worker)."""
+
+    def reassign(self, request_ids, rollout_id):
+        raise TimeoutError("the partial-response pool did not answer")
+
+
+@pytest.mark.parametrize("dest_batch", [1, 2], ids=["imported", "refused"])
+def test_a_move_leaves_every_request_in_exactly_one_engine(tiny_policy, small_config, dest_batch):
+    """Imported: the requests are the destination's, even when the partial log's reassign
+    fails (undoing the import for it decoded them twice). Refused (the destination's
+    planned batch has ended): the source takes them back, not counted as moved."""
+    from laminar.config import with_overrides
+    from laminar.manager import RolloutManager
+
+    cfg = with_overrides(small_config, ["rollout.parity_every=0", "repack.interval_s=1"])
+    src, stop_src = _decoding("r0", cfg, tiny_policy, 3)
+    dst, stop_dst = _decoding("r1", cfg, tiny_policy, 2, batch=dest_batch)
+    try:
+        before = {*src.engine.request_ids(), *dst.engine.request_ids()}
+        manager = RolloutManager(
+            cfg, {"r0": _Handle(src), "r1": _Handle(dst)}, master_relay=None, partial=_SlowLog()
+        )
+        manager._prev = {"r0": (1, 0.1), "r1": (1, 0.2)}
+        loads = {"r0": RolloutLoad("r0", 0, 0.1, 0.2, 3), "r1": RolloutLoad("r1", 0, 0.2, 0.3, 2)}
+        (row,) = manager._execute([Move("r0", "r1")], loads)
+        held = set(src.engine.request_ids()), set(dst.engine.request_ids())
+        assert not held[0] & held[1] and held[0] | held[1] == before
+        assert not src._held and src._exported is None
+        if dest_batch == 1:
+            assert row["ok"] and len(held[1]) == 5 and not held[0]
+            assert [s.n_moves for s in src.engine.in_flight()] == []
+            assert {s.n_moves for s in dst.engine.in_flight() if s.request_id.startswith("r0")} == {
+                1
+            }
+            assert (src.counts["moves_out"], dst.counts["moves_in"]) == (1, 1)
+        else:
+            assert not row["ok"] and len(held[0]) == 3
+            assert {s.n_moves for s in src.engine.in_flight()} == {0}
+            assert all(s.request.meta["rollout_path"] == [] for s in src.engine.in_flight())
+            assert (src.counts["moves_out"], src.counts["moves_taken_back"]) == (0, 1)
+            assert manager.counts["rolled_back"] == 1
+    finally:
+        stop_src.set(), stop_dst.set()
+
+
+def test_an_export_is_refused_when_the_batch_is_not_the_planned_one(tiny_policy, small_config):
+    """The planner counted the source's batch as it was: a fresh batch begun since, or
+    one that took new groups (top-up), would overfill its destination."""
+    from laminar.config import with_overrides
+
+    cfg = with_overrides(small_config, ["rollout.parity_every=0"])
+    src, stop = _decoding("r0", cfg, tiny_policy, 3, batch=4)
+    try:
+        assert src.export_for_move(batch=3) is None  # a batch after the planned one
+        assert src.export_for_move(batch=4, max_requests=2) is None  # grew since
+        assert len(src.engine.request_ids()) == 3 and not src._held
+        assert len(src.export_for_move(batch=4, max_requests=3)["states"]) == 3
+        assert src._held and not src.engine.request_ids()
+        assert src.abort_export() == 3 and not src._held and len(src.engine.request_ids()) == 3
+        assert src.abort_export() == 0  # nothing exported any more: a no-op
+    finally:
+        stop.set()
+
+
+def test_a_source_nobody_releases_takes_its_requests_back(tiny_policy, small_config):
+    """The manager that held the source was lost (or gave up on an export that still
+    ran): after HOLD_LIMIT_TIMEOUTS actor timeouts the source takes its requests back
+    instead of idling with them for the rest of the run."""
+    import time
+
+    from laminar.config import with_overrides
+    from laminar.rollout import HOLD_LIMIT_TIMEOUTS
+
+    cfg = with_overrides(small_config, ["rollout.parity_every=0", "cluster.actor_timeout_s=0.1"])
+    src, stop = _decoding("r0", cfg, tiny_policy, 3)
+    try:
+        assert src.export_for_move() is not None and src._held
+        deadline = time.time() + HOLD_LIMIT_TIMEOUTS * 0.1 + 5
+        while src._held and time.time() < deadline:
+            time.sleep(0.05)
+        assert not src._held and len(src.engine.request_ids()) == 3
+        assert src.counts["holds_timed_out"] == 1
+    finally:
+        stop.set()
