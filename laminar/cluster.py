@@ -77,10 +77,12 @@ def role_cluster(
     nannies, because ``LocalCluster`` gives every worker the same resources.
 
     ``protocol`` is ``tcp``, ``tls`` (with ``security``, a :class:`distributed.Security`)
-    or ``ucx``."""
+    or ``ucx``. The workers ignore Ctrl-C (:mod:`laminar.local_worker`)."""
     import dask
     from distributed import Nanny, Scheduler, SpecCluster
 
+    preload = dask.config.get("distributed.worker.preload") or []
+    preload = [preload] if isinstance(preload, str) else list(preload)
     specs = {
         w: {
             "cls": Nanny,
@@ -91,6 +93,8 @@ def role_cluster(
                 "host": "127.0.0.1",
                 "protocol": f"{protocol}://",
                 "security": security,
+                # (yours, then ours: the terminal's Ctrl-C is the driver's to handle)
+                "preload": [*preload, "laminar.local_worker"],
             },
         }
         for w, resources in workers.items()

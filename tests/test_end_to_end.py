@@ -6,6 +6,7 @@ Each run is checked against the data contract with ``Dataset.laminar.audit()``.
 from __future__ import annotations
 
 import json
+import os
 import re
 import signal
 import time
@@ -71,6 +72,9 @@ def test_cli_run_end_to_end(tmp_path):
 
 
 def test_cli_ctrl_c_stops_cleanly_with_the_store_intact(tmp_path):
+    """Ctrl-C in a terminal signals the whole foreground process group: the driver and
+    the local cluster's worker processes. The workers must not die of it (the driver
+    would take that for lost roles and fail the run); the driver stops the run."""
     run_dir = tmp_path / "run"
     proc = laminar_cli(
         "run",
@@ -78,6 +82,7 @@ def test_cli_ctrl_c_stops_cleanly_with_the_store_intact(tmp_path):
         "--run-dir",
         str(run_dir),
         *sets(SMALL_RUN + ["trainer.steps=1000"]),
+        start_new_session=True,  # a process group of its own, as a terminal's job
     )
     lines = []
     deadline = time.time() + 300
@@ -86,7 +91,7 @@ def test_cli_ctrl_c_stops_cleanly_with_the_store_intact(tmp_path):
         m = re.search(r"version\s+(\d+)/", line)
         if (m and int(m.group(1)) >= 2) or time.time() > deadline:
             break
-    proc.send_signal(signal.SIGINT)
+    os.killpg(proc.pid, signal.SIGINT)  # what the terminal does on Ctrl-C
     rest, _ = proc.communicate(timeout=120)
     out = "".join(lines) + rest
     assert proc.returncode == 0, out
