@@ -638,7 +638,10 @@ def parse_overrides(overrides: list[str] | tuple[str, ...]) -> list[tuple[str, A
     for item in overrides:
         key, sep, raw = item.partition("=")
         if not sep or not key.strip():
-            raise ConfigError(f"override {item!r} is not of the form section.key=value")
+            raise ConfigError(
+                f"override {item!r} is not of the form key=value (section.key=value, e.g. "
+                "trainer.steps=200, or a top-level key: seed=1)"
+            )
         # YAML scalars: ints, floats, booleans, null; pydantic coerces "1e-4" for floats.
         try:
             value = yaml.safe_load(raw) if raw.strip() else None

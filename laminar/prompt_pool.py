@@ -297,6 +297,24 @@ def load_prompts(cfg: RunConfig) -> list[Prompt]:
     )
 
 
+def _words(words: list[str]) -> str:
+    """A vocabulary, short: its runs of integers as ranges, then the other words.
+
+    >>> _words(["b", "2", "0", "1", "a", "7"])
+    '0..2 7 a b'
+    """
+    ints = sorted(int(w) for w in words if w.isdigit() and str(int(w)) == w)
+    runs: list[list[int]] = []
+    for i in ints:
+        if runs and i == runs[-1][1] + 1:
+            runs[-1][1] = i
+        else:
+            runs.append([i, i])
+    numbers = [f"{a}..{b}" if b > a else str(a) for a, b in runs]
+    others = sorted(w for w in words if not (w.isdigit() and str(int(w)) == w))
+    return " ".join(numbers + others)
+
+
 def encode_prompts(tok, prompts: list[Prompt], cfg: RunConfig) -> list[tuple[Prompt, tuple]]:
     """Each prompt with its token ids, after checking that it fits the rollout's sequence
     and the model's vocabulary (run before any cluster work too: ``preflight``)."""
@@ -323,10 +341,15 @@ def encode_prompts(tok, prompts: list[Prompt], cfg: RunConfig) -> list[tuple[Pro
                 f"rollout.max_new_tokens = {max_prompt}; raise rollout.max_seq_len"
             )
         if unk is not None and unk in ids:
+            unknown = [w for w in p.text.split() if unk in encode_prompt(tok, w)]
+            known = [w for w in tok.get_vocab() if w not in tok.all_special_tokens]
+            vocab = (  # (the built-in model's words; a real model's are too many to list)
+                f"; its vocabulary: {_words(known)}" if len(known) <= 512 else ""
+            )
             raise DataError(
-                f"{where(p)} ({p.text!r}) has symbols outside the model's vocabulary; "
-                "write prompts in the model's symbols, or set model.path to a model whose "
-                "tokenizer has them"
+                f"{where(p)} ({p.text!r}) has symbols outside the model's vocabulary "
+                f"({' '.join(dict.fromkeys(unknown)) or '?'}){vocab}. Write prompts in the "
+                "model's symbols, or set model.path to a model whose tokenizer has them"
             )
         encoded.append((p, ids))
     return encoded

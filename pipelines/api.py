@@ -106,6 +106,10 @@ class RunHandle:
         finally:
             self._done.set()
 
+    def __fspath__(self) -> str:
+        """The run directory: ``open_run(handle)``, ``open_metrics(handle, "cluster")``."""
+        return str(self.run_dir)
+
     def progress(self) -> dict:
         """The latest progress: phase, version, reward, tokens/s, buffer depth, staleness."""
         return dict(self._progress)
@@ -174,6 +178,7 @@ def prepare_resume(run_dir: str | Path, overrides: list[str] | tuple[str, ...] =
             "a run checkpoints when it ends and every trainer.checkpoint_every versions; "
             "start it again"
         )
+    own = load_config(config).trainer.resume_from  # (null, unless it began from another run)
     cfg = load_config(config, [*overrides, f"trainer.resume_from={ckpt}", f"run_dir={path}"])
     if cfg.pipeline.schedule != "laminar":
         raise ConfigError(
@@ -191,7 +196,10 @@ def prepare_resume(run_dir: str | Path, overrides: list[str] | tuple[str, ...] =
         )
     preflight(cfg)
     plan = plan_resume(path, version)
-    config.write_text(cfg.to_yaml())
+    # config.yaml takes the overrides but not this resume's checkpoint: it still repeats
+    # the whole run (each resume finds its newest checkpoint itself).
+    trainer = cfg.trainer.model_copy(update={"resume_from": own})
+    config.write_text(cfg.model_copy(update={"trainer": trainer}).to_yaml())
     return cfg, plan, path
 
 

@@ -291,9 +291,10 @@ def cmd_audit(args: argparse.Namespace) -> int:
     from storage.audit import audit_run
 
     report = audit_run(args.run_dir)
-    print(report.text())
-    if args.json:
+    if args.json:  # (alone on stdout, for a script to parse)
         print(json.dumps(report.to_dict(), indent=2, default=float))
+    else:
+        print(report.text())
     return 0 if report.ok else 1
 
 
@@ -399,7 +400,9 @@ def main(argv: list[str] | None = None) -> int:
         prog="laminar", description="Asynchronous RL post-training of LLMs on Dask."
     )
     sub = parser.add_subparsers(dest="command", required=True)
-    run = sub.add_parser("run", help="train a policy with the Laminar schedule")
+    run = sub.add_parser(
+        "run", help="train a policy (pipeline.schedule picks the schedule: laminar by default)"
+    )
     run.add_argument("config", nargs="?", help="YAML run config, e.g. configs/tiny.yaml")
     run.add_argument(
         "--resume",
@@ -429,7 +432,7 @@ def main(argv: list[str] | None = None) -> int:
         "audit", help="check a run from its stores: contract, groups, recoveries (exit 1: problems)"
     )
     audit.add_argument("run_dir", metavar="RUN_DIR")
-    audit.add_argument("--json", action="store_true", help="also print the report as JSON")
+    audit.add_argument("--json", action="store_true", help="print the report as JSON instead")
     certs = sub.add_parser("certs", help="write a new TLS CA, certificate and key to a folder")
     certs.add_argument("dir", help="folder for ca.pem, cert.pem, key.pem")
     report = sub.add_parser("report", help="plots and a summary page of one or more runs")

@@ -48,7 +48,7 @@ class AuditReport:
             "ok": self.ok,
             "problems": self.problems,
             "notes": self.notes,
-            "figures": self.figures,
+            "figures": {k.strip(): v for k, v in self.figures.items()},  # (indents: text)
         }
 
 

@@ -31,7 +31,7 @@ def test_overrides_are_typed():
         (["rollout.max_seq_len=20"], r"raise rollout.max_seq_len to at least"),
         (["model.num_heads=3"], r"not divisible by num_heads"),
         (["buffer.max_outstanding_groups=2"], r"raise max_outstanding_groups"),
-        (["trainer"], r"not of the form section.key=value"),
+        (["trainer"], r"not of the form key=value \(section.key=value"),
         (["trainer.steps.x=1"], r"'steps' is not a section"),
         (["task.name=count_range"], r"use task.name=count_range with task.reward=count_in_range"),
         (["task.reward=count_in_range"], r"only its own reward checks"),

@@ -144,6 +144,10 @@ def test_api_submit_is_non_blocking_and_stop_keeps_every_trajectory(
         summary = run.wait(timeout=120)
         assert summary["reason"] == "stopped"
         ds = check_store(run.run_dir)
+        # the handle is the run directory's path-like (a notebook analyses it as it is)
+        from storage.metrics import open_metrics
+
+        assert open_metrics(run, "cluster").sizes["time"] > 0
         stats = summary["buffer"]
         # Every trajectory that entered the buffer is in the store, with its final status.
         assert ds.sizes["trajectory"] == stats["inserted"] == stats["written"]

@@ -273,6 +273,12 @@ def test_a_killed_rollout_loses_no_trajectory(tmp_path):
     out, _ = proc.communicate(timeout=120)
     assert proc.returncode == 1, out
     assert "PROBLEM: rollout r0: 500 trajectories recovered, 0 stored" in out
+    proc = laminar_cli("audit", str(tampered), "--json")  # the same, for a script to parse
+    out, _ = proc.communicate(timeout=120)
+    report = json.loads(out)
+    assert proc.returncode == 1 and report["ok"] is False
+    assert "rollout r0: 500 trajectories recovered, 0 stored" in " ".join(report["problems"])
+    assert all(k == k.strip() for k in report["figures"])
 
 
 def rescored_and_resumed(handle) -> bool:

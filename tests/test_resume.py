@@ -84,6 +84,11 @@ def test_resume_checks_the_checkpoint_before_it_writes_the_config(tmp_path):
     TrajectoryWriter(run)  # (an empty store: nothing generated before the stop)
     cfg, _, _ = prepare_resume(run, ["trainer.steps=3"])  # and what it can take passes
     assert cfg.trainer.steps == 3 and cfg.trainer.resume_from.endswith("version-000001")
+    # config.yaml keeps the override, not the checkpoint: it still repeats the whole run
+    from laminar.config import load_config
+
+    again = load_config(run / "config.yaml")
+    assert again.trainer.steps == 3 and again.trainer.resume_from is None
 
 
 def test_a_missing_resume_from_is_refused_before_the_cluster(tmp_path):

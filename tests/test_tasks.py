@@ -182,7 +182,10 @@ def test_prompts_that_do_not_fit_the_model_are_refused_before_the_run(tmp_path):
     rows = [{"prompt": "n 2 >", "answer": "1 2"}, {"prompt": "n 2 hello >", "answer": "1 2"}]
     f.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
     cfg = with_overrides(RunConfig(), [f"task.prompt_file={f}"])
-    with pytest.raises(DataError, match=r"p.jsonl: prompt 2 .*outside the model's vocabulary"):
+    with pytest.raises(
+        DataError,
+        match=r"p.jsonl: prompt 2 .*outside the model's vocabulary \(hello\); its vocabulary: .*>",
+    ):
         preflight(cfg)
     f.write_text(json.dumps({"prompt": "n " + "2 " * 80 + ">", "answer": "1 2"}) + "\n")
     with pytest.raises(DataError, match=r"p.jsonl: prompt 1 has \d+ tokens.*raise rollout"):
