@@ -107,9 +107,14 @@ def _print_summary(s: dict) -> None:
     )
     print(f"tokens             {s['prompt_tokens']} prompt + {s['response_tokens']} response")
     print("staleness (mean)   " + "  ".join(f"{k[:-5]} {v:.2f}" for k, v in s["staleness"].items()))
+    whole = (
+        f" ({s['rl_wall_s_total']:.1f} s over the run's {s['segments']} starts)"
+        if s.get("segments", 1) > 1
+        else ""
+    )
     print(
-        f"wall time          RL {s['rl_wall_s']:.1f} s; warm start {sft.get('wall_s', 0):.1f} s "
-        f"({'cached' if sft.get('cached') else 'trained'})"
+        f"wall time          RL {s['rl_wall_s']:.1f} s{whole}; warm start "
+        f"{sft.get('wall_s', 0):.1f} s ({'cached' if sft.get('cached') else 'trained'})"
     )
     if "eval_reward" in sft:
         print(

@@ -128,6 +128,8 @@ class Schedule:
         self.resume = resume
         self.actors: dict = {}
         self.sft_info: dict = {}
+        # this start's segment of the run's metrics, and those before it (_origin)
+        self._segment, self._earlier_segments = 0, []
 
     def setup(self, progress: Callable[[dict], None]) -> None:
         cfg, client = self.cfg, self.client
@@ -357,6 +359,10 @@ class Schedule:
                 if not self._fail_on_lost_core(e):
                     self._wind_down(e, t_start)  # anything else: stop the run in order
             finally:
+                try:  # up to METRICS_FLUSH_S of the run's time series, kept
+                    self._write_rows()
+                except Exception as w:  # noqa: BLE001 — the run's own error comes first
+                    logger.warning("metrics rows not written: %r", w)
                 self.metrics.close()
             raise
         try:
@@ -783,15 +789,21 @@ class Schedule:
 
     def _origin(self, t_start: float) -> float:
         """When the run first started: a resumed run's ``cluster`` rows go on from its
-        earlier ones (``elapsed_s`` keeps rising, across the gap)."""
+        earlier ones (``elapsed_s`` keeps rising, across the gap), as a new segment
+        (:func:`storage.metrics.segments`; the earlier ones are kept for the summary)."""
+        self._segment, self._earlier_segments = 0, []
         if self.resume is None:
             return t_start
-        from storage.metrics import open_metrics, time_origin
+        from storage.metrics import open_metrics, segments, time_origin
 
         try:
-            origin = time_origin(open_metrics(self.run_dir, "cluster"))
+            cluster = open_metrics(self.run_dir, "cluster")
         except Exception:  # noqa: BLE001 — lost before its first metrics flush
             return t_start
+        self._earlier_segments = segments(cluster)
+        if self._earlier_segments:
+            self._segment = self._earlier_segments[-1]["segment"] + 1
+        origin = time_origin(cluster)
         return t_start if origin is None else origin
 
     def _record(self, elapsed, now, t_stats, b_stats, p_stats, r_stats, tokens) -> None:
@@ -801,6 +813,7 @@ class Schedule:
             {
                 "elapsed_s": elapsed,
                 "wall_time": now,
+                "segment": self._segment,  # (a resume starts the next)
                 "version": t_stats["version"],
                 "buffer_depth": b_stats["depth"],
                 "ready_groups": b_stats["ready_groups"],
@@ -821,10 +834,14 @@ class Schedule:
                 | {k: s.get(k, math.nan) for k in ROLLOUT_METRICS}
             )
 
-    def _flush_metrics(self) -> None:
+    def _write_rows(self) -> None:
+        """The driver's own rows (``cluster``, ``rollouts``) into the metrics store."""
         for table, rows in self._rows.items():
             self.metrics.append(table, rows)
             rows.clear()
+
+    def _flush_metrics(self) -> None:
+        self._write_rows()
         if self._restart is None and self._data_restart is None:  # (no trainer restarting)
             try:
                 if self._trainer_worker() in self._fenced:
@@ -972,6 +989,7 @@ class Schedule:
             "relay": relay,
             "reason": reason,
             "resumed": self.resume.summary() if self.resume is not None else None,
+            "earlier_segments": self._earlier_segments,
             "wall_s": wall,
             "trainer": t_stats,
             "buffer": b_stats,

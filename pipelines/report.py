@@ -16,7 +16,7 @@ import numpy as np
 
 from laminar.errors import ConfigError
 from storage import open_run
-from storage.metrics import TABLES, open_metrics, time_origin
+from storage.metrics import TABLES, open_metrics, segments, time_origin
 from storage.trajectories import reading
 
 
@@ -32,7 +32,36 @@ def _load(run_dir: Path) -> dict:
         run["summary"] = json.loads(summary.read_text()) if summary.exists() else {}
     # Event tables hold epoch seconds; the time series hold seconds since the run began.
     run["t0"] = None if run["cluster"] is None else time_origin(run["cluster"])
+    # A resumed run's starts: the time series have a gap between each and the next.
+    run["segments"] = [] if run["cluster"] is None else segments(run["cluster"])
+    seg = run["segments"]
+    run["gaps"] = [(seg[i]["end_s"], seg[i + 1]["start_s"]) for i in range(len(seg) - 1)]
     return run
+
+
+def _gaps_on(run: dict, axis_t0: float | None = None) -> list[tuple[float, float]]:
+    """The run's gaps, on a time axis that starts at epoch ``axis_t0`` (default: the
+    metrics', which the gaps are in)."""
+    if axis_t0 is None or run["t0"] is None:
+        return run["gaps"]
+    shift = run["t0"] - axis_t0
+    return [(a + shift, b + shift) for a, b in run["gaps"]]
+
+
+def _broken(x, y, gaps: list[tuple[float, float]]):
+    """``x, y`` with a NaN point in each gap, so that a line is not drawn across it."""
+    x, y = np.asarray(x, dtype=float), np.asarray(y, dtype=float)
+    for a, b in gaps:
+        i = int(np.searchsorted(x, (a + b) / 2))
+        if 0 < i < len(x):
+            x, y = np.insert(x, i, (a + b) / 2), np.insert(y, i, np.nan)
+    return x, y
+
+
+def _shade(ax, gaps: list[tuple[float, float]]) -> None:
+    """Grey where the run was not running (stopped, then resumed)."""
+    for i, (a, b) in enumerate(gaps):
+        ax.axvspan(a, b, color="0.9", zorder=0, label="not running (resumed)" if i == 0 else None)
 
 
 def _since_start(run: dict, epoch) -> np.ndarray:
@@ -68,7 +97,10 @@ def plot_reward(runs: list[dict], out: Path) -> str:
     fig, (ax_t, ax_v) = _figure("Reward (mean over trajectories)", 2)
     for r in runs:
         by_time = r["ds"].laminar.reward_curve(by="time", window=5.0)
-        ax_t.plot(by_time["time"], by_time, label=r["name"])
+        gaps = _gaps_on(r, r["ds"].laminar.t0)
+        # (markers: a start with a single bin is a point, not a line)
+        ax_t.plot(*_broken(by_time["time"], by_time, gaps), ".-", ms=3, label=r["name"])
+        _shade(ax_t, gaps)
         by_version = r["ds"].laminar.reward_curve(by="version")
         ax_v.plot(by_version["behavior_version"], by_version, label=r["name"])
     ax_t.set(xlabel="finish time (s since start)", ylabel="reward", title="vs wall time (5 s bins)")
@@ -81,6 +113,7 @@ def plot_throughput(runs: list[dict], out: Path) -> str:
     fig, (ax_g, ax_u) = _figure("Throughput", 2)
     for r in runs:
         tp = r["ds"].laminar.throughput(window=5.0)
+        _shade(ax_g, _gaps_on(r, r["ds"].laminar.t0))
         ax_g.plot(tp["time"], tp["generated"], label=f"{r['name']} generated")
         ax_g.plot(tp["time"], tp["trained"], "--", label=f"{r['name']} trained")
         u = r["updates"]
@@ -120,9 +153,10 @@ def plot_buffer(runs: list[dict], out: Path) -> str | None:
         return None
     fig, (ax_d, ax_a) = _figure("Experience buffer", 2)
     for r in have:
-        c = r["cluster"]
-        ax_d.plot(c["time"], c["buffer_depth"], label=r["name"])
-        ax_a.plot(c["time"], c["oldest_buffered_age_s"], label=r["name"])
+        c, gaps = r["cluster"], r["gaps"]
+        ax_d.plot(*_broken(c["time"], c["buffer_depth"], gaps), label=r["name"])
+        ax_a.plot(*_broken(c["time"], c["oldest_buffered_age_s"], gaps), label=r["name"])
+        _shade(ax_d, gaps), _shade(ax_a, gaps)
     ax_d.set(xlabel="time (s)", ylabel="trajectories", title="depth")
     ax_a.set(xlabel="time (s)", ylabel="seconds", title="age of the oldest buffered trajectory")
     ax_d.legend(fontsize=7)
@@ -135,9 +169,11 @@ def plot_rollouts(run: dict, out: Path) -> str | None:
         return None
     fig, (ax_kv, ax_v) = _figure(f"Rollouts of {run['name']}", 2)
     colour = {}
+    gaps = run["gaps"]
     for rid in ro["rollout"].values:
         one = ro.sel(rollout=rid)
-        (line,) = ax_kv.plot(one["time"], 100 * one["kv_used"] / one["kv_capacity"], label=str(rid))
+        kv = 100 * one["kv_used"] / one["kv_capacity"]
+        (line,) = ax_kv.plot(*_broken(one["time"], kv, gaps), label=str(rid))
         colour[str(rid)] = line.get_color()
         ax_v.step(one["time"], one["version"], where="post", label=str(rid))
     if run["cluster"] is not None:
@@ -154,6 +190,7 @@ def plot_rollouts(run: dict, out: Path) -> str | None:
                 ax_kv.plot(ti, y, marker, color=colour.get(str(rid), "k"), ms=5, transform=top)
         ax_kv.plot([], [], "kv", ms=5, label=f"repack move out ({ok.sum()})")
         ax_kv.plot([], [], "k^", ms=5, label="repack move in")
+    _shade(ax_kv, gaps), _shade(ax_v, gaps)
     for rid, t in _lost(run).items():
         ax_v.axvline(t, color=colour.get(rid, "r"), ls=":", lw=1.5)
         _mark_loss(ax_kv, rid, t, colour.get(rid, "r"), y=0.85)
@@ -270,8 +307,15 @@ def _row(r: dict) -> str:
         f"{st['s_gen_mean']:.2f} / {st['residence_mean']:.2f} / {st['s_train_mean']:.2f} | "
         f"{st.get('n_discarded', 0)} | "
         + " / ".join(f"{v:.0f}" for v in percentile_lengths(r["ds"]).values())
-        + f" | {s.get('rl_wall_s', float('nan')):.0f} |"
+        + f" | {_wall(s)} |"
     )
+
+
+def _wall(s: dict) -> str:
+    """RL wall time: every start's, with how many starts a resumed run had."""
+    total = s.get("rl_wall_s_total", s.get("rl_wall_s", float("nan")))
+    n = s.get("segments", 1)
+    return f"{total:.0f}" + (f" ({n} starts)" if n > 1 else "")
 
 
 def build_report(run_dirs: list[str | Path], out: str | Path | None = None) -> Path:

@@ -226,6 +226,43 @@ def _read_table(group: zarr.Group, table: str) -> xr.Dataset:
     return ds
 
 
+def segments(cluster: xr.Dataset) -> list[dict]:
+    """The stretches of time a run ran, one per start (``laminar run --resume`` adds
+    one), from its ``cluster`` rows: ``segment`` (0, 1, ...), ``start_s`` and ``end_s``
+    (its first and last row, seconds on the run's clock: rows come every
+    ``metrics.poll_s``) and the trainer's ``first_version`` and ``last_version``. A run
+    recorded before segments were marked is one.
+
+    >>> import tempfile
+    >>> w = MetricsWriter(tempfile.mkdtemp())
+    >>> rows = [(0, 1.0, 0), (0, 2.0, 3), (1, 60.0, 3), (1, 61.0, 5)]
+    >>> w.append("cluster", [{"segment": s, "elapsed_s": t, "wall_time": 1e9 + t,
+    ...                       "version": v} for s, t, v in rows])
+    >>> [(s["start_s"], s["end_s"], s["last_version"]) for s in segments(
+    ...     open_metrics(w.path.parent, "cluster"))]
+    [(1.0, 2.0, 3), (60.0, 61.0, 5)]
+    """
+    n = cluster.sizes.get("time", 0)
+    if not n:
+        return []
+    seg = cluster["segment"].values if "segment" in cluster else np.zeros(n)
+    seg = np.nan_to_num(seg, nan=0.0).astype(np.int64)  # (rows from before: the first)
+    t, v = cluster["time"].values, cluster["version"].values
+    out = []
+    for s in dict.fromkeys(seg.tolist()):
+        i = np.flatnonzero(seg == s)
+        out.append(
+            {
+                "segment": int(s),
+                "start_s": float(t[i[0]]),
+                "end_s": float(t[i[-1]]),
+                "first_version": int(v[i[0]]),
+                "last_version": int(v[i[-1]]),
+            }
+        )
+    return out
+
+
 def time_origin(cluster: xr.Dataset) -> float | None:
     """When the run's clock began, in epoch seconds (``cluster.time`` counts from it,
     across resumes; the event tables hold epoch seconds): ``None`` with no rows yet."""

@@ -540,6 +540,16 @@ def test_a_lost_trainer_fails_the_run_clearly_and_it_resumes_in_place(tmp_path):
     assert not missed, missed
     report = audit_run(run_dir)
     assert report.ok, report.text()
+    # One clock, two starts: the second's rows follow a gap; the wall time adds up both.
+    from pipelines.report import build_report
+    from storage.metrics import open_metrics, segments
+
+    segs = segments(open_metrics(run_dir, "cluster"))
+    assert [s["segment"] for s in segs] == [0, 1], segs
+    assert segs[0]["end_s"] < segs[1]["start_s"] and segs[1]["last_version"] == version + 3
+    assert summary["segments"] == 2 and summary["rl_wall_s_total"] > summary["rl_wall_s"]
+    page = build_report([run_dir], tmp_path / "report").read_text()
+    assert "(2 starts) |" in page
 
 
 def trained_once_across_the_restart(ds, v: int, after: int, steps: int) -> None:
