@@ -81,8 +81,13 @@ def role_cluster(
     import dask
     from distributed import Nanny, Scheduler, SpecCluster
 
+    # Yours, then ours (the terminal's Ctrl-C is the driver's to handle), each with its
+    # arguments: a flat argument list is every preload's, as Dask reads it.
     preload = dask.config.get("distributed.worker.preload") or []
     preload = [preload] if isinstance(preload, str) else list(preload)
+    argv = dask.config.get("distributed.worker.preload-argv") or []
+    argv = [list(argv)] * len(preload) if argv and isinstance(argv[0], str) else list(argv)
+    argv = argv or [[]] * len(preload)
     specs = {
         w: {
             "cls": Nanny,
@@ -93,8 +98,8 @@ def role_cluster(
                 "host": "127.0.0.1",
                 "protocol": f"{protocol}://",
                 "security": security,
-                # (yours, then ours: the terminal's Ctrl-C is the driver's to handle)
                 "preload": [*preload, "laminar.local_worker"],
+                "preload_argv": [*argv, []],
             },
         }
         for w, resources in workers.items()

@@ -40,6 +40,16 @@ def _is_number(annotation: Any) -> bool:
     return annotation in (int, float)
 
 
+def _is_numbers(annotation: Any) -> bool:
+    """Whether a field takes a tuple or list of numbers (``tuple[float, float]``)."""
+    if get_origin(annotation) in (Union, types.UnionType):
+        return any(_is_numbers(a) for a in get_args(annotation))
+    if get_origin(annotation) not in (tuple, list):
+        return False
+    args = [a for a in get_args(annotation) if a is not Ellipsis]
+    return bool(args) and all(_is_number(a) for a in args)
+
+
 class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
@@ -48,8 +58,15 @@ class _Section(BaseModel):
     def _no_bool_for_number(cls, value: Any, info: ValidationInfo) -> Any:
         # pydantic's lax mode reads true as 1 and 1.0: `lr: true` would train at lr 1.
         # (It stays lax otherwise: PyYAML reads 1e-4 as a string, which floats take.)
-        if isinstance(value, bool) and _is_number(cls.model_fields[info.field_name].annotation):
+        annotation = cls.model_fields[info.field_name].annotation
+        if isinstance(value, bool) and _is_number(annotation):
             raise ValueError("takes a number, not true/false")
+        if (
+            isinstance(value, list | tuple)
+            and any(isinstance(v, bool) for v in value)
+            and _is_numbers(annotation)
+        ):
+            raise ValueError("takes numbers, not true/false")
         return value
 
 

@@ -433,23 +433,29 @@ class RolloutManager:
                 for (dst, v), sources in merged.items()
             }
             deadline = time.time() + window
+            unanswered = {}
             for (dst, v), sources in merged.items():
-                ok = self._ok(
-                    imports[dst, v],
+                got, answer = self._noting(
                     f"repack {sources} -> {dst}: import",
+                    imports[dst, v],
                     actor=self.rollouts[dst],
                     deadline=deadline,
                 )
-                if ok and self.partial is not None:
-                    # The destination's next flush names it their owner too; until then
-                    # a loss of it would look for them under the source. An import is
-                    # never undone for this: the requests would decode twice.
+                ok_of |= dict.fromkeys(sources, got and answer is not False)
+                if not got:  # it may yet be imported: ask, after it (calls run in order)
                     ids = [st.request_id for src in sources for st in outs[src]["states"]]
-                    self._ok(
-                        self._try(lambda i=ids, d=dst: self.partial.reassign(i, d)),
-                        f"repack {sources} -> {dst}: log reassign",
-                    )
-                ok_of |= dict.fromkeys(sources, ok)
+                    unanswered[dst, v] = self._try(lambda d=dst, i=ids: self.rollouts[d].holds(i))
+            deadline = time.time() + window
+            for (dst, v), future in unanswered.items():
+                got, holds = self._noting(
+                    f"repack: does {dst} hold what it was sent",
+                    future,
+                    actor=self.rollouts[dst],
+                    deadline=deadline,
+                )
+                # (no answer either: the source takes them back, and if the destination
+                # took them too they decode twice, the buffer keeping the first to finish)
+                ok_of |= dict.fromkeys(merged[dst, v], bool(got and holds))
             t_import = time.time() - t1
         finally:
             for src in outs:
@@ -473,6 +479,20 @@ class RolloutManager:
                     actor=self.rollouts[src],
                     deadline=deadline,
                 )
+        if self.partial is not None:  # after the releases: a slow pool holds no source
+            reassigned = {}
+            for m in moves:
+                if ok_of.get(m.source):
+                    ids = [st.request_id for st in outs[m.source]["states"]]
+                    reassigned[m.source] = self._try(
+                        lambda i=ids, d=m.destination: self.partial.reassign(i, d)
+                    )
+            # The destination's next flush names it their owner too; until then a loss of
+            # it would look for them under the source. A move is never undone for this:
+            # the requests would decode twice.
+            deadline = time.time() + window
+            for src, future in reassigned.items():
+                self._noting(f"repack: {src}'s requests in the log", future, deadline=deadline)
         rows = []
         for m in moves:
             if m.source not in outs:

@@ -787,7 +787,9 @@ class RolloutReplica:
                         got = [o for o in same if not o.n_moves]
                         sample += got[: PARITY_SAMPLE - len(sample)]
                 self._collect_rewards(block=False)
-                if self.spec.refill and self._paused is None:
+                if self._held:  # exported (served in a paced step's wait): nothing new
+                    pass
+                elif self.spec.refill and self._paused is None:
                     self._refill(bool(finished))
                 elif self._topping_up and finished:
                     self._top_up()
@@ -858,6 +860,12 @@ class RolloutReplica:
         up waiting for the export, which may yet have run). Returns how many came back."""
         return self._command(self._take_back)
 
+    def holds(self, request_ids: list[str]) -> bool:
+        """Whether this rollout decodes every one of ``request_ids`` (the manager asks a
+        destination whose import it got no answer to: asked after the import, served
+        after it)."""
+        return self._command(lambda: set(request_ids) <= set(self.engine.request_ids()))
+
     def _exported_batches(self) -> list[tuple[int, list[RequestState]]]:
         exported = self._exported
         return [exported] if exported is not None else []
@@ -899,16 +907,15 @@ class RolloutReplica:
         from dataclasses import replace
 
         with self._hold_lock:
-            exported, self._exported = self._exported, None
-            if exported is None:  # nothing exported, or the move was committed
+            if self._exported is None:  # nothing exported, or the move was committed
                 return 0
-            version, states = exported
-            self._held = False
-        if self.engine.version != version:  # a held source loads no weights: a bug
-            raise RuntimeError(
-                f"rollout {self.rollout_id} holds requests of version {version} but its "
-                f"engine is at {self.engine.version}"
-            )
+            version, states = self._exported
+            if self.engine.version != version:  # a held source loads no weights: a bug
+                raise RuntimeError(
+                    f"rollout {self.rollout_id} holds requests of version {version} but "
+                    f"its engine is at {self.engine.version}"
+                )
+            self._held, self._exported = False, None
         back = []
         for st in states:
             st.request.meta["rollout_path"] = st.request.meta["rollout_path"][:-1]
@@ -991,15 +998,16 @@ class RolloutReplica:
         while self._held and not self._stop.is_set():
             self._serve(0.02)
             if self._held and time.time() - self._held_since > limit:
-                logger.warning(
-                    "rollout %s: held by a move for over %.0f s, neither released nor "
-                    "aborted (the manager was lost?): taking its %d requests back",
-                    self.rollout_id,
-                    limit,
-                    len(self._exported[1]) if self._exported else 0,
-                )
-                self._take_back()
-                self.counts["holds_timed_out"] += 1
+                # (a release may come meanwhile: then nothing is taken back)
+                if n := self._take_back():
+                    logger.warning(
+                        "rollout %s: held by a move for over %.0f s, neither released nor "
+                        "aborted (the manager was lost?): took its %d requests back",
+                        self.rollout_id,
+                        limit,
+                        n,
+                    )
+                    self.counts["holds_timed_out"] += 1
 
     def _fail_commands(self) -> None:
         while True:

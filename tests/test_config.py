@@ -41,6 +41,7 @@ def test_overrides_are_typed():
         (["trainer.lr=true"], r"trainer.lr: takes a number, not true/false \(got True\)"),
         (["trainer.steps=yes"], r"trainer.steps: takes a number, not true/false"),
         (["repack.max_batch=false"], r"repack.max_batch: takes a number, not true/false"),
+        (["trainer.betas=[true, 0.9]"], r"trainer.betas: takes numbers, not true/false"),
     ],
 )
 def test_bad_values_name_the_field_and_the_fix(override, message):

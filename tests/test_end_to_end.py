@@ -86,13 +86,18 @@ def test_cli_ctrl_c_stops_cleanly_with_the_store_intact(tmp_path):
     )
     lines = []
     deadline = time.time() + 300
-    for line in proc.stdout:
-        lines.append(line)
-        m = re.search(r"version\s+(\d+)/", line)
-        if (m and int(m.group(1)) >= 2) or time.time() > deadline:
-            break
-    os.killpg(proc.pid, signal.SIGINT)  # what the terminal does on Ctrl-C
-    rest, _ = proc.communicate(timeout=120)
+    try:
+        for line in proc.stdout:
+            lines.append(line)
+            m = re.search(r"version\s+(\d+)/", line)
+            if (m and int(m.group(1)) >= 2) or time.time() > deadline:
+                break
+        os.killpg(proc.pid, signal.SIGINT)  # what the terminal does on Ctrl-C
+        rest, _ = proc.communicate(timeout=120)
+    finally:  # (its workers ignore SIGINT: none may outlive a failed test)
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
     out = "".join(lines) + rest
     assert proc.returncode == 0, out
     assert "stopping" in out and "(stopped)" in out

@@ -207,6 +207,23 @@ class _Handle:
         return call
 
 
+class _LateAnswer(_Handle):
+    """A destination whose import goes through but whose answer never comes back."""
+
+    def __getattr__(self, name):
+        call = super().__getattr__(name)
+        if name != "import_for_move":
+            return call
+
+        def late(*args, **kwargs):
+            from concurrent.futures import Future
+
+            call(*args, **kwargs)
+            return Future()  # (never done)
+
+        return late
+
+
 class _SlowLog:
     """A partial-response pool that does not answer a reassign (a busy data worker)."""
 
@@ -214,21 +231,31 @@ class _SlowLog:
         raise TimeoutError("the partial-response pool did not answer")
 
 
-@pytest.mark.parametrize("dest_batch", [1, 2], ids=["imported", "refused"])
-def test_a_move_leaves_every_request_in_exactly_one_engine(tiny_policy, small_config, dest_batch):
+@pytest.mark.parametrize(
+    "dest_batch, late", [(1, False), (1, True), (2, False)], ids=["imported", "late", "refused"]
+)
+def test_a_move_leaves_every_request_in_exactly_one_engine(
+    tiny_policy, small_config, dest_batch, late
+):
     """Imported: the requests are the destination's, even when the partial log's reassign
-    fails (undoing the import for it decoded them twice). Refused (the destination's
-    planned batch has ended): the source takes them back, not counted as moved."""
+    fails (undoing the import for it decoded them twice), or when the import's answer
+    never comes (the manager asks the destination what it holds). Refused (the
+    destination's planned batch has ended): the source takes them back, not counted as
+    moved."""
     from laminar.config import with_overrides
     from laminar.manager import RolloutManager
 
-    cfg = with_overrides(small_config, ["rollout.parity_every=0", "repack.interval_s=1"])
+    cfg = with_overrides(
+        small_config,
+        ["rollout.parity_every=0", "repack.interval_s=1", "cluster.actor_timeout_s=0.5"],
+    )
     src, stop_src = _decoding("r0", cfg, tiny_policy, 3)
     dst, stop_dst = _decoding("r1", cfg, tiny_policy, 2, batch=dest_batch)
     try:
         before = {*src.engine.request_ids(), *dst.engine.request_ids()}
+        to_dst = _LateAnswer(dst) if late else _Handle(dst)
         manager = RolloutManager(
-            cfg, {"r0": _Handle(src), "r1": _Handle(dst)}, master_relay=None, partial=_SlowLog()
+            cfg, {"r0": _Handle(src), "r1": to_dst}, master_relay=None, partial=_SlowLog()
         )
         manager._prev = {"r0": (1, 0.1), "r1": (1, 0.2)}
         loads = {"r0": RolloutLoad("r0", 0, 0.1, 0.2, 3), "r1": RolloutLoad("r1", 0, 0.2, 0.3, 2)}
