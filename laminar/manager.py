@@ -787,11 +787,15 @@ class RolloutManager:
             key=lambda rid: loads[rid]["kv_used"],
         )
         for rid in same:
+            roll = self.rollouts[rid]
             try:
-                roll = self.rollouts[rid]
                 ok = actor_result(roll, roll.import_for_move(version, batch), self.timeout)
-            except Exception:  # noqa: BLE001 — try the next one
-                ok = False
+            except Exception:  # noqa: BLE001 — no answer: it may yet have gone in
+                ids = [st.request_id for st in batch]
+                try:  # (asked after the import, which it runs first)
+                    ok = actor_result(roll, roll.holds(ids), self.timeout)
+                except Exception:  # noqa: BLE001 — try the next one
+                    ok = False
             if ok:
                 return "import", rid
         dest = self._least_loaded(alive, loads)

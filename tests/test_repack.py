@@ -319,3 +319,25 @@ def test_a_source_nobody_releases_takes_its_requests_back(tiny_policy, small_con
         assert src.counts["holds_timed_out"] == 1
     finally:
         stop.set()
+
+
+def test_a_recovered_batch_whose_import_answer_was_lost_is_not_adopted_twice(
+    tiny_policy, small_config
+):
+    """Recovery imports a lost rollout's batch into a running batch of its version. If
+    that import's answer never comes, the manager asks the destination whether it holds
+    the batch before it tries another rollout or has one adopt it."""
+    from laminar.config import with_overrides
+    from laminar.manager import RolloutManager
+
+    cfg = with_overrides(small_config, ["rollout.parity_every=0", "cluster.actor_timeout_s=0.5"])
+    lost, stop_lost = _decoding("r0", cfg, tiny_policy, 3)
+    dst, stop_dst = _decoding("r1", cfg, tiny_policy, 2)
+    try:
+        batch = lost.export_for_move()["states"]  # (what the log would hand over)
+        manager = RolloutManager(cfg, {"r1": _LateAnswer(dst)}, master_relay=None)
+        loads = {"r1": {"in_batch": True, "held": False, "version": 0, "kv_used": 0.1}}
+        assert manager._resume(0, batch, ["r1"], loads) == ("import", "r1")
+        assert {s.request_id for s in batch} <= set(dst.engine.request_ids())
+    finally:
+        stop_lost.set(), stop_dst.set()
