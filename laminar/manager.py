@@ -371,7 +371,7 @@ class RolloutManager:
         self.rows += rows
         return rows
 
-    def _execute(self, moves: list, loads: dict | None = None) -> list[dict]:
+    def _execute(self, moves: list, loads: dict[str, RolloutLoad]) -> list[dict]:
         """Carry out a round's moves together: every source exports at once, then each
         destination imports all its sources' requests in one call (destinations at
         once), then every source whose move went through is released and every other
@@ -391,8 +391,7 @@ class RolloutManager:
         exports = {
             m.source: self._try(
                 lambda s=m.source: self.rollouts[s].export_for_move(
-                    batch=self._prev.get(s, (None, 0.0))[0],
-                    max_requests=loads[s].n_requests if loads and s in loads else None,
+                    batch=self._prev[s][0], max_requests=loads[s].n_requests
                 )
             )
             for m in moves

@@ -791,7 +791,6 @@ class Schedule:
         """When the run first started: a resumed run's ``cluster`` rows go on from its
         earlier ones (``elapsed_s`` keeps rising, across the gap), as a new segment
         (:func:`storage.metrics.segments`; the earlier ones are kept for the summary)."""
-        self._segment, self._earlier_segments = 0, []
         if self.resume is None:
             return t_start
         from storage.metrics import open_metrics, segments, time_origin

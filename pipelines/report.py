@@ -33,16 +33,15 @@ def _load(run_dir: Path) -> dict:
     # Event tables hold epoch seconds; the time series hold seconds since the run began.
     run["t0"] = None if run["cluster"] is None else time_origin(run["cluster"])
     # A resumed run's starts: the time series have a gap between each and the next.
-    run["segments"] = [] if run["cluster"] is None else segments(run["cluster"])
-    seg = run["segments"]
+    seg = [] if run["cluster"] is None else segments(run["cluster"])
     run["gaps"] = [(seg[i]["end_s"], seg[i + 1]["start_s"]) for i in range(len(seg) - 1)]
     return run
 
 
-def _gaps_on(run: dict, axis_t0: float | None = None) -> list[tuple[float, float]]:
-    """The run's gaps, on a time axis that starts at epoch ``axis_t0`` (default: the
-    metrics', which the gaps are in)."""
-    if axis_t0 is None or run["t0"] is None:
+def _gaps_on(run: dict, axis_t0: float) -> list[tuple[float, float]]:
+    """The run's gaps (on the metrics' time axis) on one that starts at epoch
+    ``axis_t0``."""
+    if run["t0"] is None:  # (no metrics: no gaps)
         return run["gaps"]
     shift = run["t0"] - axis_t0
     return [(a + shift, b + shift) for a, b in run["gaps"]]
@@ -156,7 +155,8 @@ def plot_buffer(runs: list[dict], out: Path) -> str | None:
         c, gaps = r["cluster"], r["gaps"]
         ax_d.plot(*_broken(c["time"], c["buffer_depth"], gaps), label=r["name"])
         ax_a.plot(*_broken(c["time"], c["oldest_buffered_age_s"], gaps), label=r["name"])
-        _shade(ax_d, gaps), _shade(ax_a, gaps)
+        _shade(ax_d, gaps)
+        _shade(ax_a, gaps)
     ax_d.set(xlabel="time (s)", ylabel="trajectories", title="depth")
     ax_a.set(xlabel="time (s)", ylabel="seconds", title="age of the oldest buffered trajectory")
     ax_d.legend(fontsize=7)
@@ -190,7 +190,8 @@ def plot_rollouts(run: dict, out: Path) -> str | None:
                 ax_kv.plot(ti, y, marker, color=colour.get(str(rid), "k"), ms=5, transform=top)
         ax_kv.plot([], [], "kv", ms=5, label=f"repack move out ({ok.sum()})")
         ax_kv.plot([], [], "k^", ms=5, label="repack move in")
-    _shade(ax_kv, gaps), _shade(ax_v, gaps)
+    _shade(ax_kv, gaps)
+    _shade(ax_v, gaps)
     for rid, t in _lost(run).items():
         ax_v.axvline(t, color=colour.get(rid, "r"), ls=":", lw=1.5)
         _mark_loss(ax_kv, rid, t, colour.get(rid, "r"), y=0.85)

@@ -59,6 +59,7 @@ def summarize(run_dir: Path, raw: dict, sft_info: dict, cfg: RunConfig) -> dict:
     last = float(np.mean(rewards[-k:])) if len(rewards) else float("nan")
     consumed = ds["status"].values == "consumed"
     st = ds.laminar.summary()
+    earlier = raw["earlier_segments"]  # (a resumed run's starts before this one)
     summary = {
         "run_dir": str(run_dir),
         "reason": raw["reason"],
@@ -73,9 +74,8 @@ def summarize(run_dir: Path, raw: dict, sft_info: dict, cfg: RunConfig) -> dict:
         "prompt_tokens": int(ds.sizes["prompt_token"]),
         "rl_wall_s": raw["wall_s"],  # this start's (a resumed run: since the resume)
         # every start's: the earlier ones' from their first to last metrics row
-        "rl_wall_s_total": raw["wall_s"]
-        + sum(s["end_s"] - s["start_s"] for s in raw.get("earlier_segments", [])),
-        "segments": len(raw.get("earlier_segments", [])) + 1,
+        "rl_wall_s_total": raw["wall_s"] + sum(s["end_s"] - s["start_s"] for s in earlier),
+        "segments": len(earlier) + 1,
         "sft": sft_info,
         "staleness": {k: v for k, v in st.items() if k.endswith("_mean")},
         "status_counts": {k: v for k, v in st.items() if k.startswith("n_")},

@@ -193,13 +193,12 @@ def open_metrics(path: str | Path, table: str) -> xr.Dataset:
     with reading(store):
         root = zarr.open_group(str(store), mode="r", zarr_format=3)
         group = root[table] if table in root else None
-    if group is None or COMMIT_ATTR not in group.attrs:  # (created, not yet committed)
-        raise KeyError(
-            f"metrics store {str(store)!r} has no table {table!r}: the run has written no "
-            "row of it (yet: it is written with its first rows; repacks and faults only by "
-            "runs that moved or recovered something)"
-        )
-    with reading(store):
+        if group is None or COMMIT_ATTR not in group.attrs:  # (created, not yet committed)
+            raise KeyError(
+                f"metrics store {str(store)!r} has no table {table!r}: the run has written "
+                "no row of it (yet: it is written with its first rows; repacks and faults "
+                "only by runs that moved or recovered something)"
+            )
         return _read_table(group, table)
 
 
