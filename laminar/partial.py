@@ -211,9 +211,9 @@ class PartialCore:
     def restore(self, entries: dict[str, dict]) -> None:
         """Entries of rollouts lost while no pool ran, as :func:`replay_log` read them
         from the lost pool's log (request id -> entry): registered again with what was
-        logged, finished ones marked so (a recovery then scores them; one the store
-        had is dropped by the buffer as seen). The buffer that held some is lost: they
-        count as not held."""
+        logged, finished ones marked so (a recovery then scores them; the rebuild leaves
+        out those the store has: :func:`storage.resume.plan_rebuild`). The buffer that
+        held some is lost: they count as not held."""
         for rid, e in entries.items():
             self.register(e["owner"], e["version"], [e["state"]])
             if "finished" in e:

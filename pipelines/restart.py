@@ -357,15 +357,17 @@ class DataRestart:
         if record is None:
             record = a["trainer"].consumed_record().result(timeout)
         held = _answers([lambda r=r: r.data_holdings() for r in alive.values()], timeout=timeout)
-        held_groups = {g for groups in held for g in groups}
-        held_groups |= {e["state"].request.meta["group"].prompt_uid for e in orphans.values()}
         plan = plan_rebuild(
             s.run_dir,
             version=record["version"],
             consumed=record["consumed"],
             since=record["since"],
-            held_groups=held_groups,
+            held_groups={g for groups in held for g in groups},
+            orphans=orphans,
         )
+        # (committed by the lost store, its "forgotten" not yet logged: the buffer has it)
+        for uid in plan.orphans_stored:
+            del orphans[uid]
         mark("plan_s")
         order = ResumePlan(version=plan.version, readmit_groups=plan.outstanding, start=plan.start)
         pool, partial, buffer = start_data_module(

@@ -25,6 +25,7 @@ run's last stored one and not stored at all would never be generated again.
 from __future__ import annotations
 
 import re
+from collections.abc import Collection
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -138,6 +139,10 @@ class RebuildPlan:
     start: int = 0  # the prompt order continues after this many groups
     stored: int = 0
     taken_back: int = 0  # of ``hold``, consumed in the store but not by the trainer
+    # of the lost pool's log entries of rollouts lost meanwhile (to resume from the
+    # log), those the store committed before their ``forgotten`` reached the log: not
+    # resumed (the buffer would drop them as seen, counted as recovered all the same)
+    orphans_stored: list[str] = field(default_factory=list)
 
     def summary(self) -> dict:
         return {
@@ -149,6 +154,7 @@ class RebuildPlan:
             "consumed_unstored": len(self.consumed_elsewhere),
             "outstanding_groups": len(self.outstanding),
             "prompt_start": self.start,
+            "log_stored": len(self.orphans_stored),
         }
 
 
@@ -164,6 +170,7 @@ def plan_rebuild(
     consumed: dict[str, tuple[int, float]],
     since: int,
     held_groups: set[str] | frozenset[str] = frozenset(),
+    orphans: Collection[str] = (),
 ) -> RebuildPlan:
     """The plan for a data module rebuilt from ``run_dir``'s store within the run.
 
@@ -171,6 +178,9 @@ def plan_rebuild(
     (uid -> sample version, time), complete for those versions. ``held_groups``: the
     prompt groups the rollouts hold trajectories of (generating, waiting for a reward,
     or sent to the lost buffer and not yet committed: they send those again).
+    ``orphans``: the uids of the lost pool's log entries owned by rollouts lost
+    meanwhile; those the store lacks are resumed from the log (their groups stay
+    outstanding), those it has are in ``orphans_stored``.
 
     The store is authoritative for what it has committed, the trainer for what it
     consumed: a stored trajectory the trainer consumed is consumed (the event is written
@@ -190,10 +200,12 @@ def plan_rebuild(
     plan.mark_consumed = {uids[i]: consumed[uids[i]] for i in np.flatnonzero(buffered & in_log)}
     stored = set(uids)
     plan.consumed_elsewhere = {u: c for u, c in consumed.items() if u not in stored}
+    plan.orphans_stored = sorted(u for u in orphans if u in stored)
+    resumed = {group_of(u) for u in orphans if u not in stored}
     consumed_groups = {group_of(u) for u in consumed}
-    out = {str(a["prompt_uid"][i]) for i in hold} | set(held_groups)
+    out = {str(a["prompt_uid"][i]) for i in hold} | set(held_groups) | resumed
     plan.outstanding = sorted(out - consumed_groups)
-    known = set(a["prompt_uid"].tolist()) | set(held_groups) | consumed_groups
+    known = set(a["prompt_uid"].tolist()) | set(held_groups) | resumed | consumed_groups
     known |= {e["prompt_uid"] for e in log_entries(run_dir).values()}
     indices = [int(m.group(1)) for u in known if (m := _PROMPT_UID.match(u))]
     plan.start = max(indices, default=-1) + 1

@@ -358,11 +358,21 @@ def test_a_rebuilt_data_module_takes_the_store_against_the_trainer_and_the_rollo
         consumed=consumed,
         since=2,
         held_groups={"p00000007", "p00000008", "p00000011"},  # 7: sent, not yet stored
+        # a lost rollout's, in the pool's log: p00000004-1 committed, its "forgotten"
+        # not logged (not resumed), p00000009-0 unfinished (resumed: outstanding)
+        orphans=["p00000004-1", "p00000009-0"],
     )
+    assert plan.orphans_stored == ["p00000004-1"] and plan.summary()["log_stored"] == 1
     assert plan.hold == ["p00000002-0", "p00000002-1", "p00000004-0", "p00000004-1"]
     assert plan.taken_back == 2
     assert plan.mark_consumed == {"p00000003-0": (4, 9.5), "p00000003-1": (4, 9.5)}
     assert plan.consumed_elsewhere == {"p00000007-0": (4, 9.5), "p00000007-1": (4, 9.5)}
     # held again or held by a rollout, and not consumed
-    assert plan.outstanding == ["p00000002", "p00000004", "p00000008", "p00000011"]
+    assert plan.outstanding == [
+        "p00000002",
+        "p00000004",
+        "p00000008",
+        "p00000009",
+        "p00000011",
+    ]
     assert plan.start == 12 and plan.stored == 12 and plan.version == 5
