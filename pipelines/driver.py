@@ -96,6 +96,14 @@ ROLLOUT_METRICS = (
 )
 
 
+def _carried(carry: dict[str, float], row: dict) -> dict:
+    """``row`` with ``carry``'s counts added to its columns (NaN stays NaN)."""
+    for k, v in carry.items():
+        if k in row and row[k] is not None:
+            row[k] = row[k] + v
+    return row
+
+
 def prepare_policy(cfg: RunConfig) -> tuple[str, dict]:
     """Dask task: the warm-started policy folder (cached) and how it was obtained."""
     from laminar.sft import warm_start
@@ -130,6 +138,12 @@ class Schedule:
         self.sft_info: dict = {}
         # this start's segment of the run's metrics, and those before it (_origin)
         self._segment, self._earlier_segments = 0, []
+        # a resumed run's counters at its last stop (storage.metrics.counters_at_end):
+        # its cumulative columns go on from them
+        self._carry: dict[str, dict] = {"cluster": {}, "rollouts": {}}
+        # each rollout's response tokens as last read: one lost, replaced or slow to
+        # answer still counts in the cluster's total
+        self._tokens_by_rollout: dict[str, float] = {}
 
     def setup(self, progress: Callable[[dict], None]) -> None:
         cfg, client = self.cfg, self.client
@@ -312,7 +326,9 @@ class Schedule:
                 t_stats = self._trainer_stats()
                 r_stats = self._rollout_stats()
                 now = time.time()
-                tokens = sum(s["response_tokens"] for s in r_stats)
+                for s in r_stats:
+                    self._tokens_by_rollout[s["rollout_id"]] = s["response_tokens"]
+                tokens = sum(self._tokens_by_rollout.values())
                 gen_tok_s = (tokens - last_tokens) / max(now - last_t, 1e-9)
                 last = t_stats["last"] or {}
                 self._record(now - t_origin, now, t_stats, b_stats, p_stats, r_stats, tokens)
@@ -793,12 +809,13 @@ class Schedule:
         (:func:`storage.metrics.segments`; the earlier ones are kept for the summary)."""
         if self.resume is None:
             return t_start
-        from storage.metrics import open_metrics, segments, time_origin
+        from storage.metrics import counters_at_end, open_metrics, segments, time_origin
 
         try:
             cluster = open_metrics(self.run_dir, "cluster")
         except Exception:  # noqa: BLE001 — lost before its first metrics flush
             return t_start
+        self._carry = counters_at_end(self.run_dir)
         self._earlier_segments = segments(cluster)
         if self._earlier_segments:
             self._segment = self._earlier_segments[-1]["segment"] + 1
@@ -806,32 +823,36 @@ class Schedule:
         return t_start if origin is None else origin
 
     def _record(self, elapsed, now, t_stats, b_stats, p_stats, r_stats, tokens) -> None:
-        """One row of the ``cluster`` table and one ``rollouts`` row per replica."""
+        """One row of the ``cluster`` table and one ``rollouts`` row per replica (their
+        cumulative columns go on from a resumed run's earlier starts: ``_carry``)."""
         oldest = b_stats["oldest_t_insert"]
         self._rows["cluster"].append(
-            {
-                "elapsed_s": elapsed,
-                "wall_time": now,
-                "segment": self._segment,  # (a resume starts the next)
-                "version": t_stats["version"],
-                "buffer_depth": b_stats["depth"],
-                "ready_groups": b_stats["ready_groups"],
-                "partial_groups": b_stats["partial_groups"],
-                "inserted": b_stats["inserted"],
-                "consumed": b_stats["consumed"],
-                "discarded": b_stats["discarded"],
-                "oldest_buffered_age_s": now - oldest,  # NaN when the buffer is empty
-                "outstanding_groups": p_stats["outstanding"],
-                "dispatched_groups": p_stats["dispatched"],
-                "response_tokens": tokens,
-                "trainer_wait_s": t_stats["wait_s"],
-            }
+            _carried(
+                self._carry["cluster"],
+                {
+                    "elapsed_s": elapsed,
+                    "wall_time": now,
+                    "segment": self._segment,  # (a resume starts the next)
+                    "version": t_stats["version"],
+                    "buffer_depth": b_stats["depth"],
+                    "ready_groups": b_stats["ready_groups"],
+                    "partial_groups": b_stats["partial_groups"],
+                    "inserted": b_stats["inserted"],
+                    "consumed": b_stats["consumed"],
+                    "discarded": b_stats["discarded"],
+                    "oldest_buffered_age_s": now - oldest,  # NaN when the buffer is empty
+                    "outstanding_groups": p_stats["outstanding"],
+                    "dispatched_groups": p_stats["dispatched"],
+                    "response_tokens": tokens,
+                    "trainer_wait_s": t_stats["wait_s"],
+                },
+            )
         )
         for s in r_stats:
-            self._rows["rollouts"].append(
-                {"elapsed_s": elapsed, "rollout": s["rollout_id"]}
-                | {k: s.get(k, math.nan) for k in ROLLOUT_METRICS}
-            )
+            rid = s["rollout_id"]
+            row = {"elapsed_s": elapsed, "rollout": rid}
+            row |= {k: s.get(k, math.nan) for k in ROLLOUT_METRICS}
+            self._rows["rollouts"].append(_carried(self._carry["rollouts"].get(rid, {}), row))
 
     def _write_rows(self) -> None:
         """The driver's own rows (``cluster``, ``rollouts``) into the metrics store."""

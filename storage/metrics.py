@@ -49,6 +49,45 @@ TABLES = {
     "faults": "recovery",  # one row per recovered batch of a lost rollout (docs/faults.md)
 }
 _CHUNK = 4096
+TABLE_DIMS = {"cluster": ("time",), "rollouts": ("time", "rollout")}  # as open_metrics reads them
+# Columns that count since the run began: a resumed run's go on from where its earlier
+# starts left them (:func:`counters_at_end`), so a rate is a ``diff`` across the whole
+# run. The others are gauges (a value at the row's time).
+CUMULATIVE = {
+    "cluster": ("inserted", "consumed", "discarded", "response_tokens", "trainer_wait_s"),
+    "rollouts": (
+        "batches",
+        "trajectories",
+        "response_tokens",
+        "decode_steps",
+        "weight_loads",
+        "weight_bytes",
+        "moves_out",
+        "moves_in",
+        "moves_taken_back",
+        "holds_timed_out",
+        "requests_in",
+        "reprefill_tokens",
+        "reprefill_s",
+        "idle_s",
+        "weight_wait_s",
+        "decode_s",
+        "reward_errors",
+        "engine_preemptions",
+        "engine_prefill_tokens",
+        "engine_decode_tokens",
+        "engine_steps",
+        "pulls_unreachable",
+        "engine_modelled_s",
+        "engine_compute_s",
+        "interrupts",
+        "sync_wait_s",
+        "recomputed_tokens",
+        "topped_up_groups",
+        "top_up_asks",
+        "top_up_s",
+    ),
+}
 
 
 def _column(name: str, values: list[Any]) -> np.ndarray:
@@ -187,9 +226,14 @@ def open_metrics(path: str | Path, table: str) -> xr.Dataset:
     ``time`` coordinate (seconds since the run started) so ``.sel``/``.interp`` work, and
     a ``wall_time`` datetime coordinate for ``resample``.
     """
+    if table not in TABLES:
+        raise KeyError(f"no metrics table {table!r}; the tables are {list(TABLES)}")
     store = store_path(path, STORE_NAME)
     if not (store / "zarr.json").exists():
-        raise FileNotFoundError(f"no metrics store at {str(store)!r}")
+        raise FileNotFoundError(
+            f"no metrics store at {str(store)!r}; pass a run directory written by "
+            "`laminar run` (it holds metrics.zarr once the run has recorded its first rows)"
+        )
     with reading(store):
         root = zarr.open_group(str(store), mode="r", zarr_format=3)
         group = root[table] if table in root else None
@@ -259,6 +303,42 @@ def segments(cluster: xr.Dataset) -> list[dict]:
                 "last_version": int(v[i[-1]]),
             }
         )
+    return out
+
+
+def counters_at_end(run_dir: str | Path) -> dict[str, dict]:
+    """Where a run's :data:`CUMULATIVE` counters stood when it stopped (what a resumed
+    run adds its own to): ``{"cluster": {column: value}, "rollouts": {rollout: {column:
+    value}}}``, each the column's last recorded value (NaN-free; a rollout's last row
+    that has it). Tables or columns not written yet are left out.
+
+    >>> import tempfile
+    >>> run = tempfile.mkdtemp()
+    >>> w = MetricsWriter(run)
+    >>> w.append("cluster", [{"elapsed_s": 1.0, "inserted": 4}, {"elapsed_s": 2.0, "inserted": 9}])
+    >>> w.append("rollouts", [{"elapsed_s": 1.0, "rollout": "r0", "batches": 1},
+    ...                       {"elapsed_s": 1.0, "rollout": "r1", "batches": 2},
+    ...                       {"elapsed_s": 2.0, "rollout": "r0", "batches": 3}])
+    >>> counters_at_end(run)
+    {'cluster': {'inserted': 9.0}, 'rollouts': {'r0': {'batches': 3.0}, 'r1': {'batches': 2.0}}}
+    """
+    out: dict[str, dict] = {"cluster": {}, "rollouts": {}}
+    for table in ("cluster", "rollouts"):
+        try:
+            ds = open_metrics(run_dir, table)
+        except (FileNotFoundError, KeyError):
+            continue
+        for col in CUMULATIVE[table]:
+            if col not in ds:
+                continue
+            values = ds[col].transpose(*TABLE_DIMS[table]).values
+            if table == "cluster":
+                if (ok := np.flatnonzero(~np.isnan(values))).size:
+                    out[table][col] = float(values[ok[-1]])
+                continue
+            for j, rid in enumerate(ds["rollout"].values.tolist()):
+                if (ok := np.flatnonzero(~np.isnan(values[:, j]))).size:
+                    out[table].setdefault(str(rid), {})[col] = float(values[ok[-1], j])
     return out
 
 

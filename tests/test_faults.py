@@ -544,8 +544,17 @@ def test_a_lost_trainer_fails_the_run_clearly_and_it_resumes_in_place(tmp_path):
     from pipelines.report import build_report
     from storage.metrics import open_metrics, segments
 
-    segs = segments(open_metrics(run_dir, "cluster"))
+    cluster = open_metrics(run_dir, "cluster")
+    segs = segments(cluster)
     assert [s["segment"] for s in segs] == [0, 1], segs
+    # The counters go on across the stop: a rate is a diff over the whole run.
+    for col in ("inserted", "consumed", "response_tokens", "trainer_wait_s"):
+        assert (np.diff(cluster[col].values) >= 0).all(), col
+    rollouts = open_metrics(run_dir, "rollouts")
+    for rid in rollouts["rollout"].values:
+        for col in ("trajectories", "response_tokens", "batches"):
+            counts = rollouts[col].sel(rollout=rid).values
+            assert (np.diff(counts[~np.isnan(counts)]) >= 0).all(), (rid, col)
     assert segs[0]["end_s"] < segs[1]["start_s"] and segs[1]["last_version"] == version + 3
     assert summary["segments"] == 2 and summary["rl_wall_s_total"] > summary["rl_wall_s"]
     page = build_report([run_dir], tmp_path / "report").read_text()
