@@ -112,9 +112,16 @@ def plot_throughput(runs: list[dict], out: Path) -> str:
     fig, (ax_g, ax_u) = _figure("Throughput", 2)
     for r in runs:
         tp = r["ds"].laminar.throughput(window=5.0)
-        _shade(ax_g, _gaps_on(r, r["ds"].laminar.t0))
-        ax_g.plot(tp["time"], tp["generated"], label=f"{r['name']} generated")
-        ax_g.plot(tp["time"], tp["trained"], "--", label=f"{r['name']} trained")
+        gaps = _gaps_on(r, r["ds"].laminar.t0)
+        _shade(ax_g, gaps)
+        # (a window the run was stopped throughout has no rate: no line, not a zero)
+        t = tp["time"].values
+        stopped = np.zeros(len(t), dtype=bool)
+        for a, b in gaps:
+            stopped |= (t >= a) & (t + 5.0 <= b)
+        for name, style in (("generated", "-"), ("trained", "--")):
+            rate = np.where(stopped, np.nan, tp[name].values)
+            ax_g.plot(t, rate, style, label=f"{r['name']} {name}")
         u = r["updates"]
         if u is not None and u.sizes["update"] > 1:
             # The paper's measure: tokens of a global batch / time between adjacent updates.
@@ -354,4 +361,5 @@ def build_report(run_dirs: list[str | Path], out: str | Path | None = None) -> P
 
 def percentile_lengths(ds, q=(50, 90, 99)) -> dict[str, float]:
     """Response-length percentiles (tokens): the long tail the schedule must absorb."""
-    return {f"p{p}": float(np.percentile(ds["response_len"].values, p)) for p in q}
+    lengths = ds["response_len"].values
+    return {f"p{p}": float(np.percentile(lengths, p)) if lengths.size else np.nan for p in q}

@@ -24,6 +24,12 @@ class LaminarAccessor:
     """Views of a trajectory dataset returned by :func:`storage.open_run`."""
 
     def __init__(self, ds: xr.Dataset) -> None:
+        if "run" in ds.dims:
+            raise ValueError(
+                "ds.laminar reads one run's trajectories (storage.open_run); this Dataset "
+                "has a 'run' dimension (storage.open_runs, padded to the longest run): "
+                "use open_run(path).laminar for each run"
+            )
         self._ds = ds
 
     def tokens(self, field: str, i: int) -> np.ndarray:
@@ -53,15 +59,36 @@ class LaminarAccessor:
 
     @property
     def t0(self) -> float:
-        """Wall-clock origin of the run: the first request's submit time."""
-        return float(np.nanmin(self._ds["t_submit"].values))
+        """Wall-clock origin of the run: the first request's submit time (NaN before the
+        first trajectory is stored)."""
+        t = self._ds["t_submit"].values
+        return float(np.nanmin(t)) if np.isfinite(t).any() else float("nan")
 
     def buffer_age(self) -> xr.DataArray:
-        """Seconds each consumed trajectory spent in the buffer (``t_sample - t_insert``)."""
+        """Seconds each consumed trajectory spent in the buffer while the run ran:
+        ``t_sample - t_insert``, less any stretch the run was stopped in between (a
+        trajectory held again by ``laminar run --resume``; ``pauses_s`` below). On the
+        consumed trajectories, with ``behavior_version`` as a coordinate, so that
+        ``age.groupby("behavior_version").mean()`` works."""
         ds = self._ds
         idx = np.flatnonzero(ds["status"].values == "consumed")
-        age = ds["t_sample"].values[idx] - ds["t_insert"].values[idx]
-        return xr.DataArray(age, dims="trajectory", coords={"trajectory": idx}, name="buffer_age_s")
+        t_in, t_out = ds["t_insert"].values[idx], ds["t_sample"].values[idx]
+        age = t_out - t_in
+        for start, end in self.pauses_s:
+            age -= np.clip(np.minimum(t_out, end) - np.maximum(t_in, start), 0.0, None)
+        coords = {
+            "trajectory": idx,
+            "behavior_version": ("trajectory", ds["behavior_version"].values[idx]),
+        }
+        return xr.DataArray(age, dims="trajectory", coords=coords, name="buffer_age_s")
+
+    @property
+    def pauses_s(self) -> list[tuple[float, float]]:
+        """The stretches (epoch seconds, from to) a resumed run was stopped, between its
+        starts (from ``metrics.zarr``: :func:`storage.metrics.segments`); none for a run
+        started once."""
+        flat = np.asarray(self._ds.attrs.get("pauses_s", []), dtype=np.float64)
+        return [(float(a), float(b)) for a, b in flat.reshape(-1, 2)]
 
     def _windows(self, t: np.ndarray, window: float) -> np.ndarray:
         return np.floor((t - self.t0) / window).astype(np.int64)
@@ -74,6 +101,13 @@ class LaminarAccessor:
         window ends at the last event and is divided by its own length.
         """
         ds = self._ds
+        if not ds.sizes["trajectory"]:  # (a run that has stored nothing yet)
+            empty = ("time", np.zeros(0))
+            return xr.Dataset(
+                {"generated": empty, "trained": empty},
+                coords={"time": np.zeros(0)},
+                attrs={"units": "tokens/s", "window_s": window},
+            )
         tokens = (ds["prompt_len"].values + ds["response_len"].values).astype(np.float64)
         finish = self._windows(ds["t_finish"].values, window)
         consumed = ds["status"].values == "consumed"
@@ -163,7 +197,8 @@ class LaminarAccessor:
         out: dict[str, float] = {f"n_{s}": int((status == s).sum()) for s in np.unique(status)}
         st = self.staleness()
         for name in ("s_gen", "residence", "s_train"):
-            out[f"{name}_mean"] = float(st[name].mean()) if st.sizes.get("trajectory") else 0.0
+            # (NaN, not 0, while nothing was consumed: no staleness was measured)
+            out[f"{name}_mean"] = float(st[name].mean()) if st.sizes.get("trajectory") else np.nan
         return out
 
     def audit(self) -> list[str]:

@@ -126,10 +126,13 @@ def _audit_log(run_dir: Path, ds, report: AuditReport) -> int | None:
     report.figures["  tokens logged"] = sum(e["tokens"] for e in left.values())
     if done:
         msg = f"{len(done)} completed trajectories are in the recovery log but not the store"
-        if _summary(run_dir).get("reason") in ENDED:
+        if _ended(run_dir):
             report.problems.append(f"{msg}, e.g. {done[0]} (lost)")
         else:
-            report.notes.append(f"{msg} (lost with the run; a resume generates them again)")
+            report.notes.append(
+                f"{msg}: the run is still running (they are committed with the next flush), "
+                "or it was lost (a resume generates them again)"
+            )
     return unfinished
 
 
@@ -170,6 +173,22 @@ def _audit_faults(run_dir: Path, ds, report: AuditReport, unfinished: int | None
             )
             (report.notes if recorded - resumed <= unfinished else report.problems).append(msg)
         report.figures[f"  {rid}: resumed and stored"] = resumed
+
+
+def _ended(run_dir: Path) -> bool:
+    """Whether the run ended (completed or stopped), as opposed to running or lost: its
+    ``summary.json`` says so, and is its last start's (a resumed run keeps the earlier
+    start's summary until it ends: the metrics then show more starts than it counts)."""
+    summary = _summary(run_dir)
+    if summary.get("reason") not in ENDED:
+        return False
+    from storage.metrics import open_metrics, segments
+
+    try:
+        starts = len(segments(open_metrics(run_dir, "cluster")))
+    except (FileNotFoundError, KeyError):
+        return True
+    return starts <= summary.get("segments", 1)
 
 
 def _summary(run_dir: Path) -> dict:

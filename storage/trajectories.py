@@ -50,10 +50,32 @@ class StoreError(ValueError):
     """A run store is missing or does not match the schema (names the path and the fix)."""
 
 
+# The stores of a run directory: the trajectories, the metrics, the recovery log.
+RUN_STORES = (STORE_NAME, "metrics.zarr", "partial.zarr")
+
+
 def store_path(path: str | Path, name: str = STORE_NAME) -> Path:
-    """``path`` itself if it names a ``.zarr`` store, else the store ``name`` inside it."""
+    """``path`` itself if it names a ``.zarr`` store, else the store ``name`` inside it.
+    Another of a run's stores (``metrics.zarr`` where ``name`` is wanted) is a
+    :class:`StoreError` that names the run directory to pass instead.
+
+    >>> store_path("runs/a"), store_path("runs/a/trajectories.zarr")
+    (PosixPath('runs/a/trajectories.zarr'), PosixPath('runs/a/trajectories.zarr'))
+    >>> try:
+    ...     store_path("runs/a/metrics.zarr")
+    ... except StoreError as e:
+    ...     print(str(e).split("; ")[1])
+    pass the run directory, 'runs/a'
+    """
     path = Path(path)
-    return path if path.name.endswith(".zarr") else path / name
+    if not path.name.endswith(".zarr"):
+        return path / name
+    if path.name in RUN_STORES and path.name != name:
+        raise StoreError(
+            f"{str(path)!r} is the run's {path.name}, not its {name}; pass the run "
+            f"directory, {str(path.parent)!r}"
+        )
+    return path
 
 
 class TrajectoryWriter:
@@ -349,7 +371,25 @@ def _read_run(store: Path, group: zarr.Group) -> xr.Dataset:
     ds["s_train"] = (ds["sample_version"] - ds["behavior_version"]).where(sampled)
     ds.attrs["run_dir"] = str(store.parent)
     ds.attrs["schedule"] = group.attrs.get("schedule", "laminar")  # older stores: laminar
+    ds.attrs["pauses_s"] = _pauses(store.parent)
     return ds
+
+
+def _pauses(run_dir: Path) -> list[float]:
+    """When a resumed run was stopped, between its starts (epoch seconds, flat: from, to,
+    from, to, ...; a flat list of numbers, so ``to_netcdf`` takes it): from its metrics
+    (none written yet, or a run started once: ``[]``)."""
+    from storage.metrics import open_metrics, segments, time_origin
+
+    try:
+        cluster = open_metrics(run_dir, "cluster")
+    except (FileNotFoundError, KeyError):
+        return []
+    origin, segs = time_origin(cluster), segments(cluster)
+    if origin is None:
+        return []
+    gaps = zip(segs[:-1], segs[1:], strict=True)
+    return [origin + t for a, b in gaps for t in (a["end_s"], b["start_s"])]
 
 
 def open_runs(paths, names: list[str] | None = None) -> xr.Dataset:
@@ -361,6 +401,8 @@ def open_runs(paths, names: list[str] | None = None) -> xr.Dataset:
     the ``run`` coordinate (default: the run directories' names); ``n_trajectories``
     holds each run's own count.
     """
+    if isinstance(paths, str | Path):  # (one run: not its path's characters)
+        paths = [paths]
     paths = [Path(p) for p in paths]
     names = [p.name for p in paths] if names is None else list(names)
     if len(names) != len(paths) or len(set(names)) != len(names):

@@ -247,3 +247,79 @@ def test_report_draws_the_events_of_a_run(run, tmp_path):
     # publications, median stall / broadcast (ms), moves, lost, by how, replacements
     assert "| run | 3 | 2.0 | 20.0 | 1 | 1 | import 7, rescore 4 | 1 |" in text
     assert "![events-0.png](events-0.png)" in text
+
+
+def test_buffer_age_leaves_out_the_time_a_resumed_run_was_stopped(tmp_path):
+    """A trajectory inserted before a stop and sampled after the resume: its buffer age
+    is its time in the buffer while the run ran (the metrics' segments say when it did
+    not), and the age carries behavior_version for a groupby."""
+    from factories import trajectory
+
+    from storage.metrics import MetricsWriter
+
+    t0 = 1.8e9
+    times = {"a": (10.0, 12.0), "b": (15.0, 130.0), "c": (125.0, 127.5)}  # b spans the stop
+    TrajectoryWriter(tmp_path).append(
+        [
+            trajectory(
+                u,
+                f"g{u}",
+                group_size=1,
+                behavior_version=v,
+                status="consumed",
+                t_submit=t0,
+                t_insert=t0 + a,
+                t_sample=t0 + b,
+                sample_version=v,
+                finish_version=v,
+            ).to_record()
+            for v, (u, (a, b)) in enumerate(times.items())
+        ]
+    )
+    # ran from 0 to 20 s, stopped, resumed from 120 s on
+    rows = [(0, t) for t in range(0, 21, 5)] + [(1, t) for t in range(120, 141, 5)]
+    MetricsWriter(tmp_path).append(
+        "cluster",
+        [{"segment": s, "elapsed_s": t, "wall_time": t0 + t, "version": 0} for s, t in rows],
+    )
+    ds = open_run(tmp_path)
+    assert ds.laminar.pauses_s == [(t0 + 20, t0 + 120)]
+    age = ds.laminar.buffer_age()
+    np.testing.assert_allclose(age.values, [2.0, 115.0 - 100.0, 2.5])
+    assert age.groupby("behavior_version").mean().sizes == {"behavior_version": 3}
+
+
+def test_a_run_with_nothing_stored_yet_gives_empty_figures(tmp_path):
+    """A run in its first seconds (the store made, nothing committed): empty figures,
+    and staleness means NaN (not measured), not 0."""
+    TrajectoryWriter(tmp_path).append([])
+    ds = open_run(tmp_path)
+    assert ds.sizes["trajectory"] == 0 and np.isnan(ds.laminar.t0)
+    assert ds.laminar.throughput().sizes == {"time": 0}
+    assert ds.laminar.reward_curve(by="time").sizes == {"time": 0}
+    assert ds.laminar.buffer_age().sizes == {"trajectory": 0}
+    summary = ds.laminar.summary()
+    assert all(np.isnan(summary[f"{n}_mean"]) for n in ("s_gen", "residence", "s_train"))
+    from pipelines.report import build_report
+
+    assert "| 0 |" in build_report([tmp_path], tmp_path / "report").read_text()
+
+
+def test_wrong_paths_and_datasets_get_errors_that_say_what_to_pass(run, tmp_path):
+    from storage import StoreError, open_runs
+    from storage.metrics import open_metrics
+
+    ds, _ = run
+    run_dir = ds.attrs["run_dir"]
+    with pytest.raises(StoreError, match="is the run's metrics.zarr, not its trajectories.zarr"):
+        open_run(f"{run_dir}/metrics.zarr")
+    with pytest.raises(StoreError, match="is the run's partial.zarr"):
+        open_run(f"{run_dir}/partial.zarr")
+    with pytest.raises(KeyError, match=r"no metrics table 'update'; the tables are \['cluster'"):
+        open_metrics(run_dir, "update")
+    with pytest.raises(FileNotFoundError, match="pass a run directory written by `laminar run`"):
+        open_metrics(tmp_path / "nothing", "cluster")
+    both = open_runs([run_dir])  # (one path as a string would be split into characters)
+    assert open_runs(run_dir).sizes == both.sizes
+    with pytest.raises(ValueError, match=r"use open_run\(path\).laminar for each run"):
+        both.laminar.summary()

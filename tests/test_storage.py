@@ -326,6 +326,28 @@ def test_a_resume_reissues_the_groups_only_the_recovery_log_names(tmp_path):
     # not stored: p00000001's two (one had finished), p00000003-1, p00000004's two
     assert (plan.log_completed, plan.log_unfinished) == (1, 4)
 
+    # The audit: a completed trajectory in the log and not the store was lost only if
+    # the run ended; running (or lost, or resumed and running again), it is on its way.
+    import json
+
+    from storage.audit import audit_run
+    from storage.metrics import MetricsWriter
+
+    def log_note_or_problem() -> str:
+        report = audit_run(tmp_path)
+        said = [("note", n) for n in report.notes] + [("problem", p) for p in report.problems]
+        (kind,) = [k for k, text in said if "in the recovery log but not the store" in text]
+        return kind
+
+    assert log_note_or_problem() == "note"  # (no summary.json: running or lost)
+    (tmp_path / "summary.json").write_text(json.dumps({"reason": "stopped", "segments": 1}))
+    metrics = MetricsWriter(tmp_path)
+    metrics.append("cluster", [{"segment": 0, "elapsed_s": 1.0, "wall_time": 1e9, "version": 1}])
+    assert log_note_or_problem() == "problem"
+    # resumed: the first start's summary stands until the second ends
+    metrics.append("cluster", [{"segment": 1, "elapsed_s": 9.0, "wall_time": 1e9, "version": 1}])
+    assert log_note_or_problem() == "note"
+
 
 def test_a_rebuilt_data_module_takes_the_store_against_the_trainer_and_the_rollouts(tmp_path):
     """The data module lost within the run: the trainer's record of what it sampled
