@@ -144,6 +144,9 @@ class Schedule:
         # each rollout's response tokens as last read: one lost, replaced or slow to
         # answer still counts in the cluster's total
         self._tokens_by_rollout: dict[str, float] = {}
+        # the trainer's wait: (what trainers restarted within the run had waited, the
+        # last reading); a new trainer counts from 0 again
+        self._trainer_wait = (0.0, 0.0)
 
     def setup(self, progress: Callable[[dict], None]) -> None:
         cfg, client = self.cfg, self.client
@@ -844,7 +847,7 @@ class Schedule:
                     "outstanding_groups": p_stats["outstanding"],
                     "dispatched_groups": p_stats["dispatched"],
                     "response_tokens": tokens,
-                    "trainer_wait_s": t_stats["wait_s"],
+                    "trainer_wait_s": self._trainer_wait_total(t_stats["wait_s"]),
                 },
             )
         )
@@ -853,6 +856,15 @@ class Schedule:
             row = {"elapsed_s": elapsed, "rollout": rid}
             row |= {k: s.get(k, math.nan) for k in ROLLOUT_METRICS}
             self._rows["rollouts"].append(_carried(self._carry["rollouts"].get(rid, {}), row))
+
+    def _trainer_wait_total(self, wait_s: float) -> float:
+        """The trainers' wait over this start: a reading below the last one comes from
+        a trainer restarted within the run, which counts from 0 again."""
+        before, last = self._trainer_wait
+        if wait_s < last:
+            before += last
+        self._trainer_wait = (before, wait_s)
+        return before + wait_s
 
     def _write_rows(self) -> None:
         """The driver's own rows (``cluster``, ``rollouts``) into the metrics store."""

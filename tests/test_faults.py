@@ -665,6 +665,9 @@ def test_a_lost_trainer_restarts_within_the_run_while_rollouts_generate(tmp_path
     assert down.sum() >= 5
     tokens = rows["response_tokens"].values
     assert tokens[down][-1] > tokens[wall <= t_kill][-1]
+    # (cumulative across the restart: the new trainer's wait adds to the lost one's)
+    for col in ("response_tokens", "inserted", "trainer_wait_s"):
+        assert (np.diff(rows[col].values) >= 0).all(), col
     assert rows["outstanding_groups"].values[down][-1] == 16
     assert rows["outstanding_groups"].values.max() <= 16
     rollouts = summary["rollouts"]
