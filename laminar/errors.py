@@ -29,3 +29,13 @@ class RewardError(LaminarError):
 
 class ClusterError(LaminarError):
     """The Dask cluster lacks the workers or resources a run needs."""
+
+
+class RunFailed(LaminarError):
+    """A run ended early on an error (a reward function that always fails, a rollout or
+    trainer error): stopped in order, its stores intact. ``summary`` is what it did (as
+    in ``RUN_DIR/summary.json``)."""
+
+    def __init__(self, message: str, summary: dict) -> None:
+        super().__init__(message)
+        self.summary = summary

@@ -20,7 +20,7 @@ import traceback
 from pathlib import Path
 
 from laminar.config import RunConfig, load_config, with_overrides
-from laminar.errors import ConfigError, LaminarError
+from laminar.errors import ConfigError, LaminarError, RunFailed
 
 logger = logging.getLogger("laminar")
 
@@ -96,7 +96,17 @@ class RunHandle:
             self._schedule.setup(self._set_progress)
             raw = self._schedule.run(self._set_progress, self._stop.is_set)
             self.summary = summarize(self.run_dir, raw, self._schedule.sft_info, self.config)
-            self._set_progress({"phase": "done"})
+            reason = str(self.summary["reason"])
+            if reason.startswith("failed"):  # (stopped in order: wait() says so)
+                self.error = RunFailed(
+                    f"run {str(self.run_dir)!r} {reason}; it stopped in order and its "
+                    f"stores are intact (summary.json); fix the cause, then continue it "
+                    f"with `laminar run --resume {self.run_dir}` or pipelines.resume",
+                    self.summary,
+                )
+                self._set_progress({"phase": "failed", "error": reason})
+            else:
+                self._set_progress({"phase": "done"})
         except BaseException as e:  # surfaced by wait(); never lost in a thread
             self.error = e
             self._set_progress(
@@ -122,7 +132,9 @@ class RunHandle:
         self._stop.set()
 
     def wait(self, timeout: float | None = None) -> dict:
-        """Block until the run ends; returns the summary (also in ``RUN_DIR/summary.json``)."""
+        """Block until the run ends; returns the summary (also in ``RUN_DIR/summary.json``).
+        A run that failed raises: :class:`~laminar.errors.RunFailed` (with its
+        ``summary``) when it stopped in order on an error, else the error that ended it."""
         if not self._done.wait(timeout):
             raise TimeoutError(f"run {str(self.run_dir)!r} still going after {timeout} s")
         if self.error is not None:

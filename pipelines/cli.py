@@ -17,7 +17,7 @@ import signal
 import sys
 import time
 
-from laminar.errors import LaminarError
+from laminar.errors import LaminarError, RunFailed
 from storage.trajectories import StoreError
 
 
@@ -283,9 +283,14 @@ def _follow(handle) -> int:
         if "version" in final:  # the last state, which the polling may have missed
             display.show({**final, "phase": "training"}, force=True)
         display.close()
-        summary = handle.wait()
+        try:
+            summary = handle.wait()
+        except RunFailed as e:  # stopped in order: what it did, then why it failed
+            _print_summary(e.summary)
+            print(f"laminar: error: {e}", file=sys.stderr)
+            return 1
         _print_summary(summary)
-        return 0 if summary["reason"] in ("completed", "stopped") else 1
+        return 0
     finally:
         signal.signal(signal.SIGINT, old)
 

@@ -181,7 +181,12 @@ def test_a_reward_that_never_scores_marks_trajectories_then_stops_the_run(
         run_dir=tmp_path / "run",
         overrides=["task.reward=laminar.rewards:_broken"],
     )
-    summary = run.wait(timeout=300)  # generous: CI machines are shared
+    from laminar.errors import RunFailed
+
+    with pytest.raises(RunFailed, match="stopped in order and its stores are intact") as err:
+        run.wait(timeout=300)  # generous: CI machines are shared
+    summary = err.value.summary  # (a failed run is not a success in a notebook)
+    assert run.progress()["phase"] == "failed" and run.error is err.value
     assert summary["reason"].startswith(
         "failed: task.reward 'laminar.rewards:_broken' failed on all"
     ), summary["reason"]
