@@ -240,9 +240,14 @@ class Learner:
 
 def newest_checkpoint(run_dir: str | Path) -> Path | None:
     """A run's checkpoint of the highest version (every folder there is complete: they
-    are written aside and renamed into place), or ``None``."""
-    saved = sorted((Path(run_dir) / "checkpoints").glob("version-*"))
-    return saved[-1] if saved else None
+    are written aside and renamed into place), or ``None``. Only ``version-<digits>``
+    folders count: one renamed aside (``version-000014.damaged``) is passed over."""
+    saved = [
+        p
+        for p in (Path(run_dir) / "checkpoints").glob("version-*")
+        if p.name.removeprefix("version-").isdigit()  # (isdigit: no sign, no space)
+    ]
+    return max(saved, key=lambda p: int(p.name.removeprefix("version-")), default=None)
 
 
 def checkpoint_version(ckpt: str | Path) -> int:
@@ -256,17 +261,45 @@ def checkpoint_version(ckpt: str | Path) -> int:
     return int(_trainer_state(path)["version"])
 
 
+def _damaged(path: Path, e: Exception) -> CheckpointError:
+    return CheckpointError(
+        f"{str(path)!r} is damaged ({type(e).__name__}: {e}); point at another "
+        "checkpoints/version-N folder (or, to resume in place, move this one aside: "
+        f"rename it, e.g. to {path.parent.name}.damaged)"
+    )
+
+
 def _trainer_state(path: Path) -> dict:
     """A checkpoint's ``trainer_state.json``; a damaged one is a :class:`CheckpointError`."""
     try:
         state = json.loads(path.read_text())
         int(state["version"])
     except (ValueError, KeyError, TypeError) as e:
-        raise CheckpointError(
-            f"{str(path)!r} is damaged ({type(e).__name__}: {e}); point at another "
-            "checkpoints/version-N folder (or, to resume in place, move this one aside)"
-        ) from None
+        raise _damaged(path, e) from None
     return state
+
+
+def _check_files(ckpt: Path) -> dict:
+    """The checkpoint's model ``config.json``, after reading it and the header of
+    ``model.safetensors`` (the tensors' names, shapes and offsets; no tensor is loaded,
+    so this is cheap enough to run before the cluster starts)."""
+    from safetensors import SafetensorError, safe_open
+
+    path = ckpt / "config.json"
+    try:
+        config = json.loads(path.read_text())
+        if not isinstance(config, dict):
+            raise ValueError(f"a JSON object expected, got {type(config).__name__}")
+    except ValueError as e:  # (json.JSONDecodeError and UnicodeDecodeError too)
+        raise _damaged(path, e) from None
+    path = ckpt / "model.safetensors"
+    try:
+        with safe_open(path, framework="pt") as f:
+            if not f.keys():
+                raise ValueError("it holds no tensors")
+    except (SafetensorError, OSError, ValueError) as e:
+        raise _damaged(path, e) from None
+    return config
 
 
 def check_checkpoint(ckpt: str | Path, model_config, cfg: RunConfig) -> dict:
@@ -290,7 +323,7 @@ def check_checkpoint(ckpt: str | Path, model_config, cfg: RunConfig) -> dict:
             f"checkpoint {str(ckpt)!r} has format {state.get('format')!r}; this laminar "
             f"reads format {CHECKPOINT_FORMAT}"
         )
-    theirs = json.loads((ckpt / "config.json").read_text())
+    theirs = _check_files(ckpt)
     ours = model_config.to_dict()
     diff = [k for k in ARCH_KEYS if k in ours and theirs.get(k) != ours.get(k)]
     if diff:

@@ -12,7 +12,7 @@ from learner_cases import CFG, batch, rank_main, weights
 
 from laminar.config import with_overrides
 from laminar.contract import Trajectory
-from laminar.learner import CheckpointError, Learner
+from laminar.learner import CheckpointError, Learner, check_checkpoint, newest_checkpoint
 
 
 def test_resume_from_a_checkpoint_is_bit_identical(tiny_policy, tmp_path):
@@ -46,6 +46,41 @@ def test_a_checkpoint_of_another_model_or_optimizer_is_refused(tiny_policy, tmp_
         Learner(CFG, wide, resume_from=ckpt)
     (ckpt / "optimizer.pt").unlink()
     with pytest.raises(CheckpointError, match=r"lacks \['optimizer.pt'\]"):
+        Learner(CFG, tiny_policy, resume_from=ckpt)
+
+
+def test_the_newest_checkpoint_is_the_highest_version_not_a_folder_set_aside(tmp_path):
+    """A damaged checkpoint the user renamed aside (as our error says to) is not resumed
+    from again, and versions compare as numbers (past the six digits of the name)."""
+    ck = tmp_path / "checkpoints"
+    for name in ["version-000009", "version-000014.damaged", "version-000010", "version-x"]:
+        (ck / name).mkdir(parents=True)
+    assert newest_checkpoint(tmp_path) == ck / "version-000010"
+    (ck / "version-1000000").mkdir()
+    (ck / "version-999999").mkdir()
+    assert newest_checkpoint(tmp_path) == ck / "version-1000000"
+    assert newest_checkpoint(tmp_path / "nowhere") is None
+
+
+def test_a_damaged_checkpoint_is_refused_naming_the_file_before_any_weights_load(
+    tiny_policy, tmp_path
+):
+    """The pre-start check reads config.json and the safetensors header (not the
+    tensors): garbage in either is a CheckpointError naming the file and the fix."""
+    from transformers import AutoConfig
+
+    model_config = AutoConfig.from_pretrained(tiny_policy)
+    ckpt = Learner(CFG, tiny_policy).save(tmp_path / "version-000000")
+    assert check_checkpoint(ckpt, model_config, CFG)["version"] == 0
+    good = (ckpt / "config.json").read_text()
+    (ckpt / "config.json").write_text(good[: len(good) // 2])
+    with pytest.raises(CheckpointError, match=r"config.json' is damaged.*move this one aside"):
+        check_checkpoint(ckpt, model_config, CFG)
+    (ckpt / "config.json").write_text(good)
+    (ckpt / "model.safetensors").write_bytes(b"\xff" * 64)
+    with pytest.raises(CheckpointError, match=r"model.safetensors' is damaged.*move this one"):
+        check_checkpoint(ckpt, model_config, CFG)
+    with pytest.raises(CheckpointError, match=r"model.safetensors' is damaged"):
         Learner(CFG, tiny_policy, resume_from=ckpt)
 
 
