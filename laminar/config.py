@@ -12,8 +12,10 @@ and the fix. Every error is a :class:`~laminar.errors.ConfigError` naming the fi
 
 from __future__ import annotations
 
+import difflib
 import hashlib
 import json
+import math
 import types
 from pathlib import Path
 from typing import Any, Literal, Union, get_args, get_origin
@@ -52,6 +54,23 @@ def _is_numbers(annotation: Any) -> bool:
 
 class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _empty_section_is_its_defaults(cls, data: Any) -> Any:
+        # `trainer:` with every line under it commented out reads as null: the user
+        # meant the defaults. (An optional section, `repack:`, stays off: null is off.)
+        if not isinstance(data, dict):
+            return data
+        empty = {
+            k: {}
+            for k, v in data.items()
+            if v is None
+            and k in cls.model_fields
+            and isinstance(cls.model_fields[k].annotation, type)
+            and issubclass(cls.model_fields[k].annotation, _Section)
+        }
+        return {**data, **empty} if empty else data
 
     @field_validator("*", mode="before")
     @classmethod
@@ -478,11 +497,40 @@ class ClusterConfig(_Section):
     placement_timeout_s: float = Field(60.0, ge=0)
     torch_threads: int = Field(1, gt=0)  # per worker process (cores are shared)
     actor_timeout_s: float = Field(60.0, gt=0)
-    memory_limit: str = "4GiB"  # per local worker
+    # Per local worker: a size (4GiB, 500MB), a number of bytes, a fraction of the
+    # machine's memory (0.5), auto (its share of it) or 0 (no limit): what Dask takes.
+    memory_limit: str = "4GiB"
     # Give the data module (buffer, prompt pool, partial-response log, rollout manager)
     # a worker of its own instead of sharing the trainer's: the trainer's loss is then
     # recovered within the run (faults.restart_trainer), not only by a resume.
     data_apart: bool = False
+
+    @field_validator("memory_limit", mode="before")
+    @classmethod
+    def _memory_limit_dask_takes(cls, value: Any) -> Any:
+        # Checked here, not when the workers start (a Dask traceback, after the run
+        # directory was made). YAML reads 0.5 and 4000000000 as numbers: Dask takes them.
+        if isinstance(value, int | float) and not isinstance(value, bool):
+            value = str(value)
+        if not isinstance(value, str):
+            return value  # (pydantic says it takes a string)
+        from dask.utils import parse_bytes
+
+        text = value.strip()
+        try:
+            ok = text == "auto" or math.isfinite(float(text)) and float(text) >= 0
+        except ValueError:  # not a number: a size with a unit
+            try:
+                ok = text[:1].isdigit() and parse_bytes(text) > 0
+            except ValueError:
+                ok = False
+        if not ok:
+            raise ValueError(
+                "is not a memory size Dask takes; give a size (e.g. 4GiB, 500MB), a number "
+                "of bytes, a fraction of the machine's memory (0.5), auto (the worker's "
+                "share of it) or 0 (no limit)"
+            )
+        return text
 
     @model_validator(mode="after")
     def _kind_is_complete(self) -> ClusterConfig:
@@ -622,12 +670,37 @@ class RunConfig(_Section):
         return yaml.safe_dump(self.model_dump(mode="json"), sort_keys=False)
 
 
+def _section_at(path: tuple) -> type[BaseModel] | None:
+    """The config section at a dotted path (``("cluster", "slurm")``), or None."""
+    section: type[BaseModel] = RunConfig
+    for name in path:
+        field = section.model_fields.get(name) if isinstance(name, str) else None
+        if field is None:
+            return None
+        a = field.annotation  # a section, or an optional one (`PacingConfig | None`)
+        found = [t for t in (a, *get_args(a)) if isinstance(t, type) and issubclass(t, BaseModel)]
+        if not found:
+            return None
+        section = found[0]
+    return section
+
+
+def _unknown_key(loc: tuple) -> str:
+    """What to say of an unknown key: the nearest known one of its section, if any."""
+    section = _section_at(loc[:-1])
+    if section is not None and isinstance(loc[-1], str):
+        near = difflib.get_close_matches(loc[-1], list(section.model_fields), n=1)
+        if near:
+            return f"unknown key; did you mean {'.'.join(map(str, (*loc[:-1], near[0])))}?"
+    return "unknown key; remove it or check its spelling"
+
+
 def _format_errors(err: ValidationError, source: str) -> str:
     lines = [f"invalid config ({source}):"]
     for e in err.errors():
         loc = ".".join(str(p) for p in e["loc"]) or "(top level)"
         if e["type"] == "extra_forbidden":
-            lines.append(f"  {loc}: unknown key; remove it or check its spelling")
+            lines.append(f"  {loc}: {_unknown_key(e['loc'])}")
             continue
         msg = e["msg"].removeprefix("Value error, ")
         given = e.get("input")
@@ -687,6 +760,34 @@ def with_overrides(cfg: RunConfig, overrides: list[str] | tuple[str, ...]) -> Ru
     return _validate(data, f"--set {' '.join(overrides)}")
 
 
+class _DuplicateKey(yaml.YAMLError):
+    pass
+
+
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """PyYAML's safe loader, refusing a key given twice in one mapping (PyYAML keeps the
+    last silently: a `steps:` further down a long section would undo the first)."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict:
+        lines: dict[Any, int] = {}
+        for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":
+                continue  # (`<<: *base` then a key of base: an override, as YAML means)
+            key = self.construct_object(key_node, deep=deep)
+            line = key_node.start_mark.line + 1
+            try:
+                first = lines.get(key)
+            except TypeError:  # an unhashable key: PyYAML's own error says so
+                break
+            if first is not None:
+                raise _DuplicateKey(
+                    f"the key {key!r} appears twice in one section (lines {first} and "
+                    f"{line}); keep one"
+                )
+            lines[key] = line
+        return super().construct_mapping(node, deep=deep)
+
+
 def load_config(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> RunConfig:
     """Read a YAML run config, apply overrides, validate.
 
@@ -694,10 +795,17 @@ def load_config(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -
     and inconsistent fields, naming each.
     """
     path = Path(path)
+    if path.is_dir():
+        raise ConfigError(
+            f"config file {str(path)!r} is a directory; pass a YAML file (e.g. "
+            "configs/tiny.yaml), or `laminar run --resume RUN_DIR` to continue a run"
+        )
     if not path.is_file():
         raise ConfigError(f"config file {str(path)!r} does not exist")
     try:
-        data = yaml.safe_load(path.read_text()) or {}
+        data = yaml.load(path.read_text(), Loader=_UniqueKeyLoader) or {}
+    except _DuplicateKey as e:
+        raise ConfigError(f"config file {str(path)!r}: {e}") from None
     except yaml.YAMLError as e:
         raise ConfigError(f"config file {str(path)!r} is not valid YAML: {e}") from None
     if not isinstance(data, dict):

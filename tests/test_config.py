@@ -64,6 +64,71 @@ def test_bad_files(tmp_path):
         load_config(bad)
 
 
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ("trainer.step=5", r"trainer.step: unknown key; did you mean trainer.steps\?"),
+        ("cluster.slurm.walltme=1", r"cluster.slurm.walltme: .*mean cluster.slurm.walltime\?"),
+        ("rollout.pacing.dilaton=1", r"rollout.pacing.dilaton: .*mean rollout.pacing.dilation"),
+        ("trainr.steps=1", r"trainr: unknown key; did you mean trainer\?"),
+        ("trainer.zzz=5", r"trainer.zzz: unknown key; remove it or check its spelling"),
+    ],
+)
+def test_a_misspelt_key_gets_the_nearest_one(override, message):
+    with pytest.raises(ConfigError, match=message):
+        with_overrides(RunConfig(), [override])
+
+
+def test_config_file_mistakes_are_named(tmp_path):
+    """A directory for a file, a section left empty (all its lines commented out: its
+    defaults), a key given twice (refused, with both lines: which one was meant?)."""
+    with pytest.raises(ConfigError, match=r"is a directory; pass a YAML file"):
+        load_config(tmp_path)
+    f = tmp_path / "c.yaml"
+    f.write_text("trainer:\n  # steps: 5\ncluster:\n  slurm:\nrepack:\n")
+    cfg = load_config(f)
+    assert cfg.trainer == RunConfig().trainer and cfg.cluster == RunConfig().cluster
+    assert cfg.repack is None  # (an optional section left empty stays off)
+    f.write_text("seed: 1\ntrainer:\n  steps: 5\n  lr: 1.0e-4\n  steps: 7\n")
+    with pytest.raises(ConfigError, match=r"c.yaml.*'steps' appears twice .*\(lines 3 and 5\)"):
+        load_config(f)
+    f.write_text("trainer:\n  steps: 5\nrollout:\n  replicas: 2\ntrainer:\n  lr: 0.1\n")
+    with pytest.raises(ConfigError, match=r"'trainer' appears twice .*\(lines 1 and 5\)"):
+        load_config(f)
+
+
+@pytest.mark.parametrize(
+    "value, ok",
+    [
+        ("4GiB", True),
+        ("500 MB", True),
+        ("auto", True),
+        ("0.5", True),
+        (0.5, True),
+        (4000000000, True),
+        (0, True),
+        ("lots", False),
+        ("GB", False),
+        ("", False),
+        ("-5GB", False),
+        (-1, False),
+        ("inf", False),
+    ],
+)
+def test_memory_limit_is_what_dask_takes(value, ok):
+    """Checked with the config (a run directory is not made for a value the cluster
+    would refuse); numbers are fractions of the machine's memory (<= 1) or bytes."""
+    from distributed.worker_memory import parse_memory_limit
+
+    override = f"cluster.memory_limit={value!r}"  # (a string quoted: YAML keeps it one)
+    if not ok:
+        with pytest.raises(ConfigError, match=r"cluster.memory_limit: .*e.g. 4GiB.*\(got "):
+            with_overrides(RunConfig(), [override])
+        return
+    limit = with_overrides(RunConfig(), [override]).cluster.memory_limit
+    parse_memory_limit(limit, 1, logger=__import__("logging").getLogger("test"))
+
+
 def test_config_is_frozen():
     cfg = RunConfig()
     with pytest.raises(pydantic.ValidationError, match="frozen"):
