@@ -92,8 +92,8 @@ def resolve_reward(name: str) -> RewardFn:
             "'module:function'"
         )
     try:
-        fn = getattr(importlib.import_module(module), attr)
-    except (ImportError, AttributeError) as e:
+        imported = importlib.import_module(module)
+    except ImportError as e:
         raise RewardError(
             f"task.reward {name!r} cannot be imported ({e}); the module must be importable "
             "on every Dask worker"
@@ -102,6 +102,13 @@ def resolve_reward(name: str) -> RewardFn:
         raise RewardError(
             f"task.reward {name!r}: importing {module!r} raised {type(e).__name__}: {e}"
         ) from None
+    fn = getattr(imported, attr, None)
+    if fn is None:
+        raise RewardError(
+            f"task.reward {name!r}: module {module!r} imports, but has no {attr!r} "
+            f"(from {getattr(imported, '__file__', None) or module!r}); check the name "
+            "after the colon"
+        )
     if not callable(fn):
         raise RewardError(f"task.reward {name!r} is not callable")
     return fn

@@ -131,6 +131,8 @@ def test_resolve_reward(tmp_path, monkeypatch):
         resolve_reward("nope")
     with pytest.raises(RewardError, match="cannot be imported"):
         resolve_reward("no_such_module:fn")
+    with pytest.raises(RewardError, match=r"module 'os' imports, but has no 'nosuchfn'.*colon"):
+        resolve_reward("os:nosuchfn")
     (tmp_path / "laminar_test_badmod.py").write_text("raise RuntimeError('bad setup')\n")
     monkeypatch.syspath_prepend(str(tmp_path))
     with pytest.raises(RewardError, match="importing 'laminar_test_badmod' raised RuntimeError"):
