@@ -8,9 +8,15 @@ long as its workers advertise those resources (``dask worker ADDR --resources ro
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import os
+import threading
+from collections.abc import Iterator
 
 from laminar.errors import ClusterError
+
+logger = logging.getLogger(__name__)
 
 ROLES = ("data", "trainer", "rollout", "relay")
 
@@ -271,10 +277,40 @@ def place(client, resource: str, count: int) -> list[str]:
     return addrs[:count]
 
 
+_made = threading.local()
+
+
+@contextlib.contextmanager
+def actors_made() -> Iterator[list]:
+    """Collect ``(cls, future)`` of every actor :func:`start_actor` starts in this
+    thread meanwhile (a run's setup: what :func:`release_actors` ends if it fails)."""
+    made: list = []
+    outer, _made.list = getattr(_made, "list", None), made
+    try:
+        yield made
+    finally:
+        _made.list = outer
+
+
+def release_actors(client, made: list, timeout: float = 10.0) -> None:
+    """Best effort, for a run whose setup failed: close the actors of ``made``
+    (:func:`actors_made`) that hold threads or files (a buffer flushes its store, a
+    relay stops serving), then release every one, so none stays on the workers."""
+    for _cls, future in made:
+        if future.status != "finished" or not hasattr(_cls, "close"):
+            continue
+        try:
+            with client.as_current():
+                future.result().close().result(timeout=timeout)
+        except Exception as e:  # noqa: BLE001 — lost, or failed itself: released below
+            logger.debug("closing %s: %r", future.key, e)
+    client.cancel([future for _, future in made], force=True)
+
+
 def start_actor(client, cls, *args, worker: str, resource: str, **kwargs):
     """Start creating an actor of ``cls`` on ``worker``; returns the creating future
     (:func:`bind_actor` makes the handle once it is done)."""
-    return client.submit(
+    future = client.submit(
         cls,
         *args,
         actor=True,
@@ -284,6 +320,9 @@ def start_actor(client, cls, *args, worker: str, resource: str, **kwargs):
         pure=False,
         **kwargs,
     )
+    if (made := getattr(_made, "list", None)) is not None:
+        made.append((cls, future))
+    return future
 
 
 def bind_actor(client, cls, worker: str, future):

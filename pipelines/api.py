@@ -55,13 +55,81 @@ def preflight(cfg: RunConfig) -> None:
         check_checkpoint(cfg.trainer.resume_from, base_model_config(cfg), cfg)
 
 
+# A run directory's driver, while one runs: who (pid, host) and when it last said so.
+LIVE_FILE = "driver.json"
+LIVE_EVERY_S = 5.0  # how often a running driver renews it
+LIVE_STALE_S = 30.0  # older: the driver is gone (killed, its machine lost)
+
+
+def running_driver(path: str | Path) -> dict | None:
+    """The driver running ``path``'s run now (``{"pid", "host", "since", "seen"}``), or
+    ``None`` when none renewed ``RUN_DIR/driver.json`` within :data:`LIVE_STALE_S`."""
+    import json
+
+    try:
+        live = json.loads((Path(path) / LIVE_FILE).read_text())
+        seen = float(live["seen"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    return live if time.time() - seen < LIVE_STALE_S else None
+
+
+def _refuse_if_running(path: Path, doing: str) -> None:
+    live = running_driver(path)
+    if live is not None:
+        raise ConfigError(
+            f"cannot {doing} {str(path)!r}: a run is going there (its driver, pid "
+            f"{live.get('pid')} on {live.get('host')!r}, said so "
+            f"{time.time() - live['seen']:.0f} s ago); stop it first (Ctrl-C, or "
+            f"RunHandle.stop()). If that process is gone, its {LIVE_FILE} goes stale "
+            f"within {LIVE_STALE_S:.0f} s"
+        )
+
+
+def _mark_running(path: Path, since: float) -> None:
+    """Write (or renew) ``RUN_DIR/driver.json``: this process drives the run."""
+    import json
+    import os
+    import socket
+
+    live = {"pid": os.getpid(), "host": socket.gethostname(), "since": since, "seen": time.time()}
+    tmp = path / f".{LIVE_FILE}.{os.getpid()}"
+    tmp.write_text(json.dumps(live))
+    tmp.replace(path / LIVE_FILE)  # (atomic: a reader never sees half of it)
+
+
+def _laminar_config(path: Path) -> bool:
+    """Whether ``path/config.yaml`` is one laminar wrote for this run directory."""
+    import yaml
+
+    try:
+        data = yaml.safe_load((path / "config.yaml").read_text())
+        return Path(data["run_dir"]).resolve() == path.resolve()
+    except (OSError, yaml.YAMLError, KeyError, TypeError):
+        return False
+
+
 def prepare_run_dir(cfg: RunConfig, run_dir: str | Path | None) -> Path:
     """Create the run directory and store the exact resolved config in it."""
     path = Path(run_dir or cfg.run_dir or Path("runs") / time.strftime("%Y%m%d-%H%M%S"))
+    if path.exists() and not path.is_dir():
+        raise ConfigError(f"run directory {str(path)!r} is a file; pass a directory as --run-dir")
+    _refuse_if_running(path, "start a run in")
     if (path / "trajectories.zarr").exists():
-        raise ConfigError(
-            f"run directory {str(path)!r} already holds a run; pass a new --run-dir, or "
+        from laminar.learner import newest_checkpoint
+
+        again = (
             f"continue it with `laminar run --resume {path}`"
+            if newest_checkpoint(path) is not None
+            else "it has no checkpoint to continue from: to start over, delete it first"
+        )
+        raise ConfigError(
+            f"run directory {str(path)!r} already holds a run; pass a new --run-dir, or {again}"
+        )
+    if (path / "config.yaml").exists() and not _laminar_config(path):
+        raise ConfigError(
+            f"{str(path / 'config.yaml')!r} was not written by laminar for this run "
+            "directory, and a run would overwrite it; pass another --run-dir"
         )
     path.mkdir(parents=True, exist_ok=True)
     (path / "config.yaml").write_text(cfg.model_copy(update={"run_dir": str(path)}).to_yaml())
@@ -82,18 +150,41 @@ class RunHandle:
         self._progress: dict = {"phase": "submitted"}
         self._stop = threading.Event()
         self._done = threading.Event()
+        self._live_lock = threading.Lock()
         self._schedule = schedule_class(cfg.pipeline.schedule)(cfg, client, run_dir, resume)
+        _refuse_if_running(run_dir, "start a run in")
+        _mark_running(run_dir, time.time())
         self._thread = threading.Thread(target=self._drive, name="laminar-driver", daemon=True)
         self._thread.start()
+        threading.Thread(target=self._live, name="laminar-live", daemon=True).start()
+
+    def _live(self) -> None:
+        """Renew ``RUN_DIR/driver.json`` while the run goes: another start or resume of
+        the directory refuses meanwhile (:meth:`_drive` removes it at the end)."""
+        since = time.time()
+        while not self._done.wait(LIVE_EVERY_S):
+            with self._live_lock:  # (not renewed after the end removed it)
+                if self._done.is_set():
+                    return
+                try:
+                    _mark_running(self.run_dir, since)
+                except OSError as e:  # (a full or lost disk: the run says so itself)
+                    logger.warning("cannot renew %s: %s", self.run_dir / LIVE_FILE, e)
 
     def _set_progress(self, p: dict) -> None:
         self._progress = {**self._progress, **p}
 
     def _drive(self) -> None:
+        from laminar.cluster import actors_made, release_actors
         from pipelines.summary import summarize
 
         try:
-            self._schedule.setup(self._set_progress)
+            with actors_made() as made:
+                try:
+                    self._schedule.setup(self._set_progress)
+                except BaseException:  # (none of its actors stays on the user's cluster)
+                    release_actors(self.client, made)
+                    raise
             raw = self._schedule.run(self._set_progress, self._stop.is_set)
             self.summary = summarize(self.run_dir, raw, self._schedule.sft_info, self.config)
             reason = str(self.summary["reason"])
@@ -105,8 +196,8 @@ class RunHandle:
                     self.summary,
                 )
                 self._set_progress({"phase": "failed", "error": reason})
-            else:
-                self._set_progress({"phase": "done"})
+            else:  # (the last figures, which the polling may have missed)
+                self._set_progress({"phase": "done", "version": self.summary["versions"]})
         except BaseException as e:  # surfaced by wait(); never lost in a thread
             self.error = e
             self._set_progress(
@@ -114,7 +205,9 @@ class RunHandle:
             )
             logger.debug("run failed", exc_info=True)
         finally:
-            self._done.set()
+            with self._live_lock:
+                (self.run_dir / LIVE_FILE).unlink(missing_ok=True)
+                self._done.set()
 
     def __fspath__(self) -> str:
         """The run directory: ``open_run(handle)``, ``open_metrics(handle, "cluster")``."""
@@ -178,6 +271,7 @@ def prepare_resume(run_dir: str | Path, overrides: list[str] | tuple[str, ...] =
 
     path = Path(run_dir).resolve()
     config = path / "config.yaml"
+    _refuse_if_running(path, "resume")
     if not config.exists():
         raise ConfigError(
             f"cannot resume {str(path)!r}: it has no config.yaml, so it is not a run "
@@ -191,7 +285,10 @@ def prepare_resume(run_dir: str | Path, overrides: list[str] | tuple[str, ...] =
             "start it again"
         )
     own = load_config(config).trainer.resume_from  # (null, unless it began from another run)
-    cfg = load_config(config, [*overrides, f"trainer.resume_from={ckpt}", f"run_dir={path}"])
+    cfg = load_config(config, overrides)
+    # (set, not --set: a path is not YAML; "runs/exp #2" would lose its " #2")
+    trainer = cfg.trainer.model_copy(update={"resume_from": str(ckpt)})
+    cfg = cfg.model_copy(update={"trainer": trainer, "run_dir": str(path)})
     if cfg.pipeline.schedule != "laminar":
         raise ConfigError(
             f"cannot resume {str(path)!r} in place: it ran pipeline.schedule="

@@ -145,9 +145,14 @@ def test_api_submit_is_non_blocking_and_stop_keeps_every_trajectory(
         while (p := run.progress()).get("version", 0) < 2 or not p.get("buffer_depth"):
             assert not run.done(), run.error
             time.sleep(0.1)
+        # While it goes, the directory says so: another start or resume there refuses.
+        from pipelines.api import running_driver
+
+        assert running_driver(run.run_dir)["pid"] == os.getpid()
         run.stop()
         summary = run.wait(timeout=120)
         assert summary["reason"] == "stopped"
+        assert running_driver(run.run_dir) is None  # (its driver.json gone at the end)
         ds = check_store(run.run_dir)
         # the handle is the run directory's path-like (a notebook analyses it as it is)
         from storage.metrics import open_metrics
@@ -411,3 +416,34 @@ def test_repack_moves_draining_batches_and_keeps_every_trajectory_whole(tmp_path
     assert 0 < fig["overhead_frac"] < 1  # a share of the rollouts' time
     # unpaced (Scale()): a step's wall time; at most a local batch's 64 requests per step
     assert fig["step_ms"] > 0 and 1 <= fig["decode_batch"] <= 64
+
+
+def test_a_setup_that_fails_leaves_no_actor_on_the_cluster(
+    cluster_client, small_config, tmp_path, monkeypatch
+):
+    """The trainer's actor fails to start (here: an error injected into the driver, the
+    buffer, pools, relays and rollouts already up): wait() raises it, and nothing of the
+    run stays on the user's cluster for the next submit to stack beside."""
+    import pipelines
+    from laminar.errors import LaminarError
+    from pipelines import driver
+
+    real = driver.submit_actor
+
+    def failing(client, cls, *args, **kwargs):
+        if cls.__name__ == "Trainer":
+            raise RuntimeError("injected: the trainer could not start")
+        return real(client, cls, *args, **kwargs)
+
+    monkeypatch.setattr(driver, "submit_actor", failing)
+    run = pipelines.submit(small_config, cluster_client, run_dir=tmp_path / "run")
+    with pytest.raises(LaminarError, match="injected: the trainer could not start"):
+        run.wait(timeout=300)
+
+    def actors(dask_worker):
+        return sorted(type(a).__name__ for a in dask_worker.state.actors.values())
+
+    deadline = time.time() + 30
+    while left := {w: a for w, a in cluster_client.run(actors).items() if a}:
+        assert time.time() < deadline, f"still on the workers: {left}"
+        time.sleep(0.5)

@@ -115,3 +115,64 @@ def test_a_report_into_a_file_is_refused_first(tmp_path):
     (tmp_path / "taken").write_text("")
     with pytest.raises(ConfigError, match="is a file; the report is a folder"):
         build_report([tmp_path / "no-run"], out=tmp_path / "taken")
+
+
+def test_a_directory_a_run_is_going_in_is_neither_resumed_nor_started_again(tmp_path):
+    """RUN_DIR/driver.json, renewed by a running driver: while fresh, a resume or a new
+    run there is refused (naming the driver); once stale (the driver killed), not."""
+    import time
+
+    from pipelines.api import LIVE_FILE, LIVE_STALE_S, running_driver
+
+    run = _run_dir(tmp_path, checkpoint_version=2)
+    live = {"pid": 4242, "host": "node7", "since": time.time() - 100, "seen": time.time()}
+    (run / LIVE_FILE).write_text(json.dumps(live))
+    assert running_driver(run)["pid"] == 4242
+    before = (run / "config.yaml").read_text()
+    with pytest.raises(ConfigError, match=r"cannot resume .*a run is going there .*pid 4242"):
+        prepare_resume(run, ["trainer.steps=50"])
+    assert (run / "config.yaml").read_text() == before  # (not rewritten)
+    cfg = with_overrides(RunConfig(), ["trainer.steps=2"])
+    with pytest.raises(ConfigError, match=r"cannot start a run in .*'node7'"):
+        prepare_run_dir(cfg, run)
+    (run / LIVE_FILE).write_text(json.dumps(live | {"seen": time.time() - LIVE_STALE_S - 1}))
+    assert running_driver(run) is None
+    with pytest.raises(ConfigError, match=r"at version 2 and trainer.steps=2"):  # (went on)
+        prepare_resume(run)
+
+
+def test_a_run_directory_is_resumed_whatever_its_name_says_in_yaml(tmp_path):
+    """Paths are set, not parsed as YAML: ' #' would start a comment, ': ' a mapping."""
+    from laminar.learner import Learner
+    from laminar.model import build_tiny_policy
+    from storage import TrajectoryWriter
+
+    cfg = with_overrides(RunConfig(), ["trainer.steps=2"])
+    run = prepare_run_dir(cfg, tmp_path / "exp #2: lr")
+    learner = Learner(cfg, build_tiny_policy(tmp_path / "policy", seed=0))
+    learner.version = 1
+    learner.save(run / "checkpoints" / "version-000001")
+    TrajectoryWriter(run)
+    cfg, _, path = prepare_resume(run, ["trainer.steps=3"])
+    assert path == run and cfg.run_dir == str(run)
+    assert cfg.trainer.resume_from == str(run / "checkpoints" / "version-000001")
+
+
+def test_a_new_run_does_not_overwrite_what_is_not_its_own(tmp_path):
+    cfg = with_overrides(RunConfig(), ["trainer.steps=2"])
+    (tmp_path / "a-file").write_text("x")
+    with pytest.raises(ConfigError, match=r"'.*a-file' is a file; pass a directory"):
+        prepare_run_dir(cfg, tmp_path / "a-file")
+    project = tmp_path / "project"
+    project.mkdir()
+    (project / "config.yaml").write_text("my: own\n")
+    with pytest.raises(ConfigError, match=r"was not written by laminar .* pass another"):
+        prepare_run_dir(cfg, project)
+    assert (project / "config.yaml").read_text() == "my: own\n"
+    # its own config.yaml (a first attempt that failed before storing anything): again
+    run = prepare_run_dir(cfg, tmp_path / "run")
+    assert prepare_run_dir(cfg, tmp_path / "run") == run
+    # a store and no checkpoint: --resume cannot continue it, so it is not offered
+    (run / "trajectories.zarr").mkdir()
+    with pytest.raises(ConfigError, match=r"no checkpoint to continue from: to start over"):
+        prepare_run_dir(cfg, run)
