@@ -29,7 +29,7 @@ import numpy as np
 import torch
 
 from laminar.config import RunConfig
-from laminar.errors import DataError
+from laminar.errors import ConfigError, DataError
 from laminar.model import (
     build_tiny_policy,
     build_tokenizer,
@@ -53,13 +53,43 @@ def cache_root(cfg: RunConfig) -> Path:
     return Path(root).expanduser()
 
 
+def _cache_error(cfg: RunConfig, root: Path, e: OSError) -> ConfigError:
+    """What to say when the cache folder cannot be made: which setting named it."""
+    named = (
+        "sft.cache_dir"
+        if cfg.sft.cache_dir
+        else "LAMINAR_CACHE (sft.cache_dir is unset)"
+        if os.environ.get("LAMINAR_CACHE")
+        else "the default (sft.cache_dir and LAMINAR_CACHE are unset)"
+    )
+    return ConfigError(
+        f"the warm-start cache {str(root)!r}, from {named}, is not a folder this user can "
+        f"make or write ({e.strerror or e}: {str(e.filename or root)!r}); set "
+        "sft.cache_dir to one, on a file system every trainer worker sees"
+    )
+
+
+def check_cache_dir(cfg: RunConfig) -> None:
+    """Before any cluster work: that the warm-start cache folder exists or can be made,
+    when the run uses it (the built-in model is kept there, and so is a warm start). A
+    cache that exists is not written to here: a read-only one holding the run's entries
+    serves (:func:`warm_start`)."""
+    if cfg.model.path and not (cfg.sft.enabled and cfg.sft.steps):
+        return
+    root = cache_root(cfg)
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+    except OSError as e:  # (a file where a folder must be, /proc, no permission)
+        raise _cache_error(cfg, root, e) from None
+
+
 def base_policy(cfg: RunConfig) -> Path:
     """The starting checkpoint: ``model.path``, or the built-in tiny Llama (cached)."""
     if cfg.model.path:
         return check_policy_dir(cfg.model.path)
     out = cache_root(cfg) / f"tiny-{cfg.fingerprint('model')}-seed{cfg.seed}"
     if not (out / "config.json").exists():
-        with _staged(out) as tmp:
+        with _staged(out, cfg) as tmp:
             build_tiny_policy(tmp, **_tiny_shape(cfg), seed=cfg.seed)
     return out
 
@@ -162,7 +192,7 @@ def warm_start(cfg: RunConfig, prompts: list[Prompt]) -> tuple[Path, dict]:
         # the warm start's reward for each way of scoring it (reward and sampling)
         "eval_rewards": {scoring: evaluate(cfg, model, tok, prompts[-EVAL_PROMPTS:])},
     }
-    with _staged(out) as tmp:
+    with _staged(out, cfg) as tmp:
         model.save_pretrained(tmp)
         tok.save_pretrained(tmp)
         (tmp / "sft_info.json").write_text(json.dumps(info, indent=2))
@@ -326,14 +356,18 @@ def _train(cfg: RunConfig, model, tok, prompts: list[Prompt]) -> float:
 
 
 @contextlib.contextmanager
-def _staged(final: Path) -> Iterator[Path]:
-    """Write a folder under a temporary name, then rename it into place (atomic on POSIX).
+def _staged(final: Path, cfg: RunConfig) -> Iterator[Path]:
+    """Write a cache entry under a temporary name, then rename it into place (atomic on
+    POSIX).
 
     Two runs warming the same cache entry at once both succeed; the later rename loses
     and its copy is dropped. A failure leaves nothing behind.
     """
-    final.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=final.name + ".", dir=final.parent))
+    try:
+        final.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=final.name + ".", dir=final.parent))
+    except OSError as e:  # (on a worker: say which setting, not only errno)
+        raise _cache_error(cfg, final.parent, e) from None
     try:
         yield tmp
     except BaseException:

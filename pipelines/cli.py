@@ -16,6 +16,7 @@ import os
 import signal
 import sys
 import time
+from pathlib import Path
 
 from laminar.errors import LaminarError, RunFailed
 from storage.trajectories import StoreError
@@ -205,6 +206,7 @@ def _print_summary(s: dict) -> None:
 def cmd_run(args: argparse.Namespace) -> int:
     from laminar.deploy import open_cluster
     from laminar.errors import ConfigError
+    from laminar.sft import check_cache_dir
     from pipelines.api import (
         RunHandle,
         preflight,
@@ -228,6 +230,7 @@ def cmd_run(args: argparse.Namespace) -> int:
                 "drop CONFIG and --run-dir (change settings with --set)"
             )
         cfg, plan, run_dir = prepare_resume(args.resume, overrides)
+        check_cache_dir(cfg)
         print(f"run dir            {run_dir}  (resumed from {cfg.trainer.resume_from})")
         print(
             f"store              {plan.stored} trajectories; {len(plan.readmit)} back in the "
@@ -247,13 +250,33 @@ def cmd_run(args: argparse.Namespace) -> int:
             raise ConfigError("laminar run needs a CONFIG file (or --resume RUN_DIR)")
         cfg = resolve_config(args.config, overrides)
         preflight(cfg)
-        run_dir = prepare_run_dir(cfg, args.run_dir)
+        check_cache_dir(cfg)
+        try:
+            run_dir = prepare_run_dir(cfg, args.run_dir)
+        except OSError as e:  # (a file where the folder must be, no permission, ...)
+            raise ConfigError(_run_dir_problem(args.run_dir or cfg.run_dir, e)) from None
         print(f"run dir            {run_dir}", flush=True)
     with open_cluster(cfg, run_dir) as client:
         client.forward_logging("laminar", level=logging.WARNING)
         print(f"scheduler          {client.scheduler.address}")
         print(f"dashboard          {client.dashboard_link}")  # open_cluster waited for roles
         return _follow(RunHandle(cfg, client, run_dir, resume=plan))
+
+
+def _run_dir_problem(run_dir: str | None, e: OSError) -> str:
+    """Why the run directory cannot be made, naming what stands in its way."""
+    path = Path(str(e.filename or run_dir or "runs"))
+    blocker = next((p for p in (path, *path.parents) if p.exists() and not p.is_dir()), None)
+    if blocker is not None:
+        return (
+            f"cannot make the run directory {str(path)!r}: {str(blocker)!r} is a file, not a "
+            "folder; pass --run-dir (or run_dir in the config) a new folder's path, or move "
+            "the file aside"
+        )
+    return (
+        f"cannot make the run directory {str(path)!r} ({e.strerror or e}); pass --run-dir "
+        "(or run_dir in the config) a folder this user can create and write"
+    )
 
 
 def _follow(handle) -> int:

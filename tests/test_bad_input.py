@@ -1,0 +1,78 @@
+"""Bad input met at `laminar run`: refused before any cluster starts, naming the field or
+the path and the fix, and nothing of the user's is touched."""
+
+from __future__ import annotations
+
+import pytest
+
+from laminar.config import RunConfig, with_overrides
+from laminar.errors import ConfigError
+from pipelines import cli
+
+FAST = ["--set", "task.num_prompts=50"]
+
+
+@pytest.fixture
+def no_cluster(monkeypatch):
+    """A run that got past its pre-start checks would start a cluster: fail instead."""
+
+    def refuse(*a, **k):
+        raise AssertionError("the cluster was started")
+
+    monkeypatch.setattr("laminar.deploy.open_cluster", refuse)
+
+
+def test_a_run_dir_that_is_a_file_is_refused_and_the_file_kept(tmp_path, capsys, no_cluster):
+    f = tmp_path / "notes.txt"
+    f.write_text("mine")
+    assert cli.main(["run", "configs/tiny.yaml", *FAST, "--run-dir", str(f)]) == 2
+    err = capsys.readouterr().err
+    assert f"run directory {str(f)!r} is a file" in err and "--run-dir" in err
+    assert f.read_text() == "mine"
+    # ... or a file further up the path; or a folder this user cannot make
+    assert cli.main(["run", "configs/tiny.yaml", *FAST, "--run-dir", str(f / "run")]) == 2
+    err = capsys.readouterr().err
+    assert f"{str(f)!r} is a file, not a folder; pass --run-dir" in err
+    assert f.read_text() == "mine"
+    assert cli.main(["run", "configs/tiny.yaml", *FAST, "--run-dir", "/proc/laminar-run"]) == 2
+    assert "cannot make the run directory '/proc/laminar-run' (" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("where", ["file", "proc"])
+def test_a_cache_dir_that_cannot_be_made_is_named_before_the_cluster_starts(
+    tmp_path, capsys, no_cluster, where
+):
+    f = tmp_path / "afile"
+    f.write_text("")
+    bad = str(f / "cache") if where == "file" else "/proc/laminar-nope"
+    run = tmp_path / "run"
+    args = ["run", "configs/tiny.yaml", *FAST, "--set", f"sft.cache_dir={bad}"]
+    assert cli.main([*args, "--run-dir", str(run)]) == 2
+    err = capsys.readouterr().err
+    assert f"the warm-start cache {bad!r}, from sft.cache_dir, is not a folder" in err
+    assert "set sft.cache_dir to one" in err
+    assert not run.exists()  # refused before the run directory was made
+
+
+def test_the_warm_start_names_its_cache_on_the_worker_too(tmp_path, monkeypatch):
+    """Where the pre-start check did not run (a notebook's submit) or the worker's file
+    system differs, the worker's error still names the setting and the path."""
+    from laminar.sft import warm_start
+
+    f = tmp_path / "afile"
+    f.write_text("")
+    monkeypatch.setenv("LAMINAR_CACHE", str(f / "cache"))
+    with pytest.raises(ConfigError, match=r"afile/cache', from LAMINAR_CACHE \(sft.cache_dir"):
+        warm_start(with_overrides(RunConfig(), ["sft.steps=0"]), [])
+
+
+def test_a_cache_that_is_not_needed_is_not_checked(tmp_path, tiny_policy):
+    from laminar.sft import check_cache_dir
+
+    f = tmp_path / "afile"
+    f.write_text("")
+    bad = [f"sft.cache_dir={f / 'cache'}"]
+    with pytest.raises(ConfigError, match="sft.cache_dir"):
+        check_cache_dir(with_overrides(RunConfig(), bad))
+    # a model of one's own, no warm start: the cache is never used
+    check_cache_dir(with_overrides(RunConfig(), [*bad, f"model.path={tiny_policy}", "sft.steps=0"]))
