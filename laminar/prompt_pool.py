@@ -315,44 +315,88 @@ def _words(words: list[str]) -> str:
     return " ".join(numbers + others)
 
 
-def encode_prompts(tok, prompts: list[Prompt], cfg: RunConfig) -> list[tuple[Prompt, tuple]]:
-    """Each prompt with its token ids, after checking that it fits the rollout's sequence
-    and the model's vocabulary (run before any cluster work too: ``preflight``)."""
+def _where(cfg: RunConfig):
+    """How errors name a prompt: its file and line, or its task and number."""
+    t = cfg.task
+    if not t.prompt_file:
+        return lambda p: f"task {t.name!r}, prompt {p.key}"
+    return lambda p: (
+        f"{t.prompt_file}:{p.line}"
+        if p.line is not None
+        else f"{t.prompt_file}, prompt {p.key + 1}"  # (its n-th prompt, 1-based)
+    )
+
+
+def _unknown_token(tok) -> int | None:
+    """The token an unknown symbol shows as, unless the tokenizer has none or uses a
+    token it also places itself (GPT-2's family: unk = bos = <|endoftext|>)."""
+    unk = tok.unk_token_id
+    return None if unk in (tok.bos_token_id, tok.eos_token_id, tok.pad_token_id) else unk
+
+
+def _outside(tok, unk: int, text: str) -> str:
+    """The words of ``text`` outside the vocabulary, and the vocabulary when short."""
     from laminar.model import encode_prompt
 
-    t = cfg.task
-    where = (
-        (lambda p: f"{t.prompt_file}: prompt {p.key + 1}")  # (its n-th prompt, 1-based)
-        if t.prompt_file
-        else (lambda p: f"task {t.name!r}: prompt {p.key}")
+    unknown = [w for w in text.split() if unk in encode_prompt(tok, w)]
+    known = [w for w in tok.get_vocab() if w not in tok.all_special_tokens]
+    vocab = (  # (the built-in model's words; a real model's are too many to list)
+        f"; its vocabulary: {_words(known)}" if len(known) <= 512 else ""
     )
+    return f"({' '.join(dict.fromkeys(unknown)) or '?'}){vocab}"
+
+
+def encode_prompts(tok, prompts: list[Prompt], cfg: RunConfig) -> list[tuple[Prompt, tuple]]:
+    """Each prompt with its token ids, after checking that it fits the rollout's sequence
+    and the model's vocabulary, and, when the warm start trains on them, that its answers
+    are in the vocabulary too (run before any cluster work too: ``preflight``)."""
+    from laminar.model import encode_prompt
+
+    where = _where(cfg)
     max_prompt = cfg.rollout.max_seq_len - cfg.rollout.max_new_tokens
-    # An unknown symbol shows as the unk token, unless the tokenizer has none or uses a
-    # token it also places itself (GPT-2's family: unk = bos = <|endoftext|>).
-    unk = tok.unk_token_id
-    if unk in (tok.bos_token_id, tok.eos_token_id, tok.pad_token_id):
-        unk = None
+    unk = _unknown_token(tok)
     encoded = []
     for p in prompts:
         ids = tuple(encode_prompt(tok, p.text))
         if len(ids) > max_prompt:
             raise DataError(
-                f"{where(p)} has {len(ids)} tokens, more than rollout.max_seq_len - "
-                f"rollout.max_new_tokens = {max_prompt}; raise rollout.max_seq_len"
+                f"{where(p)}: the prompt has {len(ids)} tokens, more than "
+                f"rollout.max_seq_len - rollout.max_new_tokens = {max_prompt}; raise "
+                "rollout.max_seq_len"
             )
         if unk is not None and unk in ids:
-            unknown = [w for w in p.text.split() if unk in encode_prompt(tok, w)]
-            known = [w for w in tok.get_vocab() if w not in tok.all_special_tokens]
-            vocab = (  # (the built-in model's words; a real model's are too many to list)
-                f"; its vocabulary: {_words(known)}" if len(known) <= 512 else ""
-            )
             raise DataError(
-                f"{where(p)} ({p.text!r}) has symbols outside the model's vocabulary "
-                f"({' '.join(dict.fromkeys(unknown)) or '?'}){vocab}. Write prompts in the "
-                "model's symbols, or set model.path to a model whose tokenizer has them"
+                f"{where(p)}: the prompt {p.text!r} has symbols outside the model's "
+                f"vocabulary {_outside(tok, unk, p.text)}. Write prompts in the model's "
+                "symbols, or set model.path to a model whose tokenizer has them"
             )
         encoded.append((p, ids))
+    if cfg.sft.enabled and cfg.sft.steps:
+        check_answers(tok, prompts, cfg)
     return encoded
+
+
+def check_answers(tok, prompts: list[Prompt], cfg: RunConfig) -> None:
+    """That the warm start can encode every demonstration it may train on (a prompt
+    file's: its answers) in the model's vocabulary. Answers are encoded nowhere else: a
+    reward compares them as text."""
+    from laminar.tasks import longest_demonstration
+
+    unk = _unknown_token(tok)
+    if unk is None or not prompts:
+        return
+    task = None if cfg.task.prompt_file else cfg.task.name
+    where = _where(cfg)
+    demos = [longest_demonstration(task, p) for p in prompts]
+    encoded = tok(demos, add_special_tokens=False)["input_ids"]  # (one batched call)
+    for p, demo, ids in zip(prompts, demos, encoded, strict=True):
+        if unk in ids:
+            raise DataError(
+                f"{where(p)}: the answer {p.answer!r} has "
+                f"symbols outside the model's vocabulary {_outside(tok, unk, demo)}, and "
+                "the warm start trains on answers. Write them in the model's symbols, set "
+                "model.path to a model whose tokenizer has them, or set sft.enabled=false"
+            )
 
 
 class PromptPool:

@@ -29,7 +29,7 @@ import numpy as np
 import torch
 
 from laminar.config import RunConfig
-from laminar.errors import ConfigError, DataError
+from laminar.errors import ConfigError
 from laminar.model import (
     build_tiny_policy,
     build_tokenizer,
@@ -38,6 +38,7 @@ from laminar.model import (
     load_policy,
     tiny_config,
 )
+from laminar.prompt_pool import encode_prompts
 from laminar.tasks import Prompt, demonstration, length_sigmas, longest_demonstration
 from laminar.update import micro_batches, pack, response_logprobs
 
@@ -308,19 +309,12 @@ def _train(cfg: RunConfig, model, tok, prompts: list[Prompt]) -> float:
     def demo(p: Prompt) -> list[int]:
         return encode(demonstration(task, p, rng, own))
 
+    # (the pre-start check, again where the warm start runs: prompts and answers in the
+    # model's vocabulary, each named by its file and line)
     examples = [
-        (encode_prompt(tok, p.text), encode(longest_demonstration(task, p))) for p in prompts
+        (list(q), encode(longest_demonstration(task, p)))
+        for p, q in encode_prompts(tok, prompts, cfg)
     ]
-    unk = tok.unk_token_id
-    if unk is not None:
-        bad = next(
-            (p for p, (q, a) in zip(prompts, examples, strict=True) if unk in q or unk in a), None
-        )
-        if bad is not None:
-            raise DataError(
-                f"prompt {bad.key} ({bad.text!r} -> {bad.answer!r}) has symbols outside the "
-                "model's vocabulary; use a tokenizer that covers them"
-            )
     # Mistakes are drawn from the symbols that answers use, so they look plausible.
     alphabet = np.unique(np.concatenate([np.asarray(a, dtype=np.int64) for _, a in examples]))
     opt = torch.optim.AdamW(model.parameters(), lr=s.lr, weight_decay=0.0)

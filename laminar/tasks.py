@@ -53,6 +53,7 @@ class Prompt:
     answer: str
     # count_range: the median of the demonstrations' lengths, the band's unrounded centre
     centre: float | None = None
+    line: int | None = None  # a prompt file's: the line it is on (1-based), for errors
 
 
 def _copy(xs: list[str]) -> list[str]:
@@ -232,7 +233,14 @@ def jsonl_prompts(path: str | Path) -> list[Prompt]:
                     f"(got {row.get(field)!r}); every line needs "
                     '{"prompt": "...", "answer": "..."}'
                 )
-        prompts.append(Prompt(key=len(prompts), text=row["prompt"], answer=row["answer"]))
+            if not row[field].strip():
+                raise DataError(
+                    f"{path}:{lineno}: field {field!r} is empty; every line needs a prompt "
+                    "and the answer its reward checks (and the warm start trains on)"
+                )
+        prompts.append(
+            Prompt(key=len(prompts), text=row["prompt"], answer=row["answer"], line=lineno)
+        )
     if not prompts:
         raise DataError(f"prompt file {str(path)!r} holds no prompts")
     return prompts

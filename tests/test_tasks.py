@@ -88,6 +88,11 @@ def test_jsonl_prompts_and_their_errors(tmp_path):
     )
     with pytest.raises(DataError, match=r"p.jsonl:2: field 'answer' is missing"):
         jsonl_prompts(f)
+    for field in ("prompt", "answer"):
+        row = {"prompt": "n 2 >", "answer": "1 2", field: "  "}
+        f.write_text('{"prompt": "n 1 >", "answer": "1"}\n\n' + json.dumps(row) + "\n")
+        with pytest.raises(DataError, match=rf"p.jsonl:3: field '{field}' is empty"):
+            jsonl_prompts(f)
     f.write_text("{not json\n")
     with pytest.raises(DataError, match=r"p.jsonl:1: not valid JSON"):
         jsonl_prompts(f)
@@ -186,14 +191,38 @@ def test_prompts_that_do_not_fit_the_model_are_refused_before_the_run(tmp_path):
     cfg = with_overrides(RunConfig(), [f"task.prompt_file={f}"])
     with pytest.raises(
         DataError,
-        match=r"p.jsonl: prompt 2 .*outside the model's vocabulary \(hello\); its vocabulary: .*>",
+        match=r"p.jsonl:2: the prompt 'n 2 hello >' has symbols outside the model's "
+        r"vocabulary \(hello\); its vocabulary: .*>",
     ):
         preflight(cfg)
     f.write_text(json.dumps({"prompt": "n " + "2 " * 80 + ">", "answer": "1 2"}) + "\n")
-    with pytest.raises(DataError, match=r"p.jsonl: prompt 1 has \d+ tokens.*raise rollout"):
+    with pytest.raises(DataError, match=r"p.jsonl:1: the prompt has \d+ tokens.*raise rollout"):
         preflight(cfg)
     f.write_text(json.dumps(rows[0]) + "\n")
     preflight(cfg)
+
+
+def test_answers_the_warm_start_trains_on_are_checked_before_the_run(tmp_path):
+    """An answer outside the vocabulary is named by its file and line (1-based, blank
+    lines counted) before any cluster work, and where the warm start runs; with no warm
+    start the answers are only compared as text, and pass."""
+    from laminar.config import RunConfig, with_overrides
+    from laminar.sft import warm_start
+    from pipelines.api import preflight
+
+    f = tmp_path / "p.jsonl"
+    rows = [{"prompt": "n 3 >", "answer": "1 2 3"}, {"prompt": "n 2 >", "answer": "xyzzy 2"}]
+    f.write_text(json.dumps(rows[0]) + "\n\n" + json.dumps(rows[1]) + "\n")
+    cfg = with_overrides(RunConfig(), [f"task.prompt_file={f}"])
+    message = (
+        r"p.jsonl:3: the answer 'xyzzy 2' has symbols outside the model's vocabulary "
+        r"\(xyzzy\); its vocabulary: .*set sft.enabled=false"
+    )
+    with pytest.raises(DataError, match=message):
+        preflight(cfg)
+    with pytest.raises(DataError, match=message):
+        warm_start(cfg, jsonl_prompts(f))
+    preflight(with_overrides(cfg, ["sft.enabled=false"]))
 
 
 def test_a_tokenizer_whose_unk_is_its_bos_passes_the_vocabulary_check():
