@@ -39,13 +39,15 @@ def preflight(cfg: RunConfig) -> None:
     (each fits the rollout's sequence and the model's vocabulary); that the reward
     function imports (it is not called here: a reward may need what only the workers
     have, a judge service or a GPU); the checkpoint to resume from (against the model
-    and optimizer settings). Each failure names the field and the fix."""
+    and optimizer settings); the warm-start cache folder. Each failure names the field
+    and the fix."""
     from laminar.learner import check_checkpoint
     from laminar.model import check_policy_dir
     from laminar.prompt_pool import encode_prompts, load_prompts
     from laminar.rewards import resolve_reward
-    from laminar.sft import base_model_config, base_tokenizer
+    from laminar.sft import base_model_config, base_tokenizer, check_cache_dir
 
+    check_cache_dir(cfg)
     if cfg.model.path:
         check_policy_dir(cfg.model.path)
     prompts = load_prompts(cfg)

@@ -206,7 +206,6 @@ def _print_summary(s: dict) -> None:
 def cmd_run(args: argparse.Namespace) -> int:
     from laminar.deploy import open_cluster
     from laminar.errors import ConfigError
-    from laminar.sft import check_cache_dir
     from pipelines.api import (
         RunHandle,
         preflight,
@@ -230,7 +229,6 @@ def cmd_run(args: argparse.Namespace) -> int:
                 "drop CONFIG and --run-dir (change settings with --set)"
             )
         cfg, plan, run_dir = prepare_resume(args.resume, overrides)
-        check_cache_dir(cfg)
         print(f"run dir            {run_dir}  (resumed from {cfg.trainer.resume_from})")
         print(
             f"store              {plan.stored} trajectories; {len(plan.readmit)} back in the "
@@ -250,7 +248,6 @@ def cmd_run(args: argparse.Namespace) -> int:
             raise ConfigError("laminar run needs a CONFIG file (or --resume RUN_DIR)")
         cfg = resolve_config(args.config, overrides)
         preflight(cfg)
-        check_cache_dir(cfg)
         try:
             run_dir = prepare_run_dir(cfg, args.run_dir)
         except OSError as e:  # (a file where the folder must be, no permission, ...)
