@@ -722,10 +722,16 @@ def _set_path(data: dict[str, Any], dotted: str, value: Any) -> None:
     node[keys[-1]] = value
 
 
+def override_list(overrides: str | list[str] | tuple[str, ...]) -> list[str]:
+    """Overrides as a list: one string alone is one override (not its characters)."""
+    return [overrides] if isinstance(overrides, str) else list(overrides)
+
+
 def parse_overrides(overrides: list[str] | tuple[str, ...]) -> list[tuple[str, Any]]:
-    """Split ``a.b=value`` strings; values are parsed as YAML scalars (``1e-4``, ``true``)."""
+    """Split ``a.b=value`` strings; values are parsed as YAML scalars (``1e-4``, ``true``).
+    One string alone is one override (not its characters)."""
     parsed = []
-    for item in overrides:
+    for item in override_list(overrides):
         key, sep, raw = item.partition("=")
         if not sep or not key.strip():
             raise ConfigError(
@@ -754,6 +760,7 @@ def _validate(data: dict[str, Any], source: str) -> RunConfig:
 
 def with_overrides(cfg: RunConfig, overrides: list[str] | tuple[str, ...]) -> RunConfig:
     """A new config with ``a.b=value`` overrides applied and validated."""
+    overrides = override_list(overrides)
     data = cfg.model_dump(mode="json")
     for key, value in parse_overrides(overrides):
         _set_path(data, key, value)
@@ -794,6 +801,7 @@ def load_config(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -
     Raises :class:`ConfigError` for a missing file, bad YAML, unknown keys, wrong types
     and inconsistent fields, naming each.
     """
+    overrides = override_list(overrides)
     path = Path(path)
     if path.is_dir():
         raise ConfigError(

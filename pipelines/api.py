@@ -30,8 +30,8 @@ def resolve_config(
 ) -> RunConfig:
     """A config object from a path or an object, with ``a.b=value`` overrides applied."""
     if isinstance(config, RunConfig):
-        return with_overrides(config, list(overrides)) if overrides else config
-    return load_config(config, list(overrides))
+        return with_overrides(config, overrides) if overrides else config
+    return load_config(config, overrides)
 
 
 def preflight(cfg: RunConfig) -> None:

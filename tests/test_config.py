@@ -160,3 +160,9 @@ def test_a_schedules_bench_override_with_a_bad_key_fails_before_the_cluster_star
 
     with pytest.raises(ConfigError, match=r"rollout\.groups_per_bach: unknown key"):
         run_bench("schedules", arms=("laminar",), overrides=("rollout.groups_per_bach=4",))
+
+
+def test_one_override_given_as_a_string_is_one_override():
+    """submit(..., overrides="trainer.steps=5"): one key=value, not its characters."""
+    assert with_overrides(RunConfig(), "trainer.steps=5").trainer.steps == 5
+    assert load_config("configs/tiny.yaml", "seed=3").seed == 3
