@@ -39,3 +39,8 @@ class RunFailed(LaminarError):
     def __init__(self, message: str, summary: dict) -> None:
         super().__init__(message)
         self.summary = summary
+
+
+class RunStopped(LaminarError):
+    """A run was stopped (``RunHandle.stop``, Ctrl-C) during its setup, before it
+    generated anything: nothing is stored, and no actor of it stays on the cluster."""

@@ -20,7 +20,7 @@ import traceback
 from pathlib import Path
 
 from laminar.config import RunConfig, load_config, with_overrides
-from laminar.errors import ConfigError, LaminarError, RunFailed
+from laminar.errors import ConfigError, LaminarError, RunFailed, RunStopped
 
 logger = logging.getLogger("laminar")
 
@@ -183,7 +183,7 @@ class RunHandle:
         try:
             with actors_made() as made:
                 try:
-                    self._schedule.setup(self._set_progress)
+                    self._schedule.setup(self._set_progress, self._stop.is_set)
                 except BaseException:  # (none of its actors stays on the user's cluster)
                     release_actors(self.client, made)
                     raise
@@ -202,9 +202,9 @@ class RunHandle:
                 self._set_progress({"phase": "done", "version": self.summary["versions"]})
         except BaseException as e:  # surfaced by wait(); never lost in a thread
             self.error = e
-            self._set_progress(
-                {"phase": "failed", "error": "".join(traceback.format_exception_only(e)).strip()}
-            )
+            why = "".join(traceback.format_exception_only(e)).strip()
+            phase = "stopped" if isinstance(e, RunStopped) else "failed"
+            self._set_progress({"phase": phase, "error": why})
             logger.debug("run failed", exc_info=True)
         finally:
             with self._live_lock:
@@ -223,7 +223,9 @@ class RunHandle:
         return self._done.is_set()
 
     def stop(self) -> None:
-        """Ask the run to end: rollouts stop, the trainer checkpoints, the store is flushed."""
+        """Ask the run to end: rollouts stop, the trainer checkpoints, the store is flushed.
+        During its setup (the warm start included), it ends at once: ``wait`` raises
+        :class:`~laminar.errors.RunStopped`, nothing having been stored."""
         self._stop.set()
 
     def wait(self, timeout: float | None = None) -> dict:

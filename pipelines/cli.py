@@ -18,7 +18,7 @@ import sys
 import time
 from pathlib import Path
 
-from laminar.errors import LaminarError, RunFailed
+from laminar.errors import LaminarError, RunFailed, RunStopped
 from storage.trajectories import StoreError
 
 
@@ -305,6 +305,9 @@ def _follow(handle) -> int:
         display.close()
         try:
             summary = handle.wait()
+        except RunStopped as e:  # Ctrl-C before it generated anything
+            print(f"laminar: {e}", file=sys.stderr)
+            return 130
         except RunFailed as e:  # stopped in order: what it did, then why it failed
             _print_summary(e.summary)
             print(f"laminar: error: {e}", file=sys.stderr)

@@ -28,7 +28,7 @@ from laminar.cluster import (
     workers_with,
 )
 from laminar.config import RunConfig
-from laminar.errors import ClusterError
+from laminar.errors import ClusterError, RunStopped
 from laminar.learner import newest_checkpoint
 from laminar.manager import RolloutManager
 from laminar.partial import PartialResponsePool
@@ -148,23 +148,47 @@ class Schedule:
         # last reading); a new trainer counts from 0 again
         self._trainer_wait = (0.0, 0.0)
 
-    def setup(self, progress: Callable[[dict], None]) -> None:
+    def setup(
+        self, progress: Callable[[dict], None], should_stop: Callable[[], bool] = lambda: False
+    ) -> None:
+        """Start the run's actors. ``should_stop``: asked while the warm start runs and
+        between the phases after it; a stop raises :class:`~laminar.errors.RunStopped`
+        (the caller releases what had started)."""
+        from distributed import wait as wait_futures
+
         cfg, client = self.cfg, self.client
+
+        def phase(name: str, **more) -> None:
+            if should_stop():
+                raise RunStopped(
+                    f"run {str(self.run_dir)!r} was stopped during its setup (before "
+                    f"{name!r}): nothing was generated; start it again when ready"
+                )
+            progress({"phase": name, **more})
+
         data_w = place(client, "data", 1)[0]
         trainer_ws = place(client, "trainer", cfg.trainer.ranks)
         if data_w in workers_with(client, "trainer"):  # it shares rank 0's (role_workers)
             trainer_ws = [data_w, *[w for w in trainer_ws if w != data_w]][: len(trainer_ws)]
         trainer_w = trainer_ws[0]
         rollout_ws = place(client, "rollout", cfg.rollout.replicas)
-        progress({"phase": "warm-start"})
+        phase("warm-start")
         t0 = time.time()
         fut = client.submit(
             prepare_policy, cfg, workers=[trainer_w], resources={"trainer": 1}, pure=False
         )
+        while True:  # (minutes for a warm start from scratch: a stop need not wait it out)
+            try:
+                wait_futures(fut, timeout=0.5)  # (raises its own errors in result())
+                break
+            except TimeoutError:
+                if should_stop():
+                    fut.cancel()
+                    phase("starting actors")
         policy_dir, self.sft_info = fut.result()
         self.sft_info["wall_s"] = time.time() - t0
         self.policy_dir = policy_dir
-        progress({"phase": "starting actors", "policy_dir": policy_dir, "sft": self.sft_info})
+        phase("starting actors", policy_dir=policy_dir, sft=self.sft_info)
         spec = self.schedule
         pool, partial, buffer = start_data_module(
             client, cfg, policy_dir, self.run_dir, spec, data_w, resume=self.resume
@@ -184,7 +208,7 @@ class Schedule:
             )
             for r, w in enumerate(trainer_ws[1:], start=1)
         ]
-        progress({"phase": "relays"})
+        phase("relays")
         tier = build_tier(client, cfg, trainer_w, rollout_ws)
         self.relay_info = {"chain": tier.ids, "workers": tier.workers, **tier.calibration}
         if partial is not None:  # the versions of unfinished trajectories stay kept
@@ -220,6 +244,7 @@ class Schedule:
             bind_actor(client, RolloutReplica, w, f)
             for w, f in zip(rollout_ws, starting, strict=True)
         ]
+        phase("starting the trainer")
         manager = None
         if cfg.repack is not None or partial is not None or spec.interrupt:
             manager = submit_actor(

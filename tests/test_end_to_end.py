@@ -447,3 +447,41 @@ def test_a_setup_that_fails_leaves_no_actor_on_the_cluster(
     while left := {w: a for w, a in cluster_client.run(actors).items() if a}:
         assert time.time() < deadline, f"still on the workers: {left}"
         time.sleep(0.5)
+
+
+def test_a_run_stopped_during_its_setup_ends_at_once(
+    cluster_client, small_config, tmp_path, monkeypatch
+):
+    """stop() while the actors start (held here at the relays, until the stop): the
+    setup ends before the next phase, wait() raises RunStopped, and nothing of the run
+    stays on the cluster."""
+    import threading
+
+    import pipelines
+    from laminar.errors import RunStopped
+    from pipelines import driver
+
+    real, at_relays = driver.build_tier, threading.Event()
+    handles: list = []
+
+    def held(*args, **kwargs):
+        at_relays.set()
+        assert handles[0]._stop.wait(60)  # (the test's stop, below)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(driver, "build_tier", held)
+    run = pipelines.submit(small_config, cluster_client, run_dir=tmp_path / "run")
+    handles.append(run)
+    assert at_relays.wait(120), run.progress()
+    run.stop()
+    with pytest.raises(RunStopped, match="stopped during its setup \\(before 'starting the"):
+        run.wait(timeout=60)
+    assert run.progress()["phase"] == "stopped"
+
+    def actors(dask_worker):
+        return sorted(type(a).__name__ for a in dask_worker.state.actors.values())
+
+    deadline = time.time() + 30
+    while left := {w: a for w, a in cluster_client.run(actors).items() if a}:
+        assert time.time() < deadline, f"still on the workers: {left}"
+        time.sleep(0.5)
