@@ -572,6 +572,10 @@ class Schedule:
 
         self._data_restart = None
         self._n_repacks = self._n_faults = 0  # the new manager's rows start empty
+        # The rebuilt buffer counts the whole store as its own, earlier starts' rows
+        # included: its counters need no carry (a resumed run's) any more.
+        for k in ("inserted", "consumed", "discarded"):
+            self._carry["cluster"].pop(k, None)
         if not isinstance(r, CoreRestart):
             self.data_restarts.append(r.record)
             return
@@ -730,6 +734,11 @@ class Schedule:
         books."""
         a = self.actors
         a["trainer"], a["trainer_ranks"] = handle, r.ranks
+        # The new trainer counts its wait from 0: the lost one's goes on in the total.
+        before, last = self._trainer_wait
+        self._trainer_wait = (before + last, 0.0)
+        if self._last_t_stats is not None:  # (this poll's row: not the lost one's again)
+            self._last_t_stats = {**self._last_t_stats, "wait_s": 0.0}
         self.tier.relays[0] = r.master  # (a["relays"] is this list)
         self.tier.workers[0] = r.worker  # (a replacement rollout's relay is chosen by host)
         self.core_workers = {
@@ -883,11 +892,9 @@ class Schedule:
             self._rows["rollouts"].append(_carried(self._carry["rollouts"].get(rid, {}), row))
 
     def _trainer_wait_total(self, wait_s: float) -> float:
-        """The trainers' wait over this start: a reading below the last one comes from
-        a trainer restarted within the run, which counts from 0 again."""
-        before, last = self._trainer_wait
-        if wait_s < last:
-            before += last
+        """The trainers' wait over this start: the current trainer's reading plus what
+        those restarted within the run before it had waited (:meth:`_trainer_back`)."""
+        before, _ = self._trainer_wait
         self._trainer_wait = (before, wait_s)
         return before + wait_s
 
