@@ -179,8 +179,10 @@ def _ended(run_dir: Path) -> bool:
     """Whether the run ended (completed or stopped), as opposed to running or lost: its
     ``summary.json`` says so, and is its last start's (a resumed run keeps the earlier
     start's summary until it ends: the metrics then show more starts than it counts)."""
+    from storage.live import running_driver
+
     summary = _summary(run_dir)
-    if summary.get("reason") not in ENDED:
+    if summary.get("reason") not in ENDED or running_driver(run_dir) is not None:
         return False
     from storage.metrics import open_metrics, segments
 

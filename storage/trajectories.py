@@ -19,6 +19,8 @@ silently (see ``shared/notes/stack.md``).
 from __future__ import annotations
 
 import json
+import logging
+import os
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from pathlib import Path
@@ -40,6 +42,8 @@ from storage.schema import (
     STATUSES,
     TRAJECTORY_DIM,
 )
+
+logger = logging.getLogger(__name__)
 
 STORE_NAME = "trajectories.zarr"
 _CHUNK_TRAJ = 4096
@@ -243,6 +247,13 @@ def reading(store: Path) -> Iterator[None]:
         ) from e
 
 
+def committed(path: str | Path) -> int:
+    """How many trajectories a run's store has committed (:class:`StoreError` without
+    one)."""
+    _, group = _open_group(path)
+    return int(group.attrs[COMMIT_ATTR])
+
+
 def _open_group(path: str | Path) -> tuple[Path, zarr.Group]:
     store = store_path(path)
     if not (store / "zarr.json").exists():
@@ -385,6 +396,9 @@ def _pauses(run_dir: Path) -> list[float]:
         cluster = open_metrics(run_dir, "cluster")
     except (FileNotFoundError, KeyError):
         return []
+    except (StoreError, ValueError, OSError) as e:  # (the trajectories stay readable)
+        logger.warning("%s: its metrics cannot be read (%s); no stops are known", run_dir, e)
+        return []
     origin, segs = time_origin(cluster), segments(cluster)
     if origin is None:
         return []
@@ -401,7 +415,7 @@ def open_runs(paths, names: list[str] | None = None) -> xr.Dataset:
     the ``run`` coordinate (default: the run directories' names); ``n_trajectories``
     holds each run's own count.
     """
-    if isinstance(paths, str | Path):  # (one run: not its path's characters)
+    if isinstance(paths, str | os.PathLike):  # (one run: not its path's characters)
         paths = [paths]
     paths = [Path(p) for p in paths]
     names = [p.name for p in paths] if names is None else list(names)

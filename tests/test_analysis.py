@@ -284,6 +284,13 @@ def test_buffer_age_leaves_out_the_time_a_resumed_run_was_stopped(tmp_path):
     )
     ds = open_run(tmp_path)
     assert ds.laminar.pauses_s == [(t0 + 20, t0 + 120)]
+    # (damaged metrics do not make the trajectories unreadable: no stops are known)
+    import shutil
+
+    damaged = tmp_path.parent / f"{tmp_path.name}-damaged"
+    shutil.copytree(tmp_path, damaged)
+    (damaged / "metrics.zarr" / "zarr.json").write_text('{"zarr_format": 3, ')
+    assert open_run(damaged).laminar.pauses_s == []
     age = ds.laminar.buffer_age()
     np.testing.assert_allclose(age.values, [2.0, 115.0 - 100.0, 2.5])
     assert age.groupby("behavior_version").mean().sizes == {"behavior_version": 3}
