@@ -292,11 +292,12 @@ def actors_made() -> Iterator[list]:
         _made.list = outer
 
 
-def release_actors(client, made: list, timeout: float = 10.0) -> None:
-    """Best effort, for a run whose setup failed: close the actors of ``made``
+def release_actors(client, made: list, timeout: float = 10.0, close: bool = True) -> None:
+    """Best effort, for a run that ended: close the actors of ``made``
     (:func:`actors_made`) that hold threads or files (a buffer flushes its store, a
-    relay stops serving), then release every one, so none stays on the workers."""
-    for _cls, future in made:
+    relay stops serving: ``close``, when the run did not, its setup having failed), then
+    release every one, so none stays on the workers."""
+    for _cls, future in made if close else ():
         if future.status != "finished" or not hasattr(_cls, "close"):
             continue
         try:
@@ -304,7 +305,10 @@ def release_actors(client, made: list, timeout: float = 10.0) -> None:
                 future.result().close().result(timeout=timeout)
         except Exception as e:  # noqa: BLE001 — lost, or failed itself: released below
             logger.debug("closing %s: %r", future.key, e)
-    client.cancel([future for _, future in made], force=True)
+    try:
+        client.cancel([future for _, future in made], force=True)
+    except Exception as e:  # noqa: BLE001 — (the scheduler gone too): the setup's error stands
+        logger.warning("could not release the actors of a failed setup: %r", e)
 
 
 def start_actor(client, cls, *args, worker: str, resource: str, **kwargs):

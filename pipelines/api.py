@@ -21,6 +21,7 @@ from pathlib import Path
 
 from laminar.config import RunConfig, load_config, with_overrides
 from laminar.errors import ConfigError, LaminarError, RunFailed, RunStopped
+from storage.live import LIVE_EVERY_S, LIVE_FILE, LIVE_STALE_S, mark_running, running_driver
 
 logger = logging.getLogger("laminar")
 
@@ -57,25 +58,6 @@ def preflight(cfg: RunConfig) -> None:
         check_checkpoint(cfg.trainer.resume_from, base_model_config(cfg), cfg)
 
 
-# A run directory's driver, while one runs: who (pid, host) and when it last said so.
-LIVE_FILE = "driver.json"
-LIVE_EVERY_S = 5.0  # how often a running driver renews it
-LIVE_STALE_S = 30.0  # older: the driver is gone (killed, its machine lost)
-
-
-def running_driver(path: str | Path) -> dict | None:
-    """The driver running ``path``'s run now (``{"pid", "host", "since", "seen"}``), or
-    ``None`` when none renewed ``RUN_DIR/driver.json`` within :data:`LIVE_STALE_S`."""
-    import json
-
-    try:
-        live = json.loads((Path(path) / LIVE_FILE).read_text())
-        seen = float(live["seen"])
-    except (OSError, ValueError, KeyError, TypeError):
-        return None
-    return live if time.time() - seen < LIVE_STALE_S else None
-
-
 def _refuse_if_running(path: Path, doing: str) -> None:
     live = running_driver(path)
     if live is not None:
@@ -88,26 +70,27 @@ def _refuse_if_running(path: Path, doing: str) -> None:
         )
 
 
-def _mark_running(path: Path, since: float) -> None:
-    """Write (or renew) ``RUN_DIR/driver.json``: this process drives the run."""
-    import json
-    import os
-    import socket
-
-    live = {"pid": os.getpid(), "host": socket.gethostname(), "since": since, "seen": time.time()}
-    tmp = path / f".{LIVE_FILE}.{os.getpid()}"
-    tmp.write_text(json.dumps(live))
-    tmp.replace(path / LIVE_FILE)  # (atomic: a reader never sees half of it)
-
-
 def _laminar_config(path: Path) -> bool:
-    """Whether ``path/config.yaml`` is one laminar wrote for this run directory."""
+    """Whether ``path/config.yaml`` is one laminar wrote (it always has ``run_dir``: a
+    run directory's, moved or named relative to another working directory)."""
     import yaml
 
     try:
         data = yaml.safe_load((path / "config.yaml").read_text())
-        return Path(data["run_dir"]).resolve() == path.resolve()
-    except (OSError, yaml.YAMLError, KeyError, TypeError):
+    except (OSError, yaml.YAMLError):
+        return False
+    return isinstance(data, dict) and bool(data.get("run_dir"))
+
+
+def _never_started(path: Path) -> bool:
+    """A run directory whose start stopped or failed in its setup: its store has
+    nothing committed, and it has no checkpoint (a new run may take it over)."""
+    from laminar.learner import newest_checkpoint
+    from storage.trajectories import committed
+
+    try:
+        return committed(path) == 0 and newest_checkpoint(path) is None
+    except Exception:  # noqa: BLE001 — unreadable: not taken over
         return False
 
 
@@ -117,21 +100,22 @@ def prepare_run_dir(cfg: RunConfig, run_dir: str | Path | None) -> Path:
     if path.exists() and not path.is_dir():
         raise ConfigError(f"run directory {str(path)!r} is a file; pass a directory as --run-dir")
     _refuse_if_running(path, "start a run in")
-    if (path / "trajectories.zarr").exists():
+    if (path / "trajectories.zarr").exists() and not _never_started(path):
         from laminar.learner import newest_checkpoint
 
-        again = (
-            f"continue it with `laminar run --resume {path}`"
-            if newest_checkpoint(path) is not None
-            else "it has no checkpoint to continue from: to start over, delete it first"
-        )
+        if newest_checkpoint(path) is not None:
+            raise ConfigError(
+                f"run directory {str(path)!r} already holds a run; pass a new --run-dir, "
+                f"or continue it with `laminar run --resume {path}`"
+            )
         raise ConfigError(
-            f"run directory {str(path)!r} already holds a run; pass a new --run-dir, or {again}"
+            f"run directory {str(path)!r} already holds a run with no checkpoint to "
+            "continue from; pass a new --run-dir, or delete it to start over"
         )
     if (path / "config.yaml").exists() and not _laminar_config(path):
         raise ConfigError(
-            f"{str(path / 'config.yaml')!r} was not written by laminar for this run "
-            "directory, and a run would overwrite it; pass another --run-dir"
+            f"{str(path / 'config.yaml')!r} was not written by laminar, and a run would "
+            "overwrite it; pass another --run-dir"
         )
     path.mkdir(parents=True, exist_ok=True)
     (path / "config.yaml").write_text(cfg.model_copy(update={"run_dir": str(path)}).to_yaml())
@@ -146,7 +130,7 @@ class RunHandle:
 
         self.config = cfg
         self.client = client
-        self.run_dir = run_dir
+        self.run_dir = run_dir = Path(run_dir)
         self.summary: dict | None = None
         self.error: BaseException | None = None
         self._progress: dict = {"phase": "submitted"}
@@ -155,7 +139,7 @@ class RunHandle:
         self._live_lock = threading.Lock()
         self._schedule = schedule_class(cfg.pipeline.schedule)(cfg, client, run_dir, resume)
         _refuse_if_running(run_dir, "start a run in")
-        _mark_running(run_dir, time.time())
+        mark_running(run_dir, time.time())
         self._thread = threading.Thread(target=self._drive, name="laminar-driver", daemon=True)
         self._thread.start()
         threading.Thread(target=self._live, name="laminar-live", daemon=True).start()
@@ -169,7 +153,7 @@ class RunHandle:
                 if self._done.is_set():
                     return
                 try:
-                    _mark_running(self.run_dir, since)
+                    mark_running(self.run_dir, since)
                 except OSError as e:  # (a full or lost disk: the run says so itself)
                     logger.warning("cannot renew %s: %s", self.run_dir / LIVE_FILE, e)
 
@@ -180,14 +164,22 @@ class RunHandle:
         from laminar.cluster import actors_made, release_actors
         from pipelines.summary import summarize
 
+        made: list = []
         try:
+            # Every actor the run starts (at the setup, and restarts or replacements in
+            # the run) is released when it ends: none stays on the user's cluster, for
+            # as long as the notebook keeps this handle.
             with actors_made() as made:
                 try:
                     self._schedule.setup(self._set_progress, self._stop.is_set)
-                except BaseException:  # (none of its actors stays on the user's cluster)
+                except BaseException:  # (closed first: what holds files or threads)
                     release_actors(self.client, made)
+                    made.clear()
                     raise
-            raw = self._schedule.run(self._set_progress, self._stop.is_set)
+                try:
+                    raw = self._schedule.run(self._set_progress, self._stop.is_set)
+                finally:  # (stopped and closed by the run's own shutdown)
+                    release_actors(self.client, made, close=False)
             self.summary = summarize(self.run_dir, raw, self._schedule.sft_info, self.config)
             reason = str(self.summary["reason"])
             if reason.startswith("failed"):  # (stopped in order: wait() says so)
@@ -208,8 +200,12 @@ class RunHandle:
             logger.debug("run failed", exc_info=True)
         finally:
             with self._live_lock:
-                (self.run_dir / LIVE_FILE).unlink(missing_ok=True)
-                self._done.set()
+                try:
+                    (self.run_dir / LIVE_FILE).unlink(missing_ok=True)
+                except OSError as e:  # (stale after LIVE_STALE_S all the same)
+                    logger.warning("cannot remove %s: %s", self.run_dir / LIVE_FILE, e)
+                finally:
+                    self._done.set()
 
     def __fspath__(self) -> str:
         """The run directory: ``open_run(handle)``, ``open_metrics(handle, "cluster")``."""

@@ -127,6 +127,11 @@ def test_bad_config_fails_before_any_work(tmp_path):
     assert "dashboard" not in out  # no cluster was started
 
 
+def _actors(dask_worker) -> list[str]:
+    """The actors a worker holds (``client.run``)."""
+    return sorted(type(a).__name__ for a in dask_worker.state.actors.values())
+
+
 def test_api_submit_is_non_blocking_and_stop_keeps_every_trajectory(
     cluster_client, small_config, tmp_path
 ):
@@ -153,6 +158,11 @@ def test_api_submit_is_non_blocking_and_stop_keeps_every_trajectory(
         summary = run.wait(timeout=120)
         assert summary["reason"] == "stopped"
         assert running_driver(run.run_dir) is None  # (its driver.json gone at the end)
+        # ... and its actors: the handle the notebook keeps holds none of them
+        deadline = time.time() + 30
+        while left := {w: a for w, a in cluster_client.run(_actors).items() if a}:
+            assert time.time() < deadline, f"still on the workers: {left}"
+            time.sleep(0.5)
         ds = check_store(run.run_dir)
         # the handle is the run directory's path-like (a notebook analyses it as it is)
         from storage.metrics import open_metrics
@@ -440,11 +450,8 @@ def test_a_setup_that_fails_leaves_no_actor_on_the_cluster(
     with pytest.raises(LaminarError, match="injected: the trainer could not start"):
         run.wait(timeout=300)
 
-    def actors(dask_worker):
-        return sorted(type(a).__name__ for a in dask_worker.state.actors.values())
-
     deadline = time.time() + 30
-    while left := {w: a for w, a in cluster_client.run(actors).items() if a}:
+    while left := {w: a for w, a in cluster_client.run(_actors).items() if a}:
         assert time.time() < deadline, f"still on the workers: {left}"
         time.sleep(0.5)
 
@@ -477,11 +484,12 @@ def test_a_run_stopped_during_its_setup_ends_at_once(
     with pytest.raises(RunStopped, match="stopped during its setup \\(before 'starting the"):
         run.wait(timeout=60)
     assert run.progress()["phase"] == "stopped"
+    # The directory takes a new start as it is (its store empty, no checkpoint).
+    from pipelines.api import prepare_run_dir
 
-    def actors(dask_worker):
-        return sorted(type(a).__name__ for a in dask_worker.state.actors.values())
+    assert prepare_run_dir(small_config, tmp_path / "run") == (tmp_path / "run").resolve()
 
     deadline = time.time() + 30
-    while left := {w: a for w, a in cluster_client.run(actors).items() if a}:
+    while left := {w: a for w, a in cluster_client.run(_actors).items() if a}:
         assert time.time() < deadline, f"still on the workers: {left}"
         time.sleep(0.5)

@@ -159,6 +159,8 @@ def test_a_run_directory_is_resumed_whatever_its_name_says_in_yaml(tmp_path):
 
 
 def test_a_new_run_does_not_overwrite_what_is_not_its_own(tmp_path):
+    import shutil
+
     cfg = with_overrides(RunConfig(), ["trainer.steps=2"])
     (tmp_path / "a-file").write_text("x")
     with pytest.raises(ConfigError, match=r"'.*a-file' is a file; pass a directory"):
@@ -166,13 +168,25 @@ def test_a_new_run_does_not_overwrite_what_is_not_its_own(tmp_path):
     project = tmp_path / "project"
     project.mkdir()
     (project / "config.yaml").write_text("my: own\n")
-    with pytest.raises(ConfigError, match=r"was not written by laminar .* pass another"):
+    with pytest.raises(ConfigError, match=r"not written by laminar, and a run would overwrite it"):
         prepare_run_dir(cfg, project)
     assert (project / "config.yaml").read_text() == "my: own\n"
     # its own config.yaml (a first attempt that failed before storing anything): again
     run = prepare_run_dir(cfg, tmp_path / "run")
     assert prepare_run_dir(cfg, tmp_path / "run") == run
-    # a store and no checkpoint: --resume cannot continue it, so it is not offered
-    (run / "trajectories.zarr").mkdir()
-    with pytest.raises(ConfigError, match=r"no checkpoint to continue from: to start over"):
+    # a start stopped or failed in its setup (its store empty, no checkpoint): again
+    from factories import trajectory
+
+    from storage import TrajectoryWriter
+
+    writer = TrajectoryWriter(run)
+    assert prepare_run_dir(cfg, run) == run
+    # something stored and no checkpoint: --resume cannot continue it, so not offered
+    writer.append([trajectory("p0-0", "p0").to_record()])
+    with pytest.raises(ConfigError, match=r"no checkpoint to continue from; pass a new"):
         prepare_run_dir(cfg, run)
+    # moved, or named from another working directory: still its own config.yaml
+    moved = tmp_path / "elsewhere"
+    (tmp_path / "run").rename(moved)
+    shutil.rmtree(moved / "trajectories.zarr")  # (as if nothing had been stored)
+    assert prepare_run_dir(cfg, moved) == moved
