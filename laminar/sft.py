@@ -72,11 +72,14 @@ def _cache_error(cfg: RunConfig, root: Path, e: OSError) -> ConfigError:
 
 def check_cache_dir(cfg: RunConfig) -> None:
     """Before any cluster work: that the warm-start cache folder exists or can be made,
-    when the run uses it (the built-in model is kept there, and so is a warm start). A
+    when the run uses it (the built-in model is kept there, and so is a warm start), on
+    a local cluster (elsewhere it may be on a file system only the workers mount). A
     cache that exists is not written to here: a read-only one holding the run's entries
     serves (:func:`warm_start`)."""
     if cfg.model.path and not (cfg.sft.enabled and cfg.sft.steps):
         return
+    if cfg.cluster.kind != "local":  # (a file system the workers mount may not be here:
+        return  # the warm start, on a worker, names the folder if it cannot be made)
     root = cache_root(cfg)
     try:
         root.mkdir(parents=True, exist_ok=True)
