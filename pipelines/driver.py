@@ -38,6 +38,7 @@ from laminar.rollout import RolloutReplica
 from laminar.schedule import ScheduleSpec
 from laminar.trainer import Trainer, TrainerRank, rendezvous
 from pipelines.summary import faults_summary, median
+from storage.metrics import ROLLOUT_COUNTERS, ROLLOUT_GAUGES
 
 logger = logging.getLogger("laminar")
 
@@ -54,46 +55,7 @@ FENCE_WAIT_S = 60.0
 REWARD_FAILURES_TO_STOP = 64
 REWARD_FAILURE_WINDOW_S = 60.0
 # Rollout stats recorded per poll (besides the rollout id and the time).
-ROLLOUT_METRICS = (
-    "version",
-    "kv_used",
-    "kv_capacity",
-    "running",
-    "batches",
-    "trajectories",
-    "response_tokens",
-    "decode_steps",
-    "weight_loads",
-    "weight_bytes",
-    "moves_out",
-    "moves_in",
-    "moves_taken_back",
-    "holds_timed_out",
-    "requests_in",
-    "reprefill_tokens",
-    "reprefill_s",
-    "idle_s",
-    "weight_wait_s",
-    "decode_s",
-    "read_at",  # the wall time (epoch s) the rollout read these counters
-    "reward_errors",
-    "waiting",
-    "engine_preemptions",
-    "engine_prefill_tokens",
-    "engine_decode_tokens",
-    "engine_steps",
-    "parity_max_abs",
-    "parity_mean_abs",
-    "pulls_unreachable",  # batch boundaries whose relay was lost (went on without)
-    "engine_modelled_s",  # paced engines only
-    "engine_compute_s",
-    "interrupts",  # partial rollout: global updates that paused it ...
-    "sync_wait_s",  # ... the time it waited for their weights
-    "recomputed_tokens",  # ... and the KV it recomputed after them
-    "topped_up_groups",  # rollout.top_up: groups taken into draining batches ...
-    "top_up_asks",  # ... the pool calls that asked for them
-    "top_up_s",  # ... and the wall time between decode steps those calls took
-)
+ROLLOUT_METRICS = ROLLOUT_GAUGES + ROLLOUT_COUNTERS
 
 
 def _carried(carry: dict[str, float], row: dict) -> dict:

@@ -53,40 +53,51 @@ TABLE_DIMS = {"cluster": ("time",), "rollouts": ("time", "rollout")}  # as open_
 # Columns that count since the run began: a resumed run's go on from where its earlier
 # starts left them (:func:`counters_at_end`), so a rate is a ``diff`` across the whole
 # run. The others are gauges (a value at the row's time).
+ROLLOUT_COUNTERS = (
+    "batches",
+    "trajectories",
+    "response_tokens",
+    "decode_steps",
+    "weight_loads",
+    "weight_bytes",
+    "moves_out",
+    "moves_in",
+    "moves_taken_back",
+    "holds_timed_out",
+    "requests_in",
+    "reprefill_tokens",
+    "reprefill_s",
+    "idle_s",
+    "weight_wait_s",
+    "decode_s",
+    "reward_errors",
+    "engine_preemptions",
+    "engine_prefill_tokens",
+    "engine_decode_tokens",
+    "engine_steps",
+    "pulls_unreachable",  # batch boundaries whose relay was lost (went on without)
+    "engine_modelled_s",  # paced engines only
+    "engine_compute_s",
+    "interrupts",  # partial rollout: global updates that paused it ...
+    "sync_wait_s",  # ... the time it waited for their weights
+    "recomputed_tokens",  # ... and the KV it recomputed after them
+    "topped_up_groups",  # rollout.top_up: groups taken into draining batches ...
+    "top_up_asks",  # ... the pool calls that asked for them
+    "top_up_s",  # ... and the wall time between decode steps those calls took
+)
+ROLLOUT_GAUGES = (
+    "version",
+    "kv_used",
+    "kv_capacity",
+    "running",
+    "waiting",
+    "read_at",  # the wall time (epoch s) the rollout read its counters
+    "parity_max_abs",
+    "parity_mean_abs",
+)
 CUMULATIVE = {
     "cluster": ("inserted", "consumed", "discarded", "response_tokens", "trainer_wait_s"),
-    "rollouts": (
-        "batches",
-        "trajectories",
-        "response_tokens",
-        "decode_steps",
-        "weight_loads",
-        "weight_bytes",
-        "moves_out",
-        "moves_in",
-        "moves_taken_back",
-        "holds_timed_out",
-        "requests_in",
-        "reprefill_tokens",
-        "reprefill_s",
-        "idle_s",
-        "weight_wait_s",
-        "decode_s",
-        "reward_errors",
-        "engine_preemptions",
-        "engine_prefill_tokens",
-        "engine_decode_tokens",
-        "engine_steps",
-        "pulls_unreachable",
-        "engine_modelled_s",
-        "engine_compute_s",
-        "interrupts",
-        "sync_wait_s",
-        "recomputed_tokens",
-        "topped_up_groups",
-        "top_up_asks",
-        "top_up_s",
-    ),
+    "rollouts": ROLLOUT_COUNTERS,
 }
 
 
