@@ -127,9 +127,13 @@ def test_bad_config_fails_before_any_work(tmp_path):
     assert "dashboard" not in out  # no cluster was started
 
 
-def _actors(dask_worker) -> list[str]:
-    """The actors a worker holds (``client.run``)."""
-    return sorted(type(a).__name__ for a in dask_worker.state.actors.values())
+def _actors_left(client) -> dict[str, list[str]]:
+    """The actors each worker holds, for the workers that hold any."""
+
+    def actors(dask_worker) -> list[str]:  # (nested: pickled by value, not by module)
+        return sorted(type(a).__name__ for a in dask_worker.state.actors.values())
+
+    return {w: a for w, a in client.run(actors).items() if a}
 
 
 def test_api_submit_is_non_blocking_and_stop_keeps_every_trajectory(
@@ -160,7 +164,7 @@ def test_api_submit_is_non_blocking_and_stop_keeps_every_trajectory(
         assert running_driver(run.run_dir) is None  # (its driver.json gone at the end)
         # ... and its actors: the handle the notebook keeps holds none of them
         deadline = time.time() + 30
-        while left := {w: a for w, a in cluster_client.run(_actors).items() if a}:
+        while left := _actors_left(cluster_client):
             assert time.time() < deadline, f"still on the workers: {left}"
             time.sleep(0.5)
         ds = check_store(run.run_dir)
@@ -451,7 +455,7 @@ def test_a_setup_that_fails_leaves_no_actor_on_the_cluster(
         run.wait(timeout=300)
 
     deadline = time.time() + 30
-    while left := {w: a for w, a in cluster_client.run(_actors).items() if a}:
+    while left := _actors_left(cluster_client):
         assert time.time() < deadline, f"still on the workers: {left}"
         time.sleep(0.5)
 
@@ -490,6 +494,6 @@ def test_a_run_stopped_during_its_setup_ends_at_once(
     assert prepare_run_dir(small_config, tmp_path / "run") == (tmp_path / "run").resolve()
 
     deadline = time.time() + 30
-    while left := {w: a for w, a in cluster_client.run(_actors).items() if a}:
+    while left := _actors_left(cluster_client):
         assert time.time() < deadline, f"still on the workers: {left}"
         time.sleep(0.5)
