@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import random
+import zipfile
 from collections.abc import Callable
 from pathlib import Path
 
@@ -280,9 +281,10 @@ def _trainer_state(path: Path) -> dict:
 
 
 def _check_files(ckpt: Path) -> dict:
-    """The checkpoint's model ``config.json``, after reading it and the header of
-    ``model.safetensors`` (the tensors' names, shapes and offsets; no tensor is loaded,
-    so this is cheap enough to run before the cluster starts)."""
+    """The checkpoint's model ``config.json``, after reading it, the header of
+    ``model.safetensors`` (the tensors' names, shapes and offsets) and the zip
+    directories of ``optimizer.pt`` and ``rng.pt``; no tensor is loaded, so this is cheap
+    enough to run before the cluster starts."""
     from safetensors import SafetensorError, safe_open
 
     path = ckpt / "config.json"
@@ -299,6 +301,14 @@ def _check_files(ckpt: Path) -> dict:
                 raise ValueError("it holds no tensors")
     except (SafetensorError, OSError, ValueError) as e:
         raise _damaged(path, e) from None
+    for name in ("optimizer.pt", "rng.pt"):  # torch.save's zip: its directory, no data
+        path = ckpt / name
+        try:
+            with zipfile.ZipFile(path) as z:
+                if not z.namelist():
+                    raise ValueError("it holds nothing")
+        except (zipfile.BadZipFile, OSError, ValueError) as e:
+            raise _damaged(path, e) from None
     return config
 
 

@@ -82,6 +82,15 @@ def test_a_damaged_checkpoint_is_refused_naming_the_file_before_any_weights_load
         check_checkpoint(ckpt, model_config, CFG)
     with pytest.raises(CheckpointError, match=r"model.safetensors' is damaged"):
         Learner(CFG, tiny_policy, resume_from=ckpt)
+    # the optimizer's and RNG's files: torch.save's zips, their directories read
+    ckpt = Learner(CFG, tiny_policy).save(tmp_path / "version-000001")
+    for name in ("optimizer.pt", "rng.pt"):
+        good = (ckpt / name).read_bytes()
+        (ckpt / name).write_bytes(good[: len(good) // 2])  # (cut short: no directory)
+        with pytest.raises(CheckpointError, match=rf"{name}' is damaged.*move this one"):
+            check_checkpoint(ckpt, model_config, CFG)
+        (ckpt / name).write_bytes(good)
+    assert check_checkpoint(ckpt, model_config, CFG)["version"] == 0
 
 
 def test_a_non_finite_update_is_skipped_and_counted(tiny_policy):
