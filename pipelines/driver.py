@@ -332,7 +332,10 @@ class Schedule:
                         "s_train_mean": last.get("s_train_mean"),
                         "gen_tok_s": gen_tok_s,
                         "buffer_depth": b_stats["depth"],
-                        "trajectories": b_stats["inserted"],
+                        # (the run's, as in the cluster table: a resumed run's earlier
+                        # starts' included)
+                        "trajectories": b_stats["inserted"]
+                        + int(self._carry["cluster"].get("inserted", 0)),
                         "discarded": b_stats["discarded"],
                         "evicted": b_stats["evicted"],
                         "filtered": b_stats["filtered"],
