@@ -348,8 +348,8 @@ def _outside(tok, unk: int, text: str) -> str:
 
 def encode_prompts(tok, prompts: list[Prompt], cfg: RunConfig) -> list[tuple[Prompt, tuple]]:
     """Each prompt with its token ids, after checking that it fits the rollout's sequence
-    and the model's vocabulary, and, when the warm start trains on them, that its answers
-    are in the vocabulary too (run before any cluster work too: ``preflight``)."""
+    and the model's vocabulary (run before any cluster work too: ``preflight``; the
+    answers: :func:`check_answers`)."""
     from laminar.model import encode_prompt
 
     where = _where(cfg)
@@ -371,20 +371,19 @@ def encode_prompts(tok, prompts: list[Prompt], cfg: RunConfig) -> list[tuple[Pro
                 "symbols, or set model.path to a model whose tokenizer has them"
             )
         encoded.append((p, ids))
-    if cfg.sft.enabled and cfg.sft.steps:
-        check_answers(tok, prompts, cfg)
     return encoded
 
 
-def check_answers(tok, prompts: list[Prompt], cfg: RunConfig) -> None:
-    """That the warm start can encode every demonstration it may train on (a prompt
-    file's: its answers) in the model's vocabulary. Answers are encoded nowhere else: a
-    reward compares them as text."""
+def check_answers(tok, prompts: list[Prompt], cfg: RunConfig) -> dict[str, list[int]]:
+    """When the warm start trains (``sft``), that it can encode every demonstration it
+    may train on (a prompt file's: its answers) in the model's vocabulary; returns their
+    token ids (demonstration -> ids: the warm start encodes them once). Answers are
+    encoded nowhere else: a reward compares them as text."""
     from laminar.tasks import longest_demonstration
 
     unk = _unknown_token(tok)
-    if unk is None or not prompts:
-        return
+    if not (cfg.sft.enabled and cfg.sft.steps) or unk is None or not prompts:
+        return {}
     task = None if cfg.task.prompt_file else cfg.task.name
     where = _where(cfg)
     demos = [longest_demonstration(task, p) for p in prompts]
@@ -397,6 +396,7 @@ def check_answers(tok, prompts: list[Prompt], cfg: RunConfig) -> None:
                 "the warm start trains on answers. Write them in the model's symbols, set "
                 "model.path to a model whose tokenizer has them, or set sft.enabled=false"
             )
+    return dict(zip(demos, encoded, strict=True))
 
 
 class PromptPool:

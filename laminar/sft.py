@@ -38,7 +38,7 @@ from laminar.model import (
     load_policy,
     tiny_config,
 )
-from laminar.prompt_pool import encode_prompts
+from laminar.prompt_pool import check_answers, encode_prompts
 from laminar.tasks import Prompt, demonstration, length_sigmas, longest_demonstration
 from laminar.update import micro_batches, pack, response_logprobs
 
@@ -300,7 +300,9 @@ def _train(cfg: RunConfig, model, tok, prompts: list[Prompt]) -> float:
     torch.manual_seed(cfg.seed)
     task = None if cfg.task.prompt_file else cfg.task.name
     own = length_sigmas(cfg.task.tail_ratio, cfg.task.length_share)[1]
-    ids: dict[str, list[int]] = {}  # demonstration text -> token ids
+    # demonstration text -> token ids (the pre-start check, again where the warm start
+    # runs: answers in the model's vocabulary, named by file and line; prompts below)
+    ids: dict[str, list[int]] = check_answers(tok, prompts, cfg)
 
     def encode(text: str) -> list[int]:
         if text not in ids:
@@ -312,8 +314,6 @@ def _train(cfg: RunConfig, model, tok, prompts: list[Prompt]) -> float:
     def demo(p: Prompt) -> list[int]:
         return encode(demonstration(task, p, rng, own))
 
-    # (the pre-start check, again where the warm start runs: prompts and answers in the
-    # model's vocabulary, each named by its file and line)
     examples = [
         (list(q), encode(longest_demonstration(task, p)))
         for p, q in encode_prompts(tok, prompts, cfg)

@@ -44,7 +44,7 @@ def preflight(cfg: RunConfig) -> None:
     and the fix."""
     from laminar.learner import check_checkpoint
     from laminar.model import check_policy_dir
-    from laminar.prompt_pool import encode_prompts, load_prompts
+    from laminar.prompt_pool import check_answers, encode_prompts, load_prompts
     from laminar.rewards import resolve_reward
     from laminar.sft import base_model_config, base_tokenizer, check_cache_dir
 
@@ -52,7 +52,9 @@ def preflight(cfg: RunConfig) -> None:
     if cfg.model.path:
         check_policy_dir(cfg.model.path)
     prompts = load_prompts(cfg)
-    encode_prompts(base_tokenizer(cfg), prompts, cfg)
+    tok = base_tokenizer(cfg)
+    encode_prompts(tok, prompts, cfg)
+    check_answers(tok, prompts, cfg)
     resolve_reward(cfg.task.reward)
     if cfg.trainer.resume_from:
         check_checkpoint(cfg.trainer.resume_from, base_model_config(cfg), cfg)
