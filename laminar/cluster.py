@@ -308,7 +308,7 @@ def release_actors(client, made: list, timeout: float = 10.0, close: bool = True
     try:
         client.cancel([future for _, future in made], force=True)
     except Exception as e:  # noqa: BLE001 — (the scheduler gone too): the setup's error stands
-        logger.warning("could not release the actors of a failed setup: %r", e)
+        logger.warning("could not release a run's actors: %r", e)
 
 
 def start_actor(client, cls, *args, worker: str, resource: str, **kwargs):

@@ -84,14 +84,13 @@ def _laminar_config(path: Path) -> bool:
     return isinstance(data, dict) and bool(data.get("run_dir"))
 
 
-def _never_started(path: Path) -> bool:
-    """A run directory whose start stopped or failed in its setup: its store has
-    nothing committed, and it has no checkpoint (a new run may take it over)."""
-    from laminar.learner import newest_checkpoint
+def _nothing_stored(path: Path) -> bool:
+    """Whether the run directory's store has committed nothing (a start that stopped or
+    failed in its setup: a new run may take it over)."""
     from storage.trajectories import committed
 
     try:
-        return committed(path) == 0 and newest_checkpoint(path) is None
+        return committed(path) == 0
     except Exception:  # noqa: BLE001 — unreadable: not taken over
         return False
 
@@ -102,7 +101,7 @@ def prepare_run_dir(cfg: RunConfig, run_dir: str | Path | None) -> Path:
     if path.exists() and not path.is_dir():
         raise ConfigError(f"run directory {str(path)!r} is a file; pass a directory as --run-dir")
     _refuse_if_running(path, "start a run in")
-    if (path / "trajectories.zarr").exists() and not _never_started(path):
+    if (path / "trajectories.zarr").exists():
         from laminar.learner import newest_checkpoint
 
         if newest_checkpoint(path) is not None:
@@ -110,10 +109,11 @@ def prepare_run_dir(cfg: RunConfig, run_dir: str | Path | None) -> Path:
                 f"run directory {str(path)!r} already holds a run; pass a new --run-dir, "
                 f"or continue it with `laminar run --resume {path}`"
             )
-        raise ConfigError(
-            f"run directory {str(path)!r} already holds a run with no checkpoint to "
-            "continue from; pass a new --run-dir, or delete it to start over"
-        )
+        if not _nothing_stored(path):
+            raise ConfigError(
+                f"run directory {str(path)!r} already holds a run with no checkpoint to "
+                "continue from; pass a new --run-dir, or delete it to start over"
+            )
     if (path / "config.yaml").exists() and not _laminar_config(path):
         raise ConfigError(
             f"{str(path / 'config.yaml')!r} was not written by laminar, and a run would "
@@ -166,7 +166,6 @@ class RunHandle:
         from laminar.cluster import actors_made, release_actors
         from pipelines.summary import summarize
 
-        made: list = []
         try:
             # Every actor the run starts (at the setup, and restarts or replacements in
             # the run) is released when it ends: none stays on the user's cluster, for
