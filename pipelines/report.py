@@ -16,7 +16,8 @@ import numpy as np
 
 from laminar.errors import ConfigError
 from storage import open_run
-from storage.metrics import TABLES, open_metrics, segments, time_origin
+from storage.metrics import TABLES, open_metrics, time_origin
+from storage.metrics import gaps as segment_gaps  # (plots name their local lists gaps)
 from storage.trajectories import reading
 
 
@@ -33,8 +34,7 @@ def _load(run_dir: Path) -> dict:
     # Event tables hold epoch seconds; the time series hold seconds since the run began.
     run["t0"] = None if run["cluster"] is None else time_origin(run["cluster"])
     # A resumed run's starts: the time series have a gap between each and the next.
-    seg = [] if run["cluster"] is None else segments(run["cluster"])
-    run["gaps"] = [(seg[i]["end_s"], seg[i + 1]["start_s"]) for i in range(len(seg) - 1)]
+    run["gaps"] = [] if run["cluster"] is None else segment_gaps(run["cluster"])
     return run
 
 

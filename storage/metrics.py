@@ -49,7 +49,6 @@ TABLES = {
     "faults": "recovery",  # one row per recovered batch of a lost rollout (docs/faults.md)
 }
 _CHUNK = 4096
-TABLE_DIMS = {"cluster": ("time",), "rollouts": ("time", "rollout")}  # as open_metrics reads them
 # Columns that count since the run began: a resumed run's go on from where its earlier
 # starts left them (:func:`counters_at_end`), so a rate is a ``diff`` across the whole
 # run. The others are gauges (a value at the row's time).
@@ -317,6 +316,14 @@ def segments(cluster: xr.Dataset) -> list[dict]:
     return out
 
 
+def gaps(cluster: xr.Dataset) -> list[tuple[float, float]]:
+    """The stretches a resumed run was stopped, between its starts (:func:`segments`):
+    ``(end_s, start_s)`` on the run's clock, from one start's last row to the next's
+    first."""
+    seg = segments(cluster)
+    return [(a["end_s"], b["start_s"]) for a, b in zip(seg[:-1], seg[1:], strict=True)]
+
+
 def counters_at_end(run_dir: str | Path) -> dict[str, dict]:
     """Where a run's :data:`CUMULATIVE` counters stood when it stopped (what a resumed
     run adds its own to): ``{"cluster": {column: value}, "rollouts": {rollout: {column:
@@ -342,7 +349,7 @@ def counters_at_end(run_dir: str | Path) -> dict[str, dict]:
         for col in CUMULATIVE[table]:
             if col not in ds:
                 continue
-            values = ds[col].transpose(*TABLE_DIMS[table]).values
+            values = ds[col].transpose("time", ...).values  # (rollouts: time x rollout)
             if table == "cluster":
                 if (ok := np.flatnonzero(~np.isnan(values))).size:
                     out[table][col] = float(values[ok[-1]])

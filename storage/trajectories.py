@@ -390,7 +390,7 @@ def _pauses(run_dir: Path) -> list[float]:
     """When a resumed run was stopped, between its starts (epoch seconds, flat: from, to,
     from, to, ...; a flat list of numbers, so ``to_netcdf`` takes it): from its metrics
     (none written yet, or a run started once: ``[]``)."""
-    from storage.metrics import open_metrics, segments, time_origin
+    from storage.metrics import gaps, open_metrics, time_origin
 
     try:
         cluster = open_metrics(run_dir, "cluster")
@@ -399,11 +399,10 @@ def _pauses(run_dir: Path) -> list[float]:
     except (StoreError, ValueError, OSError) as e:  # (the trajectories stay readable)
         logger.warning("%s: its metrics cannot be read (%s); no stops are known", run_dir, e)
         return []
-    origin, segs = time_origin(cluster), segments(cluster)
+    origin = time_origin(cluster)
     if origin is None:
         return []
-    gaps = zip(segs[:-1], segs[1:], strict=True)
-    return [origin + t for a, b in gaps for t in (a["end_s"], b["start_s"])]
+    return [origin + t for gap in gaps(cluster) for t in gap]
 
 
 def open_runs(paths, names: list[str] | None = None) -> xr.Dataset:
