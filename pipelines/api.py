@@ -21,7 +21,7 @@ from pathlib import Path
 
 from laminar.config import RunConfig, load_config, with_overrides
 from laminar.errors import ConfigError, LaminarError, RunFailed, RunStopped
-from storage.live import LIVE_EVERY_S, LIVE_FILE, LIVE_STALE_S, mark_running, running_driver
+from storage.live import LIVE_FILE, LIVE_STALE_S, Claim, RunGoing, check_free, claim
 
 logger = logging.getLogger("laminar")
 
@@ -60,16 +60,48 @@ def preflight(cfg: RunConfig) -> None:
         check_checkpoint(cfg.trainer.resume_from, base_model_config(cfg), cfg)
 
 
-def _refuse_if_running(path: Path, doing: str) -> None:
-    live = running_driver(path)
-    if live is not None:
-        raise ConfigError(
-            f"cannot {doing} {str(path)!r}: a run is going there (its driver, pid "
-            f"{live.get('pid')} on {live.get('host')!r}, said so "
-            f"{time.time() - live['seen']:.0f} s ago); stop it first (Ctrl-C, or "
-            f"RunHandle.stop()). If that process is gone, its {LIVE_FILE} goes stale "
-            f"within {LIVE_STALE_S:.0f} s"
+def _going(path: Path, doing: str, live: dict, here: bool = False) -> ConfigError:
+    if here:
+        return ConfigError(
+            f"cannot {doing} {str(path)!r}: this process drives a run there already; "
+            "wait for it or stop it first (RunHandle.stop())"
         )
+    return ConfigError(
+        f"cannot {doing} {str(path)!r}: a run is going there (its driver, pid "
+        f"{live.get('pid')} on {live.get('host')!r}, said so "
+        f"{time.time() - float(live.get('seen', 0)):.0f} s ago); stop it first (Ctrl-C, or "
+        f"RunHandle.stop()). If that process is gone, its {LIVE_FILE} goes stale "
+        f"within {LIVE_STALE_S:.0f} s (at once on its own host)"
+    )
+
+
+def _refuse_if_running(path: Path, doing: str) -> None:
+    """Refuse early (before any check or write) when a live driver holds ``path``."""
+    try:
+        check_free(path)
+    except RunGoing as e:
+        raise _going(path, doing, e.live, e.here) from None
+
+
+def _claim(path: Path, doing: str) -> Claim:
+    """Claim ``path`` for this process (:func:`storage.live.claim`: of two starts or
+    resumes at once, one goes on), or refuse naming the driver that holds it."""
+    try:
+        return claim(path)
+    except RunGoing as e:
+        raise _going(path, doing, e.live, e.here) from None
+
+
+def _write_claimed(path: Path, doing: str, config: Path, text: str) -> None:
+    """Claim ``path``, then write its ``config.yaml``; the claim is given back if the
+    write fails, and kept (for the RunHandle to take over) if it does not."""
+    held = _claim(path, doing)
+    try:
+        config.write_text(text)
+    except BaseException:
+        if not held.driving:
+            held.release()
+        raise
 
 
 def _laminar_config(path: Path) -> bool:
@@ -120,7 +152,8 @@ def prepare_run_dir(cfg: RunConfig, run_dir: str | Path | None) -> Path:
             "overwrite it; pass another --run-dir"
         )
     path.mkdir(parents=True, exist_ok=True)
-    (path / "config.yaml").write_text(cfg.model_copy(update={"run_dir": str(path)}).to_yaml())
+    text = cfg.model_copy(update={"run_dir": str(path)}).to_yaml()
+    _write_claimed(path, "start a run in", path / "config.yaml", text)
     return path.resolve()
 
 
@@ -138,26 +171,17 @@ class RunHandle:
         self._progress: dict = {"phase": "submitted"}
         self._stop = threading.Event()
         self._done = threading.Event()
-        self._live_lock = threading.Lock()
-        self._schedule = schedule_class(cfg.pipeline.schedule)(cfg, client, run_dir, resume)
-        _refuse_if_running(run_dir, "start a run in")
-        mark_running(run_dir, time.time())
+        # The directory's claim (prepare_run_dir's or prepare_resume's, or made here):
+        # held, renewed, while the run goes; released when it ends.
+        self._claim = _claim(run_dir, "start a run in")
+        try:
+            self._schedule = schedule_class(cfg.pipeline.schedule)(cfg, client, run_dir, resume)
+        except BaseException:
+            self._claim.release()
+            raise
+        self._claim.driving = True
         self._thread = threading.Thread(target=self._drive, name="laminar-driver", daemon=True)
         self._thread.start()
-        threading.Thread(target=self._live, name="laminar-live", daemon=True).start()
-
-    def _live(self) -> None:
-        """Renew ``RUN_DIR/driver.json`` while the run goes: another start or resume of
-        the directory refuses meanwhile (:meth:`_drive` removes it at the end)."""
-        since = time.time()
-        while not self._done.wait(LIVE_EVERY_S):
-            with self._live_lock:  # (not renewed after the end removed it)
-                if self._done.is_set():
-                    return
-                try:
-                    mark_running(self.run_dir, since)
-                except OSError as e:  # (a full or lost disk: the run says so itself)
-                    logger.warning("cannot renew %s: %s", self.run_dir / LIVE_FILE, e)
 
     def _set_progress(self, p: dict) -> None:
         self._progress = {**self._progress, **p}
@@ -200,13 +224,12 @@ class RunHandle:
             self._set_progress({"phase": phase, "error": why})
             logger.debug("run failed", exc_info=True)
         finally:
-            with self._live_lock:
-                try:
-                    (self.run_dir / LIVE_FILE).unlink(missing_ok=True)
-                except OSError as e:  # (stale after LIVE_STALE_S all the same)
-                    logger.warning("cannot remove %s: %s", self.run_dir / LIVE_FILE, e)
-                finally:
-                    self._done.set()
+            try:
+                self._claim.release()
+            except OSError as e:  # (stale after LIVE_STALE_S all the same)
+                logger.warning("cannot remove %s: %s", self.run_dir / LIVE_FILE, e)
+            finally:
+                self._done.set()
 
     def __fspath__(self) -> str:
         """The run directory: ``open_run(handle)``, ``open_metrics(handle, "cluster")``."""
@@ -309,7 +332,8 @@ def prepare_resume(run_dir: str | Path, overrides: list[str] | tuple[str, ...] =
     # config.yaml takes the overrides but not this resume's checkpoint: it still repeats
     # the whole run (each resume finds its newest checkpoint itself).
     trainer = cfg.trainer.model_copy(update={"resume_from": own})
-    config.write_text(cfg.model_copy(update={"trainer": trainer}).to_yaml())
+    text = cfg.model_copy(update={"trainer": trainer}).to_yaml()
+    _write_claimed(path, "resume", config, text)
     return cfg, plan, path
 
 

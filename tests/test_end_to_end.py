@@ -155,7 +155,7 @@ def test_api_submit_is_non_blocking_and_stop_keeps_every_trajectory(
             assert not run.done(), run.error
             time.sleep(0.1)
         # While it goes, the directory says so: another start or resume there refuses.
-        from pipelines.api import running_driver
+        from storage.live import running_driver
 
         assert running_driver(run.run_dir)["pid"] == os.getpid()
         run.stop()

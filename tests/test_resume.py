@@ -122,7 +122,7 @@ def test_a_directory_a_run_is_going_in_is_neither_resumed_nor_started_again(tmp_
     run there is refused (naming the driver); once stale (the driver killed), not."""
     import time
 
-    from pipelines.api import LIVE_FILE, LIVE_STALE_S, running_driver
+    from storage.live import LIVE_FILE, LIVE_STALE_S, running_driver
 
     run = _run_dir(tmp_path, checkpoint_version=2)
     live = {"pid": 4242, "host": "node7", "since": time.time() - 100, "seen": time.time()}
