@@ -454,12 +454,40 @@ class TLSConfig(_Section):
         return self
 
 
+MIN_JOB_MEMORY = 256 * 2**20  # a Dask worker process alone takes ~150-200 MB
+
+
 class SlurmRole(_Section):
     """One Slurm job per worker of a role: what it asks for."""
 
     cores: int = Field(1, gt=0)  # --cpus-per-task
-    memory: str = "4GB"  # --mem (Slurm units: 4GB, 500MB)
+    memory: str = "4GB"  # --mem and the worker's memory limit (4GB, 500MB, 16GiB)
     gpus: int = Field(0, ge=0)  # --gres=gpu:N
+
+    @field_validator("memory", mode="before")
+    @classmethod
+    def _memory_a_job_holds(cls, value: Any) -> Any:
+        # dask-jobqueue reads it with dask's parse_bytes (a bare number is bytes) when
+        # the jobs are made: checked here instead, before the run directory is made.
+        if isinstance(value, int) and not isinstance(value, bool):
+            value = str(value)
+        if not isinstance(value, str):
+            return value  # (pydantic says it takes a string)
+        from dask.utils import parse_bytes
+
+        text = value.strip()
+        try:
+            size = parse_bytes(text) if text[:1].isdigit() else None
+        except ValueError:
+            size = None
+        if size is None:
+            raise ValueError("is not a memory size; give one with its unit, e.g. 4GB or 16GiB")
+        if size < MIN_JOB_MEMORY:
+            raise ValueError(
+                f"is {size:,} bytes, too little for a Dask worker (a bare number counts "
+                f"bytes); give at least {MIN_JOB_MEMORY // 2**20} MiB with a unit, e.g. 4GB"
+            )
+        return text
 
 
 class SlurmConfig(_Section):

@@ -129,6 +129,34 @@ def test_memory_limit_is_what_dask_takes(value, ok):
     parse_memory_limit(limit, 1, logger=__import__("logging").getLogger("test"))
 
 
+@pytest.mark.parametrize(
+    "value, ok",
+    [
+        ("4GB", True),
+        ("16GiB", True),
+        ("500MB", True),
+        (2_000_000_000, True),  # (YAML reads a number: bytes, as dask-jobqueue takes it)
+        ("four", False),
+        ("GB", False),
+        ("-1GB", False),
+        (4, False),  # (4 bytes: meant 4GB)
+        ("100MB", False),
+    ],
+)
+def test_a_slurm_jobs_memory_is_a_size_a_worker_can_run_in(value, ok):
+    """dask-jobqueue parses it when the jobs are made (after the run directory); a bare
+    number is bytes, and Slurm would start the job with --mem=1K."""
+    from dask.utils import parse_bytes
+
+    override = f"cluster.slurm.rollout.memory={value!r}"
+    if not ok:
+        with pytest.raises(ConfigError, match=r"cluster.slurm.rollout.memory: .*e.g. 4GB"):
+            with_overrides(RunConfig(), [override])
+        return
+    memory = with_overrides(RunConfig(), [override]).cluster.slurm.rollout.memory
+    assert parse_bytes(memory) >= 256 * 2**20
+
+
 def test_config_is_frozen():
     cfg = RunConfig()
     with pytest.raises(pydantic.ValidationError, match="frozen"):
