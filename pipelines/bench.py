@@ -42,6 +42,8 @@ class BenchResult:
     notes: list[str] = field(default_factory=list)
     # Writes more files beside the JSON (a markdown table, plots): extras(result, out)
     extras: Callable[[BenchResult, Path], list[Path]] | None = None
+    # Runs that failed and were left out of every figure (``laminar bench`` exits 1)
+    failed: list[dict] = field(default_factory=list)
 
     def to_json(self) -> dict:
         import torch
@@ -53,6 +55,7 @@ class BenchResult:
             "samples": self.samples,
             "options": self.options,
             "notes": self.notes,
+            "failed": self.failed,
             "machine": {
                 "cpus": os.cpu_count(),
                 "python": platform.python_version(),

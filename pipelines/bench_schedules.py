@@ -501,6 +501,7 @@ def bench_schedules(
             load_config("configs/tiny.yaml", [*cluster.overrides(arm, r, 1, 0), *overrides])
     probes: dict[str, dict[int, float]] = {}
     results: dict[str, list[dict]] = {a: [] for a in arms}
+    failed: list[dict] = []  # runs that failed: left out of every figure, and listed
     root = Path(runs_dir or tempfile.mkdtemp(prefix="laminar-bench-schedules-"))
     root.mkdir(parents=True, exist_ok=True)
     t_bench = time.time()
@@ -511,10 +512,33 @@ def bench_schedules(
         Client(lc) as client,
     ):
 
-        def run(arm: str, replicas: int, steps: int, seed: int, tag: str) -> dict:
+        def run(arm: str, replicas: int, steps: int, seed: int, tag: str) -> dict | None:
+            """One run's figures; ``None`` for a run that failed (in order: a reward
+            that never scores, a lost actor past recovery): it is recorded and left
+            out, and the bench goes on with the other runs."""
+            from laminar.errors import RunFailed
+
             run_dir = root / f"{arm}-r{replicas}-{tag}"
             arm_overrides = [*cluster.overrides(arm, replicas, steps, seed), *overrides]
-            summary = _run(client, run_dir, arm_overrides)
+            try:
+                summary = _run(client, run_dir, arm_overrides)
+            except RunFailed as e:
+                reason = str((e.summary or {}).get("reason") or e)
+                failed.append(
+                    {
+                        "arm": arm,
+                        "replicas": replicas,
+                        "run": tag,
+                        "run_dir": str(run_dir),
+                        "reason": reason,
+                    }
+                )
+                print(
+                    f"  {arm:<18} R={replicas:<2} {tag:<8} FAILED: {reason}; left out, the "
+                    f"bench goes on (the run is kept in {run_dir})",
+                    flush=True,
+                )
+                return None
             fig = _figures(run_dir, summary, warmup, probe_warmup)
             print(
                 f"  {arm:<18} R={replicas:<2} {tag:<8} throughput {fig['throughput']:>10,.0f} "
@@ -536,7 +560,8 @@ def bench_schedules(
             steps = probe_warmup + probe_iterations
 
             def evaluate(r: int, arm=arm, steps=steps) -> float:
-                return run(arm, r, steps, seed=0, tag="probe")["throughput"]
+                fig = run(arm, r, steps, seed=0, tag="probe")
+                return -math.inf if fig is None else fig["throughput"]  # (never chosen)
 
             best, seen = search_split(
                 evaluate, lo=1, hi=cluster.max_replicas - 1, start=cluster.balanced_replicas()
@@ -545,9 +570,11 @@ def bench_schedules(
         for seed in range(seeds):
             order = list(arms)[seed % len(arms) :] + list(arms)[: seed % len(arms)]
             for arm in order:
-                results[arm].append(run(arm, splits[arm], warmup + iterations, seed, f"s{seed}"))
+                fig = run(arm, splits[arm], warmup + iterations, seed, f"s{seed}")
+                if fig is not None:
+                    results[arm].append(fig)
     if seeds == 0:
-        return _search_result(cluster, arms, splits, probes, root)
+        return _search_result(cluster, arms, splits, probes, root, failed)
     return _result(
         cluster,
         arms,
@@ -556,6 +583,7 @@ def bench_schedules(
         probes,
         reward_threshold,
         root,
+        failed,
         locals_=dict(
             seeds=seeds,
             warmup=warmup,
@@ -665,9 +693,16 @@ def reanalyse(
     results: dict[str, list[dict]] = {a: [] for a in arms}
     splits: dict[str, int] = {}
     probes: dict[str, dict[int, float]] = {}
+    failed: list[dict] = []
     for arm, r, seed, d in found:
         summary = json.loads((d / "summary.json").read_text())
-        if summary.get("reason") != "completed":
+        reason = str(summary.get("reason"))
+        if reason.startswith("failed"):  # (left out and listed, as the bench did)
+            tag = "probe" if seed is None else f"s{seed}"
+            failed.append(
+                {"arm": arm, "replicas": r, "run": tag, "run_dir": str(d), "reason": reason}
+            )
+        if reason != "completed":
             continue
         fig = _figures(d, summary, warmup, probe_warmup)
         if seed is None:
@@ -680,13 +715,21 @@ def reanalyse(
             raise FileNotFoundError(f"{runs_dir}: no completed bench run to read")
         arms = [a for a in ARMS if a in probes]
         best = {a: max(seen, key=seen.__getitem__) for a, seen in probes.items()}
-        return _search_result(cluster, arms, best, probes, root)
+        return _search_result(cluster, arms, best, probes, root, failed)
     seeds = max(len(rs) for rs in results.values()) if results else 0
     locals_ = dict(seeds=seeds, warmup=warmup, probe_warmup=probe_warmup, reanalysed=str(root))
-    return _result(cluster, arms, results, splits, probes, reward_threshold, root, locals_)
+    return _result(cluster, arms, results, splits, probes, reward_threshold, root, failed, locals_)
 
 
-def _search_result(cluster, arms, splits, probes, root):
+def _failed_notes(failed: list[dict]) -> list[str]:
+    """The notes that list the runs a result leaves out (the bench exits 1 with them)."""
+    return [
+        f"FAILED, left out: {f['arm']} R={f['replicas']} {f['run']}: {f['reason']} ({f['run_dir']})"
+        for f in failed
+    ]
+
+
+def _search_result(cluster, arms, splits, probes, root, failed=()):
     """``--seeds 0``: the splits alone, searched (or fixed), and every probe; nothing is
     measured beyond the probes, so there are no medians and no ratios."""
     from pipelines.bench import BenchResult
@@ -728,8 +771,10 @@ def _search_result(cluster, arms, splits, probes, root):
         notes=[
             f"{cluster.gpus} emulated H800 GPUs: the split search alone (--seeds 0), probes "
             "of seed 0 in the probes' order; run with --splits ARM=R to measure at these; "
-            "no table or plots beside the JSON (nothing was measured at the splits)"
+            "no table or plots beside the JSON (nothing was measured at the splits)",
+            *_failed_notes(list(failed)),
         ],
+        failed=list(failed),
     )
 
 
@@ -748,9 +793,13 @@ def _options(cluster, splits, probes, root, **more) -> dict:
     }
 
 
-def _result(cluster, arms, results, splits, probes, reward_threshold, root, locals_):
+def _result(cluster, arms, results, splits, probes, reward_threshold, root, failed, locals_):
     from pipelines.bench import BenchResult
 
+    if not any(results.values()):
+        raise RuntimeError(
+            "every measured run failed; nothing to report:\n" + "\n".join(_failed_notes(failed))
+        )
     if reward_threshold is None:
         # Three quarters of the way from the base policy's reward to the lowest final one
         # of any run: every run reaches it, late enough that the pipelines' first
@@ -763,15 +812,15 @@ def _result(cluster, arms, results, splits, probes, reward_threshold, root, loca
         for f in rs:
             f["ttr_s"] = time_to_reward(f["_policy"], reward_threshold)
             f["ttr_trained_s"] = time_to_reward(f["_trained"], reward_threshold)
-    med = {
-        arm: {k: float(np.nanmedian([f[k] for f in rs])) for k in FIGURES}
-        for arm, rs in results.items()
+    med = {  # (an arm whose every run failed: NaN throughout)
+        arm: {k: _median([f[k] for f in rs]) for k in FIGURES} for arm, rs in results.items()
     }
 
     def ratio(a: str, b: str, key: str = "throughput") -> float | None:
         if a not in med or b not in med or not med[b][key]:
             return None
-        return med[a][key] / med[b][key]
+        value = med[a][key] / med[b][key]
+        return None if math.isnan(value) else value
 
     ratios = {
         f"laminar_vs_{b}": ratio("laminar", b)
@@ -803,10 +852,22 @@ def _result(cluster, arms, results, splits, probes, reward_threshold, root, loca
             f"time to reward: the policy's reward (its rollouts', at its publication; "
             f"ttr_trained_s: the trained batches', at their update), 2-point mean >= "
             f"{reward_threshold:.3f}",
+            *_failed_notes(failed),
         ],
+        failed=failed,
     )
     result.extras = write_extras
     return result
+
+
+def _median(values: list[float]) -> float:
+    """The median of the finite samples; NaN when there is none (no warning).
+
+    >>> _median([3.0, float("nan"), 1.0]), _median([])
+    (2.0, nan)
+    """
+    finite = [v for v in values if not math.isnan(v)]
+    return float(np.median(finite)) if finite else math.nan
 
 
 def write_extras(result, out: Path) -> list[Path]:

@@ -422,7 +422,14 @@ def cmd_bench(args: argparse.Namespace) -> int:
         options["splits"] = {
             arm: int(r) for arm, r in (item.split("=") for item in args.splits.split(","))
         }
-    run_bench(args.name, args.out, **options)
+    result = run_bench(args.name, args.out, **options)
+    if result.failed:  # (figures of the other runs written: the failed ones listed)
+        print(
+            f"laminar bench {args.name}: {len(result.failed)} run(s) failed and were left "
+            "out (listed in the notes and the JSON's `failed`)",
+            file=sys.stderr,
+        )
+        return 1
     return 0
 
 

@@ -3,6 +3,7 @@ the pure parts the schedules bench rests on (time models, the split search)."""
 
 from __future__ import annotations
 
+import json
 import shutil
 
 import numpy as np
@@ -145,6 +146,69 @@ def test_the_split_search_finds_the_best_split_of_a_unimodal_throughput():
             got, seen = search_split(f, lo=1, hi=15, start=start)
             assert got == best and len(set(calls)) == len(calls)  # each split run once
             assert got in seen
+
+
+def test_a_bench_result_leaves_failed_runs_out_and_lists_them():
+    """A run that failed is no measurement: an arm with none left has no figures and
+    its ratios are None; the notes and ``failed`` name every failed run."""
+    from pipelines.bench_schedules import FIGURES, Cluster, _result
+
+    def fig(throughput: float) -> dict:
+        return {k: 1.0 for k in FIGURES} | {
+            "throughput": throughput,
+            "_policy": [(0.0, 0.5), (10.0, 0.9)],
+            "_trained": [(0.0, 0.5), (10.0, 0.9)],
+        }
+
+    results = {"sync": [fig(100.0), fig(120.0)], "laminar": [fig(150.0)], "stream": []}
+    failed = [
+        {
+            "arm": "laminar",
+            "replicas": 5,
+            "run": "s1",
+            "run_dir": "d/laminar-r5-s1",
+            "reason": "failed: lost",
+        },
+        {
+            "arm": "stream",
+            "replicas": 6,
+            "run": "s0",
+            "run_dir": "d/stream-r6-s0",
+            "reason": "failed: reward",
+        },
+    ]
+    res = _result(
+        Cluster(64),
+        ("sync", "laminar", "stream"),
+        results,
+        {"sync": 16, "laminar": 5, "stream": 6},
+        {},
+        None,
+        "d",
+        failed,
+        dict(seeds=2),
+    )
+    assert res.figures["laminar_throughput"] == 150.0 and res.figures["sync_throughput"] == 110
+    assert np.isnan(res.figures["stream_throughput"])
+    assert res.ratios["laminar_vs_sync"] == pytest.approx(150 / 110)
+    assert res.ratios["laminar_vs_stream"] is None
+    assert res.failed == failed and res.to_json()["failed"] == failed
+    assert [n for n in res.notes if n.startswith("FAILED")] == [
+        "FAILED, left out: laminar R=5 s1: failed: lost (d/laminar-r5-s1)",
+        "FAILED, left out: stream R=6 s0: failed: reward (d/stream-r6-s0)",
+    ]
+    with pytest.raises(RuntimeError, match="every measured run failed"):
+        _result(
+            Cluster(64),
+            ("stream",),
+            {"stream": []},
+            {"stream": 6},
+            {},
+            None,
+            "d",
+            failed[1:],
+            dict(seeds=1),
+        )
 
 
 def test_a_search_only_bench_reports_each_split_and_its_probes():
@@ -348,6 +412,39 @@ def test_paced_schedules_pay_their_weight_movements_and_the_bench_reads_them(
     searched = reanalyse(str(probes), probe_warmup=1)
     assert searched.ratios == {} and searched.options["splits"] == {"one_step": 2}
     assert searched.figures["one_step_probe_throughput"] == fig["throughput"]
+    # ... and a run that failed is left out of every figure and listed; the command
+    # writes the others' figures and exits 1
+    lost = runs / "stream-r2-s0"
+    shutil.copytree(run.run_dir, lost)
+    (lost / "summary.json").write_text(
+        json.dumps(summary | {"reason": "failed: reward function raised"})
+    )
+    out = tmp_path / "again.json"
+    from pipelines.cli import main
+
+    assert (
+        main(
+            [
+                "bench",
+                "schedules",
+                "--from-runs",
+                "--runs-dir",
+                str(runs),
+                "--warmup",
+                "1",
+                "--out",
+                str(out),
+            ]
+        )
+        == 1
+    )
+    written = json.loads(out.read_text())
+    assert written["figures"]["one_step_throughput"] == fig["throughput"]
+    assert np.isnan(written["figures"]["stream_throughput"])  # (its one run failed)
+    assert [(f["arm"], f["run"], f["reason"]) for f in written["failed"]] == [
+        ("stream", "s0", "failed: reward function raised")
+    ]
+    assert any(n.startswith("FAILED, left out: stream R=2 s0") for n in written["notes"])
 
 
 def test_a_baseline_run_is_not_resumed_in_place(tmp_path):
