@@ -22,6 +22,9 @@ from laminar.losses import (
 )
 
 CORRECTIONS = ("none", "tis", "decoupled")
+# Metrics that follow the loss aggregation (``agg``); every other metric is a fraction or a
+# mean over loss tokens (clip_frac, approx_kl, ratio_mean, ...), whatever ``agg``.
+AGG_METRICS = frozenset({"pg_loss", "loss", "entropy", "kl_ref"})
 
 
 @dataclass(frozen=True)
@@ -168,7 +171,9 @@ def grpo_step(
     The batch is processed in length-sorted micro-batches whose losses are weighted by
     their share of the batch (of its loss tokens for ``token-mean``, of its sequences for
     the ``seq-mean-*`` aggregations), so the gradient equals that of one aggregation over
-    the whole batch.
+    the whole batch. So do the metrics: ``loss``, ``pg_loss``, ``entropy`` and ``kl_ref``
+    follow ``agg``; the others (``clip_frac``, ``approx_kl``, ``ratio_mean``, …) are over
+    the batch's loss tokens.
 
     Data parallelism: with ``shard`` (the rows this rank computes) and ``all_reduce``
     (``all_reduce(tensor, op)`` reduces in place over ranks, ``op`` "sum" or "max"), each
@@ -204,10 +209,8 @@ def grpo_step(
             [loss_masks[i] for i in idx],
             pad_token_id,
         )
-        if agg == "token-mean":
-            weight = float(batch.response_mask.sum()) / n_total
-        else:
-            weight = len(idx) / len(prompts)
+        token_share = float(batch.response_mask.sum()) / n_total
+        weight = token_share if agg == "token-mean" else len(idx) / len(prompts)
         logp, ent = response_logprobs(model, batch, temperature, with_entropy=True)
         mask = batch.response_mask
         clip = dict(clip_low=clip_low, clip_high=clip_high, clip_c=clip_c, agg=agg)
@@ -247,8 +250,11 @@ def grpo_step(
             float(batch.response_mask.sum()), 1.0
         )
         diff_max = max(diff_max, float(diff.max()) if diff.numel() else 0.0)
+        # A token metric is weighted by the micro-batch's share of the loss tokens, so it
+        # is the same whatever the micro-batch size (under seq-mean the loss's weight, a
+        # share of the sequences, would skew it towards micro-batches of short rows).
         for k, v in metrics.items():
-            sums[k] = sums.get(k, 0.0) + weight * v
+            sums[k] = sums.get(k, 0.0) + (weight if k in AGG_METRICS else token_share) * v
     params = [p for p in model.parameters() if p.requires_grad]
     if all_reduce is not None:
         _all_reduce_grads(params, all_reduce)

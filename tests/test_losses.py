@@ -221,3 +221,43 @@ def test_entropy_bounds():
     peaked = torch.tensor([[[50.0, 0.0, 0.0], [0.0, 50.0, 0.0]]])
     assert float(entropy(peaked, mask)) < 1e-6
     assert float(entropy(torch.zeros(1, 2, 3), mask)) == pytest.approx(math.log(3))
+
+
+@pytest.mark.parametrize("agg", ["seq-mean-token-sum", "seq-mean-token-mean"])
+def test_token_metrics_do_not_depend_on_the_micro_batch_size(tiny_policy, agg):
+    """``clip_frac``, ``approx_kl``, ``ratio_mean``… are fractions and means over the
+    batch's loss tokens whatever the loss aggregation: splitting the batch into
+    micro-batches (a memory setting) must not change them. Under the ``seq-mean-*``
+    aggregations a micro-batch's share of the *sequences* is not its share of the tokens."""
+    import numpy as np
+
+    from laminar.model import load_policy
+    from laminar.update import grpo_step
+
+    model, tok = load_policy(tiny_policy)
+    rng = np.random.default_rng(3)
+    n = 8
+    prompts = [rng.integers(4, 60, rng.integers(2, 6)).astype(np.int32) for _ in range(n)]
+    responses = [rng.integers(4, 60, rng.integers(1, 15)).astype(np.int32) for _ in range(n)]
+    # behavior logprobs far from the policy's (about -4): many ratios are clipped
+    logps = [-rng.uniform(2, 6, len(r)).astype(np.float32) for r in responses]
+    masks = [(rng.random(len(r)) > 0.2).astype(np.uint8) for r in responses]
+    rewards = torch.tensor(rng.integers(0, 3, n), dtype=torch.float32)
+    groups = torch.arange(n) // 4
+    out = {}
+    for correction in ("none", "decoupled"):
+        for budget in (10**6, 30):
+            opt = torch.optim.SGD(model.parameters(), lr=0.0)
+            out[correction, budget] = grpo_step(
+                model, opt, prompts, responses, logps, masks, rewards, groups,
+                pad_token_id=tok.pad_token_id, clip_low=0.2, clip_high=0.28, clip_c=1.5,
+                micro_batch_tokens=budget, agg=agg, correction=correction,
+            )  # fmt: skip
+        one, split = out[correction, 10**6], out[correction, 30]
+        assert split["loss"] == pytest.approx(one["loss"], rel=1e-4, abs=1e-6)
+        for key in (
+            "clip_frac", "clip_frac_low", "clip_frac_high", "dual_clip_frac", "ratio_mean",
+            "approx_kl", "logprob_diff_mean", "is_weight_mean", "is_weight_capped_frac",
+        ):  # fmt: skip
+            if key in one:
+                assert split[key] == pytest.approx(one[key], rel=1e-5, abs=1e-7), key
