@@ -223,14 +223,22 @@ def kl_penalty(
     agg: str = "token-mean",
 ) -> torch.Tensor:
     """KL(π‖π_ref) estimated from sampled tokens: ``k1 = log r``, ``k2 = (log r)²/2``,
-    ``k3 = r⁻¹ - 1 + log r`` with ``r = π/π_ref`` (k3: unbiased, always ≥ 0).
+    ``k3 = r⁻¹ - 1 + log r`` with ``r = π/π_ref`` (k1 and k3 unbiased, k3 always ≥ 0).
+
+    The value is the estimator's; the gradient, on samples of π, is in expectation:
+
+    * k1 and k2: ``∇ KL(π‖π_ref)``. k1's own gradient ``∇ log π`` has mean zero, so as a
+      loss term it would be noise with no pull; it is given the gradient it has when
+      ``-log r`` is put in the reward (classic RLHF), which is k2's;
+    * k3: ``∇ KL(π_ref‖π)``, the forward KL (GRPO's loss, as published).
 
     >>> float(kl_penalty(torch.zeros(1, 2), torch.zeros(1, 2), torch.ones(1, 2)))
     0.0
     """
     log_r = logprobs - ref_logprobs
     if kind == "k1":
-        values = log_r
+        k2 = 0.5 * log_r.pow(2)  # value log r, gradient log r · ∇log π (k2's)
+        values = log_r.detach() + (k2 - k2.detach())
     elif kind == "k2":
         values = 0.5 * log_r.pow(2)
     elif kind == "k3":

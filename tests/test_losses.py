@@ -261,3 +261,39 @@ def test_token_metrics_do_not_depend_on_the_micro_batch_size(tiny_policy, agg):
         ):  # fmt: skip
             if key in one:
                 assert split[key] == pytest.approx(one[key], rel=1e-5, abs=1e-7), key
+
+
+def _expected_kl_gradient(kind: str, theta: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
+    """E_{a~π}[∇θ kl_penalty(a)] for π = softmax(θ), computed exactly over the actions."""
+    theta = theta.clone().requires_grad_(True)
+    logp = torch.log_softmax(theta, -1)
+    one = torch.ones(1, 1)
+    values = torch.stack(
+        [kl_penalty(logp[a].view(1, 1), ref[a].view(1, 1), one, kind=kind) for a in range(5)]
+    )
+    (logp.exp().detach() * values).sum().backward()
+    return theta.grad
+
+
+def test_kl_penalty_gradients_are_those_of_a_kl():
+    """The KL penalty's expected gradient on on-policy samples: k1 and k2 give that of
+    KL(π‖π_ref) (k1 as if it were in the reward: its own gradient ∇log π has mean zero,
+    so as a loss term it would pull nowhere); k3 gives that of KL(π_ref‖π), as in GRPO."""
+    torch.manual_seed(0)
+    theta = torch.randn(5, dtype=torch.float64)
+    ref = torch.log_softmax(torch.randn(5, dtype=torch.float64), -1)
+    t = theta.clone().requires_grad_(True)
+    logp = torch.log_softmax(t, -1)
+    torch.autograd.backward((logp.exp() * (logp - ref)).sum())
+    reverse = t.grad
+    t = theta.clone().requires_grad_(True)
+    torch.autograd.backward((ref.exp() * (ref - torch.log_softmax(t, -1))).sum())
+    forward = t.grad
+    assert not torch.allclose(reverse, forward, atol=1e-3)
+    for kind in ("k1", "k2"):
+        assert torch.allclose(_expected_kl_gradient(kind, theta, ref), reverse, atol=1e-12), kind
+    assert torch.allclose(_expected_kl_gradient("k3", theta, ref), forward, atol=1e-12)
+    # the values are the estimators' own
+    lp, rf, m = torch.tensor([[-1.0, -2.0]]), torch.tensor([[-1.5, -1.0]]), torch.ones(1, 2)
+    assert float(kl_penalty(lp, rf, m, kind="k1")) == pytest.approx((0.5 - 1.0) / 2)
+    assert float(kl_penalty(lp, rf, m, kind="k2")) == pytest.approx((0.125 + 0.5) / 2)
