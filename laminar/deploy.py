@@ -214,7 +214,16 @@ def slurm_cluster(cfg: RunConfig, run_dir: str | Path, security=None):
         job_name=f"laminar-{Path(run_dir).name}"[:64],
         scheduler_options={"dashboard_address": ":0"},
     )
-    cluster = SLURMCluster(**{k: v for k, v in base.items() if v is not None})
+    try:
+        cluster = SLURMCluster(**{k: v for k, v in base.items() if v is not None})
+    except (RuntimeError, ValueError) as e:  # the in-process scheduler did not start
+        cause = e.__cause__ or e
+        if s.interface and "interface" in str(cause):
+            raise ConfigError(
+                f"cluster.slurm.interface={s.interface!r}: {cause}; give the interface the "
+                "compute nodes reach this machine on, or null for the default route"
+            ) from None
+        raise ConfigError(f"the scheduler of the Slurm cluster did not start: {cause}") from None
     # A SLURMCluster has one job template; ours differ per role. It is a SpecCluster, so
     # each worker gets its own spec (the template's options with the role's resources,
     # cores, memory, GPUs) and _correct_state submits them, as scale() does for one

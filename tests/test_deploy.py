@@ -202,3 +202,15 @@ def test_a_missing_scheduler_file_says_how_to_start_one(tmp_path):
     with pytest.raises(ClusterError, match=r"dask scheduler --scheduler-file .*scheduler.json"):
         with open_cluster(cfg, tmp_path):
             pass
+
+
+def test_a_wrong_slurm_interface_names_the_field(tmp_path):
+    """The scheduler of `cluster.kind: slurm` starts in this process: an interface it does
+    not have is a config error naming `cluster.slurm.interface`, before any job."""
+    pytest.importorskip("dask_jobqueue")
+    from laminar.deploy import open_cluster
+
+    cfg = with_overrides(RunConfig(), ["cluster.kind=slurm", "cluster.slurm.interface=no-such-if0"])
+    with pytest.raises(ConfigError, match=r"cluster.slurm.interface='no-such-if0': .*not a valid"):
+        with open_cluster(cfg, tmp_path / "run"):
+            pass
