@@ -230,7 +230,7 @@ def slurm_cluster(cfg: RunConfig, run_dir: str | Path, security=None):
     # template. Both are private to dask-jobqueue (tested with 0.9).
     jobs = {}
     for name, resources in run_workers(cfg).items():
-        role: SlurmRole = getattr(s, "trainer" if "trainer" in resources else next(iter(resources)))
+        role: SlurmRole = getattr(s, _role_section(resources))
         options = dict(cluster._job_kwargs)
         directives = list(s.job_directives) + ([f"--gres=gpu:{role.gpus}"] * (role.gpus > 0))
         res = ",".join(f"{k}={v}" for k, v in resources.items())
@@ -242,8 +242,48 @@ def slurm_cluster(cfg: RunConfig, run_dir: str | Path, security=None):
         )
         jobs[name] = {"cls": SLURMJob, "options": options}
     cluster.worker_spec.update(jobs)
-    cluster.sync(cluster._correct_state)
+    try:
+        cluster.sync(cluster._correct_state)
+    except Exception as e:  # noqa: BLE001 — sbatch refused a job: undo the others, say why
+        refused = _cancel_submitted(cluster)
+        sections = sorted({f"cluster.slurm.{_role_section(run_workers(cfg)[n])}" for n in refused})
+        said = [ln for ln in str(e).splitlines() if ln.startswith("sbatch:")] or [str(e)]
+        raise ClusterError(
+            f"Slurm refused the job(s) of {', '.join(sorted(refused)) or 'the run'} "
+            f"({', '.join(sections) or 'cluster.slurm'}; partition, account, walltime and "
+            "job_directives apply to every job):\n  " + "\n  ".join(said) + "\n"
+            "the jobs it had accepted are cancelled"
+        ) from None
     return cluster
+
+
+def _role_section(resources: dict) -> str:
+    """The ``cluster.slurm`` section of a worker's job: the trainer's job holds the data
+    module too (``data=1,trainer=1``), a lone data worker has ``data``."""
+    return "trainer" if "trainer" in resources else next(iter(resources))
+
+
+def _cancel_submitted(cluster) -> list[str]:
+    """After a refused submission: cancel the jobs that were accepted and stop the
+    scheduler now (not at the interpreter's exit: a notebook's kernel lives on). Returns
+    the names of the workers whose job was refused."""
+    import subprocess
+
+    from distributed.core import Status
+
+    accepted = {n: w.job_id for n, w in cluster.workers.items() if getattr(w, "job_id", None)}
+    refused = [n for n in cluster.worker_spec if n not in accepted]  # (close() empties it)
+    if accepted:
+        with contextlib.suppress(OSError, subprocess.SubprocessError):
+            subprocess.run(
+                ["scancel", *accepted.values()], capture_output=True, timeout=60, check=False
+            )
+    for w in list(cluster._created):  # never submitted: nothing for close() to wait on
+        if w.status == Status.created:
+            w.status = Status.failed
+    with contextlib.suppress(Exception):
+        cluster.close(timeout=30)
+    return refused
 
 
 # -- one entry point ---------------------------------------------------------------------

@@ -122,3 +122,25 @@ def test_a_run_through_the_sbatch_recipe(slurm, tmp_path):
     finally:
         subprocess.run(["scancel", *jobs], env=slurm, check=False)
     assert _wait_no_jobs(slurm, "laminar-worker,laminar-scheduler") == []
+
+
+def test_a_refused_job_cancels_the_accepted_ones_and_names_the_role(slurm, tmp_path):
+    """sbatch refuses the rollouts' jobs (more memory than any node has) after it took the
+    trainer's: the error names the role's section and sbatch's words, and the trainer's
+    job is cancelled at once, not when the interpreter exits (a notebook's kernel lives on
+    with the scheduler it started)."""
+    from laminar.config import load_config
+    from laminar.deploy import open_cluster
+    from laminar.errors import ClusterError
+
+    run_dir = tmp_path / "refused"
+    cfg = load_config(
+        REPO / "configs" / "slurm.yaml", [*SMALL_RUN, "cluster.slurm.rollout.memory=100000TB"]
+    )
+    with pytest.raises(ClusterError) as e:
+        with open_cluster(cfg, run_dir):
+            pass
+    message = str(e.value)
+    assert "rollout-0, rollout-1 (cluster.slurm.rollout;" in message, message
+    assert "sbatch: error:" in message and "cancelled" in message, message
+    assert _wait_no_jobs(slurm, f"laminar-{run_dir.name}", timeout=15) == []
