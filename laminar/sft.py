@@ -22,14 +22,14 @@ import os
 import shutil
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import numpy as np
 import torch
 
 from laminar.config import RunConfig
-from laminar.errors import ConfigError
+from laminar.errors import ConfigError, RunStopped
 from laminar.model import (
     build_tiny_policy,
     build_tokenizer,
@@ -47,6 +47,7 @@ logger = logging.getLogger(__name__)
 # Bump when the SFT procedure changes, so cached results of the old one are not reused.
 SFT_VERSION = 2
 EVAL_PROMPTS = 256  # the warm-started policy's reward is measured on this many prompts
+STOP_CHECK_STEPS = 5  # a stopped run's warm start ends within this many steps
 
 
 def cache_root(cfg: RunConfig) -> Path:
@@ -141,13 +142,17 @@ def folder_hash(path: Path) -> str:
     return h.hexdigest()
 
 
-def warm_start(cfg: RunConfig, prompts: list[Prompt]) -> tuple[Path, dict]:
+def warm_start(
+    cfg: RunConfig, prompts: list[Prompt], should_stop: Callable[[], bool] | None = None
+) -> tuple[Path, dict]:
     """Return the policy folder RL starts from, training it first unless cached.
 
     Runs where it is called (the pipeline submits it as a Dask task on the trainer worker).
     Returns the folder and ``{"cached": bool, "seconds": float, "final_loss": float,
     "eval_reward": float, ...}``; ``eval_reward`` is the warm start's mean reward under
     this run's reward and sampling (scored once per such :func:`_scoring`, then cached).
+    ``should_stop`` is asked every :data:`STOP_CHECK_STEPS` steps of training: a stopped
+    run's warm start raises :class:`~laminar.errors.RunStopped` and caches nothing.
     """
     base = base_policy(cfg)
     if not cfg.sft.enabled or cfg.sft.steps == 0:
@@ -185,7 +190,7 @@ def warm_start(cfg: RunConfig, prompts: list[Prompt]) -> tuple[Path, dict]:
     torch.set_num_threads(cfg.sft.torch_threads)
     t0 = time.time()
     model, tok = load_policy(base)
-    loss = _train(cfg, model, tok, prompts)
+    loss = _train(cfg, model, tok, prompts, should_stop)
     seconds = time.time() - t0
     info = {
         "cached": False,
@@ -294,7 +299,7 @@ def evaluate(cfg: RunConfig, model, tok, prompts: list[Prompt]) -> float:
     return float(np.nanmean([s.reward for s in scores]))
 
 
-def _train(cfg: RunConfig, model, tok, prompts: list[Prompt]) -> float:
+def _train(cfg: RunConfig, model, tok, prompts: list[Prompt], should_stop=None) -> float:
     s = cfg.sft
     rng = np.random.default_rng(cfg.seed)
     torch.manual_seed(cfg.seed)
@@ -323,7 +328,9 @@ def _train(cfg: RunConfig, model, tok, prompts: list[Prompt]) -> float:
     opt = torch.optim.AdamW(model.parameters(), lr=s.lr, weight_decay=0.0)
     model.train()
     loss = float("nan")
-    for _ in range(s.steps):
+    for step in range(s.steps):
+        if should_stop is not None and step % STOP_CHECK_STEPS == 0 and should_stop():
+            raise RunStopped(f"warm start stopped at step {step} of {s.steps} (sft.steps)")
         prompts_, answers = [], []
         for i in rng.integers(0, len(examples), s.batch_size):
             q = examples[i][0]

@@ -13,6 +13,7 @@ import json
 import logging
 import math
 import time
+import uuid
 from collections.abc import Callable
 from pathlib import Path
 
@@ -66,11 +67,19 @@ def _carried(carry: dict[str, float], row: dict) -> dict:
     return row
 
 
-def prepare_policy(cfg: RunConfig) -> tuple[str, dict]:
-    """Dask task: the warm-started policy folder (cached) and how it was obtained."""
+def prepare_policy(cfg: RunConfig, cancel: str | None = None) -> tuple[str, dict]:
+    """Dask task: the warm-started policy folder (cached) and how it was obtained.
+    ``cancel`` names a :class:`distributed.Event` the driver sets when the run is stopped
+    meanwhile: the warm start then ends within a few of its steps (a running task is not
+    ended by cancelling its future), freeing the trainer's worker."""
     from laminar.sft import warm_start
 
-    path, info = warm_start(cfg, load_prompts(cfg))
+    should_stop = None
+    if cancel is not None:
+        from distributed import Event
+
+        should_stop = Event(cancel).is_set
+    path, info = warm_start(cfg, load_prompts(cfg), should_stop=should_stop)
     return str(path), info
 
 
@@ -116,6 +125,7 @@ class Schedule:
         """Start the run's actors. ``should_stop``: asked while the warm start runs and
         between the phases after it; a stop raises :class:`~laminar.errors.RunStopped`
         (the caller releases what had started)."""
+        from distributed import Event
         from distributed import wait as wait_futures
 
         cfg, client = self.cfg, self.client
@@ -136,17 +146,28 @@ class Schedule:
         rollout_ws = place(client, "rollout", cfg.rollout.replicas)
         phase("warm-start")
         t0 = time.time()
+        cancel = Event(f"laminar-warm-start-{uuid.uuid4().hex}", client=client)
         fut = client.submit(
-            prepare_policy, cfg, workers=[trainer_w], resources={"trainer": 1}, pure=False
+            prepare_policy,
+            cfg,
+            cancel.name,
+            workers=[trainer_w],
+            resources={"trainer": 1},
+            pure=False,
         )
-        while True:  # (minutes for a warm start from scratch: a stop need not wait it out)
-            try:
-                wait_futures(fut, timeout=0.5)  # (raises its own errors in result())
-                break
-            except TimeoutError:
-                if should_stop():
-                    fut.cancel()
-                    phase("starting actors")
+        try:
+            while True:  # (minutes for a warm start from scratch: a stop need not wait)
+                try:
+                    wait_futures(fut, timeout=0.5)  # (raises its own errors in result())
+                    break
+                except TimeoutError:
+                    if should_stop():
+                        cancel.set()  # (the task ends itself: cancel() cannot end it)
+                        fut.cancel()
+                        phase("starting actors")
+        finally:
+            if not cancel.is_set():
+                cancel.clear()  # (the scheduler forgets an event that is clear)
         policy_dir, self.sft_info = fut.result()
         self.sft_info["wall_s"] = time.time() - t0
         self.policy_dir = policy_dir

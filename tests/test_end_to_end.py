@@ -432,6 +432,46 @@ def test_repack_moves_draining_batches_and_keeps_every_trajectory_whole(tmp_path
     assert fig["step_ms"] > 0 and 1 <= fig["decode_batch"] <= 64
 
 
+def test_a_run_stopped_in_its_warm_start_frees_the_trainers_worker(
+    cluster_client, small_config, tmp_path
+):
+    """A Dask task runs to its end when its future is cancelled: the warm start reads a
+    cancel event instead, so a stop ends it within a few steps, not sft.steps later."""
+    import pipelines
+    from laminar.config import with_overrides
+    from laminar.errors import RunStopped
+
+    cfg = with_overrides(  # (uncached: a warm start that would train for hours)
+        small_config, ["sft.steps=1000000", f"sft.cache_dir={tmp_path / 'cache'}"]
+    )
+    run = pipelines.submit(cfg, cluster_client, run_dir=tmp_path / "run")
+
+    def warming() -> list[str]:  # (on the workers: the scheduler forgets a cancelled task)
+        def running(dask_worker) -> list[str]:  # (nested: pickled by value)
+            return [str(k) for k in dask_worker.active_threads.values()]
+
+        return [
+            k
+            for keys in cluster_client.run(running).values()
+            for k in keys
+            if "prepare_policy" in k
+        ]
+
+    deadline = time.time() + 120
+    while not warming():
+        assert time.time() < deadline and not run.done(), run.progress()
+        time.sleep(0.2)
+    time.sleep(2.0)  # (training now)
+    run.stop()
+    with pytest.raises(RunStopped, match="stopped during its setup"):
+        run.wait(timeout=60)
+    deadline = time.time() + 30
+    while warming():
+        assert time.time() < deadline, "the warm start still runs on the trainer's worker"
+        time.sleep(0.2)
+    assert not list((tmp_path / "cache").glob("sft-*"))  # (nothing cached)
+
+
 def test_a_setup_that_fails_leaves_no_actor_on_the_cluster(
     cluster_client, small_config, tmp_path, monkeypatch
 ):
