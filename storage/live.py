@@ -96,11 +96,8 @@ def check_free(run_dir: str | Path) -> None:
     holds ``run_dir``: what :func:`claim` would refuse, checked without claiming."""
     path = Path(run_dir).resolve()
     with _lock:
-        held = _still_held(path)
-    if held is not None:
-        if held.driving:
-            raise RunGoing(path, held._record(), here=True)
-        return
+        if _idle_claim(path) is not None:
+            return
     live = running_driver(path)
     if live is not None:
         raise RunGoing(path, live)
@@ -149,10 +146,8 @@ def claim(run_dir: str | Path) -> Claim:
     returned again, unless a run is being driven under it."""
     path = Path(run_dir).resolve()
     with _lock:
-        held = _still_held(path)
+        held = _idle_claim(path)
         if held is not None:
-            if held.driving:
-                raise RunGoing(path, held._record(), here=True)
             return held
         new = Claim(path)
         file = path / LIVE_FILE
@@ -183,6 +178,15 @@ def _still_held(path: Path) -> Claim | None:
     if held is not None and not mine and _alive(live, path):
         del _held[path]
         return None
+    return held
+
+
+def _idle_claim(path: Path) -> Claim | None:
+    """This process's claim on ``path`` if no run is driven under it; raises
+    :class:`RunGoing` if one is. Called under ``_lock``."""
+    held = _still_held(path)
+    if held is not None and held.driving:
+        raise RunGoing(path, held._record(), here=True)
     return held
 
 
