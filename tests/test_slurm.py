@@ -14,7 +14,7 @@ import time
 
 import pytest
 from conftest import REPO, SMALL_RUN
-from runs import check_store, cli_run
+from runs import check_store, cli_run, laminar_cli, sets
 
 pytestmark = [pytest.mark.slurm, pytest.mark.slow]
 
@@ -144,3 +144,52 @@ def test_a_refused_job_cancels_the_accepted_ones_and_names_the_role(slurm, tmp_p
     assert "rollout-0, rollout-1 (cluster.slurm.rollout;" in message, message
     assert "sbatch: error:" in message and "cancelled" in message, message
     assert _wait_no_jobs(slurm, f"laminar-{run_dir.name}", timeout=15) == []
+
+
+def test_a_job_that_ends_before_its_worker_joins_fails_the_run_at_once(slurm, tmp_path):
+    """A wrong `cluster.slurm.python`: every job exits in a second. laminar submits no
+    second job, so waiting out cluster.placement_timeout_s (600 s in configs/slurm.yaml)
+    could only end in advice to start `dask worker` by hand: the run fails as soon as
+    squeue shows a job ended, quoting the job's log, and its jobs are cancelled."""
+    run_dir = tmp_path / "crashed"
+    t0 = time.monotonic()
+    proc = laminar_cli(
+        "run",
+        "configs/slurm.yaml",
+        "--run-dir",
+        str(run_dir),
+        *sets(
+            [
+                *SMALL_RUN,
+                "cluster.slurm.python=/no/such/venv/bin/python",
+                "cluster.placement_timeout_s=120",
+            ]
+        ),
+    )
+    out, _ = proc.communicate(timeout=180)
+    assert proc.returncode == 2, out
+    assert time.monotonic() - t0 < 60, out
+    assert "(cluster.slurm." in out and "before its worker joined" in out, out
+    assert "/no/such/venv/bin/python: No such file or directory" in out, out
+    assert _wait_no_jobs(slurm, f"laminar-{run_dir.name}") == []
+
+
+def test_a_placement_timeout_says_what_the_jobs_wait_for(slurm, tmp_path):
+    """Rollout jobs that cannot all start (each asks for every CPU of the node): the
+    timeout names their Slurm state, not a `dask worker` command the user need not run."""
+    run_dir = tmp_path / "queued"
+    cpus = subprocess.run(
+        ["sinfo", "-h", "-o", "%c"], env=slurm, capture_output=True, text=True, check=True
+    ).stdout.split()[0]
+    proc = laminar_cli(
+        "run",
+        "configs/slurm.yaml",
+        "--run-dir",
+        str(run_dir),
+        *sets([*SMALL_RUN, f"cluster.slurm.rollout.cores={cpus}", "cluster.placement_timeout_s=8"]),
+    )
+    out, _ = proc.communicate(timeout=180)
+    assert proc.returncode == 2, out
+    assert "cannot place this run" in out and "PENDING (" in out, out
+    assert "dask worker ADDRESS" not in out, out
+    assert _wait_no_jobs(slurm, f"laminar-{run_dir.name}") == []
