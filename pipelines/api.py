@@ -350,5 +350,9 @@ def resume(
     from laminar.deploy import role_needs, wait_for_roles
 
     cfg, plan, path = prepare_resume(run_dir, overrides)
-    wait_for_roles(client, role_needs(cfg), cfg.cluster.placement_timeout_s)
+    try:
+        wait_for_roles(client, role_needs(cfg), cfg.cluster.placement_timeout_s)
+    except BaseException:  # (the directory is free again for a resume from elsewhere)
+        claim(path).release()
+        raise
     return RunHandle(cfg, client, path, resume=plan)

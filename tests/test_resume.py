@@ -13,6 +13,7 @@ from laminar.config import RunConfig, with_overrides
 from laminar.errors import ConfigError
 from pipelines.api import prepare_resume, prepare_run_dir
 from pipelines.cli import main
+from storage.live import claim
 
 
 def _run_dir(tmp_path, checkpoint_version: int | None = None):
@@ -139,6 +140,31 @@ def test_a_directory_a_run_is_going_in_is_neither_resumed_nor_started_again(tmp_
     assert running_driver(run) is None
     with pytest.raises(ConfigError, match=r"at version 2 and trainer.steps=2"):  # (went on)
         prepare_resume(run)
+
+
+def test_a_resume_the_cluster_cannot_place_gives_its_directory_back(cluster_client, tmp_path):
+    """pipelines.resume claims the directory before it waits for workers: when none
+    come, it is given back (a notebook that lives on would otherwise hold it)."""
+    from laminar.errors import ClusterError
+    from laminar.learner import Learner
+    from laminar.model import build_tiny_policy
+    from pipelines.api import resume
+    from storage import TrajectoryWriter
+    from storage.live import running_driver
+
+    cfg = with_overrides(RunConfig(), ["trainer.steps=2"])
+    run = prepare_run_dir(cfg, tmp_path / "run")
+    learner = Learner(cfg, build_tiny_policy(tmp_path / "policy", seed=0))
+    learner.version = 1
+    learner.save(run / "checkpoints" / "version-000001")
+    TrajectoryWriter(run)
+    claim(run).release()  # (the start that made it is gone)
+    more = ["trainer.steps=3", "rollout.replicas=50", "cluster.placement_timeout_s=0"]
+    with pytest.raises(ClusterError, match="rollout: 2 worker"):
+        resume(run, cluster_client, overrides=more)
+    assert running_driver(run) is None
+    cfg, _, _ = prepare_resume(run, ["trainer.steps=3"])  # (free: taken at once)
+    claim(run).release()
 
 
 def test_a_run_directory_is_resumed_whatever_its_name_says_in_yaml(tmp_path):
