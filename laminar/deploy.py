@@ -217,7 +217,9 @@ def generate_tls(directory: str | Path) -> dict[str, str]:
     paths = {}
     for field, name in TLS_FILES.items():
         path = directory / name
-        path.touch(mode=0o600 if field == "key" else 0o644)
+        mode = 0o600 if field == "key" else 0o644
+        path.touch(mode=mode)
+        path.chmod(mode)  # (touch leaves an existing file's mode: a 0644 key.pem stayed so)
         path.write_text(contents[field])
         paths[field] = str(path)
     return paths

@@ -52,6 +52,16 @@ def test_role_needs_follow_the_config():
     assert role_needs(apart) == role_needs(cfg)
 
 
+def test_new_certificates_keep_an_existing_key_file_private(tmp_path):
+    """`laminar certs DIR` again, over a key.pem someone made readable: the new key is
+    written 0600 all the same (docs/deploy.md: the key readable by you only)."""
+    (tmp_path / "tls").mkdir()
+    (tmp_path / "tls" / "key.pem").write_text("old")
+    (tmp_path / "tls" / "key.pem").chmod(0o644)
+    generate_tls(tmp_path / "tls")
+    assert oct((tmp_path / "tls" / "key.pem").stat().st_mode & 0o777) == "0o600"
+
+
 def test_certificate_files_must_exist(tmp_path):
     paths = generate_tls(tmp_path / "tls")
     assert oct((tmp_path / "tls" / "key.pem").stat().st_mode & 0o777) == "0o600"
