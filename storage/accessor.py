@@ -96,15 +96,17 @@ class LaminarAccessor:
     def throughput(self, window: float = 10.0) -> xr.Dataset:
         """Tokens per second in windows of ``window`` seconds since the run started.
 
-        ``generated``: prompt + response tokens of trajectories that finished in the window;
-        ``trained``: those of trajectories the trainer consumed in the window. The last
-        window ends at the last event and is divided by its own length.
+        ``generated``: prompt + response tokens of trajectories that finished in the window
+        (the paper's token count); ``response``: their response tokens alone (what the
+        engines decoded: generation throughput); ``trained``: prompt + response tokens of
+        trajectories the trainer consumed in the window. The last window ends at the last
+        event and is divided by its own length.
         """
         ds = self._ds
         if not ds.sizes["trajectory"]:  # (a run that has stored nothing yet)
             empty = ("time", np.zeros(0))
             return xr.Dataset(
-                {"generated": empty, "trained": empty},
+                {"generated": empty, "response": empty, "trained": empty},
                 coords={"time": np.zeros(0)},
                 attrs={"units": "tokens/s", "window_s": window},
             )
@@ -119,9 +121,15 @@ class LaminarAccessor:
         if n:
             span[-1] = max(t_end - self.t0 - (n - 1) * window, 1e-9)
         gen = np.bincount(finish, weights=tokens, minlength=n)[:n] / span
+        response = ds["response_len"].values.astype(np.float64)
+        decoded = np.bincount(finish, weights=response, minlength=n)[:n] / span
         trained = np.bincount(sample, weights=tokens[consumed], minlength=n)[:n] / span
         return xr.Dataset(
-            {"generated": ("time", gen), "trained": ("time", trained)},
+            {
+                "generated": ("time", gen),
+                "response": ("time", decoded),
+                "trained": ("time", trained),
+            },
             coords={"time": np.arange(n) * window},
             attrs={"units": "tokens/s", "window_s": window},
         )

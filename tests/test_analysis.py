@@ -83,6 +83,8 @@ def test_throughput(run):
         span = 7.0 if w < n - 1 else t_end - 7.0 * w  # the last window ends at the last event
         in_w = (raw["t_finish"] - t0 >= 7.0 * w) & (raw["t_finish"] - t0 < 7.0 * (w + 1))
         assert tp["generated"].values[w] == pytest.approx(tokens[in_w].sum() / span)
+        decoded = raw["response_len"][in_w].sum() / span
+        assert tp["response"].values[w] == pytest.approx(decoded)
         sampled = (raw["t_sample"] - t0 >= 7.0 * w) & (raw["t_sample"] - t0 < 7.0 * (w + 1))
         assert tp["trained"].values[w] == pytest.approx(tokens[sampled].sum() / span)
 
