@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import subprocess
 import time
+from pathlib import Path
 
 import pytest
 from conftest import REPO, SMALL_RUN
@@ -193,3 +194,50 @@ def test_a_placement_timeout_says_what_the_jobs_wait_for(slurm, tmp_path):
     assert "cannot place this run" in out and "PENDING (" in out, out
     assert "dask worker ADDRESS" not in out, out
     assert _wait_no_jobs(slurm, f"laminar-{run_dir.name}") == []
+
+
+def test_single_node_stop_leaves_no_job_process(slurm, tmp_path):
+    """`single-node stop` on a node whose job ignores SIGTERM: scancel's SIGKILL comes
+    only after KillWait (30 s), past stop's wait, and the daemons it then stops leave the
+    job's process behind unless stop ends it too. A node of its own, beside `slurm`."""
+    root = tmp_path / "node"
+    r = subprocess.run(
+        [str(SINGLE_NODE), "start", "--root", str(root)], capture_output=True, text=True
+    )
+    if r.returncode != 0:
+        pytest.skip(f"single-node could not start a second node: {r.stderr.strip()}")
+    env = {**os.environ, "SLURM_CONF": str(root / "slurm.conf")}
+    pid_file = tmp_path / "job.pid"
+    stubborn = (
+        "import os, signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
+        f"open({str(pid_file)!r}, 'w').write(str(os.getpid())); time.sleep(600)"
+    )
+    try:
+        subprocess.run(
+            [
+                "sbatch",
+                f"--chdir={tmp_path}",
+                "-o",
+                "/dev/null",
+                "--wrap",
+                f'exec python3 -c "{stubborn}"',
+            ],
+            env=env,
+            check=True,
+            capture_output=True,
+        )
+        deadline = time.monotonic() + 30
+        while not (pid_file.exists() and pid_file.read_text()) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        pid = int(pid_file.read_text())
+    finally:
+        subprocess.run([str(SINGLE_NODE), "stop", "--root", str(root)], check=False)
+    time.sleep(0.5)
+    state = (
+        Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0]
+        if Path(f"/proc/{pid}").exists()
+        else "gone"
+    )
+    if state != "gone" and state != "Z":
+        os.kill(pid, 9)  # (the test's own leftover)
+    assert state in ("gone", "Z"), f"job process {pid} still running ({state})"
