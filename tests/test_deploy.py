@@ -224,3 +224,16 @@ def test_a_wrong_slurm_interface_names_the_field(tmp_path):
     with pytest.raises(ConfigError, match=r"cluster.slurm.interface='no-such-if0': .*not a valid"):
         with open_cluster(cfg, tmp_path / "run"):
             pass
+
+
+def test_the_docs_name_every_slurm_job_section():
+    """docs/deploy.md, path A, lists the per-role job sections of `cluster.slurm`: all of
+    them (`data` is the one a user of `cluster.data_apart` needs)."""
+    from pathlib import Path
+
+    from laminar.config import SlurmConfig, SlurmRole
+
+    text = (Path(__file__).resolve().parent.parent / "docs" / "deploy.md").read_text()
+    sections = [n for n, f in SlurmConfig.model_fields.items() if f.annotation is SlurmRole]
+    assert sections and "`cluster.slurm.trainer`" in text
+    assert [s for s in sections if s != "trainer" and f"`.{s}`" not in text] == []
