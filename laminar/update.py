@@ -200,6 +200,7 @@ def grpo_step(
     optimizer.zero_grad(set_to_none=True)
     sums: dict[str, float] = {}
     diff_max = 0.0
+    objective = dict(clip_low=clip_low, clip_high=clip_high, clip_c=clip_c, agg=agg, is_cap=is_cap)
     for local in micro_batches(lengths, micro_batch_tokens) if rows else []:
         idx = [rows[j] for j in local]
         batch = pack(
@@ -213,22 +214,12 @@ def grpo_step(
         weight = token_share if agg == "token-mean" else len(idx) / len(prompts)
         logp, ent = response_logprobs(model, batch, temperature, with_entropy=True)
         mask = batch.response_mask
-        clip = dict(clip_low=clip_low, clip_high=clip_high, clip_c=clip_c, agg=agg)
-        if correction == "none":
-            loss, metrics = policy_loss(logp, batch.old_logprobs, adv[idx], mask, **clip)
-        elif correction == "tis":
-            loss, metrics = tis_policy_loss(
-                logp, batch.old_logprobs, adv[idx], mask, is_cap=is_cap, agg=agg
-            )
-        else:
-            prox = (
-                logp.detach()
-                if proximal_logprobs is None
-                else _pad([proximal_logprobs[i] for i in idx], mask.shape[1])
-            )
-            loss, metrics = decoupled_policy_loss(
-                logp, prox, batch.old_logprobs, adv[idx], mask, is_cap=is_cap, **clip
-            )
+        prox = None
+        if correction == "decoupled" and proximal_logprobs is not None:
+            prox = _pad([proximal_logprobs[i] for i in idx], mask.shape[1])
+        loss, metrics = _objective(
+            correction, logp, batch.old_logprobs, adv[idx], mask, prox, **objective
+        )
         metrics["pg_loss"] = float(loss.detach())
         ent_mean = aggregate(ent, mask, agg)
         metrics["entropy"] = float(ent_mean.detach())
@@ -258,6 +249,13 @@ def grpo_step(
     params = [p for p in model.parameters() if p.requires_grad]
     if all_reduce is not None:
         _all_reduce_grads(params, all_reduce)
+        if not rows:  # an empty shard reduces the same metrics as the others, as zeros
+            empty = torch.zeros(0, 0)
+            _, names = _objective(
+                correction, empty, empty, torch.zeros(0), empty, None, **objective
+            )
+            names |= dict.fromkeys(["pg_loss", "entropy", "loss", "logprob_diff_mean"], 0.0)
+            sums = dict.fromkeys(list(names) + (["kl_ref"] if kl_coef else []), 0.0)
         keys = sorted(sums)
         packed = torch.tensor([sums[k] for k in keys], dtype=torch.float64)
         all_reduce(packed, "sum")  # the weighted metric sums add up over ranks
@@ -278,6 +276,31 @@ def grpo_step(
         "adv_abs_mean": float(adv.abs().mean()),
         "skipped": float(skipped),
     }
+
+
+def _objective(
+    correction: str,
+    logp: torch.Tensor,
+    behavior: torch.Tensor,
+    adv: torch.Tensor,
+    mask: torch.Tensor,
+    prox: torch.Tensor | None,
+    *,
+    clip_low: float,
+    clip_high: float,
+    clip_c: float | None,
+    agg: str,
+    is_cap: float,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """The policy loss of ``correction`` and its metrics; ``prox`` ``None``: the proximal
+    policy of decoupled PPO is this forward pass (``logp`` detached)."""
+    clip = dict(clip_low=clip_low, clip_high=clip_high, clip_c=clip_c, agg=agg)
+    if correction == "none":
+        return policy_loss(logp, behavior, adv, mask, **clip)
+    if correction == "tis":
+        return tis_policy_loss(logp, behavior, adv, mask, is_cap=is_cap, agg=agg)
+    prox = logp.detach() if prox is None else prox
+    return decoupled_policy_loss(logp, prox, behavior, adv, mask, is_cap=is_cap, **clip)
 
 
 def _all_reduce_grads(params: list[torch.Tensor], all_reduce) -> None:

@@ -297,3 +297,35 @@ def test_kl_penalty_gradients_are_those_of_a_kl():
     lp, rf, m = torch.tensor([[-1.0, -2.0]]), torch.tensor([[-1.5, -1.0]]), torch.ones(1, 2)
     assert float(kl_penalty(lp, rf, m, kind="k1")) == pytest.approx((0.5 - 1.0) / 2)
     assert float(kl_penalty(lp, rf, m, kind="k2")) == pytest.approx((0.125 + 0.5) / 2)
+
+
+def test_a_rank_without_rows_issues_the_same_collectives(tiny_policy):
+    """Data parallel: every rank must all-reduce tensors of the same shapes in the same
+    order, or the collective hangs. A rank whose shard is empty (a batch with fewer rows
+    than ranks: one group in a stream mini-batch, say) still reduces every metric."""
+    import numpy as np
+
+    from laminar.model import load_policy
+    from laminar.update import grpo_step
+
+    model, tok = load_policy(tiny_policy)
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(4, 60, 3).astype(np.int32)]
+    responses = [rng.integers(4, 60, 5).astype(np.int32)]
+    logps, masks = [-np.ones(5, np.float32)], [np.ones(5, np.uint8)]
+    for options in (
+        {},
+        {"correction": "decoupled", "clip_c": 3.0},
+        {"correction": "tis", "kl_coef": 0.1, "ref_model": model, "entropy_coef": 0.01},
+    ):
+        calls = {}
+        for shard in ([0], []):
+            seen = calls[len(shard)] = []
+            grpo_step(
+                model, torch.optim.SGD(model.parameters(), lr=0.0), prompts, responses,
+                logps, masks, torch.tensor([1.0]), torch.tensor([0]),
+                pad_token_id=tok.pad_token_id, clip_low=0.2, clip_high=0.28, shard=shard,
+                all_reduce=lambda t, op, seen=seen: seen.append((tuple(t.shape), op)),
+                **options,
+            )  # fmt: skip
+        assert calls[0] == calls[1], options
