@@ -214,6 +214,9 @@ def decoupled_policy_loss(
     return loss, metrics
 
 
+K3_LOG_RATIO_BOUND = 20.0  # k3 takes log(π/π_ref) no lower than -20 (π_ref/π = 4.9e8)
+
+
 def kl_penalty(
     logprobs: torch.Tensor,
     ref_logprobs: torch.Tensor,
@@ -230,7 +233,9 @@ def kl_penalty(
     * k1 and k2: ``∇ KL(π‖π_ref)``. k1's own gradient ``∇ log π`` has mean zero, so as a
       loss term it would be noise with no pull; it is given the gradient it has when
       ``-log r`` is put in the reward (classic RLHF), which is k2's;
-    * k3: ``∇ KL(π_ref‖π)``, the forward KL (GRPO's loss, as published).
+    * k3: ``∇ KL(π_ref‖π)``, the forward KL (GRPO's loss, as published). A token's k3
+      takes log r no lower than ``-K3_LOG_RATIO_BOUND``, so one token the policy has all
+      but ruled out cannot make the loss infinite.
 
     >>> float(kl_penalty(torch.zeros(1, 2), torch.zeros(1, 2), torch.ones(1, 2)))
     0.0
@@ -242,6 +247,12 @@ def kl_penalty(
     elif kind == "k2":
         values = 0.5 * log_r.pow(2)
     elif kind == "k3":
+        # exp(-log r) overflows float32 past log r < -88 (a token the reference finds far
+        # likelier than the policy): the loss turned inf and the whole step was skipped.
+        # log r is bounded below instead, where such a token pulls no gradient. (verl also
+        # caps each token's k3 at 10; that cap binds from π_ref/π ≈ 13 on, and would bend
+        # the gradient of ordinary tokens.)
+        log_r = log_r.clamp(min=-K3_LOG_RATIO_BOUND)
         values = torch.exp(-log_r) - 1 + log_r
     else:
         raise ValueError(f"kind={kind!r}; choose k1, k2 or k3")

@@ -299,6 +299,20 @@ def test_kl_penalty_gradients_are_those_of_a_kl():
     assert float(kl_penalty(lp, rf, m, kind="k2")) == pytest.approx((0.125 + 0.5) / 2)
 
 
+def test_k3_stays_finite_where_the_policy_has_all_but_ruled_a_token_out():
+    """log r = -100 (the reference 1e43 times likelier): exp(100) overflows float32 and
+    the step used to be skipped as non-finite. Bounded, the other tokens still train."""
+    lp = torch.tensor([[-101.0, -1.0]], requires_grad=True)
+    ref = torch.tensor([[-1.0, -1.5]])
+    loss = kl_penalty(lp, ref, torch.ones(1, 2), kind="k3")
+    loss.backward()
+    assert torch.isfinite(loss) and torch.isfinite(lp.grad).all()
+    k3 = math.exp(-0.5) - 1 + 0.5
+    bound = math.exp(20.0) - 1 - 20.0
+    assert float(loss) == pytest.approx((bound + k3) / 2)  # (the bound's, the other's own)
+    assert lp.grad[0, 0] == 0 and lp.grad[0, 1] == pytest.approx((1 - math.exp(-0.5)) / 2)
+
+
 def test_a_rank_without_rows_issues_the_same_collectives(tiny_policy):
     """Data parallel: every rank must all-reduce tensors of the same shapes in the same
     order, or the collective hangs. A rank whose shard is empty (a batch with fewer rows
