@@ -286,9 +286,6 @@ def slurm_cluster(cfg: RunConfig, run_dir: str | Path, security=None):
             "cluster.kind=slurm needs dask-jobqueue: pip install 'laminar-rl[slurm]'"
         ) from e
     s = cfg.cluster.slurm
-    workers = run_workers(cfg)
-    for section in sorted({_role_section(r) for r in workers.values()}):
-        _check_job_memory(section, getattr(s, section).memory)
     log_dir = slurm_log_dir(cfg, run_dir)
     log_dir.mkdir(parents=True, exist_ok=True)
     env = worker_environ(cfg.cluster.torch_threads)
@@ -360,22 +357,6 @@ def slurm_log_dir(cfg: RunConfig, run_dir: str | Path) -> Path:
     """Where the jobs of ``cluster.kind: slurm`` write their logs: RUN_DIR/slurm unless
     ``cluster.slurm.log_directory``."""
     return Path(cfg.cluster.slurm.log_directory or Path(run_dir) / "slurm").expanduser()
-
-
-def _check_job_memory(section: str, memory: str) -> None:
-    """A job's memory in a form dask-jobqueue turns into ``--mem`` (otherwise it fails
-    inside the submission, naming no field)."""
-    from dask.utils import parse_bytes
-
-    try:
-        ok = parse_bytes(memory) > 0
-    except (ValueError, TypeError):
-        ok = False
-    if not ok:
-        raise ConfigError(
-            f"cluster.slurm.{section}.memory={memory!r} is not a memory size; give one "
-            "like 4GB, 64GB or 500MB"
-        )
 
 
 def _job_state(state: str, reason: str) -> str:

@@ -226,21 +226,6 @@ def test_a_wrong_slurm_interface_names_the_field(tmp_path):
             pass
 
 
-@pytest.mark.parametrize("memory", ["4 gigs", "0GB"])
-def test_a_slurm_job_memory_that_is_no_size_names_the_field(tmp_path, memory):
-    """Checked before any job is submitted (dask-jobqueue failed inside the submission,
-    naming no field)."""
-    pytest.importorskip("dask_jobqueue")
-    from laminar.deploy import open_cluster
-
-    cfg = with_overrides(
-        RunConfig(), ["cluster.kind=slurm", f"cluster.slurm.rollout.memory={memory}"]
-    )
-    with pytest.raises(ConfigError, match=r"cluster.slurm.rollout.memory=.* is not a memory size"):
-        with open_cluster(cfg, tmp_path / "run"):
-            pass
-
-
 def test_the_docs_name_every_slurm_job_section():
     """docs/deploy.md, path A, lists the per-role job sections of `cluster.slurm`: all of
     them (`data` is the one a user of `cluster.data_apart` needs)."""
