@@ -295,6 +295,9 @@ class TrainerConfig(_Section):
     clip_high: float = Field(0.28, ge=0)
     clip_c: float | None = Field(None, gt=1)  # dual-clip bound for negative advantages
     loss_agg: Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean"] = "token-mean"
+    # GRPO's advantage: (r - group mean) / group std; false keeps the centring only
+    # (Dr. GRPO: the std favours groups whose rewards barely differ).
+    norm_adv_by_std: bool = True
     max_grad_norm: float = Field(1.0, gt=0)
     # Padded tokens per forward/backward; the global batch is split into length-sorted
     # micro-batches (same gradient, far less padding with long-tailed lengths).

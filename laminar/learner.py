@@ -188,6 +188,7 @@ class Learner:
             kl_coef=t.kl_coef,
             kl_kind=t.kl_kind,
             entropy_coef=t.entropy_coef,
+            norm_by_std=t.norm_adv_by_std,
         )
 
     def shard(self, batch: list[Trajectory]) -> list[int]:

@@ -165,6 +165,7 @@ def grpo_step(
     kl_coef: float = 0.0,
     kl_kind: str = "k3",
     entropy_coef: float = 0.0,
+    norm_by_std: bool = True,
 ) -> dict[str, float]:
     """One optimizer step of GRPO on a global batch; returns metrics.
 
@@ -193,7 +194,7 @@ def grpo_step(
     if correction not in CORRECTIONS:
         raise ValueError(f"trainer.correction={correction!r}; choose one of {CORRECTIONS}")
     model.train()
-    adv = group_advantages(rewards, group_index)
+    adv = group_advantages(rewards, group_index, norm_by_std=norm_by_std)
     n_total = float(sum(np.asarray(m).sum() for m in loss_masks)) or 1.0
     rows = list(range(len(prompts))) if shard is None else list(shard)
     lengths = [len(prompts[i]) + len(responses[i]) for i in rows]

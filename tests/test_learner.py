@@ -213,3 +213,16 @@ def test_the_rank_group_backend_follows_the_learners_tensors(tiny_policy):
     assert device == torch.device(LEARNER_DEVICE)
     assert group_backend(device) == "gloo"
     assert group_backend("cuda:0") == "nccl" and group_backend(torch.device("cpu")) == "gloo"
+
+
+def test_advantages_are_divided_by_the_group_std_unless_told_not_to(tiny_policy):
+    """trainer.norm_adv_by_std=false (Dr. GRPO): the advantage is r - group mean."""
+    data = batch(0)
+    rewards = np.array([x.reward for x in data]).reshape(4, 4)  # (4 groups of 4, in order)
+    centred = rewards - rewards.mean(axis=1, keepdims=True)
+    scaled = centred / (rewards.std(axis=1, keepdims=True) + 1e-6)
+    for setting, want in (("true", scaled), ("false", centred)):
+        cfg = with_overrides(CFG, [f"trainer.norm_adv_by_std={setting}"])
+        metrics = Learner(cfg, tiny_policy).update(data)
+        assert metrics["adv_abs_mean"] == pytest.approx(np.abs(want).mean(), rel=1e-6)
+    assert np.abs(scaled).mean() != pytest.approx(np.abs(centred).mean())  # (tells them apart)
