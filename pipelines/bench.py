@@ -73,6 +73,14 @@ class BenchResult:
         return "\n".join(lines + [f"note: {n}" for n in self.notes])
 
 
+def failed_notes(failed: list[dict]) -> list[str]:
+    """The notes that list the runs a result leaves out (the bench exits 1 with them)."""
+    return [
+        f"FAILED, left out: {f['arm']} R={f['replicas']} {f['run']}: {f['reason']} ({f['run_dir']})"
+        for f in failed
+    ]
+
+
 def _cell(v) -> str:
     """A table cell.
 

@@ -258,13 +258,16 @@ def bench_repack(
     from distributed import Client
 
     from laminar.cluster import local_cluster
-    from pipelines.bench import BenchResult
+    from laminar.errors import RunFailed
+    from pipelines.bench import BenchResult, failed_notes
     from pipelines.bench_schedules import Cluster
 
     cluster_shape = Cluster(gpus)
     scale = replace(cluster_shape.scale, dilation=model_dilation(model, cluster_shape))
     arms = arm_overrides(model, gpus, replicas, seed, overrides)
     results: dict[str, list[dict]] = {"off": [], "on": []}
+    by_rep: dict[tuple[str, int], dict] = {}  # (arm, pair) -> figures, for the pairs' ratios
+    failed: list[dict] = []  # runs that failed: left out, listed; the bench goes on
     with (
         tempfile.TemporaryDirectory(prefix="laminar-bench-repack-") as tmp,
         local_cluster(replicas, memory_limit="2GiB") as cluster,
@@ -275,12 +278,32 @@ def bench_repack(
             order = ["off", "on"] if rep % 2 == 0 else ["on", "off"]
             for arm in order:
                 run_dir = root / f"{arm}-{rep}"
-                fig = _arm(client, run_dir, arms[arm], duration_s, scale, warmup_share)
+                try:
+                    fig = _arm(client, run_dir, arms[arm], duration_s, scale, warmup_share)
+                except RunFailed as e:
+                    reason = str((e.summary or {}).get("reason") or e)
+                    failed.append(
+                        {
+                            "arm": arm,
+                            "replicas": replicas,
+                            "run": f"#{rep}",
+                            "run_dir": str(run_dir),
+                            "reason": reason,
+                        }
+                    )
+                    print(f"  {arm} #{rep}: FAILED: {reason}; left out, the bench goes on")
+                    continue
                 results[arm].append(fig)
+                by_rep[arm, rep] = fig
                 print(
                     f"  {arm} #{rep}: " + json.dumps({k: round(v, 4) for k, v in fig.items()}),
                     flush=True,
                 )
+    if not (results["on"] and results["off"]):
+        raise RuntimeError(
+            "an arm has no run that finished; nothing to compare:\n"
+            + "\n".join(failed_notes(failed))
+        )
     med = {
         arm: {k: float(np.median([r[k] for r in rs])) for k in rs[0]} for arm, rs in results.items()
     }
@@ -291,10 +314,12 @@ def bench_repack(
         "max_latency_on_vs_off": med["on"]["latency_max_s"] / med["off"]["latency_max_s"],
         "kv_util_on_vs_off": med["on"]["kv_util_mean"] / med["off"]["kv_util_mean"],
     }
-    # Pair by pair too: the arms of one pair ran back to back, on the same machine state.
+    # Pair by pair too: the arms of one pair ran back to back, on the same machine state
+    # (a pair with a failed arm is left out).
+    both = [r for r in range(repeats) if ("on", r) in by_rep and ("off", r) in by_rep]
     for key, fig in (("gen_throughput", "gen_tok_s"), ("mean_latency", "latency_mean_s")):
-        pairs = [on[fig] / off[fig] for on, off in zip(results["on"], results["off"], strict=True)]
-        ratios[f"{key}_on_vs_off_pairs_median"] = float(np.median(pairs))
+        pairs = [by_rep["on", r][fig] / by_rep["off", r][fig] for r in both]
+        ratios[f"{key}_on_vs_off_pairs_median"] = float(np.median(pairs)) if pairs else None
     cols = [
         "gen_tok_s",
         "kv_util_mean",
@@ -328,5 +353,7 @@ def bench_repack(
         notes=[
             "each arm runs the same paced workload for the same wall time; medians over "
             f"{repeats} alternating pairs; modelled units of the {gpus}-GPU cluster",
+            *failed_notes(failed),
         ],
+        failed=failed,
     )

@@ -721,18 +721,10 @@ def reanalyse(
     return _result(cluster, arms, results, splits, probes, reward_threshold, root, failed, locals_)
 
 
-def _failed_notes(failed: list[dict]) -> list[str]:
-    """The notes that list the runs a result leaves out (the bench exits 1 with them)."""
-    return [
-        f"FAILED, left out: {f['arm']} R={f['replicas']} {f['run']}: {f['reason']} ({f['run_dir']})"
-        for f in failed
-    ]
-
-
 def _search_result(cluster, arms, splits, probes, root, failed=()):
     """``--seeds 0``: the splits alone, searched (or fixed), and every probe; nothing is
     measured beyond the probes, so there are no medians and no ratios."""
-    from pipelines.bench import BenchResult
+    from pipelines.bench import BenchResult, failed_notes
 
     figures: dict[str, float | None] = {}
     rows = []
@@ -772,7 +764,7 @@ def _search_result(cluster, arms, splits, probes, root, failed=()):
             f"{cluster.gpus} emulated H800 GPUs: the split search alone (--seeds 0), probes "
             "of seed 0 in the probes' order; run with --splits ARM=R to measure at these; "
             "no table or plots beside the JSON (nothing was measured at the splits)",
-            *_failed_notes(list(failed)),
+            *failed_notes(list(failed)),
         ],
         failed=list(failed),
     )
@@ -794,11 +786,11 @@ def _options(cluster, splits, probes, root, **more) -> dict:
 
 
 def _result(cluster, arms, results, splits, probes, reward_threshold, root, failed, locals_):
-    from pipelines.bench import BenchResult
+    from pipelines.bench import BenchResult, failed_notes
 
     if not any(results.values()):
         raise RuntimeError(
-            "every measured run failed; nothing to report:\n" + "\n".join(_failed_notes(failed))
+            "every measured run failed; nothing to report:\n" + "\n".join(failed_notes(failed))
         )
     if reward_threshold is None:
         # Three quarters of the way from the base policy's reward to the lowest final one
@@ -852,7 +844,7 @@ def _result(cluster, arms, results, splits, probes, reward_threshold, root, fail
             f"time to reward: the policy's reward (its rollouts', at its publication; "
             f"ttr_trained_s: the trained batches', at their update), 2-point mean >= "
             f"{reward_threshold:.3f}",
-            *_failed_notes(failed),
+            *failed_notes(failed),
         ],
         failed=failed,
     )
