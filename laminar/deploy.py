@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import re
 import sys
 import time
 from collections.abc import Iterator
@@ -288,6 +289,16 @@ def slurm_cluster(cfg: RunConfig, run_dir: str | Path, security=None):
     s = cfg.cluster.slurm
     log_dir = slurm_log_dir(cfg, run_dir)
     log_dir.mkdir(parents=True, exist_ok=True)
+    if '"' in str(log_dir):
+        raise ConfigError(
+            f"the Slurm job logs' folder {str(log_dir)!r} has a double quote, which an "
+            "#SBATCH line cannot hold; set cluster.slurm.log_directory to a plainer path"
+        )
+    # Jobs from other runs must not be mistaken for ours in squeue. An #SBATCH line ends
+    # at a blank: a run directory "my run" gave `-J laminar-my run`, which sbatch refused.
+    job_name = ("laminar-" + re.sub(r"[^A-Za-z0-9._-]", "_", Path(run_dir).name))[:64]
+    # The logs' lines quoted (dask-jobqueue's log_directory writes them bare).
+    logs = [f'-e "{log_dir}/{job_name}-%J.err"', f'-o "{log_dir}/{job_name}-%J.out"']
     env = worker_environ(cfg.cluster.torch_threads)
     prologue = [f"export {k}={v}" for k, v in sorted(env.items())]
     prologue += list(s.job_prologue)
@@ -302,12 +313,12 @@ def slurm_cluster(cfg: RunConfig, run_dir: str | Path, security=None):
         nanny=False,
         python=s.python or sys.executable,
         job_script_prologue=prologue,
-        log_directory=str(log_dir),
+        # (a jobqueue.slurm.log-directory in a Dask config file would add bare ones)
+        job_directives_skip=["#SBATCH -e ", "#SBATCH -o "],
         interface=s.interface,
         protocol=f"{protocol}://",
         security=security,
-        # Jobs from other runs must not be mistaken for ours in squeue.
-        job_name=f"laminar-{Path(run_dir).name}"[:64],
+        job_name=job_name,
         scheduler_options={"dashboard_address": ":0"},
     )
     try:
@@ -328,7 +339,8 @@ def slurm_cluster(cfg: RunConfig, run_dir: str | Path, security=None):
     for name, resources in run_workers(cfg).items():
         role: SlurmRole = getattr(s, _role_section(resources))
         options = dict(cluster._job_kwargs)
-        directives = list(s.job_directives) + ([f"--gres=gpu:{role.gpus}"] * (role.gpus > 0))
+        gres = [f"--gres=gpu:{role.gpus}"] * (role.gpus > 0)
+        directives = [*logs, *s.job_directives, *gres]
         res = ",".join(f"{k}={v}" for k, v in resources.items())
         options.update(
             cores=role.cores,

@@ -63,7 +63,7 @@ def _jobs(env, name: str) -> list[str]:
     r = subprocess.run(
         ["squeue", "-h", "-n", name, "-o", "%i %T"], env=env, capture_output=True, text=True
     )
-    return r.stdout.split("\n") if r.stdout.strip() else []
+    return r.stdout.splitlines()
 
 
 def _wait_no_jobs(env, name: str, timeout: float = 30) -> list[str]:
@@ -241,3 +241,22 @@ def test_single_node_stop_leaves_no_job_process(slurm, tmp_path):
     if state != "gone" and state != "Z":
         os.kill(pid, 9)  # (the test's own leftover)
     assert state in ("gone", "Z"), f"job process {pid} still running ({state})"
+
+
+def test_a_run_directory_with_a_space_gets_its_jobs_and_logs(slurm, tmp_path):
+    """A run directory "my run": sbatch refused the jobs (`#SBATCH -J laminar-my run`,
+    "Invalid directive found in batch script: run"). The job name replaces the blank,
+    the log lines are quoted, and the logs land in RUN_DIR/slurm as documented."""
+    from laminar.config import load_config
+    from laminar.deploy import open_cluster
+
+    run_dir = tmp_path / "my run"
+    cfg = load_config(
+        REPO / "configs" / "slurm.yaml", [*SMALL_RUN, "cluster.placement_timeout_s=60"]
+    )
+    with open_cluster(cfg, run_dir) as client:
+        assert len(client.scheduler_info(n_workers=-1)["workers"]) == 3
+        assert len(_jobs(slurm, "laminar-my_run")) == 3
+    logs = sorted(p.name for p in (run_dir / "slurm").glob("laminar-my_run-*.err"))
+    assert len(logs) == 3, logs
+    assert _wait_no_jobs(slurm, "laminar-my_run") == []
