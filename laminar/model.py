@@ -214,11 +214,17 @@ class CachedDecoder:
                     "ln1": get(p + "input_layernorm.weight"),
                     "ln2": get(p + "post_attention_layernorm.weight"),
                     **{k: get(p + f"self_attn.{k}_proj.weight") for k in ("q", "k", "v", "o")},
+                    # Qwen2 has q/k/v biases; a Llama with attention_bias has o's too,
+                    # and with mlp_bias gate/up/down's.
                     **{
                         f"{k}_b": get(p + f"self_attn.{k}_proj.bias", required=False)
-                        for k in ("q", "k", "v")
+                        for k in ("q", "k", "v", "o")
                     },
                     **{k: get(p + f"mlp.{k}_proj.weight") for k in ("gate", "up", "down")},
+                    **{
+                        f"{k}_b": get(p + f"mlp.{k}_proj.bias", required=False)
+                        for k in ("gate", "up", "down")
+                    },
                 }
             )
 
@@ -302,9 +308,10 @@ class CachedDecoder:
                     keys = keys.repeat_interleave(rep, dim=1)
                     values = values.repeat_interleave(rep, dim=1)
                 att = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask)
-            x = x + F.linear(att.transpose(1, 2).reshape(bsz, t, -1), w["o"])
+            x = x + F.linear(att.transpose(1, 2).reshape(bsz, t, -1), w["o"], w["o_b"])
             h = self._norm(x, w["ln2"])
-            x = x + F.linear(F.silu(F.linear(h, w["gate"])) * F.linear(h, w["up"]), w["down"])
+            gate = F.silu(F.linear(h, w["gate"], w["gate_b"]))
+            x = x + F.linear(gate * F.linear(h, w["up"], w["up_b"]), w["down"], w["down_b"])
         return x
 
     def _norm(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:

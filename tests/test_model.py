@@ -85,3 +85,28 @@ def test_cached_decoder_matches_qwen2_with_biases_and_gqa():
             for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
                 proj.bias.normal_()
     check_decoder_against_hf(model, [[3, 7, 11, 13, 17], [4, 9], [5]])
+
+
+@pytest.mark.parametrize("bias", ["attention_bias", "mlp_bias"])
+def test_cached_decoder_matches_llama_with_biases(bias):
+    """A Llama with ``attention_bias`` has biases on q/k/v *and* o; with ``mlp_bias``,
+    on gate/up/down: every one of them must reach the cached forward."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(
+        vocab_size=50,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        **{bias: True},
+    )
+    model = LlamaForCausalLM(cfg).eval()
+    with torch.no_grad():  # HF initialises biases to zero: make them matter
+        for name, p in model.named_parameters():
+            if name.endswith(".bias"):
+                p.normal_()
+    check_decoder_against_hf(model, [[3, 7, 11, 13, 17], [4, 9], [5]])
