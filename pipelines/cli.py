@@ -332,9 +332,17 @@ def cmd_audit(args: argparse.Namespace) -> int:
 
 
 def cmd_certs(args: argparse.Namespace) -> int:
-    from laminar.deploy import generate_tls
+    from laminar.deploy import TLS_FILES, generate_tls
+    from laminar.errors import ConfigError
 
-    paths = generate_tls(args.dir)
+    there = [n for n in TLS_FILES.values() if (Path(args.dir).expanduser() / n).exists()]
+    if there and not args.force:
+        raise ConfigError(
+            f"{args.dir} already holds {', '.join(there)}: a scheduler and workers started "
+            "with them would not trust clients given new ones; pass another folder, or "
+            "--force to replace them (then restart everything that uses them)"
+        )
+    paths = generate_tls(Path(args.dir).expanduser())
     for field, path in paths.items():
         print(f"{field:<18} {path}")
     print(
@@ -475,6 +483,7 @@ def main(argv: list[str] | None = None) -> int:
     audit.add_argument("--json", action="store_true", help="print the report as JSON instead")
     certs = sub.add_parser("certs", help="write a new TLS CA, certificate and key to a folder")
     certs.add_argument("dir", help="folder for ca.pem, cert.pem, key.pem")
+    certs.add_argument("--force", action="store_true", help="replace a set already in the folder")
     report = sub.add_parser("report", help="plots and a summary page of one or more runs")
     report.add_argument("runs", nargs="+", metavar="RUN_DIR", help="run directories to compare")
     report.add_argument("--out", help="output folder (default RUN_DIR/report of the first run)")

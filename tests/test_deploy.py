@@ -62,6 +62,20 @@ def test_new_certificates_keep_an_existing_key_file_private(tmp_path):
     assert oct((tmp_path / "tls" / "key.pem").stat().st_mode & 0o777) == "0o600"
 
 
+def test_certs_does_not_replace_a_set_in_use_unless_forced(tmp_path, capsys):
+    """A scheduler started with the old CA would refuse every client given the new one:
+    `laminar certs DIR` over an existing set refuses, naming the files, unless --force."""
+    from pipelines.cli import main
+
+    assert main(["certs", str(tmp_path / "tls")]) == 0
+    ca = (tmp_path / "tls" / "ca.pem").read_text()
+    assert main(["certs", str(tmp_path / "tls")]) == 2
+    assert "already holds ca.pem, cert.pem, key.pem" in capsys.readouterr().err
+    assert (tmp_path / "tls" / "ca.pem").read_text() == ca
+    assert main(["certs", str(tmp_path / "tls"), "--force"]) == 0
+    assert (tmp_path / "tls" / "ca.pem").read_text() != ca
+
+
 def test_certificate_files_must_exist(tmp_path):
     paths = generate_tls(tmp_path / "tls")
     assert oct((tmp_path / "tls" / "key.pem").stat().st_mode & 0o777) == "0o600"
