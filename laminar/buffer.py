@@ -465,6 +465,9 @@ class ExperienceBuffer:
         lost = (arrays["status"] == "consumed") & (arrays["sample_version"] >= version)
         rows = np.flatnonzero(lost).tolist()
         groups = self._hold_again(arrays, rows)
+        # Released when consumed, they are out again: back-pressure counts them until
+        # they leave again (a rebuilt data module's pool does the same).
+        await self.pool.hold_again(sorted({str(arrays["prompt_uid"][i]) for i in rows}))
         self._flush(force=True)
         return {"readmitted": len(rows), "groups": groups}
 

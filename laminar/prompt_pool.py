@@ -126,6 +126,7 @@ class PromptPoolCore:
         self.n_untrained = 0  # of those released, the groups no update consumed
         self.n_skipped = 0  # updates that consumed a batch and published no version
         self.n_reissued = 0
+        self.n_held_again = 0  # groups a restarted trainer trains again (hold_again)
         self.n_passed_over = 0  # asks that found the room promised to a rollout ahead
         self._queue: dict[str, float] = {}  # idle rollouts waiting for room -> last ask
         by_key = {p.key: (p, tokens) for p, tokens in prompts}
@@ -243,6 +244,16 @@ class PromptPoolCore:
                 if batch is not None and uid in untrained:
                     self._owed.append(batch)
 
+    def hold_again(self, prompt_uids: list[str]) -> None:
+        """Groups released as consumed whose update was lost with the trainer: the buffer
+        holds them again (:meth:`laminar.buffer.ExperienceBuffer.trainer_restarted`), so
+        they count against ``max_outstanding`` until they leave again, as the groups of a
+        rebuilt data module do."""
+        for uid in prompt_uids:
+            if uid not in self.outstanding:
+                self.outstanding.add(uid)
+                self.n_held_again += 1
+
     def update_skipped(self) -> None:
         """The trainer consumed a batch but published no version (a non-finite update):
         it trains the next batch at the same version, so with ``batches`` every batch
@@ -261,6 +272,7 @@ class PromptPoolCore:
             "untrained": self.n_untrained,
             "outstanding": len(self.outstanding),
             "reissued": self.n_reissued,
+            "held_again": self.n_held_again,
             "queued": len(self._queue),
             "passed_over": self.n_passed_over,
             "epoch": self.epoch,
@@ -491,6 +503,9 @@ class PromptPool:
     async def version_published(self, version: int) -> None:
         self.core.version_published(version)
         self._changed()
+
+    async def hold_again(self, prompt_uids: list[str]) -> None:
+        self.core.hold_again(prompt_uids)
 
     async def update_skipped(self) -> None:
         self.core.update_skipped()

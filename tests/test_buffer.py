@@ -198,3 +198,68 @@ def test_a_restored_group_missing_siblings_completes_when_they_arrive():
     core.insert([traj("b0", "b", 3, 0), traj("b2", "b", 3, 2)], version=0, now=2.0)
     batch = core.sample(2, version=0, now=3.0)
     assert [t.uid for t in batch] == ["a0", "a1", "b0", "b1", "b2"]
+
+
+class _Pool:
+    """The prompt pool actor's async surface, over the real core."""
+
+    def __init__(self, core):
+        self.core = core
+
+    async def release(self, prompt_uids, untrained=()):
+        self.core.release(prompt_uids, tuple(untrained))
+
+    async def hold_again(self, prompt_uids):
+        self.core.hold_again(prompt_uids)
+
+    async def version_published(self, version):
+        self.core.version_published(version)
+
+
+def test_groups_held_again_for_a_restarted_trainer_count_against_back_pressure(tmp_path):
+    """The groups of updates lost with the trainer are held again: until they leave
+    again they are dispatched and not consumed, so the pool counts them outstanding (as
+    a rebuilt data module's pool does) and hands out no more than the bound."""
+    import asyncio
+    import types
+
+    from laminar.buffer import ExperienceBuffer
+    from laminar.prompt_pool import PromptPoolCore
+    from laminar.tasks import Prompt
+
+    prompts = [(Prompt(i, f"n {i} >", "x"), (1, i + 4)) for i in range(5)]
+    pool = PromptPoolCore(prompts, group_size=2, max_outstanding=2, seed=0)
+    cfg = types.SimpleNamespace(
+        sampler="fifo",
+        max_train_staleness=None,
+        dynamic_sampling=False,
+        flush_records=512,
+        flush_interval_s=5.0,
+    )
+
+    def generate(version):
+        return [
+            traj(f"{g.prompt_uid}-{i}", g.prompt_uid, 2, i, version, reward=float(i))
+            for g in pool.acquire(2, "r0", version)
+            for i in range(2)
+        ]
+
+    async def run():
+        buf = ExperienceBuffer(str(tmp_path), _Pool(pool), cfg)
+        await buf.insert(generate(0))
+        assert len(await buf.sample(2, 0)) == 4  # the update after checkpoint 0 ...
+        await buf.version_published(1)
+        await buf.insert(generate(1))  # (its room went to two new groups)
+        back = await buf.trainer_restarted(0)  # ... is lost with the trainer
+        assert back == {"readmitted": 4, "groups": 2}
+        held = set(buf.core.ready)
+        assert len(held) == 4 and pool.outstanding == held
+        assert pool.acquire(2, "r0", 1) == []  # the bound holds
+        for _ in range(2):
+            await buf.sample(2, 1)
+        assert pool.outstanding == set() and buf.core.depth == 0
+        s = pool.stats()
+        assert s["dispatched"] + s["held_again"] == s["released"] == 6
+        await buf.close()
+
+    asyncio.run(run())

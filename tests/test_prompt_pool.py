@@ -33,6 +33,7 @@ def test_back_pressure_bounds_outstanding_groups():
         "untrained": 0,
         "outstanding": 3,
         "reissued": 0,
+        "held_again": 0,
         "queued": 0,
         "passed_over": 0,
         "epoch": 0,
