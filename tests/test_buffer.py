@@ -3,9 +3,17 @@
 from factories import trajectory
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+from hypothesis.stateful import (
+    RuleBasedStateMachine,
+    initialize,
+    invariant,
+    precondition,
+    rule,
+)
 
 from laminar.buffer import BufferCore
+from laminar.prompt_pool import PromptPoolCore
+from laminar.tasks import Prompt
 
 
 def traj(uid, group, size, idx=0, version=0, reason="eos", reward=1.0):
@@ -263,3 +271,150 @@ def test_groups_held_again_for_a_restarted_trainer_count_against_back_pressure(t
         await buf.close()
 
     asyncio.run(run())
+
+
+class DataPathMachine(RuleBasedStateMachine):
+    """The prompt pool and the buffer core wired as ExperienceBuffer wires them (a group
+    that leaves, with any status, is released; untrained unless consumed): rollouts that
+    lag the trainer, siblings arriving in any order, duplicates, reward errors, groups
+    without reward variance, updates skipped. Every group dispatched is outstanding until
+    it leaves, exactly once, whole, within the bound; and the trainer never waits forever
+    once the rollouts pull the newest version."""
+
+    @initialize(
+        sampler=st.sampled_from(["fifo", "oldest_version", "same_version"]),
+        k=st.one_of(st.none(), st.integers(0, 3)),
+        dynamic=st.booleans(),
+        size=st.integers(2, 3),
+        n=st.integers(1, 3),
+        room=st.integers(0, 4),
+        dispatch=st.sampled_from(["free", "eta"]),
+        eta=st.integers(0, 2),
+    )
+    def setup(self, sampler, k, dynamic, size, n, room, dispatch, eta):
+        if sampler == "same_version":
+            k = 2 if k is None else k
+            # the most groups that can wait without a version filling a batch
+            room += (n - 1) * (k + 1) + 1 - n
+        self.pool = rule_pool_of(size, n + room, dispatch, groups_per_step=n, eta=eta)
+        self.core = BufferCore(sampler, max_train_staleness=k, dynamic_sampling=dynamic)
+        self.k, self.n, self.size = k, n, size
+        self.version = 0
+        self.rollouts = {"r0": 0, "r1": 0}
+        self.in_flight: list = []
+        self.sent: dict[str, object] = {}
+        self.left: dict[str, str] = {}  # uid -> status
+        self.groups_left: set[str] = set()
+        self.dispatched: set[str] = set()
+
+    def _release(self, left):
+        for t in left:
+            assert t.uid not in self.left
+            self.left[t.uid] = t.status
+        uids = sorted({t.prompt_uid for t in left})
+        assert not self.groups_left & set(uids)  # a group leaves once, whole
+        for u in uids:
+            assert len({t.status for t in left if t.prompt_uid == u}) == 1
+        self.groups_left |= set(uids)
+        trained = {t.prompt_uid for t in left if t.status == "consumed"}
+        self.pool.release(uids, tuple(u for u in uids if u not in trained))
+
+    def _acquire(self, r, want, flaws=None):
+        v = self.rollouts[r]
+        for g in self.pool.acquire(want, r, v, idle=True, now=0.0):
+            self.dispatched.add(g.prompt_uid)
+            for i in g.sample_indices:
+                error, reward = flaws(i) if flaws else (False, float(i % 2))
+                uid = f"{g.prompt_uid}-{i}"
+                reason = "error" if error else "eos"
+                self.in_flight.append(traj(uid, g.prompt_uid, g.group_size, i, v, reason, reward))
+
+    @rule(r=st.sampled_from(["r0", "r1"]), want=st.integers(1, 3), data=st.data())
+    def acquire(self, r, want, data):
+        draw = data.draw
+        self._acquire(
+            r, want, lambda i: (draw(st.integers(0, 9)) == 0, draw(st.sampled_from([0.0, 1.0])))
+        )
+
+    @rule(r=st.sampled_from(["r0", "r1"]))
+    def pull(self, r):
+        self.rollouts[r] = self.version
+
+    @precondition(lambda self: self.in_flight)
+    @rule(data=st.data(), duplicate=st.booleans())
+    def deliver(self, data, duplicate):
+        t = self.in_flight.pop(data.draw(st.integers(0, len(self.in_flight) - 1)))
+        batch = [t]
+        if duplicate and self.sent:  # sent again after a repack or a recovery
+            batch.append(self.sent[data.draw(st.sampled_from(sorted(self.sent)))])
+        self.sent[t.uid] = t
+        self._release(self.core.insert(batch, version=self.version, now=0.0))
+
+    @rule(skip=st.booleans())
+    def train(self, skip):
+        if self._train():
+            self._publish(skip)
+
+    def _train(self) -> bool:
+        self._release(self.core.evict_stale(self.version))
+        batch = self.core.sample(self.n, version=self.version, now=0.0)
+        if batch is None:
+            return False
+        self._release(batch)
+        groups: dict[str, list[int]] = {}
+        for t in batch:
+            groups.setdefault(t.prompt_uid, []).append(t.sample_idx)
+            assert self.k is None or t.sample_version - t.behavior_version <= self.k
+        assert len(groups) == self.n
+        assert all(sorted(s) == list(range(self.size)) for s in groups.values())
+        return True
+
+    def _publish(self, skip):
+        if skip:  # a non-finite update: consumed, no version
+            self.pool.update_skipped()
+            return
+        self.version += 1
+        self.pool.version_published(self.version)
+        self._release(self.core.evict_stale(self.version))
+
+    @invariant()
+    def every_group_is_out_until_it_leaves(self):
+        assert len(self.pool.outstanding) <= self.pool.max_outstanding
+        assert self.pool.outstanding == self.dispatched - self.groups_left
+        held = {t.uid for g in self.core.ready.values() for t in g}
+        held |= {t.uid for g in self.core.partial.values() for t in g.members}
+        assert not held & set(self.left) and held | set(self.left) == set(self.sent)
+        assert self.core.counts["inserted"] == len(self.sent)
+        for status in ("consumed", "discarded", "evicted", "filtered"):
+            assert self.core.counts[status] == sum(s == status for s in self.left.values())
+
+    def teardown(self):
+        if not hasattr(self, "pool"):
+            return
+        for _ in range(4):  # rollouts at the newest version: the trainer moves on
+            self.rollouts = dict.fromkeys(self.rollouts, self.version)
+            for _ in range(12):
+                for r in self.rollouts:
+                    self._acquire(r, 3)
+                while self.in_flight:
+                    t = self.in_flight.pop()
+                    t.finish_reason, t.reward = "eos", float(t.sample_idx % 2)
+                    self.sent[t.uid] = t
+                    self._release(self.core.insert([t], version=self.version, now=0.0))
+                if self._train():
+                    break
+            else:
+                ready = [min(m.behavior_version for m in g) for g in self.core.ready.values()]
+                raise AssertionError(f"the trainer waits forever: ready {ready}")
+            self._publish(False)
+
+
+def rule_pool_of(size, max_outstanding, dispatch, **rule):
+    prompts = [(Prompt(i, f"n {i} >", "x"), (1, i + 4)) for i in range(5)]
+    return PromptPoolCore(
+        prompts, group_size=size, max_outstanding=max_outstanding, seed=0, dispatch=dispatch, **rule
+    )
+
+
+TestDataPath = DataPathMachine.TestCase
+TestDataPath.settings = settings(max_examples=150, stateful_step_count=50, deadline=None)
