@@ -164,6 +164,24 @@ def _rope_theta(cfg) -> float:
     return float(theta if theta is not None else 10000.0)
 
 
+def _check_supported(cfg) -> None:
+    """Refuse a config whose forward is not :class:`CachedDecoder`'s maths (SiLU-gated
+    MLP, full causal attention): it would generate from other logits than the trainer's."""
+    act = getattr(cfg, "hidden_act", "silu")
+    if act not in ("silu", "swish"):
+        raise ModelError(f"hidden_act {act!r} is not supported by CachedDecoder (only silu)")
+    types = getattr(cfg, "layer_types", None)
+    if types:
+        sliding = any(t != "full_attention" for t in types)
+    else:
+        sliding = bool(getattr(cfg, "use_sliding_window", False))
+    if sliding:
+        raise ModelError(
+            "sliding-window attention is not supported by CachedDecoder; use a config "
+            "with use_sliding_window=false"
+        )
+
+
 class CachedDecoder:
     """Llama/Qwen2 forward over a preallocated, slotted KV cache (inference only).
 
@@ -179,6 +197,7 @@ class CachedDecoder:
     """
 
     def __init__(self, config, state: dict[str, torch.Tensor], device: str = "cpu") -> None:
+        _check_supported(config)
         self.config = config
         self.device = torch.device(device)
         self.n_layers = config.num_hidden_layers

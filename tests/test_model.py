@@ -110,3 +110,20 @@ def test_cached_decoder_matches_llama_with_biases(bias):
             if name.endswith(".bias"):
                 p.normal_()
     check_decoder_against_hf(model, [[3, 7, 11, 13, 17], [4, 9], [5]])
+
+
+def test_cached_decoder_refuses_what_it_would_compute_wrong():
+    """A config whose forward differs from the cached decoder's maths (another MLP
+    activation, sliding-window attention) is refused, not generated from silently."""
+    from transformers import LlamaConfig, Qwen2Config
+
+    shape = dict(vocab_size=50, hidden_size=64, intermediate_size=128, num_hidden_layers=2)
+    shape |= dict(num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    gelu = LlamaConfig(**shape, hidden_act="gelu")
+    window = Qwen2Config(**shape, use_sliding_window=True, sliding_window=4, max_window_layers=0)
+    for cfg, reason in [(gelu, "hidden_act 'gelu'"), (window, "sliding")]:
+        with pytest.raises(ModelError, match=reason):
+            CachedDecoder(cfg, {})
+    # A sliding window switched off (Qwen2's default) is a plain full-attention model.
+    plain = Qwen2Config(**shape, sliding_window=4)
+    assert not getattr(plain, "use_sliding_window", False)
