@@ -59,6 +59,13 @@ class Trajectory:
                     f"trajectory {self.uid!r}: {name} has {len(getattr(self, name))} values "
                     f"for {n} response tokens"
                 )
+        versions = self.token_versions
+        if len(versions) and (len(versions) != n or int(versions.min()) != self.behavior_version):
+            raise ValueError(
+                f"trajectory {self.uid!r}: token_versions must be empty or one per response "
+                f"token ({n}) with the behavior version {self.behavior_version} the oldest; "
+                f"it has {len(versions)} from {int(versions.min())}"
+            )
 
     def to_record(self) -> dict[str, Any]:
         """Field name -> value (arrays shared, not copied), as the store writer takes it."""

@@ -418,3 +418,23 @@ def rule_pool_of(size, max_outstanding, dispatch, **rule):
 
 TestDataPath = DataPathMachine.TestCase
 TestDataPath.settings = settings(max_examples=150, stateful_step_count=50, deadline=None)
+
+
+def test_a_trajectory_carries_one_version_per_response_token_or_none():
+    """``token_versions`` is empty (one version) or one per response token, the oldest
+    being the behavior version: misaligned, it would assign versions to the wrong
+    tokens in the store and the audit."""
+    import numpy as np
+    import pytest
+
+    mixed = traj("a", "g", 2, version=3)
+    mixed.token_versions = np.array([3, 4], np.int32)
+    mixed.__post_init__()  # sound
+    for versions, behavior in (([3], 3), ([3, 4, 4], 3), ([4, 5], 3)):
+        with pytest.raises(ValueError, match="token_versions"):
+            trajectory(
+                "a",
+                "g",
+                behavior_version=behavior,
+                token_versions=np.array(versions, np.int32),
+            )
