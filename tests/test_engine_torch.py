@@ -8,6 +8,7 @@ from hypothesis import strategies as st
 
 from laminar.engine import GenerationRequest, SamplingParams
 from laminar.model import load_policy
+from laminar.sampling import uniforms
 from laminar.testing import EngineContract, drain, tokens_of
 from laminar.torch_engine import TorchEngine
 
@@ -31,6 +32,31 @@ class TestTorchEngine(EngineContract):
     @pytest.fixture
     def make_engine(self, policy):
         return lambda **kw: build(policy, **kw)
+
+
+def assert_same_tokens_up_to_rounding(model, outs, ref, atol: float = 1e-6):
+    """The same tokens, except where the two runs part at a rounding tie.
+
+    Logits computed in another batch shape (or re-prefilled) differ by ~1e-7, so where
+    a token's uniform lies that close to a boundary of the CDF (about one token in 10^8)
+    two runs may sample neighbours and go on differently. At the first difference the
+    uniform must be within ``atol`` of the CDF between the two tokens (``T = 1``, no
+    filtering: the requests' sampling)."""
+    assert set(outs) == set(ref)
+    for rid, o in outs.items():
+        a, b = o.response_tokens.tolist(), ref[rid].response_tokens.tolist()
+        if a == b:
+            continue
+        i = next((j for j, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), None)
+        assert i is not None, f"{rid}: one response is a prefix of the other"
+        p = o.request.params
+        assert p.temperature == 1 and p.top_p == 1 and p.top_k == 0
+        with torch.no_grad():
+            logits = model(torch.tensor([[*o.request.prompt_tokens, *a[:i]]])).logits[0, -1]
+        cdf = torch.softmax(logits.double(), -1).cumsum(-1)
+        target = float(uniforms([p.seed], [i])[0]) * float(cdf[-1])
+        gap = min(abs(target - float(cdf[j])) for j in range(min(a[i], b[i]), max(a[i], b[i])))
+        assert gap <= atol, f"{rid}: token {i} is {a[i]} here, {b[i]} there, {gap=:.2e}"
 
 
 @settings(max_examples=25, deadline=None)
@@ -60,7 +86,7 @@ def test_capacity_is_never_exceeded_for_any_workload(policy, lengths, capacity, 
         return eng, drain(eng, check=check)
 
     eng, outs = run(max_batch=max_batch, kv_capacity_tokens=min(capacity, max_batch * 52))
-    assert tokens_of(outs) == tokens_of(run(max_batch=16)[1])
+    assert_same_tokens_up_to_rounding(policy[0], outs, run(max_batch=16)[1])
     for r in reqs:
         assert len(outs[r.request_id].response_tokens) <= r.params.max_new_tokens
 
