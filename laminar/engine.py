@@ -24,6 +24,7 @@ and :class:`~laminar.engine_base.EngineBase` — is in :mod:`laminar.engine_base
 from __future__ import annotations
 
 import math
+import numbers
 from dataclasses import dataclass, field, replace
 from typing import Any, Protocol, runtime_checkable
 
@@ -71,6 +72,12 @@ class SamplingParams:
             raise EngineError(f"{where} top_k={self.top_k!r}; must be ≥ 0 (0: off)")
         if any(not s for s in self.stop):
             raise EngineError(f"{where} stop contains an empty string; remove it")
+        if self.seed is not None and not (
+            isinstance(self.seed, numbers.Integral) and 0 <= self.seed < 2**64
+        ):
+            raise EngineError(
+                f"{where} seed={self.seed!r}; must be an integer in [0, 2**64) or None"
+            )
 
 
 @dataclass(frozen=True)

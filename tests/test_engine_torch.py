@@ -145,3 +145,16 @@ def test_engine_parity_with_the_trainer_forward(policy):
         lp = response_logprobs(model, batch, temperature=0.7)
     diff = ((lp - batch.old_logprobs).abs() * batch.response_mask).max()
     assert float(diff) <= 1e-4
+
+
+def test_a_seed_outside_64_bits_is_refused_on_arrival(policy):
+    """The sampler hashes seeds as uint64: a negative or too large seed must be refused
+    when the request arrives, not fail the step of every request decoding with it."""
+    from laminar.engine import EngineError
+
+    eng = build(policy, max_batch=4, max_seq_len=32)
+    eng.add_request(GenerationRequest("ok", (3, 4), SamplingParams(4, seed=2**64 - 1)))
+    for bad in (-1, 2**64, 1.5):
+        with pytest.raises(EngineError, match="seed"):
+            eng.add_request(GenerationRequest(f"s{bad}", (3, 4), SamplingParams(4, seed=bad)))
+    assert len(drain(eng)["ok"].response_tokens) >= 1
