@@ -61,7 +61,14 @@ def sample(
     temp = torch.as_tensor(temperature, dtype=torch.float32, device=dev)
     greedy = temp <= 0
     scale = torch.where(greedy, torch.ones_like(temp), temp)
-    logp = torch.log_softmax(logits / scale[:, None], dim=-1)
+    tempered = logits / scale[:, None]
+    # A vanishing T overflows logits / T to +inf (NaN after log_softmax); shifted by the
+    # row's max first, the same row is its T -> 0 limit: the argmax with logprob 0.
+    over = torch.isposinf(tempered).any(-1)
+    if over.any():
+        shifted = (logits - logits.amax(-1, keepdim=True)) / scale[:, None]
+        tempered = torch.where(over[:, None], shifted, tempered)
+    logp = torch.log_softmax(tempered, dim=-1)
     probs = logp.double().exp()
     k = np.asarray(top_k)
     p = np.asarray(top_p, dtype=np.float64)

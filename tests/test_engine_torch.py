@@ -158,3 +158,25 @@ def test_a_seed_outside_64_bits_is_refused_on_arrival(policy):
         with pytest.raises(EngineError, match="seed"):
             eng.add_request(GenerationRequest(f"s{bad}", (3, 4), SamplingParams(4, seed=bad)))
     assert len(drain(eng)["ok"].response_tokens) >= 1
+
+
+def test_a_vanishing_temperature_samples_the_argmax_with_logprob_0(policy):
+    """``logits / T`` overflows float32 for T ≲ 1e-38: the limit T → 0 is the argmax with
+    behavior logprob 0, not NaN logprobs and a token drawn from NaN probabilities."""
+    reqs = [
+        GenerationRequest(f"g{i}", (3 + i, 4), SamplingParams(8, 0.0, seed=i)) for i in range(3)
+    ]
+
+    def run(temperature):
+        eng = build(policy, max_batch=4, max_seq_len=32)
+        for r in reqs:
+            p = SamplingParams(8, temperature, seed=r.params.seed)
+            eng.add_request(GenerationRequest(r.request_id, r.prompt_tokens, p))
+        return drain(eng)
+
+    greedy = run(0.0)
+    for t in (1e-30, 1e-38, 1e-44):
+        outs = run(t)
+        assert tokens_of(outs) == tokens_of(greedy)
+        for o in outs.values():
+            assert np.all(o.logprobs == 0), (t, o.logprobs)
