@@ -91,7 +91,9 @@ def _filter_mask(probs: torch.Tensor, top_k: np.ndarray, top_p: np.ndarray) -> t
     """Keep, per row, the ``top_k`` most likely tokens and the smallest set of mass ≥ top_p."""
     n, vocab = probs.shape
     dev = probs.device
-    sorted_p, order = probs.sort(dim=-1, descending=True)
+    # Stable: tied tokens keep id order, so top-1 is the argmax (the first maximum) and
+    # which of them a filter keeps does not depend on a device's sort.
+    sorted_p, order = probs.sort(dim=-1, descending=True, stable=True)
     rank = torch.arange(vocab, device=dev)[None, :]
     k = torch.as_tensor(np.where(top_k > 0, np.minimum(top_k, vocab), vocab), device=dev)
     keep_sorted = rank < k[:, None]

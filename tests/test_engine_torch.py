@@ -180,3 +180,22 @@ def test_a_vanishing_temperature_samples_the_argmax_with_logprob_0(policy):
         assert tokens_of(outs) == tokens_of(greedy)
         for o in outs.values():
             assert np.all(o.logprobs == 0), (t, o.logprobs)
+
+
+def test_filters_break_ties_as_the_argmax_does():
+    """Tied logits: top-k and top-p keep the lowest token ids first, so ``top_k=1`` and
+    a tiny ``top_p`` pick what greedy picks (the argmax: the first maximum), whatever
+    order an unstable sort leaves tied entries in on a device."""
+    from laminar.sampling import sample
+
+    logits = torch.zeros(3, 300)
+    logits[:, [7, 200, 250]] = 5.0
+    u = uniforms([1, 2, 3], [0, 0, 0])
+    ones = np.ones(3)
+    greedy, _ = sample(logits, u, np.zeros(3), np.zeros(3, int), ones)
+    top1, _ = sample(logits, u, ones, np.ones(3, int), ones)
+    nucleus, _ = sample(logits, u, ones, np.zeros(3, int), np.full(3, 1e-9))
+    assert greedy.tolist() == top1.tolist() == nucleus.tolist() == [7, 7, 7]
+    wide, n = logits[:1].expand(50, -1), np.ones(50)
+    top2, _ = sample(wide, uniforms(range(50), [0] * 50), n, np.full(50, 2), n)
+    assert set(top2.tolist()) == {7, 200}
