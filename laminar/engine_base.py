@@ -257,7 +257,7 @@ class EngineBase:
         self,
         *,
         eos_token_id: int,
-        pad_token_id: int,
+        pad_token_id: int | None,
         max_batch: int,
         max_seq_len: int,
         kv_capacity_tokens: int | None,
@@ -268,7 +268,9 @@ class EngineBase:
     ) -> None:
         self.capacity = check_limits(max_batch, max_seq_len, kv_capacity_tokens)
         self.eos = eos_token_id
-        self.pad = pad_token_id
+        # Only fills prefill rows past their length, which nothing attends to: a
+        # tokenizer without a pad token (pad_token_id None) pads with 0.
+        self.pad = 0 if pad_token_id is None else pad_token_id
         self.max_batch = max_batch
         self.max_seq_len = max_seq_len
         self.seed = seed

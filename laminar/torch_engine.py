@@ -53,7 +53,7 @@ class TorchEngine(EngineBase):
         ``version``'s weights.
     eos_token_id, pad_token_id
         The end-of-sequence token (stops a request unless it sets ``ignore_eos``)
-        and the padding token.
+        and the padding token (``None``: the tokenizer has none; 0 pads).
     max_batch
         Rows of the cache: the most requests decoding at once.
     max_seq_len
@@ -93,7 +93,7 @@ class TorchEngine(EngineBase):
         state: dict[str, torch.Tensor],
         *,
         eos_token_id: int,
-        pad_token_id: int,
+        pad_token_id: int | None,
         max_batch: int = 64,
         max_seq_len: int = 256,
         kv_capacity_tokens: int | None = None,

@@ -199,3 +199,19 @@ def test_filters_break_ties_as_the_argmax_does():
     wide, n = logits[:1].expand(50, -1), np.ones(50)
     top2, _ = sample(wide, uniforms(range(50), [0] * 50), n, np.full(50, 2), n)
     assert set(top2.tolist()) == {7, 200}
+
+
+def test_a_tokenizer_without_a_pad_token_is_fine(policy):
+    """Llama-3-style tokenizers have no pad token (``pad_token_id`` is None); the engine
+    pads prefill rows with a token no row attends to, so any id does."""
+    reqs = [
+        GenerationRequest(f"r{i}", tuple(range(3, 4 + 3 * i)), SamplingParams(6, seed=i))
+        for i in range(3)
+    ]
+    outs = []
+    for pad in (None, 0):
+        eng = build(policy, pad_token_id=pad, max_batch=4, max_seq_len=32)
+        for r in reqs:
+            eng.add_request(r)
+        outs.append(tokens_of(drain(eng)))
+    assert outs[0] == outs[1]
