@@ -146,9 +146,13 @@ class FinishedOutput:
         return self.finish_reason in ("eos", "stop")
 
     def text(self, tok) -> str:
-        """The response as text, without a final stop token: what a reward function scores."""
+        """The response as text, without a final stop token (eos or one of
+        ``stop_token_ids``; a stop string stays): what a reward function scores."""
         resp = self.response_tokens
-        if self.finish_reason == "eos":
+        stop_token = self.finish_reason == "stop" and (
+            len(resp) and int(resp[-1]) in self.request.params.stop_token_ids
+        )
+        if self.finish_reason == "eos" or stop_token:
             resp = resp[:-1]
         return tok.decode(resp)
 

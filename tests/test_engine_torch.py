@@ -215,3 +215,20 @@ def test_a_tokenizer_without_a_pad_token_is_fine(policy):
             eng.add_request(r)
         outs.append(tokens_of(drain(eng)))
     assert outs[0] == outs[1]
+
+
+def test_text_leaves_out_a_final_stop_token_as_it_does_eos(policy):
+    """``FinishedOutput.text`` is what a reward scores, "without a final stop token":
+    a response ended by one of ``stop_token_ids`` loses it as one ended by eos does."""
+    _, tok = policy
+    eng = build(policy, max_batch=2, max_seq_len=40)
+    eng.add_request(GenerationRequest("a", (3, 4), SamplingParams(20, seed=5, ignore_eos=True)))
+    resp = drain(eng)["a"].response_tokens.tolist()
+    stop = resp[4]
+    eng.add_request(
+        GenerationRequest("b", (3, 4), SamplingParams(20, seed=5, stop_token_ids=(stop,)))
+    )
+    out = drain(eng)["b"]
+    first = resp.index(stop)
+    assert out.finish_reason == "stop" and out.response_tokens.tolist() == resp[: first + 1]
+    assert out.text(tok) == tok.decode(resp[:first])
