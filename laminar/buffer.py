@@ -19,6 +19,7 @@ core in batches from a background thread.
 from __future__ import annotations
 
 import collections
+import logging
 import math
 import queue
 import threading
@@ -27,6 +28,8 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 
 from laminar.contract import Trajectory
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -90,6 +93,7 @@ class BufferCore:
             "groups_consumed": 0,
             "groups_discarded": 0,
             "groups_evicted": 0,
+            "groups_stranded": 0,  # of those, evicted by evict_stranded (same_version)
             "groups_filtered": 0,
         }
 
@@ -157,6 +161,33 @@ class BufferCore:
         """Evict the complete groups that training at ``version`` would make too stale."""
         stale = [uid for uid, g in self.ready.items() if self._too_stale(g, version)]
         return [m for uid in stale for m in self._leave(self.ready.pop(uid), "evicted")]
+
+    def evict_stranded(self) -> list[Trajectory]:
+        """``same_version``: evict the complete groups of the oldest behavior version
+        held. For the caller to do when no version holds a batch and none can gain a
+        group: every group that may be out is complete here (the back-pressure bound is
+        reached). Without it such a run waits forever: versions too rare to fill a
+        batch hold every slot, and only a publication would evict them.
+
+        >>> import numpy as np
+        >>> def traj(uid, group, version):
+        ...     z = np.zeros(1, np.int32)
+        ...     return Trajectory(uid, group, 0, 0, 1, z, z, z.astype(np.float32),
+        ...                       z.astype(np.uint8), version, "eos", "r0", 0., 0., 0.,
+        ...                       reward=1.0)
+        >>> core = BufferCore("same_version")
+        >>> _ = core.insert([traj("a", "g0", 0), traj("b", "g1", 1)], version=1, now=1.0)
+        >>> core.sample(2, version=1, now=2.0) is None   # one group of each version
+        True
+        >>> [t.uid for t in core.evict_stranded()], list(core.ready)
+        (['a'], ['g1'])
+        """
+        if self.sampler != "same_version" or not self.ready:
+            return []
+        oldest = min(_behavior_version(g) for g in self.ready.values())
+        uids = [u for u, g in self.ready.items() if _behavior_version(g) == oldest]
+        self.counts["groups_stranded"] += len(uids)
+        return [m for u in uids for m in self._leave(self.ready.pop(u), "evicted")]
 
     def _too_stale(self, members: list[Trajectory], version: int) -> bool:
         k = self.max_train_staleness
@@ -377,6 +408,22 @@ class ExperienceBuffer:
                 self._events.append(_event(t.uid, t.status, t.sample_version, t.t_sample))
         self._flush()
 
+    async def _stranded(self) -> list[Trajectory]:
+        """``same_version`` found no batch: if nothing more can arrive (every group the
+        pool may have out is complete here, and it may hand out no more), the oldest
+        version's groups are evicted (:meth:`BufferCore.evict_stranded`), freeing their
+        slots for groups of the versions now generating."""
+        room = await self.pool.room()
+        if not room["full"] or room["outstanding"] > len(self.core.ready):
+            return []
+        out = self.core.evict_stranded()
+        logger.warning(
+            "buffer.sampler=same_version: no behavior version holds a batch and every slot "
+            "is taken; %d groups of the oldest version evicted to free them",
+            len({t.prompt_uid for t in out}),
+        )
+        return out
+
     async def _release(self, trajs: list[Trajectory]) -> None:
         """Groups that left (any status) free their back-pressure slots; then record it."""
         if trajs:
@@ -443,6 +490,8 @@ class ExperienceBuffer:
     async def sample(self, n_groups: int, version: int) -> list[Trajectory] | None:
         await self._release(self.core.evict_stale(version))
         batch = self.core.sample(n_groups, version=version, now=time.time())
+        if batch is None and self.core.sampler == "same_version" and self.core.ready:
+            await self._release(await self._stranded())
         await self._release(batch or [])
         self._flush()  # the trainer polls while it waits: pending writes go out on time
         await self._forget_committed()

@@ -228,6 +228,12 @@ class PromptPoolCore:
             return self.n_dispatched - self._start - spent < ahead
         return True
 
+    def full(self) -> bool:
+        """Whether no rollout may be handed a group now: the back-pressure bound (or the
+        ``eta`` rule) is reached. Barrier schedules (``batches``) hand out batch by batch,
+        each of one version: never full in this sense."""
+        return self.dispatch != "batches" and not self._may_dispatch("", self.version)
+
     def version_published(self, version: int) -> None:
         """The trainer published ``version`` (the ``eta`` rule counts from it)."""
         self.version = max(self.version, version)
@@ -503,6 +509,11 @@ class PromptPool:
     async def version_published(self, version: int) -> None:
         self.core.version_published(version)
         self._changed()
+
+    async def room(self) -> dict:
+        """``{"full": no group may go out now, "outstanding": groups out}`` (the buffer's
+        ``same_version`` sampler asks it when it finds no batch)."""
+        return {"full": self.core.full(), "outstanding": len(self.core.outstanding)}
 
     async def hold_again(self, prompt_uids: list[str]) -> None:
         self.core.hold_again(prompt_uids)

@@ -223,6 +223,56 @@ class _Pool:
     async def version_published(self, version):
         self.core.version_published(version)
 
+    async def room(self):
+        return {"full": self.core.full(), "outstanding": len(self.core.outstanding)}
+
+
+def test_same_version_never_waits_forever_on_versions_too_rare_to_fill_a_batch(tmp_path):
+    """Every slot held by a complete group of a different version, none enough for a
+    batch, and nothing in flight: the sampler used to return None for good (eviction
+    waits for a publication, which waits for a batch). The oldest version's groups are
+    now evicted, their slots go out again, and a batch forms."""
+    import asyncio
+    import types
+
+    from laminar.buffer import ExperienceBuffer
+    from laminar.prompt_pool import PromptPoolCore
+    from laminar.tasks import Prompt
+
+    prompts = [(Prompt(i, f"n {i} >", "x"), (1, i + 4)) for i in range(20)]
+    pool = PromptPoolCore(prompts, group_size=2, max_outstanding=3, seed=0)
+    cfg = types.SimpleNamespace(
+        sampler="same_version",
+        max_train_staleness=5,
+        dynamic_sampling=False,
+        flush_records=512,
+        flush_interval_s=5.0,
+    )
+
+    def generate(n, version):
+        return [
+            traj(f"{g.prompt_uid}-{i}", g.prompt_uid, 2, i, version, reward=float(i))
+            for g in pool.acquire(n, "r0", version)
+            for i in range(2)
+        ]
+
+    async def run():
+        buf = ExperienceBuffer(str(tmp_path), _Pool(pool), cfg)
+        for version in range(3):  # (rollouts at three versions: one group each)
+            await buf.insert(generate(1, version))
+        assert pool.full() and len(pool.outstanding) == len(buf.core.ready) == 3
+        assert await buf.sample(2, 2) is None  # no version holds two groups ...
+        assert buf.core.counts["groups_stranded"] == 1  # ... so version 0's group left
+        assert not pool.full() and len(pool.outstanding) == 2
+        await buf.insert(generate(1, 2))  # its slot went to a group of version 2
+        batch = await buf.sample(2, 2)
+        assert {t.behavior_version for t in batch} == {2} and len(batch) == 4
+        s = buf.core.stats()
+        assert s["groups_evicted"] == 1 and s["evicted"] == 2
+        await buf.close()
+
+    asyncio.run(run())
+
 
 def test_groups_held_again_for_a_restarted_trainer_count_against_back_pressure(tmp_path):
     """The groups of updates lost with the trainer are held again: until they leave
@@ -358,7 +408,10 @@ class DataPathMachine(RuleBasedStateMachine):
     def _train(self) -> bool:
         self._release(self.core.evict_stale(self.version))
         batch = self.core.sample(self.n, version=self.version, now=0.0)
-        if batch is None:
+        if batch is None:  # (as ExperienceBuffer.sample: versions stranded in every slot)
+            full = self.pool.full() and len(self.pool.outstanding) <= len(self.core.ready)
+            if self.core.sampler == "same_version" and self.core.ready and full:
+                self._release(self.core.evict_stranded())
             return False
         self._release(batch)
         groups: dict[str, list[int]] = {}
