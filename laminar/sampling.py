@@ -43,6 +43,25 @@ def uniforms(seeds, counters) -> np.ndarray:
     return (x >> np.uint64(11)).astype(np.float64) * (1.0 / (1 << 53))
 
 
+def tempered_log_softmax(logits: torch.Tensor, temperature) -> torch.Tensor:
+    """``log_softmax(logits / temperature)`` over the last axis: what the engines sample
+    from and the trainer recomputes (the same function, so the two agree bit for bit).
+
+    A vanishing temperature overflows ``logits / T`` to +inf (NaN after the softmax);
+    such a row is shifted by its max first, which gives its T -> 0 limit: the argmax
+    with logprob 0. Other rows are computed as written.
+
+    >>> tempered_log_softmax(torch.tensor([[1.0, 3.0]]), 1e-39).tolist()
+    [[-inf, 0.0]]
+    """
+    tempered = logits / temperature
+    over = torch.isposinf(tempered).any(-1, keepdim=True)
+    if over.any():
+        shifted = (logits - logits.amax(-1, keepdim=True)) / temperature
+        tempered = torch.where(over, shifted, tempered)
+    return torch.log_softmax(tempered, dim=-1)
+
+
 def sample(
     logits: torch.Tensor,
     u: np.ndarray,
@@ -61,14 +80,7 @@ def sample(
     temp = torch.as_tensor(temperature, dtype=torch.float32, device=dev)
     greedy = temp <= 0
     scale = torch.where(greedy, torch.ones_like(temp), temp)
-    tempered = logits / scale[:, None]
-    # A vanishing T overflows logits / T to +inf (NaN after log_softmax); shifted by the
-    # row's max first, the same row is its T -> 0 limit: the argmax with logprob 0.
-    over = torch.isposinf(tempered).any(-1)
-    if over.any():
-        shifted = (logits - logits.amax(-1, keepdim=True)) / scale[:, None]
-        tempered = torch.where(over[:, None], shifted, tempered)
-    logp = torch.log_softmax(tempered, dim=-1)
+    logp = tempered_log_softmax(logits, scale[:, None])
     probs = logp.double().exp()
     k = np.asarray(top_k)
     p = np.asarray(top_p, dtype=np.float64)

@@ -20,6 +20,7 @@ from laminar.losses import (
     policy_loss,
     tis_policy_loss,
 )
+from laminar.sampling import tempered_log_softmax
 
 CORRECTIONS = ("none", "tis", "decoupled")
 # Metrics that follow the loss aggregation (``agg``); every other metric is a fraction or a
@@ -51,15 +52,18 @@ def pack(
     responses: Sequence[np.ndarray],
     behavior_logprobs: Sequence[np.ndarray],
     loss_masks: Sequence[np.ndarray],
-    pad_token_id: int,
+    pad_token_id: int | None,
 ) -> PackedBatch:
-    """Pad a list of trajectories into tensors (right padding, so positions start at 0)."""
+    """Pad a list of trajectories into tensors (right padding, so positions start at 0).
+    A tokenizer without a pad token (``None``, as Llama 3's) pads with id 0: the mask
+    keeps every padded position out of attention and the loss."""
     bsz = len(prompts)
     plens = torch.tensor([len(p) for p in prompts])
     rlens = torch.tensor([len(r) for r in responses])
     width = int((plens + rlens).max())
     rwidth = int(rlens.max())
-    ids = torch.full((bsz, width), pad_token_id, dtype=torch.long)
+    pad = 0 if pad_token_id is None else pad_token_id
+    ids = torch.full((bsz, width), pad, dtype=torch.long)
     att = torch.zeros(bsz, width, dtype=torch.long)
     for i, (p, r) in enumerate(zip(prompts, responses, strict=True)):
         n, k = len(p), len(r)
@@ -76,7 +80,7 @@ def response_logprobs(
     """Log-probabilities ``[B, R]`` the model gives each response token (0 on padding);
     with ``with_entropy``, also the entropy ``[B, R]`` of each token's distribution."""
     logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits
-    logp = torch.log_softmax(logits.float() / temperature, dim=-1)
+    logp = tempered_log_softmax(logits.float(), temperature)  # (the engines' own)
     # Token at column c is predicted by the logits at column c-1.
     bsz, rwidth = batch.response_mask.shape
     cols = batch.prompt_lens[:, None] - 1 + torch.arange(rwidth)[None, :]

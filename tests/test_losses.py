@@ -343,3 +343,25 @@ def test_a_rank_without_rows_issues_the_same_collectives(tiny_policy):
                 **options,
             )  # fmt: skip
         assert calls[0] == calls[1], options
+
+
+def test_trainer_logprobs_without_a_pad_token_and_at_a_vanishing_temperature(tiny_policy):
+    """A Llama-3-style tokenizer has no pad token (None): packing padded with None and
+    crashed. A vanishing temperature overflowed logits / T in the trainer's forward (NaN
+    logprobs); it is the T -> 0 limit now, as in the engines' sampler."""
+    import numpy as np
+
+    from laminar.model import load_policy
+    from laminar.update import trajectory_logprobs
+
+    model, tok = load_policy(tiny_policy)
+    prompts = [np.array([1, 5, 6], np.int32), np.array([1, 7], np.int32)]
+    responses = [np.array([8, 9], np.int32), np.array([10, 11, 12], np.int32)]
+    padded = trajectory_logprobs(model, prompts, responses, pad_token_id=tok.pad_token_id)
+    unpadded = trajectory_logprobs(model, prompts, responses, pad_token_id=None)
+    for a, b in zip(padded, unpadded, strict=True):
+        np.testing.assert_array_equal(a, b)  # (padding never reaches a real position)
+    cold = trajectory_logprobs(model, prompts, responses, pad_token_id=None, temperature=1e-39)
+    for lp in cold:
+        assert np.isfinite(lp[lp > -np.inf]).all() and not np.isnan(lp).any()
+        assert set(np.unique(lp)) <= {0.0, -np.inf}  # (the argmax's 0, the others' -inf)
