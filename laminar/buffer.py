@@ -531,6 +531,11 @@ class ExperienceBuffer:
         # Groups the next update would train too stale leave now, freeing dispatch.
         await self._release(self.core.evict_stale(self.version))
 
+    async def pool_stats(self) -> dict:
+        """The prompt pool's counters (``dispatched``: where the prompt order stands),
+        for the trainer's checkpoints (:data:`laminar.prompt_pool.DATA_STATE`)."""
+        return await self.pool.stats()
+
     async def sync(self) -> int:
         """Write everything pending and wait until it is committed; returns the number
         of stored trajectories. The trainer calls it before each checkpoint, so that the

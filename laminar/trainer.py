@@ -29,6 +29,7 @@ rollout is stopped first, through the manager.
 
 from __future__ import annotations
 
+import json
 import logging
 import shutil
 import threading
@@ -44,6 +45,7 @@ from laminar.cluster import actor_result, is_lost, start_thread
 from laminar.config import RunConfig
 from laminar.contract import Trajectory
 from laminar.learner import Learner
+from laminar.prompt_pool import DATA_STATE
 
 logger = logging.getLogger(__name__)
 
@@ -497,6 +499,9 @@ class Trainer:
             return str(out)
         try:
             self._on_buffer(lambda b: b.sync())
+            # Where the prompt order stands, for a new run from this checkpoint
+            # (trainer.resume_from): the groups dispatched so far.
+            position = self._on_buffer(lambda b: b.pool_stats())
         except Exception as e:  # noqa: BLE001 — the data module is gone or cannot write
             logger.warning(
                 "no checkpoint at version %d: the trajectory store could not be committed "
@@ -513,6 +518,7 @@ class Trainer:
         shutil.rmtree(tmp, ignore_errors=True)
         with self._bounded():  # (a big checkpoint's write may outlast the heartbeat timeout)
             self.learner.save(tmp)
+        (tmp / DATA_STATE).write_text(json.dumps(position, indent=2))
         tmp.rename(out)
         return str(out)
 

@@ -24,7 +24,9 @@ pytestmark = pytest.mark.slow
 
 def test_cli_run_end_to_end(tmp_path):
     run_dir = tmp_path / "run"
-    out, summary = cli_run(run_dir, [*SMALL_RUN, "metrics.tensorboard=true"])
+    out, summary = cli_run(
+        run_dir, [*SMALL_RUN, "metrics.tensorboard=true", "trainer.checkpoint_every=2"]
+    )
     assert "dashboard" in out and str(run_dir) in out and "== summary ==" in out
     assert "version   4/4" in out
     assert summary["reason"] == "completed" and summary["versions"] == 4
@@ -39,6 +41,12 @@ def test_cli_run_end_to_end(tmp_path):
     assert {"config.json", "model.safetensors", "tokenizer.json", "optimizer.pt"} <= {
         p.name for p in ckpt.iterdir()
     }
+    # Every checkpoint says where the prompt order stood (a new run from version 2
+    # continues it there, not at the first prompt again)
+    from laminar.prompt_pool import data_position
+
+    middle = data_position(run_dir / "checkpoints" / "version-000002")
+    assert 2 * 4 <= middle <= data_position(ckpt) == summary["pool"]["dispatched"]
     from storage.metrics import open_metrics
 
     updates = open_metrics(run_dir, "updates")
