@@ -186,8 +186,8 @@ class TrajectoryWriter:
                     )
                 flat = np.concatenate(values).astype(dtype) if values else np.zeros(0, dtype)
                 self.group[name].append(flat)
-            starts = tokens[dim] + np.concatenate([[0], np.cumsum(lens)[:-1]])
-            per_traj[f"{group}_start"] = starts.astype(np.int64)
+            # (exclusive cumsum: one start per record, none for an events-only batch)
+            per_traj[f"{group}_start"] = tokens[dim] + np.cumsum(lens) - lens
             per_traj[f"{group}_len"] = lens
             tokens[dim] += int(lens.sum())
         for name, dtype in SCALARS.items():
@@ -291,6 +291,25 @@ def _apply_events(store: Path, group: zarr.Group, scalars: dict[str, np.ndarray]
             scalars[field][index] = events[name]  # in order: the last event wins
 
 
+def _starts_from_lengths(store: Path, arrays: dict[str, np.ndarray]) -> None:
+    """Set each ragged group's ``<group>_start`` from its lengths. The writer lays every
+    batch's tokens end to end in record order, so a start is the sum of the lengths
+    before it; stores written before an events-only batch stopped appending a stray start
+    have every later start shifted on disk (their tokens and lengths are right)."""
+    for g in RAGGED:
+        lens = arrays[f"{g}_len"].astype(np.int64)
+        starts = np.cumsum(lens) - lens
+        if not np.array_equal(arrays[f"{g}_start"], starts):
+            logger.warning(
+                "%s: %s_start disagrees with %s_len on disk (a store written before events-"
+                "only batches stopped shifting it); the starts are taken from the lengths",
+                store,
+                g,
+                g,
+            )
+        arrays[f"{g}_start"] = starts
+
+
 def open_trajectories(
     path: str | Path, fields: Sequence[str] | None = None
 ) -> dict[str, np.ndarray]:
@@ -321,6 +340,7 @@ def _read_trajectories(store: Path, group: zarr.Group, fields) -> dict[str, np.n
         out[f"{g}_len"] = group[f"{g}_len"][:n]
         for name in fields:
             out[name] = group[name][: tokens[dim]]
+    _starts_from_lengths(store, out)
     return out
 
 
@@ -371,6 +391,8 @@ def _read_run(store: Path, group: zarr.Group) -> xr.Dataset:
         elif dim != EVENT_DIM:  # token-level: lazy
             variables[name] = (dim, da.from_zarr(arr)[: lengths[dim]])
     _apply_events(store, group, scalars)
+    if all(f"{g}_len" in scalars for g in RAGGED):
+        _starts_from_lengths(store, scalars)
     for name, values in scalars.items():
         if values.dtype.kind == "T":  # numpy's StringDType is still new to pandas/xarray
             values = np.array(values.tolist(), dtype=str)

@@ -398,3 +398,44 @@ def test_a_rebuilt_data_module_takes_the_store_against_the_trainer_and_the_rollo
         "p00000011",
     ]
     assert plan.start == 12 and plan.stored == 12 and plan.version == 5
+
+
+def test_an_events_only_batch_leaves_the_next_records_tokens_where_they_are(tmp_path):
+    """The buffer flushes leave events without records all the time; the records
+    appended after such a batch must still point at their own tokens."""
+    w = TrajectoryWriter(tmp_path)
+    admitted = dict(status="buffered", sample_version=-1, t_sample=np.nan)
+    w.append([record(0, **admitted), record(1, **admitted)])
+    w.append([], events=[_leave(0)])
+    recs = [
+        record(2, n_prompt=5, n_resp=7, **admitted),
+        record(3, n_prompt=2, n_resp=1, **admitted),
+    ]
+    recs[1]["prompt_tokens"] = np.array([77, 78], np.int32)
+    recs[1]["response_tokens"] = np.array([99], np.int32)
+    w.append(recs)
+    ds = open_run(tmp_path)
+    assert ds["prompt_start"].values.tolist() == [0, 3, 6, 11]
+    assert ds["response_start"].values.tolist() == [0, 4, 8, 15]
+    np.testing.assert_array_equal(ds.laminar.tokens("prompt_tokens", 3), [77, 78])
+    np.testing.assert_array_equal(ds.laminar.tokens("response_tokens", 3), [99])
+    assert w.group["prompt_start"].shape == (4,)
+
+
+def test_stores_whose_starts_an_events_only_batch_shifted_are_read_right(tmp_path, caplog):
+    """Before the fix above, each events-only batch appended one stray start per ragged
+    group, shifting every later trajectory's start. The tokens and lengths were written
+    right, so readers take the starts from the lengths and say so."""
+    w = TrajectoryWriter(tmp_path)
+    w.append([record(0), record(1)])
+    for group, stray in (("prompt", 6), ("response", 8), ("versions", 0)):  # as it did
+        w.group[f"{group}_start"].append(np.array([stray], np.int64))
+    last = record(3, n_prompt=2)
+    last["prompt_tokens"] = np.array([77, 78], np.int32)
+    w.append([record(2, n_prompt=5), last])
+    assert w.group["prompt_start"][:4].tolist() == [0, 3, 6, 6]  # shifted on disk
+    ds = open_run(tmp_path)
+    assert ds["prompt_start"].values.tolist() == [0, 3, 6, 11]
+    np.testing.assert_array_equal(ds.laminar.tokens("prompt_tokens", 3), [77, 78])
+    assert open_trajectories(tmp_path)["prompt_start"].tolist() == [0, 3, 6, 11]
+    assert "taken from the lengths" in caplog.text
