@@ -119,6 +119,7 @@ class TrajectoryWriter:
         self.n_committed = int(self.group.attrs[COMMIT_ATTR])
         self.tokens_committed = dict(self.group.attrs["n_committed_tokens"])
         self.events_committed = int(self.group.attrs[EVENT_COMMIT_ATTR])
+        self._dirty = False  # an append failed after writing part of its batch
         self._truncate_uncommitted()
 
     def _create(self) -> None:
@@ -171,7 +172,9 @@ class TrajectoryWriter:
                 f"leave event for {bad[0]['uid']!r}: status {bad[0]['status']!r} is not one "
                 f"of {STATUSES}"
             )
+        # Everything is checked and converted before anything is written ...
         tokens = dict(self.tokens_committed)
+        flat: dict[str, np.ndarray] = {}
         per_traj: dict[str, np.ndarray] = {}
         for group, (dim, fields) in RAGGED.items():
             lead = next(iter(fields))
@@ -184,29 +187,36 @@ class TrajectoryWriter:
                         f"record {records[bad[0]]['uid']!r}: {name} has {len(values[bad[0]])} "
                         f"values but {lead} has {lens[bad[0]]}"
                     )
-                flat = np.concatenate(values).astype(dtype) if values else np.zeros(0, dtype)
-                self.group[name].append(flat)
+                flat[name] = np.concatenate(values).astype(dtype) if values else np.zeros(0, dtype)
             # (exclusive cumsum: one start per record, none for an events-only batch)
             per_traj[f"{group}_start"] = tokens[dim] + np.cumsum(lens) - lens
             per_traj[f"{group}_len"] = lens
             tokens[dim] += int(lens.sum())
         for name, dtype in SCALARS.items():
             per_traj[name] = np.array([r[name] for r in records], dtype=dtype)
-        for name, values in per_traj.items():
+        leave = {
+            name: np.array([e[field] for e in events], dtype=SCALARS[field])
+            for name, field in EVENT_FIELDS.items()
+        }
+        # ... and a batch cut short while writing (a full disk) is taken back, so that
+        # the next one starts at the committed lengths, not after its remains.
+        if self._dirty:
+            self._truncate_uncommitted()
+        self._dirty = True
+        for name, values in (*flat.items(), *per_traj.items(), *leave.items()):
             self.group[name].append(values)
-        for name, field in EVENT_FIELDS.items():
-            self.group[name].append(np.array([e[field] for e in events], dtype=SCALARS[field]))
-        self.n_committed += len(records)
-        self.tokens_committed = tokens
-        self.events_committed += len(events)
+        n_committed = self.n_committed + len(records)
+        n_events = self.events_committed + len(events)
         # The commit markers go last, in one update: readers slice to them.
         self.group.attrs.update(
-            {
-                COMMIT_ATTR: self.n_committed,
-                "n_committed_tokens": tokens,
-                EVENT_COMMIT_ATTR: self.events_committed,
-            }
+            {COMMIT_ATTR: n_committed, "n_committed_tokens": tokens, EVENT_COMMIT_ATTR: n_events}
         )
+        self.n_committed, self.tokens_committed, self.events_committed = (
+            n_committed,
+            tokens,
+            n_events,
+        )
+        self._dirty = False
         return self.n_committed
 
 

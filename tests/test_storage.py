@@ -439,3 +439,38 @@ def test_stores_whose_starts_an_events_only_batch_shifted_are_read_right(tmp_pat
     np.testing.assert_array_equal(ds.laminar.tokens("prompt_tokens", 3), [77, 78])
     assert open_trajectories(tmp_path)["prompt_start"].tolist() == [0, 3, 6, 11]
     assert "taken from the lengths" in caplog.text
+
+
+def test_a_failed_append_leaves_nothing_behind_for_the_next(tmp_path, monkeypatch):
+    """A batch refused half-way (a bad record after good ones) or cut by an error while
+    writing (a full disk) must not shift what the same writer appends next: the buffer's
+    writer thread keeps going after a failed batch."""
+    w = TrajectoryWriter(tmp_path)
+    w.append([record(0), record(1)])
+    bad = record(2)
+    bad["loss_mask"] = np.ones(9, np.uint8)  # prompt_tokens come first: checked late
+    with pytest.raises(StoreError, match="loss_mask has 9 values"):
+        w.append([bad])
+    assert w.group["prompt_tokens"].shape == (6,)  # refused before writing anything
+
+    real = type(w.group["uid"]).append
+    calls = []
+
+    def failing(self, data, *a, **kw):
+        calls.append(1)
+        if len(calls) == 7:
+            raise OSError(28, "No space left on device")
+        return real(self, data, *a, **kw)
+
+    monkeypatch.setattr(type(w.group["uid"]), "append", failing)
+    with pytest.raises(OSError):
+        w.append([record(4)])
+    monkeypatch.undo()
+    last = record(3, n_prompt=2)
+    last["prompt_tokens"] = np.array([77, 78], np.int32)
+    assert w.append([last]) == 3
+    ds = open_run(tmp_path)
+    assert ds["uid"].values.tolist() == ["u0", "u1", "u3"]
+    np.testing.assert_array_equal(ds.laminar.tokens("prompt_tokens", 2), [77, 78])
+    np.testing.assert_array_equal(ds.laminar.tokens("response_tokens", 2), np.arange(4) + 100)
+    assert w.group["prompt_tokens"].shape == (8,) and w.group["uid"].shape == (3,)
