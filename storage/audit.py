@@ -64,6 +64,12 @@ def audit_run(run_dir: str | Path) -> AuditReport:
     ds = open_run(run_dir)
     report = AuditReport(str(run_dir))
     report.problems += ds.laminar.audit()
+    if ds.attrs.get("unknown_events"):
+        report.problems.append(
+            f"{ds.attrs['unknown_events']} leave events name trajectories the store does not "
+            f"hold, e.g. {ds.attrs['unknown_event_uid']!r} (a batch that failed to write, or "
+            "two processes writing the store); they were skipped"
+        )
     status = ds["status"].values
     n = int(ds.sizes["trajectory"])
     report.figures["trajectories"] = n

@@ -281,24 +281,36 @@ def _open_group(path: str | Path) -> tuple[Path, zarr.Group]:
     return store, group
 
 
-def _apply_events(store: Path, group: zarr.Group, scalars: dict[str, np.ndarray]) -> None:
-    """Apply the committed leave events, in order, to the per-trajectory ``scalars``."""
+def _apply_events(
+    store: Path, group: zarr.Group, scalars: dict[str, np.ndarray]
+) -> tuple[int, str]:
+    """Apply the committed leave events, in order, to the per-trajectory ``scalars``.
+    An event naming a trajectory the store does not hold (its batch failed to write, or
+    two processes wrote the store) is skipped and counted, not fatal: the trajectories
+    stay readable and the audit reports it. Returns how many were skipped, and the
+    first one's uid."""
     n_events = int(group.attrs.get(EVENT_COMMIT_ATTR, 0))
     if not n_events:
-        return
+        return 0, ""
     events = {name: group[name][:n_events] for name in EVENT_FIELDS}
     rows = {uid: i for i, uid in enumerate(scalars["uid"].tolist())}
-    try:
-        index = np.array([rows[u] for u in events["event_uid"].tolist()], dtype=np.int64)
-    except KeyError as e:
-        raise StoreError(
-            f"{str(store)!r}: a leave event names trajectory {e.args[0]!r}, which the store "
-            "does not hold; the store is corrupt (was it written by two processes at once?)"
-        ) from None
+    index = np.array([rows.get(u, -1) for u in events["event_uid"].tolist()], dtype=np.int64)
+    known = index >= 0
+    unknown, first = int((~known).sum()), ""
+    if unknown:
+        first = str(events["event_uid"][np.flatnonzero(~known)[0]])
+        logger.warning(
+            "%s: %d leave events name trajectories the store does not hold (e.g. %r); "
+            "they are skipped",
+            store,
+            unknown,
+            first,
+        )
     for name, field in EVENT_FIELDS.items():
         if field != "uid":
             scalars[field] = scalars[field].copy()
-            scalars[field][index] = events[name]  # in order: the last event wins
+            scalars[field][index[known]] = events[name][known]  # in order: the last wins
+    return unknown, first
 
 
 def _starts_from_lengths(store: Path, arrays: dict[str, np.ndarray]) -> None:
@@ -400,7 +412,7 @@ def _read_run(store: Path, group: zarr.Group) -> xr.Dataset:
             scalars[name] = arr[:n]
         elif dim != EVENT_DIM:  # token-level: lazy
             variables[name] = (dim, da.from_zarr(arr)[: lengths[dim]])
-    _apply_events(store, group, scalars)
+    unknown, first = _apply_events(store, group, scalars)
     if all(f"{g}_len" in scalars for g in RAGGED):
         _starts_from_lengths(store, scalars)
     for name, values in scalars.items():
@@ -413,6 +425,9 @@ def _read_run(store: Path, group: zarr.Group) -> xr.Dataset:
     ds["residence"] = (ds["sample_version"] - ds["finish_version"]).where(sampled)
     ds["s_train"] = (ds["sample_version"] - ds["behavior_version"]).where(sampled)
     ds.attrs["run_dir"] = str(store.parent)
+    if unknown:  # (the audit reports them)
+        ds.attrs["unknown_events"] = unknown
+        ds.attrs["unknown_event_uid"] = first
     ds.attrs["schedule"] = group.attrs.get("schedule", "laminar")  # older stores: laminar
     ds.attrs["pauses_s"] = _pauses(store.parent)
     return ds

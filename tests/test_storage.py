@@ -208,9 +208,17 @@ def test_bad_leave_events_are_refused(tmp_path):
     with pytest.raises(StoreError, match="status 'lost' is not one of"):
         w.append([record(0)], events=[_leave(0, "lost")])
     assert open_trajectories(tmp_path)["uid"].tolist() == []  # nothing written
-    w.append([], events=[_leave(7)])  # a trajectory the store does not hold
-    with pytest.raises(StoreError, match="names trajectory 'u7'.*corrupt"):
-        open_run(tmp_path)
+    w.append([record(0), record(1)])
+    w.append([], events=[_leave(7), _leave(1, t_sample=6.0)])  # u7: not stored
+    # The store stays readable (its trajectories are the run's record); the audit says it.
+    ds = open_run(tmp_path)
+    assert ds["t_sample"].values.tolist() == [5.0, 6.0]
+    assert ds.attrs["unknown_events"] == 1
+    assert open_trajectories(tmp_path)["t_sample"].tolist() == [5.0, 6.0]
+    from storage.audit import audit_run
+
+    (problem,) = audit_run(tmp_path).problems
+    assert "1 leave events name trajectories the store does not hold, e.g. 'u7'" in problem
 
 
 def test_stores_of_schema_1_are_still_read(tmp_path):
