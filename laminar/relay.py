@@ -158,7 +158,8 @@ def state_fingerprint(state: Mapping[str, torch.Tensor]) -> int:
     ``relay.audit_weights`` is on."""
     h = xxhash.xxh3_64()
     for t in state.values():
-        t = t.detach().to("cpu").contiguous()
+        # (reshape: a 0-d tensor cannot be viewed as bytes; a scalar parameter is one)
+        t = t.detach().to("cpu").contiguous().reshape(-1)
         if t.numel():
             h.update(memoryview(t.view(torch.uint8).numpy()))
     return h.intdigest()

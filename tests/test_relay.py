@@ -94,6 +94,27 @@ def test_layout_round_trips_every_dtype_and_aligns():
         layout.write(buf, {**state, "a": torch.zeros(299)})
 
 
+def test_fingerprint_covers_scalars_and_empty_tensors_bit_exactly():
+    """``relay.audit_weights`` fingerprints every tensor, 0-d ones included (a scalar
+    parameter or buffer): the fingerprint of a relayed copy equals the source's, and a
+    one-bit change anywhere, the scalar's bf16 bits included, changes it."""
+    from laminar.relay import state_fingerprint
+
+    state = {
+        **_state(2.0),
+        "scale": torch.tensor(0.5),
+        "scale_bf16": torch.tensor(1.5, dtype=torch.bfloat16),
+        "step": torch.tensor(7, dtype=torch.int64),
+    }
+    core = RelayCore(keep_versions=1)
+    _publish(core, 1, state, chunk_bytes=64)
+    back = _read(core, 1)
+    assert state_fingerprint(back) == state_fingerprint(state)
+    flipped = dict(state)
+    flipped["scale_bf16"] = torch.tensor(1.5078125, dtype=torch.bfloat16)  # last mantissa bit
+    assert state_fingerprint(flipped) != state_fingerprint(state)
+
+
 def test_versions_are_monotonic_and_kept_within_the_budget():
     core = RelayCore(keep_versions=2)
     for v in range(1, 6):
