@@ -1233,15 +1233,24 @@ class Puller:
         load them before the next pull. ``wait_switch``: see :meth:`_retrying`."""
 
         def pull(relay, switches):
-            for _ in range(3):
+            # A version evicted while we read it was replaced by a newer one: take that.
+            # Only a relay that evicts every version it offers for a whole timeout (the
+            # trainer publishing faster than a pull, for that long) fails the pull.
+            deadline = time.monotonic() + self.timeout_s
+            while True:
                 info = self._result(relay.newest(have_version, wait_s), switches)
                 if info is None:
                     return None
                 try:
                     return info["version"], self._read(relay, info, switches)
-                except VersionUnavailable:  # evicted while we read: take the newer one
+                except VersionUnavailable:
                     self.retries += 1
-            raise RelayError("the relay evicted three versions in a row while they were read")
+                    if time.monotonic() >= deadline:
+                        raise RelayError(
+                            f"every version the relay offered for {self.timeout_s:.0f} s was "
+                            "evicted while it was read: publications outpace a pull; raise "
+                            "relay.keep_versions"
+                        ) from None
 
         return self._retrying(pull, wait_switch)
 

@@ -207,6 +207,53 @@ def test_readers_never_see_a_torn_version_while_versions_arrive():
     assert core.peak_bytes <= 3 * Layout.of(_state()).nbytes
 
 
+class _LocalRelay:
+    """A relay's reading methods over a core, answering with futures as an actor does."""
+
+    def __init__(self, core: RelayCore, on_read=None) -> None:
+        from concurrent.futures import ThreadPoolExecutor
+
+        self.core, self.on_read = core, on_read
+        self.pool = ThreadPoolExecutor(4)
+
+    def newest(self, have: int = -1, wait_s: float = 0.0):
+        def newest():
+            snap = self.core.newest()
+            return snap.info() if snap is not None and snap.version > have else None
+
+        return self.pool.submit(newest)
+
+    def info(self, version: int):
+        return self.pool.submit(lambda: self.core.get(version).info())
+
+    def read_chunk(self, version: int, j: int):
+        if self.on_read is not None:
+            self.on_read(version, j)
+        return self.pool.submit(self.core.read_chunk, version, j)
+
+    def versions(self):
+        return self.pool.submit(self.core.versions)
+
+
+def test_a_pull_outlives_versions_evicted_while_it_reads():
+    """Each of the first five versions a rollout starts to read is evicted under it (a
+    burst of publications, keep_versions=1): the pull moves on to the newer one each time
+    and loads the sixth, whole; it does not give up while versions keep coming."""
+    from laminar.relay import Puller
+
+    core = RelayCore(keep_versions=1)
+    _publish(core, 1, _state(1))
+
+    def on_read(version, j):
+        if j == 1 and version <= 5:  # mid-pull: the next version arrives, this one goes
+            _publish(core, version + 1, _state(version + 1))
+
+    puller = Puller(_LocalRelay(core, on_read), timeout_s=10, window=1)
+    version, state = puller.newest(-1)
+    assert version == 6 and puller.retries == 5
+    assert all(torch.equal(state[k], _state(6)[k]) for k in state)
+
+
 @settings(max_examples=200, deadline=None)
 @given(
     p=st.integers(2, 64),
