@@ -35,7 +35,7 @@ import xarray as xr
 import zarr
 
 from storage.schema import COMMIT_ATTR, STRING
-from storage.trajectories import reading, store_path
+from storage.trajectories import fill_value, reading, store_path
 
 logger = logging.getLogger(__name__)
 
@@ -101,9 +101,12 @@ CUMULATIVE = {
 
 
 def _column(name: str, values: list[Any]) -> np.ndarray:
-    strings = [isinstance(v, str) for v in values]
-    if all(strings):
-        return np.array(values, dtype=STRING)
+    """A column's values as an array: strings (``None`` as ``""``) or float64 (``None``
+    as NaN)."""
+    present = [v for v in values if v is not None]
+    strings = [isinstance(v, str) for v in present]
+    if present and all(strings):
+        return np.array(["" if v is None else v for v in values], dtype=STRING)
     if any(strings):
         raise ValueError(f"metrics column {name!r} mixes strings and numbers")
     return np.array([np.nan if v is None else v for v in values], dtype=np.float64)
@@ -147,24 +150,35 @@ class MetricsWriter:
         names = list(dict.fromkeys(k for r in rows for k in r))
         columns = {name: _column(f"{table}.{name}", [r.get(name) for r in rows]) for name in names}
         for name, values in columns.items():
-            if name not in group:
-                arr = group.create_array(
+            old = group.get(name)
+            if old is not None and old.dtype.kind != "T" and values.dtype.kind == "T":
+                # strings in a column created from rows of only None (float): it holds
+                # nothing but NaN, so it becomes a string column
+                if not np.isnan(old[:n]).all():
+                    raise ValueError(f"metrics column {table}.{name!r} mixes strings and numbers")
+                del group[name]
+                old = None
+            if old is None:
+                group.create_array(
                     name,
                     shape=(n,),
                     dtype=str if values.dtype.kind == "T" else values.dtype,
                     chunks=(_CHUNK,),
                     dimension_names=[dim],
-                    fill_value="" if values.dtype.kind == "T" else np.nan,
+                    fill_value=fill_value(values.dtype),
                 )
-            arr = group[name]
+            elif values.dtype.kind != old.dtype.kind and all(r.get(name) is None for r in rows):
+                values = np.full(len(rows), fill_value(old.dtype))  # only None: the fill
+            columns[name] = values.astype(group[name].dtype)
+        for name, arr in group.arrays():
             if arr.shape[0] != n:  # left by an interrupted append: drop it
                 arr.resize((n,))
-            arr.append(values.astype(arr.dtype) if values.dtype.kind != "T" else values)
-        for name, arr in group.arrays():  # columns absent from these rows
-            if name not in names:
-                if arr.shape[0] != n:
-                    arr.resize((n,))
-                arr.resize((n + len(rows),))
+            # Written, not grown: growing would show what the interrupted append left
+            # in the chunk instead of the fill of a column absent from these rows.
+            values = columns.get(name)
+            if values is None:
+                values = np.full(len(rows), fill_value(arr.dtype), dtype=arr.dtype)
+            arr.append(values)
         group.attrs[COMMIT_ATTR] = n + len(rows)
         if self.tensorboard is not None:  # after the commit: the record comes first
             try:

@@ -131,3 +131,38 @@ def test_tensorboard_without_its_package_is_a_config_error(monkeypatch):
         ConfigError, match=r"metrics\.tensorboard.*pip install 'laminar\[tensorboard\]'"
     ):
         with_overrides(RunConfig(), ["metrics.tensorboard=true"])
+
+
+def test_a_column_absent_after_an_interrupted_append_reads_nan_not_its_remains(tmp_path):
+    w = MetricsWriter(tmp_path)
+    w.append("updates", [{"version": 1, "loss": 0.5, "note": "a"}])
+    w.root["updates"]["loss"].append(np.array([9.0]))  # a writer died mid-append
+    w.root["updates"]["note"].append(np.array(["torn"], dtype=w.root["updates"]["note"].dtype))
+    MetricsWriter(tmp_path).append("updates", [{"version": 2}])  # without those columns
+    ds = open_metrics(tmp_path, "updates")
+    assert ds["loss"].values[0] == 0.5 and np.isnan(ds["loss"].values[1])
+    assert ds["note"].values.tolist() == ["a", ""]
+
+
+def test_none_and_non_ascii_in_string_columns(tmp_path):
+    w = MetricsWriter(tmp_path)
+    w.append("faults", [{"time": 1.0, "rollout": "r0", "destination": None}])
+    w.append("faults", [{"time": 2.0, "rollout": "r0", "destination": "r1"}])
+    w.append("faults", [{"time": 3.0, "rollout": "r1", "destination": None}])
+    w.append(
+        "faults",
+        [
+            {"time": 4.0, "rollout": "r2", "destination": "été→日本"},
+            {"time": 5.0, "rollout": "r2", "destination": None},
+        ],
+    )
+    ds = open_metrics(tmp_path, "faults")
+    assert ds["destination"].values.tolist() == ["", "r1", "", "été→日本", ""]
+    # a column first seen at row 1000, NaN and None among numbers
+    for i in range(2):
+        w.append("updates", [{"version": v} for v in range(500 * i, 500 * (i + 1))])
+    w.append("updates", [{"version": 1000, "loss": None, "grad_norm": 1.5, "how": "ok"}])
+    ds = open_metrics(tmp_path, "updates")
+    assert ds.sizes["update"] == 1001 and np.isnan(ds["grad_norm"].values[:1000]).all()
+    assert ds["grad_norm"].values[1000] == 1.5 and np.isnan(ds["loss"].values).all()
+    assert set(ds["how"].values[:1000].tolist()) == {""} and ds["how"].values[1000] == "ok"
