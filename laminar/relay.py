@@ -769,7 +769,9 @@ class Relay:
         """Publish from another process (the state arrived with the call). Prefer
         :meth:`publish_local` from the trainer's process: see :func:`publisher`."""
         self._ensure_forwarder()
-        return await self._run(self.publish_local, version, state)
+        # Not on the relay thread: a slot may have to wait for the previous version's
+        # checksums, which run there.
+        return await asyncio.to_thread(self.publish_local, version, state)
 
     def _plan(self, nbytes: int) -> int:
         p = len(self.chain)

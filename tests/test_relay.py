@@ -254,6 +254,53 @@ def test_a_pull_outlives_versions_evicted_while_it_reads():
     assert all(torch.equal(state[k], _state(6)[k]) for k in state)
 
 
+def test_a_publication_through_a_call_waits_for_the_slot_checksums_free():
+    """A publication that arrives as a call (the trainer not in the master's process)
+    while the previous version is still being checksummed waits for that to finish, as a
+    local one does: the copy must not occupy the relay thread the checksums need, or
+    neither ever finishes and the publication fails after ``relay.timeout_s``."""
+    import asyncio
+
+    from laminar.config import RelayConfig
+
+    relay = Relay("master", RelayConfig(keep_versions=1, chunks=4, timeout_s=3))
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+
+    def call(coro):
+        return asyncio.run_coroutine_threadsafe(coro, loop).result(30)
+
+    checksum_chunk = relay.core.checksum_chunk
+
+    def slow_checksum(snap, j):  # (a large version's checksums take a while)
+        time.sleep(0.05)
+        return checksum_chunk(snap, j)
+
+    relay.core.checksum_chunk = slow_checksum
+    try:
+        call(relay.set_chain(["master"], None, None))
+        call(relay.publish(1, _state(1)))
+        deadline = time.monotonic() + 10
+        while relay.core.versions() != [1] or not relay.core._free:
+            assert time.monotonic() < deadline  # version 1 complete, a spare slot warm
+            time.sleep(0.01)
+        call(relay.publish(2, _state(2)))
+        while relay.core._snaps[2].pins == 0:  # its checksums have begun
+            assert time.monotonic() < deadline
+            time.sleep(0.001)
+        call(relay.publish(3, _state(3)))  # needs version 2 complete, version 1 evicted
+        while relay.core.versions() != [3]:
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        assert not relay.errors
+        assert torch.equal(_read(relay.core, 3)["a"], _state(3)["a"])
+    finally:
+        call(relay.close())
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(5)
+
+
 @settings(max_examples=200, deadline=None)
 @given(
     p=st.integers(2, 64),
