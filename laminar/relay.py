@@ -631,6 +631,7 @@ class Relay:
         self.forward_s = 0.0
         self.rechains = 0
         self._sender: BulkSender | None = None  # set by set_chain on a tcp/tls worker
+        self._publishing = threading.Lock()  # (master) one publication's copy at a time
 
     # -- wiring --------------------------------------------------------------------------
     async def set_chain(self, chain: list[str], downstream, master) -> None:
@@ -745,10 +746,13 @@ class Relay:
         t0 = time.perf_counter()
         layout = Layout.of(state)
         k = self._plan(layout.nbytes)
-        snap = self.core.begin(version, layout, _chunk_bytes(layout.nbytes, k), self.timeout_s)
-        if snap is None:
-            raise RelayError(f"version {version} is not newer than one already published")
-        self.core.write_state(snap, state)
+        # One publication at a time: a newer one drops an older one still arriving, and
+        # would be given its slot while that is still being written.
+        with self._publishing:
+            snap = self.core.begin(version, layout, _chunk_bytes(layout.nbytes, k), self.timeout_s)
+            if snap is None:
+                raise RelayError(f"version {version} is not newer than one already published")
+            self.core.write_state(snap, state)
         stall = time.perf_counter() - t0
         record = {
             "version": version,

@@ -301,6 +301,43 @@ def test_a_publication_through_a_call_waits_for_the_slot_checksums_free():
         thread.join(5)
 
 
+def test_overlapping_publications_never_share_a_slot():
+    """Two publications that overlap (a call that timed out at the trainer still copying
+    when the next arrives) are taken one after the other: the later one must not be
+    given the earlier one's slot while that is still being written."""
+    import asyncio
+
+    relay = Relay("master")
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+    asyncio.run_coroutine_threadsafe(relay.set_chain(["master"], None, None), loop).result(10)
+    write_state = relay.core.write_state
+
+    def slow_write(snap, state):  # version 1's copy is slow: version 2 arrives meanwhile
+        if snap.version == 1:
+            time.sleep(0.3)
+        write_state(snap, state)
+
+    relay.core.write_state = slow_write
+    try:
+        first = threading.Thread(target=relay.publish_local, args=(1, _state(1)))
+        first.start()
+        time.sleep(0.1)
+        relay.publish_local(2, _state(2))
+        first.join(10)
+        deadline = time.monotonic() + 10
+        while not relay.core.versions() or relay.core.versions()[-1] != 2:
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        back = _read(relay.core, 2)
+        assert all(torch.equal(back[k], _state(2)[k]) for k in back)
+    finally:
+        asyncio.run_coroutine_threadsafe(relay.close(), loop).result(10)
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(5)
+
+
 @settings(max_examples=200, deadline=None)
 @given(
     p=st.integers(2, 64),
