@@ -219,7 +219,11 @@ class CachedDecoder:
             t = state.get(name)
             if t is None and required:
                 raise ModelError(f"weights lack {name!r}: not a Llama/Qwen2 state dict")
-            return None if t is None else t.detach().to(self.device, torch.float32)
+            # A copy, always: for fp32 weights on the CPU, .to() alone returns the same
+            # tensor, and the engine would compute with the relay puller's receive buffer,
+            # which the next pull overwrites chunk by chunk (a pull that fails partway
+            # left a torn mix of two versions, labelled as the older).
+            return None if t is None else t.detach().to(self.device, torch.float32, copy=True)
 
         self.embed = get("model.embed_tokens.weight")
         self.final_norm = get("model.norm.weight")

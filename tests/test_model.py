@@ -127,3 +127,14 @@ def test_cached_decoder_refuses_what_it_would_compute_wrong():
     # A sliding window switched off (Qwen2's default) is a plain full-attention model.
     plain = Qwen2Config(**shape, sliding_window=4)
     assert not getattr(plain, "use_sliding_window", False)
+
+
+def test_the_decoder_owns_its_weights(policy):
+    """The state it loads from may be reused at once (the relay puller's receive buffer
+    is): writing into it must not change the weights the engine generates with."""
+    model, _ = policy
+    state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    dec = CachedDecoder(model.config, state)
+    before = dec.embed.clone()
+    state["model.embed_tokens.weight"].add_(1.0)  # (the next pull, writing in place)
+    assert torch.equal(dec.embed, before)
