@@ -379,15 +379,26 @@ class ExperienceBuffer:
         return len(groups)
 
     def _write_loop(self) -> None:
+        failed: tuple[list, list] = ([], [])  # a batch the store refused: tried again
         while (job := self._jobs.get()) is not None:
+            # Before the new batch, in order (events follow their records): after a brief
+            # write error (a full disk, a lost mount) nothing is lost; it is written once
+            # the store takes it. Surfaced meanwhile through stats() and sync().
+            job = (failed[0] + job[0], failed[1] + job[1])
             try:
                 self._written = self.writer.append(*job)
+                failed = ([], [])
+                self._write_error = None
                 self._committed.extend(r["uid"] for r in job[0])
                 for r in job[0]:
                     sent = self._durable.get(r["rollout_ids"].rsplit(",", 1)[-1])
                     if sent is not None:
                         sent.append(r["uid"])
-            except Exception as e:  # keep the run alive; surfaced through stats()
+            except OSError as e:  # (the disk, the mount): kept, tried with the next batch
+                failed = job
+                self._write_error = f"{type(e).__name__}: {e}"
+            except Exception as e:  # a batch the store refuses as such: keep the run alive
+                failed = ([], [])  # (retrying it would block every later batch)
                 self._write_error = f"{type(e).__name__}: {e}"
             finally:
                 self._jobs.task_done()

@@ -1,5 +1,6 @@
 """The buffer core against a plain model of what it must do (hypothesis state machine)."""
 
+import pytest
 from factories import trajectory
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -491,3 +492,61 @@ def test_a_trajectory_carries_one_version_per_response_token_or_none():
                 behavior_version=behavior,
                 token_versions=np.array(versions, np.int32),
             )
+
+
+def test_a_batch_the_disk_refused_is_written_with_the_next(tmp_path, monkeypatch):
+    """A write that fails on the disk (ENOSPC, a lost mount) used to drop its records
+    for good; they are kept and written, in order, once the store takes writes again."""
+    import asyncio
+    import errno
+    import types
+
+    from laminar.buffer import ExperienceBuffer
+    from laminar.prompt_pool import PromptPoolCore
+    from laminar.tasks import Prompt
+    from storage.trajectories import TrajectoryWriter, open_trajectories
+
+    prompts = [(Prompt(i, f"n {i} >", "x"), (1, i + 4)) for i in range(5)]
+    pool = PromptPoolCore(prompts, group_size=2, max_outstanding=4, seed=0)
+    cfg = types.SimpleNamespace(
+        sampler="fifo",
+        max_train_staleness=None,
+        dynamic_sampling=False,
+        flush_records=1,  # (every insert is a batch of its own)
+        flush_interval_s=5.0,
+    )
+    real, calls = TrajectoryWriter.append, []
+
+    def full_once(self, records, events=()):
+        calls.append(len(records))
+        if len(calls) == 1:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real(self, records, events)
+
+    monkeypatch.setattr(TrajectoryWriter, "append", full_once)
+
+    async def run():
+        buf = ExperienceBuffer(str(tmp_path), _Pool(pool), cfg)
+        first = [
+            traj(f"{g.prompt_uid}-{i}", g.prompt_uid, 2, i)
+            for g in pool.acquire(1, "r0", 0)
+            for i in range(2)
+        ]
+        await buf.insert(first)
+        with pytest.raises(RuntimeError, match="No space left on device"):
+            await buf.sync()
+        second = [
+            traj(f"{g.prompt_uid}-{i}", g.prompt_uid, 2, i)
+            for g in pool.acquire(1, "r0", 0)
+            for i in range(2)
+        ]
+        await buf.insert(second)
+        assert await buf.sync() == 4  # (the refused batch first, then this one)
+        await buf.close()
+
+    asyncio.run(run())
+    stored = open_trajectories(tmp_path)
+    assert sorted(stored["uid"].tolist()) == sorted(
+        [f"{u}-{i}" for u in ("p00000000", "p00000001") for i in range(2)]
+    )
+    assert calls[1] == 4  # (the retry carried both batches' records)
