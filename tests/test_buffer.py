@@ -209,6 +209,26 @@ def test_a_restored_group_missing_siblings_completes_when_they_arrive():
     assert [t.uid for t in batch] == ["a0", "a1", "b0", "b1", "b2"]
 
 
+def _pool(n_prompts: int, max_outstanding: int):
+    """A real prompt pool core of groups of 2 over ``n_prompts`` prompts."""
+    prompts = [(Prompt(i, f"n {i} >", "x"), (1, i + 4)) for i in range(n_prompts)]
+    return PromptPoolCore(prompts, group_size=2, max_outstanding=max_outstanding, seed=0)
+
+
+def _buffer_config(**settings):
+    """The ``buffer`` settings an ExperienceBuffer reads (the defaults, as overridden)."""
+    import types
+
+    base = dict(
+        sampler="fifo",
+        max_train_staleness=None,
+        dynamic_sampling=False,
+        flush_records=512,
+        flush_interval_s=5.0,
+    )
+    return types.SimpleNamespace(**(base | settings))
+
+
 class _Pool:
     """The prompt pool actor's async surface, over the real core."""
 
@@ -234,21 +254,11 @@ def test_same_version_never_waits_forever_on_versions_too_rare_to_fill_a_batch(t
     waits for a publication, which waits for a batch). The oldest version's groups are
     now evicted, their slots go out again, and a batch forms."""
     import asyncio
-    import types
 
     from laminar.buffer import ExperienceBuffer
-    from laminar.prompt_pool import PromptPoolCore
-    from laminar.tasks import Prompt
 
-    prompts = [(Prompt(i, f"n {i} >", "x"), (1, i + 4)) for i in range(20)]
-    pool = PromptPoolCore(prompts, group_size=2, max_outstanding=3, seed=0)
-    cfg = types.SimpleNamespace(
-        sampler="same_version",
-        max_train_staleness=5,
-        dynamic_sampling=False,
-        flush_records=512,
-        flush_interval_s=5.0,
-    )
+    pool = _pool(20, max_outstanding=3)
+    cfg = _buffer_config(sampler="same_version", max_train_staleness=5)
 
     def generate(n, version):
         return [
@@ -280,21 +290,11 @@ def test_groups_held_again_for_a_restarted_trainer_count_against_back_pressure(t
     again they are dispatched and not consumed, so the pool counts them outstanding (as
     a rebuilt data module's pool does) and hands out no more than the bound."""
     import asyncio
-    import types
 
     from laminar.buffer import ExperienceBuffer
-    from laminar.prompt_pool import PromptPoolCore
-    from laminar.tasks import Prompt
 
-    prompts = [(Prompt(i, f"n {i} >", "x"), (1, i + 4)) for i in range(5)]
-    pool = PromptPoolCore(prompts, group_size=2, max_outstanding=2, seed=0)
-    cfg = types.SimpleNamespace(
-        sampler="fifo",
-        max_train_staleness=None,
-        dynamic_sampling=False,
-        flush_records=512,
-        flush_interval_s=5.0,
-    )
+    pool = _pool(5, max_outstanding=2)
+    cfg = _buffer_config()
 
     def generate(version):
         return [
@@ -499,22 +499,12 @@ def test_a_batch_the_disk_refused_is_written_with_the_next(tmp_path, monkeypatch
     for good; they are kept and written, in order, once the store takes writes again."""
     import asyncio
     import errno
-    import types
 
     from laminar.buffer import ExperienceBuffer
-    from laminar.prompt_pool import PromptPoolCore
-    from laminar.tasks import Prompt
     from storage.trajectories import TrajectoryWriter, open_trajectories
 
-    prompts = [(Prompt(i, f"n {i} >", "x"), (1, i + 4)) for i in range(5)]
-    pool = PromptPoolCore(prompts, group_size=2, max_outstanding=4, seed=0)
-    cfg = types.SimpleNamespace(
-        sampler="fifo",
-        max_train_staleness=None,
-        dynamic_sampling=False,
-        flush_records=1,  # (every insert is a batch of its own)
-        flush_interval_s=5.0,
-    )
+    pool = _pool(5, max_outstanding=4)
+    cfg = _buffer_config(flush_records=1)
     real, calls = TrajectoryWriter.append, []
 
     def full_once(self, records, events=()):

@@ -66,20 +66,21 @@ def test_model_folder_errors(tmp_path, tiny_policy):
         check_policy_dir(other)
 
 
+# A small HF model's shape: 2 layers, grouped-query attention
+SMALL = dict(vocab_size=50, hidden_size=64, intermediate_size=128, num_hidden_layers=2)
+SMALL |= dict(num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+
+
+def _small(config_cls, model_cls, **extra):
+    """A small random HF model of :data:`SMALL`'s shape, in eval mode."""
+    torch.manual_seed(0)
+    return model_cls(config_cls(**SMALL, **extra)).eval()
+
+
 def test_cached_decoder_matches_qwen2_with_biases_and_gqa():
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    torch.manual_seed(0)
-    cfg = Qwen2Config(
-        vocab_size=50,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-    )
-    model = Qwen2ForCausalLM(cfg).eval()
+    model = _small(Qwen2Config, Qwen2ForCausalLM)
     with torch.no_grad():  # HF initialises biases to zero: make them matter
         for layer in model.model.layers:
             for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
@@ -93,18 +94,7 @@ def test_cached_decoder_matches_llama_with_biases(bias):
     on gate/up/down: every one of them must reach the cached forward."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    torch.manual_seed(0)
-    cfg = LlamaConfig(
-        vocab_size=50,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-        **{bias: True},
-    )
-    model = LlamaForCausalLM(cfg).eval()
+    model = _small(LlamaConfig, LlamaForCausalLM, **{bias: True})
     with torch.no_grad():  # HF initialises biases to zero: make them matter
         for name, p in model.named_parameters():
             if name.endswith(".bias"):
@@ -117,15 +107,13 @@ def test_cached_decoder_refuses_what_it_would_compute_wrong():
     activation, sliding-window attention) is refused, not generated from silently."""
     from transformers import LlamaConfig, Qwen2Config
 
-    shape = dict(vocab_size=50, hidden_size=64, intermediate_size=128, num_hidden_layers=2)
-    shape |= dict(num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
-    gelu = LlamaConfig(**shape, hidden_act="gelu")
-    window = Qwen2Config(**shape, use_sliding_window=True, sliding_window=4, max_window_layers=0)
+    gelu = LlamaConfig(**SMALL, hidden_act="gelu")
+    window = Qwen2Config(**SMALL, use_sliding_window=True, sliding_window=4, max_window_layers=0)
     for cfg, reason in [(gelu, "hidden_act 'gelu'"), (window, "sliding")]:
         with pytest.raises(ModelError, match=reason):
             CachedDecoder(cfg, {})
     # A sliding window switched off (Qwen2's default) is a plain full-attention model.
-    plain = Qwen2Config(**shape, sliding_window=4)
+    plain = Qwen2Config(**SMALL, sliding_window=4)
     assert not getattr(plain, "use_sliding_window", False)
 
 

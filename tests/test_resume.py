@@ -142,22 +142,30 @@ def test_a_directory_a_run_is_going_in_is_neither_resumed_nor_started_again(tmp_
         prepare_resume(run)
 
 
-def test_a_resume_the_cluster_cannot_place_gives_its_directory_back(cluster_client, tmp_path):
-    """pipelines.resume claims the directory before it waits for workers: when none
-    come, it is given back (a notebook that lives on would otherwise hold it)."""
-    from laminar.errors import ClusterError
+def _resumable(tmp_path, name: str):
+    """A run directory a resume can continue: a real checkpoint at version 1, an empty
+    store."""
     from laminar.learner import Learner
     from laminar.model import build_tiny_policy
-    from pipelines.api import resume
     from storage import TrajectoryWriter
-    from storage.live import running_driver
 
     cfg = with_overrides(RunConfig(), ["trainer.steps=2"])
-    run = prepare_run_dir(cfg, tmp_path / "run")
+    run = prepare_run_dir(cfg, tmp_path / name)
     learner = Learner(cfg, build_tiny_policy(tmp_path / "policy", seed=0))
     learner.version = 1
     learner.save(run / "checkpoints" / "version-000001")
     TrajectoryWriter(run)
+    return run
+
+
+def test_a_resume_the_cluster_cannot_place_gives_its_directory_back(cluster_client, tmp_path):
+    """pipelines.resume claims the directory before it waits for workers: when none
+    come, it is given back (a notebook that lives on would otherwise hold it)."""
+    from laminar.errors import ClusterError
+    from pipelines.api import resume
+    from storage.live import running_driver
+
+    run = _resumable(tmp_path, "run")
     claim(run).release()  # (the start that made it is gone)
     more = ["trainer.steps=3", "rollout.replicas=50", "cluster.placement_timeout_s=0"]
     with pytest.raises(ClusterError, match="rollout: 2 worker"):
@@ -169,16 +177,8 @@ def test_a_resume_the_cluster_cannot_place_gives_its_directory_back(cluster_clie
 
 def test_a_run_directory_is_resumed_whatever_its_name_says_in_yaml(tmp_path):
     """Paths are set, not parsed as YAML: ' #' would start a comment, ': ' a mapping."""
-    from laminar.learner import Learner
-    from laminar.model import build_tiny_policy
-    from storage import TrajectoryWriter
 
-    cfg = with_overrides(RunConfig(), ["trainer.steps=2"])
-    run = prepare_run_dir(cfg, tmp_path / "exp #2: lr")
-    learner = Learner(cfg, build_tiny_policy(tmp_path / "policy", seed=0))
-    learner.version = 1
-    learner.save(run / "checkpoints" / "version-000001")
-    TrajectoryWriter(run)
+    run = _resumable(tmp_path, "exp #2: lr")
     cfg, _, path = prepare_resume(run, ["trainer.steps=3"])
     assert path == run and cfg.run_dir == str(run)
     assert cfg.trainer.resume_from == str(run / "checkpoints" / "version-000001")
