@@ -178,6 +178,7 @@ class RolloutReplica:
             "idle_s": 0.0,
             "weight_wait_s": 0.0,
             "pulls_unreachable": 0,  # batch boundaries whose relay could not be reached
+            "pulls_failed": 0,  # ... whose pull failed otherwise (a chunk's checksum)
             "decode_s": 0.0,
             "moves_out": 0,
             "moves_in": 0,  # sources whose requests this rollout took
@@ -457,7 +458,7 @@ class RolloutReplica:
     def _wait_for_version(self, version: int, wait_s: float) -> None:
         """Wait up to ``wait_s`` until the relay has ``version`` (or newer) and load it,
         in short long polls with the manager's commands served between them."""
-        from laminar.relay import RelayUnreachable
+        from laminar.relay import RelayError, RelayUnreachable
 
         deadline = time.time() + wait_s
         while self.engine.version < version and time.time() < deadline:
@@ -468,8 +469,9 @@ class RolloutReplica:
                 update = self.puller.newest(
                     self.engine.version, wait_s=VERSION_POLL_S, wait_switch=False
                 )
-            except RelayUnreachable:  # lost: the next boundary tries again
-                self.counts["pulls_unreachable"] += 1
+            except RelayError as e:  # lost, or a failed pull: the next poll tries again
+                lost = isinstance(e, RelayUnreachable)
+                self.counts["pulls_unreachable" if lost else "pulls_failed"] += 1
                 self._serve_for(min(VERSION_POLL_S, max(0.0, deadline - time.time())))
                 continue
             if update is not None:
@@ -564,7 +566,7 @@ class RolloutReplica:
             self._synced = bool(self.puller.versions())
             if not self._synced:
                 self._stop.wait(0.02)
-        from laminar.relay import RelayUnreachable
+        from laminar.relay import RelayError, RelayUnreachable
 
         t_pull = time.time()
         try:
@@ -582,6 +584,18 @@ class RolloutReplica:
                     self.engine.version,
                 )
             self.counts["pulls_unreachable"] += 1
+            update = None
+        except RelayError as e:  # a chunk that failed its checksum, a version evicted
+            # past relay.timeout_s: the engine keeps the whole version it holds (it owns
+            # its weights) and the next boundary pulls again
+            if not self.counts["pulls_failed"]:
+                logger.warning(
+                    "rollout %s: pull failed (%s); generating on at version %d",
+                    self.rollout_id,
+                    e,
+                    self.engine.version,
+                )
+            self.counts["pulls_failed"] += 1
             update = None
         if update is not None:
             self._load_version(*update)

@@ -75,6 +75,7 @@ ROLLOUT_COUNTERS = (
     "engine_decode_tokens",
     "engine_steps",
     "pulls_unreachable",  # batch boundaries whose relay was lost (went on without)
+    "pulls_failed",  # ... whose pull failed otherwise: a chunk's checksum (went on without)
     "engine_modelled_s",  # paced engines only
     "engine_compute_s",
     "interrupts",  # partial rollout: global updates that paused it ...

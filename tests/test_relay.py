@@ -530,3 +530,25 @@ def test_relay_bench_measures_both_senders_side_by_side():
     assert alone.rows[0][:2] == ["tcp", "loop"] and alone.ratios["stall_p8_vs_p2"] > 0
     with pytest.raises(ConfigError, match="--senders"):
         bench_relay(sizes_mb=(1,), ps=(2,), senders=("fast",))
+
+
+def test_a_rollout_whose_pull_fails_generates_on_with_the_version_it_holds(tiny_policy):
+    """A pull that fails otherwise than by a lost relay (here a chunk failing its
+    checksum) used to end the rollout's generation loop. The engine holds whole weights
+    of its own, so the rollout counts it, goes on with its version, and pulls again at
+    the next boundary."""
+    from laminar.config import RunConfig, with_overrides
+    from laminar.model import load_policy
+    from laminar.rollout import RolloutReplica
+
+    model, _ = load_policy(tiny_policy)
+    state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    core = RelayCore()
+    snap = _publish(core, 1, {k: v + 1.0 for k, v in state.items()}, chunk_bytes=1 << 16)
+    snap.buf[snap.span(1)[0]] ^= 0xFF  # (the copy held by the relay rots after its checksum)
+    cfg = with_overrides(RunConfig(), ["relay.timeout_s=1", "rollout.parity_every=0"])
+    rollout = RolloutReplica("r0", cfg, str(tiny_policy), None, None, _LocalRelay(core))
+    before = rollout.engine.decoder.embed.clone()
+    rollout._maybe_load_weights()
+    assert rollout.counts["pulls_failed"] == 1 and rollout.engine.version == 0
+    assert torch.equal(rollout.engine.decoder.embed, before)
