@@ -229,6 +229,10 @@ def _renew_held() -> None:
         time.sleep(LIVE_EVERY_S)
         with _lock:
             for held in list(_held.values()):
+                # (a claim another live driver took over while this process stalled is
+                # dropped, not renewed over theirs)
+                if _still_held(held.run_dir) is not held:
+                    continue
                 try:
                     held.renew()
                 except OSError:  # (a full or lost disk: the run says so itself)

@@ -112,3 +112,20 @@ def test_a_claim_is_renewed_while_held(tmp_path, monkeypatch):
             time.sleep(0.1)
     finally:
         held.release()
+
+
+def test_a_claim_taken_over_while_its_process_stalled_is_not_renewed_over(tmp_path, monkeypatch):
+    """This process stalled past LIVE_STALE_S and another host's driver took the
+    directory: the renewer drops the claim instead of writing over theirs."""
+    import storage.live
+
+    monkeypatch.setattr(storage.live, "LIVE_EVERY_S", 0.1)
+    monkeypatch.setattr(storage.live, "_renewer", None)
+    held = claim(tmp_path)
+    theirs = {"pid": 4242, "host": "node7", "since": time.time(), "seen": time.time()}
+    (tmp_path / LIVE_FILE).write_text(json.dumps(theirs))
+    time.sleep(0.5)  # (several renewals' worth)
+    assert running_driver(tmp_path)["host"] == "node7"
+    assert tmp_path.resolve() not in storage.live._held
+    held.release()  # (gives up nothing of theirs)
+    assert running_driver(tmp_path)["host"] == "node7"
