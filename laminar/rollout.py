@@ -575,27 +575,19 @@ class RolloutReplica:
             # switched us to by then: within a detection round for a downstream relay,
             # once the trainer has restarted for the master).
             update = self.puller.newest(self.engine.version, wait_switch=False)
-        except RelayUnreachable as e:
-            if not self.counts["pulls_unreachable"]:
+        except RelayError as e:  # lost, or a failed pull (a chunk that failed its
+            # checksum, a version evicted past relay.timeout_s): the engine keeps the
+            # whole version it holds (it owns its weights)
+            key = "pulls_unreachable" if isinstance(e, RelayUnreachable) else "pulls_failed"
+            if not self.counts[key]:
                 logger.warning(
-                    "rollout %s: %s; generating on at version %d",
+                    "rollout %s: %s (%s); generating on at version %d",
                     self.rollout_id,
+                    key.replace("_", " "),
                     e,
                     self.engine.version,
                 )
-            self.counts["pulls_unreachable"] += 1
-            update = None
-        except RelayError as e:  # a chunk that failed its checksum, a version evicted
-            # past relay.timeout_s: the engine keeps the whole version it holds (it owns
-            # its weights) and the next boundary pulls again
-            if not self.counts["pulls_failed"]:
-                logger.warning(
-                    "rollout %s: pull failed (%s); generating on at version %d",
-                    self.rollout_id,
-                    e,
-                    self.engine.version,
-                )
-            self.counts["pulls_failed"] += 1
+            self.counts[key] += 1
             update = None
         if update is not None:
             self._load_version(*update)
