@@ -95,12 +95,11 @@ def _claim(path: Path, doing: str) -> Claim:
 def _write_claimed(path: Path, doing: str, config: Path, text: str) -> None:
     """Claim ``path``, then write its ``config.yaml``; the claim is given back if the
     write fails, and kept (for the RunHandle to take over) if it does not."""
-    held = _claim(path, doing)
+    held = _claim(path, doing)  # (an idle claim: _claim refuses one a run drives)
     try:
         config.write_text(text)
     except BaseException:
-        if not held.driving:
-            held.release()
+        held.release()
         raise
 
 
