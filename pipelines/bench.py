@@ -73,6 +73,20 @@ class BenchResult:
         return "\n".join(lines + [f"note: {n}" for n in self.notes])
 
 
+def failed_run(why, *, arm: str, replicas: int, run: str, run_dir) -> dict:
+    """A bench's record of a run that failed: ``why`` the run's
+    :class:`~laminar.errors.RunFailed` or its summary's ``reason``."""
+    if isinstance(why, BaseException):
+        why = (getattr(why, "summary", None) or {}).get("reason") or why
+    return {
+        "arm": arm,
+        "replicas": replicas,
+        "run": run,
+        "run_dir": str(run_dir),
+        "reason": str(why),
+    }
+
+
 def failed_notes(failed: list[dict]) -> list[str]:
     """The notes that list the runs a result leaves out (the bench exits 1 with them)."""
     return [

@@ -259,7 +259,7 @@ def bench_repack(
 
     from laminar.cluster import local_cluster
     from laminar.errors import RunFailed
-    from pipelines.bench import BenchResult, failed_notes
+    from pipelines.bench import BenchResult, failed_notes, failed_run
     from pipelines.bench_schedules import Cluster
 
     cluster_shape = Cluster(gpus)
@@ -281,16 +281,9 @@ def bench_repack(
                 try:
                     fig = _arm(client, run_dir, arms[arm], duration_s, scale, warmup_share)
                 except RunFailed as e:
-                    reason = str((e.summary or {}).get("reason") or e)
-                    failed.append(
-                        {
-                            "arm": arm,
-                            "replicas": replicas,
-                            "run": f"#{rep}",
-                            "run_dir": str(run_dir),
-                            "reason": reason,
-                        }
-                    )
+                    where = dict(arm=arm, replicas=replicas, run=f"#{rep}", run_dir=run_dir)
+                    failed.append(failed_run(e, **where))
+                    reason = failed[-1]["reason"]
                     print(f"  {arm} #{rep}: FAILED: {reason}; left out, the bench goes on")
                     continue
                 results[arm].append(fig)

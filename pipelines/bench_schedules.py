@@ -517,25 +517,17 @@ def bench_schedules(
             that never scores, a lost actor past recovery): it is recorded and left
             out, and the bench goes on with the other runs."""
             from laminar.errors import RunFailed
+            from pipelines.bench import failed_run
 
             run_dir = root / f"{arm}-r{replicas}-{tag}"
             arm_overrides = [*cluster.overrides(arm, replicas, steps, seed), *overrides]
             try:
                 summary = _run(client, run_dir, arm_overrides)
             except RunFailed as e:
-                reason = str((e.summary or {}).get("reason") or e)
-                failed.append(
-                    {
-                        "arm": arm,
-                        "replicas": replicas,
-                        "run": tag,
-                        "run_dir": str(run_dir),
-                        "reason": reason,
-                    }
-                )
+                failed.append(failed_run(e, arm=arm, replicas=replicas, run=tag, run_dir=run_dir))
                 print(
-                    f"  {arm:<18} R={replicas:<2} {tag:<8} FAILED: {reason}; left out, the "
-                    f"bench goes on (the run is kept in {run_dir})",
+                    f"  {arm:<18} R={replicas:<2} {tag:<8} FAILED: {failed[-1]['reason']}; "
+                    f"left out, the bench goes on (the run is kept in {run_dir})",
                     flush=True,
                 )
                 return None
@@ -677,6 +669,7 @@ def reanalyse(
     import re
 
     from laminar.config import load_config
+    from pipelines.bench import failed_run
 
     root = Path(runs_dir)
     found = []
@@ -699,9 +692,7 @@ def reanalyse(
         reason = str(summary.get("reason"))
         if reason.startswith("failed"):  # (left out and listed, as the bench did)
             tag = "probe" if seed is None else f"s{seed}"
-            failed.append(
-                {"arm": arm, "replicas": r, "run": tag, "run_dir": str(d), "reason": reason}
-            )
+            failed.append(failed_run(reason, arm=arm, replicas=r, run=tag, run_dir=d))
         if reason != "completed":
             continue
         fig = _figures(d, summary, warmup, probe_warmup)
