@@ -99,8 +99,10 @@ class LaminarAccessor:
         ``generated``: prompt + response tokens of trajectories that finished in the window
         (the paper's token count); ``response``: their response tokens alone (what the
         engines decoded: generation throughput); ``trained``: prompt + response tokens of
-        trajectories the trainer consumed in the window. The last window ends at the last
-        event and is divided by its own length.
+        trajectories the trainer consumed in the window. Each window is divided by the
+        seconds the run ran in it: the last ends at the last event, and a resumed run's
+        stops (:attr:`pauses_s`) are left out; a window it was stopped throughout has no
+        rate (NaN, not 0, so that a mean over windows is the rate while it ran).
         """
         ds = self._ds
         if not ds.sizes["trajectory"]:  # (a run that has stored nothing yet)
@@ -115,11 +117,15 @@ class LaminarAccessor:
         consumed = ds["status"].values == "consumed"
         sample = self._windows(ds["t_sample"].values[consumed], window)
         n = int(max(finish.max(initial=-1), sample.max(initial=-1))) + 1
-        # Every window lasts `window` seconds except the last, cut at the last event.
+        # Every window lasts `window` seconds except the last, cut at the last event,
+        # less the time the run was stopped in it.
         t_end = np.nanmax(np.concatenate([ds["t_finish"].values, ds["t_sample"].values]))
-        span = np.full(n, float(window))
-        if n:
-            span[-1] = max(t_end - self.t0 - (n - 1) * window, 1e-9)
+        lo = self.t0 + np.arange(n) * window
+        hi = np.append(lo[1:], t_end)
+        span = hi - lo
+        for start, end in self.pauses_s:
+            span -= np.clip(np.minimum(hi, end) - np.maximum(lo, start), 0.0, None)
+        span = np.where(span > 0, span, np.nan)  # (stopped throughout: no rate)
         gen = np.bincount(finish, weights=tokens, minlength=n)[:n] / span
         response = ds["response_len"].values.astype(np.float64)
         decoded = np.bincount(finish, weights=response, minlength=n)[:n] / span

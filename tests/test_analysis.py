@@ -332,3 +332,52 @@ def test_wrong_paths_and_datasets_get_errors_that_say_what_to_pass(run, tmp_path
     assert open_runs(run_dir).sizes == both.sizes
     with pytest.raises(ValueError, match=r"use open_run\(path\).laminar for each run"):
         both.laminar.summary()
+
+
+def _resumed_run(path, times):
+    """A run that ran from 0 to 20 s, was stopped, and ran again from 120 s on (epoch
+    origin 1.8e9): one consumed trajectory per ``(t_finish, t_sample)`` in ``times``
+    (seconds on the run's clock), 5 tokens each."""
+    from factories import trajectory
+
+    from storage.metrics import MetricsWriter
+
+    t0 = 1.8e9
+    TrajectoryWriter(path).append(
+        [
+            trajectory(
+                f"u{i}",
+                f"g{i}",
+                group_size=1,
+                status="consumed",
+                t_submit=t0 + max(f - 1.0, 0.0),
+                t_start=t0 + max(f - 1.0, 0.0),
+                t_finish=t0 + f,
+                t_insert=t0 + f,
+                t_sample=t0 + s,
+                sample_version=0,
+            ).to_record()
+            for i, (f, s) in enumerate(times)
+        ]
+    )
+    rows = [(0, t) for t in range(0, 21, 5)] + [(1, t) for t in range(120, 141, 5)]
+    MetricsWriter(path).append(
+        "cluster",
+        [{"segment": s, "elapsed_s": t, "wall_time": t0 + t, "version": 0} for s, t in rows],
+    )
+    return open_run(path)
+
+
+def test_throughput_of_a_resumed_run_counts_only_the_time_it_ran(tmp_path):
+    """Windows the run was stopped throughout have no rate (NaN, not 0: a mean over the
+    windows is the rate while it ran), and a window it was stopped part of is divided by
+    the seconds it ran."""
+    ds = _resumed_run(tmp_path, [(1, 3), (8, 9), (14, 16), (18, 19), (125, 126), (131, 132)])
+    assert ds.laminar.pauses_s == [(1.8e9 + 20, 1.8e9 + 120)]
+    tp = ds.laminar.throughput(window=15.0)
+    nan = np.nan
+    # [0,15): 3 finished, 15 s; [15,30): 1 finished, ran 5 s; [30,120): stopped;
+    # [120,132]: 2 finished in 12 s (the last window ends at the last event)
+    expected = [15 / 15, 5 / 5, nan, nan, nan, nan, nan, nan, 10 / 12]
+    np.testing.assert_allclose(tp["generated"].values, expected)
+    np.testing.assert_allclose(tp["trained"].values, [10 / 15, 10 / 5, *[nan] * 6, 10 / 12])
