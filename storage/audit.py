@@ -103,9 +103,37 @@ def audit_run(run_dir: str | Path) -> AuditReport:
     if (sizes > want).any():
         report.problems.append(f"{int((sizes > want).sum())} groups have more members than size")
 
+    _audit_staleness(ds, report)
     unfinished = _audit_log(run_dir, ds, report)
     _audit_faults(run_dir, ds, report, unfinished)
     return report
+
+
+# What each barrier schedule promises of every consumed trajectory's s_train
+# (docs/schedules.md): sync and stream train on-policy; one-step trains batch b by version
+# b - 1 (the first batch, and one after a skipped update, by its own: 0).
+S_TRAIN_RANGE = {"sync": (0, 0), "stream": (0, 0), "one_step": (0, 1)}
+
+
+def _audit_staleness(ds, report: AuditReport) -> None:
+    """The staleness the run's schedule promises, held against its consumed trajectories.
+    (Laminar and partial rollout bound no trajectory's s_train: their figures only.)"""
+    consumed = ds["status"].values == "consumed"
+    s_train = (ds["sample_version"].values - ds["behavior_version"].values)[consumed]
+    if s_train.size:
+        report.figures["s_train max"] = int(s_train.max())
+    schedule = ds.attrs.get("schedule")
+    if schedule not in S_TRAIN_RANGE:
+        return
+    lo, hi = S_TRAIN_RANGE[schedule]
+    bad = (s_train < lo) | (s_train > hi)
+    if bad.any():
+        want = f"s_train = {lo}" if lo == hi else f"s_train {lo} or {hi}"
+        uid = ds["uid"].values[consumed][bad][0]
+        report.problems.append(
+            f"{int(bad.sum())} consumed trajectories break the {schedule} schedule's "
+            f"{want}: s_train {sorted(set(s_train[bad].tolist()))}, e.g. {str(uid)!r}"
+        )
 
 
 ENDED = ("completed", "stopped")  # summary.json reasons of a run that ended, not lost

@@ -457,3 +457,69 @@ def test_a_baseline_run_is_not_resumed_in_place(tmp_path):
     (run / "config.yaml").write_text(cfg.to_yaml())
     with pytest.raises(ConfigError, match="start a new run from its checkpoint"):
         pipelines.resume(run, client=None)
+
+
+# -- the audit of a baseline's store -----------------------------------------------------
+
+
+def _baseline_store(path, schedule, groups, updates=None):
+    """A run directory whose store holds consumed groups of 2, each ``(K, M_t)``, written
+    by ``schedule``; ``updates``: the published versions to record in ``metrics.zarr``."""
+    from laminar.contract import Trajectory
+    from storage import TrajectoryWriter
+    from storage.metrics import MetricsWriter
+
+    records = []
+    for g, (k, m_t) in enumerate(groups):
+        for i in range(2):
+            records.append(
+                Trajectory(
+                    uid=f"p{g}-{i}",
+                    prompt_uid=f"p{g}",
+                    prompt_key=g,
+                    sample_idx=i,
+                    group_size=2,
+                    prompt_tokens=np.ones(3, np.int32),
+                    response_tokens=np.ones(2, np.int32),
+                    behavior_logprobs=np.zeros(2, np.float32),
+                    loss_mask=np.ones(2, np.uint8),
+                    behavior_version=k,
+                    finish_version=k,
+                    sample_version=m_t,
+                    finish_reason="eos",
+                    reward=1.0,
+                    rollout_ids="r0",
+                    t_submit=1.0,
+                    t_start=2.0,
+                    t_finish=3.0,
+                    t_insert=4.0,
+                    t_sample=5.0,
+                    status="consumed",
+                ).to_record()
+            )
+    TrajectoryWriter(path, schedule=schedule).append(records)
+    if updates is not None:
+        MetricsWriter(path).append("updates", [{"version": v, "tokens": 10} for v in updates])
+    return path
+
+
+@pytest.mark.parametrize(
+    "schedule, groups, stale",
+    [
+        ("sync", [(0, 0), (0, 1)], "s_train = 0"),
+        ("stream", [(1, 1), (0, 1)], "s_train = 0"),
+        ("one_step", [(0, 0), (0, 1), (0, 2)], "s_train 0 or 1"),
+    ],
+)
+def test_the_audit_holds_each_baseline_to_its_staleness(tmp_path, schedule, groups, stale):
+    """``laminar audit`` applies what each schedule promises (docs/schedules.md): a store
+    that breaks it is a problem, one that keeps it is clean."""
+    from storage.audit import audit_run
+
+    bad = audit_run(_baseline_store(tmp_path / "bad", schedule, groups))
+    assert any(stale in p for p in bad.problems), bad.problems
+    kept = [(k, m) for k, m in groups if m - k <= (1 if schedule == "one_step" else 0)]
+    good = audit_run(_baseline_store(tmp_path / "good", schedule, kept))
+    assert good.ok, good.problems
+    # the same store, written by Laminar (no staleness promise): clean
+    assert audit_run(_baseline_store(tmp_path / "laminar", "laminar", groups)).ok
