@@ -117,16 +117,40 @@ def plot_throughput(runs: list[dict], out: Path) -> str:
         # (a window the run was stopped throughout has no rate, NaN: no line, not a zero)
         for name, style in (("generated", "-"), ("trained", "--")):
             ax_g.plot(tp["time"].values, tp[name].values, style, label=f"{r['name']} {name}")
-        u = r["updates"]
-        if u is not None and u.sizes["update"] > 1:
-            # The paper's measure: tokens of a global batch / time between adjacent updates.
-            ax_u.plot(u["version"][1:], (u["tokens"] / u["interval_s"])[1:], label=r["name"])
+        versions, rate = update_throughput(r)
+        if versions.size:
+            ax_u.plot(versions, rate, ".-", ms=3, label=r["name"])
     ax_g.set(
         xlabel="time (s since start)", ylabel="tokens/s", title="generated vs trained (5 s bins)"
     )
     ax_u.set(xlabel="version", ylabel="tokens/s", title="actor-update throughput")
     ax_g.legend(fontsize=7)
     return _save(fig, out, "throughput.png")
+
+
+def update_throughput(run: dict) -> tuple[np.ndarray, np.ndarray]:
+    """The paper's measure per version: tokens of a global batch over the time since the
+    previous actor update, after warm-up. Each start's first update is left out (its
+    interval holds the start: loading the model, the first batch); of a version trained
+    twice (a lost run resumed from an older checkpoint redoes the lost updates) the later
+    row, whose weights stand."""
+    u = run["updates"]
+    if u is None or not u.sizes["update"] or "interval_s" not in u:
+        return np.zeros(0, dtype=np.int64), np.zeros(0)
+    version = u["version"].values
+    # (updates are appended in order: the last row of a version is the redone one)
+    _, from_end = np.unique(version[::-1], return_index=True)
+    kept = np.zeros(len(version), dtype=bool)
+    kept[len(version) - 1 - from_end] = True
+    first = np.zeros(len(version), dtype=bool)
+    first[0] = True
+    if run["t0"] is not None and "time" in u:
+        for _, start in run["gaps"]:  # a later start's first update: the first after it
+            if (after := np.flatnonzero(u["time"].values >= run["t0"] + start)).size:
+                first[after[0]] = True
+    keep = kept & ~first
+    rate = u["tokens"].values[keep] / u["interval_s"].values[keep]
+    return version[keep].astype(np.int64), rate
 
 
 def plot_staleness(runs: list[dict], out: Path) -> str:

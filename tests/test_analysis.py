@@ -381,3 +381,54 @@ def test_throughput_of_a_resumed_run_counts_only_the_time_it_ran(tmp_path):
     expected = [15 / 15, 5 / 5, nan, nan, nan, nan, nan, nan, 10 / 12]
     np.testing.assert_allclose(tp["generated"].values, expected)
     np.testing.assert_allclose(tp["trained"].values, [10 / 15, 10 / 5, *[nan] * 6, 10 / 12])
+
+
+def test_the_updates_of_a_lost_and_resumed_run_by_version(tmp_path):
+    """After a lost run is resumed from its checkpoint, the lost updates' versions come
+    again in ``updates``; docs/analysis.md's recipe keeps the rows in the weights (the
+    later ones), one per version, so that ``.sel(version=v)`` works."""
+    from storage.metrics import MetricsWriter, open_metrics
+
+    # versions 1-5, lost after 5; resumed from the checkpoint of version 3: 4, 5, 6 redone
+    rows = [(v, 0.1 * v) for v in range(1, 6)] + [(v, 1.0 + v) for v in (4, 5, 6)]
+    MetricsWriter(tmp_path).append("updates", [{"version": v, "loss": x} for v, x in rows])
+    updates = open_metrics(tmp_path, "updates")
+    kept = (
+        updates.set_coords("version")
+        .swap_dims(update="version")
+        .drop_duplicates("version", keep="last")
+    )
+    assert kept["version"].values.tolist() == [1, 2, 3, 4, 5, 6]
+    assert kept["loss"].sel(version=5).item() == 6.0
+    assert kept["loss"].sel(version=2).item() == pytest.approx(0.2)
+
+
+def test_actor_update_throughput_of_a_lost_and_resumed_run(tmp_path):
+    """The report's actor-update throughput (the paper's measure, after warm-up): of a
+    version trained twice (a lost run resumed from an older checkpoint) only the later
+    row, whose weights stand, and no start's first update (its interval holds the start:
+    the model loading, the first batch)."""
+    from pipelines.report import _load, update_throughput
+    from storage.metrics import MetricsWriter
+
+    t0 = 1.8e9
+    w = MetricsWriter(tmp_path)
+    # ran 0-20 s (versions 1-5, an update every 4 s), lost; resumed at 120 s from the
+    # checkpoint of version 3: versions 4, 5, 6 redone
+    rows = [(0, t) for t in range(0, 21, 5)] + [(1, t) for t in range(120, 141, 5)]
+    w.append(
+        "cluster",
+        [{"segment": s, "elapsed_s": t, "wall_time": t0 + t, "version": 0} for s, t in rows],
+    )
+    # (version, time, interval since the previous update or the start, tokens)
+    ups = [(v, 4.0 * v, 4.0, 400.0) for v in range(1, 6)]
+    ups += [(4, 127.0, 7.0, 100.0), (5, 129.0, 2.0, 200.0), (6, 131.0, 2.0, 300.0)]
+    w.append(
+        "updates",
+        [{"version": v, "time": t0 + t, "interval_s": i, "tokens": n} for v, t, i, n in ups],
+    )
+    TrajectoryWriter(tmp_path).append([])
+    versions, rate = update_throughput(_load(tmp_path))
+    # v1: warm-up; v2, v3: 400 / 4 s; v4: the resumed start's first; v5, v6: 2 s each
+    assert versions.tolist() == [2, 3, 5, 6]
+    np.testing.assert_allclose(rate, [100.0, 100.0, 100.0, 150.0])
