@@ -159,7 +159,8 @@ class LaminarAccessor:
 
     def groups(self) -> xr.Dataset:
         """One row per prompt group (``prompt_uid``): siblings stored, group size,
-        completeness, weight versions within the group, and how many were consumed."""
+        completeness, how many distinct weight versions generated its siblings, and how
+        many were consumed."""
         ds = self._ds
         pu = ds["prompt_uid"].values
         uids, inverse = np.unique(pu, return_inverse=True)
@@ -167,18 +168,16 @@ class LaminarAccessor:
         stored = np.bincount(inverse, minlength=n)
         size = np.zeros(n, np.int64)
         size[inverse] = ds["group_size"].values
-        k = ds["behavior_version"].values
-        vmin = np.full(n, np.iinfo(np.int64).max)
-        vmax = np.full(n, np.iinfo(np.int64).min)
-        np.minimum.at(vmin, inverse, k)
-        np.maximum.at(vmax, inverse, k)
+        # distinct (group, behavior version) pairs, counted per group
+        pairs = np.unique(np.stack([inverse, ds["behavior_version"].values]), axis=1)
+        versions = np.bincount(pairs[0], minlength=n)
         consumed = np.bincount(inverse, weights=ds["status"].values == "consumed", minlength=n)
         return xr.Dataset(
             {
                 "stored": ("group", stored),
                 "group_size": ("group", size),
                 "complete": ("group", stored == size),
-                "versions": ("group", vmax - vmin + 1),
+                "versions": ("group", versions.astype(np.int64)),
                 "consumed": ("group", consumed.astype(np.int64)),
             },
             coords={"group": uids},

@@ -432,3 +432,19 @@ def test_actor_update_throughput_of_a_lost_and_resumed_run(tmp_path):
     # v1: warm-up; v2, v3: 400 / 4 s; v4: the resumed start's first; v5, v6: 2 s each
     assert versions.tolist() == [2, 3, 5, 6]
     np.testing.assert_allclose(rate, [100.0, 100.0, 100.0, 150.0])
+
+
+def test_groups_count_the_weight_versions_a_group_was_generated_with(tmp_path):
+    """A group whose siblings were generated at versions 2 and 5 (a baseline that does
+    not keep siblings together) has 2 versions, not the span 2..5."""
+    from factories import trajectory
+
+    TrajectoryWriter(tmp_path).append(
+        [
+            trajectory(f"a-{i}", "a", sample_idx=i, group_size=3, behavior_version=v).to_record()
+            for i, v in enumerate((2, 5, 5))
+        ]
+        + [trajectory("b-0", "b", group_size=1, behavior_version=4).to_record()]
+    )
+    groups = open_run(tmp_path).laminar.groups()
+    assert groups["versions"].values.tolist() == [2, 1]
