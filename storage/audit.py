@@ -104,6 +104,7 @@ def audit_run(run_dir: str | Path) -> AuditReport:
         report.problems.append(f"{int((sizes > want).sum())} groups have more members than size")
 
     _audit_staleness(ds, report)
+    _audit_updates(run_dir, ds, report)
     unfinished = _audit_log(run_dir, ds, report)
     _audit_faults(run_dir, ds, report, unfinished)
     return report
@@ -134,6 +135,56 @@ def _audit_staleness(ds, report: AuditReport) -> None:
             f"{int(bad.sum())} consumed trajectories break the {schedule} schedule's "
             f"{want}: s_train {sorted(set(s_train[bad].tolist()))}, e.g. {str(uid)!r}"
         )
+
+
+def _audit_updates(run_dir: Path, ds, report: AuditReport) -> None:
+    """Each version the trainer published (the ``updates`` table of ``metrics.zarr``)
+    trained a batch that the store holds as consumed at the version before.
+
+    Without this an empty or truncated store audits clean. The baselines restart no
+    trainer within a run, so every published version is checked; a Laminar trainer
+    restarted after a loss skips past the lost one's versions (their batches are trained
+    again later), so there only a store with nothing consumed is a problem. (In a run
+    that did not end, a note: the store lags the metrics.)"""
+    from storage.metrics import open_metrics
+
+    try:
+        rows = open_metrics(run_dir, "updates")
+    except (FileNotFoundError, KeyError):
+        return
+    published = rows["version"].values
+    published = sorted({int(v) for v in published[np.isfinite(published)]})
+    if not published:
+        return
+    consumed = ds["status"].values == "consumed"
+    if not consumed.any():
+        _problem_if_ended(
+            run_dir,
+            report,
+            f"the trainer published {len(published)} versions, but the store holds no "
+            "consumed trajectory: it is not this run's, or its batches were never written",
+        )
+        return
+    if ds.attrs.get("schedule") == "laminar":
+        return
+    trained = set(ds["sample_version"].values[consumed].tolist())
+    missing = [v for v in published if v - 1 not in trained]
+    if missing:
+        _problem_if_ended(
+            run_dir,
+            report,
+            f"{len(missing)} published versions trained a batch the store does not hold "
+            f"as consumed (at sample_version one less), e.g. version {missing[0]}",
+        )
+
+
+def _problem_if_ended(run_dir: Path, report: AuditReport, msg: str) -> None:
+    """A problem in a run that ended; in one running or lost, the store lags the metrics
+    by up to a flush (``buffer.flush_interval_s``): a note."""
+    if _ended(run_dir):
+        report.problems.append(msg)
+    else:
+        report.notes.append(f"{msg} (the run is still running, or was lost before a flush)")
 
 
 ENDED = ("completed", "stopped")  # summary.json reasons of a run that ended, not lost

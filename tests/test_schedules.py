@@ -500,6 +500,7 @@ def _baseline_store(path, schedule, groups, updates=None):
     TrajectoryWriter(path, schedule=schedule).append(records)
     if updates is not None:
         MetricsWriter(path).append("updates", [{"version": v, "tokens": 10} for v in updates])
+    (path / "summary.json").write_text(json.dumps({"reason": "completed"}))
     return path
 
 
@@ -523,3 +524,24 @@ def test_the_audit_holds_each_baseline_to_its_staleness(tmp_path, schedule, grou
     assert good.ok, good.problems
     # the same store, written by Laminar (no staleness promise): clean
     assert audit_run(_baseline_store(tmp_path / "laminar", "laminar", groups)).ok
+
+
+def test_the_audit_finds_the_trained_batches_in_the_store(tmp_path):
+    """Every version the trainer published (the ``updates`` table) trained a batch the
+    store holds as consumed at the version before: an empty store, or one missing a
+    version's batch, is a problem, not a clean audit of nothing."""
+    from storage.audit import audit_run
+
+    empty = audit_run(_baseline_store(tmp_path / "empty", "sync", [], updates=[1, 2]))
+    assert any("no consumed trajectory" in p for p in empty.problems), empty.problems
+    gap = audit_run(_baseline_store(tmp_path / "gap", "sync", [(0, 0)], updates=[1, 2]))
+    assert [p for p in gap.problems if "version 2" in p], gap.problems
+    assert audit_run(_baseline_store(tmp_path / "ok", "sync", [(0, 0), (1, 1)], [1, 2])).ok
+    # Laminar: a restarted trainer's versions may skip the lost one's: only an empty store
+    lam = audit_run(_baseline_store(tmp_path / "lam", "laminar", [(0, 0)], updates=[1, 2]))
+    assert lam.ok, lam.problems
+    assert not audit_run(_baseline_store(tmp_path / "lam0", "laminar", [], updates=[1])).ok
+    # a run still running (or lost): its store lags the metrics by a flush, a note
+    (tmp_path / "gap" / "summary.json").unlink()
+    running = audit_run(tmp_path / "gap")
+    assert running.ok and [n for n in running.notes if "version 2" in n], running.notes
