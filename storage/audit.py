@@ -126,6 +126,20 @@ def _audit_staleness(ds, report: AuditReport) -> None:
     schedule = ds.attrs.get("schedule")
     if schedule not in S_TRAIN_RANGE:
         return
+    # A barrier schedule hands each group out whole, to one rollout of one version (and
+    # continues no run in place, so no group's missing samples are handed out again).
+    pu, k = ds["prompt_uid"].values[consumed], ds["behavior_version"].values[consumed]
+    groups, inverse = np.unique(pu, return_inverse=True)
+    lo_k = np.full(len(groups), np.iinfo(np.int64).max)
+    hi_k = np.full(len(groups), np.iinfo(np.int64).min)
+    np.minimum.at(lo_k, inverse, k)
+    np.maximum.at(hi_k, inverse, k)
+    if (split := np.flatnonzero(lo_k != hi_k)).size:
+        report.problems.append(
+            f"{split.size} consumed groups have siblings of several behavior versions, e.g. "
+            f"{str(groups[split[0]])!r} ({lo_k[split[0]]}..{hi_k[split[0]]}): the "
+            f"{schedule} schedule hands a group out whole, to one version"
+        )
     lo, hi = S_TRAIN_RANGE[schedule]
     bad = (s_train < lo) | (s_train > hi)
     if bad.any():

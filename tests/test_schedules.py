@@ -462,9 +462,10 @@ def test_a_baseline_run_is_not_resumed_in_place(tmp_path):
 # -- the audit of a baseline's store -----------------------------------------------------
 
 
-def _baseline_store(path, schedule, groups, updates=None):
+def _baseline_store(path, schedule, groups, updates=None, split=False):
     """A run directory whose store holds consumed groups of 2, each ``(K, M_t)``, written
-    by ``schedule``; ``updates``: the published versions to record in ``metrics.zarr``."""
+    by ``schedule``; ``updates``: the published versions to record in ``metrics.zarr``;
+    ``split``: the first group's second sibling generated one version later."""
     from laminar.contract import Trajectory
     from storage import TrajectoryWriter
     from storage.metrics import MetricsWriter
@@ -472,6 +473,7 @@ def _baseline_store(path, schedule, groups, updates=None):
     records = []
     for g, (k, m_t) in enumerate(groups):
         for i in range(2):
+            k_i = k + (split and g == 0 and i == 1)
             records.append(
                 Trajectory(
                     uid=f"p{g}-{i}",
@@ -483,8 +485,8 @@ def _baseline_store(path, schedule, groups, updates=None):
                     response_tokens=np.ones(2, np.int32),
                     behavior_logprobs=np.zeros(2, np.float32),
                     loss_mask=np.ones(2, np.uint8),
-                    behavior_version=k,
-                    finish_version=k,
+                    behavior_version=k_i,
+                    finish_version=k_i,
                     sample_version=m_t,
                     finish_reason="eos",
                     reward=1.0,
@@ -545,3 +547,15 @@ def test_the_audit_finds_the_trained_batches_in_the_store(tmp_path):
     (tmp_path / "gap" / "summary.json").unlink()
     running = audit_run(tmp_path / "gap")
     assert running.ok and [n for n in running.notes if "version 2" in n], running.notes
+
+
+def test_the_audit_finds_a_barrier_group_split_across_versions(tmp_path):
+    """A barrier schedule hands a group out whole, to one rollout of one version: a
+    consumed group whose siblings have two behavior versions (each within one-step's
+    s_train 0 or 1) broke the barrier."""
+    from storage.audit import audit_run
+
+    groups = [(0, 1), (1, 2)]
+    assert audit_run(_baseline_store(tmp_path / "whole", "one_step", groups)).ok
+    split = audit_run(_baseline_store(tmp_path / "split", "one_step", groups, split=True))
+    assert any("behavior versions" in p for p in split.problems), split.problems
