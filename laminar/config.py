@@ -16,6 +16,7 @@ import difflib
 import hashlib
 import json
 import math
+import re
 import types
 from pathlib import Path
 from typing import Any, Literal, Union, get_args, get_origin
@@ -53,7 +54,9 @@ def _is_numbers(annotation: Any) -> bool:
 
 
 class _Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    # No field means anything by inf or nan (no limit is null, where a field has one):
+    # `lr: .inf` or `truncated_reward: .nan` would reach the loss.
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
     @model_validator(mode="before")
     @classmethod
@@ -208,7 +211,8 @@ class RolloutConfig(_Section):
     top_p: float = Field(1.0, gt=0, le=1)
     top_k: int = Field(0, ge=0)  # 0: off
     engine: Literal["torch", "vllm"] = "torch"
-    # KV tokens an engine may hold (default: max_seq_len × the local batch's requests)
+    # KV tokens an engine may hold (default: max_seq_len × the requests it decodes at once:
+    # max_concurrency when set, else the local batch's)
     kv_capacity_tokens: int | None = Field(None, gt=1)
     pacing: PacingConfig | None = None
     # Every this many local batches, check the engine's behavior logprobs against the
@@ -290,7 +294,7 @@ class TrainerConfig(_Section):
     groups_per_step: int = Field(16, gt=0)
     lr: float = Field(3e-4, gt=0)
     weight_decay: float = Field(0.0, ge=0)
-    betas: tuple[float, float] = (0.9, 0.99)
+    betas: tuple[float, float] = (0.9, 0.99)  # AdamW's, each in [0, 1)
     clip_low: float = Field(0.2, ge=0, lt=1)
     clip_high: float = Field(0.28, ge=0)
     clip_c: float | None = Field(None, gt=1)  # dual-clip bound for negative advantages
@@ -320,6 +324,14 @@ class TrainerConfig(_Section):
     # run can be resumed (`laminar run --resume RUN_DIR`) losing at most these updates.
     checkpoint_every: int = Field(0, ge=0)
     pacing: TrainerPacingConfig | None = None  # needs rollout.pacing (its scale)
+
+    @field_validator("betas")
+    @classmethod
+    def _betas_adamw_takes(cls, value: tuple[float, float]) -> tuple[float, float]:
+        # (torch's AdamW refuses them too, but in the trainer actor, after the warm start)
+        if not all(0 <= b < 1 for b in value):
+            raise ValueError("each of AdamW's betas lies in [0, 1), e.g. [0.9, 0.99]")
+        return value
 
 
 class RelayConfig(_Section):
@@ -414,16 +426,18 @@ class MetricsConfig(_Section):
     # replicas, poll less often.
     poll_s: float = Field(0.5, gt=0)
 
-    @model_validator(mode="after")
-    def _tensorboard_installed(self) -> MetricsConfig:
+    def check_writer(self) -> None:
+        """Refuse ``tensorboard: true`` where tensorboardX is missing (before a run starts;
+        not when a config is read: a run's recorded config must load for analysis on a
+        machine without it)."""
         import importlib.util
 
         if self.tensorboard and importlib.util.find_spec("tensorboardX") is None:
-            raise ValueError(
+            raise ConfigError(
                 "metrics.tensorboard is true but tensorboardX (its writer) is not installed: "
-                "pip install 'laminar[tensorboard]', or set metrics.tensorboard=false"
+                "pip install tensorboardX (in a checkout: pip install -e '.[tensorboard]'), or "
+                "set metrics.tensorboard=false"
             )
-        return self
 
 
 class TLSConfig(_Section):
@@ -472,6 +486,8 @@ class SlurmRole(_Section):
     def _memory_a_job_holds(cls, value: Any) -> Any:
         # dask-jobqueue reads it with dask's parse_bytes (a bare number is bytes) when
         # the jobs are made: checked here instead, before the run directory is made.
+        if isinstance(value, float) and value.is_integer():
+            value = int(value)  # (YAML reads 4.0e+9 as a float)
         if isinstance(value, int) and not isinstance(value, bool):
             value = str(value)
         if not isinstance(value, str):
@@ -498,7 +514,8 @@ class SlurmConfig(_Section):
 
     partition: str | None = None  # -p
     account: str | None = None  # -A
-    walltime: str = "01:00:00"  # -t
+    # -t, as sbatch takes it: minutes, M:S, H:M:S, D-H, D-H:M, D-H:M:S, or unlimited
+    walltime: str = "01:00:00"
     # Shell lines run before the worker starts (modules, a virtual environment).
     job_prologue: list[str] = []
     job_directives: list[str] = []  # extra `#SBATCH` lines, e.g. "--constraint=a100"
@@ -509,6 +526,43 @@ class SlurmConfig(_Section):
     rollout: SlurmRole = SlurmRole()
     relay: SlurmRole = SlurmRole()
     data: SlurmRole = SlurmRole()  # ... unless cluster.data_apart: then it has this job
+
+    @field_validator("walltime", mode="before")
+    @classmethod
+    def _walltime_sbatch_takes(cls, value: Any) -> Any:
+        if isinstance(value, int) and not isinstance(value, bool):
+            value = str(value)  # bare minutes, as sbatch reads them
+        if isinstance(value, str) and not _WALLTIME.fullmatch(value.strip()):
+            raise ValueError(
+                "is no time sbatch takes; give minutes (90), H:M:S (10:00:00), "
+                "D-H:M:S (2-00:00:00) or unlimited"
+            )
+        return value.strip() if isinstance(value, str) else value
+
+
+_WALLTIME = re.compile(r"\d+(-\d+(:\d+){0,2}|(:\d+){0,2})|(?i:unlimited|infinite)")
+
+
+def _memory_limit_bytes(text: str) -> int | None:
+    """What Dask's workers make of a ``memory_limit`` (``distributed``'s
+    ``parse_memory_limit``), in bytes: ``None`` for no limit and for ``auto``; a
+    :class:`ValueError` for what it cannot read."""
+    from dask.utils import parse_bytes
+    from distributed.system import MEMORY_LIMIT
+
+    if text == "auto":
+        return None
+    try:
+        number = float(text)
+    except ValueError:  # not a number: a size with a unit
+        if not text[:1].isdigit():
+            raise
+        return parse_bytes(text) or None
+    if not math.isfinite(number) or number < 0:
+        raise ValueError(text)
+    if number == 0:
+        return None
+    return int(number * MEMORY_LIMIT) if number <= 1 else int(number)
 
 
 class ClusterConfig(_Section):
@@ -545,21 +599,21 @@ class ClusterConfig(_Section):
             value = str(value)
         if not isinstance(value, str):
             return value  # (pydantic says it takes a string)
-        from dask.utils import parse_bytes
 
         text = value.strip()
         try:
-            ok = text == "auto" or math.isfinite(float(text)) and float(text) >= 0
-        except ValueError:  # not a number: a size with a unit
-            try:
-                ok = text[:1].isdigit() and parse_bytes(text) > 0
-            except ValueError:
-                ok = False
-        if not ok:
+            size = _memory_limit_bytes(text)
+        except ValueError:
             raise ValueError(
                 "is not a memory size Dask takes; give a size (e.g. 4GiB, 500MB), a number "
                 "of bytes, a fraction of the machine's memory (0.5), auto (the worker's "
                 "share of it) or 0 (no limit)"
+            ) from None
+        if size is not None and size < MIN_JOB_MEMORY:
+            raise ValueError(
+                f"is {size:,} bytes for each worker, too little for a Dask worker (a number "
+                "above 1 counts bytes, one up to 1 a fraction of this machine's memory); "
+                f"give at least {MIN_JOB_MEMORY // 2**20} MiB, e.g. 4GiB, or 0 for no limit"
             )
         return text
 
@@ -591,7 +645,7 @@ class ClusterConfig(_Section):
 class RunConfig(_Section):
     """A whole run."""
 
-    seed: int = 0
+    seed: int = Field(0, ge=0, lt=2**32)  # numpy's and torch's seeds take [0, 2**32)
     run_dir: str | None = None  # default: runs/<timestamp>
     model: ModelConfig = ModelConfig()
     task: TaskConfig = TaskConfig()
@@ -771,7 +825,7 @@ def parse_overrides(overrides: list[str] | tuple[str, ...]) -> list[tuple[str, A
             )
         # YAML scalars: ints, floats, booleans, null; pydantic coerces "1e-4" for floats.
         try:
-            value = yaml.safe_load(raw) if raw.strip() else None
+            value = yaml.load(raw, Loader=_UniqueKeyLoader) if raw.strip() else None
         except yaml.YAMLError as e:
             reason = str(e).splitlines()[0]
             raise ConfigError(
@@ -804,7 +858,8 @@ class _DuplicateKey(yaml.YAMLError):
 
 class _UniqueKeyLoader(yaml.SafeLoader):
     """PyYAML's safe loader, refusing a key given twice in one mapping (PyYAML keeps the
-    last silently: a `steps:` further down a long section would undo the first)."""
+    last silently: a `steps:` further down a long section would undo the first), and
+    reading ``10:00:00`` as the string it means."""
 
     def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict:
         lines: dict[Any, int] = {}
@@ -824,6 +879,17 @@ class _UniqueKeyLoader(yaml.SafeLoader):
                 )
             lines[key] = line
         return super().construct_mapping(node, deep=deep)
+
+    def resolve(self, kind: type, value: Any, implicit: tuple[bool, bool]) -> str:
+        # YAML 1.1 reads 10:00:00 as the base-60 number 36000 (and 1:30 as 90): only a
+        # walltime is written so, and Slurm reads 1:30 as 1 minute 30, 90 as 90 minutes.
+        tag = super().resolve(kind, value, implicit)
+        if kind is yaml.ScalarNode and implicit[0] and ":" in value and tag in _NUMBER_TAGS:
+            return "tag:yaml.org,2002:str"
+        return tag
+
+
+_NUMBER_TAGS = ("tag:yaml.org,2002:int", "tag:yaml.org,2002:float")
 
 
 def load_config(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> RunConfig:

@@ -39,9 +39,9 @@ def preflight(cfg: RunConfig) -> None:
     """Check what can be checked before any cluster work: the model folder; the prompts
     (each fits the rollout's sequence and the model's vocabulary); that the reward
     function imports (it is not called here: a reward may need what only the workers
-    have, a judge service or a GPU); the checkpoint to resume from (against the model
-    and optimizer settings); the warm-start cache folder. Each failure names the field
-    and the fix."""
+    have, a judge service or a GPU); the TensorBoard writer when asked for; the
+    checkpoint to resume from (against the model and optimizer settings); the
+    warm-start cache folder. Each failure names the field and the fix."""
     from laminar.learner import check_checkpoint
     from laminar.model import check_policy_dir
     from laminar.prompt_pool import check_answers, encode_prompts, load_prompts
@@ -49,6 +49,7 @@ def preflight(cfg: RunConfig) -> None:
     from laminar.sft import base_model_config, base_tokenizer, check_cache_dir
 
     check_cache_dir(cfg)
+    cfg.metrics.check_writer()
     if cfg.model.path:
         check_policy_dir(cfg.model.path)
     prompts = load_prompts(cfg)

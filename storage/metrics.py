@@ -205,10 +205,11 @@ class TensorBoardMirror:
     def __init__(self, run_dir: str | Path) -> None:
         try:  # tensorboardX: TensorBoard's event files without TensorFlow (or torch)
             from tensorboardX import SummaryWriter
-        except ImportError as e:  # the config check says so first; this is the backstop
+        except ImportError as e:  # preflight says so first; this is the backstop
             raise ImportError(
                 "metrics.tensorboard needs tensorboardX (its writer): "
-                "pip install 'laminar[tensorboard]', or set metrics.tensorboard=false"
+                "pip install tensorboardX (in a checkout: pip install -e '.[tensorboard]'), or "
+                "set metrics.tensorboard=false"
             ) from e
         self.log_dir = Path(run_dir) / "tensorboard"
         # A file of its own, even for a writer opened in the same second (a resume).

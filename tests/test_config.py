@@ -42,6 +42,16 @@ def test_overrides_are_typed():
         (["trainer.steps=yes"], r"trainer.steps: takes a number, not true/false"),
         (["repack.max_batch=false"], r"repack.max_batch: takes a number, not true/false"),
         (["trainer.betas=[true, 0.9]"], r"trainer.betas: takes numbers, not true/false"),
+        # refused by the config, not by numpy or torch on a worker after the warm start
+        (["seed=-1"], r"seed: .*greater than or equal to 0"),
+        (["seed=4294967296"], r"seed: .*less than 4294967296"),
+        (["trainer.betas=[1.5, 2]"], r"trainer.betas: each of AdamW's betas lies in \[0, 1\)"),
+        # no field means anything by inf or nan: they would reach the loss or the clock
+        (["trainer.lr=.inf"], r"trainer.lr: Input should be a finite number"),
+        (["task.truncated_reward=.nan"], r"task.truncated_reward: .*finite number"),
+        (["rollout.pacing.dilation=.inf"], r"rollout.pacing.*finite number"),
+        (["cluster.slurm.walltime=forever"], r"walltime: is no time sbatch takes; give minutes"),
+        (["cluster.slurm.walltime=1:2:3:4"], r"walltime: is no time sbatch takes"),
     ],
 )
 def test_bad_values_name_the_field_and_the_fix(override, message):
@@ -113,6 +123,11 @@ def test_config_file_mistakes_are_named(tmp_path):
         ("-5GB", False),
         (-1, False),
         ("inf", False),
+        # what a worker cannot run in: Dask reads a number above 1 as bytes
+        (100, False),
+        (2.0, False),
+        ("1KB", False),
+        (0.0000001, False),  # (a fraction of this machine's memory: a few kB)
     ],
 )
 def test_memory_limit_is_what_dask_takes(value, ok):
@@ -141,6 +156,7 @@ def test_memory_limit_is_what_dask_takes(value, ok):
         ("-1GB", False),
         (4, False),  # (4 bytes: meant 4GB)
         ("100MB", False),
+        (4.0e9, True),  # (YAML reads 4.0e+9 as a float)
     ],
 )
 def test_a_slurm_jobs_memory_is_a_size_a_worker_can_run_in(value, ok):
@@ -155,6 +171,28 @@ def test_a_slurm_jobs_memory_is_a_size_a_worker_can_run_in(value, ok):
         return
     memory = with_overrides(RunConfig(), [override]).cluster.slurm.rollout.memory
     assert parse_bytes(memory) >= 256 * 2**20
+
+
+@pytest.mark.parametrize(
+    "written, meant",
+    [
+        ("10:00:00", "10:00:00"),  # (YAML 1.1 alone reads these as base-60 numbers:
+        ("1:30", "1:30"),  # 36000 and 90, and 90 is 90 minutes to sbatch)
+        ("90", "90"),  # bare minutes
+        ("2-12:00:00", "2-12:00:00"),
+        ("'04:00:00'", "04:00:00"),
+        ("UNLIMITED", "UNLIMITED"),
+    ],
+)
+def test_a_walltime_is_read_as_written(tmp_path, written, meant):
+    f = tmp_path / "c.yaml"
+    f.write_text(f"cluster:\n  slurm:\n    walltime: {written}\n")
+    assert load_config(f).cluster.slurm.walltime == meant
+    cfg = with_overrides(RunConfig(), [f"cluster.slurm.walltime={written}"])
+    assert cfg.cluster.slurm.walltime == meant
+    # a run's recorded config reads back the same
+    (tmp_path / "r.yaml").write_text(cfg.to_yaml())
+    assert load_config(tmp_path / "r.yaml").cluster.slurm.walltime == meant
 
 
 def test_config_is_frozen():

@@ -115,11 +115,14 @@ def test_tensorboard_mirrors_every_numeric_column(tmp_path):
     assert open_metrics(tmp_path, "updates")["loss"].values.tolist()[-1] == 0.2
 
 
-def test_tensorboard_without_its_package_is_a_config_error(monkeypatch):
+def test_tensorboard_without_its_package_is_refused_before_a_run_but_its_config_loads(
+    monkeypatch,
+):
     import importlib.util
 
     from laminar.config import RunConfig, with_overrides
     from laminar.errors import ConfigError
+    from pipelines.api import preflight
 
     real = importlib.util.find_spec
     monkeypatch.setattr(
@@ -127,10 +130,13 @@ def test_tensorboard_without_its_package_is_a_config_error(monkeypatch):
         "find_spec",
         lambda name, *a: None if name == "tensorboardX" else real(name, *a),
     )
+    # A run's recorded config loads for analysis on a machine without the writer ...
+    cfg = with_overrides(RunConfig(), ["metrics.tensorboard=true"])
+    # ... and a run that asks for it is refused before any cluster work.
     with pytest.raises(
-        ConfigError, match=r"metrics\.tensorboard.*pip install 'laminar\[tensorboard\]'"
+        ConfigError, match=r"metrics\.tensorboard.*pip install -e '\.\[tensorboard\]'"
     ):
-        with_overrides(RunConfig(), ["metrics.tensorboard=true"])
+        preflight(cfg)
 
 
 def test_a_column_absent_after_an_interrupted_append_reads_nan_not_its_remains(tmp_path):
