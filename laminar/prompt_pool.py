@@ -223,7 +223,11 @@ class PromptPoolCore:
         if self.dispatch == "eta":
             # Groups that left untrained (dropped, evicted) feed no update: they are made
             # up for, or a trainer that needs G groups per version would starve.
-            ahead = (self.version - self.first_version + self.eta + 1) * self.groups_per_step
+            # Counted from the version the asking rollout holds, which starts the group:
+            # between a publication and the interruption that loads it, a rollout still
+            # on the old version would otherwise start groups one version staler.
+            held = min(version, self.version)
+            ahead = (held - self.first_version + self.eta + 1) * self.groups_per_step
             spent = self.n_untrained + self.n_skipped * self.groups_per_step
             return self.n_dispatched - self._start - spent < ahead
         return True

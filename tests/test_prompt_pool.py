@@ -192,7 +192,7 @@ def test_eta_bounds_dispatch_by_the_trainer_version(eta, groups_per_step, events
     version, out = 0, []
     for kind, k in events:
         if kind == "acquire":
-            out += [g.prompt_uid for g in pool.acquire(k)]
+            out += [g.prompt_uid for g in pool.acquire(k, "r0", version)]
         elif kind == "release":
             pool.release(out[:k])
             out = out[k:]
@@ -203,7 +203,7 @@ def test_eta_bounds_dispatch_by_the_trainer_version(eta, groups_per_step, events
         assert pool.stats()["outstanding"] <= 6
     # nothing holds dispatch back but the rules: with room, it hands out up to the bound
     pool.release(out)
-    pool.acquire(1000)
+    pool.acquire(1000, "r0", version)
     bound = (version + eta + 1) * groups_per_step
     assert pool.stats()["dispatched"] == min(bound, pool.stats()["released"] + 6)
 
@@ -246,6 +246,20 @@ def test_batches_make_up_for_groups_and_updates_that_train_nothing(
             version += 1
             pool.version_published(version)
     assert version == 6, f"the trainer starved at version {version}: {pool.stats()}"
+
+
+def test_eta_counts_from_the_version_the_asking_rollout_holds():
+    """Between a publication and the interruption that loads it, a rollout still on the
+    old version starts groups at that version: the bound is the old version's, or with
+    eta=0 (on-policy) a group would train one version late."""
+    pool = rule_pool("eta", 99, groups_per_step=2, eta=0)
+    first = [g.prompt_uid for g in pool.acquire(9, "r0", version=0)]
+    assert len(first) == 2
+    pool.release(first)
+    pool.version_published(1)
+    assert pool.acquire(9, "r0", version=0) == []  # still on version 0: nothing more
+    assert len(pool.acquire(9, "r0", version=1)) == 2  # loaded version 1: its share
+    assert pool.stats()["dispatched"] == 4
 
 
 def test_eta_makes_up_for_groups_and_updates_that_train_nothing():
