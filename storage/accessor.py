@@ -49,13 +49,19 @@ class LaminarAccessor:
 
     def staleness_histogram(self) -> xr.Dataset:
         """Counts of consumed trajectories per staleness value (in versions), for
-        ``s_gen``, ``residence`` and ``s_train``, on a ``staleness`` dimension."""
+        ``s_gen``, ``residence`` and ``s_train``, on a ``staleness`` dimension.
+
+        A damaged store can hold trajectories ``consumed`` with no ``sample_version``
+        (-1; :meth:`audit` reports them): their ``residence`` and ``s_train`` are unknown
+        and left out of those two counts; the attribute ``unsampled`` says how many."""
         st = self.staleness()
         names = ("s_gen", "residence", "s_train")
-        top = max((int(st[n].max()) for n in names if st.sizes["trajectory"]), default=0)
+        values = {n: st[n].values[np.isfinite(st[n].values)] for n in names}
+        top = max((int(v.max()) for v in values.values() if v.size), default=0)
         edges = np.arange(top + 2)  # one bin per integer staleness 0..top
-        out = {n: ("staleness", np.histogram(st[n].values, bins=edges - 0.5)[0]) for n in names}
-        return xr.Dataset(out, coords={"staleness": edges[:-1]})
+        out = {n: ("staleness", np.histogram(v, bins=edges - 0.5)[0]) for n, v in values.items()}
+        unsampled = int(st.sizes["trajectory"] - values["s_train"].size)
+        return xr.Dataset(out, coords={"staleness": edges[:-1]}, attrs={"unsampled": unsampled})
 
     @property
     def t0(self) -> float:

@@ -448,3 +448,39 @@ def test_groups_count_the_weight_versions_a_group_was_generated_with(tmp_path):
     )
     groups = open_run(tmp_path).laminar.groups()
     assert groups["versions"].values.tolist() == [2, 1]
+
+
+def test_staleness_histogram_of_a_damaged_store_skips_and_counts_unsampled(tmp_path):
+    """A damaged store can hold a trajectory ``consumed`` with ``sample_version == -1``
+    (the audit reports it): its residence and s_train are unknown (NaN). The histogram
+    counts the others and says how many it left out, rather than raising."""
+    from factories import trajectory
+
+    def consumed(u, sample_version):
+        return trajectory(
+            u,
+            f"g{u}",
+            group_size=1,
+            behavior_version=1,
+            finish_version=1,
+            sample_version=sample_version,
+            status="consumed",
+            t_sample=1.0,
+        ).to_record()
+
+    TrajectoryWriter(tmp_path).append([consumed("a", 2), consumed("b", 3), consumed("c", -1)])
+    ds = open_run(tmp_path)
+    assert any("sample_version inconsistent" in p for p in ds.laminar.audit())
+    hist = ds.laminar.staleness_histogram()
+    assert hist["staleness"].values.tolist() == [0, 1, 2]
+    assert hist["s_gen"].values.tolist() == [3, 0, 0]  # (known for all three)
+    assert hist["residence"].values.tolist() == [0, 1, 1]
+    assert hist["s_train"].values.tolist() == [0, 1, 1]
+    assert hist.attrs["unsampled"] == 1
+    # every consumed trajectory damaged: no residence or s_train known at all
+    only = tmp_path / "only-damaged"
+    TrajectoryWriter(only).append([consumed("c", -1)])
+    hist = open_run(only).laminar.staleness_histogram()
+    assert hist["staleness"].values.tolist() == [0]
+    assert hist["s_gen"].values.tolist() == [1] and hist["s_train"].values.tolist() == [0]
+    assert hist.attrs["unsampled"] == 1
