@@ -332,12 +332,35 @@ def segments(cluster: xr.Dataset) -> list[dict]:
     return out
 
 
-def gaps(cluster: xr.Dataset) -> list[tuple[float, float]]:
+def gaps(cluster: xr.Dataset, activity: np.ndarray | None = None) -> list[tuple[float, float]]:
     """The stretches a resumed run was stopped, between its starts (:func:`segments`):
-    ``(end_s, start_s)`` on the run's clock, from one start's last row to the next's
-    first."""
+    ``(from, to)`` on the run's clock, from one start's last row to the next's first.
+
+    Rows are written every few seconds, so a crash loses the last ones, and a resumed
+    start is going a moment before its first row. ``activity``: other times (the run's
+    clock) it was going, e.g. its trajectories' times (NaN ignored); then each stop is
+    the longest stretch between the two rows with no activity in it: it begins at the
+    last sign of the earlier start, and ends at the first of the next.
+
+    >>> import tempfile
+    >>> w = MetricsWriter(tempfile.mkdtemp())
+    >>> w.append("cluster", [{"segment": s, "elapsed_s": t, "version": 0}
+    ...                      for s, t in [(0, 0.0), (0, 5.0), (1, 60.0)]])
+    >>> cluster = open_metrics(w.path.parent, "cluster")
+    >>> gaps(cluster), gaps(cluster, np.array([7.0, 59.0]))
+    ([(5.0, 60.0)], [(7.0, 59.0)])
+    """
     seg = segments(cluster)
-    return [(a["end_s"], b["start_s"]) for a, b in zip(seg[:-1], seg[1:], strict=True)]
+    out = []
+    act = np.asarray([] if activity is None else activity, dtype=np.float64)
+    act = np.sort(act[np.isfinite(act)])
+    for a, b in zip(seg[:-1], seg[1:], strict=True):
+        lo, hi = a["end_s"], b["start_s"]
+        inside = act[(act > lo) & (act < hi)]
+        points = np.concatenate([[lo], inside, [hi]])
+        i = int(np.argmax(np.diff(points)))  # (the first, of equally long stretches)
+        out.append((float(points[i]), float(points[i + 1])))
+    return out
 
 
 def counters_at_end(run_dir: str | Path) -> dict[str, dict]:

@@ -429,14 +429,21 @@ def _read_run(store: Path, group: zarr.Group) -> xr.Dataset:
         ds.attrs["unknown_events"] = unknown
         ds.attrs["unknown_event_uid"] = first
     ds.attrs["schedule"] = group.attrs.get("schedule", "laminar")  # older stores: laminar
-    ds.attrs["pauses_s"] = _pauses(store.parent)
+    times = [ds[f].values for f in _TIMES if f in ds]
+    ds.attrs["pauses_s"] = _pauses(store.parent, np.concatenate(times) if times else None)
     return ds
 
 
-def _pauses(run_dir: Path) -> list[float]:
+# Each a moment the run was going: its trajectories' times.
+_TIMES = ("t_submit", "t_start", "t_finish", "t_insert", "t_sample")
+
+
+def _pauses(run_dir: Path, activity: np.ndarray | None = None) -> list[float]:
     """When a resumed run was stopped, between its starts (epoch seconds, flat: from, to,
     from, to, ...; a flat list of numbers, so ``to_netcdf`` takes it): from its metrics
-    (none written yet, or a run started once: ``[]``)."""
+    (none written yet, or a run started once: ``[]``), narrowed by ``activity`` (epoch
+    seconds the run was going: its trajectories' times), as :func:`storage.metrics.gaps`
+    says: a crash loses the last seconds of rows, not of the trajectory store."""
     from storage.metrics import gaps, open_metrics, time_origin
 
     try:
@@ -449,7 +456,8 @@ def _pauses(run_dir: Path) -> list[float]:
     origin = time_origin(cluster)
     if origin is None:
         return []
-    return [origin + t for gap in gaps(cluster) for t in gap]
+    on_clock = None if activity is None else activity - origin
+    return [origin + t for gap in gaps(cluster, on_clock) for t in gap]
 
 
 def open_runs(paths, names: list[str] | None = None) -> xr.Dataset:

@@ -484,3 +484,45 @@ def test_staleness_histogram_of_a_damaged_store_skips_and_counts_unsampled(tmp_p
     assert hist["staleness"].values.tolist() == [0]
     assert hist["s_gen"].values.tolist() == [1] and hist["s_train"].values.tolist() == [0]
     assert hist.attrs["unsampled"] == 1
+
+
+def test_a_stop_begins_at_the_last_sign_the_run_was_going(tmp_path):
+    """A crash loses up to a metrics flush (5 s) of ``cluster`` rows, but the trajectory
+    store may have committed events after the last row: the stop begins at the latest of
+    them. Likewise a resumed run's trainer can sample re-admitted trajectories before the
+    resume's first row: the stop ends at the first sign of the resumed run."""
+    from factories import trajectory
+
+    from storage.metrics import MetricsWriter
+
+    t0 = 1.8e9
+
+    def consumed(u, finish, sample):
+        return trajectory(
+            u,
+            f"g{u}",
+            group_size=1,
+            status="consumed",
+            sample_version=0,
+            t_submit=t0 + finish - 1,
+            t_start=t0 + finish - 1,
+            t_finish=t0 + finish,
+            t_insert=t0 + finish,
+            t_sample=t0 + sample,
+        ).to_record()
+
+    # rows every 5 s from 0 to 20 s; the run went on to 23.5 s (its last trajectory in,
+    # sampled at 23 s, another in at 23.5 s), crashed; resumed, its first row at 120 s,
+    # its trainer sampled the re-admitted one at 118 s
+    TrajectoryWriter(tmp_path).append(
+        [consumed("a", 10, 12), consumed("b", 21, 23), consumed("c", 23.5, 118)]
+    )
+    rows = [(0, t) for t in range(0, 21, 5)] + [(1, t) for t in range(120, 141, 5)]
+    MetricsWriter(tmp_path).append(
+        "cluster",
+        [{"segment": s, "elapsed_s": t, "wall_time": t0 + t, "version": 0} for s, t in rows],
+    )
+    ds = open_run(tmp_path)
+    assert ds.laminar.pauses_s == [(t0 + 23.5, t0 + 118)]
+    # c waited from 23.5 s to the stop, and from the resume to its sample: nothing
+    np.testing.assert_allclose(ds.laminar.buffer_age().values, [2.0, 2.0, 0.0])

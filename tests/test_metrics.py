@@ -172,3 +172,20 @@ def test_none_and_non_ascii_in_string_columns(tmp_path):
     assert ds.sizes["update"] == 1001 and np.isnan(ds["grad_norm"].values[:1000]).all()
     assert ds["grad_norm"].values[1000] == 1.5 and np.isnan(ds["loss"].values).all()
     assert set(ds["how"].values[:1000].tolist()) == {""} and ds["how"].values[1000] == "ok"
+
+
+def test_gaps_begin_and_end_at_the_last_and_first_activity_around_a_stop(tmp_path):
+    """Rows come every few seconds and a crash loses the last unflushed ones: other
+    activity between two starts' rows (e.g. trajectory times) narrows the stop to the
+    longest stretch with none."""
+    from storage.metrics import gaps
+
+    w = MetricsWriter(tmp_path)
+    rows = [(0, 0.0), (0, 5.0), (1, 60.0), (1, 65.0), (2, 200.0)]
+    w.append("cluster", [{"segment": s, "elapsed_s": t, "version": 0} for s, t in rows])
+    cluster = open_metrics(tmp_path, "cluster")
+    assert gaps(cluster) == [(5.0, 60.0), (65.0, 200.0)]
+    # 6.5 and 9: the first start's last seconds; 58: the second's, before its first row;
+    # activity outside the stops (or NaN) changes nothing
+    activity = np.array([1.0, 6.5, 9.0, 58.0, np.nan, 62.0, 210.0])
+    assert gaps(cluster, activity) == [(9.0, 58.0), (65.0, 200.0)]
