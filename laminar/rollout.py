@@ -406,8 +406,7 @@ class RolloutReplica:
             groups |= {st.request.meta["group"].prompt_uid for st in states}
         for states in list(self._rescore.queue):
             groups |= {st.request.meta["group"].prompt_uid for st in states}
-        if self._paused is not None:
-            groups |= {st.request.meta["group"].prompt_uid for st in self._paused[1]}
+        groups |= {st.request.meta["group"].prompt_uid for st in self._paused_states()}
         with self._unstored_lock:
             groups |= {t.prompt_uid for t, _ in self._unstored.values()}
         return sorted(groups)
@@ -427,7 +426,10 @@ class RolloutReplica:
         self._data_lost = None
         registered = 0
         if partial is not None:
-            batches = [(self.engine.version, self.engine.in_flight())]
+            # (Paused requests are this batch's too: they wait outside the engine for a
+            # version, sampled so far by the one it holds.)
+            unfinished = self.engine.in_flight() + self._paused_states()
+            batches = [(self.engine.version, unfinished)]
             batches += list(self._adopted.queue) + self._exported_batches()
             for version, states in batches:
                 copies = [
@@ -442,7 +444,7 @@ class RolloutReplica:
                 if copies:
                     self._call(partial.register(self.rollout_id, version, copies), partial)
                     registered += len(copies)
-            self._logged = {st.request_id: len(st.tokens) for st in self.engine.in_flight()}
+            self._logged = {st.request_id: len(st.tokens) for st in unfinished}
             self._ended.clear()  # (kept as unstored: the new buffer gets them)
         self.counts["data_rebuilds"] += 1
         self._to_score.put(_RESEND)
@@ -871,6 +873,10 @@ class RolloutReplica:
         destination whose import it got no answer to: asked after the import, served
         after it)."""
         return self._command(lambda: set(request_ids) <= set(self.engine.request_ids()))
+
+    def _paused_states(self) -> list[RequestState]:
+        paused = self._paused
+        return list(paused[1]) if paused is not None else []
 
     def _exported_batches(self) -> list[tuple[int, list[RequestState]]]:
         exported = self._exported

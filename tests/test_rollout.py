@@ -1,0 +1,62 @@
+"""The rollout replica driven directly, without a cluster: its generation thread's
+protocol (pause, data-module rebuild, adoption, weight pulls) and its reward collector."""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+
+
+class InProcess:
+    """An actor's call convention (``handle.method(...)`` -> a future) in process."""
+
+    def __init__(self, actor):
+        self.actor = actor
+
+    def __getattr__(self, name):
+        def call(*args, **kwargs):
+            future = concurrent.futures.Future()
+            out = getattr(self.actor, name)(*args, **kwargs)
+            future.set_result(asyncio.run(out) if asyncio.iscoroutine(out) else out)
+            return future
+
+        return call
+
+
+def _rollout(tiny_policy, small_config, overrides=(), relay=None):
+    from laminar.config import with_overrides
+    from laminar.rollout import RolloutReplica
+
+    cfg = with_overrides(small_config, ["rollout.parity_every=0", *overrides])
+    return RolloutReplica("r0", cfg, str(tiny_policy), None, None, relay)
+
+
+def _groups(n: int, group_size: int = 4):
+    from laminar.contract import PromptGroup
+
+    return [PromptGroup(f"p{g:08d}", g, (5, 6, 7), "x", group_size, 0) for g in range(n)]
+
+
+def test_a_data_rebuild_during_a_pause_registers_the_paused_requests(tiny_policy, small_config):
+    """Partial rollout: a publication paused the rollout (its unfinished requests wait
+    outside the engine for the version), and the data module is rebuilt meanwhile (the
+    trainer and data module lost together: the version comes only after the restart).
+    The paused requests are this rollout's unfinished trajectories: the new
+    partial-response pool must hold them, with their tokens, or a later loss of this
+    rollout loses them (and the pool ignores their flushes once they resume)."""
+    from laminar.partial import PartialResponsePool
+
+    rollout = _rollout(tiny_policy, small_config)
+    rollout._add(_groups(2))
+    for _ in range(3):
+        rollout.engine.step()
+    unfinished = {st.request_id: list(st.tokens) for st in rollout.engine.in_flight()}
+    assert unfinished and all(unfinished.values())
+    assert rollout._pause(rollout.engine.version + 1) == len(unfinished)
+    assert not rollout.engine.request_ids()  # held outside the engine
+    pool = PartialResponsePool()
+    assert rollout._attach(None, None, InProcess(pool)) == len(unfinished)
+    entries = pool.core.entries
+    assert {rid: e["state"].tokens for rid, e in entries.items()} == unfinished
+    assert {e["owner"] for e in entries.values()} == {"r0"}
+    assert rollout._logged == {rid: len(t) for rid, t in unfinished.items()}
