@@ -64,6 +64,22 @@ class LaminarAccessor:
         return xr.Dataset(out, coords={"staleness": edges[:-1]}, attrs={"unsampled": unsampled})
 
     @property
+    def t_end(self) -> float:
+        """When the run ended (a run still going: was last seen going), epoch seconds:
+        the later of its last ``cluster`` row in ``metrics.zarr`` (the attribute
+        ``metrics_end_s``) and its trajectories' last finish or sample; without metrics,
+        the last of those alone (NaN before the first trajectory is stored)."""
+        ds = self._ds
+        t = np.concatenate(
+            [
+                ds["t_finish"].values,
+                ds["t_sample"].values,
+                [ds.attrs.get("metrics_end_s", np.nan)],
+            ]
+        ).astype(np.float64)
+        return float(np.nanmax(t)) if np.isfinite(t).any() else float("nan")
+
+    @property
     def t0(self) -> float:
         """Wall-clock origin of the run: the first request's submit time (NaN before the
         first trajectory is stored)."""
@@ -106,9 +122,12 @@ class LaminarAccessor:
         (the paper's token count); ``response``: their response tokens alone (what the
         engines decoded: generation throughput); ``trained``: prompt + response tokens of
         trajectories the trainer consumed in the window. Each window is divided by the
-        seconds the run ran in it: the last ends at the last event, and a resumed run's
-        stops (:attr:`pauses_s`) are left out; a window it was stopped throughout has no
-        rate (NaN, not 0, so that a mean over windows is the rate while it ran).
+        seconds the run ran in it: the last ends when the run did (:attr:`t_end`: its last
+        metrics row, or a later event; a run without metrics, at its last event), and a
+        resumed run's stops (:attr:`pauses_s`) are left out; a window it was stopped
+        throughout has no rate (NaN, not 0, so that a mean over windows is the rate while
+        it ran). (Ending the last window at the last event instead would divide, say, a
+        batch the trainer sampled 0.05 s into it by 0.05 s.)
         """
         ds = self._ds
         if not ds.sizes["trajectory"]:  # (a run that has stored nothing yet)
@@ -123,11 +142,10 @@ class LaminarAccessor:
         consumed = ds["status"].values == "consumed"
         sample = self._windows(ds["t_sample"].values[consumed], window)
         n = int(max(finish.max(initial=-1), sample.max(initial=-1))) + 1
-        # Every window lasts `window` seconds except the last, cut at the last event,
+        # Every window lasts `window` seconds except the last, cut where the run ended,
         # less the time the run was stopped in it.
-        t_end = np.nanmax(np.concatenate([ds["t_finish"].values, ds["t_sample"].values]))
         lo = self.t0 + np.arange(n) * window
-        hi = np.append(lo[1:], t_end)
+        hi = np.append(lo[1:], min(lo[-1] + window, self.t_end))
         span = hi - lo
         for start, end in self.pauses_s:
             span -= np.clip(np.minimum(hi, end) - np.maximum(lo, start), 0.0, None)

@@ -430,7 +430,7 @@ def _read_run(store: Path, group: zarr.Group) -> xr.Dataset:
         ds.attrs["unknown_event_uid"] = first
     ds.attrs["schedule"] = group.attrs.get("schedule", "laminar")  # older stores: laminar
     times = [ds[f].values for f in _TIMES if f in ds]
-    ds.attrs["pauses_s"] = _pauses(store.parent, np.concatenate(times) if times else None)
+    ds.attrs.update(_starts(store.parent, np.concatenate(times) if times else None))
     return ds
 
 
@@ -438,26 +438,34 @@ def _read_run(store: Path, group: zarr.Group) -> xr.Dataset:
 _TIMES = ("t_submit", "t_start", "t_finish", "t_insert", "t_sample")
 
 
-def _pauses(run_dir: Path, activity: np.ndarray | None = None) -> list[float]:
-    """When a resumed run was stopped, between its starts (epoch seconds, flat: from, to,
-    from, to, ...; a flat list of numbers, so ``to_netcdf`` takes it): from its metrics
-    (none written yet, or a run started once: ``[]``), narrowed by ``activity`` (epoch
-    seconds the run was going: its trajectories' times), as :func:`storage.metrics.gaps`
-    says: a crash loses the last seconds of rows, not of the trajectory store."""
+def _starts(run_dir: Path, activity: np.ndarray | None = None) -> dict:
+    """What the run's metrics say of its starts, as attributes (numbers and flat lists of
+    them, so ``to_netcdf`` takes them; none written yet: ``pauses_s`` alone, empty):
+
+    * ``pauses_s``: when a resumed run was stopped, between its starts (epoch seconds,
+      flat: from, to, from, to, ...; a run started once: ``[]``), narrowed by
+      ``activity`` (epoch seconds the run was going: its trajectories' times), as
+      :func:`storage.metrics.gaps` says: a crash loses the last seconds of rows, not of
+      the trajectory store;
+    * ``metrics_end_s``: its last ``cluster`` row (epoch seconds).
+    """
     from storage.metrics import gaps, open_metrics, time_origin
 
     try:
         cluster = open_metrics(run_dir, "cluster")
     except (FileNotFoundError, KeyError):
-        return []
+        return {"pauses_s": []}
     except (StoreError, ValueError, OSError) as e:  # (the trajectories stay readable)
         logger.warning("%s: its metrics cannot be read (%s); no stops are known", run_dir, e)
-        return []
+        return {"pauses_s": []}
     origin = time_origin(cluster)
     if origin is None:
-        return []
+        return {"pauses_s": []}
     on_clock = None if activity is None else activity - origin
-    return [origin + t for gap in gaps(cluster, on_clock) for t in gap]
+    return {
+        "pauses_s": [origin + t for gap in gaps(cluster, on_clock) for t in gap],
+        "metrics_end_s": origin + float(cluster["time"].values[-1]),
+    }
 
 
 def open_runs(paths, names: list[str] | None = None) -> xr.Dataset:

@@ -377,10 +377,10 @@ def test_throughput_of_a_resumed_run_counts_only_the_time_it_ran(tmp_path):
     tp = ds.laminar.throughput(window=15.0)
     nan = np.nan
     # [0,15): 3 finished, 15 s; [15,30): 1 finished, ran 5 s; [30,120): stopped;
-    # [120,132]: 2 finished in 12 s (the last window ends at the last event)
-    expected = [15 / 15, 5 / 5, nan, nan, nan, nan, nan, nan, 10 / 12]
+    # [120,135): 2 finished in 15 s (the run went on to its last row, at 140 s)
+    expected = [15 / 15, 5 / 5, nan, nan, nan, nan, nan, nan, 10 / 15]
     np.testing.assert_allclose(tp["generated"].values, expected)
-    np.testing.assert_allclose(tp["trained"].values, [10 / 15, 10 / 5, *[nan] * 6, 10 / 12])
+    np.testing.assert_allclose(tp["trained"].values, [10 / 15, 10 / 5, *[nan] * 6, 10 / 15])
 
 
 def test_the_updates_of_a_lost_and_resumed_run_by_version(tmp_path):
@@ -526,3 +526,51 @@ def test_a_stop_begins_at_the_last_sign_the_run_was_going(tmp_path):
     assert ds.laminar.pauses_s == [(t0 + 23.5, t0 + 118)]
     # c waited from 23.5 s to the stop, and from the resume to its sample: nothing
     np.testing.assert_allclose(ds.laminar.buffer_age().values, [2.0, 2.0, 0.0])
+
+
+def test_the_last_throughput_window_ends_when_the_run_did(tmp_path):
+    """The last window ends at the run's end (its last ``cluster`` row, or a later
+    trajectory event), not at its last event: a batch the trainer sampled 0.05 s into a
+    window is not divided by 0.05 s."""
+    from factories import trajectory
+
+    from storage.metrics import MetricsWriter
+
+    t0 = 1.8e9
+    TrajectoryWriter(tmp_path).append(
+        [
+            trajectory(
+                f"u{i}",
+                "g",
+                sample_idx=i,
+                group_size=8,
+                status="consumed",
+                sample_version=0,
+                t_submit=t0,
+                t_start=t0,
+                t_finish=t0 + 0.5 * (i + 1),
+                t_insert=t0 + 0.5 * (i + 1),
+                t_sample=t0 + 5.05,
+            ).to_record()
+            for i in range(8)  # 5 tokens each, finished 0.5 ... 4 s
+        ]
+    )
+    MetricsWriter(tmp_path).append(
+        "cluster",
+        [{"elapsed_s": t, "wall_time": t0 + t, "version": 0} for t in np.arange(0.0, 9.5, 0.5)],
+    )
+    ds = open_run(tmp_path)
+    assert ds.laminar.t_end == t0 + 9.0
+    tp = ds.laminar.throughput(window=5.0)
+    np.testing.assert_allclose(tp["generated"].values, [40 / 5, 0.0])
+    np.testing.assert_allclose(tp["trained"].values, [0.0, 40 / 4])  # [5 s, 9 s]: 4 s
+    # without metrics, the last event is all there is to end it
+    bare = tmp_path.parent / f"{tmp_path.name}-bare"
+    bare.mkdir()
+    import shutil
+
+    shutil.copytree(tmp_path / "trajectories.zarr", bare / "trajectories.zarr")
+    ds = open_run(bare)
+    assert ds.laminar.t_end == t0 + 5.05
+    trained = ds.laminar.throughput(window=5.0)["trained"].values
+    np.testing.assert_allclose(trained[-1], 40 / 0.05, rtol=1e-5)  # (epoch rounding)
