@@ -796,7 +796,13 @@ def _result(cluster, arms, results, splits, probes, reward_threshold, root, fail
             f["ttr_s"] = time_to_reward(f["_policy"], reward_threshold)
             f["ttr_trained_s"] = time_to_reward(f["_trained"], reward_threshold)
     med = {  # (an arm whose every run failed: NaN throughout)
-        arm: {k: _median([f[k] for f in rs]) for k in FIGURES} for arm, rs in results.items()
+        arm: {
+            k: _median_censored([f[k] for f in rs])
+            if k in CENSORED
+            else _median([f[k] for f in rs])
+            for k in FIGURES
+        }
+        for arm, rs in results.items()
     }
 
     def ratio(a: str, b: str, key: str = "throughput") -> float | None:
@@ -841,6 +847,24 @@ def _result(cluster, arms, results, splits, probes, reward_threshold, root, fail
     )
     result.extras = write_extras
     return result
+
+
+# Times to reward: NaN in a run's sample means it never reached the threshold within the
+# run, i.e. later than any run that did, not an unknown to leave out of the median.
+CENSORED = ("ttr_s", "ttr_trained_s")
+
+
+def _median_censored(values: list[float]) -> float:
+    """The median of times to an event, NaN counted as "not within the run" (later than
+    every finite time); NaN when the median run did not reach it, or there is no run.
+
+    >>> _median_censored([600.0, float("nan"), 900.0]), _median_censored([600.0, float("nan")])
+    (900.0, nan)
+    """
+    if not values:
+        return math.nan
+    med = float(np.median([math.inf if math.isnan(v) else v for v in values]))
+    return med if math.isfinite(med) else math.nan
 
 
 def _median(values: list[float]) -> float:
