@@ -538,12 +538,31 @@ class RolloutReplica:
         return len(states)
 
     def _resume_paused(self) -> None:
+        from laminar.relay import RelayError, RelayUnreachable
+
         t = time.time()
         # (The target is read again each round: a pause served meanwhile may raise it.)
         while self.engine.version < self._paused[0] and not self._stop.is_set():
             self._tick()
             self._serve()
-            update = self.puller.newest(self.engine.version, wait_s=VERSION_POLL_S)
+            try:
+                update = self.puller.newest(self.engine.version, wait_s=VERSION_POLL_S)
+            except RelayError as e:
+                # Lost (none switched in within relay.timeout_s: the master, while the
+                # trainer restarts), or a failed pull (a chunk's checksum): the paused
+                # requests need this version, so the next poll tries again.
+                key = "pulls_unreachable" if isinstance(e, RelayUnreachable) else "pulls_failed"
+                if not self.counts[key]:
+                    logger.warning(
+                        "rollout %s: %s while paused for version %d (%s); trying again",
+                        self.rollout_id,
+                        key.replace("_", " "),
+                        self._paused[0],
+                        e,
+                    )
+                self.counts[key] += 1
+                self._serve_for(VERSION_POLL_S)
+                continue
             if update is not None:
                 self._load_version(*update)
         self.counts["sync_wait_s"] += time.time() - t

@@ -60,3 +60,64 @@ def test_a_data_rebuild_during_a_pause_registers_the_paused_requests(tiny_policy
     assert {rid: e["state"].tokens for rid, e in entries.items()} == unfinished
     assert {e["owner"] for e in entries.values()} == {"r0"}
     assert rollout._logged == {rid: len(t) for rid, t in unfinished.items()}
+
+
+class _Puller:
+    """A rollout's puller whose answers are scripted: each call to ``newest`` or
+    ``version`` takes the next one (an exception is raised)."""
+
+    def __init__(self, answers):
+        self.answers = list(answers)
+        self.bytes = 0
+        self.switches = 0
+        self.on_progress = None
+
+    def _next(self):
+        answer = self.answers.pop(0)
+        if isinstance(answer, Exception):
+            raise answer
+        return answer
+
+    def newest(self, have_version, wait_s=0.0, wait_switch=True):
+        return self._next()
+
+    def version(self, version):
+        return self._next()
+
+    def versions(self):
+        return [0]
+
+
+def _weights(tiny_policy):
+    from laminar.model import load_policy
+
+    model, _ = load_policy(tiny_policy)
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def test_a_paused_rollout_whose_pull_fails_waits_on_instead_of_failing(tiny_policy, small_config):
+    """Partial rollout: a rollout paused for a version pulls it from its relay. A pull
+    that fails (a chunk failing its checksum; the relay lost and none switched in yet,
+    as while the trainer and its master restart) is counted and tried again, as at a
+    batch boundary: it used to end the generation loop, failing the run and stranding
+    the paused requests."""
+    from laminar.relay import RelayError, RelayUnreachable
+
+    rollout = _rollout(tiny_policy, small_config)
+    rollout._add(_groups(1))
+    for _ in range(2):
+        rollout.engine.step()
+    held = set(rollout.engine.request_ids())
+    assert rollout._pause(1) == len(held)
+    rollout.puller = _Puller(
+        [
+            RelayError("chunk 0 of version 1 failed its checksum on pull"),
+            RelayUnreachable("the relay is lost and none replaced it in time"),
+            None,  # (not there yet)
+            (1, _weights(tiny_policy)),
+        ]
+    )
+    rollout._resume_paused()
+    assert rollout.engine.version == 1 and set(rollout.engine.request_ids()) == held
+    assert rollout._paused is None
+    assert (rollout.counts["pulls_failed"], rollout.counts["pulls_unreachable"]) == (1, 1)
