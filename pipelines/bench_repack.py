@@ -212,28 +212,32 @@ def _figures(run_dir: Path, summary: dict, scale, warmup: float) -> dict:
 
 
 def _freed(ds, moves) -> float:
-    """Σ over moves of (last moved request's finish − move time)."""
+    """Σ over moves of (the last of its moved requests' finish − the move's time).
+
+    A move takes a source's requests, so a trajectory's hop ``src -> dst`` is the first
+    committed move from ``src`` to ``dst`` after it reached ``src`` (submitted there, or
+    moved there by its previous hop): a later move between the same two rollouts moves
+    later requests, whose finish is not this move's."""
     if moves is None or not moves.sizes.get("move"):
         return 0.0
-    paths = [p.split(",") for p in ds["rollout_ids"].values]
-    finish = ds["t_finish"].values
-    total = 0.0
-    for i in range(moves.sizes["move"]):
-        if not bool(moves["ok"].values[i]):
-            continue
-        src, dst, t = (
-            moves["source"].values[i],
-            moves["destination"].values[i],
-            moves["time"].values[i],
-        )
-        done = [
-            finish[k]
-            for k, p in enumerate(paths)
-            if finish[k] > t and any(a == src and b == dst for a, b in zip(p, p[1:], strict=False))
-        ]
-        if done:
-            total += max(done) - t
-    return total
+    ok = moves["ok"].values.astype(bool)
+    src, dst, t = (moves[k].values[ok] for k in ("source", "destination", "time"))
+    order = np.argsort(t, kind="stable")
+    src, dst, t = src[order], dst[order], t[order]
+    last = np.full(t.shape, -np.inf)  # per committed move: its moved requests' last finish
+    for path, t_submit, t_finish in zip(
+        ds["rollout_ids"].values, ds["t_submit"].values, ds["t_finish"].values, strict=True
+    ):
+        hops = path.split(",")
+        arrived = t_submit
+        for a, b in zip(hops, hops[1:], strict=False):
+            i = np.flatnonzero((src == a) & (dst == b) & (t >= arrived) & (t <= t_finish))
+            if not i.size:
+                continue  # (not in the moves table: a row lost with the data module)
+            last[i[0]] = max(last[i[0]], t_finish)
+            arrived = t[i[0]]
+    done = np.isfinite(last)
+    return float((last[done] - t[done]).sum())
 
 
 def bench_repack(

@@ -41,3 +41,33 @@ def test_a_seed_that_never_reaches_the_reward_counts_as_later_than_any_that_did(
     res = _result({"sync": sync, "laminar": laminar})
     assert math.isnan(res.figures["laminar_ttr_trained_s"])
     assert res.ratios["ttr_trained_laminar_vs_sync"] is None
+
+
+def test_replica_seconds_freed_count_each_moved_request_once_from_its_own_move():
+    """A move frees its source from the move to the last of *its* requests finishing
+    elsewhere; a later move between the same two rollouts moves other requests, whose
+    finish is not this move's."""
+    import numpy as np
+    import xarray as xr
+
+    from pipelines.bench_repack import _freed
+
+    ds = xr.Dataset(
+        {
+            "rollout_ids": ("trajectory", ["a,b", "a,b", "a,b", "a,b,c", "a"]),
+            "t_submit": ("trajectory", [5.0, 6.0, 90.0, 7.0, 95.0]),
+            "t_finish": ("trajectory", [20.0, 18.0, 130.0, 40.0, 200.0]),
+        }
+    )
+    moves = xr.Dataset(
+        {
+            "source": ("move", ["a", "b", "a", "a"]),
+            "destination": ("move", ["b", "c", "b", "b"]),
+            "time": ("move", [10.0, 15.0, 100.0, 50.0]),
+            "ok": ("move", np.array([True, True, True, False])),
+        }
+    )
+    # a -> b at 10: the first two and the third's first hop (last finish 40); b -> c at 15:
+    # the third (40); a -> b at 100: the later one (130); the move at 50 was rolled back
+    assert _freed(ds, moves) == pytest.approx((40 - 10) + (40 - 15) + (130 - 100))
+    assert _freed(ds, None) == 0.0
