@@ -738,13 +738,34 @@ class RolloutReplica:
         their own at the next batch boundary, loading that version for them."""
         self._adopted.put((version, states))
 
+    def _fetch_version(self, version: int) -> dict:
+        """An old ``version``'s weights: its relay's kept copy, else its checkpoint
+        (:class:`~laminar.relay.VersionUnavailable` if neither has it)."""
+        from laminar.relay import RelayError, RelayUnreachable, VersionUnavailable, fetch_version
+
+        try:
+            return fetch_version(version, self.puller, self.checkpoints_dir)
+        except VersionUnavailable:
+            raise
+        except RelayError as e:  # lost, or a failed pull: the checkpoint may have it
+            key = "pulls_unreachable" if isinstance(e, RelayUnreachable) else "pulls_failed"
+            self.counts[key] += 1
+            logger.warning(
+                "rollout %s: %s for version %d (%s); looking for its checkpoint",
+                self.rollout_id,
+                key.replace("_", " "),
+                version,
+                e,
+            )
+            return fetch_version(version, None, self.checkpoints_dir)
+
     def _take_adopted(self) -> None:
-        from laminar.relay import VersionUnavailable, fetch_version
+        from laminar.relay import VersionUnavailable
 
         version, states = self._adopted.get_nowait()
         if self.engine.version != version:
             try:
-                weights = fetch_version(version, self.puller, self.checkpoints_dir)
+                weights = self._fetch_version(version)
             except VersionUnavailable as e:
                 # No copy of that version is left: the trajectories start over at this
                 # rollout's version (same uids, same groups; their tokens are lost).

@@ -6,6 +6,8 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 
+import pytest
+
 
 class InProcess:
     """An actor's call convention (``handle.method(...)`` -> a future) in process."""
@@ -121,3 +123,48 @@ def test_a_paused_rollout_whose_pull_fails_waits_on_instead_of_failing(tiny_poli
     assert rollout.engine.version == 1 and set(rollout.engine.request_ids()) == held
     assert rollout._paused is None
     assert (rollout.counts["pulls_failed"], rollout.counts["pulls_unreachable"]) == (1, 1)
+
+
+def _batch(tiny_policy, small_config, steps: int = 3):
+    """A lost rollout's unfinished requests at version 0, as recovery hands them over."""
+    other = _rollout(tiny_policy, small_config)
+    other._add(_groups(1))
+    for _ in range(steps):
+        other.engine.step()
+    return other.engine.export(list(other.engine.request_ids()))
+
+
+@pytest.mark.parametrize("checkpointed", [True, False], ids=["checkpoint", "restart"])
+def test_an_adopted_batch_whose_relay_pull_fails_loads_the_checkpoint_or_restarts(
+    tiny_policy, small_config, tmp_path, checkpointed
+):
+    """A rollout adopting a lost rollout's batch loads that batch's version. If the relay
+    cannot give it (lost, or a chunk failing its checksum), the checkpoint on disk is
+    the next place to look, and with none there the trajectories restart at the
+    rollout's own version, as when no relay keeps the version. The failed pull used to
+    end the generation loop, failing the run and stranding the adopted trajectories."""
+    from safetensors.torch import save_file
+
+    from laminar.relay import RelayUnreachable
+
+    weights = _weights(tiny_policy)
+    if checkpointed:
+        (tmp_path / "version-000000").mkdir()
+        save_file(weights, tmp_path / "version-000000" / "model.safetensors")
+    states = _batch(tiny_policy, small_config)
+    tokens = {st.request_id: list(st.tokens) for st in states}
+    rollout = _rollout(tiny_policy, small_config)
+    rollout.checkpoints_dir = str(tmp_path)
+    rollout.engine.load_weights(weights, 2)  # the adopting rollout is at version 2
+    rollout.puller = _Puller([RelayUnreachable("the relay is lost and none replaced it in time")])
+    rollout.adopt(0, states)
+    rollout._take_adopted()
+    resumed = {st.request_id: list(st.tokens) for st in rollout.engine.in_flight()}
+    assert set(resumed) == set(tokens)
+    if checkpointed:
+        assert rollout.engine.version == 0 and resumed == tokens
+        assert rollout.counts["restarted_requests"] == 0
+    else:
+        assert rollout.engine.version == 2 and not any(resumed.values())
+        assert rollout.counts["restarted_requests"] == len(tokens)
+    assert rollout.counts["pulls_unreachable"] == 1
