@@ -44,19 +44,27 @@ def median(xs: list[float]) -> float:
     return float(np.median(xs)) if xs else math.nan
 
 
+def reward_first_last(ds) -> tuple[float, float]:
+    """Mean reward of the first and of the last 20% of a run's trajectories by finish
+    time (``ds``: :func:`storage.open_run`), failed rewards left out, and those of weights
+    that no longer exist (a lost run's versions that its resume redid:
+    ``ds.laminar.superseded()``) too, so that a resume does not count them as progress."""
+    keep = (ds["finish_reason"].values != "error") & ~ds.laminar.superseded().values
+    t = ds["t_finish"].values[keep]
+    rewards = ds["reward"].values[keep][np.argsort(t, kind="stable")]
+    if not len(rewards):
+        return float("nan"), float("nan")
+    k = max(1, len(rewards) // 5)
+    return float(np.mean(rewards[:k])), float(np.mean(rewards[-k:]))
+
+
 def summarize(run_dir: Path, raw: dict, sft_info: dict, cfg: RunConfig) -> dict:
     """The run summary: reward of the first vs last 20% of trajectories (by finish time),
     token counts, wall time, staleness; written to ``RUN_DIR/summary.json``."""
     from storage import open_run
 
     ds = open_run(run_dir)
-    order = np.argsort(ds["t_finish"].values, kind="stable")
-    rewards = ds["reward"].values[order]
-    ok = ds["finish_reason"].values[order] != "error"
-    rewards = rewards[ok]
-    k = max(1, len(rewards) // 5)
-    first = float(np.mean(rewards[:k])) if len(rewards) else float("nan")
-    last = float(np.mean(rewards[-k:])) if len(rewards) else float("nan")
+    first, last = reward_first_last(ds)
     consumed = ds["status"].values == "consumed"
     st = ds.laminar.summary()
     earlier = raw["earlier_segments"]  # (a resumed run's starts before this one)

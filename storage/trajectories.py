@@ -447,9 +447,14 @@ def _starts(run_dir: Path, activity: np.ndarray | None = None) -> dict:
       ``activity`` (epoch seconds the run was going: its trajectories' times), as
       :func:`storage.metrics.gaps` says: a crash loses the last seconds of rows, not of
       the trajectory store;
-    * ``metrics_end_s``: its last ``cluster`` row (epoch seconds).
+    * ``metrics_end_s``: its last ``cluster`` row (epoch seconds);
+    * ``segment_start_s``, ``segment_first_version``: per start
+      (:func:`storage.metrics.segments`), when it began (epoch seconds: its first row;
+      a resumed start's, the end of the stop before it) and the trainer's version in
+      its first row (a resumed start's: the checkpoint's it resumed from, or a later one
+      if the trainer had published an update by then).
     """
-    from storage.metrics import gaps, open_metrics, time_origin
+    from storage.metrics import gaps, open_metrics, segments, time_origin
 
     try:
         cluster = open_metrics(run_dir, "cluster")
@@ -462,9 +467,13 @@ def _starts(run_dir: Path, activity: np.ndarray | None = None) -> dict:
     if origin is None:
         return {"pauses_s": []}
     on_clock = None if activity is None else activity - origin
+    stops = gaps(cluster, on_clock)
+    starts = segments(cluster)
     return {
-        "pauses_s": [origin + t for gap in gaps(cluster, on_clock) for t in gap],
+        "pauses_s": [origin + t for gap in stops for t in gap],
         "metrics_end_s": origin + float(cluster["time"].values[-1]),
+        "segment_start_s": [origin + starts[0]["start_s"]] + [origin + b for _, b in stops],
+        "segment_first_version": [s["first_version"] for s in starts],
     }
 
 
