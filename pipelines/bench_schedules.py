@@ -281,6 +281,29 @@ def search_split(
 # -- figures of one run, from its stores -------------------------------------------------
 
 
+def steady_updates(ups, schedule: str):
+    """A run's ``updates`` rows that its figures measure: all but one-step's last.
+
+    One-step publishes version ``v`` once the batch of ``v + 1`` is complete, so each of
+    its intervals holds the wait for that batch; its last version is published straight
+    after its update (no next batch), an interval short by that wait, which measured with
+    the others would flatter one-step alone. The run's figures (window, rewards, lengths)
+    end at the version before; :func:`run_steps` runs one-step one update longer."""
+    if schedule == "one_step" and ups.sizes["update"]:
+        return ups.isel(update=slice(0, -1))
+    return ups
+
+
+def run_steps(arm: str, steps: int) -> int:
+    """``trainer.steps`` of an arm's run that measures ``steps`` updates
+    (:func:`steady_updates`).
+
+    >>> run_steps("one_step", 9), run_steps("sync", 9)
+    (10, 9)
+    """
+    return steps + (ARMS[arm][0] == "one_step")
+
+
 def arm_figures(run_dir: Path, summary: dict, warmup: int) -> dict:
     """Every figure of one run (see the module docstring), in modelled units of the
     full-size cluster: the run's ``rollout.pacing`` scales and dilation convert them."""
@@ -297,7 +320,7 @@ def arm_figures(run_dir: Path, summary: dict, warmup: int) -> dict:
     scale_tok, scale_req = sc.tokens, sc.request_scale
     modelled = sc.modelled
 
-    ups = open_metrics(run_dir, "updates").sortby("version")
+    ups = steady_updates(open_metrics(run_dir, "updates").sortby("version"), cfg.pipeline.schedule)
     version = ups["version"].values
     measured = version > warmup
     if measured.sum() < 1:
@@ -520,6 +543,7 @@ def bench_schedules(
             from pipelines.bench import failed_run
 
             run_dir = root / f"{arm}-r{replicas}-{tag}"
+            steps = run_steps(arm, steps)
             arm_overrides = [*cluster.overrides(arm, replicas, steps, seed), *overrides]
             try:
                 summary = _run(client, run_dir, arm_overrides)

@@ -71,3 +71,38 @@ def test_replica_seconds_freed_count_each_moved_request_once_from_its_own_move()
     # the third (40); a -> b at 100: the later one (130); the move at 50 was rolled back
     assert _freed(ds, moves) == pytest.approx((40 - 10) + (40 - 15) + (130 - 100))
     assert _freed(ds, None) == 0.0
+
+
+def _updates(intervals: list[float], tokens: float = 1000.0):
+    import numpy as np
+    import xarray as xr
+
+    n = len(intervals)
+    return xr.Dataset(
+        {
+            "version": ("update", np.arange(1, n + 1)),
+            "interval_s": ("update", np.array(intervals)),
+            "time": ("update", 1000.0 + np.cumsum(intervals)),
+            "tokens": ("update", np.full(n, tokens)),
+        }
+    )
+
+
+def test_one_steps_last_publication_which_waits_for_no_next_batch_is_not_measured():
+    """One-step publishes version v once the batch of v + 1 is complete, so each interval
+    holds the wait for the next batch; the run's last version is published straight
+    after its update, waiting for none. Measured with the others, its short interval
+    flattered one-step alone; it is left out, and the bench runs one-step one update
+    longer so that every schedule measures as many intervals."""
+    from pipelines.bench_schedules import run_steps, steady_updates
+
+    # every interval 10 s (7 s training + 3 s waiting for the next batch) but the last
+    ups = _updates([10.0] * 9 + [7.0])
+    kept = steady_updates(ups, "one_step")
+    assert kept["version"].values.tolist() == list(range(1, 10))
+    measured = kept["version"].values > 3
+    assert kept["interval_s"].values[measured].sum() == 60.0  # 6 intervals of 10 s
+    for schedule in ("sync", "stream", "partial_rollout", "laminar"):
+        assert steady_updates(ups, schedule)["version"].values.tolist() == list(range(1, 11))
+    assert run_steps("one_step", 9) == 10
+    assert run_steps("laminar", 9) == run_steps("laminar_no_repack", 9) == 9
