@@ -36,6 +36,7 @@ those again to the new buffer (which drops what it has).
 
 from __future__ import annotations
 
+import collections
 import logging
 import queue
 import threading
@@ -134,6 +135,8 @@ class RolloutReplica:
         self._exported: tuple[int, list[RequestState]] | None = None
         self._hold_lock = threading.Lock()
         self._reprefill = False  # the next step re-prefills imported requests
+        # The request ids of the latest imports (holds: an import went through)
+        self._imported: collections.deque[frozenset[str]] = collections.deque(maxlen=64)
         self._load: dict = {}  # published by the generation thread after every step
         self.tok = load_tokenizer(policy_dir)
         self.engine = make_engine(
@@ -909,10 +912,17 @@ class RolloutReplica:
         return self._command(self._take_back)
 
     def holds(self, request_ids: list[str]) -> bool:
-        """Whether this rollout decodes every one of ``request_ids`` (the manager asks a
-        destination whose import it got no answer to: asked after the import, served
-        after it)."""
-        return self._command(lambda: set(request_ids) <= set(self.engine.request_ids()))
+        """Whether this rollout took every one of ``request_ids``: decodes them, or
+        imported them and some finished since (the manager asks a destination whose
+        import it got no answer to: asked after the import, served after it)."""
+        return self._command(lambda: self._holds(request_ids))
+
+    def _holds(self, request_ids: list[str]) -> bool:
+        wanted = set(request_ids)
+        if wanted <= set(self.engine.request_ids()):
+            return True
+        # (A move's tail is near its end: one may finish before the question comes.)
+        return any(wanted <= ids for ids in self._imported)
 
     def _paused_states(self) -> list[RequestState]:
         paused = self._paused
@@ -988,6 +998,7 @@ class RolloutReplica:
         if batch is not None and batch != self._batch_seq:
             return False
         self.engine.import_(states)
+        self._imported.append(frozenset(st.request_id for st in states))
         self._logged.update({st.request_id: len(st.tokens) for st in states})
         self._reprefill = True
         self.counts["moves_in"] += sources

@@ -168,3 +168,48 @@ def test_an_adopted_batch_whose_relay_pull_fails_loads_the_checkpoint_or_restart
         assert rollout.engine.version == 2 and not any(resumed.values())
         assert rollout.counts["restarted_requests"] == len(tokens)
     assert rollout.counts["pulls_unreachable"] == 1
+
+
+class _Serving:
+    """The rollout's commands served by a thread of its own, as its generation loop
+    serves them between steps (the test steps the engine itself, in between)."""
+
+    def __init__(self, rollout):
+        import threading
+
+        self.rollout, self.stop = rollout, threading.Event()
+        rollout._thread = threading.Thread(target=self._serve, daemon=True)
+        rollout._thread.start()
+
+    def _serve(self):
+        while not self.stop.is_set():
+            self.rollout._serve(0.01)
+
+    def __enter__(self):
+        return self.rollout
+
+    def __exit__(self, *exc):
+        self.stop.set()
+        self.rollout._thread.join()
+
+
+def test_an_import_whose_requests_finished_since_still_counts_as_held(tiny_policy, small_config):
+    """The manager asks a destination whose import it got no answer to whether it holds
+    the requests; if not, the source takes them back (or recovery hands them to another
+    rollout). Repack moves a batch's tail, responses near their end: one may finish on
+    the destination before the question is served. The import went through all the
+    same: answering no made the requests decode twice, on both rollouts."""
+    states = _batch(tiny_policy, small_config, steps=3)
+    ids = [st.request_id for st in states]
+    dst = _rollout(tiny_policy, small_config)
+    dst._in_batch, dst._batch_seq = True, 1
+    with _Serving(dst):
+        assert dst.import_for_move(0, states, batch=1) is True
+        for _ in range(200):  # decode until one of them has finished here
+            dst.engine.step()
+            if not set(ids) <= set(dst.engine.request_ids()):
+                break
+        assert set(dst.engine.request_ids()) < set(ids)
+        assert dst.holds(ids) is True
+        assert dst.holds([*ids, "never-sent-000"]) is False
+        assert _rollout(tiny_policy, small_config)._holds(ids) is False  # (imported nothing)
