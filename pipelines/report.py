@@ -17,7 +17,6 @@ import numpy as np
 from laminar.errors import ConfigError
 from storage import open_run
 from storage.metrics import TABLES, open_metrics, time_origin
-from storage.metrics import gaps as segment_gaps  # (plots name their local lists gaps)
 from storage.trajectories import reading
 
 
@@ -33,8 +32,13 @@ def _load(run_dir: Path) -> dict:
         run["summary"] = json.loads(summary.read_text()) if summary.exists() else {}
     # Event tables hold epoch seconds; the time series hold seconds since the run began.
     run["t0"] = None if run["cluster"] is None else time_origin(run["cluster"])
-    # A resumed run's starts: the time series have a gap between each and the next.
-    run["gaps"] = [] if run["cluster"] is None else segment_gaps(run["cluster"])
+    # A resumed run's starts: the time series have a gap between each and the next, as
+    # open_run bounds it (narrowed by the trajectories' times: a crash loses the last
+    # seconds of metrics rows, not of the store).
+    pauses = [float(t) for t in run["ds"].attrs.get("pauses_s", [])]
+    t0 = run["t0"]
+    stops = zip(pauses[::2], pauses[1::2], strict=True)
+    run["gaps"] = [] if t0 is None else [(a - t0, b - t0) for a, b in stops]
     return run
 
 

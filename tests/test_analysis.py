@@ -526,6 +526,10 @@ def test_a_stop_begins_at_the_last_sign_the_run_was_going(tmp_path):
     assert ds.laminar.pauses_s == [(t0 + 23.5, t0 + 118)]
     # c waited from 23.5 s to the stop, and from the resume to its sample: nothing
     np.testing.assert_allclose(ds.laminar.buffer_age().values, [2.0, 2.0, 0.0])
+    # the report's grey "not running" bands are the same stop (on the metrics' clock)
+    from pipelines.report import _load
+
+    assert _load(tmp_path)["gaps"] == [(23.5, 118.0)]
 
 
 def test_the_last_throughput_window_ends_when_the_run_did(tmp_path):
