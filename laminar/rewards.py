@@ -117,12 +117,22 @@ def resolve_reward(name: str) -> RewardFn:
 def _reward_value(value) -> float:
     """A reward function's return value as a float; NaN for what is not a number (a
     string, ``None``): such a value marks the trajectory, as a raise does."""
-    if isinstance(value, str | bytes):
+    if isinstance(value, str | bytes | bytearray):
         return math.nan
     try:
         return float(value)
-    except (TypeError, ValueError, OverflowError):
+    except Exception:  # (a user's value may raise anything as it converts: mark, don't crash)
         return math.nan
+
+
+def _shown(value, limit: int = 200) -> str:
+    """``repr(value)`` for an error message, cut at ``limit`` characters (a reward
+    error is kept per rollout and logged), or its type if even that raises."""
+    try:
+        text = repr(value)
+    except Exception:  # noqa: BLE001 — a user's object: say what it is
+        return f"<{type(value).__name__} object>"
+    return text if len(text) <= limit else text[:limit] + "..."
 
 
 @dataclass(frozen=True)
@@ -160,7 +170,7 @@ def score_batch(
             continue
         value = _reward_value(raw)
         if not math.isfinite(value):
-            out.append(Score(math.nan, f"reward {reward_name} returned {raw!r}"))
+            out.append(Score(math.nan, f"reward {reward_name} returned {_shown(raw)}"))
         else:
             out.append(Score(value))
     return out

@@ -213,3 +213,29 @@ def test_an_import_whose_requests_finished_since_still_counts_as_held(tiny_polic
         assert dst.holds(ids) is True
         assert dst.holds([*ids, "never-sent-000"]) is False
         assert _rollout(tiny_policy, small_config)._holds(ids) is False  # (imported nothing)
+
+
+def test_a_reward_value_that_fails_to_convert_marks_the_trajectory():
+    """A reward function's value that raises as it is turned into a number (a lazy value
+    whose ``__float__`` fails, a tensor on a device that cannot be read) marks that
+    trajectory, as a raise in the function does; it used to fail the whole scoring task,
+    and with it the rollout's reward collector and the run."""
+    import math
+
+    import laminar.rewards as r
+    from laminar.rewards import score_batch
+
+    class Lazy:
+        def __float__(self):
+            raise ZeroDivisionError("division by zero")
+
+        def __repr__(self):
+            raise RuntimeError("no repr either")
+
+    r.REWARDS["_lazy"] = lambda response, answer: Lazy()
+    try:
+        scores = score_batch("_lazy", [("a", "a", True), ("a", "a", False)])
+    finally:
+        del r.REWARDS["_lazy"]
+    assert math.isnan(scores[0].reward) and scores[0].error.startswith("reward _lazy returned")
+    assert scores[1].reward == 0.0 and scores[1].error is None
