@@ -584,13 +584,19 @@ class RolloutReplica:
         Before its first batch a rollout waits until the relay holds the trainer's
         starting version: a resumed trainer starts at its checkpoint's version, not at
         the base policy the engine was built from."""
+        from laminar.relay import RelayError, RelayUnreachable
+
         t = time.time()
         while not self._synced and not self._stop.is_set():
             self._tick()
-            self._synced = bool(self.puller.versions())
+            try:
+                self._synced = bool(self.puller.versions())
+            except RelayUnreachable:  # (none switched in within relay.timeout_s: again)
+                self.counts["pulls_unreachable"] += 1
             if not self._synced:
-                self._stop.wait(0.02)
-        from laminar.relay import RelayError, RelayUnreachable
+                # The manager's commands are served meanwhile: a data-module rebuild
+                # asks this rollout too (a replacement may wait here a while).
+                self._serve(0.02)
 
         t_pull = time.time()
         try:

@@ -239,3 +239,44 @@ def test_a_reward_value_that_fails_to_convert_marks_the_trajectory():
         del r.REWARDS["_lazy"]
     assert math.isnan(scores[0].reward) and scores[0].error.startswith("reward _lazy returned")
     assert scores[1].reward == 0.0 and scores[1].error is None
+
+
+def test_a_rollout_waiting_for_its_first_version_serves_commands_and_outlives_a_lost_relay(
+    tiny_policy, small_config
+):
+    """Before its first batch a rollout waits until its relay holds a version (a
+    replacement started while the trainer and its master restart waits a while). It
+    serves the manager's commands meanwhile — a data-module rebuild asks every rollout
+    what it holds, and attaches it — and a relay lost for longer than relay.timeout_s
+    is asked again, not the end of its generation loop."""
+    import threading
+    import time
+
+    from laminar.relay import RelayUnreachable
+
+    rollout = _rollout(tiny_policy, small_config, ["cluster.actor_timeout_s=0.5"])
+    answers = [[], RelayUnreachable("the relay is lost and none replaced it in time")]
+    ready = threading.Event()
+
+    class Puller(_Puller):
+        def versions(self):
+            if answers:
+                answer = answers.pop(0)
+                if isinstance(answer, Exception):
+                    raise answer
+                return answer
+            time.sleep(0.01)  # (a short long-poll)
+            return [0] if ready.is_set() else []
+
+    rollout.puller = Puller([None])
+    rollout._thread = threading.Thread(target=rollout._maybe_load_weights, daemon=True)
+    rollout._thread.start()
+    try:
+        t0 = time.time()
+        assert rollout.data_holdings() == []
+        assert time.time() - t0 < 0.5
+    finally:
+        ready.set()
+        rollout._thread.join(10)
+    assert not rollout._thread.is_alive() and rollout._synced
+    assert rollout.counts["pulls_unreachable"] == 1
