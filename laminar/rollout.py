@@ -997,7 +997,9 @@ class RolloutReplica:
         return len(back)
 
     def _import(self, version: int, states: list, batch: int | None, sources: int) -> bool:
-        if not self._in_batch or self._held or self._stop.is_set():
+        # (Paused: the batch is on its way out to wait for a version; taken in, these
+        # would decode on with the old weights past the interrupt.)
+        if not self._in_batch or self._held or self._paused is not None or self._stop.is_set():
             return False
         if self.engine.version != version:
             return False

@@ -280,3 +280,19 @@ def test_a_rollout_waiting_for_its_first_version_serves_commands_and_outlives_a_
         rollout._thread.join(10)
     assert not rollout._thread.is_alive() and rollout._synced
     assert rollout.counts["pulls_unreachable"] == 1
+
+
+def test_a_paused_rollout_refuses_an_import(tiny_policy, small_config):
+    """Partial rollout: a publication paused the rollout while its batch was decoding
+    (served between two steps, the batch not yet left). A recovery's import served
+    right after it must be refused: taken in, those requests would decode on with the
+    old weights past the interrupt, holding the pause (and this rollout's own paused
+    requests) until they drained."""
+    states = _batch(tiny_policy, small_config)
+    rollout = _rollout(tiny_policy, small_config)
+    rollout._add(_groups(1))
+    rollout.engine.step()
+    rollout._in_batch, rollout._batch_seq = True, 1
+    assert rollout._pause(1) > 0
+    assert rollout._import(0, states, batch=None, sources=1) is False
+    assert not rollout.engine.request_ids()
