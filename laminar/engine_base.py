@@ -427,5 +427,6 @@ class EngineBase:
                 batch=start.decoding,
                 context_tokens=start.context_tokens,
                 prefill_tokens=start.prefill_tokens,
+                admitted=len(start.admitted),
                 sleep=self.wait_hook or time.sleep,
             )

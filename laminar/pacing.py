@@ -329,9 +329,17 @@ class Pacer:
         self.actual_s = 0.0
         self.max_ratio = 0.0
 
-    def modelled(self, batch: int, context_tokens: int, prefill_tokens: int) -> float:
+    def modelled(
+        self, batch: int, context_tokens: int, prefill_tokens: int, admitted: int = 0
+    ) -> float:
         """Wall seconds one real step takes: with the scales of :class:`Scale`, the mean
         of ``length_scale`` modelled steps of which the first also prefills.
+
+        ``admitted``: the requests that step prefills (``prefill_tokens`` are their
+        contexts). Their prefill yields their first token; the modelled steps after the
+        first decode them too, over their prefilled KV (a step that only admits, as a
+        local batch's first, stands for a prefill and ``length_scale - 1`` decode steps
+        of the whole batch, not for the prefill alone).
 
         >>> m = TimeModel.named("H800", "7B", tp=4)
         >>> plain = Pacer(m).modelled(32, 32 * 4000, 0)
@@ -348,11 +356,13 @@ class Pacer:
         first = self.model.step_time(
             batch, context_tokens, prefill_tokens, fused=self.fused_prefill
         )
-        # The other steps read the KV their predecessors wrote: ``batch`` tokens each, so
-        # steps 1 .. L-1 read on average ``L·batch/2`` more than the first (decode time is
-        # linear in the KV read).
-        mean_context = context_tokens + sc.length_scale * batch / 2
-        rest = (sc.length_scale - 1) * self.model.decode_time(batch, mean_context)
+        # The other steps decode the admitted requests too, and read the KV their
+        # predecessors wrote: ``decoding`` tokens each, so steps 1 .. L-1 read on average
+        # ``L·decoding/2`` more than the first (decode time is linear in the KV read).
+        decoding = batch + admitted * sc.request_scale
+        kv = context_tokens + (prefill_tokens if admitted else 0)
+        mean_context = kv + sc.length_scale * decoding / 2
+        rest = (sc.length_scale - 1) * self.model.decode_time(decoding, mean_context)
         return self.dilation * (first + rest) / sc.length_scale
 
     def pace(
@@ -362,11 +372,12 @@ class Pacer:
         batch: int,
         context_tokens: int,
         prefill_tokens: int,
+        admitted: int = 0,
         sleep: Callable[[float], None] = time.sleep,
     ) -> None:
         """Wait until ``t0`` (a ``perf_counter`` time) plus the modelled step time, with
         ``sleep(seconds)`` (which may do other work meanwhile, within those seconds)."""
-        target = self.modelled(batch, context_tokens, prefill_tokens)
+        target = self.modelled(batch, context_tokens, prefill_tokens, admitted)
         actual = time.perf_counter() - t0
         self.steps += 1
         self.modelled_s += target

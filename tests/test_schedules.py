@@ -87,6 +87,17 @@ def test_scales_keep_the_model_and_compress_its_time():
     rest = 99 * m.decode_time(64, 4000 * 400 + 100 * 64 / 2)
     want = (m.step_time(64, 4000 * 400, 300 * 400) + rest) / 100
     assert scaled.modelled(16, 4000, 300) == pytest.approx(2 * want)
+    # requests admitted by the step (prefilled: their first token) decode in the 99 after
+    # it, over their prefilled KV: a step that only admits is no cheaper than its prefill
+    # plus 99 decode steps of them (it used to cost the prefill alone)
+    rest = 99 * m.decode_time(64 + 8, 4000 * 400 + 300 * 400 + 100 * (64 + 8) / 2)
+    want = (m.step_time(64, 4000 * 400, 300 * 400) + rest) / 100
+    assert scaled.modelled(16, 4000, 300, admitted=2) == pytest.approx(2 * want)
+    alone = scaled.modelled(0, 0, 300, admitted=2)
+    assert alone == pytest.approx(
+        2 * (m.step_time(0, 0, 300 * 400) + 99 * m.decode_time(8, 300 * 400 + 100 * 8 / 2)) / 100
+    )
+    assert alone > 1.4 * scaled.modelled(0, 0, 300)  # (the prefill of 120k tokens: 1.5 s)
     sc = Scale(dilation=16, length_scale=256, request_scale=8)
     assert sc.wall(256.0) == 16.0 and sc.tokens == 2048
     train = TrainerTimeModel(gpus=40)
