@@ -125,6 +125,10 @@ class TaskConfig(_Section):
     # varies between the responses to it (the shared cluster model's half)
     length_share: float = Field(0.5, ge=0, le=1)
     truncated_reward: float = 0.0  # reward of a response cut at max_new_tokens
+    # Seconds one call of the reward function may take (a judge service that hangs): a
+    # later answer is not waited for, and that trajectory is marked as a reward error.
+    # null: no limit.
+    reward_timeout_s: float | None = Field(300.0, gt=0)
 
 
 class SFTConfig(_Section):

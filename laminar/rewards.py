@@ -2,15 +2,18 @@
 
 A reward function is a plain function ``fn(response: str, answer: str) -> float``. Name
 one in the config as ``task.reward``: a key of :data:`REWARDS` or ``"module:function"``.
-:func:`score_batch` runs as a Dask task; a function that raises or returns a non-finite
-value marks that trajectory (``finish_reason="error"``) instead of killing the run.
+:func:`score_batch` runs as a Dask task; a function that raises, returns a non-finite
+value or does not return within ``task.reward_timeout_s`` marks that trajectory
+(``finish_reason="error"``) instead of killing or stalling the run.
 """
 
 from __future__ import annotations
 
 import importlib
 import math
-from collections.abc import Callable, Sequence
+import queue
+import threading
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 from laminar.errors import RewardError
@@ -147,26 +150,42 @@ def score_batch(
     reward_name: str,
     items: Sequence[tuple[str, str, bool]],
     truncated_reward: float = 0.0,
+    timeout_s: float | None = None,
 ) -> list[Score]:
     """Score ``(response, answer, ended_with_eos)`` items; runs as a Dask task.
 
     Responses cut at the length limit get ``truncated_reward`` without calling the function.
+    A call that takes more than ``timeout_s`` is not waited for (a thread cannot be
+    stopped: it is left to finish, and its answer dropped) and marks its item.
 
     >>> score_batch("exact_match", [("1 2", "1 2", True), ("1 2", "1 2", False)])
     [Score(reward=1.0, error=None), Score(reward=0.0, error=None)]
     >>> score_batch("laminar.rewards:_broken", [("1", "1", True)])[0].error
     'reward laminar.rewards:_broken raised ZeroDivisionError: division by zero'
+    >>> score_batch("laminar.rewards:_hangs", [("hang", "1", True)], timeout_s=0.05)[0].error
+    'reward laminar.rewards:_hangs did not return within task.reward_timeout_s=0.05 s'
     """
     fn = resolve_reward(reward_name)
+    calls = [(r, a) for r, a, ended in items if ended]
+    results = iter(_call_each(fn, calls, timeout_s))
     out = []
-    for response, answer, ended in items:
+    for _, _, ended in items:
         if not ended:
             out.append(Score(float(truncated_reward)))
             continue
-        try:
-            raw = fn(response, answer)
-        except Exception as e:  # a user function may raise anything: mark, don't crash
-            out.append(Score(math.nan, f"reward {reward_name} raised {type(e).__name__}: {e}"))
+        raw, error = next(results)
+        if error is _TIMED_OUT:
+            out.append(
+                Score(
+                    math.nan,
+                    f"reward {reward_name} did not return within "
+                    f"task.reward_timeout_s={timeout_s:g} s",
+                )
+            )
+            continue
+        if error is not None:  # a user function may raise anything: mark, don't crash
+            name = type(error).__name__
+            out.append(Score(math.nan, f"reward {reward_name} raised {name}: {error}"))
             continue
         value = _reward_value(raw)
         if not math.isfinite(value):
@@ -176,9 +195,63 @@ def score_batch(
     return out
 
 
+_TIMED_OUT = object()
+
+
+def _call_each(
+    fn: RewardFn, calls: list[tuple[str, str]], timeout_s: float | None
+) -> Iterator[tuple[object, object]]:
+    """``(value, None)``, ``(None, exception)`` or ``(None, _TIMED_OUT)`` for each call,
+    in order. Without a timeout the calls run here; with one, on a thread that takes
+    them one after another, and a call that overruns leaves that thread behind: the
+    rest go to a new one."""
+    if timeout_s is None:
+        for response, answer in calls:
+            try:
+                yield fn(response, answer), None
+            except Exception as e:  # noqa: BLE001
+                yield None, e
+        return
+    i = 0
+    while i < len(calls):
+        done: queue.Queue = queue.Queue()
+        stop = threading.Event()
+
+        def run(start: int, done=done, stop=stop) -> None:
+            for response, answer in calls[start:]:
+                if stop.is_set():
+                    return
+                try:
+                    done.put((fn(response, answer), None))
+                except Exception as e:  # noqa: BLE001
+                    done.put((None, e))
+
+        threading.Thread(target=run, args=(i,), name="laminar-reward", daemon=True).start()
+        while i < len(calls):
+            try:
+                result = done.get(timeout=timeout_s)
+            except queue.Empty:
+                stop.set()  # the thread stops after the call it is stuck in, if ever
+                yield None, _TIMED_OUT
+                i += 1
+                break
+            yield result
+            i += 1
+
+
 def _broken(response: str, answer: str) -> float:
     """A reward that always raises; used by tests and doctests of the error path."""
     return 1 / 0
+
+
+def _hangs(response: str, answer: str) -> float:
+    """:func:`exact_match`, except that for the response ``hang`` it does not return for
+    an hour (a judge service that hangs)."""
+    import time
+
+    if response == "hang":
+        time.sleep(3600)
+    return exact_match(response, answer)
 
 
 def _slow(response: str, answer: str) -> float:

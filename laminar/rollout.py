@@ -213,9 +213,13 @@ class RolloutReplica:
         self._thread = start_thread(self._run, f"gen-{self.rollout_id}")
         start_thread(self._collect_loop, f"rewards-{self.rollout_id}")
 
-    def stop(self, timeout: float = 30.0) -> dict:
-        """Stop after the current decode step; finished trajectories still reach the buffer."""
+    def stop(self, timeout: float | None = None) -> dict:
+        """Stop after the current decode step; finished trajectories still reach the buffer.
+        Waits up to ``timeout`` (default: the step, and the rewards still out, which the
+        generation thread waits ``cluster.actor_timeout_s`` for, with 30 s to spare)."""
         self._stop.set()
+        if timeout is None:
+            timeout = self.cfg.cluster.actor_timeout_s + 30.0
         if self._thread is not None:
             self._thread.join(timeout)
         return self.stats()
@@ -1194,7 +1198,9 @@ class RolloutReplica:
         from laminar.rewards import score_batch
 
         t = self.cfg.task
-        return get_client().submit(score_batch, t.reward, items, t.truncated_reward, pure=False)
+        return get_client().submit(
+            score_batch, t.reward, items, t.truncated_reward, t.reward_timeout_s, pure=False
+        )
 
     def _collect_loop(self) -> None:
         """Rewarded trajectories into the buffer, oldest first, on a thread of their own:

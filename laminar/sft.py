@@ -164,7 +164,9 @@ def warm_start(
                 mode="json", exclude={"cache_dir", "torch_threads", "micro_batch_tokens"}
             ),
             # (not the reward: it scores the weights, :func:`_scoring`, and shapes nothing)
-            "task": cfg.task.model_dump(mode="json", exclude={"reward", "truncated_reward"}),
+            "task": cfg.task.model_dump(
+                mode="json", exclude={"reward", "truncated_reward", "reward_timeout_s"}
+            ),
             "prompts": hashlib.sha256(
                 "\n".join(p.text + "\t" + p.answer for p in prompts).encode()
             ).hexdigest(),
@@ -295,7 +297,8 @@ def evaluate(cfg: RunConfig, model, tok, prompts: list[Prompt]) -> float:
     while engine.has_work():
         for out in engine.step():
             items.append((out.text(tok), out.request.meta["p"].answer, out.ended))
-    scores = score_batch(cfg.task.reward, items, cfg.task.truncated_reward)
+    t = cfg.task
+    scores = score_batch(t.reward, items, t.truncated_reward, t.reward_timeout_s)
     return float(np.nanmean([s.reward for s in scores]))
 
 

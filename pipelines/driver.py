@@ -1016,7 +1016,11 @@ class Schedule:
             time.sleep(self.cfg.metrics.poll_s)
         # No moves while rollouts stop: the manager goes first.
         m_stats = a["manager"].stop().result() if a["manager"] is not None else None
-        r_stats = _answers([lambda r=r: r.stop() for r in self._live_rollouts()], timeout=60.0)
+        # (a rollout's stop waits for its rewards still out: actor_timeout_s, and more)
+        r_stats = _answers(
+            [lambda r=r: r.stop() for r in self._live_rollouts()],
+            timeout=self.cfg.cluster.actor_timeout_s + 60.0,
+        )
         t_stats = a["trainer"].stop().result()
         t_stats["ranks_stats"] = [r.stats().result() for r in a["trainer_ranks"]]
         p_stats = a["pool"].stats().result()  # rollouts have stopped: dispatch is final

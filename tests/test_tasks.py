@@ -4,7 +4,7 @@ import math
 import numpy as np
 import pytest
 
-from laminar.errors import DataError, RewardError
+from laminar.errors import ConfigError, DataError, RewardError
 from laminar.rewards import exact_match, resolve_reward, score_batch
 from laminar.tasks import TASKS, demonstration, jsonl_prompts, length_sigmas, synthetic_prompts
 
@@ -116,6 +116,34 @@ def test_reward_failures_mark_the_trajectory():
     assert scores[1].reward == 0.0 and scores[1].error is None  # truncated: not scored
     nan = score_batch("math:sqrt", [("x", "y", True)])  # raises TypeError (2 args)
     assert nan[0].error is not None
+
+
+def test_a_reward_call_that_hangs_marks_its_trajectory_and_the_rest_are_scored():
+    """task.reward_timeout_s bounds each call, not the batch: the calls after a hung one
+    are scored (on a fresh thread), and a batch of slow calls within the limit is whole."""
+    import time
+
+    items = [("1", "1", True), ("hang", "1", True), ("2", "1", True), ("x", "1", False)]
+    t0 = time.monotonic()
+    scores = score_batch("laminar.rewards:_hangs", items, truncated_reward=-1.0, timeout_s=0.2)
+    assert 0.2 <= time.monotonic() - t0 < 2.0
+    assert scores[0].reward == 1.0 and scores[3].reward == -1.0  # (truncated: not called)
+    assert math.isnan(scores[1].reward) and "task.reward_timeout_s=0.2 s" in scores[1].error
+    assert scores[2].reward == 0.0 and scores[2].error is None
+    import laminar.rewards as r
+
+    r.REWARDS["_sleepy"] = lambda response, answer: time.sleep(0.03) or 1.0
+    try:
+        slow = score_batch("_sleepy", [("a", "a", True)] * 10, timeout_s=0.2)
+    finally:
+        del r.REWARDS["_sleepy"]
+    assert [s.reward for s in slow] == [1.0] * 10  # 0.3 s in all: each call within 0.2
+    from laminar.config import RunConfig, with_overrides
+
+    assert RunConfig().task.reward_timeout_s == 300.0
+    assert with_overrides(RunConfig(), ["task.reward_timeout_s=null"]).task.reward_timeout_s is None
+    with pytest.raises(ConfigError, match=r"task.reward_timeout_s: .*greater than 0"):
+        with_overrides(RunConfig(), ["task.reward_timeout_s=0"])
 
 
 def test_non_finite_rewards_are_errors():
