@@ -467,7 +467,7 @@ class RolloutReplica:
     def _wait_for_version(self, version: int, wait_s: float) -> None:
         """Wait up to ``wait_s`` until the relay has ``version`` (or newer) and load it,
         in short long polls with the manager's commands served between them."""
-        from laminar.relay import RelayError, RelayUnreachable
+        from laminar.relay import RelayError
 
         deadline = time.time() + wait_s
         while self.engine.version < version and time.time() < deadline:
@@ -479,8 +479,7 @@ class RolloutReplica:
                     self.engine.version, wait_s=VERSION_POLL_S, wait_switch=False
                 )
             except RelayError as e:  # lost, or a failed pull: the next poll tries again
-                lost = isinstance(e, RelayUnreachable)
-                self.counts["pulls_unreachable" if lost else "pulls_failed"] += 1
+                self._pull_failed(e)
                 self._serve_for(min(VERSION_POLL_S, max(0.0, deadline - time.time())))
                 continue
             if update is not None:
@@ -545,7 +544,7 @@ class RolloutReplica:
         return len(states)
 
     def _resume_paused(self) -> None:
-        from laminar.relay import RelayError, RelayUnreachable
+        from laminar.relay import RelayError
 
         t = time.time()
         # (The target is read again each round: a pause served meanwhile may raise it.)
@@ -558,16 +557,7 @@ class RolloutReplica:
                 # Lost (none switched in within relay.timeout_s: the master, while the
                 # trainer restarts), or a failed pull (a chunk's checksum): the paused
                 # requests need this version, so the next poll tries again.
-                key = "pulls_unreachable" if isinstance(e, RelayUnreachable) else "pulls_failed"
-                if not self.counts[key]:
-                    logger.warning(
-                        "rollout %s: %s while paused for version %d (%s); trying again",
-                        self.rollout_id,
-                        key.replace("_", " "),
-                        self._paused[0],
-                        e,
-                    )
-                self.counts[key] += 1
+                self._pull_failed(e, f"paused for version {self._paused[0]}: trying again")
                 self._serve_for(VERSION_POLL_S)
                 continue
             if update is not None:
@@ -581,6 +571,18 @@ class RolloutReplica:
             return
         self.engine.import_(states, allow_version_change=True)
         self.counts["recomputed_tokens"] += sum(st.context_len for st in states)
+
+    def _pull_failed(self, error: Exception, then: str = "", always: bool = False) -> None:
+        """Count a pull that failed: its relay lost (``pulls_unreachable``) or the pull
+        itself (``pulls_failed``: a chunk's checksum, a version evicted while read). With
+        ``then``, say so and what happens next: once per kind, or ``always``."""
+        from laminar.relay import RelayUnreachable
+
+        key = "pulls_unreachable" if isinstance(error, RelayUnreachable) else "pulls_failed"
+        if then and (always or not self.counts[key]):
+            what = key.replace("_", " ")
+            logger.warning("rollout %s: %s (%s); %s", self.rollout_id, what, error, then)
+        self.counts[key] += 1
 
     def _maybe_load_weights(self) -> None:
         """The rollout wait: ask the local relay for a newer complete version, load it.
@@ -612,16 +614,7 @@ class RolloutReplica:
         except RelayError as e:  # lost, or a failed pull (a chunk that failed its
             # checksum, a version evicted past relay.timeout_s): the engine keeps the
             # whole version it holds (it owns its weights)
-            key = "pulls_unreachable" if isinstance(e, RelayUnreachable) else "pulls_failed"
-            if not self.counts[key]:
-                logger.warning(
-                    "rollout %s: %s (%s); generating on at version %d",
-                    self.rollout_id,
-                    key.replace("_", " "),
-                    e,
-                    self.engine.version,
-                )
-            self.counts[key] += 1
+            self._pull_failed(e, f"generating on at version {self.engine.version}")
             update = None
         if update is not None:
             self._load_version(*update)
@@ -754,22 +747,14 @@ class RolloutReplica:
     def _fetch_version(self, version: int) -> dict:
         """An old ``version``'s weights: its relay's kept copy, else its checkpoint
         (:class:`~laminar.relay.VersionUnavailable` if neither has it)."""
-        from laminar.relay import RelayError, RelayUnreachable, VersionUnavailable, fetch_version
+        from laminar.relay import RelayError, VersionUnavailable, fetch_version
 
         try:
             return fetch_version(version, self.puller, self.checkpoints_dir)
         except VersionUnavailable:
             raise
         except RelayError as e:  # lost, or a failed pull: the checkpoint may have it
-            key = "pulls_unreachable" if isinstance(e, RelayUnreachable) else "pulls_failed"
-            self.counts[key] += 1
-            logger.warning(
-                "rollout %s: %s for version %d (%s); looking for its checkpoint",
-                self.rollout_id,
-                key.replace("_", " "),
-                version,
-                e,
-            )
+            self._pull_failed(e, f"version {version}: looking for its checkpoint", always=True)
             return fetch_version(version, None, self.checkpoints_dir)
 
     def _take_adopted(self) -> None:

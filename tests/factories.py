@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
+
 import numpy as np
 
 from laminar.contract import Trajectory
@@ -53,3 +56,20 @@ def run_to_end(client, cfg, run_dir, overrides=(), timeout: float = 400):
 
     run = pipelines.submit(cfg, client, run_dir=run_dir, overrides=list(overrides))
     return run, run.wait(timeout=timeout)
+
+
+class InProcess:
+    """An actor's call convention (``handle.method(...)`` -> a future) in process: drives
+    an actor class directly, without a cluster."""
+
+    def __init__(self, actor):
+        self.actor = actor
+
+    def __getattr__(self, name):
+        def call(*args, **kwargs):
+            future = concurrent.futures.Future()
+            out = getattr(self.actor, name)(*args, **kwargs)
+            future.set_result(asyncio.run(out) if asyncio.iscoroutine(out) else out)
+            return future
+
+        return call

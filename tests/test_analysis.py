@@ -279,11 +279,7 @@ def test_buffer_age_leaves_out_the_time_a_resumed_run_was_stopped(tmp_path):
         ]
     )
     # ran from 0 to 20 s, stopped, resumed from 120 s on
-    rows = [(0, t) for t in range(0, 21, 5)] + [(1, t) for t in range(120, 141, 5)]
-    MetricsWriter(tmp_path).append(
-        "cluster",
-        [{"segment": s, "elapsed_s": t, "wall_time": t0 + t, "version": 0} for s, t in rows],
-    )
+    _two_starts(MetricsWriter(tmp_path), t0)
     ds = open_run(tmp_path)
     assert ds.laminar.pauses_s == [(t0 + 20, t0 + 120)]
     # (damaged metrics do not make the trajectories unreadable: no stops are known)
@@ -334,6 +330,16 @@ def test_wrong_paths_and_datasets_get_errors_that_say_what_to_pass(run, tmp_path
         both.laminar.summary()
 
 
+def _two_starts(writer, t0: float) -> None:
+    """``cluster`` rows of a run that ran from 0 to 20 s, stopped, and was resumed from
+    120 to 140 s (a row every 5 s; ``t0``: its start, epoch seconds)."""
+    rows = [(0, t) for t in range(0, 21, 5)] + [(1, t) for t in range(120, 141, 5)]
+    writer.append(
+        "cluster",
+        [{"segment": s, "elapsed_s": t, "wall_time": t0 + t, "version": 0} for s, t in rows],
+    )
+
+
 def _resumed_run(path, times):
     """A run that ran from 0 to 20 s, was stopped, and ran again from 120 s on (epoch
     origin 1.8e9): one consumed trajectory per ``(t_finish, t_sample)`` in ``times``
@@ -360,11 +366,7 @@ def _resumed_run(path, times):
             for i, (f, s) in enumerate(times)
         ]
     )
-    rows = [(0, t) for t in range(0, 21, 5)] + [(1, t) for t in range(120, 141, 5)]
-    MetricsWriter(path).append(
-        "cluster",
-        [{"segment": s, "elapsed_s": t, "wall_time": t0 + t, "version": 0} for s, t in rows],
-    )
+    _two_starts(MetricsWriter(path), t0)
     return open_run(path)
 
 
@@ -415,11 +417,7 @@ def test_actor_update_throughput_of_a_lost_and_resumed_run(tmp_path):
     w = MetricsWriter(tmp_path)
     # ran 0-20 s (versions 1-5, an update every 4 s), lost; resumed at 120 s from the
     # checkpoint of version 3: versions 4, 5, 6 redone
-    rows = [(0, t) for t in range(0, 21, 5)] + [(1, t) for t in range(120, 141, 5)]
-    w.append(
-        "cluster",
-        [{"segment": s, "elapsed_s": t, "wall_time": t0 + t, "version": 0} for s, t in rows],
-    )
+    _two_starts(w, t0)
     # (version, time, interval since the previous update or the start, tokens)
     ups = [(v, 4.0 * v, 4.0, 400.0) for v in range(1, 6)]
     ups += [(4, 127.0, 7.0, 100.0), (5, 129.0, 2.0, 200.0), (6, 131.0, 2.0, 300.0)]
@@ -517,11 +515,7 @@ def test_a_stop_begins_at_the_last_sign_the_run_was_going(tmp_path):
     TrajectoryWriter(tmp_path).append(
         [consumed("a", 10, 12), consumed("b", 21, 23), consumed("c", 23.5, 118)]
     )
-    rows = [(0, t) for t in range(0, 21, 5)] + [(1, t) for t in range(120, 141, 5)]
-    MetricsWriter(tmp_path).append(
-        "cluster",
-        [{"segment": s, "elapsed_s": t, "wall_time": t0 + t, "version": 0} for s, t in rows],
-    )
+    _two_starts(MetricsWriter(tmp_path), t0)
     ds = open_run(tmp_path)
     assert ds.laminar.pauses_s == [(t0 + 23.5, t0 + 118)]
     # c waited from 23.5 s to the stop, and from the resume to its sample: nothing

@@ -77,27 +77,13 @@ def test_a_rollout_registers_its_unfinished_trajectories_with_a_rebuilt_pool(
     partial-response pool every unfinished trajectory with the tokens it has, so that a
     later loss of this rollout resumes them from there, and queues its kept trajectories
     for the new buffer. (The actor is called in process, as Dask would call it.)"""
-    import asyncio
-    import concurrent.futures
+
+    from factories import InProcess
 
     from laminar.config import with_overrides
     from laminar.contract import PromptGroup
     from laminar.partial import PartialResponsePool
     from laminar.rollout import _RESEND, RolloutReplica
-
-    class InProcess:
-        """An actor's call convention (``handle.method(...)`` -> a future) in process."""
-
-        def __init__(self, actor):
-            self.actor = actor
-
-        def __getattr__(self, name):
-            def call(*args, **kwargs):
-                future = concurrent.futures.Future()
-                future.set_result(asyncio.run(getattr(self.actor, name)(*args, **kwargs)))
-                return future
-
-            return call
 
     cfg = with_overrides(small_config, ["rollout.parity_every=0"])
     rollout = RolloutReplica("r0", cfg, str(tiny_policy), None, None, None)

@@ -3,26 +3,8 @@ protocol (pause, data-module rebuild, adoption, weight pulls) and its reward col
 
 from __future__ import annotations
 
-import asyncio
-import concurrent.futures
-
 import pytest
-
-
-class InProcess:
-    """An actor's call convention (``handle.method(...)`` -> a future) in process."""
-
-    def __init__(self, actor):
-        self.actor = actor
-
-    def __getattr__(self, name):
-        def call(*args, **kwargs):
-            future = concurrent.futures.Future()
-            out = getattr(self.actor, name)(*args, **kwargs)
-            future.set_result(asyncio.run(out) if asyncio.iscoroutine(out) else out)
-            return future
-
-        return call
+from factories import InProcess
 
 
 def _rollout(tiny_policy, small_config, overrides=(), relay=None):

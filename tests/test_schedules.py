@@ -478,7 +478,8 @@ def _baseline_store(path, schedule, groups, updates=None, split=False):
     """A run directory whose store holds consumed groups of 2, each ``(K, M_t)``, written
     by ``schedule``; ``updates``: the published versions to record in ``metrics.zarr``;
     ``split``: the first group's second sibling generated one version later."""
-    from laminar.contract import Trajectory
+    from factories import trajectory
+
     from storage import TrajectoryWriter
     from storage.metrics import MetricsWriter
 
@@ -487,22 +488,14 @@ def _baseline_store(path, schedule, groups, updates=None, split=False):
         for i in range(2):
             k_i = k + (split and g == 0 and i == 1)
             records.append(
-                Trajectory(
-                    uid=f"p{g}-{i}",
-                    prompt_uid=f"p{g}",
+                trajectory(
+                    f"p{g}-{i}",
+                    f"p{g}",
                     prompt_key=g,
                     sample_idx=i,
-                    group_size=2,
-                    prompt_tokens=np.ones(3, np.int32),
-                    response_tokens=np.ones(2, np.int32),
-                    behavior_logprobs=np.zeros(2, np.float32),
-                    loss_mask=np.ones(2, np.uint8),
                     behavior_version=k_i,
                     finish_version=k_i,
                     sample_version=m_t,
-                    finish_reason="eos",
-                    reward=1.0,
-                    rollout_ids="r0",
                     t_submit=1.0,
                     t_start=2.0,
                     t_finish=3.0,
