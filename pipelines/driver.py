@@ -1156,13 +1156,16 @@ def _send(calls: list) -> list:
 
 
 def _answers(calls: list, timeout: float = 5.0) -> list:
-    """Call every actor method at once; the results of those that answer in time. A call
+    """Call every actor method at once; the results of those that answer within
+    ``timeout`` (one wait for them all: calls that never answer do not add up). A call
     to an actor whose worker is lost raises at once or never returns: skipped (the
     manager detects the loss and recovers its work)."""
     out = []
+    deadline = time.monotonic() + timeout
     for f in _send(calls):
         try:
-            out.append(f.result(timeout=timeout))
+            # (not 0 past the deadline: distributed then times out an answer already in)
+            out.append(f.result(timeout=max(0.1, deadline - time.monotonic())))
         except Exception:  # noqa: BLE001 — lost or stalled
             continue
     return out
