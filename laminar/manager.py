@@ -798,7 +798,11 @@ class RolloutManager:
             if ok:
                 return "import", rid
         dest = self._least_loaded(alive, loads)
-        self.rollouts[dest].adopt(version, batch).result(timeout=self.timeout)
+        # Not answered (its worker lost meanwhile, or its actor thread busy: it may yet
+        # run): the batch stays this rollout's all the same. Trying another could adopt
+        # it twice; the pool names this one the owner, so its loss recovers it from it.
+        roll = self.rollouts[dest]
+        self._noting(f"{dest}.adopt", self._try(lambda: roll.adopt(version, batch)), actor=roll)
         return "adopt", dest
 
     def recover(self, lost: str) -> list[dict]:
@@ -827,11 +831,20 @@ class RolloutManager:
             alive = [rid for rid in alive if rid in loads] or alive
             if finished:
                 how, dest = "rescore", self._least_loaded(alive, loads)
-                self.rollouts[dest].rescore(batch).result(timeout=self.timeout)
+                # (not answered: as an adoption, see _resume)
+                roll = self.rollouts[dest]
+                self._noting(
+                    f"{dest}.rescore", self._try(lambda r=roll, b=batch: r.rescore(b)), actor=roll
+                )
             else:
                 how, dest = self._resume(version, batch, alive, loads)
             ids = [st.request_id for st in batch]
-            self.partial.reassign(ids, dest).result(timeout=self.timeout)
+            # A pool slow to answer names the owner later, or the destination's next flush
+            # does: no reason to fail the run (an exception here ended the manager's loop).
+            self._noting(
+                f"partial.reassign to {dest}",
+                self._try(lambda i=ids, d=dest: self.partial.reassign(i, d)),
+            )
             if loads.get(dest):  # the next batch goes where there is less to do
                 loads[dest] = {**loads[dest], "n_requests": loads[dest]["n_requests"] + len(ids)}
             rows.append(

@@ -1,0 +1,134 @@
+"""The rollout manager's decisions, driven with small stand-ins for rollouts, the
+partial-response pool and the master relay: no cluster, no engine."""
+
+from __future__ import annotations
+
+import time
+from concurrent.futures import Future
+from types import SimpleNamespace
+
+import pytest
+
+from laminar.config import RunConfig, with_overrides
+from laminar.manager import RolloutManager
+
+
+def done(value=None) -> Future:
+    f = Future()
+    f.set_result(value)
+    return f
+
+
+def failed(error: Exception) -> Future:
+    f = Future()
+    f.set_exception(error)
+    return f
+
+
+def never() -> Future:
+    return Future()  # (an answer that never comes)
+
+
+def state(request_id: str, version: int = 0, n_tokens: int = 3):
+    """What the partial-response pool's ``take`` hands back, as far as the manager reads it."""
+    meta = {"behavior_version": version, "t_flush": time.time()}
+    return SimpleNamespace(
+        request_id=request_id, request=SimpleNamespace(meta=meta), tokens=[0] * n_tokens
+    )
+
+
+class FakeRollout:
+    """A rollout as the manager sees it: each call returns a future. ``answers`` maps a
+    method name to a function returning that call's future (default: done, ``None``)."""
+
+    def __init__(self, load: dict | None = None, **answers):
+        self._load = load or {}
+        self.answers = answers
+        self.calls: list[tuple] = []
+
+    def __getattr__(self, name):
+        if name.startswith("_"):
+            raise AttributeError(name)
+
+        def call(*args, **kwargs):
+            self.calls.append((name, args, kwargs))
+            if name in self.answers:
+                return self.answers[name](*args, **kwargs)
+            if name == "load":
+                return done(dict(self._load))
+            return done(None)
+
+        return call
+
+    def called(self, name: str) -> list[tuple]:
+        return [c for c in self.calls if c[0] == name]
+
+
+class FakePool:
+    """The partial-response pool: ``take`` hands back ``states``; reassigns are kept."""
+
+    def __init__(self, states=(), reassign=None):
+        self.states = list(states)
+        self.owner: dict[str, str] = {}
+        self._reassign = reassign
+
+    def take(self, rollout_id):
+        out, self.states = self.states, []
+        return done(out)
+
+    def reassign(self, request_ids, rollout_id):
+        if self._reassign is not None:
+            return self._reassign(request_ids, rollout_id)
+        self.owner.update(dict.fromkeys(request_ids, rollout_id))
+        return done(None)
+
+
+def decoding(version: int = 0, kv: float = 0.2, n: int = 2, batch: int = 1) -> dict:
+    return {
+        "version": version,
+        "kv_used": kv,
+        "n_requests": n,
+        "in_batch": True,
+        "held": False,
+        "batch": batch,
+    }
+
+
+def idle(version: int = 0) -> dict:
+    return {**decoding(version, 0.0, 0), "in_batch": False}
+
+
+@pytest.fixture
+def cfg() -> RunConfig:
+    return with_overrides(RunConfig(), ["cluster.actor_timeout_s=0.5", "repack.interval_s=1"])
+
+
+# -- recovery ------------------------------------------------------------------------------
+
+
+def test_a_recovery_whose_adoption_call_fails_does_not_stop_the_manager(cfg):
+    """No rollout decodes the lost one's version, so the least loaded adopts its batch.
+    That call may fail (its worker lost meanwhile, not yet detected) or go unanswered (a
+    busy actor thread: it may still run). Either way the batch is that rollout's: the
+    pool names it the owner, so that its own loss, if it is lost, recovers the batch from
+    it. Before, the failure escaped the manager's loop and failed the whole run."""
+    pool = FakePool([state("g0-000"), state("g0-001")])
+    r1 = FakeRollout(idle(), adopt=lambda *a: failed(TimeoutError("no answer")))
+    r2 = FakeRollout(decoding(version=1, n=5))
+    manager = RolloutManager(cfg, {"r0": FakeRollout(), "r1": r1, "r2": r2}, None, partial=pool)
+    manager.lost["r0"] = time.time()
+    (row,) = manager.recover("r0")
+    assert (row["how"], row["destination"], row["requests"]) == ("adopt", "r1", 2)
+    assert len(r1.called("adopt")) == 1 and not r2.called("adopt")
+    assert pool.owner == {"g0-000": "r1", "g0-001": "r1"}
+
+
+def test_a_recovery_whose_reassign_goes_unanswered_does_not_stop_the_manager(cfg):
+    """The batch went in; the pool is slow to record its new owner (the destination's
+    next flush names it): logged, not a failed run."""
+    pool = FakePool([state("g0-000")], reassign=lambda ids, d: failed(TimeoutError("slow")))
+    r1 = FakeRollout(decoding(version=0), import_for_move=lambda *a, **k: done(True))
+    manager = RolloutManager(cfg, {"r0": FakeRollout(), "r1": r1}, None, partial=pool)
+    manager.lost["r0"] = time.time()
+    (row,) = manager.recover("r0")
+    assert (row["how"], row["destination"]) == ("import", "r1")
