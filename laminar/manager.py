@@ -536,11 +536,17 @@ class RolloutManager:
     def _alive(self) -> list[str]:
         return [rid for rid in self.rollouts if rid not in self.lost]
 
+    def _healthy(self) -> list[str]:
+        """The live rollouts not declared hung: a hung one may still answer ``load()``
+        (its generation loop is what stopped), but what it is given waits out its fence
+        and is then recovered again."""
+        return [rid for rid in self._alive() if rid not in self.hung]
+
     def _loads(self) -> dict[str, dict]:
-        """Every live rollout's load; one that does not answer within a few seconds is
+        """Every healthy rollout's load; one that does not answer within a few seconds is
         skipped this round (a lost one is detected by :meth:`detect`)."""
         futures = {}
-        for rid in self._alive():
+        for rid in self._healthy():
             try:
                 futures[rid] = self.rollouts[rid].load()
             except Exception:  # noqa: BLE001 — its worker is known lost
@@ -828,7 +834,7 @@ class RolloutManager:
                     f"every rollout is lost ({sorted(self.lost)}); {len(states)} unfinished "
                     "trajectories wait in the partial-response pool"
                 )
-            alive = [rid for rid in alive if rid in loads] or alive
+            alive = [rid for rid in alive if rid in loads] or self._healthy() or alive
             if finished:
                 how, dest = "rescore", self._least_loaded(alive, loads)
                 # (not answered: as an adoption, see _resume)

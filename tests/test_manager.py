@@ -132,3 +132,19 @@ def test_a_recovery_whose_reassign_goes_unanswered_does_not_stop_the_manager(cfg
     manager.lost["r0"] = time.time()
     (row,) = manager.recover("r0")
     assert (row["how"], row["destination"]) == ("import", "r1")
+
+
+def test_a_rollout_declared_hung_takes_no_recovered_batch_and_no_move(cfg):
+    """A hung rollout's actor thread may still answer ``load()`` (its generation loop is
+    what stopped): until its fence drops it, it must not be handed a lost rollout's batch
+    (which would wait out the fence and then be recovered a second time) nor planned
+    into a repack move. Here the hung r1 is the least KV-loaded rollout of the version."""
+    pool = FakePool([state("g0-000")])
+    r1 = FakeRollout(decoding(kv=0.05), import_for_move=lambda *a, **k: done(True))
+    r2 = FakeRollout(decoding(kv=0.30), import_for_move=lambda *a, **k: done(True))
+    manager = RolloutManager(cfg, {"r0": FakeRollout(), "r1": r1, "r2": r2}, None, partial=pool)
+    manager.hung["r1"] = {"kind": "rollout", "time": time.time()}
+    manager.lost["r0"] = time.time()
+    (row,) = manager.recover("r0")
+    assert row["destination"] == "r2" and not r1.called("import_for_move")
+    assert "r1" not in manager._loads()  # (the planner's input)
