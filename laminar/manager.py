@@ -478,6 +478,7 @@ class RolloutManager:
                     actor=self.rollouts[src],
                     deadline=deadline,
                 )
+            t_released = time.time()  # the pause a move caused ends here
         if self.partial is not None:  # after the releases: a slow pool holds no source
             reassigned = {}
             for m in moves:
@@ -512,7 +513,7 @@ class RolloutManager:
                     "context_tokens": out["context_tokens"],
                     "export_s": out["export_s"],
                     "import_s": t_import,
-                    "pause_s": time.time() - t0,
+                    "pause_s": t_released - t0,
                     "round_moves": len(outs),
                 }
             )

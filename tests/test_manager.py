@@ -11,6 +11,7 @@ import pytest
 
 from laminar.config import RunConfig, with_overrides
 from laminar.manager import RolloutManager
+from laminar.repack import Move, RolloutLoad
 
 
 def done(value=None) -> Future:
@@ -148,3 +149,34 @@ def test_a_rollout_declared_hung_takes_no_recovered_batch_and_no_move(cfg):
     (row,) = manager.recover("r0")
     assert row["destination"] == "r2" and not r1.called("import_for_move")
     assert "r1" not in manager._loads()  # (the planner's input)
+
+
+# -- repack moves --------------------------------------------------------------------------
+
+
+def exported(states, version: int = 0) -> dict:
+    return {
+        "version": version,
+        "states": states,
+        "tokens": sum(len(st.tokens) for st in states),
+        "context_tokens": 10 * len(states),
+        "export_s": 0.0,
+    }
+
+
+def test_a_moves_pause_ends_at_its_sources_release_not_at_the_pools_answer(cfg):
+    """The ``repacks`` table's ``pause_s`` is from the round's start to its sources'
+    release (docs/repack.md): the pool is told of the new owners after the releases, and
+    a slow pool holds no source, so it adds nothing to the pause."""
+    states = [state("g0-000"), state("g0-001")]
+    src = FakeRollout(export_for_move=lambda **k: done(exported(states)))
+    dst = FakeRollout(import_for_move=lambda *a, **k: done(True))
+    pool = FakePool(reassign=lambda ids, d: never())
+    manager = RolloutManager(cfg, {"r0": src, "r1": dst}, None, partial=pool)
+    manager._prev = {"r0": (1, 0.1), "r1": (1, 0.2)}
+    loads = {"r0": RolloutLoad("r0", 0, 0.1, 0.2, 2), "r1": RolloutLoad("r1", 0, 0.2, 0.3, 2)}
+    t0 = time.time()
+    (row,) = manager._execute([Move("r0", "r1")], loads)
+    assert time.time() - t0 >= cfg.cluster.actor_timeout_s  # (it waited for the pool)
+    assert row["ok"] and len(src.called("release")) == 1
+    assert row["pause_s"] < cfg.cluster.actor_timeout_s / 2
