@@ -351,10 +351,13 @@ class RolloutManager:
             logger.error("rollout manager failed:\n%s", self.error)
 
     def _published(self) -> bool:
-        if not self.rcfg.on_publish:
+        if not self.rcfg.on_publish or self._master_lost is not None:
+            # (lost: a call to it would wait out the actor timeout, every iteration of
+            # the loop that also detects losses; the restarted trainer's master replaces it)
             return False
         try:
-            info = self.master.newest(self._seen_version).result(timeout=self.timeout)
+            future = self.master.newest(self._seen_version)
+            info = actor_result(self.master, future, self.timeout)  # (~1 s once it is lost)
         except Exception:  # noqa: BLE001 — the master went with the trainer: it restarts
             return False
         if info is None:

@@ -180,3 +180,20 @@ def test_a_moves_pause_ends_at_its_sources_release_not_at_the_pools_answer(cfg):
     assert time.time() - t0 >= cfg.cluster.actor_timeout_s  # (it waited for the pool)
     assert row["ok"] and len(src.called("release")) == 1
     assert row["pause_s"] < cfg.cluster.actor_timeout_s / 2
+
+
+# -- the manager's loop --------------------------------------------------------------------
+
+
+def test_the_publication_check_does_not_wait_on_a_lost_master(cfg):
+    """With the trainer (and the master relay in its process) lost, a call to the master
+    never answers (distributed waits for the actor's creating task): asked every loop
+    iteration, it held the loop a whole actor timeout each time, so loss detection,
+    heartbeats and repack ran once a timeout until a restarted trainer's master came."""
+    cfg = with_overrides(cfg, ["cluster.actor_timeout_s=3", "repack.on_publish=true"])
+    master = FakeRollout(newest=lambda *a: never())
+    manager = RolloutManager(cfg, {}, master)
+    manager._master_lost = time.time()  # (detect() found its worker gone)
+    t0 = time.time()
+    assert manager._published() is False
+    assert time.time() - t0 < 1.0
