@@ -293,7 +293,10 @@ class RolloutManager:
             if ok:
                 repointed.append(roll)
         if self.partial is not None:
-            self.partial.set_relays([self.relays[r] for r in chain]).result(timeout=self.timeout)
+            relays = [self.relays[r] for r in chain]
+            self._noting(
+                "partial.set_relays", self._try(lambda: self.partial.set_relays(relays)), errors
+            )
         self._seen_version = -1
         self.masters.append(
             {
@@ -320,13 +323,20 @@ class RolloutManager:
                 self._take_master(handle, worker)
                 continue
             self.rollouts[rid], self.workers[rid] = handle, worker
+            # (A call here that fails is logged, not raised out of the loop: a replacement
+            # lost already is found by detect(), a slow one may yet take it.)
             if relay_id in self.relays_lost:  # lost while the replacement was starting
                 relay_id = self._chain()[0]
-                handle.set_relay(self.relays[relay_id]).result(timeout=self.timeout)
+                relay = self.relays[relay_id]
+                self._noting(
+                    f"{rid}.set_relay", self._try(lambda h=handle, r=relay: h.set_relay(r))
+                )
             self.rollout_relays[rid] = relay_id
             if relay_id == "master" and self._master_lost is not None:
                 # (started with the lost master's handle: the restart's re-points it)
-                handle.set_relay(None).result(timeout=self.timeout)
+                self._noting(
+                    f"{rid}.set_relay(None)", self._try(lambda h=handle: h.set_relay(None))
+                )
             self.replacements[replaces] = rid
             logger.warning("rollout %s replaces %s (worker %s)", rid, replaces, worker)
 

@@ -197,3 +197,31 @@ def test_the_publication_check_does_not_wait_on_a_lost_master(cfg):
     t0 = time.time()
     assert manager._published() is False
     assert time.time() - t0 < 1.0
+
+
+def test_a_replacement_that_does_not_answer_while_joining_does_not_stop_the_manager(cfg):
+    """A replacement rollout whose relay was lost while it started is pointed at the head
+    of the chain. Its worker may be lost already (detect() then finds it), or slow: the
+    call's failure is logged, not raised out of the manager's loop (which failed the run)."""
+    manager = RolloutManager(cfg, {}, FakeRollout(), relays={"master": FakeRollout()})
+    manager.relays_lost["relay1"] = {"time": time.time()}
+    joining = FakeRollout(set_relay=lambda *a: failed(TimeoutError("no answer")))
+    manager.add_rollout("r3", joining, "tcp://w3", replaces="r1", relay_id="relay1")
+    manager._take_joining()
+    assert manager.replacements == {"r1": "r3"} and manager.rollout_relays["r3"] == "master"
+    assert manager.workers["r3"] == "tcp://w3"
+
+
+def test_a_new_master_is_taken_when_the_pool_does_not_answer(cfg):
+    """A restarted trainer's master heads the chain even if the partial-response pool is
+    slow to hear of it (recorded in the restart's errors, not raised)."""
+    pool = FakePool()
+    pool.set_relays = lambda relays: failed(TimeoutError("slow"))
+    manager = RolloutManager(cfg, {}, FakeRollout(), partial=pool)
+    manager._master_lost = time.time()
+    new = FakeRollout(rechain=lambda *a: done(0))
+    manager.replace_master(new, "tcp://w9")
+    manager._take_joining()
+    assert manager.master is new and manager._master_lost is None
+    (restart,) = manager.masters
+    assert any("set_relays" in e for e in restart["errors"])
