@@ -379,7 +379,6 @@ def arm_figures(run_dir: Path, summary: dict, warmup: int) -> dict:
     def rate(col: str) -> float:  # a cumulative column's growth per modelled second
         return float(cl[col].values[last] - cl[col].values[first]) / modelled(dt)
 
-    out["gen_throughput"] = rate("response_tokens") * scale_tok
     out["arrivals_per_s"] = rate("inserted") * scale_req
     out["consumption_per_s"] = rate("consumed") * scale_req
     out["trainer_idle"] = (
@@ -395,22 +394,7 @@ def arm_figures(run_dir: Path, summary: dict, warmup: int) -> dict:
         rt[np.argmin(np.abs(rt - cl["time"].values[first]))],
         rt[np.argmin(np.abs(rt - cl["time"].values[last]))],
     )
-
-    def delta(col: str) -> np.ndarray:  # per rollout, over the window (NaN: absent then)
-        v = ro[col]
-        return v.sel(time=b).values - v.sel(time=a).values
-
-    busy = delta("decode_s")
-    # Over each rollout's own span between its two readings (``read_at``): a poll reads
-    # the rollouts one after another, and on a loaded host (128 emulated GPUs: a poll
-    # took up to a minute) the row's time is none of theirs; dividing by it read busy
-    # fractions of 0.82-1.16 per poll and an idle fraction of -0.02 over a run. Runs
-    # recorded before ``read_at`` existed: the row's time.
-    span = delta("read_at") if "read_at" in ro else np.full(busy.shape, b - a)
-    ok = np.isfinite(busy) & np.isfinite(span) & (span > 0)
-    out["rollout_idle"] = float(1 - busy[ok].sum() / span[ok].sum()) if ok.any() else math.nan
-    steps, decoded = delta("engine_steps"), delta("engine_decode_tokens")
-    out["decode_batch"] = float(np.nansum(decoded) / max(np.nansum(steps), 1)) * scale_req
+    out |= rollout_figures(ro.isel(time=(rt >= a) & (rt <= b)), sc)
 
     st = ds.laminar.staleness()
     for name in ("s_gen", "residence", "s_train"):
@@ -451,6 +435,52 @@ def arm_figures(run_dir: Path, summary: dict, warmup: int) -> dict:
     out["replicas"] = cfg.rollout.replicas
     out["trainer_gpus"] = cfg.trainer.pacing.gpus if cfg.trainer.pacing else math.nan
     return out
+
+
+def rollout_figures(ro, sc) -> dict[str, float]:
+    """``gen_throughput``, ``rollout_idle`` and ``decode_batch`` from the ``rollouts``
+    rows of the window (``time × rollout``), each rollout's counters from its first to
+    its last reading there, over its own clock.
+
+    A poll reads the rollouts one after another, and on a loaded host (128 emulated GPUs:
+    a poll took up to a minute) the row's time is none of theirs: dividing by it read
+    busy fractions of 0.82-1.16 per poll and an idle fraction of -0.02 over a run. So
+    each rollout's growth is over the span between its own readings (``read_at``), and
+    generation throughput is the sum of the rollouts' rates. A rollout that did not
+    answer one poll is read from its nearest readings in the window rather than left
+    out of the sum. Runs recorded before ``read_at`` existed: the row's time.
+    """
+    if "read_at" in ro:
+        clock = ro["read_at"].values
+    else:
+        clock = np.where(
+            np.isfinite(ro["response_tokens"].values), ro["time"].values[:, None], np.nan
+        )
+    if ro.sizes["time"] < 2:
+        return dict.fromkeys(("gen_throughput", "rollout_idle", "decode_batch"), math.nan)
+    read = np.isfinite(clock)
+    cols = np.arange(clock.shape[1])
+    first = np.argmax(read, axis=0)
+    last = len(read) - 1 - np.argmax(read[::-1], axis=0)
+    twice = read.sum(axis=0) >= 2
+
+    def delta(v: np.ndarray) -> np.ndarray:  # per rollout (NaN: read fewer than twice)
+        return np.where(twice, v[last, cols] - v[first, cols], np.nan)
+
+    span = delta(clock)
+    ok = np.isfinite(span) & (span > 0)
+    busy = delta(ro["decode_s"].values)
+    idle = np.isfinite(busy) & ok
+    tokens = delta(ro["response_tokens"].values)
+    steps = delta(ro["engine_steps"].values)
+    decoded = delta(ro["engine_decode_tokens"].values)
+    return {
+        "gen_throughput": float(np.sum(tokens[ok] / span[ok])) * sc.tokens / sc.modelled(1.0)
+        if ok.any()
+        else math.nan,
+        "rollout_idle": float(1 - busy[idle].sum() / span[idle].sum()) if idle.any() else math.nan,
+        "decode_batch": float(np.nansum(decoded) / max(np.nansum(steps), 1)) * sc.request_scale,
+    }
 
 
 def time_to_reward(curve: list[tuple[float, float]], threshold: float) -> float:

@@ -106,3 +106,161 @@ def test_one_steps_last_publication_which_waits_for_no_next_batch_is_not_measure
         assert steady_updates(ups, schedule)["version"].values.tolist() == list(range(1, 11))
     assert run_steps("one_step", 9) == 10
     assert run_steps("laminar", 9) == run_steps("laminar_no_repack", 9) == 9
+
+
+# -- the window's figures, from a synthetic run: each reading on its own clock -----------
+#
+# Wall seconds throughout; the run's scales (64 emulated GPUs: dilation 32, 256 modelled
+# tokens per real one, 8 modelled requests per real one) make modelled(x) = 8 x.
+T0 = 1000.0
+PERIOD = 10.0  # between publications: 2 s waiting for the batch, 7 training, 1 publishing
+WAIT, TRAIN, PUBLISH = 2.0, 7.0, 1.0
+BATCH = 64  # trajectories of a global batch (32 groups of 2)
+ARRIVE = 8.0  # trajectories per wall second
+
+
+def _published(v: int) -> float:
+    return T0 + PERIOD * v
+
+
+def _sampled(v: int) -> float:  # batch v, sampled once the trainer waited after v - 1
+    return _published(v - 1) + WAIT
+
+
+def _synthetic_run(tmp_path, poll_times, delay, versions: int = 6, unanswered=()):
+    """A run directory as a bench run leaves it: ``config.yaml``, ``metrics.zarr``
+    (``updates``, ``cluster``, ``rollouts``) and ``trajectories.zarr``.
+
+    Each poll reads the buffer and the trainer at ``t`` and two rollouts at ``t`` and
+    ``t + 0.1``, their counters exact at those reads; the row's ``wall_time`` is
+    ``t + delay(t)``, the end of the poll (later on a loaded host, where reading many
+    rollouts takes seconds). The trainer's wait for a batch counts once it has ended,
+    as the trainer's ``wait_s`` does."""
+    import numpy as np
+
+    from laminar.config import load_config
+    from pipelines.bench_schedules import Cluster
+    from storage.metrics import MetricsWriter
+    from storage.trajectories import TrajectoryWriter
+
+    from .factories import trajectory
+
+    repo = __import__("pathlib").Path(__file__).resolve().parent.parent
+    overrides = Cluster(64).overrides("laminar", 2, versions, 0)
+    overrides += ["rollout.group_size=2", f"trainer.groups_per_step={BATCH // 2}"]
+    cfg = load_config(repo / "configs/tiny.yaml", overrides)
+    (tmp_path / "config.yaml").write_text(cfg.to_yaml())
+
+    w = MetricsWriter(tmp_path)
+    w.append(
+        "updates",
+        [
+            {
+                "version": v,
+                "time": _published(v),
+                "interval_s": PERIOD,
+                "update_s": TRAIN,
+                "sync_s": PUBLISH,
+                "tokens": 1000,
+                "reward_mean": 0.5,
+                "response_len_mean": 4.0,
+            }
+            for v in range(1, versions + 1)
+        ],
+    )
+    n = int(ARRIVE * (_published(versions) + 10 - T0 + 10))
+    t_insert = T0 - 10 + np.arange(n) / ARRIVE
+    cluster, rollouts = [], []
+    for k, t in enumerate(poll_times):
+        batches = sum(_sampled(v) <= t for v in range(1, versions + 1))
+        wall = t + delay(t)
+        cluster.append(
+            {
+                "elapsed_s": wall - T0,
+                "wall_time": wall,
+                "version": sum(_published(v) <= t for v in range(1, versions + 1)),
+                "buffer_depth": 100.0,
+                "oldest_buffered_age_s": 1.0,
+                "inserted": int((t_insert <= t).sum()),
+                "consumed": BATCH * batches,
+                "response_tokens": 0,  # (the rollouts' sum: set below)
+                "trainer_wait_s": WAIT * batches,
+            }
+        )
+        for i, rid in enumerate(("r0", "r1")):
+            if (k, rid) in unanswered:
+                continue
+            read = t + 0.1 * i
+            rollouts.append(
+                {
+                    "elapsed_s": wall - T0,
+                    "rollout": rid,
+                    "read_at": read,
+                    "response_tokens": 100.0 * (read - T0),  # 100 tokens/s each
+                    "decode_s": 0.5 * (read - T0),  # busy half the time
+                    "engine_steps": 10.0 * (read - T0),
+                    "engine_decode_tokens": 40.0 * (read - T0),
+                }
+            )
+        cluster[-1]["response_tokens"] = sum(
+            r["response_tokens"] for r in rollouts if r["elapsed_s"] == wall - T0
+        )
+    w.append("cluster", cluster)
+    w.append("rollouts", rollouts)
+
+    records = []
+    for j, ti in enumerate(t_insert):
+        v_now = int(sum(_published(v) <= ti for v in range(1, versions + 1)))
+        batch = j // BATCH + 1  # trajectories train in the order they arrived
+        consumed = batch <= versions and _sampled(batch) <= _published(versions)
+        records.append(
+            trajectory(
+                f"t{j}",
+                f"p{j // 2}",
+                sample_idx=j % 2,
+                behavior_version=v_now,
+                finish_version=v_now,
+                sample_version=batch - 1 if consumed else -1,
+                t_submit=ti - 1,
+                t_start=ti - 1,
+                t_finish=ti,
+                t_insert=ti,
+                t_sample=_sampled(batch) if consumed else float("nan"),
+                status="consumed" if consumed else "buffered",
+                reward=0.5,
+            ).to_record()
+        )
+    TrajectoryWriter(tmp_path).append(records)
+    return tmp_path
+
+
+SUMMARY = {"rollouts": [], "engine": {}}
+
+
+def _late_polls():
+    """Polls every second whose rows, from the window's middle on, end 3 s after their
+    reads (a loaded host)."""
+    import numpy as np
+
+    return T0 + 0.5 + np.arange(70.0), lambda t: 0.0 if t < T0 + 45 else 3.0
+
+
+def test_generation_throughput_is_each_rollouts_rate_over_its_own_readings(tmp_path):
+    """Generated tokens per second are each rollout's over the span between its own two
+    readings (``read_at``), not over the poll rows' times: a poll reads many rollouts
+    one after another and its row's time is none of theirs."""
+    from pipelines.bench_schedules import arm_figures
+
+    polls, delay = _late_polls()
+    fig = arm_figures(_synthetic_run(tmp_path, polls, delay), SUMMARY, warmup=3)
+    # 2 rollouts × 100 real tokens per wall s; 2,048 modelled tokens per real one, 8
+    # modelled s per wall s
+    assert fig["gen_throughput"] == pytest.approx(2 * 100 * 2048 / 8)
+    assert fig["rollout_idle"] == pytest.approx(0.5)
+    assert fig["decode_batch"] == pytest.approx(4 * 8)
+    # a rollout that did not answer the window's first poll (30: the first at or after
+    # publication 3) is read from its next reading, not left out of the sum
+    (tmp_path / "unanswered").mkdir()
+    run = _synthetic_run(tmp_path / "unanswered", polls, delay, unanswered={(30, "r1")})
+    fig = arm_figures(run, SUMMARY, warmup=3)
+    assert fig["gen_throughput"] == pytest.approx(2 * 100 * 2048 / 8)
