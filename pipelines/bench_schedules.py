@@ -365,6 +365,18 @@ def arm_figures(run_dir: Path, summary: dict, warmup: int) -> dict:
             f"{run_dir}: no version generated {min_samples} finished responses; the run "
             "is too short to measure (raise --iterations)"
         )
+
+    # Trajectories entering and leaving the buffer between the publications that bound
+    # the window, each at its own time (``t_insert``, ``t_sample``: the buffer's clock at
+    # the event). The buffer's counters in the ``cluster`` table carry no time of their
+    # own: a poll reads them first and its row's time comes after it has read every
+    # rollout, seconds later on a loaded host. (Consumption then counts whole batches:
+    # as many as the window has updates.)
+    def events(t: np.ndarray) -> float:  # per modelled second of the window
+        return float(((t > t_begin) & (t <= t_end)).sum()) * scale_req / modelled(interval)
+
+    out["arrivals_per_s"] = events(ds["t_insert"].values)
+    out["consumption_per_s"] = events(ds["t_sample"].values[ds["status"].values == "consumed"])
     out["reward_first"] = out["_policy"][0][1]
     out["reward_last"] = float(np.mean([r for _, r in out["_policy"][-2:]]))
 
@@ -376,11 +388,6 @@ def arm_figures(run_dir: Path, summary: dict, warmup: int) -> dict:
     first, last = np.flatnonzero(window)[[0, -1]]
     dt = wall[last] - wall[first]
 
-    def rate(col: str) -> float:  # a cumulative column's growth per modelled second
-        return float(cl[col].values[last] - cl[col].values[first]) / modelled(dt)
-
-    out["arrivals_per_s"] = rate("inserted") * scale_req
-    out["consumption_per_s"] = rate("consumed") * scale_req
     out["trainer_idle"] = (
         float(cl["trainer_wait_s"].values[last] - cl["trainer_wait_s"].values[first]) / dt
     )

@@ -264,3 +264,18 @@ def test_generation_throughput_is_each_rollouts_rate_over_its_own_readings(tmp_p
     run = _synthetic_run(tmp_path / "unanswered", polls, delay, unanswered={(30, "r1")})
     fig = arm_figures(run, SUMMARY, warmup=3)
     assert fig["gen_throughput"] == pytest.approx(2 * 100 * 2048 / 8)
+
+
+def test_buffer_rates_count_each_trajectorys_own_insert_and_sample_times(tmp_path):
+    """Arrivals and consumption are the trajectories whose own ``t_insert`` and
+    ``t_sample`` (the buffer's clock at the event, in the trajectory store) fall between
+    the publications that bound the window, over that window: the buffer's counters in
+    the ``cluster`` table carry no read time of their own."""
+    from pipelines.bench_schedules import arm_figures
+
+    polls, delay = _late_polls()
+    fig = arm_figures(_synthetic_run(tmp_path, polls, delay), SUMMARY, warmup=3)
+    # 8 arrivals per wall s, 8 modelled requests per real one, 8 modelled s per wall s
+    assert fig["arrivals_per_s"] == pytest.approx(ARRIVE)
+    # batches 4, 5, 6 sampled within the 30 s between publications 3 and 6
+    assert fig["consumption_per_s"] == pytest.approx(3 * BATCH / 30)
