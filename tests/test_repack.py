@@ -108,6 +108,41 @@ def test_each_source_goes_to_the_fullest_feasible_destination(loads):
         moved.add(m.source)
 
 
+@settings(max_examples=300, deadline=None)
+@given(loads=loads_strategy(), c_max=st.floats(0.3, 1.0), max_batch=st.integers(2, 32))
+def test_every_source_that_could_move_does(loads, c_max, max_batch):
+    """Completeness (the other rules hold of a planner that moves nothing): replaying
+    each version's candidates in ascending ``kv_used``, a candidate that has not received
+    work and has a destination within the limits at its turn is the next move's source;
+    one that has none, or received work, moves nowhere."""
+    moves = plan(loads, c_max=c_max, max_batch=max_batch)
+    for v in {load.version for load in loads}:
+        group = sorted(
+            (r for r in loads if r.version == v and is_candidate(r, c_max, max_batch)),
+            key=lambda r: (r.kv_used, r.rollout_id),
+        )
+        ids = {r.rollout_id for r in group}
+        todo = [m for m in moves if m.source in ids]
+        kv = {r.rollout_id: r.kv_used for r in group}
+        n = {r.rollout_id: r.n_requests for r in group}
+        received: set[str] = set()
+        moved: set[str] = set()
+        for r in group:
+            s = r.rollout_id
+            feasible = [
+                d for d in ids - moved - {s} if kv[d] + kv[s] <= c_max and n[d] + n[s] <= max_batch
+            ]
+            if s in received or not feasible:
+                assert not todo or todo[0].source != s
+                continue
+            assert todo and todo[0].source == s, f"{s} could move to {feasible}"
+            d = todo.pop(0).destination
+            kv[d], n[d], kv[s], n[s] = kv[d] + kv[s], n[d] + n[s], 0.0, 0
+            moved.add(s)
+            received.add(d)
+        assert todo == []
+
+
 # -- a rollout's mailbox: the manager's commands run on its generation thread ------------
 
 
