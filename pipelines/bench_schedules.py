@@ -334,6 +334,16 @@ def arm_figures(run_dir: Path, summary: dict, warmup: int) -> dict:
         "throughput": tokens * scale_tok / modelled(interval),
         "iteration_s": modelled(interval / measured.sum()),
     }
+    # The trainer's idle share on its own clock, over the throughput's window: what each
+    # measured interval between publications leaves besides training (``update_s``) and
+    # moving the weights (``sync_s``), i.e. the wait for its batch (and a few ms of
+    # bookkeeping per update). Its cumulative ``wait_s`` in the ``cluster`` table has no
+    # read time of its own (the row's comes after the poll has read every rollout), and
+    # counts a wait only once it has ended: a poll during one missed it.
+    if "update_s" in ups and "sync_s" in ups:
+        busy = ups["update_s"].values[measured] + ups["sync_s"].values[measured]
+        if np.isfinite(busy).all():
+            out["trainer_idle"] = float(1 - busy.sum() / interval)
     # The policy learns, and its response lengths move as it does: the workload is the
     # same for every schedule at the start (the base policy's first batch), not after.
     # The measured batches' mean response length, and over the first batch's.
@@ -388,9 +398,10 @@ def arm_figures(run_dir: Path, summary: dict, warmup: int) -> dict:
     first, last = np.flatnonzero(window)[[0, -1]]
     dt = wall[last] - wall[first]
 
-    out["trainer_idle"] = (
-        float(cl["trainer_wait_s"].values[last] - cl["trainer_wait_s"].values[first]) / dt
-    )
+    if "trainer_idle" not in out:  # (runs recorded before update_s and sync_s)
+        out["trainer_idle"] = (
+            float(cl["trainer_wait_s"].values[last] - cl["trainer_wait_s"].values[first]) / dt
+        )
     out["buffer_depth"] = float(np.mean(cl["buffer_depth"].values[first : last + 1])) * scale_req
     age = cl["oldest_buffered_age_s"].values[first : last + 1]
     out["buffer_age_s"] = modelled(float(np.nanmean(age))) if np.isfinite(age).any() else 0.0

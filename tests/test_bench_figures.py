@@ -279,3 +279,15 @@ def test_buffer_rates_count_each_trajectorys_own_insert_and_sample_times(tmp_pat
     assert fig["arrivals_per_s"] == pytest.approx(ARRIVE)
     # batches 4, 5, 6 sampled within the 30 s between publications 3 and 6
     assert fig["consumption_per_s"] == pytest.approx(3 * BATCH / 30)
+
+
+def test_trainer_idle_is_on_the_trainers_own_clock_over_the_measured_updates(tmp_path):
+    """The trainer's idle share is what its own update records leave between the
+    publications that bound the window (interval less training and publishing), not
+    its cumulative wait over the poll rows' times (which ends a wait only once it is
+    over, and whose reading time the row does not record)."""
+    from pipelines.bench_schedules import arm_figures
+
+    polls, delay = _late_polls()
+    fig = arm_figures(_synthetic_run(tmp_path, polls, delay), SUMMARY, warmup=3)
+    assert fig["trainer_idle"] == pytest.approx(WAIT / PERIOD)
