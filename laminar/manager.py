@@ -575,7 +575,13 @@ class RolloutManager:
                     # A rollout lost at the same time as the one being recovered never
                     # answers: stop waiting once the scheduler has dropped its worker
                     # (the next detect() round then finds it at once).
-                    if rid in self.workers and self.workers[rid] not in self._scheduler_workers():
+                    try:
+                        gone = rid in self.workers and (
+                            self.workers[rid] not in self._scheduler_workers()
+                        )
+                    except Exception:  # noqa: BLE001 — unknown: wait for it on
+                        gone = False
+                    if gone:
                         break
                     continue
                 except Exception:  # noqa: BLE001 — failed: not a candidate now
@@ -589,7 +595,11 @@ class RolloutManager:
     def detect(self) -> list[str]:
         """Relays and rollouts whose worker the scheduler no longer has: cut each relay
         out of the chain, then recover each rollout. Returns the lost rollouts."""
-        workers = self._scheduler_workers()
+        try:
+            workers = self._scheduler_workers()
+        except Exception as e:  # noqa: BLE001 — says nothing of the rollouts: next round
+            logger.warning("loss detection: the scheduler's workers unknown (%r); skipped", e)
+            return []
         gone = [rid for rid in self._alive() if self.workers.get(rid) not in workers]
         now = time.time()
         for rid in gone:  # all of them first: none is a candidate for another's work

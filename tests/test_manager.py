@@ -225,3 +225,17 @@ def test_a_new_master_is_taken_when_the_pool_does_not_answer(cfg):
     assert manager.master is new and manager._master_lost is None
     (restart,) = manager.masters
     assert any("set_relays" in e for e in restart["errors"])
+
+
+def test_a_detection_round_the_scheduler_does_not_answer_is_skipped(cfg):
+    """detect() asks the scheduler which workers it has. A failed ask (a scheduler busy or
+    reconnecting) says nothing about the rollouts: the round is skipped, no rollout is
+    marked lost, and the manager's loop goes on (an exception ended it: a failed run)."""
+
+    def no_answer():
+        raise OSError("timed out asking the scheduler")
+
+    r0 = FakeRollout(decoding())
+    manager = RolloutManager(cfg, {"r0": r0}, None, partial=FakePool(), workers={"r0": "tcp://w0"})
+    manager._scheduler_workers = no_answer
+    assert manager.detect() == [] and manager.lost == {}
