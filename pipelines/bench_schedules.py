@@ -390,29 +390,39 @@ def arm_figures(run_dir: Path, summary: dict, warmup: int) -> dict:
     out["reward_first"] = out["_policy"][0][1]
     out["reward_last"] = float(np.mean([r for _, r in out["_policy"][-2:]]))
 
+    # The figures read from the driver's polls, over the polls between the publications
+    # that bound the window. Fewer than two there (polls slower than the window: one took
+    # up to a minute at 128 emulated GPUs) measure nothing of it: NaN, and a note, rather
+    # than a window widened to the run's start (model load included).
     cl = open_metrics(run_dir, "cluster")
     wall = cl["wall_time"].values.astype("datetime64[ns]").astype(np.float64) / 1e9
-    window = (wall >= t_begin) & (wall <= t_end)
-    if window.sum() < 2:
-        window = wall <= t_end
-    first, last = np.flatnonzero(window)[[0, -1]]
-    dt = wall[last] - wall[first]
-
+    window = np.flatnonzero((wall >= t_begin) & (wall <= t_end))
+    polled = [*ROLLOUT_FIGURES, "buffer_depth", "buffer_age_s"]
     if "trainer_idle" not in out:  # (runs recorded before update_s and sync_s)
-        out["trainer_idle"] = (
-            float(cl["trainer_wait_s"].values[last] - cl["trainer_wait_s"].values[first]) / dt
+        polled.append("trainer_idle")
+    out["_notes"] = []
+    if len(window) < 2:
+        n = len(window)
+        out |= dict.fromkeys(polled, math.nan)
+        out["_notes"].append(
+            f"{run_dir}: {n} poll{'' if n == 1 else 's'} of the metrics between publications "
+            f"{version[measured][0] - 1} and {version[measured][-1]} "
+            f"({modelled(interval):,.0f} modelled s): {', '.join(polled)} not measured (NaN); "
+            "polls slower than the window (a loaded host): measure more updates"
         )
-    out["buffer_depth"] = float(np.mean(cl["buffer_depth"].values[first : last + 1])) * scale_req
-    age = cl["oldest_buffered_age_s"].values[first : last + 1]
-    out["buffer_age_s"] = modelled(float(np.nanmean(age))) if np.isfinite(age).any() else 0.0
-
-    ro = open_metrics(run_dir, "rollouts")
-    rt = ro["time"].values
-    a, b = (
-        rt[np.argmin(np.abs(rt - cl["time"].values[first]))],
-        rt[np.argmin(np.abs(rt - cl["time"].values[last]))],
-    )
-    out |= rollout_figures(ro.isel(time=(rt >= a) & (rt <= b)), sc)
+    else:
+        first, last = window[[0, -1]]
+        if "trainer_idle" in polled:
+            wait = cl["trainer_wait_s"].values
+            out["trainer_idle"] = float(wait[last] - wait[first]) / (wall[last] - wall[first])
+        depth = cl["buffer_depth"].values[first : last + 1]
+        out["buffer_depth"] = float(np.mean(depth)) * scale_req
+        age = cl["oldest_buffered_age_s"].values[first : last + 1]
+        out["buffer_age_s"] = modelled(float(np.nanmean(age))) if np.isfinite(age).any() else 0.0
+        ro = open_metrics(run_dir, "rollouts")
+        rt = ro["time"].values  # (the same polls: the rows share their elapsed_s)
+        a, b = cl["time"].values[first], cl["time"].values[last]
+        out |= rollout_figures(ro.isel(time=(rt >= a) & (rt <= b)), sc)
 
     st = ds.laminar.staleness()
     for name in ("s_gen", "residence", "s_train"):
@@ -455,6 +465,9 @@ def arm_figures(run_dir: Path, summary: dict, warmup: int) -> dict:
     return out
 
 
+ROLLOUT_FIGURES = ("gen_throughput", "rollout_idle", "decode_batch")
+
+
 def rollout_figures(ro, sc) -> dict[str, float]:
     """``gen_throughput``, ``rollout_idle`` and ``decode_batch`` from the ``rollouts``
     rows of the window (``time × rollout``), each rollout's counters from its first to
@@ -475,7 +488,7 @@ def rollout_figures(ro, sc) -> dict[str, float]:
             np.isfinite(ro["response_tokens"].values), ro["time"].values[:, None], np.nan
         )
     if ro.sizes["time"] < 2:
-        return dict.fromkeys(("gen_throughput", "rollout_idle", "decode_batch"), math.nan)
+        return dict.fromkeys(ROLLOUT_FIGURES, math.nan)
     read = np.isfinite(clock)
     cols = np.arange(clock.shape[1])
     first = np.argmax(read, axis=0)
@@ -611,6 +624,8 @@ def bench_schedules(
                 f"s_train {fig['s_train_mean']:.2f}  ({time.time() - t_bench:,.0f} s)",
                 flush=True,
             )
+            for note in fig["_notes"]:
+                print(f"    {note}", flush=True)
             return fig
 
         for arm in arms:
@@ -913,6 +928,12 @@ def _result(cluster, arms, results, splits, probes, reward_threshold, root, fail
             f"time to reward: the policy's reward (its rollouts', at its publication; "
             f"ttr_trained_s: the trained batches', at their update), 2-point mean >= "
             f"{reward_threshold:.3f}",
+            *(
+                f"{arm}: {note}"
+                for arm, rs in results.items()
+                for f in rs
+                for note in f.get("_notes", ())
+            ),
             *failed_notes(failed),
         ],
         failed=failed,

@@ -291,3 +291,27 @@ def test_trainer_idle_is_on_the_trainers_own_clock_over_the_measured_updates(tmp
     polls, delay = _late_polls()
     fig = arm_figures(_synthetic_run(tmp_path, polls, delay), SUMMARY, warmup=3)
     assert fig["trainer_idle"] == pytest.approx(WAIT / PERIOD)
+
+
+def test_a_window_with_fewer_than_two_polls_has_no_poll_figures_and_says_so(tmp_path):
+    """Polls slower than the window (a loaded host: one took up to a minute at 128
+    emulated GPUs) leave fewer than two of them between its publications: the figures
+    read from polls are NaN and the result's notes say why, rather than measured since
+    the run started (model load included). Those read from the trainer's update records
+    and the trajectory store do not need polls."""
+    import numpy as np
+
+    from pipelines.bench_schedules import arm_figures
+
+    polls = T0 + 0.5 + 20 * np.arange(4.0)  # one poll (1040.5) between 1030 and 1060
+    fig = arm_figures(_synthetic_run(tmp_path, polls, lambda t: 0.0), SUMMARY, warmup=3)
+    for k in ("gen_throughput", "rollout_idle", "decode_batch", "buffer_depth", "buffer_age_s"):
+        assert math.isnan(fig[k]), k
+    assert fig["trainer_idle"] == pytest.approx(WAIT / PERIOD)
+    assert fig["arrivals_per_s"] == pytest.approx(ARRIVE)
+    [note] = fig["_notes"]
+    assert "1 poll" in note and str(tmp_path) in note
+    # the bench's result lists it
+    figs = [_fig(100.0, 100.0) | {"_notes": [note]}, _fig(100.0, 100.0)]
+    res = _result({"sync": figs, "laminar": figs})
+    assert sum(note in n for n in res.notes) == 2
