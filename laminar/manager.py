@@ -440,6 +440,7 @@ class RolloutManager:
                         [st for src in s for st in outs[src]["states"]],
                         batch=self._prev[d][0],  # the batch this round planned with
                         sources=len(s),
+                        max_requests=self.max_batch,
                     )
                 )
                 for (dst, v), sources in merged.items()

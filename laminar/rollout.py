@@ -885,13 +885,22 @@ class RolloutReplica:
         return self._command(lambda: self._export_all(batch, max_requests))
 
     def import_for_move(
-        self, version: int, states: list, batch: int | None = None, sources: int = 1
+        self,
+        version: int,
+        states: list,
+        batch: int | None = None,
+        sources: int = 0,
+        max_requests: int | None = None,
     ) -> bool:
-        """Take over ``states`` (sampled by ``version``; from ``sources`` rollouts) into
-        the running batch. Refused (``False``) unless this rollout is decoding a batch of
-        that same version — the batch the manager planned with (``batch``,
-        :meth:`load`'s), not a fresh one begun since, which the planner did not count."""
-        return self._command(lambda: self._import(version, states, batch, sources))
+        """Take over ``states`` (sampled by ``version``) into the running batch: a repack
+        move's from ``sources`` rollouts (counted as ``moves_in``), or a lost rollout's
+        (``sources=0``: a recovery, not a move). Refused (``False``) unless this rollout
+        is decoding a batch of that same version — the batch the manager planned with
+        (``batch``, :meth:`load`'s), not a fresh one begun since, which the planner did
+        not count — and would then hold at most ``max_requests`` (the planner's
+        ``max_batch``: a batch that took new groups since, ``rollout.top_up``, may have
+        no room left for what was planned)."""
+        return self._command(lambda: self._import(version, states, batch, sources, max_requests))
 
     def release(self) -> None:
         """Commit the move :meth:`export_for_move` began: the exported requests are the
@@ -985,7 +994,14 @@ class RolloutReplica:
         self.counts["moves_taken_back"] += 1
         return len(back)
 
-    def _import(self, version: int, states: list, batch: int | None, sources: int) -> bool:
+    def _import(
+        self,
+        version: int,
+        states: list,
+        batch: int | None,
+        sources: int,
+        max_requests: int | None = None,
+    ) -> bool:
         # (Paused: the batch is on its way out to wait for a version; taken in, these
         # would decode on with the old weights past the interrupt.)
         if not self._in_batch or self._held or self._paused is not None or self._stop.is_set():
@@ -993,6 +1009,9 @@ class RolloutReplica:
         if self.engine.version != version:
             return False
         if batch is not None and batch != self._batch_seq:
+            return False
+        held = len(self.engine.request_ids())
+        if max_requests is not None and held + len(states) > max_requests:
             return False
         self.engine.import_(states)
         self._imported.append(frozenset(st.request_id for st in states))

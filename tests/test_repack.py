@@ -190,6 +190,33 @@ def test_an_import_planned_against_a_batch_that_has_since_ended_is_refused(
     assert rollout._import(v, [], batch=None, sources=1) is True
 
 
+def test_an_import_past_the_planners_max_batch_is_refused_and_a_recovery_is_no_move(
+    tiny_policy, small_config
+):
+    """A destination that took new groups since the plan (``rollout.top_up``: its batch
+    number stays) would exceed ``max_batch`` with the planned import: refused. An import
+    of a lost rollout's requests (``sources=0``) is not counted as a move taken in."""
+    from laminar.config import with_overrides
+    from laminar.contract import PromptGroup
+    from laminar.rollout import RolloutReplica
+
+    cfg = with_overrides(small_config, ["rollout.parity_every=0"])
+    src = RolloutReplica("r0", cfg, str(tiny_policy), None, None, None)
+    dst = RolloutReplica("r1", cfg, str(tiny_policy), None, None, None)
+    src._add([PromptGroup("p00000000", 0, (5, 6, 7), "x", 4, 0)])
+    dst._add([PromptGroup("p00000001", 1, (5, 6, 7), "x", 4, 0)])
+    for r in (src, dst):
+        r.engine.step()
+        r._in_batch, r._batch_seq = True, 1
+    states = src.engine.export(list(src.engine.request_ids()))
+    v = dst.engine.version
+    assert dst._import(v, states, batch=1, sources=1, max_requests=7) is False  # 4 + 4
+    assert len(dst.engine.request_ids()) == 4 and dst.counts["moves_in"] == 0
+    assert dst._import(v, states, batch=1, sources=0, max_requests=8) is True
+    assert len(dst.engine.request_ids()) == 8
+    assert dst.counts["moves_in"] == 0 and dst.counts["requests_in"] == 4
+
+
 # -- a move between two real rollouts, in this process -----------------------------------
 
 
