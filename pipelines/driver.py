@@ -397,6 +397,19 @@ class Schedule:
             raise
         try:
             return self.shutdown(reason, t_start)
+        except Exception as e:
+            # (a core actor lost or silent as the run stops: what still runs is stopped,
+            # and the store closed where it can be; the rows are kept)
+            try:
+                if not self._fail_on_lost_core(e):
+                    logger.error("stopping the run failed (%r): aborting it", e)
+                    self._abort()
+            finally:
+                try:
+                    self._write_rows()
+                except Exception as w:  # noqa: BLE001 — the run's own error comes first
+                    logger.warning("metrics rows not written: %r", w)
+            raise
         finally:
             self.metrics.close()
 
@@ -968,7 +981,12 @@ class Schedule:
             return f"(schedule {self.schedule.name!r} does not restart them within the run)"
         if not (cfg.faults.restart_trainer and cfg.faults.restart_data):
             return "(faults.restart_trainer or faults.restart_data is off)"
-        return "(faults.recover is off: no partial-response pool to rebuild from)"
+        if not cfg.faults.recover:
+            return "(faults.recover is off: no partial-response pool to rebuild from)"
+        return (
+            "(it was lost as the run stopped, or the trainer and the data module on two "
+            "workers were lost at once)"
+        )
 
     def _lost_core(self) -> dict[str, str]:
         """Role -> worker of the core actors whose worker the scheduler no longer has."""
@@ -979,12 +997,24 @@ class Schedule:
         """Best effort: stop the manager and the rollouts that still run, so no worker
         generates for a run that has ended, then close the relays they pulled from."""
         a = self.actors
-        calls = [lambda r=r: r.stop(timeout=5.0) for r in self._live_rollouts()]
-        if a["manager"] is not None:
-            calls.insert(0, lambda: a["manager"].stop(timeout=5.0))
-        _answers(calls, timeout=15.0)
+        workers = set(scheduler_workers(self.client))  # (a call to a lost one never answers)
+        stop = [r for r in [a["manager"], *self._live_rollouts()] if r is not None]
+        _answers([lambda r=r: r.stop(timeout=5.0) for r in stop if r._address in workers], 15.0)
         # the relays: not waited on, a lost one never answers
         _send([lambda r=r: r.close() for r in a["relays"]])
+        # The store and the recovery log, where their worker lives on (the trainer was
+        # lost, or the stop failed): what they hold unwritten is kept for the resume
+        # (the buffer first: the log then keeps only what the store lacks).
+        if self._data_restart is not None or self._data_hung is not None:
+            return
+        if self._data_worker() not in workers:
+            return
+        for name in ("buffer", "partial"):
+            if a[name] is not None:
+                try:
+                    actor_result(a[name], a[name].close(), 15.0)
+                except Exception as e:  # noqa: BLE001 — lost or hung meanwhile: best effort
+                    logger.warning("the %s could not be closed: %r", name, e)
 
     def _live_rollouts(self) -> list:
         """The rollouts the manager has not declared lost."""
@@ -1008,30 +1038,28 @@ class Schedule:
         """Stop rollouts (their rewarded trajectories still reach the buffer), then the
         trainer (final checkpoint), then close the buffer (flushes the store)."""
         a = self.actors
-        while self._restart is not None:  # stopped while a lost trainer restarts
-            self._trainer_stats()
-            time.sleep(self.cfg.metrics.poll_s)
-        while self._data_restart is not None:  # ... or a lost data module is rebuilt
-            self._data_stats()
-            time.sleep(self.cfg.metrics.poll_s)
+        timeout = self.cfg.cluster.actor_timeout_s
         # No moves while rollouts stop: the manager goes first.
-        m_stats = a["manager"].stop().result() if a["manager"] is not None else None
+        m_stats = self._stop_manager()
         # (a rollout's stop waits for its rewards still out: actor_timeout_s, and more)
         r_stats = _answers(
-            [lambda r=r: r.stop() for r in self._live_rollouts()],
-            timeout=self.cfg.cluster.actor_timeout_s + 60.0,
+            [lambda r=r: r.stop() for r in self._live_rollouts()], timeout=timeout + 60.0
         )
-        t_stats = a["trainer"].stop().result()
-        t_stats["ranks_stats"] = [r.stats().result() for r in a["trainer_ranks"]]
-        p_stats = a["pool"].stats().result()  # rollouts have stopped: dispatch is final
+        # Every call below waits at most its timeout, and a second once its worker is
+        # gone (a call in flight to a lost actor otherwise never returns): a core actor
+        # lost or hung as the run stops fails the stop, and run() stops what still runs.
+        # (the trainer's stop waits up to 60 s for its update, then writes its checkpoint)
+        t_stats = _stopping(a["trainer"], "stop", timeout + 60.0)
+        t_stats["ranks_stats"] = [_stopping(r, "stats", timeout) for r in a["trainer_ranks"]]
+        p_stats = _stopping(a["pool"], "stats", timeout)  # rollouts stopped: dispatch is final
         if t_stats["checkpoint"]:  # the data position, for trainer.resume_from
             Path(t_stats["checkpoint"], DATA_STATE).write_text(json.dumps(p_stats, indent=2))
         relay = self._relay_summary(r_stats)
         _answers([lambda r=r: r.close() for r in a["relays"]])  # (a lost one: nothing to stop)
-        b_stats = a["buffer"].close().result()
+        b_stats = _stopping(a["buffer"], "close", timeout)  # (its last store write)
         wall = time.time() - t_start
         # (after the buffer's last commit: the log keeps only what the store lacks)
-        partial = a["partial"].close().result() if a["partial"] is not None else None
+        partial = _stopping(a["partial"], "close", timeout) if a["partial"] is not None else None
         # The driver's own tables last: if writing them fails, the store is whole.
         self.metrics.append("publications", relay.pop("publications"))
         self._flush_metrics()
@@ -1052,6 +1080,33 @@ class Schedule:
             "updates": self._updates_before + self._n_updates,
         }
 
+    def _settle(self) -> None:
+        """Wait for a restart in progress (a lost trainer, or data module) to finish."""
+        while self._restart is not None:  # stopped while a lost trainer restarts
+            self._trainer_stats()
+            time.sleep(self.cfg.metrics.poll_s)
+        while self._data_restart is not None:  # ... or a lost data module is rebuilt
+            self._data_stats()
+            time.sleep(self.cfg.metrics.poll_s)
+
+    def _stop_manager(self) -> dict | None:
+        """Stop the rollout manager (its stats), once any restart in progress is done. A
+        trainer or data module found lost by this stop is first restarted within the
+        run where it can be (so that the stop still ends with a final checkpoint and a
+        flushed store); else the stop fails (run() stops what still runs)."""
+        for attempt in (0, 1):
+            self._settle()
+            m = self.actors["manager"]
+            if m is None:
+                return None
+            try:
+                return _stopping(m, "stop", self.cfg.cluster.actor_timeout_s)
+            except Exception as e:
+                lost = self._lost_core()
+                if attempt or not lost or not self._begin_restart(lost, e):
+                    raise
+        raise AssertionError("unreachable")
+
     def _relay_summary(self, r_stats: list[dict]) -> dict:
         """The relay tier over the run: each publication (stall, time until every relay
         held it), each relay's memory, each rollout's waits, and — with
@@ -1059,7 +1114,11 @@ class Schedule:
         to the one the trainer published."""
         a = self.actors
         master, *down = a["relays"]  # a lost downstream relay does not answer: left out
-        stats = [master.stats().result(), *_answers([lambda r=r: r.stats() for r in down])]
+        timeout = self.cfg.cluster.actor_timeout_s
+        stats = [
+            _stopping(master, "stats", timeout),
+            *_answers([lambda r=r: r.stats() for r in down]),
+        ]
         pubs = self._old_publications + stats[0].get("publications", [])
         out = {
             **self.relay_info,
@@ -1088,7 +1147,7 @@ class Schedule:
             "weight_loads": [s["weight_loads"] for s in r_stats],
         }
         if self.cfg.relay.audit_weights:
-            published = self._published_fps | a["trainer"].get_fingerprints().result()
+            published = self._published_fps | _stopping(a["trainer"], "get_fingerprints", timeout)
             checked = mismatched = unverified = 0
             loaded = _answers([lambda r=r: r.get_fingerprints() for r in self._live_rollouts()])
             for fingerprints in loaded:
@@ -1141,6 +1200,19 @@ def start_data_module(
         **on,
     )
     return pool, partial, buffer
+
+
+def _stopping(actor, method: str, timeout: float):
+    """``actor.method()``'s answer at the run's stop, within ``timeout``
+    (:func:`~laminar.cluster.actor_result`: within a second once its worker is gone). One
+    that does not answer in time raises a :class:`ClusterError` that says which."""
+    try:
+        return actor_result(actor, getattr(actor, method)(), timeout)
+    except TimeoutError as e:
+        raise ClusterError(
+            f"{method}() of the actor on {actor._address} did not answer within "
+            f"{timeout:g} s as the run stopped (hung?)"
+        ) from e
 
 
 def _send(calls: list) -> list:

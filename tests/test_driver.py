@@ -4,10 +4,16 @@ the run."""
 
 from __future__ import annotations
 
+import threading
 import time
 from concurrent.futures import Future
 
+import pytest
+
+from laminar.config import RunConfig, with_overrides
+from laminar.errors import ClusterError
 from pipelines import driver
+from pipelines.laminar import LaminarSchedule
 
 HANG = object()  # a call that never answers (its actor's worker is gone, or hung)
 
@@ -48,3 +54,187 @@ def test_answers_waits_once_for_all_calls_not_once_per_call():
     took = time.monotonic() - t0
     assert out == [{"rollout_id": "r3"}]
     assert took < 0.9, took
+
+
+# -- a whole run's end, on fake actors ---------------------------------------------------
+
+WORKERS = {"data": "tcp://data:1", "trainer": "tcp://trainer:1", "r0": "tcp://r0:1"}
+
+
+def _trainer_stats(done: bool = True) -> dict:
+    return {
+        "version": 3,
+        "steps": 3,
+        "done": done,
+        "error": None,
+        "wait_s": 0.0,
+        "silent_s": 0.0,
+        "last": None,
+        "checkpoint": None,
+        "skipped_steps": 0,
+        "weights_checksum": 0,
+        "paced": None,
+    }
+
+
+BUFFER = {
+    "depth": 0,
+    "oldest_t_insert": float("nan"),
+    "ready_groups": 0,
+    "partial_groups": 0,
+    "inserted": 0,
+    "consumed": 0,
+    "discarded": 0,
+    "evicted": 0,
+    "filtered": 0,
+    "version": 3,
+}
+MANAGER = {
+    "error": None,
+    "lost": {},
+    "replacements": {},
+    "relays_lost": {},
+    "hung": {},
+    "chain": ["master"],
+    "masters_replaced": [],
+    "rollout_relays": {"r0": "master"},
+}
+RELAY = {
+    k: [] if k in ("publications", "kept", "versions") else 0
+    for k in (
+        "relay_id",
+        "kept",
+        "versions",
+        "evicted",
+        "allocated_bytes",
+        "peak_bytes",
+        "budget_bytes",
+        "forwarded_chunks",
+        "sender",
+        "errors",
+        "publications",
+    )
+}
+ROLLOUT = {"rollout_id": "r0", "response_tokens": 0, "error": None, "version": 3}
+ROLLOUT_END = {**ROLLOUT, "weight_wait_s": 0.0, "weight_loads": 0}
+
+
+def fake_run(tmp_path, monkeypatch, live: set[str], **hang) -> tuple[LaminarSchedule, list]:
+    """A driver whose actors were set up as :meth:`Schedule.setup` leaves them (data
+    module and trainer apart, one rollout), the scheduler knowing the workers ``live``;
+    ``hang``: role -> the names of its calls that never answer."""
+    cfg = with_overrides(
+        RunConfig(),
+        ["metrics.poll_s=0.05", "cluster.actor_timeout_s=3", "faults.heartbeat_timeout_s=3"],
+    )
+    workers = lambda client=None: {w: {} for w in live}  # noqa: E731
+    monkeypatch.setattr(driver, "scheduler_workers", workers)
+    monkeypatch.setattr("laminar.cluster.scheduler_workers", workers)
+    monkeypatch.setattr("laminar.cluster.LOST_POLL_S", 0.1)
+    calls: list = []
+
+    def actor(role: str, worker: str, **answers) -> FakeActor:
+        answers |= {name: HANG for name in hang.get(role, ())}
+        return FakeActor(worker, calls, **answers)
+
+    s = LaminarSchedule(cfg, None, tmp_path)
+    d, t = WORKERS["data"], WORKERS["trainer"]
+    s.actors = {
+        "manager": actor(
+            "manager",
+            d,
+            stats=MANAGER,
+            get_lost={},
+            stop=MANAGER,
+            get_rows=[],
+            get_fault_rows=[],
+            start=None,
+        ),
+        "partial": actor("partial", d, close={}, stats={}),
+        "pool": actor("pool", d, stats={"outstanding": 0, "dispatched": 0}),
+        "buffer": actor("buffer", d, stats=BUFFER, close=BUFFER),
+        "trainer": actor(
+            "trainer",
+            t,
+            start=None,
+            stats=_trainer_stats(),
+            stop=_trainer_stats(),
+            get_history=[],
+            get_fingerprints={},
+        ),
+        "trainer_ranks": [],
+        "rollouts": [actor("rollout", WORKERS["r0"], start=None, stats=ROLLOUT, stop=ROLLOUT_END)],
+        "relays": [actor("relay", t, stats=RELAY, close=None)],
+    }
+    s.core_workers = {"trainer": t, "data module": d}
+    s.rollout_workers = {"r0": WORKERS["r0"]}
+    s.relay_info, s.policy_dir, s._joining = {"chain": ["master"]}, "policy", None
+    s._laminar = True
+    s.restartable = s.data_restartable = False  # (a rebuild needs a cluster)
+    s.trainer_restarts, s.data_restarts, s.core_restarts = [], [], []
+    s._restart = s._data_restart = None
+    s._fenced = {}
+    s._data_suspect = s._trainer_suspect = s._group_suspect = None
+    s._last_data_stats = s._last_m_stats = s._last_t_stats = None
+    s._published_fps, s._old_publications, s._master_publications = {}, [], []
+    s._updates_before = 0
+    return s, calls
+
+
+def run_in_thread(s, timeout: float = 30.0):
+    """``s.run`` in a thread: its result or error, or ``"hung"``."""
+    out: dict = {}
+
+    def go() -> None:
+        try:
+            out["result"] = s.run(lambda p: None, lambda: False)
+        except Exception as e:  # noqa: BLE001 — what the test looks at
+            out["error"] = e
+
+    th = threading.Thread(target=go, daemon=True)
+    th.start()
+    th.join(timeout)
+    return "hung" if th.is_alive() else out
+
+
+def test_a_data_module_lost_during_the_final_stop_fails_the_run_and_stops_the_rest(
+    tmp_path, monkeypatch
+):
+    """The data module's worker dies as the run stops: the manager's stop never answers
+    (a call in flight to a lost actor waits for ever). The driver does not hang: the
+    run fails, saying what was lost, and its rollouts are stopped."""
+    live = {WORKERS["trainer"], WORKERS["r0"]}  # (the data worker is gone)
+    s, calls = fake_run(tmp_path, monkeypatch, live, manager=["stop"])
+    out = run_in_thread(s)
+    assert out != "hung", "the driver waited for ever on the lost data module"
+    assert isinstance(out.get("error"), ClusterError), out
+    assert "data module" in str(out["error"])
+    assert f"{WORKERS['r0']}.stop" in calls  # nothing generates on
+
+
+def test_a_trainer_lost_during_the_final_stop_still_flushes_the_store(tmp_path, monkeypatch):
+    """The trainer's worker dies while it stops (its final checkpoint is lost): the
+    driver does not hang, and the buffer and the partial-response pool are still closed,
+    so the trajectory store and the recovery log keep their last batch for the resume."""
+    live = {WORKERS["data"], WORKERS["r0"]}
+    s, calls = fake_run(tmp_path, monkeypatch, live, trainer=["stop"])
+    out = run_in_thread(s)
+    assert out != "hung", "the driver waited for ever on the lost trainer"
+    assert isinstance(out.get("error"), ClusterError), out
+    assert "trainer" in str(out["error"])
+    assert f"{WORKERS['data']}.close" in calls, calls
+    assert calls.count(f"{WORKERS['data']}.close") == 2  # the buffer, then the pool
+
+
+@pytest.mark.parametrize("role", ["buffer", "pool"])
+def test_a_data_module_hung_during_the_final_stop_does_not_hang_the_driver(
+    tmp_path, monkeypatch, role
+):
+    """The data module stops answering (SIGSTOP: its worker stays on the scheduler's
+    books) once the rollouts have stopped: the driver gives up after its timeout."""
+    live = set(WORKERS.values())
+    hang = {"buffer": ["close"], "pool": ["stats"]}[role]
+    s, calls = fake_run(tmp_path, monkeypatch, live, **{role: hang})
+    out = run_in_thread(s)
+    assert out != "hung", "the driver waited for ever on the hung data module"
+    assert "error" in out, out
