@@ -241,8 +241,10 @@ def worker_environ(torch_threads: int = 1) -> dict[str, str]:
     return env
 
 
-def scheduler_workers(client=None) -> dict[str, dict]:
-    """The scheduler's workers now, address -> info, asked of the scheduler itself.
+def scheduler_workers(client=None, timeout: float = 30.0) -> dict[str, dict]:
+    """The scheduler's workers now, address -> info, asked of the scheduler itself (a
+    :class:`TimeoutError` after ``timeout`` s: a scheduler that does not answer must not
+    hold loss detection for ever).
 
     Not ``Client.scheduler_info()``: that returns the client's cached identity, which
     the client's own refresh (every 2 s, with no workers) may overwrite between the fetch
@@ -252,7 +254,7 @@ def scheduler_workers(client=None) -> dict[str, dict]:
         from distributed import get_client
 
         client = get_client()
-    return client.sync(client.scheduler.identity, n_workers=-1)["workers"]
+    return client.sync(client.scheduler.identity, n_workers=-1, callback_timeout=timeout)["workers"]
 
 
 def workers_with(client, resource: str) -> list[str]:
@@ -409,8 +411,8 @@ def worker_alive(actor) -> bool:
     """Whether the scheduler still has the worker of ``actor`` (``True`` when it cannot
     be asked: the call's own timeout then stands)."""
     try:
-        workers = scheduler_workers()
-    except Exception:  # noqa: BLE001 — no client here, or no scheduler to ask
+        workers = scheduler_workers(timeout=5.0)
+    except Exception:  # noqa: BLE001 — no client here, or no scheduler that answers
         return True
     return actor._address in workers
 

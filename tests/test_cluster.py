@@ -40,6 +40,9 @@ def test_live_workers_are_read_from_the_scheduler_not_the_clients_cache():
         actor = client.submit(Counter, actor=True, workers=[min(live)]).result()
         with client.as_current():
             assert worker_alive(actor)
+        # a scheduler that does not answer in time is an error, not a wait for ever
+        with pytest.raises(TimeoutError):
+            scheduler_workers(client, timeout=1e-6)
 
 
 class Counter:
