@@ -481,6 +481,8 @@ class Schedule:
         raised) when that cannot be."""
         from pipelines.restart import CoreRestart, DataRestart, TrainerRestart
 
+        if not lost:  # (every worker still there: the call's error is the run's)
+            raise error
         hung = self._fenced.get(next(iter(lost.values()), ""))
         group = self._group()
         head = "trainer" if "trainer" in group else "trainer and data module"

@@ -19,9 +19,9 @@ HANG = object()  # a call that never answers (its actor's worker is gone, or hun
 
 
 class FakeActor:
-    """An actor handle whose calls answer at once from ``answers`` (name -> value, or a
-    function of the call's arguments), or never (:data:`HANG`); ``calls`` records the
-    names called, in order."""
+    """An actor handle whose calls answer at once from ``answers`` (name -> value, a
+    function of the call's arguments, or an error to raise), or never (:data:`HANG`);
+    ``calls`` records the names called, in order."""
 
     def __init__(self, worker: str, calls: list, **answers) -> None:
         self._address, self.key = worker, f"fake-{worker}"
@@ -37,7 +37,10 @@ class FakeActor:
             answer = self._answers.get(name)
             if answer is HANG:
                 return f
-            f.set_result(answer(*args, **kwargs) if callable(answer) else answer)
+            if isinstance(answer, BaseException):
+                f.set_exception(answer)
+            else:
+                f.set_result(answer(*args, **kwargs) if callable(answer) else answer)
             return f
 
         return call
@@ -237,4 +240,25 @@ def test_a_data_module_hung_during_the_final_stop_does_not_hang_the_driver(
     s, calls = fake_run(tmp_path, monkeypatch, live, **{role: hang})
     out = run_in_thread(s)
     assert out != "hung", "the driver waited for ever on the hung data module"
+    assert "error" in out, out
+
+
+@pytest.mark.parametrize("role", ["trainer", "buffer"])
+def test_calls_failing_as_if_lost_with_the_worker_still_there_fail_the_run(
+    tmp_path, monkeypatch, role
+):
+    """A trainer (or data module) whose every call fails as a lost actor's would (a cut
+    connection) while the scheduler still has its worker is tried again for
+    DATA_SUSPECT_S, then fails the run: with restarts on, it used to be waited on for
+    ever (nothing lost to restart, nothing failed)."""
+    monkeypatch.setattr(driver, "DATA_SUSPECT_S", 0.3)
+    s, calls = fake_run(tmp_path, monkeypatch, set(WORKERS.values()))
+    s.restartable = s.data_restartable = True
+    s.actors[role]._answers["stats"] = ConnectionError("connection reset")
+    if role == "buffer":  # (a run that polled it once already)
+        s._last_data_stats = (BUFFER, {"outstanding": 0, "dispatched": 0})
+    if role == "buffer":  # (the trainer runs on, waiting for its batches)
+        s.actors["trainer"]._answers["stats"] = _trainer_stats(done=False)
+    out = run_in_thread(s, timeout=20.0)
+    assert out != "hung", "the driver waited for ever on an actor that fails every call"
     assert "error" in out, out
