@@ -312,13 +312,19 @@ class Schedule:
         from storage.metrics import MetricsWriter
 
         a = self.actors
-        for r in a["trainer_ranks"]:  # they wait in the group's rendezvous for rank 0
-            r.start().result()
-        a["trainer"].start().result()
-        for r in a["rollouts"]:
-            r.start().result()
-        if a["manager"] is not None:
-            a["manager"].start().result()
+        timeout = self.cfg.cluster.actor_timeout_s
+        try:
+            # (the other ranks first: they wait in the group's rendezvous for rank 0)
+            for x in [*a["trainer_ranks"], a["trainer"], *a["rollouts"], a["manager"]]:
+                if x is not None:
+                    actor_result(x, x.start(), timeout)
+        except Exception:
+            # Its actors are released when the run ends, but a released actor's threads
+            # go on: what started is stopped, so nothing trains or generates on.
+            logger.exception("the run's actors could not all start: stopping those that did")
+            self._abort()
+            _answers([lambda t=t: t.stop(timeout=5.0) for t in (a["trainer"], *a["trainer_ranks"])])
+            raise
         self._n_repacks = self._n_faults = 0
         self.metrics = MetricsWriter(self.run_dir, tensorboard=self.cfg.metrics.tensorboard)
         self._rows: dict[str, list[dict]] = {"cluster": [], "rollouts": []}

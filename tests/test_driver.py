@@ -130,7 +130,7 @@ def fake_run(tmp_path, monkeypatch, live: set[str], **hang) -> tuple[LaminarSche
         RunConfig(),
         ["metrics.poll_s=0.05", "cluster.actor_timeout_s=3", "faults.heartbeat_timeout_s=3"],
     )
-    workers = lambda client=None: {w: {} for w in live}  # noqa: E731
+    workers = lambda client=None, timeout=None: {w: {} for w in live}  # noqa: E731
     monkeypatch.setattr(driver, "scheduler_workers", workers)
     monkeypatch.setattr("laminar.cluster.scheduler_workers", workers)
     monkeypatch.setattr("laminar.cluster.LOST_POLL_S", 0.1)
@@ -262,3 +262,18 @@ def test_calls_failing_as_if_lost_with_the_worker_still_there_fail_the_run(
     out = run_in_thread(s, timeout=20.0)
     assert out != "hung", "the driver waited for ever on an actor that fails every call"
     assert "error" in out, out
+
+
+def test_a_rollout_that_fails_to_start_leaves_nothing_generating(tmp_path, monkeypatch):
+    """The second rollout's start fails (its worker went): the run fails, and the trainer
+    and the rollout started before it are stopped (a released actor's threads go on)."""
+    s, calls = fake_run(tmp_path, monkeypatch, set(WORKERS.values()))
+    r0 = s.actors["rollouts"][0]
+    r1 = FakeActor("tcp://r1:1", calls, start=ConnectionError("gone"), stop=ROLLOUT_END)
+    s.actors["rollouts"].append(r1)
+    s.rollout_workers["r1"] = r1._address
+    out = run_in_thread(s, timeout=20.0)
+    assert out != "hung"
+    assert isinstance(out.get("error"), ConnectionError), out
+    assert f"{r0._address}.stop" in calls, calls
+    assert f"{WORKERS['trainer']}.stop" in calls, calls
