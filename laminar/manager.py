@@ -836,12 +836,25 @@ class RolloutManager:
         self._noting(f"{dest}.adopt", self._try(lambda: roll.adopt(version, batch)), actor=roll)
         return "adopt", dest
 
+    def _take(self, lost: str, attempts: int = 3) -> list:
+        """The pool's entries of ``lost``. A take not answered in time may have run (its
+        entries then ownerless): asked again, the pool hands those out too."""
+        for attempt in range(attempts):
+            try:
+                future = self.partial.take(lost, again=attempt > 0)
+                return actor_result(self.partial, future, self.timeout)
+            except TimeoutError:
+                if attempt == attempts - 1:
+                    raise
+                logger.warning("the partial-response pool did not answer take(%s); again", lost)
+        raise AssertionError("unreachable")
+
     def recover(self, lost: str) -> list[dict]:
         """Resume ``lost``'s unfinished trajectories on healthy rollouts, one batch per
         weight version: imported into a running batch of that version, else adopted.
         Its finished ones (rewards in flight when it died) are scored again elsewhere."""
         t0 = time.time()
-        states = self.partial.take(lost).result(timeout=self.timeout)
+        states = self._take(lost)
         by_version: dict[tuple[bool, int], list] = {}
         for st in states:
             key = ("finished" in st.request.meta, st.request.meta["behavior_version"])

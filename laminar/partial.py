@@ -226,6 +226,7 @@ class PartialCore:
         for rid in request_ids:
             if rid in self.entries:
                 self.entries[rid]["owner"] = rollout_id
+                self.entries[rid].pop("taken_from", None)
                 self._event(rid, "owner", rollout_id)
 
     def hold(self, uids: list[str]) -> None:
@@ -245,25 +246,33 @@ class PartialCore:
                 self._event(uid, "forgotten")
                 self.counts["forgotten"] += 1
 
-    def take(self, rollout_id: str) -> list[RequestState]:
+    def take(self, rollout_id: str, again: bool = False) -> list[RequestState]:
         """The lost ``rollout_id``'s entries as states to import elsewhere (counted as
         moved once more, with the lost rollout on their path), oldest first. They stay
         registered, ownerless, until :meth:`reassign`.
+
+        ``again``: also those taken from it before and not reassigned since (a caller
+        that got no answer to its take, which may have run: without this they would be
+        ownerless for good, and their trajectories lost).
 
         Each copy's ``request.meta`` also says what the recovery needs:
         ``behavior_version``, ``recovered_tokens``, ``t_flush`` and, for an entry that
         had finished, ``finished`` = (finish_reason, t_finish): score it, do not decode."""
         out = []
         for rid, e in self.entries.items():
-            if e["owner"] != rollout_id or e.get("held"):  # (held: the buffer has it)
+            if e.get("held"):  # (the buffer has it)
+                continue
+            retaken = again and e["owner"] is None and e.get("taken_from") == rollout_id
+            if e["owner"] != rollout_id and not retaken:
                 continue
             st: RequestState = e["state"]
-            # The path is kept on the entry: a second loss appends to it.
-            st.request.meta["rollout_path"] = [
-                *st.request.meta.get("rollout_path", []),
-                rollout_id,
-            ]
-            self._event(rid, "owner", None)
+            if not retaken:
+                # The path is kept on the entry: a second loss appends to it.
+                st.request.meta["rollout_path"] = [
+                    *st.request.meta.get("rollout_path", []),
+                    rollout_id,
+                ]
+                self._event(rid, "owner", None)
             meta = {
                 **st.request.meta,
                 "recovered_tokens": len(st.tokens),
@@ -273,7 +282,7 @@ class PartialCore:
             if "finished" in e:
                 meta["finished"] = e["finished"]
             moved = replace(st.moved(), request=replace(st.request, meta=meta))
-            e["owner"] = None
+            e["owner"], e["taken_from"] = None, rollout_id
             out.append(moved)
         self.counts["taken"] += len(out)
         return sorted(out, key=lambda s: s.t_start)
@@ -533,8 +542,8 @@ class PartialResponsePool:
     async def forget(self, uids: list[str]) -> None:
         self.core.forget(uids)
 
-    async def take(self, rollout_id: str) -> list:
-        return self.core.take(rollout_id)
+    async def take(self, rollout_id: str, again: bool = False) -> list:
+        return self.core.take(rollout_id, again)
 
     async def versions(self) -> list[int]:
         return self.core.versions()

@@ -73,7 +73,7 @@ class FakePool:
         self.owner: dict[str, str] = {}
         self._reassign = reassign
 
-    def take(self, rollout_id):
+    def take(self, rollout_id, again=False):
         out, self.states = self.states, []
         return done(out)
 
@@ -122,6 +122,25 @@ def test_a_recovery_whose_adoption_call_fails_does_not_stop_the_manager(cfg):
     assert (row["how"], row["destination"], row["requests"]) == ("adopt", "r1", 2)
     assert len(r1.called("adopt")) == 1 and not r2.called("adopt")
     assert pool.owner == {"g0-000": "r1", "g0-001": "r1"}
+
+
+def test_a_take_the_pool_did_not_answer_is_asked_again_and_gets_its_entries(cfg):
+    """The pool's take may have run though no answer came (a slow data worker): its
+    entries are then ownerless. Asked again (``again=True``), the pool hands them out
+    again; before, the recovery failed the run, the trajectories left with no owner."""
+    asked = []
+
+    class SlowPool(FakePool):
+        def take(self, rollout_id, again=False):
+            asked.append(again)
+            return never() if len(asked) == 1 else done([state("g0-000")])
+
+    pool = SlowPool()
+    r1 = FakeRollout(decoding(version=0), import_for_move=lambda *a, **k: done(True))
+    manager = RolloutManager(cfg, {"r0": FakeRollout(), "r1": r1}, None, partial=pool)
+    manager.lost["r0"] = time.time()
+    (row,) = manager.recover("r0")
+    assert asked == [False, True] and (row["how"], row["requests"]) == ("import", 1)
 
 
 def test_a_recovery_whose_reassign_goes_unanswered_does_not_stop_the_manager(cfg):

@@ -106,3 +106,22 @@ def test_a_rollout_registers_its_unfinished_trajectories_with_a_rebuilt_pool(
     assert rollout._data_epoch == 1 and rollout._data_lost is None
     assert rollout._to_score.get_nowait() is _RESEND  # kept trajectories go out again
     assert sorted(rollout._holdings()) == [g.prompt_uid for g in groups]
+
+
+def test_a_take_asked_again_hands_out_what_the_first_took_and_nothing_reassigned():
+    """A take whose answer was lost (the manager timed out) left its entries ownerless;
+    ``again=True`` hands them out once more (their path not extended twice). Entries
+    reassigned since, or taken from another rollout, are not handed out again."""
+    core = PartialCore()
+    _register(core, "r0", 0, ["a", "b"])
+    _register(core, "r1", 0, ["c"])
+    first = core.take("r0")
+    assert sorted(st.request_id for st in first) == ["a", "b"]
+    assert core.take("r0") == []  # (not again: nothing of r0's is left)
+    again = core.take("r0", again=True)
+    assert sorted(st.request_id for st in again) == ["a", "b"]
+    assert [st.request.meta["rollout_path"] for st in again] == [["r0"], ["r0"]]
+    core.reassign(["a"], "r2")
+    assert [st.request_id for st in core.take("r0", again=True)] == ["b"]
+    core.take("r1")
+    assert [st.request_id for st in core.take("r0", again=True)] == ["b"]
