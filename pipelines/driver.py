@@ -704,7 +704,11 @@ class Schedule:
                 if self.restartable and self.cfg.relay.audit_weights:
                     # Kept here, every poll: the fingerprints die with the trainer.
                     since = max(self._published_fps, default=-1)
-                    new = a["trainer"].get_fingerprints(since).result(timeout=5.0)
+                    try:
+                        future = a["trainer"].get_fingerprints(since)
+                        new = actor_result(a["trainer"], future, self._core_timeout())
+                    except TimeoutError:  # slow, not silent (its stats answered): next poll
+                        new = {}
                     self._published_fps.update(new)
                 return self._last_t_stats
             except Exception as e:

@@ -277,3 +277,18 @@ def test_a_rollout_that_fails_to_start_leaves_nothing_generating(tmp_path, monke
     assert isinstance(out.get("error"), ConnectionError), out
     assert f"{r0._address}.stop" in calls, calls
     assert f"{WORKERS['trainer']}.stop" in calls, calls
+
+
+def test_a_trainer_slow_to_hand_its_fingerprints_is_not_fenced(tmp_path, monkeypatch):
+    """With ``relay.audit_weights`` and restarts on, the driver asks the trainer for its
+    published fingerprints every poll. A slow answer there, after its stats answered, is
+    no silence: the poll goes on (they are asked again next time); it used to fence (kill)
+    a healthy trainer's worker after 5 s."""
+    s, calls = fake_run(tmp_path, monkeypatch, set(WORKERS.values()), trainer=["get_fingerprints"])
+    s.cfg = with_overrides(s.cfg, ["relay.audit_weights=true", "cluster.actor_timeout_s=0.3"])
+    s.restartable = True
+    fenced = []
+    monkeypatch.setattr(s, "_fence", lambda *a, **k: fenced.append(a))
+    stats = s._trainer_stats()
+    assert stats["version"] == 3 and not fenced and s._restart is None
+    assert f"{WORKERS['trainer']}.get_fingerprints" in calls
