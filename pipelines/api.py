@@ -190,6 +190,7 @@ class RunHandle:
         from laminar.cluster import actors_made, release_actors
         from pipelines.summary import summarize
 
+        running = False  # set up: a failure from here on leaves a summary.json
         try:
             # Every actor the run starts (at the setup, and restarts or replacements in
             # the run) is released when it ends: none stays on the user's cluster, for
@@ -201,6 +202,7 @@ class RunHandle:
                     release_actors(self.client, made)
                     made.clear()
                     raise
+                running = True
                 try:
                     raw = self._schedule.run(self._set_progress, self._stop.is_set)
                 finally:  # (stopped and closed by the run's own shutdown)
@@ -219,6 +221,8 @@ class RunHandle:
                 self._set_progress({"phase": "done", "version": self.summary["versions"]})
         except BaseException as e:  # surfaced by wait(); never lost in a thread
             self.error = e
+            if running and self.summary is None and not isinstance(e, RunStopped):
+                self._summarize_failed(e)
             why = "".join(traceback.format_exception_only(e)).strip()
             phase = "stopped" if isinstance(e, RunStopped) else "failed"
             self._set_progress({"phase": phase, "error": why})
@@ -230,6 +234,18 @@ class RunHandle:
                 logger.warning("cannot remove %s: %s", self.run_dir / LIVE_FILE, e)
             finally:
                 self._done.set()
+
+    def _summarize_failed(self, error: BaseException) -> None:
+        """``summary.json`` from the stores, for a run whose driver failed: the reason
+        stays on record, and tools that read it (``laminar bench --from-runs``, the
+        audit) see a failed run, not one that may still be going."""
+        from pipelines.summary import summarize_failed
+
+        try:
+            self.summary = summarize_failed(self.run_dir, error, self.config)
+        except Exception as e:  # noqa: BLE001 — the error that failed the run stands
+            why = f"{type(e).__name__}: {e}"
+            logger.warning("%s: no summary.json written (%s)", self.run_dir, why)
 
     def __fspath__(self) -> str:
         """The run directory: ``open_run(handle)``, ``open_metrics(handle, "cluster")``."""

@@ -124,3 +124,57 @@ def _engine_summary(rollouts: list[dict]) -> dict:
         out["compute_s"] = sum(r["engine_compute_s"] for r in rollouts)
         out["overruns"] = sum(r["engine_overruns"] for r in rollouts)
     return out
+
+
+def summarize_failed(run_dir: Path, error: BaseException, cfg: RunConfig) -> dict:
+    """``summary.json`` of a run whose driver failed before it could collect the actors'
+    figures (a cluster lost under it, a store the driver could not write): the reason,
+    and what the stores say — trajectories, rewards, staleness, the last published
+    version. Whatever cannot be read is left out, never guessed."""
+    why = " ".join(f"{type(error).__name__}: {error}".split())
+    summary: dict = {
+        "run_dir": str(run_dir),
+        "reason": f"failed: {why[:2000]}",
+        "seed": cfg.seed,
+        "schedule": cfg.pipeline.schedule,
+        "driver_failed": True,  # (no actor's figures: the run did not stop in order)
+        "metrics": str(run_dir / "metrics.zarr"),
+    }
+    try:
+        from storage import open_run
+
+        ds = open_run(run_dir)
+        first, last = reward_first_last(ds)
+        st = ds.laminar.summary()
+        summary |= {
+            "trajectories": int(ds.sizes["trajectory"]),
+            "consumed": int((ds["status"].values == "consumed").sum()),
+            "reward_first_20pct": first,
+            "reward_last_20pct": last,
+            "reward_gain": last - first,
+            "staleness": {k: v for k, v in st.items() if k.endswith("_mean")},
+            "status_counts": {k: v for k, v in st.items() if k.startswith("n_")},
+        }
+    except Exception as e:  # noqa: BLE001 — the store itself may be what failed
+        summary["store_error"] = f"{type(e).__name__}: {e}"
+    # The last published version the records show: the updates table (written with the
+    # driver's periodic flush), the cluster table's polls, the store's consumed batches
+    # (one trained at version v made v + 1); each may lag the run by a flush.
+    seen = []
+    if "consumed" in summary and summary["consumed"]:
+        seen.append(
+            int(np.nanmax(ds["sample_version"].values[ds["status"].values == "consumed"])) + 1
+        )
+    from storage.metrics import open_metrics
+
+    for table in ("updates", "cluster"):
+        try:
+            versions = open_metrics(run_dir, table)["version"].values
+        except Exception:  # noqa: BLE001 — not written yet, or unreadable
+            continue
+        if len(versions):
+            seen.append(int(np.nanmax(versions)))
+    if seen:
+        summary["versions"] = max(seen)
+    (run_dir / "summary.json").write_text(json.dumps(summary, indent=2, default=float))
+    return summary

@@ -496,6 +496,11 @@ def test_a_lost_trainer_fails_the_run_clearly_and_it_resumes_in_place(tmp_path):
     assert "lost the trainer and data module (worker" in str(failed.value)
     assert "(faults.restart_trainer or faults.restart_data is off)" in str(failed.value)
     assert f"({ckpt.name}) with `laminar run --resume {run_dir}`" in str(failed.value)
+    # The driver failed: summary.json says so, with what the stores hold
+    failed_summary = json.loads((run_dir / "summary.json").read_text())
+    assert failed_summary["reason"].startswith("failed: ") and failed_summary["driver_failed"]
+    assert "lost the trainer" in failed_summary["reason"]
+    assert failed_summary["versions"] >= 3 and failed_summary["consumed"] >= 3 * 4 * 4
     # The buffer died with the data worker, but it stored each trajectory on admission:
     # the store holds them (all but the last flush), with where each stood.
     ds = open_run(run_dir)
