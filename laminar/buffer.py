@@ -252,10 +252,16 @@ class BufferCore:
         return min(times, default=float("nan"))
 
     def stats(self) -> dict[str, float]:
+        """Counters and contents; ``oldest_age_s``: the oldest held trajectory's age by
+        this process's clock when read (``read_at``), which a driver polling many actors
+        on another host reads seconds later and with its own clock."""
+        now, oldest = time.time(), self.oldest_insert()
         return {
             **self.counts,
             "depth": self.depth,
-            "oldest_t_insert": self.oldest_insert(),
+            "oldest_t_insert": oldest,
+            "oldest_age_s": now - oldest,  # (NaN when empty)
+            "read_at": now,
             "ready_groups": len(self.ready),
             "partial_groups": len(self.partial),
         }

@@ -873,7 +873,8 @@ class Schedule:
     def _record(self, elapsed, now, t_stats, b_stats, p_stats, r_stats, tokens) -> None:
         """One row of the ``cluster`` table and one ``rollouts`` row per replica (their
         cumulative columns go on from a resumed run's earlier starts: ``_carry``)."""
-        oldest = b_stats["oldest_t_insert"]
+        # (the buffer's own reading; a stand-in's, or an older buffer's, has none)
+        age = b_stats.get("oldest_age_s", now - b_stats["oldest_t_insert"])
         self._rows["cluster"].append(
             _carried(
                 self._carry["cluster"],
@@ -888,7 +889,7 @@ class Schedule:
                     "inserted": b_stats["inserted"],
                     "consumed": b_stats["consumed"],
                     "discarded": b_stats["discarded"],
-                    "oldest_buffered_age_s": now - oldest,  # NaN when the buffer is empty
+                    "oldest_buffered_age_s": age,  # NaN when the buffer is empty
                     "outstanding_groups": p_stats["outstanding"],
                     "dispatched_groups": p_stats["dispatched"],
                     "response_tokens": tokens,

@@ -125,6 +125,20 @@ def test_duplicates_are_counted_not_stored():
     assert core.depth == 1 and core.counts["duplicates"] == 1
 
 
+def test_the_buffer_reads_its_oldest_trajectorys_age_by_its_own_clock():
+    """The driver polls the buffer after every rollout (seconds on a loaded host) and on
+    another host's clock: the age is the buffer's own reading, with when it read it."""
+    import math
+    import time
+
+    core = BufferCore()
+    assert math.isnan(core.stats()["oldest_age_s"])
+    core.insert([traj("a", "g", 2)], version=0, now=time.time() - 5.0)
+    stats = core.stats()
+    assert 5.0 <= stats["oldest_age_s"] < 6.0
+    assert stats["oldest_age_s"] == pytest.approx(stats["read_at"] - stats["oldest_t_insert"])
+
+
 def group(name, size=2, version=0, rewards=None):
     rewards = rewards or [float(i) for i in range(size)]
     return [traj(f"{name}-{i}", name, size, i, version, reward=rewards[i]) for i in range(size)]
