@@ -260,10 +260,15 @@ def cmd_run(args: argparse.Namespace) -> int:
         return _follow(RunHandle(cfg, client, run_dir, resume=plan))
 
 
+def _file_in_the_way(path: Path) -> Path | None:
+    """The file (not folder) at ``path`` or above it, which keeps a folder from being made."""
+    return next((p for p in (path, *path.parents) if p.exists() and not p.is_dir()), None)
+
+
 def _run_dir_problem(run_dir: str | None, e: OSError) -> str:
     """Why the run directory cannot be made, naming what stands in its way."""
     path = Path(str(e.filename or run_dir or "runs"))
-    blocker = next((p for p in (path, *path.parents) if p.exists() and not p.is_dir()), None)
+    blocker = _file_in_the_way(path)
     if blocker is not None:
         return (
             f"cannot make the run directory {str(path)!r}: {str(blocker)!r} is a file, not a "
@@ -335,14 +340,27 @@ def cmd_certs(args: argparse.Namespace) -> int:
     from laminar.deploy import TLS_FILES, generate_tls
     from laminar.errors import ConfigError
 
-    there = [n for n in TLS_FILES.values() if (Path(args.dir).expanduser() / n).exists()]
+    folder = Path(args.dir).expanduser()
+    blocker = _file_in_the_way(folder)
+    if blocker is not None:
+        raise ConfigError(
+            f"cannot write the TLS files to {str(folder)!r}: {str(blocker)!r} is a file, not "
+            "a folder; pass another folder (laminar certs makes it)"
+        )
+    there = [n for n in TLS_FILES.values() if (folder / n).exists()]
     if there and not args.force:
         raise ConfigError(
             f"{args.dir} already holds {', '.join(there)}: a scheduler and workers started "
             "with them would not trust clients given new ones; pass another folder, or "
             "--force to replace them (then restart everything that uses them)"
         )
-    paths = generate_tls(Path(args.dir).expanduser())
+    try:
+        paths = generate_tls(folder)
+    except OSError as e:  # (no permission, a read-only or pseudo file system, ...)
+        raise ConfigError(
+            f"cannot write the TLS files to {str(folder)!r} ({e.strerror or e}); pass a "
+            "folder this user can create and write"
+        ) from None
     for field, path in paths.items():
         print(f"{field:<18} {path}")
     print(
