@@ -396,9 +396,9 @@ def cmd_bench(args: argparse.Namespace) -> int:
     if args.repeats is not None:
         options["repeats"] = args.repeats
     if args.batches:
-        options["batches"] = tuple(int(b) for b in args.batches.split(","))
+        options["batches"] = args.batches
     if args.contexts:
-        options["contexts"] = tuple(int(c) for c in args.contexts.split(","))
+        options["contexts"] = args.contexts
     if args.new_tokens is not None:
         options["new_tokens"] = args.new_tokens
     if args.threads is not None:
@@ -406,9 +406,9 @@ def cmd_bench(args: argparse.Namespace) -> int:
     if args.vllm_python:
         options["vllm"] = args.vllm_python
     if args.sizes_mb:
-        options["sizes_mb"] = tuple(int(m) for m in args.sizes_mb.split(","))
+        options["sizes_mb"] = args.sizes_mb
     if args.relays:
-        options["ps"] = tuple(int(p) for p in args.relays.split(","))
+        options["ps"] = args.relays
     if args.protocols:
         options["protocols"] = tuple(args.protocols.split(","))
     if args.senders:
@@ -445,9 +445,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     if args.set:
         options["overrides"] = tuple(args.set)  # (repack, schedules: run_bench says so)
     if args.splits:
-        options["splits"] = {
-            arm: int(r) for arm, r in (item.split("=") for item in args.splits.split(","))
-        }
+        options["splits"] = args.splits
     result = run_bench(args.name, args.out, **options)
     if result.failed:  # (figures of the other runs written: the failed ones listed)
         print(
@@ -457,6 +455,42 @@ def cmd_bench(args: argparse.Namespace) -> int:
         )
         return 1
     return 0
+
+
+def _positive_int(text: str) -> int:
+    try:
+        n = int(text)
+    except ValueError:
+        n = 0
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number ≥ 1")
+    return n
+
+
+def _positive_ints(text: str) -> tuple[int, ...]:
+    """A comma-separated list of whole numbers ≥ 1, e.g. ``1,16,64``."""
+    try:
+        return tuple(_positive_int(t.strip()) for t in text.split(","))
+    except argparse.ArgumentTypeError as e:
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: {e}; give comma-separated whole numbers, e.g. 1,16,64"
+        ) from None
+
+
+def _splits(text: str) -> dict[str, int]:
+    """``laminar=6,stream=7``: rollout replicas per schedule."""
+    out = {}
+    for item in text.split(","):
+        arm, eq, n = item.partition("=")
+        try:
+            out[arm.strip()] = _positive_int(n.strip())
+        except argparse.ArgumentTypeError:
+            eq = ""
+        if not eq or not arm.strip():
+            raise argparse.ArgumentTypeError(
+                f"{item!r} in {text!r} is not SCHEDULE=REPLICAS; give e.g. laminar=6,stream=7"
+            )
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -512,12 +546,16 @@ def main(argv: list[str] | None = None) -> int:
         help="which benchmark",
     )
     bench.add_argument("--out", metavar="FILE.json", help="write figures, ratios and samples")
-    bench.add_argument("--repeats", type=int, help="measurements of each figure (median)")
+    bench.add_argument("--repeats", type=_positive_int, help="measurements of each figure (median)")
     bench.add_argument(
-        "--batches", help="engine, pacing: comma-separated batch sizes (engine: 1,16,64,256)"
+        "--batches",
+        type=_positive_ints,
+        help="engine, pacing: comma-separated batch sizes (engine: 1,16,64,256)",
     )
     bench.add_argument(
-        "--contexts", help="pacing: comma-separated KV tokens per sequence (256,1024,4096)"
+        "--contexts",
+        type=_positive_ints,
+        help="pacing: comma-separated KV tokens per sequence (256,1024,4096)",
     )
     bench.add_argument(
         "--accelerator",
@@ -533,11 +571,15 @@ def main(argv: list[str] | None = None) -> int:
         type=int,
         help="pacing: decode attention splits each sequence's KV into N chunks (1)",
     )
-    bench.add_argument("--new-tokens", type=int, help="engine: tokens per request (200)")
-    bench.add_argument("--threads", type=int, help="torch threads (1)")
+    bench.add_argument("--new-tokens", type=_positive_int, help="engine: tokens per request (200)")
+    bench.add_argument("--threads", type=_positive_int, help="torch threads (1)")
     bench.add_argument("--vllm-python", help="engine: the vLLM environment's python")
-    bench.add_argument("--sizes-mb", help="relay: comma-separated weight sizes in MB (64,512)")
-    bench.add_argument("--relays", help="relay: comma-separated chain lengths p (2,4,8)")
+    bench.add_argument(
+        "--sizes-mb", type=_positive_ints, help="relay: comma-separated weight sizes in MB (64,512)"
+    )
+    bench.add_argument(
+        "--relays", type=_positive_ints, help="relay: comma-separated chain lengths p (2,4,8)"
+    )
     bench.add_argument(
         "--protocols", help="relay: comma-separated tcp,ucx (ucx needs .venv-ucx, .ci/ucx-env)"
     )
@@ -569,7 +611,9 @@ def main(argv: list[str] | None = None) -> int:
         help="soak: a killed trainer (and data module) fails the run, which the soak resumes "
         "as a supervisor would (faults.restart_trainer=false), instead of restarting in the run",
     )
-    bench.add_argument("--gpus", type=int, help="schedules, repack: emulated GPUs in all (64)")
+    bench.add_argument(
+        "--gpus", type=_positive_int, help="schedules, repack: emulated GPUs in all (64)"
+    )
     bench.add_argument(
         "--model",
         choices=sorted(MODELS),
@@ -580,10 +624,12 @@ def main(argv: list[str] | None = None) -> int:
         "--seeds", type=int, help="schedules: seeds per schedule (3); 0: search the splits only"
     )
     bench.add_argument("--warmup", type=int, help="schedules: warm-up updates (3)")
-    bench.add_argument("--iterations", type=int, help="schedules: measured updates (6)")
+    bench.add_argument("--iterations", type=_positive_int, help="schedules: measured updates (6)")
     bench.add_argument("--arms", help="schedules: comma-separated subset of the schedules")
     bench.add_argument(
-        "--splits", help="schedules: fixed rollout replicas, e.g. laminar=6,stream=7 (no search)"
+        "--splits",
+        type=_splits,
+        help="schedules: fixed rollout replicas, e.g. laminar=6,stream=7 (no search)",
     )
     bench.add_argument(
         "--no-search", action="store_true", help="schedules: no split search (model's split)"
@@ -597,7 +643,10 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="schedules: run nothing; the result of the runs --runs-dir kept",
     )
-    args = parser.parse_args(argv)
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as e:  # (--help, or a usage error argparse has printed): its code
+        return e.code if isinstance(e.code, int) else int(e.code is not None)
     _quiet_libraries()
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     try:
