@@ -517,13 +517,14 @@ def main(argv: list[str] | None = None) -> int:
         help="override a config field, e.g. --set trainer.steps=20 (repeatable)",
     )
     run.add_argument("--run-dir", help="where the run's stores go (default runs/<timestamp>)")
-    run.add_argument(
+    where = run.add_mutually_exclusive_group()  # (one scheduler: its address or its file)
+    where.add_argument(
         "--scheduler",
         metavar="ADDRESS",
         help="address of a running Dask scheduler, tcp:// tls:// or ucx:// (default: "
         "cluster.kind of the config, a local cluster unless set)",
     )
-    run.add_argument(
+    where.add_argument(
         "--scheduler-file",
         metavar="FILE",
         help="the file `dask scheduler --scheduler-file FILE` wrote (HPC recipe)",

@@ -70,3 +70,23 @@ def test_bench_lists_parse(monkeypatch):
     assert seen == {"splits": {"laminar": 6, "stream": 7}, "gpus": 128}
     assert cli.main(["bench", "engine", "--batches", "1,16", "--repeats", "2"]) == 0
     assert seen["batches"] == (1, 16) and seen["repeats"] == 2
+
+
+@pytest.fixture
+def no_cluster(monkeypatch):
+    """A run that got past its pre-start checks would start a cluster: fail instead."""
+
+    def refuse(*a, **k):
+        raise AssertionError("the cluster was started")
+
+    monkeypatch.setattr("laminar.deploy.open_cluster", refuse)
+
+
+def test_scheduler_and_scheduler_file_are_refused_together(tmp_path, capsys, no_cluster):
+    f = tmp_path / "scheduler.json"
+    argv = ["run", "configs/tiny.yaml", "--scheduler", "tcp://h:8786", "--scheduler-file", str(f)]
+    assert cli.main(argv) == 2
+    err = capsys.readouterr().err
+    # named as the user typed them (not as the --set overrides they become)
+    assert "argument --scheduler-file: not allowed with argument --scheduler" in err
+    assert "--set" not in err.splitlines()[-1]
