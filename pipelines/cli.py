@@ -301,26 +301,40 @@ def _follow(handle) -> int:
     old = signal.signal(signal.SIGINT, on_sigint)
     try:
         display = _Bar() if sys.stdout.isatty() else _Lines()
-        while not handle.done():
-            display.show(handle.progress())
-            time.sleep(0.5)
-        final = handle.progress()
-        if "version" in final:  # the last state, which the polling may have missed
-            display.show({**final, "phase": "training"}, force=True)
-        display.close()
         try:
-            summary = handle.wait()
-        except RunStopped as e:  # Ctrl-C before it generated anything
-            print(f"laminar: {e}", file=sys.stderr)
+            return _watch(handle, display)
+        except KeyboardInterrupt:  # the second Ctrl-C: no stop in order, no summary
+            display.close()
+            print(
+                f"\nlaminar: aborted; the run in {handle.run_dir} did not stop in order "
+                f"(`laminar run --resume {handle.run_dir}` continues it from its newest "
+                "checkpoint, docs/faults.md)",
+                file=sys.stderr,
+            )
             return 130
-        except RunFailed as e:  # stopped in order: what it did, then why it failed
-            _print_summary(e.summary)
-            print(f"laminar: error: {e}", file=sys.stderr)
-            return 1
-        _print_summary(summary)
-        return 0
     finally:
         signal.signal(signal.SIGINT, old)
+
+
+def _watch(handle, display) -> int:
+    while not handle.done():
+        display.show(handle.progress())
+        time.sleep(0.5)
+    final = handle.progress()
+    if "version" in final:  # the last state, which the polling may have missed
+        display.show({**final, "phase": "training"}, force=True)
+    display.close()
+    try:
+        summary = handle.wait()
+    except RunStopped as e:  # Ctrl-C before it generated anything
+        print(f"laminar: {e}", file=sys.stderr)
+        return 130
+    except RunFailed as e:  # stopped in order: what it did, then why it failed
+        _print_summary(e.summary)
+        print(f"laminar: error: {e}", file=sys.stderr)
+        return 1
+    _print_summary(summary)
+    return 0
 
 
 def cmd_audit(args: argparse.Namespace) -> int:
@@ -662,6 +676,9 @@ def main(argv: list[str] | None = None) -> int:
     except (LaminarError, StoreError, FileNotFoundError) as e:
         print(f"laminar: error: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # (Ctrl-C outside a run's progress: setup, bench, report)
+        print("laminar: interrupted", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

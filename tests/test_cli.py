@@ -90,3 +90,85 @@ def test_scheduler_and_scheduler_file_are_refused_together(tmp_path, capsys, no_
     # named as the user typed them (not as the --set overrides they become)
     assert "argument --scheduler-file: not allowed with argument --scheduler" in err
     assert "--set" not in err.splitlines()[-1]
+
+
+class _FakeClient:
+    scheduler = type("S", (), {"address": "inproc://fake"})()
+    dashboard_link = "http://fake/status"
+
+    def forward_logging(self, *a, **k):
+        pass
+
+
+def _main_no_interrupt(argv):
+    try:
+        return cli.main(argv)
+    except KeyboardInterrupt:
+        pytest.fail("Ctrl-C escaped `laminar` as a KeyboardInterrupt (a traceback)")
+
+
+def _fake_cluster(monkeypatch, on_enter=None):
+    """`laminar run` on a stand-in cluster; returns the list its exit is recorded in."""
+    import contextlib
+
+    closed = []
+
+    @contextlib.contextmanager
+    def fake_open_cluster(cfg, run_dir=None):
+        if on_enter:
+            on_enter()
+        try:
+            yield _FakeClient()
+        finally:
+            closed.append(True)
+
+    monkeypatch.setattr("laminar.deploy.open_cluster", fake_open_cluster)
+    return closed
+
+
+def test_ctrl_c_twice_aborts_with_130_and_says_how_to_continue(tmp_path, monkeypatch, capsys):
+    """The first Ctrl-C asks the run to stop in order; the second aborts it: exit 130,
+    a message (no traceback) naming `--resume`, and the cluster still closed."""
+    import os
+    import signal
+
+    closed = _fake_cluster(monkeypatch)
+    stops = []
+
+    class Handle:  # a run that never ends by itself; every poll is a Ctrl-C
+        def __init__(self, cfg, client, run_dir, resume=None):
+            self.run_dir = run_dir
+
+        def done(self):
+            return False
+
+        def progress(self):
+            os.kill(os.getpid(), signal.SIGINT)
+            return {"phase": "setup"}
+
+        def stop(self):
+            stops.append(True)
+
+    monkeypatch.setattr("pipelines.api.RunHandle", Handle)
+    monkeypatch.setattr("pipelines.cli.time.sleep", lambda s: None)
+    run = tmp_path / "run"
+    argv = ["run", "configs/tiny.yaml", "--set", "task.num_prompts=50", "--run-dir", str(run)]
+    assert _main_no_interrupt(argv) == 130
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and "KeyboardInterrupt" not in err
+    assert f"laminar run --resume {run}" in err
+    assert stops == [True] and closed == [True]
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # put back
+
+
+def test_ctrl_c_while_the_cluster_starts_exits_130_without_a_traceback(
+    tmp_path, monkeypatch, capsys
+):
+    def interrupted():
+        raise KeyboardInterrupt
+
+    _fake_cluster(monkeypatch, on_enter=interrupted)
+    argv = ["run", "configs/tiny.yaml", "--set", "task.num_prompts=50"]
+    assert _main_no_interrupt([*argv, "--run-dir", str(tmp_path / "run")]) == 130
+    err = capsys.readouterr().err
+    assert err.startswith("laminar: interrupted") and "Traceback" not in err
