@@ -141,12 +141,18 @@ class Learner:
         metrics = self._step(part)
         self._part_applied += int(not metrics["skipped"])
         self.skipped_steps += int(metrics["skipped"])
-        applied = self._part_applied
-        if last:
-            self._part_applied = 0
-            if applied:
-                self.version += 1
+        applied = self.end_parts() if last else self._part_applied
         return {**metrics, "applied_steps": float(applied)}
+
+    def end_parts(self) -> int:
+        """End the global batch of :meth:`update_part` after the parts taken so far (the
+        last one, or fewer: the trainer was stopped while waiting for the rest). The
+        version advances if any of its steps was applied: those steps moved the weights,
+        which must not go on under the version before them. Returns the steps applied."""
+        applied, self._part_applied = self._part_applied, 0
+        if applied:
+            self.version += 1
+        return applied
 
     def logprobs(self, batch: list[Trajectory]) -> list[np.ndarray]:
         """The current policy's logprobs of each trajectory's response tokens."""

@@ -392,35 +392,47 @@ class Trainer:
 
     def _stream_update(self) -> dict | None:
         """One version from ``trainer.mini_batches`` optimizer steps, each taken as soon as
-        its mini-batch of groups is complete (the stream schedule)."""
+        its mini-batch of groups is complete (the stream schedule).
+
+        Stopped while waiting for a mini-batch, the update ends with those it trained: their
+        steps moved the weights, so they make a version (published, and checkpointed at
+        the end) of fewer groups. Left under the version before, the weights would differ
+        from what was published as it, and a resume from its checkpoint would train those
+        groups (consumed after it) into them a second time."""
         t_cfg = self.cfg.trainer
         sizes = [len(p) for p in np.array_split(range(t_cfg.groups_per_step), t_cfg.mini_batches)]
         sizes = [n for n in sizes if n]
         trained: list[Trajectory] = []
-        totals: dict[str, float] = {}
+        sums: dict[str, float] = {}
         busy = 0.0
+        parts = 0
+        applied = 0.0
         for i, n in enumerate(sizes):
             part = self._sample(n)
-            if part is None:
-                return None  # stopped mid-batch: its groups are consumed, not published
+            if part is None:  # stopped mid-batch
+                if not parts:
+                    return None
+                applied = float(self.learner.end_parts())
+                break
             t0 = time.time()
-            last = i == len(sizes) - 1
-            metrics = self.learner.update_part(part, last=last)
+            metrics = self.learner.update_part(part, last=i == len(sizes) - 1)
+            applied = metrics.pop("applied_steps")
             if self.clock is not None:
                 self._hold(t0, self._model().tokens_time(self._tokens(part)), "mini_batch")
             busy += time.time() - t0
             trained += part
+            parts += 1
             for k, v in metrics.items():
-                if k != "applied_steps":
-                    totals[k] = totals.get(k, 0.0) + v / len(sizes)
-        if not metrics["applied_steps"]:
+                sums[k] = sums.get(k, 0.0) + v
+        if not applied:
             self._skipped()
             return None
         if self.clock is not None:  # the optimizer, all-reduce and launch costs of the update
             t0 = time.time()
             self._hold(t0, self.cfg.trainer.pacing.update_s, "update")
             busy += time.time() - t0
-        totals |= {"mini_batches": float(len(sizes)), "applied_steps": metrics["applied_steps"]}
+        totals = {k: v / parts for k, v in sums.items()}  # (over the mini-batches trained)
+        totals |= {"mini_batches": float(parts), "applied_steps": applied}
         return {"update_s": busy, **batch_stats(trained), **totals}
 
     def _skipped(self) -> None:

@@ -1,0 +1,120 @@
+"""The trainer actor's loop, driven in process: a fake buffer hands it batches, a fake
+master relay records what it publishes, and the checkpoints it writes are read back."""
+
+from __future__ import annotations
+
+import threading
+
+import torch
+from factories import InProcess
+from learner_cases import CFG, batch
+
+from laminar.config import with_overrides
+from laminar.contract import Trajectory
+from laminar.schedule import LAMINAR, ScheduleSpec
+from laminar.trainer import Trainer
+
+STREAM = ScheduleSpec("stream", dispatch="batches", trainer="stream", weights="global")
+ONE_STEP = ScheduleSpec("one_step", dispatch="batches", lag=1, trainer="one_step", weights="global")
+
+
+def groups(step: int, n: int) -> list[Trajectory]:
+    """``n`` complete groups of 2 (small: every update is one forward of a few rows)."""
+    return batch(step, groups=n, size=2)
+
+
+class FakeBuffer:
+    """Hands out the given batches in order (each must hold the groups asked for), then
+    nothing; records what the trainer tells it."""
+
+    def __init__(self, batches: list[list[Trajectory]]) -> None:
+        self.batches = list(batches)
+        self.published: list[int] = []
+        self.skipped = 0
+        self.empty = threading.Event()  # asked for a batch it does not have
+
+    def sample(self, n_groups: int, version: int) -> list[Trajectory] | None:
+        if not self.batches:
+            self.empty.set()
+            return None
+        out = self.batches.pop(0)
+        assert len({t.prompt_uid for t in out}) == n_groups
+        for t in out:
+            t.sample_version, t.status = version, "consumed"
+        return out
+
+    def version_published(self, version: int) -> None:
+        self.published.append(version)
+
+    def update_skipped(self) -> None:
+        self.skipped += 1
+
+    def sync(self) -> int:
+        return 0
+
+    def pool_stats(self) -> dict:
+        return {"dispatched": 0}
+
+    def stats(self) -> dict:
+        return {}
+
+
+class FakeMaster:
+    """The master relay: every version published, with a copy of its weights."""
+
+    def __init__(self) -> None:
+        self.versions: dict[int, dict[str, torch.Tensor]] = {}
+        self.order: list[int] = []
+
+    def publish(self, version: int, state: dict) -> float:
+        self.order.append(version)
+        self.versions[version] = {k: v.clone() for k, v in state.items()}
+        return 0.0
+
+
+def make(policy, tmp_path, cfg=CFG, spec=LAMINAR, batches=(), **kw):
+    buffer, master = FakeBuffer(list(batches)), FakeMaster()
+    trainer = Trainer(
+        cfg, str(policy), str(tmp_path), InProcess(buffer), InProcess(master), "", spec, **kw
+    )
+    return trainer, buffer, master
+
+
+def run_until_starved(trainer: Trainer, buffer: FakeBuffer, timeout: float = 120) -> dict:
+    """Start the loop, stop it once it waits for a batch the buffer does not have."""
+    trainer.start()
+    assert buffer.empty.wait(timeout), "the trainer never asked for more"
+    return trainer.stop(timeout=timeout)
+
+
+def checkpoint_weights(path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    return load_file(f"{path}/model.safetensors")
+
+
+def same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
+    shared = set(a) & set(b)
+    assert shared
+    return all(torch.equal(a[k], b[k]) for k in shared)
+
+
+def test_a_stream_batch_stopped_midway_is_published_and_its_checkpoint_matches(
+    tiny_policy, tmp_path
+):
+    """Stopped after the first of two mini-batches, whose step moved the weights: the
+    update ends with what it trained (a version, published, recorded as one mini-batch),
+    and the final checkpoint holds exactly the weights published under its version. (It
+    used to be written under the last published version with the half-trained weights,
+    which a resume would then train that mini-batch's groups into again.)"""
+    cfg = with_overrides(CFG, ["trainer.mini_batches=2", "trainer.groups_per_step=4"])
+    parts = [groups(0, 2), groups(1, 2), groups(2, 2)]  # a whole batch, then half of one
+    trainer, buffer, master = make(tiny_policy, tmp_path, cfg, STREAM, parts)
+    stats = run_until_starved(trainer, buffer)
+    assert stats["error"] is None and stats["done"]
+    assert master.order == [0, 1, 2] and buffer.published == [1, 2]
+    assert [h["mini_batches"] for h in trainer.history] == [2.0, 1.0]
+    assert trainer.history[-1]["applied_steps"] == 1.0
+    assert stats["checkpoint"].endswith("version-000002")
+    assert same(checkpoint_weights(stats["checkpoint"]), master.versions[2])
+    assert not same(master.versions[1], master.versions[2])
