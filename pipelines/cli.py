@@ -403,9 +403,35 @@ def cmd_report(args: argparse.Namespace) -> int:
     return 0
 
 
+def _check_out(out: str) -> None:
+    """Refuse an ``--out`` the bench could not write when it ends (minutes to hours on)."""
+    from laminar.errors import ConfigError
+
+    path = Path(out).expanduser()
+    if path.is_dir():
+        raise ConfigError(f"--out {out!r} is a folder; give a file's path, e.g. {out}/bench.json")
+    blocker = _file_in_the_way(path.parent)
+    if blocker is not None:
+        raise ConfigError(
+            f"cannot write --out {out!r}: {str(blocker)!r} is a file, not a folder; give a "
+            "path in a folder (made if missing)"
+        )
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        if not os.access(path.parent, os.W_OK):
+            raise PermissionError(13, "Permission denied")
+    except OSError as e:
+        raise ConfigError(
+            f"cannot write --out {out!r} ({e.strerror or e}); give a path in a folder this "
+            "user can create and write"
+        ) from None
+
+
 def cmd_bench(args: argparse.Namespace) -> int:
     from pipelines.bench import run_bench
 
+    if args.out:
+        _check_out(args.out)
     options = {}
     if args.repeats is not None:
         options["repeats"] = args.repeats

@@ -172,3 +172,20 @@ def test_ctrl_c_while_the_cluster_starts_exits_130_without_a_traceback(
     assert _main_no_interrupt([*argv, "--run-dir", str(tmp_path / "run")]) == 130
     err = capsys.readouterr().err
     assert err.startswith("laminar: interrupted") and "Traceback" not in err
+
+
+def test_a_bench_out_that_cannot_be_written_is_refused_before_the_bench_runs(
+    tmp_path, capsys, no_bench
+):
+    """A bench takes minutes to hours: an --out it could not write at the end is
+    refused at the start."""
+    f = tmp_path / "afile"
+    f.write_text("")
+    for out, why in [
+        (tmp_path, f"--out {str(tmp_path)!r} is a folder"),
+        (f / "engine.json", f"{str(f)!r} is a file, not a folder"),
+        ("/proc/laminar/engine.json", "cannot write --out '/proc/laminar/engine.json'"),
+    ]:
+        assert cli.main(["bench", "engine", "--out", str(out)]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("laminar: error: ") and why in err, err
