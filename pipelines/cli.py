@@ -427,9 +427,55 @@ def _check_out(out: str) -> None:
         ) from None
 
 
+def _check_bench_flags(args: argparse.Namespace) -> None:
+    """Flags that conflict, or name what does not exist, refused before a bench starts."""
+    from laminar.errors import ConfigError
+
+    if args.data_apart and args.resume_lost:
+        raise ConfigError(
+            "laminar bench soak: --resume-lost and --data-apart do not go together (a "
+            "resumed run is the shared layout's); give one"
+        )
+    if args.name != "schedules":
+        return  # (run_bench refuses flags a bench does not take)
+    if args.from_runs:
+        if not args.runs_dir:
+            raise ConfigError(
+                "--from-runs computes the result of the runs a previous bench kept: give "
+                "--runs-dir DIR, the folder it kept them in"
+            )
+        if not Path(args.runs_dir).expanduser().is_dir():
+            raise ConfigError(
+                f"--runs-dir: no folder {args.runs_dir!r}; with --from-runs give the folder "
+                "a previous `laminar bench schedules --runs-dir DIR` kept its runs in"
+            )
+        run_only = {
+            "--arms": args.arms,
+            "--gpus": args.gpus,
+            "--iterations": args.iterations,
+            "--no-search": args.no_search,
+            "--seeds": args.seeds,
+            "--set": args.set,
+            "--splits": args.splits,
+        }
+        given = [flag for flag, v in run_only.items() if v not in (None, False)]
+        if given:
+            raise ConfigError(
+                "--from-runs computes the result of the runs --runs-dir kept, as they were "
+                f"run: drop {', '.join(given)} (it takes --warmup, --reward-threshold, --out)"
+            )
+    from pipelines.bench_schedules import ARMS
+
+    for flag, names in (("--arms", args.arms or ()), ("--splits", args.splits or {})):
+        for name in names:
+            if name not in ARMS:
+                raise ConfigError(f"unknown schedule {name!r} in {flag}; known: {', '.join(ARMS)}")
+
+
 def cmd_bench(args: argparse.Namespace) -> int:
     from pipelines.bench import run_bench
 
+    _check_bench_flags(args)
     if args.out:
         _check_out(args.out)
     options = {}
@@ -481,7 +527,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     if args.from_runs:
         options["from_runs"] = True
     if args.arms:
-        options["arms"] = tuple(args.arms.split(","))
+        options["arms"] = args.arms
     if args.set:
         options["overrides"] = tuple(args.set)  # (repack, schedules: run_bench says so)
     if args.splits:
@@ -505,6 +551,20 @@ def _positive_int(text: str) -> int:
     if n < 1:
         raise argparse.ArgumentTypeError(f"{text!r} is not a whole number ≥ 1")
     return n
+
+
+def _count(text: str) -> int:
+    try:
+        n = int(text)
+    except ValueError:
+        n = -1
+    if n < 0:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number ≥ 0")
+    return n
+
+
+def _names(text: str) -> tuple[str, ...]:
+    return tuple(t.strip() for t in text.split(",") if t.strip())
 
 
 def _positive_ints(text: str) -> tuple[int, ...]:
@@ -662,11 +722,13 @@ def main(argv: list[str] | None = None) -> int:
         "pacing: the decoder's shape (7B)",
     )
     bench.add_argument(
-        "--seeds", type=int, help="schedules: seeds per schedule (3); 0: search the splits only"
+        "--seeds", type=_count, help="schedules: seeds per schedule (3); 0: search the splits only"
     )
-    bench.add_argument("--warmup", type=int, help="schedules: warm-up updates (3)")
+    bench.add_argument("--warmup", type=_count, help="schedules: warm-up updates (3)")
     bench.add_argument("--iterations", type=_positive_int, help="schedules: measured updates (6)")
-    bench.add_argument("--arms", help="schedules: comma-separated subset of the schedules")
+    bench.add_argument(
+        "--arms", type=_names, help="schedules: comma-separated subset of the schedules"
+    )
     bench.add_argument(
         "--splits",
         type=_splits,

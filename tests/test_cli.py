@@ -189,3 +189,31 @@ def test_a_bench_out_that_cannot_be_written_is_refused_before_the_bench_runs(
         assert cli.main(["bench", "engine", "--out", str(out)]) == 2
         err = capsys.readouterr().err
         assert err.startswith("laminar: error: ") and why in err, err
+
+
+@pytest.mark.parametrize(
+    "argv, why",
+    [
+        (["schedules", "--from-runs"], "--from-runs computes the result of the runs"),
+        (["schedules", "--from-runs", "--runs-dir", "NOPE"], "no folder 'NOPE"),
+        (["schedules", "--from-runs", "--runs-dir", "KEPT", "--arms", "laminar"], "drop --arms"),
+        (
+            ["schedules", "--from-runs", "--runs-dir", "KEPT", "--seeds", "2", "--gpus", "128"],
+            "drop --gpus, --seeds",
+        ),
+        (["schedules", "--arms", "laminar,lamnar"], "unknown schedule 'lamnar' in --arms"),
+        (["schedules", "--splits", "lamnar=5"], "unknown schedule 'lamnar' in --splits"),
+        (["schedules", "--seeds", "-1"], "argument --seeds: '-1' is not a whole number ≥ 0"),
+        (["soak", "--data-apart", "--resume-lost"], "--resume-lost and --data-apart"),
+    ],
+)
+def test_bench_flags_that_conflict_or_name_nothing_are_refused(
+    argv, why, tmp_path, capsys, no_bench
+):
+    (tmp_path / "kept").mkdir()
+    argv = [str(tmp_path / "kept") if a == "KEPT" else a for a in argv]
+    argv = [str(tmp_path / "nope") if a == "NOPE" else a for a in argv]
+    assert cli.main(["bench", *argv]) == 2
+    err = capsys.readouterr().err
+    assert why.replace("'NOPE", repr(str(tmp_path / "nope"))[:-1]) in err, err
+    assert "Traceback" not in err
