@@ -120,6 +120,11 @@ class Trainer:
         self.skipped_versions = max(0, (after_version or 0) - self.learner.version)
         self.learner.version += self.skipped_versions
         self.steps = cfg.trainer.steps + self.skipped_versions
+        # The version whose weights the model holds exactly (``None``: none, mid-update or
+        # restarted before its first one: it holds its checkpoint's weights under the
+        # lost trainer's last number). Only such weights are checkpointed under their
+        # version: a folder must hold what was (or will be) published under its number.
+        self._weights_version: int | None = None if self.skipped_versions else self.version
         self.publisher = Publisher(master_relay, cfg.relay.timeout_s)
         self.fingerprints: dict[int, int] = {}  # version -> xxh3-64 (relay.audit_weights)
         self.history: list[dict] = []
@@ -382,7 +387,9 @@ class Trainer:
         t0 = time.time()
         if self.ranks > 1:
             _broadcast(batch)
+        before, self._weights_version = self._weights_version, None
         metrics = self.learner.update(batch)
+        self._weights_version = self.version if metrics["applied_steps"] else before
         if not metrics["applied_steps"]:
             self._skipped()
             return None
@@ -415,6 +422,8 @@ class Trainer:
                 applied = float(self.learner.end_parts())
                 break
             t0 = time.time()
+            if not parts:  # (the weights of no version until the batch's version ends)
+                before, self._weights_version = self._weights_version, None
             metrics = self.learner.update_part(part, last=i == len(sizes) - 1)
             applied = metrics.pop("applied_steps")
             if self.clock is not None:
@@ -424,6 +433,7 @@ class Trainer:
             parts += 1
             for k, v in metrics.items():
                 sums[k] = sums.get(k, 0.0) + v
+        self._weights_version = self.version if applied else before
         if not applied:
             self._skipped()
             return None
@@ -507,6 +517,14 @@ class Trainer:
         (the data module is lost) no checkpoint is written and the newest one stands."""
         root = self.run_dir / "checkpoints"
         out = root / f"version-{self.version:06d}"
+        if self._weights_version != self.version:
+            logger.warning(
+                "no checkpoint at version %d: the weights are not that version's (a "
+                "restart that has not trained yet, or an update that did not finish); the "
+                "newest checkpoint stands",
+                self.version,
+            )
+            return self.checkpoint
         if out.exists():
             return str(out)
         try:

@@ -118,3 +118,33 @@ def test_a_stream_batch_stopped_midway_is_published_and_its_checkpoint_matches(
     assert stats["checkpoint"].endswith("version-000002")
     assert same(checkpoint_weights(stats["checkpoint"]), master.versions[2])
     assert not same(master.versions[1], master.versions[2])
+
+
+def test_a_restarted_trainer_stopped_before_its_first_update_writes_no_checkpoint(
+    tiny_policy, tmp_path
+):
+    """Restarted from its checkpoint at version 1 after the lost trainer had published 3,
+    the trainer holds version 1's weights under the number 3. Stopped before it trains
+    (a stop during the restart), it must not write them as ``version-000003``: version 3
+    was published with other weights, and a resume from that folder would publish them as
+    3 again. Its first update is version 4, checkpointed with the weights it published."""
+    from laminar.learner import Learner
+
+    first = Learner(CFG, tiny_policy)
+    first.update(groups(0, 2))
+    ckpt = first.save(tmp_path / "lost" / "checkpoints" / "version-000001")
+    cfg = with_overrides(CFG, [f"trainer.resume_from={ckpt}", "trainer.groups_per_step=2"])
+    run = tmp_path / "run"
+    trainer, buffer, master = make(tiny_policy, run, cfg, after_version=3)
+    assert trainer.version == 3 and trainer.steps == CFG.trainer.steps + 2
+    stats = run_until_starved(trainer, buffer)
+    assert stats["error"] is None and master.order == []
+    assert stats["checkpoint"] is None
+    assert not (run / "checkpoints" / "version-000003").exists()
+
+    trainer, buffer, master = make(tiny_policy, run, cfg, batches=[groups(1, 2)], after_version=3)
+    stats = run_until_starved(trainer, buffer)
+    assert master.order == [4] and buffer.published == [3, 4]
+    assert stats["checkpoint"].endswith("version-000004")
+    assert same(checkpoint_weights(stats["checkpoint"]), master.versions[4])
+    assert not (run / "checkpoints" / "version-000003").exists()
