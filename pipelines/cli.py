@@ -593,7 +593,8 @@ def _splits(text: str) -> dict[str, int]:
     return out
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
+    """The ``laminar`` command line: every subcommand and flag."""
     from laminar.pacing import MODELS
 
     parser = argparse.ArgumentParser(
@@ -647,7 +648,11 @@ def main(argv: list[str] | None = None) -> int:
         help="which benchmark",
     )
     bench.add_argument("--out", metavar="FILE.json", help="write figures, ratios and samples")
-    bench.add_argument("--repeats", type=_positive_int, help="measurements of each figure (median)")
+    bench.add_argument(
+        "--repeats",
+        type=_positive_int,
+        help="engine, relay, repack, pacing: measurements of each figure (median)",
+    )
     bench.add_argument(
         "--batches",
         type=_positive_ints,
@@ -673,7 +678,7 @@ def main(argv: list[str] | None = None) -> int:
         help="pacing: decode attention splits each sequence's KV into N chunks (1)",
     )
     bench.add_argument("--new-tokens", type=_positive_int, help="engine: tokens per request (200)")
-    bench.add_argument("--threads", type=_positive_int, help="torch threads (1)")
+    bench.add_argument("--threads", type=_positive_int, help="engine: torch threads (1)")
     bench.add_argument("--vllm-python", help="engine: the vLLM environment's python")
     bench.add_argument(
         "--sizes-mb", type=_positive_ints, help="relay: comma-separated weight sizes in MB (64,512)"
@@ -746,6 +751,11 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="schedules: run nothing; the result of the runs --runs-dir kept",
     )
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
     try:
         args = parser.parse_args(argv)
     except SystemExit as e:  # (--help, or a usage error argparse has printed): its code

@@ -217,3 +217,22 @@ def test_bench_flags_that_conflict_or_name_nothing_are_refused(
     err = capsys.readouterr().err
     assert why.replace("'NOPE", repr(str(tmp_path / "nope"))[:-1]) in err, err
     assert "Traceback" not in err
+
+
+def test_each_bench_flags_help_names_the_benches_that_take_it():
+    """`laminar bench --help` says which benchmarks a flag is for ("engine, pacing: ..."):
+    the same benchmarks whose function takes its option (the others refuse it)."""
+    import re
+
+    from pipelines.bench import _FLAGS, BENCHES, bench_options
+
+    subcommands = next(a for a in cli.build_parser()._actions if a.dest == "command")
+    actions = {s: a for a in subcommands.choices["bench"]._actions for s in a.option_strings}
+    bench = next(a for a in subcommands.choices["bench"]._actions if a.dest == "name")
+    assert set(bench.choices) == set(BENCHES)
+    for option, flag in _FLAGS.items():
+        said = set()
+        for names in re.findall(r"(?:^|; )([a-z, ]+): ", actions[flag].help):
+            said |= {n.strip() for n in names.split(",")}
+        takes = {name for name in BENCHES if option in bench_options(name)}
+        assert said == takes, f"{flag}: help says {sorted(said)}, taken by {sorted(takes)}"
