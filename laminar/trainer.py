@@ -127,6 +127,8 @@ class Trainer:
         self._weights_version: int | None = None if self.skipped_versions else self.version
         self.publisher = Publisher(master_relay, cfg.relay.timeout_s)
         self.fingerprints: dict[int, int] = {}  # version -> xxh3-64 (relay.audit_weights)
+        # (read from the actor's thread, by get_fingerprints, while the loop publishes)
+        self._fingerprints_lock = threading.Lock()
         self.history: list[dict] = []
         self.done = False
         self.error: str | None = None
@@ -270,12 +272,15 @@ class Trainer:
         if self.cfg.relay.audit_weights:
             from laminar.relay import state_fingerprint
 
-            self.fingerprints[self.version] = state_fingerprint(state)
+            fingerprint = state_fingerprint(state)
+            with self._fingerprints_lock:
+                self.fingerprints[self.version] = fingerprint
         return stall
 
     def get_fingerprints(self, since: int = -1) -> dict[int, int]:
         """Version -> fingerprint of what it published, for versions after ``since``."""
-        return {v: fp for v, fp in self.fingerprints.items() if v > since}
+        with self._fingerprints_lock:
+            return {v: fp for v, fp in self.fingerprints.items() if v > since}
 
     def stats(self) -> dict:
         return {

@@ -3,7 +3,9 @@ master relay records what it publishes, and the checkpoints it writes are read b
 
 from __future__ import annotations
 
+import sys
 import threading
+import time
 
 import torch
 from factories import InProcess
@@ -148,3 +150,36 @@ def test_a_restarted_trainer_stopped_before_its_first_update_writes_no_checkpoin
     assert stats["checkpoint"].endswith("version-000004")
     assert same(checkpoint_weights(stats["checkpoint"]), master.versions[4])
     assert not (run / "checkpoints" / "version-000003").exists()
+
+
+def test_fingerprints_are_read_while_the_loop_publishes(tiny_policy, tmp_path):
+    """The driver asks for the published fingerprints every poll (``relay.audit_weights``)
+    from the actor's thread while the training loop publishes: the answer is a
+    consistent copy, never "dictionary changed size during iteration" (which the driver
+    would take for a failed trainer)."""
+    cfg = with_overrides(CFG, ["relay.audit_weights=true"])
+    trainer, _, master = make(tiny_policy, tmp_path, cfg)
+    done = threading.Event()
+
+    def publish_many() -> None:
+        while not done.is_set() and trainer.version < 2000:
+            trainer.learner.version += 1
+            trainer.publish()
+
+    switch = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)  # (thread switches as often as they can come)
+    loop = threading.Thread(target=publish_many)
+    loop.start()
+    try:
+        deadline = time.time() + 3
+        while time.time() < deadline:
+            seen = trainer.get_fingerprints(-1)
+            assert sorted(seen) == list(range(1, len(seen) + 1))
+    finally:
+        done.set()
+        loop.join()
+        sys.setswitchinterval(switch)
+    assert len(trainer.get_fingerprints(-1)) == trainer.version > 10
+    assert trainer.get_fingerprints(5) == {
+        v: fp for v, fp in trainer.get_fingerprints(-1).items() if v > 5
+    }
