@@ -333,8 +333,31 @@ def _watch(handle, display) -> int:
         _print_summary(e.summary)
         print(f"laminar: error: {e}", file=sys.stderr)
         return 1
+    except LaminarError as e:
+        if handle.summary is None:  # failed in its setup (the cluster, the warm start)
+            raise
+        # The driver failed under a running run (a cluster lost under it): what the
+        # stores hold, then why; exit 1, a failed run, as above (2 is a usage error).
+        _print_failed_summary(handle.summary)
+        print(f"laminar: error: {e}", file=sys.stderr)
+        return 1
     _print_summary(summary)
     return 0
+
+
+def _print_failed_summary(s: dict) -> None:
+    """The summary of a run whose driver failed (``pipelines.summary.summarize_failed``):
+    only what the stores said."""
+    print("\n== summary ==")
+    print(f"run dir            {s['run_dir']}  ({s['reason']})")
+    if "trajectories" in s:
+        print(f"trajectories       {s['trajectories']} ({s['consumed']} consumed)")
+        print(
+            f"reward             first 20% {s['reward_first_20pct']:.3f} -> last 20% "
+            f"{s['reward_last_20pct']:.3f}"
+        )
+    if "versions" in s:
+        print(f"versions           {s['versions']} (the last the stores record)")
 
 
 def cmd_audit(args: argparse.Namespace) -> int:

@@ -236,3 +236,35 @@ def test_each_bench_flags_help_names_the_benches_that_take_it():
             said |= {n.strip() for n in names.split(",")}
         takes = {name for name in BENCHES if option in bench_options(name)}
         assert said == takes, f"{flag}: help says {sorted(said)}, taken by {sorted(takes)}"
+
+
+def test_a_run_whose_driver_failed_exits_1_with_what_the_stores_hold(capsys):
+    """A run that failed under its driver (a cluster lost under it) is a failed run, exit
+    1 as one that stopped in order on an error, not 2, a usage error; one that failed in
+    its setup (no run yet) still raises to the usage handler."""
+    from types import SimpleNamespace
+
+    from laminar.errors import ClusterError
+
+    def handle(summary):
+        def wait():
+            raise ClusterError("lost the trainer and data module")
+
+        return SimpleNamespace(done=lambda: True, progress=lambda: {}, wait=wait, summary=summary)
+
+    display = SimpleNamespace(show=lambda *a, **k: None, close=lambda: None)
+    failed = {
+        "run_dir": "runs/x",
+        "reason": "failed: ClusterError: lost the trainer and data module",
+        "trajectories": 96,
+        "consumed": 64,
+        "reward_first_20pct": 0.5,
+        "reward_last_20pct": 0.75,
+        "versions": 3,
+    }
+    assert cli._watch(handle(failed), display) == 1
+    out, err = capsys.readouterr()
+    assert "failed: ClusterError" in out and "versions           3" in out
+    assert "lost the trainer and data module" in err
+    with pytest.raises(ClusterError):
+        cli._watch(handle(None), display)
