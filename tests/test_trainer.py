@@ -183,3 +183,24 @@ def test_fingerprints_are_read_while_the_loop_publishes(tiny_policy, tmp_path):
     assert trainer.get_fingerprints(5) == {
         v: fp for v, fp in trainer.get_fingerprints(-1).items() if v > 5
     }
+
+
+def test_one_step_publishes_each_version_once_in_order_and_checkpoints_what_it_published(
+    tiny_policy, tmp_path
+):
+    """One-step holds version v+1 back until the next batch is complete, and publishes the
+    last one held at the stop; every checkpoint holds the weights published under its
+    number. A non-finite batch in between publishes nothing and tells the buffer."""
+    cfg = with_overrides(CFG, ["trainer.groups_per_step=2", "trainer.checkpoint_every=1"])
+    bad = batch(9, groups=2, size=2, nan=True)
+    trainer, buffer, master = make(
+        tiny_policy, tmp_path, cfg, ONE_STEP, [groups(0, 2), groups(1, 2), bad, groups(2, 2)]
+    )
+    stats = run_until_starved(trainer, buffer)
+    assert stats["error"] is None and stats["skipped_steps"] == 1 and buffer.skipped == 1
+    assert master.order == [0, 1, 2, 3] and buffer.published == [1, 2, 3]
+    assert [h["version"] for h in trainer.history] == [1, 2, 3]
+    for v in (1, 2, 3):
+        path = tmp_path / "checkpoints" / f"version-{v:06d}"
+        assert same(checkpoint_weights(path), master.versions[v])
+    assert stats["checkpoint"].endswith("version-000003")
