@@ -27,6 +27,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from laminar.errors import ConfigError
+
 REPO = Path(__file__).resolve().parent.parent
 
 
@@ -282,7 +284,7 @@ def _bench_schedules(from_runs: bool = False, **options) -> BenchResult:
 
     if from_runs:
         if not options.get("runs_dir"):
-            raise ValueError("--from-runs re-analyses the runs of --runs-dir DIR: give it")
+            raise ConfigError("--from-runs re-analyses the runs of --runs-dir DIR: give it")
         kept = ("runs_dir", "warmup", "reward_threshold")
         return reanalyse(**{k: v for k, v in options.items() if k in kept})
     return bench_schedules(**options)
@@ -373,8 +375,6 @@ def bench_options(name: str) -> set[str]:
 def run_bench(name: str, out: str | None = None, **options) -> BenchResult:
     """Run benchmark ``name``, print its table, write its JSON to ``out`` if given. An
     option the benchmark does not take is refused, naming the ones it does."""
-    from laminar.errors import ConfigError
-
     if name not in BENCHES:
         raise KeyError(f"no benchmark {name!r}; known: {sorted(BENCHES)}")
     takes = bench_options(name)

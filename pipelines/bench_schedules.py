@@ -52,6 +52,8 @@ from pathlib import Path
 
 import numpy as np
 
+from laminar.errors import ConfigError
+
 GPUS_PER_REPLICA = 4
 # The paper's workload (§8): responses lognormal, median 1,500 and P99/median 10, capped
 # at 16,384 tokens; their mean, clipped: ≈ 2,420 tokens.
@@ -207,7 +209,7 @@ class Cluster:
         colocated = schedule == "sync"
         trainer_gpus = self.gpus if colocated else self.gpus - GPUS_PER_REPLICA * replicas
         if trainer_gpus <= 0:
-            raise ValueError(f"{replicas} replicas leave no trainer GPU of {self.gpus}")
+            raise ConfigError(f"{replicas} replicas leave no trainer GPU of {self.gpus}")
         out = WORKLOAD + [
             f"seed={seed}",
             f"pipeline.schedule={schedule}",
@@ -565,15 +567,15 @@ def bench_schedules(
 
     cluster = Cluster(gpus)
     if seeds < 0:
-        raise ValueError(f"--seeds {seeds}: give a count >= 0 (0 searches the splits only)")
+        raise ConfigError(f"--seeds {seeds}: give a count >= 0 (0 searches the splits only)")
     unknown = [a for a in arms if a not in ARMS]
     if unknown:
-        raise ValueError(f"unknown arms {unknown}; known: {list(ARMS)}")
+        raise ConfigError(f"unknown arms {unknown}; known: {list(ARMS)}")
     splits = dict(splits or {})
     splits.setdefault("sync", cluster.max_replicas)  # colocated: every GPU generates
     searched = [a for a in arms if a not in splits and ABLATION_OF.get(a) not in {*splits, *arms}]
     if seeds == 0 and not (search and searched):
-        raise ValueError(
+        raise ConfigError(
             "--seeds 0 runs the split search alone, but no arm's split is searched here "
             "(--splits fixes it, --no-search skips it): drop them, or give --seeds 1 or more"
         )

@@ -36,6 +36,7 @@ from pathlib import Path
 
 import numpy as np
 
+from laminar.errors import ConfigError
 from pipelines.bench import BenchResult
 
 REPLICAS = 3
@@ -96,7 +97,7 @@ def bench_soak(
     (docs/faults.md). ``resume``: a killed trainer fails the run, and the soak resumes it
     (the data module with the trainer: ``data_apart`` off)."""
     if resume and data_apart:
-        raise ValueError("soak: --resume-lost applies to the shared layout, not --data-apart")
+        raise ConfigError("soak: --resume-lost applies to the shared layout, not --data-apart")
     import psutil
     from distributed import Client
 
