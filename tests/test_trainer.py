@@ -9,7 +9,7 @@ import time
 
 import torch
 from factories import InProcess
-from learner_cases import CFG, batch
+from learner_cases import CFG, batch, weights
 
 from laminar.config import with_overrides
 from laminar.contract import Trajectory
@@ -204,3 +204,25 @@ def test_one_step_publishes_each_version_once_in_order_and_checkpoints_what_it_p
         path = tmp_path / "checkpoints" / f"version-{v:06d}"
         assert same(checkpoint_weights(path), master.versions[v])
     assert stats["checkpoint"].endswith("version-000003")
+
+
+def test_the_entropy_and_kl_terms_each_change_the_update_they_are_in(tiny_policy):
+    """(tests/test_learner.py's ``test_kl_and_entropy_terms`` compares two updates with
+    one, which differ whatever the terms do.) Same batch, one step each: the entropy
+    bonus changes the step; the KL to the reference does not on the first step (the
+    policy is the reference: k3's gradient is zero there) and does on the second."""
+    from laminar.learner import Learner
+
+    def after(overrides: list[str], steps: int) -> dict[str, torch.Tensor]:
+        learner = Learner(with_overrides(CFG, overrides), tiny_policy)
+        for s in range(steps):
+            learner.update(batch(s))
+        return weights(learner)
+
+    def close(a, b) -> bool:
+        return all(torch.allclose(a[k], b[k], rtol=0, atol=1e-7) for k in a)
+
+    plain1, plain2 = after([], 1), after([], 2)
+    assert not close(after(["trainer.entropy_coef=0.05"], 1), plain1)
+    assert close(after(["trainer.kl_coef=0.5"], 1), plain1)
+    assert not close(after(["trainer.kl_coef=0.5"], 2), plain2)
