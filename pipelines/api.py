@@ -311,6 +311,12 @@ def prepare_resume(run_dir: str | Path, overrides: list[str] | tuple[str, ...] =
 
     path = Path(run_dir).resolve()
     config = path / "config.yaml"
+    if not path.is_dir():
+        raise ConfigError(
+            f"cannot resume {str(path)!r}: "
+            + ("it is a file" if path.exists() else "it does not exist")
+            + "; give a run directory (the one `laminar run` printed as 'run dir')"
+        )
     _refuse_if_running(path, "resume")
     if not config.exists():
         raise ConfigError(

@@ -30,6 +30,11 @@ def _run_dir(tmp_path, checkpoint_version: int | None = None):
 def test_resume_refuses_a_folder_that_is_not_a_run(tmp_path):
     with pytest.raises(ConfigError, match="no config.yaml, so it is not a run directory"):
         prepare_resume(tmp_path)
+    with pytest.raises(ConfigError, match=r"it does not exist; give a run directory"):
+        prepare_resume(tmp_path / "no-such-run")
+    (tmp_path / "a-file").write_text("")
+    with pytest.raises(ConfigError, match=r"it is a file; give a run directory"):
+        prepare_resume(tmp_path / "a-file")
 
 
 def test_resume_refuses_a_run_without_a_checkpoint(tmp_path):
