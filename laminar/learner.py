@@ -114,15 +114,13 @@ class Learner:
         prox = None
         if t.correction == "decoupled" and n_mini > 1:
             prox = dict(zip((x.uid for x in batch), self.logprobs(batch), strict=True))
-        totals: dict[str, float] = {}
-        applied = 0
+        steps = []
         for part in parts:
             chosen = {uids[i] for i in part}
             mini = [x for x in batch if x.prompt_uid in chosen]
-            metrics = self._step(mini, None if prox is None else [prox[x.uid] for x in mini])
-            applied += int(not metrics["skipped"])
-            for k, v in metrics.items():
-                totals[k] = totals.get(k, 0.0) + v / len(parts)
+            steps.append(self._step(mini, None if prox is None else [prox[x.uid] for x in mini]))
+        totals = step_means(steps)
+        applied = len(steps) - int(sum(m["skipped"] for m in steps))
         self.skipped_steps += len(parts) - applied
         if applied:
             self.version += 1
@@ -244,6 +242,20 @@ class Learner:
         random.setstate(rng["python"])
         self.version = int(state["version"])
         self.skipped_steps = int(state.get("skipped_steps", 0))
+
+
+def step_means(steps: list[dict[str, float]]) -> dict[str, float]:
+    """The metrics of one version from those of its optimizer steps: each the mean over
+    the steps applied (those made the version; a skipped step's loss and gradient norm
+    are NaN or infinite), or over all when none was; ``skipped`` the fraction skipped.
+
+    >>> step_means([{"loss": 1.0, "skipped": 0.0}, {"loss": float("nan"), "skipped": 1.0}])
+    {'loss': 1.0, 'skipped': 0.5}
+    """
+    applied = [m for m in steps if not m["skipped"]] or steps
+    out = {k: sum(m[k] for m in applied) / len(applied) for k in steps[0]}
+    out["skipped"] = sum(m["skipped"] for m in steps) / len(steps)
+    return out
 
 
 def newest_checkpoint(run_dir: str | Path) -> Path | None:

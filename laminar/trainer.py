@@ -44,7 +44,7 @@ import torch
 from laminar.cluster import actor_result, is_lost, start_thread
 from laminar.config import RunConfig
 from laminar.contract import Trajectory
-from laminar.learner import Learner
+from laminar.learner import Learner, step_means
 from laminar.prompt_pool import DATA_STATE
 
 logger = logging.getLogger(__name__)
@@ -415,7 +415,7 @@ class Trainer:
         sizes = [len(p) for p in np.array_split(range(t_cfg.groups_per_step), t_cfg.mini_batches)]
         sizes = [n for n in sizes if n]
         trained: list[Trajectory] = []
-        sums: dict[str, float] = {}
+        steps: list[dict[str, float]] = []
         busy = 0.0
         parts = 0
         applied = 0.0
@@ -436,8 +436,7 @@ class Trainer:
             busy += time.time() - t0
             trained += part
             parts += 1
-            for k, v in metrics.items():
-                sums[k] = sums.get(k, 0.0) + v
+            steps.append(metrics)
         self._weights_version = self.version if applied else before
         if not applied:
             self._skipped()
@@ -446,8 +445,7 @@ class Trainer:
             t0 = time.time()
             self._hold(t0, self.cfg.trainer.pacing.update_s, "update")
             busy += time.time() - t0
-        totals = {k: v / parts for k, v in sums.items()}  # (over the mini-batches trained)
-        totals |= {"mini_batches": float(parts), "applied_steps": applied}
+        totals = step_means(steps) | {"mini_batches": float(parts), "applied_steps": applied}
         return {"update_s": busy, **batch_stats(trained), **totals}
 
     def _skipped(self) -> None:

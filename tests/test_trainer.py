@@ -7,6 +7,7 @@ import sys
 import threading
 import time
 
+import pytest
 import torch
 from factories import InProcess
 from learner_cases import CFG, batch, weights
@@ -226,3 +227,25 @@ def test_the_entropy_and_kl_terms_each_change_the_update_they_are_in(tiny_policy
     assert not close(after(["trainer.entropy_coef=0.05"], 1), plain1)
     assert close(after(["trainer.kl_coef=0.5"], 1), plain1)
     assert not close(after(["trainer.kl_coef=0.5"], 2), plain2)
+
+
+def test_a_version_reports_the_steps_that_made_it_not_the_skipped_ones(tiny_policy, tmp_path):
+    """Two mini-batches, the second non-finite (a NaN reward): the version is the first
+    step's, and its record says so — loss and grad norm of that step, half the steps
+    skipped — instead of a NaN mean over both. Alike in a stream update."""
+    from laminar.learner import Learner
+
+    cfg = with_overrides(CFG, ["trainer.mini_batches=2", "trainer.groups_per_step=2"])
+    good, bad = groups(0, 1), batch(1, groups=1, size=2, nan=True)
+    alone = Learner(with_overrides(cfg, ["trainer.mini_batches=1"]), tiny_policy).update(good)
+    metrics = Learner(cfg, tiny_policy).update(good + bad)
+    assert metrics["applied_steps"] == 1 and metrics["skipped"] == 0.5
+    for k in ("loss", "pg_loss", "grad_norm", "clip_frac"):
+        assert metrics[k] == pytest.approx(alone[k], rel=1e-5), k
+
+    trainer, buffer, _ = make(tiny_policy, tmp_path, cfg, STREAM, [good, bad])
+    run_until_starved(trainer, buffer)
+    (record,) = trainer.history
+    assert record["applied_steps"] == 1 and record["skipped"] == 0.5
+    for k in ("loss", "pg_loss", "grad_norm", "clip_frac"):
+        assert record[k] == pytest.approx(alone[k], rel=1e-5), k
