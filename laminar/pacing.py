@@ -466,7 +466,9 @@ class Clock:
         return actual
 
     def stats(self) -> dict[str, dict[str, float]]:
-        return {k: dict(v) for k, v in self.figures.items()}
+        # (read from the actor's thread while hold() adds a kind: list() copies the
+        # items in one step under the GIL, where iterating the dict could meet a new key)
+        return {k: dict(v) for k, v in list(self.figures.items())}
 
 
 def scale_of(pacing) -> Scale:
