@@ -1063,6 +1063,19 @@ class Schedule:
         # lost or hung as the run stops fails the stop, and run() stops what still runs.
         # (the trainer's stop waits up to 60 s for its update, then writes its checkpoint)
         t_stats = _stopping(a["trainer"], "stop", timeout + 60.0)
+        while not t_stats["done"] and t_stats.get("silent_s") is not None:
+            # A last update or checkpoint longer than that (a big model): waited for while
+            # it shows progress, or the data position would go into an older checkpoint
+            # and the buffer close under its last commit.
+            if t_stats["silent_s"] > self.cfg.faults.heartbeat_timeout_s:
+                raise ClusterError(
+                    f"the trainer showed no progress for {t_stats['silent_s']:.0f} s as the "
+                    "run stopped (faults.heartbeat_timeout_s): hung in its last update or "
+                    "checkpoint; continue the run from its newest checkpoint with "
+                    f"`laminar run --resume {self.run_dir}`"
+                )
+            time.sleep(self.cfg.metrics.poll_s)
+            t_stats = _stopping(a["trainer"], "stats", timeout)
         t_stats["ranks_stats"] = [_stopping(r, "stats", timeout) for r in a["trainer_ranks"]]
         p_stats = _stopping(a["pool"], "stats", timeout)  # rollouts stopped: dispatch is final
         if t_stats["checkpoint"]:  # the data position, for trainer.resume_from

@@ -292,3 +292,28 @@ def test_a_trainer_slow_to_hand_its_fingerprints_is_not_fenced(tmp_path, monkeyp
     stats = s._trainer_stats()
     assert stats["version"] == 3 and not fenced and s._restart is None
     assert f"{WORKERS['trainer']}.get_fingerprints" in calls
+
+
+def test_the_stop_waits_for_a_trainer_still_writing_its_last_checkpoint(tmp_path, monkeypatch):
+    """The trainer's stop returns after 60 s with its thread still in a long final update
+    or checkpoint (a big model): the driver waits while it shows progress, and records
+    the checkpoint it ends with (the data position goes there), not the older one."""
+    s, calls = fake_run(tmp_path, monkeypatch, set(WORKERS.values()))
+    ckpt = tmp_path / "checkpoints" / "version-000003"
+    ckpt.mkdir(parents=True)
+    stopped = []
+    writing = {**_trainer_stats(done=False), "silent_s": 0.0, "checkpoint": None}
+
+    def stats():
+        if not stopped:
+            return _trainer_stats()
+        stopped.append(1)
+        return writing if len(stopped) < 4 else {**_trainer_stats(), "checkpoint": str(ckpt)}
+
+    trainer = s.actors["trainer"]
+    trainer._answers["stats"] = stats
+    trainer._answers["stop"] = lambda: stopped.append(1) or writing
+    out = run_in_thread(s)
+    assert out != "hung" and "result" in out, out
+    assert (ckpt / "data_state.json").exists()
+    assert len(stopped) >= 4
