@@ -197,10 +197,7 @@ def test_kl_and_entropy_terms(tiny_policy):
     second = learner.update(batch(1))
     assert first["kl_ref"] == pytest.approx(0.0, abs=1e-7)  # the policy *is* the reference
     assert second["kl_ref"] > 0 and first["entropy"] > 0
-    plain = Learner(CFG, tiny_policy)
-    plain.update(batch(0))
-    a, b = weights(plain), weights(learner)
-    assert any(not torch.equal(a[k], b[k]) for k in a)  # the entropy bonus moved it
+    # (that each term changes the update it is in: tests/test_trainer.py)
 
 
 def test_the_rank_group_backend_follows_the_learners_tensors(tiny_policy):
