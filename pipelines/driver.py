@@ -47,6 +47,19 @@ METRICS_FLUSH_S = 5.0
 # A data-module (or trainer) call that failed as if lost, with its worker still on the
 # scheduler's books, is tried again for this long before the run fails.
 DATA_SUSPECT_S = 10.0
+# What summary.json keeps of each relay's stats.
+RELAY_FIGURES = (
+    "relay_id",
+    "kept",
+    "versions",
+    "evicted",
+    "allocated_bytes",
+    "peak_bytes",
+    "budget_bytes",
+    "forwarded_chunks",
+    "sender",
+    "errors",
+)
 # A hung actor's worker is restarted (the nanny waits a few seconds, then kills it); the
 # run waits this long for the scheduler to drop it before it fails.
 FENCE_WAIT_S = 60.0
@@ -1151,24 +1164,7 @@ class Schedule:
             "publications": pubs,
             "stall_s_median": median([p["stall_s"] for p in pubs]),
             "broadcast_s_median": median([p["broadcast_s"] for p in pubs]),
-            "relays": [
-                {
-                    k: s[k]
-                    for k in (
-                        "relay_id",
-                        "kept",
-                        "versions",
-                        "evicted",
-                        "allocated_bytes",
-                        "peak_bytes",
-                        "budget_bytes",
-                        "forwarded_chunks",
-                        "sender",
-                        "errors",
-                    )
-                }
-                for s in stats
-            ],
+            "relays": [{k: s[k] for k in RELAY_FIGURES} for s in stats],
             "rollout_wait_s": [s["weight_wait_s"] for s in r_stats],
             "weight_loads": [s["weight_loads"] for s in r_stats],
         }

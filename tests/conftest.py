@@ -62,3 +62,13 @@ def small_config():
     from laminar.config import RunConfig, with_overrides
 
     return with_overrides(RunConfig(), SMALL_RUN)
+
+
+@pytest.fixture
+def no_cluster(monkeypatch):
+    """A run that got past its pre-start checks would start a cluster: fail instead."""
+
+    def refuse(*a, **k):
+        raise AssertionError("the cluster was started")
+
+    monkeypatch.setattr("laminar.deploy.open_cluster", refuse)

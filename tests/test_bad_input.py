@@ -12,16 +12,6 @@ from pipelines import cli
 FAST = ["--set", "task.num_prompts=50"]
 
 
-@pytest.fixture
-def no_cluster(monkeypatch):
-    """A run that got past its pre-start checks would start a cluster: fail instead."""
-
-    def refuse(*a, **k):
-        raise AssertionError("the cluster was started")
-
-    monkeypatch.setattr("laminar.deploy.open_cluster", refuse)
-
-
 def test_a_run_dir_that_is_a_file_is_refused_and_the_file_kept(tmp_path, capsys, no_cluster):
     f = tmp_path / "notes.txt"
     f.write_text("mine")

@@ -72,16 +72,6 @@ def test_bench_lists_parse(monkeypatch):
     assert seen["batches"] == (1, 16) and seen["repeats"] == 2
 
 
-@pytest.fixture
-def no_cluster(monkeypatch):
-    """A run that got past its pre-start checks would start a cluster: fail instead."""
-
-    def refuse(*a, **k):
-        raise AssertionError("the cluster was started")
-
-    monkeypatch.setattr("laminar.deploy.open_cluster", refuse)
-
-
 def test_scheduler_and_scheduler_file_are_refused_together(tmp_path, capsys, no_cluster):
     f = tmp_path / "scheduler.json"
     argv = ["run", "configs/tiny.yaml", "--scheduler", "tcp://h:8786", "--scheduler-file", str(f)]

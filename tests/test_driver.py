@@ -104,19 +104,7 @@ MANAGER = {
 }
 RELAY = {
     k: [] if k in ("publications", "kept", "versions") else 0
-    for k in (
-        "relay_id",
-        "kept",
-        "versions",
-        "evicted",
-        "allocated_bytes",
-        "peak_bytes",
-        "budget_bytes",
-        "forwarded_chunks",
-        "sender",
-        "errors",
-        "publications",
-    )
+    for k in (*driver.RELAY_FIGURES, "publications")
 }
 ROLLOUT = {"rollout_id": "r0", "response_tokens": 0, "error": None, "version": 3}
 ROLLOUT_END = {**ROLLOUT, "weight_wait_s": 0.0, "weight_loads": 0}
