@@ -496,11 +496,8 @@ def _baseline_store(path, schedule, groups, updates=None, split=False):
                     behavior_version=k_i,
                     finish_version=k_i,
                     sample_version=m_t,
-                    t_submit=1.0,
-                    t_start=2.0,
-                    t_finish=3.0,
-                    t_insert=4.0,
-                    t_sample=5.0,
+                    t_insert=0.0,
+                    t_sample=0.0,
                     status="consumed",
                 ).to_record()
             )
