@@ -673,11 +673,13 @@ def test_a_lost_trainer_restarts_within_the_run_while_rollouts_generate(tmp_path
     # (cumulative across the restart: the new trainer's wait adds to the lost one's)
     for col in ("response_tokens", "inserted", "trainer_wait_s"):
         assert (np.diff(rows[col].values) >= 0).all(), col
-    assert rows["outstanding_groups"].values[down][-1] == 16
     # The groups the lost updates consumed are held again, and out again: the count may
     # pass the bound by them once (the pool then hands out none until it is back under)
     held_again = summary["pool"]["held_again"]
     assert held_again == r["readmitted"] // 4  # (groups of 4: SMALL_RUN)
+    # (at the bound while no trainer ran; the last row before the restart's end may come
+    # after the new trainer's buffer held the lost updates' groups again: a loaded host)
+    assert rows["outstanding_groups"].values[down][-1] in (16, 16 + held_again)
     assert rows["outstanding_groups"].values.max() <= 16 + held_again
     rollouts = summary["rollouts"]
     assert sum(s["pulls_unreachable"] for s in rollouts) >= 1
