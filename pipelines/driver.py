@@ -1035,10 +1035,11 @@ class Schedule:
             return
         if self._data_worker() not in workers:
             return
+        wait = min(15.0, self.cfg.cluster.actor_timeout_s)
         for name in ("buffer", "partial"):
             if a[name] is not None:
                 try:
-                    actor_result(a[name], a[name].close(), 15.0)
+                    actor_result(a[name], a[name].close(), wait)
                 except Exception as e:  # noqa: BLE001 — lost or hung meanwhile: best effort
                     logger.warning("the %s could not be closed: %r", name, e)
 

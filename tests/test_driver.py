@@ -226,6 +226,7 @@ def test_a_data_module_hung_during_the_final_stop_does_not_hang_the_driver(
     live = set(WORKERS.values())
     hang = {"buffer": ["close"], "pool": ["stats"]}[role]
     s, calls = fake_run(tmp_path, monkeypatch, live, **{role: hang})
+    s.cfg = with_overrides(s.cfg, ["cluster.actor_timeout_s=1"])  # (each wait costs one)
     out = run_in_thread(s)
     assert out != "hung", "the driver waited for ever on the hung data module"
     assert "error" in out, out
