@@ -773,7 +773,11 @@ class Schedule:
             self.core_workers[f"trainer rank {i}"] = w
         self._updates_before += self._n_updates
         self._n_updates = 0  # the new trainer's history starts empty
-        self._last_t_stats = handle.stats().result(timeout=self.cfg.cluster.actor_timeout_s)
+        try:
+            future = handle.stats()
+            self._last_t_stats = actor_result(handle, future, self.cfg.cluster.actor_timeout_s)
+        except Exception as e:  # noqa: BLE001 — lost again at once: the next poll sees it
+            logger.warning("the restarted trainer did not answer its first stats: %r", e)
 
     def _t_stand_in(self) -> dict:
         """The trainer's last stats, for a poll that cannot ask it (hung, or being lost)."""

@@ -306,3 +306,21 @@ def test_the_stop_waits_for_a_trainer_still_writing_its_last_checkpoint(tmp_path
     assert out != "hung" and "result" in out, out
     assert (ckpt / "data_state.json").exists()
     assert len(stopped) >= 4
+
+
+def test_a_trainer_lost_again_as_its_restart_ends_is_left_to_the_next_poll(tmp_path, monkeypatch):
+    """The restarted trainer's worker dies just as the driver takes it into its books:
+    its first stats call fails. That is the next poll's loss to detect (and restart
+    again), not an error out of the restart that fails the run."""
+    from types import SimpleNamespace
+
+    s, calls = fake_run(tmp_path, monkeypatch, set(WORKERS.values()))
+    s.tier = SimpleNamespace(relays=[None], workers=[None])
+    s._trainer_wait, s._n_updates = (0.0, 0.0), 0
+    s._last_t_stats = _trainer_stats(done=False)
+    new = FakeActor("tcp://trainer:2", calls, stats=ConnectionError("gone"))
+    r = SimpleNamespace(ranks=[], master="master", worker="tcp://trainer:2")
+    r.group = SimpleNamespace(rank_workers=[])
+    s._trainer_back(r, "trainer", new)
+    assert s.actors["trainer"] is new and s.core_workers["trainer"] == "tcp://trainer:2"
+    assert s._last_t_stats["wait_s"] == 0.0  # (the lost one's stand-in, its wait counted)
