@@ -206,11 +206,7 @@ def _call_each(
     them one after another, and a call that overruns leaves that thread behind: the
     rest go to a new one."""
     if timeout_s is None:
-        for response, answer in calls:
-            try:
-                yield fn(response, answer), None
-            except Exception as e:  # noqa: BLE001
-                yield None, e
+        yield from _outcomes(fn, calls)
         return
     i = 0
     while i < len(calls):
@@ -218,13 +214,10 @@ def _call_each(
         stop = threading.Event()
 
         def run(start: int, done=done, stop=stop) -> None:
-            for response, answer in calls[start:]:
-                if stop.is_set():
+            for outcome in _outcomes(fn, calls[start:]):
+                done.put(outcome)
+                if stop.is_set():  # (left behind: its later calls go to a new thread)
                     return
-                try:
-                    done.put((fn(response, answer), None))
-                except Exception as e:  # noqa: BLE001
-                    done.put((None, e))
 
         threading.Thread(target=run, args=(i,), name="laminar-reward", daemon=True).start()
         while i < len(calls):
@@ -237,6 +230,15 @@ def _call_each(
                 break
             yield result
             i += 1
+
+
+def _outcomes(fn: RewardFn, calls: list[tuple[str, str]]) -> Iterator[tuple[object, object]]:
+    """``(value, None)`` or ``(None, exception)`` for each call, in order, made here."""
+    for response, answer in calls:
+        try:
+            yield fn(response, answer), None
+        except Exception as e:  # noqa: BLE001 — a user function may raise anything
+            yield None, e
 
 
 def _broken(response: str, answer: str) -> float:
