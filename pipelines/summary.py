@@ -58,26 +58,40 @@ def reward_first_last(ds) -> tuple[float, float]:
     return float(np.mean(rewards[:k])), float(np.mean(rewards[-k:]))
 
 
+def store_figures(ds) -> dict:
+    """What the trajectory store says of a run (``ds``: :func:`storage.open_run`):
+    trajectories, consumed, the first vs last 20% reward, mean staleness, status counts."""
+    first, last = reward_first_last(ds)
+    st = ds.laminar.summary()
+    return {
+        "trajectories": int(ds.sizes["trajectory"]),
+        "consumed": int((ds["status"].values == "consumed").sum()),
+        "reward_first_20pct": first,
+        "reward_last_20pct": last,
+        "reward_gain": last - first,
+        "staleness": {k: v for k, v in st.items() if k.endswith("_mean")},
+        "status_counts": {k: v for k, v in st.items() if k.startswith("n_")},
+    }
+
+
 def summarize(run_dir: Path, raw: dict, sft_info: dict, cfg: RunConfig) -> dict:
     """The run summary: reward of the first vs last 20% of trajectories (by finish time),
     token counts, wall time, staleness; written to ``RUN_DIR/summary.json``."""
     from storage import open_run
 
     ds = open_run(run_dir)
-    first, last = reward_first_last(ds)
-    consumed = ds["status"].values == "consumed"
-    st = ds.laminar.summary()
+    store = store_figures(ds)
     earlier = raw["earlier_segments"]  # (a resumed run's starts before this one)
     summary = {
         "run_dir": str(run_dir),
         "reason": raw["reason"],
         "seed": cfg.seed,
         "versions": raw["trainer"]["version"],
-        "trajectories": int(ds.sizes["trajectory"]),
-        "consumed": int(consumed.sum()),
-        "reward_first_20pct": first,
-        "reward_last_20pct": last,
-        "reward_gain": last - first,
+        "trajectories": store["trajectories"],
+        "consumed": store["consumed"],
+        "reward_first_20pct": store["reward_first_20pct"],
+        "reward_last_20pct": store["reward_last_20pct"],
+        "reward_gain": store["reward_gain"],
         "response_tokens": int(ds.sizes["response_token"]),
         "prompt_tokens": int(ds.sizes["prompt_token"]),
         "rl_wall_s": raw["wall_s"],  # this start's (a resumed run: since the resume)
@@ -85,8 +99,8 @@ def summarize(run_dir: Path, raw: dict, sft_info: dict, cfg: RunConfig) -> dict:
         "rl_wall_s_total": raw["wall_s"] + sum(s["end_s"] - s["start_s"] for s in earlier),
         "segments": len(earlier) + 1,
         "sft": sft_info,
-        "staleness": {k: v for k, v in st.items() if k.endswith("_mean")},
-        "status_counts": {k: v for k, v in st.items() if k.startswith("n_")},
+        "staleness": store["staleness"],
+        "status_counts": store["status_counts"],
         "schedule": cfg.pipeline.schedule,
         "trainer_wait_s": raw["trainer"]["wait_s"],
         # trainer.pacing: modelled vs real time of updates and weight movements
@@ -144,17 +158,7 @@ def summarize_failed(run_dir: Path, error: BaseException, cfg: RunConfig) -> dic
         from storage import open_run
 
         ds = open_run(run_dir)
-        first, last = reward_first_last(ds)
-        st = ds.laminar.summary()
-        summary |= {
-            "trajectories": int(ds.sizes["trajectory"]),
-            "consumed": int((ds["status"].values == "consumed").sum()),
-            "reward_first_20pct": first,
-            "reward_last_20pct": last,
-            "reward_gain": last - first,
-            "staleness": {k: v for k, v in st.items() if k.endswith("_mean")},
-            "status_counts": {k: v for k, v in st.items() if k.startswith("n_")},
-        }
+        summary |= store_figures(ds)
     except Exception as e:  # noqa: BLE001 — the store itself may be what failed
         summary["store_error"] = f"{type(e).__name__}: {e}"
     # The last published version the records show: the updates table (written with the
