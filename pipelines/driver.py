@@ -68,6 +68,10 @@ FENCE_WAIT_S = 60.0
 # trainer. (The window lets a reward service that starts late, or restarts, catch up.)
 REWARD_FAILURES_TO_STOP = 64
 REWARD_FAILURE_WINDOW_S = 60.0
+# How long a poll waits for the rollouts' stats. A call still unanswered then is kept and
+# read at a later poll, not made again: a silent rollout (lost but not yet detected, or
+# hung) costs the polls this wait once, not at every poll until the manager declares it.
+ROLLOUT_STATS_WAIT_S = 5.0
 # Rollout stats recorded per poll (besides the rollout id and the time).
 ROLLOUT_METRICS = ROLLOUT_GAUGES + ROLLOUT_COUNTERS
 
@@ -131,6 +135,8 @@ class Schedule:
         # the trainer's wait: (what trainers restarted within the run had waited, the
         # last reading); a new trainer counts from 0 again
         self._trainer_wait = (0.0, 0.0)
+        # rollout handle's key -> its stats call not yet answered (_rollout_stats)
+        self._r_pending: dict = {}
 
     def setup(
         self, progress: Callable[[dict], None], should_stop: Callable[[], bool] = lambda: False
@@ -1061,9 +1067,33 @@ class Schedule:
         return [r for i, r in enumerate(a["rollouts"]) if f"r{i}" not in lost]
 
     def _rollout_stats(self) -> list[dict]:
-        """Stats of every live rollout that answers within a few seconds (one lost but
-        not yet detected does not hold the run up)."""
-        return _answers([lambda r=r: r.stats() for r in self._live_rollouts()])
+        """Stats of every live rollout that answers within :data:`ROLLOUT_STATS_WAIT_S`
+        (one lost but not yet detected does not hold the run up). A rollout whose last
+        call is still out is not called again: that call's answer is read when it comes,
+        and until then the rollout is left out, as a lost one is."""
+        out, waiting = [], []
+        pending, self._r_pending = self._r_pending, {}
+        for r in self._live_rollouts():
+            f = pending.get(r.key)
+            if f is None:
+                try:
+                    f = r.stats()
+                except Exception:  # noqa: BLE001 — its worker is known lost
+                    continue
+            elif not f.done():
+                self._r_pending[r.key] = f  # still silent: no new call, no wait
+                continue
+            waiting.append((r.key, f))
+        deadline = time.monotonic() + ROLLOUT_STATS_WAIT_S
+        for key, f in waiting:
+            try:
+                # (not 0 past the deadline: distributed then times out an answer already in)
+                out.append(f.result(timeout=max(0.1, deadline - time.monotonic())))
+            except TimeoutError:
+                self._r_pending[key] = f
+            except Exception:  # noqa: BLE001 — lost (the manager recovers its work)
+                continue
+        return out
 
     def shutdown(self, reason: str, t_start: float) -> dict:
         """Stop rollouts (their rewarded trajectories still reach the buffer), then the

@@ -324,3 +324,25 @@ def test_a_trainer_lost_again_as_its_restart_ends_is_left_to_the_next_poll(tmp_p
     s._trainer_back(r, "trainer", new)
     assert s.actors["trainer"] is new and s.core_workers["trainer"] == "tcp://trainer:2"
     assert s._last_t_stats["wait_s"] == 0.0  # (the lost one's stand-in, its wait counted)
+
+
+def test_a_silent_rollout_holds_up_one_poll_not_every_poll(tmp_path, monkeypatch):
+    """A rollout that stops answering (hung, or lost and not yet declared) costs the
+    polls one wait: its unanswered call is kept and read when it comes, not made again
+    (and waited on again) at every poll until the manager declares it."""
+    monkeypatch.setattr(driver, "ROLLOUT_STATS_WAIT_S", 0.5)
+    s, calls = fake_run(tmp_path, monkeypatch, set(WORKERS.values()))
+    silent = FakeActor("tcp://r1:1", calls, stats=HANG)
+    s.actors["rollouts"].append(silent)
+    t0 = time.monotonic()
+    polls = [s._rollout_stats() for _ in range(4)]
+    took = time.monotonic() - t0
+    assert polls == [[ROLLOUT]] * 4
+    assert took < 1.2, took  # one wait of 0.5 s, not four
+    assert calls.count("tcp://r1:1.stats") == 1
+    assert calls.count("tcp://r0:1.stats") == 4
+    # its answer, when it comes, is read at the next poll; then it is called again
+    s._r_pending[silent.key].set_result({**ROLLOUT, "rollout_id": "r1"})
+    assert [r["rollout_id"] for r in s._rollout_stats()] == ["r0", "r1"]
+    s._rollout_stats()
+    assert calls.count("tcp://r1:1.stats") == 2
