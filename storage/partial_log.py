@@ -43,7 +43,7 @@ import numpy as np
 import zarr
 
 from storage.schema import STRING
-from storage.trajectories import StoreError, fill_value, new_array, store_path
+from storage.trajectories import StoreError, fill_value, new_array, reading, store_path
 
 STORE_NAME = "partial.zarr"
 SCHEMA_VERSION = 1
@@ -267,10 +267,33 @@ def read_partial_log(path: str | Path) -> dict[str, Any]:
             out[table] = {c: np.zeros(0, d) for c, d in cols.items()}
         out |= {name: np.zeros(0, d) for name, (_, d, _) in FLAT.items()}
         return out
-    root = zarr.open_group(str(path), mode="r", zarr_format=3)
-    _check(root, path)
+    with reading(path):
+        # A compaction between reading the root's pointer and reading the generation it
+        # names removes that generation under the reader (a missing array, or chunks that
+        # read as fill): the root is read again after, and a moved pointer means again.
+        for _ in range(_READ_TRIES):
+            root = zarr.open_group(str(path), mode="r", zarr_format=3)
+            _check(root, path)
+            generation = int(root.attrs["generation"])
+            try:
+                read = _read_generation(root, generation, out)
+            except (KeyError, FileNotFoundError):
+                read = None
+            now = zarr.open_group(str(path), mode="r", zarr_format=3)
+            if read is not None and int(now.attrs.get("generation", -1)) == generation:
+                return read
+    raise StoreError(
+        f"{str(path)!r}: its writer compacted it {_READ_TRIES} times while it was read; "
+        "read it again (or once its run has stopped)"
+    )
+
+
+_READ_TRIES = 5
+
+
+def _read_generation(root: zarr.Group, generation: int, out: dict[str, Any]) -> dict[str, Any]:
     committed = root.attrs["committed"]
-    group = root[f"g{int(root.attrs['generation'])}"]
+    group = root[f"g{generation}"]
     for table, (dim, cols) in TABLES.items():
         n = int(committed[dim])
         out[table] = {c: group[f"{table}/{c}"][:n] for c in cols}

@@ -208,3 +208,35 @@ def test_the_pool_writes_its_log_in_the_background_and_at_close(tmp_path):
     assert stats["log"]["writes"] >= 2 and stats["log"]["error"] is None
     entry = replay_log(tmp_path).entries["p00-000"]
     assert entry["state"].tokens == list(range(21)) and entry["finished"] == ("eos", 3.0)
+
+
+def test_a_reader_that_a_compaction_overtakes_reads_the_new_generation(tmp_path, monkeypatch):
+    """A reader (``laminar audit`` of a running run) reads the root's pointer, then the
+    generation it names; the writer compacting in between removes that generation. The
+    reader reads again, from the new one, rather than failing or reading the holes."""
+    import zarr
+
+    core, writer = PartialCore(journal=True), PartialLogWriter(tmp_path)
+    for b in range(3):
+        ids = [f"p{b:02d}-{i:03d}" for i in range(2)]
+        core.register("r0", b, _states(ids, seed=b))
+        for rid in ids:
+            core.flush("r0", {rid: (0, list(range(8)), [0.0] * 8, [b] * 8)})
+        if b < 2:
+            core.hold(ids)
+            core.forget(ids)
+        writer.append(**core.drain_journal())
+    before = _view(replay_log(tmp_path))
+    real_open, compacted = zarr.open_group, []
+
+    def open_then_compact(*args, **kwargs):
+        root = real_open(*args, **kwargs)
+        if kwargs.get("mode") == "r" and not compacted:
+            compacted.append(True)
+            writer.compact(**core.snapshot())  # (after the reader read the pointer)
+        return root
+
+    monkeypatch.setattr(zarr, "open_group", open_then_compact)
+    after = _view(replay_log(tmp_path))
+    assert compacted and writer.generation == 1
+    assert after == before == _view(core)
