@@ -170,6 +170,9 @@ class MetricsWriter:
                 )
             elif values.dtype.kind != old.dtype.kind and all(r.get(name) is None for r in rows):
                 values = np.full(len(rows), fill_value(old.dtype))  # only None: the fill
+            elif old.dtype.kind == "T" and values.dtype.kind != "T":
+                # (cast, numbers would be stored as their text: "3.5")
+                raise ValueError(f"metrics column {table}.{name!r} mixes strings and numbers")
             columns[name] = values.astype(group[name].dtype)
         for name, arr in group.arrays():
             if arr.shape[0] != n:  # left by an interrupted append: drop it

@@ -189,3 +189,16 @@ def test_gaps_begin_and_end_at_the_last_and_first_activity_around_a_stop(tmp_pat
     # activity outside the stops (or NaN) changes nothing
     activity = np.array([1.0, 6.5, 9.0, 58.0, np.nan, 62.0, 210.0])
     assert gaps(cluster, activity) == [(9.0, 58.0), (65.0, 200.0)]
+
+
+def test_numbers_into_a_string_column_are_refused_not_stored_as_text(tmp_path):
+    """A string column took numbers as their text ("3.5"): refused, as strings into a
+    number column are, and nothing of the batch is written."""
+    w = MetricsWriter(tmp_path)
+    w.append("faults", [{"how": "import", "time": 1.0}])
+    with pytest.raises(ValueError, match=r"faults\.'how'.* mixes strings and numbers"):
+        w.append("faults", [{"how": 3.5, "time": 2.0}])
+    w.append("faults", [{"how": None, "time": 3.0}])  # (absent: the fill, as before)
+    ds = open_metrics(tmp_path, "faults")
+    assert ds["how"].values.tolist() == ["import", ""]
+    assert ds["time"].values.tolist() == [1.0, 3.0]
