@@ -552,3 +552,41 @@ def test_a_rollout_whose_pull_fails_generates_on_with_the_version_it_holds(tiny_
     rollout._maybe_load_weights()
     assert rollout.counts["pulls_failed"] == 1 and rollout.engine.version == 0
     assert torch.equal(rollout.engine.decoder.embed, before)
+
+
+class _RacyFuture:
+    """A call's future as distributed's ``sync`` sometimes answers it under load: the
+    result arrives just as the wait's timeout fires, and that wait raises
+    ``UnboundLocalError`` instead of either (laminar.cluster.actor_result, whose
+    workaround this mirrors). The result is there for the next wait."""
+
+    def __init__(self, future) -> None:
+        self.future, self.raced = future, False
+
+    def result(self, timeout=None):
+        if not self.raced:
+            self.raced = True
+            self.future.result(timeout)  # (the answer is in)
+            raise UnboundLocalError("cannot access local variable 'result'")
+        return self.future.result(timeout)
+
+
+def test_a_pull_survives_a_wait_that_met_its_answer_as_it_timed_out():
+    """Each call's first wait meets distributed's race: the pull goes on with the answer
+    (it used to count a healthy relay as unreachable and fail the pull)."""
+    from laminar.relay import Puller
+
+    core = RelayCore(keep_versions=1)
+    _publish(core, 3, _state(3))
+
+    class Racy(_LocalRelay):
+        def newest(self, have=-1, wait_s=0.0):
+            return _RacyFuture(super().newest(have, wait_s))
+
+        def read_chunk(self, version, j):
+            return _RacyFuture(super().read_chunk(version, j))
+
+    puller = Puller(Racy(core), timeout_s=5)
+    version, state = puller.newest(-1, wait_switch=False)
+    assert version == 3 and all(torch.equal(state[k], _state(3)[k]) for k in state)
+    assert puller.retries == 0
