@@ -15,6 +15,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
+from numbers import Integral
 
 import torch
 
@@ -73,10 +74,20 @@ def check_request(
     rid = request.request_id
     p = request.params
     p.check(rid)
-    n = len(request.prompt_tokens)
+    prompt = request.prompt_tokens
+    # (A list or an array of ids is fine; text, or floats, would fail in the step.)
+    seq = isinstance(prompt, Iterable) and not isinstance(prompt, (str, bytes))
+    odd = [t for t in prompt if not isinstance(t, Integral)][:1] if seq else []
+    if not seq or odd:
+        what = f"the token {odd[0]!r}" if odd else f"a {type(prompt).__name__}"
+        raise EngineError(
+            f"request {rid!r}: prompt_tokens must be integer token ids, not {what}; "
+            "encode prompts with the policy's tokenizer"
+        )
+    n = len(prompt)
     if n == 0:
         raise EngineError(f"request {rid!r} has an empty prompt; give at least one token")
-    bad = [t for t in request.prompt_tokens if not 0 <= t < vocab_size]
+    bad = [t for t in prompt if not 0 <= t < vocab_size]
     if bad:
         raise EngineError(
             f"request {rid!r}: prompt token id {bad[0]!r} is outside the model's "

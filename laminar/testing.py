@@ -336,6 +336,24 @@ class EngineContract:
         with pytest.raises(EngineError, match="capacity"):
             small.add_request(GenerationRequest("cap", (5,) * 30, SamplingParams(20)))
 
+    def test_a_prompt_given_as_a_list_or_an_array_runs_as_a_tuple(self, make_engine):
+        """``prompt_ids`` straight from a tokenizer is a list (the docs' example): it must
+        generate what the tuple does, not fail the step of every request decoding with it."""
+        reqs = requests(3, max_new_tokens=12)
+        ref = tokens_of(drain(self._fresh(make_engine, reqs)))
+        for kind in (list, np.array):
+            same = [GenerationRequest(r.request_id, kind(r.prompt_tokens), r.params) for r in reqs]
+            eng = self._fresh(make_engine, same)
+            eng.step()
+            moved = make_engine(max_batch=8, max_seq_len=64)
+            moved.import_(eng.export(eng.request_ids()[:1]))  # re-prefills prompt + tokens
+            assert tokens_of(drain(eng)) | tokens_of(drain(moved)) == ref, kind
+        for bad in ((5, 3.5), "hello"):
+            with pytest.raises(EngineError, match="prompt"):
+                make_engine(max_batch=4, max_seq_len=32).add_request(
+                    GenerationRequest("bad", bad, SamplingParams(4))
+                )
+
     # -- helpers ---------------------------------------------------------------------------------
     @staticmethod
     def _fresh(make_engine, reqs, *, max_batch: int = 8, **kw):

@@ -148,7 +148,7 @@ class TorchEngine(EngineBase):
             width = max(s.context_len for s in admitted)
             toks = torch.full((len(admitted), width), self.pad, dtype=torch.long)
             for i, s in enumerate(admitted):
-                toks[i, : s.context_len] = torch.tensor(s.request.prompt_tokens + tuple(s.tokens))
+                toks[i, : s.context_len] = torch.tensor([*s.request.prompt_tokens, *s.tokens])
             lengths = torch.tensor([s.context_len for s in admitted])
             view = self._cache[:, :, n_old : n_old + len(admitted)]
             logits.append(self.decoder.prefill(toks.to(self.device), lengths.to(self.device), view))
