@@ -590,8 +590,9 @@ class ClusterConfig(_Section):
     # machine's memory (0.5), auto (its share of it) or 0 (no limit): what Dask takes.
     memory_limit: str = "4GiB"
     # Give the data module (buffer, prompt pool, partial-response log, rollout manager)
-    # a worker of its own instead of sharing the trainer's: the trainer's loss is then
-    # recovered within the run (faults.restart_trainer), not only by a resume.
+    # a worker of its own instead of sharing the trainer's: a lost trainer, or a lost
+    # data module, then restarts alone within the run while the other runs on (shared,
+    # they restart together: docs/faults.md).
     data_apart: bool = False
 
     @field_validator("memory_limit", mode="before")
