@@ -209,11 +209,13 @@ class BufferCore:
         uids = self._choose(n_groups)
         if uids is None:
             return None
+        # Checked before any group leaves: a batch refused halfway lost the groups taken.
+        for uid in uids:
+            if self._too_stale(self.ready[uid], version):
+                raise RuntimeError(f"group {uid!r} exceeds max_train_staleness; evict first")
         out: list[Trajectory] = []
         for uid in uids:
             members = self.ready.pop(uid)
-            if self._too_stale(members, version):
-                raise RuntimeError(f"group {uid!r} exceeds max_train_staleness; evict first")
             for m in members:
                 m.sample_version = version
                 m.t_sample = now

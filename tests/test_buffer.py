@@ -554,3 +554,19 @@ def test_a_batch_the_disk_refused_is_written_with_the_next(tmp_path, monkeypatch
         [f"{u}-{i}" for u in ("p00000000", "p00000001") for i in range(2)]
     )
     assert calls[1] == 4  # (the retry carried both batches' records)
+
+
+def test_sampling_a_stale_group_refuses_the_whole_batch_and_loses_no_group():
+    """Sampling without evicting first raises, and takes nothing: the batch's fresh
+    group used to be popped and marked consumed before the stale one raised, and was
+    neither returned nor held any more (a group lost, uncounted)."""
+    core = BufferCore("fifo", max_train_staleness=1)
+    core.insert(group("fresh", version=3), version=3, now=0.0)
+    core.insert(group("old", version=1), version=2, now=0.0)  # fresh at 2, stale at 3
+    with pytest.raises(RuntimeError, match="exceeds max_train_staleness"):
+        core.sample(2, version=3, now=1.0)
+    assert list(core.ready) == ["fresh", "old"] and core.depth == 4
+    assert all(t.status == "buffered" for g in core.ready.values() for t in g)
+    assert core.counts["consumed"] == 0
+    assert [t.uid for t in core.evict_stale(3)] == ["old-0", "old-1"]
+    assert [t.prompt_uid for t in core.sample(1, version=3, now=2.0)] == ["fresh"] * 2
