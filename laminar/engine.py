@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import math
 import numbers
+from collections.abc import Collection
 from dataclasses import dataclass, field, replace
 from typing import Any, Protocol, runtime_checkable
 
@@ -62,14 +63,26 @@ class SamplingParams:
     def check(self, request_id: str) -> None:
         """Raise :class:`EngineError` naming the first bad field."""
         where = f"request {request_id!r}: sampling"
+        real, integral = numbers.Real, numbers.Integral
         if not isinstance(self.max_new_tokens, int) or self.max_new_tokens <= 0:
             raise EngineError(f"{where} max_new_tokens={self.max_new_tokens!r}; must be ≥ 1")
-        if not (self.temperature >= 0 and math.isfinite(self.temperature)):
-            raise EngineError(f"{where} temperature={self.temperature!r}; must be ≥ 0 (0: greedy)")
-        if not 0 < self.top_p <= 1:
+        t = self.temperature
+        if not (isinstance(t, real) and t >= 0 and math.isfinite(t)):
+            raise EngineError(f"{where} temperature={t!r}; must be ≥ 0 (0: greedy)")
+        if not (isinstance(self.top_p, real) and 0 < self.top_p <= 1):
             raise EngineError(f"{where} top_p={self.top_p!r}; must be in (0, 1] (1: off)")
-        if self.top_k < 0:
-            raise EngineError(f"{where} top_k={self.top_k!r}; must be ≥ 0 (0: off)")
+        if not isinstance(self.top_k, integral) or self.top_k < 0:
+            raise EngineError(f"{where} top_k={self.top_k!r}; must be an integer ≥ 0 (0: off)")
+        # A bare string or id would be read element by element, or fail in the step.
+        if not _collection_of(self.stop_token_ids, integral):
+            raise EngineError(
+                f"{where} stop_token_ids={self.stop_token_ids!r}; must be a tuple of token "
+                "ids, e.g. (7,)"
+            )
+        if not _collection_of(self.stop, str):
+            raise EngineError(
+                f"{where} stop={self.stop!r}; must be a tuple of strings, e.g. ('\\n\\n',)"
+            )
         if any(not s for s in self.stop):
             raise EngineError(f"{where} stop contains an empty string; remove it")
         if self.seed is not None and not (
@@ -78,6 +91,14 @@ class SamplingParams:
             raise EngineError(
                 f"{where} seed={self.seed!r}; must be an integer in [0, 2**64) or None"
             )
+
+
+def _collection_of(values, kind) -> bool:
+    return (
+        isinstance(values, Collection)
+        and not isinstance(values, (str, bytes))
+        and all(isinstance(v, kind) for v in values)
+    )
 
 
 @dataclass(frozen=True)

@@ -354,6 +354,30 @@ class EngineContract:
                     GenerationRequest("bad", bad, SamplingParams(4))
                 )
 
+    def test_badly_typed_sampling_values_are_refused_on_arrival(self, make_engine):
+        """A wrong type is refused by ``add_request`` naming the field, never a TypeError
+        from the step (which fails every request decoding beside it) nor a silent misreading
+        (``stop="ab"`` would stop at any "a" or "b")."""
+        eng = make_engine(max_batch=4, max_seq_len=32)
+        eng.add_request(GenerationRequest("ok", (5, 6), SamplingParams(6, seed=1)))
+        cases = {
+            "stop": dict(stop="ab"),
+            "stop_token_ids": dict(stop_token_ids=7),
+            "temperature": dict(temperature="0.7"),
+            "top_k": dict(top_k=None),
+            "top_p": dict(top_p="1"),
+        }
+        for field, kw in cases.items():
+            with pytest.raises(EngineError, match=field):
+                eng.add_request(GenerationRequest(field, (5,), SamplingParams(6, **kw)))
+        with pytest.raises(EngineError, match="top_k"):
+            eng.add_request(GenerationRequest("k", (5,), SamplingParams(6, top_k=1.5)))
+        # a numpy integer or a list is fine
+        fine = SamplingParams(6, top_k=np.int64(0), stop_token_ids=[7], seed=1)
+        eng.add_request(GenerationRequest("np", (5, 6), fine))
+        outs = drain(eng)
+        assert set(outs) == {"ok", "np"} and len(outs["ok"].response_tokens) >= 1
+
     # -- helpers ---------------------------------------------------------------------------------
     @staticmethod
     def _fresh(make_engine, reqs, *, max_batch: int = 8, **kw):
