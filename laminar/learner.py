@@ -28,7 +28,7 @@ import torch
 from laminar.config import RunConfig
 from laminar.contract import Trajectory
 from laminar.errors import LaminarError
-from laminar.update import grpo_step, trajectory_logprobs
+from laminar.update import agree_on_failure, grpo_step, trajectory_logprobs
 
 CHECKPOINT_FORMAT = 1
 # Trainer settings a resumed run must share with its checkpoint (the optimizer's state is
@@ -113,7 +113,15 @@ class Learner:
         # with several steps, later ones need those logprobs computed up front.
         prox = None
         if t.correction == "decoupled" and n_mini > 1:
-            prox = dict(zip((x.uid for x in batch), self.logprobs(batch), strict=True))
+            error = None
+            try:
+                prox = dict(zip((x.uid for x in batch), self.logprobs(batch), strict=True))
+            except Exception as e:  # noqa: BLE001 — raised after the ranks agree
+                if self.world_size == 1:
+                    raise
+                error = e
+            if self.world_size > 1:  # (a rank failing alone would hang the others)
+                agree_on_failure(error, self.all_reduce, self.rank, self.world_size)
         steps = []
         for part in parts:
             chosen = {uids[i] for i in part}
@@ -185,6 +193,8 @@ class Learner:
             clip_c=t.clip_c,
             shard=self.shard(batch) if self.world_size > 1 else None,
             all_reduce=self.all_reduce if self.world_size > 1 else None,
+            rank=self.rank,
+            world_size=self.world_size,
             correction=t.correction,
             is_cap=t.is_cap,
             proximal_logprobs=proximal,

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from laminar.errors import LaminarError
 from laminar.losses import (
     aggregate,
     decoupled_policy_loss,
@@ -170,6 +171,8 @@ def grpo_step(
     kl_kind: str = "k3",
     entropy_coef: float = 0.0,
     norm_by_std: bool = True,
+    rank: int = 0,
+    world_size: int = 1,
 ) -> dict[str, float]:
     """One optimizer step of GRPO on a global batch; returns metrics.
 
@@ -183,7 +186,9 @@ def grpo_step(
     Data parallelism: with ``shard`` (the rows this rank computes) and ``all_reduce``
     (``all_reduce(tensor, op)`` reduces in place over ranks, ``op`` "sum" or "max"), each
     rank computes its rows' share of the *global* gradient, the shares are summed, and
-    every rank takes the same optimizer step.
+    every rank takes the same optimizer step. ``rank`` of ``world_size``: if any rank's
+    part raises, every rank raises before the gradients are reduced (the others
+    :class:`RankStepFailed`, naming it) and no rank takes the step.
 
     The surrogate (``docs/losses.md``): ``correction="none"`` clips the ratio to the
     behavior policy (the paper's); ``"tis"`` is the truncated-IS policy gradient;
@@ -198,14 +203,99 @@ def grpo_step(
     if correction not in CORRECTIONS:
         raise ValueError(f"trainer.correction={correction!r}; choose one of {CORRECTIONS}")
     model.train()
+    optimizer.zero_grad(set_to_none=True)
+    objective = dict(clip_low=clip_low, clip_high=clip_high, clip_c=clip_c, agg=agg, is_cap=is_cap)
+    rows = list(range(len(prompts))) if shard is None else list(shard)
+    local = dict(
+        pad_token_id=pad_token_id,
+        temperature=temperature,
+        micro_batch_tokens=micro_batch_tokens,
+        correction=correction,
+        objective=objective,
+        proximal_logprobs=proximal_logprobs,
+        ref_model=ref_model,
+        kl_coef=kl_coef,
+        kl_kind=kl_kind,
+        entropy_coef=entropy_coef,
+        norm_by_std=norm_by_std,
+    )
+    args = (model, prompts, responses, behavior_logprobs, loss_masks, rewards, group_index, rows)
+    if all_reduce is None:
+        adv, sums, diff_max = _accumulate(*args, **local)
+    else:
+        # A rank whose own part raises still meets the others at the first collective,
+        # where every rank learns that one failed, and all raise: alone, it would leave
+        # them waiting in the gradient all-reduce for the group's timeout, or (if it went
+        # on to another update) pair that all-reduce with the next step's gradients.
+        error = None
+        try:
+            adv, sums, diff_max = _accumulate(*args, **local)
+        except Exception as e:  # noqa: BLE001 — re-raised below, after the agreement
+            error = e
+        agree_on_failure(error, all_reduce, rank, world_size)
+    params = [p for p in model.parameters() if p.requires_grad]
+    if all_reduce is not None:
+        _all_reduce_grads(params, all_reduce)
+        if not rows:  # an empty shard reduces the same metrics as the others, as zeros
+            empty = torch.zeros(0, 0)
+            _, names = _objective(
+                correction, empty, empty, torch.zeros(0), empty, None, **objective
+            )
+            names |= dict.fromkeys(["pg_loss", "entropy", "loss", "logprob_diff_mean"], 0.0)
+            sums = dict.fromkeys(list(names) + (["kl_ref"] if kl_coef else []), 0.0)
+        keys = sorted(sums)
+        packed = torch.tensor([sums[k] for k in keys], dtype=torch.float64)
+        all_reduce(packed, "sum")  # the weighted metric sums add up over ranks
+        sums = dict(zip(keys, packed.tolist(), strict=True))
+        worst = torch.tensor([diff_max], dtype=torch.float64)
+        all_reduce(worst, "max")
+        diff_max = float(worst[0])
+    grad_norm = torch.nn.utils.clip_grad_norm_(params, max_grad_norm)
+    skipped = not torch.isfinite(grad_norm)
+    if skipped:
+        optimizer.zero_grad(set_to_none=True)
+    else:
+        optimizer.step()
+    return {
+        **sums,
+        "grad_norm": float(grad_norm),
+        "logprob_diff_max": diff_max,
+        "adv_abs_mean": float(adv.abs().mean()),
+        "skipped": float(skipped),
+    }
+
+
+def _accumulate(
+    model,
+    prompts: Sequence[np.ndarray],
+    responses: Sequence[np.ndarray],
+    behavior_logprobs: Sequence[np.ndarray],
+    loss_masks: Sequence[np.ndarray],
+    rewards: torch.Tensor,
+    group_index: torch.Tensor,
+    rows: list[int],
+    *,
+    pad_token_id: int,
+    temperature: float,
+    micro_batch_tokens: int,
+    correction: str,
+    objective: dict,
+    proximal_logprobs: Sequence[np.ndarray] | None,
+    ref_model,
+    kl_coef: float,
+    kl_kind: str,
+    entropy_coef: float,
+    norm_by_std: bool,
+) -> tuple[torch.Tensor, dict[str, float], float]:
+    """This rank's part of :func:`grpo_step`: the gradients of ``rows`` accumulated into
+    the parameters; returns the advantages, the weighted metric sums and the largest
+    logprob difference. No collective here."""
+    agg = objective["agg"]
     adv = group_advantages(rewards, group_index, norm_by_std=norm_by_std)
     n_total = float(sum(np.asarray(m).sum() for m in loss_masks)) or 1.0
-    rows = list(range(len(prompts))) if shard is None else list(shard)
     lengths = [len(prompts[i]) + len(responses[i]) for i in rows]
-    optimizer.zero_grad(set_to_none=True)
     sums: dict[str, float] = {}
     diff_max = 0.0
-    objective = dict(clip_low=clip_low, clip_high=clip_high, clip_c=clip_c, agg=agg, is_cap=is_cap)
     for local in micro_batches(lengths, micro_batch_tokens) if rows else []:
         idx = [rows[j] for j in local]
         batch = pack(
@@ -251,36 +341,29 @@ def grpo_step(
         # share of the sequences, would skew it towards micro-batches of short rows).
         for k, v in metrics.items():
             sums[k] = sums.get(k, 0.0) + (weight if k in AGG_METRICS else token_share) * v
-    params = [p for p in model.parameters() if p.requires_grad]
-    if all_reduce is not None:
-        _all_reduce_grads(params, all_reduce)
-        if not rows:  # an empty shard reduces the same metrics as the others, as zeros
-            empty = torch.zeros(0, 0)
-            _, names = _objective(
-                correction, empty, empty, torch.zeros(0), empty, None, **objective
-            )
-            names |= dict.fromkeys(["pg_loss", "entropy", "loss", "logprob_diff_mean"], 0.0)
-            sums = dict.fromkeys(list(names) + (["kl_ref"] if kl_coef else []), 0.0)
-        keys = sorted(sums)
-        packed = torch.tensor([sums[k] for k in keys], dtype=torch.float64)
-        all_reduce(packed, "sum")  # the weighted metric sums add up over ranks
-        sums = dict(zip(keys, packed.tolist(), strict=True))
-        worst = torch.tensor([diff_max], dtype=torch.float64)
-        all_reduce(worst, "max")
-        diff_max = float(worst[0])
-    grad_norm = torch.nn.utils.clip_grad_norm_(params, max_grad_norm)
-    skipped = not torch.isfinite(grad_norm)
-    if skipped:
-        optimizer.zero_grad(set_to_none=True)
-    else:
-        optimizer.step()
-    return {
-        **sums,
-        "grad_norm": float(grad_norm),
-        "logprob_diff_max": diff_max,
-        "adv_abs_mean": float(adv.abs().mean()),
-        "skipped": float(skipped),
-    }
+    return adv, sums, diff_max
+
+
+class RankStepFailed(LaminarError):
+    """Another data-parallel rank failed its part of this update; no rank took the step."""
+
+
+def agree_on_failure(error: Exception | None, all_reduce, rank: int, world_size: int) -> None:
+    """Every rank says whether its part of the step failed (one small all-reduce); if any
+    did, every rank raises — the failed one its own error, the others
+    :class:`RankStepFailed` naming it — and no rank reaches the gradient all-reduce."""
+    failed = torch.zeros(world_size, dtype=torch.float64)
+    failed[rank] = float(error is not None)
+    all_reduce(failed, "sum")
+    if error is not None:
+        raise error
+    if failed.any():
+        ranks = [r for r in range(world_size) if failed[r]]
+        which = ", ".join(f"rank {r}" for r in ranks)
+        raise RankStepFailed(
+            f"data-parallel {which} failed its part of this update (its own error is in "
+            "its log); no rank took the step: every rank's weights are as before it"
+        )
 
 
 def _objective(

@@ -62,3 +62,48 @@ def rank_main(rank: int, world: int, port: int, policy: str, out: str) -> None:
         torch.save(weights(learner), f"{out}/rank{rank}.pt")
     finally:
         dist.destroy_process_group()
+
+
+def failing_rank_main(
+    rank: int, world: int, port: int, policy: str, out: str, overrides: list[str]
+) -> None:
+    """Under ``CFG`` with ``overrides``, rank 1 is given a token no embedding has on a row
+    of its own shard (its forward raises); each rank records what its update raised and
+    when, then both train one more batch (a group that agreed on the failure is still in
+    step) and save their weights."""
+    import datetime
+    import json
+    import time
+
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=world,
+        timeout=datetime.timedelta(seconds=60),
+    )
+    try:
+        cfg = with_overrides(CFG, overrides)
+        learner = Learner(cfg, policy, rank=rank, world_size=world, all_reduce=torch_all_reduce)
+        bad = batch(0)
+        if rank == 1:
+            bad[learner.shard(bad)[0]].response_tokens[0] = 10**6
+        outcome = {"rank": rank}
+        try:
+            learner.update(bad)
+            outcome["raised"] = None
+        except Exception as e:  # noqa: BLE001 — recorded for the test to judge
+            outcome.update(raised=type(e).__name__, message=str(e))
+        outcome["t"] = time.time()
+        with open(f"{out}/rank{rank}.json", "w") as f:
+            json.dump(outcome, f)
+        learner.update(batch(1))
+        outcome["version"] = learner.version
+        with open(f"{out}/rank{rank}.json", "w") as f:
+            json.dump(outcome, f)
+        torch.save(weights(learner), f"{out}/rank{rank}.pt")
+    finally:
+        dist.destroy_process_group()
