@@ -106,21 +106,27 @@ class TrajectoryWriter:
         store's attributes (the audit knows from it whether responses may mix versions)."""
         self.path = store_path(path)
         exists = (self.path / "zarr.json").exists()
-        self.group = zarr.open_group(str(self.path), mode="a", zarr_format=3)
-        if not exists:
-            self._create()
-            self.group.attrs["schedule"] = schedule
-        elif self.group.attrs.get("schema_version") != SCHEMA_VERSION:
-            raise StoreError(
-                f"{str(self.path)!r} has schema_version "
-                f"{self.group.attrs.get('schema_version')!r}, this code writes "
-                f"{SCHEMA_VERSION}; use a new run directory"
-            )
-        self.n_committed = int(self.group.attrs[COMMIT_ATTR])
-        self.tokens_committed = dict(self.group.attrs["n_committed_tokens"])
-        self.events_committed = int(self.group.attrs[EVENT_COMMIT_ATTR])
-        self._dirty = False  # an append failed after writing part of its batch
-        self._truncate_uncommitted()
+        with reading(self.path):
+            self.group = zarr.open_group(str(self.path), mode="a", zarr_format=3)
+            if not exists:
+                self._create()
+                self.group.attrs["schedule"] = schedule
+            elif self.group.attrs.get("schema_version") != SCHEMA_VERSION:
+                raise StoreError(
+                    f"{str(self.path)!r} has schema_version "
+                    f"{self.group.attrs.get('schema_version')!r}, this code writes "
+                    f"{SCHEMA_VERSION}; use a new run directory"
+                )
+            _check_markers(self.path, self.group, EVENT_COMMIT_ATTR)
+            self.n_committed = int(self.group.attrs[COMMIT_ATTR])
+            self.tokens_committed = dict(self.group.attrs["n_committed_tokens"])
+            self.events_committed = int(self.group.attrs[EVENT_COMMIT_ATTR])
+            self._dirty = False  # an append failed after writing part of its batch
+            # (before anything is truncated: a store shorter than its markers is not
+            # padded to them with empty trajectories)
+            for name, n in self._lengths().items():
+                committed_array(self.path, self.group, name, n)
+            self._truncate_uncommitted()
 
     def _create(self) -> None:
         g = self.group
@@ -142,21 +148,19 @@ class TrajectoryWriter:
             }
         )
 
+    def _lengths(self) -> dict[str, int]:
+        """Every array's committed length."""
+        out = dict.fromkeys(SCALARS, self.n_committed)
+        for group, (dim, fields) in RAGGED.items():
+            out |= dict.fromkeys((f"{group}_start", f"{group}_len"), self.n_committed)
+            out |= dict.fromkeys(fields, self.tokens_committed[dim])
+        return out | dict.fromkeys(EVENT_FIELDS, self.events_committed)
+
     def _truncate_uncommitted(self) -> None:
         """Drop a batch a previous writer left half-appended (reopening after a crash)."""
-        for name in SCALARS:
-            if self.group[name].shape[0] != self.n_committed:
-                self.group[name].resize((self.n_committed,))
-        for group, (dim, fields) in RAGGED.items():
-            for name in (f"{group}_start", f"{group}_len"):
-                if self.group[name].shape[0] != self.n_committed:
-                    self.group[name].resize((self.n_committed,))
-            for name in fields:
-                if self.group[name].shape[0] != self.tokens_committed[dim]:
-                    self.group[name].resize((self.tokens_committed[dim],))
-        for name in EVENT_FIELDS:
-            if self.group[name].shape[0] != self.events_committed:
-                self.group[name].resize((self.events_committed,))
+        for name, n in self._lengths().items():
+            if self.group[name].shape[0] != n:
+                self.group[name].resize((n,))
 
     def append(
         self, records: Sequence[Mapping[str, Any]], events: Sequence[Mapping[str, Any]] = ()
@@ -257,6 +261,39 @@ def reading(store: Path) -> Iterator[None]:
         ) from e
 
 
+def _check_markers(store: Path, group: zarr.Group, *extra: str) -> None:
+    """The commit markers are there (a store laminar did not write lacks them)."""
+    for attr in (COMMIT_ATTR, "n_committed_tokens", *extra):
+        if attr not in group.attrs:
+            raise StoreError(
+                f"{str(store)!r} has no commit marker {attr!r}: it is not a trajectory "
+                "store laminar wrote, or its zarr.json was replaced; pass a run directory "
+                "written by `laminar run`, or restore this one from a copy"
+            )
+
+
+def committed_array(store: Path, group: zarr.Group, name: str, n: int) -> zarr.Array:
+    """Array ``name`` of a store, which must hold the ``n`` values committed to it."""
+    try:
+        arr = group[name]
+    except (KeyError, FileNotFoundError):
+        raise StoreError(
+            f"{str(store)!r} has no array {name!r}; it is damaged or not a trajectory "
+            "store: restore the run directory from a copy"
+        ) from None
+    return _holds(store, name, arr, n)
+
+
+def _holds(store: Path, name: str, arr: zarr.Array, n: int) -> zarr.Array:
+    if arr.shape[0] < n:
+        raise StoreError(
+            f"{str(store)!r}: {name!r} holds {arr.shape[0]} values but the store committed "
+            f"{n}; it was copied while its run wrote it (copy it again once the run has "
+            "stopped), or it is damaged (restore it from a copy)"
+        )
+    return arr
+
+
 def committed(path: str | Path) -> int:
     """How many trajectories a run's store has committed (:class:`StoreError` without
     one)."""
@@ -278,6 +315,7 @@ def _open_group(path: str | Path) -> tuple[Path, zarr.Group]:
             f"{str(store)!r} has schema_version {group.attrs.get('schema_version')!r}; "
             f"this laminar reads {READABLE_SCHEMA_VERSIONS}"
         )
+    _check_markers(store, group)
     return store, group
 
 
@@ -292,7 +330,9 @@ def _apply_events(
     n_events = int(group.attrs.get(EVENT_COMMIT_ATTR, 0))
     if not n_events:
         return 0, ""
-    events = {name: group[name][:n_events] for name in EVENT_FIELDS}
+    events = {
+        name: committed_array(store, group, name, n_events)[:n_events] for name in EVENT_FIELDS
+    }
     rows = {uid: i for i, uid in enumerate(scalars["uid"].tolist())}
     index = np.array([rows.get(u, -1) for u in events["event_uid"].tolist()], dtype=np.int64)
     known = index >= 0
@@ -353,15 +393,15 @@ def _read_trajectories(store: Path, group: zarr.Group, fields) -> dict[str, np.n
         raise StoreError(f"open_trajectories: no per-trajectory fields {sorted(unknown)}")
     for name in SCALARS:
         if name in wanted:
-            out[name] = group[name][:n]
+            out[name] = committed_array(store, group, name, n)[:n]
     _apply_events(store, group, out)
     if fields is not None:
         return out
     for g, (dim, fields) in RAGGED.items():
-        out[f"{g}_start"] = group[f"{g}_start"][:n]
-        out[f"{g}_len"] = group[f"{g}_len"][:n]
+        for name in (f"{g}_start", f"{g}_len"):
+            out[name] = committed_array(store, group, name, n)[:n]
         for name in fields:
-            out[name] = group[name][: tokens[dim]]
+            out[name] = committed_array(store, group, name, tokens[dim])[: tokens[dim]]
     _starts_from_lengths(store, out)
     return out
 
@@ -408,6 +448,8 @@ def _read_run(store: Path, group: zarr.Group) -> xr.Dataset:
     scalars = {}
     for name, arr in group.arrays():
         (dim,) = arr.metadata.dimension_names
+        if dim in lengths:
+            _holds(store, name, arr, lengths[dim])
         if dim == TRAJECTORY_DIM:
             scalars[name] = arr[:n]
         elif dim != EVENT_DIM:  # token-level: lazy
