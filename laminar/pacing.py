@@ -206,6 +206,10 @@ class TimeModel:
         3.35
         """
         if not fused:
+            if batch <= 0 and prefill_tokens > 0:
+                # decode(0, S): a forward that only prefills still pays the step's fixed
+                # cost and reads every weight.
+                return self.t_fix + self.weight_read_time + self.prefill_time(prefill_tokens)
             return self.decode_time(batch, context_tokens) + self.prefill_time(prefill_tokens)
         if batch <= 0 and prefill_tokens <= 0:
             return 0.0

@@ -144,3 +144,20 @@ def test_fused_prefill_hides_compute_under_the_weight_read():
     assert saved == pytest.approx(m.weight_read_time - 32 * m.compute_per_sequence, rel=1e-9)
     pacer = Pacer(m, dilation=2.0, fused_prefill=True)
     assert pacer.modelled(32, 4000, 50) == pytest.approx(2.0 * decode)
+
+
+def test_a_step_that_only_prefills_pays_the_fixed_cost_and_the_weight_read():
+    """docs/pacing.md: an additive step is ``decode(b, S) + prefill(n)``, and ``decode(0, S)``
+    is ``t_fix`` plus the weight read; a forward that prefills reads every weight. A local
+    batch's first step (all admitted, none decoding) cost its prefill compute alone: 0.64 ms
+    for 100 tokens of the 7B on 4 H800s, below the 1.27 ms weight read, and less than the
+    same step fused, which the model says can only hide cost."""
+    m = TimeModel.named("H800", "7B", tp=4)
+    for n in (1, 100, 20_000):
+        additive = m.step_time(0, 0, n)
+        assert additive == pytest.approx(m.t_fix + m.weight_read_time + m.prefill_time(n))
+        assert m.step_time(0, 0, n, fused=True) <= additive
+    assert m.step_time(0, 0, 0) == m.step_time(0, 0, 0, fused=True) == 0  # nothing to do
+    assert Pacer(m, dilation=2.0).modelled(0, 0, 100, admitted=1) == pytest.approx(
+        2 * (m.t_fix + m.weight_read_time + m.prefill_time(100))
+    )
