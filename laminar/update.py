@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from laminar.errors import LaminarError
+from laminar.errors import DataError, LaminarError
 from laminar.losses import (
     aggregate,
     decoupled_policy_loss,
@@ -75,6 +75,17 @@ def pack(
     return PackedBatch(ids, att, rmask, old, plens, rlens)
 
 
+def check_prompts(prompts: Sequence[np.ndarray]) -> None:
+    """Refuse an empty prompt: no logits predict its first response token (a prompt
+    needs a token, e.g. ``<bos>``, to condition on)."""
+    for i, p in enumerate(prompts):
+        if len(p) == 0:
+            raise DataError(
+                f"row {i} has an empty prompt: no logits predict its first response "
+                "token; give every prompt at least one token (e.g. <bos>)"
+            )
+
+
 def response_logprobs(
     model, batch: PackedBatch, temperature: float = 1.0, *, with_entropy: bool = False
 ):
@@ -108,6 +119,7 @@ def trajectory_logprobs(
 ) -> list[np.ndarray]:
     """``model``'s logprobs of each response's tokens (one array per response), computed
     in length-sorted micro-batches."""
+    check_prompts(prompts)
     out: list[np.ndarray] = [np.zeros(0, np.float32)] * len(responses)
     lengths = [len(p) + len(r) for p, r in zip(prompts, responses, strict=True)]
     for idx in micro_batches(lengths, micro_batch_tokens):
@@ -202,6 +214,7 @@ def grpo_step(
     """
     if correction not in CORRECTIONS:
         raise ValueError(f"trainer.correction={correction!r}; choose one of {CORRECTIONS}")
+    check_prompts(prompts)  # (every rank checks every row: they all raise, none waits)
     model.train()
     optimizer.zero_grad(set_to_none=True)
     objective = dict(clip_low=clip_low, clip_high=clip_high, clip_c=clip_c, agg=agg, is_cap=is_cap)

@@ -6,6 +6,7 @@ import json
 import multiprocessing as mp
 import socket
 
+import numpy as np
 import pytest
 import torch
 from learner_cases import failing_rank_main
@@ -44,3 +45,53 @@ def test_a_rank_that_fails_its_update_fails_every_rank_at_once(tiny_policy, tmp_
     assert r0["version"] == r1["version"] == 1
     w0, w1 = (torch.load(tmp_path / f"rank{r}.pt") for r in range(2))
     assert all(torch.equal(w0[k], w1[k]) for k in w0)
+
+
+def test_a_micro_batch_of_one_token_prompts_with_empty_responses(tiny_policy):
+    """Rows of a 1-token prompt and no response are a micro-batch of their own (the
+    shortest): their logprobs are empty, and a step with them trains the other rows."""
+    from laminar.model import load_policy
+    from laminar.update import grpo_step, trajectory_logprobs
+
+    model, tok = load_policy(tiny_policy)
+    prompts = [np.array([5]), np.array([6]), np.array([7, 8, 9])]
+    responses = [np.zeros(0, np.int32), np.zeros(0, np.int32), np.array([10, 11])]
+    lps = trajectory_logprobs(
+        model, prompts, responses, pad_token_id=tok.pad_token_id, micro_batch_tokens=2
+    )
+    assert [len(x) for x in lps] == [0, 0, 2] and np.isfinite(lps[2]).all()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    m = grpo_step(
+        model,
+        opt,
+        prompts,
+        responses,
+        [np.full(len(r), -5.0, np.float32) for r in responses],
+        [np.ones(len(r), np.uint8) for r in responses],
+        torch.tensor([0.0, 0.0, 1.0]),
+        torch.tensor([0, 0, 0]),
+        pad_token_id=tok.pad_token_id,
+        clip_low=0.2,
+        clip_high=0.28,
+        micro_batch_tokens=2,
+    )
+    assert m["skipped"] == 0 and np.isfinite(m["loss"]) and m["grad_norm"] > 0
+    assert any(not torch.equal(before[k], v) for k, v in model.state_dict().items())
+
+
+def test_an_empty_prompt_is_refused_naming_the_row(tiny_policy):
+    """No logits predict the first response token of an empty prompt: a clear error,
+    not an index error from deep inside the gather."""
+    from laminar.errors import LaminarError
+    from laminar.model import load_policy
+    from laminar.update import trajectory_logprobs
+
+    model, tok = load_policy(tiny_policy)
+    with pytest.raises(LaminarError, match=r"row 1 has an empty prompt"):
+        trajectory_logprobs(
+            model,
+            [np.array([5]), np.zeros(0, np.int32)],
+            [np.array([6]), np.array([7, 8])],
+            pad_token_id=tok.pad_token_id,
+        )
