@@ -72,6 +72,8 @@ def check_request(
     laminar.engine.EngineError: request 'a': prompt token id 200 is outside the model's ...
     """
     rid = request.request_id
+    if not isinstance(rid, str):
+        raise EngineError(f"request_id={rid!r}; must be a str (its bytes seed the request)")
     p = request.params
     p.check(rid)
     prompt = request.prompt_tokens

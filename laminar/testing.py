@@ -323,6 +323,7 @@ class EngineContract:
             (GenerationRequest("n", (5,), SamplingParams(max_new_tokens=0)), "max_new_tokens"),
             (GenerationRequest("t", (5,), SamplingParams(8, temperature=-1)), "temperature"),
             (GenerationRequest("p", (5,), SamplingParams(8, top_p=0)), "top_p"),
+            (GenerationRequest(7, (5,), sp), "request_id"),  # (seeded from the id's bytes)
         ]
         for req, reason in cases:
             with pytest.raises(EngineError, match=reason):
