@@ -36,6 +36,7 @@ from storage.schema import (
     EVENT_DIM,
     EVENT_FIELDS,
     RAGGED,
+    RAGGED_FIELDS,
     READABLE_SCHEMA_VERSIONS,
     SCALARS,
     SCHEMA_VERSION,
@@ -176,6 +177,11 @@ class TrajectoryWriter:
                 f"leave event for {bad[0]['uid']!r}: status {bad[0]['status']!r} is not one "
                 f"of {STATUSES}"
             )
+        bad = [r for r in records if r["status"] not in STATUSES]
+        if bad:
+            raise StoreError(
+                f"record {bad[0]['uid']!r}: status {bad[0]['status']!r} is not one of {STATUSES}"
+            )
         # Everything is checked and converted before anything is written ...
         tokens = dict(self.tokens_committed)
         flat: dict[str, np.ndarray] = {}
@@ -191,13 +197,13 @@ class TrajectoryWriter:
                         f"record {records[bad[0]]['uid']!r}: {name} has {len(values[bad[0]])} "
                         f"values but {lead} has {lens[bad[0]]}"
                     )
-                flat[name] = np.concatenate(values).astype(dtype) if values else np.zeros(0, dtype)
+                flat[name] = _exact(records, name, values, dtype)
             # (exclusive cumsum: one start per record, none for an events-only batch)
             per_traj[f"{group}_start"] = tokens[dim] + np.cumsum(lens) - lens
             per_traj[f"{group}_len"] = lens
             tokens[dim] += int(lens.sum())
         for name, dtype in SCALARS.items():
-            per_traj[name] = np.array([r[name] for r in records], dtype=dtype)
+            per_traj[name] = _exact(records, name, [r[name] for r in records], dtype)
         leave = {
             name: np.array([e[field] for e in events], dtype=SCALARS[field])
             for name, field in EVENT_FIELDS.items()
@@ -222,6 +228,43 @@ class TrajectoryWriter:
         )
         self._dirty = False
         return self.n_committed
+
+
+def _exact(
+    records: Sequence[Mapping[str, Any]], name: str, values: list, dtype: np.dtype
+) -> np.ndarray:
+    """``values`` of field ``name`` (one per record: arrays for a ragged field) as
+    ``dtype``. A value it cannot hold (not a number; for an integer field, a fraction or
+    out of range) is a :class:`StoreError` naming its record, rather than cast: numpy
+    would store 1.7 as 1, 2**31 as -2**31, and -1 as 255 in a ``uint8`` mask."""
+    ragged = name in RAGGED_FIELDS
+    try:
+        with np.errstate(invalid="ignore", over="ignore"):
+            if ragged:
+                given = np.concatenate(values) if values else np.zeros(0, dtype)
+                out = given.astype(dtype)
+                exact = dtype.kind not in "iu" or np.array_equal(out, given)
+            else:
+                out = np.array(values, dtype=dtype)
+                exact = dtype.kind not in "iu" or out.tolist() == list(values)
+        if exact:
+            return out
+    except (TypeError, ValueError, OverflowError):
+        pass
+    for rec, v in zip(records, values, strict=True):  # (which record, which value)
+        for x in np.asarray(v).ravel().tolist() if ragged else [v]:
+            try:
+                with np.errstate(invalid="ignore", over="ignore"):
+                    held = np.array(x, dtype=dtype).item()
+            except (TypeError, ValueError, OverflowError):
+                held = None
+            if held is None or (dtype.kind in "iu" and held != x):
+                raise StoreError(
+                    f"record {rec['uid']!r}: {name} value {x!r} is not a {dtype} (the "
+                    "store would cast it); pass the values the schema holds "
+                    "(storage/schema.py)"
+                )
+    return out
 
 
 def fill_value(dtype: np.dtype) -> Any:

@@ -70,3 +70,30 @@ def test_a_foreign_store_without_commit_markers_is_named(tmp_path):
         with pytest.raises(StoreError, match=r"no commit marker 'n_committed'"):
             read(tmp_path)
     assert np.array_equal(json.loads(meta.read_text())["attributes"]["schema_version"], 2)
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "said"),
+    [
+        ("response_tokens", np.array([1.7, 2.0, 3.0, 4.0]), "response_tokens.*1.7"),
+        ("prompt_tokens", np.array([1, 2**31, 3], np.int64), "prompt_tokens.*2147483648"),
+        ("loss_mask", np.array([1, 1, -1, 1]), "loss_mask.*-1"),
+        ("sample_version", 2.5, "sample_version.*2.5"),
+        ("prompt_key", 2**70, "prompt_key"),
+        ("group_size", None, "group_size.*None"),
+        ("status", "lost", "status 'lost' is not one of"),
+    ],
+)
+def test_values_the_schema_cannot_hold_are_refused_not_cast(tmp_path, field, value, said):
+    """A value the field's dtype cannot hold was cast (1.7 -> 1, 2**31 -> -2**31, -1 ->
+    255 in a uint8 mask) or raised numpy's bare error; it is refused, naming the record
+    and the field, before anything is written."""
+    w = TrajectoryWriter(tmp_path)
+    w.append([record(0)])
+    bad = record(1) | {field: value}
+    with pytest.raises(StoreError, match=rf"record 'u1': {said}"):
+        w.append([record(2), bad])
+    assert open_trajectories(tmp_path)["uid"].tolist() == ["u0"]
+    assert w.append([record(1)]) == 2  # (the writer goes on)
+    got = open_trajectories(tmp_path)
+    assert got["response_tokens"].tolist() == [100, 101, 102, 103] * 2
