@@ -52,6 +52,14 @@ def group_advantages(
     return (centred / (var.sqrt()[inverse] + eps)).float()
 
 
+def _on_loss_tokens(other: torch.Tensor, logprobs: torch.Tensor, mask: torch.Tensor):
+    """``other`` logprobs where ``mask`` is set, ``logprobs`` (detached) elsewhere: a
+    masked token (a tool's, or padding) may carry any value there, NaN or -inf included,
+    and must not reach the loss: ``inf·0`` and ``NaN·0`` are NaN, in the loss and its
+    gradient alike."""
+    return torch.where(mask > 0, other, logprobs.detach())
+
+
 AGGREGATIONS = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean")
 
 
@@ -115,6 +123,7 @@ def policy_loss(
         advantages = advantages[:, None]
     advantages = advantages.expand_as(logprobs)
     mask = mask.to(logprobs.dtype)
+    old_logprobs = _on_loss_tokens(old_logprobs, logprobs, mask)
     ratio = torch.exp(logprobs - old_logprobs)
     clipped = ratio.clamp(1.0 - clip_low, 1.0 + clip_high)
     per_token = -torch.minimum(ratio * advantages, clipped * advantages)
@@ -179,6 +188,7 @@ def tis_policy_loss(
         advantages = advantages[:, None]
     advantages = advantages.expand_as(logprobs)
     mask = mask.to(logprobs.dtype)
+    behavior_logprobs = _on_loss_tokens(behavior_logprobs, logprobs, mask)
     weights = truncated_is_weights(logprobs.detach(), behavior_logprobs, is_cap)
     loss = aggregate(-weights * advantages * logprobs, mask, agg)
     n = mask.sum().clamp(min=1.0)
@@ -204,6 +214,8 @@ def decoupled_policy_loss(
     importance weights ``min(π_prox / π_behav, is_cap)``. ``kwargs`` go to
     :func:`policy_loss`. With fresh data (proximal = behavior) it equals plain PPO.
     """
+    proximal_logprobs = _on_loss_tokens(proximal_logprobs, logprobs, mask)
+    behavior_logprobs = _on_loss_tokens(behavior_logprobs, proximal_logprobs, mask)
     weights = truncated_is_weights(proximal_logprobs, behavior_logprobs, is_cap)
     loss, metrics = policy_loss(
         logprobs, proximal_logprobs, advantages, mask, is_weights=weights, **kwargs

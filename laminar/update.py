@@ -72,6 +72,8 @@ def pack(
         ids[i, n : n + k] = torch.as_tensor(r, dtype=torch.long)
         att[i, : n + k] = 1
     rmask, old = _pad(loss_masks, rwidth), _pad(behavior_logprobs, rwidth)
+    # A masked (tool) token may have no engine logprob (NaN): it must reach no metric.
+    old = torch.where(rmask > 0, old, 0.0)
     return PackedBatch(ids, att, rmask, old, plens, rlens)
 
 

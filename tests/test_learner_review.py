@@ -95,3 +95,30 @@ def test_an_empty_prompt_is_refused_naming_the_row(tiny_policy):
             [np.array([6]), np.array([7, 8])],
             pad_token_id=tok.pad_token_id,
         )
+
+
+def test_a_step_with_a_masked_nan_behavior_logprob_is_taken_and_its_metrics_finite(
+    tiny_policy,
+):
+    """A tool token (loss mask 0) without an engine logprob (NaN) neither skips the step
+    nor makes a metric NaN."""
+    from laminar.model import load_policy
+    from laminar.update import grpo_step
+
+    model, tok = load_policy(tiny_policy)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    m = grpo_step(
+        model,
+        opt,
+        [np.array([5, 6]), np.array([5, 6])],
+        [np.array([7, 8, 9]), np.array([10, 11])],
+        [np.array([-4.0, np.nan, -4.0], np.float32), np.array([-4.0, -4.0], np.float32)],
+        [np.array([1, 0, 1], np.uint8), np.array([1, 1], np.uint8)],
+        torch.tensor([1.0, 0.0]),
+        torch.tensor([0, 0]),
+        pad_token_id=tok.pad_token_id,
+        clip_low=0.2,
+        clip_high=0.28,
+    )
+    assert m["skipped"] == 0
+    assert all(np.isfinite(v) for v in m.values()), m

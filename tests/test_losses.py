@@ -365,3 +365,35 @@ def test_trainer_logprobs_without_a_pad_token_and_at_a_vanishing_temperature(tin
     for lp in cold:
         assert np.isfinite(lp[lp > -np.inf]).all() and not np.isnan(lp).any()
         assert set(np.unique(lp)) <= {0.0, -np.inf}  # (the argmax's 0, the others' -inf)
+
+
+@pytest.mark.parametrize("bad", [math.nan, -math.inf])
+def test_a_masked_token_is_ignored_whatever_its_behavior_logprob(bad):
+    """A tool/environment token (loss mask 0) has no engine logprob: a NaN or -inf put
+    there must neither poison the loss, its gradient nor the metrics (it skipped the
+    whole step)."""
+    from laminar.losses import tis_policy_loss
+
+    logp = torch.tensor([[-1.0, -2.0, -0.5]])
+    old = torch.tensor([[-1.2, bad, -0.4]])
+    clean = torch.tensor([[-1.2, -2.0, -0.4]])
+    mask = torch.tensor([[1.0, 0.0, 1.0]])
+    adv = torch.tensor([1.0])
+    losses = {
+        "ppo": lambda o: policy_loss(logp_, o, adv, mask, clip_c=3.0),
+        "tis": lambda o: tis_policy_loss(logp_, o, adv, mask),
+        "decoupled": lambda o: decoupled_policy_loss(logp_, clean, o, adv, mask),
+        "decoupled-prox": lambda o: decoupled_policy_loss(logp_, o, clean, adv, mask),
+    }
+    for name, loss_of in losses.items():
+        grads = []
+        for o in (old, clean):
+            logp_ = logp.clone().requires_grad_(True)
+            loss, metrics = loss_of(o)
+            loss.backward()
+            assert math.isfinite(float(loss)), name
+            assert all(math.isfinite(v) for v in metrics.values()), (name, metrics)
+            grads.append((float(loss), logp_.grad.clone(), metrics))
+        assert grads[0][0] == pytest.approx(grads[1][0]), name
+        assert torch.allclose(grads[0][1], grads[1][1]), name
+        assert grads[0][2] == pytest.approx(grads[1][2]), name
