@@ -15,11 +15,14 @@ from storage.live import LIVE_FILE, LIVE_STALE_S, RunGoing, claim, running_drive
 
 REPO = Path(__file__).resolve().parents[1]
 
-# Claims ``RUN`` at wall time ``AT`` and says whether it got it; holds it ``HOLD_S``.
+# Claims ``RUN`` at the wall time it is given once every claimer has started, says whether
+# it got it, and holds it until told (how="killed": then leaves as if killed outright).
 CLAIMER = """
 import os, sys, time
 from storage.live import RunGoing, claim
-run, at, hold, how = sys.argv[1], float(sys.argv[2]), float(sys.argv[3]), sys.argv[4]
+run, how = sys.argv[1], sys.argv[2]
+print("ready", flush=True)
+at = float(sys.stdin.readline())
 time.sleep(max(0.0, at - time.time()))
 try:
     claim(run)
@@ -27,36 +30,48 @@ except RunGoing:
     print("refused", flush=True)
     sys.exit(0)
 print("claimed", flush=True)
-time.sleep(hold)
+sys.stdin.readline()
 if how == "killed":
     os._exit(0)  # (no atexit: as a process killed outright leaves its claim)
 """
 
 
-def _claimers(run: Path, n: int, *, hold_s: float, how: str = "ends") -> list[str]:
-    at = time.time() + 3.0  # (every interpreter started and waiting by then)
+def _claimers(run: Path, n: int, *, how: str = "ends") -> list[str]:
+    """What each of ``n`` claimers started at one moment said. The moment is set once
+    every interpreter is up (on a busy machine their imports take seconds apart), and
+    the claim is held until every claimer has answered: a late claimer must not find the
+    directory already given back."""
     procs = [
         subprocess.Popen(
-            [sys.executable, "-c", CLAIMER, str(run), str(at), str(hold_s), how],
+            [sys.executable, "-c", CLAIMER, str(run), how],
             cwd=REPO,
+            stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             text=True,
         )
         for _ in range(n)
     ]
-    return [p.communicate(timeout=60)[0].strip() for p in procs]
+    assert [p.stdout.readline().strip() for p in procs] == ["ready"] * n
+    at = time.time() + 0.5
+    for p in procs:
+        p.stdin.write(f"{at}\n")
+        p.stdin.flush()
+    said = [p.stdout.readline().strip() for p in procs]
+    for p in procs:
+        p.communicate("go\n", timeout=60)  # (gives the claim back, or leaves it killed)
+    return said
 
 
 def test_of_starts_at_the_same_moment_exactly_one_claims_the_directory(tmp_path):
     """A check for a live driver followed by a write let two through; the claim is an
     exclusive create."""
-    said = _claimers(tmp_path, 6, hold_s=1.0)
+    said = _claimers(tmp_path, 6)
     assert sorted(said) == ["claimed"] + ["refused"] * 5, said
     assert not (tmp_path / LIVE_FILE).exists()  # (given back when its process ended)
 
 
 def test_a_driver_killed_on_this_host_frees_the_directory_at_once(tmp_path):
-    assert _claimers(tmp_path, 1, hold_s=0.0, how="killed") == ["claimed"]
+    assert _claimers(tmp_path, 1, how="killed") == ["claimed"]
     left = json.loads((tmp_path / LIVE_FILE).read_text())
     assert time.time() - left["seen"] < LIVE_STALE_S  # (fresh, but its process is gone)
     assert running_driver(tmp_path) is None
