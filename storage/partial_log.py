@@ -280,8 +280,15 @@ def read_partial_log(path: str | Path) -> dict[str, Any]:
             except (KeyError, FileNotFoundError):
                 read = None
             now = zarr.open_group(str(path), mode="r", zarr_format=3)
-            if read is not None and int(now.attrs.get("generation", -1)) == generation:
-                return read
+            if int(now.attrs.get("generation", -1)) != generation:
+                continue
+            if read is None:  # (not a compaction's doing)
+                raise StoreError(
+                    f"{str(path)!r}: generation g{generation} lacks an array; it is "
+                    "damaged: move it aside (the run resumes without its recovery log) or "
+                    "restore it from a copy"
+                )
+            return read
     raise StoreError(
         f"{str(path)!r}: its writer compacted it {_READ_TRIES} times while it was read; "
         "read it again (or once its run has stopped)"

@@ -240,3 +240,12 @@ def test_a_reader_that_a_compaction_overtakes_reads_the_new_generation(tmp_path,
     after = _view(replay_log(tmp_path))
     assert compacted and writer.generation == 1
     assert after == before == _view(core)
+
+
+def test_a_generation_missing_an_array_is_named_as_damaged(tmp_path):
+    core, writer = PartialCore(journal=True), PartialLogWriter(tmp_path)
+    core.register("r0", 0, _states(["p00-000"], seed=0))
+    writer.append(**core.drain_journal())
+    shutil.rmtree(writer.path / "g0" / "requests" / "owner")
+    with pytest.raises(StoreError, match=r"partial.zarr.*g0.*damaged.*move it aside"):
+        read_partial_log(tmp_path)
