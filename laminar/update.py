@@ -105,7 +105,10 @@ def response_logprobs(
     valid = torch.arange(rwidth)[None, :] < batch.response_lens[:, None]
     if not with_entropy:
         return out * valid
-    ent = -(picked.exp() * picked).sum(-1)
+    # A token of probability 0 (logprob -inf: every token but the argmax at T -> 0)
+    # adds p·log p -> 0, not 0·(-inf) = NaN; clamped, its gradient is 0 as well.
+    finite = picked.clamp(min=torch.finfo(picked.dtype).min)
+    ent = -(finite.exp() * finite).sum(-1)
     return out * valid, ent * valid
 
 

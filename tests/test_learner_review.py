@@ -122,3 +122,23 @@ def test_a_step_with_a_masked_nan_behavior_logprob_is_taken_and_its_metrics_fini
     )
     assert m["skipped"] == 0
     assert all(np.isfinite(v) for v in m.values()), m
+
+
+def test_entropy_at_a_vanishing_temperature_is_zero_not_nan(tiny_policy):
+    """At T -> 0 every token but the argmax has logprob -inf: its term of the entropy is
+    0 (p log p -> 0), not 0·(-inf) = NaN, and its gradient is finite."""
+    from laminar.model import load_policy
+    from laminar.update import pack, response_logprobs
+
+    model, tok = load_policy(tiny_policy)
+    batch = pack(
+        [np.array([1, 5, 6]), np.array([1, 7])],
+        [np.array([8, 9]), np.array([10, 11, 12])],
+        [np.zeros(2, np.float32), np.zeros(3, np.float32)],
+        [np.ones(2, np.uint8), np.ones(3, np.uint8)],
+        tok.pad_token_id,
+    )
+    _, ent = response_logprobs(model, batch, 1e-39, with_entropy=True)
+    assert torch.equal(ent, torch.zeros_like(ent))
+    ent.sum().backward()
+    assert all(torch.isfinite(p.grad).all() for p in model.parameters() if p.grad is not None)
