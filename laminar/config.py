@@ -162,8 +162,9 @@ class PacingConfig(_Section):
     prefill: Literal["additive", "fused"] = "additive"
     # A scaled-down workload: each real token stands for length_scale modelled tokens,
     # each real request for request_scale modelled requests; modelled time runs
-    # length_scale times faster (docs/pacing.md, "Scaled workloads").
-    length_scale: float = Field(1.0, gt=0)
+    # length_scale times faster (docs/pacing.md, "Scaled workloads"). (Below 1 the
+    # model's decode steps after each real one would weigh negative.)
+    length_scale: float = Field(1.0, ge=1)
     request_scale: float = Field(1.0, gt=0)
     # Modelled seconds a rollout waits when it loads a version from its relay (host to
     # device over PCIe; the shared cluster model: 1 s for a 7B model). 0: only real time.

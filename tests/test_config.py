@@ -50,6 +50,8 @@ def test_overrides_are_typed():
         (["trainer.lr=.inf"], r"trainer.lr: Input should be a finite number"),
         (["task.truncated_reward=.nan"], r"task.truncated_reward: .*finite number"),
         (["rollout.pacing.dilation=.inf"], r"rollout.pacing.*finite number"),
+        # one real token standing for less than one: the pacing would go negative
+        (["rollout.pacing.length_scale=0.5"], r"length_scale: .*greater than or equal to 1"),
         (["cluster.slurm.walltime=forever"], r"walltime: is no time sbatch takes; give minutes"),
         (["cluster.slurm.walltime=1:2:3:4"], r"walltime: is no time sbatch takes"),
     ],
