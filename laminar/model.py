@@ -213,7 +213,8 @@ class CachedDecoder:
         self.load(state)
 
     def load(self, state: dict[str, torch.Tensor]) -> None:
-        """Take weights from an HF state dict (``model.layers.N...`` names)."""
+        """Take weights from an HF state dict (``model.layers.N...`` names): all of them
+        or, if one is missing, none (the decoder keeps the weights it had)."""
 
         def get(name: str, required: bool = True) -> torch.Tensor | None:
             t = state.get(name)
@@ -225,14 +226,13 @@ class CachedDecoder:
             # left a torn mix of two versions, labelled as the older).
             return None if t is None else t.detach().to(self.device, torch.float32, copy=True)
 
-        self.embed = get("model.embed_tokens.weight")
-        self.final_norm = get("model.norm.weight")
+        embed = get("model.embed_tokens.weight")
+        final_norm = get("model.norm.weight")
         lm_head = get("lm_head.weight", required=False)
-        self.lm_head = self.embed if lm_head is None else lm_head
-        self.layers = []
+        layers = []
         for i in range(self.n_layers):
             p = f"model.layers.{i}."
-            self.layers.append(
+            layers.append(
                 {
                     "ln1": get(p + "input_layernorm.weight"),
                     "ln2": get(p + "post_attention_layernorm.weight"),
@@ -250,6 +250,10 @@ class CachedDecoder:
                     },
                 }
             )
+        # (assigned only once every weight was found: an engine whose load failed keeps
+        # decoding with its old weights, not a mix of both)
+        self.embed, self.final_norm, self.layers = embed, final_norm, layers
+        self.lm_head = embed if lm_head is None else lm_head
 
     def new_cache(self, rows: int, columns: int) -> torch.Tensor:
         """A zeroed cache ``[layers, 2, rows, kv_heads, columns, head_dim]``."""

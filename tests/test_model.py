@@ -126,3 +126,18 @@ def test_the_decoder_owns_its_weights(policy):
     before = dec.embed.clone()
     state["model.embed_tokens.weight"].add_(1.0)  # (the next pull, writing in place)
     assert torch.equal(dec.embed, before)
+
+
+def test_a_load_missing_a_weight_changes_nothing(policy):
+    """A state dict that lacks a layer's weight is refused whole: the decoder keeps all
+    of its old weights, not the new embeddings beside a truncated stack of layers."""
+    model, _ = policy
+    state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    dec = CachedDecoder(model.config, state)
+    embed, layers = dec.embed.clone(), [dict(layer) for layer in dec.layers]
+    new = {k: v + 1.0 for k, v in state.items() if k != "model.layers.1.mlp.up_proj.weight"}
+    with pytest.raises(ModelError, match="model.layers.1.mlp.up_proj.weight"):
+        dec.load(new)
+    assert torch.equal(dec.embed, embed) and len(dec.layers) == len(layers) == dec.n_layers
+    for now, before in zip(dec.layers, layers, strict=True):
+        assert all(now[k] is before[k] for k in before)
