@@ -577,10 +577,19 @@ class TrainerRank:
         try:
             _join_group(self.cfg, self.init_method, rank=self.rank)
             while (batch := _broadcast()) is not None:
-                self.learner.update(batch)
+                try:
+                    self.learner.update(batch)
+                except Exception:  # noqa: BLE001 — the group goes on: see below
+                    # Every rank raised at this update (the learner agrees on a failure
+                    # before its gradient all-reduce) and none took the step: rank 0 now
+                    # stops the group, or trains on, and this rank must meet it either
+                    # way (gone, it would leave rank 0 waiting for the group's timeout,
+                    # its last checkpoint unwritten).
+                    self.error = (self.error or "") + traceback.format_exc()
+                    logger.error("trainer rank %d failed an update:\n%s", self.rank, self.error)
             self.weights_checksum = _leave_group(self.learner)
         except Exception:
-            self.error = traceback.format_exc()
+            self.error = (self.error or "") + traceback.format_exc()
             logger.error("trainer rank %d failed:\n%s", self.rank, self.error)
         finally:
             self.done = True

@@ -107,3 +107,47 @@ def failing_rank_main(
         torch.save(weights(learner), f"{out}/rank{rank}.pt")
     finally:
         dist.destroy_process_group()
+
+
+def trainer_rank_case(rank: int, port: int, policy: str, out: str) -> None:
+    """Two trainer ranks as the trainer runs them (laminar.trainer's group calls), rank 1
+    a real :class:`~laminar.trainer.TrainerRank`: rank 0 broadcasts a batch whose rank-1
+    shard has a token no embedding has, its update raises (the ranks agree on the
+    failure), and it stops the group as the trainer does, broadcasting ``None``. Rank 0
+    records how long that stop took; rank 1 its stats, then stays up (a Dask worker's
+    process outlives its actor's thread) until rank 0 is done."""
+    import json
+    import os
+    import time
+
+    from laminar import trainer as tr
+
+    torch.set_num_threads(1)
+    # (the group's collective timeout is 5 × actor_timeout_s: 60 s)
+    cfg = with_overrides(CFG, ["trainer.ranks=2", "cluster.actor_timeout_s=12"])
+    init = f"tcp://127.0.0.1:{port}"
+    if rank == 1:
+        r = tr.TrainerRank(cfg, policy, 1, init)
+        r._run()
+        with open(f"{out}/rank1.json", "w") as f:
+            json.dump(r.stats(), f)
+        deadline = time.time() + 150
+        while not os.path.exists(f"{out}/rank0.json") and time.time() < deadline:
+            time.sleep(0.2)
+        return
+    learner = tr._learner(cfg, policy, rank=0)
+    tr._join_group(cfg, init, rank=0)
+    bad = batch(0)
+    mine = set(learner.shard(bad))
+    bad[min(set(range(len(bad))) - mine)].response_tokens[0] = 10**6  # (rank 1's row)
+    tr._broadcast(bad)
+    try:
+        learner.update(bad)
+        raised = None
+    except Exception as e:  # noqa: BLE001 — recorded for the test to judge
+        raised = type(e).__name__
+    t0 = time.time()
+    tr._broadcast(None)  # the trainer's stop (its _run's finally)
+    tr._leave_group(learner)
+    with open(f"{out}/rank0.json", "w") as f:
+        json.dump({"raised": raised, "stop_s": time.time() - t0}, f)
