@@ -260,3 +260,69 @@ def test_a_run_directory_with_a_space_gets_its_jobs_and_logs(slurm, tmp_path):
     logs = sorted(p.name for p in (run_dir / "slurm").glob("laminar-my_run-*.err"))
     assert len(logs) == 3, logs
     assert _wait_no_jobs(slurm, "laminar-my_run") == []
+
+
+def _wait(predicate, timeout: float, poll: float = 0.2):
+    deadline = time.monotonic() + timeout
+    while not (got := predicate()) and time.monotonic() < deadline:
+        time.sleep(poll)
+    return got
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def test_a_lost_or_fenced_worker_gets_a_new_job_with_its_resources(slurm, tmp_path):
+    """Path A's workers have no nanny: a worker whose job is scancelled (a node lost)
+    gets a new job, and its role's worker comes back with the same resources, which is
+    what a restart or replacement within the run waits for. A hung worker that the driver
+    fences has its job cancelled, its stopped process with it, and a new one submitted
+    (`restart_workers` refuses a worker without a nanny: `fence_workers` removes it)."""
+    import signal
+
+    from laminar.cluster import workers_with
+    from laminar.config import load_config
+    from laminar.deploy import fence_workers, open_cluster
+
+    run_dir = tmp_path / "lost"
+    name = f"laminar-{run_dir.name}"
+    cfg = load_config(
+        REPO / "configs" / "slurm.yaml", [*SMALL_RUN, "cluster.placement_timeout_s=60"]
+    )
+    with open_cluster(cfg, run_dir) as client:
+        before = set(_jobs(slurm, name))
+        rollouts = workers_with(client, "rollout")
+        assert len(before) == 3 and len(rollouts) == 2, (before, rollouts)
+        lost, fenced = rollouts
+        # A lost node: the first rollout's job is cancelled.
+        job = client.run(os.getenv, "SLURM_JOB_ID", workers=[lost])[lost]
+        t0 = time.monotonic()
+        subprocess.run(["scancel", job], env=slurm, check=True)
+        back = _wait(lambda: len(set(workers_with(client, "rollout")) - {lost, fenced}), 40)
+        assert back, f"no new rollout worker 40 s after scancel of job {job}: {_jobs(slurm, name)}"
+        print(f"scancel -> a new rollout worker in {time.monotonic() - t0:.1f} s")
+        # A hung worker, fenced: SIGSTOP, then what the driver does.
+        pid = client.run(os.getpid, workers=[fenced])[fenced]
+        job = client.run(os.getenv, "SLURM_JOB_ID", workers=[fenced])[fenced]
+        os.kill(pid, signal.SIGSTOP)
+        t0 = time.monotonic()
+        with pytest.raises(ValueError, match="requires a nanny"):
+            client.restart_workers([fenced], timeout=10)  # (what the driver called)
+        assert fence_workers(client, [fenced]) == {fenced: "removed"}
+        back = _wait(lambda: len(set(workers_with(client, "rollout")) - {lost, fenced}) == 2, 40)
+        assert back, f"no new worker 40 s after the fence of job {job}: {_jobs(slurm, name)}"
+        print(f"fence -> a new rollout worker in {time.monotonic() - t0:.1f} s")
+        gone = _wait(
+            lambda: not _alive(pid) and not any(j.split()[0] == job for j in _jobs(slurm, name)), 40
+        )
+        if not gone and _alive(pid):
+            os.kill(pid, signal.SIGKILL)  # (the test's own leftover)
+        assert gone, f"the fenced job {job} (pid {pid}) still holds its node: {_jobs(slurm, name)}"
+        assert len(workers_with(client, "rollout")) == 2
+        assert len(workers_with(client, "trainer")) == 1
+        assert len(_jobs(slurm, name)) == 3
+    assert _wait_no_jobs(slurm, name) == []
