@@ -14,7 +14,7 @@ from __future__ import annotations
 import time
 from collections import deque
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from numbers import Integral
 
 import torch
@@ -316,6 +316,11 @@ class EngineBase:
     # -- the protocol's bookkeeping -----------------------------------------------------------
     def add_request(self, request: GenerationRequest) -> None:
         self._check(request)
+        prompt = request.prompt_tokens
+        if type(prompt) is not tuple or not all(type(t) is int for t in prompt):
+            # (a tokenizer's list, an array of numpy ints: held as the tuple of ints the
+            # protocol says, which every engine, the partial log's JSON and vLLM take)
+            request = replace(request, prompt_tokens=tuple(int(t) for t in prompt))
         rid = request.request_id
         if rid in self.request_ids():
             raise EngineError(f"request {rid!r} is already in flight on this engine")

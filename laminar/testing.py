@@ -347,7 +347,10 @@ class EngineContract:
             eng = self._fresh(make_engine, same)
             eng.step()
             moved = make_engine(max_batch=8, max_seq_len=64)
-            moved.import_(eng.export(eng.request_ids()[:1]))  # re-prefills prompt + tokens
+            states = eng.export(eng.request_ids()[:1])
+            # held as the protocol's tuple of ints (what the partial log writes as JSON)
+            assert all(type(t) is int for t in states[0].request.prompt_tokens), kind
+            moved.import_(states)  # re-prefills prompt + tokens
             assert tokens_of(drain(eng)) | tokens_of(drain(moved)) == ref, kind
         for bad in ((5, 3.5), "hello"):
             with pytest.raises(EngineError, match="prompt"):
