@@ -209,13 +209,18 @@ def jsonl_prompts(path: str | Path) -> list[Prompt]:
         )
     if not path.is_file():
         raise DataError(f"prompt file {str(path)!r} does not exist; set task.prompt_file")
-    try:
-        text = path.read_text(encoding="utf-8")
+    raw = path.read_bytes()
+    try:  # (utf-8-sig: a byte order mark, as Windows tools write, is not part of line 1)
+        text = raw.decode("utf-8-sig")
     except UnicodeDecodeError as e:
+        lineno = raw.count(b"\n", 0, e.start) + 1
         raise DataError(
-            f"prompt file {str(path)!r} is not UTF-8 text (byte {e.start}: {e.reason}); "
-            "task.prompt_file takes JSONL, one JSON object per line (decompress it first)"
+            f"{path}:{lineno}: not UTF-8 text (byte {e.start}: {e.reason}); "
+            "task.prompt_file takes JSONL in UTF-8, one JSON object per line (save it as "
+            "UTF-8, or decompress it first)"
         ) from None
+    # (universal newlines, as a text-mode read has them: \r\n and a lone \r end a line)
+    text = text.replace("\r\n", "\n").replace("\r", "\n")
     prompts = []
     for lineno, line in enumerate(text.split("\n"), start=1):
         if not line.strip():

@@ -270,3 +270,20 @@ def test_a_tokenizer_whose_unk_is_its_bos_passes_the_vocabulary_check():
     )
     ((_, ids),) = encode_prompts(tok, [Prompt(key=0, text="n 2", answer="1 2")], RunConfig())
     assert ids == (0, 1, 2)
+
+
+def test_a_prompt_file_with_a_byte_order_mark_is_read(tmp_path):
+    """Windows tools (Notepad, Excel's "UTF-8" export) start a file with a BOM: it is
+    UTF-8 all the same, and its first prompt is read, not refused as bad JSON."""
+    f = tmp_path / "p.jsonl"
+    f.write_bytes(b'\xef\xbb\xbf{"prompt": "n 2 >", "answer": "1 2"}\r\n')
+    (p,) = jsonl_prompts(f)
+    assert (p.text, p.answer, p.line) == ("n 2 >", "1 2", 1)
+
+
+def test_a_prompt_file_that_is_not_utf8_names_the_line(tmp_path):
+    f = tmp_path / "p.jsonl"
+    good = b'{"prompt": "n 2 >", "answer": "1 2"}\n'
+    f.write_bytes(good * 2 + b'{"prompt": "n 2 >", "answer": "caf\xe9"}\n')
+    with pytest.raises(DataError, match=r"p.jsonl:3: not UTF-8 text .*decompress it first"):
+        jsonl_prompts(f)
