@@ -243,6 +243,15 @@ def jsonl_prompts(path: str | Path) -> list[Prompt]:
                     f"{path}:{lineno}: field {field!r} is empty; every line needs a prompt "
                     "and the answer its reward checks (and the warm start trains on)"
                 )
+            try:
+                row[field].encode("utf-8")
+            except UnicodeEncodeError as e:  # (no tokenizer takes it: say where, not later)
+                raise DataError(
+                    f"{path}:{lineno}: field {field!r} holds {row[field][e.start : e.end]!r}, "
+                    "half of a UTF-16 surrogate pair (an escape such as \\ud800 without its "
+                    "partner), which no tokenizer can encode; write the character itself, or "
+                    "escape both halves of its pair"
+                ) from None
         prompts.append(
             Prompt(key=len(prompts), text=row["prompt"], answer=row["answer"], line=lineno)
         )

@@ -287,3 +287,16 @@ def test_a_prompt_file_that_is_not_utf8_names_the_line(tmp_path):
     f.write_bytes(good * 2 + b'{"prompt": "n 2 >", "answer": "caf\xe9"}\n')
     with pytest.raises(DataError, match=r"p.jsonl:3: not UTF-8 text .*decompress it first"):
         jsonl_prompts(f)
+
+
+def test_a_prompt_with_a_lone_surrogate_escape_is_refused_with_its_line(tmp_path):
+    """JSON lets a string escape half a UTF-16 pair (``\\ud800``); no tokenizer can
+    encode it, and the pre-start check failed with a TypeError from the tokenizer."""
+    f = tmp_path / "p.jsonl"
+    f.write_text(
+        '{"prompt": "n 2 >", "answer": "1 2"}\n{"prompt": "n 2 \\ud800 >", "answer": "1"}\n'
+    )
+    with pytest.raises(
+        DataError, match=r"p.jsonl:2: field 'prompt' holds '\\ud800', half of a UTF-16 surrogate"
+    ):
+        jsonl_prompts(f)
