@@ -226,12 +226,17 @@ def jsonl_prompts(path: str | Path) -> list[Prompt]:
         if not line.strip():
             continue
         try:
-            row = json.loads(line)
+            row = json.loads(line, object_pairs_hook=_Row)
         except json.JSONDecodeError as e:
             raise DataError(f"{path}:{lineno}: not valid JSON ({e.msg})") from None
         if not isinstance(row, dict):
             raise DataError(f"{path}:{lineno}: expected a JSON object with prompt/answer")
         for field in ("prompt", "answer"):
+            if field in row.twice:  # (json keeps the last: the first would be lost unsaid)
+                raise DataError(
+                    f"{path}:{lineno}: field {field!r} appears twice; keep one prompt and "
+                    "one answer on each line"
+                )
             if not isinstance(row.get(field), str):
                 raise DataError(
                     f"{path}:{lineno}: field {field!r} is missing or not a string "
@@ -258,6 +263,19 @@ def jsonl_prompts(path: str | Path) -> list[Prompt]:
     if not prompts:
         raise DataError(f"prompt file {str(path)!r} holds no prompts")
     return prompts
+
+
+class _Row(dict):
+    """A JSON object as :func:`json.loads` builds it, with the keys it met more than once
+    (``twice``), which a plain dict would keep the last of without a word."""
+
+    def __init__(self, pairs: list[tuple[str, object]]) -> None:
+        super().__init__(pairs)
+        self.twice: set[str] = set()
+        if len(self) < len(pairs):
+            seen: set[str] = set()
+            for k, _ in pairs:
+                (self.twice if k in seen else seen).add(k)
 
 
 def iter_epochs(items: Sequence[T], seed: int) -> Iterator[tuple[int, T]]:

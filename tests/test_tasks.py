@@ -300,3 +300,12 @@ def test_a_prompt_with_a_lone_surrogate_escape_is_refused_with_its_line(tmp_path
         DataError, match=r"p.jsonl:2: field 'prompt' holds '\\ud800', half of a UTF-16 surrogate"
     ):
         jsonl_prompts(f)
+
+
+def test_a_line_naming_a_field_twice_is_refused(tmp_path):
+    """JSON parsers keep the last of two equal keys: the first prompt (or answer) of
+    the line would be dropped without a word."""
+    f = tmp_path / "p.jsonl"
+    f.write_text('{"prompt": "n 2 >", "answer": "1 2", "prompt": "n 3 >"}\n')
+    with pytest.raises(DataError, match=r"p.jsonl:1: field 'prompt' appears twice"):
+        jsonl_prompts(f)
