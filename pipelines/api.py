@@ -267,8 +267,26 @@ class RunHandle:
     def wait(self, timeout: float | None = None) -> dict:
         """Block until the run ends; returns the summary (also in ``RUN_DIR/summary.json``).
         A run that failed raises: :class:`~laminar.errors.RunFailed` (with its
-        ``summary``) when it stopped in order on an error, else the error that ended it."""
-        if not self._done.wait(timeout):
+        ``summary``) when it stopped in order on an error, else the error that ended it.
+
+        An interrupt (a notebook's, or Ctrl-C) stops the run, as ``laminar run``'s first
+        Ctrl-C does, and waits on for it to end in order; a second one returns at once,
+        the run still stopping."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        try:
+            finished = self._done.wait(timeout)
+        except KeyboardInterrupt:
+            # (else the run would go on generating on the cluster, with nothing waiting
+            # for it, beside whatever the notebook submits next)
+            self.stop()
+            logger.warning(
+                "stopping the run in %s: finishing the current update and flushing the "
+                "store (interrupt again to stop waiting; it still stops)",
+                self.run_dir,
+            )
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            finished = self._done.wait(left)
+        if not finished:
             raise TimeoutError(f"run {str(self.run_dir)!r} still going after {timeout} s")
         if self.error is not None:
             if isinstance(self.error, LaminarError):
