@@ -471,7 +471,8 @@ def fence_workers(client, workers: list[str], timeout: float = 10) -> dict[str, 
     scheduler, which tells it to close: ``restart_workers`` refuses such workers outright
     ("requires a nanny"), leaving a hung one in place. For ``cluster.kind: slurm``,
     :class:`SlurmReplacer` then cancels its job, a stopped process with it, and submits a
-    new one. Returns address -> ``"OK"``, ``"removed"``, or the error.
+    new one. Returns address -> ``"OK"``, ``"removed"``, ``"gone"`` (no longer the
+    scheduler's), or the error.
 
     >>> fence_workers(client, ["tcp://10.0.0.7:40123"])  # doctest: +SKIP
     {'tcp://10.0.0.7:40123': 'removed'}
@@ -480,7 +481,7 @@ def fence_workers(client, workers: list[str], timeout: float = 10) -> dict[str, 
 
     info = scheduler_workers(client, timeout=timeout)
     bare = [w for w in workers if w in info and info[w].get("nanny") is None]
-    out = {w: "removed" for w in bare}
+    out = {w: "gone" for w in workers if w not in info} | {w: "removed" for w in bare}
     if bare:
         client.run_on_scheduler(_remove_workers, bare)
     nannied = [w for w in workers if w in info and w not in bare]

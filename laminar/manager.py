@@ -686,9 +686,11 @@ class RolloutManager:
     def _fence(self, rid: str, worker: str) -> None:
         from distributed import get_client
 
+        from laminar.deploy import fence_workers
+
         t0 = time.time()
         try:
-            out = get_client().restart_workers([worker], timeout=10)
+            out = fence_workers(get_client(), [worker], timeout=10)
             self.hung[rid]["restart"] = str(out.get(worker, out))
         except Exception as e:  # noqa: BLE001 — the worker went meanwhile: also fenced
             self.hung[rid]["restart"] = repr(e)

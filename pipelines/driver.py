@@ -660,9 +660,13 @@ class Schedule:
             )
 
         def fence() -> None:
+            from laminar.deploy import fence_workers
+
             t0 = time.time()
             try:
-                out = self.client.restart_workers([worker], timeout=10)
+                # (restarted by its nanny; one without, a Slurm worker, removed: path A
+                # then submits a new job in its place)
+                out = fence_workers(self.client, [worker], timeout=10)
                 info["restart"] = str(out.get(worker, out))
             except Exception as e:  # noqa: BLE001 — gone meanwhile: fenced all the same
                 info["restart"] = repr(e)
