@@ -197,6 +197,17 @@ def _count_to(k: int) -> str:
     return " ".join(_count([""] * k))
 
 
+_ONE_LINE = (  # what a prompt file's line must be: the fix for a line that is not
+    'task.prompt_file takes JSONL: one JSON object per line, {"prompt": "...", '
+    '"answer": "..."} (not a JSON array, nor an object spread over lines)'
+)
+
+
+def _cut(text: str, limit: int = 200) -> str:
+    """``text`` for an error message, cut at ``limit`` characters."""
+    return text if len(text) <= limit else text[:limit] + "..."
+
+
 def jsonl_prompts(path: str | Path) -> list[Prompt]:
     """Read prompts from a JSONL file with ``prompt`` and ``answer`` fields on every line.
 
@@ -228,9 +239,10 @@ def jsonl_prompts(path: str | Path) -> list[Prompt]:
         try:
             row = json.loads(line, object_pairs_hook=_Row)
         except json.JSONDecodeError as e:
-            raise DataError(f"{path}:{lineno}: not valid JSON ({e.msg})") from None
+            raise DataError(f"{path}:{lineno}: not valid JSON ({e.msg}); {_ONE_LINE}") from None
         if not isinstance(row, dict):
-            raise DataError(f"{path}:{lineno}: expected a JSON object with prompt/answer")
+            kind = {list: "a JSON array"}.get(type(row), f"a JSON {type(row).__name__}")
+            raise DataError(f"{path}:{lineno}: {kind}, not an object; {_ONE_LINE}")
         for field in ("prompt", "answer"):
             if field in row.twice:  # (json keeps the last: the first would be lost unsaid)
                 raise DataError(
@@ -240,7 +252,7 @@ def jsonl_prompts(path: str | Path) -> list[Prompt]:
             if not isinstance(row.get(field), str):
                 raise DataError(
                     f"{path}:{lineno}: field {field!r} is missing or not a string "
-                    f"(got {row.get(field)!r}); every line needs "
+                    f"(got {_cut(repr(row.get(field)))}); every line needs "
                     '{"prompt": "...", "answer": "..."}'
                 )
             if not row[field].strip():

@@ -1,5 +1,6 @@
 import json
 import math
+import re
 
 import numpy as np
 import pytest
@@ -309,3 +310,25 @@ def test_a_line_naming_a_field_twice_is_refused(tmp_path):
     f.write_text('{"prompt": "n 2 >", "answer": "1 2", "prompt": "n 3 >"}\n')
     with pytest.raises(DataError, match=r"p.jsonl:1: field 'prompt' appears twice"):
         jsonl_prompts(f)
+
+
+def test_a_json_file_given_for_a_jsonl_one_is_told_the_format(tmp_path):
+    """A JSON array, or objects spread over lines (``json.dump(rows, indent=2)``), is the
+    commonest wrong file: the error says what one line must hold, and a long wrong value
+    (a chat transcript for a prompt) is shown cut, not whole."""
+    rows = [{"prompt": "n 2 >", "answer": "1 2"}] * 2
+    fix = r"task.prompt_file takes JSONL: one JSON object per line, " + re.escape(
+        '{"prompt": "...", "answer": "..."}'
+    )
+    f = tmp_path / "p.jsonl"
+    f.write_text(json.dumps(rows, indent=2))
+    with pytest.raises(DataError, match=rf"p.jsonl:1: not valid JSON \(Expecting value\); {fix}"):
+        jsonl_prompts(f)
+    f.write_text(json.dumps(rows))
+    with pytest.raises(DataError, match=rf"p.jsonl:1: a JSON array, not an object; {fix}"):
+        jsonl_prompts(f)
+    chat = [{"role": "user", "content": "x" * 5000}]
+    f.write_text(json.dumps({"prompt": chat, "answer": "1 2"}) + "\n")
+    with pytest.raises(DataError, match=r"field 'prompt' is missing or not a string") as e:
+        jsonl_prompts(f)
+    assert len(str(e.value)) < 500
