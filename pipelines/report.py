@@ -15,8 +15,9 @@ from pathlib import Path
 import numpy as np
 
 from laminar.errors import ConfigError
+from pipelines.summary import reward_first_last
 from storage import open_run
-from storage.metrics import TABLES, open_metrics, time_origin
+from storage.metrics import TABLES, open_metrics, segments, time_origin
 from storage.trajectories import reading
 
 
@@ -32,6 +33,7 @@ def _load(run_dir: Path) -> dict:
         run["summary"] = json.loads(summary.read_text()) if summary.exists() else {}
     # Event tables hold epoch seconds; the time series hold seconds since the run began.
     run["t0"] = None if run["cluster"] is None else time_origin(run["cluster"])
+    run["starts"] = [] if run["cluster"] is None else segments(run["cluster"])
     # A resumed run's starts: the time series have a gap between each and the next, as
     # open_run bounds it (narrowed by the trajectories' times: a crash loses the last
     # seconds of metrics rows, not of the store).
@@ -328,25 +330,40 @@ def _events_row(r: dict) -> str:
 
 
 def _row(r: dict) -> str:
-    s, st = r["summary"], r["ds"].laminar.summary()
-    gain = s.get("reward_gain")
+    st = r["ds"].laminar.summary()
+    # (from the store, as summary.json has it: a run with no summary.json yet, or only
+    # its earlier start's, has its figures all the same)
+    first, last = reward_first_last(r["ds"])
+    versions, wall, n_starts = _versions_and_wall(r)
     return (
-        f"| {r['name']} | {s.get('versions', '-')} | {r['ds'].sizes['trajectory']} | "
-        f"{s.get('reward_first_20pct', float('nan')):.3f} → "
-        f"{s.get('reward_last_20pct', float('nan')):.3f}"
-        f"{'' if gain is None else f' ({gain:+.3f})'} | "
+        f"| {r['name']} | {'-' if versions is None else versions} | "
+        f"{r['ds'].sizes['trajectory']} | {first:.3f} → {last:.3f}"
+        f"{'' if first != first or last != last else f' ({last - first:+.3f})'} | "
         f"{st['s_gen_mean']:.2f} / {st['residence_mean']:.2f} / {st['s_train_mean']:.2f} | "
         f"{st.get('n_discarded', 0)} | "
         + " / ".join(f"{v:.0f}" for v in percentile_lengths(r["ds"]).values())
-        + f" | {_wall(s)} |"
+        + f" | {wall:.0f}"
+        + (f" ({n_starts} starts)" if n_starts > 1 else "")
+        + " |"
     )
 
 
-def _wall(s: dict) -> str:
-    """RL wall time: every start's, with how many starts a resumed run had."""
-    total = s.get("rl_wall_s_total", s.get("rl_wall_s", float("nan")))
-    n = s.get("segments", 1)
-    return f"{total:.0f}" + (f" ({n} starts)" if n > 1 else "")
+def _versions_and_wall(r: dict) -> tuple[int | None, float, int]:
+    """The run's last version, RL wall seconds (every start's) and starts: from
+    summary.json when it is of the run's last start, else from the ``cluster`` table
+    (a run whose driver was killed, or still going, has no summary.json; a resumed one,
+    its earlier start's until the resume ends)."""
+    s, starts = r["summary"], r["starts"]
+    current = bool(s) and s.get("segments", 1) >= len(starts)
+    versions = s.get("versions") if current else None
+    if versions is None and starts:
+        versions = max(x["last_version"] for x in starts)
+    wall = s.get("rl_wall_s_total", s.get("rl_wall_s")) if current else None
+    if wall is not None:
+        return versions, float(wall), int(s.get("segments", 1))
+    if not starts:
+        return versions, float("nan"), 1
+    return versions, sum(x["end_s"] - x["start_s"] for x in starts), len(starts)
 
 
 def build_report(run_dirs: list[str | Path], out: str | Path | None = None) -> Path:

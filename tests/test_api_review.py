@@ -43,3 +43,71 @@ def test_an_interrupted_wait_stops_the_run_instead_of_leaving_it_going(
     finally:
         run.stop()
         run._done.wait(60)
+
+
+def _stored_run(path, t0: float = 1.8e9):
+    """Ten trajectories (reward rising with finish time, one a second) and ``cluster``
+    rows of a run that ran 0..20 s (versions 0..4), stopped, and was resumed 120..140 s
+    (versions 4..8)."""
+    from factories import trajectory
+
+    from storage import TrajectoryWriter
+    from storage.metrics import MetricsWriter
+
+    TrajectoryWriter(path).append(
+        [
+            trajectory(
+                f"u{i}",
+                f"g{i // 2}",
+                sample_idx=i % 2,
+                reward=i / 10,
+                t_submit=t0,
+                t_start=t0,
+                t_finish=t0 + i,
+                t_insert=t0 + i,
+            ).to_record()
+            for i in range(10)
+        ]
+    )
+    rows = [(0, t) for t in range(0, 21, 5)] + [(1, t) for t in range(120, 141, 5)]
+    MetricsWriter(path).append(
+        "cluster",
+        [
+            {
+                "segment": s,
+                "elapsed_s": t,
+                "wall_time": t0 + t,
+                "version": t // 5 if s == 0 else (t - 120) // 5 + 4,
+                "buffer_depth": 1,
+                "oldest_buffered_age_s": 1.0,
+            }
+            for s, t in rows
+        ],
+    )
+
+
+def _report_row(report) -> str:
+    """The run's row of report.md's first table (the line below its header's rule)."""
+    lines = report.read_text().splitlines()
+    return lines[lines.index("|---|---|---|---|---|---|---|---|") + 1]
+
+
+def test_report_of_a_run_without_its_summary_takes_its_figures_from_the_stores(tmp_path):
+    """A run whose driver was killed (a second Ctrl-C, a dead kernel) or that is still
+    going has no summary.json (a resumed one: its earlier start's): its row was
+    "nan → nan", "-" versions and "nan" wall seconds, though the stores hold them."""
+    import json
+
+    from pipelines.report import build_report
+
+    run = tmp_path / "run"
+    _stored_run(run)
+    row = _report_row(build_report([run], tmp_path / "out"))
+    # reward of the first vs last 20% by finish time (2 of 10), versions, RL wall time
+    assert row.startswith("| run | 8 | 10 | 0.050 → 0.850 (+0.800) |"), row
+    assert row.endswith("| 40 (2 starts) |"), row
+    # The summary.json of the first start, before the resume: the stores' figures still.
+    first = {"reason": "completed", "versions": 4, "reward_first_20pct": 0.05}
+    first |= {"reward_last_20pct": 0.25, "reward_gain": 0.2, "rl_wall_s": 20.0}
+    (run / "summary.json").write_text(json.dumps(first))
+    assert _report_row(build_report([run], tmp_path / "out")) == row
