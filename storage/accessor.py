@@ -154,6 +154,10 @@ class LaminarAccessor:
         throughout has no rate (NaN, not 0, so that a mean over windows is the rate while
         it ran). (Ending the last window at the last event instead would divide, say, a
         batch the trainer sampled 0.05 s into it by 0.05 s.)
+
+        A damaged store can hold trajectories ``consumed`` with no ``t_sample``
+        (:meth:`audit` reports them): they are left out of ``trained``, and the attribute
+        ``unsampled`` says how many.
         """
         ds = self._ds
         if not ds.sizes["trajectory"]:  # (a run that has stored nothing yet)
@@ -161,11 +165,15 @@ class LaminarAccessor:
             return xr.Dataset(
                 {"generated": empty, "response": empty, "trained": empty},
                 coords={"time": np.zeros(0)},
-                attrs={"units": "tokens/s", "window_s": window},
+                attrs={"units": "tokens/s", "window_s": window, "unsampled": 0},
             )
         tokens = (ds["prompt_len"].values + ds["response_len"].values).astype(np.float64)
         finish = self._windows(ds["t_finish"].values, window)
         consumed = ds["status"].values == "consumed"
+        # (a damaged store's consumed trajectory with no t_sample: the audit reports it;
+        # its tokens were trained at an unknown time, left out of ``trained``)
+        unsampled = int((consumed & ~np.isfinite(ds["t_sample"].values)).sum())
+        consumed &= np.isfinite(ds["t_sample"].values)
         sample = self._windows(ds["t_sample"].values[consumed], window)
         n = int(max(finish.max(initial=-1), sample.max(initial=-1))) + 1
         # Every window lasts `window` seconds except the last, cut where the run ended,
@@ -187,7 +195,7 @@ class LaminarAccessor:
                 "trained": ("time", trained),
             },
             coords={"time": np.arange(n) * window},
-            attrs={"units": "tokens/s", "window_s": window},
+            attrs={"units": "tokens/s", "window_s": window, "unsampled": unsampled},
         )
 
     def reward_curve(self, by: str = "version", window: float = 10.0) -> xr.DataArray:

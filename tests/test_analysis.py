@@ -641,3 +641,35 @@ def test_reward_by_version_of_a_lost_and_resumed_run_keeps_the_weights_that_stan
     assert by_time.sel(time=10.0).item() == pytest.approx((0.3 + 0.9 + 0.9) / 3)
     # 8 trajectories whose weights stand: the first and the last 20% are one each
     assert reward_first_last(ds) == (0.0, pytest.approx(0.6))
+
+
+def test_throughput_of_a_damaged_store_leaves_out_and_counts_unsampled(tmp_path):
+    """A damaged store can hold a trajectory ``consumed`` with no ``t_sample`` (NaN; the
+    audit reports it): ``throughput`` raised numpy's "'list' argument must have no
+    negative elements". Its tokens are left out of ``trained`` (not of ``generated``),
+    and the attribute ``unsampled`` says how many, as in the staleness histogram."""
+    from factories import trajectory
+
+    TrajectoryWriter(tmp_path).append(
+        [
+            trajectory(
+                f"u{i}",
+                f"g{i}",
+                group_size=1,
+                finish_version=0,
+                sample_version=0,
+                status="consumed",
+                t_submit=100.0,
+                t_finish=100.0 + i,
+                t_insert=100.0 + i,
+                t_sample=[101.0, 102.0, np.nan, 104.5][i],
+            ).to_record()
+            for i in range(4)
+        ]
+    )
+    ds = open_run(tmp_path)
+    assert any("t_sample inconsistent" in p for p in ds.laminar.audit())
+    tp = ds.laminar.throughput(window=2.0)  # windows [0, 2), [2, 4), [4, 4.5]; 5 tokens each
+    assert tp["generated"].values.tolist() == [5.0, 5.0, 0.0]
+    assert tp["trained"].values.tolist() == [2.5, 2.5, 10.0]
+    assert tp.attrs["unsampled"] == 1
