@@ -167,8 +167,9 @@ def warm_start(
             "task": cfg.task.model_dump(
                 mode="json", exclude={"reward", "truncated_reward", "reward_timeout_s"}
             ),
+            # (as JSON: rows joined by separators a text may hold would hash alike)
             "prompts": hashlib.sha256(
-                "\n".join(p.text + "\t" + p.answer for p in prompts).encode()
+                json.dumps([[p.text, p.answer] for p in prompts]).encode()
             ).hexdigest(),
             "seed": cfg.seed,
             "version": SFT_VERSION,

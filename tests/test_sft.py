@@ -79,3 +79,22 @@ def test_an_unreadable_cache_entry_is_set_aside_and_trained_again(small_config, 
     (path / "sft_info.json").unlink()
     assert warm_start(cfg, prompts)[1]["cached"] is False
     assert len(list(tmp_path.glob(f"{path.name}.unreadable-*"))) == 2
+
+
+def test_a_prompt_file_of_other_rows_joining_to_the_same_text_is_trained_anew(
+    small_config, tmp_path
+):
+    """The cache key's prompt hash must tell rows apart: one prompt whose answer holds a
+    newline and a tab is not the two prompts the same text would make if joined with
+    those characters (the second file reused the first one's warm start)."""
+    f = tmp_path / "p.jsonl"
+    cfg = with_overrides(
+        small_config, [f"sft.cache_dir={tmp_path}", "sft.steps=1", f"task.prompt_file={f}"]
+    )
+    one = [{"prompt": "n 2 >", "answer": "1 2\nn 3 >\t1 2 3"}]
+    two = [{"prompt": "n 2 >", "answer": "1 2"}, {"prompt": "n 3 >", "answer": "1 2 3"}]
+    f.write_text("".join(json.dumps(r) + "\n" for r in one))
+    first, _ = warm_start(cfg, load_prompts(cfg))
+    f.write_text("".join(json.dumps(r) + "\n" for r in two))
+    second, info = warm_start(cfg, load_prompts(cfg))
+    assert info["cached"] is False and second != first
