@@ -169,15 +169,21 @@ def summarize_failed(run_dir: Path, error: BaseException, cfg: RunConfig) -> dic
         seen.append(
             int(np.nanmax(ds["sample_version"].values[ds["status"].values == "consumed"])) + 1
         )
-    from storage.metrics import open_metrics
+    from storage.metrics import open_metrics, segments
 
     for table in ("updates", "cluster"):
         try:
-            versions = open_metrics(run_dir, table)["version"].values
+            rows = open_metrics(run_dir, table)
+            versions = rows["version"].values
         except Exception:  # noqa: BLE001 — not written yet, or unreadable
             continue
         if len(versions):
             seen.append(int(np.nanmax(versions)))
+        if table == "cluster" and (starts := segments(rows)):
+            # the wall time the rows show (they stop at the driver's last flush)
+            walls = [s["end_s"] - s["start_s"] for s in starts]
+            summary |= {"rl_wall_s": walls[-1], "rl_wall_s_total": sum(walls)}
+            summary["segments"] = len(starts)
     if seen:
         summary["versions"] = max(seen)
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2, default=float))

@@ -501,6 +501,8 @@ def test_a_lost_trainer_fails_the_run_clearly_and_it_resumes_in_place(tmp_path):
     assert failed_summary["reason"].startswith("failed: ") and failed_summary["driver_failed"]
     assert "lost the trainer" in failed_summary["reason"]
     assert failed_summary["versions"] >= 3 and failed_summary["consumed"] >= 3 * 4 * 4
+    # (its wall time, from the rows the driver kept: the report and benches read it)
+    assert failed_summary["segments"] == 1 and failed_summary["rl_wall_s"] > 0
     # The buffer died with the data worker, but it stored each trajectory on admission:
     # the store holds them (all but the last flush), with where each stood.
     ds = open_run(run_dir)
