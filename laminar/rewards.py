@@ -10,6 +10,7 @@ value or does not return within ``task.reward_timeout_s`` marks that trajectory
 from __future__ import annotations
 
 import importlib
+import inspect
 import math
 import queue
 import threading
@@ -67,13 +68,17 @@ def count_in_range(response: str, answer: str) -> float:
     try:
         lo, hi = (int(x) for x in answer.split())
     except ValueError:
+        lo = hi = -1
+    if not 0 <= lo <= hi:
         raise RewardError(
-            f"count_in_range needs the answer 'lo hi' (two integers), got {answer!r}; it "
-            "scores the count_range task"
-        ) from None
+            f"count_in_range needs the answer 'lo hi', two integers 0 <= lo <= hi, got "
+            f"{answer!r}; it scores the count_range task"
+        )
     got = response.split()
     if not lo <= len(got) <= hi:
         return 0.0
+    if not got:  # (a band from 0: counting to 0 is saying nothing, and right)
+        return 1.0
     return sum(g == str(i) for i, g in enumerate(got, start=1)) / len(got)
 
 
@@ -114,6 +119,18 @@ def resolve_reward(name: str) -> RewardFn:
         )
     if not callable(fn):
         raise RewardError(f"task.reward {name!r} is not callable")
+    try:
+        signature = inspect.signature(fn)
+    except (TypeError, ValueError):  # (some builtins have none to read: called as they are)
+        return fn
+    try:
+        signature.bind("response", "answer")
+    except TypeError as e:
+        # (found here, before the warm start; called, every trajectory would be an error)
+        raise RewardError(
+            f"task.reward {name!r} cannot be called as fn(response, answer) ({e}); a "
+            f"reward takes the response and the answer, two strings (it has {signature})"
+        ) from None
     return fn
 
 

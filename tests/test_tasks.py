@@ -71,6 +71,11 @@ def test_count_in_range_scores_any_length_in_the_band():
         0.0, 1.0, 1.0, 0.0,
     ]  # fmt: skip
     assert count_in_range("1 2 4", "1 5") == 2 / 3  # per-symbol credit
+    # a band from 0 takes the empty count (a response of only a stop token), and is right
+    assert count_in_range("", "0 3") == 1.0 and count_in_range("1 3", "0 3") == 0.5
+    for bad in ("5 2", "-1 3", "1", "a b"):  # (backwards it would score 0 for good)
+        with pytest.raises(RewardError, match="two integers 0 <= lo <= hi"):
+            count_in_range("1 2", bad)
     scores = score_batch("count_in_range", [("1 2", "1 2 3", True)])  # not a band: marked
     assert scores[0].error is not None and "'lo hi'" in scores[0].error
 
@@ -171,6 +176,19 @@ def test_resolve_reward(tmp_path, monkeypatch):
     monkeypatch.syspath_prepend(str(tmp_path))
     with pytest.raises(RewardError, match="importing 'laminar_test_badmod' raised RuntimeError"):
         resolve_reward("laminar_test_badmod:fn")
+    # a function that cannot take (response, answer) is refused before the warm start,
+    # not called on every trajectory after it (each an error)
+    with pytest.raises(RewardError, match=r"'os:getcwd' cannot be called as fn\(response, answer"):
+        resolve_reward("os:getcwd")
+    (tmp_path / "laminar_test_rewards.py").write_text(
+        "def three(a, b, c): return 1.0\n"
+        "def extra(response, answer, scale=1.0): return scale\n"
+        "def star(*args): return 1.0\n"
+    )
+    with pytest.raises(RewardError, match=r"it has \(a, b, c\)"):
+        resolve_reward("laminar_test_rewards:three")
+    assert resolve_reward("laminar_test_rewards:extra")("r", "a") == 1.0
+    assert resolve_reward("laminar_test_rewards:star")("r", "a") == 1.0
 
 
 def test_what_a_reward_returns_is_a_number_or_marks_the_trajectory():
@@ -252,6 +270,10 @@ def test_answers_the_warm_start_trains_on_are_checked_before_the_run(tmp_path):
     with pytest.raises(DataError, match=message):
         warm_start(cfg, jsonl_prompts(f))
     preflight(with_overrides(cfg, ["sft.enabled=false"]))
+    # a control character is named escaped, not printed as nothing
+    f.write_text(json.dumps({"prompt": "n 3 \u0000 >", "answer": "1 2 3"}) + "\n")
+    with pytest.raises(DataError, match=r"p.jsonl:1: .*vocabulary \('\\x00'\)"):
+        preflight(cfg)
 
 
 def test_a_tokenizer_whose_unk_is_its_bos_passes_the_vocabulary_check():
