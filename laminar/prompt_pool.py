@@ -365,7 +365,9 @@ def _outside(tok, unk: int, text: str) -> str:
     vocab = (  # (the built-in model's words; a real model's are too many to list)
         f"; its vocabulary: {_words(known)}" if len(known) <= 512 else ""
     )
-    return f"({' '.join(dict.fromkeys(unknown)) or '?'}){vocab}"
+    # (a control character, shown as it is, would print as nothing: escaped)
+    shown = [w if w.isprintable() else ascii(w) for w in dict.fromkeys(unknown)]
+    return f"({' '.join(shown) or '?'}){vocab}"
 
 
 def encode_prompts(tok, prompts: list[Prompt], cfg: RunConfig) -> list[tuple[Prompt, tuple]]:
