@@ -44,11 +44,29 @@ def batch(step: int, groups: int = 4, size: int = 4, nan: bool = False) -> list[
     return out
 
 
+def run_ranks(target, *args, world: int = 2, timeout: float = 240) -> list:
+    """Run ``target(rank, port, *args)`` in ``world`` spawned processes (a gloo group
+    on a free local port); their exit codes, once all have ended or ``timeout`` passed."""
+    import multiprocessing as mp
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = mp.get_context("spawn")
+    procs = [ctx.Process(target=target, args=(r, port, *args)) for r in range(world)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(timeout)
+    return [p.exitcode for p in procs]
+
+
 def weights(learner: Learner) -> dict[str, torch.Tensor]:
     return {k: v.detach().clone() for k, v in learner.model.state_dict().items()}
 
 
-def rank_main(rank: int, world: int, port: int, policy: str, out: str) -> None:
+def rank_main(rank: int, port: int, world: int, policy: str, out: str) -> None:
     import torch.distributed as dist
 
     torch.set_num_threads(1)
@@ -65,7 +83,7 @@ def rank_main(rank: int, world: int, port: int, policy: str, out: str) -> None:
 
 
 def failing_rank_main(
-    rank: int, world: int, port: int, policy: str, out: str, overrides: list[str]
+    rank: int, port: int, world: int, policy: str, out: str, overrides: list[str]
 ) -> None:
     """Under ``CFG`` with ``overrides``, rank 1 is given a token no embedding has on a row
     of its own shard (its forward raises); each rank records what its update raised and

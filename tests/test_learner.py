@@ -2,13 +2,10 @@
 
 from __future__ import annotations
 
-import multiprocessing as mp
-import socket
-
 import numpy as np
 import pytest
 import torch
-from learner_cases import CFG, batch, rank_main, weights
+from learner_cases import CFG, batch, rank_main, run_ranks, weights
 
 from laminar.config import with_overrides
 from laminar.contract import Trajectory
@@ -116,19 +113,7 @@ def test_mini_batches_take_several_steps_for_one_version(tiny_policy):
 
 def test_two_ranks_train_the_same_weights_as_one(tiny_policy, tmp_path):
     """Two gloo ranks, each computing half of every batch, end where one rank does."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    ctx = mp.get_context("spawn")
-    procs = [
-        ctx.Process(target=rank_main, args=(r, 2, port, str(tiny_policy), str(tmp_path)))
-        for r in range(2)
-    ]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(240)
-        assert p.exitcode == 0
+    assert run_ranks(rank_main, 2, str(tiny_policy), str(tmp_path)) == [0, 0]
     single = Learner(CFG, tiny_policy)
     for s in range(3):
         single.update(batch(s))

@@ -257,26 +257,13 @@ def test_a_rank_whose_update_raises_leaves_the_group_with_rank_0(tiny_policy, tm
     where it used to wait for the group's collective timeout (60 s here) before it could
     checkpoint and say it was done."""
     import json
-    import multiprocessing as mp
-    import socket
 
-    from learner_cases import trainer_rank_case
+    from learner_cases import run_ranks, trainer_rank_case
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    ctx = mp.get_context("spawn")
-    procs = [
-        ctx.Process(target=trainer_rank_case, args=(r, port, str(tiny_policy), str(tmp_path)))
-        for r in range(2)
-    ]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(240)
+    exits = run_ranks(trainer_rank_case, str(tiny_policy), str(tmp_path))
     r0 = json.loads((tmp_path / "rank0.json").read_text())
     r1 = json.loads((tmp_path / "rank1.json").read_text())
     assert r0["raised"] == "RankStepFailed"
     assert r1["done"] and "IndexError" in r1["error"], r1
     assert r0["stop_s"] < 20, r0  # (the group's timeout is 60 s)
-    assert all(p.exitcode == 0 for p in procs)
+    assert exits == [0, 0]
