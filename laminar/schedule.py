@@ -24,6 +24,10 @@ Three questions make a schedule:
 Partial rollout adds ``interrupt`` (each publication stops every rollout mid-batch; they
 load the new version and resume, recomputing their KV, so responses mix versions) and
 ``refill`` (rollouts keep their engines full instead of draining local batches).
+
+A spec whose option means nothing for it is refused rather than ignored: ``eta`` without
+``dispatch='eta'``, ``lag`` without ``'batches'``, ``colocated`` weights beside anything
+that overlaps generation with training, ``interrupt`` or ``refill`` with ``'batches'``.
 """
 
 from __future__ import annotations
@@ -75,6 +79,34 @@ class ScheduleSpec:
             )
         if self.lag < 0 or self.eta < 0:
             raise ConfigError(f"schedule {self.name!r}: lag and eta must be ≥ 0")
+        # An option no actor reads under this dispatch would be silently ignored: the
+        # spec would claim a bound (or a lag) the run does not keep.
+        if self.eta and self.dispatch != "eta":
+            raise ConfigError(
+                f"schedule {self.name!r}: eta={self.eta!r} bounds dispatch only with "
+                f"dispatch='eta' (dispatch is {self.dispatch!r}); drop eta"
+            )
+        if self.lag and self.dispatch != "batches":
+            raise ConfigError(
+                f"schedule {self.name!r}: lag={self.lag!r} numbers global batches, which "
+                f"only dispatch='batches' hands out (dispatch is {self.dispatch!r}); drop lag"
+            )
+        if self.weights == "colocated" and (self.dispatch, self.lag, self.trainer) != (
+            "batches",
+            0,
+            "free",
+        ):
+            raise ConfigError(
+                f"schedule {self.name!r}: weights='colocated' shares the GPUs between "
+                "trainer and rollouts, so no generation may overlap training: it needs "
+                "dispatch='batches', lag=0, trainer='free' (sync), else use weights='global'"
+            )
+        if self.dispatch == "batches" and (self.interrupt or self.refill):
+            raise ConfigError(
+                f"schedule {self.name!r}: with dispatch='batches' each rollout takes its "
+                "share of a global batch at once and the batch is complete before its "
+                "version is published: interrupt and refill mean nothing; drop them"
+            )
         if self.trainer == "one_step" and (self.dispatch, self.lag) != ("batches", 1):
             raise ConfigError(
                 f"schedule {self.name!r}: the one_step trainer needs batches dispatched "
