@@ -333,10 +333,32 @@ def start_actor(client, cls, *args, worker: str, resource: str, **kwargs):
 
 def bind_actor(client, cls, worker: str, future):
     """The handle of the actor ``future`` created on ``worker``, bound to ``client``
-    (raises the constructor's error). See :func:`submit_actor` for why it is rebuilt."""
+    (raises the constructor's error). See :func:`submit_actor` for why it is rebuilt.
+
+    Raises :class:`ActorLost` within about a second of ``worker`` leaving the scheduler
+    before the actor exists: its creating task, pinned to that address, would otherwise
+    wait for ever (a worker the nanny restarts comes back under another address). A
+    constructor that is merely slow (a model load) is waited for."""
     from distributed import Actor
 
-    future.result()
+    while True:
+        try:
+            future.result(timeout=LOST_POLL_S)
+            break
+        except UnboundLocalError:  # (see actor_result): the result is there now
+            continue
+        except TimeoutError:
+            if future.done():  # (done as the wait ended: read it again)
+                continue
+            try:
+                there = worker in scheduler_workers(client, timeout=5.0)
+            except Exception:  # noqa: BLE001 — no scheduler that answers: keep waiting
+                there = True
+            if not there:
+                raise ActorLost(
+                    f"the worker {worker} was lost while it created a {cls.__name__} actor "
+                    f"(task {future.key})"
+                ) from None
     with client.as_current():
         return Actor(cls, worker, future.key)
 

@@ -191,3 +191,40 @@ def test_a_variable_set_after_the_forkserver_started_reaches_the_next_clusters_w
         monkeypatch.setenv("LAMINAR_TEST_MARK", value)
         with role_cluster({"w": {"rollout": 1}}, name=f"env-{value}") as c, Client(c) as client:
             assert list(client.run(mark).values()) == [value]
+
+
+class SlowToStart:
+    def __init__(self, seconds):
+        import time
+
+        time.sleep(seconds)
+
+
+@pytest.mark.slow
+def test_binding_an_actor_whose_worker_dies_while_it_is_created_fails_instead_of_waiting():
+    """The creating task is pinned to its worker's address; a killed worker comes back
+    (nanny) under another address, so the task waits for ever. Binding must say that the
+    worker is lost, not wait with it (a restart's new master, or a setup's trainer)."""
+    import os
+    import signal
+    import time
+
+    from distributed import Client
+
+    from laminar.cluster import ActorLost, bind_actor, role_cluster, start_actor
+
+    with (
+        role_cluster({"a": {"trainer": 1}}, name="bind-lost") as cluster,
+        Client(cluster) as client,
+    ):
+        (w,) = workers_with(client, "trainer")
+        # a slow constructor on a live worker is waited for
+        fast = start_actor(client, SlowToStart, 1.5, worker=w, resource="trainer")
+        assert bind_actor(client, SlowToStart, w, fast).key == fast.key
+        future = start_actor(client, SlowToStart, 60, worker=w, resource="trainer")
+        time.sleep(0.5)
+        os.kill(client.run(os.getpid, workers=[w])[w], signal.SIGKILL)
+        t0 = time.monotonic()
+        with pytest.raises(ActorLost, match="lost while it created a SlowToStart"):
+            bind_actor(client, SlowToStart, w, future)
+        assert time.monotonic() - t0 < 15
