@@ -19,6 +19,9 @@ from pipelines.driver import schedule_class
 from storage import open_run
 
 SCHEDULES = ("laminar", "sync", "one_step", "stream", "partial_rollout")
+# RunConfig()'s defaults, under which each schedule's options bind (partial rollout's η
+# within buffer.max_outstanding_groups: 48 groups of batches of 16)
+VALID = with_overrides(RunConfig(), ["pipeline.eta=2"])
 
 
 def test_each_pipeline_module_states_what_it_keeps_global_and_how_to_run_it():
@@ -26,7 +29,7 @@ def test_each_pipeline_module_states_what_it_keeps_global_and_how_to_run_it():
 
     for name in SCHEDULES:
         cls = schedule_class(name)
-        assert cls.name == name and cls.spec(RunConfig()).name == name
+        assert cls.name == name and cls.spec(VALID).name == name
         doc = importlib.import_module(f"pipelines.{name}").__doc__
         assert "What it keeps global" in doc and "laminar run configs/tiny.yaml" in doc
 
@@ -36,7 +39,7 @@ def test_the_store_knows_which_schedules_mix_versions_in_a_response():
     its list of schedules whose responses mix versions is the specs' ``interrupt``."""
     from storage.schema import MIXED_VERSION_SCHEDULES
 
-    interrupting = {n for n in SCHEDULES if schedule_class(n).spec(RunConfig()).interrupt}
+    interrupting = {n for n in SCHEDULES if schedule_class(n).spec(VALID).interrupt}
     assert interrupting == set(MIXED_VERSION_SCHEDULES)
 
 
@@ -274,6 +277,8 @@ def test_each_baseline_schedule_runs_end_to_end_and_keeps_its_promises(
     global shows in the store: sync and stream train on-policy, one-step exactly one
     version stale, partial rollout interrupts every rollout at every publication."""
     overrides = [f"pipeline.schedule={schedule}", "trainer.mini_batches=2"]
+    if schedule == "partial_rollout":  # (η within max_outstanding_groups=8: 2 batches of 4)
+        overrides.append("pipeline.eta=1")
     run, summary = run_to_end(cluster_client, small_config, tmp_path / "run", overrides)
     assert summary["reason"] == "completed", summary
     assert summary["schedule"] == schedule and summary["versions"] == 4

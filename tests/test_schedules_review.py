@@ -36,7 +36,8 @@ def test_a_spec_whose_option_means_nothing_is_refused(fields, message):
 
 def test_the_five_schedules_specs_are_valid():
     for name in ("laminar", "sync", "one_step", "stream", "partial_rollout"):
-        cfg = with_overrides(RunConfig(), [f"pipeline.schedule={name}", "trainer.mini_batches=2"])
+        sets = [f"pipeline.schedule={name}", "trainer.mini_batches=2", "pipeline.eta=2"]
+        cfg = with_overrides(RunConfig(), sets)
         assert schedule_class(name).spec(cfg).name == name
 
 
@@ -58,7 +59,37 @@ def test_laminar_back_pressure_bounds_what_is_out_not_each_s_train():
         fast = core.acquire(3, "r0", version)
         assert len(fast) == 2 and slow.prompt_uid in core.outstanding
     # trained now, the slow group's s_train is 10, past any bound max_outstanding / G gives
-    doc = (__import__("pathlib").Path(__file__).parents[1] / "docs" / "schedules.md").read_text()
+    from pathlib import Path
+
+    doc = (Path(__file__).parents[1] / "docs" / "schedules.md").read_text()
     row = next(line for line in doc.splitlines() if line.startswith("| `laminar`"))
     assert "bounded by back-pressure" not in row
     assert "buffer.max_train_staleness" in row
+
+
+def test_partial_rollout_refuses_an_eta_that_back_pressure_overrides():
+    """η allows ``(η + 1) × groups_per_step`` groups out (dispatched, not yet consumed);
+    ``buffer.max_outstanding_groups`` counts the same groups. Below that, back-pressure
+    holds dispatch first and the run keeps a tighter bound than the η it reports: with
+    configs/tiny.yaml's 32 (two batches of 16) ``pipeline.eta=4`` ran as η = 1."""
+    cls = schedule_class("partial_rollout")
+    base = ["pipeline.schedule=partial_rollout", "trainer.groups_per_step=16"]
+    tight = with_overrides(RunConfig(), base + ["buffer.max_outstanding_groups=32"])
+    with pytest.raises(ConfigError, match=r"max_outstanding_groups to at least 80.*eta=1"):
+        cls.spec(with_overrides(tight, ["pipeline.eta=4"]))
+    assert cls.spec(with_overrides(tight, ["pipeline.eta=1"])).eta == 1
+    roomy = with_overrides(RunConfig(), base + ["buffer.max_outstanding_groups=80"])
+    assert cls.spec(with_overrides(roomy, ["pipeline.eta=4"])).eta == 4
+    # the documented command runs
+    from pathlib import Path
+
+    from laminar.config import load_config
+
+    root = Path(__file__).parents[1]
+    line = next(
+        x
+        for x in (root / "docs" / "schedules.md").read_text().splitlines()
+        if "schedule=partial_rollout --set" in x
+    )
+    sets = [s.strip() for s in line.split("--set ")[1:]]
+    cls.spec(load_config(root / "configs" / "tiny.yaml", sets))
