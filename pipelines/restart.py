@@ -30,8 +30,10 @@ import logging
 import time
 
 from laminar.cluster import (
+    ActorLost,
     bind_actor,
     detach,
+    is_lost,
     scheduler_workers,
     start_actor,
     submit_actor,
@@ -45,6 +47,10 @@ from laminar.trainer import Trainer
 from storage.resume import ResumePlan, plan_rebuild
 
 logger = logging.getLogger(__name__)
+
+# How long a restart whose call failed as if its worker were lost waits for the
+# scheduler to drop that worker (it may fail a moment before) before the error stands.
+LOST_GRACE_S = 5.0
 
 
 def trainer_stand_in(last: dict | None, steps: int) -> dict:
@@ -80,6 +86,7 @@ class _Group:
         self.s, self.worker, self.rank_workers = s, worker, rank_workers
         self.future = None
         self.rank_futures: list = []
+        self.started = False  # a rank was started: it waits in this group's rendezvous
 
     def start(self, ckpt, steps: int, after: int, buffer, master) -> None:
         """Create (not yet start) the ranks from checkpoint ``ckpt`` (``None``: the
@@ -118,6 +125,24 @@ class _Group:
     def done(self) -> bool:
         return all(f.done() for f in (self.future, *self.rank_futures))
 
+    def check_workers(self) -> None:
+        """Raise :class:`ActorLost` when a worker of the group is gone while its actors
+        are created: their creating tasks, pinned to its address, would wait for ever
+        (a worker its nanny restarts comes back under another address)."""
+        live = set(scheduler_workers(self.s.client))
+        gone = [w for w in (self.worker, *self.rank_workers) if w not in live]
+        if gone:
+            raise ActorLost(f"worker(s) {', '.join(gone)} lost while the new trainer was created")
+
+    def release(self) -> None:
+        """Best effort: release the actors created for the group (none started), so that
+        none stays on a worker that lives on."""
+        futures = [f for f in (self.future, *self.rank_futures) if f is not None]
+        try:
+            self.s.client.cancel(futures, force=True)
+        except Exception as e:  # noqa: BLE001 — the scheduler gone too: the next step says
+            logger.warning("could not release the trainer's actors: %r", e)
+
     def run(self) -> tuple:
         """Bind the ranks and start them (they wait in the rendezvous), then rank 0 with
         the manager. Returns rank 0's handle and the other ranks' handles."""
@@ -129,9 +154,10 @@ class _Group:
             bind_actor(s.client, TrainerRank, w, f)
             for w, f in zip(self.rank_workers, self.rank_futures, strict=True)
         ]
+        handle = bind_actor(s.client, Trainer, self.worker, self.future)
+        self.started = True
         for r in ranks:
             r.start().result(timeout=timeout)
-        handle = bind_actor(s.client, Trainer, self.worker, self.future)
         handle.set_manager(s.actors["manager"]).result(timeout=timeout)
         handle.start().result(timeout=timeout)
         return handle, ranks
@@ -180,6 +206,34 @@ def _running(r) -> None:
     )
 
 
+def _start_again(r, error: Exception, redo_head: bool = True) -> None:
+    """The restart ``r`` (:class:`TrainerRestart` or :class:`CoreRestart`) could not
+    start its trainer (``error``). When a worker it picked is gone, it waits for others
+    (its actors on the ones that live on released). Otherwise ``error`` is raised: none
+    went (the error is the trainer's own: a checkpoint it cannot load, a bad config), or
+    a group half started (its live ranks wait in the old rendezvous), or, unless
+    ``redo_head``, rank 0's worker lives on (a :class:`CoreRestart` rebuilt the data
+    module there: a second one must not write the same store)."""
+    group = r.group
+    tried = {r.worker, *(group.rank_workers if group is not None else ())} - {None}
+    live = tried & set(workers_with(r.s.client, "trainer"))
+    deadline = time.monotonic() + LOST_GRACE_S
+    while tried and tried == live and is_lost(error) and time.monotonic() < deadline:
+        time.sleep(0.2)  # (a call may fail a moment before the scheduler drops its worker)
+        live = tried & set(workers_with(r.s.client, "trainer"))
+    if not tried or tried == live:
+        raise error
+    if live and ((group is not None and group.started) or (r.worker in live and not redo_head)):
+        raise error
+    logger.warning(
+        "the trainer could not start on %s: %r; waiting for others", sorted(tried), error
+    )
+    if group is not None:
+        group.release()
+    r.exclude |= tried - live
+    r.worker = r.group = None
+
+
 class TrainerRestart:
     """One restart of a lost trainer (all its ranks, when data-parallel): :meth:`step`
     each poll until it returns the new trainer's handle; :attr:`record` is what
@@ -207,20 +261,16 @@ class TrainerRestart:
     def step(self):
         """Advance; returns the new trainer's handle once it runs, else ``None``. Raises
         :class:`ClusterError` when no ``trainer`` worker came within the timeout."""
-        if self.group is None:
-            self._begin()
-            return None
-        if not self.group.done():
-            return None
         try:
+            if self.group is None:
+                self._begin()
+                return None
+            if not self.group.done():
+                self.group.check_workers()
+                return None
             handle, self.ranks = self.group.run()
         except Exception as e:  # noqa: BLE001 — a worker went too: wait for others
-            tried = {self.group.worker, *self.group.rank_workers}
-            if len(tried) > 1 and tried & set(workers_with(self.s.client, "trainer")):
-                raise  # (a group half started: its live ranks wait in the old rendezvous)
-            logger.warning("the trainer could not start on %s: %r", self.worker, e)
-            self.exclude |= tried
-            self.group = self.worker = None
+            _start_again(self, e)
             return None
         _running(self)
         return handle
@@ -245,6 +295,7 @@ class TrainerRestart:
         # each before it is published).
         after = a["buffer"].stats().result(timeout)["version"]
         ckpt, version, fields = _restart_point(s.run_dir, after)
+        # (again after a retry: finds nothing more, the groups are held already)
         back = a["buffer"].trainer_restarted(version).result(timeout)
         chain = a["manager"].stats().result(timeout)["chain"]
         master = _new_master(s, self.worker, chain)
@@ -256,8 +307,8 @@ class TrainerRestart:
         self.record.update(
             worker_wait_s=time.time() - self.t_lost,
             **fields,
-            readmitted=back["readmitted"],
-            readmitted_groups=back["groups"],
+            readmitted=self.record.get("readmitted", 0) + back["readmitted"],
+            readmitted_groups=self.record.get("readmitted_groups", 0) + back["groups"],
         )
 
 
@@ -492,22 +543,16 @@ class CoreRestart(DataRestart):
         :class:`ClusterError` when no worker with both roles (and one for each other
         rank) came within the longer of ``faults.trainer_restart_timeout_s`` and
         ``faults.data_restart_timeout_s``."""
-        s = self.s
         try:
             if self.group is None:
                 self._begin()
                 return False
             if not self.group.done():
+                self.group.check_workers()
                 return False
             handle, self.ranks = self.group.run()
         except Exception as e:  # noqa: BLE001 — a worker went too: start again
-            tried = {self.worker, *(self.group.rank_workers if self.group else [])} - {None}
-            live = tried & set(workers_with(s.client, "trainer"))
-            if not tried or tried == live or (len(tried) > 1 and live):
-                raise  # (none went; or a group half started, see TrainerRestart.step)
-            logger.warning("trainer and data module: no restart on %s: %r", self.worker, e)
-            self.exclude |= tried
-            self.worker = self.group = None
+            _start_again(self, e, redo_head=False)
             return False
         self.handle = handle
         _running(self)

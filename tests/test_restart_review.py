@@ -1,0 +1,80 @@
+"""The restart state machines of pipelines/restart.py driven step by step against a
+stand-in for Dask's client (the scheduler's workers, cancellation) and creating futures
+that the test settles: what a restart does when its new trainer cannot start."""
+
+from __future__ import annotations
+
+from concurrent.futures import Future
+from types import SimpleNamespace
+
+import pytest
+
+from laminar.config import RunConfig, with_overrides
+from laminar.errors import ClusterError
+from pipelines.restart import TrainerRestart, _Group
+
+
+class SchedulerClient:
+    """What the restart asks of Dask's client: the scheduler's workers (address ->
+    resources in ``workers``) and the cancellation of creating futures."""
+
+    def __init__(self, workers: dict[str, dict]) -> None:
+        self.workers = workers
+        self.cancelled: list = []
+        self.scheduler = SimpleNamespace(identity=self._identity)
+
+    def _identity(self, n_workers=-1):
+        return {"workers": {a: {"resources": r} for a, r in self.workers.items()}}
+
+    def sync(self, fn, *args, callback_timeout=None, **kwargs):
+        return fn(*args, **kwargs)
+
+    def cancel(self, futures, force=False):
+        self.cancelled += futures
+
+
+LOST, NEW = "tcp://trainer:1", "tcp://trainer:2"
+
+
+def _restart(tmp_path, future: Future) -> tuple[TrainerRestart, SchedulerClient]:
+    """A trainer restart whose new trainer (one rank) is being created on ``NEW`` by
+    ``future``."""
+    cfg = with_overrides(RunConfig(), ["faults.trainer_restart_timeout_s=30"])
+    client = SchedulerClient({NEW: {"trainer": 1}})
+    s = SimpleNamespace(
+        cfg=cfg, client=client, run_dir=tmp_path, resume_hint=lambda: "resume it", actors={}
+    )
+    r = TrainerRestart(s, LOST, {"version": 7, "steps": 20})
+    r.worker = NEW
+    r.group = _Group(s, NEW, [])
+    r.group.future = future
+    return r, client
+
+
+def test_a_new_trainer_that_fails_on_a_live_worker_fails_the_restart_with_its_error(tmp_path):
+    """The new trainer's own error (a checkpoint it cannot load) with its worker alive is
+    the run's error: it used to be logged, the only worker excluded, and the run failed
+    trainer_restart_timeout_s later for "no `trainer` worker came back"."""
+    future: Future = Future()
+    future.set_exception(ValueError("cannot load checkpoints/version-000010"))
+    r, client = _restart(tmp_path, future)
+    with pytest.raises(ValueError, match="cannot load"):
+        r.step()
+    assert NEW not in r.exclude
+
+
+def test_a_new_trainer_whose_worker_is_lost_while_it_is_created_is_started_elsewhere(tmp_path):
+    """The new worker dies while the trainer is created: its creating task, pinned to
+    the gone address, never ends. The restart waited on it for ever (no timeout); it
+    now goes back to waiting for a `trainer` worker, bounded by its timeout."""
+    creating: Future = Future()  # never done: its worker goes
+    r, client = _restart(tmp_path, creating)
+    assert r.step() is None and r.group is not None  # slow to start: waited for
+    del client.workers[NEW]
+    assert r.step() is None
+    assert r.group is None and r.worker is None and NEW in r.exclude
+    assert client.cancelled == [creating]
+    assert r.step() is None  # no worker yet: waits
+    r.t_lost -= 31
+    with pytest.raises(ClusterError, match="trainer_restart_timeout_s=30"):
+        r.step()
