@@ -527,6 +527,7 @@ class CoreRestart(DataRestart):
         self.master = None
         self.group: _Group | None = None
         self.handle = None  # rank 0's, once running
+        self.after = 0  # M, as of the last try (a retry never numbers after less)
         self.ranks: list = []  # the other ranks' handles, once running
         super().__init__(schedule, lost_worker, last_manager)
 
@@ -594,7 +595,8 @@ class CoreRestart(DataRestart):
         from pipelines.driver import _answers
 
         s = self.s
-        seen = [self.stand_in["version"], max(s._published_fps, default=0)]
+        # (a try that failed saw it too: what saw it then may be lost since)
+        seen = [self.after, self.stand_in["version"], max(s._published_fps, default=0)]
         if s._last_data_stats is not None:
             seen.append(s._last_data_stats[0]["version"])
         lost = self.last_manager["lost"]
@@ -603,4 +605,5 @@ class CoreRestart(DataRestart):
         down = [s.tier.handle(r) for r in self.last_manager["chain"][1:]]
         for st in _answers([lambda r=r: r.stats() for r in down]):
             seen += [*st["kept"], *st["arriving"]]  # (arriving: the master had published it)
-        return max(seen)
+        self.after = max(seen)
+        return self.after

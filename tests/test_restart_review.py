@@ -78,3 +78,40 @@ def test_a_new_trainer_whose_worker_is_lost_while_it_is_created_is_started_elsew
     r.t_lost -= 31
     with pytest.raises(ClusterError, match="trainer_restart_timeout_s=30"):
         r.step()
+
+
+class Rollout:
+    """A rollout handle whose ``stats()`` answers ``stats`` (or raises it: lost)."""
+
+    def __init__(self, stats) -> None:
+        self.stats_answer = stats
+
+    def stats(self) -> Future:
+        f: Future = Future()
+        if isinstance(self.stats_answer, BaseException):
+            f.set_exception(self.stats_answer)
+        else:
+            f.set_result(self.stats_answer)
+        return f
+
+
+def test_a_core_restart_tried_again_never_numbers_after_an_older_version(tmp_path):
+    """A core restart numbers the new trainer's updates after M, the newest version
+    anything that outlived the lost trainer saw. Tried again (its new worker lost too),
+    a rollout that alone had seen M may be lost meanwhile: the retry must not number
+    after an older version, or M would name two sets of weights."""
+    from pipelines.restart import CoreRestart
+
+    rollout = Rollout({"version": 9})  # loaded version 9, which the driver never saw
+    s = SimpleNamespace(
+        cfg=RunConfig(),
+        client=SchedulerClient({}),
+        _published_fps={4: 1, 5: 2},
+        _last_data_stats=({"version": 5}, {}),
+        actors={"rollouts": [rollout]},
+        tier=SimpleNamespace(handle=lambda rid: None),
+    )
+    r = CoreRestart(s, LOST, {"version": 5, "steps": 20}, {"lost": [], "chain": ["master"]})
+    assert r._newest_published() == 9
+    rollout.stats_answer = ConnectionError("its worker is gone")
+    assert r._newest_published() == 9
