@@ -431,9 +431,11 @@ def actor_result(actor, future, timeout: float):
 
 def worker_alive(actor) -> bool:
     """Whether the scheduler still has the worker of ``actor`` (``True`` when it cannot
-    be asked: the call's own timeout then stands)."""
+    be asked: the call's own timeout then stands). Asked of the actor's own client: the
+    process's default one may be another cluster's (a notebook's newer client), where
+    every worker of this one looks gone."""
     try:
-        workers = scheduler_workers(timeout=5.0)
+        workers = scheduler_workers(getattr(actor, "_client", None), timeout=5.0)
     except Exception:  # noqa: BLE001 — no client here, or no scheduler that answers
         return True
     return actor._address in workers

@@ -228,3 +228,39 @@ def test_binding_an_actor_whose_worker_dies_while_it_is_created_fails_instead_of
         with pytest.raises(ActorLost, match="lost while it created a SlowToStart"):
             bind_actor(client, SlowToStart, w, future)
         assert time.monotonic() - t0 < 15
+
+
+class Sleeper:
+    def nap(self, seconds):
+        import time
+
+        time.sleep(seconds)
+        return seconds
+
+
+def test_a_slow_call_is_not_taken_for_lost_when_another_client_is_the_default():
+    """actor_result asks whether the actor's worker is gone of the actor's own client:
+    asked of the process's newest default client (another cluster's: a notebook that
+    opened one after the run started), every live worker looked gone and a slow call
+    (over a second) raised ActorLost."""
+    from distributed import Client, LocalCluster
+
+    from laminar.cluster import actor_result, submit_actor
+
+    with (
+        LocalCluster(
+            n_workers=1, processes=False, dashboard_address=":0", resources={"data": 1}
+        ) as cluster,
+        Client(cluster) as client,
+    ):
+        (w,) = workers_with(client, "data")
+        actor = submit_actor(client, Sleeper, worker=w, resource="data")
+        with (
+            LocalCluster(n_workers=1, processes=False, dashboard_address=":0") as other,
+            Client(other),  # now the newest default client
+        ):
+            assert worker_alive(actor)
+            assert actor_result(actor, actor.nap(2.5), 20.0) == 2.5
+        # a worker that is gone is still found gone
+        client.sync(cluster.workers[0].close)
+        assert not worker_alive(actor)
