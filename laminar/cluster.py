@@ -271,12 +271,18 @@ def place(client, resource: str, count: int) -> list[str]:
     """
     addrs = workers_with(client, resource)
     if len(addrs) < count:
+        setting = ROLE_COUNTS.get(resource)
+        lower = f", or set {setting}={len(addrs)}" if setting and addrs else ""
         raise ClusterError(
             f"the cluster has {len(addrs)} worker(s) with resource {resource!r}, the run "
-            f"needs {count}; start workers with `--resources {resource}=1` or lower the count "
-            "in the config"
+            f"needs {count}; start {count - len(addrs)} more with `dask worker ADDRESS "
+            f"--resources {resource}=1`{lower}"
         )
     return addrs[:count]
+
+
+# The setting that counts a role's workers (the data module always needs one).
+ROLE_COUNTS = {"trainer": "trainer.ranks", "rollout": "rollout.replicas", "relay": "relay.relays"}
 
 
 _made = threading.local()

@@ -264,3 +264,24 @@ def test_a_slow_call_is_not_taken_for_lost_when_another_client_is_the_default():
         # a worker that is gone is still found gone
         client.sync(cluster.workers[0].close)
         assert not worker_alive(actor)
+
+
+def test_a_placement_error_says_how_many_workers_are_missing_and_which_setting_counts_them():
+    """It named no setting ("lower the count in the config"), and offered lowering the
+    count of the data module, which is always one."""
+    from distributed import Client, LocalCluster
+
+    with (
+        LocalCluster(
+            n_workers=1, processes=False, dashboard_address=":0", resources={"rollout": 1}
+        ) as cluster,
+        Client(cluster) as client,
+    ):
+        with pytest.raises(ClusterError) as e:
+            place(client, "rollout", 3)
+        assert "start 2 more with `dask worker ADDRESS --resources rollout=1`" in str(e.value)
+        assert "set rollout.replicas=1" in str(e.value)
+        with pytest.raises(ClusterError) as e:
+            place(client, "data", 1)
+        assert "start 1 more with `dask worker ADDRESS --resources data=1`" in str(e.value)
+        assert "set" not in str(e.value).split(";")[1], e.value
