@@ -288,8 +288,10 @@ class PipelineConfig(_Section):
     # every update interrupts all rollouts, which resume with the new weights (AReaL).
     schedule: Literal["laminar", "sync", "one_step", "stream", "partial_rollout"] = "laminar"
     # partial_rollout: AReaL's staleness bound η — prompt groups dispatched never exceed
-    # (trainer version + η + 1) × trainer.groups_per_step.
-    eta: int = Field(4, ge=0)
+    # (trainer version + η + 1) × trainer.groups_per_step. (2: what the default
+    # buffer.max_outstanding_groups, 3 × groups_per_step, lets out; a larger η needs
+    # more room there, or back-pressure binds first, and the run refuses it.)
+    eta: int = Field(2, ge=0)
 
 
 class TrainerConfig(_Section):
