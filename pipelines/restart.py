@@ -87,6 +87,7 @@ class _Group:
         self.future = None
         self.rank_futures: list = []
         self.started = False  # a rank was started: it waits in this group's rendezvous
+        self.t_created = time.time()  # (when its actors began to be created)
 
     def start(self, ckpt, steps: int, after: int, buffer, master) -> None:
         """Create (not yet start) the ranks from checkpoint ``ckpt`` (``None``: the
@@ -125,14 +126,24 @@ class _Group:
     def done(self) -> bool:
         return all(f.done() for f in (self.future, *self.rank_futures))
 
-    def check_workers(self) -> None:
-        """Raise :class:`ActorLost` when a worker of the group is gone while its actors
-        are created: their creating tasks, pinned to its address, would wait for ever
-        (a worker its nanny restarts comes back under another address)."""
+    def check_workers(self, limit_s: float, setting: str) -> None:
+        """While its actors are created: raise :class:`ActorLost` when a worker of the
+        group is gone (their creating tasks, pinned to its address, would wait for ever:
+        a worker its nanny restarts comes back under another address), and a
+        :class:`ClusterError` when they are not all created ``limit_s`` after they began
+        (``setting``): a worker that hangs would hold the restart for ever."""
         live = set(scheduler_workers(self.s.client))
         gone = [w for w in (self.worker, *self.rank_workers) if w not in live]
         if gone:
             raise ActorLost(f"worker(s) {', '.join(gone)} lost while the new trainer was created")
+        waited = time.time() - self.t_created
+        if waited > limit_s:
+            raise ClusterError(
+                f"the restarted trainer was not created on {self.worker} (and "
+                f"{len(self.rank_workers)} more rank(s)) {waited:.0f} s after it began "
+                f"({setting}={limit_s:g}: raise it for a checkpoint that loads slowly); "
+                f"its worker may hang; {self.s.resume_hint()}"
+            )
 
     def release(self) -> None:
         """Best effort: release the actors created for the group (none started), so that
@@ -266,7 +277,8 @@ class TrainerRestart:
                 self._begin()
                 return None
             if not self.group.done():
-                self.group.check_workers()
+                limit = self.s.cfg.faults.trainer_restart_timeout_s
+                self.group.check_workers(limit, "faults.trainer_restart_timeout_s")
                 return None
             handle, self.ranks = self.group.run()
         except Exception as e:  # noqa: BLE001 — a worker went too: wait for others
@@ -549,7 +561,9 @@ class CoreRestart(DataRestart):
                 self._begin()
                 return False
             if not self.group.done():
-                self.group.check_workers()
+                faults = self.s.cfg.faults
+                limit = max(faults.trainer_restart_timeout_s, faults.data_restart_timeout_s)
+                self.group.check_workers(limit, "faults.trainer_restart_timeout_s")
                 return False
             handle, self.ranks = self.group.run()
         except Exception as e:  # noqa: BLE001 — a worker went too: start again

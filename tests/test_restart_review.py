@@ -36,10 +36,12 @@ class SchedulerClient:
 LOST, NEW = "tcp://trainer:1", "tcp://trainer:2"
 
 
-def _restart(tmp_path, future: Future) -> tuple[TrainerRestart, SchedulerClient]:
+def _restart(
+    tmp_path, future: Future, timeout_s: float = 30
+) -> tuple[TrainerRestart, SchedulerClient]:
     """A trainer restart whose new trainer (one rank) is being created on ``NEW`` by
     ``future``."""
-    cfg = with_overrides(RunConfig(), ["faults.trainer_restart_timeout_s=30"])
+    cfg = with_overrides(RunConfig(), [f"faults.trainer_restart_timeout_s={timeout_s}"])
     client = SchedulerClient({NEW: {"trainer": 1}})
     s = SimpleNamespace(
         cfg=cfg, client=client, run_dir=tmp_path, resume_hint=lambda: "resume it", actors={}
@@ -115,3 +117,18 @@ def test_a_core_restart_tried_again_never_numbers_after_an_older_version(tmp_pat
     assert r._newest_published() == 9
     rollout.stats_answer = ConnectionError("its worker is gone")
     assert r._newest_published() == 9
+
+
+def test_a_new_trainer_that_is_never_created_on_a_live_worker_fails_the_restart_in_time(
+    tmp_path,
+):
+    """A new worker that hangs (stopped, deadlocked) while it creates the trainer stays
+    on the scheduler's books: the restart waited on it for ever. It is bounded by
+    faults.trainer_restart_timeout_s, and says so."""
+    import time
+
+    r, client = _restart(tmp_path, Future(), timeout_s=0.5)  # never done, its worker there
+    assert r.step() is None and r.group is not None
+    time.sleep(0.6)
+    with pytest.raises(ClusterError, match=r"not created on tcp://trainer:2.*timeout_s=0.5"):
+        r.step()
