@@ -31,6 +31,7 @@ import time
 
 from laminar.cluster import (
     ActorLost,
+    actor_result,
     bind_actor,
     detach,
     is_lost,
@@ -302,16 +303,15 @@ class TrainerRestart:
                 )
             return
         self.worker, rank_workers = picked
-        timeout = cfg.cluster.actor_timeout_s
         # The newest version any trainer of this run published (the buffer hears of
         # each before it is published).
-        after = a["buffer"].stats().result(timeout)["version"]
+        after = self._ask_data("buffer", lambda b: b.stats())["version"]
         ckpt, version, fields = _restart_point(s.run_dir, after)
         # (again after a retry: finds nothing more, the groups are held already)
-        back = a["buffer"].trainer_restarted(version).result(timeout)
-        chain = a["manager"].stats().result(timeout)["chain"]
+        back = self._ask_data("buffer", lambda b: b.trainer_restarted(version))
+        chain = self._ask_data("manager", lambda m: m.stats())["chain"]
         master = _new_master(s, self.worker, chain)
-        a["manager"].replace_master(master, self.worker).result(timeout)
+        self._ask_data("manager", lambda m: m.replace_master(master, self.worker))
         self.master = master
         self.group = _Group(s, self.worker, rank_workers)
         # (the lost trainer was to end at stand_in["steps"])
@@ -322,6 +322,23 @@ class TrainerRestart:
             readmitted=self.record.get("readmitted", 0) + back["readmitted"],
             readmitted_groups=self.record.get("readmitted_groups", 0) + back["groups"],
         )
+
+    def _ask_data(self, name: str, call):
+        """``call(actor)``'s answer, for the data module's actor ``name``; a
+        :class:`ClusterError` that says so when that actor is lost too (a trainer and a
+        data module lost together on two workers are not restarted within the run)."""
+        actor = self.s.actors[name]
+        try:
+            return actor_result(actor, call(actor), self.s.cfg.cluster.actor_timeout_s)
+        except Exception as e:
+            if not is_lost(e):
+                raise
+            raise ClusterError(
+                f"lost the trainer (worker {self.lost_worker} is gone) and, while it "
+                f"restarted, the data module's {name} did not answer ({e!r}): a trainer and "
+                f"a data module lost together on two workers are not restarted within the "
+                f"run; {self.s.resume_hint()}"
+            ) from e
 
 
 class DataRestart:

@@ -132,3 +132,43 @@ def test_a_new_trainer_that_is_never_created_on_a_live_worker_fails_the_restart_
     time.sleep(0.6)
     with pytest.raises(ClusterError, match=r"not created on tcp://trainer:2.*timeout_s=0.5"):
         r.step()
+
+
+class Answering:
+    """An actor handle whose every call answers ``answer`` (or raises it)."""
+
+    _client = None
+
+    def __init__(self, worker: str, answer) -> None:
+        self._address, self.key, self.answer = worker, f"fake-{worker}", answer
+
+    def __getattr__(self, name: str):
+        if name.startswith("_"):
+            raise AttributeError(name)
+
+        def call(*args, **kwargs) -> Future:
+            f: Future = Future()
+            if isinstance(self.answer, BaseException):
+                f.set_exception(self.answer)
+            else:
+                f.set_result(self.answer)
+            return f
+
+        return call
+
+
+def test_a_data_module_lost_while_the_trainer_restarts_fails_the_run_saying_so(tmp_path):
+    """The data module's worker dies while a lost trainer restarts (data apart): the run
+    cannot go on, and its error says what was lost and how to continue, at once (it was
+    the buffer call's bare OSError, which the driver reported as the trainer's loss)."""
+    import time
+
+    r, client = _restart(tmp_path, Future())
+    r.group = r.worker = None  # (the restart has its new worker, and begins)
+    gone = OSError("Timed out trying to connect to tcp://data:1")
+    r.s.actors = {"buffer": Answering("tcp://data:1", gone), "manager": Answering("x", {})}
+    t0 = time.monotonic()
+    with pytest.raises(ClusterError, match=r"buffer did not answer.*resume it") as e:
+        r.step()
+    assert e.value.__cause__ is gone
+    assert time.monotonic() - t0 < 2
