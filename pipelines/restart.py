@@ -218,6 +218,18 @@ def _running(r) -> None:
     )
 
 
+def _still_there(client, role: str, workers: set[str], error: Exception) -> set[str]:
+    """Those of ``workers`` (with ``role``) still on the scheduler's books after a call
+    failed with ``error``. One that looks like a loss is given :data:`LOST_GRACE_S` for
+    the scheduler to drop a worker: a call to a killed one fails a moment before."""
+    live = workers & set(workers_with(client, role))
+    deadline = time.monotonic() + LOST_GRACE_S
+    while workers and live == workers and is_lost(error) and time.monotonic() < deadline:
+        time.sleep(0.2)
+        live = workers & set(workers_with(client, role))
+    return live
+
+
 def _start_again(r, error: Exception, redo_head: bool = True) -> None:
     """The restart ``r`` (:class:`TrainerRestart` or :class:`CoreRestart`) could not
     start its trainer (``error``). When a worker it picked is gone, it waits for others
@@ -228,11 +240,7 @@ def _start_again(r, error: Exception, redo_head: bool = True) -> None:
     module there: a second one must not write the same store)."""
     group = r.group
     tried = {r.worker, *(group.rank_workers if group is not None else ())} - {None}
-    live = tried & set(workers_with(r.s.client, "trainer"))
-    deadline = time.monotonic() + LOST_GRACE_S
-    while tried and tried == live and is_lost(error) and time.monotonic() < deadline:
-        time.sleep(0.2)  # (a call may fail a moment before the scheduler drops its worker)
-        live = tried & set(workers_with(r.s.client, "trainer"))
+    live = _still_there(r.s.client, "trainer", tried, error)
     if not tried or tried == live:
         raise error
     if live and ((group is not None and group.started) or (r.worker in live and not redo_head)):
@@ -396,7 +404,7 @@ class DataRestart:
         try:
             self._rebuild(live[0])
         except Exception as e:  # noqa: BLE001 — that worker went too: wait for another
-            if live[0] in workers_with(s.client, "data"):
+            if _still_there(s.client, "data", {live[0]}, e):
                 raise
             logger.warning("the data module could not be rebuilt on %s: %r", live[0], e)
             self.lost_worker = live[0]

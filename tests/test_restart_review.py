@@ -172,3 +172,43 @@ def test_a_data_module_lost_while_the_trainer_restarts_fails_the_run_saying_so(t
         r.step()
     assert e.value.__cause__ is gone
     assert time.monotonic() - t0 < 2
+
+
+class DroppingClient(SchedulerClient):
+    """A scheduler that drops ``worker`` from its books after ``after`` looks (a killed
+    worker: its calls fail a moment before the scheduler hears of it)."""
+
+    def __init__(self, workers: dict[str, dict], worker: str, after: int) -> None:
+        super().__init__(workers)
+        self.worker, self.after = worker, after
+
+    def _identity(self, n_workers=-1):
+        self.after -= 1
+        if self.after < 0:
+            self.workers.pop(self.worker, None)
+        return super()._identity(n_workers)
+
+
+def test_a_data_module_rebuild_whose_worker_dies_is_tried_again_once_the_scheduler_knows(
+    tmp_path,
+):
+    """The new data worker dies during the rebuild; the failed call says so a moment
+    before the scheduler drops it. That is a second loss to wait out (another worker),
+    not the run's error: the rebuild failed the run if the scheduler still listed it."""
+    from pipelines.restart import DataRestart
+
+    new_data = "tcp://data:2"
+    client = DroppingClient({new_data: {"data": 1}}, new_data, after=3)
+    trainer = Answering("tcp://trainer:1", OSError("Timed out trying to connect"))
+    s = SimpleNamespace(
+        cfg=RunConfig(),
+        client=client,
+        run_dir=tmp_path,
+        resume_hint=lambda: "resume it",
+        actors={"rollouts": [], "trainer": trainer},
+        rollout_workers={},
+    )
+    r = DataRestart(s, "tcp://data:1", {"lost": [], "chain": ["master"]})
+    assert r.step() is False
+    assert r.lost_worker == new_data  # (waits for another)
+    assert r.step() is False  # none yet
