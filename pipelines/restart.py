@@ -204,6 +204,32 @@ def _restart_point(run_dir, after: int) -> tuple:
     return ckpt, version, fields
 
 
+def _steps(s, checkpoint_version: int, current: dict) -> int:
+    """``trainer.steps`` for a trainer restarted from the checkpoint at
+    ``checkpoint_version``, so that the run makes ``trainer.steps`` updates in all: the
+    config's, plus the version numbers that the trainers which led to that checkpoint
+    skipped (each restart's ``after_version - checkpoint_version``). The new trainer adds
+    its own skip. Not the lost trainer's ``steps``: that counts its own skip too, which a
+    checkpoint from before it (it wrote none) does not hold — its lost updates were then
+    counted twice. ``current``: the restart's own record (a try that started a trainer
+    may have written the checkpoint)."""
+    records = [*s.trainer_restarts, *s.core_restarts]
+    if "after_version" in current:
+        records.append(current)
+    records.sort(key=lambda r: r["time"])
+    skipped, version = 0, checkpoint_version
+    while True:
+        # (written by the newest trainer whose numbers start before it)
+        writer = [r for r in records if r["after_version"] < version]
+        if not writer:
+            return s.cfg.trainer.steps + skipped
+        w = max(writer, key=lambda r: r["after_version"])  # (the later of equals: max's first)
+        w = [r for r in writer if r["after_version"] == w["after_version"]][-1]
+        skipped += w["after_version"] - w["checkpoint_version"]
+        version = w["checkpoint_version"]
+        records = [r for r in records if r["time"] < w["time"]]
+
+
 def _running(r) -> None:
     """A restart ``r`` (:class:`TrainerRestart` or :class:`CoreRestart`) has its new
     trainer running: recorded and said."""
@@ -322,11 +348,12 @@ class TrainerRestart:
         self._ask_data("manager", lambda m: m.replace_master(master, self.worker))
         self.master = master
         self.group = _Group(s, self.worker, rank_workers)
-        # (the lost trainer was to end at stand_in["steps"])
-        self.group.start(ckpt, self.stand_in["steps"], after, a["buffer"], master)
+        steps = _steps(s, version, self.record)
+        self.group.start(ckpt, steps, after, a["buffer"], master)
         self.record.update(
             worker_wait_s=time.time() - self.t_lost,
             **fields,
+            steps=steps + after - version,  # (the version it ends at)
             readmitted=self.record.get("readmitted", 0) + back["readmitted"],
             readmitted_groups=self.record.get("readmitted_groups", 0) + back["groups"],
         )
@@ -623,9 +650,10 @@ class CoreRestart(DataRestart):
         record = {"consumed": {}, "since": version, "version": after}
         self._rebuild(worker, record=record, master=self.master)
         group = _Group(s, worker, rank_workers)
-        group.start(ckpt, self.stand_in["steps"], after, s.actors["buffer"], self.master)
+        steps = _steps(s, version, self.record)
+        group.start(ckpt, steps, after, s.actors["buffer"], self.master)
         self.group = group
-        self.record.update(fields)
+        self.record.update(fields, steps=steps + after - version)  # (the version it ends at)
 
     def _newest_published(self) -> int:
         """``M``: the newest version the lost trainer published, as far as anything that

@@ -212,3 +212,30 @@ def test_a_data_module_rebuild_whose_worker_dies_is_tried_again_once_the_schedul
     assert r.step() is False
     assert r.lost_worker == new_data  # (waits for another)
     assert r.step() is False  # none yet
+
+
+def test_a_trainer_restarted_twice_from_the_same_checkpoint_makes_trainer_steps_updates():
+    """trainer.steps=20, a checkpoint at version 5. Lost at version 7: the first new
+    trainer loads version 5, skips 6-7 and ends at 22 (5 + 15 updates). Lost again at 12
+    before it wrote a checkpoint: the second loads version 5 again and must end at
+    12 + 15 = 27. Given the lost trainer's steps (22, its own skip counted), it ended at
+    22 + 7 = 29: two updates more than the run was to make."""
+    from pipelines.restart import _steps
+
+    cfg = with_overrides(RunConfig(), ["trainer.steps=20"])
+    first = {"time": 1.0, "after_version": 7, "checkpoint_version": 5}
+    s = SimpleNamespace(cfg=cfg, trainer_restarts=[first], core_restarts=[])
+    lost_trainers_steps = 20 + (7 - 5)
+    second_skip = 12 - 5
+    assert _steps(s, 5, {"time": 2.0}) + second_skip == 27
+    assert lost_trainers_steps + second_skip == 29  # (what it was given before)
+    # From a checkpoint the first new trainer wrote (version 10: 5 + updates 8-10, its
+    # numbers after its skip): 12 lost at 12 -> ends at 12 + (20 - 8) = 24.
+    assert _steps(s, 10, {"time": 2.0}) + (12 - 10) == 24
+    # A chain: the second (lost at 12, from 5) wrote version 20 (5 + updates 13-20);
+    # the first's skip is not in its lineage: lost at 22, it ends at 22 + 20 - 13 = 29.
+    second = {"time": 2.0, "after_version": 12, "checkpoint_version": 5}
+    s.core_restarts = [second]
+    assert _steps(s, 20, {"time": 3.0}) + (22 - 20) == 29
+    # (the first restart, from the warm start: nothing skipped before any checkpoint)
+    assert _steps(SimpleNamespace(cfg=cfg, trainer_restarts=[], core_restarts=[]), 0, {}) == 20
