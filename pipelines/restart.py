@@ -223,8 +223,8 @@ def _steps(s, checkpoint_version: int, current: dict) -> int:
         writer = [r for r in records if r["after_version"] < version]
         if not writer:
             return s.cfg.trainer.steps + skipped
-        w = max(writer, key=lambda r: r["after_version"])  # (the later of equals: max's first)
-        w = [r for r in writer if r["after_version"] == w["after_version"]][-1]
+        newest = max(r["after_version"] for r in writer)
+        w = [r for r in writer if r["after_version"] == newest][-1]  # (of equals, the later)
         skipped += w["after_version"] - w["checkpoint_version"]
         version = w["checkpoint_version"]
         records = [r for r in records if r["time"] < w["time"]]
