@@ -242,6 +242,13 @@ class PromptPoolCore:
         """The trainer published ``version`` (the ``eta`` rule counts from it)."""
         self.version = max(self.version, version)
 
+    def rollouts_live(self, n: int) -> None:
+        """``n`` rollouts generate now (one was lost, or a replacement joined): a barrier
+        schedule's batch is shared among them. Kept at the configured count, a batch that
+        a lost rollout had not yet taken its part of would never be handed out whole, and
+        the run would wait for it for ever."""
+        self.share = -(-self.groups_per_step // max(1, n))
+
     def release(self, prompt_uids: list[str], untrained: tuple[str, ...] = ()) -> None:
         """Groups that left the system: consumed by an update, or (``untrained``, a
         subset) evicted or discarded without one."""
@@ -514,6 +521,10 @@ class PromptPool:
 
     async def version_published(self, version: int) -> None:
         self.core.version_published(version)
+        self._changed()
+
+    async def rollouts_live(self, n: int) -> None:
+        self.core.rollouts_live(n)
         self._changed()
 
     async def room(self) -> dict:

@@ -137,6 +137,8 @@ class Schedule:
         self._trainer_wait = (0.0, 0.0)
         # rollout handle's key -> its stats call not yet answered (_rollout_stats)
         self._r_pending: dict = {}
+        # (the prompt pool's handle, the live rollouts it was last told of: _share_batches)
+        self._pool_told: tuple | None = None
 
     def setup(
         self, progress: Callable[[dict], None], should_stop: Callable[[], bool] = lambda: False
@@ -398,6 +400,7 @@ class Schedule:
                     failed.append(m)
                 elif m is not None:
                     self._replace_lost(m)
+                    self._share_batches(m)
                 if failed:
                     reason = "failed: " + failed[0]["error"].strip().splitlines()[-1]
                     break
@@ -819,6 +822,20 @@ class Schedule:
             f"continue it from its last checkpoint ({saved.name}) with `laminar run "
             f"--resume {self.run_dir}`"
         )
+
+    def _share_batches(self, m_stats: dict) -> None:
+        """Tell the prompt pool how many rollouts generate, when that changes: a barrier
+        schedule's batch is handed out in parts, one per live rollout."""
+        gone = set(m_stats["lost"]) | set(m_stats["hung"])
+        live = sum(f"r{i}" not in gone for i in range(len(self.actors["rollouts"])))
+        told = (self.actors["pool"], live)
+        if told == self._pool_told or not self.schedule.dispatch == "batches":
+            return
+        try:
+            actor_result(self.actors["pool"], self.actors["pool"].rollouts_live(live), 5.0)
+            self._pool_told = told
+        except Exception as e:  # noqa: BLE001 — the data module's loss is found elsewhere
+            logger.warning("the prompt pool was not told of %d live rollouts: %r", live, e)
 
     def _replace_lost(self, m_stats: dict) -> None:
         """Start a rollout in place of a lost one on a ``rollout`` worker that hosts none

@@ -346,3 +346,26 @@ def test_a_silent_rollout_holds_up_one_poll_not_every_poll(tmp_path, monkeypatch
     assert [r["rollout_id"] for r in s._rollout_stats()] == ["r0", "r1"]
     s._rollout_stats()
     assert calls.count("tcp://r1:1.stats") == 2
+
+
+def test_a_barrier_schedule_tells_the_pool_how_many_rollouts_share_its_batches(
+    tmp_path, monkeypatch
+):
+    """Sync's batches are handed out in parts, one per rollout: when the manager finds a
+    rollout lost (or hung), the pool is told once how many still generate, and again
+    when that changes; Laminar's pool has no parts to tell of."""
+    from pipelines.sync import SyncSchedule
+
+    s, calls = fake_run(tmp_path, monkeypatch, set(WORKERS.values()))
+    told: list[int] = []
+    s.actors["pool"]._answers["rollouts_live"] = told.append
+    s.actors["rollouts"].append(FakeActor("tcp://r1:1", calls, stats=ROLLOUT))
+    s._share_batches(MANAGER)  # (Laminar: nothing)
+    assert told == []
+    s.schedule = SyncSchedule.spec(s.cfg)
+    for lost, hung in [({}, {}), ({}, {}), ({"r1": 1.0}, {}), ({"r1": 1.0}, {}), ({}, {"r0": {}})]:
+        s._share_batches({**MANAGER, "lost": lost, "hung": hung})
+    assert told == [2, 1]  # (r1 lost, then r0 hung instead: still one)
+    s.actors["rollouts"].append(FakeActor("tcp://r2:1", calls, stats=ROLLOUT))
+    s._share_batches({**MANAGER, "lost": {"r1": 1.0}, "hung": {}})  # r2 replaced it
+    assert told == [2, 1, 2]

@@ -292,3 +292,19 @@ def test_a_topping_up_batch_gets_groups_only_while_its_version_is_the_newest():
     assert pool.acquire(1, "r0", version=2, newest_only=True) == []  # r1's turn
     assert len(pool.acquire(1, "r1", version=2, idle=True)) == 1
     assert pool.stats()["passed_over"] == 1
+
+
+def test_a_barrier_batch_is_shared_among_the_rollouts_still_live():
+    """Two rollouts share each global batch of 4 groups, 2 each; one is lost before it
+    takes its part of batch 1 (and not replaced): told so, the pool hands the survivor
+    the whole batch, where it would have waited for ever for the lost one's part; a
+    replacement that joins shares the next batch again."""
+    pool = rule_pool("batches", 1, groups_per_step=4, replicas=2)
+    assert len(pool.acquire(4, "r0", 0)) == 2 and len(pool.acquire(4, "r1", 0)) == 2
+    assert pool.batch == 1
+    assert len(pool.acquire(4, "r0", 1)) == 2 and pool.acquire(4, "r0", 1) == []  # r1 lost
+    pool.rollouts_live(1)
+    assert len(pool.acquire(4, "r0", 1)) == 2 and pool.batch == 2  # batch 1 out whole
+    pool.rollouts_live(2)  # a replacement joined
+    assert len(pool.acquire(4, "r0", 2)) == 2 and len(pool.acquire(4, "r2", 2)) == 2
+    assert pool.batch == 3
