@@ -848,6 +848,15 @@ class Schedule:
         if self._joining is not None:
             rid, worker, replaces, relay_id, future = self._joining
             if not future.done():
+                # (its creating task, pinned to a worker lost meanwhile, would never end:
+                # nothing would be replaced for the rest of the run)
+                try:
+                    gone = worker not in scheduler_workers(client, timeout=5.0)
+                except Exception:  # noqa: BLE001 — no answer: the next poll asks again
+                    gone = False
+                if gone:
+                    logger.warning("rollout %s: its worker %s was lost as it started", rid, worker)
+                    self._joining = None
                 return
             self._joining = None
             try:

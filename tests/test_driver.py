@@ -369,3 +369,16 @@ def test_a_barrier_schedule_tells_the_pool_how_many_rollouts_share_its_batches(
     s.actors["rollouts"].append(FakeActor("tcp://r2:1", calls, stats=ROLLOUT))
     s._share_batches({**MANAGER, "lost": {"r1": 1.0}, "hung": {}})  # r2 replaced it
     assert told == [2, 1, 2]
+
+
+def test_a_replacement_whose_worker_is_lost_as_it_starts_is_given_up(tmp_path, monkeypatch):
+    """The actor a replacement rollout is created as, on a worker lost meanwhile, never
+    comes (its task is pinned to the gone address): the driver drops it, so a later
+    poll can start another, where it used to wait on it for the rest of the run."""
+    s, _ = fake_run(tmp_path, monkeypatch, {WORKERS["data"], WORKERS["trainer"]})
+    s._joining = ("r1", "tcp://gone:1", "r0", "master", Future())
+    s._replace_lost({**MANAGER, "lost": {"r0": 1.0}})
+    assert s._joining is None
+    s._joining = ("r1", WORKERS["data"], "r0", "master", Future())  # still on the books
+    s._replace_lost({**MANAGER, "lost": {"r0": 1.0}})
+    assert s._joining is not None and s._joining[1] == WORKERS["data"]
