@@ -675,7 +675,8 @@ def rendezvous(client, worker: str) -> str:
     """A ``torch.distributed`` init method on a free port of ``worker`` (rank 0's)."""
     from urllib.parse import urlparse
 
-    port = client.submit(free_port, workers=[worker], pure=False).result()
+    # (bounded: a rank-0 worker lost meanwhile would leave the task pending for ever)
+    port = client.submit(free_port, workers=[worker], pure=False).result(timeout=60)
     return f"tcp://{urlparse(worker).hostname}:{port}"
 
 
