@@ -409,8 +409,9 @@ class FaultsConfig(_Section):
     # a data-parallel trainer when one is lost). Off, or under another schedule than
     # laminar, a lost trainer fails the run (continue it with `laminar run --resume`).
     restart_trainer: bool = True
-    # How long the run waits for a `trainer` worker to restart the trainer on before it
-    # fails (a local worker's nanny brings it back in seconds; a Slurm job may queue).
+    # How long the run waits for a `trainer` worker to restart the trainer on, and then
+    # for the new trainer to be created there (its checkpoint loaded), before it fails (a
+    # local worker's nanny brings it back in seconds; a Slurm job may queue).
     trainer_restart_timeout_s: float = Field(120.0, gt=0)
     # A lost data module (buffer, prompt pool, partial-response pool and rollout manager)
     # is rebuilt within the run from the stores, the trainer's record of what it consumed

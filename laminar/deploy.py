@@ -22,7 +22,13 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-from laminar.cluster import role_cluster, role_workers, worker_environ, workers_with
+from laminar.cluster import (
+    ROLE_COUNTS,
+    role_cluster,
+    role_workers,
+    worker_environ,
+    workers_with,
+)
 from laminar.config import ClusterConfig, RunConfig, SlurmRole
 from laminar.errors import ClusterError, ConfigError
 
@@ -78,7 +84,8 @@ def wait_for_roles(
                     jobs.missing(role)
                     if jobs is not None
                     else f"start {n - got} more with `dask worker ADDRESS --resources "
-                    f"{role}=1` (or lower the count in the config)"
+                    f"{role}=1`"
+                    + (f" (or lower {ROLE_COUNTS[role]})" if role in ROLE_COUNTS else "")
                 )
                 for role, (got, n) in short.items()
             ]
