@@ -73,6 +73,29 @@ RESEND_CHUNK = 64  # ... and sends its kept trajectories to a new one this many 
 _RESEND = object()  # the reward collector's cue to send the kept trajectories again
 
 
+def _finished(
+    state: RequestState, reason: str, t_finish: float, version: int | None = None
+) -> FinishedOutput:
+    """A recovered request as ended with ``reason``. One with no token logged yet is
+    given the version that sampled its batch (``version``, else the recovery's
+    ``behavior_version``)."""
+    if state.tokens:
+        return FinishedOutput.from_state(state, reason, t_finish)
+    if version is None:
+        version = state.request.meta["behavior_version"]
+    return FinishedOutput(
+        request=state.request,
+        response_tokens=np.zeros(0, np.int32),
+        logprobs=np.zeros(0, np.float32),
+        token_versions=np.zeros(0, np.int32),
+        finish_reason=reason,
+        version=version,
+        t_start=state.t_start,
+        t_finish=t_finish,
+        n_moves=state.n_moves,
+    )
+
+
 class RolloutReplica:
     """Dask actor: one replica of the rollout tier (placed on a ``rollout`` worker)."""
 
@@ -195,7 +218,10 @@ class RolloutReplica:
             "partial_tokens": 0,
             "adopted_batches": 0,
             "adopted_requests": 0,
-            "restarted_requests": 0,  # recovered, but their version was gone: started over
+            # recovered unfinished, but no copy of their version was left: sent to the
+            # buffer unscored as errors, which discards their groups whole
+            "dropped_requests": 0,
+            "dropped_groups": 0,
             "rescored_requests": 0,  # recovered finished, reward was in flight: scored here
             "interrupts": 0,  # interrupt: publications that paused this rollout
             "sync_wait_s": 0.0,  # ... and the time it waited for their weights
@@ -765,34 +791,49 @@ class RolloutReplica:
             try:
                 weights = self._fetch_version(version)
             except VersionUnavailable as e:
-                # No copy of that version is left: the trajectories start over at this
-                # rollout's version (same uids, same groups; their tokens are lost).
-                logger.warning(
-                    "rollout %s: %s; %d recovered trajectories restart at version %d",
-                    self.rollout_id,
-                    e,
-                    len(states),
-                    self.engine.version,
-                )
-                states = [
-                    RequestState(st.request, seed=st.seed, t_start=time.time(), n_moves=st.n_moves)
-                    for st in states
-                ]
-                if self.partial is not None:
-                    self._data_call(
-                        self.partial,
-                        lambda: self.partial.register(self.rollout_id, self.engine.version, states),
-                    )
-                self.counts["restarted_requests"] += len(states)
-                version = self.engine.version
-            else:
-                self._load_version(version, weights)
+                self._drop_adopted(version, states, e)
+                return
+            self._load_version(version, weights)
         self.engine.import_(states)
         self._logged.update({st.request_id: len(st.tokens) for st in states})
         self._reprefill = True
         self.counts["adopted_batches"] += 1
         self.counts["adopted_requests"] += len(states)
         self.counts["reprefill_tokens"] += sum(st.context_len for st in states)
+
+    def _drop_adopted(self, version: int, states: list[RequestState], why: Exception) -> None:
+        """No copy of ``version`` is left for a lost rollout's unfinished ``states``:
+        their groups are dropped, not finished at another version.
+
+        Their siblings that finished before the loss were sampled by ``version`` (in the
+        buffer, or being scored): restarted at this rollout's version, these would give
+        one group two behavior policies, and GRPO's advantages compare a group's samples
+        as draws of one. Nothing of the group has been trained on (the buffer releases
+        whole groups only), so each of these goes to the buffer as it is, marked
+        ``finish_reason="error"`` and not scored: the buffer discards its group whole
+        once the group is in (``groups_discarded``), and the prompt pool makes the group
+        up as it does for any group that left untrained. Logged as finished first, so a
+        loss of this rollout before the buffer has them hands them on as such."""
+        now = time.time()
+        outputs = [_finished(st, "error", now, version) for st in states]
+        if self.partial is not None:  # (the pool has every token: nothing new to log)
+            for out in outputs:
+                self._ended[out.request.request_id] = (len(out.response_tokens), out)
+            self._log_partial(force=True)
+        groups = {st.request.meta["group"].prompt_uid for st in states}
+        self.counts["dropped_requests"] += len(states)
+        self.counts["dropped_groups"] += len(groups)
+        logger.warning(
+            "rollout %s: %s; %d recovered trajectories of version %d cannot be finished by "
+            "it: their %d groups are discarded (a group mixing two versions would break "
+            "its GRPO advantages)",
+            self.rollout_id,
+            why,
+            len(states),
+            version,
+            len(groups),
+        )
+        self._submit_rewards(outputs, score=False)
 
     def _decode(self) -> None:
         """Decode until the engine drains (or hands its requests away)."""
@@ -1116,7 +1157,9 @@ class RolloutReplica:
         c["parity_mean_abs"] = float(diff.mean())
         c["parity_worst_abs"] = max(c["parity_worst_abs"], c["parity_max_abs"])
 
-    def _submit_rewards(self, outputs: list[FinishedOutput]) -> None:
+    def _submit_rewards(self, outputs: list[FinishedOutput], score: bool = True) -> None:
+        """Trajectories of ``outputs`` to the reward collector, which inserts them into the
+        buffer once scored (``score=False``: as they are, their reward NaN)."""
         trajs, items = [], []
         for out in outputs:
             g: PromptGroup = out.request.meta["group"]
@@ -1133,10 +1176,11 @@ class RolloutReplica:
                     response_tokens=resp,
                     behavior_logprobs=out.logprobs,
                     loss_mask=np.ones(len(resp), dtype=np.uint8),
-                    behavior_version=int(out.token_versions.min()),
+                    # (a recovered response may have no token yet: its version's)
+                    behavior_version=int(out.token_versions.min(initial=out.version)),
                     # Stored only when a response mixes versions (the schema's convention).
                     token_versions=out.token_versions
-                    if out.token_versions.min() != out.token_versions.max()
+                    if len(resp) and out.token_versions.min() != out.token_versions.max()
                     else np.zeros(0, np.int32),
                     n_migrations=out.n_moves,
                     finish_reason=out.finish_reason,
@@ -1152,7 +1196,9 @@ class RolloutReplica:
         self.counts["trajectories"] += len(trajs)
         with self._unstored_lock:  # kept until the store has it
             self._unstored.update((t.uid, [t, None]) for t in trajs)
-        self._to_score.put((trajs, items, self._reward_task(items)))
+        self._to_score.put(
+            (trajs, items, self._reward_task(items)) if score else (trajs, None, None)
+        )
 
     def _collect_rewards(self, block: bool) -> None:
         """Submit the rewards of recovered finished trajectories; with ``block``, wait
@@ -1160,9 +1206,11 @@ class RolloutReplica:
         Raises what failed the reward collector."""
         while not self._rescore.empty():
             states = self._rescore.get_nowait()
-            self._submit_rewards(
-                [FinishedOutput.from_state(st, *st.request.meta["finished"]) for st in states]
-            )
+            outputs = [_finished(st, *st.request.meta["finished"]) for st in states]
+            # (a dropped one, :meth:`_drop_adopted`, goes to the buffer unscored again)
+            for score in (True, False):
+                if same := [o for o in outputs if (o.finish_reason != "error") == score]:
+                    self._submit_rewards(same, score=score)
             self.counts["rescored_requests"] += len(states)
         deadline = time.time() + self.cfg.cluster.actor_timeout_s
         while block and self._to_score.unfinished_tasks and self.error is None:
@@ -1225,7 +1273,11 @@ class RolloutReplica:
                 self._to_score.task_done()
         self._to_score.task_done()
 
-    def _insert_scored(self, trajs: list[Trajectory], items: list, future) -> None:
+    def _insert_scored(self, trajs: list[Trajectory], items: list | None, future) -> None:
+        if items is None:  # sent unscored (:meth:`_drop_adopted`)
+            self._send(trajs)
+            self.counts["inserted"] += len(trajs)
+            return
         scores = self._scores(items, future)
         if scores is None:
             return

@@ -116,15 +116,15 @@ def _batch(tiny_policy, small_config, steps: int = 3):
     return other.engine.export(list(other.engine.request_ids()))
 
 
-@pytest.mark.parametrize("checkpointed", [True, False], ids=["checkpoint", "restart"])
-def test_an_adopted_batch_whose_relay_pull_fails_loads_the_checkpoint_or_restarts(
+@pytest.mark.parametrize("checkpointed", [True, False], ids=["checkpoint", "drop"])
+def test_an_adopted_batch_whose_relay_pull_fails_loads_the_checkpoint_or_drops(
     tiny_policy, small_config, tmp_path, checkpointed
 ):
     """A rollout adopting a lost rollout's batch loads that batch's version. If the relay
     cannot give it (lost, or a chunk failing its checksum), the checkpoint on disk is
-    the next place to look, and with none there the trajectories restart at the
-    rollout's own version, as when no relay keeps the version. The failed pull used to
-    end the generation loop, failing the run and stranding the adopted trajectories."""
+    the next place to look, and with none there the trajectories are dropped, as when
+    no relay keeps the version. The failed pull used to end the generation loop,
+    failing the run and stranding the adopted trajectories."""
     from safetensors.torch import save_file
 
     from laminar.relay import RelayUnreachable
@@ -142,14 +142,91 @@ def test_an_adopted_batch_whose_relay_pull_fails_loads_the_checkpoint_or_restart
     rollout.adopt(0, states)
     rollout._take_adopted()
     resumed = {st.request_id: list(st.tokens) for st in rollout.engine.in_flight()}
-    assert set(resumed) == set(tokens)
     if checkpointed:
         assert rollout.engine.version == 0 and resumed == tokens
-        assert rollout.counts["restarted_requests"] == 0
+        assert rollout.counts["dropped_requests"] == 0
     else:
-        assert rollout.engine.version == 2 and not any(resumed.values())
-        assert rollout.counts["restarted_requests"] == len(tokens)
+        assert rollout.engine.version == 2 and not resumed
+        assert rollout.counts["dropped_requests"] == len(tokens)
     assert rollout.counts["pulls_unreachable"] == 1
+
+
+def test_an_adopted_batch_whose_version_is_gone_drops_its_group_not_mixes_versions(
+    tiny_policy, small_config, tmp_path
+):
+    """A lost rollout's group: two siblings finished (in the buffer, sampled by version
+    0), two unfinished, adopted by a rollout at version 2 with no copy of version 0 left
+    (no relay keeps it, no checkpoint). They used to restart at version 2, their tokens
+    dropped, so the group reached the trainer with two behavior versions (GRPO's
+    advantages compare one policy's samples; the barrier schedules' audit flags it).
+    Now the group is discarded whole, counted, every member of version 0, its prompt
+    released as untrained (the pool makes it up); the partial-response pool has the
+    dropped ones as finished, so their version is no longer kept for them."""
+    import asyncio
+
+    from laminar.buffer import ExperienceBuffer
+    from laminar.partial import PartialResponsePool
+    from laminar.prompt_pool import PromptPool
+    from laminar.relay import VersionUnavailable
+    from laminar.rollout import _finished
+
+    prompts = PromptPool(small_config, str(tiny_policy))
+    (group,) = asyncio.run(prompts.acquire(1, "r9", 0))
+    buffer = ExperienceBuffer(str(tmp_path / "run"), prompts, small_config.buffer)
+    partial = PartialResponsePool()
+    lost = _rollout(tiny_policy, small_config)  # the lost rollout, at version 0
+    lost.buffer, lost.partial = InProcess(buffer), InProcess(partial)
+    lost._add([group])
+    for _ in range(3):
+        lost.engine.step()
+    states = lost.engine.export(list(lost.engine.request_ids()))
+    assert len(states) == group.group_size and all(st.tokens for st in states)
+    done, unfinished = states[:2], states[2:]
+    # The finished siblings reached the buffer (as the lost rollout's reward collector
+    # sent them) ...
+    siblings = [_finished(st, "length", 1.0) for st in done]
+    lost._submit_rewards(siblings, score=False)
+    lost._insert_scored(*lost._to_score.get_nowait())
+    # ... and the unfinished ones come back from the partial-response pool, logged.
+    partial.core.flush(
+        "r0",
+        {st.request_id: (0, st.tokens, st.logprobs, st.token_versions) for st in states},
+        {st.request_id: ("length", 1.0) for st in done},
+    )
+    partial.core.hold([st.request_id for st in done])
+    taken = {st.request_id: st for st in partial.core.take("r0")}
+    adopted = [taken[st.request_id] for st in unfinished]
+    assert set(taken) == {st.request_id for st in unfinished}
+    partial.core.reassign(list(taken), "r1")
+
+    rollout = _rollout(tiny_policy, small_config)
+    rollout.rollout_id = "r1"
+    rollout.pool, rollout.buffer, rollout.partial = prompts, InProcess(buffer), InProcess(partial)
+    rollout.engine.load_weights(_weights(tiny_policy), 2)
+    rollout.puller = _Puller([VersionUnavailable("no relay keeps version 0")])
+    rollout.adopt(0, adopted)
+    rollout._take_adopted()
+
+    assert not rollout.engine.request_ids(), "restarted at version 2"
+    assert rollout.engine.version == 2
+    c = rollout.counts
+    assert (c["dropped_requests"], c["dropped_groups"], c["adopted_requests"]) == (2, 1, 0)
+    assert {partial.core.entries[st.request_id].get("finished", ("",))[0] for st in adopted} == {
+        "error"
+    }
+    assert 0 not in partial.core.versions()
+    while not rollout._to_score.empty():
+        rollout._insert_scored(*rollout._to_score.get_nowait())
+    counts = buffer.core.counts
+    assert (counts["groups_discarded"], counts["discarded"]) == (1, group.group_size)
+    assert not buffer.core.partial and not buffer.core.ready
+    records = list(buffer._records.values())
+    assert {t.behavior_version for t in records} == {0}
+    assert [len(t.response_tokens) for t in records if t.uid in taken] == [
+        len(st.tokens) for st in adopted
+    ]
+    assert prompts.core.stats()["untrained"] == 1 and not prompts.core.outstanding
+    asyncio.run(buffer.close())
 
 
 class _Serving:
