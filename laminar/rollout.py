@@ -158,6 +158,7 @@ class RolloutReplica:
         self._exported: tuple[int, list[RequestState]] | None = None
         self._hold_lock = threading.Lock()
         self._reprefill = False  # the next step re-prefills imported requests
+        self._recompute = False  # ... or requests resumed after an interrupt
         # The request ids of the latest imports (holds: an import went through)
         self._imported: collections.deque[frozenset[str]] = collections.deque(maxlen=64)
         self._load: dict = {}  # published by the generation thread after every step
@@ -226,6 +227,7 @@ class RolloutReplica:
             "interrupts": 0,  # interrupt: publications that paused this rollout
             "sync_wait_s": 0.0,  # ... and the time it waited for their weights
             "recomputed_tokens": 0,  # ... and the KV it recomputed after them
+            "recompute_s": 0.0,  # ... and the time of the steps that recomputed it
             "data_rebuilds": 0,  # data modules that replaced a lost one
             "data_wait_s": 0.0,  # ... and the time it waited at a boundary for them
             "resent": 0,  # trajectories sent again to a rebuilt buffer
@@ -596,6 +598,7 @@ class RolloutReplica:
             # keeps nothing of them, as of any request still generating at a stop).
             return
         self.engine.import_(states, allow_version_change=True)
+        self._recompute = True
         self.counts["recomputed_tokens"] += sum(st.context_len for st in states)
 
     def _pull_failed(self, error: Exception, then: str = "", always: bool = False) -> None:
@@ -854,10 +857,15 @@ class RolloutReplica:
                 # serves commands while it waits out a step: what that step imports is
                 # the next step's to re-prefill.)
                 reprefill, self._reprefill = self._reprefill, False
+                # (an interrupt's recomputation is the schedule's cost, not a move's: its
+                # own counter, beside recomputed_tokens, as reprefill_s is reprefill_tokens')
+                recompute, self._recompute = self._recompute, False
                 t_step = time.perf_counter()
                 finished = self.engine.step()
                 if reprefill:
                     self.counts["reprefill_s"] += time.perf_counter() - t_step
+                if recompute:
+                    self.counts["recompute_s"] += time.perf_counter() - t_step
                 self.counts["decode_steps"] += 1
                 self._log_partial(finished)
                 if finished:

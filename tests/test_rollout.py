@@ -107,6 +107,33 @@ def test_a_paused_rollout_whose_pull_fails_waits_on_instead_of_failing(tiny_poli
     assert (rollout.counts["pulls_failed"], rollout.counts["pulls_unreachable"]) == (1, 1)
 
 
+def test_the_recomputation_after_an_interrupt_is_timed(tiny_policy, small_config):
+    """Partial rollout: the requests a publication paused resume with their KV
+    recomputed, in the first step after the load. That step's time is the interrupt's
+    cost, beside ``recomputed_tokens``: it was counted nowhere (``_resume_paused`` never
+    marked the step), so the schedule's recomputation looked free. It is not a move's
+    re-prefill (``reprefill_s`` stays repack's and recovery's)."""
+    import threading
+
+    rollout = _rollout(tiny_policy, small_config)
+    rollout._add(_groups(1))
+    for _ in range(2):
+        rollout.engine.step()
+    held = set(rollout.engine.request_ids())
+    assert rollout._pause(1) == len(held)
+    rollout.puller = _Puller([(1, _weights(tiny_policy))])
+    rollout._resume_paused()
+    assert rollout.counts["recomputed_tokens"] > 0
+    # One step, then stop: a command served after it (as a manager's would be) stops the
+    # loop, so no response finishes and needs a reward (no cluster here).
+    box = {"state": "pending"}
+    rollout._inbox.put((rollout._stop.set, box, threading.Event()))
+    rollout._decode()
+    assert rollout.counts["decode_steps"] == 1 and set(rollout.engine.request_ids()) == held
+    assert rollout.counts["recompute_s"] > 0
+    assert rollout.counts["reprefill_s"] == 0.0
+
+
 def _batch(tiny_policy, small_config, steps: int = 3):
     """A lost rollout's unfinished requests at version 0, as recovery hands them over."""
     other = _rollout(tiny_policy, small_config)
