@@ -88,6 +88,10 @@ class Learner:
             self.model.parameters(), lr=t.lr, weight_decay=t.weight_decay, betas=t.betas
         )
         self.skipped_steps = 0
+        # Version numbers this policy's lineage skipped: a trainer restarted within the run
+        # numbers its updates after the lost one's last version (laminar.trainer.Trainer
+        # ``after_version``). ``version - skipped_versions`` is the updates it has made.
+        self.skipped_versions = 0
         self._part_applied = 0  # update_part: steps applied so far in this global batch
         if state is not None:
             self._restore(Path(resume_from), state)
@@ -239,6 +243,7 @@ class Learner:
             "version": self.version,
             "seed": self.cfg.seed,
             "skipped_steps": self.skipped_steps,
+            "skipped_versions": self.skipped_versions,
             "trainer": self.cfg.trainer.model_dump(mode="json"),
         }
         (out / "trainer_state.json").write_text(json.dumps(state, indent=2))
@@ -252,6 +257,7 @@ class Learner:
         random.setstate(rng["python"])
         self.version = int(state["version"])
         self.skipped_steps = int(state.get("skipped_steps", 0))
+        self.skipped_versions = skipped_versions(state)
 
 
 def step_means(steps: list[dict[str, float]]) -> dict[str, float]:
@@ -266,6 +272,19 @@ def step_means(steps: list[dict[str, float]]) -> dict[str, float]:
     out = {k: sum(m[k] for m in applied) / len(applied) for k in steps[0]}
     out["skipped"] = sum(m["skipped"] for m in steps) / len(steps)
     return out
+
+
+def skipped_versions(state: dict) -> int:
+    """The version numbers a checkpoint's lineage skipped (its ``trainer_state.json``
+    ``state``): 0 for one written before laminar recorded them."""
+    return int(state.get("skipped_versions", 0))
+
+
+def checkpoint_skipped_versions(ckpt: str | Path) -> int | None:
+    """:func:`skipped_versions` of a checkpoint folder; ``None`` for one written before
+    laminar recorded them (its lineage's skips are unknown)."""
+    state = _trainer_state(Path(ckpt) / "trainer_state.json")
+    return skipped_versions(state) if "skipped_versions" in state else None
 
 
 def newest_checkpoint(run_dir: str | Path) -> Path | None:
@@ -304,6 +323,7 @@ def _trainer_state(path: Path) -> dict:
     try:
         state = json.loads(path.read_text())
         int(state["version"])
+        skipped_versions(state)
     except (ValueError, KeyError, TypeError) as e:
         raise _damaged(path, e) from None
     return state
@@ -380,9 +400,13 @@ def check_checkpoint(ckpt: str | Path, model_config, cfg: RunConfig) -> dict:
             f"checkpoint {str(ckpt)!r} was trained with other optimizer settings ({shown}); "
             "set them to the checkpoint's values to resume"
         )
-    if cfg.trainer.steps <= state["version"]:
+    # (trainer.steps counts updates: a restart within the run skipped version numbers)
+    made = state["version"] - skipped_versions(state)
+    if cfg.trainer.steps <= made:
+        skipped = f" ({made} updates: it skipped {state['version'] - made} numbers)"
         raise CheckpointError(
-            f"checkpoint {str(ckpt)!r} is at version {state['version']}, and trainer.steps is "
+            f"checkpoint {str(ckpt)!r} is at version {state['version']}"
+            f"{skipped if made != state['version'] else ''}, and trainer.steps is "
             f"{cfg.trainer.steps}: nothing left to train; raise trainer.steps"
         )
     return state

@@ -96,7 +96,14 @@ class Trainer:
         rollouts and the buffer still hold trajectories labelled with them. Version numbers
         are never used twice: this trainer publishes nothing at its start (the rollouts
         hold its checkpoint's version or newer ones) and labels its first update
-        ``after_version + 1``; the run still makes ``trainer.steps`` updates in all."""
+        ``after_version + 1``; the run still makes ``trainer.steps`` updates in all: the
+        driver passes ``trainer.steps`` plus the numbers the checkpoint's lineage skipped
+        (``pipelines.restart._steps``), and this trainer adds its own skip.
+
+        Without ``after_version`` (a new run, or one resumed in place), a checkpoint whose
+        lineage skipped numbers (``trainer_state.json`` ``skipped_versions``) ends that many
+        versions after ``trainer.steps``: ``trainer.steps`` counts updates, so the run makes
+        exactly those the checkpoint still owed."""
         from laminar.relay import Publisher
         from laminar.schedule import LAMINAR
 
@@ -115,11 +122,15 @@ class Trainer:
         self.init_method = init_method
         self.learner = _learner(cfg, policy_dir, rank=0)
         # A restart skips the lost trainer's version numbers (and trains that many more
-        # updates, so that the run's count of updates stays trainer.steps).
+        # updates, so that the run's count of updates stays trainer.steps). The learner
+        # counts its lineage's skips, which its checkpoints record.
         self.restarted = after_version is not None
+        lineage = self.learner.skipped_versions  # (the checkpoint's)
         self.skipped_versions = max(0, (after_version or 0) - self.learner.version)
         self.learner.version += self.skipped_versions
-        self.steps = cfg.trainer.steps + self.skipped_versions
+        self.learner.skipped_versions += self.skipped_versions
+        # (restarted: trainer.steps counts the lineage's skips already; see above)
+        self.steps = cfg.trainer.steps + self.skipped_versions + (0 if self.restarted else lineage)
         # The version whose weights the model holds exactly (``None``: none, mid-update or
         # restarted before its first one: it holds its checkpoint's weights under the
         # lost trainer's last number). Only such weights are checkpointed under their

@@ -41,7 +41,7 @@ from laminar.cluster import (
     workers_with,
 )
 from laminar.errors import ClusterError
-from laminar.learner import checkpoint_version, newest_checkpoint
+from laminar.learner import checkpoint_skipped_versions, checkpoint_version, newest_checkpoint
 from laminar.manager import RolloutManager
 from laminar.relay import Relay
 from laminar.trainer import Trainer
@@ -204,15 +204,24 @@ def _restart_point(run_dir, after: int) -> tuple:
     return ckpt, version, fields
 
 
-def _steps(s, checkpoint_version: int, current: dict) -> int:
+def _steps(s, checkpoint_version: int, current: dict, ckpt=None) -> int:
     """``trainer.steps`` for a trainer restarted from the checkpoint at
-    ``checkpoint_version``, so that the run makes ``trainer.steps`` updates in all: the
-    config's, plus the version numbers that the trainers which led to that checkpoint
-    skipped (each restart's ``after_version - checkpoint_version``). The new trainer adds
+    ``checkpoint_version`` (folder ``ckpt``; ``None``: the warm-started policy, or not
+    given), so that
+    the run makes ``trainer.steps`` updates in all: the config's, plus the version
+    numbers that the trainers which led to that checkpoint skipped. The new trainer adds
     its own skip. Not the lost trainer's ``steps``: that counts its own skip too, which a
     checkpoint from before it (it wrote none) does not hold — its lost updates were then
-    counted twice. ``current``: the restart's own record (a try that started a trainer
-    may have written the checkpoint)."""
+    counted twice.
+
+    The checkpoint records its lineage's skips (``skipped_versions``), those of trainers
+    restarted before a resume too, of which this driver has no record. Without one, or
+    for one written before it did, they are read from this driver's restart records (each restart's
+    ``after_version - checkpoint_version``); ``current``: the restart's own record (a try
+    that started a trainer may have written the checkpoint)."""
+    recorded = checkpoint_skipped_versions(ckpt) if ckpt is not None else None
+    if recorded is not None:
+        return s.cfg.trainer.steps + recorded
     records = [*s.trainer_restarts, *s.core_restarts]
     if "after_version" in current:
         records.append(current)
@@ -348,7 +357,7 @@ class TrainerRestart:
         self._ask_data("manager", lambda m: m.replace_master(master, self.worker))
         self.master = master
         self.group = _Group(s, self.worker, rank_workers)
-        steps = _steps(s, version, self.record)
+        steps = _steps(s, version, self.record, ckpt)
         self.group.start(ckpt, steps, after, a["buffer"], master)
         self.record.update(
             worker_wait_s=time.time() - self.t_lost,
@@ -650,7 +659,7 @@ class CoreRestart(DataRestart):
         record = {"consumed": {}, "since": version, "version": after}
         self._rebuild(worker, record=record, master=self.master)
         group = _Group(s, worker, rank_workers)
-        steps = _steps(s, version, self.record)
+        steps = _steps(s, version, self.record, ckpt)
         group.start(ckpt, steps, after, s.actors["buffer"], self.master)
         self.group = group
         self.record.update(fields, steps=steps + after - version)  # (the version it ends at)
