@@ -324,7 +324,11 @@ def prepare_resume(run_dir: str | Path, overrides: list[str] | tuple[str, ...] =
     """The config, resume plan and run directory to continue ``run_dir`` in place: its
     own ``config.yaml`` with ``overrides``, from its newest checkpoint. Refuses, naming
     the fix, when there is nothing to continue from."""
-    from laminar.learner import checkpoint_version, newest_checkpoint
+    from laminar.learner import (
+        checkpoint_skipped_versions,
+        checkpoint_version,
+        newest_checkpoint,
+    )
     from storage.resume import plan_resume
 
     path = Path(run_dir).resolve()
@@ -361,11 +365,13 @@ def prepare_resume(run_dir: str | Path, overrides: list[str] | tuple[str, ...] =
             f"--set trainer.resume_from={ckpt}"
         )
     version = checkpoint_version(ckpt)
-    if cfg.trainer.steps <= version:
+    # (updates made: a trainer restarted within the run skips version numbers)
+    made = version - (checkpoint_skipped_versions(ckpt) or 0)
+    if cfg.trainer.steps <= made:
         raise ConfigError(
-            f"cannot resume {str(path)!r}: its checkpoint is at version {version} and "
-            f"trainer.steps={cfg.trainer.steps}; ask for more, e.g. "
-            f"--set trainer.steps={version + cfg.trainer.steps}"
+            f"cannot resume {str(path)!r}: its checkpoint is at version {version}, "
+            f"{made} updates made, and trainer.steps={cfg.trainer.steps}; ask for more, "
+            f"e.g. --set trainer.steps={made + cfg.trainer.steps}"
         )
     preflight(cfg)
     plan = plan_resume(path, version)

@@ -44,8 +44,22 @@ def test_resume_refuses_a_run_without_a_checkpoint(tmp_path):
 
 def test_resume_asks_for_more_steps_than_the_checkpoint_has(tmp_path):
     run = _run_dir(tmp_path, checkpoint_version=2)
-    with pytest.raises(ConfigError, match=r"at version 2 and trainer.steps=2.*trainer.steps=4"):
+    with pytest.raises(ConfigError, match=r"at version 2, 2 updates made, and trainer.steps=2.*"):
         prepare_resume(run)
+    # A trainer restarted within the run skipped 2 version numbers: version 4 holds 2
+    # updates (nothing owed), version 3 holds 1 (one owed: not refused for steps).
+    state = run / "checkpoints" / "version-000004" / "trainer_state.json"
+    state.parent.mkdir()
+    state.write_text(json.dumps({"version": 4, "skipped_versions": 2}))
+    with pytest.raises(ConfigError, match=r"version 4, 2 updates made.*trainer.steps=4"):
+        prepare_resume(run)
+    state.parent.rename(state.parent.with_name("version-000004.damaged"))
+    state = run / "checkpoints" / "version-000003" / "trainer_state.json"
+    state.parent.mkdir()
+    state.write_text(json.dumps({"version": 3, "skipped_versions": 2}))
+    with pytest.raises(Exception) as later:  # (its weights are missing: refused later)
+        prepare_resume(run)
+    assert "updates made" not in str(later.value), later.value
 
 
 def test_the_cli_names_what_to_drop_or_add(tmp_path, capsys):
