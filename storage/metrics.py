@@ -80,7 +80,10 @@ ROLLOUT_COUNTERS = (
     "engine_compute_s",
     "interrupts",  # partial rollout: global updates that paused it ...
     "sync_wait_s",  # ... the time it waited for their weights
-    "recomputed_tokens",  # ... and the KV it recomputed after them
+    "recomputed_tokens",  # ... and the KV it recomputed after them ...
+    "recompute_s",  # ... in the steps that did
+    "dropped_requests",  # a lost rollout's requests whose version was gone (their
+    "dropped_groups",  # groups discarded, made up by the pool: docs/faults.md)
     "topped_up_groups",  # rollout.top_up: groups taken into draining batches ...
     "top_up_asks",  # ... the pool calls that asked for them
     "top_up_s",  # ... and the wall time between decode steps those calls took

@@ -242,7 +242,7 @@ def test_a_killed_rollout_loses_no_trajectory(tmp_path):
     assert float(rows["recovery_s"].max()) < 10
     # Resumed from the log at the version that sampled them (the relay kept it): the
     # logged tokens were reused, none started over.
-    assert sum(r.get("restarted_requests", 0) for r in summary["rollouts"]) == 0
+    assert sum(r["dropped_requests"] for r in summary["rollouts"]) == 0
     assert int(rows["tokens_recovered"].sum()) > 0
 
     # The reusable audit says the same from the stores alone ...
@@ -353,7 +353,7 @@ def test_a_rollout_lost_with_rewards_in_flight_has_them_scored_elsewhere(tmp_pat
     assert int(rows["tokens_recovered"].values[how == "rescore"].sum()) >= rescored
     counts = summary["rollouts"]
     assert sum(r.get("rescored_requests", 0) for r in counts) == rescored
-    assert sum(r.get("restarted_requests", 0) for r in counts) == 0
+    assert sum(r["dropped_requests"] for r in counts) == 0
     ds = check_store(run_dir, moved=True)
     stored_via_r1 = sum(p.startswith("r1,") or ",r1," in p for p in ds["rollout_ids"].values)
     unfinished = summary["faults"]["partial"]["entries"]
@@ -395,7 +395,7 @@ def test_a_hung_rollout_is_fenced_then_recovered(tmp_path):
     assert hung["restart"] in ("OK", "pending"), hung
     rows = open_metrics(run_dir, "faults")
     assert int(rows["requests"].sum()) > 0
-    assert sum(r.get("restarted_requests", 0) for r in summary["rollouts"]) == 0
+    assert sum(r["dropped_requests"] for r in summary["rollouts"]) == 0
     check_store(run_dir, moved=True)
     report = audit_run(run_dir)
     assert report.ok, report.text()
