@@ -193,13 +193,6 @@ def test_a_variable_set_after_the_forkserver_started_reaches_the_next_clusters_w
             assert list(client.run(mark).values()) == [value]
 
 
-class SlowToStart:
-    def __init__(self, seconds):
-        import time
-
-        time.sleep(seconds)
-
-
 @pytest.mark.slow
 def test_binding_an_actor_whose_worker_dies_while_it_is_created_fails_instead_of_waiting():
     """The creating task is pinned to its worker's address; a killed worker comes back
@@ -218,6 +211,13 @@ def test_binding_an_actor_whose_worker_dies_while_it_is_created_fails_instead_of
         Client(cluster) as client,
     ):
         (w,) = workers_with(client, "trainer")
+
+        class SlowToStart:  # (defined here: pickled by value, as workers cannot import tests)
+            def __init__(self, seconds):
+                import time
+
+                time.sleep(seconds)
+
         # a slow constructor on a live worker is waited for
         fast = start_actor(client, SlowToStart, 1.5, worker=w, resource="trainer")
         assert bind_actor(client, SlowToStart, w, fast).key == fast.key
