@@ -2,7 +2,7 @@ import multiprocessing
 
 import pytest
 
-from laminar.cluster import place, scheduler_workers, worker_alive, workers_with
+from laminar.cluster import bind_actor, place, scheduler_workers, worker_alive, workers_with
 from laminar.errors import ClusterError
 
 
@@ -37,9 +37,11 @@ def test_live_workers_are_read_from_the_scheduler_not_the_clients_cache():
         client.sync(client._update_scheduler_info)  # what the periodic refresh does
         assert client._scheduler_identity["workers"] == {}  # the cache a racing read sees
         assert set(scheduler_workers(client)) == live
-        actor = client.submit(Counter, actor=True, workers=[min(live)]).result()
-        with client.as_current():
-            assert worker_alive(actor)
+        # (bound to this client as laminar binds its actors, bind_actor: an unpickled
+        # handle binds to whatever client the process made last, the suite's cluster)
+        future = client.submit(Counter, actor=True, workers=[min(live)])
+        actor = bind_actor(client, Counter, min(live), future)
+        assert worker_alive(actor)
         # a scheduler that does not answer in time is an error, not a wait for ever
         with pytest.raises(TimeoutError):
             scheduler_workers(client, timeout=1e-6)

@@ -120,7 +120,9 @@ def test_reward_failures_mark_the_trajectory():
     scores = score_batch("laminar.rewards:_broken", [("1", "1", True), ("1", "1", False)])
     assert math.isnan(scores[0].reward) and "ZeroDivisionError" in scores[0].error
     assert scores[1].reward == 0.0 and scores[1].error is None  # truncated: not scored
-    nan = score_batch("math:sqrt", [("x", "y", True)])  # raises TypeError (2 args)
+    # (takes two arguments, and raises TypeError on strings; one taking fewer is
+    # refused before the run: test_resolve_reward)
+    nan = score_batch("math:pow", [("x", "y", True)])
     assert nan[0].error is not None
 
 
