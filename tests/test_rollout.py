@@ -79,6 +79,18 @@ def _weights(tiny_policy):
     return {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
+def _paused(tiny_policy, small_config):
+    """A rollout with a batch two steps in, paused for version 1 (partial rollout's
+    interrupt), and the ids of the requests it holds."""
+    rollout = _rollout(tiny_policy, small_config)
+    rollout._add(_groups(1))
+    for _ in range(2):
+        rollout.engine.step()
+    held = set(rollout.engine.request_ids())
+    assert rollout._pause(1) == len(held)
+    return rollout, held
+
+
 def test_a_paused_rollout_whose_pull_fails_waits_on_instead_of_failing(tiny_policy, small_config):
     """Partial rollout: a rollout paused for a version pulls it from its relay. A pull
     that fails (a chunk failing its checksum; the relay lost and none switched in yet,
@@ -87,12 +99,7 @@ def test_a_paused_rollout_whose_pull_fails_waits_on_instead_of_failing(tiny_poli
     the paused requests."""
     from laminar.relay import RelayError, RelayUnreachable
 
-    rollout = _rollout(tiny_policy, small_config)
-    rollout._add(_groups(1))
-    for _ in range(2):
-        rollout.engine.step()
-    held = set(rollout.engine.request_ids())
-    assert rollout._pause(1) == len(held)
+    rollout, held = _paused(tiny_policy, small_config)
     rollout.puller = _Puller(
         [
             RelayError("chunk 0 of version 1 failed its checksum on pull"),
@@ -115,12 +122,7 @@ def test_the_recomputation_after_an_interrupt_is_timed(tiny_policy, small_config
     re-prefill (``reprefill_s`` stays repack's and recovery's)."""
     import threading
 
-    rollout = _rollout(tiny_policy, small_config)
-    rollout._add(_groups(1))
-    for _ in range(2):
-        rollout.engine.step()
-    held = set(rollout.engine.request_ids())
-    assert rollout._pause(1) == len(held)
+    rollout, held = _paused(tiny_policy, small_config)
     rollout.puller = _Puller([(1, _weights(tiny_policy))])
     rollout._resume_paused()
     assert rollout.counts["recomputed_tokens"] > 0
