@@ -157,7 +157,8 @@ def test_a_directory_a_run_is_going_in_is_neither_resumed_nor_started_again(tmp_
         prepare_run_dir(cfg, run)
     (run / LIVE_FILE).write_text(json.dumps(live | {"seen": time.time() - LIVE_STALE_S - 1}))
     assert running_driver(run) is None
-    with pytest.raises(ConfigError, match=r"at version 2 and trainer.steps=2"):  # (went on)
+    # (went on, to the check of what is left to train)
+    with pytest.raises(ConfigError, match=r"at version 2, 2 updates made, and trainer.steps=2"):
         prepare_resume(run)
 
 
