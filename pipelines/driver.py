@@ -829,7 +829,7 @@ class Schedule:
         gone = set(m_stats["lost"]) | set(m_stats["hung"])
         live = sum(f"r{i}" not in gone for i in range(len(self.actors["rollouts"])))
         told = (self.actors["pool"], live)
-        if told == self._pool_told or not self.schedule.dispatch == "batches":
+        if told == self._pool_told or self.schedule.dispatch != "batches":
             return
         try:
             actor_result(self.actors["pool"], self.actors["pool"].rollouts_live(live), 5.0)
