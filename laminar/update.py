@@ -224,35 +224,70 @@ def grpo_step(
     optimizer.zero_grad(set_to_none=True)
     objective = dict(clip_low=clip_low, clip_high=clip_high, clip_c=clip_c, agg=agg, is_cap=is_cap)
     rows = list(range(len(prompts))) if shard is None else list(shard)
-    local = dict(
-        pad_token_id=pad_token_id,
-        temperature=temperature,
-        micro_batch_tokens=micro_batch_tokens,
-        correction=correction,
-        objective=objective,
-        proximal_logprobs=proximal_logprobs,
-        ref_model=ref_model,
-        kl_coef=kl_coef,
-        kl_kind=kl_kind,
-        entropy_coef=entropy_coef,
-        norm_by_std=norm_by_std,
-    )
-    args = (model, prompts, responses, behavior_logprobs, loss_masks, rewards, group_index, rows)
-    if all_reduce is None:
-        adv, sums, diff_max = _accumulate(*args, **local)
-    else:
-        # A rank whose own part raises still meets the others at the first collective,
-        # where every rank learns that one failed, and all raise: alone, it would leave
-        # them waiting in the gradient all-reduce for the group's timeout, or (if it went
-        # on to another update) pair that all-reduce with the next step's gradients.
-        error = None
-        try:
-            adv, sums, diff_max = _accumulate(*args, **local)
-        except Exception as e:  # noqa: BLE001 — re-raised below, after the agreement
-            error = e
-        agree_on_failure(error, all_reduce, rank, world_size)
+    # This rank's part: the gradients of ``rows``, accumulated. With ranks, a part that
+    # raises still meets the others at the first collective, where every rank learns
+    # that one failed, and all raise: alone, it would leave them waiting in the gradient
+    # all-reduce for the group's timeout, or (if it went on to another update) pair that
+    # all-reduce with the next step's gradients.
+    error = None
+    try:
+        adv = group_advantages(rewards, group_index, norm_by_std=norm_by_std)
+        n_total = float(sum(np.asarray(m).sum() for m in loss_masks)) or 1.0
+        lengths = [len(prompts[i]) + len(responses[i]) for i in rows]
+        sums: dict[str, float] = {}
+        diff_max = 0.0
+        for local in micro_batches(lengths, micro_batch_tokens) if rows else []:
+            idx = [rows[j] for j in local]
+            batch = pack(
+                [prompts[i] for i in idx],
+                [responses[i] for i in idx],
+                [behavior_logprobs[i] for i in idx],
+                [loss_masks[i] for i in idx],
+                pad_token_id,
+            )
+            token_share = float(batch.response_mask.sum()) / n_total
+            weight = token_share if agg == "token-mean" else len(idx) / len(prompts)
+            logp, ent = response_logprobs(model, batch, temperature, with_entropy=True)
+            mask = batch.response_mask
+            prox = None
+            if correction == "decoupled" and proximal_logprobs is not None:
+                prox = _pad([proximal_logprobs[i] for i in idx], mask.shape[1])
+            loss, metrics = _objective(
+                correction, logp, batch.old_logprobs, adv[idx], mask, prox, **objective
+            )
+            metrics["pg_loss"] = float(loss.detach())
+            ent_mean = aggregate(ent, mask, agg)
+            metrics["entropy"] = float(ent_mean.detach())
+            if entropy_coef:
+                loss = loss - entropy_coef * ent_mean
+            if kl_coef:
+                with torch.no_grad():
+                    ref = response_logprobs(ref_model, batch, temperature)
+                kl = kl_penalty(logp, ref, mask, kind=kl_kind, agg=agg)
+                metrics["kl_ref"] = float(kl.detach())
+                loss = loss + kl_coef * kl
+            (loss * weight).backward()
+            with torch.no_grad():
+                diff = (logp.detach() - batch.old_logprobs).abs() * batch.response_mask
+            metrics["loss"] = float(loss.detach())
+            # Behavior vs trainer logprob mismatch on the same tokens: 0 when on-policy and
+            # the engine agrees with the trainer's forward; grows with staleness.
+            metrics["logprob_diff_mean"] = float(diff.sum()) / max(
+                float(batch.response_mask.sum()), 1.0
+            )
+            diff_max = max(diff_max, float(diff.max()) if diff.numel() else 0.0)
+            # A token metric is weighted by the micro-batch's share of the loss tokens, so it
+            # is the same whatever the micro-batch size (under seq-mean the loss's weight, a
+            # share of the sequences, would skew it towards micro-batches of short rows).
+            for k, v in metrics.items():
+                sums[k] = sums.get(k, 0.0) + (weight if k in AGG_METRICS else token_share) * v
+    except Exception as e:  # noqa: BLE001 — with ranks, re-raised after the agreement
+        if all_reduce is None:
+            raise
+        error = e
     params = [p for p in model.parameters() if p.requires_grad]
     if all_reduce is not None:
+        agree_on_failure(error, all_reduce, rank, world_size)
         _all_reduce_grads(params, all_reduce)
         if not rows:  # an empty shard reduces the same metrics as the others, as zeros
             empty = torch.zeros(0, 0)
@@ -281,85 +316,6 @@ def grpo_step(
         "adv_abs_mean": float(adv.abs().mean()),
         "skipped": float(skipped),
     }
-
-
-def _accumulate(
-    model,
-    prompts: Sequence[np.ndarray],
-    responses: Sequence[np.ndarray],
-    behavior_logprobs: Sequence[np.ndarray],
-    loss_masks: Sequence[np.ndarray],
-    rewards: torch.Tensor,
-    group_index: torch.Tensor,
-    rows: list[int],
-    *,
-    pad_token_id: int,
-    temperature: float,
-    micro_batch_tokens: int,
-    correction: str,
-    objective: dict,
-    proximal_logprobs: Sequence[np.ndarray] | None,
-    ref_model,
-    kl_coef: float,
-    kl_kind: str,
-    entropy_coef: float,
-    norm_by_std: bool,
-) -> tuple[torch.Tensor, dict[str, float], float]:
-    """This rank's part of :func:`grpo_step`: the gradients of ``rows`` accumulated into
-    the parameters; returns the advantages, the weighted metric sums and the largest
-    logprob difference. No collective here."""
-    agg = objective["agg"]
-    adv = group_advantages(rewards, group_index, norm_by_std=norm_by_std)
-    n_total = float(sum(np.asarray(m).sum() for m in loss_masks)) or 1.0
-    lengths = [len(prompts[i]) + len(responses[i]) for i in rows]
-    sums: dict[str, float] = {}
-    diff_max = 0.0
-    for local in micro_batches(lengths, micro_batch_tokens) if rows else []:
-        idx = [rows[j] for j in local]
-        batch = pack(
-            [prompts[i] for i in idx],
-            [responses[i] for i in idx],
-            [behavior_logprobs[i] for i in idx],
-            [loss_masks[i] for i in idx],
-            pad_token_id,
-        )
-        token_share = float(batch.response_mask.sum()) / n_total
-        weight = token_share if agg == "token-mean" else len(idx) / len(prompts)
-        logp, ent = response_logprobs(model, batch, temperature, with_entropy=True)
-        mask = batch.response_mask
-        prox = None
-        if correction == "decoupled" and proximal_logprobs is not None:
-            prox = _pad([proximal_logprobs[i] for i in idx], mask.shape[1])
-        loss, metrics = _objective(
-            correction, logp, batch.old_logprobs, adv[idx], mask, prox, **objective
-        )
-        metrics["pg_loss"] = float(loss.detach())
-        ent_mean = aggregate(ent, mask, agg)
-        metrics["entropy"] = float(ent_mean.detach())
-        if entropy_coef:
-            loss = loss - entropy_coef * ent_mean
-        if kl_coef:
-            with torch.no_grad():
-                ref = response_logprobs(ref_model, batch, temperature)
-            kl = kl_penalty(logp, ref, mask, kind=kl_kind, agg=agg)
-            metrics["kl_ref"] = float(kl.detach())
-            loss = loss + kl_coef * kl
-        (loss * weight).backward()
-        with torch.no_grad():
-            diff = (logp.detach() - batch.old_logprobs).abs() * batch.response_mask
-        metrics["loss"] = float(loss.detach())
-        # Behavior vs trainer logprob mismatch on the same tokens: 0 when on-policy and
-        # the engine agrees with the trainer's forward; grows with staleness.
-        metrics["logprob_diff_mean"] = float(diff.sum()) / max(
-            float(batch.response_mask.sum()), 1.0
-        )
-        diff_max = max(diff_max, float(diff.max()) if diff.numel() else 0.0)
-        # A token metric is weighted by the micro-batch's share of the loss tokens, so it
-        # is the same whatever the micro-batch size (under seq-mean the loss's weight, a
-        # share of the sequences, would skew it towards micro-batches of short rows).
-        for k, v in metrics.items():
-            sums[k] = sums.get(k, 0.0) + (weight if k in AGG_METRICS else token_share) * v
-    return adv, sums, diff_max
 
 
 class RankStepFailed(LaminarError):
