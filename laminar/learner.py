@@ -28,7 +28,7 @@ import torch
 from laminar.config import RunConfig
 from laminar.contract import Trajectory
 from laminar.errors import LaminarError
-from laminar.update import agree_on_failure, grpo_step, trajectory_logprobs
+from laminar.update import failing_together, grpo_step, trajectory_logprobs
 
 CHECKPOINT_FORMAT = 1
 # Trainer settings a resumed run must share with its checkpoint (the optimizer's state is
@@ -117,15 +117,10 @@ class Learner:
         # with several steps, later ones need those logprobs computed up front.
         prox = None
         if t.correction == "decoupled" and n_mini > 1:
-            error = None
-            try:
+            # (a rank failing alone would hang the others)
+            ranks = self.all_reduce if self.world_size > 1 else None
+            with failing_together(ranks, self.rank, self.world_size):
                 prox = dict(zip((x.uid for x in batch), self.logprobs(batch), strict=True))
-            except Exception as e:  # noqa: BLE001 — raised after the ranks agree
-                if self.world_size == 1:
-                    raise
-                error = e
-            if self.world_size > 1:  # (a rank failing alone would hang the others)
-                agree_on_failure(error, self.all_reduce, self.rank, self.world_size)
         steps = []
         for part in parts:
             chosen = {uids[i] for i in part}

@@ -6,6 +6,7 @@ can a test or a notebook.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -225,12 +226,10 @@ def grpo_step(
     objective = dict(clip_low=clip_low, clip_high=clip_high, clip_c=clip_c, agg=agg, is_cap=is_cap)
     rows = list(range(len(prompts))) if shard is None else list(shard)
     # This rank's part: the gradients of ``rows``, accumulated. With ranks, a part that
-    # raises still meets the others at the first collective, where every rank learns
-    # that one failed, and all raise: alone, it would leave them waiting in the gradient
-    # all-reduce for the group's timeout, or (if it went on to another update) pair that
-    # all-reduce with the next step's gradients.
-    error = None
-    try:
+    # raises still meets the others (failing_together), and all raise: alone, it would
+    # leave them waiting in the gradient all-reduce for the group's timeout, or (if it
+    # went on to another update) pair that all-reduce with the next step's gradients.
+    with failing_together(all_reduce, rank, world_size):
         adv = group_advantages(rewards, group_index, norm_by_std=norm_by_std)
         n_total = float(sum(np.asarray(m).sum() for m in loss_masks)) or 1.0
         lengths = [len(prompts[i]) + len(responses[i]) for i in rows]
@@ -281,13 +280,8 @@ def grpo_step(
             # share of the sequences, would skew it towards micro-batches of short rows).
             for k, v in metrics.items():
                 sums[k] = sums.get(k, 0.0) + (weight if k in AGG_METRICS else token_share) * v
-    except Exception as e:  # noqa: BLE001 — with ranks, re-raised after the agreement
-        if all_reduce is None:
-            raise
-        error = e
     params = [p for p in model.parameters() if p.requires_grad]
     if all_reduce is not None:
-        agree_on_failure(error, all_reduce, rank, world_size)
         _all_reduce_grads(params, all_reduce)
         if not rows:  # an empty shard reduces the same metrics as the others, as zeros
             empty = torch.zeros(0, 0)
@@ -322,18 +316,26 @@ class RankStepFailed(LaminarError):
     """Another data-parallel rank failed its part of this update; no rank took the step."""
 
 
-def agree_on_failure(error: Exception | None, all_reduce, rank: int, world_size: int) -> None:
-    """Every rank says whether its part of the step failed (one small all-reduce); if any
-    did, every rank raises — the failed one its own error, the others
-    :class:`RankStepFailed` naming it — and no rank reaches the gradient all-reduce."""
+@contextlib.contextmanager
+def failing_together(all_reduce, rank: int, world_size: int):
+    """A rank's own work, which every rank of the group runs: if any rank's raises,
+    every rank raises as the block ends — the failed one its own error, the others
+    :class:`RankStepFailed` naming it — before any reaches a later collective (one
+    small all-reduce says which failed). Without ``all_reduce`` (one rank), the block's
+    error is raised as it is."""
+    if all_reduce is None:
+        yield
+        return
     failed = torch.zeros(world_size, dtype=torch.float64)
-    failed[rank] = float(error is not None)
+    try:
+        yield
+    except Exception:
+        failed[rank] = 1.0
+        all_reduce(failed, "sum")
+        raise
     all_reduce(failed, "sum")
-    if error is not None:
-        raise error
     if failed.any():
-        ranks = [r for r in range(world_size) if failed[r]]
-        which = ", ".join(f"rank {r}" for r in ranks)
+        which = ", ".join(f"rank {r}" for r in range(world_size) if failed[r])
         raise RankStepFailed(
             f"data-parallel {which} failed its part of this update (its own error is in "
             "its log); no rank took the step: every rank's weights are as before it"
