@@ -566,24 +566,23 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return 0
 
 
-def _positive_int(text: str) -> int:
-    try:
-        n = int(text)
-    except ValueError:
-        n = 0
-    if n < 1:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number ≥ 1")
-    return n
+def _whole_number(least: int):
+    """An argparse ``type``: a whole number ≥ ``least``."""
+
+    def parse(text: str) -> int:
+        try:
+            n = int(text)
+        except ValueError:
+            n = least - 1
+        if n < least:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a whole number ≥ {least}")
+        return n
+
+    return parse
 
 
-def _count(text: str) -> int:
-    try:
-        n = int(text)
-    except ValueError:
-        n = -1
-    if n < 0:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number ≥ 0")
-    return n
+_positive_int = _whole_number(1)
+_count = _whole_number(0)
 
 
 def _names(text: str) -> tuple[str, ...]:
