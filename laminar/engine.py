@@ -178,14 +178,22 @@ class FinishedOutput:
         return tok.decode(resp)
 
     @classmethod
-    def from_state(cls, state: RequestState, reason: str, t_finish: float) -> FinishedOutput:
+    def from_state(
+        cls, state: RequestState, reason: str, t_finish: float, version: int | None = None
+    ) -> FinishedOutput:
+        """``state`` ended with ``reason``. Its version is its last token's; one with no
+        token yet (a recovered request dropped before it decoded) takes ``version``."""
+        if state.token_versions:
+            version = state.token_versions[-1]
+        elif version is None:
+            raise ValueError(f"request {state.request_id!r} has no token: give its version")
         return cls(
             request=state.request,
             response_tokens=np.asarray(state.tokens, dtype=np.int32),
             logprobs=np.asarray(state.logprobs, dtype=np.float32),
             token_versions=np.asarray(state.token_versions, dtype=np.int32),
             finish_reason=reason,
-            version=state.token_versions[-1],
+            version=version,
             t_start=state.t_start,
             t_finish=t_finish,
             n_moves=state.n_moves,

@@ -79,21 +79,9 @@ def _finished(
     """A recovered request as ended with ``reason``. One with no token logged yet is
     given the version that sampled its batch (``version``, else the recovery's
     ``behavior_version``)."""
-    if state.tokens:
-        return FinishedOutput.from_state(state, reason, t_finish)
-    if version is None:
+    if version is None and not state.tokens:
         version = state.request.meta["behavior_version"]
-    return FinishedOutput(
-        request=state.request,
-        response_tokens=np.zeros(0, np.int32),
-        logprobs=np.zeros(0, np.float32),
-        token_versions=np.zeros(0, np.int32),
-        finish_reason=reason,
-        version=version,
-        t_start=state.t_start,
-        t_finish=t_finish,
-        n_moves=state.n_moves,
-    )
+    return FinishedOutput.from_state(state, reason, t_finish, version)
 
 
 class RolloutReplica:
