@@ -1015,13 +1015,15 @@ class Schedule:
         if not lost:
             return False
         self._abort()
-        role, worker = next(iter(lost.items()))
-        why = type(error).__name__
-        if worker in self._fenced:
-            hung = self._fenced[worker]
-            why = f"hung, no progress for {hung['silent_s']:.0f} s, and restarted"
+        each = []  # (several at once: each named, so that the user sees what is left)
+        for role, worker in lost.items():
+            why = type(error).__name__
+            if worker in self._fenced:
+                hung = self._fenced[worker]
+                why = f"hung, no progress for {hung['silent_s']:.0f} s, and restarted"
+            each.append(f"the {role} (worker {worker} is gone: {why})")
         raise ClusterError(
-            f"lost the {role} (worker {worker} is gone: {why}); the run cannot continue "
+            f"lost {' and '.join(each)}; the run cannot continue "
             f"{self._why_not_restarted()}; {self.resume_hint()} (docs/faults.md)"
         ) from error
 

@@ -382,3 +382,16 @@ def test_a_replacement_whose_worker_is_lost_as_it_starts_is_given_up(tmp_path, m
     s._joining = ("r1", WORKERS["data"], "r0", "master", Future())  # still on the books
     s._replace_lost({**MANAGER, "lost": {"r0": 1.0}})
     assert s._joining is not None and s._joining[1] == WORKERS["data"]
+
+
+def test_a_trainer_and_data_module_lost_at_once_are_both_named(tmp_path, monkeypatch):
+    """The trainer's and the data module's workers (apart) die together as the run
+    stops: the error names both, with their workers. It named the first alone, and the
+    user took the other for fine."""
+    s, calls = fake_run(tmp_path, monkeypatch, {WORKERS["r0"]}, manager=["stop"])
+    out = run_in_thread(s)
+    assert out != "hung" and isinstance(out.get("error"), ClusterError), out
+    said = str(out["error"])
+    assert f"the trainer (worker {WORKERS['trainer']} is gone" in said, said
+    assert f"the data module (worker {WORKERS['data']} is gone" in said, said
+    assert f"{WORKERS['r0']}.stop" in calls  # nothing generates on
