@@ -290,7 +290,8 @@ class PipelineConfig(_Section):
     # partial_rollout: AReaL's staleness bound η — prompt groups dispatched never exceed
     # (trainer version + η + 1) × trainer.groups_per_step. (2: what the default
     # buffer.max_outstanding_groups, 3 × groups_per_step, lets out; a larger η needs
-    # more room there, or back-pressure binds first, and the run refuses it.)
+    # more room there, or back-pressure binds first, and the run refuses it. At 0 nothing
+    # overlaps training: sync without colocation, refused.)
     eta: int = Field(2, ge=0)
 
 
@@ -322,6 +323,7 @@ class TrainerConfig(_Section):
     kl_kind: Literal["k1", "k2", "k3"] = "k3"
     entropy_coef: float = Field(0.0, ge=0)  # entropy bonus
     # Optimizer steps per global batch (whole groups each); still one version per batch.
+    # Stream trains them as they arrive: it needs 2 or more (in one, it is sync).
     mini_batches: int = Field(1, gt=0)
     # Data-parallel ranks, one `trainer` worker each (gloo on CPU, NCCL on GPU).
     ranks: int = Field(1, gt=0)
@@ -738,11 +740,35 @@ class RunConfig(_Section):
                 "pipeline.schedule=stream trains each mini-batch as it arrives, on one "
                 "trainer rank; set trainer.ranks=1"
             )
-        if schedule == "stream" and t.correction == "decoupled" and t.mini_batches > 1:
+        if schedule == "stream" and t.correction == "decoupled":
             raise ValueError(
                 "pipeline.schedule=stream with trainer.correction=decoupled: the proximal "
                 "policy of a global batch's later mini-batches is gone by the time they "
-                "arrive; use correction none or tis, or trainer.mini_batches=1"
+                "arrive; use trainer.correction none or tis"
+            )
+        # A schedule that would run as another is refused, as a spec's meaningless option
+        # is (laminar/schedule.py): its benchmark would carry the wrong name.
+        if schedule == "stream" and min(t.mini_batches, t.groups_per_step) < 2:
+            short, value = (
+                ("mini_batches", t.mini_batches)
+                if t.mini_batches < 2
+                else ("groups_per_step", t.groups_per_step)
+            )
+            raise ValueError(
+                f"pipeline.schedule=stream trains a global batch in parts of whole groups "
+                f"(trainer.mini_batches of them, at most trainer.groups_per_step), the first "
+                f"while rollouts still generate the rest; trainer.{short} is {value}, so "
+                f"the batch is one part and nothing overlaps: that is the sync schedule "
+                f"without colocation. Set trainer.{short} to 2 or more (e.g. "
+                f"trainer.{short}=4), or use pipeline.schedule=sync"
+            )
+        if schedule == "partial_rollout" and self.pipeline.eta == 0:
+            raise ValueError(
+                "pipeline.schedule=partial_rollout with pipeline.eta=0: no group of the "
+                "next batch goes out before the version that generates it is published, "
+                "so rollouts idle while the trainer trains and no publication interrupts "
+                "a response: that is the sync schedule without colocation. Set "
+                "pipeline.eta to 1 or more, or use pipeline.schedule=sync"
             )
         if b.max_outstanding_groups < t.groups_per_step:
             raise ValueError(

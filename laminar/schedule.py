@@ -28,6 +28,9 @@ load the new version and resume, recomputing their KV, so responses mix versions
 A spec whose option means nothing for it is refused rather than ignored: ``eta`` without
 ``dispatch='eta'``, ``lag`` without ``'batches'``, ``colocated`` weights beside anything
 that overlaps generation with training, ``interrupt`` or ``refill`` with ``'batches'``.
+The run config (``RunConfig``) likewise refuses a setting under which a schedule would
+run as another: stream in one mini-batch, or partial rollout with η = 0, is sync without
+colocation (docs/schedules.md).
 """
 
 from __future__ import annotations

@@ -8,7 +8,9 @@ steps, each taken on the groups that completed first, and publishes once the las
 done — every rollout idles from the end of its share of the batch until the new version
 reaches all of them at once (paced: a global NCCL broadcast). Training overlaps the long
 tail of generation; every trajectory is on-policy for the batch's first step
-(``s_train = 0``).
+(``s_train = 0``). In one part (``trainer.mini_batches`` 1, its default, or a batch of
+one group) nothing would overlap and the run would be sync without colocation: the run
+config refuses it, naming the fix.
 
 Run it::
 

@@ -41,6 +41,57 @@ def test_the_five_schedules_specs_are_valid():
         assert schedule_class(name).spec(cfg).name == name
 
 
+@pytest.mark.parametrize(
+    "sets, message",
+    [
+        # trainer.mini_batches unset: its default, 1, is one part
+        ([], r"trainer.mini_batches is 1, .*the sync schedule without colocation"),
+        (
+            ["trainer.mini_batches=1"],
+            r"Set trainer.mini_batches to 2 or more.*or use pipeline.schedule=sync",
+        ),
+        # parts hold whole groups: 4 mini-batches of a batch of one group are one part
+        (
+            ["trainer.mini_batches=4", "trainer.groups_per_step=1"],
+            r"trainer.groups_per_step is 1, .*Set trainer.groups_per_step to 2 or more",
+        ),
+    ],
+)
+def test_stream_in_one_part_is_refused_as_the_sync_schedule(sets, message):
+    """Stream overlaps the training of a global batch's first parts with the generation of
+    the rest; in one part the trainer waits for the whole batch, trains it and publishes
+    it to every rollout at once: sync without colocation, benchmarked under stream's name."""
+    with pytest.raises(ConfigError, match=message):
+        with_overrides(RunConfig(), ["pipeline.schedule=stream", *sets])
+    two = with_overrides(RunConfig(), ["pipeline.schedule=stream", "trainer.mini_batches=2"])
+    assert schedule_class("stream").spec(two).trainer == "stream"
+
+
+def test_partial_rollout_with_eta_0_is_refused_as_the_sync_schedule():
+    """With η = 0 no group of the next batch goes out before the version that generates it
+    is published: the rollouts idle while the trainer trains, and no publication finds a
+    response to interrupt — sync without colocation, benchmarked under partial_rollout's
+    name."""
+    with pytest.raises(ConfigError, match=r"pipeline.eta=0: .*Set pipeline.eta to 1 or more"):
+        with_overrides(RunConfig(), ["pipeline.schedule=partial_rollout", "pipeline.eta=0"])
+    one = with_overrides(RunConfig(), ["pipeline.schedule=partial_rollout", "pipeline.eta=1"])
+    assert schedule_class("partial_rollout").spec(one).eta == 1
+
+
+def test_the_documented_stream_and_partial_rollout_commands_run():
+    from pathlib import Path
+
+    from laminar.config import load_config
+
+    root = Path(__file__).parents[1]
+    for name in ("stream", "partial_rollout"):
+        for doc in (root / "docs" / "schedules.md", root / "pipelines" / f"{name}.py"):
+            line = next(x for x in doc.read_text().splitlines() if f"schedule={name} --set" in x)
+            sets = [s.strip() for s in line.split("--set ")[1:]]
+            cfg = load_config(root / "configs" / "tiny.yaml", sets)
+            assert schedule_class(name).spec(cfg).name == name
+
+
 def test_laminar_back_pressure_bounds_what_is_out_not_each_s_train():
     """``buffer.max_outstanding_groups`` bounds how many groups are out, not how many
     versions a long group lives through: while one group decodes on, the trainer consumes
