@@ -826,8 +826,8 @@ class Schedule:
     def _share_batches(self, m_stats: dict) -> None:
         """Tell the prompt pool how many rollouts generate, when that changes: a barrier
         schedule's batch is handed out in parts, one per live rollout."""
-        gone = set(m_stats["lost"]) | set(m_stats["hung"])
-        live = sum(f"r{i}" not in gone for i in range(len(self.actors["rollouts"])))
+        # (a hung one too: fenced, it generates nothing, though not declared lost yet)
+        live = len(self._rollouts_except({*m_stats["lost"], *m_stats["hung"]}))
         told = (self.actors["pool"], live)
         if told == self._pool_told or self.schedule.dispatch != "batches":
             return
@@ -1096,7 +1096,12 @@ class Schedule:
                 lost = a["manager"].get_lost().result(timeout=5.0)
             except Exception:  # noqa: BLE001 — the manager (data worker) is gone itself
                 lost = (self._last_m_stats or {}).get("lost", {})
-        return [r for i, r in enumerate(a["rollouts"]) if f"r{i}" not in lost]
+        return self._rollouts_except(lost)
+
+    def _rollouts_except(self, gone) -> list:
+        """The rollouts whose ids are not in ``gone``. A rollout's id is ``r<i>``, ``i``
+        its place in ``actors["rollouts"]`` (a replacement is appended with the next)."""
+        return [r for i, r in enumerate(self.actors["rollouts"]) if f"r{i}" not in gone]
 
     def _rollout_stats(self) -> list[dict]:
         """Stats of every live rollout that answers within :data:`ROLLOUT_STATS_WAIT_S`
