@@ -7,7 +7,8 @@ arrive, like Laminar's; at each publication the manager pauses every rollout, th
 weights reach all of them at once (paced: a global NCCL broadcast) and each recomputes
 the KV of everything it holds (paced: prefill time). Rollouts keep their engines full
 (no local batches). Staleness is bounded as AReaL bounds it: prompt groups dispatched
-never exceed ``(version + pipeline.eta + 1) × trainer.groups_per_step``. That bounds
+never exceed ``(version + pipeline.eta + 1) × trainer.groups_per_step``. η is at least 1
+(at 0 nothing of the next batch goes out before its version: that is sync, refused). That bounds
 dispatch, not each trajectory's ``s_train`` (a long response is trained when it
 finishes, possibly more than η versions on; docs/schedules.md): for a hard bound, add
 ``buffer.max_train_staleness``. η must bind: ``buffer.max_outstanding_groups`` (which
