@@ -39,6 +39,22 @@ def faults_summary(
     }
 
 
+def updates_made(trainer: dict, steps: int) -> int:
+    """The updates that made a run's final weights, from its last trainer's stats
+    (``trainer``) and ``trainer.steps``: the run's steps less those that trainer still
+    owed. Not its version: a trainer restarted within the run skips the lost one's
+    numbers (docs/faults.md), and its ``steps`` counts the skipped numbers of the whole
+    lineage on top of ``trainer.steps`` (its checkpoint's ``skipped_versions``, and its
+    own).
+
+    >>> updates_made({"version": 7, "steps": 7}, 5)  # 2 numbers skipped, run to its end
+    5
+    >>> updates_made({"version": 4, "steps": 7}, 5)  # stopped with 3 still owed
+    2
+    """
+    return steps - (trainer["steps"] - trainer["version"])
+
+
 def median(xs: list[float]) -> float:
     xs = [x for x in xs if x == x]
     return float(np.median(xs)) if xs else math.nan
@@ -86,7 +102,9 @@ def summarize(run_dir: Path, raw: dict, sft_info: dict, cfg: RunConfig) -> dict:
         "run_dir": str(run_dir),
         "reason": raw["reason"],
         "seed": cfg.seed,
+        # the last version number, skipped ones included; the updates made beside it
         "versions": raw["trainer"]["version"],
+        "updates": updates_made(raw["trainer"], cfg.trainer.steps),
         "trajectories": store["trajectories"],
         "consumed": store["consumed"],
         "reward_first_20pct": store["reward_first_20pct"],

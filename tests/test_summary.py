@@ -1,0 +1,63 @@
+"""The run summary (pipelines/summary.py) from a run's stores and its last trainer's
+stats: what ``summary.json`` says of the run's versions and updates."""
+
+from __future__ import annotations
+
+import json
+import time
+
+from learner_cases import CFG
+from test_trainer import groups, make
+
+from laminar.config import with_overrides
+from laminar.learner import Learner
+from pipelines.summary import summarize, updates_made
+from storage import TrajectoryWriter
+
+
+def _raw(trainer: dict) -> dict:
+    """What the driver collects at a run's stop (:meth:`pipelines.driver.Schedule.shutdown`),
+    with ``trainer`` its last trainer's stats and nothing else to report."""
+    return {
+        "reason": "completed",
+        "earlier_segments": [],
+        "wall_s": 1.0,
+        "trainer": {**trainer, "ranks_stats": []},
+        "buffer": {},
+        "pool": {},
+        "rollouts": [],
+        "relay": {},
+        "repack": None,
+        "faults": None,
+        "resumed": None,
+    }
+
+
+def test_the_summary_counts_updates_made_beside_the_last_version_number(tiny_policy, tmp_path):
+    """trainer.steps=4. The first trainer makes update 1, checkpoints it, and is lost
+    after publishing 3; the trainer restarted within the run loads version 1 and
+    numbers its updates after 3, skipping 2 and 3: it ends at version 6 with the run's 4
+    updates made (1, then 4-6). ``versions`` is the last number (6); ``updates`` (4) is
+    what ``trainer.steps`` counts, which the summary had no figure for."""
+    cfg = with_overrides(CFG, ["trainer.steps=4", "trainer.groups_per_step=2"])
+    run = tmp_path / "run"
+    first = Learner(cfg, tiny_policy)
+    first.update(groups(0, 2))
+    ckpt = first.save(run / "checkpoints" / "version-000001")
+    # (as pipelines.restart starts it: trainer.steps plus the checkpoint's skips, none)
+    restarted = with_overrides(cfg, [f"trainer.resume_from={ckpt}"])
+    batches = [groups(1 + i, 2) for i in range(3)]
+    trainer, buffer, master = make(tiny_policy, run, restarted, batches=batches, after_version=3)
+    trainer.start()  # (it ends by itself, at its steps)
+    deadline = time.time() + 120
+    while not trainer.done and time.time() < deadline:
+        time.sleep(0.05)
+    stats = trainer.stats()
+    assert stats["done"] and stats["error"] is None and master.order == [4, 5, 6]
+    assert updates_made(stats, cfg.trainer.steps) == 4
+
+    TrajectoryWriter(run).append([t.to_record() for b in batches for t in b])
+    summary = summarize(run, _raw(stats), {}, cfg)
+    assert (summary["versions"], summary["updates"]) == (6, 4)
+    on_disk = json.loads((run / "summary.json").read_text())
+    assert (on_disk["versions"], on_disk["updates"]) == (6, 4)
