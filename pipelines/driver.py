@@ -812,16 +812,7 @@ class Schedule:
 
     def resume_hint(self) -> str:
         """How to continue this run once it has failed."""
-        saved = newest_checkpoint(self.run_dir)
-        if saved is None:
-            return (
-                "it has no checkpoint yet (one is written when a run ends and every "
-                "trainer.checkpoint_every versions): start it again"
-            )
-        return (
-            f"continue it from its last checkpoint ({saved.name}) with `laminar run "
-            f"--resume {self.run_dir}`"
-        )
+        return resume_hint(self.run_dir)
 
     def _share_batches(self, m_stats: dict) -> None:
         """Tell the prompt pool how many rollouts generate, when that changes: a barrier
@@ -1260,6 +1251,19 @@ class Schedule:
         return out
 
 
+def resume_hint(run_dir: Path) -> str:
+    """How to continue the run in ``run_dir`` once it has failed."""
+    saved = newest_checkpoint(run_dir)
+    if saved is None:
+        return (
+            "it has no checkpoint yet (one is written when a run ends and every "
+            "trainer.checkpoint_every versions): start it again"
+        )
+    return (
+        f"continue it from its last checkpoint ({saved.name}) with `laminar run --resume {run_dir}`"
+    )
+
+
 def start_data_module(
     client, cfg: RunConfig, policy_dir: str, run_dir: Path, spec, worker: str, **plans
 ) -> tuple:
@@ -1267,22 +1271,33 @@ def start_data_module(
     experience buffer of a run, on ``worker``. ``plans``: ``resume`` (a run resumed in
     place: :class:`storage.resume.ResumePlan`, for the pool and the buffer), or
     ``order`` (the pool's) and ``rebuild`` (the buffer's) for a data module rebuilt
-    within the run (pipelines/restart.py)."""
+    within the run (pipelines/restart.py).
+
+    Raises a :class:`ClusterError` when they are not all created within
+    ``faults.data_restart_timeout_s``: a worker that hangs (stopped, deadlocked) stays
+    on the scheduler's books, and its creating tasks would be waited on for ever."""
     resume = plans.get("resume")
-    on = {"worker": worker, "resource": "data"}
-    pool = submit_actor(client, PromptPool, cfg, policy_dir, plans.get("order", resume), spec, **on)
+    deadline = time.monotonic() + cfg.faults.data_restart_timeout_s
+
+    def create(cls, *args):
+        future = start_actor(client, cls, *args, worker=worker, resource="data")
+        if not _created_by(client, worker, future, deadline):
+            limit = cfg.faults.data_restart_timeout_s
+            raise ClusterError(
+                f"the data module's {cls.__name__} was not created on {worker} within "
+                f"faults.data_restart_timeout_s={limit:g} s: that worker may hang (look at "
+                "its log, or restart it; raise the setting for a store that loads "
+                f"slowly); {resume_hint(run_dir)}"
+            )
+        return bind_actor(client, cls, worker, future)
+
+    pool = create(PromptPool, cfg, policy_dir, plans.get("order", resume), spec)
     partial = None
     if cfg.faults.recover:
-        partial = submit_actor(
-            client,
-            PartialResponsePool,
-            cfg.relay.timeout_s,
-            str(run_dir),
-            cfg.faults.log_interval_s,
-            **on,
+        partial = create(
+            PartialResponsePool, cfg.relay.timeout_s, str(run_dir), cfg.faults.log_interval_s
         )
-    buffer = submit_actor(
-        client,
+    buffer = create(
         ExperienceBuffer,
         str(run_dir),
         pool,
@@ -1291,9 +1306,30 @@ def start_data_module(
         resume,
         spec.name,
         plans.get("rebuild"),
-        **on,
     )
     return pool, partial, buffer
+
+
+def _created_by(client, worker: str, future, deadline: float) -> bool:
+    """Wait until the actor that ``future`` creates on ``worker`` exists, or the worker
+    is gone (:func:`~laminar.cluster.bind_actor` then says so); ``False`` at ``deadline``
+    (``time.monotonic()``) if neither. A worker that hangs stays on the scheduler's books
+    for minutes (its heartbeats' time to live), one deadlocked but beating for ever."""
+    from distributed import wait as wait_futures
+
+    while not future.done():
+        left = deadline - time.monotonic()
+        if left <= 0:
+            return False
+        try:
+            wait_futures(future, timeout=max(0.1, min(1.0, left)))
+        except TimeoutError:
+            try:
+                if worker not in scheduler_workers(client, timeout=5.0):
+                    return True  # (lost: bind_actor raises ActorLost)
+            except Exception:  # noqa: BLE001 — no scheduler that answers: the deadline stands
+                continue
+    return True
 
 
 def _stopping(actor, method: str, timeout: float):

@@ -174,11 +174,17 @@ def fake_run(tmp_path, monkeypatch, live: set[str], **hang) -> tuple[LaminarSche
 
 def run_in_thread(s, timeout: float = 30.0):
     """``s.run`` in a thread: its result or error, or ``"hung"``."""
+    return in_thread(lambda: s.run(lambda p: None, lambda: False), timeout)
+
+
+def in_thread(call, timeout: float):
+    """``call()`` in a thread: ``{"result": ...}`` or ``{"error": ...}``, or ``"hung"``
+    when it has not returned within ``timeout``."""
     out: dict = {}
 
     def go() -> None:
         try:
-            out["result"] = s.run(lambda p: None, lambda: False)
+            out["result"] = call()
         except Exception as e:  # noqa: BLE001 — what the test looks at
             out["error"] = e
 
@@ -395,3 +401,40 @@ def test_a_trainer_and_data_module_lost_at_once_are_both_named(tmp_path, monkeyp
     assert f"the trainer (worker {WORKERS['trainer']} is gone" in said, said
     assert f"the data module (worker {WORKERS['data']} is gone" in said, said
     assert f"{WORKERS['r0']}.stop" in calls  # nothing generates on
+
+
+@pytest.mark.slow
+def test_a_data_worker_that_hangs_as_the_data_module_is_created_fails_it_in_time(tmp_path):
+    """The data worker hangs (SIGSTOP: the scheduler keeps it on its books for minutes)
+    as the data module's actors are created, at a run's start or a rebuild: creating
+    them waited for ever. It gives up after faults.data_restart_timeout_s, saying what
+    hung, where, and what to do."""
+    import os
+    import signal
+
+    from distributed import Client
+
+    from laminar.cluster import role_cluster, workers_with
+
+    cfg = with_overrides(RunConfig(), ["faults.data_restart_timeout_s=2"])
+    spec = LaminarSchedule.spec(cfg)
+    with (
+        role_cluster({"data": {"data": 1}}, name="data-hangs") as cluster,
+        Client(cluster) as client,
+    ):
+        (w,) = workers_with(client, "data")
+        pid = client.run(os.getpid, workers=[w])[w]
+        os.kill(pid, signal.SIGSTOP)
+        try:
+            t0 = time.monotonic()
+            start = lambda: driver.start_data_module(client, cfg, "policy", tmp_path, spec, w)  # noqa: E731
+            out = in_thread(start, timeout=30)
+            took = time.monotonic() - t0
+        finally:
+            os.kill(pid, signal.SIGCONT)
+    assert out != "hung", "creating the data module waited on the hung worker"
+    assert isinstance(out.get("error"), ClusterError), out
+    said = str(out["error"])
+    assert f"PromptPool was not created on {w} within faults.data_restart_timeout_s=2 s" in said
+    assert "may hang" in said and "start it again" in said, said  # (no checkpoint yet)
+    assert took < 10, took
