@@ -93,7 +93,12 @@ def _print_summary(s: dict) -> None:
         f"reward             first 20% {s['reward_first_20pct']:.3f} -> last 20% "
         f"{s['reward_last_20pct']:.3f}  (gain {s['reward_gain']:+.3f})"
     )
-    print(f"versions           {s['versions']}")
+    made = (
+        f"  ({s['updates']} updates made)"
+        if s.get("updates", s["versions"]) != s["versions"]
+        else ""
+    )
+    print(f"versions           {s['versions']}{made}")
     if r := s.get("resumed"):
         print(
             f"resumed            at version {r['version']}: {r['readmitted']} trajectories "
