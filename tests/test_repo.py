@@ -88,3 +88,87 @@ def test_docs_images_and_links_resolve():
             if "://" in target:
                 continue
             assert (doc.parent / target).exists(), f"{doc.name} links to missing {target}"
+
+
+def _user_docs() -> str:
+    return "\n".join(p.read_text() for p in [REPO / "README.md", *(REPO / "docs").glob("*.md")])
+
+
+def test_every_cli_subcommand_and_flag_is_documented():
+    """A subcommand or flag no user doc names cannot be found: `laminar <cmd>` and every
+    option string of `build_parser()` appear in README.md or docs/*.md."""
+    import argparse
+
+    from pipelines.cli import build_parser
+
+    docs = _user_docs()
+    [sub] = [a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction)]
+    assert len(sub.choices) >= 5
+    missing = []
+    for name, parser in sub.choices.items():
+        if not re.search(rf"laminar {name}\b", docs):
+            missing.append(f"laminar {name}")
+        for action in parser._actions:
+            for flag in action.option_strings:
+                if flag.startswith("--") and flag != "--help":
+                    if not re.search(rf"{re.escape(flag)}(?![\w-])", docs):
+                        missing.append(f"laminar {name} {flag}")
+    assert not missing, f"not in README.md or docs/*.md: {missing}"
+
+
+def _config_keys(model, prefix=""):
+    """(dotted key, is a section that is off unless set) of every key under ``model``."""
+    import typing
+
+    from pydantic import BaseModel
+
+    for name, field in model.model_fields.items():
+        args = [field.annotation, *typing.get_args(field.annotation)]
+        section = next((a for a in args if isinstance(a, type) and issubclass(a, BaseModel)), None)
+        if section is None:
+            yield prefix + name, False
+        else:
+            if field.default is None:  # (rollout.pacing, repack, ...: a row may say so)
+                yield prefix + name, True
+            yield from _config_keys(section, f"{prefix}{name}.")
+
+
+def test_every_config_key_has_a_row_in_configuration_md():
+    """docs/configuration.md's tables give every key of `RunConfig` (a new key is found
+    there), and name no key the loader would refuse (a removed or renamed one). A row
+    names its keys in its first cell: `section.key`, then `.other` or `other` for
+    siblings, or `cluster.slurm.{a,b}.key` for several roles."""
+    from laminar.config import RunConfig
+
+    text = (REPO / "docs" / "configuration.md").read_text()
+    tables = text.split("## Keys", 1)[1].split("## Cross-field checks", 1)[0]
+    documented = set()
+    for line in tables.splitlines():
+        if not line.startswith("| `"):
+            continue
+        first = line.split(" | ", 1)[0]
+        if roles := re.match(r"\| `([\w.]+)\.\{([\w,]+)\}\.(\w+)`", first):
+            head, names, leaf = roles.groups()
+            documented |= {f"{head}.{r}.{leaf}" for r in names.split(",")}
+            continue
+        [lead, *siblings] = re.findall(r"`([\w.]+)`", first)
+        parent = lead.rpartition(".")[0]
+        documented.add(lead)
+        documented |= {f"{parent}.{s.lstrip('.')}".lstrip(".") for s in siblings}
+    keys = dict(_config_keys(RunConfig))
+    leaves = {k for k, optional_section in keys.items() if not optional_section}
+    assert len(leaves) > 100
+    assert not leaves - documented, f"keys with no row: {sorted(leaves - documented)}"
+    assert not documented - set(keys), f"rows of no key: {sorted(documented - set(keys))}"
+
+
+def test_every_accessor_member_is_documented():
+    """Each public method and property of `ds.laminar` appears as `laminar.<name>` in
+    README.md or docs/*.md (docs/analysis.md lists them)."""
+    from storage import LaminarAccessor
+
+    docs = _user_docs()
+    members = [m for m in vars(LaminarAccessor) if not m.startswith("_")]
+    assert len(members) > 10
+    missing = [m for m in members if not re.search(rf"laminar\.{m}\b", docs)]
+    assert not missing, f"ds.laminar members no user doc names: {missing}"
