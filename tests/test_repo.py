@@ -82,12 +82,31 @@ def test_code_passes_ruff():
     assert result.returncode == 0, result.stdout + result.stderr
 
 
+def _anchors(text: str) -> set[str]:
+    """GitHub's ids of a Markdown file's headings: lower case, punctuation but ``-`` and
+    ``_`` dropped, each space a ``-``."""
+    text = re.sub(r"^```.*?^```", "", text, flags=re.M | re.S)  # (a `# comment` in a block)
+    headings = re.findall(r"^#+ (.+)$", text, flags=re.M)
+    return {re.sub(r"[^\w\- ]", "", h.strip().lower()).replace(" ", "-") for h in headings}
+
+
 def test_docs_images_and_links_resolve():
+    """Every relative link of README.md and docs/*.md names a file that exists and, with
+    a ``#fragment``, a heading of it."""
+    checked = 0
     for doc in [REPO / "README.md", *(REPO / "docs").glob("*.md")]:
-        for target in re.findall(r"\]\(([^)#]+)\)", doc.read_text()):
+        for target in re.findall(r"\]\(([^)\s]+)\)", doc.read_text()):
             if "://" in target:
                 continue
-            assert (doc.parent / target).exists(), f"{doc.name} links to missing {target}"
+            path, _, fragment = target.partition("#")
+            file = doc.parent / path if path else doc
+            assert file.exists(), f"{doc.name} links to missing {target}"
+            if fragment:
+                checked += 1
+                assert fragment in _anchors(file.read_text()), (
+                    f"{doc.name} links to {target}: {file.name} has no heading #{fragment}"
+                )
+    assert checked >= 5  # (the links with a fragment, which the pattern once skipped)
 
 
 def _user_docs() -> str:
