@@ -114,8 +114,9 @@ def _user_docs() -> str:
 
 
 def test_every_cli_subcommand_and_flag_is_documented():
-    """A subcommand or flag no user doc names cannot be found: `laminar <cmd>` and every
-    option string of `build_parser()` appear in README.md or docs/*.md."""
+    """A subcommand or flag no user doc names cannot be found: `laminar <cmd>`, each
+    benchmark (`laminar bench <name>`) and every option string of `build_parser()` appear
+    in README.md or docs/*.md."""
     import argparse
 
     from pipelines.cli import build_parser
@@ -125,9 +126,15 @@ def test_every_cli_subcommand_and_flag_is_documented():
     assert len(sub.choices) >= 5
     missing = []
     for name, parser in sub.choices.items():
-        if not re.search(rf"laminar {name}\b", docs):
+        if not re.search(rf"laminar {name}(?![\w-])", docs):
             missing.append(f"laminar {name}")
         for action in parser._actions:
+            if not action.option_strings and action.choices:  # (bench's: engine, relay, ...)
+                missing += [
+                    f"laminar {name} {c}"
+                    for c in action.choices
+                    if not re.search(rf"laminar {name} {c}(?![\w-])", docs)
+                ]
             for flag in action.option_strings:
                 if flag.startswith("--") and flag != "--help":
                     if not re.search(rf"{re.escape(flag)}(?![\w-])", docs):
