@@ -87,7 +87,6 @@ def no_cluster(monkeypatch):
 
 # distributed's classes whose methods the fault tests may patch (monkeypatch restores).
 PATCHABLE = ("Nanny", "Worker", "Scheduler", "SpecCluster", "Client")
-_methods: dict[str, dict[str, object]] = {}
 # Threads of this process that belong to one run: none may outlive its test.
 RUN_THREADS = ("laminar-driver",)
 # How long a closed cluster's worker processes may take to be gone.
@@ -203,10 +202,10 @@ def leaks(before: dict) -> list[str]:
     out = []
     for name in PATCHABLE:
         now = _class_methods(getattr(distributed, name))
-        was = _methods[name]
+        was = before["methods"][name]
         for attr in sorted(now.keys() | was.keys()):
             if now.get(attr) is not was.get(attr):
-                out.append(f"distributed.{name}.{attr} is patched (not restored)")
+                out.append(f"distributed.{name}.{attr} changed (a patch not undone)")
     for kind, (objects, label) in _servers().items():
         new = _running(objects) - before[kind]
         out += [f"a {kind} still running: {label(o)}" for o in list(objects) if id(o) in new]
@@ -229,7 +228,10 @@ def leaks(before: dict) -> list[str]:
 def state() -> dict:
     import threading
 
+    import distributed
+
     return {
+        "methods": {name: _class_methods(getattr(distributed, name)) for name in PATCHABLE},
         **{kind: _running(objects) for kind, (objects, _) in _servers().items()},
         "orphans": _worker_pids() - _nanny_pids(),
         "fakes": set(kept_fakes()),
@@ -240,10 +242,6 @@ def state() -> dict:
 @pytest.fixture(autouse=True)
 def leaves_nothing_behind(request):
     """Fail a test that leaves this process changed for the next (:func:`leaks`)."""
-    import distributed
-
-    for name in PATCHABLE:
-        _methods.setdefault(name, _class_methods(getattr(distributed, name)))
     before = state()
     yield
     found = leaks(before)
