@@ -12,7 +12,7 @@ import pytest
 
 from laminar.config import RunConfig, with_overrides
 from laminar.errors import ClusterError
-from pipelines import driver
+from pipelines import driver, restart  # (restart first, so it holds the real functions)
 from pipelines.laminar import LaminarSchedule
 
 HANG = object()  # a call that never answers (its actor's worker is gone, or hung)
@@ -120,6 +120,7 @@ def fake_run(tmp_path, monkeypatch, live: set[str], **hang) -> tuple[LaminarSche
     )
     workers = lambda client=None, timeout=None: {w: {} for w in live}  # noqa: E731
     monkeypatch.setattr(driver, "scheduler_workers", workers)
+    monkeypatch.setattr(restart, "scheduler_workers", workers)
     monkeypatch.setattr("laminar.cluster.scheduler_workers", workers)
     monkeypatch.setattr("laminar.cluster.LOST_POLL_S", 0.1)
     calls: list = []
