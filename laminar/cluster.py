@@ -152,6 +152,11 @@ WORKER_PRELOAD = (
     "laminar.relay",
     "laminar.rollout",
     "laminar.trainer",
+    "laminar.model",
+    "laminar.torch_engine",
+    "laminar.sft",
+    "laminar.worker_imports",  # transformers' lazily resolved classes: ~2.5 s a worker
+    "pipelines.driver",  # (the warm start's task is its prepare_policy)
 )
 
 
