@@ -462,6 +462,7 @@ class PromptPool:
             first_version=checkpoint_version(resumed_from) if resumed_from else 0,
         )
         self._waiting = None  # an asyncio.Event that waiting takes share, made on first use
+        self._ending = False  # the run stops: takes no longer wait (end_waits)
 
     async def acquire(self, n: int, rollout_id: str = "", version: int = 0) -> list[PromptGroup]:
         return self._acquire(n, rollout_id, version, idle=False)
@@ -495,12 +496,20 @@ class PromptPool:
             changed = self._event()
             groups = self._acquire(n, rollout_id, version, idle=True)
             left = deadline - loop.time()
-            if groups or version < self.core.version or left <= 0:
+            if groups or version < self.core.version or left <= 0 or self._ending:
                 return groups, self.core.version
             try:
                 await asyncio.wait_for(changed.wait(), left)
             except TimeoutError:
                 return [], self.core.version
+
+    async def end_waits(self) -> None:
+        """The run stops: every waiting :meth:`take` returns now, and later ones do not
+        wait. (An idle rollout told to stop is in a long poll here; its stop would
+        otherwise wait out the poll, up to ``rollout.IDLE_WAIT_S``.) Dispatch is as
+        before: a take still gets what the dispatch rule allows."""
+        self._ending = True
+        self._changed()
 
     def _event(self):
         import asyncio

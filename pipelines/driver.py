@@ -1131,9 +1131,11 @@ class Schedule:
         # No moves while rollouts stop: the manager goes first.
         m_stats = self._stop_manager()
         # (a rollout's stop waits for its rewards still out: actor_timeout_s, and more)
-        r_stats = _answers(
-            [lambda r=r: r.stop() for r in self._live_rollouts()], timeout=timeout + 60.0
-        )
+        stopping = _send([lambda r=r: r.stop() for r in self._live_rollouts()])
+        # The idle ones wait in the prompt pool's long poll: it returns at once now.
+        # (Not waited for long: the stops are what the run waits for.)
+        _answers([a["pool"].end_waits], timeout=1.0)
+        r_stats = _results(stopping, timeout + 60.0)
         # Every call below waits at most its timeout, and a second once its worker is
         # gone (a call in flight to a lost actor otherwise never returns): a core actor
         # lost or hung as the run stops fails the stop, and run() stops what still runs.
@@ -1362,9 +1364,15 @@ def _answers(calls: list, timeout: float = 5.0) -> list:
     ``timeout`` (one wait for them all: calls that never answer do not add up). A call
     to an actor whose worker is lost raises at once or never returns: skipped (the
     manager detects the loss and recovers its work)."""
+    return _results(_send(calls), timeout)
+
+
+def _results(futures: list, timeout: float) -> list:
+    """The results of those of ``futures`` (:func:`_send`'s) that come within
+    ``timeout``, one wait for them all; the rest are skipped (:func:`_answers`)."""
     out = []
     deadline = time.monotonic() + timeout
-    for f in _send(calls):
+    for f in futures:
         try:
             # (not 0 past the deadline: distributed then times out an answer already in)
             out.append(f.result(timeout=max(0.1, deadline - time.monotonic())))

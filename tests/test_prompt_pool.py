@@ -308,3 +308,34 @@ def test_a_barrier_batch_is_shared_among_the_rollouts_still_live():
     pool.rollouts_live(2)  # a replacement joined
     assert len(pool.acquire(4, "r0", 2)) == 2 and len(pool.acquire(4, "r2", 2)) == 2
     assert pool.batch == 3
+
+
+def test_ending_the_waits_returns_an_idle_rollouts_long_poll_at_once(small_config, tiny_policy):
+    """At a run's stop the driver ends the pool's waits: an idle rollout's long poll
+    (``take`` with a wait, back-pressured here) returns at once instead of holding its
+    stop until the wait is out, and later takes do not wait; what a take gets is as
+    before (nothing, here: every group the back-pressure allows is out)."""
+    import asyncio
+
+    from laminar.prompt_pool import PromptPool
+
+    pool = PromptPool(small_config, str(tiny_policy))
+
+    async def scenario() -> tuple[float, float]:
+        loop = asyncio.get_running_loop()
+        assert await pool.acquire(small_config.buffer.max_outstanding_groups, "r0", 0)
+        assert await pool.acquire(1, "r0", 0) == []  # back-pressured
+        waiting = asyncio.ensure_future(pool.take(1, "r1", 0, wait_s=30.0))
+        await asyncio.sleep(0.3)
+        assert not waiting.done()  # a long poll: it waits for groups
+        t0 = loop.time()
+        await pool.end_waits()
+        groups, version = await asyncio.wait_for(waiting, 10.0)
+        ended = loop.time() - t0
+        assert groups == [] and version == 0
+        t0 = loop.time()
+        assert await pool.take(1, "r1", 0, wait_s=30.0) == ([], 0)
+        return ended, loop.time() - t0
+
+    ended, later = asyncio.run(scenario())
+    assert ended < 1.0 and later < 1.0, (ended, later)
