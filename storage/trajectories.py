@@ -159,9 +159,10 @@ class TrajectoryWriter:
 
     def _truncate_uncommitted(self) -> None:
         """Drop a batch a previous writer left half-appended (reopening after a crash)."""
+        arrays = dict(self.group.arrays())
         for name, n in self._lengths().items():
-            if self.group[name].shape[0] != n:
-                self.group[name].resize((n,))
+            if arrays[name].shape[0] != n:
+                arrays[name].resize((n,))
 
     def append(
         self, records: Sequence[Mapping[str, Any]], events: Sequence[Mapping[str, Any]] = ()
@@ -213,8 +214,10 @@ class TrajectoryWriter:
         if self._dirty:
             self._truncate_uncommitted()
         self._dirty = True
+        # (one listing: a lookup by name reads that array's metadata, ~1 ms an array)
+        arrays = dict(self.group.arrays())
         for name, values in (*flat.items(), *per_traj.items(), *leave.items()):
-            self.group[name].append(values)
+            arrays[name].append(values)
         n_committed = self.n_committed + len(records)
         n_events = self.events_committed + len(events)
         # The commit markers go last, in one update: readers slice to them.
