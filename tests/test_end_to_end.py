@@ -399,7 +399,9 @@ def test_repack_moves_draining_batches_and_keeps_every_trajectory_whole(tmp_path
         # replicas 40 times slowed, a step takes ~0.15 s and a batch several seconds.)
         "rollout.pacing.dilation=40",
         "rollout.pacing.strict=false",
-        "trainer.steps=10",
+        # (most moves come as the first batches drain: a run of 10 updates under a
+        # loaded machine moved 4 of its 6 at version 0)
+        "trainer.steps=6",
         "repack.interval_s=0.05",
         "repack.c_max=1.0",
     ]
