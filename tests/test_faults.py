@@ -685,7 +685,8 @@ def test_a_lost_trainer_restarts_within_the_run_while_rollouts_generate(tmp_path
     assert r["restart_s"] < 60 and r["worker"] != trainer_w
     # The lost updates' groups came back (and the batch in training at the kill, if any).
     assert r["readmitted"] % 16 == 0 and r["readmitted"] >= 16 * r["lost_updates"]
-    assert summary["versions"] == steps + after - v
+    assert summary["versions"] == steps + after - v  # (the lost updates' numbers skipped)
+    assert summary["updates"] == steps  # ... and as many updates made as asked for
     (m,) = summary["faults"]["masters_replaced"]
     assert sorted(m["rollouts"]) == ["r0", "r1"] and m["errors"] == []
     ds = check_store(run_dir)
@@ -778,7 +779,8 @@ def test_a_lost_trainer_and_data_module_on_one_worker_restart_within_the_run(tmp
     v, after = r["checkpoint_version"], r["after_version"]
     assert v % 2 == 0 and after >= 3 and after - v == r["lost_updates"] >= 0, r
     assert r["restart_s"] < 60 and r["rollouts_attached"] == 2, r
-    assert summary["versions"] == steps + after - v
+    assert summary["versions"] == steps + after - v  # (the lost updates' numbers skipped)
+    assert summary["updates"] == steps  # ... and as many updates made as asked for
     (m,) = faults["masters_replaced"]
     assert sorted(m["rollouts"]) == ["r0", "r1"] and m["errors"] == [], m
     rollouts = summary["rollouts"]
@@ -839,7 +841,8 @@ def test_a_lost_rank_restarts_the_data_parallel_trainer_within_the_run(tmp_path)
     assert r["rank_workers"][0] not in (head_w, rank1_w, r["worker"]), r
     v, after = r["checkpoint_version"], r["after_version"]
     assert v % 2 == 0 and after - v == r["lost_updates"] >= 0 and r["restart_s"] < 90, r
-    assert summary["versions"] == steps + after - v
+    assert summary["versions"] == steps + after - v  # (the lost updates' numbers skipped)
+    assert summary["updates"] == steps  # ... and as many updates made as asked for
     sums = summary["weights_checksums"]
     assert len(sums) == 2 and sums[0] == sums[1]
     ds = check_store(run_dir)
@@ -902,7 +905,7 @@ def test_a_lost_data_module_is_rebuilt_within_the_run(tmp_path):
     faults = summary["faults"]
     assert "r1" in faults["lost"] and faults["recovered_requests"] > 0, faults
     assert "r1" in faults["replacements"], faults
-    assert summary["versions"] == steps
+    assert summary["versions"] == summary["updates"] == steps
     rollouts = {s["rollout_id"]: s for s in summary["rollouts"]}
     assert rollouts["r0"]["data_rebuilds"] == 1
     ds = check_store(run_dir, moved=True)  # (uids unique: nothing stored twice)
