@@ -156,7 +156,6 @@ WORKER_PRELOAD = (
     "laminar.torch_engine",
     "laminar.sft",
     "laminar.worker_imports",  # transformers' lazily resolved classes: ~2.5 s a worker
-    "pipelines.driver",  # (the warm start's task is its prepare_policy)
 )
 
 
