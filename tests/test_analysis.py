@@ -673,3 +673,28 @@ def test_throughput_of_a_damaged_store_leaves_out_and_counts_unsampled(tmp_path)
     assert tp["generated"].values.tolist() == [5.0, 5.0, 0.0]
     assert tp["trained"].values.tolist() == [2.5, 2.5, 10.0]
     assert tp.attrs["unsampled"] == 1
+
+
+@pytest.mark.parametrize("chunk", ["stored", 7, 64, "in memory"])
+def test_tokens_of_every_trajectory_in_any_order(run, chunk):
+    """``tokens`` keeps the chunks it read for the next call: a trajectory's values are
+    its own in any order of calls, on chunks smaller than a trajectory, and a result
+    changed by the caller changes nothing read later."""
+    ds, raw = run
+    if chunk == "in memory":
+        ds = ds.load()
+    elif chunk != "stored":
+        ds = ds.chunk({"prompt_token": chunk, "response_token": chunk})
+    n = ds.sizes["trajectory"]
+    order = [*range(n), *reversed(range(n)), *np.random.default_rng(1).integers(0, n, 50)]
+    for field, group in (("response_tokens", "response"), ("behavior_logprobs", "response")):
+        for i in order:
+            start, length = raw[f"{group}_start"][i], raw[f"{group}_len"][i]
+            got = ds.laminar.tokens(field, int(i))
+            np.testing.assert_array_equal(got, raw[field][start : start + length])
+            got[:] = 99
+    i = n // 2
+    start, length = raw["prompt_start"][i], raw["prompt_len"][i]
+    np.testing.assert_array_equal(
+        ds.laminar.tokens("prompt_tokens", i), raw["prompt_tokens"][start : start + length]
+    )
