@@ -698,3 +698,83 @@ def test_tokens_of_every_trajectory_in_any_order(run, chunk):
     np.testing.assert_array_equal(
         ds.laminar.tokens("prompt_tokens", i), raw["prompt_tokens"][start : start + length]
     )
+
+
+def _token_versions_problem_by_loop(raw, mixing: bool) -> list[str]:
+    """The audit's token-version rule, one trajectory at a time (what it computes)."""
+    k, m_f, uid = raw["behavior_version"], raw["finish_version"], raw["uid"]
+    for i in np.flatnonzero(raw["versions_len"]):
+        seg = raw["token_versions"][raw["versions_start"][i] :][: raw["versions_len"][i]]
+        if not mixing and (seg != k[i]).any():
+            return [f"trajectory {uid[i]!r} mixes weight versions {sorted(set(seg))}"]
+        if mixing and not (
+            raw["versions_len"][i] == raw["response_len"][i]
+            and seg[0] == k[i]
+            and (np.diff(seg) >= 0).all()
+            and seg[-1] <= m_f[i]
+        ):
+            return [
+                f"trajectory {uid[i]!r}: token versions {sorted(set(seg))} are not one "
+                f"per response token, rising from its behavior version {k[i]} to at "
+                f"most its finish version {m_f[i]}"
+            ]
+    return []
+
+
+@pytest.mark.parametrize("schedule", ["laminar", "partial_rollout"])
+@pytest.mark.parametrize("broken", [None, "rises", "falls", "starts above", "ends above"])
+def test_the_audit_of_token_versions_agrees_with_a_loop_over_trajectories(
+    tmp_path, monkeypatch, schedule, broken
+):
+    """The audit checks ``token_versions`` in blocks, vectorised: it names the first
+    trajectory that breaks the rule (one version; in a partial rollout, one per response
+    token rising from the behavior to at most the finish version), as a loop over
+    trajectories does, whatever the blocks, however the Dataset was cut."""
+    from factories import trajectory
+
+    import storage.accessor
+
+    rng = np.random.default_rng(2)
+    records = []
+    for i in range(60):
+        n = int(rng.integers(1, 9))
+        k = int(rng.integers(0, 4))
+        versions = np.full(n, k, np.int32)
+        versions[max(1, n // 2) :] += 1 if schedule == "partial_rollout" and i % 3 == 0 else 0
+        if broken and i in (17, 41):  # two broken: the audit names the first
+            versions[{"rises": -1, "falls": 0, "starts above": 0, "ends above": -1}[broken]] = {
+                "rises": k + 1,
+                "falls": k - 1,
+                "starts above": k + 1,
+                "ends above": k + 3,
+            }[broken]
+            if broken == "falls" and n > 1:
+                versions[0], versions[-1] = k, k - 1
+        rec = trajectory(
+            f"u{i}",
+            f"g{i}",
+            group_size=1,
+            response=np.arange(n),
+            behavior_version=k,
+            finish_version=k + 1,
+        ).to_record()
+        # (the laminar schedule's trajectories mostly store none: one version)
+        empty = schedule == "laminar" and i % 4 == 1 and not (broken and i in (17, 41))
+        rec["token_versions"] = versions[:0] if empty else versions
+        records.append(rec)
+    TrajectoryWriter(tmp_path, schedule=schedule).append(records)
+    ds, raw = open_run(tmp_path), open_trajectories(tmp_path)
+    raw["uid"] = ds["uid"].values  # (as the audit names them)
+    mixing = schedule == "partial_rollout"
+    want = _token_versions_problem_by_loop(raw, mixing)
+    assert bool(want) == (broken is not None and not (mixing and broken == "rises"))
+    for block in (storage.accessor.AUDIT_BLOCK_TOKENS, 1, 7, 50):
+        monkeypatch.setattr(storage.accessor, "AUDIT_BLOCK_TOKENS", block)
+        got = [p for p in ds.laminar.audit() if "version" in p and "trajectory " in p]
+        assert got == want, block
+    # a Dataset reordered on the trajectory dimension: its token values are not end to end
+    back = ds.isel(trajectory=slice(None, None, -1))
+    rev = {f: v[::-1] for f, v in raw.items() if v.shape == raw["uid"].shape}
+    rev["token_versions"] = raw["token_versions"]
+    got = [p for p in back.laminar.audit() if "version" in p and "trajectory " in p]
+    assert got == _token_versions_problem_by_loop(rev, mixing)
