@@ -337,12 +337,12 @@ class LaminarAccessor:
         if (bad := np.flatnonzero(k > m_f)).size:
             problems.append(
                 f"{bad.size} trajectories finish before their behavior version, "
-                f"e.g. {uid[bad[0]]!r}"
+                f"e.g. {str(uid[bad[0]])!r}"
             )
         if (bad := np.flatnonzero(consumed & (m_f > m_t))).size:
             problems.append(
                 f"{bad.size} consumed trajectories sampled before they finished, "
-                f"e.g. {uid[bad[0]]!r}"
+                f"e.g. {str(uid[bad[0]])!r}"
             )
         if (bad := np.flatnonzero(consumed != (m_t >= 0))).size:
             problems.append(f"{bad.size} trajectories have sample_version inconsistent with status")
@@ -364,7 +364,7 @@ class LaminarAccessor:
         if (counts > 1).any():
             problems.append(
                 f"{int((counts > 1).sum())} uids stored more than once, "
-                f"e.g. {values[counts > 1][0]!r}"
+                f"e.g. {str(values[counts > 1][0])!r}"
             )
         if (problem := self._token_versions_problem(k, m_f, uid)) is not None:
             problems.append(problem)
@@ -375,7 +375,7 @@ class LaminarAccessor:
             want[inverse] = ds["group_size"].values[consumed]
             if (bad := np.flatnonzero(sizes != want)).size:
                 problems.append(
-                    f"{bad.size} consumed groups incomplete, e.g. {groups[bad[0]]!r} "
+                    f"{bad.size} consumed groups incomplete, e.g. {str(groups[bad[0]])!r} "
                     f"({sizes[bad[0]]}/{want[bad[0]]})"
                 )
             mt = m_t[consumed]
@@ -427,11 +427,12 @@ class LaminarAccessor:
             if not bad.any():
                 continue
             j = int(np.argmax(bad))
-            i, seg = block[j], seg[first[j] : first[j] + n[j]]
+            i = block[j]
+            versions = sorted(set(seg[first[j] : first[j] + n[j]].tolist()))
             if not mixing:
-                return f"trajectory {uid[i]!r} mixes weight versions {sorted(set(seg))}"
+                return f"trajectory {str(uid[i])!r} mixes weight versions {versions}"
             return (
-                f"trajectory {uid[i]!r}: token versions {sorted(set(seg))} are not one "
+                f"trajectory {str(uid[i])!r}: token versions {versions} are not one "
                 f"per response token, rising from its behavior version {k[i]} to at "
                 f"most its finish version {m_f[i]}"
             )

@@ -705,8 +705,9 @@ def _token_versions_problem_by_loop(raw, mixing: bool) -> list[str]:
     k, m_f, uid = raw["behavior_version"], raw["finish_version"], raw["uid"]
     for i in np.flatnonzero(raw["versions_len"]):
         seg = raw["token_versions"][raw["versions_start"][i] :][: raw["versions_len"][i]]
+        versions = sorted(set(seg.tolist()))
         if not mixing and (seg != k[i]).any():
-            return [f"trajectory {uid[i]!r} mixes weight versions {sorted(set(seg))}"]
+            return [f"trajectory {str(uid[i])!r} mixes weight versions {versions}"]
         if mixing and not (
             raw["versions_len"][i] == raw["response_len"][i]
             and seg[0] == k[i]
@@ -714,7 +715,7 @@ def _token_versions_problem_by_loop(raw, mixing: bool) -> list[str]:
             and seg[-1] <= m_f[i]
         ):
             return [
-                f"trajectory {uid[i]!r}: token versions {sorted(set(seg))} are not one "
+                f"trajectory {str(uid[i])!r}: token versions {versions} are not one "
                 f"per response token, rising from its behavior version {k[i]} to at "
                 f"most its finish version {m_f[i]}"
             ]
@@ -778,3 +779,25 @@ def test_the_audit_of_token_versions_agrees_with_a_loop_over_trajectories(
     rev["token_versions"] = raw["token_versions"]
     got = [p for p in back.laminar.audit() if "version" in p and "trajectory " in p]
     assert got == _token_versions_problem_by_loop(rev, mixing)
+
+
+def test_the_audit_names_uids_groups_and_versions_as_the_store_holds_them(tmp_path):
+    """Problems quote a uid as 'u1' and versions as [1, 2], not numpy's reprs
+    (np.str_('u1'), np.int32(1))."""
+    from factories import trajectory
+
+    records = [
+        trajectory("u1", "g1", behavior_version=2, finish_version=1).to_record(),
+        trajectory("u1", "g1", sample_idx=1, finish_version=0).to_record(),
+        trajectory(
+            "u2", "g2", finish_version=0, status="consumed", sample_version=0, t_sample=1.0
+        ).to_record(),
+        trajectory("u3", "g3", response=(4, 5), behavior_version=1, finish_version=2).to_record(),
+    ]
+    records[3]["token_versions"] = np.array([1, 2], np.int32)
+    TrajectoryWriter(tmp_path).append(records)
+    problems = open_run(tmp_path).laminar.audit()
+    assert "1 trajectories finish before their behavior version, e.g. 'u1'" in problems
+    assert "1 uids stored more than once, e.g. 'u1'" in problems
+    assert "1 consumed groups incomplete, e.g. 'g2' (1/2)" in problems
+    assert "trajectory 'u3' mixes weight versions [1, 2]" in problems
