@@ -159,8 +159,28 @@ WORKER_PRELOAD = (
 )
 
 
+# Variables that huggingface_hub and transformers read once, as they are imported (the
+# forkserver imports them): where models are cached, and whether to go online. A worker
+# forked from the server keeps what the server read, whatever its own environment says.
+READ_AT_IMPORT = (
+    "HF_HOME",
+    "HF_HUB_CACHE",
+    "HUGGINGFACE_HUB_CACHE",
+    "TRANSFORMERS_CACHE",
+    "HF_HUB_OFFLINE",
+    "TRANSFORMERS_OFFLINE",
+    "HF_ENDPOINT",
+    "XDG_CACHE_HOME",
+)
+
 # Whether laminar, not the user, set the forkserver (see below).
 _FORKSERVER_IS_OURS = False
+# READ_AT_IMPORT as the forkserver read them (when laminar first chose it).
+_SERVER_READ: dict[str, str | None] | None = None
+
+
+def _read_at_import() -> dict[str, str | None]:
+    return {k: os.environ.get(k) for k in READ_AT_IMPORT}
 
 
 def spawn_workers_unless_the_user_chose() -> None:
@@ -194,22 +214,44 @@ def fork_workers_from_a_warm_server() -> None:
     A forked worker would start with the forkserver's environment; :func:`role_cluster`
     has its nannies set this process's current one in it, as spawn would have (a variable
     *removed* since still reaches the worker). Clusters over UCX undo this setting
-    (:func:`spawn_workers_unless_the_user_chose`)."""
+    (:func:`spawn_workers_unless_the_user_chose`).
+
+    Except for :data:`READ_AT_IMPORT`: the server imported transformers, which read them
+    then. While one differs from what the server read (``HF_HOME`` set in a notebook
+    between two clusters), workers are spawned, each reading it (with a warning that
+    names it); once they match again, the server is used again."""
     import multiprocessing as mp
 
     import dask
     from distributed.utils import get_mp_context
 
+    global _FORKSERVER_IS_OURS, _SERVER_READ
     key = "distributed.worker.multiprocessing-method"
+    now = _read_at_import()
+    if _SERVER_READ is not None and now != _SERVER_READ:
+        if dask.config.get(key) == "forkserver" and not _set_in_users_config(key):
+            changed = sorted(k for k in now if now[k] != _SERVER_READ[k])
+            logger.warning(
+                "%s changed since this process's warm worker server imported transformers, "
+                "which read it then: workers are spawned (each imports torch and "
+                "transformers itself, seconds slower) until it is as before",
+                ", ".join(changed),
+            )
+            dask.config.set({key: "spawn"})
+            _FORKSERVER_IS_OURS = False
+        return
     if dask.config.get(key) != "spawn" or "forkserver" not in mp.get_all_start_methods():
         return  # (no forkserver: Windows)
     if _set_in_users_config(key):  # "spawn" from a YAML file or a DASK_ variable: theirs
         return
-    global _FORKSERVER_IS_OURS
     dask.config.set({key: "forkserver"})
     _FORKSERVER_IS_OURS = True
+    if _SERVER_READ is None:  # (the server starts with this cluster's first worker)
+        _SERVER_READ = now
     get_mp_context()  # Dask sets its own preload list on its first call: ours replaces it
-    mp.get_context("forkserver").set_forkserver_preload(list(WORKER_PRELOAD))
+    # (one module that imports each of WORKER_PRELOAD: the server dies of any error but
+    # ImportError in a preload, and every worker start with it)
+    mp.get_context("forkserver").set_forkserver_preload(["laminar.forkserver_preload"])
 
 
 def _set_in_users_config(key: str) -> bool:

@@ -1,4 +1,5 @@
 import multiprocessing
+import os
 
 import pytest
 
@@ -287,3 +288,72 @@ def test_a_placement_error_says_how_many_workers_are_missing_and_which_setting_c
             place(client, "data", 1)
         assert "start 1 more with `dask worker ADDRESS --resources data=1`" in str(e.value)
         assert "set" not in str(e.value).split(";")[1], e.value
+
+
+@pytest.mark.slow
+def test_a_hub_variable_changed_between_two_clusters_reaches_the_second_ones_workers(
+    monkeypatch, tmp_path, caplog
+):
+    """huggingface_hub reads HF_HOME once, at import, and the warm server imported it: a
+    worker forked from it would keep the server's cache folder. Changed since, workers
+    are spawned (and read it), with a warning that names it; back as it was, they are
+    forked from the warm server again."""
+    from distributed import Client
+
+    from laminar.cluster import role_cluster
+
+    def hub_cache_and_parent() -> tuple[str, bool]:
+        import os
+        from pathlib import Path
+
+        from huggingface_hub import constants
+
+        parent = Path(f"/proc/{os.getppid()}/cmdline").read_bytes()
+        return constants.HF_HUB_CACHE, b"forkserver" in parent
+
+    def worker_sees(name: str) -> tuple[str, bool]:
+        with role_cluster({"w": {"relay": 1}}, name=name) as c, Client(c) as client:
+            (seen,) = client.run(hub_cache_and_parent).values()
+        return seen
+
+    before, forked = worker_sees("hub-before")
+    assert forked
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
+    with caplog.at_level("WARNING", logger="laminar.cluster"):
+        cache, forked = worker_sees("hub-changed")
+    assert cache == str(tmp_path / "hf" / "hub") and not forked, (cache, before)
+    assert "HF_HOME changed" in caplog.text
+    monkeypatch.undo()
+    assert worker_sees("hub-as-before") == (before, True)
+
+
+@pytest.mark.slow
+def test_a_module_that_fails_to_import_in_the_warm_server_does_not_stop_the_workers(tmp_path):
+    """The forkserver dies of any error but ImportError in a preload, and every worker
+    start with it. transformers raises ValueError as it is imported with a mistyped
+    HF_HUB_ETAG_TIMEOUT: a cluster whose workers need no transformers still starts, and
+    the worker that imports it gets the error. (A fresh process: this one's server is
+    warm already.)"""
+    import subprocess
+    import sys
+
+    script = tmp_path / "start.py"
+    script.write_text(
+        "from distributed import Client\n"
+        "from laminar.cluster import role_cluster\n"
+        "def hub():\n"
+        "    try:\n"
+        "        import transformers  # noqa: F401\n"
+        "    except ValueError as e:\n"
+        "        return f'ValueError: {e}'\n"
+        "    return 'imported'\n"
+        "if __name__ == '__main__':\n"
+        "    with role_cluster({'w': {'relay': 1}}, name='bad-hub') as c, Client(c) as client:\n"
+        "        print(list(client.run(hub).values())[0])\n"
+    )
+    env = {**os.environ, "HF_HUB_ETAG_TIMEOUT": "10s", "DASK_LOGGING__DISTRIBUTED": "error"}
+    out = subprocess.run(
+        [sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=180
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "ValueError" in out.stdout and "10s" in out.stdout, out.stdout
