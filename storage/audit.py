@@ -254,7 +254,10 @@ def _audit_faults(run_dir: Path, ds, report: AuditReport, unfinished: int | None
         report.figures["recovery time mean (s)"] = float(np.mean(t))
         report.figures["recovery time max (s)"] = float(np.max(t))
         report.figures["since last log, max (s)"] = float(rows["max_since_flush_s"].max())
-    paths = [p.split(",") for p in ds["rollout_ids"].values]
+    # The rollouts each trajectory left (all on its path but the last): only one resumed
+    # elsewhere has several (a split of every trajectory's path took ~0.3 s for 200k).
+    ids = ds["rollout_ids"].values
+    left = [p.split(",")[:-1] for p in ids[np.strings.find(ids, ",") >= 0].tolist()]
     # Trajectories still generating when the run stopped are not stored; the partial
     # log's count of them bounds how many recovered ones may be missing for that reason.
     if unfinished is None:  # (a run without a log on disk: the pool's count at the stop)
@@ -263,7 +266,7 @@ def _audit_faults(run_dir: Path, ds, report: AuditReport, unfinished: int | None
         report.figures["unfinished at the stop"] = unfinished
     for rid in lost:
         # A trajectory it had started and that finished elsewhere: rid on its path, not last.
-        resumed = sum(1 for p in paths if rid in p[:-1])
+        resumed = sum(1 for p in left if rid in p)
         recorded = int(rows["requests"].values[rows["rollout"].values == rid].sum())
         if resumed < recorded:
             msg = (

@@ -801,3 +801,34 @@ def test_the_audit_names_uids_groups_and_versions_as_the_store_holds_them(tmp_pa
     assert "1 uids stored more than once, e.g. 'u1'" in problems
     assert "1 consumed groups incomplete, e.g. 'g2' (1/2)" in problems
     assert "trajectory 'u3' mixes weight versions [1, 2]" in problems
+
+
+def test_the_audit_counts_each_lost_rollouts_trajectories_stored_elsewhere(tmp_path):
+    """``laminar audit``'s "resumed and stored" per lost rollout: the trajectories whose
+    path names it before their last rollout (not as the last; r1 is not r10)."""
+    from factories import trajectory
+
+    from storage.audit import audit_run
+    from storage.metrics import MetricsWriter
+
+    paths = ["r1", "r1,r0", "r2,r1,r0", "r0,r1", "r10,r0", "r1,r1,r2", "r10", "r2,r10"] * 3
+    TrajectoryWriter(tmp_path).append(
+        [
+            trajectory(f"u{i}", f"g{i}", group_size=1, rollout_ids=p).to_record()
+            for i, p in enumerate(paths)
+        ]
+    )
+    lost = ("r1", "r2", "r10", "r3")
+    MetricsWriter(tmp_path).append(
+        "faults",
+        [
+            {"time": 1.0, "rollout": r, "destination": "r0", "how": "import", "version": 0,
+             "requests": 0, "tokens_recovered": 0, "max_since_flush_s": 0.0, "recovery_s": 0.1}
+            for r in lost
+        ],
+    )  # fmt: skip
+    figures = audit_run(tmp_path).figures
+    for r in lost:
+        want = sum(r in p.split(",")[:-1] for p in paths)
+        assert figures[f"  {r}: resumed and stored"] == want, r
+    assert [figures[f"  {r}: resumed and stored"] for r in lost] == [9, 6, 3, 0]
