@@ -422,8 +422,8 @@ class FaultsConfig(_Section):
     # the run (continue it with `laminar run --resume RUN_DIR`).
     restart_data: bool = True
     # How long the run (and each rollout and the trainer, waiting) waits for a `data`
-    # worker to rebuild the data module on before it fails; also the bound on creating
-    # the data module's actors, at a run's start too (a hung `data` worker).
+    # worker to rebuild the data module on before it fails; also how long that worker may
+    # send nothing while it creates the data module's actors, at a run's start too (hung).
     data_restart_timeout_s: float = Field(120.0, gt=0)
 
 

@@ -1275,21 +1275,22 @@ def start_data_module(
     ``order`` (the pool's) and ``rebuild`` (the buffer's) for a data module rebuilt
     within the run (pipelines/restart.py).
 
-    Raises a :class:`ClusterError` when they are not all created within
-    ``faults.data_restart_timeout_s``: a worker that hangs (stopped, deadlocked) stays
-    on the scheduler's books, and its creating tasks would be waited on for ever."""
+    Raises a :class:`ClusterError` when ``worker`` sends the scheduler nothing for
+    ``faults.data_restart_timeout_s`` while they are created: a worker that hangs
+    (stopped) stays on the scheduler's books for minutes, and its creating tasks would be
+    waited on for ever. A live one is waited for however long they take (a prompt file
+    of millions to tokenize, a large store to read back)."""
     resume = plans.get("resume")
-    deadline = time.monotonic() + cfg.faults.data_restart_timeout_s
+    limit = cfg.faults.data_restart_timeout_s
 
     def create(cls, *args):
         future = start_actor(client, cls, *args, worker=worker, resource="data")
-        if not _created_by(client, worker, future, deadline):
-            limit = cfg.faults.data_restart_timeout_s
+        if not _created_by(client, worker, future, limit):
             raise ClusterError(
-                f"the data module's {cls.__name__} was not created on {worker} within "
-                f"faults.data_restart_timeout_s={limit:g} s: that worker may hang (look at "
-                "its log, or restart it; raise the setting for a store that loads "
-                f"slowly); {resume_hint(run_dir)}"
+                f"the data module's {cls.__name__} was not created on {worker}: that worker "
+                f"sent the scheduler nothing for faults.data_restart_timeout_s={limit:g} s "
+                "and may hang (look at its log, or restart it); "
+                f"{resume_hint(run_dir)}"
             )
         return bind_actor(client, cls, worker, future)
 
@@ -1312,25 +1313,32 @@ def start_data_module(
     return pool, partial, buffer
 
 
-def _created_by(client, worker: str, future, deadline: float) -> bool:
+def _created_by(client, worker: str, future, silent_limit: float) -> bool:
     """Wait until the actor that ``future`` creates on ``worker`` exists, or the worker
-    is gone (:func:`~laminar.cluster.bind_actor` then says so); ``False`` at ``deadline``
-    (``time.monotonic()``) if neither. A worker that hangs stays on the scheduler's books
-    for minutes (its heartbeats' time to live), one deadlocked but beating for ever."""
+    is gone (:func:`~laminar.cluster.bind_actor` then says so); ``False`` once the worker
+    has sent the scheduler nothing (its ``last_seen`` unchanged: no heartbeat) for
+    ``silent_limit`` s, or the scheduler has not answered for as long. A worker that
+    hangs stays on the scheduler's books for minutes (its heartbeats' time to live); one
+    whose constructor is slow beats on (the event loop runs beside the task's thread) and
+    is waited for. (A constructor deadlocked in a beating worker is waited for too.)"""
     from distributed import wait as wait_futures
 
+    seen, since = None, time.monotonic()
     while not future.done():
-        left = deadline - time.monotonic()
-        if left <= 0:
-            return False
         try:
-            wait_futures(future, timeout=max(0.1, min(1.0, left)))
+            wait_futures(future, timeout=1.0)
         except TimeoutError:
             try:
-                if worker not in scheduler_workers(client, timeout=5.0):
+                info = scheduler_workers(client, timeout=5.0)
+            except Exception:  # noqa: BLE001 — no scheduler that answers: silence goes on
+                info = None
+            if info is not None:
+                if worker not in info:
                     return True  # (lost: bind_actor raises ActorLost)
-            except Exception:  # noqa: BLE001 — no scheduler that answers: the deadline stands
-                continue
+                if info[worker].get("last_seen") != seen:
+                    seen, since = info[worker].get("last_seen"), time.monotonic()
+            if time.monotonic() - since > silent_limit:
+                return False
     return True
 
 

@@ -436,6 +436,33 @@ def test_a_data_worker_that_hangs_as_the_data_module_is_created_fails_it_in_time
     assert out != "hung", "creating the data module waited on the hung worker"
     assert isinstance(out.get("error"), ClusterError), out
     said = str(out["error"])
-    assert f"PromptPool was not created on {w} within faults.data_restart_timeout_s=2 s" in said
+    assert f"PromptPool was not created on {w}: that worker sent the scheduler nothing" in said
+    assert "faults.data_restart_timeout_s=2 s" in said
     assert "may hang" in said and "start it again" in said, said  # (no checkpoint yet)
     assert took < 10, took
+
+
+@pytest.mark.slow
+def test_a_data_module_slow_to_create_on_a_live_worker_is_waited_for():
+    """The bound on creating the data module is the worker's silence, not the time the
+    constructors take: a live worker beats on while one runs (a prompt file of millions
+    to tokenize), and is waited for past faults.data_restart_timeout_s."""
+    from distributed import Client
+
+    from laminar.cluster import role_cluster, start_actor, workers_with
+
+    class SlowToStart:  # (defined here: pickled by value, as workers cannot import tests)
+        def __init__(self, seconds):
+            import time
+
+            time.sleep(seconds)
+
+    with (
+        role_cluster({"data": {"data": 1}}, name="data-slow") as cluster,
+        Client(cluster) as client,
+    ):
+        (w,) = workers_with(client, "data")
+        future = start_actor(client, SlowToStart, 5.0, worker=w, resource="data")
+        t0 = time.monotonic()
+        assert driver._created_by(client, w, future, silent_limit=2.0)
+        assert time.monotonic() - t0 > 3.0 and future.done()
