@@ -263,9 +263,12 @@ class LaminarAccessor:
         stored = np.bincount(inverse, minlength=n)
         size = np.zeros(n, np.int64)
         size[inverse] = ds["group_size"].values
-        # distinct (group, behavior version) pairs, counted per group
-        pairs = np.unique(np.stack([inverse, ds["behavior_version"].values]), axis=1)
-        versions = np.bincount(pairs[0], minlength=n)
+        # distinct (group, behavior version) pairs, counted per group (as one integer
+        # each: np.unique(axis=1) on the pairs took 0.11 s for 200k trajectories)
+        k = ds["behavior_version"].values.astype(np.int64)
+        span = int(k.max(initial=0)) - int(k.min(initial=0)) + 1
+        pairs = np.unique(inverse * span + (k - k.min(initial=0)))
+        versions = np.bincount(pairs // span, minlength=n)
         consumed = np.bincount(inverse, weights=ds["status"].values == "consumed", minlength=n)
         return xr.Dataset(
             {
@@ -282,7 +285,8 @@ class LaminarAccessor:
         """Per rollout (the last in ``rollout_ids``): trajectories, response tokens, mean
         reward and mean response length."""
         ds = self._ds
-        last = np.array([r.rsplit(",", 1)[-1] for r in ds["rollout_ids"].values])
+        ids = ds["rollout_ids"].values
+        last = np.strings.rpartition(ids, ",")[2] if ids.size else ids  # (numpy: none fails)
         ids, inverse = np.unique(last, return_inverse=True)
         count = np.bincount(inverse, minlength=len(ids))
         rlen = ds["response_len"].values.astype(np.float64)

@@ -303,6 +303,8 @@ def test_a_run_with_nothing_stored_yet_gives_empty_figures(tmp_path):
     assert ds.laminar.throughput().sizes == {"time": 0}
     assert ds.laminar.reward_curve(by="time").sizes == {"time": 0}
     assert ds.laminar.buffer_age().sizes == {"trajectory": 0}
+    assert ds.laminar.groups().sizes == {"group": 0}
+    assert ds.laminar.by_rollout().sizes == {"rollout": 0}
     summary = ds.laminar.summary()
     assert all(np.isnan(summary[f"{n}_mean"]) for n in ("s_gen", "residence", "s_train"))
     from pipelines.report import build_report
@@ -832,3 +834,38 @@ def test_the_audit_counts_each_lost_rollouts_trajectories_stored_elsewhere(tmp_p
         want = sum(r in p.split(",")[:-1] for p in paths)
         assert figures[f"  {r}: resumed and stored"] == want, r
     assert [figures[f"  {r}: resumed and stored"] for r in lost] == [9, 6, 3, 0]
+
+
+def test_groups_and_rollouts_of_many_versions_and_resumed_paths(tmp_path):
+    """groups' distinct versions and by_rollout's last rollout agree with a count per
+    group and a split per path."""
+    from factories import trajectory
+
+    rng = np.random.default_rng(3)
+    paths = ["r0", "r1", "r0,r1", "r2,r0", "r1,r2,r10", "r10"]
+    records = [
+        trajectory(
+            f"u{i}",
+            f"g{i % 13}",
+            sample_idx=i // 13,
+            group_size=8,
+            behavior_version=int(rng.integers(-1, 6)),
+            rollout_ids=paths[int(rng.integers(0, len(paths)))],
+            response=np.arange(int(rng.integers(1, 9))),
+        ).to_record()
+        for i in range(100)
+    ]
+    TrajectoryWriter(tmp_path).append(records)
+    ds, raw = open_run(tmp_path), open_trajectories(tmp_path)
+    groups = ds.laminar.groups()
+    for g in groups["group"].values:
+        sel = raw["prompt_uid"] == g
+        assert groups["versions"].sel(group=g).item() == len(set(raw["behavior_version"][sel]))
+        assert groups["stored"].sel(group=g).item() == sel.sum()
+    per = ds.laminar.by_rollout()
+    last = np.array([p.split(",")[-1] for p in raw["rollout_ids"].tolist()])
+    assert sorted(per["rollout"].values.tolist()) == sorted(set(last.tolist()))
+    for r in per["rollout"].values:
+        sel = last == r
+        assert per["trajectories"].sel(rollout=r).item() == sel.sum()
+        assert per["response_tokens"].sel(rollout=r).item() == raw["response_len"][sel].sum()
