@@ -869,3 +869,68 @@ def test_groups_and_rollouts_of_many_versions_and_resumed_paths(tmp_path):
         sel = last == r
         assert per["trajectories"].sel(rollout=r).item() == sel.sum()
         assert per["response_tokens"].sel(rollout=r).item() == raw["response_len"][sel].sum()
+
+
+def test_the_rollouts_figure_marks_each_repack_move_on_its_rollouts(run, tmp_path, monkeypatch):
+    """Each successful move: a ▼ at its time on its source's colour, a ▲ on its
+    destination's (what rollouts-N.png draws, read off the figure as it is saved)."""
+    import shutil
+
+    import matplotlib.figure
+
+    from pipelines.report import build_report
+    from storage.metrics import MetricsWriter
+
+    ds, _ = run
+    run_dir = tmp_path / "run"
+    shutil.copytree(ds.attrs["run_dir"], run_dir)
+    t0, rollouts = 1.8e9, ("r0", "r1", "r2")
+    w = MetricsWriter(run_dir)
+    row = {"version": 0, "buffer_depth": 3, "oldest_buffered_age_s": 1.0}
+    w.append("cluster", [row | {"elapsed_s": t, "wall_time": t0 + t} for t in range(60)])
+    w.append(
+        "rollouts",
+        [
+            {"elapsed_s": t, "rollout": r, "kv_used": t, "kv_capacity": 100, "version": 0}
+            for t in range(0, 60, 5)
+            for r in rollouts
+        ],
+    )
+    rng = np.random.default_rng(4)
+    moves = [
+        {
+            "time": t0 + 0.5 * i,
+            "source": rollouts[i % 3],
+            "destination": rollouts[(i + 1 + i % 2) % 3],
+            "ok": bool(rng.random() < 0.8),
+            "requests": 2,
+            "pause_s": 0.01,
+        }
+        for i in range(100)
+    ]
+    w.append("repacks", moves)
+    drawn = {}
+    save = matplotlib.figure.Figure.savefig
+
+    def record(fig, name, *args, **kwargs):
+        drawn[str(name).rsplit("/", 1)[-1]] = [
+            [(line.get_xdata(), line.get_ydata(), line.get_marker(), line.get_color())
+             for line in ax.get_lines()]
+            for ax in fig.axes
+        ]  # fmt: skip
+        return save(fig, name, *args, **kwargs)
+
+    monkeypatch.setattr(matplotlib.figure.Figure, "savefig", record)
+    build_report([run_dir], tmp_path / "out")
+    lines = drawn["rollouts-0.png"][0]
+    colour = {r: c for r, (_, _, _, c) in zip(rollouts, lines, strict=False)}
+    for marker, y, end in (("v", 0.97, "source"), ("^", 0.91, "destination")):
+        got = sorted(
+            (float(x), c)
+            for xs, ys, m, c in lines
+            if m == marker and len(xs)
+            for x, yy in zip(xs, ys, strict=True)
+            if yy == y
+        )
+        want = sorted((m["time"] - t0, colour[m[end]]) for m in moves if m["ok"])
+        assert got == want, end
