@@ -75,8 +75,10 @@ class LaminarAccessor:
     def staleness(self) -> xr.Dataset:
         """Per consumed trajectory: ``s_gen``, ``residence`` and ``s_train`` (versions)."""
         ds = self._ds
-        consumed = ds.isel({"trajectory": np.flatnonzero(ds["status"].values == "consumed")})
-        return consumed[["behavior_version", "s_gen", "residence", "s_train"]]
+        consumed = np.flatnonzero(ds["status"].values == "consumed")
+        # (the four columns, then the rows: the rows of every column, strings included,
+        # took 1 s for 1M trajectories)
+        return ds[["behavior_version", "s_gen", "residence", "s_train"]].isel(trajectory=consumed)
 
     def staleness_histogram(self) -> xr.Dataset:
         """Counts of consumed trajectories per staleness value (in versions), for

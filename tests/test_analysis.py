@@ -57,6 +57,11 @@ def test_staleness_and_its_histogram(run):
     s_train = (raw["sample_version"] - raw["behavior_version"])[consumed]
     st = ds.laminar.staleness()
     np.testing.assert_array_equal(st["s_train"].values, s_train)
+    np.testing.assert_array_equal(st["trajectory"].values, np.flatnonzero(consumed))
+    for name in ("behavior_version", "s_gen", "residence"):
+        want = ds[name].values[consumed]
+        np.testing.assert_array_equal(st[name].values, want)
+    assert list(st.data_vars) == ["behavior_version", "s_gen", "residence", "s_train"]
     hist = ds.laminar.staleness_histogram()
     for value in range(int(s_train.max()) + 1):
         assert hist["s_train"].sel(staleness=value).item() == (s_train == value).sum()
