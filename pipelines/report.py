@@ -162,12 +162,13 @@ def update_throughput(run: dict) -> tuple[np.ndarray, np.ndarray]:
 def plot_staleness(runs: list[dict], out: Path) -> str:
     fig, axes = _figure("Staleness of consumed trajectories (versions)", 3)
     width = 0.8 / len(runs)
+    top = 0
     for i, r in enumerate(runs):
         hist = r["ds"].laminar.staleness_histogram()
         x = hist["staleness"].values + i * width
         for ax, name in zip(axes, ("s_gen", "residence", "s_train"), strict=True):
             ax.bar(x, hist[name].values, width=width, label=r["name"])
-    top = max(int(r["ds"].laminar.staleness_histogram()["staleness"].max()) for r in runs)
+        top = max(top, int(hist["staleness"].max()))
     centre = np.arange(top + 1) + (len(runs) - 1) * width / 2
     for ax, title in zip(
         axes, ("s_gen = M_f − K", "residence = M_t − M_f", "s_train = M_t − K"), strict=True
