@@ -35,8 +35,10 @@ class LaminarAccessor:
                 "use open_run(path).laminar for each run"
             )
         self._ds = ds
-        self._spans: dict[str, tuple[np.ndarray, np.ndarray]] = {}  # (tokens: read once)
-        self._blocks: dict[str, tuple[int, np.ndarray]] = {}  # (tokens: the last read)
+        # tokens(): what it read, with the variables it read them from (xarray keeps this
+        # accessor with the Dataset, and an assignment in place swaps a variable only)
+        self._spans: dict[str, tuple[tuple, np.ndarray, np.ndarray]] = {}  # read once
+        self._blocks: dict[str, tuple[object, int, np.ndarray]] = {}  # the last read
 
     def tokens(self, field: str, i: int) -> np.ndarray:
         """The ragged ``field`` (e.g. ``"response_tokens"``) of trajectory ``i``.
@@ -47,18 +49,21 @@ class LaminarAccessor:
         if field not in RAGGED_FIELDS:
             raise KeyError(f"{field!r} is not a ragged field; choose from {sorted(RAGGED_FIELDS)}")
         group = RAGGED_FIELDS[field]
-        if group not in self._spans:  # every trajectory's offsets, read once: a loop over
-            # trajectories otherwise reads two lazy arrays a call (3 reads, ~14 ms, each)
-            ds = self._ds
-            self._spans[group] = (ds[f"{group}_start"].values, ds[f"{group}_len"].values)
-        starts, lengths = self._spans[group]
+        variables = self._ds.variables
+        read_from = (variables[f"{group}_start"], variables[f"{group}_len"])
+        cached = self._spans.get(group)
+        if cached is None or any(a is not b for a, b in zip(cached[0], read_from, strict=True)):
+            # every trajectory's offsets, read once: a loop over trajectories otherwise
+            # reads two lazy arrays a call (3 reads, ~14 ms, each)
+            cached = self._spans[group] = (read_from, read_from[0].values, read_from[1].values)
+        _, starts, lengths = cached
         start, end = int(starts[i]), int(starts[i]) + int(lengths[i])
-        lo, block = self._blocks.get(field, (0, None))
-        if block is None or start < lo or end > lo + len(block):
+        source, lo, block = self._blocks.get(field, (None, 0, None))
+        if source is not variables[field] or start < lo or end > lo + len(block):
             # (a slice of the lazy array a call cost ~3 ms of dask graph and chunk reads,
             # ~10 minutes for a loop over 200k trajectories)
             lo, block = self._chunks_of(field, start, end)
-            self._blocks[field] = (lo, block)
+            self._blocks[field] = (variables[field], lo, block)
         return block[start - lo : end - lo].copy()  # (a copy: the block is kept)
 
     def _chunks_of(self, field: str, start: int, end: int) -> tuple[int, np.ndarray]:

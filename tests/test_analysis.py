@@ -707,6 +707,20 @@ def test_tokens_of_every_trajectory_in_any_order(run, chunk):
     )
 
 
+def test_tokens_after_the_dataset_is_changed_in_place_reads_the_new_values(run):
+    """xarray keeps the accessor (and what ``tokens`` read) with the Dataset: a field or
+    the offsets assigned in place since are read again, not served from before."""
+    ds, raw = run
+    ds = ds.load()
+    first = ds.laminar.tokens("response_tokens", 0)
+    ds["response_tokens"] = ds["response_tokens"] + 1000
+    np.testing.assert_array_equal(ds.laminar.tokens("response_tokens", 0), first + 1000)
+    length = int(raw["response_len"][0])
+    assert length > 1
+    ds["response_len"] = ds["response_len"].copy(data=np.full_like(raw["response_len"], 1))
+    np.testing.assert_array_equal(ds.laminar.tokens("response_tokens", 0), first[:1] + 1000)
+
+
 def _token_versions_problem_by_loop(raw, mixing: bool) -> list[str]:
     """The audit's token-version rule, one trajectory at a time (what it computes)."""
     k, m_f, uid = raw["behavior_version"], raw["finish_version"], raw["uid"]
