@@ -361,6 +361,8 @@ def gaps(cluster: xr.Dataset, activity: np.ndarray | None = None) -> list[tuple[
     """
     seg = segments(cluster)
     out = []
+    if len(seg) < 2:  # (a run started once has no stop: its activity need not be sorted)
+        return out
     act = np.asarray([] if activity is None else activity, dtype=np.float64)
     act = np.sort(act[np.isfinite(act)])
     for a, b in zip(seg[:-1], seg[1:], strict=True):
