@@ -804,6 +804,10 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:  # (Ctrl-C outside a run's progress: setup, bench, report)
         print("laminar: interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:  # (what reads stdout stopped: `laminar audit --json RUN | head`)
+        # Its unflushed rest would fail again as Python exits: it goes nowhere instead.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 141  # (as a shell reports a writer its pipe's reader left: 128 + SIGPIPE)
 
 
 if __name__ == "__main__":

@@ -285,3 +285,28 @@ def test_the_printed_summary_says_how_many_updates_a_run_with_skipped_versions_m
     assert "versions           6  (4 updates made)\n" in capsys.readouterr().out
     cli._print_summary({**summary, "updates": 6})
     assert "versions           6\n" in capsys.readouterr().out
+
+
+def test_a_reader_that_stops_early_ends_the_audit_quietly(tmp_path):
+    """`laminar audit --json RUN | head`: once the reader has gone, the broken pipe ends
+    the command with 141 (as a shell reports it), not a traceback on stderr."""
+    import subprocess
+    import sys
+
+    from conftest import REPO
+    from test_storage import record
+
+    from storage.trajectories import TrajectoryWriter
+
+    TrajectoryWriter(tmp_path / "run").append([record(i) for i in range(3)])
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "pipelines.cli", "audit", "--json", str(tmp_path / "run")],
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    proc.stdout.close()  # (the reader gone before anything is written)
+    err = proc.stderr.read()
+    assert proc.wait(timeout=120) == 141, err
+    assert "Traceback" not in err and "BrokenPipe" not in err, err
