@@ -12,6 +12,7 @@ import contextlib
 import logging
 import os
 import threading
+import time
 from collections.abc import Iterator
 
 from laminar.errors import ClusterError
@@ -383,16 +384,23 @@ def start_actor(client, cls, *args, worker: str, resource: str, **kwargs):
     return future
 
 
-def bind_actor(client, cls, worker: str, future):
+def bind_actor(client, cls, worker: str, future, silent_s: float | None = None):
     """The handle of the actor ``future`` created on ``worker``, bound to ``client``
     (raises the constructor's error). See :func:`submit_actor` for why it is rebuilt.
 
     Raises :class:`ActorLost` within about a second of ``worker`` leaving the scheduler
     before the actor exists: its creating task, pinned to that address, would otherwise
     wait for ever (a worker the nanny restarts comes back under another address). A
-    constructor that is merely slow (a model load) is waited for."""
+    constructor that is merely slow (a model load) is waited for.
+
+    ``silent_s``: raise :class:`ActorHung` once ``worker`` has sent the scheduler
+    nothing (its ``last_seen`` unchanged: no heartbeat) for that long, or the scheduler
+    has not answered for as long. A hung (stopped) worker stays on the scheduler's books
+    for minutes; one whose constructor is slow beats on (its event loop runs beside the
+    task's thread) and is still waited for, as is a constructor deadlocked in it."""
     from distributed import Actor
 
+    seen, since = None, time.monotonic()
     while True:
         try:
             future.result(timeout=LOST_POLL_S)
@@ -403,13 +411,20 @@ def bind_actor(client, cls, worker: str, future):
             if future.done():  # (done as the wait ended: read it again)
                 continue
             try:
-                there = worker in scheduler_workers(client, timeout=5.0)
+                info = scheduler_workers(client, timeout=5.0)
             except Exception:  # noqa: BLE001 — no scheduler that answers: keep waiting
-                there = True
-            if not there:
+                info = None
+            if info is not None and worker not in info:
                 raise ActorLost(
                     f"the worker {worker} was lost while it created a {cls.__name__} actor "
                     f"(task {future.key})"
+                ) from None
+            if info is not None and info[worker].get("last_seen") != seen:
+                seen, since = info[worker].get("last_seen"), time.monotonic()
+            if silent_s is not None and time.monotonic() - since > silent_s:
+                raise ActorHung(
+                    f"the worker {worker} sent the scheduler nothing for {silent_s:g} s "
+                    f"while it created a {cls.__name__} actor (task {future.key})"
                 ) from None
     with client.as_current():
         return Actor(cls, worker, future.key)
@@ -438,6 +453,11 @@ class ActorLost(ConnectionError):
     """The worker holding an actor was lost (its creating task is gone)."""
 
 
+class ActorHung(TimeoutError):
+    """The worker creating an actor sent nothing for longer than it was given
+    (:func:`bind_actor`'s ``silent_s``)."""
+
+
 def is_lost(error: BaseException) -> bool:
     """Whether a failed actor call says its actor may be lost (its worker gone, the
     connection cut, the call cancelled or timed out), rather than an error the actor
@@ -463,8 +483,6 @@ def actor_result(actor, future, timeout: float):
     :class:`ActorLost` within about a second of the actor's worker being lost. (A call
     in flight when its actor's worker dies otherwise waits out its whole timeout:
     distributed waits for the actor's creating task, which is never done.)"""
-    import time
-
     deadline = time.monotonic() + timeout
     while True:
         left = deadline - time.monotonic()

@@ -19,6 +19,7 @@ from pathlib import Path
 
 from laminar.buffer import ExperienceBuffer
 from laminar.cluster import (
+    ActorHung,
     actor_result,
     bind_actor,
     is_lost,
@@ -1285,14 +1286,15 @@ def start_data_module(
 
     def create(cls, *args):
         future = start_actor(client, cls, *args, worker=worker, resource="data")
-        if not _created_by(client, worker, future, limit):
+        try:
+            return bind_actor(client, cls, worker, future, silent_s=limit)
+        except ActorHung:
             raise ClusterError(
                 f"the data module's {cls.__name__} was not created on {worker}: that worker "
                 f"sent the scheduler nothing for faults.data_restart_timeout_s={limit:g} s "
                 "and may hang (look at its log, or restart it); "
                 f"{resume_hint(run_dir)}"
-            )
-        return bind_actor(client, cls, worker, future)
+            ) from None
 
     pool = create(PromptPool, cfg, policy_dir, plans.get("order", resume), spec)
     partial = None
@@ -1311,35 +1313,6 @@ def start_data_module(
         plans.get("rebuild"),
     )
     return pool, partial, buffer
-
-
-def _created_by(client, worker: str, future, silent_limit: float) -> bool:
-    """Wait until the actor that ``future`` creates on ``worker`` exists, or the worker
-    is gone (:func:`~laminar.cluster.bind_actor` then says so); ``False`` once the worker
-    has sent the scheduler nothing (its ``last_seen`` unchanged: no heartbeat) for
-    ``silent_limit`` s, or the scheduler has not answered for as long. A worker that
-    hangs stays on the scheduler's books for minutes (its heartbeats' time to live); one
-    whose constructor is slow beats on (the event loop runs beside the task's thread) and
-    is waited for. (A constructor deadlocked in a beating worker is waited for too.)"""
-    from distributed import wait as wait_futures
-
-    seen, since = None, time.monotonic()
-    while not future.done():
-        try:
-            wait_futures(future, timeout=1.0)
-        except TimeoutError:
-            try:
-                info = scheduler_workers(client, timeout=5.0)
-            except Exception:  # noqa: BLE001 — no scheduler that answers: silence goes on
-                info = None
-            if info is not None:
-                if worker not in info:
-                    return True  # (lost: bind_actor raises ActorLost)
-                if info[worker].get("last_seen") != seen:
-                    seen, since = info[worker].get("last_seen"), time.monotonic()
-            if time.monotonic() - since > silent_limit:
-                return False
-    return True
 
 
 def _stopping(actor, method: str, timeout: float):

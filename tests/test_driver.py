@@ -449,7 +449,7 @@ def test_a_data_module_slow_to_create_on_a_live_worker_is_waited_for():
     to tokenize), and is waited for past faults.data_restart_timeout_s."""
     from distributed import Client
 
-    from laminar.cluster import role_cluster, start_actor, workers_with
+    from laminar.cluster import bind_actor, role_cluster, start_actor, workers_with
 
     class SlowToStart:  # (defined here: pickled by value, as workers cannot import tests)
         def __init__(self, seconds):
@@ -464,5 +464,5 @@ def test_a_data_module_slow_to_create_on_a_live_worker_is_waited_for():
         (w,) = workers_with(client, "data")
         future = start_actor(client, SlowToStart, 5.0, worker=w, resource="data")
         t0 = time.monotonic()
-        assert driver._created_by(client, w, future, silent_limit=2.0)
+        assert bind_actor(client, SlowToStart, w, future, silent_s=2.0) is not None
         assert time.monotonic() - t0 > 3.0 and future.done()
