@@ -22,7 +22,16 @@ from laminar.config import with_overrides
 from laminar.learner import CheckpointError, Learner
 
 
-def _run_to_end(trainer, timeout: float = 120) -> dict:
+def restarted_after_update_1(cfg, policy, run):
+    """The config of a trainer restarted within the run from version 1: a first trainer
+    made update 1 and checkpointed it under ``run`` (and was lost after publishing more)."""
+    first = Learner(cfg, policy)
+    first.update(groups(0, 2))
+    ckpt = first.save(run / "checkpoints" / "version-000001")
+    return with_overrides(cfg, [f"trainer.resume_from={ckpt}"])
+
+
+def run_to_end(trainer, timeout: float = 120) -> dict:
     """Start the loop and wait until it ends by itself (at its steps)."""
     trainer.start()
     deadline = time.time() + timeout
@@ -57,11 +66,7 @@ def test_a_run_resumed_from_a_restarted_trainers_checkpoint_makes_the_updates_it
     version number counts 2 skipped numbers."""
     cfg = with_overrides(CFG, ["trainer.steps=6", "trainer.groups_per_step=2"])
     run = tmp_path / "run"
-    first = Learner(cfg, tiny_policy)
-    first.update(groups(0, 2))
-    ckpt1 = first.save(run / "checkpoints" / "version-000001")
-
-    restarted_cfg = with_overrides(cfg, [f"trainer.resume_from={ckpt1}"])
+    restarted_cfg = restarted_after_update_1(cfg, tiny_policy, run)
     batches = [groups(1, 2), groups(2, 2)]
     trainer, buffer, master = make(
         tiny_policy, run, restarted_cfg, batches=batches, after_version=3
@@ -78,7 +83,7 @@ def test_a_run_resumed_from_a_restarted_trainers_checkpoint_makes_the_updates_it
     batches = [groups(3 + i, 2) for i in range(5)]
     trainer, buffer, master = make(tiny_policy, run, resumed_cfg, batches=batches)
     assert trainer.steps == 8
-    stats = _run_to_end(trainer)
+    stats = run_to_end(trainer)
     assert stats["error"] is None
     assert [h["version"] for h in trainer.history] == [6, 7, 8]  # the 3 owed updates
     assert master.order == [5, 6, 7, 8] and len(buffer.batches) == 2

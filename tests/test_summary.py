@@ -4,13 +4,12 @@ stats: what ``summary.json`` says of the run's versions and updates."""
 from __future__ import annotations
 
 import json
-import time
 
 from learner_cases import CFG
+from test_resume_lineage import restarted_after_update_1, run_to_end
 from test_trainer import groups, make
 
 from laminar.config import with_overrides
-from laminar.learner import Learner
 from pipelines.summary import summarize, updates_made
 from storage import TrajectoryWriter
 
@@ -41,18 +40,11 @@ def test_the_summary_counts_updates_made_beside_the_last_version_number(tiny_pol
     what ``trainer.steps`` counts, which the summary had no figure for."""
     cfg = with_overrides(CFG, ["trainer.steps=4", "trainer.groups_per_step=2"])
     run = tmp_path / "run"
-    first = Learner(cfg, tiny_policy)
-    first.update(groups(0, 2))
-    ckpt = first.save(run / "checkpoints" / "version-000001")
     # (as pipelines.restart starts it: trainer.steps plus the checkpoint's skips, none)
-    restarted = with_overrides(cfg, [f"trainer.resume_from={ckpt}"])
+    restarted = restarted_after_update_1(cfg, tiny_policy, run)
     batches = [groups(1 + i, 2) for i in range(3)]
     trainer, buffer, master = make(tiny_policy, run, restarted, batches=batches, after_version=3)
-    trainer.start()  # (it ends by itself, at its steps)
-    deadline = time.time() + 120
-    while not trainer.done and time.time() < deadline:
-        time.sleep(0.05)
-    stats = trainer.stats()
+    stats = run_to_end(trainer)
     assert stats["done"] and stats["error"] is None and master.order == [4, 5, 6]
     assert updates_made(stats, cfg.trainer.steps) == 4
 
