@@ -89,12 +89,17 @@ class Rollout:
         self.stats_answer = stats
 
     def stats(self) -> Future:
-        f: Future = Future()
-        if isinstance(self.stats_answer, BaseException):
-            f.set_exception(self.stats_answer)
-        else:
-            f.set_result(self.stats_answer)
-        return f
+        return answered(self.stats_answer)
+
+
+def answered(answer) -> Future:
+    """A call's future, done: with ``answer``, or raising it (an exception)."""
+    f: Future = Future()
+    if isinstance(answer, BaseException):
+        f.set_exception(answer)
+    else:
+        f.set_result(answer)
+    return f
 
 
 def test_a_core_restart_tried_again_never_numbers_after_an_older_version(tmp_path):
@@ -147,12 +152,7 @@ class Answering:
             raise AttributeError(name)
 
         def call(*args, **kwargs) -> Future:
-            f: Future = Future()
-            if isinstance(self.answer, BaseException):
-                f.set_exception(self.answer)
-            else:
-                f.set_result(self.answer)
-            return f
+            return answered(self.answer)
 
         return call
 
