@@ -213,6 +213,7 @@ class RolloutReplica:
             "dropped_groups": 0,
             "rescored_requests": 0,  # recovered finished, reward was in flight: scored here
             "interrupts": 0,  # interrupt: publications that paused this rollout
+            "interrupted_requests": 0,  # ... the unfinished requests they held (0: idle)
             "sync_wait_s": 0.0,  # ... and the time it waited for their weights
             "recomputed_tokens": 0,  # ... and the KV it recomputed after them
             "recompute_s": 0.0,  # ... and the time of the steps that recomputed it
@@ -557,6 +558,7 @@ class RolloutReplica:
         states = self.engine.export(list(self.engine.request_ids()), moved=False)
         self._paused = (version, states)
         self.counts["interrupts"] += 1
+        self.counts["interrupted_requests"] += len(states)
         return len(states)
 
     def _resume_paused(self) -> None:

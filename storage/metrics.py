@@ -79,6 +79,7 @@ ROLLOUT_COUNTERS = (
     "engine_modelled_s",  # paced engines only
     "engine_compute_s",
     "interrupts",  # partial rollout: global updates that paused it ...
+    "interrupted_requests",  # ... the unfinished requests they held (0 when idle)
     "sync_wait_s",  # ... the time it waited for their weights
     "recomputed_tokens",  # ... and the KV it recomputed after them ...
     "recompute_s",  # ... in the steps that did
