@@ -554,6 +554,7 @@ class RolloutReplica:
         if self._paused is not None:  # paused already (served while waiting): wait longer
             held, states = self._paused
             self._paused = (max(held, version), states)
+            self.counts["interrupts"] += 1  # (its requests are counted held once)
             return 0
         states = self.engine.export(list(self.engine.request_ids()), moved=False)
         self._paused = (version, states)

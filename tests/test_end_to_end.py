@@ -347,6 +347,11 @@ def test_cli_run_through_a_relay_chain_loads_exactly_the_published_weights(tmp_p
         "relay.audit_weights=true",
         "trainer.steps=8",
         "buffer.max_outstanding_groups=12",  # every rollout can hold a batch at once
+        # Paced decoding: a batch (~1 s) outlasts an update and its publication (~0.2 s),
+        # so the next version's batch starts while the last one's still decodes. Unpaced,
+        # batches and updates took about as long here, and overlaps came by a few ms.
+        "rollout.pacing.dilation=10",
+        "rollout.pacing.strict=false",
     ]
     _, summary = cli_run(run_dir, overrides)
     relay = summary["relay"]

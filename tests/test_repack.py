@@ -370,11 +370,13 @@ def test_a_source_nobody_releases_takes_its_requests_back(tiny_policy, small_con
     from laminar.config import with_overrides
     from laminar.rollout import HOLD_LIMIT_TIMEOUTS
 
-    cfg = with_overrides(small_config, ["rollout.parity_every=0", "cluster.actor_timeout_s=0.1"])
+    # (0.5 s: the export waits that long for the decode loop to take it, a step of a
+    # loaded host included; the hold limit is HOLD_LIMIT_TIMEOUTS of it)
+    cfg = with_overrides(small_config, ["rollout.parity_every=0", "cluster.actor_timeout_s=0.5"])
     src, stop = _decoding("r0", cfg, tiny_policy, 3)
     try:
         assert src.export_for_move() is not None and src._held
-        deadline = time.time() + HOLD_LIMIT_TIMEOUTS * 0.1 + 5
+        deadline = time.time() + HOLD_LIMIT_TIMEOUTS * 0.5 + 5
         while src._held and time.time() < deadline:
             time.sleep(0.05)
         assert not src._held and len(src.engine.request_ids()) == 3

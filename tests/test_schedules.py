@@ -118,8 +118,8 @@ def test_a_clock_holds_work_to_its_model_and_counts_what_overran():
     slept: list[float] = []
     clock = Clock(Scale(dilation=2.0, length_scale=4.0), strict=True, window=2, sleep=slept.append)
     t0 = time.time()
-    clock.hold(t0, 2.0, "update")  # 2 s modelled: 1 s here
-    assert slept and 0.9 < slept[0] <= 1.0
+    clock.hold(t0, 2.0, "update")  # 2 s modelled: 1 s here, less what passed since t0
+    assert slept and 1.0 - (time.time() - t0) <= slept[0] <= 1.0
     clock.hold(time.time() - 5, 2.0, "sync")  # the work took 5 s: an overrun, no sleep
     assert len(slept) == 1
     clock.hold(time.time() - 5, 0.0, "publish")  # modelled to cost nothing: not a stretch
@@ -321,7 +321,9 @@ def test_each_baseline_schedule_runs_end_to_end_and_keeps_its_promises(
     # reads them a fraction of a second apart, which the rows' times do not show)
     ro = open_metrics(run.run_dir, "rollouts").transpose("time", ...)
     grow = np.diff(ro["decode_s"].values, axis=0) - np.diff(ro["read_at"].values, axis=0)
-    assert np.nanmax(grow) < 0.2, np.nanmax(grow)  # (once per batch: 0.47 s over here)
+    # (grow: the part of a loop iteration under way at the earlier poll, ~0.02 s here; a
+    # data-module call in it on a loaded host adds to it. Once per batch: 0.47 s over.)
+    assert np.nanmax(grow) < 0.3, np.nanmax(grow)
 
 
 @pytest.mark.slow
