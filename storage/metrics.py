@@ -35,7 +35,7 @@ import xarray as xr
 import zarr
 
 from storage.schema import COMMIT_ATTR, STRING
-from storage.trajectories import fill_value, reading, store_path
+from storage.trajectories import fill_value, fixed_width, reading, store_path
 
 logger = logging.getLogger(__name__)
 
@@ -289,7 +289,7 @@ def _read_table(group: zarr.Group, table: str) -> xr.Dataset:
     for name, arr in group.arrays():
         values = arr[:n]
         if values.dtype.kind == "T":
-            values = np.array(values.tolist(), dtype=str)
+            values = fixed_width(values)
         data[name] = (dim, values)
     ds = xr.Dataset(data)
     if table == "rollouts" and n:

@@ -47,7 +47,11 @@ from storage.schema import (
 logger = logging.getLogger(__name__)
 
 STORE_NAME = "trajectories.zarr"
-_CHUNK_TRAJ = 4096
+# Values per chunk. zarr reads a chunk for ~0.5 ms on top of its bytes, so reading a
+# run's per-trajectory fields was mostly chunk count at 4096 (open_run of 1M trajectories:
+# ~4 s of its ~10 in ~7,000 chunks); 16,384 reads a number field 4x faster, and costs an
+# append (which rewrites the last chunk) about the same, +3 ms a string field.
+_CHUNK_TRAJ = 16384
 _CHUNK_TOK = 65536
 
 
@@ -505,7 +509,7 @@ def _read_run(store: Path, group: zarr.Group) -> xr.Dataset:
         _starts_from_lengths(store, scalars)
     for name, values in scalars.items():
         if values.dtype.kind == "T":  # numpy's StringDType is still new to pandas/xarray
-            values = np.array(values.tolist(), dtype=str)
+            values = fixed_width(values)
         variables[name] = (TRAJECTORY_DIM, values)
     ds = xr.Dataset(variables, coords={TRAJECTORY_DIM: np.arange(n)})
     sampled = ds["sample_version"] >= 0
@@ -520,6 +524,17 @@ def _read_run(store: Path, group: zarr.Group) -> xr.Dataset:
     times = [ds[f].values for f in _TIMES if f in ds]
     ds.attrs.update(_starts(store.parent, np.concatenate(times) if times else None))
     return ds
+
+
+def fixed_width(values: np.ndarray) -> np.ndarray:
+    """Variable-width strings (numpy's StringDType) as fixed-width ones, as wide as the
+    longest (a direct cast: 3x faster than through a list of Python strings).
+
+    >>> fixed_width(np.array(["a", "bcd"], dtype=np.dtypes.StringDType()))
+    array(['a', 'bcd'], dtype='<U3')
+    """
+    width = int(np.strings.str_len(values).max()) if values.size else 0
+    return values.astype(f"<U{max(width, 1)}")
 
 
 # Each a moment the run was going: its trajectories' times.
