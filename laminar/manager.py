@@ -859,7 +859,7 @@ class RolloutManager:
         states = self._take(lost)
         by_version: dict[tuple[bool, int], list] = {}
         for st in states:
-            key = ("finished" in st.request.meta, st.request.meta["behavior_version"])
+            key = ("finished" in st.request.meta, st.request.meta["resume_version"])
             by_version.setdefault(key, []).append(st)
         rows = []
         # The loads once for every batch of the lost rollout: a rollout lost too but not

@@ -49,6 +49,13 @@ COMPACT_RATIO = 4
 COMPACT_MIN_TOKENS = 1 << 16
 
 
+def _resume_version(entry: dict) -> int:
+    """The version an entry's next token needs: its newest token's (a partial rollout
+    interrupt moves a response on to the newer weights), else its batch's."""
+    versions = entry["state"].token_versions
+    return int(versions[-1]) if len(versions) else entry["version"]
+
+
 class PartialCore:
     """Unfinished trajectories by request id, each owned by the rollout decoding it.
 
@@ -256,8 +263,11 @@ class PartialCore:
         ownerless for good, and their trajectories lost).
 
         Each copy's ``request.meta`` also says what the recovery needs:
-        ``behavior_version``, ``recovered_tokens``, ``t_flush`` and, for an entry that
-        had finished, ``finished`` = (finish_reason, t_finish): score it, do not decode."""
+        ``behavior_version`` (the version its batch was given), ``resume_version`` (the
+        version of its newest token: the weights its next token needs; newer than the
+        first where a partial rollout interrupt moved it on), ``recovered_tokens``,
+        ``t_flush`` and, for an entry that had finished, ``finished`` = (finish_reason,
+        t_finish): score it, do not decode."""
         out = []
         for rid, e in self.entries.items():
             if e.get("held"):  # (the buffer has it)
@@ -278,6 +288,7 @@ class PartialCore:
                 "recovered_tokens": len(st.tokens),
                 "t_flush": e["t_flush"],
                 "behavior_version": e["version"],
+                "resume_version": _resume_version(e),
             }
             if "finished" in e:
                 meta["finished"] = e["finished"]
@@ -292,7 +303,11 @@ class PartialCore:
         (:meth:`laminar.relay.RelayCore.retain`) so a recovery can resume them exactly.
         (A finished entry is only scored again: it needs no weights.)"""
         return sorted(
-            {e["version"] for e in self.entries.values() if not ("finished" in e or e.get("held"))}
+            {
+                _resume_version(e)
+                for e in self.entries.values()
+                if not ("finished" in e or e.get("held"))
+            }
         )
 
     def owned(self) -> dict[str | None, tuple[int, int, int]]:

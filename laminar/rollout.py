@@ -760,8 +760,11 @@ class RolloutReplica:
         self._rescore.put(states)
 
     def adopt(self, version: int, states: list) -> None:
-        """Take a lost rollout's unfinished requests (sampled by ``version``) as a batch of
-        their own at the next batch boundary, loading that version for them."""
+        """Take a lost rollout's unfinished requests (their newest tokens sampled by
+        ``version``) as a batch of their own at the next batch boundary, loading that
+        version for them. Under an interrupting schedule (partial rollout) they go on at
+        this rollout's version instead, if newer, their KV recomputed: as after an
+        interrupt, a response continues with the newest weights."""
         self._adopted.put((version, states))
 
     def _fetch_version(self, version: int) -> dict:
@@ -781,19 +784,33 @@ class RolloutReplica:
         from laminar.relay import VersionUnavailable
 
         version, states = self._adopted.get_nowait()
-        if self.engine.version != version:
+        # (partial rollout: every rollout holds the newest version; loading an older
+        # one for these would sample the rest of them by weights the run has left)
+        newer_here = self.spec.interrupt and self.engine.version > version
+        if self.engine.version != version and not newer_here:
             try:
                 weights = self._fetch_version(version)
             except VersionUnavailable as e:
                 self._drop_adopted(version, states, e)
                 return
             self._load_version(version, weights)
-        self.engine.import_(states)
+        self.engine.import_(states, allow_version_change=self.spec.interrupt)
         self._logged.update({st.request_id: len(st.tokens) for st in states})
         self._reprefill = True
         self.counts["adopted_batches"] += 1
         self.counts["adopted_requests"] += len(states)
         self.counts["reprefill_tokens"] += sum(st.context_len for st in states)
+
+    def _adopt_now(self) -> None:
+        """Under an interrupting schedule, a lost rollout's requests of this version or
+        older join the running engine at once (as after an interrupt), rather than at a
+        batch boundary that refilling may put off for a whole update."""
+        while (
+            self.spec.interrupt
+            and not self._adopted.empty()
+            and self._adopted.queue[0][0] <= self.engine.version
+        ):
+            self._take_adopted()
 
     def _drop_adopted(self, version: int, states: list[RequestState], why: Exception) -> None:
         """No copy of ``version`` is left for a lost rollout's unfinished ``states``:
@@ -876,6 +893,7 @@ class RolloutReplica:
                 if self._held:  # exported (served in a paced step's wait): nothing new
                     pass
                 elif self.spec.refill and self._paused is None:
+                    self._adopt_now()
                     self._refill(bool(finished))
                 elif self._topping_up and finished:
                     self._top_up()

@@ -127,12 +127,14 @@ def run_and_kill(
     extra: tuple[str, ...] = (),
     sig: int = signal.SIGKILL,
     until=None,
+    armed=None,
 ) -> tuple[dict, float]:
     """A run on 3 rollouts; once ``ready(entries, tokens, finished)`` holds for what each
-    victim owns in the partial-response pool, send ``sig`` to their workers at once
-    (SIGKILL; SIGSTOP: hung). ``until(handle)``: once it holds after the kill, the run is
-    stopped (gracefully: every finished trajectory is stored) instead of run to its last
-    step, so the test waits only for what it checks. Returns the summary and when the
+    victim owns in the partial-response pool (and ``armed(handle)``, if given), send
+    ``sig`` to their workers at once (SIGKILL; SIGSTOP: hung). ``until(handle)``: once
+    it holds after the kill, the run is stopped (gracefully: every finished trajectory
+    is stored) instead of run to its last step, so the test waits only for what it
+    checks. Returns the summary and when the
     victims were signalled."""
     from distributed import Client
 
@@ -160,7 +162,10 @@ def run_and_kill(
         rollout_ws = workers_with(client, "rollout")  # r0, r1, r2: placed in this order
         pids = [client.run(os.getpid, workers=[rollout_ws[int(v[1:])]]) for v in victims]
         deadline = time.time() + 60
-        while not all(ready(partial.owned().result().get(v, (0, 0, 0))) for v in victims):
+        while not (
+            all(ready(partial.owned().result().get(v, (0, 0, 0))) for v in victims)
+            and (armed is None or armed(handle))
+        ):
             assert time.time() < deadline and not handle.done(), "the victims never decoded"
             time.sleep(0.02)
         t_kill = time.time()
@@ -209,6 +214,60 @@ def lost_and_recovered(*victims: str):
         return set(victims) <= set(m["lost"]) and m["recovered_requests"] > 0
 
     return cond
+
+
+def interrupted_holding(victim: str):
+    """An ``armed`` for :func:`run_and_kill`: a partial rollout interrupt has held some
+    of ``victim``'s requests (moved them on to a newer version) since its start."""
+
+    def armed(handle) -> bool:
+        stats = handle._schedule._rollout_stats()
+        return any(s["rollout_id"] == victim and s["interrupted_requests"] for s in stats)
+
+    return armed
+
+
+def test_partial_rollout_resumes_a_lost_rollouts_responses_at_the_newest_version(tmp_path):
+    """Partial rollout: a rollout is lost holding responses that interrupts moved on to
+    newer versions (tokens of two). Each goes on at the newest version elsewhere, at
+    once (the adopting rollout's engine never drains under refill), and the run stores
+    every one of them, none dropped, the audit clean. They used to wait for a drain,
+    then be adopted at their batch's first version and the import refused (their newer
+    tokens): the adopting rollout failed, and the run with it."""
+    run_dir = tmp_path / "run"
+
+    def via_r1(ds) -> np.ndarray:
+        paths = ds["rollout_ids"].values
+        return np.flatnonzero([p.startswith("r1,") or ",r1," in p for p in paths])
+
+    def all_stored(handle) -> bool:  # (the store is read while the run writes it)
+        m = manager_stats(handle)
+        done = "r1" in m["lost"] and m["recovered_requests"] > 0
+        return done and via_r1(open_run(run_dir)).size >= m["recovered_requests"]
+
+    summary, _ = run_and_kill(
+        run_dir,
+        ["r1"],
+        extra=(
+            "pipeline.schedule=partial_rollout",
+            "pipeline.eta=1",
+            "trainer.steps=40",
+            "buffer.flush_interval_s=0.5",
+            # (paced: a batch outlasts an update, so interrupts hold requests)
+            "rollout.pacing.dilation=10",
+            "rollout.pacing.strict=false",
+        ),
+        armed=interrupted_holding("r1"),
+        until=all_stored,
+    )
+    assert summary["reason"] in ENDED, summary["reason"]
+    assert list(summary["faults"]["lost"]) == ["r1"]
+    recovered = summary["faults"]["recovered_requests"]
+    assert sum(r["dropped_requests"] for r in summary["rollouts"]) == 0
+    ds = open_run(run_dir)
+    assert ds.laminar.audit() == []
+    assert via_r1(ds).size == recovered > 0
+    assert audit_run(run_dir).ok
 
 
 def test_a_killed_rollout_loses_no_trajectory(tmp_path):

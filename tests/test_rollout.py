@@ -384,3 +384,53 @@ def test_a_paused_rollout_refuses_an_import(tiny_policy, small_config):
     assert rollout._pause(1) > 0
     assert rollout._import(0, states, batch=None, sources=1) is False
     assert not rollout.engine.request_ids()
+
+
+def test_a_lost_rollouts_response_goes_on_at_the_newest_version_under_partial_rollout(
+    tiny_policy, small_config
+):
+    """Partial rollout: an interrupt moved a response on from version 0 to 1, so it
+    holds tokens of both. Its rollout lost, the partial-response pool hands it out to
+    resume at 1 (its newest token's version, not its batch's 0), and asks the relays to
+    keep 1 for it. A rollout at version 2 that adopts it goes on at 2, mid-batch, its KV
+    recomputed, loading nothing. It used to load version 0 for it and refuse the import
+    (the newer tokens): the adopting rollout failed, and the run with it."""
+    from laminar.partial import PartialCore
+    from laminar.schedule import ScheduleSpec
+
+    lost, held = _paused(tiny_policy, small_config)  # 2 tokens of version 0
+    lost.puller = _Puller([(1, _weights(tiny_policy))])
+    lost._resume_paused()
+    for _ in range(2):
+        lost.engine.step()
+    states = lost.engine.export(sorted(held), moved=False)
+    assert all(list(st.token_versions) == [0, 0, 1, 1] for st in states)
+    core = PartialCore()
+    core.register("r0", 0, states)
+    assert core.versions() == [1]
+    taken = core.take("r0")
+    assert {
+        (s.request.meta["behavior_version"], s.request.meta["resume_version"]) for s in taken
+    } == {(0, 1)}
+
+    spec = ScheduleSpec(
+        "partial_rollout", dispatch="eta", eta=1, weights="global", interrupt=True, refill=True
+    )
+    from laminar.config import with_overrides
+    from laminar.rollout import RolloutReplica
+
+    cfg = with_overrides(small_config, ["rollout.parity_every=0"])
+    adopter = RolloutReplica("r1", cfg, str(tiny_policy), None, None, None, spec=spec)
+    adopter._load_version(2, _weights(tiny_policy))
+    from laminar.contract import PromptGroup
+
+    adopter._add([PromptGroup("p00000009", 9, (5, 6, 7), "x", 2, 0)])  # (its own batch)
+    loads = adopter.counts["weight_loads"]
+    adopter.adopt(1, taken)
+    adopter._adopt_now()
+    assert held <= set(adopter.engine.request_ids())
+    assert adopter.engine.version == 2 and adopter.counts["weight_loads"] == loads
+    adopter.engine.step()
+    for st in adopter.engine.in_flight():
+        if st.request_id in held:
+            assert list(st.token_versions) == [0, 0, 1, 1, 2]
