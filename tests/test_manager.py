@@ -32,7 +32,7 @@ def never() -> Future:
 
 def state(request_id: str, version: int = 0, n_tokens: int = 3):
     """What the partial-response pool's ``take`` hands back, as far as the manager reads it."""
-    meta = {"behavior_version": version, "t_flush": time.time()}
+    meta = {"behavior_version": version, "resume_version": version, "t_flush": time.time()}
     return SimpleNamespace(
         request_id=request_id, request=SimpleNamespace(meta=meta), tokens=[0] * n_tokens
     )
