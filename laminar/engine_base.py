@@ -141,6 +141,12 @@ def check_imports(
             )
         if len(s.tokens) >= s.request.params.max_new_tokens:
             raise EngineError(f"import: request {rid!r} already has all its tokens")
+        if s.tokens and s.token_versions[-1] > version:
+            raise EngineError(
+                f"import: request {rid!r} has tokens of version {s.token_versions[-1]}, "
+                f"newer than this engine's {version}: its versions would fall; load that "
+                "version (or a newer one) first"
+            )
         if s.tokens and s.token_versions[-1] != version and not allow_version_change:
             raise EngineError(
                 f"import: request {rid!r} was sampled by version {s.token_versions[-1]} "

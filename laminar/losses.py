@@ -61,6 +61,8 @@ def _on_loss_tokens(other: torch.Tensor, logprobs: torch.Tensor, mask: torch.Ten
 
 
 AGGREGATIONS = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean")
+# |log(new / old)| a token's ratio is taken at (:func:`policy_loss`)
+LOG_RATIO_BOUND = 20.0
 
 
 def aggregate(values: torch.Tensor, mask: torch.Tensor, agg: str = "token-mean") -> torch.Tensor:
@@ -124,7 +126,10 @@ def policy_loss(
     advantages = advantages.expand_as(logprobs)
     mask = mask.to(logprobs.dtype)
     old_logprobs = _on_loss_tokens(old_logprobs, logprobs, mask)
-    ratio = torch.exp(logprobs - old_logprobs)
+    # (the log-ratio bounded, as verl does: past ~88 the ratio overflows to inf, and the
+    # branch torch.minimum does not pick back-propagates 0 * inf = NaN; e^20 is far past
+    # any clip, so the loss is unchanged wherever it was finite)
+    ratio = torch.exp((logprobs - old_logprobs).clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND))
     clipped = ratio.clamp(1.0 - clip_low, 1.0 + clip_high)
     per_token = -torch.minimum(ratio * advantages, clipped * advantages)
     dual = torch.zeros_like(mask, dtype=torch.bool)

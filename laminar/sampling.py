@@ -47,15 +47,17 @@ def tempered_log_softmax(logits: torch.Tensor, temperature) -> torch.Tensor:
     """``log_softmax(logits / temperature)`` over the last axis: what the engines sample
     from and the trainer recomputes (the same function, so the two agree bit for bit).
 
-    A vanishing temperature overflows ``logits / T`` to +inf (NaN after the softmax);
-    such a row is shifted by its max first, which gives its T -> 0 limit: the argmax
-    with logprob 0. Other rows are computed as written.
+    A vanishing temperature overflows ``logits / T`` to +inf, or all of a row whose
+    logits are negative to -inf (NaN after the softmax); such a row is shifted by its
+    max first, which gives its T -> 0 limit: the argmax with logprob 0. Other rows are
+    computed as written.
 
-    >>> tempered_log_softmax(torch.tensor([[1.0, 3.0]]), 1e-39).tolist()
-    [[-inf, 0.0]]
+    >>> tempered_log_softmax(torch.tensor([[1.0, 3.0], [-1.0, -3.0]]), 1e-39).tolist()
+    [[-inf, 0.0], [0.0, -inf]]
     """
     tempered = logits / temperature
     over = torch.isposinf(tempered).any(-1, keepdim=True)
+    over |= torch.isneginf(tempered).all(-1, keepdim=True)
     if over.any():
         shifted = (logits - logits.amax(-1, keepdim=True)) / temperature
         tempered = torch.where(over, shifted, tempered)
@@ -111,7 +113,10 @@ def _filter_mask(probs: torch.Tensor, top_k: np.ndarray, top_p: np.ndarray) -> t
     keep_sorted = rank < k[:, None]
     # Nucleus: a token stays if the mass strictly before it is below top_p.
     before = sorted_p.cumsum(-1) - sorted_p
-    keep_sorted &= before < torch.as_tensor(top_p, dtype=torch.float64, device=dev)[:, None]
+    # (only rows that filter: rounding can sum a row's mass past 1, and `before < 1`
+    # would then drop its tail, so a row's draw would depend on its neighbours' filters)
+    p = torch.as_tensor(top_p, dtype=torch.float64, device=dev)[:, None]
+    keep_sorted &= (before < p) | (p >= 1)
     keep_sorted[:, 0] = True
     mask = torch.zeros_like(keep_sorted)
     mask.scatter_(1, order, keep_sorted)

@@ -20,6 +20,8 @@ against a plain ``transformers`` forward of the same tokens.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 import torch
@@ -229,6 +231,11 @@ class EngineContract:
         dst.import_(states, allow_version_change=True)
         with pytest.raises(EngineError, match="already in flight"):
             dst.import_(states[:1])
+        # never back to an older version: its tokens would not rise (partial rollout)
+        older = make_engine(max_batch=4, max_seq_len=64)
+        newer = [replace(s, token_versions=[4] * len(s.token_versions)) for s in states]
+        with pytest.raises(EngineError, match="newer"):
+            older.import_(newer, allow_version_change=True)
         outs = drain(dst)
         for o in outs.values():
             v = o.token_versions.tolist()

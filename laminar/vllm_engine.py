@@ -414,8 +414,13 @@ class VLLMEngine(EngineBase):
         weights = [(k, v.detach().to("cpu", torch.float32)) for k, v in state.items()]
         with _VLLM_LOCK:
             llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
-            # Cached prefix blocks hold KV of the old weights.
-            llm.reset_prefix_cache()
+            # Cached prefix blocks hold KV of the old weights. (vLLM answers False when a
+            # block is still in use: nothing runs here now, but never serve stale KV.)
+            if llm.reset_prefix_cache() is False:
+                raise EngineError(
+                    "weight load: vLLM kept its prefix cache (a block still in use), whose "
+                    "KV is of the old weights"
+                )
         self.counters["weight_loads"] += 1
 
     def _used_tokens(self) -> int:

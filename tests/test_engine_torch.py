@@ -201,6 +201,24 @@ def test_filters_break_ties_as_the_argmax_does():
     assert set(top2.tolist()) == {7, 200}
 
 
+def test_a_row_that_does_not_filter_draws_as_it_would_alone():
+    """A row with neither filter beside one with ``top_k``: its draw is its own. The
+    nucleus mask used to apply ``top_p=1`` to it: where rounding summed its mass past 1
+    (a peaked row: most tokens ~1e-9 or less), the tail past mass 1 was dropped, and a
+    draw that fell there moved (103 of 400 rows here)."""
+    from laminar.sampling import sample
+
+    torch.manual_seed(0)
+    n = 400
+    logits = torch.randn(n, 50) * 20
+    u = np.full(n, 1 - 1e-12)  # (the last tokens of each row's CDF)
+    ones, k = np.ones(n), np.zeros(n, int)
+    alone, _ = sample(logits, u, ones, k, ones)
+    k[0] = 5
+    beside, _ = sample(logits, u, ones, k, ones)
+    assert (alone[1:] == beside[1:]).all()
+
+
 def test_a_tokenizer_without_a_pad_token_is_fine(policy):
     """Llama-3-style tokenizers have no pad token (``pad_token_id`` is None); the engine
     pads prefill rows with a token no row attends to, so any id does."""

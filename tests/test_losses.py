@@ -313,6 +313,19 @@ def test_k3_stays_finite_where_the_policy_has_all_but_ruled_a_token_out():
     assert lp.grad[0, 0] == 0 and lp.grad[0, 1] == pytest.approx((1 - math.exp(-0.5)) / 2)
 
 
+@pytest.mark.parametrize("advantage", [1.0, -1.0])
+def test_a_ratio_past_float32_keeps_the_gradient_finite(advantage):
+    """log(new / old) = 100: the ratio overflowed float32 to inf, and the branch
+    torch.minimum (and dual-clip's where) did not pick back-propagated 0 * inf = NaN,
+    so the whole step was skipped as non-finite. Bounded, the other token trains."""
+    lp = torch.tensor([[0.0, -1.0]], requires_grad=True)
+    old = torch.tensor([[-100.0, -1.0]])
+    loss, _ = policy_loss(lp, old, torch.tensor([advantage]), torch.ones(1, 2), clip_c=3.0)
+    loss.backward()
+    assert torch.isfinite(loss) and torch.isfinite(lp.grad).all()
+    assert lp.grad[0, 1] == pytest.approx(-advantage / 2)
+
+
 def test_a_rank_without_rows_issues_the_same_collectives(tiny_policy):
     """Data parallel: every rank must all-reduce tensors of the same shapes in the same
     order, or the collective hangs. A rank whose shard is empty (a batch with fewer rows
