@@ -90,10 +90,17 @@ def check_prompts(prompts: Sequence[np.ndarray]) -> None:
 
 
 def response_logprobs(
-    model, batch: PackedBatch, temperature: float = 1.0, *, with_entropy: bool = False
+    model,
+    batch: PackedBatch,
+    temperature: float = 1.0,
+    *,
+    with_entropy: bool = False,
+    entropy_grad: bool = True,
 ):
     """Log-probabilities ``[B, R]`` the model gives each response token (0 on padding);
-    with ``with_entropy``, also the entropy ``[B, R]`` of each token's distribution."""
+    with ``with_entropy``, also the entropy ``[B, R]`` of each token's distribution,
+    differentiable unless ``entropy_grad`` is off (a loss without an entropy term:
+    its graph would hold three ``[B, R, vocab]`` tensors through the backward pass)."""
     logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits
     logp = tempered_log_softmax(logits.float(), temperature)  # (the engines' own)
     # Token at column c is predicted by the logits at column c-1.
@@ -101,15 +108,17 @@ def response_logprobs(
     cols = batch.prompt_lens[:, None] - 1 + torch.arange(rwidth)[None, :]
     cols = cols.clamp(max=batch.input_ids.shape[1] - 2)
     targets = batch.input_ids.gather(1, cols + 1)
-    picked = logp.gather(1, cols[..., None].expand(-1, -1, logp.shape[-1]))
-    out = picked.gather(2, targets[..., None])[..., 0]
+    rows = torch.arange(bsz)[:, None]
+    out = logp[rows, cols, targets]  # (indexed: no [B, R, vocab] copy for it)
     valid = torch.arange(rwidth)[None, :] < batch.response_lens[:, None]
     if not with_entropy:
         return out * valid
-    # A token of probability 0 (logprob -inf: every token but the argmax at T -> 0)
-    # adds p·log p -> 0, not 0·(-inf) = NaN; clamped, its gradient is 0 as well.
-    finite = picked.clamp(min=torch.finfo(picked.dtype).min)
-    ent = -(finite.exp() * finite).sum(-1)
+    with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
+        picked = logp[rows, cols]
+        # A token of probability 0 (logprob -inf: every token but the argmax at T -> 0)
+        # adds p·log p -> 0, not 0·(-inf) = NaN; clamped, its gradient is 0 as well.
+        finite = picked.clamp(min=torch.finfo(picked.dtype).min)
+        ent = -(finite.exp() * finite).sum(-1)
     return out * valid, ent * valid
 
 
@@ -246,7 +255,9 @@ def grpo_step(
             )
             token_share = float(batch.response_mask.sum()) / n_total
             weight = token_share if agg == "token-mean" else len(idx) / len(prompts)
-            logp, ent = response_logprobs(model, batch, temperature, with_entropy=True)
+            logp, ent = response_logprobs(
+                model, batch, temperature, with_entropy=True, entropy_grad=bool(entropy_coef)
+            )
             mask = batch.response_mask
             prox = None
             if correction == "decoupled" and proximal_logprobs is not None:
