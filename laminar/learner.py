@@ -51,6 +51,24 @@ class CheckpointError(LaminarError):
     """A checkpoint is missing, incomplete, or does not match the model or config."""
 
 
+def check_groups(batch: list[Trajectory]) -> None:
+    """Refuse a batch with a group not whole: GRPO's advantages compare a group's
+    rewards with each other, and a group trained short trains on wrong advantages,
+    silently. The buffer releases whole groups only; this names what broke that,
+    before any weight moves. (A reward that is not finite is not refused here: it makes
+    the step non-finite, which is skipped and counted.)"""
+    sizes: dict[str, int] = {}
+    for x in batch:
+        sizes[x.prompt_uid] = sizes.get(x.prompt_uid, 0) + 1
+    for x in batch:
+        if sizes[x.prompt_uid] != x.group_size:
+            raise LaminarError(
+                f"group {x.prompt_uid!r}: {sizes[x.prompt_uid]} of its {x.group_size} "
+                "trajectories in the batch (GRPO's advantages need the whole group); the "
+                "buffer releases whole groups only"
+            )
+
+
 class Learner:
     """Policy + AdamW + version counter; see the module docstring.
 
@@ -172,6 +190,7 @@ class Learner:
 
     def _step(self, batch: list[Trajectory], proximal=None) -> dict[str, float]:
         t = self.cfg.trainer
+        check_groups(batch)
         groups = {uid: i for i, uid in enumerate(dict.fromkeys(x.prompt_uid for x in batch))}
         return grpo_step(
             self.model,

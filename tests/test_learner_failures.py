@@ -149,3 +149,19 @@ def test_a_loss_without_an_entropy_term_keeps_no_graph_of_it(tiny_policy):
     logp_g, ent_g = response_logprobs(model, batch, 0.7, with_entropy=True)
     assert ent_g.requires_grad
     assert torch.equal(logp.detach(), logp_g.detach()) and torch.equal(ent, ent_g.detach())
+
+
+def test_a_batch_with_a_partial_group_is_refused_by_name():
+    """GRPO's advantages compare a group's rewards: a group trained short would train on
+    wrong advantages, silently. It is refused before any weight moves, naming the group.
+    The buffer never releases one; a store restored by hand, or a caller of the
+    learner, could."""
+    from factories import trajectory
+
+    from laminar.errors import LaminarError
+    from laminar.learner import check_groups
+
+    whole = [trajectory(f"p0-{i}", "p0", sample_idx=i) for i in range(2)]
+    check_groups(whole)
+    with pytest.raises(LaminarError, match=r"group 'p0': 1 of its 2 trajectories"):
+        check_groups(whole[:1] + [trajectory("p1-0", "p1", group_size=1)])
