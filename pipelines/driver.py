@@ -1157,8 +1157,7 @@ class Schedule:
             t_stats = _stopping(a["trainer"], "stats", timeout)
         t_stats["ranks_stats"] = [_stopping(r, "stats", timeout) for r in a["trainer_ranks"]]
         p_stats = _stopping(a["pool"], "stats", timeout)  # rollouts stopped: dispatch is final
-        if t_stats["checkpoint"]:  # the data position, for trainer.resume_from
-            Path(t_stats["checkpoint"], DATA_STATE).write_text(json.dumps(p_stats, indent=2))
+        record_data_position(t_stats["checkpoint"], t_stats["version"], p_stats)
         relay = self._relay_summary(r_stats)
         _answers([lambda r=r: r.close() for r in a["relays"]])  # (a lost one: nothing to stop)
         b_stats = _stopping(a["buffer"], "close", timeout)  # (its last store write)
@@ -1252,6 +1251,26 @@ class Schedule:
                 "unverified": unverified,
             }
         return out
+
+
+def record_data_position(checkpoint: str | None, version: int, position: dict) -> bool:
+    """Write where the prompt order stood at the stop (``position``: the pool's stats)
+    into the final ``checkpoint``, for ``trainer.resume_from``; returns whether it did.
+
+    Only into the checkpoint of the trainer's last ``version``: when that one was not
+    written (the store could not commit), the newest is an older one, whose weights
+    never trained the prompts dispatched since, and a run from it would skip them; its
+    own position (written with it) stays. Written aside and renamed into place: a crash
+    mid-write leaves the old file, never a truncated one that fails a later run."""
+    from laminar.learner import checkpoint_version
+
+    if not checkpoint or checkpoint_version(checkpoint) != version:
+        return False
+    path = Path(checkpoint, DATA_STATE)
+    tmp = path.with_name(f".{DATA_STATE}.tmp")
+    tmp.write_text(json.dumps(position, indent=2))
+    tmp.replace(path)
+    return True
 
 
 def resume_hint(run_dir: Path) -> str:

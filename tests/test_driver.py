@@ -466,3 +466,26 @@ def test_a_data_module_slow_to_create_on_a_live_worker_is_waited_for():
         t0 = time.monotonic()
         assert bind_actor(client, SlowToStart, w, future, silent_s=2.0) is not None
         assert time.monotonic() - t0 > 3.0 and future.done()
+
+
+def test_the_stop_records_the_data_position_only_in_the_last_versions_checkpoint(tmp_path):
+    """At the stop the driver writes where the prompt order stood into the trainer's
+    final checkpoint. When that one was not written (the store could not commit), the
+    newest is an older one: writing the stop's position there made a run from it skip
+    the prompts dispatched since, which its weights never trained. Its own position
+    stays; the write into the right one goes aside and is renamed into place."""
+    import json
+
+    from laminar.prompt_pool import data_position
+    from pipelines.driver import record_data_position
+
+    ckpt = tmp_path / "version-000003"
+    ckpt.mkdir()
+    (ckpt / "trainer_state.json").write_text(json.dumps({"version": 3}))
+    (ckpt / "data_state.json").write_text(json.dumps({"dispatched": 10}))
+    assert not record_data_position(str(ckpt), 4, {"dispatched": 20})
+    assert data_position(str(ckpt)) == 10
+    assert not record_data_position(None, 4, {"dispatched": 20})
+    assert record_data_position(str(ckpt), 3, {"dispatched": 20})
+    assert data_position(str(ckpt)) == 20
+    assert sorted(p.name for p in ckpt.iterdir()) == ["data_state.json", "trainer_state.json"]
