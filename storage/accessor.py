@@ -206,13 +206,17 @@ class LaminarAccessor:
                 attrs={"units": "tokens/s", "window_s": window, "unsampled": 0},
             )
         tokens = (ds["prompt_len"].values + ds["response_len"].values).astype(np.float64)
-        finish = self._windows(ds["t_finish"].values, window)
+        # (an event at the very end of a run that ended on a window's start, as one
+        # without metrics does at its last event, is the window before's: the one it
+        # opens lasts 0 s, and would give its tokens no rate)
+        last = max(int(np.ceil((self.t_end - self.t0) / window)) - 1, 0)
+        finish = np.minimum(self._windows(ds["t_finish"].values, window), last)
         consumed = ds["status"].values == "consumed"
         # (a damaged store's consumed trajectory with no t_sample: the audit reports it;
         # its tokens were trained at an unknown time, left out of ``trained``)
         unsampled = int((consumed & ~np.isfinite(ds["t_sample"].values)).sum())
         consumed &= np.isfinite(ds["t_sample"].values)
-        sample = self._windows(ds["t_sample"].values[consumed], window)
+        sample = np.minimum(self._windows(ds["t_sample"].values[consumed], window), last)
         n = int(max(finish.max(initial=-1), sample.max(initial=-1))) + 1
         # Every window lasts `window` seconds except the last, cut where the run ended,
         # less the time the run was stopped in it.

@@ -579,6 +579,13 @@ def test_the_last_throughput_window_ends_when_the_run_did(tmp_path):
     assert ds.laminar.t_end == t0 + 5.05
     trained = ds.laminar.throughput(window=5.0)["trained"].values
     np.testing.assert_allclose(trained[-1], 40 / 0.05, rtol=1e-5)  # (epoch rounding)
+    # ... and a run that ended exactly on a window's start (its last event, the batch
+    # sampled at ~5.05 s, there with windows of half that): the batch is the window
+    # before's, not a 0 s window's (which gave it no rate: NaN)
+    half = (ds.laminar.t_end - ds.laminar.t0) / 2  # (exactly: a power of 2)
+    tp = ds.laminar.throughput(window=half)
+    assert tp.sizes["time"] == 2 and np.isfinite(tp["trained"].values).all()
+    np.testing.assert_allclose(tp["trained"].values, [0.0, 40 / half])
 
 
 def _lost_and_resumed_run(path, first_row_version):
