@@ -35,6 +35,7 @@ import json
 import logging
 import time
 from collections import Counter
+from collections.abc import Collection
 from dataclasses import replace
 from pathlib import Path
 
@@ -85,6 +86,9 @@ class PartialCore:
         self.counts: Counter = Counter()
         self.journal: dict[str, list[dict]] | None = _no_rows() if journal else None
         self._seq = 0
+        # request id -> its ``requests`` row, of a group a resumed run re-issues: in the
+        # log (every snapshot too) until registered again (:meth:`keep`)
+        self.kept: dict[str, dict] = {}
 
     # -- the journal (rows of storage.partial_log) ---------------------------------------
     def _row(self, table: str, row: dict) -> None:
@@ -149,9 +153,11 @@ class PartialCore:
         return rows
 
     def snapshot(self) -> dict[str, list[dict]]:
-        """The live entries as a fresh journal (what compaction writes), and the journal
-        emptied: the snapshot stands for everything in it."""
+        """The live entries (and the kept rows) as a fresh journal (what compaction
+        writes), and the journal emptied: the snapshot stands for everything in it."""
         saved, self.journal = self.journal, _no_rows()
+        for row in self.kept.values():
+            self._row("requests", dict(row))
         for rid, e in self.entries.items():
             self._register_rows(rid, e)
             if "finished" in e:
@@ -167,11 +173,23 @@ class PartialCore:
         return sum(len(e["state"].tokens) for e in self.entries.values())
 
     # -- changes --------------------------------------------------------------------------
+    def keep(self, rows: list[dict]) -> None:
+        """``requests`` rows of the groups a run resumed in place re-issues whole
+        (:func:`storage.partial_log.requests_of_groups`): nothing of them is stored, and
+        only the log names them. They are no entries (nothing takes, retains or owns
+        them), but the log keeps them until their requests are registered again (or
+        stored), so that a run stopped again before then re-issues them too."""
+        for row in rows:
+            self.kept[row["request_id"]] = row
+            self._row("requests", dict(row))
+        self.counts["kept"] += len(rows)
+
     def register(self, rollout_id: str, version: int, states: list[RequestState]) -> None:
         """New requests of ``rollout_id`` (sampled by ``version``), with no tokens yet
         (or, for a batch adopted after a loss, with those it had)."""
         now = time.time()
         for st in states:
+            self.kept.pop(st.request_id, None)
             e = self.entries[st.request_id] = {
                 "state": st,
                 "owner": rollout_id,
@@ -249,7 +267,8 @@ class PartialCore:
     def forget(self, uids: list[str]) -> None:
         """Trajectories the trajectory store has committed."""
         for uid in uids:
-            if self.entries.pop(uid, None) is not None:
+            kept = self.kept.pop(uid, None)
+            if self.entries.pop(uid, None) is not None or kept is not None:
                 self._event(uid, "forgotten")
                 self.counts["forgotten"] += 1
 
@@ -433,17 +452,29 @@ class PartialResponsePool:
     """
 
     def __init__(
-        self, timeout_s: float = 60.0, run_dir: str | None = None, log_interval_s: float = 2.0
+        self,
+        timeout_s: float = 60.0,
+        run_dir: str | None = None,
+        log_interval_s: float = 2.0,
+        reissue: Collection[str] = (),
     ) -> None:
-        from storage.partial_log import PartialLogWriter
+        """``reissue``: the prompt groups a run resumed in place re-issues
+        (:class:`storage.resume.ResumePlan`); the log is started over with their entries
+        only (:meth:`PartialCore.keep`): its resume plan has read the rest."""
+        from storage.partial_log import PartialLogWriter, requests_of_groups
 
         self.core = PartialCore(journal=run_dir is not None)
         self.relays: list = []
         self.timeout_s = timeout_s
         self._retained: list[int] = []
         self._pending: set = set()  # retain calls still running
-        # (a resumed run's plan has read the log it left: this run's starts empty)
-        self.writer = PartialLogWriter(run_dir, fresh=True) if run_dir is not None else None
+        self.writer = None
+        if run_dir is not None:
+            # (read before the log is started over, in the one update that compacts it)
+            if reissue:
+                self.core.keep(requests_of_groups(run_dir, reissue))
+            self.writer = PartialLogWriter(run_dir)
+            self.writer.compact(**self.core.snapshot())
         self.log_interval_s = log_interval_s
         self._log_task = None
         self._log_lock = None  # an asyncio.Lock, made on the event loop

@@ -1318,8 +1318,12 @@ def start_data_module(
     pool = create(PromptPool, cfg, policy_dir, plans.get("order", resume), spec)
     partial = None
     if cfg.faults.recover:
-        partial = create(
-            PartialResponsePool, cfg.relay.timeout_s, str(run_dir), cfg.faults.log_interval_s
+        partial = create(  # (it keeps the groups a resume re-issues in its log)
+            PartialResponsePool,
+            cfg.relay.timeout_s,
+            str(run_dir),
+            cfg.faults.log_interval_s,
+            sorted(resume.reissue) if resume is not None else [],
         )
     buffer = create(
         ExperienceBuffer,

@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import json
 import shutil
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -121,9 +121,7 @@ class PartialLogWriter:
     (['p0-000'], [5, 6], array([1, 2], dtype=int32))
     """
 
-    def __init__(self, path: str | Path, fresh: bool = False) -> None:
-        """``fresh``: start an empty journal, replacing one the store holds (a run resumed
-        in place: its resume plan has read the old one)."""
+    def __init__(self, path: str | Path) -> None:
         self.path = store_path(path, STORE_NAME)
         exists = (self.path / "zarr.json").exists()
         self.root = zarr.open_group(str(self.path), mode="a", zarr_format=3)
@@ -139,8 +137,6 @@ class PartialLogWriter:
         self.arrays = {
             (t, c): group[f"{t}/{c}"] for t, (_, cols) in TABLES.items() for c in cols
         } | {(None, name): group[name] for name in FLAT}
-        if fresh:
-            self.compact([], [])
 
     def _new_generation(self, generation: int) -> None:
         """Create the empty arrays of ``g<generation>`` (the root still points at the old
@@ -377,6 +373,37 @@ def replay(path: str | Path) -> dict[str, dict[str, Any]]:
         elif kind == "forgotten":
             del out[rid]
     return out
+
+
+def requests_of_groups(path: str | Path, prompt_uids: Collection[str]) -> list[dict[str, Any]]:
+    """``requests`` rows (without ``seq``) of the entries the log holds of these prompt
+    groups, ownerless and without their tokens: what a run resumed in place keeps in its
+    own log of the groups it re-issues whole (:func:`storage.resume.plan_resume` found
+    them here alone), until it registers them again, so that a run stopped again before
+    then re-issues them too."""
+    wanted = set(prompt_uids)
+    out = []
+    for rid, e in replay(path).items():
+        if _prompt_uid(e["meta"]) not in wanted:
+            continue
+        out.append(
+            {
+                "request_id": rid,
+                "owner": "",
+                "version": e["version"],
+                "seed": e["seed"],
+                "t_start": e["t_start"],
+                "n_moves": e["n_moves"],
+                "params": json.dumps(e["params"]),
+                "meta": json.dumps(e["meta"]),
+                "prompt_tokens": e["prompt_tokens"],
+            }
+        )
+    return out
+
+
+def _prompt_uid(meta: Mapping[str, Any]) -> str:
+    return meta.get("group", {}).get("__prompt_group__", {}).get("prompt_uid", "")
 
 
 def log_entries(path: str | Path) -> dict[str, dict[str, Any]]:

@@ -249,3 +249,80 @@ def test_a_generation_missing_an_array_is_named_as_damaged(tmp_path):
     shutil.rmtree(writer.path / "g0" / "requests" / "owner")
     with pytest.raises(StoreError, match=r"partial.zarr.*g0.*damaged.*move it aside"):
         read_partial_log(tmp_path)
+
+
+def test_a_run_resumed_and_stopped_again_before_it_reissued_a_group_reissues_it_again(
+    tmp_path,
+):
+    """A group nothing of which is stored was generating when the run ended: only the log
+    names it, and the resume plan re-issues it whole. The resumed run's pool starts its
+    log over, keeping those groups' entries until a rollout registers them again (none
+    does before the trainer has loaded its checkpoint): a run stopped again in between
+    re-issues them too. Registered again, they are logged as the new run's; stored, the
+    log forgets them, also across a compaction."""
+    import asyncio
+
+    from factories import trajectory
+
+    from laminar.partial import PartialResponsePool
+    from storage import TrajectoryWriter
+    from storage.resume import plan_resume
+
+    def requests(g: int) -> list[RequestState]:
+        group = PromptGroup(f"p{g:08d}", g + 5, (1, 2), "x", 2, 0)
+        return [
+            RequestState(
+                GenerationRequest(
+                    f"p{g:08d}-{k}", (1, 2), PARAMS, {"group": group, "sample_idx": k}
+                ),
+                seed=k,
+            )
+            for k in range(2)
+        ]
+
+    def stored(g: int) -> list[dict]:
+        return [
+            trajectory(f"p{g:08d}-{k}", f"p{g:08d}", sample_idx=k, prompt_key=g + 5).to_record()
+            | {"status": "consumed", "sample_version": 0, "finish_version": 0}
+            for k in range(2)
+        ]
+
+    store = TrajectoryWriter(tmp_path)
+    store.append(stored(2))
+    core = PartialCore(journal=True)
+    for g in (1, 3):
+        core.register("r0", 1, requests(g))
+    core.flush("r0", {"p00000001-0": (0, [3], [-0.1], [1])})
+    PartialLogWriter(tmp_path).append(**core.drain_journal())
+    first = plan_resume(tmp_path, version=1)
+    assert first.reissue == {"p00000001": (6, 2, (0, 1)), "p00000003": (8, 2, (0, 1))}
+    assert first.start == 4
+
+    # The resumed run's data module starts, and the run is lost before a rollout takes
+    # anything: its resume re-issues the same groups.
+    PartialResponsePool(run_dir=str(tmp_path), reissue=sorted(first.reissue))
+    again = plan_resume(tmp_path, version=1)
+    assert (again.reissue, again.start) == (first.reissue, first.start)
+    assert {e["owner"] for e in log_entries(tmp_path).values()} == {""}  # (nobody's)
+
+    async def resumed_run() -> PartialResponsePool:
+        pool = PartialResponsePool(run_dir=str(tmp_path), reissue=sorted(again.reissue))
+        await pool.register("r1", 1, requests(1))  # a rollout takes p00000001 again
+        await pool.close()
+        return pool
+
+    pool = asyncio.run(resumed_run())
+    entries = log_entries(tmp_path)
+    assert {rid: e["owner"] for rid, e in entries.items()} == {
+        "p00000001-0": "r1",
+        "p00000001-1": "r1",
+        "p00000003-0": "",
+        "p00000003-1": "",
+    }
+    assert entries["p00000001-0"]["tokens"] == 0  # (the new run's, generated anew)
+    store.append(stored(1))
+    pool.core.forget(["p00000001-0", "p00000001-1"])
+    pool.writer.compact(**pool.core.snapshot())
+    third = plan_resume(tmp_path, version=1)
+    assert third.reissue == {"p00000003": (8, 2, (0, 1))} and third.start == 4
+    assert sorted(log_entries(tmp_path)) == ["p00000003-0", "p00000003-1"]
