@@ -40,6 +40,10 @@ class _Group:
 
 SAMPLERS = ("fifo", "oldest_version", "same_version")
 
+# Pauses (s) before each try of a batch the disk refused, when the buffer closes and no
+# later batch will carry it: a brief fault (a mount coming back) does not cost it.
+_CLOSE_RETRY_S = (0.1, 0.5, 2.0)
+
 
 def _behavior_version(members: list[Trajectory]) -> int:
     """A group's behavior version for staleness: its oldest member's."""
@@ -323,6 +327,7 @@ class ExperienceBuffer:
         self._stored_before: set[str] = set()  # a rebuilt buffer's store, as it found it
         self._consumed_elsewhere: dict[str, tuple[int, float]] = {}
         self._write_error: str | None = None
+        self._unwritten = 0  # records and events the store refused, held to try again
         self._writer_thread = threading.Thread(target=self._write_loop, daemon=True)
         self._writer_thread.start()
         if resume is not None:
@@ -387,39 +392,65 @@ class ExperienceBuffer:
         return len(groups)
 
     def _write_loop(self) -> None:
-        failed: tuple[list, list] = ([], [])  # a batch the store refused: tried again
+        # A batch the store refused goes before the next one, in order (events follow
+        # their records): after a brief write error (a full disk, a lost mount) nothing
+        # is lost; it is written once the store takes it. Surfaced meanwhile through
+        # stats() and sync(), which queues an empty job to try it again by itself.
+        pending: tuple[list, list] = ([], [])
         while (job := self._jobs.get()) is not None:
-            # Before the new batch, in order (events follow their records): after a brief
-            # write error (a full disk, a lost mount) nothing is lost; it is written once
-            # the store takes it. Surfaced meanwhile through stats() and sync().
-            job = (failed[0] + job[0], failed[1] + job[1])
             try:
-                self._written = self.writer.append(*job)
-                failed = ([], [])
-                self._write_error = None
-                self._committed.extend(r["uid"] for r in job[0])
-                for r in job[0]:
-                    sent = self._durable.get(r["rollout_ids"].rsplit(",", 1)[-1])
-                    if sent is not None:
-                        sent.append(r["uid"])
-            except OSError as e:  # (the disk, the mount): kept, tried with the next batch
-                failed = job
-                self._write_error = f"{type(e).__name__}: {e}"
-            except Exception as e:  # a batch the store refuses as such: keep the run alive
-                failed = ([], [])  # (retrying it would block every later batch)
-                self._write_error = f"{type(e).__name__}: {e}"
+                pending = self._write(pending[0] + job[0], pending[1] + job[1])
             finally:
                 self._jobs.task_done()
+        # The stop: no later batch will carry a refused one, so it is tried a few more
+        # times on its own before the thread ends (close() waits for it).
+        for pause in _CLOSE_RETRY_S:
+            if not self._unwritten:
+                return
+            time.sleep(pause)
+            pending = self._write(*pending)
+        if self._unwritten:
+            logger.error(
+                "the buffer closes with %d records and %d leave events the trajectory "
+                "store could not take (%s): they are lost",
+                len(pending[0]),
+                len(pending[1]),
+                self._write_error,
+            )
+
+    def _write(self, records: list[dict], events: list[dict]) -> tuple[list, list]:
+        """Append to the store; returns what it could not take yet, to try again."""
+        try:
+            self._written = self.writer.append(records, events)
+        except OSError as e:  # (the disk, the mount): kept, tried again
+            self._write_error = f"{type(e).__name__}: {e}"
+            self._unwritten = len(records) + len(events)
+            return records, events
+        except Exception as e:  # a batch the store refuses as such: keep the run alive
+            self._write_error = f"{type(e).__name__}: {e}"  # (retrying it would block
+            self._unwritten = 0  # every later batch)
+            return [], []
+        self._write_error, self._unwritten = None, 0
+        self._committed.extend(r["uid"] for r in records)
+        for r in records:
+            sent = self._durable.get(r["rollout_ids"].rsplit(",", 1)[-1])
+            if sent is not None:
+                sent.append(r["uid"])
+        return [], []
 
     def _flush(self, force: bool = False) -> None:
         """Hand the pending records and events to the writer thread when due. Records are
-        taken as they stand now: a trajectory that already left is written as it left."""
+        taken as they stand now: a trajectory that already left is written as it left.
+        Forced with nothing pending, it still wakes the writer for a batch the store
+        refused (an empty job: that batch is tried again)."""
         n = len(self._records) + len(self._events)
         due = time.time() - self._last_flush > self.flush_interval_s
         if n and (force or due or n >= self.flush_records):
             self._jobs.put(([t.to_record() for t in self._records.values()], self._events))
             self._records, self._events = {}, []
             self._last_flush = time.time()
+        elif force and self._unwritten:
+            self._jobs.put(([], []))
 
     def _leave(self, trajs: list[Trajectory]) -> None:
         for t in trajs:

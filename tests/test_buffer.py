@@ -519,41 +519,42 @@ def test_a_batch_the_disk_refused_is_written_with_the_next(tmp_path, monkeypatch
 
     pool = _pool(5, max_outstanding=4)
     cfg = _buffer_config(flush_records=1)
-    real, calls = TrajectoryWriter.append, []
+    real, calls, disk = TrajectoryWriter.append, [], {"full": True}
 
-    def full_once(self, records, events=()):
+    def full_until_freed(self, records, events=()):
         calls.append(len(records))
-        if len(calls) == 1:
+        if disk["full"]:
             raise OSError(errno.ENOSPC, "No space left on device")
         return real(self, records, events)
 
-    monkeypatch.setattr(TrajectoryWriter, "append", full_once)
+    monkeypatch.setattr(TrajectoryWriter, "append", full_until_freed)
+
+    def generate():
+        return [
+            traj(f"{g.prompt_uid}-{i}", g.prompt_uid, 2, i)
+            for g in pool.acquire(1, "r0", 0)
+            for i in range(2)
+        ]
 
     async def run():
         buf = ExperienceBuffer(str(tmp_path), _Pool(pool), cfg)
-        first = [
-            traj(f"{g.prompt_uid}-{i}", g.prompt_uid, 2, i)
-            for g in pool.acquire(1, "r0", 0)
-            for i in range(2)
-        ]
-        await buf.insert(first)
+        await buf.insert(generate())
         with pytest.raises(RuntimeError, match="No space left on device"):
             await buf.sync()
-        second = [
-            traj(f"{g.prompt_uid}-{i}", g.prompt_uid, 2, i)
-            for g in pool.acquire(1, "r0", 0)
-            for i in range(2)
-        ]
-        await buf.insert(second)
-        assert await buf.sync() == 4  # (the refused batch first, then this one)
+        await buf.insert(generate())  # (refused too, kept behind the first)
+        with pytest.raises(RuntimeError, match="No space left on device"):
+            await buf.sync()
+        disk["full"] = False
+        await buf.insert(generate())
+        assert await buf.sync() == 6  # (the refused batches first, then this one)
         await buf.close()
 
     asyncio.run(run())
     stored = open_trajectories(tmp_path)
-    assert sorted(stored["uid"].tolist()) == sorted(
-        [f"{u}-{i}" for u in ("p00000000", "p00000001") for i in range(2)]
-    )
-    assert calls[1] == 4  # (the retry carried both batches' records)
+    assert stored["uid"].tolist() == [
+        f"{u}-{i}" for u in ("p00000000", "p00000001", "p00000002") for i in range(2)
+    ]
+    assert 6 in calls  # (one write carried every batch's records, in order)
 
 
 def test_sampling_a_stale_group_refuses_the_whole_batch_and_loses_no_group():
