@@ -466,7 +466,7 @@ class PartialResponsePool:
         self.core = PartialCore(journal=run_dir is not None)
         self.relays: list = []
         self.timeout_s = timeout_s
-        self._retained: list[int] = []
+        self._retained: list[int] | None = []  # (None: not told since the relays changed)
         self._pending: set = set()  # retain calls still running
         self.writer = None
         if run_dir is not None:
@@ -538,6 +538,9 @@ class PartialResponsePool:
     async def set_relays(self, relays: list) -> None:
         self._start_log()
         self.relays = list(relays)
+        # A relay new to the chain keeps nothing yet: every relay is told, even where
+        # the versions in use did not change.
+        self._retained = None
         await self._sync_retained()
 
     async def _sync_retained(self) -> None:

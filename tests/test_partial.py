@@ -125,3 +125,27 @@ def test_a_take_asked_again_hands_out_what_the_first_took_and_nothing_reassigned
     assert [st.request_id for st in core.take("r0", again=True)] == ["b"]
     core.take("r1")
     assert [st.request_id for st in core.take("r0", again=True)] == ["b"]
+
+
+def test_a_relay_added_to_the_chain_is_told_the_versions_in_use_at_once():
+    """A relay that replaces a lost one (a new master, a relay of a rebuilt chain) keeps
+    nothing yet: the pool tells it the versions its entries need when it joins, not only
+    at the next change of them, or it may evict a version a recovery must resume at."""
+    import asyncio
+
+    from laminar.partial import PartialResponsePool
+    from laminar.relay import Relay
+
+    async def run() -> tuple[set[int], set[int]]:
+        pool = PartialResponsePool()
+        kept, joined = Relay("r0"), Relay("r1")
+        await pool.set_relays([kept])
+        await pool.register(
+            "r0", 3, [RequestState(GenerationRequest("a", (1,), SamplingParams(4)), 0)]
+        )
+        await pool.set_relays([kept, joined])  # (the versions in use did not change)
+        await kept.close()
+        await joined.close()
+        return kept.core.retained, joined.core.retained
+
+    assert asyncio.run(run()) == ({3}, {3})
