@@ -186,8 +186,10 @@ def plan_rebuild(
     consumed: a stored trajectory the trainer consumed is consumed (the event is written
     if the store lacks it), one the store says consumed at ``>= since`` but the trainer
     never received is held again, and every other buffered one is held again, by group.
-    No trajectory is trained twice and none that was admitted is lost."""
-    a = open_trajectories(run_dir, ["prompt_uid"])
+    No trajectory is trained twice and none that was admitted is lost. ``outstanding``:
+    every group held again, held by a rollout or resumed, but those the trainer consumed
+    and the held ones the store has whole, none of it held again (they left for good)."""
+    a = open_trajectories(run_dir, ["prompt_uid", "group_size"])
     uids = a["uid"].tolist()
     status, sample_v = a["status"], a["sample_version"]
     plan = RebuildPlan(version=version, stored=len(uids))
@@ -203,10 +205,34 @@ def plan_rebuild(
     plan.orphans_stored = sorted(u for u in orphans if u in stored)
     resumed = {group_of(u) for u in orphans if u not in stored}
     consumed_groups = {group_of(u) for u in consumed}
-    out = {str(a["prompt_uid"][i]) for i in hold} | set(held_groups) | resumed
+    prompt_uids = a["prompt_uid"].tolist()
+    held_again = {prompt_uids[i] for i in hold}
+    # A held group the store has whole, none of it held again, left the lost buffer:
+    # counted out, it would never be released (_left_whole)
+    left = _left_whole(prompt_uids, uids, a["group_size"], set(held_groups) - held_again)
+    out = held_again | (set(held_groups) - left) | resumed
     plan.outstanding = sorted(out - consumed_groups)
-    known = set(a["prompt_uid"].tolist()) | set(held_groups) | resumed | consumed_groups
+    known = set(prompt_uids) | set(held_groups) | resumed | consumed_groups
     known |= {e["prompt_uid"] for e in log_entries(run_dir).values()}
     indices = [int(m.group(1)) for u in known if (m := _PROMPT_UID.match(u))]
     plan.start = max(indices, default=-1) + 1
     return plan
+
+
+def _left_whole(
+    prompt_uids: list[str], uids: list[str], sizes: np.ndarray, held: Collection[str]
+) -> set[str]:
+    """Of the ``held`` groups, those the store (its rows' ``prompt_uids``, ``uids`` and
+    group ``sizes``) holds whole: every sample of the group is stored. Unless the plan
+    holds it again, such a group left the lost buffer (filtered, discarded, evicted,
+    consumed) and its leave is committed. A rollout may still list it (it learns what is
+    stored from the reply to its next insert), but what it sends again the new buffer
+    drops as seen, so nothing would ever release the group."""
+    held = set(held)
+    samples: dict[str, set[str]] = {}
+    size: dict[str, int] = {}
+    for i, g in enumerate(prompt_uids):
+        if g in held:
+            samples.setdefault(g, set()).add(uids[i])
+            size[g] = int(sizes[i])
+    return {g for g, stored in samples.items() if len(stored) == size[g]}

@@ -1,0 +1,131 @@
+"""A data module rebuilt within the run counts each prompt group out until it leaves,
+and no longer (storage.resume.plan_rebuild with the real buffer, store and pool core).
+
+A rollout learns that the store has its trajectories from the reply to its *next*
+insert, so at a loss it still lists the group it sent last, whether or not that group
+has left the lost buffer since."""
+
+import asyncio
+
+import numpy as np
+import pytest
+from test_buffer import _buffer_config, _Pool, traj
+from test_storage import record
+
+from laminar.buffer import ExperienceBuffer
+from laminar.prompt_pool import PromptPoolCore
+from laminar.tasks import Prompt
+from storage import TrajectoryWriter
+from storage.resume import plan_rebuild
+from storage.trajectories import open_trajectories
+
+PROMPTS = [(Prompt(i, f"n {i} >", "x"), (1, i + 4)) for i in range(8)]
+
+
+def _pool(start=0, outstanding=()):
+    """A pool core with room for one group (``free`` dispatch, the laminar schedule's):
+    one group counted out for ever stops dispatch."""
+    return PromptPoolCore(
+        PROMPTS, group_size=2, max_outstanding=1, seed=0, start=start, outstanding=outstanding
+    )
+
+
+async def _at_its_insert(buf):
+    pass  # (filtered or discarded as it completes)
+
+
+async def _evicted(buf):
+    await buf.version_published(1)  # max_train_staleness=0: the group is too stale
+
+
+async def _consumed_before_the_checkpoint(buf):
+    assert len(await buf.sample(1, 1)) == 2  # the checkpoint at version 2 trained it
+
+
+@pytest.mark.parametrize(
+    ("status", "settings", "rewards", "reason", "leave", "since"),
+    [
+        ("filtered", dict(dynamic_sampling=True), (1.0, 1.0), "eos", _at_its_insert, 0),
+        ("discarded", {}, (0.0, 1.0), "error", _at_its_insert, 0),
+        ("evicted", dict(max_train_staleness=0), (0.0, 1.0), "eos", _evicted, 0),
+        ("consumed", {}, (0.0, 1.0), "eos", _consumed_before_the_checkpoint, 2),
+    ],
+    ids=["filtered", "discarded", "evicted", "consumed_before_the_checkpoint"],
+)
+def test_a_group_that_left_before_the_loss_is_not_counted_out_again(
+    tmp_path, status, settings, rewards, reason, leave, since
+):
+    """The group left the lost buffer and its leave is committed; the rollout still
+    holds it (no reply told it the store has it). What it sends the new buffer again is
+    dropped as seen, so nothing leaves for that group again: counted out, it held its
+    back-pressure slot for the rest of the run (with ``free`` dispatch, enough of them
+    stop dispatch; ``same_version`` never evicts them)."""
+    cfg = _buffer_config(flush_records=1, **settings)
+    lost_pool = _pool()
+    (group,) = lost_pool.acquire(1, "r0", 0)
+    kept = [
+        traj(f"{group.prompt_uid}-{i}", group.prompt_uid, 2, i, 0, reason, reward)
+        for i, reward in enumerate(rewards)
+    ]
+
+    async def before_the_loss():
+        buf = ExperienceBuffer(str(tmp_path), _Pool(lost_pool), cfg)
+        assert (await buf.insert(kept, "r0"))["stored"] == []  # the rollout keeps them
+        await leave(buf)
+        await buf.sync()
+        await buf.close()  # (nothing is pending: as if lost now)
+
+    asyncio.run(before_the_loss())
+    assert lost_pool.outstanding == set()
+    assert open_trajectories(tmp_path)["status"].tolist() == [status, status]
+
+    plan = plan_rebuild(
+        tmp_path, version=2, consumed={}, since=since, held_groups={group.prompt_uid}
+    )
+    assert plan.outstanding == [] and plan.hold == [] and plan.start == 1
+    pool = _pool(plan.start, tuple(plan.outstanding))
+
+    async def after_the_rebuild():
+        buf = ExperienceBuffer(str(tmp_path), _Pool(pool), cfg, rebuild=plan)
+        ack = await buf.insert(kept, "r0")  # the rollout sends again what it kept
+        assert sorted(ack["stored"]) == [t.uid for t in kept]  # it may forget them now
+        assert buf.core.counts["duplicates"] == 2 and buf.core.depth == 0
+        for v in range(2, 5):
+            assert await buf.sample(1, v) is None
+            await buf.version_published(v + 1)
+        await buf.close()
+
+    asyncio.run(after_the_rebuild())
+    assert pool.outstanding == set()
+    assert [g.prompt_uid for g in pool.acquire(1, "r0", 5)] == ["p00000001"]
+
+
+def test_held_groups_that_may_still_leave_stay_counted_out(tmp_path):
+    """Only a group the store has whole, none of it held again, has left for good.
+    A held group stays out while any of it may still arrive or leave: in part in the
+    store, held again (taken back from a batch the trainer never received), or not
+    stored at all; a group the trainer consumed is out no more (its rollout's copy, if
+    the store lacks it, is stored as consumed)."""
+
+    def group(g, n=2, status="buffered", **kw):
+        if status == "buffered":
+            kw = {"sample_version": -1, "t_sample": np.nan} | kw
+        return [
+            record(2 * g + k, prompt_uid=f"p{g:08d}", status=status, uid=f"p{g:08d}-{k}", **kw)
+            for k in range(n)
+        ]
+
+    TrajectoryWriter(tmp_path).append(
+        group(0, status="filtered", sample_version=-1, t_sample=np.nan)  # left whole
+        + group(1, n=1)  # one sibling buffered, the other with its rollout
+        + group(2, status="consumed", sample_version=3)  # its reply died with the buffer
+        + group(3, status="consumed", sample_version=3)  # the trainer has it
+        + group(4, status="consumed", sample_version=1)  # trained into the checkpoint
+    )
+    consumed = {f"p00000003-{k}": (3, 9.0) for k in range(2)}
+    consumed |= {f"p00000006-{k}": (3, 9.0) for k in range(2)}  # never stored
+    held = {f"p{g:08d}" for g in (0, 1, 2, 3, 4, 5, 6)}  # 5: generating
+    plan = plan_rebuild(tmp_path, version=4, consumed=consumed, since=2, held_groups=held)
+    assert plan.hold == ["p00000001-0", "p00000002-0", "p00000002-1"]
+    assert plan.outstanding == ["p00000001", "p00000002", "p00000005"]
+    assert plan.start == 7
