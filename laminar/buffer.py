@@ -327,7 +327,9 @@ class ExperienceBuffer:
         self._stored_before: set[str] = set()  # a rebuilt buffer's store, as it found it
         self._consumed_elsewhere: dict[str, tuple[int, float]] = {}
         self._write_error: str | None = None
-        self._unwritten = 0  # records and events the store refused, held to try again
+        self._unwritten = 0  # records and events the disk refused, held to try again
+        self._refused = 0  # ... and those the store refused as such: lost (logged)
+        self._refused_error = ""  # (the last)
         self._writer_thread = threading.Thread(target=self._write_loop, daemon=True)
         self._writer_thread.start()
         if resume is not None:
@@ -420,23 +422,70 @@ class ExperienceBuffer:
 
     def _write(self, records: list[dict], events: list[dict]) -> tuple[list, list]:
         """Append to the store; returns what it could not take yet, to try again."""
-        try:
-            self._written = self.writer.append(records, events)
-        except OSError as e:  # (the disk, the mount): kept, tried again
-            self._write_error = f"{type(e).__name__}: {e}"
+        error = self._append(records, events)
+        if error is None:
+            self._write_error, self._unwritten = None, 0
+            return [], []
+        if isinstance(error, OSError):  # (the disk, the mount): kept, tried again
+            self._write_error = f"{type(error).__name__}: {error}"
             self._unwritten = len(records) + len(events)
             return records, events
-        except Exception as e:  # a batch the store refuses as such: keep the run alive
-            self._write_error = f"{type(e).__name__}: {e}"  # (retrying it would block
-            self._unwritten = 0  # every later batch)
-            return [], []
+        return self._write_apart(records, events)
+
+    def _write_apart(self, records: list[dict], events: list[dict]) -> tuple[list, list]:
+        """A batch the store refuses as such, not the disk: a record it cannot take.
+        Tried whole again, it would block every later batch; dropped whole, it lost
+        every record and leave event with it (consumed events of groups stored long
+        before too: the store showed them ``buffered``, and a resume trained them
+        again). So the records go again one at a time, then the events (all at once,
+        else one at a time), and only what the store refuses is lost: logged by uid,
+        counted, and reported by every sync() after (a checkpoint is not written past a
+        loss). An event of a refused record is written like the rest: readers skip it
+        and the audit reports it. A disk error meanwhile keeps what is left to retry."""
+        pieces = [([r], []) for r in records] + [([], events)]
+        while pieces:
+            rs, es = pieces.pop(0)
+            error = self._append(rs, es)
+            if isinstance(error, OSError):
+                self._write_error = f"{type(error).__name__}: {error}"
+                left = [(rs, es), *pieces]
+                records = [r for piece, _ in left for r in piece]
+                events = [e for _, piece in left for e in piece]
+                self._unwritten = len(records) + len(events)
+                return records, events
+            if error is None:
+                continue
+            if len(rs) + len(es) > 1:  # (the events together: one at a time)
+                pieces[:0] = [([], [e]) for e in es]
+                continue
+            what = (
+                f"record {rs[0]['uid']!r}"
+                if rs
+                else f"{es[0]['status']!r} event of {es[0]['uid']!r}"
+            )
+            logger.error(
+                "the trajectory store refused the %s: lost (%s: %s)",
+                what,
+                type(error).__name__,
+                error,
+            )
+            self._refused += 1
+            self._refused_error = f"the {what}: {type(error).__name__}: {error}"
         self._write_error, self._unwritten = None, 0
+        return [], []
+
+    def _append(self, records: list[dict], events: list[dict]) -> Exception | None:
+        """Append and commit; the error the store raised, or ``None``."""
+        try:
+            self._written = self.writer.append(records, events)
+        except Exception as e:  # noqa: BLE001 — the caller tells the disk's from the store's
+            return e
         self._committed.extend(r["uid"] for r in records)
         for r in records:
             sent = self._durable.get(r["rollout_ids"].rsplit(",", 1)[-1])
             if sent is not None:
                 sent.append(r["uid"])
-        return [], []
+        return None
 
     def _flush(self, force: bool = False) -> None:
         """Hand the pending records and events to the writer thread when due. Records are
@@ -559,7 +608,7 @@ class ExperienceBuffer:
 
         from storage.trajectories import open_trajectories
 
-        await self.sync()  # the lost updates' consumed events are in the store
+        await self._write_through()  # the lost updates' consumed events are in the store
         arrays = open_trajectories(self.writer.path)
         lost = (arrays["status"] == "consumed") & (arrays["sample_version"] >= version)
         rows = np.flatnonzero(lost).tolist()
@@ -586,10 +635,9 @@ class ExperienceBuffer:
         for the trainer's checkpoints (:data:`laminar.prompt_pool.DATA_STATE`)."""
         return await self.pool.stats()
 
-    async def sync(self) -> int:
-        """Write everything pending and wait until it is committed; returns the number
-        of stored trajectories. The trainer calls it before each checkpoint, so that the
-        store records every trajectory the checkpoint's updates consumed."""
+    async def _write_through(self) -> None:
+        """Write everything pending and wait until it is committed; raises while the disk
+        refuses writes."""
         import asyncio
 
         self._flush(force=True)
@@ -597,6 +645,20 @@ class ExperienceBuffer:
         await self._forget_committed()
         if self._write_error is not None:
             raise RuntimeError(f"the trajectory store cannot be written: {self._write_error}")
+
+    async def sync(self) -> int:
+        """Write everything pending and wait until it is committed; returns the number
+        of stored trajectories. The trainer calls it before each checkpoint, so that the
+        store records every trajectory the checkpoint's updates consumed: it raises while
+        the disk refuses writes, and for good once the store refused a record or a leave
+        event as such (lost: a checkpoint past it would not match the store)."""
+        await self._write_through()
+        if self._refused:
+            raise RuntimeError(
+                f"the trajectory store refused {self._refused} records or leave events, "
+                f"lost (logged by uid; the last: {self._refused_error}): the store does not "
+                "hold everything the trainer consumed"
+            )
         return self._written
 
     async def stats(self) -> dict:
@@ -605,7 +667,9 @@ class ExperienceBuffer:
             "consumed_unstored": len(self._consumed_elsewhere),  # (a rebuilt buffer's)
             "version": self.version,
             "written": self._written,
-            "write_error": self._write_error,
+            # the disk's error while it refuses writes, else the last loss the store's
+            "write_error": self._write_error or self._refused_error or None,
+            "write_refused": self._refused,  # records and events lost (logged by uid)
         }
 
     async def close(self) -> dict:

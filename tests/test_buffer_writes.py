@@ -88,3 +88,42 @@ def test_close_writes_a_batch_the_disk_refused_with_nothing_after_it(tmp_path, m
     assert stats["write_error"] is None and stats["written"] == 2
     assert open_trajectories(tmp_path)["uid"].tolist() == [t.uid for t in batch]
     assert disk.calls == [(2, 0), (2, 0)]
+
+
+def test_a_record_the_store_refuses_costs_only_itself_and_sync_reports_it(tmp_path, caplog):
+    """A batch the store refused as such (not the disk) was dropped whole: with the one
+    record it could not take went its siblings and the consumed events of a group stored
+    earlier (the store showed it ``buffered``: a resume trained it again), and the next
+    good batch cleared the error, so the trainer's next sync() passed and checkpointed.
+    Now the rest of the batch is written, the refused record is logged by uid, and
+    sync() keeps saying so."""
+    import numpy as np
+
+    pool = _pool(5, max_outstanding=4)
+    cfg = _buffer_config(flush_records=10_000, flush_interval_s=1e9)
+
+    async def run():
+        buf = ExperienceBuffer(str(tmp_path), _Pool(pool), cfg)
+        await buf.insert(_generate(pool))  # p0
+        assert await buf.sync() == 2
+        assert [t.uid for t in await buf.sample(1, 0)] == ["p00000000-0", "p00000000-1"]
+        bad, good = _generate(pool)  # p1: a loss mask of -1 fits no uint8
+        bad.loss_mask = np.array([-1, 1])
+        await buf.insert([bad, good])  # pending with p0's consumed events: one batch
+        for _ in range(2):  # (the second after a good batch)
+            with pytest.raises(RuntimeError, match="refused 1 .*p00000001-0"):
+                await buf.sync()
+            await buf.insert(_generate(pool))  # p2, p3
+        stats = await buf.close()
+        assert stats["write_refused"] == 1 and "p00000001-0" in stats["write_error"]
+
+    asyncio.run(run())
+    stored = open_trajectories(tmp_path)
+    status = dict(zip(stored["uid"].tolist(), stored["status"].tolist(), strict=True))
+    assert status == {
+        "p00000000-0": "consumed",
+        "p00000000-1": "consumed",
+        "p00000001-1": "buffered",
+        **{f"p0000000{g}-{i}": "buffered" for g in (2, 3) for i in range(2)},
+    }
+    assert "p00000001-0" in caplog.text
