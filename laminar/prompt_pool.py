@@ -434,8 +434,9 @@ class PromptPool:
     """Dask actor around :class:`PromptPoolCore` (placed on a ``data`` worker)."""
 
     def __init__(self, cfg: RunConfig, policy_dir: str, resume=None, spec=None) -> None:
-        """``resume``: the :class:`storage.resume.ResumePlan` of a run resumed in place
-        (where its prompt order stood, and the groups its buffer holds again).
+        """``resume``: the :class:`storage.resume.ResumePlan` of a run resumed in place,
+        or of a data module rebuilt within the run (where its prompt order stood, the
+        groups its buffer holds again, and the trainer's newest version).
         ``spec``: the run's :class:`~laminar.schedule.ScheduleSpec` (default: Laminar's)."""
         from transformers import AutoTokenizer
 
@@ -461,6 +462,11 @@ class PromptPool:
             eta=spec.eta,
             first_version=checkpoint_version(resumed_from) if resumed_from else 0,
         )
+        if resume is not None:
+            # A rebuilt data module's trainer is at its newest version, past the run's
+            # first: from a version before it, top_up would hand groups to rollouts left
+            # behind, and take would tell them a version the trainer has long passed.
+            self.core.version_published(resume.version)
         self._waiting = None  # an asyncio.Event that waiting takes share, made on first use
         self._ending = False  # the run stops: takes no longer wait (end_waits)
 

@@ -129,3 +129,29 @@ def test_held_groups_that_may_still_leave_stay_counted_out(tmp_path):
     assert plan.hold == ["p00000001-0", "p00000002-0", "p00000002-1"]
     assert plan.outstanding == ["p00000001", "p00000002", "p00000005"]
     assert plan.start == 7
+
+
+def test_a_rebuilt_prompt_pool_starts_at_the_trainers_newest_version(small_config, tiny_policy):
+    """The rebuild hands the pool the trainer's newest version (``ResumePlan.version``,
+    pipelines/restart.py). Started at the run's first version instead, until the next
+    publication top_up handed groups to a rollout on an old version, and take told an
+    idle rollout behind the trainer that it was current."""
+    from laminar.prompt_pool import PromptPool
+    from storage.resume import ResumePlan
+
+    pool = PromptPool(
+        small_config, str(tiny_policy), ResumePlan(version=5, readmit_groups=["p00000002"], start=3)
+    )
+
+    async def asks():
+        return (
+            await pool.top_up(1, "r0", 4),
+            await pool.take(1, "r1", 4),
+            await pool.top_up(1, "r0", 5),
+        )
+
+    behind, taken, current = asyncio.run(asks())
+    assert behind == ([], 5)  # a batch of version 4 is not topped up: 5 is out
+    assert taken[1] == 5  # (told to load version 5)
+    assert [g.prompt_uid for g in current[0]] == ["p00000004"] and current[1] == 5
+    assert pool.core.outstanding >= {"p00000002"}
