@@ -27,7 +27,10 @@ import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from laminar.contract import Trajectory
+from storage.schema import SCALARS
 
 logger = logging.getLogger(__name__)
 
@@ -43,6 +46,13 @@ SAMPLERS = ("fifo", "oldest_version", "same_version")
 # Pauses (s) before each try of a batch the disk refused, when the buffer closes and no
 # later batch will carry it: a brief fault (a mount coming back) does not cost it.
 _CLOSE_RETRY_S = (0.1, 0.5, 2.0)
+
+
+def _no_signal(members: list[Trajectory]) -> bool:
+    """Every reward equal, compared as the store holds them (float32): a sibling held
+    again from it (a resume, a rebuild) reads 0.1 as 0.10000000149 beside a fresh 0.1."""
+    as_stored = SCALARS["reward"].type
+    return len({float(as_stored(m.reward)) for m in members}) == 1
 
 
 def _behavior_version(members: list[Trajectory]) -> int:
@@ -153,7 +163,7 @@ class BufferCore:
             members = sorted(group.members, key=lambda x: x.sample_idx)
             if any(m.finish_reason == "error" for m in members):
                 leaving += self._leave(members, "discarded")
-            elif self.dynamic_sampling and len({m.reward for m in members}) == 1:
+            elif self.dynamic_sampling and _no_signal(members):
                 leaving += self._leave(members, "filtered")
             elif self._too_stale(members, version):
                 leaving += self._leave(members, "evicted")
@@ -604,8 +614,6 @@ class ExperienceBuffer:
         twice into the weights). They were sampled by versions the new trainer's numbers
         come after (:class:`~laminar.trainer.Trainer` ``after_version``), so any may be
         trained. Returns how many came back."""
-        import numpy as np
-
         from storage.trajectories import open_trajectories
 
         await self._write_through()  # the lost updates' consumed events are in the store

@@ -171,6 +171,21 @@ def test_dynamic_sampling_filters_groups_without_signal():
     assert core.counts["groups_filtered"] == 1 and len(core.ready) == 1
 
 
+def test_dynamic_sampling_compares_rewards_as_the_store_holds_them():
+    """A sibling held again from the store (a resume, a rebuild) has its reward as the
+    store's float32 (0.1 reads 0.10000000149...): beside a fresh 0.1 its group looked
+    like it had a signal and was trained."""
+    import numpy as np
+
+    core = BufferCore(dynamic_sampling=True)
+    stored = traj("a0", "a", 2, 0, reward=float(np.float32(0.1)))
+    core.restore([[stored]], stored={"a0"})
+    left = core.insert([traj("a1", "a", 2, 1, reward=0.1)], version=0, now=0.0)
+    assert [t.uid for t in left] == ["a0", "a1"] and core.counts["groups_filtered"] == 1
+    left = core.insert(group("b", rewards=[0.1, 0.1 + 1e-6]), version=0, now=0.0)
+    assert left == [] and list(core.ready) == ["b"]  # (a difference float32 holds counts)
+
+
 @settings(max_examples=80, deadline=None)
 @given(
     events=st.lists(
