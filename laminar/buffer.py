@@ -111,10 +111,21 @@ class BufferCore:
             "groups_filtered": 0,
         }
 
-    def restore(self, groups: list[list[Trajectory]], stored: set[str]) -> None:
-        """Hold again the groups a resumed run's store had not trained (they were admitted
-        before; ``stored``: every uid of the store, never admitted again). A group missing
-        siblings waits for them (re-issued by the prompt pool) like any partial group."""
+    def restore(
+        self, groups: list[list[Trajectory]], stored: set[str], why: str = "resume"
+    ) -> None:
+        """Hold again groups a store had not trained (``stored``: every uid of the
+        store, never admitted again). A group missing siblings waits for them (re-issued
+        by the prompt pool) like any partial group. The counters keep ``inserted +
+        restored == consumed + discarded + evicted + filtered + depth``; by ``why``:
+
+        * ``resume``: a resumed run's, admitted by an earlier buffer: counted ``restored``;
+        * ``rebuild``: a lost buffer's, whose store its rebuilt one counts as its own;
+        * ``trainer_restart``: consumed here by updates lost with the trainer: their
+          consumption is taken back (``consumed`` counts what the updates that stand
+          trained on, as the store does) and counted ``taken_back``.
+        """
+        n = sum(len(g) for g in groups)
         for members in groups:
             uid, size = members[0].prompt_uid, members[0].group_size
             if len(members) < size:
@@ -122,7 +133,13 @@ class BufferCore:
             else:
                 self.ready[uid] = sorted(members, key=lambda m: m.sample_idx)
         self.seen |= stored
-        self.counts["restored"] = self.counts.get("restored", 0) + sum(len(g) for g in groups)
+        c = self.counts
+        if why == "resume":
+            c["restored"] = c.get("restored", 0) + n
+        elif why == "trainer_restart":
+            c["consumed"] -= n
+            c["groups_consumed"] -= len(groups)
+            c["taken_back"] = c.get("taken_back", 0) + n
 
     @property
     def depth(self) -> int:
@@ -336,6 +353,7 @@ class ExperienceBuffer:
         self._durable: dict[str, collections.deque[str]] = {}
         self._stored_before: set[str] = set()  # a rebuilt buffer's store, as it found it
         self._consumed_elsewhere: dict[str, tuple[int, float]] = {}
+        self._groups_consumed: set[str] = set()  # (counted, of those: _admit_consumed)
         self._write_error: str | None = None
         self._unwritten = 0  # records and events the disk refused, held to try again
         self._refused = 0  # ... and those the store refused as such: lost (logged)
@@ -353,7 +371,7 @@ class ExperienceBuffer:
 
         arrays = open_trajectories(run_dir)
         rows = {uid: i for i, uid in enumerate(arrays["uid"].tolist())}
-        self._hold_again(arrays, [rows[u] for u in plan.readmit], stored=set(rows))
+        self._hold_again(arrays, [rows[u] for u in plan.readmit], "resume", stored=set(rows))
         self.version = plan.version
         self._events += [_event(uid, "dropped") for uid in plan.drop]
         self._flush(force=True)
@@ -367,13 +385,14 @@ class ExperienceBuffer:
         arrays = open_trajectories(run_dir)
         rows = {uid: i for i, uid in enumerate(arrays["uid"].tolist())}
         self._stored_before = set(rows)
-        self._hold_again(arrays, [rows[u] for u in plan.hold], stored=self._stored_before)
+        held = [rows[u] for u in plan.hold]
+        self._hold_again(arrays, held, "rebuild", stored=self._stored_before)
         for uid, (sample_version, t_sample) in plan.mark_consumed.items():
             self._events.append(_event(uid, "consumed", sample_version, t_sample))
         self._consumed_elsewhere = dict(plan.consumed_elsewhere)
         self.version = plan.version
         status = arrays["status"].copy()
-        status[[rows[u] for u in plan.hold]] = "buffered"
+        status[held] = "buffered"
         status[[rows[u] for u in plan.mark_consumed]] = "consumed"
         c = self.core.counts
         c["inserted"] += len(rows)
@@ -381,13 +400,15 @@ class ExperienceBuffer:
             mask = status == name
             c[name] += int(mask.sum())
             c[f"groups_{name}"] += len(set(arrays["prompt_uid"][mask].tolist()))
+        # (a group consumed elsewhere may have siblings stored, counted here already)
+        self._groups_consumed = set(arrays["prompt_uid"][status == "consumed"].tolist())
         self._flush(force=True)
 
-    def _hold_again(self, arrays, rows: list[int], stored: set[str] = frozenset()) -> int:
+    def _hold_again(self, arrays, rows: list[int], why: str, stored: set[str] = frozenset()) -> int:
         """Hold again the stored trajectories at ``rows`` of :func:`open_trajectories`'
         ``arrays``, by GRPO group, back to ``buffered`` (one consumed by a lost update gets
-        a ``buffered`` leave event). ``stored``: uids never to be admitted again. Returns
-        how many groups."""
+        a ``buffered`` leave event). ``why``: as :meth:`BufferCore.restore`'s. ``stored``:
+        uids never to be admitted again. Returns how many groups."""
         from storage.trajectories import records_at
 
         groups: dict[str, list[Trajectory]] = {}
@@ -395,7 +416,7 @@ class ExperienceBuffer:
             t = Trajectory(**rec)
             t.status, t.sample_version, t.t_sample = "buffered", -1, math.nan
             groups.setdefault(t.prompt_uid, []).append(t)
-        self.core.restore(list(groups.values()), stored)
+        self.core.restore(list(groups.values()), stored, why)
         self._events += [
             _event(str(arrays["uid"][i]), "buffered")
             for i in rows
@@ -582,6 +603,9 @@ class ExperienceBuffer:
             self.core.seen.add(t.uid)
             self.core.counts["inserted"] += 1
             self.core.counts["consumed"] += 1
+            if t.prompt_uid not in self._groups_consumed:
+                self._groups_consumed.add(t.prompt_uid)
+                self.core.counts["groups_consumed"] += 1
             self._records[t.uid] = t
         self._flush()
         await self.pool.release(sorted({t.prompt_uid for t in trajs}))
@@ -620,7 +644,7 @@ class ExperienceBuffer:
         arrays = open_trajectories(self.writer.path)
         lost = (arrays["status"] == "consumed") & (arrays["sample_version"] >= version)
         rows = np.flatnonzero(lost).tolist()
-        groups = self._hold_again(arrays, rows)
+        groups = self._hold_again(arrays, rows, "trainer_restart")
         # Released when consumed, they are out again: back-pressure counts them until
         # they leave again (a rebuilt data module's pool does the same).
         await self.pool.hold_again(sorted({str(arrays["prompt_uid"][i]) for i in rows}))

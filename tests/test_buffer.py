@@ -353,6 +353,123 @@ def test_groups_held_again_for_a_restarted_trainer_count_against_back_pressure(t
     asyncio.run(run())
 
 
+def _conserved(counts, depth):
+    """Every trajectory admitted, or held from a resumed run's store, has left once, with
+    one status, or is held: the counters' conservation identity."""
+    left = sum(counts[s] for s in ("consumed", "discarded", "evicted", "filtered"))
+    return counts["inserted"] + counts.get("restored", 0) == left + depth
+
+
+def test_a_restarted_trainers_lost_updates_take_their_consumption_back(tmp_path):
+    """Held again for a restarted trainer, a trajectory stayed counted ``consumed`` and
+    counted again when trained again: the counters said 8 consumed of 4 (the store 4),
+    and inserted = consumed + discarded + evicted + filtered + depth stopped holding."""
+    import asyncio
+
+    from laminar.buffer import ExperienceBuffer
+    from storage.trajectories import open_trajectories
+
+    pool = _pool(5, max_outstanding=2)
+
+    def generate(version):
+        return [
+            traj(f"{g.prompt_uid}-{i}", g.prompt_uid, 2, i, version, reward=float(i))
+            for g in pool.acquire(2, "r0", version)
+            for i in range(2)
+        ]
+
+    async def run():
+        buf = ExperienceBuffer(str(tmp_path), _Pool(pool), _buffer_config())
+        c = buf.core.counts
+        await buf.insert(generate(0))
+        await buf.sample(2, 0)
+        await buf.version_published(1)
+        assert (c["consumed"], c["groups_consumed"]) == (4, 2)
+        await buf.trainer_restarted(0)  # (the update at 0 is lost)
+        assert (c["consumed"], c["groups_consumed"], c["taken_back"]) == (0, 0, 4)
+        assert _conserved(c, buf.core.depth) and buf.core.depth == 4
+        await buf.sample(2, 5)
+        assert (c["consumed"], c["groups_consumed"]) == (4, 2)
+        assert _conserved(c, buf.core.depth) and buf.core.depth == 0
+        await buf.close()
+        return c["consumed"]
+
+    consumed = asyncio.run(run())
+    assert consumed == (open_trajectories(tmp_path)["status"] == "consumed").sum()
+
+
+def test_a_resumed_runs_held_trajectories_count_as_restored():
+    core = BufferCore()
+    core.restore([[traj("a0", "a", 2, 0), traj("a1", "a", 2, 1)]], stored={"a0", "a1"})
+    core.insert([traj("b0", "b", 2, 0)], version=0, now=0.0)
+    assert core.counts["restored"] == 2 and _conserved(core.counts, core.depth)
+    core.sample(1, version=0, now=1.0)
+    assert core.counts["consumed"] == 2 and _conserved(core.counts, core.depth)
+
+
+def test_a_rebuilt_buffer_counts_each_group_consumed_once(tmp_path):
+    """A rebuilt data module stores as consumed what the trainer consumed from the lost
+    buffer before its store had it: those trajectories counted in ``consumed`` but their
+    groups not in ``groups_consumed`` (2 groups of 3). A group with siblings both in the
+    store and not counts once."""
+    import asyncio
+
+    from laminar.buffer import ExperienceBuffer
+    from storage.resume import plan_rebuild
+
+    lost_pool = _pool(8, max_outstanding=8)
+    cfg = _buffer_config(flush_interval_s=1e9)
+
+    def generate(pool, n):
+        return [
+            traj(f"{g.prompt_uid}-{i}", g.prompt_uid, 2, i, 0, reward=float(i))
+            for g in pool.acquire(n, "r0", 0)
+            for i in range(2)
+        ]
+
+    consumed = {}
+
+    async def lose():
+        buf = ExperienceBuffer(str(tmp_path), _Pool(lost_pool), cfg)
+        sent = generate(lost_pool, 2)  # p0, p1: stored
+        await buf.insert(sent[:3], "r0")  # (p1-1 is not)
+        await buf.sync()
+        await buf.insert(sent[3:] + generate(lost_pool, 1), "r0")  # p1-1, p2: never stored
+        for _ in range(3):
+            batch = await buf.sample(1, 0)  # (their consumed events neither)
+            consumed.update({t.uid: (t.sample_version, t.t_sample) for t in batch})
+        assert buf.core.counts["groups_consumed"] == 3
+
+    asyncio.run(lose())
+    # sent again by their rollout (its copies: p1-1, p2)
+    resent = [
+        traj(f"p0000000{g}-{i}", f"p0000000{g}", 2, i, reward=float(i))
+        for g, i in ((1, 1), (2, 0), (2, 1))
+    ]
+    plan = plan_rebuild(tmp_path, version=1, consumed=consumed, since=0, held_groups=set())
+    assert len(plan.consumed_elsewhere) == 3
+    prompts = [(Prompt(i, f"n {i} >", "x"), (1, i + 4)) for i in range(8)]
+    pool = PromptPoolCore(
+        prompts,
+        group_size=2,
+        max_outstanding=8,
+        seed=0,
+        start=plan.start,
+        outstanding=tuple(plan.outstanding),
+    )
+
+    async def rebuilt():
+        buf = ExperienceBuffer(str(tmp_path), _Pool(pool), cfg, rebuild=plan)
+        await buf.insert(resent, "r0")
+        await buf.sync()
+        c = buf.core.counts
+        assert (c["consumed"], c["groups_consumed"]) == (6, 3)
+        assert _conserved(c, buf.core.depth)
+        await buf.close()
+
+    asyncio.run(rebuilt())
+
+
 class DataPathMachine(RuleBasedStateMachine):
     """The prompt pool and the buffer core wired as ExperienceBuffer wires them (a group
     that leaves, with any status, is released; untrained unless consumed): rollouts that
