@@ -357,6 +357,7 @@ class ExperienceBuffer:
         self._write_error: str | None = None
         self._unwritten = 0  # records and events the disk refused, held to try again
         self._refused = 0  # ... and those the store refused as such: lost (logged)
+        self._refused_events = 0  # (of them, leave events: the store then disagrees)
         self._refused_error = ""  # (the last)
         self._writer_thread = threading.Thread(target=self._write_loop, daemon=True)
         self._writer_thread.start()
@@ -469,10 +470,14 @@ class ExperienceBuffer:
         every record and leave event with it (consumed events of groups stored long
         before too: the store showed them ``buffered``, and a resume trained them
         again). So the records go again one at a time, then the events (all at once,
-        else one at a time), and only what the store refuses is lost: logged by uid,
-        counted, and reported by every sync() after (a checkpoint is not written past a
-        loss). An event of a refused record is written like the rest: readers skip it
-        and the audit reports it. A disk error meanwhile keeps what is left to retry."""
+        else one at a time), and only what the store refuses is lost: logged by uid and
+        counted. A lost record is a trajectory the store lacks, as if never generated (a
+        resume generates its group's missing sample again); a lost leave event leaves
+        the store disagreeing with the trainer (a consumed trajectory shown buffered is
+        trained again on resume), so every sync() after reports it and no checkpoint is
+        written past it. An event of a refused record is written like the rest: readers
+        skip it and the audit reports it. A disk error meanwhile keeps what is left to
+        retry."""
         pieces = [([r], []) for r in records] + [([], events)]
         while pieces:
             rs, es = pieces.pop(0)
@@ -501,6 +506,7 @@ class ExperienceBuffer:
                 error,
             )
             self._refused += 1
+            self._refused_events += not rs
             self._refused_error = f"the {what}: {type(error).__name__}: {error}"
         self._write_error, self._unwritten = None, 0
         return [], []
@@ -682,14 +688,15 @@ class ExperienceBuffer:
         """Write everything pending and wait until it is committed; returns the number
         of stored trajectories. The trainer calls it before each checkpoint, so that the
         store records every trajectory the checkpoint's updates consumed: it raises while
-        the disk refuses writes, and for good once the store refused a record or a leave
-        event as such (lost: a checkpoint past it would not match the store)."""
+        the disk refuses writes, and for good once the store refused a leave event as
+        such (lost: a checkpoint past it would not match the store). A refused record is
+        lost alone: counted in ``write_refused``, it does not stop checkpoints."""
         await self._write_through()
-        if self._refused:
+        if self._refused_events:
             raise RuntimeError(
-                f"the trajectory store refused {self._refused} records or leave events, "
-                f"lost (logged by uid; the last: {self._refused_error}): the store does not "
-                "hold everything the trainer consumed"
+                f"the trajectory store refused {self._refused_events} leave events, lost "
+                f"(logged by uid; the last refusal: {self._refused_error}): the store does "
+                "not record everything the trainer consumed"
             )
         return self._written
 

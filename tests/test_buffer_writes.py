@@ -94,9 +94,10 @@ def test_a_record_the_store_refuses_costs_only_itself_and_sync_reports_it(tmp_pa
     """A batch the store refused as such (not the disk) was dropped whole: with the one
     record it could not take went its siblings and the consumed events of a group stored
     earlier (the store showed it ``buffered``: a resume trained it again), and the next
-    good batch cleared the error, so the trainer's next sync() passed and checkpointed.
-    Now the rest of the batch is written, the refused record is logged by uid, and
-    sync() keeps saying so."""
+    good batch cleared the error. Now the rest of the batch is written (the consumed
+    events too) and the refused record is logged by uid and counted; sync() passes: a
+    record lost is a trajectory the store lacks, as if never generated, and the store
+    still records everything the trainer consumed."""
     import numpy as np
 
     pool = _pool(5, max_outstanding=4)
@@ -111,8 +112,7 @@ def test_a_record_the_store_refuses_costs_only_itself_and_sync_reports_it(tmp_pa
         bad.loss_mask = np.array([-1, 1])
         await buf.insert([bad, good])  # pending with p0's consumed events: one batch
         for _ in range(2):  # (the second after a good batch)
-            with pytest.raises(RuntimeError, match="refused 1 .*p00000001-0"):
-                await buf.sync()
+            assert await buf.sync() == 3 + 2 * _
             await buf.insert(_generate(pool))  # p2, p3
         stats = await buf.close()
         assert stats["write_refused"] == 1 and "p00000001-0" in stats["write_error"]
@@ -127,3 +127,33 @@ def test_a_record_the_store_refuses_costs_only_itself_and_sync_reports_it(tmp_pa
         **{f"p0000000{g}-{i}": "buffered" for g in (2, 3) for i in range(2)},
     }
     assert "p00000001-0" in caplog.text
+
+
+def test_a_leave_event_the_store_refuses_stops_checkpoints_past_it(tmp_path, monkeypatch):
+    """A consumed event the store refuses leaves it showing the trajectory buffered: a
+    resume from a checkpoint past it would train it again. So every sync() after
+    raises, naming it, and the trainer writes no checkpoint past the loss."""
+    from storage.trajectories import TrajectoryWriter
+
+    pool = _pool(5, max_outstanding=4)
+    cfg = _buffer_config(flush_records=10_000, flush_interval_s=1e9)
+    append = TrajectoryWriter.append
+
+    def refuse_consumed(self, records, events=()):
+        if any(e["status"] == "consumed" for e in events):
+            raise ValueError("refused for the test")
+        return append(self, records, events)
+
+    async def run():
+        buf = ExperienceBuffer(str(tmp_path), _Pool(pool), cfg)
+        await buf.insert(_generate(pool))
+        assert await buf.sync() == 2
+        await buf.sample(1, 0)
+        monkeypatch.setattr(TrajectoryWriter, "append", refuse_consumed)
+        for _ in range(2):
+            with pytest.raises(RuntimeError, match="refused 2 leave events"):
+                await buf.sync()
+        stats = await buf.close()
+        assert stats["write_refused"] == 2
+
+    asyncio.run(run())
