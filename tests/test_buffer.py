@@ -326,11 +326,7 @@ def test_groups_held_again_for_a_restarted_trainer_count_against_back_pressure(t
     cfg = _buffer_config()
 
     def generate(version):
-        return [
-            traj(f"{g.prompt_uid}-{i}", g.prompt_uid, 2, i, version, reward=float(i))
-            for g in pool.acquire(2, "r0", version)
-            for i in range(2)
-        ]
+        return _two_groups(pool, version)
 
     async def run():
         buf = ExperienceBuffer(str(tmp_path), _Pool(pool), cfg)
@@ -353,6 +349,16 @@ def test_groups_held_again_for_a_restarted_trainer_count_against_back_pressure(t
     asyncio.run(run())
 
 
+def _two_groups(pool, version):
+    """Two groups of two from ``pool`` at ``version``, rewards 0 and 1 (so none is
+    filtered as flat)."""
+    return [
+        traj(f"{g.prompt_uid}-{i}", g.prompt_uid, 2, i, version, reward=float(i))
+        for g in pool.acquire(2, "r0", version)
+        for i in range(2)
+    ]
+
+
 def _conserved(counts, depth):
     """Every trajectory admitted, or held from a resumed run's store, has left once, with
     one status, or is held: the counters' conservation identity."""
@@ -372,11 +378,7 @@ def test_a_restarted_trainers_lost_updates_take_their_consumption_back(tmp_path)
     pool = _pool(5, max_outstanding=2)
 
     def generate(version):
-        return [
-            traj(f"{g.prompt_uid}-{i}", g.prompt_uid, 2, i, version, reward=float(i))
-            for g in pool.acquire(2, "r0", version)
-            for i in range(2)
-        ]
+        return _two_groups(pool, version)
 
     async def run():
         buf = ExperienceBuffer(str(tmp_path), _Pool(pool), _buffer_config())

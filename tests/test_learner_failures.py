@@ -109,11 +109,10 @@ def test_a_step_with_a_masked_nan_behavior_logprob_is_taken_and_its_metrics_fini
     assert all(np.isfinite(v) for v in m.values()), m
 
 
-def test_entropy_at_a_vanishing_temperature_is_zero_not_nan(tiny_policy):
-    """At T -> 0 every token but the argmax has logprob -inf: its term of the entropy is
-    0 (p log p -> 0), not 0·(-inf) = NaN, and its gradient is finite."""
+def _two_responses(tiny_policy):
+    """The tiny policy and a packed batch of two short responses to two prompts."""
     from laminar.model import load_policy
-    from laminar.update import pack, response_logprobs
+    from laminar.update import pack
 
     model, tok = load_policy(tiny_policy)
     batch = pack(
@@ -123,6 +122,15 @@ def test_entropy_at_a_vanishing_temperature_is_zero_not_nan(tiny_policy):
         [np.ones(2, np.uint8), np.ones(3, np.uint8)],
         tok.pad_token_id,
     )
+    return model, batch
+
+
+def test_entropy_at_a_vanishing_temperature_is_zero_not_nan(tiny_policy):
+    """At T -> 0 every token but the argmax has logprob -inf: its term of the entropy is
+    0 (p log p -> 0), not 0·(-inf) = NaN, and its gradient is finite."""
+    from laminar.update import response_logprobs
+
+    model, batch = _two_responses(tiny_policy)
     _, ent = response_logprobs(model, batch, 1e-39, with_entropy=True)
     assert torch.equal(ent, torch.zeros_like(ent))
     ent.sum().backward()
@@ -133,17 +141,9 @@ def test_a_loss_without_an_entropy_term_keeps_no_graph_of_it(tiny_policy):
     """``trainer.entropy_coef=0`` (the default): the entropy is still reported, but its
     graph (three ``[B, R, vocab]`` tensors, ~7 GB at 4k tokens of a 152k vocabulary)
     is not kept through the backward pass. The values are the same either way."""
-    from laminar.model import load_policy
-    from laminar.update import pack, response_logprobs
+    from laminar.update import response_logprobs
 
-    model, tok = load_policy(tiny_policy)
-    batch = pack(
-        [np.array([1, 5, 6]), np.array([1, 7])],
-        [np.array([8, 9]), np.array([10, 11, 12])],
-        [np.zeros(2, np.float32), np.zeros(3, np.float32)],
-        [np.ones(2, np.uint8), np.ones(3, np.uint8)],
-        tok.pad_token_id,
-    )
+    model, batch = _two_responses(tiny_policy)
     logp, ent = response_logprobs(model, batch, 0.7, with_entropy=True, entropy_grad=False)
     assert logp.requires_grad and not ent.requires_grad
     logp_g, ent_g = response_logprobs(model, batch, 0.7, with_entropy=True)
