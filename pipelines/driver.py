@@ -1262,9 +1262,16 @@ def record_data_position(checkpoint: str | None, version: int, position: dict) -
     never trained the prompts dispatched since, and a run from it would skip them; its
     own position (written with it) stays. Written aside and renamed into place: a crash
     mid-write leaves the old file, never a truncated one that fails a later run."""
-    from laminar.learner import checkpoint_version
+    from laminar.learner import CheckpointError, checkpoint_version
 
-    if not checkpoint or checkpoint_version(checkpoint) != version:
+    if not checkpoint:
+        return False
+    try:
+        held = checkpoint_version(checkpoint)
+    except CheckpointError as e:  # (the stop goes on: a resume's checks will say so)
+        logger.warning("the data position is not recorded: %s", e)
+        return False
+    if held != version:
         return False
     path = Path(checkpoint, DATA_STATE)
     tmp = path.with_name(f".{DATA_STATE}.tmp")

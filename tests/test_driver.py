@@ -297,6 +297,7 @@ def test_the_stop_waits_for_a_trainer_still_writing_its_last_checkpoint(tmp_path
     s, calls = fake_run(tmp_path, monkeypatch, set(WORKERS.values()))
     ckpt = tmp_path / "checkpoints" / "version-000003"
     ckpt.mkdir(parents=True)
+    (ckpt / "trainer_state.json").write_text('{"version": 3}')  # (the version it holds)
     stopped = []
     writing = {**_trainer_stats(done=False), "silent_s": 0.0, "checkpoint": None}
 
@@ -486,6 +487,7 @@ def test_the_stop_records_the_data_position_only_in_the_last_versions_checkpoint
     assert not record_data_position(str(ckpt), 4, {"dispatched": 20})
     assert data_position(str(ckpt)) == 10
     assert not record_data_position(None, 4, {"dispatched": 20})
+    assert not record_data_position(str(tmp_path), 4, {"dispatched": 20})  # (no checkpoint)
     assert record_data_position(str(ckpt), 3, {"dispatched": 20})
     assert data_position(str(ckpt)) == 20
     assert sorted(p.name for p in ckpt.iterdir()) == ["data_state.json", "trainer_state.json"]
