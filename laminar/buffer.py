@@ -453,46 +453,37 @@ class ExperienceBuffer:
             )
 
     def _write(self, records: list[dict], events: list[dict]) -> tuple[list, list]:
-        """Append to the store; returns what it could not take yet, to try again."""
-        error = self._append(records, events)
-        if error is None:
-            self._write_error, self._unwritten = None, 0
-            return [], []
-        if isinstance(error, OSError):  # (the disk, the mount): kept, tried again
-            self._write_error = f"{type(error).__name__}: {error}"
-            self._unwritten = len(records) + len(events)
-            return records, events
-        return self._write_apart(records, events)
+        """Append to the store; returns what it could not take yet, to try again (a disk
+        error: the rest of the batch, kept whole and in order).
 
-    def _write_apart(self, records: list[dict], events: list[dict]) -> tuple[list, list]:
-        """A batch the store refuses as such, not the disk: a record it cannot take.
-        Tried whole again, it would block every later batch; dropped whole, it lost
-        every record and leave event with it (consumed events of groups stored long
-        before too: the store showed them ``buffered``, and a resume trained them
-        again). So the records go again one at a time, then the events (all at once,
+        A batch the store refuses as such, not the disk (a record it cannot take): tried
+        whole again, it would block every later batch; dropped whole, it lost every
+        record and leave event with it (consumed events of groups stored long before
+        too: the store showed them ``buffered``, and a resume trained them again). So a
+        refused piece is split, its records one at a time, then its events (all at once,
         else one at a time), and only what the store refuses is lost: logged by uid and
         counted. A lost record is a trajectory the store lacks, as if never generated (a
         resume generates its group's missing sample again); a lost leave event leaves
         the store disagreeing with the trainer (a consumed trajectory shown buffered is
         trained again on resume), so every sync() after reports it and no checkpoint is
         written past it. An event of a refused record is written like the rest: readers
-        skip it and the audit reports it. A disk error meanwhile keeps what is left to
-        retry."""
-        pieces = [([r], []) for r in records] + [([], events)]
+        skip it and the audit reports it."""
+        pieces = [(records, events)]
         while pieces:
             rs, es = pieces.pop(0)
             error = self._append(rs, es)
-            if isinstance(error, OSError):
+            if error is None:
+                continue
+            if isinstance(error, OSError):  # (the disk, the mount): kept, tried again
                 self._write_error = f"{type(error).__name__}: {error}"
                 left = [(rs, es), *pieces]
                 records = [r for piece, _ in left for r in piece]
                 events = [e for _, piece in left for e in piece]
                 self._unwritten = len(records) + len(events)
                 return records, events
-            if error is None:
-                continue
-            if len(rs) + len(es) > 1:  # (the events together: one at a time)
-                pieces[:0] = [([], [e]) for e in es]
+            if len(rs) + len(es) > 1:
+                split = [([r], []) for r in rs] + ([([], es)] if rs and es else [])
+                pieces[:0] = split or [([], [e]) for e in es]
                 continue
             what = (
                 f"record {rs[0]['uid']!r}"
