@@ -384,7 +384,7 @@ def requests_of_groups(path: str | Path, prompt_uids: Collection[str]) -> list[d
     wanted = set(prompt_uids)
     out = []
     for rid, e in replay(path).items():
-        if _prompt_uid(e["meta"]) not in wanted:
+        if _prompt_group(e["meta"]).get("prompt_uid", "") not in wanted:
             continue
         out.append(
             {
@@ -402,8 +402,9 @@ def requests_of_groups(path: str | Path, prompt_uids: Collection[str]) -> list[d
     return out
 
 
-def _prompt_uid(meta: Mapping[str, Any]) -> str:
-    return meta.get("group", {}).get("__prompt_group__", {}).get("prompt_uid", "")
+def _prompt_group(meta: Mapping[str, Any]) -> dict[str, Any]:
+    """A request's prompt group, as its meta encodes it (``{}``: none)."""
+    return meta.get("group", {}).get("__prompt_group__", {})
 
 
 def log_entries(path: str | Path) -> dict[str, dict[str, Any]]:
@@ -414,7 +415,7 @@ def log_entries(path: str | Path) -> dict[str, dict[str, Any]]:
     and not yet stored."""
     out = {}
     for rid, e in replay(path).items():
-        group = e["meta"].get("group", {}).get("__prompt_group__", {})
+        group = _prompt_group(e["meta"])
         out[rid] = {
             "version": e["version"],
             "owner": e["owner"],
