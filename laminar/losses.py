@@ -61,7 +61,8 @@ def _on_loss_tokens(other: torch.Tensor, logprobs: torch.Tensor, mask: torch.Ten
 
 
 AGGREGATIONS = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean")
-# |log(new / old)| a token's ratio is taken at (:func:`policy_loss`)
+# |log r| a token's ratio is taken at, in :func:`policy_loss` (r = π/π_old: past ~88 it
+# overflows float32) and, below, in :func:`kl_penalty`'s k3 (r = π/π_ref = e^-20: 2e-9)
 LOG_RATIO_BOUND = 20.0
 
 
@@ -231,9 +232,6 @@ def decoupled_policy_loss(
     return loss, metrics
 
 
-K3_LOG_RATIO_BOUND = 20.0  # k3 takes log(π/π_ref) no lower than -20 (π_ref/π = 4.9e8)
-
-
 def kl_penalty(
     logprobs: torch.Tensor,
     ref_logprobs: torch.Tensor,
@@ -251,7 +249,7 @@ def kl_penalty(
       loss term it would be noise with no pull; it is given the gradient it has when
       ``-log r`` is put in the reward (classic RLHF), which is k2's;
     * k3: ``∇ KL(π_ref‖π)``, the forward KL (GRPO's loss, as published). A token's k3
-      takes log r no lower than ``-K3_LOG_RATIO_BOUND``, so one token the policy has all
+      takes log r no lower than ``-LOG_RATIO_BOUND``, so one token the policy has all
       but ruled out cannot make the loss infinite.
 
     >>> float(kl_penalty(torch.zeros(1, 2), torch.zeros(1, 2), torch.ones(1, 2)))
@@ -269,7 +267,7 @@ def kl_penalty(
         # log r is bounded below instead, where such a token pulls no gradient. (verl also
         # caps each token's k3 at 10; that cap binds from π_ref/π ≈ 13 on, and would bend
         # the gradient of ordinary tokens.)
-        log_r = log_r.clamp(min=-K3_LOG_RATIO_BOUND)
+        log_r = log_r.clamp(min=-LOG_RATIO_BOUND)
         values = torch.exp(-log_r) - 1 + log_r
     else:
         raise ValueError(f"kind={kind!r}; choose k1, k2 or k3")
