@@ -186,7 +186,7 @@ def warm_start(
             rewards = {**rewards, scoring: evaluate(cfg, model, tok, prompts[-EVAL_PROMPTS:])}
             info["eval_rewards"] = rewards
             try:
-                _replace_text(out / "sft_info.json", json.dumps(info, indent=2))
+                replace_text(out / "sft_info.json", json.dumps(info, indent=2))
             except OSError as e:  # a read-only cache: the score is not kept, the run goes on
                 logger.warning("warm start: could not keep this scoring in %s (%s)", out, e)
         return out, {**_public(info), "eval_reward": rewards[scoring], "cached": True}
@@ -257,7 +257,7 @@ def _scoring(cfg: RunConfig) -> str:
     )
 
 
-def _replace_text(path: Path, text: str) -> None:
+def replace_text(path: Path, text: str) -> None:
     """Write ``path`` whole or not at all (a reader never sees half of it, nor, after a
     crash, an empty file: the text reaches the disk before the rename)."""
     fd, tmp = tempfile.mkstemp(prefix=path.name + ".", dir=path.parent)

@@ -1260,9 +1260,10 @@ def record_data_position(checkpoint: str | None, version: int, position: dict) -
     Only into the checkpoint of the trainer's last ``version``: when that one was not
     written (the store could not commit), the newest is an older one, whose weights
     never trained the prompts dispatched since, and a run from it would skip them; its
-    own position (written with it) stays. Written aside and renamed into place: a crash
+    own position (written with it) stays. Written whole or not at all: a crash
     mid-write leaves the old file, never a truncated one that fails a later run."""
     from laminar.learner import CheckpointError, checkpoint_version
+    from laminar.sft import replace_text
 
     if not checkpoint:
         return False
@@ -1273,10 +1274,7 @@ def record_data_position(checkpoint: str | None, version: int, position: dict) -
         return False
     if held != version:
         return False
-    path = Path(checkpoint, DATA_STATE)
-    tmp = path.with_name(f".{DATA_STATE}.tmp")
-    tmp.write_text(json.dumps(position, indent=2))
-    tmp.replace(path)
+    replace_text(Path(checkpoint, DATA_STATE), json.dumps(position, indent=2))
     return True
 
 
