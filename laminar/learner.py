@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 import random
 import zipfile
+from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
 
@@ -57,9 +58,7 @@ def check_groups(batch: list[Trajectory]) -> None:
     silently. The buffer releases whole groups only; this names what broke that,
     before any weight moves. (A reward that is not finite is not refused here: it makes
     the step non-finite, which is skipped and counted.)"""
-    sizes: dict[str, int] = {}
-    for x in batch:
-        sizes[x.prompt_uid] = sizes.get(x.prompt_uid, 0) + 1
+    sizes = Counter(x.prompt_uid for x in batch)
     for x in batch:
         if sizes[x.prompt_uid] != x.group_size:
             raise LaminarError(
