@@ -344,19 +344,35 @@ def _trainer_state(path: Path) -> dict:
     return state
 
 
-def _check_files(ckpt: Path) -> dict:
-    """The checkpoint's model ``config.json``, after reading it, the header of
-    ``model.safetensors`` (the tensors' names, shapes and offsets) and the zip
-    directories of ``optimizer.pt`` and ``rng.pt``; no tensor is loaded, so this is cheap
-    enough to run before the cluster starts."""
-    from safetensors import SafetensorError, safe_open
-
-    path = ckpt / "config.json"
+def _json_object(path: Path) -> dict:
+    """A checkpoint's JSON file that must hold an object; a damaged one is a
+    :class:`CheckpointError` naming it."""
     try:
-        config = json.loads(path.read_text())
-        if not isinstance(config, dict):
-            raise ValueError(f"a JSON object expected, got {type(config).__name__}")
+        value = json.loads(path.read_text())
+        if not isinstance(value, dict):
+            raise ValueError(f"a JSON object expected, got {type(value).__name__}")
     except ValueError as e:  # (json.JSONDecodeError and UnicodeDecodeError too)
+        raise _damaged(path, e) from None
+    return value
+
+
+def _check_files(ckpt: Path) -> dict:
+    """The checkpoint's model ``config.json``, after reading it, its ``tokenizer.json``
+    (parsed by ``tokenizers``, as loading it does), the header of ``model.safetensors``
+    (the tensors' names, shapes and offsets), the zip directories of ``optimizer.pt`` and
+    ``rng.pt``, and its ``data_state.json`` when it has one; no tensor is loaded, so this
+    is cheap enough to run before the cluster starts."""
+    from safetensors import SafetensorError, safe_open
+    from tokenizers import Tokenizer
+
+    from laminar.prompt_pool import data_position
+
+    config = _json_object(ckpt / "config.json")
+    path = ckpt / "tokenizer.json"
+    _json_object(path)
+    try:
+        Tokenizer.from_str(path.read_text())
+    except Exception as e:  # noqa: BLE001 — tokenizers raises a bare Exception ("Model missing")
         raise _damaged(path, e) from None
     path = ckpt / "model.safetensors"
     try:
@@ -373,6 +389,7 @@ def _check_files(ckpt: Path) -> dict:
                     raise ValueError("it holds nothing")
         except (zipfile.BadZipFile, OSError, ValueError) as e:
             raise _damaged(path, e) from None
+    data_position(ckpt)  # (its own CheckpointError: no file is position 0)
     return config
 
 
@@ -384,7 +401,14 @@ def check_checkpoint(ckpt: str | Path, model_config, cfg: RunConfig) -> dict:
             f"trainer.resume_from {str(ckpt)!r} is not a folder; point it at a "
             "checkpoints/version-N folder written by laminar"
         )
-    need = ["config.json", "model.safetensors", "optimizer.pt", "rng.pt", "trainer_state.json"]
+    need = [
+        "config.json",
+        "tokenizer.json",
+        "model.safetensors",
+        "optimizer.pt",
+        "rng.pt",
+        "trainer_state.json",
+    ]
     missing = [n for n in need if not (ckpt / n).exists()]
     if missing:
         raise CheckpointError(

@@ -150,10 +150,19 @@ def load_policy(path: str | Path) -> tuple[PreTrainedModel, PreTrainedTokenizerF
 
 
 def load_tokenizer(path: str | Path) -> PreTrainedTokenizerFast:
-    """The tokenizer of a local policy folder."""
+    """The tokenizer of a local policy folder; one that does not load (a damaged
+    ``tokenizer.json`` or ``tokenizer_config.json``) is a :class:`ModelError` naming it."""
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(check_policy_dir(path), local_files_only=True)
+    path = check_policy_dir(path)
+    try:
+        return AutoTokenizer.from_pretrained(path, local_files_only=True)
+    except Exception as e:  # noqa: BLE001 — JSON, tokenizers' bare Exception, OSError, …
+        raise ModelError(
+            f"cannot load the tokenizer of {str(path)!r} ({type(e).__name__}: {e}); its "
+            "tokenizer files (tokenizer.json, tokenizer_config.json) look damaged: restore "
+            "the folder from a copy, or point at another model or checkpoint folder"
+        ) from e
 
 
 def _rope_theta(cfg) -> float:

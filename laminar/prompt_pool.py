@@ -300,14 +300,34 @@ class PromptPoolCore:
 DATA_STATE = "data_state.json"  # in a checkpoint folder: where the prompt order stood
 
 
-def data_position(checkpoint: str | None) -> int:
-    """Prompt groups dispatched by the run that wrote ``checkpoint`` (0: start afresh)."""
+def data_position(checkpoint: str | Path | None) -> int:
+    """Prompt groups dispatched by the run that wrote ``checkpoint`` (0: start afresh).
+    A damaged ``data_state.json`` (not JSON, no ``dispatched``, not a count) is a
+    ``CheckpointError`` naming it; ``check_checkpoint`` calls this before the cluster
+    starts."""
     if checkpoint is None:
         return 0
     path = Path(checkpoint) / DATA_STATE
     if not path.exists():
         return 0
-    return int(json.loads(path.read_text())["dispatched"])
+    try:
+        state = json.loads(path.read_text())
+        if not isinstance(state, dict) or "dispatched" not in state:
+            raise ValueError('a JSON object with "dispatched" expected')
+        n = state["dispatched"]
+        # (an int, as the driver writes it: 3.5, "3" or true are not a position)
+        if not isinstance(n, int) or isinstance(n, bool) or n < 0:
+            raise ValueError(f'"dispatched" is {n!r}, not a count of prompt groups (>= 0)')
+    except ValueError as e:  # (json.JSONDecodeError and UnicodeDecodeError too)
+        from laminar.learner import CheckpointError
+
+        raise CheckpointError(
+            f"{str(path)!r} is damaged ({type(e).__name__}: {e}); it records where the "
+            'prompt order stood ({"dispatched": N}, the prompt groups dispatched): '
+            "restore it from a copy, or delete it to take the prompts from the first "
+            "again, or point trainer.resume_from at another checkpoints/version-N folder"
+        ) from None
+    return n
 
 
 def load_prompts(cfg: RunConfig) -> list[Prompt]:

@@ -1,0 +1,89 @@
+"""Damaged inputs found before the cluster starts, each named with its fix: a
+checkpoint's tokenizer and data position, a run's metrics store, a reward function that
+exits or returns beyond float32."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+from learner_cases import CFG
+
+from laminar.errors import ModelError
+from laminar.learner import CheckpointError, Learner, check_checkpoint
+
+
+@pytest.fixture(scope="module")
+def saved(tiny_policy, tmp_path_factory):
+    """A checkpoint of a tiny learner, written once; tests damage a copy (``ckpt``)."""
+    return Learner(CFG, tiny_policy).save(tmp_path_factory.mktemp("saved") / "version-000000")
+
+
+@pytest.fixture
+def ckpt(saved, tmp_path):
+    return shutil.copytree(saved, tmp_path / "version-000000")
+
+
+@pytest.fixture(scope="module")
+def model_config(tiny_policy):
+    from transformers import AutoConfig
+
+    return AutoConfig.from_pretrained(tiny_policy)
+
+
+@pytest.mark.parametrize("text", ["{", "[]", "{}"])
+def test_a_damaged_tokenizer_json_is_refused_before_the_cluster_starts(ckpt, model_config, text):
+    """Not checked, it failed once the trainer loaded it, after the cluster started: a
+    bare JSONDecodeError ('{'), or tokenizers' 'Model missing' ('{}')."""
+    (ckpt / "tokenizer.json").write_text(text)
+    with pytest.raises(CheckpointError, match=r"tokenizer.json' is damaged.*move this one aside"):
+        check_checkpoint(ckpt, model_config, CFG)
+
+
+@pytest.mark.parametrize("text", ["{", "{}"])
+def test_a_tokenizer_that_does_not_load_names_its_folder(ckpt, text):
+    """The load itself (where no check ran first: a model.path folder, a rollout's)."""
+    from laminar.model import load_tokenizer
+
+    (ckpt / "tokenizer.json").write_text(text)
+    with pytest.raises(ModelError, match=rf"tokenizer of '{ckpt}'.*restore the folder"):
+        load_tokenizer(ckpt)
+
+
+def test_a_checkpoint_without_its_tokenizer_json_is_refused(ckpt, model_config):
+    (ckpt / "tokenizer.json").unlink()
+    with pytest.raises(CheckpointError, match=r"lacks \['tokenizer.json'\]"):
+        check_checkpoint(ckpt, model_config, CFG)
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "{",
+        "[]",
+        "{}",
+        '{"dispatched": "abc"}',
+        '{"dispatched": -5}',
+        '{"dispatched": 2.5}',
+        '{"dispatched": true}',
+    ],
+)
+def test_a_damaged_data_position_is_refused_naming_the_file(ckpt, model_config, text):
+    """Each was a bare error on the worker (JSONDecodeError, KeyError, ValueError), or
+    (-5) a position before the first prompt, taken."""
+    from laminar.prompt_pool import DATA_STATE, data_position
+
+    (ckpt / DATA_STATE).write_text(text)
+    with pytest.raises(CheckpointError, match=r"data_state.json' is damaged.*delete it"):
+        data_position(str(ckpt))
+    with pytest.raises(CheckpointError, match=r"data_state.json' is damaged"):
+        check_checkpoint(ckpt, model_config, CFG)
+
+
+def test_a_data_position_is_read_and_none_is_the_first_prompt(ckpt, model_config):
+    from laminar.prompt_pool import DATA_STATE, data_position
+
+    assert data_position(str(ckpt)) == 0 and data_position(None) == 0
+    (ckpt / DATA_STATE).write_text('{"dispatched": 7, "released": 5}')
+    assert data_position(str(ckpt)) == 7
+    assert check_checkpoint(ckpt, model_config, CFG)["version"] == 0
