@@ -26,6 +26,18 @@ from storage.live import LIVE_FILE, LIVE_STALE_S, Claim, RunGoing, check_free, c
 logger = logging.getLogger("laminar")
 
 
+class RunInterrupted(KeyboardInterrupt):
+    """An interrupt (the kernel's stop button, Ctrl-C) during :meth:`RunHandle.wait`,
+    raised once the run has stopped in order: ``summary`` is what it did (as in
+    ``RUN_DIR/summary.json``). A ``KeyboardInterrupt``, so that what waits on runs one
+    after another (a notebook's loop over a grid, a bench) ends there, rather than
+    taking the truncated run for a finished one and submitting the next."""
+
+    def __init__(self, message: str, summary: dict | None) -> None:
+        super().__init__(message)
+        self.summary = summary
+
+
 def resolve_config(
     config: RunConfig | str | Path, overrides: list[str] | tuple[str, ...] = ()
 ) -> RunConfig:
@@ -168,6 +180,9 @@ class RunHandle:
         self.run_dir = run_dir = Path(run_dir)
         self.summary: dict | None = None
         self.error: BaseException | None = None
+        # Its setup done, the run began: a failure from then on is a failed run (with a
+        # summary.json, unless that could not be written), not a failed start.
+        self.training_began = False
         self._progress: dict = {"phase": "submitted"}
         self._stop = threading.Event()
         self._done = threading.Event()
@@ -202,7 +217,7 @@ class RunHandle:
                     release_actors(self.client, made)
                     made.clear()
                     raise
-                running = True
+                running = self.training_began = True
                 try:
                     raw = self._schedule.run(self._set_progress, self._stop.is_set)
                 finally:  # (stopped and closed by the run's own shutdown)
@@ -270,14 +285,19 @@ class RunHandle:
         ``summary``) when it stopped in order on an error, else the error that ended it.
 
         An interrupt (a notebook's, or Ctrl-C) stops the run, as ``laminar run``'s first
-        Ctrl-C does, and waits on for it to end in order; a second one returns at once,
-        the run still stopping."""
+        Ctrl-C does, and waits on for it to end in order, then raises
+        :class:`RunInterrupted` (a ``KeyboardInterrupt``) with its ``summary``: a loop
+        that waits on one run after another ends there. (One stopped during its setup
+        raises :class:`~laminar.errors.RunStopped`, one that failed its error, as
+        above.) A second interrupt returns at once, the run still stopping."""
         deadline = None if timeout is None else time.monotonic() + timeout
+        interrupted: KeyboardInterrupt | None = None
         try:
             finished = self._done.wait(timeout)
-        except KeyboardInterrupt:
+        except KeyboardInterrupt as e:
             # (else the run would go on generating on the cluster, with nothing waiting
             # for it, beside whatever the notebook submits next)
+            interrupted = e
             self.stop()
             logger.warning(
                 "stopping the run in %s: finishing the current update and flushing the "
@@ -287,12 +307,24 @@ class RunHandle:
             left = None if deadline is None else max(0.0, deadline - time.monotonic())
             finished = self._done.wait(left)
         if not finished:
+            if interrupted is not None:
+                raise RunInterrupted(
+                    f"run {str(self.run_dir)!r} interrupted, still stopping after {timeout} s",
+                    None,
+                ) from interrupted
             raise TimeoutError(f"run {str(self.run_dir)!r} still going after {timeout} s")
         if self.error is not None:
             if isinstance(self.error, LaminarError):
                 raise self.error
             raise LaminarError(f"run {str(self.run_dir)!r} failed: {self.error!r}") from self.error
         assert self.summary is not None
+        if interrupted is not None:
+            raise RunInterrupted(
+                f"run {str(self.run_dir)!r} interrupted: it stopped in order "
+                f"({self.summary['reason']}, version {self.summary['versions']}); "
+                f"`laminar run --resume {self.run_dir}` or pipelines.resume continues it",
+                self.summary,
+            ) from interrupted
         return self.summary
 
 

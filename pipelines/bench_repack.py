@@ -121,6 +121,7 @@ def arm_overrides(
 
 def _arm(client, run_dir: Path, overrides: list[str], duration_s: float, scale, warmup) -> dict:
     import pipelines
+    from laminar.errors import RunFailed
 
     run = pipelines.submit("configs/tiny.yaml", client, run_dir=run_dir, overrides=overrides)
     deadline = None
@@ -134,7 +135,13 @@ def _arm(client, run_dir: Path, overrides: list[str], duration_s: float, scale, 
         if run.done():
             break
         time.sleep(0.2)
+    # (an interrupt raises pipelines.api.RunInterrupted once the run stopped: the bench ends)
     summary = run.wait(timeout=600)
+    if deadline is None or time.time() < deadline:  # ended before its window: no measurement
+        raise RunFailed(
+            f"run {str(run_dir)!r} ended {summary['reason']!r} before its {duration_s} s window",
+            summary,
+        )
     return _figures(run_dir, summary, scale, warmup)
 
 

@@ -534,10 +534,20 @@ def time_to_reward(curve: list[tuple[float, float]], threshold: float) -> float:
 
 
 def _run(client, run_dir: Path, overrides: list[str]) -> dict:
+    """The summary of one bench run that ran all its steps. One that ended otherwise is
+    no measurement: a stop raises :class:`~laminar.errors.RunFailed` (left out and listed
+    as a failed run); an interrupt (:class:`pipelines.api.RunInterrupted`) ends the
+    bench, exit 130."""
     import pipelines
+    from laminar.errors import RunFailed
 
     run = pipelines.submit("configs/tiny.yaml", client, run_dir=run_dir, overrides=overrides)
-    return run.wait(timeout=3600)
+    summary = run.wait(timeout=3600)
+    if summary["reason"] != "completed":
+        raise RunFailed(
+            f"run {str(run_dir)!r} ended {summary['reason']!r} before its steps", summary
+        )
+    return summary
 
 
 def bench_schedules(

@@ -168,8 +168,12 @@ def bench_soak(
                 if k.get("_n") and len(handle._schedule.rollout_workers) > k["_n"]:
                     del k["_n"]
                     k["replaced_s"] = time.time() - t0 - k["t"]
-            if handle.done():
-                handle.wait()  # a failure the soak did not cause: raise it
+            if handle.done():  # a failure the soak did not cause: raise it
+                ended = handle.wait()
+                raise RuntimeError(
+                    f"the run ended ({ended['reason']}) {time.time() - t0:.0f} s into a "
+                    f"{duration_s:.0f} s soak"
+                )
             time.sleep(0.2)
         handle.stop()
         summary = handle.wait(timeout=300)

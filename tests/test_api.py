@@ -111,3 +111,77 @@ def test_report_of_a_run_without_its_summary_takes_its_figures_from_the_stores(t
     first |= {"reward_last_20pct": 0.25, "reward_gain": 0.2, "rl_wall_s": 20.0}
     (run / "summary.json").write_text(json.dumps(first))
     assert _report_row(build_report([run], tmp_path / "out")) == row
+
+
+def _handle_interrupted_once(summary=None, error=None):
+    """A RunHandle (no cluster) whose run goes on until ``wait()``'s first wait is
+    interrupted, then ends in order: with ``summary``, or with ``error``."""
+    from pathlib import Path
+
+    from pipelines.api import RunHandle
+
+    h = RunHandle.__new__(RunHandle)
+    h.run_dir, h.summary, h.error = Path("runs/x"), None, None
+    h._stop = threading.Event()
+
+    class Done:
+        waits = 0
+
+        def wait(self, timeout=None):
+            self.waits += 1
+            if self.waits == 1:
+                raise KeyboardInterrupt
+            assert h._stop.is_set(), "waited on without stopping the run"
+            h.summary, h.error = summary, error
+            return True
+
+    h._done = Done()
+    return h
+
+
+def test_an_interrupted_wait_raises_once_the_run_stopped_so_a_loop_over_runs_ends():
+    """``for x in grid: submit(...).wait()`` (a notebook's loop, a bench): an interrupt
+    stopped the run in order and wait() returned its summary, reason "stopped", as if it
+    had finished: the loop took it for a result and submitted the next run. Now wait()
+    raises RunInterrupted, a KeyboardInterrupt, with the summary, once the run stopped."""
+    from laminar.errors import RunStopped
+    from pipelines.api import RunInterrupted
+
+    summary = {"reason": "stopped", "versions": 3}
+    h = _handle_interrupted_once(summary)
+    with pytest.raises(RunInterrupted, match="stopped in order") as e:
+        h.wait()
+    assert isinstance(e.value, KeyboardInterrupt) and e.value.summary is summary
+    assert h._stop.is_set()
+    # stopped in its setup: RunStopped, as before (tests/test_api.py's first test)
+    h = _handle_interrupted_once(error=RunStopped("stopped during its setup"))
+    with pytest.raises(RunStopped):
+        h.wait()
+
+
+def test_a_bench_run_that_did_not_run_to_its_end_is_no_measurement(monkeypatch, tmp_path):
+    """A bench run that ended before its steps (schedules) or its measuring window
+    (repack) was measured as if it had run them; now it is a failed run: left out and
+    listed (RunFailed, with its summary)."""
+    from laminar.errors import RunFailed
+    from pipelines import bench_repack, bench_schedules
+
+    class Run:  # ended at once, stopped
+        def progress(self):
+            return {"phase": "setup"}
+
+        def done(self):
+            return True
+
+        def stop(self):
+            pass
+
+        def wait(self, timeout=None):
+            return {"reason": "stopped", "versions": 2}
+
+    monkeypatch.setattr("pipelines.submit", lambda *a, **k: Run())
+    with pytest.raises(RunFailed, match="ended 'stopped' before its steps") as e:
+        bench_schedules._run(None, tmp_path / "run", [])
+    assert e.value.summary["reason"] == "stopped"
+    with pytest.raises(RunFailed, match="ended 'stopped' before its 90.0 s window"):
+        bench_repack._arm(None, tmp_path / "run", [], 90.0, None, 0.1)
