@@ -11,8 +11,11 @@ laminar bench NAME [--out FILE.json] [--repeats N] [...]
 from __future__ import annotations
 
 import argparse
+import errno
+import json
 import logging
 import os
+import select
 import signal
 import sys
 import time
@@ -221,10 +224,12 @@ def cmd_run(args: argparse.Namespace) -> int:
 
     overrides = list(args.set or [])
     if args.scheduler or args.scheduler_file:
+        # (quoted: a value is read as YAML, where " #2" of "exp #2/sched.json" would be
+        # a comment)
         overrides += [
             "cluster.kind=address",
-            f"cluster.address={args.scheduler or 'null'}",
-            f"cluster.scheduler_file={args.scheduler_file or 'null'}",
+            f"cluster.address={_yaml_string(args.scheduler)}",
+            f"cluster.scheduler_file={_yaml_string(args.scheduler_file)}",
         ]
     plan = None
     if args.resume:
@@ -265,6 +270,12 @@ def cmd_run(args: argparse.Namespace) -> int:
         return _follow(RunHandle(cfg, client, run_dir, resume=plan))
 
 
+def _yaml_string(value: str | None) -> str:
+    """``value`` as a YAML scalar that reads back as itself (a JSON string is a YAML
+    double-quoted one), or ``null``."""
+    return "null" if value is None else json.dumps(value, ensure_ascii=False)
+
+
 def _file_in_the_way(path: Path) -> Path | None:
     """The file (not folder) at ``path`` or above it, which keeps a folder from being made."""
     return next((p for p in (path, *path.parents) if p.exists() and not p.is_dir()), None)
@@ -286,67 +297,134 @@ def _run_dir_problem(run_dir: str | None, e: OSError) -> str:
     )
 
 
+# The signals that stop a run in order, as Ctrl-C does: SIGTERM (`kill`, `scancel`, a
+# Slurm job's walltime, with `#SBATCH --signal=B:TERM@300` ahead of it) and SIGHUP (the
+# terminal or SSH session gone; not where it is ignored, under `nohup`).
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+
+
+class _Signalled(KeyboardInterrupt):
+    """SIGTERM or SIGHUP outside a run's progress (its setup, a bench, a report): ends
+    the command as Ctrl-C does, what it started (a cluster, Slurm jobs) closed."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+def _signalled(signum, frame):
+    raise _Signalled(signum)
+
+
+def _exit_code(interrupt: KeyboardInterrupt) -> int:
+    """128 + the signal's number: 130 for Ctrl-C, 143 for SIGTERM, 129 for SIGHUP (an
+    interrupted wait() keeps what interrupted it as its cause)."""
+    for e in (interrupt, interrupt.__cause__):
+        if isinstance(e, _Signalled):
+            return 128 + e.signum
+    return 128 + signal.SIGINT
+
+
+def _stream_gone(stream) -> bool:
+    """Whether ``stream``'s reader is gone: a pipe whose reader exited (POLLERR), a
+    terminal hung up (POLLHUP)."""
+    try:
+        poll = select.poll()
+        poll.register(stream.fileno(), select.POLLOUT)
+        return any(ev & (select.POLLERR | select.POLLHUP) for _, ev in poll.poll(0))
+    except (OSError, ValueError):  # (closed, or no file descriptor)
+        return False
+
+
+def _safely(show, *args, **kwargs) -> None:
+    """Call ``show``, something that prints; when what reads the output is gone (`tee`
+    ended by the same Ctrl-C, a hung-up terminal), the rest of it goes nowhere, and the
+    run still stops in order and says so in its exit code."""
+    try:
+        show(*args, **kwargs)
+        sys.stdout.flush()  # (here, not at exit: Python would report the error there)
+    except OSError as e:
+        if e.errno not in (errno.EPIPE, errno.EIO):
+            raise
+        gone = [s for s in (sys.stdout, sys.stderr) if _stream_gone(s)] or [sys.stdout]
+        for stream in gone:  # (its unflushed rest would fail again: it goes nowhere)
+            os.dup2(os.open(os.devnull, os.O_WRONLY), stream.fileno())
+
+
 def _follow(handle) -> int:
-    """Show a run's progress until it ends (Ctrl-C stops it cleanly), then its summary."""
-    interrupted = 0
+    """Show a run's progress until it ends, then its summary. Ctrl-C, SIGTERM or SIGHUP
+    stops it cleanly (a second one aborts): the same exit code as Ctrl-C's for Ctrl-C,
+    128 + its number (143, 129) for another signal, so that a job script can tell a run
+    stopped in order from one that completed."""
+    received: list[int] = []
 
-    def on_sigint(signum, frame):
-        nonlocal interrupted
-        interrupted += 1
-        if interrupted == 1:
-            print(
-                "\nstopping: finishing the current update and flushing the store "
-                "(Ctrl-C again to abort)",
-                flush=True,
-            )
-            handle.stop()
-        else:
+    def on_signal(signum, frame):
+        received.append(signum)
+        if len(received) > 1:
             raise KeyboardInterrupt
+        handle.stop()
+        key = "Ctrl-C" if signum == signal.SIGINT else signal.Signals(signum).name
+        _safely(
+            print,
+            f"\nstopping ({key}): finishing the current update and flushing the store "
+            f"({key} again to abort)",
+            flush=True,
+        )
 
-    old = signal.signal(signal.SIGINT, on_sigint)
+    old = {}
+    for signum in STOP_SIGNALS:
+        if signal.getsignal(signum) is not signal.SIG_IGN:  # (nohup's SIGHUP stays ignored)
+            old[signum] = signal.signal(signum, on_signal)
     try:
         display = _Bar() if sys.stdout.isatty() else _Lines()
         try:
-            return _watch(handle, display)
-        except KeyboardInterrupt:  # the second Ctrl-C: no stop in order, no summary
-            display.close()
-            print(
+            code = _watch(handle, display)
+        except KeyboardInterrupt:  # the second signal: no stop in order, no summary
+            _safely(display.close)
+            _safely(
+                print,
                 f"\nlaminar: aborted; the run in {handle.run_dir} did not stop in order "
                 f"(`laminar run --resume {handle.run_dir}` continues it from its newest "
                 "checkpoint, docs/faults.md)",
                 file=sys.stderr,
             )
-            return 130
+            return 128 + (received[-1] if received else signal.SIGINT)
+        if received and received[0] != signal.SIGINT and code in (0, 130):
+            return 128 + received[0]  # (stopped in order, or in its setup, by that signal)
+        return code
     finally:
-        signal.signal(signal.SIGINT, old)
+        for signum, handler in old.items():
+            signal.signal(signum, handler)
 
 
 def _watch(handle, display) -> int:
     while not handle.done():
-        display.show(handle.progress())
+        _safely(display.show, handle.progress())
         time.sleep(0.5)
     final = handle.progress()
     if "version" in final:  # the last state, which the polling may have missed
-        display.show({**final, "phase": "training"}, force=True)
-    display.close()
+        _safely(display.show, {**final, "phase": "training"}, force=True)
+    _safely(display.close)
     try:
         summary = handle.wait()
     except RunStopped as e:  # Ctrl-C before it generated anything
-        print(f"laminar: {e}", file=sys.stderr)
+        _safely(print, f"laminar: {e}", file=sys.stderr)
         return 130
     except RunFailed as e:  # stopped in order: what it did, then why it failed
-        _print_summary(e.summary)
-        print(f"laminar: error: {e}", file=sys.stderr)
+        _safely(_print_summary, e.summary)
+        _safely(print, f"laminar: error: {e}", file=sys.stderr)
         return 1
     except LaminarError as e:
-        if handle.summary is None:  # failed in its setup (the cluster, the warm start)
+        if not handle.training_began:  # failed in its setup (the cluster, the warm start)
             raise
         # The driver failed under a running run (a cluster lost under it): what the
-        # stores hold, then why; exit 1, a failed run, as above (2 is a usage error).
-        _print_failed_summary(handle.summary)
-        print(f"laminar: error: {e}", file=sys.stderr)
+        # stores hold (unless even that could not be written), then why; exit 1, a
+        # failed run, as above (2 is a usage error).
+        if handle.summary is not None:
+            _safely(_print_failed_summary, handle.summary)
+        _safely(print, f"laminar: error: {e}", file=sys.stderr)
         return 1
-    _print_summary(summary)
+    _safely(_print_summary, summary)
     return 0
 
 
@@ -789,6 +867,10 @@ def main(argv: list[str] | None = None) -> int:
         return e.code if isinstance(e.code, int) else int(e.code is not None)
     _quiet_libraries()
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    old = {}
+    for signum in STOP_SIGNALS[1:]:  # (SIGINT is Python's KeyboardInterrupt already)
+        if signal.getsignal(signum) is not signal.SIG_IGN:  # (nohup's SIGHUP stays ignored)
+            old[signum] = signal.signal(signum, _signalled)
     try:
         commands = {
             "run": cmd_run,
@@ -801,13 +883,16 @@ def main(argv: list[str] | None = None) -> int:
     except (LaminarError, StoreError, FileNotFoundError) as e:
         print(f"laminar: error: {e}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:  # (Ctrl-C outside a run's progress: setup, bench, report)
-        print("laminar: interrupted", file=sys.stderr)
-        return 130
+    except KeyboardInterrupt as e:  # (Ctrl-C or a signal outside a run's progress)
+        _safely(print, "laminar: interrupted", file=sys.stderr)
+        return _exit_code(e)
     except BrokenPipeError:  # (what reads stdout stopped: `laminar audit --json RUN | head`)
         # Its unflushed rest would fail again as Python exits: it goes nowhere instead.
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 141  # (as a shell reports a writer its pipe's reader left: 128 + SIGPIPE)
+    finally:
+        for signum, handler in old.items():
+            signal.signal(signum, handler)
 
 
 if __name__ == "__main__":

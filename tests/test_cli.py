@@ -236,11 +236,17 @@ def test_a_run_whose_driver_failed_exits_1_with_what_the_stores_hold(capsys):
 
     from laminar.errors import ClusterError
 
-    def handle(summary):
+    def handle(summary, began=True):
         def wait():
             raise ClusterError("lost the trainer and data module")
 
-        return SimpleNamespace(done=lambda: True, progress=lambda: {}, wait=wait, summary=summary)
+        return SimpleNamespace(
+            done=lambda: True,
+            progress=lambda: {},
+            wait=wait,
+            summary=summary,
+            training_began=began,
+        )
 
     display = SimpleNamespace(show=lambda *a, **k: None, close=lambda: None)
     failed = {
@@ -257,7 +263,12 @@ def test_a_run_whose_driver_failed_exits_1_with_what_the_stores_hold(capsys):
     assert "failed: ClusterError" in out and "versions           3" in out
     assert "lost the trainer and data module" in err
     with pytest.raises(ClusterError):
-        cli._watch(handle(None), display)
+        cli._watch(handle(None, began=False), display)
+    # Failed after training began, and even its summary.json could not be written: still
+    # a failed run (1), not a usage error (2).
+    assert cli._watch(handle(None), display) == 1
+    out, err = capsys.readouterr()
+    assert "lost the trainer and data module" in err and "Traceback" not in err
 
 
 def test_the_printed_summary_says_how_many_updates_a_run_with_skipped_versions_made(capsys):
@@ -310,3 +321,161 @@ def test_a_reader_that_stops_early_ends_the_audit_quietly(tmp_path):
     err = proc.stderr.read()
     assert proc.wait(timeout=120) == 141, err
     assert "Traceback" not in err and "BrokenPipe" not in err, err
+
+
+def _summary(run_dir="runs/x", reason="stopped") -> dict:
+    """A summary as the driver writes it, with what `_print_summary` reads."""
+    return {
+        "run_dir": run_dir,
+        "reason": reason,
+        "reward_first_20pct": 0.5,
+        "reward_last_20pct": 0.75,
+        "reward_gain": 0.25,
+        "versions": 3,
+        "trajectories": 96,
+        "consumed": 64,
+        "prompt_tokens": 10,
+        "response_tokens": 20,
+        "staleness": {"s_gen_mean": 0.0, "s_train_mean": 1.0},
+        "rl_wall_s": 3.0,
+        "sft": {"wall_s": 1.0, "cached": True},
+        "checkpoint": "runs/x/checkpoints/version-000003",
+    }
+
+
+@pytest.mark.parametrize("signame, code", [("SIGTERM", 143), ("SIGHUP", 129)])
+def test_sigterm_or_sighup_stops_the_run_in_order_like_ctrl_c(
+    signame, code, tmp_path, monkeypatch, capsys
+):
+    """`scancel`, a Slurm job's walltime (SIGTERM) or a dropped SSH session (SIGHUP) used
+    to kill the driver outright: no final checkpoint, no summary.json. Now the first one
+    stops the run in order, as Ctrl-C does; the exit code says which signal (128 + its
+    number), so that a job script can tell the stopped run from a completed one."""
+    import os
+    import signal
+
+    signum = getattr(signal, signame)
+    closed = _fake_cluster(monkeypatch)
+    stops = []
+
+    class Handle:  # a run that ends in order once asked to stop; its first poll: the signal
+        training_began = True
+
+        def __init__(self, cfg, client, run_dir, resume=None):
+            self.run_dir = run_dir
+            self.polls = 0
+
+        def done(self):
+            return bool(stops)
+
+        def progress(self):
+            self.polls += 1
+            if self.polls == 1:
+                os.kill(os.getpid(), signum)
+            return {"phase": "setup"}
+
+        def stop(self):
+            stops.append(True)
+
+        def wait(self):
+            return _summary(str(self.run_dir))
+
+    def killed(*a):  # (what the signal would do unhandled: end the driver, no stop)
+        raise AssertionError(f"{signame} reached the default handler")
+
+    monkeypatch.setattr("pipelines.api.RunHandle", Handle)
+    monkeypatch.setattr("pipelines.cli.time.sleep", lambda s: None)
+    before = signal.signal(signum, killed)
+    try:
+        run = tmp_path / "run"
+        argv = ["run", "configs/tiny.yaml", "--set", "task.num_prompts=50", "--run-dir", str(run)]
+        assert _main_no_interrupt(argv) == code
+        assert signal.getsignal(signum) is killed  # put back
+    finally:
+        signal.signal(signum, before)
+    out, err = capsys.readouterr()
+    assert stops == [True] and closed == [True]
+    assert f"stopping ({signame})" in out and "== summary ==" in out, out
+    assert "Traceback" not in err
+
+
+def test_a_scheduler_file_path_is_taken_as_it_is_given(tmp_path, monkeypatch):
+    """--scheduler-file went into a YAML override unquoted: "exp #2/sched.json" became
+    "exp" (the rest a YAML comment)."""
+    import contextlib
+
+    seen = []
+
+    @contextlib.contextmanager
+    def fake_open_cluster(cfg, run_dir=None):
+        seen.append(cfg.cluster)
+        raise KeyboardInterrupt  # (stop there: the run is not the point)
+        yield
+
+    monkeypatch.setattr("laminar.deploy.open_cluster", fake_open_cluster)
+    sched = str(tmp_path / "exp #2: lr" / "sched.json")
+    run = tmp_path / "run"
+    argv = ["run", "configs/tiny.yaml", "--set", "task.num_prompts=50", "--run-dir", str(run)]
+    assert _main_no_interrupt([*argv, "--scheduler-file", sched]) == 130
+    assert seen[-1].kind == "address" and seen[-1].scheduler_file == sched
+    assert seen[-1].address is None
+    argv[-1] = str(tmp_path / "run2")
+    assert _main_no_interrupt([*argv, "--scheduler", "tcp://h:8786"]) == 130
+    assert seen[-1].address == "tcp://h:8786" and seen[-1].scheduler_file is None
+
+
+def test_ctrl_c_with_the_output_piped_to_a_reader_it_also_ended_stops_in_order(tmp_path):
+    """`laminar run ... | tee log`, then Ctrl-C: the same Ctrl-C ends `tee`, and printing
+    "stopping ..." (in the signal handler) or the summary raised BrokenPipeError: the
+    command ended with 141 at once, the run not stopped in order. Now the output goes
+    nowhere, the run stops in order, and the exit code is a stopped run's, 0."""
+    import json
+    import subprocess
+    import sys
+
+    from conftest import REPO
+
+    code = """
+import json, os, signal, sys
+from pipelines import cli
+
+class Handle:
+    run_dir = "runs/x"
+    training_began = True
+    summary = None
+
+    def __init__(self):
+        self.stopped = False
+        self.polls = 0
+
+    def done(self):
+        return self.stopped
+
+    def progress(self):
+        self.polls += 1
+        if self.polls == 1:
+            os.kill(os.getpid(), signal.SIGINT)
+        return {"phase": "setup"}
+
+    def stop(self):
+        self.stopped = True
+        print("STOPPED", file=sys.stderr, flush=True)
+
+    def wait(self):
+        return SUMMARY
+
+cli.time.sleep = lambda s: None
+SUMMARY = json.loads(sys.argv[1])
+sys.exit(cli._follow(Handle()))
+"""
+    proc = subprocess.Popen(
+        [sys.executable, "-c", code, json.dumps(_summary())],
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    proc.stdout.close()  # (the reader gone, as `tee` after the Ctrl-C)
+    err = proc.stderr.read()
+    assert proc.wait(timeout=120) == 0, err
+    assert "STOPPED" in err and "Traceback" not in err and "BrokenPipe" not in err, err
