@@ -26,7 +26,8 @@ from __future__ import annotations
 import logging
 import os
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -35,7 +36,7 @@ import xarray as xr
 import zarr
 
 from storage.schema import COMMIT_ATTR, STRING
-from storage.trajectories import fill_value, fixed_width, reading, store_path
+from storage.trajectories import StoreError, fill_value, fixed_width, reading, store_path
 
 logger = logging.getLogger(__name__)
 
@@ -117,6 +118,48 @@ def _column(name: str, values: list[Any]) -> np.ndarray:
     return np.array([np.nan if v is None else v for v in values], dtype=np.float64)
 
 
+@contextmanager
+def _damage(store: Path) -> Iterator[None]:
+    """What a damaged metrics store raises where it is opened (a truncated or replaced
+    ``zarr.json``: a JSON, zarr metadata or type error) becomes a :class:`StoreError`
+    naming it and the fix. A permission error (``OSError``) is not damage: not caught."""
+    try:
+        yield
+    except (ValueError, TypeError, KeyError, RuntimeError) as e:  # (zarr's errors: ValueError)
+        raise StoreError(
+            f"metrics store {str(store)!r} is damaged ({type(e).__name__}: {e}); restore "
+            "it from a copy, or move it aside (rename it, e.g. to "
+            f"{store.name}.damaged, to keep its rows): the run then records its metrics "
+            "in a new one"
+        ) from e
+
+
+def _check_tables(root: zarr.Group) -> None:
+    """Read the metadata an append reads (each table's group, its commit count and its
+    columns' array metadata), no chunk."""
+    for table in TABLES:
+        if table not in root:
+            continue
+        group = root[table]
+        if not isinstance(group, zarr.Group):
+            raise TypeError(f"{table!r} is a {type(group).__name__}, not a table's group")
+        if COMMIT_ATTR in group.attrs and not int(group.attrs[COMMIT_ATTR]) >= 0:
+            raise ValueError(f"{table}'s {COMMIT_ATTR} is {group.attrs[COMMIT_ATTR]!r}")
+        dict(group.arrays())
+
+
+def check_metrics_store(run_dir: str | Path) -> None:
+    """Refuse a run directory whose ``metrics.zarr`` a resumed run could not append to,
+    before the cluster starts: reads its metadata (read-only), as
+    :class:`MetricsWriter` does when it opens; a :class:`StoreError` names the store and
+    the fix. No store yet (or no ``zarr.json``: the writer makes one) passes."""
+    store = store_path(run_dir, STORE_NAME)
+    if not (store / "zarr.json").exists():
+        return
+    with _damage(store):
+        _check_tables(zarr.open_group(str(store), mode="r", zarr_format=3))
+
+
 class MetricsWriter:
     """Append rows (mappings of column -> number or string) to the tables of a run.
 
@@ -131,7 +174,9 @@ class MetricsWriter:
 
     def __init__(self, path: str | Path, tensorboard: bool = False) -> None:
         self.path = store_path(path, STORE_NAME)
-        self.root = zarr.open_group(str(self.path), mode="a", zarr_format=3)
+        with _damage(self.path):  # (what append reads first, read now: a clear error)
+            self.root = zarr.open_group(str(self.path), mode="a", zarr_format=3)
+            _check_tables(self.root)
         self.tensorboard = TensorBoardMirror(self.path.parent) if tensorboard else None
 
     def close(self) -> None:

@@ -87,3 +87,34 @@ def test_a_data_position_is_read_and_none_is_the_first_prompt(ckpt, model_config
     (ckpt / DATA_STATE).write_text('{"dispatched": 7, "released": 5}')
     assert data_position(str(ckpt)) == 7
     assert check_checkpoint(ckpt, model_config, CFG)["version"] == 0
+
+
+@pytest.mark.parametrize(
+    "damage",
+    ["zarr.json", "updates/zarr.json", "updates/loss/zarr.json", "updates/n_committed"],
+)
+def test_a_damaged_metrics_store_is_named_before_the_cluster_starts(tmp_path, damage):
+    """A resume took it, and the run failed after the cluster started with a bare
+    JSONDecodeError (or ValueError) where the driver opened its writer or appended:
+    the read-only check says so first, and the writer's open says the same."""
+    import json
+
+    from storage.metrics import MetricsWriter, check_metrics_store
+    from storage.trajectories import StoreError
+
+    w = MetricsWriter(tmp_path)
+    w.append("updates", [{"version": 1, "loss": 0.5}])
+    check_metrics_store(tmp_path)  # (a store whole, or none, passes)
+    check_metrics_store(tmp_path / "elsewhere")
+    store = tmp_path / "metrics.zarr"
+    if damage == "updates/n_committed":  # (its commit count, not a count)
+        meta = json.loads((store / "updates" / "zarr.json").read_text())
+        meta["attributes"]["n_committed"] = "abc"
+        (store / "updates" / "zarr.json").write_text(json.dumps(meta))
+    else:
+        (store / damage).write_text("{")
+    fix = r"metrics store '.*metrics.zarr' is damaged.*restore it from a copy, or move it aside"
+    with pytest.raises(StoreError, match=fix):
+        check_metrics_store(tmp_path)
+    with pytest.raises(StoreError, match=fix):
+        MetricsWriter(tmp_path)
