@@ -12,6 +12,32 @@ import numpy as np
 from laminar.config import RunConfig
 
 
+def _strict(x):
+    """``x`` as strict JSON holds it: NaN and infinities (a figure with nothing to
+    compute it from, e.g. the rewards of a run stopped before any trajectory) as None,
+    numpy scalars as Python ones."""
+    if isinstance(x, np.generic):
+        x = x.item()
+    if isinstance(x, float):
+        return x if math.isfinite(x) else None
+    if isinstance(x, dict):
+        return {k: _strict(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_strict(v) for v in x]
+    return x
+
+
+def write_summary(run_dir: Path, summary: dict) -> None:
+    """Write ``RUN_DIR/summary.json`` whole or not at all (a reader, `laminar report` or
+    the audit of a run that is ending, never sees half of it), as strict JSON: what has
+    no value is ``null``, not ``NaN`` (which strict readers refuse). The summary that
+    the driver returns keeps its NaN."""
+    from laminar.sft import replace_text
+
+    text = json.dumps(_strict(summary), indent=2, default=lambda o: _strict(float(o)))
+    replace_text(Path(run_dir) / "summary.json", text)
+
+
 def faults_summary(
     m_stats: dict | None,
     partial: dict | None,
@@ -139,7 +165,7 @@ def summarize(run_dir: Path, raw: dict, sft_info: dict, cfg: RunConfig) -> dict:
         "resumed": raw["resumed"],  # this segment's start, when resumed in place
         "metrics": str(run_dir / "metrics.zarr"),
     }
-    (run_dir / "summary.json").write_text(json.dumps(summary, indent=2, default=float))
+    write_summary(run_dir, summary)
     return summary
 
 
@@ -204,5 +230,5 @@ def summarize_failed(run_dir: Path, error: BaseException, cfg: RunConfig) -> dic
             summary["segments"] = len(starts)
     if seen:
         summary["versions"] = max(seen)
-    (run_dir / "summary.json").write_text(json.dumps(summary, indent=2, default=float))
+    write_summary(run_dir, summary)
     return summary

@@ -53,3 +53,30 @@ def test_the_summary_counts_updates_made_beside_the_last_version_number(tiny_pol
     assert (summary["versions"], summary["updates"]) == (6, 4)
     on_disk = json.loads((run / "summary.json").read_text())
     assert (on_disk["versions"], on_disk["updates"]) == (6, 4)
+
+
+def test_summary_json_is_strict_json_written_whole(tmp_path):
+    """A run stopped before any trajectory has no reward figures: summary.json said
+    ``NaN``, which strict JSON readers (jq, JavaScript, most languages' parsers) refuse;
+    now ``null``. And it is replaced whole (a new file renamed over the old), never
+    rewritten in place where a reader could see half of it."""
+    import math
+    import os
+
+    from pipelines.summary import summarize_failed
+
+    run = tmp_path / "run"
+    TrajectoryWriter(run)  # (an empty store)
+    (run / "summary.json").write_text('{"reason": "completed"}')  # (an earlier start's)
+    before = os.stat(run / "summary.json").st_ino
+    summary = summarize_failed(run, RuntimeError("lost"), CFG)
+    assert math.isnan(summary["reward_first_20pct"])  # (the returned summary: a float)
+
+    def refuse(name):
+        raise ValueError(f"not strict JSON: {name}")
+
+    on_disk = json.loads((run / "summary.json").read_text(), parse_constant=refuse)
+    assert on_disk["reward_first_20pct"] is None and on_disk["reward_gain"] is None
+    assert on_disk["reason"] == "failed: RuntimeError: lost"
+    assert os.stat(run / "summary.json").st_ino != before
+    assert sorted(p.name for p in run.iterdir() if p.name.startswith("summary")) == ["summary.json"]
