@@ -17,6 +17,8 @@ import threading
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
+import numpy as np
+
 from laminar.errors import RewardError
 
 RewardFn = Callable[[str, str], float]
@@ -201,15 +203,26 @@ def score_batch(
             )
             continue
         if error is not None:  # a user function may raise anything: mark, don't crash
-            name = type(error).__name__
-            out.append(Score(math.nan, f"reward {reward_name} raised {name}: {error}"))
+            said = f"{type(error).__name__}: {error}" if str(error) else type(error).__name__
+            out.append(Score(math.nan, f"reward {reward_name} raised {said}"))
             continue
         value = _reward_value(raw)
         if not math.isfinite(value):
             out.append(Score(math.nan, f"reward {reward_name} returned {_shown(raw)}"))
+        elif abs(value) > FLOAT32_MAX:  # (stored as float32: inf, and a group's variance)
+            out.append(
+                Score(
+                    math.nan,
+                    f"reward {reward_name} returned {_shown(raw)}, beyond float32's range "
+                    f"(±{FLOAT32_MAX:.4g}) in which rewards are stored; scale it down",
+                )
+            )
         else:
             out.append(Score(value))
     return out
+
+
+FLOAT32_MAX = float(np.finfo(np.float32).max)
 
 
 _TIMED_OUT = object()
@@ -250,12 +263,24 @@ def _call_each(
 
 
 def _outcomes(fn: RewardFn, calls: list[tuple[str, str]]) -> Iterator[tuple[object, object]]:
-    """``(value, None)`` or ``(None, exception)`` for each call, in order, made here."""
+    """``(value, None)`` or ``(None, exception)`` for each call, in order, made here.
+
+    A function's ``SystemExit`` (``sys.exit(3)``) or ``KeyboardInterrupt`` is its
+    error too: uncaught, it ended the reward thread (every later call then waited out
+    ``task.reward_timeout_s``) or escaped the task. Only a ``KeyboardInterrupt`` on the
+    main thread goes on up: that is Ctrl-C, whatever was running when it came. (The
+    ``yield`` stands outside the ``try``: a generator closed there gets ``GeneratorExit``,
+    which is not the function's.)"""
     for response, answer in calls:
         try:
-            yield fn(response, answer), None
-        except Exception as e:  # noqa: BLE001 — a user function may raise anything
-            yield None, e
+            outcome = fn(response, answer), None
+        except KeyboardInterrupt as e:
+            if threading.current_thread() is threading.main_thread():
+                raise
+            outcome = None, e
+        except BaseException as e:  # noqa: BLE001 — a user function may raise anything
+            outcome = None, e
+        yield outcome
 
 
 def _broken(response: str, answer: str) -> float:

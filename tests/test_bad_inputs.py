@@ -118,3 +118,80 @@ def test_a_damaged_metrics_store_is_named_before_the_cluster_starts(tmp_path, da
         check_metrics_store(tmp_path)
     with pytest.raises(StoreError, match=fix):
         MetricsWriter(tmp_path)
+
+
+def exits(response: str, answer: str) -> float:
+    """A reward function that calls ``sys.exit(3)`` for the response ``exit``."""
+    import sys
+
+    if response == "exit":
+        sys.exit(3)
+    return float(response == answer)
+
+
+def interrupts(response: str, answer: str) -> float:
+    """A reward function that raises ``KeyboardInterrupt`` (no Ctrl-C: its own raise)."""
+    raise KeyboardInterrupt
+
+
+def huge(response: str, answer: str) -> float:
+    """A reward of ``float(response)``: finite in float64, beyond float32 for 1e39."""
+    return float(response)
+
+
+@pytest.mark.parametrize("timeout_s", [None, 30.0])
+def test_a_reward_function_that_exits_marks_its_item(timeout_s):
+    """sys.exit in a reward function escaped the Dask task (no timeout), or ended the
+    reward thread, so that each later call waited out task.reward_timeout_s and was
+    reported as not returning."""
+    import time
+
+    from laminar.rewards import score_batch
+
+    items = [("exit", "1", True), ("1", "1", True), ("exit", "1", True)]
+    t0 = time.monotonic()
+    scores = score_batch("test_bad_inputs:exits", items, timeout_s=timeout_s)
+    assert [s.error for s in scores] == [
+        "reward test_bad_inputs:exits raised SystemExit: 3",
+        None,
+        "reward test_bad_inputs:exits raised SystemExit: 3",
+    ]
+    assert scores[1].reward == 1.0
+    assert time.monotonic() - t0 < 10  # (no call waited for the timeout)
+
+
+def test_a_reward_functions_keyboard_interrupt_is_its_error_off_the_main_thread():
+    """Off the main thread (the reward thread; a Dask worker's task thread) no Ctrl-C
+    arrives: a KeyboardInterrupt there is the function's. On the main thread it may be
+    Ctrl-C, and goes on up."""
+    import threading
+
+    from laminar.rewards import score_batch
+
+    said = "reward test_bad_inputs:interrupts raised KeyboardInterrupt"
+    scores = score_batch("test_bad_inputs:interrupts", [("1", "1", True)], timeout_s=30.0)
+    assert scores[0].error == said
+    out = []
+    task = threading.Thread(
+        target=lambda: out.extend(score_batch("test_bad_inputs:interrupts", [("1", "1", True)]))
+    )
+    task.start()
+    task.join()
+    assert out[0].error == said
+    with pytest.raises(KeyboardInterrupt):
+        score_batch("test_bad_inputs:interrupts", [("1", "1", True)])
+
+
+def test_a_reward_beyond_float32_is_an_error_naming_it():
+    """1e39 is finite as a float64 but inf as the float32 it is stored as (and a group's
+    variance overflows): marked, as a non-finite reward is."""
+    import math
+
+    from laminar.rewards import score_batch
+
+    items = [("1e39", "", True), ("-1e39", "", True), ("3e38", "", True)]
+    scores = score_batch("test_bad_inputs:huge", items)
+    assert scores[0].error.startswith("reward test_bad_inputs:huge returned 1e+39, beyond float32")
+    assert "scale it down" in scores[0].error and math.isnan(scores[0].reward)
+    assert "returned -1e+39" in scores[1].error
+    assert scores[2] == type(scores[2])(3e38)
