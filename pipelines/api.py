@@ -105,15 +105,56 @@ def _claim(path: Path, doing: str) -> Claim:
         raise _going(path, doing, e.live, e.here) from None
 
 
-def _write_claimed(path: Path, doing: str, config: Path, text: str) -> None:
-    """Claim ``path``, then write its ``config.yaml``; the claim is given back if the
-    write fails, and kept (for the RunHandle to take over) if it does not."""
+def _write_claimed(path: Path, doing: str, files: dict[Path, str | None]) -> None:
+    """Claim ``path``, then write its ``config.yaml`` and the like (``files``: each
+    one's text; None: removed); the claim is given back if a write fails, and kept (for
+    the RunHandle to take over) if none does."""
     held = _claim(path, doing)  # (an idle claim: _claim refuses one a run drives)
     try:
-        config.write_text(text)
+        for file, text in files.items():
+            if text is None:
+                file.unlink(missing_ok=True)
+            else:
+                file.write_text(text)
     except BaseException:
         held.release()
         raise
+
+
+# The sha256 of task.prompt_file's bytes as the run began (sha256sum's format): a resume
+# refuses a file whose content changed (the stores' groups are of its prompts, by key).
+PROMPT_FINGERPRINT = "prompt_file.sha256"
+# The settings that make the prompts (and their order: seed): what a resume cannot change.
+PROMPT_FIELDS = (
+    "task.name",
+    "task.prompt_file",
+    "task.num_prompts",
+    "task.median_len",
+    "task.tail_ratio",
+    "task.max_len",
+    "task.length_share",
+    "seed",
+)
+
+
+def _fingerprint(cfg: RunConfig) -> str | None:
+    """``PROMPT_FINGERPRINT``'s text for ``cfg``'s prompt file; None: no prompt file."""
+    import hashlib
+
+    if not cfg.task.prompt_file:
+        return None
+    digest = hashlib.sha256()
+    with open(cfg.task.prompt_file, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return f"{digest.hexdigest()}  {cfg.task.prompt_file}\n"
+
+
+def _field(cfg: RunConfig, key: str):
+    value = cfg
+    for part in key.split("."):
+        value = getattr(value, part)
+    return value
 
 
 def _laminar_config(path: Path) -> bool:
@@ -165,7 +206,8 @@ def prepare_run_dir(cfg: RunConfig, run_dir: str | Path | None) -> Path:
         )
     path.mkdir(parents=True, exist_ok=True)
     text = cfg.model_copy(update={"run_dir": str(path)}).to_yaml()
-    _write_claimed(path, "start a run in", path / "config.yaml", text)
+    files = {path / "config.yaml": text, path / PROMPT_FINGERPRINT: _fingerprint(cfg)}
+    _write_claimed(path, "start a run in", files)
     return path.resolve()
 
 
@@ -384,16 +426,52 @@ def prepare_resume(run_dir: str | Path, overrides: list[str] | tuple[str, ...] =
             "a run checkpoints when it ends and every trainer.checkpoint_every versions; "
             "start it again"
         )
-    own = load_config(config).trainer.resume_from  # (null, unless it began from another run)
+    ran = load_config(config)
+    own = ran.trainer.resume_from  # (null, unless it began from another run)
     cfg = load_config(config, overrides)
     # (set, not --set: a path is not YAML; "runs/exp #2" would lose its " #2")
     trainer = cfg.trainer.model_copy(update={"resume_from": str(ckpt)})
     cfg = cfg.model_copy(update={"trainer": trainer, "run_dir": str(path)})
     if cfg.pipeline.schedule != "laminar":
+        asked = (
+            f" and --set pipeline.schedule={cfg.pipeline.schedule!r} was given"
+            if cfg.pipeline.schedule != ran.pipeline.schedule
+            else ""
+        )
         raise ConfigError(
             f"cannot resume {str(path)!r} in place: it ran pipeline.schedule="
-            f"{cfg.pipeline.schedule!r}, and resuming in place is built for the laminar "
-            "schedule; start a new run from its checkpoint with "
+            f"{ran.pipeline.schedule!r}{asked}, and resuming in place is built for the "
+            "laminar schedule; "
+            + ("drop that --set, or " if asked and ran.pipeline.schedule == "laminar" else "")
+            + f"start a new run from its checkpoint with --set trainer.resume_from={ckpt}"
+        )
+    fingerprint = path / PROMPT_FINGERPRINT
+    moved = fingerprint.exists()
+    # (a prompt file moved, or named from elsewhere: its bytes are checked below)
+    both_files = bool(moved and ran.task.prompt_file and cfg.task.prompt_file)
+    changed = [
+        key
+        for key in PROMPT_FIELDS
+        if _field(cfg, key) != _field(ran, key) and not (both_files and key == "task.prompt_file")
+    ]
+    if changed:
+        raise ConfigError(
+            f"cannot resume {str(path)!r} with "
+            + ", ".join(f"{k}={_field(cfg, k)!r}" for k in changed)
+            + ": it ran "
+            + ", ".join(f"{k}={_field(ran, k)!r}" for k in changed)
+            + ", and its stores hold groups of the prompts those made (a resume completes "
+            "them by prompt key); drop that --set, or train on other data in a new run "
+            f"from its checkpoint: --set trainer.resume_from={ckpt}"
+        )
+    # (a prompt file that is not there: preflight names it)
+    now = _fingerprint(cfg) if Path(cfg.task.prompt_file or "").is_file() else None
+    if moved and now is not None and now.split()[0] != fingerprint.read_text().split()[0]:
+        raise ConfigError(
+            f"cannot resume {str(path)!r}: task.prompt_file {cfg.task.prompt_file!r} is not "
+            f"what the run began with (its bytes changed since: {PROMPT_FINGERPRINT} in the "
+            "run directory), and the stores hold groups of its prompts by key; put the "
+            "run's file back, or train on the new one in a new run from its checkpoint: "
             f"--set trainer.resume_from={ckpt}"
         )
     version = checkpoint_version(ckpt)
@@ -411,7 +489,9 @@ def prepare_resume(run_dir: str | Path, overrides: list[str] | tuple[str, ...] =
     # the whole run (each resume finds its newest checkpoint itself).
     trainer = cfg.trainer.model_copy(update={"resume_from": own})
     text = cfg.model_copy(update={"trainer": trainer}).to_yaml()
-    _write_claimed(path, "resume", config, text)
+    # (a run from before fingerprints gets one now: later resumes are checked against it)
+    files = {config: text, **({fingerprint: now} if now is not None and not moved else {})}
+    _write_claimed(path, "resume", files)
     return cfg, plan, path
 
 

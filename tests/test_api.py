@@ -185,3 +185,94 @@ def test_a_bench_run_that_did_not_run_to_its_end_is_no_measurement(monkeypatch, 
     assert e.value.summary["reason"] == "stopped"
     with pytest.raises(RunFailed, match="ended 'stopped' before its 90.0 s window"):
         bench_repack._arm(None, tmp_path / "run", [], 90.0, None, 0.1)
+
+
+def _resumable_run(tmp_path, overrides=()):
+    """A run directory as `laminar run` leaves it, with a checkpoint's trainer state at
+    version 1 (its weights missing: a resume that gets past the config checks fails on
+    them, in preflight)."""
+    import json
+
+    from laminar.config import RunConfig, with_overrides
+    from pipelines.api import prepare_run_dir
+
+    cfg = with_overrides(RunConfig(), ["trainer.steps=2", *overrides])
+    run = prepare_run_dir(cfg, tmp_path / "run")
+    ckpt = run / "checkpoints" / "version-000001"
+    ckpt.mkdir(parents=True)
+    (ckpt / "trainer_state.json").write_text(json.dumps({"version": 1}))
+    return run
+
+
+def _past_the_config_checks(run, overrides=()):
+    """Whether a resume got past the refusals of a changed config (to the checkpoint's
+    missing weights)."""
+    from pipelines.api import prepare_resume
+
+    with pytest.raises(Exception) as e:
+        prepare_resume(run, overrides)
+    assert "cannot resume" not in str(e.value), e.value
+    return True
+
+
+def test_a_resume_that_would_change_the_prompts_is_refused_naming_the_field(tmp_path):
+    """Re-issued siblings of a resumed run's groups are found by prompt key: a resume
+    with another task, seed or prompt file silently put other prompts into old groups."""
+    from laminar.errors import ConfigError
+    from pipelines.api import prepare_resume
+
+    run = _resumable_run(tmp_path)
+    before = (run / "config.yaml").read_text()
+    for override, was in [("task.name=copy", "'count'"), ("seed=7", "0")]:
+        key, value = override.split("=")
+        with pytest.raises(ConfigError, match=rf"with {key}=.*{value}.*: it ran {key}={was}"):
+            prepare_resume(run, [override])
+    with pytest.raises(ConfigError, match=r"trainer.resume_from=.*version-000001"):
+        prepare_resume(run, ["task.num_prompts=7"])
+    assert (run / "config.yaml").read_text() == before
+    # what does not make the prompts may change (a reward fixed after a failure)
+    assert _past_the_config_checks(run, ["task.truncated_reward=0.5", "trainer.steps=3"])
+
+
+def test_a_resume_refuses_a_prompt_file_whose_bytes_changed(tmp_path):
+    """An edited prompt file with as many lines maps each key to another prompt: the
+    run records the file's sha256 as it began, and a resume refuses other bytes; the
+    same bytes moved elsewhere, and an old run without a record, resume."""
+    import shutil
+
+    from laminar.errors import ConfigError
+    from pipelines.api import PROMPT_FINGERPRINT, prepare_resume
+
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text('{"prompt": "1 2", "answer": "3"}\n{"prompt": "4 5", "answer": "6"}\n')
+    run = _resumable_run(tmp_path, [f"task.prompt_file={prompts}"])
+    assert (run / PROMPT_FINGERPRINT).read_text().split()[1] == str(prompts)
+    assert _past_the_config_checks(run, ["trainer.steps=3"])
+    moved = tmp_path / "elsewhere.jsonl"
+    shutil.copy(prompts, moved)
+    assert _past_the_config_checks(run, ["trainer.steps=3", f"task.prompt_file={moved}"])
+    prompts.write_text('{"prompt": "4 5", "answer": "6"}\n{"prompt": "1 2", "answer": "3"}\n')
+    for given in ([], [f"task.prompt_file={prompts}"]):
+        with pytest.raises(ConfigError, match=r"task.prompt_file '.*prompts.jsonl' is not what"):
+            prepare_resume(run, ["trainer.steps=3", *given])
+    # a run from before the record: resumed, and recorded from then on
+    (run / PROMPT_FINGERPRINT).unlink()
+    assert _past_the_config_checks(run, ["trainer.steps=3"])
+
+
+def test_the_schedule_refusal_names_the_runs_value_and_the_set_given(tmp_path):
+    """`--resume RUN --set pipeline.schedule=sync` of a laminar run said "it ran
+    pipeline.schedule='sync'": the user's override, blamed on the run."""
+    from laminar.errors import ConfigError
+    from pipelines.api import prepare_resume
+
+    run = _resumable_run(tmp_path)
+    with pytest.raises(ConfigError) as e:
+        prepare_resume(run, ["pipeline.schedule=sync"])
+    msg = str(e.value)
+    assert "it ran pipeline.schedule='laminar' and --set pipeline.schedule='sync'" in msg, msg
+    assert "drop that --set" in msg
+    run = _resumable_run(tmp_path / "b", ["pipeline.schedule=sync"])
+    with pytest.raises(ConfigError, match=r"it ran pipeline.schedule='sync', and") as e:
+        prepare_resume(run)
+    assert "--set pipeline.schedule" not in str(e.value)
