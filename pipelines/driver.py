@@ -318,6 +318,7 @@ class Schedule:
         self._master_publications: list[dict] = []  # the live master's, as last copied
         self._last_t_stats: dict | None = None
         self._updates_before = 0  # rows of the updates table from trainers since lost
+        self._master_gone = False  # lost with a trainer that had finished: none replaced it
         self.core_workers |= {f"trainer rank {r}": w for r, w in enumerate(trainer_ws[1:], 1)}
         self.actors = {
             "manager": manager,
@@ -610,7 +611,10 @@ class Schedule:
             self.data_restarts.append(r.record)
             return
         self.core_restarts.append(r.record)
-        self._trainer_back(r, "trainer and data module", r.handle)
+        if r.finished:
+            self._trainer_finished(r)
+        else:
+            self._trainer_back(r, "trainer and data module", r.handle)
 
     def _core_timeout(self) -> float:
         """How long a call to the trainer or the data module may take: one silent for
@@ -717,6 +721,8 @@ class Schedule:
         a, faults = self.actors, self.cfg.faults
         if isinstance(self._data_restart, CoreRestart):  # (no trainer runs meanwhile)
             return self._data_restart.stand_in
+        if a["trainer"] is None and self._restart is None:  # (_trainer_finished)
+            return self._last_t_stats
         if self._restart is None:
             worker = self._trainer_worker()
             try:
@@ -759,12 +765,43 @@ class Schedule:
                 if self._restart is None:  # (lost with the data module: CoreRestart)
                     return self._data_restart.stand_in
         handle = self._restart.step()
-        if handle is None:
+        if handle is None and not self._restart.finished:
             return self._restart.stand_in
         r, self._restart = self._restart, None
         self.trainer_restarts.append(r.record)
-        self._trainer_back(r, "trainer", handle)
+        if r.finished:
+            self._trainer_finished(r)
+        else:
+            self._trainer_back(r, "trainer", handle)
         return self._last_t_stats
+
+    def _trainer_finished(self, r) -> None:
+        """A restart ``r`` found that the lost trainer had written the run's final
+        checkpoint (:func:`pipelines.restart._final_checkpoint`): no trainer runs from here on.
+        Its last stats stand, done at that checkpoint, so the run stops as completed;
+        the updates it made after the driver last copied its history are not in the
+        ``updates`` table (as for any lost trainer)."""
+        a = self.actors
+        a["trainer"], a["trainer_ranks"] = None, []
+        self.core_workers = {
+            role: w for role, w in self.core_workers.items() if not role.startswith("trainer")
+        }
+        if r.worker is not None:  # (a CoreRestart: the rebuilt data module's, alone now)
+            self.core_workers["data module"] = r.worker
+        if r.master is not None:  # (a CoreRestart: the manager made it the chain's head)
+            self.tier.relays[0], self.tier.workers[0] = r.master, r.worker
+        else:  # (lost with the trainer: its publications are in _old_publications)
+            self._master_gone = True
+        version = r.record["checkpoint_version"]
+        self._last_t_stats = {
+            **(self._last_t_stats or r.stand_in),
+            "version": version,
+            "steps": version,
+            "done": True,
+            "error": None,
+            "silent_s": None,
+            "checkpoint": r.record["checkpoint"],
+        }
 
     def _trainer_back(self, r, head: str, handle) -> None:
         """A restart ``r`` has its new trainer (``handle``) running: its master relay, its
@@ -799,8 +836,9 @@ class Schedule:
 
         return self._last_t_stats or trainer_stand_in(None, self.cfg.trainer.steps)
 
-    def _trainer_worker(self) -> str:
-        return self.core_workers.get("trainer") or self.core_workers["trainer and data module"]
+    def _trainer_worker(self) -> str | None:
+        """Rank 0's worker (``None``: none runs, see :meth:`_trainer_finished`)."""
+        return self.core_workers.get("trainer") or self.core_workers.get("trainer and data module")
 
     def _keep_publications(self) -> None:
         """The master's publication records, which only the trainer's process holds,
@@ -963,7 +1001,9 @@ class Schedule:
 
     def _flush_metrics(self) -> None:
         self._write_rows()
-        if self._restart is None and self._data_restart is None:  # (no trainer restarting)
+        if self.actors["trainer"] is None:  # (it finished, then was lost: none runs)
+            pass
+        elif self._restart is None and self._data_restart is None:  # (none restarting)
             try:
                 if self._trainer_worker() in self._fenced:
                     raise TimeoutError("the trainer is hung")
@@ -1141,7 +1181,10 @@ class Schedule:
         # gone (a call in flight to a lost actor otherwise never returns): a core actor
         # lost or hung as the run stops fails the stop, and run() stops what still runs.
         # (the trainer's stop waits up to 60 s for its update, then writes its checkpoint)
-        t_stats = _stopping(a["trainer"], "stop", timeout + 60.0)
+        if a["trainer"] is None:  # (lost after its final checkpoint: _trainer_finished)
+            t_stats = self._last_t_stats
+        else:
+            t_stats = _stopping(a["trainer"], "stop", timeout + 60.0)
         while not t_stats["done"] and t_stats.get("silent_s") is not None:
             # A last update or checkpoint longer than that (a big model): waited for while
             # it shows progress, or the data position would go into an older checkpoint
@@ -1219,11 +1262,9 @@ class Schedule:
         a = self.actors
         master, *down = a["relays"]  # a lost downstream relay does not answer: left out
         timeout = self.cfg.cluster.actor_timeout_s
-        stats = [
-            _stopping(master, "stats", timeout),
-            *_answers([lambda r=r: r.stats() for r in down]),
-        ]
-        pubs = self._old_publications + stats[0].get("publications", [])
+        head = [] if self._master_gone else [_stopping(master, "stats", timeout)]
+        stats = [*head, *_answers([lambda r=r: r.stats() for r in down])]
+        pubs = self._old_publications + (head[0].get("publications", []) if head else [])
         out = {
             **self.relay_info,
             "publications": pubs,
@@ -1234,7 +1275,9 @@ class Schedule:
             "weight_loads": [s["weight_loads"] for s in r_stats],
         }
         if self.cfg.relay.audit_weights:
-            published = self._published_fps | _stopping(a["trainer"], "get_fingerprints", timeout)
+            published = self._published_fps
+            if a["trainer"] is not None:  # (else lost after its last copy: unverified)
+                published = published | _stopping(a["trainer"], "get_fingerprints", timeout)
             checked = mismatched = unverified = 0
             loaded = _answers([lambda r=r: r.get_fingerprints() for r in self._live_rollouts()])
             for fingerprints in loaded:

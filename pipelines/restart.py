@@ -239,6 +239,40 @@ def _steps(s, checkpoint_version: int, current: dict, ckpt=None) -> int:
         records = [r for r in records if r["time"] < w["time"]]
 
 
+def _final_checkpoint(s, record: dict) -> dict | None:
+    """The restart record's fields (:func:`_restart_point`) when the newest checkpoint
+    holds every update the run asked for: the lost trainer wrote its final checkpoint
+    before the driver saw it done (and had published that version: nothing was lost
+    after it). Nothing is left to train, so no trainer starts again (one would refuse
+    the checkpoint: "nothing left to train"); the run ends as completed. ``None``
+    otherwise. ``record``: the restart's own (see :func:`_steps`)."""
+    ckpt = newest_checkpoint(s.run_dir)
+    if ckpt is None:
+        return None
+    version = checkpoint_version(ckpt)
+    if version < _steps(s, version, record, ckpt):
+        return None
+    return _restart_point(s.run_dir, version)[2]
+
+
+def _finish(r, fields: dict) -> None:
+    """The restart ``r`` (:class:`TrainerRestart` or :class:`CoreRestart`) found the run's
+    final checkpoint (:func:`_final_checkpoint`): recorded and said."""
+    r.finished = True
+    r.record.update(
+        fields,
+        finished=True,
+        steps=fields["checkpoint_version"],
+        restart_s=time.time() - r.t_lost,  # (no trainer needed: the downtime ends here)
+    )
+    logger.warning(
+        "the trainer was lost after its final checkpoint (version %s, %s): the run has "
+        "every update it asked for; no trainer starts again",
+        fields["checkpoint_version"],
+        fields["checkpoint"],
+    )
+
+
 def _running(r) -> None:
     """A restart ``r`` (:class:`TrainerRestart` or :class:`CoreRestart`) has its new
     trainer running: recorded and said."""
@@ -306,6 +340,7 @@ class TrainerRestart:
         self.master = None
         self.group: _Group | None = None
         self.ranks: list = []  # the other ranks' handles, once running
+        self.finished = False  # the lost trainer had finished (_final_checkpoint): none starts
         self.record: dict = {"lost_worker": lost_worker, "time": self.t_lost}
         logger.warning(
             "trainer lost (worker %s gone) at version %s; restarting it within the run",
@@ -314,8 +349,9 @@ class TrainerRestart:
         )
 
     def step(self):
-        """Advance; returns the new trainer's handle once it runs, else ``None``. Raises
-        :class:`ClusterError` when no ``trainer`` worker came within the timeout."""
+        """Advance; returns the new trainer's handle once it runs, else ``None`` (and
+        :attr:`finished` once it found the run's final checkpoint: no trainer starts).
+        Raises :class:`ClusterError` when no ``trainer`` worker came within the timeout."""
         try:
             if self.group is None:
                 self._begin()
@@ -334,6 +370,9 @@ class TrainerRestart:
     def _begin(self) -> None:
         s = self.s
         cfg, a = s.cfg, s.actors
+        if (final := _final_checkpoint(s, self.record)) is not None:  # (no worker needed)
+            _finish(self, final)
+            return
         picked = _pick_workers(s, self.exclude, with_data=False)
         if picked is None:
             waited = time.time() - self.t_lost
@@ -602,6 +641,7 @@ class CoreRestart(DataRestart):
         self.handle = None  # rank 0's, once running
         self.after = 0  # M, as of the last try (a retry never numbers after less)
         self.ranks: list = []  # the other ranks' handles, once running
+        self.finished = False  # the lost trainer had finished (_final_checkpoint): none starts
         super().__init__(schedule, lost_worker, last_manager)
 
     def _announce(self) -> None:
@@ -613,14 +653,15 @@ class CoreRestart(DataRestart):
         )
 
     def step(self) -> bool:
-        """Advance; ``True`` once the new data module and trainer run. Raises
+        """Advance; ``True`` once the new data module and trainer run (the data module
+        alone when the lost trainer had finished: :attr:`finished`). Raises
         :class:`ClusterError` when no worker with both roles (and one for each other
         rank) came within the longer of ``faults.trainer_restart_timeout_s`` and
         ``faults.data_restart_timeout_s``."""
         try:
             if self.group is None:
                 self._begin()
-                return False
+                return self.finished
             if not self.group.done():
                 faults = self.s.cfg.faults
                 limit = max(faults.trainer_restart_timeout_s, faults.data_restart_timeout_s)
@@ -658,6 +699,9 @@ class CoreRestart(DataRestart):
         # (the record stands in for the trainer's: nothing consumed at V or later stands)
         record = {"consumed": {}, "since": version, "version": after}
         self._rebuild(worker, record=record, master=self.master)
+        if (final := _final_checkpoint(s, self.record)) is not None:  # (rebuilt: the store's)
+            _finish(self, final)
+            return
         group = _Group(s, worker, rank_workers)
         steps = _steps(s, version, self.record, ckpt)
         group.start(ckpt, steps, after, s.actors["buffer"], self.master)

@@ -169,7 +169,7 @@ def fake_run(tmp_path, monkeypatch, live: set[str], **hang) -> tuple[LaminarSche
     s._data_suspect = s._trainer_suspect = s._group_suspect = None
     s._last_data_stats = s._last_m_stats = s._last_t_stats = None
     s._published_fps, s._old_publications, s._master_publications = {}, [], []
-    s._updates_before = 0
+    s._updates_before, s._master_gone = 0, False
     return s, calls
 
 

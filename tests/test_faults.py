@@ -13,6 +13,7 @@ import os
 import shutil
 import signal
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -868,6 +869,59 @@ def test_a_lost_trainer_and_data_module_on_one_worker_restart_within_the_run(tmp
     assert rows["outstanding_groups"].values.max() <= 16
     before = rows["response_tokens"].values[wall <= t_kill][-1]
     assert rows["response_tokens"].values[wall > r["time"] + r["restart_s"]][0] > before
+    report = audit_run(run_dir)
+    assert report.ok, report.text()
+
+
+@pytest.mark.parametrize("data_apart", [True, False], ids=["trainer", "with-data-module"])
+def test_a_trainer_lost_after_its_final_checkpoint_ends_the_run_completed(tmp_path, data_apart):
+    """The trainer's worker dies right after the trainer wrote the run's final checkpoint,
+    before the driver saw it done. The restart finds nothing left to train, so no
+    trainer starts again (one used to be started, refuse the checkpoint with "nothing
+    left to train", and fail the run). The run ends as completed with all its updates;
+    where the data module shared the lost worker it is rebuilt first, so that the store
+    still closes in order."""
+    from laminar.cluster import workers_with
+
+    def die_after_the_final_checkpoint(dask_worker=None) -> None:
+        """SIGKILL this worker once its trainer has saved the final version. Nested, so
+        that it is pickled by value: workers cannot import the test modules."""
+        import os
+        import signal
+
+        from laminar.trainer import Trainer
+
+        save = Trainer._save_checkpoint
+
+        def save_then_die(self):
+            out = save(self)
+            if self.version >= self.steps and out is not None:
+                os.kill(os.getpid(), signal.SIGKILL)
+            return out
+
+        Trainer._save_checkpoint = save_then_die
+
+    steps = 4
+    run_dir = tmp_path / "run"
+    overrides = [f"trainer.steps={steps}", "trainer.checkpoint_every=2"]
+    with apart_run(run_dir, overrides, data_apart=data_apart) as (client, handle):
+        trainer_w = workers_with(client, "trainer")[0]
+        client.run(die_after_the_final_checkpoint, workers=[trainer_w])
+        summary = handle.wait(timeout=300)
+    assert summary["reason"] == "completed", summary["reason"]
+    faults = summary["faults"]
+    kind = "trainer_restarts" if data_apart else "core_restarts"
+    (r,) = faults[kind]
+    assert all(faults[k] == [] for k in ("trainer_restarts", "core_restarts") if k != kind)
+    assert r["finished"] is True and r["lost_worker"] == trainer_w, r
+    assert r["checkpoint_version"] == r["after_version"] == steps and r["lost_updates"] == 0
+    if not data_apart:  # (the store's module came back on another worker)
+        assert r["worker"] != trainer_w and r["rollouts_attached"] == 2, r
+    assert summary["versions"] == summary["updates"] == steps
+    assert Path(r["checkpoint"]).name == f"version-{steps:06d}"
+    assert (Path(r["checkpoint"]) / "data_state.json").exists()
+    ds = check_store(run_dir, expect_consumed_groups=4 * steps)  # (SMALL_RUN's batches)
+    assert int(ds["behavior_version"].max()) <= steps
     report = audit_run(run_dir)
     assert report.ok, report.text()
 
