@@ -1349,6 +1349,7 @@ def start_data_module(
     waited on for ever. A live one is waited for however long they take (a prompt file
     of millions to tokenize, a large store to read back)."""
     resume = plans.get("resume")
+    order = plans.get("order", resume)  # (the pool's: both re-issue missing samples)
     limit = cfg.faults.data_restart_timeout_s
 
     def create(cls, *args):
@@ -1363,15 +1364,15 @@ def start_data_module(
                 f"{resume_hint(run_dir)}"
             ) from None
 
-    pool = create(PromptPool, cfg, policy_dir, plans.get("order", resume), spec)
+    pool = create(PromptPool, cfg, policy_dir, order, spec)
     partial = None
     if cfg.faults.recover:
-        partial = create(  # (it keeps the groups a resume re-issues in its log)
+        partial = create(  # (it keeps the groups the pool re-issues in its log)
             PartialResponsePool,
             cfg.relay.timeout_s,
             str(run_dir),
             cfg.faults.log_interval_s,
-            sorted(resume.reissue) if resume is not None else [],
+            sorted(order.reissue) if order is not None else [],
         )
     buffer = create(
         ExperienceBuffer,

@@ -532,7 +532,12 @@ class DataRestart:
         for uid in plan.orphans_stored:
             del orphans[uid]
         mark("plan_s")
-        order = ResumePlan(version=plan.version, readmit_groups=plan.outstanding, start=plan.start)
+        order = ResumePlan(
+            version=plan.version,
+            readmit_groups=plan.outstanding,
+            start=plan.start,
+            reissue=plan.reissue,
+        )
         pool, partial, buffer = start_data_module(
             client, cfg, s.policy_dir, s.run_dir, s.schedule, worker, order=order, rebuild=plan
         )

@@ -136,6 +136,9 @@ class RebuildPlan:
     # that generated them sends them again
     consumed_elsewhere: dict[str, tuple[int, float]] = field(default_factory=dict)
     outstanding: list[str] = field(default_factory=list)  # prompt groups still out
+    # of those, the groups whose missing samples the rebuilt pool hands out again:
+    # prompt uid -> (prompt key, group size, sample indices), as ResumePlan.reissue
+    reissue: dict[str, tuple[int, int, tuple[int, ...]]] = field(default_factory=dict)
     start: int = 0  # the prompt order continues after this many groups
     stored: int = 0
     taken_back: int = 0  # of ``hold``, consumed in the store but not by the trainer
@@ -153,6 +156,7 @@ class RebuildPlan:
             "marked_consumed": len(self.mark_consumed),
             "consumed_unstored": len(self.consumed_elsewhere),
             "outstanding_groups": len(self.outstanding),
+            "reissued_groups": len(self.reissue),
             "prompt_start": self.start,
             "log_stored": len(self.orphans_stored),
         }
@@ -188,8 +192,12 @@ def plan_rebuild(
     never received is held again, and every other buffered one is held again, by group.
     No trajectory is trained twice and none that was admitted is lost. ``outstanding``:
     every group held again, held by a rollout or resumed, but those the trainer consumed
-    and the held ones the store has whole, none of it held again (they left for good)."""
-    a = open_trajectories(run_dir, ["prompt_uid", "group_size"])
+    and the held ones the store has whole, none of it held again (they left for good).
+    ``reissue``: of the groups held again, those the store has in part that nothing else
+    will complete (no rollout holds them, no log entry resumes them): the missing
+    samples of a run resumed in place that the lost pool had not handed out yet
+    (:attr:`ResumePlan.reissue`). Counted out, such a group would never leave."""
+    a = open_trajectories(run_dir, ["prompt_uid", "prompt_key", "sample_idx", "group_size"])
     uids = a["uid"].tolist()
     status, sample_v = a["status"], a["sample_version"]
     plan = RebuildPlan(version=version, stored=len(uids))
@@ -212,8 +220,30 @@ def plan_rebuild(
     left = _left_whole(prompt_uids, uids, a["group_size"], set(held_groups) - held_again)
     out = held_again | (set(held_groups) - left) | resumed
     plan.outstanding = sorted(out - consumed_groups)
+    stored_groups = set(prompt_uids)
+    orphaned = held_again - set(held_groups) - resumed - consumed_groups
+    if orphaned:
+        have: dict[str, tuple[int, int, set[int]]] = {}
+        for i, g in enumerate(prompt_uids):
+            if g in orphaned:
+                key, size, idx = have.setdefault(
+                    g, (int(a["prompt_key"][i]), int(a["group_size"][i]), set())
+                )
+                idx.add(int(a["sample_idx"][i]))
+        for g, (key, size, idx) in sorted(have.items()):
+            if missing := tuple(sorted(set(range(size)) - idx)):
+                plan.reissue[g] = (key, size, missing)
+    # ... and those of which only the log knows (a resume re-issues them whole: their
+    # entries were kept for that), which nothing holds either
+    entries = log_entries(run_dir).values()
+    for e in entries:
+        g = e["prompt_uid"]
+        if g not in stored_groups and g not in plan.reissue and g not in out | consumed_groups:
+            size = int(e["group_size"])
+            plan.reissue[g] = (int(e["prompt_key"]), size, tuple(range(size)))
+    plan.outstanding = sorted(set(plan.outstanding) | set(plan.reissue))
     known = set(prompt_uids) | set(held_groups) | resumed | consumed_groups
-    known |= {e["prompt_uid"] for e in log_entries(run_dir).values()}
+    known |= {e["prompt_uid"] for e in entries}
     indices = [int(m.group(1)) for u in known if (m := _PROMPT_UID.match(u))]
     plan.start = max(indices, default=-1) + 1
     return plan

@@ -155,3 +155,40 @@ def test_a_rebuilt_prompt_pool_starts_at_the_trainers_newest_version(small_confi
     assert taken[1] == 5  # (told to load version 5)
     assert [g.prompt_uid for g in current[0]] == ["p00000004"] and current[1] == 5
     assert pool.core.outstanding >= {"p00000002"}
+
+
+def test_a_resumed_runs_groups_not_yet_reissued_are_reissued_by_the_rebuilt_pool(tmp_path):
+    """A run resumed in place re-issues the missing samples of its groups (stored in
+    part) and of the groups only its recovery log knows. When its data module is lost
+    before a rollout took them, nothing else will complete them: the rebuilt pool
+    re-issues them too (they used to stay counted out for the rest of the run, each
+    holding a back-pressure slot, and their stored siblings were never trained)."""
+    from test_partial_log import _states
+
+    from laminar.partial import PartialCore
+    from laminar.prompt_pool import PromptGroup
+    from storage.partial_log import PartialLogWriter
+
+    def sample(g, k, **kw):
+        kw = {"sample_version": -1, "t_sample": np.nan} | kw
+        uid = f"p{g:08d}-{k}"
+        return record(2 * g + k, prompt_uid=f"p{g:08d}", uid=uid, status="buffered", **kw)
+
+    TrajectoryWriter(tmp_path).append(
+        [sample(1, 0)]  # its sibling 1 waits in the lost pool to be re-issued
+        + [sample(2, 1)]  # its sibling 0 is generating on a rollout
+        + [sample(3, 0), sample(3, 1)]  # whole
+    )
+    # Group 9: only the log knows it (its entries kept for the resume's re-issue).
+    states = _states(["p00000009-0", "p00000009-1"], seed=0)
+    group = PromptGroup("p00000009", 4, (1, 2, 3), "7", 2, 0, None)
+    for state in states:
+        state.request.meta["group"] = group
+    core = PartialCore(journal=True)
+    core.register("r0", 0, states)
+    PartialLogWriter(tmp_path).append(**core.drain_journal())
+    plan = plan_rebuild(tmp_path, version=4, consumed={}, since=2, held_groups={"p00000002"})
+    assert plan.reissue == {"p00000001": (2, 2, (1,)), "p00000009": (4, 2, (0, 1))}
+    assert plan.outstanding == ["p00000001", "p00000002", "p00000003", "p00000009"]
+    assert plan.start == 10
+    assert plan.summary()["reissued_groups"] == 2
