@@ -357,8 +357,9 @@ def _json_object(path: Path) -> dict:
 
 
 def _check_files(ckpt: Path) -> dict:
-    """The checkpoint's model ``config.json``, after reading it, its ``tokenizer.json``
-    (parsed by ``tokenizers``, as loading it does), the header of ``model.safetensors``
+    """The checkpoint's model ``config.json``, after reading it, its
+    ``tokenizer_config.json`` and ``tokenizer.json`` (parsed by ``tokenizers``, as loading
+    it does), the header of ``model.safetensors``
     (the tensors' names, shapes and offsets), the zip directories of ``optimizer.pt`` and
     ``rng.pt``, and its ``data_state.json`` when it has one; no tensor is loaded, so this
     is cheap enough to run before the cluster starts."""
@@ -368,6 +369,7 @@ def _check_files(ckpt: Path) -> dict:
     from laminar.prompt_pool import data_position
 
     config = _json_object(ckpt / "config.json")
+    _json_object(ckpt / "tokenizer_config.json")
     path = ckpt / "tokenizer.json"
     _json_object(path)
     try:
@@ -404,6 +406,7 @@ def check_checkpoint(ckpt: str | Path, model_config, cfg: RunConfig) -> dict:
     need = [
         "config.json",
         "tokenizer.json",
+        "tokenizer_config.json",  # (without it the tokenizer loads with no EOS, silently)
         "model.safetensors",
         "optimizer.pt",
         "rng.pt",

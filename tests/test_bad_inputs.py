@@ -50,9 +50,17 @@ def test_a_tokenizer_that_does_not_load_names_its_folder(ckpt, text):
         load_tokenizer(ckpt)
 
 
-def test_a_checkpoint_without_its_tokenizer_json_is_refused(ckpt, model_config):
-    (ckpt / "tokenizer.json").unlink()
-    with pytest.raises(CheckpointError, match=r"lacks \['tokenizer.json'\]"):
+@pytest.mark.parametrize("name", ["tokenizer.json", "tokenizer_config.json"])
+def test_a_checkpoint_without_its_tokenizer_files_is_refused(ckpt, model_config, name):
+    """Without tokenizer_config.json the tokenizer loaded, silently, with no EOS token."""
+    (ckpt / name).unlink()
+    with pytest.raises(CheckpointError, match=rf"lacks \['{name}'\]"):
+        check_checkpoint(ckpt, model_config, CFG)
+
+
+def test_a_damaged_tokenizer_config_is_refused(ckpt, model_config):
+    (ckpt / "tokenizer_config.json").write_text("{")
+    with pytest.raises(CheckpointError, match=r"tokenizer_config.json' is damaged"):
         check_checkpoint(ckpt, model_config, CFG)
 
 
