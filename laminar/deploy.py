@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import re
+import shlex
 import sys
 import time
 from collections.abc import Iterator
@@ -116,6 +117,25 @@ def _wait_for_file(path: str, timeout_s: float) -> None:
         time.sleep(0.5)
 
 
+# The scheduler plugin of SlurmReplacer that records every worker name that joined.
+JOINED_PLUGIN = "laminar-joined"
+
+
+def _stale_hint(path: str | None) -> str:
+    """A scheduler file may be an ended scheduler's: `dask scheduler` leaves it behind."""
+    if not path:
+        return ""
+    try:
+        age = time.time() - Path(path).expanduser().stat().st_mtime
+    except OSError:
+        return ""
+    return (
+        f". The file was written {age:.0f} s ago, and a scheduler leaves its file behind "
+        f"when it ends: if that one ended, `rm {path}` before starting the next "
+        "(deploy/slurm/scheduler.sbatch removes it as it starts and ends)"
+    )
+
+
 class SlurmJobs:
     """The Slurm jobs laminar submitted for a run's workers, as the placement wait sees
     them: which ended before their worker joined (a wrong ``cluster.slurm.python``, a
@@ -131,6 +151,12 @@ class SlurmJobs:
 
     def __init__(self, cluster, workers: dict, log_dir: Path, every_s: float = 5.0) -> None:
         self.ids = {n: str(w.job_id) for n, w in cluster.workers.items() if w.job_id}
+        # Every worker name that joined: this wait's own sightings, and those of the
+        # scheduler plugin of SlurmReplacer (a worker that came and went between two
+        # checks). A first job that ends after its worker joined is SlurmReplacer's.
+        self.joined: set[str] = set()
+        plugins = getattr(getattr(cluster, "scheduler", None), "plugins", {})
+        self._seen: set[str] = getattr(plugins.get(JOINED_PLUGIN), "names", set())
         self.roles = {n: set(workers[n]) for n in self.ids}
         self.sections = {n: _role_section(workers[n]) for n in self.ids}
         self.log_dir = Path(log_dir)
@@ -164,10 +190,10 @@ class SlurmJobs:
         states = self.states()
         if states is None:
             return
-        joined = {w.get("name") for w in scheduler_workers(client).values()}
+        self.joined |= {w.get("name") for w in scheduler_workers(client).values()}
         for name, job in self.ids.items():
             state, why = states.get(job, ("gone from squeue", ""))
-            if name in joined or state in self.ACTIVE:
+            if name in self.joined or name in self._seen or state in self.ACTIVE:
                 continue
             raise ClusterError(
                 f"Slurm job {job} of worker {name} (cluster.slurm.{self.sections[name]}) "
@@ -347,6 +373,7 @@ class SlurmReplacer:
         self.held: dict[str, dict] = {}  # base name -> spec, while its job is not in it
         self.every_s = every_s
         self._asked = -float("inf")
+        self.squeue_timeout_s = 30.0
         self.joined: set[str] = set()  # names of every worker that joined (a plugin's)
 
     def start(self) -> None:
@@ -356,11 +383,13 @@ class SlurmReplacer:
         joined = self.joined
 
         class Joined(SchedulerPlugin):
+            names = joined  # (SlurmJobs reads it too)
+
             def add_worker(self, scheduler, worker: str) -> None:
                 joined.add(scheduler.workers[worker].name)
 
         async def start() -> None:
-            self.cluster.scheduler.add_plugin(Joined(), name="laminar-joined")
+            self.cluster.scheduler.add_plugin(Joined(), name=JOINED_PLUGIN)
             pc = PeriodicCallback(self._tick, self.every_s * 1000)
             self.cluster.periodic_callbacks["laminar-replace-jobs"] = pc
             pc.start()
@@ -399,8 +428,14 @@ class SlurmReplacer:
             proc = await asyncio.create_subprocess_exec(
                 *cmd, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE
             )
-            out, err = await asyncio.wait_for(proc.communicate(), 30)
-        except (OSError, TimeoutError):
+        except OSError:
+            return set()
+        try:
+            out, err = await asyncio.wait_for(proc.communicate(), self.squeue_timeout_s)
+        except TimeoutError:  # a controller that does not answer: no squeue left behind
+            with contextlib.suppress(ProcessLookupError):
+                proc.kill()
+            await proc.wait()
             return set()
         if proc.returncode != 0:  # every id purged: "Invalid job id specified"
             return set(jobs) if b"Invalid job id" in err else set()
@@ -591,13 +626,7 @@ def slurm_cluster(cfg: RunConfig, run_dir: str | Path, security=None):
     job's environment (and glibc's adaptive malloc, see :func:`worker_environ`); Slurm
     enforces the job's memory.
     """
-    try:
-        from dask_jobqueue import SLURMCluster
-        from dask_jobqueue.slurm import SLURMJob
-    except ImportError as e:
-        raise ConfigError(
-            "cluster.kind=slurm needs dask-jobqueue: pip install 'laminar-rl[slurm]'"
-        ) from e
+    SLURMCluster, SLURMJob = _import_jobqueue()
     s = cfg.cluster.slurm
     log_dir = slurm_log_dir(cfg, run_dir)
     log_dir.mkdir(parents=True, exist_ok=True)
@@ -609,10 +638,12 @@ def slurm_cluster(cfg: RunConfig, run_dir: str | Path, security=None):
     # Jobs from other runs must not be mistaken for ours in squeue. An #SBATCH line ends
     # at a blank: a run directory "my run" gave `-J laminar-my run`, which sbatch refused.
     job_name = ("laminar-" + re.sub(r"[^A-Za-z0-9._-]", "_", Path(run_dir).name))[:64]
-    # The logs' lines quoted (dask-jobqueue's log_directory writes them bare).
-    logs = [f'-e "{log_dir}/{job_name}-%J.err"', f'-o "{log_dir}/{job_name}-%J.out"']
+    # The logs' lines quoted (dask-jobqueue's log_directory writes them bare), and a % of
+    # the folder's name doubled: Slurm reads -o/-e as a pattern (a run dir "lr_5%" ...).
+    where = str(log_dir).replace("%", "%%")
+    logs = [f'-e "{where}/{job_name}-%J.err"', f'-o "{where}/{job_name}-%J.out"']
     env = worker_environ(cfg.cluster.torch_threads)
-    prologue = [f"export {k}={v}" for k, v in sorted(env.items())]
+    prologue = [f"export {k}={shlex.quote(v)}" for k, v in sorted(env.items())]
     prologue += list(s.job_prologue)
     protocol = _protocol(cfg.cluster)
     base = dict(
@@ -623,7 +654,9 @@ def slurm_cluster(cfg: RunConfig, run_dir: str | Path, security=None):
         cores=1,
         memory="1GB",
         nanny=False,
-        python=s.python or sys.executable,
+        # dask-jobqueue joins the worker's command with blanks, unquoted: a python (or,
+        # below, a certificate) whose path has a blank ended every job at once.
+        python=shlex.quote(s.python or sys.executable),
         job_script_prologue=prologue,
         # (a jobqueue.slurm.log-directory in a Dask config file would add bare ones)
         job_directives_skip=["#SBATCH -e ", "#SBATCH -o "],
@@ -647,6 +680,7 @@ def slurm_cluster(cfg: RunConfig, run_dir: str | Path, security=None):
     # each worker gets its own spec (the template's options with the role's resources,
     # cores, memory, GPUs) and _correct_state submits them, as scale() does for one
     # template. Both are private to dask-jobqueue (tested with 0.9).
+    tls_args = _worker_tls_args(cluster._job_kwargs.get("security"))
     jobs = {}
     for name, resources in run_workers(cfg).items():
         role: SlurmRole = getattr(s, _role_section(resources))
@@ -658,12 +692,15 @@ def slurm_cluster(cfg: RunConfig, run_dir: str | Path, security=None):
             cores=role.cores,
             memory=role.memory,
             job_extra_directives=directives,
-            worker_extra_args=list(options.get("worker_extra_args") or []) + ["--resources", res],
+            security=None,  # its --tls-* arguments, quoted, are ours
+            worker_extra_args=list(options.get("worker_extra_args") or [])
+            + ["--resources", res]
+            + tls_args,
         )
         jobs[name] = {"cls": SLURMJob, "options": options}
     cluster.worker_spec.update(jobs)
     try:
-        cluster.sync(cluster._correct_state)
+        _submit(cluster)
     except Exception as e:  # noqa: BLE001 — sbatch refused a job: undo the others, say why
         refused = _cancel_submitted(cluster)
         sections = sorted({f"cluster.slurm.{_role_section(run_workers(cfg)[n])}" for n in refused})
@@ -674,8 +711,88 @@ def slurm_cluster(cfg: RunConfig, run_dir: str | Path, security=None):
             "job_directives apply to every job):\n  " + "\n  ".join(said) + "\n"
             "the jobs it had accepted are cancelled"
         ) from None
-    SlurmReplacer(cluster, run_workers(cfg)).start()
+    except BaseException:  # Ctrl-C: the jobs sbatch took must not outlive the run
+        log.warning("interrupted: cancelling the Slurm jobs submitted so far")
+        _cancel_submitted(cluster)
+        raise
+    try:
+        SlurmReplacer(cluster, run_workers(cfg)).start()
+    except BaseException:
+        _cancel_submitted(cluster)
+        raise
     return cluster
+
+
+def _import_jobqueue() -> tuple[type, type]:
+    """dask-jobqueue's ``SLURMCluster`` and ``SLURMJob``. Importing it makes Ctrl-C raise
+    ``SystemExit`` (``dask_jobqueue.runner`` sets a SIGINT handler that calls
+    ``sys.exit()``): in `laminar run` a Ctrl-C while jobs queued exited 0, not 130, with
+    no "interrupted". The process's handler is put back (Python's, where dask-jobqueue
+    was imported before)."""
+    import signal
+    import threading
+
+    def jobqueue_s(handler) -> bool:
+        return getattr(handler, "__module__", None) == "dask_jobqueue.runner"
+
+    before = signal.getsignal(signal.SIGINT)
+    try:
+        from dask_jobqueue import SLURMCluster
+        from dask_jobqueue.slurm import SLURMJob
+    except ImportError as e:
+        raise ConfigError(
+            "cluster.kind=slurm needs dask-jobqueue: pip install 'laminar-rl[slurm]'"
+        ) from e
+    finally:
+        if (
+            jobqueue_s(signal.getsignal(signal.SIGINT))
+            and threading.current_thread() is threading.main_thread()
+        ):
+            ours = before is not None and not jobqueue_s(before)
+            signal.signal(signal.SIGINT, before if ours else signal.default_int_handler)
+    return SLURMCluster, SLURMJob
+
+
+def _submit(cluster, settle_s: float = 120.0) -> None:
+    """Submit the jobs of ``cluster``'s spec. Ctrl-C meanwhile does not stop the sbatch
+    calls under way (``cluster.sync`` would cancel the submission, leaving the jobs sbatch
+    was taking out of ``cluster.workers``, where nothing cancels them): it waits for them,
+    up to ``settle_s``, so that every job submitted is there to cancel, then re-raises."""
+    import asyncio
+    import concurrent.futures
+
+    async def submit() -> None:
+        await cluster._correct_state()
+
+    done = asyncio.run_coroutine_threadsafe(submit(), cluster.loop.asyncio_loop)
+    try:
+        done.result()
+    except BaseException:
+        if not done.done():
+            deadline = time.monotonic() + settle_s
+            while time.monotonic() < deadline:
+                try:
+                    done.result(timeout=max(0.0, deadline - time.monotonic()))
+                    break
+                except KeyboardInterrupt:  # a second Ctrl-C: the jobs are not all known yet
+                    continue
+                except (Exception, concurrent.futures.CancelledError):
+                    break
+        raise
+
+
+def _worker_tls_args(security) -> list[str]:
+    """The ``--tls-*`` arguments dask-jobqueue gives a job's worker for ``security``, each
+    path quoted for the job's shell (dask-jobqueue writes them bare)."""
+    if not security:
+        return []
+    tls = security.get_tls_config_for_role("worker")
+    return [
+        arg
+        for key, value in tls.items()
+        if key != "ciphers" and value  # (ciphers has no command-line option)
+        for arg in ("--tls-" + key.replace("_", "-"), shlex.quote(str(value)))
+    ]
 
 
 def slurm_log_dir(cfg: RunConfig, run_dir: str | Path) -> Path:
@@ -753,7 +870,7 @@ def open_cluster(cfg: RunConfig, run_dir: str | Path | None = None) -> Iterator:
                 raise ClusterError(
                     f"cannot reach the scheduler at {where}: {e}; check that it runs and, "
                     "for a tls:// scheduler, that cluster.security gives its CA and a "
-                    "certificate it trusts"
+                    "certificate it trusts" + _stale_hint(scheduler_file)
                 ) from e
             stack.enter_context(client)
         else:
@@ -770,8 +887,9 @@ def open_cluster(cfg: RunConfig, run_dir: str | Path | None = None) -> Iterator:
                 if run_dir is None:
                     raise ConfigError("cluster.kind=slurm needs a run directory (job logs)")
                 cluster = slurm_cluster(cfg, run_dir, security)
+            stack.enter_context(cluster)  # (at once: a Ctrl-C from here on cancels the jobs)
+            if kind == "slurm":
                 jobs = SlurmJobs(cluster, run_workers(cfg), slurm_log_dir(cfg, run_dir))
-            stack.enter_context(cluster)
             client = stack.enter_context(Client(cluster, security=security))
         wait_for_roles(client, role_needs(cfg), c.placement_timeout_s, jobs=jobs)
         yield client

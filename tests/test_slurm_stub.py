@@ -1,0 +1,305 @@
+"""laminar.deploy's Slurm paths against stand-ins for sbatch, squeue and scancel (no Slurm
+needed): the job scripts it writes, what it cancels, what the placement wait and the
+replacer conclude from squeue; and the scripts of deploy/slurm run by bash.
+
+The runs on a real Slurm are in test_slurm.py.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+from conftest import REPO
+
+from laminar.config import RunConfig, with_overrides
+from laminar.errors import ClusterError
+
+SCRIPTS = REPO / "deploy" / "slurm"
+
+# sbatch keeps each job script and answers with a job id (its pid: unique among calls
+# that run at once); with FAKE_SBATCH_INTERRUPT set, the first call sends the test's
+# process a Ctrl-C (SIGINT) and answers a second later, still under way meanwhile.
+SBATCH = """#!/bin/bash
+d={d}
+id=$$
+if [ -n "$FAKE_SBATCH_INTERRUPT" ] && mkdir "$d/interrupted" 2>/dev/null; then
+    kill -INT $PPID
+    sleep 1
+fi
+cp "$1" "$d/scripts/$id.sh"
+echo "$id" >> "$d/submitted"
+echo "Submitted batch job $id"
+"""
+SCANCEL = """#!/bin/bash
+printf '%s\\n' "$@" >> {d}/cancelled
+"""
+SQUEUE = """#!/bin/bash
+echo $$ > {d}/squeue.pid
+[ -n "$FAKE_SQUEUE_HANG" ] && exec sleep 600
+cat {d}/squeue.out 2>/dev/null
+true
+"""
+
+
+@pytest.fixture
+def fake_slurm(tmp_path, monkeypatch):
+    """A folder with bin/ (sbatch, squeue, scancel, first on PATH) and what they record:
+    scripts/ID.sh, submitted, cancelled."""
+    pytest.importorskip("dask_jobqueue")
+    d = tmp_path / "fake-slurm"
+    (d / "bin").mkdir(parents=True)
+    (d / "scripts").mkdir()
+    for name, text in {"sbatch": SBATCH, "scancel": SCANCEL, "squeue": SQUEUE}.items():
+        (d / "bin" / name).write_text(text.format(d=d))
+        (d / "bin" / name).chmod(0o755)
+    monkeypatch.setenv("PATH", f"{d / 'bin'}{os.pathsep}{os.environ['PATH']}")
+    return d
+
+
+def _lines(path: Path) -> list[str]:
+    return path.read_text().split() if path.exists() else []
+
+
+def _slurm_cfg(*overrides: str) -> RunConfig:
+    return with_overrides(RunConfig(), ["cluster.kind=slurm", "rollout.replicas=2", *overrides])
+
+
+def _submit_jobs(cfg, run_dir) -> dict[str, str]:
+    """The job scripts laminar submits for ``cfg``: job id -> script (the cluster closed)."""
+    from laminar.deploy import security_for, slurm_cluster
+
+    fake = Path(os.environ["PATH"].split(os.pathsep)[0]).parent
+    cluster = slurm_cluster(cfg, run_dir, security_for(cfg.cluster, run_dir))
+    cluster.close(timeout=30)
+    return {p.stem: p.read_text() for p in (fake / "scripts").glob("*.sh")}
+
+
+def test_a_python_and_certificates_under_paths_with_blanks_reach_the_worker(fake_slurm, tmp_path):
+    """cluster.slurm.python '/opt/my env/bin/python', and a run directory "my run" with
+    `security: {generate: true}`: dask-jobqueue joins the worker's command with blanks, so
+    the job ran `/opt/my` and every worker exited at once. The job script, run by bash,
+    starts the python given with the arguments meant, each path whole."""
+    out = tmp_path / "started"
+    out.mkdir()
+    python = tmp_path / "my env" / "bin" / "python"
+    python.parent.mkdir(parents=True)
+    python.write_text(f'#!/bin/bash\nprintf "%s\\n" "$@" > {out}/$$.args\nenv > {out}/$$.env\n')
+    python.chmod(0o755)
+    run_dir = tmp_path / "my run"
+    cfg = _slurm_cfg(f"cluster.slurm.python={python}", "cluster.security.generate=true")
+    scripts = _submit_jobs(cfg, run_dir)
+    assert len(scripts) == 3
+    for script in scripts.values():
+        r = subprocess.run(["bash", "-c", script], capture_output=True, text=True, timeout=30)
+        assert r.returncode == 0, (script, r.stderr)
+    started = sorted(out.glob("*.args"))
+    assert len(started) == 3, list(scripts.values())
+    for f in started:
+        args = f.read_text().splitlines()
+        assert args[:2] == ["-m", "distributed.cli.dask_worker"], args
+        tls = {args[i]: args[i + 1] for i, a in enumerate(args) if a.startswith("--tls-")}
+        assert tls == {
+            "--tls-ca-file": str(run_dir / "tls" / "ca.pem"),
+            "--tls-cert": str(run_dir / "tls" / "cert.pem"),
+            "--tls-key": str(run_dir / "tls" / "key.pem"),
+        }, args
+        env = dict(ln.split("=", 1) for ln in f.with_suffix(".env").read_text().splitlines())
+        assert env["OMP_NUM_THREADS"] == "1"
+
+
+def test_a_percent_in_the_log_folder_reaches_slurm_as_itself(fake_slurm, tmp_path):
+    """Slurm reads -o/-e as a pattern: a run directory "lr_5%" (or "x%j") would send the
+    logs elsewhere and leave the placement wait with no log to quote. A % is doubled."""
+    run_dir = tmp_path / "lr_5%j"
+    scripts = _submit_jobs(_slurm_cfg(), run_dir)
+    assert scripts
+    for script in scripts.values():
+        lines = [ln for ln in script.splitlines() if ln.startswith(("#SBATCH -e", "#SBATCH -o"))]
+        assert len(lines) == 2, script
+        for line in lines:
+            assert f'"{tmp_path}/lr_5%%j/slurm/laminar-lr_5_j-%J.' in line, line
+
+
+def test_ctrl_c_while_jobs_are_submitted_cancels_every_job_submitted(
+    fake_slurm, tmp_path, monkeypatch
+):
+    """A Ctrl-C while sbatch takes the run's jobs: the cluster and the jobs sbatch
+    accepted (those under way too) leaked, holding nodes until their walltime."""
+    from laminar.deploy import open_cluster
+
+    monkeypatch.setenv("FAKE_SBATCH_INTERRUPT", "1")
+    with pytest.raises(KeyboardInterrupt):
+        with open_cluster(_slurm_cfg("cluster.placement_timeout_s=0"), tmp_path / "run"):
+            pass
+    submitted = _lines(fake_slurm / "submitted")
+    assert len(submitted) == 3, submitted
+    assert set(submitted) <= set(_lines(fake_slurm / "cancelled")), _lines(fake_slurm / "cancelled")
+
+
+def test_a_joined_worker_whose_job_was_replaced_did_not_end_before_joining(tmp_path, monkeypatch):
+    """rollout-0 joined; then its job died and SlurmReplacer submitted rollout-0.2, while
+    rollout-1 still queued. The placement wait saw rollout-0's first job CANCELLED and no
+    rollout-0 connected, and failed the run: "ended ... before its worker joined"."""
+    import laminar.cluster
+    from laminar.deploy import SlurmJobs
+
+    workers = {"trainer": {"data": 1, "trainer": 1}, "rollout-0": {"rollout": 1}}
+    workers["rollout-1"] = {"rollout": 1}
+    cluster = SimpleNamespace(
+        workers={n: SimpleNamespace(job_id=str(10 + i)) for i, n in enumerate(workers)}
+    )
+    jobs = SlurmJobs(cluster, workers, tmp_path)
+    now: dict = {}
+    monkeypatch.setattr(laminar.cluster, "scheduler_workers", lambda client: now["workers"])
+    jobs.states = lambda: now["states"]
+    now["workers"] = {"tcp://a": {"name": "trainer"}, "tcp://b": {"name": "rollout-0"}}
+    now["states"] = {"10": ("RUNNING", ""), "11": ("RUNNING", ""), "12": ("PENDING", "")}
+    jobs.check(client=None)
+    now["workers"] = {"tcp://a": {"name": "trainer"}}  # rollout-0.2 still queued
+    now["states"] = {"10": ("RUNNING", ""), "11": ("CANCELLED", ""), "12": ("PENDING", "")}
+    jobs.check(client=None)
+    # One that never joined still fails the wait at once.
+    now["states"]["12"] = ("FAILED", "NonZeroExitCode")
+    with pytest.raises(ClusterError, match=r"job 12 of worker rollout-1 .* before its worker"):
+        jobs.check(client=None)
+
+
+def test_a_worker_that_came_and_went_between_two_checks_joined(tmp_path, monkeypatch):
+    """The names SlurmReplacer's scheduler plugin saw join count as joined for the
+    placement wait too: a worker can join and be lost between two of its checks."""
+    import laminar.cluster
+    from laminar.deploy import SlurmJobs
+
+    plugin = SimpleNamespace(names={"rollout-0"})
+    cluster = SimpleNamespace(
+        workers={"rollout-0": SimpleNamespace(job_id="11")},
+        scheduler=SimpleNamespace(plugins={"laminar-joined": plugin}),
+    )
+    jobs = SlurmJobs(cluster, {"rollout-0": {"rollout": 1}}, tmp_path)
+    monkeypatch.setattr(laminar.cluster, "scheduler_workers", lambda client: {})
+    jobs.states = lambda: {"11": ("CANCELLED", "")}
+    jobs.check(client=None)
+    plugin.names.clear()
+    with pytest.raises(ClusterError, match="before its worker joined"):
+        jobs.check(client=None)
+
+
+def test_a_squeue_that_does_not_answer_is_killed(fake_slurm, monkeypatch):
+    """SlurmReplacer asks squeue about replacement jobs; one that hangs (a controller that
+    does not answer) was left running at every 30 s timeout, one more each time."""
+    from laminar.deploy import Replacements, SlurmReplacer
+
+    monkeypatch.setenv("FAKE_SQUEUE_HANG", "1")
+    replacer = object.__new__(SlurmReplacer)
+    replacer.core = Replacements({"rollout-0": "7"})
+    replacer.core.slots["rollout-0"].jobs = 2  # a replacement job whose worker has not joined
+    replacer._asked = -float("inf")
+    replacer.squeue_timeout_s = 0.5
+    assert asyncio.run(replacer._ended_jobs()) == set()
+    pid = int((fake_slurm / "squeue.pid").read_text())
+    deadline = time.monotonic() + 5
+    while Path(f"/proc/{pid}").exists() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    alive = Path(f"/proc/{pid}").exists()
+    if alive:
+        os.kill(pid, signal.SIGKILL)  # (the test's own leftover)
+    assert not alive, f"squeue {pid} still running"
+
+
+def test_a_stale_scheduler_file_is_named_with_its_age(tmp_path):
+    from laminar.deploy import _stale_hint
+
+    f = tmp_path / "scheduler.json"
+    f.write_text('{"address": "tcp://127.0.0.1:1"}')
+    os.utime(f, (time.time() - 3600, time.time() - 3600))
+    assert "written 3600 s ago" in _stale_hint(str(f)) and f"rm {f}" in _stale_hint(str(f))
+    assert _stale_hint(str(tmp_path / "none.json")) == "" and _stale_hint(None) == ""
+
+
+def _fake_dask(tmp_path: Path, body: str) -> dict:
+    """An environment whose `dask` records its arguments (tmp_path/dask.args), then runs
+    ``body``."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    dask = bin_dir / "dask"
+    dask.write_text(f'#!/bin/bash\nprintf "%s\\n" "$@" > {tmp_path}/dask.args\n{body}\n')
+    dask.chmod(0o755)
+    return {**os.environ, "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}"}
+
+
+def test_the_scheduler_job_removes_its_file_as_it_starts_and_ends(tmp_path):
+    """`dask scheduler` leaves its file behind: after `scancel --name laminar-scheduler`,
+    the docs' recipe again found the old file at once, and laminar and the workers went
+    to an address nobody listens on. The job removes it before starting and at its end
+    (SIGTERM, as scancel or the walltime sends it)."""
+    sched = tmp_path / "scheduler.json"
+    sched.write_text('{"address": "tcp://127.0.0.1:1"}')  # an ended scheduler's
+    body = (
+        f'[ -e "{sched}" ] && echo stale > {tmp_path}/seen\n'
+        f'echo \'{{"address": "tcp://127.0.0.1:2"}}\' > {sched}\n'
+        "exec sleep 600"
+    )
+    env = _fake_dask(tmp_path, body)
+    proc = subprocess.Popen(["bash", str(SCRIPTS / "scheduler.sbatch"), str(sched)], env=env)
+    try:
+        deadline = time.monotonic() + 20
+        while "127.0.0.1:2" not in (sched.read_text() if sched.exists() else ""):
+            assert time.monotonic() < deadline, "the scheduler never wrote its file"
+            time.sleep(0.05)
+        assert not (tmp_path / "seen").exists(), "dask scheduler started beside a stale file"
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=20)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert not sched.exists(), "the ended scheduler's file is still there"
+
+
+def test_a_worker_job_gives_up_on_a_scheduler_it_cannot_reach(tmp_path):
+    """worker.sbatch's worker retried a dead scheduler's address for as long as its job
+    lasted, holding its node: it gets a --death-timeout, after the file is there."""
+    sched = tmp_path / "scheduler.json"
+    env = _fake_dask(tmp_path, "true")
+    proc = subprocess.Popen(
+        ["bash", str(SCRIPTS / "worker.sbatch"), str(sched), "rollout=1"], env=env
+    )
+    try:
+        time.sleep(0.5)
+        sched.write_text('{"address": "tcp://127.0.0.1:1"}')
+        assert proc.wait(timeout=20) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    args = (tmp_path / "dask.args").read_text().splitlines()
+    assert args[0] == "worker" and args[args.index("--death-timeout") + 1] == "120", args
+
+
+def test_slurm_keeps_ctrl_c_a_keyboard_interrupt():
+    """Importing dask-jobqueue sets a SIGINT handler that raises SystemExit: `laminar
+    run`'s Ctrl-C while the jobs queued exited 0 with no "interrupted" (the CLI catches
+    KeyboardInterrupt). laminar imports it for cluster.kind=slurm and puts Python's back."""
+    pytest.importorskip("dask_jobqueue")
+    code = (
+        "import signal, sys\n"
+        "from laminar.config import RunConfig, with_overrides\n"
+        "from laminar.deploy import slurm_cluster\n"
+        "cfg = with_overrides(RunConfig(), ['cluster.kind=slurm', 'cluster.slurm.interface=no0'])\n"
+        "try:\n"
+        "    slurm_cluster(cfg, sys.argv[1])\n"
+        "except Exception:\n"
+        "    pass\n"
+        "print(signal.getsignal(signal.SIGINT) is signal.default_int_handler)\n"
+    )
+    import sys
+
+    r = subprocess.run(
+        [sys.executable, "-c", code, str(REPO / "no-run")], capture_output=True, text=True
+    )
+    assert r.stdout.strip() == "True", r.stdout + r.stderr
