@@ -683,6 +683,12 @@ class RunConfig(_Section):
                 f"({r.max_new_tokens}); raise rollout.max_seq_len to at least "
                 f"{longest_prompt + r.max_new_tokens}"
             )
+        if task.prompt_file is None and task.median_len >= task.max_len:
+            raise ValueError(
+                f"task.median_len ({task.median_len:g}) must be below task.max_len "
+                f"({task.max_len}), which cuts every longer answer: lower task.median_len "
+                "or raise task.max_len"
+            )
         if b.sampler == "same_version" and b.max_train_staleness is None:
             raise ValueError(
                 "buffer.sampler=same_version needs buffer.max_train_staleness: without it, "
@@ -763,6 +769,13 @@ class RunConfig(_Section):
                 f"without colocation. Set trainer.{short} to 2 or more (e.g. "
                 f"trainer.{short}=4), or use pipeline.schedule=sync"
             )
+        if t.mini_batches > t.groups_per_step:
+            raise ValueError(
+                f"trainer.mini_batches ({t.mini_batches}) exceeds trainer.groups_per_step "
+                f"({t.groups_per_step}): each optimizer step takes whole groups, so a batch "
+                f"makes at most {t.groups_per_step}; set trainer.mini_batches to at most "
+                f"{t.groups_per_step}"
+            )
         if schedule == "partial_rollout" and self.pipeline.eta == 0:
             raise ValueError(
                 "pipeline.schedule=partial_rollout with pipeline.eta=0: no group of the "
@@ -826,6 +839,11 @@ def _format_errors(err: ValidationError, source: str) -> str:
         msg = e["msg"].removeprefix("Value error, ")
         given = e.get("input")
         shown = "" if isinstance(given, dict) else f" (got {given!r})"
+        if e["type"] == "string_type" and given is not None:
+            # (YAML, in the file or a --set, read it as a number, a boolean or a mapping:
+            # an unquoted "2024", "true" or "a: b")
+            what = "a mapping (a ': ' in it)" if isinstance(given, dict) else repr(given)
+            shown = f" (got {what}); quote it to give a string, e.g. {loc}='...'"
         lines.append(f"  {loc}: {msg}{shown}")
     return "\n".join(lines)
 

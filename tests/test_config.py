@@ -54,6 +54,15 @@ def test_overrides_are_typed():
         (["rollout.pacing.length_scale=0.5"], r"length_scale: .*greater than or equal to 1"),
         (["cluster.slurm.walltime=forever"], r"walltime: is no time sbatch takes; give minutes"),
         (["cluster.slurm.walltime=1:2:3:4"], r"walltime: is no time sbatch takes"),
+        # YAML read an unquoted value as a number or a mapping where a string is meant
+        (["run_dir=2024"], r"run_dir: .*\(got 2024\); quote it to give a string"),
+        (["task.prompt_file=d/x: y.jsonl"], r"prompt_file: .*got a mapping.*quote it"),
+        # settings that used to be clamped without a word
+        (
+            ["trainer.mini_batches=32", "trainer.groups_per_step=16"],
+            r"trainer.mini_batches \(32\) exceeds trainer.groups_per_step \(16\)",
+        ),
+        (["task.median_len=100", "task.max_len=10"], r"task.median_len \(100\) must be below"),
     ],
 )
 def test_bad_values_name_the_field_and_the_fix(override, message):
