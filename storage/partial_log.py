@@ -126,7 +126,7 @@ class PartialLogWriter:
         exists = (self.path / "zarr.json").exists()
         self.root = zarr.open_group(str(self.path), mode="a", zarr_format=3)
         if not exists:
-            self.root.attrs.update({"schema_version": SCHEMA_VERSION})
+            self.root.update_attributes({"schema_version": SCHEMA_VERSION})
             self._new_generation(0)
             self._commit()
             return
@@ -153,8 +153,10 @@ class PartialLogWriter:
         self.committed = dict.fromkeys(DIMS, 0)
 
     def _commit(self) -> None:
-        # The one update that makes the rows (and a new generation) visible.
-        self.root.attrs.update({"generation": self.generation, "committed": self.committed})
+        # The one write that makes the rows (and a new generation) visible. (Not
+        # attrs.update, which writes zarr.json once per key: a reader could see the new
+        # generation with the old one's counts.)
+        self.root.update_attributes({"generation": self.generation, "committed": self.committed})
 
     def append(
         self,

@@ -144,7 +144,7 @@ class TrajectoryWriter:
                 new_array(g, name, dtype, dim, _CHUNK_TOK)
         for name, field in EVENT_FIELDS.items():
             new_array(g, name, SCALARS[field], EVENT_DIM, _CHUNK_TRAJ)
-        self.group.attrs.update(
+        self.group.update_attributes(  # (one write: attrs.update writes key by key)
             {
                 "schema_version": SCHEMA_VERSION,
                 COMMIT_ATTR: 0,
@@ -224,8 +224,10 @@ class TrajectoryWriter:
             arrays[name].append(values)
         n_committed = self.n_committed + len(records)
         n_events = self.events_committed + len(events)
-        # The commit markers go last, in one update: readers slice to them.
-        self.group.attrs.update(
+        # The commit markers go last, in one write of the group's metadata: readers slice
+        # to them. (Not attrs.update, which writes zarr.json once per key: a reader could
+        # see n_committed raised and the token counts not yet.)
+        self.group.update_attributes(
             {COMMIT_ATTR: n_committed, "n_committed_tokens": tokens, EVENT_COMMIT_ATTR: n_events}
         )
         self.n_committed, self.tokens_committed, self.events_committed = (

@@ -326,3 +326,18 @@ def test_a_run_resumed_and_stopped_again_before_it_reissued_a_group_reissues_it_
     third = plan_resume(tmp_path, version=1)
     assert third.reissue == {"p00000003": (8, 2, (0, 1))} and third.start == 4
     assert sorted(log_entries(tmp_path)) == ["p00000003-0", "p00000003-1"]
+
+
+def test_a_commit_switches_generation_and_counts_in_one_write(tmp_path, monkeypatch):
+    """A compaction's commit names the new generation and its row counts: written key by
+    key (attrs.update), a reader could see the new generation with the old one's counts."""
+    from test_storage import group_metadata_writes
+
+    core, writer = PartialCore(journal=True), PartialLogWriter(tmp_path)
+    core.register("r0", 2, _states(["p00-000", "p00-001"], seed=0))
+    writes = group_metadata_writes(monkeypatch)
+    writer.compact(**core.snapshot())
+    root = [w for w in writes if "schema_version" in w]  # (not the new generation's groups)
+    assert root and all(w["generation"] == 1 for w in root)
+    assert all(w["committed"] == writer.committed for w in root)
+    assert writer.committed["request"] == 2

@@ -482,3 +482,32 @@ def test_a_failed_append_leaves_nothing_behind_for_the_next(tmp_path, monkeypatc
     np.testing.assert_array_equal(ds.laminar.tokens("prompt_tokens", 2), [77, 78])
     np.testing.assert_array_equal(ds.laminar.tokens("response_tokens", 2), np.arange(4) + 100)
     assert w.group["prompt_tokens"].shape == (8,) and w.group["uid"].shape == (3,)
+
+
+def group_metadata_writes(monkeypatch) -> list[dict]:
+    """The attributes of every write of a Zarr group's metadata (``zarr.json``) from
+    here on."""
+    from zarr.core.group import AsyncGroup
+
+    writes: list[dict] = []
+    save = AsyncGroup._save_metadata
+
+    async def counted(self, *args, **kwargs):
+        writes.append(dict(self.metadata.attributes))
+        return await save(self, *args, **kwargs)
+
+    monkeypatch.setattr(AsyncGroup, "_save_metadata", counted)
+    return writes
+
+
+def test_a_batchs_commit_markers_go_in_one_write(tmp_path, monkeypatch):
+    """Readers slice every array to the markers (trajectories, tokens per dimension,
+    events): written key by key (attrs.update), a reader of a run still going could see
+    the trajectories raised and the token counts not yet (the newest batch's tokens read
+    short or empty), and a crash between the writes left rows whose tokens the next
+    batch then filled with its own."""
+    writer = TrajectoryWriter(tmp_path)
+    writes = group_metadata_writes(monkeypatch)
+    writer.append([record(0, n_resp=5), record(1, n_resp=7)])
+    (commit,) = writes
+    assert commit[COMMIT_ATTR] == 2 and commit["n_committed_tokens"]["response_token"] == 12
