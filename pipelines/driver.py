@@ -127,6 +127,7 @@ class Schedule:
         self.sft_info: dict = {}
         # this start's segment of the run's metrics, and those before it (_origin)
         self._segment, self._earlier_segments = 0, []
+        self._pauses: list[tuple[float, float]] = []  # a resumed run's stops (epoch s)
         # a resumed run's counters at its last stop (storage.metrics.counters_at_end):
         # its cumulative columns go on from them
         self._carry: dict[str, dict] = {"cluster": {}, "rollouts": {}}
@@ -605,7 +606,7 @@ class Schedule:
         self._n_repacks = self._n_faults = 0  # the new manager's rows start empty
         # The rebuilt buffer counts the whole store as its own, earlier starts' rows
         # included: its counters need no carry (a resumed run's) any more.
-        for k in ("inserted", "consumed", "discarded"):
+        for k in ("inserted", "consumed", "discarded", "evicted", "filtered"):
             self._carry["cluster"].pop(k, None)
         if not isinstance(r, CoreRestart):
             self.data_restarts.append(r.record)
@@ -951,13 +952,24 @@ class Schedule:
         if self._earlier_segments:
             self._segment = self._earlier_segments[-1]["segment"] + 1
         origin = time_origin(cluster)
+        if origin is not None and self._earlier_segments:
+            # (between its starts: no trajectory the buffer held again aged meanwhile)
+            ends = [origin + seg["end_s"] for seg in self._earlier_segments]
+            starts = [origin + seg["start_s"] for seg in self._earlier_segments[1:]]
+            self._pauses = list(zip(ends, [*starts, t_start], strict=True))
         return t_start if origin is None else origin
 
     def _record(self, elapsed, now, t_stats, b_stats, p_stats, r_stats, tokens) -> None:
         """One row of the ``cluster`` table and one ``rollouts`` row per replica (their
         cumulative columns go on from a resumed run's earlier starts: ``_carry``)."""
         # (the buffer's own reading; a stand-in's, or an older buffer's, has none)
-        age = b_stats.get("oldest_age_s", now - b_stats["oldest_t_insert"])
+        age = b_stats.get("oldest_age_s")
+        if age is None:
+            age = now - b_stats["oldest_t_insert"]
+        oldest = now - age  # (NaN when the buffer is empty)
+        # A trajectory held again by a resume does not age while the run is stopped (as
+        # the accessor's buffer_age, which subtracts pauses_s).
+        age -= sum(max(0.0, end - max(start, oldest)) for start, end in self._pauses)
         self._rows["cluster"].append(
             _carried(
                 self._carry["cluster"],
@@ -972,6 +984,9 @@ class Schedule:
                     "inserted": b_stats["inserted"],
                     "consumed": b_stats["consumed"],
                     "discarded": b_stats["discarded"],
+                    # (a stand-in's, from before they were counted: NaN)
+                    "evicted": b_stats.get("evicted"),
+                    "filtered": b_stats.get("filtered"),
                     "oldest_buffered_age_s": age,  # NaN when the buffer is empty
                     "outstanding_groups": p_stats["outstanding"],
                     "dispatched_groups": p_stats["dispatched"],

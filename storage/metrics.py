@@ -101,7 +101,15 @@ ROLLOUT_GAUGES = (
     "parity_mean_abs",
 )
 CUMULATIVE = {
-    "cluster": ("inserted", "consumed", "discarded", "response_tokens", "trainer_wait_s"),
+    "cluster": (
+        "inserted",
+        "consumed",
+        "discarded",
+        "evicted",
+        "filtered",
+        "response_tokens",
+        "trainer_wait_s",
+    ),
     "rollouts": ROLLOUT_COUNTERS,
 }
 

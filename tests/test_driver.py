@@ -491,3 +491,47 @@ def test_the_stop_records_the_data_position_only_in_the_last_versions_checkpoint
     assert record_data_position(str(ckpt), 3, {"dispatched": 20})
     assert data_position(str(ckpt)) == 20
     assert sorted(p.name for p in ckpt.iterdir()) == ["data_state.json", "trainer_state.json"]
+
+
+def test_a_resumed_runs_buffer_age_leaves_out_the_time_it_was_stopped(tmp_path, monkeypatch):
+    """A resume holds the stored buffered trajectories again with their t_insert: the
+    cluster table's oldest_buffered_age_s counted the hours the run was stopped (the
+    accessor's buffer_age subtracts pauses_s; the gauge did not)."""
+    from storage.metrics import MetricsWriter
+
+    t0 = 1.8e9
+    MetricsWriter(tmp_path).append(  # the first start: 100 s, then stopped for an hour
+        "cluster",
+        [{"segment": 0, "elapsed_s": t, "wall_time": t0 + t, "version": 2} for t in (0.0, 100.0)],
+    )
+    s, _ = fake_run(tmp_path, monkeypatch, set(WORKERS.values()))
+    s.resume, s._carry = object(), {"cluster": {}, "rollouts": {}}
+    s._rows, s._trainer_wait = {"cluster": [], "rollouts": []}, (0.0, 0.0)
+    t_start = t0 + 3700.0
+    assert s._origin(t_start) == t0 and s._segment == 1
+    stats = {"depth": 1, "ready_groups": 0, "partial_groups": 1, "inserted": 1, "consumed": 0}
+    stats |= {"discarded": 0, "evicted": 2, "filtered": 1}
+    now = t_start + 10.0
+    pool = {"outstanding": 1, "dispatched": 1}
+    # inserted 30 s before the stop: 40 s in the buffer, not 3,640
+    s._record(
+        3710.0, now, {"version": 2, "wait_s": 0.0}, {**stats, "oldest_age_s": 3640.0}, pool, [], 0
+    )
+    # inserted in this start: untouched
+    s._record(
+        3710.0, now, {"version": 2, "wait_s": 0.0}, {**stats, "oldest_age_s": 5.0}, pool, [], 0
+    )
+    # empty: NaN stays NaN
+    s._record(
+        3710.0,
+        now,
+        {"version": 2, "wait_s": 0.0},
+        {**stats, "oldest_age_s": float("nan")},
+        pool,
+        [],
+        0,
+    )
+    ages = [r["oldest_buffered_age_s"] for r in s._rows["cluster"]]
+    assert ages[:2] == [pytest.approx(40.0), 5.0] and ages[2] != ages[2]
+    # (and the buffer's evictions and filtering, over time, beside its discards)
+    assert s._rows["cluster"][0]["evicted"] == 2 and s._rows["cluster"][0]["filtered"] == 1
