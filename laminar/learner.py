@@ -17,6 +17,7 @@ the mismatch named.
 from __future__ import annotations
 
 import json
+import logging
 import random
 import zipfile
 from collections import Counter
@@ -30,6 +31,8 @@ from laminar.config import RunConfig
 from laminar.contract import Trajectory
 from laminar.errors import LaminarError
 from laminar.update import failing_together, grpo_step, trajectory_logprobs
+
+logger = logging.getLogger(__name__)
 
 CHECKPOINT_FORMAT = 1
 # Trainer settings a resumed run must share with its checkpoint (the optimizer's state is
@@ -250,6 +253,8 @@ class Learner:
                 "torch": torch.get_rng_state(),
                 "numpy": np.random.get_state(),
                 "python": random.getstate(),
+                # (each GPU's: dropout, sampling; None on CPU)
+                "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None,
             },
             out / "rng.pt",
         )
@@ -270,6 +275,18 @@ class Learner:
         torch.set_rng_state(rng["torch"])
         np.random.set_state(rng["numpy"])
         random.setstate(rng["python"])
+        cuda = rng.get("cuda")  # (older checkpoints, and CPU ones: none)
+        if cuda is not None and torch.cuda.is_available():
+            if len(cuda) == torch.cuda.device_count():
+                torch.cuda.set_rng_state_all(cuda)
+            else:  # (another machine: the CPU-side state still restores exactly)
+                logger.warning(
+                    "checkpoint %s holds the RNG state of %d GPUs, this process sees %d: "
+                    "the GPUs' random streams start afresh",
+                    ckpt,
+                    len(cuda),
+                    torch.cuda.device_count(),
+                )
         self.version = int(state["version"])
         self.skipped_steps = int(state.get("skipped_steps", 0))
         self.skipped_versions = skipped_versions(state)

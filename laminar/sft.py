@@ -273,6 +273,29 @@ def replace_text(path: Path, text: str) -> None:
         raise
 
 
+def sync_tree(path: Path) -> None:
+    """Flush every file under the folder ``path``, and the folders themselves, to disk:
+    before the folder is renamed into place, so that after a crash (power, a node lost)
+    the name never points at files the disk has not got."""
+    for root, _, files in os.walk(path):
+        for name in files:
+            fd = os.open(os.path.join(root, name), os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        sync_dir(Path(root))
+
+
+def sync_dir(path: Path) -> None:
+    """Flush a folder's entries (a rename into it, a file created) to disk."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 def evaluate(cfg: RunConfig, model, tok, prompts: list[Prompt]) -> float:
     """Mean reward of one sampled response per prompt, as the rollouts will sample them."""
     from laminar.engine import GenerationRequest
@@ -382,6 +405,8 @@ def _staged(final: Path, cfg: RunConfig) -> Iterator[Path]:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     try:
+        sync_tree(tmp)
         os.rename(tmp, final)
+        sync_dir(final.parent)
     except OSError:  # someone else finished first
         shutil.rmtree(tmp, ignore_errors=True)

@@ -46,6 +46,7 @@ from laminar.config import RunConfig
 from laminar.contract import Trajectory
 from laminar.learner import Learner, step_means
 from laminar.prompt_pool import DATA_STATE
+from laminar.sft import sync_dir, sync_tree
 
 logger = logging.getLogger(__name__)
 
@@ -563,7 +564,9 @@ class Trainer:
         with self._bounded():  # (a big checkpoint's write may outlast the heartbeat timeout)
             self.learner.save(tmp)
         (tmp / DATA_STATE).write_text(json.dumps(position, indent=2))
+        sync_tree(tmp)  # (a folder under its final name is complete on disk too)
         tmp.rename(out)
+        sync_dir(root)
         return str(out)
 
 

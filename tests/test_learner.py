@@ -208,3 +208,31 @@ def test_advantages_are_divided_by_the_group_std_unless_told_not_to(tiny_policy)
         metrics = Learner(cfg, tiny_policy).update(data)
         assert metrics["adv_abs_mean"] == pytest.approx(np.abs(want).mean(), rel=1e-6)
     assert np.abs(scaled).mean() != pytest.approx(np.abs(centred).mean())  # (tells them apart)
+
+
+def test_a_checkpoint_folder_reaches_the_disk_before_its_name(tiny_policy, tmp_path, monkeypatch):
+    """The trainer writes a checkpoint aside and renames it into place: without an fsync
+    of its files (and folders) first, a crash (power, a node lost) could leave the name
+    pointing at files the disk never got, which a resume then loads. On CPU its RNG state
+    holds no GPU's (``cuda`` None), and a checkpoint without the key still restores."""
+    import os
+
+    from laminar import sft
+
+    folder = Learner(CFG, tiny_policy).save(tmp_path / "aside")
+    synced: set[str] = set()
+    fsync = os.fsync
+
+    def recorded(fd):
+        synced.add(os.readlink(f"/proc/self/fd/{fd}"))
+        return fsync(fd)
+
+    monkeypatch.setattr(sft.os, "fsync", recorded)
+    sft.sync_tree(folder)
+    files = {str(p.resolve()) for p in folder.rglob("*")}
+    assert files and files | {str(folder.resolve())} <= synced
+    rng = torch.load(folder / "rng.pt", weights_only=False)
+    assert "cuda" in rng and rng["cuda"] is None
+    del rng["cuda"]  # (written before the GPUs' state was kept)
+    torch.save(rng, folder / "rng.pt")
+    Learner(CFG, tiny_policy, resume_from=folder)
