@@ -21,6 +21,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import warnings
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from pathlib import Path
@@ -489,6 +490,18 @@ def open_run(path: str | Path) -> xr.Dataset:
         return _read_run(store, group)
 
 
+# zarr writes each metadata file through a temporary ``<name>.<32 hex>.partial`` beside
+# it (its atomic write): a reader listing the group while the writer commits sees it.
+_TEMPORARY_FILE_WARNING = r"Object at \S+\.[0-9a-f]{32}\.partial is not recognized"
+
+
+def _arrays(group: zarr.Group) -> list[tuple[str, zarr.Array]]:
+    """The group's arrays, without zarr's warning about its own temporary files."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=_TEMPORARY_FILE_WARNING)
+        return list(group.arrays())
+
+
 def _read_run(store: Path, group: zarr.Group) -> xr.Dataset:
     import dask.array as da
 
@@ -498,7 +511,7 @@ def _read_run(store: Path, group: zarr.Group) -> xr.Dataset:
     # append, arrays on one dimension have different lengths, which open_zarr refuses.
     variables = {}
     scalars = {}
-    for name, arr in group.arrays():
+    for name, arr in _arrays(group):
         (dim,) = arr.metadata.dimension_names
         if dim in lengths:
             _holds(store, name, arr, lengths[dim])

@@ -1,0 +1,62 @@
+"""Reading a store while it is written: zarr's temporary files are not warned about."""
+
+import uuid
+import warnings
+
+import numpy as np
+
+from laminar.contract import Trajectory
+from storage import TrajectoryWriter, open_run
+
+
+def _store(path) -> None:
+    n = 3
+    records = [
+        Trajectory(
+            uid=f"g0-{i}",
+            prompt_uid="g0",
+            prompt_key=0,
+            sample_idx=i,
+            group_size=2,
+            prompt_tokens=np.ones(2, np.int32),
+            response_tokens=np.ones(n, np.int32),
+            behavior_logprobs=np.zeros(n, np.float32),
+            loss_mask=np.ones(n, np.uint8),
+            behavior_version=0,
+            finish_reason="eos",
+            rollout_ids="r0",
+            t_submit=1.0,
+            t_start=2.0,
+            t_finish=3.0,
+            finish_version=0,
+            reward=1.0,
+            t_insert=4.0,
+        ).to_record()
+        for i in range(2)
+    ]
+    TrajectoryWriter(path).append(records)
+
+
+def _warnings_of_open_run(path) -> list[str]:
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        ds = open_run(path)
+    assert ds.sizes["trajectory"] == 2
+    return [str(w.message) for w in caught]
+
+
+def test_open_run_of_a_store_being_written_emits_no_warning(tmp_path):
+    """zarr writes ``zarr.json`` through ``zarr.<hex>.partial`` beside it (its atomic
+    write); a reader listing the group meanwhile sees that file. It is no damage."""
+    _store(tmp_path)
+    store = tmp_path / "trajectories.zarr"
+    (store / f"zarr.{uuid.uuid4().hex}.partial").write_text("{")
+    assert _warnings_of_open_run(tmp_path) == []
+
+
+def test_open_run_still_warns_of_other_strange_entries(tmp_path):
+    """Only zarr's temporary files are passed over in silence."""
+    _store(tmp_path)
+    (tmp_path / "trajectories.zarr" / "notes.txt").write_text("mine")
+    messages = _warnings_of_open_run(tmp_path)
+    assert any("notes.txt" in m and "not recognized" in m for m in messages), messages
