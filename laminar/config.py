@@ -34,6 +34,9 @@ from pydantic import (
 
 from laminar.errors import ConfigError
 
+# The largest float32 (numpy's finfo): rewards are stored as float32.
+FLOAT32_MAX = 3.4028234663852886e38
+
 
 def _is_number(annotation: Any) -> bool:
     """Whether a field takes a number: ``int``, ``float`` or an optional one."""
@@ -124,7 +127,8 @@ class TaskConfig(_Section):
     # count_range: the fraction of the length's log-variance a prompt fixes; the rest
     # varies between the responses to it (the shared cluster model's half)
     length_share: float = Field(0.5, ge=0, le=1)
-    truncated_reward: float = 0.0  # reward of a response cut at max_new_tokens
+    # reward of a response cut at max_new_tokens (stored as float32, as every reward)
+    truncated_reward: float = Field(0.0, ge=-FLOAT32_MAX, le=FLOAT32_MAX)
     # Seconds one call of the reward function may take (a judge service that hangs): a
     # later answer is not waited for, and that trajectory is marked as a reward error.
     # null: no limit.

@@ -17,8 +17,7 @@ import threading
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
-import numpy as np
-
+from laminar.config import FLOAT32_MAX  # (rewards are stored as float32)
 from laminar.errors import RewardError
 
 RewardFn = Callable[[str, str], float]
@@ -220,9 +219,6 @@ def score_batch(
         else:
             out.append(Score(value))
     return out
-
-
-FLOAT32_MAX = float(np.finfo(np.float32).max)
 
 
 _TIMED_OUT = object()

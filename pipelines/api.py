@@ -48,7 +48,8 @@ def resolve_config(
 
 
 def preflight(cfg: RunConfig) -> None:
-    """Check what can be checked before any cluster work: the model folder; the prompts
+    """Check what can be checked before any cluster work: the model folder and its
+    context (``rollout.max_seq_len`` within its positions); the prompts
     (each fits the rollout's sequence and the model's vocabulary); that the reward
     function imports (it is not called here: a reward may need what only the workers
     have, a judge service or a GPU); the TensorBoard writer when asked for; the
@@ -64,13 +65,23 @@ def preflight(cfg: RunConfig) -> None:
     cfg.metrics.check_writer()
     if cfg.model.path:
         check_policy_dir(cfg.model.path)
+    model_config = base_model_config(cfg)
+    context = getattr(model_config, "max_position_embeddings", None)
+    if context is not None and cfg.rollout.max_seq_len > context:
+        where = f"model.path {cfg.model.path!r}" if cfg.model.path else "the built-in tiny model"
+        raise ConfigError(
+            f"rollout.max_seq_len ({cfg.rollout.max_seq_len}) exceeds the context of "
+            f"{where} ({context} positions, its max_position_embeddings): no sequence may "
+            "run past the positions the policy was built for; lower rollout.max_seq_len "
+            "(and rollout.max_new_tokens), or use a model with a longer context"
+        )
     prompts = load_prompts(cfg)
     tok = base_tokenizer(cfg)
     encode_prompts(tok, prompts, cfg)
     check_answers(tok, prompts, cfg)
     resolve_reward(cfg.task.reward)
     if cfg.trainer.resume_from:
-        check_checkpoint(cfg.trainer.resume_from, base_model_config(cfg), cfg)
+        check_checkpoint(cfg.trainer.resume_from, model_config, cfg)
 
 
 def _going(path: Path, doing: str, live: dict, here: bool = False) -> ConfigError:
@@ -403,6 +414,7 @@ def prepare_resume(run_dir: str | Path, overrides: list[str] | tuple[str, ...] =
         checkpoint_version,
         newest_checkpoint,
     )
+    from storage.metrics import check_metrics_store
     from storage.resume import plan_resume
 
     path = Path(run_dir).resolve()
@@ -484,6 +496,7 @@ def prepare_resume(run_dir: str | Path, overrides: list[str] | tuple[str, ...] =
             f"e.g. --set trainer.steps={made + cfg.trainer.steps}"
         )
     preflight(cfg)
+    check_metrics_store(path)  # (damaged: refused now, not by the writer on the cluster)
     plan = plan_resume(path, version)
     # config.yaml takes the overrides but not this resume's checkpoint: it still repeats
     # the whole run (each resume finds its newest checkpoint itself).

@@ -66,3 +66,21 @@ def test_a_cache_that_is_not_needed_is_not_checked(tmp_path, tiny_policy):
         check_cache_dir(with_overrides(RunConfig(), bad))
     # a model of one's own, no warm start: the cache is never used
     check_cache_dir(with_overrides(RunConfig(), [*bad, f"model.path={tiny_policy}", "sft.steps=0"]))
+
+
+def test_a_sequence_longer_than_the_models_context_is_refused(tmp_path):
+    """rollout.max_seq_len past the model's positions (the tiny Llama's 512) was taken:
+    the rollouts generated past what the policy was built for."""
+    from pipelines.api import preflight
+
+    cfg = with_overrides(
+        RunConfig(),
+        ["rollout.max_seq_len=600", "rollout.max_new_tokens=500", f"sft.cache_dir={tmp_path}"],
+    )
+    with pytest.raises(
+        ConfigError,
+        match=r"rollout.max_seq_len \(600\) exceeds the context of "
+        r"the built-in tiny model \(512 positions",
+    ):
+        preflight(cfg)
+    preflight(with_overrides(cfg, ["rollout.max_seq_len=512", "rollout.max_new_tokens=400"]))

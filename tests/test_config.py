@@ -49,6 +49,8 @@ def test_overrides_are_typed():
         # no field means anything by inf or nan: they would reach the loss or the clock
         (["trainer.lr=.inf"], r"trainer.lr: Input should be a finite number"),
         (["task.truncated_reward=.nan"], r"task.truncated_reward: .*finite number"),
+        # rewards are stored as float32: beyond it, inf in the store
+        (["task.truncated_reward=-1e39"], r"task.truncated_reward: .*greater than or equal to"),
         (["rollout.pacing.dilation=.inf"], r"rollout.pacing.*finite number"),
         # one real token standing for less than one: the pacing would go negative
         (["rollout.pacing.length_scale=0.5"], r"length_scale: .*greater than or equal to 1"),

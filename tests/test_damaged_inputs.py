@@ -158,11 +158,11 @@ def test_a_reward_function_that_exits_marks_its_item(timeout_s):
 
     items = [("exit", "1", True), ("1", "1", True), ("exit", "1", True)]
     t0 = time.monotonic()
-    scores = score_batch("test_bad_inputs:exits", items, timeout_s=timeout_s)
+    scores = score_batch("test_damaged_inputs:exits", items, timeout_s=timeout_s)
     assert [s.error for s in scores] == [
-        "reward test_bad_inputs:exits raised SystemExit: 3",
+        "reward test_damaged_inputs:exits raised SystemExit: 3",
         None,
-        "reward test_bad_inputs:exits raised SystemExit: 3",
+        "reward test_damaged_inputs:exits raised SystemExit: 3",
     ]
     assert scores[1].reward == 1.0
     assert time.monotonic() - t0 < 10  # (no call waited for the timeout)
@@ -176,18 +176,18 @@ def test_a_reward_functions_keyboard_interrupt_is_its_error_off_the_main_thread(
 
     from laminar.rewards import score_batch
 
-    said = "reward test_bad_inputs:interrupts raised KeyboardInterrupt"
-    scores = score_batch("test_bad_inputs:interrupts", [("1", "1", True)], timeout_s=30.0)
+    said = "reward test_damaged_inputs:interrupts raised KeyboardInterrupt"
+    scores = score_batch("test_damaged_inputs:interrupts", [("1", "1", True)], timeout_s=30.0)
     assert scores[0].error == said
     out = []
     task = threading.Thread(
-        target=lambda: out.extend(score_batch("test_bad_inputs:interrupts", [("1", "1", True)]))
+        target=lambda: out.extend(score_batch("test_damaged_inputs:interrupts", [("1", "1", True)]))
     )
     task.start()
     task.join()
     assert out[0].error == said
     with pytest.raises(KeyboardInterrupt):
-        score_batch("test_bad_inputs:interrupts", [("1", "1", True)])
+        score_batch("test_damaged_inputs:interrupts", [("1", "1", True)])
 
 
 def test_a_reward_beyond_float32_is_an_error_naming_it():
@@ -198,8 +198,8 @@ def test_a_reward_beyond_float32_is_an_error_naming_it():
     from laminar.rewards import score_batch
 
     items = [("1e39", "", True), ("-1e39", "", True), ("3e38", "", True)]
-    scores = score_batch("test_bad_inputs:huge", items)
-    assert scores[0].error.startswith("reward test_bad_inputs:huge returned 1e+39, beyond float32")
+    scores = score_batch("test_damaged_inputs:huge", items)
+    assert scores[0].error.startswith("reward test_damaged_inputs:huge returned 1e+39, beyond float32")
     assert "scale it down" in scores[0].error and math.isnan(scores[0].reward)
     assert "returned -1e+39" in scores[1].error
     assert scores[2] == type(scores[2])(3e38)
