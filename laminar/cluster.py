@@ -151,6 +151,7 @@ WORKER_PRELOAD = (
     "laminar.buffer",
     "laminar.manager",
     "laminar.relay",
+    "laminar.relay_client",
     "laminar.rollout",
     "laminar.trainer",
     "laminar.model",

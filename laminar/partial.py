@@ -319,7 +319,7 @@ class PartialCore:
 
     def versions(self) -> list[int]:
         """The weight versions of the unfinished trajectories: the relays keep these
-        (:meth:`laminar.relay.RelayCore.retain`) so a recovery can resume them exactly.
+        (:meth:`laminar.relay_core.RelayCore.retain`) so a recovery can resume them exactly.
         (A finished entry is only scored again: it needs no weights.)"""
         return sorted(
             {
@@ -442,7 +442,7 @@ class PartialResponsePool:
     """Dask actor around :class:`PartialCore` (async: calls run on the event loop, in
     order, without a thread hop).
 
-    It also keeps the relays' retained versions (:meth:`laminar.relay.RelayCore.retain`)
+    It also keeps the relays' retained versions (:meth:`laminar.relay_core.RelayCore.retain`)
     equal to the versions of its entries, as they change: a batch's version is retained
     from the moment the batch is registered, so a recovery can resume it at that version.
 

@@ -104,7 +104,7 @@ class RolloutReplica:
         when the relay no longer keeps them (recovery); ``spec``: the run's
         :class:`~laminar.schedule.ScheduleSpec` (default: Laminar's)."""
         from laminar.model import load_tokenizer
-        from laminar.relay import Puller
+        from laminar.relay_client import Puller
         from laminar.schedule import LAMINAR
 
         torch.set_num_threads(cfg.cluster.torch_threads)
@@ -484,7 +484,7 @@ class RolloutReplica:
     def _wait_for_version(self, version: int, wait_s: float) -> None:
         """Wait up to ``wait_s`` until the relay has ``version`` (or newer) and load it,
         in short long polls with the manager's commands served between them."""
-        from laminar.relay import RelayError
+        from laminar.relay_core import RelayError
 
         deadline = time.time() + wait_s
         while self.engine.version < version and time.time() < deadline:
@@ -563,7 +563,7 @@ class RolloutReplica:
         return len(states)
 
     def _resume_paused(self) -> None:
-        from laminar.relay import RelayError
+        from laminar.relay_core import RelayError
 
         t = time.time()
         # (The target is read again each round: a pause served meanwhile may raise it.)
@@ -596,7 +596,7 @@ class RolloutReplica:
         """Count a pull that failed: its relay lost (``pulls_unreachable``) or the pull
         itself (``pulls_failed``: a chunk's checksum, a version evicted while read). With
         ``then``, say so and what happens next: once per kind, or ``always``."""
-        from laminar.relay import RelayUnreachable
+        from laminar.relay_client import RelayUnreachable
 
         key = "pulls_unreachable" if isinstance(error, RelayUnreachable) else "pulls_failed"
         if then and (always or not self.counts[key]):
@@ -610,7 +610,8 @@ class RolloutReplica:
         Before its first batch a rollout waits until the relay holds the trainer's
         starting version: a resumed trainer starts at its checkpoint's version, not at
         the base policy the engine was built from."""
-        from laminar.relay import RelayError, RelayUnreachable
+        from laminar.relay_client import RelayUnreachable
+        from laminar.relay_core import RelayError
 
         t = time.time()
         while not self._synced and not self._stop.is_set():
@@ -653,7 +654,7 @@ class RolloutReplica:
         if self._reference is not None:
             self._reference.load_state_dict(state)
         if self.cfg.relay.audit_weights:
-            from laminar.relay import state_fingerprint
+            from laminar.relay_core import state_fingerprint
 
             self.fingerprints[version] = state_fingerprint(state)
         self.counts["weight_loads"] += 1
@@ -769,8 +770,9 @@ class RolloutReplica:
 
     def _fetch_version(self, version: int) -> dict:
         """An old ``version``'s weights: its relay's kept copy, else its checkpoint
-        (:class:`~laminar.relay.VersionUnavailable` if neither has it)."""
-        from laminar.relay import RelayError, VersionUnavailable, fetch_version
+        (:class:`~laminar.relay_core.VersionUnavailable` if neither has it)."""
+        from laminar.relay_client import fetch_version
+        from laminar.relay_core import RelayError, VersionUnavailable
 
         try:
             return fetch_version(version, self.puller, self.checkpoints_dir)
@@ -781,7 +783,7 @@ class RolloutReplica:
             return fetch_version(version, None, self.checkpoints_dir)
 
     def _take_adopted(self) -> None:
-        from laminar.relay import VersionUnavailable
+        from laminar.relay_core import VersionUnavailable
 
         version, states = self._adopted.get_nowait()
         # (partial rollout: every rollout holds the newest version; loading an older

@@ -105,7 +105,7 @@ class Trainer:
         lineage skipped numbers (``trainer_state.json`` ``skipped_versions``) ends that many
         versions after ``trainer.steps``: ``trainer.steps`` counts updates, so the run makes
         exactly those the checkpoint still owed."""
-        from laminar.relay import Publisher
+        from laminar.relay_client import Publisher
         from laminar.schedule import LAMINAR
 
         torch.set_num_threads(cfg.cluster.torch_threads)
@@ -282,7 +282,7 @@ class Trainer:
         with self._bounded():  # (relay.timeout_s)
             stall = self.publisher.publish(self.version, state)
         if self.cfg.relay.audit_weights:
-            from laminar.relay import state_fingerprint
+            from laminar.relay_core import state_fingerprint
 
             fingerprint = state_fingerprint(state)
             with self._fingerprints_lock:

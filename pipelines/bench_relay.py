@@ -26,7 +26,9 @@ import time
 import numpy as np
 import torch
 
-from laminar.relay import MB, Publisher, Puller, model_optimum, start_chain, state_fingerprint
+from laminar.relay_client import Publisher, Puller
+from laminar.relay_core import MB, model_optimum, state_fingerprint
+from laminar.relay_tier import start_chain
 
 N_TENSORS = 8
 
@@ -40,7 +42,7 @@ def synthetic_state(nbytes: int, version: int = 0) -> dict[str, torch.Tensor]:
 
 class RelayDriver:
     """Dask actor on the master relay's worker: publishes as the trainer does (in-process,
-    through :class:`laminar.relay.Publisher`) and runs the naive fan-out baseline."""
+    through :class:`laminar.relay_client.Publisher`) and runs the naive fan-out baseline."""
 
     def __init__(self, master, nbytes: int, timeout_s: float = 120.0) -> None:
         torch.set_num_threads(1)
@@ -119,7 +121,7 @@ class Sink:
     def fetch(self, relay, version: int, checkpoints_dir: str | None = None) -> dict:
         """An old ``version`` as recovery asks for it (kept by ``relay``, else from
         ``checkpoints_dir``): its value if every element agrees, else NaN."""
-        from laminar.relay import fetch_version
+        from laminar.relay_client import fetch_version
 
         puller = Puller(relay, 60.0)
         state = fetch_version(version, puller, checkpoints_dir)

@@ -35,7 +35,7 @@ from laminar.learner import newest_checkpoint
 from laminar.manager import RolloutManager
 from laminar.partial import PartialResponsePool
 from laminar.prompt_pool import DATA_STATE, PromptPool, load_prompts
-from laminar.relay import build_tier
+from laminar.relay_tier import build_tier
 from laminar.rollout import RolloutReplica
 from laminar.schedule import ScheduleSpec
 from laminar.trainer import Trainer, TrainerRank, rendezvous

@@ -1062,7 +1062,8 @@ def test_a_lost_relay_is_cut_out_of_the_chain_and_its_readers_switch():
 
     from laminar.cluster import scheduler_workers, submit_actor
     from laminar.config import RelayConfig
-    from laminar.relay import Puller, start_chain
+    from laminar.relay_client import Puller
+    from laminar.relay_tier import start_chain
     from pipelines.bench_relay import RelayDriver, relay_cluster, wait_broadcast
 
     timeout = 30.0

@@ -13,20 +13,20 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from laminar.relay import (
+from laminar.relay import Relay
+from laminar.relay_client import fetch_version
+from laminar.relay_core import (
     Layout,
-    Relay,
     RelayCore,
     RelayError,
     VersionUnavailable,
     chain_time,
     checksum,
-    fetch_version,
     model_optimum,
     optimal_chunks,
     plan_chunks,
-    start_chain,
 )
+from laminar.relay_tier import start_chain
 
 
 def _state(version: float = 0.0) -> dict[str, torch.Tensor]:
@@ -98,7 +98,7 @@ def test_fingerprint_covers_scalars_and_empty_tensors_bit_exactly():
     """``relay.audit_weights`` fingerprints every tensor, 0-d ones included (a scalar
     parameter or buffer): the fingerprint of a relayed copy equals the source's, and a
     one-bit change anywhere, the scalar's bf16 bits included, changes it."""
-    from laminar.relay import state_fingerprint
+    from laminar.relay_core import state_fingerprint
 
     state = {
         **_state(2.0),
@@ -239,7 +239,7 @@ def test_a_pull_outlives_versions_evicted_while_it_reads():
     """Each of the first five versions a rollout starts to read is evicted under it (a
     burst of publications, keep_versions=1): the pull moves on to the newer one each time
     and loads the sixth, whole; it does not give up while versions keep coming."""
-    from laminar.relay import Puller
+    from laminar.relay_client import Puller
 
     core = RelayCore(keep_versions=1)
     _publish(core, 1, _state(1))
@@ -408,7 +408,7 @@ def test_slots_are_huge_page_backed_buffers():
     are writable and exactly sized."""
     import mmap
 
-    from laminar.relay import host_buffer
+    from laminar.relay_core import host_buffer
 
     for n, mapped in ((4 << 20, hasattr(mmap, "MADV_HUGEPAGE")), (1000, False)):
         buf = host_buffer(n)
@@ -574,7 +574,7 @@ class _RacyFuture:
 def test_a_pull_survives_a_wait_that_met_its_answer_as_it_timed_out():
     """Each call's first wait meets distributed's race: the pull goes on with the answer
     (it used to count a healthy relay as unreachable and fail the pull)."""
-    from laminar.relay import Puller
+    from laminar.relay_client import Puller
 
     core = RelayCore(keep_versions=1)
     _publish(core, 3, _state(3))

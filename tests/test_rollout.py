@@ -97,7 +97,8 @@ def test_a_paused_rollout_whose_pull_fails_waits_on_instead_of_failing(tiny_poli
     as while the trainer and its master restart) is counted and tried again, as at a
     batch boundary: it used to end the generation loop, failing the run and stranding
     the paused requests."""
-    from laminar.relay import RelayError, RelayUnreachable
+    from laminar.relay_client import RelayUnreachable
+    from laminar.relay_core import RelayError
 
     rollout, held = _paused(tiny_policy, small_config)
     rollout.puller = _Puller(
@@ -156,7 +157,7 @@ def test_an_adopted_batch_whose_relay_pull_fails_loads_the_checkpoint_or_drops(
     failing the run and stranding the adopted trajectories."""
     from safetensors.torch import save_file
 
-    from laminar.relay import RelayUnreachable
+    from laminar.relay_client import RelayUnreachable
 
     weights = _weights(tiny_policy)
     if checkpointed:
@@ -196,7 +197,7 @@ def test_an_adopted_batch_whose_version_is_gone_drops_its_group_not_mixes_versio
     from laminar.buffer import ExperienceBuffer
     from laminar.partial import PartialResponsePool
     from laminar.prompt_pool import PromptPool
-    from laminar.relay import VersionUnavailable
+    from laminar.relay_core import VersionUnavailable
     from laminar.rollout import _finished
 
     prompts = PromptPool(small_config, str(tiny_policy))
@@ -340,7 +341,7 @@ def test_a_rollout_waiting_for_its_first_version_serves_commands_and_outlives_a_
     import threading
     import time
 
-    from laminar.relay import RelayUnreachable
+    from laminar.relay_client import RelayUnreachable
 
     rollout = _rollout(tiny_policy, small_config, ["cluster.actor_timeout_s=0.5"])
     answers = [[], RelayUnreachable("the relay is lost and none replaced it in time")]
