@@ -495,8 +495,9 @@ def open_run(path: str | Path) -> xr.Dataset:
 _TEMPORARY_FILE_WARNING = r"Object at \S+\.[0-9a-f]{32}\.partial is not recognized"
 
 
-def _arrays(group: zarr.Group) -> list[tuple[str, zarr.Array]]:
-    """The group's arrays, without zarr's warning about its own temporary files."""
+def group_arrays(group: zarr.Group) -> list[tuple[str, zarr.Array]]:
+    """The group's arrays, without zarr's warning about its own temporary files (a
+    reader of a store being written lists them beside ``zarr.json``)."""
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=_TEMPORARY_FILE_WARNING)
         return list(group.arrays())
@@ -511,7 +512,7 @@ def _read_run(store: Path, group: zarr.Group) -> xr.Dataset:
     # append, arrays on one dimension have different lengths, which open_zarr refuses.
     variables = {}
     scalars = {}
-    for name, arr in _arrays(group):
+    for name, arr in group_arrays(group):
         (dim,) = arr.metadata.dimension_names
         if dim in lengths:
             _holds(store, name, arr, lengths[dim])

@@ -60,3 +60,16 @@ def test_open_run_still_warns_of_other_strange_entries(tmp_path):
     (tmp_path / "trajectories.zarr" / "notes.txt").write_text("mine")
     messages = _warnings_of_open_run(tmp_path)
     assert any("notes.txt" in m and "not recognized" in m for m in messages), messages
+
+
+def test_open_metrics_of_a_store_being_written_emits_no_warning(tmp_path):
+    """The metrics store is written (and its tables read) the same way."""
+    from storage.metrics import MetricsWriter, open_metrics
+
+    MetricsWriter(tmp_path).append("cluster", [{"elapsed_s": 1.0, "wall_time": 1.8e9}])
+    table = tmp_path / "metrics.zarr" / "cluster"
+    (table / f"zarr.{uuid.uuid4().hex}.partial").write_text("{")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert open_metrics(tmp_path, "cluster").sizes["time"] == 1
+    assert [str(w.message) for w in caught] == []
