@@ -199,7 +199,9 @@ def test_a_reward_beyond_float32_is_an_error_naming_it():
 
     items = [("1e39", "", True), ("-1e39", "", True), ("3e38", "", True)]
     scores = score_batch("test_damaged_inputs:huge", items)
-    assert scores[0].error.startswith("reward test_damaged_inputs:huge returned 1e+39, beyond float32")
+    assert scores[0].error.startswith(
+        "reward test_damaged_inputs:huge returned 1e+39, beyond float32"
+    )
     assert "scale it down" in scores[0].error and math.isnan(scores[0].reward)
     assert "returned -1e+39" in scores[1].error
     assert scores[2] == type(scores[2])(3e38)
