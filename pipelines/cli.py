@@ -181,6 +181,12 @@ def _print_summary(s: dict) -> None:
             "faults.heartbeat_timeout_s; worker restarted, then recovered as lost"
         )
     for r in (faults or {}).get("trainer_restarts", []):
+        if r.get("finished"):  # (restart._finish: no trainer started again)
+            print(
+                f"trainer            lost after its final checkpoint (version "
+                f"{r['checkpoint_version']}): every update was made, none restarted"
+            )
+            continue
         print(
             f"trainer            lost, restarted in the run in {r['restart_s']:.1f} s from "
             f"version {r['checkpoint_version']} ({r['lost_updates']} update(s) lost and "
@@ -195,6 +201,13 @@ def _print_summary(s: dict) -> None:
             f"{r['registered']} unfinished trajectories registered anew)"
         )
     for r in (faults or {}).get("core_restarts", []):
+        if r.get("finished"):
+            print(
+                f"trainer + data     lost together after the final checkpoint (version "
+                f"{r['checkpoint_version']}): the data module rebuilt in {r['restart_s']:.1f} s "
+                "to close the store; every update was made, no trainer restarted"
+            )
+            continue
         print(
             f"trainer + data     lost together, restarted in the run in {r['restart_s']:.1f} s "
             f"from version {r['checkpoint_version']} ({r['lost_updates']} update(s) lost and "

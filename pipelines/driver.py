@@ -514,6 +514,13 @@ class Schedule:
 
         if not lost:  # (every worker still there: the call's error is the run's)
             raise error
+        if self.actors["trainer"] is None:  # (_trainer_finished: nothing left to train)
+            raise ClusterError(
+                f"lost the {' and '.join(lost)} (worker(s) {', '.join(lost.values())} gone) "
+                "after the trainer had made every update (its final checkpoint: "
+                f"{(self._last_t_stats or {}).get('checkpoint')}); the trajectory store "
+                "holds what it had committed, the trajectories generated since are lost"
+            ) from error
         hung = self._fenced.get(next(iter(lost.values()), ""))
         group = self._group()
         head = "trainer" if "trainer" in group else "trainer and data module"

@@ -175,19 +175,23 @@ class _Group:
         return handle, ranks
 
 
-def _pick_workers(s, exclude: set[str], with_data: bool) -> tuple[str, list[str]] | None:
+def _pick_workers(
+    s, exclude: set[str], with_data: bool, ranks: int | None = None
+) -> tuple[str, list[str]] | None:
     """A worker for rank 0 (with the ``data`` role too when ``with_data``) and one for
-    each other rank, none in ``exclude`` (the lost group's: a worker restarted by its
-    nanny has a new address); ``None`` while too few are there."""
+    each other rank (``ranks``, default ``trainer.ranks``), none in ``exclude`` (the lost
+    group's: a worker restarted by its nanny has a new address); ``None`` while too few
+    are there."""
+    ranks = s.cfg.trainer.ranks if ranks is None else ranks
     trainers = [w for w in workers_with(s.client, "trainer") if w not in exclude]
     heads = trainers
     if with_data:
         data = set(workers_with(s.client, "data"))
         heads = [w for w in trainers if w in data]
-    if not heads or len(trainers) < s.cfg.trainer.ranks:
+    if not heads or len(trainers) < ranks:
         return None
     head = heads[0]
-    return head, [w for w in trainers if w != head][: s.cfg.trainer.ranks - 1]
+    return head, [w for w in trainers if w != head][: ranks - 1]
 
 
 def _restart_point(run_dir, after: int) -> tuple:
@@ -683,7 +687,10 @@ class CoreRestart(DataRestart):
     def _begin(self) -> None:
         s = self.s
         faults = s.cfg.faults
-        picked = _pick_workers(s, self.exclude, with_data=True)
+        # (the run's final checkpoint: the data module alone is rebuilt, on the worker
+        # with both roles the master relay needs; no other rank is waited for)
+        final = _final_checkpoint(s, self.record)
+        picked = _pick_workers(s, self.exclude, with_data=True, ranks=1 if final else None)
         if picked is None:
             limit = max(faults.trainer_restart_timeout_s, faults.data_restart_timeout_s)
             if time.time() - self.t_lost > limit:
@@ -704,7 +711,7 @@ class CoreRestart(DataRestart):
         # (the record stands in for the trainer's: nothing consumed at V or later stands)
         record = {"consumed": {}, "since": version, "version": after}
         self._rebuild(worker, record=record, master=self.master)
-        if (final := _final_checkpoint(s, self.record)) is not None:  # (rebuilt: the store's)
+        if final is not None:  # (rebuilt: the store's)
             _finish(self, final)
             return
         group = _Group(s, worker, rank_workers)

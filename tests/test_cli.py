@@ -479,3 +479,18 @@ sys.exit(cli._follow(Handle()))
     err = proc.stderr.read()
     assert proc.wait(timeout=120) == 0, err
     assert "STOPPED" in err and "Traceback" not in err and "BrokenPipe" not in err, err
+
+
+def test_the_summary_says_a_trainer_lost_after_its_final_checkpoint_was_not_restarted(capsys):
+    """A restart that found the run's final checkpoint (pipelines.restart._finish) has no
+    readmitted trajectories nor later numbering: printing it raised KeyError after a
+    completed run, and a core restart's line said numbering went on."""
+    final = {"lost_worker": "tcp://t:1", "checkpoint": "c", "checkpoint_version": 4}
+    final |= {"after_version": 4, "lost_updates": 0, "finished": True, "restart_s": 0.1}
+    core = {**final, "held_again": 0, "registered": 3, "restart_s": 5.0}
+    faults = {"lost": {}, "trainer_restarts": [final], "core_restarts": [core]}
+    cli._print_summary({**_summary("runs/x"), "faults": faults})
+    out = capsys.readouterr().out
+    assert "trainer            lost after its final checkpoint (version 4)" in out
+    assert "trainer + data     lost together after the final checkpoint (version 4)" in out
+    assert "numbering goes on" not in out
