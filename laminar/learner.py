@@ -253,8 +253,9 @@ class Learner:
                 "torch": torch.get_rng_state(),
                 "numpy": np.random.get_state(),
                 "python": random.getstate(),
-                # (each GPU's: dropout, sampling; None on CPU)
-                "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None,
+                # (each GPU's, when the model is on one; None on CPU, where asking
+                # would initialise CUDA for GPUs the rollouts may be using)
+                "cuda": torch.cuda.get_rng_state_all() if self._on_cuda() else None,
             },
             out / "rng.pt",
         )
@@ -269,6 +270,9 @@ class Learner:
         (out / "trainer_state.json").write_text(json.dumps(state, indent=2))
         return out
 
+    def _on_cuda(self) -> bool:
+        return next(self.model.parameters()).is_cuda
+
     def _restore(self, ckpt: Path, state: dict) -> None:
         self.optimizer.load_state_dict(torch.load(ckpt / "optimizer.pt", weights_only=True))
         rng = torch.load(ckpt / "rng.pt", weights_only=False)
@@ -276,7 +280,7 @@ class Learner:
         np.random.set_state(rng["numpy"])
         random.setstate(rng["python"])
         cuda = rng.get("cuda")  # (older checkpoints, and CPU ones: none)
-        if cuda is not None and torch.cuda.is_available():
+        if cuda is not None and self._on_cuda():
             if len(cuda) == torch.cuda.device_count():
                 torch.cuda.set_rng_state_all(cuda)
             else:  # (another machine: the CPU-side state still restores exactly)

@@ -20,6 +20,7 @@ import json
 import logging
 import os
 import shutil
+import stat
 import tempfile
 import time
 from collections.abc import Callable, Iterator
@@ -262,6 +263,8 @@ def replace_text(path: Path, text: str) -> None:
     crash, an empty file: the text reaches the disk before the rename)."""
     fd, tmp = tempfile.mkstemp(prefix=path.name + ".", dir=path.parent)
     try:
+        # (mkstemp makes it 0600: the mode of the file it replaces, else a new file's)
+        os.fchmod(fd, stat.S_IMODE(path.stat().st_mode) if path.exists() else 0o666 & ~_umask())
         with os.fdopen(fd, "w") as f:
             f.write(text)
             f.flush()
@@ -271,6 +274,18 @@ def replace_text(path: Path, text: str) -> None:
         with contextlib.suppress(OSError):
             os.unlink(tmp)
         raise
+
+
+def _umask() -> int:
+    """The process's umask, read without setting it (``os.umask`` sets it, racing with
+    threads that create files meanwhile); 0o022 where /proc does not say."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    except (OSError, ValueError, IndexError):
+        pass
+    return 0o022
 
 
 def sync_tree(path: Path) -> None:
@@ -406,7 +421,15 @@ def _staged(final: Path, cfg: RunConfig) -> Iterator[Path]:
         raise
     try:
         sync_tree(tmp)
+    except OSError as e:  # (the disk refused it: EIO, a quota; not another writer)
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise _cache_error(cfg, final.parent, e) from None
+    try:
         os.rename(tmp, final)
-        sync_dir(final.parent)
     except OSError:  # someone else finished first
         shutil.rmtree(tmp, ignore_errors=True)
+        return
+    try:
+        sync_dir(final.parent)
+    except OSError as e:
+        raise _cache_error(cfg, final.parent, e) from None

@@ -80,3 +80,25 @@ def test_summary_json_is_strict_json_written_whole(tmp_path):
     assert on_disk["reason"] == "failed: RuntimeError: lost"
     assert os.stat(run / "summary.json").st_ino != before
     assert sorted(p.name for p in run.iterdir() if p.name.startswith("summary")) == ["summary.json"]
+
+
+def test_a_file_written_whole_keeps_the_mode_a_plain_write_gives(tmp_path):
+    """replace_text writes through mkstemp, whose file is 0600: summary.json (and a
+    checkpoint's data position) became unreadable to the teammates of a shared project
+    folder. A new file takes the umask's mode; a replaced one keeps its own."""
+    import os
+    import stat
+
+    from laminar.sft import replace_text
+
+    old = os.umask(0o022)
+    try:
+        plain, whole = tmp_path / "plain.json", tmp_path / "whole.json"
+        plain.write_text("{}")
+        replace_text(whole, "{}")
+        assert stat.S_IMODE(whole.stat().st_mode) == stat.S_IMODE(plain.stat().st_mode) == 0o644
+        whole.chmod(0o640)
+        replace_text(whole, "[]")
+        assert stat.S_IMODE(whole.stat().st_mode) == 0o640 and whole.read_text() == "[]"
+    finally:
+        os.umask(old)
