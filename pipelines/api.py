@@ -136,16 +136,16 @@ def _write_claimed(path: Path, doing: str, files: dict[Path, str | None]) -> Non
 # refuses a file whose content changed (the stores' groups are of its prompts, by key).
 PROMPT_FINGERPRINT = "prompt_file.sha256"
 # The settings that make the prompts (and their order: seed): what a resume cannot change.
-PROMPT_FIELDS = (
+# What makes the synthetic task's prompts (unused beside task.prompt_file)
+SYNTHETIC_FIELDS = (
     "task.name",
-    "task.prompt_file",
     "task.num_prompts",
     "task.median_len",
     "task.tail_ratio",
     "task.max_len",
     "task.length_share",
-    "seed",
 )
+PROMPT_FIELDS = ("task.prompt_file", *SYNTHETIC_FIELDS, "seed")
 
 
 def _fingerprint(cfg: RunConfig) -> str | None:
@@ -459,12 +459,13 @@ def prepare_resume(run_dir: str | Path, overrides: list[str] | tuple[str, ...] =
         )
     fingerprint = path / PROMPT_FINGERPRINT
     moved = fingerprint.exists()
-    # (a prompt file moved, or named from elsewhere: its bytes are checked below)
-    both_files = bool(moved and ran.task.prompt_file and cfg.task.prompt_file)
+    # A prompt file moved, or named from elsewhere (a relative path from another folder):
+    # its bytes are checked below, where the run recorded them (a run from before it did
+    # takes the path on trust). The synthetic task's fields mean nothing beside a file.
+    both_files = bool(ran.task.prompt_file and cfg.task.prompt_file)
+    unused = {"task.prompt_file", *SYNTHETIC_FIELDS} if both_files else set()
     changed = [
-        key
-        for key in PROMPT_FIELDS
-        if _field(cfg, key) != _field(ran, key) and not (both_files and key == "task.prompt_file")
+        key for key in PROMPT_FIELDS if _field(cfg, key) != _field(ran, key) and key not in unused
     ]
     if changed:
         raise ConfigError(

@@ -255,9 +255,14 @@ def test_a_resume_refuses_a_prompt_file_whose_bytes_changed(tmp_path):
     for given in ([], [f"task.prompt_file={prompts}"]):
         with pytest.raises(ConfigError, match=r"task.prompt_file '.*prompts.jsonl' is not what"):
             prepare_resume(run, ["trainer.steps=3", *given])
-    # a run from before the record: resumed, and recorded from then on
+    # a run from before the record: resumed, and recorded from then on; its file named
+    # from elsewhere (a relative path from another folder) is taken on trust
     (run / PROMPT_FINGERPRINT).unlink()
-    assert _past_the_config_checks(run, ["trainer.steps=3"])
+    shutil.copy(moved, prompts)
+    (run / PROMPT_FINGERPRINT).unlink(missing_ok=True)
+    assert _past_the_config_checks(run, ["trainer.steps=3", f"task.prompt_file={moved}"])
+    # beside a prompt file, the synthetic task's settings make no prompt: free to change
+    assert _past_the_config_checks(run, ["trainer.steps=3", "task.name=copy"])
 
 
 def test_the_schedule_refusal_names_the_runs_value_and_the_set_given(tmp_path):
