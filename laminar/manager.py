@@ -499,7 +499,7 @@ class RolloutManager:
                 if ok_of.get(m.source):
                     ids = [st.request_id for st in outs[m.source]["states"]]
                     reassigned[m.source] = self._try(
-                        lambda i=ids, d=m.destination: self.partial.reassign(i, d)
+                        lambda i=ids, d=m.destination, s=m.source: self.partial.reassign(i, d, s)
                     )
             # The destination's next flush names it their owner too; until then a loss of
             # it would look for them under the source. A move is never undone for this:

@@ -246,13 +246,28 @@ class PartialCore:
                 self._event(rid, "finished", e["owner"], *e["finished"])
         self.counts["restored"] += len(entries)
 
-    def reassign(self, request_ids: list[str], rollout_id: str) -> None:
-        """Requests now decoded by ``rollout_id`` (moved by repack or recovery)."""
+    def reassign(
+        self, request_ids: list[str], rollout_id: str, moved_from: str | None = None
+    ) -> None:
+        """Requests now decoded by ``rollout_id`` (moved by repack or recovery).
+        ``moved_from``: a repack move's source, which the trajectory's history gains as
+        the exported copies did (one more move, the source on its path): a later
+        recovery of them from here (their new rollout lost) goes on from that history."""
         for rid in request_ids:
-            if rid in self.entries:
-                self.entries[rid]["owner"] = rollout_id
-                self.entries[rid].pop("taken_from", None)
-                self._event(rid, "owner", rollout_id)
+            e = self.entries.get(rid)
+            if e is None:
+                continue
+            if moved_from is not None:
+                st: RequestState = e["state"]
+                st.n_moves += 1
+                st.request.meta["rollout_path"] = [
+                    *st.request.meta.get("rollout_path", []),
+                    moved_from,
+                ]
+                self._event(rid, "moved", moved_from)
+            e["owner"] = rollout_id
+            e.pop("taken_from", None)
+            self._event(rid, "owner", rollout_id)
 
     def hold(self, uids: list[str]) -> None:
         """Trajectories the buffer now holds: not scored again if their rollout is lost
@@ -581,8 +596,10 @@ class PartialResponsePool:
         self._start_log()
         await self._sync_retained()
 
-    async def reassign(self, request_ids: list[str], rollout_id: str) -> None:
-        self.core.reassign(request_ids, rollout_id)
+    async def reassign(
+        self, request_ids: list[str], rollout_id: str, moved_from: str | None = None
+    ) -> None:
+        self.core.reassign(request_ids, rollout_id, moved_from)
 
     async def hold(self, uids: list[str]) -> None:
         self.core.hold(uids)

@@ -320,7 +320,8 @@ def replay(path: str | Path) -> dict[str, dict[str, Any]]:
     """The entries the log last recorded, by request id (= trajectory uid): the journal
     replayed in ``seq`` order. Each has ``version``, ``owner`` (``""``: taken from a lost
     rollout), ``seed``, ``t_start``, ``n_moves``, ``params`` and ``meta`` (decoded JSON;
-    a take appends the rollout to ``meta["rollout_path"]``), ``prompt_tokens``, the
+    a take appends the rollout to ``meta["rollout_path"]``, and a repack move, counted in
+    ``n_moves``, its source), ``prompt_tokens``, the
     ``tokens``, ``logprobs`` and ``token_versions`` logged, ``t_flush``, ``finished``
     (``(finish_reason, t_finish)`` or ``None``) and ``held`` (the buffer had it). An entry
     the store committed is forgotten.
@@ -370,6 +371,9 @@ def replay(path: str | Path) -> dict[str, dict[str, Any]]:
                 path_ = e["meta"].setdefault("rollout_path", [])
                 path_.append(e["owner"])
             e["owner"] = owner
+        elif kind == "moved":  # a repack move from ``owner``: as PartialCore.reassign
+            e["meta"].setdefault("rollout_path", []).append(owner)
+            e["n_moves"] += 1
         elif kind == "held":
             e["held"] = True
         elif kind == "forgotten":

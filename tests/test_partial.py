@@ -55,6 +55,25 @@ def test_a_lost_rollouts_entries_say_how_to_recover_them():
     assert again["b"].request.meta["rollout_path"] == ["r0", "r1"]
 
 
+def test_a_recovery_after_a_repack_move_keeps_the_move_in_its_history(tmp_path):
+    """Repack moved the request r0 -> r1 (the exported copy gained the move and r0 on its
+    path), then r1 was lost: the pool's copy had neither, so the stored trajectory said 1
+    migration and a path without r0. The pool, and its log, now keep the move."""
+    from laminar.partial import replay_log
+    from storage.partial_log import PartialLogWriter
+
+    core = PartialCore(journal=True)
+    _register(core, "r0", 3, ["a"])
+    core.flush("r0", {"a": (0, [5], [-1.0], [3])})
+    core.reassign(["a"], "r1", moved_from="r0")  # (the manager, once the move committed)
+    core.flush("r1", {"a": (1, [6], [-1.0], [3])})
+    PartialLogWriter(tmp_path).append(**core.drain_journal())
+    logged = replay_log(tmp_path).entries["a"]["state"]  # (what a rebuilt pool reads)
+    assert logged.n_moves == 1 and logged.request.meta["rollout_path"] == ["r0"]
+    (taken,) = core.take("r1")  # r1 lost: its recovery is one move more
+    assert taken.n_moves == 2 and taken.request.meta["rollout_path"] == ["r0", "r1"]
+
+
 def test_a_late_or_repeated_flush_overwrites_and_a_gap_is_refused():
     core = PartialCore()
     _register(core, "r0", 1, ["a"])

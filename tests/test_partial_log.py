@@ -64,6 +64,7 @@ OPS = st.lists(
                 "flush",
                 "finish",
                 "reassign",
+                "move",
                 "take",
                 "hold",
                 "forget",
@@ -105,6 +106,8 @@ def test_the_log_replays_to_the_pools_entries(tmp_path_factory, ops):
             )
         elif op == "reassign" and rid is not None:
             core.reassign([rid], owner)
+        elif op == "move" and rid is not None:  # (repack: its history goes with it)
+            core.reassign([rid], owner, moved_from=core.entries[rid]["owner"] or "r9")
         elif op == "take":
             core.take(owner)
         elif op == "hold" and rid is not None:
