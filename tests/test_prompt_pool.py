@@ -339,3 +339,18 @@ def test_ending_the_waits_returns_an_idle_rollouts_long_poll_at_once(small_confi
 
     ended, later = asyncio.run(scenario())
     assert ended < 1.0 and later < 1.0, (ended, later)
+
+
+def test_after_a_skipped_update_a_rollout_behind_the_newest_version_gets_no_batch():
+    """one_step (lag 1): an update skipped as non-finite lowers every batch's label by one,
+    and with it the version a rollout needed to take one. A rollout still on the version
+    before the newest (its pull late) was handed groups of the batch the newest generates:
+    trained one version later than counted, at s_train 2, which one_step never has."""
+    pool = rule_pool("batches", 1, groups_per_step=4, replicas=2, lag=1)
+    for batch in range(2):  # batches 0 and 1 go out at version 0
+        assert len(pool.acquire(2, "r0", 0)) == len(pool.acquire(2, "r1", 0)) == 2, batch
+    pool.version_published(1)
+    assert len(pool.acquire(2, "r0", 1)) == 2  # batch 2, by version 1
+    pool.update_skipped()  # version 1's update: non-finite, nothing published
+    assert pool.acquire(2, "r1", 0) == []  # r1 loads version 1 first
+    assert len(pool.acquire(2, "r1", 1)) == 2
