@@ -221,15 +221,18 @@ class RolloutManager:
     async def pause_all(self, version: int) -> dict:
         """A global weight update (partial rollout): every live rollout holds its
         unfinished requests until it has loaded ``version`` (:meth:`RolloutReplica.pause`).
-        Returns once each has paused; one that does not answer within
-        ``cluster.actor_timeout_s`` is left to loss detection."""
+        Returns once each has paused; one that does not answer within half of
+        ``cluster.actor_timeout_s`` is left to loss detection (the trainer waits for this
+        call as long as that whole timeout, counted from before it reached here: a
+        rollout slow to answer must not fail the run), and a hung one is not asked."""
         import asyncio
 
-        live = [r for rid, r in list(self.rollouts.items()) if rid not in self.lost]
+        gone = {*self.lost, *self.hung}
+        live = [r for rid, r in list(self.rollouts.items()) if rid not in gone]
 
         async def one(rollout) -> int | None:
             try:
-                return await asyncio.wait_for(rollout.pause(version), self.timeout)
+                return await asyncio.wait_for(rollout.pause(version), self.timeout / 2)
             except Exception:  # noqa: BLE001 — lost or hung: detection handles it
                 return None
 

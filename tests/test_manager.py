@@ -77,10 +77,11 @@ class FakePool:
         out, self.states = self.states, []
         return done(out)
 
-    def reassign(self, request_ids, rollout_id):
+    def reassign(self, request_ids, rollout_id, moved_from=None):
         if self._reassign is not None:
             return self._reassign(request_ids, rollout_id)
         self.owner.update(dict.fromkeys(request_ids, rollout_id))
+        self.moved_from = moved_from
         return done(None)
 
 
@@ -201,6 +202,21 @@ def test_a_moves_pause_ends_at_its_sources_release_not_at_the_pools_answer(cfg):
     assert row["pause_s"] < cfg.cluster.actor_timeout_s / 2
 
 
+def test_a_committed_move_tells_the_pool_its_source(cfg):
+    """The pool adds the move to the requests' history (PartialCore.reassign): a later
+    recovery of them must count it and keep the source on their path."""
+    states = [state("g0-000"), state("g0-001")]
+    src = FakeRollout(export_for_move=lambda **k: done(exported(states)))
+    dst = FakeRollout(import_for_move=lambda *a, **k: done(True))
+    pool = FakePool()
+    manager = RolloutManager(cfg, {"r0": src, "r1": dst}, None, partial=pool)
+    manager._prev = {"r0": (1, 0.1), "r1": (1, 0.2)}
+    loads = {"r0": RolloutLoad("r0", 0, 0.1, 0.2, 2), "r1": RolloutLoad("r1", 0, 0.2, 0.3, 2)}
+    (row,) = manager._execute([Move("r0", "r1")], loads)
+    assert row["ok"] and pool.owner == {"g0-000": "r1", "g0-001": "r1"}
+    assert pool.moved_from == "r0"
+
+
 # -- the manager's loop --------------------------------------------------------------------
 
 
@@ -258,3 +274,28 @@ def test_a_detection_round_the_scheduler_does_not_answer_is_skipped(cfg):
     manager = RolloutManager(cfg, {"r0": r0}, None, partial=FakePool(), workers={"r0": "tcp://w0"})
     manager._scheduler_workers = no_answer
     assert manager.detect() == [] and manager.lost == {}
+
+
+def test_a_global_pause_leaves_a_silent_rollout_to_loss_detection_within_the_trainers_wait():
+    """Partial rollout pauses every rollout before each publication; the trainer waits for
+    the manager's pause_all as long as cluster.actor_timeout_s, counted before the call
+    reached it. The manager waited as long on each rollout: one slow to answer (a long
+    weight load) timed the trainer out first and failed the run. It now gives each half
+    the timeout, and does not ask a rollout already declared hung."""
+    import asyncio
+
+    async def silent(version):
+        await asyncio.sleep(3600)
+
+    async def paused(version):
+        return 2
+
+    cfg = with_overrides(RunConfig(), ["cluster.actor_timeout_s=1"])
+    quick, slow, hung = FakeRollout(pause=paused), FakeRollout(pause=silent), FakeRollout()
+    manager = RolloutManager(cfg, {"r0": quick, "r1": slow, "r2": hung}, None)
+    manager.hung["r2"] = {"time": time.time()}
+    t0 = time.monotonic()
+    got = asyncio.run(manager.pause_all(4))
+    assert time.monotonic() - t0 < 0.8  # (half the timeout, not the whole)
+    assert got == {"paused": 1, "requests": 2}
+    assert hung.called("pause") == [] and len(slow.called("pause")) == 1
