@@ -693,6 +693,15 @@ class RunConfig(_Section):
                 f"({task.max_len}), which cuts every longer answer: lower task.median_len "
                 "or raise task.max_len"
             )
+        rp = self.repack
+        if rp is not None and rp.max_batch is not None and rp.max_batch > r.max_batch:
+            raise ValueError(
+                f"repack.max_batch ({rp.max_batch}) exceeds what an engine decodes at once "
+                f"(rollout.max_concurrency, else groups_per_batch × group_size: "
+                f"{r.max_batch}): moved requests past it would wait in the destination's "
+                f"queue while their freed source takes new prompts; set repack.max_batch to "
+                f"at most {r.max_batch}, or raise rollout.max_concurrency"
+            )
         if b.sampler == "same_version" and b.max_train_staleness is None:
             raise ValueError(
                 "buffer.sampler=same_version needs buffer.max_train_staleness: without it, "

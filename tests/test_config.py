@@ -65,6 +65,7 @@ def test_overrides_are_typed():
             r"trainer.mini_batches \(32\) exceeds trainer.groups_per_step \(16\)",
         ),
         (["task.median_len=100", "task.max_len=10"], r"task.median_len \(100\) must be below"),
+        (["repack.max_batch=999"], r"repack.max_batch \(999\) exceeds what an engine decodes"),
     ],
 )
 def test_bad_values_name_the_field_and_the_fix(override, message):
