@@ -1048,7 +1048,8 @@ class RolloutReplica:
             back.append(replace(st, n_moves=st.n_moves - 1))
         self.engine.import_(back)
         self._logged.update({st.request_id: len(st.tokens) for st in back})
-        self._reprefill = True
+        self._reprefill = True  # (its time in reprefill_s: its tokens beside it)
+        self.counts["reprefill_tokens"] += sum(st.context_len for st in back)
         self.counts["moves_out"] -= 1
         self.counts["requests_out"] -= len(back)
         self.counts["moves_taken_back"] += 1

@@ -39,12 +39,14 @@ class PartialRolloutSchedule(Schedule):
         if room < (eta + 1) * per_step:
             # Both count the groups dispatched and not yet consumed: back-pressure would
             # hold dispatch before η does, and the run keep a bound it does not report.
+            # (eta 0 is refused by the config: partial rollout would be sync)
+            lower = f", or pipeline.eta={room // per_step - 1}" if room // per_step > 1 else ""
             raise ConfigError(
                 f"pipeline.eta={eta!r} lets (eta + 1) × trainer.groups_per_step = "
                 f"{(eta + 1) * per_step} groups out, but buffer.max_outstanding_groups="
                 f"{room!r} stops dispatch first (the bound in force would be eta="
                 f"{room // per_step - 1}): set buffer.max_outstanding_groups to at least "
-                f"{(eta + 1) * per_step}, or pipeline.eta={room // per_step - 1}"
+                f"{(eta + 1) * per_step}{lower}"
             )
         return ScheduleSpec(
             "partial_rollout",

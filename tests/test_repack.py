@@ -338,6 +338,10 @@ def test_a_move_leaves_every_request_in_exactly_one_engine(
             assert all(s.request.meta["rollout_path"] == [] for s in src.engine.in_flight())
             assert (src.counts["moves_out"], src.counts["moves_taken_back"]) == (0, 1)
             assert manager.counts["rolled_back"] == 1
+            # the take-back's re-prefill is counted in tokens beside its time (its
+            # requests' contexts then, no longer than they are now: they decode on)
+            now = sum(s.context_len for s in src.engine.in_flight())
+            assert 0 < src.counts["reprefill_tokens"] <= now
     finally:
         stop_src.set(), stop_dst.set()
 

@@ -144,3 +144,23 @@ def test_partial_rollout_refuses_an_eta_that_back_pressure_overrides():
     )
     sets = [s.strip() for s in line.split("--set ")[1:]]
     cls.spec(load_config(root / "configs" / "tiny.yaml", sets))
+
+
+def test_partial_rollouts_back_pressure_refusal_suggests_only_settings_that_hold():
+    """With room for less than two batches the η the bound allows is 0, which the config
+    refuses (partial rollout would be sync): the message suggested it all the same."""
+    from pipelines.partial_rollout import PartialRolloutSchedule
+
+    base = ["pipeline.schedule=partial_rollout", "trainer.groups_per_step=16"]
+    tight = with_overrides(
+        RunConfig(), [*base, "pipeline.eta=1", "buffer.max_outstanding_groups=20"]
+    )
+    with pytest.raises(ConfigError) as e:
+        PartialRolloutSchedule.spec(tight)
+    assert "max_outstanding_groups to at least 32" in str(e.value)
+    assert "pipeline.eta=0" not in str(e.value)
+    roomy = with_overrides(
+        RunConfig(), [*base, "pipeline.eta=3", "buffer.max_outstanding_groups=48"]
+    )
+    with pytest.raises(ConfigError, match=r"at least 64, or pipeline.eta=2"):
+        PartialRolloutSchedule.spec(roomy)
