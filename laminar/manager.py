@@ -461,7 +461,11 @@ class RolloutManager:
                 if not got:  # it may yet be imported: ask, after it (calls run in order)
                     ids = [st.request_id for src in sources for st in outs[src]["states"]]
                     unanswered[dst, v] = self._try(lambda d=dst, i=ids: self.rollouts[d].holds(i))
-            deadline = time.time() + window
+            # Twice as long: the question waits behind the import (and behind a pool call
+            # the destination's generation thread may be in); given up on, the source
+            # takes back what the destination may hold, and both decode it. The source
+            # holds its requests longer than this anyway.
+            deadline = time.time() + 2 * window
             for (dst, v), future in unanswered.items():
                 got, holds = self._noting(
                     f"repack: does {dst} hold what it was sent",
