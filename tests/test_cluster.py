@@ -75,6 +75,7 @@ def test_local_workers_start_warm_with_the_nannies_environment(cluster_client):
 
         preloaded = all(m in sys.modules for m in preload)  # before this imports any
         import os
+        import signal
         from pathlib import Path
 
         import torch
@@ -87,6 +88,11 @@ def test_local_workers_start_warm_with_the_nannies_environment(cluster_client):
             "omp": os.environ.get("OMP_NUM_THREADS"),
             "malloc_trim": os.environ.get("MALLOC_TRIM_THRESHOLD_"),
             "torch_threads": torch.get_num_threads(),
+            # Ctrl-C and a dropped session signal the whole process group: the driver
+            # stops the run, its workers must not die of it (laminar.local_worker)
+            "ignored": [
+                signal.getsignal(sig) == signal.SIG_IGN for sig in (signal.SIGINT, signal.SIGHUP)
+            ],
         }
 
     import os
@@ -97,7 +103,7 @@ def test_local_workers_start_warm_with_the_nannies_environment(cluster_client):
     for s in states.values():
         assert s["from_forkserver"] and s["parent"] != os.getpid(), s  # not this nanny's
         assert s["preloaded"] and s["omp"] == "1" and s["torch_threads"] == 1, s
-        assert s["malloc_trim"] is None, s
+        assert s["malloc_trim"] is None and s["ignored"] == [True, True], s
 
 
 @pytest.mark.slow
