@@ -456,6 +456,28 @@ def check_answers(tok, prompts: list[Prompt], cfg: RunConfig) -> dict[str, list[
     return dict(zip(demos, encoded, strict=True))
 
 
+def unreachable_answers(tok, prompts: list[Prompt], cfg: RunConfig) -> str | None:
+    """Under a reward that compares whole answers (``exact_match``), what to warn of when
+    a prompt file's answers are too long for ``rollout.max_new_tokens`` (with the end of
+    sequence after them): every response to such a prompt is cut off and scores
+    ``task.truncated_reward``, so its groups teach nothing. ``None``: none is."""
+    if not cfg.task.prompt_file or cfg.task.reward != "exact_match" or not prompts:
+        return None
+    limit = cfg.rollout.max_new_tokens
+    encoded = tok([p.answer for p in prompts], add_special_tokens=False)["input_ids"]
+    long = [(p, len(ids)) for p, ids in zip(prompts, encoded, strict=True) if len(ids) >= limit]
+    if not long:
+        return None
+    (first, n), where = long[0], _where(cfg)
+    return (
+        f"{len(long)} of {len(prompts)} answers in {cfg.task.prompt_file} cannot be "
+        f"generated within rollout.max_new_tokens={limit} (the first: {where(first)}, "
+        f"{n} tokens, and the end of sequence after them): every response to them is cut "
+        "off and scores task.truncated_reward, so their groups teach nothing; raise "
+        "rollout.max_new_tokens (and rollout.max_seq_len), or leave those prompts out"
+    )
+
+
 class PromptPool:
     """Dask actor around :class:`PromptPoolCore` (placed on a ``data`` worker)."""
 

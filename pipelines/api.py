@@ -57,7 +57,12 @@ def preflight(cfg: RunConfig) -> None:
     warm-start cache folder. Each failure names the field and the fix."""
     from laminar.learner import check_checkpoint
     from laminar.model import check_policy_dir
-    from laminar.prompt_pool import check_answers, encode_prompts, load_prompts
+    from laminar.prompt_pool import (
+        check_answers,
+        encode_prompts,
+        load_prompts,
+        unreachable_answers,
+    )
     from laminar.rewards import resolve_reward
     from laminar.sft import base_model_config, base_tokenizer, check_cache_dir
 
@@ -79,6 +84,8 @@ def preflight(cfg: RunConfig) -> None:
     tok = base_tokenizer(cfg)
     encode_prompts(tok, prompts, cfg)
     check_answers(tok, prompts, cfg)
+    if warning := unreachable_answers(tok, prompts, cfg):
+        logger.warning(warning)
     resolve_reward(cfg.task.reward)
     if cfg.trainer.resume_from:
         check_checkpoint(cfg.trainer.resume_from, model_config, cfg)

@@ -356,3 +356,36 @@ def test_a_json_file_given_for_a_jsonl_one_is_told_the_format(tmp_path):
     with pytest.raises(DataError, match=r"field 'prompt' is missing or not a string") as e:
         jsonl_prompts(f)
     assert len(str(e.value)) < 500
+
+
+def test_answers_longer_than_a_response_may_be_are_warned_of_before_the_run(tmp_path, caplog):
+    """Under exact_match an answer of rollout.max_new_tokens tokens or more is never
+    generated (with the end of sequence after it): every response is cut off and scores
+    task.truncated_reward. The run went on without a word; now the check before it warns,
+    naming how many, the first one's line and the fix. Other rewards may not need the
+    whole answer: no warning."""
+    import logging
+
+    from laminar.config import RunConfig, with_overrides
+    from pipelines.api import preflight
+
+    f = tmp_path / "p.jsonl"
+    rows = [
+        {"prompt": "n 2 >", "answer": "1 2"},
+        {"prompt": "n 9 >", "answer": "1 2 3 4 5 6 7 8 9"},
+    ]
+    f.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    cfg = with_overrides(
+        RunConfig(),
+        [f"task.prompt_file={f}", "rollout.max_new_tokens=8", f"sft.cache_dir={tmp_path}"],
+    )
+    with caplog.at_level(logging.WARNING, logger="laminar"):
+        preflight(cfg)
+    (said,) = [r.getMessage() for r in caplog.records if "cannot be generated" in r.getMessage()]
+    assert said.startswith(f"1 of 2 answers in {f} cannot be generated within rollout.max_new")
+    assert f"{f}:2, 9 tokens" in said and "raise rollout.max_new_tokens" in said
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="laminar"):
+        preflight(with_overrides(cfg, ["task.reward=prefix_credit"]))
+        preflight(with_overrides(cfg, ["rollout.max_new_tokens=10"]))
+    assert not [r for r in caplog.records if "cannot be generated" in r.getMessage()]
