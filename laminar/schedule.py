@@ -27,7 +27,8 @@ load the new version and resume, recomputing their KV, so responses mix versions
 
 A spec whose option means nothing for it is refused rather than ignored: ``eta`` without
 ``dispatch='eta'``, ``lag`` without ``'batches'``, ``colocated`` weights beside anything
-that overlaps generation with training, ``interrupt`` or ``refill`` with ``'batches'``.
+that overlaps generation with training, ``interrupt`` or ``refill`` with ``'batches'``,
+``refill`` without ``interrupt``.
 The run config (``RunConfig``) likewise refuses a setting under which a schedule would
 run as another: stream in one mini-batch, or partial rollout with η = 0, is sync without
 colocation (docs/schedules.md).
@@ -109,6 +110,12 @@ class ScheduleSpec:
                 f"schedule {self.name!r}: with dispatch='batches' each rollout takes its "
                 "share of a global batch at once and the batch is complete before its "
                 "version is published: interrupt and refill mean nothing; drop them"
+            )
+        if self.refill and not self.interrupt:
+            raise ConfigError(
+                f"schedule {self.name!r}: refill keeps a rollout's engine full, so it "
+                "rarely reaches a batch boundary, the one place it pulls weights: it needs "
+                "interrupt (every rollout loads each version as it is published)"
             )
         if self.trainer == "one_step" and (self.dispatch, self.lag) != ("batches", 1):
             raise ConfigError(

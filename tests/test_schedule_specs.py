@@ -27,6 +27,8 @@ from pipelines.driver import schedule_class
         # rollout takes its share of it at once
         (dict(dispatch="batches", weights="global", interrupt=True), r"interrupt"),
         (dict(dispatch="batches", refill=True), r"refill"),
+        # a refilling rollout rarely reaches a batch boundary, where relay pulls happen
+        (dict(dispatch="eta", eta=1, refill=True), r"refill .*needs interrupt"),
     ],
 )
 def test_a_spec_whose_option_means_nothing_is_refused(fields, message):
