@@ -427,6 +427,8 @@ def test_paced_schedules_pay_their_weight_movements_and_the_bench_reads_them(
     assert (busy <= span + 0.5).all(), (busy, span)
     assert np.nansum(busy) > 0
     assert fig["s_train_max"] == 1 and fig["audit_ok"] == 1.0
+    # the measured batches' staleness only: one-step's first (s_train 0) is warm-up
+    assert fig["s_train_mean"] == 1.0
     # the decode loops' time beyond their modelled steps: some (the work between steps),
     # none of it top-up asks (one-step does not top up)
     decode_s = sum(r["decode_s"] for r in summary["rollouts"])
