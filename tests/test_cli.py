@@ -275,23 +275,7 @@ def test_the_printed_summary_says_how_many_updates_a_run_with_skipped_versions_m
     """A version number a failed update skipped is not an update: the summary line says
     how many updates the final weights hold when the two differ, and nothing more when
     they do not."""
-    summary = {
-        "run_dir": "runs/x",
-        "reason": "done",
-        "reward_first_20pct": 0.5,
-        "reward_last_20pct": 0.75,
-        "reward_gain": 0.25,
-        "versions": 6,
-        "updates": 4,
-        "trajectories": 96,
-        "consumed": 64,
-        "prompt_tokens": 10,
-        "response_tokens": 20,
-        "staleness": {"s_gen_mean": 0.0, "s_train_mean": 1.0},
-        "rl_wall_s": 3.0,
-        "sft": {"wall_s": 1.0, "cached": True},
-        "checkpoint": "runs/x/checkpoints/version-000006",
-    }
+    summary = _summary("runs/x", "done") | {"versions": 6, "updates": 4}
     cli._print_summary(summary)
     assert "versions           6  (4 updates made)\n" in capsys.readouterr().out
     cli._print_summary({**summary, "updates": 6})

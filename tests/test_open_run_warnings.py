@@ -3,38 +3,13 @@
 import uuid
 import warnings
 
-import numpy as np
+from test_storage import record
 
-from laminar.contract import Trajectory
 from storage import TrajectoryWriter, open_run
 
 
 def _store(path) -> None:
-    n = 3
-    records = [
-        Trajectory(
-            uid=f"g0-{i}",
-            prompt_uid="g0",
-            prompt_key=0,
-            sample_idx=i,
-            group_size=2,
-            prompt_tokens=np.ones(2, np.int32),
-            response_tokens=np.ones(n, np.int32),
-            behavior_logprobs=np.zeros(n, np.float32),
-            loss_mask=np.ones(n, np.uint8),
-            behavior_version=0,
-            finish_reason="eos",
-            rollout_ids="r0",
-            t_submit=1.0,
-            t_start=2.0,
-            t_finish=3.0,
-            finish_version=0,
-            reward=1.0,
-            t_insert=4.0,
-        ).to_record()
-        for i in range(2)
-    ]
-    TrajectoryWriter(path).append(records)
+    TrajectoryWriter(path).append([record(0), record(1)])  # (one group of 2)
 
 
 def _warnings_of_open_run(path) -> list[str]:
