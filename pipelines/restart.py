@@ -494,7 +494,7 @@ class DataRestart:
         """Rebuild on ``worker``. ``record``: what the trainer consumed (default: asked of
         the live trainer); ``master``: the master relay's handle when it is new (a
         :class:`CoreRestart`; the live trainer is then not attached: a new one starts)."""
-        from pipelines.driver import _answers, _results, _send, start_data_module
+        from pipelines.driver import _answers, start_data_module
 
         s = self.s
         cfg, client, a = s.cfg, s.client, s.actors
@@ -523,9 +523,7 @@ class DataRestart:
 
         if record is None:
             record = a["trainer"].consumed_record().result(timeout)
-        asked = {rid: _send([lambda r=r: r.data_holdings()]) for rid, r in alive.items()}
-        answers = {rid: _results(f, timeout) for rid, f in asked.items()}  # (one wait each)
-        held = [a[0] for a in answers.values() if a]
+        held = _answers([lambda r=r: r.data_holdings() for r in alive.values()], timeout=timeout)
         plan = plan_rebuild(
             s.run_dir,
             version=record["version"],
@@ -533,8 +531,6 @@ class DataRestart:
             since=record["since"],
             held_groups={g for groups in held for g in groups},
             orphans=orphans,
-            # (a live rollout that did not answer may hold groups: none re-issued twice)
-            silent=[rid for rid, a in answers.items() if not a],
         )
         # (committed by the lost store, its "forgotten" not yet logged: the buffer has it)
         for uid in plan.orphans_stored:

@@ -175,7 +175,6 @@ def plan_rebuild(
     since: int,
     held_groups: set[str] | frozenset[str] = frozenset(),
     orphans: Collection[str] = (),
-    silent: Collection[str] = (),
 ) -> RebuildPlan:
     """The plan for a data module rebuilt from ``run_dir``'s store within the run.
 
@@ -197,9 +196,7 @@ def plan_rebuild(
     ``reissue``: of the groups held again, those the store has in part that nothing else
     will complete (no rollout holds them, no log entry resumes them): the missing
     samples of a run resumed in place that the lost pool had not handed out yet
-    (:attr:`ResumePlan.reissue`). Counted out, such a group would never leave.
-    ``silent``: live rollouts that did not say what they hold; a group the lost pool's
-    log has entries of owned by one of them is not re-issued (it may be decoding there)."""
+    (:attr:`ResumePlan.reissue`). Counted out, such a group would never leave."""
     a = open_trajectories(run_dir, ["prompt_uid", "prompt_key", "sample_idx", "group_size"])
     uids = a["uid"].tolist()
     status, sample_v = a["status"], a["sample_version"]
@@ -224,10 +221,7 @@ def plan_rebuild(
     out = held_again | (set(held_groups) - left) | resumed
     plan.outstanding = sorted(out - consumed_groups)
     stored_groups = set(prompt_uids)
-    entries = log_entries(run_dir).values()
-    silent = set(silent)
-    unknown = {e["prompt_uid"] for e in entries if e["owner"] and e["owner"] in silent}
-    orphaned = held_again - set(held_groups) - resumed - consumed_groups - unknown
+    orphaned = held_again - set(held_groups) - resumed - consumed_groups
     if orphaned:
         have: dict[str, tuple[int, int, set[int]]] = {}
         for i, g in enumerate(prompt_uids):
@@ -241,10 +235,10 @@ def plan_rebuild(
                 plan.reissue[g] = (key, size, missing)
     # ... and those of which only the log knows (a resume re-issues them whole: their
     # entries were kept for that), which nothing holds either
-    skip = stored_groups | out | consumed_groups | unknown
+    entries = log_entries(run_dir).values()
     for e in entries:
         g = e["prompt_uid"]
-        if g not in skip and g not in plan.reissue:
+        if g not in stored_groups and g not in plan.reissue and g not in out | consumed_groups:
             size = int(e["group_size"])
             plan.reissue[g] = (int(e["prompt_key"]), size, tuple(range(size)))
     plan.outstanding = sorted(set(plan.outstanding) | set(plan.reissue))
