@@ -464,7 +464,8 @@ class RolloutManager:
             # Twice as long: the question waits behind the import (and behind a pool call
             # the destination's generation thread may be in); given up on, the source
             # takes back what the destination may hold, and both decode it. The source
-            # holds its requests longer than this anyway.
+            # holds its requests longer than the whole move may take (5 timeouts:
+            # export, import and this question's 2 at most, then the release).
             deadline = time.time() + 2 * window
             for (dst, v), future in unanswered.items():
                 got, holds = self._noting(

@@ -311,11 +311,13 @@ class PartialCore:
                 continue
             st: RequestState = e["state"]
             if not retaken:
-                # The path is kept on the entry: a second loss appends to it.
+                # The loss moves it: the path and the count are kept on the entry, so a
+                # second loss adds to them (the copies handed out carry them as they are).
                 st.request.meta["rollout_path"] = [
                     *st.request.meta.get("rollout_path", []),
                     rollout_id,
                 ]
+                st.n_moves += 1
                 self._event(rid, "owner", None)
             meta = {
                 **st.request.meta,
@@ -326,7 +328,7 @@ class PartialCore:
             }
             if "finished" in e:
                 meta["finished"] = e["finished"]
-            moved = replace(st.moved(), request=replace(st.request, meta=meta))
+            moved = replace(st.moved(), request=replace(st.request, meta=meta), n_moves=st.n_moves)
             e["owner"], e["taken_from"] = None, rollout_id
             out.append(moved)
         self.counts["taken"] += len(out)

@@ -68,7 +68,7 @@ PROBE_S = 3.0
 # requests back: the manager that held it was lost or gave up (a copy it had imported
 # elsewhere then decodes twice, and the buffer keeps the first to arrive; losing them would
 # leave their groups incomplete).
-HOLD_LIMIT_TIMEOUTS = 4
+HOLD_LIMIT_TIMEOUTS = 5
 RESEND_CHUNK = 64  # ... and sends its kept trajectories to a new one this many at a time
 _RESEND = object()  # the reward collector's cue to send the kept trajectories again
 

@@ -367,9 +367,10 @@ def replay(path: str | Path) -> dict[str, dict[str, Any]]:
         if kind == "finished":
             e["finished"] = (str(events["finish_reason"][i]), float(events["t"][i]))
         elif kind == "owner":
-            if not owner and e["owner"]:  # taken from a lost rollout: on its path
+            if not owner and e["owner"]:  # taken from a lost rollout: on its path, a move
                 path_ = e["meta"].setdefault("rollout_path", [])
                 path_.append(e["owner"])
+                e["n_moves"] += 1
             e["owner"] = owner
         elif kind == "moved":  # a repack move from ``owner``: as PartialCore.reassign
             e["meta"].setdefault("rollout_path", []).append(owner)

@@ -53,6 +53,7 @@ def test_a_lost_rollouts_entries_say_how_to_recover_them():
     core.reassign(["a", "b"], "r1")
     again = {st.request_id: st for st in core.take("r1")}
     assert again["b"].request.meta["rollout_path"] == ["r0", "r1"]
+    assert again["b"].n_moves == 2  # (each loss a move: the count stayed at 1)
 
 
 def test_a_recovery_after_a_repack_move_keeps_the_move_in_its_history(tmp_path):

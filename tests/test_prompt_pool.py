@@ -354,3 +354,12 @@ def test_after_a_skipped_update_a_rollout_behind_the_newest_version_gets_no_batc
     pool.update_skipped()  # version 1's update: non-finite, nothing published
     assert pool.acquire(2, "r1", 0) == []  # r1 loads version 1 first
     assert len(pool.acquire(2, "r1", 1)) == 2
+
+
+def test_a_pool_told_of_a_version_before_its_weights_moved_still_hands_out_batches():
+    """A rebuilt (or restarted) pool hears of the trainer's newest version before any
+    rollout can load its weights: gating every batch on that version would starve the
+    trainer that waits for the batch before it publishes them."""
+    pool = rule_pool("batches", 8, groups_per_step=4, replicas=2, lag=1)
+    pool.version_published(5)
+    assert len(pool.acquire(2, "r0", 4)) == 2
