@@ -1023,9 +1023,9 @@ class Schedule:
 
     def _flush_metrics(self) -> None:
         self._write_rows()
-        if self.actors["trainer"] is None:  # (it finished, then was lost: none runs)
-            pass
-        elif self._restart is None and self._data_restart is None:  # (none restarting)
+        # (no trainer restarting, and one runs: after _trainer_finished none does)
+        restarting = self._restart is not None or self._data_restart is not None
+        if self.actors["trainer"] is not None and not restarting:
             try:
                 if self._trainer_worker() in self._fenced:
                     raise TimeoutError("the trainer is hung")

@@ -199,13 +199,18 @@ def _restart_point(run_dir, after: int) -> tuple:
     and the restart record's fields for a restart from it after version ``after``."""
     ckpt = newest_checkpoint(run_dir)
     version = checkpoint_version(ckpt) if ckpt is not None else 0
-    fields = {
+    return ckpt, version, _point_fields(ckpt, version, after)
+
+
+def _point_fields(ckpt, version: int, after: int) -> dict:
+    """The restart record's fields for a restart from ``ckpt`` (at ``version``) after
+    version ``after``."""
+    return {
         "checkpoint": str(ckpt) if ckpt is not None else None,
         "checkpoint_version": version,
         "after_version": after,
         "lost_updates": after - version,
     }
-    return ckpt, version, fields
 
 
 def _steps(s, checkpoint_version: int, current: dict, ckpt=None) -> int:
@@ -256,7 +261,7 @@ def _final_checkpoint(s, record: dict) -> dict | None:
     version = checkpoint_version(ckpt)
     if version < _steps(s, version, record, ckpt):
         return None
-    return _restart_point(s.run_dir, version)[2]
+    return _point_fields(ckpt, version, version)
 
 
 def _finish(r, fields: dict) -> None:
