@@ -11,6 +11,7 @@ laminar bench NAME [--out FILE.json] [--repeats N] [...]
 from __future__ import annotations
 
 import argparse
+import contextlib
 import errno
 import json
 import logging
@@ -329,6 +330,21 @@ def _signalled(signum, frame):
     raise _Signalled(signum)
 
 
+@contextlib.contextmanager
+def _handling(signums, handler):
+    """``handler`` for each of ``signums`` meanwhile, then the handlers before it back;
+    one that is ignored (nohup's SIGHUP) stays ignored."""
+    old = {}
+    for signum in signums:
+        if signal.getsignal(signum) is not signal.SIG_IGN:
+            old[signum] = signal.signal(signum, handler)
+    try:
+        yield
+    finally:
+        for signum, before in old.items():
+            signal.signal(signum, before)
+
+
 def _exit_code(interrupt: KeyboardInterrupt) -> int:
     """128 + the signal's number: 130 for Ctrl-C, 143 for SIGTERM, 129 for SIGHUP (an
     interrupted wait() keeps what interrupted it as its cause)."""
@@ -384,11 +400,7 @@ def _follow(handle) -> int:
             flush=True,
         )
 
-    old = {}
-    for signum in STOP_SIGNALS:
-        if signal.getsignal(signum) is not signal.SIG_IGN:  # (nohup's SIGHUP stays ignored)
-            old[signum] = signal.signal(signum, on_signal)
-    try:
+    with _handling(STOP_SIGNALS, on_signal):
         display = _Bar() if sys.stdout.isatty() else _Lines()
         try:
             code = _watch(handle, display)
@@ -405,9 +417,6 @@ def _follow(handle) -> int:
         if received and received[0] != signal.SIGINT and code in (0, 130):
             return 128 + received[0]  # (stopped in order, or in its setup, by that signal)
         return code
-    finally:
-        for signum, handler in old.items():
-            signal.signal(signum, handler)
 
 
 def _watch(handle, display) -> int:
@@ -880,10 +889,13 @@ def main(argv: list[str] | None = None) -> int:
         return e.code if isinstance(e.code, int) else int(e.code is not None)
     _quiet_libraries()
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
-    old = {}
-    for signum in STOP_SIGNALS[1:]:  # (SIGINT is Python's KeyboardInterrupt already)
-        if signal.getsignal(signum) is not signal.SIG_IGN:  # (nohup's SIGHUP stays ignored)
-            old[signum] = signal.signal(signum, _signalled)
+    # (SIGINT is Python's KeyboardInterrupt already)
+    with _handling(STOP_SIGNALS[1:], _signalled):
+        return _command(args)
+
+
+def _command(args: argparse.Namespace) -> int:
+    """Run the command ``args`` name; its failures as ``laminar``'s exit codes."""
     try:
         commands = {
             "run": cmd_run,
@@ -903,9 +915,6 @@ def main(argv: list[str] | None = None) -> int:
         # Its unflushed rest would fail again as Python exits: it goes nowhere instead.
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 141  # (as a shell reports a writer its pipe's reader left: 128 + SIGPIPE)
-    finally:
-        for signum, handler in old.items():
-            signal.signal(signum, handler)
 
 
 if __name__ == "__main__":
