@@ -25,7 +25,7 @@ run's last stored one and not stored at all would never be generated again.
 from __future__ import annotations
 
 import re
-from collections.abc import Collection
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -88,16 +88,14 @@ def plan_resume(run_dir: str | Path, version: int) -> ResumePlan:
     for i in np.flatnonzero(open_):
         groups.setdefault(str(a["prompt_uid"][i]), []).append(int(i))
     for prompt_uid, rows in groups.items():
-        size = int(a["group_size"][rows[0]])
         usable = all(a["finish_reason"][i] != "error" for i in rows) and all(
             int(a["finish_version"][i]) <= version for i in rows
         )
         (plan.readmit if usable else plan.drop).extend(str(a["uid"][i]) for i in rows)
         if usable:
             plan.readmit_groups.append(prompt_uid)
-            missing = tuple(sorted(set(range(size)) - {int(a["sample_idx"][i]) for i in rows}))
-            if missing:
-                plan.reissue[prompt_uid] = (int(a["prompt_key"][rows[0]]), size, missing)
+            if (again := _missing_samples(a, rows)) is not None:
+                plan.reissue[prompt_uid] = again
     stored_uids = set(a["uid"].tolist())
     prompt_uids = set(a["prompt_uid"].tolist())
     in_log: dict[str, dict] = {}
@@ -110,8 +108,7 @@ def plan_resume(run_dir: str | Path, version: int) -> ResumePlan:
         if e["prompt_uid"] not in prompt_uids:  # no sibling stored: generate it again
             in_log.setdefault(e["prompt_uid"], e)
     for prompt_uid, e in in_log.items():
-        size = int(e["group_size"])
-        plan.reissue[prompt_uid] = (int(e["prompt_key"]), size, tuple(range(size)))
+        plan.reissue[prompt_uid] = _whole_group(e)
     plan.log_groups = len(in_log)
     indices = [int(m.group(1)) for u in prompt_uids | set(in_log) if (m := _PROMPT_UID.match(u))]
     plan.start = max(indices, default=-1) + 1
@@ -222,31 +219,41 @@ def plan_rebuild(
     plan.outstanding = sorted(out - consumed_groups)
     stored_groups = set(prompt_uids)
     orphaned = held_again - set(held_groups) - resumed - consumed_groups
-    if orphaned:
-        have: dict[str, tuple[int, int, set[int]]] = {}
-        for i, g in enumerate(prompt_uids):
-            if g in orphaned:
-                key, size, idx = have.setdefault(
-                    g, (int(a["prompt_key"][i]), int(a["group_size"][i]), set())
-                )
-                idx.add(int(a["sample_idx"][i]))
-        for g, (key, size, idx) in sorted(have.items()):
-            if missing := tuple(sorted(set(range(size)) - idx)):
-                plan.reissue[g] = (key, size, missing)
+    rows_of: dict[str, list[int]] = {}
+    for i, g in enumerate(prompt_uids):
+        if g in orphaned:
+            rows_of.setdefault(g, []).append(i)
+    for g, rows in sorted(rows_of.items()):
+        if (again := _missing_samples(a, rows)) is not None:
+            plan.reissue[g] = again
     # ... and those of which only the log knows (a resume re-issues them whole: their
     # entries were kept for that), which nothing holds either
     entries = log_entries(run_dir).values()
+    skip = stored_groups | out | consumed_groups
     for e in entries:
-        g = e["prompt_uid"]
-        if g not in stored_groups and g not in plan.reissue and g not in out | consumed_groups:
-            size = int(e["group_size"])
-            plan.reissue[g] = (int(e["prompt_key"]), size, tuple(range(size)))
+        if e["prompt_uid"] not in skip and e["prompt_uid"] not in plan.reissue:
+            plan.reissue[e["prompt_uid"]] = _whole_group(e)
     plan.outstanding = sorted(set(plan.outstanding) | set(plan.reissue))
     known = set(prompt_uids) | set(held_groups) | resumed | consumed_groups
     known |= {e["prompt_uid"] for e in entries}
     indices = [int(m.group(1)) for u in known if (m := _PROMPT_UID.match(u))]
     plan.start = max(indices, default=-1) + 1
     return plan
+
+
+def _missing_samples(a: Mapping, rows: list[int]) -> tuple[int, int, tuple[int, ...]] | None:
+    """What re-issues the samples a group stored at ``rows`` (of
+    :func:`open_trajectories`' arrays ``a``) lacks: (prompt key, group size, their
+    indices); ``None`` when it has them all."""
+    size = int(a["group_size"][rows[0]])
+    missing = tuple(sorted(set(range(size)) - {int(a["sample_idx"][i]) for i in rows}))
+    return (int(a["prompt_key"][rows[0]]), size, missing) if missing else None
+
+
+def _whole_group(entry: Mapping) -> tuple[int, int, tuple[int, ...]]:
+    """What re-issues the whole group of a recovery-log entry (none of it stored)."""
+    size = int(entry["group_size"])
+    return int(entry["prompt_key"]), size, tuple(range(size))
 
 
 def _left_whole(
