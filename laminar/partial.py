@@ -328,6 +328,7 @@ class PartialCore:
             }
             if "finished" in e:
                 meta["finished"] = e["finished"]
+            # (moved() copies the lists; the count is the entry's, raised by the loss above)
             moved = replace(st.moved(), request=replace(st.request, meta=meta), n_moves=st.n_moves)
             e["owner"], e["taken_from"] = None, rollout_id
             out.append(moved)

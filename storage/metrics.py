@@ -160,7 +160,7 @@ def _check_tables(root: zarr.Group) -> None:
             raise TypeError(f"{table!r} is a {type(group).__name__}, not a table's group")
         if COMMIT_ATTR in group.attrs and not int(group.attrs[COMMIT_ATTR]) >= 0:
             raise ValueError(f"{table}'s {COMMIT_ATTR} is {group.attrs[COMMIT_ATTR]!r}")
-        dict(group.arrays())
+        group_arrays(group)
 
 
 def check_metrics_store(run_dir: str | Path) -> None:
