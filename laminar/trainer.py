@@ -44,9 +44,9 @@ import torch
 from laminar.cluster import actor_result, is_lost, start_thread
 from laminar.config import RunConfig
 from laminar.contract import Trajectory
+from laminar.files import sync_dir, sync_tree
 from laminar.learner import Learner, step_means
 from laminar.prompt_pool import DATA_STATE
-from laminar.sft import sync_dir, sync_tree
 
 logger = logging.getLogger(__name__)
 

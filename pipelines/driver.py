@@ -1327,8 +1327,8 @@ def record_data_position(checkpoint: str | None, version: int, position: dict) -
     never trained the prompts dispatched since, and a run from it would skip them; its
     own position (written with it) stays. Written whole or not at all: a crash
     mid-write leaves the old file, never a truncated one that fails a later run."""
+    from laminar.files import replace_text
     from laminar.learner import CheckpointError, checkpoint_version
-    from laminar.sft import replace_text
 
     if not checkpoint:
         return False

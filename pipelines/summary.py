@@ -32,7 +32,7 @@ def write_summary(run_dir: Path, summary: dict) -> None:
     the audit of a run that is ending, never sees half of it), as strict JSON: what has
     no value is ``null``, not ``NaN`` (which strict readers refuse). The summary that
     the driver returns keeps its NaN."""
-    from laminar.sft import replace_text
+    from laminar.files import replace_text
 
     text = json.dumps(_strict(summary), indent=2, default=lambda o: _strict(float(o)))
     replace_text(Path(run_dir) / "summary.json", text)

@@ -217,7 +217,7 @@ def test_a_checkpoint_folder_reaches_the_disk_before_its_name(tiny_policy, tmp_p
     holds no GPU's (``cuda`` None), and a checkpoint without the key still restores."""
     import os
 
-    from laminar import sft
+    from laminar import files
 
     folder = Learner(CFG, tiny_policy).save(tmp_path / "aside")
     synced: set[str] = set()
@@ -227,10 +227,10 @@ def test_a_checkpoint_folder_reaches_the_disk_before_its_name(tiny_policy, tmp_p
         synced.add(os.readlink(f"/proc/self/fd/{fd}"))
         return fsync(fd)
 
-    monkeypatch.setattr(sft.os, "fsync", recorded)
-    sft.sync_tree(folder)
-    files = {str(p.resolve()) for p in folder.rglob("*")}
-    assert files and files | {str(folder.resolve())} <= synced
+    monkeypatch.setattr(files.os, "fsync", recorded)
+    files.sync_tree(folder)
+    written = {str(p.resolve()) for p in folder.rglob("*")}
+    assert written and written | {str(folder.resolve())} <= synced
     rng = torch.load(folder / "rng.pt", weights_only=False)
     assert "cuda" in rng and rng["cuda"] is None
     del rng["cuda"]  # (written before the GPUs' state was kept)

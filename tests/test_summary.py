@@ -89,7 +89,7 @@ def test_a_file_written_whole_keeps_the_mode_a_plain_write_gives(tmp_path):
     import os
     import stat
 
-    from laminar.sft import replace_text
+    from laminar.files import replace_text
 
     old = os.umask(0o022)
     try:
