@@ -32,6 +32,14 @@ finds it gone decodes its batch on, keeps every finished trajectory, and waits a
 batch boundary until :meth:`RolloutReplica.attach_data` hands it the new one. It keeps
 each trajectory it sent to the buffer until the buffer says its store has it, and sends
 those again to the new buffer (which drops what it has).
+
+The class is built from one mixin per concern, each in a module of its own:
+:mod:`laminar.rollout_data` (the data module's calls, loss and rebuild; the partial log),
+:mod:`laminar.rollout_weights` (pulls, version waits, interrupts),
+:mod:`laminar.rollout_recovery` (a lost rollout's work), :mod:`laminar.rollout_moves`
+(repack moves) and :mod:`laminar.rollout_rewards` (parity, rewards, sending to the
+buffer). This module holds the actor's state, its control methods, the generation loop
+and the mailbox through which the generation thread serves the manager's commands.
 """
 
 from __future__ import annotations
@@ -43,13 +51,23 @@ import threading
 import time
 import traceback
 
-import numpy as np
 import torch
 
-from laminar.cluster import actor_result, is_lost, start_thread
+from laminar.cluster import start_thread
 from laminar.config import RunConfig
-from laminar.contract import PromptGroup, Trajectory
+from laminar.contract import PromptGroup
 from laminar.engine import FinishedOutput, GenerationRequest, RequestState, make_engine
+from laminar.rollout_data import DataLinkMixin
+from laminar.rollout_moves import HOLD_LIMIT_TIMEOUTS as HOLD_LIMIT_TIMEOUTS
+from laminar.rollout_moves import MovesMixin
+from laminar.rollout_recovery import RecoveryMixin
+from laminar.rollout_recovery import _finished as _finished
+from laminar.rollout_rewards import _RESEND as _RESEND
+from laminar.rollout_rewards import RewardsMixin
+from laminar.rollout_weights import WeightsMixin
+
+# (HOLD_LIMIT_TIMEOUTS, _finished and _RESEND, imported as themselves above, are
+# re-exported: tests import them from here.)
 
 logger = logging.getLogger(__name__)
 
@@ -58,33 +76,9 @@ PARITY_SAMPLE = 8  # responses per parity check
 # relay) before it looks again: waiting costs no calls, and it wakes as soon as groups
 # or a version come.
 IDLE_WAIT_S = 2.0
-# A rollout waiting for a version it was told of polls its relay this long at a time (it
-# wakes the moment the version completes), serving the manager's commands between polls.
-VERSION_POLL_S = 0.5
-# While the data module looks lost, a rollout asks the old buffer this often whether it
-# answers after all (a slow call, not a loss) ...
-PROBE_S = 3.0
-# A source held by a move for this many actor timeouts without being released takes its
-# requests back: the manager that held it was lost or gave up (a copy it had imported
-# elsewhere then decodes twice, and the buffer keeps the first to arrive; losing them would
-# leave their groups incomplete).
-HOLD_LIMIT_TIMEOUTS = 5
-RESEND_CHUNK = 64  # ... and sends its kept trajectories to a new one this many at a time
-_RESEND = object()  # the reward collector's cue to send the kept trajectories again
 
 
-def _finished(
-    state: RequestState, reason: str, t_finish: float, version: int | None = None
-) -> FinishedOutput:
-    """A recovered request as ended with ``reason``. One with no token logged yet is
-    given the version that sampled its batch (``version``, else the recovery's
-    ``behavior_version``)."""
-    if version is None and not state.tokens:
-        version = state.request.meta["behavior_version"]
-    return FinishedOutput.from_state(state, reason, t_finish, version)
-
-
-class RolloutReplica:
+class RolloutReplica(DataLinkMixin, WeightsMixin, RecoveryMixin, MovesMixin, RewardsMixin):
     """Dask actor: one replica of the rollout tier (placed on a ``rollout`` worker)."""
 
     def __init__(
@@ -315,13 +309,6 @@ class RolloutReplica:
             self._fail_commands()
             self._to_score.put(None)  # the collector ends after what is queued
 
-    def _call(self, actor_future, actor=None):
-        """Every actor-to-actor call has a timeout: a call to a lost actor never returns.
-        With its ``actor``, one whose worker is lost fails within a second."""
-        if actor is not None:
-            return actor_result(actor, actor_future, self.cfg.cluster.actor_timeout_s)
-        return actor_future.result(timeout=self.cfg.cluster.actor_timeout_s)
-
     def _ask(self) -> int:
         """Groups to ask the pool for at a batch boundary: a local batch (Laminar), the
         whole global batch (the sync family: the pool gives this rollout its share), or
@@ -332,175 +319,6 @@ class RolloutReplica:
         if self.spec.refill:
             return max(1, r.max_batch // r.group_size)
         return r.groups_per_batch
-
-    def _acquire(self, n: int) -> list[PromptGroup]:
-        ok, groups = self._data_call(
-            self.pool, lambda: self.pool.acquire(n, self.rollout_id, self.engine.version)
-        )
-        return groups if ok else []
-
-    def _take(self, n: int, wait_s: float) -> tuple[list[PromptGroup], int]:
-        """Ask the pool for ``n`` groups, waiting up to ``wait_s`` for them in the pool
-        (a long poll); returns the groups and the trainer's newest published version.
-
-        The generation thread blocks meanwhile, and little waits on it: an idle rollout
-        holds no batch to move, the manager's other calls and stats are not served by it,
-        a publication (which a partial rollout's pause follows) wakes the poll at once,
-        and a move's import, planned while the last batch drained, is refused after the
-        poll (``_run``)."""
-        self._tick()
-        epoch = self._data_epoch
-        if self._data_lost is None:
-            try:
-                future = self.pool.take(n, self.rollout_id, self.engine.version, wait_s)
-                return actor_result(self.pool, future, wait_s + self.cfg.cluster.actor_timeout_s)
-            except Exception as e:
-                self._lose_data(e)
-        self._await_data(epoch, serve=True)
-        return [], self.engine.version
-
-    # -- the data module's loss -----------------------------------------------------------
-    def _data_call(self, actor, call) -> tuple[bool, object]:
-        """``(True, result)`` of ``call()`` on the data module's ``actor``; ``(False,
-        None)`` while the data module is lost (this call may find it so)."""
-        if self._data_lost is not None:
-            return False, None
-        try:
-            return True, self._call(call(), actor)
-        except Exception as e:
-            self._lose_data(e)
-            return False, None
-
-    def _lose_data(self, error: Exception) -> None:
-        """A call to the data module failed: lost (its worker gone, or not answering),
-        or an error of its own, which fails this rollout as before."""
-        if not is_lost(error):
-            raise error
-        if self._data_lost is None:
-            self._data_lost = time.time()
-            logger.warning(
-                "rollout %s: the data module does not answer (%s: %s); generating on, "
-                "keeping what finishes, until it is back or rebuilt",
-                self.rollout_id,
-                type(error).__name__,
-                error,
-            )
-
-    def _await_data(self, epoch: int, serve: bool) -> None:
-        """Wait until a data module newer than ``epoch`` is attached, or the old one
-        answers after all; ``serve``: the generation thread, serving commands meanwhile.
-        Fails after ``faults.data_restart_timeout_s``."""
-        t0 = time.time()
-        timeout = self.cfg.faults.data_restart_timeout_s
-        next_probe = t0 + PROBE_S
-        while self._data_epoch == epoch and self._data_lost is not None:
-            if self._stop.is_set():
-                return
-            if time.time() - self._data_lost > timeout:
-                raise RuntimeError(
-                    f"rollout {self.rollout_id}: the data module was lost and not rebuilt "
-                    f"within faults.data_restart_timeout_s={timeout:g} s"
-                )
-            if time.time() > next_probe:
-                next_probe = time.time() + PROBE_S
-                try:
-                    actor_result(self.buffer, self.buffer.stats(), 2.0)
-                except Exception:  # noqa: BLE001 — still gone
-                    pass
-                else:
-                    if self._data_epoch == epoch:
-                        self._data_lost = None  # it was slow, not lost
-                        logger.warning("rollout %s: the data module answers again", self.rollout_id)
-            if serve:
-                self._serve(0.05)
-            else:
-                time.sleep(0.05)
-        if serve:
-            self.counts["data_wait_s"] += time.time() - t0
-
-    def data_holdings(self) -> list[str]:
-        """The prompt groups this rollout holds trajectories of: decoding, handed to it
-        by a recovery, waiting for a reward, or sent and not yet stored. (Served by the
-        generation thread: what it holds does not change meanwhile.)"""
-        return self._command(self._holdings)
-
-    def _holdings(self) -> list[str]:
-        groups = {st.request.meta["group"].prompt_uid for st in self.engine.in_flight()}
-        for _, states in list(self._adopted.queue) + self._exported_batches():
-            groups |= {st.request.meta["group"].prompt_uid for st in states}
-        for states in list(self._rescore.queue):
-            groups |= {st.request.meta["group"].prompt_uid for st in states}
-        groups |= {st.request.meta["group"].prompt_uid for st in self._paused_states()}
-        with self._unstored_lock:
-            groups |= {t.prompt_uid for t, _ in self._unstored.values()}
-        return sorted(groups)
-
-    def attach_data(self, pool, buffer, partial) -> int:
-        """The data module rebuilt in place of a lost one: use it from now on. Every
-        unfinished trajectory is registered with the new partial-response pool, with the
-        tokens it has, and every kept one is sent again to the new buffer. Returns how
-        many were registered."""
-        return self._command(lambda: self._attach(pool, buffer, partial))
-
-    def _attach(self, pool, buffer, partial) -> int:
-        from dataclasses import replace
-
-        self.pool, self.buffer, self.partial = pool, buffer, partial
-        self._data_epoch += 1
-        self._data_lost = None
-        registered = 0
-        if partial is not None:
-            # (Paused requests are this batch's too: they wait outside the engine for a
-            # version, sampled so far by the one it holds.)
-            unfinished = self.engine.in_flight() + self._paused_states()
-            batches = [(self.engine.version, unfinished)]
-            batches += list(self._adopted.queue) + self._exported_batches()
-            for version, states in batches:
-                copies = [
-                    replace(
-                        st,
-                        tokens=list(st.tokens),
-                        logprobs=list(st.logprobs),
-                        token_versions=list(st.token_versions),
-                    )
-                    for st in states
-                ]
-                if copies:
-                    self._call(partial.register(self.rollout_id, version, copies), partial)
-                    registered += len(copies)
-            self._logged = {st.request_id: len(st.tokens) for st in unfinished}
-            self._ended.clear()  # (kept as unstored: the new buffer gets them)
-        self.counts["data_rebuilds"] += 1
-        self._to_score.put(_RESEND)
-        logger.warning(
-            "rollout %s: a rebuilt data module; %d unfinished trajectories registered with "
-            "it, %d kept trajectories to send again",
-            self.rollout_id,
-            registered,
-            len(self._unstored),
-        )
-        return registered
-
-    def _wait_for_version(self, version: int, wait_s: float) -> None:
-        """Wait up to ``wait_s`` until the relay has ``version`` (or newer) and load it,
-        in short long polls with the manager's commands served between them."""
-        from laminar.relay_core import RelayError
-
-        deadline = time.time() + wait_s
-        while self.engine.version < version and time.time() < deadline:
-            if self._stop.is_set() or self._paused is not None:
-                return
-            self._serve()
-            try:
-                update = self.puller.newest(
-                    self.engine.version, wait_s=VERSION_POLL_S, wait_switch=False
-                )
-            except RelayError as e:  # lost, or a failed pull: the next poll tries again
-                self._pull_failed(e)
-                self._serve_for(min(VERSION_POLL_S, max(0.0, deadline - time.time())))
-                continue
-            if update is not None:
-                self._load_version(*update)
 
     def _room(self) -> int:
         """Whole prompt groups the engine has room for beside its unfinished requests."""
@@ -542,134 +360,6 @@ class RolloutReplica:
             self._add(groups, batch=False)
             self.counts["topped_up_groups"] += len(groups)
 
-    def pause(self, version: int) -> int:
-        """Interrupt (partial rollout): hold every unfinished request until the relay has
-        ``version``, load it, and resume them, recomputing their KV; served between two
-        decode steps. Returns how many requests were held."""
-        return self._command(lambda: self._pause(version))
-
-    def _pause(self, version: int) -> int:
-        if self.engine.version >= version:
-            return 0
-        if self._paused is not None:  # paused already (served while waiting): wait longer
-            held, states = self._paused
-            self._paused = (max(held, version), states)
-            self.counts["interrupts"] += 1  # (its requests are counted held once)
-            return 0
-        states = self.engine.export(list(self.engine.request_ids()), moved=False)
-        self._paused = (version, states)
-        self.counts["interrupts"] += 1
-        self.counts["interrupted_requests"] += len(states)
-        return len(states)
-
-    def _resume_paused(self) -> None:
-        from laminar.relay_core import RelayError
-
-        t = time.time()
-        # (The target is read again each round: a pause served meanwhile may raise it.)
-        while self.engine.version < self._paused[0] and not self._stop.is_set():
-            self._tick()
-            self._serve()
-            try:
-                update = self.puller.newest(self.engine.version, wait_s=VERSION_POLL_S)
-            except RelayError as e:
-                # Lost (none switched in within relay.timeout_s: the master, while the
-                # trainer restarts), or a failed pull (a chunk's checksum): the paused
-                # requests need this version, so the next poll tries again.
-                self._pull_failed(e, f"paused for version {self._paused[0]}: trying again")
-                self._serve_for(VERSION_POLL_S)
-                continue
-            if update is not None:
-                self._load_version(*update)
-        self.counts["sync_wait_s"] += time.time() - t
-        version, states = self._paused
-        self._paused = None
-        if self._stop.is_set() and self.engine.version < version:
-            # Stopped before the version came: the requests stay unfinished (the store
-            # keeps nothing of them, as of any request still generating at a stop).
-            return
-        self.engine.import_(states, allow_version_change=True)
-        self._recompute = True
-        self.counts["recomputed_tokens"] += sum(st.context_len for st in states)
-
-    def _pull_failed(self, error: Exception, then: str = "", always: bool = False) -> None:
-        """Count a pull that failed: its relay lost (``pulls_unreachable``) or the pull
-        itself (``pulls_failed``: a chunk's checksum, a version evicted while read). With
-        ``then``, say so and what happens next: once per kind, or ``always``."""
-        from laminar.relay_client import RelayUnreachable
-
-        key = "pulls_unreachable" if isinstance(error, RelayUnreachable) else "pulls_failed"
-        if then and (always or not self.counts[key]):
-            what = key.replace("_", " ")
-            logger.warning("rollout %s: %s (%s); %s", self.rollout_id, what, error, then)
-        self.counts[key] += 1
-
-    def _maybe_load_weights(self) -> None:
-        """The rollout wait: ask the local relay for a newer complete version, load it.
-
-        Before its first batch a rollout waits until the relay holds the trainer's
-        starting version: a resumed trainer starts at its checkpoint's version, not at
-        the base policy the engine was built from."""
-        from laminar.relay_client import RelayUnreachable
-        from laminar.relay_core import RelayError
-
-        t = time.time()
-        while not self._synced and not self._stop.is_set():
-            self._tick()
-            try:
-                self._synced = bool(self.puller.versions())
-            except RelayUnreachable:  # (none switched in within relay.timeout_s: again)
-                self.counts["pulls_unreachable"] += 1
-            if not self._synced:
-                # The manager's commands are served meanwhile: a data-module rebuild
-                # asks this rollout too (a replacement may wait here a while).
-                self._serve(0.02)
-
-        t_pull = time.time()
-        try:
-            # A lost relay is not waited on here: this batch goes on with the weights
-            # held, and the next boundary pulls again (from the relay the manager
-            # switched us to by then: within a detection round for a downstream relay,
-            # once the trainer has restarted for the master).
-            update = self.puller.newest(self.engine.version, wait_switch=False)
-        except RelayError as e:  # lost, or a failed pull (a chunk that failed its
-            # checksum, a version evicted past relay.timeout_s): the engine keeps the
-            # whole version it holds (it owns its weights)
-            self._pull_failed(e, f"generating on at version {self.engine.version}")
-            update = None
-        if update is not None:
-            self._load_version(*update)
-            pacing = self.cfg.rollout.pacing
-            if self.spec.weights == "relay" and pacing is not None and pacing.pull_s:
-                from laminar.pacing import scale_of
-
-                # The modelled host-to-device copy, of which the real pull was part.
-                left = scale_of(pacing).wall(pacing.pull_s) - (time.time() - t_pull)
-                self._serve_for(max(0.0, left))
-        self.counts["weight_wait_s"] += time.time() - t
-
-    def _load_version(self, version: int, state: dict) -> None:
-        """Load ``version`` into the engine (and the parity reference)."""
-        self.engine.load_weights(state, version)
-        if self._reference is not None:
-            self._reference.load_state_dict(state)
-        if self.cfg.relay.audit_weights:
-            from laminar.relay_core import state_fingerprint
-
-            self.fingerprints[version] = state_fingerprint(state)
-        self.counts["weight_loads"] += 1
-        self.counts["weight_bytes"] = self.puller.bytes
-
-    def set_relay(self, relay) -> None:
-        """Pull from ``relay`` from now on: the manager's answer to the loss of ours
-        (docs/faults.md). A pull waiting on the lost relay starts again on this one.
-        ``None``: ours is lost and none replaces it yet (the master, while the trainer
-        restarts): batches go on with the weights held."""
-        self.puller.switch(relay)
-
-    def get_fingerprints(self) -> dict[int, int]:
-        return dict(self.fingerprints)
-
     def _add(self, groups: list[PromptGroup], batch: bool = True) -> None:
         now = time.time()
         new = []
@@ -697,156 +387,6 @@ class RolloutReplica:
             if ok:  # (lost: a rebuilt pool has them registered in full)
                 self._logged.update(dict.fromkeys(new, 0))
         self.counts["batches"] += batch
-
-    # -- the partial-response log (laminar.partial) --------------------------------------
-    def _log_partial(self, finished=(), force: bool = False) -> None:
-        """Send the unfinished requests' new tokens to the partial-response pool when one
-        has ``faults.flush_tokens`` unlogged or ``faults.flush_s`` have passed (a loss
-        then regenerates at most that much). Waits for the pool: one log in flight.
-
-        Requests that finished go with the next send, marked finished (their version no
-        longer needs keeping); the end of a batch always sends them (:meth:`_decode`)."""
-        if self.partial is None or self._data_lost is not None:
-            return  # (lost: a rebuilt pool has every unfinished one registered in full)
-        for out in finished:
-            rid = out.request.request_id
-            if rid in self._logged:
-                self._ended[rid] = (self._logged.pop(rid), out)
-        f = self.cfg.faults
-        states = self.engine.in_flight()
-        due = force or time.time() - self._t_logged >= f.flush_s
-        if not due:
-            due = any(
-                len(st.tokens) - self._logged.get(st.request_id, 0) >= f.flush_tokens
-                for st in states
-            )
-        if not due:
-            return
-        tokens = {}
-        for st in states:
-            n = self._logged.get(st.request_id, 0)
-            if len(st.tokens) > n:
-                tokens[st.request_id] = (
-                    n,
-                    st.tokens[n:],
-                    st.logprobs[n:],
-                    st.token_versions[n:],
-                )
-        ended = {}
-        for rid, (n, out) in self._ended.items():
-            tokens[rid] = (
-                n,
-                out.response_tokens[n:].tolist(),
-                out.logprobs[n:].tolist(),
-                out.token_versions[n:].tolist(),
-            )
-            ended[rid] = (out.finish_reason, out.t_finish)
-        if tokens:
-            ok, _ = self._data_call(
-                self.partial, lambda: self.partial.flush(self.rollout_id, tokens, ended)
-            )
-            if not ok:
-                return
-            self._ended.clear()
-            for rid, (n, toks, _, _) in tokens.items():
-                if rid not in ended:
-                    self._logged[rid] = n + len(toks)
-            self.counts["partial_flushes"] += 1
-            self.counts["partial_tokens"] += sum(len(t[1]) for t in tokens.values())
-        self._t_logged = time.time()
-
-    def rescore(self, states: list) -> None:
-        """Take a lost rollout's *finished* trajectories (their rewards were in flight):
-        score them and insert them into the buffer; nothing is decoded."""
-        self._rescore.put(states)
-
-    def adopt(self, version: int, states: list) -> None:
-        """Take a lost rollout's unfinished requests (their newest tokens sampled by
-        ``version``) as a batch of their own at the next batch boundary, loading that
-        version for them. Under an interrupting schedule (partial rollout) they go on at
-        this rollout's version instead, if newer, their KV recomputed: as after an
-        interrupt, a response continues with the newest weights."""
-        self._adopted.put((version, states))
-
-    def _fetch_version(self, version: int) -> dict:
-        """An old ``version``'s weights: its relay's kept copy, else its checkpoint
-        (:class:`~laminar.relay_core.VersionUnavailable` if neither has it)."""
-        from laminar.relay_client import fetch_version
-        from laminar.relay_core import RelayError, VersionUnavailable
-
-        try:
-            return fetch_version(version, self.puller, self.checkpoints_dir)
-        except VersionUnavailable:
-            raise
-        except RelayError as e:  # lost, or a failed pull: the checkpoint may have it
-            self._pull_failed(e, f"version {version}: looking for its checkpoint", always=True)
-            return fetch_version(version, None, self.checkpoints_dir)
-
-    def _take_adopted(self) -> None:
-        from laminar.relay_core import VersionUnavailable
-
-        version, states = self._adopted.get_nowait()
-        # (partial rollout: every rollout holds the newest version; loading an older
-        # one for these would sample the rest of them by weights the run has left)
-        newer_here = self.spec.interrupt and self.engine.version > version
-        if self.engine.version != version and not newer_here:
-            try:
-                weights = self._fetch_version(version)
-            except VersionUnavailable as e:
-                self._drop_adopted(version, states, e)
-                return
-            self._load_version(version, weights)
-        self.engine.import_(states, allow_version_change=self.spec.interrupt)
-        self._logged.update({st.request_id: len(st.tokens) for st in states})
-        self._reprefill = True
-        self.counts["adopted_batches"] += 1
-        self.counts["adopted_requests"] += len(states)
-        self.counts["reprefill_tokens"] += sum(st.context_len for st in states)
-
-    def _adopt_now(self) -> None:
-        """Under an interrupting schedule, a lost rollout's requests of this version or
-        older join the running engine at once (as after an interrupt), rather than at a
-        batch boundary that refilling may put off for a whole update."""
-        while (
-            self.spec.interrupt
-            and not self._adopted.empty()
-            and self._adopted.queue[0][0] <= self.engine.version
-        ):
-            self._take_adopted()
-
-    def _drop_adopted(self, version: int, states: list[RequestState], why: Exception) -> None:
-        """No copy of ``version`` is left for a lost rollout's unfinished ``states``:
-        their groups are dropped, not finished at another version.
-
-        Their siblings that finished before the loss were sampled by ``version`` (in the
-        buffer, or being scored): restarted at this rollout's version, these would give
-        one group two behavior policies, and GRPO's advantages compare a group's samples
-        as draws of one. Nothing of the group has been trained on (the buffer releases
-        whole groups only), so each of these goes to the buffer as it is, marked
-        ``finish_reason="error"`` and not scored: the buffer discards its group whole
-        once the group is in (``groups_discarded``), and the prompt pool makes the group
-        up as it does for any group that left untrained. Logged as finished first, so a
-        loss of this rollout before the buffer has them hands them on as such."""
-        now = time.time()
-        outputs = [_finished(st, "error", now, version) for st in states]
-        if self.partial is not None:  # (the pool has every token: nothing new to log)
-            for out in outputs:
-                self._ended[out.request.request_id] = (len(out.response_tokens), out)
-            self._log_partial(force=True)
-        groups = {st.request.meta["group"].prompt_uid for st in states}
-        self.counts["dropped_requests"] += len(states)
-        self.counts["dropped_groups"] += len(groups)
-        logger.warning(
-            "rollout %s: %s; %d recovered trajectories of version %d cannot be finished by "
-            "it: their %d groups are discarded (a group mixing two versions would break "
-            "its GRPO advantages)",
-            self.rollout_id,
-            why,
-            len(states),
-            version,
-            len(groups),
-        )
-        self._submit_rewards(outputs, score=False)
 
     def _decode(self) -> None:
         """Decode until the engine drains (or hands its requests away)."""
@@ -913,176 +453,7 @@ class RolloutReplica:
         if sample or moved:
             self._check_parity(sample + moved)
 
-    # -- repack: the manager's commands, served by the generation thread ----------------
-    def load(self) -> dict:
-        """This rollout's load for the repack planner (as of its latest decode step)."""
-        return dict(self._load)
-
-    def _publish_load(self) -> None:
-        kv = self.engine.kv_stats()
-        self._load = {
-            "rollout_id": self.rollout_id,
-            "version": self.engine.version,
-            "kv_used": kv.used_tokens / max(kv.capacity_tokens, 1),
-            "n_requests": kv.running + kv.waiting,
-            "in_batch": self._in_batch,
-            # which batch: KV "falls" only within one (a new batch after a long one
-            # holds less KV, but nothing of it has finished)
-            "batch": self._batch_seq,
-            "held": self._held,
-            "t": time.time(),
-        }
-
-    def export_for_move(
-        self, batch: int | None = None, max_requests: int | None = None
-    ) -> dict | None:
-        """Hand every unfinished request to the manager and hold at the batch boundary
-        until :meth:`release` (the move is done) or :meth:`abort_export` (it is not).
-        ``None`` if there is no batch to take any more, or if it is not the one the
-        manager planned with: another batch than ``batch`` (:meth:`load`'s; the planned
-        one drained and a fresh one began), or more than ``max_requests`` requests (it
-        took new groups since: the destination's limits were planned without them)."""
-        return self._command(lambda: self._export_all(batch, max_requests))
-
-    def import_for_move(
-        self,
-        version: int,
-        states: list,
-        batch: int | None = None,
-        sources: int = 0,
-        max_requests: int | None = None,
-    ) -> bool:
-        """Take over ``states`` (sampled by ``version``) into the running batch: a repack
-        move's from ``sources`` rollouts (counted as ``moves_in``), or a lost rollout's
-        (``sources=0``: a recovery, not a move). Refused (``False``) unless this rollout
-        is decoding a batch of that same version — the batch the manager planned with
-        (``batch``, :meth:`load`'s), not a fresh one begun since, which the planner did
-        not count — and would then hold at most ``max_requests`` (the planner's
-        ``max_batch``: a batch that took new groups since, ``rollout.top_up``, may have
-        no room left for what was planned)."""
-        return self._command(lambda: self._import(version, states, batch, sources, max_requests))
-
-    def release(self) -> None:
-        """Commit the move :meth:`export_for_move` began: the exported requests are the
-        destination's now. The rollout pulls the newest weights and takes new prompts
-        (or, after :meth:`abort_export`, decodes its batch on)."""
-        with self._hold_lock:
-            self._held, self._exported = False, None
-
-    def abort_export(self) -> int:
-        """Undo :meth:`export_for_move`: take the exported requests back and decode them
-        on. For a move that did not happen (the destination refused, or the manager gave
-        up waiting for the export, which may yet have run). Returns how many came back."""
-        return self._command(self._take_back)
-
-    def holds(self, request_ids: list[str]) -> bool:
-        """Whether this rollout took every one of ``request_ids``: decodes them, or
-        imported them and some finished since (the manager asks a destination whose
-        import it got no answer to: asked after the import, served after it)."""
-        return self._command(lambda: self._holds(request_ids))
-
-    def _holds(self, request_ids: list[str]) -> bool:
-        wanted = set(request_ids)
-        if wanted <= set(self.engine.request_ids()):
-            return True
-        # (A move's tail is near its end: one may finish before the question comes.)
-        return any(wanted <= ids for ids in self._imported)
-
-    def _paused_states(self) -> list[RequestState]:
-        paused = self._paused
-        return list(paused[1]) if paused is not None else []
-
-    def _exported_batches(self) -> list[tuple[int, list[RequestState]]]:
-        exported = self._exported
-        return [exported] if exported is not None else []
-
-    def _export_all(self, batch: int | None = None, max_requests: int | None = None):
-        if not self._in_batch or self._held or not self.engine.has_work():
-            return None
-        if batch is not None and batch != self._batch_seq:
-            return None
-        ids = list(self.engine.request_ids())
-        if max_requests is not None and len(ids) > max_requests:
-            return None
-        t0 = time.perf_counter()
-        self._log_partial(force=True)  # the log holds every exported token
-        states = self.engine.export(ids)
-        for st in states:
-            self._logged.pop(st.request_id, None)
-        for st in states:  # the rollouts a trajectory passed through, in order
-            st.request.meta["rollout_path"] = [
-                *st.request.meta.get("rollout_path", []),
-                self.rollout_id,
-            ]
-        with self._hold_lock:
-            self._held, self._exported = True, (self.engine.version, states)
-        self._held_since = time.time()
-        self.counts["moves_out"] += 1
-        self.counts["requests_out"] += len(states)
-        return {
-            "version": self.engine.version,
-            "states": states,
-            "tokens": sum(len(st.tokens) for st in states),
-            "context_tokens": sum(st.context_len for st in states),
-            "export_s": time.perf_counter() - t0,
-        }
-
-    def _take_back(self) -> int:
-        """The exported requests back into the engine, as they were before the export
-        (not counted as moved, nor this rollout as on their path twice)."""
-        from dataclasses import replace
-
-        with self._hold_lock:
-            if self._exported is None:  # nothing exported, or the move was committed
-                return 0
-            version, states = self._exported
-            if self.engine.version != version:  # a held source loads no weights: a bug
-                raise RuntimeError(
-                    f"rollout {self.rollout_id} holds requests of version {version} but "
-                    f"its engine is at {self.engine.version}"
-                )
-            self._held, self._exported = False, None
-        back = []
-        for st in states:
-            st.request.meta["rollout_path"] = st.request.meta["rollout_path"][:-1]
-            back.append(replace(st, n_moves=st.n_moves - 1))
-        self.engine.import_(back)
-        self._logged.update({st.request_id: len(st.tokens) for st in back})
-        self._reprefill = True  # (its time in reprefill_s: its tokens beside it)
-        self.counts["reprefill_tokens"] += sum(st.context_len for st in back)
-        self.counts["moves_out"] -= 1
-        self.counts["requests_out"] -= len(back)
-        self.counts["moves_taken_back"] += 1
-        return len(back)
-
-    def _import(
-        self,
-        version: int,
-        states: list,
-        batch: int | None,
-        sources: int,
-        max_requests: int | None = None,
-    ) -> bool:
-        # (Paused: the batch is on its way out to wait for a version; taken in, these
-        # would decode on with the old weights past the interrupt.)
-        if not self._in_batch or self._held or self._paused is not None or self._stop.is_set():
-            return False
-        if self.engine.version != version:
-            return False
-        if batch is not None and batch != self._batch_seq:
-            return False
-        held = len(self.engine.request_ids())
-        if max_requests is not None and held + len(states) > max_requests:
-            return False
-        self.engine.import_(states)
-        self._imported.append(frozenset(st.request_id for st in states))
-        self._logged.update({st.request_id: len(st.tokens) for st in states})
-        self._reprefill = True
-        self.counts["moves_in"] += sources
-        self.counts["requests_in"] += len(states)
-        self.counts["reprefill_tokens"] += sum(st.context_len for st in states)
-        return True
-
+    # -- the manager's commands, served by the generation thread ---------------------------------
     def _command(self, fn):
         """Run ``fn`` on the generation thread between two decode steps; wait for it.
 
@@ -1133,22 +504,6 @@ class RolloutReplica:
         while (left := deadline - time.perf_counter()) > 0:
             self._serve(left)
 
-    def _wait_while_held(self) -> None:
-        limit = HOLD_LIMIT_TIMEOUTS * self.cfg.cluster.actor_timeout_s
-        while self._held and not self._stop.is_set():
-            self._serve(0.02)
-            if self._held and time.time() - self._held_since > limit:
-                # (a release may come meanwhile: then nothing is taken back)
-                if n := self._take_back():
-                    logger.warning(
-                        "rollout %s: held by a move for over %.0f s, neither released nor "
-                        "aborted (the manager was lost?): took its %d requests back",
-                        self.rollout_id,
-                        limit,
-                        n,
-                    )
-                    self.counts["holds_timed_out"] += 1
-
     def _fail_commands(self) -> None:
         while True:
             try:
@@ -1157,199 +512,3 @@ class RolloutReplica:
                 return
             box["error"] = RuntimeError(f"rollout {self.rollout_id} stopped")
             done.set()
-
-    def _check_parity(self, outputs: list[FinishedOutput]) -> None:
-        """Max/mean |behavior logprob - trainer logprob| over these responses' tokens."""
-        from laminar.update import trajectory_logprobs
-
-        trainer_side = trajectory_logprobs(
-            self._reference,
-            [np.asarray(o.request.prompt_tokens) for o in outputs],
-            [o.response_tokens for o in outputs],
-            pad_token_id=self.tok.pad_token_id,
-            temperature=self.cfg.rollout.temperature,
-        )
-        diff = np.abs(np.concatenate(trainer_side) - np.concatenate([o.logprobs for o in outputs]))
-        c = self.counts
-        c["parity_checks"] += 1
-        c["parity_moved_responses"] += sum(o.n_moves > 0 for o in outputs)
-        c["parity_max_abs"] = float(diff.max())
-        c["parity_mean_abs"] = float(diff.mean())
-        c["parity_worst_abs"] = max(c["parity_worst_abs"], c["parity_max_abs"])
-
-    def _submit_rewards(self, outputs: list[FinishedOutput], score: bool = True) -> None:
-        """Trajectories of ``outputs`` to the reward collector, which inserts them into the
-        buffer once scored (``score=False``: as they are, their reward NaN)."""
-        trajs, items = [], []
-        for out in outputs:
-            g: PromptGroup = out.request.meta["group"]
-            resp = out.response_tokens
-            items.append((out.text(self.tok), g.answer, out.ended))
-            trajs.append(
-                Trajectory(
-                    uid=out.request.request_id,
-                    prompt_uid=g.prompt_uid,
-                    prompt_key=g.prompt_key,
-                    sample_idx=out.request.meta["sample_idx"],
-                    group_size=g.group_size,
-                    prompt_tokens=np.asarray(g.prompt_tokens, dtype=np.int32),
-                    response_tokens=resp,
-                    behavior_logprobs=out.logprobs,
-                    loss_mask=np.ones(len(resp), dtype=np.uint8),
-                    # (a recovered response may have no token yet: its version's)
-                    behavior_version=int(out.token_versions.min(initial=out.version)),
-                    # Stored only when a response mixes versions (the schema's convention).
-                    token_versions=out.token_versions
-                    if len(resp) and out.token_versions.min() != out.token_versions.max()
-                    else np.zeros(0, np.int32),
-                    n_migrations=out.n_moves,
-                    finish_reason=out.finish_reason,
-                    rollout_ids=",".join(
-                        [*out.request.meta.get("rollout_path", []), self.rollout_id]
-                    ),
-                    t_submit=out.request.meta["t_submit"],
-                    t_start=out.t_start,
-                    t_finish=out.t_finish,
-                )
-            )
-            self.counts["response_tokens"] += len(resp)
-        self.counts["trajectories"] += len(trajs)
-        with self._unstored_lock:  # kept until the store has it
-            self._unstored.update((t.uid, [t, None]) for t in trajs)
-        self._to_score.put(
-            (trajs, items, self._reward_task(items)) if score else (trajs, None, None)
-        )
-
-    def _collect_rewards(self, block: bool) -> None:
-        """Submit the rewards of recovered finished trajectories; with ``block``, wait
-        (up to ``cluster.actor_timeout_s``) until every reward has reached the buffer.
-        Raises what failed the reward collector."""
-        while not self._rescore.empty():
-            states = self._rescore.get_nowait()
-            outputs = [_finished(st, *st.request.meta["finished"]) for st in states]
-            # (a dropped one, :meth:`_drop_adopted`, goes to the buffer unscored again)
-            for score in (True, False):
-                if same := [o for o in outputs if (o.finish_reason != "error") == score]:
-                    self._submit_rewards(same, score=score)
-            self.counts["rescored_requests"] += len(states)
-        deadline = time.time() + self.cfg.cluster.actor_timeout_s
-        while block and self._to_score.unfinished_tasks and self.error is None:
-            if time.time() > deadline:
-                self._abandon.set()
-                logger.warning(
-                    "rollout %s: stopped with %d reward batches still out after %.0f s",
-                    self.rollout_id,
-                    self._to_score.unfinished_tasks,
-                    self.cfg.cluster.actor_timeout_s,
-                )
-                break
-            time.sleep(0.02)
-        if self.error is not None:
-            raise RuntimeError(f"rollout {self.rollout_id}: the reward collector failed")
-
-    def _scores(self, items: list, future=None, attempts: int = 3):
-        """The scores of ``items`` once their reward task is done (``None``: abandoned).
-
-        Waits on a done-callback rather than ``future.result(timeout=...)`` in a loop:
-        distributed's ``sync`` can meet the task finishing as its own timeout fires and
-        then fails with ``UnboundLocalError`` instead of a result (seen under load). A
-        task the cluster cancelled (its worker lost) is submitted again."""
-        future = future or self._reward_task(items)
-        done = threading.Event()
-        future.add_done_callback(lambda _: done.set())
-        while not done.wait(1.0):
-            if self._abandon.is_set():
-                return None
-        if future.status == "cancelled" and attempts > 1:
-            return self._scores(items, None, attempts - 1)
-        return future.result()
-
-    def _reward_task(self, items: list):
-        from distributed import get_client
-
-        from laminar.rewards import score_batch
-
-        t = self.cfg.task
-        return get_client().submit(
-            score_batch, t.reward, items, t.truncated_reward, t.reward_timeout_s, pure=False
-        )
-
-    def _collect_loop(self) -> None:
-        """Rewarded trajectories into the buffer, oldest first, on a thread of their own:
-        a reward whose result sits on a hung worker holds up this thread (Dask computes
-        it again once that worker is gone), never generation or the rollout's heartbeat."""
-        while (item := self._to_score.get()) is not None:
-            try:
-                if item is _RESEND:
-                    self._resend()
-                else:
-                    self._insert_scored(*item)
-            except Exception:
-                error = traceback.format_exc()
-                self.error = self.error or error
-                logger.error("rollout %s: reward collector failed:\n%s", self.rollout_id, error)
-                self._abandon.set()
-            finally:
-                self._to_score.task_done()
-        self._to_score.task_done()
-
-    def _insert_scored(self, trajs: list[Trajectory], items: list | None, future) -> None:
-        if items is None:  # sent unscored (:meth:`_drop_adopted`)
-            self._send(trajs)
-            self.counts["inserted"] += len(trajs)
-            return
-        scores = self._scores(items, future)
-        if scores is None:
-            return
-        for t, s, (_, _, scored) in zip(trajs, scores, items, strict=True):
-            t.reward = s.reward
-            if s.error is None:
-                self.counts["rewards_scored"] += scored
-            else:
-                t.finish_reason = "error"
-                self.last_reward_error = s.error
-                self.counts["reward_errors"] += 1
-                n = self.counts["reward_errors"]
-                if n == 1 or n % 1000 == 0:  # say it, without flooding the console
-                    logger.warning(
-                        "rollout %s: %d reward failures so far; latest (%s): %s; its "
-                        "group is discarded",
-                        self.rollout_id,
-                        n,
-                        t.uid,
-                        s.error,
-                    )
-        self._send(trajs)
-        self.counts["inserted"] += len(trajs)
-
-    def _send(self, trajs: list[Trajectory]) -> None:
-        """Insert into the buffer; forget what its store has committed. A lost buffer:
-        wait for the rebuilt one, to which :meth:`_resend` sends them (or retry, if the
-        old one answers after all)."""
-        while True:
-            epoch = self._data_epoch
-            with self._unstored_lock:
-                for t in trajs:
-                    if t.uid in self._unstored:
-                        self._unstored[t.uid][1] = epoch
-            try:
-                out = self._call(self.buffer.insert(trajs, self.rollout_id), self.buffer)
-            except Exception as e:
-                self._lose_data(e)
-                self._await_data(epoch, serve=False)
-                if self._data_epoch != epoch or self._stop.is_set():
-                    return  # a new buffer: the resend has them
-                continue  # the old buffer answers again: send them again
-            with self._unstored_lock:
-                for uid in out["stored"]:
-                    self._unstored.pop(uid, None)
-            return
-
-    def _resend(self) -> None:
-        """Send the kept trajectories that went to an earlier buffer to the current one."""
-        epoch = self._data_epoch
-        with self._unstored_lock:
-            old = [t for t, sent in self._unstored.values() if sent is not None and sent < epoch]
-        for i in range(0, len(old), RESEND_CHUNK):
-            self._send(old[i : i + RESEND_CHUNK])
-        self.counts["resent"] += len(old)

@@ -1,0 +1,215 @@
+"""Repack moves, the rollout's side: its load for the planner, export, import, hold.
+
+:class:`MovesMixin`: what :class:`laminar.manager.RolloutManager` asks of a rollout to
+carry out a move that :mod:`laminar.repack` planned: the load it plans with, the export of
+a draining batch (the source then *held* at its batch boundary until the manager releases
+it, so a failed import can always be undone), the import into a running batch of the same
+version, and the undo of an export whose move did not happen. The manager's requests run
+on the generation thread, between decode steps, through its command mailbox
+(:meth:`laminar.rollout.RolloutReplica._command`).
+
+Apart from the generation loop (:mod:`laminar.rollout`), which meets a move only at its
+holds and in its mailbox: a move is a protocol with the manager of its own.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+from laminar.engine import RequestState
+
+# (the actor's logger: its records read as the rollout's, whichever module they come from)
+logger = logging.getLogger("laminar.rollout")
+
+# A source held by a move for this many actor timeouts without being released takes its
+# requests back: the manager that held it was lost or gave up (a copy it had imported
+# elsewhere then decodes twice, and the buffer keeps the first to arrive; losing them would
+# leave their groups incomplete).
+HOLD_LIMIT_TIMEOUTS = 5
+
+
+class MovesMixin:
+    """Load, export, import and hold for repack moves, for
+    :class:`~laminar.rollout.RolloutReplica` (whose ``__init__`` sets up the state)."""
+
+    def load(self) -> dict:
+        """This rollout's load for the repack planner (as of its latest decode step)."""
+        return dict(self._load)
+
+    def _publish_load(self) -> None:
+        kv = self.engine.kv_stats()
+        self._load = {
+            "rollout_id": self.rollout_id,
+            "version": self.engine.version,
+            "kv_used": kv.used_tokens / max(kv.capacity_tokens, 1),
+            "n_requests": kv.running + kv.waiting,
+            "in_batch": self._in_batch,
+            # which batch: KV "falls" only within one (a new batch after a long one
+            # holds less KV, but nothing of it has finished)
+            "batch": self._batch_seq,
+            "held": self._held,
+            "t": time.time(),
+        }
+
+    def export_for_move(
+        self, batch: int | None = None, max_requests: int | None = None
+    ) -> dict | None:
+        """Hand every unfinished request to the manager and hold at the batch boundary
+        until :meth:`release` (the move is done) or :meth:`abort_export` (it is not).
+        ``None`` if there is no batch to take any more, or if it is not the one the
+        manager planned with: another batch than ``batch`` (:meth:`load`'s; the planned
+        one drained and a fresh one began), or more than ``max_requests`` requests (it
+        took new groups since: the destination's limits were planned without them)."""
+        return self._command(lambda: self._export_all(batch, max_requests))
+
+    def import_for_move(
+        self,
+        version: int,
+        states: list,
+        batch: int | None = None,
+        sources: int = 0,
+        max_requests: int | None = None,
+    ) -> bool:
+        """Take over ``states`` (sampled by ``version``) into the running batch: a repack
+        move's from ``sources`` rollouts (counted as ``moves_in``), or a lost rollout's
+        (``sources=0``: a recovery, not a move). Refused (``False``) unless this rollout
+        is decoding a batch of that same version — the batch the manager planned with
+        (``batch``, :meth:`load`'s), not a fresh one begun since, which the planner did
+        not count — and would then hold at most ``max_requests`` (the planner's
+        ``max_batch``: a batch that took new groups since, ``rollout.top_up``, may have
+        no room left for what was planned)."""
+        return self._command(lambda: self._import(version, states, batch, sources, max_requests))
+
+    def release(self) -> None:
+        """Commit the move :meth:`export_for_move` began: the exported requests are the
+        destination's now. The rollout pulls the newest weights and takes new prompts
+        (or, after :meth:`abort_export`, decodes its batch on)."""
+        with self._hold_lock:
+            self._held, self._exported = False, None
+
+    def abort_export(self) -> int:
+        """Undo :meth:`export_for_move`: take the exported requests back and decode them
+        on. For a move that did not happen (the destination refused, or the manager gave
+        up waiting for the export, which may yet have run). Returns how many came back."""
+        return self._command(self._take_back)
+
+    def holds(self, request_ids: list[str]) -> bool:
+        """Whether this rollout took every one of ``request_ids``: decodes them, or
+        imported them and some finished since (the manager asks a destination whose
+        import it got no answer to: asked after the import, served after it)."""
+        return self._command(lambda: self._holds(request_ids))
+
+    def _holds(self, request_ids: list[str]) -> bool:
+        wanted = set(request_ids)
+        if wanted <= set(self.engine.request_ids()):
+            return True
+        # (A move's tail is near its end: one may finish before the question comes.)
+        return any(wanted <= ids for ids in self._imported)
+
+    def _exported_batches(self) -> list[tuple[int, list[RequestState]]]:
+        exported = self._exported
+        return [exported] if exported is not None else []
+
+    def _export_all(self, batch: int | None = None, max_requests: int | None = None):
+        if not self._in_batch or self._held or not self.engine.has_work():
+            return None
+        if batch is not None and batch != self._batch_seq:
+            return None
+        ids = list(self.engine.request_ids())
+        if max_requests is not None and len(ids) > max_requests:
+            return None
+        t0 = time.perf_counter()
+        self._log_partial(force=True)  # the log holds every exported token
+        states = self.engine.export(ids)
+        for st in states:
+            self._logged.pop(st.request_id, None)
+        for st in states:  # the rollouts a trajectory passed through, in order
+            st.request.meta["rollout_path"] = [
+                *st.request.meta.get("rollout_path", []),
+                self.rollout_id,
+            ]
+        with self._hold_lock:
+            self._held, self._exported = True, (self.engine.version, states)
+        self._held_since = time.time()
+        self.counts["moves_out"] += 1
+        self.counts["requests_out"] += len(states)
+        return {
+            "version": self.engine.version,
+            "states": states,
+            "tokens": sum(len(st.tokens) for st in states),
+            "context_tokens": sum(st.context_len for st in states),
+            "export_s": time.perf_counter() - t0,
+        }
+
+    def _take_back(self) -> int:
+        """The exported requests back into the engine, as they were before the export
+        (not counted as moved, nor this rollout as on their path twice)."""
+        from dataclasses import replace
+
+        with self._hold_lock:
+            if self._exported is None:  # nothing exported, or the move was committed
+                return 0
+            version, states = self._exported
+            if self.engine.version != version:  # a held source loads no weights: a bug
+                raise RuntimeError(
+                    f"rollout {self.rollout_id} holds requests of version {version} but "
+                    f"its engine is at {self.engine.version}"
+                )
+            self._held, self._exported = False, None
+        back = []
+        for st in states:
+            st.request.meta["rollout_path"] = st.request.meta["rollout_path"][:-1]
+            back.append(replace(st, n_moves=st.n_moves - 1))
+        self.engine.import_(back)
+        self._logged.update({st.request_id: len(st.tokens) for st in back})
+        self._reprefill = True  # (its time in reprefill_s: its tokens beside it)
+        self.counts["reprefill_tokens"] += sum(st.context_len for st in back)
+        self.counts["moves_out"] -= 1
+        self.counts["requests_out"] -= len(back)
+        self.counts["moves_taken_back"] += 1
+        return len(back)
+
+    def _import(
+        self,
+        version: int,
+        states: list,
+        batch: int | None,
+        sources: int,
+        max_requests: int | None = None,
+    ) -> bool:
+        # (Paused: the batch is on its way out to wait for a version; taken in, these
+        # would decode on with the old weights past the interrupt.)
+        if not self._in_batch or self._held or self._paused is not None or self._stop.is_set():
+            return False
+        if self.engine.version != version:
+            return False
+        if batch is not None and batch != self._batch_seq:
+            return False
+        held = len(self.engine.request_ids())
+        if max_requests is not None and held + len(states) > max_requests:
+            return False
+        self.engine.import_(states)
+        self._imported.append(frozenset(st.request_id for st in states))
+        self._logged.update({st.request_id: len(st.tokens) for st in states})
+        self._reprefill = True
+        self.counts["moves_in"] += sources
+        self.counts["requests_in"] += len(states)
+        self.counts["reprefill_tokens"] += sum(st.context_len for st in states)
+        return True
+
+    def _wait_while_held(self) -> None:
+        limit = HOLD_LIMIT_TIMEOUTS * self.cfg.cluster.actor_timeout_s
+        while self._held and not self._stop.is_set():
+            self._serve(0.02)
+            if self._held and time.time() - self._held_since > limit:
+                # (a release may come meanwhile: then nothing is taken back)
+                if n := self._take_back():
+                    logger.warning(
+                        "rollout %s: held by a move for over %.0f s, neither released nor "
+                        "aborted (the manager was lost?): took its %d requests back",
+                        self.rollout_id,
+                        limit,
+                        n,
+                    )
+                    self.counts["holds_timed_out"] += 1
