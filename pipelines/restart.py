@@ -308,6 +308,20 @@ def _still_there(client, role: str, workers: set[str], error: Exception) -> set[
     return live
 
 
+def _holdings(rollouts: dict, timeout: float) -> dict[str, list[str]]:
+    """Rollout id -> the prompt groups it holds trajectories of, for those of
+    ``rollouts`` (id -> handle) that answer within ``timeout`` (one wait for them all)."""
+    from pipelines.driver import _results, _send
+
+    asked = {rid: _send([lambda r=r: r.data_holdings()]) for rid, r in rollouts.items()}
+    deadline = time.monotonic() + timeout
+    answers = {}
+    for rid, futures in asked.items():
+        if got := _results(futures, max(0.1, deadline - time.monotonic())):
+            answers[rid] = got[0]
+    return answers
+
+
 def _start_again(r, error: Exception, redo_head: bool = True) -> None:
     """The restart ``r`` (:class:`TrainerRestart` or :class:`CoreRestart`) could not
     start its trainer (``error``). When a worker it picked is gone, it waits for others
@@ -508,18 +522,8 @@ class DataRestart:
         m = self.last_manager
         ids = [f"r{i}" for i in range(len(a["rollouts"]))]
         live = {rid: h for rid, h in zip(ids, a["rollouts"], strict=True) if rid not in m["lost"]}
-        # Rollouts lost while no manager watched: their unfinished (and finished, not yet
-        # stored) trajectories are in the lost pool's log, read before the new pool
-        # starts its own; the new manager finds them lost and recovers them from it.
         workers = set(scheduler_workers(client))
         gone = {rid for rid in live if s.rollout_workers[rid] not in workers}
-        orphans: dict = {}
-        if gone:
-            from laminar.partial import replay_log
-
-            orphans = {
-                uid: e for uid, e in replay_log(s.run_dir).entries.items() if e["owner"] in gone
-            }
         alive = {rid: h for rid, h in live.items() if rid not in gone}
         phases: dict[str, float] = {}
 
@@ -528,13 +532,28 @@ class DataRestart:
 
         if record is None:
             record = a["trainer"].consumed_record().result(timeout)
-        held = _answers([lambda r=r: r.data_holdings() for r in alive.values()], timeout=timeout)
+        held = _holdings(alive, timeout)
+        silent = sorted(set(alive) - set(held))
+        # Rollouts lost while no manager watched, and live ones that did not say what
+        # they hold (hung, or too slow): their unfinished (and finished, not yet stored)
+        # trajectories are in the lost pool's log, read before the new pool starts its
+        # own. Registered with the new pool, their groups count as outstanding and none
+        # is handed out again; the new manager finds a lost (or hung) one and recovers
+        # them from there, and a silent one that attaches registers its own over them.
+        orphans: dict = {}
+        if gone or silent:
+            from laminar.partial import replay_log
+
+            owners = gone | set(silent)
+            orphans = {
+                uid: e for uid, e in replay_log(s.run_dir).entries.items() if e["owner"] in owners
+            }
         plan = plan_rebuild(
             s.run_dir,
             version=record["version"],
             consumed=record["consumed"],
             since=record["since"],
-            held_groups={g for groups in held for g in groups},
+            held_groups={g for groups in held.values() for g in groups},
             orphans=orphans,
         )
         # (committed by the lost store, its "forgotten" not yet logged: the buffer has it)
@@ -599,6 +618,7 @@ class DataRestart:
             registered=sum(registered),
             rollouts_attached=len(registered),
             rollouts_gone=sorted(gone),  # lost meanwhile: recovered by the new manager
+            rollouts_silent=silent,  # did not say what they hold: resumed from the log
             restored_from_log=len(orphans),
             rebuild_s=now - t0,
             phases=phases,

@@ -975,7 +975,8 @@ def test_a_lost_rank_restarts_the_data_parallel_trainer_within_the_run(tmp_path)
     assert report.ok, report.text()
 
 
-def test_a_lost_data_module_is_rebuilt_within_the_run(tmp_path):
+@pytest.mark.parametrize("r1_sig", [signal.SIGKILL, signal.SIGSTOP], ids=["killed", "hung"])
+def test_a_lost_data_module_is_rebuilt_within_the_run(tmp_path, r1_sig):
     """The data module on a worker of its own, SIGKILLed with trajectories admitted and
     consumed that its store had not yet committed (a 4 s flush interval), and with it
     the worker of rollout r1 while r1 decodes. The trainer and r0 run on: the nanny
@@ -987,12 +988,19 @@ def test_a_lost_data_module_is_rebuilt_within_the_run(tmp_path):
     no version lost: nothing is stored twice, each update trained one batch of 4 whole
     groups, and the audit is clean.
 
+    ``hung``: r1 is SIGSTOPped instead, so the rebuild finds it live but silent (it
+    cannot say which groups it holds). Its groups are resumed from the log all the same,
+    none handed out again (they used to be re-issued whole beside r1's copies, and r1's
+    own work, never registered with the new pool, was not recovered when the new
+    manager fenced it).
+
     (A hung data module is detected and fenced the same way in either layout: the
     SIGSTOP case is test_a_lost_trainer_and_data_module_on_one_worker_...[hung].)"""
     from laminar.cluster import workers_with
 
     steps = 6
     run_dir = tmp_path / "run"
+    hung = r1_sig == signal.SIGSTOP
     overrides = [
         f"trainer.steps={steps}",
         "buffer.flush_interval_s=4",
@@ -1001,6 +1009,8 @@ def test_a_lost_data_module_is_rebuilt_within_the_run(tmp_path):
         # is there (~5-10 s later: most of it the new process's imports)
         "rollout.pacing.dilation=160",
     ]
+    if hung:  # (the rebuild asks r1 and attaches it within the actor timeout, each)
+        overrides += ["faults.heartbeat_timeout_s=3", "cluster.actor_timeout_s=10"]
     with apart_run(run_dir, overrides) as (client, handle):
         wait_for(handle, lambda p: p.get("phase") == "training" and p["version"] >= 2)
         partial = handle._schedule.actors["partial"]
@@ -1013,8 +1023,8 @@ def test_a_lost_data_module_is_rebuilt_within_the_run(tmp_path):
             time.sleep(0.05)
         time.sleep(2.5)  # a log interval (faults.log_interval_s): r1's entries are on disk
         t_kill = time.time()
-        for pid in pids.values():
-            os.kill(pid, signal.SIGKILL)
+        os.kill(pids[victim_w], r1_sig)
+        os.kill(pids[data_w], signal.SIGKILL)
         summary = handle.wait(timeout=300)
     assert summary["reason"] == "completed", summary["reason"]
     (r,) = summary["faults"]["data_restarts"]
@@ -1023,10 +1033,12 @@ def test_a_lost_data_module_is_rebuilt_within_the_run(tmp_path):
     # (A batch still decoding at the attach is registered anew with the new pool, here
     # when the rebuild beats it: tests/test_partial.py checks what is registered.)
     assert r["restart_s"] < 60 and r["rollouts_attached"] == 1, r
-    assert r["rollouts_gone"] == ["r1"] and r["restored_from_log"] > 0, r
+    assert (r["rollouts_gone"], r["rollouts_silent"]) == (([], ["r1"]) if hung else (["r1"], []))
+    assert r["restored_from_log"] > 0 and r["reissued_groups"] == 0, r
     faults = summary["faults"]
     assert "r1" in faults["lost"] and faults["recovered_requests"] > 0, faults
     assert "r1" in faults["replacements"], faults
+    assert ("r1" in faults["hung"]) == hung, faults
     assert summary["versions"] == summary["updates"] == steps
     rollouts = {s["rollout_id"]: s for s in summary["rollouts"]}
     assert rollouts["r0"]["data_rebuilds"] == 1
