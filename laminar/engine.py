@@ -202,12 +202,15 @@ class FinishedOutput:
 
 @dataclass(frozen=True)
 class KVStats:
-    """KV-cache use at one moment, in tokens."""
+    """KV-cache use at one moment, in tokens. ``waiting_tokens``: the contexts of the
+    waiting requests, the KV they take once admitted (new, imported or preempted ones);
+    ``used_tokens + waiting_tokens`` is what the requests here will hold."""
 
     used_tokens: int
     capacity_tokens: int
     running: int
     waiting: int
+    waiting_tokens: int = 0
 
     @property
     def free_tokens(self) -> int:

@@ -352,6 +352,7 @@ class EngineBase:
             capacity_tokens=self.capacity,
             running=len(self._running_states()),
             waiting=len(self._waiting),
+            waiting_tokens=sum(s.context_len for s in self._waiting),
         )
 
     def stats(self) -> dict[str, float]:

@@ -444,6 +444,7 @@ class RolloutManager:
                         batch=self._prev[d][0],  # the batch this round planned with
                         sources=len(s),
                         max_requests=self.max_batch,
+                        max_kv=self.rcfg.c_max,
                     )
                 )
                 for (dst, v), sources in merged.items()

@@ -42,7 +42,9 @@ class MovesMixin:
         self._load = {
             "rollout_id": self.rollout_id,
             "version": self.engine.version,
-            "kv_used": kv.used_tokens / max(kv.capacity_tokens, 1),
+            # (what its requests will hold: the waiting ones, groups a top-up just took,
+            # take their KV at their admission)
+            "kv_used": (kv.used_tokens + kv.waiting_tokens) / max(kv.capacity_tokens, 1),
             "n_requests": kv.running + kv.waiting,
             "in_batch": self._in_batch,
             # which batch: KV "falls" only within one (a new batch after a long one
@@ -70,16 +72,20 @@ class MovesMixin:
         batch: int | None = None,
         sources: int = 0,
         max_requests: int | None = None,
+        max_kv: float | None = None,
     ) -> bool:
         """Take over ``states`` (sampled by ``version``) into the running batch: a repack
         move's from ``sources`` rollouts (counted as ``moves_in``), or a lost rollout's
         (``sources=0``: a recovery, not a move). Refused (``False``) unless this rollout
         is decoding a batch of that same version — the batch the manager planned with
         (``batch``, :meth:`load`'s), not a fresh one begun since, which the planner did
-        not count — and would then hold at most ``max_requests`` (the planner's
+        not count — and would then hold at most ``max_requests`` requests (the planner's
         ``max_batch``: a batch that took new groups since, ``rollout.top_up``, may have
-        no room left for what was planned)."""
-        return self._command(lambda: self._import(version, states, batch, sources, max_requests))
+        no room left for what was planned) and at most ``max_kv`` of its KV capacity
+        (``repack.c_max``: both sides' contexts grew since the plan)."""
+        return self._command(
+            lambda: self._import(version, states, batch, sources, max_requests, max_kv)
+        )
 
     def release(self) -> None:
         """Commit the move :meth:`export_for_move` began: the exported requests are the
@@ -177,6 +183,7 @@ class MovesMixin:
         batch: int | None,
         sources: int,
         max_requests: int | None = None,
+        max_kv: float | None = None,
     ) -> bool:
         # (Paused: the batch is on its way out to wait for a version; taken in, these
         # would decode on with the old weights past the interrupt.)
@@ -189,6 +196,11 @@ class MovesMixin:
         held = len(self.engine.request_ids())
         if max_requests is not None and held + len(states) > max_requests:
             return False
+        if max_kv is not None:
+            kv = self.engine.kv_stats()
+            after = kv.used_tokens + kv.waiting_tokens + sum(st.context_len for st in states)
+            if after > max_kv * kv.capacity_tokens:
+                return False
         self.engine.import_(states)
         self._imported.append(frozenset(st.request_id for st in states))
         self._logged.update({st.request_id: len(st.tokens) for st in states})

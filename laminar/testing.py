@@ -164,11 +164,13 @@ class EngineContract:
             eng.add_request(r)
         kv = eng.kv_stats()
         assert (kv.running, kv.waiting, kv.used_tokens) == (0, 5, 0)
+        assert kv.waiting_tokens == sum(len(r.prompt_tokens) for r in reqs)
         assert eng.request_ids() == [r.request_id for r in reqs]
         eng.step()
         kv = eng.kv_stats()
         assert (kv.running, kv.waiting) == (3, 2)
         assert kv.used_tokens == sum(len(r.prompt_tokens) for r in reqs[:3])
+        assert kv.waiting_tokens == sum(len(r.prompt_tokens) for r in reqs[3:])
         assert set(eng.request_ids()) == {r.request_id for r in reqs}
         drain(eng)
         assert eng.kv_stats().used_tokens == 0 and eng.request_ids() == []

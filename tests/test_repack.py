@@ -217,6 +217,40 @@ def test_an_import_past_the_planners_max_batch_is_refused_and_a_recovery_is_no_m
     assert dst.counts["moves_in"] == 0 and dst.counts["requests_in"] == 4
 
 
+def test_an_import_past_c_max_is_refused_and_the_load_counts_waiting_requests(
+    tiny_policy, small_config
+):
+    """The planner kept the merge within ``c_max`` with the loads it saw; both sides'
+    contexts grew since, so the import checks it again against what the destination's
+    requests will hold once admitted. The load the planner reads counts the waiting
+    requests' contexts too (groups a top-up just took hold no KV yet, but will)."""
+    from laminar.config import with_overrides
+    from laminar.contract import PromptGroup
+    from laminar.rollout import RolloutReplica
+
+    cfg = with_overrides(small_config, ["rollout.parity_every=0"])
+    src = RolloutReplica("r0", cfg, str(tiny_policy), None, None, None)
+    dst = RolloutReplica("r1", cfg, str(tiny_policy), None, None, None)
+    src._add([PromptGroup("p00000000", 0, (5, 6, 7), "x", 4, 0)])
+    dst._add([PromptGroup("p00000001", 1, (5, 6, 7), "x", 4, 0)])
+    src.engine.step()
+    dst._in_batch, dst._batch_seq = True, 1
+    kv = dst.engine.kv_stats()
+    assert (kv.used_tokens, kv.waiting, kv.waiting_tokens) == (0, 4, 12)  # not admitted yet
+    dst._publish_load()
+    assert dst.load()["kv_used"] == 12 / kv.capacity_tokens
+    dst.engine.step()
+    states = src.engine.export(list(src.engine.request_ids()))
+    incoming = sum(st.context_len for st in states)  # 4 × (3 prompt + 1 sampled)
+    held = dst.engine.kv_stats()
+    after = (held.used_tokens + held.waiting_tokens + incoming) / held.capacity_tokens
+    v = dst.engine.version
+    assert dst._import(v, states, batch=1, sources=1, max_kv=after * 0.99) is False
+    assert len(dst.engine.request_ids()) == 4 and dst.counts["moves_in"] == 0
+    assert dst._import(v, states, batch=1, sources=1, max_kv=after) is True
+    assert len(dst.engine.request_ids()) == 8 and dst.counts["moves_in"] == 1
+
+
 # -- a move between two real rollouts, in this process -----------------------------------
 
 
