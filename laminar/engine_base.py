@@ -248,7 +248,11 @@ class StepStart:
     prefill_tokens: int
 
 
-_COUNTERS = "steps prefill_tokens decode_tokens preemptions finished exported imported".split()
+# (``admitted``: requests a step prefilled, new or resumed; ``decode_tokens``: those it
+# decoded, the requests it found running)
+_COUNTERS = (
+    "steps prefill_tokens decode_tokens admitted preemptions finished exported imported".split()
+)
 
 
 class EngineBase:
@@ -445,6 +449,7 @@ class EngineBase:
         self.counters["steps"] += 1
         self.counters["decode_tokens"] += start.decoding
         self.counters["prefill_tokens"] += start.prefill_tokens
+        self.counters["admitted"] += len(start.admitted)
         self.counters["finished"] += len(finished)
         if self.pacer is not None:
             self.pacer.pace(

@@ -172,8 +172,12 @@ class EngineContract:
         assert kv.used_tokens == sum(len(r.prompt_tokens) for r in reqs[:3])
         assert kv.waiting_tokens == sum(len(r.prompt_tokens) for r in reqs[3:])
         assert set(eng.request_ids()) == {r.request_id for r in reqs}
+        # (the first step admitted 3 and decoded none; what the pacer and the benches'
+        # decode batch count)
+        assert (eng.stats()["admitted"], eng.stats()["decode_tokens"]) == (3, 0)
         drain(eng)
         assert eng.kv_stats().used_tokens == 0 and eng.request_ids() == []
+        assert eng.stats()["admitted"] == 5 + eng.stats()["preemptions"]
 
     def test_in_flight_shows_each_requests_tokens_so_far(self, make_engine):
         """What the partial-response log reads between steps: the tokens, logprobs and

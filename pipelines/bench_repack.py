@@ -177,6 +177,10 @@ def _figures(run_dir: Path, summary: dict, scale, warmup: float) -> dict:
     # (more requests per step), and a fuller step reads more KV (it takes longer).
     d = {k: float((roll[k].isel(time=-1) - roll[k].isel(time=0)).sum()) for k in STEP_COLUMNS}
     steps = max(d["engine_steps"], 1.0)
+    from pipelines.bench_schedules import admitted_decodes
+
+    admitted = admitted_decodes(roll, scale)  # (time × rollout)
+    decoded = d["engine_decode_tokens"] + float((admitted[-1] - admitted[0]).sum())
     out = {
         "gen_tok_s": scale.tokens * gen / scale.modelled(1.0),
         "kv_util_mean": float(np.nanmean(util)),
@@ -186,7 +190,7 @@ def _figures(run_dir: Path, summary: dict, scale, warmup: float) -> dict:
         "window_s": scale.modelled(window),
         # one modelled decode step (of the length_scale a real one stands for), in ms
         "step_ms": 1e3 * scale.modelled(d["decode_s"] / steps) / scale.length_scale,
-        "decode_batch": scale.request_scale * d["engine_decode_tokens"] / steps,
+        "decode_batch": scale.request_scale * decoded / steps,
         "trajectories": int(ds.sizes["trajectory"]),
         # real compute vs the modelled time: a run whose compute overran the model would
         # measure this machine, not the emulated cluster

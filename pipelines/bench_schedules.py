@@ -475,6 +475,18 @@ def arm_figures(run_dir: Path, summary: dict, warmup: int) -> dict:
 ROLLOUT_FIGURES = ("gen_throughput", "rollout_idle", "decode_batch")
 
 
+def admitted_decodes(ro, sc) -> np.ndarray:
+    """What the requests admitted so far decoded in the steps that admitted them, per
+    real step's worth: a scaled step stands for ``length_scale`` modelled steps, the first
+    of which prefills the admitted requests and the others decode them too
+    (:meth:`laminar.pacing.Pacer.modelled`), so each counts ``(L - 1) / L`` of a request
+    in that step's decode batch. (``engine_decode_tokens`` counts only the requests a
+    step found running.) Zero for runs recorded before ``engine_admitted`` existed."""
+    if "engine_admitted" not in ro:
+        return np.zeros(ro["engine_steps"].shape)
+    return ro["engine_admitted"].values * (sc.length_scale - 1) / sc.length_scale
+
+
 def rollout_figures(ro, sc) -> dict[str, float]:
     """``gen_throughput``, ``rollout_idle`` and ``decode_batch`` from the ``rollouts``
     rows of the window (``time × rollout``), each rollout's counters from its first to
@@ -511,7 +523,7 @@ def rollout_figures(ro, sc) -> dict[str, float]:
     idle = np.isfinite(busy) & ok
     tokens = delta(ro["response_tokens"].values)
     steps = delta(ro["engine_steps"].values)
-    decoded = delta(ro["engine_decode_tokens"].values)
+    decoded = delta(ro["engine_decode_tokens"].values) + delta(admitted_decodes(ro, sc))
     return {
         "gen_throughput": float(np.sum(tokens[ok] / span[ok])) * sc.tokens / sc.modelled(1.0)
         if ok.any()

@@ -81,6 +81,7 @@ ROLLOUT_COUNTERS = (
     "engine_preemptions",
     "engine_prefill_tokens",
     "engine_decode_tokens",
+    "engine_admitted",
     "engine_steps",
     "pulls_unreachable",  # batch boundaries whose relay was lost (went on without)
     "pulls_failed",  # ... whose pull failed otherwise: a chunk's checksum (went on without)

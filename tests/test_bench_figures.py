@@ -219,6 +219,7 @@ def _synthetic_run(tmp_path, poll_times, delay, versions: int = 6, unanswered=()
                     "decode_s": 0.5 * (read - T0),  # busy half the time
                     "engine_steps": 10.0 * (read - T0),
                     "engine_decode_tokens": 40.0 * (read - T0),
+                    "engine_admitted": 2.0 * (read - T0),
                 }
             )
         cluster[-1]["response_tokens"] = sum(
@@ -276,7 +277,9 @@ def test_generation_throughput_is_each_rollouts_rate_over_its_own_readings(tmp_p
     # modelled s per wall s
     assert fig["gen_throughput"] == pytest.approx(2 * 100 * 2048 / 8)
     assert fig["rollout_idle"] == pytest.approx(0.5)
-    assert fig["decode_batch"] == pytest.approx(4 * 8)
+    # 4 requests running a step, and 0.2 admitted, which decode in 255 of the 256
+    # modelled steps a real one stands for; 8 modelled requests per real one
+    assert fig["decode_batch"] == pytest.approx((4 + 0.2 * 255 / 256) * 8)
     # a rollout that did not answer the window's first poll (30: the first at or after
     # publication 3) is read from its next reading, not left out of the sum
     (tmp_path / "unanswered").mkdir()
