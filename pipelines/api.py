@@ -462,7 +462,8 @@ def prepare_resume(run_dir: str | Path, overrides: list[str] | tuple[str, ...] =
             f"{ran.pipeline.schedule!r}{asked}, and resuming in place is built for the "
             "laminar schedule; "
             + ("drop that --set, or " if asked and ran.pipeline.schedule == "laminar" else "")
-            + f"start a new run from its checkpoint with --set trainer.resume_from={ckpt}"
+            + "start a new run from its checkpoint with "
+            + _setting(f"trainer.resume_from={ckpt}")
         )
     fingerprint = path / PROMPT_FINGERPRINT
     moved = fingerprint.exists()
@@ -481,8 +482,8 @@ def prepare_resume(run_dir: str | Path, overrides: list[str] | tuple[str, ...] =
             + ": it ran "
             + ", ".join(f"{k}={_field(ran, k)!r}" for k in changed)
             + ", and its stores hold groups of the prompts those made (a resume completes "
-            "them by prompt key); drop that --set, or train on other data in a new run "
-            f"from its checkpoint: --set trainer.resume_from={ckpt}"
+            "them by prompt key); drop that --set (override), or train on other data in a "
+            f"new run from its checkpoint: {_setting(f'trainer.resume_from={ckpt}')}"
         )
     # (a prompt file that is not there: preflight names it)
     now = _fingerprint(cfg) if Path(cfg.task.prompt_file or "").is_file() else None
@@ -492,7 +493,7 @@ def prepare_resume(run_dir: str | Path, overrides: list[str] | tuple[str, ...] =
             f"what the run began with (its bytes changed since: {PROMPT_FINGERPRINT} in the "
             "run directory), and the stores hold groups of its prompts by key; put the "
             "run's file back, or train on the new one in a new run from its checkpoint: "
-            f"--set trainer.resume_from={ckpt}"
+            + _setting(f"trainer.resume_from={ckpt}")
         )
     version = checkpoint_version(ckpt)
     # (updates made: a trainer restarted within the run skips version numbers)
@@ -501,7 +502,7 @@ def prepare_resume(run_dir: str | Path, overrides: list[str] | tuple[str, ...] =
         raise ConfigError(
             f"cannot resume {str(path)!r}: its checkpoint is at version {version}, "
             f"{made} updates made, and trainer.steps={cfg.trainer.steps}; ask for more, "
-            f"e.g. --set trainer.steps={made + cfg.trainer.steps}"
+            f"e.g. {_setting(f'trainer.steps={made + cfg.trainer.steps}')}"
         )
     preflight(cfg)
     check_metrics_store(path)  # (damaged: refused now, not by the writer on the cluster)
@@ -514,6 +515,12 @@ def prepare_resume(run_dir: str | Path, overrides: list[str] | tuple[str, ...] =
     files = {config: text, **({fingerprint: now} if now is not None and not moved else {})}
     _write_claimed(path, "resume", files)
     return cfg, plan, path
+
+
+def _setting(field: str) -> str:
+    """How to set ``field`` (``key=value``) from either door: the CLI's ``--set`` and
+    the Python API's ``overrides``."""
+    return f"--set {field} (from Python: overrides=[{field!r}])"
 
 
 def resume(
