@@ -1,0 +1,436 @@
+"""Recovery, the manager's side: lost and hung rollouts and relays.
+
+:class:`RecoveryMixin` of :class:`laminar.manager.RolloutManager` (docs/faults.md): loss
+detection against the scheduler's workers (:meth:`~RecoveryMixin.detect`), hang detection
+by heartbeats and the fence of a hung worker (:meth:`~RecoveryMixin.check_heartbeats`),
+the relay chain rebuilt without a lost downstream relay (:meth:`~RecoveryMixin.drop_relays`)
+or headed by a restarted trainer's new master, replacement rollouts joining, and a lost
+rollout's unfinished trajectories resumed from the partial-response pool on healthy
+rollouts, imported or adopted (:meth:`~RecoveryMixin.recover`).
+
+Apart from repack (:mod:`laminar.manager_repack`): recovery answers faults, repack answers
+load; they share only the manager's call helpers and its view of the live rollouts.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+from laminar.cluster import actor_result, start_thread
+
+# (the actor's logger: its records read as the manager's, whichever module they come from)
+logger = logging.getLogger("laminar.manager")
+
+
+class RecoveryMixin:
+    """Loss and hang detection and recovery, replacements and relay chain rebuilds, for
+    :class:`~laminar.manager.RolloutManager` (whose ``__init__`` sets up the state)."""
+
+    def add_rollout(
+        self, rollout_id: str, handle, worker: str, replaces: str, relay_id: str = "master"
+    ) -> None:
+        """A new rollout (started by the driver in place of the lost ``replaces``, pulling
+        from ``relay_id``): a candidate for moves and recovery, and watched for loss, from
+        the next round."""
+        self._joining.put((rollout_id, handle, worker, replaces, relay_id))
+
+    def replace_master(self, handle, worker: str) -> None:
+        """The trainer was restarted on ``worker`` with a new master relay (``handle``):
+        from the next round it heads the chain (each live relay takes its place after
+        it), the rollouts that pulled from the lost master pull from it, and the
+        partial-response pool keeps versions on it (docs/faults.md)."""
+        self._joining.put(("master", handle, worker, None, None))
+
+    def _master_readers(self) -> list[str]:
+        """The live rollouts that pull from the master relay."""
+        return [
+            roll
+            for roll, rel in sorted(self.rollout_relays.items())
+            if rel == "master" and roll not in self.lost and roll not in self.hung
+        ]
+
+    def _lose_master(self, now: float) -> None:
+        """The master relay's worker (the trainer's) is gone: its readers stop waiting
+        on it and go on with the weights they hold until a restarted trainer's master
+        replaces it (:meth:`replace_master`). Without a restart the driver fails the run."""
+        self._master_lost = now
+        for roll in self._master_readers():
+            try:
+                self.rollouts[roll].set_relay(None).result(timeout=min(self.timeout, 5.0))
+            except Exception as e:  # noqa: BLE001 — lost too: detect() recovers it
+                logger.warning("%s.set_relay(None) failed: %r", roll, e)
+        logger.warning(
+            "master relay lost (worker %s gone); its readers go on with the weights they hold",
+            self.relay_workers.get("master"),
+        )
+
+    def _take_master(self, handle, worker: str) -> None:
+        t0 = time.time()
+        lost_for = None if self._master_lost is None else t0 - self._master_lost
+        self._master_lost = None
+        self.master = handle
+        self.relays["master"], self.relay_workers["master"] = handle, worker
+        chain = self._chain()
+        errors: list[str] = []
+        self._rechain(chain, errors)  # (a relay lost too is cut out by detect())
+        repointed = []
+        for roll in self._master_readers():
+            ok, _ = self._noting(f"{roll}.set_relay", self.rollouts[roll].set_relay(handle), errors)
+            if ok:
+                repointed.append(roll)
+        if self.partial is not None:
+            relays = [self.relays[r] for r in chain]
+            self._noting(
+                "partial.set_relays", self._try(lambda: self.partial.set_relays(relays)), errors
+            )
+        self._seen_version = -1
+        self.masters.append(
+            {
+                "time": t0,
+                "worker": worker,
+                "master_lost_s": lost_for,  # since the lost master was detected
+                "chain": chain,
+                "rollouts": repointed,
+                "errors": errors,
+                "rechain_s": time.time() - t0,
+            }
+        )
+        logger.warning(
+            "new master relay on %s heads the chain %s; %s pull from it",
+            worker,
+            " -> ".join(chain),
+            ", ".join(repointed) or "no rollout",
+        )
+
+    def _take_joining(self) -> None:
+        while not self._joining.empty():
+            rid, handle, worker, replaces, relay_id = self._joining.get_nowait()
+            if rid == "master":
+                self._take_master(handle, worker)
+                continue
+            self.rollouts[rid], self.workers[rid] = handle, worker
+            # (A call here that fails is logged, not raised out of the loop: a replacement
+            # lost already is found by detect(), a slow one may yet take it.)
+            if relay_id in self.relays_lost:  # lost while the replacement was starting
+                relay_id = self._chain()[0]
+                relay = self.relays[relay_id]
+                self._noting(
+                    f"{rid}.set_relay", self._try(lambda h=handle, r=relay: h.set_relay(r))
+                )
+            self.rollout_relays[rid] = relay_id
+            if relay_id == "master" and self._master_lost is not None:
+                # (started with the lost master's handle: the restart's re-points it)
+                self._noting(
+                    f"{rid}.set_relay(None)", self._try(lambda h=handle: h.set_relay(None))
+                )
+            self.replacements[replaces] = rid
+            logger.warning("rollout %s replaces %s (worker %s)", rid, replaces, worker)
+
+    def detect(self) -> list[str]:
+        """Relays and rollouts whose worker the scheduler no longer has: cut each relay
+        out of the chain, then recover each rollout. Returns the lost rollouts."""
+        try:
+            workers = self._scheduler_workers()
+        except Exception as e:  # noqa: BLE001 — says nothing of the rollouts: next round
+            logger.warning("loss detection: the scheduler's workers unknown (%r); skipped", e)
+            return []
+        gone = [rid for rid in self._alive() if self.workers.get(rid) not in workers]
+        now = time.time()
+        for rid in gone:  # all of them first: none is a candidate for another's work
+            self.lost[rid] = now
+            logger.warning("rollout %s lost (worker %s gone); recovering", rid, self.workers[rid])
+        relays = [r for r in self._chain()[1:] if self.relay_workers.get(r) not in workers]
+        master_w = self.relay_workers.get("master")
+        if self._master_lost is None and master_w is not None and master_w not in workers:
+            self._lose_master(now)
+        for rid in (*gone, *relays):
+            if rid in self.hung:  # fenced: the scheduler no longer has its process
+                self.hung[rid]["fenced_s"] = now - self.hung[rid]["time"]
+        # The master lives in the trainer's process: its loss is the trainer's (the run
+        # fails and resumes, docs/faults.md). Downstream relays are cut out here, before
+        # recovery, which may read old versions from them.
+        if relays:
+            self.drop_relays(relays)
+        for rid in gone:
+            self.recover(rid)
+        self.check_heartbeats()  # (after: it must not delay the recovery of a lost one)
+        return gone
+
+    def _watched(self) -> dict[str, tuple[object, str | None, str]]:
+        """Id -> (handle, worker, kind) of every live rollout and downstream relay."""
+        out = {rid: (self.rollouts[rid], self.workers.get(rid), "rollout") for rid in self._alive()}
+        for rid in self._chain()[1:]:  # (the master's loss is the trainer's)
+            out[rid] = (self.relays[rid], self.relay_workers.get(rid), "relay")
+        return out
+
+    def check_heartbeats(self) -> list[str]:
+        """Rollouts and relays that showed no progress for ``faults.heartbeat_timeout_s``
+        are hung: each one's worker is restarted (the nanny stops the process, or kills
+        it), in the background. Its actor is then gone, so a later :meth:`detect` round
+        handles it like any lost one — a hung rollout is fenced before its trajectories
+        resume elsewhere, never generating beside them. A rollout shows progress by its
+        generation loop's heartbeat, a relay by answering. Returns the newly hung."""
+        limit = self.cfg.faults.heartbeat_timeout_s
+        now = time.time()
+        watched = {k: v for k, v in self._watched().items() if k not in self.hung}
+        for rid, (handle, _, _) in watched.items():
+            self._alive_at.setdefault(rid, now)  # (a new one: from when it is watched)
+            call = self._beat_calls.get(rid)
+            if call is not None and not call.done():
+                continue  # one call at a time: a silent one is not asked again
+            if call is not None:  # answered since the last round (never waited on here)
+                try:
+                    age = call.result(timeout=1.0)
+                except Exception:  # noqa: BLE001 — its worker is gone: detect() sees to it
+                    age = None
+                # (None: its generation loop ended — failed or stopped, for the driver
+                # to see — not hung.)
+                self._alive_at[rid] = max(self._alive_at[rid], now - (age or 0.0))
+            try:
+                self._beat_calls[rid] = handle.heartbeat()
+            except Exception:  # noqa: BLE001 — its worker is gone: detect() sees to it
+                self._beat_calls.pop(rid, None)
+        hung = [r for r in watched if now - self._alive_at[r] > limit]
+        for rid in hung:
+            _, worker, kind = watched[rid]
+            silent = now - self._alive_at[rid]
+            logger.warning(
+                "%s %s hung: no progress for %.1f s (faults.heartbeat_timeout_s=%s); "
+                "restarting its worker %s",
+                kind,
+                rid,
+                silent,
+                limit,
+                worker,
+            )
+            # "restart" stays "pending" until the nanny has a new worker up (that may come
+            # after the run ends); the fence proper is the old process's going, which
+            # detect() records as "fenced_s".
+            self.hung[rid] = {
+                "kind": kind,
+                "time": now,
+                "silent_s": silent,
+                "worker": worker,
+                "restart": "pending",
+            }
+            start_thread(lambda rid=rid, w=worker: self._fence(rid, w), f"fence-{rid}")
+        return hung
+
+    def _fence(self, rid: str, worker: str) -> None:
+        from distributed import get_client
+
+        from laminar.deploy import fence_workers
+
+        t0 = time.time()
+        try:
+            out = fence_workers(get_client(), [worker], timeout=10)
+            self.hung[rid]["restart"] = str(out.get(worker, out))
+        except Exception as e:  # noqa: BLE001 — the worker went meanwhile: also fenced
+            self.hung[rid]["restart"] = repr(e)
+        self.hung[rid]["restart_s"] = time.time() - t0
+
+    def _rechain(self, chain: list[str], errors: list[str]) -> dict[str, int]:
+        """Give every relay of ``chain`` (master first) its place in it
+        (:meth:`~laminar.relay.Relay.rechain`). Returns relay -> the version it resent to
+        its new successor."""
+        resent = {}
+        for i, rid in enumerate(chain):
+            nxt = self.relays[chain[i + 1]] if i + 1 < len(chain) else None
+            master = None if i == 0 else self.relays[chain[0]]
+            _, version = self._noting(
+                f"{rid}.rechain", self.relays[rid].rechain(chain, nxt, master), errors
+            )
+            if version is not None:
+                resent[rid] = version
+        return resent
+
+    def drop_relays(self, gone: list[str]) -> dict[str, dict]:
+        """Rebuild the chain without the ``gone`` relays: every live relay takes its new
+        place (the one above a lost relay sends its newest complete version to its new
+        successor at once), each rollout that pulled from a lost relay pulls from the
+        nearest live relay above it (which held every chunk the lost one had), and the
+        partial-response pool keeps versions on the live relays only."""
+        t0 = time.time()
+        old = self._chain()
+        chain = [r for r in old if r not in gone]
+        for rid in gone:  # recorded first: out of the chain even if a call below fails
+            self.relays_lost[rid] = {
+                "time": t0,
+                "worker": self.relay_workers.get(rid, ""),
+                "chain": chain,
+                "rollouts": {},
+                "resent": {},
+                "errors": [],
+            }
+            logger.warning(
+                "relay %s lost (worker %s gone); chain rebuilt: %s",
+                rid,
+                self.relay_workers.get(rid),
+                " -> ".join(chain),
+            )
+        errors: list[str] = []
+        resent = self._rechain(chain, errors)
+        repointed: dict[str, dict[str, str]] = {rid: {} for rid in gone}
+        for roll, rel in sorted(self.rollout_relays.items()):
+            if rel not in gone or roll in self.lost or roll in self.hung:
+                continue
+            above = next(r for r in reversed(old[: old.index(rel)]) if r not in gone)
+            self.rollout_relays[roll] = above
+            self._noting(
+                f"{roll}.set_relay", self.rollouts[roll].set_relay(self.relays[above]), errors
+            )
+            repointed[rel][roll] = above
+        if self.partial is not None:
+            self._noting(
+                "partial.set_relays",
+                self.partial.set_relays([self.relays[r] for r in chain]),
+                errors,
+            )
+        t1 = time.time()
+        for rid in gone:
+            self.relays_lost[rid].update(
+                rollouts=repointed[rid], resent=resent, errors=errors, rechain_s=t1 - t0
+            )
+            logger.warning(
+                "relay %s: %s; rebuilt in %.3f s",
+                rid,
+                ", ".join(f"{r} now pulls from {up}" for r, up in repointed[rid].items())
+                or "no rollout pulled from it",
+                t1 - t0,
+            )
+        return {rid: self.relays_lost[rid] for rid in gone}
+
+    def _least_loaded(self, alive: list[str], loads: dict[str, dict]) -> str:
+        return min(
+            (rid for rid in alive if rid in loads),
+            key=lambda rid: (loads[rid] or {}).get("n_requests", 0),
+            default=alive[0],
+        )
+
+    def _resume(
+        self, version: int, batch: list, alive: list[str], loads: dict[str, dict]
+    ) -> tuple[str, str]:
+        """Import ``batch`` into a running batch of ``version`` (the least KV-loaded that
+        accepts it), else have the least loaded rollout adopt it. Returns (how, where)."""
+        same = sorted(
+            (
+                rid
+                for rid, ld in loads.items()
+                if ld and ld["in_batch"] and not ld["held"] and ld["version"] == version
+            ),
+            key=lambda rid: loads[rid]["kv_used"],
+        )
+        for rid in same:
+            roll = self.rollouts[rid]
+            try:
+                ok = actor_result(roll, roll.import_for_move(version, batch), self.timeout)
+            except Exception:  # noqa: BLE001 — no answer: it may yet have gone in
+                ids = [st.request_id for st in batch]
+                try:  # (asked after the import, which it runs first)
+                    ok = actor_result(roll, roll.holds(ids), self.timeout)
+                except Exception:  # noqa: BLE001 — try the next one
+                    ok = False
+            if ok:
+                return "import", rid
+        dest = self._least_loaded(alive, loads)
+        # Not answered (its worker lost meanwhile, or its actor thread busy: it may yet
+        # run): the batch stays this rollout's all the same. Trying another could adopt
+        # it twice; the pool names this one the owner, so its loss recovers it from it.
+        roll = self.rollouts[dest]
+        self._noting(f"{dest}.adopt", self._try(lambda: roll.adopt(version, batch)), actor=roll)
+        return "adopt", dest
+
+    def _take(self, lost: str, attempts: int = 3) -> list:
+        """The pool's entries of ``lost``. A take not answered in time may have run (its
+        entries then ownerless): asked again, the pool hands those out too."""
+        for attempt in range(attempts):
+            try:
+                future = self.partial.take(lost, again=attempt > 0)
+                return actor_result(self.partial, future, self.timeout)
+            except TimeoutError:
+                if attempt == attempts - 1:
+                    raise
+                logger.warning("the partial-response pool did not answer take(%s); again", lost)
+        raise AssertionError("unreachable")
+
+    def recover(self, lost: str) -> list[dict]:
+        """Resume ``lost``'s unfinished trajectories on healthy rollouts, one batch per
+        weight version: imported into a running batch of that version, else adopted.
+        Its finished ones (rewards in flight when it died) are scored again elsewhere."""
+        t0 = time.time()
+        states = self._take(lost)
+        by_version: dict[tuple[bool, int], list] = {}
+        for st in states:
+            key = ("finished" in st.request.meta, st.request.meta["resume_version"])
+            by_version.setdefault(key, []).append(st)
+        rows = []
+        # The loads once for every batch of the lost rollout: a rollout lost too but not
+        # detected yet (the scheduler may drop two workers a round apart) does not answer,
+        # and each asking would wait for it again. One that did not answer takes none of
+        # this work.
+        loads = self._loads() if states else {}
+        for (finished, version), batch in sorted(by_version.items()):
+            alive = self._alive()
+            if not alive:
+                raise RuntimeError(
+                    f"every rollout is lost ({sorted(self.lost)}); {len(states)} unfinished "
+                    "trajectories wait in the partial-response pool"
+                )
+            alive = [rid for rid in alive if rid in loads] or self._healthy() or alive
+            if finished:
+                how, dest = "rescore", self._least_loaded(alive, loads)
+                # (not answered: as an adoption, see _resume)
+                roll = self.rollouts[dest]
+                self._noting(
+                    f"{dest}.rescore", self._try(lambda r=roll, b=batch: r.rescore(b)), actor=roll
+                )
+            else:
+                how, dest = self._resume(version, batch, alive, loads)
+            ids = [st.request_id for st in batch]
+            # A pool slow to answer names the owner later, or the destination's next flush
+            # does: no reason to fail the run (an exception here ended the manager's loop).
+            self._noting(
+                f"partial.reassign to {dest}",
+                self._try(lambda i=ids, d=dest: self.partial.reassign(i, d)),
+            )
+            if loads.get(dest):  # the next batch goes where there is less to do
+                loads[dest] = {**loads[dest], "n_requests": loads[dest]["n_requests"] + len(ids)}
+            rows.append(
+                {
+                    "time": t0,
+                    "rollout": lost,
+                    "destination": dest,
+                    "how": how,
+                    "version": version,
+                    "requests": len(batch),
+                    "tokens_recovered": sum(len(st.tokens) for st in batch),
+                    "max_since_flush_s": max(t0 - st.request.meta["t_flush"] for st in batch),
+                    "recovery_s": time.time() - t0,
+                }
+            )
+            logger.warning(
+                "rollout %s: %d %s trajectories of version %d resumed on %s (%s)",
+                lost,
+                len(batch),
+                "finished" if finished else "unfinished",
+                version,
+                dest,
+                how,
+            )
+        if not states:
+            rows.append(
+                {
+                    "time": t0,
+                    "rollout": lost,
+                    "destination": "",
+                    "how": "none",
+                    "version": -1,
+                    "requests": 0,
+                    "tokens_recovered": 0,
+                    "max_since_flush_s": 0.0,
+                    "recovery_s": time.time() - t0,
+                }
+            )
+        self.fault_rows += rows
+        return rows
