@@ -12,8 +12,11 @@ import pytest
 
 from laminar.config import RunConfig, with_overrides
 from laminar.errors import ClusterError
-from pipelines import driver, restart  # (restart first, so it holds the real functions)
+from pipelines import driver, driver_faults, driver_metrics, driver_polls, restart
 from pipelines.laminar import LaminarSchedule
+
+# (restart and the driver's parts imported above, not lazily while a test patches them:
+# so that they hold the real functions)
 
 HANG = object()  # a call that never answers (its actor's worker is gone, or hung)
 
@@ -104,7 +107,7 @@ MANAGER = {
 }
 RELAY = {
     k: [] if k in ("publications", "kept", "versions") else 0
-    for k in (*driver.RELAY_FIGURES, "publications")
+    for k in (*driver_metrics.RELAY_FIGURES, "publications")
 }
 ROLLOUT = {"rollout_id": "r0", "response_tokens": 0, "error": None, "version": 3}
 ROLLOUT_END = {**ROLLOUT, "weight_wait_s": 0.0, "weight_loads": 0}
@@ -119,7 +122,7 @@ def fake_run(tmp_path, monkeypatch, live: set[str], **hang) -> tuple[LaminarSche
         ["metrics.poll_s=0.05", "cluster.actor_timeout_s=3", "faults.heartbeat_timeout_s=3"],
     )
     workers = lambda client=None, timeout=None: {w: {} for w in live}  # noqa: E731
-    monkeypatch.setattr(driver, "scheduler_workers", workers)
+    monkeypatch.setattr(driver_faults, "scheduler_workers", workers)
     monkeypatch.setattr(restart, "scheduler_workers", workers)
     monkeypatch.setattr("laminar.cluster.scheduler_workers", workers)
     monkeypatch.setattr("laminar.cluster.LOST_POLL_S", 0.1)
@@ -247,7 +250,7 @@ def test_calls_failing_as_if_lost_with_the_worker_still_there_fail_the_run(
     connection) while the scheduler still has its worker is tried again for
     DATA_SUSPECT_S, then fails the run: with restarts on, it used to be waited on for
     ever (nothing lost to restart, nothing failed)."""
-    monkeypatch.setattr(driver, "DATA_SUSPECT_S", 0.3)
+    monkeypatch.setattr(driver_polls, "DATA_SUSPECT_S", 0.3)
     s, calls = fake_run(tmp_path, monkeypatch, set(WORKERS.values()))
     s.restartable = s.data_restartable = True
     s.actors[role]._answers["stats"] = ConnectionError("connection reset")
@@ -338,7 +341,7 @@ def test_a_silent_rollout_holds_up_one_poll_not_every_poll(tmp_path, monkeypatch
     """A rollout that stops answering (hung, or lost and not yet declared) costs the
     polls one wait: its unanswered call is kept and read when it comes, not made again
     (and waited on again) at every poll until the manager declares it."""
-    monkeypatch.setattr(driver, "ROLLOUT_STATS_WAIT_S", 0.5)
+    monkeypatch.setattr(driver_polls, "ROLLOUT_STATS_WAIT_S", 0.5)
     s, calls = fake_run(tmp_path, monkeypatch, set(WORKERS.values()))
     silent = FakeActor("tcp://r1:1", calls, stats=HANG)
     s.actors["rollouts"].append(silent)

@@ -199,9 +199,9 @@ def test_a_reward_that_never_scores_marks_trajectories_then_stops_the_run(
     REWARD_FAILURE_WINDOW_S), then stops, naming the function and its error, instead of
     waiting for ever for a batch."""
     import pipelines
-    from pipelines.driver import REWARD_FAILURES_TO_STOP
+    from pipelines.driver_polls import REWARD_FAILURES_TO_STOP
 
-    monkeypatch.setattr("pipelines.driver.REWARD_FAILURE_WINDOW_S", 5.0)  # (the driver
+    monkeypatch.setattr("pipelines.driver_polls.REWARD_FAILURE_WINDOW_S", 5.0)  # (the driver
     run = pipelines.submit(  # runs in this process)
         small_config,
         cluster_client,

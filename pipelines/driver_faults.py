@@ -1,0 +1,419 @@
+"""The driver's fault handling: a trainer or data module that hangs is fenced (its
+worker restarted, so that it never runs beside its replacement); one whose worker is
+lost is restarted within the run where it can be (the state machines of
+``pipelines/restart.py``, advanced by each poll), or the run fails, saying what was lost
+and how to continue; a lost rollout gets a replacement on a free ``rollout`` worker.
+
+A mixin of :class:`pipelines.driver.Schedule`, apart from its wiring, polls and stop:
+what a fault does to the driver's books is one concern, documented in docs/faults.md.
+Runs in ``laminar run``'s driver.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+from laminar.cluster import (
+    actor_result,
+    bind_actor,
+    scheduler_workers,
+    start_actor,
+    workers_with,
+)
+from laminar.errors import ClusterError
+from laminar.rollout import RolloutReplica
+from pipelines.driver_calls import _answers, _send
+
+logger = logging.getLogger("laminar")
+
+# A hung actor's worker is restarted (the nanny waits a few seconds, then kills it); the
+# run waits this long for the scheduler to drop it before it fails.
+FENCE_WAIT_S = 60.0
+
+
+class FaultHandling:
+    """The fault handling of :class:`~pipelines.driver.Schedule`, which sets up the books
+    it keeps (``core_workers``, ``_fenced``, the restarts in progress and done) and
+    calls it from its polls, ``run`` and ``shutdown``."""
+
+    def _begin_restart(self, lost: dict[str, str], error: Exception) -> bool:
+        """The core workers in ``lost`` are gone: begin restarting what they hosted
+        within the run (``False``: not yet — a data-parallel rank is lost, and the rest of
+        its group is being fenced), or raise ``error`` (what the call that found it
+        raised) when that cannot be."""
+        from pipelines.restart import CoreRestart, DataRestart, TrainerRestart
+
+        if not lost:  # (every worker still there: the call's error is the run's)
+            raise error
+        if self.actors["trainer"] is None:  # (_trainer_finished: nothing left to train)
+            raise ClusterError(
+                f"lost the {' and '.join(lost)} (worker(s) {', '.join(lost.values())} gone) "
+                "after the trainer had made every update (its final checkpoint: "
+                f"{(self._last_t_stats or {}).get('checkpoint')}); the trajectory store "
+                "holds what it had committed, the trajectories generated since are lost"
+            ) from error
+        hung = self._fenced.get(next(iter(lost.values()), ""))
+        group = self._group()
+        head = "trainer" if "trainer" in group else "trainer and data module"
+        in_group = set(lost) <= set(group)
+        if self.restartable and in_group and head not in lost:
+            self._check_group()  # (a rank other than 0: fence the group, then restart it)
+            return False
+        if self.restartable and in_group and head == "trainer":
+            r = self._restart = TrainerRestart(
+                self, lost["trainer"], self._last_t_stats, exclude=set(group.values())
+            )
+        elif self.data_restartable and list(lost) == ["data module"] and self._last_m_stats:
+            r = self._data_restart = DataRestart(self, lost["data module"], self._last_m_stats)
+        elif self.restartable and in_group and self._last_m_stats:  # (head shares data's)
+            r = self._data_restart = CoreRestart(
+                self,
+                lost[head],
+                self._last_t_stats,
+                self._last_m_stats,
+                exclude=set(group.values()),
+            )
+        else:
+            raise error
+        if isinstance(r, TrainerRestart | CoreRestart):  # (the master went with rank 0)
+            self._old_publications += self._master_publications
+            self._master_publications = []
+        self._check_group()  # (the rest of a data-parallel group goes too)
+        if r is not self._restart:
+            self._data_suspect = None
+        self._group_suspect = None
+        if hung is not None:
+            r.record["hung"] = hung
+        return True
+
+    def _group(self) -> dict[str, str]:
+        """Role -> worker of the trainer's processes: rank 0 (``trainer``, or ``trainer
+        and data module``) and, data-parallel, ``trainer rank N``."""
+        return {r: w for r, w in self.core_workers.items() if r.startswith("trainer")}
+
+    def _check_group(self) -> None:
+        """A data-parallel trainer whose group lost a rank (its worker gone, or fenced)
+        cannot go on: every collective with the lost rank fails or hangs. Every other
+        rank's worker is fenced too, so that the whole group restarts from the
+        checkpoint (:class:`pipelines.restart.TrainerRestart`) once rank 0's is gone."""
+        if self.cfg.trainer.ranks == 1 or not self.restartable:
+            return
+        group = self._group()
+        workers = set(scheduler_workers(self.client))
+        if all(w in workers and w not in self._fenced for w in group.values()):
+            return
+        for role, w in group.items():
+            if w in workers and w not in self._fenced:
+                self._fence(role, w, 0.0, why="its data-parallel group lost a rank")
+
+    def _restarted(self, r) -> None:
+        """A data-module rebuild (or a core restart) finished: the driver's books follow."""
+        from pipelines.restart import CoreRestart
+
+        self._data_restart = None
+        self._n_repacks = self._n_faults = 0  # the new manager's rows start empty
+        # The rebuilt buffer counts the whole store as its own, earlier starts' rows
+        # included: its counters need no carry (a resumed run's) any more.
+        for k in ("inserted", "consumed", "discarded", "evicted", "filtered"):
+            self._carry["cluster"].pop(k, None)
+        if not isinstance(r, CoreRestart):
+            self.data_restarts.append(r.record)
+            return
+        self.core_restarts.append(r.record)
+        if r.finished:
+            self._trainer_finished(r)
+        else:
+            self._trainer_back(r, "trainer and data module", r.handle)
+
+    def _core_timeout(self) -> float:
+        """How long a call to the trainer or the data module may take: one silent for
+        ``faults.heartbeat_timeout_s`` is hung (and no call may wait on it longer)."""
+        return min(self.cfg.cluster.actor_timeout_s, self.cfg.faults.heartbeat_timeout_s)
+
+    def _data_silent(self, error: Exception) -> None:
+        """A call to the manager (the data module's) failed: if it was not answered
+        within :meth:`_core_timeout` and its worker is still there, the data module is
+        hung (the next poll of its stats then waits for the fenced worker to go)."""
+        if isinstance(error, TimeoutError) and self._data_hung is None and not self._lost_core():
+            self._data_suspect = self._data_suspect or time.time()
+            self._fence_data(self._core_timeout())
+
+    def _fence_data(self, silent_s: float) -> None:
+        """The data module did not answer for ``faults.heartbeat_timeout_s``: hung. Its
+        worker is restarted; once the scheduler has dropped it, it is lost and rebuilt
+        like a killed one (with the trainer, when they share it)."""
+        role = "data module" if "data module" in self.core_workers else "trainer and data module"
+        self._fence(role, self.core_workers[role], silent_s)
+
+    def _data_worker(self) -> str:
+        return self.core_workers.get("data module") or self.core_workers["trainer and data module"]
+
+    @property
+    def _data_hung(self) -> dict | None:
+        """The fence of the data module's worker, when it hung."""
+        return self._fenced.get(self._data_worker())
+
+    def _fence(self, role: str, worker: str, silent_s: float, why: str = "") -> dict:
+        """``role`` on ``worker`` showed no progress for ``silent_s``: hung. Its worker is
+        restarted (the nanny stops the process, or kills it), in the background, so that
+        it never runs beside its own replacement; the scheduler then drops it and it is
+        lost. Returns the record of the fence (``restart``: the nanny's outcome)."""
+        from laminar.cluster import start_thread
+
+        now = time.time()
+        info = {"role": role, "time": now, "worker": worker, "silent_s": silent_s}
+        self._fenced[worker] = info
+        if why:
+            info["why"] = why
+            logger.warning("%s on %s: %s; restarting its worker", role, worker, why)
+        else:
+            logger.warning(
+                "%s on %s showed no progress for %.1f s (faults.heartbeat_timeout_s=%g): "
+                "hung; restarting its worker",
+                role,
+                worker,
+                silent_s,
+                self.cfg.faults.heartbeat_timeout_s,
+            )
+
+        def fence() -> None:
+            from laminar.deploy import fence_workers
+
+            t0 = time.time()
+            try:
+                # (restarted by its nanny; one without, a Slurm worker, removed: path A
+                # then submits a new job in its place)
+                out = fence_workers(self.client, [worker], timeout=10)
+                info["restart"] = str(out.get(worker, out))
+            except Exception as e:  # noqa: BLE001 — gone meanwhile: fenced all the same
+                info["restart"] = repr(e)
+            info["restart_s"] = time.time() - t0
+
+        start_thread(fence, f"fence-{role.replace(' ', '-')}")
+        return info
+
+    def _fence_overdue(self, hung: dict, now: float, error: Exception) -> None:
+        """Raise when a fenced worker is still the scheduler's :data:`FENCE_WAIT_S` after
+        its fence (its restart failed: nothing can be restarted in its place)."""
+        if now - hung["time"] > FENCE_WAIT_S:
+            raise ClusterError(
+                f"the {hung['role']} on {hung['worker']} hung and its worker did not go "
+                f"within {FENCE_WAIT_S:g} s of its restart ({hung.get('restart')}); "
+                f"{self.resume_hint()}"
+            ) from error
+
+    def _trainer_finished(self, r) -> None:
+        """A restart ``r`` found that the lost trainer had written the run's final
+        checkpoint (:func:`pipelines.restart._final_checkpoint`): no trainer runs from here on.
+        Its last stats stand, done at that checkpoint, so the run stops as completed;
+        the updates it made after the driver last copied its history are not in the
+        ``updates`` table (as for any lost trainer)."""
+        a = self.actors
+        a["trainer"], a["trainer_ranks"] = None, []
+        self.core_workers = {
+            role: w for role, w in self.core_workers.items() if not role.startswith("trainer")
+        }
+        if r.worker is not None:  # (a CoreRestart: the rebuilt data module's, alone now)
+            self.core_workers["data module"] = r.worker
+        if r.master is not None:  # (a CoreRestart: the manager made it the chain's head)
+            self.tier.relays[0], self.tier.workers[0] = r.master, r.worker
+        else:  # (lost with the trainer: its publications are in _old_publications)
+            self._master_gone = True
+        version = r.record["checkpoint_version"]
+        self._last_t_stats = {
+            **(self._last_t_stats or r.stand_in),
+            "version": version,
+            "steps": version,
+            "done": True,
+            "error": None,
+            "silent_s": None,
+            "checkpoint": r.record["checkpoint"],
+        }
+
+    def _trainer_back(self, r, head: str, handle) -> None:
+        """A restart ``r`` has its new trainer (``handle``) running: its master relay, its
+        workers (rank 0's as ``head``) and other ranks, and its history, in the driver's
+        books."""
+        a = self.actors
+        a["trainer"], a["trainer_ranks"] = handle, r.ranks
+        # The new trainer counts its wait from 0: the lost one's goes on in the total.
+        before, last = self._trainer_wait
+        self._trainer_wait = (before + last, 0.0)
+        if self._last_t_stats is not None:  # (this poll's row: not the lost one's again)
+            self._last_t_stats = {**self._last_t_stats, "wait_s": 0.0}
+        self.tier.relays[0] = r.master  # (a["relays"] is this list)
+        self.tier.workers[0] = r.worker  # (a replacement rollout's relay is chosen by host)
+        self.core_workers = {
+            role: w for role, w in self.core_workers.items() if not role.startswith("trainer")
+        }
+        self.core_workers[head] = r.worker
+        for i, w in enumerate(r.group.rank_workers, start=1):
+            self.core_workers[f"trainer rank {i}"] = w
+        self._updates_before += self._n_updates
+        self._n_updates = 0  # the new trainer's history starts empty
+        try:
+            future = handle.stats()
+            self._last_t_stats = actor_result(handle, future, self.cfg.cluster.actor_timeout_s)
+        except Exception as e:  # noqa: BLE001 — lost again at once: the next poll sees it
+            logger.warning("the restarted trainer did not answer its first stats: %r", e)
+
+    def _t_stand_in(self) -> dict:
+        """The trainer's last stats, for a poll that cannot ask it (hung, or being lost)."""
+        from pipelines.restart import trainer_stand_in
+
+        return self._last_t_stats or trainer_stand_in(None, self.cfg.trainer.steps)
+
+    def _trainer_worker(self) -> str | None:
+        """Rank 0's worker (``None``: none runs, see :meth:`_trainer_finished`)."""
+        return self.core_workers.get("trainer") or self.core_workers.get("trainer and data module")
+
+    def _replace_lost(self, m_stats: dict) -> None:
+        """Start a rollout in place of a lost one on a ``rollout`` worker that hosts none
+        (its worker restarted by the nanny, or a new one), one at a time, without
+        blocking the poll: created on one poll, started and handed to the manager on a
+        later one. The new rollout takes the next id (``r<N>``)."""
+        cfg, client, a = self.cfg, self.client, self.actors
+        if not (cfg.faults.recover and cfg.faults.replace) or self._data_restart is not None:
+            return
+        if self._joining is not None:
+            rid, worker, replaces, relay_id, future = self._joining
+            if not future.done():
+                # (its creating task, pinned to a worker lost meanwhile, would never end:
+                # nothing would be replaced for the rest of the run)
+                try:
+                    gone = worker not in scheduler_workers(client, timeout=5.0)
+                except Exception:  # noqa: BLE001 — no answer: the next poll asks again
+                    gone = False
+                if gone:
+                    logger.warning("rollout %s: its worker %s was lost as it started", rid, worker)
+                    self._joining = None
+                return
+            self._joining = None
+            try:
+                handle = bind_actor(client, RolloutReplica, worker, future)
+                handle.start().result(timeout=cfg.cluster.actor_timeout_s)
+            except Exception as e:  # noqa: BLE001 — that worker went too: try again later
+                logger.warning("rollout %s could not start on %s: %s", rid, worker, e)
+                return
+            a["rollouts"].append(handle)
+            self.rollout_workers[rid] = worker
+            m = a["manager"]
+            try:
+                call = m.add_rollout(rid, handle, worker, replaces, relay_id)
+                actor_result(m, call, self._core_timeout())
+            except Exception as e:
+                if not self.data_restartable:
+                    raise
+                self._data_silent(e)  # (hung or lost: the rebuilt manager takes it over)
+            return
+        waiting = [r for r in m_stats["lost"] if r not in m_stats["replacements"]]
+        if not waiting:
+            return
+        hosting = {w for r, w in self.rollout_workers.items() if r not in m_stats["lost"]}
+        free = [w for w in workers_with(client, "rollout") if w not in hosting]
+        if not free:
+            return
+        rid, worker = f"r{len(a['rollouts'])}", free[0]
+        tier = self.tier
+        relay_id = tier.ids[tier.local_relay(worker, self._taken, lost=m_stats["relays_lost"])]
+        self.rollout_relays[rid] = relay_id
+        future = start_actor(
+            client,
+            RolloutReplica,
+            rid,
+            cfg,
+            self.policy_dir,
+            a["pool"],
+            a["buffer"],
+            tier.handle(relay_id),
+            a["partial"],
+            str(self.run_dir / "checkpoints"),
+            self.schedule,
+            worker=worker,
+            resource="rollout",
+        )
+        self._joining = (rid, worker, waiting[0], relay_id, future)
+
+    def _fail_on_lost_core(self, error: Exception) -> bool:
+        """The driver's loop failed on ``error``: if a call to the trainer or the data
+        module failed because its worker is gone, stop what still runs and raise a
+        :class:`ClusterError` that says what was lost and how to continue (docs/faults.md).
+        True if ``error`` is such a failure, said already (what still ran is stopped);
+        False if every core actor is still there."""
+        if isinstance(error, ClusterError):  # said already (a restart that could not be)
+            self._abort()
+            return True
+        lost = self._lost_core()
+        if not lost:
+            return False
+        self._abort()
+        each = []  # (several at once: each named, so that the user sees what is left)
+        for role, worker in lost.items():
+            why = type(error).__name__
+            if worker in self._fenced:
+                hung = self._fenced[worker]
+                why = f"hung, no progress for {hung['silent_s']:.0f} s, and restarted"
+            each.append(f"the {role} (worker {worker} is gone: {why})")
+        raise ClusterError(
+            f"lost {' and '.join(each)}; the run cannot continue "
+            f"{self._why_not_restarted()}; {self.resume_hint()} (docs/faults.md)"
+        ) from error
+
+    def _wind_down(self, error: Exception, t_start: float) -> None:
+        """The driver failed with every core actor still there (a full disk under
+        ``metrics.zarr``, a bug): stop the run as :meth:`shutdown` does — the rollouts,
+        then the trainer with its final checkpoint, then the buffer, which flushes the
+        store — so that nothing generates on for a run that has ended and nothing it
+        generated is lost. If that fails too, abort what still runs. The caller then
+        raises ``error``."""
+        logger.error("the run failed (%r): stopping its actors in order", error)
+        try:
+            self.shutdown(f"failed: {error!r}", t_start)
+        except Exception:  # noqa: BLE001 — the original error is the one raised
+            logger.exception("stopping the failed run in order failed too: aborting it")
+            self._abort()
+        logger.error("the run failed; %s", self.resume_hint())
+
+    def _why_not_restarted(self) -> str:
+        """Why a lost trainer or data module fails this run (docs/faults.md)."""
+        cfg = self.cfg
+        if not self._laminar:
+            return f"(schedule {self.schedule.name!r} does not restart them within the run)"
+        if not (cfg.faults.restart_trainer and cfg.faults.restart_data):
+            return "(faults.restart_trainer or faults.restart_data is off)"
+        if not cfg.faults.recover:
+            return "(faults.recover is off: no partial-response pool to rebuild from)"
+        return (
+            "(it was lost as the run stopped, or the trainer and the data module on two "
+            "workers were lost at once)"
+        )
+
+    def _lost_core(self) -> dict[str, str]:
+        """Role -> worker of the core actors whose worker the scheduler no longer has."""
+        workers = set(scheduler_workers(self.client))
+        return {role: w for role, w in self.core_workers.items() if w not in workers}
+
+    def _abort(self) -> None:
+        """Best effort: stop the manager and the rollouts that still run, so no worker
+        generates for a run that has ended, then close the relays they pulled from."""
+        a = self.actors
+        workers = set(scheduler_workers(self.client))  # (a call to a lost one never answers)
+        stop = [r for r in [a["manager"], *self._live_rollouts()] if r is not None]
+        _answers([lambda r=r: r.stop(timeout=5.0) for r in stop if r._address in workers], 15.0)
+        # the relays: not waited on, a lost one never answers
+        _send([lambda r=r: r.close() for r in a["relays"]])
+        # The store and the recovery log, where their worker lives on (the trainer was
+        # lost, or the stop failed): what they hold unwritten is kept for the resume
+        # (the buffer first: the log then keeps only what the store lacks).
+        if self._data_restart is not None or self._data_hung is not None:
+            return
+        if self._data_worker() not in workers:
+            return
+        wait = min(15.0, self.cfg.cluster.actor_timeout_s)
+        for name in ("buffer", "partial"):
+            if a[name] is not None:
+                try:
+                    actor_result(a[name], a[name].close(), wait)
+                except Exception as e:  # noqa: BLE001 — lost or hung meanwhile: best effort
+                    logger.warning("the %s could not be closed: %r", name, e)

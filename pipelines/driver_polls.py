@@ -1,0 +1,272 @@
+"""The driver's polls: what it asks the run's actors every ``metrics.poll_s`` (the data
+module's, the manager's, the trainer's and every live rollout's stats), and what in
+their answers fails the run (an actor's error, a reward function that never scores).
+
+A mixin of :class:`pipelines.driver.Schedule`, apart from its wiring and its stop so
+that each can be read whole. A poll that finds the trainer or the data module silent,
+or its worker gone, hands it to the fault handling (:mod:`pipelines.driver_faults`),
+which fences a hung worker or restarts what was lost; the poll answers with the last
+stats meanwhile. Runs in ``laminar run``'s driver.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+from laminar.cluster import actor_result, is_lost
+
+logger = logging.getLogger("laminar")
+
+# A data-module (or trainer) call that failed as if lost, with its worker still on the
+# scheduler's books, is tried again for this long before the run fails.
+DATA_SUSPECT_S = 10.0
+# A run whose reward function has failed on this many responses, over this long, and
+# scored none stops: every failure discards its group, so no batch would ever reach the
+# trainer. (The window lets a reward service that starts late, or restarts, catch up.)
+REWARD_FAILURES_TO_STOP = 64
+REWARD_FAILURE_WINDOW_S = 60.0
+# How long a poll waits for the rollouts' stats. A call still unanswered then is kept and
+# read at a later poll, not made again: a silent rollout (lost but not yet detected, or
+# hung) costs the polls this wait once, not at every poll until the manager declares it.
+ROLLOUT_STATS_WAIT_S = 5.0
+
+
+class StatsPolling:
+    """The polls of :class:`~pipelines.driver.Schedule`, which sets up what they read
+    (``cfg``, ``actors``, ``core_workers``, the last stats of each, the restarts in
+    progress) and calls them from ``run``."""
+
+    def _reward_never_scores(self, r_stats: list[dict]) -> str | None:
+        """Why the run must stop when ``task.reward`` has failed on every response given
+        to it, :data:`REWARD_FAILURES_TO_STOP` of them over at least
+        :data:`REWARD_FAILURE_WINDOW_S` (else ``None``): each failure discards its
+        group, so no batch would ever reach the trainer and the run would go on for
+        ever. Once anything has scored (as remembered here: a lost rollout's counters
+        leave the stats), the run goes on whatever fails later."""
+        if self._reward_scored or any(s.get("rewards_scored") for s in r_stats):
+            self._reward_scored = True
+            return None
+        errors = sum(s.get("reward_errors", 0) for s in r_stats)
+        if not errors:
+            return None
+        now = time.time()
+        self._reward_failing_since = self._reward_failing_since or now
+        if errors < REWARD_FAILURES_TO_STOP or now - self._reward_failing_since < (
+            REWARD_FAILURE_WINDOW_S
+        ):
+            return None
+        latest = next((s["last_reward_error"] for s in r_stats if s.get("last_reward_error")), "")
+        return (
+            f"task.reward {self.cfg.task.reward!r} failed on all {errors} responses it was "
+            f"given and scored none in {now - self._reward_failing_since:.0f} s (latest: "
+            f"{latest}); fix the function, or what it needs on the workers"
+        )
+
+    def _data_stats(self) -> tuple[dict, dict]:
+        """The buffer's and prompt pool's stats; while a lost data module is rebuilt
+        (:attr:`data_restartable`), the last ones, and each call advances the rebuild.
+        Raises when the data module is lost and cannot be rebuilt."""
+        a = self.actors
+        timeout = self._core_timeout()
+        if self._data_restart is None:
+            try:
+                if self._data_hung is not None:  # fenced: wait until the scheduler drops it
+                    raise TimeoutError(f"the data module on {self._data_worker()} is hung")
+                futures = [(x, x.stats()) for x in (a["buffer"], a["pool"])]
+                self._last_data_stats = tuple(actor_result(x, f, timeout) for x, f in futures)
+                self._data_suspect = None
+                return self._last_data_stats
+            except Exception as e:
+                lost = self._lost_core()
+                if not lost and is_lost(e) and self._last_data_stats is not None:
+                    now = time.time()
+                    self._data_suspect = self._data_suspect or now
+                    hung = self._data_hung
+                    if hung is not None:  # fenced: wait for its worker to go
+                        self._fence_overdue(hung, now, e)
+                        return self._last_data_stats
+                    if isinstance(e, TimeoutError):  # silent for heartbeat_timeout_s
+                        self._fence_data(timeout)
+                        return self._last_data_stats
+                    # (a call may fail a moment before the scheduler drops the worker)
+                    if self.data_restartable and now - self._data_suspect < DATA_SUSPECT_S:
+                        return self._last_data_stats
+                if not self._begin_restart(lost, e):
+                    return self._last_data_stats
+        if self._data_restart.step():
+            self._restarted(self._data_restart)
+        return self._last_data_stats
+
+    def _trainer_errors(self, t_stats: dict) -> list[dict]:
+        """The trainer's errors (and its other ranks') that fail the run. Restartable and
+        data-parallel, an error may be a collective that a lost rank broke: it fails
+        the run only if no rank's worker is lost within :data:`DATA_SUSPECT_S` (a lost
+        one restarts the group instead)."""
+        from pipelines.restart import CoreRestart
+
+        a = self.actors
+        if self._restart is not None or isinstance(self._data_restart, CoreRestart):
+            return []  # (no trainer runs)
+        out = [t_stats] if t_stats["error"] else []
+        for r in a["trainer_ranks"]:
+            if r._address in self._fenced:
+                continue
+            try:
+                rank = actor_result(r, r.stats(), min(5.0, self._core_timeout()))
+            except Exception:  # noqa: BLE001 — lost or hung: _check_group fences the group
+                continue
+            if rank["error"]:
+                out.append(rank)
+        if out and self.restartable and self.cfg.trainer.ranks > 1:
+            group = self._group().values()
+            if any(w in self._fenced for w in group):
+                return []  # (being restarted)
+            now = time.time()
+            self._group_suspect = self._group_suspect or now
+            if now - self._group_suspect < DATA_SUSPECT_S:
+                return []
+        return out
+
+    def _manager_stats(self) -> dict | None:
+        """The manager's stats (``None``: there is none, it is being rebuilt, or the data
+        module does not answer)."""
+        manager = self.actors["manager"]
+        if manager is None or self._data_restart is not None or self._data_suspect:
+            return None
+        if self._data_hung is not None:  # (fenced: its worker is going)
+            return None
+        try:
+            self._last_m_stats = actor_result(manager, manager.stats(), self._core_timeout())
+        except Exception as e:
+            if not self.data_restartable:
+                raise
+            self._data_silent(e)
+            return None  # lost with the data module just now: the next poll rebuilds it
+        return self._last_m_stats
+
+    def _trainer_stats(self) -> dict:
+        """The trainer's stats; while a lost trainer restarts (:attr:`restartable`), what
+        it last reported, and each call advances the restart. A trainer that does not
+        answer, or whose training loop shows no progress, for
+        ``faults.heartbeat_timeout_s`` is hung: its worker is restarted (:meth:`_fence`)
+        and it is then lost. Raises when the trainer is lost and cannot be restarted."""
+        from pipelines.restart import CoreRestart
+
+        a, faults = self.actors, self.cfg.faults
+        if isinstance(self._data_restart, CoreRestart):  # (no trainer runs meanwhile)
+            return self._data_restart.stand_in
+        if a["trainer"] is None and self._restart is None:  # (_trainer_finished)
+            return self._last_t_stats
+        if self._restart is None:
+            worker = self._trainer_worker()
+            try:
+                if worker in self._fenced:  # hung: wait until the scheduler drops it
+                    raise TimeoutError(f"the trainer on {worker} is hung (fenced)")
+                t_stats = actor_result(a["trainer"], a["trainer"].stats(), self._core_timeout())
+                silent = t_stats.get("silent_s")
+                if silent is not None and silent > faults.heartbeat_timeout_s:
+                    self._fence("trainer", worker, silent)
+                    return self._t_stand_in()
+                self._last_t_stats, self._trainer_suspect = t_stats, None
+                if self.restartable and self.cfg.relay.audit_weights:
+                    # Kept here, every poll: the fingerprints die with the trainer.
+                    since = max(self._published_fps, default=-1)
+                    try:
+                        future = a["trainer"].get_fingerprints(since)
+                        new = actor_result(a["trainer"], future, self._core_timeout())
+                    except TimeoutError:  # slow, not silent (its stats answered): next poll
+                        new = {}
+                    self._published_fps.update(new)
+                return self._last_t_stats
+            except Exception as e:
+                lost = self._lost_core()
+                now = time.time()
+                if not lost and is_lost(e) and not isinstance(e, TimeoutError):
+                    # (a call may fail a moment before the scheduler drops the worker)
+                    self._trainer_suspect = self._trainer_suspect or now
+                    if self.restartable and now - self._trainer_suspect < DATA_SUSPECT_S:
+                        return self._t_stand_in()
+                if not lost and isinstance(e, TimeoutError):
+                    fenced = self._fenced.get(worker)
+                    if fenced is None:  # it did not answer for heartbeat_timeout_s
+                        self._fence("trainer", worker, self._core_timeout())
+                    else:
+                        self._fence_overdue(fenced, now, e)
+                    return self._t_stand_in()
+                self._trainer_suspect = None
+                if not self._begin_restart(lost, e):
+                    return self._t_stand_in()
+                if self._restart is None:  # (lost with the data module: CoreRestart)
+                    return self._data_restart.stand_in
+        handle = self._restart.step()
+        if handle is None and not self._restart.finished:
+            return self._restart.stand_in
+        r, self._restart = self._restart, None
+        self.trainer_restarts.append(r.record)
+        if r.finished:
+            self._trainer_finished(r)
+        else:
+            self._trainer_back(r, "trainer", handle)
+        return self._last_t_stats
+
+    def _share_batches(self, m_stats: dict) -> None:
+        """Tell the prompt pool how many rollouts generate, when that changes: a barrier
+        schedule's batch is handed out in parts, one per live rollout."""
+        # (a hung one too: fenced, it generates nothing, though not declared lost yet)
+        live = len(self._rollouts_except({*m_stats["lost"], *m_stats["hung"]}))
+        told = (self.actors["pool"], live)
+        if told == self._pool_told or self.schedule.dispatch != "batches":
+            return
+        try:
+            actor_result(self.actors["pool"], self.actors["pool"].rollouts_live(live), 5.0)
+            self._pool_told = told
+        except Exception as e:  # noqa: BLE001 — the data module's loss is found elsewhere
+            logger.warning("the prompt pool was not told of %d live rollouts: %r", live, e)
+
+    def _live_rollouts(self) -> list:
+        """The rollouts the manager has not declared lost."""
+        a = self.actors
+        lost = {}
+        if a["manager"] is not None:
+            try:
+                if self._data_restart is not None:
+                    raise RuntimeError("the manager is being rebuilt")
+                lost = a["manager"].get_lost().result(timeout=5.0)
+            except Exception:  # noqa: BLE001 — the manager (data worker) is gone itself
+                lost = (self._last_m_stats or {}).get("lost", {})
+        return self._rollouts_except(lost)
+
+    def _rollouts_except(self, gone) -> list:
+        """The rollouts whose ids are not in ``gone``. A rollout's id is ``r<i>``, ``i``
+        its place in ``actors["rollouts"]`` (a replacement is appended with the next)."""
+        return [r for i, r in enumerate(self.actors["rollouts"]) if f"r{i}" not in gone]
+
+    def _rollout_stats(self) -> list[dict]:
+        """Stats of every live rollout that answers within :data:`ROLLOUT_STATS_WAIT_S`
+        (one lost but not yet detected does not hold the run up). A rollout whose last
+        call is still out is not called again: that call's answer is read when it comes,
+        and until then the rollout is left out, as a lost one is."""
+        out, waiting = [], []
+        pending, self._r_pending = self._r_pending, {}
+        for r in self._live_rollouts():
+            f = pending.get(r.key)
+            if f is None:
+                try:
+                    f = r.stats()
+                except Exception:  # noqa: BLE001 — its worker is known lost
+                    continue
+            elif not f.done():
+                self._r_pending[r.key] = f  # still silent: no new call, no wait
+                continue
+            waiting.append((r.key, f))
+        deadline = time.monotonic() + ROLLOUT_STATS_WAIT_S
+        for key, f in waiting:
+            try:
+                # (not 0 past the deadline: distributed then times out an answer already in)
+                out.append(f.result(timeout=max(0.1, deadline - time.monotonic())))
+            except TimeoutError:
+                self._r_pending[key] = f
+            except Exception:  # noqa: BLE001 — lost (the manager recovers its work)
+                continue
+        return out
