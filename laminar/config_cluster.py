@@ -1,0 +1,224 @@
+"""The run config's cluster sections: how the Dask cluster is found or started.
+
+:class:`ClusterConfig` (local, a running scheduler, or Slurm; protocol, timeouts, worker
+memory), :class:`TLSConfig` and :class:`SlurmConfig` with one :class:`SlurmRole` per
+worker role. Memory sizes and walltimes are checked here as Dask and sbatch would read
+them, so a bad one is refused before a run directory is made.
+
+Apart from the role sections (:mod:`laminar.config_sections`): these describe the
+deployment, not the training, and carry their own parsing of sizes and times. Import
+them from :mod:`laminar.config`, which re-exports every one.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from typing import Any, Literal
+
+from pydantic import Field, field_validator, model_validator
+
+from laminar.config_sections import _Section
+
+
+class TLSConfig(_Section):
+    """TLS for every connection of the run (docs/deploy.md, "Security").
+
+    Either the three files (one CA, one certificate and key used by the scheduler, the
+    workers and the client), or ``generate: true`` for certificates made for this run only
+    (written to ``RUN_DIR/tls``). With TLS on, the cluster refuses plaintext connections.
+    """
+
+    ca_file: str | None = None
+    cert: str | None = None
+    key: str | None = None
+    generate: bool = False
+
+    @model_validator(mode="after")
+    def _files_or_generate(self) -> TLSConfig:
+        files = {"ca_file": self.ca_file, "cert": self.cert, "key": self.key}
+        given = [k for k, v in files.items() if v]
+        if self.generate and given:
+            raise ValueError(
+                f"cluster.security: generate=true makes new certificates, but {given} "
+                "are set too; drop one or the other"
+            )
+        if not self.generate and len(given) != 3:
+            missing = [k for k in files if k not in given]
+            raise ValueError(
+                f"cluster.security needs ca_file, cert and key (missing: {missing}), "
+                "or generate: true for certificates made for this run"
+            )
+        return self
+
+
+MIN_JOB_MEMORY = 256 * 2**20  # a Dask worker process alone takes ~150-200 MB
+
+
+class SlurmRole(_Section):
+    """One Slurm job per worker of a role: what it asks for."""
+
+    cores: int = Field(1, gt=0)  # --cpus-per-task
+    memory: str = "4GB"  # --mem and the worker's memory limit (4GB, 500MB, 16GiB)
+    gpus: int = Field(0, ge=0)  # --gres=gpu:N
+
+    @field_validator("memory", mode="before")
+    @classmethod
+    def _memory_a_job_holds(cls, value: Any) -> Any:
+        # dask-jobqueue reads it with dask's parse_bytes (a bare number is bytes) when
+        # the jobs are made: checked here instead, before the run directory is made.
+        if isinstance(value, float) and value.is_integer():
+            value = int(value)  # (YAML reads 4.0e+9 as a float)
+        if isinstance(value, int) and not isinstance(value, bool):
+            value = str(value)
+        if not isinstance(value, str):
+            return value  # (pydantic says it takes a string)
+        from dask.utils import parse_bytes
+
+        text = value.strip()
+        try:
+            size = parse_bytes(text) if text[:1].isdigit() else None
+        except ValueError:
+            size = None
+        if size is None:
+            raise ValueError("is not a memory size; give one with its unit, e.g. 4GB or 16GiB")
+        if size < MIN_JOB_MEMORY:
+            raise ValueError(
+                f"is {size:,} bytes, too little for a Dask worker (a bare number counts "
+                f"bytes); give at least {MIN_JOB_MEMORY // 2**20} MiB with a unit, e.g. 4GB"
+            )
+        return text
+
+
+class SlurmConfig(_Section):
+    """dask-jobqueue ``SLURMCluster``: one job per worker, each with its role resources."""
+
+    partition: str | None = None  # -p
+    account: str | None = None  # -A
+    # -t, as sbatch takes it: minutes, M:S, H:M:S, D-H, D-H:M, D-H:M:S, or unlimited
+    walltime: str = "01:00:00"
+    # Shell lines run before the worker starts (modules, a virtual environment).
+    job_prologue: list[str] = []
+    job_directives: list[str] = []  # extra `#SBATCH` lines, e.g. "--constraint=a100"
+    python: str | None = None  # interpreter on compute nodes; default: this one
+    interface: str | None = None  # network interface of workers and scheduler (e.g. ib0)
+    log_directory: str | None = None  # default: RUN_DIR/slurm
+    trainer: SlurmRole = SlurmRole()  # the trainer job also holds the data module ...
+    rollout: SlurmRole = SlurmRole()
+    relay: SlurmRole = SlurmRole()
+    data: SlurmRole = SlurmRole()  # ... unless cluster.data_apart: then it has this job
+
+    @field_validator("walltime", mode="before")
+    @classmethod
+    def _walltime_sbatch_takes(cls, value: Any) -> Any:
+        if isinstance(value, int) and not isinstance(value, bool):
+            value = str(value)  # bare minutes, as sbatch reads them
+        if isinstance(value, str) and not _WALLTIME.fullmatch(value.strip()):
+            raise ValueError(
+                "is no time sbatch takes; give minutes (90), H:M:S (10:00:00), "
+                "D-H:M:S (2-00:00:00) or unlimited"
+            )
+        return value.strip() if isinstance(value, str) else value
+
+
+_WALLTIME = re.compile(r"\d+(-\d+(:\d+){0,2}|(:\d+){0,2})|(?i:unlimited|infinite)")
+
+
+def _memory_limit_bytes(text: str) -> int | None:
+    """What Dask's workers make of a ``memory_limit`` (``distributed``'s
+    ``parse_memory_limit``), in bytes: ``None`` for no limit and for ``auto``; a
+    :class:`ValueError` for what it cannot read."""
+    from dask.utils import parse_bytes
+    from distributed.system import MEMORY_LIMIT
+
+    if text == "auto":
+        return None
+    try:
+        number = float(text)
+    except ValueError:  # not a number: a size with a unit
+        if not text[:1].isdigit():
+            raise
+        return parse_bytes(text) or None
+    if not math.isfinite(number) or number < 0:
+        raise ValueError(text)
+    if number == 0:
+        return None
+    return int(number * MEMORY_LIMIT) if number <= 1 else int(number)
+
+
+class ClusterConfig(_Section):
+    """How the Dask cluster is found or started (docs/deploy.md)."""
+
+    # local: worker processes on this machine; address: a running scheduler (`address`
+    # or `scheduler_file`); slurm: a SLURMCluster started for the run.
+    kind: Literal["local", "address", "slurm"] = "local"
+    address: str | None = None  # tcp://host:8786, tls://..., ucx://...
+    scheduler_file: str | None = None  # written by `dask scheduler --scheduler-file`
+    # Protocol of a cluster laminar starts (local, slurm); tls with `security` set.
+    protocol: Literal["tcp", "tls", "ucx"] = "tcp"
+    security: TLSConfig | None = None
+    slurm: SlurmConfig = SlurmConfig()
+    # How long a run waits for workers of every role to join before failing with what
+    # is missing (Slurm jobs queue; a local cluster starts them at once).
+    placement_timeout_s: float = Field(60.0, ge=0)
+    torch_threads: int = Field(1, gt=0)  # per worker process (cores are shared)
+    actor_timeout_s: float = Field(60.0, gt=0)
+    # Per local worker: a size (4GiB, 500MB), a number of bytes, a fraction of the
+    # machine's memory (0.5), auto (its share of it) or 0 (no limit): what Dask takes.
+    memory_limit: str = "4GiB"
+    # Give the data module (buffer, prompt pool, partial-response log, rollout manager)
+    # a worker of its own instead of sharing the trainer's: a lost trainer, or a lost
+    # data module, then restarts alone within the run while the other runs on (shared,
+    # they restart together: docs/faults.md).
+    data_apart: bool = False
+
+    @field_validator("memory_limit", mode="before")
+    @classmethod
+    def _memory_limit_dask_takes(cls, value: Any) -> Any:
+        # Checked here, not when the workers start (a Dask traceback, after the run
+        # directory was made). YAML reads 0.5 and 4000000000 as numbers: Dask takes them.
+        if isinstance(value, int | float) and not isinstance(value, bool):
+            value = str(value)
+        if not isinstance(value, str):
+            return value  # (pydantic says it takes a string)
+
+        text = value.strip()
+        try:
+            size = _memory_limit_bytes(text)
+        except ValueError:
+            raise ValueError(
+                "is not a memory size Dask takes; give a size (e.g. 4GiB, 500MB), a number "
+                "of bytes, a fraction of the machine's memory (0.5), auto (the worker's "
+                "share of it) or 0 (no limit)"
+            ) from None
+        if size is not None and size < MIN_JOB_MEMORY:
+            raise ValueError(
+                f"is {size:,} bytes for each worker, too little for a Dask worker (a number "
+                "above 1 counts bytes, one up to 1 a fraction of this machine's memory); "
+                f"give at least {MIN_JOB_MEMORY // 2**20} MiB, e.g. 4GiB, or 0 for no limit"
+            )
+        return text
+
+    @model_validator(mode="after")
+    def _kind_is_complete(self) -> ClusterConfig:
+        if self.kind == "address" and not (self.address or self.scheduler_file):
+            raise ValueError(
+                "cluster.kind=address needs cluster.address (tcp://host:8786) or "
+                "cluster.scheduler_file (or --scheduler / --scheduler-file on the command line)"
+            )
+        if self.address and self.scheduler_file:
+            raise ValueError("cluster.address and cluster.scheduler_file are both set; give one")
+        if self.kind != "address" and (self.address or self.scheduler_file):
+            raise ValueError(
+                f"cluster.address / cluster.scheduler_file are set but cluster.kind is "
+                f"{self.kind!r}; set cluster.kind=address to connect to that scheduler"
+            )
+        if self.protocol == "tls" and self.security is None:
+            raise ValueError(
+                "cluster.protocol=tls needs cluster.security (certificate files, or generate: true)"
+            )
+        if self.security is not None and self.protocol == "ucx":
+            raise ValueError(
+                "cluster.security (TLS) and protocol=ucx don't combine; use protocol=tls"
+            )
+        return self
