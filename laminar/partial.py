@@ -89,6 +89,26 @@ class PartialCore:
         # request id -> its ``requests`` row, of a group a resumed run re-issues: in the
         # log (every snapshot too) until registered again (:meth:`keep`)
         self.kept: dict[str, dict] = {}
+        # version -> the live (unfinished, not held) entries that resume at it, kept as
+        # entries change: :meth:`versions` is asked at every register, every flush that
+        # finishes one and every hold, over tens of thousands of entries at scale
+        self._live: Counter = Counter()
+
+    def _track(self, e: dict, gone: bool = False) -> None:
+        """Count ``e`` at the version it resumes at now (``gone``: at none), uncounting
+        it where it was (``e["live_v"]``)."""
+        live = not (gone or "finished" in e or e.get("held"))
+        v = _resume_version(e) if live else None
+        old = e.get("live_v")
+        if old == v:
+            return
+        if old is not None:
+            self._live[old] -= 1
+            if not self._live[old]:
+                del self._live[old]
+        if v is not None:
+            self._live[v] += 1
+        e["live_v"] = v
 
     # -- the journal (rows of storage.partial_log) ---------------------------------------
     def _row(self, table: str, row: dict) -> None:
@@ -190,6 +210,8 @@ class PartialCore:
         now = time.time()
         for st in states:
             self.kept.pop(st.request_id, None)
+            if (old := self.entries.get(st.request_id)) is not None:  # (registered again)
+                self._track(old, gone=True)
             e = self.entries[st.request_id] = {
                 "state": st,
                 "owner": rollout_id,
@@ -197,6 +219,7 @@ class PartialCore:
                 "t_flush": now,
             }
             self._register_rows(st.request_id, e)
+            self._track(e)
         self.counts["registered"] += len(states)
 
     def flush(
@@ -231,6 +254,7 @@ class PartialCore:
                 e["finished"] = finished[rid]
                 self._event(rid, "finished", rollout_id, *finished[rid])
                 self.counts["finished"] += 1
+            self._track(e)
         self.counts["flushes"] += 1
 
     def restore(self, entries: dict[str, dict]) -> None:
@@ -244,6 +268,7 @@ class PartialCore:
             if "finished" in e:
                 self.entries[rid]["finished"] = e["finished"]
                 self._event(rid, "finished", e["owner"], *e["finished"])
+                self._track(self.entries[rid])
         self.counts["restored"] += len(entries)
 
     def reassign(
@@ -276,6 +301,7 @@ class PartialCore:
             e = self.entries.get(uid)
             if e is not None and not e.get("held"):
                 e["held"] = True
+                self._track(e)
                 self._event(uid, "held", e["owner"])
                 self.counts["held"] += 1
 
@@ -283,7 +309,9 @@ class PartialCore:
         """Trajectories the trajectory store has committed."""
         for uid in uids:
             kept = self.kept.pop(uid, None)
-            if self.entries.pop(uid, None) is not None or kept is not None:
+            if (e := self.entries.pop(uid, None)) is not None:
+                self._track(e, gone=True)
+            if e is not None or kept is not None:
                 self._event(uid, "forgotten")
                 self.counts["forgotten"] += 1
 
@@ -339,13 +367,7 @@ class PartialCore:
         """The weight versions of the unfinished trajectories: the relays keep these
         (:meth:`laminar.relay_core.RelayCore.retain`) so a recovery can resume them exactly.
         (A finished entry is only scored again: it needs no weights.)"""
-        return sorted(
-            {
-                _resume_version(e)
-                for e in self.entries.values()
-                if not ("finished" in e or e.get("held"))
-            }
-        )
+        return sorted(self._live)
 
     def owned(self) -> dict[str | None, tuple[int, int, int]]:
         """Owner -> (entries, tokens logged, finished entries) (``None``: taken, not yet
@@ -449,6 +471,7 @@ def replay_log(run_dir: str | Path) -> PartialCore:
         if e["held"]:
             entry["held"] = True
         core.entries[rid] = entry
+        core._track(entry)
     core.counts["replayed"] = len(core.entries)
     return core
 

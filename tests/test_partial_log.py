@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from collections import Counter
 
 import numpy as np
 import pytest
@@ -56,11 +57,23 @@ def _view(core: PartialCore) -> dict:
     return out
 
 
+def _live(core: PartialCore) -> Counter:
+    """What the relays must keep, counted afresh: for each version, the unfinished
+    entries the buffer does not hold that resume at it (their newest token's version,
+    else their batch's)."""
+    return Counter(
+        int(e["state"].token_versions[-1]) if e["state"].token_versions else e["version"]
+        for e in core.entries.values()
+        if not ("finished" in e or e.get("held"))
+    )
+
+
 OPS = st.lists(
     st.tuples(
         st.sampled_from(
             [
                 "register",
+                "reregister",
                 "flush",
                 "finish",
                 "reassign",
@@ -95,6 +108,8 @@ def test_the_log_replays_to_the_pools_entries(tmp_path_factory, ops):
             ids = [f"p{n:02d}-{i:03d}" for i in range(m)]
             core.register(owner, k, _states(ids, seed=10 * n))
             n += 1
+        elif op == "reregister" and rid is not None:  # (a rollout attaching again)
+            core.register(owner, k, [core.entries[rid]["state"]])
         elif op in ("flush", "finish") and rid is not None:
             logged = len(core.entries[rid]["state"].tokens)
             off = max(0, logged - (k % 2))  # sometimes a repeated flush
@@ -118,8 +133,13 @@ def test_the_log_replays_to_the_pools_entries(tmp_path_factory, ops):
             writer.append(**core.drain_journal())
         elif op == "compact":
             writer.compact(**core.snapshot())
+        # (kept as entries change: each version's count, not only the set, so that an
+        # entry left counted shows while another holds its version)
+        assert core._live == _live(core) and core.versions() == sorted(_live(core))
     writer.append(**core.drain_journal())
-    assert _view(replay_log(run)) == _view(core)
+    replayed = replay_log(run)
+    assert _view(replayed) == _view(core)
+    assert replayed._live == core._live
     # The storage-only reading (the audit's, resume's) says the same without the tokens.
     assert log_entries(run) == {
         rid: {
