@@ -254,16 +254,18 @@ def _check(root: zarr.Group, path: Path) -> None:
         )
 
 
-def read_partial_log(path: str | Path) -> dict[str, Any]:
+def read_partial_log(path: str | Path, flat: Collection[str] = tuple(FLAT)) -> dict[str, Any]:
     """The committed journal: ``{table: {column: array}}`` for the three tables, and the
-    flat arrays by name; every array sliced to what the writer committed. A run without
-    a log gives empty tables (a run with ``faults.recover: false`` writes none)."""
+    ``flat`` arrays by name (default: all; the generated tokens, logprobs and token
+    versions are most of a log, and a reader that needs only counts leaves them out);
+    every array sliced to what the writer committed. A run without a log gives empty
+    tables (a run with ``faults.recover: false`` writes none)."""
     path = store_path(path, STORE_NAME)
     out: dict[str, Any] = {}
     if not (path / "zarr.json").exists():
         for table, (_, cols) in TABLES.items():
             out[table] = {c: np.zeros(0, d) for c, d in cols.items()}
-        out |= {name: np.zeros(0, d) for name, (_, d, _) in FLAT.items()}
+        out |= {name: np.zeros(0, d) for name, (_, d, _) in FLAT.items() if name in flat}
         return out
     with reading(path):
         # A compaction between reading the root's pointer and reading the generation it
@@ -274,7 +276,7 @@ def read_partial_log(path: str | Path) -> dict[str, Any]:
             _check(root, path)
             generation = int(root.attrs["generation"])
             try:
-                read = _read_generation(root, generation, out)
+                read = _read_generation(root, generation, out, flat)
             except (KeyError, FileNotFoundError):
                 read = None
             now = zarr.open_group(str(path), mode="r", zarr_format=3)
@@ -296,14 +298,17 @@ def read_partial_log(path: str | Path) -> dict[str, Any]:
 _READ_TRIES = 5
 
 
-def _read_generation(root: zarr.Group, generation: int, out: dict[str, Any]) -> dict[str, Any]:
+def _read_generation(
+    root: zarr.Group, generation: int, out: dict[str, Any], flat: Collection[str]
+) -> dict[str, Any]:
     committed = root.attrs["committed"]
     group = root[f"g{generation}"]
     for table, (dim, cols) in TABLES.items():
         n = int(committed[dim])
         out[table] = {c: group[f"{table}/{c}"][:n] for c in cols}
     for name, (dim, _, _) in FLAT.items():
-        out[name] = group[name][: int(committed[dim])]
+        if name in flat:
+            out[name] = group[name][: int(committed[dim])]
     return out
 
 
@@ -316,7 +321,7 @@ def ordered_rows(log: Mapping[str, Any]) -> list[tuple[str, int]]:
     return [(table, i) for _, table, i in sorted(keyed)]
 
 
-def replay(path: str | Path) -> dict[str, dict[str, Any]]:
+def replay(path: str | Path, tokens: bool = True) -> dict[str, dict[str, Any]]:
     """The entries the log last recorded, by request id (= trajectory uid): the journal
     replayed in ``seq`` order. Each has ``version``, ``owner`` (``""``: taken from a lost
     rollout), ``seed``, ``t_start``, ``n_moves``, ``params`` and ``meta`` (decoded JSON;
@@ -326,8 +331,13 @@ def replay(path: str | Path) -> dict[str, dict[str, Any]]:
     (``(finish_reason, t_finish)`` or ``None``) and ``held`` (the buffer had it). An entry
     the store committed is forgotten.
 
+    ``tokens=False``: each entry's ``tokens`` is how many were logged, and it has no
+    ``logprobs`` or ``token_versions`` (the token arrays are not read: what the audit,
+    a resume's plan and a rebuild's need).
+
     (:func:`laminar.partial.replay_log` makes them the pool's states again.)"""
-    log = read_partial_log(path)
+    log = read_partial_log(path, FLAT if tokens else ("prompt_tokens",))
+    generated = ("tokens", "logprobs", "token_versions") if tokens else ()
     out: dict[str, dict[str, Any]] = {}
     req, chunks, events = log["requests"], log["chunks"], log["events"]
     for table, i in ordered_rows(log):
@@ -343,24 +353,27 @@ def replay(path: str | Path) -> dict[str, dict[str, Any]]:
                 "params": json.loads(str(req["params"][i])),
                 "meta": json.loads(str(req["meta"][i])),
                 "prompt_tokens": log["prompt_tokens"][a : a + n].tolist(),
-                "tokens": [],
-                "logprobs": [],
-                "token_versions": [],
+                **{name: [] for name in generated},
                 "t_flush": float(req["t_start"][i]),
                 "finished": None,
                 "held": False,
             }
+            if not tokens:
+                out[rid]["tokens"] = 0
             continue
         e = out.get(rid)
         if e is None:  # forgotten before (a late row)
             continue
         if table == "chunks":
             offset = int(chunks["offset"][i])
-            if offset > len(e["tokens"]):  # a gap: the pool refused it too
+            logged = len(e["tokens"]) if tokens else e["tokens"]
+            if offset > logged:  # a gap: the pool refused it too
                 continue
             a, n = int(chunks["start"][i]), int(chunks["len"][i])
-            for name in ("tokens", "logprobs", "token_versions"):
+            for name in generated:
                 e[name][offset:] = log[name][a : a + n].tolist()
+            if not tokens:
+                e["tokens"] = offset + n
             e["owner"], e["t_flush"] = str(chunks["owner"][i]), float(chunks["t"][i])
             continue
         kind, owner = str(events["kind"][i]), str(events["owner"][i])
@@ -390,7 +403,7 @@ def requests_of_groups(path: str | Path, prompt_uids: Collection[str]) -> list[d
     then re-issues them too."""
     wanted = set(prompt_uids)
     out = []
-    for rid, e in replay(path).items():
+    for rid, e in replay(path, tokens=False).items():
         if _prompt_group(e["meta"]).get("prompt_uid", "") not in wanted:
             continue
         out.append(
@@ -421,12 +434,12 @@ def log_entries(path: str | Path) -> dict[str, dict[str, Any]]:
     and not in ``trajectories.zarr`` was still in the pool — generating, or completed
     and not yet stored."""
     out = {}
-    for rid, e in replay(path).items():
+    for rid, e in replay(path, tokens=False).items():
         group = _prompt_group(e["meta"])
         out[rid] = {
             "version": e["version"],
             "owner": e["owner"],
-            "tokens": len(e["tokens"]),
+            "tokens": e["tokens"],
             "finished": e["finished"] is not None,
             "held": e["held"],
             "prompt_uid": group.get("prompt_uid", ""),
