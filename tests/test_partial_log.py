@@ -9,7 +9,7 @@ from collections import Counter
 
 import numpy as np
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from laminar.contract import PromptGroup
@@ -94,6 +94,10 @@ OPS = st.lists(
 
 @settings(max_examples=25, deadline=None)
 @given(ops=OPS)
+# (a loss, then a write with no compaction after it: the replay must count the move;
+# a second loss of the same entry after it was reassigned counts another)
+@example(ops=[("register", 0, 1), ("take", 0, 1)])
+@example(ops=[("register", 0, 1), ("take", 0, 1), ("reassign", 0, 1), ("take", 1, 1)])
 def test_the_log_replays_to_the_pools_entries(tmp_path_factory, ops):
     """Whatever the pool did, and however its changes were cut into writes (and
     compactions), replaying the log gives back every entry as the pool holds it."""
