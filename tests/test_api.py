@@ -207,11 +207,11 @@ def _resumable_run(tmp_path, overrides=()):
 def _past_the_config_checks(run, overrides=()):
     """Whether a resume got past the refusals of a changed config (to the checkpoint's
     missing weights)."""
+    from laminar.learner import CheckpointError
     from pipelines.api import prepare_resume
 
-    with pytest.raises(Exception) as e:
+    with pytest.raises(CheckpointError, match="lacks"):  # (not a crash in the checks)
         prepare_resume(run, overrides)
-    assert "cannot resume" not in str(e.value), e.value
     return True
 
 
