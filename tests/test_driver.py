@@ -408,6 +408,23 @@ def test_a_trainer_and_data_module_lost_at_once_are_both_named(tmp_path, monkeyp
     assert f"{WORKERS['r0']}.stop" in calls  # nothing generates on
 
 
+def test_a_data_module_lost_after_the_trainer_finished_fails_naming_its_final_checkpoint(
+    tmp_path, monkeypatch
+):
+    """The trainer made every update and is gone from the books (``_trainer_finished``);
+    the data module is lost before the run's stop. Nothing is left to restart it for:
+    the run fails saying the training finished and where its final checkpoint is (no
+    restart is begun, which would start a trainer with nothing to train)."""
+    s, _ = fake_run(tmp_path, monkeypatch, {WORKERS["trainer"], WORKERS["r0"]})
+    s.actors["trainer"] = None
+    s._last_t_stats = {"checkpoint": "run/checkpoints/version-000003"}
+    s.restartable = s.data_restartable = True
+    with pytest.raises(ClusterError, match="after the trainer had made every update") as e:
+        s._begin_restart({"data module": WORKERS["data"]}, RuntimeError("buffer gone"))
+    assert "version-000003" in str(e.value) and s._data_restart is None
+    assert isinstance(e.value.__cause__, RuntimeError)
+
+
 @pytest.mark.slow
 def test_a_data_worker_that_hangs_as_the_data_module_is_created_fails_it_in_time(tmp_path):
     """The data worker hangs (SIGSTOP: the scheduler keeps it on its books for minutes)
