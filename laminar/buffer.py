@@ -97,6 +97,9 @@ class BufferCore:
         self.partial: dict[str, _Group] = {}
         self.ready: OrderedDict[str, list[Trajectory]] = OrderedDict()
         self.seen: set[str] = set()
+        # uid -> when the age of a trajectory held again counts from (restore), in place
+        # of its t_insert: it was out of the buffer for a while since
+        self.origins: dict[str, float] = {}
         self.counts = {
             "inserted": 0,
             "duplicates": 0,
@@ -112,12 +115,18 @@ class BufferCore:
         }
 
     def restore(
-        self, groups: list[list[Trajectory]], stored: set[str], why: str = "resume"
+        self,
+        groups: list[list[Trajectory]],
+        stored: set[str],
+        why: str = "resume",
+        origins: dict[str, float] | None = None,
     ) -> None:
         """Hold again groups a store had not trained (``stored``: every uid of the
         store, never admitted again). A group missing siblings waits for them (re-issued
-        by the prompt pool) like any partial group. The counters keep ``inserted +
-        restored == consumed + discarded + evicted + filtered + depth``; by ``why``:
+        by the prompt pool) like any partial group. ``origins``: uid -> when its age
+        counts from (:meth:`oldest_insert`), where not its ``t_insert``. The counters
+        keep ``inserted + restored == consumed + discarded + evicted + filtered +
+        depth``; by ``why``:
 
         * ``resume``: a resumed run's, admitted by an earlier buffer: counted ``restored``;
         * ``rebuild``: a lost buffer's, whose store its rebuilt one counts as its own;
@@ -133,6 +142,7 @@ class BufferCore:
             else:
                 self.ready[uid] = sorted(members, key=lambda m: m.sample_idx)
         self.seen |= stored
+        self.origins.update(origins or {})
         c = self.counts
         if why == "resume":
             c["restored"] = c.get("restored", 0) + n
@@ -227,6 +237,7 @@ class BufferCore:
     def _leave(self, members: list[Trajectory], status: str) -> list[Trajectory]:
         for m in members:
             m.status = status
+            self.origins.pop(m.uid, None)
         self.counts[status] += len(members)
         self.counts[f"groups_{status}"] += 1
         return members
@@ -251,6 +262,7 @@ class BufferCore:
                 m.sample_version = version
                 m.t_sample = now
                 m.status = "consumed"
+                self.origins.pop(m.uid, None)
             out.extend(members)
         self.counts["consumed"] += len(out)
         self.counts["groups_consumed"] += n_groups
@@ -276,18 +288,26 @@ class BufferCore:
         out += [m for g in self.partial.values() for m in g.members]
         self.ready.clear()
         self.partial.clear()
+        self.origins.clear()
         return out
 
     def oldest_insert(self) -> float:
-        """``t_insert`` of the oldest trajectory held (NaN when empty): buffer age."""
-        times = [m.t_insert for g in self.ready.values() for m in g]
-        times += [m.t_insert for g in self.partial.values() for m in g.members]
+        """When the age of the oldest trajectory held counts from (NaN when empty):
+        buffer age. A trajectory's ``t_insert``; one held again (:meth:`restore`) counts
+        from its origin there, which leaves out the time it was out of the buffer while
+        the run went. (The age still spans any stop of the run in between, as that of
+        one held across a stop does: the driver, which records it as
+        ``oldest_buffered_age_s``, leaves the stops out.)"""
+        o = self.origins
+        times = [o.get(m.uid, m.t_insert) for g in self.ready.values() for m in g]
+        times += [o.get(m.uid, m.t_insert) for g in self.partial.values() for m in g.members]
         return min(times, default=float("nan"))
 
     def stats(self) -> dict[str, float]:
         """Counters and contents; ``oldest_age_s``: the oldest held trajectory's age by
         this process's clock when read (``read_at``), which a driver polling many actors
-        on another host reads seconds later and with its own clock."""
+        on another host reads seconds later and with its own clock (from
+        :meth:`oldest_insert`: ``oldest_t_insert``)."""
         now, oldest = time.time(), self.oldest_insert()
         return {
             **self.counts,
@@ -372,7 +392,8 @@ class ExperienceBuffer:
 
         arrays = open_trajectories(run_dir)
         rows = {uid: i for i, uid in enumerate(arrays["uid"].tolist())}
-        self._hold_again(arrays, [rows[u] for u in plan.readmit], "resume", stored=set(rows))
+        readmit = [rows[u] for u in plan.readmit]
+        self._hold_again(arrays, readmit, "resume", stored=set(rows), stopped=True)
         self.version = plan.version
         self._events += [_event(uid, "dropped") for uid in plan.drop]
         self._flush(force=True)
@@ -405,25 +426,61 @@ class ExperienceBuffer:
         self._groups_consumed = set(arrays["prompt_uid"][status == "consumed"].tolist())
         self._flush(force=True)
 
-    def _hold_again(self, arrays, rows: list[int], why: str, stored: set[str] = frozenset()) -> int:
+    def _hold_again(
+        self,
+        arrays,
+        rows: list[int],
+        why: str,
+        stored: set[str] = frozenset(),
+        stopped: bool = False,
+    ) -> int:
         """Hold again the stored trajectories at ``rows`` of :func:`open_trajectories`'
         ``arrays``, by GRPO group, back to ``buffered`` (one consumed by a lost update gets
-        a ``buffered`` leave event). ``why``: as :meth:`BufferCore.restore`'s. ``stored``:
-        uids never to be admitted again. Returns how many groups."""
+        a ``buffered`` event, with the time it is held again:
+        :data:`storage.trajectories.HELD_AGAIN`). ``why``: as :meth:`BufferCore.restore`'s.
+        ``stored``: uids never to be admitted again. ``stopped``: the run was stopped
+        until now (a resume). Returns how many groups."""
         from storage.trajectories import records_at
 
+        now = time.time()
         groups: dict[str, list[Trajectory]] = {}
         for rec in records_at(arrays, rows):
             t = Trajectory(**rec)
             t.status, t.sample_version, t.t_sample = "buffered", -1, math.nan
             groups.setdefault(t.prompt_uid, []).append(t)
-        self.core.restore(list(groups.values()), stored, why)
+        origins = self._origins(arrays, rows, now, stopped)
+        self.core.restore(list(groups.values()), stored, why, origins)
         self._events += [
-            _event(str(arrays["uid"][i]), "buffered")
+            _event(str(arrays["uid"][i]), "buffered", t_sample=now)
             for i in rows
             if arrays["status"][i] != "buffered"
         ]
         return len(groups)
+
+    def _origins(self, arrays, rows: list[int], now: float, stopped: bool) -> dict[str, float]:
+        """For the trajectories at ``rows`` held again ``now``, when their age counts from
+        (:meth:`BufferCore.oldest_insert`): their time in the buffer so far (the store's
+        stays: :func:`storage.trajectories.time_in_buffer`; one consumed by an update that
+        was lost, up to its ``t_sample``; one still held when the run stopped, up to the
+        stop), counted back from ``now`` over the time the run went. So a trajectory
+        never held before, still buffered, keeps its ``t_insert``."""
+        from storage.trajectories import run_stops, time_in_buffer
+
+        if not rows:
+            return {}
+        pauses, last = run_stops(self.writer.path, arrays)
+        stops = [*pauses, (last, now)] if stopped and math.isfinite(last) else pauses
+        r = np.asarray(rows, dtype=np.int64)
+        consumed = arrays["status"][r] == "consumed"
+        until = np.where(consumed, arrays["t_sample"][r], last if stopped else now)
+        ages = time_in_buffer(arrays["t_held"][r], arrays["held_s"][r], until, pauses)
+        out = {}
+        for i, age in zip(rows, ages.tolist(), strict=True):
+            fine = math.isfinite(age)  # (a damaged store's: counted from t_insert)
+            out[str(arrays["uid"][i])] = (
+                _walk_back(now, age, stops) if fine else float(arrays["t_insert"][i])
+            )
+        return out
 
     def _write_loop(self) -> None:
         # A batch the store refused goes before the next one, in order (events follow
@@ -713,6 +770,24 @@ class ExperienceBuffer:
         await asyncio.to_thread(self._writer_thread.join)
         await self._forget_committed()
         return await self.stats()
+
+
+def _walk_back(t: float, seconds: float, stops: list[tuple[float, float]]) -> float:
+    """The moment ``seconds`` of the run's going time before ``t`` (epoch seconds): the
+    ``stops`` (from, to) in between are skipped.
+
+    >>> _walk_back(100.0, 5.0, [(60.0, 98.0)])
+    57.0
+    """
+    for start, end in sorted(stops, reverse=True):
+        if start >= t:
+            continue
+        ran = t - min(end, t)
+        if seconds <= ran:
+            break
+        seconds -= ran
+        t = start
+    return t - seconds
 
 
 def _event(uid: str, status: str, sample_version: int = -1, t_sample: float = math.nan) -> dict:

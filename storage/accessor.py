@@ -17,6 +17,7 @@ import numpy as np
 import xarray as xr
 
 from storage.schema import ALL_FIELDS, MIXED_VERSION_SCHEDULES, RAGGED_FIELDS, STATUSES
+from storage.trajectories import time_in_buffer
 
 # The token versions the audit checks at a time (of a partial rollout run: one per
 # response token): ~20 MB of working memory.
@@ -125,17 +126,26 @@ class LaminarAccessor:
         return float(np.nanmin(t)) if np.isfinite(t).any() else float("nan")
 
     def buffer_age(self) -> xr.DataArray:
-        """Seconds each consumed trajectory spent in the buffer while the run ran:
-        ``t_sample - t_insert``, less any stretch the run was stopped in between (a
-        trajectory held again by ``laminar run --resume``; ``pauses_s`` below). On the
-        consumed trajectories, with ``behavior_version`` as a coordinate, so that
-        ``age.groupby("behavior_version").mean()`` works."""
+        """Seconds each consumed trajectory spent in the buffer while the run ran: its
+        stays in the buffer, summed, less any stretch the run was stopped in them
+        (:func:`storage.trajectories.time_in_buffer`). Most have one stay,
+        ``t_insert`` to ``t_sample``; one that was held again after an update consumed
+        it and was lost (a resume, a data module rebuilt within the run, a restarted
+        trainer) was out of the buffer in between: its last stay runs from ``t_held``
+        (when it was held again) to ``t_sample``, its earlier ones are ``held_s``
+        seconds. A trajectory held again by ``laminar run --resume`` while still
+        buffered stays in the buffer across the stop, which is left out
+        (``pauses_s`` below). On the consumed trajectories, with ``behavior_version``
+        as a coordinate, so that ``age.groupby("behavior_version").mean()`` works.
+
+        A store written before laminar recorded when a trajectory was held again
+        (its ``buffered`` events have no time) counts it from ``t_insert``, the time it
+        was out of the buffer included; so does a Dataset without ``t_held``."""
         ds = self._ds
         idx = np.flatnonzero(ds["status"].values == "consumed")
-        t_in, t_out = ds["t_insert"].values[idx], ds["t_sample"].values[idx]
-        age = t_out - t_in
-        for start, end in self.pauses_s:
-            age -= np.clip(np.minimum(t_out, end) - np.maximum(t_in, start), 0.0, None)
+        t_in = ds["t_held"] if "t_held" in ds else ds["t_insert"]
+        held = ds["held_s"].values[idx] if "held_s" in ds else 0.0
+        age = time_in_buffer(t_in.values[idx], held, ds["t_sample"].values[idx], self.pauses_s)
         coords = {
             "trajectory": idx,
             "behavior_version": ("trajectory", ds["behavior_version"].values[idx]),

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import warnings
 from collections.abc import Iterator, Mapping, Sequence
@@ -374,15 +375,19 @@ def _open_group(path: str | Path) -> tuple[Path, zarr.Group]:
 
 def _apply_events(
     store: Path, group: zarr.Group, scalars: dict[str, np.ndarray]
-) -> tuple[int, str]:
+) -> tuple[int, str, _Stays]:
     """Apply the committed leave events, in order, to the per-trajectory ``scalars``.
     An event naming a trajectory the store does not hold (its batch failed to write, or
     two processes wrote the store) is skipped and counted, not fatal: the trajectories
-    stay readable and the audit reports it. Returns how many were skipped, and the
-    first one's uid."""
+    stay readable and the audit reports it. Returns how many were skipped, the first
+    one's uid, and the earlier stays in the buffer of the trajectories held again
+    (:func:`_stays`; with ``t_insert`` among the ``scalars``, which then gain
+    ``t_held``)."""
     n_events = int(group.attrs.get(EVENT_COMMIT_ATTR, 0))
+    if "t_insert" in scalars:
+        scalars["t_held"] = scalars["t_insert"].astype(np.float64)
     if not n_events:
-        return 0, ""
+        return 0, "", _NO_STAYS
     events = {
         name: committed_array(store, group, name, n_events)[:n_events] for name in EVENT_FIELDS
     }
@@ -399,11 +404,125 @@ def _apply_events(
             unknown,
             first,
         )
+    status = events["event_status"]
+    when = events["event_t_sample"]
+    held_again = status == HELD_AGAIN
+    stored = scalars["status"], scalars["t_sample"]  # (as the records hold them)
+    # (a held-again event's time is when it was held again, not a sample time)
+    events["event_t_sample"] = np.where(held_again, np.nan, when)
     for name, field in EVENT_FIELDS.items():
         if field != "uid":
             scalars[field] = scalars[field].copy()
             scalars[field][index[known]] = events[name][known]  # in order: the last wins
-    return unknown, first
+    stays = _NO_STAYS
+    if "t_held" in scalars and (held_again & known).any():
+        stays = _stays(index[known], held_again[known], when[known], scalars["t_held"], *stored)
+    return unknown, first, stays
+
+
+# A ``buffered`` event holds a stored trajectory again after it left (a resume, a data
+# module rebuilt within the run, or a restarted trainer took back the consumption of an
+# update that was lost); its ``event_t_sample`` is when (NaN in stores written before
+# laminar recorded it), never a sample time: readers set ``t_sample`` NaN.
+HELD_AGAIN = "buffered"
+
+# Earlier stays in the buffer (row, from, to: epoch seconds), of trajectories held again.
+_Stays = tuple[np.ndarray, np.ndarray, np.ndarray]
+_NO_STAYS: _Stays = (np.zeros(0, np.int64), np.zeros(0), np.zeros(0))
+
+
+def _stays(
+    index: np.ndarray,
+    held_again: np.ndarray,
+    when: np.ndarray,
+    t_held: np.ndarray,
+    status: np.ndarray,
+    t_sample: np.ndarray,
+) -> _Stays:
+    """The stays in the buffer, before their last one, of the trajectories the events
+    (in order: the row each names, whether it holds it again, its time) held again;
+    ``t_held`` (each row's ``t_insert`` on entry) becomes when each last one began.
+    ``status``, ``t_sample``: as the records hold them (a trajectory that left before
+    its record was written is stored as it left, its leave in the record).
+
+    A stay runs from ``t_insert`` or a holding again to the next leave (the consumption
+    that a lost update, or a lost data module's reply, took back). A trajectory held
+    again without a time (a store written before laminar recorded it) keeps
+    ``t_held = t_insert`` and no earlier stays: its age is counted as before, from
+    ``t_insert``, the time it was out of the buffer included."""
+    rows, starts, ends = [], [], []
+    again = np.unique(index[held_again])
+    mine = np.flatnonzero(np.isin(index, again))
+    mine = mine[np.argsort(index[mine], kind="stable")]  # by row, each in event order
+    for row_events in np.split(mine, np.flatnonzero(np.diff(index[mine])) + 1):
+        row = int(index[row_events[0]])
+        begun: float | None = float(t_held[row])  # (None: out of the buffer)
+        last, closed, earlier = begun, [], []
+        if status[row] != HELD_AGAIN:  # (stored as it left)
+            if math.isfinite(left := float(t_sample[row])):
+                closed.append((begun, left))
+            begun = None
+        for e in row_events.tolist():
+            t = float(when[e])
+            if not held_again[e]:  # a leave: the stay ends (if it has a time)
+                if begun is not None and math.isfinite(t):
+                    closed.append((begun, t))
+                begun = None
+            elif not math.isfinite(t):  # (an older store's: no time, counted as before)
+                break
+            elif begun is None:  # held again: a new stay begins
+                earlier += closed
+                closed, begun, last = [], t, t
+        else:
+            t_held[row] = last
+            rows += [row] * len(earlier)
+            starts += [a for a, _ in earlier]
+            ends += [b for _, b in earlier]
+    return (
+        np.asarray(rows, dtype=np.int64),
+        np.asarray(starts, dtype=np.float64),
+        np.asarray(ends, dtype=np.float64),
+    )
+
+
+def _held_seconds(n: int, stays: _Stays, pauses: Sequence[tuple[float, float]]) -> np.ndarray:
+    """Per trajectory (of ``n``), seconds in the buffer in its earlier ``stays``, less
+    the time the run was stopped in them (``pauses``: from, to)."""
+    rows, a, b = stays
+    held = np.zeros(n, dtype=np.float64)
+    np.add.at(held, rows, b - a - _stopped(a, b, pauses))
+    return held
+
+
+def _stopped(a: np.ndarray, b: np.ndarray, pauses: Sequence[tuple[float, float]]) -> np.ndarray:
+    """Seconds of each stretch ``a`` .. ``b`` (epoch seconds) the run was stopped."""
+    out = np.zeros(np.broadcast(a, b).shape, dtype=np.float64)
+    for start, end in pauses:
+        out += np.clip(np.minimum(b, end) - np.maximum(a, start), 0.0, None)
+    return out
+
+
+def time_in_buffer(
+    t_held: np.ndarray,
+    held_s: np.ndarray,
+    until: np.ndarray,
+    pauses: Sequence[tuple[float, float]] = (),
+) -> np.ndarray:
+    """Seconds each trajectory spent in the buffer while the run went, up to ``until``
+    (epoch seconds: a consumed one's ``t_sample``): ``held_s`` (its earlier stays) plus
+    its last stay, from ``t_held`` on, less the time the run was stopped in it
+    (``pauses``: from, to, as ``open_run``'s attribute ``pauses_s``).
+
+    A trajectory consumed by an update that was lost, then held again, was out of the
+    buffer in between (with the trainer, or the lost data module's reply): that time is
+    not its age.
+
+    >>> time_in_buffer(np.array([10.0, 50.0]), np.array([0.0, 3.0]), np.array([14.0, 52.0]),
+    ...                [(20.0, 40.0)]).tolist()
+    [4.0, 5.0]
+    """
+    t_held, until = np.asarray(t_held, np.float64), np.asarray(until, np.float64)
+    return np.asarray(held_s, np.float64) + (until - t_held) - _stopped(t_held, until, pauses)
 
 
 def _starts_from_lengths(store: Path, arrays: dict[str, np.ndarray]) -> None:
@@ -447,7 +566,12 @@ def _read_trajectories(store: Path, group: zarr.Group, fields) -> dict[str, np.n
     for name in SCALARS:
         if name in wanted:
             out[name] = committed_array(store, group, name, n)[:n]
-    _apply_events(store, group, out)
+    _, _, stays = _apply_events(store, group, out)
+    if "t_held" in out:
+        pauses = ()
+        if stays[0].size:  # (only then: the stops are in the metrics)
+            pauses = pairs(_starts(store.parent, _activity(out))["pauses_s"])
+        out["held_s"] = _held_seconds(n, stays, pauses)
     if fields is not None:
         return out
     for g, (dim, fields) in RAGGED.items():
@@ -520,7 +644,7 @@ def _read_run(store: Path, group: zarr.Group) -> xr.Dataset:
             scalars[name] = arr[:n]
         elif dim != EVENT_DIM:  # token-level: lazy
             variables[name] = (dim, da.from_zarr(arr)[: lengths[dim]])
-    unknown, first = _apply_events(store, group, scalars)
+    unknown, first, stays = _apply_events(store, group, scalars)
     if all(f"{g}_len" in scalars for g in RAGGED):
         _starts_from_lengths(store, scalars)
     for name, values in scalars.items():
@@ -537,9 +661,25 @@ def _read_run(store: Path, group: zarr.Group) -> xr.Dataset:
         ds.attrs["unknown_events"] = unknown
         ds.attrs["unknown_event_uid"] = first
     ds.attrs["schedule"] = group.attrs.get("schedule", "laminar")  # older stores: laminar
-    times = [ds[f].values for f in _TIMES if f in ds]
-    ds.attrs.update(_starts(store.parent, np.concatenate(times) if times else None))
+    ds.attrs.update(_starts(store.parent, _activity(scalars)))
+    if "t_held" in ds:
+        held = _held_seconds(n, stays, pairs(ds.attrs["pauses_s"]))
+        ds["held_s"] = (TRAJECTORY_DIM, held)
     return ds
+
+
+def run_stops(path: str | Path, arrays: Mapping[str, np.ndarray]) -> tuple[list, float]:
+    """A run's stops so far (``open_run``'s ``pauses_s``, as pairs) and the last moment
+    it was seen going (NaN: never): its last ``cluster`` row, or a later time of its
+    trajectories (``arrays``, from :func:`open_trajectories`). For a run resumed now,
+    its stop began then."""
+    activity = _activity(arrays)
+    starts = _starts(store_path(path).parent, activity)
+    seen = [starts.get("metrics_end_s", math.nan)]
+    if activity is not None and np.isfinite(activity).any():
+        seen.append(float(np.nanmax(activity)))
+    last = max((t for t in seen if math.isfinite(t)), default=math.nan)
+    return pairs(starts["pauses_s"]), last
 
 
 def fixed_width(values: np.ndarray) -> np.ndarray:
@@ -553,8 +693,21 @@ def fixed_width(values: np.ndarray) -> np.ndarray:
     return values.astype(f"<U{max(width, 1)}")
 
 
-# Each a moment the run was going: its trajectories' times.
-_TIMES = ("t_submit", "t_start", "t_finish", "t_insert", "t_sample")
+# Each a moment the run was going: its trajectories' times (``t_held``: when the buffer
+# held one again).
+_TIMES = ("t_submit", "t_start", "t_finish", "t_insert", "t_sample", "t_held")
+
+
+def _activity(arrays: Mapping[str, np.ndarray]) -> np.ndarray | None:
+    """The moments the run was going that ``arrays`` (per trajectory) hold."""
+    times = [np.asarray(arrays[f], np.float64) for f in _TIMES if f in arrays]
+    return np.concatenate(times) if times else None
+
+
+def pairs(flat: Sequence[float]) -> list[tuple[float, float]]:
+    """``open_run``'s flat attribute ``pauses_s`` (from, to, from, to, ...) as pairs."""
+    flat = np.asarray(flat, dtype=np.float64)
+    return [(float(a), float(b)) for a, b in flat.reshape(-1, 2)]
 
 
 def _starts(run_dir: Path, activity: np.ndarray | None = None) -> dict:

@@ -299,6 +299,95 @@ def test_buffer_age_leaves_out_the_time_a_resumed_run_was_stopped(tmp_path):
     assert age.groupby("behavior_version").mean().sizes == {"behavior_version": 3}
 
 
+def test_buffer_age_leaves_out_the_time_a_trajectory_was_out_of_the_buffer(tmp_path):
+    """A trajectory consumed by an update that was lost is held again (a resume, a data
+    module rebuilt within the run, a restarted trainer) and consumed again: its age was
+    ``t_sample - t_insert`` less any stop, so it counted the time between its first
+    consumption and the loss, when it was not in the buffer (a lost run's re-admitted
+    trajectories read 13.2 s on average against 5.2 s in the buffer). Its age is its
+    stays in the buffer, summed; the ``buffered`` event that holds it again has a time
+    (``t_held``), which is not a ``t_sample``. A store whose events have no time (before
+    they were given one) reads as before."""
+    from factories import trajectory
+
+    from storage.metrics import MetricsWriter
+
+    t0 = 1.8e9
+    nan = float("nan")
+    # (seconds on the run's clock) ran from 0 to 20 s, stopped, resumed from 120 s on
+    admitted = {  # uid: t_insert
+        "lost": 10.0,  # consumed at 13 by an update lost with the run, held again by the
+        # resume at 119 (before its first row, at 120), consumed at 125
+        "twice": 15.0,  # held across the stop, consumed at 121, taken back by a
+        # restarted trainer at 130, consumed at 135
+        "held": 16.0,  # consumed at 17, held again at 119, still held at the end
+        "old": 11.0,  # as "lost", from a store without the time it was held again
+        "plain": 18.0,  # consumed at 19
+        "early": 12.0,  # consumed at 12.5, before its record was written (the record
+        # holds it consumed), held again at 119, consumed at 126
+    }
+    TrajectoryWriter(tmp_path).append(
+        [
+            trajectory(
+                u,
+                f"g{u}",
+                group_size=1,
+                finish_version=0,
+                t_submit=t0 + a - 1,
+                t_insert=t0 + a,
+                **(
+                    dict(status="consumed", sample_version=0, t_sample=t0 + 12.5)
+                    if u == "early"
+                    else dict(status="buffered", sample_version=-1, t_sample=nan)
+                ),
+            ).to_record()
+            for u, a in admitted.items()
+        ]
+    )
+    batches = [  # the events, (uid, status, when) in batches as the buffer writes them
+        [("lost", "consumed", 13), ("held", "consumed", 17), ("old", "consumed", 14)]
+        + [("plain", "consumed", 19)],
+        [("lost", "buffered", 119), ("held", "buffered", 119), ("old", "buffered", None)]
+        + [("twice", "consumed", 121), ("early", "buffered", 119)],
+        [("lost", "consumed", 125), ("old", "consumed", 125), ("twice", "buffered", 130)]
+        + [("early", "consumed", 126)],
+        [("twice", "consumed", 135)],
+    ]
+    w = TrajectoryWriter(tmp_path)
+    for batch in batches:
+        events = [
+            {
+                "uid": uid,
+                "status": status,
+                "sample_version": 0 if status == "consumed" else -1,
+                "t_sample": nan if t is None else t0 + t,
+            }
+            for uid, status, t in batch
+        ]
+        w.append([], events)
+    _two_starts(MetricsWriter(tmp_path), t0)
+    ds = open_run(tmp_path)
+    # (the holding again at 119 is a sign the resumed run was going)
+    assert ds.laminar.pauses_s == [(t0 + 20, t0 + 119)]
+    assert ds.laminar.audit() == []  # (a held-again event's time is no t_sample)
+    assert np.isnan(ds["t_sample"].values[2]) and ds["status"].values[2] == "buffered"
+    np.testing.assert_allclose(ds["t_held"].values - t0, [119, 130, 119, 11, 18, 119])
+    # earlier stays: lost 10-13; twice 15-121 less the stop (20-119); held 16-17; early
+    # 12-12.5
+    np.testing.assert_allclose(ds["held_s"].values, [3, 7, 1, 0, 0, 0.5])
+    age = ds.laminar.buffer_age()
+    assert age.trajectory.values.tolist() == [0, 1, 3, 4, 5]
+    # lost: 3 + 6; twice: 7 + 5; old: 125 - 11 less the stop, as before; plain: 1;
+    # early: 0.5 + 7
+    np.testing.assert_allclose(age.values, [9.0, 12.0, 114.0 - 99.0, 1.0, 7.5])
+    raw = open_trajectories(tmp_path)  # (the same for the buffer)
+    np.testing.assert_allclose(raw["t_held"], ds["t_held"].values)
+    np.testing.assert_allclose(raw["held_s"], ds["held_s"].values)
+    # a Dataset without them (saved by an older laminar): counted from t_insert
+    older = ds.drop_vars(["t_held", "held_s"])
+    np.testing.assert_allclose(older.laminar.buffer_age().values[:1], [115.0 - 99.0])
+
+
 def test_a_run_with_nothing_stored_yet_gives_empty_figures(tmp_path):
     """A run in its first seconds (the store made, nothing committed): empty figures,
     and staleness means NaN (not measured), not 0."""

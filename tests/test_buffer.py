@@ -409,6 +409,117 @@ def test_a_resumed_runs_held_trajectories_count_as_restored():
     assert core.counts["consumed"] == 2 and _conserved(core.counts, core.depth)
 
 
+def test_a_trajectory_held_again_does_not_age_while_it_was_out_of_the_buffer(tmp_path):
+    """Consumed by an update lost with the trainer and held again, a trajectory's age
+    counted from its ``t_insert``: the time it spent with the lost update (here 2 s) as
+    if in the buffer, in the ``oldest_buffered_age_s`` gauge and in the store's
+    ``buffer_age``. Its age is its time in the buffer: the ``buffered`` event that holds
+    it again says when."""
+    import asyncio
+    import time
+
+    from laminar.buffer import ExperienceBuffer
+    from storage import open_run
+
+    pool = _pool(5, max_outstanding=2)
+
+    async def run():
+        buf = ExperienceBuffer(str(tmp_path), _Pool(pool), _buffer_config())
+        await buf.insert(_two_groups(pool, 0))
+        assert len(await buf.sample(2, 0)) == 4  # consumed at once by the update ...
+        await buf.version_published(1)
+        await asyncio.sleep(2.0)
+        held_at = time.time()
+        await buf.trainer_restarted(0)  # ... lost with the trainer 2 s later
+        age = buf.core.stats()["oldest_age_s"]
+        assert len(await buf.sample(2, 1)) == 4
+        await buf.close()
+        return held_at, age
+
+    held_at, age = asyncio.run(run())
+    assert age < 1.0  # (was over 2 s)
+    ds = open_run(tmp_path)
+    assert (ds["t_held"].values >= held_at).all()
+    assert (ds.laminar.buffer_age().values < 1.0).all()  # (was over 2 s)
+
+
+def test_a_resumed_runs_held_trajectories_age_by_their_time_in_the_buffer(tmp_path):
+    """A resumed run's ``oldest_buffered_age_s`` read 12.8-13.5 s after the resume
+    against at most 4.6 s before the loss: a trajectory consumed by an update lost with
+    the run and held again aged from its ``t_insert``, the time between its consumption
+    and the loss included (the driver leaves out the stop alone). Its age now counts
+    from an origin that leaves that time out: the driver's reading is its time in the
+    buffer before the loss, and then since the resume. One held across the stop keeps
+    its ``t_insert``."""
+    import asyncio
+    import time
+
+    from laminar.buffer import ExperienceBuffer
+    from storage import open_run
+    from storage.metrics import MetricsWriter
+    from storage.resume import plan_resume
+    from storage.trajectories import TrajectoryWriter
+
+    t0 = time.time() - 200.0  # the lost run went from t0 to t0 + 20 s (its last row)
+    nan = float("nan")
+
+    def stored(uid, t_insert):
+        g, i = uid.split("-")
+        return trajectory(
+            uid,
+            g,
+            sample_idx=int(i),
+            reward=float(i),
+            finish_version=0,
+            status="buffered",
+            sample_version=-1,
+            t_sample=nan,
+            t_submit=t0 + t_insert - 1,
+            t_insert=t0 + t_insert,
+        ).to_record()
+
+    w = TrajectoryWriter(tmp_path)
+    w.append([stored("a-0", 5.0), stored("a-1", 5.0), stored("b-0", 15.0), stored("b-1", 15.0)])
+    # a: consumed at 13 s by the update after checkpoint 1, lost with the run
+    w.append(
+        [],
+        [
+            dict(uid=u, status="consumed", sample_version=1, t_sample=t0 + 13)
+            for u in ("a-0", "a-1")
+        ],
+    )
+    rows = [
+        {"segment": 0, "elapsed_s": t, "wall_time": t0 + t, "version": 1} for t in range(0, 21, 5)
+    ]
+    MetricsWriter(tmp_path).append("cluster", rows)
+    plan = plan_resume(tmp_path, 1)
+    assert sorted(plan.readmit) == ["a-0", "a-1", "b-0", "b-1"]
+    pool = _pool(5, max_outstanding=2)
+
+    async def run():
+        held_at = time.time()
+        buf = ExperienceBuffer(str(tmp_path), _Pool(pool), _buffer_config(), resume=plan)
+        now = time.time()
+        stats = buf.core.stats()
+        assert [t.uid for t in await buf.sample(1, 1)] == ["a-0", "a-1"]
+        oldest = buf.core.stats()["oldest_t_insert"]  # (b's, a gone)
+        await buf.close()
+        return held_at, now, stats, oldest
+
+    held_at, now, stats, oldest = asyncio.run(run())
+    # a was in the buffer from 5 to 13 s: 8 s before the stop (from 20 s on) ...
+    assert stats["oldest_t_insert"] == pytest.approx(t0 + 12.0, abs=now - held_at + 1e-3)
+    # ... which the driver reads, leaving out the stop (from the last row to its start)
+    driver = stats["oldest_age_s"] - (stats["read_at"] - (t0 + 20.0))
+    assert driver == pytest.approx(8.0, abs=now - held_at + 1e-3)  # (was 15 s)
+    assert oldest == pytest.approx(t0 + 15.0)  # (b: in the buffer up to the stop)
+    ds = open_run(tmp_path)  # (the store says when a was held again)
+    assert held_at <= ds["t_held"].values[0] <= now
+    assert ds["held_s"].values.tolist() == pytest.approx([8.0, 8.0, 0.0, 0.0])
+    age = ds.laminar.buffer_age()  # (a's, consumed again since)
+    assert (age.values >= 8.0).all() and (age.values < 9.0).all()
+
+
 def test_a_rebuilt_buffer_counts_each_group_consumed_once(tmp_path):
     """A rebuilt data module stores as consumed what the trainer consumed from the lost
     buffer before its store had it: those trajectories counted in ``consumed`` but their
