@@ -761,7 +761,9 @@ class ExperienceBuffer:
 
     async def close(self) -> dict:
         """Write what is pending (what the buffer still holds is stored as ``buffered``)
-        and wait for the writer."""
+        and wait for the writer. Returns :meth:`stats` with what it held as it closed
+        (``depth``, its groups, its oldest trajectory's age: :data:`_CONTENTS`)."""
+        held = self.core.stats()  # (before the drain, which empties the core)
         self.core.drain()
         self._flush(force=True)
         self._jobs.put(None)
@@ -769,7 +771,18 @@ class ExperienceBuffer:
 
         await asyncio.to_thread(self._writer_thread.join)
         await self._forget_committed()
-        return await self.stats()
+        return await self.stats() | {k: held[k] for k in _CONTENTS}
+
+
+# What BufferCore.stats() says of the trajectories held, which a drain empties.
+_CONTENTS = (
+    "depth",
+    "oldest_t_insert",
+    "oldest_age_s",
+    "read_at",
+    "ready_groups",
+    "partial_groups",
+)
 
 
 def _walk_back(t: float, seconds: float, stops: list[tuple[float, float]]) -> float:

@@ -520,6 +520,29 @@ def test_a_resumed_runs_held_trajectories_age_by_their_time_in_the_buffer(tmp_pa
     assert (age.values >= 8.0).all() and (age.values < 9.0).all()
 
 
+def test_close_reports_what_the_buffer_held_as_it_closed(tmp_path):
+    """summary.json's ``buffer.depth`` was always 0: close() drained the buffer (what it
+    holds is stored as ``buffered``) before it read its stats. It reports what it held:
+    its depth, groups and oldest trajectory's age, as the store says."""
+    import asyncio
+
+    from laminar.buffer import ExperienceBuffer
+    from storage import open_run
+
+    pool = _pool(5, max_outstanding=4)
+
+    async def run():
+        buf = ExperienceBuffer(str(tmp_path), _Pool(pool), _buffer_config())
+        await buf.insert(_two_groups(pool, 0) + [traj("p9-0", "p9", 2)])  # (p9: partial)
+        assert len(await buf.sample(1, 0)) == 2
+        return await buf.close()
+
+    stats = asyncio.run(run())
+    assert (stats["depth"], stats["ready_groups"], stats["partial_groups"]) == (3, 1, 1)
+    assert stats["oldest_age_s"] >= 0 and stats["written"] == 5
+    assert open_run(tmp_path).laminar.summary()["n_buffered"] == stats["depth"]
+
+
 def test_a_rebuilt_buffer_counts_each_group_consumed_once(tmp_path):
     """A rebuilt data module stores as consumed what the trainer consumed from the lost
     buffer before its store had it: those trajectories counted in ``consumed`` but their
