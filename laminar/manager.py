@@ -26,7 +26,9 @@ executes each move in three steps:
 
 No request is ever in two engines or in none: a state leaves the source only into the
 destination or back into the source. Each move is a row of the ``repacks`` table of
-``metrics.zarr`` (requests and tokens moved, re-prefilled tokens, the pause it caused).
+``metrics.zarr`` (requests and tokens moved, re-prefilled tokens, the pause it caused);
+the manager keeps a row only until the driver has copied it (:meth:`get_rows`), and
+keeps the totals of :meth:`stats` as moves and recoveries happen.
 
 **Layout.** This module holds the actor's state, its loop, its stats and ``take_over``,
 and the call helpers both concerns share; recovery is :mod:`laminar.manager_recovery`,
@@ -50,8 +52,9 @@ from laminar.manager_repack import planner_loads as planner_loads
 
 logger = logging.getLogger(__name__)
 
-# The totals a manager's stats() sums over its rows, carried over by take_over().
-_CARRIED = (
+# The totals a manager's stats() reports, kept as its moves and recoveries happen (its
+# rows are not kept: the driver's copy holds them), and carried over by take_over().
+_TOTALS = (
     "recoveries",
     "recovered_requests",
     "requests_moved",
@@ -93,7 +96,11 @@ class RolloutManager(RecoveryMixin, RepackMixin):
         self._seen_version = -1
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
-        self.rows: list[dict] = []  # one per executed (or rolled back) move
+        # One per executed (or rolled back) move, from the ``_rows_base``-th on: those the
+        # driver fetched are dropped at its next fetch (:meth:`get_rows`).
+        self.rows: list[dict] = []
+        self._rows_base = 0
+        self._rows_lock = threading.Lock()  # (appended by the loop, dropped by get_rows)
         self.counts = {"checks": 0, "moves": 0, "rolled_back": 0, "skipped": 0}
         self.partial = partial
         self.workers = dict(workers or {})
@@ -110,8 +117,10 @@ class RolloutManager(RecoveryMixin, RepackMixin):
         self.hung: dict[str, dict] = {}  # rollout -> when it was declared hung, its fence
         self.masters: list[dict] = []  # master relays that replaced a lost one (restarts)
         self._master_lost: float | None = None  # when the master's worker was found gone
-        # Totals of the managers this one took over from (lost with the data module).
-        self._carried: Counter = Counter()
+        # The totals of stats() (_TOTALS), with those of the managers this one took over
+        # from (lost with the data module): summing the rows at each of the driver's polls
+        # cost O(moves), a second a poll after a million moves.
+        self._totals: Counter = Counter()
         self.error: str | None = None
 
     def start(self) -> None:
@@ -142,12 +151,30 @@ class RolloutManager(RecoveryMixin, RepackMixin):
         for k in ("checks", "moves", "rolled_back", "skipped", "global_pauses"):
             if k in last:
                 self.counts[k] = self.counts.get(k, 0) + last[k]
-        for k in _CARRIED:
-            self._carried[k] += last[k]
+        for k in _TOTALS:
+            self._totals[k] += last[k]
+
+    def _record_moves(self, rows: list[dict]) -> None:
+        """A planning round's move rows: kept until the driver has fetched them, and
+        counted in the totals."""
+        with self._rows_lock:
+            self.rows += rows
+            for r in rows:
+                if r["ok"]:
+                    self._totals["requests_moved"] += r["requests"]
+                    self._totals["tokens_moved"] += r["tokens"]
+                    self._totals["reprefill_tokens"] += r["context_tokens"]
+                self._totals["pause_s"] += r["pause_s"]
+
+    def _record_faults(self, rows: list[dict]) -> None:
+        """A recovery's rows (one per batch resumed), counted in the totals. Kept: there
+        is one per batch a loss left, not one per move."""
+        self.fault_rows += rows
+        self._totals["recoveries"] += len(rows)
+        self._totals["recovered_requests"] += sum(r["requests"] for r in rows)
 
     def stats(self) -> dict:
-        moved = [r for r in self.rows if r["ok"]]
-        c = self._carried
+        c = self._totals
         return {
             "lost": dict(self.lost),
             "replacements": dict(self.replacements),
@@ -156,20 +183,28 @@ class RolloutManager(RecoveryMixin, RepackMixin):
             "chain": self._chain(),
             "rollout_relays": dict(self.rollout_relays),
             "masters_replaced": [dict(m) for m in self.masters],
-            "recoveries": c["recoveries"] + len(self.fault_rows),
-            "recovered_requests": c["recovered_requests"]
-            + sum(r["requests"] for r in self.fault_rows),
+            "recoveries": c["recoveries"],
+            "recovered_requests": c["recovered_requests"],
             **self.counts,
             "max_batch": self.max_batch,
-            "requests_moved": c["requests_moved"] + sum(r["requests"] for r in moved),
-            "tokens_moved": c["tokens_moved"] + sum(r["tokens"] for r in moved),
-            "reprefill_tokens": c["reprefill_tokens"] + sum(r["context_tokens"] for r in moved),
-            "pause_s": c["pause_s"] + sum(r["pause_s"] for r in self.rows),
+            "requests_moved": c["requests_moved"],
+            "tokens_moved": c["tokens_moved"],
+            "reprefill_tokens": c["reprefill_tokens"],
+            "pause_s": c["pause_s"],
             "error": self.error,
         }
 
     def get_rows(self, start: int = 0) -> list[dict]:
-        return self.rows[start:]
+        """The move rows from the ``start``-th on (counted from the manager's first).
+        Asking from ``start`` says the caller holds those before it: they are dropped
+        here (a million moves, some hours at R = 256, held 0.7 GB). The driver asks from
+        the count it has stored, so a fetch whose answer it did not get is asked again
+        whole; a caller asking from before its last ``start`` gets the rows still kept."""
+        with self._rows_lock:
+            drop = min(max(start - self._rows_base, 0), len(self.rows))
+            del self.rows[:drop]
+            self._rows_base += drop
+            return self.rows[max(start - self._rows_base, 0) :]
 
     def get_fault_rows(self, start: int = 0) -> list[dict]:
         return self.fault_rows[start:]

@@ -432,5 +432,5 @@ class RecoveryMixin:
                     "recovery_s": time.time() - t0,
                 }
             )
-        self.fault_rows += rows
+        self._record_faults(rows)
         return rows

@@ -95,7 +95,7 @@ class RepackMixin:
         self.counts["checks"] += 1
         moves = plan(loads, c_max=self.rcfg.c_max, max_batch=self.max_batch)
         rows = self._execute(moves, {ld.rollout_id: ld for ld in loads}) if moves else []
-        self.rows += rows
+        self._record_moves(rows)
         return rows
 
     def _execute(self, moves: list, loads: dict[str, RolloutLoad]) -> list[dict]:

@@ -299,3 +299,79 @@ def test_a_global_pause_leaves_a_silent_rollout_to_loss_detection_within_the_tra
     assert time.monotonic() - t0 < 0.8  # (half the timeout, not the whole)
     assert got == {"paused": 1, "requests": 2}
     assert hung.called("pause") == [] and len(slow.called("pause")) == 1
+
+
+# -- stats and rows ------------------------------------------------------------------------
+
+
+def move_row(i: int) -> dict:
+    return {
+        "time": float(i),
+        "source": "r0",
+        "destination": "r1",
+        "version": 0,
+        "ok": i % 3 != 0,
+        "requests": 2 + i % 4,
+        "tokens": 100 + i,
+        "context_tokens": 50 + 2 * i,
+        "export_s": 0.0,
+        "import_s": 0.0,
+        "pause_s": 0.25 + 0.5 * (i % 2),
+        "round_moves": 2,
+    }
+
+
+def test_stats_totals_hold_after_the_driver_fetched_and_the_manager_dropped_the_rows(
+    cfg, monkeypatch
+):
+    """stats() (asked every driver poll) summed every move row, and the rows were kept
+    for the whole run: a second a poll, 0.7 GB, after a million moves. The totals are now
+    kept as moves happen and a row goes once the driver has fetched it (get_rows(start),
+    start being what it holds): the totals still equal what all the rows said, the
+    driver's copy is every row once, and a manager rebuilt with the data module
+    (take_over) carries them on."""
+    import laminar.manager_repack as repack_mod
+
+    manager = RolloutManager(cfg, {}, None)
+    rounds = iter([[move_row(i) for i in range(k, k + 4)] for k in range(0, 40, 4)])
+    monkeypatch.setattr(repack_mod, "plan", lambda *a, **k: [Move("r0", "r1")])
+    monkeypatch.setattr(manager, "_execute", lambda moves, loads: next(rounds))
+    fetched: list[dict] = []
+    for n in range(10):
+        manager.check()
+        if n % 3 == 0:  # the driver's flush: from the count it stored
+            fetched += manager.get_rows(len(fetched))
+    fetched += manager.get_rows(len(fetched))
+    every = [move_row(i) for i in range(40)]
+    assert fetched == every
+    manager.get_rows(len(fetched))  # (the next flush finds none)
+    assert manager.rows == []  # every fetched row dropped: memory does not grow
+    ok = [r for r in every if r["ok"]]
+    stats = manager.stats()
+    assert stats["requests_moved"] == sum(r["requests"] for r in ok)
+    assert stats["tokens_moved"] == sum(r["tokens"] for r in ok)
+    assert stats["reprefill_tokens"] == sum(r["context_tokens"] for r in ok)
+    assert stats["pause_s"] == pytest.approx(sum(r["pause_s"] for r in every))
+    # A fetch whose answer the driver did not get is asked again from the same count.
+    rounds = iter([[move_row(40), move_row(41)]])
+    manager.check()
+    assert manager.get_rows(40) == manager.get_rows(40) == [move_row(40), move_row(41)]
+    # Rebuilt with the data module: the new manager goes on from the last stats.
+    after = RolloutManager(cfg, {}, None)
+    after.take_over(manager.stats(), {}, {})
+    assert after.stats()["requests_moved"] == manager.stats()["requests_moved"]
+    assert after.stats()["pause_s"] == pytest.approx(manager.stats()["pause_s"])
+
+
+def test_recoveries_are_counted_as_they_happen(cfg):
+    """The recovery totals of stats() equal what the fault rows say."""
+    pool = FakePool([state("g0-000"), state("g0-001"), state("g1-000", version=1)])
+    r1 = FakeRollout(decoding(version=0), import_for_move=lambda *a, **k: done(True))
+    manager = RolloutManager(cfg, {"r0": FakeRollout(), "r1": r1}, None, partial=pool)
+    manager.lost["r0"] = time.time()
+    rows = manager.recover("r0")
+    rows += manager.recover("r0")  # (nothing left: a row of none)
+    stats = manager.stats()
+    assert stats["recoveries"] == len(rows) == 3
+    assert stats["recovered_requests"] == sum(r["requests"] for r in rows) == 3
+    assert manager.get_fault_rows() == rows
