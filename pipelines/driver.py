@@ -314,7 +314,7 @@ class Schedule(StatsPolling, FaultHandling, MetricsRecording):
             self._abort()
             _answers([lambda t=t: t.stop(timeout=5.0) for t in (a["trainer"], *a["trainer_ranks"])])
             raise
-        self._n_repacks = self._n_faults = 0
+        self._n_repacks = self._n_faults = self._n_pubs = 0
         self.metrics = MetricsWriter(self.run_dir, tensorboard=self.cfg.metrics.tensorboard)
         self._rows: dict[str, list[dict]] = {"cluster": [], "rollouts": []}
         self._n_updates = 0
@@ -364,6 +364,7 @@ class Schedule(StatsPolling, FaultHandling, MetricsRecording):
                     last_flush = now
                 failed = [s for s in r_stats if s["error"]] + self._trainer_errors(t_stats)
                 m = self._manager_stats()
+                self._copy_rows(manager_answered=m is not None)
                 if m is not None and m["error"]:
                     failed.append(m)
                 elif m is not None:
@@ -385,8 +386,8 @@ class Schedule(StatsPolling, FaultHandling, MetricsRecording):
                 if not self._fail_on_lost_core(e):
                     self._wind_down(e, t_start)  # anything else: stop the run in order
             finally:
-                try:  # up to METRICS_FLUSH_S of the run's time series, kept
-                    self._write_rows()
+                try:  # the rows copied since the last flush (up to METRICS_FLUSH_S), kept
+                    self._write_rows(final=True)
                 except Exception as w:  # noqa: BLE001 — the run's own error comes first
                     logger.warning("metrics rows not written: %r", w)
                 self.metrics.close()
@@ -402,7 +403,7 @@ class Schedule(StatsPolling, FaultHandling, MetricsRecording):
                     self._abort()
             finally:
                 try:
-                    self._write_rows()
+                    self._write_rows(final=True)
                 except Exception as w:  # noqa: BLE001 — the run's own error comes first
                     logger.warning("metrics rows not written: %r", w)
             raise
@@ -457,8 +458,9 @@ class Schedule(StatsPolling, FaultHandling, MetricsRecording):
         # (after the buffer's last commit: the log keeps only what the store lacks)
         partial = _stopping(a["partial"], "close", timeout) if a["partial"] is not None else None
         # The driver's own tables last: if writing them fails, the store is whole.
-        self.metrics.append("publications", relay.pop("publications"))
-        self._flush_metrics()
+        self._master_publications = relay.pop("publications")[len(self._old_publications) :]
+        self._copy_rows(manager_answered=True, final=True)
+        self._write_rows(final=True)
         return {
             "faults": faults_summary(
                 m_stats, partial, self.trainer_restarts, self.data_restarts, self.core_restarts

@@ -11,6 +11,7 @@ Runs in ``laminar run``'s driver.
 from __future__ import annotations
 
 import math
+import time
 
 from laminar.cluster import actor_result
 from pipelines.driver_calls import _answers, _stopping
@@ -30,8 +31,19 @@ RELAY_FIGURES = (
     "sender",
     "errors",
 )
+# How long a poll waits for the trainer's new rows (and the master relay's publications).
+ROWS_WAIT_S = 5.0
+# A publication whose broadcast has not completed (a relay of the chain does not hold it
+# yet) is written as it stands after this long: a lost relay's never completes.
+PUBLICATION_SETTLE_S = 60.0
 # Rollout stats recorded per poll (besides the rollout id and the time).
 ROLLOUT_METRICS = ROLLOUT_GAUGES + ROLLOUT_COUNTERS
+
+
+def _broadcast(publication: dict) -> bool:
+    """Whether every relay held a publication (its record no longer changes)."""
+    b = publication.get("broadcast_s")
+    return b is not None and math.isfinite(b)
 
 
 def _carried(carry: dict[str, float], row: dict) -> dict:
@@ -119,55 +131,113 @@ class MetricsRecording:
         self._trainer_wait = (before, wait_s)
         return before + wait_s
 
-    def _write_rows(self) -> None:
-        """The driver's own rows (``cluster``, ``rollouts``) into the metrics store."""
+    def _write_rows(self, final: bool = False) -> None:
+        """The rows copied since the last write into the metrics store: the driver's own
+        (``cluster``, ``rollouts``), the trainer's, the manager's (:meth:`_copy_rows`) and
+        the master relay's publications. ``final`` (the run stops or fails): every
+        publication copied, its broadcast complete or not."""
+        self._rows.setdefault("publications", []).extend(self._settled_publications(final))
         for table, rows in self._rows.items():
             self.metrics.append(table, rows)
             rows.clear()
 
     def _flush_metrics(self) -> None:
         self._write_rows()
-        # (no trainer restarting, and one runs: after _trainer_finished none does)
-        restarting = self._restart is not None or self._data_restart is not None
-        if self.actors["trainer"] is not None and not restarting:
+
+    def _copy_rows(self, manager_answered: bool, final: bool = False) -> None:
+        """Copy the rows that only the trainer's and the manager's processes hold — the
+        trainer's history, the manager's repack moves and recoveries, the master relay's
+        publications — into the driver's memory (``_rows``), from where each flush, the
+        stop and a failure write them: a trainer or data module lost between two flushes
+        used to take its rows with it (docs/faults.md). Called every poll (each call asks
+        only for the rows after those copied), and ``final`` once as the run stops, when a
+        call that fails fails the stop where nothing can restart what it asked.
+
+        ``manager_answered``: the manager's stats answered this poll (else it is not asked:
+        lost, hung or being rebuilt, it would hold the poll up)."""
+        from pipelines.restart import CoreRestart
+
+        t = self.actors["trainer"]
+        # (none runs while a restart is in progress; one that failed a call is asked again
+        # once it answers; a hung one's worker is being restarted)
+        trainer_up = (
+            t is not None
+            and self._restart is None
+            and not isinstance(self._data_restart, CoreRestart)
+            and self._trainer_worker() not in self._fenced
+            and (final or self._trainer_suspect is None)
+        )
+        if trainer_up:
+            # (a poll waits for this no longer than its rollouts' stats: the trainer
+            # answered its stats just now, so a slow answer is load, asked again next poll)
+            wait = self._core_timeout() if final else min(ROWS_WAIT_S, self._core_timeout())
             try:
-                if self._trainer_worker() in self._fenced:
-                    raise TimeoutError("the trainer is hung")
-                t = self.actors["trainer"]
-                new = actor_result(t, t.get_history(self._n_updates), self._core_timeout())
+                new = actor_result(t, t.get_history(self._n_updates), wait)
             except Exception:
-                if not self.restartable:
+                if final and not self.restartable:
                     raise
-                new = []  # lost just now: the next poll starts its restart
-            self.metrics.append("updates", new)
+                new = []  # lost or slow: the polls judge which
+            self._rows.setdefault("updates", []).extend(new)
             self._n_updates += len(new)
-            if self.restartable:
+            if not final:  # (the stop reads them from the relays itself: _relay_summary)
                 self._keep_publications()
-        if self.actors["manager"] is not None and self._data_restart is None:
-            if self._data_suspect or self._data_hung is not None:
-                return  # (it does not answer now: its rows come with a later flush)
-            m, timeout = self.actors["manager"], self._core_timeout()
-            try:
-                moves = actor_result(m, m.get_rows(self._n_repacks), timeout)
-                faults = actor_result(m, m.get_fault_rows(self._n_faults), timeout)
-            except Exception as e:
-                if not self.data_restartable:
-                    raise
-                self._data_silent(e)
-                return  # lost with the data module: its last rows are lost with it
-            self.metrics.append("repacks", moves)
-            self._n_repacks += len(moves)
-            self.metrics.append("faults", faults)
-            self._n_faults += len(faults)
+        m = self.actors["manager"]
+        if m is None or not manager_answered or self._data_restart is not None:
+            return
+        if self._data_suspect or self._data_hung is not None:
+            return  # (it does not answer now: its rows come with a later poll)
+        timeout = self._core_timeout()
+        try:
+            moves = actor_result(m, m.get_rows(self._n_repacks), timeout)
+            faults = actor_result(m, m.get_fault_rows(self._n_faults), timeout)
+        except Exception as e:
+            if not self.data_restartable:
+                raise
+            self._data_silent(e)
+            return  # lost with the data module: the rows it made since the last poll too
+        # (which start of the run made them: a resumed run's rollout ids begin at r0 again)
+        self._rows.setdefault("repacks", []).extend(r | {"segment": self._segment} for r in moves)
+        self._n_repacks += len(moves)
+        self._rows.setdefault("faults", []).extend(r | {"segment": self._segment} for r in faults)
+        self._n_faults += len(faults)
 
     def _keep_publications(self) -> None:
         """The master's publication records, which only the trainer's process holds,
-        copied here while it lives (every metrics flush): they outlive a restart."""
+        copied here while it lives (every poll that has something new to learn: a newer
+        version, or a broadcast not yet complete): they outlive a lost trainer, restarted
+        or not. A relay's stats hold every publication of its run: not asked when the
+        last copy is as the trainer's version and complete."""
+        copied = self._master_publications
+        version = (self._last_t_stats or {}).get("version")
+        unwritten = copied[max(0, self._n_pubs - len(self._old_publications)) :]
+        if copied and copied[-1]["version"] == version and all(_broadcast(p) for p in unwritten):
+            return
         a = self.actors
         try:
-            self._master_publications = a["relays"][0].stats().result(timeout=5.0)["publications"]
+            wait = min(ROWS_WAIT_S, self._core_timeout())
+            stats = actor_result(a["relays"][0], a["relays"][0].stats(), wait)
+            self._master_publications = stats["publications"]
         except Exception:  # noqa: BLE001 — lost meanwhile: the last copy stands
             pass
+
+    def _settled_publications(self, final: bool) -> list[dict]:
+        """The publications copied and not yet written whose records will not change: a
+        lost master's, and the live master's once every relay holds the version (its
+        ``broadcast_s``) or :data:`PUBLICATION_SETTLE_S` after it (a relay lost
+        meanwhile never completes it); in order, so a row waits for those before it.
+        ``final``: all of them, as they stand."""
+        pubs = self._old_publications + self._master_publications
+        new = pubs[self._n_pubs :]
+        if not final:
+            old, now, k = len(self._old_publications), time.time(), 0
+            for i, p in enumerate(new):
+                settled = _broadcast(p) or now - p["t_publish"] > PUBLICATION_SETTLE_S
+                if self._n_pubs + i >= old and not settled:
+                    break
+                k += 1
+            new = new[:k]
+        self._n_pubs += len(new)
+        return new
 
     def _relay_summary(self, r_stats: list[dict]) -> dict:
         """The relay tier over the run: each publication (stall, time until every relay

@@ -235,18 +235,72 @@ def _audit_log(run_dir: Path, ds, report: AuditReport) -> int | None:
     return unfinished
 
 
+def rollout_losses(summary: dict, faults) -> dict[tuple[int | None, str], dict]:
+    """Each rollout a run lost, over all its starts: ``(start, rollout id) -> {"time":
+    when it was found lost (epoch seconds), "in_summary": named by summary.json,
+    "rows": its rows in the faults table}``. A resumed run's rollouts are named ``r0``,
+    ``r1``, ... again, so a loss is keyed by its start too (``None``: a faults row
+    written before rows named their start, matched to a loss of its rollout id).
+
+    From ``summary`` (summary.json: ``faults.lost`` of the start that wrote it,
+    ``faults.earlier`` of the starts before) and ``faults`` (the ``faults`` table of
+    ``metrics.zarr``, or ``None``): every lost rollout has a row there (``how`` ``none``
+    when it held nothing to recover), unless the rows were lost with the data module
+    before the driver copied them, and the summary names the losses of the starts that
+    stopped in order, so each covers what the other may lack."""
+    f = summary.get("faults") or {}  # (null: recovery off)
+    out: dict[tuple[int | None, str], dict] = {}
+
+    def loss(key, t: float, in_summary: bool = False, rows: int = 0) -> None:
+        e = out.setdefault(key, {"time": t, "in_summary": False, "rows": 0})
+        e["time"] = t if in_summary else min(e["time"], t)
+        e["in_summary"] |= in_summary
+        e["rows"] += rows
+
+    for earlier in f.get("earlier") or []:
+        for rid, t in (earlier.get("lost") or {}).items():
+            loss((int(earlier["segment"]), str(rid)), float(t), in_summary=True)
+    here = int(summary.get("segments", 1)) - 1
+    for rid, t in (f.get("lost") or {}).items():
+        loss((here, str(rid)), float(t), in_summary=True)
+    if faults is None or not faults.sizes.get("recovery"):
+        return out
+    rids = faults["rollout"].values.astype(str)
+    times = faults["time"].values.astype(float)
+    seg = faults["segment"].values if "segment" in faults else np.full(len(rids), np.nan)
+    for rid, t, s in zip(rids.tolist(), times.tolist(), seg.tolist(), strict=True):
+        key = (None if s != s else int(s), rid)
+        if key[0] is None:  # (an older row: the loss of that rollout id, if one is known)
+            key = next((k for k in out if k[1] == rid), key)
+        loss(key, t, rows=1)
+    return out
+
+
 def _audit_faults(run_dir: Path, ds, report: AuditReport, unfinished: int | None) -> None:
     """Each lost rollout's trajectories finished elsewhere, counted against the recovery
-    records; recovery times and what the log held."""
+    records; recovery times and what the log held. A rollout that summary.json names as
+    lost without a recovery row cannot be checked: said, not skipped."""
     from storage.metrics import open_metrics
 
     try:
         rows = open_metrics(run_dir, "faults")
     except (FileNotFoundError, KeyError):
-        report.figures["rollouts lost"] = 0
+        rows = None
+    losses = rollout_losses(_summary(run_dir), rows)
+    report.figures["rollouts lost"] = len(losses)
+    unrecorded = [k for k, e in losses.items() if not e["rows"]]
+    if unrecorded:
+        names = ", ".join(rid if s is None else f"{rid} (start {s})" for s, rid in unrecorded)
+        _problem_if_ended(
+            run_dir,
+            report,
+            f"{len(unrecorded)} rollouts summary.json names as lost ({names}) have no row "
+            "in the faults table of metrics.zarr: their recovery rows were lost (with the "
+            "data module, before the driver copied them), so their recovery is unchecked",
+        )
+    if rows is None:
         return
     lost = sorted(set(rows["rollout"].values.tolist()))
-    report.figures["rollouts lost"] = len(lost)
     report.figures["recovered trajectories"] = int(rows["requests"].sum())
     report.figures["recovered tokens (kept)"] = int(rows["tokens_recovered"].sum())
     if rows.sizes["recovery"]:

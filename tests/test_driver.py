@@ -555,3 +555,49 @@ def test_a_resumed_runs_buffer_age_leaves_out_the_time_it_was_stopped(tmp_path, 
     assert ages[:2] == [pytest.approx(40.0), 5.0] and ages[2] != ages[2]
     # (and the buffer's evictions and filtering, over time, beside its discards)
     assert s._rows["cluster"][0]["evicted"] == 2 and s._rows["cluster"][0]["filtered"] == 1
+
+
+def test_rows_only_the_trainer_and_manager_hold_outlive_a_lost_data_module(tmp_path, monkeypatch):
+    """The trainer's history, the manager's recoveries and the master relay's
+    publications are copied every poll and written when the run fails: a data module
+    lost before the driver's first 5 s flush (restarts off) used to take them all, so
+    ``laminar audit`` found no ``faults`` table and skipped its recovery check, and a
+    lost run's ``publications`` held nothing of its start."""
+    from storage.metrics import open_metrics
+
+    live = set(WORKERS.values())
+    s, calls = fake_run(tmp_path, monkeypatch, live)
+    history = [{"version": v, "time": 1.0e9 + v, "loss": 0.1 * v} for v in (1, 2)]
+    fault = {"time": 1.0e9, "rollout": "r1", "destination": "r0", "how": "import"}
+    fault |= {"version": 1, "requests": 3, "tokens_recovered": 5, "recovery_s": 0.1}
+    pubs = [
+        {"version": 0, "t_publish": time.time(), "stall_s": 0.01, "broadcast_s": 0.02},
+        {"version": 1, "t_publish": time.time(), "stall_s": 0.01, "broadcast_s": float("nan")},
+    ]
+    s.actors["trainer"]._answers |= {
+        "stats": _trainer_stats(done=False) | {"version": 1},
+        "get_history": lambda start: history[start:],
+    }
+    s.actors["manager"]._answers["get_fault_rows"] = lambda start: [fault][start:]
+    s.actors["relays"][0]._answers["stats"] = {**RELAY, "publications": pubs}
+    polls = []
+
+    def buffer_stats():
+        polls.append(1)
+        if len(polls) > 4:  # its worker dies
+            live.discard(WORKERS["data"])
+            raise ConnectionError("gone")
+        return BUFFER
+
+    s.actors["buffer"]._answers["stats"] = buffer_stats
+    out = run_in_thread(s)
+    assert out != "hung" and isinstance(out.get("error"), ClusterError), out
+    assert "data module" in str(out["error"])
+    assert open_metrics(tmp_path, "updates")["version"].values.tolist() == [1, 2]
+    faults = open_metrics(tmp_path, "faults")
+    assert faults["rollout"].values.tolist() == ["r1"]
+    assert faults["segment"].values.tolist() == [0]  # (the start that lost it)
+    # (each version once, the one whose broadcast had not completed included)
+    assert open_metrics(tmp_path, "publications")["version"].values.tolist() == [0, 1]
+    # asked incrementally: the history from the rows copied on, not all of it each poll
+    assert calls.count(f"{WORKERS['trainer']}.get_history") > 1

@@ -600,6 +600,13 @@ def test_a_lost_trainer_fails_the_run_clearly_and_it_resumes_in_place(tmp_path):
     assert failed_summary["versions"] >= 3 and failed_summary["consumed"] >= 3 * 4 * 4
     # (its wall time, from the rows the driver kept: the report and benches read it)
     assert failed_summary["segments"] == 1 and failed_summary["rl_wall_s"] > 0
+    # What only the lost trainer's process held (its history, the master relay's
+    # publications) was copied every poll and written as the run failed, where none of
+    # the publications were kept. (Versions 1 and 2 were done when a poll saw 3.)
+    updates = open_metrics(run_dir, "updates")["version"].values.tolist()
+    assert updates[:2] == [1, 2], updates
+    first_pubs = open_metrics(run_dir, "publications")["version"].values.tolist()
+    assert first_pubs[:3] == [0, 1, 2], first_pubs
     # The buffer died with the data worker, but it stored each trajectory on admission:
     # the store holds them (all but the last flush), with where each stood.
     ds = open_run(run_dir)
@@ -644,9 +651,15 @@ def test_a_lost_trainer_fails_the_run_clearly_and_it_resumes_in_place(tmp_path):
     assert not missed, missed
     report = audit_run(run_dir)
     assert report.ok, report.text()
+    # Each start's publications, its own weights first: the resumed start's checkpoint
+    # version again (the lost start's row of it copied unless it was lost at once).
+    pubs = open_metrics(run_dir, "publications")["version"].values.tolist()
+    assert pubs[: len(first_pubs)] == first_pubs, pubs
+    assert pubs[len(first_pubs)] == version, pubs
+    assert pubs.count(version) == 1 + (version in first_pubs), pubs
     # One clock, two starts: the second's rows follow a gap; the wall time adds up both.
     from pipelines.report import build_report
-    from storage.metrics import open_metrics, segments
+    from storage.metrics import segments
 
     cluster = open_metrics(run_dir, "cluster")
     segs = segments(cluster)
