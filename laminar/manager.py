@@ -113,7 +113,9 @@ class RolloutManager(RecoveryMixin, RepackMixin):
         self.rollout_relays = dict(rollout_relays or {})
         self.relays_lost: dict[str, dict] = {}  # relay id -> what its loss changed
         self._alive_at: dict[str, float] = {}  # rollout -> when it last showed progress
-        self._beat_calls: dict[str, object] = {}  # rollout -> its heartbeat call in flight
+        # rollout -> (when it was asked, its heartbeat call in flight)
+        self._beat_calls: dict[str, tuple[float, object]] = {}
+        self._beat_asked = 0.0  # when the rollouts were last asked (heartbeat_interval)
         self.hung: dict[str, dict] = {}  # rollout -> when it was declared hung, its fence
         self.masters: list[dict] = []  # master relays that replaced a lost one (restarts)
         self._master_lost: float | None = None  # when the master's worker was found gone

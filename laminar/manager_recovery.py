@@ -23,6 +23,24 @@ from laminar.cluster import actor_result, start_thread
 logger = logging.getLogger("laminar.manager")
 
 
+# A rollout or relay is asked whether it progresses this many times per
+# faults.heartbeat_timeout_s, and at least this often (seconds).
+HEARTBEATS_PER_TIMEOUT = 10
+HEARTBEAT_MAX_INTERVAL_S = 5.0
+
+
+def heartbeat_interval(faults) -> float:
+    """How often the manager asks each rollout and relay for its heartbeat: a tenth of
+    ``faults.heartbeat_timeout_s``, at most :data:`HEARTBEAT_MAX_INTERVAL_S`, and no
+    more often than its detection rounds (``faults.detect_interval_s``), which call it.
+
+    >>> from laminar.config_sections import FaultsConfig
+    >>> heartbeat_interval(FaultsConfig()), heartbeat_interval(FaultsConfig(heartbeat_timeout_s=3))
+    (5.0, 0.3)
+    """
+    return min(faults.heartbeat_timeout_s / HEARTBEATS_PER_TIMEOUT, HEARTBEAT_MAX_INTERVAL_S)
+
+
 class RecoveryMixin:
     """Loss and hang detection and recovery, replacements and relay chain rebuilds, for
     :class:`~laminar.manager.RolloutManager` (whose ``__init__`` sets up the state)."""
@@ -165,42 +183,55 @@ class RecoveryMixin:
         return out
 
     def check_heartbeats(self) -> list[str]:
-        """Rollouts and relays that showed no progress for ``faults.heartbeat_timeout_s``
-        are hung: each one's worker is restarted (the nanny stops the process, or kills
-        it), in the background. Its actor is then gone, so a later :meth:`detect` round
-        handles it like any lost one — a hung rollout is fenced before its trajectories
-        resume elsewhere, never generating beside them. A rollout shows progress by its
-        generation loop's heartbeat, a relay by answering. Returns the newly hung."""
+        """Rollouts and relays that neither answered nor showed progress for
+        ``faults.heartbeat_timeout_s`` are hung: each one's worker is restarted (the nanny
+        stops the process, or kills it), in the background. Its actor is then gone, so a
+        later :meth:`detect` round handles it like any lost one — a hung rollout is fenced
+        before its trajectories resume elsewhere, never generating beside them. A rollout
+        shows progress by its generation loop's heartbeat, a relay by answering. Returns
+        the newly hung.
+
+        Called every detection round; each is asked only every :func:`heartbeat_interval`
+        (a call costs the manager's thread about a millisecond: asking 256 rollouts every
+        round took 40 % of it), an answer is read the round it is in, and the silence of
+        one whose question is unanswered counts from the later of its last progress and
+        that question: detection comes within a round of the timeout (one question
+        interval more when it stopped just after an answer), never before it."""
         limit = self.cfg.faults.heartbeat_timeout_s
         now = time.time()
         watched = {k: v for k, v in self._watched().items() if k not in self.hung}
-        for rid, (handle, _, _) in watched.items():
+        for rid in watched:
             self._alive_at.setdefault(rid, now)  # (a new one: from when it is watched)
-            call = self._beat_calls.get(rid)
-            if call is not None and not call.done():
+            asked = self._beat_calls.get(rid)
+            if asked is None or not asked[1].done():
                 continue  # one call at a time: a silent one is not asked again
-            if call is not None:  # answered since the last round (never waited on here)
-                try:
-                    age = call.result(timeout=1.0)
-                except Exception:  # noqa: BLE001 — its worker is gone: detect() sees to it
-                    age = None
-                # (None: its generation loop ended — failed or stopped, for the driver
-                # to see — not hung.)
-                self._alive_at[rid] = max(self._alive_at[rid], now - (age or 0.0))
+            del self._beat_calls[rid]
             try:
-                self._beat_calls[rid] = handle.heartbeat()
+                age = asked[1].result(timeout=1.0)
             except Exception:  # noqa: BLE001 — its worker is gone: detect() sees to it
-                self._beat_calls.pop(rid, None)
-        hung = [r for r in watched if now - self._alive_at[r] > limit]
+                age = None
+            # (None: its generation loop ended — failed or stopped, for the driver to
+            # see — not hung.)
+            self._alive_at[rid] = max(self._alive_at[rid], now - (age or 0.0))
+        silent = {r: self._silent_s(r, now) for r in watched}
+        hung = [r for r in watched if silent[r] > limit]
+        if now - self._beat_asked >= heartbeat_interval(self.cfg.faults):
+            self._beat_asked = now
+            for rid, (handle, _, _) in watched.items():
+                if rid in self._beat_calls or rid in hung:
+                    continue
+                try:
+                    self._beat_calls[rid] = (now, handle.heartbeat())
+                except Exception:  # noqa: BLE001 — its worker is gone: detect() sees to it
+                    pass
         for rid in hung:
             _, worker, kind = watched[rid]
-            silent = now - self._alive_at[rid]
             logger.warning(
                 "%s %s hung: no progress for %.1f s (faults.heartbeat_timeout_s=%s); "
                 "restarting its worker %s",
                 kind,
                 rid,
-                silent,
+                silent[rid],
                 limit,
                 worker,
             )
@@ -210,12 +241,20 @@ class RecoveryMixin:
             self.hung[rid] = {
                 "kind": kind,
                 "time": now,
-                "silent_s": silent,
+                "silent_s": silent[rid],
                 "worker": worker,
                 "restart": "pending",
             }
             start_thread(lambda rid=rid, w=worker: self._fence(rid, w), f"fence-{rid}")
         return hung
+
+    def _silent_s(self, rid: str, now: float) -> float:
+        """How long ``rid`` has neither shown progress nor left a question unanswered:
+        since its last progress, or since it was asked if it has not answered since (it
+        was not asked in between, and may have run until then)."""
+        silent = now - self._alive_at[rid]
+        asked = self._beat_calls.get(rid)
+        return silent if asked is None else min(silent, now - asked[0])
 
     def _fence(self, rid: str, worker: str) -> None:
         from distributed import get_client

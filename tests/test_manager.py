@@ -375,3 +375,45 @@ def test_recoveries_are_counted_as_they_happen(cfg):
     assert stats["recoveries"] == len(rows) == 3
     assert stats["recovered_requests"] == sum(r["requests"] for r in rows) == 3
     assert manager.get_fault_rows() == rows
+
+
+# -- heartbeats ----------------------------------------------------------------------------
+
+
+def test_heartbeats_are_asked_a_tenth_of_the_timeout_apart_and_hangs_found_on_time(
+    cfg, monkeypatch
+):
+    """Every detection round (faults.detect_interval_s, 0.5 s) asked every rollout for its
+    heartbeat, about a millisecond of the manager's thread each: 0.2 s a round at R = 256.
+    Each is now asked every heartbeat_interval (a tenth of the timeout, 5 s at most) and
+    a hang is still found within a round of the timeout (plus one interval when it
+    stopped answering just after an answer), never before it: one that stops answering,
+    one whose generation loop stops while its actor answers, one that stays well."""
+    import laminar.manager_recovery as recovery
+
+    clock = SimpleNamespace(now=0.0)
+    clock.time = lambda: clock.now
+    monkeypatch.setattr(recovery, "time", clock)
+    cfg = with_overrides(cfg, ["faults.heartbeat_timeout_s=60"])
+    interval = recovery.heartbeat_interval(cfg.faults)
+    assert interval == 5.0
+
+    def answers_until(t_stop):  # then never again (SIGSTOP)
+        return lambda: done(0.01) if clock.now < t_stop else never()
+
+    stuck_loop = lambda: done(max(0.0, clock.now - 40.0))  # noqa: E731 — loop stops at 40 s
+    well = FakeRollout(heartbeat=lambda: done(0.01))
+    silent = FakeRollout(heartbeat=answers_until(30.2))
+    stuck = FakeRollout(heartbeat=stuck_loop)
+    manager = RolloutManager(cfg, {"r0": well, "r1": silent, "r2": stuck}, None)
+    manager._fence = lambda rid, worker: None
+    round_s = cfg.faults.detect_interval_s
+    while clock.now < 200.0:
+        manager.check_heartbeats()
+        clock.now += round_s
+    assert set(manager.hung) == {"r1", "r2"}
+    # r1's last answer came at 30 s; the question after it (35 s) never came back
+    assert 30.2 + 60 <= manager.hung["r1"]["time"] <= 30.2 + 60 + interval + round_s
+    # r2 answered throughout, its age telling the loop stopped at 40 s
+    assert 40 + 60 <= manager.hung["r2"]["time"] <= 40 + 60 + 2 * round_s
+    assert len(well.called("heartbeat")) <= 200 / interval + 1  # (was 400: every round)
