@@ -93,6 +93,7 @@ class Schedule(StatsPolling, FaultHandling, MetricsRecording):
         # this start's segment of the run's metrics, and those before it (_origin)
         self._segment, self._earlier_segments = 0, []
         self._pauses: list[tuple[float, float]] = []  # a resumed run's stops (epoch s)
+        self._earlier_faults: list[dict] = []  # their losses (summary.earlier_faults)
         # a resumed run's counters at its last stop (storage.metrics.counters_at_end):
         # its cumulative columns go on from them
         self._carry: dict[str, dict] = {"cluster": {}, "rollouts": {}}
@@ -463,7 +464,12 @@ class Schedule(StatsPolling, FaultHandling, MetricsRecording):
         self._write_rows(final=True)
         return {
             "faults": faults_summary(
-                m_stats, partial, self.trainer_restarts, self.data_restarts, self.core_restarts
+                m_stats,
+                partial,
+                self.trainer_restarts,
+                self.data_restarts,
+                self.core_restarts,
+                earlier=self._earlier_faults,
             ),
             "repack": m_stats if self.cfg.repack is not None else None,
             "relay": relay,

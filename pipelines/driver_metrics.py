@@ -15,7 +15,7 @@ import time
 
 from laminar.cluster import actor_result
 from pipelines.driver_calls import _answers, _stopping
-from pipelines.summary import median
+from pipelines.summary import earlier_faults, median
 from storage.metrics import ROLLOUT_COUNTERS, ROLLOUT_GAUGES
 
 # What summary.json keeps of each relay's stats.
@@ -75,6 +75,8 @@ class MetricsRecording:
         if self._earlier_segments:
             self._segment = self._earlier_segments[-1]["segment"] + 1
         origin = time_origin(cluster)
+        # (summary.json is rewritten by this start: the earlier ones' losses carried on)
+        self._earlier_faults = earlier_faults(self.run_dir, self._earlier_segments, origin)
         if origin is not None and self._earlier_segments:
             # (between its starts: no trajectory the buffer held again aged meanwhile)
             ends = [origin + seg["end_s"] for seg in self._earlier_segments]

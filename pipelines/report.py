@@ -17,6 +17,7 @@ import numpy as np
 from laminar.errors import ConfigError
 from pipelines.summary import reward_first_last
 from storage import open_run
+from storage.audit import rollout_losses
 from storage.metrics import TABLES, open_metrics, segments, time_origin
 from storage.trajectories import reading
 
@@ -73,12 +74,21 @@ def _since_start(run: dict, epoch) -> np.ndarray:
     return np.asarray(epoch, dtype=float) - run["t0"]
 
 
-def _lost(run: dict) -> dict[str, float]:
-    """Lost rollout -> when its loss was detected (s since the run began)."""
-    lost = (run["summary"].get("faults") or {}).get("lost", {})  # null: recovery off
+def _lost(run: dict) -> list[tuple[str, float]]:
+    """Each lost rollout, over every start of the run, and when its loss was detected (s
+    since the run began): from summary.json (its start's, and the earlier starts' it
+    carries) and the ``faults`` table (every start's), as the audit counts them."""
     if run["t0"] is None:
-        return {}
-    return {rid: float(t) - run["t0"] for rid, t in lost.items()}
+        return []
+    losses = rollout_losses(run["summary"], run["faults"])
+    return sorted((rid, e["time"] - run["t0"]) for (_, rid), e in losses.items())
+
+
+def _replacements(summary: dict) -> int:
+    """Lost rollouts replaced over every start (summary.json and what it carries)."""
+    f = summary.get("faults") or {}
+    earlier = [e.get("replacements") or {} for e in f.get("earlier") or []]
+    return sum(len(r) for r in [f.get("replacements") or {}, *earlier])
 
 
 def _figure(title: str, ncols: int = 1):
@@ -230,7 +240,7 @@ def plot_rollouts(run: dict, out: Path) -> str | None:
         ax_kv.plot([], [], "k^", ms=5, label="repack move in")
     _shade(ax_kv, gaps)
     _shade(ax_v, gaps)
-    for rid, t in _lost(run).items():
+    for rid, t in _lost(run):
         ax_v.axvline(t, color=colour.get(rid, "r"), ls=":", lw=1.5)
         _mark_loss(ax_kv, rid, t, colour.get(rid, "r"), y=0.85)
     ax_kv.set(xlabel="time (s)", ylabel="% of KV slots", title="KV-cache use")
@@ -283,7 +293,7 @@ def plot_events(run: dict, out: Path) -> str | None:
         ax_m.set_title("repack: no moves (off, or none planned)", fontsize=10)
     ax_m.set(xlabel="time (s)", ylabel="requests per move")
     lost = _lost(run)
-    for rid, t in lost.items():
+    for rid, t in lost:
         _mark_loss(ax_f, rid, t, "r", y=0.98)
     if faults is not None and faults.sizes["recovery"]:
         t = _since_start(run, faults["time"].values)
@@ -319,7 +329,6 @@ def _events_row(r: dict) -> str:
         else "-"
     )
     repack = s.get("repack") or {}
-    faults = s.get("faults") or {}
     how = (
         ", ".join(
             f"{k} {int(np.nansum(r['faults']['requests'].values[r['faults']['how'].values == k]))}"
@@ -330,8 +339,8 @@ def _events_row(r: dict) -> str:
     )
     return (
         f"| {r['name']} | {0 if pubs is None else pubs.sizes['publication']} | {stall} | "
-        f"{broadcast} | {repack.get('moves', 0)} | {len(faults.get('lost', {}))} | {how} | "
-        f"{len(faults.get('replacements', {}))} |"
+        f"{broadcast} | {repack.get('moves', 0)} | {len(rollout_losses(s, r['faults']))} | {how} | "
+        f"{_replacements(s)} |"
     )
 
 

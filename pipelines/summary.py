@@ -44,8 +44,10 @@ def faults_summary(
     trainer_restarts: list[dict] = (),
     data_restarts: list[dict] = (),
     core_restarts: list[dict] = (),
+    earlier: list[dict] = (),
 ) -> dict | None:
-    """Losses and recoveries over the run, and the partial-response log's counters."""
+    """Losses and recoveries over this start of the run, and the partial-response log's
+    counters; ``earlier``: a resumed run's earlier starts' (:func:`earlier_faults`)."""
     if partial is None:
         return None
     m = m_stats or {}
@@ -62,7 +64,102 @@ def faults_summary(
         "data_restarts": list(data_restarts),
         "core_restarts": list(core_restarts),  # trainer and data module lost together
         "partial": partial,
+        "earlier": list(earlier),  # one entry per earlier start
     }
+
+
+# What ``faults.earlier`` keeps of each earlier start's faults.
+EARLIER_FAULTS = ("lost", "replacements", "recoveries", "recovered_requests")
+
+
+def earlier_faults(run_dir: Path, earlier_segments: list[dict], origin: float | None) -> list[dict]:
+    """The losses of a resumed run's earlier starts (``earlier_segments``:
+    :func:`storage.metrics.segments` of them), one entry per start: ``segment``,
+    ``lost`` (rollout → when found lost, epoch seconds), ``replacements``,
+    ``recoveries``, ``recovered_requests``. Each start rewrites summary.json, and a
+    resumed run's rollouts are named ``r0``, ``r1``, ... again: the resumed start
+    carries those before it under ``faults.earlier``, so that summary.json, and the
+    report and audit that read it, count every start's losses.
+
+    From the run's summary.json where a start that stopped in order wrote it (with the
+    starts it carried itself); a start that failed or was killed wrote no faults, so
+    its entry comes from the ``faults`` table of ``metrics.zarr`` (each row's
+    ``segment``, or for older rows the start its time falls in: ``origin`` is the run's
+    clock's epoch), where replacements are not recorded (``None``) and a rollout whose
+    rows were lost with the data module is missing (``"from": "faults table"``)."""
+    starts = [int(seg["segment"]) for seg in earlier_segments]
+    out = _carried_faults(_read_summary(run_dir))
+    missing = [s for s in starts if s not in out]
+    if missing:
+        for s in missing:
+            out[s] = {
+                "segment": s,
+                "lost": {},
+                "replacements": None,
+                "recoveries": 0,
+                "recovered_requests": 0,
+                "from": "faults table",
+            }
+        for seg, rid, t, requests in _fault_rows(run_dir, earlier_segments, origin):
+            e = out.get(seg)
+            if e is None or e.get("from") != "faults table":
+                continue
+            e["lost"][rid] = min(t, e["lost"].get(rid, t))
+            e["recoveries"] += 1
+            e["recovered_requests"] += requests
+    return [out[s] for s in sorted(out) if s in starts]
+
+
+def _read_summary(run_dir: Path) -> dict:
+    try:
+        prev = json.loads((Path(run_dir) / "summary.json").read_text())
+    except (OSError, ValueError):
+        return {}
+    return prev if isinstance(prev, dict) else {}
+
+
+def _carried_faults(prev: dict) -> dict[int, dict]:
+    """Start -> its faults entry, as a run's summary.json ``prev`` holds them: those it
+    carries (``faults.earlier``; a failed driver's summary, ``faults_earlier``) and, when
+    its start stopped in order, its own."""
+    f = prev.get("faults")
+    f = f if isinstance(f, dict) else {}
+    out = {int(e["segment"]): dict(e) for e in f.get("earlier") or prev.get("faults_earlier") or []}
+    if "lost" in f and not prev.get("driver_failed"):
+        seg = int(prev.get("segments", 1)) - 1
+        out[seg] = {"segment": seg, **{k: f.get(k) for k in EARLIER_FAULTS}}
+    return out
+
+
+def _fault_rows(run_dir: Path, earlier_segments: list[dict], origin: float | None):
+    """``(segment, rollout, time, requests)`` of each row of the ``faults`` table (none
+    when it has none, or cannot be read)."""
+    from storage.metrics import open_metrics
+
+    try:
+        rows = open_metrics(run_dir, "faults")
+    except Exception:  # noqa: BLE001 — none written, or unreadable: nothing to carry
+        return []
+    if not rows.sizes.get("recovery"):
+        return []
+    times = rows["time"].values.astype(float)
+    if "segment" in rows:
+        seg = rows["segment"].values.astype(float)
+    else:
+        seg = np.full(len(times), np.nan)
+    if np.isnan(seg).any():  # (rows from before they named their start: by time)
+        clock = times - (origin if origin is not None else 0.0)
+        starts = np.array([s["start_s"] for s in earlier_segments] or [0.0])
+        ids = np.array([s["segment"] for s in earlier_segments] or [0])
+        by_time = ids[np.clip(np.searchsorted(starts, clock, side="right") - 1, 0, None)]
+        seg = np.where(np.isnan(seg), by_time, seg)
+    return zip(
+        seg.astype(int).tolist(),
+        rows["rollout"].values.astype(str).tolist(),
+        times.tolist(),
+        rows["requests"].values.astype(int).tolist(),
+        strict=True,
+    )
 
 
 def updates_made(trainer: dict, steps: int) -> int:
@@ -190,6 +287,9 @@ def summarize_failed(run_dir: Path, error: BaseException, cfg: RunConfig) -> dic
     and what the stores say — trajectories, rewards, staleness, the last published
     version. Whatever cannot be read is left out, never guessed."""
     why = " ".join(f"{type(error).__name__}: {error}".split())
+    # (the earlier starts' losses the summary this one replaces carried: kept for the
+    # resume, which takes this start's own from the faults table)
+    carried = sorted(_carried_faults(_read_summary(run_dir)).values(), key=lambda e: e["segment"])
     summary: dict = {
         "run_dir": str(run_dir),
         "reason": f"failed: {why[:2000]}",
@@ -198,6 +298,8 @@ def summarize_failed(run_dir: Path, error: BaseException, cfg: RunConfig) -> dic
         "driver_failed": True,  # (no actor's figures: the run did not stop in order)
         "metrics": str(run_dir / "metrics.zarr"),
     }
+    if carried:
+        summary["faults_earlier"] = carried
     try:
         from storage import open_run
 

@@ -243,11 +243,12 @@ def rollout_losses(summary: dict, faults) -> dict[tuple[int | None, str], dict]:
     written before rows named their start, matched to a loss of its rollout id).
 
     From ``summary`` (summary.json: ``faults.lost`` of the start that wrote it,
-    ``faults.earlier`` of the starts before) and ``faults`` (the ``faults`` table of
-    ``metrics.zarr``, or ``None``): every lost rollout has a row there (``how`` ``none``
-    when it held nothing to recover), unless the rows were lost with the data module
-    before the driver copied them, and the summary names the losses of the starts that
-    stopped in order, so each covers what the other may lack."""
+    ``faults.earlier`` of the starts before, ``faults_earlier`` in a failed driver's)
+    and ``faults`` (the ``faults`` table of ``metrics.zarr``, or ``None``): every lost
+    rollout has a row there (``how`` ``none`` when it held nothing to recover), unless
+    the rows were lost with the data module before the driver copied them, and the
+    summary names the losses of the starts that stopped in order, so each covers what
+    the other may lack."""
     f = summary.get("faults") or {}  # (null: recovery off)
     out: dict[tuple[int | None, str], dict] = {}
 
@@ -257,7 +258,7 @@ def rollout_losses(summary: dict, faults) -> dict[tuple[int | None, str], dict]:
         e["in_summary"] |= in_summary
         e["rows"] += rows
 
-    for earlier in f.get("earlier") or []:
+    for earlier in f.get("earlier") or summary.get("faults_earlier") or []:
         for rid, t in (earlier.get("lost") or {}).items():
             loss((int(earlier["segment"]), str(rid)), float(t), in_summary=True)
     here = int(summary.get("segments", 1)) - 1

@@ -601,3 +601,29 @@ def test_rows_only_the_trainer_and_manager_hold_outlive_a_lost_data_module(tmp_p
     assert open_metrics(tmp_path, "publications")["version"].values.tolist() == [0, 1]
     # asked incrementally: the history from the rows copied on, not all of it each poll
     assert calls.count(f"{WORKERS['trainer']}.get_history") > 1
+
+
+def test_a_resumed_runs_summary_carries_the_earlier_starts_faults(tmp_path, monkeypatch):
+    """The resumed start's ``faults`` (what summary.json holds, rewritten by each start)
+    carries the earlier starts' losses under ``earlier``: they read as none after a
+    resume, beside the faults table's recoveries of every start."""
+    import json
+    from types import SimpleNamespace
+
+    from storage.metrics import MetricsWriter
+
+    t0 = 1.8e9
+    MetricsWriter(tmp_path).append(
+        "cluster",
+        [{"segment": 0, "elapsed_s": t, "wall_time": t0 + t, "version": 2} for t in (0.0, 9.0)],
+    )
+    lost = {"lost": {"r1": t0 + 3}, "replacements": {"r1": "r2"}, "recoveries": 1}
+    summary = {"reason": "stopped", "segments": 1, "faults": lost | {"recovered_requests": 4}}
+    (tmp_path / "summary.json").write_text(json.dumps(summary))
+    s, _ = fake_run(tmp_path, monkeypatch, set(WORKERS.values()))
+    s.resume = SimpleNamespace(summary=lambda: {"version": 2})
+    out = run_in_thread(s)
+    assert "result" in out, out
+    faults = out["result"]["faults"]
+    assert faults["lost"] == {}  # (this start's)
+    assert faults["earlier"] == [{"segment": 0, **lost, "recovered_requests": 4}]

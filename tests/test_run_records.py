@@ -60,3 +60,84 @@ def test_the_audit_flags_a_lost_rollout_whose_recovery_rows_were_lost(tmp_path):
     assert report.ok, report.text()
     assert report.figures["rollouts lost"] == 1
     assert report.figures["  r1: resumed and stored"] == 2
+
+
+def _cluster(run_dir, starts=((0, 0.0, 10.0), (1, 100.0, 110.0), (2, 200.0, 210.0))) -> None:
+    MetricsWriter(run_dir).append(
+        "cluster",
+        [
+            {"segment": s, "elapsed_s": t, "wall_time": T0 + t, "version": 1, "buffer_depth": 0}
+            | {"oldest_buffered_age_s": 0.0}
+            for s, a, b in starts
+            for t in (a, b)
+        ],
+    )
+
+
+def test_a_resumed_runs_summary_carries_every_earlier_starts_losses(tmp_path):
+    """Each start rewrites summary.json: a resume's showed only its own losses, while the
+    faults table holds every start's. The earlier starts' are carried under
+    ``faults.earlier``: from the summary of a start that stopped in order (with what it
+    carried), through a failed driver's summary (``faults_earlier``), and from the
+    faults table for a start that wrote no summary of its faults."""
+    from laminar.config import RunConfig
+    from pipelines.summary import earlier_faults, summarize_failed
+    from storage.metrics import open_metrics, segments, time_origin
+
+    _store(tmp_path)
+    _cluster(tmp_path)
+    MetricsWriter(tmp_path).append(
+        "faults",
+        [
+            _fault("r1", T0 + 3, segment=0),
+            _fault("r1", T0 + 4, segment=0),
+            _fault("r2", T0 + 103, segment=1),
+            _fault("r0", T0 + 205, segment=2, requests=5),
+            _fault("r0", T0 + 206, segment=2, how="none", requests=0),
+        ],
+    )
+    start0 = {"segment": 0, "lost": {"r1": T0 + 3}, "replacements": {"r1": "r3"}}
+    start0 |= {"recoveries": 2, "recovered_requests": 4}
+    faults = {"lost": {"r2": T0 + 103}, "replacements": {}, "recoveries": 1}
+    faults |= {"recovered_requests": 2, "earlier": [start0]}
+    summary = {"reason": "stopped", "segments": 2, "faults": faults}
+    (tmp_path / "summary.json").write_text(json.dumps(summary))
+    # start 2 failed: its driver's summary keeps what the one it replaces carried
+    failed = summarize_failed(tmp_path, RuntimeError("lost the trainer"), RunConfig())
+    assert failed["driver_failed"] and [e["segment"] for e in failed["faults_earlier"]] == [0, 1]
+    cluster = open_metrics(tmp_path, "cluster")
+    earlier = earlier_faults(tmp_path, segments(cluster), time_origin(cluster))
+    assert [e["segment"] for e in earlier] == [0, 1, 2]
+    assert earlier[0] == start0
+    assert earlier[1] == {"segment": 1, **{k: faults[k] for k in start0 if k != "segment"}}
+    assert earlier[2] == {
+        "segment": 2,
+        "lost": {"r0": T0 + 205},
+        "replacements": None,  # (not in the table)
+        "recoveries": 2,
+        "recovered_requests": 5,
+        "from": "faults table",
+    }
+
+
+def test_the_report_counts_and_marks_the_losses_of_every_start(tmp_path):
+    """A run that lost r1, then was stopped and resumed: report.md said "rollouts lost
+    0 ... replacements 0" beside the recoveries of r1 from the faults table, and its
+    figures marked no loss, reading the losses from the resumed start's summary alone."""
+    from pipelines.report import _load, _lost, build_report
+
+    _store(tmp_path)
+    _cluster(tmp_path, starts=((0, 0.0, 10.0), (1, 100.0, 110.0)))
+    MetricsWriter(tmp_path).append(
+        "faults",
+        [_fault("r1", T0 + 3, segment=0), _fault("r1", T0 + 3, segment=0, how="rescore")],
+    )
+    start0 = {"segment": 0, "lost": {"r1": T0 + 3}, "replacements": {"r1": "r2"}}
+    start0 |= {"recoveries": 2, "recovered_requests": 4}
+    faults = {"lost": {}, "replacements": {}, "recoveries": 0, "recovered_requests": 0}
+    summary = {"reason": "completed", "segments": 2, "faults": faults | {"earlier": [start0]}}
+    (tmp_path / "summary.json").write_text(json.dumps(summary))
+    assert _lost(_load(tmp_path)) == [("r1", 3.0)]  # (marked on the figures)
+    text = build_report([tmp_path], tmp_path / "report").read_text()
+    # moves, lost, by how, replacements
+    assert f"| {tmp_path.name} | 0 | - | - | 0 | 1 | import 2, rescore 2 | 1 |" in text, text
