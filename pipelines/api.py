@@ -293,7 +293,8 @@ class RunHandle:
                 )
                 self._set_progress({"phase": "failed", "error": reason})
             else:  # (the last figures, which the polling may have missed)
-                self._set_progress({"phase": "done", "version": self.summary["versions"]})
+                done = {"version": self.summary["versions"], "updates": self.summary["updates"]}
+                self._set_progress({"phase": "done", **done})
         except BaseException as e:  # surfaced by wait(); never lost in a thread
             self.error = e
             if running and self.summary is None and not isinstance(e, RunStopped):
@@ -327,7 +328,11 @@ class RunHandle:
         return str(self.run_dir)
 
     def progress(self) -> dict:
-        """The latest progress: phase, version, reward, tokens/s, buffer depth, staleness."""
+        """The latest progress: ``phase``; while training, ``updates`` (made, of
+        ``steps``: ``trainer.steps``, the updates asked for), ``version`` (the weights'
+        version number: a trainer restarted within the run skips the lost one's numbers,
+        so it can pass ``steps``; the run ends at ``last_version``), ``reward``,
+        ``gen_tok_s``, ``buffer_depth``, ``s_train_mean``, ``trajectories``."""
         return dict(self._progress)
 
     def done(self) -> bool:

@@ -43,7 +43,7 @@ from pipelines.driver_calls import _answers, _results, _send, _stopping
 from pipelines.driver_faults import FaultHandling
 from pipelines.driver_metrics import MetricsRecording
 from pipelines.driver_polls import StatsPolling
-from pipelines.summary import faults_summary
+from pipelines.summary import faults_summary, updates_made
 
 logger = logging.getLogger("laminar")
 
@@ -343,8 +343,14 @@ class Schedule(StatsPolling, FaultHandling, MetricsRecording):
                     {
                         "phase": "training",
                         "elapsed_s": now - t_start,
+                        # the updates made of the trainer.steps asked for, as in
+                        # summary.json: a trainer restarted within the run skips the
+                        # lost one's version numbers, so the version may pass steps
+                        # (it ends at last_version)
+                        "updates": updates_made(t_stats, self.cfg.trainer.steps),
+                        "steps": self.cfg.trainer.steps,
                         "version": t_stats["version"],
-                        "steps": t_stats["steps"],
+                        "last_version": t_stats["steps"],
                         "reward": last.get("reward_mean"),
                         "s_train_mean": last.get("s_train_mean"),
                         "gen_tok_s": gen_tok_s,

@@ -627,3 +627,24 @@ def test_a_resumed_runs_summary_carries_the_earlier_starts_faults(tmp_path, monk
     faults = out["result"]["faults"]
     assert faults["lost"] == {}  # (this start's)
     assert faults["earlier"] == [{"segment": 0, **lost, "recovered_requests": 4}]
+
+
+def test_progress_counts_the_updates_asked_for_not_the_skipped_version_numbers(
+    tmp_path, monkeypatch
+):
+    """A trainer restarted within the run skips the lost one's version numbers: with
+    trainer.steps=14 the run ends at version 16. progress() said steps 16 (the
+    quickstart's bar, over trainer.steps, ran past its end at version 16 of 14): it
+    says the updates made of the 14 asked for, and the version beside them."""
+    s, _ = fake_run(tmp_path, monkeypatch, set(WORKERS.values()))
+    s.cfg = with_overrides(s.cfg, ["trainer.steps=14"])
+    # (a restart after the lost trainer published 6 from the checkpoint at 4: 2 skipped)
+    restarted = {"version": 16, "steps": 16, "skipped_versions": 2}
+    s.actors["trainer"]._answers["stats"] = _trainer_stats() | restarted
+    s.actors["trainer"]._answers["stop"] = _trainer_stats() | restarted
+    seen: list[dict] = []
+    out = in_thread(lambda: s.run(seen.append, lambda: False), 30.0)
+    assert "result" in out, out
+    p = seen[-1]
+    assert (p["updates"], p["steps"]) == (14, 14)
+    assert (p["version"], p["last_version"]) == (16, 16)
