@@ -594,17 +594,31 @@ class Relay:
             out["publications"] = self.publication_records()
         return out
 
-    def publication_records(self) -> list[dict]:
-        """Master: each publication with the time until every relay held it."""
+    async def publications_since(self, since: int = 0) -> list[dict]:
+        """Master: :meth:`publication_records` from the ``since``-th publication on (the
+        driver copies them as the run goes: a caller that holds the earlier ones, and
+        needs none of them again, asks for the rest only)."""
+        return self.publication_records(since)
+
+    def publication_records(self, since: int = 0) -> list[dict]:
+        """Master: each publication from the ``since``-th on, with how many relays of the
+        chain hold it and the time until every one did (NaN until then).
+
+        Each record costs set operations over the chain, not a lookup per relay: at 5,000
+        versions down a 128-relay chain the whole list took 50-80 ms of the event loop
+        (a record's time is the newest of its relays', so it still reads every one)."""
+        chain = list(self.chain)
+        members = set(chain)
         out = []
-        for rec in self.publications:
+        for rec in self.publications[since:]:
             done = self.completions.get(rec["version"], {})
-            times = [done.get(r) for r in self.chain]
             row = dict(rec)
-            row["relays_complete"] = sum(t is not None for t in times)
-            row["broadcast_s"] = (
-                max(times) - rec["t_publish"] if all(t is not None for t in times) else math.nan
-            )
+            if done.keys() >= members:
+                row["relays_complete"] = len(chain)
+                row["broadcast_s"] = max(map(done.__getitem__, chain)) - rec["t_publish"]
+            else:
+                row["relays_complete"] = len(members & done.keys())
+                row["broadcast_s"] = math.nan
             out.append(row)
         return out
 
