@@ -388,9 +388,7 @@ class ExperienceBuffer:
 
     def _resume(self, run_dir: str, plan) -> None:
         """Re-admit the plan's groups (back to ``buffered``) and drop the rest."""
-        from storage.trajectories import open_trajectories
-
-        arrays = open_trajectories(run_dir)
+        arrays = _scalars(run_dir)
         rows = {uid: i for i, uid in enumerate(arrays["uid"].tolist())}
         readmit = [rows[u] for u in plan.readmit]
         self._hold_again(arrays, readmit, "resume", stored=set(rows), stopped=True)
@@ -402,9 +400,7 @@ class ExperienceBuffer:
         """Take over from a lost buffer: hold again what the plan says, write the
         consumed events its store lacks, and count what the store holds as this
         buffer's own (its counters go on from the lost one's)."""
-        from storage.trajectories import open_trajectories
-
-        arrays = open_trajectories(run_dir)
+        arrays = _scalars(run_dir)
         rows = {uid: i for i, uid in enumerate(arrays["uid"].tolist())}
         self._stored_before = set(rows)
         held = [rows[u] for u in plan.hold]
@@ -434,17 +430,18 @@ class ExperienceBuffer:
         stored: set[str] = frozenset(),
         stopped: bool = False,
     ) -> int:
-        """Hold again the stored trajectories at ``rows`` of :func:`open_trajectories`'
-        ``arrays``, by GRPO group, back to ``buffered`` (one consumed by a lost update gets
-        a ``buffered`` event, with the time it is held again:
-        :data:`storage.trajectories.HELD_AGAIN`). ``why``: as :meth:`BufferCore.restore`'s.
+        """Hold again the stored trajectories at ``rows`` of the store's ``arrays``
+        (:func:`_scalars`: their tokens are read for these rows alone), by GRPO group,
+        back to ``buffered`` (one consumed by a lost update gets a ``buffered`` event,
+        with the time it is held again: :data:`storage.trajectories.HELD_AGAIN`).
+        ``why``: as :meth:`BufferCore.restore`'s.
         ``stored``: uids never to be admitted again. ``stopped``: the run was stopped
         until now (a resume). Returns how many groups."""
         from storage.trajectories import records_at
 
         now = time.time()
         groups: dict[str, list[Trajectory]] = {}
-        for rec in records_at(arrays, rows):
+        for rec in records_at(arrays, rows, self.writer.path):
             t = Trajectory(**rec)
             t.status, t.sample_version, t.t_sample = "buffered", -1, math.nan
             groups.setdefault(t.prompt_uid, []).append(t)
@@ -692,10 +689,8 @@ class ExperienceBuffer:
         twice into the weights). They were sampled by versions the new trainer's numbers
         come after (:class:`~laminar.trainer.Trainer` ``after_version``), so any may be
         trained. Returns how many came back."""
-        from storage.trajectories import open_trajectories
-
         await self._write_through()  # the lost updates' consumed events are in the store
-        arrays = open_trajectories(self.writer.path)
+        arrays = _scalars(self.writer.path)
         lost = (arrays["status"] == "consumed") & (arrays["sample_version"] >= version)
         rows = np.flatnonzero(lost).tolist()
         groups = self._hold_again(arrays, rows, "trainer_restart")
@@ -783,6 +778,17 @@ _CONTENTS = (
     "ready_groups",
     "partial_groups",
 )
+
+
+def _scalars(run_dir) -> dict[str, np.ndarray]:
+    """Every per-trajectory field of the store, its leave events applied, and no tokens:
+    a buffer holding trajectories again reads theirs alone
+    (:func:`storage.trajectories.records_at`). The whole store's tokens are 9.6 bytes a
+    response token: 38 GB for a million trajectories of 4k tokens, over two minutes to
+    read, which outlasted the rollouts' wait for a rebuilt data module."""
+    from storage.trajectories import open_trajectories
+
+    return open_trajectories(run_dir, list(SCALARS))
 
 
 def _walk_back(t: float, seconds: float, stops: list[tuple[float, float]]) -> float:

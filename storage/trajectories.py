@@ -583,20 +583,92 @@ def _read_trajectories(store: Path, group: zarr.Group, fields) -> dict[str, np.n
     return out
 
 
-def records_at(arrays: Mapping[str, np.ndarray], rows: Sequence[int]) -> list[dict[str, Any]]:
+def records_at(
+    arrays: Mapping[str, np.ndarray], rows: Sequence[int], path: str | Path | None = None
+) -> list[dict[str, Any]]:
     """The records (field -> value, as :meth:`TrajectoryWriter.append` takes them) at
-    ``rows`` of :func:`open_trajectories`' arrays."""
-    out = []
-    for i in rows:
-        rec: dict[str, Any] = {}
-        for name, dtype in SCALARS.items():
-            v = arrays[name][i]
-            rec[name] = str(v) if dtype.kind == "T" else v.item()
+    ``rows`` of :func:`open_trajectories`' arrays. Arrays read with ``fields`` (every
+    per-trajectory one: :data:`storage.schema.SCALARS`) hold no tokens: those of these
+    rows alone are read from the store at ``path`` (:func:`tokens_at`)."""
+    rows = [int(i) for i in rows]
+    index = np.asarray(rows, dtype=np.int64)
+    values = {name: arrays[name][index].tolist() for name in SCALARS}  # (str for strings)
+    if all(name in arrays for name in RAGGED_FIELDS):
+        tokens = {name: [] for name in RAGGED_FIELDS}
         for g, (_, fields) in RAGGED.items():
-            start, n = int(arrays[f"{g}_start"][i]), int(arrays[f"{g}_len"][i])
+            for i in rows:
+                start, n = int(arrays[f"{g}_start"][i]), int(arrays[f"{g}_len"][i])
+                for name in fields:
+                    tokens[name].append(np.array(arrays[name][start : start + n]))
+    elif path is None:
+        raise ValueError("records_at: arrays without tokens need the store's path")
+    else:
+        tokens = tokens_at(path, rows, n=len(arrays["uid"]))
+    return [
+        {name: column[k] for name, column in (*values.items(), *tokens.items())}
+        for k in range(len(rows))
+    ]
+
+
+def tokens_at(
+    path: str | Path, rows: Sequence[int], n: int | None = None
+) -> dict[str, list[np.ndarray]]:
+    """The token-level fields (:data:`storage.schema.RAGGED_FIELDS`) of the trajectories
+    at ``rows`` (of :func:`open_trajectories`' arrays; ``n``: how many those hold), one
+    array per row, read for those rows alone: a buffer that holds a few thousand
+    trajectories again reads their tokens, not the run's (9.6 bytes a response token).
+
+    A trajectory's tokens start where those of the rows before it end (the starts come
+    from the lengths, as :func:`open_trajectories` takes them). The rows' token ranges
+    are read in runs, one per stretch of chunks they touch, so each chunk is read once."""
+    store, group = _open_group(path)
+    with reading(store):
+        committed_n = int(group.attrs[COMMIT_ATTR])
+        tokens = group.attrs["n_committed_tokens"]
+        n = committed_n if n is None else n
+        index = np.asarray(rows, dtype=np.int64)
+        if index.size and (index.min() < 0 or index.max() >= min(n, committed_n)):
+            raise StoreError(
+                f"{str(store)!r}: rows {int(index.min())}..{int(index.max())} asked of "
+                f"{min(n, committed_n)} trajectories committed"
+            )
+        end = int(index.max()) + 1 if index.size else 0
+        out: dict[str, list[np.ndarray]] = {}
+        for g, (dim, fields) in RAGGED.items():
+            lens = committed_array(store, group, f"{g}_len", committed_n)[:end]
+            lens = lens.astype(np.int64)
+            starts = np.cumsum(lens) - lens
+            a = starts[index]
+            b = a + lens[index]
+            if b.size and int(b.max()) > tokens[dim]:
+                raise StoreError(
+                    f"{str(store)!r}: {g}_len adds up to {int(b.max())} {dim}s but "
+                    f"{tokens[dim]} are committed; it is damaged: restore the run "
+                    "directory from a copy"
+                )
             for name in fields:
-                rec[name] = np.array(arrays[name][start : start + n])
-        out.append(rec)
+                arr = committed_array(store, group, name, tokens[dim])
+                out[name] = _slices(arr, a, b)
+    return out
+
+
+def _slices(arr: zarr.Array, a: np.ndarray, b: np.ndarray) -> list[np.ndarray]:
+    """``arr[a[k]:b[k]]`` for each k, as copies; ranges less than a chunk apart are read
+    together (zarr reads whole chunks, ~0.5 ms each besides its bytes), every chunk
+    touched once."""
+    out: list[np.ndarray] = [np.zeros(0, arr.dtype) for _ in range(len(a))]
+    gap = int(arr.chunks[0])
+    order = [k for k in np.argsort(a, kind="stable").tolist() if b[k] > a[k]]
+    k0 = 0
+    while k0 < len(order):
+        lo, hi, k1 = int(a[order[k0]]), int(b[order[k0]]), k0 + 1
+        while k1 < len(order) and int(a[order[k1]]) <= hi + gap:
+            hi = max(hi, int(b[order[k1]]))
+            k1 += 1
+        span = arr[lo:hi]
+        for k in order[k0:k1]:
+            out[k] = span[int(a[k]) - lo : int(b[k]) - lo].copy()
+        k0 = k1
     return out
 
 
