@@ -23,6 +23,7 @@ readers slice to it.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import time
@@ -108,6 +109,9 @@ ROLLOUT_GAUGES = (
     "parity_max_abs",
     "parity_mean_abs",
 )
+# A table's group attribute where the writer keeps each counter's last value, as JSON
+# text: ``{"n": rows committed, "counters": ...}`` (:func:`counters_at_end`).
+LAST_ATTR = "last_counters"
 CUMULATIVE = {
     "cluster": (
         "inserted",
@@ -194,6 +198,8 @@ class MetricsWriter:
             self.root = zarr.open_group(str(self.path), mode="a", zarr_format=3)
             _check_tables(self.root)
         self.tensorboard = TensorBoardMirror(self.path.parent) if tensorboard else None
+        # table -> where its cumulative counters stand (:data:`LAST_ATTR`), as appended
+        self._last: dict[str, dict] = {}
 
     def close(self) -> None:
         if self.tensorboard is not None:
@@ -251,7 +257,16 @@ class MetricsWriter:
             if values is None:
                 values = np.full(len(rows), fill_value(arr.dtype), dtype=arr.dtype)
             arr.append(values)
-        group.attrs[COMMIT_ATTR] = n + len(rows)
+        attrs: dict[str, Any] = {COMMIT_ATTR: n + len(rows)}
+        if table in CUMULATIVE:
+            # Where each counter stands, committed with the rows (one write of the
+            # group's metadata): a resume reads it, not the whole table.
+            if table not in self._last:
+                self._last[table] = _group_counters(group, table, n)
+            _merge(self._last[table], _latest(table, columns.get), table)
+            # (as JSON text: zarr encodes a nested attribute ~6x slower, 40 ms at R = 256)
+            attrs[LAST_ATTR] = json.dumps({"n": n + len(rows), "counters": self._last[table]})
+        group.attrs.update(attrs)
         if self.tensorboard is not None:  # after the commit: the record comes first
             try:
                 self.tensorboard.add(table, rows, first=n)
@@ -442,6 +457,12 @@ def counters_at_end(run_dir: str | Path) -> dict[str, dict]:
     value}}}``, each the column's last recorded value (NaN-free; a rollout's last row
     that has it). Tables or columns not written yet are left out.
 
+    Read from where :class:`MetricsWriter` keeps them as it appends (the table's
+    :data:`LAST_ATTR`), and from the rows appended after that (none, unless a writer
+    older than it appended); a table written before it was kept is read whole (a
+    resume used to read and pivot the whole ``rollouts`` table: 7 s and 0.9 GB at a
+    million rows, a few hours at R = 256).
+
     >>> import tempfile
     >>> run = tempfile.mkdtemp()
     >>> w = MetricsWriter(run)
@@ -453,23 +474,80 @@ def counters_at_end(run_dir: str | Path) -> dict[str, dict]:
     {'cluster': {'inserted': 9.0}, 'rollouts': {'r0': {'batches': 3.0}, 'r1': {'batches': 2.0}}}
     """
     out: dict[str, dict] = {"cluster": {}, "rollouts": {}}
-    for table in ("cluster", "rollouts"):
-        try:
-            ds = open_metrics(run_dir, table)
-        except (FileNotFoundError, KeyError):
-            continue
-        for col in CUMULATIVE[table]:
-            if col not in ds:
+    store = store_path(run_dir, STORE_NAME)
+    if not (store / "zarr.json").exists():
+        return out
+    with reading(store):
+        root = zarr.open_group(str(store), mode="r", zarr_format=3)
+        for table in out:
+            group = root[table] if table in root else None
+            if group is None or COMMIT_ATTR not in group.attrs:
                 continue
-            values = ds[col].transpose("time", ...).values  # (rollouts: time x rollout)
-            if table == "cluster":
-                if (ok := np.flatnonzero(~np.isnan(values))).size:
-                    out[table][col] = float(values[ok[-1]])
-                continue
-            for j, rid in enumerate(ds["rollout"].values.tolist()):
-                if (ok := np.flatnonzero(~np.isnan(values[:, j]))).size:
-                    out[table].setdefault(str(rid), {})[col] = float(values[ok[-1], j])
+            out[table] = _group_counters(group, table, int(group.attrs[COMMIT_ATTR]))
     return out
+
+
+def _group_counters(group: zarr.Group, table: str, n: int) -> dict:
+    """Where a table's :data:`CUMULATIVE` counters stand after its first ``n`` rows:
+    its :data:`LAST_ATTR`, with the rows after the one it was kept at (all of them when
+    it has none, or one kept past ``n``)."""
+    kept = group.attrs.get(LAST_ATTR)
+    try:
+        kept = json.loads(kept) if isinstance(kept, str) else kept
+    except ValueError:  # (damaged: the table is read instead)
+        kept = None
+    counters: dict = {}
+    start = 0
+    if isinstance(kept, dict) and 0 <= int(kept.get("n", -1)) <= n:
+        counters = {k: dict(v) if isinstance(v, dict) else v for k, v in kept["counters"].items()}
+        start = int(kept["n"])
+    if start < n:
+        arrays = dict(group_arrays(group))
+
+        def column(name: str) -> np.ndarray | None:
+            arr = arrays.get(name)
+            return None if arr is None else np.asarray(arr[start:n])
+
+        _merge(counters, _latest(table, column), table)
+    return counters
+
+
+def _latest(table: str, column) -> dict:
+    """The last non-NaN value of each of a table's :data:`CUMULATIVE` counters among
+    some rows (``column(name)``: their values, or ``None`` where the column is absent):
+    ``{column: value}``, and for ``rollouts`` ``{rollout: {column: value}}``."""
+    out: dict = {}
+    rid = column("rollout") if table == "rollouts" else None
+    if table == "rollouts":
+        if rid is None:
+            return out
+        rid = np.asarray(rid)
+        rid = fixed_width(rid) if rid.dtype.kind == "T" else rid.astype(str)
+    for col in CUMULATIVE[table]:
+        values = column(col)
+        if values is None or np.asarray(values).dtype.kind not in "fiu":
+            continue
+        values = np.asarray(values, dtype=np.float64)
+        ok = np.flatnonzero(~np.isnan(values))
+        if not ok.size:
+            continue
+        if rid is None:
+            out[col] = float(values[ok[-1]])
+            continue
+        last = ok[::-1]  # (each rollout's first here is its last row with the column)
+        rids, first = np.unique(rid[last], return_index=True)
+        for r, i in zip(rids.tolist(), last[first].tolist(), strict=True):
+            out.setdefault(r, {})[col] = float(values[i])
+    return out
+
+
+def _merge(counters: dict, newer: dict, table: str) -> None:
+    """``newer`` counter values over ``counters`` (in place)."""
+    if table != "rollouts":
+        counters.update(newer)
+        return
+    for rid, values in newer.items():
+        counters.setdefault(rid, {}).update(values)
 
 
 def time_origin(cluster: xr.Dataset) -> float | None:

@@ -202,3 +202,53 @@ def test_numbers_into_a_string_column_are_refused_not_stored_as_text(tmp_path):
     ds = open_metrics(tmp_path, "faults")
     assert ds["how"].values.tolist() == ["import", ""]
     assert ds["time"].values.tolist() == [1.0, 3.0]
+
+
+def test_a_resume_reads_the_kept_counters_not_the_whole_rollouts_table(tmp_path):
+    """Where each rollout's counters stand is kept beside the rows at every append, so a
+    resume (counters_at_end) reads it instead of reading and pivoting the whole
+    ``rollouts`` table (7 s and 0.9 GB at a million rows); a store written before it was
+    kept, or rows appended after it by a writer that did not keep it, are read from the
+    table."""
+    import json
+    import shutil
+
+    from storage.metrics import LAST_ATTR, counters_at_end
+
+    def rows(t0, n, gone=()):
+        return [
+            {"elapsed_s": t, "rollout": r, "batches": t, "response_tokens": 10 * t}
+            | ({"batches": None} if r in gone else {})
+            for t in range(t0, t0 + n)
+            for r in ("r0", "r1", "r10")
+        ]
+
+    w = MetricsWriter(tmp_path)
+    w.append("cluster", [{"elapsed_s": 1.0, "inserted": 4}, {"elapsed_s": 2.0, "inserted": 9}])
+    w.append("rollouts", rows(0, 3))
+    w.append("rollouts", rows(3, 2, gone={"r1"}))  # (NaN: r1's last reading stands)
+    want = {
+        "cluster": {"inserted": 9.0},
+        "rollouts": {
+            "r0": {"batches": 4.0, "response_tokens": 40.0},
+            "r1": {"batches": 2.0, "response_tokens": 40.0},
+            "r10": {"batches": 4.0, "response_tokens": 40.0},
+        },
+    }
+    assert counters_at_end(tmp_path) == want
+    group = w.root["rollouts"]
+    kept = group.attrs[LAST_ATTR]
+    assert json.loads(kept) == {"n": 15, "counters": want["rollouts"]}
+    # a store from before: the table, read whole
+    del group.attrs[LAST_ATTR]
+    assert counters_at_end(tmp_path) == want
+    # rows appended after the kept counters by a writer that did not keep them: read
+    MetricsWriter(tmp_path).append("rollouts", rows(5, 1))
+    MetricsWriter(tmp_path).root["rollouts"].attrs[LAST_ATTR] = kept
+    assert counters_at_end(tmp_path)["rollouts"]["r1"] == {"batches": 5.0, "response_tokens": 50.0}
+    # ... and nothing else: the table's counter chunks gone, the counters still read
+    MetricsWriter(tmp_path).append("rollouts", rows(6, 1))
+    for col in ("batches", "response_tokens"):
+        shutil.rmtree(tmp_path / "metrics.zarr" / "rollouts" / col / "c")
+    got = counters_at_end(tmp_path)["rollouts"]
+    assert got["r10"] == {"batches": 6.0, "response_tokens": 60.0}, got
