@@ -22,9 +22,11 @@ import collections
 import logging
 import math
 import queue
+import re
 import threading
 import time
 from collections import OrderedDict
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -58,6 +60,128 @@ def _no_signal(members: list[Trajectory]) -> bool:
 def _behavior_version(members: list[Trajectory]) -> int:
     """A group's behavior version for staleness: its oldest member's."""
     return min(m.behavior_version for m in members)
+
+
+# The uids the prompt pool and rollouts give trajectories: prompt n's sample i, written
+# ``p{n:08d}-{i:03d}`` (laminar.prompt_pool, laminar.rollout).
+_UID = re.compile(r"p([0-9]{8,})-([0-9]{3,})")
+# A sample index from it on is kept as a string (a bitmask of that many bits: 128 bytes).
+_MAX_SAMPLE = 1024
+# Of a 13-character uid p{n:08d}-{i:03d}, where the digits of n and i are.
+_DIGITS = [*range(1, 9), 10, 11, 12]
+
+
+def _uid_key(uid: str) -> tuple[int, int] | None:
+    """``(n, i)`` of a uid written exactly ``p{n:08d}-{i:03d}``, else ``None``.
+
+    >>> _uid_key("p00000042-007"), _uid_key("p123456789-1000"), _uid_key("p42-7")
+    ((42, 7), (123456789, 1000), None)
+    """
+    if len(uid) == 13 and uid[0] == "p" and uid[9] == "-" and uid.isascii():
+        n, i = uid[1:9], uid[10:]  # (8 and 3 ASCII digits: written so)
+        return (int(n), int(i)) if n.isdigit() and i.isdigit() else None
+    m = _UID.fullmatch(uid)
+    if m is None:
+        return None
+    n, i = int(m[1]), int(m[2])
+    if i >= _MAX_SAMPLE or f"p{n:08d}-{i:03d}" != uid:  # (one form per uid: "p042..." not)
+        return None
+    return n, i
+
+
+def _uid_keys(uids: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Of a string array, the positions of the uids ``p{n:08d}-{i:03d}`` with 8 digits of
+    n and i < 64 (13 characters), and their ``n`` and ``i``: read at once, the rest one
+    by one (:func:`_uid_key`)."""
+    none = np.zeros(0, np.int64)
+    if uids.dtype.kind not in "TU" or not uids.size:
+        return none, none, none
+    at = np.flatnonzero(np.strings.str_len(uids) == 13)
+    fixed = uids[at].astype("<U13")
+    c = fixed.view(np.uint32).reshape(len(at), 13)  # (a code point a character)
+    d = c[:, _DIGITS] - np.uint32(ord("0"))  # (0..9 for a digit: below "0" wraps)
+    ok = (c[:, 0] == ord("p")) & (c[:, 9] == ord("-")) & (d <= 9).all(axis=1)
+    n = d[:, 0].astype(np.int64)
+    for k in range(1, 8):
+        n = n * 10 + d[:, k]
+    i = (d[:, 8] * 100 + d[:, 9] * 10 + d[:, 10]).astype(np.int64)
+    ok = np.flatnonzero(ok & (i < 64))
+    # (numpy's string length leaves out NULs at the end, and so does <U13: the uid must
+    # be these 13 characters, which == tells, NULs compared)
+    ok = ok[uids[at[ok]] == fixed[ok].astype(np.dtypes.StringDType())]
+    return at[ok], n[ok], i[ok]
+
+
+class UidSet:
+    """A set of trajectory uids (``add``, ``in``, ``update``, ``len``), exact for any
+    string and compact for those the prompt pool and rollouts give
+    (``p{n:08d}-{i:03d}``): a bitmask of the samples seen per prompt, not a string per
+    trajectory. The buffer keeps every uid it saw for the whole run: as strings ~100
+    bytes each, 1 GB at 10 M trajectories. Any other uid (a test's) is kept as it is.
+
+    >>> seen = UidSet(["p00000001-000", "a"])
+    >>> seen.add("p00000001-001"), seen.add("p00000001-000"), seen.add("p1-0")
+    (True, False, True)
+    >>> "p00000001-001" in seen, "p00000001-002" in seen, "p1-0" in seen, len(seen)
+    (True, False, True, 4)
+    """
+
+    def __init__(self, uids: Iterable[str] = ()) -> None:
+        self._masks: dict[int, int] = {}  # prompt n -> bit i: its sample i seen
+        self._other: set[str] = set()
+        self._n = 0
+        self.update(uids)
+
+    def add(self, uid: str) -> bool:
+        """Add ``uid``; whether it was not there."""
+        key = _uid_key(uid)
+        if key is None:
+            if uid in self._other:
+                return False
+            self._other.add(uid)
+        else:
+            mask, bit = self._masks.get(key[0], 0), 1 << key[1]
+            if mask & bit:
+                return False
+            self._masks[key[0]] = mask | bit
+        self._n += 1
+        return True
+
+    def __contains__(self, uid: object) -> bool:
+        key = _uid_key(uid) if isinstance(uid, str) else None
+        if key is None:
+            return uid in self._other
+        return bool(self._masks.get(key[0], 0) >> key[1] & 1)
+
+    def __len__(self) -> int:
+        return self._n
+
+    def update(self, uids: Iterable[str]) -> None:
+        """Add every uid of ``uids``: strings, a string array (a store's, read at once)
+        or another :class:`UidSet`."""
+        if isinstance(uids, UidSet):
+            self._merge(uids._masks.items())
+            uids = uids._other
+        elif isinstance(uids, np.ndarray):
+            at, n, i = _uid_keys(uids)
+            if at.size:
+                order = np.argsort(n, kind="stable")
+                n, bits = n[order], np.left_shift(np.uint64(1), i[order].astype(np.uint64))
+                first = np.flatnonzero(np.concatenate([[True], n[1:] != n[:-1]]))
+                masks = np.bitwise_or.reduceat(bits, first)
+                self._merge(zip(n[first].tolist(), masks.tolist(), strict=True))
+            rest = np.ones(uids.size, dtype=bool)
+            rest[at] = False
+            uids = uids[rest].tolist()
+        for uid in uids:
+            self.add(uid)
+
+    def _merge(self, masks: Iterable[tuple[int, int]]) -> None:
+        for k, mask in masks:
+            old = self._masks.get(k, 0)
+            if new := mask & ~old:
+                self._masks[k] = old | mask
+                self._n += new.bit_count()
 
 
 class BufferCore:
@@ -96,7 +220,7 @@ class BufferCore:
         self.dynamic_sampling = dynamic_sampling
         self.partial: dict[str, _Group] = {}
         self.ready: OrderedDict[str, list[Trajectory]] = OrderedDict()
-        self.seen: set[str] = set()
+        self.seen = UidSet()  # every uid admitted, or stored (never admitted again)
         # uid -> when the age of a trajectory held again counts from (restore), in place
         # of its t_insert: it was out of the buffer for a while since
         self.origins: dict[str, float] = {}
@@ -117,16 +241,17 @@ class BufferCore:
     def restore(
         self,
         groups: list[list[Trajectory]],
-        stored: set[str],
+        stored: Iterable[str],
         why: str = "resume",
         origins: dict[str, float] | None = None,
     ) -> None:
         """Hold again groups a store had not trained (``stored``: every uid of the
-        store, never admitted again). A group missing siblings waits for them (re-issued
-        by the prompt pool) like any partial group. ``origins``: uid -> when its age
-        counts from (:meth:`oldest_insert`), where not its ``t_insert``. The counters
-        keep ``inserted + restored == consumed + discarded + evicted + filtered +
-        depth``; by ``why``:
+        store, never admitted again: strings, or a store's array, as
+        :meth:`UidSet.update` takes them). A group missing siblings waits for them
+        (re-issued by the prompt pool) like any partial group. ``origins``: uid -> when
+        its age counts from (:meth:`oldest_insert`), where not its ``t_insert``. The
+        counters keep ``inserted + restored == consumed + discarded + evicted +
+        filtered + depth``; by ``why``:
 
         * ``resume``: a resumed run's, admitted by an earlier buffer: counted ``restored``;
         * ``rebuild``: a lost buffer's, whose store its rebuilt one counts as its own;
@@ -141,7 +266,7 @@ class BufferCore:
                 self.partial[uid] = _Group(size, list(members))
             else:
                 self.ready[uid] = sorted(members, key=lambda m: m.sample_idx)
-        self.seen |= stored
+        self.seen.update(stored)
         self.origins.update(origins or {})
         c = self.counts
         if why == "resume":
@@ -170,10 +295,9 @@ class BufferCore:
         before is not); returns those that leave at once (discarded, filtered, evicted)."""
         leaving: list[Trajectory] = []
         for t in trajs:
-            if t.uid in self.seen:
+            if not self.seen.add(t.uid):
                 self.counts["duplicates"] += 1
                 continue
-            self.seen.add(t.uid)
             if admitted is not None:
                 admitted.append(t)
             # The trainer's version when the trajectory finished; never below the version
@@ -371,7 +495,7 @@ class ExperienceBuffer:
         # ... and for the rollout that sent them: it keeps every trajectory it sent
         # until then, to send again to a buffer rebuilt after this one is lost
         self._durable: dict[str, collections.deque[str]] = {}
-        self._stored_before: set[str] = set()  # a rebuilt buffer's store, as it found it
+        self._stored_before = UidSet()  # a rebuilt buffer's store, as it found it
         self._consumed_elsewhere: dict[str, tuple[int, float]] = {}
         self._groups_consumed: set[str] = set()  # (counted, of those: _admit_consumed)
         self._write_error: str | None = None
@@ -391,7 +515,7 @@ class ExperienceBuffer:
         arrays = _scalars(run_dir)
         rows = {uid: i for i, uid in enumerate(arrays["uid"].tolist())}
         readmit = [rows[u] for u in plan.readmit]
-        self._hold_again(arrays, readmit, "resume", stored=set(rows), stopped=True)
+        self._hold_again(arrays, readmit, "resume", stored=arrays["uid"], stopped=True)
         self.version = plan.version
         self._events += [_event(uid, "dropped") for uid in plan.drop]
         self._flush(force=True)
@@ -402,7 +526,7 @@ class ExperienceBuffer:
         buffer's own (its counters go on from the lost one's)."""
         arrays = _scalars(run_dir)
         rows = {uid: i for i, uid in enumerate(arrays["uid"].tolist())}
-        self._stored_before = set(rows)
+        self._stored_before = UidSet(arrays["uid"])
         held = [rows[u] for u in plan.hold]
         self._hold_again(arrays, held, "rebuild", stored=self._stored_before)
         for uid, (sample_version, t_sample) in plan.mark_consumed.items():
@@ -427,7 +551,7 @@ class ExperienceBuffer:
         arrays,
         rows: list[int],
         why: str,
-        stored: set[str] = frozenset(),
+        stored: Iterable[str] = (),
         stopped: bool = False,
     ) -> int:
         """Hold again the stored trajectories at ``rows`` of the store's ``arrays``

@@ -925,3 +925,49 @@ def test_trajectories_held_again_come_back_with_their_exact_tokens(tmp_path, mon
         assert np.array_equal(t.token_versions, written[t.uid].token_versions)
         assert len(t.token_versions) in (0, len(t.response_tokens))
     assert reads and None not in reads  # (every token array: never)
+
+
+_uids = st.one_of(
+    st.builds("p{:08d}-{:03d}".format, st.integers(0, 3), st.integers(0, 70)),
+    st.builds("p{:08d}-{:03d}".format, st.integers(10**8 - 2, 10**8 + 2), st.integers(0, 1100)),
+    st.text("p0123456789-\x00٣ x", max_size=15),
+    st.builds(
+        "{}{}".format,
+        st.builds("p{:08d}-{:03d}".format, st.integers(0, 3), st.integers(0, 70)),
+        st.sampled_from(["\x00", "\x00\x00", "0", "\n"]),
+    ),
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    batches=st.lists(
+        st.tuples(st.sampled_from(["add", "array", "set"]), st.lists(_uids, max_size=30)),
+        max_size=5,
+    ),
+    probes=st.lists(_uids, max_size=30),
+)
+def test_the_set_of_uids_seen_is_exact_for_any_uid(batches, probes):
+    """The buffer keeps every uid it saw for the whole run (~100 bytes each as strings:
+    1 GB at 10 M trajectories): per prompt, a bitmask of its samples seen, for uids
+    written ``p{n:08d}-{i:03d}``. It must hold exactly the uids a set would, whatever
+    they are (others, "p1-0" or one ending in a NUL that numpy's string length leaves
+    out, are kept as strings), added one by one or from a store's array."""
+    import numpy as np
+
+    from laminar.buffer import UidSet
+    from storage.schema import STRING
+
+    seen, want = UidSet(), set()
+    for how, uids in batches:
+        if how == "add":
+            for u in uids:
+                assert seen.add(u) == (u not in want)
+                want.add(u)
+        else:
+            array = np.array(uids, dtype=STRING)
+            seen.update(array if how == "array" else UidSet(array))
+            want |= set(uids)
+        assert len(seen) == len(want)
+    for u in [*want, *probes]:
+        assert (u in seen) == (u in want)
