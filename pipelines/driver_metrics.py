@@ -207,20 +207,24 @@ class MetricsRecording:
         """The master's publication records, which only the trainer's process holds,
         copied here while it lives (every poll that has something new to learn: a newer
         version, or a broadcast not yet complete): they outlive a lost trainer, restarted
-        or not. A relay's stats hold every publication of its run: not asked when the
-        last copy is as the trainer's version and complete."""
+        or not. Only the records not yet written are asked for again (a record's
+        ``broadcast_s`` comes once every relay holds its version)."""
         copied = self._master_publications
         version = (self._last_t_stats or {}).get("version")
-        unwritten = copied[max(0, self._n_pubs - len(self._old_publications)) :]
-        if copied and copied[-1]["version"] == version and all(_broadcast(p) for p in unwritten):
+        written = min(len(copied), max(0, self._n_pubs - len(self._old_publications)))
+        if (
+            copied
+            and copied[-1]["version"] == version
+            and all(_broadcast(p) for p in copied[written:])
+        ):
             return
-        a = self.actors
+        master = self.actors["relays"][0]
         try:
             wait = min(ROWS_WAIT_S, self._core_timeout())
-            stats = actor_result(a["relays"][0], a["relays"][0].stats(), wait)
-            self._master_publications = stats["publications"]
+            new = actor_result(master, master.publications_since(written), wait)
         except Exception:  # noqa: BLE001 — lost meanwhile: the last copy stands
-            pass
+            return
+        self._master_publications = copied[:written] + list(new)
 
     def _settled_publications(self, final: bool) -> list[dict]:
         """The publications copied and not yet written whose records will not change: a

@@ -159,7 +159,7 @@ def fake_run(tmp_path, monkeypatch, live: set[str], **hang) -> tuple[LaminarSche
         ),
         "trainer_ranks": [],
         "rollouts": [actor("rollout", WORKERS["r0"], start=None, stats=ROLLOUT, stop=ROLLOUT_END)],
-        "relays": [actor("relay", t, stats=RELAY, close=None)],
+        "relays": [actor("relay", t, stats=RELAY, close=None, publications_since=lambda since: [])],
     }
     s.core_workers = {"trainer": t, "data module": d}
     s.rollout_workers = {"r0": WORKERS["r0"]}
@@ -579,7 +579,7 @@ def test_rows_only_the_trainer_and_manager_hold_outlive_a_lost_data_module(tmp_p
         "get_history": lambda start: history[start:],
     }
     s.actors["manager"]._answers["get_fault_rows"] = lambda start: [fault][start:]
-    s.actors["relays"][0]._answers["stats"] = {**RELAY, "publications": pubs}
+    s.actors["relays"][0]._answers["publications_since"] = lambda since: pubs[since:]
     polls = []
 
     def buffer_stats():
