@@ -34,7 +34,9 @@ def _progress_line(p: dict) -> str:
     if p.get("phase") != "training":
         return f"[{p.get('phase')}]"
     return (
-        f"t={p['elapsed_s']:6.1f}s  version {p['version']:>3}/{p['steps']}  "
+        # (the version the run ends at: a trainer restarted within the run skips the lost
+        # one's numbers, so versions can pass trainer.steps; the updates cannot)
+        f"t={p['elapsed_s']:6.1f}s  version {p['version']:>3}/{p.get('last_version', p['steps'])}  "
         f"reward {_fmt(p['reward'])}  gen {p['gen_tok_s']:7.0f} tok/s  "
         f"buffer {p['buffer_depth']:>4}  s_train {_fmt(p['s_train_mean'], '.2f')}  "
         f"trajectories {p['trajectories']}"
@@ -61,7 +63,7 @@ class _Lines:
 
 
 class _Bar:
-    """Progress as a bar over published versions (interactive terminals)."""
+    """Progress as a bar over the updates made of trainer.steps (interactive terminals)."""
 
     def __init__(self) -> None:
         self.bar = None
@@ -76,8 +78,8 @@ class _Bar:
                 self.phase = p.get("phase")
             return
         if self.bar is None:
-            self.bar = tqdm(total=p["steps"], unit="version", dynamic_ncols=True)
-        self.bar.n = p["version"]
+            self.bar = tqdm(total=p["steps"], unit="update", dynamic_ncols=True)
+        self.bar.n = p.get("updates", p["version"])
         self.bar.set_postfix_str(
             f"reward {_fmt(p['reward'])} gen {p['gen_tok_s']:.0f} tok/s "
             f"buffer {p['buffer_depth']} s_train {_fmt(p['s_train_mean'], '.2f')}"
