@@ -19,6 +19,7 @@ core in batches from a background thread.
 from __future__ import annotations
 
 import collections
+import heapq
 import logging
 import math
 import queue
@@ -221,9 +222,16 @@ class BufferCore:
         self.partial: dict[str, _Group] = {}
         self.ready: OrderedDict[str, list[Trajectory]] = OrderedDict()
         self.seen = UidSet()  # every uid admitted, or stored (never admitted again)
-        # uid -> when the age of a trajectory held again counts from (restore), in place
-        # of its t_insert: it was out of the buffer for a while since
-        self.origins: dict[str, float] = {}
+        # Kept as trajectories come and go, not counted over what is held at each read
+        # (every insert's reply, every stats poll: 0.24 ms and 6 ms at 4,096 groups):
+        self._depth = 0  # trajectories held
+        # uid -> when the age of each one held counts from: its t_insert, or for one
+        # held again (restore) its origin there (it was out of the buffer for a while
+        # since) ...
+        self._since: dict[str, float] = {}
+        # ... and those times in a heap, the oldest first (with those of trajectories
+        # gone since: skipped when they come first, dropped when they outnumber the rest)
+        self._heap: list[tuple[float, str]] = []
         self.counts = {
             "inserted": 0,
             "duplicates": 0,
@@ -260,14 +268,18 @@ class BufferCore:
           trained on, as the store does) and counted ``taken_back``.
         """
         n = sum(len(g) for g in groups)
+        origins = origins or {}
         for members in groups:
             uid, size = members[0].prompt_uid, members[0].group_size
+            if uid in self.ready or uid in self.partial:  # (replaced: never so far)
+                self._gone(self.ready.get(uid) or self.partial[uid].members)
             if len(members) < size:
                 self.partial[uid] = _Group(size, list(members))
             else:
                 self.ready[uid] = sorted(members, key=lambda m: m.sample_idx)
+            for m in members:
+                self._held(m.uid, origins.get(m.uid, m.t_insert))
         self.seen.update(stored)
-        self.origins.update(origins or {})
         c = self.counts
         if why == "resume":
             c["restored"] = c.get("restored", 0) + n
@@ -279,9 +291,23 @@ class BufferCore:
     @property
     def depth(self) -> int:
         """Trajectories held (complete groups and partial ones)."""
-        return sum(len(g) for g in self.ready.values()) + sum(
-            len(g.members) for g in self.partial.values()
-        )
+        return self._depth
+
+    def _held(self, uid: str, since: float) -> None:
+        """A trajectory is held now, its age counting from ``since``."""
+        self._depth += 1
+        self._since[uid] = since
+        if not math.isnan(since):  # (no age: left out of the oldest)
+            heapq.heappush(self._heap, (since, uid))
+        if len(self._heap) > 2 * len(self._since) + 64:
+            self._heap = [(t, u) for u, t in self._since.items() if not math.isnan(t)]
+            heapq.heapify(self._heap)
+
+    def _gone(self, members: list[Trajectory]) -> None:
+        """Trajectories held leave (or are dropped)."""
+        self._depth -= len(members)
+        for m in members:
+            self._since.pop(m.uid, None)
 
     def insert(
         self,
@@ -306,6 +332,7 @@ class BufferCore:
             t.t_insert = now
             t.status = "buffered"
             self.counts["inserted"] += 1
+            self._held(t.uid, now)
             group = self.partial.setdefault(t.prompt_uid, _Group(t.group_size))
             group.members.append(t)
             if len(group.members) < group.size:
@@ -319,6 +346,8 @@ class BufferCore:
             elif self._too_stale(members, version):
                 leaving += self._leave(members, "evicted")
             else:
+                if t.prompt_uid in self.ready:  # (replaced: a group completed twice, never so far)
+                    self._gone(self.ready[t.prompt_uid])
                 self.ready[t.prompt_uid] = members
         return leaving
 
@@ -359,9 +388,9 @@ class BufferCore:
         return k is not None and version - _behavior_version(members) > k
 
     def _leave(self, members: list[Trajectory], status: str) -> list[Trajectory]:
+        self._gone(members)
         for m in members:
             m.status = status
-            self.origins.pop(m.uid, None)
         self.counts[status] += len(members)
         self.counts[f"groups_{status}"] += 1
         return members
@@ -382,11 +411,11 @@ class BufferCore:
         out: list[Trajectory] = []
         for uid in uids:
             members = self.ready.pop(uid)
+            self._gone(members)
             for m in members:
                 m.sample_version = version
                 m.t_sample = now
                 m.status = "consumed"
-                self.origins.pop(m.uid, None)
             out.extend(members)
         self.counts["consumed"] += len(out)
         self.counts["groups_consumed"] += n_groups
@@ -412,7 +441,9 @@ class BufferCore:
         out += [m for g in self.partial.values() for m in g.members]
         self.ready.clear()
         self.partial.clear()
-        self.origins.clear()
+        self._depth = 0
+        self._since.clear()
+        self._heap.clear()
         return out
 
     def oldest_insert(self) -> float:
@@ -421,11 +452,12 @@ class BufferCore:
         from its origin there, which leaves out the time it was out of the buffer while
         the run went. (The age still spans any stop of the run in between, as that of
         one held across a stop does: the driver, which records it as
-        ``oldest_buffered_age_s``, leaves the stops out.)"""
-        o = self.origins
-        times = [o.get(m.uid, m.t_insert) for g in self.ready.values() for m in g]
-        times += [o.get(m.uid, m.t_insert) for g in self.partial.values() for m in g.members]
-        return min(times, default=float("nan"))
+        ``oldest_buffered_age_s``, leaves the stops out.) One without a time (NaN) is
+        left out."""
+        heap, since = self._heap, self._since
+        while heap and since.get(heap[0][1]) != heap[0][0]:  # (gone since)
+            heapq.heappop(heap)
+        return heap[0][0] if heap else float("nan")
 
     def stats(self) -> dict[str, float]:
         """Counters and contents; ``oldest_age_s``: the oldest held trajectory's age by

@@ -971,3 +971,64 @@ def test_the_set_of_uids_seen_is_exact_for_any_uid(batches, probes):
         assert len(seen) == len(want)
     for u in [*want, *probes]:
         assert (u in seen) == (u in want)
+
+
+_ops = st.lists(
+    st.one_of(
+        st.tuples(st.just("insert"), st.integers(0, 5), st.integers(0, 3), st.integers(0, 3)),
+        st.tuples(st.just("restore"), st.integers(0, 5), st.integers(1, 3), st.integers(0, 3)),
+        st.tuples(st.just("sample"), st.integers(1, 2)),
+        st.tuples(st.just("publish"), st.integers(1, 2)),
+        st.tuples(st.just("stranded")),
+        st.tuples(st.just("drain")),
+    ),
+    max_size=40,
+)
+
+
+@settings(max_examples=200, deadline=None)
+@given(ops=_ops, sampler=st.sampled_from(["fifo", "oldest_version", "same_version"]))
+def test_the_depth_and_oldest_age_kept_as_trajectories_come_and_go_are_those_held(ops, sampler):
+    """``depth`` (every insert's reply) and ``oldest_insert`` (every stats poll) were
+    counted over every trajectory held at each read (0.24 ms and 6 ms at 4,096 groups);
+    kept as trajectories come and go, they are what counting gives, through inserts,
+    restores (an origin in place of ``t_insert``), samples, evictions and drains."""
+    import math
+
+    core = BufferCore(sampler, max_train_staleness=2)
+    origin: dict[str, float] = {}
+    version, now, n = 0, 0.0, 0
+    for op, *args in ops:
+        now += 1.0
+        if op in ("insert", "restore"):
+            group, size, late = f"p{args[0]:08d}", args[1] + 1, args[2]
+            if op == "insert":
+                n += 1  # (a new sample of the group each time: siblings come one by one)
+                core.insert(
+                    [traj(f"{group}-{n}", group, size, 0, version)], version=version, now=now
+                )
+            elif group not in core.ready and group not in core.partial:
+                members = [traj(f"{group}-r{n}-{i}", group, size, i, version) for i in range(size)]
+                n += 1
+                for m in members:
+                    m.t_insert = now - 10
+                ages = {m.uid: now - 20 - late for m in members[:late]}
+                origin |= ages
+                core.restore([members], set(), "rebuild", ages)
+        elif op == "sample":
+            core.sample(args[0], version=version, now=now) if not any(
+                core._too_stale(g, version) for g in core.ready.values()
+            ) else core.evict_stale(version)
+        elif op == "publish":
+            version += args[0]
+            core.evict_stale(version)
+        elif op == "stranded":
+            core.evict_stranded()
+        else:
+            core.drain()
+        held = [m for g in core.ready.values() for m in g]
+        held += [m for g in core.partial.values() for m in g.members]
+        assert core.depth == len(held)
+        want = min((origin.get(m.uid, m.t_insert) for m in held), default=math.nan)
+        got = core.oldest_insert()
+        assert got == want or (math.isnan(got) and math.isnan(want))
