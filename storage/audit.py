@@ -204,15 +204,16 @@ def _problem_if_ended(run_dir: Path, report: AuditReport, msg: str) -> None:
 ENDED = ("completed", "stopped")  # summary.json reasons of a run that ended, not lost
 
 
-def _audit_log(run_dir: Path, ds, report: AuditReport) -> int | None:
+def _audit_log(run_dir: Path, ds, report: AuditReport) -> dict[str, int] | None:
     """What the recovery log ``partial.zarr`` held at the stop and the store lacks.
 
     The pool forgets a trajectory only once the store has committed it, so at the end of
     a run that was not lost the log holds only trajectories still generating: a
     completed one (finished, or held by the buffer) that is not in the store was lost.
     After a loss the log lags the pool by up to ``faults.log_interval_s``, and what it
-    held is what a resume generates again. Returns how many were unfinished (``None``:
-    the run wrote no log)."""
+    held is what a resume generates again. Returns how many were unfinished by each
+    rollout they had left (lost, or moved from) and in all (key ``""``); ``None``: the run
+    wrote no log."""
     from storage.partial_log import STORE_NAME, log_entries
 
     if not (run_dir / STORE_NAME).exists():
@@ -222,6 +223,11 @@ def _audit_log(run_dir: Path, ds, report: AuditReport) -> int | None:
     done = [rid for rid, e in left.items() if e["finished"] or e["held"]]
     unfinished = len(left) - len(done)
     report.figures["unfinished at the stop"] = unfinished
+    via: dict[str, int] = {"": unfinished}
+    for e in left.values():
+        if not (e["finished"] or e["held"]):
+            for rid in set(e["rollout_path"]):
+                via[rid] = via.get(rid, 0) + 1
     report.figures["  tokens logged"] = sum(e["tokens"] for e in left.values())
     if done:
         msg = f"{len(done)} completed trajectories are in the recovery log but not the store"
@@ -232,7 +238,7 @@ def _audit_log(run_dir: Path, ds, report: AuditReport) -> int | None:
                 f"{msg}: the run is still running (they are committed with the next flush), "
                 "or it was lost (a resume generates them again)"
             )
-    return unfinished
+    return via
 
 
 def rollout_losses(summary: dict, faults) -> dict[tuple[int | None, str], dict]:
@@ -277,7 +283,9 @@ def rollout_losses(summary: dict, faults) -> dict[tuple[int | None, str], dict]:
     return out
 
 
-def _audit_faults(run_dir: Path, ds, report: AuditReport, unfinished: int | None) -> None:
+def _audit_faults(
+    run_dir: Path, ds, report: AuditReport, unfinished: dict[str, int] | None
+) -> None:
     """Each lost rollout's trajectories finished elsewhere, counted against the recovery
     records; recovery times and what the log held. A rollout that summary.json names as
     lost without a recovery row cannot be checked: said, not skipped."""
@@ -313,12 +321,17 @@ def _audit_faults(run_dir: Path, ds, report: AuditReport, unfinished: int | None
     # elsewhere has several (a split of every trajectory's path took ~0.3 s for 200k).
     ids = ds["rollout_ids"].values
     left = [p.split(",")[:-1] for p in ids[np.strings.find(ids, ",") >= 0].tolist()]
-    # Trajectories still generating when the run stopped are not stored; the partial
-    # log's count of them bounds how many recovered ones may be missing for that reason.
+    # Trajectories still generating when the run stopped are not stored: those the log
+    # holds that had left the lost rollout bound how many of its recovered ones may be
+    # missing for that reason (not the log's whole count: a loss of most of them would
+    # hide behind the other rollouts' unfinished work).
     if unfinished is None:  # (a run without a log on disk: the pool's count at the stop)
         faults = _summary(run_dir).get("faults") or {}
-        unfinished = int((faults.get("partial") or {}).get("entries", 0))
-        report.figures["unfinished at the stop"] = unfinished
+        n = int((faults.get("partial") or {}).get("entries", 0))
+        report.figures["unfinished at the stop"] = n
+        bound, whose = (lambda rid: n), "trajectories were"
+    else:
+        bound, whose = (lambda rid: unfinished.get(rid, 0)), "of them were"
     for rid in lost:
         # A trajectory it had started and that finished elsewhere: rid on its path, not last.
         resumed = sum(1 for p in left if rid in p)
@@ -326,9 +339,9 @@ def _audit_faults(run_dir: Path, ds, report: AuditReport, unfinished: int | None
         if resumed < recorded:
             msg = (
                 f"rollout {rid}: {recorded} trajectories recovered, {resumed} stored as "
-                f"finished elsewhere ({unfinished} trajectories were unfinished at the stop)"
+                f"finished elsewhere ({bound(rid)} {whose} unfinished at the stop)"
             )
-            (report.notes if recorded - resumed <= unfinished else report.problems).append(msg)
+            (report.notes if recorded - resumed <= bound(rid) else report.problems).append(msg)
         report.figures[f"  {rid}: resumed and stored"] = resumed
 
 

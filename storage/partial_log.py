@@ -430,7 +430,8 @@ def _prompt_group(meta: Mapping[str, Any]) -> dict[str, Any]:
 def log_entries(path: str | Path) -> dict[str, dict[str, Any]]:
     """:func:`replay` without the tokens: per request id ``version``, ``owner``,
     ``tokens`` (how many logged), ``finished`` and ``held`` (booleans), and from its meta
-    the ``prompt_uid``, ``prompt_key``, ``group_size`` and ``sample_idx``. What is here
+    the ``prompt_uid``, ``prompt_key``, ``group_size``, ``sample_idx`` and
+    ``rollout_path`` (the rollouts it left). What is here
     and not in ``trajectories.zarr`` was still in the pool — generating, or completed
     and not yet stored."""
     out = {}
@@ -446,5 +447,7 @@ def log_entries(path: str | Path) -> dict[str, dict[str, Any]]:
             "prompt_key": group.get("prompt_key", -1),
             "group_size": group.get("group_size", 0),
             "sample_idx": e["meta"].get("sample_idx", -1),
+            # the rollouts it left (lost, or moved from by repack), oldest first
+            "rollout_path": list(e["meta"].get("rollout_path", [])),
         }
     return out

@@ -156,6 +156,7 @@ def test_the_log_replays_to_the_pools_entries(tmp_path_factory, ops):
             "prompt_key": 4,
             "group_size": e["state"].request.meta["group"].group_size,
             "sample_idx": e["state"].request.meta["sample_idx"],
+            "rollout_path": e["state"].request.meta.get("rollout_path", []),
         }
         for rid, e in core.entries.items()
     }

@@ -62,6 +62,44 @@ def test_the_audit_flags_a_lost_rollout_whose_recovery_rows_were_lost(tmp_path):
     assert report.figures["  r1: resumed and stored"] == 2
 
 
+def test_a_lost_rollouts_missing_trajectories_are_excused_only_by_its_own_unfinished_ones(
+    tmp_path,
+):
+    """r1 was lost and 4 of its trajectories recovered; none is in the store. At the
+    stop the recovery log holds 4 unfinished requests, but all of r0's own, never on
+    r1: they cannot be r1's missing ones. The audit took the log's whole count as the
+    bound (4 missing <= 4 unfinished: a note) and called the run clean; it counts only
+    what the log holds of r1's (its rollout path), and the loss is a problem. Resumed
+    elsewhere and still unfinished at the stop, they excuse it again."""
+    from test_partial_log import _states
+
+    from laminar.partial import PartialCore
+    from storage.audit import audit_run
+    from storage.partial_log import PartialLogWriter
+
+    _store(tmp_path, paths=("r0",) * 4)
+    MetricsWriter(tmp_path).append("faults", [_fault("r1", T0 + 3, requests=4, segment=0)])
+    summary = {"reason": "completed", "segments": 1, "faults": {"lost": {"r1": T0 + 3}}}
+    (tmp_path / "summary.json").write_text(json.dumps(summary))
+    core = PartialCore(journal=True)
+    core.register("r0", 0, _states([f"p00-{i:03d}" for i in range(4)], seed=0))
+    PartialLogWriter(tmp_path).append(**core.drain_journal())
+    report = audit_run(tmp_path)
+    assert not report.ok and report.figures["unfinished at the stop"] == 4
+    assert report.problems == [
+        "rollout r1: 4 trajectories recovered, 0 stored as finished elsewhere (0 of them "
+        "were unfinished at the stop)"
+    ]
+    # r1's own 4, taken at its loss and resumed on r0, still generating at the stop
+    core.register("r1", 0, _states([f"p01-{i:03d}" for i in range(4)], seed=9))
+    core.take("r1")
+    core.reassign([f"p01-{i:03d}" for i in range(4)], "r0")
+    PartialLogWriter(tmp_path).append(**core.drain_journal())
+    report = audit_run(tmp_path)
+    assert report.ok, report.text()
+    assert report.notes[-1].endswith("(4 of them were unfinished at the stop)")
+
+
 def _cluster(run_dir, starts=((0, 0.0, 10.0), (1, 100.0, 110.0), (2, 200.0, 210.0))) -> None:
     MetricsWriter(run_dir).append(
         "cluster",
