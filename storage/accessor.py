@@ -375,7 +375,7 @@ class LaminarAccessor:
             problems.append(f"{bad.size} trajectories have t_sample inconsistent with status")
         unknown = set(np.unique(status)) - set(STATUSES)
         if unknown:
-            problems.append(f"unknown statuses {sorted(unknown)}")
+            problems.append(f"unknown statuses {sorted(str(s) for s in unknown)}")
         # A reward is NaN only where scoring failed (finish_reason "error"); elsewhere NaN
         # is a missing or damaged chunk of the store, which zarr reads as its fill value.
         unscored = ~np.isfinite(ds["reward"].values) & (ds["finish_reason"].values != "error")

@@ -153,6 +153,51 @@ def test_audit_finds_violations(tmp_path):
     assert any("incomplete" in p for p in open_run(tmp_path).laminar.audit())
 
 
+@pytest.mark.parametrize(
+    ("rows", "problem"),
+    [
+        # trained by version 0 (sampled at 0) but finished at version 1
+        ([dict(finish_version=1, sample_version=0)], "consumed trajectories sampled before"),
+        # siblings trained by two versions: the group was split
+        (
+            [dict(sample_version=0), dict(sample_idx=1, sample_version=1)],
+            "groups consumed across several trainer versions",
+        ),
+        ([dict(status="evicted")], "unknown statuses ['lost-in-space']"),  # (then damaged)
+    ],
+    ids=["sampled_before_finished", "group_split", "unknown_status"],
+)
+def test_the_audit_catches_each_violation_of_the_data_contract(tmp_path, rows, problem):
+    """Each check of the audit fires on a store that breaks it (none did in any test:
+    a check that never fires could be broken unseen, and every end-to-end test's clean
+    audit would mean nothing for it)."""
+    from factories import trajectory
+
+    consumed = dict(status="consumed", t_sample=1.0, finish_version=0, group_size=len(rows))
+    TrajectoryWriter(tmp_path).append(
+        [trajectory(f"u{i}", "g", **(consumed | r)).to_record() for i, r in enumerate(rows)]
+    )
+    if "unknown" in problem:  # (the writer refuses one: another writer's, or damage)
+        import zarr
+
+        zarr.open_group(str(tmp_path / "trajectories.zarr"), mode="r+")["status"][0] = (
+            "lost-in-space"
+        )
+    assert any(problem in p for p in open_run(tmp_path).laminar.audit()), problem
+
+
+def test_the_run_audit_catches_a_group_with_more_members_than_its_size(tmp_path):
+    from factories import trajectory
+
+    from storage.audit import audit_run
+
+    TrajectoryWriter(tmp_path).append(
+        [trajectory(u, "g", sample_idx=i, group_size=1).to_record() for i, u in enumerate("ab")]
+    )
+    (tmp_path / "summary.json").write_text('{"reason": "completed"}')
+    assert "1 groups have more members than size" in audit_run(tmp_path).problems
+
+
 def test_staleness_columns(tmp_path):
     w = TrajectoryWriter(tmp_path)
     w.append([record(0), record(1, status="buffered", sample_version=-1, t_sample=np.nan)])
