@@ -313,9 +313,11 @@ def test_overlapping_publications_never_share_a_slot():
     thread.start()
     asyncio.run_coroutine_threadsafe(relay.set_chain(["master"], None, None), loop).result(10)
     write_state = relay.core.write_state
+    writing_1 = threading.Event()
 
     def slow_write(snap, state):  # version 1's copy is slow: version 2 arrives meanwhile
         if snap.version == 1:
+            writing_1.set()
             time.sleep(0.3)
         write_state(snap, state)
 
@@ -323,7 +325,8 @@ def test_overlapping_publications_never_share_a_slot():
     try:
         first = threading.Thread(target=relay.publish_local, args=(1, _state(1)))
         first.start()
-        time.sleep(0.1)
+        # (version 2 comes while version 1 is being written, not before it began)
+        assert writing_1.wait(10)
         relay.publish_local(2, _state(2))
         first.join(10)
         deadline = time.monotonic() + 10
