@@ -543,7 +543,10 @@ class ExperienceBuffer:
             self._rebuild(run_dir, rebuild)
 
     def _resume(self, run_dir: str, plan) -> None:
-        """Re-admit the plan's groups (back to ``buffered``) and drop the rest."""
+        """Re-admit the plan's groups (back to ``buffered``) and drop the rest. The
+        store records the resume (when, from which version) first, before this writer
+        commits anything."""
+        self.writer.record_resume(plan.version, time.time())
         arrays = _scalars(run_dir)
         rows = {uid: i for i, uid in enumerate(arrays["uid"].tolist())}
         readmit = [rows[u] for u in plan.readmit]

@@ -715,11 +715,31 @@ def _lost_and_resumed_run(path, first_row_version):
     )
     rows = [(0, t, t // 4) for t in range(0, 21, 4)]  # versions 0 ... 5
     rows += [(1, 120, first_row_version), (1, 130, 4), (1, 140, 6)]
-    MetricsWriter(path).append(
-        "cluster",
-        [{"segment": s, "elapsed_s": t, "wall_time": t0 + t, "version": v} for s, t, v in rows],
-    )
+    if first_row_version is not None:  # (None: the run has no metrics)
+        MetricsWriter(path).append(
+            "cluster",
+            [{"segment": s, "elapsed_s": t, "wall_time": t0 + t, "version": v} for s, t, v in rows],
+        )
     return open_run(path)
+
+
+@pytest.mark.parametrize("metrics", ["none", "kept"])
+def test_a_resume_the_store_recorded_marks_what_it_superseded_whatever_the_metrics_say(
+    tmp_path, metrics
+):
+    """The resume records itself in the trajectory store (when, from which checkpoint
+    version), so the lost start's trajectories of the versions it redid are found
+    without the metrics (``none``: moved aside as damaged, when nothing marked them);
+    with the metrics too (``kept``), the resume they show is the one recorded, not a
+    second."""
+    from storage import TrajectoryWriter
+
+    first_row = {"none": None, "kept": 3}[metrics]
+    _lost_and_resumed_run(tmp_path, first_row)
+    TrajectoryWriter(tmp_path).record_resume(3, 1.8e9 + 100)
+    ds = open_run(tmp_path)
+    assert ds.attrs["resumed_from_version"] == [3] and ds.attrs["resumed_at_s"] == [1.8e9 + 100]
+    assert ds.laminar.superseded().values.tolist() == [False] * 4 + [True] * 2 + [False] * 4
 
 
 @pytest.mark.parametrize("first_row_version", [3, 4])

@@ -649,6 +649,12 @@ def test_a_lost_trainer_fails_the_run_clearly_and_it_resumes_in_place(tmp_path):
     assert per_version.tolist() == [16] * (version + 3)
     dropped = ds["status"].values == "dropped"
     assert dropped.sum() == resumed["dropped"]
+    # The store recorded the resume: what the lost weights generated is superseded.
+    assert ds.attrs["resumed_from_version"] == [version]
+    lost_weights = (ds["t_finish"].values < ds.attrs["resumed_at_s"][0]) & (
+        ds["behavior_version"].values > version
+    )
+    assert (ds.laminar.superseded().values == lost_weights).all()
     # Only groups with a sibling from lost weights (finished after the checkpoint) or a
     # failed reward are dropped; a group still generating at the loss had its missing
     # siblings re-issued and completed.
