@@ -155,11 +155,13 @@ def _audit_updates(run_dir: Path, ds, report: AuditReport) -> None:
     """Each version the trainer published (the ``updates`` table of ``metrics.zarr``)
     trained a batch that the store holds as consumed at the version before.
 
-    Without this an empty or truncated store audits clean. The baselines restart no
-    trainer within a run, so every published version is checked; a Laminar trainer
-    restarted after a loss skips past the lost one's versions (their batches are trained
-    again later), so there only a store with nothing consumed is a problem. (In a run
-    that did not end, a note: the store lags the metrics.)"""
+    Without this an empty or truncated store audits clean. A Laminar trainer restarted
+    within the run skips past the lost one's versions (the checkpoint's, exclusive, to
+    the newest the lost one published: their batches are trained again later), which
+    ``summary.json`` records (``faults.trainer_restarts``, ``faults.core_restarts``):
+    every other version is checked. A resumed run's summary is its last start's, whose
+    earlier starts' restarts it does not hold: there only a store with nothing consumed
+    is a problem. (In a run that did not end, a note: the store lags the metrics.)"""
     from storage.metrics import open_metrics
 
     try:
@@ -180,7 +182,15 @@ def _audit_updates(run_dir: Path, ds, report: AuditReport) -> None:
         )
         return
     if ds.attrs.get("schedule") == "laminar":
-        return
+        summary = _summary(run_dir)
+        if int(summary.get("segments", 1)) != 1:
+            return
+        faults = summary.get("faults") or {}
+        skipped: set[int] = set()
+        for r in [*faults.get("trainer_restarts", []), *faults.get("core_restarts", [])]:
+            if "checkpoint_version" in r and "after_version" in r:
+                skipped |= set(range(int(r["checkpoint_version"]) + 1, int(r["after_version"]) + 1))
+        published = [v for v in published if v not in skipped]
     trained = set(ds["sample_version"].values[consumed].tolist())
     missing = [v for v in published if v - 1 not in trained]
     if missing:
