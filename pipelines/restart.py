@@ -559,6 +559,13 @@ class DataRestart:
         # (committed by the lost store, its "forgotten" not yet logged: the buffer has it)
         for uid in plan.orphans_stored:
             del orphans[uid]
+        # A silent rollout may hold groups it took from the lost pool within the log's
+        # last interval: in no log and no store, so the plan's prompt order does not know
+        # them, and it may still attach. Their uids must not be handed out again (to
+        # another rollout, whose requests would share their ids): the order skips as
+        # many as may be out, the back-pressure bound (their prompts go untrained).
+        gap = cfg.buffer.max_outstanding_groups if silent else 0
+        plan.start += gap
         mark("plan_s")
         order = ResumePlan(
             version=plan.version,
@@ -619,6 +626,7 @@ class DataRestart:
             rollouts_attached=len(registered),
             rollouts_gone=sorted(gone),  # lost meanwhile: recovered by the new manager
             rollouts_silent=silent,  # did not say what they hold: resumed from the log
+            prompt_gap=gap,  # (prompt order skipped for what a silent one may hold)
             restored_from_log=len(orphans),
             rebuild_s=now - t0,
             phases=phases,

@@ -222,8 +222,8 @@ def _audit_log(run_dir: Path, ds, report: AuditReport) -> dict[str, int] | None:
     completed one (finished, or held by the buffer) that is not in the store was lost.
     After a loss the log lags the pool by up to ``faults.log_interval_s``, and what it
     held is what a resume generates again. Returns how many were unfinished by each
-    rollout they had left (lost, or moved from) and in all (key ``""``); ``None``: the run
-    wrote no log."""
+    rollout they had left (lost, or moved from) or were logged as owned by, and in all
+    (key ``""``); ``None``: the run wrote no log."""
     from storage.partial_log import STORE_NAME, log_entries
 
     if not (run_dir / STORE_NAME).exists():
@@ -236,7 +236,9 @@ def _audit_log(run_dir: Path, ds, report: AuditReport) -> dict[str, int] | None:
     via: dict[str, int] = {"": unfinished}
     for e in left.values():
         if not (e["finished"] or e["held"]):
-            for rid in set(e["rollout_path"]):
+            # (its owner too: a take the log had not recorded when the run was lost
+            # leaves the lost rollout its owner, not yet on its path)
+            for rid in {*e["rollout_path"], e["owner"]} - {""}:
                 via[rid] = via.get(rid, 0) + 1
     report.figures["  tokens logged"] = sum(e["tokens"] for e in left.values())
     if done:

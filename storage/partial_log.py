@@ -415,7 +415,9 @@ def requests_of_groups(path: str | Path, prompt_uids: Collection[str]) -> list[d
                 "t_start": e["t_start"],
                 "n_moves": e["n_moves"],
                 "params": json.dumps(e["params"]),
-                "meta": json.dumps(e["meta"]),
+                # (re-issued whole, as new requests: the rollouts the lost ones passed
+                # through are not theirs; a later start reuses their ids)
+                "meta": json.dumps({k: v for k, v in e["meta"].items() if k != "rollout_path"}),
                 "prompt_tokens": e["prompt_tokens"],
             }
         )

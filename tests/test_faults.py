@@ -111,7 +111,9 @@ def unfinished_via(run_dir, ds, rollout: str) -> int:
     return sum(
         1
         for uid, e in log_entries(run_dir).items()
-        if uid not in stored and not (e["finished"] or e["held"]) and rollout in e["rollout_path"]
+        if uid not in stored
+        and not (e["finished"] or e["held"])
+        and rollout in {*e["rollout_path"], e["owner"]}
     )
 
 
@@ -1066,6 +1068,7 @@ def test_a_lost_data_module_is_rebuilt_within_the_run(tmp_path, r1_sig):
     assert r["restart_s"] < 60 and r["rollouts_attached"] == 1, r
     assert (r["rollouts_gone"], r["rollouts_silent"]) == (([], ["r1"]) if hung else (["r1"], []))
     assert r["restored_from_log"] > 0 and r["reissued_groups"] == 0, r
+    assert r["prompt_gap"] == (16 if hung else 0), r  # (buffer.max_outstanding_groups)
     faults = summary["faults"]
     assert "r1" in faults["lost"] and faults["recovered_requests"] > 0, faults
     assert "r1" in faults["replacements"], faults

@@ -100,6 +100,28 @@ def test_a_lost_rollouts_missing_trajectories_are_excused_only_by_its_own_unfini
     assert report.notes[-1].endswith("(4 of them were unfinished at the stop)")
 
 
+def test_a_take_the_log_had_not_recorded_still_excuses_the_lost_rollouts_unfinished_ones(
+    tmp_path,
+):
+    """The run was lost after r3's loss was recovered but before the log's next write:
+    the log still names r3 the owner of its 4 unfinished requests (no take, so r3 is not
+    on their path). They are the 4 missing ones: a note, not a problem."""
+    from test_partial_log import _states
+
+    from laminar.partial import PartialCore
+    from storage.audit import audit_run
+    from storage.partial_log import PartialLogWriter
+
+    _store(tmp_path, paths=("r0",) * 4)
+    MetricsWriter(tmp_path).append("faults", [_fault("r3", T0 + 3, requests=4, segment=0)])
+    core = PartialCore(journal=True)
+    core.register("r3", 0, _states([f"p00-{i:03d}" for i in range(4)], seed=0))
+    PartialLogWriter(tmp_path).append(**core.drain_journal())
+    report = audit_run(tmp_path)  # (no summary.json: the run was lost)
+    assert report.ok, report.text()
+    assert report.notes[-1].endswith("(4 of them were unfinished at the stop)"), report.notes
+
+
 def _cluster(run_dir, starts=((0, 0.0, 10.0), (1, 100.0, 110.0), (2, 200.0, 210.0))) -> None:
     MetricsWriter(run_dir).append(
         "cluster",
