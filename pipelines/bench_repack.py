@@ -180,7 +180,8 @@ def _figures(run_dir: Path, summary: dict, scale, warmup: float) -> dict:
     from pipelines.bench_schedules import admitted_decodes
 
     admitted = admitted_decodes(roll, scale)  # (time × rollout)
-    decoded = d["engine_decode_tokens"] + float((admitted[-1] - admitted[0]).sum())
+    # (NaN for a rollout that missed the window's first or last poll: skipped, as above)
+    decoded = d["engine_decode_tokens"] + float(np.nansum(admitted[-1] - admitted[0]))
     out = {
         "gen_tok_s": scale.tokens * gen / scale.modelled(1.0),
         "kv_util_mean": float(np.nanmean(util)),

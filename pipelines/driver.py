@@ -298,6 +298,14 @@ class Schedule(StatsPolling, FaultHandling, MetricsRecording):
             "relays": tier.relays,
         }
 
+    def _stop_started(self) -> None:
+        """Stop what :meth:`run` started, before its loop: its actors are released when
+        the run ends, but a released actor's threads go on (nothing may train or
+        generate on)."""
+        a = self.actors
+        self._abort()
+        _answers([lambda t=t: t.stop(timeout=5.0) for t in (a["trainer"], *a["trainer_ranks"])])
+
     def run(self, progress: Callable[[dict], None], should_stop: Callable[[], bool]) -> dict:
         from storage.metrics import MetricsWriter
 
@@ -312,17 +320,21 @@ class Schedule(StatsPolling, FaultHandling, MetricsRecording):
             # Its actors are released when the run ends, but a released actor's threads
             # go on: what started is stopped, so nothing trains or generates on.
             logger.exception("the run's actors could not all start: stopping those that did")
-            self._abort()
-            _answers([lambda t=t: t.stop(timeout=5.0) for t in (a["trainer"], *a["trainer_ranks"])])
+            self._stop_started()
             raise
         self._n_repacks = self._n_faults = self._n_pubs = 0
-        self.metrics = MetricsWriter(self.run_dir, tensorboard=self.cfg.metrics.tensorboard)
         self._rows: dict[str, list[dict]] = {"cluster": [], "rollouts": []}
         self._n_updates = 0
         self._reward_scored = False  # (_reward_never_scores)
         self._reward_failing_since: float | None = None
         t_start = last_t = last_flush = time.time()
-        t_origin = self._origin(t_start)
+        try:  # (the metrics store, and a resumed run's earlier starts read from it)
+            self.metrics = MetricsWriter(self.run_dir, tensorboard=self.cfg.metrics.tensorboard)
+            t_origin = self._origin(t_start)
+        except BaseException:
+            logger.exception("the run's records could not be opened: stopping its actors")
+            self._stop_started()
+            raise
         last_tokens = 0
         reason = "completed"
         try:

@@ -408,6 +408,22 @@ def test_a_trainer_and_data_module_lost_at_once_are_both_named(tmp_path, monkeyp
     assert f"{WORKERS['r0']}.stop" in calls  # nothing generates on
 
 
+def test_records_that_cannot_be_opened_stop_the_started_actors(tmp_path, monkeypatch):
+    """Reading a resumed run's earlier starts (its metrics, summary.json) comes after
+    the actors started: an error there (a summary.json of an odd shape) failed the run
+    with the trainer, rollouts and manager left running."""
+    s, calls = fake_run(tmp_path, monkeypatch, set(WORKERS.values()))
+
+    def odd(t_start):
+        raise KeyError("segment")
+
+    s._origin = odd
+    out = run_in_thread(s)
+    assert out != "hung" and isinstance(out.get("error"), KeyError), out
+    for stopped in ("trainer", "r0", "data"):  # (the manager is on the data worker)
+        assert f"{WORKERS[stopped]}.stop" in calls, (stopped, calls)
+
+
 def test_a_data_module_lost_after_the_trainer_finished_fails_naming_its_final_checkpoint(
     tmp_path, monkeypatch
 ):
