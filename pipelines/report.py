@@ -87,7 +87,9 @@ def _lost(run: dict) -> list[tuple[str, float]]:
 def _replacements(summary: dict) -> int:
     """Lost rollouts replaced over every start (summary.json and what it carries)."""
     f = summary.get("faults") or {}
-    earlier = [e.get("replacements") or {} for e in f.get("earlier") or []]
+    # (a failed driver's summary carries them as faults_earlier, as the audit reads them)
+    carried = f.get("earlier") or summary.get("faults_earlier") or []
+    earlier = [e.get("replacements") or {} for e in carried]
     return sum(len(r) for r in [f.get("replacements") or {}, *earlier])
 
 

@@ -201,3 +201,15 @@ def test_the_report_counts_and_marks_the_losses_of_every_start(tmp_path):
     text = build_report([tmp_path], tmp_path / "report").read_text()
     # moves, lost, by how, replacements
     assert f"| {tmp_path.name} | 0 | - | - | 0 | 1 | import 2, rescore 2 | 1 |" in text, text
+
+
+def test_the_report_counts_the_replacements_a_failed_drivers_summary_carries():
+    """A failed driver's summary carries the earlier starts as ``faults_earlier`` (the
+    audit reads them there): the report's replacements counted only ``faults.earlier``."""
+    from pipelines.report import _replacements
+
+    earlier = [{"segment": 0, "lost": {"r1": T0}, "replacements": {"r1": "r2"}}]
+    failed = {"reason": "failed: …", "faults": {"replacements": {}}, "faults_earlier": earlier}
+    assert _replacements(failed) == 1
+    carried = {"faults": {"replacements": {"r0": "r3"}, "earlier": earlier}}
+    assert _replacements(carried) == 2
