@@ -426,13 +426,16 @@ class BufferCore:
             return None
         if self.sampler == "fifo":
             return list(self.ready)[:n]
-        by_version = sorted(self.ready, key=lambda u: _behavior_version(self.ready[u]))
         if self.sampler == "oldest_version":
-            return by_version[:n]
-        for v in sorted({_behavior_version(g) for g in self.ready.values()}):
-            same = [u for u in by_version if _behavior_version(self.ready[u]) == v]
-            if len(same) >= n:
-                return same[:n]
+            return sorted(self.ready, key=lambda u: _behavior_version(self.ready[u]))[:n]
+        # same_version: the oldest version with n groups ready, in the order they came
+        # (one pass: a scan of every group per version took seconds at 16k groups)
+        by_version: dict[int, list[str]] = {}
+        for u, g in self.ready.items():
+            by_version.setdefault(_behavior_version(g), []).append(u)
+        for v in sorted(by_version):
+            if len(by_version[v]) >= n:
+                return by_version[v][:n]
         return None
 
     def drain(self) -> list[Trajectory]:

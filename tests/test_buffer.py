@@ -163,6 +163,26 @@ def test_same_version_sampler_fills_a_batch_from_one_version():
     assert core.sample(1, version=3, now=4.0)[0].prompt_uid == "e"
 
 
+@settings(max_examples=60, deadline=None)
+@given(versions=st.lists(st.integers(0, 4), max_size=30), n=st.integers(1, 6))
+def test_same_version_picks_the_oldest_version_with_a_batch_in_arrival_order(versions, n):
+    """What the sampler takes: of the oldest version with ``n`` groups ready, the first
+    ``n`` to have come (the reference: every group of each version, scanned in turn)."""
+    core = BufferCore("same_version", max_train_staleness=10)
+    for i, v in enumerate(versions):
+        core.insert(group(f"g{i}", version=v), version=4, now=float(i))
+    arrived = [(f"g{i}", v) for i, v in enumerate(versions)]
+    want = next(
+        (
+            [u for u, w in arrived if w == v][:n]
+            for v in sorted(set(versions))
+            if versions.count(v) >= n
+        ),
+        None,
+    )
+    assert core._choose(n) == (want if len(versions) >= n else None)
+
+
 def test_dynamic_sampling_filters_groups_without_signal():
     core = BufferCore(dynamic_sampling=True)
     left = core.insert(group("flat", rewards=[1.0, 1.0]), version=0, now=0.0)
