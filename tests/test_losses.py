@@ -407,9 +407,9 @@ def test_a_masked_token_is_ignored_whatever_its_behavior_logprob(bad):
             logp_ = logp.clone().requires_grad_(True)
             loss, metrics = loss_of(o)
             loss.backward()
-            assert math.isfinite(float(loss)), name
+            assert math.isfinite(loss.item()), name
             assert all(math.isfinite(v) for v in metrics.values()), (name, metrics)
-            grads.append((float(loss), logp_.grad.clone(), metrics))
+            grads.append((loss.item(), logp_.grad.clone(), metrics))
         assert grads[0][0] == pytest.approx(grads[1][0]), name
         assert torch.allclose(grads[0][1], grads[1][1]), name
         assert grads[0][2] == pytest.approx(grads[1][2]), name
