@@ -239,3 +239,41 @@ def test_a_trainer_restarted_twice_from_the_same_checkpoint_makes_trainer_steps_
     assert _steps(s, 20, {"time": 3.0}) + (22 - 20) == 29
     # (the first restart, from the warm start: nothing skipped before any checkpoint)
     assert _steps(SimpleNamespace(cfg=cfg, trainer_restarts=[], core_restarts=[]), 0, {}) == 20
+
+
+def test_a_core_restart_after_the_final_checkpoint_waits_for_no_other_rank(tmp_path, monkeypatch):
+    """The trainer (rank 0 of 2) and the data module were lost after the run's final
+    checkpoint: only the data module is rebuilt, so the restart needs one worker with
+    both roles, not one for each rank as well. It waited for a second `trainer` worker
+    that nothing would use (and failed the run when none came)."""
+    import json
+
+    from pipelines import restart
+    from pipelines.restart import CoreRestart
+
+    ckpt = tmp_path / "checkpoints" / "version-000020"
+    ckpt.mkdir(parents=True)
+    (ckpt / "trainer_state.json").write_text(json.dumps({"version": 20, "skipped_versions": 0}))
+    cfg = with_overrides(RunConfig(), ["trainer.steps=20", "trainer.ranks=2"])
+    s = SimpleNamespace(
+        cfg=cfg,
+        client=SchedulerClient({NEW: {"trainer": 1, "data": 1}}),  # (one: no second rank)
+        run_dir=tmp_path,
+        resume_hint=lambda: "resume it",
+        actors={"rollouts": []},
+        trainer_restarts=[],
+        core_restarts=[],
+        _published_fps={20: 1},
+        _last_data_stats=({"version": 20}, {}),
+    )
+
+    class Picked(Exception):
+        pass
+
+    def picked(s, worker, chain):  # (the next step needs a cluster: the pick is made)
+        raise Picked(worker)
+
+    monkeypatch.setattr(restart, "_new_master", picked)
+    r = CoreRestart(s, LOST, {"version": 20, "steps": 20}, {"lost": [], "chain": ["master"]})
+    with pytest.raises(Picked, match=NEW):
+        r._begin()
