@@ -16,6 +16,7 @@ and ``pipelines/driver_calls.py``'s. ``laminar run CONFIG`` runs a schedule.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 import uuid
@@ -328,12 +329,17 @@ class Schedule(StatsPolling, FaultHandling, MetricsRecording):
         self._reward_scored = False  # (_reward_never_scores)
         self._reward_failing_since: float | None = None
         t_start = last_t = last_flush = time.time()
+        self.metrics = None
         try:  # (the metrics store, and a resumed run's earlier starts read from it)
             self.metrics = MetricsWriter(self.run_dir, tensorboard=self.cfg.metrics.tensorboard)
             t_origin = self._origin(t_start)
         except BaseException:
             logger.exception("the run's records could not be opened: stopping its actors")
-            self._stop_started()
+            with contextlib.suppress(Exception):  # (the error that stopped it stands)
+                self._stop_started()
+            if self.metrics is not None:
+                with contextlib.suppress(Exception):
+                    self.metrics.close()
             raise
         last_tokens = 0
         reason = "completed"

@@ -214,16 +214,16 @@ def _problem_if_ended(run_dir: Path, report: AuditReport, msg: str) -> None:
 ENDED = ("completed", "stopped")  # summary.json reasons of a run that ended, not lost
 
 
-def _audit_log(run_dir: Path, ds, report: AuditReport) -> dict[str, int] | None:
+def _audit_log(run_dir: Path, ds, report: AuditReport) -> list[dict] | None:
     """What the recovery log ``partial.zarr`` held at the stop and the store lacks.
 
     The pool forgets a trajectory only once the store has committed it, so at the end of
     a run that was not lost the log holds only trajectories still generating: a
     completed one (finished, or held by the buffer) that is not in the store was lost.
     After a loss the log lags the pool by up to ``faults.log_interval_s``, and what it
-    held is what a resume generates again. Returns how many were unfinished by each
-    rollout they had left (lost, or moved from) or were logged as owned by, and in all
-    (key ``""``); ``None``: the run wrote no log."""
+    held is what a resume generates again. Returns the unfinished entries (as
+    :func:`storage.partial_log.log_entries` gives them); ``None``: the run wrote no
+    log."""
     from storage.partial_log import STORE_NAME, log_entries
 
     if not (run_dir / STORE_NAME).exists():
@@ -233,13 +233,6 @@ def _audit_log(run_dir: Path, ds, report: AuditReport) -> dict[str, int] | None:
     done = [rid for rid, e in left.items() if e["finished"] or e["held"]]
     unfinished = len(left) - len(done)
     report.figures["unfinished at the stop"] = unfinished
-    via: dict[str, int] = {"": unfinished}
-    for e in left.values():
-        if not (e["finished"] or e["held"]):
-            # (its owner too: a take the log had not recorded when the run was lost
-            # leaves the lost rollout its owner, not yet on its path)
-            for rid in {*e["rollout_path"], e["owner"]} - {""}:
-                via[rid] = via.get(rid, 0) + 1
     report.figures["  tokens logged"] = sum(e["tokens"] for e in left.values())
     if done:
         msg = f"{len(done)} completed trajectories are in the recovery log but not the store"
@@ -250,7 +243,7 @@ def _audit_log(run_dir: Path, ds, report: AuditReport) -> dict[str, int] | None:
                 f"{msg}: the run is still running (they are committed with the next flush), "
                 "or it was lost (a resume generates them again)"
             )
-    return via
+    return [e for e in left.values() if not (e["finished"] or e["held"])]
 
 
 def rollout_losses(summary: dict, faults) -> dict[tuple[int | None, str], dict]:
@@ -295,9 +288,7 @@ def rollout_losses(summary: dict, faults) -> dict[tuple[int | None, str], dict]:
     return out
 
 
-def _audit_faults(
-    run_dir: Path, ds, report: AuditReport, unfinished: dict[str, int] | None
-) -> None:
+def _audit_faults(run_dir: Path, ds, report: AuditReport, unfinished: list[dict] | None) -> None:
     """Each lost rollout's trajectories finished elsewhere, counted against the recovery
     records; recovery times and what the log held. A rollout that summary.json names as
     lost without a recovery row cannot be checked: said, not skipped."""
@@ -341,9 +332,22 @@ def _audit_faults(
         faults = _summary(run_dir).get("faults") or {}
         n = int((faults.get("partial") or {}).get("entries", 0))
         report.figures["unfinished at the stop"] = n
-        bound, whose = (lambda rid: n), "trajectories were"
+        bound, whose = (lambda rid: n), "trajectories"
     else:
-        bound, whose = (lambda rid: unfinished.get(rid, 0)), "of them were"
+        # The log holds the last start's entries. One a lost rollout's recovery took is on
+        # its path; one whose take the log had not recorded when the run was lost is
+        # still logged as the lost rollout's own. (An owner only for the rollouts lost in
+        # the last start: a resumed run names its rollouts r0, r1, ... again, and a live
+        # one of the same name owns its own work.)
+        here = int(_summary(run_dir).get("segments", 1)) - 1
+        last = {rid for seg, rid in losses if seg in (here, None)}
+
+        def bound(rid: str) -> int:
+            return sum(
+                rid in e["rollout_path"] or (rid in last and e["owner"] == rid) for e in unfinished
+            )
+
+        whose = "of them"
     for rid in lost:
         # A trajectory it had started and that finished elsewhere: rid on its path, not last.
         resumed = sum(1 for p in left if rid in p)
@@ -351,7 +355,7 @@ def _audit_faults(
         if resumed < recorded:
             msg = (
                 f"rollout {rid}: {recorded} trajectories recovered, {resumed} stored as "
-                f"finished elsewhere ({bound(rid)} {whose} unfinished at the stop)"
+                f"finished elsewhere ({bound(rid)} {whose} were unfinished at the stop)"
             )
             (report.notes if recorded - resumed <= bound(rid) else report.problems).append(msg)
         report.figures[f"  {rid}: resumed and stored"] = resumed

@@ -122,6 +122,31 @@ def test_a_take_the_log_had_not_recorded_still_excuses_the_lost_rollouts_unfinis
     assert report.notes[-1].endswith("(4 of them were unfinished at the stop)"), report.notes
 
 
+def test_a_later_starts_rollout_of_the_same_name_does_not_excuse_an_earlier_loss(tmp_path):
+    """r1 of the first start was lost and 4 of its trajectories recovered, none stored.
+    The resumed start names its rollouts r0, r1, ... again: its live r1's 4 unfinished
+    requests at the stop are its own work, not the lost r1's, and excuse nothing."""
+    from test_partial_log import _states
+
+    from laminar.partial import PartialCore
+    from storage.audit import audit_run
+    from storage.partial_log import PartialLogWriter
+
+    _store(tmp_path, paths=("r0",) * 4)
+    MetricsWriter(tmp_path).append("faults", [_fault("r1", T0 + 3, requests=4, segment=0)])
+    earlier = [{"segment": 0, "lost": {"r1": T0 + 3}}]
+    summary = {"reason": "completed", "segments": 2, "faults": {"lost": {}, "earlier": earlier}}
+    (tmp_path / "summary.json").write_text(json.dumps(summary))
+    core = PartialCore(journal=True)
+    core.register("r1", 0, _states([f"p00-{i:03d}" for i in range(4)], seed=0))
+    PartialLogWriter(tmp_path).append(**core.drain_journal())
+    report = audit_run(tmp_path)
+    assert report.problems == [
+        "rollout r1: 4 trajectories recovered, 0 stored as finished elsewhere (0 of them "
+        "were unfinished at the stop)"
+    ], report.text()
+
+
 def _cluster(run_dir, starts=((0, 0.0, 10.0), (1, 100.0, 110.0), (2, 200.0, 210.0))) -> None:
     MetricsWriter(run_dir).append(
         "cluster",
