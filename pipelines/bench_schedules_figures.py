@@ -1,0 +1,333 @@
+"""The figures of one ``laminar bench schedules`` run, read from its stores: throughput,
+idle shares, staleness, buffer, waste, the reward curves and the length shape
+(:func:`arm_figures`), and the time to reward across runs (:func:`time_to_reward`,
+:func:`reward_thresholds`).
+
+Apart from the bench because measuring a finished run is its own concern: it reads a run
+directory and knows nothing of how the runs were started, so a bench's kept runs can be
+measured again (:func:`pipelines.bench_schedules.reanalyse`) and ``laminar bench repack``
+shares its rollout accounting (:func:`admitted_decodes`).
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import numpy as np
+
+from pipelines.bench_schedules_cluster import ARMS, TTR_FRACTION
+
+
+def length_shape(lengths: np.ndarray, groups: np.ndarray, cap: int) -> dict[str, float]:
+    """The measured shape of the generated responses (in tokens, ``<eos>`` included):
+    ``len_p99_over_median``, ``len_cap_over_mean`` and ``len_within_share``, the share of
+    the log-length variance within a prompt's group (the rest is between prompts).
+
+    >>> lengths = np.array([2, 4, 2, 4, 8, 16, 8, 16])
+    >>> shape = length_shape(lengths, np.array([0, 0, 0, 0, 1, 1, 1, 1]), cap=32)
+    >>> round(shape["len_within_share"], 2), round(shape["len_cap_over_mean"], 2)
+    (0.2, 4.27)
+    """
+    logs = np.log(np.maximum(lengths, 1).astype(np.float64))
+    _, inverse = np.unique(groups, return_inverse=True)
+    n = np.bincount(inverse)
+    mean = np.bincount(inverse, logs) / n
+    within = float(((logs - mean[inverse]) ** 2).sum() / logs.size)
+    total = float(logs.var())
+    return {
+        "len_p99_over_median": float(np.percentile(lengths, 99) / np.median(lengths)),
+        "len_cap_over_mean": float(cap / lengths.mean()),
+        "len_within_share": within / total if total > 0 else 0.0,
+    }
+
+
+def steady_updates(ups, schedule: str):
+    """A run's ``updates`` rows that its figures measure: all but one-step's last.
+
+    One-step publishes version ``v`` once the batch of ``v + 1`` is complete, so each of
+    its intervals holds the wait for that batch; its last version is published straight
+    after its update (no next batch), an interval short by that wait, which measured with
+    the others would flatter one-step alone. The run's figures (window, rewards, lengths)
+    end at the version before; :func:`run_steps` runs one-step one update longer."""
+    if schedule == "one_step" and ups.sizes["update"]:
+        return ups.isel(update=slice(0, -1))
+    return ups
+
+
+def run_steps(arm: str, steps: int) -> int:
+    """``trainer.steps`` of an arm's run that measures ``steps`` updates
+    (:func:`steady_updates`).
+
+    >>> run_steps("one_step", 9), run_steps("sync", 9)
+    (10, 9)
+    """
+    return steps + (ARMS[arm][0] == "one_step")
+
+
+def arm_figures(run_dir: Path, summary: dict, warmup: int) -> dict:
+    """Every figure of one run (see the module docstring), in modelled units of the
+    full-size cluster: the run's ``rollout.pacing`` scales and dilation convert them."""
+    from laminar.config import load_config
+    from laminar.pacing import scale_of
+    from storage import open_run
+    from storage.audit import audit_run
+    from storage.metrics import open_metrics
+
+    cfg = load_config(Path(run_dir) / "config.yaml")
+    sc = scale_of(cfg.rollout.pacing)
+    # a version's policy reward counts once its rollouts finished a quarter of a batch
+    min_samples = max(1, cfg.trainer.groups_per_step * cfg.rollout.group_size // 4)
+    scale_tok, scale_req = sc.tokens, sc.request_scale
+    modelled = sc.modelled
+
+    ups = steady_updates(open_metrics(run_dir, "updates").sortby("version"), cfg.pipeline.schedule)
+    version = ups["version"].values
+    measured = version > warmup
+    if measured.sum() < 1:
+        raise RuntimeError(f"{run_dir}: no update after the {warmup} warm-up ones")
+    tokens = ups["tokens"].values[measured].sum()
+    interval = ups["interval_s"].values[measured].sum()
+    t_end = ups["time"].values[measured][-1]
+    t_begin = t_end - interval
+    out: dict[str, float] = {
+        # prompt + response tokens of a global batch / time between adjacent updates
+        "throughput": tokens * scale_tok / modelled(interval),
+        "iteration_s": modelled(interval / measured.sum()),
+    }
+    # The trainer's idle share on its own clock, over the throughput's window: what each
+    # measured interval between publications leaves besides training (``update_s``) and
+    # moving the weights (``sync_s``), i.e. the wait for its batch (and a few ms of
+    # bookkeeping per update). Its cumulative ``wait_s`` in the ``cluster`` table has no
+    # read time of its own (the row's comes after the poll has read every rollout), and
+    # counts a wait only once it has ended: a poll during one missed it.
+    if "update_s" in ups and "sync_s" in ups:
+        busy = ups["update_s"].values[measured] + ups["sync_s"].values[measured]
+        if np.isfinite(busy).all():
+            out["trainer_idle"] = float(1 - busy.sum() / interval)
+    # The policy learns, and its response lengths move as it does: the workload is the
+    # same for every schedule at the start (the base policy's first batch), not after.
+    # The measured batches' mean response length, and over the first batch's.
+    lengths = ups["response_len_mean"].values
+    mean_len = float(lengths[measured].mean())
+    out["response_len"] = mean_len * sc.length_scale
+    out["len_drift"] = mean_len / float(lengths[0])
+    # Reward against modelled time since the first publication, two ways: the trained
+    # batches' (an update's batch, when it is published: what a trainer logs, lagging the
+    # policy by its staleness) and the policy's (the rollouts of version v, at the time v
+    # was published: when the trainer first held a policy that good).
+    t0 = ups["time"].values[0] - ups["interval_s"].values[0]
+    published = {0: t0} | dict(zip(version.tolist(), ups["time"].values.tolist(), strict=True))
+    out["_trained"] = [
+        (modelled(t - t0), float(r))
+        for t, r in zip(ups["time"].values, ups["reward_mean"].values, strict=True)
+    ]
+    ds = open_run(run_dir)
+    ok = ds["finish_reason"].values != "error"
+    k = ds["behavior_version"].values[ok]
+    rew = ds["reward"].values[ok]
+    out["_policy"] = [
+        (modelled(published[v] - t0), float(rew[k == v].mean()))
+        for v in sorted(published)
+        if (k == v).sum() >= min_samples
+    ]
+    if not out["_policy"]:
+        raise RuntimeError(
+            f"{run_dir}: no version generated {min_samples} finished responses; the run "
+            "is too short to measure (raise --iterations)"
+        )
+
+    # Trajectories entering and leaving the buffer between the publications that bound
+    # the window, each at its own time (``t_insert``, ``t_sample``: the buffer's clock at
+    # the event). The buffer's counters in the ``cluster`` table carry no time of their
+    # own: a poll reads them first and its row's time comes after it has read every
+    # rollout, seconds later on a loaded host. (Consumption then counts whole batches:
+    # as many as the window has updates.)
+    def events(t: np.ndarray) -> float:  # per modelled second of the window
+        return float(((t > t_begin) & (t <= t_end)).sum()) * scale_req / modelled(interval)
+
+    out["arrivals_per_s"] = events(ds["t_insert"].values)
+    out["consumption_per_s"] = events(ds["t_sample"].values[ds["status"].values == "consumed"])
+    out["reward_first"] = out["_policy"][0][1]
+    out["reward_last"] = float(np.mean([r for _, r in out["_policy"][-2:]]))
+
+    # The figures read from the driver's polls, over the polls between the publications
+    # that bound the window. Fewer than two there (polls slower than the window: one took
+    # up to a minute at 128 emulated GPUs) measure nothing of it: NaN, and a note, rather
+    # than a window widened to the run's start (model load included).
+    cl = open_metrics(run_dir, "cluster")
+    wall = cl["wall_time"].values.astype("datetime64[ns]").astype(np.float64) / 1e9
+    window = np.flatnonzero((wall >= t_begin) & (wall <= t_end))
+    polled = [*ROLLOUT_FIGURES, "buffer_depth", "buffer_age_s"]
+    if "trainer_idle" not in out:  # (runs recorded before update_s and sync_s)
+        polled.append("trainer_idle")
+    out["_notes"] = []
+    if len(window) < 2:
+        n = len(window)
+        out |= dict.fromkeys(polled, math.nan)
+        out["_notes"].append(
+            f"{run_dir}: {n} poll{'' if n == 1 else 's'} of the metrics between publications "
+            f"{version[measured][0] - 1} and {version[measured][-1]} "
+            f"({modelled(interval):,.0f} modelled s): {', '.join(polled)} not measured (NaN); "
+            "polls slower than the window (a loaded host): measure more updates"
+        )
+    else:
+        first, last = window[[0, -1]]
+        if "trainer_idle" in polled:
+            wait = cl["trainer_wait_s"].values
+            out["trainer_idle"] = float(wait[last] - wait[first]) / (wall[last] - wall[first])
+        depth = cl["buffer_depth"].values[first : last + 1]
+        out["buffer_depth"] = float(np.mean(depth)) * scale_req
+        age = cl["oldest_buffered_age_s"].values[first : last + 1]
+        out["buffer_age_s"] = modelled(float(np.nanmean(age))) if np.isfinite(age).any() else 0.0
+        ro = open_metrics(run_dir, "rollouts")
+        rt = ro["time"].values  # (the same polls: the rows share their elapsed_s)
+        a, b = cl["time"].values[first], cl["time"].values[last]
+        out |= rollout_figures(ro.isel(time=(rt >= a) & (rt <= b)), sc)
+
+    # The measured updates' batches alone (update v trains what was sampled at v - 1):
+    # the warm-up's first batches are structurally fresher (one_step's first has
+    # s_train 0, every other 1: over the whole run its mean read 0.90).
+    st = ds.laminar.staleness()
+    sampled = ds["sample_version"].values[ds["status"].values == "consumed"]
+    in_window = (sampled >= version[measured][0] - 1) & (sampled <= version[measured][-1] - 1)
+    for name in ("s_gen", "residence", "s_train"):
+        v = st[name].values[in_window]
+        out[f"{name}_mean"] = float(v.mean()) if v.size else math.nan
+        out[f"{name}_p99"] = float(np.percentile(v, 99)) if v.size else math.nan
+        out[f"{name}_max"] = float(v.max()) if v.size else math.nan
+    status = ds["status"].values
+    resp_len = ds["response_len"].values
+    out.update(length_shape(resp_len, ds["prompt_uid"].values, cfg.rollout.max_new_tokens))
+    for s in ("evicted", "discarded", "filtered"):
+        out[s] = int((status == s).sum()) * scale_req
+    wasted = np.isin(status, ["evicted", "discarded", "filtered"])
+    out["wasted_tokens"] = float(resp_len[wasted].sum()) * scale_tok
+    out["recomputed_tokens"] = (
+        float(sum(r.get("recomputed_tokens", 0) for r in summary["rollouts"])) * scale_tok
+    )
+    eng = summary["engine"]
+    out["compute_vs_modelled"] = (
+        eng["compute_s"] / eng["modelled_s"] if eng.get("modelled_s") else math.nan
+    )
+    out["overrun_steps"] = eng.get("overruns", 0)
+    # Wall time of the decode loops that no modelled step accounts for: between-step work
+    # (rewards handed off, partial log, pool calls, commands served) and overruns.
+    decode_s = sum(r.get("decode_s", 0.0) for r in summary["rollouts"])
+    out["decode_unmodelled"] = (
+        1 - eng["modelled_s"] / decode_s if eng.get("modelled_s") and decode_s else math.nan
+    )
+    top_up_s = [r["top_up_s"] for r in summary["rollouts"] if "top_up_s" in r]
+    out["top_up_share"] = sum(top_up_s) / decode_s if top_up_s and decode_s else math.nan
+    paced = (summary.get("trainer_pacing") or {}).get("update", {})
+    out["trainer_compute_vs_modelled"] = (
+        paced["compute_s"] / paced["modelled_s"] if paced.get("modelled_s") else math.nan
+    )
+    out["trainer_overruns"] = paced.get("overruns", 0)
+    out["audit_ok"] = float(audit_run(run_dir).ok)
+    out["moves"] = (summary.get("repack") or {}).get("moves", 0)
+    out["replicas"] = cfg.rollout.replicas
+    out["trainer_gpus"] = cfg.trainer.pacing.gpus if cfg.trainer.pacing else math.nan
+    return out
+
+
+ROLLOUT_FIGURES = ("gen_throughput", "rollout_idle", "decode_batch")
+
+
+def admitted_decodes(ro, sc) -> np.ndarray:
+    """What the requests admitted so far decoded in the steps that admitted them, per
+    real step's worth: a scaled step stands for ``length_scale`` modelled steps, the first
+    of which prefills the admitted requests and the others decode them too
+    (:meth:`laminar.pacing.Pacer.modelled`), so each counts ``(L - 1) / L`` of a request
+    in that step's decode batch. (``engine_decode_tokens`` counts only the requests a
+    step found running.) Zero for runs recorded before ``engine_admitted`` existed."""
+    if "engine_admitted" not in ro:
+        return np.zeros(ro["engine_steps"].shape)
+    return ro["engine_admitted"].values * (sc.length_scale - 1) / sc.length_scale
+
+
+def rollout_figures(ro, sc) -> dict[str, float]:
+    """``gen_throughput``, ``rollout_idle`` and ``decode_batch`` from the ``rollouts``
+    rows of the window (``time × rollout``), each rollout's counters from its first to
+    its last reading there, over its own clock.
+
+    A poll reads the rollouts one after another, and on a loaded host (128 emulated GPUs:
+    a poll took up to a minute) the row's time is none of theirs: dividing by it read
+    busy fractions of 0.82-1.16 per poll and an idle fraction of -0.02 over a run. So
+    each rollout's growth is over the span between its own readings (``read_at``), and
+    generation throughput is the sum of the rollouts' rates. A rollout that did not
+    answer one poll is read from its nearest readings in the window rather than left
+    out of the sum. Runs recorded before ``read_at`` existed: the row's time.
+    """
+    if "read_at" in ro:
+        clock = ro["read_at"].values
+    else:
+        clock = np.where(
+            np.isfinite(ro["response_tokens"].values), ro["time"].values[:, None], np.nan
+        )
+    if ro.sizes["time"] < 2:
+        return dict.fromkeys(ROLLOUT_FIGURES, math.nan)
+    read = np.isfinite(clock)
+    cols = np.arange(clock.shape[1])
+    first = np.argmax(read, axis=0)
+    last = len(read) - 1 - np.argmax(read[::-1], axis=0)
+    twice = read.sum(axis=0) >= 2
+
+    def delta(v: np.ndarray) -> np.ndarray:  # per rollout (NaN: read fewer than twice)
+        return np.where(twice, v[last, cols] - v[first, cols], np.nan)
+
+    span = delta(clock)
+    ok = np.isfinite(span) & (span > 0)
+    busy = delta(ro["decode_s"].values)
+    idle = np.isfinite(busy) & ok
+    tokens = delta(ro["response_tokens"].values)
+    steps = delta(ro["engine_steps"].values)
+    decoded = delta(ro["engine_decode_tokens"].values) + delta(admitted_decodes(ro, sc))
+    return {
+        "gen_throughput": float(np.sum(tokens[ok] / span[ok])) * sc.tokens / sc.modelled(1.0)
+        if ok.any()
+        else math.nan,
+        "rollout_idle": float(1 - busy[idle].sum() / span[idle].sum()) if idle.any() else math.nan,
+        "decode_batch": float(np.nansum(decoded) / max(np.nansum(steps), 1)) * sc.request_scale,
+    }
+
+
+def time_to_reward(curve: list[tuple[float, float]], threshold: float) -> float:
+    """Modelled seconds until a reward curve (two-point moving average) first reaches
+    ``threshold`` (NaN: never, within the run). The base policy's point is left out of
+    the average: a run whose version 0 already scored above the threshold counted 0 s.
+
+    >>> time_to_reward([(0, 0.5), (10, 0.6), (20, 0.8), (30, 0.9)], 0.7)
+    20
+    >>> time_to_reward([(0, 0.9), (10, 0.6), (20, 0.8)], 0.7)
+    20
+    """
+    for i in range(1, len(curve)):
+        window = [r for _, r in curve[max(1, i - 1) : i + 1]]  # (never the base's point)
+        if np.mean(window) >= threshold:
+            return curve[i][0]
+    return math.nan
+
+
+def reward_thresholds(results: dict[str, list[dict]], given: float | None) -> dict:
+    """Each seed's time-to-reward threshold (``given``: one for all). Three quarters
+    (``TTR_FRACTION``) of the way from the seed's base reward (the median over its runs'
+    version 0) to the lowest final reward of its runs: every run of the seed reaches
+    it, late enough that the first iterations do not decide it. Per seed, because a
+    seed's prompts set its base: on the 64-GPU workload the bases of two seeds differ by
+    0.02 against a rise of 0.03, and one threshold for all lay below one seed's base.
+
+    >>> runs = {"a": [{"_seed": 0, "reward_first": 0.8, "reward_last": 0.9},
+    ...               {"_seed": 1, "reward_first": 0.6, "reward_last": 0.7}]}
+    >>> {k: round(v, 3) for k, v in reward_thresholds(runs, None).items()}
+    {0: 0.875, 1: 0.675}
+    """
+    seeds = {f.get("_seed") for rs in results.values() for f in rs}
+    if given is not None:
+        return dict.fromkeys(seeds, given)
+    out = {}
+    for seed in seeds:
+        runs = [f for rs in results.values() for f in rs if f.get("_seed") == seed]
+        base = float(np.median([f["reward_first"] for f in runs]))
+        out[seed] = base + TTR_FRACTION * (min(f["reward_last"] for f in runs) - base)
+    return out

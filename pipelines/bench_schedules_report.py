@@ -1,0 +1,310 @@
+"""The result of ``laminar bench schedules``: the runs' figures as medians per schedule,
+the ratios between schedules, the notes (:func:`_result`; :func:`_search_result` for a
+bench that only searched the splits), and beside the JSON a markdown table and the plots
+(:func:`write_extras`).
+
+Apart from the bench because it only turns measured figures into a report: it runs
+nothing and reads no store, so the bench and its re-analysis of kept runs
+(:func:`pipelines.bench_schedules.reanalyse`) share it.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import numpy as np
+
+from pipelines.bench_schedules_cluster import (
+    ABLATION_OF,
+    GPUS_PER_REPLICA,
+    LENGTH_SCALE,
+    REQUEST_SCALE,
+    WORKLOAD,
+)
+from pipelines.bench_schedules_figures import reward_thresholds, time_to_reward
+
+FIGURES = [
+    "throughput",
+    "gen_throughput",
+    "ttr_s",
+    "ttr_trained_s",
+    "iteration_s",
+    "rollout_idle",
+    "trainer_idle",
+    "decode_batch",
+    "s_gen_mean",
+    "s_gen_p99",
+    "s_gen_max",
+    "residence_mean",
+    "residence_p99",
+    "residence_max",
+    "s_train_mean",
+    "s_train_p99",
+    "s_train_max",
+    "buffer_depth",
+    "buffer_age_s",
+    "arrivals_per_s",
+    "consumption_per_s",
+    "evicted",
+    "discarded",
+    "filtered",
+    "wasted_tokens",
+    "recomputed_tokens",
+    "reward_first",
+    "reward_last",
+    "compute_vs_modelled",
+    "overrun_steps",
+    "decode_unmodelled",
+    "top_up_share",
+    "trainer_compute_vs_modelled",
+    "trainer_overruns",
+    "audit_ok",
+    "moves",
+    "len_p99_over_median",
+    "len_cap_over_mean",
+    "len_within_share",
+    "response_len",
+    "len_drift",
+    "replicas",
+    "trainer_gpus",
+]
+TABLE = [
+    "replicas",
+    "trainer_gpus",
+    "throughput",
+    "gen_throughput",
+    "ttr_s",
+    "rollout_idle",
+    "trainer_idle",
+    "decode_batch",
+    "s_train_mean",
+    "s_train_max",
+    "buffer_depth",
+    "wasted_tokens",
+    "len_drift",
+]
+
+
+def _search_result(cluster, arms, splits, probes, root, failed=()):
+    """``--seeds 0``: the splits alone, searched (or fixed), and every probe; nothing is
+    measured beyond the probes, so there are no medians and no ratios."""
+    from pipelines.bench import BenchResult, failed_notes
+
+    figures: dict[str, float | None] = {}
+    rows = []
+    for arm in arms:
+        seen = probes.get(arm, {})
+        best = seen.get(splits[arm])
+        figures[f"{arm}_replicas"] = float(splits[arm])
+        figures[f"{arm}_probe_throughput"] = best
+        probed = ", ".join(f"{r}: {v / 1e3:,.0f}k" for r, v in seen.items())
+        if not probed:
+            base = ABLATION_OF.get(arm)
+            probed = (
+                "colocated"
+                if arm == "sync"
+                else f"at {base}'s split"
+                if base in splits and splits[base] == splits[arm]
+                else "fixed"
+            )
+        rows.append(
+            [
+                arm,
+                splits[arm],
+                cluster.gpus if arm == "sync" else cluster.gpus - GPUS_PER_REPLICA * splits[arm],
+                best,
+                probed,
+            ]
+        )
+    return BenchResult(
+        name="schedules",
+        figures=figures,
+        ratios={},
+        samples={},
+        columns=["schedule", "replicas", "trainer_gpus", "probe_throughput", "probes (R: tok/s)"],
+        rows=rows,
+        options=_options(cluster, splits, probes, root, seeds=0),
+        notes=[
+            f"{cluster.gpus} emulated H800 GPUs: the split search alone (--seeds 0), probes "
+            "of seed 0 in the probes' order; run with --splits ARM=R to measure at these; "
+            "no table or plots beside the JSON (nothing was measured at the splits)",
+            *failed_notes(list(failed)),
+        ],
+        failed=list(failed),
+    )
+
+
+def _options(cluster, splits, probes, root, **more) -> dict:
+    """What a result records of how it was made: cluster shape, scales, splits, every probe."""
+    return {
+        "gpus": cluster.gpus,
+        "dilation": cluster.dilation,
+        "length_scale": LENGTH_SCALE,
+        "request_scale": REQUEST_SCALE,
+        "splits": splits,
+        "probes": {arm: {str(r): v for r, v in seen.items()} for arm, seen in probes.items()},
+        "workload": WORKLOAD,
+        "runs": str(root),
+        **more,
+    }
+
+
+def _result(cluster, arms, results, splits, probes, reward_threshold, root, failed, locals_):
+    from pipelines.bench import BenchResult, failed_notes
+
+    if not any(results.values()):
+        raise RuntimeError(
+            "every measured run failed; nothing to report:\n" + "\n".join(failed_notes(failed))
+        )
+    thresholds = reward_thresholds(results, reward_threshold)
+    for rs in results.values():
+        for f in rs:
+            f["ttr_threshold"] = thresholds[f.get("_seed")]
+            f["ttr_s"] = time_to_reward(f["_policy"], f["ttr_threshold"])
+            f["ttr_trained_s"] = time_to_reward(f["_trained"], f["ttr_threshold"])
+    med = {  # (an arm whose every run failed: NaN throughout)
+        arm: {
+            k: _median_censored([f[k] for f in rs])
+            if k in CENSORED
+            else _median([f[k] for f in rs])
+            for k in FIGURES
+        }
+        for arm, rs in results.items()
+    }
+
+    def ratio(a: str, b: str, key: str = "throughput") -> float | None:
+        if a not in med or b not in med or not med[b][key]:
+            return None
+        value = med[a][key] / med[b][key]
+        return None if math.isnan(value) else value
+
+    ratios = {
+        f"laminar_vs_{b}": ratio("laminar", b)
+        for b in ("sync", "one_step", "stream", "partial_rollout")
+    }
+    ratios["laminar_repack_on_vs_off"] = ratio("laminar", "laminar_no_repack")
+    ratios["ttr_laminar_vs_sync"] = ratio("sync", "laminar", "ttr_s")  # sync's time / Laminar's
+    ratios["ttr_trained_laminar_vs_sync"] = ratio("sync", "laminar", "ttr_trained_s")
+    ratios["gen_throughput_laminar_vs_sync"] = ratio("laminar", "sync", "gen_throughput")
+    figures = {f"{arm}_{k}": v for arm, m in med.items() for k, v in m.items()}
+    # (each seed's: reward_thresholds; their median for the plot and the table's note)
+    figures["reward_threshold"] = float(np.median(list(thresholds.values())))
+    locals_ = {**locals_, "reward_thresholds": {str(k): v for k, v in thresholds.items()}}
+    samples = {f"{arm}_{k}": [f[k] for f in rs] for arm, rs in results.items() for k in FIGURES}
+    for curve in ("policy", "trained"):  # [(modelled s, reward)] of every run
+        samples |= {
+            f"{arm}_{curve}_reward": [f[f"_{curve}"] for f in rs] for arm, rs in results.items()
+        }
+    result = BenchResult(
+        name="schedules",
+        figures=figures,
+        ratios=ratios,
+        samples=samples,
+        columns=["schedule"] + TABLE,
+        rows=[[arm] + [med[arm][c] for c in TABLE] for arm in arms],
+        options=_options(cluster, splits, probes, root, **locals_),
+        notes=[
+            f"{cluster.gpus} emulated H800 GPUs (TP4 replicas; sync colocated on all); "
+            f"modelled units of the full-size cluster; medians over {locals_['seeds']} seeds",
+            "ratios: " + ", ".join(f"{k} {v:.2f}" for k, v in ratios.items() if v is not None),
+            "time to reward: the policy's reward (its rollouts', at its publication; "
+            "ttr_trained_s: the trained batches', at their update), 2-point mean >= "
+            + ", ".join(f"{v:.3f} (seed {k})" for k, v in sorted(thresholds.items(), key=str)),
+            *(
+                f"{arm}: {note}"
+                for arm, rs in results.items()
+                for f in rs
+                for note in f.get("_notes", ())
+            ),
+            *failed_notes(failed),
+        ],
+        failed=failed,
+    )
+    result.extras = write_extras
+    return result
+
+
+# Times to reward: NaN in a run's sample means it never reached the threshold within the
+# run, i.e. later than any run that did, not an unknown to leave out of the median.
+CENSORED = ("ttr_s", "ttr_trained_s")
+
+
+def _median_censored(values: list[float]) -> float:
+    """The median of times to an event, NaN counted as "not within the run" (later than
+    every finite time); NaN when the median run did not reach it, or there is no run.
+
+    >>> _median_censored([600.0, float("nan"), 900.0]), _median_censored([600.0, float("nan")])
+    (900.0, nan)
+    """
+    if not values:
+        return math.nan
+    med = float(np.median([math.inf if math.isnan(v) else v for v in values]))
+    return med if math.isfinite(med) else math.nan
+
+
+def _median(values: list[float]) -> float:
+    """The median of the finite samples; NaN when there is none (no warning).
+
+    >>> _median([3.0, float("nan"), 1.0]), _median([])
+    (2.0, nan)
+    """
+    finite = [v for v in values if not math.isnan(v)]
+    return float(np.median(finite)) if finite else math.nan
+
+
+def write_extras(result, out: Path) -> list[Path]:
+    """Beside ``out`` (the JSON): a markdown table and the plots."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    out = Path(out)
+    stem = out.with_suffix("")
+    md = stem.with_suffix(".md")
+    md.write_text(markdown(result))
+    arms = [row[0] for row in result.rows]
+    fig, ax = plt.subplots(1, 2, figsize=(11, 3.6))
+    thr = [result.figures[f"{a}_throughput"] / 1e3 for a in arms]
+    colours = {"laminar": "#1f77b4", "laminar_no_repack": "#aec7e8"}  # the baselines grey
+    ax[0].bar(arms, thr, color=[colours.get(a, "#999") for a in arms])
+    ax[0].set_ylabel("actor-update throughput (k tok/s)")
+    ax[0].tick_params(axis="x", rotation=30)
+    for a in arms:
+        for i, curve in enumerate(result.samples[f"{a}_policy_reward"]):
+            t, r = zip(*curve, strict=True) if curve else ((), ())
+            ax[1].plot(t, r, lw=0.8, label=a if i == 0 else None)
+    ax[1].axhline(result.figures["reward_threshold"], color="k", ls=":", lw=0.8)
+    ax[1].set_xlabel("modelled time (s)")
+    ax[1].set_ylabel("reward of each version's rollouts")
+    ax[1].legend(fontsize=7)
+    fig.suptitle(f"laminar bench schedules, {result.options['gpus']} emulated GPUs")
+    fig.tight_layout()
+    png = stem.parent / f"{stem.name}.png"
+    fig.savefig(png, dpi=110)
+    plt.close(fig)
+    return [md, png]
+
+
+def markdown(result) -> str:
+    """The bench's table and ratios as markdown."""
+    cols = result.columns
+    lines = [
+        "| " + " | ".join(cols) + " |",
+        "|" + "---|" * len(cols),
+    ]
+    for row in result.rows:
+        cells = [row[0]] + [_md(v) for v in row[1:]]
+        lines.append("| " + " | ".join(cells) + " |")
+    lines += ["", "| ratio | value |", "|---|---|"]
+    lines += [f"| {k} | {_md(v)} |" for k, v in result.ratios.items()]
+    return "\n".join(lines) + "\n"
+
+
+def _md(v) -> str:
+    if v is None or (isinstance(v, float) and math.isnan(v)):
+        return "–"
+    if isinstance(v, float):
+        return f"{v:,.2f}" if abs(v) < 100 else f"{v:,.0f}"
+    return str(v)
