@@ -1,0 +1,205 @@
+"""``laminar bench``: its flags checked before a bench starts (a bench runs minutes to
+hours before it would trip on them), its options handed to
+:func:`pipelines.bench.run_bench`, and the argparse types of its list flags.
+
+Apart from :mod:`pipelines.cli` because the benches' flags are most of the command line;
+the parser that declares them stays there, whole.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+from pipelines.cli_run import _file_in_the_way
+
+
+def _check_out(out: str) -> None:
+    """Refuse an ``--out`` the bench could not write when it ends (minutes to hours on)."""
+    from laminar.errors import ConfigError
+
+    path = Path(out).expanduser()
+    if path.is_dir():
+        raise ConfigError(f"--out {out!r} is a folder; give a file's path, e.g. {out}/bench.json")
+    blocker = _file_in_the_way(path.parent)
+    if blocker is not None:
+        raise ConfigError(
+            f"cannot write --out {out!r}: {str(blocker)!r} is a file, not a folder; give a "
+            "path in a folder (made if missing)"
+        )
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        if not os.access(path.parent, os.W_OK):
+            raise PermissionError(13, "Permission denied")
+    except OSError as e:
+        raise ConfigError(
+            f"cannot write --out {out!r} ({e.strerror or e}); give a path in a folder this "
+            "user can create and write"
+        ) from None
+
+
+def _check_bench_flags(args: argparse.Namespace) -> None:
+    """Flags that conflict, or name what does not exist, refused before a bench starts."""
+    from laminar.errors import ConfigError
+
+    if args.data_apart and args.resume_lost:
+        raise ConfigError(
+            "laminar bench soak: --resume-lost and --data-apart do not go together (a "
+            "resumed run is the shared layout's); give one"
+        )
+    if args.name != "schedules":
+        return  # (run_bench refuses flags a bench does not take)
+    if args.from_runs:
+        if not args.runs_dir:
+            raise ConfigError(
+                "--from-runs computes the result of the runs a previous bench kept: give "
+                "--runs-dir DIR, the folder it kept them in"
+            )
+        if not Path(args.runs_dir).expanduser().is_dir():
+            raise ConfigError(
+                f"--runs-dir: no folder {args.runs_dir!r}; with --from-runs give the folder "
+                "a previous `laminar bench schedules --runs-dir DIR` kept its runs in"
+            )
+        run_only = {
+            "--arms": args.arms,
+            "--gpus": args.gpus,
+            "--iterations": args.iterations,
+            "--no-search": args.no_search,
+            "--seeds": args.seeds,
+            "--set": args.set,
+            "--splits": args.splits,
+        }
+        given = [flag for flag, v in run_only.items() if v not in (None, False)]
+        if given:
+            raise ConfigError(
+                "--from-runs computes the result of the runs --runs-dir kept, as they were "
+                f"run: drop {', '.join(given)} (it takes --warmup, --reward-threshold, --out)"
+            )
+    from pipelines.bench_schedules import ARMS
+
+    for flag, names in (("--arms", args.arms or ()), ("--splits", args.splits or {})):
+        for name in names:
+            if name not in ARMS:
+                raise ConfigError(f"unknown schedule {name!r} in {flag}; known: {', '.join(ARMS)}")
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    from pipelines.bench import run_bench
+
+    _check_bench_flags(args)
+    if args.out:
+        _check_out(args.out)
+    options = {}
+    if args.repeats is not None:
+        options["repeats"] = args.repeats
+    if args.batches:
+        options["batches"] = args.batches
+    if args.contexts:
+        options["contexts"] = args.contexts
+    if args.new_tokens is not None:
+        options["new_tokens"] = args.new_tokens
+    if args.threads is not None:
+        options["threads"] = args.threads
+    if args.vllm_python:
+        options["vllm"] = args.vllm_python
+    if args.sizes_mb:
+        options["sizes_mb"] = args.sizes_mb
+    if args.relays:
+        options["ps"] = args.relays
+    if args.protocols:
+        options["protocols"] = tuple(args.protocols.split(","))
+    if args.senders:
+        options["senders"] = tuple(args.senders.split(","))
+    if args.duration_s is not None:
+        options["duration_s"] = args.duration_s
+    if args.kill_every_s is not None:
+        options["kill_every_s"] = args.kill_every_s
+    for key in (
+        "gpus",
+        "seeds",
+        "warmup",
+        "iterations",
+        "reward_threshold",
+        "runs_dir",
+        "model",
+        "accelerator",
+        "layers",
+        "tp",
+        "split_kv",
+    ):
+        if getattr(args, key) is not None:
+            options[key] = getattr(args, key)
+    if args.no_search:
+        options["search"] = False
+    if args.data_apart:
+        options["data_apart"] = True
+    if args.resume_lost:
+        options["resume"] = True
+    if args.from_runs:
+        options["from_runs"] = True
+    if args.arms:
+        options["arms"] = args.arms
+    if args.set:
+        options["overrides"] = tuple(args.set)  # (repack, schedules: run_bench says so)
+    if args.splits:
+        options["splits"] = args.splits
+    result = run_bench(args.name, args.out, **options)
+    if result.failed:  # (figures of the other runs written: the failed ones listed)
+        print(
+            f"laminar bench {args.name}: {len(result.failed)} run(s) failed and were left "
+            "out (listed in the notes and the JSON's `failed`)",
+            file=sys.stderr,
+        )
+        return 1
+    return 0
+
+
+def _whole_number(least: int):
+    """An argparse ``type``: a whole number ≥ ``least``."""
+
+    def parse(text: str) -> int:
+        try:
+            n = int(text)
+        except ValueError:
+            n = least - 1
+        if n < least:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a whole number ≥ {least}")
+        return n
+
+    return parse
+
+
+_positive_int = _whole_number(1)
+_count = _whole_number(0)
+
+
+def _names(text: str) -> tuple[str, ...]:
+    return tuple(t.strip() for t in text.split(",") if t.strip())
+
+
+def _positive_ints(text: str) -> tuple[int, ...]:
+    """A comma-separated list of whole numbers ≥ 1, e.g. ``1,16,64``."""
+    try:
+        return tuple(_positive_int(t.strip()) for t in text.split(","))
+    except argparse.ArgumentTypeError as e:
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: {e}; give comma-separated whole numbers, e.g. 1,16,64"
+        ) from None
+
+
+def _splits(text: str) -> dict[str, int]:
+    """``laminar=6,stream=7``: rollout replicas per schedule."""
+    out = {}
+    for item in text.split(","):
+        arm, eq, n = item.partition("=")
+        try:
+            out[arm.strip()] = _positive_int(n.strip())
+        except argparse.ArgumentTypeError:
+            eq = ""
+        if not eq or not arm.strip():
+            raise argparse.ArgumentTypeError(
+                f"{item!r} in {text!r} is not SCHEDULE=REPLICAS; give e.g. laminar=6,stream=7"
+            )
+    return out

@@ -1,0 +1,227 @@
+"""What ``laminar run`` shows: a run's progress while it goes (a bar on a terminal, plain
+lines in logs and pipes) and its summary when it ends, or, for a run whose driver failed,
+what the stores said.
+
+Apart from the command (:mod:`pipelines.cli_run`) because it is formatting alone: a
+progress or summary dict in, lines out, no cluster and no signals.
+"""
+
+from __future__ import annotations
+
+import time
+
+
+def _fmt(x, spec: str = ".3f") -> str:
+    return "-" if x is None else format(x, spec)
+
+
+def _progress_line(p: dict) -> str:
+    if p.get("phase") != "training":
+        return f"[{p.get('phase')}]"
+    return (
+        # (the version the run ends at: a trainer restarted within the run skips the lost
+        # one's numbers, so versions can pass trainer.steps; the updates cannot)
+        f"t={p['elapsed_s']:6.1f}s  version {p['version']:>3}/{p.get('last_version', p['steps'])}  "
+        f"reward {_fmt(p['reward'])}  gen {p['gen_tok_s']:7.0f} tok/s  "
+        f"buffer {p['buffer_depth']:>4}  s_train {_fmt(p['s_train_mean'], '.2f')}  "
+        f"trajectories {p['trajectories']}"
+        + (f"  discarded {p['discarded']} (reward errors)" if p.get("discarded") else "")
+    )
+
+
+class _Lines:
+    """Progress as plain lines (logs, pipes, CI): on every phase change, and every 2 s
+    while training."""
+
+    def __init__(self) -> None:
+        self.last, self.t_last = "", 0.0
+
+    def show(self, p: dict, force: bool = False) -> None:
+        line = _progress_line(p)
+        due = line.startswith("t=") and time.time() - self.t_last >= 2.0
+        if line != self.last and (force or due or not line.startswith("t=")):
+            print(line, flush=True)
+            self.last, self.t_last = line, time.time()
+
+    def close(self) -> None:
+        pass
+
+
+class _Bar:
+    """Progress as a bar over the updates made of trainer.steps (interactive terminals)."""
+
+    def __init__(self) -> None:
+        self.bar = None
+        self.phase = None
+
+    def show(self, p: dict, force: bool = False) -> None:
+        from tqdm import tqdm
+
+        if p.get("phase") != "training":
+            if p.get("phase") != self.phase:
+                print(f"[{p.get('phase')}]", flush=True)
+                self.phase = p.get("phase")
+            return
+        if self.bar is None:
+            self.bar = tqdm(total=p["steps"], unit="update", dynamic_ncols=True)
+        self.bar.n = p.get("updates", p["version"])
+        self.bar.set_postfix_str(
+            f"reward {_fmt(p['reward'])} gen {p['gen_tok_s']:.0f} tok/s "
+            f"buffer {p['buffer_depth']} s_train {_fmt(p['s_train_mean'], '.2f')}"
+            + (f" discarded {p['discarded']}" if p.get("discarded") else "")
+        )
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+
+def _print_summary(s: dict) -> None:
+    sft = s["sft"]
+    print("\n== summary ==")
+    print(f"run dir            {s['run_dir']}  ({s['reason']})")
+    print(
+        f"reward             first 20% {s['reward_first_20pct']:.3f} -> last 20% "
+        f"{s['reward_last_20pct']:.3f}  (gain {s['reward_gain']:+.3f})"
+    )
+    made = (
+        f"  ({s['updates']} updates made)"
+        if s.get("updates", s["versions"]) != s["versions"]
+        else ""
+    )
+    print(f"versions           {s['versions']}{made}")
+    if r := s.get("resumed"):
+        print(
+            f"resumed            at version {r['version']}: {r['readmitted']} trajectories "
+            f"back in the buffer, {r.get('reissued_samples', 0)} missing siblings re-issued, "
+            f"{r['dropped']} dropped"
+        )
+    left = {k[2:]: v for k, v in s.get("status_counts", {}).items() if k != "n_consumed" and v}
+    print(
+        f"trajectories       {s['trajectories']} ({s['consumed']} consumed"
+        + "".join(f", {v} {k}" for k, v in sorted(left.items()))
+        + ")"
+    )
+    print(f"tokens             {s['prompt_tokens']} prompt + {s['response_tokens']} response")
+    print("staleness (mean)   " + "  ".join(f"{k[:-5]} {v:.2f}" for k, v in s["staleness"].items()))
+    whole = (
+        f" ({s['rl_wall_s_total']:.1f} s over the run's {s['segments']} starts)"
+        if s.get("segments", 1) > 1
+        else ""
+    )
+    print(
+        f"wall time          RL {s['rl_wall_s']:.1f} s{whole}; warm start "
+        f"{sft.get('wall_s', 0):.1f} s ({'cached' if sft.get('cached') else 'trained'})"
+    )
+    if "eval_reward" in sft:
+        print(
+            f"warm-start reward  {sft['eval_reward']:.3f} "
+            f"(one sample each of {sft['eval_prompts']} prompts)"
+        )
+    eng = s.get("engine", {})
+    if eng.get("parity_checks"):
+        print(
+            f"engine parity      max |behavior - trainer logprob| {eng['parity_max_abs']:.2e} "
+            f"over {eng['parity_checks']} checks"
+        )
+    if "modelled_s" in eng:
+        print(
+            f"pacing             modelled {eng['modelled_s']:.1f} s, real compute "
+            f"{eng['compute_s']:.1f} s, {eng['overruns']} steps over the model"
+        )
+    relay = s.get("relay")
+    if relay:
+        waits = relay["rollout_wait_s"]
+        stall, bcast = relay["stall_s_median"] * 1e3, relay["broadcast_s_median"] * 1e3
+        print(
+            f"weights            {len(relay['chain'])} relay(s); publication stall {stall:.1f} ms, "
+            f"broadcast {bcast:.1f} ms (medians); rollout wait "
+            f"{sum(waits) / max(len(waits), 1):.1f} s per rollout"
+        )
+        if "fingerprints" in relay:
+            fp = relay["fingerprints"]
+            print(
+                f"weights audit      {fp['loads_checked']} loads checked, {fp['mismatched']} "
+                "differ from what the trainer published"
+                + (
+                    f" ({fp['unverified']} of versions a lost trainer published unchecked)"
+                    if fp.get("unverified")
+                    else ""
+                )
+            )
+    repack = s.get("repack")
+    if repack:
+        print(
+            f"repack             {repack['moves']} moves ({repack['rolled_back']} rolled back), "
+            f"{repack['requests_moved']} requests, pause {repack['pause_s']:.2f} s"
+        )
+    faults = s.get("faults")
+    if faults and faults["lost"]:
+        print(
+            f"faults             {len(faults['lost'])} rollout(s) lost "
+            f"({', '.join(sorted(faults['lost']))}); {faults['recovered_requests']} unfinished "
+            f"trajectories resumed elsewhere in {faults['recoveries']} recoveries "
+            "(`laminar audit RUN_DIR`)"
+        )
+    if faults and faults.get("hung"):
+        print(
+            f"hung               {', '.join(sorted(faults['hung']))}: no progress for "
+            "faults.heartbeat_timeout_s; worker restarted, then recovered as lost"
+        )
+    for r in (faults or {}).get("trainer_restarts", []):
+        if r.get("finished"):  # (restart._finish: no trainer started again)
+            print(
+                f"trainer            lost after its final checkpoint (version "
+                f"{r['checkpoint_version']}): every update was made, none restarted"
+            )
+            continue
+        print(
+            f"trainer            lost, restarted in the run in {r['restart_s']:.1f} s from "
+            f"version {r['checkpoint_version']} ({r['lost_updates']} update(s) lost and "
+            f"redone, {r['readmitted']} trajectories back in the buffer); numbering goes on "
+            f"after version {r['after_version']}"
+        )
+    for r in (faults or {}).get("data_restarts", []):
+        print(
+            f"data module        lost, rebuilt in the run in {r['restart_s']:.1f} s from the "
+            f"stores ({r['held_again']} trajectories held again, {r['marked_consumed']} "
+            f"consumed events written, {r['outstanding_groups']} groups outstanding, "
+            f"{r['registered']} unfinished trajectories registered anew)"
+        )
+    for r in (faults or {}).get("core_restarts", []):
+        if r.get("finished"):
+            print(
+                f"trainer + data     lost together after the final checkpoint (version "
+                f"{r['checkpoint_version']}): the data module rebuilt in {r['restart_s']:.1f} s "
+                "to close the store; every update was made, no trainer restarted"
+            )
+            continue
+        print(
+            f"trainer + data     lost together, restarted in the run in {r['restart_s']:.1f} s "
+            f"from version {r['checkpoint_version']} ({r['lost_updates']} update(s) lost and "
+            f"redone, {r['held_again']} trajectories held again, {r['registered']} "
+            f"unfinished trajectories registered anew); numbering goes on after version "
+            f"{r['after_version']}"
+        )
+    if faults and faults.get("relays_lost"):
+        print(
+            f"relays             {len(faults['relays_lost'])} lost "
+            f"({', '.join(sorted(faults['relays_lost']))}); chain now "
+            + " -> ".join(faults["chain"] or [])
+        )
+    print(f"checkpoint         {s['checkpoint']}")
+
+
+def _print_failed_summary(s: dict) -> None:
+    """The summary of a run whose driver failed (``pipelines.summary.summarize_failed``):
+    only what the stores said."""
+    print("\n== summary ==")
+    print(f"run dir            {s['run_dir']}  ({s['reason']})")
+    if "trajectories" in s:
+        print(f"trajectories       {s['trajectories']} ({s['consumed']} consumed)")
+        print(
+            f"reward             first 20% {s['reward_first_20pct']:.3f} -> last 20% "
+            f"{s['reward_last_20pct']:.3f}"
+        )
+    if "versions" in s:
+        print(f"versions           {s['versions']} (the last the stores record)")

@@ -1,0 +1,178 @@
+"""``laminar run``: a run started, or resumed in place, on the cluster its config names;
+its progress followed until it ends, then its summary; Ctrl-C, SIGTERM or SIGHUP stops it
+in order, with an exit code that says which.
+
+Apart from :mod:`pipelines.cli` (the parser, the other commands) as the one command that
+holds a cluster and follows a run; what it prints is :mod:`pipelines.cli_display`'s, its
+signal handling :mod:`pipelines.cli_signals`'.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import signal
+import sys
+import time
+from pathlib import Path
+
+from laminar.errors import LaminarError, RunFailed, RunStopped
+from pipelines.cli_display import _Bar, _Lines, _print_failed_summary, _print_summary
+from pipelines.cli_signals import STOP_SIGNALS, _handling, _safely
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    from laminar.deploy import open_cluster
+    from laminar.errors import ConfigError
+    from pipelines.api import (
+        RunHandle,
+        preflight,
+        prepare_resume,
+        prepare_run_dir,
+        resolve_config,
+    )
+
+    overrides = list(args.set or [])
+    if args.scheduler or args.scheduler_file:
+        # (quoted: a value is read as YAML, where " #2" of "exp #2/sched.json" would be
+        # a comment)
+        overrides += [
+            "cluster.kind=address",
+            f"cluster.address={_yaml_string(args.scheduler)}",
+            f"cluster.scheduler_file={_yaml_string(args.scheduler_file)}",
+        ]
+    plan = None
+    if args.resume:
+        if args.config or args.run_dir:
+            raise ConfigError(
+                "laminar run --resume RUN_DIR continues RUN_DIR with its own config.yaml; "
+                "drop CONFIG and --run-dir (change settings with --set)"
+            )
+        cfg, plan, run_dir = prepare_resume(args.resume, overrides)
+        print(f"run dir            {run_dir}  (resumed from {cfg.trainer.resume_from})")
+        print(
+            f"store              {plan.stored} trajectories; {len(plan.readmit)} back in the "
+            f"buffer ({len(plan.readmit_groups)} groups; the missing siblings of "
+            f"{len(plan.reissue) - plan.log_groups} re-issued), {len(plan.drop)} dropped "
+            "(docs/faults.md)",
+            flush=True,
+        )
+        print(
+            f"recovery log       {plan.log_unfinished} trajectories were generating and "
+            f"{plan.log_completed} completed but not stored; {plan.log_groups} groups with "
+            "nothing stored re-issued whole",
+            flush=True,
+        )
+    else:
+        if not args.config:
+            raise ConfigError("laminar run needs a CONFIG file (or --resume RUN_DIR)")
+        cfg = resolve_config(args.config, overrides)
+        preflight(cfg)
+        try:
+            run_dir = prepare_run_dir(cfg, args.run_dir)
+        except OSError as e:  # (a file where the folder must be, no permission, ...)
+            raise ConfigError(_run_dir_problem(args.run_dir or cfg.run_dir, e)) from None
+        print(f"run dir            {run_dir}", flush=True)
+    with open_cluster(cfg, run_dir) as client:
+        client.forward_logging("laminar", level=logging.WARNING)
+        print(f"scheduler          {client.scheduler.address}")
+        print(f"dashboard          {client.dashboard_link}")  # open_cluster waited for roles
+        return _follow(RunHandle(cfg, client, run_dir, resume=plan))
+
+
+def _yaml_string(value: str | None) -> str:
+    """``value`` as a YAML scalar that reads back as itself (a JSON string is a YAML
+    double-quoted one), or ``null``."""
+    return "null" if value is None else json.dumps(value, ensure_ascii=False)
+
+
+def _file_in_the_way(path: Path) -> Path | None:
+    """The file (not folder) at ``path`` or above it, which keeps a folder from being made."""
+    return next((p for p in (path, *path.parents) if p.exists() and not p.is_dir()), None)
+
+
+def _run_dir_problem(run_dir: str | None, e: OSError) -> str:
+    """Why the run directory cannot be made, naming what stands in its way."""
+    path = Path(str(e.filename or run_dir or "runs"))
+    blocker = _file_in_the_way(path)
+    if blocker is not None:
+        return (
+            f"cannot make the run directory {str(path)!r}: {str(blocker)!r} is a file, not a "
+            "folder; pass --run-dir (or run_dir in the config) a new folder's path, or move "
+            "the file aside"
+        )
+    return (
+        f"cannot make the run directory {str(path)!r} ({e.strerror or e}); pass --run-dir "
+        "(or run_dir in the config) a folder this user can create and write"
+    )
+
+
+def _follow(handle) -> int:
+    """Show a run's progress until it ends, then its summary. Ctrl-C, SIGTERM or SIGHUP
+    stops it cleanly (a second one aborts): the same exit code as Ctrl-C's for Ctrl-C,
+    128 + its number (143, 129) for another signal, so that a job script can tell a run
+    stopped in order from one that completed."""
+    received: list[int] = []
+
+    def on_signal(signum, frame):
+        received.append(signum)
+        if len(received) > 1:
+            raise KeyboardInterrupt
+        handle.stop()
+        key = "Ctrl-C" if signum == signal.SIGINT else signal.Signals(signum).name
+        _safely(
+            print,
+            f"\nstopping ({key}): finishing the current update and flushing the store "
+            f"({key} again to abort)",
+            flush=True,
+        )
+
+    with _handling(STOP_SIGNALS, on_signal):
+        display = _Bar() if sys.stdout.isatty() else _Lines()
+        try:
+            code = _watch(handle, display)
+        except KeyboardInterrupt:  # the second signal: no stop in order, no summary
+            _safely(display.close)
+            _safely(
+                print,
+                f"\nlaminar: aborted; the run in {handle.run_dir} did not stop in order "
+                f"(`laminar run --resume {handle.run_dir}` continues it from its newest "
+                "checkpoint, docs/faults.md)",
+                file=sys.stderr,
+            )
+            return 128 + (received[-1] if received else signal.SIGINT)
+        if received and received[0] != signal.SIGINT and code in (0, 130):
+            return 128 + received[0]  # (stopped in order, or in its setup, by that signal)
+        return code
+
+
+def _watch(handle, display) -> int:
+    while not handle.done():
+        _safely(display.show, handle.progress())
+        time.sleep(0.5)
+    final = handle.progress()
+    if "version" in final:  # the last state, which the polling may have missed
+        _safely(display.show, {**final, "phase": "training"}, force=True)
+    _safely(display.close)
+    try:
+        summary = handle.wait()
+    except RunStopped as e:  # Ctrl-C before it generated anything
+        _safely(print, f"laminar: {e}", file=sys.stderr)
+        return 130
+    except RunFailed as e:  # stopped in order: what it did, then why it failed
+        _safely(_print_summary, e.summary)
+        _safely(print, f"laminar: error: {e}", file=sys.stderr)
+        return 1
+    except LaminarError as e:
+        if not handle.training_began:  # failed in its setup (the cluster, the warm start)
+            raise
+        # The driver failed under a running run (a cluster lost under it): what the
+        # stores hold (unless even that could not be written), then why; exit 1, a
+        # failed run, as above (2 is a usage error).
+        if handle.summary is not None:
+            _safely(_print_failed_summary, handle.summary)
+        _safely(print, f"laminar: error: {e}", file=sys.stderr)
+        return 1
+    _safely(_print_summary, summary)
+    return 0
