@@ -1,0 +1,235 @@
+"""``cluster.kind: slurm``: :func:`slurm_cluster` submits one dask-jobqueue job per role
+worker, each with its role's resources, cores, memory and GPUs from
+``cluster.slurm.<role>``; a refused or interrupted submission cancels the jobs sbatch took.
+
+Apart from :mod:`laminar.deploy` because it is dask-jobqueue's and sbatch's details
+(private parts of dask-jobqueue among them); the wait for its jobs' workers is
+:mod:`laminar.deploy_placement`'s, the replacement of lost ones :mod:`laminar.deploy_lost`'s.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import re
+import shlex
+import sys
+import time
+from pathlib import Path
+
+from laminar.cluster import worker_environ
+from laminar.config import RunConfig, SlurmRole
+from laminar.deploy_lost import SlurmReplacer
+from laminar.deploy_placement import _role_section, run_workers
+from laminar.deploy_tls import _protocol
+from laminar.errors import ClusterError, ConfigError
+
+# (laminar.deploy's logger, as before the split: docs/deploy.md quotes its lines)
+log = logging.getLogger("laminar.deploy")
+
+
+def slurm_cluster(cfg: RunConfig, run_dir: str | Path, security=None):
+    """A ``dask_jobqueue.SLURMCluster`` with one job per worker of :func:`run_workers`.
+
+    Each job carries its own role resources (``--resources rollout=1``), cores, memory
+    and GPUs (``--gres=gpu:N``) from ``cluster.slurm.<role>``; the trainer's job also
+    holds the data module. Workers run without a nanny: one process per job, with the
+    job's environment (and glibc's adaptive malloc, see :func:`worker_environ`); Slurm
+    enforces the job's memory.
+    """
+    SLURMCluster, SLURMJob = _import_jobqueue()
+    s = cfg.cluster.slurm
+    log_dir = slurm_log_dir(cfg, run_dir)
+    log_dir.mkdir(parents=True, exist_ok=True)
+    if '"' in str(log_dir):
+        raise ConfigError(
+            f"the Slurm job logs' folder {str(log_dir)!r} has a double quote, which an "
+            "#SBATCH line cannot hold; set cluster.slurm.log_directory to a plainer path"
+        )
+    # Jobs from other runs must not be mistaken for ours in squeue. An #SBATCH line ends
+    # at a blank: a run directory "my run" gave `-J laminar-my run`, which sbatch refused.
+    job_name = ("laminar-" + re.sub(r"[^A-Za-z0-9._-]", "_", Path(run_dir).name))[:64]
+    # The logs' lines quoted (dask-jobqueue's log_directory writes them bare), and a % of
+    # the folder's name doubled: Slurm reads -o/-e as a pattern (a run dir "lr_5%" ...).
+    where = str(log_dir).replace("%", "%%")
+    logs = [f'-e "{where}/{job_name}-%J.err"', f'-o "{where}/{job_name}-%J.out"']
+    env = worker_environ(cfg.cluster.torch_threads)
+    prologue = [f"export {k}={shlex.quote(v)}" for k, v in sorted(env.items())]
+    prologue += list(s.job_prologue)
+    protocol = _protocol(cfg.cluster)
+    base = dict(
+        queue=s.partition,
+        account=s.account,
+        walltime=s.walltime,
+        processes=1,
+        cores=1,
+        memory="1GB",
+        nanny=False,
+        # dask-jobqueue joins the worker's command with blanks, unquoted: a python (or,
+        # below, a certificate) whose path has a blank ended every job at once.
+        python=shlex.quote(s.python or sys.executable),
+        job_script_prologue=prologue,
+        # (a jobqueue.slurm.log-directory in a Dask config file would add bare ones)
+        job_directives_skip=["#SBATCH -e ", "#SBATCH -o "],
+        interface=s.interface,
+        protocol=f"{protocol}://",
+        security=security,
+        job_name=job_name,
+        scheduler_options={"dashboard_address": ":0"},
+    )
+    try:
+        cluster = SLURMCluster(**{k: v for k, v in base.items() if v is not None})
+    except (RuntimeError, ValueError) as e:  # the in-process scheduler did not start
+        cause = e.__cause__ or e
+        if s.interface and "interface" in str(cause):
+            raise ConfigError(
+                f"cluster.slurm.interface={s.interface!r}: {cause}; give the interface the "
+                "compute nodes reach this machine on, or null for the default route"
+            ) from None
+        raise ConfigError(f"the scheduler of the Slurm cluster did not start: {cause}") from None
+    # A SLURMCluster has one job template; ours differ per role. It is a SpecCluster, so
+    # each worker gets its own spec (the template's options with the role's resources,
+    # cores, memory, GPUs) and _correct_state submits them, as scale() does for one
+    # template. Both are private to dask-jobqueue (tested with 0.9).
+    tls_args = _worker_tls_args(cluster._job_kwargs.get("security"))
+    jobs = {}
+    for name, resources in run_workers(cfg).items():
+        role: SlurmRole = getattr(s, _role_section(resources))
+        options = dict(cluster._job_kwargs)
+        gres = [f"--gres=gpu:{role.gpus}"] * (role.gpus > 0)
+        directives = [*logs, *s.job_directives, *gres]
+        res = ",".join(f"{k}={v}" for k, v in resources.items())
+        options.update(
+            cores=role.cores,
+            memory=role.memory,
+            job_extra_directives=directives,
+            security=None,  # its --tls-* arguments, quoted, are ours
+            worker_extra_args=list(options.get("worker_extra_args") or [])
+            + ["--resources", res]
+            + tls_args,
+        )
+        jobs[name] = {"cls": SLURMJob, "options": options}
+    cluster.worker_spec.update(jobs)
+    try:
+        _submit(cluster)
+    except Exception as e:  # noqa: BLE001 — sbatch refused a job: undo the others, say why
+        refused = _cancel_submitted(cluster)
+        sections = sorted({f"cluster.slurm.{_role_section(run_workers(cfg)[n])}" for n in refused})
+        said = [ln for ln in str(e).splitlines() if ln.startswith("sbatch:")] or [str(e)]
+        raise ClusterError(
+            f"Slurm refused the job(s) of {', '.join(sorted(refused)) or 'the run'} "
+            f"({', '.join(sections) or 'cluster.slurm'}; partition, account, walltime and "
+            "job_directives apply to every job):\n  " + "\n  ".join(said) + "\n"
+            "the jobs it had accepted are cancelled"
+        ) from None
+    except BaseException:  # Ctrl-C: the jobs sbatch took must not outlive the run
+        log.warning("interrupted: cancelling the Slurm jobs submitted so far")
+        _cancel_submitted(cluster)
+        raise
+    try:
+        SlurmReplacer(cluster, run_workers(cfg)).start()
+    except BaseException:
+        _cancel_submitted(cluster)
+        raise
+    return cluster
+
+
+def _import_jobqueue() -> tuple[type, type]:
+    """dask-jobqueue's ``SLURMCluster`` and ``SLURMJob``. Importing it makes Ctrl-C raise
+    ``SystemExit`` (``dask_jobqueue.runner`` sets a SIGINT handler that calls
+    ``sys.exit()``): in `laminar run` a Ctrl-C while jobs queued exited 0, not 130, with
+    no "interrupted". The process's handler is put back (Python's, where dask-jobqueue
+    was imported before)."""
+    import signal
+    import threading
+
+    def jobqueue_s(handler) -> bool:
+        return getattr(handler, "__module__", None) == "dask_jobqueue.runner"
+
+    before = signal.getsignal(signal.SIGINT)
+    try:
+        from dask_jobqueue import SLURMCluster
+        from dask_jobqueue.slurm import SLURMJob
+    except ImportError as e:
+        raise ConfigError(
+            "cluster.kind=slurm needs dask-jobqueue: pip install 'laminar-rl[slurm]'"
+        ) from e
+    finally:
+        if (
+            jobqueue_s(signal.getsignal(signal.SIGINT))
+            and threading.current_thread() is threading.main_thread()
+        ):
+            ours = before is not None and not jobqueue_s(before)
+            signal.signal(signal.SIGINT, before if ours else signal.default_int_handler)
+    return SLURMCluster, SLURMJob
+
+
+def _submit(cluster, settle_s: float = 120.0) -> None:
+    """Submit the jobs of ``cluster``'s spec. Ctrl-C meanwhile does not stop the sbatch
+    calls under way (``cluster.sync`` would cancel the submission, leaving the jobs sbatch
+    was taking out of ``cluster.workers``, where nothing cancels them): it waits for them,
+    up to ``settle_s``, so that every job submitted is there to cancel, then re-raises."""
+    import asyncio
+    import concurrent.futures
+
+    async def submit() -> None:
+        await cluster._correct_state()
+
+    done = asyncio.run_coroutine_threadsafe(submit(), cluster.loop.asyncio_loop)
+    try:
+        done.result()
+    except BaseException:
+        if not done.done():
+            deadline = time.monotonic() + settle_s
+            while time.monotonic() < deadline:
+                try:
+                    done.result(timeout=max(0.0, deadline - time.monotonic()))
+                    break
+                except KeyboardInterrupt:  # a second Ctrl-C: the jobs are not all known yet
+                    continue
+                except (Exception, concurrent.futures.CancelledError):
+                    break
+        raise
+
+
+def _worker_tls_args(security) -> list[str]:
+    """The ``--tls-*`` arguments dask-jobqueue gives a job's worker for ``security``, each
+    path quoted for the job's shell (dask-jobqueue writes them bare)."""
+    if not security:
+        return []
+    tls = security.get_tls_config_for_role("worker")
+    return [
+        arg
+        for key, value in tls.items()
+        if key != "ciphers" and value  # (ciphers has no command-line option)
+        for arg in ("--tls-" + key.replace("_", "-"), shlex.quote(str(value)))
+    ]
+
+
+def slurm_log_dir(cfg: RunConfig, run_dir: str | Path) -> Path:
+    """Where the jobs of ``cluster.kind: slurm`` write their logs: RUN_DIR/slurm unless
+    ``cluster.slurm.log_directory``."""
+    return Path(cfg.cluster.slurm.log_directory or Path(run_dir) / "slurm").expanduser()
+
+
+def _cancel_submitted(cluster) -> list[str]:
+    """After a refused submission: cancel the jobs that were accepted and stop the
+    scheduler now (not at the interpreter's exit: a notebook's kernel lives on). Returns
+    the names of the workers whose job was refused."""
+    import subprocess
+
+    from distributed.core import Status
+
+    accepted = {n: w.job_id for n, w in cluster.workers.items() if getattr(w, "job_id", None)}
+    refused = [n for n in cluster.worker_spec if n not in accepted]  # (close() empties it)
+    if accepted:
+        with contextlib.suppress(OSError, subprocess.SubprocessError):
+            subprocess.run(
+                ["scancel", *accepted.values()], capture_output=True, timeout=60, check=False
+            )
+    for w in list(cluster._created):  # never submitted: nothing for close() to wait on
+        if w.status == Status.created:
+            w.status = Status.failed
+    with contextlib.suppress(Exception):
+        cluster.close(timeout=30)
+    return refused
