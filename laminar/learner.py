@@ -201,9 +201,10 @@ class Learner:
             [x.response_tokens for x in batch],
             [x.behavior_logprobs for x in batch],
             [x.loss_mask for x in batch],
-            # (float64: the advantages are computed in it; a float32 reward would round
-            # rewards 1e-8 apart into one, and their group's advantages to 0)
-            torch.tensor([x.reward for x in batch], dtype=torch.float64),
+            # As stored (float32), which the buffer's no-signal filter and a resumed
+            # run read too: rewards equal there are equal here (advantages 0), and a
+            # group trains alike before and after a resume. (Advantages in float64.)
+            torch.tensor([x.reward for x in batch], dtype=torch.float32),
             torch.tensor([groups[x.prompt_uid] for x in batch]),
             pad_token_id=self.tok.pad_token_id,
             clip_low=t.clip_low,

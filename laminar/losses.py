@@ -45,7 +45,11 @@ def group_advantages(
     zeros = torch.zeros(n_groups, dtype=torch.float64)
     count = zeros.index_add(0, inverse, torch.ones_like(rewards))
     mean = zeros.index_add(0, inverse, rewards) / count
-    centred = rewards - mean[inverse]
+    # A group whose rewards are all equal carries no signal: exactly 0, not the
+    # mean's rounding error (1e-10 for six rewards of 0.7).
+    lo = zeros.scatter_reduce(0, inverse, rewards, "amin", include_self=False)
+    hi = zeros.scatter_reduce(0, inverse, rewards, "amax", include_self=False)
+    centred = torch.where((hi == lo)[inverse], 0.0, rewards - mean[inverse])
     if not norm_by_std:
         return centred.float()
     var = zeros.index_add(0, inverse, centred.pow(2)) / count

@@ -236,3 +236,17 @@ def test_a_checkpoint_folder_reaches_the_disk_before_its_name(tiny_policy, tmp_p
     del rng["cuda"]  # (written before the GPUs' state was kept)
     torch.save(rng, folder / "rng.pt")
     Learner(CFG, tiny_policy, resume_from=folder)
+
+
+def test_rewards_train_as_stored_so_a_group_trains_alike_after_a_resume(tiny_policy):
+    """Rewards 1000.0 and 1000.00001 are one float32 (the store's type, which the
+    buffer's no-signal filter and a resumed run read): the group has no signal there,
+    so it has none here either (advantages exactly 0), rather than ±0.83 before a
+    resume and 0 after it."""
+    from dataclasses import replace
+
+    data = batch(0)
+    siblings = [x for x in data if x.prompt_uid == data[0].prompt_uid]
+    flat = [replace(x, reward=1000.0 + 1e-5 * (i % 2)) for i, x in enumerate(siblings)]
+    metrics = Learner(CFG, tiny_policy).update(flat)
+    assert metrics["adv_abs_mean"] == 0.0

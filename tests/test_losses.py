@@ -413,3 +413,14 @@ def test_a_masked_token_is_ignored_whatever_its_behavior_logprob(bad):
         assert grads[0][0] == pytest.approx(grads[1][0]), name
         assert torch.allclose(grads[0][1], grads[1][1]), name
         assert grads[0][2] == pytest.approx(grads[1][2]), name
+
+
+def test_a_group_of_equal_rewards_gets_exactly_zero_advantages():
+    """Not the mean's rounding error (-1.1e-10 for six rewards of 0.7), and beside a
+    group with signal."""
+    rewards = torch.tensor([0.7] * 6 + [0.1] * 3 + [1.0, 0.0], dtype=torch.float64)
+    groups = torch.tensor([0] * 6 + [1] * 3 + [2, 2])
+    for norm in (True, False):
+        adv = group_advantages(rewards, groups, norm_by_std=norm)
+        assert adv[:9].tolist() == [0.0] * 9
+        assert adv[9] > 0 > adv[10]
