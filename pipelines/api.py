@@ -86,6 +86,13 @@ def preflight(cfg: RunConfig) -> None:
     check_answers(tok, prompts, cfg)
     if warning := unreachable_answers(tok, prompts, cfg):
         logger.warning(warning)
+    if cfg.trainer.correction == "decoupled" and cfg.trainer.mini_batches == 1:
+        logger.warning(
+            "trainer.correction=decoupled with trainer.mini_batches=1 trains exactly as "
+            "tis: with one optimizer step the proximal policy is the step's own, so its "
+            "clip never binds (and clip_frac, approx_kl stay 0). Set trainer.mini_batches "
+            "to 2 or more for its trust region (docs/losses.md)"
+        )
     resolve_reward(cfg.task.reward)
     if cfg.trainer.resume_from:
         check_checkpoint(cfg.trainer.resume_from, model_config, cfg)

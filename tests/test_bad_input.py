@@ -84,3 +84,21 @@ def test_a_sequence_longer_than_the_models_context_is_refused(tmp_path):
     ):
         preflight(cfg)
     preflight(with_overrides(cfg, ["rollout.max_seq_len=512", "rollout.max_new_tokens=400"]))
+
+
+def test_decoupled_with_one_mini_batch_is_warned_to_train_as_tis(tmp_path, caplog):
+    """With one optimizer step the proximal policy is the step's own: decoupled is tis to
+    the last bit (tests/test_learner.py's corrections test compares each to none only),
+    and its clip_frac and approx_kl stay 0. The start says so, naming the setting."""
+    import logging
+
+    from pipelines.api import preflight
+
+    cfg = with_overrides(RunConfig(), ["trainer.correction=decoupled", f"sft.cache_dir={tmp_path}"])
+    with caplog.at_level(logging.WARNING, logger="laminar"):
+        preflight(cfg)
+        assert "trainer.mini_batches to 2 or more" in caplog.text
+        caplog.clear()
+        preflight(with_overrides(cfg, ["trainer.mini_batches=2"]))
+        preflight(with_overrides(cfg, ["trainer.correction=tis"]))
+    assert "mini_batches" not in caplog.text
