@@ -308,21 +308,30 @@ class ExperienceBuffer:
                 self._events.append(_event(t.uid, t.status, t.sample_version, t.t_sample))
         self._flush()
 
-    async def _stranded(self) -> list[Trajectory]:
+    async def _stranded(
+        self, n_groups: int, version: int
+    ) -> tuple[list[Trajectory], list[Trajectory] | None]:
         """``same_version`` found no batch: if nothing more can arrive (every group the
         pool may have out is complete here, and it may hand out no more), the oldest
         version's groups are evicted (:meth:`BufferCore.evict_stranded`), freeing their
-        slots for groups of the versions now generating."""
+        slots for groups of the versions now generating. Returns what left and the batch,
+        as :meth:`BufferCore.take`: while the pool answers, inserts run (a group may
+        complete, one may come in too stale), so the batch is sought again on what is
+        held then, and the groups are evicted only if there is still none: else they
+        were evicted by a decision made on what the buffer held before (the oldest
+        version's, which may now be a batch)."""
         room = await self.pool.room()
-        if not room["full"] or room["outstanding"] > len(self.core.ready):
-            return []
+        left, batch = self.core.take(n_groups, version=version, now=time.time())
+        full = room["full"] and room["outstanding"] <= len(self.core.ready)
+        if batch is not None or not self.core.ready or not full:
+            return left, batch
         out = self.core.evict_stranded()
         logger.warning(
             "buffer.sampler=same_version: no behavior version holds a batch and every slot "
             "is taken; %d groups of the oldest version evicted to free them",
             len({t.prompt_uid for t in out}),
         )
-        return out
+        return left + out, None
 
     async def _release(self, trajs: list[Trajectory]) -> None:
         """Groups that left (any status) free their back-pressure slots; then record it."""
@@ -391,11 +400,17 @@ class ExperienceBuffer:
             await self.partial.forget(uids)
 
     async def sample(self, n_groups: int, version: int) -> list[Trajectory] | None:
-        await self._release(self.core.evict_stale(version))
-        batch = self.core.sample(n_groups, version=version, now=time.time())
+        """``n_groups`` complete groups for the update at the trainer's ``version``, or
+        ``None`` if there are none yet; the groups too stale to train at it leave first.
+        Both in one step (:meth:`BufferCore.take`), what left released after: an insert
+        that ran while this awaits the pool is checked against the published version,
+        one behind the trainer's under ``one_step`` (and a rebuilt data module's may lag
+        more), so a group it admitted may be too stale to sample now."""
+        left, batch = self.core.take(n_groups, version=version, now=time.time())
         if batch is None and self.core.sampler == "same_version" and self.core.ready:
-            await self._release(await self._stranded())
-        await self._release(batch or [])
+            await self._release(left)  # (before the pool counts what is out)
+            left, batch = await self._stranded(n_groups, version)
+        await self._release(left + (batch or []))
         self._flush()  # the trainer polls while it waits: pending writes go out on time
         await self._forget_committed()
         return batch
@@ -412,10 +427,13 @@ class ExperienceBuffer:
         arrays = _scalars(self.writer.path)
         lost = (arrays["status"] == "consumed") & (arrays["sample_version"] >= version)
         rows = np.flatnonzero(lost).tolist()
-        groups = self._hold_again(arrays, rows, "trainer_restart")
         # Released when consumed, they are out again: back-pressure counts them until
-        # they leave again (a rebuilt data module's pool does the same).
+        # they leave again (a rebuilt data module's pool does the same). The pool hears
+        # it before the buffer holds them: else a call running while it is told (a
+        # version published) could evict one and release it before it was out again, a
+        # release the pool ignores, and its slot stayed taken for good.
         await self.pool.hold_again(sorted({str(arrays["prompt_uid"][i]) for i in rows}))
+        groups = self._hold_again(arrays, rows, "trainer_restart")
         self._flush(force=True)
         return {"readmitted": len(rows), "groups": groups}
 

@@ -389,8 +389,9 @@ class BufferCore:
     def sample(self, n_groups: int, *, version: int, now: float) -> list[Trajectory] | None:
         """``n_groups`` complete groups chosen by the sampler, or ``None`` if it cannot yet.
 
-        Stale groups must have been evicted first (:meth:`evict_stale`); sampling one
-        would break the staleness bound, so it raises.
+        Stale groups must have been evicted first (:meth:`evict_stale`, or :meth:`take`,
+        which does both at once); sampling one would break the staleness bound, so it
+        raises.
         """
         uids = self._choose(n_groups)
         if uids is None:
@@ -411,6 +412,31 @@ class BufferCore:
         self.counts["consumed"] += len(out)
         self.counts["groups_consumed"] += n_groups
         return out
+
+    def take(
+        self, n_groups: int, *, version: int, now: float
+    ) -> tuple[list[Trajectory], list[Trajectory] | None]:
+        """:meth:`evict_stale` at ``version``, then :meth:`sample`, in one step:
+        ``(evicted, batch)``. A caller that lets other calls run in between (an actor
+        awaiting the prompt pool to release what it evicted) may admit a group in
+        between that was fresh enough at the buffer's published version and is too
+        stale at the trainer's, one ahead of it under ``one_step``: :meth:`sample`
+        raised on it, and the trainer failed.
+
+        >>> import numpy as np
+        >>> def traj(uid, group, version):
+        ...     z = np.zeros(1, np.int32)
+        ...     return Trajectory(uid, group, 0, 0, 1, z, z, z.astype(np.float32),
+        ...                       z.astype(np.uint8), version, "eos", "r0", 0., 0., 0.,
+        ...                       reward=1.0)
+        >>> core = BufferCore(max_train_staleness=1)
+        >>> _ = core.insert([traj("a", "g0", 4), traj("b", "g1", 5)], version=5, now=1.0)
+        >>> evicted, batch = core.take(1, version=6, now=2.0)
+        >>> [t.uid for t in evicted], [t.uid for t in batch]
+        (['a'], ['b'])
+        """
+        evicted = self.evict_stale(version)
+        return evicted, self.sample(n_groups, version=version, now=now)
 
     def _choose(self, n: int) -> list[str] | None:
         if len(self.ready) < n:

@@ -709,8 +709,8 @@ class DataPathMachine(RuleBasedStateMachine):
             self._publish(skip)
 
     def _train(self) -> bool:
-        self._release(self.core.evict_stale(self.version))
-        batch = self.core.sample(self.n, version=self.version, now=0.0)
+        evicted, batch = self.core.take(self.n, version=self.version, now=0.0)
+        self._release(evicted)
         if batch is None:  # (as ExperienceBuffer.sample: versions stranded in every slot)
             full = self.pool.full() and len(self.pool.outstanding) <= len(self.core.ready)
             if self.core.sampler == "same_version" and self.core.ready and full:

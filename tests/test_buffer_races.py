@@ -1,0 +1,160 @@
+"""The buffer's calls interleaved: while one awaits the prompt pool (an actor call, which
+lets the worker's event loop run the buffer's other calls), another changes what the
+buffer holds. What the first decided before its await must still hold after it.
+
+The real ExperienceBuffer and prompt pool core, behind a pool surface whose chosen call
+waits at a gate (:class:`_GatedPool`): each interleaving is reproduced exactly."""
+
+import asyncio
+
+from test_buffer import _buffer_config, _Pool, _pool, traj
+
+from laminar.buffer import ExperienceBuffer
+
+
+class _GatedPool(_Pool):
+    """The prompt pool's async surface over the real core, whose next call named
+    ``gated`` waits at ``gate`` before the pool has it (the request on its way):
+    ``waiting`` is set when it does."""
+
+    def __init__(self, core):
+        super().__init__(core)
+        self.gated: str | None = None
+        self.waiting, self.gate = asyncio.Event(), asyncio.Event()
+        self.untrained: list[str] = []  # every group released untrained, each time
+
+    async def _pause(self, name):
+        if self.gated == name:
+            self.gated = None
+            self.waiting.set()
+            await self.gate.wait()
+
+    async def release(self, prompt_uids, untrained=()):
+        self.untrained += list(untrained)
+        await self._pause("release")
+        await super().release(prompt_uids, untrained)
+
+    async def hold_again(self, prompt_uids):
+        await self._pause("hold_again")
+        await super().hold_again(prompt_uids)
+
+    async def room(self):
+        await self._pause("room")
+        return await super().room()
+
+
+def _group(pool, version, siblings=(0, 1)):
+    """Samples ``siblings`` of a group of two the pool dispatches at ``version``
+    (rewards 0 and 1: none is filtered as flat)."""
+    [g] = pool.acquire(1, "r0", version)
+    return [
+        traj(f"{g.prompt_uid}-{i}", g.prompt_uid, 2, i, version, reward=float(i)) for i in siblings
+    ]
+
+
+async def _while_waiting(pool, call, then):
+    """``call`` until the pool's gated call waits, ``then`` meanwhile, then its answer."""
+    task = asyncio.create_task(call)
+    await pool.waiting.wait()
+    await then()
+    pool.gate.set()
+    return await task
+
+
+def test_a_group_admitted_while_sample_awaits_the_pool_is_never_sampled_too_stale(tmp_path):
+    """one_step: the trainer samples at its version, one ahead of the buffer's published
+    one. A straggler admitted while the sample released the groups it evicted passed the
+    check at the published version (5 - 4 = 1) and is too stale at the trainer's (6 - 4
+    = 2): the sample raised "exceeds max_train_staleness; evict first", and the trainer
+    failed with it. Eviction and sampling are one step now; the straggler is evicted by
+    the next sample, and every evicted group is released untrained once."""
+    pool = _pool(10, max_outstanding=10)
+    cfg = _buffer_config(max_train_staleness=1)
+
+    async def run():
+        gated = _GatedPool(pool)
+        buf = ExperienceBuffer(str(tmp_path), gated, cfg)
+        await buf.version_published(5)  # the trainer holds 6, not yet published
+        ok, old = _group(pool, 5), _group(pool, 4)
+        await buf.insert(ok)
+        await buf.insert(old)  # (5 - 4 = 1: admitted)
+        late = _group(pool, 4)
+        gated.gated = "release"
+        batch = await _while_waiting(gated, buf.sample(2, 6), lambda: buf.insert(late))
+        assert batch is None  # only "ok" is fresh enough at 6
+        assert list(buf.core.ready) == [ok[0].prompt_uid, late[0].prompt_uid]
+        assert await buf.sample(2, 6) is None  # ... and "late" leaves now
+        assert list(buf.core.ready) == [ok[0].prompt_uid]
+        assert sorted(gated.untrained) == sorted([old[0].prompt_uid, late[0].prompt_uid])
+        assert pool.outstanding == {ok[0].prompt_uid}
+        s = buf.core.stats()
+        assert s["groups_evicted"] == 2 and s["evicted"] == 4 and s["groups_consumed"] == 0
+        assert {t.status for t in old + late} == {"evicted"}
+        await buf.insert(_group(pool, 5))
+        batch = await buf.sample(2, 6)
+        assert len(batch) == 4 and all(6 - t.behavior_version <= 1 for t in batch)
+        assert pool.outstanding == set() and not buf.core.ready
+        await buf.close()
+
+    asyncio.run(run())
+
+
+def test_same_version_evicts_no_batch_that_completed_while_the_pool_answered(tmp_path):
+    """same_version, every slot taken and no version with a batch: the buffer asks the
+    pool whether anything more can arrive. A group completing meanwhile (its last sibling
+    in) makes a batch of the oldest version, which the stranded eviction, decided on
+    what was held before, used to evict whole. The batch is sought again after the
+    pool's answer, and sampled."""
+    pool = _pool(10, max_outstanding=3)
+    cfg = _buffer_config(sampler="same_version", max_train_staleness=5)
+
+    async def run():
+        gated = _GatedPool(pool)
+        buf = ExperienceBuffer(str(tmp_path), gated, cfg)
+        first, second, newer = _group(pool, 0), _group(pool, 0, (0,)), _group(pool, 1)
+        for g in (first, second, newer):
+            await buf.insert(g)
+        assert pool.full() and len(buf.core.ready) == 2  # (second misses a sibling)
+        last = [traj(second[0].uid[:-1] + "1", second[0].prompt_uid, 2, 1, 0, reward=1.0)]
+        gated.gated = "room"
+        batch = await _while_waiting(gated, buf.sample(2, 1), lambda: buf.insert(last))
+        assert batch is not None, "the batch of version 0 was evicted as stranded"
+        assert {t.prompt_uid for t in batch} == {first[0].prompt_uid, second[0].prompt_uid}
+        s = buf.core.stats()
+        assert s["groups_stranded"] == s["groups_evicted"] == 0 and s["groups_consumed"] == 2
+        assert pool.outstanding == {newer[0].prompt_uid} and gated.untrained == []
+        await buf.close()
+
+    asyncio.run(run())
+
+
+def test_groups_held_again_for_a_restarted_trainer_leave_once_the_pool_holds_them(tmp_path):
+    """A restarted trainer's lost updates: their groups are held again, and the pool
+    counts them out again. The buffer used to hold them first: a version published
+    while the pool was being told evicted them and released them to a pool that did not
+    count them out yet (a release it ignores), and then counted them out for good: their
+    slots were never freed. The pool hears first now; the groups leave after."""
+    pool = _pool(10, max_outstanding=4)
+    cfg = _buffer_config(max_train_staleness=1)
+
+    async def run():
+        gated = _GatedPool(pool)
+        buf = ExperienceBuffer(str(tmp_path), gated, cfg)
+        lost = [_group(pool, 0), _group(pool, 0)]
+        for g in lost:
+            await buf.insert(g)
+        assert len(await buf.sample(2, 0)) == 4  # the update after checkpoint 0, lost
+        assert pool.outstanding == set()
+        gated.gated = "hold_again"
+        back = await _while_waiting(
+            gated, buf.trainer_restarted(0), lambda: buf.version_published(2)
+        )
+        assert back == {"readmitted": 4, "groups": 2}
+        assert await buf.sample(2, 2) is None  # too stale at 2: they leave
+        s = buf.core.stats()
+        assert s["groups_evicted"] == 2 and s["depth"] == 0
+        assert sorted(gated.untrained) == sorted(g[0].prompt_uid for g in lost)
+        assert pool.outstanding == set(), "slots held for groups the buffer no longer has"
+        await buf.close()
+
+    asyncio.run(run())
