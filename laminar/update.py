@@ -102,22 +102,23 @@ def response_logprobs(
     differentiable unless ``entropy_grad`` is off (a loss without an entropy term:
     its graph would hold three ``[B, R, vocab]`` tensors through the backward pass)."""
     logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits
-    logp = tempered_log_softmax(logits.float(), temperature)  # (the engines' own)
     # Token at column c is predicted by the logits at column c-1.
     bsz, rwidth = batch.response_mask.shape
     cols = batch.prompt_lens[:, None] - 1 + torch.arange(rwidth)[None, :]
     cols = cols.clamp(max=batch.input_ids.shape[1] - 2)
     targets = batch.input_ids.gather(1, cols + 1)
     rows = torch.arange(bsz)[:, None]
-    out = logp[rows, cols, targets]  # (indexed: no [B, R, vocab] copy for it)
+    # Only the response positions' distributions, [B, R, vocab]: the prompt's positions
+    # ([B, L, vocab], prompts included) are never normalised, nor held for the backward.
+    logp = tempered_log_softmax(logits[rows, cols].float(), temperature)  # (the engines' own)
+    out = logp.gather(-1, targets[..., None]).squeeze(-1)
     valid = torch.arange(rwidth)[None, :] < batch.response_lens[:, None]
     if not with_entropy:
         return out * valid
     with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
-        picked = logp[rows, cols]
         # A token of probability 0 (logprob -inf: every token but the argmax at T -> 0)
         # adds p·log p -> 0, not 0·(-inf) = NaN; clamped, its gradient is 0 as well.
-        finite = picked.clamp(min=torch.finfo(picked.dtype).min)
+        finite = logp.clamp(min=torch.finfo(logp.dtype).min)
         ent = -(finite.exp() * finite).sum(-1)
     return out * valid, ent * valid
 
