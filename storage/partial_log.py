@@ -26,16 +26,19 @@ append).
 
 The journal of a long run is mostly trajectories long forgotten: when it holds many
 more tokens than the live entries, the writer **compacts** it, writing the live entries
-as a new *generation* (a subgroup ``g<N>``) and then pointing the root at it in the same
-one update; the old generation is removed after. A reader follows the root's pointer,
-so it sees one whole generation or the other.
+as a new *generation* (a subgroup ``g<N>``), in as many batches as it takes, and then
+pointing the root at it in the one update that commits them; the old generation is
+removed after. A reader follows the root's pointer, so it sees one whole generation or
+the other: a compaction cut short at any point (its writer dead, or failed: it stays on
+the old generation) leaves the log as it was, or compacted. A writer removes the older
+generations that a writer which died after its commit left.
 """
 
 from __future__ import annotations
 
 import json
 import shutil
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -137,10 +140,15 @@ class PartialLogWriter:
         self.arrays = {
             (t, c): group[f"{t}/{c}"] for t, (_, cols) in TABLES.items() for c in cols
         } | {(None, name): group[name] for name in FLAT}
+        for sub in self.path.glob("g*"):  # (older ones: a writer died before it removed them)
+            if sub.name[1:].isdigit() and int(sub.name[1:]) < self.generation:
+                shutil.rmtree(sub, ignore_errors=True)
 
     def _new_generation(self, generation: int) -> None:
         """Create the empty arrays of ``g<generation>`` (the root still points at the old
         generation until :meth:`_commit` names this one)."""
+        # (what a compaction cut short left of it: overwriting the group keeps its arrays)
+        shutil.rmtree(self.path / f"g{generation}", ignore_errors=True)
         group = self.root.create_group(f"g{generation}", overwrite=True)
         self.arrays = {}
         for table, (dim, cols) in TABLES.items():
@@ -165,9 +173,20 @@ class PartialLogWriter:
         events: Sequence[Mapping[str, Any]] = (),
     ) -> None:
         """Append rows to the three tables and commit them together."""
+        if self._write_rows(requests, chunks, events):
+            self._commit()
+
+    def _write_rows(
+        self,
+        requests: Sequence[Mapping[str, Any]] = (),
+        chunks: Sequence[Mapping[str, Any]] = (),
+        events: Sequence[Mapping[str, Any]] = (),
+    ) -> bool:
+        """Write rows after the committed ones and count them as committed, but do not
+        commit them (:meth:`_commit`); whether there were any."""
         rows = {"requests": list(requests), "chunks": list(chunks), "events": list(events)}
         if not any(rows.values()):
-            return
+            return False
         counts = dict(self.committed)
         writes: list[tuple[tuple[str | None, str], int, np.ndarray]] = []
         for table, (dim, cols) in TABLES.items():
@@ -195,7 +214,7 @@ class PartialLogWriter:
             counts[dim] += len(rows[table])
         self._write_all(writes)
         self.committed = counts
-        self._commit()
+        return True
 
     def _write_all(self, writes: list[tuple[tuple[str | None, str], int, np.ndarray]]) -> None:
         """Grow the arrays that need it (by doubling), then write every slice, each step
@@ -226,14 +245,26 @@ class PartialLogWriter:
         chunks: Sequence[Mapping[str, Any]],
         events: Sequence[Mapping[str, Any]] = (),
     ) -> None:
-        """Replace the journal by these rows (the live entries as a fresh journal): they
-        are written as a new generation, the root is pointed at it in the same update
-        that commits them, then the old generation is removed."""
-        old = self.generation
-        self._new_generation(old + 1)
-        self.append(requests, chunks, events)
-        self._commit()  # (also when there were no rows)
-        shutil.rmtree(self.path / f"g{old}", ignore_errors=True)
+        """Replace the journal by these rows (the live entries as a fresh journal):
+        :meth:`rewrite` in one batch."""
+        self.rewrite([{"requests": requests, "chunks": chunks, "events": events}])
+
+    def rewrite(self, batches: Iterable[Mapping[str, Sequence[Mapping[str, Any]]]]) -> None:
+        """Replace the journal by the rows of ``batches`` (each ``{table: rows}``, as
+        :meth:`append` takes them): written as a new generation, one batch at a time, the
+        root pointed at it in the one update that commits them all, then the old
+        generation removed. Until that update readers see the old generation, and if a
+        batch cannot be written the writer stays on it (the error is raised)."""
+        old = self.generation, self.arrays, self.committed
+        try:
+            self._new_generation(self.generation + 1)
+            for rows in batches:
+                self._write_rows(**rows)
+            self._commit()  # (also when there were no rows)
+        except BaseException:
+            self.generation, self.arrays, self.committed = old
+            raise
+        shutil.rmtree(self.path / f"g{old[0]}", ignore_errors=True)
 
     def tokens(self) -> int:
         """Tokens in the journal (what compaction weighs against the live entries)."""
