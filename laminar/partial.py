@@ -24,6 +24,16 @@ The pool also writes its changes to ``RUN_DIR/partial.zarr`` (:mod:`storage.part
 every ``faults.log_interval_s``, so the entries outlive the pool's worker:
 :func:`replay_log` rebuilds them from the run directory.
 
+At scale the pool holds hundreds of millions of tokens, on the data worker's one event
+loop. So each entry keeps its tokens, logprobs and token versions as arrays
+(``array('i')``, ``array('f')``, ``array('i')``: 12 B a token), which a flush extends and
+nothing changes in place: a flush that rewrites logged tokens (a repeated or late one)
+gives the entry new arrays. The journal of changes then refers to the tokens instead of
+copying them, and a compaction's snapshot of the live entries is a pass over the entries
+that copies no token: the rows are made and written from the pool's thread, while the
+loop goes on (a slice of an array is one step under the GIL, and the positions a record
+refers to never change).
+
 :class:`PartialCore` is the logic; :class:`PartialResponsePool` the actor (on the data
 worker, beside the buffer).
 """
@@ -34,6 +44,7 @@ import dataclasses
 import json
 import logging
 import time
+from array import array
 from collections import Counter
 from collections.abc import Collection
 from dataclasses import replace
@@ -48,6 +59,19 @@ logger = logging.getLogger(__name__)
 # times the live entries' tokens, and at least COMPACT_MIN_TOKENS.
 COMPACT_RATIO = 4
 COMPACT_MIN_TOKENS = 1 << 16
+# journal records a compaction encodes and writes at a time (its memory: their tokens)
+COMPACT_BATCH = 4096
+
+
+def as_arrays(st: RequestState) -> RequestState:
+    """``st`` with its tokens, logprobs and token versions copied into the arrays the pool
+    keeps (logprobs as float32, as the log and the trajectory store keep them)."""
+    return replace(
+        st,
+        tokens=array("i", st.tokens),
+        logprobs=array("f", st.logprobs),
+        token_versions=array("i", st.token_versions),
+    )
 
 
 def _resume_version(entry: dict) -> int:
@@ -80,11 +104,12 @@ class PartialCore:
     """
 
     def __init__(self, journal: bool = False) -> None:
-        """``journal``: also record every change as rows of the recovery log
+        """``journal``: also record every change for the recovery log
         (:mod:`storage.partial_log`), for :meth:`drain_journal`."""
         self.entries: dict[str, dict] = {}
         self.counts: Counter = Counter()
-        self.journal: dict[str, list[dict]] | None = _no_rows() if journal else None
+        # the changes since the last drain, as records (see _record); None: not journaled
+        self.journal: list[tuple] | None = [] if journal else None
         self._seq = 0
         # request id -> its ``requests`` row, of a group a resumed run re-issues: in the
         # log (every snapshot too) until registered again (:meth:`keep`)
@@ -111,83 +136,85 @@ class PartialCore:
         e["live_v"] = v
 
     # -- the journal (rows of storage.partial_log) ---------------------------------------
-    def _row(self, table: str, row: dict) -> None:
+    def _record(self, table: str, *fields, rows: int = 1) -> None:
+        """Journal a change as a record ``(table, seq, *fields)``: made on the event loop
+        at every change, it is a tuple that refers to the tokens, which
+        :func:`journal_rows` makes ``rows`` rows (``seq`` on), in the pool's thread.
+        Per table the fields are
+
+        - ``entry`` (4 rows): an entry whole: request id, owner, version, seed, t_start,
+          n_moves, params, meta (a copy: a take or a move rebinds its ``rollout_path``),
+          prompt tokens, t_flush, the token, logprob and token version arrays, how many
+          tokens, finished (``None``: not) and held: its ``requests`` row, a ``chunks``
+          row of its tokens, and its ``finished`` and ``held`` events (those it has);
+        - ``kept``: a ``requests`` row as :meth:`keep` got it;
+        - ``chunks``: request id, owner, offset, t, the token arrays, and how many of
+          them from ``offset`` are the chunk's;
+        - ``events``: request id, kind, owner, finish_reason, t.
+        """
         if self.journal is not None:
-            row["seq"] = self._seq
-            self._seq += 1
-            self.journal[table].append(row)
+            self.journal.append((table, self._seq, *fields))
+            self._seq += rows
 
     def _event(
         self, rid: str, kind: str, owner: str | None = "", reason: str = "", t: float | None = None
     ) -> None:
         """``t``: when (a finished entry's: when it finished)."""
         if self.journal is not None:
-            self._row(
-                "events",
-                {
-                    "request_id": rid,
-                    "kind": kind,
-                    "owner": owner or "",
-                    "finish_reason": reason,
-                    "t": time.time() if t is None else t,
-                },
-            )
+            self._record("events", rid, kind, owner or "", reason, time.time() if t is None else t)
 
-    def _register_rows(self, rid: str, e: dict) -> None:
+    def _entry_record(self, rid: str, e: dict) -> None:
         st: RequestState = e["state"]
         req = st.request
-        self._row(
-            "requests",
-            {
-                "request_id": rid,
-                "owner": e["owner"] or "",
-                "version": e["version"],
-                "seed": st.seed,
-                "t_start": st.t_start,
-                "n_moves": st.n_moves,
-                "params": json.dumps(dataclasses.asdict(req.params)),
-                "meta": encode_meta(req.meta),
-                "prompt_tokens": list(req.prompt_tokens),
-            },
+        self._record(
+            "entry",
+            rid,
+            e["owner"] or "",
+            e["version"],
+            st.seed,
+            st.t_start,
+            st.n_moves,
+            req.params,
+            dict(req.meta),
+            req.prompt_tokens,
+            e["t_flush"],
+            st.tokens,
+            st.logprobs,
+            st.token_versions,
+            len(st.tokens),
+            e.get("finished"),
+            bool(e.get("held")),
+            rows=4,
         )
-        if st.tokens:
-            self._chunk_row(rid, e["owner"], 0, st.tokens, st.logprobs, st.token_versions)
 
-    def _chunk_row(self, rid, owner, offset, toks, lps, tvs) -> None:
-        self._row(
-            "chunks",
-            {
-                "request_id": rid,
-                "owner": owner or "",
-                "offset": offset,
-                "t": time.time(),
-                "tokens": list(toks),
-                "logprobs": list(lps),
-                "token_versions": list(tvs),
-            },
-        )
+    def drain_records(self) -> list[tuple]:
+        """The records made since the last drain (or snapshot): cheap, for the event loop;
+        :func:`journal_rows` makes them the rows to append to the log."""
+        records = self.journal or []
+        if self.journal is not None:
+            self.journal = []
+        return records
 
     def drain_journal(self) -> dict[str, list[dict]]:
         """The rows recorded since the last drain (to append to the log)."""
-        rows, self.journal = self.journal or _no_rows(), _no_rows()
-        return rows
+        return journal_rows(self.drain_records())
+
+    def snapshot_records(self) -> list[tuple]:
+        """The live entries (and the kept rows) as records of a fresh journal (what
+        compaction writes), and the journal emptied: the snapshot stands for everything
+        in it. A pass over the entries that copies no token (:func:`journal_rows` reads
+        them)."""
+        saved, self.journal = self.journal, []
+        for row in self.kept.values():
+            self._record("kept", row)
+        for rid, e in self.entries.items():
+            self._entry_record(rid, e)
+        records, self.journal = self.journal, None if saved is None else []
+        return records
 
     def snapshot(self) -> dict[str, list[dict]]:
-        """The live entries (and the kept rows) as a fresh journal (what compaction
-        writes), and the journal emptied: the snapshot stands for everything in it."""
-        saved, self.journal = self.journal, _no_rows()
-        for row in self.kept.values():
-            self._row("requests", dict(row))
-        for rid, e in self.entries.items():
-            self._register_rows(rid, e)
-            if "finished" in e:
-                self._event(rid, "finished", e["owner"], *e["finished"])
-            if e.get("held"):
-                self._event(rid, "held", e["owner"])
-        rows = self.drain_journal()
-        if saved is None:
-            self.journal = None
-        return rows
+        """:meth:`snapshot_records` as rows."""
+        return journal_rows(self.snapshot_records())
 
     def live_tokens(self) -> int:
         return sum(len(e["state"].tokens) for e in self.entries.values())
@@ -201,14 +228,14 @@ class PartialCore:
         stored), so that a run stopped again before then re-issues them too."""
         for row in rows:
             self.kept[row["request_id"]] = row
-            self._row("requests", dict(row))
+            self._record("kept", row)
         self.counts["kept"] += len(rows)
 
     def register(self, rollout_id: str, version: int, states: list[RequestState]) -> None:
         """New requests of ``rollout_id`` (sampled by ``version``), with no tokens yet
         (or, for a batch adopted after a loss, with those it had)."""
         now = time.time()
-        for st in states:
+        for st in map(as_arrays, states):
             self.kept.pop(st.request_id, None)
             if (old := self.entries.get(st.request_id)) is not None:  # (registered again)
                 self._track(old, gone=True)
@@ -218,7 +245,7 @@ class PartialCore:
                 "version": version,
                 "t_flush": now,
             }
-            self._register_rows(st.request_id, e)
+            self._entry_record(st.request_id, e)
             self._track(e)
         self.counts["registered"] += len(states)
 
@@ -236,25 +263,41 @@ class PartialCore:
         as the owner (a request moved by repack is flushed by its new rollout)."""
         now = time.time()
         finished = finished or {}
+        n_tokens = 0
         for rid, (offset, toks, lps, tvs) in tokens.items():
             e = self.entries.get(rid)
             if e is None:  # already in the buffer
                 continue
             st: RequestState = e["state"]
-            if offset > len(st.tokens):  # a gap: keep what is contiguous
+            logged = len(st.tokens)
+            if offset > logged:  # a gap: keep what is contiguous
                 self.counts["gaps"] += 1
                 continue
-            st.tokens[offset:] = list(toks)
-            st.logprobs[offset:] = list(lps)
-            st.token_versions[offset:] = list(tvs)
+            if offset < logged:  # (new arrays: the tokens records refer to never change)
+                st.tokens, st.logprobs = st.tokens[:offset], st.logprobs[:offset]
+                st.token_versions = st.token_versions[:offset]
+            st.tokens.extend(toks)
+            st.logprobs.extend(lps)
+            st.token_versions.extend(tvs)
             e["owner"], e["t_flush"] = rollout_id, now
-            self._chunk_row(rid, rollout_id, offset, toks, lps, tvs)
-            self.counts["flushed_tokens"] += len(toks)
+            self._record(
+                "chunks",
+                rid,
+                rollout_id,
+                offset,
+                now,
+                st.tokens,
+                st.logprobs,
+                st.token_versions,
+                len(toks),
+            )
+            n_tokens += len(toks)
             if rid in finished:
                 e["finished"] = finished[rid]
                 self._event(rid, "finished", rollout_id, *finished[rid])
                 self.counts["finished"] += 1
             self._track(e)
+        self.counts["flushed_tokens"] += n_tokens
         self.counts["flushes"] += 1
 
     def restore(self, entries: dict[str, dict]) -> None:
@@ -385,8 +428,100 @@ class PartialCore:
         return {"entries": len(self.entries) - held, "held_entries": held, **self.counts}
 
 
-def _no_rows() -> dict[str, list[dict]]:
-    return {"requests": [], "chunks": [], "events": []}
+def journal_rows(records: list[tuple]) -> dict[str, list[dict]]:
+    """:meth:`PartialCore.drain_records` or :meth:`~PartialCore.snapshot_records` as the
+    rows of :class:`storage.partial_log.PartialLogWriter` (safe in a thread while the pool
+    goes on: the tokens a record refers to do not change)."""
+    out: dict[str, list[dict]] = {"requests": [], "chunks": [], "events": []}
+    params_json: dict[int, str] = {}  # (a rollout's requests share their parameters)
+
+    def chunk(seq, rid, owner, offset, t, toks, lps, tvs, n) -> None:
+        end = offset + n
+        out["chunks"].append(
+            {
+                "seq": seq,
+                "request_id": rid,
+                "owner": owner,
+                "offset": offset,
+                "t": t,
+                "tokens": toks[offset:end],
+                "logprobs": lps[offset:end],
+                "token_versions": tvs[offset:end],
+            }
+        )
+
+    def event(seq, rid, kind, owner, reason, t) -> None:
+        out["events"].append(
+            {
+                "seq": seq,
+                "request_id": rid,
+                "kind": kind,
+                "owner": owner,
+                "finish_reason": reason,
+                "t": t,
+            }
+        )
+
+    for table, seq, *f in records:
+        if table == "chunks":
+            chunk(seq, *f)
+        elif table == "events":
+            event(seq, *f)
+        elif table == "kept":
+            out["requests"].append({**f[0], "seq": seq})
+        else:
+            rid, owner, version, seed, t_start, n_moves, params, meta, prompt = f[:9]
+            t, toks, lps, tvs, n, finished, held = f[9:]
+            if id(params) not in params_json:
+                params_json[id(params)] = json.dumps(_fields(params))
+            out["requests"].append(
+                {
+                    "seq": seq,
+                    "request_id": rid,
+                    "owner": owner,
+                    "version": version,
+                    "seed": seed,
+                    "t_start": t_start,
+                    "n_moves": n_moves,
+                    "params": params_json[id(params)],
+                    "meta": encode_meta(meta),
+                    "prompt_tokens": list(prompt),
+                }
+            )
+            if n:
+                chunk(seq + 1, rid, owner, 0, t, toks, lps, tvs, n)
+            if finished is not None:
+                event(seq + 2, rid, "finished", owner, *finished)
+            if held:
+                event(seq + 3, rid, "held", owner, "", t)
+    return out
+
+
+def write_records(writer, records: list[tuple], compact: bool = False) -> int:
+    """Append ``records`` to the log with ``writer`` (a
+    :class:`storage.partial_log.PartialLogWriter`), or with ``compact`` replace the log by
+    them (:meth:`PartialCore.snapshot_records`), :data:`COMPACT_BATCH` at a time; returns
+    the rows written. Encoding them is most of a write: the pool calls this in its thread."""
+    written = 0
+
+    def batches(size: int):
+        nonlocal written
+        for i in range(0, len(records), size):
+            rows = journal_rows(records[i : i + size])
+            written += sum(map(len, rows.values()))
+            yield rows
+
+    if compact:
+        writer.rewrite(batches(COMPACT_BATCH))
+    else:
+        for rows in batches(max(len(records), 1)):  # (one)
+            writer.append(**rows)
+    return written
+
+
+def _fields(obj) -> dict:
+    # (dataclasses.asdict deep-copies: these hold only numbers, strings and tuples of them)
+    return {f.name: getattr(obj, f.name) for f in dataclasses.fields(obj)}
 
 
 def encode_meta(meta: dict) -> str:
@@ -394,7 +529,7 @@ def encode_meta(meta: dict) -> str:
 
     def default(obj):
         if isinstance(obj, PromptGroup):
-            return {"__prompt_group__": dataclasses.asdict(obj)}
+            return {"__prompt_group__": _fields(obj)}
         raise TypeError(f"request meta holds a {type(obj).__name__}, which the log cannot store")
 
     return json.dumps(meta, default=default)
@@ -437,8 +572,8 @@ def replay_log(run_dir: str | Path) -> PartialCore:
     >>> from storage.partial_log import PartialLogWriter
     >>> PartialLogWriter(run).append(**core.drain_journal())
     >>> back = replay_log(run).entries["p0-000"]
-    >>> back["owner"], back["version"], back["state"].tokens
-    ('r0', 3, [5, 6])
+    >>> back["owner"], back["version"], back["state"].tokens  # (kept as the pool keeps them)
+    ('r0', 3, array('i', [5, 6]))
     >>> back["state"].request.meta["group"] == group
     True
     """
@@ -451,14 +586,16 @@ def replay_log(run_dir: str | Path) -> PartialCore:
             **p | {"stop_token_ids": tuple(p["stop_token_ids"]), "stop": tuple(p["stop"])}
         )
         req = GenerationRequest(rid, tuple(e["prompt_tokens"]), params, revive_meta(e["meta"]))
-        state = RequestState(
-            req,
-            e["seed"],
-            e["tokens"],
-            e["logprobs"],
-            e["token_versions"],
-            t_start=e["t_start"],
-            n_moves=e["n_moves"],
+        state = as_arrays(
+            RequestState(
+                req,
+                e["seed"],
+                e["tokens"],
+                e["logprobs"],
+                e["token_versions"],
+                t_start=e["t_start"],
+                n_moves=e["n_moves"],
+            )
         )
         entry = {
             "state": state,
@@ -489,7 +626,9 @@ class PartialResponsePool:
 
     With a ``run_dir`` it writes the recovery log ``RUN_DIR/partial.zarr`` every
     ``log_interval_s`` from a thread (one write at a time; changes made meanwhile go with
-    the next), compacting it when it has grown to many times the live entries.
+    the next), compacting it when it has grown to many times the live entries: only the
+    snapshot of the entries is taken on the event loop, the rows are made and written in
+    the thread.
     """
 
     def __init__(
@@ -520,6 +659,7 @@ class PartialResponsePool:
         self._log_task = None
         self._log_lock = None  # an asyncio.Lock, made on the event loop
         self._log_error: str | None = None
+        self._resync = False  # (a write failed: the next one compacts)
         self.log_counts: Counter = Counter()
 
     # -- the recovery log -----------------------------------------------------------------
@@ -547,25 +687,40 @@ class PartialResponsePool:
             await self._write_log_now()
 
     async def _write_log_now(self) -> None:
+        core, w = self.core, self.writer
+        if self._resync or w.tokens() > max(COMPACT_RATIO * core.live_tokens(), COMPACT_MIN_TOKENS):
+            # The snapshot is taken on the loop (a pass over the entries, no token copied)
+            # and written from the thread; the changes made meanwhile follow it at once.
+            if await self._write(core.snapshot_records(), compact=True):
+                await self._write(core.drain_records())
+        else:
+            await self._write(core.drain_records())
+
+    async def _write(self, records: list[tuple], compact: bool = False) -> bool:
+        """Write journal records from the thread: whether they were written. A write
+        that failed loses its records, and a compaction that failed leaves the log as it
+        was: either way the next write compacts (the log is written whole again)."""
         import asyncio
 
-        w = self.writer
-        live = self.core.live_tokens()
-        compact = w.tokens() > max(COMPACT_RATIO * live, COMPACT_MIN_TOKENS)
-        rows = self.core.snapshot() if compact else self.core.drain_journal()
-        if not compact and not any(rows.values()):
-            return
+        if not (records or compact):
+            return True
         t = time.perf_counter()
         try:
-            await asyncio.to_thread(w.compact if compact else w.append, **rows)
+            rows = await asyncio.to_thread(write_records, self.writer, records, compact)
         except Exception as e:  # noqa: BLE001 — keep the run going; reported in stats()
             self._log_error = f"{type(e).__name__}: {e}"
-            logger.error("the recovery log %s cannot be written: %s", w.path, self._log_error)
-            return
+            self._resync = True
+            logger.error(
+                "the recovery log %s cannot be written: %s", self.writer.path, self._log_error
+            )
+            return False
+        if compact:
+            self._resync = False
         self.log_counts["writes"] += 1
         self.log_counts["compactions"] += compact
-        self.log_counts["rows"] += sum(len(r) for r in rows.values())
+        self.log_counts["rows"] += rows
         self.log_counts["write_s"] += time.perf_counter() - t
+        return True
 
     async def close(self) -> dict:
         """Write what is left of the log (the run ends); returns :meth:`stats`."""

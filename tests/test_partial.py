@@ -46,7 +46,7 @@ def test_a_lost_rollouts_entries_say_how_to_recover_them():
     # The copies are the recovery's: the pool's own entries are not changed by them ...
     b.tokens.append(99)
     b.request.meta["extra"] = 1
-    assert core.entries["b"]["state"].tokens == [4]
+    assert list(core.entries["b"]["state"].tokens) == [4]
     assert "extra" not in core.entries["b"]["state"].request.meta
     assert core.owned() == {None: (2, 4, 1)}
     # ... except their path, so a second loss extends it.
@@ -80,9 +80,9 @@ def test_a_late_or_repeated_flush_overwrites_and_a_gap_is_refused():
     _register(core, "r0", 1, ["a"])
     core.flush("r0", {"a": (0, [1, 2], [0.0, 0.0], [1, 1])})
     core.flush("r0", {"a": (0, [1, 2, 3], [0.0, 0.0, 0.0], [1, 1, 1])})  # repeated
-    assert core.entries["a"]["state"].tokens == [1, 2, 3]
+    assert core.entries["a"]["state"].tokens.tolist() == [1, 2, 3]
     core.flush("r0", {"a": (5, [9], [0.0], [1])}, {"a": ("eos", 1.0)})  # a gap: not applied
-    assert core.entries["a"]["state"].tokens == [1, 2, 3]
+    assert core.entries["a"]["state"].tokens.tolist() == [1, 2, 3]
     assert core.versions() == [1] and core.stats()["gaps"] == 1
     core.forget(["a", "unknown"])
     assert core.stats()["entries"] == 0 and core.stats()["forgotten"] == 1
@@ -116,12 +116,12 @@ def test_a_rollout_registers_its_unfinished_trajectories_with_a_rebuilt_pool(
     pool = PartialResponsePool()
     assert rollout._attach(None, None, InProcess(pool)) == len(unfinished)
     entries = pool.core.entries
-    assert {rid: e["state"].tokens for rid, e in entries.items()} == unfinished
+    assert {rid: e["state"].tokens.tolist() for rid, e in entries.items()} == unfinished
     assert {e["owner"] for e in entries.values()} == {"r0"}
     assert {e["version"] for e in entries.values()} == {rollout.engine.version}
     # copies: the engine decoding on does not change what the pool holds
     rollout.engine.step()
-    assert {rid: e["state"].tokens for rid, e in entries.items()} == unfinished
+    assert {rid: e["state"].tokens.tolist() for rid, e in entries.items()} == unfinished
     assert rollout._logged == {rid: len(t) for rid, t in unfinished.items()}
     assert rollout._data_epoch == 1 and rollout._data_lost is None
     assert rollout._to_score.get_nowait() is _RESEND  # kept trajectories go out again

@@ -6,15 +6,17 @@ from __future__ import annotations
 import json
 import shutil
 from collections import Counter
+from unittest.mock import patch
 
 import numpy as np
 import pytest
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
+import laminar.partial as partial
 from laminar.contract import PromptGroup
 from laminar.engine import GenerationRequest, RequestState, SamplingParams
-from laminar.partial import PartialCore, replay_log
+from laminar.partial import PartialCore, journal_rows, replay_log, write_records
 from storage.partial_log import PartialLogWriter, log_entries, read_partial_log
 from storage.trajectories import StoreError
 
@@ -45,9 +47,9 @@ def _view(core: PartialCore) -> dict:
             e["version"],
             s.seed,
             s.n_moves,
-            s.tokens,
+            list(s.tokens),
             list(np.float32(s.logprobs)),  # (logged as float32)
-            s.token_versions,
+            list(s.token_versions),
             s.request.prompt_tokens,
             s.request.params,
             json.dumps(s.request.meta, default=str, sort_keys=True),
@@ -98,12 +100,24 @@ OPS = st.lists(
 # a second loss of the same entry after it was reassigned counts another)
 @example(ops=[("register", 0, 1), ("take", 0, 1)])
 @example(ops=[("register", 0, 1), ("take", 0, 1), ("reassign", 0, 1), ("take", 1, 1)])
+# (a flush that rewrites tokens a compaction has yet to write: it writes the old ones)
+@example(ops=[("register", 0, 1), ("flush", 0, 3), ("compact", 0, 1), ("flush", 2, 1)])
 def test_the_log_replays_to_the_pools_entries(tmp_path_factory, ops):
     """Whatever the pool did, and however its changes were cut into writes (and
-    compactions), replaying the log gives back every entry as the pool holds it."""
+    compactions, each written after the changes made since its snapshot, as the pool's
+    thread does), replaying the log gives back every entry as the pool holds it."""
     run = tmp_path_factory.mktemp("run")
     core, writer = PartialCore(journal=True), PartialLogWriter(run)
-    n = 0
+
+    def write(snapshot: tuple | None) -> None:
+        if snapshot is not None:
+            records, then = snapshot
+            with patch.object(partial, "COMPACT_BATCH", 3):  # (a compaction in batches)
+                write_records(writer, records, compact=True)
+            assert _view(replay_log(run)) == then  # (not what changed since)
+        writer.append(**core.drain_journal())
+
+    n, snapshot = 0, None
     for op, k, m in ops:
         rids = list(core.entries)
         rid = rids[k % len(rids)] if rids else None
@@ -116,8 +130,8 @@ def test_the_log_replays_to_the_pools_entries(tmp_path_factory, ops):
             core.register(owner, k, [core.entries[rid]["state"]])
         elif op in ("flush", "finish") and rid is not None:
             logged = len(core.entries[rid]["state"].tokens)
-            off = max(0, logged - (k % 2))  # sometimes a repeated flush
-            toks = list(range(off, off + m))
+            off = max(0, logged - (k % 3))  # sometimes a repeated (or late) flush
+            toks = [100 * k + t for t in range(off, off + m)]
             core.flush(
                 owner,
                 {rid: (off, toks, [-0.1 * t for t in toks], [k] * m)},
@@ -134,13 +148,15 @@ def test_the_log_replays_to_the_pools_entries(tmp_path_factory, ops):
         elif op == "forget" and rid is not None:
             core.forget([rid])
         elif op == "write":
-            writer.append(**core.drain_journal())
-        elif op == "compact":
-            writer.compact(**core.snapshot())
+            snapshot = write(snapshot)
+        elif op == "compact" and snapshot is None:
+            # Taken now and written at the next write, the changes made in between
+            # after it: as the pool's thread writes it while its event loop goes on.
+            snapshot = core.snapshot_records(), _view(core)
         # (kept as entries change: each version's count, not only the set, so that an
         # entry left counted shows while another holds its version)
         assert core._live == _live(core) and core.versions() == sorted(_live(core))
-    writer.append(**core.drain_journal())
+    write(snapshot)
     replayed = replay_log(run)
     assert _view(replayed) == _view(core)
     assert replayed._live == core._live
@@ -173,10 +189,10 @@ def test_a_write_cut_short_is_invisible_and_the_next_writer_goes_on(tmp_path):
     writer._write_all([((None, "tokens"), writer.committed["token"], np.array([5, 6], np.int32))])
     log = read_partial_log(tmp_path)
     assert len(log["chunks"]["seq"]) == 0 and len(log["tokens"]) == 0
-    assert replay_log(tmp_path).entries["p00-000"]["state"].tokens == []
+    assert replay_log(tmp_path).entries["p00-000"]["state"].tokens.tolist() == []
     # A new writer (the pool restarted) appends from what was committed.
     PartialLogWriter(tmp_path).append(**rows)
-    assert replay_log(tmp_path).entries["p00-000"]["state"].tokens == [5, 6]
+    assert replay_log(tmp_path).entries["p00-000"]["state"].tokens.tolist() == [5, 6]
 
 
 def test_compaction_keeps_the_live_entries_and_drops_the_rest(tmp_path):
@@ -235,7 +251,7 @@ def test_the_pool_writes_its_log_in_the_background_and_at_close(tmp_path):
     assert seen == sorted(seen) and 0 < seen[-1] <= 20  # written as it went, in order
     assert stats["log"]["writes"] >= 2 and stats["log"]["error"] is None
     entry = replay_log(tmp_path).entries["p00-000"]
-    assert entry["state"].tokens == list(range(21)) and entry["finished"] == ("eos", 3.0)
+    assert entry["state"].tokens.tolist() == list(range(21)) and entry["finished"] == ("eos", 3.0)
 
 
 def test_a_reader_that_a_compaction_overtakes_reads_the_new_generation(tmp_path, monkeypatch):
@@ -369,3 +385,146 @@ def test_a_commit_switches_generation_and_counts_in_one_write(tmp_path, monkeypa
     assert root and all(w["generation"] == 1 for w in root)
     assert all(w["committed"] == writer.committed for w in root)
     assert writer.committed["request"] == 2
+
+
+def _filled(run) -> tuple[PartialCore, PartialLogWriter]:
+    """A pool's core and log writer: two batches logged, the first forgotten since."""
+    core, writer = PartialCore(journal=True), PartialLogWriter(run)
+    for b in range(2):
+        ids = [f"p{b:02d}-{i:03d}" for i in range(3)]
+        core.register("r0", b, _states(ids, seed=b))
+        for rid in ids:
+            core.flush("r0", {rid: (0, [b, 7, 8], [-0.5] * 3, [b] * 3)})
+        writer.append(**core.drain_journal())
+    core.hold([f"p00-{i:03d}" for i in range(3)])
+    core.forget([f"p00-{i:03d}" for i in range(3)])
+    writer.append(**core.drain_journal())
+    return core, writer
+
+
+class _Killed(BaseException):
+    """The writer's process dies here."""
+
+
+def test_a_compaction_cut_short_at_any_step_leaves_a_log_that_replays(tmp_path, monkeypatch):
+    """A compaction writes its batches into a new generation, points the root at it,
+    then removes the old one. A writer that dies before the commit leaves the old
+    generation, which the next writer appends to (and later compacts over the half-made
+    one); one that dies after it leaves the compacted log, and the next writer removes
+    the old generation it left."""
+    import storage.partial_log as partial_log
+
+    core, writer = _filled(tmp_path)
+    view = _view(core)
+    monkeypatch.setattr(partial, "COMPACT_BATCH", 2)
+
+    def dies_after_a_batch(records):
+        batches = iter(journal_rows(records[i : i + 2]) for i in range(0, len(records), 2))
+        yield next(batches)
+        raise _Killed
+
+    with pytest.raises(_Killed):
+        writer.rewrite(dies_after_a_batch(core.snapshot_records()))
+    assert (writer.path / "g1").exists()  # (half-made)
+    assert _view(replay_log(tmp_path)) == view
+    writer = PartialLogWriter(tmp_path)  # the pool restarted on the log
+    core.flush("r0", {"p01-000": (3, [9], [-0.5], [1])})
+    writer.append(**core.drain_journal())
+    assert _view(replay_log(tmp_path)) == _view(core) != view
+
+    rmtree = partial_log.shutil.rmtree
+
+    def dies_before_removing_g0(path, **kwargs):
+        if path.name == "g0":
+            raise _Killed
+        rmtree(path, **kwargs)
+
+    monkeypatch.setattr(partial_log.shutil, "rmtree", dies_before_removing_g0)
+    with pytest.raises(_Killed):
+        write_records(writer, core.snapshot_records(), compact=True)
+    monkeypatch.undo()
+    assert writer.generation == 1 and (writer.path / "g0").exists()
+    assert _view(replay_log(tmp_path)) == _view(core)
+    writer = PartialLogWriter(tmp_path)
+    assert not (writer.path / "g0").exists()
+    assert writer.tokens() == 3 * 3 + 1 and _view(replay_log(tmp_path)) == _view(core)
+
+
+def test_a_failed_write_makes_the_next_one_a_compaction(tmp_path, monkeypatch):
+    """A write that fails loses its rows, and a compaction that fails leaves the log as
+    it was, its writer on the old generation: either way the next write compacts, and the
+    log replays to the pool's entries again."""
+    import asyncio
+
+    from laminar.partial import PartialResponsePool
+
+    def failing(*args, **kwargs):
+        raise OSError("no space left on device")
+
+    async def run() -> PartialResponsePool:
+        pool = PartialResponsePool(run_dir=str(tmp_path), log_interval_s=1e6)
+        pool.core, pool.writer = _filled(tmp_path)
+        logged, g = _view(replay_log(tmp_path)), pool.writer.generation
+        pool.core.flush("r0", {"p01-000": (3, [9], [-0.5], [1])})
+        with monkeypatch.context() as m:
+            m.setattr(pool.writer, "_write_all", failing)
+            await pool._write_log()  # (an append)
+            assert pool.log_counts["writes"] == 0 and pool._resync
+            await pool._write_log()  # (the compaction, cut short after its first batch)
+        assert pool.writer.generation == g and pool.log_counts["compactions"] == 0
+        assert _view(replay_log(tmp_path)) == logged != _view(pool.core)
+        await pool._write_log()
+        assert pool.writer.generation == g + 1 and pool.log_counts["compactions"] == 1
+        await pool.close()
+        return pool
+
+    pool = asyncio.run(run())
+    assert _view(replay_log(tmp_path)) == _view(pool.core)
+    assert "no space left" in asyncio.run(pool.stats())["log"]["error"]
+
+
+def test_the_pool_goes_on_while_its_log_is_compacted(tmp_path, monkeypatch):
+    """A compaction takes its snapshot of the entries on the event loop, with no token
+    copied, and writes it from the pool's thread: a flush goes through meanwhile, even
+    one that rewrites tokens the compaction has yet to write (it writes the ones of its
+    snapshot), and follows the compaction into the log at once."""
+    import asyncio
+    import threading
+
+    from laminar.partial import PartialResponsePool
+
+    monkeypatch.setattr(partial, "COMPACT_RATIO", 0)
+    monkeypatch.setattr(partial, "COMPACT_MIN_TOKENS", 0)
+
+    async def run() -> tuple[dict, list, PartialResponsePool]:
+        pool = PartialResponsePool(run_dir=str(tmp_path), log_interval_s=1e6)
+        await pool.register("r0", 1, _states(["p00-000", "p00-001"], seed=0))
+        await pool.flush("r0", {"p00-000": (0, [5, 6, 7], [-0.5] * 3, [1] * 3)})
+        await pool._write_log()  # (appended: the log had no token)
+        snapshot = _view(pool.core)
+        writing, go, written = threading.Event(), threading.Event(), []
+        rewrite = pool.writer.rewrite
+
+        def slow_rewrite(batches) -> None:
+            writing.set()
+            assert go.wait(10)
+            rewrite(batches)
+            written.append(_view(replay_log(tmp_path)))
+
+        monkeypatch.setattr(pool.writer, "rewrite", slow_rewrite)
+        compaction = asyncio.ensure_future(pool._write_log())
+        assert await asyncio.to_thread(writing.wait, 10)
+        await pool.flush(
+            "r1",
+            {"p00-000": (1, [8], [-0.25], [2]), "p00-001": (0, [9], [-0.5], [1])},
+            {"p00-001": ("eos", 2.0)},
+        )
+        go.set()
+        await compaction
+        return snapshot, written, pool
+
+    snapshot, written, pool = asyncio.run(run())
+    assert written == [snapshot]
+    assert pool.log_counts["compactions"] == 1 and pool.log_counts["writes"] == 3
+    assert pool.core.entries["p00-000"]["state"].tokens.tolist() == [5, 8]
+    assert _view(replay_log(tmp_path)) == _view(pool.core)  # (not at the next write only)
