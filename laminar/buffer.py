@@ -8,6 +8,7 @@ in place, takes over from a lost buffer, and holds again what a lost update cons
 
 from __future__ import annotations
 
+import asyncio
 import collections
 import logging
 import math
@@ -90,6 +91,10 @@ class ExperienceBuffer:
         self._stored_before = UidSet()  # a rebuilt buffer's store, as it found it
         self._consumed_elsewhere: dict[str, tuple[int, float]] = {}
         self._groups_consumed: set[str] = set()  # (counted, of those: _admit_consumed)
+        # The last batch sampled for a caller's request id, for a retry of it (sample)
+        self._answer: tuple[object, list[Trajectory]] | None = None
+        self._sampling = asyncio.Lock()  # (one sample at a time: a retry waits its first)
+        self._unreleased: list[Trajectory] = []  # left, their release to the pool failed
         self._write_error: str | None = None
         self._unwritten = 0  # records and events the disk refused, held to try again
         self._refused = 0  # ... and those the store refused as such: lost (logged)
@@ -334,12 +339,22 @@ class ExperienceBuffer:
         return left + out, None
 
     async def _release(self, trajs: list[Trajectory]) -> None:
-        """Groups that left (any status) free their back-pressure slots; then record it."""
+        """Groups that left (any status): their leave recorded, then their back-pressure
+        slots freed. A release the pool did not take (the call raised) is tried again
+        with the next (the pool ignores a group released twice): its groups left the
+        buffer already, and nothing else would ever free their slots."""
         if trajs:
-            uids = sorted({t.prompt_uid for t in trajs})
-            trained = {t.prompt_uid for t in trajs if t.status == "consumed"}
-            await self.pool.release(uids, tuple(u for u in uids if u not in trained))
             self._leave(trajs)
+        pending, self._unreleased = self._unreleased + trajs, []
+        if not pending:
+            return
+        uids = sorted({t.prompt_uid for t in pending})
+        trained = {t.prompt_uid for t in pending if t.status == "consumed"}
+        try:
+            await self.pool.release(uids, tuple(u for u in uids if u not in trained))
+        except BaseException:
+            self._unreleased = pending + self._unreleased
+            raise
 
     async def insert(self, trajs: list[Trajectory], rollout_id: str = "") -> dict:
         """Admit rewarded trajectories (a uid seen before is dropped: a recovered
@@ -387,7 +402,8 @@ class ExperienceBuffer:
                 self.core.counts["groups_consumed"] += 1
             self._records[t.uid] = t
         self._flush()
-        await self.pool.release(sorted({t.prompt_uid for t in trajs}))
+        self._unreleased += trajs  # (their leave is their record: released alone)
+        await self._release([])
 
     async def _forget_committed(self) -> None:
         """Tell the partial-response pool which trajectories the store now has: it keeps
@@ -399,21 +415,55 @@ class ExperienceBuffer:
         if uids and self.partial is not None:
             await self.partial.forget(uids)
 
-    async def sample(self, n_groups: int, version: int) -> list[Trajectory] | None:
+    async def sample(
+        self, n_groups: int, version: int, request: object = None
+    ) -> list[Trajectory] | None:
         """``n_groups`` complete groups for the update at the trainer's ``version``, or
         ``None`` if there are none yet; the groups too stale to train at it leave first.
         Both in one step (:meth:`BufferCore.take`), what left released after: an insert
         that ran while this awaits the pool is checked against the published version,
         one behind the trainer's under ``one_step`` (and a rebuilt data module's may lag
-        more), so a group it admitted may be too stale to sample now."""
-        left, batch = self.core.take(n_groups, version=version, now=time.time())
-        if batch is None and self.core.sampler == "same_version" and self.core.ready:
-            await self._release(left)  # (before the pool counts what is out)
-            left, batch = await self._stranded(n_groups, version)
-        await self._release(left + (batch or []))
-        self._flush()  # the trainer polls while it waits: pending writes go out on time
-        await self._forget_committed()
-        return batch
+        more), so a group it admitted may be too stale to sample now.
+
+        ``request``: the caller's id of the batch it asks for (the trainer's: its own
+        token and how many batches it has received). A call made again with the same id
+        gets the batch the first got, sampled once: its answer never reached the caller
+        (the trainer's ``cluster.actor_timeout_s`` ran out, or releasing the groups to
+        the pool raised after they were taken) and the trainer asks again, which took a
+        second batch for the same update; the first, recorded consumed, was never
+        trained. The batch is kept until a call with another id (or until the trainer
+        restarts); a buffer rebuilt after a loss has none, and its plan holds the lost
+        buffer's again (:func:`storage.resume.plan_rebuild`: not in the trainer's
+        record)."""
+        if (batch := self._answered(request)) is not None:
+            return batch
+        async with self._sampling:
+            if (batch := self._answered(request)) is not None:  # (the first, done meanwhile)
+                return batch
+            if request is not None:
+                self._answer = None  # (a new request: the last one's batch was received)
+            left, batch = self.core.take(n_groups, version=version, now=time.time())
+            if batch is None and self.core.sampler == "same_version" and self.core.ready:
+                await self._release(left)  # (before the pool counts what is out)
+                left, batch = await self._stranded(n_groups, version)
+            if batch is not None and request is not None:
+                self._answer = (request, batch)  # (before anything else may raise)
+            await self._release(left + (batch or []))
+            self._flush()  # the trainer polls while it waits: pending writes go out on time
+            await self._forget_committed()
+            return batch
+
+    def _answered(self, request: object) -> list[Trajectory] | None:
+        """The batch sampled for ``request`` already, if so (:meth:`sample`)."""
+        if request is None or self._answer is None or self._answer[0] != request:
+            return None
+        logger.warning(
+            "buffer: sample request %r asked again (its answer was lost: a timeout, or a "
+            "failed release); the same batch of %d trajectories again",
+            request,
+            len(self._answer[1]),
+        )
+        return self._answer[1]
 
     async def trainer_restarted(self, version: int) -> dict:
         """The trainer was lost and restarts from its checkpoint at ``version``: the
@@ -423,6 +473,8 @@ class ExperienceBuffer:
         twice into the weights). They were sampled by versions the new trainer's numbers
         come after (:class:`~laminar.trainer.Trainer` ``after_version``), so any may be
         trained. Returns how many came back."""
+        self._answer = None  # (the lost trainer's: held again below if it was sampled)
+        await self._release([])  # (a failed release first: before the pool holds again)
         await self._write_through()  # the lost updates' consumed events are in the store
         arrays = _scalars(self.writer.path)
         lost = (arrays["status"] == "consumed") & (arrays["sample_version"] >= version)
@@ -456,8 +508,6 @@ class ExperienceBuffer:
     async def _write_through(self) -> None:
         """Write everything pending and wait until it is committed; raises while the disk
         refuses writes."""
-        import asyncio
-
         self._flush(force=True)
         await asyncio.to_thread(self._jobs.join)
         await self._forget_committed()
@@ -499,8 +549,6 @@ class ExperienceBuffer:
         self.core.drain()
         self._flush(force=True)
         self._jobs.put(None)
-        import asyncio
-
         await asyncio.to_thread(self._writer_thread.join)
         await self._forget_committed()
         return await self.stats() | {k: held[k] for k in _CONTENTS}

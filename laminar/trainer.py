@@ -35,6 +35,7 @@ import shutil
 import threading
 import time
 import traceback
+import uuid
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -156,6 +157,8 @@ class Trainer:
         self._consumed: dict[str, tuple[int, float]] = {}
         self._since = self.learner.version
         self._consumed_lock = threading.Lock()
+        # Ids of the batches it asks the buffer for (_sample): unique to this trainer
+        self._token, self._batches = uuid.uuid4().hex, 0
         self._data_epoch = 0  # data modules rebuilt in place of a lost one
         self.data_wait_s = 0.0  # time spent waiting for one
         # The training loop's heartbeat (docs/faults.md, "Hung trainer"): its last sign of
@@ -369,12 +372,20 @@ class Trainer:
             self._publish_update(pending)
 
     def _sample(self, n_groups: int) -> list[Trajectory] | None:
-        """``n_groups`` complete groups from the buffer, waiting for them (``None``: stopped)."""
+        """``n_groups`` complete groups from the buffer, waiting for them (``None``: stopped).
+
+        Each batch is asked for under an id of its own (this trainer's token, and how many
+        batches it has received), the same each time it is asked again: a call whose
+        answer was lost (timed out, or failed after the buffer took the batch) and made
+        again gets that batch, not a second one
+        (:meth:`~laminar.buffer.ExperienceBuffer.sample`)."""
         t_wait = time.time()
+        request = (self._token, self._batches)
         try:
             while not self._stop.is_set():
-                batch = self._on_buffer(lambda b: b.sample(n_groups, self.version))
+                batch = self._on_buffer(lambda b: b.sample(n_groups, self.version, request))
                 if batch is not None:
+                    self._batches += 1
                     with self._consumed_lock:
                         self._consumed.update(
                             (t.uid, (t.sample_version, t.t_sample)) for t in batch

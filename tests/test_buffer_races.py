@@ -158,3 +158,134 @@ def test_groups_held_again_for_a_restarted_trainer_leave_once_the_pool_holds_the
         await buf.close()
 
     asyncio.run(run())
+
+
+def _consumed_events(buf) -> list[str]:
+    """The uids of every ``consumed`` leave the buffer hands its writer, as it does (the
+    records of trajectories consumed before their own were written, then the events)."""
+    out: list[str] = []
+    append = buf.writer.append
+
+    def spy(records, events=()):
+        out.extend(r["uid"] for r in records if r["status"] == "consumed")
+        out.extend(e["uid"] for e in events if e["status"] == "consumed")
+        return append(records, events)
+
+    buf.writer.append = spy
+    return out
+
+
+def test_a_sample_asked_again_under_its_id_gets_the_same_batch_sampled_once(tmp_path):
+    """The trainer's call timed out (``cluster.actor_timeout_s``) while the buffer, having
+    taken the batch, waited on the pool; the trainer found the buffer slow, not lost, and
+    asked again. The second call took a second batch for the same update, and the first,
+    recorded consumed at that version, was never trained. Asked again under the same
+    request id, the buffer answers the same batch, its consumed events written once; a
+    new id forgets it."""
+    pool = _pool(10, max_outstanding=10)
+    cfg = _buffer_config(flush_records=1)  # (every record written at once: leaves are events)
+
+    async def run():
+        gated = _GatedPool(pool)
+        buf = ExperienceBuffer(str(tmp_path), gated, cfg)
+        consumed = _consumed_events(buf)
+        groups = [_group(pool, 0) for _ in range(4)]
+        for g in groups:
+            await buf.insert(g)
+        gated.gated = "release"
+        first = asyncio.create_task(buf.sample(2, 0, ("trainer", 0)))
+        await gated.waiting.wait()  # taken; its answer is late: the trainer asks again
+        again = await buf.sample(2, 0, ("trainer", 0))
+        gated.gate.set()
+        assert [t.uid for t in await first] == [t.uid for t in again]
+        assert {t.prompt_uid for t in again} == {g[0].prompt_uid for g in groups[:2]}
+        s = buf.core.stats()
+        assert s["groups_consumed"] == 2 and s["ready_groups"] == 2
+        assert await buf.sample(2, 0, ("trainer", 0)) is again  # (still: asked once more)
+        second = await buf.sample(2, 0, ("trainer", 1))
+        assert {t.prompt_uid for t in second} == {g[0].prompt_uid for g in groups[2:]}
+        assert await buf.sample(2, 0, ("trainer", 0)) is None  # forgotten: nothing left
+        assert pool.outstanding == set()
+        await buf.sync()
+        everything = [t.uid for g in groups for t in g]
+        assert sorted(consumed) == sorted(everything), "a batch's sample recorded twice"
+        await buf.close()
+
+    asyncio.run(run())
+
+
+class _FailingPool(_GatedPool):
+    """Its next ``release`` raises (the pool's answer lost on the way) when ``fail``."""
+
+    fail = False
+
+    async def release(self, prompt_uids, untrained=()):
+        if self.fail:
+            self.fail = False
+            raise ConnectionError("the pool's answer was lost")
+        await super().release(prompt_uids, untrained)
+
+
+def test_a_batch_whose_release_raised_is_the_answer_to_the_sample_asked_again(tmp_path):
+    """Releasing a sampled batch's groups to the pool raised: the batch had left the
+    buffer and never reached the trainer, which (the error one of a lost call) asked
+    again and got another. The batch is the answer to the request asked again now, its
+    sample recorded once, and its groups are released by the buffer's next call: their
+    slots are not held for good."""
+    pool = _pool(10, max_outstanding=10)
+    cfg = _buffer_config(flush_records=1)
+
+    async def run():
+        failing = _FailingPool(pool)
+        buf = ExperienceBuffer(str(tmp_path), failing, cfg)
+        consumed = _consumed_events(buf)
+        groups = [_group(pool, 0) for _ in range(3)]
+        for g in groups:
+            await buf.insert(g)
+        failing.fail = True
+        try:
+            await buf.sample(2, 0, ("trainer", 0))
+            raise AssertionError("the release did not raise")
+        except ConnectionError:
+            pass
+        batch = await buf.sample(2, 0, ("trainer", 0))
+        assert batch is not None, "the batch taken was lost"
+        assert {t.prompt_uid for t in batch} == {g[0].prompt_uid for g in groups[:2]}
+        assert buf.core.stats()["groups_consumed"] == 2
+        assert pool.outstanding == {g[0].prompt_uid for g in groups}  # (not yet released)
+        await buf.insert([])  # the next call that releases anything releases them too
+        assert pool.outstanding == {groups[2][0].prompt_uid}
+        await buf.sync()
+        assert sorted(consumed) == sorted(t.uid for t in batch)
+        await buf.close()
+
+    asyncio.run(run())
+
+
+def test_a_release_owed_is_made_before_a_restarted_trainer_holds_the_groups_again(tmp_path):
+    """A batch whose release raised, then the trainer lost: the restarted trainer's
+    buffer holds the batch again (counted out again by the pool). The release owed is
+    made first: made after, it freed the slots of groups the buffer holds; and the lost
+    trainer's batch is no answer to anyone's request now."""
+    pool = _pool(10, max_outstanding=10)
+    cfg = _buffer_config(flush_records=1)
+
+    async def run():
+        failing = _FailingPool(pool)
+        buf = ExperienceBuffer(str(tmp_path), failing, cfg)
+        groups = [_group(pool, 0) for _ in range(2)]
+        for g in groups:
+            await buf.insert(g)
+        failing.fail = True
+        try:
+            await buf.sample(2, 0, ("lost", 0))
+        except ConnectionError:
+            pass
+        assert await buf.trainer_restarted(0) == {"readmitted": 4, "groups": 2}
+        await buf.insert([])
+        assert pool.outstanding == {g[0].prompt_uid for g in groups}
+        assert await buf.sample(2, 0, ("lost", 0)) is not None  # (held again: sampled anew)
+        assert pool.outstanding == set()
+        await buf.close()
+
+    asyncio.run(run())

@@ -36,7 +36,7 @@ class FakeBuffer:
         self.skipped = 0
         self.empty = threading.Event()  # asked for a batch it does not have
 
-    def sample(self, n_groups: int, version: int) -> list[Trajectory] | None:
+    def sample(self, n_groups: int, version: int, request=None) -> list[Trajectory] | None:
         if not self.batches:
             self.empty.set()
             return None
@@ -205,6 +205,50 @@ def test_one_step_publishes_each_version_once_in_order_and_checkpoints_what_it_p
         path = tmp_path / "checkpoints" / f"version-{v:06d}"
         assert same(checkpoint_weights(path), master.versions[v])
     assert stats["checkpoint"].endswith("version-000003")
+
+
+class LateBuffer(FakeBuffer):
+    """Keeps its last batch for the request id it answered, as the buffer does
+    (:meth:`laminar.buffer.ExperienceBuffer.sample`), and the first time it hands one out,
+    its answer is lost: the trainer's call times out."""
+
+    def __init__(self, batches) -> None:
+        super().__init__(batches)
+        self.requests: list = []
+        self.answer: tuple | None = None
+        self.late = True
+
+    def sample(self, n_groups: int, version: int, request=None) -> list[Trajectory] | None:
+        self.requests.append(request)
+        if request is not None and self.answer is not None and self.answer[0] == request:
+            return self.answer[1]
+        out = super().sample(n_groups, version)
+        if out is not None:
+            self.answer = (request, out)
+            if self.late:
+                self.late = False
+                raise TimeoutError("the buffer's answer came too late")
+        return out
+
+
+def test_a_batch_asked_again_after_a_timeout_is_the_same_one(tiny_policy, tmp_path):
+    """The trainer's call for a batch timed out after the buffer took it; the buffer
+    answered its probe (slow, not lost) and the trainer asked again. It asks under the
+    same request id, and gets that batch: it used to ask anew, and the batch taken was
+    never trained. Each batch after (stream: two per version) is asked for under an id of
+    its own."""
+    cfg = with_overrides(CFG, ["trainer.mini_batches=2", "trainer.groups_per_step=4"])
+    parts = [groups(i, 2) for i in range(4)]
+    buffer, master = LateBuffer(parts), FakeMaster()
+    trainer = Trainer(
+        cfg, str(tiny_policy), str(tmp_path), InProcess(buffer), InProcess(master), "", STREAM
+    )
+    stats = run_until_starved(trainer, buffer)
+    assert stats["error"] is None and not buffer.late
+    assert [h["mini_batches"] for h in trainer.history] == [2.0, 2.0], "a batch was lost"
+    asked = [r[1] for r in buffer.requests]
+    assert asked[:2] == [0, 0] and asked[2:6] == [1, 2, 3, 4]
+    assert len({r[0] for r in buffer.requests}) == 1
 
 
 def test_the_entropy_and_kl_terms_each_change_the_update_they_are_in(tiny_policy):
