@@ -2,9 +2,13 @@
 
 A reward function is a plain function ``fn(response: str, answer: str) -> float``. Name
 one in the config as ``task.reward``: a key of :data:`REWARDS` or ``"module:function"``.
-:func:`score_batch` runs as a Dask task; a function that raises, returns a non-finite
-value or does not return within ``task.reward_timeout_s`` marks that trajectory
-(``finish_reason="error"``) instead of killing or stalling the run.
+:func:`score_batch` runs as a Dask task, on a rollout's worker; a function that raises,
+returns a non-finite value or does not return within ``task.reward_timeout_s`` marks that
+trajectory (``finish_reason="error"``) instead of killing or stalling the run. With a
+timeout the calls run in a child process, killed when a call overruns however it blocks
+(C code that holds the GIL included) or replaced when a call ends it
+(:mod:`laminar.reward_process`); without one (``null``) they run in the task's thread, and
+a call that never returns stalls its rollout's rewards.
 """
 
 from __future__ import annotations
@@ -12,7 +16,6 @@ from __future__ import annotations
 import importlib
 import inspect
 import math
-import queue
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
@@ -173,8 +176,10 @@ def score_batch(
     """Score ``(response, answer, ended_with_eos)`` items; runs as a Dask task.
 
     Responses cut at the length limit get ``truncated_reward`` without calling the function.
-    A call that takes more than ``timeout_s`` is not waited for (a thread cannot be
-    stopped: it is left to finish, and its answer dropped) and marks its item.
+    With ``timeout_s`` the calls are made in a child process (kept for the next batch), and
+    one that takes longer is cut however it blocks (:mod:`laminar.reward_process`): its
+    item is marked, and the calls after it go to a new child; a call that ends that
+    process (``os._exit``, a crash) marks its item too. Without, they are made here.
 
     >>> score_batch("exact_match", [("1 2", "1 2", True), ("1 2", "1 2", False)])
     [Score(reward=1.0, error=None), Score(reward=0.0, error=None)]
@@ -185,93 +190,49 @@ def score_batch(
     """
     fn = resolve_reward(reward_name)
     calls = [(r, a) for r, a, ended in items if ended]
-    results = iter(_call_each(fn, calls, timeout_s))
-    out = []
-    for _, _, ended in items:
-        if not ended:
-            out.append(Score(float(truncated_reward)))
-            continue
-        raw, error = next(results)
-        if error is _TIMED_OUT:
-            out.append(
-                Score(
-                    math.nan,
-                    f"reward {reward_name} did not return within "
-                    f"task.reward_timeout_s={timeout_s:g} s",
-                )
-            )
-            continue
-        if error is not None:  # a user function may raise anything: mark, don't crash
-            said = f"{type(error).__name__}: {error}" if str(error) else type(error).__name__
-            out.append(Score(math.nan, f"reward {reward_name} raised {said}"))
-            continue
-        value = _reward_value(raw)
-        if not math.isfinite(value):
-            out.append(Score(math.nan, f"reward {reward_name} returned {_shown(raw)}"))
-        elif abs(value) > FLOAT32_MAX:  # (stored as float32: inf, and a group's variance)
-            out.append(
-                Score(
-                    math.nan,
-                    f"reward {reward_name} returned {_shown(raw)}, beyond float32's range "
-                    f"(±{FLOAT32_MAX:.4g}) in which rewards are stored; scale it down",
-                )
-            )
-        else:
-            out.append(Score(value))
-    return out
-
-
-_TIMED_OUT = object()
-
-
-def _call_each(
-    fn: RewardFn, calls: list[tuple[str, str]], timeout_s: float | None
-) -> Iterator[tuple[object, object]]:
-    """``(value, None)``, ``(None, exception)`` or ``(None, _TIMED_OUT)`` for each call,
-    in order. Without a timeout the calls run here; with one, on a thread that takes
-    them one after another, and a call that overruns leaves that thread behind: the
-    rest go to a new one."""
     if timeout_s is None:
-        yield from _outcomes(fn, calls)
-        return
-    i = 0
-    while i < len(calls):
-        done: queue.Queue = queue.Queue()
-        stop = threading.Event()
+        scores = [_scored(reward_name, *outcome) for outcome in _outcomes(fn, calls)]
+    else:
+        from laminar.reward_process import scores_in_child
 
-        def run(start: int, done=done, stop=stop) -> None:
-            for outcome in _outcomes(fn, calls[start:]):
-                done.put(outcome)
-                if stop.is_set():  # (left behind: its later calls go to a new thread)
-                    return
-
-        threading.Thread(target=run, args=(i,), name="laminar-reward", daemon=True).start()
-        while i < len(calls):
-            try:
-                result = done.get(timeout=timeout_s)
-            except queue.Empty:
-                stop.set()  # the thread stops after the call it is stuck in, if ever
-                yield None, _TIMED_OUT
-                i += 1
-                break
-            yield result
-            i += 1
+        scores = list(scores_in_child(reward_name, fn, calls, timeout_s))
+    scored = iter(scores)
+    return [next(scored) if ended else Score(float(truncated_reward)) for _, _, ended in items]
 
 
-def _outcomes(fn: RewardFn, calls: list[tuple[str, str]]) -> Iterator[tuple[object, object]]:
+def _scored(reward_name: str, raw: object, error: BaseException | None) -> Score:
+    """The score of one call: its value, or the error that marks its item."""
+    if error is not None:  # a user function may raise anything: mark, don't crash
+        said = f"{type(error).__name__}: {error}" if str(error) else type(error).__name__
+        return Score(math.nan, f"reward {reward_name} raised {said}")
+    value = _reward_value(raw)
+    if not math.isfinite(value):
+        return Score(math.nan, f"reward {reward_name} returned {_shown(raw)}")
+    if abs(value) > FLOAT32_MAX:  # (stored as float32: inf, and a group's variance)
+        return Score(
+            math.nan,
+            f"reward {reward_name} returned {_shown(raw)}, beyond float32's range "
+            f"(±{FLOAT32_MAX:.4g}) in which rewards are stored; scale it down",
+        )
+    return Score(value)
+
+
+def _outcomes(
+    fn: RewardFn, calls: Sequence[tuple[str, str]], main_interrupts: bool = True
+) -> Iterator[tuple[object, BaseException | None]]:
     """``(value, None)`` or ``(None, exception)`` for each call, in order, made here.
 
     A function's ``SystemExit`` (``sys.exit(3)``) or ``KeyboardInterrupt`` is its
-    error too: uncaught, it ended the reward thread (every later call then waited out
-    ``task.reward_timeout_s``) or escaped the task. Only a ``KeyboardInterrupt`` on the
-    main thread goes on up: that is Ctrl-C, whatever was running when it came. (The
-    ``yield`` stands outside the ``try``: a generator closed there gets ``GeneratorExit``,
-    which is not the function's.)"""
+    error too: uncaught, it escaped the task (or ended the scoring process, and the
+    batch's later calls with it). Only a ``KeyboardInterrupt`` on the main thread goes
+    on up, with ``main_interrupts``: that is Ctrl-C, whatever was running when it came.
+    (The ``yield`` stands outside the ``try``: a generator closed there gets
+    ``GeneratorExit``, which is not the function's.)"""
     for response, answer in calls:
         try:
             outcome = fn(response, answer), None
         except KeyboardInterrupt as e:
-            if threading.current_thread() is threading.main_thread():
+            if main_interrupts and threading.current_thread() is threading.main_thread():
                 raise
             outcome = None, e
         except BaseException as e:  # noqa: BLE001 — a user function may raise anything

@@ -1,11 +1,12 @@
 """Finished trajectories: checked against the trainer, rewarded, sent to the buffer.
 
 :class:`RewardsMixin`: each finished response becomes a
-:class:`~laminar.contract.Trajectory`, scored by a Dask task and inserted into the buffer,
-oldest first, by the reward collector's own thread (a reward whose result sits on a hung
-worker holds up that thread, never generation or the heartbeat). A trajectory is kept
-until the buffer says its store has it, and sent again to a rebuilt buffer. Also here: the
-behavior/trainer parity check on a sample of finished responses.
+:class:`~laminar.contract.Trajectory`, scored by a Dask task on a rollout's worker
+(:func:`~laminar.rewards.score_batch`) and inserted into the buffer, oldest first, by the
+reward collector's own thread (a reward whose result sits on a hung worker holds up that
+thread, never generation or the heartbeat). A trajectory is kept until the buffer says its
+store has it, and sent again to a rebuilt buffer. Also here: the behavior/trainer parity
+check on a sample of finished responses.
 
 Apart from the generation loop (:mod:`laminar.rollout`), which hands a response over here
 once it finishes: what follows runs mostly on a thread of its own.
@@ -148,8 +149,18 @@ class RewardsMixin:
         from laminar.rewards import score_batch
 
         t = self.cfg.task
+        # On a rollout's worker (any: Dask balances them), never on the trainer's and data
+        # module's (data-trainer) or a relay's: a heavy reward competes with what runs
+        # there. Its calls run in a child process (with a timeout), so the worker's event
+        # loop and the actor on it go on whatever a call does.
         return get_client().submit(
-            score_batch, t.reward, items, t.truncated_reward, t.reward_timeout_s, pure=False
+            score_batch,
+            t.reward,
+            items,
+            t.truncated_reward,
+            t.reward_timeout_s,
+            resources={"rollout": 1},
+            pure=False,
         )
 
     def _collect_loop(self) -> None:

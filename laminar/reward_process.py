@@ -1,0 +1,286 @@
+"""Reward calls in a child process that can be killed: how ``task.reward_timeout_s`` cuts
+a call however it blocks.
+
+A thread cannot be stopped, and a call stuck in C code that holds the GIL (catastrophic
+backtracking of a regular expression in an answer checker) does not even let the thread
+that waits for it run: the worker's event loop, and any actor on that worker, would stall
+with it. So :func:`laminar.rewards.score_batch` with a timeout makes its calls in a child
+process, one per batch in flight, kept between batches; it waits for each answer on a
+socket, without the GIL. A call past the timeout: the child, and whatever it started, is
+killed, the call marked, and the rest of the batch goes to a new child. A child that
+dies (``os._exit``, a segfault, the OOM killer) marks the call it was making.
+
+The child is a fresh interpreter, started with :mod:`subprocess`: Dask's worker
+processes are daemonic, and :mod:`multiprocessing` refuses them children; a fork of a
+worker (its threads, a CUDA context, gigabytes mapped) per batch would be neither safe
+nor cheap. Each batch brings the worker's ``sys.path`` (a module ``Client.upload_file``
+sent is found there too) and the function, by cloudpickle: a ``module:function`` by
+reference (imported in the child), one made at run time by value.
+"""
+
+from __future__ import annotations
+
+import importlib
+import math
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from multiprocessing.connection import Connection
+
+from laminar.errors import RewardError
+
+# How long a new child may take to start and load the reward function (its imports: a
+# math verifier's can take seconds) before the batch fails; ``timeout_s`` if longer.
+LOAD_S = 120.0
+
+# A child idle this long exits: a worker that scored once (the warm start's evaluation, on
+# the trainer's worker) keeps no process (34 MiB) for the rest of the run.
+IDLE_S = 600.0
+
+# The child's first lines: its parent's sys.path before anything of laminar is imported.
+_BOOT = (
+    "import sys\n"
+    "from multiprocessing.connection import Connection\n"
+    "conn = Connection(int(sys.argv[1]))\n"
+    "sys.path[:] = conn.recv()\n"
+    "from laminar.reward_process import serve\n"
+    "serve(conn, int(sys.argv[2]))\n"
+)
+
+
+class _Child:
+    """A scoring process and the parent's end of its socket."""
+
+    def __init__(self) -> None:
+        ours, theirs = socket.socketpair()
+        try:
+            argv = [sys.executable, "-c", _BOOT, str(theirs.fileno()), str(os.getpid())]
+            # (started from a thread that lives as long as this process: the child's
+            # parent-death signal follows the thread that started it, see _die_with())
+            self.proc = (
+                _starter()
+                .submit(
+                    subprocess.Popen,
+                    argv,
+                    pass_fds=[theirs.fileno()],
+                    stdin=subprocess.DEVNULL,
+                    start_new_session=True,  # (its own group: killed with what it started)
+                )
+                .result()
+            )
+        finally:
+            theirs.close()
+        self.conn = Connection(ours.detach())
+        self.how: str | None = None  # (once ended)
+        self.conn.send(list(sys.path))
+
+    def end(self) -> str:
+        """Kill the child and whatever it started (its process group; the child is not
+        reaped yet, so its id is still the group's), reap it, and say how it ended."""
+        if self.how is None:
+            if self.proc.returncode is None:  # (reaped, its id may be another's now)
+                try:
+                    os.killpg(self.proc.pid, signal.SIGKILL)
+                except (ProcessLookupError, PermissionError):
+                    pass
+            self.conn.close()
+            try:
+                code = self.proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:  # (stuck in the kernel: reaped later)
+                self.how = "killed, and not yet ended"
+                return self.how
+            if code >= 0:
+                self.how = f"exit code {code}"
+            else:
+                try:
+                    self.how = f"killed by {signal.Signals(-code).name}"
+                except ValueError:
+                    self.how = f"killed by signal {-code}"
+        return self.how
+
+
+_idle: list[_Child] = []
+_idle_lock = threading.Lock()
+_starter_pool: list[ThreadPoolExecutor] = []
+
+
+def _starter() -> ThreadPoolExecutor:
+    with _idle_lock:
+        if not _starter_pool:
+            _starter_pool.append(ThreadPoolExecutor(1, thread_name_prefix="laminar-reward-start"))
+        return _starter_pool[0]
+
+
+def _take() -> tuple[_Child, bool]:
+    """An idle child (``False``), or a new one (``True``)."""
+    with _idle_lock:
+        while _idle:
+            child = _idle.pop()
+            if child.proc.poll() is None:
+                return child, False
+            child.end()
+    return _Child(), True
+
+
+def _poll(conn: Connection, timeout_s: float) -> bool:
+    """``conn.poll(timeout_s)``, for any timeout (poll(2) takes at most ~24 days)."""
+    deadline = time.monotonic() + timeout_s
+    while not conn.poll(min(max(deadline - time.monotonic(), 0.0), 86400.0)):
+        if time.monotonic() >= deadline:
+            return False
+    return True
+
+
+def _pickled(fn) -> bytes | None:
+    """``fn`` for the child; ``None`` where it does not pickle (the child then resolves
+    the reward by its name)."""
+    try:
+        import cloudpickle
+
+        return cloudpickle.dumps(fn)
+    except Exception:  # noqa: BLE001 — a user's callable object may hold anything
+        return None
+
+
+def scores_in_child(
+    reward_name: str, fn, calls: Sequence[tuple[str, str]], timeout_s: float
+) -> Iterator:
+    """A :class:`~laminar.rewards.Score` for each call of ``fn`` on ``calls``, in
+    order, each made in a child process and waited for up to ``timeout_s``."""
+    from laminar.rewards import Score
+
+    blob = _pickled(fn)
+    i = 0
+    while i < len(calls):
+        child = _load(reward_name, blob, calls[i:], timeout_s)
+        healthy = False
+        try:
+            while i < len(calls):
+                if not _poll(child.conn, timeout_s):
+                    yield Score(
+                        math.nan,
+                        f"reward {reward_name} did not return within "
+                        f"task.reward_timeout_s={timeout_s:g} s",
+                    )
+                    i += 1
+                    break
+                try:
+                    score = child.conn.recv()
+                except (EOFError, OSError):
+                    yield Score(
+                        math.nan,
+                        f"reward {reward_name} ended the process that scored it "
+                        f"({child.end()}); the calls after it go to a new one",
+                    )
+                    i += 1
+                    break
+                yield score
+                i += 1
+            else:
+                healthy = True
+        finally:  # (cut: killed; a generator closed early, too, may have calls out)
+            if healthy:
+                with _idle_lock:
+                    _idle.append(child)
+            else:
+                child.end()
+
+
+def _load(reward_name: str, blob: bytes | None, calls, timeout_s: float) -> _Child:
+    """A child that holds ``calls`` and has loaded the function, ready to answer them.
+    An idle child found dead is replaced; a new one that cannot load it raises."""
+    while True:
+        child, new = _take()
+        try:
+            child.conn.send((reward_name, blob, list(sys.path), list(calls)))
+            wait_s = max(LOAD_S, timeout_s)
+            if not _poll(child.conn, wait_s):
+                child.end()
+                raise RewardError(
+                    f"task.reward {reward_name!r}: the process that scores it did not load "
+                    f"it within {wait_s:g} s"
+                )
+            failed = child.conn.recv()
+        except (EOFError, OSError):
+            how = child.end()
+            if not new:
+                continue  # (ended while idle: a new one)
+            raise RewardError(
+                f"task.reward {reward_name!r}: the process that scores it ended before it "
+                f"loaded it ({how}); see the worker's log"
+            ) from None
+        if failed is None:
+            return child
+        with _idle_lock:
+            _idle.append(child)  # (alive and idle: what failed was the loading)
+        raise RewardError(
+            f"task.reward {reward_name!r} does not load in the process that scores it "
+            f"({failed}); it must import there as on the worker"
+        )
+
+
+def serve(conn: Connection, parent_pid: int) -> None:
+    """The child's loop: a batch ``(name, pickled fn, sys.path, calls)`` in, ``None``
+    (loaded) or what failed out, then one :class:`~laminar.rewards.Score` per call."""
+    _die_with(parent_pid)
+    from laminar.rewards import _outcomes, _scored, resolve_reward
+
+    loaded: dict = {}
+    while True:
+        try:
+            if not conn.poll(IDLE_S):
+                return  # (idle: the worker starts another when it next scores)
+            name, blob, path, calls = conn.recv()
+        except (EOFError, OSError):  # the worker is gone: so are we
+            return
+        if path != sys.path:
+            sys.path[:] = path
+            importlib.invalidate_caches()
+        try:
+            key = blob or name
+            if key not in loaded:
+                if blob is None:
+                    fn = resolve_reward(name)
+                else:
+                    import cloudpickle
+
+                    fn = cloudpickle.loads(blob)
+                if len(loaded) > 8:  # (one reward a run; runs of tests make more)
+                    loaded.clear()
+                loaded[key] = fn
+            fn = loaded[key]
+        except BaseException as e:  # noqa: BLE001 — a user's module may raise anything
+            said = f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
+            try:
+                conn.send(said)
+            except OSError:
+                return
+            continue
+        try:
+            conn.send(None)
+            # (no Ctrl-C reaches this process, in its own session: a KeyboardInterrupt
+            # here is the function's own)
+            for outcome in _outcomes(fn, calls, main_interrupts=False):
+                conn.send(_scored(name, *outcome))
+        except OSError:  # (the worker gave up on this batch, or is gone)
+            return
+
+
+def _die_with(parent_pid: int) -> None:
+    """Be killed when the worker dies, even in the middle of a call that holds the GIL
+    (Linux: ``PR_SET_PDEATHSIG``); an orphan would otherwise spin on for ever."""
+    if sys.platform.startswith("linux"):
+        try:
+            import ctypes
+
+            ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+        except Exception:  # noqa: BLE001, S110 — without it, an orphan ends at EOF
+            pass
+    if os.getppid() != parent_pid:  # (it died before the signal was asked for)
+        os._exit(0)
