@@ -485,11 +485,15 @@ def unreachable_answers(tok, prompts: list[Prompt], cfg: RunConfig) -> str | Non
 class PromptPool:
     """Dask actor around :class:`PromptPoolCore` (placed on a ``data`` worker)."""
 
-    def __init__(self, cfg: RunConfig, policy_dir: str, resume=None, spec=None) -> None:
+    def __init__(
+        self, cfg: RunConfig, policy_dir: str, resume=None, spec=None, run_dir: str | None = None
+    ) -> None:
         """``resume``: the :class:`storage.resume.ResumePlan` of a run resumed in place,
         or of a data module rebuilt within the run (where its prompt order stood, the
         groups its buffer holds again, and the trainer's newest version).
-        ``spec``: the run's :class:`~laminar.schedule.ScheduleSpec` (default: Laminar's)."""
+        ``spec``: the run's :class:`~laminar.schedule.ScheduleSpec` (default: Laminar's).
+        ``run_dir``: where the pool keeps its dispatch lease (:mod:`laminar.lease`;
+        none without it)."""
         from transformers import AutoTokenizer
 
         from laminar.learner import checkpoint_version
@@ -519,6 +523,11 @@ class PromptPool:
             # first: from a version before it, top_up would hand groups to rollouts left
             # behind, and take would tell them a version the trainer has long passed.
             self.core.version_published(resume.version)
+        self._lease = None
+        if run_dir is not None:
+            from laminar.lease import DispatchLease
+
+            self._lease = DispatchLease(run_dir, ahead=max(1, cfg.buffer.max_outstanding_groups))
         self._waiting = None  # an asyncio.Event that waiting takes share, made on first use
         self._ending = False  # the run stops: takes no longer wait (end_waits)
 
@@ -534,6 +543,8 @@ class PromptPool:
     def _acquire(
         self, n: int, rollout_id: str, version: int, idle: bool, newest_only: bool = False
     ) -> list[PromptGroup]:
+        if self._lease is not None:  # (on disk before any of them goes out)
+            self._lease.cover(self.core.n_dispatched + n)
         groups = self.core.acquire(n, rollout_id, version, idle=idle, newest_only=newest_only)
         if groups:
             self._changed()  # a batch may be out: the next one may go to a waiting rollout

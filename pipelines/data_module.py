@@ -92,7 +92,7 @@ def start_data_module(
                 f"{resume_hint(run_dir)}"
             ) from None
 
-    pool = create(PromptPool, cfg, policy_dir, order, spec)
+    pool = create(PromptPool, cfg, policy_dir, order, spec, str(run_dir))
     partial = None
     if cfg.faults.recover:
         partial = create(  # (it keeps the groups the pool re-issues in its log)

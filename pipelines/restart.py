@@ -513,6 +513,7 @@ class DataRestart:
         """Rebuild on ``worker``. ``record``: what the trainer consumed (default: asked of
         the live trainer); ``master``: the master relay's handle when it is new (a
         :class:`CoreRestart`; the live trainer is then not attached: a new one starts)."""
+        from laminar.lease import read_lease
         from pipelines.driver import _answers, start_data_module
 
         s = self.s
@@ -562,9 +563,13 @@ class DataRestart:
         # A silent rollout may hold groups it took from the lost pool within the log's
         # last interval: in no log and no store, so the plan's prompt order does not know
         # them, and it may still attach. Their uids must not be handed out again (to
-        # another rollout, whose requests would share their ids): the order skips as
-        # many as may be out, the back-pressure bound (their prompts go untrained).
-        gap = cfg.buffer.max_outstanding_groups if silent else 0
+        # another rollout, whose requests would share their ids): the order starts at
+        # the lost pool's dispatch lease, past every position it handed out (the
+        # positions between go untrained; laminar.lease).
+        lease = read_lease(s.run_dir) if silent else None
+        if silent and lease is None:  # (none readable: the back-pressure bound on what is out)
+            lease = plan.start + cfg.buffer.max_outstanding_groups
+        gap = max(0, lease - plan.start) if silent else 0
         plan.start += gap
         mark("plan_s")
         order = ResumePlan(
@@ -627,6 +632,7 @@ class DataRestart:
             rollouts_gone=sorted(gone),  # lost meanwhile: recovered by the new manager
             rollouts_silent=silent,  # did not say what they hold: resumed from the log
             prompt_gap=gap,  # (prompt order skipped for what a silent one may hold)
+            dispatch_lease=lease,
             restored_from_log=len(orphans),
             rebuild_s=now - t0,
             phases=phases,

@@ -1068,7 +1068,12 @@ def test_a_lost_data_module_is_rebuilt_within_the_run(tmp_path, r1_sig):
     assert r["restart_s"] < 60 and r["rollouts_attached"] == 1, r
     assert (r["rollouts_gone"], r["rollouts_silent"]) == (([], ["r1"]) if hung else (["r1"], []))
     assert r["restored_from_log"] > 0 and r["reissued_groups"] == 0, r
-    assert r["prompt_gap"] == (16 if hung else 0), r  # (buffer.max_outstanding_groups)
+    # A silent rollout may hold groups no log names: the order starts past every
+    # position the lost pool handed out (its lease on disk), none handed out again.
+    if hung:
+        assert r["dispatch_lease"] > 0 and r["prompt_start"] >= r["dispatch_lease"], r
+    else:
+        assert r["dispatch_lease"] is None and r["prompt_gap"] == 0, r
     faults = summary["faults"]
     assert "r1" in faults["lost"] and faults["recovered_requests"] > 0, faults
     assert "r1" in faults["replacements"], faults

@@ -1,5 +1,6 @@
 from itertools import chain, repeat
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -363,3 +364,54 @@ def test_a_pool_told_of_a_version_before_its_weights_moved_still_hands_out_batch
     pool = rule_pool("batches", 8, groups_per_step=4, replicas=2, lag=1)
     pool.version_published(5)
     assert len(pool.acquire(2, "r0", 4)) == 2
+
+
+def test_a_pool_rebuilt_at_the_dispatch_lease_hands_out_no_uid_twice(
+    small_config, tiny_policy, tmp_path
+):
+    """A rebuild that a rollout did not answer continues the prompt order at the lost
+    pool's lease on disk (pipelines/restart.py). Groups that left untrained free room
+    under back-pressure, so the lost pool may have handed out many more positions than
+    are outstanding at its loss: here 3 × ``max_outstanding``, most released again.
+    The lease covers each before it goes out, and a pool started there hands out none
+    of them again; the lease is written once per ``max_outstanding`` groups, not per
+    group."""
+    import asyncio
+
+    from laminar.lease import DispatchLease, read_lease
+    from laminar.prompt_pool import PromptPool
+    from storage.resume import ResumePlan
+
+    cap = small_config.buffer.max_outstanding_groups
+    pool = PromptPool(small_config, str(tiny_policy), run_dir=str(tmp_path))
+    assert read_lease(tmp_path) is None  # (nothing out yet)
+
+    async def hand_out() -> list[str]:
+        uids = []
+        for _ in range(3):  # fill the bound, then all leave untrained (filtered)
+            groups = await pool.acquire(cap, "r0", 0)
+            assert len(groups) == cap
+            # every position handed out is below the lease already on disk
+            assert int(groups[-1].prompt_uid[1:]) < read_lease(tmp_path)
+            uids += [g.prompt_uid for g in groups]
+            out = [g.prompt_uid for g in groups]
+            await pool.release(out, untrained=tuple(out))
+        return uids
+
+    before = asyncio.run(hand_out())
+    assert len(set(before)) == 3 * cap
+    assert pool._lease.writes <= 3  # (one write per cap groups: ahead = cap)
+    # The rebuild knows only the first group (the rest were in no log or store).
+    lease = read_lease(tmp_path)
+    rebuilt = PromptPool(
+        small_config,
+        str(tiny_policy),
+        resume=ResumePlan(version=0, start=max(1, lease)),
+        run_dir=str(tmp_path),
+    )
+    after = asyncio.run(rebuilt.acquire(cap, "r1", 0))
+    assert after and not {g.prompt_uid for g in after} & set(before)
+    # Its own lease continues past the old one.
+    assert read_lease(tmp_path) > int(after[-1].prompt_uid[1:])
+    with pytest.raises(ValueError, match="at least one position"):
+        DispatchLease(tmp_path, ahead=0)

@@ -1,0 +1,77 @@
+"""The dispatch lease: a bound on the prompt uids a data module has handed out, on disk.
+
+Prompt uids are dispatch positions (``p00000042``), so a data module rebuilt within the
+run continues the prompt order after the highest position the store, the recovery log
+and the live rollouts name. A rollout that did not answer the rebuild (hung, or slow)
+may hold a group the lost pool handed out in the log's last interval, which none of
+them names; had its position been handed out again, two rollouts would generate under
+one uid. And the lost pool may have handed out any number of positions there: groups
+that left again untrained (filtered, evicted) no longer count against the back-pressure
+bound.
+
+So before a pool hands out a position at or past its lease, it writes a new lease
+``ahead`` positions further (``RUN_DIR/dispatch_lease.json``, replaced atomically):
+every position ever handed out lies below the lease on disk.
+A rebuild with a silent rollout starts its order at the lease (the positions between go
+untrained). The pool writes once per ``ahead`` groups, so the cost is one small file
+write per ``buffer.max_outstanding_groups`` groups.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from pathlib import Path
+
+logger = logging.getLogger(__name__)
+
+LEASE_FILE = "dispatch_lease.json"
+
+
+class DispatchLease:
+    """The lease of one prompt pool, writing to ``run_dir``.
+
+    >>> import tempfile
+    >>> d = tempfile.mkdtemp()
+    >>> lease = DispatchLease(d, ahead=16)
+    >>> lease.cover(3), read_lease(d)  # positions 0-2 about to go out: written to 19
+    (True, 19)
+    >>> lease.cover(19), lease.cover(20), read_lease(d)  # 19 is covered, 20 is not
+    (False, True, 36)
+    """
+
+    def __init__(self, run_dir: str | Path, ahead: int) -> None:
+        if ahead < 1:
+            raise ValueError(f"a lease must reach at least one position ahead, not {ahead}")
+        self.path = Path(run_dir) / LEASE_FILE
+        self.ahead = ahead
+        self.end = read_lease(run_dir) or 0  # (a rebuilt pool starts at or past it)
+        self.writes = 0
+
+    def cover(self, below: int) -> bool:
+        """Make sure every position below ``below`` is below the lease on disk, before
+        any of them is handed out; ``True`` if the lease was written."""
+        if below <= self.end:
+            return False
+        end = below + self.ahead
+        tmp = self.path.with_name(f".{LEASE_FILE}.tmp")
+        tmp.write_text(json.dumps({"dispatched_below": end}))
+        os.replace(tmp, self.path)  # (atomic: a reader sees the old lease or the new)
+        self.end = end
+        self.writes += 1
+        return True
+
+
+def read_lease(run_dir: str | Path) -> int | None:
+    """The lease on disk in ``run_dir``: no position at or past it was handed out.
+    ``None`` when there is none (no group went out, or a run of a laminar before the
+    lease) or it cannot be read (logged: the caller falls back on its own bound)."""
+    path = Path(run_dir) / LEASE_FILE
+    try:
+        return int(json.loads(path.read_text())["dispatched_below"])
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        logger.warning("the dispatch lease %s cannot be read (%r); ignored", path, e)
+        return None
