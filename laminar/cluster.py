@@ -13,6 +13,7 @@ import logging
 import os
 import threading
 import time
+import uuid
 from collections.abc import Iterator
 
 from laminar.errors import ClusterError
@@ -369,7 +370,19 @@ def release_actors(client, made: list, timeout: float = 10.0, close: bool = True
 
 def start_actor(client, cls, *args, worker: str, resource: str, **kwargs):
     """Start creating an actor of ``cls`` on ``worker``; returns the creating future
-    (:func:`bind_actor` makes the handle once it is done)."""
+    (:func:`bind_actor` makes the handle once it is done).
+
+    Actor handles among the constructor's arguments (in lists, tuples and dicts too)
+    are passed by value (:func:`_by_value`): as they are, each would be a dependency
+    of the creating task, which ``worker`` gathers from any worker that holds a copy of
+    its key, every worker whose actor was created with it (a rollout holds the master
+    relay's). One that hangs (stopped) never answers, and the creation waited for ever:
+    a data module rebuilt while a rollout hung stalled the run so, one time in three."""
+    if _has_actor((args, kwargs)):
+        args = (cls, *(_by_value(a) for a in args))
+        kwargs = {k: _by_value(v) for k, v in kwargs.items()}
+        kwargs.setdefault("key", f"{cls.__name__}-{uuid.uuid4()}")
+        cls = _construct
     future = client.submit(
         cls,
         *args,
@@ -383,6 +396,64 @@ def start_actor(client, cls, *args, worker: str, resource: str, **kwargs):
     if (made := getattr(_made, "list", None)) is not None:
         made.append((cls, future))
     return future
+
+
+class _ActorRef:
+    """An actor handle in a constructor's arguments, as plain data: the address and
+    key it is rebuilt from in the new actor's process (:func:`_construct`)."""
+
+    def __init__(self, actor) -> None:
+        self.cls, self.address, self.key = actor._cls, actor._address, actor.key
+        self.detached = type(actor) is not _actor_class()
+
+    def handle(self):
+        from distributed import Actor
+
+        return (_Detached if self.detached else Actor)(self.cls, self.address, self.key)
+
+
+def _actor_class():
+    from distributed import Actor
+
+    return Actor
+
+
+def _has_actor(value) -> bool:
+    if isinstance(value, _actor_class()):
+        return True
+    if isinstance(value, dict):
+        return any(_has_actor(v) for v in value.values())
+    return isinstance(value, list | tuple) and any(_has_actor(v) for v in value)
+
+
+def _by_value(value):
+    """``value`` with every actor handle in it (in lists, tuples, dict values) as an
+    :class:`_ActorRef`: a task's arguments are searched for handles (each a
+    ``TaskRef``, a dependency), not inside other objects."""
+    if isinstance(value, _actor_class()):
+        return _ActorRef(value)
+    if isinstance(value, dict):
+        return {k: _by_value(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return type(value)(_by_value(v) for v in value)
+    return value
+
+
+def _handles(value):
+    """:func:`_by_value` undone, in the new actor's process."""
+    if isinstance(value, _ActorRef):
+        return value.handle()
+    if isinstance(value, dict):
+        return {k: _handles(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return type(value)(_handles(v) for v in value)
+    return value
+
+
+def _construct(cls, *args, **kwargs):
+    """``cls(*args, **kwargs)`` with the handles :func:`_by_value` passed rebuilt (the
+    creating task of an actor: the worker keeps what it returns as the actor)."""
+    return cls(*_handles(args), **_handles(kwargs))
 
 
 def bind_actor(client, cls, worker: str, future, silent_s: float | None = None):
@@ -438,8 +509,9 @@ def submit_actor(client, cls, *args, worker: str, resource: str, **kwargs):
     whatever ``get_client()`` finds first: the newest default client of the process, which
     may belong to another cluster (or be a failed connect that was never closed). Then the
     run's client forgets the actor's key once the creating future is dropped, the scheduler
-    releases the actor, and every task that takes the handle as an argument is cancelled
-    for "lost dependencies". So it is built again here, in the caller's thread, with
+    releases the actor, and every call to it fails (and a plain task that takes the
+    handle as an argument is cancelled for "lost dependencies"; :func:`start_actor`
+    passes handles by value). So it is built again here, in the caller's thread, with
     ``client`` current: its ``Future`` keeps the key alive on the right client for as long
     as the handle lives.
     """
@@ -514,13 +586,15 @@ def worker_alive(actor) -> bool:
 
 def detach(actor):
     """A handle to ``actor`` that holds no future of the task that created it, for
-    passing in an actor method call (never as a task's argument).
+    passing in an actor method call or to :func:`start_actor` (never as a plain task's
+    argument, which would make it a dependency).
 
-    When the worker of an actor's constructor argument is lost (the data module, whose
-    handles every rollout was built with), the scheduler marks the dependent creating
-    tasks erred, although those actors live on. A handle to such an actor unpickled in
-    another process asks the scheduler about its key, hears "erred", and refuses every
-    call; a task that takes it as an argument never runs. This one does neither, and a
+    When the worker of a dependency of an actor's creating task is lost (the data module,
+    whose handles every rollout was built with before :func:`start_actor` passed them
+    by value), the scheduler marks the creating task erred, although the actor lives
+    on. A handle to such an actor unpickled in another process asks the scheduler about
+    its key, hears "erred", and refuses every call; a task that takes it as an argument
+    never runs. This one does neither, and a
     call to it whose worker is gone fails at once instead of waiting for the task."""
     return _Detached(actor._cls, actor._address, actor.key)
 

@@ -1,5 +1,6 @@
 import multiprocessing
 import os
+import time
 
 import pytest
 
@@ -104,6 +105,54 @@ def test_local_workers_start_warm_with_the_nannies_environment(cluster_client):
         assert s["from_forkserver"] and s["parent"] != os.getpid(), s  # not this nanny's
         assert s["preloaded"] and s["omp"] == "1" and s["torch_threads"] == 1, s
         assert s["malloc_trim"] is None and s["ignored"] == [True, True], s
+
+
+@pytest.mark.slow
+def test_an_actor_is_created_whatever_the_workers_that_hold_its_arguments_handles_do():
+    """A handle among a constructor's arguments (nested in a dict too) is no dependency
+    of the creating task. As one, the new actor's worker gathered it from any worker
+    that held a copy of its key, every one whose actor was created with it; one that
+    hangs (SIGSTOP) never answers, and the creation waited for ever: a data module
+    rebuilt while a rollout hung stalled the run so (its manager takes the master
+    relay's handle, which every rollout was created with)."""
+    import os
+    import signal
+
+    from distributed import Client
+
+    from laminar.cluster import role_cluster, submit_actor
+
+    class Counter:
+        def __init__(self):
+            self.n = 0
+
+        def add(self, k):
+            self.n += k
+            return self.n
+
+    class Holder:
+        def __init__(self, counter, more=None):
+            self.counter = counter if more is None else more["c"][0]
+
+        def bump(self):
+            return self.counter.add(2).result()
+
+    roles = {"a": {"data": 1}, "b": {"rollout": 1}, "c": {"relay": 1}}
+    with role_cluster(roles, name="byvalue") as cluster, Client(cluster) as client:
+        (a,), (b,), (c,) = (workers_with(client, r) for r in ("data", "rollout", "relay"))
+        counter = submit_actor(client, Counter, worker=a, resource="data")
+        held = submit_actor(client, Holder, counter, worker=b, resource="rollout")
+        assert held.bump().result() == 2
+        pid = client.run(os.getpid, workers=[b])[b]
+        os.kill(pid, signal.SIGSTOP)  # b holds what it was created with, and hangs
+        try:
+            t0 = time.time()
+            for args, kwargs in (((counter,), {}), ((None,), {"more": {"c": [counter]}})):
+                h = submit_actor(client, Holder, *args, worker=c, resource="relay", **kwargs)
+                assert h.bump().result(timeout=10) in (4, 6)
+            assert time.time() - t0 < 20
+        finally:
+            os.kill(pid, signal.SIGCONT)
 
 
 @pytest.mark.slow
