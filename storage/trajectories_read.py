@@ -1,0 +1,526 @@
+"""Readers of ``trajectories.zarr``: :func:`open_run` (an xarray Dataset), :func:`open_runs`
+(several runs side by side), :func:`open_trajectories` (numpy arrays), the tokens of a few
+rows (:func:`tokens_at`, :func:`records_at`); each sliced to the commit markers, with the
+leave events applied and the time a trajectory held again was out of the buffer taken out.
+
+Apart from the writer (:mod:`storage.trajectories`, where the store's protocol is
+described, and from where each name here is imported as well): reading a store needs no
+writer, and a notebook reads stores no process writes.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import xarray as xr
+import zarr
+
+from storage.schema import (
+    COMMIT_ATTR,
+    EVENT_COMMIT_ATTR,
+    EVENT_DIM,
+    EVENT_FIELDS,
+    RAGGED,
+    RAGGED_FIELDS,
+    READABLE_SCHEMA_VERSIONS,
+    SCALARS,
+    TRAJECTORY_DIM,
+)
+from storage.stores import (
+    StoreError,
+    _check_markers,
+    _holds,
+    committed_array,
+    fixed_width,
+    group_arrays,
+    reading,
+    store_path,
+)
+
+logger = logging.getLogger(__name__)
+
+
+def committed(path: str | Path) -> int:
+    """How many trajectories a run's store has committed (:class:`StoreError` without
+    one)."""
+    _, group = _open_group(path)
+    return int(group.attrs[COMMIT_ATTR])
+
+
+def _open_group(path: str | Path) -> tuple[Path, zarr.Group]:
+    store = store_path(path)
+    if not (store / "zarr.json").exists():
+        raise StoreError(
+            f"no trajectory store at {str(store)!r}; pass a run directory written by "
+            "`laminar run` (it holds trajectories.zarr)"
+        )
+    with reading(store):
+        group = zarr.open_group(str(store), mode="r", zarr_format=3)
+    if group.attrs.get("schema_version") not in READABLE_SCHEMA_VERSIONS:
+        raise StoreError(
+            f"{str(store)!r} has schema_version {group.attrs.get('schema_version')!r}; "
+            f"this laminar reads {READABLE_SCHEMA_VERSIONS}"
+        )
+    _check_markers(store, group)
+    return store, group
+
+
+def _apply_events(
+    store: Path, group: zarr.Group, scalars: dict[str, np.ndarray]
+) -> tuple[int, str, _Stays]:
+    """Apply the committed leave events, in order, to the per-trajectory ``scalars``.
+    An event naming a trajectory the store does not hold (its batch failed to write, or
+    two processes wrote the store) is skipped and counted, not fatal: the trajectories
+    stay readable and the audit reports it. Returns how many were skipped, the first
+    one's uid, and the earlier stays in the buffer of the trajectories held again
+    (:func:`_stays`; with ``t_insert`` among the ``scalars``, which then gain
+    ``t_held``)."""
+    n_events = int(group.attrs.get(EVENT_COMMIT_ATTR, 0))
+    if "t_insert" in scalars:
+        scalars["t_held"] = scalars["t_insert"].astype(np.float64)
+    if not n_events:
+        return 0, "", _NO_STAYS
+    events = {
+        name: committed_array(store, group, name, n_events)[:n_events] for name in EVENT_FIELDS
+    }
+    rows = {uid: i for i, uid in enumerate(scalars["uid"].tolist())}
+    index = np.array([rows.get(u, -1) for u in events["event_uid"].tolist()], dtype=np.int64)
+    known = index >= 0
+    unknown, first = int((~known).sum()), ""
+    if unknown:
+        first = str(events["event_uid"][np.flatnonzero(~known)[0]])
+        logger.warning(
+            "%s: %d leave events name trajectories the store does not hold (e.g. %r); "
+            "they are skipped",
+            store,
+            unknown,
+            first,
+        )
+    status = events["event_status"]
+    when = events["event_t_sample"]
+    held_again = status == HELD_AGAIN
+    stored = scalars["status"], scalars["t_sample"]  # (as the records hold them)
+    # (a held-again event's time is when it was held again, not a sample time)
+    events["event_t_sample"] = np.where(held_again, np.nan, when)
+    for name, field in EVENT_FIELDS.items():
+        if field != "uid":
+            scalars[field] = scalars[field].copy()
+            scalars[field][index[known]] = events[name][known]  # in order: the last wins
+    stays = _NO_STAYS
+    if "t_held" in scalars and (held_again & known).any():
+        stays = _stays(index[known], held_again[known], when[known], scalars["t_held"], *stored)
+    return unknown, first, stays
+
+
+# A ``buffered`` event holds a stored trajectory again after it left (a resume, a data
+# module rebuilt within the run, or a restarted trainer took back the consumption of an
+# update that was lost); its ``event_t_sample`` is when (NaN in stores written before
+# laminar recorded it), never a sample time: readers set ``t_sample`` NaN.
+HELD_AGAIN = "buffered"
+
+# Earlier stays in the buffer (row, from, to: epoch seconds), of trajectories held again.
+_Stays = tuple[np.ndarray, np.ndarray, np.ndarray]
+_NO_STAYS: _Stays = (np.zeros(0, np.int64), np.zeros(0), np.zeros(0))
+
+
+def _stays(
+    index: np.ndarray,
+    held_again: np.ndarray,
+    when: np.ndarray,
+    t_held: np.ndarray,
+    status: np.ndarray,
+    t_sample: np.ndarray,
+) -> _Stays:
+    """The stays in the buffer, before their last one, of the trajectories the events
+    (in order: the row each names, whether it holds it again, its time) held again;
+    ``t_held`` (each row's ``t_insert`` on entry) becomes when each last one began.
+    ``status``, ``t_sample``: as the records hold them (a trajectory that left before
+    its record was written is stored as it left, its leave in the record).
+
+    A stay runs from ``t_insert`` or a holding again to the next leave (the consumption
+    that a lost update, or a lost data module's reply, took back). A trajectory held
+    again without a time (a store written before laminar recorded it) keeps
+    ``t_held = t_insert`` and no earlier stays: its age is counted as before, from
+    ``t_insert``, the time it was out of the buffer included."""
+    rows, starts, ends = [], [], []
+    again = np.unique(index[held_again])
+    mine = np.flatnonzero(np.isin(index, again))
+    mine = mine[np.argsort(index[mine], kind="stable")]  # by row, each in event order
+    for row_events in np.split(mine, np.flatnonzero(np.diff(index[mine])) + 1):
+        row = int(index[row_events[0]])
+        begun: float | None = float(t_held[row])  # (None: out of the buffer)
+        last, closed, earlier = begun, [], []
+        if status[row] != HELD_AGAIN:  # (stored as it left)
+            if math.isfinite(left := float(t_sample[row])):
+                closed.append((begun, left))
+            begun = None
+        for e in row_events.tolist():
+            t = float(when[e])
+            if not held_again[e]:  # a leave: the stay ends (if it has a time)
+                if begun is not None and math.isfinite(t):
+                    closed.append((begun, t))
+                begun = None
+            elif not math.isfinite(t):  # (an older store's: no time, counted as before)
+                break
+            elif begun is None:  # held again: a new stay begins
+                earlier += closed
+                closed, begun, last = [], t, t
+        else:
+            t_held[row] = last
+            rows += [row] * len(earlier)
+            starts += [a for a, _ in earlier]
+            ends += [b for _, b in earlier]
+    return (
+        np.asarray(rows, dtype=np.int64),
+        np.asarray(starts, dtype=np.float64),
+        np.asarray(ends, dtype=np.float64),
+    )
+
+
+def _held_seconds(n: int, stays: _Stays, pauses: Sequence[tuple[float, float]]) -> np.ndarray:
+    """Per trajectory (of ``n``), seconds in the buffer in its earlier ``stays``, less
+    the time the run was stopped in them (``pauses``: from, to)."""
+    rows, a, b = stays
+    held = np.zeros(n, dtype=np.float64)
+    np.add.at(held, rows, b - a - _stopped(a, b, pauses))
+    return held
+
+
+def _stopped(a: np.ndarray, b: np.ndarray, pauses: Sequence[tuple[float, float]]) -> np.ndarray:
+    """Seconds of each stretch ``a`` .. ``b`` (epoch seconds) the run was stopped."""
+    out = np.zeros(np.broadcast(a, b).shape, dtype=np.float64)
+    for start, end in pauses:
+        out += np.clip(np.minimum(b, end) - np.maximum(a, start), 0.0, None)
+    return out
+
+
+def time_in_buffer(
+    t_held: np.ndarray,
+    held_s: np.ndarray,
+    until: np.ndarray,
+    pauses: Sequence[tuple[float, float]] = (),
+) -> np.ndarray:
+    """Seconds each trajectory spent in the buffer while the run went, up to ``until``
+    (epoch seconds: a consumed one's ``t_sample``): ``held_s`` (its earlier stays) plus
+    its last stay, from ``t_held`` on, less the time the run was stopped in it
+    (``pauses``: from, to, as ``open_run``'s attribute ``pauses_s``).
+
+    A trajectory consumed by an update that was lost, then held again, was out of the
+    buffer in between (with the trainer, or the lost data module's reply): that time is
+    not its age.
+
+    >>> time_in_buffer(np.array([10.0, 50.0]), np.array([0.0, 3.0]), np.array([14.0, 52.0]),
+    ...                [(20.0, 40.0)]).tolist()
+    [4.0, 5.0]
+    """
+    t_held, until = np.asarray(t_held, np.float64), np.asarray(until, np.float64)
+    return np.asarray(held_s, np.float64) + (until - t_held) - _stopped(t_held, until, pauses)
+
+
+def _starts_from_lengths(store: Path, arrays: dict[str, np.ndarray]) -> None:
+    """Set each ragged group's ``<group>_start`` from its lengths. The writer lays every
+    batch's tokens end to end in record order, so a start is the sum of the lengths
+    before it; stores written before an events-only batch stopped appending a stray start
+    have every later start shifted on disk (their tokens and lengths are right)."""
+    for g in RAGGED:
+        lens = arrays[f"{g}_len"].astype(np.int64)
+        starts = np.cumsum(lens) - lens
+        if not np.array_equal(arrays[f"{g}_start"], starts):
+            logger.warning(
+                "%s: %s_start disagrees with %s_len on disk (a store written before events-"
+                "only batches stopped shifting it); the starts are taken from the lengths",
+                store,
+                g,
+                g,
+            )
+        arrays[f"{g}_start"] = starts
+
+
+def open_trajectories(
+    path: str | Path, fields: Sequence[str] | None = None
+) -> dict[str, np.ndarray]:
+    """Every committed array of a store as numpy, sliced to the commit marker, with the
+    leave events applied; with ``fields``, only those per-trajectory fields (and those
+    the events set), no token-level arrays."""
+    store, group = _open_group(path)
+    with reading(store):
+        return _read_trajectories(store, group, fields)
+
+
+def _read_trajectories(store: Path, group: zarr.Group, fields) -> dict[str, np.ndarray]:
+    n = int(group.attrs[COMMIT_ATTR])
+    tokens = group.attrs["n_committed_tokens"]
+    out: dict[str, np.ndarray] = {}
+    wanted = SCALARS if fields is None else {*fields, *EVENT_FIELDS.values()}
+    unknown = set(wanted) - set(SCALARS)
+    if unknown:
+        raise StoreError(f"open_trajectories: no per-trajectory fields {sorted(unknown)}")
+    for name in SCALARS:
+        if name in wanted:
+            out[name] = committed_array(store, group, name, n)[:n]
+    _, _, stays = _apply_events(store, group, out)
+    if "t_held" in out:
+        pauses = ()
+        if stays[0].size:  # (only then: the stops are in the metrics)
+            pauses = pairs(_starts(store.parent, _activity(out))["pauses_s"])
+        out["held_s"] = _held_seconds(n, stays, pauses)
+    if fields is not None:
+        return out
+    for g, (dim, fields) in RAGGED.items():
+        for name in (f"{g}_start", f"{g}_len"):
+            out[name] = committed_array(store, group, name, n)[:n]
+        for name in fields:
+            out[name] = committed_array(store, group, name, tokens[dim])[: tokens[dim]]
+    _starts_from_lengths(store, out)
+    return out
+
+
+def records_at(
+    arrays: Mapping[str, np.ndarray], rows: Sequence[int], path: str | Path | None = None
+) -> list[dict[str, Any]]:
+    """The records (field -> value, as :meth:`TrajectoryWriter.append` takes them) at
+    ``rows`` of :func:`open_trajectories`' arrays. Arrays read with ``fields`` (every
+    per-trajectory one: :data:`storage.schema.SCALARS`) hold no tokens: those of these
+    rows alone are read from the store at ``path`` (:func:`tokens_at`)."""
+    rows = [int(i) for i in rows]
+    index = np.asarray(rows, dtype=np.int64)
+    values = {name: arrays[name][index].tolist() for name in SCALARS}  # (str for strings)
+    if all(name in arrays for name in RAGGED_FIELDS):
+        tokens = {name: [] for name in RAGGED_FIELDS}
+        for g, (_, fields) in RAGGED.items():
+            for i in rows:
+                start, n = int(arrays[f"{g}_start"][i]), int(arrays[f"{g}_len"][i])
+                for name in fields:
+                    tokens[name].append(np.array(arrays[name][start : start + n]))
+    elif path is None:
+        raise ValueError("records_at: arrays without tokens need the store's path")
+    else:
+        tokens = tokens_at(path, rows, n=len(arrays["uid"]))
+    return [
+        {name: column[k] for name, column in (*values.items(), *tokens.items())}
+        for k in range(len(rows))
+    ]
+
+
+def tokens_at(
+    path: str | Path, rows: Sequence[int], n: int | None = None
+) -> dict[str, list[np.ndarray]]:
+    """The token-level fields (:data:`storage.schema.RAGGED_FIELDS`) of the trajectories
+    at ``rows`` (of :func:`open_trajectories`' arrays; ``n``: how many those hold), one
+    array per row, read for those rows alone: a buffer that holds a few thousand
+    trajectories again reads their tokens, not the run's (9.6 bytes a response token).
+
+    A trajectory's tokens start where those of the rows before it end (the starts come
+    from the lengths, as :func:`open_trajectories` takes them). The rows' token ranges
+    are read in runs, one per stretch of chunks they touch, so each chunk is read once."""
+    store, group = _open_group(path)
+    with reading(store):
+        committed_n = int(group.attrs[COMMIT_ATTR])
+        tokens = group.attrs["n_committed_tokens"]
+        n = committed_n if n is None else n
+        index = np.asarray(rows, dtype=np.int64)
+        if index.size and (index.min() < 0 or index.max() >= min(n, committed_n)):
+            raise StoreError(
+                f"{str(store)!r}: rows {int(index.min())}..{int(index.max())} asked of "
+                f"{min(n, committed_n)} trajectories committed"
+            )
+        end = int(index.max()) + 1 if index.size else 0
+        out: dict[str, list[np.ndarray]] = {}
+        for g, (dim, fields) in RAGGED.items():
+            lens = committed_array(store, group, f"{g}_len", committed_n)[:end]
+            lens = lens.astype(np.int64)
+            starts = np.cumsum(lens) - lens
+            a = starts[index]
+            b = a + lens[index]
+            if b.size and int(b.max()) > tokens[dim]:
+                raise StoreError(
+                    f"{str(store)!r}: {g}_len adds up to {int(b.max())} {dim}s but "
+                    f"{tokens[dim]} are committed; it is damaged: restore the run "
+                    "directory from a copy"
+                )
+            for name in fields:
+                arr = committed_array(store, group, name, tokens[dim])
+                out[name] = _slices(arr, a, b)
+    return out
+
+
+def _slices(arr: zarr.Array, a: np.ndarray, b: np.ndarray) -> list[np.ndarray]:
+    """``arr[a[k]:b[k]]`` for each k, as copies; ranges less than a chunk apart are read
+    together (zarr reads whole chunks, ~0.5 ms each besides its bytes), every chunk
+    touched once."""
+    out: list[np.ndarray] = [np.zeros(0, arr.dtype) for _ in range(len(a))]
+    gap = int(arr.chunks[0])
+    order = [k for k in np.argsort(a, kind="stable").tolist() if b[k] > a[k]]
+    k0 = 0
+    while k0 < len(order):
+        lo, hi, k1 = int(a[order[k0]]), int(b[order[k0]]), k0 + 1
+        while k1 < len(order) and int(a[order[k1]]) <= hi + gap:
+            hi = max(hi, int(b[order[k1]]))
+            k1 += 1
+        span = arr[lo:hi]
+        for k in order[k0:k1]:
+            out[k] = span[int(a[k]) - lo : int(b[k]) - lo].copy()
+        k0 = k1
+    return out
+
+
+def open_run(path: str | Path) -> xr.Dataset:
+    """The trajectories of a run as an :class:`xarray.Dataset` on a ``trajectory`` dimension.
+
+    Ragged fields sit on their own token dimensions (see :mod:`storage.schema`); the
+    ``.laminar`` accessor gives staleness and per-trajectory token views. Only committed
+    records are visible, with their leave events applied (``status``, ``sample_version``,
+    ``t_sample`` are where each trajectory stands now). Derived staleness columns are added:
+    ``s_gen``, ``residence``, ``s_train`` (NaN where a trajectory was never sampled).
+    """
+    store, group = _open_group(path)
+    with reading(store):
+        return _read_run(store, group)
+
+
+def _read_run(store: Path, group: zarr.Group) -> xr.Dataset:
+    import dask.array as da
+
+    n = int(group.attrs[COMMIT_ATTR])
+    lengths = {TRAJECTORY_DIM: n, **group.attrs["n_committed_tokens"]}
+    # Built array by array rather than with xr.open_zarr: during (or after a crash in) an
+    # append, arrays on one dimension have different lengths, which open_zarr refuses.
+    variables = {}
+    scalars = {}
+    for name, arr in group_arrays(group):
+        (dim,) = arr.metadata.dimension_names
+        if dim in lengths:
+            _holds(store, name, arr, lengths[dim])
+        if dim == TRAJECTORY_DIM:
+            scalars[name] = arr[:n]
+        elif dim != EVENT_DIM:  # token-level: lazy
+            variables[name] = (dim, da.from_zarr(arr)[: lengths[dim]])
+    unknown, first, stays = _apply_events(store, group, scalars)
+    if all(f"{g}_len" in scalars for g in RAGGED):
+        _starts_from_lengths(store, scalars)
+    for name, values in scalars.items():
+        if values.dtype.kind == "T":  # numpy's StringDType is still new to pandas/xarray
+            values = fixed_width(values)
+        variables[name] = (TRAJECTORY_DIM, values)
+    ds = xr.Dataset(variables, coords={TRAJECTORY_DIM: np.arange(n)})
+    sampled = ds["sample_version"] >= 0
+    ds["s_gen"] = ds["finish_version"] - ds["behavior_version"]
+    ds["residence"] = (ds["sample_version"] - ds["finish_version"]).where(sampled)
+    ds["s_train"] = (ds["sample_version"] - ds["behavior_version"]).where(sampled)
+    ds.attrs["run_dir"] = str(store.parent)
+    if unknown:  # (the audit reports them)
+        ds.attrs["unknown_events"] = unknown
+        ds.attrs["unknown_event_uid"] = first
+    ds.attrs["schedule"] = group.attrs.get("schedule", "laminar")  # older stores: laminar
+    # (each resume in place: when, from which checkpoint version; TrajectoryWriter.record_resume)
+    resumes = group.attrs.get("resumes", [])
+    ds.attrs["resumed_at_s"] = [float(t) for t, _ in resumes]
+    ds.attrs["resumed_from_version"] = [int(v) for _, v in resumes]
+    ds.attrs.update(_starts(store.parent, _activity(scalars)))
+    if "t_held" in ds:
+        held = _held_seconds(n, stays, pairs(ds.attrs["pauses_s"]))
+        ds["held_s"] = (TRAJECTORY_DIM, held)
+    return ds
+
+
+def run_stops(path: str | Path, arrays: Mapping[str, np.ndarray]) -> tuple[list, float]:
+    """A run's stops so far (``open_run``'s ``pauses_s``, as pairs) and the last moment
+    it was seen going (NaN: never): its last ``cluster`` row, or a later time of its
+    trajectories (``arrays``, from :func:`open_trajectories`). For a run resumed now,
+    its stop began then."""
+    activity = _activity(arrays)
+    starts = _starts(store_path(path).parent, activity)
+    seen = [starts.get("metrics_end_s", math.nan)]
+    if activity is not None and np.isfinite(activity).any():
+        seen.append(float(np.nanmax(activity)))
+    last = max((t for t in seen if math.isfinite(t)), default=math.nan)
+    return pairs(starts["pauses_s"]), last
+
+
+# Each a moment the run was going: its trajectories' times (``t_held``: when the buffer
+# held one again).
+_TIMES = ("t_submit", "t_start", "t_finish", "t_insert", "t_sample", "t_held")
+
+
+def _activity(arrays: Mapping[str, np.ndarray]) -> np.ndarray | None:
+    """The moments the run was going that ``arrays`` (per trajectory) hold."""
+    times = [np.asarray(arrays[f], np.float64) for f in _TIMES if f in arrays]
+    return np.concatenate(times) if times else None
+
+
+def pairs(flat: Sequence[float]) -> list[tuple[float, float]]:
+    """``open_run``'s flat attribute ``pauses_s`` (from, to, from, to, ...) as pairs."""
+    flat = np.asarray(flat, dtype=np.float64)
+    return [(float(a), float(b)) for a, b in flat.reshape(-1, 2)]
+
+
+def _starts(run_dir: Path, activity: np.ndarray | None = None) -> dict:
+    """What the run's metrics say of its starts, as attributes (numbers and flat lists of
+    them, so ``to_netcdf`` takes them; none written yet: ``pauses_s`` alone, empty):
+
+    * ``pauses_s``: when a resumed run was stopped, between its starts (epoch seconds,
+      flat: from, to, from, to, ...; a run started once: ``[]``), narrowed by
+      ``activity`` (epoch seconds the run was going: its trajectories' times), as
+      :func:`storage.metrics.gaps` says: a crash loses the last seconds of rows, not of
+      the trajectory store;
+    * ``metrics_end_s``: its last ``cluster`` row (epoch seconds);
+    * ``segment_start_s``, ``segment_first_version``: per start
+      (:func:`storage.metrics.segments`), when it began (epoch seconds: its first row;
+      a resumed start's, the end of the stop before it) and the trainer's version in
+      its first row (a resumed start's: the checkpoint's it resumed from, or a later one
+      if the trainer had published an update by then).
+    """
+    from storage.metrics import gaps, open_metrics, segments, time_origin
+
+    try:
+        cluster = open_metrics(run_dir, "cluster")
+    except (FileNotFoundError, KeyError):
+        return {"pauses_s": []}
+    except (StoreError, ValueError, OSError) as e:  # (the trajectories stay readable)
+        logger.warning("%s: its metrics cannot be read (%s); no stops are known", run_dir, e)
+        return {"pauses_s": []}
+    origin = time_origin(cluster)
+    if origin is None:
+        return {"pauses_s": []}
+    on_clock = None if activity is None else activity - origin
+    stops = gaps(cluster, on_clock)
+    starts = segments(cluster)
+    return {
+        "pauses_s": [origin + t for gap in stops for t in gap],
+        "metrics_end_s": origin + float(cluster["time"].values[-1]),
+        "segment_start_s": [origin + starts[0]["start_s"]] + [origin + b for _, b in stops],
+        "segment_first_version": [s["first_version"] for s in starts],
+    }
+
+
+def open_runs(paths, names: list[str] | None = None) -> xr.Dataset:
+    """Several runs' trajectory records in one Dataset, on dimensions ``(run, trajectory)``.
+
+    Every per-trajectory field (staleness, versions, rewards, times, status, lengths) of
+    each run; runs with fewer trajectories are padded (NaN; ``""`` for strings; integer
+    fields become floats). Token-level arrays stay with :func:`open_run`. ``names`` label
+    the ``run`` coordinate (default: the run directories' names); ``n_trajectories``
+    holds each run's own count.
+    """
+    if isinstance(paths, str | os.PathLike):  # (one run: not its path's characters)
+        paths = [paths]
+    paths = [Path(p) for p in paths]
+    names = [p.name for p in paths] if names is None else list(names)
+    if len(names) != len(paths) or len(set(names)) != len(names):
+        raise StoreError(f"open_runs: need one distinct name per run, got {names!r}")
+    records = []
+    for p in paths:
+        ds = open_run(p)
+        records.append(ds[[v for v in ds.data_vars if ds[v].dims == (TRAJECTORY_DIM,)]])
+    fill = {v: "" if r[v].dtype.kind == "U" else np.nan for r in records for v in r.data_vars}
+    out = xr.concat(records, dim="run", join="outer", fill_value=fill)
+    out = out.assign_coords(run=names)
+    out["n_trajectories"] = ("run", [r.sizes[TRAJECTORY_DIM] for r in records])
+    out.attrs = {"run_dirs": [str(p) for p in paths]}
+    return out
