@@ -25,13 +25,16 @@ With ``trainer.pacing`` every update lasts at least its modelled time on the emu
 trainer GPUs, and every publication costs what the schedule's way of moving weights does
 (:class:`~laminar.pacing.WeightSyncModel`); with ``interrupt`` (partial rollout) every
 rollout is stopped first, through the manager.
+
+The trainer's other concerns are modules of their own: its link to the data module
+(:mod:`laminar.trainer_data`), its publications and checkpoints
+(:mod:`laminar.trainer_publish`), and the other data-parallel ranks with the group calls
+they share (:mod:`laminar.trainer_ranks`). Their names are importable from here as before.
 """
 
 from __future__ import annotations
 
-import json
 import logging
-import shutil
 import threading
 import time
 import traceback
@@ -42,18 +45,20 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from laminar.cluster import actor_result, is_lost, start_thread
+from laminar.cluster import start_thread
 from laminar.config import RunConfig
 from laminar.contract import Trajectory
-from laminar.files import sync_dir, sync_tree
-from laminar.learner import Learner, step_means
-from laminar.prompt_pool import DATA_STATE
+from laminar.learner import step_means
+from laminar.trainer_data import DataLinkMixin
+from laminar.trainer_publish import PublicationMixin
+from laminar.trainer_ranks import LEARNER_DEVICE as LEARNER_DEVICE
+from laminar.trainer_ranks import TrainerRank as TrainerRank
+from laminar.trainer_ranks import _broadcast, _join_group, _learner, _leave_group
+from laminar.trainer_ranks import free_port as free_port
+from laminar.trainer_ranks import group_backend as group_backend
+from laminar.trainer_ranks import rendezvous as rendezvous
 
 logger = logging.getLogger(__name__)
-
-# Where the learner's parameters and gradients live: the CPU (policies load there, and
-# no option moves them yet), whatever accelerators the host has.
-LEARNER_DEVICE = "cpu"
 
 
 def batch_stats(batch: list[Trajectory]) -> dict[str, float]:
@@ -73,7 +78,7 @@ def batch_stats(batch: list[Trajectory]) -> dict[str, float]:
     }
 
 
-class Trainer:
+class Trainer(DataLinkMixin, PublicationMixin):
     """Dask actor: the policy, its optimizer and the version counter (``trainer`` worker)."""
 
     def __init__(
@@ -168,25 +173,6 @@ class Trainer:
         self._beat = time.time()
         self._bounded_waits = 0
 
-    def set_manager(self, manager) -> None:
-        """The rollout manager, given after construction: a restarted trainer is created
-        without it, because a task that takes an actor handle as an argument depends on
-        it, and the scheduler errs such a task when one of the manager's own arguments
-        (the lost master relay) is gone."""
-        self.manager = manager
-
-    def consumed_record(self) -> dict:
-        """What a rebuilt data module needs of this trainer (the data module is lost):
-        every trajectory it sampled at versions ``>= since``, and its version."""
-        with self._consumed_lock:
-            return {"consumed": dict(self._consumed), "since": self._since, "version": self.version}
-
-    def attach_data(self, buffer, manager) -> None:
-        """The data module rebuilt in place of a lost one: a call waiting on the lost
-        buffer goes to this one."""
-        self.buffer, self.manager = buffer, manager
-        self._data_epoch += 1
-
     def heartbeat(self) -> float | None:
         """Seconds since the training loop last showed progress (an update, a sampled
         batch, a poll of the buffer); 0 while it waits on something that has a timeout of
@@ -217,51 +203,6 @@ class Trainer:
         with self._bounded():
             return self.clock.hold(t0, modelled_s, what)
 
-    def _on_buffer(self, call):
-        """``call(buffer)``'s result. A lost buffer: wait for the rebuilt one (up to
-        ``faults.data_restart_timeout_s``) and call that; one that answers again after
-        all (a slow call), called again."""
-        timeout = self.cfg.cluster.actor_timeout_s
-        while True:
-            epoch = self._data_epoch
-            try:
-                with self._bounded():
-                    return actor_result(self.buffer, call(self.buffer), timeout)
-            except Exception as e:
-                if not is_lost(e):
-                    raise
-                with self._bounded():  # (itself bounded by faults.data_restart_timeout_s)
-                    self._await_data(epoch, e)
-
-    def _await_data(self, epoch: int, error: Exception) -> None:
-        t0 = time.time()
-        limit = self.cfg.faults.data_restart_timeout_s
-        logger.warning(
-            "trainer: the buffer does not answer (%s: %s); waiting for it",
-            type(error).__name__,
-            error,
-        )
-        next_probe = t0 + 3.0
-        try:
-            while self._data_epoch == epoch:
-                if self._stop.is_set():
-                    raise RuntimeError("stopped while the buffer was lost") from error
-                if time.time() - t0 > limit:
-                    raise RuntimeError(
-                        f"the buffer was lost and not rebuilt within "
-                        f"faults.data_restart_timeout_s={limit:g} s"
-                    ) from error
-                if time.time() > next_probe:
-                    next_probe = time.time() + 3.0
-                    try:
-                        actor_result(self.buffer, self.buffer.stats(), 2.0)
-                        return  # slow, not lost
-                    except Exception:  # noqa: BLE001 — still gone
-                        pass
-                time.sleep(0.05)
-        finally:
-            self.data_wait_s += time.time() - t0
-
     def start(self) -> None:
         if self.spec.interrupt and self.manager is None:
             raise ValueError(f"schedule {self.spec.name!r} interrupts rollouts: give a manager")
@@ -278,24 +219,6 @@ class Trainer:
     @property
     def version(self) -> int:
         return self.learner.version
-
-    def publish(self) -> float:
-        """Hand the current weights to the master relay; returns the stall (seconds)."""
-        state = self.learner.model.state_dict()
-        with self._bounded():  # (relay.timeout_s)
-            stall = self.publisher.publish(self.version, state)
-        if self.cfg.relay.audit_weights:
-            from laminar.relay_core import state_fingerprint
-
-            fingerprint = state_fingerprint(state)
-            with self._fingerprints_lock:
-                self.fingerprints[self.version] = fingerprint
-        return stall
-
-    def get_fingerprints(self, since: int = -1) -> dict[int, int]:
-        """Version -> fingerprint of what it published, for versions after ``since``."""
-        with self._fingerprints_lock:
-            return {v: fp for v, fp in self.fingerprints.items() if v > since}
 
     def stats(self) -> dict:
         return {
@@ -370,31 +293,6 @@ class Trainer:
                 self._publish_update(record)
         if pending is not None:  # the last version: no next batch to wait for
             self._publish_update(pending)
-
-    def _sample(self, n_groups: int) -> list[Trajectory] | None:
-        """``n_groups`` complete groups from the buffer, waiting for them (``None``: stopped).
-
-        Each batch is asked for under an id of its own (this trainer's token, and how many
-        batches it has received), the same each time it is asked again: a call whose
-        answer was lost (timed out, or failed after the buffer took the batch) and made
-        again gets that batch, not a second one
-        (:meth:`~laminar.buffer.ExperienceBuffer.sample`)."""
-        t_wait = time.time()
-        request = (self._token, self._batches)
-        try:
-            while not self._stop.is_set():
-                batch = self._on_buffer(lambda b: b.sample(n_groups, self.version, request))
-                if batch is not None:
-                    self._batches += 1
-                    with self._consumed_lock:
-                        self._consumed.update(
-                            (t.uid, (t.sample_version, t.t_sample)) for t in batch
-                        )
-                    return batch
-                self._stop.wait(0.02)
-            return None
-        finally:
-            self.wait_s += time.time() - t_wait
 
     def _tokens(self, batch: list[Trajectory]) -> float:
         """Modelled tokens of a (scaled-down) batch: real tokens × request and length scale."""
@@ -480,168 +378,6 @@ class Trainer:
         )
         self._on_buffer(lambda b: b.update_skipped())
 
-    def _publish_update(self, record: dict) -> None:
-        """Tell the buffer, move the weights as the schedule does, record the update, and
-        checkpoint when due."""
-        timeout = self.cfg.cluster.actor_timeout_s
-        self._on_buffer(lambda b: b.version_published(self.version))
-        t_pub = time.time()
-        if self.spec.interrupt:  # every rollout stops before the weights move
-            with self._bounded():
-                self.manager.pause_all(self.version).result(timeout)
-        stall = self._move_weights()
-        now = time.time()
-        self.history.append(
-            {
-                "version": self.version,
-                "time": now,
-                **record,
-                "publish_s": stall,
-                "sync_s": now - t_pub,
-                "interval_s": now - self._last_publication,
-            }
-        )
-        self._last_publication = now
-        every = self.cfg.trainer.checkpoint_every
-        if every and self.version % every == 0 and self.version < self.steps:
-            self.checkpoint = self._save_checkpoint()
-
-    def _move_weights(self) -> float:
-        """Publish the version; returns the trainer's stall. Paced, the stall is the
-        modelled cost of the schedule's weight movement: a relay publication (after the
-        real copy), or a global broadcast or colocated switch, which every rollout waits
-        out too (before the real copy, so none can load the version earlier)."""
-        p = self.cfg.trainer.pacing
-        if self.clock is None:
-            return self.publish()
-        from laminar.pacing import WeightSyncModel
-
-        costs = WeightSyncModel(
-            publish_s=p.publish_s,
-            global_s=p.global_sync_s,
-            global_log2_s=p.global_sync_log2_s,
-            colocated_s=p.colocated_switch_s,
-        )
-        t0 = time.time()
-        if self.spec.weights == "relay":
-            self.publish()
-            return self._hold(t0, costs.publish_s, "publish")
-        if self.spec.weights == "global":
-            self._hold(t0, costs.global_sync(self.cfg.rollout.replicas), "global_sync")
-        else:
-            self._hold(t0, costs.colocated_s, "colocated_switch")
-        self.publish()
-        return time.time() - t0
-
-    def _save_checkpoint(self) -> str | None:
-        """HF folder + optimizer, RNG and trainer state under ``checkpoints/version-N``,
-        written aside and renamed into place: a folder there is always complete. A
-        version already saved (periodically, then at the end) is not written again.
-
-        First the buffer commits its store, so that it records every trajectory the
-        updates up to here consumed (a resume must not train them again); when it cannot
-        (the data module is lost) no checkpoint is written and the newest one stands."""
-        root = self.run_dir / "checkpoints"
-        out = root / f"version-{self.version:06d}"
-        if self._weights_version != self.version:
-            logger.warning(
-                "no checkpoint at version %d: the weights are not that version's (a "
-                "restart that has not trained yet, or an update that did not finish); the "
-                "newest checkpoint stands",
-                self.version,
-            )
-            return self.checkpoint
-        if out.exists():
-            return str(out)
-        try:
-            self._on_buffer(lambda b: b.sync())
-            # Where the prompt order stands, for a new run from this checkpoint
-            # (trainer.resume_from): the groups dispatched so far.
-            position = self._on_buffer(lambda b: b.pool_stats())
-        except Exception as e:  # noqa: BLE001 — the data module is gone or cannot write
-            logger.warning(
-                "no checkpoint at version %d: the trajectory store could not be committed "
-                "(%s: %s); the newest checkpoint stands",
-                self.version,
-                type(e).__name__,
-                e,
-            )
-            return self.checkpoint
-        with self._consumed_lock:  # the store has what was sampled before this version
-            self._consumed = {u: c for u, c in self._consumed.items() if c[0] >= self.version}
-            self._since = self.version
-        tmp = root / f".version-{self.version:06d}.partial"
-        shutil.rmtree(tmp, ignore_errors=True)
-        with self._bounded():  # (a big checkpoint's write may outlast the heartbeat timeout)
-            self.learner.save(tmp)
-        (tmp / DATA_STATE).write_text(json.dumps(position, indent=2))
-        sync_tree(tmp)  # (a folder under its final name is complete on disk too)
-        tmp.rename(out)
-        sync_dir(root)
-        return str(out)
-
-
-class TrainerRank:
-    """Dask actor: data-parallel rank ``rank`` ≥ 1 of the trainer (another ``trainer``
-    worker). It holds a full replica of the policy and optimizer, trains on its shard of
-    every batch rank 0 broadcasts, and ends when rank 0 broadcasts ``None``."""
-
-    def __init__(self, cfg: RunConfig, policy_dir: str, rank: int, init_method: str) -> None:
-        torch.set_num_threads(cfg.cluster.torch_threads)
-        self.cfg, self.rank, self.init_method = cfg, rank, init_method
-        self.learner = _learner(cfg, policy_dir, rank=rank)
-        self.error: str | None = None
-        self.done = False
-        self.weights_checksum: float | None = None
-        self._thread: threading.Thread | None = None
-
-    def start(self) -> None:
-        self._thread = start_thread(self._run, f"trainer-rank{self.rank}")
-
-    def _run(self) -> None:
-        try:
-            _join_group(self.cfg, self.init_method, rank=self.rank)
-            while (batch := _broadcast()) is not None:
-                try:
-                    self.learner.update(batch)
-                except Exception:  # noqa: BLE001 — the group goes on: see below
-                    # Every rank raised at this update (the learner agrees on a failure
-                    # before its gradient all-reduce) and none took the step: rank 0 now
-                    # stops the group, or trains on, and this rank must meet it either
-                    # way (gone, it would leave rank 0 waiting for the group's timeout,
-                    # its last checkpoint unwritten).
-                    self.error = (self.error or "") + traceback.format_exc()
-                    logger.error("trainer rank %d failed an update:\n%s", self.rank, self.error)
-            self.weights_checksum = _leave_group(self.learner)
-        except Exception:
-            self.error = (self.error or "") + traceback.format_exc()
-            logger.error("trainer rank %d failed:\n%s", self.rank, self.error)
-        finally:
-            self.done = True
-
-    def stats(self) -> dict:
-        return {
-            "rank": self.rank,
-            "version": self.learner.version,
-            "done": self.done,
-            "error": self.error,
-            "weights_checksum": self.weights_checksum,
-        }
-
-
-def _learner(cfg: RunConfig, policy_dir: str, rank: int) -> Learner:
-    from laminar.learner import torch_all_reduce
-
-    n = cfg.trainer.ranks
-    return Learner(
-        cfg,
-        policy_dir,
-        resume_from=cfg.trainer.resume_from,
-        rank=rank,
-        world_size=n,
-        all_reduce=torch_all_reduce if n > 1 else None,
-    )
-
 
 def _set_priority(nice: int) -> None:
     """Set the calling thread's OS priority (Linux: per thread); refused: a warning."""
@@ -653,62 +389,3 @@ def _set_priority(nice: int) -> None:
         logger.warning(
             "trainer.pacing.nice=%d refused (%s): the trainer runs at normal priority", nice, e
         )
-
-
-def group_backend(device: str | torch.device) -> str:
-    """The ``torch.distributed`` backend for tensors on ``device``: NCCL for CUDA ones,
-    gloo for CPU ones. Chosen by where the reduced tensors live, not by what the host
-    has: the learner trains on the CPU, and a GPU node that picked NCCL for it failed
-    at the first all-reduce (NCCL takes no CPU tensors)."""
-    return "nccl" if torch.device(device).type == "cuda" else "gloo"
-
-
-def _join_group(cfg: RunConfig, init_method: str, rank: int) -> None:
-    import datetime
-
-    import torch.distributed as dist
-
-    backend = group_backend(LEARNER_DEVICE)
-    dist.init_process_group(
-        backend,
-        init_method=init_method,
-        rank=rank,
-        world_size=cfg.trainer.ranks,
-        timeout=datetime.timedelta(seconds=cfg.cluster.actor_timeout_s * 5),
-    )
-
-
-def _broadcast(batch=None):
-    """Rank 0 sends ``batch`` (or ``None``: stop); every other rank receives it."""
-    import torch.distributed as dist
-
-    box = [batch]
-    dist.broadcast_object_list(box, src=0)
-    return box[0]
-
-
-def _leave_group(learner: Learner) -> float:
-    """Leave the process group; returns a checksum of the weights (equal on every rank)."""
-    import torch.distributed as dist
-
-    dist.destroy_process_group()
-    with torch.no_grad():
-        return float(sum(p.double().sum() for p in learner.model.parameters()))
-
-
-def rendezvous(client, worker: str) -> str:
-    """A ``torch.distributed`` init method on a free port of ``worker`` (rank 0's)."""
-    from urllib.parse import urlparse
-
-    # (bounded: a rank-0 worker lost meanwhile would leave the task pending for ever)
-    port = client.submit(free_port, workers=[worker], pure=False).result(timeout=60)
-    return f"tcp://{urlparse(worker).hostname}:{port}"
-
-
-def free_port() -> int:
-    """A free TCP port on this machine (a Dask task on rank 0's worker)."""
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("", 0))
-        return s.getsockname()[1]

@@ -1,0 +1,151 @@
+"""The trainer's publications and checkpoints: each trained version sent to the rollouts
+and written to disk.
+
+:class:`PublicationMixin` of :class:`laminar.trainer.Trainer`: each update published in
+the order that keeps trajectories' versions sound (the buffer hears of the version first;
+with ``interrupt`` every rollout is stopped first, through the manager); the weights handed
+to the master relay (:meth:`~PublicationMixin.publish`; paced, held to the modelled cost
+of the schedule's way of moving weights) and their fingerprints (``relay.audit_weights``);
+the checkpoints, written aside and renamed into place, only once the buffer committed its
+store and only for weights that are exactly their version's.
+
+Apart from the training loop (:mod:`laminar.trainer`), which calls
+:meth:`~PublicationMixin._publish_update` once per update: what leaves the trainer, for
+the relays and for the disk, is a concern of its own.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import shutil
+import time
+
+from laminar.files import sync_dir, sync_tree
+from laminar.prompt_pool import DATA_STATE
+
+# (the actor's logger: its records read as the trainer's, whichever module they come from)
+logger = logging.getLogger("laminar.trainer")
+
+
+class PublicationMixin:
+    """Publications and checkpoints of :class:`~laminar.trainer.Trainer` (its state is set
+    there)."""
+
+    def publish(self) -> float:
+        """Hand the current weights to the master relay; returns the stall (seconds)."""
+        state = self.learner.model.state_dict()
+        with self._bounded():  # (relay.timeout_s)
+            stall = self.publisher.publish(self.version, state)
+        if self.cfg.relay.audit_weights:
+            from laminar.relay_core import state_fingerprint
+
+            fingerprint = state_fingerprint(state)
+            with self._fingerprints_lock:
+                self.fingerprints[self.version] = fingerprint
+        return stall
+
+    def get_fingerprints(self, since: int = -1) -> dict[int, int]:
+        """Version -> fingerprint of what it published, for versions after ``since``."""
+        with self._fingerprints_lock:
+            return {v: fp for v, fp in self.fingerprints.items() if v > since}
+
+    def _publish_update(self, record: dict) -> None:
+        """Tell the buffer, move the weights as the schedule does, record the update, and
+        checkpoint when due."""
+        timeout = self.cfg.cluster.actor_timeout_s
+        self._on_buffer(lambda b: b.version_published(self.version))
+        t_pub = time.time()
+        if self.spec.interrupt:  # every rollout stops before the weights move
+            with self._bounded():
+                self.manager.pause_all(self.version).result(timeout)
+        stall = self._move_weights()
+        now = time.time()
+        self.history.append(
+            {
+                "version": self.version,
+                "time": now,
+                **record,
+                "publish_s": stall,
+                "sync_s": now - t_pub,
+                "interval_s": now - self._last_publication,
+            }
+        )
+        self._last_publication = now
+        every = self.cfg.trainer.checkpoint_every
+        if every and self.version % every == 0 and self.version < self.steps:
+            self.checkpoint = self._save_checkpoint()
+
+    def _move_weights(self) -> float:
+        """Publish the version; returns the trainer's stall. Paced, the stall is the
+        modelled cost of the schedule's weight movement: a relay publication (after the
+        real copy), or a global broadcast or colocated switch, which every rollout waits
+        out too (before the real copy, so none can load the version earlier)."""
+        p = self.cfg.trainer.pacing
+        if self.clock is None:
+            return self.publish()
+        from laminar.pacing import WeightSyncModel
+
+        costs = WeightSyncModel(
+            publish_s=p.publish_s,
+            global_s=p.global_sync_s,
+            global_log2_s=p.global_sync_log2_s,
+            colocated_s=p.colocated_switch_s,
+        )
+        t0 = time.time()
+        if self.spec.weights == "relay":
+            self.publish()
+            return self._hold(t0, costs.publish_s, "publish")
+        if self.spec.weights == "global":
+            self._hold(t0, costs.global_sync(self.cfg.rollout.replicas), "global_sync")
+        else:
+            self._hold(t0, costs.colocated_s, "colocated_switch")
+        self.publish()
+        return time.time() - t0
+
+    def _save_checkpoint(self) -> str | None:
+        """HF folder + optimizer, RNG and trainer state under ``checkpoints/version-N``,
+        written aside and renamed into place: a folder there is always complete. A
+        version already saved (periodically, then at the end) is not written again.
+
+        First the buffer commits its store, so that it records every trajectory the
+        updates up to here consumed (a resume must not train them again); when it cannot
+        (the data module is lost) no checkpoint is written and the newest one stands."""
+        root = self.run_dir / "checkpoints"
+        out = root / f"version-{self.version:06d}"
+        if self._weights_version != self.version:
+            logger.warning(
+                "no checkpoint at version %d: the weights are not that version's (a "
+                "restart that has not trained yet, or an update that did not finish); the "
+                "newest checkpoint stands",
+                self.version,
+            )
+            return self.checkpoint
+        if out.exists():
+            return str(out)
+        try:
+            self._on_buffer(lambda b: b.sync())
+            # Where the prompt order stands, for a new run from this checkpoint
+            # (trainer.resume_from): the groups dispatched so far.
+            position = self._on_buffer(lambda b: b.pool_stats())
+        except Exception as e:  # noqa: BLE001 — the data module is gone or cannot write
+            logger.warning(
+                "no checkpoint at version %d: the trajectory store could not be committed "
+                "(%s: %s); the newest checkpoint stands",
+                self.version,
+                type(e).__name__,
+                e,
+            )
+            return self.checkpoint
+        with self._consumed_lock:  # the store has what was sampled before this version
+            self._consumed = {u: c for u, c in self._consumed.items() if c[0] >= self.version}
+            self._since = self.version
+        tmp = root / f".version-{self.version:06d}.partial"
+        shutil.rmtree(tmp, ignore_errors=True)
+        with self._bounded():  # (a big checkpoint's write may outlast the heartbeat timeout)
+            self.learner.save(tmp)
+        (tmp / DATA_STATE).write_text(json.dumps(position, indent=2))
+        sync_tree(tmp)  # (a folder under its final name is complete on disk too)
+        tmp.rename(out)
+        sync_dir(root)
+        return str(out)
