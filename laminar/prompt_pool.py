@@ -20,6 +20,9 @@ rollout that loads a version between its asks (a replacement, one behind the tra
 passed over for good by rollouts that wait in the pool, each freed slot going to whoever
 is waiting when it frees. A queued rollout that has not asked for
 :data:`QUEUE_EXPIRY_S` (lost, or busy with work from elsewhere) leaves the queue.
+
+The prompts it hands out are loaded, encoded and checked in :mod:`laminar.prompts`
+(its public names are importable from here too).
 """
 
 from __future__ import annotations
@@ -31,7 +34,11 @@ from pathlib import Path
 from laminar.config import RunConfig
 from laminar.contract import PromptGroup
 from laminar.errors import ConfigError, DataError
-from laminar.tasks import Prompt, iter_epochs, jsonl_prompts, synthetic_prompts
+from laminar.prompts import check_answers as check_answers
+from laminar.prompts import encode_prompts as encode_prompts
+from laminar.prompts import load_prompts as load_prompts
+from laminar.prompts import unreachable_answers as unreachable_answers
+from laminar.tasks import Prompt, iter_epochs
 
 # How long a queued rollout keeps its place without asking again. An idle rollout asks at
 # least every rollout.IDLE_WAIT_S (2 s) plus the load of a version it waited for.
@@ -338,148 +345,6 @@ def data_position(checkpoint: str | Path | None) -> int:
             "again, or point trainer.resume_from at another checkpoints/version-N folder"
         ) from None
     return n
-
-
-def load_prompts(cfg: RunConfig) -> list[Prompt]:
-    """The run's prompts: the JSONL file if one is named, else the synthetic task."""
-    t = cfg.task
-    if t.prompt_file:
-        return jsonl_prompts(t.prompt_file)
-    return synthetic_prompts(
-        t.name,
-        size=t.num_prompts,
-        median_len=t.median_len,
-        tail_ratio=t.tail_ratio,
-        max_len=t.max_len,
-        seed=cfg.seed + 1,
-        length_share=t.length_share,
-    )
-
-
-def _words(words: list[str]) -> str:
-    """A vocabulary, short: its runs of integers as ranges, then the other words.
-
-    >>> _words(["b", "2", "0", "1", "a", "7"])
-    '0..2 7 a b'
-    """
-    ints = sorted(int(w) for w in words if w.isdigit() and str(int(w)) == w)
-    runs: list[list[int]] = []
-    for i in ints:
-        if runs and i == runs[-1][1] + 1:
-            runs[-1][1] = i
-        else:
-            runs.append([i, i])
-    numbers = [f"{a}..{b}" if b > a else str(a) for a, b in runs]
-    others = sorted(w for w in words if not (w.isdigit() and str(int(w)) == w))
-    return " ".join(numbers + others)
-
-
-def _where(cfg: RunConfig):
-    """How errors name a prompt: its file and line, or its task and number."""
-    t = cfg.task
-    if not t.prompt_file:
-        return lambda p: f"task {t.name!r}, prompt {p.key}"
-    return lambda p: (
-        f"{t.prompt_file}:{p.line}"
-        if p.line is not None
-        else f"{t.prompt_file}, prompt {p.key + 1}"  # (its n-th prompt, 1-based)
-    )
-
-
-def _unknown_token(tok) -> int | None:
-    """The token an unknown symbol shows as, unless the tokenizer has none or uses a
-    token it also places itself (GPT-2's family: unk = bos = <|endoftext|>)."""
-    unk = tok.unk_token_id
-    return None if unk in (tok.bos_token_id, tok.eos_token_id, tok.pad_token_id) else unk
-
-
-def _outside(tok, unk: int, text: str) -> str:
-    """The words of ``text`` outside the vocabulary, and the vocabulary when short."""
-    from laminar.model import encode_prompt
-
-    unknown = [w for w in text.split() if unk in encode_prompt(tok, w)]
-    known = [w for w in tok.get_vocab() if w not in tok.all_special_tokens]
-    vocab = (  # (the built-in model's words; a real model's are too many to list)
-        f"; its vocabulary: {_words(known)}" if len(known) <= 512 else ""
-    )
-    # (a control character, shown as it is, would print as nothing: escaped)
-    shown = [w if w.isprintable() else ascii(w) for w in dict.fromkeys(unknown)]
-    return f"({' '.join(shown) or '?'}){vocab}"
-
-
-def encode_prompts(tok, prompts: list[Prompt], cfg: RunConfig) -> list[tuple[Prompt, tuple]]:
-    """Each prompt with its token ids, after checking that it fits the rollout's sequence
-    and the model's vocabulary (run before any cluster work too: ``preflight``; the
-    answers: :func:`check_answers`)."""
-    from laminar.model import encode_prompt
-
-    where = _where(cfg)
-    max_prompt = cfg.rollout.max_seq_len - cfg.rollout.max_new_tokens
-    unk = _unknown_token(tok)
-    encoded = []
-    for p in prompts:
-        ids = tuple(encode_prompt(tok, p.text))
-        if len(ids) > max_prompt:
-            raise DataError(
-                f"{where(p)}: the prompt has {len(ids)} tokens, more than "
-                f"rollout.max_seq_len - rollout.max_new_tokens = {max_prompt}; raise "
-                "rollout.max_seq_len"
-            )
-        if unk is not None and unk in ids:
-            raise DataError(
-                f"{where(p)}: the prompt {p.text!r} has symbols outside the model's "
-                f"vocabulary {_outside(tok, unk, p.text)}. Write prompts in the model's "
-                "symbols, or set model.path to a model whose tokenizer has them"
-            )
-        encoded.append((p, ids))
-    return encoded
-
-
-def check_answers(tok, prompts: list[Prompt], cfg: RunConfig) -> dict[str, list[int]]:
-    """When the warm start trains (``sft``), that it can encode every demonstration it
-    may train on (a prompt file's: its answers) in the model's vocabulary; returns their
-    token ids (demonstration -> ids: the warm start encodes them once). Answers are
-    encoded nowhere else: a reward compares them as text."""
-    from laminar.tasks import longest_demonstration
-
-    unk = _unknown_token(tok)
-    if not (cfg.sft.enabled and cfg.sft.steps) or unk is None or not prompts:
-        return {}
-    task = None if cfg.task.prompt_file else cfg.task.name
-    where = _where(cfg)
-    demos = [longest_demonstration(task, p) for p in prompts]
-    encoded = tok(demos, add_special_tokens=False)["input_ids"]  # (one batched call)
-    for p, demo, ids in zip(prompts, demos, encoded, strict=True):
-        if unk in ids:
-            raise DataError(
-                f"{where(p)}: the answer {p.answer!r} has "
-                f"symbols outside the model's vocabulary {_outside(tok, unk, demo)}, and "
-                "the warm start trains on answers. Write them in the model's symbols, set "
-                "model.path to a model whose tokenizer has them, or set sft.enabled=false"
-            )
-    return dict(zip(demos, encoded, strict=True))
-
-
-def unreachable_answers(tok, prompts: list[Prompt], cfg: RunConfig) -> str | None:
-    """Under a reward that compares whole answers (``exact_match``), what to warn of when
-    a prompt file's answers are too long for ``rollout.max_new_tokens`` (with the end of
-    sequence after them): every response to such a prompt is cut off and scores
-    ``task.truncated_reward``, so its groups teach nothing. ``None``: none is."""
-    if not cfg.task.prompt_file or cfg.task.reward != "exact_match" or not prompts:
-        return None
-    limit = cfg.rollout.max_new_tokens
-    encoded = tok([p.answer for p in prompts], add_special_tokens=False)["input_ids"]
-    long = [(p, len(ids)) for p, ids in zip(prompts, encoded, strict=True) if len(ids) >= limit]
-    if not long:
-        return None
-    (first, n), where = long[0], _where(cfg)
-    return (
-        f"{len(long)} of {len(prompts)} answers in {cfg.task.prompt_file} cannot be "
-        f"generated within rollout.max_new_tokens={limit} (the first: {where(first)}, "
-        f"{n} tokens, and the end of sequence after them): every response to them is cut "
-        "off and scores task.truncated_reward, so their groups teach nothing; raise "
-        "rollout.max_new_tokens (and rollout.max_seq_len), or leave those prompts out"
-    )
 
 
 class PromptPool:
