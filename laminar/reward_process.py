@@ -8,14 +8,20 @@ with it. So :func:`laminar.rewards.score_batch` with a timeout makes its calls i
 process, one per batch in flight, kept between batches; it waits for each answer on a
 socket, without the GIL. A call past the timeout: the child, and whatever it started, is
 killed, the call marked, and the rest of the batch goes to a new child. A child that
-dies (``os._exit``, a segfault, the OOM killer) marks the call it was making.
+dies (``os._exit``, a segfault, the OOM killer) marks the call it was making. Where no
+child can be had (one cannot be started, or ends before it has loaded the function,
+twice), the batch's calls are marked, not the task failed: only a reward that a running
+child cannot load fails it.
 
 The child is a fresh interpreter, started with :mod:`subprocess`: Dask's worker
 processes are daemonic, and :mod:`multiprocessing` refuses them children; a fork of a
 worker (its threads, a CUDA context, gigabytes mapped) per batch would be neither safe
 nor cheap. Each batch brings the worker's ``sys.path`` (a module ``Client.upload_file``
 sent is found there too) and the function, by cloudpickle: a ``module:function`` by
-reference (imported in the child), one made at run time by value.
+reference (imported in the child), one made at run time by value. Nothing else of the
+worker is there: no ``distributed.get_worker()``, no worker plugin's or preload's state,
+and a model the reward loads is loaded once per child. ``task.reward_timeout_s: null``
+calls the reward in the task's thread instead, on the worker, without a cut-off.
 """
 
 from __future__ import annotations
@@ -58,6 +64,8 @@ class _Child:
     """A scoring process and the parent's end of its socket."""
 
     def __init__(self) -> None:
+        """Start one. Raises ``OSError`` (or ``SubprocessError``) where it cannot be
+        started, or ends at once: nothing of it is left then, no socket nor zombie."""
         ours, theirs = socket.socketpair()
         try:
             argv = [sys.executable, "-c", _BOOT, str(theirs.fileno()), str(os.getpid())]
@@ -74,11 +82,20 @@ class _Child:
                 )
                 .result()
             )
+        except BaseException:
+            ours.close()
+            raise
         finally:
             theirs.close()
         self.conn = Connection(ours.detach())
         self.how: str | None = None  # (once ended)
-        self.conn.send(list(sys.path))
+        try:
+            self.conn.send(list(sys.path))
+        except OSError as e:  # (it ended at once: reaped here)
+            raise OSError(f"it ended as it started ({self.end()})") from e
+        except BaseException:
+            self.end()
+            raise
 
     def end(self) -> str:
         """Kill the child and whatever it started (its process group; the child is not
@@ -118,13 +135,19 @@ def _starter() -> ThreadPoolExecutor:
 
 
 def _take() -> tuple[_Child, bool]:
-    """An idle child (``False``), or a new one (``True``)."""
+    """The idle child used last (``False``), or a new one (``True``); raises what
+    :class:`_Child` does.
+
+    Every idle child that has ended (after ``IDLE_S`` unused, or killed) is reaped here
+    and its socket closed, not only the one taken: the last used is taken first, so
+    after a burst of batches the others idle out while it goes on, and would stay
+    zombies."""
     with _idle_lock:
-        while _idle:
-            child = _idle.pop()
-            if child.proc.poll() is None:
-                return child, False
+        for child in [c for c in _idle if c.proc.poll() is not None]:
+            _idle.remove(child)
             child.end()
+        if _idle:
+            return _idle.pop(), False
     return _Child(), True
 
 
@@ -159,6 +182,10 @@ def scores_in_child(
     i = 0
     while i < len(calls):
         child = _load(reward_name, blob, calls[i:], timeout_s)
+        if isinstance(child, str):  # (no process to score them: each is marked)
+            for _ in calls[i:]:
+                yield Score(math.nan, f"reward {reward_name} was not called: {child}")
+            return
         healthy = False
         try:
             while i < len(calls):
@@ -192,29 +219,43 @@ def scores_in_child(
                 child.end()
 
 
-def _load(reward_name: str, blob: bytes | None, calls, timeout_s: float) -> _Child:
-    """A child that holds ``calls`` and has loaded the function, ready to answer them.
-    An idle child found dead is replaced; a new one that cannot load it raises."""
+def _load(reward_name: str, blob: bytes | None, calls, timeout_s: float) -> _Child | str:
+    """A child that holds ``calls`` and has loaded the function, ready to answer them;
+    or, where none could be had, why (the calls are then marked, not the task failed).
+
+    An idle child found ended is replaced, unseen. A new one that cannot be started
+    (``ENOMEM``, ``EMFILE``) or ends before it has loaded the function (killed by the
+    OOM killer, say) is tried once more; one that has not loaded it within
+    ``max(LOAD_S, timeout_s)`` is killed, not tried again (that wait is spent). Raises
+    only where a child that runs could not load the function: the reward itself is at
+    fault, and would be for every batch."""
+    wait_s = max(LOAD_S, timeout_s)
+    tries = 2
     while True:
-        child, new = _take()
+        try:
+            child, new = _take()
+        except (OSError, subprocess.SubprocessError) as e:
+            tries -= 1
+            if tries:
+                continue
+            return f"the process that scores it could not be started (tried twice; last: {e})"
         try:
             child.conn.send((reward_name, blob, list(sys.path), list(calls)))
-            wait_s = max(LOAD_S, timeout_s)
             if not _poll(child.conn, wait_s):
                 child.end()
-                raise RewardError(
-                    f"task.reward {reward_name!r}: the process that scores it did not load "
-                    f"it within {wait_s:g} s"
-                )
+                return f"the process that scores it did not load it within {wait_s:g} s"
             failed = child.conn.recv()
         except (EOFError, OSError):
             how = child.end()
             if not new:
                 continue  # (ended while idle: a new one)
-            raise RewardError(
-                f"task.reward {reward_name!r}: the process that scores it ended before it "
-                f"loaded it ({how}); see the worker's log"
-            ) from None
+            tries -= 1
+            if tries:
+                continue
+            return (
+                f"the process that scores it ended before it loaded it (tried twice; last: "
+                f"{how}); see the worker's log"
+            )
         if failed is None:
             return child
         with _idle_lock:

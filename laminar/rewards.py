@@ -7,8 +7,10 @@ returns a non-finite value or does not return within ``task.reward_timeout_s`` m
 trajectory (``finish_reason="error"``) instead of killing or stalling the run. With a
 timeout the calls run in a child process, killed when a call overruns however it blocks
 (C code that holds the GIL included) or replaced when a call ends it
-(:mod:`laminar.reward_process`); without one (``null``) they run in the task's thread, and
-a call that never returns stalls its rollout's rewards.
+(:mod:`laminar.reward_process`): a fresh interpreter, with the worker's ``sys.path`` and
+nothing else of it (no ``get_worker()``, no worker plugin's state). Without one (``null``)
+they run in the task's thread, on the worker, and a call that never returns stalls its
+rollout's rewards.
 """
 
 from __future__ import annotations
@@ -179,7 +181,10 @@ def score_batch(
     With ``timeout_s`` the calls are made in a child process (kept for the next batch), and
     one that takes longer is cut however it blocks (:mod:`laminar.reward_process`): its
     item is marked, and the calls after it go to a new child; a call that ends that
-    process (``os._exit``, a crash) marks its item too. Without, they are made here.
+    process (``os._exit``, a crash) marks its item too. Where no child can be had (one
+    cannot be started, or ends before it has loaded the function, twice) the items are
+    marked; only a function that a running child cannot load raises
+    :class:`~laminar.errors.RewardError`. Without a timeout the calls are made here.
 
     >>> score_batch("exact_match", [("1 2", "1 2", True), ("1 2", "1 2", False)])
     [Score(reward=1.0, error=None), Score(reward=0.0, error=None)]

@@ -5,6 +5,7 @@ score_batch's contract: tests/test_tasks.py and tests/test_damaged_inputs.py.)""
 from __future__ import annotations
 
 import math
+import sys
 import threading
 import time
 
@@ -102,6 +103,142 @@ def test_an_idle_child_that_is_gone_is_replaced_unseen():
         os.kill(pid, signal.SIGKILL)
     scores = score_batch("exact_match", [("1", "1", True), ("2", "1", True)], 0, 30.0)
     assert [(s.reward, s.error) for s in scores] == [(1.0, None), (0.0, None)]
+
+
+def _no_idle_children() -> None:
+    """End the idle children earlier tests left, so that the next batch starts one."""
+    from laminar import reward_process
+
+    with reward_process._idle_lock:
+        idle = list(reward_process._idle)
+        reward_process._idle.clear()
+    for child in idle:
+        child.end()
+
+
+def _zombie(pid: int) -> bool:
+    """Whether ``pid`` is a child of this process that has ended and not been reaped."""
+    import os
+
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except FileNotFoundError:
+        return False
+    return fields[0] == "Z" and int(fields[1]) == os.getpid()
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+def test_after_a_burst_the_children_that_idle_out_are_reaped_while_one_goes_on():
+    """Three batches at once leave three idle children; the last used is taken first, so
+    under steady use one goes on and the others idle out (``IDLE_S``). Each that ends
+    is reaped with the next batch, its socket closed: no zombie is left."""
+    import os
+    import signal
+
+    from laminar import reward_process
+
+    _no_idle_children()
+    barrier = threading.Barrier(3)
+
+    def batch() -> None:
+        barrier.wait()
+        score_batch("laminar.rewards:_slow", [("1", "1", True)] * 2, 0, 30.0)
+
+    threads = [threading.Thread(target=batch) for _ in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    with reward_process._idle_lock:
+        *gone, going_on = reward_process._idle
+    assert len(gone) == 2
+    for child in gone:  # (as if idle for IDLE_S: they exit)
+        os.kill(child.proc.pid, signal.SIGKILL)
+        os.waitid(os.P_PID, child.proc.pid, os.WEXITED | os.WNOWAIT)  # (ended, not reaped)
+    for _ in range(5):
+        scores = score_batch("exact_match", [("1", "1", True)], 0, 30.0)
+        assert scores[0].error is None
+    with reward_process._idle_lock:
+        assert reward_process._idle == [going_on]
+    for child in gone:
+        assert not _zombie(child.proc.pid) and child.proc.returncode is not None
+        assert child.conn.closed
+
+
+# A child that ends at once (os._exit as it starts: before it has read anything)...
+_ENDS_AT_ONCE = "import os\nos._exit(7)\n"
+# ...and one that ends as it loads the function (it has read the batch).
+_ENDS_LOADING = (
+    "import os, sys\n"
+    "from multiprocessing.connection import Connection\n"
+    "conn = Connection(int(sys.argv[1]))\n"
+    "conn.recv(); conn.recv()\n"
+    "os._exit(7)\n"
+)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+@pytest.mark.parametrize(
+    ("how", "said"),
+    [
+        pytest.param(
+            "cannot start", "could not be started (tried twice; last: [Errno 24] ", id="spawn"
+        ),
+        pytest.param(
+            "ends at once",
+            "could not be started (tried twice; last: it ended as it started ",
+            id="ends-at-once",
+        ),
+        pytest.param(
+            "ends loading",
+            "ended before it loaded it (tried twice; last: exit code 7); ",
+            id="ends-loading",
+        ),
+    ],
+)
+def test_a_child_that_cannot_be_had_is_tried_twice_then_its_batch_is_marked(monkeypatch, how, said):
+    """A child that cannot be started (``EMFILE``, ``ENOMEM``) or ends before it has
+    loaded the function (the OOM killer): a second is started; where that fails too, the
+    batch's items are marked reward errors. The task does not fail (its rollout would
+    with it), and no process is left unreaped."""
+    import errno
+    import os
+    import subprocess
+
+    from laminar import reward_process
+
+    _no_idle_children()
+    started = []
+    real_popen = subprocess.Popen
+
+    def popen(argv, **kwargs):
+        if how == "cannot start":
+            started.append(None)
+            raise OSError(errno.EMFILE, os.strerror(errno.EMFILE))
+        boot = _ENDS_AT_ONCE if how == "ends at once" else _ENDS_LOADING
+        proc = real_popen([argv[0], "-c", boot, *argv[3:]], **kwargs)
+        started.append(proc)
+        if how == "ends at once":  # (ended before the worker sends it anything)
+            os.waitid(os.P_PID, proc.pid, os.WEXITED | os.WNOWAIT)
+        return proc
+
+    monkeypatch.setattr(subprocess, "Popen", popen)
+    items = [("1", "1", True), ("x", "1", False), ("2", "1", True)]
+    scores = score_batch("exact_match", items, truncated_reward=-1.0, timeout_s=30.0)
+    assert len(started) == 2
+    assert scores[1] == type(scores[1])(-1.0)  # (not called: truncated)
+    for score in (scores[0], scores[2]):
+        assert math.isnan(score.reward)
+        assert score.error.startswith(
+            f"reward exact_match was not called: the process that scores it {said}"
+        ), score.error
+    for proc in started:
+        if proc is not None:
+            assert proc.returncode is not None and not _zombie(proc.pid)
+    assert reward_process._idle == []
+    monkeypatch.undo()  # (and a child that starts scores again)
+    assert score_batch("exact_match", items, 0, 30.0)[0] == type(scores[0])(1.0)
 
 
 def test_in_the_child_errors_and_bad_values_are_reported_as_in_the_task():
