@@ -64,13 +64,14 @@ def start_actor(client, cls, *args, worker: str, resource: str, **kwargs):
     its key, every worker whose actor was created with it (a rollout holds the master
     relay's). One that hangs (stopped) never answers, and the creation waited for ever:
     a data module rebuilt while a rollout hung stalled the run so, one time in three."""
+    made_by = cls
     if _has_actor((args, kwargs)):
         args = (cls, *(_by_value(a) for a in args))
         kwargs = {k: _by_value(v) for k, v in kwargs.items()}
         kwargs.setdefault("key", f"{cls.__name__}-{uuid.uuid4()}")
-        cls = _construct
+        made_by = _construct
     future = client.submit(
-        cls,
+        made_by,
         *args,
         actor=True,
         workers=[worker],
@@ -104,39 +105,42 @@ def _actor_class():
     return Actor
 
 
-def _has_actor(value) -> bool:
-    if isinstance(value, _actor_class()):
+def _has_actor(value, kind=None) -> bool:
+    """Whether ``value`` is, or holds in plain lists, tuples and dict values, an actor
+    handle (or a ``kind``)."""
+    if isinstance(value, kind or _actor_class()):
         return True
-    if isinstance(value, dict):
-        return any(_has_actor(v) for v in value.values())
-    return isinstance(value, list | tuple) and any(_has_actor(v) for v in value)
+    if type(value) is dict:
+        return any(_has_actor(v, kind) for v in value.values())
+    return type(value) in (list, tuple) and any(_has_actor(v, kind) for v in value)
 
 
 def _by_value(value):
-    """``value`` with every actor handle in it (in lists, tuples, dict values) as an
-    :class:`_ActorRef`: a task's arguments are searched for handles (each a
-    ``TaskRef``, a dependency), not inside other objects."""
+    """``value`` with every actor handle in it (in plain lists, tuples and dict values)
+    as an :class:`_ActorRef`: a task's arguments are searched for handles (each a
+    ``TaskRef``, a dependency), not inside other objects. A container without one is
+    passed as it is (a named tuple, an ordered dict keep their type)."""
     if isinstance(value, _actor_class()):
         return _ActorRef(value)
-    if isinstance(value, dict):
+    if not _has_actor(value):
+        return value
+    if type(value) is dict:
         return {k: _by_value(v) for k, v in value.items()}
-    if isinstance(value, list | tuple):
-        return type(value)(_by_value(v) for v in value)
-    return value
+    return type(value)(_by_value(v) for v in value)
 
 
 def _handles(value):
     """:func:`_by_value` undone, in the new actor's process."""
     if isinstance(value, _ActorRef):
         return value.handle()
-    if isinstance(value, dict):
+    if not _has_actor(value, _ActorRef):
+        return value
+    if type(value) is dict:
         return {k: _handles(v) for k, v in value.items()}
-    if isinstance(value, list | tuple):
-        return type(value)(_handles(v) for v in value)
-    return value
+    return type(value)(_handles(v) for v in value)
 
 
-def _construct(cls, *args, **kwargs):
+def _construct(cls, /, *args, **kwargs):
     """``cls(*args, **kwargs)`` with the handles :func:`_by_value` passed rebuilt (the
     creating task of an actor: the worker keeps what it returns as the actor)."""
     return cls(*_handles(args), **_handles(kwargs))

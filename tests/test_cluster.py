@@ -108,7 +108,7 @@ def test_local_workers_start_warm_with_the_nannies_environment(cluster_client):
 
 
 @pytest.mark.slow
-def test_an_actor_is_created_whatever_the_workers_that_hold_its_arguments_handles_do():
+def test_an_actor_is_created_whatever_the_workers_that_hold_its_arguments_handles_do(tmp_path):
     """A handle among a constructor's arguments (nested in a dict too) is no dependency
     of the creating task. As one, the new actor's worker gathered it from any worker
     that held a copy of its key, every one whose actor was created with it; one that
@@ -120,6 +120,7 @@ def test_an_actor_is_created_whatever_the_workers_that_hold_its_arguments_handle
 
     from distributed import Client
 
+    from laminar.actors import actors_made, release_actors, start_actor
     from laminar.cluster import role_cluster, submit_actor
 
     class Counter:
@@ -137,6 +138,10 @@ def test_an_actor_is_created_whatever_the_workers_that_hold_its_arguments_handle
         def bump(self):
             return self.counter.add(2).result()
 
+        def close(self):
+            marker.write_text("closed")
+
+    marker = tmp_path / "closed"
     roles = {"a": {"data": 1}, "b": {"rollout": 1}, "c": {"relay": 1}}
     with role_cluster(roles, name="byvalue") as cluster, Client(cluster) as client:
         (a,), (b,), (c,) = (workers_with(client, r) for r in ("data", "rollout", "relay"))
@@ -153,6 +158,13 @@ def test_an_actor_is_created_whatever_the_workers_that_hold_its_arguments_handle
             assert time.time() - t0 < 20
         finally:
             os.kill(pid, signal.SIGCONT)
+        # A run whose setup fails closes what it made (a buffer flushes its store): one
+        # created with handles, by value, too.
+        with actors_made() as made:
+            start_actor(client, Holder, counter, worker=c, resource="relay").result()
+        assert [cls for cls, _ in made] == [Holder]
+        release_actors(client, made)
+        assert marker.read_text() == "closed"
 
 
 @pytest.mark.slow
