@@ -35,10 +35,10 @@ class DispatchLease:
     >>> import tempfile
     >>> d = tempfile.mkdtemp()
     >>> lease = DispatchLease(d, ahead=16)
-    >>> lease.cover(3), read_lease(d)  # positions 0-2 about to go out: written to 19
-    (True, 19)
-    >>> lease.cover(19), lease.cover(20), read_lease(d)  # 19 is covered, 20 is not
-    (False, True, 36)
+    >>> lease.cover(3), read_lease(d), lease.writes  # positions 0-2 to go out: to 19
+    (True, 19, 1)
+    >>> lease.cover(19), lease.writes, lease.cover(20), read_lease(d)  # 20 needs a write
+    (True, 1, True, 36)
     """
 
     def __init__(self, run_dir: str | Path, ahead: int) -> None:
@@ -48,17 +48,37 @@ class DispatchLease:
         self.ahead = ahead
         self.end = read_lease(run_dir) or 0  # (a rebuilt pool starts at or past it)
         self.writes = 0
+        self.failing = False  # (the last write failed)
 
     def cover(self, below: int) -> bool:
         """Make sure every position below ``below`` is below the lease on disk, before
-        any of them is handed out; ``True`` if the lease was written."""
+        any of them is handed out. ``False`` when the lease could not be written (the
+        run directory's disk full or gone: logged once a streak): hand none out until a
+        later call writes it, as a store that cannot be written holds up the buffer's
+        commits, rather than fail the rollout that asked."""
         if below <= self.end:
-            return False
+            return True
         end = below + self.ahead
         tmp = self.path.with_name(f".{LEASE_FILE}.tmp")
-        tmp.write_text(json.dumps({"dispatched_below": end}))
-        os.replace(tmp, self.path)  # (atomic: a reader sees the old lease or the new)
-        self.end = end
+        try:
+            with open(tmp, "w") as f:
+                f.write(json.dumps({"dispatched_below": end}))
+                f.flush()
+                os.fsync(f.fileno())  # (on disk before the name: a node lost keeps it)
+            os.replace(tmp, self.path)  # (atomic: a reader sees the old lease or the new)
+        except OSError as e:
+            if not self.failing:
+                logger.warning(
+                    "the dispatch lease %s cannot be written (%r): no prompt group is "
+                    "handed out until it can (check the run directory's disk)",
+                    self.path,
+                    e,
+                )
+            self.failing = True
+            return False
+        if self.failing:
+            logger.warning("the dispatch lease %s is written again", self.path)
+        self.end, self.failing = end, False
         self.writes += 1
         return True
 

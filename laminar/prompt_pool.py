@@ -408,8 +408,9 @@ class PromptPool:
     def _acquire(
         self, n: int, rollout_id: str, version: int, idle: bool, newest_only: bool = False
     ) -> list[PromptGroup]:
-        if self._lease is not None:  # (on disk before any of them goes out)
-            self._lease.cover(self.core.n_dispatched + n)
+        # (on disk before any of them goes out; none does while it cannot be written)
+        if self._lease is not None and not self._lease.cover(self.core.n_dispatched + n):
+            return []
         groups = self.core.acquire(n, rollout_id, version, idle=idle, newest_only=newest_only)
         if groups:
             self._changed()  # a batch may be out: the next one may go to a waiting rollout

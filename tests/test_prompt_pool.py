@@ -415,3 +415,25 @@ def test_a_pool_rebuilt_at_the_dispatch_lease_hands_out_no_uid_twice(
     assert read_lease(tmp_path) > int(after[-1].prompt_uid[1:])
     with pytest.raises(ValueError, match="at least one position"):
         DispatchLease(tmp_path, ahead=0)
+
+
+def test_a_lease_that_cannot_be_written_holds_dispatch_back_and_fails_no_rollout(
+    small_config, tiny_policy, tmp_path
+):
+    """The run directory's disk full or gone: the pool hands out nothing (a position
+    past the lease on disk could be handed out twice after a rebuild) and raises
+    nothing (an OSError reads as a lost data module to the rollout that asked); once
+    the lease can be written, dispatch goes on."""
+    import asyncio
+
+    from laminar.lease import LEASE_FILE, read_lease
+    from laminar.prompt_pool import PromptPool
+
+    pool = PromptPool(small_config, str(tiny_policy), run_dir=str(tmp_path))
+    blocker = tmp_path / f".{LEASE_FILE}.tmp"
+    blocker.mkdir()  # (the lease's write fails: IsADirectoryError, an OSError)
+    assert asyncio.run(pool.acquire(2, "r0", 0)) == []
+    assert read_lease(tmp_path) is None and pool._lease.failing
+    blocker.rmdir()
+    groups = asyncio.run(pool.acquire(2, "r0", 0))
+    assert len(groups) == 2 and read_lease(tmp_path) > 1 and not pool._lease.failing
