@@ -50,6 +50,8 @@ from collections.abc import Collection
 from dataclasses import replace
 from pathlib import Path
 
+import numpy as np
+
 from laminar.contract import PromptGroup
 from laminar.engine import GenerationRequest, RequestState, SamplingParams
 
@@ -444,9 +446,9 @@ def journal_rows(records: list[tuple]) -> dict[str, list[dict]]:
                 "owner": owner,
                 "offset": offset,
                 "t": t,
-                "tokens": toks[offset:end],
-                "logprobs": lps[offset:end],
-                "token_versions": tvs[offset:end],
+                "tokens": _ndarray(toks[offset:end]),
+                "logprobs": _ndarray(lps[offset:end]),
+                "token_versions": _ndarray(tvs[offset:end]),
             }
         )
 
@@ -485,7 +487,7 @@ def journal_rows(records: list[tuple]) -> dict[str, list[dict]]:
                     "n_moves": n_moves,
                     "params": params_json[id(params)],
                     "meta": encode_meta(meta),
-                    "prompt_tokens": list(prompt),
+                    "prompt_tokens": prompt,
                 }
             )
             if n:
@@ -517,6 +519,13 @@ def write_records(writer, records: list[tuple], compact: bool = False) -> int:
         for rows in batches(max(len(records), 1)):  # (one)
             writer.append(**rows)
     return written
+
+
+def _ndarray(a: array) -> np.ndarray:
+    # (A copy: an ndarray is no object the garbage collector tracks, an array is, and a
+    # write's tens of thousands of them would trigger full collections, each a pause of
+    # the pool's event loop too.)
+    return np.frombuffer(a.tobytes(), a.typecode)
 
 
 def _fields(obj) -> dict:

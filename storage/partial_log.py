@@ -192,24 +192,27 @@ class PartialLogWriter:
         for table, (dim, cols) in TABLES.items():
             if not rows[table]:
                 continue
+            made: dict[str, np.ndarray] = {}  # (columns made here, not in the rows)
             flats = [n for n, (_, _, t) in FLAT.items() if t == table]
             if flats:  # each row's slice of its flat arrays
                 flat_dim = FLAT[flats[0]][0]
-                lens = np.array([len(r[flats[0]]) for r in rows[table]], dtype=np.int64)
+                lens = [len(r[flats[0]]) for r in rows[table]]
                 for name in flats:
-                    values = [np.asarray(r[name], FLAT[name][1]) for r in rows[table]]
-                    if any(len(v) != n for v, n in zip(values, lens, strict=True)):
+                    values = [r[name] for r in rows[table]]
+                    if [len(v) for v in values] != lens:
                         raise StoreError(f"partial log: {name} and {flats[0]} differ in length")
-                    writes.append(((None, name), counts[flat_dim], np.concatenate(values)))
-                starts = counts[flat_dim] + np.concatenate([[0], np.cumsum(lens)[:-1]])
+                    flat = np.concatenate([np.asarray(v, FLAT[name][1]) for v in values])
+                    writes.append(((None, name), counts[flat_dim], flat))
                 head = "prompt_" if table == "requests" else ""
-                rows[table] = [
-                    {**r, f"{head}start": int(s), f"{head}len": int(n)}
-                    for r, s, n in zip(rows[table], starts, lens, strict=True)
-                ]
-                counts[flat_dim] += int(lens.sum())
+                n = made[f"{head}len"] = np.array(lens, dtype=np.int64)
+                made[f"{head}start"] = counts[flat_dim] + np.cumsum(n) - n
+                counts[flat_dim] += int(n.sum())
             for col, dtype in cols.items():
-                values = np.array([r.get(col, fill_value(dtype)) for r in rows[table]], dtype)
+                if col in made:
+                    values = made[col].astype(dtype)
+                else:
+                    fill = fill_value(dtype)
+                    values = np.array([r.get(col, fill) for r in rows[table]], dtype)
                 writes.append(((table, col), counts[dim], values))
             counts[dim] += len(rows[table])
         self._write_all(writes)
