@@ -107,21 +107,9 @@ def test_local_workers_start_warm_with_the_nannies_environment(cluster_client):
         assert s["malloc_trim"] is None and s["ignored"] == [True, True], s
 
 
-@pytest.mark.slow
-def test_an_actor_is_created_whatever_the_workers_that_hold_its_arguments_handles_do(tmp_path):
-    """A handle among a constructor's arguments (nested in a dict too) is no dependency
-    of the creating task. As one, the new actor's worker gathered it from any worker
-    that held a copy of its key, every one whose actor was created with it; one that
-    hangs (SIGSTOP) never answers, and the creation waited for ever: a data module
-    rebuilt while a rollout hung stalled the run so (its manager takes the master
-    relay's handle, which every rollout was created with)."""
-    import os
-    import signal
-
-    from distributed import Client
-
-    from laminar.actors import actors_made, release_actors, start_actor
-    from laminar.cluster import role_cluster, submit_actor
+def _counter_and_holder(marker=None):
+    """Two actor classes, one holding the other's handle (``more``: in a dict); made in a
+    function, so they are pickled by value (workers cannot import this module)."""
 
     class Counter:
         def __init__(self):
@@ -141,7 +129,27 @@ def test_an_actor_is_created_whatever_the_workers_that_hold_its_arguments_handle
         def close(self):
             marker.write_text("closed")
 
+    return Counter, Holder
+
+
+@pytest.mark.slow
+def test_an_actor_is_created_whatever_the_workers_that_hold_its_arguments_handles_do(tmp_path):
+    """A handle among a constructor's arguments (nested in a dict too) is no dependency
+    of the creating task. As one, the new actor's worker gathered it from any worker
+    that held a copy of its key, every one whose actor was created with it; one that
+    hangs (SIGSTOP) never answers, and the creation waited for ever: a data module
+    rebuilt while a rollout hung stalled the run so (its manager takes the master
+    relay's handle, which every rollout was created with)."""
+    import os
+    import signal
+
+    from distributed import Client
+
+    from laminar.actors import actors_made, release_actors, start_actor
+    from laminar.cluster import role_cluster, submit_actor
+
     marker = tmp_path / "closed"
+    Counter, Holder = _counter_and_holder(marker)
     roles = {"a": {"data": 1}, "b": {"rollout": 1}, "c": {"relay": 1}}
     with role_cluster(roles, name="byvalue") as cluster, Client(cluster) as client:
         (a,), (b,), (c,) = (workers_with(client, r) for r in ("data", "rollout", "relay"))
@@ -177,20 +185,7 @@ def test_actor_handles_stay_bound_to_their_clients_cluster():
 
     from laminar.cluster import role_cluster, submit_actor
 
-    class Counter:
-        def __init__(self):
-            self.n = 0
-
-        def add(self, k):
-            self.n += k
-            return self.n
-
-    class Holder:
-        def __init__(self, counter):
-            self.counter = counter
-
-        def bump(self):
-            return self.counter.add(2).result()
+    Counter, Holder = _counter_and_holder()
 
     def task_state(key, dask_scheduler=None):  # nested: pickled by value, not by module
         task = dask_scheduler.tasks.get(key)
