@@ -125,6 +125,13 @@ def resolve_reward(name: str) -> RewardFn:
         )
     if not callable(fn):
         raise RewardError(f"task.reward {name!r} is not callable")
+    if inspect.iscoroutinefunction(fn) or inspect.isasyncgenfunction(fn):
+        # (called, it returns a coroutine, never a number: every trajectory an error)
+        raise RewardError(
+            f"task.reward {name!r} is an async function; a reward returns its number: "
+            "make it a plain def (for a judge service, call it synchronously, e.g. "
+            "asyncio.run(...) inside), bounded by task.reward_timeout_s"
+        )
     try:
         signature = inspect.signature(fn)
     except (TypeError, ValueError):  # (some builtins have none to read: called as they are)

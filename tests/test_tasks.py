@@ -188,9 +188,13 @@ def test_resolve_reward(tmp_path, monkeypatch):
         "def three(a, b, c): return 1.0\n"
         "def extra(response, answer, scale=1.0): return scale\n"
         "def star(*args): return 1.0\n"
+        "async def judged(response, answer): return 1.0\n"
     )
     with pytest.raises(RewardError, match=r"it has \(a, b, c\)"):
         resolve_reward("laminar_test_rewards:three")
+    # (called, it returns a coroutine: every trajectory an error, after the warm start)
+    with pytest.raises(RewardError, match=r"'laminar_test_rewards:judged' is an async function"):
+        resolve_reward("laminar_test_rewards:judged")
     assert resolve_reward("laminar_test_rewards:extra")("r", "a") == 1.0
     assert resolve_reward("laminar_test_rewards:star")("r", "a") == 1.0
 
