@@ -29,7 +29,7 @@ import numpy as np
 import torch
 
 from laminar.config import RunConfig
-from laminar.errors import ConfigError, RunStopped
+from laminar.errors import ConfigError, RewardError, RunStopped
 from laminar.files import replace_text, sync_dir, sync_tree
 from laminar.model import (
     build_tiny_policy,
@@ -49,6 +49,10 @@ logger = logging.getLogger(__name__)
 SFT_VERSION = 2
 EVAL_PROMPTS = 256  # the warm-started policy's reward is measured on this many prompts
 STOP_CHECK_STEPS = 5  # a stopped run's warm start ends within this many steps
+# The run's rule (pipelines.driver_polls.REWARD_FAILURES_TO_STOP): a reward that has
+# failed on this many responses and scored none stops the warm start's scoring too.
+REWARD_FAILURES_TO_STOP = 64
+SCORE_CHUNK = 16  # the warm start's responses scored at a time (checked between)
 
 
 def cache_root(cfg: RunConfig) -> Path:
@@ -203,12 +207,20 @@ def warm_start(
         "base": str(base),
         "eval_prompts": min(EVAL_PROMPTS, len(prompts)),
         # the warm start's reward for each way of scoring it (reward and sampling)
-        "eval_rewards": {scoring: evaluate(cfg, model, tok, prompts[-EVAL_PROMPTS:])},
+        "eval_rewards": {},
     }
     with _staged(out, cfg) as tmp:
         model.save_pretrained(tmp)
         tok.save_pretrained(tmp)
         (tmp / "sft_info.json").write_text(json.dumps(info, indent=2))
+    # scored once kept: a reward that fails on everything stops the run (RewardError),
+    # and the run that follows its fix scores these weights without training them again
+    # (merged into the entry's file: another run's copy may have been renamed in first)
+    reward = evaluate(cfg, model, tok, prompts[-EVAL_PROMPTS:])
+    info["eval_rewards"] = {scoring: reward}
+    kept = _cached_info(out) or dict(info)
+    kept["eval_rewards"] = {**kept.get("eval_rewards", {}), scoring: reward}
+    replace_text(out / "sft_info.json", json.dumps(kept, indent=2))
     return out, {**_public(info), "eval_reward": info["eval_rewards"][scoring]}
 
 
@@ -258,6 +270,16 @@ def _scoring(cfg: RunConfig) -> str:
     )
 
 
+def _never_scores(reward: str, errors: int, seconds: float, latest: str) -> str:
+    """What the run says when its reward has failed on everything (pipelines'
+    ``StatsPolling._reward_never_scores``), said of the warm start's scoring."""
+    return (
+        f"task.reward {reward!r} failed on all {errors} responses it was given and scored "
+        f"none in {seconds:.0f} s, scoring the warm start (latest: {latest}); fix the "
+        "function, or what it needs on the workers"
+    )
+
+
 def evaluate(cfg: RunConfig, model, tok, prompts: list[Prompt]) -> float:
     """Mean reward of one sampled response per prompt, as the rollouts will sample them."""
     from laminar.engine import GenerationRequest
@@ -284,8 +306,28 @@ def evaluate(cfg: RunConfig, model, tok, prompts: list[Prompt]) -> float:
         for out in engine.step():
             items.append((out.text(tok), out.request.meta["p"].answer, out.ended))
     t = cfg.task
-    scores = score_batch(t.reward, items, t.truncated_reward, t.reward_timeout_s)
-    return float(np.nanmean([s.reward for s in scores]))
+    rewards: list[float] = []
+    scored, errors, latest, t0 = 0, 0, "", time.time()
+    # (in chunks: a reward that fails on every response, hanging till its timeout say,
+    # stops the warm start as the run's rule stops the run, not after every response)
+    for i in range(0, len(items), SCORE_CHUNK):
+        chunk = items[i : i + SCORE_CHUNK]
+        scores = score_batch(t.reward, chunk, t.truncated_reward, t.reward_timeout_s)
+        rewards += [s.reward for s in scores if s.error is None]
+        scored += sum(
+            1 for (_, _, ended), s in zip(chunk, scores, strict=True) if ended and not s.error
+        )
+        failed = [s.error for s in scores if s.error]
+        errors, latest = errors + len(failed), failed[-1] if failed else latest
+        if errors >= REWARD_FAILURES_TO_STOP and not scored:
+            raise RewardError(_never_scores(t.reward, errors, time.time() - t0, latest))
+    if not rewards:  # (every response failed, fewer than the rule's count of them)
+        logger.warning(
+            "warm start: its reward is nan: %s",
+            _never_scores(t.reward, errors, time.time() - t0, latest),
+        )
+        return float("nan")
+    return float(np.mean(rewards))
 
 
 def _train(cfg: RunConfig, model, tok, prompts: list[Prompt], should_stop=None) -> float:

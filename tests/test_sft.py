@@ -98,3 +98,26 @@ def test_a_prompt_file_of_other_rows_joining_to_the_same_text_is_trained_anew(
     f.write_text("".join(json.dumps(r) + "\n" for r in two))
     second, info = warm_start(cfg, load_prompts(cfg))
     assert info["cached"] is False and second != first
+
+
+def test_a_reward_that_fails_on_everything_stops_the_warm_start_as_it_would_the_run(
+    small_config, tmp_path, recwarn
+):
+    """The run's rule (64 failures, none scored) stops the warm start's scoring with the
+    run's message, not after each of its 256 responses; the trained weights are kept,
+    so the run after the fix scores them without training again."""
+    import pytest
+
+    from laminar.errors import RewardError
+
+    cfg = with_overrides(
+        small_config,
+        [f"sft.cache_dir={tmp_path}", "sft.steps=3", "task.reward=laminar.rewards:_broken"],
+    )
+    prompts = load_prompts(cfg)
+    with pytest.raises(RewardError, match="failed on all 64 responses it was given") as e:
+        warm_start(cfg, prompts)
+    assert "scoring the warm start" in str(e.value) and "ZeroDivisionError" in str(e.value)
+    fixed = with_overrides(cfg, ["task.reward=exact_match"])
+    assert warm_start(fixed, prompts)[1]["cached"] is True
+    assert not [w for w in recwarn if issubclass(w.category, RuntimeWarning)]
