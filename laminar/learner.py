@@ -366,45 +366,17 @@ def _trainer_state(path: Path) -> dict:
     return state
 
 
-def _json_object(path: Path) -> dict:
-    """A checkpoint's JSON file that must hold an object; a damaged one is a
-    :class:`CheckpointError` naming it."""
-    try:
-        value = json.loads(path.read_text())
-        if not isinstance(value, dict):
-            raise ValueError(f"a JSON object expected, got {type(value).__name__}")
-    except ValueError as e:  # (json.JSONDecodeError and UnicodeDecodeError too)
-        raise _damaged(path, e) from None
-    return value
-
-
 def _check_files(ckpt: Path) -> dict:
     """The checkpoint's model ``config.json``, after reading it, its
     ``tokenizer_config.json`` and ``tokenizer.json`` (parsed by ``tokenizers``, as loading
-    it does), the header of ``model.safetensors``
-    (the tensors' names, shapes and offsets), the zip directories of ``optimizer.pt`` and
-    ``rng.pt``, and its ``data_state.json`` when it has one; no tensor is loaded, so this
-    is cheap enough to run before the cluster starts."""
-    from safetensors import SafetensorError, safe_open
-    from tokenizers import Tokenizer
-
+    it does), the header of ``model.safetensors`` (:func:`laminar.model.check_model_files`,
+    which the pre-start check of ``model.path`` runs too), the zip directories of
+    ``optimizer.pt`` and ``rng.pt``, and its ``data_state.json`` when it has one; no tensor
+    is loaded, so this is cheap enough to run before the cluster starts."""
+    from laminar.model import check_model_files
     from laminar.prompt_pool import data_position
 
-    config = _json_object(ckpt / "config.json")
-    _json_object(ckpt / "tokenizer_config.json")
-    path = ckpt / "tokenizer.json"
-    _json_object(path)
-    try:
-        Tokenizer.from_str(path.read_text())
-    except Exception as e:  # noqa: BLE001 — tokenizers raises a bare Exception ("Model missing")
-        raise _damaged(path, e) from None
-    path = ckpt / "model.safetensors"
-    try:
-        with safe_open(path, framework="pt") as f:
-            if not f.keys():
-                raise ValueError("it holds no tensors")
-    except (SafetensorError, OSError, ValueError) as e:
-        raise _damaged(path, e) from None
+    config = check_model_files(ckpt, _damaged)
     for name in ("optimizer.pt", "rng.pt"):  # torch.save's zip: its directory, no data
         path = ckpt / name
         try:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -113,8 +114,66 @@ def build_tiny_policy(path: str | Path, *, seed: int = 0, **shape: int) -> Path:
     return path
 
 
+def _damaged_model(path: Path, e: Exception) -> ModelError:
+    return ModelError(
+        f"{str(path)!r} is damaged ({type(e).__name__}: {e}); restore the folder from a "
+        "copy (or save_pretrained it again), or point model.path at another HF folder"
+    )
+
+
+def _json_object(path: Path, damaged: Callable[[Path, Exception], Exception]) -> dict:
+    """A JSON file that must hold an object; a damaged one is ``damaged(path, error)``."""
+    try:
+        value = json.loads(path.read_text())
+        if not isinstance(value, dict):
+            raise ValueError(f"a JSON object expected, got {type(value).__name__}")
+    except ValueError as e:  # (json.JSONDecodeError and UnicodeDecodeError too)
+        raise damaged(path, e) from None
+    return value
+
+
+def check_model_files(folder: Path, damaged: Callable[[Path, Exception], Exception]) -> dict:
+    """The folder's model ``config.json``, after reading it, its ``tokenizer_config.json``
+    (where there is one) and ``tokenizer.json`` (parsed by ``tokenizers``, as loading it
+    does), and the header of each ``*.safetensors`` (the tensors' names, shapes and
+    offsets) or the zip directory of ``pytorch_model.bin``; no tensor is loaded, so this
+    is cheap enough to run before the cluster starts. A damaged file raises
+    ``damaged(path, error)``: the caller says what to do about it."""
+    import zipfile
+
+    from safetensors import SafetensorError, safe_open
+    from tokenizers import Tokenizer
+
+    config = _json_object(folder / "config.json", damaged)
+    if (folder / "tokenizer_config.json").exists():
+        _json_object(folder / "tokenizer_config.json", damaged)
+    path = folder / "tokenizer.json"
+    _json_object(path, damaged)
+    try:
+        Tokenizer.from_str(path.read_text())
+    except Exception as e:  # noqa: BLE001 — tokenizers raises a bare Exception ("Model missing")
+        raise damaged(path, e) from None
+    for path in sorted(folder.glob("*.safetensors")):
+        try:
+            with safe_open(path, framework="pt") as f:
+                if not f.keys():
+                    raise ValueError("it holds no tensors")
+        except (SafetensorError, OSError, ValueError) as e:
+            raise damaged(path, e) from None
+    path = folder / "pytorch_model.bin"
+    if path.exists() and not any(folder.glob("*.safetensors")):  # torch.save's zip
+        try:
+            with zipfile.ZipFile(path) as z:
+                if not z.namelist():
+                    raise ValueError("it holds nothing")
+        except (zipfile.BadZipFile, OSError, ValueError) as e:
+            raise damaged(path, e) from None
+    return config
+
+
 def check_policy_dir(path: str | Path) -> Path:
-    """Raise :class:`ModelError` unless ``path`` is a loadable HF causal-LM folder."""
+    """Raise :class:`ModelError` unless ``path`` is a loadable HF causal-LM folder: its
+    files there and undamaged as far as :func:`check_model_files` reads them."""
     path = Path(path)
     if not path.is_dir():
         raise ModelError(
@@ -129,7 +188,7 @@ def check_policy_dir(path: str | Path) -> Path:
             f"model folder {str(path)!r} lacks {missing}; it must be an HF folder "
             "written by save_pretrained (config.json, model.safetensors, tokenizer.json)"
         )
-    model_type = json.loads((path / "config.json").read_text()).get("model_type")
+    model_type = check_model_files(path, _damaged_model).get("model_type")
     if model_type not in SUPPORTED_ARCHITECTURES:
         raise ModelError(
             f"model folder {str(path)!r} has model_type {model_type!r}; the torch engine "

@@ -42,11 +42,12 @@ def test_a_damaged_tokenizer_json_is_refused_before_the_cluster_starts(ckpt, mod
 
 @pytest.mark.parametrize("text", ["{", "{}"])
 def test_a_tokenizer_that_does_not_load_names_its_folder(ckpt, text):
-    """The load itself (where no check ran first: a model.path folder, a rollout's)."""
+    """The load itself (where no check ran first: a model.path folder, a rollout's); its
+    folder check (check_policy_dir) names the file since it reads it."""
     from laminar.model import load_tokenizer
 
     (ckpt / "tokenizer.json").write_text(text)
-    with pytest.raises(ModelError, match=rf"tokenizer of '{ckpt}'.*restore the folder"):
+    with pytest.raises(ModelError, match=rf"'{ckpt}/tokenizer.json' is damaged.*restore the"):
         load_tokenizer(ckpt)
 
 
@@ -205,3 +206,51 @@ def test_a_reward_beyond_float32_is_an_error_naming_it():
     assert "scale it down" in scores[0].error and math.isnan(scores[0].reward)
     assert "returned -1e+39" in scores[1].error
     assert scores[2] == type(scores[2])(3e38)
+
+
+@pytest.fixture
+def policy(tiny_policy, tmp_path):
+    return shutil.copytree(tiny_policy, tmp_path / "policy")
+
+
+def _truncate(path):
+    path.write_bytes(path.read_bytes()[:20])
+
+
+@pytest.mark.parametrize(
+    ("name", "damage"),
+    [
+        ("config.json", lambda p: p.write_text("{")),
+        ("config.json", lambda p: p.write_text("[]")),
+        ("tokenizer.json", lambda p: p.write_text("{}")),
+        ("tokenizer_config.json", lambda p: p.write_text("{")),
+        ("model.safetensors", _truncate),
+    ],
+)
+def test_a_damaged_file_of_a_model_path_folder_is_named_before_the_cluster_starts(
+    policy, small_config, name, damage
+):
+    """The pre-start check looked only for the files: a bad config.json was a traceback
+    (JSONDecodeError), a bad tokenizer.json a KeyError 'added_tokens', a truncated
+    model.safetensors a SafetensorError once the cluster had started, naming no file."""
+    from laminar.config import with_overrides
+    from pipelines.api import preflight
+
+    damage(policy / name)
+    cfg = with_overrides(small_config, [f"model.path={policy}", "sft.enabled=false"])
+    with pytest.raises(ModelError, match=rf"'{policy / name}' is damaged.*restore the folder"):
+        preflight(cfg)
+
+
+@pytest.mark.parametrize("chunk", ["updates/loss/c/0", "updates/version/c/0"])
+def test_a_damaged_last_chunk_of_the_metrics_is_named_before_the_cluster_starts(tmp_path, chunk):
+    """The chunk a resumed run's first append rewrites: the run trained, then failed at
+    its stop ("Zstd decompression error") and lost the resumed segment's update rows."""
+    from storage.metrics import MetricsWriter, check_metrics_store
+    from storage.trajectories import StoreError
+
+    MetricsWriter(tmp_path).append("updates", [{"version": 1, "loss": 0.5}])
+    f = tmp_path / "metrics.zarr" / chunk
+    f.write_bytes(f.read_bytes()[: f.stat().st_size // 2])
+    with pytest.raises(StoreError, match=r"metrics store '.*metrics.zarr' is damaged.*copy"):
+        check_metrics_store(tmp_path)
