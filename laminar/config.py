@@ -374,6 +374,13 @@ def load_config(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -
         raise ConfigError(f"config file {str(path)!r}: {e}") from None
     except yaml.YAMLError as e:
         raise ConfigError(f"config file {str(path)!r} is not valid YAML: {e}") from None
+    except UnicodeDecodeError as e:  # (a binary file, or another encoding's text)
+        raise ConfigError(
+            f"config file {str(path)!r} is not UTF-8 text (byte {e.start}: {e.reason}); "
+            "save it as UTF-8 YAML"
+        ) from None
+    except OSError as e:  # (unreadable: permissions, EIO)
+        raise ConfigError(f"config file {str(path)!r} cannot be read: {e}") from None
     if not isinstance(data, dict):
         raise ConfigError(f"config file {str(path)!r} must hold a mapping of sections")
     for key, value in parse_overrides(overrides):

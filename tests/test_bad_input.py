@@ -102,3 +102,19 @@ def test_decoupled_with_one_mini_batch_is_warned_to_train_as_tis(tmp_path, caplo
         preflight(with_overrides(cfg, ["trainer.mini_batches=2"]))
         preflight(with_overrides(cfg, ["trainer.correction=tis"]))
     assert "mini_batches" not in caplog.text
+
+
+def test_a_config_file_that_is_not_utf8_is_refused_with_exit_2(tmp_path, capsys, no_cluster):
+    """It was a UnicodeDecodeError traceback, exit 1; a run directory's config.yaml on
+    --resume too (read by the same load_config)."""
+    bad = tmp_path / "bin.yaml"
+    bad.write_bytes(b"\xff\xfe trainer:\n")
+    assert cli.main(["run", str(bad)]) == 2
+    err = capsys.readouterr().err
+    assert f"config file {str(bad)!r} is not UTF-8 text" in err and "save it as UTF-8" in err
+    assert "Traceback" not in err
+    run = tmp_path / "run"
+    (run / "checkpoints" / "version-000001").mkdir(parents=True)
+    (run / "config.yaml").write_bytes(b"run_dir: x\n\xff\xfe\n")
+    assert cli.main(["run", "--resume", str(run)]) == 2
+    assert "config.yaml' is not UTF-8 text" in capsys.readouterr().err
