@@ -22,7 +22,7 @@ import difflib
 import hashlib
 import json
 from pathlib import Path
-from typing import Any, get_args
+from typing import Any, ClassVar, get_args
 
 import yaml
 from pydantic import BaseModel, Field, ValidationError, model_validator
@@ -56,6 +56,8 @@ class RunConfig(_Section):
     """A whole run."""
 
     seed: int = Field(0, ge=0, lt=2**32)  # numpy's and torch's seeds take [0, 2**32)
+    _unset_means: ClassVar[dict[str, str]] = {"run_dir": "for runs/<timestamp>"}
+
     run_dir: str | None = None  # default: runs/<timestamp>
     model: ModelConfig = ModelConfig()
     task: TaskConfig = TaskConfig()

@@ -15,7 +15,7 @@ re-exports every one.
 from __future__ import annotations
 
 import types
-from typing import Any, Literal, Union, get_args, get_origin
+from typing import Any, ClassVar, Literal, Union, get_args, get_origin
 
 from pydantic import (
     BaseModel,
@@ -72,6 +72,22 @@ class _Section(BaseModel):
         }
         return {**data, **empty} if empty else data
 
+    # The section's path fields that null leaves unset, each with what null does: ''
+    # would read as unset to a check that tests `is None` and as set to one that tests
+    # truthiness (a prompt_file of '' skipped the synthetic task's checks, then trained
+    # it), so it is refused, naming the field.
+    _unset_means: ClassVar[dict[str, str]] = {}
+
+    @field_validator("*", mode="after")
+    @classmethod
+    def _no_empty_path(cls, value: Any, info: ValidationInfo) -> Any:
+        means = cls._unset_means.get(info.field_name)
+        if means is not None and isinstance(value, str) and not value.strip():
+            raise ValueError(
+                f"is empty: remove the key (or set it to null) {means}, or give a path"
+            )
+        return value
+
     @field_validator("*", mode="before")
     @classmethod
     def _no_bool_for_number(cls, value: Any, info: ValidationInfo) -> Any:
@@ -90,7 +106,9 @@ class _Section(BaseModel):
 
 
 class ModelConfig(_Section):
-    """The policy. ``path`` names a local HF folder; empty builds the built-in tiny Llama."""
+    """The policy. ``path`` names a local HF folder; null builds the built-in tiny Llama."""
+
+    _unset_means: ClassVar[dict[str, str]] = {"path": "to build the built-in tiny model"}
 
     path: str | None = None
     hidden_size: int = Field(128, gt=0)
@@ -112,6 +130,8 @@ class TaskConfig(_Section):
     """Where prompts come from and how responses are scored."""
 
     name: Literal["count", "copy", "reverse", "sort", "count_range"] = "count"
+    _unset_means: ClassVar[dict[str, str]] = {"prompt_file": "to use the synthetic task"}
+
     prompt_file: str | None = None  # JSONL with "prompt" and "answer" on every line
     reward: str = "exact_match"  # a name in laminar.rewards.REWARDS or "module:function"
     num_prompts: int = Field(20000, gt=0)
@@ -141,6 +161,10 @@ class SFTConfig(_Section):
     demo_error_rate: float = Field(0.1, ge=0, lt=1)
     micro_batch_tokens: int = Field(4096, gt=0)  # padded tokens per forward/backward
     torch_threads: int = Field(2, gt=0)
+    _unset_means: ClassVar[dict[str, str]] = {
+        "cache_dir": "to cache in $LAMINAR_CACHE, else ~/.cache/laminar"
+    }
+
     cache_dir: str | None = None  # default: ~/.cache/laminar
 
 
@@ -326,6 +350,8 @@ class TrainerConfig(_Section):
     # Data-parallel ranks, one `trainer` worker each (gloo on CPU, NCCL on GPU).
     ranks: int = Field(1, gt=0)
     # A checkpoints/version-N folder to continue from (weights, optimizer, RNG, version).
+    _unset_means: ClassVar[dict[str, str]] = {"resume_from": "to start from model.path"}
+
     resume_from: str | None = None
     # Also checkpoint every this many versions (0: only when the run ends), so a lost
     # run can be resumed (`laminar run --resume RUN_DIR`) losing at most these updates.

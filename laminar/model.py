@@ -178,7 +178,7 @@ def check_policy_dir(path: str | Path) -> Path:
     if not path.is_dir():
         raise ModelError(
             f"model folder {str(path)!r} does not exist; set model.path to a local HF "
-            "checkpoint folder, or leave it empty to build the built-in tiny model"
+            "checkpoint folder, or leave it null to build the built-in tiny model"
         )
     missing = [f for f in ("config.json", "tokenizer.json") if not (path / f).exists()]
     if not any(path.glob("*.safetensors")) and not (path / "pytorch_model.bin").exists():

@@ -246,3 +246,32 @@ def test_one_override_given_as_a_string_is_one_override():
     """submit(..., overrides="trainer.steps=5"): one key=value, not its characters."""
     assert with_overrides(RunConfig(), "trainer.steps=5").trainer.steps == 5
     assert load_config("configs/tiny.yaml", "seed=3").seed == 3
+
+
+@pytest.mark.parametrize(
+    ("field", "means"),
+    [
+        ("task.prompt_file", "to use the synthetic task"),
+        ("model.path", "to build the built-in tiny model"),
+        ("trainer.resume_from", "to start from model.path"),
+        ("sft.cache_dir", "to cache in \\$LAMINAR_CACHE"),
+        ("run_dir", "for runs/<timestamp>"),
+    ],
+)
+@pytest.mark.parametrize("empty", ["''", "' '"])
+def test_an_empty_path_is_refused_naming_the_field(field, means, empty):
+    """'' read as unset where a check tests `is None` and as set where one tests
+    truthiness: task.prompt_file='' with task.name=count_range passed the pre-start
+    checks, skipped the synthetic task's cross-checks and trained the synthetic task."""
+    with pytest.raises(
+        ConfigError, match=rf"{field}: is empty: remove the key \(or set it to null\) {means}"
+    ):
+        load_config(REPO / "configs/tiny.yaml", [f"{field}={empty}", "task.name=count_range"])
+    # null, or nothing after '=', is unset as before
+    assert _field(load_config(REPO / "configs/tiny.yaml", [f"{field}="]), field) is None
+
+
+def _field(cfg, key):
+    for part in key.split("."):
+        cfg = getattr(cfg, part)
+    return cfg
