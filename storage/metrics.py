@@ -171,13 +171,25 @@ def _check_tables(root: zarr.Group) -> None:
 def check_metrics_store(run_dir: str | Path) -> None:
     """Refuse a run directory whose ``metrics.zarr`` a resumed run could not append to,
     before the cluster starts: reads its metadata (read-only), as
-    :class:`MetricsWriter` does when it opens; a :class:`StoreError` names the store and
-    the fix. No store yet (or no ``zarr.json``: the writer makes one) passes."""
+    :class:`MetricsWriter` does when it opens, and the last chunk of each column (the one
+    its next append rewrites: a damaged one failed the resumed run at its stop, its
+    rows lost); a :class:`StoreError` names the store and the fix. No store yet (or no
+    ``zarr.json``: the writer makes one) passes."""
     store = store_path(run_dir, STORE_NAME)
     if not (store / "zarr.json").exists():
         return
     with _damage(store):
-        _check_tables(zarr.open_group(str(store), mode="r", zarr_format=3))
+        root = zarr.open_group(str(store), mode="r", zarr_format=3)
+        _check_tables(root)
+        for table in TABLES:
+            if table not in root:
+                continue
+            group = root[table]
+            n = int(group.attrs.get(COMMIT_ATTR, 0))
+            for _, arr in group_arrays(group):
+                end = min(n, arr.shape[0])
+                if end > 0:
+                    arr[(end - 1) // arr.chunks[0] * arr.chunks[0] : end]
 
 
 class MetricsWriter:

@@ -9,6 +9,8 @@ the recovery log (:mod:`storage.partial_log`) use them as the trajectory store d
 from __future__ import annotations
 
 import json
+import os
+import traceback
 import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -81,15 +83,31 @@ def new_array(group: zarr.Group, name: str, dtype: np.dtype, dim: str, chunk: in
 def reading(store: Path) -> Iterator[None]:
     """Reads of ``store``: what a damaged file raises there (a truncated ``zarr.json`` or
     ``summary.json``: a JSON error; a chunk that fails to decompress: the codec's
-    ``RuntimeError``) becomes a :class:`StoreError` naming it. Nothing else is caught:
-    a permission error or a bug must not read as damage."""
+    ``RuntimeError``; a truncated chunk of an uncompressed array: zarr's codecs'
+    ``ValueError``, "cannot reshape array" or "data seem truncated") becomes a
+    :class:`StoreError` naming it. Nothing else is caught: a permission error or a bug
+    must not read as damage."""
     try:
         yield
-    except (json.JSONDecodeError, RuntimeError) as e:
+    except StoreError:
+        raise
+    except (json.JSONDecodeError, RuntimeError, ValueError) as e:
+        if not isinstance(e, json.JSONDecodeError | RuntimeError) and not _decoding(e):
+            raise
         raise StoreError(
             f"cannot read {str(store)!r} ({type(e).__name__}: {e}); it looks damaged (a "
             "truncated file?): restore the run directory from a copy"
         ) from e
+
+
+_CODECS = os.path.join("zarr", "codecs", "")
+
+
+def _decoding(e: BaseException) -> bool:
+    """``e`` was raised decoding a chunk (in one of zarr's codecs)."""
+    return any(
+        _CODECS in frame.f_code.co_filename for frame, _ in traceback.walk_tb(e.__traceback__)
+    )
 
 
 def _check_markers(store: Path, group: zarr.Group, *extra: str) -> None:
@@ -103,8 +121,26 @@ def _check_markers(store: Path, group: zarr.Group, *extra: str) -> None:
             )
 
 
+# A group attribute: the store's writer writes every chunk, one that holds only the fill
+# value too (zarr leaves those out by default, and reads a missing chunk as the fill
+# value). In a store with it, a chunk of the committed range that is not there is lost
+# data (a copy of the run directory cut short), not zeros.
+CHUNKS_ATTR = "every_chunk_written"
+
+# Without it (stores written before), a chunk of only fill values was left out, and a
+# missing one is lost data only in arrays where such a chunk cannot be: never an empty
+# uid or status, a NaN log-probability, a prompt of no tokens, or 65,536 tokens all 0.
+_NEVER_ALL_FILL = frozenset(
+    {"uid", "status", "prompt_len", "behavior_logprobs", "prompt_tokens", "response_tokens"}
+)
+
+# Write every chunk (an array opened to write to: ``arr.with_config(WRITE_EVERY_CHUNK)``).
+WRITE_EVERY_CHUNK = {"write_empty_chunks": True}
+
+
 def committed_array(store: Path, group: zarr.Group, name: str, n: int) -> zarr.Array:
-    """Array ``name`` of a store, which must hold the ``n`` values committed to it."""
+    """Array ``name`` of a store, which must hold the ``n`` values committed to it, each
+    chunk of them there (:func:`check_chunks`)."""
     try:
         arr = group[name]
     except (KeyError, FileNotFoundError):
@@ -112,17 +148,46 @@ def committed_array(store: Path, group: zarr.Group, name: str, n: int) -> zarr.A
             f"{str(store)!r} has no array {name!r}; it is damaged or not a trajectory "
             "store: restore the run directory from a copy"
         ) from None
-    return _holds(store, name, arr, n)
+    return _holds(store, group, name, arr, n)
 
 
-def _holds(store: Path, name: str, arr: zarr.Array, n: int) -> zarr.Array:
+def _holds(store: Path, group: zarr.Group, name: str, arr: zarr.Array, n: int) -> zarr.Array:
     if arr.shape[0] < n:
         raise StoreError(
             f"{str(store)!r}: {name!r} holds {arr.shape[0]} values but the store committed "
             f"{n}; it was copied while its run wrote it (copy it again once the run has "
             "stopped), or it is damaged (restore it from a copy)"
         )
+    check_chunks(store, group, name, arr, n)
     return arr
+
+
+def check_chunks(store: Path, group: zarr.Group, name: str, arr: zarr.Array, n: int) -> None:
+    """Each chunk of the first ``n`` values of array ``name`` is on disk; zarr reads a
+    missing one as the fill value (zeros: a resume would train on them, and its writer
+    write them back for good). One directory listing, not a read of the chunks (0.2 ms
+    for the 458 chunks of 3e7 tokens; 7 ms every array of a store of 1e5 trajectories).
+    Checked in every array of a store whose writer wrote every chunk
+    (:data:`CHUNKS_ATTR`), else in those where a chunk of fill values cannot be."""
+    if n <= 0 or not (group.attrs.get(CHUNKS_ATTR) or name in _NEVER_ALL_FILL):
+        return
+    count = -(-n // int(arr.chunks[0]))
+    folder, first = os.path.split(arr.metadata.encode_chunk_key((0,)))  # ("c", "0")
+    stem = first[:-1]  # (a 1-d array's keys differ in the number alone)
+    try:
+        there = set(os.listdir(store / name / folder))
+    except FileNotFoundError:
+        there = set()
+    missing = sorted(int(k[len(stem) :]) for k in {f"{stem}{i}" for i in range(count)} - there)
+    missing = [os.path.join(folder, f"{stem}{i}") for i in missing]
+    if missing:
+        raise StoreError(
+            f"{str(store)!r}: array {name!r} lacks chunk {str(store / name / missing[0])!r}"
+            + (f" and {len(missing) - 1} more" if len(missing) > 1 else "")
+            + f" of its {n} committed values (zarr would read it as "
+            f"{fill_value(arr.dtype)!r}s): the data is not there (a copy of the run "
+            "directory cut short?); restore the run directory from the copy it came from"
+        )
 
 
 # zarr writes each metadata file through a temporary ``<name>.<32 hex>.partial`` beside

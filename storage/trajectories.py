@@ -42,10 +42,10 @@ from storage.schema import (
     STATUSES,
     TRAJECTORY_DIM,
 )
+from storage.stores import CHUNKS_ATTR, WRITE_EVERY_CHUNK, _check_markers
 from storage.stores import RUN_STORES as RUN_STORES
 from storage.stores import STORE_NAME as STORE_NAME
 from storage.stores import StoreError as StoreError
-from storage.stores import _check_markers
 from storage.stores import committed_array as committed_array
 from storage.stores import fill_value as fill_value
 from storage.stores import fixed_width as fixed_width
@@ -135,6 +135,7 @@ class TrajectoryWriter:
                 COMMIT_ATTR: 0,
                 "n_committed_tokens": {dim: 0 for dim, _ in RAGGED.values()},
                 EVENT_COMMIT_ATTR: 0,
+                CHUNKS_ATTR: True,  # (append writes every chunk: a missing one is lost)
             }
         )
 
@@ -217,7 +218,9 @@ class TrajectoryWriter:
         # (one listing: a lookup by name reads that array's metadata, ~1 ms an array)
         arrays = dict(self.group.arrays())
         for name, values in (*flat.items(), *per_traj.items(), *leave.items()):
-            arrays[name].append(values)
+            # (a chunk of fill values too: zarr would leave it out, and then a reader
+            # could not tell it from one lost; storage.stores.check_chunks)
+            arrays[name].with_config(WRITE_EVERY_CHUNK).append(values)
         n_committed = self.n_committed + len(records)
         n_events = self.events_committed + len(events)
         # The commit markers go last, in one write of the group's metadata: readers slice

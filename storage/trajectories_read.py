@@ -250,7 +250,22 @@ def open_trajectories(
     the events set), no token-level arrays."""
     store, group = _open_group(path)
     with reading(store):
+        if fields is not None:  # (the rest is checked too: a resume reads its tokens later)
+            _check_all(store, group)
         return _read_trajectories(store, group, fields)
+
+
+def _check_all(store: Path, group: zarr.Group) -> None:
+    """Every array of the store holds its committed values, each chunk of them there."""
+    lengths = {
+        TRAJECTORY_DIM: int(group.attrs[COMMIT_ATTR]),
+        EVENT_DIM: int(group.attrs.get(EVENT_COMMIT_ATTR, 0)),
+        **group.attrs["n_committed_tokens"],
+    }
+    for name, arr in group_arrays(group):
+        (dim,) = arr.metadata.dimension_names
+        if dim in lengths:
+            _holds(store, group, name, arr, lengths[dim])
 
 
 def _read_trajectories(store: Path, group: zarr.Group, fields) -> dict[str, np.ndarray]:
@@ -396,7 +411,7 @@ def _read_run(store: Path, group: zarr.Group) -> xr.Dataset:
     for name, arr in group_arrays(group):
         (dim,) = arr.metadata.dimension_names
         if dim in lengths:
-            _holds(store, name, arr, lengths[dim])
+            _holds(store, group, name, arr, lengths[dim])
         if dim == TRAJECTORY_DIM:
             scalars[name] = arr[:n]
         elif dim != EVENT_DIM:  # token-level: lazy

@@ -97,3 +97,93 @@ def test_values_the_schema_cannot_hold_are_refused_not_cast(tmp_path, field, val
     assert w.append([record(1)]) == 2  # (the writer goes on)
     got = open_trajectories(tmp_path)
     assert got["response_tokens"].tolist() == [100, 101, 102, 103] * 2
+
+
+def _all_zero_versions(tmp_path):
+    """A store whose ``behavior_version`` chunk holds only zeros (zarr's fill value: left
+    out unless its writer writes every chunk)."""
+    w = TrajectoryWriter(tmp_path)
+    w.append([record(i, behavior_version=0) for i in range(4)])
+    return w.path
+
+
+@pytest.mark.parametrize(
+    "name", ["behavior_version", "response_tokens", "loss_mask", "prompt_tokens", "event_uid"]
+)
+def test_a_missing_chunk_is_named_not_read_as_zeros(tmp_path, name):
+    """A copy of a run directory cut short (``zarr.json`` copied, a chunk not): zarr
+    reads the chunk as its fill value; a resume would train on the zeros and its writer
+    write them back for good."""
+    from storage.audit import audit_run
+    from storage.resume import plan_resume
+
+    store = _all_zero_versions(tmp_path)
+    TrajectoryWriter(tmp_path).append(
+        [], [{"uid": "u0", "status": "consumed", "sample_version": 1, "t_sample": 6.0}]
+    )
+    assert open_trajectories(tmp_path)["behavior_version"].tolist() == [0] * 4
+    (store / name / "c" / "0").unlink()
+    said = rf"trajectories.zarr.*array '{name}' lacks chunk .*{name}/c/0.*restore the run"
+    reads = (open_run, open_trajectories, audit_run, TrajectoryWriter)
+    for read in reads:
+        with pytest.raises(StoreError, match=said):
+            read(tmp_path)
+    # the resume's plan reads a few fields, and refuses for any array (before anything
+    # is written: its writer starts later, on the cluster)
+    with pytest.raises(StoreError, match=said):
+        open_trajectories(tmp_path, ["uid"])
+    with pytest.raises(StoreError, match=said):
+        plan_resume(tmp_path, 1)
+
+
+def test_a_store_written_before_every_chunk_was_kept_reads_its_left_out_chunks(tmp_path):
+    """Stores written before :data:`storage.stores.CHUNKS_ATTR` left out chunks of fill
+    values (zarr's default): those arrays read as before; a missing chunk is named only
+    where such a chunk cannot be (an empty uid, 65,536 tokens all 0, ...)."""
+    from storage.stores import CHUNKS_ATTR
+
+    store = _all_zero_versions(tmp_path)
+    meta = json.loads((store / "zarr.json").read_text())
+    del meta["attributes"][CHUNKS_ATTR]
+    (store / "zarr.json").write_text(json.dumps(meta))
+    (store / "behavior_version" / "c" / "0").unlink()  # (as zarr left it out)
+    assert open_trajectories(tmp_path, ["behavior_version"])["behavior_version"].tolist() == [0] * 4
+    assert open_run(tmp_path)["behavior_version"].values.tolist() == [0] * 4
+    (store / "response_tokens" / "c" / "0").unlink()
+    with pytest.raises(StoreError, match=r"array 'response_tokens' lacks chunk"):
+        open_run(tmp_path)
+
+
+def test_an_array_of_only_fill_values_is_written_and_reads_back(tmp_path):
+    store = _all_zero_versions(tmp_path)
+    assert (store / "behavior_version" / "c" / "0").exists()
+    assert (store / "n_migrations" / "c" / "0").exists()
+    assert open_run(tmp_path).sizes["trajectory"] == 4
+
+
+@pytest.mark.parametrize("chunk", ["chunks/seq/c/0", "requests/request_id/c/0"])
+def test_a_truncated_chunk_of_the_recovery_log_is_named(tmp_path, chunk):
+    """The recovery log's arrays are uncompressed: a truncated chunk fails in zarr's codecs
+    with a ValueError (a number array's "cannot reshape", a string array's "data seem
+    truncated"), not the RuntimeError of a failed decompression."""
+    from test_partial_log import _states
+
+    from laminar.partial import PartialCore
+    from storage.partial_log import PartialLogWriter, read_partial_log
+
+    core = PartialCore(journal=True)
+    core.register("r0", 2, _states(["p00-000", "p00-001"], seed=0))
+    core.flush("r0", {"p00-000": (0, [5, 6], [-0.5, -0.5], [2, 2])})
+    PartialLogWriter(tmp_path).append(**core.drain_journal())
+    (f,) = (tmp_path / "partial.zarr").glob(f"g*/{chunk}")
+    f.write_bytes(f.read_bytes()[: f.stat().st_size // 2])
+    with pytest.raises(StoreError, match=r"cannot read .*partial.zarr.*ValueError.*damaged"):
+        read_partial_log(tmp_path)
+
+
+def test_a_value_error_not_of_a_chunk_is_not_called_damage(tmp_path):
+    from storage.stores import reading
+
+    with pytest.raises(ValueError, match="a bug") as e, reading(tmp_path):
+        raise ValueError("a bug")
+    assert not isinstance(e.value, StoreError)
