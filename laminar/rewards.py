@@ -95,6 +95,23 @@ REWARDS: dict[str, RewardFn] = {
 }
 
 
+# A reward that has failed on this many responses and scored none stops what it scores:
+# the run (over REWARD_FAILURE_WINDOW_S, pipelines.driver_polls) and the warm start's
+# evaluation. Every failure discards its group, so no batch would ever be trained.
+REWARD_FAILURES_TO_STOP = 64
+
+
+def never_scores(reward: str, errors: int, seconds: float, latest: str, what: str = "") -> str:
+    """Why a run (or ``what`` of it: "scoring the warm start") stops when ``task.reward``
+    has failed on all ``errors`` responses given to it in ``seconds`` and scored none."""
+    doing = f", {what}" if what else ""
+    return (
+        f"task.reward {reward!r} failed on all {errors} responses it was given and scored "
+        f"none in {seconds:.0f} s{doing} (latest: {latest}); fix the function, or what it "
+        "needs on the workers"
+    )
+
+
 def resolve_reward(name: str) -> RewardFn:
     """The reward function called ``name`` (a :data:`REWARDS` key or ``module:function``)."""
     if name in REWARDS:

@@ -40,6 +40,7 @@ from laminar.model import (
     tiny_config,
 )
 from laminar.prompt_pool import check_answers, encode_prompts
+from laminar.rewards import REWARD_FAILURES_TO_STOP, never_scores
 from laminar.tasks import Prompt, demonstration, length_sigmas, longest_demonstration
 from laminar.update import micro_batches, pack, response_logprobs
 
@@ -49,10 +50,8 @@ logger = logging.getLogger(__name__)
 SFT_VERSION = 2
 EVAL_PROMPTS = 256  # the warm-started policy's reward is measured on this many prompts
 STOP_CHECK_STEPS = 5  # a stopped run's warm start ends within this many steps
-# The run's rule (pipelines.driver_polls.REWARD_FAILURES_TO_STOP): a reward that has
-# failed on this many responses and scored none stops the warm start's scoring too.
-REWARD_FAILURES_TO_STOP = 64
 SCORE_CHUNK = 16  # the warm start's responses scored at a time (checked between)
+SCORING = "scoring the warm start"  # (its reward's failures: laminar.rewards.never_scores)
 
 
 def cache_root(cfg: RunConfig) -> Path:
@@ -270,16 +269,6 @@ def _scoring(cfg: RunConfig) -> str:
     )
 
 
-def _never_scores(reward: str, errors: int, seconds: float, latest: str) -> str:
-    """What the run says when its reward has failed on everything (pipelines'
-    ``StatsPolling._reward_never_scores``), said of the warm start's scoring."""
-    return (
-        f"task.reward {reward!r} failed on all {errors} responses it was given and scored "
-        f"none in {seconds:.0f} s, scoring the warm start (latest: {latest}); fix the "
-        "function, or what it needs on the workers"
-    )
-
-
 def evaluate(cfg: RunConfig, model, tok, prompts: list[Prompt]) -> float:
     """Mean reward of one sampled response per prompt, as the rollouts will sample them."""
     from laminar.engine import GenerationRequest
@@ -320,11 +309,11 @@ def evaluate(cfg: RunConfig, model, tok, prompts: list[Prompt]) -> float:
         failed = [s.error for s in scores if s.error]
         errors, latest = errors + len(failed), failed[-1] if failed else latest
         if errors >= REWARD_FAILURES_TO_STOP and not scored:
-            raise RewardError(_never_scores(t.reward, errors, time.time() - t0, latest))
+            raise RewardError(never_scores(t.reward, errors, time.time() - t0, latest, SCORING))
     if not rewards:  # (every response failed, fewer than the rule's count of them)
         logger.warning(
             "warm start: its reward is nan: %s",
-            _never_scores(t.reward, errors, time.time() - t0, latest),
+            never_scores(t.reward, errors, time.time() - t0, latest, SCORING),
         )
         return float("nan")
     return float(np.mean(rewards))

@@ -189,7 +189,7 @@ def _laminar_config(path: Path) -> bool:
 
     try:
         data = yaml.safe_load((path / "config.yaml").read_text())
-    except (OSError, yaml.YAMLError):
+    except (OSError, ValueError, yaml.YAMLError):  # (ValueError: not UTF-8 text)
         return False
     return isinstance(data, dict) and bool(data.get("run_dir"))
 

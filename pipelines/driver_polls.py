@@ -15,16 +15,17 @@ import logging
 import time
 
 from laminar.cluster import actor_result, is_lost
+from laminar.rewards import REWARD_FAILURES_TO_STOP, never_scores
 
 logger = logging.getLogger("laminar")
 
 # A data-module (or trainer) call that failed as if lost, with its worker still on the
 # scheduler's books, is tried again for this long before the run fails.
 DATA_SUSPECT_S = 10.0
-# A run whose reward function has failed on this many responses, over this long, and
-# scored none stops: every failure discards its group, so no batch would ever reach the
-# trainer. (The window lets a reward service that starts late, or restarts, catch up.)
-REWARD_FAILURES_TO_STOP = 64
+# A run whose reward function has failed on REWARD_FAILURES_TO_STOP responses, over this
+# long, and scored none stops: every failure discards its group, so no batch would ever
+# reach the trainer. (The window lets a reward service that starts late, or restarts,
+# catch up.)
 REWARD_FAILURE_WINDOW_S = 60.0
 # How long a poll waits for the rollouts' stats. A call still unanswered then is kept and
 # read at a later poll, not made again: a silent rollout (lost but not yet detected, or
@@ -57,11 +58,7 @@ class StatsPolling:
         ):
             return None
         latest = next((s["last_reward_error"] for s in r_stats if s.get("last_reward_error")), "")
-        return (
-            f"task.reward {self.cfg.task.reward!r} failed on all {errors} responses it was "
-            f"given and scored none in {now - self._reward_failing_since:.0f} s (latest: "
-            f"{latest}); fix the function, or what it needs on the workers"
-        )
+        return never_scores(self.cfg.task.reward, errors, now - self._reward_failing_since, latest)
 
     def _data_stats(self) -> tuple[dict, dict]:
         """The buffer's and prompt pool's stats; while a lost data module is rebuilt
