@@ -217,6 +217,7 @@ class MovesMixin:
             if self._held and time.time() - self._held_since > limit:
                 # (a release may come meanwhile: then nothing is taken back)
                 if n := self._take_back():
+                    self.counts["holds_timed_out"] += 1
                     logger.warning(
                         "rollout %s: held by a move for over %.0f s, neither released nor "
                         "aborted (the manager was lost?): took its %d requests back",
@@ -224,4 +225,3 @@ class MovesMixin:
                         limit,
                         n,
                     )
-                    self.counts["holds_timed_out"] += 1

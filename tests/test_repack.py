@@ -415,7 +415,8 @@ def test_a_source_nobody_releases_takes_its_requests_back(tiny_policy, small_con
     try:
         assert src.export_for_move() is not None and src._held
         deadline = time.time() + HOLD_LIMIT_TIMEOUTS * 0.5 + 5
-        while src._held and time.time() < deadline:
+        # (the decode thread takes the requests back, then counts it: wait for both)
+        while (src._held or not src.counts["holds_timed_out"]) and time.time() < deadline:
             time.sleep(0.05)
         assert not src._held and len(src.engine.request_ids()) == 3
         assert src.counts["holds_timed_out"] == 1
