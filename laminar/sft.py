@@ -18,6 +18,7 @@ import dataclasses
 import hashlib
 import json
 import logging
+import math
 import os
 import shutil
 import tempfile
@@ -29,7 +30,7 @@ import numpy as np
 import torch
 
 from laminar.config import RunConfig
-from laminar.errors import ConfigError, RewardError, RunStopped
+from laminar.errors import ConfigError, RunStopped
 from laminar.files import replace_text, sync_dir, sync_tree
 from laminar.model import (
     build_tiny_policy,
@@ -189,6 +190,8 @@ def warm_start(
             model, tok = load_policy(out)
             rewards = {**rewards, scoring: evaluate(cfg, model, tok, prompts[-EVAL_PROMPTS:])}
             info["eval_rewards"] = rewards
+            if not math.isfinite(rewards[scoring]):  # (nothing scored: not kept)
+                return out, {**_public(info), "eval_reward": rewards[scoring], "cached": True}
             try:
                 replace_text(out / "sft_info.json", json.dumps(info, indent=2))
             except OSError as e:  # a read-only cache: the score is not kept, the run goes on
@@ -212,14 +215,16 @@ def warm_start(
         model.save_pretrained(tmp)
         tok.save_pretrained(tmp)
         (tmp / "sft_info.json").write_text(json.dumps(info, indent=2))
-    # scored once kept: a reward that fails on everything stops the run (RewardError),
-    # and the run that follows its fix scores these weights without training them again
-    # (merged into the entry's file: another run's copy may have been renamed in first)
+    # (the weights kept before they are scored: a run stopped meanwhile, or whose reward
+    # failed on everything, is followed by one that scores them without training again;
+    # a nan score is not kept, so that one scores them. Merged into the entry's file:
+    # another run's copy may have been renamed in first.)
     reward = evaluate(cfg, model, tok, prompts[-EVAL_PROMPTS:])
     info["eval_rewards"] = {scoring: reward}
-    kept = _cached_info(out) or dict(info)
-    kept["eval_rewards"] = {**kept.get("eval_rewards", {}), scoring: reward}
-    replace_text(out / "sft_info.json", json.dumps(kept, indent=2))
+    if math.isfinite(reward):
+        kept = _cached_info(out) or dict(info)
+        kept["eval_rewards"] = {**kept.get("eval_rewards", {}), scoring: reward}
+        replace_text(out / "sft_info.json", json.dumps(kept, indent=2))
     return out, {**_public(info), "eval_reward": info["eval_rewards"][scoring]}
 
 
@@ -297,8 +302,11 @@ def evaluate(cfg: RunConfig, model, tok, prompts: list[Prompt]) -> float:
     t = cfg.task
     rewards: list[float] = []
     scored, errors, latest, t0 = 0, 0, "", time.time()
-    # (in chunks: a reward that fails on every response, hanging till its timeout say,
-    # stops the warm start as the run's rule stops the run, not after every response)
+    # In chunks: a reward that fails on every response (hanging till its timeout, say)
+    # is given up on by the run's rule (REWARD_FAILURES_TO_STOP, none scored), not after
+    # every response. The score is then nan and the run goes on: its rollouts' failures
+    # stop it by the same rule over REWARD_FAILURE_WINDOW_S, which lets a reward service
+    # that starts late catch up (pipelines.driver_polls).
     for i in range(0, len(items), SCORE_CHUNK):
         chunk = items[i : i + SCORE_CHUNK]
         scores = score_batch(t.reward, chunk, t.truncated_reward, t.reward_timeout_s)
@@ -309,10 +317,10 @@ def evaluate(cfg: RunConfig, model, tok, prompts: list[Prompt]) -> float:
         failed = [s.error for s in scores if s.error]
         errors, latest = errors + len(failed), failed[-1] if failed else latest
         if errors >= REWARD_FAILURES_TO_STOP and not scored:
-            raise RewardError(never_scores(t.reward, errors, time.time() - t0, latest, SCORING))
-    if not rewards:  # (every response failed, fewer than the rule's count of them)
+            break
+    if errors and not scored:  # (the responses not cut off all failed: no score)
         logger.warning(
-            "warm start: its reward is nan: %s",
+            "warm start: its reward is nan (not kept in the cache): %s",
             never_scores(t.reward, errors, time.time() - t0, latest, SCORING),
         )
         return float("nan")
