@@ -19,7 +19,6 @@ from __future__ import annotations
 import json
 import logging
 import random
-import zipfile
 from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
@@ -373,18 +372,12 @@ def _check_files(ckpt: Path) -> dict:
     which the pre-start check of ``model.path`` runs too), the zip directories of
     ``optimizer.pt`` and ``rng.pt``, and its ``data_state.json`` when it has one; no tensor
     is loaded, so this is cheap enough to run before the cluster starts."""
-    from laminar.model import check_model_files
+    from laminar.model import check_model_files, check_torch_file
     from laminar.prompt_pool import data_position
 
     config = check_model_files(ckpt, _damaged)
-    for name in ("optimizer.pt", "rng.pt"):  # torch.save's zip: its directory, no data
-        path = ckpt / name
-        try:
-            with zipfile.ZipFile(path) as z:
-                if not z.namelist():
-                    raise ValueError("it holds nothing")
-        except (zipfile.BadZipFile, OSError, ValueError) as e:
-            raise _damaged(path, e) from None
+    for name in ("optimizer.pt", "rng.pt"):
+        check_torch_file(ckpt / name, _damaged)
     data_position(ckpt)  # (its own CheckpointError: no file is position 0)
     return config
 

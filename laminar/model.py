@@ -139,8 +139,6 @@ def check_model_files(folder: Path, damaged: Callable[[Path, Exception], Excepti
     offsets) or the zip directory of ``pytorch_model.bin``; no tensor is loaded, so this
     is cheap enough to run before the cluster starts. A damaged file raises
     ``damaged(path, error)``: the caller says what to do about it."""
-    import zipfile
-
     from safetensors import SafetensorError, safe_open
     from tokenizers import Tokenizer
 
@@ -161,14 +159,22 @@ def check_model_files(folder: Path, damaged: Callable[[Path, Exception], Excepti
         except (SafetensorError, OSError, ValueError) as e:
             raise damaged(path, e) from None
     path = folder / "pytorch_model.bin"
-    if path.exists() and not any(folder.glob("*.safetensors")):  # torch.save's zip
-        try:
-            with zipfile.ZipFile(path) as z:
-                if not z.namelist():
-                    raise ValueError("it holds nothing")
-        except (zipfile.BadZipFile, OSError, ValueError) as e:
-            raise damaged(path, e) from None
+    if path.exists() and not any(folder.glob("*.safetensors")):
+        check_torch_file(path, damaged)
     return config
+
+
+def check_torch_file(path: Path, damaged) -> None:
+    """Raise ``damaged(path, error)`` unless ``path`` is a whole ``torch.save`` file (a
+    zip: its directory read, no data)."""
+    import zipfile
+
+    try:
+        with zipfile.ZipFile(path) as z:
+            if not z.namelist():
+                raise ValueError("it holds nothing")
+    except (zipfile.BadZipFile, OSError, ValueError) as e:
+        raise damaged(path, e) from None
 
 
 def check_policy_dir(path: str | Path) -> Path:
