@@ -382,10 +382,12 @@ class DataRestart:
         # another rollout, whose requests would share their ids): the order starts at
         # the lost pool's dispatch lease, past every position it handed out (the
         # positions between go untrained; laminar.lease).
-        lease = read_lease(s.run_dir) if silent else None
-        if silent and lease is None:  # (none readable: the back-pressure bound on what is out)
-            lease = plan.start + cfg.buffer.max_outstanding_groups
-        gap = max(0, lease - plan.start) if silent else 0
+        gap, lease = 0, None
+        if silent:
+            lease = read_lease(s.run_dir)
+            if lease is None:  # (none readable: the back-pressure bound on what is out)
+                lease = plan.start + cfg.buffer.max_outstanding_groups
+            gap = max(0, lease - plan.start)
         plan.start += gap
         mark("plan_s")
         order = ResumePlan(
