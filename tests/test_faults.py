@@ -796,7 +796,9 @@ def test_a_lost_trainer_restarts_within_the_run_while_rollouts_generate(tmp_path
     # The rollouts went on generating while no trainer ran, up to the back-pressure
     # bound (this trainer-bound run is at it by the kill), never waiting on the lost
     # master: a batch boundary whose relay is unreachable keeps the weights it has.
-    t_back = t_kill + r["restart_s"]
+    # (from the stuck update to the new trainer: r["time"] is when the driver found the
+    # trainer lost, a heartbeat timeout after the kill; r["restart_s"] runs from there)
+    t_back = r["time"] + r["restart_s"]
     rows = open_metrics(run_dir, "cluster")
     wall = rows["wall_time"].values.astype("datetime64[ns]").astype(np.int64) / 1e9
     down = (wall > t_kill) & (wall < t_back)
