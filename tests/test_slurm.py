@@ -17,8 +17,7 @@ import pytest
 from conftest import REPO, SMALL_RUN
 from runs import check_store, cli_run, laminar_cli, sets
 
-# (one worker of a parallel run takes them all: they share the module's private Slurm)
-pytestmark = [pytest.mark.slurm, pytest.mark.slow, pytest.mark.xdist_group("slurm")]
+pytestmark = [pytest.mark.slurm, pytest.mark.slow]
 
 SINGLE_NODE = REPO / "deploy" / "slurm" / "single-node"
 
