@@ -22,6 +22,7 @@ from pathlib import Path
 import numpy as np
 
 from storage.schema import STATUSES
+from storage.stores import StoreError
 
 
 @dataclass
@@ -104,10 +105,33 @@ def audit_run(run_dir: str | Path) -> AuditReport:
         report.problems.append(f"{int((sizes > want).sum())} groups have more members than size")
 
     _audit_staleness(ds, report)
-    _audit_updates(run_dir, ds, report)
-    unfinished = _audit_log(run_dir, ds, report)
-    _audit_faults(run_dir, ds, report, unfinished)
+    _checked(report, "published versions", _audit_updates, run_dir, ds, report)
+    # (a damaged log cannot bound what a lost rollout may be missing: neither is checked)
+    log = "the recovery log and the lost rollouts' recovery"
+    unfinished = _checked(report, log, _audit_log, run_dir, ds, report)
+    if unfinished is not None or not _has_log(run_dir):
+        _checked(
+            report, "the lost rollouts' recovery", _audit_faults, run_dir, ds, report, unfinished
+        )
     return report
+
+
+def _has_log(run_dir: Path) -> bool:
+    from storage.partial_log import STORE_NAME
+
+    return (run_dir / STORE_NAME).exists()
+
+
+def _checked(report: AuditReport, what: str, check, *args):
+    """``check(*args)``; a store it reads that is damaged (``metrics.zarr``,
+    ``partial.zarr``) is a problem that names the store and its fix, and the audit's
+    other checks are still made (it refused the whole audit, the trajectory store's
+    checks too). Returns what ``check`` returns, ``None`` where it could not run."""
+    try:
+        return check(*args)
+    except StoreError as e:
+        report.problems.append(f"{what} not checked: {e}")
+        return None
 
 
 # What each barrier schedule promises of every consumed trajectory's s_train
@@ -224,9 +248,9 @@ def _audit_log(run_dir: Path, ds, report: AuditReport) -> list[dict] | None:
     held is what a resume generates again. Returns the unfinished entries (as
     :func:`storage.partial_log.log_entries` gives them); ``None``: the run wrote no
     log."""
-    from storage.partial_log import STORE_NAME, log_entries
+    from storage.partial_log import log_entries
 
-    if not (run_dir / STORE_NAME).exists():
+    if not _has_log(run_dir):
         return None
     stored = set(ds["uid"].values.tolist())
     left = {rid: e for rid, e in log_entries(run_dir).items() if rid not in stored}
@@ -374,7 +398,7 @@ def _ended(run_dir: Path) -> bool:
 
     try:
         starts = len(segments(open_metrics(run_dir, "cluster")))
-    except (FileNotFoundError, KeyError):
+    except (FileNotFoundError, KeyError, StoreError):  # (a damaged one: named where read)
         return True
     return starts <= summary.get("segments", 1)
 

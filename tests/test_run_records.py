@@ -5,6 +5,7 @@ progress a notebook shows. Synthetic stores, no cluster."""
 from __future__ import annotations
 
 import json
+import shutil
 
 from factories import trajectory
 
@@ -238,3 +239,43 @@ def test_the_report_counts_the_replacements_a_failed_drivers_summary_carries():
     assert _replacements(failed) == 1
     carried = {"faults": {"replacements": {"r0": "r3"}, "earlier": earlier}}
     assert _replacements(carried) == 2
+
+
+def test_a_damaged_metrics_or_recovery_log_is_a_problem_and_the_other_checks_are_made(tmp_path):
+    """A damaged metrics.zarr made the audit raise: no report at all, not even the
+    trajectory store's checks, which do not read it. Each check that reads a damaged
+    store is now a problem naming the store and its fix; the others are made."""
+    from laminar.partial import PartialCore
+    from storage.audit import audit_run
+    from storage.partial_log import PartialLogWriter
+
+    _store(tmp_path)
+    metrics = MetricsWriter(tmp_path)
+    metrics.append("faults", [_fault("r1", T0 + 3, segment=0)])
+    metrics.append("updates", [{"version": 1, "loss": 0.5}])
+    PartialLogWriter(tmp_path).append(**PartialCore(journal=True).drain_journal())
+    summary = {"reason": "completed", "segments": 1, "faults": {"lost": {"r1": T0 + 3}}}
+    (tmp_path / "summary.json").write_text(json.dumps(summary))
+    report = audit_run(tmp_path)
+    assert report.figures["rollouts lost"] == 1
+    (unconsumed,) = report.problems  # (the update's batch is not in this synthetic store)
+    assert unconsumed.startswith("the trainer published 1 versions, but the store holds no")
+    (tmp_path / "metrics.zarr" / "faults" / "zarr.json").write_text("{")
+    report = audit_run(tmp_path)
+    assert report.figures["trajectories"] == 4 and report.figures["groups"] == 4
+    assert "rollouts lost" not in report.figures
+    assert report.problems[0] == unconsumed
+    problem = report.problems[1]
+    assert problem.startswith("the lost rollouts' recovery not checked: cannot read '")
+    assert "metrics.zarr" in problem and "restore the run directory from a copy" in problem
+    (tmp_path / "metrics.zarr" / "updates" / "zarr.json").write_text("{")
+    assert [p.split(":")[0] for p in audit_run(tmp_path).problems] == [
+        "published versions not checked",
+        "the lost rollouts' recovery not checked",
+    ]
+    # a damaged recovery log: the lost rollouts cannot be bounded by it, nor checked
+    shutil.rmtree(tmp_path / "metrics.zarr")
+    (tmp_path / "partial.zarr" / "zarr.json").write_text("{")
+    (problem,) = audit_run(tmp_path).problems
+    assert problem.startswith("the recovery log and the lost rollouts' recovery not checked")
+    assert "partial.zarr" in problem
