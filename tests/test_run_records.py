@@ -279,3 +279,10 @@ def test_a_damaged_metrics_or_recovery_log_is_a_problem_and_the_other_checks_are
     (problem,) = audit_run(tmp_path).problems
     assert problem.startswith("the recovery log and the lost rollouts' recovery not checked")
     assert "partial.zarr" in problem
+    # a damaged summary.json was taken as absent, silently: the run's losses unchecked
+    shutil.rmtree(tmp_path / "partial.zarr")
+    for text, said in [("{", "cannot be read (JSONDecodeError"), ("[]", "is not a JSON object")]:
+        (tmp_path / "summary.json").write_text(text)
+        (problem,) = audit_run(tmp_path).problems
+        assert problem.startswith(f"'{tmp_path}/summary.json' {said}"), problem
+        assert problem.endswith("restore it from a copy")
