@@ -10,6 +10,7 @@ rollouts' KV use, and ``events-N.png`` draws the events behind them: weight publ
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
 
 import numpy as np
@@ -19,19 +20,36 @@ from pipelines.summary import reward_first_last
 from storage import open_run
 from storage.audit import rollout_losses
 from storage.metrics import TABLES, open_metrics, segments, time_origin
-from storage.trajectories import reading
+from storage.trajectories import StoreError, reading
+
+logger = logging.getLogger("laminar")
 
 
 def _load(run_dir: Path) -> dict:
-    run = {"name": run_dir.name, "dir": run_dir, "ds": open_run(run_dir)}
+    """A run's stores. A damaged metrics table or ``summary.json`` is left out, as if
+    absent, and named in ``damaged`` (the report says so): the figures that do not read
+    it are still drawn (it refused the whole report, as a damaged trajectory store
+    still does: every figure reads that)."""
+    run = {"name": run_dir.name, "dir": run_dir, "ds": open_run(run_dir), "damaged": []}
     for table in TABLES:
         try:
             run[table] = open_metrics(run_dir, table)
         except (FileNotFoundError, KeyError):
             run[table] = None
+        except StoreError as e:
+            run[table] = None
+            run["damaged"].append(f"metrics table {table!r} left out: {e}")
     summary = run_dir / "summary.json"
-    with reading(summary):
-        run["summary"] = json.loads(summary.read_text()) if summary.exists() else {}
+    try:
+        with reading(summary):
+            run["summary"] = json.loads(summary.read_text()) if summary.exists() else {}
+        if not isinstance(run["summary"], dict):
+            raise StoreError(f"{str(summary)!r} is not a JSON object; restore it from a copy")
+    except StoreError as e:
+        run["summary"] = {}
+        run["damaged"].append(f"summary.json left out: {e}")
+    for damaged in run["damaged"]:
+        logger.warning("%s: %s", run_dir, damaged)
     # Event tables hold epoch seconds; the time series hold seconds since the run began.
     run["t0"] = None if run["cluster"] is None else time_origin(run["cluster"])
     run["starts"] = [] if run["cluster"] is None else segments(run["cluster"])
@@ -410,6 +428,9 @@ def build_report(run_dirs: list[str | Path], out: str | Path | None = None) -> P
         *(_events_row(r) for r in runs),
         "",
     ]
+    damaged = [f"- {r['name']}: {d}" for r in runs for d in r["damaged"]]
+    if damaged:
+        lines += ["## Damaged stores (their figures and columns are left out)", "", *damaged, ""]
     lines += [f"![{name}]({name})" for name in figures if name]
     report = out / "report.md"
     report.write_text("\n".join(lines) + "\n")

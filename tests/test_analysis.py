@@ -1,5 +1,7 @@
 """The ``Dataset.laminar`` analysis figures agree with a direct computation on raw arrays."""
 
+import logging
+
 import numpy as np
 import pytest
 
@@ -170,7 +172,7 @@ def test_several_runs_in_one_dataset(run, tmp_path):
     assert "response_tokens" not in both  # token-level arrays stay with open_run
 
 
-def test_report_draws_the_events_of_a_run(run, tmp_path):
+def test_report_draws_the_events_of_a_run(run, tmp_path, caplog):
     """Repack moves, a lost rollout and its recovery, publications: in report.md's events
     table and as figures, on the run's own clock (event tables hold epoch seconds)."""
     import json
@@ -254,6 +256,26 @@ def test_report_draws_the_events_of_a_run(run, tmp_path):
     # publications, median stall / broadcast (ms), moves, lost, by how, replacements
     assert "| run | 3 | 2.0 | 20.0 | 1 | 1 | import 7, rescore 4 | 1 |" in text
     assert "![events-0.png](events-0.png)" in text
+    assert "Damaged stores" not in text
+
+    # A damaged table or summary.json refused the whole report (a StoreError): each is
+    # left out and named; the figures that do not read them are drawn.
+    (run_dir / "metrics.zarr" / "faults" / "zarr.json").write_text("{")
+    (run_dir / "summary.json").write_text("[]")
+    with caplog.at_level(logging.WARNING, logger="laminar"):
+        report = build_report([run_dir], tmp_path / "damaged")
+    made = {p.name for p in report.parent.iterdir()}
+    assert {"rollouts-0.png", "events-0.png", "buffer.png", "reward.png"} <= made
+    text = report.read_text()
+    assert "| run | 3 | 2.0 | 20.0 | 0 | 0 | - | 0 |" in text  # (no faults rows, no summary)
+    damaged = text.split("## Damaged stores (their figures and columns are left out)\n\n")[1]
+    faults, summary_json = damaged.splitlines()[:2]
+    assert faults.startswith("- run: metrics table 'faults' left out: cannot read '")
+    assert summary_json == (
+        f"- run: summary.json left out: '{run_dir}/summary.json' is not a JSON object; "
+        "restore it from a copy"
+    )
+    assert caplog.text.count("left out") == 2
 
 
 def test_buffer_age_leaves_out_the_time_a_resumed_run_was_stopped(tmp_path):
