@@ -148,6 +148,9 @@ class Trainer(DataLinkMixin, PublicationMixin):
         # (read from the actor's thread, by get_fingerprints, while the loop publishes)
         self._fingerprints_lock = threading.Lock()
         self.history: list[dict] = []
+        # The version of each update skipped (its batch consumed, nothing published): the
+        # next batch is consumed at the same version (the audit's bound, storage.audit).
+        self.skipped_updates: list[int] = []
         self.done = False
         self.error: str | None = None
         self.checkpoint: str | None = None
@@ -232,6 +235,7 @@ class Trainer(DataLinkMixin, PublicationMixin):
             "data_rebuilds": self._data_epoch,
             "silent_s": self.heartbeat(),
             "skipped_steps": self.learner.skipped_steps,
+            "skipped_updates": list(self.skipped_updates),
             "ranks": self.ranks,
             "weights_checksum": self.weights_checksum,
             "checkpoint": self.checkpoint,
@@ -370,6 +374,7 @@ class Trainer(DataLinkMixin, PublicationMixin):
         return {"update_s": busy, **batch_stats(trained), **totals}
 
     def _skipped(self) -> None:
+        self.skipped_updates.append(self.version)
         logger.warning(
             "update at version %d skipped: non-finite loss or gradient (%d so far); its "
             "batch is consumed, no weights are published",

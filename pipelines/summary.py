@@ -252,6 +252,9 @@ def summarize(run_dir: Path, raw: dict, sft_info: dict, cfg: RunConfig) -> dict:
         "engine": _engine_summary(raw["rollouts"]),
         "trainer_ranks": cfg.trainer.ranks,
         "skipped_steps": raw["trainer"]["skipped_steps"],
+        # (the versions of updates skipped, and the batch each consumed: storage.audit)
+        "skipped_updates": raw["trainer"]["skipped_updates"],
+        "groups_per_step": cfg.trainer.groups_per_step,
         "checkpoint": raw["trainer"]["checkpoint"],
         # Data-parallel ranks end with equal weights: one checksum per rank, rank 0 first.
         "weights_checksums": [raw["trainer"]["weights_checksum"]]

@@ -108,6 +108,7 @@ def audit_run(run_dir: str | Path) -> AuditReport:
     if damaged := _summary_damage(run_dir):
         report.problems.append(damaged)
     _checked(report, "published versions", _audit_updates, run_dir, ds, report)
+    _audit_batches(run_dir, ds, report)
     # (a damaged log cannot bound what a lost rollout may be missing: neither is checked)
     log = "the recovery log and the lost rollouts' recovery"
     unfinished = _checked(report, log, _audit_log, run_dir, ds, report)
@@ -225,6 +226,47 @@ def _audit_updates(run_dir: Path, ds, report: AuditReport) -> None:
             report,
             f"{len(missing)} published versions trained a batch the store does not hold "
             f"as consumed (at sample_version one less), e.g. version {missing[0]}",
+        )
+
+
+def _audit_batches(run_dir: Path, ds, report: AuditReport) -> None:
+    """No version trained more groups than its updates took: ``trainer.groups_per_step``
+    for each, one more update for each skipped at it (non-finite: its batch consumed,
+    nothing published, the next one consumed at the same version). A group consumed
+    twice over, or a batch sampled twice (a retried sample), passes every other check.
+
+    From ``summary.json`` (its trainer's ``skipped_updates``), so only where it holds
+    them all: a run of one start whose trainer was never restarted (a lost trainer's
+    skips are lost with it). Fewer groups than that is no problem: a stop in the middle
+    of a stream update, a lost update's groups consumed again later."""
+    summary = _summary(run_dir)
+    if "skipped_updates" not in summary or int(summary.get("segments", 1)) != 1:
+        return  # (a run recorded before they were, or resumed: the earlier starts' lost)
+    faults = summary.get("faults") or {}
+    if faults.get("trainer_restarts") or faults.get("core_restarts"):
+        return
+    consumed = (ds["status"].values == "consumed") & (ds["sample_version"].values >= 0)
+    pairs = set(
+        zip(
+            ds["sample_version"].values[consumed].tolist(),
+            ds["prompt_uid"].values[consumed].tolist(),
+            strict=True,
+        )
+    )
+    if not pairs:
+        return
+    v, n = np.unique(np.fromiter((k for k, _ in pairs), np.int64, len(pairs)), return_counts=True)
+    skipped = np.array([summary["skipped_updates"].count(int(x)) for x in v])
+    bound = int(summary["groups_per_step"]) * (1 + skipped)
+    over = n > bound
+    report.figures["groups trained, max per version"] = int(n.max())
+    if over.any():
+        i = int(np.argmax(over))
+        report.problems.append(
+            f"{int(over.sum())} versions trained more groups than their updates took, e.g. "
+            f"version {int(v[i])}: {int(n[i])} groups consumed at it, its updates "
+            f"({1 + int(skipped[i])}, {int(skipped[i])} skipped) took {int(bound[i])} "
+            "(trainer.groups_per_step each): a batch sampled twice, or groups consumed twice"
         )
 
 

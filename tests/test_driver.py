@@ -78,6 +78,7 @@ def _trainer_stats(done: bool = True) -> dict:
         "last": None,
         "checkpoint": None,
         "skipped_steps": 0,
+        "skipped_updates": [],
         "weights_checksum": 0,
         "paced": None,
     }

@@ -286,3 +286,52 @@ def test_a_damaged_metrics_or_recovery_log_is_a_problem_and_the_other_checks_are
         (problem,) = audit_run(tmp_path).problems
         assert problem.startswith(f"'{tmp_path}/summary.json' {said}"), problem
         assert problem.endswith("restore it from a copy")
+
+
+def test_the_audit_bounds_the_groups_a_version_trained_by_its_updates(tmp_path):
+    """Two batches consumed at version 1 audited clean (every other check passes: the
+    groups are whole, each published version trained one): a batch sampled twice, as a
+    retried sample once did. A version trains groups_per_step groups per update, one
+    more update for each skipped at it (non-finite: nothing published)."""
+    from storage.audit import audit_run
+
+    def batch(version: int, first: int) -> list:
+        return [
+            trajectory(
+                f"g{g}-{i}",
+                f"g{g}",
+                sample_idx=i,
+                status="consumed",
+                finish_version=version,
+                sample_version=version,
+                t_sample=1.0 + version,
+            ).to_record()
+            for g in range(first, first + 2)
+            for i in range(2)
+        ]
+
+    TrajectoryWriter(tmp_path).append(batch(0, 0) + batch(1, 2) + batch(1, 4))
+    MetricsWriter(tmp_path).append("updates", [{"version": v, "loss": 0.5} for v in (1, 2)])
+    summary = {"reason": "completed", "segments": 1, "groups_per_step": 2}
+    for skipped, problems in [
+        ([], ["1 versions trained more groups than their updates took, e.g. version 1: "]),
+        ([1], []),  # (its first batch trained nothing: the second was consumed at it too)
+        ([0], ["1 versions trained more groups than their updates took, e.g. version 1: "]),
+    ]:
+        (tmp_path / "summary.json").write_text(json.dumps(summary | {"skipped_updates": skipped}))
+        report = audit_run(tmp_path)
+        assert [p[: len(w)] for p, w in zip(report.problems, problems, strict=False)] == problems
+        assert len(report.problems) == len(problems), report.problems
+        assert report.figures["groups trained, max per version"] == 4
+    assert report.problems[0].endswith(
+        "4 groups consumed at it, its updates (1, 0 skipped) took 2 (trainer.groups_per_step "
+        "each): a batch sampled twice, or groups consumed twice"
+    )
+    # not checked where summary.json may lack skips: a restarted trainer's, an older run's
+    restarted = {"faults": {"trainer_restarts": [{"checkpoint_version": 0}]}}
+    (tmp_path / "summary.json").write_text(
+        json.dumps(summary | restarted | {"skipped_updates": []})
+    )
+    assert "groups trained, max per version" not in audit_run(tmp_path).figures
+    (tmp_path / "summary.json").write_text(json.dumps(summary))
+    assert "groups trained, max per version" not in audit_run(tmp_path).figures
