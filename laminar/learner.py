@@ -8,10 +8,12 @@ computes a shard of it; gradients are summed over ranks (``all_reduce``), so eve
 takes the same steps and holds the same weights.
 
 A checkpoint (:meth:`Learner.save`) is a plain HF folder (safetensors weights, config,
-tokenizer) plus ``optimizer.pt``, ``rng.pt`` and ``trainer_state.json``. Resuming from it
-(``Learner(..., resume_from=dir)``) continues bit-identically to an uninterrupted run fed
-the same batches; a checkpoint of another model shape or optimizer setting is refused with
-the mismatch named.
+tokenizer) plus ``optimizer.pt``, ``rng.pt`` and ``trainer_state.json``, and
+``manifest.json``: the size and digest of each file (:mod:`laminar.files`). Resuming from
+it (``Learner(..., resume_from=dir)``) continues bit-identically to an uninterrupted run
+fed the same batches; a checkpoint of another model shape or optimizer setting is refused
+with the mismatch named, and one whose files changed since they were written (a flipped
+byte, a file cut short or replaced) with the file named.
 """
 
 from __future__ import annotations
@@ -47,6 +49,18 @@ ARCH_KEYS = (
     "num_attention_heads",
     "num_key_value_heads",
     "tie_word_embeddings",
+)
+
+
+# The files every checkpoint has (Learner.save writes them; a resume refuses one without).
+CHECKPOINT_FILES = (
+    "config.json",
+    "tokenizer.json",
+    "tokenizer_config.json",  # (without it the tokenizer loads with no EOS, silently)
+    "model.safetensors",
+    "optimizer.pt",
+    "rng.pt",
+    "trainer_state.json",
 )
 
 
@@ -100,7 +114,8 @@ class Learner:
             from transformers import AutoConfig
 
             config = AutoConfig.from_pretrained(check_policy_dir(policy_dir), local_files_only=True)
-            state = check_checkpoint(resume_from, config, cfg)
+            # (a run's pre-start check warned of a checkpoint it cannot verify already)
+            state = check_checkpoint(resume_from, config, cfg, warn_unchecked=False)
         self.model, self.tok = load_policy(policy_dir if resume_from is None else resume_from)
         t = cfg.trainer
         self.optimizer = torch.optim.AdamW(
@@ -241,8 +256,13 @@ class Learner:
 
     # -- checkpoints ----------------------------------------------------------------------------
     def save(self, out: str | Path) -> Path:
-        """Write a checkpoint folder; ``trainer_state.json`` last, so a folder that has it
-        is complete."""
+        """Write a checkpoint folder; ``trainer_state.json``, then ``manifest.json`` (the
+        size and digest of every file, for :func:`check_checkpoint`) last, so a folder
+        that has them is complete. ``data_state.json``, which the trainer writes beside
+        them and the driver rewrites at the stop, is left out of the manifest."""
+        from laminar.files import write_manifest
+        from laminar.prompt_pool import DATA_STATE
+
         out = Path(out)
         out.mkdir(parents=True, exist_ok=True)
         self.model.save_pretrained(out)
@@ -268,6 +288,7 @@ class Learner:
             "trainer": self.cfg.trainer.model_dump(mode="json"),
         }
         (out / "trainer_state.json").write_text(json.dumps(state, indent=2))
+        write_manifest(out, leave_out=(DATA_STATE,))
         return out
 
     def _on_cuda(self) -> bool:
@@ -346,12 +367,75 @@ def checkpoint_version(ckpt: str | Path) -> int:
     return int(_trainer_state(path)["version"])
 
 
-def _damaged(path: Path, e: Exception) -> CheckpointError:
-    return CheckpointError(
-        f"{str(path)!r} is damaged ({type(e).__name__}: {e}); point at another "
-        "checkpoints/version-N folder (or, to resume in place, move this one aside: "
-        f"rename it, e.g. to {path.parent.name}.damaged)"
+def _damaged(path: Path, e: Exception | str) -> CheckpointError:
+    what = e if isinstance(e, str) else f"{type(e).__name__}: {e}"
+    return CheckpointError(f"{str(path)!r} is damaged ({what}); {_another(path.parent)}")
+
+
+def _another(ckpt: Path) -> str:
+    """How to resume from a checkpoint other than the damaged ``ckpt`` (the one before
+    it named, where its run has one)."""
+    mine = ckpt.name.removeprefix("version-")
+    older = [
+        p.name
+        for p in ckpt.parent.glob("version-*")
+        if mine.isdigit()
+        and p.name.removeprefix("version-").isdigit()
+        and int(p.name.removeprefix("version-")) < int(mine)
+    ]
+    before = max(older, key=lambda n: int(n.removeprefix("version-")), default=None)
+    run = ckpt.parent.parent if ckpt.parent.name == "checkpoints" else "RUN_DIR"
+    return (
+        "resume from an earlier checkpoint"
+        + (f" ({before}, beside it)" if before else "")
+        + f": to resume in place (`laminar run --resume {run}`), move this one aside "
+        f"first, renaming it, e.g. to {ckpt.name}.damaged (the resume takes the newest "
+        "version-<digits> folder); for a new run, set trainer.resume_from to another "
+        "checkpoints/version-N folder"
     )
+
+
+def _check_digests(ckpt: Path, warn_unchecked: bool) -> None:
+    """Each file of the checkpoint as :meth:`Learner.save` wrote it: of the size and
+    digest its ``manifest.json`` records (every byte read: about 0.2 s a GB from the page
+    cache, the disk's read speed otherwise). A file that differs, or a manifest that does not read,
+    is a :class:`CheckpointError` naming it. A checkpoint without a manifest (written
+    before laminar recorded one) loads, with a warning that it is not checked
+    (``warn_unchecked``; else logged at INFO); files added since the write are named in
+    a warning, as unchecked (a note beside the weights changes no weight)."""
+    from laminar.files import MANIFEST, ManifestMismatch, check_manifest
+    from laminar.prompt_pool import DATA_STATE
+
+    try:
+        found = check_manifest(ckpt, leave_out=(DATA_STATE,), require=CHECKPOINT_FILES)
+    except ManifestMismatch as e:
+        said = "; ".join(f"{str(path)!r} is damaged ({what})" for path, what in e.problems)
+        if any(path.name == MANIFEST for path, _ in e.problems):
+            # (it was written in the same rename as the rest: it alone cannot vouch)
+            fix = (
+                f"{_another(ckpt)} (or, if you know its other files are sound, delete "
+                f"{MANIFEST}: the checkpoint then loads unchecked)"
+            )
+        else:
+            fix = _another(ckpt)
+        raise CheckpointError(f"{said}; {fix}") from None
+    if not found.recorded:
+        logger.log(
+            logging.WARNING if warn_unchecked else logging.INFO,
+            "checkpoint %r has no %s (it was written before laminar recorded the size and "
+            "digest of a checkpoint's files): its files are loaded unchecked, and one "
+            "damaged since it was written (a flipped byte in the weights) goes unnoticed",
+            str(ckpt),
+            MANIFEST,
+        )
+    elif found.extra:
+        logger.warning(
+            "checkpoint %r holds %s beside the files its %s lists: added since it was "
+            "written, they are not checked (the files it lists are as written)",
+            str(ckpt),
+            list(found.extra),
+            MANIFEST,
+        )
 
 
 def _trainer_state(path: Path) -> dict:
@@ -382,29 +466,25 @@ def _check_files(ckpt: Path) -> dict:
     return config
 
 
-def check_checkpoint(ckpt: str | Path, model_config, cfg: RunConfig) -> dict:
-    """The checkpoint's trainer state, after checking it fits this model and config."""
+def check_checkpoint(
+    ckpt: str | Path, model_config, cfg: RunConfig, *, warn_unchecked: bool = True
+) -> dict:
+    """The checkpoint's trainer state, after checking its files are as written (their
+    digests: :func:`_check_digests`; ``warn_unchecked``: warn, rather than log at INFO,
+    that one written without them is not checked) and it fits this model and config."""
     ckpt = Path(ckpt)
     if not ckpt.is_dir():
         raise CheckpointError(
             f"trainer.resume_from {str(ckpt)!r} is not a folder; point it at a "
             "checkpoints/version-N folder written by laminar"
         )
-    need = [
-        "config.json",
-        "tokenizer.json",
-        "tokenizer_config.json",  # (without it the tokenizer loads with no EOS, silently)
-        "model.safetensors",
-        "optimizer.pt",
-        "rng.pt",
-        "trainer_state.json",
-    ]
-    missing = [n for n in need if not (ckpt / n).exists()]
+    missing = [n for n in CHECKPOINT_FILES if not (ckpt / n).exists()]
     if missing:
         raise CheckpointError(
             f"checkpoint {str(ckpt)!r} lacks {missing}; point trainer.resume_from at a "
             "checkpoints/version-N folder written by laminar"
         )
+    _check_digests(ckpt, warn_unchecked)
     state = _trainer_state(ckpt / "trainer_state.json")
     if state.get("format") != CHECKPOINT_FORMAT:
         raise CheckpointError(

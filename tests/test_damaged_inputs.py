@@ -1,5 +1,6 @@
 """Damaged inputs found before the cluster starts, each named with its fix: a
-checkpoint's tokenizer and data position, a run's metrics store, a reward function that
+checkpoint's tokenizer and data position, a checkpoint's file changed since it was
+written (its manifest's size and digest), a run's metrics store, a reward function that
 exits or returns beyond float32."""
 
 from __future__ import annotations
@@ -96,6 +97,167 @@ def test_a_data_position_is_read_and_none_is_the_first_prompt(ckpt, model_config
     (ckpt / DATA_STATE).write_text('{"dispatched": 7, "released": 5}')
     assert data_position(str(ckpt)) == 7
     assert check_checkpoint(ckpt, model_config, CFG)["version"] == 0
+
+
+def _flip(path, at=None):
+    """Flip one bit of one byte of ``path`` (by default in its middle: a weight, past
+    the safetensors header and before a zip's directory, where no format check looks)."""
+    data = bytearray(path.read_bytes())
+    at = len(data) // 2 if at is None else at
+    data[at] ^= 0x01
+    path.write_bytes(bytes(data))
+
+
+def test_a_checkpoint_records_the_size_and_digest_of_every_file_it_wrote(saved):
+    import json
+
+    import xxhash
+
+    manifest = json.loads((saved / "manifest.json").read_text())
+    on_disk = {p.name for p in saved.iterdir()} - {"manifest.json"}
+    assert set(manifest["files"]) == on_disk
+    assert {"model.safetensors", "optimizer.pt", "rng.pt", "trainer_state.json"} <= on_disk
+    for name, entry in manifest["files"].items():
+        data = (saved / name).read_bytes()
+        assert entry == {"size": len(data), "xxh3_128": xxhash.xxh3_128(data).hexdigest()}
+
+
+@pytest.mark.parametrize("name", ["model.safetensors", "optimizer.pt", "config.json"])
+def test_a_flipped_byte_is_refused_naming_the_file_before_any_weights_load(
+    ckpt, model_config, tiny_policy, name
+):
+    """One bit flipped in the tensors' data (the safetensors header and the zip
+    directory intact: every format check passed) loaded silently, and the resumed run
+    trained from those weights with no error. In config.json: a digit of a number."""
+    if name == "config.json":
+        text = (ckpt / name).read_text()
+        _flip(ckpt / name, text.index('"rms_norm_eps"') + len('"rms_norm_eps": 1e-0'))
+    else:
+        _flip(ckpt / name)
+    said = rf"'{ckpt / name}' is damaged \(its bytes changed since it was written: xxh3_128 "
+    fix = r"laminar run --resume RUN_DIR.*move this one aside.*trainer.resume_from"  # (no run)
+    with pytest.raises(CheckpointError, match=said + ".*" + fix):
+        check_checkpoint(ckpt, model_config, CFG)
+    with pytest.raises(CheckpointError, match=said):  # (the trainer's own load, too)
+        Learner(CFG, tiny_policy, resume_from=ckpt)
+
+
+@pytest.mark.parametrize(
+    ("name", "cut"),
+    [("model.safetensors", 1), ("model.safetensors", 4096), ("generation_config.json", 2)],
+)
+def test_a_file_cut_short_is_refused_naming_its_size(ckpt, model_config, name, cut):
+    """The safetensors header check refused a cut file, as a SafetensorError; a cut
+    generation_config.json (which no check read) went through. In a run's checkpoints
+    folder, the fix names the run and the checkpoint before."""
+    ckpt = shutil.copytree(ckpt, ckpt.parent / "run" / "checkpoints" / "version-000003")
+    (ckpt.parent / "version-000002").mkdir()
+    path = ckpt / name
+    size = path.stat().st_size
+    path.write_bytes(path.read_bytes()[:-cut])
+    with pytest.raises(
+        CheckpointError,
+        match=rf"'{path}' is damaged \({size - cut:,} bytes, written as {size:,} "
+        r"\(manifest.json\): cut short or replaced since\); resume from an earlier "
+        rf"checkpoint \(version-000002, beside it\): .*laminar run --resume "
+        rf"{ckpt.parent.parent}`\), move this one aside first, renaming it, e.g. to "
+        r"version-000003.damaged",
+    ):
+        check_checkpoint(ckpt, model_config, CFG)
+
+
+def test_a_checkpoint_written_before_manifests_loads_with_one_warning(
+    ckpt, model_config, tiny_policy, caplog
+):
+    """No manifest: nothing to check against. It loads as before, and the pre-start
+    check says once that its files are taken unchecked; the trainer's own check of it
+    (after that one) does not say it again."""
+    import logging
+
+    (ckpt / "manifest.json").unlink()
+    with caplog.at_level(logging.INFO, logger="laminar"):
+        assert check_checkpoint(ckpt, model_config, CFG)["version"] == 0
+        warned = [r for r in caplog.records if r.levelno >= logging.WARNING]
+        assert len(warned) == 1
+        assert f"{str(ckpt)!r} has no manifest.json" in warned[0].getMessage()
+        assert "loaded unchecked" in warned[0].getMessage()
+        caplog.clear()
+        assert Learner(CFG, tiny_policy, resume_from=ckpt).version == 0
+        assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
+        assert "no manifest.json" in caplog.text  # (said at INFO: the worker's log)
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "{",
+        "[]",
+        '{"format": 1}',
+        '{"format": 9, "files": {}}',
+        '{"format": 1, "files": {"config.json": {"size": 3}}}',
+        '{"format": 1, "files": {"../x": {"size": 3, "xxh3_128": "%s"}}}' % ("0" * 32),
+        '{"format": 1, "files": {"config.json": {"size": -1, "xxh3_128": "%s"}}}' % ("0" * 32),
+        '{"format": 1, "files": {}}',  # (every file unchecked)
+    ],
+)
+def test_a_damaged_manifest_is_refused_naming_it(ckpt, model_config, text):
+    """A manifest is written with its folder, in the same rename: one that does not read
+    says the folder changed since, and no file of it can be vouched for."""
+    (ckpt / "manifest.json").write_text(text)
+    with pytest.raises(
+        CheckpointError,
+        match=rf"'{ckpt / 'manifest.json'}' is damaged.*move this one aside.*delete "
+        r"manifest.json",
+    ):
+        check_checkpoint(ckpt, model_config, CFG)
+
+
+def test_a_file_the_manifest_lists_and_the_folder_lacks_is_refused(ckpt, model_config):
+    import json
+
+    listed = json.loads((ckpt / "manifest.json").read_text())["files"]
+    optional = sorted(
+        set(listed)
+        - {
+            "config.json",
+            "tokenizer.json",
+            "tokenizer_config.json",
+            "model.safetensors",
+            "optimizer.pt",
+            "rng.pt",
+            "trainer_state.json",
+        }
+    )
+    assert optional  # (generation_config.json, special_tokens_map.json, ...)
+    (ckpt / optional[0]).unlink()
+    with pytest.raises(
+        CheckpointError, match=rf"'{ckpt / optional[0]}' is damaged \(missing: the manifest"
+    ):
+        check_checkpoint(ckpt, model_config, CFG)
+
+
+def test_a_file_added_since_the_write_is_named_in_a_warning(ckpt, model_config, caplog):
+    """Not refused: a note beside the weights changes no weight; but it was not checked."""
+    import logging
+
+    (ckpt / "NOTES.txt").write_text("the good one")
+    with caplog.at_level(logging.WARNING, logger="laminar"):
+        assert check_checkpoint(ckpt, model_config, CFG)["version"] == 0
+    assert "['NOTES.txt']" in caplog.text and "not checked" in caplog.text
+
+
+def test_the_data_position_is_left_out_as_the_driver_rewrites_it(ckpt, model_config, caplog):
+    """data_state.json is rewritten at the run's stop (where the prompt order stood)
+    and may be deleted to take the prompts from the first again: the manifest leaves it
+    out, and its own check reads it (above)."""
+    import logging
+
+    from laminar.prompt_pool import DATA_STATE
+
+    (ckpt / DATA_STATE).write_text('{"dispatched": 7}')
+    with caplog.at_level(logging.WARNING, logger="laminar"):
+        assert check_checkpoint(ckpt, model_config, CFG)["version"] == 0
+    assert not caplog.text
 
 
 @pytest.mark.parametrize(

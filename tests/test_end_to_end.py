@@ -302,9 +302,26 @@ def test_max_train_staleness_bounds_every_consumed_trajectory(
 
 
 def test_a_run_resumes_from_its_checkpoint(cluster_client, small_config, tmp_path):
+    import shutil
+
+    from laminar.config import with_overrides
+    from laminar.learner import CheckpointError
+    from pipelines.api import preflight
+
     first, summary = run_to_end(cluster_client, small_config, tmp_path / "a", ["trainer.steps=2"])
     assert summary["versions"] == 2
     ckpt = tmp_path / "a" / "checkpoints" / "version-000002"
+    # The trainer's checkpoint lists every file but the data position (the driver
+    # rewrote that at the stop); a copy with one bit of its weights flipped is refused
+    # by the pre-start checks, naming the file (it used to load, and train on).
+    listed = json.loads((ckpt / "manifest.json").read_text())["files"]
+    assert set(listed) == {p.name for p in ckpt.iterdir()} - {"manifest.json", "data_state.json"}
+    damaged = shutil.copytree(ckpt, tmp_path / "copy" / "version-000002")
+    weights = bytearray((damaged / "model.safetensors").read_bytes())
+    weights[len(weights) // 2] ^= 0x01
+    (damaged / "model.safetensors").write_bytes(bytes(weights))
+    with pytest.raises(CheckpointError, match=r"model.safetensors' is damaged \(its bytes"):
+        preflight(with_overrides(small_config, [f"trainer.resume_from={damaged}"]))
     second, summary = run_to_end(
         cluster_client,
         small_config,

@@ -88,9 +88,12 @@ def _checkpointed_run(tmp_path):
     return run
 
 
-def test_resume_checks_the_checkpoint_before_it_writes_the_config(tmp_path):
+def test_resume_checks_the_checkpoint_before_it_writes_the_config(tmp_path, capsys, no_cluster):
     """An override the checkpoint cannot take (other optimizer or model settings) is
-    refused before config.yaml is rewritten: the run stays resumable as it was."""
+    refused before config.yaml is rewritten: the run stays resumable as it was. So is a
+    checkpoint whose weights changed since it was written (one bit flipped, the
+    safetensors header intact), which `laminar run --resume` loaded and trained on with
+    no error: refused before any cluster starts, naming the file and the fix."""
     from laminar.learner import CheckpointError
 
     run = _checkpointed_run(tmp_path)
@@ -99,6 +102,16 @@ def test_resume_checks_the_checkpoint_before_it_writes_the_config(tmp_path):
         prepare_resume(run, ["trainer.lr=1e-2"])
     with pytest.raises(CheckpointError, match=r"another model.*hidden_size.*model\.\*"):
         prepare_resume(run, ["model.hidden_size=64"])
+    weights = run / "checkpoints" / "version-000001" / "model.safetensors"
+    good = weights.read_bytes()
+    flipped = bytearray(good)
+    flipped[len(good) // 2] ^= 0x01
+    weights.write_bytes(bytes(flipped))
+    assert main(["run", "--resume", str(run)]) == 2
+    err = capsys.readouterr().err
+    assert f"'{weights}' is damaged (its bytes changed since it was written: xxh3_128" in err
+    assert f"(`laminar run --resume {run}`), move this one aside first" in err
+    weights.write_bytes(good)
     assert (run / "config.yaml").read_text() == before
     from storage import TrajectoryWriter
 

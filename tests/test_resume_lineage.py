@@ -46,12 +46,13 @@ def _checkpoint(tmp_path, policy, version: int, skipped: int | None) -> str:
     written before the field existed)."""
     learner = Learner(CFG, policy)
     learner.version = version
+    learner.skipped_versions = skipped or 0
     out = learner.save(tmp_path / "checkpoints" / f"version-{version:06d}")
-    state = json.loads((out / "trainer_state.json").read_text())
-    state.pop("skipped_versions", None)
-    if skipped is not None:
-        state["skipped_versions"] = skipped
-    (out / "trainer_state.json").write_text(json.dumps(state))
+    if skipped is None:  # (and before manifests: its trainer_state.json is not as listed)
+        state = json.loads((out / "trainer_state.json").read_text())
+        del state["skipped_versions"]
+        (out / "trainer_state.json").write_text(json.dumps(state))
+        (out / "manifest.json").unlink()
     return str(out)
 
 

@@ -3,6 +3,7 @@ master relay records what it publishes, and the checkpoints it writes are read b
 
 from __future__ import annotations
 
+import json
 import sys
 import threading
 import time
@@ -14,6 +15,7 @@ from learner_cases import CFG, batch, weights
 
 from laminar.config import with_overrides
 from laminar.contract import Trajectory
+from laminar.files import ManifestCheck, check_manifest
 from laminar.schedule import LAMINAR, ScheduleSpec
 from laminar.trainer import Trainer
 
@@ -204,6 +206,14 @@ def test_one_step_publishes_each_version_once_in_order_and_checkpoints_what_it_p
     for v in (1, 2, 3):
         path = tmp_path / "checkpoints" / f"version-{v:06d}"
         assert same(checkpoint_weights(path), master.versions[v])
+        # its manifest, written in the same rename, lists every file but the data
+        # position (rewritten at the stop), each as it is on disk
+        listed = json.loads((path / "manifest.json").read_text())["files"]
+        assert set(listed) == {p.name for p in path.iterdir()} - {
+            "manifest.json",
+            "data_state.json",
+        }
+        assert check_manifest(path, leave_out=("data_state.json",)) == ManifestCheck(True)
     assert stats["checkpoint"].endswith("version-000003")
 
 
