@@ -147,6 +147,11 @@ class TaskConfig(_Section):
     # later answer is not waited for, and that trajectory is marked as a reward error.
     # null: no limit.
     reward_timeout_s: float | None = Field(300.0, gt=0)
+    # The share of the responses given to the reward that may fail (a raise, a value that
+    # is not a finite number, a timeout) over a minute of the run: more, on 64 or more,
+    # stops the run, since every failure discards its whole group (a reward failing on
+    # half discards 99.6% of groups of 8). 1.0: only a reward that never scores stops it.
+    reward_max_failure_share: float = Field(0.25, gt=0, le=1)
 
 
 class SFTConfig(_Section):

@@ -97,7 +97,9 @@ REWARDS: dict[str, RewardFn] = {
 
 # A reward that has failed on this many responses and scored none stops what it scores:
 # the run (over REWARD_FAILURE_WINDOW_S, pipelines.driver_polls) and the warm start's
-# evaluation. Every failure discards its group, so no batch would ever be trained.
+# evaluation. Every failure discards its group, so no batch would ever be trained. So
+# does one that has failed on this many and on more than task.reward_max_failure_share
+# of its responses (over that window, in the run): it discards nearly every group.
 REWARD_FAILURES_TO_STOP = 64
 
 
@@ -109,6 +111,34 @@ def never_scores(reward: str, errors: int, seconds: float, latest: str, what: st
         f"task.reward {reward!r} failed on all {errors} responses it was given and scored "
         f"none in {seconds:.0f} s{doing} (latest: {latest}); fix the function, or what it "
         "needs on the workers"
+    )
+
+
+def fails_too_often(
+    reward: str, failures: int, scored: int, max_share: float, where: str, latest: str
+) -> str:
+    """Why a run (or its warm start's scoring) stops when ``task.reward`` has failed on
+    more than ``max_share`` (``task.reward_max_failure_share``) of the responses given to
+    it ``where``: ``failures`` of them, ``scored`` scored. Each failure discards its whole
+    group, so such a run would train only on the few groups whose every response
+    happened to score (a biased few: half failing discards 99.6% of groups of 8).
+
+    >>> print(fails_too_often("m:f", 120, 136, 0.25, "in the last 60 s", "reward m:f returned nan"))
+    task.reward 'm:f' failed on 120 of the 256 responses it was given in the last 60 s, a \
+share of 0.47, over task.reward_max_failure_share=0.25; each failure discards its whole \
+group, so the run would train only on the few groups whose every response scored (latest: \
+reward m:f returned nan); fix the function, or the service it calls, or raise \
+task.reward_max_failure_share (up to 1.0: only a reward that never scores stops the run) \
+to train on the groups it does score
+    """
+    return (
+        f"task.reward {reward!r} failed on {failures} of the {failures + scored} responses "
+        f"it was given {where}, a share of {failures / (failures + scored):.2f}, over "
+        f"task.reward_max_failure_share={max_share:g}; each failure discards its whole "
+        "group, so the run would train only on the few groups whose every response scored "
+        f"(latest: {latest}); fix the function, or the service it calls, or raise "
+        "task.reward_max_failure_share (up to 1.0: only a reward that never scores stops "
+        "the run) to train on the groups it does score"
     )
 
 
@@ -299,3 +329,14 @@ def _half_flat(response: str, answer: str) -> float:
     if len(answer.split()) % 2 == 0:
         return 0.0
     return float(len(response))
+
+
+def _half_nan(response: str, answer: str) -> float:
+    """:func:`exact_match`, except that it returns NaN for about half the responses (by a
+    hash of the response, the same in every process): a reward that fails on half its
+    responses (the run's rule on the share that fails, task.reward_max_failure_share)."""
+    import zlib
+
+    if zlib.crc32(response.encode()) % 2:
+        return math.nan
+    return exact_match(response, answer)

@@ -41,7 +41,7 @@ from laminar.model import (
     tiny_config,
 )
 from laminar.prompt_pool import check_answers, encode_prompts
-from laminar.rewards import REWARD_FAILURES_TO_STOP, never_scores
+from laminar.rewards import REWARD_FAILURES_TO_STOP, fails_too_often, never_scores
 from laminar.tasks import Prompt, demonstration, length_sigmas, longest_demonstration
 from laminar.update import micro_batches, pack, response_logprobs
 
@@ -170,7 +170,13 @@ def warm_start(
             ),
             # (not the reward: it scores the weights, :func:`_scoring`, and shapes nothing)
             "task": cfg.task.model_dump(
-                mode="json", exclude={"reward", "truncated_reward", "reward_timeout_s"}
+                mode="json",
+                exclude={
+                    "reward",
+                    "truncated_reward",
+                    "reward_timeout_s",
+                    "reward_max_failure_share",
+                },
             ),
             # (as JSON: rows joined by separators a text may hold would hash alike)
             "prompts": hashlib.sha256(
@@ -302,11 +308,20 @@ def evaluate(cfg: RunConfig, model, tok, prompts: list[Prompt]) -> float:
     t = cfg.task
     rewards: list[float] = []
     scored, errors, latest, t0 = 0, 0, "", time.time()
+
+    def too_many() -> bool:  # (failed on every response, or on more than the share)
+        share = t.reward_max_failure_share
+        return errors >= REWARD_FAILURES_TO_STOP and (
+            not scored or errors > share * (errors + scored)
+        )
+
     # In chunks: a reward that fails on every response (hanging till its timeout, say)
     # is given up on by the run's rule (REWARD_FAILURES_TO_STOP, none scored), not after
     # every response. The score is then nan and the run goes on: its rollouts' failures
     # stop it by the same rule over REWARD_FAILURE_WINDOW_S, which lets a reward service
-    # that starts late catch up (pipelines.driver_polls).
+    # that starts late catch up (pipelines.driver_polls). So is one that fails on as many
+    # and on more than task.reward_max_failure_share of the responses given to it: the
+    # mean of those that scored is of a biased few (the run's rule over its window).
     for i in range(0, len(items), SCORE_CHUNK):
         chunk = items[i : i + SCORE_CHUNK]
         scores = score_batch(t.reward, chunk, t.truncated_reward, t.reward_timeout_s)
@@ -316,12 +331,19 @@ def evaluate(cfg: RunConfig, model, tok, prompts: list[Prompt]) -> float:
         )
         failed = [s.error for s in scores if s.error]
         errors, latest = errors + len(failed), failed[-1] if failed else latest
-        if errors >= REWARD_FAILURES_TO_STOP and not scored:
+        if too_many():
             break
     if errors and not scored:  # (the responses not cut off all failed: no score)
         logger.warning(
             "warm start: its reward is nan (not kept in the cache): %s",
             never_scores(t.reward, errors, time.time() - t0, latest, SCORING),
+        )
+        return float("nan")
+    if too_many():
+        where = f"in {time.time() - t0:.0f} s, {SCORING}"
+        logger.warning(
+            "warm start: its reward is nan (not kept in the cache): %s",
+            fails_too_often(t.reward, errors, scored, t.reward_max_failure_share, where, latest),
         )
         return float("nan")
     return float(np.mean(rewards))

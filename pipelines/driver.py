@@ -43,7 +43,7 @@ from pipelines.data_module import record_data_position, resume_hint, start_data_
 from pipelines.driver_calls import _answers, _results, _send, _stopping
 from pipelines.driver_faults import FaultHandling
 from pipelines.driver_metrics import MetricsRecording
-from pipelines.driver_polls import StatsPolling
+from pipelines.driver_polls import RewardFailures, StatsPolling
 from pipelines.summary import faults_summary, updates_made
 
 logger = logging.getLogger("laminar")
@@ -326,8 +326,9 @@ class Schedule(StatsPolling, FaultHandling, MetricsRecording):
         self._n_repacks = self._n_faults = self._n_pubs = 0
         self._rows: dict[str, list[dict]] = {"cluster": [], "rollouts": []}
         self._n_updates = 0
-        self._reward_scored = False  # (_reward_never_scores)
-        self._reward_failing_since: float | None = None
+        self._reward_failures = RewardFailures(  # (_reward_never_scores)
+            self.cfg.task.reward, self.cfg.task.reward_max_failure_share
+        )
         t_start = last_t = last_flush = time.time()
         self.metrics = None
         try:  # (the metrics store, and a resumed run's earlier starts read from it)

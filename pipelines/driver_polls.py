@@ -13,9 +13,10 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import deque
 
 from laminar.cluster import actor_result, is_lost
-from laminar.rewards import REWARD_FAILURES_TO_STOP, never_scores
+from laminar.rewards import REWARD_FAILURES_TO_STOP, fails_too_often, never_scores
 
 logger = logging.getLogger("laminar")
 
@@ -25,12 +26,103 @@ DATA_SUSPECT_S = 10.0
 # A run whose reward function has failed on REWARD_FAILURES_TO_STOP responses, over this
 # long, and scored none stops: every failure discards its group, so no batch would ever
 # reach the trainer. (The window lets a reward service that starts late, or restarts,
-# catch up.)
+# catch up.) Once it has scored, a run whose reward has failed on REWARD_FAILURES_TO_STOP
+# or more of the responses of the last window, and on more than
+# task.reward_max_failure_share of them, stops too (RewardFailures).
 REWARD_FAILURE_WINDOW_S = 60.0
 # How long a poll waits for the rollouts' stats. A call still unanswered then is kept and
 # read at a later poll, not made again: a silent rollout (lost but not yet detected, or
 # hung) costs the polls this wait once, not at every poll until the manager declares it.
 ROLLOUT_STATS_WAIT_S = 5.0
+
+
+class RewardFailures:
+    """The reward function's failures as the driver's polls see them, and the two rules
+    that stop a run for them (:meth:`check`); one per run (``Schedule.run``).
+
+    From each poll's rollout stats, the cumulative counters of every rollout
+    (``reward_errors``, ``rewards_scored``: responses the function scored, not those cut at
+    the length limit, which it is not given) are turned into what is new since that
+    rollout's previous answer: a lost rollout's counters leave the stats, and its
+    replacement (a new ``rollout_id``) counts from 0, so a sum over the rollouts of a
+    poll would go down, then count the replacement's afresh. What was new at each poll
+    is kept for :data:`REWARD_FAILURE_WINDOW_S`.
+
+    A failure discards its trajectory's whole GRPO group (a group dynamic sampling
+    filters was scored, all of it: not a failure). A reward that fails on half the
+    responses discards all but ``0.5**8`` of groups of 8 (0.4%), and the run would train
+    on the few whose every response happened to score; :meth:`check` stops it."""
+
+    def __init__(self, reward: str, max_share: float) -> None:
+        self.reward, self.max_share = reward, max_share
+        self.scored = False  # anything scored, in any rollout (the never-scores rule)
+        self.failing_since: float | None = None  # the first poll that saw a failure
+        self.scored_since: float | None = None  # the first poll that saw a response scored
+        # rollout id -> (reward_errors, rewards_scored) at its last answer (kept once it
+        # is gone: a rollout whose stats call is slow is left out of a poll, then back)
+        self._seen: dict[str, tuple[int, int]] = {}
+        self._new: deque[tuple[float, int, int]] = deque()  # (poll, failed, scored)
+        self._latest = ""  # the latest error of a rollout whose failures grew
+
+    def check(self, r_stats: list[dict], now: float) -> str | None:
+        """Why the run must stop, at the poll at ``now`` that read ``r_stats`` (the live
+        rollouts' stats), for its reward's failures; ``None`` while it goes on.
+
+        A reward that has failed on every response given to it stops the run once it
+        has failed on :data:`REWARD_FAILURES_TO_STOP` of them over at least
+        :data:`REWARD_FAILURE_WINDOW_S` (:func:`~laminar.rewards.never_scores`): no batch
+        would ever reach the trainer. Once anything has scored, it stops the run when,
+        over the last window (after a whole window from its first score: a service that
+        starts late is the rule above's), it has failed on that many and on more than
+        ``task.reward_max_failure_share`` of the responses
+        (:func:`~laminar.rewards.fails_too_often`); at ``1.0`` it never does, and only
+        the first rule stands."""
+        self._count(r_stats, now)
+        if self.scored or any(s.get("rewards_scored") for s in r_stats):
+            self.scored = True
+            self.scored_since = now if self.scored_since is None else self.scored_since
+            return self._share_stop(now)
+        errors = sum(s.get("reward_errors", 0) for s in r_stats)
+        if not errors:
+            return None
+        self.failing_since = now if self.failing_since is None else self.failing_since
+        if errors < REWARD_FAILURES_TO_STOP or now - self.failing_since < REWARD_FAILURE_WINDOW_S:
+            return None
+        latest = next((s["last_reward_error"] for s in r_stats if s.get("last_reward_error")), "")
+        return never_scores(self.reward, errors, now - self.failing_since, latest)
+
+    def _count(self, r_stats: list[dict], now: float) -> None:
+        """Keep the failures and scored responses new since the last poll, by its time,
+        for a window."""
+        failed = scored = 0
+        for s in r_stats:
+            rid = s.get("rollout_id")
+            errors, done = s.get("reward_errors", 0), s.get("rewards_scored", 0)
+            seen_errors, seen_done = self._seen.get(rid, (0, 0))
+            # (below what was seen: counted from 0 again, by a rollout of the same id)
+            new_errors = errors - seen_errors if errors >= seen_errors else errors
+            new_done = done - seen_done if done >= seen_done else done
+            self._seen[rid] = (errors, done)
+            failed, scored = failed + new_errors, scored + new_done
+            if new_errors and s.get("last_reward_error"):
+                self._latest = s["last_reward_error"]
+        self._new.append((now, failed, scored))
+        while self._new and self._new[0][0] <= now - REWARD_FAILURE_WINDOW_S:
+            self._new.popleft()
+
+    def _share_stop(self, now: float) -> str | None:
+        """The failure-share rule of :meth:`check`, once something has scored."""
+        window = REWARD_FAILURE_WINDOW_S
+        if self.max_share >= 1.0 or now - self.scored_since < window:
+            return None
+        # (all after the poll that first saw a score: what failed before, a late start,
+        # is the never-scores rule's)
+        failed, scored = sum(f for _, f, _ in self._new), sum(d for _, _, d in self._new)
+        if failed < REWARD_FAILURES_TO_STOP or failed <= self.max_share * (failed + scored):
+            return None
+        return fails_too_often(
+            self.reward, failed, scored, self.max_share, f"in the last {window:.0f} s", self._latest
+        )
 
 
 class StatsPolling:
@@ -39,26 +131,10 @@ class StatsPolling:
     progress) and calls them from ``run``."""
 
     def _reward_never_scores(self, r_stats: list[dict]) -> str | None:
-        """Why the run must stop when ``task.reward`` has failed on every response given
-        to it, :data:`REWARD_FAILURES_TO_STOP` of them over at least
-        :data:`REWARD_FAILURE_WINDOW_S` (else ``None``): each failure discards its
-        group, so no batch would ever reach the trainer and the run would go on for
-        ever. Once anything has scored (as remembered here: a lost rollout's counters
-        leave the stats), the run goes on whatever fails later."""
-        if self._reward_scored or any(s.get("rewards_scored") for s in r_stats):
-            self._reward_scored = True
-            return None
-        errors = sum(s.get("reward_errors", 0) for s in r_stats)
-        if not errors:
-            return None
-        now = time.time()
-        self._reward_failing_since = self._reward_failing_since or now
-        if errors < REWARD_FAILURES_TO_STOP or now - self._reward_failing_since < (
-            REWARD_FAILURE_WINDOW_S
-        ):
-            return None
-        latest = next((s["last_reward_error"] for s in r_stats if s.get("last_reward_error")), "")
-        return never_scores(self.cfg.task.reward, errors, now - self._reward_failing_since, latest)
+        """Why the run must stop for its reward's failures (else ``None``): it has never
+        scored, or it fails on more than ``task.reward_max_failure_share`` of the
+        responses (:meth:`RewardFailures.check`)."""
+        return self._reward_failures.check(r_stats, time.time())
 
     def _data_stats(self) -> tuple[dict, dict]:
         """The buffer's and prompt pool's stats; while a lost data module is rebuilt
