@@ -227,6 +227,44 @@ def test_a_reward_that_never_scores_marks_trajectories_then_stops_the_run(
     assert np.isnan(ds["reward"].values[ended]).all()
 
 
+def test_a_reward_that_fails_on_half_its_responses_stops_the_run(
+    cluster_client, small_config, tmp_path, monkeypatch
+):
+    """A reward that returns NaN for half its responses discards nearly every group (a
+    group is kept only if all its responses scored): once it has scored, a window in
+    which it failed on more than task.reward_max_failure_share of the responses (and on
+    REWARD_FAILURES_TO_STOP or more) stops the run in order, saying so, with the fix; it
+    used to go on, training on the few groups whose every response happened to score."""
+    import pipelines
+
+    monkeypatch.setattr("pipelines.driver_polls.REWARD_FAILURE_WINDOW_S", 5.0)  # (the driver
+    run = pipelines.submit(  # runs in this process)
+        small_config,
+        cluster_client,
+        run_dir=tmp_path / "run",
+        overrides=["task.reward=laminar.rewards:_half_nan", "trainer.steps=1000"],
+    )
+    from laminar.errors import RunFailed
+
+    with pytest.raises(RunFailed, match="stopped in order and its stores are intact") as err:
+        run.wait(timeout=300)  # generous: CI machines are shared
+    summary = err.value.summary
+    reason = summary["reason"]
+    assert reason.startswith("failed: task.reward 'laminar.rewards:_half_nan' failed on "), reason
+    assert "responses it was given in the last 5 s, a share of 0." in reason
+    assert "over task.reward_max_failure_share=0.25" in reason and "returned nan" in reason
+    assert "or raise task.reward_max_failure_share" in reason
+    rollouts = summary["rollouts"]
+    assert sum(r["rewards_scored"] for r in rollouts) and sum(r["reward_errors"] for r in rollouts)
+    ds = open_run(run.run_dir)
+    assert ds.laminar.audit() == []
+    failed, status = ds["finish_reason"].values == "error", ds["status"].values
+    # (a failure's group is discarded whole; one still incomplete at the stop is buffered)
+    assert (status[failed] == "discarded").any() and (status[failed] != "consumed").all()
+    assert np.isnan(ds["reward"].values[failed]).all()
+    assert np.isfinite(ds["reward"].values[~failed]).all()
+
+
 def test_any_hf_folder_and_a_jsonl_prompt_file(cluster_client, small_config, tiny_policy, tmp_path):
     import pipelines
 
