@@ -215,9 +215,11 @@ def prepare_run_dir(cfg: RunConfig, run_dir: str | Path | None) -> Path:
         from laminar.learner import newest_checkpoint
 
         if newest_checkpoint(path) is not None:
+            from pipelines.data_module import resume_hint
+
             raise ConfigError(
                 f"run directory {str(path)!r} already holds a run; pass a new --run-dir, "
-                f"or continue it with `laminar run --resume {path}`"
+                f"or {resume_hint(path)}"
             )
         if not _nothing_stored(path):
             raise ConfigError(
@@ -270,6 +272,7 @@ class RunHandle:
 
     def _drive(self) -> None:
         from laminar.cluster import actors_made, release_actors
+        from pipelines.data_module import resume_hint
         from pipelines.summary import summarize
 
         running = False  # set up: a failure from here on leaves a summary.json
@@ -294,8 +297,8 @@ class RunHandle:
             if reason.startswith("failed"):  # (stopped in order: wait() says so)
                 self.error = RunFailed(
                     f"run {str(self.run_dir)!r} {reason}; it stopped in order and its "
-                    f"stores are intact (summary.json); fix the cause, then continue it "
-                    f"with `laminar run --resume {self.run_dir}` or pipelines.resume",
+                    "stores are intact (summary.json); fix the cause, then "
+                    + resume_hint(self.run_dir, python=True),
                     self.summary,
                 )
                 self._set_progress({"phase": "failed", "error": reason})
@@ -391,10 +394,12 @@ class RunHandle:
             raise LaminarError(f"run {str(self.run_dir)!r} failed: {self.error!r}") from self.error
         assert self.summary is not None
         if interrupted is not None:
+            from pipelines.data_module import resume_hint
+
             raise RunInterrupted(
                 f"run {str(self.run_dir)!r} interrupted: it stopped in order "
                 f"({self.summary['reason']}, version {self.summary['versions']}); "
-                f"`laminar run --resume {self.run_dir}` or pipelines.resume continues it",
+                + resume_hint(self.run_dir, python=True),
                 self.summary,
             ) from interrupted
         return self.summary

@@ -113,6 +113,8 @@ def _follow(handle) -> int:
     stops it cleanly (a second one aborts): the same exit code as Ctrl-C's for Ctrl-C,
     128 + its number (143, 129) for another signal, so that a job script can tell a run
     stopped in order from one that completed."""
+    from pipelines.data_module import resume_hint  # (here: not imported mid-abort)
+
     received: list[int] = []
 
     def on_signal(signum, frame):
@@ -136,9 +138,8 @@ def _follow(handle) -> int:
             _safely(display.close)
             _safely(
                 print,
-                f"\nlaminar: aborted; the run in {handle.run_dir} did not stop in order "
-                f"(`laminar run --resume {handle.run_dir}` continues it from its newest "
-                "checkpoint, docs/faults.md)",
+                f"\nlaminar: aborted; the run in {handle.run_dir} did not stop in order; "
+                f"{resume_hint(handle.run_dir)} (docs/faults.md)",
                 file=sys.stderr,
             )
             return 128 + (received[-1] if received else signal.SIGINT)

@@ -49,16 +49,62 @@ def record_data_position(checkpoint: str | None, version: int, position: dict) -
     return True
 
 
-def resume_hint(run_dir: Path) -> str:
-    """How to continue the run in ``run_dir`` once it has failed."""
+def run_schedule(run_dir: str | Path) -> str:
+    """The ``pipeline.schedule`` the run in ``run_dir`` ran, from its ``config.yaml``, as
+    ``laminar run --resume`` reads it (``laminar`` when that file does not say: the
+    default, and the advice that ``--resume`` itself then corrects)."""
+    import yaml
+
+    try:
+        data = yaml.safe_load(Path(run_dir, "config.yaml").read_text())
+        schedule = data["pipeline"]["schedule"]
+    except Exception:  # noqa: BLE001 — absent or unreadable: the default's advice
+        return "laminar"
+    return schedule if isinstance(schedule, str) else "laminar"
+
+
+def resume_hint(run_dir: str | Path, schedule: str | None = None, *, python: bool = False) -> str:
+    """How to continue the run in ``run_dir`` once it has failed or stopped, as one
+    clause that begins with its verb: ``laminar run --resume`` for a laminar run; a new
+    run from the newest checkpoint for another ``schedule`` (its ``config.yaml``'s when
+    not given), which ``--resume`` refuses (:func:`pipelines.api.prepare_resume`).
+    ``python``: the Python API's way too."""
+    import shlex
+
+    run_dir = Path(run_dir)
+    schedule = schedule or run_schedule(run_dir)
+    config = run_dir / "config.yaml"
+    new_run = f"laminar run {shlex.quote(str(config))} --run-dir NEW_DIR"
     saved = newest_checkpoint(run_dir)
     if saved is None:
         return (
-            "it has no checkpoint yet (one is written when a run ends and every "
-            "trainer.checkpoint_every versions): start it again"
+            f"start it again in a new run directory (`{new_run}`"
+            + (
+                f"; from Python: pipelines.submit({str(config)!r}, client, run_dir=NEW_DIR)"
+                if python
+                else ""
+            )
+            + "): it has no checkpoint yet to continue from (one is written when a run "
+            "ends and every trainer.checkpoint_every versions)"
         )
+    if schedule == "laminar":
+        return (
+            f"continue it from its last checkpoint ({saved.name}) with "
+            f"`laminar run --resume {shlex.quote(str(run_dir))}`"
+            + (f" or pipelines.resume({str(run_dir)!r}, client)" if python else "")
+        )
+    setting = f"trainer.resume_from={saved}"
     return (
-        f"continue it from its last checkpoint ({saved.name}) with `laminar run --resume {run_dir}`"
+        f"continue it in a new run from its last checkpoint ({saved.name}): "
+        f"`{new_run} --set {shlex.quote(setting)}`"
+        + (
+            f" or pipelines.submit({str(config)!r}, client, run_dir=NEW_DIR, "
+            f"overrides=[{setting!r}])"
+            if python
+            else ""
+        )
+        + f" (it ran pipeline.schedule={schedule!r}, and `laminar run --resume` continues "
+        "only laminar runs in place)"
     )
 
 

@@ -1,0 +1,221 @@
+"""What a failed, stopped or aborted run says to continue it, and that what it says works:
+`laminar run --resume RUN_DIR` continues a laminar run in place; a run of another
+schedule (sync, one_step, stream, partial_rollout), which --resume refuses, goes on as
+a new run from its newest checkpoint. Every place that gives the advice gave --resume
+to all of them (pipelines/data_module.py's resume_hint, the RunFailed and
+RunInterrupted of pipelines/api.py, the abort of `laminar run`).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shlex
+import signal
+import threading
+
+import pytest
+
+from laminar.config import RunConfig, with_overrides
+from laminar.errors import ConfigError, RunFailed
+from pipelines.api import prepare_resume, prepare_run_dir
+from pipelines.cli import main
+from pipelines.data_module import resume_hint
+
+
+def _run(tmp_path, schedule: str, checkpoint: bool = True):
+    """A run directory as `laminar run` leaves it (its config.yaml), of ``schedule``,
+    with a real checkpoint at version 1 of the default tiny model."""
+    cfg = with_overrides(RunConfig(), ["trainer.steps=2", f"pipeline.schedule={schedule}"])
+    run = prepare_run_dir(cfg, tmp_path / "run")
+    if checkpoint:
+        from laminar.learner import Learner
+        from laminar.model import build_tiny_policy
+
+        learner = Learner(cfg, build_tiny_policy(tmp_path / "policy", seed=0))
+        learner.version = 1
+        learner.save(run / "checkpoints" / "version-000001")
+    return run
+
+
+class _Reached(Exception):
+    """`laminar run` got past every check to the start of its cluster."""
+
+
+def _reaches_the_cluster(monkeypatch, argv: list[str]):
+    """The config and run directory `laminar run argv` would start its cluster with."""
+
+    def reached(cfg, run_dir=None):
+        raise _Reached(cfg, run_dir)
+
+    monkeypatch.setattr("laminar.deploy.open_cluster", reached)
+    with pytest.raises(_Reached) as e:
+        main(argv)
+    return e.value.args
+
+
+def _command(hint: str, new_dir) -> list[str]:
+    """The `laminar run ...` command of ``hint``, its NEW_DIR filled in, as argv."""
+    command = re.search(r"`laminar (run [^`]*)`", hint).group(1)
+    return [a.replace("NEW_DIR", str(new_dir)) for a in shlex.split(command)]
+
+
+def test_a_laminar_run_is_continued_with_resume(tmp_path):
+    run = _run(tmp_path, "laminar")
+    hint = resume_hint(run)
+    assert hint == (
+        f"continue it from its last checkpoint (version-000001) with `laminar run --resume {run}`"
+    )
+    assert resume_hint(run, python=True).endswith(f" or pipelines.resume({str(run)!r}, client)")
+    # what it says works: past the config and checkpoint checks (to the stores, which
+    # this run directory has none of)
+    from storage.stores import StoreError
+
+    assert _command(hint, tmp_path / "new") == ["run", "--resume", str(run)]
+    with pytest.raises(StoreError, match="no trajectory store"):
+        prepare_resume(run)
+
+
+@pytest.mark.parametrize("schedule", ["sync", "partial_rollout"])
+def test_a_baseline_run_is_continued_as_a_new_run_from_its_newest_checkpoint(
+    tmp_path, monkeypatch, schedule
+):
+    """`laminar run --resume` refuses a baseline run; the advice named it all the same."""
+    run = _run(tmp_path, schedule)
+    ckpt = run / "checkpoints" / "version-000001"
+    hint = resume_hint(run)
+    assert "--resume " not in hint, hint
+    assert hint == (
+        "continue it in a new run from its last checkpoint (version-000001): "
+        f"`laminar run {run}/config.yaml --run-dir NEW_DIR --set trainer.resume_from={ckpt}` "
+        f"(it ran pipeline.schedule={schedule!r}, and `laminar run --resume` continues only "
+        "laminar runs in place)"
+    )
+    with pytest.raises(ConfigError, match="cannot resume .* in place"):  # (as it says)
+        prepare_resume(run)
+    # what it says works: past every check, to the cluster, from that checkpoint
+    new = tmp_path / "new"
+    cfg, run_dir = _reaches_the_cluster(monkeypatch, _command(hint, new))
+    assert run_dir == new.resolve() and cfg.pipeline.schedule == schedule
+    assert cfg.trainer.resume_from == str(ckpt)
+    python = resume_hint(run, python=True)
+    assert f"pipelines.submit({str(run / 'config.yaml')!r}, client, run_dir=NEW_DIR, " in python
+    assert f"overrides=['trainer.resume_from={ckpt}'])" in python
+
+
+@pytest.mark.parametrize("schedule", ["laminar", "sync"])
+def test_a_run_without_a_checkpoint_is_started_again_in_a_new_directory(
+    tmp_path, monkeypatch, schedule
+):
+    run = _run(tmp_path, schedule, checkpoint=False)
+    (run / "trajectories.zarr").mkdir()  # (something stored: its own directory is refused)
+    hint = resume_hint(run)
+    assert "--resume" not in hint and "it has no checkpoint yet" in hint, hint
+    assert hint.startswith(f"start it again in a new run directory (`laminar run {run}/config.yaml")
+    cfg, run_dir = _reaches_the_cluster(monkeypatch, _command(hint, tmp_path / "new"))
+    assert run_dir == (tmp_path / "new").resolve() and cfg.trainer.resume_from is None
+
+
+def test_a_new_run_into_a_baseline_runs_directory_is_told_what_continues_it(tmp_path):
+    run = _run(tmp_path, "sync")
+    (run / "trajectories.zarr").mkdir()
+    with pytest.raises(ConfigError) as e:
+        prepare_run_dir(RunConfig(), run)
+    said = str(e.value)
+    assert "--resume " not in said, said
+    assert "pass a new --run-dir, or continue it in a new run from its last checkpoint" in said
+    assert f"--set trainer.resume_from={run / 'checkpoints' / 'version-000001'}`" in said
+
+
+def _failed_in_order(run, monkeypatch) -> RunFailed:
+    """The RunFailed of a RunHandle (no cluster) whose run stopped in order on an error."""
+    from pipelines.api import RunHandle
+
+    class Schedule:
+        sft_info = None
+
+        def setup(self, progress, stopping):
+            pass
+
+        def run(self, progress, stopping):
+            return {}
+
+    class Claim:
+        def release(self):
+            pass
+
+    monkeypatch.setattr(
+        "pipelines.summary.summarize", lambda *a: {"reason": "failed: reward broken"}
+    )
+    h = RunHandle.__new__(RunHandle)
+    h.config, h.client, h.run_dir = RunConfig(), None, run
+    h.summary = h.error = None
+    h.training_began = False
+    h._progress, h._stop, h._done = {}, threading.Event(), threading.Event()
+    h._schedule, h._claim = Schedule(), Claim()
+    h._drive()
+    with pytest.raises(RunFailed) as e:
+        h.wait()
+    return e.value
+
+
+def test_a_run_that_failed_in_order_says_what_continues_it(tmp_path, monkeypatch):
+    run = _run(tmp_path, "sync")
+    said = str(_failed_in_order(run, monkeypatch))
+    assert "fix the cause, then continue it in a new run from its last checkpoint" in said
+    assert "--resume " not in said and "pipelines.submit(" in said, said
+    run = _run(tmp_path / "b", "laminar")
+    said = str(_failed_in_order(run, monkeypatch))
+    assert (
+        "then continue it from its last checkpoint (version-000001) with "
+        f"`laminar run --resume {run}`" in said
+    )
+    assert f"or pipelines.resume({str(run)!r}, client)" in said
+
+
+def test_a_baseline_run_aborted_by_a_second_ctrl_c_is_told_what_continues_it(
+    tmp_path, monkeypatch, capsys
+):
+    """The second Ctrl-C aborts `laminar run`: its message named --resume for any run."""
+    import contextlib
+
+    class Client:
+        scheduler = type("S", (), {"address": "inproc://fake"})()
+        dashboard_link = "http://fake/status"
+
+        def forward_logging(self, *a, **k):
+            pass
+
+    @contextlib.contextmanager
+    def fake_open_cluster(cfg, run_dir=None):
+        yield Client()
+
+    class Handle:  # a run that never ends by itself; every poll is a Ctrl-C
+        def __init__(self, cfg, client, run_dir, resume=None):
+            self.run_dir = run_dir
+            (run_dir / "checkpoints" / "version-000003").mkdir(parents=True)  # (written)
+
+        def done(self):
+            return False
+
+        def progress(self):
+            os.kill(os.getpid(), signal.SIGINT)
+            return {"phase": "setup"}
+
+        def stop(self):
+            pass
+
+    monkeypatch.setattr("laminar.deploy.open_cluster", fake_open_cluster)
+    monkeypatch.setattr("pipelines.api.RunHandle", Handle)
+    monkeypatch.setattr("pipelines.cli.time.sleep", lambda s: None)
+    run = tmp_path / "run"
+    sets = ["--set", "task.num_prompts=50", "--set", "pipeline.schedule=sync"]
+    assert main(["run", "configs/tiny.yaml", *sets, "--run-dir", str(run)]) == 130
+    err = capsys.readouterr().err
+    ckpt = run.resolve() / "checkpoints" / "version-000003"
+    assert (
+        "did not stop in order; continue it in a new run from its last checkpoint "
+        f"(version-000003): `laminar run {run.resolve()}/config.yaml --run-dir NEW_DIR --set "
+        f"trainer.resume_from={ckpt}` (it ran pipeline.schedule='sync'"
+    ) in err, err
+    assert "--resume " not in err, err
