@@ -199,6 +199,20 @@ class RunConfig(_Section):
                 f"trainer.groups_per_step ({t.groups_per_step}): the trainer could never "
                 "fill a batch; raise max_outstanding_groups"
             )
+        eta, room, per_step = self.pipeline.eta, b.max_outstanding_groups, t.groups_per_step
+        if schedule == "partial_rollout" and room < (eta + 1) * per_step:
+            # Both count the groups dispatched and not yet consumed: back-pressure would
+            # hold dispatch before η does, and the run keep a bound it does not report.
+            # (η 0 is refused above; so is room for less than one batch: bound ≥ 0.)
+            bound = room // per_step - 1
+            lower = f", or pipeline.eta={bound}" if bound >= 1 else ""
+            raise ValueError(
+                f"pipeline.schedule=partial_rollout with pipeline.eta={eta}: "
+                f"(pipeline.eta + 1) × trainer.groups_per_step = {(eta + 1) * per_step} "
+                f"groups may be out, but buffer.max_outstanding_groups={room} stops "
+                f"dispatch first (the bound in force would be eta={bound}): set "
+                f"buffer.max_outstanding_groups to at least {(eta + 1) * per_step}{lower}"
+            )
         return self
 
     def fingerprint(self, *sections: str) -> str:

@@ -12,9 +12,9 @@ never exceed ``(version + pipeline.eta + 1) × trainer.groups_per_step``. η is 
 dispatch, not each trajectory's ``s_train`` (a long response is trained when it
 finishes, possibly more than η versions on; docs/schedules.md): for a hard bound, add
 ``buffer.max_train_staleness``. η must bind: ``buffer.max_outstanding_groups`` (which
-counts the same groups) of at least ``(η + 1) × trainer.groups_per_step``. Every token
-records the version that sampled it (``token_versions``); ``behavior_version`` is the
-oldest.
+counts the same groups) of at least ``(η + 1) × trainer.groups_per_step``, or the
+config is refused on load. Every token records the version that sampled it
+(``token_versions``); ``behavior_version`` is the oldest.
 
 Run it::
 
@@ -24,7 +24,6 @@ Run it::
 from __future__ import annotations
 
 from laminar.config import RunConfig
-from laminar.errors import ConfigError
 from laminar.schedule import ScheduleSpec
 from pipelines.driver import Schedule
 
@@ -34,20 +33,8 @@ class PartialRolloutSchedule(Schedule):
 
     @classmethod
     def spec(cls, cfg: RunConfig) -> ScheduleSpec:
-        eta, per_step = cfg.pipeline.eta, cfg.trainer.groups_per_step
-        room = cfg.buffer.max_outstanding_groups
-        if room < (eta + 1) * per_step:
-            # Both count the groups dispatched and not yet consumed: back-pressure would
-            # hold dispatch before η does, and the run keep a bound it does not report.
-            # (eta 0 is refused by the config: partial rollout would be sync)
-            lower = f", or pipeline.eta={room // per_step - 1}" if room // per_step > 1 else ""
-            raise ConfigError(
-                f"pipeline.eta={eta!r} lets (eta + 1) × trainer.groups_per_step = "
-                f"{(eta + 1) * per_step} groups out, but buffer.max_outstanding_groups="
-                f"{room!r} stops dispatch first (the bound in force would be eta="
-                f"{room // per_step - 1}): set buffer.max_outstanding_groups to at least "
-                f"{(eta + 1) * per_step}{lower}"
-            )
+        # (an η that back-pressure would override, or 0, is refused by the config, on
+        # load: laminar/config.py)
         return ScheduleSpec(
             "partial_rollout",
             dispatch="eta",

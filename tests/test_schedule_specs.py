@@ -120,25 +120,46 @@ def test_laminar_back_pressure_bounds_what_is_out_not_each_s_train():
     assert "buffer.max_train_staleness" in row
 
 
-def test_partial_rollout_refuses_an_eta_that_back_pressure_overrides():
+def test_partial_rollout_refuses_an_eta_that_back_pressure_overrides(tmp_path, no_cluster):
     """η allows ``(η + 1) × groups_per_step`` groups out (dispatched, not yet consumed);
     ``buffer.max_outstanding_groups`` counts the same groups. Below that, back-pressure
     holds dispatch first and the run keeps a tighter bound than the η it reports: with
-    configs/tiny.yaml's 32 (two batches of 16) ``pipeline.eta=4`` ran as η = 1."""
-    cls = schedule_class("partial_rollout")
-    base = ["pipeline.schedule=partial_rollout", "trainer.groups_per_step=16"]
-    tight = with_overrides(RunConfig(), base + ["buffer.max_outstanding_groups=32"])
-    with pytest.raises(ConfigError, match=r"max_outstanding_groups to at least 80.*eta=1"):
-        cls.spec(with_overrides(tight, ["pipeline.eta=4"]))
-    assert cls.spec(with_overrides(tight, ["pipeline.eta=1"])).eta == 1
-    roomy = with_overrides(RunConfig(), base + ["buffer.max_outstanding_groups=80"])
-    assert cls.spec(with_overrides(roomy, ["pipeline.eta=4"])).eta == 4
-    # the documented command runs
+    configs/tiny.yaml's 32 (two batches of 16) ``pipeline.eta=4`` ran as η = 1. Refused
+    as the config is read: `laminar run configs/tiny.yaml --set
+    pipeline.schedule=partial_rollout` (η 2: 48 groups) was refused only once the run's
+    cluster had started (~19 s), its config.yaml left behind in the run directory."""
     from pathlib import Path
 
     from laminar.config import load_config
+    from pipelines.cli import main
 
+    cls = schedule_class("partial_rollout")
+    base = ["pipeline.schedule=partial_rollout", "trainer.groups_per_step=16"]
+    tight = with_overrides(
+        RunConfig(), [*base, "buffer.max_outstanding_groups=32", "pipeline.eta=1"]
+    )
+    with pytest.raises(ConfigError) as e:
+        with_overrides(tight, ["pipeline.eta=4"])
+    said = str(e.value)
+    assert (
+        "pipeline.schedule=partial_rollout with pipeline.eta=4: (pipeline.eta + 1) × "
+        "trainer.groups_per_step = 80 groups may be out, but buffer.max_outstanding_groups"
+        "=32 stops dispatch first (the bound in force would be eta=1): set "
+        "buffer.max_outstanding_groups to at least 80, or pipeline.eta=1"
+    ) in said, said
+    assert cls.spec(with_overrides(tight, ["pipeline.eta=1"])).eta == 1
+    roomy = with_overrides(RunConfig(), base + ["buffer.max_outstanding_groups=80"])
+    assert cls.spec(with_overrides(roomy, ["pipeline.eta=4"])).eta == 4
+    # on load, before any cluster, and nothing written to the run directory
     root = Path(__file__).parents[1]
+    tiny = str(root / "configs" / "tiny.yaml")
+    with pytest.raises(ConfigError, match=r"buffer.max_outstanding_groups to at least 48"):
+        load_config(tiny, ["pipeline.schedule=partial_rollout"])
+    run = tmp_path / "run"
+    argv = ["run", tiny, "--set", "pipeline.schedule=partial_rollout", "--run-dir", str(run)]
+    assert main(argv) == 2  # (no_cluster: a cluster started fails the test)
+    assert not run.exists()
+    # the documented command runs
     line = next(
         x
         for x in (root / "docs" / "schedules.md").read_text().splitlines()
@@ -151,18 +172,10 @@ def test_partial_rollout_refuses_an_eta_that_back_pressure_overrides():
 def test_partial_rollouts_back_pressure_refusal_suggests_only_settings_that_hold():
     """With room for less than two batches the η the bound allows is 0, which the config
     refuses (partial rollout would be sync): the message suggested it all the same."""
-    from pipelines.partial_rollout import PartialRolloutSchedule
-
     base = ["pipeline.schedule=partial_rollout", "trainer.groups_per_step=16"]
-    tight = with_overrides(
-        RunConfig(), [*base, "pipeline.eta=1", "buffer.max_outstanding_groups=20"]
-    )
     with pytest.raises(ConfigError) as e:
-        PartialRolloutSchedule.spec(tight)
+        with_overrides(RunConfig(), [*base, "pipeline.eta=1", "buffer.max_outstanding_groups=20"])
     assert "max_outstanding_groups to at least 32" in str(e.value)
     assert "pipeline.eta=0" not in str(e.value)
-    roomy = with_overrides(
-        RunConfig(), [*base, "pipeline.eta=3", "buffer.max_outstanding_groups=48"]
-    )
     with pytest.raises(ConfigError, match=r"at least 64, or pipeline.eta=2"):
-        PartialRolloutSchedule.spec(roomy)
+        with_overrides(RunConfig(), [*base, "pipeline.eta=3", "buffer.max_outstanding_groups=48"])
