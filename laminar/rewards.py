@@ -123,8 +123,9 @@ def fails_too_often(
     group, so such a run would train only on the few groups whose every response
     happened to score (a biased few: half failing discards 99.6% of groups of 8).
 
-    >>> print(fails_too_often("m:f", 120, 136, 0.25, "in the last 60 s", "reward m:f returned nan"))
-    task.reward 'm:f' failed on 120 of the 256 responses it was given in the last 60 s, a \
+    >>> why = fails_too_often("m:f", 120, 136, 0.25, "in the last 300 s", "reward m:f returned nan")
+    >>> print(why)
+    task.reward 'm:f' failed on 120 of the 256 responses it was given in the last 300 s, a \
 share of 0.47, over task.reward_max_failure_share=0.25; each failure discards its whole \
 group, so the run would train only on the few groups whose every response scored (latest: \
 reward m:f returned nan); fix the function, or the service it calls, or raise \

@@ -27,9 +27,12 @@ DATA_SUSPECT_S = 10.0
 # long, and scored none stops: every failure discards its group, so no batch would ever
 # reach the trainer. (The window lets a reward service that starts late, or restarts,
 # catch up.) Once it has scored, a run whose reward has failed on REWARD_FAILURES_TO_STOP
-# or more of the responses of the last window, and on more than
-# task.reward_max_failure_share of them, stops too (RewardFailures).
+# or more of the responses of the last REWARD_SHARE_WINDOW_S, and on more than
+# task.reward_max_failure_share of them, stops too (RewardFailures). That window is
+# longer: a judge service that restarts, every call failing meanwhile, costs a share of
+# it (at 0.25, an outage of up to 75 s goes on; over 60 s it was 15 s).
 REWARD_FAILURE_WINDOW_S = 60.0
+REWARD_SHARE_WINDOW_S = 300.0
 # How long a poll waits for the rollouts' stats. A call still unanswered then is kept and
 # read at a later poll, not made again: a silent rollout (lost but not yet detected, or
 # hung) costs the polls this wait once, not at every poll until the manager declares it.
@@ -46,15 +49,16 @@ class RewardFailures:
     rollout's previous answer: a lost rollout's counters leave the stats, and its
     replacement (a new ``rollout_id``) counts from 0, so a sum over the rollouts of a
     poll would go down, then count the replacement's afresh. What was new at each poll
-    is kept for :data:`REWARD_FAILURE_WINDOW_S`.
+    is kept for ``window_s`` (:data:`REWARD_SHARE_WINDOW_S`).
 
     A failure discards its trajectory's whole GRPO group (a group dynamic sampling
     filters was scored, all of it: not a failure). A reward that fails on half the
     responses discards all but ``0.5**8`` of groups of 8 (0.4%), and the run would train
     on the few whose every response happened to score; :meth:`check` stops it."""
 
-    def __init__(self, reward: str, max_share: float) -> None:
+    def __init__(self, reward: str, max_share: float, window_s: float | None = None) -> None:
         self.reward, self.max_share = reward, max_share
+        self.window_s = REWARD_SHARE_WINDOW_S if window_s is None else window_s
         self.scored = False  # anything scored, in any rollout (the never-scores rule)
         self.failing_since: float | None = None  # the first poll that saw a failure
         self.scored_since: float | None = None  # the first poll that saw a response scored
@@ -72,7 +76,7 @@ class RewardFailures:
         has failed on :data:`REWARD_FAILURES_TO_STOP` of them over at least
         :data:`REWARD_FAILURE_WINDOW_S` (:func:`~laminar.rewards.never_scores`): no batch
         would ever reach the trainer. Once anything has scored, it stops the run when,
-        over the last window (after a whole window from its first score: a service that
+        over the last ``window_s`` (after a whole one from its first score: a service that
         starts late is the rule above's), it has failed on that many and on more than
         ``task.reward_max_failure_share`` of the responses
         (:func:`~laminar.rewards.fails_too_often`); at ``1.0`` it never does, and only
@@ -107,12 +111,12 @@ class RewardFailures:
             if new_errors and s.get("last_reward_error"):
                 self._latest = s["last_reward_error"]
         self._new.append((now, failed, scored))
-        while self._new and self._new[0][0] <= now - REWARD_FAILURE_WINDOW_S:
+        while self._new and self._new[0][0] <= now - self.window_s:
             self._new.popleft()
 
     def _share_stop(self, now: float) -> str | None:
         """The failure-share rule of :meth:`check`, once something has scored."""
-        window = REWARD_FAILURE_WINDOW_S
+        window = self.window_s
         if self.max_share >= 1.0 or now - self.scored_since < window:
             return None
         # (all after the poll that first saw a score: what failed before, a late start,

@@ -238,7 +238,8 @@ def test_a_reward_that_fails_on_half_its_responses_stops_the_run(
     import pipelines
 
     monkeypatch.setattr("pipelines.driver_polls.REWARD_FAILURE_WINDOW_S", 5.0)  # (the driver
-    run = pipelines.submit(  # runs in this process)
+    monkeypatch.setattr("pipelines.driver_polls.REWARD_SHARE_WINDOW_S", 5.0)  # runs here)
+    run = pipelines.submit(
         small_config,
         cluster_client,
         run_dir=tmp_path / "run",

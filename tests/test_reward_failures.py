@@ -1,6 +1,8 @@
 """The rules that stop a run for its reward function's failures, on the stats the driver
 polls from its rollouts (``pipelines.driver_polls.RewardFailures``, with the poll's time
-given), and the same rule in the warm start's scoring."""
+given), and the same rule in the warm start's scoring. The share rule's scenarios run on
+a window of 60 s (``W``, the never-scores rule's) for round numbers; the run's default is
+longer (``test_the_default_window_lets_a_minute_long_outage_go_on``)."""
 
 from __future__ import annotations
 
@@ -45,7 +47,7 @@ def test_a_reward_failing_on_half_the_responses_stops_after_a_window_of_it():
     """Half failing discards nearly every group (all but 1/16 of groups of 4), and the
     run trained on the few whose every response scored: it stops, one window after its
     first score, naming the field, the share and window measured, the error, the fix."""
-    failures = RewardFailures("m:f", 0.25)
+    failures = RewardFailures("m:f", 0.25, window_s=W)
     stopped = polls(failures, {"r0": (2, 2), "r1": (2, 2)}, 0.0, 3 * W)
     assert stopped is not None
     t, why = stopped
@@ -65,7 +67,7 @@ def test_a_reward_failing_on_half_the_responses_stops_after_a_window_of_it():
 def test_transient_failures_below_the_share_go_on(failed, scored):
     """10%, 20% or 4% of responses failing (a judge service that times out now and then)
     keeps most groups: the run goes on, for windows and windows."""
-    failures = RewardFailures("m:f", 0.25)
+    failures = RewardFailures("m:f", 0.25, window_s=W)
     assert polls(failures, {"r0": (failed, scored), "r1": (failed, scored)}, 0.0, 10 * W) is None
 
 
@@ -73,7 +75,7 @@ def test_a_short_outage_goes_on_and_a_long_one_stops():
     """A reward service down for a while, every response failing meanwhile: the run goes
     on while the window's share stays at most the limit (15 s of a 60 s window at 0.25),
     and stops when more of the window failed."""
-    failures = RewardFailures("m:f", 0.25)
+    failures = RewardFailures("m:f", 0.25, window_s=W)
     assert polls(failures, {"r0": (0, 8)}, 0.0, 2 * W) is None
     assert polls(failures, {"r0": (8, 0)}, 2 * W + 1, 2 * W + 15) is None  # 15 s down
     assert polls(failures, {"r0": (0, 8)}, 2 * W + 16, 5 * W) is None
@@ -81,8 +83,24 @@ def test_a_short_outage_goes_on_and_a_long_one_stops():
     assert t == 5 * W + 16 and "failed on 128 of the 480 responses" in why  # (0.27)
 
 
-def test_exactly_at_the_share_goes_on_and_one_failure_more_stops():
+def test_the_default_window_lets_a_minute_long_outage_go_on():
+    """Over the default window (REWARD_SHARE_WINDOW_S, 300 s) a reward service down for a
+    minute (a judge restarting) costs 20% of it: the run goes on at 0.25; over 60 s it
+    stopped 16 s into the outage. Down for good, it stops once the share passes 0.25."""
+    from pipelines.driver_polls import REWARD_SHARE_WINDOW_S as S
+
     failures = RewardFailures("m:f", 0.25)
+    assert failures.window_s == S == 300
+    assert polls(failures, {"r0": (0, 8)}, 0.0, 2 * S) is None
+    assert polls(failures, {"r0": (8, 0)}, 2 * S + 1, 2 * S + 60) is None  # 60 s down
+    assert polls(failures, {"r0": (0, 8)}, 2 * S + 61, 4 * S) is None
+    t, why = polls(failures, {"r0": (8, 0)}, 4 * S + 1, 5 * S)  # down again, for good
+    assert t == 4 * S + 76 and "failed on 608 of the 2400 responses" in why, why
+    assert "in the last 300 s" in why
+
+
+def test_exactly_at_the_share_goes_on_and_one_failure_more_stops():
+    failures = RewardFailures("m:f", 0.25, window_s=W)
     assert failures.check([stats("r0", 0, 1)], 0.0) is None  # the first score
     # a window later: 64 failed, 192 scored, exactly 0.25 of 256
     assert failures.check([stats("r0", 64, 193)], W) is None
@@ -92,7 +110,7 @@ def test_exactly_at_the_share_goes_on_and_one_failure_more_stops():
 
 
 def test_fewer_than_64_failures_in_the_window_go_on_whatever_their_share():
-    failures = RewardFailures("m:f", 0.25)
+    failures = RewardFailures("m:f", 0.25, window_s=W)
     assert failures.check([stats("r0", 0, 1)], 0.0) is None
     assert failures.check([stats("r0", 63, 2)], W) is None  # (0.98 of 64)
 
@@ -101,7 +119,7 @@ def test_a_lost_rollouts_counters_leave_and_its_replacement_counts_from_zero():
     """Per rollout, what is new since its last answer: the sum over the live rollouts
     goes down when one is lost (its counters leave the stats), which is nothing new, not
     responses unscored; its replacement, a new rollout id, counts from 0."""
-    failures = RewardFailures("m:f", 0.25)
+    failures = RewardFailures("m:f", 0.25, window_s=W)
     # r0 has scored 10000 (a long run); r1 fails on 2 in 9 (0.22: the run goes on)
     assert failures.check([stats("r0", 0, 10000), stats("r1", 0, 0)], 0.0) is None
     assert polls(failures, {"r0": (0, 4), "r1": (2, 7)}, 1.0, W) is None
@@ -116,7 +134,7 @@ def test_a_lost_rollouts_counters_leave_and_its_replacement_counts_from_zero():
 def test_a_rollout_left_out_of_a_poll_is_not_counted_twice():
     """A rollout whose stats call is still out is left out of a poll, then comes back
     with its counters grown: what grew meanwhile is counted once."""
-    failures = RewardFailures("m:f", 0.25)
+    failures = RewardFailures("m:f", 0.25, window_s=W)
     assert failures.check([stats("r0", 0, 1), stats("r1", 0, 1)], 0.0) is None
     for t in range(1, 61):
         seen = [stats("r0", 3 * t, 1 + 9 * t)]  # fails on 3 in 12, exactly 0.25
@@ -129,9 +147,9 @@ def test_a_rollout_left_out_of_a_poll_is_not_counted_twice():
 
 
 def test_at_a_share_of_one_only_a_reward_that_never_scores_stops():
-    failures = RewardFailures("m:f", 1.0)
+    failures = RewardFailures("m:f", 1.0, window_s=W)
     assert polls(failures, {"r0": (9, 1)}, 0.0, 5 * W) is None
-    never = RewardFailures("m:f", 1.0)
+    never = RewardFailures("m:f", 1.0, window_s=W)
     t, why = polls(never, {"r0": (2, 0), "r1": (2, 0)}, 0.0, 2 * W)
     assert t == W and why.startswith("task.reward 'm:f' failed on all 244 responses")
 
@@ -139,7 +157,7 @@ def test_at_a_share_of_one_only_a_reward_that_never_scores_stops():
 def test_failures_before_the_first_score_are_the_never_scores_rules():
     """A reward service that starts late: what failed before its first score is not
     counted by the share rule (the never-scores rule gives it a window to start)."""
-    failures = RewardFailures("m:f", 0.25)
+    failures = RewardFailures("m:f", 0.25, window_s=W)
     assert polls(failures, {"r0": (8, 0)}, 0.0, W - 5) is None  # 55 s down: 448 failed
     assert polls(failures, {"r0": (0, 8)}, W - 4, 4 * W) is None
 
