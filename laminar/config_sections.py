@@ -317,7 +317,7 @@ class PipelineConfig(_Section):
     # partial_rollout: AReaL's staleness bound η — prompt groups dispatched never exceed
     # (trainer version + η + 1) × trainer.groups_per_step. (2: what the default
     # buffer.max_outstanding_groups, 3 × groups_per_step, lets out; a larger η needs
-    # more room there, or back-pressure binds first, and the run refuses it. At 0 nothing
+    # more room there, or back-pressure binds first, and the config refuses it on load. At 0 nothing
     # overlaps training: sync without colocation, refused.)
     eta: int = Field(2, ge=0)
 

@@ -388,7 +388,7 @@ def _another(ckpt: Path) -> str:
     return (
         "resume from an earlier checkpoint"
         + (f" ({before}, beside it)" if before else "")
-        + f": to resume in place (`laminar run --resume {run}`), move this one aside "
+        + f": to resume a laminar run in place (`laminar run --resume {run}`), move this one aside "
         f"first, renaming it, e.g. to {ckpt.name}.damaged (the resume takes the newest "
         "version-<digits> folder); for a new run, set trainer.resume_from to another "
         "checkpoints/version-N folder"

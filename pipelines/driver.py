@@ -469,8 +469,7 @@ class Schedule(StatsPolling, FaultHandling, MetricsRecording):
                 raise ClusterError(
                     f"the trainer showed no progress for {t_stats['silent_s']:.0f} s as the "
                     "run stopped (faults.heartbeat_timeout_s): hung in its last update or "
-                    "checkpoint; continue the run from its newest checkpoint with "
-                    f"`laminar run --resume {self.run_dir}`"
+                    "checkpoint; " + self.resume_hint()
                 )
             time.sleep(self.cfg.metrics.poll_s)
             t_stats = _stopping(a["trainer"], "stats", timeout)

@@ -128,6 +128,9 @@ def test_ctrl_c_twice_aborts_with_130_and_says_how_to_continue(tmp_path, monkeyp
     class Handle:  # a run that never ends by itself; every poll is a Ctrl-C
         def __init__(self, cfg, client, run_dir, resume=None):
             self.run_dir = run_dir
+            # (a checkpoint to continue from: without one, --resume refuses the run, and
+            # the message says to start it again in a new directory)
+            (run_dir / "checkpoints" / "version-000001").mkdir(parents=True)
 
         def done(self):
             return False
