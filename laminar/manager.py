@@ -9,7 +9,11 @@ none is, the least loaded healthy rollout *adopts* them as a batch of their own 
 next boundary, loading that version from its relay's kept versions or the trainer's
 checkpoint. Either way each trajectory keeps one behavior version, its group stays whole,
 and at most one flush interval of tokens is regenerated. Each recovery is a row of the
-``faults`` table of ``metrics.zarr``.
+``faults`` table of ``metrics.zarr``. With ``faults.recover`` off there is no pool to
+resume from: the manager still detects a lost rollout (and a hung one, fenced, once its
+worker is gone), records it (a ``faults`` row of ``how`` ``unrecovered``) and fails with an
+error naming it, on which the driver fails the run in order — never a run that goes on
+quietly with fewer rollouts.
 
 **Repack** (with a ``repack`` section).
 
@@ -241,7 +245,10 @@ class RolloutManager(RecoveryMixin, RepackMixin):
 
     def _run(self) -> None:
         last = last_detect = time.time()
-        detect = self.cfg.faults.recover and self.partial is not None and self.workers
+        # (Recovery resumes from the partial-response pool; without faults.recover there
+        # is none, and detection fails the run on a loss instead: detect().)
+        recover = self.cfg.faults.recover
+        detect = bool(self.workers) and (self.partial is not None or not recover)
         try:
             while not self._stop.wait(0.05):
                 self._take_joining()
@@ -249,6 +256,8 @@ class RolloutManager(RecoveryMixin, RepackMixin):
                 if detect and now - last_detect >= self.cfg.faults.detect_interval_s:
                     last_detect = now
                     self.detect()
+                    if self.error is not None:  # (a loss with faults.recover off)
+                        return
                 if self.rcfg is None:
                     continue
                 published = self._published()

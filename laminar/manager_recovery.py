@@ -147,7 +147,8 @@ class RecoveryMixin:
 
     def detect(self) -> list[str]:
         """Relays and rollouts whose worker the scheduler no longer has: cut each relay
-        out of the chain, then recover each rollout. Returns the lost rollouts."""
+        out of the chain, then recover each rollout — or, with ``faults.recover`` off,
+        fail the run naming them (:meth:`_fail_unrecovered`). Returns the lost rollouts."""
         try:
             workers = self._scheduler_workers()
         except Exception as e:  # noqa: BLE001 — says nothing of the rollouts: next round
@@ -155,9 +156,15 @@ class RecoveryMixin:
             return []
         gone = [rid for rid in self._alive() if self.workers.get(rid) not in workers]
         now = time.time()
+        recover = self.cfg.faults.recover
         for rid in gone:  # all of them first: none is a candidate for another's work
             self.lost[rid] = now
-            logger.warning("rollout %s lost (worker %s gone); recovering", rid, self.workers[rid])
+            logger.warning(
+                "rollout %s lost (worker %s gone); %s",
+                rid,
+                self.workers[rid],
+                "recovering" if recover else "not recovered: faults.recover is off",
+            )
         relays = [r for r in self._chain()[1:] if self.relay_workers.get(r) not in workers]
         master_w = self.relay_workers.get("master")
         if self._master_lost is None and master_w is not None and master_w not in workers:
@@ -170,10 +177,54 @@ class RecoveryMixin:
         # recovery, which may read old versions from them.
         if relays:
             self.drop_relays(relays)
+        if not recover:
+            if gone:
+                self._fail_unrecovered(gone, now)
+                return gone
         for rid in gone:
             self.recover(rid)
         self.check_heartbeats()  # (after: it must not delay the recovery of a lost one)
         return gone
+
+    def _fail_unrecovered(self, gone: list[str], now: float) -> None:
+        """With ``faults.recover`` off, lost rollouts are not recovered, and the run must
+        not go on quietly with fewer (their groups holding the back-pressure budget for
+        ever): each is a row of the ``faults`` table (``how`` ``unrecovered``, nothing
+        resumed), so that the audit and the report count it, and the manager fails with
+        an error that names them (the driver fails the run on it, in order)."""
+        self.fault_rows += [
+            {
+                "time": now,
+                "rollout": rid,
+                "destination": "",
+                "how": "unrecovered",
+                "version": -1,
+                "requests": 0,
+                "tokens_recovered": 0,
+                "max_since_flush_s": 0.0,
+                "recovery_s": 0.0,
+            }
+            for rid in gone
+        ]
+
+        def named(rid: str) -> str:
+            hung = self.hung.get(rid)
+            if hung is None:
+                return f"{rid} (worker {self.workers.get(rid)} gone)"
+            return (
+                f"{rid} (hung: no progress for {hung['silent_s']:.0f} s; its worker "
+                f"{self.workers.get(rid)} stopped)"
+            )
+
+        one = len(gone) == 1
+        self.error = (
+            f"rollout{'' if one else 's'} {', '.join(map(named, gone))} "
+            f"{'was' if one else 'were'} lost and faults.recover is off: "
+            f"{'it is' if one else 'they are'} not recovered, and the run does not go on "
+            f"without {'it' if one else 'them'}; turn faults.recover on (--set "
+            "faults.recover=true) to recover a lost rollout within the run, or resume the run"
+        )
+        logger.error("%s", self.error)
 
     def _watched(self) -> dict[str, tuple[object, str | None, str]]:
         """Id -> (handle, worker, kind) of every live rollout and downstream relay."""

@@ -387,6 +387,48 @@ def test_a_sync_run_that_loses_a_rollout_for_good_goes_on_with_the_others(tmp_pa
     assert report.ok, report.text()
 
 
+def test_a_rollout_lost_with_recovery_off_fails_the_run_naming_it(tmp_path):
+    """With faults.recover off a lost rollout is not recovered, and fails the run
+    (docs/configuration.md): the manager still detects it, and the run stops in order
+    with an error that names it, its worker and faults.recover, keeping what it made (the
+    final checkpoint, a store that audits clean) and the loss on record (a row of the
+    faults table, which the audit counts). Before, nothing noticed the loss: the run went
+    on to its last step on one rollout, completed, and its audit said no rollout was lost."""
+    from distributed import Client
+
+    import pipelines
+    from laminar.cluster import local_cluster
+    from laminar.errors import RunFailed
+
+    run_dir = tmp_path / "run"
+    overrides = [*SMALL_RUN, "trainer.steps=200", "trainer.checkpoint_every=0"]
+    with local_cluster(2, memory_limit="3GiB") as cluster, Client(cluster) as client:
+        handle = pipelines.submit(
+            "configs/tiny.yaml",
+            client,
+            overrides=[*overrides, "faults.recover=false"],
+            run_dir=run_dir,
+        )
+        wait_for(handle, lambda p: p.get("phase") == "training" and p["version"] >= 1)
+        worker = handle._schedule.rollout_workers["r1"]
+        os.kill(client.run(os.getpid, workers=[worker])[worker], signal.SIGKILL)
+        with pytest.raises(RunFailed) as failed:
+            handle.wait(timeout=30)
+        assert rollout_threads(client) == []  # stopped before the error was raised
+    said = f"rollout r1 (worker {worker} gone) was lost and faults.recover is off"
+    assert said in str(failed.value) and "--set faults.recover=true" in str(failed.value)
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["reason"].startswith(f"failed: {said}"), summary["reason"]
+    assert summary["versions"] < 200
+    ckpt = sorted((run_dir / "checkpoints").glob("version-*"))
+    assert len(ckpt) == 1 and (ckpt[0] / "data_state.json").exists(), ckpt
+    assert open_run(run_dir).laminar.audit() == []
+    rows = open_metrics(run_dir, "faults")
+    assert rows["rollout"].values.tolist() == ["r1"]
+    assert rows["how"].values.tolist() == ["unrecovered"]
+    assert audit_run(run_dir).figures["rollouts lost"] == 1
+
+
 def rescored_and_resumed(handle) -> bool:
     """Both kinds of recovery recorded: finished trajectories rescored, unfinished ones
     imported or adopted."""
