@@ -218,22 +218,22 @@ class Schedule(StatsPolling, FaultHandling, MetricsRecording):
             for w, f in zip(rollout_ws, starting, strict=True)
         ]
         phase("starting the trainer")
-        manager = None
-        if cfg.repack is not None or partial is not None or spec.interrupt:
-            manager = submit_actor(
-                client,
-                RolloutManager,
-                cfg,
-                {f"r{i}": r for i, r in enumerate(rollouts)},
-                tier.master,
-                partial,
-                {f"r{i}": w for i, w in enumerate(rollout_ws)},
-                relays=dict(zip(tier.ids, tier.relays, strict=True)),
-                relay_workers=dict(zip(tier.ids, tier.workers, strict=True)),
-                rollout_relays=self.rollout_relays,
-                worker=data_w,
-                resource="data",
-            )
+        # Always, repack and recovery or not: its loss detection is what fails a run that
+        # loses a rollout with faults.recover off (it went on, quietly, on fewer rollouts).
+        manager = submit_actor(
+            client,
+            RolloutManager,
+            cfg,
+            {f"r{i}": r for i, r in enumerate(rollouts)},
+            tier.master,
+            partial,
+            {f"r{i}": w for i, w in enumerate(rollout_ws)},
+            relays=dict(zip(tier.ids, tier.relays, strict=True)),
+            relay_workers=dict(zip(tier.ids, tier.workers, strict=True)),
+            rollout_relays=self.rollout_relays,
+            worker=data_w,
+            resource="data",
+        )
         trainer = submit_actor(
             client,
             Trainer,
@@ -263,12 +263,11 @@ class Schedule(StatsPolling, FaultHandling, MetricsRecording):
         laminar, shared = self._laminar, trainer_w == data_w
         trainer_ok = cfg.faults.restart_trainer
         data_ok = partial is not None and cfg.faults.restart_data
-        self.restartable = (
-            laminar and manager is not None and trainer_ok and (data_ok or not shared)
-        )
-        self.data_restartable = (
-            laminar and manager is not None and data_ok and (trainer_ok or not shared)
-        )
+        # (as when the manager was started only for these: recovery off and no repack,
+        # a lost trainer fails the run; what a restart without them needs is untested)
+        managed = cfg.repack is not None or partial is not None
+        self.restartable = laminar and managed and trainer_ok and (data_ok or not shared)
+        self.data_restartable = laminar and managed and data_ok and (trainer_ok or not shared)
         self.trainer_restarts: list[dict] = []
         self._restart = None  # a TrainerRestart in progress
         self.data_restarts: list[dict] = []
