@@ -383,11 +383,15 @@ def _audit_faults(run_dir: Path, ds, report: AuditReport, unfinished: list[dict]
     lost = sorted(set(rows["rollout"].values.tolist()))
     report.figures["recovered trajectories"] = int(rows["requests"].sum())
     report.figures["recovered tokens (kept)"] = int(rows["tokens_recovered"].sum())
-    if rows.sizes["recovery"]:
-        t = rows["recovery_s"].values
+    # (a rollout lost with faults.recover off has a row, `unrecovered`, and no recovery)
+    recovered = rows["how"].values != "unrecovered"
+    if recovered.any():
+        t = rows["recovery_s"].values[recovered]
         report.figures["recovery time mean (s)"] = float(np.mean(t))
         report.figures["recovery time max (s)"] = float(np.max(t))
-        report.figures["since last log, max (s)"] = float(rows["max_since_flush_s"].max())
+        report.figures["since last log, max (s)"] = float(
+            rows["max_since_flush_s"].values[recovered].max()
+        )
     # The rollouts each trajectory left (all on its path but the last): only one resumed
     # elsewhere has several (a split of every trajectory's path took ~0.3 s for 200k).
     ids = ds["rollout_ids"].values
