@@ -87,7 +87,7 @@ def no_cluster(monkeypatch):
 # A test that leaves this process changed fails the tests after it, in one selection and
 # not alone. Seen: tests/test_driver.py's fake ``scheduler_workers`` stayed in
 # pipelines.restart (first imported, lazily, while the patch was on), and every restart
-# of tests/test_faults_core.py after it saw its new workers as gone ("the data module was
+# of tests/test_faults.py after it saw its new workers as gone ("the data module was
 # lost and not rebuilt within 120 s"). Also checked: a patched distributed class (the
 # nannies run here), a cluster, client or run's driver left going. Each is looked for
 # after every test, and the test that left it fails, naming it.

@@ -1,6 +1,6 @@
 """`laminar run --resume RUN_DIR`: what it refuses, and why, before any cluster starts.
 
-The resume itself (a lost run continued in place) is in tests/test_faults_core.py.
+The resume itself (a lost run continued in place) is in tests/test_faults.py.
 """
 
 from __future__ import annotations
