@@ -344,16 +344,22 @@ def checkpoint_skipped_versions(ckpt: str | Path) -> int | None:
     return skipped_versions(state) if "skipped_versions" in state else None
 
 
+def _checkpoints(folder: Path) -> dict[int, Path]:
+    """The checkpoints in a run's ``checkpoints`` folder by version. Only
+    ``version-<digits>`` folders count: one renamed aside (``version-000014.damaged``)
+    is passed over."""
+    return {
+        int(p.name.removeprefix("version-")): p
+        for p in folder.glob("version-*")
+        if p.name.removeprefix("version-").isdigit()  # (isdigit: no sign, no space)
+    }
+
+
 def newest_checkpoint(run_dir: str | Path) -> Path | None:
     """A run's checkpoint of the highest version (every folder there is complete: they
-    are written aside and renamed into place), or ``None``. Only ``version-<digits>``
-    folders count: one renamed aside (``version-000014.damaged``) is passed over."""
-    saved = [
-        p
-        for p in (Path(run_dir) / "checkpoints").glob("version-*")
-        if p.name.removeprefix("version-").isdigit()  # (isdigit: no sign, no space)
-    ]
-    return max(saved, key=lambda p: int(p.name.removeprefix("version-")), default=None)
+    are written aside and renamed into place), or ``None``."""
+    saved = _checkpoints(Path(run_dir) / "checkpoints")
+    return saved[max(saved)] if saved else None
 
 
 def checkpoint_version(ckpt: str | Path) -> int:
@@ -375,15 +381,9 @@ def _damaged(path: Path, e: Exception | str) -> CheckpointError:
 def _another(ckpt: Path) -> str:
     """How to resume from a checkpoint other than the damaged ``ckpt`` (the one before
     it named, where its run has one)."""
-    mine = ckpt.name.removeprefix("version-")
-    older = [
-        p.name
-        for p in ckpt.parent.glob("version-*")
-        if mine.isdigit()
-        and p.name.removeprefix("version-").isdigit()
-        and int(p.name.removeprefix("version-")) < int(mine)
-    ]
-    before = max(older, key=lambda n: int(n.removeprefix("version-")), default=None)
+    saved, mine = _checkpoints(ckpt.parent), ckpt.name.removeprefix("version-")
+    older = [v for v in saved if mine.isdigit() and v < int(mine)]
+    before = saved[max(older)].name if older else None
     run = ckpt.parent.parent if ckpt.parent.name == "checkpoints" else "RUN_DIR"
     return (
         "resume from an earlier checkpoint"

@@ -114,6 +114,17 @@ def never_scores(reward: str, errors: int, seconds: float, latest: str, what: st
     )
 
 
+def past_share(failures: int, scored: int, max_share: float) -> bool:
+    """The share rule (``task.reward_max_failure_share``), the run's over its window and
+    the warm start's over its scoring: failed on :data:`REWARD_FAILURES_TO_STOP` or more
+    responses, and on more than ``max_share`` of them (at 1.0, never).
+
+    >>> past_share(64, 192, 0.25), past_share(65, 192, 0.25), past_share(63, 0, 0.25)
+    (False, True, False)
+    """
+    return failures >= REWARD_FAILURES_TO_STOP and failures > max_share * (failures + scored)
+
+
 def fails_too_often(
     reward: str, failures: int, scored: int, max_share: float, where: str, latest: str
 ) -> str:

@@ -41,7 +41,7 @@ from laminar.model import (
     tiny_config,
 )
 from laminar.prompt_pool import check_answers, encode_prompts
-from laminar.rewards import REWARD_FAILURES_TO_STOP, fails_too_often, never_scores
+from laminar.rewards import REWARD_FAILURES_TO_STOP, fails_too_often, never_scores, past_share
 from laminar.tasks import Prompt, demonstration, length_sigmas, longest_demonstration
 from laminar.update import micro_batches, pack, response_logprobs
 
@@ -310,10 +310,8 @@ def evaluate(cfg: RunConfig, model, tok, prompts: list[Prompt]) -> float:
     scored, errors, latest, t0 = 0, 0, "", time.time()
 
     def too_many() -> bool:  # (failed on every response, or on more than the share)
-        share = t.reward_max_failure_share
-        return errors >= REWARD_FAILURES_TO_STOP and (
-            not scored or errors > share * (errors + scored)
-        )
+        never = errors >= REWARD_FAILURES_TO_STOP and not scored
+        return never or past_share(errors, scored, t.reward_max_failure_share)
 
     # In chunks: a reward that fails on every response (hanging till its timeout, say)
     # is given up on by the run's rule (REWARD_FAILURES_TO_STOP, none scored), not after

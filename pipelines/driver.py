@@ -325,7 +325,8 @@ class Schedule(StatsPolling, FaultHandling, MetricsRecording):
         self._n_repacks = self._n_faults = self._n_pubs = 0
         self._rows: dict[str, list[dict]] = {"cluster": [], "rollouts": []}
         self._n_updates = 0
-        self._reward_failures = RewardFailures(  # (_reward_never_scores)
+        # (why the run stops for its reward's failures: never scored, or past the share)
+        self._reward_failures = RewardFailures(
             self.cfg.task.reward, self.cfg.task.reward_max_failure_share
         )
         t_start = last_t = last_flush = time.time()
@@ -398,7 +399,7 @@ class Schedule(StatsPolling, FaultHandling, MetricsRecording):
                 if failed:
                     reason = "failed: " + failed[0]["error"].strip().splitlines()[-1]
                     break
-                if unscorable := self._reward_never_scores(r_stats):
+                if unscorable := self._reward_failures.check(r_stats, time.time()):
                     reason = "failed: " + unscorable
                     break
                 if t_stats["done"] and not t_stats["error"]:  # (an error: a rank lost)

@@ -16,7 +16,7 @@ import time
 from collections import deque
 
 from laminar.cluster import actor_result, is_lost
-from laminar.rewards import REWARD_FAILURES_TO_STOP, fails_too_often, never_scores
+from laminar.rewards import REWARD_FAILURES_TO_STOP, fails_too_often, never_scores, past_share
 
 logger = logging.getLogger("laminar")
 
@@ -59,9 +59,10 @@ class RewardFailures:
     def __init__(self, reward: str, max_share: float, window_s: float | None = None) -> None:
         self.reward, self.max_share = reward, max_share
         self.window_s = REWARD_SHARE_WINDOW_S if window_s is None else window_s
-        self.scored = False  # anything scored, in any rollout (the never-scores rule)
         self.failing_since: float | None = None  # the first poll that saw a failure
-        self.scored_since: float | None = None  # the first poll that saw a response scored
+        # the first poll that saw a response scored, in any rollout (None: the never-scores
+        # rule stands)
+        self.scored_since: float | None = None
         # rollout id -> (reward_errors, rewards_scored) at its last answer (kept once it
         # is gone: a rollout whose stats call is slow is left out of a poll, then back)
         self._seen: dict[str, tuple[int, int]] = {}
@@ -82,9 +83,9 @@ class RewardFailures:
         (:func:`~laminar.rewards.fails_too_often`); at ``1.0`` it never does, and only
         the first rule stands."""
         self._count(r_stats, now)
-        if self.scored or any(s.get("rewards_scored") for s in r_stats):
-            self.scored = True
-            self.scored_since = now if self.scored_since is None else self.scored_since
+        if self.scored_since is None and any(s.get("rewards_scored") for s in r_stats):
+            self.scored_since = now
+        if self.scored_since is not None:
             return self._share_stop(now)
         errors = sum(s.get("reward_errors", 0) for s in r_stats)
         if not errors:
@@ -122,7 +123,7 @@ class RewardFailures:
         # (all after the poll that first saw a score: what failed before, a late start,
         # is the never-scores rule's)
         failed, scored = sum(f for _, f, _ in self._new), sum(d for _, _, d in self._new)
-        if failed < REWARD_FAILURES_TO_STOP or failed <= self.max_share * (failed + scored):
+        if not past_share(failed, scored, self.max_share):
             return None
         return fails_too_often(
             self.reward, failed, scored, self.max_share, f"in the last {window:.0f} s", self._latest
@@ -133,12 +134,6 @@ class StatsPolling:
     """The polls of :class:`~pipelines.driver.Schedule`, which sets up what they read
     (``cfg``, ``actors``, ``core_workers``, the last stats of each, the restarts in
     progress) and calls them from ``run``."""
-
-    def _reward_never_scores(self, r_stats: list[dict]) -> str | None:
-        """Why the run must stop for its reward's failures (else ``None``): it has never
-        scored, or it fails on more than ``task.reward_max_failure_share`` of the
-        responses (:meth:`RewardFailures.check`)."""
-        return self._reward_failures.check(r_stats, time.time())
 
     def _data_stats(self) -> tuple[dict, dict]:
         """The buffer's and prompt pool's stats; while a lost data module is rebuilt

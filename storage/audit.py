@@ -105,7 +105,7 @@ def audit_run(run_dir: str | Path) -> AuditReport:
         report.problems.append(f"{int((sizes > want).sum())} groups have more members than size")
 
     _audit_staleness(ds, report)
-    if damaged := _summary_damage(run_dir):
+    if damaged := _read_summary(run_dir)[1]:
         report.problems.append(damaged)
     _checked(report, "published versions", _audit_updates, run_dir, ds, report)
     _audit_batches(run_dir, ds, report)
@@ -451,29 +451,26 @@ def _ended(run_dir: Path) -> bool:
     return starts <= summary.get("segments", 1)
 
 
-def _summary_damage(run_dir: Path) -> str | None:
-    """What is wrong with a ``summary.json`` that is there but unreadable (the checks
-    that read it then take it as absent: a run that did not end, lost nothing)."""
+def _read_summary(run_dir: Path) -> tuple[dict, str | None]:
+    """``summary.json`` (``{}`` where it is absent or damaged), and what is wrong with
+    one that is there but unreadable (the checks that read it then take it as absent: a
+    run that did not end, lost nothing)."""
     path = run_dir / "summary.json"
     try:
         summary = json.loads(path.read_text())
     except FileNotFoundError:
-        return None
+        return {}, None
     except (OSError, ValueError) as e:
-        return (
+        return {}, (
             f"{str(path)!r} cannot be read ({type(e).__name__}: {e}): the checks that read "
             "it (whether the run ended, its lost rollouts and restarts) were made without "
             "it; restore it from a copy"
         )
     if not isinstance(summary, dict):
-        return f"{str(path)!r} is not a JSON object; restore it from a copy"
-    return None
+        return {}, f"{str(path)!r} is not a JSON object; restore it from a copy"
+    return summary, None
 
 
 def _summary(run_dir: Path) -> dict:
-    """``summary.json``; ``{}`` where it is absent or damaged (:func:`_summary_damage`)."""
-    try:
-        summary = json.loads((run_dir / "summary.json").read_text())
-    except (OSError, ValueError):
-        return {}
-    return summary if isinstance(summary, dict) else {}
+    """``summary.json``; ``{}`` where it is absent or damaged (:func:`_read_summary`)."""
+    return _read_summary(run_dir)[0]
