@@ -101,6 +101,8 @@ class Schedule(StatsPolling, FaultHandling, MetricsRecording):
         # each rollout's response tokens as last read: one lost, replaced or slow to
         # answer still counts in the cluster's total
         self._tokens_by_rollout: dict[str, float] = {}
+        # each rollout's last stats: what one lost with faults.recover off held
+        self._last_r_stats: dict[str, dict] = {}
         # the trainer's wait: (what trainers restarted within the run had waited, the
         # last reading); a new trainer counts from 0 again
         self._trainer_wait = (0.0, 0.0)
@@ -354,6 +356,7 @@ class Schedule(StatsPolling, FaultHandling, MetricsRecording):
                 now = time.time()
                 for s in r_stats:
                     self._tokens_by_rollout[s["rollout_id"]] = s["response_tokens"]
+                    self._last_r_stats[s["rollout_id"]] = s
                 tokens = sum(self._tokens_by_rollout.values())
                 gen_tok_s = (tokens - last_tokens) / max(now - last_t, 1e-9)
                 last = t_stats["last"] or {}
@@ -494,6 +497,7 @@ class Schedule(StatsPolling, FaultHandling, MetricsRecording):
                 self.data_restarts,
                 self.core_restarts,
                 earlier=self._earlier_faults,
+                unrecovered=self._unrecovered(m_stats),
             ),
             "repack": m_stats if self.cfg.repack is not None else None,
             "relay": relay,

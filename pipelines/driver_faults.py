@@ -335,6 +335,17 @@ class FaultHandling:
         )
         self._joining = (rid, worker, waiting[0], relay_id, future)
 
+    def _unrecovered(self, m_stats: dict | None) -> dict[str, dict]:
+        """The rollouts lost with ``faults.recover`` off, for ``summary.json``
+        (:func:`pipelines.summary.unrecovered_losses`): each one's worker and what it held
+        at its last stats, from the driver's polls (the manager's fault row records
+        nothing resumed; the rollout itself is gone)."""
+        from pipelines.summary import unrecovered_losses
+
+        if self.cfg.faults.recover:
+            return {}
+        return unrecovered_losses(m_stats, self.rollout_workers, self._last_r_stats)
+
     def _fail_on_lost_core(self, error: Exception) -> bool:
         """The driver's loop failed on ``error``: if a call to the trainer or the data
         module failed because its worker is gone, stop what still runs and raise a

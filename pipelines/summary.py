@@ -45,16 +45,21 @@ def faults_summary(
     data_restarts: list[dict] = (),
     core_restarts: list[dict] = (),
     earlier: list[dict] = (),
-) -> dict | None:
+    unrecovered: dict[str, dict] | None = None,
+) -> dict:
     """Losses and recoveries over this start of the run, and the partial-response log's
-    counters; ``earlier``: a resumed run's earlier starts' (:func:`earlier_faults`)."""
-    if partial is None:
-        return None
+    counters (``None`` with ``faults.recover`` off: there is no log); ``earlier``: a
+    resumed run's earlier starts' (:func:`earlier_faults`); ``unrecovered``: the rollouts
+    lost with ``faults.recover`` off (:func:`unrecovered_losses`).
+
+    Always a dict: with recovery off it was ``null``, and a run that failed on a lost
+    rollout (or went on through a lost relay) had nothing of it in summary.json."""
     m = m_stats or {}
     return {
         "lost": m.get("lost", {}),
         "recoveries": m.get("recoveries", 0),
         "recovered_requests": m.get("recovered_requests", 0),
+        "unrecovered": dict(unrecovered or {}),
         "replacements": m.get("replacements", {}),
         "relays_lost": m.get("relays_lost", {}),
         "hung": m.get("hung", {}),
@@ -66,6 +71,42 @@ def faults_summary(
         "partial": partial,
         "earlier": list(earlier),  # one entry per earlier start
     }
+
+
+def unrecovered_losses(
+    m_stats: dict | None, workers: dict[str, str], last_stats: dict[str, dict]
+) -> dict[str, dict]:
+    """Each rollout lost with ``faults.recover`` off (``m_stats``: the manager's stats,
+    every loss of which is then unrecovered): ``time`` it was found lost (epoch s),
+    ``how`` (``unrecovered``), its ``worker`` (``workers``: rollout -> address), whether
+    it had ``hung`` (declared hung, then fenced), and what it held at its last report to
+    the driver (``last_stats``: rollout -> its last stats): ``requests`` (unfinished in
+    its engine: running and waiting), ``unscored`` (finished, their rewards still out),
+    ``as_of`` (when it read them, epoch s; ``None`` with the counts when it never
+    answered). All of them are lost with it: nothing resumes them.
+
+    >>> unrecovered_losses(
+    ...     {"lost": {"r1": 10.0}, "hung": {}},
+    ...     {"r1": "tcp://w1"},
+    ...     {"r1": {"running": 6, "waiting": 2, "pending_rewards": 1, "read_at": 9.6}},
+    ... )["r1"]  # doctest: +NORMALIZE_WHITESPACE
+    {'time': 10.0, 'how': 'unrecovered', 'worker': 'tcp://w1', 'hung': False,
+     'requests': 8, 'unscored': 1, 'as_of': 9.6}
+    """
+    m = m_stats or {}
+    out = {}
+    for rid, t in (m.get("lost") or {}).items():
+        s = last_stats.get(rid)
+        out[rid] = {
+            "time": t,
+            "how": "unrecovered",
+            "worker": workers.get(rid),
+            "hung": rid in (m.get("hung") or {}),
+            "requests": None if s is None else int(s["running"]) + int(s["waiting"]),
+            "unscored": None if s is None else int(s["pending_rewards"]),
+            "as_of": None if s is None else s["read_at"],
+        }
+    return out
 
 
 # What ``faults.earlier`` keeps of each earlier start's faults.
@@ -100,11 +141,14 @@ def earlier_faults(run_dir: Path, earlier_segments: list[dict], origin: float | 
                 "recovered_requests": 0,
                 "from": "faults table",
             }
-        for seg, rid, t, requests in _fault_rows(run_dir, earlier_segments, origin):
+        for seg, rid, t, requests, how in _fault_rows(run_dir, earlier_segments, origin):
             e = out.get(seg)
             if e is None or e.get("from") != "faults table":
                 continue
             e["lost"][rid] = min(t, e["lost"].get(rid, t))
+            if how == "unrecovered":  # (faults.recover off: a loss, not a recovery)
+                e.setdefault("unrecovered", {})[rid] = {"time": t, "how": how}
+                continue
             e["recoveries"] += 1
             e["recovered_requests"] += requests
     return [out[s] for s in sorted(out) if s in starts]
@@ -128,11 +172,13 @@ def _carried_faults(prev: dict) -> dict[int, dict]:
     if "lost" in f and not prev.get("driver_failed"):
         seg = int(prev.get("segments", 1)) - 1
         out[seg] = {"segment": seg, **{k: f.get(k) for k in EARLIER_FAULTS}}
+        if f.get("unrecovered"):  # (lost with faults.recover off: what they held)
+            out[seg]["unrecovered"] = f["unrecovered"]
     return out
 
 
 def _fault_rows(run_dir: Path, earlier_segments: list[dict], origin: float | None):
-    """``(segment, rollout, time, requests)`` of each row of the ``faults`` table (none
+    """``(segment, rollout, time, requests, how)`` of each row of the ``faults`` table (none
     when it has none, or cannot be read)."""
     from storage.metrics import open_metrics
 
@@ -158,6 +204,7 @@ def _fault_rows(run_dir: Path, earlier_segments: list[dict], origin: float | Non
         rows["rollout"].values.astype(str).tolist(),
         times.tolist(),
         rows["requests"].values.astype(int).tolist(),
+        rows["how"].values.astype(str).tolist(),
         strict=True,
     )
 

@@ -378,6 +378,7 @@ def _audit_faults(run_dir: Path, ds, report: AuditReport, unfinished: list[dict]
             "in the faults table of metrics.zarr: their recovery rows were lost (with the "
             "data module, before the driver copied them), so their recovery is unchecked",
         )
+    _audit_unrecovered(run_dir, rows, report)
     if rows is None:
         return
     lost = sorted(set(rows["rollout"].values.tolist()))
@@ -431,6 +432,58 @@ def _audit_faults(run_dir: Path, ds, report: AuditReport, unfinished: list[dict]
             )
             (report.notes if recorded - resumed <= bound(rid) else report.problems).append(msg)
         report.figures[f"  {rid}: resumed and stored"] = resumed
+
+
+def _audit_unrecovered(run_dir: Path, rows, report: AuditReport) -> None:
+    """The rollouts lost with ``faults.recover`` off (the faults table's ``unrecovered``
+    rows, summary.json's ``faults.unrecovered``): counted, and each one a note that says
+    what was lost with it (the run failed on it: nothing resumed them). One that
+    summary.json names without its row is the unrecorded loss above; one of a run that
+    ended in order (completed or stopped) went on without it, as runs did before the
+    manager failed them (a loss found as the trainer finished may also read so)."""
+    summary = _summary(run_dir)
+    f = summary.get("faults") or {}
+    here = int(summary.get("segments", 1)) - 1
+    held: dict[tuple[int | None, str], dict] = {}
+    for e in f.get("earlier") or summary.get("faults_earlier") or []:
+        for rid, info in (e.get("unrecovered") or {}).items():
+            held[(int(e["segment"]), str(rid))] = info
+    for rid, info in (f.get("unrecovered") or {}).items():
+        held[(here, str(rid))] = info
+    if rows is not None and rows.sizes.get("recovery"):
+        mine = rows["how"].values == "unrecovered"
+        seg = rows["segment"].values if "segment" in rows else np.full(len(mine), np.nan)
+        for rid, t, s in zip(
+            rows["rollout"].values[mine].astype(str).tolist(),
+            rows["time"].values[mine].astype(float).tolist(),
+            seg[mine].tolist(),
+            strict=True,
+        ):
+            key = (None if s != s else int(s), rid)
+            held.setdefault(key, {"time": t})
+    if not held:
+        return
+    report.figures["rollouts lost, not recovered"] = len(held)
+    ended = summary.get("reason") in ENDED
+    for (seg, rid), info in sorted(held.items(), key=lambda kv: kv[1].get("time") or 0.0):
+        name = rid if seg is None or seg == here else f"{rid} (start {seg})"
+        what = "what it held is unknown"
+        if info.get("requests") is not None:
+            ago = info["time"] - info["as_of"]
+            what = (
+                f"{info['requests']} unfinished requests and {info['unscored']} finished "
+                f"trajectories awaiting their rewards, as of its last report {ago:.1f} s "
+                "before, were lost with it"
+            )
+        elif "worker" in info:
+            what = "it never reported what it held"
+        hung = " (hung, then fenced)" if info.get("hung") else ""
+        worker = f" on {info['worker']}" if info.get("worker") else ""
+        msg = f"rollout {name}{worker}{hung} was lost with faults.recover off: {what}"
+        if ended and seg in (here, None):
+            report.notes.append(f"{msg}; the run went on to {summary['reason']!r} without it")
+        else:
+            report.notes.append(f"{msg}; the run failed on it")
 
 
 def _ended(run_dir: Path) -> bool:

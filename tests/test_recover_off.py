@@ -1,0 +1,130 @@
+"""Faults with ``faults.recover`` off, on real worker processes (docs/faults.md).
+
+Without the partial-response pool nothing a lost rollout held can be resumed: the
+manager still detects the loss — a killed worker, or a hung one once fenced — and fails
+the run in order, naming it. ``summary.json`` records the loss (``faults.unrecovered``:
+which rollout, when, what it held at its last report) and ``laminar audit`` agrees with
+it. A relay holds no trajectory: its loss is handled as with recovery on (the chain is
+rebuilt and the run goes on), and recorded the same.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import time
+
+import numpy as np
+import pytest
+from conftest import SMALL_RUN
+
+from storage import open_run
+from storage.audit import audit_run
+from storage.metrics import open_metrics
+
+
+def wait_for(handle, predicate, timeout: float = 120.0) -> dict:
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        p = handle.progress()
+        if predicate(p):
+            return p
+        assert not handle.done(), handle.wait()
+        time.sleep(0.2)
+    raise TimeoutError(f"no progress matched within {timeout} s: {p}")
+
+
+def rollout_threads(client) -> list[str]:
+    """The rollout generation and relay threads still alive on the rollout workers."""
+    from laminar.cluster import workers_with
+
+    def names(dask_worker=None) -> list[str]:
+        import threading  # (nested: pickled by value, workers cannot import tests)
+
+        return [t.name for t in threading.enumerate() if t.name.startswith(("gen-", "relay-"))]
+
+    return sum(client.run(names, workers=workers_with(client, "rollout")).values(), [])
+
+
+@contextlib.contextmanager
+def recover_off_run(run_dir, overrides: list[str], relays: int = 0):
+    """A run of the tiny policy on 2 rollouts with ``faults.recover=false``: yields the
+    client and the run's handle, once it has published a version."""
+    from distributed import Client
+
+    import pipelines
+    from laminar.cluster import local_cluster
+
+    overrides = [*SMALL_RUN, "trainer.checkpoint_every=0", "faults.recover=false", *overrides]
+    with (
+        local_cluster(2, relays=relays, memory_limit="3GiB") as cluster,
+        Client(cluster) as client,
+    ):
+        handle = pipelines.submit("configs/tiny.yaml", client, overrides=overrides, run_dir=run_dir)
+        wait_for(handle, lambda p: p.get("phase") == "training" and p["version"] >= 1)
+        yield client, handle
+
+
+def signal_worker(client, worker: str, sig: int) -> None:
+    os.kill(client.run(os.getpid, workers=[worker])[worker], sig)
+
+
+def last_report(run_dir, rollout: str, before: float) -> dict:
+    """``rollout``'s last row of the ``rollouts`` table read before ``before`` (epoch s)."""
+    rows = open_metrics(run_dir, "rollouts").sel(rollout=rollout)
+    read_at = rows["read_at"].values
+    i = int(np.nanargmax(np.where(read_at <= before, read_at, -np.inf)))
+    return {k: float(rows[k].values[i]) for k in ("read_at", "running", "waiting")}
+
+
+def failed_in_order(run_dir, client, failed) -> dict:
+    """The run failed on the loss and was stopped in order: nothing generates on, a final
+    checkpoint with its data position, a store that audits clean. Returns summary.json."""
+    assert rollout_threads(client) == []
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["reason"].startswith("failed: "), summary["reason"]
+    assert summary["reason"][len("failed: ") :] in str(failed.value)
+    ckpt = sorted((run_dir / "checkpoints").glob("version-*"))
+    assert len(ckpt) == 1 and (ckpt[0] / "data_state.json").exists(), ckpt
+    assert open_run(run_dir).laminar.audit() == []
+    return summary
+
+
+@pytest.mark.slow
+def test_a_killed_rollout_is_in_summary_json_and_the_audit_agrees(tmp_path):
+    """A rollout's worker SIGKILLed: the run fails naming it (as in test_faults.py), and
+    summary.json's faults, null before with recovery off, say which rollout was lost,
+    when, on which worker, how (unrecovered) and what it held at its last report — the
+    driver's last poll of it, the row the rollouts table holds. The audit counts the
+    same loss and says what was lost with it."""
+    from laminar.errors import RunFailed
+
+    run_dir = tmp_path / "run"
+    with recover_off_run(run_dir, ["trainer.steps=200"]) as (client, handle):
+        worker = handle._schedule.rollout_workers["r1"]
+        t_kill = time.time()
+        signal_worker(client, worker, signal.SIGKILL)
+        with pytest.raises(RunFailed) as failed:
+            handle.wait(timeout=60)
+        summary = failed_in_order(run_dir, client, failed)
+    assert f"rollout r1 (worker {worker} gone)" in str(failed.value)
+    faults = summary["faults"]
+    assert list(faults["lost"]) == ["r1"] and 0 <= faults["lost"]["r1"] - t_kill < 5
+    assert faults["recoveries"] == 0 and faults["partial"] is None
+    loss = faults["unrecovered"]["r1"]
+    assert list(faults["unrecovered"]) == ["r1"]
+    assert loss["how"] == "unrecovered" and loss["worker"] == worker and not loss["hung"]
+    assert loss["time"] == faults["lost"]["r1"]
+    row = last_report(run_dir, "r1", before=t_kill)
+    assert loss["as_of"] == pytest.approx(row["read_at"]) and loss["as_of"] <= t_kill
+    assert loss["requests"] == row["running"] + row["waiting"], (loss, row)
+    assert isinstance(loss["unscored"], int) and loss["unscored"] >= 0
+    report = audit_run(run_dir)
+    assert report.ok, report.text()
+    assert report.figures["rollouts lost"] == 1
+    assert report.figures["rollouts lost, not recovered"] == 1
+    [note] = [n for n in report.notes if "faults.recover off" in n]
+    assert note.startswith(f"rollout r1 on {worker} was lost with faults.recover off: "), note
+    assert f"{loss['requests']} unfinished requests" in note and "the run failed" in note
