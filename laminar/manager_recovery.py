@@ -28,6 +28,10 @@ logger = logging.getLogger("laminar.manager")
 HEARTBEATS_PER_TIMEOUT = 10
 HEARTBEAT_MAX_INTERVAL_S = 5.0
 
+# A hung actor's worker is restarted (the nanny waits a few seconds, then kills it); how
+# long the scheduler may take to drop it before the fence is taken to have failed.
+FENCE_WAIT_S = 60.0
+
 
 def heartbeat_interval(faults) -> float:
     """How often the manager asks each rollout and relay for its heartbeat: a tenth of
@@ -178,6 +182,7 @@ class RecoveryMixin:
         if relays:
             self.drop_relays(relays)
         if not recover:
+            gone += self._fence_failed(now)
             if gone:
                 self._fail_unrecovered(gone, now)
                 return gone
@@ -185,6 +190,31 @@ class RecoveryMixin:
             self.recover(rid)
         self.check_heartbeats()  # (after: it must not delay the recovery of a lost one)
         return gone
+
+    def _fence_failed(self, now: float) -> list[str]:
+        """With ``faults.recover`` off, the hung rollouts whose worker the scheduler still
+        has :data:`FENCE_WAIT_S` after their fence (its restart failed): each is taken
+        as lost now (``unfenced`` in its hang's record), so that the run fails naming it
+        rather than going on quietly without it, and its stop is not waited for. (With
+        recovery on it stays hung: its work cannot resume elsewhere while it may yet
+        generate it.)"""
+        stuck = [
+            rid
+            for rid in self._alive()
+            if rid in self.hung and now - self.hung[rid]["time"] > FENCE_WAIT_S
+        ]
+        for rid in stuck:
+            self.lost[rid] = now
+            self.hung[rid]["unfenced"] = True
+            logger.warning(
+                "rollout %s hung and its worker %s did not go within %g s of its restart "
+                "(%s): taken as lost",
+                rid,
+                self.workers.get(rid),
+                FENCE_WAIT_S,
+                self.hung[rid].get("restart"),
+            )
+        return stuck
 
     def _fail_unrecovered(self, gone: list[str], now: float) -> None:
         """With ``faults.recover`` off, lost rollouts are not recovered, and the run must
@@ -211,6 +241,12 @@ class RecoveryMixin:
             hung = self.hung.get(rid)
             if hung is None:
                 return f"{rid} (worker {self.workers.get(rid)} gone)"
+            if hung.get("unfenced"):
+                return (
+                    f"{rid} (hung: no progress for {hung['silent_s']:.0f} s; its worker "
+                    f"{self.workers.get(rid)} did not go within {FENCE_WAIT_S:g} s of its "
+                    f"restart ({hung.get('restart')}): stop that process yourself)"
+                )
             return (
                 f"{rid} (hung: no progress for {hung['silent_s']:.0f} s; its worker "
                 f"{self.workers.get(rid)} stopped)"

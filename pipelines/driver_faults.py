@@ -22,14 +22,15 @@ from laminar.cluster import (
     workers_with,
 )
 from laminar.errors import ClusterError
+
+# A hung actor's worker is restarted (the nanny waits a few seconds, then kills it); the
+# run waits this long for the scheduler to drop it before it fails (as the manager does
+# for a hung rollout with faults.recover off).
+from laminar.manager_recovery import FENCE_WAIT_S
 from laminar.rollout import RolloutReplica
 from pipelines.driver_calls import _answers, _send
 
 logger = logging.getLogger("laminar")
-
-# A hung actor's worker is restarted (the nanny waits a few seconds, then kills it); the
-# run waits this long for the scheduler to drop it before it fails.
-FENCE_WAIT_S = 60.0
 
 
 class FaultHandling:

@@ -128,3 +128,74 @@ def test_a_killed_rollout_is_in_summary_json_and_the_audit_agrees(tmp_path):
     [note] = [n for n in report.notes if "faults.recover off" in n]
     assert note.startswith(f"rollout r1 on {worker} was lost with faults.recover off: "), note
     assert f"{loss['requests']} unfinished requests" in note and "the run failed" in note
+
+
+@pytest.mark.slow
+def test_a_hung_rollout_is_fenced_and_fails_the_run_naming_it(tmp_path):
+    """A rollout's worker SIGSTOPped: live for the scheduler, silent. After
+    faults.heartbeat_timeout_s the manager declares it hung and has its worker
+    restarted, then finds it lost: the run fails in order, its error saying it hung
+    (not recovered: recovery is off), and summary.json has the hang and the loss."""
+    from laminar.errors import RunFailed
+
+    run_dir = tmp_path / "run"
+    overrides = ["trainer.steps=200", "faults.heartbeat_timeout_s=3"]
+    with recover_off_run(run_dir, overrides) as (client, handle):
+        worker = handle._schedule.rollout_workers["r1"]
+        t_stop = time.time()
+        signal_worker(client, worker, signal.SIGSTOP)
+        with pytest.raises(RunFailed) as failed:
+            handle.wait(timeout=60)
+        t_failed = time.time()
+        summary = failed_in_order(run_dir, client, failed)
+    said = str(failed.value)
+    assert "rollout r1 (hung: no progress for " in said, said
+    assert f"its worker {worker} stopped) was lost and faults.recover is off" in said, said
+    faults = summary["faults"]
+    hung = faults["hung"]["r1"]
+    assert hung["kind"] == "rollout" and hung["silent_s"] > 3, hung
+    assert 3 - 0.5 <= hung["time"] - t_stop < 3 + 5, hung  # (see test_faults.py's hung test)
+    assert hung["fenced_s"] == pytest.approx(faults["lost"]["r1"] - hung["time"]), hung
+    assert 0 <= hung["fenced_s"] < 15, hung
+    loss = faults["unrecovered"]["r1"]
+    assert loss["hung"] and loss["worker"] == worker and loss["as_of"] <= t_stop, loss
+    assert faults["lost"]["r1"] < t_failed
+    report = audit_run(run_dir)
+    assert report.ok, report.text()
+    assert report.figures["rollouts lost, not recovered"] == 1
+    assert any(n.startswith(f"rollout r1 on {worker} (hung, then fenced)") for n in report.notes)
+
+
+def test_a_hung_rollout_whose_fence_fails_is_given_up_and_named():
+    """The fence of a hung rollout can fail (a restart the nanny could not make): its
+    worker then stays the scheduler's, it is never found gone, and with recovery off the
+    run went on without it for good. Past FENCE_WAIT_S after its fence the manager takes
+    it as lost — the driver then neither polls nor stops it — and fails naming it, the
+    failed fence and what to do. (No cluster: a stand-in rollout and scheduler.)"""
+    from laminar.config import RunConfig, with_overrides
+    from laminar.manager import RolloutManager
+    from laminar.manager_recovery import FENCE_WAIT_S
+
+    cfg = with_overrides(RunConfig(), ["faults.recover=false"])
+    workers = {"r0": "tcp://w0", "r1": "tcp://w1"}
+    manager = RolloutManager(cfg, dict.fromkeys(workers), None, None, workers)
+    manager._scheduler_workers = lambda: set(workers.values())  # (both still there)
+    manager.check_heartbeats = lambda: []  # (r1's hang is set below)
+    t0 = time.time()
+    manager.hung["r1"] = {
+        "kind": "rollout",
+        "time": t0 - FENCE_WAIT_S + 5,
+        "silent_s": 4.0,
+        "worker": "tcp://w1",
+        "restart": "TimeoutError()",
+    }
+    assert manager.detect() == [] and manager.error is None  # (its fence may yet work)
+    manager.hung["r1"]["time"] = t0 - FENCE_WAIT_S - 1
+    assert manager.detect() == ["r1"]
+    assert list(manager.lost) == ["r1"] and manager.hung["r1"]["unfenced"]
+    assert manager.error.startswith(
+        "rollout r1 (hung: no progress for 4 s; its worker tcp://w1 did not go within "
+        f"{FENCE_WAIT_S:g} s of its restart (TimeoutError()): stop that process yourself) "
+        "was lost and faults.recover is off"
+    ), manager.error
+    assert [r["how"] for r in manager.fault_rows] == ["unrecovered"]
