@@ -439,7 +439,6 @@ def prepare_resume(run_dir: str | Path, overrides: list[str] | tuple[str, ...] =
         newest_checkpoint,
     )
     from storage.metrics import check_metrics_store
-    from storage.resume import plan_resume
 
     path = Path(run_dir).resolve()
     config = path / "config.yaml"
@@ -523,7 +522,7 @@ def prepare_resume(run_dir: str | Path, overrides: list[str] | tuple[str, ...] =
         )
     preflight(cfg)
     check_metrics_store(path)  # (damaged: refused now, not by the writer on the cluster)
-    plan = plan_resume(path, version)
+    plan = _plan(path, version, ckpt)
     # config.yaml takes the overrides but not this resume's checkpoint: it still repeats
     # the whole run (each resume finds its newest checkpoint itself).
     trainer = cfg.trainer.model_copy(update={"resume_from": own})
@@ -532,6 +531,35 @@ def prepare_resume(run_dir: str | Path, overrides: list[str] | tuple[str, ...] =
     files = {config: text, **({fingerprint: now} if now is not None and not moved else {})}
     _write_claimed(path, "resume", files)
     return cfg, plan, path
+
+
+def _plan(path: Path, version: int, ckpt: Path):
+    """The resume plan of the run in ``path`` from its checkpoint ``ckpt`` at
+    ``version``, once what the resume reads of its store is known to read
+    (:func:`storage.trajectories.check_resumable`): damage is refused here, naming the
+    array and its chunk, not by the buffer after the cluster has started."""
+    import shlex
+
+    from storage.resume import plan_resume
+    from storage.trajectories import StoreError, check_resumable
+
+    try:
+        try:
+            plan = plan_resume(path, version)
+        except StoreError:
+            check_resumable(path)  # (names the array and its chunk, where that is it)
+            raise
+        check_resumable(path, plan.readmit)
+    except StoreError as e:
+        setting = shlex.quote(f"trainer.resume_from={ckpt}")
+        config = shlex.quote(str(path / "config.yaml"))
+        raise StoreError(
+            f"cannot resume {str(path)!r}: {e}; or, with no copy, continue in a new run "
+            "from its checkpoint, which reads nothing of this store (what it holds "
+            f"untrained is left out): `laminar run {config} --run-dir NEW_DIR --set "
+            f"{setting}`"
+        ) from e
+    return plan
 
 
 def _setting(field: str) -> str:

@@ -23,7 +23,7 @@ store of a run shares (:class:`StoreError`, :func:`store_path`, ...) in
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -42,7 +42,7 @@ from storage.schema import (
     STATUSES,
     TRAJECTORY_DIM,
 )
-from storage.stores import CHUNKS_ATTR, WRITE_EVERY_CHUNK, _check_markers
+from storage.stores import CHUNKS_ATTR, WRITE_EVERY_CHUNK, _check_markers, _decoding
 from storage.stores import RUN_STORES as RUN_STORES
 from storage.stores import STORE_NAME as STORE_NAME
 from storage.stores import StoreError as StoreError
@@ -54,6 +54,7 @@ from storage.stores import new_array as new_array
 from storage.stores import reading as reading
 from storage.stores import store_path as store_path
 from storage.trajectories_read import HELD_AGAIN as HELD_AGAIN
+from storage.trajectories_read import _open_group
 from storage.trajectories_read import committed as committed
 from storage.trajectories_read import open_run as open_run
 from storage.trajectories_read import open_runs as open_runs
@@ -273,3 +274,84 @@ def _exact(
                     "(storage/schema.py)"
                 )
     return out
+
+
+def check_resumable(path: str | Path, uids: Collection[str] = ()) -> None:
+    """That a resume can read what it reads of the store at ``path``, before any
+    cluster starts: every per-trajectory array and every leave-event array, whole (its
+    plan and its buffer read them all), and the chunks of the token-level arrays that
+    hold the tokens of the trajectories ``uids`` (those its buffer holds again). A chunk
+    that does not decode (cut short, its bytes changed, another file in its place) is a
+    :class:`StoreError` naming the store, the array and the chunk file; so is an array
+    whose ``zarr.json`` does not read. Token chunks of other trajectories are not read
+    (a resume never reads them)."""
+    store, group = _open_group(path)
+    n = int(group.attrs[COMMIT_ATTR])
+    lengths = {
+        **dict.fromkeys(SCALARS, n),
+        **{f"{g}_{end}": n for g in RAGGED for end in ("start", "len")},
+        **dict.fromkeys(EVENT_FIELDS, int(group.attrs.get(EVENT_COMMIT_ATTR, 0))),
+    }
+    values = {name: _decoded(store, group, name, m) for name, m in lengths.items()}
+    wanted = set(uids)
+    if not wanted:
+        return
+    rows = np.array([i for i, u in enumerate(values["uid"].tolist()) if u in wanted], np.int64)
+    tokens = group.attrs["n_committed_tokens"]
+    for g, (dim, fields) in RAGGED.items():
+        lens = values[f"{g}_len"].astype(np.int64)
+        ends = np.cumsum(lens)  # (the starts come from the lengths, as readers take them)
+        a, b = (ends - lens)[rows], ends[rows]
+        spans = (a[b > a], b[b > a])
+        for name in fields:
+            _decoded(store, group, name, tokens[dim], spans)
+
+
+def _decoded(
+    store: Path,
+    group: zarr.Group,
+    name: str,
+    n: int,
+    spans: tuple[np.ndarray, np.ndarray] | None = None,
+) -> np.ndarray | None:
+    """The ``n`` committed values of array ``name``; with ``spans`` (from, to), only the
+    chunks those ranges touch are read, and None is returned. A chunk that does not
+    decode is a :class:`StoreError` naming the array and the chunk."""
+    with reading(store / name):  # (its zarr.json; a missing array or chunk: named)
+        arr = committed_array(store, group, name, n)
+    size = int(arr.chunks[0])
+    if spans is None:
+        try:
+            return arr[:n]  # (at once; chunk by chunk only to find the damaged one)
+        except (RuntimeError, ValueError) as e:
+            if not _damage(e):
+                raise
+            whole = e
+        chunks: Collection[int] = range(-(-n // size))
+    else:
+        first, last = spans[0] // size, (spans[1] - 1) // size
+        chunks = sorted({c for lo, hi in zip(first, last, strict=True) for c in range(lo, hi + 1)})
+    for c in chunks:
+        lo, hi = c * size, min((c + 1) * size, n)
+        try:
+            arr[lo:hi]
+        except (RuntimeError, ValueError) as e:
+            if not _damage(e):
+                raise
+            chunk = store / name / arr.metadata.encode_chunk_key((c,))
+            raise StoreError(
+                f"{str(store)!r} is damaged: its array {name!r} does not read, chunk "
+                f"{str(chunk)!r} (values {lo}..{hi - 1} of the {n} committed) does not "
+                f"decode ({type(e).__name__}: {e}); restore the run directory from a copy"
+            ) from e
+    if spans is None:  # (each chunk read alone: the damage is in none of them)
+        raise StoreError(
+            f"{str(store)!r} is damaged: its array {name!r} does not read "
+            f"({type(whole).__name__}: {whole}); restore the run directory from a copy"
+        ) from whole
+    return None
+
+
+def _damage(e: BaseException) -> bool:
+    """``e``, raised reading a chunk, says it is damaged (as :func:`reading` tells)."""
+    return isinstance(e, RuntimeError) or _decoding(e)
