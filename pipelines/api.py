@@ -14,6 +14,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 import traceback
@@ -164,15 +165,31 @@ PROMPT_FIELDS = ("task.prompt_file", *SYNTHETIC_FIELDS, "seed")
 
 def _fingerprint(cfg: RunConfig) -> str | None:
     """``PROMPT_FINGERPRINT``'s text for ``cfg``'s prompt file; None: no prompt file."""
-    import hashlib
-
     if not cfg.task.prompt_file:
         return None
+    return f"{_sha256(cfg.task.prompt_file)}  {cfg.task.prompt_file}\n"
+
+
+def _sha256(path: str | Path) -> str:
+    import hashlib
+
     digest = hashlib.sha256()
-    with open(cfg.task.prompt_file, "rb") as f:
+    with open(path, "rb") as f:
         for block in iter(lambda: f.read(1 << 20), b""):
             digest.update(block)
-    return f"{digest.hexdigest()}  {cfg.task.prompt_file}\n"
+    return digest.hexdigest()
+
+
+def absolute_paths(cfg: RunConfig) -> RunConfig:
+    """``cfg`` with a relative ``task.prompt_file`` made absolute, as this process's
+    working directory resolves it: the run's ``config.yaml`` records where the file is,
+    so a resume from another directory (a notebook's, a job script's) reads the same
+    file, and so does a worker whose working directory is not this one."""
+    given = cfg.task.prompt_file
+    if not given or os.path.isabs(given):
+        return cfg
+    task = cfg.task.model_copy(update={"prompt_file": os.path.abspath(given)})
+    return cfg.model_copy(update={"task": task})
 
 
 def _field(cfg: RunConfig, key: str):
@@ -232,6 +249,7 @@ def prepare_run_dir(cfg: RunConfig, run_dir: str | Path | None) -> Path:
             "overwrite it; pass another --run-dir"
         )
     path.mkdir(parents=True, exist_ok=True)
+    cfg = absolute_paths(cfg)  # (submit's and `laminar run`'s already are)
     text = cfg.model_copy(update={"run_dir": str(path)}).to_yaml()
     files = {path / "config.yaml": text, path / PROMPT_FINGERPRINT: _fingerprint(cfg)}
     _write_claimed(path, "start a run in", files)
@@ -421,7 +439,7 @@ def submit(
     """
     from laminar.deploy import role_needs, wait_for_roles
 
-    cfg = resolve_config(config, overrides)
+    cfg = absolute_paths(resolve_config(config, overrides))
     preflight(cfg)
     # Placement errors (a cluster without role resources) surface here, not in wait().
     wait_for_roles(client, role_needs(cfg), cfg.cluster.placement_timeout_s)
@@ -483,9 +501,9 @@ def prepare_resume(run_dir: str | Path, overrides: list[str] | tuple[str, ...] =
         )
     fingerprint = path / PROMPT_FINGERPRINT
     moved = fingerprint.exists()
-    # A prompt file moved, or named from elsewhere (a relative path from another folder):
-    # its bytes are checked below, where the run recorded them (a run from before it did
-    # takes the path on trust). The synthetic task's fields mean nothing beside a file.
+    # A prompt file moved, or named from elsewhere: its bytes are checked below, where
+    # the run recorded them (a run from before it did takes the file on trust). The
+    # synthetic task's fields mean nothing beside a file.
     both_files = bool(ran.task.prompt_file and cfg.task.prompt_file)
     unused = {"task.prompt_file", *SYNTHETIC_FIELDS} if both_files else set()
     changed = [
@@ -501,16 +519,9 @@ def prepare_resume(run_dir: str | Path, overrides: list[str] | tuple[str, ...] =
             "them by prompt key); drop that --set (override), or train on other data in a "
             f"new run from its checkpoint: {_setting(f'trainer.resume_from={ckpt}')}"
         )
-    # (a prompt file that is not there: preflight names it)
-    now = _fingerprint(cfg) if Path(cfg.task.prompt_file or "").is_file() else None
-    if moved and now is not None and now.split()[0] != fingerprint.read_text().split()[0]:
-        raise ConfigError(
-            f"cannot resume {str(path)!r}: task.prompt_file {cfg.task.prompt_file!r} is not "
-            f"what the run began with (its bytes changed since: {PROMPT_FINGERPRINT} in the "
-            "run directory), and the stores hold groups of its prompts by key; put the "
-            "run's file back, or train on the new one in a new run from its checkpoint: "
-            + _setting(f"trainer.resume_from={ckpt}")
-        )
+    recorded = _recorded_digest(fingerprint) if moved else None
+    cfg, digest = _prompt_file_found(path, ran, cfg, recorded, ckpt)
+    now = None if digest is None else f"{digest}  {cfg.task.prompt_file}\n"
     version = checkpoint_version(ckpt)
     # (updates made: a trainer restarted within the run skips version numbers)
     made = version - (checkpoint_skipped_versions(ckpt) or 0)
@@ -560,6 +571,96 @@ def _plan(path: Path, version: int, ckpt: Path):
             f"{setting}`"
         ) from e
     return plan
+
+
+def _recorded_digest(fingerprint: Path) -> str:
+    """The sha256 that ``fingerprint`` (``PROMPT_FINGERPRINT``) records."""
+    try:
+        digest = fingerprint.read_text().split()[0]
+    except (OSError, ValueError, IndexError):  # (ValueError: not UTF-8 text)
+        digest = ""
+    if len(digest) != 64 or any(c not in "0123456789abcdef" for c in digest):
+        raise ConfigError(
+            f"cannot resume {str(fingerprint.parent)!r}: its {PROMPT_FINGERPRINT} does not "
+            "read as the sha256 of task.prompt_file (sha256sum's format: the digest, two "
+            "spaces, the path); it is damaged: restore it from a copy, or delete it to take "
+            "the prompt file on trust (the resume records it again)"
+        )
+    return digest
+
+
+def _started_in(path: Path, ran: RunConfig) -> str | None:
+    """The working directory the run in ``path`` was started from, when its
+    ``config.yaml`` records ``run_dir`` relative to it (a run started before laminar
+    recorded absolute paths, and not resumed since); None: unknown."""
+    given = ran.run_dir
+    if not given or os.path.isabs(given):
+        return None
+    parts = Path(os.path.normpath(given)).parts
+    if not parts or ".." in parts:
+        return None
+    if path.parts[-len(parts) :] != parts:  # (moved since, or renamed)
+        return None
+    return str(Path(*path.parts[: -len(parts)]))
+
+
+def _prompt_file_found(
+    path: Path, ran: RunConfig, cfg: RunConfig, recorded: str | None, ckpt: Path
+) -> tuple[RunConfig, str | None]:
+    """``cfg`` with its ``task.prompt_file`` found and made absolute, and the file's
+    sha256 (None: no prompt file). A relative path is looked for as the run read it: one
+    of the run's ``config.yaml`` (a run started before laminar recorded absolute paths)
+    where the run started (:func:`_started_in`), then in this working directory; one
+    given now (an override), in this working directory. Of the files found, the first
+    whose bytes are those the run began with (``recorded``; None: not recorded, the
+    first found). Refuses, naming the field, every path tried and the fix, when none is
+    there or none holds those bytes."""
+    given = cfg.task.prompt_file
+    if not given:
+        return cfg, None
+    tried: list[tuple[str, str]] = []  # (path, why there)
+    from_config = given == ran.task.prompt_file
+    if os.path.isabs(given):
+        tried.append((given, "as given" if not from_config else "as config.yaml records it"))
+    else:
+        start = _started_in(path, ran) if from_config else None
+        if start is not None:
+            tried.append((os.path.join(start, given), "where the run was started"))
+        tried.append((os.path.abspath(given), "from this working directory"))
+        tried = list(dict(tried).items())
+    named = ", ".join(f"{p!r} ({why})" for p, why in tried)
+    bytes_ = f"sha256 {recorded}, as {PROMPT_FINGERPRINT} in the run directory records"
+    found = [p for p, _ in tried if os.path.isfile(p)]
+    if not found:
+        raise ConfigError(
+            f"cannot resume {str(path)!r}: task.prompt_file {given!r} is not a file: tried "
+            f"{named}; give the path of the file the run read"
+            + (f" (its bytes: {bytes_})" if recorded else "")
+            + ", e.g. "
+            + _setting(f"task.prompt_file=/path/to/{Path(given).name}")
+            + (
+                ", or resume from the directory the run was started in"
+                if from_config and not os.path.isabs(given)
+                else ""
+            )
+        )
+    digests = {p: _sha256(p) for p in found}
+    match = next((p for p in found if recorded is None or digests[p] == recorded), None)
+    if match is None:
+        read = "; ".join(
+            f"{p!r} ({why}) has sha256 {digests[p]}" for p, why in tried if p in digests
+        )
+        raise ConfigError(
+            f"cannot resume {str(path)!r}: task.prompt_file {given!r} is not what the run "
+            f"began with (its bytes changed since: {read}; it began with {bytes_}), "
+            "and the stores hold groups of its prompts by key; put the run's file back (or "
+            "give its copy's path: "
+            + _setting(f"task.prompt_file=/path/to/{Path(given).name}")
+            + "), or train on the new one in a new run from its checkpoint: "
+            + _setting(f"trainer.resume_from={ckpt}")
+        )
+    task = cfg.task.model_copy(update={"prompt_file": os.path.abspath(match)})
+    return cfg.model_copy(update={"task": task}), digests[match]
 
 
 def _setting(field: str) -> str:

@@ -27,6 +27,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     from laminar.errors import ConfigError
     from pipelines.api import (
         RunHandle,
+        absolute_paths,
         preflight,
         prepare_resume,
         prepare_run_dir,
@@ -67,7 +68,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     else:
         if not args.config:
             raise ConfigError("laminar run needs a CONFIG file (or --resume RUN_DIR)")
-        cfg = resolve_config(args.config, overrides)
+        cfg = absolute_paths(resolve_config(args.config, overrides))
         preflight(cfg)
         try:
             run_dir = prepare_run_dir(cfg, args.run_dir)

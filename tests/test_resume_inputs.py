@@ -1,6 +1,10 @@
 """Bad inputs of `laminar run --resume` (and pipelines.resume), refused before any cluster
 starts, each named with its fix:
 
+- a relative ``task.prompt_file``: a run records the file's absolute path when it starts;
+  a run that recorded it relative (before laminar made it absolute) is resumed from
+  another working directory by finding the file where the run was started; a file not
+  found, or whose bytes changed, is named with every path tried;
 - a damaged trajectory store: a chunk of a per-trajectory or leave-event array, or of the
   tokens the resumed buffer holds again, that does not decode. Before, a damaged array
   the resume's plan does not read (``reward``, ``t_insert``, ...) failed the buffer on
@@ -16,9 +20,16 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from laminar.config import RunConfig, with_overrides
-from pipelines.api import prepare_resume, prepare_run_dir
+from laminar.config import RunConfig, load_config, with_overrides
+from laminar.errors import ConfigError
+from pipelines.api import PROMPT_FINGERPRINT, prepare_resume, prepare_run_dir
 from pipelines.cli import main
+
+REPO = Path(__file__).resolve().parent.parent
+PROMPTS = "".join(
+    f'{{"prompt": "n {n} >", "answer": "{" ".join(str(i) for i in range(1, n + 1))}"}}\n'
+    for n in range(1, 5)
+)
 
 
 @pytest.fixture(scope="module")
@@ -43,6 +54,155 @@ def _resumable(run: Path, saved: Path, records=()) -> Path:
     records, events = records or ((), ())
     TrajectoryWriter(run).append(list(records), list(events))
     return run
+
+
+def _started_in(start: Path, saved: Path, monkeypatch) -> Path:
+    """A run started in ``start`` with ``task.prompt_file=data/p.jsonl`` and
+    ``--run-dir runs/a``, as laminar recorded it before it made the path absolute: both
+    relative in its config.yaml (and in prompt_file.sha256, beside the file's sha256)."""
+    (start / "data").mkdir(parents=True)
+    (start / "data" / "p.jsonl").write_text(PROMPTS)
+    monkeypatch.chdir(start)
+    cfg = with_overrides(RunConfig(), ["trainer.steps=2", "task.prompt_file=data/p.jsonl"])
+    run = prepare_run_dir(cfg, "runs/a")
+    text = (run / "config.yaml").read_text()
+    text = text.replace(str(start / "data" / "p.jsonl"), "data/p.jsonl")
+    (run / "config.yaml").write_text(text)
+    fingerprint = run / PROMPT_FINGERPRINT
+    fingerprint.write_text(fingerprint.read_text().replace(str(start) + "/", ""))
+    assert "prompt_file: data/p.jsonl" in text and "run_dir: runs/a" in text
+    return _resumable(run, saved)
+
+
+class _Reached(Exception):
+    """`laminar run` got past every check to the start of its cluster."""
+
+
+def test_a_run_records_its_prompt_file_absolute_and_resumes_from_elsewhere(
+    tmp_path, saved, monkeypatch
+):
+    """`laminar run --set task.prompt_file=data/p.jsonl` recorded the path as given: a
+    resume from another directory (a notebook's, a job script's) did not find it, and a
+    worker whose working directory differs read another file or none."""
+    start = tmp_path / "repo"
+    (start / "data").mkdir(parents=True)
+    (start / "data" / "p.jsonl").write_text(PROMPTS)
+    monkeypatch.chdir(start)
+
+    def reached(cfg, run_dir=None):
+        raise _Reached(cfg, run_dir)
+
+    monkeypatch.setattr("laminar.deploy.open_cluster", reached)
+    argv = ["run", str(REPO / "configs" / "tiny.yaml"), "--run-dir", "runs/a"]
+    with pytest.raises(_Reached) as e:
+        main([*argv, "--set", "task.prompt_file=data/p.jsonl", "--set", "trainer.steps=2"])
+    cfg, run = e.value.args
+    absolute = str(start / "data" / "p.jsonl")
+    assert cfg.task.prompt_file == absolute  # (what the cluster's workers read)
+    assert load_config(run / "config.yaml").task.prompt_file == absolute
+    assert (run / PROMPT_FINGERPRINT).read_text().split()[1] == absolute
+    # (pipelines.submit's run directory, and any other prepared directly, too)
+    plain = prepare_run_dir(
+        with_overrides(RunConfig(), ["task.prompt_file=data/p.jsonl"]), tmp_path / "b"
+    )
+    assert load_config(plain / "config.yaml").task.prompt_file == absolute
+
+    _resumable(run, saved)
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
+    cfg, _, _ = prepare_resume(run, ["trainer.steps=3"])
+    assert cfg.task.prompt_file == absolute
+
+
+def test_a_run_that_recorded_a_relative_prompt_file_finds_it_where_it_started(
+    tmp_path, saved, monkeypatch
+):
+    """Before laminar recorded the path absolute, a resume from another directory
+    failed in preflight with "prompt file 'data/p.jsonl' does not exist; set
+    task.prompt_file" (no word of where it looked); with a file of that relative
+    path there and no sha256 recorded, it trained on that one. The run's own file is
+    found where the run was started (its run_dir recorded relative to it), checked
+    against its sha256, and recorded absolute from then on."""
+    start = tmp_path / "repo"
+    run = _started_in(start, saved, monkeypatch)
+    digest = (run / PROMPT_FINGERPRINT).read_text()
+    elsewhere = tmp_path / "elsewhere"
+    (elsewhere / "data").mkdir(parents=True)
+    (elsewhere / "data" / "p.jsonl").write_text(PROMPTS[::-1])  # (same name, other bytes)
+    monkeypatch.chdir(elsewhere)
+    cfg, _, path = prepare_resume(run.resolve(), ["trainer.steps=3"])
+    found = str(start / "data" / "p.jsonl")
+    assert cfg.task.prompt_file == found
+    assert load_config(path / "config.yaml").task.prompt_file == found
+    assert (run / PROMPT_FINGERPRINT).read_text() == digest  # (the record stands)
+
+
+def test_a_relative_prompt_file_not_found_is_named_with_the_paths_tried(
+    tmp_path, saved, monkeypatch, capsys, no_cluster
+):
+    """A run folder moved since (where it started is unknown) and resumed from another
+    directory: the error names the field, the path it tried, the bytes it wants and
+    the fix; nothing of the run directory is rewritten."""
+    run = _started_in(tmp_path / "repo", saved, monkeypatch)
+    moved = tmp_path / "moved" / "a"
+    shutil.move(run, moved)
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
+    before = (moved / "config.yaml").read_text()
+    digest = (moved / PROMPT_FINGERPRINT).read_text().split()[0]
+    assert main(["run", "--resume", str(moved), "--set", "trainer.steps=3"]) == 2
+    err = capsys.readouterr().err
+    tried = elsewhere / "data" / "p.jsonl"
+    assert (
+        f"task.prompt_file 'data/p.jsonl' is not a file: tried '{tried}' (from this "
+        "working directory)"
+    ) in err, err
+    assert f"sha256 {digest}" in err
+    assert "--set task.prompt_file=/path/to/p.jsonl" in err
+    assert "or resume from the directory the run was started in" in err
+    assert (moved / "config.yaml").read_text() == before
+    # what it says works: the file's path given
+    given = str(tmp_path / "repo" / "data" / "p.jsonl")
+    cfg, _, _ = prepare_resume(moved, ["trainer.steps=3", f"task.prompt_file={given}"])
+    assert cfg.task.prompt_file == given
+
+
+def test_a_prompt_file_found_with_other_bytes_is_named_with_both_digests(
+    tmp_path, saved, monkeypatch
+):
+    """Where the run was started, the file was edited since; from this directory, a
+    file of that relative path holds other bytes too: each is named with its sha256."""
+    start = tmp_path / "repo"
+    run = _started_in(start, saved, monkeypatch)
+    (start / "data" / "p.jsonl").write_text(PROMPTS + PROMPTS)
+    elsewhere = tmp_path / "elsewhere"
+    (elsewhere / "data").mkdir(parents=True)
+    (elsewhere / "data" / "p.jsonl").write_text(PROMPTS[::-1])
+    monkeypatch.chdir(elsewhere)
+    before = (run / "config.yaml").read_text()
+    with pytest.raises(ConfigError) as e:
+        prepare_resume(run.resolve(), ["trainer.steps=3"])
+    msg = str(e.value)
+    assert "task.prompt_file 'data/p.jsonl' is not what the run began with" in msg, msg
+    for where, why in [(start, "where the run was started"), (elsewhere, "from this working")]:
+        assert f"'{where / 'data' / 'p.jsonl'}' ({why}" in msg, msg
+    assert (run / PROMPT_FINGERPRINT).read_text().split()[0] in msg
+    assert (run / "config.yaml").read_text() == before
+    # the run's bytes in this directory's copy: resumed from it
+    (elsewhere / "data" / "p.jsonl").write_text(PROMPTS)
+    cfg, _, _ = prepare_resume(run.resolve(), ["trainer.steps=3"])
+    assert cfg.task.prompt_file == str(elsewhere / "data" / "p.jsonl")
+
+
+@pytest.mark.parametrize("text", ["", "not a digest\n"])
+def test_a_damaged_prompt_fingerprint_is_named(tmp_path, saved, monkeypatch, text):
+    """An empty prompt_file.sha256 failed the resume with a bare IndexError."""
+    run = _started_in(tmp_path / "repo", saved, monkeypatch)
+    (run / PROMPT_FINGERPRINT).write_text(text)
+    with pytest.raises(ConfigError, match=r"prompt_file.sha256 does not read as .*delete it"):
+        prepare_resume(run.resolve(), ["trainer.steps=3"])
 
 
 # -- a damaged trajectory store ------------------------------------------------------
