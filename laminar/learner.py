@@ -31,7 +31,13 @@ import torch
 from laminar.config import RunConfig
 from laminar.contract import Trajectory
 from laminar.errors import LaminarError
-from laminar.update import failing_together, grpo_step, trajectory_logprobs
+from laminar.update import (
+    STEP_COUNTS,
+    failing_together,
+    grpo_step,
+    metric_weight,
+    trajectory_logprobs,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -160,7 +166,7 @@ class Learner:
             chosen = {uids[i] for i in part}
             mini = [x for x in batch if x.prompt_uid in chosen]
             steps.append(self._step(mini, None if prox is None else [prox[x.uid] for x in mini]))
-        totals = step_means(steps)
+        totals = step_means(steps, t.loss_agg)
         applied = len(steps) - int(sum(m["skipped"] for m in steps))
         self.skipped_steps += len(parts) - applied
         if applied:
@@ -317,16 +323,40 @@ class Learner:
         self.skipped_versions = skipped_versions(state)
 
 
-def step_means(steps: list[dict[str, float]]) -> dict[str, float]:
-    """The metrics of one version from those of its optimizer steps: each the mean over
-    the steps applied (those made the version; a skipped step's loss and gradient norm
-    are NaN or infinite), or over all when none was; ``skipped`` the fraction skipped.
+def step_means(steps: list[dict[str, float]], agg: str = "token-mean") -> dict[str, float]:
+    """The metrics of one version from those of its optimizer steps (mini-batches), as
+    they would be over its whole batch: a mean over loss tokens weighted by each step's
+    loss tokens, one following the loss aggregation ``agg`` by its loss tokens
+    (``token-mean``) or its rows (``seq-mean-*``), a mean over rows by its rows, a maximum
+    the steps' maximum (:func:`laminar.update.metric_weight`); ``grad_norm``, which is
+    each step's own, their mean. Over the steps applied (those made the version; a
+    skipped step's loss and gradient norm are NaN or infinite), or over all when none
+    was; ``skipped`` the fraction skipped. The counts that weigh the steps are not kept.
 
+    >>> step = {"skipped": 0.0}
+    >>> step_means([step | {"logprob_diff_max": 3.0, "clip_frac": 0.5, "loss_tokens": 30.0},
+    ...             step | {"logprob_diff_max": 1.0, "clip_frac": 0.1, "loss_tokens": 10.0}])
+    {'logprob_diff_max': 3.0, 'clip_frac': 0.4, 'skipped': 0.0}
     >>> step_means([{"loss": 1.0, "skipped": 0.0}, {"loss": float("nan"), "skipped": 1.0}])
     {'loss': 1.0, 'skipped': 0.5}
     """
     applied = [m for m in steps if not m["skipped"]] or steps
-    out = {k: sum(m[k] for m in applied) / len(applied) for k in steps[0]}
+    out = {}
+    for k in steps[0]:
+        if k in STEP_COUNTS or k == "skipped":
+            continue
+        values = [m[k] for m in applied]
+        weight = metric_weight(k, agg)
+        if k.endswith("_max"):
+            out[k] = max(values)
+        elif k.endswith("_min"):
+            out[k] = min(values)
+        else:
+            counts = [m.get(weight, 0.0) if weight else 1.0 for m in applied]
+            total = sum(counts)
+            if not total:  # (no loss token in any step: every such mean is 0 alike)
+                counts, total = [1.0] * len(values), float(len(values))
+            out[k] = sum(c * v for c, v in zip(counts, values, strict=True)) / total
     out["skipped"] = sum(m["skipped"] for m in steps) / len(steps)
     return out
 

@@ -370,7 +370,10 @@ class Trainer(DataLinkMixin, PublicationMixin):
             t0 = time.time()
             self._hold(t0, self.cfg.trainer.pacing.update_s, "update")
             busy += time.time() - t0
-        totals = step_means(steps) | {"mini_batches": float(parts), "applied_steps": applied}
+        totals = step_means(steps, t_cfg.loss_agg) | {
+            "mini_batches": float(parts),
+            "applied_steps": applied,
+        }
         return {"update_s": busy, **batch_stats(trained), **totals}
 
     def _skipped(self) -> None:

@@ -28,6 +28,27 @@ CORRECTIONS = ("none", "tis", "decoupled")
 # Metrics that follow the loss aggregation (``agg``); every other metric is a fraction or a
 # mean over loss tokens (clip_frac, approx_kl, ratio_mean, ...), whatever ``agg``.
 AGG_METRICS = frozenset({"pg_loss", "loss", "entropy", "kl_ref"})
+# How a version's metrics combine those of its optimizer steps (laminar.learner.step_means),
+# so that they are the metrics of its whole batch: the counts :func:`grpo_step` returns
+# weigh the means; a maximum is the steps' maximum.
+STEP_COUNTS = ("loss_tokens", "sequences")  # a step's loss tokens and rows (all ranks')
+SEQUENCE_METRICS = frozenset({"adv_abs_mean"})  # a mean over the step's rows
+PER_STEP_METRICS = frozenset({"grad_norm"})  # of the step itself: their plain mean
+
+
+def metric_weight(key: str, agg: str) -> str | None:
+    """The count of :data:`STEP_COUNTS` that weighs metric ``key`` when a version's steps
+    are combined; ``None``: not a weighted mean (a ``*_max`` or ``*_min``, the steps'
+    maximum or minimum, or a metric of the step itself).
+
+    >>> [metric_weight(k, "seq-mean-token-sum") for k in ("clip_frac", "loss", "grad_norm")]
+    ['loss_tokens', 'sequences', None]
+    """
+    if key.endswith(("_max", "_min")) or key in PER_STEP_METRICS:
+        return None
+    if key in SEQUENCE_METRICS or (key in AGG_METRICS and agg != "token-mean"):
+        return "sequences"
+    return "loss_tokens"  # (AGG_METRICS under token-mean, and every per-token metric)
 
 
 @dataclass(frozen=True)
@@ -209,7 +230,8 @@ def grpo_step(
     the ``seq-mean-*`` aggregations), so the gradient equals that of one aggregation over
     the whole batch. So do the metrics: ``loss``, ``pg_loss``, ``entropy`` and ``kl_ref``
     follow ``agg``; the others (``clip_frac``, ``approx_kl``, ``ratio_mean``, …) are over
-    the batch's loss tokens.
+    the batch's loss tokens. ``loss_tokens`` and ``sequences`` count the batch's loss
+    tokens and rows: they weigh the step among a version's (:func:`metric_weight`).
 
     Data parallelism: with ``shard`` (the rows this rank computes) and ``all_reduce``
     (``all_reduce(tensor, op)`` reduces in place over ranks, ``op`` "sum" or "max"), each
@@ -241,7 +263,8 @@ def grpo_step(
     # went on to another update) pair that all-reduce with the next step's gradients.
     with failing_together(all_reduce, rank, world_size):
         adv = group_advantages(rewards, group_index, norm_by_std=norm_by_std)
-        n_total = float(sum(np.asarray(m).sum() for m in loss_masks)) or 1.0
+        loss_tokens = float(sum(np.asarray(m).sum() for m in loss_masks))
+        n_total = loss_tokens or 1.0
         lengths = [len(prompts[i]) + len(responses[i]) for i in rows]
         sums: dict[str, float] = {}
         diff_max = 0.0
@@ -321,6 +344,9 @@ def grpo_step(
         "logprob_diff_max": diff_max,
         "adv_abs_mean": float(adv.abs().mean()),
         "skipped": float(skipped),
+        # (the whole step's, every rank's rows: what weighs it among a version's steps)
+        "loss_tokens": loss_tokens,
+        "sequences": float(len(prompts)),
     }
 
 

@@ -9,7 +9,13 @@ from learner_cases import CFG, batch, rank_main, run_ranks, weights
 
 from laminar.config import with_overrides
 from laminar.contract import Trajectory
-from laminar.learner import CheckpointError, Learner, check_checkpoint, newest_checkpoint
+from laminar.learner import (
+    CheckpointError,
+    Learner,
+    check_checkpoint,
+    newest_checkpoint,
+    step_means,
+)
 
 
 def test_resume_from_a_checkpoint_is_bit_identical(tiny_policy, tmp_path):
@@ -109,6 +115,48 @@ def test_mini_batches_take_several_steps_for_one_version(tiny_policy):
     assert metrics["applied_steps"] == 2 and learner.version == 1
     steps = {int(s["step"]) for s in learner.optimizer.state_dict()["state"].values()}
     assert steps == {2}
+
+
+@pytest.mark.parametrize(
+    "agg, correction",
+    [("token-mean", "none"), ("seq-mean-token-sum", "tis"), ("seq-mean-token-mean", "decoupled")],
+)
+def test_a_versions_metrics_are_those_of_its_whole_batch(tiny_policy, agg, correction):
+    """Split into mini-batches of unequal tokens (2, 1 and 1 groups), a version reports
+    the metrics of its whole batch, as one step over it would: per-token ones weighted by
+    each step's loss tokens, the aggregated losses by tokens or sequences as ``agg``
+    weighs them, ``logprob_diff_max`` the batch's maximum, not a mean of the steps'. (A
+    learning rate of 1e-12 leaves the weights as they were between the steps.)"""
+    overrides = [
+        "trainer.lr=1e-12", f"trainer.loss_agg={agg}", f"trainer.correction={correction}",
+        "trainer.kl_coef=0.1", "trainer.entropy_coef=0.01",
+    ]  # fmt: skip
+    if correction != "tis":
+        overrides.append("trainer.clip_c=3")  # (dual_clip_frac)
+    cfg = with_overrides(CFG, overrides)
+    data = batch(0)
+    whole = Learner(cfg, tiny_policy).update(data)
+    split = Learner(with_overrides(cfg, ["trainer.mini_batches=3"]), tiny_policy).update(data)
+    assert split["mini_batches"] == split["applied_steps"] == 3
+    per_step = {"grad_norm", "mini_batches", "applied_steps"}
+    assert set(split) == set(whole)
+    keys = sorted(set(whole) - per_step)
+    assert {"logprob_diff_max", "logprob_diff_mean", "loss", "kl_ref", "adv_abs_mean"} <= set(keys)
+    # (the clip binds under none; decoupled's proximal policy is the weights themselves)
+    assert whole["clip_frac" if correction == "none" else "is_weight_mean"] > 0
+    want = {k: pytest.approx(whole[k], rel=1e-5, abs=1e-7) for k in keys}
+    assert {k: split[k] for k in keys} == want
+    if correction == "decoupled":
+        return  # (the stream schedule's parts, below, refuse it)
+    # The stream schedule's way: one part at a time, combined by the trainer's call.
+    cfg = with_overrides(cfg, ["trainer.mini_batches=3"])
+    learner, uids = Learner(cfg, tiny_policy), list(dict.fromkeys(x.prompt_uid for x in data))
+    parts = [[x for x in data if x.prompt_uid in uids[a:b]] for a, b in ((0, 2), (2, 3), (3, 4))]
+    steps = [learner.update_part(part, last=i == 2) for i, part in enumerate(parts)]
+    streamed = step_means(
+        [{k: v for k, v in m.items() if k != "applied_steps"} for m in steps], agg
+    )
+    assert {k: streamed[k] for k in keys} == want
 
 
 def test_two_ranks_train_the_same_weights_as_one(tiny_policy, tmp_path):
