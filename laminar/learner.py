@@ -33,6 +33,7 @@ from laminar.contract import Trajectory
 from laminar.errors import LaminarError
 from laminar.update import (
     STEP_COUNTS,
+    check_prompts,
     failing_together,
     grpo_step,
     metric_weight,
@@ -150,6 +151,10 @@ class Learner:
         if at least one step was taken (``metrics["applied_steps"]``).
         """
         t = self.cfg.trainer
+        # The whole batch checked before any step: a bad group or row in a later
+        # mini-batch must not fail the update after earlier steps moved the weights.
+        check_groups(batch)
+        check_prompts([x.prompt_tokens for x in batch])
         uids = list(dict.fromkeys(x.prompt_uid for x in batch))
         n_mini = min(t.mini_batches, len(uids))
         parts = np.array_split(np.arange(len(uids)), n_mini)
@@ -183,6 +188,7 @@ class Learner:
                 "trainer.correction=decoupled needs every mini-batch of a global batch at "
                 "once; the stream schedule trains them as they arrive: use none or tis"
             )
+        check_groups(part)
         metrics = self._step(part)
         self._part_applied += int(not metrics["skipped"])
         self.skipped_steps += int(metrics["skipped"])
@@ -212,7 +218,6 @@ class Learner:
 
     def _step(self, batch: list[Trajectory], proximal=None) -> dict[str, float]:
         t = self.cfg.trainer
-        check_groups(batch)
         groups = {uid: i for i, uid in enumerate(dict.fromkeys(x.prompt_uid for x in batch))}
         return grpo_step(
             self.model,

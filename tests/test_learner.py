@@ -159,6 +159,27 @@ def test_a_versions_metrics_are_those_of_its_whole_batch(tiny_policy, agg, corre
     assert {k: streamed[k] for k in keys} == want
 
 
+def test_a_bad_group_or_row_in_a_later_mini_batch_fails_before_any_step(tiny_policy):
+    """The whole batch is checked before its first optimizer step: a group short of a
+    trajectory, or an empty prompt, in the last mini-batch fails the update with the
+    weights and the optimizer as they were, not after the first step moved them."""
+    from dataclasses import replace
+
+    from laminar.errors import LaminarError
+
+    learner = Learner(with_overrides(CFG, ["trainer.mini_batches=2"]), tiny_policy)
+    before = weights(learner)
+    short = batch(0)[:-1]
+    empty = batch(0)
+    empty[-1] = replace(empty[-1], prompt_tokens=np.zeros(0, np.int32))
+    for bad, message in ((short, r"group 's0g3': 3 of its 4"), (empty, r"empty prompt")):
+        with pytest.raises(LaminarError, match=message):
+            learner.update(bad)
+        after = weights(learner)
+        assert all(torch.equal(before[k], after[k]) for k in before)
+        assert not learner.optimizer.state and learner.version == 0
+
+
 def test_two_ranks_train_the_same_weights_as_one(tiny_policy, tmp_path):
     """Two gloo ranks, each computing half of every batch, end where one rank does."""
     assert run_ranks(rank_main, 2, str(tiny_policy), str(tmp_path)) == [0, 0]
