@@ -179,7 +179,8 @@ def check_torch_file(path: Path, damaged) -> None:
 
 def check_policy_dir(path: str | Path) -> Path:
     """Raise :class:`ModelError` unless ``path`` is a loadable HF causal-LM folder: its
-    files there and undamaged as far as :func:`check_model_files` reads them."""
+    files there and undamaged as far as :func:`check_model_files` reads them, of a
+    supported architecture, without dropout (:func:`_check_no_dropout`)."""
     path = Path(path)
     if not path.is_dir():
         raise ModelError(
@@ -194,13 +195,43 @@ def check_policy_dir(path: str | Path) -> Path:
             f"model folder {str(path)!r} lacks {missing}; it must be an HF folder "
             "written by save_pretrained (config.json, model.safetensors, tokenizer.json)"
         )
-    model_type = check_model_files(path, _damaged_model).get("model_type")
+    config = check_model_files(path, _damaged_model)
+    model_type = config.get("model_type")
     if model_type not in SUPPORTED_ARCHITECTURES:
         raise ModelError(
             f"model folder {str(path)!r} has model_type {model_type!r}; the torch engine "
             f"supports {list(SUPPORTED_ARCHITECTURES)}"
         )
+    _check_no_dropout(path, config)
     return path
+
+
+def _is_dropout(key: str) -> bool:
+    """An HF config field that is a dropout probability (``attention_dropout``, Llama's
+    and Qwen2's; ``hidden_dropout``, ``resid_pdrop``, … of other architectures)."""
+    return "dropout" in key or key.endswith("pdrop")
+
+
+def _check_no_dropout(path: Path, config: dict) -> None:
+    """Refuse a policy whose ``config.json`` turns dropout on. The trainer's forwards run
+    in training mode (the step's and the proximal one alike), the engines sample without
+    dropout: every ratio to the behavior policy, and decoupled PPO's to the proximal one,
+    would be noise, not 1, on fresh data. Refused rather than set to 0 here: the folder
+    means what it says to every other tool that loads it, and the fix is one edit."""
+    on = {
+        k: v
+        for k, v in config.items()
+        if _is_dropout(k) and isinstance(v, int | float) and not isinstance(v, bool) and v > 0
+    }
+    if on:
+        fields = ", ".join(f"{k}={v}" for k, v in sorted(on.items()))
+        raise ModelError(
+            f"model folder {str(path)!r} turns dropout on ({fields} in its config.json): "
+            "the trainer computes logprobs in training mode, so dropout would make its "
+            "ratios to the engines' (which sample without it) and to its own proximal "
+            "pass differ from 1 on fresh data, as noise in every step. Set "
+            f"{' and '.join(sorted(on))} to 0 in {str(path / 'config.json')!r}"
+        )
 
 
 def load_policy(path: str | Path) -> tuple[PreTrainedModel, PreTrainedTokenizerFast]:

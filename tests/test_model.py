@@ -66,6 +66,27 @@ def test_model_folder_errors(tmp_path, tiny_policy):
         check_policy_dir(other)
 
 
+@pytest.mark.parametrize("field", ["attention_dropout", "resid_pdrop"])
+def test_a_policy_with_dropout_is_refused_naming_the_field(tmp_path, tiny_policy, field):
+    """The trainer's forwards run in training mode and the engines sample without
+    dropout: a policy whose config turns it on would train on ratios that are noise,
+    not 1, on fresh data. Refused where the folder is checked (before any cluster
+    starts), naming the field and the fix; at 0 it loads."""
+    folder = tmp_path / "policy"
+    folder.mkdir()
+    for f in tiny_policy.iterdir():
+        (folder / f.name).write_bytes(f.read_bytes())
+    config = json.loads((folder / "config.json").read_text())
+    assert config["attention_dropout"] == 0.0  # (the built-in model has none)
+    (folder / "config.json").write_text(json.dumps(config | {field: 0.1}))
+    with pytest.raises(ModelError, match=rf"\({field}=0.1 in its config.json\).*Set {field} to 0"):
+        check_policy_dir(folder)
+    with pytest.raises(ModelError, match=field):
+        load_policy(folder)
+    (folder / "config.json").write_text(json.dumps(config | {field: 0}))
+    check_policy_dir(folder)
+
+
 # A small HF model's shape: 2 layers, grouped-query attention
 SMALL = dict(vocab_size=50, hidden_size=64, intermediate_size=128, num_hidden_layers=2)
 SMALL |= dict(num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
