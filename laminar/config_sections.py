@@ -14,6 +14,7 @@ re-exports every one.
 
 from __future__ import annotations
 
+import logging
 import types
 from typing import Any, ClassVar, Literal, Union, get_args, get_origin
 
@@ -27,6 +28,8 @@ from pydantic import (
 )
 
 from laminar.errors import ConfigError
+
+logger = logging.getLogger(__name__)
 
 # The largest float32 (numpy's finfo): rewards are stored as float32.
 FLOAT32_MAX = 3.4028234663852886e38
@@ -370,6 +373,44 @@ class TrainerConfig(_Section):
         if not all(0 <= b < 1 for b in value):
             raise ValueError("each of AdamW's betas lies in [0, 1), e.g. [0.9, 0.99]")
         return value
+
+    @model_validator(mode="after")
+    def _warn_of_settings_the_correction_ignores(self) -> TrainerConfig:
+        # Warned, not refused: one base config is naturally run under each correction
+        # (a sweep of trainer.correction), and a config saved by an earlier run must
+        # still load to be resumed. A field at its default is not named (a saved config
+        # holds every field, so one set to the default cannot be told from one left so).
+        for field in self.ignored_by_correction():
+            logger.warning(
+                "trainer.%s=%s is ignored under trainer.correction=%s (%s); remove it, or "
+                "choose a correction that uses it (docs/losses.md)",
+                field,
+                getattr(self, field),
+                self.correction,
+                IGNORED_BY_CORRECTION[self.correction][field],
+            )
+        return self
+
+    def ignored_by_correction(self) -> list[str]:
+        """The trainer fields set (off their defaults) that ``correction`` does not use."""
+        fields = type(self).model_fields
+        return [
+            f
+            for f in IGNORED_BY_CORRECTION[self.correction]
+            if getattr(self, f) != fields[f].default
+        ]
+
+
+# What each trainer.correction leaves unused: tis has no trust region to clip (its
+# weights are truncated at is_cap instead); none has no importance weights to truncate.
+IGNORED_BY_CORRECTION: dict[str, dict[str, str]] = {
+    "none": {"is_cap": "it truncates the importance weights of tis and decoupled"},
+    "tis": {
+        f: "tis has no clipped ratio: it truncates its weights at trainer.is_cap"
+        for f in ("clip_c", "clip_low", "clip_high")
+    },
+    "decoupled": {},
+}
 
 
 class RelayConfig(_Section):

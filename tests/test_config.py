@@ -275,3 +275,27 @@ def _field(cfg, key):
     for part in key.split("."):
         cfg = getattr(cfg, part)
     return cfg
+
+
+@pytest.mark.parametrize(
+    ("overrides", "named"),
+    [
+        (["trainer.correction=tis", "trainer.clip_c=3"], ["clip_c"]),
+        (["trainer.correction=tis", "trainer.clip_high=0.3"], ["clip_high"]),
+        (["trainer.is_cap=3"], ["is_cap"]),  # (correction none: no importance weights)
+        (["trainer.correction=tis", "trainer.is_cap=3"], []),
+        (["trainer.correction=decoupled", "trainer.is_cap=3", "trainer.clip_c=3"], []),
+        (["trainer.clip_c=3"], []),
+    ],
+)
+def test_a_setting_the_correction_ignores_is_warned_of_by_name(caplog, overrides, named):
+    """trainer.clip_c (and the clip range) under correction=tis, which clips nothing, and
+    trainer.is_cap under none, which has no importance weights, did nothing, silently.
+    Warned, naming the field, not refused: a base config run under each correction, or
+    saved by a run to be resumed, must still load."""
+    with caplog.at_level("WARNING", logger="laminar.config_sections"):
+        cfg = with_overrides(RunConfig(), overrides)
+    warned = [r.getMessage() for r in caplog.records if "is ignored under" in r.getMessage()]
+    assert len(warned) == len(named), warned
+    for field, message in zip(named, warned, strict=True):
+        assert message.startswith(f"trainer.{field}=") and cfg.trainer.correction in message
