@@ -452,6 +452,7 @@ class DataRestart:
             prompt_gap=gap,  # (prompt order skipped for what a silent one may hold)
             dispatch_lease=lease,
             restored_from_log=len(orphans),
+            reissued=sorted(plan.reissue),  # (the groups of reissued_groups)
             rebuild_s=now - t0,
             phases=phases,
             restart_s=now - self.t_lost,

@@ -125,6 +125,18 @@ def logged_tokens(owned: tuple[int, int, int]) -> bool:
     return tokens >= 8 and entries > finished
 
 
+def logged_since_now(partial, timeout: float = 60.0) -> None:
+    """Wait until the partial-response pool's log on disk holds every change the pool
+    had made by now: two writes end (the one under way may have begun before now; the
+    next takes every change made meanwhile). A fixed sleep of a log interval is not
+    enough on a loaded host, where a write of the log takes seconds."""
+    writes = partial.stats().result()["log"]["writes"]
+    deadline = time.time() + timeout
+    while partial.stats().result()["log"]["writes"] < writes + 2:
+        assert time.time() < deadline, "the partial-response log wrote nothing"
+        time.sleep(0.1)
+
+
 def manager_stats(handle) -> dict:
     return handle._schedule.actors["manager"].stats().result(timeout=30)
 
@@ -1100,7 +1112,7 @@ def test_a_lost_data_module_is_rebuilt_within_the_run(tmp_path, r1_sig):
         while not logged_tokens(partial.owned().result().get("r1", (0, 0, 0))):
             assert time.time() < deadline and not handle.done(), "r1 never decoded"
             time.sleep(0.05)
-        time.sleep(2.5)  # a log interval (faults.log_interval_s): r1's entries are on disk
+        logged_since_now(partial)  # r1's entries, with those tokens, are on disk
         t_kill = time.time()
         os.kill(pids[victim_w], r1_sig)
         os.kill(pids[data_w], signal.SIGKILL)
