@@ -6,6 +6,9 @@ the run in order, naming it. ``summary.json`` records the loss (``faults.unrecov
 which rollout, when, what it held at its last report) and ``laminar audit`` agrees with
 it. A relay holds no trajectory: its loss is handled as with recovery on (the chain is
 rebuilt and the run goes on), and recorded the same.
+
+Not marked slow: each runs 5-15 s once the session's warm start is cached (the first
+run of a session pays ~20 s more for it), as tests/test_end_to_end.py's.
 """
 
 from __future__ import annotations
@@ -67,8 +70,12 @@ def recover_off_run(run_dir, overrides: list[str], relays: int = 0):
         yield client, handle
 
 
-def signal_worker(client, worker: str, sig: int) -> None:
-    os.kill(client.run(os.getpid, workers=[worker])[worker], sig)
+def signal_worker(client, worker: str, sig: int) -> float:
+    """Send ``sig`` to ``worker``'s process; returns when (its pid asked first)."""
+    pid = client.run(os.getpid, workers=[worker])[worker]
+    t = time.time()
+    os.kill(pid, sig)
+    return t
 
 
 def last_report(run_dir, rollout: str, before: float) -> dict:
@@ -92,7 +99,6 @@ def failed_in_order(run_dir, client, failed) -> dict:
     return summary
 
 
-@pytest.mark.slow
 def test_a_killed_rollout_is_in_summary_json_and_the_audit_agrees(tmp_path):
     """A rollout's worker SIGKILLed: the run fails naming it (as in test_faults.py), and
     summary.json's faults, null before with recovery off, say which rollout was lost,
@@ -104,8 +110,7 @@ def test_a_killed_rollout_is_in_summary_json_and_the_audit_agrees(tmp_path):
     run_dir = tmp_path / "run"
     with recover_off_run(run_dir, ["trainer.steps=200"]) as (client, handle):
         worker = handle._schedule.rollout_workers["r1"]
-        t_kill = time.time()
-        signal_worker(client, worker, signal.SIGKILL)
+        t_kill = signal_worker(client, worker, signal.SIGKILL)
         with pytest.raises(RunFailed) as failed:
             handle.wait(timeout=60)
         summary = failed_in_order(run_dir, client, failed)
@@ -130,7 +135,6 @@ def test_a_killed_rollout_is_in_summary_json_and_the_audit_agrees(tmp_path):
     assert f"{loss['requests']} unfinished requests" in note and "the run failed" in note
 
 
-@pytest.mark.slow
 def test_a_hung_rollout_is_fenced_and_fails_the_run_naming_it(tmp_path):
     """A rollout's worker SIGSTOPped: live for the scheduler, silent. After
     faults.heartbeat_timeout_s the manager declares it hung and has its worker
@@ -142,8 +146,7 @@ def test_a_hung_rollout_is_fenced_and_fails_the_run_naming_it(tmp_path):
     overrides = ["trainer.steps=200", "faults.heartbeat_timeout_s=3"]
     with recover_off_run(run_dir, overrides) as (client, handle):
         worker = handle._schedule.rollout_workers["r1"]
-        t_stop = time.time()
-        signal_worker(client, worker, signal.SIGSTOP)
+        t_stop = signal_worker(client, worker, signal.SIGSTOP)
         with pytest.raises(RunFailed) as failed:
             handle.wait(timeout=60)
         t_failed = time.time()
@@ -164,6 +167,36 @@ def test_a_hung_rollout_is_fenced_and_fails_the_run_naming_it(tmp_path):
     assert report.ok, report.text()
     assert report.figures["rollouts lost, not recovered"] == 1
     assert any(n.startswith(f"rollout r1 on {worker} (hung, then fenced)") for n in report.notes)
+
+
+def test_a_lost_relay_rebuilds_the_chain_and_the_run_goes_on(tmp_path):
+    """A relay holds weights, no trajectory: with recovery off its loss is what it is
+    with recovery on (test_faults.py) — the chain rebuilt without it, its rollout
+    pulling from the master, the run going on (stopped here two versions after the
+    rebuild) — and summary.json records it (it had no faults at all with recovery off)."""
+    run_dir = tmp_path / "run"
+    overrides = ["trainer.steps=200", "relay.relays=2", "relay.timeout_s=30"]
+    with recover_off_run(run_dir, overrides, relays=2) as (client, handle):
+        info = handle._schedule.relay_info
+        assert info["chain"] == ["master", "relay1", "relay2"]
+        assert handle._schedule.rollout_relays == {"r0": "relay1", "r1": "relay2"}
+        t_kill = signal_worker(client, info["workers"][1], signal.SIGKILL)
+        manager = handle._schedule.actors["manager"]
+        wait_for(handle, lambda p: "relay1" in manager.stats().result()["relays_lost"], 30)
+        rebuilt = handle.progress()["version"]
+        wait_for(handle, lambda p: p["version"] >= rebuilt + 2)
+        handle.stop()
+        summary = handle.wait(timeout=120)
+    assert summary["reason"] == "stopped", summary["reason"]
+    faults = summary["faults"]
+    assert faults["chain"] == ["master", "relay2"]
+    lost = faults["relays_lost"]["relay1"]
+    assert 0 <= lost["time"] - t_kill < 5 and lost["rollouts"] == {"r0": "master"}, lost
+    assert faults["lost"] == {} and faults["unrecovered"] == {}
+    assert json.loads((run_dir / "summary.json").read_text())["faults"]["chain"] == faults["chain"]
+    report = audit_run(run_dir)
+    assert report.ok, report.text()
+    assert "rollouts lost, not recovered" not in report.figures
 
 
 def test_a_hung_rollout_whose_fence_fails_is_given_up_and_named():
