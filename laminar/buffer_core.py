@@ -317,8 +317,9 @@ class BufferCore:
                 continue
             if admitted is not None:
                 admitted.append(t)
-            # The trainer's version when the trajectory finished; never below the version
-            # that generated it (a rollout may see a version before the buffer hears of it).
+            # The newest version published when the buffer admitted it (the trainer may
+            # hold a newer one, unpublished); never below the version that generated it (a
+            # rollout may see a version before the buffer hears of it).
             t.finish_version = max(version, t.behavior_version)
             t.t_insert = now
             t.status = "buffered"
