@@ -404,7 +404,8 @@ def _audit_faults(run_dir: Path, ds, report: AuditReport, unfinished: list[dict]
     if unfinished is None:  # (a run without a log on disk: the pool's count at the stop)
         faults = _summary(run_dir).get("faults") or {}
         n = int((faults.get("partial") or {}).get("entries", 0))
-        report.figures["unfinished at the stop"] = n
+        if faults.get("partial") is not None:  # (none with faults.recover off: unknown)
+            report.figures["unfinished at the stop"] = n
         bound, whose = (lambda rid: n), "trajectories"
     else:
         # The log holds the last start's entries. One a lost rollout's recovery took is on

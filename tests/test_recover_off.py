@@ -130,6 +130,7 @@ def test_a_killed_rollout_is_in_summary_json_and_the_audit_agrees(tmp_path):
     assert report.ok, report.text()
     assert report.figures["rollouts lost"] == 1
     assert report.figures["rollouts lost, not recovered"] == 1
+    assert "unfinished at the stop" not in report.figures  # (no pool counted them)
     [note] = [n for n in report.notes if "faults.recover off" in n]
     assert note.startswith(f"rollout r1 on {worker} was lost with faults.recover off: "), note
     assert f"{loss['requests']} unfinished requests" in note and "the run failed" in note
