@@ -156,16 +156,28 @@ def _print_summary(s: dict) -> None:
             f"{repack['requests_moved']} requests, pause {repack['pause_s']:.2f} s"
         )
     faults = s.get("faults")
-    if faults and faults["lost"]:
+    unrecovered = (faults or {}).get("unrecovered") or {}
+    recovered = sorted(set((faults or {}).get("lost") or {}) - set(unrecovered))
+    if recovered:
         print(
-            f"faults             {len(faults['lost'])} rollout(s) lost "
-            f"({', '.join(sorted(faults['lost']))}); {faults['recovered_requests']} unfinished "
-            f"trajectories resumed elsewhere in {faults['recoveries']} recoveries "
-            "(`laminar audit RUN_DIR`)"
+            f"faults             {len(recovered)} rollout(s) lost ({', '.join(recovered)}); "
+            f"{faults['recovered_requests']} unfinished trajectories resumed elsewhere in "
+            f"{faults['recoveries']} recoveries (`laminar audit RUN_DIR`)"
         )
-    if faults and faults.get("hung"):
+    for rid, u in sorted(unrecovered.items()):
+        held = (
+            "what it held unknown (it never reported)"
+            if u.get("requests") is None
+            else f"{u['requests']} unfinished requests and {u['unscored']} unscored "
+            "trajectories with it"
+        )
         print(
-            f"hung               {', '.join(sorted(faults['hung']))}: no progress for "
+            f"faults             {rid} {'hung, then ' if u.get('hung') else ''}lost, not "
+            f"recovered (faults.recover=false): {held}"
+        )
+    if hung := sorted(set((faults or {}).get("hung") or {}) - set(unrecovered)):
+        print(
+            f"hung               {', '.join(hung)}: no progress for "
             "faults.heartbeat_timeout_s; worker restarted, then recovered as lost"
         )
     for r in (faults or {}).get("trainer_restarts", []):

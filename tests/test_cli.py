@@ -481,3 +481,23 @@ def test_the_summary_says_a_trainer_lost_after_its_final_checkpoint_was_not_rest
     assert "trainer            lost after its final checkpoint (version 4)" in out
     assert "trainer + data     lost together after the final checkpoint (version 4)" in out
     assert "numbering goes on" not in out
+
+
+def test_the_summary_says_a_rollout_lost_with_recovery_off_was_not_recovered(capsys):
+    """With faults.recover=false a loss is in faults.unrecovered (what it held, hung or
+    not): the summary said "0 unfinished trajectories resumed elsewhere in 0 recoveries",
+    and of a hung one "worker restarted, then recovered as lost"."""
+    unrecovered = {
+        "r1": {"time": 9.0, "how": "unrecovered", "worker": "tcp://w:1", "hung": True},
+        "r2": {"time": 9.5, "how": "unrecovered", "worker": "tcp://w:2", "hung": False},
+    }
+    unrecovered["r1"] |= {"requests": 3, "unscored": 7, "as_of": 8.6}
+    unrecovered["r2"] |= {"requests": None, "unscored": None, "as_of": None}
+    faults = {"lost": {"r1": 9.0, "r2": 9.5}, "hung": {"r1": 5.0}, "unrecovered": unrecovered}
+    faults |= {"recoveries": 0, "recovered_requests": 0}
+    cli._print_summary({**_summary("runs/x"), "faults": faults})
+    out = capsys.readouterr().out
+    assert "r1 hung, then lost, not recovered (faults.recover=false): 3 unfinished" in out
+    assert "7 unscored trajectories" in out
+    assert "r2 lost, not recovered (faults.recover=false): what it held unknown" in out
+    assert "recoveries" not in out and "recovered as lost" not in out, out
