@@ -6,9 +6,10 @@ deliberately imperfect (``sft.demo_error_rate``): the policy learns the task's s
 but samples a mistake now and then, which leaves a middling reward for RL to raise.
 
 The result is an HF folder under ``<cache>/sft-<hash>``; the hash covers the base model's
-bytes, the prompts, the task (not its reward) and SFT config and the seed, so any change
-retrains and a rerun reuses it. The warm start's reward is scored once per reward and
-sampling setting and kept beside the weights (``sft_info.json``).
+bytes, the prompts, the task (not its reward, nor a prompt file's path: its prompts are
+hashed) and SFT config and the seed, so any change retrains and a rerun reuses it. The
+warm start's reward is scored once per reward and sampling setting and kept beside the
+weights (``sft_info.json``).
 """
 
 from __future__ import annotations
@@ -49,6 +50,8 @@ logger = logging.getLogger(__name__)
 
 # Bump when the SFT procedure changes, so cached results of the old one are not reused.
 SFT_VERSION = 2
+# In the key, a prompt file's path (its prompts are hashed, not where the file is).
+PROMPT_FILE_KEY = "(a prompt file: its prompts)"
 EVAL_PROMPTS = 256  # the warm-started policy's reward is measured on this many prompts
 STOP_CHECK_STEPS = 5  # a stopped run's warm start ends within this many steps
 SCORE_CHUNK = 16  # the warm start's responses scored at a time (checked between)
@@ -162,32 +165,37 @@ def warm_start(
     base = base_policy(cfg)
     if not cfg.sft.enabled or cfg.sft.steps == 0:
         return base, {"cached": True, "seconds": 0.0, "final_loss": float("nan")}
-    key = json.dumps(
-        {
-            "base": folder_hash(base),
-            "sft": cfg.sft.model_dump(
-                mode="json", exclude={"cache_dir", "torch_threads", "micro_batch_tokens"}
-            ),
-            # (not the reward: it scores the weights, :func:`_scoring`, and shapes nothing)
-            "task": cfg.task.model_dump(
-                mode="json",
-                exclude={
-                    "reward",
-                    "truncated_reward",
-                    "reward_timeout_s",
-                    "reward_max_failure_share",
-                },
-            ),
-            # (as JSON: rows joined by separators a text may hold would hash alike)
-            "prompts": hashlib.sha256(
-                json.dumps([[p.text, p.answer] for p in prompts]).encode()
-            ).hexdigest(),
-            "seed": cfg.seed,
-            "version": SFT_VERSION,
-        },
-        sort_keys=True,
-    )
-    out = cache_root(cfg) / f"sft-{hashlib.sha256(key.encode()).hexdigest()[:16]}"
+    inputs = {
+        "base": folder_hash(base),
+        "sft": cfg.sft.model_dump(
+            mode="json", exclude={"cache_dir", "torch_threads", "micro_batch_tokens"}
+        ),
+        # (not the reward: it scores the weights, :func:`_scoring`, and shapes nothing)
+        "task": cfg.task.model_dump(
+            mode="json",
+            exclude={
+                "reward",
+                "truncated_reward",
+                "reward_timeout_s",
+                "reward_max_failure_share",
+            },
+        ),
+        # (as JSON: rows joined by separators a text may hold would hash alike)
+        "prompts": hashlib.sha256(
+            json.dumps([[p.text, p.answer] for p in prompts]).encode()
+        ).hexdigest(),
+        "seed": cfg.seed,
+        "version": SFT_VERSION,
+    }
+    # A prompt file's path is not hashed, its prompts are ("prompts"): the same file at
+    # another path, or named relative then absolute (a resume of a run from before
+    # laminar recorded it absolute), warms the same entry.
+    given = cfg.task.prompt_file
+    if given:
+        inputs["task"]["prompt_file"] = PROMPT_FILE_KEY
+    out = cache_root(cfg) / _entry(inputs)
+    if given and not out.exists():
+        _adopt(out, inputs, given)
     scoring = _scoring(cfg)
     info = _cached_info(out)
     if info is not None:
@@ -232,6 +240,30 @@ def warm_start(
         kept["eval_rewards"] = {**kept.get("eval_rewards", {}), scoring: reward}
         replace_text(out / "sft_info.json", json.dumps(kept, indent=2))
     return out, {**_public(info), "eval_reward": info["eval_rewards"][scoring]}
+
+
+def _entry(inputs: dict) -> str:
+    """The cache entry's folder name for the warm start's ``inputs``."""
+    key = json.dumps(inputs, sort_keys=True)
+    return f"sft-{hashlib.sha256(key.encode()).hexdigest()[:16]}"
+
+
+def _adopt(out: Path, inputs: dict, given: str) -> None:
+    """An entry of a prompt file's warm start written before its path was left out of
+    the key (:data:`PROMPT_FILE_KEY`), renamed to ``out``: the one keyed by the path as
+    given (``task.prompt_file``, absolute since runs record it so), else by that path
+    relative to this working directory (a run that named it relative, resumed from the
+    directory it started in). None there, or a cache this user cannot write (the old
+    entry then serves where it is, until the rename can be made): nothing is done."""
+    names = {given, os.path.relpath(given)} if os.path.isabs(given) else {given}
+    for name in sorted(names):
+        old = out.parent / _entry({**inputs, "task": {**inputs["task"], "prompt_file": name}})
+        if not (old / "sft_info.json").exists():
+            continue
+        with contextlib.suppress(OSError):  # (another run adopted it first; read-only)
+            os.rename(old, out)
+            logger.info("warm start: cache entry %s renamed %s (keyed by prompts)", old, out)
+        return
 
 
 def _cached_info(out: Path) -> dict | None:

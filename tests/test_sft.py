@@ -100,6 +100,54 @@ def test_a_prompt_file_of_other_rows_joining_to_the_same_text_is_trained_anew(
     assert info["cached"] is False and second != first
 
 
+def test_a_prompt_file_is_keyed_by_its_prompts_not_its_path(small_config, tmp_path, monkeypatch):
+    """The key held the prompt file's path: a run that named it relative, resumed once
+    runs recorded it absolute, trained its warm start again (as did the same file
+    copied elsewhere). The same prompts at two paths share an entry; other prompts at
+    the same path do not."""
+    rows = [{"prompt": f"n {n} >", "answer": " ".join(map(str, range(1, n + 1)))} for n in (2, 3)]
+    a, b = tmp_path / "a" / "p.jsonl", tmp_path / "b" / "q.jsonl"
+    for f in (a, b):
+        f.parent.mkdir()
+        f.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    base = with_overrides(small_config, [f"sft.cache_dir={tmp_path / 'cache'}", "sft.steps=1"])
+    at = {f: with_overrides(base, [f"task.prompt_file={f}"]) for f in (a, b)}
+    first, info = warm_start(at[a], load_prompts(at[a]))
+    assert info["cached"] is False
+    again, info = warm_start(at[b], load_prompts(at[b]))
+    assert again == first and info["cached"] is True
+    monkeypatch.chdir(tmp_path)  # (named relative: as older runs recorded it)
+    relative = with_overrides(base, ["task.prompt_file=a/p.jsonl"])
+    assert warm_start(relative, load_prompts(relative))[0] == first
+    # other contents at the same path: trained anew
+    b.write_text(json.dumps(rows[0]) + "\n")
+    other, info = warm_start(at[b], load_prompts(at[b]))
+    assert other != first and info["cached"] is False
+
+
+def test_an_entry_keyed_by_a_prompt_files_path_is_adopted(small_config, tmp_path, monkeypatch):
+    """An entry written when the key held the path (named relative, as runs recorded
+    it then) is found by a resume that names the file absolute, from the directory the
+    run started in, and renamed to the key of its prompts: nothing is trained again."""
+    from laminar import sft
+
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "p.jsonl").write_text(json.dumps({"prompt": "n 2 >", "answer": "1 2"}))
+    monkeypatch.chdir(tmp_path)
+    overrides = [f"sft.cache_dir={tmp_path / 'cache'}", "sft.steps=1"]
+    cfg = with_overrides(small_config, [*overrides, "task.prompt_file=data/p.jsonl"])
+    # the entry as laminar keyed it then: by the path's text
+    monkeypatch.setattr(sft, "PROMPT_FILE_KEY", "data/p.jsonl")
+    old, info = warm_start(cfg, load_prompts(cfg))
+    assert info["cached"] is False
+    monkeypatch.undo()
+    monkeypatch.chdir(tmp_path)
+    absolute = with_overrides(cfg, [f"task.prompt_file={tmp_path / 'data' / 'p.jsonl'}"])
+    new, info = warm_start(absolute, load_prompts(absolute))
+    assert info["cached"] is True and new != old and not old.exists()
+    assert warm_start(absolute, load_prompts(absolute))[0] == new
+
+
 def test_a_reward_that_fails_on_everything_is_given_up_on_by_the_runs_rule(
     small_config, tmp_path, recwarn, caplog
 ):
