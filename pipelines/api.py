@@ -180,22 +180,65 @@ def _sha256(path: str | Path) -> str:
     return digest.hexdigest()
 
 
+# The config's paths read relative to a working directory: the driver's at the start,
+# but a resume's may be another (a notebook's, a job script's), and so may a worker's.
+# A run records them absolute (:func:`absolute_paths`). Not ``run_dir``: the run's own
+# folder, which the driver resolves and hands to every worker.
+PATH_FIELDS = (
+    "task.prompt_file",
+    "model.path",
+    "sft.cache_dir",
+    "trainer.resume_from",
+    "cluster.scheduler_file",
+    "cluster.security.ca_file",
+    "cluster.security.cert",
+    "cluster.security.key",
+    "cluster.slurm.log_directory",
+    "cluster.slurm.python",
+)
+
+
+def _is_path(key: str, given) -> bool:
+    """Whether ``given``, the value of path field ``key``, is a path relative to the
+    working directory. Not: unset, absolute, ``~/...`` (expanded where it is read, to
+    that machine's home), nor a ``cluster.slurm.python`` with no ``/`` (a command,
+    found on the compute node's PATH)."""
+    if not isinstance(given, str) or not given or os.path.isabs(given):
+        return False
+    if given.startswith("~"):
+        return False
+    return key != "cluster.slurm.python" or "/" in given
+
+
 def absolute_paths(cfg: RunConfig) -> RunConfig:
-    """``cfg`` with a relative ``task.prompt_file`` made absolute, as this process's
-    working directory resolves it: the run's ``config.yaml`` records where the file is,
-    so a resume from another directory (a notebook's, a job script's) reads the same
-    file, and so does a worker whose working directory is not this one."""
-    given = cfg.task.prompt_file
-    if not given or os.path.isabs(given):
-        return cfg
-    task = cfg.task.model_copy(update={"prompt_file": os.path.abspath(given)})
-    return cfg.model_copy(update={"task": task})
+    """``cfg`` with its relative paths (:data:`PATH_FIELDS`, as :func:`_is_path`
+    tells) made absolute, as this process's working directory resolves them: the run's
+    ``config.yaml`` records where they are, so a resume from another directory (a
+    notebook's, a job script's) reads the same files and folders, and so does a worker
+    whose working directory is not this one."""
+    for key in PATH_FIELDS:
+        given = _field(cfg, key)
+        # (a model.path naming nothing here stays as given, for preflight to name:
+        # laminar reads only local folders, but it may be meant as a hub id)
+        if _is_path(key, given) and (key != "model.path" or os.path.exists(given)):
+            cfg = _with(cfg, key, os.path.abspath(given))
+    return cfg
+
+
+def _with(model, key: str, value):
+    """``model`` (a config, or a section of one) with its field ``key`` (dotted) set to
+    ``value``."""
+    head, _, rest = key.partition(".")
+    inner = value if not rest else _with(getattr(model, head), rest, value)
+    return model.model_copy(update={head: inner})
 
 
 def _field(cfg: RunConfig, key: str):
+    """The value of field ``key`` (dotted); None where a section on the way is unset
+    (``cluster.security``)."""
     value = cfg
     for part in key.split("."):
-        value = getattr(value, part)
+        value = getattr(value, part) if value is not None else None
     return value
 
 
@@ -480,8 +523,14 @@ def prepare_resume(run_dir: str | Path, overrides: list[str] | tuple[str, ...] =
             "start it again"
         )
     ran = load_config(config)
-    own = ran.trainer.resume_from  # (null, unless it began from another run)
-    cfg = load_config(config, overrides)
+    # (the run's relative paths, of a run from before laminar recorded them absolute,
+    # found where it read them; task.prompt_file's below, with its bytes checked)
+    asked = load_config(config, overrides)
+    cfg = _paths_found(path, ran, asked)
+    # (null, unless it began from another run: recorded as found, with no --set of it)
+    own = ran.trainer.resume_from
+    if asked.trainer.resume_from == own:
+        own = cfg.trainer.resume_from
     # (set, not --set: a path is not YAML; "runs/exp #2" would lose its " #2")
     trainer = cfg.trainer.model_copy(update={"resume_from": str(ckpt)})
     cfg = cfg.model_copy(update={"trainer": trainer, "run_dir": str(path)})
@@ -604,6 +653,62 @@ def _started_in(path: Path, ran: RunConfig) -> str | None:
     return str(Path(*path.parts[: -len(parts)]))
 
 
+def _tried(path: Path, ran: RunConfig, key: str, given: str) -> list[tuple[str, str]]:
+    """Where a resume of the run in ``path`` looks for ``given``, path field ``key``'s
+    value, each with why there: a relative one of the run's ``config.yaml`` (a run
+    started before laminar recorded absolute paths) where the run started
+    (:func:`_started_in`), then in this working directory; one given now (an
+    override), in this working directory; an absolute one, as it is."""
+    from_config = given == _field(ran, key)
+    if os.path.isabs(given):
+        return [(given, "as config.yaml records it" if from_config else "as given")]
+    tried: list[tuple[str, str]] = []
+    start = _started_in(path, ran) if from_config else None
+    if start is not None:
+        tried.append((os.path.join(start, given), "where the run was started"))
+    tried.append((os.path.abspath(given), "from this working directory"))
+    return list(dict(tried).items())
+
+
+def _not_found(
+    path: Path, ran: RunConfig, key: str, given: str, tried: list[tuple[str, str]], what=""
+) -> ConfigError:
+    """A resume of the run in ``path`` refused: path field ``key``'s ``given`` is in none
+    of the places ``tried``; ``what`` says more of what it must hold."""
+    kind = "file" if key == "task.prompt_file" else "folder"
+    named = ", ".join(f"{p!r} ({why})" for p, why in tried)
+    return ConfigError(
+        f"cannot resume {str(path)!r}: {key} {given!r} is not a {kind}: tried {named}; "
+        f"give the path of the {kind} the run read{what}, e.g. "
+        + _setting(f"{key}=/path/to/{Path(given).name}")
+        + (
+            ", or resume from the directory the run was started in"
+            if given == _field(ran, key) and not os.path.isabs(given)
+            else ""
+        )
+    )
+
+
+def _paths_found(path: Path, ran: RunConfig, cfg: RunConfig) -> RunConfig:
+    """``cfg`` with its path fields but ``task.prompt_file`` (:func:`_prompt_file_found`)
+    found as the run read them (:func:`_tried`) and made absolute. ``model.path`` found
+    nowhere is refused, naming the places tried; ``trainer.resume_from`` found nowhere
+    is kept as given (a record: a resume reads its own checkpoint); another path found
+    nowhere is taken where it was looked for first (a folder the run makes,
+    ``sft.cache_dir``; a file that is checked where it is read, and named there)."""
+    for key in PATH_FIELDS:
+        given = _field(cfg, key)
+        if key == "task.prompt_file" or not _is_path(key, given):
+            continue
+        tried = _tried(path, ran, key, given)
+        found = [p for p, _ in tried if os.path.exists(p)]
+        if not found and key == "model.path":
+            raise _not_found(path, ran, key, given, tried, " (a local HF folder)")
+        if found or key != "trainer.resume_from":
+            cfg = _with(cfg, key, os.path.abspath((found or [tried[0][0]])[0]))
+    return cfg
+
+
 def _prompt_file_found(
     path: Path, ran: RunConfig, cfg: RunConfig, recorded: str | None, ckpt: Path
 ) -> tuple[RunConfig, str | None]:
@@ -618,31 +723,17 @@ def _prompt_file_found(
     given = cfg.task.prompt_file
     if not given:
         return cfg, None
-    tried: list[tuple[str, str]] = []  # (path, why there)
-    from_config = given == ran.task.prompt_file
-    if os.path.isabs(given):
-        tried.append((given, "as given" if not from_config else "as config.yaml records it"))
-    else:
-        start = _started_in(path, ran) if from_config else None
-        if start is not None:
-            tried.append((os.path.join(start, given), "where the run was started"))
-        tried.append((os.path.abspath(given), "from this working directory"))
-        tried = list(dict(tried).items())
-    named = ", ".join(f"{p!r} ({why})" for p, why in tried)
+    tried = _tried(path, ran, "task.prompt_file", given)
     bytes_ = f"sha256 {recorded}, as {PROMPT_FINGERPRINT} in the run directory records"
     found = [p for p, _ in tried if os.path.isfile(p)]
     if not found:
-        raise ConfigError(
-            f"cannot resume {str(path)!r}: task.prompt_file {given!r} is not a file: tried "
-            f"{named}; give the path of the file the run read"
-            + (f" (its bytes: {bytes_})" if recorded else "")
-            + ", e.g. "
-            + _setting(f"task.prompt_file=/path/to/{Path(given).name}")
-            + (
-                ", or resume from the directory the run was started in"
-                if from_config and not os.path.isabs(given)
-                else ""
-            )
+        raise _not_found(
+            path,
+            ran,
+            "task.prompt_file",
+            given,
+            tried,
+            (f" (its bytes: {bytes_})" if recorded else ""),
         )
     digests = {p: _sha256(p) for p in found}
     match = next((p for p in found if recorded is None or digests[p] == recorded), None)

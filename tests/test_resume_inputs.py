@@ -5,6 +5,9 @@ starts, each named with its fix:
   a run that recorded it relative (before laminar made it absolute) is resumed from
   another working directory by finding the file where the run was started; a file not
   found, or whose bytes changed, is named with every path tried;
+- the other relative paths (``model.path``, ``sft.cache_dir``, ``trainer.resume_from``,
+  the cluster's files): recorded absolute too, and those of an older run found where it
+  was started; a ``model.path`` found nowhere is named with every path tried;
 - a damaged trajectory store: a chunk of a per-trajectory or leave-event array, or of the
   tokens the resumed buffer holds again, that does not decode. Before, a damaged array
   the resume's plan does not read (``reward``, ``t_insert``, ...) failed the buffer on
@@ -22,7 +25,7 @@ import pytest
 
 from laminar.config import RunConfig, load_config, with_overrides
 from laminar.errors import ConfigError
-from pipelines.api import PROMPT_FINGERPRINT, prepare_resume, prepare_run_dir
+from pipelines.api import PROMPT_FINGERPRINT, absolute_paths, prepare_resume, prepare_run_dir
 from pipelines.cli import main
 
 REPO = Path(__file__).resolve().parent.parent
@@ -203,6 +206,138 @@ def test_a_damaged_prompt_fingerprint_is_named(tmp_path, saved, monkeypatch, tex
     (run / PROMPT_FINGERPRINT).write_text(text)
     with pytest.raises(ConfigError, match=r"prompt_file.sha256 does not read as .*delete it"):
         prepare_resume(run.resolve(), ["trainer.steps=3"])
+
+
+# -- the other relative paths --------------------------------------------------------
+
+
+def test_a_run_records_its_model_cache_and_checkpoint_paths_absolute(
+    tmp_path, saved, tiny_policy, monkeypatch
+):
+    """`--set model.path=models/tiny --set sft.cache_dir=cache` were recorded as given:
+    a resume from another directory (or a worker with another working directory) read
+    another folder or none, and warmed another cache (training again)."""
+    start = tmp_path / "repo"
+    shutil.copytree(tiny_policy, start / "models" / "tiny")
+    shutil.copytree(saved, start / "from" / "version-000001")
+    monkeypatch.chdir(start)
+
+    def reached(cfg, run_dir=None):
+        raise _Reached(cfg, run_dir)
+
+    monkeypatch.setattr("laminar.deploy.open_cluster", reached)
+    sets = [
+        "model.path=models/tiny",
+        "sft.cache_dir=cache",
+        "trainer.resume_from=from/version-000001",
+        "trainer.steps=2",
+    ]
+    argv = ["run", str(REPO / "configs" / "tiny.yaml"), "--run-dir", "runs/a"]
+    with pytest.raises(_Reached) as e:
+        main([*argv, *(a for s in sets for a in ("--set", s))])
+    cfg, run = e.value.args
+    recorded = load_config(run / "config.yaml")
+    for got in (cfg, recorded):  # (what the workers read, and what a resume reads)
+        assert got.model.path == str(start / "models" / "tiny")
+        assert got.sft.cache_dir == str(start / "cache")
+        assert got.trainer.resume_from == str(start / "from" / "version-000001")
+
+
+def test_what_is_not_a_path_from_here_stays_as_given(tmp_path, monkeypatch):
+    """A model.path naming nothing here (a hub id: preflight names it as given), a
+    path from the home folder (expanded on the machine that reads it) and a Slurm
+    python with no '/' (a command on the compute node's PATH) are left as given."""
+    monkeypatch.chdir(tmp_path)
+    cfg = with_overrides(
+        RunConfig(),
+        [
+            "model.path=Qwen/Qwen2.5-0.5B",
+            "sft.cache_dir=~/cache",
+            "cluster.slurm.python=python3",
+            "cluster.slurm.log_directory=logs",
+            "cluster.protocol=tls",
+            "cluster.security.ca_file=tls/ca.pem",
+            "cluster.security.cert=~/tls/cert.pem",
+            "cluster.security.key=tls/key.pem",
+        ],
+    )
+    got = absolute_paths(cfg)
+    assert got.model.path == "Qwen/Qwen2.5-0.5B"
+    assert got.sft.cache_dir == "~/cache" and got.cluster.security.cert == "~/tls/cert.pem"
+    assert got.cluster.slurm.python == "python3"
+    assert got.cluster.slurm.log_directory == str(tmp_path / "logs")
+    assert got.cluster.security.ca_file == str(tmp_path / "tls" / "ca.pem")
+    assert got.cluster.security.key == str(tmp_path / "tls" / "key.pem")
+    (tmp_path / "Qwen" / "Qwen2.5-0.5B").mkdir(parents=True)  # (a folder of that name)
+    python = with_overrides(cfg, ["cluster.slurm.python=venv/bin/python"])
+    got = absolute_paths(python)
+    assert got.model.path == str(tmp_path / "Qwen" / "Qwen2.5-0.5B")
+    assert got.cluster.slurm.python == str(tmp_path / "venv" / "bin" / "python")
+    assert absolute_paths(RunConfig()) == RunConfig()  # (nothing set: nothing changed)
+
+
+def _started_with_folders(start: Path, saved: Path, tiny_policy: Path, monkeypatch) -> Path:
+    """A run started in ``start`` with ``model.path=models/tiny``, ``sft.cache_dir=cache``
+    and ``--run-dir runs/a``, as laminar recorded them before it made them absolute."""
+    shutil.copytree(tiny_policy, start / "models" / "tiny")
+    (start / "cache").mkdir()  # (the run made it)
+    monkeypatch.chdir(start)
+    cfg = with_overrides(
+        RunConfig(), ["trainer.steps=2", "model.path=models/tiny", "sft.cache_dir=cache"]
+    )
+    run = prepare_run_dir(cfg, "runs/a")
+    text = (run / "config.yaml").read_text()
+    text = text.replace(str(start / "models" / "tiny"), "models/tiny")
+    text = text.replace(str(start / "cache"), "cache")
+    (run / "config.yaml").write_text(text)
+    assert "path: models/tiny" in text and "cache_dir: cache" in text
+    return _resumable(run, saved)
+
+
+def test_a_run_that_recorded_relative_folders_finds_them_where_it_started(
+    tmp_path, saved, tiny_policy, monkeypatch
+):
+    """Resumed from another directory, such a run failed in preflight ("model folder
+    'models/tiny' does not exist"), or, with no model.path, warmed a new cache where it
+    was resumed from (training again). Both are found where the run was started, and
+    recorded absolute from then on; a --set of one now is taken from here."""
+    start = tmp_path / "repo"
+    run = _started_with_folders(start, saved, tiny_policy, monkeypatch)
+    elsewhere = tmp_path / "elsewhere"
+    (elsewhere / "cache").mkdir(parents=True)  # (not the run's: where it started is first)
+    monkeypatch.chdir(elsewhere)
+    cfg, _, path = prepare_resume(run.resolve(), ["trainer.steps=3"])
+    for got in (cfg, load_config(path / "config.yaml")):
+        assert got.model.path == str(start / "models" / "tiny")
+        assert got.sft.cache_dir == str(start / "cache")
+    cfg, _, _ = prepare_resume(run.resolve(), ["trainer.steps=3", "sft.cache_dir=other"])
+    assert cfg.sft.cache_dir == str(elsewhere / "other")
+
+
+def test_a_relative_model_path_found_nowhere_is_named_with_the_paths_tried(
+    tmp_path, saved, tiny_policy, monkeypatch, capsys, no_cluster
+):
+    run = _started_with_folders(tmp_path / "repo", saved, tiny_policy, monkeypatch)
+    moved = tmp_path / "moved" / "a"
+    shutil.move(run, moved)
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
+    before = (moved / "config.yaml").read_text()
+    assert main(["run", "--resume", str(moved), "--set", "trainer.steps=3"]) == 2
+    err = capsys.readouterr().err
+    tried = elsewhere / "models" / "tiny"
+    assert (
+        f"model.path 'models/tiny' is not a folder: tried '{tried}' (from this working "
+        "directory); give the path of the folder the run read (a local HF folder)"
+    ) in err, err
+    assert "--set model.path=/path/to/tiny" in err
+    assert "or resume from the directory the run was started in" in err
+    assert (moved / "config.yaml").read_text() == before
+    # what it says works: the folder's path given
+    given = str(tmp_path / "repo" / "models" / "tiny")
+    cfg, _, _ = prepare_resume(moved, ["trainer.steps=3", f"model.path={given}"])
+    assert cfg.model.path == given
 
 
 # -- a damaged trajectory store ------------------------------------------------------
