@@ -9,11 +9,13 @@ none is, the least loaded healthy rollout *adopts* them as a batch of their own 
 next boundary, loading that version from its relay's kept versions or the trainer's
 checkpoint. Either way each trajectory keeps one behavior version, its group stays whole,
 and at most one flush interval of tokens is regenerated. Each recovery is a row of the
-``faults`` table of ``metrics.zarr``. With ``faults.recover`` off there is no pool to
-resume from: the manager still detects a lost rollout (and a hung one, fenced, once its
-worker is gone), records it (a ``faults`` row of ``how`` ``unrecovered``) and fails with an
-error naming it, on which the driver fails the run in order — never a run that goes on
-quietly with fewer rollouts.
+``faults`` table of ``metrics.zarr``. A hung rollout is fenced (its worker restarted) and
+lost once its worker is gone; one whose fence fails (its worker still there
+``FENCE_WAIT_S`` after) is taken as lost all the same, its process left for the user to
+stop. With ``faults.recover`` off there is no pool to resume from: the manager still
+detects a lost (or hung) rollout, records it (a ``faults`` row of ``how``
+``unrecovered``) and fails with an error naming it, on which the driver fails the run in
+order — never a run that goes on quietly with fewer rollouts.
 
 **Repack** (with a ``repack`` section).
 

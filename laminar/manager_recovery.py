@@ -150,9 +150,10 @@ class RecoveryMixin:
             logger.warning("rollout %s replaces %s (worker %s)", rid, replaces, worker)
 
     def detect(self) -> list[str]:
-        """Relays and rollouts whose worker the scheduler no longer has: cut each relay
-        out of the chain, then recover each rollout — or, with ``faults.recover`` off,
-        fail the run naming them (:meth:`_fail_unrecovered`). Returns the lost rollouts."""
+        """Relays and rollouts whose worker the scheduler no longer has, or whose fence
+        failed (:meth:`_overdue`): cut each relay out of the chain, then recover
+        each rollout — or, with ``faults.recover`` off, fail the run naming them
+        (:meth:`_fail_unrecovered`). Returns the lost rollouts."""
         try:
             workers = self._scheduler_workers()
         except Exception as e:  # noqa: BLE001 — says nothing of the rollouts: next round
@@ -176,45 +177,86 @@ class RecoveryMixin:
         for rid in (*gone, *relays):
             if rid in self.hung:  # fenced: the scheduler no longer has its process
                 self.hung[rid]["fenced_s"] = now - self.hung[rid]["time"]
+        self._late_fences(workers, now)
+        # Those whose fence failed are given up as lost, the relays cut out too.
+        stuck_relays = [r for r in self._chain()[1:] if r not in relays and self._overdue(r, now)]
+        stuck = [rid for rid in self._alive() if self._overdue(rid, now)]
+        self._unfence([*stuck_relays, *stuck], now)
         # The master lives in the trainer's process: its loss is the trainer's (the run
         # fails and resumes, docs/faults.md). Downstream relays are cut out here, before
         # recovery, which may read old versions from them.
-        if relays:
-            self.drop_relays(relays)
-        if not recover:
-            gone += self._fence_failed(now)
-            if gone:
-                self._fail_unrecovered(gone, now)
-                return gone
+        if relays or stuck_relays:
+            self.drop_relays([*relays, *stuck_relays])
+        gone += stuck
+        if not recover and gone:
+            self._fail_unrecovered(gone, now)
+            return gone
         for rid in gone:
             self.recover(rid)
         self.check_heartbeats()  # (after: it must not delay the recovery of a lost one)
         return gone
 
-    def _fence_failed(self, now: float) -> list[str]:
-        """With ``faults.recover`` off, the hung rollouts whose worker the scheduler still
-        has :data:`FENCE_WAIT_S` after their fence (its restart failed): each is taken
-        as lost now (``unfenced`` in its hang's record), so that the run fails naming it
-        rather than going on quietly without it, and its stop is not waited for. (With
-        recovery on it stays hung: its work cannot resume elsewhere while it may yet
-        generate it.)"""
-        stuck = [
-            rid
-            for rid in self._alive()
-            if rid in self.hung and now - self.hung[rid]["time"] > FENCE_WAIT_S
-        ]
-        for rid in stuck:
-            self.lost[rid] = now
-            self.hung[rid]["unfenced"] = True
+    def _overdue(self, rid: str, now: float) -> bool:
+        """Whether ``rid`` (a rollout or relay) was declared hung more than
+        :data:`FENCE_WAIT_S` ago and its worker is still the scheduler's: its restart
+        failed (a process that does not die, a nanny that does not answer)."""
+        hung = self.hung.get(rid)
+        return hung is not None and not hung.get("unfenced") and now - hung["time"] > FENCE_WAIT_S
+
+    def _unfence(self, ids: list[str], now: float) -> None:
+        """Give up the hung rollouts and relays ``ids``, whose fence failed
+        (:meth:`_overdue`): each is taken as lost now (``unfenced`` in its hang's
+        record), a rollout in :attr:`lost` — so that the driver neither polls nor stops it
+        (its stop would wait out the actor timeout), and its work resumes elsewhere from
+        the partial-response pool, or with ``faults.recover`` off the run fails naming it
+        — and a relay is cut out of the chain. Left hung, a rollout's groups held the
+        back-pressure budget for the rest of the run and nothing of its work resumed.
+
+        Resuming its work while its process lives is safe: should it wake, the
+        trajectories it sends again have the uids of those resumed, and the buffer
+        admits a uid once (the later copy is counted a duplicate), as it does for a
+        rollout whose flush was recovered twice. It is also told to stop (not waited
+        for: a process that wakes stops its generation loop instead of taking new
+        prompts), and its worker is left alone — no replacement is placed on it
+        (:meth:`pipelines.driver.Schedule._replace_lost`) — until the scheduler drops
+        it (:meth:`_late_fences`): that process is the user's to stop."""
+        for rid in ids:
+            hung = self.hung[rid]
+            hung["unfenced"] = True
+            then = "cut out of the chain"
+            if hung["kind"] == "rollout":
+                self.lost[rid] = now
+                roll = self.rollouts.get(rid)
+                self._try(lambda r=roll: r.stop(timeout=0.0))  # (never waited for)
+                recover = self.cfg.faults.recover
+                then = "its work resumes elsewhere" if recover else "faults.recover is off"
             logger.warning(
-                "rollout %s hung and its worker %s did not go within %g s of its restart "
-                "(%s): taken as lost",
+                "%s %s hung and its worker %s did not go within %g s of its restart (%s): "
+                "taken as lost (%s); stop that worker's process yourself (no rollout is "
+                "placed on it while the scheduler has it)",
+                hung["kind"],
                 rid,
-                self.workers.get(rid),
+                hung.get("worker"),
                 FENCE_WAIT_S,
-                self.hung[rid].get("restart"),
+                hung.get("restart"),
+                then,
             )
-        return stuck
+
+    def _late_fences(self, workers: set[str], now: float) -> None:
+        """A given-up rollout's or relay's worker the scheduler has dropped since
+        (stopped by hand, or a late end of its restart): ``gone_s`` in its hang's record,
+        seconds after it was declared hung; from then on a replacement may use its
+        address (a new process)."""
+        for rid, hung in self.hung.items():
+            if hung.get("unfenced") and "gone_s" not in hung and hung.get("worker") not in workers:
+                hung["gone_s"] = now - hung["time"]
+                logger.warning(
+                    "%s %s's worker %s, given up as unfenced, has gone (%.0f s after its hang)",
+                    hung["kind"],
+                    rid,
+                    hung.get("worker"),
+                    hung["gone_s"],
+                )
 
     def _fail_unrecovered(self, gone: list[str], now: float) -> None:
         """With ``faults.recover`` off, lost rollouts are not recovered, and the run must
@@ -274,7 +316,9 @@ class RecoveryMixin:
         ``faults.heartbeat_timeout_s`` are hung: each one's worker is restarted (the nanny
         stops the process, or kills it), in the background. Its actor is then gone, so a
         later :meth:`detect` round handles it like any lost one — a hung rollout is fenced
-        before its trajectories resume elsewhere, never generating beside them. A rollout
+        before its trajectories resume elsewhere, never generating beside them (unless
+        the fence fails: :meth:`_unfence` gives it up then, the buffer dropping what it
+        may send again). A rollout
         shows progress by its generation loop's heartbeat, a relay by answering. Returns
         the newly hung.
 

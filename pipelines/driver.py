@@ -41,7 +41,7 @@ from laminar.schedule import ScheduleSpec
 from laminar.trainer import Trainer, TrainerRank, rendezvous
 from pipelines.data_module import record_data_position, resume_hint, start_data_module
 from pipelines.driver_calls import _answers, _results, _send, _stopping
-from pipelines.driver_faults import FaultHandling
+from pipelines.driver_faults import FaultHandling, stuck_workers
 from pipelines.driver_metrics import MetricsRecording
 from pipelines.driver_polls import RewardFailures, StatsPolling
 from pipelines.summary import faults_summary, updates_made
@@ -450,6 +450,12 @@ class Schedule(StatsPolling, FaultHandling, MetricsRecording):
         timeout = self.cfg.cluster.actor_timeout_s
         # No moves while rollouts stop: the manager goes first.
         m_stats = self._stop_manager()
+        for w in sorted(stuck_workers(m_stats)):
+            logger.warning(
+                "worker %s hung and did not go when restarted: it is no longer used by this "
+                "run, but its process may still run; stop it yourself (docs/faults.md)",
+                w,
+            )
         # (a rollout's stop waits for its rewards still out: actor_timeout_s, and more)
         stopping = _send([lambda r=r: r.stop() for r in self._live_rollouts()])
         # The idle ones wait in the prompt pool's long poll: it returns at once now.

@@ -2,7 +2,8 @@
 worker restarted, so that it never runs beside its replacement); one whose worker is
 lost is restarted within the run where it can be (the state machines of
 ``pipelines/restart.py``, advanced by each poll), or the run fails, saying what was lost
-and how to continue; a lost rollout gets a replacement on a free ``rollout`` worker.
+and how to continue; a lost rollout gets a replacement on a free ``rollout`` worker
+(never one whose process a failed fence left running).
 
 A mixin of :class:`pipelines.driver.Schedule`, apart from its wiring, polls and stop:
 what a fault does to the driver's books is one concern, documented in docs/faults.md.
@@ -31,6 +32,24 @@ from laminar.rollout import RolloutReplica
 from pipelines.driver_calls import _answers, _send
 
 logger = logging.getLogger("laminar")
+
+
+def stuck_workers(m_stats: dict | None) -> set[str]:
+    """The workers of hung rollouts and relays whose fence failed and that the scheduler
+    still has (``unfenced`` in their hang's record, no ``gone_s``: see
+    :meth:`laminar.manager_recovery.RecoveryMixin._unfence`): taken as lost, but their
+    process may live on, so no rollout is placed there; the user must stop them.
+
+    >>> stuck_workers({"hung": {"r1": {"worker": "tcp://w1", "unfenced": True},
+    ...                         "r2": {"worker": "tcp://w2", "unfenced": True, "gone_s": 90.0},
+    ...                         "r3": {"worker": "tcp://w3", "fenced_s": 4.0}}})
+    {'tcp://w1'}
+    """
+    return {
+        h["worker"]
+        for h in ((m_stats or {}).get("hung") or {}).values()
+        if h.get("unfenced") and "gone_s" not in h and h.get("worker")
+    }
 
 
 class FaultHandling:
@@ -312,6 +331,7 @@ class FaultHandling:
         if not waiting:
             return
         hosting = {w for r, w in self.rollout_workers.items() if r not in m_stats["lost"]}
+        hosting |= stuck_workers(m_stats)  # (lost, but its process may live: not free)
         free = [w for w in workers_with(client, "rollout") if w not in hosting]
         if not free:
             return
