@@ -450,6 +450,7 @@ class Schedule(StatsPolling, FaultHandling, MetricsRecording):
         timeout = self.cfg.cluster.actor_timeout_s
         # No moves while rollouts stop: the manager goes first.
         m_stats = self._stop_manager()
+        reason = final_reason(reason, m_stats)
         for w in sorted(stuck_workers(m_stats)):
             logger.warning(
                 "worker %s hung and did not go when restarted: it is no longer used by this "
@@ -544,6 +545,26 @@ class Schedule(StatsPolling, FaultHandling, MetricsRecording):
                 if attempt or not lost or not self._begin_restart(lost, e):
                     raise
         raise AssertionError("unreachable")
+
+
+def final_reason(reason: str, m_stats: dict | None) -> str:
+    """The run's reason once its manager has stopped (``m_stats``: its last stats). Its
+    last round, after the driver's last poll of it, may have found a fault it fails on —
+    a rollout lost with ``faults.recover`` off — or it failed: the run fails as it would
+    have at that poll (the same reason), and is stopped in order all the same.
+
+    >>> final_reason("completed", {"error": "rollout r1 (worker w gone) was lost ..."})
+    'failed: rollout r1 (worker w gone) was lost ...'
+    >>> final_reason("failed: the reward never scored", {"error": "rollout r1 ..."})
+    'failed: the reward never scored'
+    >>> final_reason("stopped", {"error": None}), final_reason("completed", None)
+    ('stopped', 'completed')
+    """
+    if m_stats is None or not m_stats.get("error") or reason.startswith("failed"):
+        return reason
+    failed = "failed: " + m_stats["error"].strip().splitlines()[-1]
+    logger.error("the rollout manager failed as the run stopped (was %r): %s", reason, failed)
+    return failed
 
 
 def schedule_class(name: str) -> type[Schedule]:

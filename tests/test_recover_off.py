@@ -233,3 +233,36 @@ def test_a_hung_rollout_whose_fence_fails_is_given_up_and_named():
         "was lost and faults.recover is off"
     ), manager.error
     assert [r["how"] for r in manager.fault_rows] == ["unrecovered"]
+
+
+def test_a_loss_found_as_the_run_stops_fails_it(caplog):
+    """The manager's last round can find a loss after the driver's last poll of it (the
+    trainer done, or the run stopped, in between): its stop's stats carry the error. The
+    run's reason read ``completed`` and the loss, with recovery off, went unsaid but in
+    summary.json; now the reason is the one that poll would have given, and the stop
+    goes on in order (here: on to the rollouts' stop, a stand-in's end)."""
+    import logging
+    from types import SimpleNamespace
+
+    from laminar.config import RunConfig
+    from pipelines.driver import Schedule, final_reason
+
+    error = "rollout r1 (worker tcp://w1 gone) was lost and faults.recover is off: ..."
+
+    class Stopped(Exception):
+        pass
+
+    def stop_rollouts():
+        raise Stopped
+
+    sched = SimpleNamespace(
+        actors={},
+        cfg=RunConfig(),
+        _stop_manager=lambda: {"error": error, "hung": {}},
+        _live_rollouts=stop_rollouts,
+    )
+    with caplog.at_level(logging.ERROR, logger="laminar"), pytest.raises(Stopped):
+        Schedule.shutdown(sched, "completed", time.time())
+    assert f"failed: {error}" in caplog.text
+    assert final_reason("completed", {"error": error}) == f"failed: {error}"
+    assert final_reason("completed", {"error": None}) == "completed"
