@@ -470,6 +470,12 @@ class FaultsConfig(_Section):
     # above the longest update), is hung: its worker is restarted (the nanny kills the
     # process), then handled as lost.
     heartbeat_timeout_s: float = Field(60.0, gt=0)
+    # How long after a hung actor's worker is restarted the scheduler may take to drop it
+    # before the restart is taken to have failed: a rollout or downstream relay is then
+    # given up as lost (its process left running: stop it yourself), a trainer or data
+    # module fails the run. Keep it above the nanny's restart (it kills a process that
+    # does not stop within seconds).
+    fence_wait_s: float = Field(60.0, gt=0)
     # Resume a lost rollout's unfinished trajectories on healthy rollouts.
     recover: bool = True
     # Start a new rollout on a `rollout` worker that hosts none (the nanny restarted the

@@ -11,11 +11,12 @@ checkpoint. Either way each trajectory keeps one behavior version, its group sta
 and at most one flush interval of tokens is regenerated. Each recovery is a row of the
 ``faults`` table of ``metrics.zarr``. A hung rollout is fenced (its worker restarted) and
 lost once its worker is gone; one whose fence fails (its worker still there
-``FENCE_WAIT_S`` after) is taken as lost all the same, its process left for the user to
-stop. With ``faults.recover`` off there is no pool to resume from: the manager still
-detects a lost (or hung) rollout, records it (a ``faults`` row of ``how``
-``unrecovered``) and fails with an error naming it, on which the driver fails the run in
-order — never a run that goes on quietly with fewer rollouts.
+``faults.fence_wait_s`` after) is taken as lost all the same, its process left for the
+user to stop (fenced in the data module: what it sends later changes nothing). With
+``faults.recover`` off there is no pool to resume from: the manager still detects a
+lost (or hung) rollout, records it (a ``faults`` row of ``how`` ``unrecovered``) and
+fails with an error naming it, on which the driver fails the run in order — never a run
+that goes on quietly with fewer rollouts.
 
 **Repack** (with a ``repack`` section).
 
@@ -156,6 +157,13 @@ class RolloutManager(RecoveryMixin, RepackMixin):
         self.hung.update(last["hung"])
         self.masters += last["masters_replaced"]
         self.rollout_relays.update(last["rollout_relays"])
+        if self.partial is not None:
+            # The new pool fences the rollouts taken as lost (one given up may live on;
+            # the log it replaces had them): best effort, the lost module's handles that
+            # process holds reach nothing anyway.
+            calls = {rid: self._try(lambda r=rid: self.partial.fence(r)) for rid in self.lost}
+            for rid, call in sorted(calls.items()):
+                self._noting(f"partial.fence({rid})", call)
         for k in ("checks", "moves", "rolled_back", "skipped", "global_pauses"):
             if k in last:
                 self.counts[k] = self.counts.get(k, 0) + last[k]

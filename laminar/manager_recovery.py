@@ -29,7 +29,8 @@ HEARTBEATS_PER_TIMEOUT = 10
 HEARTBEAT_MAX_INTERVAL_S = 5.0
 
 # A hung actor's worker is restarted (the nanny waits a few seconds, then kills it); how
-# long the scheduler may take to drop it before the fence is taken to have failed.
+# long the scheduler may take to drop it before the fence is taken to have failed: the
+# default of faults.fence_wait_s, which is what the manager and the driver use.
 FENCE_WAIT_S = 60.0
 
 
@@ -193,15 +194,36 @@ class RecoveryMixin:
             return gone
         for rid in gone:
             self.recover(rid)
+        if self.lost and self.partial is not None:
+            self._retake_late()
         self.check_heartbeats()  # (after: it must not delay the recovery of a lost one)
         return gone
 
+    def _retake_late(self) -> None:
+        """Recover again what lost rollouts registered after their recovery took their
+        entries: a process given up while it lived (a failed fence; a worker the
+        scheduler dropped without ending it) that woke and took groups from the prompt
+        pool before it saw its stop. The pool kept those requests, owned by it, and
+        ignores its flushes (:meth:`laminar.partial.PartialCore.fence`); nothing else
+        would finish them, and their groups would hold the back-pressure budget for
+        good. One call a round while any rollout is lost; not answered: next round."""
+        try:
+            late = actor_result(self.partial, self.partial.late(), min(self.timeout, 5.0))
+        except Exception as e:  # noqa: BLE001 — the pool slow or lost: next round
+            logger.warning("the partial-response pool did not answer late(): %r", e)
+            return
+        for rid in late:
+            if rid in self.lost:  # (always: the pool fences only what is taken as lost)
+                logger.warning("rollout %s, given up, registered requests since: resumed", rid)
+                self.recover(rid, again=True)
+
     def _overdue(self, rid: str, now: float) -> bool:
         """Whether ``rid`` (a rollout or relay) was declared hung more than
-        :data:`FENCE_WAIT_S` ago and its worker is still the scheduler's: its restart
+        ``faults.fence_wait_s`` ago and its worker is still the scheduler's: its restart
         failed (a process that does not die, a nanny that does not answer)."""
         hung = self.hung.get(rid)
-        return hung is not None and not hung.get("unfenced") and now - hung["time"] > FENCE_WAIT_S
+        wait = self.cfg.faults.fence_wait_s
+        return hung is not None and not hung.get("unfenced") and now - hung["time"] > wait
 
     def _unfence(self, ids: list[str], now: float) -> None:
         """Give up the hung rollouts and relays ``ids``, whose fence failed
@@ -215,9 +237,13 @@ class RecoveryMixin:
         Resuming its work while its process lives is safe: should it wake, the
         trajectories it sends again have the uids of those resumed, and the buffer
         admits a uid once (the later copy is counted a duplicate), as it does for a
-        rollout whose flush was recovered twice. It is also told to stop (not waited
-        for: a process that wakes stops its generation loop instead of taking new
-        prompts), and its worker is left alone — no replacement is placed on it
+        rollout whose flush was recovered twice. Nor can it take its entries back: the
+        recovery's take fences it in the partial-response pool, which then ignores its
+        flushes and keeps what it registers later for :meth:`_retake_late`; the driver
+        fences it in the prompt pool at its next poll (every ask of it then fails, and
+        its generation loop ends). It is also told to stop (not waited for: a process
+        that wakes stops its generation loop instead of taking new prompts), and its
+        worker is left alone — no replacement is placed on it
         (:meth:`pipelines.driver.Schedule._replace_lost`) — until the scheduler drops
         it (:meth:`_late_fences`): that process is the user's to stop."""
         for rid in ids:
@@ -237,7 +263,7 @@ class RecoveryMixin:
                 hung["kind"],
                 rid,
                 hung.get("worker"),
-                FENCE_WAIT_S,
+                self.cfg.faults.fence_wait_s,
                 hung.get("restart"),
                 then,
             )
@@ -286,7 +312,8 @@ class RecoveryMixin:
             if hung.get("unfenced"):
                 return (
                     f"{rid} (hung: no progress for {hung['silent_s']:.0f} s; its worker "
-                    f"{self.workers.get(rid)} did not go within {FENCE_WAIT_S:g} s of its "
+                    f"{self.workers.get(rid)} did not go within "
+                    f"{self.cfg.faults.fence_wait_s:g} s of its "
                     f"restart ({hung.get('restart')}): stop that process yourself)"
                 )
             return (
@@ -524,10 +551,15 @@ class RecoveryMixin:
                 logger.warning("the partial-response pool did not answer take(%s); again", lost)
         raise AssertionError("unreachable")
 
-    def recover(self, lost: str) -> list[dict]:
+    def recover(self, lost: str, again: bool = False) -> list[dict]:
         """Resume ``lost``'s unfinished trajectories on healthy rollouts, one batch per
         weight version: imported into a running batch of that version, else adopted.
-        Its finished ones (rewards in flight when it died) are scored again elsewhere."""
+        Its finished ones (rewards in flight when it died) are scored again elsewhere.
+        The pool fences ``lost`` as it takes them (:meth:`laminar.partial.PartialCore.take`):
+        what its process may yet send no longer changes them.
+
+        ``again``: a later recovery of what it registered after the first
+        (:meth:`_retake_late`); one that finds nothing writes no row."""
         t0 = time.time()
         states = self._take(lost)
         by_version: dict[tuple[bool, int], list] = {}
@@ -588,7 +620,7 @@ class RecoveryMixin:
                 dest,
                 how,
             )
-        if not states:
+        if not states and not again:
             rows.append(
                 {
                     "time": t0,

@@ -95,7 +95,7 @@ def replay_log(run_dir: str | Path) -> PartialCore:
     worker, the pool's last ``faults.log_interval_s`` of changes are not in it): each
     entry's state (tokens, logprobs and token versions logged), owner (``None``: taken
     from a lost rollout, not yet given to another), version, and whether it finished or
-    the buffer holds it.
+    the buffer holds it; and the rollouts it had fenced (:meth:`PartialCore.fence`).
 
     >>> import tempfile
     >>> from laminar.engine import GenerationRequest, SamplingParams
@@ -113,9 +113,10 @@ def replay_log(run_dir: str | Path) -> PartialCore:
     >>> back["state"].request.meta["group"] == group
     True
     """
-    from storage.partial_log import replay
+    from storage.partial_log import fenced_rollouts, replay
 
     core = PartialCore()
+    core.fenced.update(fenced_rollouts(run_dir))
     for rid, e in replay(run_dir).items():
         p = e["params"]
         params = SamplingParams(
@@ -327,6 +328,13 @@ class PartialResponsePool:
 
     async def take(self, rollout_id: str, again: bool = False) -> list:
         return self.core.take(rollout_id, again)
+
+    async def fence(self, rollout_id: str) -> None:
+        """:meth:`PartialCore.fence`: ``rollout_id`` was given up as lost."""
+        self.core.fence(rollout_id)
+
+    async def late(self) -> list[str]:
+        return self.core.late()
 
     async def versions(self) -> list[int]:
         return self.core.versions()

@@ -74,6 +74,10 @@ class PartialCore:
         # entries change: :meth:`versions` is asked at every register, every flush that
         # finishes one and every hold, over tens of thousands of entries at scale
         self._live: Counter = Counter()
+        # rollout -> when it was fenced (:meth:`fence`): given up as lost, its process
+        # perhaps alive; and those of them that registered requests since (:meth:`late`)
+        self.fenced: dict[str, float] = {}
+        self._late: set[str] = set()
 
     def _track(self, e: dict, gone: bool = False) -> None:
         """Count ``e`` at the version it resumes at now (``gone``: at none), uncounting
@@ -106,7 +110,8 @@ class PartialCore:
         - ``kept``: a ``requests`` row as :meth:`keep` got it;
         - ``chunks``: request id, owner, offset, t, the token arrays, and how many of
           them from ``offset`` are the chunk's;
-        - ``events``: request id, kind, owner, finish_reason, t.
+        - ``events``: request id, kind, owner, finish_reason, t (a ``fenced`` event
+          names no request: its owner is the rollout fenced, :meth:`fence`).
         """
         if self.journal is not None:
             self.journal.append((table, self._seq, *fields))
@@ -163,6 +168,8 @@ class PartialCore:
         saved, self.journal = self.journal, []
         for row in self.kept.values():
             self._record("kept", row)
+        for rollout_id, t in self.fenced.items():
+            self._event("", "fenced", rollout_id, t=t)
         for rid, e in self.entries.items():
             self._entry_record(rid, e)
         records, self.journal = self.journal, None if saved is None else []
@@ -187,9 +194,44 @@ class PartialCore:
             self._record("kept", row)
         self.counts["kept"] += len(rows)
 
+    def fence(self, rollout_id: str, t: float | None = None) -> None:
+        """``rollout_id`` was given up as lost (its entries are taken, or about to be:
+        :meth:`take` fences too), while its process may live on — a hung rollout whose
+        fence failed, a worker the scheduler dropped without ending it. What that process
+        sends from now on must not change the entries resumed elsewhere: its flushes are
+        ignored (``fenced_flushes``: as the entry's owner, its older offset would cut the
+        new owner's tokens back, whose next flushes were then refused as gaps), and of
+        its registers only requests the pool has never seen are kept, owned by it, for
+        the manager to take again (:meth:`late`; ``fenced_registers``): groups it took
+        from the prompt pool before it saw its stop, which nothing else would finish.
+        Journaled (an ``events`` row of kind ``fenced``), so a pool replayed from the log
+        keeps it."""
+        if rollout_id in self.fenced:
+            return
+        t = time.time() if t is None else t
+        self.fenced[rollout_id] = t
+        self._event("", "fenced", rollout_id, t=t)
+        self.counts["fenced"] += 1
+
+    def late(self) -> list[str]:
+        """The fenced rollouts that own entries registered (or reassigned to them) since
+        their fence and not yet taken: their work is resumed by another :meth:`take`."""
+        return sorted(self._late)
+
     def register(self, rollout_id: str, version: int, states: list[RequestState]) -> None:
         """New requests of ``rollout_id`` (sampled by ``version``), with no tokens yet
-        (or, for a batch adopted after a loss, with those it had)."""
+        (or, for a batch adopted after a loss, with those it had). From a fenced
+        rollout only requests new to the pool are kept (:meth:`fence`)."""
+        if rollout_id in self.fenced:
+            new = [st for st in states if st.request_id not in self.entries]
+            self.counts["fenced_registers"] += len(states)
+            if not new:
+                return
+            self._late.add(rollout_id)
+            states = new
+        self._register(rollout_id, version, states)
+
+    def _register(self, rollout_id: str, version: int, states: list[RequestState]) -> None:
         now = time.time()
         for st in map(as_arrays, states):
             self.kept.pop(st.request_id, None)
@@ -216,7 +258,12 @@ class PartialCore:
 
         ``offset`` is how many tokens the rollout had logged before: a repeated or late
         flush overwrites from there instead of appending twice. A flush names its sender
-        as the owner (a request moved by repack is flushed by its new rollout)."""
+        as the owner (a request moved by repack is flushed by its new rollout). A fenced
+        rollout's flush is ignored (:meth:`fence`)."""
+        if rollout_id in self.fenced:
+            self.counts["fenced_flushes"] += 1
+            self.counts["fenced_tokens"] += sum(len(t[1]) for t in tokens.values())
+            return
         now = time.time()
         finished = finished or {}
         n_tokens = 0
@@ -263,7 +310,7 @@ class PartialCore:
         out those the store has: :func:`storage.resume.plan_rebuild`). The buffer that
         held some is lost: they count as not held."""
         for rid, e in entries.items():
-            self.register(e["owner"], e["version"], [e["state"]])
+            self._register(e["owner"], e["version"], [e["state"]])  # (the pool's own: no fence)
             if "finished" in e:
                 self.entries[rid]["finished"] = e["finished"]
                 self._event(rid, "finished", e["owner"], *e["finished"])
@@ -276,7 +323,13 @@ class PartialCore:
         """Requests now decoded by ``rollout_id`` (moved by repack or recovery).
         ``moved_from``: a repack move's source, which the trajectory's history gains as
         the exported copies did (one more move, the source on its path): a later
-        recovery of them from here (their new rollout lost) goes on from that history."""
+        recovery of them from here (their new rollout lost) goes on from that history.
+
+        To a fenced rollout (given up while the move or recovery went on): its entries
+        all the same, and it is :meth:`late`, so that they are taken again."""
+        if rollout_id in self.fenced and request_ids:
+            self.counts["fenced_reassigns"] += 1
+            self._late.add(rollout_id)
         for rid in request_ids:
             e = self.entries.get(rid)
             if e is None:
@@ -328,7 +381,12 @@ class PartialCore:
         version of its newest token: the weights its next token needs; newer than the
         first where a partial rollout interrupt moved it on), ``recovered_tokens``,
         ``t_flush`` and, for an entry that had finished, ``finished`` = (finish_reason,
-        t_finish): score it, do not decode."""
+        t_finish): score it, do not decode.
+
+        A rollout whose entries are taken is lost: it is fenced (:meth:`fence`) first, so
+        that nothing its process may yet send makes it their owner again."""
+        self.fence(rollout_id)
+        self._late.discard(rollout_id)
         out = []
         for rid, e in self.entries.items():
             if e.get("held"):  # (the buffer has it)
@@ -381,4 +439,9 @@ class PartialCore:
 
     def stats(self) -> dict:
         held = sum(1 for e in self.entries.values() if e.get("held"))
-        return {"entries": len(self.entries) - held, "held_entries": held, **self.counts}
+        return {
+            "entries": len(self.entries) - held,
+            "held_entries": held,
+            "fenced_rollouts": sorted(self.fenced),
+            **self.counts,
+        }

@@ -40,6 +40,15 @@ from laminar.prompts import load_prompts as load_prompts
 from laminar.prompts import unreachable_answers as unreachable_answers
 from laminar.tasks import Prompt, iter_epochs
 
+
+class RolloutFenced(RuntimeError):
+    """The prompt pool refuses groups to a rollout given up as lost
+    (:meth:`PromptPool.fence`): raised in that rollout's process, whose generation loop
+    ends on it (an error of the pool's own, not a lost data module: see
+    :func:`laminar.actors.is_lost`), once, as on any error — its work was resumed
+    elsewhere, and groups it took now would be finished by nothing."""
+
+
 # How long a queued rollout keeps its place without asking again. An idle rollout asks at
 # least every rollout.IDLE_WAIT_S (2 s) plus the load of a version it waited for.
 QUEUE_EXPIRY_S = 4.0
@@ -395,6 +404,28 @@ class PromptPool:
             self._lease = DispatchLease(run_dir, ahead=max(1, cfg.buffer.max_outstanding_groups))
         self._waiting = None  # an asyncio.Event that waiting takes share, made on first use
         self._ending = False  # the run stops: takes no longer wait (end_waits)
+        self.fenced: dict[str, float] = {}  # rollouts given up as lost -> when (fence)
+        self.n_refused = 0  # asks of fenced rollouts refused
+
+    async def fence(self, rollout_id: str) -> None:
+        """``rollout_id`` was given up as lost (the manager found it so: its worker gone,
+        or its fence failed) and its process may live on: from now on every ask of it
+        raises :class:`RolloutFenced`, and it leaves the queue for room. A group handed
+        to it now would hold the back-pressure budget for good, its trajectories never
+        finished (its pool entries are resumed elsewhere, and it is told to stop).
+        Given by the driver at its poll after the loss (:mod:`pipelines.driver_faults`)."""
+        self.fenced.setdefault(rollout_id, time.time())
+        self.core._queue.pop(rollout_id, None)
+        self._changed()  # (a take of it waiting now is refused)
+
+    def _refuse(self, rollout_id: str) -> None:
+        if rollout_id in self.fenced:
+            self.n_refused += 1
+            raise RolloutFenced(
+                f"rollout {rollout_id} was given up as lost (its worker gone, or hung and "
+                "not stopped by its restart): its work was resumed elsewhere and it gets "
+                "no prompts; its process should stop (docs/faults.md, a failed fence)"
+            )
 
     async def acquire(self, n: int, rollout_id: str = "", version: int = 0) -> list[PromptGroup]:
         return self._acquire(n, rollout_id, version, idle=False)
@@ -408,6 +439,7 @@ class PromptPool:
     def _acquire(
         self, n: int, rollout_id: str, version: int, idle: bool, newest_only: bool = False
     ) -> list[PromptGroup]:
+        self._refuse(rollout_id)
         # (on disk before any of them goes out; none does while it cannot be written)
         if self._lease is not None and not self._lease.cover(self.core.n_dispatched + n):
             return []
@@ -484,4 +516,7 @@ class PromptPool:
         self._changed()
 
     async def stats(self) -> dict[str, int]:
-        return self.core.stats()
+        out = self.core.stats()
+        if self.fenced:
+            out |= {"fenced": len(self.fenced), "refused_fenced": self.n_refused}
+        return out

@@ -3,7 +3,8 @@ worker restarted, so that it never runs beside its replacement); one whose worke
 lost is restarted within the run where it can be (the state machines of
 ``pipelines/restart.py``, advanced by each poll), or the run fails, saying what was lost
 and how to continue; a lost rollout gets a replacement on a free ``rollout`` worker
-(never one whose process a failed fence left running).
+(never one whose process a failed fence left running), and the prompt pool refuses the
+lost one groups (its process may live on).
 
 A mixin of :class:`pipelines.driver.Schedule`, apart from its wiring, polls and stop:
 what a fault does to the driver's books is one concern, documented in docs/faults.md.
@@ -23,11 +24,6 @@ from laminar.cluster import (
     workers_with,
 )
 from laminar.errors import ClusterError
-
-# A hung actor's worker is restarted (the nanny waits a few seconds, then kills it); the
-# run waits this long for the scheduler to drop it before it fails (as the manager does
-# for a hung rollout with faults.recover off).
-from laminar.manager_recovery import FENCE_WAIT_S
 from laminar.rollout import RolloutReplica
 from pipelines.driver_calls import _answers, _send
 
@@ -214,12 +210,14 @@ class FaultHandling:
         return info
 
     def _fence_overdue(self, hung: dict, now: float, error: Exception) -> None:
-        """Raise when a fenced worker is still the scheduler's :data:`FENCE_WAIT_S` after
-        its fence (its restart failed: nothing can be restarted in its place)."""
-        if now - hung["time"] > FENCE_WAIT_S:
+        """Raise when a fenced worker is still the scheduler's ``faults.fence_wait_s``
+        after its fence (its restart failed: nothing can be restarted in its place), as
+        the manager gives up a hung rollout then."""
+        wait = self.cfg.faults.fence_wait_s
+        if now - hung["time"] > wait:
             raise ClusterError(
                 f"the {hung['role']} on {hung['worker']} hung and its worker did not go "
-                f"within {FENCE_WAIT_S:g} s of its restart ({hung.get('restart')}); "
+                f"within {wait:g} s of its restart ({hung.get('restart')}); "
                 f"{self.resume_hint()}"
             ) from error
 
@@ -292,7 +290,9 @@ class FaultHandling:
         """Start a rollout in place of a lost one on a ``rollout`` worker that hosts none
         (its worker restarted by the nanny, or a new one), one at a time, without
         blocking the poll: created on one poll, started and handed to the manager on a
-        later one. The new rollout takes the next id (``r<N>``)."""
+        later one. The new rollout takes the next id (``r<N>``). (First, at every poll:
+        :meth:`_fence_in_pool`.)"""
+        self._fence_in_pool(m_stats)
         cfg, client, a = self.cfg, self.client, self.actors
         if not (cfg.faults.recover and cfg.faults.replace) or self._data_restart is not None:
             return
@@ -355,6 +355,28 @@ class FaultHandling:
             resource="rollout",
         )
         self._joining = (rid, worker, waiting[0], relay_id, future)
+
+    def _fence_in_pool(self, m_stats: dict) -> None:
+        """Fence each rollout the manager has taken as lost in the prompt pool
+        (:meth:`laminar.prompt_pool.PromptPool.fence`), once per pool (a rebuilt data
+        module's too): one given up while its process lived (a failed fence) may wake
+        and ask for groups, which nothing would then finish — they would hold the
+        back-pressure budget for good. Its asks now fail, ending its generation loop.
+        (The partial-response pool fenced it when its entries were taken.) A call not
+        answered is made again at the next poll."""
+        pool = self.actors.get("pool")
+        if pool is None:
+            return
+        done = getattr(self, "_pool_fenced", None)
+        if done is None or done[0] is not pool:
+            done = self._pool_fenced = (pool, set())
+        for rid in sorted(set(m_stats.get("lost") or ()) - done[1]):
+            try:
+                actor_result(pool, pool.fence(rid), self._core_timeout())
+            except Exception as e:  # noqa: BLE001 — slow or lost: the next poll asks again
+                logger.warning("the prompt pool did not fence lost rollout %s: %r", rid, e)
+                return
+            done[1].add(rid)
 
     def _unrecovered(self, m_stats: dict | None) -> dict[str, dict]:
         """The rollouts lost with ``faults.recover`` off, for ``summary.json``

@@ -14,7 +14,10 @@ table          dimension     one row per
                              the ``token`` dimension, ``start``/``len`` per chunk)
 ``events``     ``event``     a change of state: ``finished`` (with ``finish_reason``),
                              ``owner`` (moved to another rollout), ``held`` (the buffer
-                             has it), ``forgotten`` (the trajectory store has it)
+                             has it), ``forgotten`` (the trajectory store has it);
+                             or ``fenced``: no request (``request_id`` empty), the
+                             rollout ``owner`` given up as lost, whose later flushes
+                             the pool ignores
 =============  ============  =========================================================
 
 Every row has a ``seq`` number, global across tables: replaying the rows in ``seq``
@@ -396,8 +399,8 @@ def replay(path: str | Path, tokens: bool = True) -> dict[str, dict[str, Any]]:
                 out[rid]["tokens"] = 0
             continue
         e = out.get(rid)
-        if e is None:  # forgotten before (a late row)
-            continue
+        if e is None:  # forgotten before (a late row), or a fence (no request: see
+            continue  # fenced_rollouts)
         if table == "chunks":
             offset = int(chunks["offset"][i])
             logged = len(e["tokens"]) if tokens else e["tokens"]
@@ -426,6 +429,22 @@ def replay(path: str | Path, tokens: bool = True) -> dict[str, dict[str, Any]]:
             e["held"] = True
         elif kind == "forgotten":
             del out[rid]
+    return out
+
+
+def fenced_rollouts(path: str | Path) -> dict[str, float]:
+    """The rollouts the pool had fenced (given up as lost, their later flushes ignored:
+    :meth:`laminar.partial.PartialCore.fence`) -> when, from the log's ``fenced``
+    events (read without the token arrays). :func:`replay` leaves them out: they name
+    no request."""
+    log = read_partial_log(path, ())
+    ev = log["events"]
+    out: dict[str, float] = {}
+    for kind, owner, t in zip(
+        ev["kind"].tolist(), ev["owner"].tolist(), ev["t"].tolist(), strict=True
+    ):
+        if str(kind) == "fenced":
+            out.setdefault(str(owner), float(t))
     return out
 
 

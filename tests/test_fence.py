@@ -38,6 +38,9 @@ class Pool(FakePool):
         self.relays = relays
         return done(None)
 
+    def late(self):
+        return done([])
+
 
 def hang(manager, rid: str, age: float, kind: str = "rollout", worker: str = "tcp://w1"):
     """``rid`` declared hung ``age`` s ago, its fence's restart failed."""
@@ -173,6 +176,7 @@ def test_replacements_are_not_placed_on_a_given_up_rollouts_worker(monkeypatch):
         policy_dir="p",
         run_dir=__import__("pathlib").Path("run"),
         schedule=None,
+        _fence_in_pool=lambda m_stats: None,  # (tested apart below)
     )
     m_stats = {
         "lost": {"r1": 1.0},
@@ -185,3 +189,232 @@ def test_replacements_are_not_placed_on_a_given_up_rollouts_worker(monkeypatch):
     listed.append("tcp://w2")
     df.FaultHandling._replace_lost(sched, m_stats)
     assert started == ["tcp://w2"] and sched._joining[:3] == ("r2", "tcp://w2", "r1")
+
+
+# -- the data module's fence (PartialCore.fence, PromptPool.fence) -----------------------
+
+
+def _states(ids: list[str], version: int = 0) -> list:
+    from laminar.engine import GenerationRequest, RequestState, SamplingParams
+
+    return [
+        RequestState(GenerationRequest(rid, (1, 2), SamplingParams(16)), seed=i, t_start=i)
+        for i, rid in enumerate(ids)
+    ]
+
+
+def test_a_woken_given_up_rollout_cannot_take_its_entries_back():
+    """The defect: r1, given up (its fence failed), has its entry taken and resumed on
+    r2, which flushes on from the 4 tokens logged. r1's process wakes and flushes what it
+    had (offset 2): before, that named r1 the owner again and cut the entry back to 3
+    tokens, so r2's next flush (offset 6) was refused as a gap, and r2's loss later
+    recovered nothing of it. Now r1's flush is ignored (counted), r2 stays the owner and
+    its flushes go on; r2's loss recovers all of it."""
+    from laminar.partial import PartialCore
+
+    core = PartialCore()
+    core.register("r1", 0, _states(["g0-000"]))
+    core.flush("r1", {"g0-000": (0, [5, 6, 7, 8], [-1.0] * 4, [0] * 4)})
+    (taken,) = core.take("r1")  # (the recovery: fences r1)
+    assert core.fenced.keys() == {"r1"} and taken.tokens == [5, 6, 7, 8]
+    core.reassign(["g0-000"], "r2")
+    core.flush("r2", {"g0-000": (4, [9, 10], [-1.0] * 2, [0] * 2)})
+    core.flush("r1", {"g0-000": (2, [7], [-1.0], [0])}, {"g0-000": ("eos", 1.0)})  # woke
+    e = core.entries["g0-000"]
+    assert e["owner"] == "r2" and list(e["state"].tokens) == [5, 6, 7, 8, 9, 10]
+    assert "finished" not in e
+    core.flush("r2", {"g0-000": (6, [11], [-1.0], [0])})
+    c = core.stats()
+    assert (c["fenced_flushes"], c["fenced_tokens"], c.get("gaps", 0)) == (1, 1, 0)
+    assert c["fenced_rollouts"] == ["r1"] and c["fenced"] == 1
+    (again,) = core.take("r2")  # r2 lost too: all of it resumes
+    assert again.tokens == [5, 6, 7, 8, 9, 10, 11]
+    assert again.request.meta["rollout_path"] == ["r1", "r2"]
+    assert sorted(core.fenced) == ["r1", "r2"]
+
+
+def test_what_a_given_up_rollout_registers_later_is_kept_for_the_manager_to_take():
+    """A woken r1 took a group from the prompt pool before it saw its stop and registers
+    it: those requests are new to the pool, kept (owned by r1) and named by late(), so
+    the manager resumes them (its prompt group would otherwise hold the budget for
+    good); a register of requests the pool has (resumed elsewhere) changes nothing."""
+    from laminar.partial import PartialCore
+
+    core = PartialCore()
+    core.register("r1", 0, _states(["g0-000"]))
+    core.take("r1")
+    core.reassign(["g0-000"], "r0")
+    assert core.late() == []
+    core.register("r1", 0, _states(["g0-000", "g1-000", "g1-001"]))
+    assert core.entries["g0-000"]["owner"] == "r0"
+    assert {rid: e["owner"] for rid, e in core.entries.items()} == {
+        "g0-000": "r0",
+        "g1-000": "r1",
+        "g1-001": "r1",
+    }
+    assert core.late() == ["r1"] and core.stats()["fenced_registers"] == 3
+    core.flush("r1", {"g1-000": (0, [5], [-1.0], [0])})  # (ignored: resumed from 0)
+    assert [st.request_id for st in core.take("r1")] == ["g1-000", "g1-001"]
+    assert core.late() == [] and core.owned() == {"r0": (1, 0, 0), None: (2, 0, 0)}
+    # A reassign to a rollout given up meanwhile: its entries, taken again.
+    core.reassign(["g1-000", "g1-001"], "r1")
+    assert core.late() == ["r1"] and core.stats()["fenced_reassigns"] == 1
+    assert len(core.take("r1")) == 2
+    # The pool's own restore (a rebuild's orphans) is not a rollout's register.
+    core.restore({"g2-000": {"owner": "r1", "version": 0, "state": _states(["g2-000"])[0]}})
+    assert core.entries["g2-000"]["owner"] == "r1" and core.late() == []
+
+
+def test_a_fence_is_journaled_and_kept_by_a_pool_replayed_or_compacted(tmp_path):
+    """The fence is an ``events`` row (no request, the rollout as owner): replayed, the
+    pool ignores the rollout's flushes still; a compaction's snapshot keeps it; the
+    entries replay as before (the row names no request)."""
+    from laminar.partial import PartialCore, replay_log, write_records
+    from storage.partial_log import PartialLogWriter, fenced_rollouts, log_entries
+
+    core = PartialCore(journal=True)
+    core.register("r1", 0, _states(["g0-000"]))
+    core.flush("r1", {"g0-000": (0, [5, 6], [-1.0] * 2, [0] * 2)})
+    core.fence("r1")
+    core.fence("r1")  # (once)
+    writer = PartialLogWriter(tmp_path)
+    write_records(writer, core.drain_records())
+    assert list(fenced_rollouts(tmp_path)) == ["r1"]
+    assert log_entries(tmp_path)["g0-000"]["owner"] == "r1"
+    back = replay_log(tmp_path)
+    assert list(back.fenced) == ["r1"] and back.fenced["r1"] == core.fenced["r1"]
+    back.flush("r1", {"g0-000": (2, [7], [-1.0], [0])})
+    assert list(back.entries["g0-000"]["state"].tokens) == [5, 6]
+    write_records(writer, core.snapshot_records(), compact=True)
+    assert list(fenced_rollouts(tmp_path)) == ["r1"]
+    assert list(replay_log(tmp_path).entries) == ["g0-000"]
+
+
+def _pool(fenced=()):
+    """A PromptPool actor without its tokenizer (the prompts encoded by hand)."""
+    from laminar.prompt_pool import PromptPool, PromptPoolCore
+    from laminar.tasks import Prompt
+
+    pool = PromptPool.__new__(PromptPool)
+    pool.core = PromptPoolCore(
+        [(Prompt(0, "n 2 >", "1 2"), (1, 5))], group_size=4, max_outstanding=4, seed=0
+    )
+    pool._lease, pool._waiting, pool._ending = None, None, False
+    pool.fenced, pool.n_refused = {}, 0
+    return pool
+
+
+def test_the_prompt_pool_refuses_a_fenced_rollout_which_ends_its_loop_once():
+    """A rollout the manager gave up asks for groups when it wakes: refused with
+    RolloutFenced, an error of the pool's own (not a lost data module: the rollout's
+    loop ends on it, once, rather than waiting for a rebuild), also for a take waiting
+    in the long poll when the fence comes. Others are served as before."""
+    import asyncio
+
+    from laminar.actors import is_lost
+    from laminar.prompt_pool import RolloutFenced
+
+    async def run():
+        pool = _pool()
+        assert len((await pool.take(2, "r0", 0))[0]) == 2
+        assert len(await pool.acquire(2, "r1", 0)) == 2  # the budget is spent now
+        waiting = asyncio.ensure_future(pool.take(1, "r1", 0, wait_s=5.0))
+        await asyncio.sleep(0.05)
+        await pool.fence("r1")
+        try:
+            await asyncio.wait_for(waiting, 1.0)
+        except RolloutFenced as e:
+            error = e
+        for ask in (pool.acquire(1, "r1", 0), pool.top_up(1, "r1", 0), pool.take(1, "r1", 0)):
+            try:
+                await ask
+                raise AssertionError("served")
+            except RolloutFenced:
+                pass
+        await pool.release(["p00000000"])
+        assert len(await pool.acquire(1, "r2", 0)) == 1
+        return error, await pool.stats()
+
+    error, stats = asyncio.run(run())
+    assert "rollout r1 was given up as lost" in str(error) and not is_lost(error)
+    assert (stats["fenced"], stats["refused_fenced"]) == (1, 4)
+    assert stats["dispatched"] == 5  # (none to r1 after its fence)
+
+
+def test_the_driver_fences_each_lost_rollout_in_the_prompt_pool_once_per_pool():
+    """At each poll the driver fences in the prompt pool the rollouts the manager took
+    as lost: once each; again in a rebuilt data module's pool; a call that fails is made
+    again at the next poll."""
+    from pipelines.driver_faults import FaultHandling
+
+    class PoolHandle:
+        def __init__(self, fail=False):
+            self.fenced, self.fail = [], fail
+
+        def fence(self, rid):
+            if self.fail:
+                raise OSError("no answer")
+            self.fenced.append(rid)
+            return done(None)
+
+    class Driver(FaultHandling):
+        cfg = RunConfig()
+
+        def __init__(self, pool):
+            self.actors = {"pool": pool}
+
+    old = PoolHandle()
+    d = Driver(old)
+    d._fence_in_pool({"lost": {"r1": 1.0}})
+    d._fence_in_pool({"lost": {"r1": 1.0, "r3": 2.0}})
+    assert old.fenced == ["r1", "r3"]
+    d.actors["pool"] = new = PoolHandle(fail=True)  # (rebuilt, slow to answer)
+    d._fence_in_pool({"lost": {"r1": 1.0, "r3": 2.0}})
+    new.fail = False
+    d._fence_in_pool({"lost": {"r1": 1.0, "r3": 2.0}})
+    assert new.fenced == ["r1", "r3"] and old.fenced == ["r1", "r3"]
+
+
+class CorePool:
+    """A real PartialCore behind the actor's interface (each call a done future)."""
+
+    def __init__(self):
+        from laminar.partial import PartialCore
+
+        self.core = PartialCore()
+
+    def __getattr__(self, name):
+        method = getattr(self.core, name)
+        return lambda *a, **k: done(method(*a, **k))
+
+    def set_relays(self, relays):
+        return done(None)
+
+
+def test_the_manager_resumes_what_a_given_up_rollout_registered_after_its_recovery():
+    """r1's fence fails and it is given up: its entry resumes on r0. It wakes, registers
+    a group it took before it saw its stop, and flushes: the next detection round takes
+    that group (late) and resumes it on r0 too, with no second row for the empty rounds,
+    and r1's flushes never move what r0 decodes."""
+    cfg = with_overrides(RunConfig(), ["cluster.actor_timeout_s=0.5", "faults.fence_wait_s=3"])
+    pool = CorePool()
+    pool.core.register("r1", 0, _states(["g0-000"]))
+    r0 = FakeRollout(decoding(version=0), import_for_move=lambda *a, **k: done(True))
+    r1 = FakeRollout()
+    workers = {"r0": "tcp://w0", "r1": "tcp://w1"}
+    manager = RolloutManager(cfg, {"r0": r0, "r1": r1}, None, pool, workers)
+    manager._scheduler_workers = lambda: set(workers.values())
+    hang(manager, "r1", 2.0)
+    assert manager.detect() == []  # (within faults.fence_wait_s)
+    hang(manager, "r1", 3.5)
+    assert manager.detect() == ["r1"] and pool.core.owned() == {"r0": (1, 0, 0)}
+    assert manager.detect() == [] and len(manager.fault_rows) == 1
+    pool.core.register("r1", 0, _states(["g1-000", "g1-001"]))  # it woke
+    pool.core.flush("r1", {"g0-000": (0, [5], [-1.0], [0])})
+    assert manager.detect() == []
+    assert pool.core.owned() == {"r0": (3, 0, 0)} and pool.core.late() == []
+    rows = [(r["rollout"], r["destination"], r["requests"]) for r in manager.fault_rows]
+    assert rows == [("r1", "r0", 1), ("r1", "r0", 2)]
+    assert manager.stats()["recoveries"] == 2
+    manager.detect()
+    assert len(manager.fault_rows) == 2
