@@ -14,7 +14,6 @@ re-exports every one.
 
 from __future__ import annotations
 
-import logging
 import types
 from typing import Any, ClassVar, Literal, Union, get_args, get_origin
 
@@ -28,8 +27,6 @@ from pydantic import (
 )
 
 from laminar.errors import ConfigError
-
-logger = logging.getLogger(__name__)
 
 # The largest float32 (numpy's finfo): rewards are stored as float32.
 FLOAT32_MAX = 3.4028234663852886e38
@@ -374,31 +371,30 @@ class TrainerConfig(_Section):
             raise ValueError("each of AdamW's betas lies in [0, 1), e.g. [0.9, 0.99]")
         return value
 
-    @model_validator(mode="after")
-    def _warn_of_settings_the_correction_ignores(self) -> TrainerConfig:
-        # Warned, not refused: one base config is naturally run under each correction
-        # (a sweep of trainer.correction), and a config saved by an earlier run must
-        # still load to be resumed. A field at its default is not named (a saved config
-        # holds every field, so one set to the default cannot be told from one left so).
-        for field in self.ignored_by_correction():
-            logger.warning(
-                "trainer.%s=%s is ignored under trainer.correction=%s (%s); remove it, or "
-                "choose a correction that uses it (docs/losses.md)",
-                field,
-                getattr(self, field),
-                self.correction,
-                IGNORED_BY_CORRECTION[self.correction][field],
-            )
-        return self
-
     def ignored_by_correction(self) -> list[str]:
-        """The trainer fields set (off their defaults) that ``correction`` does not use."""
+        """The trainer fields set (off their defaults) that ``correction`` does not use.
+
+        Warned of by the run's pre-start check (:func:`pipelines.api.preflight`, once per
+        start), not refused: one base config is naturally run under each correction (a
+        sweep of trainer.correction), and a config saved by an earlier run must still
+        load to be resumed. A field at its default is not named (a saved config holds
+        every field, so one set to the default cannot be told from one left so)."""
         fields = type(self).model_fields
         return [
             f
             for f in IGNORED_BY_CORRECTION[self.correction]
             if getattr(self, f) != fields[f].default
         ]
+
+
+def ignored_by_correction_message(trainer: TrainerConfig, field: str) -> str:
+    """The warning that ``trainer.<field>`` does nothing under its correction."""
+    why = IGNORED_BY_CORRECTION[trainer.correction][field]
+    return (
+        f"trainer.{field}={getattr(trainer, field)} is ignored under trainer.correction="
+        f"{trainer.correction} ({why}); remove it, or choose a correction that uses it "
+        "(docs/losses.md)"
+    )
 
 
 # What each trainer.correction leaves unused: tis has no trust region to clip (its

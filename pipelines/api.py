@@ -56,6 +56,7 @@ def preflight(cfg: RunConfig) -> None:
     have, a judge service or a GPU); the TensorBoard writer when asked for; the
     checkpoint to resume from (against the model and optimizer settings); the
     warm-start cache folder. Each failure names the field and the fix."""
+    from laminar.config_sections import ignored_by_correction_message
     from laminar.learner import check_checkpoint
     from laminar.model import check_policy_dir
     from laminar.prompt_pool import (
@@ -87,6 +88,8 @@ def preflight(cfg: RunConfig) -> None:
     check_answers(tok, prompts, cfg)
     if warning := unreachable_answers(tok, prompts, cfg):
         logger.warning(warning)
+    for field in cfg.trainer.ignored_by_correction():
+        logger.warning(ignored_by_correction_message(cfg.trainer, field))
     if cfg.trainer.correction == "decoupled" and cfg.trainer.mini_batches == 1:
         logger.warning(
             "trainer.correction=decoupled with trainer.mini_batches=1 trains exactly as "
