@@ -10,6 +10,7 @@ Runs in ``laminar run``'s driver.
 
 from __future__ import annotations
 
+import logging
 import math
 import time
 
@@ -38,6 +39,8 @@ ROWS_WAIT_S = 5.0
 PUBLICATION_SETTLE_S = 60.0
 # Rollout stats recorded per poll (besides the rollout id and the time).
 ROLLOUT_METRICS = ROLLOUT_GAUGES + ROLLOUT_COUNTERS
+
+logger = logging.getLogger(__name__)
 
 
 def _broadcast(publication: dict) -> bool:
@@ -71,6 +74,12 @@ class MetricsRecording:
         except Exception:  # noqa: BLE001 — lost before its first metrics flush
             return t_start
         self._carry = counters_at_end(self.run_dir)
+        if "consumed" in self._carry["cluster"]:
+            # What the updates that stand trained on, as the store says (the plan's
+            # ``consumed_before``): the earlier start's last count includes what its
+            # updates after the checkpoint consumed, lost with it, which this start's
+            # buffer holds again (and counts again as it trains them).
+            self._carry["cluster"]["consumed"] = float(self.resume.consumed)
         self._earlier_segments = segments(cluster)
         if self._earlier_segments:
             self._segment = self._earlier_segments[-1]["segment"] + 1
@@ -79,10 +88,25 @@ class MetricsRecording:
         self._earlier_faults = earlier_faults(self.run_dir, self._earlier_segments, origin)
         if origin is not None and self._earlier_segments:
             # (between its starts: no trajectory the buffer held again aged meanwhile)
-            ends = [origin + seg["end_s"] for seg in self._earlier_segments]
-            starts = [origin + seg["start_s"] for seg in self._earlier_segments[1:]]
-            self._pauses = list(zip(ends, [*starts, t_start], strict=True))
+            self._pauses = self._stops(origin, t_start)
         return t_start if origin is None else origin
+
+    def _stops(self, origin: float, t_start: float) -> list[tuple[float, float]]:
+        """The stops of a resumed run, this start's included, as ``open_run``'s
+        ``pauses_s`` has them (:func:`storage.trajectories_read.resume_stops`: each from
+        the last sign of the start before to the resume the store recorded), so that
+        ``oldest_buffered_age_s`` leaves out what ``buffer_age()`` does. A store that
+        cannot be read: from each start's last row to the next's first (this one's:
+        ``t_start``)."""
+        from storage.trajectories_read import resume_stops
+
+        try:
+            return resume_stops(self.run_dir, t_start)
+        except Exception as e:  # noqa: BLE001 — its rows still go on
+            logger.warning("%s: its stops are read from the metrics alone: %s", self.run_dir, e)
+        ends = [origin + seg["end_s"] for seg in self._earlier_segments]
+        starts = [origin + seg["start_s"] for seg in self._earlier_segments[1:]]
+        return list(zip(ends, [*starts, t_start], strict=True))
 
     def _record(self, elapsed, now, t_stats, b_stats, p_stats, r_stats, tokens) -> None:
         """One row of the ``cluster`` table and one ``rollouts`` row per replica (their

@@ -283,7 +283,8 @@ def _read_trajectories(store: Path, group: zarr.Group, fields) -> dict[str, np.n
     if "t_held" in out:
         pauses = ()
         if stays[0].size:  # (only then: the stops are in the metrics)
-            pauses = pairs(_starts(store.parent, _activity(out))["pauses_s"])
+            starts = _starts(store.parent, _activity(out), _resumes(group))
+            pauses = pairs(starts["pauses_s"])
         out["held_s"] = _held_seconds(n, stays, pauses)
     if fields is not None:
         return out
@@ -435,27 +436,58 @@ def _read_run(store: Path, group: zarr.Group) -> xr.Dataset:
     ds.attrs["schedule"] = group.attrs.get("schedule", "laminar")  # older stores: laminar
     # (each resume in place: when, from which checkpoint version; TrajectoryWriter.record_resume)
     resumes = group.attrs.get("resumes", [])
-    ds.attrs["resumed_at_s"] = [float(t) for t, _ in resumes]
+    ds.attrs["resumed_at_s"] = _resumes(group)
     ds.attrs["resumed_from_version"] = [int(v) for _, v in resumes]
-    ds.attrs.update(_starts(store.parent, _activity(scalars)))
+    ds.attrs.update(_starts(store.parent, _activity(scalars), ds.attrs["resumed_at_s"]))
     if "t_held" in ds:
         held = _held_seconds(n, stays, pairs(ds.attrs["pauses_s"]))
         ds["held_s"] = (TRAJECTORY_DIM, held)
     return ds
 
 
+def _resumes(group: zarr.Group) -> list[float]:
+    """When each resume in place began (epoch seconds, in order: the store's attribute
+    ``resumes``, :meth:`TrajectoryWriter.record_resume`)."""
+    return [float(t) for t, _ in group.attrs.get("resumes", [])]
+
+
 def run_stops(path: str | Path, arrays: Mapping[str, np.ndarray]) -> tuple[list, float]:
     """A run's stops so far (``open_run``'s ``pauses_s``, as pairs) and the last moment
-    it was seen going (NaN: never): its last ``cluster`` row, or a later time of its
-    trajectories (``arrays``, from :func:`open_trajectories`). For a run resumed now,
-    its stop began then."""
+    it was seen going before its latest recorded resume (NaN: never): its last
+    ``cluster`` row, or a later time of its trajectories (``arrays``, from
+    :func:`open_trajectories`). For a run resumed now, its stop began then, and ends at
+    the resume the store recorded (:func:`resume_stops`)."""
+    _, group = _open_group(path)
+    resumes = _resumes(group)
     activity = _activity(arrays)
-    starts = _starts(store_path(path).parent, activity)
+    starts = _starts(store_path(path).parent, activity, resumes)
     seen = [starts.get("metrics_end_s", math.nan)]
-    if activity is not None and np.isfinite(activity).any():
-        seen.append(float(np.nanmax(activity)))
+    if activity is not None:
+        # (what the latest resume did since it began is not a sign of the start before)
+        before = activity[activity < resumes[-1]] if resumes else activity
+        if np.isfinite(before).any():
+            seen.append(float(np.nanmax(before)))
     last = max((t for t in seen if math.isfinite(t)), default=math.nan)
     return pairs(starts["pauses_s"]), last
+
+
+def resume_stops(path: str | Path, now: float) -> list[tuple[float, float]]:
+    """Every stop of a run that is being resumed now (epoch seconds, from to), the one
+    before this start included: from the last sign of the start before to the resume
+    the store recorded (this start's ``record_resume``, before it generated anything).
+    What ``open_run``'s ``pauses_s`` will say of them once this start writes its first
+    metrics row, so that the driver's ``oldest_buffered_age_s`` leaves out the same
+    stretches as :meth:`~storage.accessor.LaminarAccessor.buffer_age`. With no resume
+    recorded since the start before was last seen going (a stand-in buffer's), the
+    stop ends ``now``."""
+    store, group = _open_group(path)
+    with reading(store):
+        arrays = _read_trajectories(store, group, [f for f in _TIMES if f != "t_held"])
+    pauses, last = run_stops(path, arrays)
+    resumes = _resumes(group)
+    if math.isfinite(last):
+        pauses.append((last, resumes[-1] if resumes and resumes[-1] > last else now))
+    return pauses
 
 
 # Each a moment the run was going: its trajectories' times (``t_held``: when the buffer
@@ -475,7 +507,9 @@ def pairs(flat: Sequence[float]) -> list[tuple[float, float]]:
     return [(float(a), float(b)) for a, b in flat.reshape(-1, 2)]
 
 
-def _starts(run_dir: Path, activity: np.ndarray | None = None) -> dict:
+def _starts(
+    run_dir: Path, activity: np.ndarray | None = None, resumes: Sequence[float] = ()
+) -> dict:
     """What the run's metrics say of its starts, as attributes (numbers and flat lists of
     them, so ``to_netcdf`` takes them; none written yet: ``pauses_s`` alone, empty):
 
@@ -483,7 +517,13 @@ def _starts(run_dir: Path, activity: np.ndarray | None = None) -> dict:
       flat: from, to, from, to, ...; a run started once: ``[]``), narrowed by
       ``activity`` (epoch seconds the run was going: its trajectories' times), as
       :func:`storage.metrics.gaps` says: a crash loses the last seconds of rows, not of
-      the trajectory store;
+      the trajectory store. A stop ends at the resume the store recorded
+      (``resumes``, epoch seconds: the latest between the two starts' rows), before the
+      resumed start generated anything: its buffer holds the trajectories held across
+      the stop from then on (a stop ended at the resumed start's first trajectory time
+      left its first seconds out of their age, and divided the tokens of a throughput
+      window by a sliver of it). A stop with no resume recorded (a laminar from before
+      the record) is the longest stretch between the rows with no activity;
     * ``metrics_end_s``: its last ``cluster`` row (epoch seconds);
     * ``segment_start_s``, ``segment_first_version``: per start
       (:func:`storage.metrics.segments`), when it began (epoch seconds: its first row;
@@ -506,6 +546,16 @@ def _starts(run_dir: Path, activity: np.ndarray | None = None) -> dict:
     on_clock = None if activity is None else activity - origin
     stops = gaps(cluster, on_clock)
     starts = segments(cluster)
+    act = np.asarray([] if on_clock is None else on_clock, dtype=np.float64)
+    act = act[np.isfinite(act)]
+    at = np.asarray(resumes, dtype=np.float64) - origin
+    for i, (a, b) in enumerate(zip(starts[:-1], starts[1:], strict=True)):
+        lo, hi = a["end_s"], b["start_s"]
+        recorded = at[(at > lo) & (at <= hi)]
+        if recorded.size:  # (the resume that started b: the last between the rows)
+            end = float(recorded[-1])
+            before = act[(act > lo) & (act < end)]
+            stops[i] = (float(before.max()) if before.size else lo, end)
     return {
         "pauses_s": [origin + t for gap in stops for t in gap],
         "metrics_end_s": origin + float(cluster["time"].values[-1]),

@@ -1,0 +1,170 @@
+"""The analysis layer's figures of resumed runs (a review's findings): a stop ends at the
+resume the store recorded, in ``open_run``, the buffer's resume and the driver's
+``oldest_buffered_age_s`` alike; a resumed run's ``consumed`` counter agrees with the
+store."""
+
+import numpy as np
+import pytest
+from factories import trajectory
+
+from storage import TrajectoryWriter, open_run, open_trajectories
+from storage.metrics import MetricsWriter
+
+T0 = 1.8e9
+
+
+def _traj(u, finish, insert=None, sample=None, *, version=0, status=None, reward=1.0):
+    """A trajectory finished at ``finish`` s (the run's clock), submitted 1 s before,
+    inserted at ``insert`` (default: then), consumed at ``sample`` (None: buffered)."""
+    insert = finish if insert is None else insert
+    status = status or ("consumed" if sample is not None else "buffered")
+    return trajectory(
+        u,
+        f"g{u}",
+        group_size=1,
+        behavior_version=version,
+        finish_version=version,
+        status=status,
+        sample_version=version if status == "consumed" else -1,
+        reward=reward,
+        t_submit=T0 + finish - 1,
+        t_start=T0 + finish - 1,
+        t_finish=T0 + finish,
+        t_insert=T0 + insert,
+        t_sample=np.nan if sample is None else T0 + sample,
+    ).to_record()
+
+
+def _event(uid, status, sample_version, t):
+    return {"uid": uid, "status": status, "sample_version": sample_version, "t_sample": T0 + t}
+
+
+def _rows(path, starts, **columns):
+    """``cluster`` rows every 5 s of each start (segment, from, to: the run's clock)."""
+    rows = []
+    for seg, a, b in starts:
+        for t in np.arange(a, b + 0.1, 5.0):
+            rows.append(
+                {"segment": seg, "elapsed_s": float(t), "wall_time": T0 + t, "version": 0} | columns
+            )
+    MetricsWriter(path).append("cluster", rows)
+
+
+def _stopped_and_resumed(path):
+    """Ran 0-18 s (rows to 15 s, its last trajectory time 18 s); resumed at 118 s (the
+    store's record), its first trajectory submitted at 123 s, its first row at 125 s.
+    ``held`` was inserted at 15 s, buffered across the stop, consumed at 126 s."""
+    writer = TrajectoryWriter(path)
+    writer.append([_traj("a", 1, sample=3), _traj("held", 15, sample=126), _traj("b", 18)])
+    writer.record_resume(0, T0 + 118)
+    writer.append([_traj("c", 124, sample=126), _traj("d", 130, sample=131)])
+    _rows(path, [(0, 0, 15), (1, 125, 140)])
+
+
+def test_a_stop_ends_at_the_resume_the_store_recorded(tmp_path):
+    """The resume records itself before it generates anything, and its buffer holds the
+    trajectories held across the stop from then on: the stop ends there, not at the
+    resumed start's first trajectory time (123 s), which left 5 s of their wait out of
+    their age and divided a throughput window's tokens by a sliver of it."""
+    from pipelines.report import _load
+    from storage.trajectories_read import run_stops
+
+    _stopped_and_resumed(tmp_path)
+    ds = open_run(tmp_path)
+    assert ds.laminar.pauses_s == [(T0 + 18, T0 + 118)]
+    assert ds.attrs["segment_start_s"] == [T0, T0 + 118]
+    # held: 15 -> 18 s, then 118 -> 126 s in the resumed buffer
+    age = ds.laminar.buffer_age()
+    np.testing.assert_allclose(age.values, [2.0, 3.0 + 8.0, 2.0, 1.0])
+    # the window [115, 120) ran 2 s (118 -> 120): 5 tokens finished at 119 s a 2.5 tokens/s
+    # (ended at the first trajectory time, 123 s, the window was stopped throughout)
+    writer = TrajectoryWriter(tmp_path)
+    writer.append([_traj("e", 119.0)])
+    tp = open_run(tmp_path).laminar.throughput(window=5.0)
+    assert tp["generated"].sel(time=115.0).item() == pytest.approx(5 / 2)
+    # the buffer's resume reads the same stops; the report's grey bands are them too
+    pauses, last = run_stops(tmp_path, open_trajectories(tmp_path))
+    assert pauses == [(T0 + 18, T0 + 118)] and last == pytest.approx(T0 + 18)
+    assert _load(tmp_path)["gaps"] == [(18.0, 118.0)]
+
+
+def test_a_run_resumed_now_is_stopped_until_its_recorded_resume(tmp_path):
+    """As a resume starts (the store records it, its buffer holds trajectories again,
+    the driver starts its loop), the stop before it ends at the record, whatever this
+    start did since: what the driver's ``oldest_buffered_age_s`` leaves out, and what
+    ``open_run`` says once the start writes its first row."""
+    from storage.trajectories_read import resume_stops
+
+    writer = TrajectoryWriter(tmp_path)
+    writer.append([_traj("a", 10, sample=12), _traj("held", 15), _traj("b", 18)])
+    _rows(tmp_path, [(0, 0, 20)])
+    writer.record_resume(0, T0 + 118)
+    # held again by the resume's buffer at 118.1 s; a new one in at 121 s
+    writer.append([_traj("c", 121)], [_event("b", "buffered", -1, 118.1)])
+    assert resume_stops(tmp_path, T0 + 119) == [(T0 + 20, T0 + 118)]
+    # no resume recorded (a stand-in buffer): the stop ends when the driver's loop begins
+    plain = tmp_path / "plain"
+    TrajectoryWriter(plain).append([_traj("a", 10, sample=12), _traj("b", 23)])
+    _rows(plain, [(0, 0, 20)])
+    assert resume_stops(plain, T0 + 119) == [(T0 + 23, T0 + 119)]
+
+
+class _Driver:
+    """What :meth:`MetricsRecording._origin` and ``_record`` read of a driver."""
+
+    def __init__(self, run_dir, resume):
+        self.run_dir, self.resume = run_dir, resume
+        self._carry = {"cluster": {}, "rollouts": {}}
+        self._earlier_segments, self._segment, self._pauses = [], 0, []
+        self._rows = {"cluster": [], "rollouts": []}
+        self._trainer_wait = (0.0, 0.0)
+
+
+def _record(driver, now, consumed, oldest_age_s):
+    stats = {"version": 9, "wait_s": 0.0}
+    buffer = {
+        "depth": 4,
+        "ready_groups": 0,
+        "partial_groups": 0,
+        "inserted": 4,
+        "consumed": consumed,
+        "discarded": 0,
+        "oldest_age_s": oldest_age_s,
+    }
+    driver._record(now - T0, now, stats, buffer, {"outstanding": 0, "dispatched": 0}, [], 0)
+    return driver._rows["cluster"][-1]
+
+
+def test_a_resumed_driver_counts_consumed_as_the_store_and_ages_as_open_run(tmp_path):
+    """A run lost at version 11 whose last row counted 1280 consumed, resumed from its
+    checkpoint of version 8: the updates 9-11 that consumed 256 of them are lost, and
+    the resume holds those again. ``consumed`` goes on from what the store says the
+    updates up to 8 consumed (the plan's ``consumed_before``, 1024), not from 1280
+    (which counted the 256 twice once trained again). Its ``oldest_buffered_age_s``
+    leaves out the stop up to the resume the store recorded, as ``buffer_age`` does,
+    not up to the driver's loop start."""
+    from pipelines.driver_metrics import MetricsRecording
+    from storage.resume import ResumePlan
+
+    class Driver(_Driver, MetricsRecording):
+        pass
+
+    writer = TrajectoryWriter(tmp_path)
+    writer.append([_traj("a", 10, sample=12), _traj("held", 15), _traj("b", 18)])
+    _rows(tmp_path, [(0, 0, 20)], inserted=1536, consumed=1280)
+    writer.record_resume(8, T0 + 118)
+    driver = Driver(tmp_path, ResumePlan(version=8, consumed=1024))
+    assert driver._origin(T0 + 121) == T0
+    assert driver._pauses == [(T0 + 20, T0 + 118)]  # (not to 121 s: the loop's start)
+    # 130 s: the buffer's oldest (held, in since 15 s) reads 115 s by its clock
+    row = _record(driver, T0 + 130, consumed=64, oldest_age_s=115.0)
+    assert row["consumed"] == 1024 + 64
+    assert row["inserted"] == 1536 + 4
+    assert row["oldest_buffered_age_s"] == pytest.approx(5.0 + 12.0)
+    # once the start writes its rows, open_run reads the same stop, and the same age
+    _rows(tmp_path, [(1, 125, 130)])
+    writer.append([], [_event("held", "consumed", 8, 130)])
+    ds = open_run(tmp_path)
+    assert ds.laminar.pauses_s == driver._pauses
+    age = ds.laminar.buffer_age()
+    assert age.sel(trajectory=1).item() == pytest.approx(row["oldest_buffered_age_s"])
