@@ -128,10 +128,25 @@ def _save(fig, out: Path, name: str) -> str:
     return name
 
 
+# A reward window of fewer trajectories than this share of the median window's is left
+# out of the report's reward by time: a run's last windows hold only the slow tail of its
+# final batches (a few long responses, mostly low-reward), which drew a plunge at its end.
+FEW_SHARE = 0.25
+
+
+def few_left_out(by_time):
+    """``reward_curve(by="time")`` without the windows of fewer than :data:`FEW_SHARE` of
+    the median window's trajectories."""
+    n = by_time["trajectories"]
+    if not n.size:
+        return by_time
+    return by_time.isel(time=np.flatnonzero(n.values >= FEW_SHARE * float(np.median(n))))
+
+
 def plot_reward(runs: list[dict], out: Path) -> str:
     fig, (ax_t, ax_v) = _figure("Reward (mean over trajectories)", 2)
     for r in runs:
-        by_time = r["ds"].laminar.reward_curve(by="time", window=5.0)
+        by_time = few_left_out(r["ds"].laminar.reward_curve(by="time", window=5.0))
         gaps = _gaps_on(r, r["ds"].laminar.t0)
         # (markers: a start with a single bin is a point, not a line)
         ax_t.plot(*_broken(by_time["time"], by_time, gaps), ".-", ms=3, label=r["name"])

@@ -25,6 +25,8 @@ AUDIT_BLOCK_TOKENS = 1 << 21
 # A start of the metrics' segments this close before a resume the store recorded is that
 # resume (its first metrics row and the buffer's record of it are seconds apart)
 _SEGMENT_SLACK_S = 60.0
+# The statistics buffer_age(by_version=...) takes (xarray's groupby reductions)
+_GROUP_STATS = ("mean", "median", "min", "max", "std", "sum", "count")
 
 
 @xr.register_dataset_accessor("laminar")
@@ -128,7 +130,7 @@ class LaminarAccessor:
         t = self._ds["t_submit"].values
         return float(np.nanmin(t)) if np.isfinite(t).any() else float("nan")
 
-    def buffer_age(self) -> xr.DataArray:
+    def buffer_age(self, by_version: str | None = None) -> xr.DataArray:
         """Seconds each consumed trajectory spent in the buffer while the run ran: its
         stays in the buffer, summed, less any stretch the run was stopped in them
         (:func:`storage.trajectories.time_in_buffer`). Most have one stay,
@@ -139,7 +141,14 @@ class LaminarAccessor:
         seconds. A trajectory held again by ``laminar run --resume`` while still
         buffered stays in the buffer across the stop, which is left out
         (``pauses_s`` below). On the consumed trajectories, with ``behavior_version``
-        as a coordinate, so that ``age.groupby("behavior_version").mean()`` works.
+        as a coordinate, so that ``age.groupby("behavior_version").mean()`` works
+        (while something was consumed: xarray refuses to group none, "behavior_version
+        must not be empty").
+
+        ``by_version``: a statistic's name (``"mean"``, ``"median"``, ``"max"``, ...) to
+        get it per ``behavior_version`` instead; a run that has consumed nothing yet (a
+        run still going, or one opened in its first seconds) gets an empty result on
+        that dimension, as its per-trajectory ages are empty.
 
         A store written before laminar recorded when a trajectory was held again
         (its ``buffered`` events have no time) counts it from ``t_insert``, the time it
@@ -153,7 +162,19 @@ class LaminarAccessor:
             "trajectory": idx,
             "behavior_version": ("trajectory", ds["behavior_version"].values[idx]),
         }
-        return xr.DataArray(age, dims="trajectory", coords=coords, name="buffer_age_s")
+        out = xr.DataArray(age, dims="trajectory", coords=coords, name="buffer_age_s")
+        if by_version is None:
+            return out
+        if by_version not in _GROUP_STATS:
+            raise ValueError(f"by_version={by_version!r}; choose from {list(_GROUP_STATS)}")
+        if not idx.size:  # (xarray's groupby refuses an empty group variable)
+            return xr.DataArray(
+                np.zeros(0),
+                dims="behavior_version",
+                coords={"behavior_version": np.zeros(0, np.int64)},
+                name="buffer_age_s",
+            )
+        return getattr(out.groupby("behavior_version"), by_version)()
 
     @property
     def pauses_s(self) -> list[tuple[float, float]]:
@@ -211,12 +232,19 @@ class LaminarAccessor:
         (the paper's token count); ``response``: their response tokens alone (what the
         engines decoded: generation throughput); ``trained``: prompt + response tokens of
         trajectories the trainer consumed in the window. Each window is divided by the
-        seconds the run ran in it: the last ends when the run did (:attr:`t_end`: its last
-        metrics row, or a later event; a run without metrics, at its last event), and a
-        resumed run's stops (:attr:`pauses_s`) are left out; a window it was stopped
-        throughout has no rate (NaN, not 0, so that a mean over windows is the rate while
-        it ran). (Ending the last window at the last event instead would divide, say, a
-        batch the trainer sampled 0.05 s into it by 0.05 s.)
+        seconds the run ran in it, its coordinate ``running_s``: the last ends when the
+        run did (:attr:`t_end`: its last metrics row, or a later event; a run without
+        metrics, at its last event), and a resumed run's stops (:attr:`pauses_s`) are left
+        out; a window it was stopped throughout has no rate (NaN, not 0) and
+        ``running_s`` 0. (Ending the last window at the last event instead would divide,
+        say, a batch the trainer sampled 0.05 s into it by 0.05 s.)
+
+        The windows differ in length (the last, those around a stop), so the rate while
+        the run ran is their mean weighted by ``running_s``, not a plain mean (which
+        weighs a sliver of a window like a whole one)::
+
+            tp = ds.laminar.throughput()
+            tp.weighted(tp.running_s).mean("time")  # tokens/s while it ran
 
         A damaged store can hold trajectories ``consumed`` with no ``t_sample``
         (:meth:`audit` reports them): they are left out of ``trained``, and the attribute
@@ -227,7 +255,7 @@ class LaminarAccessor:
             empty = ("time", np.zeros(0))
             return xr.Dataset(
                 {"generated": empty, "response": empty, "trained": empty},
-                coords={"time": np.zeros(0)},
+                coords={"time": np.zeros(0), "running_s": empty},
                 attrs={"units": "tokens/s", "window_s": window, "unsampled": 0},
             )
         tokens = (ds["prompt_len"].values + ds["response_len"].values).astype(np.float64)
@@ -250,6 +278,7 @@ class LaminarAccessor:
         span = hi - lo
         for start, end in self.pauses_s:
             span -= np.clip(np.minimum(hi, end) - np.maximum(lo, start), 0.0, None)
+        running = np.maximum(span, 0.0)
         span = np.where(span > 0, span, np.nan)  # (stopped throughout: no rate)
         gen = np.bincount(finish, weights=tokens, minlength=n)[:n] / span
         response = ds["response_len"].values.astype(np.float64)
@@ -261,7 +290,7 @@ class LaminarAccessor:
                 "response": ("time", decoded),
                 "trained": ("time", trained),
             },
-            coords={"time": np.arange(n) * window},
+            coords={"time": np.arange(n) * window, "running_s": ("time", running)},
             attrs={"units": "tokens/s", "window_s": window, "unsampled": unsampled},
         )
 
@@ -271,7 +300,13 @@ class LaminarAccessor:
 
         By version, only the weights that stand count: of a lost run resumed from an older
         checkpoint, the lost run's trajectories of the versions the resume redid
-        (:meth:`superseded`) are left out. By time each window shows what ran then."""
+        (:meth:`superseded`) are left out. By time each window shows what ran then.
+
+        The coordinate ``trajectories`` counts the rewards each mean is of: by time, the
+        last windows of a run hold only the slow tail of its final batches (a handful of
+        long responses, often low-reward), so a curve's last point can fall on few;
+        ``curve.where(curve.trajectories >= n)`` leaves out the windows of fewer than
+        ``n`` (the report leaves out those with under a quarter of the median window's)."""
         ds = self._ds
         ok = ds["finish_reason"].values != "error"
         if by == "version":
@@ -284,9 +319,11 @@ class LaminarAccessor:
         else:
             raise ValueError(f"by={by!r}; choose 'version' or 'time'")
         keys, inverse = np.unique(key, return_inverse=True)
-        mean = np.bincount(inverse, weights=reward) / np.bincount(inverse)
+        count = np.bincount(inverse, minlength=len(keys))
+        mean = np.bincount(inverse, weights=reward, minlength=len(keys)) / count
         coord = keys * window if by == "time" else keys
-        return xr.DataArray(mean, dims=dim, coords={dim: coord}, name="reward")
+        coords = {dim: coord, "trajectories": (dim, count.astype(np.int64))}
+        return xr.DataArray(mean, dims=dim, coords=coords, name="reward")
 
     def groups(self) -> xr.Dataset:
         """One row per prompt group (``prompt_uid``): siblings stored, group size,

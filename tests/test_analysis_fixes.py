@@ -1,10 +1,14 @@
-"""The analysis layer's figures of resumed runs (a review's findings): a stop ends at the
-resume the store recorded, in ``open_run``, the buffer's resume and the driver's
-``oldest_buffered_age_s`` alike; a resumed run's ``consumed`` counter agrees with the
-store."""
+"""The analysis layer's figures of resumed and still-running runs (a review's findings):
+a stop ends at the resume the store recorded, in ``open_run``, the buffer's resume and
+the driver's ``oldest_buffered_age_s`` alike; throughput windows carry their running
+seconds; a resumed run's ``consumed`` counter agrees with the store; reward windows
+carry their counts; empty figures stay valid."""
+
+import warnings
 
 import numpy as np
 import pytest
+import xarray as xr
 from factories import trajectory
 
 from storage import TrajectoryWriter, open_run, open_trajectories
@@ -168,3 +172,84 @@ def test_a_resumed_driver_counts_consumed_as_the_store_and_ages_as_open_run(tmp_
     assert ds.laminar.pauses_s == driver._pauses
     age = ds.laminar.buffer_age()
     assert age.sel(trajectory=1).item() == pytest.approx(row["oldest_buffered_age_s"])
+
+
+def test_throughput_windows_carry_their_running_seconds_for_the_rate(tmp_path):
+    """Windows differ in length (the last cut where the run ended, those around a stop):
+    the rate while the run ran is their mean weighted by ``running_s``, which a plain
+    mean is not (it weighs a sliver of a window like a whole one)."""
+    writer = TrajectoryWriter(tmp_path)
+    # ran 0-19 s and 118-131 s; 5 tokens each
+    writer.append([_traj("a", 1, sample=6), _traj("b", 9, sample=11), _traj("c", 18, sample=19)])
+    writer.record_resume(0, T0 + 118)
+    writer.append([_traj("d", 124, sample=126), _traj("e", 130, sample=131)])
+    _rows(tmp_path, [(0, 0, 15), (1, 125, 130)])
+    ds = open_run(tmp_path)
+    assert ds.laminar.t0 == T0 and ds.laminar.t_end == T0 + 131
+    ran = 19.0 + 13.0  # (the stop: 19 s to the resume at 118 s)
+    tp = ds.laminar.throughput(window=15.0)
+    assert float(tp["running_s"].sum()) == pytest.approx(ran)
+    rate = tp.weighted(tp["running_s"]).mean("time")
+    assert float(rate["trained"]) == pytest.approx(25 / ran)
+    assert float(rate["generated"]) == pytest.approx(25 / ran)
+    assert float(tp["trained"].mean("time")) != pytest.approx(25 / ran)
+    # stopped throughout: no rate, no running seconds
+    stopped = tp["running_s"] == 0
+    assert stopped.any() and tp["trained"].where(stopped).isnull().all()
+    TrajectoryWriter(tmp_path / "empty").append([])
+    empty = open_run(tmp_path / "empty").laminar.throughput()
+    assert empty["running_s"].sizes == {"time": 0}
+
+
+def test_buffer_age_by_version_of_a_run_that_consumed_nothing_yet(tmp_path):
+    """A run still going, 3 trajectories stored and none consumed: the docs' age by
+    version raised xarray's "behavior_version must not be empty"; it is empty."""
+    TrajectoryWriter(tmp_path).append([_traj("a", 1), _traj("b", 2, version=1), _traj("c", 3)])
+    ds = open_run(tmp_path)
+    assert ds.laminar.buffer_age().sizes == {"trajectory": 0}
+    median = ds.laminar.buffer_age(by_version="median")
+    assert median.sizes == {"behavior_version": 0} and median.name == "buffer_age_s"
+    with pytest.raises(ValueError, match="choose from"):
+        ds.laminar.buffer_age(by_version="avg")
+    # something consumed: the groupby's figures
+    more = tmp_path / "more"
+    TrajectoryWriter(more).append(
+        [_traj("a", 1, sample=3), _traj("b", 2, sample=3), _traj("c", 2, sample=6, version=1)]
+    )
+    age = open_run(more).laminar.buffer_age(by_version="median")
+    assert age["behavior_version"].values.tolist() == [0, 1]
+    np.testing.assert_allclose(age.values, [1.5, 4.0])
+
+
+def test_reward_windows_carry_their_counts_and_the_report_leaves_out_the_few(tmp_path):
+    """The last window by time holds only the slow tail of the final batches: its count
+    says so, and the report's reward by time leaves out windows of under a quarter of
+    the median window's trajectories."""
+    from pipelines.report import few_left_out
+
+    records = [_traj(f"u{i}", 1 + 0.8 * (i % 10) + 10 * (i // 10)) for i in range(30)]
+    records += [_traj("tail", 30.5, reward=0.0)]
+    records += [_traj("err", 31, status="discarded", reward=np.nan)]
+    records[-1]["finish_reason"] = "error"
+    TrajectoryWriter(tmp_path).append(records)
+    curve = open_run(tmp_path).laminar.reward_curve(by="time", window=10.0)
+    assert curve["trajectories"].values.tolist() == [10, 10, 10, 1]  # (the error left out)
+    assert curve.values.tolist() == [1.0, 1.0, 1.0, 0.0]
+    assert few_left_out(curve)["time"].values.tolist() == [0.0, 10.0, 20.0]
+    by_version = open_run(tmp_path).laminar.reward_curve()
+    assert by_version["trajectories"].values.tolist() == [31]
+
+
+def test_the_docs_concat_of_runs_with_different_versions(tmp_path):
+    """docs/analysis.md's reward curves of several runs side by side: runs of different
+    versions are aligned (outer), with no warning of xarray's change of default join."""
+    TrajectoryWriter(tmp_path / "a").append([_traj("a", 1), _traj("b", 2, version=1)])
+    TrajectoryWriter(tmp_path / "b").append([_traj("a", 1)])
+    runs = [tmp_path / "a", tmp_path / "b"]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        curves = xr.concat(
+            [open_run(r).laminar.reward_curve() for r in runs], dim="run", join="outer"
+        )
+    assert curves.sizes == {"run": 2, "behavior_version": 2}
+    assert np.isnan(curves.values[1, 1])
