@@ -195,7 +195,7 @@ def warm_start(
         inputs["task"]["prompt_file"] = PROMPT_FILE_KEY
     out = cache_root(cfg) / _entry(inputs)
     if given and not out.exists():
-        _adopt(out, inputs, given)
+        out = _adopt(out, inputs, given)
     scoring = _scoring(cfg)
     info = _cached_info(out)
     if info is not None:
@@ -248,22 +248,25 @@ def _entry(inputs: dict) -> str:
     return f"sft-{hashlib.sha256(key.encode()).hexdigest()[:16]}"
 
 
-def _adopt(out: Path, inputs: dict, given: str) -> None:
-    """An entry of a prompt file's warm start written before its path was left out of
-    the key (:data:`PROMPT_FILE_KEY`), renamed to ``out``: the one keyed by the path as
-    given (``task.prompt_file``, absolute since runs record it so), else by that path
-    relative to this working directory (a run that named it relative, resumed from the
-    directory it started in). None there, or a cache this user cannot write (the old
-    entry then serves where it is, until the rename can be made): nothing is done."""
+def _adopt(out: Path, inputs: dict, given: str) -> Path:
+    """The cache entry of a prompt file's warm start: ``out``, or one written before its
+    path was left out of the key (:data:`PROMPT_FILE_KEY`) renamed to ``out``: the one
+    keyed by the path as given (``task.prompt_file``, absolute since runs record it so),
+    else by that path relative to this working directory (a run that named it relative,
+    resumed from the directory it started in). In a cache this user cannot write, the
+    old entry serves where it is."""
     names = {given, os.path.relpath(given)} if os.path.isabs(given) else {given}
     for name in sorted(names):
         old = out.parent / _entry({**inputs, "task": {**inputs["task"], "prompt_file": name}})
         if not (old / "sft_info.json").exists():
             continue
-        with contextlib.suppress(OSError):  # (another run adopted it first; read-only)
+        try:
             os.rename(old, out)
-            logger.info("warm start: cache entry %s renamed %s (keyed by prompts)", old, out)
-        return
+        except OSError:  # (another run adopted it first; or read-only: served as it is)
+            return out if out.exists() else old
+        logger.info("warm start: cache entry %s renamed %s (keyed by prompts)", old, out)
+        return out
+    return out
 
 
 def _cached_info(out: Path) -> dict | None:

@@ -143,6 +143,13 @@ def test_an_entry_keyed_by_a_prompt_files_path_is_adopted(small_config, tmp_path
     monkeypatch.undo()
     monkeypatch.chdir(tmp_path)
     absolute = with_overrides(cfg, [f"task.prompt_file={tmp_path / 'data' / 'p.jsonl'}"])
+
+    def read_only(*a):
+        raise PermissionError(13, "Permission denied")
+
+    with monkeypatch.context() as m:  # (a cache this user cannot write: served as it is)
+        m.setattr(sft.os, "rename", read_only)
+        assert warm_start(absolute, load_prompts(absolute))[0] == old
     new, info = warm_start(absolute, load_prompts(absolute))
     assert info["cached"] is True and new != old and not old.exists()
     assert warm_start(absolute, load_prompts(absolute))[0] == new
