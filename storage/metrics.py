@@ -37,6 +37,7 @@ import xarray as xr
 import zarr
 
 from storage.schema import COMMIT_ATTR, STRING
+from storage.stores import CHECKED_ZSTD
 from storage.trajectories import (
     StoreError,
     fill_value,
@@ -253,6 +254,7 @@ class MetricsWriter:
                     chunks=(_CHUNK,),
                     dimension_names=[dim],
                     fill_value=fill_value(values.dtype),
+                    compressors=CHECKED_ZSTD,  # (a changed chunk is refused, not misread)
                 )
             elif values.dtype.kind != old.dtype.kind and all(r.get(name) is None for r in rows):
                 values = np.full(len(rows), fill_value(old.dtype))  # only None: the fill
