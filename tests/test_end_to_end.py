@@ -422,8 +422,13 @@ def test_cli_run_through_a_relay_chain_loads_exactly_the_published_weights(tmp_p
 
     pubs = open_metrics(run_dir, "publications")
     assert pubs["version"].values.tolist() == list(range(9))
-    assert (pubs["relays_complete"].values == 3).all()
-    assert np.isfinite(pubs["broadcast_s"].values).all()
+    # A row is written as it stands when the run stops (docs/storage.md): the version
+    # published last, as the trainer finished, may not have reached every relay by then
+    # (a loaded host's suite saw it). Every earlier one did, and only a complete row has
+    # its broadcast time.
+    complete = pubs["relays_complete"].values == 3
+    assert complete[:-1].all(), pubs["relays_complete"].values
+    assert (np.isfinite(pubs["broadcast_s"].values) == complete).all()
     assert np.isfinite(open_metrics(run_dir, "updates")["publish_s"].values).all()
     ds = check_store(run_dir, expect_consumed_groups=32)
     # Versions live at once: trajectories of different rollouts, generated at overlapping

@@ -955,9 +955,13 @@ def test_a_lost_trainer_and_data_module_on_one_worker_restart_within_the_run(tmp
     fp = summary["relay"]["fingerprints"]
     assert fp["loads_checked"] > 0 and fp["mismatched"] == 0, fp
     # The rollouts went on decoding while neither ran, within the back-pressure bound.
+    # The groups the lost updates consumed (those published after the checkpoint, and
+    # the one in training at the loss) are held again, and out again: the count may pass
+    # the bound by them, 4 groups an update (SMALL_RUN), as after a trainer's restart
+    # (the pool hands out none until it is back under). A loaded host's suite saw 20.
     rows = open_metrics(run_dir, "cluster")
     wall = rows["wall_time"].values.astype("datetime64[ns]").astype(np.int64) / 1e9
-    assert rows["outstanding_groups"].values.max() <= 16
+    assert rows["outstanding_groups"].values.max() <= 16 + 4 * (r["lost_updates"] + 1)
     before = rows["response_tokens"].values[wall <= t_kill][-1]
     assert rows["response_tokens"].values[wall > r["time"] + r["restart_s"]][0] > before
     report = audit_run(run_dir)
