@@ -94,6 +94,10 @@ class ExperienceBuffer:
         # The last batch sampled for a caller's request id, for a retry of it (sample)
         self._answer: tuple[object, list[Trajectory]] | None = None
         self._sampling = asyncio.Lock()  # (one sample at a time: a retry waits its first)
+        # Tokens of the trainers that asked for batches (sample's request), and of those
+        # lost: every one seen before the last trainer_restarted (refused since)
+        self._trainers_seen: set[object] = set()
+        self._lost_trainers: set[object] = set()
         self._unreleased: list[Trajectory] = []  # left, their release to the pool failed
         self._write_error: str | None = None
         self._unwritten = 0  # records and events the disk refused, held to try again
@@ -434,10 +438,23 @@ class ExperienceBuffer:
         trained. The batch is kept until a call with another id (or until the trainer
         restarts); a buffer rebuilt after a loss has none, and its plan holds the lost
         buffer's again (:func:`storage.resume.plan_rebuild`: not in the trainer's
-        record)."""
+        record).
+
+        A request is ``(trainer token, n)``: once the trainer restarted
+        (:meth:`trainer_restarted`), a call of a trainer whose token this buffer had
+        seen before is the lost trainer's (one still on its way, or waiting its turn)
+        and is answered ``None``, taking nothing: a batch taken for it would be recorded
+        consumed and trained by no one."""
+        trainer = _trainer_of(request)
+        if trainer is not None:
+            self._trainers_seen.add(trainer)
+        if trainer in self._lost_trainers:
+            return self._refuse_lost(request)
         if (batch := self._answered(request)) is not None:
             return batch
         async with self._sampling:
+            if trainer in self._lost_trainers:  # (lost while this call waited its turn)
+                return self._refuse_lost(request)
             if (batch := self._answered(request)) is not None:  # (the first, done meanwhile)
                 return batch
             if request is not None:
@@ -453,6 +470,13 @@ class ExperienceBuffer:
             await self._forget_committed()
             return batch
 
+    def _refuse_lost(self, request: object) -> None:
+        logger.warning(
+            "buffer: sample request %r of a lost trainer (the trainer restarted since): "
+            "refused, nothing taken",
+            request,
+        )
+
     def _answered(self, request: object) -> list[Trajectory] | None:
         """The batch sampled for ``request`` already, if so (:meth:`sample`)."""
         if request is None or self._answer is None or self._answer[0] != request:
@@ -465,29 +489,42 @@ class ExperienceBuffer:
         )
         return self._answer[1]
 
-    async def trainer_restarted(self, version: int) -> dict:
+    async def trainer_restarted(self, version: int, after: int | None = None) -> dict:
         """The trainer was lost and restarts from its checkpoint at ``version``: the
         updates after it are gone, so the groups they consumed (``sample_version >=
         version``) are held again, whole, to be trained by the restarted trainer (each
         trajectory's last leave event is the one that stands: nothing ends up trained
         twice into the weights). They were sampled by versions the new trainer's numbers
         come after (:class:`~laminar.trainer.Trainer` ``after_version``), so any may be
-        trained. Returns how many came back."""
-        self._answer = None  # (the lost trainer's: held again below if it was sampled)
-        await self._release([])  # (a failed release first: before the pool holds again)
-        await self._write_through()  # the lost updates' consumed events are in the store
-        arrays = _scalars(self.writer.path)
-        lost = (arrays["status"] == "consumed") & (arrays["sample_version"] >= version)
-        rows = np.flatnonzero(lost).tolist()
-        # Released when consumed, they are out again: back-pressure counts them until
-        # they leave again (a rebuilt data module's pool does the same). The pool hears
-        # it before the buffer holds them: else a call running while it is told (a
-        # version published) could evict one and release it before it was out again, a
-        # release the pool ignores, and its slot stayed taken for good.
-        await self.pool.hold_again(sorted({str(arrays["prompt_uid"][i]) for i in rows}))
-        groups = self._hold_again(arrays, rows, "trainer_restart")
-        self._flush(force=True)
-        return {"readmitted": len(rows), "groups": groups}
+        trained. Returns how many came back.
+
+        ``after``: the newest version the lost trainer published (the restarted one
+        numbers its updates after it): ``max_train_staleness`` then counts along the
+        weights' lineage, not the numbers (:meth:`BufferCore.trainer_restarted`).
+
+        Under the sampling lock: a sample of the lost trainer that was waiting on the
+        pool (``same_version``'s :meth:`_stranded`) finishes first, and what it took is
+        held again here; every trainer token seen so far is the lost trainer's, refused
+        from now on (:meth:`sample`)."""
+        async with self._sampling:
+            self._answer = None  # (the lost trainer's: held again below if it was sampled)
+            self._lost_trainers |= self._trainers_seen
+            if after is not None:
+                self.core.trainer_restarted(version, after)
+            await self._release([])  # (a failed release first: before the pool holds again)
+            await self._write_through()  # the lost updates' consumed events are in the store
+            arrays = _scalars(self.writer.path)
+            lost = (arrays["status"] == "consumed") & (arrays["sample_version"] >= version)
+            rows = np.flatnonzero(lost).tolist()
+            # Released when consumed, they are out again: back-pressure counts them until
+            # they leave again (a rebuilt data module's pool does the same). The pool
+            # hears it before the buffer holds them: else a call running while it is told
+            # (a version published) could evict one and release it before it was out
+            # again, a release the pool ignores, and its slot stayed taken for good.
+            await self.pool.hold_again(sorted({str(arrays["prompt_uid"][i]) for i in rows}))
+            groups = self._hold_again(arrays, rows, "trainer_restart")
+            self._flush(force=True)
+            return {"readmitted": len(rows), "groups": groups}
 
     async def update_skipped(self) -> None:
         """The trainer consumed a batch and published no version (the pool's dispatch
@@ -530,6 +567,12 @@ class ExperienceBuffer:
             )
         return self._written
 
+    async def groups(self) -> list[str]:
+        """The prompt groups the buffer holds samples of (ready, or waiting for their
+        siblings): they leave in time, released to the prompt pool. (The driver asks at a
+        lost rollout's fence, :meth:`laminar.prompt_pool.PromptPool.reissue_stranded`.)"""
+        return sorted({*self.core.ready, *self.core.partial})
+
     async def stats(self) -> dict:
         return {
             **self.core.stats(),
@@ -563,6 +606,11 @@ _CONTENTS = (
     "ready_groups",
     "partial_groups",
 )
+
+
+def _trainer_of(request: object) -> object:
+    """The trainer token of a sample request ``(token, n)`` (``None``: no request)."""
+    return request[0] if isinstance(request, tuple) and request else None
 
 
 def _scalars(run_dir) -> dict[str, np.ndarray]:

@@ -223,6 +223,9 @@ class BufferCore:
         # ... and those times in a heap, the oldest first (with those of trajectories
         # gone since: skipped when they come first, dropped when they outnumber the rest)
         self._heap: list[tuple[float, str]] = []
+        # Trainer restarts, (checkpoint version, the lost trainer's last), in order: the
+        # lineage max_train_staleness counts along (lag)
+        self._restarts: list[tuple[int, int]] = []
         self.counts = {
             "inserted": 0,
             "duplicates": 0,
@@ -377,7 +380,56 @@ class BufferCore:
 
     def _too_stale(self, members: list[Trajectory], version: int) -> bool:
         k = self.max_train_staleness
-        return k is not None and version - _behavior_version(members) > k
+        return k is not None and self.lag(version, _behavior_version(members)) > k
+
+    def trainer_restarted(self, version: int, after: int) -> None:
+        """The trainer restarted from its checkpoint at ``version`` and numbers its
+        updates after ``after`` (the newest version the lost one published): it holds
+        ``version``'s weights under the number ``after``, and the weights published as
+        ``version + 1`` .. ``after`` are a branch it does not descend from. From now on
+        :meth:`lag` counts along that lineage."""
+        if (version, after) not in self._restarts[-1:]:  # (a restart asked again: once)
+            self._restarts.append((version, after))
+
+    def lag(self, version: int, behavior: int) -> int:
+        """How many updates apart the trainer at ``version`` and the weights that
+        generated a group (``behavior``) are: ``version - behavior`` until a trainer
+        restart; after restarts (:meth:`trainer_restarted`), the path between the two in
+        the tree of weights, each restart ``(V, M)`` branching the numbers after ``M``
+        off ``V`` (the restarted trainer, at ``M`` before its first update, holds ``V``'s
+        weights). So for the restart ``(V, M)`` and a trainer at ``t >= M`` on it:
+        ``(t - M) + (V - b)`` for ``b <= V``, ``(t - M) + (b - V)`` for ``b`` in ``(V,
+        M]`` (the lost branch), ``t - b`` for ``b > M``.
+
+        >>> core = BufferCore()
+        >>> core.trainer_restarted(10, 19)
+        >>> core.lag(19, 10), core.lag(19, 19), core.lag(21, 4), core.lag(21, 15), core.lag(21, 20)
+        (0, 9, 8, 7, 1)
+        """
+        if not self._restarts:
+            return version - behavior
+        v_last, m_last = self._restarts[-1]
+        a = v_last if version == m_last else version  # (the restarted trainer's weights)
+        b, d = behavior, 0
+        while True:
+            ia, ib = self._branch(a), self._branch(b)
+            if ia == ib:  # (one descends from the other: b's after a's is off the lineage)
+                return d + abs(a - b)
+            # climb the one on the newer branch to where its branch leaves off
+            v, m = self._restarts[max(ia, ib) - 1]
+            if ia > ib:
+                d, a = d + a - m, v
+            else:
+                d, b = d + b - m, v
+
+    def _branch(self, n: int) -> int:
+        """Of the weights numbered ``n``, the restart whose branch they are on (``i``:
+        ``self._restarts[i - 1]``; 0: the first trainer's): the newest whose ``M`` is
+        below ``n``."""
+        i = len(self._restarts)
+        while i and self._restarts[i - 1][1] >= n:
+            i -= 1
+        return i
 
     def _leave(self, members: list[Trajectory], status: str) -> list[Trajectory]:
         self._gone(members)

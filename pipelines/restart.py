@@ -229,7 +229,7 @@ class TrainerRestart:
         after = self._ask_data("buffer", lambda b: b.stats())["version"]
         ckpt, version, fields = _restart_point(s.run_dir, after)
         # (again after a retry: finds nothing more, the groups are held already)
-        back = self._ask_data("buffer", lambda b: b.trainer_restarted(version))
+        back = self._ask_data("buffer", lambda b: b.trainer_restarted(version, after))
         chain = self._ask_data("manager", lambda m: m.stats())["chain"]
         master = _new_master(s, self.worker, chain)
         self._ask_data("manager", lambda m: m.replace_master(master, self.worker))
