@@ -74,12 +74,26 @@ class MetricsRecording:
         except Exception:  # noqa: BLE001 — lost before its first metrics flush
             return t_start
         self._carry = counters_at_end(self.run_dir)
-        if "consumed" in self._carry["cluster"]:
-            # What the updates that stand trained on, as the store says (the plan's
-            # ``consumed_before``): the earlier start's last count includes what its
-            # updates after the checkpoint consumed, lost with it, which this start's
-            # buffer holds again (and counts again as it trains them).
-            self._carry["cluster"]["consumed"] = float(self.resume.consumed)
+        # The buffer's counters go on from what the store says, not from the earlier
+        # start's last row: ``consumed`` from what the updates that stand trained on (the
+        # plan's ``consumed_before``; the last row counted the lost updates' batches too,
+        # which this start's buffer holds again and counts again as it trains them), the
+        # others from the store's rows and statuses (a start killed after its last row
+        # admitted, discarded, evicted or filtered more than that row says). So
+        # inserted = consumed + discarded + evicted + filtered + depth + dropped holds
+        # at every row of this start, whatever ended the one before (docs/storage.md).
+        plan = self.resume
+        from_store = {
+            "inserted": plan.stored,
+            "consumed": plan.consumed,
+            "discarded": plan.discarded,
+            "evicted": plan.evicted,
+            "filtered": plan.filtered,
+        }
+        carried = self._carry["cluster"]
+        for name, value in from_store.items():
+            if name in carried:
+                carried[name] = float(value)
         self._earlier_segments = segments(cluster)
         if self._earlier_segments:
             self._segment = self._earlier_segments[-1]["segment"] + 1

@@ -51,6 +51,10 @@ class ResumePlan:
     start: int = 0
     stored: int = 0
     consumed: int = 0  # consumed into the checkpoint's weights (sample_version < version)
+    # what left the buffer untrained before the resume, as the store's statuses say
+    discarded: int = 0
+    evicted: int = 0
+    filtered: int = 0
     # from the recovery log: trajectories it held that the store lacks (generating, or
     # completed and not yet stored), and of the re-issued groups, those it alone named
     log_unfinished: int = 0
@@ -83,6 +87,9 @@ def plan_resume(run_dir: str | Path, version: int) -> ResumePlan:
     plan = ResumePlan(version=version, stored=len(status))
     consumed = status == "consumed"
     plan.consumed = int((consumed & (sample_v < version)).sum())
+    plan.discarded, plan.evicted, plan.filtered = (
+        int((status == s).sum()) for s in ("discarded", "evicted", "filtered")
+    )
     open_ = (status == "buffered") | (consumed & (sample_v >= version))
     groups: dict[str, list[int]] = {}
     for i in np.flatnonzero(open_):

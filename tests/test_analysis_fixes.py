@@ -157,7 +157,7 @@ def test_a_resumed_driver_counts_consumed_as_the_store_and_ages_as_open_run(tmp_
     writer.append([_traj("a", 10, sample=12), _traj("held", 15), _traj("b", 18)])
     _rows(tmp_path, [(0, 0, 20)], inserted=1536, consumed=1280)
     writer.record_resume(8, T0 + 118)
-    driver = Driver(tmp_path, ResumePlan(version=8, consumed=1024))
+    driver = Driver(tmp_path, ResumePlan(version=8, stored=1536, consumed=1024))
     assert driver._origin(T0 + 121) == T0
     assert driver._pauses == [(T0 + 20, T0 + 118)]  # (not to 121 s: the loop's start)
     # 130 s: the buffer's oldest (held, in since 15 s) reads 115 s by its clock
@@ -253,3 +253,46 @@ def test_the_docs_concat_of_runs_with_different_versions(tmp_path):
         )
     assert curves.sizes == {"run": 2, "behavior_version": 2}
     assert np.isnan(curves.values[1, 1])
+
+
+def test_a_resumed_driver_counts_from_the_store_whatever_ended_the_start_before(tmp_path):
+    """A start killed after its last row (an abort, the OOM killer, a Slurm timeout)
+    admitted, discarded, evicted and filtered more than that row says. The resume's
+    counters go on from the store's rows and statuses, so that the table's identity
+    inserted = consumed + discarded + evicted + filtered + depth + dropped holds at
+    every row of the resumed start (it went on from the stale row: -32 on every row of
+    segment 1 of a real run, helper 110's)."""
+    from pipelines.driver_metrics import MetricsRecording
+    from storage.resume import plan_resume
+
+    class Driver(_Driver, MetricsRecording):
+        pass
+
+    writer = TrajectoryWriter(tmp_path)
+    done = [_traj(u, 5, sample=6, version=1) for u in ("c1", "c2")]
+    left = [
+        _traj(u, 7, status=s, version=2)
+        for u, s in (("d", "discarded"), ("e", "evicted"), ("f", "filtered"))
+    ]
+    writer.append([*done, *left, _traj("b1", 8, version=3), _traj("b2", 9, version=4)])
+    # the last row before the kill: 3 admitted, 2 consumed, nothing left untrained yet
+    _rows(tmp_path, [(0, 0, 5)], inserted=3, consumed=2, discarded=0, evicted=0, filtered=0)
+    plan = plan_resume(tmp_path, 4)
+    assert (plan.stored, plan.consumed, plan.discarded, plan.evicted, plan.filtered) == (
+        7,
+        2,
+        1,
+        1,
+        1,
+    )
+    assert len(plan.readmit) == 2 and not plan.drop
+    driver = Driver(tmp_path, plan)
+    driver._origin(T0 + 20)
+    # the resumed buffer: the 2 held again, nothing new yet
+    stats = {"version": 4, "wait_s": 0.0}
+    buffer = {"depth": 2, "ready_groups": 2, "partial_groups": 0, "inserted": 0}
+    buffer |= {"consumed": 0, "discarded": 0, "evicted": 0, "filtered": 0, "oldest_age_s": 1.0}
+    driver._record(25.0, T0 + 25, stats, buffer, {"outstanding": 0, "dispatched": 0}, [], 0)
+    row = driver._rows["cluster"][-1]
+    left_untrained = row["discarded"] + row["evicted"] + row["filtered"]
+    assert row["inserted"] == row["consumed"] + left_untrained + row["buffer_depth"] == 7
