@@ -117,6 +117,10 @@ class RolloutReplica(DataLinkMixin, WeightsMixin, RecoveryMixin, MovesMixin, Rew
         # The data module: which one (rebuilt ones count up), and since when it is lost.
         self._data_epoch = 0
         self._data_lost: float | None = None
+        # The id of its last ask of the prompt pool, and whether its answer is still owed
+        # (the call failed: asked again with the same id, the pool answers as before).
+        self._ask_id = 0
+        self._ask_open = False
         # Trajectories sent (or to be sent) to the buffer that its store has not committed
         # yet: uid -> [trajectory, the data epoch it was sent in (None: not yet)].
         self._unstored: dict[str, list] = {}
@@ -345,9 +349,11 @@ class RolloutReplica(DataLinkMixin, WeightsMixin, RecoveryMixin, MovesMixin, Rew
             return
         version = self.engine.version
         t0 = time.perf_counter()
+        ask = self._next_ask()
         ok, answer = self._data_call(
-            self.pool, lambda: self.pool.top_up(room, self.rollout_id, version)
+            self.pool, lambda: self.pool.top_up(room, self.rollout_id, version, ask)
         )
+        self._ask_open = not ok
         self.counts["top_up_asks"] += 1
         self.counts["top_up_s"] += time.perf_counter() - t0
         if not ok:

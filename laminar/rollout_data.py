@@ -41,10 +41,25 @@ class DataLinkMixin:
         return actor_future.result(timeout=self.cfg.cluster.actor_timeout_s)
 
     def _acquire(self, n: int) -> list[PromptGroup]:
+        ask = self._next_ask()
         ok, groups = self._data_call(
-            self.pool, lambda: self.pool.acquire(n, self.rollout_id, self.engine.version)
+            self.pool, lambda: self.pool.acquire(n, self.rollout_id, self.engine.version, ask)
         )
+        self._ask_open = not ok
         return groups if ok else []
+
+    def _next_ask(self) -> int:
+        """The id of the prompt-pool ask about to be made (``acquire``, ``top_up``,
+        ``take``): a new one, or the last one's again while its answer is owed — a call
+        that timed out may have run, and the pool keeps what it handed out for that id
+        (:meth:`laminar.prompt_pool.PromptPoolCore.acquire`): asked again with it, a
+        rollout that found the data module slow, not lost, gets those groups rather than
+        leaving them outstanding for good. The caller closes it (``_ask_open``) when the
+        answer arrives."""
+        if not self._ask_open:
+            self._ask_id += 1
+            self._ask_open = True
+        return self._ask_id
 
     def _take(self, n: int, wait_s: float) -> tuple[list[PromptGroup], int]:
         """Ask the pool for ``n`` groups, waiting up to ``wait_s`` for them in the pool
@@ -57,14 +72,24 @@ class DataLinkMixin:
         poll (``_run``)."""
         self._tick()
         epoch = self._data_epoch
-        if self._data_lost is None:
-            try:
-                future = self.pool.take(n, self.rollout_id, self.engine.version, wait_s)
-                return actor_result(self.pool, future, wait_s + self.cfg.cluster.actor_timeout_s)
-            except Exception as e:
-                self._lose_data(e)
-        self._await_data(epoch, serve=True)
-        return [], self.engine.version
+        while True:
+            if self._data_lost is None:
+                ask = self._next_ask()
+                try:
+                    future = self.pool.take(n, self.rollout_id, self.engine.version, wait_s, ask)
+                    answer = actor_result(
+                        self.pool, future, wait_s + self.cfg.cluster.actor_timeout_s
+                    )
+                    self._ask_open = False
+                    return answer
+                except Exception as e:
+                    self._lose_data(e)
+            self._await_data(epoch, serve=True)
+            if self._data_lost is not None or self._data_epoch != epoch or self._stop.is_set():
+                return [], self.engine.version
+            # Slow, not lost: the pool may have handed out groups for the ask whose answer
+            # never came. The same ask again gets them (none new), without waiting.
+            wait_s = 0.0
 
     def _data_call(self, actor, call) -> tuple[bool, object]:
         """``(True, result)`` of ``call()`` on the data module's ``actor``; ``(False,
@@ -154,6 +179,7 @@ class DataLinkMixin:
         self.pool, self.buffer, self.partial = pool, buffer, partial
         self._data_epoch += 1
         self._data_lost = None
+        self._ask_open = False  # (a new pool: it knows no ask of ours)
         registered = 0
         if partial is not None:
             # (Paused requests are this batch's too: they wait outside the engine for a

@@ -362,21 +362,52 @@ class FaultHandling:
         module's too): one given up while its process lived (a failed fence) may wake
         and ask for groups, which nothing would then finish — they would hold the
         back-pressure budget for good. Its asks now fail, ending its generation loop.
-        (The partial-response pool fenced it when its entries were taken.) A call not
-        answered is made again at the next poll."""
+        (The partial-response pool fenced it when its entries were taken.)
+
+        Then the groups the pool handed to it that nothing else will complete — no
+        entry in the partial-response pool, no sample in the buffer (asked in that
+        order: a trajectory reaches the buffer before the pool forgets it) — go out
+        again whole (:meth:`~laminar.prompt_pool.PromptPool.reissue_stranded`): handed
+        to it just before it died, or in an answer it never received. Without this each
+        held ``buffer.max_outstanding_groups`` for good, and a few stalled the run.
+        A call not answered is made again at the next poll."""
         pool = self.actors.get("pool")
         if pool is None:
             return
         done = getattr(self, "_pool_fenced", None)
         if done is None or done[0] is not pool:
             done = self._pool_fenced = (pool, set())
-        for rid in sorted(set(m_stats.get("lost") or ()) - done[1]):
+        new = sorted(set(m_stats.get("lost") or ()) - done[1])
+        if not new:
+            return
+        timeout = self._core_timeout()
+        for rid in new:
             try:
-                actor_result(pool, pool.fence(rid), self._core_timeout())
+                actor_result(pool, pool.fence(rid), timeout)
             except Exception as e:  # noqa: BLE001 — slow or lost: the next poll asks again
                 logger.warning("the prompt pool did not fence lost rollout %s: %r", rid, e)
                 return
-            done[1].add(rid)
+        buffer, partial = self.actors.get("buffer"), self.actors.get("partial")
+        if buffer is not None:
+            try:
+                known: set[str] = set()
+                if partial is not None:  # (first: see above)
+                    known.update(actor_result(partial, partial.groups(), timeout))
+                known.update(actor_result(buffer, buffer.groups(), timeout))
+                known_list = sorted(known)
+                for rid in new:
+                    n = actor_result(pool, pool.reissue_stranded(rid, known_list), timeout)
+                    if n:
+                        logger.warning(
+                            "rollout %s was handed %d prompt groups that nothing holds "
+                            "(it was lost before it registered them): they go out again",
+                            rid,
+                            n,
+                        )
+            except Exception as e:  # noqa: BLE001 — slow or lost: the next poll asks again
+                logger.warning("the groups handed to lost rollouts %s were not checked: %r", new, e)
+                return
+        done[1].update(new)
 
     def _unrecovered(self, m_stats: dict | None) -> dict[str, dict]:
         """The rollouts lost with ``faults.recover`` off, for ``summary.json``

@@ -418,3 +418,61 @@ def test_the_manager_resumes_what_a_given_up_rollout_registered_after_its_recove
     assert manager.stats()["recoveries"] == 2
     manager.detect()
     assert len(manager.fault_rows) == 2
+
+
+def test_the_driver_reissues_the_groups_of_a_lost_rollout_that_nothing_else_holds():
+    """r1 was handed three groups and died: one it registered with the partial-response
+    pool (its recovery resumes it), one the buffer holds a sample of (it leaves in
+    time), one neither knows — handed to it just before it died, or in an answer it
+    never got. At its fence the driver asks both and the pool hands that one out again,
+    whole (same uid), to the next rollout that asks: without it, it held the back-pressure
+    budget for good. Once: a poll whose question fails asks again at the next poll.
+    Real PromptPool, PartialResponsePool and BufferCore."""
+    import asyncio
+
+    from factories import InProcess
+    from test_prompt_pool import _states
+
+    from laminar.partial import PartialResponsePool
+    from pipelines.driver_faults import FaultHandling
+
+    pool = _pool()
+    mine = pool.core.acquire(3, "r1")
+    other = pool.core.acquire(1, "r0")
+    assert pool.core.acquire(1, "r2") == []  # (full)
+    partial = PartialResponsePool()
+    asyncio.run(partial.register("r1", 0, _states(mine[0])))
+    buf = BufferCore()
+    buf.insert(
+        [trajectory(f"{mine[1].prompt_uid}-000", mine[1].prompt_uid, group_size=4)],
+        version=0,
+        now=1.0,
+    )
+
+    class BufferHandle:
+        fail = True
+
+        def groups(self):
+            if self.fail:
+                raise OSError("no answer")
+            return done(sorted({*buf.ready, *buf.partial}))
+
+    class Driver(FaultHandling):
+        cfg = RunConfig()
+
+        def __init__(self):
+            self.actors = {"pool": InProcess(pool), "partial": InProcess(partial)}
+            self.actors["buffer"] = BufferHandle()
+
+    d = Driver()
+    d._fence_in_pool({"lost": {"r1": 1.0}})  # the buffer does not answer: next poll
+    assert "r1" in pool.fenced and pool.core.stats()["reissued_at_fence"] == 0
+    d.actors["buffer"].fail = False
+    d._fence_in_pool({"lost": {"r1": 1.0}})
+    d._fence_in_pool({"lost": {"r1": 1.0}})  # (done: not again)
+    assert pool.core.stats()["reissued_at_fence"] == 1
+    assert pool.core.handed_to("r1") == []
+    again = pool.core.acquire(2, "r2")
+    assert again == [mine[2]]  # the same group, and nothing new: the budget is spent
+    assert pool.core.handed_to("r2") == [mine[2].prompt_uid]
+    assert pool.core.handed_to("r0") == [other[0].prompt_uid]

@@ -34,6 +34,8 @@ def test_back_pressure_bounds_outstanding_groups():
         "untrained": 0,
         "outstanding": 3,
         "reissued": 0,
+        "reissued_at_fence": 0,
+        "answered_again": 0,
         "held_again": 0,
         "queued": 0,
         "passed_over": 0,
@@ -437,3 +439,167 @@ def test_a_lease_that_cannot_be_written_holds_dispatch_back_and_fails_no_rollout
     blocker.rmdir()
     groups = asyncio.run(pool.acquire(2, "r0", 0))
     assert len(groups) == 2 and read_lease(tmp_path) > 1 and not pool._lease.failing
+
+
+def test_passed_over_counts_only_asks_that_room_was_held_back_from():
+    """An ask made while another rollout is queued is passed over only where the
+    dispatch rule would have given it a group: not while the pool is full (no room
+    existed, for anyone)."""
+    q = make_pool(max_outstanding=2, n=10)
+    assert len(q.acquire(2, "r0", idle=True, now=0.0)) == 2  # r0 takes both slots
+    assert q.acquire(2, "r1", idle=True, now=0.0) == []  # r1 queues: no room
+    for t in range(5):  # r0 tops up while the pool is full
+        assert q.acquire(1, "r0", now=0.1 + t * 0.1) == []
+    assert q.stats()["passed_over"] == 0
+    q.release([q.handed_to("r0")[0]])  # room for one: r1's, and r0 is held back from it
+    assert q.acquire(1, "r0", now=1.0) == []
+    assert q.stats()["passed_over"] == 1
+    assert len(q.acquire(2, "r1", idle=True, now=1.1)) == 1
+
+
+def test_an_ask_made_again_with_its_id_gets_the_groups_handed_out_for_it():
+    """A rollout whose call timed out asks again with the same ask id: the groups the
+    pool handed out for it, none new; a new id gets new groups. (As the buffer answers
+    the trainer's sample request again.)"""
+    pool = make_pool(max_outstanding=4, n=10)
+    first = pool.acquire(2, "r0", ask=1)
+    assert pool.acquire(2, "r0", ask=1) == first
+    assert pool.acquire(3, "r0", ask=1, newest_only=True) == first  # (whichever call)
+    assert pool.stats()["dispatched"] == 2 and pool.stats()["answered_again"] == 2
+    assert pool.acquire(2, "r1", ask=1) != first  # (per rollout)
+    assert pool.acquire(2, "r0", ask=2) == []  # full: r0's next ask gets none ...
+    assert pool.acquire(2, "r0", ask=1) == first  # (kept until an ask that gets groups)
+    pool.release([g.prompt_uid for g in first])
+    second = pool.acquire(2, "r0", ask=3)
+    assert {g.prompt_uid for g in second}.isdisjoint(g.prompt_uid for g in first)
+    assert pool.acquire(2, "r0", ask=1) != first  # (that answer was received: forgotten)
+
+
+def _states(group):
+    """The requests of ``group`` as its rollout registers them."""
+    from laminar.engine import GenerationRequest, RequestState, SamplingParams
+
+    return [
+        RequestState(
+            GenerationRequest(
+                f"{group.prompt_uid}-{i:03d}",
+                group.prompt_tokens,
+                SamplingParams(8),
+                {"group": group},
+            ),
+            seed=i,
+        )
+        for i in group.sample_indices
+    ]
+
+
+@pytest.mark.parametrize("lost", ["killed before it registered", "answer lost"])
+def test_groups_a_rollout_never_registered_do_not_hold_the_budget_for_good(lost):
+    """helper 110's leak: a rollout asks for a local batch of 8 groups (max_outstanding
+    32, groups of 16 per update); three times the groups never reach the partial-response
+    pool — the rollout was killed between take and register, or the pool's answer never
+    reached it. Before, those 24 groups were outstanding for good: 8 slots left, and the
+    trainer waited for ever for a batch of 16. Now a killed rollout, fenced, has them
+    re-issued (neither the partial pool nor the buffer knows them) and another rollout
+    generates them; one that lost the answer asks again with the same id and gets them.
+    Real PromptPoolCore, PartialResponsePool and BufferCore."""
+    import asyncio
+
+    from factories import trajectory
+
+    from laminar.buffer_core import BufferCore
+    from laminar.partial import PartialResponsePool
+
+    prompts = [(Prompt(i, f"n {i} >", "x"), (1, i + 4)) for i in range(1000)]
+    pool = PromptPoolCore(prompts, group_size=2, max_outstanding=32, seed=0)
+    partial, buf = PartialResponsePool(), BufferCore()
+    version, fenced, ask = 0, 0, 0
+    for step in range(200):
+        now = float(step + 1)
+        rid = f"r{step % 2}" if lost == "answer lost" else f"r{fenced}"
+        ask += 1
+        groups = pool.acquire(8, rid, version, idle=True, now=now, ask=ask)
+        if step in (3, 9, 15) and groups:
+            if lost == "answer lost":  # (slow, not lost: the same ask again)
+                assert pool.acquire(8, rid, version, idle=True, now=now, ask=ask) == groups
+            else:  # r<k> dies; the driver fences it (pipelines.driver_faults)
+                known = set(asyncio.run(partial.groups())) | set(buf.ready) | set(buf.partial)
+                assert set(pool.reissue_stranded(rid, known)) == {g.prompt_uid for g in groups}
+                fenced += 1
+                continue
+        for g in groups:
+            asyncio.run(partial.register(rid, version, _states(g)))
+        for g in groups:  # every sibling generated, and stored: the pool forgets them
+            trajs = [
+                trajectory(f"{g.prompt_uid}-{i:03d}", g.prompt_uid, sample_idx=i, group_size=2)
+                for i in g.sample_indices
+            ]
+            buf.insert(trajs, version=version, now=now)
+            asyncio.run(partial.forget([t.uid for t in trajs]))
+        left, batch = buf.take(16, version=version, now=now)
+        pool.release(
+            sorted({t.prompt_uid for t in left}), untrained=tuple(t.prompt_uid for t in left)
+        )
+        if batch is not None:
+            pool.release(sorted({t.prompt_uid for t in batch}))
+            version += 1
+    assert version >= 20, version  # (before: 6 versions, then stalled)
+    assert len(pool.outstanding) < pool.max_outstanding
+    stats = pool.stats()
+    if lost == "answer lost":
+        assert stats["answered_again"] == 3 and stats["reissued_at_fence"] == 0
+    else:
+        assert stats["reissued_at_fence"] == stats["reissued"] == 24
+        assert not asyncio.run(partial.groups())  # (every one stored: none left behind)
+
+
+def test_a_rollout_that_finds_the_data_module_slow_takes_the_groups_of_its_lost_answer(
+    tiny_policy, small_config, monkeypatch
+):
+    """The rollout's take fails (the data module slow: no answer), yet the pool ran it and
+    handed out two groups. When the data module answers its probe (slow, not lost), the
+    rollout asks again with the same ask id and gets those two groups, none new; before,
+    it went on without them and they were outstanding for good."""
+    import asyncio
+    import concurrent.futures
+
+    from factories import InProcess
+
+    from laminar import rollout_data
+    from laminar.prompt_pool import PromptPool
+    from laminar.rollout import RolloutReplica
+
+    monkeypatch.setattr(rollout_data, "PROBE_S", 0.0)
+    actor = PromptPool.__new__(PromptPool)
+    actor.core = make_pool(max_outstanding=4, n=10)
+    actor._lease, actor._waiting, actor._ending = None, None, False
+    actor.fenced, actor.n_refused = {}, 0
+
+    class SlowOnce:
+        """The pool's handle: its first take runs, and its answer is lost."""
+
+        slow = True
+
+        def take(self, *args):
+            future = concurrent.futures.Future()
+            answer = asyncio.run(actor.take(*args))
+            if self.slow:
+                self.slow, self.lost = False, answer
+                future.set_exception(ConnectionError("no answer"))  # (taken for lost)
+            else:
+                future.set_result(answer)
+            return future
+
+    class Buffer:
+        def stats(self):
+            return {}
+
+    rollout = RolloutReplica("r0", small_config, str(tiny_policy), None, None, None)
+    rollout.pool = handle = SlowOnce()
+    rollout.buffer = InProcess(Buffer())
+    groups, _ = rollout._take(2, 0.0)
+    assert len(groups) == 2 and groups == handle.lost[0]
+    stats = actor.core.stats()
+    assert stats["dispatched"] == 2 and stats["answered_again"] == 1
+    assert not rollout._ask_open and rollout._data_lost is None
+    assert rollout._take(2, 0.0)[0] != groups  # (the next ask: a new id, new groups)
