@@ -37,6 +37,15 @@ ROWS_WAIT_S = 5.0
 # A publication whose broadcast has not completed (a relay of the chain does not hold it
 # yet) is written as it stands after this long: a lost relay's never completes.
 PUBLICATION_SETTLE_S = 60.0
+# The cluster counters a resume carries on from the store, not from the earlier start's
+# last row: counter -> the ResumePlan field that counts it (MetricsRecording._origin).
+FROM_STORE = {
+    "inserted": "stored",
+    "consumed": "consumed",
+    "discarded": "discarded",
+    "evicted": "evicted",
+    "filtered": "filtered",
+}
 # Rollout stats recorded per poll (besides the rollout id and the time).
 ROLLOUT_METRICS = ROLLOUT_GAUGES + ROLLOUT_COUNTERS
 
@@ -82,18 +91,10 @@ class MetricsRecording:
         # admitted, discarded, evicted or filtered more than that row says). So
         # inserted = consumed + discarded + evicted + filtered + depth + dropped holds
         # at every row of this start, whatever ended the one before (docs/storage.md).
-        plan = self.resume
-        from_store = {
-            "inserted": plan.stored,
-            "consumed": plan.consumed,
-            "discarded": plan.discarded,
-            "evicted": plan.evicted,
-            "filtered": plan.filtered,
-        }
         carried = self._carry["cluster"]
-        for name, value in from_store.items():
-            if name in carried:
-                carried[name] = float(value)
+        for name, field in FROM_STORE.items():
+            if name in carried:  # (an earlier start that wrote no row of it: none carried)
+                carried[name] = float(getattr(self.resume, field))
         self._earlier_segments = segments(cluster)
         if self._earlier_segments:
             self._segment = self._earlier_segments[-1]["segment"] + 1
