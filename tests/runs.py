@@ -7,6 +7,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 
 from conftest import REPO
 
@@ -71,3 +72,30 @@ def tensorboard_scalars(log_dir) -> dict[str, list[tuple[float, int, float]]]:
                 (e.wall_time, e.step, e.value) for e in mux.Scalars(run, tag)
             )
     return {tag: sorted(points) for tag, points in out.items()}
+
+
+def wait_for(handle, predicate, timeout: float = 300.0) -> dict:
+    """The run's first progress report that ``predicate`` accepts (the run must not end
+    before it)."""
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        p = handle.progress()
+        if predicate(p):
+            return p
+        assert not handle.done(), handle.wait()
+        time.sleep(0.2)
+    raise TimeoutError(f"no progress matched within {timeout} s: {p}")
+
+
+def rollout_threads(client) -> list[str]:
+    """The rollout generation and relay threads still alive on the rollout workers."""
+    from laminar.cluster import workers_with
+
+    def names(dask_worker=None) -> list[str]:
+        # nested, so that it is pickled by value: workers cannot import the test modules
+        import threading
+
+        prefixes = ("gen-", "relay-")
+        return [t.name for t in threading.enumerate() if t.name.startswith(prefixes)]
+
+    return sum(client.run(names, workers=workers_with(client, "rollout")).values(), [])

@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from conftest import SMALL_RUN
-from runs import check_store, laminar_cli
+from runs import check_store, laminar_cli, rollout_threads, wait_for
 
 from laminar.config import FaultsConfig, MetricsConfig
 from storage import open_run
@@ -35,31 +35,6 @@ ROUND_S = FaultsConfig().detect_interval_s
 # in flight when its worker stops was sent up to that long before the signal, and its
 # timeout counts from then.
 POLL_S = MetricsConfig().poll_s
-
-
-def wait_for(handle, predicate, timeout: float = 300.0) -> dict:
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        p = handle.progress()
-        if predicate(p):
-            return p
-        assert not handle.done(), handle.wait()
-        time.sleep(0.2)
-    raise TimeoutError(f"no progress matched within {timeout} s: {p}")
-
-
-def rollout_threads(client) -> list[str]:
-    """The rollout generation and relay threads still alive on the rollout workers."""
-    from laminar.cluster import workers_with
-
-    def names(dask_worker=None) -> list[str]:
-        # nested, so that it is pickled by value: workers cannot import the test modules
-        import threading
-
-        prefixes = ("gen-", "relay-")
-        return [t.name for t in threading.enumerate() if t.name.startswith(prefixes)]
-
-    return sum(client.run(names, workers=workers_with(client, "rollout")).values(), [])
 
 
 @contextlib.contextmanager

@@ -22,33 +22,11 @@ import time
 import numpy as np
 import pytest
 from conftest import SMALL_RUN
+from runs import rollout_threads, wait_for
 
 from storage import open_run
 from storage.audit import audit_run
 from storage.metrics import open_metrics
-
-
-def wait_for(handle, predicate, timeout: float = 120.0) -> dict:
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        p = handle.progress()
-        if predicate(p):
-            return p
-        assert not handle.done(), handle.wait()
-        time.sleep(0.2)
-    raise TimeoutError(f"no progress matched within {timeout} s: {p}")
-
-
-def rollout_threads(client) -> list[str]:
-    """The rollout generation and relay threads still alive on the rollout workers."""
-    from laminar.cluster import workers_with
-
-    def names(dask_worker=None) -> list[str]:
-        import threading  # (nested: pickled by value, workers cannot import tests)
-
-        return [t.name for t in threading.enumerate() if t.name.startswith(("gen-", "relay-"))]
-
-    return sum(client.run(names, workers=workers_with(client, "rollout")).values(), [])
 
 
 @contextlib.contextmanager

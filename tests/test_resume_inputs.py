@@ -148,11 +148,7 @@ def test_a_relative_prompt_file_not_found_is_named_with_the_paths_tried(
     directory: the error names the field, the path it tried, the bytes it wants and
     the fix; nothing of the run directory is rewritten."""
     run = _started_in(tmp_path / "repo", saved, monkeypatch)
-    moved = tmp_path / "moved" / "a"
-    shutil.move(run, moved)
-    elsewhere = tmp_path / "elsewhere"
-    elsewhere.mkdir()
-    monkeypatch.chdir(elsewhere)
+    moved, elsewhere = _moved_and_resumed_elsewhere(run, tmp_path, monkeypatch)
     before = (moved / "config.yaml").read_text()
     digest = (moved / PROMPT_FINGERPRINT).read_text().split()[0]
     assert main(["run", "--resume", str(moved), "--set", "trainer.steps=3"]) == 2
@@ -318,11 +314,7 @@ def test_a_relative_model_path_found_nowhere_is_named_with_the_paths_tried(
     tmp_path, saved, tiny_policy, monkeypatch, capsys, no_cluster
 ):
     run = _started_with_folders(tmp_path / "repo", saved, tiny_policy, monkeypatch)
-    moved = tmp_path / "moved" / "a"
-    shutil.move(run, moved)
-    elsewhere = tmp_path / "elsewhere"
-    elsewhere.mkdir()
-    monkeypatch.chdir(elsewhere)
+    moved, elsewhere = _moved_and_resumed_elsewhere(run, tmp_path, monkeypatch)
     before = (moved / "config.yaml").read_text()
     assert main(["run", "--resume", str(moved), "--set", "trainer.steps=3"]) == 2
     err = capsys.readouterr().err
@@ -427,3 +419,15 @@ def test_a_damaged_store_array_is_refused_before_the_cluster_starts(
     ckpt = run / "checkpoints" / "version-000001"
     assert f"--run-dir NEW_DIR --set trainer.resume_from={ckpt}" in err
     assert (run / "config.yaml").read_text() == before
+
+
+def _moved_and_resumed_elsewhere(run, tmp_path, monkeypatch):
+    """``run`` moved to another folder (its recorded relative ``run_dir`` no longer
+    names where it was started) and the working directory another one: the moved run's
+    folder and that directory."""
+    moved = tmp_path / "moved" / "a"
+    shutil.move(run, moved)
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
+    return moved, elsewhere
