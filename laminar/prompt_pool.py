@@ -330,6 +330,13 @@ class PromptPoolCore:
         """The outstanding groups last handed to ``rollout_id``."""
         return sorted(u for u, (rid, _) in self._owner.items() if rid == rollout_id)
 
+    def forget(self, rollout_id: str) -> None:
+        """``rollout_id`` was given up as lost: it leaves the queue for room (the head
+        of the queue is the next live asker) and its last answer is dropped (its asks
+        are refused from now on, so none is served again)."""
+        self._queue.pop(rollout_id, None)
+        self._answers.pop(rollout_id, None)
+
     def reissue_stranded(self, rollout_id: str, known: set[str] | frozenset[str]) -> list[str]:
         """``rollout_id`` was given up as lost (fenced): of the outstanding groups handed
         to it, those nothing else will complete — ``known`` holds the prompt uids the
@@ -339,8 +346,7 @@ class PromptPoolCore:
         it and never registered (it was killed between the two, or it never received the
         answer), no recovery finds them, and a few such batches stall the run. Returns
         their uids (``reissued_at_fence`` counts them)."""
-        self._queue.pop(rollout_id, None)
-        self._answers.pop(rollout_id, None)
+        self.forget(rollout_id)
         stranded = []
         for uid in self.handed_to(rollout_id):
             _, group = self._owner.pop(uid)
@@ -483,7 +489,7 @@ class PromptPool:
         which then asks what the partial-response pool and the buffer know and hands
         the groups given to it that neither does out again (:meth:`reissue_stranded`)."""
         self.fenced.setdefault(rollout_id, time.time())
-        self.core._queue.pop(rollout_id, None)
+        self.core.forget(rollout_id)
         self._changed()  # (a take of it waiting now is refused)
 
     def _refuse(self, rollout_id: str) -> None:

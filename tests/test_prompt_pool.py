@@ -90,6 +90,23 @@ def test_a_queued_rollout_that_stops_asking_gives_up_its_place():
     assert len(pool.acquire(1, "r1", idle=True, now=11.0)) == 1
 
 
+def test_a_rollout_given_up_as_lost_leaves_the_queue_at_once():
+    """Fenced (the driver gave it up), a queued rollout's place goes at once to the next
+    in the queue, not after it would have stopped asking (QUEUE_EXPIRY_S); and the
+    groups handed to it for its last ask are no longer served as that ask's answer."""
+    pool = make_pool(max_outstanding=1)
+    given = pool.acquire(1, "r0", idle=True, now=0.0, ask=1)
+    assert len(given) == 1 and pool.answered("r0", 1) == given
+    assert pool.acquire(1, "lost", idle=True, now=0.0) == []  # queued ahead of r1
+    assert pool.acquire(1, "r1", idle=True, now=0.5) == []
+    pool.release([g for g in pool.outstanding])
+    assert pool.acquire(1, "r1", idle=True, now=1.0) == []  # room promised to "lost"
+    pool.forget("lost")
+    assert len(pool.acquire(1, "r1", idle=True, now=1.5)) == 1
+    pool.forget("r0")
+    assert pool.answered("r0", 1) is None
+
+
 def test_groups_carry_prompt_and_unique_uids_across_epochs():
     pool = make_pool(max_outstanding=100, n=3)
     groups = pool.acquire(7)
