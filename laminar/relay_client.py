@@ -229,7 +229,11 @@ def fetch_version(
     version: int, puller: Puller | None, checkpoints_dir: str | Path | None
 ) -> dict[str, torch.Tensor]:
     """Weights of an old ``version`` (recovery): a relay's kept copy, else the trainer's
-    checkpoint ``checkpoints_dir/version-NNNNNN`` on disk."""
+    checkpoint ``checkpoints_dir/version-NNNNNN`` on disk, its files checked against its
+    manifest first. A damaged checkpoint is :class:`VersionUnavailable`, naming the
+    files: a flipped bit in the weights would otherwise finish a lost rollout's
+    responses with weights nobody published, their log-probs taken as the behavior
+    policy's."""
     if puller is not None:
         try:
             return puller.version(version)
@@ -240,6 +244,18 @@ def fetch_version(
         files = sorted(folder.glob("*.safetensors"))
         if files:
             from safetensors.torch import load_file
+
+            from laminar.files import ManifestMismatch, check_manifest
+            from laminar.prompt_pool import DATA_STATE
+
+            try:  # (a checkpoint written before manifests were: loaded unchecked)
+                check_manifest(folder, leave_out=(DATA_STATE,), require=("model.safetensors",))
+            except ManifestMismatch as e:
+                said = "; ".join(f"{str(path)!r}: {what}" for path, what in e.problems)
+                raise VersionUnavailable(
+                    f"version {version} is not kept by the relay, and its checkpoint is "
+                    f"damaged ({said}); its weights cannot be had as published"
+                ) from None
 
             state: dict[str, torch.Tensor] = {}
             for f in files:

@@ -374,6 +374,28 @@ def test_fetch_version_falls_back_to_the_checkpoint(tmp_path):
         fetch_version(8, None, tmp_path)
 
 
+def test_fetch_version_refuses_a_damaged_checkpoint_naming_the_file(tmp_path):
+    """Recovery loads an old version from its checkpoint only as the trainer wrote it:
+    one flipped bit in the weights (the safetensors header intact, so the file loads)
+    is VersionUnavailable naming the file, and the rollout drops the requests it would
+    have finished with those weights (rollout_recovery._drop_adopted)."""
+    from safetensors.torch import save_file
+
+    from laminar.files import write_manifest
+
+    folder = tmp_path / "version-000007"
+    folder.mkdir()
+    save_file({"w": torch.ones(1024)}, folder / "model.safetensors")
+    write_manifest(folder)
+    assert torch.equal(fetch_version(7, None, tmp_path)["w"], torch.ones(1024))
+    data = bytearray((folder / "model.safetensors").read_bytes())
+    data[-100] ^= 0x01  # (a weight's byte)
+    (folder / "model.safetensors").write_bytes(bytes(data))
+    said = r"version 7 is not kept.*model\.safetensors.*its bytes changed since it was written"
+    with pytest.raises(VersionUnavailable, match=said):
+        fetch_version(7, None, tmp_path)
+
+
 def test_close_stops_the_forwarder_and_the_relay_threads():
     """At a run's end the driver closes every relay: nothing of it is left running on a
     long-lived worker (a forwarder destroyed pending is what asyncio complains of)."""
