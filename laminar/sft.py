@@ -32,7 +32,14 @@ import torch
 
 from laminar.config import RunConfig
 from laminar.errors import ConfigError, RunStopped
-from laminar.files import replace_text, sync_dir, sync_tree
+from laminar.files import (
+    ManifestMismatch,
+    check_manifest,
+    replace_text,
+    sync_dir,
+    sync_tree,
+    write_manifest,
+)
 from laminar.model import (
     build_tiny_policy,
     build_tokenizer,
@@ -47,6 +54,8 @@ from laminar.tasks import Prompt, demonstration, length_sigmas, longest_demonstr
 from laminar.update import micro_batches, pack, response_logprobs
 
 logger = logging.getLogger(__name__)
+
+SFT_INFO = "sft_info.json"  # a cache entry's record: how it was trained, its scorings
 
 # Bump when the SFT procedure changes, so cached results of the old one are not reused.
 SFT_VERSION = 2
@@ -207,7 +216,7 @@ def warm_start(
             if not math.isfinite(rewards[scoring]):  # (nothing scored: not kept)
                 return out, {**_public(info), "eval_reward": rewards[scoring], "cached": True}
             try:
-                replace_text(out / "sft_info.json", json.dumps(info, indent=2))
+                replace_text(out / SFT_INFO, json.dumps(info, indent=2))
             except OSError as e:  # a read-only cache: the score is not kept, the run goes on
                 logger.warning("warm start: could not keep this scoring in %s (%s)", out, e)
         return out, {**_public(info), "eval_reward": rewards[scoring], "cached": True}
@@ -228,7 +237,9 @@ def warm_start(
     with _staged(out, cfg) as tmp:
         model.save_pretrained(tmp)
         tok.save_pretrained(tmp)
-        (tmp / "sft_info.json").write_text(json.dumps(info, indent=2))
+        # (each file's size and digest, but the info file: scorings are added to it)
+        write_manifest(tmp, leave_out=(SFT_INFO,))
+        (tmp / SFT_INFO).write_text(json.dumps(info, indent=2))
     # (the weights kept before they are scored: a run stopped meanwhile, or whose reward
     # failed on everything, is followed by one that scores them without training again;
     # a nan score is not kept, so that one scores them. Merged into the entry's file:
@@ -238,7 +249,7 @@ def warm_start(
     if math.isfinite(reward):
         kept = _cached_info(out) or dict(info)
         kept["eval_rewards"] = {**kept.get("eval_rewards", {}), scoring: reward}
-        replace_text(out / "sft_info.json", json.dumps(kept, indent=2))
+        replace_text(out / SFT_INFO, json.dumps(kept, indent=2))
     return out, {**_public(info), "eval_reward": info["eval_rewards"][scoring]}
 
 
@@ -258,7 +269,7 @@ def _adopt(out: Path, inputs: dict, given: str) -> Path:
     names = {given, os.path.relpath(given)} if os.path.isabs(given) else {given}
     for name in sorted(names):
         old = out.parent / _entry({**inputs, "task": {**inputs["task"], "prompt_file": name}})
-        if not (old / "sft_info.json").exists():
+        if not (old / SFT_INFO).exists():
             continue
         try:
             os.rename(old, out)
@@ -272,22 +283,27 @@ def _adopt(out: Path, inputs: dict, given: str) -> Path:
 def _cached_info(out: Path) -> dict | None:
     """The cache entry's ``sft_info.json``, or None when there is no entry. An entry that
     cannot be read (its info file truncated or missing: a crash, a full disk, someone's
-    hand) is moved aside, not deleted, and trained again."""
+    hand), or whose files differ from its manifest (a flipped bit in the weights, a file
+    cut short: every run would start from weights no warm start made), is moved aside,
+    not deleted, and trained again. An entry written before entries had a manifest is
+    used unchecked."""
     if not out.exists():
         return None
     try:
-        info = json.loads((out / "sft_info.json").read_text())
+        info = json.loads((out / SFT_INFO).read_text())
         if not isinstance(info, dict):
             raise ValueError(f"a JSON object expected, got {type(info).__name__}")
+        check_manifest(out, leave_out=(SFT_INFO,), require=("model.safetensors",))
         return info
-    except (OSError, ValueError) as e:  # (json.JSONDecodeError and UnicodeDecodeError too)
+    # (json.JSONDecodeError and UnicodeDecodeError too)
+    except (OSError, ValueError, ManifestMismatch) as e:
         # (a fresh empty folder, renamed over: two set aside in one second stay apart)
         aside = Path(tempfile.mkdtemp(prefix=f"{out.name}.unreadable-", dir=out.parent))
         with contextlib.suppress(FileNotFoundError):  # (another run moved it first)
             os.rename(out, aside)
         logger.warning(
-            "warm start: the cache entry %s cannot be read (%s); moved to %s, training "
-            "again (delete it once you no longer need it)",
+            "warm start: the cache entry %s cannot be read as written (%s); moved to %s, "
+            "training again (delete it once you no longer need it)",
             out,
             e,
             aside,

@@ -81,6 +81,33 @@ def test_an_unreadable_cache_entry_is_set_aside_and_trained_again(small_config, 
     assert len(list(tmp_path.glob(f"{path.name}.unreadable-*"))) == 2
 
 
+def test_a_cache_entry_whose_weights_changed_is_set_aside_and_trained_again(
+    small_config, tmp_path, caplog
+):
+    """An entry records each file's size and digest (but sft_info.json, where scorings
+    are added): one flipped bit in the weights (the safetensors header intact, so they
+    load) would start every run from weights no warm start made. It moves aside, named
+    with the file in a warning, and is trained again; an entry with no manifest (written
+    before entries had one) is used as it is."""
+    cfg = with_overrides(small_config, [f"sft.cache_dir={tmp_path}", "sft.steps=2"])
+    prompts = load_prompts(cfg)
+    path, _ = warm_start(cfg, prompts)
+    listed = json.loads((path / "manifest.json").read_text())["files"]
+    assert "model.safetensors" in listed and "sft_info.json" not in listed
+    weights = path / "model.safetensors"
+    data = bytearray(weights.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    weights.write_bytes(bytes(data))
+    with caplog.at_level("WARNING", logger="laminar.sft"):
+        again, info = warm_start(cfg, prompts)
+    assert again == path and info["cached"] is False
+    (aside,) = tmp_path.glob(f"{path.name}.unreadable-*")
+    assert (aside / "model.safetensors").read_bytes() == bytes(data)  # kept as it was
+    assert "model.safetensors" in caplog.text and "its bytes changed" in caplog.text
+    (path / "manifest.json").unlink()
+    assert warm_start(cfg, prompts)[1]["cached"] is True
+
+
 def test_a_prompt_file_of_other_rows_joining_to_the_same_text_is_trained_anew(
     small_config, tmp_path
 ):
