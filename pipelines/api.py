@@ -225,6 +225,11 @@ def absolute_paths(cfg: RunConfig) -> RunConfig:
         # laminar reads only local folders, but it may be meant as a hub id)
         if _is_path(key, given) and (key != "model.path" or os.path.exists(given)):
             cfg = _with(cfg, key, os.path.abspath(given))
+    # sft.cache_dir unset defaults to $LAMINAR_CACHE: a relative one is recorded as this
+    # directory resolves it (a worker, or a resume, elsewhere would find another cache)
+    env = os.environ.get("LAMINAR_CACHE")
+    if cfg.sft.cache_dir is None and env and _is_path("sft.cache_dir", env):
+        cfg = _with(cfg, "sft.cache_dir", os.path.abspath(env))
     return cfg
 
 

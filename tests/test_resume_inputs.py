@@ -272,6 +272,20 @@ def test_what_is_not_a_path_from_here_stays_as_given(tmp_path, monkeypatch):
     assert absolute_paths(RunConfig()) == RunConfig()  # (nothing set: nothing changed)
 
 
+def test_a_relative_laminar_cache_is_recorded_as_this_directory_resolves_it(tmp_path, monkeypatch):
+    """sft.cache_dir unset, the cache is $LAMINAR_CACHE: a relative one would resolve
+    against each worker's (and a resume's) own directory, so the run records it
+    absolute; an absolute or home-relative one, or a cache_dir set, is left as it is."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("LAMINAR_CACHE", "cache")
+    assert absolute_paths(RunConfig()).sft.cache_dir == str(tmp_path / "cache")
+    set_dir = with_overrides(RunConfig(), [f"sft.cache_dir={tmp_path / 'mine'}"])
+    assert absolute_paths(set_dir) == set_dir
+    for given in ("~/cache", "/shared/cache"):
+        monkeypatch.setenv("LAMINAR_CACHE", given)
+        assert absolute_paths(RunConfig()) == RunConfig()
+
+
 def _started_with_folders(start: Path, saved: Path, tiny_policy: Path, monkeypatch) -> Path:
     """A run started in ``start`` with ``model.path=models/tiny``, ``sft.cache_dir=cache``
     and ``--run-dir runs/a``, as laminar recorded them before it made them absolute."""
