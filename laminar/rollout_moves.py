@@ -62,7 +62,10 @@ class MovesMixin:
         ``None`` if there is no batch to take any more, or if it is not the one the
         manager planned with: another batch than ``batch`` (:meth:`load`'s; the planned
         one drained and a fresh one began), or more than ``max_requests`` requests (it
-        took new groups since: the destination's limits were planned without them)."""
+        took new groups since: the destination's limits were planned without them).
+        ``None`` too while the data module is flagged lost (recovery log on): the
+        destination takes the exported requests as logged up to their last token, and
+        only a flush that went through makes them so."""
         return self._command(lambda: self._export_all(batch, max_requests))
 
     def import_for_move(
@@ -126,7 +129,16 @@ class MovesMixin:
         if max_requests is not None and len(ids) > max_requests:
             return None
         t0 = time.perf_counter()
-        self._log_partial(force=True)  # the log holds every exported token
+        self._log_partial(force=True)  # the log holds every exported token ...
+        if self.partial is not None and self._data_lost is not None:
+            # ... unless the flush was skipped (a pool call timed out: flagged lost until
+            # a probe) or failed. The destination counts every exported token as logged:
+            # its flushes would start past the log's end, and the pool ignores a gap and
+            # every flush after it, the finish included. (Sending the offset logged along
+            # does not do: a flush of ours still queued in the pool could run after the
+            # destination's and cut the log back behind it. One that went through now
+            # ran after every earlier one: the pool serves its calls in order.)
+            return None
         states = self.engine.export(ids)
         for st in states:
             self._logged.pop(st.request_id, None)
@@ -205,8 +217,9 @@ class MovesMixin:
         self._imported.append(frozenset(st.request_id for st in states))
         self._logged.update({st.request_id: len(st.tokens) for st in states})
         self._reprefill = True
-        self.counts["moves_in"] += sources
-        self.counts["requests_in"] += len(states)
+        if sources:  # (a recovery's import is no move: requests_in matches requests_out)
+            self.counts["moves_in"] += sources
+            self.counts["requests_in"] += len(states)
         self.counts["reprefill_tokens"] += sum(st.context_len for st in states)
         return True
 

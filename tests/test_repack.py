@@ -195,7 +195,8 @@ def test_an_import_past_the_planners_max_batch_is_refused_and_a_recovery_is_no_m
 ):
     """A destination that took new groups since the plan (``rollout.top_up``: its batch
     number stays) would exceed ``max_batch`` with the planned import: refused. An import
-    of a lost rollout's requests (``sources=0``) is not counted as a move taken in."""
+    of a lost rollout's requests (``sources=0``) is not counted as a move taken in, nor
+    its requests as moved ones (``requests_in`` adds up to the sources' ``requests_out``)."""
     from laminar.config import with_overrides
     from laminar.contract import PromptGroup
     from laminar.rollout import RolloutReplica
@@ -214,7 +215,7 @@ def test_an_import_past_the_planners_max_batch_is_refused_and_a_recovery_is_no_m
     assert len(dst.engine.request_ids()) == 4 and dst.counts["moves_in"] == 0
     assert dst._import(v, states, batch=1, sources=0, max_requests=8) is True
     assert len(dst.engine.request_ids()) == 8
-    assert dst.counts["moves_in"] == 0 and dst.counts["requests_in"] == 4
+    assert dst.counts["moves_in"] == 0 and dst.counts["requests_in"] == 0
 
 
 def test_an_import_past_c_max_is_refused_and_the_load_counts_waiting_requests(
@@ -397,6 +398,70 @@ def test_an_export_is_refused_when_the_batch_is_not_the_planned_one(tiny_policy,
         assert src.abort_export() == 0  # nothing exported any more: a no-op
     finally:
         stop.set()
+
+
+def test_a_source_whose_data_link_is_flagged_lost_exports_nothing(tiny_policy, small_config):
+    """The destination counts every exported token as in the partial-response log (the
+    source's forced flush). A source flagged lost (a slow pool call timed out) skips
+    that flush: the destination's flushes then started past the log's end, and the pool
+    ignored them all as a gap, the finish and owner included (a loss of it re-decoded
+    them from far behind, or never recovered them). It refuses the export now, also
+    when the forced flush itself fails; once the pool answers again, the move goes
+    through and the destination's flushes reach the log."""
+    import time
+
+    from factories import InProcess
+
+    from laminar.config import with_overrides
+    from laminar.contract import PromptGroup
+    from laminar.partial import PartialResponsePool
+    from laminar.rollout import RolloutReplica
+
+    cfg = with_overrides(small_config, ["rollout.parity_every=0", "rollout.max_new_tokens=30"])
+    pool = PartialResponsePool()
+    src, dst = (
+        RolloutReplica(r, cfg, str(tiny_policy), None, None, None, partial=InProcess(pool))
+        for r in ("r0", "r1")
+    )
+    src._add([PromptGroup("p00000000", 0, (5, 6, 7), "x", 4, 0)])
+    for _ in range(2):
+        src.engine.step()
+    src._log_partial(force=True)
+    src._data_lost = time.time()  # a flush timed out: flagged lost (it is only slow)
+    for _ in range(3):
+        src.engine.step()
+    src._in_batch, src._batch_seq = True, 1
+    dst._in_batch, dst._batch_seq = True, 1
+    assert src._export_all(1, None) is None
+    assert len(src.engine.request_ids()) == 4 and not src._held
+
+    class FailingFlush:  # (the pool answers everything but this flush)
+        def __getattr__(self, name):
+            if name == "flush":
+
+                def flush(*a, **k):
+                    raise TimeoutError("the partial-response pool did not answer")
+
+                return flush
+            return getattr(InProcess(pool), name)
+
+    src._data_lost, src.partial = None, FailingFlush()
+    assert src._export_all(1, None) is None and src._data_lost is not None
+    assert len(src.engine.request_ids()) == 4 and not src._held
+
+    src._data_lost, src.partial = None, InProcess(pool)  # the probe finds it answering
+    out = src._export_all(1, None)
+    assert out is not None
+    assert dst._import(0, out["states"], 1, 1)
+    src.release()
+    finished = []
+    while dst.engine.has_work():
+        done = dst.engine.step()
+        finished += done
+        dst._log_partial(done, force=True)
+    assert len(finished) == 4 and pool.core.counts["gaps"] == 0
+    entries = pool.core.entries.values()
+    assert all("finished" in e for e in entries) and {e["owner"] for e in entries} == {"r1"}
 
 
 def test_a_source_nobody_releases_takes_its_requests_back(tiny_policy, small_config):
