@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import time
+import uuid
 
 from laminar.cluster import actor_result, start_thread
 
@@ -520,12 +521,13 @@ class RecoveryMixin:
         )
         for rid in same:
             roll = self.rollouts[rid]
+            move = uuid.uuid4().hex[:12]  # (what the question names: this import)
             try:
-                ok = actor_result(roll, roll.import_for_move(version, batch), self.timeout)
+                future = roll.import_for_move(version, batch, move=move)
+                ok = actor_result(roll, future, self.timeout)
             except Exception:  # noqa: BLE001 — no answer: it may yet have gone in
-                ids = [st.request_id for st in batch]
                 try:  # (asked after the import, which it runs first)
-                    ok = actor_result(roll, roll.holds(ids), self.timeout)
+                    ok = actor_result(roll, roll.holds(move), self.timeout)
                 except Exception:  # noqa: BLE001 — try the next one
                     ok = False
             if ok:

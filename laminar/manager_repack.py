@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import time
+import uuid
 
 from laminar.cluster import actor_result
 from laminar.config import RunConfig
@@ -91,14 +92,22 @@ class RepackMixin:
 
     def check(self) -> list[dict]:
         """One planning round: loads, plan, moves. Returns the rows of its moves."""
-        loads = planner_loads(self._loads(), self._prev)
+        published = self._loads()
+        loads = planner_loads(published, self._prev)
         self.counts["checks"] += 1
         moves = plan(loads, c_max=self.rcfg.c_max, max_batch=self.max_batch)
-        rows = self._execute(moves, {ld.rollout_id: ld for ld in loads}) if moves else []
+        taken_in = {rid: ld.get("taken_in") for rid, ld in published.items() if ld}
+        by_id = {ld.rollout_id: ld for ld in loads}
+        rows = self._execute(moves, by_id, taken_in) if moves else []
         self._record_moves(rows)
         return rows
 
-    def _execute(self, moves: list, loads: dict[str, RolloutLoad]) -> list[dict]:
+    def _execute(
+        self,
+        moves: list,
+        loads: dict[str, RolloutLoad],
+        taken_in: dict[str, int | None] | None = None,
+    ) -> list[dict]:
         """Carry out a round's moves together: every source exports at once, then each
         destination imports all its sources' requests in one call (destinations at
         once), then every source whose move went through is released and every other
@@ -109,16 +118,29 @@ class RepackMixin:
         A request is never in no engine: a source holds what it exported until it is
         released or aborted (and takes it back by itself after a hold nobody ends), and
         the manager aborts every export it did not get the answer of, which may yet run.
-        ``loads`` (the planner's input) bounds each source's export to its planned batch."""
+        ``loads`` (the planner's input) and ``taken_in`` (each rollout's published
+        ``taken_in`` then) bound each source's export to its planned batch, grown by
+        nothing since.
+
+        Every export and import carries a token of its own: a release or abort acts on
+        the export of its token only (one delivered late leaves a later move alone), and
+        the question to a destination whose import was not answered is whether the
+        import of its token went through."""
         t0 = time.time()
         # Each phase's calls run at once: one deadline for all of them. (A command the
         # manager stops waiting for may still run on its rollout, which starts its own
         # clock later: every export not answered is aborted.)
         window = self.timeout
+        taken_in = taken_in or {}
+        round_id = uuid.uuid4().hex[:12]
+        token = {m.source: f"{round_id}:{m.source}" for m in moves}
         exports = {
             m.source: self._try(
                 lambda s=m.source: self.rollouts[s].export_for_move(
-                    batch=self._prev[s][0], max_requests=loads[s].n_requests
+                    batch=self._prev[s][0],
+                    max_requests=loads[s].n_requests,
+                    taken_in=taken_in.get(s),
+                    move=token[s],
                 )
             )
             for m in moves
@@ -133,7 +155,9 @@ class RepackMixin:
                     f"repack: {src} export", future, actor=self.rollouts[src], deadline=deadline
                 )
                 if not got:  # not answered: it may yet export, so undo it there
-                    aborts[src] = self._try(self.rollouts[src].abort_export)
+                    aborts[src] = self._try(
+                        lambda s=src: self.rollouts[s].abort_export(move=token[s])
+                    )
                 if out is None:  # (or its batch drained or changed meanwhile)
                     self.counts["skipped"] += 1
                 else:
@@ -156,6 +180,7 @@ class RepackMixin:
                         sources=len(s),
                         max_requests=self.max_batch,
                         max_kv=self.rcfg.c_max,
+                        move=f"{round_id}:{d}:{v}",
                     )
                 )
                 for (dst, v), sources in merged.items()
@@ -171,8 +196,9 @@ class RepackMixin:
                 )
                 ok_of |= dict.fromkeys(sources, got and answer is not False)
                 if not got:  # it may yet be imported: ask, after it (calls run in order)
-                    ids = [st.request_id for src in sources for st in outs[src]["states"]]
-                    unanswered[dst, v] = self._try(lambda d=dst, i=ids: self.rollouts[d].holds(i))
+                    unanswered[dst, v] = self._try(
+                        lambda d=dst, v=v: self.rollouts[d].holds(f"{round_id}:{d}:{v}")
+                    )
             # Twice as long: the question waits behind the import (and behind a pool call
             # the destination's generation thread may be in); given up on, the source
             # takes back what the destination may hold, and both decode it. The source
@@ -193,9 +219,13 @@ class RepackMixin:
         finally:
             for src in outs:
                 if not ok_of.get(src) and src not in aborts:  # refused, or not reached
-                    aborts[src] = self._try(self.rollouts[src].abort_export)
+                    aborts[src] = self._try(
+                        lambda s=src: self.rollouts[s].abort_export(move=token[s])
+                    )
             released = {
-                src: self._try(self.rollouts[src].release) for src in outs if ok_of.get(src)
+                src: self._try(lambda s=src: self.rollouts[s].release(move=token[s]))
+                for src in outs
+                if ok_of.get(src)
             }
             deadline = time.time() + window
             for src, future in released.items():

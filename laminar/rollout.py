@@ -142,11 +142,17 @@ class RolloutReplica(DataLinkMixin, WeightsMixin, RecoveryMixin, MovesMixin, Rew
         # ... and what it exported, (version, states), until the manager commits the move
         # (release) or aborts it (abort_export): they are still this rollout's
         self._exported: tuple[int, list[RequestState]] | None = None
+        # ... and the move it was exported for (the manager's token): a release or abort
+        # of another move (a call delivered late) leaves it alone
+        self._export_move: str | None = None
         self._hold_lock = threading.Lock()
         self._reprefill = False  # the next step re-prefills imported requests
         self._recompute = False  # ... or requests resumed after an interrupt
-        # The request ids of the latest imports (holds: an import went through)
-        self._imported: collections.deque[frozenset[str]] = collections.deque(maxlen=64)
+        # The manager's tokens of the latest imports that went through (holds)
+        self._imported: collections.deque[str] = collections.deque(maxlen=64)
+        # How often a batch took in more after it began (a top-up, an import), over the
+        # rollout's life: published with its load, an export checks none came since the plan
+        self._taken_in = 0
         self._load: dict = {}  # published by the generation thread after every step
         self.tok = load_tokenizer(policy_dir)
         self.engine = make_engine(
@@ -365,6 +371,7 @@ class RolloutReplica(DataLinkMixin, WeightsMixin, RecoveryMixin, MovesMixin, Rew
         if groups:
             self._add(groups, batch=False)
             self.counts["topped_up_groups"] += len(groups)
+            self._taken_in += 1
 
     def _add(self, groups: list[PromptGroup], batch: bool = True) -> None:
         now = time.time()

@@ -51,22 +51,30 @@ class MovesMixin:
             # holds less KV, but nothing of it has finished)
             "batch": self._batch_seq,
             "held": self._held,
+            # (changes when the batch takes in more: an export checks it is as planned)
+            "taken_in": self._taken_in,
             "t": time.time(),
         }
 
     def export_for_move(
-        self, batch: int | None = None, max_requests: int | None = None
+        self,
+        batch: int | None = None,
+        max_requests: int | None = None,
+        taken_in: int | None = None,
+        move: str | None = None,
     ) -> dict | None:
         """Hand every unfinished request to the manager and hold at the batch boundary
-        until :meth:`release` (the move is done) or :meth:`abort_export` (it is not).
-        ``None`` if there is no batch to take any more, or if it is not the one the
-        manager planned with: another batch than ``batch`` (:meth:`load`'s; the planned
-        one drained and a fresh one began), or more than ``max_requests`` requests (it
-        took new groups since: the destination's limits were planned without them).
-        ``None`` too while the data module is flagged lost (recovery log on): the
-        destination takes the exported requests as logged up to their last token, and
-        only a flush that went through makes them so."""
-        return self._command(lambda: self._export_all(batch, max_requests))
+        until :meth:`release` (the move is done) or :meth:`abort_export` (it is not),
+        each naming the same ``move`` (the manager's token for it). ``None`` if there is
+        no batch to take any more, or if it is not the one the manager planned with:
+        another batch than ``batch`` (:meth:`load`'s; the planned one drained and a
+        fresh one began), or one that took in more since (a top-up or an import:
+        :meth:`load`'s ``taken_in`` is not ``taken_in``; or more than ``max_requests``
+        requests): the destination's limits were planned without them. ``None`` too
+        while the data module is flagged lost (recovery log on): the destination takes
+        the exported requests as logged up to their last token, and only a flush that
+        went through makes them so."""
+        return self._command(lambda: self._export_all(batch, max_requests, taken_in, move))
 
     def import_for_move(
         self,
@@ -76,6 +84,7 @@ class MovesMixin:
         sources: int = 0,
         max_requests: int | None = None,
         max_kv: float | None = None,
+        move: str | None = None,
     ) -> bool:
         """Take over ``states`` (sampled by ``version``) into the running batch: a repack
         move's from ``sources`` rollouts (counted as ``moves_in``), or a lost rollout's
@@ -85,45 +94,58 @@ class MovesMixin:
         not count — and would then hold at most ``max_requests`` requests (the planner's
         ``max_batch``: a batch that took new groups since, ``rollout.top_up``, may have
         no room left for what was planned) and at most ``max_kv`` of its KV capacity
-        (``repack.c_max``: both sides' contexts grew since the plan)."""
+        (``repack.c_max``: both sides' contexts grew since the plan). ``move``: the
+        manager's token for this import, which :meth:`holds` answers about."""
         return self._command(
-            lambda: self._import(version, states, batch, sources, max_requests, max_kv)
+            lambda: self._import(version, states, batch, sources, max_requests, max_kv, move)
         )
 
-    def release(self) -> None:
-        """Commit the move :meth:`export_for_move` began: the exported requests are the
-        destination's now. The rollout pulls the newest weights and takes new prompts
-        (or, after :meth:`abort_export`, decodes its batch on)."""
+    def release(self, move: str | None = None) -> None:
+        """Commit the move :meth:`export_for_move` began for ``move``: the exported
+        requests are the destination's now. The rollout pulls the newest weights and
+        takes new prompts (or, after :meth:`abort_export`, decodes its batch on). A
+        release of another move is ignored: one delivered after this rollout took that
+        move's requests back (its hold ran out) and exported again must not commit the
+        later export, whose import may yet be refused."""
         with self._hold_lock:
-            self._held, self._exported = False, None
+            if self._exported is not None and self._export_move != move:
+                return
+            self._held, self._exported, self._export_move = False, None, None
 
-    def abort_export(self) -> int:
-        """Undo :meth:`export_for_move`: take the exported requests back and decode them
-        on. For a move that did not happen (the destination refused, or the manager gave
-        up waiting for the export, which may yet have run). Returns how many came back."""
-        return self._command(self._take_back)
+    def abort_export(self, move: str | None = None) -> int:
+        """Undo :meth:`export_for_move` of ``move``: take the exported requests back and
+        decode them on. For a move that did not happen (the destination refused, or the
+        manager gave up waiting for the export, which may yet have run). Returns how
+        many came back (0 for another move's export: that one is not undone)."""
+        return self._command(lambda: self._take_back(move))
 
-    def holds(self, request_ids: list[str]) -> bool:
-        """Whether this rollout took every one of ``request_ids``: decodes them, or
-        imported them and some finished since (the manager asks a destination whose
-        import it got no answer to: asked after the import, served after it)."""
-        return self._command(lambda: self._holds(request_ids))
+    def holds(self, move: str) -> bool:
+        """Whether the import the manager tokened ``move`` went through here (the
+        manager asks a destination whose import it got no answer to: asked after the
+        import, served after it). The import itself, not the requests: some may have
+        finished since (a move's tail is near its end), and some may have moved on in a
+        later move, which answering by request ids took for the old import's success."""
+        return self._command(lambda: self._holds(move))
 
-    def _holds(self, request_ids: list[str]) -> bool:
-        wanted = set(request_ids)
-        if wanted <= set(self.engine.request_ids()):
-            return True
-        # (A move's tail is near its end: one may finish before the question comes.)
-        return any(wanted <= ids for ids in self._imported)
+    def _holds(self, move: str) -> bool:
+        return move in self._imported
 
     def _exported_batches(self) -> list[tuple[int, list[RequestState]]]:
         exported = self._exported
         return [exported] if exported is not None else []
 
-    def _export_all(self, batch: int | None = None, max_requests: int | None = None):
+    def _export_all(
+        self,
+        batch: int | None = None,
+        max_requests: int | None = None,
+        taken_in: int | None = None,
+        move: str | None = None,
+    ):
         if not self._in_batch or self._held or not self.engine.has_work():
             return None
         if batch is not None and batch != self._batch_seq:
+            return None
+        if taken_in is not None and taken_in != self._taken_in:
             return None
         ids = list(self.engine.request_ids())
         if max_requests is not None and len(ids) > max_requests:
@@ -149,6 +171,7 @@ class MovesMixin:
             ]
         with self._hold_lock:
             self._held, self._exported = True, (self.engine.version, states)
+            self._export_move = move
         self._held_since = time.time()
         self.counts["moves_out"] += 1
         self.counts["requests_out"] += len(states)
@@ -160,13 +183,16 @@ class MovesMixin:
             "export_s": time.perf_counter() - t0,
         }
 
-    def _take_back(self) -> int:
+    def _take_back(self, move: str | None = None, any_move: bool = False) -> int:
         """The exported requests back into the engine, as they were before the export
-        (not counted as moved, nor this rollout as on their path twice)."""
+        (not counted as moved, nor this rollout as on their path twice): those of
+        ``move``'s export, or of whichever export with ``any_move`` (a hold that ran out)."""
         from dataclasses import replace
 
         with self._hold_lock:
             if self._exported is None:  # nothing exported, or the move was committed
+                return 0
+            if not any_move and self._export_move != move:  # (a late abort of another)
                 return 0
             version, states = self._exported
             if self.engine.version != version:  # a held source loads no weights: a bug
@@ -174,7 +200,7 @@ class MovesMixin:
                     f"rollout {self.rollout_id} holds requests of version {version} but "
                     f"its engine is at {self.engine.version}"
                 )
-            self._held, self._exported = False, None
+            self._held, self._exported, self._export_move = False, None, None
         back = []
         for st in states:
             st.request.meta["rollout_path"] = st.request.meta["rollout_path"][:-1]
@@ -196,6 +222,7 @@ class MovesMixin:
         sources: int,
         max_requests: int | None = None,
         max_kv: float | None = None,
+        move: str | None = None,
     ) -> bool:
         # (Paused: the batch is on its way out to wait for a version; taken in, these
         # would decode on with the old weights past the interrupt.)
@@ -214,7 +241,11 @@ class MovesMixin:
             if after > max_kv * kv.capacity_tokens:
                 return False
         self.engine.import_(states)
-        self._imported.append(frozenset(st.request_id for st in states))
+        if move is not None:
+            self._imported.append(move)
+        self._taken_in += 1
+        # (every token logged: a move's source flushed them all, a recovery's come from
+        # the log)
         self._logged.update({st.request_id: len(st.tokens) for st in states})
         self._reprefill = True
         if sources:  # (a recovery's import is no move: requests_in matches requests_out)
@@ -229,7 +260,7 @@ class MovesMixin:
             self._serve(0.02)
             if self._held and time.time() - self._held_since > limit:
                 # (a release may come meanwhile: then nothing is taken back)
-                if n := self._take_back():
+                if n := self._take_back(any_move=True):
                     self.counts["holds_timed_out"] += 1
                     logger.warning(
                         "rollout %s: held by a move for over %.0f s, neither released nor "

@@ -217,6 +217,31 @@ def test_a_committed_move_tells_the_pool_its_source(cfg):
     assert pool.moved_from == "r0"
 
 
+def test_a_round_names_each_move_and_the_batch_it_planned_with(cfg, monkeypatch):
+    """Each export, release and abort names its move (a late call of another move is
+    ignored), each import a token of its own, which the question to a destination that
+    did not answer names; an export names the ``taken_in`` of the load planned with."""
+    import laminar.manager_repack as repack_mod
+
+    states = [state("g0-000"), state("g0-001")]
+    src = FakeRollout(
+        {**decoding(kv=0.1), "taken_in": 7}, export_for_move=lambda **k: done(exported(states))
+    )
+    dst = FakeRollout({**decoding(kv=0.3), "taken_in": 2}, import_for_move=lambda *a, **k: never())
+    monkeypatch.setattr(repack_mod, "plan", lambda *a, **k: [Move("r0", "r1")])
+    manager = RolloutManager(cfg, {"r0": src, "r1": dst}, None)
+    (row,) = manager.check()
+    assert not row["ok"]  # (the import never answered; the question neither)
+    (export,) = src.called("export_for_move")
+    assert export[2]["taken_in"] == 7
+    (imp,) = dst.called("import_for_move")
+    (question,) = dst.called("holds")
+    assert question[1] == (imp[2]["move"],)
+    assert imp[2]["move"] != export[2]["move"]
+    (abort,) = src.called("abort_export")
+    assert abort[2] == {"move": export[2]["move"]} and not src.called("release")
+
+
 # -- the manager's loop --------------------------------------------------------------------
 
 
@@ -335,7 +360,7 @@ def test_stats_totals_hold_after_the_driver_fetched_and_the_manager_dropped_the_
     manager = RolloutManager(cfg, {}, None)
     rounds = iter([[move_row(i) for i in range(k, k + 4)] for k in range(0, 40, 4)])
     monkeypatch.setattr(repack_mod, "plan", lambda *a, **k: [Move("r0", "r1")])
-    monkeypatch.setattr(manager, "_execute", lambda moves, loads: next(rounds))
+    monkeypatch.setattr(manager, "_execute", lambda moves, loads, taken_in=None: next(rounds))
     fetched: list[dict] = []
     for n in range(10):
         manager.check()

@@ -400,6 +400,136 @@ def test_an_export_is_refused_when_the_batch_is_not_the_planned_one(tiny_policy,
         stop.set()
 
 
+class _Withdrawn(_Handle):
+    """A destination whose import is withdrawn unserved (its generation thread busy past
+    the timeout): the call never runs, and its answer never comes."""
+
+    def __getattr__(self, name):
+        if name != "import_for_move":
+            return super().__getattr__(name)
+        from concurrent.futures import Future
+
+        return lambda *args, **kwargs: Future()  # (never done)
+
+
+def test_a_withdrawn_import_is_not_taken_for_an_earlier_one_of_the_same_requests(
+    tiny_policy, small_config
+):
+    """r0 -> r1 moves requests S; r1 -> r0 moves them back on; a third round plans
+    r0 -> r1 again, and r1's import is withdrawn (never runs). The manager asks r1
+    whether it took them: answered by request ids, r1's record of its first import said
+    yes, r0 was released and S was in no engine, its groups never complete. The
+    question names the import now: r0 takes S back."""
+    from laminar.config import with_overrides
+    from laminar.manager import RolloutManager
+
+    cfg = with_overrides(
+        small_config,
+        ["rollout.parity_every=0", "repack.interval_s=1", "cluster.actor_timeout_s=0.5"],
+    )
+    a, stop_a = _decoding("r0", cfg, tiny_policy, 3)
+    b, stop_b = _decoding("r1", cfg, tiny_policy, 0)
+    try:
+        moved = set(a.engine.request_ids())
+        manager = RolloutManager(cfg, {"r0": _Handle(a), "r1": _Handle(b)}, master_relay=None)
+
+        def round_(src: str, dst: str):
+            manager._prev = {"r0": (1, 0.1), "r1": (1, 0.2)}
+            loads = {
+                "r0": RolloutLoad("r0", 0, 0.1, 0.2, len(a.engine.request_ids())),
+                "r1": RolloutLoad("r1", 0, 0.2, 0.3, len(b.engine.request_ids())),
+            }
+            (row,) = manager._execute([Move(src, dst)], loads)
+            return row
+
+        assert round_("r0", "r1")["ok"] and set(b.engine.request_ids()) == moved
+        assert round_("r1", "r0")["ok"] and set(a.engine.request_ids()) == moved
+        manager.rollouts["r1"] = _Withdrawn(b)
+        assert not round_("r0", "r1")["ok"]
+        assert set(a.engine.request_ids()) == moved and not b.engine.request_ids()
+        assert not a._held and a._exported is None
+    finally:
+        stop_a.set(), stop_b.set()
+
+
+def test_a_late_release_or_abort_of_an_earlier_move_leaves_a_later_export_alone(
+    tiny_policy, small_config
+):
+    """A release delayed past the hold limit (the source took its requests back itself
+    and was exported from again) committed the later export whatever its move: were
+    that import refused, the abort found nothing to take back and the requests were in
+    no engine. A release or abort acts on the export of its own move only."""
+    import time
+
+    from laminar.config import with_overrides
+    from laminar.rollout import HOLD_LIMIT_TIMEOUTS
+
+    cfg = with_overrides(small_config, ["rollout.parity_every=0", "cluster.actor_timeout_s=0.5"])
+    src, stop = _decoding("r0", cfg, tiny_policy, 3)
+    try:
+        assert src.export_for_move(move="m1") is not None
+        deadline = time.time() + HOLD_LIMIT_TIMEOUTS * 0.5 + 5
+        while (src._held or not src.counts["holds_timed_out"]) and time.time() < deadline:
+            time.sleep(0.05)
+        assert not src._held and len(src.engine.request_ids()) == 3  # its hold ran out
+        assert src.export_for_move(move="m2") is not None
+        src.release(move="m1")  # (m1's release, delivered late)
+        assert src._held and src._exported is not None
+        assert src.abort_export(move="m1") == 0  # (m1's abort, delivered late)
+        assert src._held
+        assert src.abort_export(move="m2") == 3  # m2's import refused: taken back
+        assert not src._held and len(src.engine.request_ids()) == 3
+        assert src.export_for_move(move="m3") is not None
+        src.release(move="m3")
+        assert not src._held and src._exported is None and not src.engine.request_ids()
+    finally:
+        stop.set()
+
+
+def test_an_export_is_refused_when_its_batch_took_in_more_since_the_plan(tiny_policy, small_config):
+    """docs/repack.md: a source that took new groups since the plan (``rollout.top_up``)
+    exports nothing, its destination's limits planned without them. Only a count above
+    the planned ``n_requests`` was checked, and requests finishing meanwhile hid the new
+    ones. The load carries ``taken_in`` (a top-up or an import since); the export
+    names the planned one."""
+    from concurrent.futures import Future
+
+    from laminar.config import with_overrides
+    from laminar.contract import PromptGroup
+    from laminar.rollout import RolloutReplica
+
+    cfg = with_overrides(small_config, ["rollout.parity_every=0", "rollout.top_up=true"])
+    src = RolloutReplica("r0", cfg, str(tiny_policy), None, None, None)
+    src._add([PromptGroup("p00000000", 0, (5, 6, 7), "x", 4, 0)])
+    src.engine.step()
+    src._in_batch, src._batch_seq = True, 1
+    src._publish_load()
+    planned = src.load()["taken_in"]
+
+    class Pool:
+        def top_up(self, room, rollout_id, version, ask):
+            f = Future()
+            f.set_result(([PromptGroup("p00000001", 1, (5, 6, 7), "x", 4, 0)], 0))
+            return f
+
+    src.pool = Pool()
+    src._top_up()
+    assert len(src.engine.request_ids()) == 8
+    src._publish_load()
+    assert src.load()["taken_in"] == planned + 1
+    # (as if half had finished meanwhile: the count alone no longer tells)
+    assert src._export_all(1, 8, taken_in=planned) is None
+    assert len(src.engine.request_ids()) == 8 and not src._held
+    other = RolloutReplica("r1", cfg, str(tiny_policy), None, None, None)
+    other._add([PromptGroup("p00000002", 2, (5, 6, 7), "x", 4, 0)])
+    other.engine.step()
+    states = other.engine.export(list(other.engine.request_ids()))
+    assert src._import(0, states, 1, 1, move="in") is True  # an import counts too
+    assert src._export_all(1, 12, taken_in=planned + 1) is None
+    out = src._export_all(1, 12, taken_in=planned + 2)
+    assert out is not None and len(out["states"]) == 12
+
+
 def test_a_source_whose_data_link_is_flagged_lost_exports_nothing(tiny_policy, small_config):
     """The destination counts every exported token as in the partial-response log (the
     source's forced flush). A source flagged lost (a slow pool call timed out) skips
@@ -450,10 +580,10 @@ def test_a_source_whose_data_link_is_flagged_lost_exports_nothing(tiny_policy, s
     assert len(src.engine.request_ids()) == 4 and not src._held
 
     src._data_lost, src.partial = None, InProcess(pool)  # the probe finds it answering
-    out = src._export_all(1, None)
+    out = src._export_all(1, None, move="m")
     assert out is not None
-    assert dst._import(0, out["states"], 1, 1)
-    src.release()
+    assert dst._import(0, out["states"], 1, 1, move="m")
+    src.release(move="m")
     finished = []
     while dst.engine.has_work():
         done = dst.engine.step()

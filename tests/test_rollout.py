@@ -284,25 +284,48 @@ class _Serving:
 
 
 def test_an_import_whose_requests_finished_since_still_counts_as_held(tiny_policy, small_config):
-    """The manager asks a destination whose import it got no answer to whether it holds
-    the requests; if not, the source takes them back (or recovery hands them to another
-    rollout). Repack moves a batch's tail, responses near their end: one may finish on
-    the destination before the question is served. The import went through all the
-    same: answering no made the requests decode twice, on both rollouts."""
+    """The manager asks a destination whose import it got no answer to whether that
+    import (its token) went through; if not, the source takes them back (or recovery
+    hands them to another rollout). Repack moves a batch's tail, responses near their
+    end: one may finish on the destination before the question is served. The import
+    went through all the same: answering no made the requests decode twice, on both
+    rollouts."""
     states = _batch(tiny_policy, small_config, steps=3)
     ids = [st.request_id for st in states]
     dst = _rollout(tiny_policy, small_config)
     dst._in_batch, dst._batch_seq = True, 1
     with _Serving(dst):
-        assert dst.import_for_move(0, states, batch=1) is True
+        assert dst.import_for_move(0, states, batch=1, move="m1") is True
         for _ in range(200):  # decode until one of them has finished here
             dst.engine.step()
             if not set(ids) <= set(dst.engine.request_ids()):
                 break
         assert set(dst.engine.request_ids()) < set(ids)
-        assert dst.holds(ids) is True
-        assert dst.holds([*ids, "never-sent-000"]) is False
-        assert _rollout(tiny_policy, small_config)._holds(ids) is False  # (imported nothing)
+        assert dst.holds("m1") is True
+        assert dst.holds("m2") is False  # (an import that never ran here)
+        assert _rollout(tiny_policy, small_config)._holds("m1") is False  # (imported nothing)
+
+
+def test_an_import_is_not_held_because_an_earlier_one_of_the_same_requests_was(
+    tiny_policy, small_config
+):
+    """``holds`` answered by request ids: a rollout that imported requests and then
+    moved them on (a later round made it a source) still answered yes for them, from
+    its record of imports. A third move bringing them back, whose import was withdrawn
+    (it never ran), then read as done: the source was released and the requests were in
+    no engine, their groups never complete. It answers for the import (its token) now."""
+    states = _batch(tiny_policy, small_config, steps=3)
+    ids = [st.request_id for st in states]
+    dst = _rollout(tiny_policy, small_config)
+    dst._in_batch, dst._batch_seq = True, 1
+    assert dst._import(0, states, 1, 1, move="in-1") is True
+    out = dst._export_all(1, None, move="out-2")  # a source in a later round
+    assert {st.request_id for st in out["states"]} == set(ids)
+    dst.release(move="out-2")
+    assert not dst.engine.request_ids() and not dst._held
+    # The move bringing them back: its import withdrawn, never run here.
+    assert dst._holds("in-3") is False
+    assert dst._holds("in-1") is True  # (that one did run)
 
 
 def test_a_reward_value_that_fails_to_convert_marks_the_trajectory():
