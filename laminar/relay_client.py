@@ -122,8 +122,10 @@ class Puller:
         """``fn(relay, switches)``, started again on the new relay after a switch. A relay
         that cannot be reached (its worker lost: the call fails, or never returns) is
         given up for the one the manager switches us to, if that comes within the
-        timeout (``wait_switch=False``: :class:`RelayUnreachable` at once); an answer
-        that is an error (checksum, eviction) is raised as it is."""
+        timeout, else :class:`RelayUnreachable` (``wait_switch=False``: at once); an
+        answer that is an error (checksum, eviction) is raised as it is. Callers catch
+        :class:`RelayError`: a raw timeout or comm error escaping here failed the
+        rollout."""
         while True:
             switches = self.switches
             if self.relay is None:  # lost, none to pull from yet
@@ -145,7 +147,9 @@ class Puller:
                 if not wait_switch:
                     raise RelayUnreachable(f"the relay cannot be reached: {e!r}") from e
                 if not self._switched_since(switches):
-                    raise
+                    raise RelayUnreachable(
+                        f"the relay cannot be reached and none replaced it in time: {e!r}"
+                    ) from e
                 self.retries += 1
 
     def _switched_since(self, switches: int) -> bool:

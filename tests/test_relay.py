@@ -647,3 +647,28 @@ def test_a_pull_survives_a_wait_that_met_its_answer_as_it_timed_out():
     version, state = puller.newest(-1, wait_switch=False)
     assert version == 3 and all(torch.equal(state[k], _state(3)[k]) for k in state)
     assert puller.retries == 0
+
+
+def test_a_relay_that_never_answers_is_unreachable_not_a_raw_timeout():
+    """A pull from a relay that does not answer (hung, not yet fenced) and is not
+    switched within the timeout raises RelayUnreachable: the rollout's callers catch
+    RelayError (fall back to the checkpoint, generate on); a raw TimeoutError escaped
+    them and failed the rollout."""
+    from concurrent.futures import Future
+
+    from laminar.relay_client import Puller, RelayUnreachable
+
+    class Hung:
+        key = "relay1"
+
+        def info(self, version):
+            return Future()  # never answered
+
+        def versions(self):
+            return Future()
+
+    puller = Puller(Hung(), timeout_s=0.2, poll_s=0.05)
+    with pytest.raises(RelayUnreachable, match="none replaced it in time"):
+        fetch_version(3, puller, None)
+    with pytest.raises(RelayUnreachable):
+        puller.versions()
