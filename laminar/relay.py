@@ -109,6 +109,11 @@ class Relay:
         self.errors: list[str] = []
         self._ignored = -1  # a version refused at its first chunk: drop the rest of it
         self._forwarding: dict[int, Snapshot] = {}  # versions pinned until forwarded
+        # Versions arriving here when a rechain gave us a new successor: each is sent to
+        # it whole once complete (its chunks so far went to the lost one).
+        self._resend_when_complete: set[int] = set()
+        self._rechaining = False  # no forwarder starts while a rechain swaps it
+        self._rechain_lock: asyncio.Lock | None = None
         self._tasks: set[asyncio.Task] = set()
         self.forwarded_chunks = 0
         self.forward_s = 0.0
@@ -133,31 +138,52 @@ class Relay:
         """The chain was rebuilt without a lost relay (docs/faults.md): take the new place
         in it. If the successor changed, whatever was being sent to the old one is
         abandoned (a send to a lost relay would wait out its timeout), and the newest
-        complete version is sent to the new one, which ignores it if it holds or began it
-        (a version it began from the lost relay stays incomplete there; the next
-        publication reaches it). Versions the master had queued are still forwarded.
-        Returns the version resent (``None``: none)."""
+        complete version is sent to the new one, which ignores it if it holds it already
+        (or began a newer one). A version still arriving here is sent to it whole once
+        complete; the new successor completes a version it began from the lost relay
+        from that send (:meth:`RelayCore.begin` ``resume``). Versions the master had
+        queued are still forwarded. Returns the version resent at once (``None``:
+        none)."""
+        if self._rechain_lock is None:
+            self._rechain_lock = asyncio.Lock()
+        async with self._rechain_lock:
+            return await self._rechain(chain, downstream, master)
+
+    async def _rechain(self, chain: list[str], downstream, master) -> int | None:
         changed = downstream is not None and getattr(downstream, "key", None) != getattr(
             self.downstream, "key", None
         )
         published: list[tuple] = []  # (master) versions queued, not yet forwarded
         if changed or downstream is None:
             forwarder, queue = self._forwarder, self._queue
-            self._forwarder = None  # (a chunk arriving meanwhile starts a fresh forwarder)
-            if forwarder is not None:
-                forwarder.cancel()
-                await asyncio.gather(forwarder, return_exceptions=True)
+            # Until the new forwarder starts, none may: one started while we wait would
+            # send to the lost relay, and release (again) a pin released below.
+            self._rechaining = True
+            try:
+                if forwarder is not None:
+                    forwarder.cancel()
+                    await asyncio.gather(forwarder, return_exceptions=True)
+            finally:
+                self._rechaining = False
+            # (No await from here to set_chain: chunks stored meanwhile were queued on
+            # the old queue, and are dropped with it.)
             while queue is not None and not queue.empty():
                 item = queue.get_nowait()
                 if item[0] == "version":
                     published.append(item)
-            for snap in self._forwarding.values():
+            forwarding, self._forwarding = self._forwarding, {}
+            for snap in forwarding.values():
                 self.core.unpin(snap)
-            self._forwarding.clear()
+            self._forwarder = None
         await self.set_chain(chain, downstream, master)
         self.rechains += 1
         newest = self.core.newest()
         resend = changed and newest is not None
+        if changed:
+            above = -1 if newest is None else newest.version
+            self._resend_when_complete = {v for v in self.core.arriving() if v > above}
+        elif downstream is None:
+            self._resend_when_complete = set()
         if resend:
             self._queue.put_nowait(("resend", newest.version, time.time()))
         for item in published:  # checksummed and sent as ever (the newest one only)
@@ -181,6 +207,8 @@ class Relay:
             await asyncio.to_thread(sender.close)
 
     def _ensure_forwarder(self) -> None:
+        if self._rechaining:  # (the rechain starts it once the old one has stopped)
+            return
         if self._forwarder is None or self._forwarder.done():
             self._loop = asyncio.get_running_loop()
             self._queue = asyncio.Queue()
@@ -332,30 +360,42 @@ class Relay:
             return  # evicted meanwhile: the newer one follows through the chain anyway
         try:
             for j in range(snap.n_chunks):
-                await self._send(snap, j, t_publish)
+                taken = await self._send(snap, j, t_publish)
+                if j == 0 and taken is False:
+                    return  # it holds this version or a newer one: the rest is not needed
         finally:
             self.core.unpin(snap)
 
     async def _forward_chunk(self, version: int, j: int, t_publish: float) -> None:
         """Send one chunk; the version stays pinned (not evictable) from its first chunk
-        to its last, so a lagging forwarder never loses a version halfway."""
+        to its last, so a lagging forwarder never loses a version halfway. That pin has
+        one owner, the ``_forwarding`` entry: whoever removes the entry releases it (a
+        newer version's first chunk or a rechain may drop it during a send). The send
+        holds a pin of its own, so the slot it reads is not recycled under it."""
         snap = self._forwarding.get(version)
         if snap is None:
-            return  # its forwarding failed earlier: the rest of it is dropped
+            return  # its forwarding failed earlier, or was dropped: the rest of it too
+        held = self.core.pin(version)
         try:
             await self._send(snap, j, t_publish)
         except Exception:
-            self._forwarding.pop(version, None)
-            self.core.unpin(snap)
+            self._stop_forwarding(version, snap)
             raise
+        finally:
+            self.core.unpin(held)
         if j == snap.n_chunks - 1:
-            self._forwarding.pop(version, None)
+            self._stop_forwarding(version, snap)
+
+    def _stop_forwarding(self, version: int, snap: Snapshot) -> None:
+        """Release the forwarding pin of ``snap``, unless it was released already."""
+        if self._forwarding.get(version) is snap:
+            del self._forwarding[version]
             self.core.unpin(snap)
 
-    async def _send(self, snap: Snapshot, j: int, t_publish: float) -> None:
+    async def _send(self, snap: Snapshot, j: int, t_publish: float):
         a, b = snap.span(j)
         t0 = time.perf_counter()
-        await self._downstream_call(
+        taken = await self._downstream_call(
             "receive_chunk",
             snap.version,
             snap.layout,
@@ -367,6 +407,7 @@ class Relay:
         )
         self.forward_s += time.perf_counter() - t0
         self.forwarded_chunks += 1
+        return taken
 
     async def receive_chunk(
         self,
@@ -377,11 +418,13 @@ class Relay:
         data,
         crc: int,
         t_publish: float,
-    ) -> None:
+    ) -> bool:
         """From the upstream relay: hand chunk ``j`` to the relay thread (store, verify)
         and return at once, so the upstream sends ``j+1`` while we verify ``j`` and
         forward ``j-1``. A chunk that fails verification never completes its version
-        (the error is in :meth:`stats`); the next version replaces it."""
+        (the error is in :meth:`stats`); the next version replaces it. Returns whether
+        the chunk was taken (``False``: its version is ignored here, held already or
+        older than one begun)."""
         self._ensure_forwarder()
         if j == 0:
             # Once the relay thread has run every earlier write, an older version still
@@ -390,16 +433,22 @@ class Relay:
             await self._run(lambda: None)
             for v, old in list(self._forwarding.items()):
                 if v < version and not old.complete:
-                    del self._forwarding[v]
-                    self.core.unpin(old)
-            snap = await self._run(self.core.begin, version, layout, chunk_bytes, self.timeout_s)
+                    self._stop_forwarding(v, old)
+            self._resend_when_complete = {v for v in self._resend_when_complete if v >= version}
+            # (resume: a version begun from a relay lost since, sent again from its start
+            # by the new upstream, goes on in the same snapshot)
+            snap = await self._run(
+                self.core.begin, version, layout, chunk_bytes, self.timeout_s, True
+            )
             if snap is None:  # not newer than what we hold: the whole version is ignored
                 self._ignored = version
-                return
-            if self.downstream is not None:
+                return False
+            if self._ignored == version:
+                self._ignored = -1
+            if self.downstream is not None and version not in self._forwarding:
                 self._forwarding[version] = self.core.pin(version)
         elif version == self._ignored:
-            return
+            return False
         # Submitted now (not when a task first runs): the relay thread keeps arrival order.
         stored = asyncio.get_running_loop().run_in_executor(
             self._pool, self.core.write_chunk, version, j, data, crc
@@ -407,6 +456,7 @@ class Relay:
         task = asyncio.ensure_future(self._after_store(stored, version, j, t_publish, layout))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
+        return True
 
     async def _after_store(self, stored, version: int, j: int, t_publish: float, layout) -> None:
         try:
@@ -418,6 +468,11 @@ class Relay:
         if self.downstream is not None:
             self._queue.put_nowait(("chunk", version, j, t_publish))
         if done:
+            # Arriving at a rechain, its first chunks went to the lost successor: the
+            # new one gets it whole. (Older ones waiting for that are not needed now.)
+            if version in self._resend_when_complete and self.downstream is not None:
+                self._queue.put_nowait(("resend", version, t_publish))
+            self._resend_when_complete = {v for v in self._resend_when_complete if v > version}
             self._completed(self.relay_id, version)
             await self._report(version)
             await self._run(self.core.prewarm, layout.nbytes)

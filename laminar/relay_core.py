@@ -238,11 +238,30 @@ class RelayCore:
 
     # -- writing ------------------------------------------------------------------------
     def begin(
-        self, version: int, layout: Layout, chunk_bytes: int, timeout: float = 30.0
+        self,
+        version: int,
+        layout: Layout,
+        chunk_bytes: int,
+        timeout: float = 30.0,
+        resume: bool = False,
     ) -> Snapshot | None:
         """Reserve a slot for ``version``; ``None`` if it is not newer than one already
-        begun (versions only move forward: a late or repeated one is ignored)."""
+        begun (versions only move forward: a late or repeated one is ignored). With
+        ``resume`` (a downstream relay's chunks), the newest version begun and still
+        incomplete, of the same layout and chunk size, is the one exception: its snapshot
+        is returned as it is, chunks held and all (sent again from the start by a new
+        upstream after a relay loss, docs/faults.md; a chunk that arrives twice counts
+        once)."""
         with self._lock:
+            if resume and version == self.newest_begun:
+                snap = self._snaps.get(version)
+                if (
+                    snap is not None
+                    and not snap.complete
+                    and snap.layout == layout
+                    and snap.chunk_bytes == chunk_bytes
+                ):
+                    return snap
             if version <= self.newest_begun:
                 self.counts["refused"] += 1
                 return None
@@ -375,6 +394,9 @@ class RelayCore:
             with self._lock:
                 self.counts["corrupt_chunks"] += 1
             raise RelayError(f"chunk {j} of version {version} failed its checksum; it is dropped")
+        with self._lock:
+            if snap.complete:  # (a chunk sent twice, the version visible meanwhile:
+                return False  # a visible snapshot is never written again)
         snap.buf[a:b] = data
         with self._lock:
             if snap.crcs[j] is None:
@@ -411,6 +433,11 @@ class RelayCore:
         with self._lock:
             return self._kept()
 
+    def arriving(self) -> list[int]:
+        """The versions begun here and not complete yet, oldest first."""
+        with self._lock:
+            return sorted(v for v, s in self._snaps.items() if not s.complete)
+
     def get(self, version: int) -> Snapshot:
         with self._lock:
             snap = self._snaps.get(version)
@@ -437,7 +464,13 @@ class RelayCore:
             return snap
 
     def unpin(self, snap: Snapshot) -> None:
+        """Release one :meth:`pin`. Releasing a pin nobody holds is a bug of the caller
+        (a slot whose count went below zero would never be recycled again): it raises."""
         with self._lock:
+            if snap.pins <= 0:
+                raise RelayError(
+                    f"version {snap.version} unpinned more often than pinned (pins {snap.pins})"
+                )
             snap.pins -= 1
             self._lock.notify_all()
 

@@ -649,6 +649,243 @@ def test_a_pull_survives_a_wait_that_met_its_answer_as_it_timed_out():
     assert puller.retries == 0
 
 
+# -- a relay loss while versions travel down the chain -------------------------------------
+
+
+class _Peer:
+    """An actor handle over a :class:`Relay` in this same event loop: each call copies
+    its arrays (as the comm would). ``hold`` (an ``asyncio.Event``) keeps the calls that
+    ``held(name, args)`` selects waiting until it is set; ``lost``: every later call
+    waits forever, and settles only once ``settle`` is set after it was cancelled (a
+    bulk send to a dead worker takes a while to stop)."""
+
+    def __init__(self, relay: Relay) -> None:
+        import asyncio
+
+        self.relay, self.key = relay, relay.relay_id
+        self.calls: list[tuple] = []  # (function, version, chunk) of receive_chunk calls
+        self.hold, self.held = None, None
+        self.lost = False
+        self.settle = asyncio.Event()
+
+    def __getattr__(self, name: str):
+        import asyncio
+
+        if name.startswith("_"):
+            raise AttributeError(name)
+
+        async def call(*args):
+            if name == "receive_chunk":
+                self.calls.append((args[0], args[3]))
+            if self.hold is not None and self.held(name, args):
+                await self.hold.wait()
+            if self.lost:
+                try:
+                    await asyncio.Event().wait()
+                except asyncio.CancelledError:
+                    await self.settle.wait()
+                    raise
+            args = [np.array(a) if isinstance(a, np.ndarray) else a for a in args]
+            return await getattr(self.relay, name)(*args)
+
+        return call
+
+
+def _chunks(version: int, k: int = 4):
+    """What an upstream relay sends of ``version``: (layout, chunk_bytes, j, data, crc)."""
+    from laminar.relay import _chunk_bytes
+
+    state = {"w": torch.full((4096,), float(version))}
+    layout = Layout.of(state)
+    cb = _chunk_bytes(layout.nbytes, k)
+    buf = np.zeros(layout.nbytes, np.uint8)
+    layout.write(buf, state)
+    out = []
+    for j in range(-(-layout.nbytes // cb)):
+        data = buf[j * cb : (j + 1) * cb].copy()
+        out.append((layout, cb, j, data, checksum(data)))
+    return out
+
+
+async def _until(predicate, timeout: float = 10.0) -> None:
+    import asyncio
+
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, "timed out"
+        await asyncio.sleep(0.005)
+
+
+def _relays(*ids: str) -> list[Relay]:
+    from laminar.config import RelayConfig
+
+    return [
+        Relay(r, RelayConfig(keep_versions=2, chunks=4, timeout_s=5, sender="loop")) for r in ids
+    ]
+
+
+def _pins(relay: Relay) -> dict[int, int]:
+    return {v: s.pins for v, s in relay.core._snaps.items()}
+
+
+def test_a_pin_released_more_often_than_taken_is_an_error():
+    """A slot whose pin count went below zero would never be recycled again: the relay
+    would refuse every version once its budget is used. The second release raises."""
+    core = RelayCore()
+    snap = _publish(core, 1, _state(1))
+    core.unpin(core.pin(1))
+    with pytest.raises(RelayError, match="version 1 unpinned more often than pinned"):
+        core.unpin(snap)
+    assert snap.pins == 0
+
+
+def test_a_version_dropped_while_its_last_chunk_is_sent_is_released_once():
+    """A middle relay's version stays incomplete (chunk 1 failed its checksum); the next
+    version's first chunk drops it while its last chunk is still being sent on. Its
+    forwarding pin is released once (it was released twice: pins -1), and the slot the
+    send reads from is held until the send returns."""
+    import asyncio
+
+    async def run() -> None:
+        x, y = _relays("relay1", "relay2")
+        to_y = _Peer(y)
+        to_y.hold = asyncio.Event()
+        to_y.held = lambda name, a: name == "receive_chunk" and a[0] == 1 and a[3] == 3
+        await x.set_chain(["master", "relay1", "relay2"], to_y, None)
+        await y.set_chain(["master", "relay1", "relay2"], None, None)
+        try:
+            for layout, cb, j, data, crc in _chunks(1):
+                await x.receive_chunk(1, layout, cb, j, data, crc ^ (j == 1), 0.0)
+            await _until(lambda: (1, 3) in to_y.calls)  # the last chunk is on its way
+            first = x.core._snaps[1]
+            layout, cb, j, data, crc = _chunks(2)[0]
+            await x.receive_chunk(2, layout, cb, 0, data, crc, 0.0)
+            assert first.pins == 1  # (the send's own pin: the slot is not recycled)
+            to_y.hold.set()
+            await _until(lambda: first.pins == 0 and x.forwarded_chunks == 4)
+            for layout, cb, j, data, crc in _chunks(2)[1:]:
+                await x.receive_chunk(2, layout, cb, j, data, crc, 0.0)
+            await _until(lambda: y.core.versions() == [2])
+            assert first.pins == 0 and _pins(x).get(2) == 0
+            assert [e for e in x.errors if "checksum" not in e] == []
+        finally:
+            to_y.hold.set()
+            await x.close()
+            await y.close()
+
+    asyncio.run(run())
+
+
+def test_a_version_arriving_at_a_rechain_reaches_the_new_successor_whole():
+    """relay1 -> relay2 -> relay3, relay2 lost while relay1 receives version 2. A chunk
+    arriving while relay1's rechain waits for its cancelled send starts no forwarder that
+    sends to the lost relay (whose failure released a pin twice, wedging relay1 once its
+    budget was used); and version 2, complete on relay1 after the rechain, is sent whole
+    to relay3 then, not left for the next publication."""
+    import asyncio
+
+    async def run() -> None:
+        a, b, c = _relays("relay1", "relay2", "relay3")
+        to_b, to_c = _Peer(b), _Peer(c)
+        chain = ["master", "relay1", "relay2", "relay3"]
+        await a.set_chain(chain, to_b, None)
+        await b.set_chain(chain, to_c, None)
+        await c.set_chain(chain, None, None)
+        try:
+            for layout, cb, j, data, crc in _chunks(1):
+                await a.receive_chunk(1, layout, cb, j, data, crc, 0.0)
+            await _until(lambda: c.core.versions() == [1])
+            to_b.lost = True
+            v2 = _chunks(2)
+            for layout, cb, j, data, crc in v2[:2]:
+                await a.receive_chunk(2, layout, cb, j, data, crc, 0.0)
+            await _until(lambda: (2, 0) in to_b.calls)  # stuck sending to the lost relay
+            rechain = asyncio.ensure_future(a.rechain(["master", "relay1", "relay3"], to_c, None))
+            await asyncio.sleep(0.05)  # the rechain waits for the cancelled send to stop
+            assert not rechain.done()
+            layout, cb, j, data, crc = v2[2]
+            await a.receive_chunk(2, layout, cb, j, data, crc, 0.0)
+            await asyncio.sleep(0.05)
+            to_b.settle.set()
+            assert await rechain == 1  # the newest complete version, at once
+            layout, cb, j, data, crc = v2[3]
+            await a.receive_chunk(2, layout, cb, j, data, crc, 0.0)
+            await _until(lambda: c.core.versions() == [1, 2])
+            assert [c for c in to_b.calls if c[0] == 2] == [(2, 0)]  # nothing more to it
+            await _until(lambda: all(p == 0 for p in _pins(a).values()))
+            assert not a.errors and not c.errors
+            for v in (3, 4, 5):  # relay1 still takes and forwards every version
+                for layout, cb, j, data, crc in _chunks(v):
+                    await a.receive_chunk(v, layout, cb, j, data, crc, 0.0)
+                await _until(lambda v=v: c.core.versions()[-1:] == [v])
+            assert _read(c.core, 5)["w"].eq(5.0).all()
+        finally:
+            to_b.settle.set()
+            await asyncio.gather(a.close(), b.close(), c.close())
+
+    asyncio.run(run())
+
+
+def test_a_version_begun_from_a_lost_relay_completes_from_the_new_upstream():
+    """master -> relay1 -> relay2; relay1 lost after sending on two of version 2's four
+    chunks. The master's rechain sends version 2 to relay2, which goes on with the
+    version it began (it refused it, and stayed at version 1 until a newer one was
+    published: a partial-rollout run whose rollouts wait for version 2 stalled)."""
+    import asyncio
+
+    async def run() -> None:
+        m, r1, r2 = _relays("master", "relay1", "relay2")
+        chain = ["master", "relay1", "relay2"]
+        to_r1, r1_to_r2, m_to_r2 = _Peer(r1), _Peer(r2), _Peer(r2)
+        await m.set_chain(chain, to_r1, None)
+        await r1.set_chain(chain, r1_to_r2, m)
+        await r2.set_chain(chain, None, m)
+        try:
+            await asyncio.to_thread(m.publish_local, 1, _state(1))
+            await _until(lambda: r2.core.versions() == [1])
+            r1_to_r2.hold = asyncio.Event()  # relay1 dies after two chunks of version 2
+            r1_to_r2.held = lambda name, a: name == "receive_chunk" and a[0] == 2 and a[3] >= 2
+            await asyncio.to_thread(m.publish_local, 2, _state(2))
+            await _until(lambda: (2, 2) in r1_to_r2.calls)
+            to_r1.lost = True
+            assert r2.core.stats()["arriving"] == [2]
+            assert await m.rechain(["master", "relay2"], m_to_r2, None) == 2
+            assert await r2.rechain(["master", "relay2"], None, m) is None
+            await _until(lambda: r2.core.versions() == [1, 2])
+            back = _read(r2.core, 2)
+            assert all(torch.equal(back[k], _state(2)[k]) for k in back)
+            assert r2.core.counts["refused"] == 0 and not r2.errors
+        finally:
+            to_r1.settle.set()
+            r1_to_r2.hold.set()
+            await asyncio.gather(m.close(), r1.close(), r2.close())
+
+    asyncio.run(run())
+
+
+def test_a_resumed_version_counts_a_chunk_sent_twice_once():
+    """``begin(resume=True)`` of the newest version begun, still incomplete, returns its
+    snapshot as it is; a different layout or chunk size, a complete version, an older
+    one, or a plain ``begin`` is still refused."""
+    src = RelayCore()
+    snap = _publish(src, 1, _state(1), chunk_bytes=256)
+    dst = RelayCore()
+    mine = dst.begin(1, snap.layout, 256)
+    for j in (0, 1):
+        a, b = snap.span(j)
+        dst.write_chunk(1, j, snap.buf[a:b].copy(), snap.crcs[j])
+    assert dst.begin(1, snap.layout, 256) is None
+    assert dst.begin(1, snap.layout, 512, resume=True) is None
+    assert dst.begin(1, snap.layout, 256, resume=True) is mine
+    done = []
+    for j in range(snap.n_chunks):
+        a, b = snap.span(j)
+        done.append(dst.write_chunk(1, j, snap.buf[a:b].copy(), snap.crcs[j]))
+    assert done == [False] * (snap.n_chunks - 1) + [True] and mine.received == snap.n_chunks
+    assert dst.begin(1, snap.layout, 256, resume=True) is None  # complete: held already
+    assert dst.begin(0, snap.layout, 256, resume=True) is None
+
+
 def test_a_relay_that_never_answers_is_unreachable_not_a_raw_timeout():
     """A pull from a relay that does not answer (hung, not yet fenced) and is not
     switched within the timeout raises RelayUnreachable: the rollout's callers catch
