@@ -83,12 +83,16 @@ class FaultHandling:
         elif self.data_restartable and list(lost) == ["data module"] and self._last_m_stats:
             r = self._data_restart = DataRestart(self, lost["data module"], self._last_m_stats)
         elif self.restartable and in_group and self._last_m_stats:  # (head shares data's)
+            # (the lost master's records copied: the newest may be newer than anything
+            # else the driver saw, and its number must not be published again)
+            copied = [*self._old_publications, *self._master_publications]
             r = self._data_restart = CoreRestart(
                 self,
                 lost[head],
                 self._last_t_stats,
                 self._last_m_stats,
                 exclude=set(group.values()),
+                published=max((p["version"] for p in copied), default=0),
             )
         else:
             raise error

@@ -484,13 +484,22 @@ class CoreRestart(DataRestart):
     1. a new master relay starts on it, heading the live chain;
     2. the data module is rebuilt as in :class:`DataRestart`, knowing version ``M``, the
        newest any part of the run saw published (the driver's last look at the trainer
-       and buffer, the rollouts' and relays' versions); the rollouts register their
-       unfinished trajectories with it and send again what the lost store lacked;
+       and buffer, the master's publication records it copied, the rollouts' and relays'
+       versions); the rollouts register their unfinished trajectories with it and send
+       again what the lost store lacked;
     3. a new trainer loads the checkpoint and numbers its updates after ``M``, as in
        :class:`TrainerRestart`.
 
     :meth:`step` advances it once per poll; :attr:`record` is what ``summary.json``
-    reports (``faults.core_restarts``)."""
+    reports (``faults.core_restarts``).
+
+    ``published``: the newest version of the lost master's publication records that the
+    driver copied (:meth:`pipelines.driver_metrics.MetricsRecording._keep_publications`).
+    The copy is taken late in a poll, after the trainer's stats: the trainer may have
+    published a version since, which nothing else that outlived it saw (one relay on a
+    single host, no rollout loaded it yet). Numbered after less, the new trainer
+    published that number again: two sets of weights under it, and two rows of it in
+    the ``publications`` table."""
 
     def __init__(
         self,
@@ -499,6 +508,7 @@ class CoreRestart(DataRestart):
         last_trainer: dict | None,
         last_manager: dict,
         exclude: set[str] = frozenset(),
+        published: int = 0,
     ) -> None:
         self.stand_in = trainer_stand_in(last_trainer, schedule.cfg.trainer.steps)
         self.exclude = {lost_worker, *exclude}  # (the lost group's workers)
@@ -506,7 +516,7 @@ class CoreRestart(DataRestart):
         self.master = None
         self.group: _Group | None = None
         self.handle = None  # rank 0's, once running
-        self.after = 0  # M, as of the last try (a retry never numbers after less)
+        self.after = published  # M, as of the last try (a retry never numbers after less)
         self.ranks: list = []  # the other ranks' handles, once running
         self.finished = False  # the lost trainer had finished (_final_checkpoint): none starts
         super().__init__(schedule, lost_worker, last_manager)
@@ -581,7 +591,9 @@ class CoreRestart(DataRestart):
     def _newest_published(self) -> int:
         """``M``: the newest version the lost trainer published, as far as anything that
         outlived it saw (it told the buffer of each before publishing it; a rollout or a
-        downstream relay may hold one the driver has not seen yet)."""
+        downstream relay may hold one the driver has not seen yet; the driver's copy of
+        the master's records, ``published`` at the start, may hold one newer than all of
+        these)."""
         from pipelines.driver import _answers
 
         s = self.s

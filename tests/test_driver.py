@@ -665,3 +665,53 @@ def test_progress_counts_the_updates_asked_for_not_the_skipped_version_numbers(
     p = seen[-1]
     assert (p["updates"], p["steps"]) == (14, 14)
     assert (p["version"], p["last_version"]) == (16, 16)
+
+
+def test_a_core_restart_numbers_after_a_version_only_the_copied_publication_records_saw(
+    tmp_path, monkeypatch
+):
+    """A poll reads the buffer's and the trainer's stats first (version 3) and copies the
+    master's publication records last: the trainer had published 4 between, and its
+    worker (with the data module) was killed before the next poll, no rollout having
+    loaded 4 (one relay on one host: none downstream). M was read from everything but
+    those records: 3. The new trainer then published 4 again — two sets of weights
+    under one number, and two rows of 4 in ``publications`` ([0, 1, 2, 3, 4, 4, 5, ...],
+    test_faults' one-worker restart, once in a suite run)."""
+    t = WORKERS["trainer"]
+    s, calls = fake_run(tmp_path, monkeypatch, set(WORKERS.values()) - {t})
+    s.restartable = True
+    s.core_workers = {"trainer and data module": t}
+    s._n_pubs = 0
+
+    def records(versions) -> list[dict]:
+        now = time.time()
+        return [
+            {"version": v, "t_publish": now, "stall_s": 0.01, "broadcast_s": 0.02} for v in versions
+        ]
+
+    lost = records(range(5))  # (the lost master's: 0 .. 4)
+    s.actors["relays"][0]._answers["publications_since"] = lambda since: lost[since:]
+    # The poll: the buffer and the trainer said 3, its fingerprints went up to 3 ...
+    s._last_data_stats = (BUFFER, {"outstanding": 0, "dispatched": 0})
+    s._last_t_stats = _trainer_stats(done=False)
+    s._published_fps = {v: v for v in range(4)}
+    s._last_m_stats = MANAGER
+    # ... and the master's records, copied last, hold 4; a flush writes them
+    s._keep_publications()
+    written = s._settled_publications(final=False)
+    assert [p["version"] for p in written] == [0, 1, 2, 3, 4]
+    # The shared worker is lost before the next poll: a core restart.
+    assert s._begin_restart({"trainer and data module": t}, ConnectionError("gone"))
+    r = s._data_restart
+    assert isinstance(r, restart.CoreRestart) and s._old_publications == lost
+    after = r._newest_published()  # (the rollout still holds 3)
+    assert after == 4
+    # The new trainer numbers its updates after M, on its new master.
+    new = records([after + 1, after + 2])
+    master = FakeActor("tcp://trainer:2", calls, publications_since=lambda since: new[since:])
+    s.actors["relays"][0], s._data_restart = master, None
+    s._last_t_stats = _trainer_stats(done=False) | {"version": after + 2}
+    s._keep_publications()
+    written += s._settled_publications(final=True)
+    versions = [p["version"] for p in written]
+    assert versions == sorted(set(versions)) == [0, 1, 2, 3, 4, 5, 6]
