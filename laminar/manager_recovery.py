@@ -189,6 +189,8 @@ class RecoveryMixin:
         # recovery, which may read old versions from them.
         if relays or stuck_relays:
             self.drop_relays([*relays, *stuck_relays])
+        elif getattr(self, "_chain_dirty", False) and self._master_lost is None:
+            self._rechain_again()
         gone += stuck
         if not recover and gone:
             self._fail_unrecovered(gone, now)
@@ -430,18 +432,35 @@ class RecoveryMixin:
 
     def _rechain(self, chain: list[str], errors: list[str]) -> dict[str, int]:
         """Give every relay of ``chain`` (master first) its place in it
-        (:meth:`~laminar.relay.Relay.rechain`). Returns relay -> the version it resent to
-        its new successor."""
+        (:meth:`~laminar.relay.Relay.rechain`). Returns relay -> the version it sent its
+        new successor at once (which the successor takes unless it holds it already; a
+        version still arriving above the gap follows once complete). A call that failed
+        leaves the chain *dirty*: each detection round calls every relay again
+        (:meth:`_rechain_again`; a relay already in place takes the call as a no-op) until
+        every call succeeded, so a relay is not left sending to a lost successor."""
         resent = {}
+        dirty = False
         for i, rid in enumerate(chain):
             nxt = self.relays[chain[i + 1]] if i + 1 < len(chain) else None
             master = None if i == 0 else self.relays[chain[0]]
-            _, version = self._noting(
-                f"{rid}.rechain", self.relays[rid].rechain(chain, nxt, master), errors
-            )
+            call = self._try(lambda r=rid, n=nxt, m=master: self.relays[r].rechain(chain, n, m))
+            ok, version = self._noting(f"{rid}.rechain", call, errors)
+            dirty = dirty or not ok
             if version is not None:
                 resent[rid] = version
+        self._chain_dirty = dirty
         return resent
+
+    def _rechain_again(self) -> None:
+        """A rechain call failed (:meth:`_rechain`): call every relay of the chain again."""
+        errors: list[str] = []
+        chain = self._chain()
+        self._rechain(chain, errors)
+        logger.warning(
+            "chain %s given again to every relay: %s",
+            " -> ".join(chain),
+            "; ".join(errors) if errors else "done",
+        )
 
     def drop_relays(self, gone: list[str]) -> dict[str, dict]:
         """Rebuild the chain without the ``gone`` relays: every live relay takes its new

@@ -185,6 +185,15 @@ class PartialResponsePool:
         self.timeout_s = timeout_s
         self._retained: list[int] | None = []  # (None: not told since the relays changed)
         self._pending: set = set()  # retain calls still running
+        # Each retain call is numbered (this pool's start, then a count): a relay ignores
+        # one older than the last it took (calls run concurrently and may land out of
+        # order). Per relay, the newest call it answered and the newest that failed: a
+        # failed one is sent again (the versions now) at the next sync.
+        self._retain_epoch = time.time()
+        self._retain_seq = 0
+        self._retain_acked: dict = {}
+        self._retain_failed: dict = {}
+        self._retain_busy: Counter = Counter()
         self.writer = None
         if run_dir is not None:
             # (read before the log is started over, in the one update that compacts it)
@@ -280,20 +289,40 @@ class PartialResponsePool:
         import asyncio
 
         versions = self.core.versions()
-        if versions == self._retained or not self.relays:
+        if not self.relays:
             return
+        relays = list(self.relays)
+        if versions == self._retained:
+            # (a relay whose last call failed is told again; not while one is on its way:
+            # a relay lost but not yet detected would gather calls waiting out timeouts)
+            relays = [
+                r
+                for r in relays
+                if self._retain_failed.get(_key(r), 0) > self._retain_acked.get(_key(r), 0)
+                and not self._retain_busy[_key(r)]
+            ]
+            if not relays:
+                return
         self._retained = versions
+        self._retain_seq += 1
+        seq = (self._retain_epoch, self._retain_seq)
 
         async def one(relay) -> None:
+            key = _key(relay)
+            self._retain_busy[key] += 1
             try:
-                await asyncio.wait_for(relay.retain(versions), self.timeout_s)
+                await asyncio.wait_for(relay.retain(versions, seq), self.timeout_s)
+                self._retain_acked[key] = max(self._retain_acked.get(key, 0), seq[1])
             except Exception:  # noqa: BLE001 — a lost relay: dropped when detected
                 self.core.counts["retain_errors"] += 1
+                self._retain_failed[key] = max(self._retain_failed.get(key, 0), seq[1])
+            finally:
+                self._retain_busy[key] -= 1
 
         # Live relays answer in milliseconds. A relay lost but not yet detected never
         # answers: its call runs out its timeout in the background, and the rollout
         # whose register or flush triggered this is not held up more than RETAIN_WAIT_S.
-        tasks = [asyncio.ensure_future(one(r)) for r in self.relays]
+        tasks = [asyncio.ensure_future(one(r)) for r in relays]
         self._pending |= set(tasks)
         for t in tasks:
             t.add_done_callback(self._pending.discard)
@@ -367,3 +396,8 @@ class PartialResponsePool:
                 "error": self._log_error,
             }
         return out
+
+
+def _key(relay):
+    """A relay's identity across calls: its actor key (a local Relay: its id)."""
+    return getattr(relay, "key", None) or getattr(relay, "relay_id", None) or id(relay)

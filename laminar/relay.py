@@ -114,6 +114,7 @@ class Relay:
         self._resend_when_complete: set[int] = set()
         self._rechaining = False  # no forwarder starts while a rechain swaps it
         self._rechain_lock: asyncio.Lock | None = None
+        self._retain_seq: tuple | None = None  # the newest retain call taken
         self._tasks: set[asyncio.Task] = set()
         self.forwarded_chunks = 0
         self.forward_s = 0.0
@@ -537,8 +538,15 @@ class Relay:
         """0: it answered (its event loop runs). The manager's hung-relay check."""
         return 0.0
 
-    async def retain(self, versions: list[int]) -> None:
-        """See :meth:`RelayCore.retain` (the manager sends the versions in use)."""
+    async def retain(self, versions: list[int], seq: tuple | None = None) -> None:
+        """See :meth:`RelayCore.retain` (the partial-response pool sends the versions in
+        use). ``seq`` numbers the pool's calls: one older than the last taken arrived
+        late (calls run concurrently) and is ignored."""
+        if seq is not None:
+            seq = tuple(seq)
+            if self._retain_seq is not None and seq < self._retain_seq:
+                return
+            self._retain_seq = seq
         self.core.retain(versions)
 
     async def stats(self) -> dict:

@@ -909,3 +909,85 @@ def test_a_relay_that_never_answers_is_unreachable_not_a_raw_timeout():
         fetch_version(3, puller, None)
     with pytest.raises(RelayUnreachable):
         puller.versions()
+
+
+def test_a_failed_rechain_call_is_made_again_at_the_next_detection_round():
+    """A relay whose rechain call failed (a timeout under load) was left sending to the
+    lost relay: the chain stays dirty, and each detection round gives every relay its
+    place again until every call succeeded."""
+    from concurrent.futures import Future
+
+    from laminar.config import RunConfig, with_overrides
+    from laminar.manager import RolloutManager
+
+    class FakeRelay:
+        def __init__(self, key: str, fail: int = 0) -> None:
+            self.key, self.fail, self.calls = key, fail, []
+
+        def rechain(self, chain, downstream, master):
+            self.calls.append((list(chain), getattr(downstream, "key", None)))
+            f = Future()
+            if self.fail:
+                self.fail -= 1
+                f.set_exception(TimeoutError("no answer"))
+            else:
+                f.set_result(None)
+            return f
+
+    cfg = with_overrides(RunConfig(), ["cluster.actor_timeout_s=0.5"])
+    master, r2, r3 = FakeRelay("master"), FakeRelay("r2"), FakeRelay("r3")
+    r1 = FakeRelay("r1", fail=2)
+    relays = {"master": master, "r1": r1, "r2": r2, "r3": r3}
+    workers = {"master": "tcp://w0", "r1": "tcp://w1", "r2": "tcp://w2", "r3": "tcp://w3"}
+    manager = RolloutManager(cfg, {}, master, relays=relays, relay_workers=workers)
+    manager._scheduler_workers = lambda: {"tcp://w0", "tcp://w1", "tcp://w3"}  # r2 lost
+    manager.detect()
+    assert r1.calls == [(["master", "r1", "r3"], "r3")] and manager._chain_dirty
+    manager.detect()  # r1 fails again
+    assert len(r1.calls) == 2 and len(master.calls) == 2 and manager._chain_dirty
+    manager.detect()
+    assert len(r1.calls) == 3 and not manager._chain_dirty
+    manager.detect()  # clean: no more calls
+    assert len(r1.calls) == 3 and len(r3.calls) == 3 and r2.calls == []
+
+
+def test_retain_calls_that_land_out_of_order_leave_the_newest_versions():
+    """The pool's retain calls run concurrently: an older one landing after a newer one
+    is ignored (it replaced the versions in use with stale ones), and a call that failed
+    is sent again at the next sync even if the versions did not change."""
+    import asyncio
+
+    from laminar.partial import PartialResponsePool
+
+    async def run() -> None:
+        relay = Relay("r1")
+        await relay.retain([1, 2], (1.0, 2))
+        await relay.retain([1], (1.0, 1))  # late
+        assert relay.core.retained == {1, 2}
+        await relay.retain([3], (2.0, 1))  # a rebuilt pool (a later start) numbers anew
+        assert relay.core.retained == {3}
+
+        class Flaky:
+            key = "r2"
+
+            def __init__(self) -> None:
+                self.fail, self.got = True, []
+
+            async def retain(self, versions, seq):
+                if self.fail:
+                    self.fail = False
+                    raise OSError("connection reset")
+                self.got.append((list(versions), seq))
+
+        flaky = Flaky()
+        pool = PartialResponsePool()
+        pool.core.versions = lambda: [5]
+        await pool.set_relays([flaky])  # fails
+        assert flaky.got == [] and pool.core.counts["retain_errors"] == 1
+        await pool._sync_retained()  # the versions did not change: told again all the same
+        assert [v for v, _ in flaky.got] == [[5]]
+        await pool._sync_retained()  # told: nothing more
+        assert len(flaky.got) == 1
+        await relay.close()
+
+    asyncio.run(run())
