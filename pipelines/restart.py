@@ -575,6 +575,9 @@ class CoreRestart(DataRestart):
         self.record["worker_wait_s"] = time.time() - self.t_lost
         after = self._newest_published()
         ckpt, version, fields = _restart_point(s.run_dir, after)
+        if version > after:  # (checkpointed after the driver's last copy: published first)
+            after = self.after = version
+            fields = _point_fields(ckpt, version, after)
         self.master = _new_master(s, worker, self.last_manager["chain"])
         # (the record stands in for the trainer's: nothing consumed at V or later stands)
         record = {"consumed": {}, "since": version, "version": after}

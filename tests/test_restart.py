@@ -277,3 +277,45 @@ def test_a_core_restart_after_the_final_checkpoint_waits_for_no_other_rank(tmp_p
     r = CoreRestart(s, LOST, {"version": 20, "steps": 20}, {"lost": [], "chain": ["master"]})
     with pytest.raises(Picked, match=NEW):
         r._begin()
+
+
+def test_a_core_restart_numbers_after_a_checkpoint_newer_than_anything_seen_published(
+    tmp_path, monkeypatch
+):
+    """The lost trainer published 6 and wrote its checkpoint 6 after the driver's last
+    look, and nothing that outlived it (one relay on one host, the buffer on the lost
+    worker, no rollout at 6 yet) saw 6: M read 5. A checkpoint's version was published
+    before it was written, so M is at least 6; the record said ``lost_updates`` -1."""
+    import json
+
+    from pipelines import restart
+    from pipelines.restart import CoreRestart
+
+    ckpt = tmp_path / "checkpoints" / "version-000006"
+    ckpt.mkdir(parents=True)
+    (ckpt / "trainer_state.json").write_text(json.dumps({"version": 6, "skipped_versions": 0}))
+    s = SimpleNamespace(
+        cfg=with_overrides(RunConfig(), ["trainer.steps=20"]),
+        client=SchedulerClient({NEW: {"trainer": 1, "data": 1}}),
+        run_dir=tmp_path,
+        resume_hint=lambda: "resume it",
+        actors={"rollouts": [Rollout({"version": 5})]},
+        tier=SimpleNamespace(handle=lambda rid: None),
+        trainer_restarts=[],
+        core_restarts=[],
+        _published_fps={4: 1, 5: 2},
+        _last_data_stats=({"version": 5}, {}),
+    )
+
+    class Picked(Exception):
+        pass
+
+    def picked(s, worker, chain):  # (the next step needs a cluster: M is chosen by now)
+        raise Picked(worker)
+
+    monkeypatch.setattr(restart, "_new_master", picked)
+    r = CoreRestart(s, LOST, {"version": 5, "steps": 20}, {"lost": [], "chain": ["master"]})
+    assert r._newest_published() == 5
+    with pytest.raises(Picked):
+        r._begin()
+    assert r.after == 6
