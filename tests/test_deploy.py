@@ -146,6 +146,9 @@ def test_a_run_on_a_tls_cluster(tmp_path):
     run_dir = tmp_path / "run"
     overrides = [
         *SMALL_RUN,
+        # (the warm start on one torch thread: on two, beside other work on a 2-core
+        # machine, it took 5-10 times as long; not in its cache key)
+        "sft.torch_threads=1",
         "cluster.security.generate=true",
         "relay.relays=1",
         "relay.audit_weights=true",
