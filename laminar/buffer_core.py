@@ -204,7 +204,12 @@ class BufferCore:
         *,
         max_train_staleness: int | None = None,
         dynamic_sampling: bool = False,
+        restarts: Iterable[tuple[int, int]] = (),
     ) -> None:
+        """``restarts``: the trainer restarts ``(V, M)`` that came before this core, in
+        the order they happened (:meth:`trainer_restarted`): a buffer that did not hear
+        them (a resumed run's, a rebuilt data module's) counts :meth:`lag` along the
+        same lineage as one that did."""
         if sampler not in SAMPLERS:
             raise ValueError(f"buffer.sampler {sampler!r} is not one of {SAMPLERS}")
         self.sampler = sampler
@@ -226,6 +231,8 @@ class BufferCore:
         # Trainer restarts, (checkpoint version, the lost trainer's last), in order: the
         # lineage max_train_staleness counts along (lag)
         self._restarts: list[tuple[int, int]] = []
+        for v, m in restarts:
+            self.trainer_restarted(int(v), int(m))
         self.counts = {
             "inserted": 0,
             "duplicates": 0,

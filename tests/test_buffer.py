@@ -1052,3 +1052,25 @@ def test_the_depth_and_oldest_age_kept_as_trajectories_come_and_go_are_those_hel
         want = min((origin.get(m.uid, m.t_insert) for m in held), default=math.nan)
         got = core.oldest_insert()
         assert got == want or (math.isnan(got) and math.isnan(want))
+
+
+def test_a_core_told_the_restarts_counts_staleness_as_one_that_heard_them():
+    """Restarts from checkpoint 10 after 19, from 10 again after 24 (the first restarted
+    trainer wrote no checkpoint), from 25 after 30; the trainer at 31. A buffer rebuilt or
+    resumed after them heard none (:meth:`BufferCore.trainer_restarted`) and counted by
+    the numbers: the group of 25, on the trainer's lineage one update back, 6 stale
+    (evicted at max_train_staleness 3), the one of 28, on a lost branch four updates
+    away, 3 (trained), the one of 22, on an older lost branch, 9 for 5. Told the list
+    at construction, it counts as one that heard each restart."""
+    restarts = [(10, 19), (10, 24), (25, 30)]
+    heard = BufferCore(max_train_staleness=3)
+    for v, m in restarts:
+        heard.trainer_restarted(v, m)
+    told = BufferCore(max_train_staleness=3, restarts=restarts)
+    unaware = BufferCore(max_train_staleness=3)
+    pairs = [(t, b) for t in (30, 31, 34) for b in range(0, t + 1)]
+    assert [told.lag(t, b) for t, b in pairs] == [heard.lag(t, b) for t, b in pairs]
+    assert [told.lag(31, b) for b in (25, 28, 22, 10, 4)] == [1, 4, 5, 2, 8]
+    assert [unaware.lag(31, b) for b in (25, 28, 22, 10, 4)] == [6, 3, 9, 21, 27]
+    assert not told._too_stale(group("on", version=25), 31)
+    assert told._too_stale(group("lost", version=28), 31)
