@@ -133,6 +133,11 @@ class Learner:
         # numbers its updates after the lost one's last version (laminar.trainer.Trainer
         # ``after_version``). ``version - skipped_versions`` is the updates it has made.
         self.skipped_versions = 0
+        # The trainer restarts (V, M) of this policy's run, in order, lost branches too
+        # (laminar.buffer_core.BufferCore.lag): a resumed run's buffer starts with its
+        # checkpoint's (storage.resume.plan_resume). The trainer sets them (the driver's
+        # list); resumed from a checkpoint, they are its own.
+        self.restarts: list[tuple[int, int]] = []
         self._part_applied = 0  # update_part: steps applied so far in this global batch
         if state is not None:
             self._restore(Path(resume_from), state)
@@ -296,6 +301,7 @@ class Learner:
             "seed": self.cfg.seed,
             "skipped_steps": self.skipped_steps,
             "skipped_versions": self.skipped_versions,
+            "restarts": [[v, m] for v, m in self.restarts],
             "trainer": self.cfg.trainer.model_dump(mode="json"),
         }
         (out / "trainer_state.json").write_text(json.dumps(state, indent=2))
@@ -326,6 +332,7 @@ class Learner:
         self.version = int(state["version"])
         self.skipped_steps = int(state.get("skipped_steps", 0))
         self.skipped_versions = skipped_versions(state)
+        self.restarts = restarts_of(state, ckpt)
 
 
 def step_means(steps: list[dict[str, float]], agg: str = "token-mean") -> dict[str, float]:
@@ -377,6 +384,28 @@ def checkpoint_skipped_versions(ckpt: str | Path) -> int | None:
     laminar recorded them (its lineage's skips are unknown)."""
     state = _trainer_state(Path(ckpt) / "trainer_state.json")
     return skipped_versions(state) if "skipped_versions" in state else None
+
+
+def restarts_of(state: dict, ckpt: str | Path | None = None) -> list[tuple[int, int]]:
+    """The trainer restarts ``(V, M)`` a checkpoint's ``trainer_state.json`` (``state``)
+    records, in order (:attr:`Learner.restarts`). One written before laminar recorded
+    them reads as none, said at INFO when ``ckpt`` (its folder) is given: a buffer then
+    counts ``max_train_staleness`` by the version numbers (docs/faults.md)."""
+    if "restarts" not in state:
+        if ckpt is not None:
+            logger.info(
+                "checkpoint %s records no trainer restarts (written before laminar did): "
+                "read as none; max_train_staleness counts the versions before it by "
+                "their numbers",
+                ckpt,
+            )
+        return []
+    return [(int(v), int(m)) for v, m in state["restarts"]]
+
+
+def checkpoint_restarts(ckpt: str | Path) -> list[tuple[int, int]]:
+    """:func:`restarts_of` a checkpoint folder."""
+    return restarts_of(_trainer_state(Path(ckpt) / "trainer_state.json"), ckpt)
 
 
 def _checkpoints(folder: Path) -> dict[int, Path]:
@@ -479,6 +508,7 @@ def _trainer_state(path: Path) -> dict:
         state = json.loads(path.read_text())
         int(state["version"])
         skipped_versions(state)
+        restarts_of(state)
     except (ValueError, KeyError, TypeError) as e:
         raise _damaged(path, e) from None
     return state

@@ -320,3 +320,38 @@ def test_rewards_train_as_stored_so_a_group_trains_alike_after_a_resume(tiny_pol
     flat = [replace(x, reward=1000.0 + 1e-5 * (i % 2)) for i, x in enumerate(siblings)]
     metrics = Learner(CFG, tiny_policy).update(flat)
     assert metrics["adv_abs_mean"] == 0.0
+
+
+def test_a_checkpoint_keeps_the_trainer_restarts_and_an_older_one_reads_none(
+    tiny_policy, tmp_path, caplog
+):
+    """``trainer_state.json`` records the run's trainer restarts (V, M), in order, for a
+    resumed run's buffer to count staleness along the weights' lineage; a learner resumed
+    from it keeps them for its own checkpoints. One written before the field existed
+    loads with none, said at INFO, not refused."""
+    import json
+    import logging
+
+    from laminar.files import write_manifest
+    from laminar.learner import checkpoint_restarts
+    from laminar.prompt_pool import DATA_STATE
+
+    first = Learner(CFG, tiny_policy)
+    first.restarts = [(0, 2), (0, 5), (4, 7)]
+    first.update(batch(0))
+    ckpt = first.save(tmp_path / "version-000001")
+    assert Learner(CFG, tiny_policy, resume_from=ckpt).restarts == [(0, 2), (0, 5), (4, 7)]
+    assert checkpoint_restarts(ckpt) == [(0, 2), (0, 5), (4, 7)]
+
+    state = json.loads((ckpt / "trainer_state.json").read_text())
+    del state["restarts"]
+    (ckpt / "trainer_state.json").write_text(json.dumps(state))
+    write_manifest(ckpt, leave_out=(DATA_STATE,))
+    with caplog.at_level(logging.INFO, logger="laminar.learner"):
+        assert Learner(CFG, tiny_policy, resume_from=ckpt).restarts == []
+    assert "records no trainer restarts" in caplog.text
+
+    state["restarts"] = [[0, "two"]]
+    (ckpt / "trainer_state.json").write_text(json.dumps(state))
+    with pytest.raises(CheckpointError, match="damaged"):
+        checkpoint_restarts(ckpt)
