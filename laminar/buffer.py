@@ -64,14 +64,23 @@ class ExperienceBuffer:
         ``resume``: the :class:`storage.resume.ResumePlan` of a run resumed in place.
         ``schedule``: the run's ``pipeline.schedule``, recorded in the store.
         ``rebuild``: the :class:`storage.resume.RebuildPlan` of a data module rebuilt
-        within the run, in place of a lost one (docs/faults.md)."""
+        within the run, in place of a lost one (docs/faults.md).
+
+        Either plan names the trainer restarts before this buffer (``restarts``: it
+        heard none of them, :meth:`trainer_restarted`), for ``max_train_staleness`` to
+        count along the weights' lineage from the start."""
         from storage.trajectories import TrajectoryWriter
 
+        plan = resume if resume is not None else rebuild
+        restarts = list(plan.restarts) if plan is not None else []
         self.core = BufferCore(
             cfg.sampler,
             max_train_staleness=cfg.max_train_staleness,
             dynamic_sampling=cfg.dynamic_sampling,
+            restarts=restarts,
         )
+        if restarts:
+            logger.info("buffer: the trainer restarts before it (V, M): %s", restarts)
         self.pool, self.partial = pool, partial
         self.version = 0
         self.writer = TrajectoryWriter(run_dir, schedule)
