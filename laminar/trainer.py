@@ -92,6 +92,7 @@ class Trainer(DataLinkMixin, PublicationMixin):
         spec=None,
         manager=None,
         after_version: int | None = None,
+        restarts: list[tuple[int, int]] | None = None,
     ) -> None:
         """``spec``: the run's :class:`~laminar.schedule.ScheduleSpec` (default: Laminar's);
         ``manager``: the :class:`~laminar.manager.RolloutManager`, which stops every
@@ -110,7 +111,14 @@ class Trainer(DataLinkMixin, PublicationMixin):
         Without ``after_version`` (a new run, or one resumed in place), a checkpoint whose
         lineage skipped numbers (``trainer_state.json`` ``skipped_versions``) ends that many
         versions after ``trainer.steps``: ``trainer.steps`` counts updates, so the run makes
-        exactly those the checkpoint still owed."""
+        exactly those the checkpoint still owed.
+
+        ``restarts``: every trainer restart ``(V, M)`` of the run before this trainer, in
+        order, its own last (a restarted one's; the driver's list,
+        ``pipelines.restart_steps._lineage``). Each checkpoint records them
+        (``trainer_state.json``), for a run resumed from it to count
+        ``max_train_staleness`` along the weights' lineage. Without them (the run's first
+        trainer), its checkpoint's stand (none for a new run)."""
         from laminar.relay_client import Publisher
         from laminar.schedule import LAMINAR
 
@@ -136,6 +144,8 @@ class Trainer(DataLinkMixin, PublicationMixin):
         self.skipped_versions = max(0, (after_version or 0) - self.learner.version)
         self.learner.version += self.skipped_versions
         self.learner.skipped_versions += self.skipped_versions
+        if restarts is not None:
+            self.learner.restarts = [(int(v), int(m)) for v, m in restarts]
         # (restarted: trainer.steps counts the lineage's skips already; see above)
         self.steps = cfg.trainer.steps + self.skipped_versions + (0 if self.restarted else lineage)
         # The version whose weights the model holds exactly (``None``: none, mid-update or

@@ -33,6 +33,7 @@ from laminar.cluster import (
 )
 from laminar.config import RunConfig
 from laminar.errors import ClusterError, RunStopped
+from laminar.learner import checkpoint_restarts
 from laminar.manager import RolloutManager
 from laminar.prompt_pool import load_prompts
 from laminar.relay_tier import build_tier
@@ -165,6 +166,11 @@ class Schedule(StatsPolling, FaultHandling, MetricsRecording):
         self.policy_dir = policy_dir
         phase("starting actors", policy_dir=policy_dir, sft=self.sft_info)
         spec = self.schedule
+        if self.resume is not None and cfg.trainer.resume_from is not None:
+            # The trainer restarts before the resume, which its checkpoint records: the
+            # resumed buffer counts staleness along them, and this driver's restarts
+            # come after them (pipelines.restart_steps._lineage; storage.resume.ResumePlan)
+            self.resume.restarts = checkpoint_restarts(cfg.trainer.resume_from)
         pool, partial, buffer = start_data_module(
             client, cfg, policy_dir, self.run_dir, spec, data_w, resume=self.resume
         )
