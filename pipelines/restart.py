@@ -51,6 +51,7 @@ from pipelines.restart_steps import LOST_GRACE_S as LOST_GRACE_S
 from pipelines.restart_steps import _final_checkpoint as _final_checkpoint
 from pipelines.restart_steps import _finish as _finish
 from pipelines.restart_steps import _holdings as _holdings
+from pipelines.restart_steps import _lineage as _lineage
 from pipelines.restart_steps import _new_master as _new_master
 from pipelines.restart_steps import _pick_workers as _pick_workers
 from pipelines.restart_steps import _point_fields as _point_fields
@@ -77,10 +78,13 @@ class _Group:
         self.started = False  # a rank was started: it waits in this group's rendezvous
         self.t_created = time.time()  # (when its actors began to be created)
 
-    def start(self, ckpt, steps: int, after: int, buffer, master) -> None:
+    def start(
+        self, ckpt, steps: int, after: int, buffer, master, restarts: list[tuple[int, int]]
+    ) -> None:
         """Create (not yet start) the ranks from checkpoint ``ckpt`` (``None``: the
         warm-started policy); rank 0 numbers its updates after ``after`` and ends at
-        version ``steps`` + the versions it skips."""
+        version ``steps`` + the versions it skips, and records ``restarts`` (the run's,
+        its own last: :func:`pipelines.restart_steps._lineage`) in its checkpoints."""
         from laminar.trainer import TrainerRank, rendezvous
 
         s = self.s
@@ -107,6 +111,7 @@ class _Group:
             s.schedule,
             None,  # (set once it runs: see Trainer.set_manager)
             after_version=after,
+            restarts=restarts,
             worker=self.worker,
             **on,
         )
@@ -236,7 +241,8 @@ class TrainerRestart:
         self.master = master
         self.group = _Group(s, self.worker, rank_workers)
         steps = _steps(s, version, self.record, ckpt)
-        self.group.start(ckpt, steps, after, a["buffer"], master)
+        restarts = _lineage(s, self, (version, after))  # (what the buffer heard, and this)
+        self.group.start(ckpt, steps, after, a["buffer"], master, restarts)
         self.record.update(
             worker_wait_s=time.time() - self.t_lost,
             **fields,
@@ -325,10 +331,19 @@ class DataRestart:
             return False
         return True
 
-    def _rebuild(self, worker: str, record: dict | None = None, master=None) -> None:
+    def _rebuild(
+        self,
+        worker: str,
+        record: dict | None = None,
+        master=None,
+        restarts: list[tuple[int, int]] | None = None,
+    ) -> None:
         """Rebuild on ``worker``. ``record``: what the trainer consumed (default: asked of
         the live trainer); ``master``: the master relay's handle when it is new (a
-        :class:`CoreRestart`; the live trainer is then not attached: a new one starts)."""
+        :class:`CoreRestart`; the live trainer is then not attached: a new one starts);
+        ``restarts``: the trainer restarts for the new buffer to count staleness along
+        (default: every one so far, :func:`pipelines.restart_steps._lineage`; a core
+        restart's include its own, which no buffer heard)."""
         from laminar.lease import read_lease
         from pipelines.driver import _answers, start_data_module
 
@@ -389,6 +404,7 @@ class DataRestart:
                 lease = plan.start + cfg.buffer.max_outstanding_groups
             gap = max(0, lease - plan.start)
         plan.start += gap
+        plan.restarts = _lineage(s) if restarts is None else restarts
         mark("plan_s")
         order = ResumePlan(
             version=plan.version,
@@ -581,13 +597,16 @@ class CoreRestart(DataRestart):
         self.master = _new_master(s, worker, self.last_manager["chain"])
         # (the record stands in for the trainer's: nothing consumed at V or later stands)
         record = {"consumed": {}, "since": version, "version": after}
-        self._rebuild(worker, record=record, master=self.master)
+        # (the new trainer's restart, which the new buffer must know: none at the final
+        # checkpoint, where no trainer starts)
+        restarts = _lineage(s, self, (version, after) if final is None else None)
+        self._rebuild(worker, record=record, master=self.master, restarts=restarts)
         if final is not None:  # (rebuilt: the store's)
             _finish(self, final)
             return
         group = _Group(s, worker, rank_workers)
         steps = _steps(s, version, self.record, ckpt)
-        group.start(ckpt, steps, after, s.actors["buffer"], self.master)
+        group.start(ckpt, steps, after, s.actors["buffer"], self.master, restarts)
         self.group = group
         self.record.update(fields, steps=steps + after - version)  # (the version it ends at)
 

@@ -128,6 +128,34 @@ def _steps(s, checkpoint_version: int, current: dict, ckpt=None) -> int:
         records = [r for r in records if r["time"] < w["time"]]
 
 
+def _lineage(s, own=None, point: tuple[int, int] | None = None) -> list[tuple[int, int]]:
+    """Every trainer restart ``(V, M)`` of the run so far, in the order they happened:
+    those before a resume (its checkpoint's, ``s.resume.restarts``), then this driver's
+    records by their time (``trainer_restarts``, ``core_restarts``, a trainer restart in
+    progress that told the buffer), then ``own``'s, the restart asking (``point``: its
+    ``(V, M)`` in this try; a core restart's rebuilt buffer never hears it). For a
+    buffer that heard none of them (a rebuilt data module's) and a new trainer, which
+    records them in its checkpoints: ``max_train_staleness`` counts along the weights'
+    lineage with them (:meth:`laminar.buffer_core.BufferCore.lag`, a tree: the lost
+    branches too). A restart with ``M == V`` (nothing lost, or the run's final
+    checkpoint: no trainer started) branches nothing and is left out."""
+    resume = getattr(s, "resume", None)
+    earlier = [(int(v), int(m)) for v, m in resume.restarts] if resume is not None else []
+    records = [*s.trainer_restarts, *s.core_restarts]
+    pending = getattr(s, "_restart", None)  # (begun: it told the buffer)
+    if pending is not None and pending is not own:
+        records.append(pending.record)
+    done = [
+        (r["time"], r["checkpoint_version"], r["after_version"])
+        for r in records
+        if "after_version" in r
+    ]
+    if own is not None and point is not None:
+        done.append((own.t_lost, *point))
+    done.sort(key=lambda r: r[0])
+    return [*earlier, *((v, m) for _, v, m in done if m != v)]
+
+
 def _final_checkpoint(s, record: dict) -> dict | None:
     """The restart record's fields (:func:`_restart_point`) when the newest checkpoint
     holds every update the run asked for: the lost trainer wrote its final checkpoint

@@ -319,3 +319,162 @@ def test_a_core_restart_numbers_after_a_checkpoint_newer_than_anything_seen_publ
     with pytest.raises(Picked):
         r._begin()
     assert r.after == 6
+
+
+class Calls:
+    """An actor handle whose call ``name`` answers ``answers[name]``."""
+
+    _client = None
+
+    def __init__(self, worker: str, **answers) -> None:
+        self._address, self.key, self.answers = worker, f"fake-{worker}", answers
+
+    def __getattr__(self, name: str):
+        if name.startswith("_"):
+            raise AttributeError(name)
+        return lambda *args, **kwargs: answered(self.answers[name])
+
+
+class Built(Exception):
+    """Raised by a stand-in where a restart starts an actor: what it was given."""
+
+
+def _lineage_driver(tmp_path, **more) -> SimpleNamespace:
+    """A driver resumed from a checkpoint that records the restart (2, 4), that restarted
+    its trainer from 10 after 19, and from 30 after 30 (nothing lost: it branches
+    nothing), and its trainer and data module together from 20 after 25, in that order
+    (the records' times)."""
+    from storage.resume import ResumePlan
+
+    return SimpleNamespace(
+        cfg=with_overrides(RunConfig(), ["trainer.steps=40"]),
+        run_dir=tmp_path,
+        resume_hint=lambda: "resume it",
+        resume=ResumePlan(version=8, restarts=[(2, 4)]),
+        trainer_restarts=[
+            {"time": 1.0, "checkpoint_version": 10, "after_version": 19},
+            {"time": 3.0, "checkpoint_version": 30, "after_version": 30},
+        ],
+        core_restarts=[{"time": 2.0, "checkpoint_version": 20, "after_version": 25}],
+        _restart=None,
+        policy_dir="policy",
+        schedule=None,
+        rollout_workers={},
+        **more,
+    )
+
+
+EARLIER = [(2, 4), (10, 19), (20, 25)]  # (_lineage_driver's)
+
+
+def _capture_data_module(monkeypatch) -> None:
+    """The rebuild's plan is made without a store, and starting the data module raises
+    :class:`Built` with the buffer's plan."""
+    from pipelines import restart
+    from storage.resume import RebuildPlan
+
+    def plan(run_dir, *, version, **kwargs):
+        return RebuildPlan(version=version)
+
+    def start(*args, rebuild=None, **kwargs):
+        raise Built(rebuild)
+
+    monkeypatch.setattr(restart, "plan_rebuild", plan)
+    monkeypatch.setattr("pipelines.driver.start_data_module", start)
+
+
+def _checkpoint(tmp_path, version: int) -> None:
+    import json
+
+    ckpt = tmp_path / "checkpoints" / f"version-{version:06d}"
+    ckpt.mkdir(parents=True)
+    (ckpt / "trainer_state.json").write_text(json.dumps({"version": version}))
+
+
+def test_a_rebuilt_data_modules_buffer_is_told_every_trainer_restart_before_it(
+    tmp_path, monkeypatch
+):
+    """A data module rebuilt after trainer restarts: its buffer heard none of them
+    (the lost one did, ExperienceBuffer.trainer_restarted) and counted max_train_staleness
+    by the version numbers. The rebuild plan hands it every restart that branched the
+    numbers, in order: the resumed checkpoint's, then the run's."""
+    from pipelines.restart import DataRestart
+
+    _capture_data_module(monkeypatch)
+    s = _lineage_driver(tmp_path, client=SchedulerClient({}), actors={"rollouts": []})
+    r = DataRestart(s, "tcp://data:1", {"lost": [], "chain": ["master"]})
+    with pytest.raises(Built) as built:
+        r._rebuild("tcp://data:2", record={"version": 40, "consumed": {}, "since": 30})
+    assert built.value.args[0].restarts == EARLIER
+
+
+def test_a_core_restart_tells_its_rebuilt_buffer_and_its_trainer_of_its_own_restart(
+    tmp_path, monkeypatch
+):
+    """The trainer and data module lost together at version 37 (checkpoint 35): the
+    rebuilt buffer never hears the restart it is part of, nor the earlier ones. It is
+    handed them all, its own (35, 37) last; so is the new trainer, which records them in
+    its checkpoints for a resumed run."""
+    from pipelines import restart
+    from pipelines.restart import CoreRestart
+
+    _checkpoint(tmp_path, 35)
+    _capture_data_module(monkeypatch)
+    monkeypatch.setattr(restart, "_new_master", lambda s, worker, chain: "master")
+    s = _lineage_driver(
+        tmp_path,
+        client=SchedulerClient({NEW: {"trainer": 1, "data": 1}}),
+        actors={"rollouts": []},
+        tier=SimpleNamespace(handle=lambda rid: None),
+        _published_fps={37: 1},
+        _last_data_stats=({"version": 37}, {}),
+    )
+    r = CoreRestart(s, LOST, {"version": 37, "steps": 40}, {"lost": [], "chain": ["master"]})
+    with pytest.raises(Built) as built:
+        r._begin()
+    assert built.value.args[0].restarts == [*EARLIER, (35, 37)]
+
+    started: list[dict] = []
+
+    def start_actor(client, cls, *args, **kwargs):
+        started.append(kwargs)
+        return Future()
+
+    monkeypatch.setattr(restart, "start_actor", start_actor)
+    monkeypatch.setattr(restart.DataRestart, "_rebuild", lambda self, *a, **k: None)
+    s.actors["buffer"] = "buffer"  # (the rebuilt one's)
+    r = CoreRestart(s, LOST, {"version": 37, "steps": 40}, {"lost": [], "chain": ["master"]})
+    r._begin()
+    assert started[-1]["restarts"] == [*EARLIER, (35, 37)]
+
+
+def test_a_restarted_trainer_is_handed_every_restart_its_own_last(tmp_path, monkeypatch):
+    """A trainer restarted from checkpoint 35 after 37 is handed the run's restarts, its
+    own last (the buffer heard it: ExperienceBuffer.trainer_restarted), to record in its
+    checkpoints; a restart still in progress of the driver's is its own, not another."""
+    from pipelines import restart
+
+    _checkpoint(tmp_path, 35)
+    started: list[dict] = []
+
+    def start_actor(client, cls, *args, **kwargs):
+        started.append(kwargs)
+        return Future()
+
+    monkeypatch.setattr(restart, "start_actor", start_actor)
+    monkeypatch.setattr(restart, "_new_master", lambda s, worker, chain: "master")
+    buffer = Calls(
+        "tcp://data:1", stats={"version": 37}, trainer_restarted={"readmitted": 0, "groups": 0}
+    )
+    manager = Calls("tcp://data:1", stats={"chain": ["master"]}, replace_master=None)
+    s = _lineage_driver(
+        tmp_path,
+        client=SchedulerClient({NEW: {"trainer": 1}}),
+        actors={"buffer": buffer, "manager": manager},
+    )
+    r = s._restart = TrainerRestart(s, LOST, {"version": 37, "steps": 40})
+    r.step()
+    assert started[-1]["restarts"] == [*EARLIER, (35, 37)]
+    r.group = None  # (tried again: its record has its point from the first try)
+    r.step()
+    assert started[-1]["restarts"] == [*EARLIER, (35, 37)]
