@@ -31,6 +31,11 @@ pytestmark = pytest.mark.slow
 # The manager's check round (faults.detect_interval_s, its default): a hung actor's last
 # answer it saw may precede the signal by up to that long.
 ROUND_S = FaultsConfig().detect_interval_s
+# The warm start trained on one thread (sft.torch_threads, 2 by default), where a test
+# warms a cache entry: on a busy 2-core machine its two threads mostly wait on each
+# other (SMALL_RUN's 20 steps took 45-60 s on two, ~7 s on one). Not in the entry's key:
+# the same warm start, cached for the tests after it.
+WARM_START = "sft.torch_threads=1"
 # The driver's poll (metrics.poll_s, its default): a call to the trainer or data module
 # in flight when its worker stops was sent up to that long before the signal, and its
 # timeout counts from then.
@@ -54,7 +59,7 @@ def apart_run(run_dir, overrides: list[str], data_apart: bool = True, ranks: int
         Client(cluster) as client,
     ):
         paced = ["rollout.pacing.strict=false", "buffer.max_outstanding_groups=16"]
-        overrides = [*SMALL_RUN, *paced, *overrides]
+        overrides = [*SMALL_RUN, WARM_START, *paced, *overrides]
         yield (
             client,
             pipelines.submit("configs/tiny.yaml", client, overrides=overrides, run_dir=run_dir),
@@ -145,6 +150,7 @@ def run_and_kill(
 
     overrides = [
         *SMALL_RUN,
+        WARM_START,
         "rollout.replicas=3",
         "rollout.max_new_tokens=40",
         "rollout.max_seq_len=70",
@@ -449,7 +455,8 @@ def test_a_rollout_lost_with_rewards_in_flight_has_them_scored_elsewhere(tmp_pat
         # (20 steps: the moment it waits for may take a while to come; with 10 the run
         # sometimes ended first)
         # (40 prompts, which the pool cycles through: the warm start scores one response
-        # to each with the slow reward, 0.25 s apiece; with 200 that took 50 s)
+        # to each with the slow reward, 0.25 s apiece; with 200 that took 50 s. They key
+        # a warm start no other test caches: it trains here, on one thread, WARM_START)
         extra=("task.reward=laminar.rewards:_slow", "trainer.steps=20", "task.num_prompts=40"),
         until=versions_after(rescored_and_resumed, 2),
     )
