@@ -1081,13 +1081,19 @@ def test_a_lost_data_module_is_rebuilt_within_the_run(tmp_path, r1_sig):
     overrides = [
         f"trainer.steps={steps}",
         "buffer.flush_interval_s=4",
-        # generation-bound, and slow enough (a batch lasts ~13 s) that r1's batch is
+        # generation-bound, and slow enough (a batch lasts ~5 s) that r1's batch is
         # still decoding at the kill and r0's may still decode when the new data module
-        # is there (~5-10 s later: most of it the new process's imports)
-        "rollout.pacing.dilation=160",
+        # is there (~2-5 s later when killed)
+        "rollout.pacing.dilation=60",
+        # r1's tokens reach the pool, and the pool's log the disk, within a second: the
+        # kill lands as early in r1's batch, for its length, as it did at dilation 160
+        # with the defaults' 2 s (a batch of ~13 s: the 6 updates took ~45 s of the test)
+        "faults.flush_s=0.5",
+        "faults.log_interval_s=0.5",
     ]
-    if hung:  # (the rebuild asks r1 and attaches it within the actor timeout, each)
-        overrides += ["faults.heartbeat_timeout_s=3", "cluster.actor_timeout_s=10"]
+    if hung:  # (the rebuild asks r1 and attaches it within the actor timeout, each: the
+        # silent r1 waited out twice; 6 s still well above the rebuild's other calls)
+        overrides += ["faults.heartbeat_timeout_s=3", "cluster.actor_timeout_s=6"]
     with apart_run(run_dir, overrides) as (client, handle):
         wait_for(handle, lambda p: p.get("phase") == "training" and p["version"] >= 2)
         partial = handle._schedule.actors["partial"]
