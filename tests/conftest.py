@@ -24,6 +24,9 @@ SMALL_RUN = [
     "task.num_prompts=200",
     "task.max_len=24",
     "sft.steps=20",
+    # (one torch thread: beside the suite's other worker the default's second thread is
+    # descheduled again and again, 46-70 s against 7-13 s; not in the entry's cache key)
+    "sft.torch_threads=1",
     "rollout.group_size=4",
     "rollout.groups_per_batch=4",
     "rollout.max_new_tokens=30",

@@ -446,10 +446,13 @@ def test_cli_run_through_a_relay_chain_loads_exactly_the_published_weights(tmp_p
     assert pubs["version"].values.tolist() == list(range(9))
     # A row is written as it stands when the run stops (docs/storage.md): the version
     # published last, as the trainer finished, may not have reached every relay by then
-    # (a loaded host's suite saw it). Every earlier one did, and only a complete row has
-    # its broadcast time.
-    complete = pubs["relays_complete"].values == 3
-    assert complete[:-1].all(), pubs["relays_complete"].values
+    # (a loaded host's suite saw it). Every earlier one reached every relay, or none: the
+    # master skips a version a newer one overtook before it was sent (docs/relay.md,
+    # "Monotonic versions"; a loaded host's suite saw [3, 3, 3, 3, 3, 0, 3, 3, 3]), never
+    # one halfway. Only a complete row has its broadcast time.
+    n = pubs["relays_complete"].values
+    complete = n == 3
+    assert ((n[:-1] == 3) | (n[:-1] == 0)).all() and complete[:-1].any(), n
     assert (np.isfinite(pubs["broadcast_s"].values) == complete).all()
     assert np.isfinite(open_metrics(run_dir, "updates")["publish_s"].values).all()
     ds = check_store(run_dir, expect_consumed_groups=32)

@@ -35,7 +35,7 @@ def test_warm_start_is_cached_by_its_inputs(small_config, tmp_path):
     assert warm_start(with_overrides(cfg, ["sft.demo_error_rate=0.2"]), prompts)[0] != path
     assert (
         warm_start(
-            with_overrides(cfg, ["sft.torch_threads=1", "sft.micro_batch_tokens=64"]), prompts
+            with_overrides(cfg, ["sft.torch_threads=3", "sft.micro_batch_tokens=64"]), prompts
         )[0]
         == path
     )
