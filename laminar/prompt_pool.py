@@ -223,6 +223,10 @@ class PromptPoolCore:
             self._queue.pop(rollout_id, None)
             if ask is not None:
                 self._answers[rollout_id] = (ask, groups[:])
+        elif idle and self.dispatch == "eta" and version < self.version:
+            # (it must load the newest version before the rule serves it: queued, it held
+            # back every rollout that had, until it asked again or its place expired)
+            self._queue.pop(rollout_id, None)
         elif idle and self.dispatch != "batches":
             self._queue[rollout_id] = now  # (keeps its place if it had one)
         return groups

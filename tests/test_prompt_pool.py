@@ -282,6 +282,22 @@ def test_eta_counts_from_the_version_the_asking_rollout_holds():
     assert pool.stats()["dispatched"] == 4
 
 
+def test_an_idle_rollout_on_an_old_version_does_not_hold_back_those_on_the_new_one():
+    """eta: an idle rollout queued for room while the bound was reached, woken by the
+    next publication before it loads it, asks on the old version and gets nothing. It
+    used to queue again at the head and hold back every rollout that had loaded the new
+    version (passed over) until it asked again or its place expired (QUEUE_EXPIRY_S)."""
+    pool = rule_pool("eta", 99, groups_per_step=2, eta=0)
+    first = [g.prompt_uid for g in pool.acquire(9, "r1", version=0, now=0.0)]
+    assert len(first) == 2
+    assert pool.acquire(9, "r0", version=0, idle=True, now=0.5) == []  # queued: bound
+    pool.release(first)
+    pool.version_published(1)
+    assert pool.acquire(9, "r0", version=0, idle=True, now=1.0) == []  # must load 1 first
+    assert len(pool.acquire(9, "r1", version=1, idle=True, now=1.1)) == 2
+    assert pool.stats()["passed_over"] == 0
+
+
 def test_eta_makes_up_for_groups_and_updates_that_train_nothing():
     """AReaL's bound counts the groups that can still feed an update."""
     pool = rule_pool("eta", 99, groups_per_step=2)
