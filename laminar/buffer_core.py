@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from laminar.contract import Trajectory
+from storage.lineage import lineage_lag
 from storage.schema import SCALARS
 
 
@@ -406,37 +407,15 @@ class BufferCore:
         off ``V`` (the restarted trainer, at ``M`` before its first update, holds ``V``'s
         weights). So for the restart ``(V, M)`` and a trainer at ``t >= M`` on it:
         ``(t - M) + (V - b)`` for ``b <= V``, ``(t - M) + (b - V)`` for ``b`` in ``(V,
-        M]`` (the lost branch), ``t - b`` for ``b > M``.
+        M]`` (the lost branch), ``t - b`` for ``b > M``
+        (:func:`storage.lineage.lineage_lag`, which the analysis counts with too).
 
         >>> core = BufferCore()
         >>> core.trainer_restarted(10, 19)
         >>> core.lag(19, 10), core.lag(19, 19), core.lag(21, 4), core.lag(21, 15), core.lag(21, 20)
         (0, 9, 8, 7, 1)
         """
-        if not self._restarts:
-            return version - behavior
-        v_last, m_last = self._restarts[-1]
-        a = v_last if version == m_last else version  # (the restarted trainer's weights)
-        b, d = behavior, 0
-        while True:
-            ia, ib = self._branch(a), self._branch(b)
-            if ia == ib:  # (one descends from the other: b's after a's is off the lineage)
-                return d + abs(a - b)
-            # climb the one on the newer branch to where its branch leaves off
-            v, m = self._restarts[max(ia, ib) - 1]
-            if ia > ib:
-                d, a = d + a - m, v
-            else:
-                d, b = d + b - m, v
-
-    def _branch(self, n: int) -> int:
-        """Of the weights numbered ``n``, the restart whose branch they are on (``i``:
-        ``self._restarts[i - 1]``; 0: the first trainer's): the newest whose ``M`` is
-        below ``n``."""
-        i = len(self._restarts)
-        while i and self._restarts[i - 1][1] >= n:
-            i -= 1
-        return i
+        return lineage_lag(version, behavior, self._restarts)
 
     def _leave(self, members: list[Trajectory], status: str) -> list[Trajectory]:
         self._gone(members)

@@ -2,6 +2,7 @@
 
     ds = open_run("runs/my-run")
     ds.laminar.staleness()                       # s_gen, residence, s_train per trajectory
+    ds.laminar.staleness(restarts="run")         # ... and along the weights' lineage
     ds.laminar.tokens("response_tokens", 0)      # one trajectory's ragged field
     ds.laminar.audit()                           # [] when every contract invariant holds
     ds.laminar.reward_curve(by="version").plot()
@@ -13,9 +14,12 @@ Every figure is tested against a direct computation on the raw arrays
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import numpy as np
 import xarray as xr
 
+from storage.lineage import lineage_lags, run_restarts
 from storage.schema import ALL_FIELDS, MIXED_VERSION_SCHEDULES, RAGGED_FIELDS, STATUSES
 from storage.trajectories import time_in_buffer
 
@@ -83,13 +87,44 @@ class LaminarAccessor:
         hi = int(bounds[min(np.searchsorted(bounds, end, side="left"), len(bounds) - 1)])
         return lo, values[lo : max(hi, end)].values
 
-    def staleness(self) -> xr.Dataset:
-        """Per consumed trajectory: ``s_gen``, ``residence`` and ``s_train`` (versions)."""
+    def staleness(self, restarts: Sequence[tuple[int, int]] | str | None = None) -> xr.Dataset:
+        """Per consumed trajectory: ``s_gen``, ``residence`` and ``s_train`` (versions),
+        counted by the version numbers, as stored.
+
+        ``restarts``: the run's trainer restarts ``(V, M)`` in order (a trainer restarted
+        from its checkpoint of ``V``, numbering its updates after ``M``), or ``"run"``
+        for those its ``summary.json`` records (:func:`storage.lineage.run_restarts`).
+        With them, also ``s_gen_lineage``, ``residence_lineage`` and ``s_train_lineage``:
+        the same lags counted along the weights' lineage
+        (:func:`storage.lineage.lineage_lag`, as ``buffer.max_train_staleness`` counts):
+        a trajectory of ``V``'s weights trained by the restarted trainer's first update
+        has ``s_train = M - V`` but ``s_train_lineage = 0``. Each is the path between two
+        weights in the tree, so for a trajectory generated on a lost branch ``s_gen_lineage
+        + residence_lineage`` can exceed ``s_train_lineage``. NaN where not sampled."""
         ds = self._ds
         consumed = np.flatnonzero(ds["status"].values == "consumed")
         # (the four columns, then the rows: the rows of every column, strings included,
         # took 1 s for 1M trajectories)
-        return ds[["behavior_version", "s_gen", "residence", "s_train"]].isel(trajectory=consumed)
+        out = ds[["behavior_version", "s_gen", "residence", "s_train"]].isel(trajectory=consumed)
+        if restarts is None:
+            return out
+        if isinstance(restarts, str):
+            if restarts != "run":
+                raise ValueError(f"restarts={restarts!r}; a list of (V, M) or 'run'")
+            if "run_dir" not in ds.attrs:
+                raise ValueError("restarts='run' needs a Dataset from storage.open_run")
+            restarts = run_restarts(ds.attrs["run_dir"])
+        restarts = [(int(v), int(m)) for v, m in restarts]
+        behavior = ds["behavior_version"].values[consumed]
+        finish = ds["finish_version"].values[consumed]
+        sample = ds["sample_version"].values[consumed]
+        lags = {
+            "s_gen_lineage": lineage_lags(finish, behavior, restarts, trainer=False),
+            "residence_lineage": lineage_lags(sample, finish, restarts),
+            "s_train_lineage": lineage_lags(sample, behavior, restarts),
+        }
+        out = out.assign({name: ("trajectory", values) for name, values in lags.items()})
+        return out.assign_attrs(restarts=[list(r) for r in restarts])  # (a copy of attrs)
 
     def staleness_histogram(self) -> xr.Dataset:
         """Counts of consumed trajectories per staleness value (in versions), for

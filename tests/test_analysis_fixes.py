@@ -4,6 +4,7 @@ the driver's ``oldest_buffered_age_s`` alike; throughput windows carry their run
 seconds; a resumed run's ``consumed`` counter agrees with the store; reward windows
 carry their counts; empty figures stay valid."""
 
+import json
 import warnings
 
 import numpy as np
@@ -296,3 +297,169 @@ def test_a_resumed_driver_counts_from_the_store_whatever_ended_the_start_before(
     row = driver._rows["cluster"][-1]
     left_untrained = row["discarded"] + row["evicted"] + row["filtered"]
     assert row["inserted"] == row["consumed"] + left_untrained + row["buffer_depth"] == 7
+
+
+# --- staleness along the weights' lineage (a trainer restarted within the run) ---------
+
+
+def _versioned(u, behavior, finish, sample, status="consumed"):
+    """A trajectory generated from ``behavior``, finished at ``finish``, consumed by the
+    trainer at ``sample`` (-1: never sampled)."""
+    return trajectory(
+        u,
+        f"g{u}",
+        group_size=1,
+        behavior_version=behavior,
+        finish_version=finish,
+        status=status,
+        sample_version=sample,
+        t_submit=T0,
+        t_start=T0,
+        t_finish=T0 + 1,
+        t_insert=T0 + 1,
+        t_sample=T0 + 2 if sample >= 0 else np.nan,
+    ).to_record()
+
+
+def _restarted_run(path):
+    """A run whose trainer, lost after publishing 19, restarted from its checkpoint of
+    10, numbering its updates after 19 (the restart (10, 19)), recorded as the driver
+    does (``summary.json``'s ``faults``, with a core restart that branched nothing and a
+    try that did not get to a trainer)."""
+    TrajectoryWriter(path).append(
+        [
+            _versioned("v", 10, 10, 19),  # V's weights, the new trainer's first update
+            _versioned("lost", 15, 16, 21),  # generated on the lost branch 11..19
+            _versioned("m", 19, 19, 19),  # the lost trainer's last weights
+            _versioned("after", 20, 21, 22),  # the new trainer's
+            _versioned("before", 3, 4, 6),  # before the restart
+            _versioned("waiting", 20, 20, -1, status="buffered"),
+        ]
+    )
+    summary = {
+        "faults": {
+            "trainer_restarts": [
+                {"time": T0 + 50, "checkpoint_version": 10, "after_version": 19},
+                {"time": T0 + 90, "checkpoint_version": 7},  # (gave up before a trainer)
+            ],
+            "core_restarts": [{"time": T0 + 80, "checkpoint_version": 22, "after_version": 22}],
+        }
+    }
+    (path / "summary.json").write_text(json.dumps(summary))
+
+
+def test_staleness_along_the_lineage_of_a_restarted_trainer(tmp_path):
+    """By the numbers the new trainer's first update trained V's weights M - V versions
+    stale; along the weights' lineage (what ``max_train_staleness`` counts) it held them:
+    0. The stored names keep the numbers; ``*_lineage`` counts the tree's paths."""
+    from storage.lineage import run_restarts
+
+    _restarted_run(tmp_path)
+    assert run_restarts(tmp_path) == [(10, 19)]
+    ds = open_run(tmp_path)
+    plain = ds.laminar.staleness()
+    assert "s_train_lineage" not in plain
+    st = ds.laminar.staleness(restarts="run")
+    assert st.attrs["restarts"] == [[10, 19]]
+    assert "restarts" not in ds.attrs and "restarts" not in plain.attrs
+    xr.testing.assert_identical(st[list(plain.data_vars)].drop_attrs(), plain.drop_attrs())
+    consumed = ds["uid"].values[ds["status"].values == "consumed"]
+    by_uid = {str(u): i for i, u in enumerate(consumed)}
+    want = {  # uid: (s_train, s_train_lineage, s_gen_lineage, residence_lineage)
+        "v": (9, 0, 0, 0),
+        "lost": (6, 2 + 5, 1, 2 + 6),  # up the lost branch to 10, then 20 .. 21
+        "m": (0, 9, 0, 9),
+        "after": (2, 2, 1, 1),
+        "before": (3, 3, 1, 2),
+    }
+    for uid, (s_train, lineage, s_gen, residence) in want.items():
+        row = st.isel(trajectory=by_uid[uid])
+        assert row["s_train"].item() == s_train, uid
+        assert row["s_train_lineage"].item() == lineage, uid
+        assert row["s_gen_lineage"].item() == s_gen, uid
+        assert row["residence_lineage"].item() == residence, uid
+    # a list given is the same; none given: the numbers
+    st2 = ds.laminar.staleness(restarts=[(10, 19)])
+    xr.testing.assert_identical(st2, st)
+    none = ds.laminar.staleness(restarts=[])
+    np.testing.assert_array_equal(none["s_train_lineage"].values, none["s_train"].values)
+    with pytest.raises(ValueError, match="restarts="):
+        ds.laminar.staleness(restarts="summary")
+
+
+def test_staleness_lineage_of_a_consumed_trajectory_never_sampled_is_nan():
+    """A damaged store's consumed trajectory without a ``sample_version`` (-1): its
+    trained lags are unknown, along the lineage as by the numbers."""
+    ds = xr.Dataset(
+        {
+            "status": ("trajectory", np.array(["consumed", "consumed"], dtype=object)),
+            "behavior_version": ("trajectory", [10, 12]),
+            "finish_version": ("trajectory", [10, 13]),
+            "sample_version": ("trajectory", [-1, 19]),
+            "s_gen": ("trajectory", [0, 1]),
+            "residence": ("trajectory", [np.nan, 6.0]),
+            "s_train": ("trajectory", [np.nan, 7.0]),
+        }
+    )
+    st = ds.laminar.staleness(restarts=[(10, 19)])
+    np.testing.assert_array_equal(st["s_train_lineage"].values, [np.nan, 2.0])
+    np.testing.assert_array_equal(st["s_gen_lineage"].values, [0.0, 1.0])
+    with pytest.raises(ValueError, match="open_run"):
+        ds.laminar.staleness(restarts="run")
+
+
+def _ancestors(n, restarts):
+    """``n`` and the weights it descends from, by parent links: ``n - 1``, or ``V`` for
+    the first number of the newest restart ``(V, M)`` whose ``M`` is below ``n``."""
+    out = [n]
+    while n > 0:
+        below = [(v, m) for v, m in restarts if m < n]
+        n = below[-1][0] if below and n == below[-1][1] + 1 else n - 1
+        out.append(n)
+    return out
+
+
+def _tree_lag(version, behavior, restarts, trainer=True):
+    """The path between two weights in the tree the restarts make, walking parent links
+    (a count independent of :func:`storage.lineage.lineage_lag`)."""
+    if trainer:
+        version = next((v for v, m in reversed(restarts) if m == version), version)
+    a, b = _ancestors(version, restarts), _ancestors(behavior, restarts)
+    common = next(n for n in a if n in set(b))
+    return a.index(common) + b.index(common)
+
+
+def _random_restarts(rng):
+    """Restarts as a run makes them: each from a checkpoint on the lineage the trainer
+    then held, numbering after the newest version published (``top``)."""
+    restarts, top = [], int(rng.integers(1, 15))
+    for _ in range(int(rng.integers(0, 5))):
+        held = next((v for v, m in reversed(restarts) if m == top), top)
+        v = int(rng.choice(_ancestors(held, restarts)))
+        if v != top:  # (M == V branches nothing: left out)
+            restarts.append((v, top))
+        top += int(rng.integers(0, 8))
+    return restarts, top
+
+
+def test_lineage_lag_is_the_path_in_the_tree_and_the_buffers_lag():
+    """On random restarts: :func:`lineage_lag` is the path between the two weights in
+    the tree, and :meth:`BufferCore.lag` counts the same (it delegates: one count)."""
+    from laminar.buffer_core import BufferCore
+    from storage.lineage import lineage_lag, lineage_lags
+
+    rng = np.random.default_rng(0)
+    for _ in range(200):
+        restarts, top = _random_restarts(rng)
+        core = BufferCore(restarts=restarts)
+        for _ in range(20):
+            b, t = sorted(int(x) for x in rng.integers(0, top + 1, size=2))  # (b <= t)
+            want = _tree_lag(t, b, restarts)
+            assert lineage_lag(t, b, restarts) == want, (restarts, t, b)
+            assert core.lag(t, b) == want, (restarts, t, b)
+            assert lineage_lag(t, b, restarts, trainer=False) == _tree_lag(
+                t, b, restarts, trainer=False
+            )
+            assert lineage_lags(np.array([t]), np.array([b]), restarts)[0] == want
+            if not restarts:
+                assert want == t - b
