@@ -242,6 +242,10 @@ class Engine(Protocol):
         """The in-flight requests' states as of the last step, read-only (the
         partial-response log reads their tokens between steps)."""
 
+    def finishing(self) -> list[FinishedOutput]:
+        """While a paced step waits out its modelled time (``wait_hook``): the outputs it
+        finished, no longer in flight and not yet returned by :meth:`step`; else []."""
+
     def kv_stats(self) -> KVStats: ...
 
     def stats(self) -> dict[str, float]:

@@ -304,6 +304,9 @@ class EngineBase:
         # (the step's work is done, the engine consistent): a rollout serves its
         # manager's commands there instead of only between steps.
         self.wait_hook: Callable[[float], None] | None = None
+        # The outputs of the step being waited out (finishing): no longer in flight, not
+        # yet returned by step(), so a command served meanwhile would see them nowhere
+        self._finishing: list[FinishedOutput] = []
         self._waiting: deque[RequestState] = deque()
         self.counters = dict.fromkeys(_COUNTERS, 0)
 
@@ -452,11 +455,21 @@ class EngineBase:
         self.counters["admitted"] += len(start.admitted)
         self.counters["finished"] += len(finished)
         if self.pacer is not None:
-            self.pacer.pace(
-                start.t0,
-                batch=start.decoding,
-                context_tokens=start.context_tokens,
-                prefill_tokens=start.prefill_tokens,
-                admitted=len(start.admitted),
-                sleep=self.wait_hook or time.sleep,
-            )
+            self._finishing = finished
+            try:
+                self.pacer.pace(
+                    start.t0,
+                    batch=start.decoding,
+                    context_tokens=start.context_tokens,
+                    prefill_tokens=start.prefill_tokens,
+                    admitted=len(start.admitted),
+                    sleep=self.wait_hook or time.sleep,
+                )
+            finally:
+                self._finishing = []
+
+    def finishing(self) -> list[FinishedOutput]:
+        """While a paced step waits out its modelled time: the outputs it finished, out of
+        :meth:`in_flight` and not yet returned by :meth:`step` (a rollout's command served
+        from ``wait_hook`` meanwhile, asked what it holds, counts them); else []."""
+        return list(self._finishing)

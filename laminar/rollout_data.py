@@ -157,6 +157,11 @@ class DataLinkMixin:
 
     def _holdings(self) -> list[str]:
         groups = {st.request.meta["group"].prompt_uid for st in self.engine.in_flight()}
+        # (asked while a paced step waits out its time: what it finished is on its way to
+        # the reward and the buffer, in neither in_flight nor _unstored yet. Left out, a
+        # rebuilt data module took the group for held by nobody and re-issued its missing
+        # samples, which this rollout then sent too.)
+        groups |= {o.request.meta["group"].prompt_uid for o in self.engine.finishing()}
         for _, states in list(self._adopted.queue) + self._exported_batches():
             groups |= {st.request.meta["group"].prompt_uid for st in states}
         for states in list(self._rescore.queue):

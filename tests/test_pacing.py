@@ -131,6 +131,37 @@ def test_a_paced_step_hands_its_wait_to_the_wait_hook(policy):
     assert time.perf_counter() - t0 >= pacer.modelled_s * 0.999
 
 
+def test_what_a_paced_step_finished_is_seen_while_it_waits_out_its_time(policy):
+    """A command served from the wait_hook (a rebuilt data module asking the rollout
+    which groups it holds) sees the step's finished outputs in ``finishing()``: they are
+    out of ``in_flight()`` and not yet returned by ``step()``. Unseen, the rebuild took
+    their group for held by nobody and generated its samples a second time."""
+    pacer = Pacer(TimeModel.named("H800", "7B", tp=4), dilation=30.0)
+    eng = paced_engine(policy, pacer)
+    seen: list[tuple[list[str], list[str]]] = []
+
+    def hook(seconds):
+        seen.append(
+            (
+                [o.request.request_id for o in eng.finishing()],
+                [st.request_id for st in eng.in_flight()],
+            )
+        )
+        time.sleep(seconds)
+
+    eng.wait_hook = hook
+    eng.add_request(GenerationRequest("short", (3, 4), SamplingParams(1, seed=0)))
+    eng.add_request(GenerationRequest("long", (3, 4), SamplingParams(5, seed=1)))
+    finished = []
+    while eng.has_work():
+        finished += [o.request.request_id for o in eng.step()]
+        assert eng.finishing() == []  # (only while the step waits)
+    waited_with = [f for f, _ in seen if f]
+    assert sorted(sum(waited_with, [])) == sorted(finished) == ["long", "short"]
+    for f, flying in seen:  # never in both, never in neither until step() returns
+        assert not set(f) & set(flying)
+
+
 def test_fused_prefill_hides_compute_under_the_weight_read():
     m = TimeModel.named("H800", "7B", tp=4)
     decode = m.decode_time(32, 4000)
