@@ -22,6 +22,7 @@ import time
 from laminar.cluster import is_lost, submit_actor, workers_with
 from laminar.learner import checkpoint_skipped_versions, checkpoint_version, newest_checkpoint
 from laminar.relay import Relay
+from storage.lineage import ordered_restarts
 
 # (the restarts' logger: their records read as pipelines.restart's, whichever module)
 logger = logging.getLogger("pipelines.restart")
@@ -145,15 +146,8 @@ def _lineage(s, own=None, point: tuple[int, int] | None = None) -> list[tuple[in
     pending = getattr(s, "_restart", None)  # (begun: it told the buffer)
     if pending is not None and pending is not own:
         records.append(pending.record)
-    done = [
-        (r["time"], r["checkpoint_version"], r["after_version"])
-        for r in records
-        if "after_version" in r
-    ]
-    if own is not None and point is not None:
-        done.append((own.t_lost, *point))
-    done.sort(key=lambda r: r[0])
-    return [*earlier, *((v, m) for _, v, m in done if m != v)]
+    more = [(own.t_lost, *point)] if own is not None and point is not None else []
+    return [*earlier, *ordered_restarts(records, more)]
 
 
 def _final_checkpoint(s, record: dict) -> dict | None:

@@ -118,11 +118,30 @@ def run_restarts(run_dir: str | Path) -> list[tuple[int, int]]:
     except FileNotFoundError:
         return []
     faults = summary.get("faults") or {}
-    records = [*faults.get("trainer_restarts", []), *faults.get("core_restarts", [])]
+    return ordered_restarts([*faults.get("trainer_restarts", []), *faults.get("core_restarts", [])])
+
+
+def ordered_restarts(
+    records: Sequence[dict], more: Sequence[tuple[float, int, int]] = ()
+) -> list[tuple[int, int]]:
+    """The restarts ``(V, M)`` of restart ``records`` (``summary.json``'s, or the
+    driver's own: each record's ``checkpoint_version``, ``after_version`` and ``time``)
+    and of ``more`` (``(time, V, M)``: a restart whose record is not written yet), in the
+    order they happened. A record of a restart that did not get that far (no
+    ``after_version``) and a restart that branches nothing (``M == V``) are left out.
+
+    >>> ordered_restarts(
+    ...     [{"time": 5.0, "checkpoint_version": 4, "after_version": 6},
+    ...      {"time": 2.0, "checkpoint_version": 2, "after_version": 2},
+    ...      {"time": 1.0, "checkpoint_version": 0}],
+    ...     more=[(3.0, 2, 3)])
+    [(2, 3), (4, 6)]
+    """
     done = [
         (float(r.get("time", 0.0)), int(r["checkpoint_version"]), int(r["after_version"]))
         for r in records
         if r.get("after_version") is not None and r.get("checkpoint_version") is not None
     ]
+    done += [(float(t), int(v), int(m)) for t, v, m in more]
     done.sort(key=lambda r: r[0])
     return [(v, m) for _, v, m in done if m != v]
