@@ -171,6 +171,7 @@ class RepackMixin:
                     merged.setdefault((m.destination, outs[m.source]["version"]), []).append(
                         m.source
                     )
+            into = {(d, v): f"{round_id}:{d}:{v}" for d, v in merged}  # (each import's token)
             imports = {
                 (dst, v): self._try(
                     lambda d=dst, v=v, s=sources: self.rollouts[d].import_for_move(
@@ -180,7 +181,7 @@ class RepackMixin:
                         sources=len(s),
                         max_requests=self.max_batch,
                         max_kv=self.rcfg.c_max,
-                        move=f"{round_id}:{d}:{v}",
+                        move=into[d, v],
                     )
                 )
                 for (dst, v), sources in merged.items()
@@ -197,7 +198,7 @@ class RepackMixin:
                 ok_of |= dict.fromkeys(sources, got and answer is not False)
                 if not got:  # it may yet be imported: ask, after it (calls run in order)
                     unanswered[dst, v] = self._try(
-                        lambda d=dst, v=v: self.rollouts[d].holds(f"{round_id}:{d}:{v}")
+                        lambda d=dst, v=v: self.rollouts[d].holds(into[d, v])
                     )
             # Twice as long: the question waits behind the import (and behind a pool call
             # the destination's generation thread may be in); given up on, the source
