@@ -232,7 +232,7 @@ class TrainerRestart:
         # The newest version any trainer of this run published (the buffer hears of
         # each before it is published).
         after = self._ask_data("buffer", lambda b: b.stats())["version"]
-        ckpt, version, fields = _restart_point(s.run_dir, after)
+        ckpt, version, after, fields = _restart_point(s.run_dir, after)
         # (again after a retry: finds nothing more, the groups are held already)
         back = self._ask_data("buffer", lambda b: b.trainer_restarted(version, after))
         chain = self._ask_data("manager", lambda m: m.stats())["chain"]
@@ -590,10 +590,8 @@ class CoreRestart(DataRestart):
         self.worker = worker
         self.record["worker_wait_s"] = time.time() - self.t_lost
         after = self._newest_published()
-        ckpt, version, fields = _restart_point(s.run_dir, after)
-        if version > after:  # (checkpointed after the driver's last copy: published first)
-            after = self.after = version
-            fields = _point_fields(ckpt, version, after)
+        ckpt, version, after, fields = _restart_point(s.run_dir, after)
+        self.after = after  # (a retry never numbers after less)
         self.master = _new_master(s, worker, self.last_manager["chain"])
         # (the record stands in for the trainer's: nothing consumed at V or later stands)
         record = {"consumed": {}, "since": version, "version": after}

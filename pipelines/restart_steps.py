@@ -77,10 +77,15 @@ def _pick_workers(
 
 def _restart_point(run_dir, after: int) -> tuple:
     """The newest checkpoint (``None``: none yet, the warm-started policy), its version,
-    and the restart record's fields for a restart from it after version ``after``."""
+    the version ``M`` a restart from it numbers after, and the restart record's fields.
+    ``M`` is ``after`` (the newest version anything that outlived the lost trainer saw
+    published), or the checkpoint's if newer: a checkpoint's version was published before
+    it was written, and the driver may not have seen it (the trainer wrote it after the
+    driver's last look, nothing else outliving it saw it)."""
     ckpt = newest_checkpoint(run_dir)
     version = checkpoint_version(ckpt) if ckpt is not None else 0
-    return ckpt, version, _point_fields(ckpt, version, after)
+    after = max(after, version)
+    return ckpt, version, after, _point_fields(ckpt, version, after)
 
 
 def _point_fields(ckpt, version: int, after: int) -> dict:
