@@ -722,9 +722,25 @@ def test_a_lost_trainer_fails_the_run_clearly_and_it_resumes_in_place(tmp_path):
     cluster = open_metrics(run_dir, "cluster")
     segs = segments(cluster)
     assert [s["segment"] for s in segs] == [0, 1], segs
-    # The counters go on across the stop: a rate is a diff over the whole run.
-    for col in ("inserted", "consumed", "response_tokens", "trainer_wait_s"):
+    # The counters go on across the stop (a rate is a diff over the whole run), the
+    # buffer's from what the store says (docs/storage.md): the resumed start's `inserted`
+    # from the rows stored, `consumed` from what the checkpoint's updates trained on. The
+    # lost start's last row may have counted more of each (what its last flush and its
+    # lost updates took with them), so these two may step down at the stop, never within
+    # a start; and at every row of the resumed start the buffer's identity holds.
+    for col in ("response_tokens", "trainer_wait_s"):
         assert (np.diff(cluster[col].values) >= 0).all(), col
+    seg = cluster["segment"].values
+    for col in ("inserted", "consumed"):
+        for s in (0, 1):
+            assert (np.diff(cluster[col].values[seg == s]) >= 0).all(), (col, s)
+    second = cluster.isel(time=np.flatnonzero(seg == 1))
+    assert (second["inserted"].values >= resumed["stored"]).all()
+    assert (second["consumed"].values >= resumed["consumed_before"]).all()
+    left = sum(second[c].values for c in ("consumed", "discarded", "evicted", "filtered"))
+    assert (
+        second["inserted"].values == left + second["buffer_depth"].values + resumed["dropped"]
+    ).all()
     rollouts = open_metrics(run_dir, "rollouts")
     for rid in rollouts["rollout"].values:
         for col in ("trajectories", "response_tokens", "batches"):
