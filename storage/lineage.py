@@ -8,18 +8,23 @@ the path between two weights in that tree; the buffer's ``max_train_staleness``
 (:meth:`laminar.buffer_core.BufferCore.lag`) and the analysis
 (``ds.laminar.staleness(restarts=...)``) both count with it.
 
-Pure: no laminar import (``laminar`` imports ``storage``, not the other way round).
+Pure: no laminar import (``laminar`` imports ``storage``, not the other way round):
+:func:`run_restarts` reads a checkpoint's ``trainer_state.json`` as
+:func:`laminar.learner.checkpoint_restarts` does.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
 
 Restarts = Sequence[tuple[int, int]]
+
+logger = logging.getLogger(__name__)
 
 
 def lineage_lag(version: int, behavior: int, restarts: Restarts, *, trainer: bool = True) -> int:
@@ -104,21 +109,217 @@ def lineage_lags(
 
 
 def run_restarts(run_dir: str | Path) -> list[tuple[int, int]]:
-    """The trainer restarts ``(V, M)`` of a run, in the order they happened, from its
-    ``summary.json`` (``faults.trainer_restarts`` and ``faults.core_restarts``: each
-    record's ``checkpoint_version``, ``after_version`` and ``time``). A restart that
-    branches nothing (``M == V``) and a record of a restart that did not get that far
-    (no ``after_version``) are left out; none for a run without a summary.
+    """The trainer restarts ``(V, M)`` along the lineage of a run's weights, in the order
+    they happened, from every start of the run: what the buffer counted
+    ``max_train_staleness`` with and ``ds.laminar.staleness(restarts="run")`` counts with.
 
-    A resumed run's summary is its last start's: the restarts of its earlier starts are
-    in its checkpoints' ``trainer_state.json`` (``restarts``), not here."""
-    path = Path(run_dir) / "summary.json"
+    A start's own restarts are in ``summary.json``, which each start rewrites
+    (``faults.trainer_restarts`` and ``faults.core_restarts``: each record's
+    ``checkpoint_version``, ``after_version`` and ``time``; one with ``M == V``, or one
+    that did not get that far, no ``after_version``, branches nothing and is left out).
+    The restarts before a resume (``laminar run --resume``) are those the checkpoint it
+    resumed from records (``checkpoints/version-N/trainer_state.json``, ``restarts``,
+    with ``N`` the last resume's version: the store's ``resumes``, else the summary's
+    ``resumed.version``). So the list is the checkpoint's, then the summary's by time:
+
+    * **In order, once each.** The checkpoint's writer was handed every restart before
+      it started, its own last (:class:`storage.resume.ResumePlan`), and each resumed
+      trainer is handed its checkpoint's, so the checkpoint's list holds those of every
+      earlier start, and of earlier resumes, that its weights descend from. Each of them
+      has ``M <= N``; the resumed start restarts from the newest checkpoint, ``N`` or
+      one it wrote since, so each of its restarts has ``M > N``, after them all.
+    * **A restart a resume superseded is left out.** A resume redoes the versions after
+      ``N`` under the same numbers (``ds.laminar.superseded()``), so a restart of a lost
+      start with ``M > N`` (after the checkpoint was written, or in a start resumed from
+      an older checkpoint, one damaged and moved aside) branched weights that are gone;
+      counted, it would put the resumed start's own ``N+1 ..`` on a lost branch. No
+      trajectory the analysis counts is of them: the lost start's trajectories consumed at
+      ``N`` or later were held again, and those finished after ``N`` dropped
+      (:func:`storage.resume.plan_resume`). The checkpoint's list does not name them.
+    * **Multiple resumes**: the last one's checkpoint holds those of the ones before.
+
+    When it cannot tell, it says so at WARNING (logger ``storage.lineage``), naming the
+    path, and returns what it knows; nothing is written or moved:
+
+    * The checkpoint of version ``N`` gone, or its ``trainer_state.json`` damaged (not
+      JSON, its ``restarts`` not pairs, another ``version``): the restarts with
+      ``M <= N`` recorded by the oldest readable checkpoint after it, which the resumed
+      start wrote with the same list before its own (said at INFO); with none, those
+      restarts are unknown (WARNING), and a lag across one of them counts by the numbers.
+      One written before laminar recorded the list reads as none (WARNING), as the
+      resumed buffer read it (it counted by the numbers too).
+    * ``summary.json`` not of the run's last start (none there: a run still going, or
+      one whose driver was killed; a failed driver's, which records no restarts; one
+      that does not read; one of an earlier start, the store recording a later resume):
+      that start's restarts are those its newest checkpoint records (its trainer was
+      handed them), and one after that trainer started is unknown (WARNING).
+
+    A run started once reads no checkpoint while its ``summary.json`` is its start's:
+    the restarts are the summary's alone.
+
+    >>> run_restarts("no/such/run")  # (no summary, no checkpoint: none, said at WARNING)
+    []
+    """
+    run_dir = Path(run_dir)
+    summary, problem = _read_summary(run_dir)
+    resumes = _store_resumes(run_dir)
+    stated = (summary.get("resumed") or {}).get("version")
+    stated = None if stated is None else int(stated)
+    last = resumes[-1] if resumes else stated
+    if problem is None and resumes and stated != last:
+        problem = (
+            f"{str(run_dir / 'summary.json')!r} is of an earlier start: the store records a "
+            f"later resume, from version {last} (a start still going, or whose driver was "
+            "killed)"
+        )
+    earlier = [] if last is None else _restarts_before(run_dir, last)
+    if problem is None:
+        faults = summary.get("faults") or {}
+        records = [*faults.get("trainer_restarts", []), *faults.get("core_restarts", [])]
+        return [*earlier, *ordered_restarts(records)]
+    floor = -1 if last is None else last
+    ckpt, recorded = _newest_recorded(run_dir, floor)
+    if ckpt is None:
+        logger.warning(
+            "%s; no checkpoint of it records its restarts: %s",
+            problem,
+            "none counted" if not earlier else f"counted only those before version {last}",
+        )
+        return earlier
+    logger.warning(
+        "%s; counted the restarts %r records (its trainer was handed them): one after that "
+        "trainer started is unknown, a lag across it counts by the numbers",
+        problem,
+        str(ckpt / "trainer_state.json"),
+    )
+    return [*earlier, *(r for r in recorded if r[1] > floor)]
+
+
+class _Unreadable(Exception):
+    """A checkpoint's ``trainer_state.json`` that does not say its restarts (the why)."""
+
+
+def _read_summary(run_dir: Path) -> tuple[dict, str | None]:
+    """``summary.json`` and, where it does not record its start's restarts, why."""
+    path = run_dir / "summary.json"
     try:
         summary = json.loads(path.read_text())
     except FileNotFoundError:
-        return []
-    faults = summary.get("faults") or {}
-    return ordered_restarts([*faults.get("trainer_restarts", []), *faults.get("core_restarts", [])])
+        return {}, f"{str(path)!r} is not there (a run still going, or whose driver was killed)"
+    except (OSError, ValueError) as e:
+        return {}, f"{str(path)!r} does not read ({type(e).__name__}: {e})"
+    if not isinstance(summary, dict):
+        return {}, f"{str(path)!r} does not read (not a JSON object)"
+    if summary.get("driver_failed"):
+        return summary, f"{str(path)!r} is a failed driver's: it records no restarts"
+    return summary, None
+
+
+def _store_resumes(run_dir: Path) -> list[int] | None:
+    """The checkpoint versions the run's starts resumed from, in order, as the trajectory
+    store records them (``resumes``; ``None``: no store, or one that does not read)."""
+    import zarr
+
+    from storage.stores import reading, store_path
+
+    store = store_path(run_dir)
+    if not (store / "zarr.json").exists():
+        return None
+    try:
+        with reading(store):
+            resumes = zarr.open_group(str(store), mode="r", zarr_format=3).attrs.get("resumes")
+        return [int(v) for _, v in resumes or []]
+    except Exception as e:  # noqa: BLE001 — the summary still says the last resume
+        logger.warning("%r: its resumes do not read (%s: %s)", str(store), type(e).__name__, e)
+        return None
+
+
+def _checkpoints(run_dir: Path) -> dict[int, Path]:
+    """The run's ``checkpoints/version-<digits>`` folders by version (one moved aside,
+    ``version-000014.damaged``, is not one: as :func:`laminar.learner.newest_checkpoint`)."""
+    folder = run_dir / "checkpoints"
+    return {
+        int(p.name.removeprefix("version-")): p
+        for p in sorted(folder.glob("version-*"))
+        if p.name.removeprefix("version-").isdigit()
+    }
+
+
+def _recorded(ckpt: Path, version: int) -> list[tuple[int, int]] | None:
+    """The restarts ``ckpt`` (of ``version``) records, as
+    :func:`laminar.learner.checkpoint_restarts` reads them; ``None``: it was written
+    before laminar recorded them. A :class:`_Unreadable` says why it does not read."""
+    path = ckpt / "trainer_state.json"
+    try:
+        state = json.loads(path.read_text())
+        if int(state["version"]) != version:
+            raise _Unreadable(f"{str(path)!r} holds version {state['version']}, not {version}")
+        if "restarts" not in state:
+            return None
+        return [(int(v), int(m)) for v, m in state["restarts"]]
+    except FileNotFoundError:
+        raise _Unreadable(f"{str(path)!r} is not there") from None
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise _Unreadable(f"{str(path)!r} does not read ({type(e).__name__}: {e})") from None
+
+
+def _restarts_before(run_dir: Path, version: int) -> list[tuple[int, int]]:
+    """The restarts before the resume from the checkpoint of ``version`` (its own list;
+    else those with ``M <= version`` of the oldest readable checkpoint after it)."""
+    saved = _checkpoints(run_dir)
+    ckpt = saved.get(version, run_dir / "checkpoints" / f"version-{version:06d}")
+    try:
+        if not ckpt.is_dir():
+            raise _Unreadable(f"{str(ckpt)!r} is not there")
+        recorded = _recorded(ckpt, version)
+    except _Unreadable as e:
+        why = str(e)
+    else:
+        if recorded is None:
+            logger.warning(
+                "%r records no trainer restarts (written before laminar did): the "
+                "restarts before the resume from it are unknown, read as none (as its "
+                "resumed buffer read them); a lag across one counts by the numbers",
+                str(ckpt / "trainer_state.json"),
+            )
+            return []
+        return recorded
+    for v in sorted(x for x in saved if x > version):
+        try:
+            later = _recorded(saved[v], v)
+        except _Unreadable:
+            continue
+        if later is not None:
+            logger.info(
+                "%s: the restarts before the resume from version %d are read from %r",
+                why,
+                version,
+                str(saved[v] / "trainer_state.json"),
+            )
+            return [r for r in later if r[1] <= version]
+    logger.warning(
+        "%s, and no later checkpoint records the restarts before the resume from version "
+        "%d: they are unknown, none counted; a lag across one counts by the numbers (pass "
+        "restarts=[(V, M), ...] to count them)",
+        why,
+        version,
+    )
+    return []
+
+
+def _newest_recorded(run_dir: Path, floor: int) -> tuple[Path | None, list[tuple[int, int]]]:
+    """The newest readable checkpoint above version ``floor`` that records restarts, and
+    them (``None, []``: none)."""
+    saved = _checkpoints(run_dir)
+    for v in sorted((x for x in saved if x > floor), reverse=True):
+        try:
+            recorded = _recorded(saved[v], v)
+        except _Unreadable as e:
+            logger.warning("%s: passed over", e)
+            continue
+        if recorded is not None:
+            return saved[v], recorded
+    return None, []
 
 
 def ordered_restarts(
