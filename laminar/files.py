@@ -171,7 +171,11 @@ def _listed(path: Path) -> dict[str, tuple[int, str]]:
 
 
 def check_manifest(
-    folder: Path, *, leave_out: Collection[str] = (), require: Collection[str] = ()
+    folder: Path,
+    *,
+    leave_out: Collection[str] = (),
+    require: Collection[str] = (),
+    only: Collection[str] | None = None,
 ) -> ManifestCheck:
     """Check every file ``folder/manifest.json`` lists: there, of its size, of its
     digest (each file read whole). Raises :class:`ManifestMismatch` naming each file
@@ -179,7 +183,12 @@ def check_manifest(
     is named without reading the rest. A manifest that does not list each of
     ``require`` (files every such folder is written with) is damaged: it would leave them
     unchecked. A folder without a manifest (written before manifests were) is
-    ``ManifestCheck(recorded=False)``."""
+    ``ManifestCheck(recorded=False)``.
+
+    ``only``: check just these of its files (a reader that loads part of the folder:
+    a checkpoint's weights without its optimizer state, several times their size), each
+    of which the manifest must list (one it does not would be read unchecked); the
+    others are not looked at, and ``extra`` is then empty."""
     path = folder / MANIFEST
     if not path.exists():
         return ManifestCheck(recorded=False)
@@ -188,6 +197,15 @@ def check_manifest(
         raise ManifestMismatch(
             [(path, f"it does not list {unlisted}, written with every such folder")]
         )
+    if only is not None:
+        if unlisted := [rel for rel in only if rel not in listed]:
+            raise ManifestMismatch(
+                [
+                    (folder / rel, f"{MANIFEST} does not list it: added since the write")
+                    for rel in unlisted
+                ]
+            )
+        listed = {rel: listed[rel] for rel in only}
     problems = []
     for rel, (size, _) in listed.items():
         f = folder / rel
@@ -212,5 +230,7 @@ def check_manifest(
             )
     if problems:
         raise ManifestMismatch(problems)
+    if only is not None:
+        return ManifestCheck(recorded=True)
     extra = tuple(rel for rel in _files(folder, leave_out) if rel not in listed)
     return ManifestCheck(recorded=True, extra=extra)

@@ -250,10 +250,12 @@ def fetch_version(
             from safetensors.torch import load_file
 
             from laminar.files import ManifestMismatch, check_manifest
-            from laminar.prompt_pool import DATA_STATE
 
-            try:  # (a checkpoint written before manifests were: loaded unchecked)
-                check_manifest(folder, leave_out=(DATA_STATE,), require=("model.safetensors",))
+            # The weights alone are read and checked, not the optimizer state beside
+            # them (several times their size: minutes of reading at 72B, on a recovery).
+            # (A checkpoint written before manifests were: loaded unchecked.)
+            try:
+                check_manifest(folder, require=("model.safetensors",), only=[f.name for f in files])
             except ManifestMismatch as e:
                 said = "; ".join(f"{str(path)!r}: {what}" for path, what in e.problems)
                 raise VersionUnavailable(

@@ -396,6 +396,29 @@ def test_fetch_version_refuses_a_damaged_checkpoint_naming_the_file(tmp_path):
         fetch_version(7, None, tmp_path)
 
 
+def test_fetch_version_checks_the_weights_it_loads_not_the_optimizer_state(tmp_path):
+    """A recovery reads the checkpoint's weights, not its optimizer state (several times
+    their size at scale): a byte changed in optimizer.pt does not hold the weights back,
+    while a weights file the manifest does not list (added since the write, so nothing
+    vouches for it) is refused, naming it."""
+    from safetensors.torch import save_file
+
+    from laminar.files import write_manifest
+
+    folder = tmp_path / "version-000003"
+    folder.mkdir()
+    save_file({"w": torch.ones(64)}, folder / "model.safetensors")
+    torch.save({"state": {0: {"exp_avg": torch.zeros(4096)}}}, folder / "optimizer.pt")
+    write_manifest(folder)
+    data = bytearray((folder / "optimizer.pt").read_bytes())
+    data[-200] ^= 0x01
+    (folder / "optimizer.pt").write_bytes(bytes(data))
+    assert torch.equal(fetch_version(3, None, tmp_path)["w"], torch.ones(64))
+    save_file({"b": torch.zeros(2)}, folder / "model-extra.safetensors")
+    with pytest.raises(VersionUnavailable, match=r"model-extra\.safetensors.*does not list it"):
+        fetch_version(3, None, tmp_path)
+
+
 def test_close_stops_the_forwarder_and_the_relay_threads():
     """At a run's end the driver closes every relay: nothing of it is left running on a
     long-lived worker (a forwarder destroyed pending is what asyncio complains of)."""
