@@ -93,7 +93,8 @@ class LaminarAccessor:
 
         ``restarts``: the run's trainer restarts ``(V, M)`` in order (a trainer restarted
         from its checkpoint of ``V``, numbering its updates after ``M``), or ``"run"``
-        for those its ``summary.json`` records (:func:`storage.lineage.run_restarts`).
+        for those the run recorded: its last start's in ``summary.json``, after those
+        the checkpoint of its last resume records (:func:`storage.lineage.run_restarts`).
         With them, also ``s_gen_lineage``, ``residence_lineage`` and ``s_train_lineage``:
         the same lags counted along the weights' lineage
         (:func:`storage.lineage.lineage_lag`, as ``buffer.max_train_staleness`` counts):
