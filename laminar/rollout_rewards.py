@@ -4,9 +4,11 @@
 :class:`~laminar.contract.Trajectory`, scored by a Dask task on a rollout's worker
 (:func:`~laminar.rewards.score_batch`) and inserted into the buffer, oldest first, by the
 reward collector's own thread (a reward whose result sits on a hung worker holds up that
-thread, never generation or the heartbeat). A trajectory is kept until the buffer says its
-store has it, and sent again to a rebuilt buffer. Also here: the behavior/trainer parity
-check on a sample of finished responses.
+thread, never generation or the heartbeat). One with a behavior logprob that is not finite
+on a token it trains on is marked ``finish_reason="error"`` as it is built, as a reward
+failure marks one: the buffer discards its group whole. A trajectory is kept until the
+buffer says its store has it, and sent again to a rebuilt buffer. Also here: the
+behavior/trainer parity check on a sample of finished responses.
 
 Apart from the generation loop (:mod:`laminar.rollout`), which hands a response over here
 once it finishes: what follows runs mostly on a thread of its own.
@@ -91,6 +93,7 @@ class RewardsMixin:
                     t_finish=out.t_finish,
                 )
             )
+            self._check_logprobs(trajs[-1], out)
             self.counts["response_tokens"] += len(resp)
         self.counts["trajectories"] += len(trajs)
         with self._unstored_lock:  # kept until the store has it
@@ -98,6 +101,36 @@ class RewardsMixin:
         self._to_score.put(
             (trajs, items, self._reward_task(items)) if score else (trajs, None, None)
         )
+
+    def _check_logprobs(self, t: Trajectory, out: FinishedOutput) -> None:
+        """Mark ``t`` failed (``finish_reason="error"``) when a token it trains on has a
+        behavior logprob that is not finite (an engine's NaN or -inf): its ratio would be
+        NaN or e^20, and the update's loss NaN (its gradient 0 or NaN: the step applied
+        with NaN metrics, or the whole batch skipped for one token). Its group is
+        discarded whole by the buffer, as for a reward failure, and logged."""
+        if t.finish_reason == "error":
+            return
+        bad = np.flatnonzero(~np.isfinite(t.behavior_logprobs) & (t.loss_mask > 0))
+        if not len(bad):
+            return
+        i = int(bad[0])
+        version = int(out.token_versions[i]) if len(out.token_versions) > i else out.version
+        t.finish_reason = "error"
+        self.counts["logprob_errors"] = n = self.counts.get("logprob_errors", 0) + 1
+        if n == 1 or n % 1000 == 0:  # say it, without flooding the console
+            logger.warning(
+                "rollout %s: %d trajectories so far with a behavior logprob that is not "
+                "finite; latest: trajectory %s has behavior_logprobs[%d] = %s (%d such "
+                "tokens), sampled at version %d; marked finish_reason='error': its group "
+                "is discarded",
+                self.rollout_id,
+                n,
+                t.uid,
+                i,
+                float(t.behavior_logprobs[i]),
+                len(bad),
+                version,
+            )
 
     def _collect_rewards(self, block: bool) -> None:
         """Submit the rewards of recovered finished trajectories; with ``block``, wait
