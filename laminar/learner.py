@@ -342,7 +342,7 @@ def step_means(steps: list[dict[str, float]], agg: str = "token-mean") -> dict[s
     (``token-mean``) or its rows (``seq-mean-*``), a mean over rows by its rows, a maximum
     the steps' maximum (:func:`laminar.update.metric_weight`); ``grad_norm``, which is
     each step's own, their mean. Over the steps applied (those made the version; a
-    skipped step's loss and gradient norm are NaN or infinite), or over all when none
+    skipped step's loss or gradient norm is NaN or infinite), or over all when none
     was; ``skipped`` the fraction skipped. The counts that weigh the steps are not kept.
 
     >>> step = {"skipped": 0.0}

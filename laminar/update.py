@@ -333,7 +333,11 @@ def grpo_step(
         all_reduce(worst, "max")
         diff_max = float(worst[0])
     grad_norm = torch.nn.utils.clip_grad_norm_(params, max_grad_norm)
-    skipped = not torch.isfinite(grad_norm)
+    # A loss that is not finite skips the step too, whatever its gradient: a NaN goes
+    # through clamp (the ratio's) and torch.minimum with a gradient of 0, so the step
+    # would be taken with NaN metrics. ``sums`` and the gradient are every rank's, summed
+    # (a NaN or inf on one rank is on all), so every rank decides alike.
+    skipped = not (torch.isfinite(grad_norm) and np.isfinite(sums.get("loss", 0.0)))
     if skipped:
         optimizer.zero_grad(set_to_none=True)
     else:

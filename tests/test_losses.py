@@ -361,6 +361,82 @@ def test_a_rank_without_rows_issues_the_same_collectives(tiny_policy):
         assert calls[0] == calls[1], options
 
 
+def _nan_loss_step(model, tok, shard=None, all_reduce=None, rank=0, world_size=1):
+    """One grpo_step (plain SGD) on two rows, the second with a NaN behavior logprob on a
+    trained token: its ratio is NaN, and clamp and torch.minimum pass the NaN on with a
+    gradient of 0, so the loss is NaN and the gradient finite."""
+    import numpy as np
+
+    from laminar.update import grpo_step
+
+    prompts = [np.array([5, 6, 7], np.int32), np.array([8, 9], np.int32)]
+    responses = [np.array([10, 11, 12], np.int32), np.array([13, 14, 15, 16], np.int32)]
+    logps = [np.full(3, -2.0, np.float32), np.array([-2.0, math.nan, -2.0, -2.0], np.float32)]
+    masks = [np.ones(3, np.uint8), np.ones(4, np.uint8)]
+    return grpo_step(
+        model, torch.optim.SGD(model.parameters(), lr=0.1), prompts, responses, logps,
+        masks, torch.tensor([1.0, 0.0]), torch.tensor([0, 0]), pad_token_id=tok.pad_token_id,
+        clip_low=0.2, clip_high=0.28, shard=shard, all_reduce=all_reduce, rank=rank,
+        world_size=world_size,
+    )  # fmt: skip
+
+
+def test_a_nan_loss_with_a_finite_gradient_skips_the_step(tiny_policy):
+    """correction=none, a NaN behavior logprob on a trained token: the loss was NaN, the
+    gradient norm finite (the NaN token's gradient 0), and the step was taken, its NaN
+    loss stored as the version's. A loss that is not finite skips the step now."""
+    from laminar.model import load_policy
+
+    model, tok = load_policy(tiny_policy)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    metrics = _nan_loss_step(model, tok)
+    assert math.isnan(metrics["loss"]) and math.isfinite(metrics["grad_norm"])
+    assert metrics["grad_norm"] > 0  # (the other tokens' gradient: it would have moved)
+    assert metrics["skipped"] == 1.0
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, before[k]), k
+
+
+def test_ranks_skip_a_step_alike_when_one_ranks_loss_is_nan(tiny_policy):
+    """Two data-parallel ranks (threads, summing through a barrier as the collective
+    does): only rank 1's row has the NaN. Its loss is summed into every rank's metrics
+    before the decision, so both skip; a rank deciding on its own loss would step alone
+    and the ranks' weights would part."""
+    import copy
+    import threading
+
+    from laminar.model import load_policy
+
+    model, tok = load_policy(tiny_policy)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    models = [copy.deepcopy(model) for _ in range(2)]
+    barrier, slots, out = threading.Barrier(2), [None, None], [None, None]
+
+    def reducer(rank):
+        def all_reduce(t, op):
+            slots[rank] = t.clone()
+            barrier.wait()
+            both = torch.stack(slots)
+            total = both.sum(0) if op == "sum" else both.amax(0)
+            barrier.wait()
+            t.copy_(total)
+
+        return all_reduce
+
+    def rank_main(rank):
+        out[rank] = _nan_loss_step(models[rank], tok, [rank], reducer(rank), rank, 2)
+
+    threads = [threading.Thread(target=rank_main, args=(r,)) for r in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert [m["skipped"] for m in out] == [1.0, 1.0], out
+    for m in models:
+        for k, v in m.state_dict().items():
+            assert torch.equal(v, before[k]), k
+
+
 def test_trainer_logprobs_without_a_pad_token_and_at_a_vanishing_temperature(tiny_policy):
     """A Llama-3-style tokenizer has no pad token (None): packing padded with None and
     crashed. A vanishing temperature overflowed logits / T in the trainer's forward (NaN
