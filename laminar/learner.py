@@ -78,16 +78,43 @@ class CheckpointError(LaminarError):
 def check_groups(batch: list[Trajectory]) -> None:
     """Refuse a batch with a group not whole: GRPO's advantages compare a group's
     rewards with each other, and a group trained short trains on wrong advantages,
-    silently. The buffer releases whole groups only; this names what broke that,
-    before any weight moves. (A reward that is not finite is not refused here: it makes
-    the step non-finite, which is skipped and counted.)"""
-    sizes = Counter(x.prompt_uid for x in batch)
+    silently. Whole is each of its samples once: ``sample_idx`` 0 .. ``group_size`` - 1,
+    not just as many rows (one sample twice and another missing would train one draw
+    twice, its advantage and the others' from the wrong rewards). The buffer releases
+    whole groups only; this names what broke that, before any weight moves. (A reward
+    that is not finite is not refused here: it makes the step non-finite, which is
+    skipped and counted.)"""
+    groups: dict[str, list[Trajectory]] = {}
     for x in batch:
-        if sizes[x.prompt_uid] != x.group_size:
+        groups.setdefault(x.prompt_uid, []).append(x)
+    for uid, members in groups.items():
+        sizes = sorted({x.group_size for x in members})
+        if len(sizes) > 1:
             raise LaminarError(
-                f"group {x.prompt_uid!r}: {sizes[x.prompt_uid]} of its {x.group_size} "
-                "trajectories in the batch (GRPO's advantages need the whole group); the "
-                "buffer releases whole groups only"
+                f"group {uid!r}: its trajectories in the batch disagree on its size "
+                f"(group_size {sizes}); the buffer releases whole groups only"
+            )
+        size = sizes[0]
+        if len(members) != size:
+            raise LaminarError(
+                f"group {uid!r}: {len(members)} of its {size} trajectories in the batch "
+                "(GRPO's advantages need the whole group); the buffer releases whole "
+                "groups only"
+            )
+        seen = Counter(int(x.sample_idx) for x in members)
+        if set(seen) != set(range(size)):
+            twice = sorted(i for i, n in seen.items() if n > 1)
+            missing = sorted(set(range(size)) - set(seen))
+            other = sorted(set(seen) - set(range(size)))
+            what = [
+                *([f"sample_idx {twice} more than once"] if twice else []),
+                *([f"{missing} missing"] if missing else []),
+                *([f"{other} outside 0..{size - 1}"] if other else []),
+            ]
+            raise LaminarError(
+                f"group {uid!r}: its {size} trajectories in the batch are not its {size} "
+                f"samples: {', '.join(what)} (GRPO's advantages need each sample once); "
+                "the buffer releases whole groups only"
             )
 
 

@@ -180,6 +180,36 @@ def test_a_bad_group_or_row_in_a_later_mini_batch_fails_before_any_step(tiny_pol
         assert not learner.optimizer.state and learner.version == 0
 
 
+def test_a_group_with_a_sample_twice_and_one_missing_is_refused_by_name(tiny_policy):
+    """A group of 4 holding sample 0 twice and no sample 3 has 4 rows: counting rows,
+    the check passed it, and the update trained one draw twice with advantages from the
+    wrong rewards. The samples must be 0..3 once each; the error names the group, the
+    sample twice and the one missing, before any weight moves (a stream update's part
+    too)."""
+    from dataclasses import replace
+
+    from laminar.errors import LaminarError
+    from laminar.learner import check_groups
+
+    data = batch(0)
+    group = [x for x in data if x.prompt_uid == "s0g1"]
+    assert sorted(x.sample_idx for x in group) == [0, 1, 2, 3]
+    bad = [replace(x, uid="s0g1-0b", sample_idx=0) if x is group[3] else x for x in data]
+    check_groups(data)
+    learner = Learner(CFG, tiny_policy)
+    before = weights(learner)
+    said = r"group 's0g1': .*sample_idx \[0\] more than once, \[3\] missing"
+    for update in (learner.update, lambda b: learner.update_part(b, last=True)):
+        with pytest.raises(LaminarError, match=said):
+            update(bad)
+    after = weights(learner)
+    assert all(torch.equal(before[k], after[k]) for k in before)
+    assert not learner.optimizer.state and learner.version == 0
+    outside = [replace(x, sample_idx=7) if x is group[3] else x for x in data]
+    with pytest.raises(LaminarError, match=r"group 's0g1': .*\[3\] missing, \[7\] outside"):
+        check_groups(outside)
+
+
 def test_two_ranks_train_the_same_weights_as_one(tiny_policy, tmp_path):
     """Two gloo ranks, each computing half of every batch, end where one rank does."""
     assert run_ranks(rank_main, 2, str(tiny_policy), str(tmp_path)) == [0, 0]
