@@ -164,6 +164,11 @@ SYNTHETIC_FIELDS = (
     "task.length_share",
 )
 PROMPT_FIELDS = ("task.prompt_file", *SYNTHETIC_FIELDS, "seed")
+# The settings the behavior logprobs depend on, and the trainer's too: the stores'
+# untrained groups and the partial responses a resume finishes were sampled with them.
+# (Not top_p/top_k: a behavior logprob is the unfiltered distribution's, laminar.sampling,
+# as the trainer's is; the filters change what is drawn, not what the ratio compares.)
+LOGPROB_FIELDS = ("rollout.temperature",)
 
 
 def _fingerprint(cfg: RunConfig) -> str | None:
@@ -576,6 +581,7 @@ def prepare_resume(run_dir: str | Path, overrides: list[str] | tuple[str, ...] =
             "them by prompt key); drop that --set (override), or train on other data in a "
             f"new run from its checkpoint: {_setting(f'trainer.resume_from={ckpt}')}"
         )
+    _refuse_logprob_change(path, ran, cfg, ckpt)
     recorded = _recorded_digest(fingerprint) if moved else None
     cfg, digest = _prompt_file_found(path, ran, cfg, recorded, ckpt)
     now = None if digest is None else f"{digest}  {cfg.task.prompt_file}\n"
@@ -599,6 +605,39 @@ def prepare_resume(run_dir: str | Path, overrides: list[str] | tuple[str, ...] =
     files = {config: text, **({fingerprint: now} if now is not None and not moved else {})}
     _write_claimed(path, "resume", files)
     return cfg, plan, path
+
+
+def _refuse_logprob_change(path: Path, ran: RunConfig, cfg: RunConfig, ckpt: Path) -> None:
+    """Refuse a resume in place with another :data:`LOGPROB_FIELDS` value: the behavior
+    logprobs of the groups its store holds untrained (held again by the buffer) and of
+    the partial responses it finishes are of the old temperature's distribution, and the
+    trainer would take its own at the new one: every such token's ratio off, silently.
+    A new run from the checkpoint reads nothing of this store: every trajectory it
+    trains is sampled at the new value."""
+    import shlex
+
+    changed = [key for key in LOGPROB_FIELDS if _field(cfg, key) != _field(ran, key)]
+    if not changed:
+        return
+    sets = " ".join(f"--set {shlex.quote(f'{k}={_field(cfg, k)}')}" for k in changed)
+    config = shlex.quote(str(path / "config.yaml"))
+    ckpt_set = shlex.quote(f"trainer.resume_from={ckpt}")
+    raise ConfigError(
+        f"cannot resume {str(path)!r} with "
+        + ", ".join(f"{k}={_field(cfg, k)!r}" for k in changed)
+        + ": it ran "
+        + ", ".join(f"{k}={_field(ran, k)!r}" for k in changed)
+        + ", and the behavior logprobs its stores hold for the groups not yet trained (held "
+        "again by a resume) and for the partial responses it finishes are of that "
+        "distribution, while the trainer would take its own at the new value: their "
+        "importance ratios would be wrong; drop that --set (override), or change it in a "
+        "new run from its checkpoint, which restores the weights, optimizer and prompt "
+        "order and reads nothing of this store (what it holds untrained is left out): "
+        f"`laminar run {config} --run-dir NEW_DIR --set {ckpt_set} {sets}` (from Python: "
+        f"overrides=[{f'trainer.resume_from={ckpt}'!r}, "
+        + ", ".join(repr(f"{k}={_field(cfg, k)}") for k in changed)
+        + "])"
+    )
 
 
 def _plan(path: Path, version: int, ckpt: Path):
