@@ -184,6 +184,9 @@ class RolloutReplica(DataLinkMixin, WeightsMixin, RecoveryMixin, MovesMixin, Rew
             "trajectories": 0,
             "inserted": 0,
             "reward_errors": 0,
+            # responses whose behavior logprob on a trained token is not finite (an
+            # engine's NaN): marked failed, their group discarded (rollout_rewards)
+            "logprob_errors": 0,
             "rewards_scored": 0,  # responses the reward function scored (not truncated ones)
             "response_tokens": 0,
             "decode_steps": 0,

@@ -116,7 +116,8 @@ class RewardsMixin:
         i = int(bad[0])
         version = int(out.token_versions[i]) if len(out.token_versions) > i else out.version
         t.finish_reason = "error"
-        self.counts["logprob_errors"] = n = self.counts.get("logprob_errors", 0) + 1
+        self.counts["logprob_errors"] += 1
+        n = self.counts["logprob_errors"]
         if n == 1 or n % 1000 == 0:  # say it, without flooding the console
             logger.warning(
                 "rollout %s: %d trajectories so far with a behavior logprob that is not "

@@ -80,6 +80,7 @@ ROLLOUT_COUNTERS = (
     "weight_wait_s",
     "decode_s",
     "reward_errors",
+    "logprob_errors",  # responses with a non-finite behavior logprob (their group discarded)
     "engine_preemptions",
     "engine_prefill_tokens",
     "engine_decode_tokens",
