@@ -257,3 +257,63 @@ def leaves_nothing_behind(request):
     found = leaks(before)
     if found:
         pytest.fail(f"{request.node.nodeid} left: " + "; ".join(found), pytrace=False)
+
+
+class FakeClient:
+    """What `laminar run` reads of a Dask client, for the CLI tests that stand in for the
+    cluster and the run (signals, Ctrl-C, the advice printed): no cluster starts."""
+
+    scheduler = types.SimpleNamespace(address="inproc://fake")
+    dashboard_link = "http://fake/status"
+
+    def forward_logging(self, *a, **k):
+        pass
+
+
+def fake_cluster(monkeypatch, on_enter=None) -> list[bool]:
+    """`laminar run` on a stand-in cluster (:class:`FakeClient`); returns the list its
+    exit is recorded in."""
+    import contextlib
+
+    closed: list[bool] = []
+
+    @contextlib.contextmanager
+    def fake_open_cluster(cfg, run_dir=None):
+        if on_enter:
+            on_enter()
+        try:
+            yield FakeClient()
+        finally:
+            closed.append(True)
+
+    monkeypatch.setattr("laminar.deploy.open_cluster", fake_open_cluster)
+    return closed
+
+
+def ctrl_c_every_poll(monkeypatch, checkpoint: str) -> list[bool]:
+    """`laminar run` of a stand-in run that never ends by itself and is Ctrl-C'd at every
+    poll, with ``checkpoint`` (``version-NNNNNN``) written in its run directory as it
+    starts (without one, --resume refuses the run). Returns the list its ``stop()``
+    calls are recorded in. (With :func:`fake_cluster`.)"""
+    import signal
+
+    stops: list[bool] = []
+
+    class Handle:
+        def __init__(self, cfg, client, run_dir, resume=None):
+            self.run_dir = run_dir
+            (run_dir / "checkpoints" / checkpoint).mkdir(parents=True)
+
+        def done(self):
+            return False
+
+        def progress(self):
+            os.kill(os.getpid(), signal.SIGINT)
+            return {"phase": "setup"}
+
+        def stop(self):
+            stops.append(True)
+
+    monkeypatch.setattr("pipelines.api.RunHandle", Handle)
+    monkeypatch.setattr("pipelines.cli.time.sleep", lambda s: None)
+    return stops

@@ -6,6 +6,7 @@ code); the end-to-end CLI runs are in tests/test_end_to_end.py."""
 from __future__ import annotations
 
 import pytest
+from conftest import ctrl_c_every_poll, fake_cluster
 
 from pipelines import cli
 
@@ -82,14 +83,6 @@ def test_scheduler_and_scheduler_file_are_refused_together(tmp_path, capsys, no_
     assert "--set" not in err.splitlines()[-1]
 
 
-class _FakeClient:
-    scheduler = type("S", (), {"address": "inproc://fake"})()
-    dashboard_link = "http://fake/status"
-
-    def forward_logging(self, *a, **k):
-        pass
-
-
 def _main_no_interrupt(argv):
     try:
         return cli.main(argv)
@@ -97,53 +90,15 @@ def _main_no_interrupt(argv):
         pytest.fail("Ctrl-C escaped `laminar` as a KeyboardInterrupt (a traceback)")
 
 
-def _fake_cluster(monkeypatch, on_enter=None):
-    """`laminar run` on a stand-in cluster; returns the list its exit is recorded in."""
-    import contextlib
-
-    closed = []
-
-    @contextlib.contextmanager
-    def fake_open_cluster(cfg, run_dir=None):
-        if on_enter:
-            on_enter()
-        try:
-            yield _FakeClient()
-        finally:
-            closed.append(True)
-
-    monkeypatch.setattr("laminar.deploy.open_cluster", fake_open_cluster)
-    return closed
-
-
 def test_ctrl_c_twice_aborts_with_130_and_says_how_to_continue(tmp_path, monkeypatch, capsys):
     """The first Ctrl-C asks the run to stop in order; the second aborts it: exit 130,
     a message (no traceback) naming `--resume`, and the cluster still closed."""
-    import os
     import signal
 
-    closed = _fake_cluster(monkeypatch)
-    stops = []
-
-    class Handle:  # a run that never ends by itself; every poll is a Ctrl-C
-        def __init__(self, cfg, client, run_dir, resume=None):
-            self.run_dir = run_dir
-            # (a checkpoint to continue from: without one, --resume refuses the run, and
-            # the message says to start it again in a new directory)
-            (run_dir / "checkpoints" / "version-000001").mkdir(parents=True)
-
-        def done(self):
-            return False
-
-        def progress(self):
-            os.kill(os.getpid(), signal.SIGINT)
-            return {"phase": "setup"}
-
-        def stop(self):
-            stops.append(True)
-
-    monkeypatch.setattr("pipelines.api.RunHandle", Handle)
-    monkeypatch.setattr("pipelines.cli.time.sleep", lambda s: None)
+    closed = fake_cluster(monkeypatch)
+    # (a checkpoint to continue from: without one, --resume refuses the run, and the
+    # message says to start it again in a new directory)
+    stops = ctrl_c_every_poll(monkeypatch, "version-000001")
     run = tmp_path / "run"
     argv = ["run", "configs/tiny.yaml", "--set", "task.num_prompts=50", "--run-dir", str(run)]
     assert _main_no_interrupt(argv) == 130
@@ -160,7 +115,7 @@ def test_ctrl_c_while_the_cluster_starts_exits_130_without_a_traceback(
     def interrupted():
         raise KeyboardInterrupt
 
-    _fake_cluster(monkeypatch, on_enter=interrupted)
+    fake_cluster(monkeypatch, on_enter=interrupted)
     argv = ["run", "configs/tiny.yaml", "--set", "task.num_prompts=50"]
     assert _main_no_interrupt([*argv, "--run-dir", str(tmp_path / "run")]) == 130
     err = capsys.readouterr().err
@@ -342,7 +297,7 @@ def test_sigterm_or_sighup_stops_the_run_in_order_like_ctrl_c(
     import signal
 
     signum = getattr(signal, signame)
-    closed = _fake_cluster(monkeypatch)
+    closed = fake_cluster(monkeypatch)
     stops = []
 
     class Handle:  # a run that ends in order once asked to stop; its first poll: the signal

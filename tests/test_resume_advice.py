@@ -8,13 +8,12 @@ RunInterrupted of pipelines/api.py, the abort of `laminar run`).
 
 from __future__ import annotations
 
-import os
 import re
 import shlex
-import signal
 import threading
 
 import pytest
+from conftest import ctrl_c_every_poll, fake_cluster
 
 from laminar.config import RunConfig, with_overrides
 from laminar.errors import ConfigError, RunFailed
@@ -177,37 +176,8 @@ def test_a_baseline_run_aborted_by_a_second_ctrl_c_is_told_what_continues_it(
     tmp_path, monkeypatch, capsys
 ):
     """The second Ctrl-C aborts `laminar run`: its message named --resume for any run."""
-    import contextlib
-
-    class Client:
-        scheduler = type("S", (), {"address": "inproc://fake"})()
-        dashboard_link = "http://fake/status"
-
-        def forward_logging(self, *a, **k):
-            pass
-
-    @contextlib.contextmanager
-    def fake_open_cluster(cfg, run_dir=None):
-        yield Client()
-
-    class Handle:  # a run that never ends by itself; every poll is a Ctrl-C
-        def __init__(self, cfg, client, run_dir, resume=None):
-            self.run_dir = run_dir
-            (run_dir / "checkpoints" / "version-000003").mkdir(parents=True)  # (written)
-
-        def done(self):
-            return False
-
-        def progress(self):
-            os.kill(os.getpid(), signal.SIGINT)
-            return {"phase": "setup"}
-
-        def stop(self):
-            pass
-
-    monkeypatch.setattr("laminar.deploy.open_cluster", fake_open_cluster)
-    monkeypatch.setattr("pipelines.api.RunHandle", Handle)
-    monkeypatch.setattr("pipelines.cli.time.sleep", lambda s: None)
+    fake_cluster(monkeypatch)
+    ctrl_c_every_poll(monkeypatch, "version-000003")  # (written)
     run = tmp_path / "run"
     sets = ["--set", "task.num_prompts=50", "--set", "pipeline.schedule=sync"]
     assert main(["run", "configs/tiny.yaml", *sets, "--run-dir", str(run)]) == 130
