@@ -452,41 +452,41 @@ def _resumes(group: zarr.Group) -> list[float]:
 
 
 def run_stops(path: str | Path, arrays: Mapping[str, np.ndarray]) -> tuple[list, float]:
-    """A run's stops so far (``open_run``'s ``pauses_s``, as pairs) and the last moment
-    it was seen going before its latest recorded resume (NaN: never): its last
-    ``cluster`` row, or a later time of its trajectories (``arrays``, from
-    :func:`open_trajectories`). For a run resumed now, its stop began then, and ends at
-    the resume the store recorded (:func:`resume_stops`)."""
+    """A run's stops so far (``open_run``'s ``pauses_s``, as pairs: the one each
+    recorded resume ends included) and the last moment it was seen going before its
+    latest recorded resume (NaN: never): its last ``cluster`` row or trajectory time
+    (``arrays``, from :func:`open_trajectories`) before it, or the resume before (a
+    start that did nothing else). For a run resumed now, its stop began then, and ends
+    at the resume the store recorded (:func:`resume_stops`)."""
+    store = store_path(path)
     _, group = _open_group(path)
     resumes = _resumes(group)
     activity = _activity(arrays)
-    starts = _starts(store_path(path).parent, activity, resumes)
-    seen = [starts.get("metrics_end_s", math.nan)]
-    if activity is not None:
-        # (what the latest resume did since it began is not a sign of the start before)
-        before = activity[activity < resumes[-1]] if resumes else activity
-        if np.isfinite(before).any():
-            seen.append(float(np.nanmax(before)))
-    last = max((t for t in seen if math.isfinite(t)), default=math.nan)
-    return pairs(starts["pauses_s"]), last
+    starts = _starts(store.parent, activity, resumes)
+    cluster, origin = _cluster(store.parent)
+    signs = np.zeros(0) if activity is None else activity[np.isfinite(activity)]
+    if cluster is not None:
+        signs = np.concatenate([signs, origin + cluster["time"].values])
+    previous = resumes[-2] if len(resumes) > 1 else -math.inf
+    last = _stop_before(signs, previous, resumes[-1] if resumes else math.inf)
+    return pairs(starts["pauses_s"]), last if math.isfinite(last) else math.nan
 
 
 def resume_stops(path: str | Path, now: float) -> list[tuple[float, float]]:
     """Every stop of a run that is being resumed now (epoch seconds, from to), the one
     before this start included: from the last sign of the start before to the resume
     the store recorded (this start's ``record_resume``, before it generated anything).
-    What ``open_run``'s ``pauses_s`` will say of them once this start writes its first
-    metrics row, so that the driver's ``oldest_buffered_age_s`` leaves out the same
-    stretches as :meth:`~storage.accessor.LaminarAccessor.buffer_age`. With no resume
-    recorded since the start before was last seen going (a stand-in buffer's), the
-    stop ends ``now``."""
+    What ``open_run``'s ``pauses_s`` will say of them, so that the driver's
+    ``oldest_buffered_age_s`` leaves out the same stretches as
+    :meth:`~storage.accessor.LaminarAccessor.buffer_age`. With no resume recorded since
+    the start before was last seen going (a stand-in buffer's), the stop ends ``now``."""
     store, group = _open_group(path)
     with reading(store):
         arrays = _read_trajectories(store, group, [f for f in _TIMES if f != "t_held"])
     pauses, last = run_stops(path, arrays)
     resumes = _resumes(group)
-    if math.isfinite(last):
-        pauses.append((last, resumes[-1] if resumes and resumes[-1] > last else now))
+    if math.isfinite(last) and not (resumes and resumes[-1] > last):
+        pauses.append((last, now))
     return pauses
 
 
@@ -510,58 +510,98 @@ def pairs(flat: Sequence[float]) -> list[tuple[float, float]]:
 def _starts(
     run_dir: Path, activity: np.ndarray | None = None, resumes: Sequence[float] = ()
 ) -> dict:
-    """What the run's metrics say of its starts, as attributes (numbers and flat lists of
-    them, so ``to_netcdf`` takes them; none written yet: ``pauses_s`` alone, empty):
+    """What the run's starts say of it, as attributes (numbers and flat lists of them, so
+    ``to_netcdf`` takes them; ``pauses_s`` always, the rest once metrics are written):
 
     * ``pauses_s``: when a resumed run was stopped, between its starts (epoch seconds,
-      flat: from, to, from, to, ...; a run started once: ``[]``), narrowed by
-      ``activity`` (epoch seconds the run was going: its trajectories' times), as
-      :func:`storage.metrics.gaps` says: a crash loses the last seconds of rows, not of
-      the trajectory store. A stop ends at the resume the store recorded
-      (``resumes``, epoch seconds: the latest between the two starts' rows), before the
-      resumed start generated anything: its buffer holds the trajectories held across
-      the stop from then on (a stop ended at the resumed start's first trajectory time
-      left its first seconds out of their age, and divided the tokens of a throughput
-      window by a sliver of it). A stop with no resume recorded (a laminar from before
-      the record) is the longest stretch between the rows with no activity;
+      flat: from, to, from, to, ...; a run started once: ``[]``). Every resume the store
+      recorded (``resumes``, epoch seconds, in order) ends a stop, whatever the metrics
+      hold (none, one start's rows only, an aborted start's none): the resume records
+      itself before the resumed start generates anything, and its buffer holds the
+      trajectories held across the stop from then on (a stop ended at the resumed
+      start's first trajectory time left its first seconds out of their age, and
+      divided the tokens of a throughput window by a sliver of it). The stop begins at
+      the last sign of the start before (:func:`_stop_before`): its latest ``activity``
+      (epoch seconds the run was going: its trajectories' times and its leave events')
+      or ``cluster`` row since the resume before, or that resume itself (a start that
+      recorded its resume and did nothing else). A boundary between the metrics' starts
+      with no resume recorded in it (a laminar from before the record) is the longest
+      stretch between the rows with no activity, as :func:`storage.metrics.gaps` says: a
+      crash loses the last seconds of rows, not of the trajectory store;
     * ``metrics_end_s``: its last ``cluster`` row (epoch seconds);
-    * ``segment_start_s``, ``segment_first_version``: per start
+    * ``segment_start_s``, ``segment_first_version``: per start in the metrics
       (:func:`storage.metrics.segments`), when it began (epoch seconds: its first row;
-      a resumed start's, the end of the stop before it) and the trainer's version in
-      its first row (a resumed start's: the checkpoint's it resumed from, or a later one
-      if the trainer had published an update by then).
+      a later start's, the end of the stop before it) and the trainer's version in its
+      first row (a resumed start's: the checkpoint's it resumed from, or a later one if
+      the trainer had published an update by then).
     """
-    from storage.metrics import gaps, open_metrics, segments, time_origin
+    from storage.metrics import gaps, segments
+
+    act = np.asarray([] if activity is None else activity, dtype=np.float64)
+    act = act[np.isfinite(act)]
+    at = np.asarray(resumes, dtype=np.float64)
+    cluster, origin = _cluster(run_dir)
+    rows = np.zeros(0) if cluster is None else origin + cluster["time"].values
+    stops = _resume_stops(at, np.concatenate([act, rows]))
+    if cluster is None:
+        return {"pauses_s": [t for stop in sorted(stops) for t in stop]}
+    starts = segments(cluster)
+    begun = [origin + starts[0]["start_s"]]
+    for a, b, (lo, hi) in zip(starts[:-1], starts[1:], gaps(cluster, act - origin), strict=True):
+        recorded = at[(at > origin + a["end_s"]) & (at <= origin + b["start_s"])]
+        if recorded.size:  # (the resume that started b: the last between the rows)
+            begun.append(float(recorded[-1]))
+        else:  # (a resume by a laminar from before the record)
+            stops.append((origin + lo, origin + hi))
+            begun.append(origin + hi)
+    return {
+        "pauses_s": [t for stop in sorted(stops) for t in stop],
+        "metrics_end_s": float(rows[-1]),
+        "segment_start_s": begun,
+        "segment_first_version": [s["first_version"] for s in starts],
+    }
+
+
+def _cluster(run_dir: Path) -> tuple[xr.Dataset | None, float]:
+    """The run's ``cluster`` metrics and their clock's origin (epoch seconds); ``None``
+    without rows (none written, or metrics that cannot be read: said at WARNING)."""
+    from storage.metrics import open_metrics, time_origin
 
     try:
         cluster = open_metrics(run_dir, "cluster")
     except (FileNotFoundError, KeyError):
-        return {"pauses_s": []}
+        return None, math.nan
     except (StoreError, ValueError, OSError) as e:  # (the trajectories stay readable)
-        logger.warning("%s: its metrics cannot be read (%s); no stops are known", run_dir, e)
-        return {"pauses_s": []}
+        logger.warning(
+            "%s: its metrics cannot be read (%s); its stops are the resumes the "
+            "trajectory store recorded",
+            run_dir,
+            e,
+        )
+        return None, math.nan
     origin = time_origin(cluster)
-    if origin is None:
-        return {"pauses_s": []}
-    on_clock = None if activity is None else activity - origin
-    stops = gaps(cluster, on_clock)
-    starts = segments(cluster)
-    act = np.asarray([] if on_clock is None else on_clock, dtype=np.float64)
-    act = act[np.isfinite(act)]
-    at = np.asarray(resumes, dtype=np.float64) - origin
-    for i, (a, b) in enumerate(zip(starts[:-1], starts[1:], strict=True)):
-        lo, hi = a["end_s"], b["start_s"]
-        recorded = at[(at > lo) & (at <= hi)]
-        if recorded.size:  # (the resume that started b: the last between the rows)
-            end = float(recorded[-1])
-            before = act[(act > lo) & (act < end)]
-            stops[i] = (float(before.max()) if before.size else lo, end)
-    return {
-        "pauses_s": [origin + t for gap in stops for t in gap],
-        "metrics_end_s": origin + float(cluster["time"].values[-1]),
-        "segment_start_s": [origin + starts[0]["start_s"]] + [origin + b for _, b in stops],
-        "segment_first_version": [s["first_version"] for s in starts],
-    }
+    return (None, math.nan) if origin is None else (cluster, origin)
+
+
+def _resume_stops(resumes: np.ndarray, signs: np.ndarray) -> list[tuple[float, float]]:
+    """The stop each resume (epoch seconds, in order) ends: from the last sign of the
+    start before it (:func:`_stop_before`); none before a first resume with no sign of a
+    start before it."""
+    out, previous = [], -math.inf
+    for r in resumes.tolist():
+        begun = _stop_before(signs, previous, r)
+        if begun < r:
+            out.append((begun, r))
+        previous = r
+    return out
+
+
+def _stop_before(signs: np.ndarray, previous: float, resume: float) -> float:
+    """When the start before ``resume`` was last seen going: its latest sign (``signs``:
+    epoch seconds the run was going) after the ``previous`` resume, else that resume
+    (it began the start; -inf: none)."""
+    before = signs[(signs > previous) & (signs < resume)]
+    return float(before.max()) if before.size else previous
 
 
 def open_runs(paths, names: list[str] | None = None) -> xr.Dataset:

@@ -114,6 +114,54 @@ def test_a_run_resumed_now_is_stopped_until_its_recorded_resume(tmp_path):
     assert resume_stops(plain, T0 + 119) == [(T0 + 23, T0 + 119)]
 
 
+def _resumed_twice(path, rows):
+    """Ran 0-18 s; resumed at 118 s (the store's record), a start that generated one
+    trajectory (150 s) and was lost before it wrote a row; resumed again at 200 s.
+    ``held`` was inserted at 15 s, buffered across both stops, consumed at 226 s.
+    ``rows``: the ``cluster`` rows of the metrics (segment, from, to), if any."""
+    writer = TrajectoryWriter(path)
+    writer.append([_traj("a", 1, sample=3), _traj("held", 15, sample=226), _traj("b", 18)])
+    writer.record_resume(0, T0 + 118)
+    writer.append([_traj("x", 150)])
+    writer.record_resume(0, T0 + 200)
+    writer.append([_traj("c", 224, sample=226), _traj("d", 230, sample=231)])
+    if rows:
+        _rows(path, rows)
+
+
+@pytest.mark.parametrize(
+    "rows",
+    [[(0, 0, 15), (1, 225, 240)], [], [(1, 225, 240)]],
+    ids=["both-starts-rows", "no-metrics", "resumed-start-rows-only"],
+)
+def test_every_recorded_resume_ends_a_stop_whatever_the_metrics_hold(tmp_path, rows):
+    """Each resume the store recorded ends a stop, from the last sign of the start
+    before it (its rows or its trajectories' times since the resume before), whether the
+    metrics hold rows of both starts, of the resumed one alone (its metrics moved aside)
+    or none; and a start lost before its first row (150 s) is a start too. Read from
+    the metrics' gaps alone, the first stop (18 -> 118 s) was running time with rows of
+    both starts, and both were with fewer: ``held``'s age counted the stops, and a
+    throughput window's rate divided by time the run was stopped."""
+    from storage.trajectories_read import resume_stops, run_stops
+
+    _resumed_twice(tmp_path, rows)
+    ds = open_run(tmp_path)
+    assert ds.laminar.pauses_s == [(T0 + 18, T0 + 118), (T0 + 150, T0 + 200)]
+    # held: 15 -> 18 s, 118 -> 150 s (the lost start's buffer), 200 -> 226 s
+    age = ds.laminar.buffer_age()
+    np.testing.assert_allclose(age.values, [2.0, 3.0 + 32.0 + 26.0, 2.0, 1.0])
+    tp = ds.laminar.throughput(window=10.0)
+    end = 240.0 if rows else 231.0
+    assert tp["running_s"].sum().item() == pytest.approx(end - 100.0 - 50.0)
+    # the buffer's and the driver's reading of the same stops
+    pauses, last = run_stops(tmp_path, open_trajectories(tmp_path))
+    assert pauses == ds.laminar.pauses_s and last == T0 + 150
+    assert resume_stops(tmp_path, T0 + 250) == ds.laminar.pauses_s
+    if rows:  # (a start per segment of the metrics, as superseded() zips them)
+        assert len(ds.attrs["segment_start_s"]) == len(ds.attrs["segment_first_version"])
+        assert ds.attrs["segment_start_s"][-1] == (T0 + 200 if len(rows) > 1 else T0 + 225)
+
+
 class _Driver:
     """What :meth:`MetricsRecording._origin` and ``_record`` read of a driver."""
 
