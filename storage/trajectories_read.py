@@ -73,19 +73,21 @@ def _open_group(path: str | Path) -> tuple[Path, zarr.Group]:
 
 def _apply_events(
     store: Path, group: zarr.Group, scalars: dict[str, np.ndarray]
-) -> tuple[int, str, _Stays]:
+) -> tuple[int, str, _Stays, np.ndarray]:
     """Apply the committed leave events, in order, to the per-trajectory ``scalars``.
     An event naming a trajectory the store does not hold (its batch failed to write, or
     two processes wrote the store) is skipped and counted, not fatal: the trajectories
     stay readable and the audit reports it. Returns how many were skipped, the first
-    one's uid, and the earlier stays in the buffer of the trajectories held again
+    one's uid, the earlier stays in the buffer of the trajectories held again
     (:func:`_stays`; with ``t_insert`` among the ``scalars``, which then gain
-    ``t_held``)."""
+    ``t_held``), and every event's time (``event_t_sample``, NaN where unknown: signs
+    the run was going that the applied ``scalars`` no longer hold, such as the sampling
+    times of a lost start's updates whose trajectories were held again)."""
     n_events = int(group.attrs.get(EVENT_COMMIT_ATTR, 0))
     if "t_insert" in scalars:
         scalars["t_held"] = scalars["t_insert"].astype(np.float64)
     if not n_events:
-        return 0, "", _NO_STAYS
+        return 0, "", _NO_STAYS, np.zeros(0)
     events = {
         name: committed_array(store, group, name, n_events)[:n_events] for name in EVENT_FIELDS
     }
@@ -115,7 +117,7 @@ def _apply_events(
     stays = _NO_STAYS
     if "t_held" in scalars and (held_again & known).any():
         stays = _stays(index[known], held_again[known], when[known], scalars["t_held"], *stored)
-    return unknown, first, stays
+    return unknown, first, stays, np.asarray(when, dtype=np.float64)
 
 
 # A ``buffered`` event holds a stored trajectory again after it left (a resume, a data
@@ -279,11 +281,11 @@ def _read_trajectories(store: Path, group: zarr.Group, fields) -> dict[str, np.n
     for name in SCALARS:
         if name in wanted:
             out[name] = committed_array(store, group, name, n)[:n]
-    _, _, stays = _apply_events(store, group, out)
+    _, _, stays, times = _apply_events(store, group, out)
     if "t_held" in out:
         pauses = ()
         if stays[0].size:  # (only then: the stops are in the metrics)
-            starts = _starts(store.parent, _activity(out), _resumes(group))
+            starts = _starts(store.parent, _activity(out, times), _resumes(group))
             pauses = pairs(starts["pauses_s"])
         out["held_s"] = _held_seconds(n, stays, pauses)
     if fields is not None:
@@ -417,7 +419,7 @@ def _read_run(store: Path, group: zarr.Group) -> xr.Dataset:
             scalars[name] = arr[:n]
         elif dim != EVENT_DIM:  # token-level: lazy
             variables[name] = (dim, da.from_zarr(arr)[: lengths[dim]])
-    unknown, first, stays = _apply_events(store, group, scalars)
+    unknown, first, stays, times = _apply_events(store, group, scalars)
     if all(f"{g}_len" in scalars for g in RAGGED):
         _starts_from_lengths(store, scalars)
     for name, values in scalars.items():
@@ -438,7 +440,7 @@ def _read_run(store: Path, group: zarr.Group) -> xr.Dataset:
     resumes = group.attrs.get("resumes", [])
     ds.attrs["resumed_at_s"] = _resumes(group)
     ds.attrs["resumed_from_version"] = [int(v) for _, v in resumes]
-    ds.attrs.update(_starts(store.parent, _activity(scalars), ds.attrs["resumed_at_s"]))
+    ds.attrs.update(_starts(store.parent, _activity(scalars, times), ds.attrs["resumed_at_s"]))
     if "t_held" in ds:
         held = _held_seconds(n, stays, pairs(ds.attrs["pauses_s"]))
         ds["held_s"] = (TRAJECTORY_DIM, held)
@@ -461,7 +463,12 @@ def run_stops(path: str | Path, arrays: Mapping[str, np.ndarray]) -> tuple[list,
     store = store_path(path)
     _, group = _open_group(path)
     resumes = _resumes(group)
-    activity = _activity(arrays)
+    with reading(store):
+        n_events = int(group.attrs.get(EVENT_COMMIT_ATTR, 0))
+        times = np.zeros(0)
+        if n_events:  # (the lost start's sampling times: :func:`_activity`)
+            times = committed_array(store, group, "event_t_sample", n_events)[:n_events]
+    activity = _activity(arrays, times)
     starts = _starts(store.parent, activity, resumes)
     cluster, origin = _cluster(store.parent)
     signs = np.zeros(0) if activity is None else activity[np.isfinite(activity)]
@@ -495,9 +502,17 @@ def resume_stops(path: str | Path, now: float) -> list[tuple[float, float]]:
 _TIMES = ("t_submit", "t_start", "t_finish", "t_insert", "t_sample", "t_held")
 
 
-def _activity(arrays: Mapping[str, np.ndarray]) -> np.ndarray | None:
-    """The moments the run was going that ``arrays`` (per trajectory) hold."""
+def _activity(
+    arrays: Mapping[str, np.ndarray], events: np.ndarray | None = None
+) -> np.ndarray | None:
+    """The moments the run was going that ``arrays`` (per trajectory) and the store's
+    leave ``events`` (their ``event_t_sample``) hold. The events' times are needed as
+    well: ``arrays`` hold where each trajectory stands now, so one consumed by an update
+    that was lost, then held again, no longer holds when it was sampled (the last thing
+    a lost start may have done)."""
     times = [np.asarray(arrays[f], np.float64) for f in _TIMES if f in arrays]
+    if events is not None:
+        times.append(np.asarray(events, np.float64))
     return np.concatenate(times) if times else None
 
 

@@ -162,6 +162,29 @@ def test_every_recorded_resume_ends_a_stop_whatever_the_metrics_hold(tmp_path, r
         assert ds.attrs["segment_start_s"][-1] == (T0 + 200 if len(rows) > 1 else T0 + 225)
 
 
+def test_a_stop_begins_at_the_lost_starts_last_sampling_of_what_was_held_again(tmp_path):
+    """The lost start's last act was an update (20 s) that sampled ``b``, lost with it:
+    the resume holds ``b`` again, so its record no longer says when it was sampled, but
+    its leave event does. The stop begins there, not at the last finish (18 s)."""
+    from storage.trajectories_read import resume_stops, run_stops
+
+    writer = TrajectoryWriter(tmp_path)
+    writer.append([_traj("a", 1, sample=3), _traj("b", 18)])
+    writer.append([], [_event("b", "consumed", 0, 20)])
+    _rows(tmp_path, [(0, 0, 15)])
+    writer.record_resume(0, T0 + 118)
+    writer.append([_traj("c", 121)], [_event("b", "buffered", -1, 118.1)])
+    assert resume_stops(tmp_path, T0 + 119) == [(T0 + 20, T0 + 118)]
+    writer.append([], [_event("b", "consumed", 1, 125)])
+    _rows(tmp_path, [(1, 125, 130)])
+    ds = open_run(tmp_path)
+    assert ds.laminar.pauses_s == [(T0 + 20, T0 + 118)]
+    # b: 18 -> 20 s, then 118.1 -> 125 s
+    assert ds["held_s"].sel(trajectory=1).item() == pytest.approx(2.0)
+    assert ds.laminar.buffer_age().sel(trajectory=1).item() == pytest.approx(2.0 + 6.9)
+    assert run_stops(tmp_path, open_trajectories(tmp_path))[0] == ds.laminar.pauses_s
+
+
 class _Driver:
     """What :meth:`MetricsRecording._origin` and ``_record`` read of a driver."""
 
