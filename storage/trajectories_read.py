@@ -110,10 +110,15 @@ def _apply_events(
     stored = scalars["status"], scalars["t_sample"]  # (as the records hold them)
     # (a held-again event's time is when it was held again, not a sample time)
     events["event_t_sample"] = np.where(held_again, np.nan, when)
+    # Each row's last event, chosen here: NumPy does not promise which of repeated
+    # indices an advanced assignment keeps
+    rows_known = index[known]
+    target, from_end = np.unique(rows_known[::-1], return_index=True)
+    last = np.flatnonzero(known)[rows_known.size - 1 - from_end]
     for name, field in EVENT_FIELDS.items():
         if field != "uid":
             scalars[field] = scalars[field].copy()
-            scalars[field][index[known]] = events[name][known]  # in order: the last wins
+            scalars[field][target] = events[name][last]
     stays = _NO_STAYS
     if "t_held" in scalars and (held_again & known).any():
         stays = _stays(index[known], held_again[known], when[known], scalars["t_held"], *stored)

@@ -534,3 +534,33 @@ def test_lineage_lag_is_the_path_in_the_tree_and_the_buffers_lag():
             assert lineage_lags(np.array([t]), np.array([b]), restarts)[0] == want
             if not restarts:
                 assert want == t - b
+
+
+def test_each_trajectory_stands_where_its_last_leave_event_puts_it(tmp_path):
+    """Several events name one trajectory, interleaved with others' in one batch and
+    across batches, and one names a trajectory the store does not hold: each stands
+    where its last event put it, in ``open_run`` and ``open_trajectories`` alike (the
+    reader picks each row's last event itself, not NumPy's order of a repeated-index
+    assignment, which it does not promise)."""
+    writer = TrajectoryWriter(tmp_path)
+    writer.append([_traj("a", 1), _traj("b", 2), _traj("c", 3)])
+    writer.append(
+        [],
+        [
+            _event("a", "consumed", 1, 10),
+            _event("b", "consumed", 1, 11),
+            _event("a", "buffered", -1, 12),
+            _event("ghost", "consumed", 1, 12),
+            _event("b", "dropped", -1, 13),
+            _event("a", "consumed", 2, 14),
+        ],
+    )
+    writer.append([], [_event("c", "consumed", 3, 15), _event("c", "buffered", -1, 16)])
+    want_status = ["consumed", "dropped", "buffered"]
+    want_version = [2, -1, -1]
+    for arrays in (open_run(tmp_path), open_trajectories(tmp_path)):
+        status = [str(s) for s in np.asarray(arrays["status"]).tolist()]
+        assert status == want_status
+        assert np.asarray(arrays["sample_version"]).tolist() == want_version
+        t = np.asarray(arrays["t_sample"], dtype=np.float64)
+        assert t[0] == T0 + 14 and np.isnan(t[2])
