@@ -195,7 +195,7 @@ class LaminarAccessor:
         held = ds["held_s"].values[idx] if "held_s" in ds else 0.0
         age = time_in_buffer(t_in.values[idx], held, ds["t_sample"].values[idx], self.pauses_s)
         coords = {
-            "trajectory": idx,
+            "trajectory": ds["trajectory"].values[idx],  # (the labels: ds may be a slice)
             "behavior_version": ("trajectory", ds["behavior_version"].values[idx]),
         }
         out = xr.DataArray(age, dims="trajectory", coords=coords, name="buffer_age_s")

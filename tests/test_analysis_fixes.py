@@ -564,3 +564,17 @@ def test_each_trajectory_stands_where_its_last_leave_event_puts_it(tmp_path):
         assert np.asarray(arrays["sample_version"]).tolist() == want_version
         t = np.asarray(arrays["t_sample"], dtype=np.float64)
         assert t[0] == T0 + 14 and np.isnan(t[2])
+
+
+def test_buffer_age_of_a_slice_is_labelled_with_its_trajectories(tmp_path):
+    """``buffer_age`` of a Dataset cut on ``trajectory`` labels each age with the
+    trajectory's own label, so that it lines up with the Dataset's (it was labelled
+    with positions in the slice: each age stood against another trajectory)."""
+    _stopped_and_resumed(tmp_path)
+    ds = open_run(tmp_path)
+    whole = ds.laminar.buffer_age()
+    part = ds.isel(trajectory=slice(2, None)).laminar.buffer_age()
+    assert part["trajectory"].values.tolist() == [3, 4]
+    xr.testing.assert_identical(part, whole.sel(trajectory=[3, 4]))
+    t_in = ds["t_held"].sel(trajectory=part["trajectory"])
+    np.testing.assert_allclose(part.values, (ds["t_sample"] - t_in).sel(trajectory=[3, 4]))
