@@ -578,3 +578,54 @@ def test_buffer_age_of_a_slice_is_labelled_with_its_trajectories(tmp_path):
     xr.testing.assert_identical(part, whole.sel(trajectory=[3, 4]))
     t_in = ds["t_held"].sel(trajectory=part["trajectory"])
     np.testing.assert_allclose(part.values, (ds["t_sample"] - t_in).sel(trajectory=[3, 4]))
+
+
+def _partial(u, behavior, finish, tokens, t):
+    """A partial rollout's trajectory: its response tokens' ``versions``, finished at
+    ``t`` s (the run's clock)."""
+    rec = trajectory(
+        u,
+        f"g{u}",
+        group_size=1,
+        response=np.arange(len(tokens)),
+        behavior_version=behavior,
+        finish_version=finish,
+        status="dropped",
+        t_submit=T0 + t - 1,
+        t_start=T0 + t - 1,
+        t_finish=T0 + t,
+        t_insert=T0 + t,
+    ).to_record()
+    rec["token_versions"] = np.asarray(tokens, np.int32)
+    return rec
+
+
+def test_a_partial_rollout_carried_on_by_lost_weights_is_superseded(tmp_path, monkeypatch):
+    """A run of partial rollouts lost at version 11 and resumed from its checkpoint of
+    8: a response begun on version 7's weights and carried on by 9's and 10's (lost) is
+    theirs in part: superseded, though its ``behavior_version`` (the oldest) stands. One
+    whose tokens are all of 8 or older, or that finished after the resume, is not;
+    whatever the blocks its token versions are read in, however the Dataset was cut."""
+    import storage.accessor
+
+    writer = TrajectoryWriter(tmp_path, schedule="partial_rollout")
+    writer.append(
+        [
+            _partial("crossed", 7, 10, [7, 7, 9, 10], 50),
+            _partial("stood", 7, 9, [7, 8, 8], 51),  # (finished at 9: its tokens are 8's)
+            _partial("lost", 9, 10, [9, 10], 52),
+            _partial("old", 3, 4, [3, 4], 20),
+        ]
+    )
+    writer.record_resume(8, T0 + 100)
+    writer.append([_partial("after", 7, 9, [7, 9], 120)])
+    ds = open_run(tmp_path)
+    want = [True, False, True, False, False]
+    for block in (storage.accessor.AUDIT_BLOCK_TOKENS, 1, 3):
+        monkeypatch.setattr(storage.accessor, "AUDIT_BLOCK_TOKENS", block)
+        assert ds.laminar.superseded().values.tolist() == want, block
+        back = ds.isel(trajectory=slice(None, None, -1))
+        assert back.laminar.superseded().values.tolist() == want[::-1], block
+    # (a schedule whose responses hold one version: its behavior_version says)
+    ds.attrs["schedule"] = "laminar"
+    assert ds.laminar.superseded().values.tolist() == [False, False, True, False, False]
