@@ -443,21 +443,34 @@ class LaminarAccessor:
         )
 
     def by_rollout(self) -> xr.Dataset:
-        """Per rollout (the last in ``rollout_ids``): trajectories, response tokens, mean
-        reward and mean response length."""
+        """Per rollout (the last in ``rollout_ids``: the one that finished it):
+        trajectories, response tokens, mean reward and mean response length. The mean
+        reward leaves out failed ones (``finish_reason == "error"``: a reward that could
+        not be computed, or one of a response with a behavior logprob that is not finite,
+        whose group was discarded), as :meth:`reward_curve` does.
+
+        A resumed run's starts name their rollouts alike (``r0``, ``r1``, ...): each
+        rollout here is every start's of that name. One start's alone are those of its
+        trajectories, e.g. the last start's (``resumed_at_s``: when each resume began)::
+
+            last = ds.isel(trajectory=ds.t_finish >= ds.attrs["resumed_at_s"][-1])
+            last.laminar.by_rollout()
+        """
         ds = self._ds
         ids = ds["rollout_ids"].values
         last = np.strings.rpartition(ids, ",")[2] if ids.size else ids  # (numpy: none fails)
         ids, inverse = np.unique(last, return_inverse=True)
         count = np.bincount(inverse, minlength=len(ids))
         rlen = ds["response_len"].values.astype(np.float64)
-        reward = np.nan_to_num(ds["reward"].values.astype(np.float64))
-        scored = np.bincount(inverse, weights=~np.isnan(ds["reward"].values), minlength=len(ids))
+        reward = ds["reward"].values.astype(np.float64)
+        ok = np.isfinite(reward) & (ds["finish_reason"].values != "error")
+        scored = np.bincount(inverse, weights=ok, minlength=len(ids))
+        total = np.bincount(inverse, weights=np.where(ok, reward, 0.0), minlength=len(ids))
         return xr.Dataset(
             {
                 "trajectories": ("rollout", count),
                 "response_tokens": ("rollout", np.bincount(inverse, weights=rlen).astype(np.int64)),
-                "reward_mean": ("rollout", np.bincount(inverse, weights=reward) / scored),
+                "reward_mean": ("rollout", total / scored),
                 "response_len_mean": ("rollout", np.bincount(inverse, weights=rlen) / count),
             },
             coords={"rollout": ids},

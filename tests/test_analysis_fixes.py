@@ -629,3 +629,24 @@ def test_a_partial_rollout_carried_on_by_lost_weights_is_superseded(tmp_path, mo
     # (a schedule whose responses hold one version: its behavior_version says)
     ds.attrs["schedule"] = "laminar"
     assert ds.laminar.superseded().values.tolist() == [False, False, True, False, False]
+
+
+def test_by_rollout_leaves_failed_rewards_out_of_its_mean_as_reward_curve(tmp_path):
+    """A trajectory marked failed with a reward (a behavior logprob that was not finite:
+    scored, then marked ``finish_reason="error"``) is left out of ``reward_mean``, as
+    ``reward_curve`` leaves it out; a resumed run's start reuses the rollout names, and
+    one start's rollouts are read from its trajectories (the docstring's recipe)."""
+    writer = TrajectoryWriter(tmp_path)
+    failed = _traj("bad", 3, reward=0.0)
+    failed["finish_reason"] = "error"
+    writer.append([_traj("a", 1), _traj("b", 2), failed])
+    writer.record_resume(0, T0 + 100)
+    writer.append([_traj("c", 101, reward=0.5)])
+    ds = open_run(tmp_path)
+    per = ds.laminar.by_rollout()
+    assert per["rollout"].values.tolist() == ["r0"]
+    assert per["trajectories"].values.tolist() == [4]
+    assert per["reward_mean"].sel(rollout="r0").item() == pytest.approx((1 + 1 + 0.5) / 3)
+    assert ds.laminar.reward_curve(by="time", window=1000.0).item() == pytest.approx(2.5 / 3)
+    last = ds.isel(trajectory=ds.t_finish >= ds.attrs["resumed_at_s"][-1])
+    assert last.laminar.by_rollout()["reward_mean"].values.tolist() == [0.5]
