@@ -98,13 +98,28 @@ def lineage_lags(
         out[ok] = (versions - behaviors)[ok]
         return out
     va, vb = np.broadcast_arrays(versions, behaviors)
-    cache: dict[tuple[int, int], int] = {}  # (few distinct pairs: one per version pair)
-    for i in np.flatnonzero(ok.ravel()):
-        key = (int(va.flat[i]), int(vb.flat[i]))
-        lag = cache.get(key)
-        if lag is None:
-            lag = cache[key] = lineage_lag(*key, restarts, trainer=trainer)
-        out.flat[i] = lag
+    a, b = va[ok].astype(np.int64), vb[ok].astype(np.int64)
+    if not a.size:
+        return out
+    # Once per distinct (version, behavior) pair, as one integer each (a loop per
+    # trajectory took 0.9 s for 1M of them): a table of the pairs in their range where it
+    # is not much larger than the pairs (no sort: 9 ms for 1M, np.unique's 70), else
+    # np.unique's
+    a0, b0 = int(a.min()), int(b.min())
+    span = int(b.max()) - b0 + 1
+    key = (a - a0) * span + (b - b0)
+    size = int(key.max()) + 1
+    if size <= 4 * key.size + (1 << 16):
+        keys = np.flatnonzero(np.bincount(key, minlength=size))
+        inverse = np.zeros(size, dtype=np.int64)
+        inverse[keys] = np.arange(keys.size)
+        inverse = inverse[key]
+    else:
+        keys, inverse = np.unique(key, return_inverse=True)
+    lags = [
+        lineage_lag(k // span + a0, k % span + b0, restarts, trainer=trainer) for k in keys.tolist()
+    ]
+    out[ok] = np.asarray(lags, dtype=np.float64)[inverse.reshape(-1)]
     return out
 
 
