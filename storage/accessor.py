@@ -477,14 +477,23 @@ class LaminarAccessor:
         )
 
     def summary(self) -> dict[str, float]:
-        """Counts by status and mean staleness of consumed trajectories."""
+        """Counts by status and mean staleness of consumed trajectories.
+
+        The three means are over the same trajectories: a damaged store can hold some
+        ``consumed`` with no ``sample_version`` (-1; :meth:`audit` reports them), whose
+        ``residence`` and ``s_train`` are unknown; they are left out of all three (their
+        ``s_gen`` too), and ``unsampled`` says how many, as
+        :meth:`staleness_histogram`'s attribute does."""
         ds = self._ds
         status = ds["status"].values
         out: dict[str, float] = {f"n_{s}": int((status == s).sum()) for s in np.unique(status)}
         st = self.staleness()
+        sampled = np.isfinite(st["s_train"].values)
         for name in ("s_gen", "residence", "s_train"):
-            # (NaN, not 0, while nothing was consumed: no staleness was measured)
-            out[f"{name}_mean"] = float(st[name].mean()) if st.sizes.get("trajectory") else np.nan
+            # (NaN, not 0, while nothing was sampled: no staleness was measured)
+            values = st[name].values[sampled]
+            out[f"{name}_mean"] = float(values.mean()) if values.size else np.nan
+        out["unsampled"] = int((~sampled).sum())
         return out
 
     def audit(self) -> list[str]:

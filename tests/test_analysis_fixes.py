@@ -712,3 +712,41 @@ def test_staleness_along_the_lineage_of_a_million_trajectories_takes_a_fraction_
     at = np.flatnonzero((s >= 120) & (s <= 125))[:200]  # (across the first restart)
     want = [lineage_lag(int(x), int(y), restarts) for x, y in zip(s[at], k[at], strict=True)]
     assert st["s_train_lineage"].values[at].tolist() == want
+
+
+def test_summary_means_are_over_the_same_sampled_trajectories(tmp_path):
+    """A damaged store holds a trajectory ``consumed`` with no ``sample_version``: its
+    ``residence`` and ``s_train`` are unknown, so it is left out of all three means (its
+    ``s_gen`` of 4 was averaged with the others' before, over a different set than the
+    other two), and ``unsampled`` counts it, as staleness_histogram's attribute."""
+    damaged = trajectory(
+        "lost-sample",
+        "g9",
+        group_size=1,
+        behavior_version=0,
+        finish_version=4,
+        status="consumed",
+        sample_version=-1,
+        t_sample=np.nan,
+    ).to_record()
+    records = [
+        trajectory(
+            f"u{i}",
+            f"g{i}",
+            group_size=1,
+            behavior_version=1,
+            finish_version=1 + i,
+            status="consumed",
+            sample_version=3,
+            t_sample=5.0,
+        ).to_record()
+        for i in range(2)
+    ]
+    TrajectoryWriter(tmp_path).append([*records, damaged])
+    ds = open_run(tmp_path)
+    summary = ds.laminar.summary()
+    assert summary["unsampled"] == ds.laminar.staleness_histogram().attrs["unsampled"] == 1
+    assert summary["s_gen_mean"] == pytest.approx(0.5)  # (0 and 1, not 0, 1 and 4)
+    assert summary["residence_mean"] == pytest.approx(1.5)
+    assert summary["s_train_mean"] == pytest.approx(2.0)
+    assert summary["s_gen_mean"] + summary["residence_mean"] == summary["s_train_mean"]
