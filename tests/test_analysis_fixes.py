@@ -246,6 +246,27 @@ def test_a_resumed_driver_counts_consumed_as_the_store_and_ages_as_open_run(tmp_
     assert age.sel(trajectory=1).item() == pytest.approx(row["oldest_buffered_age_s"])
 
 
+def test_a_resumed_driver_without_metrics_still_leaves_the_stop_out_of_the_age(tmp_path):
+    """metrics.zarr moved aside before the resume (as a StoreError advises), or the
+    lost start killed before its first metrics flush: the driver's
+    ``oldest_buffered_age_s`` still leaves out the stop the store records (from the
+    lost start's last sign to the resume), as ``buffer_age`` does; it counted the whole
+    stop as buffered time."""
+    from pipelines.driver_metrics import MetricsRecording
+    from storage.resume import ResumePlan
+
+    class Driver(_Driver, MetricsRecording):
+        pass
+
+    writer = TrajectoryWriter(tmp_path)
+    writer.append([_traj("a", 10, sample=12), _traj("held", 15), _traj("b", 18)])
+    writer.record_resume(8, T0 + 118)  # (no metrics.zarr)
+    driver = Driver(tmp_path, ResumePlan(version=8, stored=3, consumed=1))
+    assert driver._origin(T0 + 121) == T0 + 121  # (its clock starts again)
+    assert driver._pauses == [(T0 + 18, T0 + 118)]
+    assert driver._pauses == open_run(tmp_path).laminar.pauses_s
+
+
 def test_throughput_windows_carry_their_running_seconds_for_the_rate(tmp_path):
     """Windows differ in length (the last cut where the run ended, those around a stop):
     the rate while the run ran is their mean weighted by ``running_s``, which a plain
@@ -680,15 +701,14 @@ def test_lineage_lags_once_per_distinct_pair_agree_with_each_pairs_lag(spread):
     )
 
 
-def test_staleness_along_the_lineage_of_a_million_trajectories_takes_a_fraction_of_a_second():
+def test_staleness_along_the_lineage_counts_each_distinct_pair_once(monkeypatch):
     """staleness(restarts=...) counts three lags a consumed trajectory: once per
-    distinct pair of versions, not in a Python loop per trajectory (0.9 s a lag at 1M
-    trajectories with two restarts, 2.7 s a call; now ~0.2 s a call)."""
-    import time
+    distinct pair of versions, not in a Python loop per trajectory (that took 0.9 s a
+    lag at 1M trajectories with two restarts; its time is docs/analysis.md's, measured,
+    not asserted here)."""
+    import storage.lineage as lineage
 
-    from storage.lineage import lineage_lag
-
-    n = 1_000_000
+    n = 200_000
     rng = np.random.default_rng(0)
     k = rng.integers(0, 300, n)
     f = k + rng.integers(0, 3, n)
@@ -705,12 +725,19 @@ def test_staleness_along_the_lineage_of_a_million_trajectories_takes_a_fraction_
     ds["residence"] = ds.sample_version - ds.finish_version
     ds["s_train"] = ds.sample_version - ds.behavior_version
     restarts = [(100, 120), (200, 230)]
-    t0 = time.perf_counter()
+    lag, calls = lineage.lineage_lag, []
+
+    def counted(*a, **kw):
+        calls.append(a[:2])
+        return lag(*a, **kw)
+
+    monkeypatch.setattr(lineage, "lineage_lag", counted)
     st = ds.laminar.staleness(restarts=restarts)
-    took = time.perf_counter() - t0
-    assert took < 1.0, took
+    lags = ((f, k), (s, f), (s, k))  # (s_gen, residence, s_train)
+    pairs = sum(len(set(zip(x.tolist(), y.tolist(), strict=True))) for x, y in lags)
+    assert len(calls) == pairs and pairs < n // 50  # (3,306 distinct pairs)
     at = np.flatnonzero((s >= 120) & (s <= 125))[:200]  # (across the first restart)
-    want = [lineage_lag(int(x), int(y), restarts) for x, y in zip(s[at], k[at], strict=True)]
+    want = [lag(int(x), int(y), restarts) for x, y in zip(s[at], k[at], strict=True)]
     assert st["s_train_lineage"].values[at].tolist() == want
 
 
