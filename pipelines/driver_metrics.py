@@ -81,6 +81,9 @@ class MetricsRecording:
         try:
             cluster = open_metrics(self.run_dir, "cluster")
         except Exception:  # noqa: BLE001 — lost before its first metrics flush
+            # (or moved aside, as a StoreError advises): the stops the store records
+            # still leave out of oldest_buffered_age_s what buffer_age() leaves out
+            self._pauses = self._stops(t_start, t_start)
             return t_start
         self._carry = counters_at_end(self.run_dir)
         # The buffer's counters go on from what the store says, not from the earlier
@@ -112,13 +115,15 @@ class MetricsRecording:
         the last sign of the start before to the resume the store recorded), so that
         ``oldest_buffered_age_s`` leaves out what ``buffer_age()`` does. A store that
         cannot be read: from each start's last row to the next's first (this one's:
-        ``t_start``)."""
+        ``t_start``); none without rows of an earlier start."""
         from storage.trajectories_read import resume_stops
 
         try:
             return resume_stops(self.run_dir, t_start)
         except Exception as e:  # noqa: BLE001 — its rows still go on
             logger.warning("%s: its stops are read from the metrics alone: %s", self.run_dir, e)
+        if not self._earlier_segments:
+            return []
         ends = [origin + seg["end_s"] for seg in self._earlier_segments]
         starts = [origin + seg["start_s"] for seg in self._earlier_segments[1:]]
         return list(zip(ends, [*starts, t_start], strict=True))
