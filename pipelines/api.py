@@ -278,27 +278,56 @@ def _nothing_stored(path: Path) -> bool:
         return False
 
 
+# What a run writes in its directory, besides config.yaml (and driver.json, its live
+# claim, checked apart): in a directory that is not a run's, a new run would overwrite
+# these or mix its own into them. (tls/ and slurm/ are not here: open_cluster makes them
+# in the run directory it is given, before pipelines.submit prepares it.)
+RUN_FILES = (
+    "trajectories.zarr",
+    "metrics.zarr",
+    "partial.zarr",
+    "checkpoints",
+    "summary.json",
+    "tensorboard",
+    PROMPT_FINGERPRINT,
+    "dispatch_lease.json",
+)
+
+
+def _refuse_foreign_run_files(path: Path) -> None:
+    """Refuse a directory that holds what a run writes but is not a run's own (no
+    ``config.yaml`` laminar wrote): a run would overwrite those files or mix with them."""
+    found = [name for name in RUN_FILES if (path / name).exists()]
+    if found and not _laminar_config(path):
+        raise ConfigError(
+            f"run directory {str(path)!r} is not a laminar run's (it has no config.yaml "
+            f"laminar wrote) but holds {', '.join(found)}, which a run would overwrite or "
+            "mix its own into; pass a new --run-dir (a folder that does not exist yet, or "
+            "an empty one)"
+        )
+
+
 def prepare_run_dir(cfg: RunConfig, run_dir: str | Path | None) -> Path:
     """Create the run directory and store the exact resolved config in it."""
     path = Path(run_dir or cfg.run_dir or Path("runs") / time.strftime("%Y%m%d-%H%M%S"))
     if path.exists() and not path.is_dir():
         raise ConfigError(f"run directory {str(path)!r} is a file; pass a directory as --run-dir")
     _refuse_if_running(path, "start a run in")
-    if (path / "trajectories.zarr").exists():
-        from laminar.learner import newest_checkpoint
+    _refuse_foreign_run_files(path)
+    from laminar.learner import newest_checkpoint
 
-        if newest_checkpoint(path) is not None:
-            from pipelines.data_module import resume_hint
+    if newest_checkpoint(path) is not None:  # (with its store, or with it moved or lost)
+        from pipelines.data_module import resume_hint
 
-            raise ConfigError(
-                f"run directory {str(path)!r} already holds a run; pass a new --run-dir, "
-                f"or {resume_hint(path)}"
-            )
-        if not _nothing_stored(path):
-            raise ConfigError(
-                f"run directory {str(path)!r} already holds a run with no checkpoint to "
-                "continue from; pass a new --run-dir, or delete it to start over"
-            )
+        raise ConfigError(
+            f"run directory {str(path)!r} already holds a run; pass a new --run-dir, "
+            f"or {resume_hint(path)}"
+        )
+    if (path / "trajectories.zarr").exists() and not _nothing_stored(path):
+        raise ConfigError(
+            f"run directory {str(path)!r} already holds a run with no checkpoint to "
+            "continue from; pass a new --run-dir, or delete it to start over"
+        )
     if (path / "config.yaml").exists() and not _laminar_config(path):
         raise ConfigError(
             f"{str(path / 'config.yaml')!r} was not written by laminar, and a run would "

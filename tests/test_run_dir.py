@@ -1,0 +1,85 @@
+"""What a new run's directory may already hold: a run writes its stores, checkpoints,
+summary and the like there, so a directory holding any of those that is not a run's own
+(or a run's that stored something) is refused before anything in it is touched."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+
+from laminar.config import RunConfig, with_overrides
+from laminar.errors import ConfigError
+from pipelines.api import RUN_FILES, prepare_run_dir
+
+
+def _cfg():
+    return with_overrides(RunConfig(), ["trainer.steps=2"])
+
+
+def _listing(path):
+    return sorted(
+        (str(p.relative_to(path)), p.read_bytes() if p.is_file() else None) for p in path.rglob("*")
+    )
+
+
+def test_a_folder_of_the_users_holding_a_runs_names_is_refused_untouched(tmp_path):
+    """Its summary.json was overwritten, its prompt_file.sha256 deleted and its
+    checkpoints/ mixed with the run's."""
+    mine = tmp_path / "userdir"
+    (mine / "checkpoints").mkdir(parents=True)
+    (mine / "checkpoints" / "model.pt").write_bytes(b"weights")
+    (mine / "summary.json").write_text('{"mine": 1}\n')
+    (mine / "prompt_file.sha256").write_text("data\n")
+    before = _listing(mine)
+    with pytest.raises(ConfigError) as e:
+        prepare_run_dir(_cfg(), mine)
+    message = str(e.value)
+    for name in ("summary.json", "prompt_file.sha256", "checkpoints", "pass a new --run-dir"):
+        assert name in message
+    assert _listing(mine) == before  # (no config.yaml, no driver.json left)
+
+
+@pytest.mark.parametrize("name", RUN_FILES)
+def test_each_name_a_run_writes_is_refused_in_a_folder_that_is_not_a_run(tmp_path, name):
+    mine = tmp_path / "userdir"
+    mine.mkdir()
+    (mine / name).write_text("mine\n")
+    with pytest.raises(ConfigError, match=f"holds {name}, which a run would overwrite"):
+        prepare_run_dir(_cfg(), mine)
+    assert (mine / name).read_text() == "mine\n" and not (mine / "config.yaml").exists()
+
+
+def test_a_copied_run_without_its_store_is_refused_keeping_its_checkpoint(tmp_path):
+    """A run copied with trajectories.zarr left out: its checkpoint was overwritten by the
+    new run's, and the new run's metrics rows appended to the old ones."""
+    run = prepare_run_dir(_cfg(), tmp_path / "run")
+    ckpt = run / "checkpoints" / "version-000001"
+    ckpt.mkdir(parents=True)
+    (ckpt / "trainer_state.json").write_text(json.dumps({"version": 1}))
+    (run / "summary.json").write_text('{"versions": 1}\n')
+    copy = shutil.copytree(run, tmp_path / "copy")
+    assert not (copy / "trajectories.zarr").exists()
+    before = _listing(copy)
+    with pytest.raises(ConfigError, match=r"already holds a run; pass a new --run-dir"):
+        prepare_run_dir(_cfg(), copy)
+    assert _listing(copy) == before
+
+
+def test_what_laminar_makes_before_a_run_starts_there_is_not_refused(tmp_path):
+    """open_cluster makes tls/ and slurm/ in the run directory it is given before
+    pipelines.submit prepares it; a start that failed before storing anything leaves
+    its config.yaml, prompt fingerprint and summary: each is started in again."""
+    fresh = tmp_path / "fresh"
+    (fresh / "tls").mkdir(parents=True)
+    (fresh / "slurm").mkdir()
+    assert prepare_run_dir(_cfg(), fresh) == fresh.resolve()
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"prompt": "a", "answer": "b"}\n')
+    cfg = with_overrides(_cfg(), [f"task.prompt_file={prompts}"])
+    run = prepare_run_dir(cfg, tmp_path / "run")
+    assert (run / "prompt_file.sha256").exists()
+    (run / "summary.json").write_text('{"reason": "failed"}\n')
+    (run / "checkpoints").mkdir()  # (nothing saved in it)
+    assert prepare_run_dir(cfg, run) == run
