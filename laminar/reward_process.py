@@ -176,7 +176,7 @@ def scores_in_child(
 ) -> Iterator:
     """A :class:`~laminar.rewards.Score` for each call of ``fn`` on ``calls``, in
     order, each made in a child process and waited for up to ``timeout_s``."""
-    from laminar.rewards import Score
+    from laminar.rewards import TIMED_OUT, Score
 
     blob = _pickled(fn)
     i = 0
@@ -190,11 +190,7 @@ def scores_in_child(
         try:
             while i < len(calls):
                 if not _poll(child.conn, timeout_s):
-                    yield Score(
-                        math.nan,
-                        f"reward {reward_name} did not return within "
-                        f"task.reward_timeout_s={timeout_s:g} s",
-                    )
+                    yield Score(math.nan, f"reward {reward_name} {TIMED_OUT}={timeout_s:g} s")
                     i += 1
                     break
                 try:

@@ -102,6 +102,14 @@ REWARDS: dict[str, RewardFn] = {
 # of its responses (over that window, in the run): it discards nearly every group.
 REWARD_FAILURES_TO_STOP = 64
 
+# What marks a call cut at ``task.reward_timeout_s`` (:mod:`laminar.reward_process`).
+TIMED_OUT = "did not return within task.reward_timeout_s"
+
+
+def timed_out(error: str | None) -> bool:
+    """Whether a :class:`Score`'s ``error`` is a call cut at ``task.reward_timeout_s``."""
+    return bool(error) and TIMED_OUT in error
+
 
 def never_scores(reward: str, errors: int, seconds: float, latest: str, what: str = "") -> str:
     """Why a run (or ``what`` of it: "scoring the warm start") stops when ``task.reward``

@@ -49,7 +49,13 @@ from laminar.model import (
     tiny_config,
 )
 from laminar.prompt_pool import check_answers, encode_prompts
-from laminar.rewards import REWARD_FAILURES_TO_STOP, fails_too_often, never_scores, past_share
+from laminar.rewards import (
+    REWARD_FAILURES_TO_STOP,
+    fails_too_often,
+    never_scores,
+    past_share,
+    timed_out,
+)
 from laminar.tasks import Prompt, demonstration, length_sigmas, longest_demonstration
 from laminar.update import micro_batches, pack, response_logprobs
 
@@ -64,6 +70,9 @@ PROMPT_FILE_KEY = "(a prompt file: its prompts)"
 EVAL_PROMPTS = 256  # the warm-started policy's reward is measured on this many prompts
 STOP_CHECK_STEPS = 5  # a stopped run's warm start ends within this many steps
 SCORE_CHUNK = 16  # the warm start's responses scored at a time (checked between)
+# The warm start's scoring gives up on a reward after this many calls cut at
+# task.reward_timeout_s with no response scored (evaluate).
+TIMEOUTS_TO_GIVE_UP = 3
 SCORING = "scoring the warm start"  # (its reward's failures: laminar.rewards.never_scores)
 
 
@@ -358,7 +367,7 @@ def evaluate(cfg: RunConfig, model, tok, prompts: list[Prompt]) -> float:
             items.append((out.text(tok), out.request.meta["p"].answer, out.ended))
     t = cfg.task
     rewards: list[float] = []
-    scored, errors, latest, t0 = 0, 0, "", time.time()
+    scored, errors, timeouts, latest, t0 = 0, 0, 0, "", time.time()
 
     def too_many() -> bool:  # (failed on every response, or on more than the share)
         never = errors >= REWARD_FAILURES_TO_STOP and not scored
@@ -371,8 +380,13 @@ def evaluate(cfg: RunConfig, model, tok, prompts: list[Prompt]) -> float:
     # that starts late catch up (pipelines.driver_polls). So is one that fails on as many
     # and on more than task.reward_max_failure_share of the responses given to it: the
     # mean of those that scored is of a biased few (the run's rule over its window).
-    for i in range(0, len(items), SCORE_CHUNK):
-        chunk = items[i : i + SCORE_CHUNK]
+    # One at a time until a response has scored: a reward that hangs is given up on
+    # after TIMEOUTS_TO_GIVE_UP calls cut at task.reward_timeout_s (each costs that
+    # long: the rule above would wait 64 of them, 5 h 20 min at the default 300 s).
+    i = 0
+    while i < len(items):
+        chunk = items[i : i + (SCORE_CHUNK if scored else 1)]
+        i += len(chunk)
         scores = score_batch(t.reward, chunk, t.truncated_reward, t.reward_timeout_s)
         rewards += [s.reward for s in scores if s.error is None]
         scored += sum(
@@ -380,8 +394,36 @@ def evaluate(cfg: RunConfig, model, tok, prompts: list[Prompt]) -> float:
         )
         failed = [s.error for s in scores if s.error]
         errors, latest = errors + len(failed), failed[-1] if failed else latest
-        if too_many():
+        cut = sum(1 for e in failed if timed_out(e))
+        if cut and not timeouts:
+            logger.warning(
+                "warm start: task.reward %r did not return within task.reward_timeout_s=%g s "
+                "(the call was cut; each such call costs that long); %s gives up on it after "
+                "%d such calls with none scored",
+                t.reward,
+                t.reward_timeout_s,
+                SCORING,
+                TIMEOUTS_TO_GIVE_UP,
+            )
+        timeouts += cut
+        if too_many() or (timeouts >= TIMEOUTS_TO_GIVE_UP and not scored):
             break
+    if timeouts >= TIMEOUTS_TO_GIVE_UP and not scored:
+        logger.warning(
+            "warm start: its reward is nan (not kept in the cache): task.reward %r did not "
+            "return within task.reward_timeout_s=%g s on %d of the %d responses it was "
+            "given and scored none, %s; given up on rather than wait for each of the %d "
+            "responses (latest: %s); fix the function, or the service it calls, or raise "
+            "task.reward_timeout_s if it is this slow",
+            t.reward,
+            t.reward_timeout_s,
+            timeouts,
+            errors,
+            SCORING,
+            len(items),
+            latest,
+        )
+        return float("nan")
     if errors and not scored:  # (the responses not cut off all failed: no score)
         logger.warning(
             "warm start: its reward is nan (not kept in the cache): %s",
