@@ -122,12 +122,14 @@ def _damaged_model(path: Path, e: Exception) -> ModelError:
 
 
 def _json_object(path: Path, damaged: Callable[[Path, Exception], Exception]) -> dict:
-    """A JSON file that must hold an object; a damaged one is ``damaged(path, error)``."""
+    """A JSON file that must hold an object; a damaged one is ``damaged(path, error)``,
+    and so is one that cannot be read (a folder in its place, no permission: the error
+    names it)."""
     try:
         value = json.loads(path.read_text())
         if not isinstance(value, dict):
             raise ValueError(f"a JSON object expected, got {type(value).__name__}")
-    except ValueError as e:  # (json.JSONDecodeError and UnicodeDecodeError too)
+    except (ValueError, OSError) as e:  # (json.JSONDecodeError and UnicodeDecodeError too)
         raise damaged(path, e) from None
     return value
 

@@ -220,7 +220,13 @@ def jsonl_prompts(path: str | Path) -> list[Prompt]:
         )
     if not path.is_file():
         raise DataError(f"prompt file {str(path)!r} does not exist; set task.prompt_file")
-    raw = path.read_bytes()
+    try:
+        raw = path.read_bytes()
+    except OSError as e:  # (no permission, a special file that cannot be read, ...)
+        raise DataError(
+            f"prompt file {str(path)!r} cannot be read ({type(e).__name__}: "
+            f"{e.strerror or e}); set task.prompt_file to a JSONL file this user can read"
+        ) from None
     try:  # (utf-8-sig: a byte order mark, as Windows tools write, is not part of line 1)
         text = raw.decode("utf-8-sig")
     except UnicodeDecodeError as e:

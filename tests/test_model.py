@@ -66,6 +66,20 @@ def test_model_folder_errors(tmp_path, tiny_policy):
         check_policy_dir(other)
 
 
+@pytest.mark.parametrize("name", ["config.json", "tokenizer.json", "tokenizer_config.json"])
+def test_a_model_file_that_is_a_folder_is_named_not_a_traceback(tmp_path, tiny_policy, name):
+    """A folder where config.json (or a tokenizer file) belongs raised a raw
+    IsADirectoryError out of `laminar run`."""
+    folder = tmp_path / "policy"
+    folder.mkdir()
+    for f in tiny_policy.iterdir():
+        if f.is_file() and f.name != name:
+            (folder / f.name).write_bytes(f.read_bytes())
+    (folder / name).mkdir()
+    with pytest.raises(ModelError, match=rf"{name}' is damaged \(IsADirectoryError.*model.path"):
+        check_policy_dir(folder)
+
+
 @pytest.mark.parametrize("field", ["attention_dropout", "resid_pdrop"])
 def test_a_policy_with_dropout_is_refused_naming_the_field(tmp_path, tiny_policy, field):
     """The trainer's forwards run in training mode and the engines sample without

@@ -1,6 +1,7 @@
 import json
 import math
 import re
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -114,6 +115,16 @@ def test_jsonl_prompts_and_their_errors(tmp_path):
     f.write_bytes(gzip.compress(b'{"prompt": "n 2 >", "answer": "1 2"}\n'))
     with pytest.raises(DataError, match=r"not UTF-8 text .*decompress it first"):
         jsonl_prompts(f)
+
+
+@pytest.mark.skipif(not Path("/proc/self/mem").is_file(), reason="needs Linux's /proc")
+def test_a_prompt_file_that_cannot_be_read_names_the_field_and_the_error():
+    """A file that exists but cannot be read (no permission; /proc/self/mem: EIO even for
+    root) ended `laminar run` in a raw PermissionError or OSError traceback."""
+    with pytest.raises(
+        DataError, match=r"'/proc/self/mem' cannot be read \(\w+Error: .*task.prompt_file"
+    ):
+        jsonl_prompts("/proc/self/mem")
 
 
 def test_reward_failures_mark_the_trajectory():
