@@ -30,6 +30,57 @@ from pipelines.driver_calls import _answers, _send
 logger = logging.getLogger("laminar")
 
 
+def core_bound(cfg) -> str:
+    """The setting that bounds each call to the trainer or the data module, as it reads
+    in the config: the lower of ``cluster.actor_timeout_s`` and
+    ``faults.heartbeat_timeout_s`` (a call unanswered that long marks the actor hung).
+
+    >>> from laminar.config import RunConfig, with_overrides
+    >>> core_bound(with_overrides(RunConfig(), ["cluster.actor_timeout_s=0.05"]))
+    'cluster.actor_timeout_s=0.05'
+    >>> core_bound(with_overrides(RunConfig(), ["faults.heartbeat_timeout_s=7"]))
+    'faults.heartbeat_timeout_s=7'
+    """
+    actor, heartbeat = cfg.cluster.actor_timeout_s, cfg.faults.heartbeat_timeout_s
+    if actor < heartbeat:
+        return f"cluster.actor_timeout_s={actor:g}"
+    return f"faults.heartbeat_timeout_s={heartbeat:g}"
+
+
+def hung_because(fence: dict) -> str:
+    """What a fence's record (:meth:`DriverFaults._fence`) says of why its actor was
+    taken for hung, naming the setting that fired and what to raise if it was only slow.
+
+    >>> hung_because({"silent_s": 0.05, "bound": "cluster.actor_timeout_s=0.05"})
+    'no answer for 0.05 s (cluster.actor_timeout_s=0.05; if it was only slow, raise \
+cluster.actor_timeout_s)'
+    """
+    bound = fence.get("bound", "faults.heartbeat_timeout_s")
+    setting = bound.split("=")[0]
+    what = "no answer" if fence.get("unanswered", True) else "no progress"
+    return f"{what} for {fence['silent_s']:.3g} s ({bound}; if it was only slow, raise {setting})"
+
+
+def timed_out_why(cfg) -> str:
+    """Why a run failed on a call to one of its actors that timed out: the settings that
+    bound such calls, and which to raise if they were only slow.
+
+    >>> from laminar.config import RunConfig, with_overrides
+    >>> print(timed_out_why(with_overrides(RunConfig(), ["faults.heartbeat_timeout_s=0.01"])))
+    a call to one of the run's actors did not answer in time (each call: \
+cluster.actor_timeout_s=60; one to the trainer or the data module: the lower of that and \
+faults.heartbeat_timeout_s=0.01); if they were only slow (a loaded machine, a large \
+batch), raise faults.heartbeat_timeout_s
+    """
+    c, f = cfg.cluster.actor_timeout_s, cfg.faults.heartbeat_timeout_s
+    return (
+        "a call to one of the run's actors did not answer in time (each call: "
+        f"cluster.actor_timeout_s={c:g}; one to the trainer or the data module: the lower "
+        f"of that and faults.heartbeat_timeout_s={f:g}); if they were only slow (a loaded "
+        f"machine, a large batch), raise {core_bound(cfg).split('=')[0]}"
+    )
+
+
 def stuck_workers(m_stats: dict | None) -> set[str]:
     """The workers of hung rollouts and relays whose fence failed and that the scheduler
     still has (``unfenced`` in their hang's record, no ``gone_s``: see
@@ -148,7 +199,8 @@ class FaultHandling:
 
     def _core_timeout(self) -> float:
         """How long a call to the trainer or the data module may take: one silent for
-        ``faults.heartbeat_timeout_s`` is hung (and no call may wait on it longer)."""
+        ``faults.heartbeat_timeout_s`` is hung (and no call may wait on it longer), or for
+        ``cluster.actor_timeout_s`` where that is lower (:func:`core_bound` names it)."""
         return min(self.cfg.cluster.actor_timeout_s, self.cfg.faults.heartbeat_timeout_s)
 
     def _data_silent(self, error: Exception) -> None:
@@ -164,7 +216,7 @@ class FaultHandling:
         worker is restarted; once the scheduler has dropped it, it is lost and rebuilt
         like a killed one (with the trainer, when they share it)."""
         role = "data module" if "data module" in self.core_workers else "trainer and data module"
-        self._fence(role, self.core_workers[role], silent_s)
+        self._fence(role, self.core_workers[role], silent_s, bound=core_bound(self.cfg))
 
     def _data_worker(self) -> str:
         return self.core_workers.get("data module") or self.core_workers["trainer and data module"]
@@ -174,27 +226,30 @@ class FaultHandling:
         """The fence of the data module's worker, when it hung."""
         return self._fenced.get(self._data_worker())
 
-    def _fence(self, role: str, worker: str, silent_s: float, why: str = "") -> dict:
+    def _fence(
+        self, role: str, worker: str, silent_s: float, why: str = "", bound: str = ""
+    ) -> dict:
         """``role`` on ``worker`` showed no progress for ``silent_s``: hung. Its worker is
         restarted (the nanny stops the process, or kills it), in the background, so that
         it never runs beside its own replacement; the scheduler then drops it and it is
-        lost. Returns the record of the fence (``restart``: the nanny's outcome)."""
+        lost. ``bound``: the setting that fired, where a call went unanswered
+        (:func:`core_bound`); none, its training loop's ``faults.heartbeat_timeout_s``.
+        Returns the record of the fence (``restart``: the nanny's outcome)."""
         from laminar.cluster import start_thread
 
         now = time.time()
         info = {"role": role, "time": now, "worker": worker, "silent_s": silent_s}
+        info["unanswered"] = bool(bound)
+        info["bound"] = (
+            bound or f"faults.heartbeat_timeout_s={self.cfg.faults.heartbeat_timeout_s:g}"
+        )
         self._fenced[worker] = info
         if why:
             info["why"] = why
             logger.warning("%s on %s: %s; restarting its worker", role, worker, why)
         else:
             logger.warning(
-                "%s on %s showed no progress for %.1f s (faults.heartbeat_timeout_s=%g): "
-                "hung; restarting its worker",
-                role,
-                worker,
-                silent_s,
-                self.cfg.faults.heartbeat_timeout_s,
+                "%s on %s: %s: hung; restarting its worker", role, worker, hung_because(info)
             )
 
         def fence() -> None:
@@ -442,7 +497,8 @@ class FaultHandling:
             why = type(error).__name__
             if worker in self._fenced:
                 hung = self._fenced[worker]
-                why = f"hung, no progress for {hung['silent_s']:.0f} s, and restarted"
+                why = hung.get("why") or f"hung, {hung_because(hung)}"
+                why = f"{why}, and restarted"
             each.append(f"the {role} (worker {worker} is gone: {why})")
         raise ClusterError(
             f"lost {' and '.join(each)}; the run cannot continue "
@@ -455,14 +511,18 @@ class FaultHandling:
         then the trainer with its final checkpoint, then the buffer, which flushes the
         store — so that nothing generates on for a run that has ended and nothing it
         generated is lost. If that fails too, abort what still runs. The caller then
-        raises ``error``."""
-        logger.error("the run failed (%r): stopping its actors in order", error)
+        raises ``error``; a call that timed out (a bare :class:`TimeoutError`) is raised
+        as a :class:`ClusterError` that names the settings that bound it instead."""
+        said = timed_out_why(self.cfg) if isinstance(error, TimeoutError) else ""
+        logger.error("the run failed (%s): stopping its actors in order", said or repr(error))
         try:
-            self.shutdown(f"failed: {error!r}", t_start)
+            self.shutdown(f"failed: {said or repr(error)}", t_start)
         except Exception:  # noqa: BLE001 — the original error is the one raised
             logger.exception("stopping the failed run in order failed too: aborting it")
             self._abort()
         logger.error("the run failed; %s", self.resume_hint())
+        if said:
+            raise ClusterError(f"{said}; {self.resume_hint()}") from error
 
     def _why_not_restarted(self) -> str:
         """Why a lost trainer or data module fails this run (docs/faults.md)."""

@@ -17,6 +17,7 @@ from collections import deque
 
 from laminar.cluster import actor_result, is_lost
 from laminar.rewards import REWARD_FAILURES_TO_STOP, fails_too_often, never_scores, past_share
+from pipelines.driver_faults import core_bound
 
 logger = logging.getLogger("laminar")
 
@@ -272,7 +273,8 @@ class StatsPolling:
                 if not lost and isinstance(e, TimeoutError):
                     fenced = self._fenced.get(worker)
                     if fenced is None:  # it did not answer for heartbeat_timeout_s
-                        self._fence("trainer", worker, self._core_timeout())
+                        bound = core_bound(self.cfg)
+                        self._fence("trainer", worker, self._core_timeout(), bound=bound)
                     else:
                         self._fence_overdue(fenced, now, e)
                     return self._t_stand_in()
