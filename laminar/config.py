@@ -83,6 +83,13 @@ class RunConfig(_Section):
                 f"({r.max_new_tokens}); raise rollout.max_seq_len to at least "
                 f"{longest_prompt + r.max_new_tokens}"
             )
+        if r.max_new_tokens >= r.max_seq_len:  # (with task.prompt_file: found here too)
+            raise ValueError(
+                f"rollout.max_new_tokens ({r.max_new_tokens}) must be below "
+                f"rollout.max_seq_len ({r.max_seq_len}): a sequence holds its prompt and "
+                "the generated tokens, so no prompt would fit; lower rollout.max_new_tokens "
+                "or raise rollout.max_seq_len"
+            )
         if task.prompt_file is None and task.median_len >= task.max_len:
             raise ValueError(
                 f"task.median_len ({task.median_len:g}) must be below task.max_len "
@@ -242,9 +249,31 @@ def _section_at(path: tuple) -> type[BaseModel] | None:
     return section
 
 
+def _is_section(path: tuple) -> bool:
+    """Whether ``path`` names a section that is always on (``trainer``, ``cluster.slurm``),
+    not an optional one (``repack``) nor a key."""
+    parent = _section_at(path[:-1])
+    field = parent.model_fields.get(path[-1]) if parent is not None else None
+    a = None if field is None else field.annotation
+    return isinstance(a, type) and issubclass(a, BaseModel)
+
+
+def _cut(text: str, limit: int = 80) -> str:
+    return text if len(text) <= limit else text[:limit] + "..."
+
+
 def _unknown_key(loc: tuple) -> str:
     """What to say of an unknown key: the nearest known one of its section, if any."""
     section = _section_at(loc[:-1])
+    if section is not None and isinstance(loc[-1], str) and "." in loc[-1]:
+        head, *rest = loc[-1].split(".")
+        if _section_at((*loc[:-1], head)) is not None:
+            keys = [head, *rest]
+            under = " under ".join(f"`{k}:`" for k in reversed(keys[:-1]))
+            return (
+                "a dotted key is not read as a path in a config file (dots are for "
+                f"--set); nest it: `{keys[-1]}:` indented under {under}"
+            )
     if section is not None and isinstance(loc[-1], str):
         near = difflib.get_close_matches(loc[-1], list(section.model_fields), n=1)
         if near:
@@ -273,6 +302,15 @@ def _format_errors(err: ValidationError, source: str) -> str:
 
 def _set_path(data: dict[str, Any], dotted: str, value: Any) -> None:
     keys = dotted.split(".")
+    if value is None and _is_section(tuple(keys)):
+        # (a section can be off only where it is optional: null would put every key of
+        # it back to its default, the config file's settings and all, without a word)
+        raise ConfigError(
+            f"override {dotted!r}: {dotted} is a section, which cannot be null or empty "
+            f"(that would reset all of its keys to their defaults); set its keys one by "
+            f"one (--set {dotted}.KEY=VALUE). Only an optional section (repack, "
+            "rollout.pacing, trainer.pacing, cluster.security) is switched off by null"
+        )
     node = data
     for k in keys[:-1]:
         child = node.setdefault(k, {})
@@ -369,6 +407,20 @@ class _UniqueKeyLoader(yaml.SafeLoader):
 _NUMBER_TAGS = ("tag:yaml.org,2002:int", "tag:yaml.org,2002:float")
 
 
+def _construct_int(loader: yaml.SafeLoader, node: yaml.ScalarNode) -> int:
+    """An integer as YAML 1.2 reads it: ``010`` is ten, as it reads to anyone but a YAML
+    1.1 parser (which takes a leading 0 for octal: ``seed: 010`` was 8, ``steps: 0100``
+    64, while ``09`` was 9). ``0o10``, ``0x1f`` and ``0b101`` keep their bases."""
+    value = loader.construct_scalar(node)
+    digits = value.replace("_", "").lstrip("+-")
+    if len(digits) > 1 and digits.startswith("0") and digits.isdigit():
+        return int(value.replace("_", ""), 10)
+    return yaml.SafeLoader.construct_yaml_int(loader, node)
+
+
+_UniqueKeyLoader.add_constructor("tag:yaml.org,2002:int", _construct_int)
+
+
 def load_config(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> RunConfig:
     """Read a YAML run config, apply overrides, validate.
 
@@ -385,7 +437,7 @@ def load_config(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -
     if not path.is_file():
         raise ConfigError(f"config file {str(path)!r} does not exist")
     try:
-        data = yaml.load(path.read_text(), Loader=_UniqueKeyLoader) or {}
+        data = yaml.load(path.read_text(), Loader=_UniqueKeyLoader)
     except _DuplicateKey as e:
         raise ConfigError(f"config file {str(path)!r}: {e}") from None
     except yaml.YAMLError as e:
@@ -397,8 +449,16 @@ def load_config(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -
         ) from None
     except OSError as e:  # (unreadable: permissions, EIO)
         raise ConfigError(f"config file {str(path)!r} cannot be read: {e}") from None
+    if data is None:  # (empty, or only comments: a truncated or wrong file, most likely)
+        raise ConfigError(
+            f"config file {str(path)!r} is empty (or only comments); write the sections "
+            "to set (e.g. `trainer: {steps: 20}`), or `{}` for every default"
+        )
     if not isinstance(data, dict):
-        raise ConfigError(f"config file {str(path)!r} must hold a mapping of sections")
+        raise ConfigError(
+            f"config file {str(path)!r} must hold a mapping of sections (it holds "
+            f"{_cut(repr(data))}), e.g. `trainer: {{steps: 20}}`"
+        )
     for key, value in parse_overrides(overrides):
         _set_path(data, key, value)
     return _validate(data, str(path) + (f" with --set {' '.join(overrides)}" if overrides else ""))
