@@ -20,7 +20,7 @@ import time
 import traceback
 from pathlib import Path
 
-from laminar.config import RunConfig, load_config, with_overrides
+from laminar.config import RunConfig, load_config, parse_overrides, with_overrides
 from laminar.errors import ConfigError, LaminarError, RunFailed, RunStopped
 from storage.live import LIVE_FILE, LIVE_STALE_S, Claim, RunGoing, check_free, claim
 
@@ -564,6 +564,15 @@ def prepare_resume(run_dir: str | Path, overrides: list[str] | tuple[str, ...] =
             "a run checkpoints when it ends and every trainer.checkpoint_every versions; "
             "start it again"
         )
+    for key, value in parse_overrides(overrides):
+        if key == "run_dir" and (value is None or Path(str(value)).resolve() != path):
+            raise ConfigError(
+                f"cannot resume {str(path)!r} with run_dir={value}: a resume continues "
+                "the run in its own directory (as --resume refuses --run-dir); drop that "
+                "override, or start a new run in another directory from its checkpoint: "
+                f"laminar run {str(config)!r} --run-dir NEW_DIR "
+                + _setting(f"trainer.resume_from={ckpt}")
+            )
     ran = load_config(config)
     # (the run's relative paths, of a run from before laminar recorded them absolute,
     # found where it read them; task.prompt_file's below, with its bytes checked)

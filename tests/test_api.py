@@ -281,3 +281,24 @@ def test_the_schedule_refusal_names_the_runs_value_and_the_set_given(tmp_path):
     with pytest.raises(ConfigError, match=r"it ran pipeline.schedule='sync', and") as e:
         prepare_resume(run)
     assert "--set pipeline.schedule" not in str(e.value)
+
+
+def test_a_resume_refuses_run_dir_set_elsewhere_as_it_refuses_run_dir(tmp_path):
+    """`--resume RUN --set run_dir=/elsewhere` was silently ignored: the run went on in
+    RUN, not where it was asked to go."""
+    from laminar.errors import ConfigError
+    from pipelines.api import prepare_resume
+
+    run = _resumable_run(tmp_path)
+    before = (run / "config.yaml").read_text()
+    for value in (tmp_path / "elsewhere", "null"):
+        with pytest.raises(ConfigError) as e:
+            prepare_resume(run, ["trainer.steps=3", f"run_dir={value}"])
+        said = str(e.value)
+        assert f"with run_dir={tmp_path / 'elsewhere' if value != 'null' else None}:" in said
+        assert "continues the run in its own directory" in said
+        assert "--run-dir NEW_DIR --set trainer.resume_from=" in said
+    assert not (tmp_path / "elsewhere").exists()
+    assert (run / "config.yaml").read_text() == before
+    # its own directory, named: no change, so not refused
+    assert _past_the_config_checks(run, ["trainer.steps=3", f"run_dir={run}"])
