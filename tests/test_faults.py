@@ -291,7 +291,10 @@ def test_a_killed_rollout_loses_no_trajectory(tmp_path):
     faults = summary["faults"]
     assert list(faults["lost"]) == ["r1"]
     detection_s = faults["lost"]["r1"] - t_kill
-    assert 0 <= detection_s < 5, detection_s
+    # (The scheduler, in this process, drops a killed worker within a second or two,
+    # but a loaded host (load ~10) still had it 2.2 s later: 10 s, as the core-restart
+    # tests allow, still tells that detection from a heartbeat timeout (60 s here).)
+    assert 0 <= detection_s < 10, detection_s
     # The nanny restarted r1's worker and a new rollout took its place.
     assert faults["replacements"] == {"r1": "r3"}
     assert "r3" in [r["rollout_id"] for r in summary["rollouts"]]
@@ -531,7 +534,10 @@ def test_two_rollouts_killed_at_once(tmp_path):
     assert summary["reason"] in ENDED, summary["reason"]
     lost = summary["faults"]["lost"]
     assert sorted(lost) == ["r1", "r2"]
-    assert all(0 <= t - t_kill < 5 for t in lost.values()), lost
+    # (The scheduler, in this process, drops a killed worker within a second or two,
+    # but a loaded host (load ~10) still had it 2.2 s later: 10 s, as the core-restart
+    # tests allow, still tells that detection from a heartbeat timeout (60 s here).)
+    assert all(0 <= t - t_kill < 10 for t in lost.values()), lost
     ds = check_store(run_dir, moved=True)
     rows = open_metrics(run_dir, "faults")
     moved = rows["requests"].values > 0  # (a batch that ended just before: nothing to move)
@@ -872,7 +878,21 @@ def test_a_lost_trainer_restarts_within_the_run_while_rollouts_generate(tmp_path
     assert rows["outstanding_groups"].values.max() <= 16 + held_again
     rollouts = summary["rollouts"]
     assert sum(s["pulls_unreachable"] for s in rollouts) >= 1
-    assert max(s["weight_wait_s"] for s in rollouts) < 4.0
+    # No rollout waited on the lost master: a batch boundary that met it unreachable
+    # kept its weights. The bug this catches (a pull that waits for a master to come
+    # back) adds the outage's rest to weight_wait_s, RETURN_S at least for a boundary
+    # met before the nanny's delayed return. weight_wait_s is cumulative over the whole
+    # run (docs/storage.md), so only its growth across the outage is bounded, from the
+    # last row before the stuck update to the first after the new trainer was back (one
+    # ordinary pull of the new master's first version at most). Bounding the total
+    # failed on a loaded host: 4.99 s of ordinary pulls over the run.
+    ro = open_metrics(run_dir, "rollouts")  # (shares the cluster table's time axis)
+    for rid in ("r0", "r1"):
+        ww = ro["weight_wait_s"].sel(rollout=rid).values
+        seen = ~np.isnan(ww)
+        at_kill, once_back = ww[seen & (wall <= t_kill)], ww[seen & (wall > t_back)]
+        assert at_kill.size and once_back.size, rid
+        assert once_back[0] - at_kill[-1] < RETURN_S, (rid, at_kill[-1], once_back[0])
     # Every version number was published once, in order; every load checked out.
     pubs = open_metrics(run_dir, "publications")["version"].values.tolist()
     assert pubs == sorted(set(pubs)) and pubs[-1] == after + steps - v
@@ -1251,8 +1271,16 @@ def test_a_run_loses_a_relay_and_goes_on_through_the_rebuilt_chain(tmp_path, sig
         "relay.relays=2",
         "relay.audit_weights=true",
         "relay.timeout_s=30",
-        "faults.heartbeat_timeout_s=3",
     ]
+    # The hung variant waits for the heartbeat timeout; 6 s, not 3: a relay shows
+    # progress by answering on its event loop, and on a loaded 2-core host (load ~13)
+    # the healthy relay2 left a question unanswered for 3.1-3.5 s right after relay1's
+    # loss (its rechain), was declared hung and fenced too, and the chain ended
+    # ['master'] (in both variants). The killed variant needs no heartbeat (the
+    # scheduler drops the killed worker) and keeps the default (60 s).
+    HUNG_S = 6
+    if sig == signal.SIGSTOP:
+        overrides.append(f"faults.heartbeat_timeout_s={HUNG_S}")
     with local_cluster(2, relays=2, memory_limit="3GiB") as cluster, Client(cluster) as client:
         handle = pipelines.submit("configs/tiny.yaml", client, overrides=overrides, run_dir=run_dir)
         p = wait_for(handle, lambda p: p.get("phase") == "training" and p["version"] >= 4)
@@ -1272,11 +1300,16 @@ def test_a_run_loses_a_relay_and_goes_on_through_the_rebuilt_chain(tmp_path, sig
         hung = faults["hung"]["relay1"]
         assert hung["kind"] == "relay" and hung["restart"] == "OK", hung
         assert hung["fenced_s"] == pytest.approx(lost["time"] - hung["time"], abs=0.1), hung
-        assert hung["silent_s"] > 3, hung
-        assert 3 - ROUND_S <= hung["time"] - t_kill < 3 + 5, hung  # (see the hung rollout)
+        assert hung["silent_s"] > HUNG_S, hung
+        # (the bounds: see the hung rollout)
+        assert HUNG_S - ROUND_S <= hung["time"] - t_kill < HUNG_S + 5, hung
         assert 0 <= lost["time"] - hung["time"] < 15
     else:
-        assert not faults["hung"] and 0 <= lost["time"] - t_kill < 5
+        # (The scheduler, in this process, drops the killed worker: within a second or
+        # two, but a loaded host (load ~10) still had it 2.2 s later; 10 s, as the
+        # core-restart tests allow, still tells a detection from a heartbeat timeout,
+        # which the default makes 60 s here.)
+        assert not faults["hung"] and 0 <= lost["time"] - t_kill < 10
     assert lost["rechain_s"] < 5
     assert lost["rollouts"] == {"r0": "master"} and lost["worker"] == victim
     assert not faults["lost"]  # no rollout was lost
@@ -1290,8 +1323,16 @@ def test_a_run_loses_a_relay_and_goes_on_through_the_rebuilt_chain(tmp_path, sig
     assert audit["mismatched"] == 0 and audit["loads_checked"] >= 2
     pubs = open_metrics(run_dir, "publications")
     late = pubs["t_publish"].values > lost["time"] + lost["rechain_s"]
-    assert late.any() and (pubs["relays_complete"].values[late] == 2).all()
-    assert np.isfinite(pubs["broadcast_s"].values[late]).all()
+    # Every version published through the rebuilt chain reached both relays, or none:
+    # the master skips a version a newer one overtook before it was sent (docs/relay.md,
+    # "Monotonic versions"), never sends one halfway. The last row is written as it
+    # stands when the run stops (docs/storage.md): the version published as the trainer
+    # finished may have reached one relay, or none, by then. Only a complete row has its
+    # broadcast time. (A rebuilt chain that does not carry a version past the master
+    # leaves an earlier row at 1.)
+    n = pubs["relays_complete"].values[late]
+    assert late.any() and ((n[:-1] == 2) | (n[:-1] == 0)).all() and (n[:-1] == 2).any(), n
+    assert (np.isfinite(pubs["broadcast_s"].values[late]) == (n == 2)).all(), n
     check_store(run_dir)
     report = audit_run(run_dir)
     assert report.ok, report.text()

@@ -94,7 +94,10 @@ def test_a_killed_rollout_is_in_summary_json_and_the_audit_agrees(tmp_path):
         summary = failed_in_order(run_dir, client, failed)
     assert f"rollout r1 (worker {worker} gone)" in str(failed.value)
     faults = summary["faults"]
-    assert list(faults["lost"]) == ["r1"] and 0 <= faults["lost"]["r1"] - t_kill < 5
+    # (The scheduler, in this process, drops a killed worker within a second or two,
+    # but a loaded host (load ~10) still had it 2.2 s later: 10 s, as the core-restart
+    # tests allow, still tells that detection from a heartbeat timeout (60 s here).)
+    assert list(faults["lost"]) == ["r1"] and 0 <= faults["lost"]["r1"] - t_kill < 10
     assert faults["recoveries"] == 0 and faults["partial"] is None
     loss = faults["unrecovered"]["r1"]
     assert list(faults["unrecovered"]) == ["r1"]
@@ -170,7 +173,10 @@ def test_a_lost_relay_rebuilds_the_chain_and_the_run_goes_on(tmp_path):
     faults = summary["faults"]
     assert faults["chain"] == ["master", "relay2"]
     lost = faults["relays_lost"]["relay1"]
-    assert 0 <= lost["time"] - t_kill < 5 and lost["rollouts"] == {"r0": "master"}, lost
+    # (The scheduler, in this process, drops a killed worker within a second or two,
+    # but a loaded host (load ~10) still had it 2.2 s later: 10 s, as the core-restart
+    # tests allow, still tells that detection from a heartbeat timeout (60 s here).)
+    assert 0 <= lost["time"] - t_kill < 10 and lost["rollouts"] == {"r0": "master"}, lost
     assert faults["lost"] == {} and faults["unrecovered"] == {}
     assert json.loads((run_dir / "summary.json").read_text())["faults"]["chain"] == faults["chain"]
     report = audit_run(run_dir)
