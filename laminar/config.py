@@ -322,9 +322,20 @@ def _set_path(data: dict[str, Any], dotted: str, value: Any) -> None:
     node[keys[-1]] = value
 
 
-def override_list(overrides: str | list[str] | tuple[str, ...]) -> list[str]:
-    """Overrides as a list: one string alone is one override (not its characters)."""
-    return [overrides] if isinstance(overrides, str) else list(overrides)
+def override_list(overrides: str | list[str] | tuple[str, ...] | None) -> list[str]:
+    """Overrides as a list: one string alone is one override (not its characters); None
+    is none. Anything else (a dict, a number) is a :class:`ConfigError` saying what they
+    are."""
+    if overrides is None:
+        return []
+    if isinstance(overrides, str):
+        return [overrides]
+    if not isinstance(overrides, (list, tuple)) or not all(isinstance(o, str) for o in overrides):
+        raise ConfigError(
+            "overrides must be a list of 'section.key=value' strings (e.g. "
+            f"['trainer.steps=20']), not {_cut(repr(overrides))}"
+        )
+    return list(overrides)
 
 
 def parse_overrides(overrides: list[str] | tuple[str, ...]) -> list[tuple[str, Any]]:
@@ -349,6 +360,12 @@ def parse_overrides(overrides: list[str] | tuple[str, ...]) -> list[tuple[str, A
             ) from None
         parsed.append((key.strip(), value))
     return parsed
+
+
+def config_from_dict(data: dict[str, Any]) -> RunConfig:
+    """A config from a dict of sections, as a YAML file holds them
+    (``{"trainer": {"steps": 20}}``), checked as a file's is."""
+    return _validate(data, "the config dict")
 
 
 def _validate(data: dict[str, Any], source: str) -> RunConfig:

@@ -20,7 +20,14 @@ import time
 import traceback
 from pathlib import Path
 
-from laminar.config import RunConfig, load_config, parse_overrides, with_overrides
+from laminar.config import (
+    RunConfig,
+    config_from_dict,
+    load_config,
+    override_list,
+    parse_overrides,
+    with_overrides,
+)
 from laminar.errors import ConfigError, LaminarError, RunFailed, RunStopped
 from storage.live import LIVE_FILE, LIVE_STALE_S, Claim, RunGoing, check_free, claim
 
@@ -40,11 +47,23 @@ class RunInterrupted(KeyboardInterrupt):
 
 
 def resolve_config(
-    config: RunConfig | str | Path, overrides: list[str] | tuple[str, ...] = ()
+    config: RunConfig | dict | str | Path,
+    overrides: list[str] | tuple[str, ...] | str | None = (),
 ) -> RunConfig:
-    """A config object from a path or an object, with ``a.b=value`` overrides applied."""
+    """A config object from a YAML file's path, a :class:`RunConfig`, or a dict of
+    sections as the file holds them (``{"trainer": {"steps": 20}}``, checked as the file
+    is), with ``a.b=value`` overrides applied (None: none). Anything else is a
+    :class:`ConfigError` saying what it takes."""
+    overrides = override_list(overrides)
+    if isinstance(config, dict):
+        config = config_from_dict(config)
     if isinstance(config, RunConfig):
         return with_overrides(config, overrides) if overrides else config
+    if not isinstance(config, (str, os.PathLike)):
+        raise ConfigError(
+            "config must be a YAML file's path (e.g. 'configs/tiny.yaml'), a "
+            f"laminar.config.RunConfig or a dict of sections, not {type(config).__name__}"
+        )
     return load_config(config, overrides)
 
 
@@ -307,8 +326,37 @@ def _refuse_foreign_run_files(path: Path) -> None:
         )
 
 
+def _file_in_the_way(path: Path) -> Path | None:
+    """The file (not folder) at ``path`` or above it, which keeps a folder from being made."""
+    return next((p for p in (path, *path.parents) if p.exists() and not p.is_dir()), None)
+
+
+def _run_dir_problem(run_dir: str | None, e: OSError) -> str:
+    """Why the run directory cannot be made, naming what stands in its way."""
+    path = Path(str(e.filename or run_dir or "runs"))
+    blocker = _file_in_the_way(path)
+    if blocker is not None:
+        return (
+            f"cannot make the run directory {str(path)!r}: {str(blocker)!r} is a file, not a "
+            "folder; pass --run-dir (or run_dir in the config) a new folder's path, or move "
+            "the file aside"
+        )
+    return (
+        f"cannot make the run directory {str(path)!r} ({e.strerror or e}); pass --run-dir "
+        "(or run_dir in the config) a folder this user can create and write"
+    )
+
+
 def prepare_run_dir(cfg: RunConfig, run_dir: str | Path | None) -> Path:
-    """Create the run directory and store the exact resolved config in it."""
+    """Create the run directory and store the exact resolved config in it. A folder
+    that cannot be made or written is a :class:`ConfigError` naming it and the fix."""
+    try:
+        return _prepare_run_dir(cfg, run_dir)
+    except OSError as e:  # (a file where the folder must be, no permission, ...)
+        raise ConfigError(_run_dir_problem(str(run_dir or cfg.run_dir or ""), e)) from None
+
+
+def _prepare_run_dir(cfg: RunConfig, run_dir: str | Path | None) -> Path:
     path = Path(run_dir or cfg.run_dir or Path("runs") / time.strftime("%Y%m%d-%H%M%S"))
     if path.exists() and not path.is_dir():
         raise ConfigError(f"run directory {str(path)!r} is a file; pass a directory as --run-dir")
@@ -509,10 +557,10 @@ class RunHandle:
 
 
 def submit(
-    config: RunConfig | str | Path,
+    config: RunConfig | dict | str | Path,
     client,
     *,
-    overrides: list[str] | tuple[str, ...] = (),
+    overrides: list[str] | tuple[str, ...] | None = (),
     run_dir: str | Path | None = None,
 ) -> RunHandle:
     """Start a run on ``client``'s cluster and return its handle without blocking.
@@ -846,7 +894,7 @@ def _setting(field: str) -> str:
 
 
 def resume(
-    run_dir: str | Path, client, *, overrides: list[str] | tuple[str, ...] = ()
+    run_dir: str | Path, client, *, overrides: list[str] | tuple[str, ...] | None = ()
 ) -> RunHandle:
     """Continue a stopped or lost run in its own directory, from its newest checkpoint.
 

@@ -15,9 +15,9 @@ import logging
 import signal
 import sys
 import time
-from pathlib import Path
 
 from laminar.errors import LaminarError, RunFailed, RunStopped
+from pipelines.api import _file_in_the_way as _file_in_the_way
 from pipelines.cli_display import _Bar, _Lines, _print_failed_summary, _print_summary
 from pipelines.cli_signals import STOP_SIGNALS, _handling, _safely
 
@@ -70,10 +70,7 @@ def cmd_run(args: argparse.Namespace) -> int:
             raise ConfigError("laminar run needs a CONFIG file (or --resume RUN_DIR)")
         cfg = absolute_paths(resolve_config(args.config, overrides))
         preflight(cfg)
-        try:
-            run_dir = prepare_run_dir(cfg, args.run_dir)
-        except OSError as e:  # (a file where the folder must be, no permission, ...)
-            raise ConfigError(_run_dir_problem(args.run_dir or cfg.run_dir, e)) from None
+        run_dir = prepare_run_dir(cfg, args.run_dir)  # (OSError: a ConfigError naming it)
         print(f"run dir            {run_dir}", flush=True)
     with open_cluster(cfg, run_dir) as client:
         client.forward_logging("laminar", level=logging.WARNING)
@@ -86,27 +83,6 @@ def _yaml_string(value: str | None) -> str:
     """``value`` as a YAML scalar that reads back as itself (a JSON string is a YAML
     double-quoted one), or ``null``."""
     return "null" if value is None else json.dumps(value, ensure_ascii=False)
-
-
-def _file_in_the_way(path: Path) -> Path | None:
-    """The file (not folder) at ``path`` or above it, which keeps a folder from being made."""
-    return next((p for p in (path, *path.parents) if p.exists() and not p.is_dir()), None)
-
-
-def _run_dir_problem(run_dir: str | None, e: OSError) -> str:
-    """Why the run directory cannot be made, naming what stands in its way."""
-    path = Path(str(e.filename or run_dir or "runs"))
-    blocker = _file_in_the_way(path)
-    if blocker is not None:
-        return (
-            f"cannot make the run directory {str(path)!r}: {str(blocker)!r} is a file, not a "
-            "folder; pass --run-dir (or run_dir in the config) a new folder's path, or move "
-            "the file aside"
-        )
-    return (
-        f"cannot make the run directory {str(path)!r} ({e.strerror or e}); pass --run-dir "
-        "(or run_dir in the config) a folder this user can create and write"
-    )
 
 
 def _follow(handle) -> int:

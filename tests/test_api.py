@@ -302,3 +302,36 @@ def test_a_resume_refuses_run_dir_set_elsewhere_as_it_refuses_run_dir(tmp_path):
     assert (run / "config.yaml").read_text() == before
     # its own directory, named: no change, so not refused
     assert _past_the_config_checks(run, ["trainer.steps=3", f"run_dir={run}"])
+
+
+def test_the_python_api_takes_a_dict_and_no_overrides_and_names_what_it_takes(tmp_path):
+    """`pipelines.submit(dict, client)` and `overrides=None` were TypeErrors from deep
+    inside; a run directory that could not be made, a raw NotADirectoryError (only
+    `laminar run` said what was in the way)."""
+    import pipelines
+    from laminar.config import RunConfig
+    from laminar.errors import ConfigError
+    from pipelines.api import prepare_resume, prepare_run_dir, resolve_config
+
+    cfg = resolve_config({"trainer": {"steps": 3}, "seed": 2}, None)
+    assert (cfg.trainer.steps, cfg.seed) == (3, 2)
+    assert resolve_config({"trainer": {"steps": 3}}, ["seed=4"]).seed == 4
+    assert resolve_config("configs/tiny.yaml", None) == resolve_config("configs/tiny.yaml")
+    assert resolve_config(RunConfig(), None) == RunConfig()
+    with pytest.raises(ConfigError, match=r"the config dict.*\n  trainer.stepz: unknown key"):
+        resolve_config({"trainer": {"stepz": 3}})
+    for config, overrides, said in [
+        (5, (), r"config must be a YAML file's path .* not int"),
+        ("configs/tiny.yaml", {"trainer.steps": 3}, r"overrides must be a list of 'section"),
+        ("configs/tiny.yaml", [3], r"overrides must be a list"),
+    ]:
+        with pytest.raises(ConfigError, match=said):  # (before any use of the client)
+            pipelines.submit(config, None, overrides=overrides)
+    run = _resumable_run(tmp_path)
+    assert _past_the_config_checks(run, None)  # (resume's overrides=None too)
+    with pytest.raises(ConfigError, match=r"overrides must be a list"):
+        prepare_resume(run, {"trainer.steps": 3})
+    (tmp_path / "a-file").write_text("x")
+    with pytest.raises(ConfigError, match=r"'.*a-file' is a file, not a folder; pass --run-dir"):
+        prepare_run_dir(RunConfig(), tmp_path / "a-file" / "run")
+    assert (tmp_path / "a-file").read_text() == "x"
