@@ -89,6 +89,7 @@ def preflight(cfg: RunConfig) -> None:
 
     check_cache_dir(cfg)
     cfg.metrics.check_writer()
+    _check_engine(cfg)
     if cfg.model.path:
         check_policy_dir(cfg.model.path)
     model_config = base_model_config(cfg)
@@ -119,6 +120,26 @@ def preflight(cfg: RunConfig) -> None:
     resolve_reward(cfg.task.reward)
     if cfg.trainer.resume_from:
         check_checkpoint(cfg.trainer.resume_from, model_config, cfg)
+
+
+def _check_engine(cfg: RunConfig) -> None:
+    """Refuse ``rollout.engine: vllm`` where vLLM is not installed, for a local cluster
+    (its workers are this environment's processes). It failed after the warm start, in a
+    worker, with a ModuleNotFoundError and Dask's dumps. A remote cluster's workers may
+    have what this machine lacks: not checked here."""
+    import importlib.util
+
+    if (
+        cfg.rollout.engine == "vllm"
+        and cfg.cluster.kind == "local"
+        and importlib.util.find_spec("vllm") is None
+    ):
+        raise ConfigError(
+            "rollout.engine=vllm but vLLM is not installed in this environment (a local "
+            "cluster's workers run in it): run from the vLLM environment (.ci/vllm-env "
+            'makes .venv-vllm; docs/engines.md, "The vLLM engine"), or set '
+            "rollout.engine=torch"
+        )
 
 
 def _going(path: Path, doing: str, live: dict, here: bool = False) -> ConfigError:

@@ -335,3 +335,26 @@ def test_the_python_api_takes_a_dict_and_no_overrides_and_names_what_it_takes(tm
     with pytest.raises(ConfigError, match=r"'.*a-file' is a file, not a folder; pass --run-dir"):
         prepare_run_dir(RunConfig(), tmp_path / "a-file" / "run")
     assert (tmp_path / "a-file").read_text() == "x"
+
+
+@pytest.mark.skipif(
+    __import__("importlib").util.find_spec("vllm") is not None, reason="vLLM is installed here"
+)
+def test_the_vllm_engine_without_vllm_is_refused_in_preflight_for_a_local_cluster(tmp_path):
+    """It failed after the warm start, in a rollout worker, with a ModuleNotFoundError
+    and Dask's dumps."""
+    from laminar.config import RunConfig, with_overrides
+    from laminar.errors import ConfigError
+    from pipelines.api import preflight
+
+    cfg = with_overrides(RunConfig(), ["rollout.engine=vllm", f"sft.cache_dir={tmp_path}"])
+    with pytest.raises(ConfigError, match=r"rollout.engine=vllm but vLLM is not installed.*"):
+        preflight(cfg)
+    with pytest.raises(ConfigError, match=r"docs/engines.md.*or set rollout.engine=torch"):
+        preflight(cfg)
+    # a remote cluster's workers may have it: not refused for this machine's lack
+    remote = with_overrides(cfg, ["cluster.kind=address", "cluster.address=tcp://h:8786"])
+    try:
+        preflight(remote)
+    except ConfigError as e:
+        assert "vLLM" not in str(e)
