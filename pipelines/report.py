@@ -18,7 +18,7 @@ import numpy as np
 from laminar.errors import ConfigError
 from pipelines.summary import reward_first_last
 from storage import open_run
-from storage.audit import rollout_losses
+from storage.audit import require_fields, rollout_losses
 from storage.metrics import TABLES, open_metrics, segments, time_origin
 from storage.trajectories import StoreError, reading
 
@@ -31,6 +31,7 @@ def _load(run_dir: Path) -> dict:
     it are still drawn (it refused the whole report, as a damaged trajectory store
     still does: every figure reads that)."""
     run = {"name": run_dir.name, "dir": run_dir, "ds": open_run(run_dir), "damaged": []}
+    require_fields(run["ds"], run_dir)  # (every figure reads the trajectories)
     for table in TABLES:
         try:
             run[table] = open_metrics(run_dir, table)

@@ -21,8 +21,8 @@ from pathlib import Path
 
 import numpy as np
 
-from storage.schema import STATUSES
-from storage.stores import StoreError
+from storage.schema import ALL_FIELDS, STATUSES
+from storage.stores import StoreError, no_array, store_path
 
 
 @dataclass
@@ -57,12 +57,20 @@ def _fmt(v) -> str:
     return f"{v:.4g}" if isinstance(v, float) else str(v)
 
 
+def require_fields(ds, run_dir: Path) -> None:
+    """A :class:`StoreError` where the run's trajectories (``open_run``) lack a field of
+    the contract: its array is not in the store (the message a resume gives)."""
+    if missing := [f for f in ALL_FIELDS if f not in ds]:
+        raise no_array(store_path(run_dir), missing)
+
+
 def audit_run(run_dir: str | Path) -> AuditReport:
     """Audit a run directory; raises ``FileNotFoundError`` without a trajectory store."""
     from storage.trajectories import open_run
 
     run_dir = Path(run_dir)
     ds = open_run(run_dir)
+    require_fields(ds, run_dir)
     report = AuditReport(str(run_dir))
     report.problems += ds.laminar.audit()
     if ds.attrs.get("unknown_events"):
