@@ -417,16 +417,42 @@ def _versions_and_wall(r: dict) -> tuple[int | None, float, int]:
     return versions, sum(x["end_s"] - x["start_s"] for x in starts), len(starts)
 
 
+def _check_out(out: Path, given: str) -> None:
+    """The report's folder ``out`` (named by ``given``: ``--out ``) is a folder, or can
+    be made one: neither it nor a folder above it is a file."""
+    for path in (out, *out.parents):
+        if not path.exists():
+            continue
+        if path.is_dir():
+            return
+        if path == out:
+            raise ConfigError(
+                f"{given}{str(out)!r} is a file; the report is a folder: name a new one"
+            )
+        raise ConfigError(
+            f"{given}{str(out)!r} cannot be made: {str(path)!r} is a file, not a folder; "
+            "name a folder whose parents are folders"
+        )
+
+
 def build_report(run_dirs: list[str | Path], out: str | Path | None = None) -> Path:
     """Write the figures and ``report.md``; returns the report's path."""
     import matplotlib
 
     matplotlib.use("Agg")
-    if out is not None and Path(out).exists() and not Path(out).is_dir():
-        raise ConfigError(f"--out {str(out)!r} is a file; the report is a folder: name a new one")
+    if out is not None:
+        _check_out(Path(out), "--out ")
     runs = [_load(Path(d)) | {"index": i} for i, d in enumerate(run_dirs)]
+    given = "--out " if out else "the report's folder "
     out = Path(out) if out else runs[0]["dir"] / "report"
-    out.mkdir(parents=True, exist_ok=True)
+    _check_out(out, given)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as e:  # (a read-only folder, a full disk)
+        raise ConfigError(
+            f"{given}{str(out)!r} cannot be made ({type(e).__name__}: {e}); name a folder "
+            "that can be written with --out"
+        ) from e
     figures = [plot_reward(runs, out), plot_throughput(runs, out), plot_staleness(runs, out)]
     figures += [plot_buffer(runs, out)]
     figures += [f(r, out) for r in runs for f in (plot_rollouts, plot_events)]

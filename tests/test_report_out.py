@@ -1,0 +1,26 @@
+"""`laminar report --out`: a folder under a file is refused first, naming the file (it was
+a raw NotADirectoryError after every store had been read)."""
+
+from __future__ import annotations
+
+import pytest
+from test_storage import record
+
+from laminar.errors import ConfigError
+from pipelines.report import build_report
+from storage import TrajectoryWriter
+
+
+def test_a_report_under_a_file_is_refused_first_naming_the_file(tmp_path):
+    (tmp_path / "afile").write_text("")
+    said = r"--out '.*afile/sub/deeper' cannot be made: '.*afile' is a file, not a folder"
+    with pytest.raises(ConfigError, match=said):  # (before the runs are read)
+        build_report([tmp_path / "no-run"], out=tmp_path / "afile" / "sub" / "deeper")
+
+
+def test_a_run_whose_report_folder_is_a_file_is_refused(tmp_path):
+    TrajectoryWriter(tmp_path).append([record(0), record(1)])
+    (tmp_path / "report").write_text("mine")
+    with pytest.raises(ConfigError, match=r"the report's folder '.*report' is a file"):
+        build_report([tmp_path])
+    assert (tmp_path / "report").read_text() == "mine"
