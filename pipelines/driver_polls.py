@@ -16,7 +16,13 @@ import time
 from collections import deque
 
 from laminar.cluster import actor_result, is_lost
-from laminar.rewards import REWARD_FAILURES_TO_STOP, fails_too_often, never_scores, past_share
+from laminar.rewards import (
+    REWARD_FAILURES_TO_STOP,
+    fails_too_often,
+    never_scores,
+    past_share,
+    timed_out,
+)
 from pipelines.driver_faults import core_bound
 
 logger = logging.getLogger("laminar")
@@ -69,6 +75,7 @@ class RewardFailures:
         self._seen: dict[str, tuple[int, int]] = {}
         self._new: deque[tuple[float, int, int]] = deque()  # (poll, failed, scored)
         self._latest = ""  # the latest error of a rollout whose failures grew
+        self._timeout_said = False  # (a call cut at task.reward_timeout_s: warned of once)
 
     def check(self, r_stats: list[dict], now: float) -> str | None:
         """Why the run must stop, at the poll at ``now`` that read ``r_stats`` (the live
@@ -84,6 +91,7 @@ class RewardFailures:
         (:func:`~laminar.rewards.fails_too_often`); at ``1.0`` it never does, and only
         the first rule stands."""
         self._count(r_stats, now)
+        self._say_timeout(r_stats)
         if self.scored_since is None and any(s.get("rewards_scored") for s in r_stats):
             self.scored_since = now
         if self.scored_since is not None:
@@ -96,6 +104,28 @@ class RewardFailures:
             return None
         latest = next((s["last_reward_error"] for s in r_stats if s.get("last_reward_error")), "")
         return never_scores(self.reward, errors, now - self.failing_since, latest)
+
+    def _say_timeout(self, r_stats: list[dict]) -> None:
+        """Warn, once, of the first call cut at ``task.reward_timeout_s`` a poll sees:
+        each holds its rollout's rewards that long, and a reward that never returns
+        stops the run only after :data:`REWARD_FAILURES_TO_STOP` of them (at the default
+        300 s, hours of a run that trains nothing, silent till then)."""
+        if self._timeout_said:
+            return
+        cut = next((e for s in r_stats if timed_out(e := s.get("last_reward_error"))), None)
+        if cut is None:
+            return
+        self._timeout_said = True
+        logger.warning(
+            "task.reward %r: %s (cut, its trajectory marked a reward error); each such call "
+            "holds its rollout's rewards that long, and a reward that never returns stops "
+            "the run only after %d such failures with none scored: fix the function or the "
+            "service it calls, or lower task.reward_timeout_s to fail sooner (raise it if "
+            "the reward is only slow)",
+            self.reward,
+            cut,
+            REWARD_FAILURES_TO_STOP,
+        )
 
     def _count(self, r_stats: list[dict], now: float) -> None:
         """Keep the failures and scored responses new since the last poll, by its time,
