@@ -334,6 +334,23 @@ RUN_FILES = (
 )
 
 
+def _trained(path: Path) -> bool:
+    """Whether the run directory's ``metrics.zarr`` records an update (its store and
+    checkpoints moved aside or lost: a new run would add its rows to that run's)."""
+    store = path / "metrics.zarr"
+    if not (store / "zarr.json").exists():
+        return False
+    import zarr
+
+    from storage.schema import COMMIT_ATTR
+
+    try:
+        root = zarr.open_group(str(store), mode="r", zarr_format=3)
+        return "updates" in root and int(root["updates"].attrs.get(COMMIT_ATTR, 0)) > 0
+    except Exception:  # noqa: BLE001 — unreadable: not taken over
+        return True
+
+
 def _refuse_foreign_run_files(path: Path) -> None:
     """Refuse a directory that holds what a run writes but is not a run's own (no
     ``config.yaml`` laminar wrote): a run would overwrite those files or mix with them."""
@@ -392,7 +409,7 @@ def _prepare_run_dir(cfg: RunConfig, run_dir: str | Path | None) -> Path:
             f"run directory {str(path)!r} already holds a run; pass a new --run-dir, "
             f"or {resume_hint(path)}"
         )
-    if (path / "trajectories.zarr").exists() and not _nothing_stored(path):
+    if ((path / "trajectories.zarr").exists() and not _nothing_stored(path)) or _trained(path):
         raise ConfigError(
             f"run directory {str(path)!r} already holds a run with no checkpoint to "
             "continue from; pass a new --run-dir, or delete it to start over"

@@ -83,3 +83,15 @@ def test_what_laminar_makes_before_a_run_starts_there_is_not_refused(tmp_path):
     (run / "summary.json").write_text('{"reason": "failed"}\n')
     (run / "checkpoints").mkdir()  # (nothing saved in it)
     assert prepare_run_dir(cfg, run) == run
+
+
+def test_a_run_whose_store_and_checkpoints_are_gone_but_its_metrics_are_is_refused(tmp_path):
+    """Its metrics record updates: a new run appended its rows to that run's."""
+    from storage.metrics import MetricsWriter
+
+    run = prepare_run_dir(_cfg(), tmp_path / "run")
+    MetricsWriter(run).append("cluster", [{"time": 1.0, "workers": 3}])
+    assert prepare_run_dir(_cfg(), run) == run  # (a failed start's rows: taken over)
+    MetricsWriter(run).append("updates", [{"version": 1, "loss": 0.5}])
+    with pytest.raises(ConfigError, match=r"already holds a run with no checkpoint"):
+        prepare_run_dir(_cfg(), run)
