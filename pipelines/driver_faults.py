@@ -36,8 +36,8 @@ def core_bound(cfg) -> str:
     ``faults.heartbeat_timeout_s`` (a call unanswered that long marks the actor hung).
 
     >>> from laminar.config import RunConfig, with_overrides
-    >>> core_bound(with_overrides(RunConfig(), ["cluster.actor_timeout_s=0.05"]))
-    'cluster.actor_timeout_s=0.05'
+    >>> core_bound(with_overrides(RunConfig(), ["cluster.actor_timeout_s=5"]))
+    'cluster.actor_timeout_s=5'
     >>> core_bound(with_overrides(RunConfig(), ["faults.heartbeat_timeout_s=7"]))
     'faults.heartbeat_timeout_s=7'
     """
@@ -66,10 +66,10 @@ def timed_out_why(cfg) -> str:
     bound such calls, and which to raise if they were only slow.
 
     >>> from laminar.config import RunConfig, with_overrides
-    >>> print(timed_out_why(with_overrides(RunConfig(), ["faults.heartbeat_timeout_s=0.01"])))
+    >>> print(timed_out_why(with_overrides(RunConfig(), ["faults.heartbeat_timeout_s=3"])))
     a call to one of the run's actors did not answer in time (each call: \
 cluster.actor_timeout_s=60; one to the trainer or the data module: the lower of that and \
-faults.heartbeat_timeout_s=0.01); if they were only slow (a loaded machine, a large \
+faults.heartbeat_timeout_s=3); if they were only slow (a loaded machine, a large \
 batch), raise faults.heartbeat_timeout_s
     """
     c, f = cfg.cluster.actor_timeout_s, cfg.faults.heartbeat_timeout_s
