@@ -404,9 +404,9 @@ DATA_STATE = "data_state.json"  # in a checkpoint folder: where the prompt order
 
 def data_position(checkpoint: str | Path | None) -> int:
     """Prompt groups dispatched by the run that wrote ``checkpoint`` (0: start afresh).
-    A damaged ``data_state.json`` (not JSON, no ``dispatched``, not a count) is a
-    ``CheckpointError`` naming it; ``check_checkpoint`` calls this before the cluster
-    starts."""
+    A damaged ``data_state.json`` (not JSON, no ``dispatched``, not a count, not a file
+    that reads) is a ``CheckpointError`` naming it; ``check_checkpoint`` calls this
+    before the cluster starts."""
     if checkpoint is None:
         return 0
     path = Path(checkpoint) / DATA_STATE
@@ -420,7 +420,7 @@ def data_position(checkpoint: str | Path | None) -> int:
         # (an int, as the driver writes it: 3.5, "3" or true are not a position)
         if not isinstance(n, int) or isinstance(n, bool) or n < 0:
             raise ValueError(f'"dispatched" is {n!r}, not a count of prompt groups (>= 0)')
-    except ValueError as e:  # (json.JSONDecodeError and UnicodeDecodeError too)
+    except (ValueError, OSError) as e:  # (JSONDecodeError, UnicodeDecodeError; unreadable)
         from laminar.learner import CheckpointError
 
         raise CheckpointError(

@@ -90,6 +90,16 @@ def test_a_damaged_data_position_is_refused_naming_the_file(ckpt, model_config, 
         check_checkpoint(ckpt, model_config, CFG)
 
 
+def test_a_data_position_that_does_not_read_is_refused_naming_the_file(ckpt):
+    """A folder where data_state.json belongs (a copy gone wrong) ended the resume in a
+    raw IsADirectoryError."""
+    from laminar.prompt_pool import DATA_STATE, data_position
+
+    (ckpt / DATA_STATE).mkdir()
+    with pytest.raises(CheckpointError, match=r"data_state.json' is damaged \(IsADirectory"):
+        data_position(str(ckpt))
+
+
 def test_a_data_position_is_read_and_none_is_the_first_prompt(ckpt, model_config):
     from laminar.prompt_pool import DATA_STATE, data_position
 
