@@ -317,3 +317,20 @@ def ctrl_c_every_poll(monkeypatch, checkpoint: str) -> list[bool]:
     monkeypatch.setattr("pipelines.api.RunHandle", Handle)
     monkeypatch.setattr("pipelines.cli.time.sleep", lambda s: None)
     return stops
+
+
+def resumable_run(tmp_path: Path, overrides=()) -> Path:
+    """A run directory as `laminar run` leaves it, with a checkpoint's trainer state at
+    version 1 (``checkpoints/version-000001``; its weights missing: a resume that gets
+    past the config checks fails on them, in preflight)."""
+    import json
+
+    from laminar.config import RunConfig, with_overrides
+    from pipelines.api import prepare_run_dir
+
+    cfg = with_overrides(RunConfig(), ["trainer.steps=2", *overrides])
+    run = prepare_run_dir(cfg, tmp_path / "run")
+    ckpt = run / "checkpoints" / "version-000001"
+    ckpt.mkdir(parents=True)
+    (ckpt / "trainer_state.json").write_text(json.dumps({"version": 1}))
+    return run

@@ -7,6 +7,7 @@ import threading
 import time
 
 import pytest
+from conftest import resumable_run
 
 
 @pytest.mark.slow
@@ -187,23 +188,6 @@ def test_a_bench_run_that_did_not_run_to_its_end_is_no_measurement(monkeypatch, 
         bench_repack._arm(None, tmp_path / "run", [], 90.0, None, 0.1)
 
 
-def _resumable_run(tmp_path, overrides=()):
-    """A run directory as `laminar run` leaves it, with a checkpoint's trainer state at
-    version 1 (its weights missing: a resume that gets past the config checks fails on
-    them, in preflight)."""
-    import json
-
-    from laminar.config import RunConfig, with_overrides
-    from pipelines.api import prepare_run_dir
-
-    cfg = with_overrides(RunConfig(), ["trainer.steps=2", *overrides])
-    run = prepare_run_dir(cfg, tmp_path / "run")
-    ckpt = run / "checkpoints" / "version-000001"
-    ckpt.mkdir(parents=True)
-    (ckpt / "trainer_state.json").write_text(json.dumps({"version": 1}))
-    return run
-
-
 def _past_the_config_checks(run, overrides=()):
     """Whether a resume got past the refusals of a changed config (to the checkpoint's
     missing weights)."""
@@ -221,7 +205,7 @@ def test_a_resume_that_would_change_the_prompts_is_refused_naming_the_field(tmp_
     from laminar.errors import ConfigError
     from pipelines.api import prepare_resume
 
-    run = _resumable_run(tmp_path)
+    run = resumable_run(tmp_path)
     before = (run / "config.yaml").read_text()
     for override, was in [("task.name=copy", "'count'"), ("seed=7", "0")]:
         key, value = override.split("=")
@@ -245,7 +229,7 @@ def test_a_resume_refuses_a_prompt_file_whose_bytes_changed(tmp_path):
 
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text('{"prompt": "1 2", "answer": "3"}\n{"prompt": "4 5", "answer": "6"}\n')
-    run = _resumable_run(tmp_path, [f"task.prompt_file={prompts}"])
+    run = resumable_run(tmp_path, [f"task.prompt_file={prompts}"])
     assert (run / PROMPT_FINGERPRINT).read_text().split()[1] == str(prompts)
     assert _past_the_config_checks(run, ["trainer.steps=3"])
     moved = tmp_path / "elsewhere.jsonl"
@@ -271,13 +255,13 @@ def test_the_schedule_refusal_names_the_runs_value_and_the_set_given(tmp_path):
     from laminar.errors import ConfigError
     from pipelines.api import prepare_resume
 
-    run = _resumable_run(tmp_path)
+    run = resumable_run(tmp_path)
     with pytest.raises(ConfigError) as e:
         prepare_resume(run, ["pipeline.schedule=sync"])
     msg = str(e.value)
     assert "it ran pipeline.schedule='laminar' and --set pipeline.schedule='sync'" in msg, msg
     assert "drop that --set" in msg
-    run = _resumable_run(tmp_path / "b", ["pipeline.schedule=sync"])
+    run = resumable_run(tmp_path / "b", ["pipeline.schedule=sync"])
     with pytest.raises(ConfigError, match=r"it ran pipeline.schedule='sync', and") as e:
         prepare_resume(run)
     assert "--set pipeline.schedule" not in str(e.value)
@@ -289,7 +273,7 @@ def test_a_resume_refuses_run_dir_set_elsewhere_as_it_refuses_run_dir(tmp_path):
     from laminar.errors import ConfigError
     from pipelines.api import prepare_resume
 
-    run = _resumable_run(tmp_path)
+    run = resumable_run(tmp_path)
     before = (run / "config.yaml").read_text()
     for value in (tmp_path / "elsewhere", "null"):
         with pytest.raises(ConfigError) as e:
@@ -327,7 +311,7 @@ def test_the_python_api_takes_a_dict_and_no_overrides_and_names_what_it_takes(tm
     ]:
         with pytest.raises(ConfigError, match=said):  # (before any use of the client)
             pipelines.submit(config, None, overrides=overrides)
-    run = _resumable_run(tmp_path)
+    run = resumable_run(tmp_path)
     assert _past_the_config_checks(run, None)  # (resume's overrides=None too)
     with pytest.raises(ConfigError, match=r"overrides must be a list"):
         prepare_resume(run, {"trainer.steps": 3})

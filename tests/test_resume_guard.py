@@ -2,25 +2,10 @@
 
 from __future__ import annotations
 
-import json
 import shlex
 
 import pytest
-
-
-def _resumable_run(tmp_path, overrides=()):
-    """A run directory as `laminar run` leaves it, with a checkpoint's trainer state at
-    version 1 (its weights missing: a resume that gets past the config checks fails on
-    them, in preflight)."""
-    from laminar.config import RunConfig, with_overrides
-    from pipelines.api import prepare_run_dir
-
-    cfg = with_overrides(RunConfig(), ["trainer.steps=2", *overrides])
-    run = prepare_run_dir(cfg, tmp_path / "run")
-    ckpt = run / "checkpoints" / "version-000001"
-    ckpt.mkdir(parents=True)
-    (ckpt / "trainer_state.json").write_text(json.dumps({"version": 1}))
-    return run, ckpt
+from conftest import resumable_run
 
 
 def _past_the_config_checks(run, overrides=()):
@@ -42,7 +27,8 @@ def test_a_resume_with_another_temperature_is_refused_naming_the_new_run_that_ca
     from laminar.errors import ConfigError
     from pipelines.api import prepare_resume
 
-    run, ckpt = _resumable_run(tmp_path)
+    run = resumable_run(tmp_path)
+    ckpt = run / "checkpoints" / "version-000001"
     before = (run / "config.yaml").read_text()
     with pytest.raises(ConfigError) as e:
         prepare_resume(run, ["rollout.temperature=0.7"])
