@@ -697,10 +697,7 @@ def prepare_resume(run_dir: str | Path, overrides: list[str] | tuple[str, ...] =
     ]
     if changed:
         raise ConfigError(
-            f"cannot resume {str(path)!r} with "
-            + ", ".join(f"{k}={_field(cfg, k)!r}" for k in changed)
-            + ": it ran "
-            + ", ".join(f"{k}={_field(ran, k)!r}" for k in changed)
+            _cannot_resume_with(path, changed, cfg, ran)
             + ", and its stores hold groups of the prompts those made (a resume completes "
             "them by prompt key); drop that --set (override), or train on other data in a "
             f"new run from its checkpoint: {_setting(f'trainer.resume_from={ckpt}')}"
@@ -731,6 +728,14 @@ def prepare_resume(run_dir: str | Path, overrides: list[str] | tuple[str, ...] =
     return cfg, plan, path
 
 
+def _cannot_resume_with(path: Path, changed: list[str], cfg: RunConfig, ran: RunConfig) -> str:
+    """The start of a refused resume's message: the ``changed`` settings, as asked
+    (``cfg``) and as the run ran them (``ran``)."""
+    asked = ", ".join(f"{k}={_field(cfg, k)!r}" for k in changed)
+    before = ", ".join(f"{k}={_field(ran, k)!r}" for k in changed)
+    return f"cannot resume {str(path)!r} with {asked}: it ran {before}"
+
+
 def _refuse_logprob_change(path: Path, ran: RunConfig, cfg: RunConfig, ckpt: Path) -> None:
     """Refuse a resume in place with another :data:`LOGPROB_FIELDS` value: the behavior
     logprobs of the groups its store holds untrained (held again by the buffer) and of
@@ -747,10 +752,7 @@ def _refuse_logprob_change(path: Path, ran: RunConfig, cfg: RunConfig, ckpt: Pat
     config = shlex.quote(str(path / "config.yaml"))
     ckpt_set = shlex.quote(f"trainer.resume_from={ckpt}")
     raise ConfigError(
-        f"cannot resume {str(path)!r} with "
-        + ", ".join(f"{k}={_field(cfg, k)!r}" for k in changed)
-        + ": it ran "
-        + ", ".join(f"{k}={_field(ran, k)!r}" for k in changed)
+        _cannot_resume_with(path, changed, cfg, ran)
         + ", and the behavior logprobs its stores hold for the groups not yet trained (held "
         "again by a resume) and for the partial responses it finishes are of that "
         "distribution, while the trainer would take its own at the new value: their "
