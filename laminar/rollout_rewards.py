@@ -207,10 +207,19 @@ class RewardsMixin:
                     self._resend()
                 else:
                     self._insert_scored(*item)
-            except Exception:
+            except Exception as e:
                 error = traceback.format_exc()
                 self.error = self.error or error
-                logger.error("rollout %s: reward collector failed:\n%s", self.rollout_id, error)
+                if self._stop.is_set():  # (the cluster going away under a stopped rollout:
+                    # its client closed, its tasks cancelled; the log keeps what it held)
+                    logger.info(
+                        "rollout %s: stopped; its reward collector gave up (%s: %s)",
+                        self.rollout_id,
+                        type(e).__name__,
+                        e,
+                    )
+                else:
+                    logger.error("rollout %s: reward collector failed:\n%s", self.rollout_id, error)
                 self._abandon.set()
             finally:
                 self._to_score.task_done()

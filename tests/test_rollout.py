@@ -463,3 +463,46 @@ def test_a_lost_rollouts_response_goes_on_at_the_newest_version_under_partial_ro
     for st in adopter.engine.in_flight():
         if st.request_id in held:
             assert list(st.token_versions) == [0, 0, 1, 1, 2]
+
+
+class _Cancelled:
+    """A reward task the cluster cancelled as it closed, as the collector reads it."""
+
+    status = "finished"
+
+    def add_done_callback(self, fn):
+        fn(self)
+
+    def result(self):
+        from concurrent.futures import CancelledError
+
+        raise CancelledError("the client closed")
+
+
+@pytest.mark.parametrize("stopped", [True, False], ids=["stopped", "running"])
+def test_a_reward_collector_failing_under_a_stopped_rollout_is_said_in_a_line(
+    tiny_policy, small_config, caplog, stopped
+):
+    """As a failed run's cluster closes under its stopped rollouts, their reward tasks
+    are cancelled: each collector printed a screen of traceback at ERROR, after the
+    run's own error. A stopped rollout's says it in one INFO line; a running one's
+    failure stays an ERROR with its traceback (and fails the rollout, as before)."""
+    import logging
+
+    from laminar.rollout import RolloutReplica
+
+    rollout = RolloutReplica("r0", small_config, str(tiny_policy), None, None, None)
+    if stopped:
+        rollout._stop.set()
+    rollout._to_score.put(([], [("item",)], _Cancelled()))
+    rollout._to_score.put(None)
+    with caplog.at_level(logging.INFO, logger="laminar.rollout"):
+        rollout._collect_loop()
+    assert rollout.error is not None and rollout._abandon.is_set()
+    errors = [r for r in caplog.records if r.levelno >= logging.ERROR]
+    if stopped:
+        assert not errors
+        said = " ".join(r.getMessage() for r in caplog.records)
+        assert "r0: stopped; its reward collector gave up (CancelledError" in said, said
+    else:
+        assert "Traceback" in errors[0].getMessage()
