@@ -40,6 +40,7 @@ generations that a writer which died after its commit left.
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from collections.abc import Collection, Iterable, Mapping, Sequence
 from pathlib import Path
@@ -49,6 +50,7 @@ import numpy as np
 import zarr
 
 from storage.schema import STRING
+from storage.stores import CHUNKS_ATTR, WRITE_EVERY_CHUNK
 from storage.trajectories import StoreError, fill_value, new_array, reading, store_path
 
 STORE_NAME = "partial.zarr"
@@ -143,6 +145,7 @@ class PartialLogWriter:
         self.arrays = {
             (t, c): group[f"{t}/{c}"] for t, (_, cols) in TABLES.items() for c in cols
         } | {(None, name): group[name] for name in FLAT}
+        self.arrays = {k: a.with_config(WRITE_EVERY_CHUNK) for k, a in self.arrays.items()}
         for sub in self.path.glob("g*"):  # (older ones: a writer died before it removed them)
             if sub.name[1:].isdigit() and int(sub.name[1:]) < self.generation:
                 shutil.rmtree(sub, ignore_errors=True)
@@ -153,6 +156,9 @@ class PartialLogWriter:
         # (what a compaction cut short left of it: overwriting the group keeps its arrays)
         shutil.rmtree(self.path / f"g{generation}", ignore_errors=True)
         group = self.root.create_group(f"g{generation}", overwrite=True)
+        # (its writer writes every chunk, one of only fill values too: a missing one is
+        # lost data; _check_chunks)
+        group.update_attributes({CHUNKS_ATTR: True})
         self.arrays = {}
         for table, (dim, cols) in TABLES.items():
             sub = group.create_group(table)
@@ -279,7 +285,8 @@ class PartialLogWriter:
 
 def _create(group: zarr.Group, name: str, dtype: np.dtype, dim: str, chunk: int):
     # uncompressed: written by slice, often, and a compressed chunk is rewritten whole
-    return new_array(group, name, dtype, dim, chunk, compressors=None)
+    arr = new_array(group, name, dtype, dim, chunk, compressors=None)
+    return arr.with_config(WRITE_EVERY_CHUNK)
 
 
 def _check(root: zarr.Group, path: Path) -> None:
@@ -312,13 +319,18 @@ def read_partial_log(path: str | Path, flat: Collection[str] = tuple(FLAT)) -> d
             root = zarr.open_group(str(path), mode="r", zarr_format=3)
             _check(root, path)
             generation = int(root.attrs["generation"])
+            lost: StoreError | None = None
             try:
-                read = _read_generation(root, generation, out, flat)
+                read = _read_generation(path, root, generation, out, flat)
             except (KeyError, FileNotFoundError):
                 read = None
+            except _LostChunk as e:
+                read, lost = None, e
             now = zarr.open_group(str(path), mode="r", zarr_format=3)
             if int(now.attrs.get("generation", -1)) != generation:
                 continue
+            if lost is not None:  # (not a compaction's doing either)
+                raise lost
             if read is None:  # (not a compaction's doing)
                 raise StoreError(
                     f"{str(path)!r}: generation g{generation} lacks an array; it is "
@@ -336,17 +348,67 @@ _READ_TRIES = 5
 
 
 def _read_generation(
-    root: zarr.Group, generation: int, out: dict[str, Any], flat: Collection[str]
+    path: Path, root: zarr.Group, generation: int, out: dict[str, Any], flat: Collection[str]
 ) -> dict[str, Any]:
     committed = root.attrs["committed"]
     group = root[f"g{generation}"]
-    for table, (dim, cols) in TABLES.items():
+    every = bool(group.attrs.get(CHUNKS_ATTR))
+    names = [(f"{t}/{c}", dim) for t, (dim, cols) in TABLES.items() for c in cols]
+    names += [(name, dim) for name, (dim, _, _) in FLAT.items() if name in flat]
+    values = {}
+    for name, dim in names:
         n = int(committed[dim])
-        out[table] = {c: group[f"{table}/{c}"][:n] for c in cols}
-    for name, (dim, _, _) in FLAT.items():
-        if name in flat:
-            out[name] = group[name][: int(committed[dim])]
-    return out
+        arr = group[name]
+        if every or name in _NEVER_ALL_FILL:
+            _check_chunks(path / f"g{generation}", name, arr, n)
+        values[name] = arr[:n]
+    for table, (_, cols) in TABLES.items():
+        out[table] = {c: values[f"{table}/{c}"] for c in cols}
+    return out | {name: values[name] for name in FLAT if name in flat}
+
+
+# Arrays of a generation written before its writer wrote every chunk (no CHUNKS_ATTR:
+# zarr left out a chunk of only fill values, and reads a missing chunk as them) where
+# such a chunk cannot be, so that a missing one is lost: never 4,096 rows of one
+# ``seq``, an empty request id or event kind, a NaN time or log-probability, or 16,384
+# tokens all 0. (Not the token versions: 16,384 tokens of version 0 are a run's start.)
+_NEVER_ALL_FILL = frozenset(
+    {f"{t}/seq" for t in TABLES}
+    | {"requests/request_id", "chunks/request_id", "events/kind"}
+    | {"requests/t_start", "chunks/t", "events/t"}
+    | {"prompt_tokens", "tokens", "logprobs"}
+)
+
+
+class _LostChunk(StoreError):
+    """A chunk of a generation's committed rows is not on disk."""
+
+
+def _check_chunks(group_path: Path, name: str, arr: zarr.Array, n: int) -> None:
+    """Each chunk of the first ``n`` values of array ``name`` (of the generation at
+    ``group_path``) is on disk: zarr reads a missing one as the fill value, and a
+    restore would continue a response after tokens 0 as if generated (and train on
+    them). One directory listing, as :func:`storage.stores.check_chunks`."""
+    if n <= 0:
+        return
+    count = -(-n // int(arr.chunks[0]))
+    folder, first = os.path.split(arr.metadata.encode_chunk_key((0,)))  # ("c", "0")
+    stem = first[:-1]  # (a 1-d array's keys differ in the number alone)
+    try:
+        there = set(os.listdir(group_path / name / folder))
+    except FileNotFoundError:
+        there = set()
+    missing = [i for i in range(count) if f"{stem}{i}" not in there]
+    if missing:
+        chunk = group_path / name / folder / f"{stem}{missing[0]}"
+        raise _LostChunk(
+            f"{str(group_path.parent)!r}: array {name!r} of generation {group_path.name} "
+            f"lacks chunk {str(chunk)!r}"
+            + (f" and {len(missing) - 1} more" if len(missing) > 1 else "")
+            + f" of its {n} committed values (zarr would read it as "
+            f"{fill_value(arr.dtype)!r}s); it is damaged: move it aside (the run resumes "
+            "without its recovery log) or restore it from a copy"
+        )
 
 
 def ordered_rows(log: Mapping[str, Any]) -> list[tuple[str, int]]:

@@ -295,6 +295,36 @@ def test_a_generation_missing_an_array_is_named_as_damaged(tmp_path):
         read_partial_log(tmp_path)
 
 
+def test_a_missing_chunk_is_named_as_damaged_not_read_as_zeros(tmp_path):
+    """zarr reads a chunk file that is not there as its fill value: a log that lost its
+    tokens' chunk (a copy cut short) would restore a response after tokens 0, as if
+    generated. Every chunk is written (those of fill values too: a request's
+    ``n_moves`` 0), so any one missing is damage, named with its array and file."""
+    core, writer = PartialCore(journal=True), PartialLogWriter(tmp_path)
+    core.register("r0", 0, _states(["p00-000"], seed=0))
+    core.flush("r0", {"p00-000": (0, [5, 6], [-0.5, -0.25], [0, 0])})
+    writer.append(**core.drain_journal())
+    g0 = writer.path / "g0"
+    for name in ("tokens", "token_versions", "requests/n_moves"):
+        chunk = g0 / name / "c" / "0"
+        saved = chunk.read_bytes()
+        chunk.unlink()
+        with pytest.raises(StoreError, match=rf"'{name}'.*lacks chunk.*c/0.*move it aside"):
+            read_partial_log(tmp_path)
+        chunk.write_bytes(saved)
+    assert read_partial_log(tmp_path)["tokens"].tolist() == [5, 6]
+    # a log written before every chunk was (a chunk of fill values left out) still reads,
+    # and a chunk that cannot be all fill values is checked there too
+    import zarr
+
+    zarr.open_group(str(g0), mode="a", zarr_format=3).attrs.pop("every_chunk_written")
+    (g0 / "token_versions" / "c" / "0").unlink()
+    assert read_partial_log(tmp_path)["token_versions"].tolist() == [0, 0]
+    (g0 / "tokens" / "c" / "0").unlink()
+    with pytest.raises(StoreError, match=r"'tokens'.*lacks chunk"):
+        replay_log(tmp_path)
+
+
 def test_a_run_resumed_and_stopped_again_before_it_reissued_a_group_reissues_it_again(
     tmp_path,
 ):
