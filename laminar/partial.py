@@ -174,10 +174,18 @@ class PartialResponsePool:
         run_dir: str | None = None,
         log_interval_s: float = 2.0,
         reissue: Collection[str] = (),
+        rebuild: bool = False,
     ) -> None:
         """``reissue``: the prompt groups a run resumed in place re-issues
         (:class:`storage.resume.ResumePlan`); the log is started over with their entries
-        only (:meth:`PartialCore.keep`): its resume plan has read the rest."""
+        only (:meth:`PartialCore.keep`): its resume plan has read the rest.
+
+        ``rebuild``: the pool of a data module rebuilt within the run
+        (``pipelines/restart.py``). The lost pool's log is left as it is until
+        :meth:`open_log`: until the rebuild has restored the lost rollouts' entries and
+        the live rollouts have registered theirs, it is what a rebuild tried again (this
+        pool's worker lost too) or a resume (the driver lost) reads them from; started
+        over at once, it would name none of them."""
         from storage.partial_log import PartialLogWriter, requests_of_groups
 
         self.core = PartialCore(journal=run_dir is not None)
@@ -200,20 +208,34 @@ class PartialResponsePool:
             if reissue:
                 self.core.keep(requests_of_groups(run_dir, reissue))
             self.writer = PartialLogWriter(run_dir)
-            self.writer.compact(**self.core.snapshot())
+            if not rebuild:
+                self.writer.compact(**self.core.snapshot())
         self.log_interval_s = log_interval_s
         self._log_task = None
         self._log_lock = None  # an asyncio.Lock, made on the event loop
         self._log_error: str | None = None
-        self._resync = False  # (a write failed: the next one compacts)
+        # (a write failed, or a rebuild's first write: the next one compacts)
+        self._resync = rebuild
+        # a rebuild's pool writes nothing until open_log: the lost pool's log stands
+        self._log_held = rebuild and run_dir is not None
         self.log_counts: Counter = Counter()
 
     # -- the recovery log -----------------------------------------------------------------
     def _start_log(self) -> None:
         import asyncio
 
-        if self.writer is not None and self._log_task is None:
+        if self.writer is not None and self._log_task is None and not self._log_held:
             self._log_task = asyncio.ensure_future(self._log_loop())
+
+    async def open_log(self) -> None:
+        """A rebuild's pool (``rebuild``) has its entries (the lost rollouts' restored,
+        the live ones' registered): the log is started over with them now (compacted),
+        then written every ``log_interval_s``. (Any other pool's already is.)"""
+        if not self._log_held:
+            return
+        self._log_held = False
+        await self._write_log()
+        self._start_log()
 
     async def _log_loop(self) -> None:
         import asyncio
@@ -269,8 +291,10 @@ class PartialResponsePool:
         return True
 
     async def close(self) -> dict:
-        """Write what is left of the log (the run ends); returns :meth:`stats`."""
-        if self.writer is not None:
+        """Write what is left of the log (the run ends); returns :meth:`stats`. (A
+        rebuild's pool not yet :meth:`open_log`\\ ed writes nothing: the lost pool's log
+        stands.)"""
+        if self.writer is not None and not self._log_held:
             await self._write_log()  # (after a write in progress, if any)
         if self._log_task is not None:
             self._log_task.cancel()  # (it sleeps or waits for the lock: no write is cut)

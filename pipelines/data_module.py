@@ -141,12 +141,16 @@ def start_data_module(
     pool = create(PromptPool, cfg, policy_dir, order, spec, str(run_dir))
     partial = None
     if cfg.faults.recover:
-        partial = create(  # (it keeps the groups the pool re-issues in its log)
+        # (it keeps the groups the pool re-issues in its log; a rebuild's leaves the lost
+        # pool's log as it is until the rebuild has restored and registered its entries:
+        # PartialResponsePool.open_log)
+        partial = create(
             PartialResponsePool,
             cfg.relay.timeout_s,
             str(run_dir),
             cfg.faults.log_interval_s,
             sorted(order.reissue) if order is not None else [],
+            plans.get("rebuild") is not None,
         )
     buffer = create(
         ExperienceBuffer,

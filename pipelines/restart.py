@@ -451,6 +451,9 @@ class DataRestart:
             [lambda r=r: r.attach_data(pool, buffer, partial) for r in alive.values()],
             timeout=timeout,
         )
+        # The lost pool's log stood until now (a rebuild tried again, or a resume, reads
+        # the lost rollouts' entries from it): the new pool starts it over with its own.
+        partial.open_log().result(timeout)
         manager.start().result(timeout)
         mark("attach_s")
         a.update(pool=pool, partial=partial, buffer=buffer, manager=manager)
