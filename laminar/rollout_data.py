@@ -174,8 +174,9 @@ class DataLinkMixin:
     def attach_data(self, pool, buffer, partial) -> int:
         """The data module rebuilt in place of a lost one: use it from now on. Every
         unfinished trajectory is registered with the new partial-response pool, with the
-        tokens it has, and every kept one is sent again to the new buffer. Returns how
-        many were registered."""
+        tokens it has, and every finished one no store has yet too, as finished
+        (:meth:`_register_finished`); every kept one is sent again to the new buffer.
+        Returns how many unfinished ones were registered."""
         return self._command(lambda: self._attach(pool, buffer, partial))
 
     def _attach(self, pool, buffer, partial) -> int:
@@ -207,16 +208,86 @@ class DataLinkMixin:
                     registered += len(copies)
             self._logged = {st.request_id: len(st.tokens) for st in unfinished}
             self._ended.clear()  # (kept as unstored: the new buffer gets them)
+            finished = self._register_finished(partial)
         self.counts["data_rebuilds"] += 1
         self._to_score.put(_RESEND)
         logger.warning(
-            "rollout %s: a rebuilt data module; %d unfinished trajectories registered with "
-            "it, %d kept trajectories to send again",
+            "rollout %s: a rebuilt data module; %d unfinished and %d finished trajectories "
+            "registered with it, %d kept trajectories to send again",
             self.rollout_id,
             registered,
+            finished if partial is not None else 0,
             len(self._unstored),
         )
         return registered
+
+    def _register_finished(self, partial) -> int:
+        """Register with a rebuilt partial-response pool, as finished (their tokens and
+        how they ended, as a finished flush leaves them), the finished trajectories this
+        rollout keeps that no store has yet: waiting for a reward or for the new buffer
+        (``_unstored``), a lost rollout's queued for scoring here (``_rescore``), or
+        finishing in a paced step. The lost pool had them; without them here, a loss of
+        this rollout before the new buffer holds them lost them (a take found nothing,
+        and their groups, held by it, were not re-issued). Returns how many."""
+        from laminar.engine import RequestState
+
+        with self._unstored_lock:
+            kept = self._finished_kept()
+            self._prune_finished(kept)
+            outputs = {**kept, **{o.request.request_id: o for o in self.engine.finishing()}}
+        by_version: dict[int, list[RequestState]] = {}
+        tokens, ended = {}, {}
+        for rid, out in outputs.items():
+            # (registered bare, then flushed whole with how it ended: what a rollout's own
+            # register and finishing flush leave; its seed no longer matters, it is only
+            # scored again)
+            version = int(out.token_versions.min(initial=out.version))
+            state = RequestState(out.request, seed=0, t_start=out.t_start, n_moves=out.n_moves)
+            by_version.setdefault(version, []).append(state)
+            tokens[rid] = (
+                0,
+                out.response_tokens.tolist(),
+                out.logprobs.tolist(),
+                out.token_versions.tolist(),
+            )
+            ended[rid] = (out.finish_reason, out.t_finish)
+        for version, states in sorted(by_version.items()):
+            self._call(partial.register(self.rollout_id, version, states), partial)
+        if tokens:
+            self._call(partial.flush(self.rollout_id, tokens, ended), partial)
+        return len(tokens)
+
+    # -- finished trajectories kept for a rebuilt pool -------------------------------------
+    def _finished_kept(self) -> dict:
+        """Request id -> output of the finished trajectories this rollout keeps for a
+        rebuilt partial-response pool (:meth:`_register_finished`): every one it
+        finished, or was handed to score, since the recovery log is on; pruned to those
+        still kept. (Made on first use; under ``_unstored_lock``.)"""
+        kept = self.__dict__.get("_finished_outputs")
+        if kept is None:
+            kept = self.__dict__["_finished_outputs"] = {}
+        return kept
+
+    def _keep_finished(self, outputs, prune: bool = False) -> None:
+        """Keep these finished outputs (:meth:`_finished_kept`) until their trajectories
+        are stored. ``prune`` (the generation thread's, with no output of its own between
+        finished and submitted): first drop those whose trajectories no longer wait,
+        when they are many more than those that do."""
+        if self.partial is None or (not outputs and not prune):
+            return
+        with self._unstored_lock:
+            kept = self._finished_kept()
+            if prune and len(kept) > 2 * len(self._unstored) + 64:
+                self._prune_finished(kept)
+            kept.update((o.request.request_id, o) for o in outputs)
+
+    def _prune_finished(self, kept: dict) -> None:
+        """Drop the kept outputs whose trajectories are neither kept unstored nor queued
+        for scoring (under ``_unstored_lock``, on the generation thread: what it
+        finishes it submits before it prunes again)."""
+        queued = {st.request_id for states in list(self._rescore.queue) for st in states}
+        for rid in [r for r in kept if r not in self._unstored and r not in queued]:
+            del kept[rid]
 
     # -- the partial-response log (laminar.partial) ----------------------------------------------
     def _log_partial(self, finished=(), force: bool = False) -> None:
@@ -226,6 +297,7 @@ class DataLinkMixin:
 
         Requests that finished go with the next send, marked finished (their version no
         longer needs keeping); the end of a batch always sends them (:meth:`_decode`)."""
+        self._keep_finished(finished, prune=True)  # (lost or not: a rebuilt pool gets them)
         if self.partial is None or self._data_lost is not None:
             return  # (lost: a rebuilt pool has every unfinished one registered in full)
         for out in finished:

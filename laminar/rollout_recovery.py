@@ -38,8 +38,13 @@ class RecoveryMixin:
 
     def rescore(self, states: list) -> None:
         """Take a lost rollout's *finished* trajectories (their rewards were in flight):
-        score them and insert them into the buffer; nothing is decoded."""
-        self._rescore.put(states)
+        score them and insert them into the buffer; nothing is decoded. (Kept, for a
+        rebuilt data module's pool, until they are stored: :meth:`_keep_finished`.)"""
+        outputs = [_finished(st, *st.request.meta["finished"]) for st in states]
+        with self._unstored_lock:  # (kept and queued at once: a prune sees both or neither)
+            if self.partial is not None:
+                self._finished_kept().update((o.request.request_id, o) for o in outputs)
+            self._rescore.put(states)
 
     def adopt(self, version: int, states: list) -> None:
         """Take a lost rollout's unfinished requests (their newest tokens sampled by
@@ -114,6 +119,7 @@ class RecoveryMixin:
             for out in outputs:
                 self._ended[out.request.request_id] = (len(out.response_tokens), out)
             self._log_partial(force=True)
+        self._keep_finished(outputs)
         groups = {st.request.meta["group"].prompt_uid for st in states}
         self.counts["dropped_requests"] += len(states)
         self.counts["dropped_groups"] += len(groups)
