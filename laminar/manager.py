@@ -112,6 +112,9 @@ class RolloutManager(RecoveryMixin, RepackMixin):
         self.partial = partial
         self.workers = dict(workers or {})
         self.lost: dict[str, float] = {}  # rollout id -> when its loss was detected
+        # the rollouts a manager lost with the data module had found lost (take_over):
+        # their entries, restored from its log, are taken once more (_retake_late)
+        self._lost_before: set[str] = set()
         self.fault_rows: list[dict] = []  # one per recovered batch
         self.replacements: dict[str, str] = {}  # lost rollout id -> the one that replaced it
         self._joining: queue.Queue = queue.Queue()  # (id, handle, worker, replaces, relay)
@@ -152,6 +155,10 @@ class RolloutManager(RecoveryMixin, RepackMixin):
         self.rollouts.update(rollouts)
         self.workers.update(workers)
         self.lost.update(last["lost"])
+        # (its recovery of them may have reached no rollout, or not the log: the rebuild
+        # restores what the log says they own, or had been taken from them, and nothing
+        # finds them lost again)
+        self._lost_before.update(last["lost"])
         self.replacements.update(last["replacements"])
         self.relays_lost.update(last["relays_lost"])
         self.hung.update(last["hung"])

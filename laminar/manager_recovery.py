@@ -209,7 +209,12 @@ class RecoveryMixin:
         pool before it saw its stop. The pool kept those requests, owned by it, and
         ignores its flushes (:meth:`laminar.partial.PartialCore.fence`); nothing else
         would finish them, and their groups would hold the back-pressure budget for
-        good. One call a round while any rollout is lost; not answered: next round."""
+        good. One call a round while any rollout is lost; not answered: next round.
+
+        Also, once, the rollouts a manager lost with the data module had found lost
+        (:meth:`take_over`): a data module's rebuild restores their entries from the lost
+        pool's log (its recovery of them cut short: taken and given to no rollout, or
+        not yet logged), and nothing else finds them lost again."""
         try:
             late = actor_result(self.partial, self.partial.late(), min(self.timeout, 5.0))
         except Exception as e:  # noqa: BLE001 — the pool slow or lost: next round
@@ -219,6 +224,10 @@ class RecoveryMixin:
             if rid in self.lost:  # (always: the pool fences only what is taken as lost)
                 logger.warning("rollout %s, given up, registered requests since: resumed", rid)
                 self.recover(rid, again=True)
+        for rid in sorted(self._lost_before):  # (one not done: next round)
+            if rid not in late:
+                self.recover(rid, again=True)
+            self._lost_before.discard(rid)
 
     def _overdue(self, rid: str, now: float) -> bool:
         """Whether ``rid`` (a rollout or relay) was declared hung more than

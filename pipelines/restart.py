@@ -269,6 +269,29 @@ class TrainerRestart:
             ) from e
 
 
+def _orphans(entries: dict, owners: set[str]) -> dict:
+    """Of the lost pool's log ``entries`` (:func:`laminar.partial.replay_log`), those a
+    data module's rebuild restores: owned by one of ``owners`` (rollouts lost, silent,
+    or found lost by the lost manager), and those taken from one of them and given to no
+    other yet (ownerless: their recovery was cut short with the data module), owned
+    again by the rollout they were taken from (the last on their path; the take undone,
+    as the new manager's take of them moves them again). A rollout that said what it
+    holds is in no ``owners``: it registers its own."""
+    out = {}
+    for uid, e in entries.items():
+        if e["owner"] is None:
+            st = e["state"]
+            path = list(st.request.meta.get("rollout_path") or [])
+            if not path or path[-1] not in owners:
+                continue
+            st.request.meta["rollout_path"] = path[:-1]
+            st.n_moves -= 1
+            e = {**e, "owner": path[-1]}
+        if e["owner"] in owners:
+            out[uid] = e
+    return out
+
+
 class DataRestart:
     """One rebuild of a lost data module (the experience buffer, prompt pool,
     partial-response pool and rollout manager, on their own ``data`` worker), while the
@@ -372,14 +395,14 @@ class DataRestart:
         # own. Registered with the new pool, their groups count as outstanding and none
         # is handed out again; the new manager finds a lost (or hung) one and recovers
         # them from there, and a silent one that attaches registers its own over them.
+        # So are those of rollouts the lost manager had found lost (its recovery may not
+        # have reached the log, or reached no rollout: taken, ownerless, not yet given to
+        # another): the new manager takes them once more (RolloutManager.take_over).
         orphans: dict = {}
-        if gone or silent:
+        if gone or silent or m["lost"]:
             from laminar.partial import replay_log
 
-            owners = gone | set(silent)
-            orphans = {
-                uid: e for uid, e in replay_log(s.run_dir).entries.items() if e["owner"] in owners
-            }
+            orphans = _orphans(replay_log(s.run_dir).entries, gone | set(silent) | set(m["lost"]))
         plan = plan_rebuild(
             s.run_dir,
             version=record["version"],

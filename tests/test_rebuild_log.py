@@ -76,3 +76,54 @@ def test_a_fresh_or_resumed_runs_pool_starts_the_log_over_at_once(tmp_path, monk
     _start(monkeypatch, tmp_path, resume=ResumePlan(version=3))
     assert replay_log(tmp_path).entries == {}
     assert PartialResponsePool(run_dir=str(tmp_path))._log_held is False
+
+
+def test_a_rebuild_resumes_what_the_lost_manager_had_taken_or_found_lost(tmp_path):
+    """A repack moved group g0's unfinished samples from r0 to r1 (r0 keeps g0's finished
+    one, not yet stored: it says it holds g0, which is not re-issued). r1 is lost: the
+    lost manager took its entries (ownerless in the log) and was lost with the data
+    module before it resumed them anywhere. r2 was found lost too, its take not logged.
+    The rebuild restores both rollouts' entries (the ownerless ones owned by r1 again, its
+    take undone) and the new manager, which takes r1 and r2 over as lost and so never
+    finds them lost, takes them once more and resumes them on r0. Before, entries were
+    restored only for rollouts lost or silent at the rebuild, and g0's samples (and r2's
+    g1) were nowhere, their groups outstanding for good. Real log and pool logic; the
+    manager's rollouts are stand-ins (tests/test_fence.py)."""
+    from test_fence import CorePool
+    from test_manager import FakeRollout, decoding, done
+
+    from laminar.manager import RolloutManager
+    from pipelines.restart import _orphans
+
+    lost = PartialCore(journal=True)
+    states = [
+        RequestState(GenerationRequest(rid, (1, 2), SamplingParams(16)), seed=i, t_start=i)
+        for i, rid in enumerate(["g0-001", "g0-002", "g1-000"])
+    ]
+    lost.register("r0", 0, states[:2])
+    lost.reassign(["g0-001", "g0-002"], "r1", moved_from="r0")  # (the repack)
+    lost.register("r2", 0, states[2:])
+    lost.flush("r1", {"g0-001": (0, [5, 6], [-1.0, -1.0], [0, 0])})
+    assert len(lost.take("r1")) == 2  # (the lost manager's recovery, cut short)
+    PartialLogWriter(tmp_path).append(**lost.drain_journal())
+
+    # the rebuild: r0 said what it holds; the lost manager had found r1 and r2 lost
+    cfg = RunConfig()
+    last = RolloutManager(cfg, {}, None, CorePool(), {}).stats()
+    last["lost"] = {"r1": 1.0, "r2": 1.0}
+    orphans = _orphans(replay_log(tmp_path).entries, set(last["lost"]))  # (none gone, silent)
+    assert sorted(orphans) == ["g0-001", "g0-002", "g1-000"]
+    pool = CorePool()
+    r0 = FakeRollout(decoding(version=0), import_for_move=lambda *a, **k: done(True))
+    manager = RolloutManager(cfg, {}, None, pool, {})
+    manager.take_over(last, {"r0": r0}, {"r0": "tcp://w0"})
+    pool.core.restore(orphans)
+    manager._scheduler_workers = lambda: {"tcp://w0"}
+    assert manager.detect() == []
+    assert pool.core.owned() == {"r0": (3, 2, 0)} and pool.core.late() == []
+    g0 = pool.core.entries["g0-001"]["state"]
+    assert (g0.request.meta["rollout_path"], g0.n_moves) == (["r0", "r1"], 2)  # (moved once)
+    assert sorted((r["rollout"], r["requests"]) for r in manager.fault_rows) == [
+        ("r1", 2),
+        ("r2", 1),
+    ]
