@@ -229,19 +229,25 @@ class PartialResponsePool:
 
     async def open_log(self) -> None:
         """A rebuild's pool (``rebuild``) has its entries (the lost rollouts' restored,
-        the live ones' registered): the log is started over with them now (compacted),
+        the live ones' registered): the log is started over with them at once (compacted,
+        in the background: at scale a long write, which the rebuild does not wait for),
         then written every ``log_interval_s``. (Any other pool's already is.)"""
+        import asyncio
+
         if not self._log_held:
             return
         self._log_held = False
-        await self._write_log()
-        self._start_log()
+        if self.writer is not None and self._log_task is None:
+            self._log_task = asyncio.ensure_future(self._log_loop(now=True))
 
-    async def _log_loop(self) -> None:
+    async def _log_loop(self, now: bool = False) -> None:
+        """Write the log every ``log_interval_s`` (``now``: first at once)."""
         import asyncio
 
         while True:
-            await asyncio.sleep(self.log_interval_s)
+            if not now:
+                await asyncio.sleep(self.log_interval_s)
+            now = False
             await self._write_log()
 
     async def _write_log(self) -> None:
