@@ -386,6 +386,9 @@ class ExperienceBuffer:
         await self._release(leaving)
         if self.partial is not None:
             await self.partial.hold([t.uid for t in trajs])
+            # (sent again to a rebuilt buffer, and in the store it found: the pool holds
+            # them finished, registered by their rollout, and need not keep them)
+            self._committed.extend(t.uid for t in trajs if t.uid in self._stored_before)
             await self._forget_committed()
         stored = []
         if rollout_id:

@@ -626,6 +626,58 @@ def test_a_rebuilt_buffer_counts_each_group_consumed_once(tmp_path):
     asyncio.run(rebuilt())
 
 
+def test_a_rebuilt_buffer_lets_the_pool_forget_what_its_store_already_had(tmp_path):
+    """A rollout sends a rebuilt buffer again the trajectories it kept unstored; one the
+    store already had (written just before the loss) is not stored twice, and the
+    partial-response pool, which holds it finished (the rollout registered it with the
+    rebuilt pool, docs/faults.md), must let it go too: it stayed there, held, and in the
+    recovery log, to the end of the run."""
+    import asyncio
+    import time
+
+    from laminar.buffer import ExperienceBuffer
+    from laminar.engine import GenerationRequest, RequestState
+    from laminar.partial import PartialResponsePool
+    from storage.resume import plan_rebuild
+
+    lost_pool = _pool(8, max_outstanding=8)
+    cfg = _buffer_config(flush_interval_s=1e9)
+    (g,) = lost_pool.acquire(1, "r0", 0)
+    sent = [traj(f"{g.prompt_uid}-{i:03d}", g.prompt_uid, 2, i, 0) for i in range(2)]
+
+    async def lose():
+        buf = ExperienceBuffer(str(tmp_path), _Pool(lost_pool), cfg)
+        await buf.insert(sent, "r0")
+        await buf.sync()  # (stored; the answer that says so lost with the buffer)
+
+    asyncio.run(lose())
+    plan = plan_rebuild(tmp_path, version=0, consumed={}, since=0, held_groups={g.prompt_uid})
+    partial = PartialResponsePool()
+    for t in sent:  # registered finished with the rebuilt pool by its rollout
+        meta = {"group": g, "sample_idx": t.sample_idx, "t_submit": time.time()}
+        req = GenerationRequest(t.uid, g.prompt_tokens, None, meta)
+        partial.core.register("r0", 0, [RequestState(req, seed=1, t_start=time.time())])
+        partial.core.flush("r0", {t.uid: (0, [4, 5], [-0.5, -0.5], [0, 0])}, {t.uid: ("eos", 1.0)})
+    prompts = [(Prompt(i, f"n {i} >", "x"), (1, i + 4)) for i in range(8)]
+    pool = PromptPoolCore(
+        prompts,
+        group_size=2,
+        max_outstanding=8,
+        seed=0,
+        start=plan.start,
+        outstanding=tuple(plan.outstanding),
+    )
+
+    async def rebuilt():
+        buf = ExperienceBuffer(str(tmp_path), _Pool(pool), cfg, partial=partial, rebuild=plan)
+        out = await buf.insert(sent, "r0")
+        assert sorted(out["stored"]) == [t.uid for t in sent]
+        assert not set(partial.core.entries) & {t.uid for t in sent}
+        await buf.close()
+
+    asyncio.run(rebuilt())
+
+
 class DataPathMachine(RuleBasedStateMachine):
     """The prompt pool and the buffer core wired as ExperienceBuffer wires them (a group
     that leaves, with any status, is released; untrained unless consumed): rollouts that
