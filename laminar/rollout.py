@@ -124,6 +124,9 @@ class RolloutReplica(DataLinkMixin, WeightsMixin, RecoveryMixin, MovesMixin, Rew
         # Trajectories sent (or to be sent) to the buffer that its store has not committed
         # yet: uid -> [trajectory, the data epoch it was sent in (None: not yet)].
         self._unstored: dict[str, list] = {}
+        # request id -> the finished output of each trajectory kept unstored, for a rebuilt
+        # partial-response pool (rollout_data._keep_finished; under _unstored_lock)
+        self._finished_outputs: dict = {}
         self._unstored_lock = threading.Lock()
         self._adopted: queue.Queue = queue.Queue()  # (version, states) from recovery
         self._rescore: queue.Queue = queue.Queue()  # finished states from recovery

@@ -262,11 +262,8 @@ class DataLinkMixin:
         """Request id -> output of the finished trajectories this rollout keeps for a
         rebuilt partial-response pool (:meth:`_register_finished`): every one it
         finished, or was handed to score, since the recovery log is on; pruned to those
-        still kept. (Made on first use; under ``_unstored_lock``.)"""
-        kept = self.__dict__.get("_finished_outputs")
-        if kept is None:
-            kept = self.__dict__["_finished_outputs"] = {}
-        return kept
+        still kept. (Under ``_unstored_lock``.)"""
+        return self._finished_outputs
 
     def _keep_finished(self, outputs, prune: bool = False) -> None:
         """Keep these finished outputs (:meth:`_finished_kept`) until their trajectories
