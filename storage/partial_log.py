@@ -40,7 +40,6 @@ generations that a writer which died after its commit left.
 from __future__ import annotations
 
 import json
-import os
 import shutil
 from collections.abc import Collection, Iterable, Mapping, Sequence
 from pathlib import Path
@@ -50,7 +49,7 @@ import numpy as np
 import zarr
 
 from storage.schema import STRING
-from storage.stores import CHUNKS_ATTR, WRITE_EVERY_CHUNK
+from storage.stores import CHUNKS_ATTR, WRITE_EVERY_CHUNK, missing_chunks
 from storage.trajectories import StoreError, fill_value, new_array, reading, store_path
 
 STORE_NAME = "partial.zarr"
@@ -389,18 +388,8 @@ def _check_chunks(group_path: Path, name: str, arr: zarr.Array, n: int) -> None:
     ``group_path``) is on disk: zarr reads a missing one as the fill value, and a
     restore would continue a response after tokens 0 as if generated (and train on
     them). One directory listing, as :func:`storage.stores.check_chunks`."""
-    if n <= 0:
-        return
-    count = -(-n // int(arr.chunks[0]))
-    folder, first = os.path.split(arr.metadata.encode_chunk_key((0,)))  # ("c", "0")
-    stem = first[:-1]  # (a 1-d array's keys differ in the number alone)
-    try:
-        there = set(os.listdir(group_path / name / folder))
-    except FileNotFoundError:
-        there = set()
-    missing = [i for i in range(count) if f"{stem}{i}" not in there]
-    if missing:
-        chunk = group_path / name / folder / f"{stem}{missing[0]}"
+    if missing := missing_chunks(group_path / name, arr, n):
+        chunk = group_path / name / missing[0]
         raise _LostChunk(
             f"{str(group_path.parent)!r}: array {name!r} of generation {group_path.name} "
             f"lacks chunk {str(chunk)!r}"

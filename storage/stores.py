@@ -186,6 +186,21 @@ def _holds(store: Path, group: zarr.Group, name: str, arr: zarr.Array, n: int) -
     return arr
 
 
+def missing_chunks(folder: Path, arr: zarr.Array, n: int) -> list[str]:
+    """The chunk files (relative to the 1-d array's ``folder``, in order) of its first
+    ``n`` values that are not on disk: one directory listing."""
+    if n <= 0:
+        return []
+    count = -(-n // int(arr.chunks[0]))
+    sub, first = os.path.split(arr.metadata.encode_chunk_key((0,)))  # ("c", "0")
+    stem = first[:-1]  # (a 1-d array's keys differ in the number alone)
+    try:
+        there = set(os.listdir(folder / sub))
+    except FileNotFoundError:
+        there = set()
+    return [os.path.join(sub, f"{stem}{i}") for i in range(count) if f"{stem}{i}" not in there]
+
+
 def check_chunks(store: Path, group: zarr.Group, name: str, arr: zarr.Array, n: int) -> None:
     """Each chunk of the first ``n`` values of array ``name`` is on disk; zarr reads a
     missing one as the fill value (zeros: a resume would train on them, and its writer
@@ -195,16 +210,7 @@ def check_chunks(store: Path, group: zarr.Group, name: str, arr: zarr.Array, n: 
     (:data:`CHUNKS_ATTR`), else in those where a chunk of fill values cannot be."""
     if n <= 0 or not (group.attrs.get(CHUNKS_ATTR) or name in _NEVER_ALL_FILL):
         return
-    count = -(-n // int(arr.chunks[0]))
-    folder, first = os.path.split(arr.metadata.encode_chunk_key((0,)))  # ("c", "0")
-    stem = first[:-1]  # (a 1-d array's keys differ in the number alone)
-    try:
-        there = set(os.listdir(store / name / folder))
-    except FileNotFoundError:
-        there = set()
-    missing = sorted(int(k[len(stem) :]) for k in {f"{stem}{i}" for i in range(count)} - there)
-    missing = [os.path.join(folder, f"{stem}{i}") for i in missing]
-    if missing:
+    if missing := missing_chunks(store / name, arr, n):
         raise StoreError(
             f"{str(store)!r}: array {name!r} lacks chunk {str(store / name / missing[0])!r}"
             + (f" and {len(missing) - 1} more" if len(missing) > 1 else "")
