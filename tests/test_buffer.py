@@ -563,6 +563,20 @@ def test_close_reports_what_the_buffer_held_as_it_closed(tmp_path):
     assert open_run(tmp_path).laminar.summary()["n_buffered"] == stats["depth"]
 
 
+def _rebuilt_pool(plan) -> PromptPoolCore:
+    """The prompt pool of a rebuilt data module (8 prompts, groups of 2), where ``plan``
+    (:func:`storage.resume.plan_rebuild`) says the lost one stood."""
+    prompts = [(Prompt(i, f"n {i} >", "x"), (1, i + 4)) for i in range(8)]
+    return PromptPoolCore(
+        prompts,
+        group_size=2,
+        max_outstanding=8,
+        seed=0,
+        start=plan.start,
+        outstanding=tuple(plan.outstanding),
+    )
+
+
 def test_a_rebuilt_buffer_counts_each_group_consumed_once(tmp_path):
     """A rebuilt data module stores as consumed what the trainer consumed from the lost
     buffer before its store had it: those trajectories counted in ``consumed`` but their
@@ -604,15 +618,7 @@ def test_a_rebuilt_buffer_counts_each_group_consumed_once(tmp_path):
     ]
     plan = plan_rebuild(tmp_path, version=1, consumed=consumed, since=0, held_groups=set())
     assert len(plan.consumed_elsewhere) == 3
-    prompts = [(Prompt(i, f"n {i} >", "x"), (1, i + 4)) for i in range(8)]
-    pool = PromptPoolCore(
-        prompts,
-        group_size=2,
-        max_outstanding=8,
-        seed=0,
-        start=plan.start,
-        outstanding=tuple(plan.outstanding),
-    )
+    pool = _rebuilt_pool(plan)
 
     async def rebuilt():
         buf = ExperienceBuffer(str(tmp_path), _Pool(pool), cfg, rebuild=plan)
@@ -658,15 +664,7 @@ def test_a_rebuilt_buffer_lets_the_pool_forget_what_its_store_already_had(tmp_pa
         req = GenerationRequest(t.uid, g.prompt_tokens, None, meta)
         partial.core.register("r0", 0, [RequestState(req, seed=1, t_start=time.time())])
         partial.core.flush("r0", {t.uid: (0, [4, 5], [-0.5, -0.5], [0, 0])}, {t.uid: ("eos", 1.0)})
-    prompts = [(Prompt(i, f"n {i} >", "x"), (1, i + 4)) for i in range(8)]
-    pool = PromptPoolCore(
-        prompts,
-        group_size=2,
-        max_outstanding=8,
-        seed=0,
-        start=plan.start,
-        outstanding=tuple(plan.outstanding),
-    )
+    pool = _rebuilt_pool(plan)
 
     async def rebuilt():
         buf = ExperienceBuffer(str(tmp_path), _Pool(pool), cfg, partial=partial, rebuild=plan)
