@@ -124,7 +124,8 @@ class RolloutReplica(DataLinkMixin, WeightsMixin, RecoveryMixin, MovesMixin, Rew
         # Trajectories sent (or to be sent) to the buffer that its store has not committed
         # yet: uid -> [trajectory, the data epoch it was sent in (None: not yet)].
         self._unstored: dict[str, list] = {}
-        # request id -> the finished output of each trajectory kept unstored, for a rebuilt
+        # request id -> the finished output of each trajectory kept unstored (finished here,
+        # or handed here to score) while the recovery log is on, for a rebuilt
         # partial-response pool (rollout_data._keep_finished; under _unstored_lock)
         self._finished_outputs: dict = {}
         self._unstored_lock = threading.Lock()

@@ -232,9 +232,9 @@ class DataLinkMixin:
         from laminar.engine import RequestState
 
         with self._unstored_lock:
-            kept = self._finished_kept()
-            self._prune_finished(kept)
-            outputs = {**kept, **{o.request.request_id: o for o in self.engine.finishing()}}
+            self._prune_finished()
+            finishing = {o.request.request_id: o for o in self.engine.finishing()}
+            outputs = {**self._finished_outputs, **finishing}
         by_version: dict[int, list[RequestState]] = {}
         tokens, ended = {}, {}
         for rid, out in outputs.items():
@@ -258,31 +258,25 @@ class DataLinkMixin:
         return len(tokens)
 
     # -- finished trajectories kept for a rebuilt pool -------------------------------------
-    def _finished_kept(self) -> dict:
-        """Request id -> output of the finished trajectories this rollout keeps for a
-        rebuilt partial-response pool (:meth:`_register_finished`): every one it
-        finished, or was handed to score, since the recovery log is on; pruned to those
-        still kept. (Under ``_unstored_lock``.)"""
-        return self._finished_outputs
-
     def _keep_finished(self, outputs, prune: bool = False) -> None:
-        """Keep these finished outputs (:meth:`_finished_kept`) until their trajectories
-        are stored. ``prune`` (the generation thread's, with no output of its own between
-        finished and submitted): first drop those whose trajectories no longer wait,
-        when they are many more than those that do."""
+        """Keep these finished outputs (``_finished_outputs``: for a rebuilt pool,
+        :meth:`_register_finished`) until their trajectories are stored. ``prune`` (the
+        generation thread's, with no output of its own between finished and submitted):
+        first drop those whose trajectories no longer wait, when they are many more than
+        those that do."""
         if self.partial is None or (not outputs and not prune):
             return
         with self._unstored_lock:
-            kept = self._finished_kept()
-            if prune and len(kept) > 2 * len(self._unstored) + 64:
-                self._prune_finished(kept)
-            kept.update((o.request.request_id, o) for o in outputs)
+            if prune and len(self._finished_outputs) > 2 * len(self._unstored) + 64:
+                self._prune_finished()
+            self._finished_outputs.update((o.request.request_id, o) for o in outputs)
 
-    def _prune_finished(self, kept: dict) -> None:
+    def _prune_finished(self) -> None:
         """Drop the kept outputs whose trajectories are neither kept unstored nor queued
         for scoring (under ``_unstored_lock``, on the generation thread: what it
         finishes it submits before it prunes again)."""
         queued = {st.request_id for states in list(self._rescore.queue) for st in states}
+        kept = self._finished_outputs
         for rid in [r for r in kept if r not in self._unstored and r not in queued]:
             del kept[rid]
 

@@ -43,7 +43,7 @@ class RecoveryMixin:
         outputs = [_finished(st, *st.request.meta["finished"]) for st in states]
         with self._unstored_lock:  # (kept and queued at once: a prune sees both or neither)
             if self.partial is not None:
-                self._finished_kept().update((o.request.request_id, o) for o in outputs)
+                self._finished_outputs.update((o.request.request_id, o) for o in outputs)
             self._rescore.put(states)
 
     def adopt(self, version: int, states: list) -> None:

@@ -69,5 +69,5 @@ def test_a_rebuilt_pool_gets_the_finished_trajectories_the_rollout_keeps(tiny_po
     # kept until stored: those the store has are let go, one still queued to score is not
     with rollout._unstored_lock:
         rollout._unstored.clear()
-        rollout._prune_finished(rollout._finished_kept())
-    assert set(rollout._finished_kept()) == {req.request_id}
+        rollout._prune_finished()
+    assert set(rollout._finished_outputs) == {req.request_id}
