@@ -24,11 +24,12 @@ import time  # noqa: F401 — (tests reach time.sleep as pipelines.cli.time.slee
 from pathlib import Path
 
 from laminar.errors import LaminarError
+from pipelines.api import _file_in_the_way
 from pipelines.cli_bench import _count, _names, _positive_int, _positive_ints, _splits, cmd_bench
 from pipelines.cli_display import _print_summary as _print_summary  # (re-exported: tests call it)
-from pipelines.cli_run import _file_in_the_way, cmd_run
 from pipelines.cli_run import _follow as _follow  # (re-exported: tests call it)
 from pipelines.cli_run import _watch as _watch  # (re-exported: tests call it)
+from pipelines.cli_run import cmd_run
 from pipelines.cli_signals import STOP_SIGNALS, _exit_code, _handling, _safely, _signalled
 from storage.trajectories import StoreError
 

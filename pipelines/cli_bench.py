@@ -13,7 +13,7 @@ import os
 import sys
 from pathlib import Path
 
-from pipelines.cli_run import _file_in_the_way
+from pipelines.api import _file_in_the_way
 
 
 def _check_out(out: str) -> None:

@@ -17,7 +17,6 @@ import sys
 import time
 
 from laminar.errors import LaminarError, RunFailed, RunStopped
-from pipelines.api import _file_in_the_way as _file_in_the_way
 from pipelines.cli_display import _Bar, _Lines, _print_failed_summary, _print_summary
 from pipelines.cli_signals import STOP_SIGNALS, _handling, _safely
 
