@@ -440,12 +440,14 @@ def build_report(run_dirs: list[str | Path], out: str | Path | None = None) -> P
     import matplotlib
 
     matplotlib.use("Agg")
-    if out is not None:
-        _check_out(Path(out), "--out ")
-    runs = [_load(Path(d)) | {"index": i} for i, d in enumerate(run_dirs)]
     given = "--out " if out else "the report's folder "
-    out = Path(out) if out else runs[0]["dir"] / "report"
-    _check_out(out, given)
+    if out is not None:  # (before any store is read)
+        _check_out(Path(out), given)
+    runs = [_load(Path(d)) | {"index": i} for i, d in enumerate(run_dirs)]
+    if out is None:
+        out = runs[0]["dir"] / "report"
+        _check_out(out, given)
+    out = Path(out)
     try:
         out.mkdir(parents=True, exist_ok=True)
     except OSError as e:  # (a read-only folder, a full disk)
