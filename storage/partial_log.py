@@ -141,10 +141,9 @@ class PartialLogWriter:
         self.generation = int(self.root.attrs["generation"])
         self.committed = {d: int(n) for d, n in self.root.attrs["committed"].items()}
         group = self.root[f"g{self.generation}"]
-        self.arrays = {
-            (t, c): group[f"{t}/{c}"] for t, (_, cols) in TABLES.items() for c in cols
-        } | {(None, name): group[name] for name in FLAT}
-        self.arrays = {k: a.with_config(WRITE_EVERY_CHUNK) for k, a in self.arrays.items()}
+        names = {(t, c): f"{t}/{c}" for t, (_, cols) in TABLES.items() for c in cols}
+        names |= {(None, name): name for name in FLAT}
+        self.arrays = {k: group[name].with_config(WRITE_EVERY_CHUNK) for k, name in names.items()}
         for sub in self.path.glob("g*"):  # (older ones: a writer died before it removed them)
             if sub.name[1:].isdigit() and int(sub.name[1:]) < self.generation:
                 shutil.rmtree(sub, ignore_errors=True)

@@ -474,8 +474,8 @@ def run_stops(path: str | Path, arrays: Mapping[str, np.ndarray]) -> tuple[list,
         if n_events:  # (the lost start's sampling times: :func:`_activity`)
             times = committed_array(store, group, "event_t_sample", n_events)[:n_events]
     activity = _activity(arrays, times)
-    starts = _starts(store.parent, activity, resumes)
-    cluster, origin = _cluster(store.parent)
+    cluster, origin = metrics = _cluster(store.parent)  # (read once, for both)
+    starts = _starts(store.parent, activity, resumes, metrics)
     signs = np.zeros(0) if activity is None else activity[np.isfinite(activity)]
     if cluster is not None:
         signs = np.concatenate([signs, origin + cluster["time"].values])
@@ -528,7 +528,10 @@ def pairs(flat: Sequence[float]) -> list[tuple[float, float]]:
 
 
 def _starts(
-    run_dir: Path, activity: np.ndarray | None = None, resumes: Sequence[float] = ()
+    run_dir: Path,
+    activity: np.ndarray | None = None,
+    resumes: Sequence[float] = (),
+    metrics: tuple[xr.Dataset | None, float] | None = None,
 ) -> dict:
     """What the run's starts say of it, as attributes (numbers and flat lists of them, so
     ``to_netcdf`` takes them; ``pauses_s`` always, the rest once metrics are written):
@@ -554,13 +557,16 @@ def _starts(
       a later start's, the end of the stop before it) and the trainer's version in its
       first row (a resumed start's: the checkpoint's it resumed from, or a later one if
       the trainer had published an update by then).
+
+    ``metrics``: the run's ``cluster`` rows and their origin (:func:`_cluster`), where
+    the caller has read them already.
     """
     from storage.metrics import gaps, segments
 
     act = np.asarray([] if activity is None else activity, dtype=np.float64)
     act = act[np.isfinite(act)]
     at = np.asarray(resumes, dtype=np.float64)
-    cluster, origin = _cluster(run_dir)
+    cluster, origin = metrics if metrics is not None else _cluster(run_dir)
     rows = np.zeros(0) if cluster is None else origin + cluster["time"].values
     stops = _resume_stops(at, np.concatenate([act, rows]))
     if cluster is None:
