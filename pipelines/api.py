@@ -517,7 +517,8 @@ class RunHandle:
         from pipelines.summary import summarize_failed
 
         try:
-            self.summary = summarize_failed(self.run_dir, error, self.config)
+            start = self._schedule.start_records()
+            self.summary = summarize_failed(self.run_dir, error, self.config, start)
         except Exception as e:  # noqa: BLE001 — the error that failed the run stands
             why = f"{type(e).__name__}: {e}"
             logger.warning("%s: no summary.json written (%s)", self.run_dir, why)

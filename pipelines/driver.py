@@ -449,6 +449,18 @@ class Schedule(StatsPolling, FaultHandling, MetricsRecording):
         """How to continue this run once it has failed."""
         return resume_hint(self.run_dir)
 
+    def start_records(self) -> dict:
+        """What this start's ``summary.json`` records of its restarts within the run and
+        of the resume it began from, for a driver that failed
+        (:func:`pipelines.summary.summarize_failed`): the restarts it finished (one still
+        in progress published nothing of its own), as an orderly stop records them."""
+        return {
+            "trainer_restarts": self.trainer_restarts,
+            "data_restarts": self.data_restarts,
+            "core_restarts": self.core_restarts,
+            "resumed": self.resume.summary() if self.resume is not None else None,
+        }
+
     def shutdown(self, reason: str, t_start: float) -> dict:
         """Stop rollouts (their rewarded trajectories still reach the buffer), then the
         trainer (final checkpoint), then close the buffer (flushes the store)."""

@@ -111,6 +111,8 @@ def unrecovered_losses(
 
 # What ``faults.earlier`` keeps of each earlier start's faults.
 EARLIER_FAULTS = ("lost", "replacements", "recoveries", "recovered_requests")
+# a start's restarts within the run, by what was lost (faults_summary, summarize_failed)
+RESTART_KINDS = ("trainer_restarts", "data_restarts", "core_restarts")
 
 
 def earlier_faults(run_dir: Path, earlier_segments: list[dict], origin: float | None) -> list[dict]:
@@ -331,11 +333,20 @@ def _engine_summary(rollouts: list[dict]) -> dict:
     return out
 
 
-def summarize_failed(run_dir: Path, error: BaseException, cfg: RunConfig) -> dict:
+def summarize_failed(
+    run_dir: Path, error: BaseException, cfg: RunConfig, start: dict | None = None
+) -> dict:
     """``summary.json`` of a run whose driver failed before it could collect the actors'
     figures (a cluster lost under it, a store the driver could not write): the reason,
     and what the stores say — trajectories, rewards, staleness, the last published
-    version. Whatever cannot be read is left out, never guessed."""
+    version. Whatever cannot be read is left out, never guessed.
+
+    ``start``: what the failed driver itself still knew of its start
+    (:meth:`pipelines.driver.Schedule.start_records`): its restarts within the run
+    (``faults.trainer_restarts``, ``data_restarts``, ``core_restarts``, as an orderly
+    stop records them) and the resume it began from (``resumed``). With them
+    :func:`storage.lineage.run_restarts` counts this start's restarts; without (a
+    driver that failed before it was made) they are unknown, and said so there."""
     why = " ".join(f"{type(error).__name__}: {error}".split())
     # (the earlier starts' losses the summary this one replaces carried: kept for the
     # resume, which takes this start's own from the faults table)
@@ -350,6 +361,9 @@ def summarize_failed(run_dir: Path, error: BaseException, cfg: RunConfig) -> dic
     }
     if carried:
         summary["faults_earlier"] = carried
+    if start is not None:
+        summary["faults"] = {k: list(start[k]) for k in RESTART_KINDS}
+        summary["resumed"] = start["resumed"]
     try:
         from storage import open_run
 

@@ -164,7 +164,8 @@ def run_restarts(run_dir: str | Path) -> list[tuple[int, int]]:
       One written before laminar recorded the list reads as none (WARNING), as the
       resumed buffer read it (it counted by the numbers too).
     * ``summary.json`` not of the run's last start (none there: a run still going, or
-      one whose driver was killed; a failed driver's, which records no restarts; one
+      one whose driver was killed; a failed driver's that records no restarts, which
+      one made before laminar recorded them there is; one
       that does not read; one of an earlier start, the store recording a later resume):
       that start's restarts are those its newest checkpoint records (its trainer was
       handed them), and one after that trainer started is unknown (WARNING).
@@ -225,8 +226,9 @@ def _read_summary(run_dir: Path) -> tuple[dict, str | None]:
         return {}, f"{str(path)!r} does not read ({type(e).__name__}: {e})"
     if not isinstance(summary, dict):
         return {}, f"{str(path)!r} does not read (not a JSON object)"
-    if summary.get("driver_failed"):
-        return summary, f"{str(path)!r} is a failed driver's: it records no restarts"
+    if summary.get("driver_failed") and "trainer_restarts" not in (summary.get("faults") or {}):
+        # (pipelines.summary.summarize_failed records them where the driver still knew them)
+        return summary, f"{str(path)!r} is a failed driver's that records no restarts"
     return summary, None
 
 

@@ -21,6 +21,7 @@ from conftest import SMALL_RUN
 from runs import check_store, laminar_cli, rollout_threads, wait_for
 
 from laminar.config import FaultsConfig, MetricsConfig
+from pipelines.summary import RESTART_KINDS
 from storage import open_run
 from storage.audit import audit_run
 from storage.metrics import MetricsWriter, open_metrics
@@ -658,6 +659,10 @@ def test_a_lost_trainer_fails_the_run_clearly_and_it_resumes_in_place(tmp_path):
     assert failed_summary["versions"] >= 3 and failed_summary["consumed"] >= 3 * 4 * 4
     # (its wall time, from the rows the driver kept: the report and benches read it)
     assert failed_summary["segments"] == 1 and failed_summary["rl_wall_s"] > 0
+    # and what the driver knew of its start: no restart within the run, no resume
+    # (storage.lineage.run_restarts reads them as it reads an orderly stop's)
+    assert failed_summary["faults"] == {k: [] for k in RESTART_KINDS}
+    assert failed_summary["resumed"] is None
     # What only the lost trainer's process held (its history, the master relay's
     # publications) was copied every poll and written as the run failed, where none of
     # the publications were kept. (Versions 1 and 2 were done when a poll saw 3.)

@@ -305,6 +305,14 @@ def test_a_resumed_runs_restarts_are_its_checkpoints_then_its_own(tiny_policy, t
         # (the newest checkpoint's: (10, 12) came after its trainer started)
         assert run_restarts(run) == [(2, 4), (6, 7)]
     assert "is a failed driver's" in caplog.text and "version-000010" in caplog.text
+    # What the failed driver still knew of its start (Schedule.start_records): recorded,
+    # its restart after the newest checkpoint is counted too, with nothing to warn of.
+    start = {"trainer_restarts": first.records, "data_restarts": [], "core_restarts": []}
+    summarize_failed(run, RuntimeError("the cluster was lost"), CFG, start | {"resumed": None})
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="storage.lineage"):
+        assert run_restarts(run) == [(2, 4), (6, 7), (10, 12)]
+    assert caplog.text == ""
 
     second = _Start(run, learner, resume_from=10, t=T0 + 100)
     assert second.handed == [(2, 4), (6, 7)]
