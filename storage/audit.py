@@ -194,9 +194,13 @@ def _audit_updates(run_dir: Path, ds, report: AuditReport) -> None:
     within the run skips past the lost one's versions (the checkpoint's, exclusive, to
     the newest the lost one published: their batches are trained again later), which
     ``summary.json`` records (``faults.trainer_restarts``, ``faults.core_restarts``):
-    every other version is checked. A resumed run's summary is its last start's, whose
-    earlier starts' restarts it does not hold: there only a store with nothing consumed
-    is a problem. (In a run that did not end, a note: the store lags the metrics.)"""
+    every other version is checked. In a resumed run, the restarts of every start along
+    its weights' lineage (:func:`storage.lineage.run_restarts`) are skipped, and so are
+    the versions an earlier start published past the version the run ended at (a resume
+    redid those numbers, and a row of ``updates`` holds a version's newest publication);
+    where its restarts are not all known, only a store with nothing consumed is a
+    problem (and a note says why). (In a run that did not end, a note: the store lags the
+    metrics.)"""
     from storage.metrics import open_metrics
 
     try:
@@ -217,15 +221,23 @@ def _audit_updates(run_dir: Path, ds, report: AuditReport) -> None:
         )
         return
     if ds.attrs.get("schedule") == "laminar":
+        from storage.lineage import run_restarts
+
         summary = _summary(run_dir)
-        if int(summary.get("segments", 1)) != 1:
+        resumed = int(summary.get("segments", 1)) != 1
+        unsure: list[str] = []
+        restarts = run_restarts(run_dir, shortfalls=unsure)
+        if resumed and unsure:
+            report.notes.append(
+                "the versions of a resumed run were not checked one by one (each trained "
+                f"a stored batch): its restarts within the run are not all known ({unsure[0]})"
+            )
             return
-        faults = summary.get("faults") or {}
-        skipped: set[int] = set()
-        for r in [*faults.get("trainer_restarts", []), *faults.get("core_restarts", [])]:
-            if "checkpoint_version" in r and "after_version" in r:
-                skipped |= set(range(int(r["checkpoint_version"]) + 1, int(r["after_version"]) + 1))
+        skipped = {v for lo, hi in restarts for v in range(lo + 1, hi + 1)}
         published = [v for v in published if v not in skipped]
+        if resumed:  # (an earlier start's versions past the last start's: superseded)
+            final = _final_version(run_dir, summary)
+            published = [v for v in published if final is not None and v <= final]
     trained = set(ds["sample_version"].values[consumed].tolist())
     missing = [v for v in published if v - 1 not in trained]
     if missing:
@@ -235,6 +247,20 @@ def _audit_updates(run_dir: Path, ds, report: AuditReport) -> None:
             f"{len(missing)} published versions trained a batch the store does not hold "
             f"as consumed (at sample_version one less), e.g. version {missing[0]}",
         )
+
+
+def _final_version(run_dir: Path, summary: dict) -> int | None:
+    """The version a run ended at: an orderly stop's ``summary.json`` says it; else the last
+    start's last ``cluster`` row (it may lag the run by a poll)."""
+    if summary.get("reason") in ENDED and "versions" in summary:
+        return int(summary["versions"])
+    from storage.metrics import open_metrics, segments
+
+    try:
+        starts = segments(open_metrics(run_dir, "cluster"))
+    except (FileNotFoundError, KeyError):
+        return None
+    return starts[-1]["last_version"] if starts else None
 
 
 def _audit_batches(run_dir: Path, ds, report: AuditReport) -> None:

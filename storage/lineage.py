@@ -123,7 +123,9 @@ def lineage_lags(
     return out
 
 
-def run_restarts(run_dir: str | Path) -> list[tuple[int, int]]:
+def run_restarts(
+    run_dir: str | Path, *, shortfalls: list[str] | None = None
+) -> list[tuple[int, int]]:
     """The trainer restarts ``(V, M)`` along the lineage of a run's weights, in the order
     they happened, from every start of the run: what the buffer counted
     ``max_train_staleness`` with and ``ds.laminar.staleness(restarts="run")`` counts with.
@@ -173,12 +175,19 @@ def run_restarts(run_dir: str | Path) -> list[tuple[int, int]]:
     A run started once reads no checkpoint while its ``summary.json`` is its start's:
     the restarts are the summary's alone.
 
+    ``shortfalls``: a list these WARNINGs are appended to instead (the audit says them
+    as notes), each as its message.
+
     >>> run_restarts("no/such/run")  # (no summary, no checkpoint: none, said at WARNING)
     []
+    >>> said = []
+    >>> run_restarts("no/such/run", shortfalls=said), len(said)
+    ([], 1)
     """
     run_dir = Path(run_dir)
+    warn = logger.warning if shortfalls is None else _keeper(shortfalls)
     summary, problem = _read_summary(run_dir)
-    resumes = _store_resumes(run_dir)
+    resumes = _store_resumes(run_dir, warn)
     stated = (summary.get("resumed") or {}).get("version")
     stated = None if stated is None else int(stated)
     last = resumes[-1] if resumes else stated
@@ -188,27 +197,36 @@ def run_restarts(run_dir: str | Path) -> list[tuple[int, int]]:
             f"later resume, from version {last} (a start still going, or whose driver was "
             "killed)"
         )
-    earlier = [] if last is None else _restarts_before(run_dir, last)
+    earlier = [] if last is None else _restarts_before(run_dir, last, warn)
     if problem is None:
         faults = summary.get("faults") or {}
         records = [*faults.get("trainer_restarts", []), *faults.get("core_restarts", [])]
         return [*earlier, *ordered_restarts(records)]
     floor = -1 if last is None else last
-    ckpt, recorded = _newest_recorded(run_dir, floor)
+    ckpt, recorded = _newest_recorded(run_dir, floor, warn)
     if ckpt is None:
-        logger.warning(
+        warn(
             "%s; no checkpoint of it records its restarts: %s",
             problem,
             "none counted" if not earlier else f"counted only those before version {last}",
         )
         return earlier
-    logger.warning(
+    warn(
         "%s; counted the restarts %r records (its trainer was handed them): one after that "
         "trainer started is unknown, a lag across it counts by the numbers",
         problem,
         str(ckpt / "trainer_state.json"),
     )
     return [*earlier, *(r for r in recorded if r[1] > floor)]
+
+
+def _keeper(shortfalls: list[str]):
+    """A ``warn(msg, *args)`` that appends the message to ``shortfalls`` instead of logging."""
+
+    def keep(msg: str, *args) -> None:
+        shortfalls.append(msg % args)
+
+    return keep
 
 
 class _Unreadable(Exception):
@@ -232,7 +250,7 @@ def _read_summary(run_dir: Path) -> tuple[dict, str | None]:
     return summary, None
 
 
-def _store_resumes(run_dir: Path) -> list[int] | None:
+def _store_resumes(run_dir: Path, warn=logger.warning) -> list[int] | None:
     """The checkpoint versions the run's starts resumed from, in order, as the trajectory
     store records them (``resumes``; ``None``: no store, or one that does not read)."""
     import zarr
@@ -247,7 +265,7 @@ def _store_resumes(run_dir: Path) -> list[int] | None:
             resumes = zarr.open_group(str(store), mode="r", zarr_format=3).attrs.get("resumes")
         return [int(v) for _, v in resumes or []]
     except Exception as e:  # noqa: BLE001 — the summary still says the last resume
-        logger.warning("%r: its resumes do not read (%s: %s)", str(store), type(e).__name__, e)
+        warn("%r: its resumes do not read (%s: %s)", str(store), type(e).__name__, e)
         return None
 
 
@@ -280,7 +298,7 @@ def _recorded(ckpt: Path, version: int) -> list[tuple[int, int]] | None:
         raise _Unreadable(f"{str(path)!r} does not read ({type(e).__name__}: {e})") from None
 
 
-def _restarts_before(run_dir: Path, version: int) -> list[tuple[int, int]]:
+def _restarts_before(run_dir: Path, version: int, warn=logger.warning) -> list[tuple[int, int]]:
     """The restarts before the resume from the checkpoint of ``version`` (its own list;
     else those with ``M <= version`` of the oldest readable checkpoint after it)."""
     saved = _checkpoints(run_dir)
@@ -293,7 +311,7 @@ def _restarts_before(run_dir: Path, version: int) -> list[tuple[int, int]]:
         why = str(e)
     else:
         if recorded is None:
-            logger.warning(
+            warn(
                 "%r records no trainer restarts (written before laminar did): the "
                 "restarts before the resume from it are unknown, read as none (as its "
                 "resumed buffer read them); a lag across one counts by the numbers",
@@ -314,7 +332,7 @@ def _restarts_before(run_dir: Path, version: int) -> list[tuple[int, int]]:
                 str(saved[v] / "trainer_state.json"),
             )
             return [r for r in later if r[1] <= version]
-    logger.warning(
+    warn(
         "%s, and no later checkpoint records the restarts before the resume from version "
         "%d: they are unknown, none counted; a lag across one counts by the numbers (pass "
         "restarts=[(V, M), ...] to count them)",
@@ -324,7 +342,9 @@ def _restarts_before(run_dir: Path, version: int) -> list[tuple[int, int]]:
     return []
 
 
-def _newest_recorded(run_dir: Path, floor: int) -> tuple[Path | None, list[tuple[int, int]]]:
+def _newest_recorded(
+    run_dir: Path, floor: int, warn=logger.warning
+) -> tuple[Path | None, list[tuple[int, int]]]:
     """The newest readable checkpoint above version ``floor`` that records restarts, and
     them (``None, []``: none)."""
     saved = _checkpoints(run_dir)
@@ -332,7 +352,7 @@ def _newest_recorded(run_dir: Path, floor: int) -> tuple[Path | None, list[tuple
         try:
             recorded = _recorded(saved[v], v)
         except _Unreadable as e:
-            logger.warning("%s: passed over", e)
+            warn("%s: passed over", e)
             continue
         if recorded is not None:
             return saved[v], recorded

@@ -507,10 +507,11 @@ def test_a_baseline_run_is_not_resumed_in_place(tmp_path):
 # -- the audit of a baseline's store -----------------------------------------------------
 
 
-def _baseline_store(path, schedule, groups, updates=None, split=False):
+def _baseline_store(path, schedule, groups, updates=None, split=False, resume=None):
     """A run directory whose store holds consumed groups of 2, each ``(K, M_t)``, written
     by ``schedule``; ``updates``: the published versions to record in ``metrics.zarr``;
-    ``split``: the first group's second sibling generated one version later."""
+    ``split``: the first group's second sibling generated one version later; ``resume``:
+    the store records a resume from that version's checkpoint."""
     from factories import trajectory
 
     from storage import TrajectoryWriter
@@ -534,7 +535,10 @@ def _baseline_store(path, schedule, groups, updates=None, split=False):
                     status="consumed",
                 ).to_record()
             )
-    TrajectoryWriter(path, schedule=schedule).append(records)
+    writer = TrajectoryWriter(path, schedule=schedule)
+    if resume is not None:
+        writer.record_resume(resume, 1.0)
+    writer.append(records)
     if updates is not None:
         MetricsWriter(path).append("updates", [{"version": v, "tokens": 10} for v in updates])
     (path / "summary.json").write_text(json.dumps({"reason": "completed"}))
@@ -586,10 +590,30 @@ def test_the_audit_finds_the_trained_batches_in_the_store(tmp_path):
     summary["faults"]["trainer_restarts"][0]["after_version"] = 2  # (3 not skipped)
     (restarted / "summary.json").write_text(json.dumps(summary))
     assert [p for p in audit_run(restarted).problems if "version 3" in p]
-    # a resumed run's summary lacks its earlier starts' restarts: only an empty store
-    (restarted / "summary.json").write_text(json.dumps({"reason": "completed", "segments": 2}))
-    assert audit_run(restarted).ok
     assert not audit_run(_baseline_store(tmp_path / "lam0", "laminar", [], updates=[1])).ok
+    # A resumed run: the first start restarted (1, 2) and published up to 6; the second
+    # resumed from its checkpoint of 3 (which records that restart) and ended at 5. A row
+    # of `updates` holds a version's newest publication: 6 is the lost start's, past the
+    # end, superseded; 2 was skipped; every other version trained a batch.
+    trained = [(0, 0), (2, 2), (3, 3), (4, 4)]
+    resumed = _baseline_store(tmp_path / "res", "laminar", trained, [1, 2, 3, 4, 5, 6], resume=3)
+    ckpt = resumed / "checkpoints" / "version-000003"
+    ckpt.mkdir(parents=True)
+    (ckpt / "trainer_state.json").write_text(json.dumps({"version": 3, "restarts": [[1, 2]]}))
+    summary = {"reason": "completed", "segments": 2, "versions": 5, "resumed": {"version": 3}}
+    (resumed / "summary.json").write_text(json.dumps(summary))
+    assert audit_run(resumed).ok
+    gap = _baseline_store(
+        tmp_path / "res-gap", "laminar", trained[:-1], [1, 2, 3, 4, 5, 6], resume=3
+    )
+    shutil.copytree(ckpt, gap / "checkpoints" / ckpt.name)
+    (gap / "summary.json").write_text(json.dumps(summary))
+    assert [p for p in audit_run(gap).problems if "version 5" in p], audit_run(gap).problems
+    # ... and where its restarts are not all known (the checkpoint it resumed from gone,
+    # no later one): only an empty store is a problem, and a note says why
+    shutil.rmtree(gap / "checkpoints")
+    unsure = audit_run(gap)
+    assert unsure.ok and [n for n in unsure.notes if "not all known" in n], unsure.notes
     # a run still running (or lost): its store lags the metrics by a flush, a note
     (tmp_path / "gap" / "summary.json").unlink()
     running = audit_run(tmp_path / "gap")
