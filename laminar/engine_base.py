@@ -345,21 +345,29 @@ class EngineBase:
     def has_work(self) -> bool:
         return bool(self._waiting) or bool(self._running_states())
 
+    # (request_ids, in_flight and kv_stats are read from other threads too: a rollout's
+    # stats() on its actor thread while the generation thread steps. They iterate
+    # snapshots, tuple(deque) and the like, which CPython copies in one step under the
+    # GIL; iterating the deque itself, with Python code run between items, meets the
+    # step's popleft/extendleft as "deque mutated during iteration".)
     def request_ids(self) -> list[str]:
-        return [s.request_id for s in (*self._running_states(), *self._waiting)]
+        return [s.request_id for s in (*self._running_states(), *tuple(self._waiting))]
 
     def in_flight(self) -> list[RequestState]:
         """The unfinished requests' states as of the last step: the engine's own objects,
         to read between steps (the partial-response log), never to change."""
-        return [*self._running_states(), *self._waiting]
+        return [*self._running_states(), *tuple(self._waiting)]
 
     def kv_stats(self) -> KVStats:
+        """The KV figures now. Safe to call from another thread while the engine steps:
+        each figure is read from a snapshot, though not all from the same instant."""
+        waiting = tuple(self._waiting)
         return KVStats(
             used_tokens=self._used_tokens(),
             capacity_tokens=self.capacity,
             running=len(self._running_states()),
-            waiting=len(self._waiting),
-            waiting_tokens=sum(s.context_len for s in self._waiting),
+            waiting=len(waiting),
+            waiting_tokens=sum(s.context_len for s in waiting),
         )
 
     def stats(self) -> dict[str, float]:

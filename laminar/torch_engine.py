@@ -157,6 +157,9 @@ class TorchEngine(EngineBase):
         return finished
 
     # -- EngineBase's hooks -----------------------------------------------------------------
+    # (_running_states and _used_tokens are read from other threads too, through
+    # kv_stats: sorted() and tuple() copy the row list in one step under the GIL, where
+    # a generator over it could meet a row twice as _remove_row moves it)
     def _running_states(self) -> list[RequestState]:
         return [r.state for r in sorted(self._rows, key=lambda r: r.admitted)]
 
@@ -175,7 +178,7 @@ class TorchEngine(EngineBase):
         self.decoder.load(state)
 
     def _used_tokens(self) -> int:
-        return sum(r.cache_len for r in self._rows)
+        return sum(r.cache_len for r in tuple(self._rows))
 
     # -- internals ------------------------------------------------------------------------
     def _sample(self, logits: torch.Tensor) -> list[FinishedOutput]:

@@ -426,7 +426,8 @@ class VLLMEngine(EngineBase):
     def _used_tokens(self) -> int:
         # KV entries written for the requests running here (shared prefix blocks are
         # counted once per request, as the torch engine, which shares none, would).
-        return sum(r.num_computed_tokens for r in self._core().scheduler.running)
+        # (read from other threads too, through kv_stats: a snapshot of the list)
+        return sum(r.num_computed_tokens for r in tuple(self._core().scheduler.running))
 
     def _check(self, request: GenerationRequest) -> None:
         if request.params.stop and self.tokenizer is None:  # loaded when first needed
