@@ -432,9 +432,18 @@ class EngineBase:
         self._stop([s.request_id for s in preempted])
         self._waiting.extendleft(reversed(preempted))
         self.counters["preemptions"] += plan.preempt
-        admitted = [self._waiting.popleft() for _ in range(plan.admit)]
-        for s in admitted:
-            self._start(s)
+        # One at a time: a request the engine refuses (vLLM's own input checks) stays at
+        # the head of the queue with those behind it, in flight, before the error goes up;
+        # taking them all off first lost every one after it from both queues.
+        admitted = []
+        for _ in range(plan.admit):
+            state = self._waiting.popleft()
+            try:
+                self._start(state)
+            except BaseException:
+                self._waiting.appendleft(state)
+                raise
+            admitted.append(state)
         return admitted
 
     def _begin_step(self) -> StepStart:

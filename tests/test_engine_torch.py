@@ -250,3 +250,37 @@ def test_text_leaves_out_a_final_stop_token_as_it_does_eos(policy):
     first = resp.index(stop)
     assert out.finish_reason == "stop" and out.response_tokens.tolist() == resp[: first + 1]
     assert out.text(tok) == tok.decode(resp[:first])
+
+
+def test_a_request_the_engine_refuses_at_admission_loses_no_other(policy):
+    """``_start`` may refuse a request (vLLM's own input checks): the error goes up from
+    ``step``, and the refused request and every one behind it stay queued, in order —
+    they were all taken off the queue before any started, and the later ones were lost
+    from both queues (neither in flight nor ever finished)."""
+    from laminar.engine import EngineError
+
+    class Refusing(TorchEngine):
+        def _start(self, state):
+            if state.request_id == "bad":
+                raise EngineError("refused")
+            super()._start(state)
+
+    model, tok = policy
+    opts = dict(eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+    eng = Refusing(model.config, model.state_dict(), max_batch=4, max_seq_len=32, **opts)
+    reqs = [GenerationRequest(r, (3, 4, 5), SamplingParams(6, seed=i)) for i, r in enumerate("ab")]
+    reqs.insert(1, GenerationRequest("bad", (3, 4, 5), SamplingParams(6, seed=9)))
+    for r in reqs:
+        eng.add_request(r)
+    with pytest.raises(EngineError, match="refused"):
+        eng.step()
+    assert eng.request_ids() == ["a", "bad", "b"]  # a started; bad and b still waiting
+    kv = eng.kv_stats()
+    assert (kv.running, kv.waiting) == (1, 2)
+    # Nothing lost: all three continue elsewhere, with the tokens they would have had.
+    elsewhere = build(policy, max_batch=4, max_seq_len=32)
+    elsewhere.import_(eng.export(eng.request_ids()))
+    plain = build(policy, max_batch=4, max_seq_len=32)
+    for r in reqs:
+        plain.add_request(r)
+    assert tokens_of(drain(elsewhere)) == tokens_of(drain(plain))
