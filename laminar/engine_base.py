@@ -188,8 +188,10 @@ def stop_reason(state: RequestState, token: int, *, eos: int, tokenizer=None) ->
         return "eos"
     if token in p.stop_token_ids:
         return "stop"
-    if p.stop and any(x in tokenizer.decode(state.tokens) for x in p.stop):
-        return "stop"
+    if p.stop:
+        text = tokenizer.decode(state.tokens)  # (once a token, not once per stop string)
+        if any(x in text for x in p.stop):
+            return "stop"
     if len(state.tokens) >= p.max_new_tokens:
         return "length"
     return None

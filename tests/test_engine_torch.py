@@ -284,3 +284,23 @@ def test_a_request_the_engine_refuses_at_admission_loses_no_other(policy):
     for r in reqs:
         plain.add_request(r)
     assert tokens_of(drain(elsewhere)) == tokens_of(drain(plain))
+
+
+def test_stop_strings_decode_the_response_once_a_token(policy):
+    """A request with several stop strings decodes its response once per token, not once
+    per stop string per token (the whole response each time: quadratic in its length)."""
+    from laminar.engine import RequestState
+    from laminar.engine_base import stop_reason
+
+    _, tok = policy
+    decoded = []
+
+    class Counting:
+        def decode(self, ids):
+            decoded.append(len(ids))
+            return tok.decode(ids)
+
+    params = SamplingParams(20, stop=("<never1>", "<never2>", "<never3>"))
+    state = RequestState(GenerationRequest("s", (3, 4), params), seed=0, tokens=[5, 6, 7])
+    assert stop_reason(state, 7, eos=tok.eos_token_id, tokenizer=Counting()) is None
+    assert decoded == [3]
