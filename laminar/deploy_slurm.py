@@ -39,6 +39,17 @@ def slurm_cluster(cfg: RunConfig, run_dir: str | Path, security=None):
     """
     SLURMCluster, SLURMJob = _import_jobqueue()
     s = cfg.cluster.slurm
+    if cfg.cluster.security is None:
+        # (Dask's scheduler without TLS accepts any client, which can run code as you:
+        # `client.run_on_scheduler(os.system, ...)`, on every job of the run too.)
+        log.warning(
+            "cluster.kind=slurm without cluster.security: the run's scheduler listens in "
+            "plaintext on %s, and anyone who can reach its port can run code as you, on "
+            "this machine and in every job of the run; set cluster.security: {generate: "
+            "true} (certificates made for the run, as configs/slurm.yaml does) or your own "
+            "certificates (docs/deploy.md, Security)",
+            f"interface {s.interface}" if s.interface else "every interface of this machine",
+        )
     log_dir = slurm_log_dir(cfg, run_dir)
     log_dir.mkdir(parents=True, exist_ok=True)
     if '"' in str(log_dir):

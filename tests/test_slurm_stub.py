@@ -303,3 +303,39 @@ def test_slurm_keeps_ctrl_c_a_keyboard_interrupt():
         [sys.executable, "-c", code, str(REPO / "no-run")], capture_output=True, text=True
     )
     assert r.stdout.strip() == "True", r.stdout + r.stderr
+
+
+def test_the_example_slurm_config_runs_its_scheduler_with_tls(fake_slurm, tmp_path, caplog):
+    """configs/slurm.yaml (docs/deploy.md, path A) had no `security`: its scheduler listened
+    on every interface in plaintext, and anyone who could reach the port could run code
+    as the user (`client.run_on_scheduler(os.system, ...)`). It makes certificates for
+    the run; every job's worker gets them."""
+    import logging
+
+    from laminar.config import load_config
+    from laminar.deploy import security_for, slurm_cluster
+
+    cfg = load_config(REPO / "configs" / "slurm.yaml")
+    run_dir = tmp_path / "run"
+    with caplog.at_level(logging.WARNING, logger="laminar.deploy"):
+        cluster = slurm_cluster(cfg, run_dir, security_for(cfg.cluster, run_dir))
+    try:
+        assert cluster.scheduler.address.startswith("tls://"), cluster.scheduler.address
+    finally:
+        cluster.close(timeout=30)
+    scripts = [p.read_text() for p in (fake_slurm / "scripts").glob("*.sh")]
+    assert len(scripts) == 3
+    assert all(f"--tls-ca-file {run_dir}/tls/ca.pem" in s for s in scripts), scripts
+    assert "cluster.security" not in caplog.text
+
+
+def test_a_slurm_cluster_without_tls_says_so(fake_slurm, tmp_path, caplog):
+    """`cluster.kind: slurm` with no `cluster.security` starts a plaintext scheduler that
+    anyone who reaches it can drive: a warning names the setting and the fix."""
+    import logging
+
+    with caplog.at_level(logging.WARNING, logger="laminar.deploy"):
+        _submit_jobs(_slurm_cfg(), tmp_path / "run")
+    said = [r.getMessage() for r in caplog.records if "cluster.security" in r.getMessage()]
+    assert len(said) == 1, caplog.text
+    assert "every interface" in said[0] and "{generate: true}" in said[0], said[0]
