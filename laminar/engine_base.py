@@ -397,8 +397,20 @@ class EngineBase:
             allow_version_change=allow_version_change,
             check=self._check,
         )
-        self._waiting.extendleft(reversed(states))
-        self.counters["imported"] += len(states)
+        # Copies of the lists the engine appends to: the caller's states (a move's export,
+        # which a rollout also keeps to take back, or that a manager imports elsewhere
+        # too) must never share a token list with this engine, nor two engines one.
+        own = [
+            replace(
+                s,
+                tokens=list(s.tokens),
+                logprobs=list(s.logprobs),
+                token_versions=list(s.token_versions),
+            )
+            for s in states
+        ]
+        self._waiting.extendleft(reversed(own))
+        self.counters["imported"] += len(own)
 
     def load_weights(self, state: dict[str, torch.Tensor], version: int) -> None:
         check_weight_load(

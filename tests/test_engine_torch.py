@@ -304,3 +304,27 @@ def test_stop_strings_decode_the_response_once_a_token(policy):
     state = RequestState(GenerationRequest("s", (3, 4), params), seed=0, tokens=[5, 6, 7])
     assert stop_reason(state, 7, eos=tok.eos_token_id, tokenizer=Counting()) is None
     assert decoded == [3]
+
+
+def test_imported_states_are_the_engines_own_copies(policy):
+    """``import_`` keeps copies of a state's token, logprob and version lists: the caller's
+    states stay as given (a rollout keeps its exported ones to take back), and two
+    engines importing the same states never append to one list (they did, and each
+    response took the other's tokens too)."""
+    reqs = [GenerationRequest(f"r{i}", (3, 4 + i), SamplingParams(12, seed=i)) for i in range(3)]
+    src = build(policy, max_batch=4, max_seq_len=32)
+    for r in reqs:
+        src.add_request(r)
+    src.step()
+    src.step()
+    states = src.export(src.request_ids())
+    before = [(list(s.tokens), list(s.logprobs), list(s.token_versions)) for s in states]
+    one, two = (build(policy, max_batch=4, max_seq_len=32) for _ in range(2))
+    one.import_(states)
+    two.import_(states)
+    outs_one, outs_two = drain(one), drain(two)
+    assert [(s.tokens, s.logprobs, s.token_versions) for s in states] == before
+    ref = build(policy, max_batch=4, max_seq_len=32)
+    for r in reqs:
+        ref.add_request(r)
+    assert tokens_of(outs_one) == tokens_of(outs_two) == tokens_of(drain(ref))
