@@ -1,7 +1,8 @@
 """The vLLM engine: vLLM's paged KV cache and kernels, laminar's sampler and admission.
 
 :class:`VLLMEngine` drives a vLLM V1 ``LLMEngine`` in this process
-(``VLLM_ENABLE_V1_MULTIPROCESSING=0``, eager mode, float32) behind the
+(``VLLM_ENABLE_V1_MULTIPROCESSING=0``, eager mode, float32, vLLM's V1 model runner:
+``VLLM_USE_V2_MODEL_RUNNER=0``) behind the
 :class:`laminar.engine.Engine` protocol. vLLM runs the forward pass over its paged KV
 cache (prefix caching on); laminar keeps each request's state (tokens, behavior
 logprobs, versions), decides what runs, and samples:
@@ -48,6 +49,7 @@ import functools
 import gc
 import itertools
 import json
+import logging
 import math
 import os
 import random
@@ -65,8 +67,15 @@ from laminar.engine import EngineError, FinishedOutput, GenerationRequest, Reque
 from laminar.engine_base import EngineBase
 from laminar.sampling import sample, uniforms
 
+logger = logging.getLogger(__name__)
+
 # vLLM's CPU attention kernel works on blocks of a multiple of 32 tokens.
 BLOCK_SIZE = 32
+# laminar's sampler is a vllm.v1.sample.logits_processor.LogitsProcessor, which only vLLM's
+# V1 ("legacy") model runner calls; the V2 runner (vLLM's default for dense Llama/Qwen
+# models since 0.25, where it can run) takes another interface and would never call it.
+# Unset, vLLM picks by model; "0" forces V1 (VllmConfig.use_v2_model_runner).
+_V2_RUNNER_ENV = "VLLM_USE_V2_MODEL_RUNNER"
 _EXTRA_KEY = "laminar"
 
 # Draws of laminar's sampler inside vLLM, per vLLM submission key: token index ->
@@ -167,7 +176,31 @@ def _vllm_environment() -> None:
     # In-process: the sampler's draws come back through a Python dict, and tensors
     # passed to collective_rpc in multi-process mode corrupt the engine.
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    given = os.environ.get(_V2_RUNNER_ENV)
+    if given not in (None, "0"):
+        logger.info(
+            "%s=%r overridden with 0: laminar samples with a logits processor of vLLM's "
+            "V1 model runner, which the V2 runner never calls",
+            _V2_RUNNER_ENV,
+            given,
+        )
+    os.environ[_V2_RUNNER_ENV] = "0"
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+
+
+def _check_model_runner(vllm_config) -> None:
+    """Refuse an engine vLLM built with its V2 model runner, where laminar's sampler would
+    never run, despite :func:`_vllm_environment`: vLLM caches its environment once an
+    engine core of the process started, so one started earlier (by other code, with
+    ``VLLM_USE_V2_MODEL_RUNNER`` set) decides for every later one."""
+    if getattr(vllm_config, "use_v2_model_runner", False):
+        raise EngineError(
+            f"vLLM chose its V2 model runner ({_V2_RUNNER_ENV}, read before laminar set it "
+            "to 0: vLLM caches its environment once an engine of this process started), "
+            "and laminar's sampler, a logits processor of the V1 runner, would never run "
+            f"there; unset {_V2_RUNNER_ENV} or set it to 0 before any vLLM engine starts "
+            "in this process"
+        )
 
 
 def _shutdown(llm, uid: str) -> None:
@@ -324,6 +357,11 @@ class VLLMEngine(EngineBase):
         finalizer = getattr(llm.engine_core, "_finalizer", None)
         if finalizer is not None:
             finalizer.detach()
+        try:
+            _check_model_runner(getattr(llm, "vllm_config", None))
+        except EngineError:
+            _shutdown(llm, self.uid)
+            raise
         return llm
 
     # -- the protocol (the rest is EngineBase's) ----------------------------------------
