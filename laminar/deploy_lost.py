@@ -203,6 +203,10 @@ class SlurmReplacer:
             specs = set(self.cluster.worker_spec)
             now = time.monotonic()
             for kind, slot, *what in self.core.step(now, connected, ended, specs, self.joined):
+                # Each decision awaits (scancel, sbatch): the run may end meanwhile, and a
+                # closing cluster's spec is empty; a job submitted now would outlive it.
+                if self.cluster.status != Status.running:
+                    return
                 await getattr(self, f"_{kind}")(slot, *what)
         except Exception:  # a bug must not end the check silently, nor the run
             log.exception("the check for lost Slurm workers failed")
@@ -236,7 +240,6 @@ class SlurmReplacer:
         return {j for j in jobs if states.get(j, "gone") not in SlurmJobs.ACTIVE}
 
     async def _lost(self, slot: _Slot, name: str, job_id: str | None, why: str) -> None:
-        from distributed.core import Status
 
         log.warning(
             "Slurm worker %s (%s) lost: %s; cancelling its job %s",
@@ -248,12 +251,36 @@ class SlurmReplacer:
         self.held[slot.base] = self.cluster.worker_spec.pop(name)
         job = self.cluster.workers.pop(name, None)
         if job is not None:
-            await job.close()  # scancel (an ended job's error is ignored)
-            job.status = Status.closed  # (the cluster's close checks every job it made)
+            await self._cancel(job)
+
+    def _cancel(self, job):
+        """Cancel ``job`` (out of the cluster's ``workers``): a future the cluster's close
+        waits for, as for the jobs SpecCluster itself closes (its ``_futures``). The job is
+        ``closing`` from now on: the close checks every job the cluster made (an
+        AssertionError for one still ``running``, a scancel under way)."""
+        import asyncio
+
+        from distributed.core import Status
+
+        async def cancel() -> None:
+            try:
+                await job.close()  # scancel (an ended job's error is ignored)
+            except Exception:  # (the close gathers it: it must not fail the run's end)
+                log.exception("cancelling Slurm job %s failed", getattr(job, "job_id", job))
+            finally:
+                job.status = Status.closed
+
+        job.status = Status.closing
+        future = asyncio.ensure_future(cancel())
+        self.cluster._futures.add(future)
+        future.add_done_callback(self.cluster._futures.discard)
+        return future
 
     async def _submit(self, slot: _Slot, name: str, _job, _why) -> None:
         from distributed.core import Status
 
+        if self.cluster.status != Status.running:  # (no await from here to the spec)
+            return
         self.cluster.worker_spec[name] = self.held.pop(slot.base)
         try:
             await self.cluster._correct_state()
@@ -272,6 +299,13 @@ class SlurmReplacer:
             )
             if last:
                 await self._give_up(slot, name, None, "Slurm refused its new job")
+            return
+        if self.cluster.status != Status.running:
+            # The cluster began to close while sbatch ran. Its own close cancels the jobs
+            # in its workers; this one is cancelled here all the same, lest it outlive it.
+            job = self.cluster.workers.pop(name, None)
+            if job is not None and job.status not in (Status.closing, Status.closed):
+                await self._cancel(job)
             return
         job = getattr(self.cluster.workers.get(name), "job_id", None)
         self.core.submitted(slot, job)

@@ -26,6 +26,8 @@ SCRIPTS = REPO / "deploy" / "slurm"
 # sbatch keeps each job script and answers with a job id (its pid: unique among calls
 # that run at once); with FAKE_SBATCH_INTERRUPT set, the first call sends the test's
 # process a Ctrl-C (SIGINT) and answers a second later, still under way meanwhile.
+# scancel records the ids it was given; with FAKE_SCANCEL_SLOW=S, S seconds after it
+# started (scancel.started), as a controller that answers slowly.
 SBATCH = """#!/bin/bash
 d={d}
 id=$$
@@ -38,6 +40,10 @@ echo "$id" >> "$d/submitted"
 echo "Submitted batch job $id"
 """
 SCANCEL = """#!/bin/bash
+if [ -n "$FAKE_SCANCEL_SLOW" ]; then
+    touch {d}/scancel.started
+    sleep "$FAKE_SCANCEL_SLOW"
+fi
 printf '%s\\n' "$@" >> {d}/cancelled
 """
 SQUEUE = """#!/bin/bash
@@ -339,3 +345,29 @@ def test_a_slurm_cluster_without_tls_says_so(fake_slurm, tmp_path, caplog):
     said = [r.getMessage() for r in caplog.records if "cluster.security" in r.getMessage()]
     assert len(said) == 1, caplog.text
     assert "every interface" in said[0] and "{generate: true}" in said[0], said[0]
+
+
+def test_a_replacement_racing_the_cluster_s_close_leaves_no_job_behind(
+    fake_slurm, tmp_path, monkeypatch
+):
+    """Both rollouts' workers lost as the run ends: SlurmReplacer cancels rollout-0's job
+    (a slow scancel) while the cluster closes. Its close failed on the job being cancelled
+    (AssertionError: Status.running), and the replacer then submitted rollout-0.2 into a
+    closed cluster, a job nobody cancelled. The close waits for that scancel and the
+    replacer submits nothing more."""
+    from laminar.deploy import SlurmReplacer, run_workers, slurm_cluster
+
+    monkeypatch.setenv("FAKE_SCANCEL_SLOW", "1")
+    cfg = _slurm_cfg()
+    cluster = slurm_cluster(cfg, tmp_path / "run")
+    replacer = SlurmReplacer(cluster, run_workers(cfg))
+    replacer.core.step(0.0, connected={"rollout-0", "rollout-1"}, ended=set())  # joined
+    tick = asyncio.run_coroutine_threadsafe(replacer._tick(), cluster.loop.asyncio_loop)
+    deadline = time.monotonic() + 20
+    while not (fake_slurm / "scancel.started").exists():  # the replacer's scancel
+        assert time.monotonic() < deadline and not tick.done(), "no job was cancelled"
+        time.sleep(0.02)
+    cluster.close(timeout=60)
+    tick.result(timeout=30)
+    submitted, cancelled = _lines(fake_slurm / "submitted"), _lines(fake_slurm / "cancelled")
+    assert len(submitted) >= 3 and set(submitted) <= set(cancelled), (submitted, cancelled)
