@@ -240,7 +240,6 @@ class SlurmReplacer:
         return {j for j in jobs if states.get(j, "gone") not in SlurmJobs.ACTIVE}
 
     async def _lost(self, slot: _Slot, name: str, job_id: str | None, why: str) -> None:
-
         log.warning(
             "Slurm worker %s (%s) lost: %s; cancelling its job %s",
             name,

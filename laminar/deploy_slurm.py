@@ -66,7 +66,7 @@ def slurm_cluster(cfg: RunConfig, run_dir: str | Path, security=None):
     logs = [f'-e "{where}/{job_name}-%J.err"', f'-o "{where}/{job_name}-%J.out"']
     env = worker_environ(cfg.cluster.torch_threads)
     prologue = [f"export {k}={shlex.quote(v)}" for k, v in sorted(env.items())]
-    prologue += list(s.job_prologue)
+    prologue += [_checked(line) for line in s.job_prologue]
     protocol = _protocol(cfg.cluster)
     base = dict(
         queue=s.partition,
@@ -201,6 +201,19 @@ def _submit(cluster, settle_s: float = 120.0) -> None:
                 except (Exception, concurrent.futures.CancelledError):
                     break
         raise
+
+
+def _checked(line: str) -> str:
+    """A ``cluster.slurm.job_prologue`` line that ends the job when it fails, saying which
+    in the job's log (which the placement wait quotes): a job script runs on past a
+    failed command, and its worker started in the wrong environment. Not ``set -e``,
+    which would hold for the user's own lines' inner commands too. The line stands in a
+    ``{ ...; }`` group of its own on its own line: a trailing comment stays one, and a
+    ``source`` or ``export`` in it holds for the job."""
+    if not line.strip() or line.lstrip().startswith("#"):
+        return line
+    said = shlex.quote(f"laminar: job_prologue line failed: {line}")
+    return f"{{ {line}\n}} || {{ echo {said} >&2; exit 1; }}"
 
 
 def _worker_tls_args(security) -> list[str]:

@@ -371,3 +371,38 @@ def test_a_replacement_racing_the_cluster_s_close_leaves_no_job_behind(
     tick.result(timeout=30)
     submitted, cancelled = _lines(fake_slurm / "submitted"), _lines(fake_slurm / "cancelled")
     assert len(submitted) >= 3 and set(submitted) <= set(cancelled), (submitted, cancelled)
+
+
+def test_a_failing_job_prologue_line_ends_the_job_saying_which(fake_slurm, tmp_path):
+    """docs/deploy.md: a `job_prologue` line that fails fails the run at once, quoting the
+    job's log. The job script (bash, no -e) went on past a failed `module load` and
+    started its worker in the wrong environment. It now stops at the line, with its exit
+    status and a line in the job's log that names it; a comment, trailing or alone, is
+    still a comment."""
+    import json
+
+    out = tmp_path / "started"
+    out.mkdir()
+    python = tmp_path / "bin" / "python"
+    python.parent.mkdir()
+    python.write_text(f"#!/bin/bash\ntouch {out}/worker\n")
+    python.chmod(0o755)
+    bad = 'test -e "/no/such/it\'s"  # module load cuda'
+    prologue = [
+        "# the site's modules",
+        "export LAMINAR_PROLOGUE=1  # fine",
+        bad,
+        f"touch {out}/after",
+    ]
+    cfg = _slurm_cfg(
+        f"cluster.slurm.python={python}",
+        "rollout.replicas=1",
+        f"cluster.slurm.job_prologue={json.dumps(prologue)}",
+    )
+    scripts = _submit_jobs(cfg, tmp_path / "run")
+    assert len(scripts) == 2
+    for script in scripts.values():
+        r = subprocess.run(["bash", "-c", script], capture_output=True, text=True, timeout=30)
+        assert r.returncode == 1, (r.returncode, r.stderr, script)
+        assert r.stderr.strip() == f"laminar: job_prologue line failed: {bad}", r.stderr
+    assert list(out.iterdir()) == [], "the job went on past the line that failed"
