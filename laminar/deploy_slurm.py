@@ -10,7 +10,9 @@ Apart from :mod:`laminar.deploy` because it is dask-jobqueue's and sbatch's deta
 from __future__ import annotations
 
 import contextlib
+import errno
 import logging
+import os
 import re
 import shlex
 import sys
@@ -51,7 +53,16 @@ def slurm_cluster(cfg: RunConfig, run_dir: str | Path, security=None):
             f"interface {s.interface}" if s.interface else "every interface of this machine",
         )
     log_dir = slurm_log_dir(cfg, run_dir)
-    log_dir.mkdir(parents=True, exist_ok=True)
+    try:
+        log_dir.mkdir(parents=True, exist_ok=True)
+        if not os.access(log_dir, os.W_OK | os.X_OK):
+            raise PermissionError(errno.EACCES, "not writable by this user")
+    except OSError as e:  # (a file in the way, no permission, a read-only file system)
+        raise ConfigError(
+            f"cannot make the Slurm jobs' log folder {str(log_dir)!r} "
+            f"({e.strerror or e}); set cluster.slurm.log_directory to a folder this user "
+            "can create and write, on a file system the compute nodes share"
+        ) from None
     if '"' in str(log_dir):
         raise ConfigError(
             f"the Slurm job logs' folder {str(log_dir)!r} has a double quote, which an "

@@ -406,3 +406,18 @@ def test_a_failing_job_prologue_line_ends_the_job_saying_which(fake_slurm, tmp_p
         assert r.returncode == 1, (r.returncode, r.stderr, script)
         assert r.stderr.strip() == f"laminar: job_prologue line failed: {bad}", r.stderr
     assert list(out.iterdir()) == [], "the job went on past the line that failed"
+
+
+def test_a_log_folder_that_cannot_be_made_names_the_setting(fake_slurm, tmp_path):
+    """cluster.slurm.log_directory under a file (or where the user may not write) ended
+    the run with a bare NotADirectoryError (PermissionError) from mkdir."""
+    from laminar.deploy import slurm_cluster
+    from laminar.errors import ConfigError
+
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    cfg = _slurm_cfg(f"cluster.slurm.log_directory={blocker}/logs")
+    with pytest.raises(ConfigError, match=r"cluster\.slurm\.log_directory") as e:
+        slurm_cluster(cfg, tmp_path / "run")
+    assert f"{blocker}/logs" in str(e.value), e.value
+    assert not (fake_slurm / "submitted").exists()
