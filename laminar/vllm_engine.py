@@ -203,6 +203,26 @@ def _check_model_runner(vllm_config) -> None:
         )
 
 
+def _step_token_budget(capacity: int, max_batch: int, max_seq_len: int) -> int:
+    """vLLM's ``max_num_batched_tokens`` for an engine of these limits: a whole step's work.
+
+    laminar admits every waiting request whose context fits the KV capacity and counts it
+    prefilled by the step that admits it: the pacer charges that prefill to the step, and
+    ``kv_stats`` no longer counts it as waiting. vLLM prefills at most
+    ``max_num_batched_tokens`` a step, leaving the rest (chunked) to later steps, where
+    neither sees it: ``_used_tokens`` counts only what vLLM scheduled. So the budget holds
+    any step laminar plans: the admitted contexts plus one decode token per running
+    request, at most ``capacity + max_batch`` tokens, and never more than ``max_batch``
+    whole sequences (``max_batch * max_seq_len``; above it vLLM warns). vLLM also wants
+    at least ``max_model_len`` (``max_seq_len``) when it cannot chunk, and at least
+    ``max_num_seqs`` (``max_batch``), which both bounds already are.
+
+    >>> _step_token_budget(64 * 160, 64, 160), _step_token_budget(100, 12, 64)
+    (10240, 112)
+    """
+    return max(min(capacity + max_batch, max_batch * max_seq_len), max_seq_len)
+
+
 def _shutdown(llm, uid: str) -> None:
     """Shut one vLLM engine down.
 
@@ -327,7 +347,10 @@ class VLLMEngine(EngineBase):
             generation_config="vllm",  # ignore the folder's sampling defaults
             max_model_len=self.max_seq_len,
             max_num_seqs=self.max_batch,
-            max_num_batched_tokens=max(self.max_seq_len, self.max_batch, 2048),
+            # (a whole step's work: never a prefill split over steps, see the function)
+            max_num_batched_tokens=_step_token_budget(
+                self.capacity, self.max_batch, self.max_seq_len
+            ),
             block_size=BLOCK_SIZE,
             num_gpu_blocks_override=blocks + 1,
             kv_cache_memory_bytes=(blocks + 1) * per_block,

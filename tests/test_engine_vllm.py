@@ -136,15 +136,34 @@ def test_preemption_under_a_small_capacity_changes_nothing(policy, make_vllm):
     assert_same_outputs(outs, run(make_torch(policy, max_batch=12, max_seq_len=64), reqs))
 
 
-def test_prefills_split_over_steps_sample_the_same_tokens(policy, make_vllm):
-    """Past vLLM's per-step token budget (2,048) prompts are prefilled in chunks: the rows
-    the sampler sees mid-prefill must not shift any request's token index."""
-    reqs = [
+def long_prompts() -> list[GenerationRequest]:
+    """48 prompts of 56 tokens: 2,688 to prefill at once, past vLLM's default budget."""
+    return [
         GenerationRequest(
             f"c{i:02d}", tuple(4 + (i + 3 * j) % 280 for j in range(56)), SamplingParams(8, seed=i)
         )
         for i in range(48)
     ]
+
+
+def test_the_step_that_admits_a_request_prefills_it_whole(make_vllm):
+    """vLLM's per-step token budget holds a whole step of laminar's admission
+    (``_step_token_budget``), so what laminar admits (and the pacer charges) is prefilled
+    in that step, and kv_stats counts it written, not waiting in neither queue."""
+    eng = make_vllm(max_batch=48, max_seq_len=64)
+    for r in long_prompts():
+        eng.add_request(r)
+    assert eng.step() == []
+    kv = eng.kv_stats()
+    assert (kv.running, kv.waiting, kv.used_tokens) == (48, 0, 48 * 56)
+
+
+def test_prefills_split_over_steps_sample_the_same_tokens(policy, make_vllm, monkeypatch):
+    """Where vLLM prefills a prompt in chunks (laminar's budget never lets it: here the
+    2,048 tokens it once was), the rows the sampler sees mid-prefill must not shift any
+    request's token index."""
+    monkeypatch.setattr("laminar.vllm_engine._step_token_budget", lambda *limits: 2048)
+    reqs = long_prompts()
     eng = make_vllm(max_batch=48, max_seq_len=64)
     for r in reqs:
         eng.add_request(r)

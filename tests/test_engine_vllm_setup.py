@@ -6,9 +6,12 @@ import os
 from types import SimpleNamespace
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from laminar.engine import EngineError
-from laminar.vllm_engine import _check_model_runner, _vllm_environment
+from laminar.engine_base import plan_admission
+from laminar.vllm_engine import _check_model_runner, _step_token_budget, _vllm_environment
 
 RUNNER = "VLLM_USE_V2_MODEL_RUNNER"
 
@@ -46,3 +49,33 @@ def test_an_engine_built_with_the_v2_runner_is_refused():
     _check_model_runner(SimpleNamespace(use_v2_model_runner=False))
     _check_model_runner(SimpleNamespace())  # (a vLLM without the property: V1 only)
     _check_model_runner(None)
+
+
+@st.composite
+def engine_steps(draw):
+    """An engine's limits, and the contexts of its running and waiting requests."""
+    max_batch = draw(st.integers(1, 96))
+    max_seq_len = draw(st.integers(2, 320))
+    capacity = draw(st.integers(2, max_batch * max_seq_len))
+    longest = min(max_seq_len, capacity)  # (check_request: a request must fit both)
+    contexts = st.lists(st.integers(1, longest), max_size=2 * max_batch)
+    return capacity, max_batch, max_seq_len, draw(contexts), draw(contexts)
+
+
+@settings(max_examples=300, deadline=None)
+@given(engine_steps())
+def test_one_step_of_laminars_admission_fits_vllms_token_budget(step):
+    """vLLM prefills at most max_num_batched_tokens a step and chunks the rest over later
+    steps, where laminar's pacer and kv_stats took it as done. Every step laminar plans
+    fits the budget: the admitted contexts plus one decode token per request kept
+    running. (The budget was max(max_seq_len, max_batch, 2048): a batch of 64 prompts of
+    100 tokens was split over several steps.)"""
+    capacity, max_batch, max_seq_len, running, waiting = step
+    running = running[:max_batch]
+    plan = plan_admission(running, waiting, capacity=capacity, max_batch=max_batch)
+    kept = len(running) - plan.preempt
+    admitted = [*running[kept:], *waiting][: plan.admit]
+    budget = _step_token_budget(capacity, max_batch, max_seq_len)
+    assert kept + sum(admitted) <= budget
+    assert max_batch <= budget <= max(max_batch * max_seq_len, max_seq_len)
+    assert budget >= max_seq_len  # (what vLLM needs where it cannot chunk a prefill)
