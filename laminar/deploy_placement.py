@@ -147,7 +147,17 @@ class SlurmJobs:
         self.joined |= {w.get("name") for w in scheduler_workers(client).values()}
         for name, job in self.ids.items():
             state, why = states.get(job, ("gone from squeue", ""))
-            if name in self.joined or name in self._seen or state in self.ACTIVE:
+            if name in self.joined or name in self._seen:
+                continue
+            never = _never_starts(state, why, f"cluster.slurm.{self.sections[name]}")
+            if never:
+                raise ClusterError(
+                    f"Slurm job {job} of worker {name} (cluster.slurm.{self.sections[name]}) "
+                    f"can never start: {_job_state(state, why)}, {never}; the run's jobs "
+                    f"are cancelled. Change that and run again (`scontrol show job {job}` "
+                    "before it is gone, or your site's limits, say more)"
+                )
+            if state in self.ACTIVE:
                 continue
             raise ClusterError(
                 f"Slurm job {job} of worker {name} (cluster.slurm.{self.sections[name]}) "
@@ -177,6 +187,64 @@ class SlurmJobs:
         lines = [ln for ln in logs[0].read_text(errors="replace").splitlines() if ln.strip()]
         tail = "\n    ".join(lines[-3:]) or "(empty)"
         return f"The end of its log, {logs[0]}:\n    {tail}"
+
+
+# squeue's reasons for a PENDING job that never clear by themselves (Slurm's "Job Reason
+# Codes", slurm.schedmd.com/job_reason_codes.html; sbatch -t: "If the requested time
+# limit exceeds the partition's time limit, the job will be left in a PENDING state
+# (possibly indefinitely)"): the job asks for more than its partition, association or
+# QOS allows any one job, or names what does not exist. Only a person changes that, so
+# the placement wait fails at once instead of after placement_timeout_s. Left out, being
+# ones that clear as other jobs end, nodes come back or a person releases the job:
+# Resources, Priority, the aggregate (Grp*) and per-user limits, ReqNodeNotAvail,
+# PartitionNodeLimit (down or drained nodes too), PartitionDown/Inactive, held jobs.
+# {s}: the job's section of cluster.slurm.
+_NEVER_STARTS = {
+    "PartitionTimeLimit": "its walltime (cluster.slurm.walltime) is longer than its "
+    "partition allows (or choose another cluster.slurm.partition)",
+    "AssocMaxWallDurationPerJobLimit": "its walltime (cluster.slurm.walltime) is longer "
+    "than your association allows a job",
+    "QOSMaxWallDurationPerJobLimit": "its walltime (cluster.slurm.walltime) is longer than "
+    "its QOS allows a job",
+    "AssocMaxCpuPerJobLimit": "its cores ({s}.cores) are more than your association allows a job",
+    "QOSMaxCpuPerJobLimit": "its cores ({s}.cores) are more than its QOS allows a job",
+    "AssocMaxCpuPerNode": "its cores ({s}.cores) are more than your association allows a node",
+    "QOSMaxCpuPerNode": "its cores ({s}.cores) are more than its QOS allows a node",
+    "AssocMaxMemPerJob": "its memory ({s}.memory) is more than your association allows a job",
+    "QOSMaxMemoryPerJob": "its memory ({s}.memory) is more than its QOS allows a job",
+    "AssocMaxMemPerNode": "its memory ({s}.memory) is more than your association allows a node",
+    "QOSMaxMemoryPerNode": "its memory ({s}.memory) is more than its QOS allows a node",
+    "MaxMemPerLimit": "its memory ({s}.memory) per CPU or per node is more than its "
+    "partition allows",
+    "AssocMaxGRESPerJob": "its GPUs ({s}.gpus) are more than your association allows a job",
+    "QOSMaxGRESPerJob": "its GPUs ({s}.gpus) are more than its QOS allows a job",
+    "AssocMaxGRESPerNode": "its GPUs ({s}.gpus) are more than your association allows a node",
+    "QOSMaxGRESPerNode": "its GPUs ({s}.gpus) are more than its QOS allows a node",
+    "AssocMaxNodePerJobLimit": "its nodes (cluster.slurm.job_directives) are more than your "
+    "association allows a job",
+    "QOSMaxNodePerJobLimit": "its nodes (cluster.slurm.job_directives) are more than its "
+    "QOS allows a job",
+    "InvalidAccount": "its account (cluster.slurm.account, or your default) is not valid",
+    "AccountNotAllowed": "its account (cluster.slurm.account) may not use its partition "
+    "(cluster.slurm.partition)",
+    "InvalidQOS": "its QOS (a --qos of cluster.slurm.job_directives, or your default) is not valid",
+    "QOSNotAllowed": "its QOS (a --qos of cluster.slurm.job_directives, or your default) "
+    "is not allowed for your account or its partition",
+    "BadConstraints": "what it asks for can never be met (cluster.slurm.job_directives, "
+    "such as --constraint, or {s}.cores, .memory, .gpus)",
+    "DependencyNeverSatisfied": "it depends on a job that will never complete "
+    "(cluster.slurm.job_directives)",
+    "ReservationDeleted": "its reservation is gone (cluster.slurm.job_directives)",
+}
+
+
+def _never_starts(state: str, reason: str, section: str) -> str | None:
+    """Why a job in ``state`` for ``reason`` (squeue's ``%r``) can never start, naming
+    the setting of ``section`` to change; None if it may."""
+    if state != "PENDING":
+        return None
+    said = _NEVER_STARTS.get(reason.split(",", 1)[0].strip())
+    return said.format(s=section) if said else None
 
 
 def _job_state(state: str, reason: str) -> str:

@@ -421,3 +421,38 @@ def test_a_log_folder_that_cannot_be_made_names_the_setting(fake_slurm, tmp_path
         slurm_cluster(cfg, tmp_path / "run")
     assert f"{blocker}/logs" in str(e.value), e.value
     assert not (fake_slurm / "submitted").exists()
+
+
+def test_a_job_that_can_never_start_fails_the_wait_at_once(tmp_path, monkeypatch):
+    """A job that asks for more than its partition, association or QOS allows any job (a
+    walltime over the partition's limit) stays PENDING for ever: the run waited out
+    cluster.placement_timeout_s (600 s in configs/slurm.yaml) and then said only
+    "PENDING (PartitionTimeLimit)". The wait fails at the first such squeue answer,
+    naming the job and the setting; a reason that clears in time (nodes down, busy) waits."""
+    import laminar.cluster
+    from laminar.deploy import SlurmJobs
+
+    workers = {"trainer": {"data": 1, "trainer": 1}, "rollout-0": {"rollout": 1}}
+    cluster = SimpleNamespace(
+        workers={n: SimpleNamespace(job_id=str(10 + i)) for i, n in enumerate(workers)}
+    )
+    jobs = SlurmJobs(cluster, workers, tmp_path)
+    monkeypatch.setattr(laminar.cluster, "scheduler_workers", lambda client: {})
+    states = {"10": ("PENDING", "Resources")}
+    jobs.states = lambda: states
+    for may_clear in ("Priority", "ReqNodeNotAvail, UnavailableNodes:n1", "PartitionNodeLimit"):
+        states["11"] = ("PENDING", may_clear)
+        jobs.check(client=None)
+    for reason, setting in [
+        ("PartitionTimeLimit", "cluster.slurm.walltime"),
+        ("QOSMaxWallDurationPerJobLimit", "cluster.slurm.walltime"),
+        ("AssocMaxMemPerJob", "cluster.slurm.rollout.memory"),
+        ("InvalidAccount", "cluster.slurm.account"),
+        ("BadConstraints", "cluster.slurm.job_directives"),
+    ]:
+        states["11"] = ("PENDING", reason)
+        with pytest.raises(ClusterError) as e:
+            jobs.check(client=None)
+        said = str(e.value)
+        assert "job 11 of worker rollout-0 (cluster.slurm.rollout) can never start" in said
+        assert f"PENDING ({reason})" in said and setting in said, said
