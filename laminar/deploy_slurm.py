@@ -41,6 +41,9 @@ def slurm_cluster(cfg: RunConfig, run_dir: str | Path, security=None):
     """
     SLURMCluster, SLURMJob = _import_jobqueue()
     s = cfg.cluster.slurm
+    # Absolute, for what the job scripts name (-e/-o, --tls-*): a job reads them from
+    # its working directory, which a --chdir of job_directives or a prologue's cd moves.
+    run_dir = _absolute(run_dir)
     if cfg.cluster.security is None:
         # (Dask's scheduler without TLS accepts any client, which can run code as you:
         # `client.run_on_scheduler(os.system, ...)`, on every job of the run too.)
@@ -237,14 +240,25 @@ def _worker_tls_args(security) -> list[str]:
         arg
         for key, value in tls.items()
         if key != "ciphers" and value  # (ciphers has no command-line option)
-        for arg in ("--tls-" + key.replace("_", "-"), shlex.quote(str(value)))
+        for arg in ("--tls-" + key.replace("_", "-"), shlex.quote(_tls_path(str(value))))
     ]
+
+
+def _tls_path(value: str) -> str:
+    """A certificate's path made absolute (see :func:`slurm_cluster`); a PEM given as
+    text (Security takes either) as it is."""
+    return value if value.lstrip().startswith("-----BEGIN") else str(_absolute(value))
 
 
 def slurm_log_dir(cfg: RunConfig, run_dir: str | Path) -> Path:
     """Where the jobs of ``cluster.kind: slurm`` write their logs: RUN_DIR/slurm unless
     ``cluster.slurm.log_directory``."""
-    return Path(cfg.cluster.slurm.log_directory or Path(run_dir) / "slurm").expanduser()
+    return _absolute(cfg.cluster.slurm.log_directory or Path(run_dir) / "slurm")
+
+
+def _absolute(path: str | Path) -> Path:
+    """``path`` with ``~`` expanded, absolute (``..`` folded, symbolic links kept)."""
+    return Path(os.path.abspath(Path(path).expanduser()))
 
 
 def _cancel_submitted(cluster) -> list[str]:

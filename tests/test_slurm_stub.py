@@ -456,3 +456,29 @@ def test_a_job_that_can_never_start_fails_the_wait_at_once(tmp_path, monkeypatch
         said = str(e.value)
         assert "job 11 of worker rollout-0 (cluster.slurm.rollout) can never start" in said
         assert f"PENDING ({reason})" in said and setting in said, said
+
+
+def test_a_relative_run_directory_gives_the_jobs_absolute_paths(fake_slurm, tmp_path, monkeypatch):
+    """`open_cluster(cfg, "runs/x")` (docs/deploy.md's notebook) wrote "runs/x/slurm/..."
+    and "runs/x/tls/..." into the job scripts: read from the job's working directory,
+    which a `--chdir` of job_directives (or a prologue's `cd`) moves, they sent the logs
+    elsewhere and left the workers without their certificates."""
+    monkeypatch.chdir(tmp_path)
+    scripts = _submit_jobs(_slurm_cfg("cluster.security.generate=true"), "runs/x")
+    assert scripts
+    for script in scripts.values():
+        logs = [
+            ln.split(None, 2)[2]
+            for ln in script.splitlines()
+            if ln[:10] in ("#SBATCH -e", "#SBATCH -o")
+        ]
+        assert logs == [
+            f'"{tmp_path}/runs/x/slurm/laminar-x-%J.err"',
+            f'"{tmp_path}/runs/x/slurm/laminar-x-%J.out"',
+        ], script
+        args = script.split()
+        tls = {a: args[i + 1] for i, a in enumerate(args) if a.startswith("--tls-")}
+        assert tls == {
+            f"--tls-{k}": f"{tmp_path}/runs/x/tls/{f}"
+            for k, f in [("ca-file", "ca.pem"), ("cert", "cert.pem"), ("key", "key.pem")]
+        }, script
