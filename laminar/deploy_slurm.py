@@ -19,7 +19,7 @@ import sys
 import time
 from pathlib import Path
 
-from laminar.cluster import worker_environ
+from laminar.cluster import _set_in_users_config, worker_environ
 from laminar.config import RunConfig, SlurmRole
 from laminar.deploy_lost import SlurmReplacer
 from laminar.deploy_placement import _role_section, run_workers
@@ -28,6 +28,14 @@ from laminar.errors import ClusterError, ConfigError
 
 # (laminar.deploy's logger, as before the split: docs/deploy.md quotes its lines)
 log = logging.getLogger("laminar.deploy")
+
+# The Dask setting that pauses a worker near its memory limit (off in laminar's jobs).
+PAUSE = "distributed.worker.memory.pause"
+
+
+def _env_name(key: str) -> str:
+    """The environment variable of Dask setting ``key``: DASK_A__B_C for a.b-c."""
+    return "DASK_" + "__".join(part.upper().replace("-", "_") for part in key.split("."))
 
 
 def slurm_cluster(cfg: RunConfig, run_dir: str | Path, security=None):
@@ -79,6 +87,13 @@ def slurm_cluster(cfg: RunConfig, run_dir: str | Path, security=None):
     where = str(log_dir).replace("%", "%%")
     logs = [f'-e "{where}/{job_name}-%J.err"', f'-o "{where}/{job_name}-%J.out"']
     env = worker_environ(cfg.cluster.torch_threads)
+    if not _set_in_users_config(PAUSE):
+        # Without a nanny a worker still pauses at Dask's memory.pause (80%) of its
+        # --memory-limit, here the job's memory, and a paused worker starts no task and
+        # the scheduler gives it none (distributed's WorkerState._ensure_computing): a
+        # rollout whose engine holds most of its job's memory ran no reward task, and the
+        # run waited on them. Slurm enforces the job's memory; a user's setting stands.
+        env[_env_name(PAUSE)] = "False"
     prologue = [f"export {k}={shlex.quote(v)}" for k, v in sorted(env.items())]
     prologue += [_checked(line) for line in s.job_prologue]
     protocol = _protocol(cfg.cluster)

@@ -482,3 +482,35 @@ def test_a_relative_run_directory_gives_the_jobs_absolute_paths(fake_slurm, tmp_
             f"--tls-{k}": f"{tmp_path}/runs/x/tls/{f}"
             for k, f in [("ca-file", "ca.pem"), ("cert", "cert.pem"), ("key", "key.pem")]
         }, script
+
+
+def test_slurm_workers_do_not_pause_for_memory(fake_slurm, tmp_path, monkeypatch):
+    """A worker with no nanny still pauses at Dask's memory.pause (80%) of its
+    --memory-limit, the job's memory, and a paused worker starts no task
+    (distributed's WorkerState._ensure_computing) nor gets one: a rollout whose engine
+    holds most of its job's memory ran no reward task, and the run waited for them. Its
+    job turns pausing off, unless the user's Dask config sets it."""
+    import dask
+
+    python = tmp_path / "bin" / "python"
+    python.parent.mkdir()
+    python.write_text(f"#!/bin/bash\nenv > {tmp_path}/$$.env\n")
+    python.chmod(0o755)
+    scripts = _submit_jobs(_slurm_cfg(f"cluster.slurm.python={python}"), tmp_path / "run")
+    for script in scripts.values():
+        subprocess.run(["bash", "-c", script], check=True, timeout=30)
+    envs = [
+        dict(ln.split("=", 1) for ln in f.read_text().splitlines() if "=" in ln)
+        for f in tmp_path.glob("*.env")
+    ]
+    assert len(envs) == 3
+    for env in envs:
+        config = dask.config.collect(paths=[], env=env)
+        memory = config.get("distributed", {}).get("worker", {}).get("memory", {})
+        assert memory.get("pause") is False, env
+
+    for f in (fake_slurm / "scripts").iterdir():
+        f.unlink()
+    monkeypatch.setenv("DASK_DISTRIBUTED__WORKER__MEMORY__PAUSE", "0.9")  # the user's
+    scripts = _submit_jobs(_slurm_cfg(), tmp_path / "run2")
+    assert scripts and not any("MEMORY__PAUSE" in s for s in scripts.values())
