@@ -30,7 +30,7 @@ from laminar.errors import ClusterError, ConfigError
 log = logging.getLogger("laminar.deploy")
 
 # The Dask setting that pauses a worker near its memory limit (off in laminar's jobs).
-PAUSE = "distributed.worker.memory.pause"
+_PAUSE = "distributed.worker.memory.pause"
 
 
 def _env_name(key: str) -> str:
@@ -52,17 +52,6 @@ def slurm_cluster(cfg: RunConfig, run_dir: str | Path, security=None):
     # Absolute, for what the job scripts name (-e/-o, --tls-*): a job reads them from
     # its working directory, which a --chdir of job_directives or a prologue's cd moves.
     run_dir = _absolute(run_dir)
-    if cfg.cluster.security is None:
-        # (Dask's scheduler without TLS accepts any client, which can run code as you:
-        # `client.run_on_scheduler(os.system, ...)`, on every job of the run too.)
-        log.warning(
-            "cluster.kind=slurm without cluster.security: the run's scheduler listens in "
-            "plaintext on %s, and anyone who can reach its port can run code as you, on "
-            "this machine and in every job of the run; set cluster.security: {generate: "
-            "true} (certificates made for the run, as configs/slurm.yaml does) or your own "
-            "certificates (docs/deploy.md, Security)",
-            f"interface {s.interface}" if s.interface else "every interface of this machine",
-        )
     log_dir = slurm_log_dir(cfg, run_dir)
     try:
         log_dir.mkdir(parents=True, exist_ok=True)
@@ -79,6 +68,17 @@ def slurm_cluster(cfg: RunConfig, run_dir: str | Path, security=None):
             f"the Slurm job logs' folder {str(log_dir)!r} has a double quote, which an "
             "#SBATCH line cannot hold; set cluster.slurm.log_directory to a plainer path"
         )
+    if cfg.cluster.security is None:
+        # (Dask's scheduler without TLS accepts any client, which can run code as you:
+        # `client.run_on_scheduler(os.system, ...)`, on every job of the run too.)
+        log.warning(
+            "cluster.kind=slurm without cluster.security: the run's scheduler listens in "
+            "plaintext on %s, and anyone who can reach its port can run code as you, on "
+            "this machine and in every job of the run; set cluster.security: {generate: "
+            "true} (certificates made for the run, as configs/slurm.yaml does) or your own "
+            "certificates (docs/deploy.md, Security)",
+            f"interface {s.interface}" if s.interface else "every interface of this machine",
+        )
     # Jobs from other runs must not be mistaken for ours in squeue. An #SBATCH line ends
     # at a blank: a run directory "my run" gave `-J laminar-my run`, which sbatch refused.
     job_name = ("laminar-" + re.sub(r"[^A-Za-z0-9._-]", "_", Path(run_dir).name))[:64]
@@ -87,13 +87,13 @@ def slurm_cluster(cfg: RunConfig, run_dir: str | Path, security=None):
     where = str(log_dir).replace("%", "%%")
     logs = [f'-e "{where}/{job_name}-%J.err"', f'-o "{where}/{job_name}-%J.out"']
     env = worker_environ(cfg.cluster.torch_threads)
-    if not _set_in_users_config(PAUSE):
+    if not _set_in_users_config(_PAUSE):
         # Without a nanny a worker still pauses at Dask's memory.pause (80%) of its
         # --memory-limit, here the job's memory, and a paused worker starts no task and
         # the scheduler gives it none (distributed's WorkerState._ensure_computing): a
-        # rollout whose engine holds most of its job's memory ran no reward task, and the
-        # run waited on them. Slurm enforces the job's memory; a user's setting stands.
-        env[_env_name(PAUSE)] = "False"
+        # rollout whose engine holds most of its job's memory would run none of the
+        # run's reward tasks. Slurm enforces the job's memory; a user's setting stands.
+        env[_env_name(_PAUSE)] = "False"
     prologue = [f"export {k}={shlex.quote(v)}" for k, v in sorted(env.items())]
     prologue += [_checked(line) for line in s.job_prologue]
     protocol = _protocol(cfg.cluster)

@@ -488,8 +488,8 @@ def test_slurm_workers_do_not_pause_for_memory(fake_slurm, tmp_path, monkeypatch
     """A worker with no nanny still pauses at Dask's memory.pause (80%) of its
     --memory-limit, the job's memory, and a paused worker starts no task
     (distributed's WorkerState._ensure_computing) nor gets one: a rollout whose engine
-    holds most of its job's memory ran no reward task, and the run waited for them. Its
-    job turns pausing off, unless the user's Dask config sets it."""
+    holds most of its job's memory would run none of the run's reward tasks. Its job
+    turns pausing off, unless the user's Dask config sets it."""
     import dask
 
     python = tmp_path / "bin" / "python"
