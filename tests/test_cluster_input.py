@@ -1,0 +1,126 @@
+"""Bad `cluster.*` input is refused naming the field and the fix, before Dask meets it:
+TLS files, scheduler addresses and files, UCX without its package. What Dask still
+refuses as the cluster starts is a ClusterError naming the settings, not a traceback."""
+
+from __future__ import annotations
+
+import datetime
+from pathlib import Path
+
+import pytest
+
+from laminar.config import RunConfig, with_overrides
+from laminar.deploy import generate_tls, security_for
+from laminar.errors import ConfigError
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def _tls_cfg(ca, cert, key) -> RunConfig:
+    files = {"ca_file": ca, "cert": cert, "key": key}
+    return with_overrides(RunConfig(), [f"cluster.security.{k}={v}" for k, v in files.items()])
+
+
+def _encrypted(key: str, out: Path) -> str:
+    from cryptography.hazmat.primitives import serialization
+
+    pem = serialization.load_pem_private_key(Path(key).read_bytes(), None)
+    out.write_bytes(
+        pem.private_bytes(
+            serialization.Encoding.PEM,
+            serialization.PrivateFormat.PKCS8,
+            serialization.BestAvailableEncryption(b"secret"),
+        )
+    )
+    return str(out)
+
+
+@pytest.mark.parametrize(
+    "case, message",
+    [
+        ("swapped", r"cluster.security.cert .* holds a private key and cluster.security.key"),
+        ("key not PEM", r"cluster.security.key: .*junk.pem' holds 'not a pem' .*not a PEM"),
+        ("empty cert", r"cluster.security.cert: .* holds nothing \(it is empty\)"),
+        ("other CA", r"cluster.security.ca_file: the certificate .* is not signed by the CA"),
+        ("other key", r"cluster.security.key: .* is not the key of the certificate"),
+        ("encrypted key", r"cluster.security.key: .* is encrypted"),
+        ("unreadable", r"cluster.security.key: cannot read .*Permission denied"),
+    ],
+)
+def test_tls_files_dask_cannot_use_are_refused_naming_the_field(
+    tmp_path, monkeypatch, case, message
+):
+    """Each set ended `laminar run` with `Cluster failed to start: [SSL] PEM lib` (or a
+    handshake's `TLS certificate does not match`), naming no file; a Slurm run had
+    submitted its jobs by then. Now the run is refused as the cluster's Security is made."""
+    good = generate_tls(tmp_path / "good")
+    ca, cert, key = good["ca_file"], good["cert"], good["key"]
+    junk = tmp_path / "junk.pem"
+    junk.write_text("not a pem\n")
+    if case == "swapped":
+        cert, key = key, cert
+    elif case == "key not PEM":
+        key = str(junk)
+    elif case == "empty cert":
+        (tmp_path / "empty.pem").write_text("")
+        cert = str(tmp_path / "empty.pem")
+    elif case == "other CA":
+        ca = generate_tls(tmp_path / "other")["ca_file"]
+    elif case == "other key":
+        key = generate_tls(tmp_path / "other")["key"]
+    elif case == "encrypted key":
+        key = _encrypted(key, tmp_path / "encrypted.pem")
+    elif case == "unreadable":  # (as a chmod 0 would be to anyone but root)
+        real_read = Path.read_text
+
+        def read_text(self, *args, **kwargs):
+            if str(self) == key:
+                raise PermissionError(13, "Permission denied", key)
+            return real_read(self, *args, **kwargs)
+
+        monkeypatch.setattr(Path, "read_text", read_text)
+    with pytest.raises(ConfigError, match=message):
+        security_for(_tls_cfg(ca, cert, key).cluster, tmp_path)
+
+
+def test_a_certificate_chain_through_an_intermediate_ca_is_taken(tmp_path):
+    """The issuer check walks a chain given in the certificate file (leaf, then the
+    intermediate CA) up to the CA file's root, as OpenSSL does: such a set is not
+    refused."""
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import NameOID
+
+    now = datetime.datetime.now(datetime.UTC)
+
+    def make(name, key, issuer, issuer_key, ca):
+        builder = (
+            x509.CertificateBuilder()
+            .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, name)]))
+            .issuer_name(issuer)
+            .public_key(key.public_key())
+            .serial_number(x509.random_serial_number())
+            .not_valid_before(now - datetime.timedelta(days=1))
+            .not_valid_after(now + datetime.timedelta(days=1))
+            .add_extension(x509.BasicConstraints(ca=ca, path_length=None), critical=True)
+        )
+        return builder.sign(issuer_key, hashes.SHA256())
+
+    keys = [ec.generate_private_key(ec.SECP256R1()) for _ in range(3)]
+    root_name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "root")])
+    root = make("root", keys[0], root_name, keys[0], True)
+    middle = make("middle", keys[1], root.subject, keys[0], True)
+    leaf = make("leaf", keys[2], middle.subject, keys[1], False)
+    pem = serialization.Encoding.PEM
+    (tmp_path / "ca.pem").write_bytes(root.public_bytes(pem))
+    (tmp_path / "cert.pem").write_bytes(leaf.public_bytes(pem) + middle.public_bytes(pem))
+    (tmp_path / "key.pem").write_bytes(
+        keys[2].private_bytes(pem, serialization.PrivateFormat.PKCS8, serialization.NoEncryption())
+    )
+    files = [tmp_path / n for n in ("ca.pem", "cert.pem", "key.pem")]
+    assert security_for(_tls_cfg(*files).cluster, tmp_path).require_encryption
+    # without the intermediate, the leaf's issuer is named
+    (tmp_path / "cert.pem").write_bytes(leaf.public_bytes(pem))
+    with pytest.raises(ConfigError, match=r"issued by CN=middle\) is not signed by the CA"):
+        security_for(_tls_cfg(*files).cluster, tmp_path)
