@@ -146,6 +146,60 @@ def _memory_limit_bytes(text: str) -> int | None:
     return int(number * MEMORY_LIMIT) if number <= 1 else int(number)
 
 
+SCHEDULER_SCHEMES = ("tcp", "tls", "ucx")
+_HOST_PORT = re.compile(r"(\[[^\]/\s]+\]|[^:/\[\]\s]+):(\d{1,5})")
+
+
+def address_problem(address: str) -> str | None:
+    """What keeps Dask from connecting to a scheduler at ``address``, said as a fix, or
+    ``None``: Dask takes ``[scheme://]host:port``, its scheme one it has (no scheme is
+    tcp), and a port it cannot guess."""
+    scheme, sep, rest = address.partition("://")
+    if not sep:
+        scheme, rest = "", address
+    if sep and scheme not in SCHEDULER_SCHEMES:
+        dashboard = " (an http:// address is the dashboard's)" if scheme.startswith("http") else ""
+        return (
+            f"has the scheme {scheme + '://'!r}{dashboard}; give the scheduler's address, "
+            "tcp://host:port (tls://... with cluster.security, ucx://... over UCX)"
+        )
+    shown = f"{scheme or 'tcp'}://{rest.rstrip(':/') or 'HOST'}:8786"
+    no_port = rest.endswith("]") if rest.startswith("[") else ":" not in rest
+    if rest and no_port and "/" not in rest:
+        return (
+            f"has no port; give the scheduler's as host:port, e.g. {shown} (8786 is "
+            "`dask scheduler`'s default; it prints the address it listens on)"
+        )
+    m = _HOST_PORT.fullmatch(rest)
+    if m is None or not 0 < int(m.group(2)) < 65536:
+        return (
+            "is not a scheduler address; give it as scheme://host:port, e.g. "
+            "tcp://10.0.0.5:8786 (`dask scheduler` prints the address it listens on)"
+        )
+    return None
+
+
+def scheme_problem(address: str, secured: bool) -> str | None:
+    """Why a scheduler at ``address`` does not take a client with (``secured``) or
+    without ``cluster.security``, said as a fix, or ``None``: a ``tls://`` scheduler
+    takes only TLS clients, and a TLS client connects only over ``tls://``."""
+    scheme = address.partition("://")[0] if "://" in address else "tcp"
+    if scheme == "tls" and not secured:
+        return (
+            f"{address!r} is a TLS scheduler's, which takes only clients with a certificate "
+            "its CA signed: set cluster.security.ca_file, cert and key (the set it was "
+            "started with, e.g. from `laminar certs DIR`)"
+        )
+    if scheme != "tls" and secured:
+        return (
+            f"{address!r} is a {scheme}:// address, but cluster.security (TLS) is set and "
+            "a TLS client connects only over tls://: give the scheduler's tls:// address "
+            "(it was started with --protocol tls), or cluster.security=null for a "
+            "scheduler without TLS"
+        )
+    return None
+
+
 class ClusterConfig(_Section):
     """How the Dask cluster is found or started (docs/deploy.md)."""
 
@@ -199,6 +253,19 @@ class ClusterConfig(_Section):
             )
         return text
 
+    @field_validator("address", mode="before")
+    @classmethod
+    def _address_dask_takes(cls, value: Any) -> Any:
+        # Dask's client would say "missing port number", "unknown address scheme" or a
+        # TypeError: checked here, naming the field, before anything starts.
+        if not isinstance(value, str):
+            return value  # (pydantic says it takes a string)
+        text = value.strip()
+        problem = address_problem(text)
+        if problem is not None:
+            raise ValueError(problem)
+        return text
+
     @model_validator(mode="after")
     def _kind_is_complete(self) -> ClusterConfig:
         if self.kind == "address" and not (self.address or self.scheduler_file):
@@ -213,6 +280,10 @@ class ClusterConfig(_Section):
                 f"cluster.address / cluster.scheduler_file are set but cluster.kind is "
                 f"{self.kind!r}; set cluster.kind=address to connect to that scheduler"
             )
+        if self.address:
+            problem = scheme_problem(self.address, self.security is not None)
+            if problem is not None:
+                raise ValueError(f"cluster.address: {problem}")
         if self.protocol == "tls" and self.security is None:
             raise ValueError(
                 "cluster.protocol=tls needs cluster.security (certificate files, or generate: true)"

@@ -124,3 +124,51 @@ def test_a_certificate_chain_through_an_intermediate_ca_is_taken(tmp_path):
     (tmp_path / "cert.pem").write_bytes(leaf.public_bytes(pem))
     with pytest.raises(ConfigError, match=r"issued by CN=middle\) is not signed by the CA"):
         security_for(_tls_cfg(*files).cluster, tmp_path)
+
+
+_TLS = ["cluster.security.ca_file=ca", "cluster.security.cert=c", "cluster.security.key=k"]
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        # Dask: ValueError: missing port number in address '127.0.0.1'
+        (["cluster.address=127.0.0.1"], r"cluster.address: has no port; .*tcp://127.0.0.1:8786"),
+        (["cluster.address=tls://[::1]"], r"cluster.address: has no port; .*tls://\[::1\]:8786"),
+        # Dask: ValueError: unknown address scheme 'http'
+        (["cluster.address=http://h:8787"], r"cluster.address: .*'http://' \(an http:// "),
+        (["cluster.address=tcp://h:8786/"], r"cluster.address: is not a scheduler address"),
+        # Dask: TypeError (no SSL context for a tls:// address)
+        (["cluster.address=tls://h:8786"], r"cluster.address: 'tls://h:8786' is a TLS sched"),
+        # Dask: RuntimeError: encryption required by Dask configuration
+        (["cluster.address=tcp://h:8786", *_TLS], r"tcp:// address, but cluster.security"),
+        (["cluster.address=h:8786", *_TLS], r"'h:8786' is a tcp:// address, but cluster.sec"),
+        (["cluster.address=ucx://h:8786", *_TLS], r"ucx:// address, but cluster.security"),
+    ],
+)
+def test_a_scheduler_address_dask_would_refuse_is_refused_with_the_config(overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        with_overrides(RunConfig(), ["cluster.kind=address", *overrides])
+
+
+@pytest.mark.parametrize(
+    "address", ["127.0.0.1:8786", " tcp://h:8786 ", "ucx://10.0.0.1:13337", "[::1]:8786"]
+)
+def test_scheduler_addresses_dask_takes_are_taken(address):
+    """No scheme is Dask's default, tcp (`--scheduler host:8786` worked before)."""
+    cfg = with_overrides(RunConfig(), ["cluster.kind=address", f"cluster.address='{address}'"])
+    assert cfg.cluster.address == address.strip()
+    tls = with_overrides(RunConfig(), ["cluster.kind=address", "cluster.address=tls://h:1", *_TLS])
+    assert tls.cluster.security is not None
+
+
+def test_the_cli_refuses_a_scheduler_without_a_port_before_making_the_run(tmp_path, capsys):
+    """`laminar run --scheduler 127.0.0.1` ended on Dask's `ValueError: missing port
+    number`, a traceback, after making the run directory."""
+    from pipelines.cli import main
+
+    run = tmp_path / "run"
+    args = ["run", str(REPO / "configs" / "tiny.yaml"), "--run-dir", str(run)]
+    assert main([*args, "--scheduler", "127.0.0.1"]) == 2
+    assert "cluster.address: has no port" in capsys.readouterr().err
+    assert not run.exists()
