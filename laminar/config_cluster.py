@@ -280,6 +280,14 @@ class ClusterConfig(_Section):
                 f"cluster.address / cluster.scheduler_file are set but cluster.kind is "
                 f"{self.kind!r}; set cluster.kind=address to connect to that scheduler"
             )
+        if self.kind == "address" and self.security is not None and self.security.generate:
+            raise ValueError(
+                "cluster.security.generate=true makes new certificates, which a scheduler "
+                "already running (cluster.kind=address) does not trust: give "
+                "cluster.security.ca_file, cert and key, the set that scheduler was "
+                "started with (`laminar certs DIR` makes one for it), or "
+                "cluster.security=null for a scheduler without TLS"
+            )
         if self.address:
             problem = scheme_problem(self.address, self.security is not None)
             if problem is not None:

@@ -144,6 +144,11 @@ _TLS = ["cluster.security.ca_file=ca", "cluster.security.cert=c", "cluster.secur
         (["cluster.address=tcp://h:8786", *_TLS], r"tcp:// address, but cluster.security"),
         (["cluster.address=h:8786", *_TLS], r"'h:8786' is a tcp:// address, but cluster.sec"),
         (["cluster.address=ucx://h:8786", *_TLS], r"ucx:// address, but cluster.security"),
+        # made new certificates the running scheduler cannot trust, then waited 30 s
+        (
+            ["cluster.address=tls://h:8786", "cluster.security.generate=true"],
+            r"cluster.security.generate=true .* \(cluster.kind=address\) does not trust",
+        ),
     ],
 )
 def test_a_scheduler_address_dask_would_refuse_is_refused_with_the_config(overrides, message):
