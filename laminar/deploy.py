@@ -27,6 +27,7 @@ from pathlib import Path
 
 from laminar.cluster import role_cluster
 from laminar.config import RunConfig
+from laminar.config_cluster import address_problem, scheme_problem
 from laminar.deploy_lost import (
     REPLACE_BACKOFF_S,
     REPLACE_STABLE_S,
@@ -67,18 +68,75 @@ __all__ = [
 ]
 
 
-def _wait_for_file(path: str, timeout_s: float) -> None:
-    """A scheduler started as a Slurm job writes its file once the job runs."""
+def _scheduler_in_file(path: str, timeout_s: float) -> str:
+    """The scheduler's address in its file (``dask scheduler --scheduler-file``), read
+    once the file holds one, for up to ``timeout_s``.
+
+    A scheduler started as a Slurm job writes its file once the job runs, and writes it
+    in place, not atomically: on a shared file system (NFS, Lustre) another machine may
+    see it empty or cut short for a while. Dask's client read it once and failed on a
+    bare AssertionError.
+    """
+    file = Path(path).expanduser()
     deadline = time.monotonic() + timeout_s
-    while not Path(path).expanduser().is_file():
+    while True:
+        address, held = _address_in(file)
+        if address is not None:
+            return address
         if time.monotonic() >= deadline:
-            raise ClusterError(
-                f"no scheduler file at {path!r} after {timeout_s:g} s "
-                "(cluster.placement_timeout_s); start the scheduler with "
-                f"`dask scheduler --scheduler-file {path}` (or sbatch "
-                "deploy/slurm/scheduler.sbatch), on a file system this machine shares"
-            )
-        time.sleep(0.5)
+            break
+        time.sleep(0.2)
+    if held is None:
+        raise ClusterError(
+            f"no scheduler file at {path!r} after {timeout_s:g} s "
+            "(cluster.placement_timeout_s); start the scheduler with "
+            f"`dask scheduler --scheduler-file {path}` (or sbatch "
+            "deploy/slurm/scheduler.sbatch), on a file system this machine shares"
+        )
+    raise ConfigError(
+        f"cluster.scheduler_file: {path!r} holds {held} after {timeout_s:g} s "
+        '(cluster.placement_timeout_s), not the JSON with the scheduler\'s "address" that '
+        f"`dask scheduler --scheduler-file {path}` writes; give the file your scheduler "
+        "wrote (--scheduler-file), or the scheduler's address (--scheduler)"
+    )
+
+
+def _address_in(file: Path) -> tuple[str | None, str | None]:
+    """``(address, None)`` from a scheduler file that names one, ``(None, what it holds)``
+    from one that does not (yet), ``(None, None)`` where there is no file."""
+    import json
+
+    try:
+        text = file.read_text(errors="replace")
+    except FileNotFoundError:
+        return None, None
+    except OSError as e:  # (a folder, no permission: not a file that is still being written)
+        raise ConfigError(
+            f"cluster.scheduler_file: cannot read {str(file)!r} ({e.strerror or e}); give "
+            "the file `dask scheduler --scheduler-file FILE` wrote, readable by this user"
+        ) from None
+    if not text.strip():
+        return None, "nothing (it is empty)"
+    try:
+        data = json.loads(text)
+    except ValueError:
+        cut = text if len(text) <= 80 else text[:80] + "..."
+        return None, f"{cut!r}, which is not JSON (or not all of it yet)"
+    if not isinstance(data, dict) or not isinstance(data.get("address"), str):
+        if isinstance(data, dict):
+            shown = f"the keys {sorted(data)}" if data else "no keys"
+        else:
+            shown = f"a JSON {type(data).__name__}"
+        return None, f'JSON without an "address" ({shown})'
+    return data["address"], None
+
+
+def _check_file_address(path: str, address: str, secured: bool) -> None:
+    """The address a scheduler file names, checked as ``cluster.address`` is."""
+    problem = address_problem(address)
+    problem = scheme_problem(address, secured) if problem is None else f"{address!r} {problem}"
+    if problem is not None:
+        raise ConfigError(f"cluster.scheduler_file: the scheduler address in {path!r}: {problem}")
 
 
 def _stale_hint(path: str | None) -> str:
@@ -115,16 +173,12 @@ def open_cluster(cfg: RunConfig, run_dir: str | Path | None = None) -> Iterator:
     with contextlib.ExitStack() as stack:
         if kind == "address":
             if scheduler_file:
-                _wait_for_file(scheduler_file, c.placement_timeout_s)
-            target = (
-                {"scheduler_file": str(Path(scheduler_file).expanduser())}
-                if scheduler_file
-                else {"address": address}
-            )
+                address = _scheduler_in_file(scheduler_file, c.placement_timeout_s)
+                _check_file_address(scheduler_file, address, security is not None)
+            where = f"{address} (from {scheduler_file})" if scheduler_file else address
             try:
-                client = Client(**target, security=security, timeout="30s")
+                client = Client(address, security=security, timeout="30s")
             except (OSError, TimeoutError) as e:
-                where = scheduler_file or address
                 raise ClusterError(
                     f"cannot reach the scheduler at {where}: {e}; check that it runs and, "
                     "for a tls:// scheduler, that cluster.security gives its CA and a "

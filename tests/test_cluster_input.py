@@ -5,12 +5,14 @@ refuses as the cluster starts is a ClusterError naming the settings, not a trace
 from __future__ import annotations
 
 import datetime
+import json
+import threading
 from pathlib import Path
 
 import pytest
 
 from laminar.config import RunConfig, with_overrides
-from laminar.deploy import generate_tls, security_for
+from laminar.deploy import generate_tls, open_cluster, security_for
 from laminar.errors import ConfigError
 
 REPO = Path(__file__).resolve().parent.parent
@@ -177,3 +179,66 @@ def test_the_cli_refuses_a_scheduler_without_a_port_before_making_the_run(tmp_pa
     assert main([*args, "--scheduler", "127.0.0.1"]) == 2
     assert "cluster.address: has no port" in capsys.readouterr().err
     assert not run.exists()
+
+
+def _file_cfg(path, *more) -> RunConfig:
+    return with_overrides(
+        RunConfig(),
+        ["cluster.kind=address", f"cluster.scheduler_file={path}", *more],
+    )
+
+
+@pytest.mark.parametrize(
+    "text, held",
+    [
+        ("", r"nothing \(it is empty\)"),
+        (
+            '{"type": "Scheduler", "addr',
+            r"'\{\"type\": \"Scheduler\", \"addr', which is not JSON \(or not all of it yet\)",
+        ),
+        ("{}", r"JSON without an \"address\" \(no keys\)"),
+        ('{"name": "x", "port": 1}', r"without an \"address\" \(the keys \['name', 'port'\]\)"),
+    ],
+)
+def test_a_scheduler_file_without_an_address_names_the_field_and_what_it_held(tmp_path, text, held):
+    """Dask's client read such a file once and failed with a bare AssertionError (or a
+    JSONDecodeError) 0.1 s in; a file still being written is waited for instead (next
+    test), and past the timeout is refused with what it held."""
+    path = tmp_path / "scheduler.json"
+    path.write_text(text)
+    cfg = _file_cfg(path, "cluster.placement_timeout_s=0")
+    with pytest.raises(ConfigError, match=rf"cluster.scheduler_file: .* holds .*{held} after 0 s"):
+        with open_cluster(cfg, tmp_path):
+            pass
+
+
+def test_a_scheduler_file_still_being_written_is_waited_for_and_its_address_checked(tmp_path):
+    """`dask scheduler` writes its file in place: on NFS or Lustre another machine can see
+    it empty, then whole. The wait reads it until it names an address, then checks that
+    address as cluster.address is checked: here a TLS scheduler's, without
+    cluster.security (Dask: a TypeError)."""
+    path = tmp_path / "scheduler.json"
+    path.write_text("")
+    whole = json.dumps({"type": "Scheduler", "address": "tls://127.0.0.1:1", "services": {}})
+    seen_empty = threading.Event()
+    real_read = Path.read_text
+
+    def read_text(self, *args, **kwargs):  # the file is finished after it was seen empty
+        text = real_read(self, *args, **kwargs)
+        if self == path and not text:
+            seen_empty.set()
+            real_write(path, whole)
+        return text
+
+    real_write = Path.write_text
+    cfg = _file_cfg(path, "cluster.placement_timeout_s=60")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(Path, "read_text", read_text)
+        with pytest.raises(
+            ConfigError,
+            match=r"cluster.scheduler_file: the scheduler address in .*'tls://127.0.0.1:1' is a "
+            r"TLS scheduler's",
+        ):
+            with open_cluster(cfg, tmp_path):
+                pass
+    assert seen_empty.is_set()
