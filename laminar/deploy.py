@@ -21,6 +21,7 @@ The parts, each importable from here too: what a run needs and the wait for it
 from __future__ import annotations
 
 import contextlib
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -137,6 +138,23 @@ def _check_file_address(path: str, address: str, secured: bool) -> None:
     problem = scheme_problem(address, secured) if problem is None else f"{address!r} {problem}"
     if problem is not None:
         raise ConfigError(f"cluster.scheduler_file: the scheduler address in {path!r}: {problem}")
+    if address.startswith("ucx://"):
+        _ucx_is_installed("cluster.scheduler_file", f"{path} (a ucx:// scheduler)")
+
+
+def _ucx_is_installed(field: str, value: str) -> None:
+    """Dask's UCX comes from `distributed-ucxx`: without it, a scheduler over UCX failed
+    to start with no word of why (``Scheduler failed to start.``)."""
+    import importlib.util
+
+    if importlib.util.find_spec("distributed_ucxx") is None:
+        raise ConfigError(
+            f"{field}={value}: UCX needs the distributed-ucxx package, which this Python "
+            f"({sys.executable}) lacks; it pins its own dask release, so install it with "
+            "laminar in an environment of its own and run laminar from there: python3 -m "
+            "venv .venv-ucx && . .venv-ucx/bin/activate && pip install -e '.[cpu,ucx]' "
+            "(docs/deploy.md, UCX); or use cluster.protocol=tcp"
+        )
 
 
 def _stale_hint(path: str | None) -> str:
@@ -168,6 +186,10 @@ def open_cluster(cfg: RunConfig, run_dir: str | Path | None = None) -> Iterator:
 
     c = cfg.cluster
     kind, address, scheduler_file = c.kind, c.address, c.scheduler_file
+    if kind != "address" and _protocol(c) == "ucx":
+        _ucx_is_installed("cluster.protocol", "ucx")
+    if address and address.startswith("ucx://"):
+        _ucx_is_installed("cluster.address", address)
     security = security_for(c, run_dir)
     jobs = None
     with contextlib.ExitStack() as stack:

@@ -242,3 +242,23 @@ def test_a_scheduler_file_still_being_written_is_waited_for_and_its_address_chec
             with open_cluster(cfg, tmp_path):
                 pass
     assert seen_empty.is_set()
+
+
+@pytest.mark.parametrize(
+    "overrides, field",
+    [
+        (["cluster.protocol=ucx"], "cluster.protocol=ucx"),
+        (["cluster.kind=address", "cluster.address=ucx://127.0.0.1:1"], "cluster.address="),
+    ],
+)
+def test_ucx_without_distributed_ucxx_says_what_to_install(tmp_path, overrides, field):
+    """The scheduler of a UCX cluster failed to start with `Scheduler failed to start.`
+    and nothing more; it is refused before anything starts, naming the package."""
+    import importlib.util
+
+    if importlib.util.find_spec("distributed_ucxx") is not None:
+        pytest.skip("distributed-ucxx is installed here (.venv-ucx)")
+    cfg = with_overrides(RunConfig(), [*overrides, "cluster.placement_timeout_s=0"])
+    with pytest.raises(ConfigError, match=rf"{field}.*needs the distributed-ucxx package"):
+        with open_cluster(cfg, tmp_path):
+            pass
