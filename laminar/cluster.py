@@ -149,7 +149,15 @@ def role_cluster(
     # idle cluster of 17 workers used 0.37 cores with it, 0.25 without).
     environ["DASK_DISTRIBUTED__WORKER__PROFILE__ENABLED"] = "False"
     with dask.config.set({"distributed.nanny.pre-spawn-environ": environ}):
-        return SpecCluster(workers=specs, scheduler=scheduler, name=name, security=security)
+        try:
+            return SpecCluster(workers=specs, scheduler=scheduler, name=name, security=security)
+        except RuntimeError as e:  # ("Cluster failed to start: ..." and Dask's cause)
+            raise ClusterError(
+                f"the local cluster did not start: {e}; check the cluster settings it "
+                f"started with: cluster.protocol ({protocol}://), cluster.security "
+                f"({'set' if security is not None else 'none'}), cluster.memory_limit "
+                f"({memory_limit})"
+            ) from e
 
 
 # What every worker process imports before it can host an actor: forked from a server

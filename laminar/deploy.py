@@ -206,6 +206,12 @@ def open_cluster(cfg: RunConfig, run_dir: str | Path | None = None) -> Iterator:
                     "for a tls:// scheduler, that cluster.security gives its CA and a "
                     "certificate it trusts" + _stale_hint(scheduler_file)
                 ) from e
+            except (RuntimeError, ValueError, TypeError) as e:  # (what the checks missed)
+                field = "cluster.scheduler_file" if scheduler_file else "cluster.address"
+                raise ClusterError(
+                    f"cannot connect to the scheduler at {where}: {type(e).__name__}: {e}; "
+                    f"check {field} and cluster.security (set: {security is not None})"
+                ) from e
             stack.enter_context(client)
         else:
             if kind == "local":

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import datetime
 import json
+import subprocess
+import sys
 import threading
 from pathlib import Path
 
@@ -262,3 +264,37 @@ def test_ucx_without_distributed_ucxx_says_what_to_install(tmp_path, overrides, 
     with pytest.raises(ConfigError, match=rf"{field}.*needs the distributed-ucxx package"):
         with open_cluster(cfg, tmp_path):
             pass
+
+
+# In a process of its own: the failed cluster leaves its IO-loop thread behind
+_FAILED_START = """
+import sys
+from distributed import Security
+from laminar.cluster import role_cluster
+from laminar.errors import ClusterError
+
+ca, cert, key = sys.argv[1:]
+sec = Security(tls_ca_file=ca, tls_client_cert=cert, tls_client_key=key,
+               tls_scheduler_cert=cert, tls_scheduler_key=key, require_encryption=True)
+try:
+    role_cluster({}, protocol="tls", security=sec)
+except ClusterError as e:
+    print("ClusterError:", e)
+"""
+
+
+def test_a_local_cluster_that_fails_to_start_is_a_cluster_error_naming_the_settings(tmp_path):
+    """What the checks before it miss (here a Security made by hand, with a key that is
+    no PEM) ended `laminar run` with Dask's RuntimeError and its traceback."""
+    good = generate_tls(tmp_path / "tls")
+    (tmp_path / "junk.pem").write_text("not a pem\n")
+    out = subprocess.run(
+        [sys.executable, "-c", _FAILED_START, good["ca_file"], good["cert"], tmp_path / "junk.pem"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=REPO,
+    )
+    assert out.stdout.startswith("ClusterError: the local cluster did not start: "), out.stderr
+    assert "Cluster failed to start: [SSL] PEM lib" in out.stdout
+    assert "cluster.protocol (tls://), cluster.security (set)" in out.stdout
