@@ -48,6 +48,8 @@ def cmd_audit(args: argparse.Namespace) -> int:
 
 
 def cmd_certs(args: argparse.Namespace) -> int:
+    import shlex
+
     from laminar.deploy import TLS_FILES, generate_tls
     from laminar.errors import ConfigError
 
@@ -74,9 +76,11 @@ def cmd_certs(args: argparse.Namespace) -> int:
         ) from None
     for field, path in paths.items():
         print(f"{field:<18} {path}")
+    # (quoted for the shell it is pasted into: a folder "my certs" split into two words)
+    q = {field: shlex.quote(path) for field, path in paths.items()}
     print(
-        f"\ndask scheduler --tls-ca-file {paths['ca_file']} --tls-cert {paths['cert']} "
-        f"--tls-key {paths['key']} --protocol tls ...\n"
+        f"\ndask scheduler --tls-ca-file {q['ca_file']} --tls-cert {q['cert']} "
+        f"--tls-key {q['key']} --protocol tls ...\n"
         "config: cluster.security: {ca_file: ..., cert: ..., key: ...}"
     )
     return 0

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import datetime
 import json
+import shlex
 import subprocess
 import sys
 import threading
@@ -298,3 +299,17 @@ def test_a_local_cluster_that_fails_to_start_is_a_cluster_error_naming_the_setti
     assert out.stdout.startswith("ClusterError: the local cluster did not start: "), out.stderr
     assert "Cluster failed to start: [SSL] PEM lib" in out.stdout
     assert "cluster.protocol (tls://), cluster.security (set)" in out.stdout
+
+
+def test_certs_prints_a_command_whose_paths_survive_the_shell(tmp_path, capsys):
+    """`laminar certs "my tls"` printed `--tls-ca-file .../my tls/ca.pem`: pasted, the
+    shell split it in two."""
+    from pipelines.cli import main
+
+    folder = tmp_path / "my tls"
+    assert main(["certs", str(folder)]) == 0
+    line = next(ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("dask "))
+    words = shlex.split(line)
+    for flag, name in [("--tls-ca-file", "ca.pem"), ("--tls-cert", "cert.pem")]:
+        assert words[words.index(flag) + 1] == str(folder / name)
+    assert words[words.index("--tls-key") + 1] == str(folder / "key.pem")
