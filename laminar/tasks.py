@@ -246,6 +246,16 @@ def jsonl_prompts(path: str | Path) -> list[Prompt]:
             row = json.loads(line, object_pairs_hook=_Row)
         except json.JSONDecodeError as e:
             raise DataError(f"{path}:{lineno}: not valid JSON ({e.msg}); {_ONE_LINE}") from None
+        except ValueError as e:  # (an integer over Python's 4300-digit limit, in any field)
+            raise DataError(
+                f"{path}:{lineno}: a number too long to read ({_cut(str(e), 80)}); write "
+                'very long numbers as strings ("123...")'
+            ) from None
+        except RecursionError:  # (arrays or objects nested about 1000 deep, in any field)
+            raise DataError(
+                f"{path}:{lineno}: JSON nested too deeply to read (arrays or objects inside "
+                "each other about a thousand deep); nest less deeply, or drop the field"
+            ) from None
         if not isinstance(row, dict):
             kind = {list: "a JSON array"}.get(type(row), f"a JSON {type(row).__name__}")
             raise DataError(f"{path}:{lineno}: {kind}, not an object; {_ONE_LINE}")

@@ -406,3 +406,20 @@ def test_answers_longer_than_a_response_may_be_are_warned_of_before_the_run(tmp_
         preflight(with_overrides(cfg, ["task.reward=prefix_credit"]))
         preflight(with_overrides(cfg, ["rollout.max_new_tokens=10"]))
     assert not [r for r in caplog.records if "cannot be generated" in r.getMessage()]
+
+
+def test_a_line_json_cannot_read_for_its_size_is_refused_with_its_line(tmp_path):
+    """Python's JSON reader refuses an integer over 4300 digits (a ValueError) and
+    nesting about a thousand deep (a RecursionError), even in a field laminar ignores:
+    each was a raw traceback, not a DataError naming the line and the fix."""
+    f = tmp_path / "p.jsonl"
+    good = '{"prompt": "n 2 >", "answer": "1 2"}\n'
+    f.write_text(good + '{"prompt": "n 2 >", "answer": "1 2", "id": ' + "1" * 5000 + "}\n")
+    with pytest.raises(
+        DataError, match=r"p.jsonl:2: a number too long to read .*write very long numbers as"
+    ):
+        jsonl_prompts(f)
+    deep = "[" * 100_000 + "]" * 100_000
+    f.write_text(good * 2 + '{"prompt": "n 2 >", "answer": "1 2", "x": ' + deep + "}\n")
+    with pytest.raises(DataError, match=r"p.jsonl:3: JSON nested too deeply .*nest less deeply"):
+        jsonl_prompts(f)
