@@ -266,7 +266,7 @@ def serve(conn: Connection, parent_pid: int) -> None:
     """The child's loop: a batch ``(name, pickled fn, sys.path, calls)`` in, ``None``
     (loaded) or what failed out, then one :class:`~laminar.rewards.Score` per call."""
     _die_with(parent_pid)
-    from laminar.rewards import _outcomes, _scored, resolve_reward
+    from laminar.rewards import _outcomes, _said, _scored, resolve_reward
 
     loaded: dict = {}
     while True:
@@ -293,9 +293,8 @@ def serve(conn: Connection, parent_pid: int) -> None:
                 loaded[key] = fn
             fn = loaded[key]
         except BaseException as e:  # noqa: BLE001 — a user's module may raise anything
-            said = f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
             try:
-                conn.send(said)
+                conn.send(_said(e))
             except OSError:
                 return
             continue

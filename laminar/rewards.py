@@ -180,9 +180,7 @@ def resolve_reward(name: str) -> RewardFn:
             "on every Dask worker"
         ) from None
     except Exception as e:  # the module itself fails as it is imported (a bug, a syntax error)
-        raise RewardError(
-            f"task.reward {name!r}: importing {module!r} raised {type(e).__name__}: {e}"
-        ) from None
+        raise RewardError(f"task.reward {name!r}: importing {module!r} raised {_said(e)}") from None
     fn = getattr(imported, attr, None)
     if fn is None:
         raise RewardError(
@@ -235,6 +233,16 @@ def _shown(value, limit: int = 200) -> str:
     return text if len(text) <= limit else text[:limit] + "..."
 
 
+def _said(error: BaseException) -> str:
+    """``Type: message`` for an error message; the type alone where the error has no
+    message, or its ``__str__`` raises (a user's exception class: say what it is)."""
+    try:
+        text = str(error)
+    except Exception:  # noqa: BLE001 — raised by a user's __str__: it must not escape
+        text = ""
+    return f"{type(error).__name__}: {text}" if text else type(error).__name__
+
+
 @dataclass(frozen=True)
 class Score:
     """The outcome of scoring one response: a finite reward, or the error that prevented it."""
@@ -282,8 +290,7 @@ def score_batch(
 def _scored(reward_name: str, raw: object, error: BaseException | None) -> Score:
     """The score of one call: its value, or the error that marks its item."""
     if error is not None:  # a user function may raise anything: mark, don't crash
-        said = f"{type(error).__name__}: {error}" if str(error) else type(error).__name__
-        return Score(math.nan, f"reward {reward_name} raised {said}")
+        return Score(math.nan, f"reward {reward_name} raised {_said(error)}")
     value = _reward_value(raw)
     if not math.isfinite(value):
         return Score(math.nan, f"reward {reward_name} returned {_shown(raw)}")

@@ -31,6 +31,49 @@ def exits(response: str, answer: str) -> float:
     return float(response == answer)
 
 
+class _Unprintable(Exception):
+    """An exception whose ``__str__`` raises (a user's class, with a bug in it)."""
+
+    def __str__(self) -> str:
+        raise RuntimeError("no message")
+
+
+def unprintable(response: str, answer: str) -> float:
+    """Raises :class:`_Unprintable` for the response ``bad``."""
+    if response == "bad":
+        raise _Unprintable
+    return float(response == answer)
+
+
+@pytest.mark.parametrize("timeout_s", [None, 30.0], ids=["in-task", "in-child"])
+def test_a_reward_error_whose_message_raises_marks_its_item_by_its_type(timeout_s):
+    """``str(error)`` raised out of the marking: without a timeout score_batch raised
+    (the rollout's reward collector gave up); with one the child died of it and the
+    item read "killed by SIGKILL". Now the item is marked with the error's type and
+    the rest of the batch is scored."""
+    items = [("1", "1", True), ("bad", "1", True), ("1", "1", True)]
+    scores = score_batch("test_rewards:unprintable", items, 0, timeout_s)
+    assert [s.reward for s in (scores[0], scores[2])] == [1.0, 1.0]
+    assert math.isnan(scores[1].reward)
+    assert scores[1].error == "reward test_rewards:unprintable raised _Unprintable"
+
+
+def test_a_reward_module_whose_import_raises_an_unprintable_error_is_named(tmp_path, monkeypatch):
+    """The same error raised as the reward's module is imported: a RewardError that
+    names the type, not the RuntimeError of its ``__str__``."""
+    from laminar.errors import RewardError
+
+    (tmp_path / "laminar_test_unprintable.py").write_text(
+        "class Unprintable(Exception):\n"
+        "    def __str__(self):\n"
+        "        raise RuntimeError('no message')\n"
+        "raise Unprintable\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.raises(RewardError, match=r"importing 'laminar_test_unprintable' raised Unprint"):
+        score_batch("laminar_test_unprintable:f", [("1", "1", True)])
+
+
 def test_a_call_that_holds_the_gil_is_cut_at_the_timeout_and_the_loop_goes_on():
     """Catastrophic backtracking holds the GIL: a thread that waited for it could not
     even wake up at the timeout (it came back, 1.9 s later for 26 characters, as a
