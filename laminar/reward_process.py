@@ -45,9 +45,12 @@ from laminar.errors import RewardError
 # math verifier's can take seconds) before the batch fails; ``timeout_s`` if longer.
 LOAD_S = 120.0
 
-# A child idle this long exits: a worker that scored once (the warm start's evaluation, on
-# the trainer's worker) keeps no process (34 MiB) for the rest of the run.
+# A child idle this long is ended by its parent (read when it is next checked): a worker
+# that scored once (the warm start's evaluation, on the trainer's worker) keeps no process
+# (34 MiB) for the rest of the run, nor a zombie of one.
 IDLE_S = 600.0
+# A child idle IDLE_S plus this long exits by itself, should its parent not have ended it.
+IDLE_MARGIN_S = 60.0
 
 # The child's first lines: its parent's sys.path before anything of laminar is imported.
 _BOOT = (
@@ -89,6 +92,7 @@ class _Child:
             theirs.close()
         self.conn = Connection(ours.detach())
         self.how: str | None = None  # (once ended)
+        self.idle_since = 0.0  # (time.monotonic(), when last parked idle)
         try:
             self.conn.send(list(sys.path))
         except OSError as e:  # (it ended at once: reaped here)
@@ -124,7 +128,39 @@ class _Child:
 
 _idle: list[_Child] = []
 _idle_lock = threading.Lock()
+_idle_changed = threading.Condition(_idle_lock)  # (a child parked: the reaper looks again)
 _starter_pool: list[ThreadPoolExecutor] = []
+_reaper_of: list[int] = []  # (the process whose reaper thread runs: none after a fork)
+
+
+def _park(child: _Child) -> None:
+    """Keep ``child`` idle for the next batch; the reaper ends it after ``IDLE_S`` unused."""
+    with _idle_lock:
+        child.idle_since = time.monotonic()
+        _idle.append(child)
+        if _reaper_of != [os.getpid()]:
+            _reaper_of[:] = [os.getpid()]
+            threading.Thread(target=_reap, name="laminar-reward-reaper", daemon=True).start()
+        _idle_changed.notify()
+
+
+def _reap() -> None:
+    """End each idle child once it has been idle ``IDLE_S``, or has ended (killed): reaped,
+    its socket closed. The child would exit by itself, but only its parent can reap it:
+    a worker that scored once and not again kept a zombie, and its socket, for the rest
+    of the run (:func:`_take` reaps those it finds, only as the worker next scores)."""
+    while True:
+        with _idle_lock:
+            now = time.monotonic()
+            idle_s = IDLE_S
+            done = [c for c in _idle if now - c.idle_since >= idle_s or c.proc.poll() is not None]
+            for child in done:
+                _idle.remove(child)
+            if not done:
+                due = [c.idle_since + idle_s - now for c in _idle]
+                _idle_changed.wait(min(due, default=None))
+        for child in done:  # (outside the lock: a child stuck in the kernel takes 10 s)
+            child.end()
 
 
 def _starter() -> ThreadPoolExecutor:
@@ -209,8 +245,7 @@ def scores_in_child(
                 healthy = True
         finally:  # (cut: killed; a generator closed early, too, may have calls out)
             if healthy:
-                with _idle_lock:
-                    _idle.append(child)
+                _park(child)
             else:
                 child.end()
 
@@ -254,8 +289,7 @@ def _load(reward_name: str, blob: bytes | None, calls, timeout_s: float) -> _Chi
             )
         if failed is None:
             return child
-        with _idle_lock:
-            _idle.append(child)  # (alive and idle: what failed was the loading)
+        _park(child)  # (alive and idle: what failed was the loading)
         raise RewardError(
             f"task.reward {reward_name!r} does not load in the process that scores it "
             f"({failed}); it must import there as on the worker"
@@ -271,8 +305,8 @@ def serve(conn: Connection, parent_pid: int) -> None:
     loaded: dict = {}
     while True:
         try:
-            if not conn.poll(IDLE_S):
-                return  # (idle: the worker starts another when it next scores)
+            if not conn.poll(IDLE_S + IDLE_MARGIN_S):
+                return  # (idle, and not ended by the worker: it starts another when needed)
             name, blob, path, calls = conn.recv()
         except (EOFError, OSError):  # the worker is gone: so are we
             return

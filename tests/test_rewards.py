@@ -209,6 +209,27 @@ def test_after_a_burst_the_children_that_idle_out_are_reaped_while_one_goes_on()
         assert child.conn.closed
 
 
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+def test_an_idle_child_is_ended_and_reaped_by_its_parent_without_another_batch(monkeypatch):
+    """The child exited by itself after ``IDLE_S`` idle, but only the next batch reaped
+    it: a worker that scored once (the warm start's) kept a zombie and its socket for
+    the rest of the run. Now the parent ends it at ``IDLE_S``, and reaps it."""
+    from laminar import reward_process
+
+    _no_idle_children()
+    monkeypatch.setattr(reward_process, "IDLE_S", 0.2)
+    score_batch("exact_match", [("1", "1", True)], 0, 30.0)
+    with reward_process._idle_lock:
+        (child,) = reward_process._idle
+    deadline = time.monotonic() + 10.0
+    while child.how is None and time.monotonic() < deadline:  # (set once it is reaped)
+        time.sleep(0.05)
+    with reward_process._idle_lock:
+        assert reward_process._idle == []
+    assert child.conn.closed and child.how == "killed by SIGKILL"
+    assert child.proc.returncode is not None and not _zombie(child.proc.pid)
+
+
 # A child that ends at once (os._exit as it starts: before it has read anything)...
 _ENDS_AT_ONCE = "import os\nos._exit(7)\n"
 # ...and one that ends as it loads the function (it has read the batch).
