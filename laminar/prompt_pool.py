@@ -38,6 +38,7 @@ from laminar.errors import ConfigError, DataError
 from laminar.prompts import check_answers as check_answers
 from laminar.prompts import encode_prompts as encode_prompts
 from laminar.prompts import load_prompts as load_prompts
+from laminar.prompts import order_differs, prompt_order
 from laminar.prompts import unreachable_answers as unreachable_answers
 from laminar.tasks import Prompt, iter_epochs
 
@@ -400,13 +401,23 @@ class PromptPoolCore:
 
 
 DATA_STATE = "data_state.json"  # in a checkpoint folder: where the prompt order stood
+# Its key for what that order is of (laminar.prompts.prompt_order): the pool's stats carry
+# it, and the pool's stats are what is written there.
+ORDER_KEY = "prompt_order"
 
 
-def data_position(checkpoint: str | Path | None) -> int:
+def data_position(checkpoint: str | Path | None, order: dict | None = None) -> int:
     """Prompt groups dispatched by the run that wrote ``checkpoint`` (0: start afresh).
     A damaged ``data_state.json`` (not JSON, no ``dispatched``, not a count, not a file
     that reads) is a ``CheckpointError`` naming it; ``check_checkpoint`` calls this
-    before the cluster starts."""
+    before the cluster starts.
+
+    With ``order`` (this run's :func:`laminar.prompts.prompt_order`), the position is
+    that run's only where it recorded the same order (``prompt_order``): on other
+    prompts, or another seed, its position means other prompts, and the order starts
+    at 0, with a warning naming what differs (a new run from the weights on other data
+    is a run like any). One written before laminar recorded the order is taken on
+    trust, as before, and said so."""
     if checkpoint is None:
         return 0
     path = Path(checkpoint) / DATA_STATE
@@ -420,6 +431,9 @@ def data_position(checkpoint: str | Path | None) -> int:
         # (an int, as the driver writes it: 3.5, "3" or true are not a position)
         if not isinstance(n, int) or isinstance(n, bool) or n < 0:
             raise ValueError(f'"dispatched" is {n!r}, not a count of prompt groups (>= 0)')
+        recorded = state.get(ORDER_KEY)
+        if recorded is not None and not isinstance(recorded, dict):
+            raise ValueError(f'"{ORDER_KEY}" is {recorded!r}, not a JSON object')
     except (ValueError, OSError) as e:  # (JSONDecodeError, UnicodeDecodeError; unreadable)
         from laminar.learner import CheckpointError
 
@@ -429,7 +443,30 @@ def data_position(checkpoint: str | Path | None) -> int:
             "restore it from a copy, or delete it to take the prompts from the first "
             "again, or point trainer.resume_from at another checkpoints/version-N folder"
         ) from None
-    return n
+    if order is None or n == 0:
+        return n
+    if recorded is None:
+        logger.info(
+            "%s records no fingerprint of its prompts (written before laminar recorded "
+            "one): the prompt order continues after its %d groups dispatched, taken to be "
+            "of this run's prompts and seed",
+            path,
+            n,
+        )
+        return n
+    differs = order_differs(recorded, order)
+    if differs is None:
+        return n
+    logger.warning(
+        "trainer.resume_from %s: its run's prompt order differs from this run's (%s); "
+        "this run starts its prompt order from the first group, not after the %d that run "
+        "dispatched, which were of other prompts. To continue that order, give the run "
+        "its prompts (task.prompt_file, or the task.* settings that made them) and seed",
+        checkpoint,
+        differs,
+        n,
+    )
+    return 0
 
 
 class PromptPool:
@@ -450,7 +487,9 @@ class PromptPool:
         from laminar.schedule import LAMINAR
 
         tok = AutoTokenizer.from_pretrained(policy_dir, local_files_only=True)
-        encoded = encode_prompts(tok, load_prompts(cfg), cfg)
+        prompts = load_prompts(cfg)
+        encoded = encode_prompts(tok, prompts, cfg)
+        self.order = prompt_order(prompts, cfg.seed)
         spec = spec or LAMINAR
         resumed_from = cfg.trainer.resume_from
         self.core = PromptPoolCore(
@@ -458,7 +497,7 @@ class PromptPool:
             group_size=cfg.rollout.group_size,
             max_outstanding=cfg.buffer.max_outstanding_groups,
             seed=cfg.seed,
-            start=data_position(cfg.trainer.resume_from) if resume is None else resume.start,
+            start=data_position(resumed_from, self.order) if resume is None else resume.start,
             outstanding=() if resume is None else tuple(resume.readmit_groups),
             reissue=None if resume is None else resume.reissue,
             dispatch=spec.dispatch,
@@ -627,8 +666,11 @@ class PromptPool:
         self.core.update_skipped()
         self._changed()
 
-    async def stats(self) -> dict[str, int]:
-        out = self.core.stats()
+    async def stats(self) -> dict:
+        """The core's counters, and what its order is of (:data:`ORDER_KEY`): what the
+        checkpoints' ``data_state.json`` records."""
+        out: dict = self.core.stats()
         if self.fenced:
             out |= {"fenced": len(self.fenced), "refused_fenced": self.n_refused}
+        out[ORDER_KEY] = self.order
         return out

@@ -8,6 +8,9 @@ before any cluster work too (``preflight``), and the warm start encodes with the
 
 from __future__ import annotations
 
+import hashlib
+import json
+
 from laminar.config import RunConfig
 from laminar.errors import DataError
 from laminar.tasks import Prompt, jsonl_prompts, synthetic_prompts
@@ -27,6 +30,46 @@ def load_prompts(cfg: RunConfig) -> list[Prompt]:
         seed=cfg.seed + 1,
         length_share=t.length_share,
     )
+
+
+def prompts_digest(prompts: list[Prompt]) -> str:
+    """sha256 of the prompts and their answers, in order (as JSON: rows joined by
+    separators a text may hold would hash alike); the warm start's cache key takes the
+    same digest (:func:`laminar.sft.warm_start`)."""
+    return hashlib.sha256(json.dumps([[p.text, p.answer] for p in prompts]).encode()).hexdigest()
+
+
+def prompt_order(prompts: list[Prompt], seed: int) -> dict:
+    """What a run's prompt order is made of (:class:`laminar.prompt_pool.PromptPoolCore`:
+    the prompts, by their place in the file, shuffled by ``seed``): recorded beside the
+    position in each checkpoint (``data_state.json``), so that a new run from it
+    (``trainer.resume_from``) continues that order only on the same prompts. Not the
+    prompt file's path: the same prompts at another path are the same order."""
+    return {"prompts": len(prompts), "sha256": prompts_digest(prompts), "seed": seed}
+
+
+def order_differs(recorded: dict, now: dict) -> str | None:
+    """What differs between two :func:`prompt_order` records, in words (``None``: the
+    same order).
+
+    >>> old = {"prompts": 400, "sha256": "a", "seed": 0}
+    >>> order_differs(old, {"prompts": 500, "sha256": "b", "seed": 1})
+    'seed 0, now 1; 400 prompts, now 500'
+    >>> order_differs(old, {"prompts": 400, "sha256": "b", "seed": 0})
+    'the same number of prompts (400), but their text or answers differ'
+    """
+    if recorded == now:
+        return None
+    said = []
+    if recorded.get("seed") != now.get("seed"):
+        said.append(f"seed {recorded.get('seed')!r}, now {now.get('seed')!r}")
+    if recorded.get("prompts") != now.get("prompts"):
+        said.append(f"{recorded.get('prompts')!r} prompts, now {now.get('prompts')!r}")
+    elif recorded.get("sha256") != now.get("sha256"):
+        said.append(
+            f"the same number of prompts ({now.get('prompts')}), but their text or answers differ"
+        )
+    return "; ".join(said) or f"recorded {recorded!r}, now {now!r}"
 
 
 def _words(words: list[str]) -> str:

@@ -636,3 +636,56 @@ def test_a_rollout_that_finds_the_data_module_slow_takes_the_groups_of_its_lost_
     assert stats["dispatched"] == 2 and stats["answered_again"] == 1
     assert not rollout._ask_open and rollout._data_lost is None
     assert rollout._take(2, 0.0)[0] != groups  # (the next ask: a new id, new groups)
+
+
+def test_a_new_run_from_a_checkpoint_continues_its_prompt_order_only_on_its_prompts(
+    small_config, tiny_policy, tmp_path, caplog
+):
+    """``trainer.resume_from`` continues the prompt order where the checkpoint's run
+    stood (``data_state.json``). ``laminar run --resume`` checks that the prompts are
+    the same; a new run from a checkpoint applied the position to whatever prompts and
+    seed it had. The checkpoint now records what its order was of: on other prompts (or
+    another seed) the order starts from the first group, with a warning naming what
+    differs; a checkpoint from before it recorded that continues as before, said so."""
+    import asyncio
+    import json
+    import logging
+
+    from laminar.config import with_overrides
+    from laminar.prompt_pool import DATA_STATE, ORDER_KEY, PromptPool
+
+    state = asyncio.run(PromptPool(small_config, str(tiny_policy)).stats())
+    assert state[ORDER_KEY]["prompts"] == 200 and state[ORDER_KEY]["seed"] == small_config.seed
+    ckpt = tmp_path / "checkpoints" / "version-000003"
+    ckpt.mkdir(parents=True)
+    (ckpt / "trainer_state.json").write_text('{"version": 3}')
+    (ckpt / DATA_STATE).write_text(json.dumps(state | {"dispatched": 5}))
+    resumed = with_overrides(small_config, [f"trainer.resume_from={ckpt}"])
+
+    def dispatched(cfg) -> int:
+        return PromptPool(cfg, str(tiny_policy)).core.n_dispatched
+
+    with caplog.at_level(logging.INFO, logger="laminar"):
+        assert dispatched(resumed) == 5  # the same prompts and seed: where it stood
+        assert not caplog.records
+        seed = small_config.seed
+        assert dispatched(with_overrides(resumed, [f"seed={seed + 1}"])) == 0
+        (warned,) = caplog.records
+        assert warned.levelno == logging.WARNING
+        assert f"seed {seed}, now {seed + 1}" in warned.getMessage()
+        assert "starts its prompt order from the first group, not after the 5" in (
+            warned.getMessage()
+        )
+        caplog.clear()
+        assert dispatched(with_overrides(resumed, ["task.num_prompts=300"])) == 0
+        assert "200 prompts, now 300" in caplog.records[0].getMessage()
+        caplog.clear()
+        (ckpt / DATA_STATE).write_text('{"dispatched": 5}')  # (an older checkpoint)
+        assert dispatched(with_overrides(resumed, [f"seed={seed + 1}"])) == 5
+        (told,) = caplog.records
+        assert told.levelno == logging.INFO and "records no fingerprint" in told.getMessage()
+    from laminar.learner import CheckpointError
+
+    (ckpt / DATA_STATE).write_text('{"dispatched": 5, "prompt_order": 7}')
+    with pytest.raises(CheckpointError, match=r'damaged \(ValueError: "prompt_order" is 7'):
+        dispatched(resumed)
