@@ -17,8 +17,9 @@ The child is a fresh interpreter, started with :mod:`subprocess`: Dask's worker
 processes are daemonic, and :mod:`multiprocessing` refuses them children; a fork of a
 worker (its threads, a CUDA context, gigabytes mapped) per batch would be neither safe
 nor cheap. Each batch brings the worker's ``sys.path`` (a module ``Client.upload_file``
-sent is found there too) and the function, by cloudpickle: a ``module:function`` by
-reference (imported in the child), one made at run time by value. Nothing else of the
+sent is found there too) and the function: a ``module:function`` by its name (imported
+in the child only: not in the worker, where its import would run for nothing), one
+registered at run time by cloudpickle. Nothing else of the
 worker is there: no ``distributed.get_worker()``, no worker plugin's or preload's state,
 and a model the reward loads is loaded once per child. ``task.reward_timeout_s: null``
 calls the reward in the task's thread instead, on the worker, without a cut-off.
@@ -211,13 +212,15 @@ def scores_in_child(
     reward_name: str, fn, calls: Sequence[tuple[str, str]], timeout_s: float
 ) -> Iterator:
     """A :class:`~laminar.rewards.Score` for each call of ``fn`` on ``calls``, in
-    order, each made in a child process and waited for up to ``timeout_s``."""
+    order, each made in a child process and waited for up to ``timeout_s``; ``fn``
+    ``None``: the child resolves ``reward_name`` itself (a ``module:function``, not
+    imported here)."""
     from laminar.rewards import TIMED_OUT, Score
 
-    blob = _pickled(fn)
+    blob = None if fn is None else _pickled(fn)
     i = 0
     while i < len(calls):
-        child = _load(reward_name, blob, calls[i:], timeout_s)
+        child = _load(reward_name, blob, calls[i:], timeout_s, by_name=fn is None)
         if isinstance(child, str):  # (no process to score them: each is marked)
             for _ in calls[i:]:
                 yield Score(math.nan, f"reward {reward_name} was not called: {child}")
@@ -250,7 +253,9 @@ def scores_in_child(
                 child.end()
 
 
-def _load(reward_name: str, blob: bytes | None, calls, timeout_s: float) -> _Child | str:
+def _load(
+    reward_name: str, blob: bytes | None, calls, timeout_s: float, by_name: bool = False
+) -> _Child | str:
     """A child that holds ``calls`` and has loaded the function, ready to answer them;
     or, where none could be had, why (the calls are then marked, not the task failed).
 
@@ -259,7 +264,8 @@ def _load(reward_name: str, blob: bytes | None, calls, timeout_s: float) -> _Chi
     OOM killer, say) is tried once more; one that has not loaded it within
     ``max(LOAD_S, timeout_s)`` is killed, not tried again (that wait is spent). Raises
     only where a child that runs could not load the function: the reward itself is at
-    fault, and would be for every batch."""
+    fault, and would be for every batch (``by_name``: the worker did not resolve it, and
+    the child's error is the one resolving it here would have raised)."""
     wait_s = max(LOAD_S, timeout_s)
     tries = 2
     while True:
@@ -290,6 +296,12 @@ def _load(reward_name: str, blob: bytes | None, calls, timeout_s: float) -> _Chi
         if failed is None:
             return child
         _park(child)  # (alive and idle: what failed was the loading)
+        if by_name and isinstance(failed, RewardError):  # (as resolving it here would say)
+            raise RewardError(str(failed))
+        if isinstance(failed, BaseException):
+            from laminar.rewards import _said
+
+            failed = _said(failed)
         raise RewardError(
             f"task.reward {reward_name!r} does not load in the process that scores it "
             f"({failed}); it must import there as on the worker"
@@ -327,8 +339,8 @@ def serve(conn: Connection, parent_pid: int) -> None:
                 loaded[key] = fn
             fn = loaded[key]
         except BaseException as e:  # noqa: BLE001 — a user's module may raise anything
-            try:
-                conn.send(_said(e))
+            try:  # (resolve_reward's own error, for a reward resolved here, is sent whole)
+                conn.send(e if type(e) is RewardError else _said(e))
             except OSError:
                 return
             continue

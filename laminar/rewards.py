@@ -275,13 +275,18 @@ def score_batch(
     >>> score_batch("laminar.rewards:_hangs", [("hang", "1", True)], timeout_s=0.05)[0].error
     'reward laminar.rewards:_hangs did not return within task.reward_timeout_s=0.05 s'
     """
-    fn = resolve_reward(reward_name)
     calls = [(r, a) for r, a, ended in items if ended]
     if timeout_s is None:
+        fn = resolve_reward(reward_name)
         scores = [_scored(reward_name, *outcome) for outcome in _outcomes(fn, calls)]
     else:
         from laminar.reward_process import scores_in_child
 
+        # A module:function is imported in the child only, by its name: not in the worker,
+        # where its import (a model loaded, a service started) would run for nothing, and
+        # a crash or hang in it would take the worker down, past the timeout's reach.
+        by_name = reward_name not in REWARDS and ":" in reward_name
+        fn = None if by_name else resolve_reward(reward_name)
         scores = list(scores_in_child(reward_name, fn, calls, timeout_s))
     scored = iter(scores)
     return [next(scored) if ended else Score(float(truncated_reward)) for _, _, ended in items]

@@ -70,8 +70,9 @@ def test_a_reward_module_whose_import_raises_an_unprintable_error_is_named(tmp_p
         "raise Unprintable\n"
     )
     monkeypatch.syspath_prepend(str(tmp_path))
-    with pytest.raises(RewardError, match=r"importing 'laminar_test_unprintable' raised Unprint"):
-        score_batch("laminar_test_unprintable:f", [("1", "1", True)])
+    for timeout_s in (None, 30.0):  # (imported here; imported in the child)
+        with pytest.raises(RewardError, match=r"importing 'laminar_test_unprintable' raised Unp"):
+            score_batch("laminar_test_unprintable:f", [("1", "1", True)], 0, timeout_s)
 
 
 def test_a_call_that_holds_the_gil_is_cut_at_the_timeout_and_the_loop_goes_on():
@@ -334,6 +335,36 @@ def test_a_users_module_loads_in_the_child_from_the_workers_path(tmp_path, monke
     import os
 
     assert score.error is None and score.reward not in (0.0, float(os.getpid()))
+
+
+def test_with_a_timeout_a_reward_module_is_imported_in_the_child_only(tmp_path, monkeypatch):
+    """With ``task.reward_timeout_s`` the calls are made in the child, but the worker
+    imported the reward's module too (to pickle the function by reference): a heavy
+    import (a model loaded, a service started) ran in every rollout worker for nothing,
+    and a hang or crash in it was beyond the timeout's reach. Now the child resolves a
+    ``module:function`` by its name; a reward that does not resolve fails the task with
+    the same error as without a timeout."""
+    import os
+
+    from laminar.errors import RewardError
+
+    marker = tmp_path / "imported_in"
+    (tmp_path / "laminar_test_heavy_reward.py").write_text(
+        "import os\n"
+        f"with open({str(marker)!r}, 'a') as f:\n"
+        "    f.write(f'{os.getpid()}\\n')\n"
+        "def f(response, answer):\n"
+        "    return float(response == answer)\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    items = [("1", "1", True), ("2", "1", True)]
+    scores = score_batch("laminar_test_heavy_reward:f", items, 0, 30.0)
+    assert [(s.reward, s.error) for s in scores] == [(1.0, None), (0.0, None)]
+    (pid,) = marker.read_text().split()
+    assert int(pid) != os.getpid() and "laminar_test_heavy_reward" not in sys.modules
+    for timeout_s in (None, 30.0):
+        with pytest.raises(RewardError, match=r"^task.reward 'laminar_test_no_such:f' cannot be"):
+            score_batch("laminar_test_no_such:f", items, 0, timeout_s)
 
 
 def test_a_reward_the_child_cannot_load_fails_the_task_saying_so():
