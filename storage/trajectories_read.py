@@ -33,10 +33,13 @@ from storage.schema import (
     TRAJECTORY_DIM,
 )
 from storage.stores import (
+    _NEVER_ALL_FILL,
+    CHUNKS_ATTR,
     StoreError,
     _check_markers,
     _holds,
     committed_array,
+    fill_value,
     fixed_width,
     group_arrays,
     reading,
@@ -54,7 +57,9 @@ def committed(path: str | Path) -> int:
 
 
 def _open_group(path: str | Path) -> tuple[Path, zarr.Group]:
-    store = store_path(path)
+    # (absolute: open_run's token arrays are read later, and a notebook that changes
+    # directory in between would read a relative path elsewhere, or nothing: zeros)
+    store = store_path(Path(os.path.abspath(path)))
     if not (store / "zarr.json").exists():
         raise StoreError(
             f"no trajectory store at {str(store)!r}; pass a run directory written by "
@@ -423,7 +428,13 @@ def _read_run(store: Path, group: zarr.Group) -> xr.Dataset:
         if dim == TRAJECTORY_DIM:
             scalars[name] = arr[:n]
         elif dim != EVENT_DIM:  # token-level: lazy
-            variables[name] = (dim, da.from_zarr(arr)[: lengths[dim]])
+            lazy = da.from_array(
+                _OnDisk(store, group, name, arr),
+                chunks=arr.chunks,
+                name=False,  # (each open its own: a live store grows between them)
+                meta=np.empty(0, arr.dtype),
+            )
+            variables[name] = (dim, lazy[: lengths[dim]])
     unknown, first, stays, times = _apply_events(store, group, scalars)
     if all(f"{g}_len" in scalars for g in RAGGED):
         _starts_from_lengths(store, scalars)
@@ -450,6 +461,40 @@ def _read_run(store: Path, group: zarr.Group) -> xr.Dataset:
         held = _held_seconds(n, stays, pairs(ds.attrs["pauses_s"]))
         ds["held_s"] = (TRAJECTORY_DIM, held)
     return ds
+
+
+class _OnDisk:
+    """A token array of :func:`open_run`'s Dataset, read when a value is asked for: its
+    chunks are checked first, as at the open (zarr reads a missing chunk as the fill
+    value: a store moved or deleted since, or a chunk lost, would read as zeros)."""
+
+    def __init__(self, store: Path, group: zarr.Group, name: str, arr: zarr.Array) -> None:
+        self.store, self.name, self.arr = store, name, arr
+        self.shape, self.dtype, self.ndim = arr.shape, arr.dtype, 1
+        self.every = bool(group.attrs.get(CHUNKS_ATTR)) or name in _NEVER_ALL_FILL
+
+    def __getitem__(self, key):
+        (index,) = key if isinstance(key, tuple) else (key,)
+        start, stop, _ = index.indices(self.shape[0])
+        size = int(self.arr.chunks[0])
+        folder = self.store / self.name
+        for i in range(start // size, -(-stop // size) if stop > start else 0):
+            chunk = folder / self.arr.metadata.encode_chunk_key((i,))
+            if chunk.exists():
+                continue
+            if not (self.store / "zarr.json").exists():
+                raise StoreError(
+                    f"{str(self.store)!r} is not there any more (moved or deleted since "
+                    f"it was opened): open_run it again where it is now"
+                )
+            if self.every or not (folder / "zarr.json").exists():
+                raise StoreError(
+                    f"{str(self.store)!r}: array {self.name!r} lacks chunk {str(chunk)!r} "
+                    f"(zarr would read it as {fill_value(self.arr.dtype)!r}s): the data is "
+                    "not there; restore the run directory from a copy"
+                )
+        with reading(self.store):
+            return self.arr[key]
 
 
 def _resumes(group: zarr.Group) -> list[float]:
@@ -653,5 +698,5 @@ def open_runs(paths, names: list[str] | None = None) -> xr.Dataset:
     out = xr.concat(records, dim="run", join="outer", fill_value=fill)
     out = out.assign_coords(run=names)
     out["n_trajectories"] = ("run", [r.sizes[TRAJECTORY_DIM] for r in records])
-    out.attrs = {"run_dirs": [str(p) for p in paths]}
+    out.attrs = {"run_dirs": [os.path.abspath(p) for p in paths]}
     return out

@@ -5,6 +5,7 @@ seconds; a resumed run's ``consumed`` counter agrees with the store; reward wind
 carry their counts; empty figures stay valid."""
 
 import json
+import shutil
 import warnings
 
 import numpy as np
@@ -12,7 +13,7 @@ import pytest
 import xarray as xr
 from factories import trajectory
 
-from storage import TrajectoryWriter, open_run, open_trajectories
+from storage import StoreError, TrajectoryWriter, open_run, open_runs, open_trajectories
 from storage.metrics import MetricsWriter
 
 T0 = 1.8e9
@@ -777,3 +778,49 @@ def test_summary_means_are_over_the_same_sampled_trajectories(tmp_path):
     assert summary["residence_mean"] == pytest.approx(1.5)
     assert summary["s_train_mean"] == pytest.approx(2.0)
     assert summary["s_gen_mean"] + summary["residence_mean"] == summary["s_train_mean"]
+
+
+def test_a_run_opened_by_a_relative_path_reads_its_tokens_after_a_change_of_directory(
+    tmp_path, monkeypatch
+):
+    """The token arrays are read when asked for: a notebook that opened ``runs/x`` and
+    changed directory since read zeros (and a NaN mean) where its tokens were, and its
+    ``staleness(restarts="run")`` looked for ``runs/x/summary.json`` elsewhere. The path
+    is made absolute at the open, and kept so in ``attrs["run_dir"]``."""
+    run = tmp_path / "runs" / "x"
+    TrajectoryWriter(run).append(
+        [
+            trajectory(
+                f"u{i}", "g", response=(5 + i, 2), behavior_logprobs=(-0.5, -1.5)
+            ).to_record()
+            for i in range(3)
+        ]
+    )
+    (run / "summary.json").write_text(json.dumps({"faults": {}}))
+    monkeypatch.chdir(tmp_path)
+    ds = open_run("runs/x")
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
+    assert ds.attrs["run_dir"] == str(run)
+    assert ds.laminar.tokens("response_tokens", 1).tolist() == [6, 2]
+    assert ds["response_tokens"][:4].values.tolist() == [5, 2, 6, 2]
+    assert float(ds["behavior_logprobs"].mean()) == -1.0
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert ds.laminar.staleness(restarts="run").attrs["restarts"] == []
+    monkeypatch.chdir(tmp_path)
+    assert open_runs(["runs/x"]).attrs["run_dirs"] == [str(run)]
+
+
+def test_tokens_of_a_store_gone_since_it_was_opened_raise_rather_than_read_zeros(tmp_path):
+    """zarr reads a chunk that is not there as the fill value: a store deleted (or moved)
+    after ``open_run`` read its tokens as zeros; now the read says the store is gone."""
+    run = tmp_path / "x"
+    TrajectoryWriter(run).append([trajectory("u0", "g", response=(5, 2)).to_record()])
+    ds = open_run(run)
+    shutil.rmtree(run / "trajectories.zarr")
+    with pytest.raises(StoreError, match="not there any more"):
+        ds.laminar.tokens("response_tokens", 0)
+    with pytest.raises(StoreError, match="not there any more"):
+        ds["behavior_logprobs"].load()
