@@ -21,8 +21,9 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 from pathlib import Path
+
+from laminar.files import replace_text
 
 logger = logging.getLogger(__name__)
 
@@ -59,13 +60,8 @@ class DispatchLease:
         if below <= self.end:
             return True
         end = below + self.ahead
-        tmp = self.path.with_name(f".{LEASE_FILE}.tmp")
-        try:
-            with open(tmp, "w") as f:
-                f.write(json.dumps({"dispatched_below": end}))
-                f.flush()
-                os.fsync(f.fileno())  # (on disk before the name: a node lost keeps it)
-            os.replace(tmp, self.path)  # (atomic: a reader sees the old lease or the new)
+        try:  # (whole or not at all, on disk before the name; a failed write leaves no temp)
+            replace_text(self.path, json.dumps({"dispatched_below": end}))
         except OSError as e:
             if not self.failing:
                 logger.warning(
@@ -86,12 +82,18 @@ class DispatchLease:
 def read_lease(run_dir: str | Path) -> int | None:
     """The lease on disk in ``run_dir``: no position at or past it was handed out.
     ``None`` when there is none (no group went out, or a run of a laminar before the
-    lease) or it cannot be read (logged: the caller falls back on its own bound)."""
+    lease) or it cannot be read (logged: the caller falls back on its own bound), as
+    when it holds anything but a count (``Infinity``, ``-1``, ``2.5``: damaged)."""
     path = Path(run_dir) / LEASE_FILE
     try:
-        return int(json.loads(path.read_text())["dispatched_below"])
+        below = json.loads(path.read_text())["dispatched_below"]
+        # (an int, as the pool writes it: int() of Infinity raised OverflowError, and
+        # of 2.5 or true made a count of what is none)
+        if not isinstance(below, int) or isinstance(below, bool) or below < 0:
+            raise ValueError(f"dispatched_below is {below!r}, not a count of positions")
+        return below
     except FileNotFoundError:
         return None
-    except (OSError, ValueError, KeyError, TypeError) as e:
+    except (OSError, ValueError, KeyError, TypeError, RecursionError) as e:
         logger.warning("the dispatch lease %s cannot be read (%r); ignored", path, e)
         return None

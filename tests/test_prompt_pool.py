@@ -465,7 +465,7 @@ def test_a_lease_that_cannot_be_written_holds_dispatch_back_and_fails_no_rollout
     from laminar.prompt_pool import PromptPool
 
     pool = PromptPool(small_config, str(tiny_policy), run_dir=str(tmp_path))
-    blocker = tmp_path / f".{LEASE_FILE}.tmp"
+    blocker = tmp_path / LEASE_FILE
     blocker.mkdir()  # (the lease's write fails: IsADirectoryError, an OSError)
     assert asyncio.run(pool.acquire(2, "r0", 0)) == []
     assert read_lease(tmp_path) is None and pool._lease.failing
