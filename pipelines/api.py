@@ -18,6 +18,7 @@ import os
 import threading
 import time
 import traceback
+from collections.abc import Sequence
 from pathlib import Path
 
 from laminar.config import (
@@ -664,6 +665,8 @@ def prepare_resume(run_dir: str | Path, overrides: list[str] | tuple[str, ...] =
     # (the run's relative paths, of a run from before laminar recorded them absolute,
     # found where it read them; task.prompt_file's below, with its bytes checked)
     asked = load_config(config, overrides)
+    if any(key == "trainer.resume_from" for key, _ in parse_overrides(overrides)):
+        _refuse_resume_from(path, ran, asked, ckpt)
     cfg = _paths_found(path, ran, asked)
     # (null, unless it began from another run: recorded as found, with no --set of it)
     own = ran.trainer.resume_from
@@ -737,6 +740,40 @@ def _cannot_resume_with(path: Path, changed: list[str], cfg: RunConfig, ran: Run
     return f"cannot resume {str(path)!r} with {asked}: it ran {before}"
 
 
+def _new_run(path: Path, ckpt: Path | str, sets: Sequence[str] = ()) -> str:
+    """The command (and the Python API's overrides) that continues the run in ``path``
+    in a new run from its checkpoint ``ckpt``, with the settings ``sets``
+    (``key=value``): what a refused resume in place offers instead (``--resume`` takes
+    no ``trainer.resume_from``)."""
+    import shlex
+
+    fields = [f"trainer.resume_from={ckpt}", *sets]
+    config = shlex.quote(str(path / "config.yaml"))
+    cli = " ".join(f"--set {shlex.quote(f)}" for f in fields)
+    python = ", ".join(map(repr, fields))
+    return f"`laminar run {config} --run-dir NEW_DIR {cli}` (from Python: overrides=[{python}])"
+
+
+def _refuse_resume_from(path: Path, ran: RunConfig, asked: RunConfig, ckpt: Path) -> None:
+    """Refuse a resume in place with ``trainer.resume_from`` set to another checkpoint
+    than the run began from: the resume takes the run's newest checkpoint, and the
+    setting was silently ignored (recorded as the run's own)."""
+    given, own = asked.trainer.resume_from, ran.trainer.resume_from
+    if given == own or (
+        given is not None and own is not None and Path(given).resolve() == Path(own).resolve()
+    ):
+        return
+    raise ConfigError(
+        f"cannot resume {str(path)!r} with trainer.resume_from={given}: a resume in place "
+        f"continues from the run's newest checkpoint ({ckpt.name}) and takes no "
+        "trainer.resume_from; drop that --set (override); to roll back to an earlier "
+        "checkpoint of the run, move the later checkpoints/version-* folders aside first, "
+        "renaming them (e.g. to version-000014.aside: the resume takes the newest "
+        "version-<digits> folder), or start a new run from that checkpoint, which reads "
+        f"nothing of this store: {_new_run(path, given)}"
+    )
+
+
 def _refuse_logprob_change(path: Path, ran: RunConfig, cfg: RunConfig, ckpt: Path) -> None:
     """Refuse a resume in place with another :data:`LOGPROB_FIELDS` value: the behavior
     logprobs of the groups its store holds untrained (held again by the buffer) and of
@@ -744,14 +781,9 @@ def _refuse_logprob_change(path: Path, ran: RunConfig, cfg: RunConfig, ckpt: Pat
     trainer would take its own at the new one: every such token's ratio off, silently.
     A new run from the checkpoint reads nothing of this store: every trajectory it
     trains is sampled at the new value."""
-    import shlex
-
     changed = [key for key in LOGPROB_FIELDS if _field(cfg, key) != _field(ran, key)]
     if not changed:
         return
-    sets = " ".join(f"--set {shlex.quote(f'{k}={_field(cfg, k)}')}" for k in changed)
-    config = shlex.quote(str(path / "config.yaml"))
-    ckpt_set = shlex.quote(f"trainer.resume_from={ckpt}")
     raise ConfigError(
         _cannot_resume_with(path, changed, cfg, ran)
         + ", and the behavior logprobs its stores hold for the groups not yet trained (held "
@@ -760,10 +792,7 @@ def _refuse_logprob_change(path: Path, ran: RunConfig, cfg: RunConfig, ckpt: Pat
         "importance ratios would be wrong; drop that --set (override), or change it in a "
         "new run from its checkpoint, which restores the weights, optimizer and prompt "
         "order and reads nothing of this store (what it holds untrained is left out): "
-        f"`laminar run {config} --run-dir NEW_DIR --set {ckpt_set} {sets}` (from Python: "
-        f"overrides=[{f'trainer.resume_from={ckpt}'!r}, "
-        + ", ".join(repr(f"{k}={_field(cfg, k)}") for k in changed)
-        + "])"
+        + _new_run(path, ckpt, [f"{k}={_field(cfg, k)}" for k in changed])
     )
 
 

@@ -288,6 +288,40 @@ def test_a_resume_refuses_run_dir_set_elsewhere_as_it_refuses_run_dir(tmp_path):
     assert _past_the_config_checks(run, ["trainer.steps=3", f"run_dir={run}"])
 
 
+def test_a_resume_refuses_trainer_resume_from_naming_how_to_roll_back(tmp_path, capsys):
+    """`laminar run --resume RUN --set trainer.resume_from=RUN/checkpoints/version-N`
+    resumed from the newest checkpoint and recorded resume_from null: the setting was
+    silently ignored. Refused now, from the CLI and the Python API alike, naming how to
+    roll back and the whole command of a new run from that checkpoint."""
+    import pipelines
+    from laminar.errors import ConfigError
+    from pipelines.api import prepare_resume
+    from pipelines.cli import main
+
+    run = resumable_run(tmp_path)
+    older = run / "checkpoints" / "version-000000"
+    older.mkdir()
+    before = (run / "config.yaml").read_text()
+    with pytest.raises(ConfigError) as e:
+        pipelines.resume(run, None, overrides=["trainer.steps=3", f"trainer.resume_from={older}"])
+    said = str(e.value)
+    assert f"with trainer.resume_from={older}:" in said, said
+    assert "continues from the run's newest checkpoint (version-000001)" in said
+    assert "move the later checkpoints/version-* folders aside" in said
+    assert (
+        f"`laminar run {run / 'config.yaml'} --run-dir NEW_DIR "
+        f"--set trainer.resume_from={older}`" in said
+    ), said
+    assert f"overrides=['trainer.resume_from={older}']" in said
+    assert main(["run", "--resume", str(run), "--set", f"trainer.resume_from={older}"]) == 2
+    assert "takes no trainer.resume_from" in capsys.readouterr().err
+    assert (run / "config.yaml").read_text() == before
+    # the run's own value (null: it began from scratch), named: no change, not refused
+    assert _past_the_config_checks(run, ["trainer.steps=3", "trainer.resume_from=null"])
+    with pytest.raises(ConfigError, match="takes no trainer.resume_from"):
+        prepare_resume(run, [f"trainer.resume_from={run / 'checkpoints' / 'version-000001'}"])
+
+
 def test_the_python_api_takes_a_dict_and_no_overrides_and_names_what_it_takes(tmp_path):
     """`pipelines.submit(dict, client)` and `overrides=None` were TypeErrors from deep
     inside; a run directory that could not be made, a raw NotADirectoryError (only
