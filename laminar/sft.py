@@ -49,6 +49,7 @@ from laminar.model import (
     tiny_config,
 )
 from laminar.prompt_pool import check_answers, encode_prompts
+from laminar.prompts import prompts_digest
 from laminar.rewards import (
     REWARD_FAILURES_TO_STOP,
     fails_too_often,
@@ -198,10 +199,7 @@ def warm_start(
                 "reward_max_failure_share",
             },
         ),
-        # (as JSON: rows joined by separators a text may hold would hash alike)
-        "prompts": hashlib.sha256(
-            json.dumps([[p.text, p.answer] for p in prompts]).encode()
-        ).hexdigest(),
+        "prompts": prompts_digest(prompts),
         "seed": cfg.seed,
         "version": SFT_VERSION,
     }
