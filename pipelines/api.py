@@ -686,8 +686,8 @@ def prepare_resume(run_dir: str | Path, overrides: list[str] | tuple[str, ...] =
             f"{ran.pipeline.schedule!r}{asked}, and resuming in place is built for the "
             "laminar schedule; "
             + ("drop that --set, or " if asked and ran.pipeline.schedule == "laminar" else "")
-            + "start a new run from its checkpoint with "
-            + _setting(f"trainer.resume_from={ckpt}")
+            + "start a new run from its checkpoint: "
+            + _new_run(path, ckpt, [f"pipeline.schedule={cfg.pipeline.schedule}"] if asked else [])
         )
     fingerprint = path / PROMPT_FINGERPRINT
     moved = fingerprint.exists()
@@ -704,7 +704,8 @@ def prepare_resume(run_dir: str | Path, overrides: list[str] | tuple[str, ...] =
             _cannot_resume_with(path, changed, cfg, ran)
             + ", and its stores hold groups of the prompts those made (a resume completes "
             "them by prompt key); drop that --set (override), or train on other data in a "
-            f"new run from its checkpoint: {_setting(f'trainer.resume_from={ckpt}')}"
+            "new run from its checkpoint: "
+            + _new_run(path, ckpt, [_assignment(cfg, key) for key in changed])
         )
     _refuse_logprob_change(path, ran, cfg, ckpt)
     recorded = _recorded_digest(fingerprint) if moved else None
@@ -752,6 +753,12 @@ def _new_run(path: Path, ckpt: Path | str, sets: Sequence[str] = ()) -> str:
     cli = " ".join(f"--set {shlex.quote(f)}" for f in fields)
     python = ", ".join(map(repr, fields))
     return f"`laminar run {config} --run-dir NEW_DIR {cli}` (from Python: overrides=[{python}])"
+
+
+def _assignment(cfg: RunConfig, key: str) -> str:
+    """``key=value`` of ``cfg``'s ``key``, as ``--set`` takes it back (None: ``null``)."""
+    value = _field(cfg, key)
+    return f"{key}={'null' if value is None else value}"
 
 
 def _refuse_resume_from(path: Path, ran: RunConfig, asked: RunConfig, ckpt: Path) -> None:

@@ -267,6 +267,32 @@ def test_the_schedule_refusal_names_the_runs_value_and_the_set_given(tmp_path):
     assert "--set pipeline.schedule" not in str(e.value)
 
 
+def test_the_schedule_and_prompt_refusals_give_the_whole_command_of_a_new_run(tmp_path):
+    """They suggested `--set trainer.resume_from=.../version-N` alone, which on the same
+    `--resume` is refused again (it takes no trainer.resume_from): now the command of a
+    new run from the checkpoint, with the setting that was refused in place."""
+    from laminar.errors import ConfigError
+    from pipelines.api import prepare_resume
+
+    run = resumable_run(tmp_path)
+    ckpt = run / "checkpoints" / "version-000001"
+    start = f"`laminar run {run / 'config.yaml'} --run-dir NEW_DIR --set trainer.resume_from={ckpt}"
+    for override in ("pipeline.schedule=sync", "seed=7"):
+        with pytest.raises(ConfigError) as e:
+            prepare_resume(run, [override])
+        said = str(e.value)
+        assert f"{start} --set {override}`" in said, said
+        assert f"(from Python: overrides=['trainer.resume_from={ckpt}', '{override}'])" in said
+    sync = resumable_run(tmp_path / "b", ["pipeline.schedule=sync"])
+    with pytest.raises(ConfigError) as e:
+        prepare_resume(sync)
+    ckpt = sync / "checkpoints" / "version-000001"
+    assert (
+        f"`laminar run {sync / 'config.yaml'} --run-dir NEW_DIR --set trainer.resume_from={ckpt}`"
+        in str(e.value)
+    ), str(e.value)
+
+
 def test_a_resume_refuses_run_dir_set_elsewhere_as_it_refuses_run_dir(tmp_path):
     """`--resume RUN --set run_dir=/elsewhere` was silently ignored: the run went on in
     RUN, not where it was asked to go."""
