@@ -83,10 +83,16 @@ def _broken(x, y, gaps: list[tuple[float, float]]):
     return x, y
 
 
+NOT_RUNNING = "not running (resumed)"
+
+
 def _shade(ax, gaps: list[tuple[float, float]]) -> None:
-    """Grey where the run was not running (stopped, then resumed)."""
-    for i, (a, b) in enumerate(gaps):
-        ax.axvspan(a, b, color="0.9", zorder=0, label="not running (resumed)" if i == 0 else None)
+    """Grey where the run was not running (stopped, then resumed); labelled once an
+    axis, whatever the runs drawn on it (a legend entry each run's first gap drew)."""
+    labelled = any(p.get_label() == NOT_RUNNING for p in ax.patches)
+    for a, b in gaps:
+        ax.axvspan(a, b, color="0.9", zorder=0, label=None if labelled else NOT_RUNNING)
+        labelled = True
 
 
 def _since_start(run: dict, epoch) -> np.ndarray:
@@ -162,21 +168,25 @@ def plot_reward(runs: list[dict], out: Path) -> str:
 
 def plot_throughput(runs: list[dict], out: Path) -> str:
     fig, (ax_g, ax_u) = _figure("Throughput", 2)
-    for r in runs:
+    for i, r in enumerate(runs):
+        color = f"C{i % 10}"  # (one a run, in both panels: "trained" dashed)
         tp = r["ds"].laminar.throughput(window=5.0)
         gaps = _gaps_on(r, r["ds"].laminar.t0)
         _shade(ax_g, gaps)
         # (a window the run was stopped throughout has no rate, NaN: no line, not a zero)
         for name, style in (("generated", "-"), ("trained", "--")):
-            ax_g.plot(tp["time"].values, tp[name].values, style, label=f"{r['name']} {name}")
+            label = f"{r['name']} {name}"
+            ax_g.plot(tp["time"].values, tp[name].values, style, color=color, label=label)
         versions, rate = update_throughput(r)
         if versions.size:
-            ax_u.plot(versions, rate, ".-", ms=3, label=r["name"])
+            ax_u.plot(versions, rate, ".-", ms=3, color=color, label=r["name"])
     ax_g.set(
         xlabel="time (s since start)", ylabel="tokens/s", title="generated vs trained (5 s bins)"
     )
     ax_u.set(xlabel="version", ylabel="tokens/s", title="actor-update throughput")
     ax_g.legend(fontsize=7)
+    if ax_u.lines:
+        ax_u.legend(fontsize=7)
     return _save(fig, out, "throughput.png")
 
 

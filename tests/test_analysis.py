@@ -550,6 +550,47 @@ def test_actor_update_throughput_of_a_lost_and_resumed_run(tmp_path):
     np.testing.assert_allclose(rate, [100.0, 100.0, 100.0, 150.0])
 
 
+def test_the_throughput_figure_of_several_runs_gives_each_run_one_colour(tmp_path, monkeypatch):
+    """`laminar report A B`: each line took the next colour of the cycle, so a run's
+    "trained" was another colour than its "generated", and its actor-update line a third
+    (that panel had no legend); each run's grey "not running" band was a legend entry."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from pipelines import report
+    from storage.metrics import MetricsWriter
+
+    drawn = {}
+    monkeypatch.setattr(report, "_save", lambda fig, out, name: drawn.setdefault(name, fig))
+    runs = []
+    for name in ("a", "b"):
+        path = tmp_path / name
+        _resumed_run(path, [(1, 3), (8, 9), (125, 126)])
+        ups = [(v, 4.0 * v, 4.0, 400.0) for v in range(1, 4)]
+        MetricsWriter(path).append(
+            "updates",
+            [{"version": v, "time": 1.8e9 + t, "interval_s": i, "tokens": n} for v, t, i, n in ups],
+        )
+        runs.append(report._load(path))
+    report.plot_throughput(runs, tmp_path)
+    ax_g, ax_u = drawn["throughput.png"].axes
+    lines = {line.get_label(): line for line in ax_g.lines}
+    assert sorted(lines) == ["a generated", "a trained", "b generated", "b trained"]
+    for name in ("a", "b"):
+        assert lines[f"{name} generated"].get_color() == lines[f"{name} trained"].get_color()
+        assert lines[f"{name} trained"].get_linestyle() == "--"
+    assert lines["a generated"].get_color() != lines["b generated"].get_color()
+    by_run = {line.get_label(): line.get_color() for line in ax_u.lines}
+    assert by_run == {"a": lines["a generated"].get_color(), "b": lines["b generated"].get_color()}
+    assert [t.get_text() for t in ax_u.get_legend().get_texts()] == ["a", "b"]
+    shown = [t.get_text() for t in ax_g.get_legend().get_texts()]
+    assert shown.count("not running (resumed)") == 1, shown
+    report.plot_reward(runs, tmp_path)
+    ax_t, _ = drawn["reward.png"].axes
+    labels = [p.get_label() for p in ax_t.patches]
+    assert labels.count("not running (resumed)") == 1, labels
+
+
 def test_groups_count_the_weight_versions_a_group_was_generated_with(tmp_path):
     """A group whose siblings were generated at versions 2 and 5 (a baseline that does
     not keep siblings together) has 2 versions, not the span 2..5."""
