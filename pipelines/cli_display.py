@@ -76,6 +76,25 @@ class _Bar:
             self.bar.close()
 
 
+def groups(n: int) -> str:
+    """``n`` prompt groups, in words: ``"1 group"``, ``"0 groups"``."""
+    return f"{n} group" + ("" if n == 1 else "s")
+
+
+def reissued(r: dict) -> str:
+    """What a resume re-issued, from its plan's summary (``summary.json``'s ``resumed``):
+    the samples, of two kinds of group, as the resume's start printed them (a group the
+    store holds siblings of, and one only the recovery log names: every sample)."""
+    samples = r.get("reissued_samples", 0)
+    if "reissued_groups" not in r:
+        return f"{samples} samples re-issued"
+    whole = r.get("log_groups", 0)
+    return (
+        f"{samples} samples re-issued (the missing siblings of "
+        f"{groups(r['reissued_groups'] - whole)}; {groups(whole)} with nothing stored, whole)"
+    )
+
+
 def _print_summary(s: dict) -> None:
     sft = s["sft"]
     print("\n== summary ==")
@@ -93,8 +112,7 @@ def _print_summary(s: dict) -> None:
     if r := s.get("resumed"):
         print(
             f"resumed            at version {r['version']}: {r['readmitted']} trajectories "
-            f"back in the buffer, {r.get('reissued_samples', 0)} missing siblings re-issued, "
-            f"{r['dropped']} dropped"
+            f"back in the buffer, {reissued(r)}, {r['dropped']} dropped"
         )
     left = {k[2:]: v for k, v in s.get("status_counts", {}).items() if k != "n_consumed" and v}
     print(

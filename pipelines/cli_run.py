@@ -17,7 +17,7 @@ import sys
 import time
 
 from laminar.errors import LaminarError, RunFailed, RunStopped
-from pipelines.cli_display import _Bar, _Lines, _print_failed_summary, _print_summary
+from pipelines.cli_display import _Bar, _Lines, _print_failed_summary, _print_summary, groups
 from pipelines.cli_signals import STOP_SIGNALS, _handling, _safely
 
 
@@ -53,14 +53,14 @@ def cmd_run(args: argparse.Namespace) -> int:
         print(f"run dir            {run_dir}  (resumed from {cfg.trainer.resume_from})")
         print(
             f"store              {plan.stored} trajectories; {len(plan.readmit)} back in the "
-            f"buffer ({len(plan.readmit_groups)} groups; the missing siblings of "
-            f"{len(plan.reissue) - plan.log_groups} re-issued), {len(plan.drop)} dropped "
+            f"buffer ({groups(len(plan.readmit_groups))}; the missing siblings of "
+            f"{groups(len(plan.reissue) - plan.log_groups)} re-issued), {len(plan.drop)} dropped "
             "(docs/faults.md)",
             flush=True,
         )
         print(
             f"recovery log       {plan.log_unfinished} trajectories were generating and "
-            f"{plan.log_completed} completed but not stored; {plan.log_groups} groups with "
+            f"{plan.log_completed} completed but not stored; {groups(plan.log_groups)} with "
             "nothing stored re-issued whole",
             flush=True,
         )

@@ -240,6 +240,44 @@ def test_the_printed_summary_says_how_many_updates_a_run_with_skipped_versions_m
     assert "versions           6\n" in capsys.readouterr().out
 
 
+def test_a_resume_says_what_it_re_issued_alike_at_its_start_and_in_its_summary(
+    tmp_path, capsys, monkeypatch
+):
+    """A resume that re-issued 32 groups the store held nothing of (8 samples each) said
+    "the missing siblings of 0 re-issued ... 32 groups with nothing stored re-issued
+    whole" at its start, and "256 missing siblings re-issued" at its end: the count of
+    every re-issued sample, named as the siblings alone."""
+    from laminar.config import RunConfig
+    from laminar.errors import ConfigError
+    from storage.resume import ResumePlan
+
+    plan = ResumePlan(version=4, readmit=["u0"], readmit_groups=["p0"], stored=40)
+    plan.reissue = {f"p{i}": (i, 8, tuple(range(8))) for i in range(1, 33)}
+    plan.log_groups = 32
+    monkeypatch.setattr("pipelines.api.prepare_resume", lambda *a: (RunConfig(), plan, tmp_path))
+
+    def no_cluster(*a, **k):
+        raise ConfigError("no cluster here")
+
+    monkeypatch.setattr("laminar.deploy.open_cluster", no_cluster)
+    assert cli.main(["run", "--resume", str(tmp_path)]) == 2
+    out = capsys.readouterr().out
+    assert "back in the buffer (1 group; the missing siblings of 0 groups re-issued)" in out
+    assert "32 groups with nothing stored re-issued whole" in out
+    cli._print_summary(_summary() | {"resumed": plan.summary()})
+    out = capsys.readouterr().out
+    assert (
+        "1 trajectories back in the buffer, 256 samples re-issued (the missing siblings of "
+        "0 groups; 32 groups with nothing stored, whole), 0 dropped\n" in out
+    ), out
+    # a summary from before the groups were counted: the samples alone
+    cli._print_summary(
+        _summary()
+        | {"resumed": {"version": 4, "readmitted": 1, "dropped": 0, "reissued_samples": 3}}
+    )
+    assert "back in the buffer, 3 samples re-issued, 0 dropped\n" in capsys.readouterr().out
+
+
 def test_a_reader_that_stops_early_ends_the_audit_quietly(tmp_path):
     """`laminar audit --json RUN | head`: once the reader has gone, the broken pipe ends
     the command with 141 (as a shell reports it), not a traceback on stderr."""
