@@ -31,6 +31,10 @@ logger = logging.getLogger(__name__)
 
 ROLES = ("data", "trainer", "rollout", "relay")
 
+# The torch threads of a worker's actors, in its environment: what the cluster laminar
+# started gave that worker (cluster.torch_threads locally, its role's on a Slurm job).
+TORCH_THREADS_VAR = "LAMINAR_TORCH_THREADS"
+
 
 def local_cluster(
     n_rollouts: int,
@@ -144,6 +148,13 @@ def role_cluster(
         current = {k: v for k, v in os.environ.items() if k not in theirs}
         for spec in specs.values():
             spec["options"]["env"] = current
+    for spec in specs.values():
+        # (the nanny's env, not its pre-spawn one: Dask lets this process's environment
+        # override that, where a cluster started before left its own value)
+        spec["options"]["env"] = {
+            **spec["options"].get("env", {}),
+            TORCH_THREADS_VAR: str(torch_threads),
+        }
     # Dask's statistical profiler samples every thread's stack every 10 ms in every
     # worker; a dozen workers on two cores lose a tenth of a core to it (measured: an
     # idle cluster of 17 workers used 0.37 cores with it, 0.25 without).
@@ -305,6 +316,17 @@ def worker_environ(torch_threads: int = 1) -> dict[str, str]:
     threads = str(torch_threads)
     env.update(OMP_NUM_THREADS=threads, MKL_NUM_THREADS=threads, OPENBLAS_NUM_THREADS=threads)
     return env
+
+
+def actor_threads(cfg) -> int:
+    """The torch threads an actor of this worker computes with: its environment's
+    ``LAMINAR_TORCH_THREADS``, which laminar's clusters give their workers (a local
+    one's ``cluster.torch_threads``, a Slurm job its role's ``torch_threads`` or cores),
+    else ``cluster.torch_threads`` (a worker you started yourself without it)."""
+    value = os.environ.get(TORCH_THREADS_VAR, "").strip()
+    if value.isdigit() and int(value) > 0:
+        return int(value)
+    return cfg.cluster.torch_threads
 
 
 def scheduler_workers(client=None, timeout: float = 30.0) -> dict[str, dict]:

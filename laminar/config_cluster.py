@@ -134,6 +134,8 @@ class SlurmRole(_Section):
     partition: str | None = None  # -p of this role's jobs
     account: str | None = None  # -A of this role's jobs
     job_directives: list[str] = []  # `#SBATCH` lines after cluster.slurm.job_directives
+    # Torch (and OpenMP, MKL, OpenBLAS) threads of the job's worker; null: its cores.
+    torch_threads: int | None = Field(None, gt=0)
 
     @field_validator("partition", "account", mode="before")
     @classmethod
@@ -308,7 +310,9 @@ class ClusterConfig(_Section):
     # How long a run waits for workers of every role to join before failing with what
     # is missing (Slurm jobs queue; a local cluster starts them at once).
     placement_timeout_s: float = Field(60.0, ge=0)
-    torch_threads: int = Field(1, gt=0)  # per worker process (cores are shared)
+    # Per local worker process (they share the cores), and a worker you start yourself
+    # without LAMINAR_TORCH_THREADS; a Slurm job's: cluster.slurm.<role>.torch_threads.
+    torch_threads: int = Field(1, gt=0)
     actor_timeout_s: float = Field(60.0, gt=0)
     # Per local worker: a size (4GiB, 500MB), a number of bytes, a fraction of the
     # machine's memory (0.5), auto (its share of it) or 0 (no limit): what Dask takes.

@@ -19,7 +19,7 @@ import sys
 import time
 from pathlib import Path
 
-from laminar.cluster import _set_in_users_config, worker_environ
+from laminar.cluster import TORCH_THREADS_VAR, _set_in_users_config, worker_environ
 from laminar.config import RunConfig, SlurmRole
 from laminar.deploy_lost import SlurmReplacer
 from laminar.deploy_placement import _role_section, run_workers
@@ -86,16 +86,24 @@ def slurm_cluster(cfg: RunConfig, run_dir: str | Path, security=None):
     # the folder's name doubled: Slurm reads -o/-e as a pattern (a run dir "lr_5%" ...).
     where = str(log_dir).replace("%", "%%")
     logs = [f'-e "{where}/{job_name}-%J.err"', f'-o "{where}/{job_name}-%J.out"']
-    env = worker_environ(cfg.cluster.torch_threads)
-    if not _set_in_users_config(_PAUSE):
-        # Without a nanny a worker still pauses at Dask's memory.pause (80%) of its
-        # --memory-limit, here the job's memory, and a paused worker starts no task and
-        # the scheduler gives it none (distributed's WorkerState._ensure_computing): a
-        # rollout whose engine holds most of its job's memory would run none of the
-        # run's reward tasks. Slurm enforces the job's memory; a user's setting stands.
-        env[_env_name(_PAUSE)] = "False"
-    prologue = [f"export {k}={shlex.quote(v)}" for k, v in sorted(env.items())]
-    prologue += [_checked(line) for line in s.job_prologue]
+    pause_theirs = _set_in_users_config(_PAUSE)
+
+    def prologue(role: SlurmRole) -> list[str]:
+        """The job script's lines before its worker: the environment, with the role's
+        threads (its cores unless it says), then cluster.slurm.job_prologue's."""
+        threads = role.torch_threads or role.cores
+        env = worker_environ(threads)
+        env[TORCH_THREADS_VAR] = str(threads)  # (its actors', laminar.cluster.actor_threads)
+        if not pause_theirs:
+            # Without a nanny a worker still pauses at Dask's memory.pause (80%) of its
+            # --memory-limit, here the job's memory, and a paused worker starts no task and
+            # the scheduler gives it none (distributed's WorkerState._ensure_computing): a
+            # rollout whose engine holds most of its job's memory would run none of the
+            # run's reward tasks. Slurm enforces the job's memory; a user's setting stands.
+            env[_env_name(_PAUSE)] = "False"
+        lines = [f"export {k}={shlex.quote(v)}" for k, v in sorted(env.items())]
+        return lines + [_checked(line) for line in s.job_prologue]
+
     protocol = _protocol(cfg.cluster)
     base = dict(
         queue=s.partition,
@@ -108,7 +116,6 @@ def slurm_cluster(cfg: RunConfig, run_dir: str | Path, security=None):
         # dask-jobqueue joins the worker's command with blanks, unquoted: a python (or,
         # below, a certificate) whose path has a blank ended every job at once.
         python=shlex.quote(s.python or sys.executable),
-        job_script_prologue=prologue,
         # (a jobqueue.slurm.log-directory in a Dask config file would add bare ones)
         job_directives_skip=["#SBATCH -e ", "#SBATCH -o "],
         interface=s.interface,
@@ -148,6 +155,7 @@ def slurm_cluster(cfg: RunConfig, run_dir: str | Path, security=None):
         options.update(
             cores=role.cores,
             memory=role.memory,
+            job_script_prologue=prologue(role),
             job_extra_directives=directives,
             security=None,  # its --tls-* arguments, quoted, are ours
             worker_extra_args=list(options.get("worker_extra_args") or [])

@@ -53,7 +53,7 @@ import traceback
 
 import torch
 
-from laminar.cluster import start_thread
+from laminar.cluster import actor_threads, start_thread
 from laminar.config import RunConfig
 from laminar.contract import PromptGroup
 from laminar.engine import FinishedOutput, GenerationRequest, RequestState, make_engine
@@ -101,7 +101,7 @@ class RolloutReplica(DataLinkMixin, WeightsMixin, RecoveryMixin, MovesMixin, Rew
         from laminar.relay_client import Puller
         from laminar.schedule import LAMINAR
 
-        torch.set_num_threads(cfg.cluster.torch_threads)
+        torch.set_num_threads(actor_threads(cfg))
         self.rollout_id = rollout_id
         self.spec = spec or LAMINAR
         # interrupt: (the version to wait for, the requests held meanwhile)

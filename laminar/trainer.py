@@ -45,7 +45,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from laminar.cluster import start_thread
+from laminar.cluster import actor_threads, start_thread
 from laminar.config import RunConfig
 from laminar.contract import Trajectory
 from laminar.learner import step_means
@@ -122,7 +122,7 @@ class Trainer(DataLinkMixin, PublicationMixin):
         from laminar.relay_client import Publisher
         from laminar.schedule import LAMINAR
 
-        torch.set_num_threads(cfg.cluster.torch_threads)
+        torch.set_num_threads(actor_threads(cfg))
         self.spec = spec or LAMINAR
         self.manager = manager
         self.clock = None  # trainer.pacing: updates and weight movements on the model

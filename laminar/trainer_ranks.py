@@ -20,7 +20,7 @@ import traceback
 
 import torch
 
-from laminar.cluster import start_thread
+from laminar.cluster import actor_threads, start_thread
 from laminar.config import RunConfig
 from laminar.learner import Learner
 
@@ -38,7 +38,7 @@ class TrainerRank:
     every batch rank 0 broadcasts, and ends when rank 0 broadcasts ``None``."""
 
     def __init__(self, cfg: RunConfig, policy_dir: str, rank: int, init_method: str) -> None:
-        torch.set_num_threads(cfg.cluster.torch_threads)
+        torch.set_num_threads(actor_threads(cfg))
         self.cfg, self.rank, self.init_method = cfg, rank, init_method
         self.learner = _learner(cfg, policy_dir, rank=rank)
         self.error: str | None = None

@@ -359,3 +359,20 @@ def test_slurm_job_settings_sbatch_reads_are_taken(tmp_path):
         "--qos=high  # the fast one",
     ]
     assert (s.trainer.partition, s.trainer.account, s.trainer.job_directives) == (None, None, [])
+
+
+def test_a_local_cluster_s_actors_compute_on_cluster_torch_threads(cluster_client, monkeypatch):
+    """The actors take their torch threads from their worker's environment (a Slurm job
+    gives its role's): a local cluster's workers are given cluster.torch_threads there,
+    and a worker without it (one you started yourself) takes cluster.torch_threads."""
+    import os
+
+    from laminar.cluster import actor_threads
+
+    cfg = with_overrides(RunConfig(), ["cluster.torch_threads=3"])
+    said = cluster_client.run(lambda: (os.environ.get("OMP_NUM_THREADS"), actor_threads(cfg)))
+    assert set(said.values()) == {("1", 1)}, said  # (the fixture's cluster: torch_threads=1)
+    monkeypatch.delenv("LAMINAR_TORCH_THREADS", raising=False)
+    assert actor_threads(cfg) == 3
+    monkeypatch.setenv("LAMINAR_TORCH_THREADS", "8")
+    assert actor_threads(cfg) == 8

@@ -516,17 +516,32 @@ def test_slurm_workers_do_not_pause_for_memory(fake_slurm, tmp_path, monkeypatch
     assert scripts and not any("MEMORY__PAUSE" in s for s in scripts.values())
 
 
-def test_each_role_s_jobs_run_where_its_section_says_a_replaced_job_too(
-    fake_slurm, tmp_path, monkeypatch
-):
+def _jobs_and_a_replacement(cfg, run_dir) -> dict[str, str]:
+    """The job scripts laminar submits for ``cfg``, and the one that replaces rollout-0's
+    when its worker, having joined, is lost: worker name -> script."""
+    from laminar.deploy import SlurmReplacer, run_workers, slurm_cluster
+
+    fake = Path(os.environ["PATH"].split(os.pathsep)[0]).parent
+    cluster = slurm_cluster(cfg, run_dir)
+    try:
+        replacer = SlurmReplacer(cluster, run_workers(cfg))
+        replacer.core.step(0.0, connected={"rollout-0"}, ended=set())  # it joined
+        asyncio.run_coroutine_threadsafe(replacer._tick(), cluster.loop.asyncio_loop).result(30)
+    finally:
+        cluster.close(timeout=30)
+    scripts = [p.read_text() for p in (fake / "scripts").glob("*.sh")]
+    jobs = {s.split("--name ", 1)[1].split()[0]: s for s in scripts}
+    assert sorted(jobs) == ["data-trainer", "rollout-0", "rollout-0.2", "rollout-1"], jobs
+    return jobs
+
+
+def test_each_role_s_jobs_run_where_its_section_says_a_replaced_job_too(fake_slurm, tmp_path):
     """GPUs in a partition (or on an account) of their own: cluster.slurm's partition,
     account and job_directives were every job's, so rollouts on GPU nodes and a trainer
     on CPU nodes could not be asked for. A role's own partition and account replace the
     cluster's for its jobs, its job_directives follow the cluster's; the job that
     replaces a lost worker's asks for the same."""
     import json
-
-    from laminar.deploy import SlurmReplacer, run_workers, slurm_cluster
 
     cfg = _slurm_cfg(
         "cluster.slurm.partition=cpu",
@@ -538,31 +553,19 @@ def test_each_role_s_jobs_run_where_its_section_says_a_replaced_job_too(
         "cluster.slurm.rollout.job_directives="
         + json.dumps(["--gres-flags=enforce-binding", '--comment="rollout job"']),
     )
-    cluster = slurm_cluster(cfg, tmp_path / "run")
-    try:
-        scripts = {p.stem: p.read_text() for p in (fake_slurm / "scripts").glob("*.sh")}
-        replacer = SlurmReplacer(cluster, run_workers(cfg))
-        replacer.core.step(0.0, connected={"rollout-0"}, ended=set())  # it joined
-        asyncio.run_coroutine_threadsafe(replacer._tick(), cluster.loop.asyncio_loop).result(30)
-        new = {
-            p.stem: p.read_text()
-            for p in (fake_slurm / "scripts").glob("*.sh")
-            if p.stem not in scripts
-        }
-    finally:
-        cluster.close(timeout=30)
-
-    def sbatch_lines(script: str) -> tuple[str, list[str]]:
-        name = script.split("--name ", 1)[1].split()[0]
-        lines = [ln[8:] for ln in script.splitlines() if ln.startswith("#SBATCH ")]
-        return name, [ln for ln in lines if not ln.startswith(("-e ", "-o ", "-J "))]
-
-    jobs = dict(sbatch_lines(s) for s in [*scripts.values(), *new.values()])
-    assert sorted(jobs) == ["data-trainer", "rollout-0", "rollout-0.2", "rollout-1"], jobs
+    jobs = {
+        name: [
+            ln[8:]
+            for ln in script.splitlines()
+            if ln.startswith("#SBATCH ") and not ln.startswith(("#SBATCH -e ", "#SBATCH -o "))
+        ]
+        for name, script in _jobs_and_a_replacement(cfg, tmp_path / "run").items()
+    }
     common = ["-n 1", "--cpus-per-task=1", "--mem=4G", "-t 01:00:00", "--constraint=x86"]
-    assert jobs["data-trainer"] == ["-p cpu", "-A main", *common], jobs
+    assert jobs["data-trainer"] == ["-J laminar-run", "-p cpu", "-A main", *common], jobs
     for name in ("rollout-0", "rollout-1", "rollout-0.2"):
         assert jobs[name] == [
+            "-J laminar-run",
             "-p gpu",
             "-A gpu-hours",
             *common,
@@ -570,3 +573,45 @@ def test_each_role_s_jobs_run_where_its_section_says_a_replaced_job_too(
             '--comment="rollout job"',
             "--gres=gpu:1",
         ], (name, jobs)
+
+
+def test_each_role_s_job_computes_on_its_own_threads_a_replaced_job_too(fake_slurm, tmp_path):
+    """Every job exported OMP_NUM_THREADS=cluster.torch_threads (1) and its actors set
+    torch to that: a trainer job of 16 cores trained on one thread, and a larger
+    torch_threads oversubscribed the 1-core rollout jobs. A job's threads are its role's
+    torch_threads, or its cores; its actors read them from the job's environment
+    (laminar.cluster.actor_threads), whatever cluster.torch_threads says."""
+    import sys
+
+    out = tmp_path / "started"
+    out.mkdir()
+    python = tmp_path / "bin" / "python"
+    python.parent.mkdir()
+    probe = (
+        "import os, sys; from laminar.cluster import actor_threads; "
+        "from laminar.config import RunConfig, with_overrides; "
+        "cfg = with_overrides(RunConfig(), ['cluster.torch_threads=3']); "
+        "print(os.environ['OMP_NUM_THREADS'], os.environ['MKL_NUM_THREADS'], actor_threads(cfg))"
+    )
+    python.write_text(
+        f'#!/bin/bash\nname=$(printf "%s\\n" "$@" | grep -A1 -x -- --name | tail -1)\n'
+        f'{sys.executable} -c "{probe}" > {out}/$name\n'
+    )
+    python.chmod(0o755)
+    cfg = _slurm_cfg(
+        f"cluster.slurm.python={python}",
+        "cluster.torch_threads=3",
+        "cluster.slurm.trainer.cores=16",
+        "cluster.slurm.rollout.cores=8",
+        "cluster.slurm.rollout.torch_threads=2",
+    )
+    for script in _jobs_and_a_replacement(cfg, tmp_path / "run").values():
+        r = subprocess.run(["bash", "-c", script], capture_output=True, text=True, timeout=60)
+        assert r.returncode == 0, (r.stderr, script)
+    threads = {f.name: f.read_text().split() for f in out.iterdir()}
+    assert threads == {
+        "data-trainer": ["16", "16", "16"],
+        "rollout-0": ["2", "2", "2"],
+        "rollout-1": ["2", "2", "2"],
+        "rollout-0.2": ["2", "2", "2"],
+    }, threads
