@@ -310,6 +310,19 @@ class LaminarAccessor:
                 seg = values[np.arange(n.sum()) + np.repeat(starts[block] - lo - first, n)]
             yield block, seg, first
 
+    @staticmethod
+    def _check_window(method: str, window) -> None:
+        """``window`` is a length of time (seconds > 0): 0 divided by zero, a negative one
+        indexed out of range, and reward_curve drew one window of the whole run."""
+        ok = isinstance(window, int | float | np.integer | np.floating) and not isinstance(
+            window, bool
+        )
+        if not ok or not np.isfinite(window) or window <= 0:
+            raise ValueError(
+                f"{method}: window={window!r}; it takes the windows' length in seconds, a "
+                "number > 0 (e.g. window=10.0)"
+            )
+
     def _windows(self, t: np.ndarray, window: float) -> np.ndarray:
         return np.floor((t - self.t0) / window).astype(np.int64)
 
@@ -338,6 +351,7 @@ class LaminarAccessor:
         (:meth:`audit` reports them): they are left out of ``trained``, and the attribute
         ``unsampled`` says how many.
         """
+        self._check_window("throughput", window)
         ds = self._ds
         if not ds.sizes["trajectory"]:  # (a run that has stored nothing yet)
             empty = ("time", np.zeros(0))
@@ -395,6 +409,8 @@ class LaminarAccessor:
         long responses, often low-reward), so a curve's last point can fall on few;
         ``curve.where(curve.trajectories >= n)`` leaves out the windows of fewer than
         ``n`` (the report leaves out those with under a quarter of the median window's)."""
+        if by == "time":
+            self._check_window("reward_curve", window)
         ds = self._ds
         ok = ds["finish_reason"].values != "error"
         if by == "version":

@@ -112,6 +112,22 @@ def test_reward_curves(run):
         ds.laminar.reward_curve(by="step")
 
 
+@pytest.mark.parametrize("window", [0, -5, 0.0, float("nan"), float("inf"), "10", True])
+def test_a_window_that_is_no_length_of_time_is_refused_naming_it(run, window):
+    """`throughput(window=0)` was a ZeroDivisionError, `window=-5` an IndexError, and
+    `reward_curve(by="time", window=0)` one window of the whole run, silently."""
+    ds, _ = run
+    for method, call in (
+        ("throughput", lambda: ds.laminar.throughput(window=window)),
+        ("reward_curve", lambda: ds.laminar.reward_curve(by="time", window=window)),
+    ):
+        with pytest.raises(
+            ValueError, match=rf"{method}: window=.*length in seconds, a number > 0"
+        ):
+            call()
+    assert ds.laminar.reward_curve(by="time", window=np.float32(5)).size  # (numbers pass)
+
+
 def test_groups_and_rollouts(run):
     ds, raw = run
     groups = ds.laminar.groups()
