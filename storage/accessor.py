@@ -493,7 +493,9 @@ class LaminarAccessor:
         )
 
     def summary(self) -> dict[str, float]:
-        """Counts by status and mean staleness of consumed trajectories.
+        """Counts by status (``n_<status>``, one for each of
+        :data:`storage.schema.STATUSES`, 0 where none) and mean staleness of consumed
+        trajectories.
 
         The three means are over the same trajectories: a damaged store can hold some
         ``consumed`` with no ``sample_version`` (-1; :meth:`audit` reports them), whose
@@ -502,7 +504,10 @@ class LaminarAccessor:
         :meth:`staleness_histogram`'s attribute does."""
         ds = self._ds
         status = ds["status"].values
-        out: dict[str, float] = {f"n_{s}": int((status == s).sum()) for s in np.unique(status)}
+        # (every status, 0 where none: one key each whatever the run went through; a
+        # damaged store's unknown ones too, which the audit reports)
+        every = [*STATUSES, *sorted(set(np.unique(status).tolist()) - set(STATUSES))]
+        out: dict[str, float] = {f"n_{s}": int((status == s).sum()) for s in every}
         st = self.staleness()
         sampled = np.isfinite(st["s_train"].values)
         for name in ("s_gen", "residence", "s_train"):

@@ -448,8 +448,9 @@ def _read_run(store: Path, group: zarr.Group) -> xr.Dataset:
     ds["residence"] = (ds["sample_version"] - ds["finish_version"]).where(sampled)
     ds["s_train"] = (ds["sample_version"] - ds["behavior_version"]).where(sampled)
     ds.attrs["run_dir"] = str(store.parent)
-    if unknown:  # (the audit reports them)
-        ds.attrs["unknown_events"] = unknown
+    # (the audit reports them; the uid of the first, only where there is one)
+    ds.attrs["unknown_events"] = int(unknown)
+    if unknown:
         ds.attrs["unknown_event_uid"] = first
     ds.attrs["schedule"] = group.attrs.get("schedule", "laminar")  # older stores: laminar
     # (each resume in place: when, from which checkpoint version; TrajectoryWriter.record_resume)

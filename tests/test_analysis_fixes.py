@@ -824,3 +824,18 @@ def test_tokens_of_a_store_gone_since_it_was_opened_raise_rather_than_read_zeros
         ds.laminar.tokens("response_tokens", 0)
     with pytest.raises(StoreError, match="not there any more"):
         ds["behavior_logprobs"].load()
+
+
+def test_the_summary_counts_every_status_and_open_run_its_unknown_events_when_none(tmp_path):
+    """`ds.laminar.summary()` (and summary.json's `status_counts`) left out a status no
+    trajectory had, so `summary()["n_evicted"]` was a KeyError on a run that evicted
+    nothing; `unknown_events` was there only when there were some."""
+    from pipelines.summary import store_figures
+    from storage.schema import STATUSES
+
+    TrajectoryWriter(tmp_path).append([trajectory("u0", "g", group_size=1).to_record()])
+    ds = open_run(tmp_path)
+    every = {f"n_{s}": 0 for s in STATUSES} | {"n_buffered": 1}
+    assert {k: v for k, v in ds.laminar.summary().items() if k.startswith("n_")} == every
+    assert store_figures(ds)["status_counts"] == every
+    assert ds.attrs["unknown_events"] == 0 and "unknown_event_uid" not in ds.attrs
