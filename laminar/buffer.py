@@ -26,6 +26,7 @@ from laminar.buffer_core import (  # (re-exported: the core's names, imported fr
 )
 from laminar.contract import Trajectory
 from storage.schema import SCALARS
+from storage.stores import StoreError
 
 __all__ = ["SAMPLERS", "BufferCore", "ExperienceBuffer", "UidSet"]
 
@@ -114,24 +115,38 @@ class ExperienceBuffer:
         self._refused_events = 0  # (of them, leave events: the store then disagrees)
         self._refused_error = ""  # (the last)
         self._writer_thread = threading.Thread(target=self._write_loop, daemon=True)
-        self._writer_thread.start()
         if resume is not None:
             self._resume(run_dir, resume)
         if rebuild is not None:
             self._rebuild(run_dir, rebuild)
+        self._writer_thread.start()  # (after: a start that failed leaves no thread)
 
     def _resume(self, run_dir: str, plan) -> None:
         """Re-admit the plan's groups (back to ``buffered``) and drop the rest. The
         store records the resume (when, from which version) first, before this writer
-        commits anything."""
-        self.writer.record_resume(plan.version, time.time())
+        commits anything.
+
+        The resume's events (``dropped``, and ``buffered`` for what a lost update had
+        consumed) are committed here, before the buffer serves anything: queued to the
+        writer thread, they were lost with a data module lost before that job ran, and
+        its rebuild (:func:`storage.resume.plan_rebuild`) held the dropped groups again,
+        trajectories of weights the resume redoes under the same numbers. A store that
+        does not take them fails the start, naming it."""
+        try:
+            self.writer.record_resume(plan.version, time.time())
+        except Exception as e:  # noqa: BLE001 — named, whatever it is
+            raise _start_failed(self.writer.path, "its resume", e) from e
         arrays = _scalars(run_dir)
         rows = {uid: i for i, uid in enumerate(arrays["uid"].tolist())}
         readmit = [rows[u] for u in plan.readmit]
         self._hold_again(arrays, readmit, "resume", stored=arrays["uid"], stopped=True)
         self.version = plan.version
         self._events += [_event(uid, "dropped") for uid in plan.drop]
-        self._flush(force=True)
+        try:
+            self.writer.append([], self._events)  # (the writer thread has no job yet)
+        except Exception as e:  # noqa: BLE001 — named, whatever it is
+            raise _start_failed(self.writer.path, "the resume's leave events", e) from e
+        self._events = []
 
     def _rebuild(self, run_dir: str, plan) -> None:
         """Take over from a lost buffer: hold again what the plan says, write the
@@ -144,11 +159,14 @@ class ExperienceBuffer:
         self._hold_again(arrays, held, "rebuild", stored=self._stored_before)
         for uid, (sample_version, t_sample) in plan.mark_consumed.items():
             self._events.append(_event(uid, "consumed", sample_version, t_sample))
+        # (what a resume dropped and the store lacks the event of: storage.resume._superseded)
+        self._events += [_event(uid, "dropped") for uid in plan.drop]
         self._consumed_elsewhere = dict(plan.consumed_elsewhere)
         self.version = plan.version
         status = arrays["status"].copy()
         status[held] = "buffered"
         status[[rows[u] for u in plan.mark_consumed]] = "consumed"
+        status[[rows[u] for u in plan.drop]] = "dropped"
         c = self.core.counts
         c["inserted"] += len(rows)
         for name in ("consumed", "discarded", "evicted", "filtered"):
@@ -652,6 +670,15 @@ def _walk_back(t: float, seconds: float, stops: list[tuple[float, float]]) -> fl
         seconds -= ran
         t = start
     return t - seconds
+
+
+def _start_failed(store, what: str, error: BaseException) -> StoreError:
+    """A resumed buffer's start failed: the store did not take ``what``."""
+    return StoreError(
+        f"{str(store)!r} did not take {what} ({type(error).__name__}: {error}): the "
+        "resume fails before the buffer serves anything; free the disk or fix the store "
+        "and resume the run again"
+    )
 
 
 def _event(uid: str, status: str, sample_version: int = -1, t_sample: float = math.nan) -> dict:
