@@ -64,13 +64,7 @@ def wait_for_roles(
         if time.monotonic() >= deadline:
             lines = [
                 f"  {role}: {got} worker(s) with resource {role!r}, the run needs {n}; "
-                + (
-                    jobs.missing(role)
-                    if jobs is not None
-                    else f"start {n - got} more with `dask worker ADDRESS --resources "
-                    f"{role}=1`"
-                    + (f" (or lower {ROLE_COUNTS[role]})" if role in ROLE_COUNTS else "")
-                )
+                + (jobs.missing(role) if jobs is not None else _start_workers(role, short))
                 for role, (got, n) in short.items()
             ]
             raise ClusterError(
@@ -84,6 +78,30 @@ def wait_for_roles(
             )
             logged = short
         time.sleep(poll_s)
+
+
+def _start_workers(role: str, short: dict[str, tuple[int, int]]) -> str:
+    """The `dask worker` command that adds the workers ``role`` lacks (``short``: role ->
+    (workers, needed)). The data module and trainer rank 0 share one worker
+    (``data=1,trainer=1``, as docs/deploy.md starts them) unless ``cluster.data_apart``,
+    which the wait does not know: with both short, both ways are given."""
+    got, n = short[role]
+    both = "data" in short and "trainer" in short
+    if role == "data" and both:
+        return (
+            "start one `dask worker ADDRESS --resources data=1,trainer=1` for the data module "
+            "and trainer rank 0 (with cluster.data_apart: true, a `--resources data=1` worker "
+            "and a `--resources trainer=1` one)"
+        )
+    shared = role == "trainer" and both  # (rank 0's worker: the data line's)
+    if shared and n - got == 1:
+        return "the data=1,trainer=1 worker above is it"
+    lower = f" (or lower {ROLE_COUNTS[role]})" if role in ROLE_COUNTS else ""
+    return (
+        f"start {n - got - shared} more with `dask worker ADDRESS --resources {role}=1`"
+        + (" besides the data=1,trainer=1 one above" if shared else "")
+        + lower
+    )
 
 
 # The scheduler plugin of SlurmReplacer that records every worker name that joined.

@@ -163,6 +163,39 @@ def test_a_run_on_a_tls_cluster(tmp_path):
     check_store(run_dir, expect_consumed_groups=4 * 4)
 
 
+@pytest.mark.parametrize("apart", [False, True])
+def test_the_placement_advice_starts_the_data_module_beside_trainer_rank_0(monkeypatch, apart):
+    """A cluster of rollout workers alone: the advice was a `data=1` worker and a
+    `trainer=1` one, where docs/deploy.md (and README) start one `data=1,trainer=1`
+    worker; now that, and the two workers of cluster.data_apart beside it. The trainer's
+    line counts rank 0 in the shared worker; extra ranks are `trainer=1` workers."""
+    from laminar.deploy_placement import role_needs, wait_for_roles
+    from laminar.errors import ClusterError
+
+    monkeypatch.setattr(
+        "laminar.deploy_placement.workers_with",
+        lambda client, role: ["r0", "r1"] if role == "rollout" else [],
+    )
+    for ranks, trainer_line in [
+        (1, "the data=1,trainer=1 worker above is it"),
+        (
+            3,
+            "start 2 more with `dask worker ADDRESS --resources trainer=1` besides the "
+            "data=1,trainer=1 one above (or lower trainer.ranks)",
+        ),
+    ]:
+        cfg = with_overrides(
+            RunConfig(),
+            ["rollout.replicas=2", f"trainer.ranks={ranks}", f"cluster.data_apart={apart}"],
+        )
+        with pytest.raises(ClusterError) as e:
+            wait_for_roles(None, role_needs(cfg), timeout_s=0)
+        data, trainer = str(e.value).splitlines()[1:]
+        assert "start one `dask worker ADDRESS --resources data=1,trainer=1`" in data, data
+        assert "(with cluster.data_apart: true, a `--resources data=1` worker and a " in data
+        assert trainer.endswith(trainer_line), trainer
+
+
 def test_a_cluster_without_a_role_fails_fast_naming_it(tmp_path):
     from distributed import Client, LocalCluster
 
