@@ -31,6 +31,9 @@ logger = logging.getLogger(__name__)
 
 ROLES = ("data", "trainer", "rollout", "relay")
 
+# The Dask setting that pauses a worker near its memory limit (off in laminar's workers).
+MEMORY_PAUSE = "distributed.worker.memory.pause"
+
 # The torch threads of a worker's actors, in its environment: what the cluster laminar
 # started gave that worker (cluster.torch_threads locally, its role's on a Slurm job).
 TORCH_THREADS_VAR = "LAMINAR_TORCH_THREADS"
@@ -148,6 +151,14 @@ def role_cluster(
         current = {k: v for k, v in os.environ.items() if k not in theirs}
         for spec in specs.values():
             spec["options"]["env"] = current
+    # A worker pauses at Dask's memory.pause (80%) of its memory_limit, and a paused
+    # worker starts no task, nor does the scheduler give it one: a rollout whose engine
+    # holds most of its limit would run none of the run's reward tasks. Off, unless your
+    # Dask config sets it; the nanny's restart at memory.terminate (95%) is the nanny's
+    # own and stays. (In the nanny's config: the nanny sets its process's whole config in
+    # the worker after the worker reads its environment, so a DASK_ variable would not
+    # hold.)
+    config = {} if _set_in_users_config(MEMORY_PAUSE) else {MEMORY_PAUSE: False}
     for spec in specs.values():
         # (the nanny's env, not its pre-spawn one: Dask lets this process's environment
         # override that, where a cluster started before left its own value)
@@ -155,6 +166,7 @@ def role_cluster(
             **spec["options"].get("env", {}),
             TORCH_THREADS_VAR: str(torch_threads),
         }
+        spec["options"]["config"] = config
     # Dask's statistical profiler samples every thread's stack every 10 ms in every
     # worker; a dozen workers on two cores lose a tenth of a core to it (measured: an
     # idle cluster of 17 workers used 0.37 cores with it, 0.25 without).

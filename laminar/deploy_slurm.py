@@ -19,7 +19,12 @@ import sys
 import time
 from pathlib import Path
 
-from laminar.cluster import TORCH_THREADS_VAR, _set_in_users_config, worker_environ
+from laminar.cluster import (
+    MEMORY_PAUSE,
+    TORCH_THREADS_VAR,
+    _set_in_users_config,
+    worker_environ,
+)
 from laminar.config import RunConfig, SlurmRole
 from laminar.deploy_lost import SlurmReplacer
 from laminar.deploy_placement import _role_section, run_workers
@@ -28,9 +33,6 @@ from laminar.errors import ClusterError, ConfigError
 
 # (laminar.deploy's logger, as before the split: docs/deploy.md quotes its lines)
 log = logging.getLogger("laminar.deploy")
-
-# The Dask setting that pauses a worker near its memory limit (off in laminar's jobs).
-_PAUSE = "distributed.worker.memory.pause"
 
 
 def _env_name(key: str) -> str:
@@ -86,7 +88,7 @@ def slurm_cluster(cfg: RunConfig, run_dir: str | Path, security=None):
     # the folder's name doubled: Slurm reads -o/-e as a pattern (a run dir "lr_5%" ...).
     where = str(log_dir).replace("%", "%%")
     logs = [f'-e "{where}/{job_name}-%J.err"', f'-o "{where}/{job_name}-%J.out"']
-    pause_theirs = _set_in_users_config(_PAUSE)
+    pause_theirs = _set_in_users_config(MEMORY_PAUSE)
 
     def prologue(role: SlurmRole) -> list[str]:
         """The job script's lines before its worker: the environment, with the role's
@@ -100,7 +102,7 @@ def slurm_cluster(cfg: RunConfig, run_dir: str | Path, security=None):
             # the scheduler gives it none (distributed's WorkerState._ensure_computing): a
             # rollout whose engine holds most of its job's memory would run none of the
             # run's reward tasks. Slurm enforces the job's memory; a user's setting stands.
-            env[_env_name(_PAUSE)] = "False"
+            env[_env_name(MEMORY_PAUSE)] = "False"
         lines = [f"export {k}={shlex.quote(v)}" for k, v in sorted(env.items())]
         return lines + [_checked(line) for line in s.job_prologue]
 

@@ -376,3 +376,37 @@ def test_a_local_cluster_s_actors_compute_on_cluster_torch_threads(cluster_clien
     assert actor_threads(cfg) == 3
     monkeypatch.setenv("LAMINAR_TORCH_THREADS", "8")
     assert actor_threads(cfg) == 8
+
+
+def test_a_local_cluster_s_workers_do_not_pause_for_memory(cluster_client, monkeypatch):
+    """A worker pauses at Dask's memory.pause (80%) of its memory limit, and a paused
+    worker starts no task nor gets one: a rollout whose engine holds most of its limit
+    would run none of the run's reward tasks. The local cluster's workers do not pause;
+    their nannies still restart one at memory.terminate (95%) of it. A pause the user's
+    Dask config sets stands."""
+    import dask
+    import distributed
+
+    from laminar.cluster import MEMORY_PAUSE, role_cluster
+
+    def pause(dask_worker):
+        return dask.config.get(MEMORY_PAUSE), dask_worker.memory_manager.memory_pause_fraction
+
+    def terminate(dask_worker):
+        m = dask_worker.memory_manager
+        return m.memory_terminate_fraction, m.memory_limit
+
+    assert set(cluster_client.run(pause).values()) == {(False, False)}
+    # (the fixture's memory_limit="3GiB")
+    assert set(cluster_client.run(terminate, nanny=True).values()) == {(0.95, 3 * 2**30)}
+
+    specs = {}
+
+    def record(workers, **kwargs):
+        specs.update(workers)
+        return None
+
+    monkeypatch.setattr(distributed, "SpecCluster", record)
+    monkeypatch.setenv("DASK_DISTRIBUTED__WORKER__MEMORY__PAUSE", "0.9")
+    role_cluster({"rollout-0": {"rollout": 1}})
+    assert specs["rollout-0"]["options"]["config"] == {}, specs
