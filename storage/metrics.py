@@ -281,7 +281,10 @@ class MetricsWriter:
             _merge(self._last[table], _latest(table, columns.get), table)
             # (as JSON text: zarr encodes a nested attribute ~6x slower, 40 ms at R = 256)
             attrs[LAST_ATTR] = json.dumps({"n": n + len(rows), "counters": self._last[table]})
-        group.attrs.update(attrs)
+        # (one write of the group's metadata: attrs.update writes it once per key, and a
+        # failure between them left the rows committed while append raised, so the
+        # driver appended them again)
+        group.update_attributes(attrs)
         if self.tensorboard is not None:  # after the commit: the record comes first
             try:
                 self.tensorboard.add(table, rows, first=n)

@@ -252,3 +252,36 @@ def test_a_resume_reads_the_kept_counters_not_the_whole_rollouts_table(tmp_path)
         shutil.rmtree(tmp_path / "metrics.zarr" / "rollouts" / col / "c")
     got = counters_at_end(tmp_path)["rollouts"]
     assert got["r10"] == {"batches": 6.0, "response_tokens": 60.0}, got
+
+
+def test_a_failed_commit_commits_nothing_and_the_rows_append_again(tmp_path, monkeypatch):
+    """The commit (the row count and where the counters stand) is one write of the
+    table's metadata. It was two (``attrs.update``, key by key): a full disk at the
+    second left the rows committed while append raised; the driver keeps rows whose
+    append failed and appends them again, and the rollout table then held each
+    (time, rollout) twice and never opened again ("Cannot unstack MultiIndex containing
+    duplicates")."""
+    import errno
+
+    import zarr
+
+    from storage.metrics import LAST_ATTR
+
+    w = MetricsWriter(tmp_path)
+    rows = [{"elapsed_s": 1.0, "rollout": r, "batches": i + 1} for i, r in enumerate(("r0", "r1"))]
+    w.append("rollouts", rows[:1])  # (the table exists: only its commits are written below)
+    real = zarr.Group.update_attributes
+
+    def full(self, new):  # (the disk fills as the counters' new values are written)
+        if new.get(LAST_ATTR) != self.attrs.get(LAST_ATTR):
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real(self, new)
+
+    monkeypatch.setattr(zarr.Group, "update_attributes", full)
+    with pytest.raises(OSError, match="No space"):
+        w.append("rollouts", rows[1:])
+    monkeypatch.setattr(zarr.Group, "update_attributes", real)
+    w.append("rollouts", rows[1:])  # (the driver's next flush)
+    ds = open_metrics(tmp_path, "rollouts")
+    assert ds["batches"].sel(rollout="r1").values.tolist() == [2.0]
+    assert zarr.open_group(str(tmp_path / "metrics.zarr" / "rollouts")).attrs["n_committed"] == 2
