@@ -167,7 +167,9 @@ def _check_tables(root: zarr.Group) -> None:
             raise TypeError(f"{table!r} is a {type(group).__name__}, not a table's group")
         if COMMIT_ATTR in group.attrs and not int(group.attrs[COMMIT_ATTR]) >= 0:
             raise ValueError(f"{table}'s {COMMIT_ATTR} is {group.attrs[COMMIT_ATTR]!r}")
-        group_arrays(group)
+        if group_arrays(group) and COMMIT_ATTR not in group.attrs:
+            # (an empty one lacks it when a kill lands as it is created: read as 0 rows)
+            raise ValueError(f"{table} has columns but no {COMMIT_ATTR}")
 
 
 def check_metrics_store(run_dir: str | Path) -> None:
@@ -223,8 +225,9 @@ class MetricsWriter:
         if table not in TABLES:
             raise ValueError(f"unknown metrics table {table!r}; tables are {sorted(TABLES)}")
         if table not in self.root:
-            group = self.root.create_group(table)
-            group.attrs[COMMIT_ATTR] = 0
+            # (with its marker, in one write: a kill between the two left a table every
+            # later append failed on)
+            return self.root.create_group(table, attributes={COMMIT_ATTR: 0})
         return self.root[table]
 
     def append(self, table: str, rows: Sequence[Mapping[str, Any]]) -> None:
@@ -232,7 +235,9 @@ class MetricsWriter:
             return
         group = self._table(table)
         dim = TABLES[table]
-        n = int(group.attrs[COMMIT_ATTR])
+        # (no marker: created by a writer killed before it wrote one, without columns:
+        # _check_tables refuses one with columns)
+        n = int(group.attrs.get(COMMIT_ATTR, 0))
         names = list(dict.fromkeys(k for r in rows for k in r))
         columns = {name: _column(f"{table}.{name}", [r.get(name) for r in rows]) for name in names}
         # One listing of the table's arrays: a lookup by name reads that array's metadata

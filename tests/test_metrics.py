@@ -285,3 +285,39 @@ def test_a_failed_commit_commits_nothing_and_the_rows_append_again(tmp_path, mon
     ds = open_metrics(tmp_path, "rollouts")
     assert ds["batches"].sel(rollout="r1").values.tolist() == [2.0]
     assert zarr.open_group(str(tmp_path / "metrics.zarr" / "rollouts")).attrs["n_committed"] == 2
+
+
+def test_a_table_is_created_with_its_commit_marker_and_one_killed_before_it_still_appends(
+    tmp_path, monkeypatch
+):
+    """A table's group and its ``n_committed`` were two writes: a kill between them left
+    a table every later append failed on (KeyError 'n_committed'), which
+    check_metrics_store passed. Created now with its marker in one write; an empty
+    table without one (left so by an older writer) is read as 0 rows, and one with
+    columns but no marker is refused as damaged."""
+    import zarr
+
+    from storage.metrics import check_metrics_store
+    from storage.trajectories import StoreError
+
+    writes = []
+    real = zarr.Group.update_attributes
+
+    def counted(self, new):
+        writes.append(dict(new))
+        return real(self, new)
+
+    monkeypatch.setattr(zarr.Group, "update_attributes", counted)
+    w = MetricsWriter(tmp_path)
+    w.append("cluster", [{"elapsed_s": 1.0, "version": 0}])
+    assert [sorted(a) for a in writes] == [["last_counters", "n_committed"]]  # (the commit)
+    monkeypatch.setattr(zarr.Group, "update_attributes", real)
+
+    w.root.create_group("faults")  # (an older writer killed before it wrote the marker)
+    check_metrics_store(tmp_path)
+    MetricsWriter(tmp_path).append("faults", [{"time": 1.0, "rollout": "r0"}])
+    assert open_metrics(tmp_path, "faults")["rollout"].values.tolist() == ["r0"]
+
+    del zarr.open_group(str(tmp_path / "metrics.zarr" / "faults")).attrs["n_committed"]
+    with pytest.raises(StoreError, match="faults has columns but no n_committed"):
+        check_metrics_store(tmp_path)
