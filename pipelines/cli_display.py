@@ -95,7 +95,9 @@ def reissued(r: dict) -> str:
     )
 
 
-def _print_summary(s: dict) -> None:
+def _print_summary(s: dict, began_from: str | None = None) -> None:
+    """``began_from``: the checkpoint the run began from (``trainer.resume_from`` of a
+    new run), whose weights, not the warm start's, it started with."""
     sft = s["sft"]
     print("\n== summary ==")
     print(f"run dir            {s['run_dir']}  ({s['reason']})")
@@ -134,7 +136,12 @@ def _print_summary(s: dict) -> None:
     if "eval_reward" in sft:
         print(
             f"warm-start reward  {sft['eval_reward']:.3f} "
-            f"(one sample each of {sft['eval_prompts']} prompts)"
+            f"(one sample each of {sft['eval_prompts']} prompts"
+            + (
+                f"; not this run's start: it began from the weights of {began_from})"
+                if began_from
+                else ")"
+            )
         )
     eng = s.get("engine", {})
     if eng.get("parity_checks"):

@@ -15,6 +15,7 @@ import logging
 import signal
 import sys
 import time
+from pathlib import Path
 
 from laminar.errors import LaminarError, RunFailed, RunStopped
 from pipelines.cli_display import _Bar, _Lines, _print_failed_summary, _print_summary, groups
@@ -138,7 +139,7 @@ def _watch(handle, display) -> int:
         _safely(print, f"laminar: {e}", file=sys.stderr)
         return 130
     except RunFailed as e:  # stopped in order: what it did, then why it failed
-        _safely(_print_summary, e.summary)
+        _safely(_print_summary, e.summary, _began_from(handle))
         _safely(print, f"laminar: error: {e}", file=sys.stderr)
         return 1
     except LaminarError as e:
@@ -151,5 +152,20 @@ def _watch(handle, display) -> int:
             _safely(_print_failed_summary, handle.summary)
         _safely(print, f"laminar: error: {e}", file=sys.stderr)
         return 1
-    _safely(_print_summary, summary)
+    _safely(_print_summary, summary, _began_from(handle))
     return 0
+
+
+def _began_from(handle) -> str | None:
+    """The checkpoint a run began from (``trainer.resume_from`` of a new run), as its
+    ``config.yaml`` records it: a resume in place keeps the run's own there (its
+    config's is the checkpoint it resumed from); None for a run from the warm start."""
+    from laminar.config import load_config
+
+    run_dir = getattr(handle, "run_dir", None)
+    if run_dir is None:
+        return None
+    try:
+        return load_config(Path(run_dir) / "config.yaml").trainer.resume_from
+    except (OSError, LaminarError):  # (the summary is printed without it)
+        return None

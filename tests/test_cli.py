@@ -278,6 +278,36 @@ def test_a_resume_says_what_it_re_issued_alike_at_its_start_and_in_its_summary(
     assert "back in the buffer, 3 samples re-issued, 0 dropped\n" in capsys.readouterr().out
 
 
+def test_a_run_from_a_checkpoint_says_the_warm_start_reward_is_not_where_it_began(tmp_path, capsys):
+    """A new run from `trainer.resume_from` printed "warm-start reward 0.551" under a
+    first-20% reward of 0.94: the base model's, which it did not start from. Now the line
+    says so; a run from the warm start (or resumed in place from one) prints it as before."""
+    from types import SimpleNamespace
+
+    from laminar.config import RunConfig, with_overrides
+    from pipelines.api import prepare_run_dir
+
+    ckpt = tmp_path / "a" / "checkpoints" / "version-000040"
+    summary = _summary() | {"sft": {"wall_s": 1.0, "eval_reward": 0.551, "eval_prompts": 256}}
+    display = SimpleNamespace(show=lambda *a, **k: None, close=lambda: None)
+    for name, overrides in (("from40", [f"trainer.resume_from={ckpt}"]), ("plain", [])):
+        run = prepare_run_dir(with_overrides(RunConfig(), overrides), tmp_path / name)
+        handle = SimpleNamespace(
+            done=lambda: True, progress=lambda: {}, wait=lambda: summary, run_dir=run
+        )
+        assert cli._watch(handle, display) == 0
+        line = next(
+            x for x in capsys.readouterr().out.splitlines() if x.startswith("warm-start reward")
+        )
+        if overrides:
+            assert line == (
+                "warm-start reward  0.551 (one sample each of 256 prompts; not this run's "
+                f"start: it began from the weights of {ckpt})"
+            )
+        else:
+            assert line == "warm-start reward  0.551 (one sample each of 256 prompts)"
+
+
 def test_a_reader_that_stops_early_ends_the_audit_quietly(tmp_path):
     """`laminar audit --json RUN | head`: once the reader has gone, the broken pipe ends
     the command with 141 (as a shell reports it), not a traceback on stderr."""
