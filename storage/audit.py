@@ -104,10 +104,19 @@ def audit_run(run_dir: str | Path) -> AuditReport:
             )
         buffered = in_flight & (status == "buffered")
         dropped = in_flight & (status == "dropped")
+        n_short, n_buffered, n_dropped = int(short.sum()), int(buffered.sum()), int(dropped.sum())
+        # (the drop only where the run was resumed, or a store shows some: a run not yet
+        # resumed dropped nothing)
+        resumed = bool(ds.attrs.get("resumed_at_s")) or n_dropped > 0
         report.notes.append(
-            f"{int(short.sum())} groups were still generating when the run stopped "
-            f"({int(buffered.sum())} of their trajectories are stored as buffered, "
-            f"{int(dropped.sum())} were dropped when it resumed)"
+            f"{n_short} {'group was' if n_short == 1 else 'groups were'} still generating "
+            f"when the run stopped ({n_buffered} of {'its' if n_short == 1 else 'their'} "
+            f"trajectories {'is' if n_buffered == 1 else 'are'} stored as buffered"
+            + (
+                f", {n_dropped} {'was' if n_dropped == 1 else 'were'} dropped when it resumed)"
+                if resumed
+                else ")"
+            )
         )
     if (sizes > want).any():
         report.problems.append(f"{int((sizes > want).sum())} groups have more members than size")

@@ -839,3 +839,23 @@ def test_the_summary_counts_every_status_and_open_run_its_unknown_events_when_no
     assert {k: v for k, v in ds.laminar.summary().items() if k.startswith("n_")} == every
     assert store_figures(ds)["status_counts"] == every
     assert ds.attrs["unknown_events"] == 0 and "unknown_event_uid" not in ds.attrs
+
+
+def test_the_audit_note_of_groups_still_generating_says_nothing_dropped_before_a_resume(
+    tmp_path,
+):
+    """The note said "1 groups were still generating when the run stopped (1 of their
+    trajectories are stored as buffered, 0 were dropped when it resumed)" of a run never
+    resumed."""
+    from storage.audit import audit_run
+
+    w = TrajectoryWriter(tmp_path)
+    w.append([trajectory("g-0", "g", group_size=2).to_record()])
+    note = "1 group was still generating when the run stopped"
+    notes = [n for n in audit_run(tmp_path).notes if "still generating" in n]
+    assert notes == [f"{note} (1 of its trajectories is stored as buffered)"], notes
+    TrajectoryWriter(tmp_path).record_resume(0, 1.0)  # (a resume: its own writer)
+    notes = [n for n in audit_run(tmp_path).notes if "still generating" in n]
+    assert notes == [
+        f"{note} (1 of its trajectories is stored as buffered, 0 were dropped when it resumed)"
+    ], notes
