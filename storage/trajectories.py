@@ -99,9 +99,8 @@ class TrajectoryWriter:
         exists = (self.path / "zarr.json").exists()
         with reading(self.path):
             self.group = zarr.open_group(str(self.path), mode="a", zarr_format=3)
-            if not exists:
-                self._create()
-                self.group.attrs["schedule"] = schedule
+            if not exists or _never_created(self.path, self.group):
+                self._create(schedule)
             elif self.group.attrs.get("schema_version") != SCHEMA_VERSION:
                 raise StoreError(
                     f"{str(self.path)!r} has schema_version "
@@ -119,19 +118,17 @@ class TrajectoryWriter:
                 committed_array(self.path, self.group, name, n)
             self._truncate_uncommitted()
 
-    def _create(self) -> None:
+    def _create(self, schedule: str) -> None:
+        """The arrays, then every attribute in one write: until then the store is not
+        created (:func:`_never_created`), and a writer opening it creates it again (a
+        kill part-way used to leave a store every later open refused, and one killed
+        before its ``schedule`` read as a ``laminar`` store)."""
         g = self.group
-        for name, dtype in SCALARS.items():
-            new_array(g, name, dtype, TRAJECTORY_DIM, _CHUNK_TRAJ)
-        for group, (dim, fields) in RAGGED.items():
-            for name in (f"{group}_start", f"{group}_len"):
-                new_array(g, name, np.dtype("int64"), TRAJECTORY_DIM, _CHUNK_TRAJ)
-            for name, dtype in fields.items():
-                new_array(g, name, dtype, dim, _CHUNK_TOK)
-        for name, field in EVENT_FIELDS.items():
-            new_array(g, name, SCALARS[field], EVENT_DIM, _CHUNK_TRAJ)
+        for name, (dtype, dim, chunk) in _arrays().items():  # (over any a kill left)
+            new_array(g, name, dtype, dim, chunk, overwrite=True)
         self.group.update_attributes(  # (one write: attrs.update writes key by key)
             {
+                "schedule": schedule,
                 "schema_version": SCHEMA_VERSION,
                 COMMIT_ATTR: 0,
                 "n_committed_tokens": {dim: 0 for dim, _ in RAGGED.values()},
@@ -237,6 +234,37 @@ class TrajectoryWriter:
         )
         self._dirty = False
         return self.n_committed
+
+
+def _arrays() -> dict[str, tuple[np.dtype, str, int]]:
+    """Every array of a trajectory store: name -> (dtype, dimension, chunk length)."""
+    out = {name: (dtype, TRAJECTORY_DIM, _CHUNK_TRAJ) for name, dtype in SCALARS.items()}
+    for group, (dim, fields) in RAGGED.items():
+        for name in (f"{group}_start", f"{group}_len"):
+            out[name] = (np.dtype("int64"), TRAJECTORY_DIM, _CHUNK_TRAJ)
+        out |= {name: (dtype, dim, _CHUNK_TOK) for name, dtype in fields.items()}
+    for name, field in EVENT_FIELDS.items():
+        out[name] = (SCALARS[field], EVENT_DIM, _CHUNK_TRAJ)
+    return out
+
+
+def _never_created(store: Path, group: zarr.Group) -> bool:
+    """A store a writer began to create and never finished (killed before the one write
+    of its attributes, :meth:`TrajectoryWriter._create`): no attribute says what it is,
+    and it holds nothing but (some of) the arrays a trajectory store has, each with no
+    value written (a folder with its ``zarr.json`` alone, if that). Anything else (a
+    store of another schema, or not laminar's) is left as it is."""
+    if "schema_version" in group.attrs or COMMIT_ATTR in group.attrs:
+        return False
+    names = _arrays()
+    for entry in store.iterdir():
+        if entry.name == "zarr.json" or entry.name.endswith(".partial"):  # (zarr's temp)
+            continue
+        if entry.name not in names or not entry.is_dir():
+            return False
+        if any(f.name != "zarr.json" and not f.name.endswith(".partial") for f in entry.iterdir()):
+            return False
+    return True
 
 
 def _exact(

@@ -279,6 +279,54 @@ def test_stores_of_schema_1_are_still_read(tmp_path):
         TrajectoryWriter(tmp_path)
 
 
+def test_a_store_whose_creation_was_killed_is_created_again(tmp_path, monkeypatch):
+    """Creating the store was the bare group, its arrays, its attributes, then its
+    ``schedule`` in another write: a kill after the bare group made every later open
+    fail ("schema_version None ... use a new run directory"), and one before the
+    ``schedule`` left a partial_rollout store that read as laminar. Its attributes are
+    one write, the last; until then a writer opening the store creates it again."""
+    import zarr
+
+    from storage.stores import new_array
+
+    g = zarr.open_group(str(tmp_path / "trajectories.zarr"), mode="a", zarr_format=3)
+    new_array(g, "uid", np.dtypes.StringDType(), "trajectory", 16384)  # (killed here)
+    (tmp_path / "trajectories.zarr" / "reward").mkdir()  # (and here, making another)
+    writes = []
+    real = zarr.Group.update_attributes
+
+    def counted(self, new):
+        writes.append(dict(new))
+        return real(self, new)
+
+    monkeypatch.setattr(zarr.Group, "update_attributes", counted)
+    w = TrajectoryWriter(tmp_path, schedule="partial_rollout")
+    assert len(writes) == 1 and writes[0]["schedule"] == "partial_rollout"
+    assert writes[0]["schema_version"] == 2 and writes[0][COMMIT_ATTR] == 0
+    monkeypatch.setattr(zarr.Group, "update_attributes", real)
+    w.append([record(0), record(1)])
+    assert open_run(tmp_path).attrs["schedule"] == "partial_rollout"
+    assert open_trajectories(tmp_path)["uid"].tolist() == ["u0", "u1"]
+
+
+def test_a_group_without_attributes_that_holds_data_is_not_created_over(tmp_path):
+    """Only a store with nothing written but (some of) its empty arrays is created
+    again: a group that holds any value, or anything a trajectory store has not, is
+    refused as before."""
+    import zarr
+
+    for what in ("values", "other"):
+        root = tmp_path / what
+        g = zarr.open_group(str(root / "trajectories.zarr"), mode="a", zarr_format=3)
+        if what == "values":
+            g.create_array("reward", shape=(2,), dtype="float32")[:] = [1.0, 2.0]
+        else:
+            g.create_group("mine")
+        with pytest.raises(StoreError, match="schema_version None"):
+            TrajectoryWriter(root)
+        assert "schedule" not in zarr.open_group(str(root / "trajectories.zarr")).attrs
+
+
 def test_a_resume_readmits_untrained_groups_reissues_missing_samples_drops_the_rest(tmp_path):
     """Checkpoint at version 2: what it trained stays consumed; groups it did not train
     (buffered, or consumed by an update after it) come back, and a group whose siblings
