@@ -1,7 +1,8 @@
 """Workers lost for good: :func:`fence_workers` stops a hung or lost worker before its
 work is redone elsewhere, and :class:`SlurmReplacer` (its decisions :class:`Replacements`'s,
 a pure core) cancels the job of a Slurm worker the scheduler lost and submits a new one
-with the same resources.
+from the same job spec: its role's resources, cores, memory, GPUs, threads, partition,
+account and ``#SBATCH`` lines.
 
 Apart from starting a cluster (:mod:`laminar.deploy`, :mod:`laminar.deploy_slurm`)
 because it acts while the run goes: called by the driver's and the manager's fault
@@ -155,8 +156,9 @@ class SlurmReplacer:
     check on the cluster's event loop that cancels the job of a worker the scheduler lost
     (killed, its job ended, or fenced: `restart_workers` only removes a worker without a
     nanny, and a stopped process would keep its job and its node) and submits a new one
-    with the same resources through the cluster's spec (:class:`Replacements` decides
-    which and when). Stops with the cluster."""
+    from the lost job's spec, held meanwhile (the same resources and the role's job
+    settings, partition and account included; :class:`Replacements` decides which and
+    when). Stops with the cluster."""
 
     def __init__(self, cluster, workers: dict, every_s: float = 1.0, **limits) -> None:
         self.cluster = cluster
