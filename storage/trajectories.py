@@ -204,8 +204,10 @@ class TrajectoryWriter:
             tokens[dim] += int(lens.sum())
         for name, dtype in SCALARS.items():
             per_traj[name] = _exact(records, name, [r[name] for r in records], dtype)
+        # (checked as records are: numpy stored a sample_version of 1.7 as 1, and a NaN
+        # raised a ValueError the buffer took for the store's refusal of the batch)
         leave = {
-            name: np.array([e[field] for e in events], dtype=SCALARS[field])
+            name: _exact(events, field, [e[field] for e in events], SCALARS[field], "leave event")
             for name, field in EVENT_FIELDS.items()
         }
         # ... and a batch cut short while writing (a full disk) is taken back, so that
@@ -268,12 +270,17 @@ def _never_created(store: Path, group: zarr.Group) -> bool:
 
 
 def _exact(
-    records: Sequence[Mapping[str, Any]], name: str, values: list, dtype: np.dtype
+    records: Sequence[Mapping[str, Any]],
+    name: str,
+    values: list,
+    dtype: np.dtype,
+    what: str = "record",
 ) -> np.ndarray:
     """``values`` of field ``name`` (one per record: arrays for a ragged field) as
     ``dtype``. A value it cannot hold (not a number; for an integer field, a fraction or
-    out of range) is a :class:`StoreError` naming its record, rather than cast: numpy
-    would store 1.7 as 1, 2**31 as -2**31, and -1 as 255 in a ``uint8`` mask."""
+    out of range) is a :class:`StoreError` naming its record (``what``: a record, or a
+    leave event), rather than cast: numpy would store 1.7 as 1, 2**31 as -2**31, and -1
+    as 255 in a ``uint8`` mask."""
     ragged = name in RAGGED_FIELDS
     try:
         with np.errstate(invalid="ignore", over="ignore"):
@@ -297,7 +304,7 @@ def _exact(
                 held = None
             if held is None or (dtype.kind in "iu" and held != x):
                 raise StoreError(
-                    f"record {rec['uid']!r}: {name} value {x!r} is not a {dtype} (the "
+                    f"{what} {rec['uid']!r}: {name} value {x!r} is not a {dtype} (the "
                     "store would cast it); pass the values the schema holds "
                     "(storage/schema.py)"
                 )

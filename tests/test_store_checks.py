@@ -99,6 +99,31 @@ def test_values_the_schema_cannot_hold_are_refused_not_cast(tmp_path, field, val
     assert got["response_tokens"].tolist() == [100, 101, 102, 103] * 2
 
 
+@pytest.mark.parametrize(
+    ("field", "value", "said"),
+    [
+        ("sample_version", 1.7, "sample_version value 1.7"),
+        ("sample_version", float("nan"), "sample_version value nan"),
+        ("sample_version", 2**70, "sample_version value 1180591620717411303424"),
+        ("t_sample", "soon", "t_sample value 'soon'"),
+    ],
+)
+def test_leave_events_the_schema_cannot_hold_are_refused_not_cast(tmp_path, field, value, said):
+    """Leave events skipped the check records get: a ``sample_version`` of 1.7 was
+    stored as 1, and a NaN raised numpy's bare ValueError. Refused as a record's value
+    is, naming the event and the field, before anything of the batch is written."""
+    w = TrajectoryWriter(tmp_path)
+    w.append([record(0)])
+    good = {"uid": "u0", "status": "consumed", "sample_version": 3, "t_sample": 5.0}
+    bad = good | {"uid": "u1", field: value}
+    with pytest.raises(StoreError, match=rf"leave event 'u1': {said} is not a"):
+        w.append([record(1)], [good, bad])
+    assert open_trajectories(tmp_path)["uid"].tolist() == ["u0"]
+    assert w.events_committed == 0
+    assert w.append([record(1)], [good]) == 2  # (the writer goes on)
+    assert open_trajectories(tmp_path)["sample_version"].tolist() == [3, 3]
+
+
 def _all_zero_versions(tmp_path):
     """A store whose ``behavior_version`` chunk holds only zeros (zarr's fill value: left
     out unless its writer writes every chunk)."""
