@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 import time
 
 from laminar.actors import ActorHung as ActorHung
@@ -142,6 +143,7 @@ def role_cluster(
         fork_workers_from_a_warm_server()
     else:
         spawn_workers_unless_the_user_chose()
+    check_main_importable()
     if dask.config.get("distributed.worker.multiprocessing-method") == "forkserver":
         # A forked worker starts with the forkserver's environment, from when it started
         # (this process's first worker); a spawned one would have this process's, now. So
@@ -236,6 +238,40 @@ def spawn_workers_unless_the_user_chose() -> None:
     if _FORKSERVER_IS_OURS and dask.config.get(key) == "forkserver":
         dask.config.set({key: "spawn"})
         _FORKSERVER_IS_OURS = False
+
+
+def check_main_importable() -> None:
+    """Refuse to start worker processes that could not import this process's ``__main__``.
+
+    With the ``spawn`` and ``forkserver`` methods every worker process imports the main
+    module again from its file, as Python's multiprocessing does. A script read from
+    standard input (``python - < run.py``, a heredoc) has ``__file__`` ``'<stdin>'``, no
+    file: each worker failed with ``FileNotFoundError: '<stdin>'``, shown as "Nanny failed
+    to start", which reads like the missing ``__main__`` guard the README warns of. A
+    notebook, an interactive session and ``python -c`` have no such file to import, and
+    ``python -m`` imports by name: those start as they are.
+
+    >>> check_main_importable()  # (under pytest: a real file, or none)
+    """
+    from multiprocessing import process
+
+    import dask
+
+    if dask.config.get("distributed.worker.multiprocessing-method") == "fork":
+        return  # (a forked worker imports nothing again)
+    main = sys.modules.get("__main__")
+    path = getattr(main, "__file__", None)
+    if path is None or getattr(getattr(main, "__spec__", None), "name", None):
+        return
+    full = path if os.path.isabs(path) else os.path.join(process.ORIGINAL_DIR or "", path)
+    if not os.path.isfile(full):
+        raise ClusterError(
+            f"a local cluster's worker processes import this program's main module again, "
+            f"from its file, and it has none ({path!r}: a script read from standard input, "
+            "`python - < script.py` or a heredoc); save the script to a file and run "
+            '`python script.py` (with the `if __name__ == "__main__":` guard), or run '
+            "it in a notebook or with `python -c`"
+        )
 
 
 def fork_workers_from_a_warm_server() -> None:

@@ -419,3 +419,33 @@ def test_a_module_that_fails_to_import_in_the_warm_server_does_not_stop_the_work
     )
     assert out.returncode == 0, out.stderr[-2000:]
     assert "ValueError" in out.stdout and "10s" in out.stdout, out.stdout
+
+
+def test_a_script_read_from_stdin_is_told_to_be_saved_to_a_file(tmp_path):
+    """`python - < script.py` (README's snippet piped in): each forked or spawned worker
+    imports the main module again from its file, '<stdin>', which is none. The workers
+    failed with "Nanny failed to start", the message of a missing __main__ guard, which
+    did not help. The cluster is refused before any worker starts, saying what to do."""
+    import subprocess
+    import sys
+
+    script = (
+        "import laminar.cluster\n"
+        "from laminar.errors import ClusterError\n"
+        "try:\n"
+        "    laminar.cluster.local_cluster(1)\n"
+        "except ClusterError as e:\n"
+        "    print('refused:', e)\n"
+    )
+    r = subprocess.run(
+        [sys.executable, "-"],
+        input=script,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=tmp_path,
+        env={**os.environ, "PYTHONPATH": os.getcwd()},
+    )
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.startswith("refused: ") and "'<stdin>'" in r.stdout, r.stdout
+    assert "save the script to a file" in r.stdout, r.stdout
