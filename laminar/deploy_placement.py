@@ -219,7 +219,7 @@ class SlurmJobs:
 # {s}: the job's section of cluster.slurm.
 _NEVER_STARTS = {
     "PartitionTimeLimit": "its walltime (cluster.slurm.walltime) is longer than its "
-    "partition allows (or choose another cluster.slurm.partition)",
+    "partition allows (or choose another: {s}.partition, else cluster.slurm.partition)",
     "AssocMaxWallDurationPerJobLimit": "its walltime (cluster.slurm.walltime) is longer "
     "than your association allows a job",
     "QOSMaxWallDurationPerJobLimit": "its walltime (cluster.slurm.walltime) is longer than "
@@ -238,21 +238,25 @@ _NEVER_STARTS = {
     "QOSMaxGRESPerJob": "its GPUs ({s}.gpus) are more than its QOS allows a job",
     "AssocMaxGRESPerNode": "its GPUs ({s}.gpus) are more than your association allows a node",
     "QOSMaxGRESPerNode": "its GPUs ({s}.gpus) are more than its QOS allows a node",
-    "AssocMaxNodePerJobLimit": "its nodes (cluster.slurm.job_directives) are more than your "
-    "association allows a job",
-    "QOSMaxNodePerJobLimit": "its nodes (cluster.slurm.job_directives) are more than its "
-    "QOS allows a job",
-    "InvalidAccount": "its account (cluster.slurm.account, or your default) is not valid",
-    "AccountNotAllowed": "its account (cluster.slurm.account) may not use its partition "
-    "(cluster.slurm.partition)",
-    "InvalidQOS": "its QOS (a --qos of cluster.slurm.job_directives, or your default) is not valid",
-    "QOSNotAllowed": "its QOS (a --qos of cluster.slurm.job_directives, or your default) "
-    "is not allowed for your account or its partition",
-    "BadConstraints": "what it asks for can never be met (cluster.slurm.job_directives, "
-    "such as --constraint, or {s}.cores, .memory, .gpus)",
+    "AssocMaxNodePerJobLimit": "its nodes ({s}.job_directives or cluster.slurm.job_directives) are "
+    "more than your association allows a job",
+    "QOSMaxNodePerJobLimit": "its nodes ({s}.job_directives or cluster.slurm.job_directives) "
+    "are more than its QOS allows a job",
+    "InvalidAccount": "its account ({s}.account, else cluster.slurm.account, else your "
+    "default) is not valid",
+    "AccountNotAllowed": "its account ({s}.account, else cluster.slurm.account) may not use "
+    "its partition ({s}.partition, else cluster.slurm.partition)",
+    "InvalidQOS": "its QOS (a --qos of {s}.job_directives or cluster.slurm.job_directives, "
+    "or your default) is not valid",
+    "QOSNotAllowed": "its QOS (a --qos of {s}.job_directives or "
+    "cluster.slurm.job_directives, or your default) is not allowed for your account or its "
+    "partition",
+    "BadConstraints": "what it asks for can never be met ({s}.job_directives or "
+    "cluster.slurm.job_directives, such as --constraint, or {s}.cores, .memory, .gpus)",
     "DependencyNeverSatisfied": "it depends on a job that will never complete "
-    "(cluster.slurm.job_directives)",
-    "ReservationDeleted": "its reservation is gone (cluster.slurm.job_directives)",
+    "({s}.job_directives or cluster.slurm.job_directives)",
+    "ReservationDeleted": "its reservation is gone ({s}.job_directives or "
+    "cluster.slurm.job_directives)",
 }
 
 

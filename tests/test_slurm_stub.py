@@ -447,8 +447,9 @@ def test_a_job_that_can_never_start_fails_the_wait_at_once(tmp_path, monkeypatch
         ("PartitionTimeLimit", "cluster.slurm.walltime"),
         ("QOSMaxWallDurationPerJobLimit", "cluster.slurm.walltime"),
         ("AssocMaxMemPerJob", "cluster.slurm.rollout.memory"),
-        ("InvalidAccount", "cluster.slurm.account"),
-        ("BadConstraints", "cluster.slurm.job_directives"),
+        # (a role's own setting first, the cluster's it falls back on beside it)
+        ("InvalidAccount", "cluster.slurm.rollout.account, else cluster.slurm.account"),
+        ("BadConstraints", "cluster.slurm.rollout.job_directives or cluster.slurm.job_directives"),
     ]:
         states["11"] = ("PENDING", reason)
         with pytest.raises(ClusterError) as e:
