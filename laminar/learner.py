@@ -21,6 +21,7 @@ from __future__ import annotations
 import json
 import logging
 import random
+import shutil
 from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
@@ -444,6 +445,21 @@ def _checkpoints(folder: Path) -> dict[int, Path]:
         for p in folder.glob("version-*")
         if p.name.removeprefix("version-").isdigit()  # (isdigit: no sign, no space)
     }
+
+
+def remove_partial_checkpoints(folder: Path) -> list[Path]:
+    """Remove the partial checkpoint folders (``.version-N.partial``, written aside
+    before the rename into place) in a run's ``checkpoints`` ``folder``: a trainer killed
+    as it wrote one (or one before 2026-12-06 whose write the disk refused) left it,
+    model and optimizer, gigabytes nothing else removes. Only the trainer writes there,
+    one at a time: call it as one starts. Returns those removed (each logged)."""
+    removed = []
+    for p in sorted(folder.glob(".version-*.partial")):
+        if p.is_dir():
+            shutil.rmtree(p, ignore_errors=True)
+            logger.info("removed %s, a checkpoint a trainer left unfinished", p)
+            removed.append(p)
+    return removed
 
 
 def newest_checkpoint(run_dir: str | Path) -> Path | None:

@@ -18,10 +18,12 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 import shutil
 import time
 
 from laminar.files import sync_dir, sync_tree
+from laminar.learner import remove_partial_checkpoints
 from laminar.prompt_pool import DATA_STATE
 
 # (the actor's logger: its records read as the trainer's, whichever module they come from)
@@ -54,6 +56,7 @@ class PublicationMixin:
         """Tell the buffer, move the weights as the schedule does, record the update, and
         checkpoint when due."""
         timeout = self.cfg.cluster.actor_timeout_s
+        self._remove_stale_partials()  # (at the first update: soon after the start)
         self._on_buffer(lambda b: b.version_published(self.version))
         t_pub = time.time()
         if self.spec.interrupt:  # every rollout stops before the weights move
@@ -113,6 +116,7 @@ class PublicationMixin:
         (the data module is lost) no checkpoint is written and the newest one stands."""
         root = self.run_dir / "checkpoints"
         out = root / f"version-{self.version:06d}"
+        self._remove_stale_partials()
         if self._weights_version != self.version:
             logger.warning(
                 "no checkpoint at version %d: the weights are not that version's (a "
@@ -142,10 +146,47 @@ class PublicationMixin:
             self._since = self.version
         tmp = root / f".version-{self.version:06d}.partial"
         shutil.rmtree(tmp, ignore_errors=True)
-        with self._bounded():  # (a big checkpoint's write may outlast the heartbeat timeout)
-            self.learner.save(tmp)
-        (tmp / DATA_STATE).write_text(json.dumps(position, indent=2))
-        sync_tree(tmp)  # (a folder under its final name is complete on disk too)
-        tmp.rename(out)
+        try:
+            with self._bounded():  # (a big checkpoint's write may outlast the heartbeat)
+                self.learner.save(tmp)
+            (tmp / DATA_STATE).write_text(json.dumps(position, indent=2))
+            sync_tree(tmp)  # (a folder under its final name is complete on disk too)
+            tmp.rename(out)
+        except Exception as e:
+            # (the folder goes either way: gigabytes nothing else removes)
+            shutil.rmtree(tmp, ignore_errors=True)
+            if not _disk_error(e):
+                raise
+            logger.warning(
+                "no checkpoint at version %d: writing it failed on the disk (%s: %s); its "
+                "partial folder %s is removed and the newest checkpoint stands",
+                self.version,
+                type(e).__name__,
+                e,
+                tmp,
+            )
+            return self.checkpoint
         sync_dir(root)
         return str(out)
+
+    def _remove_stale_partials(self) -> None:
+        """Once per trainer, before its first publication or checkpoint: the partial
+        checkpoint folders a trainer killed as it wrote one left (:func:`
+        laminar.learner.remove_partial_checkpoints`)."""
+        if getattr(self, "_partials_removed", False):
+            return
+        self._partials_removed = True
+        remove_partial_checkpoints(self.run_dir / "checkpoints")
+
+
+# What a write that the disk refused raises: OSError (the files laminar writes, the
+# rename); safetensors' SafetensorError ("I/O error: No space left on device (os error
+# 28)"); torch.save's RuntimeError from its zip writer ("[enforce fail at
+# inline_container.cc:...] unexpected pos ...", "PytorchStreamWriter failed writing file
+# ...: file write failed"), which says nothing of the disk's error.
+_DISK_ERROR = re.compile(r"os error \d+|I/O error|No space left|inline_container|file write failed")
+
+
+def _disk_error(e: BaseException) -> bool:
+    """``e``, raised writing a checkpoint, is the disk's refusal (full, a lost mount)."""
+    return isinstance(e, OSError) or bool(_DISK_ERROR.search(str(e)))

@@ -321,3 +321,65 @@ def test_a_rank_whose_update_raises_leaves_the_group_with_rank_0(tiny_policy, tm
     assert r1["done"] and "IndexError" in r1["error"], r1
     assert r0["stop_s"] < 20, r0  # (the group's timeout is 60 s)
     assert exits == [0, 0]
+
+
+@pytest.mark.parametrize(
+    ("error", "fails_the_run"),
+    [
+        (OSError(28, "No space left on device"), False),
+        # (torch.save's zip writer on a full disk: it names no disk error)
+        (
+            RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 576 vs 534"),
+            False,
+        ),
+        (ValueError("a bug, not the disk"), True),
+    ],
+    ids=["oserror", "torch_save", "not_the_disk"],
+)
+def test_a_checkpoint_the_disk_refuses_is_removed_and_the_run_goes_on(
+    tiny_policy, tmp_path, caplog, error, fails_the_run
+):
+    """A checkpoint whose write failed on a full disk failed the run and left its
+    ``.version-N.partial`` folder (a model and its optimizer: gigabytes) that nothing
+    removed. The folder is removed, a warning names the error and the folder, the newest
+    checkpoint stands and the run goes on: the next checkpoint is written. Another error
+    still fails the run (its folder removed too). A partial folder a killed trainer left
+    is removed as the next one starts."""
+    import logging
+
+    cfg = with_overrides(CFG, ["trainer.groups_per_step=2", "trainer.checkpoint_every=1"])
+    folder = tmp_path / "checkpoints"
+    stale = folder / ".version-000007.partial"
+    stale.mkdir(parents=True)
+    (stale / "optimizer.pt").write_bytes(b"\0" * 4096)
+    trainer, buffer, master = make(tiny_policy, tmp_path, cfg, batches=[groups(0, 2), groups(1, 2)])
+    real = trainer.learner.save
+
+    def full(out):  # version 1's write fails part-way
+        if trainer.version != 1:
+            return real(out)
+        out.mkdir(parents=True)
+        (out / "model.safetensors").write_bytes(b"\0" * 4096)
+        raise error
+
+    trainer.learner.save = full
+    with caplog.at_level(logging.INFO, logger="laminar"):
+        if fails_the_run:  # (it never asks for another batch)
+            trainer.start()
+            trainer._thread.join(60)
+            stats = trainer.stats()
+        else:
+            stats = run_until_starved(trainer, buffer)
+    assert not [p.name for p in folder.iterdir() if p.name.endswith(".partial")]
+    assert not (folder / "version-000001").exists()
+    assert f"removed {stale}" in caplog.text
+    if fails_the_run:
+        assert "a bug, not the disk" in stats["error"] and master.order == [0, 1]
+        return
+    assert stats["error"] is None and master.order == [0, 1, 2]
+    (warning,) = [r for r in caplog.records if "no checkpoint at version 1" in r.getMessage()]
+    assert warning.levelno == logging.WARNING
+    assert str(error) in warning.getMessage()
+    assert str(folder / ".version-000001.partial") in warning.getMessage()
+    assert stats["checkpoint"].endswith("version-000002")
+    assert same(checkpoint_weights(stats["checkpoint"]), master.versions[2])
