@@ -27,6 +27,7 @@ from laminar.buffer_core import (  # (re-exported: the core's names, imported fr
 from laminar.contract import Trajectory
 from storage.schema import SCALARS
 from storage.stores import StoreError
+from storage.trajectories import WriterReplaced
 
 __all__ = ["SAMPLERS", "BufferCore", "ExperienceBuffer", "UidSet"]
 
@@ -283,7 +284,9 @@ class ExperienceBuffer:
             error = self._append(rs, es)
             if error is None:
                 continue
-            if isinstance(error, OSError):  # (the disk, the mount): kept, tried again
+            # (the disk, the mount: kept, tried again; another writer took the store
+            # over: kept, written by none, not split record by record to be refused)
+            if isinstance(error, OSError | WriterReplaced):
                 self._write_error = f"{type(error).__name__}: {error}"
                 left = [(rs, es), *pieces]
                 records = [r for piece, _ in left for r in piece]

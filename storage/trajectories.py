@@ -23,6 +23,7 @@ store of a run shares (:class:`StoreError`, :func:`store_path`, ...) in
 
 from __future__ import annotations
 
+import json
 from collections.abc import Collection, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -65,6 +66,15 @@ from storage.trajectories_read import run_stops as run_stops
 from storage.trajectories_read import time_in_buffer as time_in_buffer
 from storage.trajectories_read import tokens_at as tokens_at
 
+# A group attribute: raised by each writer as it opens the store, and checked before
+# each of its commits (TrajectoryWriter._check_epoch).
+EPOCH_ATTR = "writer_epoch"
+
+
+class WriterReplaced(StoreError):
+    """Another writer opened the store since this one did: this one writes no more."""
+
+
 # Values per chunk. zarr reads a chunk for ~0.5 ms on top of its bytes, so reading a
 # run's per-trajectory fields was mostly chunk count at 4096 (open_run of 1M trajectories:
 # ~4 s of its ~10 in ~7,000 chunks); 16,384 reads a number field 4x faster, and costs an
@@ -99,7 +109,8 @@ class TrajectoryWriter:
         exists = (self.path / "zarr.json").exists()
         with reading(self.path):
             self.group = zarr.open_group(str(self.path), mode="a", zarr_format=3)
-            if not exists or _never_created(self.path, self.group):
+            created = not exists or _never_created(self.path, self.group)
+            if created:
                 self._create(schedule)
             elif self.group.attrs.get("schema_version") != SCHEMA_VERSION:
                 raise StoreError(
@@ -108,10 +119,14 @@ class TrajectoryWriter:
                     f"{SCHEMA_VERSION}; use a new run directory"
                 )
             _check_markers(self.path, self.group, EVENT_COMMIT_ATTR)
+            # This writer's turn (created: the first, 1): a writer that opened the store
+            # before it commits nothing more (_check_epoch)
+            self.epoch = 1 if created else int(self.group.attrs.get(EPOCH_ATTR, 0)) + 1
+            if not created:
+                self.group.update_attributes({EPOCH_ATTR: self.epoch})
             self.n_committed = int(self.group.attrs[COMMIT_ATTR])
             self.tokens_committed = dict(self.group.attrs["n_committed_tokens"])
             self.events_committed = int(self.group.attrs[EVENT_COMMIT_ATTR])
-            self._dirty = False  # an append failed after writing part of its batch
             # (before anything is truncated: a store shorter than its markers is not
             # padded to them with empty trajectories)
             for name, n in self._lengths().items():
@@ -130,6 +145,7 @@ class TrajectoryWriter:
             {
                 "schedule": schedule,
                 "schema_version": SCHEMA_VERSION,
+                EPOCH_ATTR: 1,
                 COMMIT_ATTR: 0,
                 "n_committed_tokens": {dim: 0 for dim, _ in RAGGED.values()},
                 EVENT_COMMIT_ATTR: 0,
@@ -146,7 +162,26 @@ class TrajectoryWriter:
         before this writer commits anything: it is one write of the group's attributes,
         as each commit is."""
         resumes = [*self.group.attrs.get("resumes", []), [float(t), int(from_version)]]
+        self._check_epoch()
         self.group.update_attributes({"resumes": resumes})
+
+    def _check_epoch(self) -> None:
+        """That no writer opened the store after this one (its ``zarr.json``, read from
+        disk: ~0.1 ms): two appending to one store corrupt it silently, and what this
+        one would commit now goes over what the newer one commits. Else a
+        :class:`WriterReplaced` naming the store; nothing more is written."""
+        try:
+            doc = json.loads((self.path / "zarr.json").read_bytes())
+            epoch = doc["attributes"].get(EPOCH_ATTR)
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+            epoch = f"unreadable ({type(e).__name__}: {e})"
+        if epoch != self.epoch:
+            raise WriterReplaced(
+                f"{str(self.path)!r}: another writer took the store over (its "
+                f"{EPOCH_ATTR} is {epoch!r}, this writer's {self.epoch}): this one commits "
+                "nothing more (two writers of one store corrupt it); the data module that "
+                "opened it last writes it"
+            )
 
     def _lengths(self) -> dict[str, int]:
         """Every array's committed length."""
@@ -210,13 +245,15 @@ class TrajectoryWriter:
             name: _exact(events, field, [e[field] for e in events], SCALARS[field], "leave event")
             for name, field in EVENT_FIELDS.items()
         }
-        # ... and a batch cut short while writing (a full disk) is taken back, so that
-        # the next one starts at the committed lengths, not after its remains.
-        if self._dirty:
-            self._truncate_uncommitted()
-        self._dirty = True
+        self._check_epoch()  # (before anything is written: a newer writer's to write)
         # (one listing: a lookup by name reads that array's metadata, ~1 ms an array)
         arrays = dict(self.group.arrays())
+        # ... and what is past the committed lengths is taken back, so that the batch
+        # starts there, not after the remains: of a batch cut short while writing (a
+        # full disk), or one an older writer wrote after this one opened the store.
+        for name, n in self._lengths().items():
+            if arrays[name].shape[0] != n:
+                arrays[name].resize((n,))
         for name, values in (*flat.items(), *per_traj.items(), *leave.items()):
             # (a chunk of fill values too: zarr would leave it out, and then a reader
             # could not tell it from one lost; storage.stores.check_chunks)
@@ -225,7 +262,9 @@ class TrajectoryWriter:
         n_events = self.events_committed + len(events)
         # The commit markers go last, in one write of the group's metadata: readers slice
         # to them. (Not attrs.update, which writes zarr.json once per key: a reader could
-        # see n_committed raised and the token counts not yet.)
+        # see n_committed raised and the token counts not yet.) Not over a newer
+        # writer's markers: it may have opened the store while this batch was written.
+        self._check_epoch()
         self.group.update_attributes(
             {COMMIT_ATTR: n_committed, "n_committed_tokens": tokens, EVENT_COMMIT_ATTR: n_events}
         )
@@ -234,7 +273,6 @@ class TrajectoryWriter:
             tokens,
             n_events,
         )
-        self._dirty = False
         return self.n_committed
 
 

@@ -327,6 +327,38 @@ def test_a_group_without_attributes_that_holds_data_is_not_created_over(tmp_path
         assert "schedule" not in zarr.open_group(str(root / "trajectories.zarr")).attrs
 
 
+def test_a_writer_another_took_the_store_from_commits_nothing_more(tmp_path):
+    """Two writers of one store corrupt it silently (a data module rebuilt while the
+    lost one still writes). Each writer raises the store's ``writer_epoch`` as it opens
+    it and checks it before it writes and before it commits: the older one refuses,
+    naming the store, and the newer one's batches start at the committed lengths, past
+    nothing the older wrote meanwhile."""
+    from storage.trajectories import WriterReplaced
+
+    old = TrajectoryWriter(tmp_path)
+    old.append([record(0)])
+    opened = []
+    check = old._check_epoch
+
+    def taken_over_as_it_writes():  # (the newer one opens the store between the checks)
+        if not opened:
+            opened.append(TrajectoryWriter(tmp_path))
+        check()
+
+    old._check_epoch = taken_over_as_it_writes
+    with pytest.raises(WriterReplaced, match="another writer took the store over"):
+        old.append([record(1, n_resp=7)])
+    (new,) = opened
+    assert new.epoch == 2
+    with pytest.raises(WriterReplaced, match=str(tmp_path)):
+        old.record_resume(1, 1.0)
+    assert new.append([record(2)]) == 2
+    got = open_trajectories(tmp_path)
+    assert got["uid"].tolist() == ["u0", "u2"]
+    assert got["response_tokens"].tolist() == [100, 101, 102, 103] * 2
+    assert TrajectoryWriter(tmp_path).epoch == 3
+
+
 def test_a_resume_readmits_untrained_groups_reissues_missing_samples_drops_the_rest(tmp_path):
     """Checkpoint at version 2: what it trained stays consumed; groups it did not train
     (buffered, or consumed by an update after it) come back, and a group whose siblings
@@ -523,7 +555,9 @@ def test_an_events_only_batch_leaves_the_next_records_tokens_where_they_are(tmp_
     assert w.group["prompt_start"].shape == (4,)
 
 
-def test_stores_whose_starts_an_events_only_batch_shifted_are_read_right(tmp_path, caplog):
+def test_stores_whose_starts_an_events_only_batch_shifted_are_read_right(
+    tmp_path, caplog, monkeypatch
+):
     """Before the fix above, each events-only batch appended one stray start per ragged
     group, shifting every later trajectory's start. The tokens and lengths were written
     right, so readers take the starts from the lengths and say so."""
@@ -531,6 +565,9 @@ def test_stores_whose_starts_an_events_only_batch_shifted_are_read_right(tmp_pat
     w.append([record(0), record(1)])
     for group, stray in (("prompt", 6), ("response", 8), ("versions", 0)):  # as it did
         w.group[f"{group}_start"].append(np.array([stray], np.int64))
+    # (and the writer then appended at the arrays' ends: it takes back what is past the
+    # committed lengths now)
+    monkeypatch.setattr(w, "_lengths", lambda: {n: a.shape[0] for n, a in w.group.arrays()})
     last = record(3, n_prompt=2)
     last["prompt_tokens"] = np.array([77, 78], np.int32)
     w.append([record(2, n_prompt=5), last])
