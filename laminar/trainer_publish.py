@@ -81,9 +81,11 @@ class PublicationMixin:
 
     def _move_weights(self) -> float:
         """Publish the version; returns the trainer's stall. Paced, the stall is the
-        modelled cost of the schedule's weight movement: a relay publication (after the
-        real copy), or a global broadcast or colocated switch, which every rollout waits
-        out too (before the real copy, so none can load the version earlier)."""
+        modelled cost of the schedule's weight movement: a relay publication, a global
+        broadcast or a colocated switch (which every rollout waits out too), each held
+        before the real copy, so that no rollout can load the version earlier than the
+        model says it exists. (A relay publication was held after its copy, so a rollout
+        could pull a version up to ``trainer.pacing.publish_s`` modelled early.)"""
         p = self.cfg.trainer.pacing
         if self.clock is None:
             return self.publish()
@@ -97,9 +99,8 @@ class PublicationMixin:
         )
         t0 = time.time()
         if self.spec.weights == "relay":
-            self.publish()
-            return self._hold(t0, costs.publish_s, "publish")
-        if self.spec.weights == "global":
+            self._hold(t0, costs.publish_s, "publish")
+        elif self.spec.weights == "global":
             self._hold(t0, costs.global_sync(self.cfg.rollout.replicas), "global_sync")
         else:
             self._hold(t0, costs.colocated_s, "colocated_switch")

@@ -383,3 +383,30 @@ def test_a_checkpoint_the_disk_refuses_is_removed_and_the_run_goes_on(
     assert str(folder / ".version-000001.partial") in warning.getMessage()
     assert stats["checkpoint"].endswith("version-000002")
     assert same(checkpoint_weights(stats["checkpoint"]), master.versions[2])
+
+
+@pytest.mark.parametrize("weights", ["relay", "global", "colocated"])
+def test_a_paced_publication_holds_before_its_copy_so_no_rollout_loads_it_early(weights):
+    """Paced (trainer.pacing), a version exists for the rollouts only once its modelled
+    movement is over. A global broadcast and a colocated switch were held before the
+    real copy; a relay publication after it, so a rollout could pull a version up to
+    trainer.pacing.publish_s modelled early (helper 149's review)."""
+    from types import SimpleNamespace
+
+    from laminar.config_sections import TrainerPacingConfig
+    from laminar.trainer_publish import PublicationMixin
+
+    pacing = TrainerPacingConfig()
+    cfg = SimpleNamespace(
+        trainer=SimpleNamespace(pacing=pacing), rollout=SimpleNamespace(replicas=4)
+    )
+    said: list[str] = []
+    trainer = SimpleNamespace(
+        cfg=cfg,
+        clock=object(),  # (paced)
+        spec=SimpleNamespace(weights=weights),
+        publish=lambda: said.append("copy"),
+        _hold=lambda t0, modelled_s, what: said.append(f"hold {what}"),
+    )
+    PublicationMixin._move_weights(trainer)
+    assert said[-1] == "copy" and len(said) == 2 and said[0].startswith("hold "), said
