@@ -78,7 +78,9 @@ class Trajectory:
 
 @dataclass(frozen=True)
 class PromptGroup:
-    """A prompt handed to one rollout as a unit: all ``group_size`` siblings go together."""
+    """A prompt handed to one rollout as a unit: all ``group_size`` siblings go together,
+    or those of ``samples`` (a resumed run's missing ones; a barrier batch's group split
+    among rollouts, :meth:`laminar.prompt_pool.PromptPoolCore.acquire`)."""
 
     prompt_uid: str
     prompt_key: int
@@ -87,7 +89,8 @@ class PromptGroup:
     group_size: int
     epoch: int
     # The sample indices to generate; None: all ``group_size``. A resumed run re-issues
-    # only the siblings its store lacks (:mod:`storage.resume`).
+    # only the siblings its store lacks (:mod:`storage.resume`); a barrier batch hands a
+    # group out in pieces where its samples split unevenly among the rollouts.
     samples: tuple[int, ...] | None = None
 
     @property

@@ -2,14 +2,20 @@
 
 :class:`PromptPoolCore` is the pure logic (what to hand out, what is in flight);
 :class:`PromptPool` is the Dask actor around it. A group is dispatched to one rollout as a
-unit and stays *outstanding* until the buffer reports it consumed or discarded. How much
-is handed out is the schedule's dispatch rule (:mod:`laminar.schedule`):
+unit (under ``batches``, possibly in pieces to several) and stays *outstanding* until
+the buffer reports it consumed or discarded. How much is handed out is the schedule's
+dispatch rule (:mod:`laminar.schedule`):
 
 * ``free`` — dispatch pauses while ``max_outstanding`` groups are outstanding, so a fast
   rollout tier cannot grow the buffer without bound (Laminar);
-* ``batches`` — one global batch of ``groups_per_step`` groups per version, each rollout
-  taking at most its even share of it, and batch ``b`` only to rollouts that hold
-  version ``b - lag`` (sync and stream: ``lag = 0``; one-step: ``lag = 1``);
+* ``batches`` — one global batch of ``groups_per_step`` groups per version, split among
+  the ``R`` rollouts by sample, not by group: each takes ``⌈G·n/R⌉`` or ``⌊G·n/R⌋`` of
+  its ``G·n`` samples (a group of ``n`` may go out in pieces, each a
+  :attr:`~laminar.contract.PromptGroup.samples` subset, which the buffer puts together
+  by prompt uid), and batch ``b`` only to rollouts that hold version ``b - lag`` (sync
+  and stream: ``lag = 0``; one-step: ``lag = 1``). Split by whole groups, 64 groups on
+  10 rollouts went out as 7 × 9 and 1, on 12 as 6 × 10, 4 and 0: the barrier waited for
+  the rollouts with 7 while one idled;
 * ``eta`` — back-pressure as ``free``, and never more than ``(version + eta + 1) ×
   groups_per_step`` groups dispatched in all (AReaL's staleness bound η).
 
@@ -30,6 +36,7 @@ from __future__ import annotations
 import json
 import logging
 import time
+from dataclasses import replace
 from pathlib import Path
 
 from laminar.config import RunConfig
@@ -129,14 +136,19 @@ class PromptPoolCore:
             raise ConfigError(f"dispatch {dispatch!r} is not one of free, batches, eta")
         self.dispatch = dispatch
         self.groups_per_step = groups_per_step
-        self.share = -(-groups_per_step // replicas)  # a rollout's part of a global batch
+        self.replicas = replicas  # live rollouts: a global batch is split among them
         self.lag, self.eta = lag, eta
         self.first_version = first_version
         self.version = first_version  # the trainer's newest published version (eta)
         # batches: the global batch being handed out, numbered by the version that
         # generates it (+ lag) ...
         self.batch = first_version
-        self._in_batch: dict[str, int] = {}  # ... and each rollout's groups of it
+        self._in_batch: dict[str, int] = {}  # ... each rollout's samples of it ...
+        self._quota: dict[str, int] = {}  # ... their parts of its samples ...
+        self._made = 0  # ... its groups made so far ...
+        # ... and those of its groups partly handed out: [group, sample indices left,
+        # the version of the rollout that took the first piece]
+        self._open: list[list] = []
         self._batch_of: dict[str, int] = {}  # the batch of each outstanding group
         self._owed: list[int] = []  # batches owed a group that left untrained
         self._floor = first_version  # the least version a batch may go to (update_skipped)
@@ -152,8 +164,9 @@ class PromptPoolCore:
         self.n_reissued_at_fence = 0  # groups of fenced rollouts handed out again (fence)
         self.n_answered_again = 0  # asks made again whose answer was given again (acquire)
         self._queue: dict[str, float] = {}  # idle rollouts waiting for room -> last ask
-        # outstanding group -> the rollout it was handed to, and the group as handed
-        self._owner: dict[str, tuple[str, PromptGroup]] = {}
+        # outstanding group -> the rollouts it was handed to, each with its piece (the
+        # group whole, but for a barrier batch's group split among rollouts)
+        self._owner: dict[str, dict[str, PromptGroup]] = {}
         # rollout -> its last ask that got groups: (ask id, the groups) (acquire ``ask``)
         self._answers: dict[str, tuple[object, list[PromptGroup]]] = {}
         by_key = {p.key: (p, tokens) for p, tokens in prompts}
@@ -210,16 +223,16 @@ class PromptPoolCore:
             # trainer still needs it for that batch's update.
             self._owed.remove(owed)
             groups.append(self._next_group(owed))
+        if self.dispatch == "batches":
+            groups += self._batch_pieces(n - len(groups), rollout_id, version)
         while len(groups) < n and turn and self._may_dispatch(rollout_id, version):
             groups.append(self._next_group(self.batch))
-            if self.dispatch == "batches":
-                self._in_batch[rollout_id] = self._in_batch.get(rollout_id, 0) + 1
-                if sum(self._in_batch.values()) == self.groups_per_step:
-                    self.batch += 1  # the global batch is out: the next one waits
-                    self._in_batch = {}
         for g in groups:
             if g.prompt_uid in self.outstanding:  # (a re-issued one may have left since)
-                self._owner[g.prompt_uid] = (rollout_id, g)
+                pieces = self._owner.setdefault(g.prompt_uid, {})
+                if (had := pieces.get(rollout_id)) is not None and had is not g:
+                    g = replace(g, samples=tuple(sorted({*had.sample_indices, *g.sample_indices})))
+                pieces[rollout_id] = g
         if groups:
             self._queue.pop(rollout_id, None)
             if ask is not None:
@@ -267,6 +280,67 @@ class PromptPoolCore:
             self._batch_of[uid] = batch
         return PromptGroup(uid, prompt.key, tokens, prompt.answer, self.group_size, self.epoch)
 
+    def _batch_pieces(self, n: int, rollout_id: str, version: int) -> list[PromptGroup]:
+        """``batches``: up to ``n`` pieces of the global batch for ``rollout_id`` at
+        ``version``, of its part of the batch's samples: a rollout's first ask of a batch
+        sets its part, ``⌈free / k⌉`` of the ``free`` samples no rollout has a part of,
+        ``k`` the live rollouts without one (so ``⌈G·n/R⌉`` or ``⌊G·n/R⌋`` each), which
+        it takes over one ask or more. (All ``R`` have parts and samples are free: a
+        rollout was lost before it took its part, :meth:`rollouts_live`, and those that
+        ask share the rest.) A group begun by a rollout at one version is finished by
+        rollouts at that version where one asks: those at another (one-step, a rollout
+        that loaded the next version before it asked) start new groups first, and take
+        the rest of one only when no new group is left to make."""
+        # A skipped update lowers every batch's label (update_skipped), and with it the
+        # version the label asks for: a rollout still on the version before the newest
+        # would qualify. The newest then is the floor. (Not the newest published as
+        # such: a rebuilt pool hears of versions before their weights reach any rollout.)
+        if n <= 0 or version < max(self.batch - self.lag, self._floor):
+            return []
+        size = self.group_size
+        total = self.groups_per_step * size
+        left = total - sum(self._in_batch.values())
+        quota = self._quota
+        free = total - sum(quota.values())  # (no rollout's part yet)
+        if rollout_id not in quota:
+            quota[rollout_id] = -(-free // max(1, self.replicas - len(quota)))
+        elif free and len(quota) >= self.replicas:
+            quota[rollout_id] += -(-free // self.replicas)
+        allow = quota[rollout_id] - self._in_batch.get(rollout_id, 0)
+        out: list[PromptGroup] = []
+        taken = 0
+
+        def piece(entry: list) -> None:
+            nonlocal taken
+            group, rest, _ = entry
+            k = min(allow - taken, len(rest))
+            mine, entry[1] = rest[:k], rest[k:]
+            out.append(group if k == size else replace(group, samples=tuple(mine)))
+            taken += k
+
+        def more() -> bool:
+            return taken < allow and len(out) < n
+
+        for entry in [e for e in self._open if e[2] == version]:
+            if more():
+                piece(entry)
+        while more() and self._made < self.groups_per_step:
+            group = self._next_group(self.batch)
+            self._made += 1
+            entry = [group, list(range(size)), version]
+            self._open.append(entry)
+            piece(entry)
+        for entry in list(self._open):
+            if more() and entry[1]:
+                piece(entry)
+        self._open = [e for e in self._open if e[1]]
+        if taken:
+            self._in_batch[rollout_id] = self._in_batch.get(rollout_id, 0) + taken
+        if taken == left:
+            self.batch += 1  # the global batch is out: the next one waits
+            self._in_batch, self._made, self._quota = {}, 0, {}
+        return out
+
     def _owed_to(self, version: int) -> int | None:
         """The batch of a replacement owed that a rollout at ``version`` may generate."""
         if version < self._floor:  # (see _may_dispatch)
@@ -275,15 +349,7 @@ class PromptPoolCore:
 
     def _may_dispatch(self, rollout_id: str, version: int) -> bool:
         if self.dispatch == "batches":  # the schedule's barrier bounds what is out
-            # A skipped update lowers every batch's label (update_skipped), and with it
-            # the version the label asks for: a rollout still on the version before the
-            # newest would qualify. The newest then is the floor. (Not the newest
-            # published as such: a rebuilt pool hears of versions before their weights
-            # reach any rollout.)
-            return (
-                version >= max(self.batch - self.lag, self._floor)
-                and self._in_batch.get(rollout_id, 0) < self.share
-            )
+            return False  # (its pieces are handed out by _batch_pieces)
         if len(self.outstanding) >= self.max_outstanding:
             return False
         if self.dispatch == "eta":
@@ -313,7 +379,9 @@ class PromptPoolCore:
         schedule's batch is shared among them. Kept at the configured count, a batch that
         a lost rollout had not yet taken its part of would never be handed out whole, and
         the run would wait for it for ever."""
-        self.share = -(-self.groups_per_step // max(1, n))
+        self.replicas = max(1, n)
+        # (parts not yet taken are given out again among the rollouts that ask)
+        self._quota = {r: k for r, k in self._in_batch.items() if k}
 
     def release(self, prompt_uids: list[str], untrained: tuple[str, ...] = ()) -> None:
         """Groups that left the system: consumed by an update, or (``untrained``, a
@@ -333,7 +401,7 @@ class PromptPoolCore:
 
     def handed_to(self, rollout_id: str) -> list[str]:
         """The outstanding groups last handed to ``rollout_id``."""
-        return sorted(u for u, (rid, _) in self._owner.items() if rid == rollout_id)
+        return sorted(u for u, pieces in self._owner.items() if rollout_id in pieces)
 
     def forget(self, rollout_id: str) -> None:
         """``rollout_id`` was given up as lost: it leaves the queue for room (the head
@@ -350,11 +418,16 @@ class PromptPoolCore:
         resumed run's do. Without this they held ``max_outstanding`` for good: handed to
         it and never registered (it was killed between the two, or it never received the
         answer), no recovery finds them, and a few such batches stall the run. Returns
-        their uids (``reissued_at_fence`` counts them)."""
+        their uids (``reissued_at_fence`` counts them). A barrier batch's group split
+        among rollouts (:meth:`_batch_pieces`) is known by its uid: the lost rollout's
+        piece of one that another rollout registered is not handed out again (``known``
+        names groups, not samples)."""
         self.forget(rollout_id)
         stranded = []
         for uid in self.handed_to(rollout_id):
-            _, group = self._owner.pop(uid)
+            group = self._owner[uid].pop(rollout_id)
+            if not self._owner[uid]:
+                del self._owner[uid]
             if uid in self.outstanding and uid not in known:
                 self._reissue.append(group)
                 stranded.append(uid)

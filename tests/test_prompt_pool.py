@@ -170,15 +170,18 @@ def test_a_resumed_pool_reissues_the_missing_samples_first():
 )
 def test_batches_go_out_whole_one_version_at_a_time(replicas, groups_per_step, lag, calls):
     """The sync-family rule: global batch b goes only to rollouts holding version b - lag,
-    each rollout takes at most its even share of it, and batch b + 1 starts only once
-    batch b is out whole — whatever order rollouts come in and whatever they ask for."""
+    each rollout takes at most its part of its samples (⌈G·n/R⌉), and batch b + 1 starts
+    only once batch b is out whole, each of its groups' samples once — whatever order
+    rollouts come in and whatever they ask for."""
     pool = rule_pool(
         "batches", 1, groups_per_step=groups_per_step, replicas=replicas, lag=lag
     )  # not the rule here: the barrier bounds what is out
-    share = -(-groups_per_step // replicas)
+    size = pool.group_size
+    share = -(-groups_per_step * size // replicas)
     versions = [0] * replicas
-    taken: dict[tuple[int, int], int] = {}  # (batch, rollout) -> groups
-    n = 0
+    taken: dict[tuple[int, int], int] = {}  # (batch, rollout) -> samples
+    samples: dict[str, list[int]] = {}  # group -> its samples handed out
+    batch_of: dict[str, int] = {}
     for r, ask, advance in calls:
         r %= replicas
         if advance and versions[r] < pool.batch:  # the rollout loads a newer version
@@ -186,14 +189,49 @@ def test_batches_go_out_whole_one_version_at_a_time(replicas, groups_per_step, l
         batch_before = pool.batch
         got = pool.acquire(ask, f"r{r}", versions[r])
         assert len(got) <= ask
-        for _ in got:
-            b = n // groups_per_step  # the batch this group belongs to
-            assert versions[r] >= b - lag
-            taken[b, r] = taken.get((b, r), 0) + 1
+        for g in got:
+            b = batch_of.setdefault(g.prompt_uid, int(g.prompt_uid[1:]) // groups_per_step)
+            assert b == batch_before and versions[r] >= b - lag
+            taken[b, r] = taken.get((b, r), 0) + len(g.sample_indices)
             assert taken[b, r] <= share
-            n += 1
-        assert pool.batch == n // groups_per_step >= batch_before
-    assert pool.stats()["dispatched"] == n
+            samples.setdefault(g.prompt_uid, []).extend(g.sample_indices)
+        out = [u for u, b in batch_of.items() if b == batch_before]
+        whole = all(sorted(samples[u]) == list(range(size)) for u in out)
+        if pool.batch > batch_before:  # out whole: every group of it, each sample once
+            assert len(out) == groups_per_step and whole
+        assert all(len(idx) == len(set(idx)) for idx in samples.values())
+    assert pool.stats()["dispatched"] == len(samples)
+
+
+def test_a_barrier_batch_is_split_evenly_by_sample_not_by_whole_group():
+    """64 groups of 16 on 10 rollouts: split by whole groups they went out as 7 × 9 and
+    1 (the barrier waited for those with 7 while one idled), on 12 as 6 × 10, 4 and 0.
+    Split by sample each rollout gets ⌈1024/R⌉ or ⌊1024/R⌋, and every group is whole
+    across its pieces, each piece of one version."""
+    prompts = [(Prompt(i, f"n {i} >", "x"), (1, i + 4)) for i in range(7)]
+    for replicas, lag in ((10, 1), (12, 0)):
+        pool = PromptPoolCore(
+            prompts,
+            group_size=16,
+            max_outstanding=1,
+            seed=0,
+            dispatch="batches",
+            groups_per_step=64,
+            replicas=replicas,
+            lag=lag,
+        )
+        for batch in range(2):
+            got = [pool.acquire(64, f"r{r}", version=max(0, batch - lag)) for r in range(replicas)]
+            sizes = [sum(len(g.sample_indices) for g in gs) for gs in got]
+            assert sorted(sizes) == sorted(
+                [1024 // replicas + (r < 1024 % replicas) for r in range(replicas)]
+            ), sizes
+            assert max(sizes) - min(sizes) == 1 and pool.batch == batch + 1
+            samples: dict[str, list[int]] = {}
+            for g in (g for gs in got for g in gs):
+                samples.setdefault(g.prompt_uid, []).extend(g.sample_indices)
+            assert len(samples) == 64
+            assert all(sorted(s) == list(range(16)) for s in samples.values())
 
 
 @settings(max_examples=200, deadline=None)
@@ -246,11 +284,15 @@ def test_batches_make_up_for_groups_and_updates_that_train_nothing(
     pool = rule_pool("batches", 1, groups_per_step=groups_per_step, replicas=replicas, lag=lag)
     drops, skips = chain(dropped, repeat(False)), chain(skipped, repeat(False))
     version, ready = 0, []
+    pieces: dict[str, int] = {}  # a group's samples in so far (the buffer's partial group)
     for _ in range(200):  # rounds: each rollout asks at the newest version, then the trainer
         if version == 6:
             break
         for r in range(replicas):
             for g in pool.acquire(groups_per_step, f"r{r}", version):
+                pieces[g.prompt_uid] = pieces.get(g.prompt_uid, 0) + len(g.sample_indices)
+                if pieces[g.prompt_uid] < g.group_size:
+                    continue  # (complete once its other pieces are in)
                 if next(drops):
                     pool.release([g.prompt_uid], untrained=(g.prompt_uid,))
                 else:
