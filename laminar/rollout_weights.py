@@ -151,18 +151,18 @@ class WeightsMixin:
             self._pull_failed(e, f"generating on at version {self.engine.version}")
             update = None
         if update is not None:
-            self._load_version(*update)
-            pacing = self.cfg.rollout.pacing
-            if self.spec.weights == "relay" and pacing is not None and pacing.pull_s:
-                from laminar.pacing import scale_of
-
-                # The modelled host-to-device copy, of which the real pull was part.
-                left = scale_of(pacing).wall(pacing.pull_s) - (time.time() - t_pull)
-                self._serve_for(max(0.0, left))
+            self._load_version(*update, since=t_pull)  # (the real pull part of the hold)
         self.counts["weight_wait_s"] += time.time() - t
 
-    def _load_version(self, version: int, state: dict) -> None:
-        """Load ``version`` into the engine (and the parity reference)."""
+    def _load_version(self, version: int, state: dict, since: float | None = None) -> None:
+        """Load ``version`` into the engine (and the parity reference). Paced with
+        ``rollout.pacing.pull_s`` under relay weights, every load lasts the modelled
+        host-to-device copy, the real load part of it: at a batch boundary, in a wait
+        for a version the pool said is published (which used to load it unheld, and the
+        next boundary then found nothing new to charge), for an adopted batch. ``since``:
+        when the pull began, where it took no wait for the version (the copy counts from
+        there)."""
+        t_load = time.time() if since is None else since
         self.engine.load_weights(state, version)
         if self._reference is not None:
             self._reference.load_state_dict(state)
@@ -172,6 +172,12 @@ class WeightsMixin:
             self.fingerprints[version] = state_fingerprint(state)
         self.counts["weight_loads"] += 1
         self.counts["weight_bytes"] = self.puller.bytes
+        pacing = self.cfg.rollout.pacing
+        if self.spec.weights == "relay" and pacing is not None and pacing.pull_s:
+            from laminar.pacing import scale_of
+
+            left = scale_of(pacing).wall(pacing.pull_s) - (time.time() - t_load)
+            self._serve_for(max(0.0, left))
 
     def set_relay(self, relay) -> None:
         """Pull from ``relay`` from now on: the manager's answer to the loss of ours

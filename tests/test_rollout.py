@@ -506,3 +506,29 @@ def test_a_reward_collector_failing_under_a_stopped_rollout_is_said_in_a_line(
         assert "r0: stopped; its reward collector gave up (CancelledError" in said, said
     else:
         assert "Traceback" in errors[0].getMessage()
+
+
+def test_a_relay_load_holds_the_modelled_copy_once_per_version_on_every_path(
+    tiny_policy, small_config
+):
+    """``rollout.pacing.pull_s``: a version loaded at a batch boundary and one loaded
+    while waiting for the version the prompt pool said is published are each held for
+    the modelled host-to-device copy, once per version. The wait used to load without
+    the hold, and the next boundary, finding nothing newer, charged nothing: a rollout
+    told of a version early got its weights for free."""
+    from laminar.config import with_overrides
+
+    rollout = _rollout(tiny_policy, small_config)
+    rollout.cfg = with_overrides(rollout.cfg, ["rollout.pacing.pull_s=2.5"])
+    held: list[float] = []
+    rollout._serve_for = lambda s: held.append(s)  # (the hold, not waited here)
+    rollout._serve = lambda *a: None
+    rollout._synced = True
+    weights = _weights(tiny_policy)
+    rollout.puller = _Puller([(1, weights), None, (2, weights), None])
+    rollout._wait_for_version(1, wait_s=30.0)  # told of version 1: loads it waiting
+    rollout._maybe_load_weights()  # the boundary after: nothing newer
+    rollout._maybe_load_weights()  # a boundary that loads version 2
+    rollout._maybe_load_weights()  # nothing newer
+    assert rollout.engine.version == 2 and rollout.counts["weight_loads"] == 2
+    assert len(held) == 2 and all(0 < s <= 2.5 for s in held), held
