@@ -337,3 +337,23 @@ def test_a_window_with_fewer_than_two_polls_has_no_poll_figures_and_says_so(tmp_
     figs = [_fig(100.0, 100.0) | {"_notes": [note]}, _fig(100.0, 100.0)]
     res = _result({"sync": figs, "laminar": figs})
     assert sum(note in n for n in res.notes) == 2
+
+
+def test_the_trainers_pacing_check_counts_streams_mini_batch_holds(tmp_path):
+    """Stream holds its modelled compute mini-batch by mini-batch (``mini_batch``), its
+    ``update`` entry only what follows the last one: read from ``update`` alone, its
+    ``trainer_compute_vs_modelled`` read ~5e-5 and its mini-batch overruns were never
+    counted. Both compute holds count; publication holds are not compute."""
+    from pipelines.bench_schedules import arm_figures
+
+    polls, delay = _late_polls()
+    paced = {
+        "update": {"n": 9, "compute_s": 0.0001, "modelled_s": 2.0, "overruns": 0},
+        "mini_batch": {"n": 36, "compute_s": 5.9999, "modelled_s": 6.0, "overruns": 3},
+        "global_sync": {"n": 9, "compute_s": 4.0, "modelled_s": 1.0, "overruns": 9},
+    }
+    fig = arm_figures(
+        _synthetic_run(tmp_path, polls, delay), {**SUMMARY, "trainer_pacing": paced}, warmup=3
+    )
+    assert fig["trainer_compute_vs_modelled"] == pytest.approx(6.0 / 8.0)
+    assert fig["trainer_overruns"] == 3
