@@ -103,7 +103,9 @@ class WeightsMixin:
             return
         self.engine.import_(states, allow_version_change=True)
         self._recompute = True
-        self.counts["recomputed_tokens"] += sum(st.context_len for st in states)
+        # (only those that held KV, the states with tokens: a request still waiting for
+        # admission at the interrupt prefills once, as it would have anyway)
+        self.counts["recomputed_tokens"] += sum(st.context_len for st in states if st.tokens)
 
     def _pull_failed(self, error: Exception, then: str = "", always: bool = False) -> None:
         """Count a pull that failed: its relay lost (``pulls_unreachable``) or the pull

@@ -532,3 +532,23 @@ def test_a_relay_load_holds_the_modelled_copy_once_per_version_on_every_path(
     rollout._maybe_load_weights()  # nothing newer
     assert rollout.engine.version == 2 and rollout.counts["weight_loads"] == 2
     assert len(held) == 2 and all(0 < s <= 2.5 for s in held), held
+
+
+def test_an_interrupt_counts_as_recomputed_only_the_requests_that_held_kv(
+    tiny_policy, small_config
+):
+    """Partial rollout: an interrupt exports every request, the running ones and those
+    still waiting for admission. Resumed, only the running ones (their tokens so far)
+    recompute KV; a waiting one prefills once, as it would have anyway. Its prompt was
+    counted in ``recomputed_tokens`` too, overstating the interrupt's cost."""
+    rollout = _rollout(tiny_policy, small_config, ["rollout.max_concurrency=4"])
+    rollout._add(_groups(3))  # 12 requests, 4 running
+    for _ in range(2):
+        rollout.engine.step()
+    assert rollout._pause(1) == 12
+    states = rollout._paused_states()
+    ran = [st for st in states if st.tokens]
+    assert 0 < len(ran) < len(states)
+    rollout.puller = _Puller([(1, _weights(tiny_policy))])
+    rollout._resume_paused()
+    assert rollout.counts["recomputed_tokens"] == sum(st.context_len for st in ran)
