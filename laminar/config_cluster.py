@@ -124,18 +124,13 @@ def _unmatched_quote(line: str) -> str | None:
     return quote
 
 
-class SlurmRole(_Section):
-    """One Slurm job per worker of a role: what it asks for, and where it runs."""
+class _JobPlace(_Section):
+    """Where Slurm runs a job: its partition, account and extra ``#SBATCH`` lines, as
+    sbatch reads them (:class:`SlurmConfig` for every job, :class:`SlurmRole` a role's)."""
 
-    cores: int = Field(1, gt=0)  # --cpus-per-task
-    memory: str = "4GB"  # --mem and the worker's memory limit (4GB, 500MB, 16GiB)
-    gpus: int = Field(0, ge=0)  # --gres=gpu:N
-    # Null: cluster.slurm.partition / account (GPUs in a partition, or account, of their own).
-    partition: str | None = None  # -p of this role's jobs
-    account: str | None = None  # -A of this role's jobs
-    job_directives: list[str] = []  # `#SBATCH` lines after cluster.slurm.job_directives
-    # Torch (and OpenMP, MKL, OpenBLAS) threads of the job's worker; null: its cores.
-    torch_threads: int | None = Field(None, gt=0)
+    partition: str | None = None  # -p
+    account: str | None = None  # -A
+    job_directives: list[str] = []  # extra `#SBATCH` lines, e.g. "--constraint=a100"
 
     @field_validator("partition", "account", mode="before")
     @classmethod
@@ -146,6 +141,18 @@ class SlurmRole(_Section):
     @classmethod
     def _sbatch_lines(cls, value: Any) -> Any:
         return _sbatch_directives(value)
+
+
+class SlurmRole(_JobPlace):
+    """One Slurm job per worker of a role: what it asks for, and where it runs. Its
+    ``partition`` and ``account``, null, are ``cluster.slurm``'s (GPUs in a partition, or
+    an account, of their own); its ``job_directives`` follow ``cluster.slurm``'s."""
+
+    cores: int = Field(1, gt=0)  # --cpus-per-task
+    memory: str = "4GB"  # --mem and the worker's memory limit (4GB, 500MB, 16GiB)
+    gpus: int = Field(0, ge=0)  # --gres=gpu:N
+    # Torch (and OpenMP, MKL, OpenBLAS) threads of the job's worker; null: its cores.
+    torch_threads: int | None = Field(None, gt=0)
 
     @field_validator("memory", mode="before")
     @classmethod
@@ -175,16 +182,14 @@ class SlurmRole(_Section):
         return text
 
 
-class SlurmConfig(_Section):
-    """dask-jobqueue ``SLURMCluster``: one job per worker, each with its role resources."""
+class SlurmConfig(_JobPlace):
+    """dask-jobqueue ``SLURMCluster``: one job per worker, each with its role resources
+    (``partition``, ``account``, ``job_directives``: every job's, :class:`_JobPlace`)."""
 
-    partition: str | None = None  # -p
-    account: str | None = None  # -A
     # -t, as sbatch takes it: minutes, M:S, H:M:S, D-H, D-H:M, D-H:M:S, or unlimited
     walltime: str = "01:00:00"
     # Shell lines run before the worker starts (modules, a virtual environment).
     job_prologue: list[str] = []
-    job_directives: list[str] = []  # extra `#SBATCH` lines, e.g. "--constraint=a100"
     python: str | None = None  # interpreter on compute nodes; default: this one
     interface: str | None = None  # network interface of workers and scheduler (e.g. ib0)
     log_directory: str | None = None  # default: RUN_DIR/slurm
@@ -192,16 +197,6 @@ class SlurmConfig(_Section):
     rollout: SlurmRole = SlurmRole()
     relay: SlurmRole = SlurmRole()
     data: SlurmRole = SlurmRole()  # ... unless cluster.data_apart: then it has this job
-
-    @field_validator("partition", "account", mode="before")
-    @classmethod
-    def _one_word(cls, value: Any) -> Any:
-        return _sbatch_name(value)
-
-    @field_validator("job_directives", mode="before")
-    @classmethod
-    def _sbatch_lines(cls, value: Any) -> Any:
-        return _sbatch_directives(value)
 
     @field_validator("walltime", mode="before")
     @classmethod

@@ -3,6 +3,7 @@ Dask cluster with role resources, and a small run config for end-to-end tests.""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 import types
@@ -334,3 +335,23 @@ def resumable_run(tmp_path: Path, overrides=()) -> Path:
     ckpt.mkdir(parents=True)
     (ckpt / "trainer_state.json").write_text(json.dumps({"version": 1}))
     return run
+
+
+@contextlib.contextmanager
+def attribute_writes(monkeypatch):
+    """The attribute writes of zarr groups made inside, as dicts, in order (each
+    ``update_attributes`` call is one write of a group's ``zarr.json``)."""
+    import zarr
+
+    writes: list[dict] = []
+    real = zarr.Group.update_attributes
+
+    def counted(self, new):
+        writes.append(dict(new))
+        return real(self, new)
+
+    monkeypatch.setattr(zarr.Group, "update_attributes", counted)
+    try:
+        yield writes
+    finally:
+        monkeypatch.setattr(zarr.Group, "update_attributes", real)

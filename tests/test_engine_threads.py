@@ -15,23 +15,14 @@ and lets the engine step before it goes on.
 import threading
 
 import pytest
+import test_engine_torch
 
 from laminar.engine import GenerationRequest, RequestState, SamplingParams
-from laminar.model import load_policy
-from laminar.torch_engine import TorchEngine
+
+# the tiny policy's engine, as tests/test_engine_torch.py builds it (a fixture, a function)
+policy, build = test_engine_torch.policy, test_engine_torch.build
 
 WAIT_S = 30.0  # (a guard against a hang, never reached when the test works)
-
-
-@pytest.fixture(scope="module")
-def policy(tiny_policy):
-    return load_policy(tiny_policy)
-
-
-def build(policy, **kw):
-    model, tok = policy
-    opts = dict(eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, tokenizer=tok)
-    return TorchEngine(model.config, model.state_dict(), **(opts | kw))
 
 
 class _Pausing(RequestState):

@@ -2,6 +2,7 @@
 
 import numpy as np
 import pytest
+from conftest import attribute_writes
 from runs import tensorboard_scalars
 
 from storage.metrics import MetricsWriter, open_metrics
@@ -300,18 +301,10 @@ def test_a_table_is_created_with_its_commit_marker_and_one_killed_before_it_stil
     from storage.metrics import check_metrics_store
     from storage.trajectories import StoreError
 
-    writes = []
-    real = zarr.Group.update_attributes
-
-    def counted(self, new):
-        writes.append(dict(new))
-        return real(self, new)
-
-    monkeypatch.setattr(zarr.Group, "update_attributes", counted)
-    w = MetricsWriter(tmp_path)
-    w.append("cluster", [{"elapsed_s": 1.0, "version": 0}])
+    with attribute_writes(monkeypatch) as writes:
+        w = MetricsWriter(tmp_path)
+        w.append("cluster", [{"elapsed_s": 1.0, "version": 0}])
     assert [sorted(a) for a in writes] == [["last_counters", "n_committed"]]  # (the commit)
-    monkeypatch.setattr(zarr.Group, "update_attributes", real)
 
     w.root.create_group("faults")  # (an older writer killed before it wrote the marker)
     check_metrics_store(tmp_path)

@@ -2,6 +2,7 @@
 
 import numpy as np
 import pytest
+from conftest import attribute_writes
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -292,18 +293,10 @@ def test_a_store_whose_creation_was_killed_is_created_again(tmp_path, monkeypatc
     g = zarr.open_group(str(tmp_path / "trajectories.zarr"), mode="a", zarr_format=3)
     new_array(g, "uid", np.dtypes.StringDType(), "trajectory", 16384)  # (killed here)
     (tmp_path / "trajectories.zarr" / "reward").mkdir()  # (and here, making another)
-    writes = []
-    real = zarr.Group.update_attributes
-
-    def counted(self, new):
-        writes.append(dict(new))
-        return real(self, new)
-
-    monkeypatch.setattr(zarr.Group, "update_attributes", counted)
-    w = TrajectoryWriter(tmp_path, schedule="partial_rollout")
+    with attribute_writes(monkeypatch) as writes:
+        w = TrajectoryWriter(tmp_path, schedule="partial_rollout")
     assert len(writes) == 1 and writes[0]["schedule"] == "partial_rollout"
     assert writes[0]["schema_version"] == 2 and writes[0][COMMIT_ATTR] == 0
-    monkeypatch.setattr(zarr.Group, "update_attributes", real)
     w.append([record(0), record(1)])
     assert open_run(tmp_path).attrs["schedule"] == "partial_rollout"
     assert open_trajectories(tmp_path)["uid"].tolist() == ["u0", "u1"]
