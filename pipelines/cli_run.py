@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import signal
 import sys
 import time
@@ -85,6 +86,20 @@ def _yaml_string(value: str | None) -> str:
     return "null" if value is None else json.dumps(value, ensure_ascii=False)
 
 
+def _say_from_a_handler(text: str) -> None:
+    """Print ``text`` from a signal handler. The signal may come in the middle of a print
+    to stdout (the progress line), whose buffer then refuses another ("RuntimeError:
+    reentrant call"), which ended the command with a traceback instead of stopping the
+    run in order: then it goes to stderr's descriptor, unbuffered."""
+    try:
+        _safely(print, text, flush=True)
+    except RuntimeError:
+        try:
+            os.write(sys.stderr.fileno(), (text.lstrip("\n") + "\n").encode())
+        except (OSError, ValueError):  # (stderr gone too: the run still stops in order)
+            pass
+
+
 def _follow(handle) -> int:
     """Show a run's progress until it ends, then its summary. Ctrl-C, SIGTERM or SIGHUP
     stops it cleanly (a second one aborts): the same exit code as Ctrl-C's for Ctrl-C,
@@ -100,11 +115,9 @@ def _follow(handle) -> int:
             raise KeyboardInterrupt
         handle.stop()
         key = "Ctrl-C" if signum == signal.SIGINT else signal.Signals(signum).name
-        _safely(
-            print,
+        _say_from_a_handler(
             f"\nstopping ({key}): finishing the current update and flushing the store "
-            f"({key} again to abort)",
-            flush=True,
+            f"({key} again to abort)"
         )
 
     with _handling(STOP_SIGNALS, on_signal):

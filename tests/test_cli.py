@@ -524,3 +524,19 @@ def test_the_summary_says_a_rollout_lost_with_recovery_off_was_not_recovered(cap
     assert "7 unscored trajectories" in out
     assert "r2 lost, not recovered (faults.recover=false): what it held unknown" in out
     assert "recoveries" not in out and "recovered as lost" not in out, out
+
+
+def test_a_stop_signal_during_a_print_to_stdout_still_says_it_stops(monkeypatch, capfd):
+    """A signal that came in the middle of the progress line's print found stdout's
+    buffer busy: the handler's own print raised "RuntimeError: reentrant call", which
+    ended `laminar run` with a traceback instead of a stop in order. It says so on
+    stderr then."""
+    from pipelines import cli_run
+
+    def busy(*args, **kwargs):
+        raise RuntimeError("reentrant call inside <_io.BufferedWriter name='<stdout>'>")
+
+    monkeypatch.setattr(cli_run, "print", busy, raising=False)
+    cli_run._say_from_a_handler("\nstopping (Ctrl-C): finishing the current update")
+    out, err = capfd.readouterr()
+    assert err == "stopping (Ctrl-C): finishing the current update\n" and out == ""
