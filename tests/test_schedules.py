@@ -275,8 +275,13 @@ def test_each_baseline_schedule_runs_end_to_end_and_keeps_its_promises(
 ):
     """Every baseline trains its versions on whole groups and audits clean; what it keeps
     global shows in the store: sync and stream train on-policy, one-step exactly one
-    version stale, partial rollout interrupts every rollout at every publication."""
+    version stale, partial rollout interrupts every rollout at every publication. The
+    barrier schedules' batches of 3 groups of 4 split 6 samples to each of the 2
+    rollouts: a group goes out in pieces, put together whole by the buffer."""
     overrides = [f"pipeline.schedule={schedule}", "trainer.mini_batches=2"]
+    barrier = schedule != "partial_rollout"
+    if barrier:
+        overrides.append("trainer.groups_per_step=3")
     if schedule == "partial_rollout":  # (η within max_outstanding_groups=8: 2 batches of 4)
         overrides += ["pipeline.eta=1", "rollout.pacing.dilation=10", "rollout.pacing.strict=false"]
     run, summary = run_to_end(cluster_client, small_config, tmp_path / "run", overrides)
@@ -285,9 +290,15 @@ def test_each_baseline_schedule_runs_end_to_end_and_keeps_its_promises(
     ds = open_run(run.run_dir)
     assert ds.attrs["schedule"] == schedule
     c = _consumed(ds)
-    groups = small_config.trainer.groups_per_step
+    groups = 3 if barrier else small_config.trainer.groups_per_step
     for v in range(4):  # one global batch of whole groups per version
         assert len(set(c["prompt_uid"][c["sample_version"] == v])) == groups
+    if barrier:  # (each batch's middle group split between the rollouts)
+        consumed = ds["status"].values == "consumed"
+        ran_on: dict[str, set] = {}
+        for uid, rid in zip(c["prompt_uid"], ds["rollout_ids"].values[consumed], strict=True):
+            ran_on.setdefault(str(uid), set()).add(str(rid))
+        assert sum(len(r) > 1 for r in ran_on.values()) >= 4, ran_on
     s_train = c["sample_version"] - c["behavior_version"]
     if schedule in ("sync", "stream"):
         assert (s_train == 0).all()
