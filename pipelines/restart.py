@@ -48,6 +48,7 @@ from laminar.errors import ClusterError
 from laminar.manager import RolloutManager
 from laminar.trainer import Trainer
 from pipelines.restart_steps import LOST_GRACE_S as LOST_GRACE_S
+from pipelines.restart_steps import _each as _each
 from pipelines.restart_steps import _final_checkpoint as _final_checkpoint
 from pipelines.restart_steps import _finish as _finish
 from pipelines.restart_steps import _holdings as _holdings
@@ -269,6 +270,14 @@ class TrainerRestart:
             ) from e
 
 
+def _stored(run_dir, uids) -> list[str]:
+    """Those of ``uids`` that ``run_dir``'s trajectory store has committed."""
+    from storage.trajectories_read import open_trajectories
+
+    stored = set(open_trajectories(run_dir, ["uid"])["uid"].tolist())
+    return [u for u in uids if u in stored]
+
+
 def _orphans(entries: dict, owners: set[str]) -> dict:
     """Of the lost pool's log ``entries`` (:func:`laminar.partial.replay_log`), those a
     data module's rebuild restores: owned by one of ``owners`` (rollouts lost, silent,
@@ -368,7 +377,7 @@ class DataRestart:
         (default: every one so far, :func:`pipelines.restart_steps._lineage`; a core
         restart's include its own, which no buffer heard)."""
         from laminar.lease import read_lease
-        from pipelines.driver import _answers, start_data_module
+        from pipelines.driver import start_data_module
 
         s = self.s
         cfg, client, a = s.cfg, s.client, s.actors
@@ -470,10 +479,22 @@ class DataRestart:
             a["trainer"].attach_data(buffer, manager).result(timeout)
         else:  # the new master heads the chain, the lost one's readers pull from it
             manager.replace_master(master, worker).result(timeout)
-        registered = _answers(
-            [lambda r=r: r.attach_data(pool, buffer, partial) for r in alive.values()],
-            timeout=timeout,
-        )
+        registered = _each(alive, lambda r: r.attach_data(pool, buffer, partial), timeout)
+        # A rollout that said what it holds and then was not attached (lost, or stalled,
+        # since): its groups are outstanding, and its trajectories in no pool but the
+        # lost one's log, which the new pool is about to start over. Restored from it as
+        # a silent one's are, the new manager recovers them (or it registers its own
+        # over them, should it attach after all); those the store has are left out.
+        unattached = sorted(set(alive) - set(registered))
+        if unattached:
+            from laminar.partial import replay_log
+
+            late = _orphans(replay_log(s.run_dir).entries, set(unattached))
+            for uid in _stored(s.run_dir, late):
+                del late[uid]
+            if late:
+                partial.restore(late).result(timeout)
+            orphans.update(late)
         # The lost pool's log stood until now (a rebuild tried again, or a resume, reads
         # the lost rollouts' entries from it): the new pool starts it over with its own.
         partial.open_log().result(timeout)
@@ -487,8 +508,9 @@ class DataRestart:
             worker=worker,
             **plan.summary(),
             rollouts_holding=len(held),
-            registered=sum(registered),
+            registered=sum(registered.values()),
             rollouts_attached=len(registered),
+            rollouts_unattached=unattached,  # answered, then lost: restored from the log
             rollouts_gone=sorted(gone),  # lost meanwhile: recovered by the new manager
             rollouts_silent=silent,  # did not say what they hold: resumed from the log
             prompt_gap=gap,  # (prompt order skipped for what a silent one may hold)
@@ -507,7 +529,7 @@ class DataRestart:
             len(plan.hold),
             len(plan.mark_consumed),
             len(plan.outstanding),
-            sum(registered),
+            sum(registered.values()),
         )
 
 

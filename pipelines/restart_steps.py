@@ -218,9 +218,16 @@ def _still_there(client, role: str, workers: set[str], error: Exception) -> set[
 def _holdings(rollouts: dict, timeout: float) -> dict[str, list[str]]:
     """Rollout id -> the prompt groups it holds trajectories of, for those of
     ``rollouts`` (id -> handle) that answer within ``timeout`` (one wait for them all)."""
+    return _each(rollouts, lambda r: r.data_holdings(), timeout)
+
+
+def _each(rollouts: dict, call, timeout: float) -> dict:
+    """Rollout id -> ``call(handle)``'s answer, for those of ``rollouts`` (id -> handle)
+    that answer within ``timeout`` (one wait for them all); one lost or stalled is left
+    out, so that the caller knows which did not answer."""
     from pipelines.driver import _results, _send
 
-    asked = {rid: _send([lambda r=r: r.data_holdings()]) for rid, r in rollouts.items()}
+    asked = {rid: _send([lambda r=r: call(r)]) for rid, r in rollouts.items()}
     deadline = time.monotonic() + timeout
     answers = {}
     for rid, futures in asked.items():

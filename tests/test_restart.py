@@ -478,3 +478,80 @@ def test_a_restarted_trainer_is_handed_every_restart_its_own_last(tmp_path, monk
     r.group = None  # (tried again: its record has its point from the first try)
     r.step()
     assert started[-1]["restarts"] == [*EARLIER, (35, 37)]
+
+
+class Recorder:
+    """An actor handle that answers ``answers[name]`` (an exception: raised, as by a lost
+    actor) and records every call, in order, in ``calls``."""
+
+    _client = None
+
+    def __init__(self, worker: str, calls: list, **answers) -> None:
+        self._address, self.key, self.calls, self.answers = worker, f"fake-{worker}", calls, answers
+        self._cls = object
+
+    def __getattr__(self, name: str):
+        if name.startswith("_"):
+            raise AttributeError(name)
+
+        def call(*args, **kwargs) -> Future:
+            self.calls.append((name, args))
+            return answered(self.answers.get(name))
+
+        return call
+
+
+def test_a_rollout_lost_between_its_holdings_and_its_attach_has_its_trajectories_restored(
+    tmp_path, monkeypatch
+):
+    """A data module rebuilt while r1 is lost: r1 says what it holds (its groups stay
+    outstanding), then its worker dies before it is attached. Its unfinished
+    trajectories were only in the lost pool's log, which the new pool starts over: they
+    were gone for good and their groups outstanding for ever (the audit: "consumed groups
+    incomplete"). They are restored from that log before the log starts over, as a
+    silent rollout's are; the new manager recovers them."""
+    from laminar import partial as partial_mod
+    from pipelines import restart
+    from pipelines.restart import DataRestart
+    from storage.resume import RebuildPlan
+
+    calls: list = []
+    entries = {
+        "p1-000": {"owner": "r1", "state": "r1's", "version": 3},
+        "p0-000": {"owner": "r0", "state": "r0's", "version": 3},
+        "p1-001": {"owner": "r1", "state": "r1's, stored", "version": 3},
+    }
+    monkeypatch.setattr(partial_mod, "replay_log", lambda run_dir: SimpleNamespace(entries=entries))
+    stored = lambda run_dir, uids: [u for u in uids if u == "p1-001"]  # noqa: E731
+    monkeypatch.setattr(restart, "_stored", stored)
+    plan = lambda run_dir, *, version, **k: RebuildPlan(version)  # noqa: E731
+    monkeypatch.setattr(restart, "plan_rebuild", plan)
+    new = "tcp://data:2"
+    partial = Recorder(new, calls)
+    manager = Recorder(new, calls)
+    monkeypatch.setattr(
+        "pipelines.driver.start_data_module",
+        lambda *a, **k: (Recorder(new, calls), partial, Recorder(new, calls)),
+    )
+    monkeypatch.setattr(restart, "submit_actor", lambda *a, **k: manager)
+    r0 = Recorder("tcp://r:0", calls, data_holdings=["p0"], attach_data=1)
+    r1 = Recorder("tcp://r:1", calls, data_holdings=["p1"], attach_data=OSError("gone"))
+    s = SimpleNamespace(
+        cfg=RunConfig(),
+        client=SchedulerClient({"tcp://r:0": {}, "tcp://r:1": {}, new: {"data": 1}}),
+        run_dir=tmp_path,
+        policy_dir="policy",
+        schedule=None,
+        actors={"rollouts": [r0, r1], "trainer": Recorder("tcp://trainer:1", calls)},
+        rollout_workers={"r0": "tcp://r:0", "r1": "tcp://r:1"},
+        tier=SimpleNamespace(handle=lambda rid: rid, ids=["master"], workers=["tcp://t:1"]),
+        core_workers={},
+    )
+    m = {"lost": {}, "chain": ["master"], "rollout_relays": {}}
+    r = DataRestart(s, "tcp://data:1", m)
+    r._rebuild(new, record={"version": 3, "consumed": {}, "since": 0}, restarts=[])
+    restored = [args[0] for name, args in calls if name == "restore"]
+    assert restored == [{"p1-000": entries["p1-000"]}]
+    names = [name for name, _ in calls]
+    assert names.index("restore") < names.index("open_log") < names.index("start")
+    assert r.record["rollouts_unattached"] == ["r1"] and r.record["restored_from_log"] == 1
