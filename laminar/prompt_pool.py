@@ -288,9 +288,10 @@ class PromptPoolCore:
         it takes over one ask or more. (All ``R`` have parts and samples are free: a
         rollout was lost before it took its part, :meth:`rollouts_live`, and those that
         ask share the rest.) A group begun by a rollout at one version is finished by
-        rollouts at that version where one asks: those at another (one-step, a rollout
-        that loaded the next version before it asked) start new groups first, and take
-        the rest of one only when no new group is left to make."""
+        rollouts at that version where one asks: one at another starts new groups first,
+        and takes the rest of one only when no new group is left to make. (As the
+        barrier schedules run, every rollout takes its part of batch ``b`` at the same
+        version: the version after it is published only once batch ``b`` is complete.)"""
         # A skipped update lowers every batch's label (update_skipped), and with it the
         # version the label asks for: a rollout still on the version before the newest
         # would qualify. The newest then is the floor. (Not the newest published as
@@ -418,19 +419,52 @@ class PromptPoolCore:
         resumed run's do. Without this they held ``max_outstanding`` for good: handed to
         it and never registered (it was killed between the two, or it never received the
         answer), no recovery finds them, and a few such batches stall the run. Returns
-        their uids (``reissued_at_fence`` counts them). A barrier batch's group split
-        among rollouts (:meth:`_batch_pieces`) is known by its uid: the lost rollout's
-        piece of one that another rollout registered is not handed out again (``known``
-        names groups, not samples)."""
+        their uids (``reissued_at_fence`` counts them).
+
+        ``known`` may name samples too (``{uid}-{i:03d}``, a trajectory's uid): a group
+        any of whose samples it names is judged by them, and the samples of the lost
+        rollout's piece it does not name go out again. A barrier batch's group split
+        among rollouts (:meth:`_batch_pieces`) needs that: by its uid alone, the lost
+        rollout's piece of one that another rollout registered is known, and not handed
+        out again.
+
+        >>> core = PromptPoolCore([(Prompt(0, "n 2 >", "1 2"), (1, 5))], group_size=4,
+        ...                       max_outstanding=8, seed=0, dispatch="batches",
+        ...                       groups_per_step=3, replicas=2)
+        >>> [(g.prompt_uid, g.sample_indices) for g in core.acquire(3, "r0")]
+        [('p00000000', (0, 1, 2, 3)), ('p00000001', (0, 1))]
+        >>> [(g.prompt_uid, g.sample_indices) for g in core.acquire(3, "r1")]
+        [('p00000001', (2, 3)), ('p00000002', (0, 1, 2, 3))]
+
+        ``r0`` is lost before it registered anything; ``r1`` registered its part:
+
+        >>> core.reissue_stranded("r0", {"p00000001-002", "p00000001-003", "p00000002"})
+        ['p00000000', 'p00000001']
+        >>> [(g.prompt_uid, g.sample_indices) for g in core.acquire(3, "r2")]
+        [('p00000000', (0, 1, 2, 3)), ('p00000001', (0, 1))]
+        """
         self.forget(rollout_id)
+        by_sample: dict[str, set[int]] = {}
+        for k in known:
+            uid, sep, i = k.rpartition("-")
+            if sep and i.isdigit():
+                by_sample.setdefault(uid, set()).add(int(i))
         stranded = []
         for uid in self.handed_to(rollout_id):
             group = self._owner[uid].pop(rollout_id)
             if not self._owner[uid]:
                 del self._owner[uid]
-            if uid in self.outstanding and uid not in known:
-                self._reissue.append(group)
-                stranded.append(uid)
+            if uid not in self.outstanding:
+                continue
+            if uid in by_sample:
+                missing = tuple(i for i in group.sample_indices if i not in by_sample[uid])
+                if not missing:
+                    continue
+                group = replace(group, samples=missing)
+            elif uid in known:
+                continue
+            self._reissue.append(group)
+            stranded.append(uid)
         self.n_reissued_at_fence += len(stranded)
         return stranded
 

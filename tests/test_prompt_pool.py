@@ -731,3 +731,34 @@ def test_a_new_run_from_a_checkpoint_continues_its_prompt_order_only_on_its_prom
     (ckpt / DATA_STATE).write_text('{"dispatched": 5, "prompt_order": 7}')
     with pytest.raises(CheckpointError, match=r'damaged \(ValueError: "prompt_order" is 7'):
         dispatched(resumed)
+
+
+def test_a_lost_rollouts_piece_of_a_split_group_goes_out_again_by_its_samples():
+    """A barrier batch's group split between two rollouts: the lost one's piece, never
+    registered, is found by the samples ``known`` names (the other rollout registered
+    its own piece, so the group's uid alone read as known, and the barrier waited for
+    the missing piece for ever); a piece whose samples are all known stays put."""
+    prompts = [(Prompt(i, f"n {i} >", "x"), (1, i + 4)) for i in range(7)]
+    pool = PromptPoolCore(
+        prompts,
+        group_size=4,
+        max_outstanding=1,
+        seed=0,
+        dispatch="batches",
+        groups_per_step=3,
+        replicas=2,
+    )
+    r0 = [(g.prompt_uid, g.sample_indices) for g in pool.acquire(3, "r0")]
+    r1 = [(g.prompt_uid, g.sample_indices) for g in pool.acquire(3, "r1")]
+    assert r0 == [("p00000000", (0, 1, 2, 3)), ("p00000001", (0, 1))]
+    assert r1 == [("p00000001", (2, 3)), ("p00000002", (0, 1, 2, 3))]
+    assert pool.handed_to("r0") == ["p00000000", "p00000001"]
+    assert pool.handed_to("r1") == ["p00000001", "p00000002"]
+    # r0 registered its whole group, and was lost before it registered its piece
+    known = {"p00000000", "p00000001-002", "p00000001-003", "p00000002"}
+    assert pool.reissue_stranded("r0", known) == ["p00000001"]
+    again = pool.acquire(3, "r2")
+    assert [(g.prompt_uid, g.sample_indices) for g in again] == [("p00000001", (0, 1))]
+    # r1's piece and group are all known: nothing goes out again at its loss
+    known |= {"p00000001-000", "p00000001-001"}
+    assert pool.reissue_stranded("r1", known) == []
