@@ -602,9 +602,10 @@ class ExperienceBuffer:
 
     async def groups(self) -> list[str]:
         """The prompt groups the buffer holds samples of (ready, or waiting for their
-        siblings): they leave in time, released to the prompt pool. (The driver asks at a
-        lost rollout's fence, :meth:`laminar.prompt_pool.PromptPool.reissue_stranded`.)"""
-        return sorted({*self.core.ready, *self.core.partial})
+        siblings), and those samples' uids (:meth:`BufferCore.known`): they leave in
+        time, released to the prompt pool. (The driver asks at a lost rollout's fence,
+        :meth:`laminar.prompt_pool.PromptPool.reissue_stranded`.)"""
+        return self.core.known()
 
     async def stats(self) -> dict:
         return {

@@ -518,6 +518,16 @@ class BufferCore:
             heapq.heappop(heap)
         return heap[0][0] if heap else float("nan")
 
+    def known(self) -> list[str]:
+        """The prompt groups held (ready, or waiting for their siblings) and each of their
+        samples' uids: at a lost rollout's fence the prompt pool re-issues what neither
+        this nor the partial-response pool knows, judging a group by its samples where
+        they are named (a barrier batch's group split among rollouts: the lost one's
+        piece goes out again, the samples held here do not)."""
+        members = [t.uid for ts in self.ready.values() for t in ts]
+        members += [t.uid for g in self.partial.values() for t in g.members]
+        return sorted({*self.ready, *self.partial, *members})
+
     def stats(self) -> dict[str, float]:
         """Counters and contents; ``oldest_age_s``: the oldest held trajectory's age by
         this process's clock when read (``read_at``), which a driver polling many actors

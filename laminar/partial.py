@@ -402,14 +402,17 @@ class PartialResponsePool:
         return self.core.owned()
 
     async def groups(self) -> list[str]:
-        """The prompt groups the pool has entries of (any owner, finished or held): a
-        recovery resumes them, or the buffer has them. (The driver asks at a lost
-        rollout's fence: the groups handed to it that neither this pool nor the buffer
-        knows go out again, :meth:`laminar.prompt_pool.PromptPool.reissue_stranded`.)"""
+        """The prompt groups the pool has entries of (any owner, finished or held), and
+        those entries' uids (a sample's, ``{group}-{i:03d}``): a recovery resumes them,
+        or the buffer has them. (The driver asks at a lost rollout's fence: what was
+        handed to it that neither this pool nor the buffer knows goes out again, judged
+        by sample where samples are named,
+        :meth:`laminar.prompt_pool.PromptPool.reissue_stranded`.)"""
         out = set()
         for rid, e in self.core.entries.items():
             group = e["state"].request.meta.get("group")
             out.add(group.prompt_uid if group is not None else rid.rsplit("-", 1)[0])
+            out.add(rid)
         return sorted(out)
 
     async def stats(self) -> dict:

@@ -598,7 +598,7 @@ def test_groups_a_rollout_never_registered_do_not_hold_the_budget_for_good(lost)
             if lost == "answer lost":  # (slow, not lost: the same ask again)
                 assert pool.acquire(8, rid, version, idle=True, now=now, ask=ask) == groups
             else:  # r<k> dies; the driver fences it (pipelines.driver_faults)
-                known = set(asyncio.run(partial.groups())) | set(buf.ready) | set(buf.partial)
+                known = {*asyncio.run(partial.groups()), *buf.known()}  # (as the driver)
                 assert set(pool.reissue_stranded(rid, known)) == {g.prompt_uid for g in groups}
                 fenced += 1
                 continue
@@ -762,3 +762,52 @@ def test_a_lost_rollouts_piece_of_a_split_group_goes_out_again_by_its_samples():
     # r1's piece and group are all known: nothing goes out again at its loss
     known |= {"p00000001-000", "p00000001-001"}
     assert pool.reissue_stranded("r1", known) == []
+
+
+def test_a_lost_rollouts_unregistered_piece_of_a_split_group_goes_out_again():
+    """A barrier batch's group split between two rollouts: r0 is lost before it
+    registered its piece, r1 registered the other. The driver's `known` (the partial-
+    response pool's and the buffer's groups) named the group by its uid alone, so r0's
+    piece read as known, was never handed out again, and the barrier waited for it for
+    ever. Both now name their samples too, and only r0's piece goes out again; a group
+    whose samples the buffer holds is not. Real PromptPoolCore, PartialResponsePool and
+    BufferCore."""
+    import asyncio
+
+    from factories import trajectory
+
+    from laminar.buffer_core import BufferCore
+    from laminar.partial import PartialResponsePool
+
+    prompts = [(Prompt(i, f"n {i} >", "x"), (1, i + 4)) for i in range(10)]
+    pool = PromptPoolCore(
+        prompts,
+        group_size=4,
+        max_outstanding=8,
+        seed=0,
+        dispatch="batches",
+        groups_per_step=3,
+        replicas=2,
+    )
+    r0 = pool.acquire(3, "r0", 0)
+    r1 = pool.acquire(3, "r1", 0)
+    split = {g.prompt_uid for g in r0} & {g.prompt_uid for g in r1}
+    assert len(split) == 1, (r0, r1)  # (3 groups of 4 on 2 rollouts: 6 samples each)
+    partial, buf = PartialResponsePool(), BufferCore()
+    for g in r1:  # r1 registers its pieces; one of its whole groups is already held
+        asyncio.run(partial.register("r1", 0, _states(g)))
+        if g.prompt_uid not in split:
+            trajs = [
+                trajectory(f"{g.prompt_uid}-{i:03d}", g.prompt_uid, sample_idx=i, group_size=4)
+                for i in g.sample_indices
+            ]
+            buf.insert(trajs, version=0, now=1.0)
+            asyncio.run(partial.forget([t.uid for t in trajs]))
+    known = {*asyncio.run(partial.groups()), *buf.known()}  # (as the driver asks)
+    (piece,) = [g for g in r0 if g.prompt_uid in split]
+    assert pool.reissue_stranded("r0", known) == sorted(g.prompt_uid for g in r0)
+    again = pool.acquire(3, "r2", 0)
+    assert {(g.prompt_uid, g.sample_indices) for g in again} == {
+        (g.prompt_uid, g.sample_indices) for g in r0
+    }
+    assert piece.sample_indices != tuple(range(4))  # (its piece alone, not the group)
