@@ -170,8 +170,9 @@ def _audit_staleness(ds, report: AuditReport) -> None:
     schedule = ds.attrs.get("schedule")
     if schedule not in S_TRAIN_RANGE:
         return
-    # A barrier schedule hands each group out whole, to one rollout of one version (and
-    # continues no run in place, so no group's missing samples are handed out again).
+    # A barrier schedule hands each group out to rollouts of one version (whole, or in
+    # pieces split among them by sample, all at the batch's version; and it continues no
+    # run in place, so no group's missing samples are handed out again).
     pu, k = ds["prompt_uid"].values[consumed], ds["behavior_version"].values[consumed]
     groups, inverse = np.unique(pu, return_inverse=True)
     lo_k = np.full(len(groups), np.iinfo(np.int64).max)
