@@ -293,12 +293,13 @@ def test_a_fence_is_journaled_and_kept_by_a_pool_replayed_or_compacted(tmp_path)
 def _pool(fenced=()):
     """A PromptPool actor without its tokenizer (the prompts encoded by hand)."""
     from laminar.prompt_pool import PromptPool, PromptPoolCore
+    from laminar.prompts import prompt_order
     from laminar.tasks import Prompt
 
     pool = PromptPool.__new__(PromptPool)
-    pool.core = PromptPoolCore(
-        [(Prompt(0, "n 2 >", "1 2"), (1, 5))], group_size=4, max_outstanding=4, seed=0
-    )
+    prompts = [Prompt(0, "n 2 >", "1 2")]
+    pool.core = PromptPoolCore([(prompts[0], (1, 5))], group_size=4, max_outstanding=4, seed=0)
+    pool.order = prompt_order(prompts, 0)  # (PromptPool.stats records it)
     pool._lease, pool._waiting, pool._ending = None, None, False
     pool.fenced, pool.n_refused = {}, 0
     return pool
