@@ -126,6 +126,7 @@ class RolloutManager(RecoveryMixin, RepackMixin):
         # rollout -> (when it was asked, its heartbeat call in flight)
         self._beat_calls: dict[str, tuple[float, object]] = {}
         self._beat_asked = 0.0  # when the rollouts were last asked (heartbeat_interval)
+        self._beats_read: float | None = None  # when check_heartbeats last ran
         self.hung: dict[str, dict] = {}  # rollout -> when it was declared hung, its fence
         self.masters: list[dict] = []  # master relays that replaced a lost one (restarts)
         self._master_lost: float | None = None  # when the master's worker was found gone

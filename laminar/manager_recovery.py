@@ -98,15 +98,15 @@ class RecoveryMixin:
         chain = self._chain()
         errors: list[str] = []
         self._rechain(chain, errors)  # (a relay lost too is cut out by detect())
-        repointed = []
-        for roll in self._master_readers():
-            ok, _ = self._noting(f"{roll}.set_relay", self.rollouts[roll].set_relay(handle), errors)
-            if ok:
-                repointed.append(roll)
+        repointed = self._set_relays({roll: handle for roll in self._master_readers()}, errors)
         if self.partial is not None:
             relays = [self.relays[r] for r in chain]
             self._noting(
-                "partial.set_relays", self._try(lambda: self.partial.set_relays(relays)), errors
+                "partial.set_relays",
+                self._try(lambda: self.partial.set_relays(relays)),
+                errors,
+                actor=self.partial,
+                deadline=time.time() + min(self.timeout, 5.0),
             )
         self._seen_version = -1
         self.masters.append(
@@ -127,6 +127,26 @@ class RecoveryMixin:
             ", ".join(repointed) or "no rollout",
         )
 
+    def _set_relays(self, relays: dict, errors: list[str] | None = None) -> list[str]:
+        """Point each rollout of ``relays`` (id -> the relay handle it pulls from, or
+        ``None``) at its relay, all at once; returns those that took it. One that does
+        not answer within a few seconds (lost and not yet detected, or stalled) is left
+        to detection: waiting the actor timeout on each kept this thread, and with it
+        every heartbeat, blind for that long (check_heartbeats then took the blind time
+        for every rollout's silence)."""
+        deadline = time.time() + min(self.timeout, 5.0)
+        calls = {
+            rid: self._try(lambda h=self.rollouts[rid], r=relay: h.set_relay(r))
+            for rid, relay in relays.items()
+        }
+        return [
+            rid
+            for rid, call in calls.items()
+            if self._noting(
+                f"{rid}.set_relay", call, errors, actor=self.rollouts[rid], deadline=deadline
+            )[0]
+        ]
+
     def _take_joining(self) -> None:
         while not self._joining.empty():
             rid, handle, worker, replaces, relay_id = self._joining.get_nowait()
@@ -138,16 +158,11 @@ class RecoveryMixin:
             # lost already is found by detect(), a slow one may yet take it.)
             if relay_id in self.relays_lost:  # lost while the replacement was starting
                 relay_id = self._chain()[0]
-                relay = self.relays[relay_id]
-                self._noting(
-                    f"{rid}.set_relay", self._try(lambda h=handle, r=relay: h.set_relay(r))
-                )
+                self._set_relays({rid: self.relays[relay_id]})
             self.rollout_relays[rid] = relay_id
             if relay_id == "master" and self._master_lost is not None:
                 # (started with the lost master's handle: the restart's re-points it)
-                self._noting(
-                    f"{rid}.set_relay(None)", self._try(lambda h=handle: h.set_relay(None))
-                )
+                self._set_relays({rid: None})
             self.replacements[replaces] = rid
             logger.warning("rollout %s replaces %s (worker %s)", rid, replaces, worker)
 
@@ -369,6 +384,7 @@ class RecoveryMixin:
         interval more when it stopped just after an answer), never before it."""
         limit = self.cfg.faults.heartbeat_timeout_s
         now = time.time()
+        self._discount_blind_time(now)
         watched = {k: v for k, v in self._watched().items() if k not in self.hung}
         for rid in watched:
             self._alive_at.setdefault(rid, now)  # (a new one: from when it is watched)
@@ -418,6 +434,26 @@ class RecoveryMixin:
             start_thread(lambda rid=rid, w=worker: self._fence(rid, w), f"fence-{rid}")
         return hung
 
+    def _discount_blind_time(self, now: float) -> None:
+        """This thread was held up (a call that waited out its timeout, a recovery that
+        took long) for longer than a detection round and a question interval: nobody was
+        asked meanwhile, so one whose last answer had been read looked silent for all
+        that time, and every healthy rollout was declared hung at once. Its silence goes
+        on from where it stood when the gap began. One with a question in flight is
+        judged as ever: it had the gap to answer, and an answer in is read this round (a
+        hung one always has one in flight, so a manager that is always slow finds it
+        within a gap of the timeout)."""
+        last, self._beats_read = self._beats_read, now
+        if last is None:
+            return
+        gap = now - last
+        faults = self.cfg.faults
+        if gap <= faults.detect_interval_s + heartbeat_interval(faults):
+            return
+        for rid, t in self._alive_at.items():
+            if rid not in self._beat_calls:
+                self._alive_at[rid] = min(now, t + gap)
+
     def _silent_s(self, rid: str, now: float) -> float:
         """How long ``rid`` has neither shown progress nor left a question unanswered:
         since its last progress, or since it was asked if it has not answered since (it
@@ -453,7 +489,15 @@ class RecoveryMixin:
             nxt = self.relays[chain[i + 1]] if i + 1 < len(chain) else None
             master = None if i == 0 else self.relays[chain[0]]
             call = self._try(lambda r=rid, n=nxt, m=master: self.relays[r].rechain(chain, n, m))
-            ok, version = self._noting(f"{rid}.rechain", call, errors)
+            # (one that does not answer within a few seconds leaves the chain dirty: the
+            # next round calls it again, rather than this thread waiting, blind, on it)
+            ok, version = self._noting(
+                f"{rid}.rechain",
+                call,
+                errors,
+                actor=self.relays[rid],
+                deadline=time.time() + min(self.timeout, 5.0),
+            )
             dirty = dirty or not ok
             if version is not None:
                 resent[rid] = version
@@ -498,20 +542,22 @@ class RecoveryMixin:
         errors: list[str] = []
         resent = self._rechain(chain, errors)
         repointed: dict[str, dict[str, str]] = {rid: {} for rid in gone}
+        moved = {}
         for roll, rel in sorted(self.rollout_relays.items()):
             if rel not in gone or roll in self.lost or roll in self.hung:
                 continue
             above = next(r for r in reversed(old[: old.index(rel)]) if r not in gone)
             self.rollout_relays[roll] = above
-            self._noting(
-                f"{roll}.set_relay", self.rollouts[roll].set_relay(self.relays[above]), errors
-            )
+            moved[roll] = self.relays[above]
             repointed[rel][roll] = above
+        self._set_relays(moved, errors)
         if self.partial is not None:
             self._noting(
                 "partial.set_relays",
-                self.partial.set_relays([self.relays[r] for r in chain]),
+                self._try(lambda: self.partial.set_relays([self.relays[r] for r in chain])),
                 errors,
+                actor=self.partial,
+                deadline=time.time() + min(self.timeout, 5.0),
             )
         t1 = time.time()
         for rid in gone:

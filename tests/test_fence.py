@@ -477,3 +477,79 @@ def test_the_driver_reissues_the_groups_of_a_lost_rollout_that_nothing_else_hold
     assert again == [mine[2]]  # the same group, and nothing new: the budget is spent
     assert pool.core.handed_to("r2") == [mine[2].prompt_uid]
     assert pool.core.handed_to("r0") == [other[0].prompt_uid]
+
+
+def test_a_manager_held_up_longer_than_the_heartbeat_timeout_declares_no_rollout_hung(
+    monkeypatch,
+):
+    """The manager's own thread was held up for a minute (a call to a rollout lost and
+    not yet detected waited out cluster.actor_timeout_s): nobody was asked for or read a
+    heartbeat meanwhile, and every healthy rollout was declared hung at once, its worker
+    restarted (every rollout lost: the run failed). That blind time is not counted; a
+    rollout that really stops is still found, a timeout after it stopped, also by a
+    manager whose every round is that slow."""
+    from test_manager import never
+
+    import laminar.manager_recovery as recovery
+
+    clock = SimpleNamespace(now=0.0)
+    clock.time = lambda: clock.now
+    monkeypatch.setattr(recovery, "time", clock)
+    cfg = with_overrides(RunConfig(), ["faults.heartbeat_timeout_s=60"])
+    interval = recovery.heartbeat_interval(cfg.faults)
+    stop_at = 200.0
+    well = FakeRollout(heartbeat=lambda: done(0.01))
+    stops = FakeRollout(heartbeat=lambda: done(0.01) if clock.now < stop_at else never())
+    manager = RolloutManager(cfg, {"r0": well, "r1": stops}, None)
+    manager._fence = lambda rid, worker: None
+    round_s = cfg.faults.detect_interval_s
+    while clock.now < 11.0:  # (an answer read at 10.5, the next question due at 15)
+        manager.check_heartbeats()
+        clock.now += round_s
+    clock.now += 61.0  # held up, blind
+    while clock.now < 150.0:
+        manager.check_heartbeats()
+        clock.now += round_s
+    slow_round = interval + 2 * round_s  # (from now on every round is a gap)
+    while clock.now < 400.0:
+        manager.check_heartbeats()
+        clock.now += slow_round
+    assert set(manager.hung) == {"r1"}
+    assert stop_at + 60 <= manager.hung["r1"]["time"] <= stop_at + 60 + 2 * slow_round
+
+
+def test_a_new_master_is_handed_to_its_readers_within_seconds_each_call_watched(monkeypatch):
+    """A new master (trainer restart) is handed to every reader, and the chain and the
+    partial-response pool told. Each call waited cluster.actor_timeout_s on its own: a
+    reader lost and not yet detected held the manager's thread a minute (then every
+    heartbeat looked overdue). Each is now watched for its worker's loss (``actor``) and
+    all share one deadline of at most 5 s."""
+    from test_manager import never
+
+    import laminar.manager as manager_mod
+
+    waits: list[tuple[object, float]] = []
+
+    def actor_result(actor, future, timeout):
+        waits.append((actor, timeout))
+        raise TimeoutError
+
+    monkeypatch.setattr(manager_mod, "actor_result", actor_result)
+    cfg = with_overrides(RunConfig(), ["cluster.actor_timeout_s=60"])
+    r0, r1 = FakeRollout(set_relay=lambda r: never()), FakeRollout(set_relay=lambda r: never())
+    old, new = FakeRollout(), FakeRollout(rechain=lambda *a: never())
+    pool = Pool()
+    manager = RolloutManager(
+        cfg,
+        {"r0": r0, "r1": r1},
+        old,
+        pool,
+        {"r0": "tcp://w0", "r1": "tcp://w1"},
+        rollout_relays={"r0": "master", "r1": "master"},
+    )
+    manager._master_lost = 0.0
+    manager.replace_master(new, "tcp://t2")
+    manager._take_joining()
+    assert {id(a) for a, _ in waits} == {id(r0), id(r1), id(new), id(pool)}
+    assert all(0 < t <= 5.0 for _, t in waits)
+    assert manager.masters[-1]["rollouts"] == []
