@@ -163,6 +163,11 @@ class RecoveryMixin:
             if relay_id == "master" and self._master_lost is not None:
                 # (started with the lost master's handle: the restart's re-points it)
                 self._set_relays({rid: None})
+            elif relay_id == "master" and self.masters:
+                # A trainer restart hands its new master to this manager before the
+                # driver's tier has it: a replacement started in between got the lost
+                # master's handle, and pulled from it for the rest of the run.
+                self._set_relays({rid: self.relays["master"]})
             self.replacements[replaces] = rid
             logger.warning("rollout %s replaces %s (worker %s)", rid, replaces, worker)
 

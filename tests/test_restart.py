@@ -555,3 +555,29 @@ def test_a_rollout_lost_between_its_holdings_and_its_attach_has_its_trajectories
     names = [name for name, _ in calls]
     assert names.index("restore") < names.index("open_log") < names.index("start")
     assert r.record["rollouts_unattached"] == ["r1"] and r.record["restored_from_log"] == 1
+
+
+def test_a_replacement_started_with_the_lost_master_pulls_from_the_new_one():
+    """A trainer restart hands its new master to the manager before the driver's tier
+    has it: a rollout replacing a lost one in between was started with the lost
+    master's handle. The manager, which had taken the new master already, left it so: it
+    pulled from the lost master (unreachable) for the rest of the run, at version 0.
+    It is pointed at the new master as it joins."""
+    from test_manager import FakeRollout
+
+    from laminar.manager import RolloutManager
+
+    lost, new = FakeRollout(), FakeRollout()
+    r0, r2 = FakeRollout(), FakeRollout()
+    cfg = with_overrides(RunConfig(), ["cluster.actor_timeout_s=0.5"])
+    manager = RolloutManager(
+        cfg, {"r0": r0}, lost, None, {"r0": "tcp://w0"}, rollout_relays={"r0": "master"}
+    )
+    manager._master_lost = 0.0
+    manager.replace_master(new, "tcp://t2")
+    manager._take_joining()
+    assert r0.called("set_relay") == [("set_relay", (new,), {})]
+    manager.add_rollout("r2", r2, "tcp://w2", "r1", "master")  # (made with `lost`)
+    manager._take_joining()
+    assert r2.called("set_relay") == [("set_relay", (new,), {})]
+    assert manager.rollout_relays["r2"] == "master" and manager.replacements == {"r1": "r2"}
