@@ -150,6 +150,8 @@ class FaultHandling:
         if isinstance(r, TrainerRestart | CoreRestart):  # (the master went with rank 0)
             self._old_publications += self._master_publications
             self._master_publications = []
+        if isinstance(r, DataRestart):  # (a CoreRestart too)
+            self._drop_joining()
         self._check_group()  # (the rest of a data-parallel group goes too)
         if r is not self._restart:
             self._data_suspect = None
@@ -414,6 +416,30 @@ class FaultHandling:
             resource="rollout",
         )
         self._joining = (rid, worker, waiting[0], relay_id, future)
+
+    def _drop_joining(self) -> None:
+        """A replacement being created was given the data module's actors, lost now: its
+        creation is cancelled, and a new one is started with the rebuilt module's once it
+        runs (:meth:`_replace_lost`: the lost rollout is still waiting for one, and the
+        new one takes the same id). Bound after the rebuild, it took and sent to the lost
+        pool, buffer and partial-response pool, and its loop failed when no rebuild came
+        (``faults.data_restart_timeout_s``)."""
+        joining, self._joining = self._joining, None
+        if joining is None:
+            return
+        rid, worker, replaces, _, future = joining
+        self.rollout_relays.pop(rid, None)
+        try:
+            self.client.cancel([future], force=True)
+        except Exception as e:  # noqa: BLE001 — the client's own error: nothing to cancel
+            logger.warning("replacement %s: its creation could not be cancelled: %r", rid, e)
+        logger.warning(
+            "replacement %s (for %s, on %s) dropped: made with the lost data module's "
+            "actors; one is made again once it is rebuilt",
+            rid,
+            replaces,
+            worker,
+        )
 
     def _fence_in_pool(self, m_stats: dict) -> None:
         """Fence each rollout the manager has taken as lost in the prompt pool
