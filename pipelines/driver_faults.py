@@ -113,6 +113,16 @@ class FaultHandling:
 
         if not lost:  # (every worker still there: the call's error is the run's)
             raise error
+        running = self._restart or self._data_restart
+        if running is not None:  # (one restart at a time: each rebuilds from the other)
+            roles = {TrainerRestart: "trainer", DataRestart: "data module"}
+            what = roles.get(type(running), "trainer and data module")
+            raise ClusterError(
+                f"lost the {' and '.join(lost)} (worker(s) {', '.join(lost.values())} gone) "
+                f"while the {what} lost on {running.lost_worker} was being restarted; the "
+                f"run cannot continue (two restarts cannot overlap); {self.resume_hint()} "
+                "(docs/faults.md)"
+            ) from error
         if self.actors["trainer"] is None:  # (_trainer_finished: nothing left to train)
             raise ClusterError(
                 f"lost the {' and '.join(lost)} (worker(s) {', '.join(lost.values())} gone) "
@@ -514,7 +524,7 @@ class FaultHandling:
         if isinstance(error, ClusterError):  # said already (a restart that could not be)
             self._abort()
             return True
-        lost = self._lost_core()
+        lost = self._lost_core(every=True)
         if not lost:
             return False
         self._abort()
@@ -564,10 +574,30 @@ class FaultHandling:
             "workers were lost at once)"
         )
 
-    def _lost_core(self) -> dict[str, str]:
-        """Role -> worker of the core actors whose worker the scheduler no longer has."""
+    def _lost_core(self, every: bool = False) -> dict[str, str]:
+        """Role -> worker of the core actors whose worker the scheduler no longer has;
+        unless ``every``, not those a restart in progress is restarting
+        (:meth:`_restarting`): their worker stays in ``core_workers`` until it is done,
+        and a failed call to the other core actor took it for a new loss, skipped its
+        own grace and fence, and began a second restart over the first."""
         workers = set(scheduler_workers(self.client))
-        return {role: w for role, w in self.core_workers.items() if w not in workers}
+        skip = set() if every else self._restarting()
+        return {
+            role: w
+            for role, w in self.core_workers.items()
+            if w not in workers and role not in skip
+        }
+
+    def _restarting(self) -> set[str]:
+        """The roles of ``core_workers`` that the restart in progress restarts."""
+        from pipelines.restart import CoreRestart
+
+        roles = set()
+        if self._restart is not None or isinstance(self._data_restart, CoreRestart):
+            roles |= {r for r in self.core_workers if r.startswith("trainer")}
+        if self._data_restart is not None:
+            roles |= {"data module", "trainer and data module"} & set(self.core_workers)
+        return roles
 
     def _abort(self) -> None:
         """Best effort: stop the manager and the rollouts that still run, so no worker

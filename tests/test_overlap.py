@@ -8,9 +8,11 @@ from __future__ import annotations
 
 from concurrent.futures import Future
 
+import pytest
 from test_restart import Answering, SchedulerClient
 
 from laminar.config import RunConfig, with_overrides
+from laminar.errors import ClusterError
 from pipelines import driver_faults
 from pipelines.laminar import LaminarSchedule
 
@@ -40,6 +42,78 @@ def driver(workers: dict[str, dict], fences: list) -> LaminarSchedule:
 
 def never() -> Future:
     return Future()  # (a call its actor never answers: it times out)
+
+
+class Silent(Answering):
+    """An actor handle whose every call times out (hung, or its worker lost)."""
+
+    def __init__(self, worker: str) -> None:
+        super().__init__(worker, None)
+
+    def __getattr__(self, name: str):
+        if name.startswith("_"):
+            raise AttributeError(name)
+        return lambda *args, **kwargs: never()
+
+
+def trainer_restart(s):
+    """A trainer restart in progress, of the trainer lost on ``T``."""
+    from pipelines.restart import TrainerRestart
+
+    r = object.__new__(TrainerRestart)
+    r.lost_worker, r.finished, r.stand_in, r.record = T, False, {}, {}
+    r.step = lambda: None
+    return r
+
+
+def test_a_silent_data_module_while_the_trainer_restarts_is_fenced_not_restarted_over_it():
+    """The trainer's worker is gone and its restart in progress (``core_workers`` still
+    names it); the data module then does not answer. Its failed call found the lost
+    trainer, took it for a new loss, skipped the data module's fence and began a second
+    TrainerRestart over the first (which then crashed on an AttributeError). The data
+    module is fenced (hung), and the restart in progress goes on."""
+    fences: list = []
+    s = driver({D: {"data": 1}}, fences)
+    s._restart = first = trainer_restart(s)
+    s.actors = {"buffer": Silent(D), "pool": Silent(D), "trainer": Answering(T, None)}
+    s._data_stats()
+    assert s._restart is first and s._data_restart is None
+    assert fences == [("data module", D)]
+
+
+def test_a_silent_trainer_while_the_data_module_is_rebuilt_is_fenced_not_restarted_over_it():
+    """The same the other way round: the trainer's stats time out while a lost data
+    module is rebuilt. The lost data module's worker made it a loss of the data module
+    again, and a second rebuild replaced the first. The trainer is fenced."""
+    from pipelines.restart import DataRestart
+
+    fences: list = []
+    s = driver({T: {"trainer": 1}}, fences)
+    s._data_restart = first = object.__new__(DataRestart)
+    first.lost_worker, first.record = D, {}
+    s.actors = {"trainer": Silent(T), "trainer_ranks": []}
+    s._trainer_stats()
+    assert s._data_restart is first and s._restart is None
+    assert fences == [("trainer", T)]
+
+
+def test_a_second_core_loss_during_a_restart_fails_the_run_naming_both():
+    """The data module's worker is lost too while the trainer restarts: one restart
+    cannot be begun over another (each rebuilds from what the other restarts). The run
+    fails saying what was lost, both, and how to continue."""
+    s = driver({}, [])
+    s._restart = trainer_restart(s)
+    s.actors = {"trainer": Answering(T, None)}
+    error = OSError("Timed out trying to connect to tcp://data:1")
+    assert s._lost_core() == {"data module": D}
+    with pytest.raises(
+        ClusterError,
+        match=r"lost the data module .*tcp://data:1.*while the "
+        r"trainer lost on tcp://trainer:1 was being restarted.*resume it",
+    ) as e:
+        s._begin_restart(s._lost_core(), error)
+    assert e.value.__cause__ is error
+    assert s._lost_core(every=True) == {"trainer": T, "data module": D}
 
 
 def test_a_replacement_being_created_when_the_data_module_is_lost_is_made_again(monkeypatch):
