@@ -19,6 +19,7 @@ import time
 from laminar.cluster import (
     actor_result,
     bind_actor,
+    is_lost,
     scheduler_workers,
     start_actor,
     workers_with,
@@ -28,6 +29,18 @@ from laminar.rollout import RolloutReplica
 from pipelines.driver_calls import _answers, _send
 
 logger = logging.getLogger("laminar")
+
+
+def raise_unless_lost(what: str, error: Exception) -> None:
+    """``what`` (an actor call of a poll) failed with ``error``. A loss (its worker gone,
+    the connection cut, the call cancelled or timed out: :func:`laminar.actors.is_lost`)
+    is for the polls to judge, and returns. Any other error is the actor's own (a bug, a
+    full disk): it was swallowed at every poll for the rest of the run, its rows or
+    stats never read again. It is logged and raised: the run fails, stopped in order."""
+    if is_lost(error):
+        return
+    logger.error("%s failed with its own error, not a loss: %r", what, error)
+    raise error
 
 
 def core_bound(cfg) -> str:

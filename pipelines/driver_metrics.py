@@ -16,6 +16,7 @@ import time
 
 from laminar.cluster import actor_result
 from pipelines.driver_calls import _answers, _stopping
+from pipelines.driver_faults import raise_unless_lost
 from pipelines.summary import earlier_faults, median
 from storage.metrics import ROLLOUT_COUNTERS, ROLLOUT_GAUGES
 
@@ -219,9 +220,10 @@ class MetricsRecording:
             wait = self._core_timeout() if final else min(ROWS_WAIT_S, self._core_timeout())
             try:
                 new = actor_result(t, t.get_history(self._n_updates), wait)
-            except Exception:
+            except Exception as e:
                 if final and not self.restartable:
                     raise
+                raise_unless_lost("the trainer's get_history()", e)
                 new = []  # lost or slow: the polls judge which
             self._rows.setdefault("updates", []).extend(new)
             self._n_updates += len(new)
@@ -239,6 +241,7 @@ class MetricsRecording:
         except Exception as e:
             if not self.data_restartable:
                 raise
+            raise_unless_lost("the rollout manager's get_rows()", e)
             self._data_silent(e)
             return  # lost with the data module: the rows it made since the last poll too
         # (which start of the run made them: a resumed run's rollout ids begin at r0 again)

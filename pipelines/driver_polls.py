@@ -23,7 +23,7 @@ from laminar.rewards import (
     past_share,
     timed_out,
 )
-from pipelines.driver_faults import core_bound
+from pipelines.driver_faults import core_bound, raise_unless_lost
 
 logger = logging.getLogger("laminar")
 
@@ -254,6 +254,7 @@ class StatsPolling:
         except Exception as e:
             if not self.data_restartable:
                 raise
+            raise_unless_lost("the rollout manager's stats()", e)
             self._data_silent(e)
             return None  # lost with the data module just now: the next poll rebuilds it
         return self._last_m_stats
@@ -381,6 +382,6 @@ class StatsPolling:
                 out.append(f.result(timeout=max(0.1, deadline - time.monotonic())))
             except TimeoutError:
                 self._r_pending[key] = f
-            except Exception:  # noqa: BLE001 — lost (the manager recovers its work)
-                continue
+            except Exception as e:  # noqa: BLE001 — lost (the manager recovers its work)
+                raise_unless_lost(f"rollout {key}'s stats()", e)
         return out
