@@ -266,27 +266,45 @@ def load_tokenizer(path: str | Path) -> PreTrainedTokenizerFast:
 def _rope_theta(cfg) -> float:
     params = getattr(cfg, "rope_parameters", None) or {}
     theta = params.get("rope_theta", getattr(cfg, "rope_theta", None))
-    if params.get("rope_type", "default") != "default":
-        raise ModelError(f"rope_type {params['rope_type']!r} is not supported by CachedDecoder")
     return float(theta if theta is not None else 10000.0)
 
 
-def _check_supported(cfg) -> None:
-    """Refuse a config whose forward is not :class:`CachedDecoder`'s maths (SiLU-gated
-    MLP, full causal attention): it would generate from other logits than the trainer's."""
+def torch_engine_refusal(cfg) -> tuple[str, bool] | None:
+    """Why :class:`CachedDecoder` (the torch engine's forward) cannot generate from a
+    model of HF config ``cfg`` — its maths would differ from the trainer's, so it would
+    sample from other logits — and whether vLLM's engine can; None when it can."""
     act = getattr(cfg, "hidden_act", "silu")
     if act not in ("silu", "swish"):
-        raise ModelError(f"hidden_act {act!r} is not supported by CachedDecoder (only silu)")
+        # (vLLM's Llama and Qwen2 MLPs refuse it too: "Only silu is supported")
+        return f"hidden_act {act!r} is not supported by the torch engine (only silu)", False
+    params = getattr(cfg, "rope_parameters", None) or {}
+    kind = params.get("rope_type", "default")
+    if kind != "default":
+        return (
+            f"rope_type {kind!r} (RoPE scaling) is not supported by the torch engine "
+            "(only the default RoPE)",
+            True,
+        )
     types = getattr(cfg, "layer_types", None)
     if types:
         sliding = any(t != "full_attention" for t in types)
     else:
         sliding = bool(getattr(cfg, "use_sliding_window", False))
     if sliding:
-        raise ModelError(
-            "sliding-window attention is not supported by CachedDecoder; use a config "
-            "with use_sliding_window=false"
+        return (
+            "sliding-window attention is not supported by the torch engine; use a config "
+            "with use_sliding_window=false",
+            True,
         )
+    return None
+
+
+def _check_supported(cfg) -> None:
+    """Refuse a config whose forward is not :class:`CachedDecoder`'s maths (SiLU-gated
+    MLP, default RoPE, full causal attention): it would generate from other logits than
+    the trainer's (:func:`torch_engine_refusal`)."""
+    if refusal := torch_engine_refusal(cfg):
+        raise ModelError(refusal[0])
 
 
 class CachedDecoder:

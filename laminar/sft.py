@@ -31,7 +31,7 @@ import numpy as np
 import torch
 
 from laminar.config import RunConfig
-from laminar.errors import ConfigError, RunStopped
+from laminar.errors import ConfigError, ModelError, RunStopped
 from laminar.files import (
     ManifestMismatch,
     check_manifest,
@@ -339,21 +339,37 @@ def _scoring(cfg: RunConfig) -> str:
 
 
 def evaluate(cfg: RunConfig, model, tok, prompts: list[Prompt]) -> float:
-    """Mean reward of one sampled response per prompt, as the rollouts will sample them."""
+    """Mean reward of one sampled response per prompt, as the rollouts will sample them.
+
+    Sampled by the torch engine, on this (the trainer's) worker: a model it does not
+    compute (:func:`laminar.model.torch_engine_refusal`; ``rollout.engine=vllm`` runs
+    it, and preflight refuses it for ``torch``) is not scored: nan, not kept."""
     from laminar.engine import GenerationRequest
     from laminar.rewards import score_batch
     from laminar.torch_engine import TorchEngine
 
     r = cfg.rollout
-    engine = TorchEngine(
-        model.config,
-        model.state_dict(),
-        eos_token_id=tok.eos_token_id,
-        pad_token_id=tok.pad_token_id,
-        max_batch=64,
-        max_seq_len=r.max_seq_len,
-        seed=cfg.seed,
-    )
+    try:
+        engine = TorchEngine(
+            model.config,
+            model.state_dict(),
+            eos_token_id=tok.eos_token_id,
+            pad_token_id=tok.pad_token_id,
+            max_batch=64,
+            max_seq_len=r.max_seq_len,
+            seed=cfg.seed,
+        )
+    except ModelError as e:
+        if r.engine == "torch":  # (its rollouts could not run either: preflight says so)
+            raise
+        logger.warning(
+            "warm start: its reward is nan (not kept in the cache): it is scored with "
+            "the torch engine, which cannot generate from this model (%s); the run's "
+            "rollouts (rollout.engine=%s) are not affected",
+            e,
+            r.engine,
+        )
+        return float("nan")
     params = r.sampling_params()
     for i, p in enumerate(prompts):
         engine.add_request(

@@ -103,6 +103,7 @@ def preflight(cfg: RunConfig) -> None:
             "run past the positions the policy was built for; lower rollout.max_seq_len "
             "(and rollout.max_new_tokens), or use a model with a longer context"
         )
+    _check_torch_engine(cfg, model_config)
     prompts = load_prompts(cfg)
     tok = base_tokenizer(cfg)
     encode_prompts(tok, prompts, cfg)
@@ -121,6 +122,28 @@ def preflight(cfg: RunConfig) -> None:
     resolve_reward(cfg.task.reward)
     if cfg.trainer.resume_from:
         check_checkpoint(cfg.trainer.resume_from, model_config, cfg)
+
+
+def _check_torch_engine(cfg: RunConfig, model_config) -> None:
+    """Refuse, with ``rollout.engine: torch``, a model whose forward the torch engine
+    does not compute (RoPE scaling, another MLP activation, sliding-window attention):
+    it passed every check, trained the whole warm start, then failed scoring it (or its
+    rollouts would have sampled from other logits than the trainer's)."""
+    from laminar.model import torch_engine_refusal
+
+    if cfg.rollout.engine != "torch" or not (refusal := torch_engine_refusal(model_config)):
+        return
+    reason, vllm_ok = refusal
+    fix = (
+        "set rollout.engine=vllm (vLLM generates from it; docs/engines.md), or use another model"
+        if vllm_ok
+        else "use another model (vLLM's engine does not support it either)"
+    )
+    raise ConfigError(
+        f"model.path {cfg.model.path!r} cannot be generated from by rollout.engine=torch: "
+        f"{reason}. Its rollouts would sample from other logits than the trainer "
+        f"computes; {fix}"
+    )
 
 
 def _check_engine(cfg: RunConfig) -> None:

@@ -1,0 +1,77 @@
+"""What a model folder must be for the run's engines and warm start, checked before any
+cluster work (``preflight``) rather than after the warm start has trained."""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+
+import pytest
+
+from laminar.config import with_overrides
+from laminar.errors import ConfigError
+from laminar.model import build_tiny_policy
+
+SHAPE = dict(hidden_size=32, num_layers=1, num_heads=2, intermediate_size=64)
+LLAMA3 = {
+    "rope_type": "llama3",
+    "rope_theta": 500000.0,
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 64,
+}
+
+
+def _folder(tmp_path, name, config=None, tokenizer_config=None):
+    """A tiny Llama folder, its config.json / tokenizer_config.json edited in place."""
+    path = build_tiny_policy(tmp_path / name, **SHAPE)
+    for file, edit in (("config.json", config), ("tokenizer_config.json", tokenizer_config)):
+        if edit:
+            data = json.loads((path / file).read_text())
+            edit(data)
+            (path / file).write_text(json.dumps(data))
+    return path
+
+
+def _cfg(small_config, tmp_path, path, *more):
+    return with_overrides(
+        small_config,
+        [f"sft.cache_dir={tmp_path / 'cache'}", f"model.path={path}", "sft.steps=2", *more],
+    )
+
+
+def test_a_model_the_torch_engine_cannot_run_is_refused_in_preflight(small_config, tmp_path):
+    """RoPE scaling passed every check, trained the whole warm start, then failed scoring
+    it (the torch engine's forward refused it). Refused for rollout.engine=torch, naming
+    model.path, the reason and the engine that runs it; not for vllm's."""
+    from pipelines.api import preflight
+
+    path = _folder(tmp_path, "llama3", lambda c: c.update(rope_parameters=LLAMA3))
+    with pytest.raises(ConfigError, match=r"model.path .*llama3.*rope_type 'llama3'") as e:
+        preflight(_cfg(small_config, tmp_path, path))
+    assert "rollout.engine=vllm" in str(e.value)
+    gelu = _folder(tmp_path, "gelu", lambda c: c.update(hidden_act="gelu"))
+    with pytest.raises(ConfigError, match=r"hidden_act 'gelu'.*use another model"):
+        preflight(_cfg(small_config, tmp_path, gelu))
+    # vLLM's engine runs it (a remote cluster: vLLM need not be installed here)
+    remote = ["rollout.engine=vllm", "cluster.kind=address", "cluster.address=tcp://h:8786"]
+    preflight(_cfg(small_config, tmp_path, path, *remote))
+
+
+def test_the_warm_start_of_a_vllm_run_is_not_scored_by_an_engine_that_cannot_run_it(
+    small_config, tmp_path, caplog
+):
+    """The warm start is scored with the torch engine on the trainer's worker; for a
+    rollout.engine=vllm run of a model it cannot run, its reward is nan (not kept), named
+    in a warning, instead of the run failing after training."""
+    from laminar.prompts import load_prompts
+    from laminar.sft import warm_start
+
+    path = _folder(tmp_path, "llama3", lambda c: c.update(rope_parameters=LLAMA3))
+    cfg = _cfg(small_config, tmp_path, path, "rollout.engine=vllm", "task.num_prompts=16")
+    with caplog.at_level(logging.WARNING, logger="laminar.sft"):
+        out, info = warm_start(cfg, load_prompts(cfg))
+    assert math.isnan(info["eval_reward"]) and "rope_type 'llama3'" in caplog.text
+    assert json.loads((out / "sft_info.json").read_text())["eval_rewards"] == {}
