@@ -263,9 +263,22 @@ def load_tokenizer(path: str | Path) -> PreTrainedTokenizerFast:
         ) from e
 
 
+def _rope(cfg) -> dict:
+    """The config's RoPE settings: transformers 5's ``rope_parameters``, else 4.x's
+    ``rope_scaling`` (``rope_theta`` beside it; None: the default RoPE). A 4.x config
+    (transformers>=4.56 is supported) has no ``rope_parameters``: reading only those, a
+    scaled RoPE was taken for the default one, and rollouts sampled from other logits."""
+    params = getattr(cfg, "rope_parameters", None) or getattr(cfg, "rope_scaling", None)
+    return dict(params or {})
+
+
+def _rope_type(cfg) -> str:
+    params = _rope(cfg)  # (4.x's older configs name it "type")
+    return params.get("rope_type") or params.get("type") or "default"
+
+
 def _rope_theta(cfg) -> float:
-    params = getattr(cfg, "rope_parameters", None) or {}
-    theta = params.get("rope_theta", getattr(cfg, "rope_theta", None))
+    theta = _rope(cfg).get("rope_theta", getattr(cfg, "rope_theta", None))
     return float(theta if theta is not None else 10000.0)
 
 
@@ -277,8 +290,7 @@ def torch_engine_refusal(cfg) -> tuple[str, bool] | None:
     if act not in ("silu", "swish"):
         # (vLLM's Llama and Qwen2 MLPs refuse it too: "Only silu is supported")
         return f"hidden_act {act!r} is not supported by the torch engine (only silu)", False
-    params = getattr(cfg, "rope_parameters", None) or {}
-    kind = params.get("rope_type", "default")
+    kind = _rope_type(cfg)
     if kind != "default":
         return (
             f"rope_type {kind!r} (RoPE scaling) is not supported by the torch engine "

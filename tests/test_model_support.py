@@ -75,3 +75,40 @@ def test_the_warm_start_of_a_vllm_run_is_not_scored_by_an_engine_that_cannot_run
         out, info = warm_start(cfg, load_prompts(cfg))
     assert math.isnan(info["eval_reward"]) and "rope_type 'llama3'" in caplog.text
     assert json.loads((out / "sft_info.json").read_text())["eval_rewards"] == {}
+
+
+@pytest.mark.parametrize(
+    "scaling, kind",
+    [
+        ({"rope_type": "llama3", "factor": 8.0, "original_max_position_embeddings": 64}, "llama3"),
+        ({"type": "linear", "factor": 2.0}, "linear"),  # (older 4.x configs: "type")
+    ],
+)
+def test_a_transformers_4_config_with_rope_scaling_is_refused_not_run_unscaled(scaling, kind):
+    """transformers 4.x (>=4.56 is supported) keeps RoPE scaling in ``rope_scaling``
+    beside ``rope_theta``, with no ``rope_parameters``: the decoder read only the latter,
+    took the default RoPE, and rollouts sampled from other logits than the trainer's."""
+    from types import SimpleNamespace
+
+    from laminar.errors import ModelError
+    from laminar.model import CachedDecoder, torch_engine_refusal
+
+    def v4(**rope):  # (transformers 5 turns a 4.x config.json into rope_parameters)
+        return SimpleNamespace(hidden_act="silu", rope_theta=500000.0, **rope)
+
+    assert torch_engine_refusal(v4(rope_scaling=None)) is None
+    assert torch_engine_refusal(v4(rope_scaling={"rope_type": "default"})) is None
+    reason, vllm_ok = torch_engine_refusal(v4(rope_scaling=scaling))
+    assert f"rope_type {kind!r}" in reason and vllm_ok
+    with pytest.raises(ModelError, match=f"rope_type {kind!r}"):
+        CachedDecoder(v4(rope_scaling=scaling), {})
+
+
+def test_the_rope_theta_of_a_transformers_4_config_is_read():
+    from types import SimpleNamespace
+
+    from laminar.model import _rope_theta
+
+    assert _rope_theta(SimpleNamespace(rope_theta=500000.0, rope_scaling=None)) == 500000.0
+    assert _rope_theta(SimpleNamespace(rope_parameters={"rope_theta": 7.0})) == 7.0
+    assert _rope_theta(SimpleNamespace()) == 10000.0
