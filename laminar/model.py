@@ -254,13 +254,40 @@ def load_tokenizer(path: str | Path) -> PreTrainedTokenizerFast:
 
     path = check_policy_dir(path)
     try:
-        return AutoTokenizer.from_pretrained(path, local_files_only=True)
+        tok = AutoTokenizer.from_pretrained(path, local_files_only=True)
     except Exception as e:  # noqa: BLE001 — JSON, tokenizers' bare Exception, OSError, …
         raise ModelError(
             f"cannot load the tokenizer of {str(path)!r} ({type(e).__name__}: {e}); its "
             "tokenizer files (tokenizer.json, tokenizer_config.json) look damaged: restore "
             "the folder from a copy, or point at another model or checkpoint folder"
         ) from e
+    if tok.eos_token_id is None:
+        _eos_from_config(tok, path)
+    return tok
+
+
+def _eos_from_config(tok, path: Path) -> None:
+    """Give a tokenizer without an end-of-sequence token its model's ``eos_token_id``
+    (``config.json``), or refuse it: the engines stop a response at the tokenizer's
+    ``eos_token_id`` (None: never, every response ran to rollout.max_new_tokens) and the
+    warm start ends each demonstration with it (None: a TypeError after the cluster
+    started). Every user of the folder loads it here, so all read the same token; the
+    warm start's and checkpoints' tokenizers are saved with it."""
+    config = _json_object(path / "config.json", _damaged_model)
+    eos = config.get("eos_token_id")
+    if isinstance(eos, list) and len(eos) == 1:
+        eos = eos[0]
+    if isinstance(eos, int) and not isinstance(eos, bool) and 0 <= eos < len(tok):
+        tok.eos_token = tok.convert_ids_to_tokens(eos)
+        if tok.eos_token_id == eos:
+            return
+    raise ModelError(
+        f"the tokenizer of model folder {str(path)!r} (model.path) has no end-of-sequence "
+        f"token, and its config.json's eos_token_id ({eos!r}) cannot stand in (one id of "
+        "its vocabulary): responses would never stop, and the warm start could not end "
+        'its demonstrations. Set "eos_token" in '
+        f"{str(path / 'tokenizer_config.json')!r} to the token that ends a response"
+    )
 
 
 def _rope(cfg) -> dict:

@@ -46,6 +46,7 @@ from laminar.model import (
     check_policy_dir,
     encode_prompt,
     load_policy,
+    load_tokenizer,
     tiny_config,
 )
 from laminar.prompt_pool import check_answers, encode_prompts
@@ -149,12 +150,8 @@ def base_model_config(cfg: RunConfig):
 
 def base_tokenizer(cfg: RunConfig):
     """The tokenizer of the model a run trains (``model.path``'s, or the tiny Llama's)."""
-    if cfg.model.path:
-        from transformers import AutoTokenizer
-
-        return AutoTokenizer.from_pretrained(
-            check_policy_dir(cfg.model.path), local_files_only=True
-        )
+    if cfg.model.path:  # (as every user of the folder loads it: its eos, say)
+        return load_tokenizer(cfg.model.path)
     return build_tokenizer()
 
 

@@ -112,3 +112,42 @@ def test_the_rope_theta_of_a_transformers_4_config_is_read():
     assert _rope_theta(SimpleNamespace(rope_theta=500000.0, rope_scaling=None)) == 500000.0
     assert _rope_theta(SimpleNamespace(rope_parameters={"rope_theta": 7.0})) == 7.0
     assert _rope_theta(SimpleNamespace()) == 10000.0
+
+
+def _no_eos(c):
+    c.pop("eos_token", None)
+
+
+def test_a_tokenizer_without_an_end_of_sequence_token_is_refused_in_preflight(
+    small_config, tmp_path
+):
+    """It passed preflight; the warm start then failed on the cluster with a numpy
+    TypeError (each demonstration ends with eos_token_id None), and without the warm start
+    no response ever stopped (the engines compare each token with None)."""
+    from laminar.errors import ModelError
+    from pipelines.api import preflight
+
+    path = _folder(tmp_path, "noeos", lambda c: c.pop("eos_token_id"), _no_eos)
+    for more in ([], ["sft.enabled=false"]):
+        with pytest.raises(ModelError, match=r"noeos.*model.path.*no end-of-sequence") as e:
+            preflight(_cfg(small_config, tmp_path, path, *more))
+        assert '"eos_token" in' in str(e.value) and "tokenizer_config.json" in str(e.value)
+
+
+def test_a_models_eos_token_id_stands_in_for_its_tokenizers_missing_one(small_config, tmp_path):
+    """config.json's eos_token_id stands in, for every user of the folder: the warm start
+    trains and scores, its saved tokenizer and the engine stop at that token."""
+    from laminar.engine import make_engine
+    from laminar.model import load_tokenizer
+    from laminar.prompts import load_prompts
+    from laminar.sft import warm_start
+    from pipelines.api import preflight
+
+    path = _folder(tmp_path, "noeos", None, _no_eos)
+    eos = json.loads((path / "config.json").read_text())["eos_token_id"]
+    assert load_tokenizer(path).eos_token_id == eos
+    cfg = _cfg(small_config, tmp_path, path, "task.num_prompts=16")
+    preflight(cfg)
+    out, info = warm_start(cfg, load_prompts(cfg))
+    assert 0 <= info["eval_reward"] <= 1 and load_tokenizer(out).eos_token_id == eos
+    assert make_engine(cfg.rollout, str(out), seed=0).eos == eos
