@@ -106,8 +106,9 @@ def preflight(cfg: RunConfig) -> None:
     _check_torch_engine(cfg, model_config)
     prompts = load_prompts(cfg)
     tok = base_tokenizer(cfg)
-    encode_prompts(tok, prompts, cfg)
-    check_answers(tok, prompts, cfg)
+    encoded = encode_prompts(tok, prompts, cfg)
+    answers = check_answers(tok, prompts, cfg)
+    _check_vocab(cfg, tok, model_config, encoded, answers)
     if warning := unreachable_answers(tok, prompts, cfg):
         logger.warning(warning)
     for field in cfg.trainer.ignored_by_correction():
@@ -122,6 +123,56 @@ def preflight(cfg: RunConfig) -> None:
     resolve_reward(cfg.task.reward)
     if cfg.trainer.resume_from:
         check_checkpoint(cfg.trainer.resume_from, model_config, cfg)
+
+
+def _check_vocab(cfg: RunConfig, tok, model_config, encoded, answers: dict) -> None:
+    """Refuse token ids the model has no embedding for (``config.vocab_size``): a
+    tokenizer with tokens added after the model was saved (``add_tokens`` without
+    ``resize_token_embeddings``). Its special tokens (bos, eos, pad), each prompt's ids
+    and, when the warm start trains on them, the answers' (``answers``: demonstration ->
+    ids; encoded here where :func:`check_answers` had no unknown token to check for). An
+    id past the table failed on the cluster: an IndexError in the warm start or a
+    rollout (a device-side assert on a GPU)."""
+    from laminar.prompts import _where
+    from laminar.tasks import longest_demonstration
+
+    size = getattr(model_config, "vocab_size", None)
+    if not isinstance(size, int):
+        return
+    where = f"model.path {cfg.model.path!r}" if cfg.model.path else "the built-in tiny model"
+    fix = (
+        "the tokenizer and the weights must be of one model (tokens added to a tokenizer "
+        "need model.resize_token_embeddings before save_pretrained)"
+    )
+    for name in ("bos", "eos", "pad"):
+        token = getattr(tok, f"{name}_token_id", None)
+        if token is not None and not 0 <= token < size:
+            raise ConfigError(
+                f"the {name} token of {where}'s tokenizer has id {token}, past its "
+                f"model's vocabulary (config.json's vocab_size {size}): {fix}"
+            )
+    named = _where(cfg)
+    for p, ids in encoded:
+        if ids and max(ids) >= size:
+            raise ConfigError(
+                f"{named(p)}: the prompt {p.text!r} encodes to id {max(ids)}, past the "
+                f"vocabulary of {where} (config.json's vocab_size {size}): {fix}"
+            )
+    if not (cfg.sft.enabled and cfg.sft.steps) or not encoded:
+        return
+    task = None if cfg.task.prompt_file else cfg.task.name
+    demos = [longest_demonstration(task, p) for p, _ in encoded]
+    if missing := [d for d in dict.fromkeys(demos) if d not in answers]:  # (one batched call)
+        ids = tok(missing, add_special_tokens=False)["input_ids"]
+        answers = {**answers, **dict(zip(missing, ids, strict=True))}
+    for (p, _), demo in zip(encoded, demos, strict=True):
+        ids = answers[demo]
+        if ids and max(ids) >= size:
+            raise ConfigError(
+                f"{named(p)}: the answer {p.answer!r} encodes to id {max(ids)}, past the "
+                f"vocabulary of {where} (config.json's vocab_size {size}), and the warm "
+                f"start trains on answers: {fix}"
+            )
 
 
 def _check_torch_engine(cfg: RunConfig, model_config) -> None:

@@ -151,3 +151,34 @@ def test_a_models_eos_token_id_stands_in_for_its_tokenizers_missing_one(small_co
     out, info = warm_start(cfg, load_prompts(cfg))
     assert 0 <= info["eval_reward"] <= 1 and load_tokenizer(out).eos_token_id == eos
     assert make_engine(cfg.rollout, str(out), seed=0).eos == eos
+
+
+def test_token_ids_past_the_models_vocabulary_are_refused_in_preflight(small_config, tmp_path):
+    """A tokenizer with tokens added after the model was saved (add_tokens without
+    resize_token_embeddings) encodes ids the embedding has no row for: an IndexError on
+    the cluster, in the warm start or a rollout. Refused naming the line of the prompt
+    file and model.path; an answer's too, when the warm start trains on it."""
+    from transformers import AutoTokenizer
+
+    from pipelines.api import preflight
+
+    path = _folder(tmp_path, "added")
+    tok = AutoTokenizer.from_pretrained(path)
+    tok.add_tokens(["foo", "bar"])
+    tok.save_pretrained(path)
+    prompts = tmp_path / "prompts.jsonl"
+    rows = [{"prompt": "c 1 >", "answer": "1"}, {"prompt": "c 2 foo >", "answer": "2"}]
+    prompts.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    run = [f"task.prompt_file={prompts}", "task.reward=exact_match"]
+    with pytest.raises(ConfigError, match=r"prompts.jsonl:2: the prompt .*id 29[45].*added"):
+        preflight(_cfg(small_config, tmp_path, path, *run))
+    rows[1] = {"prompt": "c 2 >", "answer": "2 bar"}
+    prompts.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    with pytest.raises(ConfigError, match=r"prompts.jsonl:2: the answer .*resize_token"):
+        preflight(_cfg(small_config, tmp_path, path, *run))
+    preflight(_cfg(small_config, tmp_path, path, *run, "sft.enabled=false"))
+    # a special token past the table
+    tok.add_special_tokens({"pad_token": "<newpad>"})
+    tok.save_pretrained(path)
+    with pytest.raises(ConfigError, match=r"the pad token of model.path .*added.*vocab_size"):
+        preflight(_cfg(small_config, tmp_path, path, *run, "sft.enabled=false"))
