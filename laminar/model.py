@@ -166,6 +166,25 @@ def check_model_files(folder: Path, damaged: Callable[[Path, Exception], Excepti
     return config
 
 
+WEIGHTS_INDEX = "model.safetensors.index.json"
+
+
+def weight_files(folder: Path) -> tuple[str, ...]:
+    """The files a ``save_pretrained`` folder's weights are in: ``model.safetensors``,
+    or, saved sharded (a model past ``max_shard_size``: 5 GB in transformers 4, 50 GB in
+    5), ``model.safetensors.index.json`` and each shard its ``weight_map`` names. What a
+    folder's manifest must list. An index that cannot be read raises ValueError or
+    OSError."""
+    index = folder / WEIGHTS_INDEX
+    if not index.exists():
+        return ("model.safetensors",)
+    data = json.loads(index.read_text())
+    weight_map = data.get("weight_map") if isinstance(data, dict) else None
+    if not isinstance(weight_map, dict) or not weight_map:
+        raise ValueError(f"{str(index)!r} has no weight_map")
+    return (WEIGHTS_INDEX, *sorted({str(f) for f in weight_map.values()}))
+
+
 def check_torch_file(path: Path, damaged) -> None:
     """Raise ``damaged(path, error)`` unless ``path`` is a whole ``torch.save`` file (a
     zip: its directory read, no data)."""

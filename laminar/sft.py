@@ -48,6 +48,7 @@ from laminar.model import (
     load_policy,
     load_tokenizer,
     tiny_config,
+    weight_files,
 )
 from laminar.prompt_pool import check_answers, encode_prompts
 from laminar.prompts import prompts_digest
@@ -297,7 +298,8 @@ def _cached_info(out: Path) -> dict | None:
         info = json.loads((out / SFT_INFO).read_text())
         if not isinstance(info, dict):
             raise ValueError(f"a JSON object expected, got {type(info).__name__}")
-        check_manifest(out, leave_out=(SFT_INFO,), require=("model.safetensors",))
+        # (the weights: model.safetensors, or saved sharded, the index and its shards)
+        check_manifest(out, leave_out=(SFT_INFO,), require=weight_files(out))
         return info
     # (json.JSONDecodeError and UnicodeDecodeError too)
     except (OSError, ValueError, ManifestMismatch) as e:

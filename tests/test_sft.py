@@ -211,3 +211,32 @@ def test_a_reward_that_fails_on_everything_is_given_up_on_by_the_runs_rule(
     again = warm_start(fixed, prompts)[1]
     assert again["cached"] is True and math.isfinite(again["eval_reward"])
     assert not [w for w in recwarn if issubclass(w.category, RuntimeWarning)]
+
+
+def test_a_sharded_warm_start_is_reused_and_its_shards_checked(
+    small_config, tmp_path, monkeypatch, caplog
+):
+    """A model past save_pretrained's max_shard_size is saved as an index and shards,
+    without model.safetensors: the entry read as damaged, was moved aside and trained
+    again on every run. Its shards are checked against the manifest like the one file."""
+    from transformers import LlamaForCausalLM
+
+    save = LlamaForCausalLM.save_pretrained
+    monkeypatch.setattr(
+        LlamaForCausalLM,
+        "save_pretrained",
+        lambda self, d, **k: save(self, d, **{**k, "max_shard_size": "500KB"}),
+    )
+    cfg = with_overrides(
+        small_config, [f"sft.cache_dir={tmp_path}", "sft.steps=1", "task.num_prompts=16"]
+    )
+    prompts = load_prompts(cfg)
+    path, info = warm_start(cfg, prompts)
+    shards = sorted(path.glob("model-*.safetensors"))
+    assert len(shards) > 1 and not (path / "model.safetensors").exists()
+    assert warm_start(cfg, prompts)[1]["cached"] is True
+    assert not list(tmp_path.glob("*.unreadable-*"))
+    shards[-1].write_bytes(shards[-1].read_bytes()[:-8])  # one shard cut short
+    with caplog.at_level("WARNING", logger="laminar.sft"):
+        assert warm_start(cfg, prompts)[1]["cached"] is False
+    assert shards[-1].name in caplog.text
