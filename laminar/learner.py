@@ -72,6 +72,21 @@ CHECKPOINT_FILES = (
 )
 
 
+def checkpoint_files(ckpt: Path) -> tuple[str, ...]:
+    """:data:`CHECKPOINT_FILES` with the weights as :meth:`Learner.save` wrote them:
+    ``model.safetensors``, or, saved sharded (a model past ``save_pretrained``'s
+    ``max_shard_size``), its index and the shards it names
+    (:func:`laminar.model.weight_files`); a checkpoint of one was refused as lacking
+    ``model.safetensors``. An index that cannot be read is a :class:`CheckpointError`."""
+    from laminar.model import WEIGHTS_INDEX, weight_files
+
+    try:
+        weights = weight_files(ckpt)
+    except (OSError, ValueError) as e:
+        raise _damaged(ckpt / WEIGHTS_INDEX, e) from None
+    return (*(f for f in CHECKPOINT_FILES if f != "model.safetensors"), *weights)
+
+
 class CheckpointError(LaminarError):
     """A checkpoint is missing, incomplete, or does not match the model or config."""
 
@@ -514,7 +529,7 @@ def _check_digests(ckpt: Path, warn_unchecked: bool) -> None:
     from laminar.prompt_pool import DATA_STATE
 
     try:
-        found = check_manifest(ckpt, leave_out=(DATA_STATE,), require=CHECKPOINT_FILES)
+        found = check_manifest(ckpt, leave_out=(DATA_STATE,), require=checkpoint_files(ckpt))
     except ManifestMismatch as e:
         said = "; ".join(f"{str(path)!r} is damaged ({what})" for path, what in e.problems)
         if any(path.name == MANIFEST for path, _ in e.problems):
@@ -586,7 +601,7 @@ def check_checkpoint(
             f"trainer.resume_from {str(ckpt)!r} is not a folder; point it at a "
             "checkpoints/version-N folder written by laminar"
         )
-    missing = [n for n in CHECKPOINT_FILES if not (ckpt / n).exists()]
+    missing = [n for n in checkpoint_files(ckpt) if not (ckpt / n).exists()]
     if missing:
         raise CheckpointError(
             f"checkpoint {str(ckpt)!r} lacks {missing}; point trainer.resume_from at a "

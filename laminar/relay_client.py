@@ -250,14 +250,23 @@ def fetch_version(
             from safetensors.torch import load_file
 
             from laminar.files import ManifestMismatch, check_manifest
+            from laminar.model import weight_files
 
             # The weights alone are read and checked, not the optimizer state beside
             # them (several times their size: minutes of reading at 72B, on a recovery).
             # (A checkpoint written before manifests were: loaded unchecked.)
+            # (model.safetensors, or saved sharded: its index and shards, each listed
+            # and each there: a shard gone would load as part of the weights)
             try:
-                check_manifest(folder, require=("model.safetensors",), only=[f.name for f in files])
-            except ManifestMismatch as e:
-                said = "; ".join(f"{str(path)!r}: {what}" for path, what in e.problems)
+                weights = weight_files(folder)
+                only = sorted({*weights, *(f.name for f in files)})
+                check_manifest(folder, require=weights, only=only)
+            except (ManifestMismatch, OSError, ValueError) as e:
+                said = (
+                    "; ".join(f"{str(path)!r}: {what}" for path, what in e.problems)
+                    if isinstance(e, ManifestMismatch)
+                    else f"{type(e).__name__}: {e}"
+                )
                 raise VersionUnavailable(
                     f"version {version} is not kept by the relay, and its checkpoint is "
                     f"damaged ({said}); its weights cannot be had as published"
