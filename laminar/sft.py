@@ -122,9 +122,13 @@ def base_policy(cfg: RunConfig) -> Path:
     if cfg.model.path:
         return check_policy_dir(cfg.model.path)
     out = cache_root(cfg) / f"tiny-{cfg.fingerprint('model')}-seed{cfg.seed}"
-    if not (out / "config.json").exists():
-        with _staged(out, cfg) as tmp:
-            build_tiny_policy(tmp, **_tiny_shape(cfg), seed=cfg.seed)
+    if (out / "config.json").exists():
+        try:
+            return check_policy_dir(out)
+        except ModelError as e:  # (its message would say to point model.path elsewhere:
+            _set_aside(out, cfg, e)  # the user never set it; it is built again)
+    with _staged(out, cfg) as tmp:
+        build_tiny_policy(tmp, **_tiny_shape(cfg), seed=cfg.seed)
     return out
 
 
@@ -211,7 +215,7 @@ def warm_start(
     if given and not out.exists():
         out = _adopt(out, inputs, given)
     scoring = _scoring(cfg)
-    info = _cached_info(out)
+    info = _cached_info(out, cfg)
     if info is not None:
         rewards = info.get("eval_rewards", {})
         if scoring not in rewards:  # the same weights, scored another way: score them
@@ -252,7 +256,7 @@ def warm_start(
     reward = evaluate(cfg, model, tok, prompts[-EVAL_PROMPTS:])
     info["eval_rewards"] = {scoring: reward}
     if math.isfinite(reward):
-        kept = _cached_info(out) or dict(info)
+        kept = _cached_info(out, cfg) or dict(info)
         kept["eval_rewards"] = {**kept.get("eval_rewards", {}), scoring: reward}
         replace_text(out / SFT_INFO, json.dumps(kept, indent=2))
     return out, {**_public(info), "eval_reward": info["eval_rewards"][scoring]}
@@ -285,7 +289,7 @@ def _adopt(out: Path, inputs: dict, given: str) -> Path:
     return out
 
 
-def _cached_info(out: Path) -> dict | None:
+def _cached_info(out: Path, cfg: RunConfig) -> dict | None:
     """The cache entry's ``sft_info.json``, or None when there is no entry. An entry that
     cannot be read (its info file truncated or missing: a crash, a full disk, someone's
     hand), or whose files differ from its manifest (a flipped bit in the weights, a file
@@ -303,18 +307,32 @@ def _cached_info(out: Path) -> dict | None:
         return info
     # (json.JSONDecodeError and UnicodeDecodeError too)
     except (OSError, ValueError, ManifestMismatch) as e:
+        _set_aside(out, cfg, e)
+        return None
+
+
+def _set_aside(out: Path, cfg: RunConfig, e: Exception) -> None:
+    """Move a cache entry that cannot be read as written aside (not deleted: kept for
+    a look), for it to be made again. In a cache this user cannot write, a
+    :class:`ConfigError` naming the entry and the setting, not a bare PermissionError."""
+    try:
         # (a fresh empty folder, renamed over: two set aside in one second stay apart)
         aside = Path(tempfile.mkdtemp(prefix=f"{out.name}.unreadable-", dir=out.parent))
         with contextlib.suppress(FileNotFoundError):  # (another run moved it first)
             os.rename(out, aside)
-        logger.warning(
-            "warm start: the cache entry %s cannot be read as written (%s); moved to %s, "
-            "training again (delete it once you no longer need it)",
-            out,
-            e,
-            aside,
-        )
-        return None
+    except OSError as moving:  # (a read-only cache: no permission, a read-only mount)
+        raise ConfigError(
+            f"the warm-start cache entry {str(out)!r} cannot be read as written ({e}), "
+            f"and it cannot be moved aside to be made again: "
+            f"{_cache_error(cfg, out.parent, moving)}; or delete the entry"
+        ) from None
+    logger.warning(
+        "warm start: the cache entry %s cannot be read as written (%s); moved to %s, "
+        "making it again (delete it once you no longer need it)",
+        out,
+        e,
+        aside,
+    )
 
 
 def _public(info: dict) -> dict:

@@ -240,3 +240,44 @@ def test_a_sharded_warm_start_is_reused_and_its_shards_checked(
     with caplog.at_level("WARNING", logger="laminar.sft"):
         assert warm_start(cfg, prompts)[1]["cached"] is False
     assert shards[-1].name in caplog.text
+
+
+def test_a_damaged_entry_in_a_cache_this_user_cannot_write_names_the_setting(
+    small_config, tmp_path, monkeypatch
+):
+    """It could not be moved aside: a bare PermissionError from mkdtemp, on the
+    trainer's worker. Now a ConfigError naming the entry, sft.cache_dir and the fix."""
+    import tempfile
+
+    import pytest
+
+    from laminar.errors import ConfigError
+
+    cfg = with_overrides(
+        small_config, [f"sft.cache_dir={tmp_path}", "sft.steps=1", "task.num_prompts=16"]
+    )
+    prompts = load_prompts(cfg)
+    path, _ = warm_start(cfg, prompts)
+    (path / "sft_info.json").write_text('{"cached": fal')
+
+    def refused(*a, dir=None, **k):  # (as root, a chmod does not refuse: stand in)
+        raise PermissionError(13, "Permission denied", dir)
+
+    monkeypatch.setattr(tempfile, "mkdtemp", refused)
+    with pytest.raises(ConfigError, match=r"entry .*sft-.*cannot be moved aside.*sft.cache_dir"):
+        warm_start(cfg, prompts)
+
+
+def test_a_damaged_built_in_model_is_built_again(small_config, tmp_path, caplog):
+    """Its error said to point model.path at another HF folder, though the run never set
+    model.path: the built-in model is made by laminar, so it is set aside and rebuilt."""
+    from laminar.sft import base_policy
+
+    cfg = with_overrides(small_config, [f"sft.cache_dir={tmp_path}"])
+    built = base_policy(cfg)
+    good = (built / "config.json").read_bytes()
+    (built / "config.json").write_text('{"model_type": ')
+    with caplog.at_level("WARNING", logger="laminar.sft"):
+        assert base_policy(cfg) == built
+    assert (built / "config.json").read_bytes() == good and "moved to" in caplog.text
+    assert len(list(tmp_path.glob(f"{built.name}.unreadable-*"))) == 1
