@@ -283,6 +283,8 @@ class Schedule(StatsPolling, FaultHandling, MetricsRecording):
         self._data_restart = None  # a DataRestart or CoreRestart in progress
         # Workers restarted because what they host hung (worker -> when, why, outcome).
         self._fenced: dict[str, dict] = {}
+        # A poll's call -> how many polls in a row it failed with its actor's own error
+        self._own_errors: dict[str, int] = {}
         self._data_suspect: float | None = None  # a data-module call failed, not yet lost
         self._trainer_suspect: float | None = None  # ... a trainer call
         self._group_suspect: float | None = None  # a data-parallel rank failed

@@ -31,16 +31,10 @@ from pipelines.driver_calls import _answers, _send
 logger = logging.getLogger("laminar")
 
 
-def raise_unless_lost(what: str, error: Exception) -> None:
-    """``what`` (an actor call of a poll) failed with ``error``. A loss (its worker gone,
-    the connection cut, the call cancelled or timed out: :func:`laminar.actors.is_lost`)
-    is for the polls to judge, and returns. Any other error is the actor's own (a bug, a
-    full disk): it was swallowed at every poll for the rest of the run, its rows or
-    stats never read again. It is logged and raised: the run fails, stopped in order."""
-    if is_lost(error):
-        return
-    logger.error("%s failed with its own error, not a loss: %r", what, error)
-    raise error
+# A poll's call that fails with the actor's own error (not a loss) this many polls in a
+# row fails the run: one that fails once (a race in a stats() since fixed, a worker
+# restarted at its old address answering KeyError) is logged and asked again next poll.
+OWN_ERRORS_TO_FAIL = 3
 
 
 def core_bound(cfg) -> str:
@@ -221,6 +215,32 @@ class FaultHandling:
             self._trainer_finished(r)
         else:
             self._trainer_back(r, "trainer and data module", r.handle)
+
+    def _own_error(self, what: str, error: Exception) -> None:
+        """``what`` (an actor call of a poll) failed with ``error``. A loss (its worker
+        gone, the connection cut, the call cancelled or timed out:
+        :func:`laminar.actors.is_lost`) is for the polls to judge, and returns. Any other
+        error is the actor's own (a bug, a full disk): logged at ERROR, and raised once
+        the same call has failed so :data:`OWN_ERRORS_TO_FAIL` polls in a row, so that the
+        run fails, stopped in order (taken for a loss, it was swallowed at every poll,
+        those stats or rows never read again)."""
+        if is_lost(error):
+            return
+        n = self._own_errors[what] = self._own_errors.get(what, 0) + 1
+        logger.error(
+            "%s failed with its own error, not a loss (%d of %d polls in a row before the "
+            "run fails): %r",
+            what,
+            n,
+            OWN_ERRORS_TO_FAIL,
+            error,
+        )
+        if n >= OWN_ERRORS_TO_FAIL:
+            raise error
+
+    def _answered(self, what: str) -> None:
+        """``what`` answered: its run of own errors (:meth:`_own_error`) is over."""
+        self._own_errors.pop(what, None)
 
     def _core_timeout(self) -> float:
         """How long a call to the trainer or the data module may take: one silent for

@@ -16,7 +16,7 @@ import time
 
 from laminar.cluster import actor_result
 from pipelines.driver_calls import _answers, _stopping
-from pipelines.driver_faults import raise_unless_lost
+from pipelines.driver_faults import OWN_ERRORS_TO_FAIL
 from pipelines.summary import earlier_faults, median
 from storage.metrics import ROLLOUT_COUNTERS, ROLLOUT_GAUGES
 
@@ -218,13 +218,18 @@ class MetricsRecording:
             # (a poll waits for this no longer than its rollouts' stats: the trainer
             # answered its stats just now, so a slow answer is load, asked again next poll)
             wait = self._core_timeout() if final else min(ROWS_WAIT_S, self._core_timeout())
+            what = "the trainer's get_history()"
             try:
                 new = actor_result(t, t.get_history(self._n_updates), wait)
             except Exception as e:
                 if final and not self.restartable:
                     raise
-                raise_unless_lost("the trainer's get_history()", e)
+                if final:  # (no later poll to ask again)
+                    self._own_errors[what] = OWN_ERRORS_TO_FAIL - 1
+                self._own_error(what, e)
                 new = []  # lost or slow: the polls judge which
+            else:
+                self._answered(what)
             self._rows.setdefault("updates", []).extend(new)
             self._n_updates += len(new)
             if not final:  # (the stop reads them from the relays itself: _relay_summary)
@@ -235,15 +240,17 @@ class MetricsRecording:
         if self._data_suspect or self._data_hung is not None:
             return  # (it does not answer now: its rows come with a later poll)
         timeout = self._core_timeout()
+        what = "the rollout manager's get_rows()"
         try:
             moves = actor_result(m, m.get_rows(self._n_repacks), timeout)
             faults = actor_result(m, m.get_fault_rows(self._n_faults), timeout)
         except Exception as e:
             if not self.data_restartable:
                 raise
-            raise_unless_lost("the rollout manager's get_rows()", e)
+            self._own_error(what, e)
             self._data_silent(e)
             return  # lost with the data module: the rows it made since the last poll too
+        self._answered(what)
         # (which start of the run made them: a resumed run's rollout ids begin at r0 again)
         self._rows.setdefault("repacks", []).extend(r | {"segment": self._segment} for r in moves)
         self._n_repacks += len(moves)

@@ -23,7 +23,7 @@ from laminar.rewards import (
     past_share,
     timed_out,
 )
-from pipelines.driver_faults import core_bound, raise_unless_lost
+from pipelines.driver_faults import core_bound
 
 logger = logging.getLogger("laminar")
 
@@ -249,14 +249,16 @@ class StatsPolling:
             return None
         if self._data_hung is not None:  # (fenced: its worker is going)
             return None
+        what = "the rollout manager's stats()"
         try:
             self._last_m_stats = actor_result(manager, manager.stats(), self._core_timeout())
         except Exception as e:
             if not self.data_restartable:
                 raise
-            raise_unless_lost("the rollout manager's stats()", e)
+            self._own_error(what, e)
             self._data_silent(e)
             return None  # lost with the data module just now: the next poll rebuilds it
+        self._answered(what)
         return self._last_m_stats
 
     def _trainer_stats(self) -> dict:
@@ -377,11 +379,14 @@ class StatsPolling:
             waiting.append((r.key, f))
         deadline = time.monotonic() + ROLLOUT_STATS_WAIT_S
         for key, f in waiting:
+            what = f"rollout {key}'s stats()"
             try:
                 # (not 0 past the deadline: distributed then times out an answer already in)
                 out.append(f.result(timeout=max(0.1, deadline - time.monotonic())))
             except TimeoutError:
                 self._r_pending[key] = f
             except Exception as e:  # noqa: BLE001 — lost (the manager recovers its work)
-                raise_unless_lost(f"rollout {key}'s stats()", e)
+                self._own_error(what, e)
+            else:
+                self._answered(what)
         return out

@@ -173,7 +173,7 @@ def fake_run(tmp_path, monkeypatch, live: set[str], **hang) -> tuple[LaminarSche
     s.restartable = s.data_restartable = False  # (a rebuild needs a cluster)
     s.trainer_restarts, s.data_restarts, s.core_restarts = [], [], []
     s._restart = s._data_restart = None
-    s._fenced = {}
+    s._fenced, s._own_errors = {}, {}
     s._data_suspect = s._trainer_suspect = s._group_suspect = None
     s._last_data_stats = s._last_m_stats = s._last_t_stats = None
     s._published_fps, s._old_publications, s._master_publications = {}, [], []

@@ -27,7 +27,7 @@ def driver(workers: dict[str, dict], fences: list) -> LaminarSchedule:
     s.client = SchedulerClient(workers)
     s.run_dir = "/nonexistent"
     s.core_workers = {"trainer": T, "data module": D}
-    s._fenced, s._joining, s.rollout_relays = {}, None, {}
+    s._fenced, s._joining, s.rollout_relays, s._own_errors = {}, None, {}, {}
     s._restart = s._data_restart = None
     s._data_suspect = s._trainer_suspect = s._group_suspect = None
     s._last_data_stats = ({"version": 3}, {})
