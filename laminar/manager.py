@@ -165,13 +165,20 @@ class RolloutManager(RecoveryMixin, RepackMixin):
         self.hung.update(last["hung"])
         self.masters += last["masters_replaced"]
         self.rollout_relays.update(last["rollout_relays"])
-        if self.partial is not None:
+        if self.partial is not None and self.lost:
             # The new pool fences the rollouts taken as lost (one given up may live on;
             # the log it replaces had them): best effort, the lost module's handles that
-            # process holds reach nothing anyway.
-            calls = {rid: self._try(lambda r=rid: self.partial.fence(r)) for rid in self.lost}
-            for rid, call in sorted(calls.items()):
-                self._noting(f"partial.fence({rid})", call)
+            # process holds reach nothing anyway. From a thread of its own: called in
+            # this actor call, on the pool's own worker, distributed hands back the
+            # pool's async method itself, whose coroutine nobody awaited (the fences were
+            # never made: "'coroutine' object has no attribute 'result'").
+            def fence() -> None:
+                calls = {rid: self._try(lambda r=rid: self.partial.fence(r)) for rid in self.lost}
+                for rid, call in sorted(calls.items()):
+                    self._noting(f"partial.fence({rid})", call)
+
+            fencing = start_thread(fence, "fence-lost")
+            fencing.join()
         for k in ("checks", "moves", "rolled_back", "skipped", "global_pauses"):
             if k in last:
                 self.counts[k] = self.counts.get(k, 0) + last[k]

@@ -445,3 +445,36 @@ def test_heartbeats_are_asked_a_tenth_of_the_timeout_apart_and_hangs_found_on_ti
     # r2 answered throughout, its age telling the loop stopped at 40 s
     assert 40 + 60 <= manager.hung["r2"]["time"] <= 40 + 60 + 2 * round_s
     assert len(well.called("heartbeat")) <= 200 / interval + 1  # (was 400: every round)
+
+
+def test_a_rebuilt_manager_fences_the_lost_rollouts_in_the_new_pool(cfg):
+    """take_over runs in an actor call on the data worker, where the new partial-response
+    pool lives too: there distributed hands back the pool's async method itself (an
+    actor calling an actor on its own worker, in its actor thread), so `fence` returned
+    a coroutine nobody awaited ("'coroutine' object has no attribute 'result'") and a
+    rollout given up while it lived was never fenced in the rebuilt pool. The stand-in
+    answers as distributed does, by the calling thread."""
+    from distributed.worker import thread_state
+
+    fenced: list[str] = []
+
+    class Pool:
+        def fence(self, rollout_id):
+            if getattr(thread_state, "actor", False):  # (the actor's own thread)
+
+                async def later():
+                    fenced.append(rollout_id)
+
+                return later()
+            fenced.append(rollout_id)
+            return done(None)
+
+    before = RolloutManager(cfg, {}, None)
+    before.lost.update({"r1": 1.0, "r2": 2.0})
+    manager = RolloutManager(cfg, {}, None, partial=Pool())
+    thread_state.actor = True  # (as in the actor call distributed makes)
+    try:
+        manager.take_over(before.stats(), {}, {})
+    finally:
+        del thread_state.actor
+    assert sorted(fenced) == ["r1", "r2"]
