@@ -733,21 +733,27 @@ def test_a_new_run_from_a_checkpoint_continues_its_prompt_order_only_on_its_prom
         dispatched(resumed)
 
 
-def test_a_lost_rollouts_piece_of_a_split_group_goes_out_again_by_its_samples():
-    """A barrier batch's group split between two rollouts: the lost one's piece, never
-    registered, is found by the samples ``known`` names (the other rollout registered
-    its own piece, so the group's uid alone read as known, and the barrier waited for
-    the missing piece for ever); a piece whose samples are all known stays put."""
-    prompts = [(Prompt(i, f"n {i} >", "x"), (1, i + 4)) for i in range(7)]
-    pool = PromptPoolCore(
+def _barrier_pool(n_prompts: int, max_outstanding: int) -> PromptPoolCore:
+    """A barrier schedule's pool: global batches of 3 groups of 4 on 2 rollouts, so one
+    group of each batch goes out in two pieces."""
+    prompts = [(Prompt(i, f"n {i} >", "x"), (1, i + 4)) for i in range(n_prompts)]
+    return PromptPoolCore(
         prompts,
         group_size=4,
-        max_outstanding=1,
+        max_outstanding=max_outstanding,
         seed=0,
         dispatch="batches",
         groups_per_step=3,
         replicas=2,
     )
+
+
+def test_a_lost_rollouts_piece_of_a_split_group_goes_out_again_by_its_samples():
+    """A barrier batch's group split between two rollouts: the lost one's piece, never
+    registered, is found by the samples ``known`` names (the other rollout registered
+    its own piece, so the group's uid alone read as known, and the barrier waited for
+    the missing piece for ever); a piece whose samples are all known stays put."""
+    pool = _barrier_pool(7, max_outstanding=1)
     r0 = [(g.prompt_uid, g.sample_indices) for g in pool.acquire(3, "r0")]
     r1 = [(g.prompt_uid, g.sample_indices) for g in pool.acquire(3, "r1")]
     assert r0 == [("p00000000", (0, 1, 2, 3)), ("p00000001", (0, 1))]
@@ -779,16 +785,7 @@ def test_a_lost_rollouts_unregistered_piece_of_a_split_group_goes_out_again():
     from laminar.buffer_core import BufferCore
     from laminar.partial import PartialResponsePool
 
-    prompts = [(Prompt(i, f"n {i} >", "x"), (1, i + 4)) for i in range(10)]
-    pool = PromptPoolCore(
-        prompts,
-        group_size=4,
-        max_outstanding=8,
-        seed=0,
-        dispatch="batches",
-        groups_per_step=3,
-        replicas=2,
-    )
+    pool = _barrier_pool(10, max_outstanding=8)
     r0 = pool.acquire(3, "r0", 0)
     r1 = pool.acquire(3, "r1", 0)
     split = {g.prompt_uid for g in r0} & {g.prompt_uid for g in r1}
