@@ -498,6 +498,20 @@ class FaultsConfig(_Section):
     # send nothing while it creates the data module's actors, at a run's start too (hung).
     data_restart_timeout_s: float = Field(120.0, gt=0)
 
+    def data_wait(self) -> tuple[float, str]:
+        """How long a rollout or the trainer waits for a rebuilt data module, counted from
+        its own first call that found the module gone, and the settings that make it.
+        The driver counts ``data_restart_timeout_s`` from when it begins the rebuild:
+        after it has found the module silent (up to ``heartbeat_timeout_s``) and fenced
+        its worker (up to ``fence_wait_s``). Waiting ``data_restart_timeout_s`` alone, a
+        rollout gave up, failing the run, while the rebuild was still within its time.
+
+        >>> FaultsConfig().data_wait()
+        (240.0, 'faults.data_restart_timeout_s + heartbeat_timeout_s + fence_wait_s')
+        """
+        total = self.data_restart_timeout_s + self.heartbeat_timeout_s + self.fence_wait_s
+        return total, "faults.data_restart_timeout_s + heartbeat_timeout_s + fence_wait_s"
+
 
 class MetricsConfig(_Section):
     """The run's time series (docs/analysis.md): always ``metrics.zarr``; optionally also

@@ -120,9 +120,9 @@ class DataLinkMixin:
     def _await_data(self, epoch: int, serve: bool) -> None:
         """Wait until a data module newer than ``epoch`` is attached, or the old one
         answers after all; ``serve``: the generation thread, serving commands meanwhile.
-        Fails after ``faults.data_restart_timeout_s``."""
+        Fails after :meth:`laminar.config_sections.FaultsConfig.data_wait`."""
         t0 = time.time()
-        timeout = self.cfg.faults.data_restart_timeout_s
+        timeout, settings = self.cfg.faults.data_wait()
         next_probe = t0 + PROBE_S
         while self._data_epoch == epoch and self._data_lost is not None:
             if self._stop.is_set():
@@ -130,7 +130,7 @@ class DataLinkMixin:
             if time.time() - self._data_lost > timeout:
                 raise RuntimeError(
                     f"rollout {self.rollout_id}: the data module was lost and not rebuilt "
-                    f"within faults.data_restart_timeout_s={timeout:g} s"
+                    f"within {timeout:g} s ({settings})"
                 )
             if time.time() > next_probe:
                 next_probe = time.time() + PROBE_S

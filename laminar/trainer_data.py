@@ -48,7 +48,8 @@ class DataLinkMixin:
 
     def _on_buffer(self, call):
         """``call(buffer)``'s result. A lost buffer: wait for the rebuilt one (up to
-        ``faults.data_restart_timeout_s``) and call that; one that answers again after
+        :meth:`~laminar.config_sections.FaultsConfig.data_wait`) and call that; one that
+        answers again after
         all (a slow call), called again."""
         timeout = self.cfg.cluster.actor_timeout_s
         while True:
@@ -59,12 +60,12 @@ class DataLinkMixin:
             except Exception as e:
                 if not is_lost(e):
                     raise
-                with self._bounded():  # (itself bounded by faults.data_restart_timeout_s)
+                with self._bounded():  # (itself bounded: FaultsConfig.data_wait)
                     self._await_data(epoch, e)
 
     def _await_data(self, epoch: int, error: Exception) -> None:
         t0 = time.time()
-        limit = self.cfg.faults.data_restart_timeout_s
+        limit, settings = self.cfg.faults.data_wait()
         logger.warning(
             "trainer: the buffer does not answer (%s: %s); waiting for it",
             type(error).__name__,
@@ -77,8 +78,7 @@ class DataLinkMixin:
                     raise RuntimeError("stopped while the buffer was lost") from error
                 if time.time() - t0 > limit:
                     raise RuntimeError(
-                        f"the buffer was lost and not rebuilt within "
-                        f"faults.data_restart_timeout_s={limit:g} s"
+                        f"the buffer was lost and not rebuilt within {limit:g} s ({settings})"
                     ) from error
                 if time.time() > next_probe:
                     next_probe = time.time() + 3.0

@@ -552,3 +552,32 @@ def test_an_interrupt_counts_as_recomputed_only_the_requests_that_held_kv(
     rollout.puller = _Puller([(1, _weights(tiny_policy))])
     rollout._resume_paused()
     assert rollout.counts["recomputed_tokens"] == sum(st.context_len for st in ran)
+
+
+def test_a_rollout_waits_for_a_rebuilt_data_module_as_long_as_the_driver_may_take(monkeypatch):
+    """A rollout gave up on a lost data module faults.data_restart_timeout_s after its
+    own first failed call, failing the run, while the driver, which counts that time
+    from when it begins the rebuild (after finding the module silent and fencing its
+    worker), was still within it. It now waits FaultsConfig.data_wait(): here 150 s
+    since the loss is within it, and a module that answers again is taken back."""
+    import time
+    from concurrent.futures import Future
+    from types import SimpleNamespace
+
+    import laminar.rollout_data as rollout_data
+    from laminar.config import RunConfig
+
+    monkeypatch.setattr(rollout_data, "PROBE_S", 0.0)
+    answered = Future()
+    answered.set_result({})
+    r = SimpleNamespace(
+        cfg=RunConfig(),
+        rollout_id="r0",
+        _data_epoch=0,
+        _data_lost=time.time() - 150.0,  # (data_restart_timeout_s is 120)
+        _stop=SimpleNamespace(is_set=lambda: False),
+        buffer=SimpleNamespace(stats=lambda: answered, key="buffer", _address="tcp://d"),
+    )
+    rollout_data.DataLinkMixin._await_data(r, 0, serve=False)
+    assert r._data_lost is None  # (it answers: slow, not lost)
+    assert RunConfig().faults.data_wait()[0] == 240.0
