@@ -48,7 +48,7 @@ import torch
 from laminar.cluster import actor_threads, start_thread
 from laminar.config import RunConfig
 from laminar.contract import Trajectory
-from laminar.learner import step_means
+from laminar.learner import remove_partial_checkpoints, step_means
 from laminar.trainer_data import DataLinkMixin
 from laminar.trainer_publish import PublicationMixin
 from laminar.trainer_ranks import LEARNER_DEVICE as LEARNER_DEVICE
@@ -259,6 +259,9 @@ class Trainer(DataLinkMixin, PublicationMixin):
         return self.history[start:]
 
     def _run(self) -> None:
+        # (before its first publication or checkpoint, on this thread: the partial
+        # checkpoint folders a trainer killed as it wrote one left, gigabytes)
+        remove_partial_checkpoints(self.run_dir / "checkpoints")
         try:
             if self.cfg.trainer.pacing is not None and self.cfg.trainer.pacing.nice:
                 _set_priority(self.cfg.trainer.pacing.nice)

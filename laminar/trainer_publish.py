@@ -23,7 +23,6 @@ import shutil
 import time
 
 from laminar.files import sync_dir, sync_tree
-from laminar.learner import remove_partial_checkpoints
 from laminar.prompt_pool import DATA_STATE
 
 # (the actor's logger: its records read as the trainer's, whichever module they come from)
@@ -56,7 +55,6 @@ class PublicationMixin:
         """Tell the buffer, move the weights as the schedule does, record the update, and
         checkpoint when due."""
         timeout = self.cfg.cluster.actor_timeout_s
-        self._remove_stale_partials()  # (at the first update: soon after the start)
         self._on_buffer(lambda b: b.version_published(self.version))
         t_pub = time.time()
         if self.spec.interrupt:  # every rollout stops before the weights move
@@ -117,7 +115,6 @@ class PublicationMixin:
         (the data module is lost) no checkpoint is written and the newest one stands."""
         root = self.run_dir / "checkpoints"
         out = root / f"version-{self.version:06d}"
-        self._remove_stale_partials()
         if self._weights_version != self.version:
             logger.warning(
                 "no checkpoint at version %d: the weights are not that version's (a "
@@ -169,15 +166,6 @@ class PublicationMixin:
             return self.checkpoint
         sync_dir(root)
         return str(out)
-
-    def _remove_stale_partials(self) -> None:
-        """Once per trainer, before its first publication or checkpoint: the partial
-        checkpoint folders a trainer killed as it wrote one left (:func:`
-        laminar.learner.remove_partial_checkpoints`)."""
-        if getattr(self, "_partials_removed", False):
-            return
-        self._partials_removed = True
-        remove_partial_checkpoints(self.run_dir / "checkpoints")
 
 
 # What a write that the disk refused raises: OSError (the files laminar writes, the
