@@ -97,6 +97,9 @@ class RolloutManager(RecoveryMixin, RepackMixin):
         self.master = master_relay
         self.max_batch = repack_max_batch(cfg)
         self.timeout = cfg.cluster.actor_timeout_s
+        # A call this thread must not wait on for the actor timeout (every heartbeat
+        # blind meanwhile): one not answered this soon is left to detection
+        self.quick_s = min(self.timeout, 5.0)
         # rid -> (batch, kv_used) at the last check: the falling-KV rule, and the batch a
         # move of that round may import into
         self._prev: dict[str, tuple[int | None, float]] = {}
@@ -321,7 +324,7 @@ class RolloutManager(RecoveryMixin, RepackMixin):
             except Exception:  # noqa: BLE001 — its worker is known lost
                 continue
         out = {}
-        deadline = time.time() + min(self.timeout, 5.0)
+        deadline = time.time() + self.quick_s
         for rid, f in futures.items():
             while (left := deadline - time.time()) > 0:
                 try:

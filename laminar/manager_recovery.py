@@ -81,7 +81,7 @@ class RecoveryMixin:
         self._master_lost = now
         for roll in self._master_readers():
             try:
-                self.rollouts[roll].set_relay(None).result(timeout=min(self.timeout, 5.0))
+                self.rollouts[roll].set_relay(None).result(timeout=self.quick_s)
             except Exception as e:  # noqa: BLE001 — lost too: detect() recovers it
                 logger.warning("%s.set_relay(None) failed: %r", roll, e)
         logger.warning(
@@ -99,15 +99,7 @@ class RecoveryMixin:
         errors: list[str] = []
         self._rechain(chain, errors)  # (a relay lost too is cut out by detect())
         repointed = self._set_relays({roll: handle for roll in self._master_readers()}, errors)
-        if self.partial is not None:
-            relays = [self.relays[r] for r in chain]
-            self._noting(
-                "partial.set_relays",
-                self._try(lambda: self.partial.set_relays(relays)),
-                errors,
-                actor=self.partial,
-                deadline=time.time() + min(self.timeout, 5.0),
-            )
+        self._set_pool_relays(chain, errors)
         self._seen_version = -1
         self.masters.append(
             {
@@ -134,7 +126,7 @@ class RecoveryMixin:
         to detection: waiting the actor timeout on each kept this thread, and with it
         every heartbeat, blind for that long (check_heartbeats then took the blind time
         for every rollout's silence)."""
-        deadline = time.time() + min(self.timeout, 5.0)
+        deadline = time.time() + self.quick_s
         calls = {
             rid: self._try(lambda h=self.rollouts[rid], r=relay: h.set_relay(r))
             for rid, relay in relays.items()
@@ -146,6 +138,20 @@ class RecoveryMixin:
                 f"{rid}.set_relay", call, errors, actor=self.rollouts[rid], deadline=deadline
             )[0]
         ]
+
+    def _set_pool_relays(self, chain: list[str], errors: list[str]) -> None:
+        """Tell the partial-response pool the relays of ``chain`` (which retain its
+        entries' versions), within :attr:`quick_s`: one not answered is left to detection."""
+        if self.partial is None:
+            return
+        relays = [self.relays[r] for r in chain]
+        self._noting(
+            "partial.set_relays",
+            self._try(lambda: self.partial.set_relays(relays)),
+            errors,
+            actor=self.partial,
+            deadline=time.time() + self.quick_s,
+        )
 
     def _take_joining(self) -> None:
         while not self._joining.empty():
@@ -236,7 +242,7 @@ class RecoveryMixin:
         pool's log (its recovery of them cut short: taken and given to no rollout, or
         not yet logged), and nothing else finds them lost again."""
         try:
-            late = actor_result(self.partial, self.partial.late(), min(self.timeout, 5.0))
+            late = actor_result(self.partial, self.partial.late(), self.quick_s)
         except Exception as e:  # noqa: BLE001 — the pool slow or lost: next round
             logger.warning("the partial-response pool did not answer late(): %r", e)
             return
@@ -501,7 +507,7 @@ class RecoveryMixin:
                 call,
                 errors,
                 actor=self.relays[rid],
-                deadline=time.time() + min(self.timeout, 5.0),
+                deadline=time.time() + self.quick_s,
             )
             dirty = dirty or not ok
             if version is not None:
@@ -556,14 +562,7 @@ class RecoveryMixin:
             moved[roll] = self.relays[above]
             repointed[rel][roll] = above
         self._set_relays(moved, errors)
-        if self.partial is not None:
-            self._noting(
-                "partial.set_relays",
-                self._try(lambda: self.partial.set_relays([self.relays[r] for r in chain])),
-                errors,
-                actor=self.partial,
-                deadline=time.time() + min(self.timeout, 5.0),
-            )
+        self._set_pool_relays(chain, errors)
         t1 = time.time()
         for rid in gone:
             self.relays_lost[rid].update(
