@@ -588,12 +588,11 @@ class PromptPool:
         ``spec``: the run's :class:`~laminar.schedule.ScheduleSpec` (default: Laminar's).
         ``run_dir``: where the pool keeps its dispatch lease (:mod:`laminar.lease`;
         none without it)."""
-        from transformers import AutoTokenizer
-
         from laminar.learner import checkpoint_version
+        from laminar.model import load_tokenizer
         from laminar.schedule import LAMINAR
 
-        tok = AutoTokenizer.from_pretrained(policy_dir, local_files_only=True)
+        tok = load_tokenizer(policy_dir)
         prompts = load_prompts(cfg)
         encoded = encode_prompts(tok, prompts, cfg)
         self.order = prompt_order(prompts, cfg.seed)
