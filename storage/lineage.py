@@ -256,14 +256,15 @@ def _store_resumes(run_dir: Path, warn=logger.warning) -> list[int] | None:
     import zarr
 
     from storage.stores import reading, store_path
+    from storage.trajectories_read import recorded_resumes
 
     store = store_path(run_dir)
     if not (store / "zarr.json").exists():
         return None
     try:
         with reading(store):
-            resumes = zarr.open_group(str(store), mode="r", zarr_format=3).attrs.get("resumes")
-        return [int(v) for _, v in resumes or []]
+            group = zarr.open_group(str(store), mode="r", zarr_format=3)
+            return [v for _, v in recorded_resumes(group)]
     except Exception as e:  # noqa: BLE001 — the summary still says the last resume
         warn("%r: its resumes do not read (%s: %s)", str(store), type(e).__name__, e)
         return None

@@ -297,9 +297,10 @@ def _superseded(run_dir: str | Path, a: Mapping[str, np.ndarray]) -> np.ndarray:
     did, or a rebuild that reads a store whose events are lost), so no such group is
     ever held again."""
     from storage.trajectories import _open_group
+    from storage.trajectories_read import recorded_resumes
 
     _, group = _open_group(run_dir)
-    resumes = group.attrs.get("resumes", [])
+    resumes = recorded_resumes(group)
     out = np.zeros(len(a["uid"]), dtype=bool)
     if not resumes:
         return out

@@ -61,6 +61,7 @@ from storage.trajectories_read import open_run as open_run
 from storage.trajectories_read import open_runs as open_runs
 from storage.trajectories_read import open_trajectories as open_trajectories
 from storage.trajectories_read import pairs as pairs
+from storage.trajectories_read import recorded_resumes as recorded_resumes
 from storage.trajectories_read import records_at as records_at
 from storage.trajectories_read import run_stops as run_stops
 from storage.trajectories_read import time_in_buffer as time_in_buffer
@@ -161,7 +162,7 @@ class TrajectoryWriter:
         numbers (:meth:`~storage.accessor.LaminarAccessor.superseded` reads this). Call it
         before this writer commits anything: it is one write of the group's attributes,
         as each commit is."""
-        resumes = [*self.group.attrs.get("resumes", []), [float(t), int(from_version)]]
+        resumes = [[*r] for r in recorded_resumes(self.group)] + [[float(t), int(from_version)]]
         self._check_epoch()
         self.group.update_attributes({"resumes": resumes})
 

@@ -454,9 +454,9 @@ def _read_run(store: Path, group: zarr.Group) -> xr.Dataset:
         ds.attrs["unknown_event_uid"] = first
     ds.attrs["schedule"] = group.attrs.get("schedule", "laminar")  # older stores: laminar
     # (each resume in place: when, from which checkpoint version; TrajectoryWriter.record_resume)
-    resumes = group.attrs.get("resumes", [])
-    ds.attrs["resumed_at_s"] = _resumes(group)
-    ds.attrs["resumed_from_version"] = [int(v) for _, v in resumes]
+    resumes = recorded_resumes(group)
+    ds.attrs["resumed_at_s"] = [t for t, _ in resumes]
+    ds.attrs["resumed_from_version"] = [v for _, v in resumes]
     ds.attrs.update(_starts(store.parent, _activity(scalars, times), ds.attrs["resumed_at_s"]))
     if "t_held" in ds:
         held = _held_seconds(n, stays, pairs(ds.attrs["pauses_s"]))
@@ -498,10 +498,16 @@ class _OnDisk:
             return self.arr[key]
 
 
+def recorded_resumes(group: zarr.Group) -> list[tuple[float, int]]:
+    """Each resume in place the trajectory store records, in order: when it began
+    (epoch seconds) and the checkpoint version it resumed from (the attribute
+    ``resumes``, :meth:`TrajectoryWriter.record_resume`; the one reader of it)."""
+    return [(float(t), int(v)) for t, v in group.attrs.get("resumes", [])]
+
+
 def _resumes(group: zarr.Group) -> list[float]:
-    """When each resume in place began (epoch seconds, in order: the store's attribute
-    ``resumes``, :meth:`TrajectoryWriter.record_resume`)."""
-    return [float(t) for t, _ in group.attrs.get("resumes", [])]
+    """When each resume in place began (epoch seconds, in order)."""
+    return [t for t, _ in recorded_resumes(group)]
 
 
 def run_stops(path: str | Path, arrays: Mapping[str, np.ndarray]) -> tuple[list, float]:
