@@ -16,6 +16,7 @@ Benchmarks: ``engine`` (generation throughput of each engine and of HF ``generat
 from __future__ import annotations
 
 import json
+import math
 import os
 import platform
 import statistics
@@ -95,6 +96,45 @@ def failed_notes(failed: list[dict]) -> list[str]:
         f"FAILED, left out: {f['arm']} R={f['replicas']} {f['run']}: {f['reason']} ({f['run_dir']})"
         for f in failed
     ]
+
+
+def json_safe(obj, path: str = "") -> tuple[object, list[str]]:
+    """``obj`` with every float that is not finite (NaN, ±inf) turned into ``None``, and
+    the keys where that happened (list positions as ``[]``, each key once): strict JSON
+    has no NaN or Infinity, and ``json.dumps`` writes them unless told not to, a file
+    that ``jq``, JavaScript and most parsers other than Python's refuse.
+
+    >>> json_safe({"a": float("nan"), "b": [1.0, float("inf")], "c": {"d": (2, -float("inf"))}})
+    ({'a': None, 'b': [1.0, None], 'c': {'d': [2, None]}}, ['a', 'b[]', 'c.d[]'])
+    """
+    bad: list[str] = []
+
+    def walk(x, where: str):
+        if type(x).__module__ == "numpy" and hasattr(x, "item") and not hasattr(x, "__len__"):
+            x = x.item()  # (a numpy scalar: float32 is no float, and NaN in it no less)
+        if isinstance(x, float) and not math.isfinite(x):
+            if where not in bad:
+                bad.append(where)
+            return None
+        if isinstance(x, dict):
+            return {k: walk(v, f"{where}.{k}" if where else str(k)) for k, v in x.items()}
+        if isinstance(x, (list, tuple)):
+            return [walk(v, f"{where}[]") for v in x]
+        return x
+
+    return walk(obj, path), bad
+
+
+def dumps_strict(data: dict, **kwargs) -> str:
+    """``data`` as strict JSON: non-finite floats written as ``null``, and (where ``data``
+    has ``notes``) a note naming the keys that held them."""
+    clean, bad = json_safe(data)
+    if bad and isinstance(clean.get("notes"), list):
+        clean["notes"].append(
+            "written as null, not finite (NaN or infinite; strict JSON has neither): "
+            + ", ".join(bad)
+        )
+    return json.dumps(clean, allow_nan=False, **kwargs)
 
 
 def _cell(v) -> str:
@@ -392,7 +432,7 @@ def run_bench(name: str, out: str | None = None, **options) -> BenchResult:
     print(result.table())
     if out:
         Path(out).parent.mkdir(parents=True, exist_ok=True)
-        Path(out).write_text(json.dumps(result.to_json(), indent=2))
+        Path(out).write_text(dumps_strict(result.to_json(), indent=2))
         print(f"wrote {out}", file=sys.stderr)
         for path in result.extras(result, Path(out)) if result.extras else []:
             print(f"wrote {path}", file=sys.stderr)

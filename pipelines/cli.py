@@ -35,13 +35,13 @@ from storage.trajectories import StoreError
 
 
 def cmd_audit(args: argparse.Namespace) -> int:
-    import json
-
     from storage.audit import audit_run
 
     report = audit_run(args.run_dir)
     if args.json:  # (alone on stdout, for a script to parse)
-        print(json.dumps(report.to_dict(), indent=2, default=float))
+        from pipelines.bench import dumps_strict
+
+        print(dumps_strict(report.to_dict(), indent=2, default=float))
     else:
         print(report.text())
     return 0 if report.ok else 1
