@@ -66,6 +66,26 @@ from pipelines.bench_schedules_report import _result, _search_result
 # -- the bench -------------------------------------------------------------------------------
 
 
+def check_splits(cluster: Cluster, splits: dict[str, int]) -> None:
+    """Refuse a ``--splits`` value the emulated cluster cannot hold: a replica count from
+    1 to one replica short of every GPU (the trainer has the rest), sync's (colocated)
+    up to every GPU's.
+
+    >>> check_splits(Cluster(64), {"laminar": 16})
+    Traceback (most recent call last):
+    ...
+    laminar.errors.ConfigError: --splits laminar=16: at 64 GPUs give 1 to 15 replicas of 4 ...
+    """
+    for arm, r in splits.items():
+        top = cluster.max_replicas if ARMS[arm][0] == "sync" else cluster.max_replicas - 1
+        if not 1 <= r <= top:
+            rest = "sync is colocated" if arm == "sync" else "the trainer has the rest"
+            raise ConfigError(
+                f"--splits {arm}={r}: at {cluster.gpus} GPUs give 1 to {top} replicas of "
+                f"{GPUS_PER_REPLICA} GPUs ({rest})"
+            )
+
+
 def _run(client, run_dir: Path, overrides: list[str]) -> dict:
     """The summary of one bench run that ran all its steps. One that ended otherwise is
     no measurement: a stop raises :class:`~laminar.errors.RunFailed` (left out and listed
@@ -122,12 +142,14 @@ def bench_schedules(
             "--seeds 0 runs the split search alone, but no arm's split is searched here "
             "(--splits fixes it, --no-search skips it): drop them, or give --seeds 1 or more"
         )
-    if overrides:  # a bad --set fails here, naming the field, not after the cluster starts
-        from laminar.config import load_config
+    check_splits(cluster, splits)
+    # Every arm's config, with its --set: a bad split or field fails here, naming it, not
+    # hours on, when the arm's turn comes after the others ran.
+    from laminar.config import load_config
 
-        for arm in arms:
-            r = splits.get(arm, cluster.balanced_replicas())
-            load_config("configs/tiny.yaml", [*cluster.overrides(arm, r, 1, 0), *overrides])
+    for arm in arms:
+        r = splits.get(arm, splits.get(ABLATION_OF.get(arm), cluster.balanced_replicas()))
+        load_config("configs/tiny.yaml", [*cluster.overrides(arm, r, 1, 0), *overrides])
     probes: dict[str, dict[int, float]] = {}
     results: dict[str, list[dict]] = {a: [] for a in arms}
     failed: list[dict] = []  # runs that failed: left out of every figure, and listed

@@ -66,3 +66,30 @@ def test_every_committed_json_in_docs_is_strict_json():
 
     for path in sorted((Path(bench.REPO) / "docs").glob("*.json")):
         _strict(path.read_text())
+
+
+@pytest.fixture
+def no_local_cluster(monkeypatch):
+    """A bench that got past its checks would start its cluster: fail instead."""
+
+    def refuse(*a, **k):
+        raise AssertionError("the bench's cluster was started")
+
+    monkeypatch.setattr("laminar.cluster.local_cluster", refuse)
+
+
+@pytest.mark.parametrize(
+    "splits, why",
+    [
+        ({"laminar": 16}, "--splits laminar=16: at 64 GPUs give 1 to 15 replicas"),
+        ({"stream": 5, "sync": 17}, "--splits sync=17: at 64 GPUs give 1 to 16 replicas"),
+    ],
+)
+def test_a_split_the_cluster_cannot_hold_is_refused_before_any_run(splits, why, no_local_cluster):
+    """Checked before the first run, not when the arm's turn comes after the others ran."""
+    from laminar.errors import ConfigError
+    from pipelines.bench_schedules import bench_schedules
+
+    with pytest.raises(ConfigError) as e:
+        bench_schedules(gpus=64, splits=splits)
+    assert why in str(e.value)
