@@ -279,6 +279,68 @@ COLUMNS = [
 ]
 
 
+PROTOCOLS = ("tcp", "ucx")
+
+
+def relay_ratios(
+    figures: dict[str, float],
+    sizes_mb: tuple[int, ...],
+    ps: tuple[int, ...],
+    protocols: tuple[str, ...],
+    senders: tuple[str, ...],
+) -> tuple[dict[str, float], list[str]]:
+    """The ratios of one relay bench's ``figures`` (each protocol's within itself; a
+    protocol other than tcp's prefixed with its name), ``<proto>_vs_tcp_*`` where tcp
+    was measured, and the headline ratios. Returns them and the notes on the ratios
+    left out."""
+    ratios: dict[str, float] = {}
+    notes: list[str] = []
+    lo, hi = min(ps), max(ps)
+    for proto in protocols:
+        pre = "" if proto == "tcp" else f"{proto}_"
+        for mb in sizes_mb:
+            f = {k.removeprefix(pre): v for k, v in figures.items() if k.startswith(f"{pre}m{mb}_")}
+            if lo != hi:
+                for c in ("stall_s", "naive_s"):
+                    name = f"{pre}m{mb}_{c.removesuffix('_s')}_p{hi}_vs_p{lo}"
+                    ratios[name] = f[f"m{mb}_p{hi}_{c}"] / f[f"m{mb}_p{lo}_{c}"]
+            for p in ps:
+                k = f"m{mb}_p{p}_"
+                ratios[pre + k + "stall_vs_host_copy"] = f[k + "stall_s"] / f[k + "host_copy_s"]
+                ratios[pre + k + "broadcast_vs_model"] = f[k + "broadcast_s"] / f[k + "model_s"]
+                ratios[pre + k + "broadcast_vs_model_loaded"] = (
+                    f[k + "broadcast_s"] / f[k + "model_loaded_s"]
+                )
+                ratios[pre + k + "naive_vs_relay_stall"] = f[k + "naive_s"] / f[k + "stall_s"]
+                if proto != "tcp" and "tcp" in protocols:
+                    for c in ("broadcast_s", "wait_s", "t_byte", "t_start"):
+                        name = f"{proto}_vs_tcp_m{mb}_p{p}_{c.removesuffix('_s')}"
+                        ratios[name] = f[k + c] / figures[k + c]
+                if "loop" in senders and "thread" in senders:
+                    for c in ("broadcast_s", "stall_s", "wait_s"):
+                        name = f"{pre}loop_vs_thread_m{mb}_p{p}_{c.removesuffix('_s')}"
+                        ratios[name] = f[f"loop_{k}{c}"] / f[k + c]
+    if "tcp" not in protocols:
+        notes.append(
+            f"no <protocol>_vs_tcp ratios: tcp was not measured (--protocols "
+            f"{','.join(protocols)}); add tcp to compare with it"
+        )
+    # The headline ratios, at the largest M and the p the issue names.
+    m = max(sizes_mb)
+    headline = {
+        "stall_p8_vs_p2": f"m{m}_stall_p{hi}_vs_p{lo}",
+        "stall_vs_host_copy": f"m{m}_p{hi}_stall_vs_host_copy",
+        "broadcast_vs_model_p8": f"m{m}_p{hi}_broadcast_vs_model",
+        "broadcast_vs_model_loaded_p8": f"m{m}_p{hi}_broadcast_vs_model_loaded",
+        "naive_stall_p8_vs_relay_stall_p8": f"m{m}_p{hi}_naive_vs_relay_stall",
+        "broadcast_loop_vs_thread_p8": f"loop_vs_thread_m{m}_p{hi}_broadcast",
+    }
+    for name, key in headline.items():
+        if key in ratios:
+            ratios[name] = ratios[key]
+    return ratios, notes
+
+
 def bench_relay(
     sizes_mb: tuple[int, ...] = (64, 512),
     ps: tuple[int, ...] = (2, 4, 8),
@@ -299,8 +361,13 @@ def bench_relay(
         raise ConfigError(
             f"laminar bench relay: --senders {','.join(senders)}: each must be thread or loop"
         )
+    unknown = [p for p in protocols if p not in PROTOCOLS]
+    if unknown or not protocols:
+        raise ConfigError(
+            f"laminar bench relay: --protocols {','.join(protocols)}: each must be one of "
+            + ", ".join(PROTOCOLS)
+        )
     figures: dict[str, float] = {}
-    ratios: dict[str, float] = {}
     rows = []
     variants = [(proto, sender) for proto in protocols for sender in senders]
     for proto, sender in variants:
@@ -318,41 +385,7 @@ def bench_relay(
                     + ", ".join(f"{c} {row[c]:.4g}" for c in COLUMNS),
                     flush=True,
                 )
-    for mb in sizes_mb:
-        f = {k: v for k, v in figures.items() if k.startswith(f"m{mb}_")}
-        lo, hi = min(ps), max(ps)
-        if lo != hi:
-            for c in ("stall_s", "naive_s"):
-                name = f"m{mb}_{c.removesuffix('_s')}_p{hi}_vs_p{lo}"
-                ratios[name] = f[f"m{mb}_p{hi}_{c}"] / f[f"m{mb}_p{lo}_{c}"]
-        for p in ps:
-            k = f"m{mb}_p{p}_"
-            ratios[k + "stall_vs_host_copy"] = f[k + "stall_s"] / f[k + "host_copy_s"]
-            ratios[k + "broadcast_vs_model"] = f[k + "broadcast_s"] / f[k + "model_s"]
-            ratios[k + "broadcast_vs_model_loaded"] = f[k + "broadcast_s"] / f[k + "model_loaded_s"]
-            ratios[k + "naive_vs_relay_stall"] = f[k + "naive_s"] / f[k + "stall_s"]
-            for proto in protocols:
-                if proto != "tcp":
-                    for c in ("broadcast_s", "wait_s", "t_byte", "t_start"):
-                        name = f"{proto}_vs_tcp_m{mb}_p{p}_{c.removesuffix('_s')}"
-                        ratios[name] = figures[f"{proto}_{k}{c}"] / f[k + c]
-            if "loop" in senders and "thread" in senders:
-                for c in ("broadcast_s", "stall_s", "wait_s"):
-                    name = f"loop_vs_thread_m{mb}_p{p}_{c.removesuffix('_s')}"
-                    ratios[name] = figures[f"loop_{k}{c}"] / f[k + c]
-    # The headline ratios, at the largest M and the p the issue names.
-    m, lo, hi = max(sizes_mb), min(ps), max(ps)
-    headline = {
-        "stall_p8_vs_p2": f"m{m}_stall_p{hi}_vs_p{lo}",
-        "stall_vs_host_copy": f"m{m}_p{hi}_stall_vs_host_copy",
-        "broadcast_vs_model_p8": f"m{m}_p{hi}_broadcast_vs_model",
-        "broadcast_vs_model_loaded_p8": f"m{m}_p{hi}_broadcast_vs_model_loaded",
-        "naive_stall_p8_vs_relay_stall_p8": f"m{m}_p{hi}_naive_vs_relay_stall",
-        "broadcast_loop_vs_thread_p8": f"loop_vs_thread_m{m}_p{hi}_broadcast",
-    }
-    for name, key in headline.items():
-        if key in ratios:
-            ratios[name] = ratios[key]
+    ratios, notes = relay_ratios(figures, sizes_mb, ps, protocols, senders)
     return BenchResult(
         name="relay",
         figures=figures,
@@ -367,7 +400,8 @@ def bench_relay(
             "protocols": list(protocols),
             "senders": list(senders),
         },
-        notes=[
+        notes=notes
+        + [
             "stall: publish() returns once the master (in the publisher's process) holds "
             "a copy; broadcast: until the last relay holds the version, verified",
             "model_s: T*(p) from T_byte/T_start measured on one hop alone (the paper's "

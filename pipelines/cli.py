@@ -25,7 +25,15 @@ from pathlib import Path
 
 from laminar.errors import LaminarError
 from pipelines.api import _file_in_the_way
-from pipelines.cli_bench import _count, _names, _positive_int, _positive_ints, _splits, cmd_bench
+from pipelines.cli_bench import (
+    _count,
+    _names,
+    _positive_int,
+    _positive_ints,
+    _protocols,
+    _splits,
+    cmd_bench,
+)
 from pipelines.cli_display import _print_summary as _print_summary  # (re-exported: tests call it)
 from pipelines.cli_run import _follow as _follow  # (re-exported: tests call it)
 from pipelines.cli_run import _watch as _watch  # (re-exported: tests call it)
@@ -198,7 +206,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--relays", type=_positive_ints, help="relay: comma-separated chain lengths p (2,4,8)"
     )
     bench.add_argument(
-        "--protocols", help="relay: comma-separated tcp,ucx (ucx needs .venv-ucx, .ci/ucx-env)"
+        "--protocols",
+        type=_protocols,
+        help="relay: comma-separated tcp,ucx (ucx needs .venv-ucx, .ci/ucx-env)",
     )
     bench.add_argument(
         "--senders",

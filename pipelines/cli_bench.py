@@ -109,7 +109,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     if args.relays:
         options["ps"] = args.relays
     if args.protocols:
-        options["protocols"] = tuple(args.protocols.split(","))
+        options["protocols"] = args.protocols
     if args.senders:
         options["senders"] = tuple(args.senders.split(","))
     if args.duration_s is not None:
@@ -177,6 +177,19 @@ _count = _whole_number(0)
 
 def _names(text: str) -> tuple[str, ...]:
     return tuple(t.strip() for t in text.split(",") if t.strip())
+
+
+def _protocols(text: str) -> tuple[str, ...]:
+    """``--protocols``: comma-separated, each tcp or ucx (the relay bench's)."""
+    from pipelines.bench_relay import PROTOCOLS
+
+    names = _names(text)
+    bad = [n for n in names if n not in PROTOCOLS]
+    if bad or not names:
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: give comma-separated protocols, each one of {', '.join(PROTOCOLS)}"
+        )
+    return tuple(dict.fromkeys(names))
 
 
 def _positive_ints(text: str) -> tuple[int, ...]:

@@ -93,3 +93,49 @@ def test_a_split_the_cluster_cannot_hold_is_refused_before_any_run(splits, why, 
     with pytest.raises(ConfigError) as e:
         bench_schedules(gpus=64, splits=splits)
     assert why in str(e.value)
+
+
+COLS = ("stall_s", "host_copy_s", "naive_s", "broadcast_s", "model_s", "model_loaded_s")
+COLS += ("wait_s", "t_byte", "t_start")
+
+
+def _relay_figures(protocols, ps, sizes_mb=(64,), senders=("thread",)) -> dict[str, float]:
+    """The figures a relay bench of these variants would hold, every one 2.0 but tcp's
+    1.0 (a stub of the measurements: only their names matter here)."""
+    figures = {}
+    for proto in protocols:
+        for sender in senders:
+            beside = sender == "loop" and "thread" in senders
+            pre = ("" if proto == "tcp" else f"{proto}_") + ("loop_" if beside else "")
+            for mb in sizes_mb:
+                for p in ps:
+                    for c in COLS:
+                        figures[f"{pre}m{mb}_p{p}_{c}"] = 1.0 if proto == "tcp" else 2.0
+    return figures
+
+
+def test_relay_ratios_without_tcp_say_why_there_is_no_comparison_with_it():
+    from pipelines.bench_relay import relay_ratios
+
+    ratios, notes = relay_ratios(
+        _relay_figures(["ucx"], (2, 4)), (64,), (2, 4), ("ucx",), ("thread",)
+    )
+    assert ratios["ucx_m64_p4_broadcast_vs_model"] == 1.0
+    assert not any("_vs_tcp_" in k for k in ratios)
+    assert any("tcp was not measured" in n for n in notes)
+    ratios, notes = relay_ratios(
+        _relay_figures(["tcp", "ucx"], (2, 4)), (64,), (2, 4), ("tcp", "ucx"), ("thread",)
+    )
+    assert ratios["ucx_vs_tcp_m64_p4_broadcast"] == 2.0 and not notes
+
+
+def test_relay_bench_refuses_a_protocol_it_does_not_know_before_measuring(monkeypatch):
+    from laminar.errors import ConfigError
+    from pipelines import bench_relay
+
+    def refuse(*a, **k):
+        raise AssertionError("measured")
+
+    monkeypatch.setattr(bench_relay, "measure", refuse)
+    with pytest.raises(ConfigError, match="--protocols udp: each must be one of tcp, ucx"):
+        bench_relay.bench_relay(protocols=("udp",))

@@ -45,6 +45,8 @@ def no_bench(monkeypatch):
         (["engine", "--batches", "1,a"], "--batches"),
         (["relay", "--relays", "2,,4"], "--relays"),
         (["relay", "--sizes-mb", "64,-1"], "--sizes-mb"),
+        (["relay", "--protocols", "tcp,udp"], "--protocols"),
+        (["relay", "--protocols", ","], "--protocols"),
         (["pacing", "--contexts", "x"], "--contexts"),
         (["schedules", "--splits", "laminar"], "--splits"),
         (["schedules", "--splits", "laminar=x"], "--splits"),
