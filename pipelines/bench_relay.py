@@ -291,8 +291,9 @@ def relay_ratios(
 ) -> tuple[dict[str, float], list[str]]:
     """The ratios of one relay bench's ``figures`` (each protocol's within itself; a
     protocol other than tcp's prefixed with its name), ``<proto>_vs_tcp_*`` where tcp
-    was measured, and the headline ratios. Returns them and the notes on the ratios
-    left out."""
+    was measured, and the headline ratios, named after the chain lengths they compare
+    (the longest over the shortest: ``p8``/``p2`` by default). Returns them and the notes
+    on the ratios left out."""
     ratios: dict[str, float] = {}
     notes: list[str] = []
     lo, hi = min(ps), max(ps)
@@ -325,15 +326,16 @@ def relay_ratios(
             f"no <protocol>_vs_tcp ratios: tcp was not measured (--protocols "
             f"{','.join(protocols)}); add tcp to compare with it"
         )
-    # The headline ratios, at the largest M and the p the issue names.
+    # The headline ratios, at the largest M, the longest chain against the shortest (p8
+    # and p2 by default), of tcp: named after the chain lengths they compare.
     m = max(sizes_mb)
     headline = {
-        "stall_p8_vs_p2": f"m{m}_stall_p{hi}_vs_p{lo}",
+        f"stall_p{hi}_vs_p{lo}": f"m{m}_stall_p{hi}_vs_p{lo}",
         "stall_vs_host_copy": f"m{m}_p{hi}_stall_vs_host_copy",
-        "broadcast_vs_model_p8": f"m{m}_p{hi}_broadcast_vs_model",
-        "broadcast_vs_model_loaded_p8": f"m{m}_p{hi}_broadcast_vs_model_loaded",
-        "naive_stall_p8_vs_relay_stall_p8": f"m{m}_p{hi}_naive_vs_relay_stall",
-        "broadcast_loop_vs_thread_p8": f"loop_vs_thread_m{m}_p{hi}_broadcast",
+        f"broadcast_vs_model_p{hi}": f"m{m}_p{hi}_broadcast_vs_model",
+        f"broadcast_vs_model_loaded_p{hi}": f"m{m}_p{hi}_broadcast_vs_model_loaded",
+        f"naive_stall_p{hi}_vs_relay_stall_p{hi}": f"m{m}_p{hi}_naive_vs_relay_stall",
+        f"broadcast_loop_vs_thread_p{hi}": f"loop_vs_thread_m{m}_p{hi}_broadcast",
     }
     for name, key in headline.items():
         if key in ratios:

@@ -139,3 +139,20 @@ def test_relay_bench_refuses_a_protocol_it_does_not_know_before_measuring(monkey
     monkeypatch.setattr(bench_relay, "measure", refuse)
     with pytest.raises(ConfigError, match="--protocols udp: each must be one of tcp, ucx"):
         bench_relay.bench_relay(protocols=("udp",))
+
+
+def test_relay_headline_ratios_are_named_after_the_chains_measured():
+    from pipelines.bench_relay import relay_ratios
+
+    args = ((64, 512), ("tcp",), ("thread",))
+    ratios, _ = relay_ratios(
+        _relay_figures(["tcp"], (2, 4, 8), (64, 512)), args[0], (2, 4, 8), *args[1:]
+    )
+    assert {"stall_p8_vs_p2", "broadcast_vs_model_p8", "naive_stall_p8_vs_relay_stall_p8"} <= set(
+        ratios
+    )
+    ratios, _ = relay_ratios(_relay_figures(["tcp"], (3, 6), (64, 512)), args[0], (3, 6), *args[1:])
+    assert {"stall_p6_vs_p3", "broadcast_vs_model_p6", "naive_stall_p6_vs_relay_stall_p6"} <= set(
+        ratios
+    )
+    assert not any("p8" in k or "p2" in k for k in ratios)
