@@ -259,6 +259,14 @@ def measure(
             "chunk_model_s": nbytes / med["chunks"] * t_byte + t_start,
             "send_master_s": per_chunk[0],
             "send_inner_s": float(np.median(per_chunk[1:])) if p > 2 else math.nan,
+            # the raw measurements the medians are of: each publication's (the warm-up's
+            # left out), the baselines', and each sending relay's seconds per chunk
+            "samples": {
+                "publications": rows,
+                "scatter_s": scatter,
+                "replicate_s": replicate,
+                "send_per_chunk_s": per_chunk,
+            },
         }
 
 
@@ -370,6 +378,7 @@ def bench_relay(
             + ", ".join(PROTOCOLS)
         )
     figures: dict[str, float] = {}
+    samples: dict[str, dict] = {}  # per (M, p): the publications' rows, the baselines'
     rows = []
     variants = [(proto, sender) for proto in protocols for sender in senders]
     for proto, sender in variants:
@@ -381,6 +390,7 @@ def bench_relay(
                 row = measure(p, mb * MB, repeats, protocol=proto, sender=sender)
                 for c in COLUMNS + ["t_byte", "t_start", "t_byte_loaded"]:
                     figures[f"{pre}m{mb}_p{p}_{c}"] = row[c]
+                samples[f"{pre}m{mb}_p{p}"] = row["samples"]
                 rows.append([proto, sender, mb, p] + [row[c] for c in COLUMNS])
                 print(
                     f"  {proto} {sender} M={mb} MB p={p}: "
@@ -392,7 +402,7 @@ def bench_relay(
         name="relay",
         figures=figures,
         ratios=ratios,
-        samples={},
+        samples=samples,
         columns=["protocol", "sender", "M (MB)", "p"] + COLUMNS,
         rows=rows,
         options={

@@ -156,3 +156,19 @@ def test_relay_headline_ratios_are_named_after_the_chains_measured():
         ratios
     )
     assert not any("p8" in k or "p2" in k for k in ratios)
+
+
+def test_relay_bench_keeps_every_publications_measurements_as_its_samples(monkeypatch):
+    from pipelines import bench_relay
+
+    def measure(p, nbytes, repeats, protocol="tcp", sender="thread"):
+        pubs = [{"stall_s": 0.1 * (i + 1), "wait_s": 0.2} for i in range(repeats)]
+        row = {c: 1.0 for c in bench_relay.COLUMNS + ["t_byte", "t_start", "t_byte_loaded"]}
+        return row | {"samples": {"publications": pubs, "scatter_s": [0.5] * repeats}}
+
+    monkeypatch.setattr(bench_relay, "measure", measure)
+    result = bench_relay.bench_relay(sizes_mb=(64,), ps=(2, 4), repeats=3)
+    assert set(result.samples) == {"m64_p2", "m64_p4"}
+    assert [r["stall_s"] for r in result.samples["m64_p4"]["publications"]] == pytest.approx(
+        [0.1, 0.2, 0.3]
+    )
