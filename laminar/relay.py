@@ -70,6 +70,14 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
+# A version whose send to the successor failed (a timeout under load, a reset connection,
+# the successor finding no free slot) is sent again whole, up to this many times, after
+# SEND_RETRY_S, then twice that, and so on: the successor goes on with the part it holds
+# (RelayCore.begin ``resume``), so the relays below it are not left without that version
+# until the next publication (a paused partial rollout below waits for it).
+SEND_RETRIES = 3
+SEND_RETRY_S = 0.25
+
 
 # -- the Dask actor ------------------------------------------------------------------------
 
@@ -119,6 +127,13 @@ class Relay:
         self.forwarded_chunks = 0
         self.forward_s = 0.0
         self.rechains = 0
+        # Sends to the successor that failed, versions sent again after one, and versions
+        # given up (SEND_RETRIES spent). ``_retrying``: the version retried and its tries.
+        self.send_failures = 0
+        self.send_retries = 0
+        self.sends_given_up = 0
+        self._retrying: tuple[int, int] = (-1, 0)
+        self._retry_timer: asyncio.TimerHandle | None = None
         self._sender: BulkSender | None = None  # set by set_chain on a tcp/tls worker
         self._publishing = threading.Lock()  # (master) one publication's copy at a time
 
@@ -197,6 +212,8 @@ class Relay:
         worker's stderr — and each run would leave two idle threads on a long-lived
         cluster.)"""
         forwarder, self._forwarder = self._forwarder, None
+        if self._retry_timer is not None:
+            self._retry_timer.cancel()
         pending = [t for t in (forwarder, *self._tasks) if t is not None and not t.done()]
         for task in pending:
             task.cancel()
@@ -321,7 +338,7 @@ class Relay:
             except Exception as e:  # noqa: BLE001 — reported in stats, the loop goes on
                 msg = f"{self.relay_id} forwarding {item[:3]}: {e!r}"
                 logger.error(msg)
-                self.errors.append(msg)
+                self._error(msg)
 
     async def _forward_version(self, version: int, t_publish: float) -> None:
         """Master: checksum chunk after chunk (in the relay thread) and send each as soon
@@ -342,14 +359,21 @@ class Relay:
                 await self._run(self.core.prewarm, snap.layout.nbytes)
 
             summing = asyncio.ensure_future(checksums())
+            failed = None
             try:
                 if self.downstream is not None:
                     for j in range(snap.n_chunks):
                         await ready[j].wait()
-                        await self._send(snap, j, t_publish)
+                        try:
+                            await self._send(snap, j, t_publish)
+                        except Exception as e:  # noqa: BLE001 — sent again once complete
+                            failed = e
+                            break
             finally:  # even when a rechain cancels the sends: the version completes here
                 await asyncio.wait([summing])
             summing.result()
+            if failed is not None:
+                self._send_failed(version, t_publish, failed)
         finally:
             self.core.unpin(snap)
 
@@ -361,7 +385,11 @@ class Relay:
             return  # evicted meanwhile: the newer one follows through the chain anyway
         try:
             for j in range(snap.n_chunks):
-                taken = await self._send(snap, j, t_publish)
+                try:
+                    taken = await self._send(snap, j, t_publish)
+                except Exception as e:  # noqa: BLE001 — sent again, up to SEND_RETRIES
+                    self._send_failed(version, t_publish, e)
+                    return
                 if j == 0 and taken is False:
                     return  # it holds this version or a newer one: the rest is not needed
         finally:
@@ -379,13 +407,60 @@ class Relay:
         held = self.core.pin(version)
         try:
             await self._send(snap, j, t_publish)
-        except Exception:
+        except Exception as e:  # noqa: BLE001 — its later chunks are skipped (no entry)
             self._stop_forwarding(version, snap)
-            raise
+            self._send_failed(version, t_publish, e)
+            return
         finally:
             self.core.unpin(held)
         if j == snap.n_chunks - 1:
             self._stop_forwarding(version, snap)
+
+    def _send_failed(self, version: int, t_publish: float, error: Exception) -> None:
+        """A send of ``version`` to the successor failed (a rechain's cancellation is no
+        failure: it resends what the new successor needs). Record it, and send the version
+        again whole after a backoff, once it is complete here, unless a newer one has
+        begun here by then (it supersedes this one all the way down) or the successor has
+        changed (the rechain resends). After ``SEND_RETRIES`` tries it is given up: the
+        next version is the next chance of the relays below."""
+        self.send_failures += 1
+        msg = f"{self.relay_id} sending version {version} on: {error!r}"
+        done = self._retrying[1] if self._retrying[0] == version else 0
+        if done >= SEND_RETRIES:
+            self.sends_given_up += 1
+            msg += f"; given up after {done} retries"
+        elif self.core.newest_begun > version:
+            msg += f"; version {self.core.newest_begun} supersedes it"
+        else:
+            self._retrying = (version, done + 1)
+            delay = SEND_RETRY_S * 2**done
+            msg += f"; sending it again in {delay:.2f} s (retry {done + 1} of {SEND_RETRIES})"
+            if self._retry_timer is not None:
+                self._retry_timer.cancel()
+            self._retry_timer = asyncio.get_running_loop().call_later(
+                delay, self._retry, self._queue, version, t_publish
+            )
+        logger.error(msg)
+        self._error(msg)
+
+    def _retry(self, queue: asyncio.Queue, version: int, t_publish: float) -> None:
+        """The backoff of a failed send is over: queue the version to be sent again whole
+        (once it is complete here, if it is still arriving)."""
+        self._retry_timer = None
+        if queue is not self._queue or self.core.newest_begun > version:
+            return  # a rechain replaced the successor, or a newer version supersedes it
+        try:
+            self.core.get(version)
+        except VersionUnavailable:
+            if version in self.core.arriving():
+                self.send_retries += 1
+                self._resend_when_complete.add(version)  # (_after_store queues it)
+            return
+        self.send_retries += 1
+        queue.put_nowait(("resend", version, t_publish))
+
+    def _error(self, msg: str) -> None:
+        self.errors.append(msg)
 
     def _stop_forwarding(self, version: int, snap: Snapshot) -> None:
         """Release the forwarding pin of ``snap``, unless it was released already."""
@@ -566,6 +641,9 @@ class Relay:
             if self._sends_from_thread()
             else "loop",
             "rechains": self.rechains,
+            "send_failures": self.send_failures,
+            "send_retries": self.send_retries,
+            "sends_given_up": self.sends_given_up,
             "errors": self.errors[-5:],
         }
         if self.master is None:

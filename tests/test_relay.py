@@ -680,7 +680,8 @@ class _Peer:
     its arrays (as the comm would). ``hold`` (an ``asyncio.Event``) keeps the calls that
     ``held(name, args)`` selects waiting until it is set; ``lost``: every later call
     waits forever, and settles only once ``settle`` is set after it was cancelled (a
-    bulk send to a dead worker takes a while to stop)."""
+    bulk send to a dead worker takes a while to stop). ``fail(name, args)`` true: that
+    call raises ``ConnectionError`` (a transient comm failure) without reaching the relay."""
 
     def __init__(self, relay: Relay) -> None:
         import asyncio
@@ -688,6 +689,7 @@ class _Peer:
         self.relay, self.key = relay, relay.relay_id
         self.calls: list[tuple] = []  # (function, version, chunk) of receive_chunk calls
         self.hold, self.held = None, None
+        self.fail = None
         self.lost = False
         self.settle = asyncio.Event()
 
@@ -702,6 +704,8 @@ class _Peer:
                 self.calls.append((args[0], args[3]))
             if self.hold is not None and self.held(name, args):
                 await self.hold.wait()
+            if self.fail is not None and self.fail(name, args):
+                raise ConnectionError(f"{name} to {self.key}: connection reset")
             if self.lost:
                 try:
                     await asyncio.Event().wait()
@@ -1012,5 +1016,82 @@ def test_retain_calls_that_land_out_of_order_leave_the_newest_versions():
         await pool._sync_retained()  # told: nothing more
         assert len(flaky.got) == 1
         await relay.close()
+
+    asyncio.run(run())
+
+
+def _once(pred):
+    """A ``_Peer.fail`` that fails the first call ``pred(name, args)`` selects, only."""
+    seen = []
+
+    def fail(name, args):
+        if not seen and pred(name, args):
+            seen.append((name, args[0], args[3]))
+            return True
+        return False
+
+    return fail
+
+
+@pytest.mark.parametrize("hop", ["master", "relay1"])
+def test_a_failed_send_is_made_again_so_the_relays_below_get_the_version(hop):
+    """master -> relay1 -> relay2; one send of version 1's chunk 1 fails (a reset
+    connection) at the master's hop or relay1's. The sender used to drop the rest of the
+    version, so every relay below waited for the next publication (a paused partial
+    rollout there, forever); it sends the version again whole, and the successor goes on
+    with the part it holds, each chunk counted once."""
+    import asyncio
+
+    async def run() -> None:
+        m, r1, r2 = _relays("master", "relay1", "relay2")
+        chain = ["master", "relay1", "relay2"]
+        to_r1, to_r2 = _Peer(r1), _Peer(r2)
+        peer = to_r1 if hop == "master" else to_r2
+        peer.fail = _once(lambda name, a: name == "receive_chunk" and a[0] == 1 and a[3] == 1)
+        await m.set_chain(chain, to_r1, None)
+        await r1.set_chain(chain, to_r2, m)
+        await r2.set_chain(chain, None, m)
+        try:
+            await asyncio.to_thread(m.publish_local, 1, _state(1))
+            await _until(lambda: r2.core.versions() == [1])
+            back = _read(r2.core, 1)
+            assert all(torch.equal(back[k], _state(1)[k]) for k in back)
+            sender = m if hop == "master" else r1
+            st = await sender.stats()
+            assert (st["send_failures"], st["send_retries"], st["sends_given_up"]) == (1, 1, 0)
+            assert any("sending it again" in e for e in st["errors"])
+            assert r1.core.counts["corrupt_chunks"] == r2.core.counts["corrupt_chunks"] == 0
+            assert not r2.errors
+            await _until(lambda: all(p == 0 for r in (m, r1, r2) for p in _pins(r).values()))
+        finally:
+            await asyncio.gather(m.close(), r1.close(), r2.close())
+
+    asyncio.run(run())
+
+
+def test_a_send_that_keeps_failing_is_given_up_and_a_newer_version_goes_down():
+    """relay1's every send of version 1 fails: it tries SEND_RETRIES times more, then
+    gives the version up (said in its errors); version 2 reaches relay2 as ever."""
+    import asyncio
+
+    from laminar.relay import SEND_RETRIES
+
+    async def run() -> None:
+        r1, r2 = _relays("relay1", "relay2")
+        to_r2 = _Peer(r2)
+        to_r2.fail = lambda name, a: name == "receive_chunk" and a[0] == 1
+        await r1.set_chain(["master", "relay1", "relay2"], to_r2, None)
+        await r2.set_chain(["master", "relay1", "relay2"], None, None)
+        try:
+            for layout, cb, j, data, crc in _chunks(1):
+                await r1.receive_chunk(1, layout, cb, j, data, crc, 0.0)
+            await _until(lambda: r1.sends_given_up == 1)
+            assert r1.send_failures == SEND_RETRIES + 1 == r1.send_retries + 1
+            assert any("given up" in e for e in r1.errors) and r2.core.versions() == []
+            for layout, cb, j, data, crc in _chunks(2):
+                await r1.receive_chunk(2, layout, cb, j, data, crc, 0.0)
+            await _until(lambda: r2.core.versions() == [2])
+        finally:
+            await asyncio.gather(r1.close(), r2.close())
 
     asyncio.run(run())
