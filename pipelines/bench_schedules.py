@@ -66,6 +66,21 @@ from pipelines.bench_schedules_report import _result, _search_result
 # -- the bench -------------------------------------------------------------------------------
 
 
+def ordered_arms(arms) -> tuple[str, ...]:
+    """``--arms`` each once, in :data:`ARMS`' order, whatever order they were given in:
+    an ablation then runs at the split searched for the schedule it ablates (given
+    first, ``laminar_no_repack`` was searched alone), and an arm named twice is not run
+    twice into the same run directories.
+
+    >>> ordered_arms(["laminar_no_repack", "sync", "laminar", "sync"])
+    ('sync', 'laminar', 'laminar_no_repack')
+    """
+    unknown = [a for a in arms if a not in ARMS]
+    if unknown:
+        raise ConfigError(f"unknown arms {unknown}; known: {list(ARMS)}")
+    return tuple(a for a in ARMS if a in arms)
+
+
 def check_splits(cluster: Cluster, splits: dict[str, int]) -> None:
     """Refuse a ``--splits`` value the emulated cluster cannot hold: a replica count from
     1 to one replica short of every GPU (the trainer has the rest), sync's (colocated)
@@ -131,9 +146,7 @@ def bench_schedules(
     cluster = Cluster(gpus)
     if seeds < 0:
         raise ConfigError(f"--seeds {seeds}: give a count >= 0 (0 searches the splits only)")
-    unknown = [a for a in arms if a not in ARMS]
-    if unknown:
-        raise ConfigError(f"unknown arms {unknown}; known: {list(ARMS)}")
+    arms = ordered_arms(arms)
     splits = dict(splits or {})
     splits.setdefault("sync", cluster.max_replicas)  # colocated: every GPU generates
     searched = [a for a in arms if a not in splits and ABLATION_OF.get(a) not in {*splits, *arms}]

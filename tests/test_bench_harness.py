@@ -172,3 +172,14 @@ def test_relay_bench_keeps_every_publications_measurements_as_its_samples(monkey
     assert [r["stall_s"] for r in result.samples["m64_p4"]["publications"]] == pytest.approx(
         [0.1, 0.2, 0.3]
     )
+
+
+def test_arms_run_each_once_in_the_tables_order_whatever_order_they_are_given_in():
+    """Given first, the ablation was searched alone (the docs say it runs at Laminar's
+    split); an arm named twice ran twice into the same run directories."""
+    from pipelines.bench_schedules import ordered_arms
+
+    assert ordered_arms(("laminar_no_repack", "laminar", "laminar")) == (
+        "laminar",
+        "laminar_no_repack",
+    )
