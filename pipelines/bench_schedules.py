@@ -81,6 +81,36 @@ def ordered_arms(arms) -> tuple[str, ...]:
     return tuple(a for a in ARMS if a in arms)
 
 
+# The keys the bench sets for each run (Cluster.overrides), and the flags that set them:
+# a --set of one would apply to every run after the bench's own, so that e.g. three
+# "seeds" all ran seed 1.
+PER_RUN = {
+    "seed": "--seeds",
+    "pipeline.schedule": "--arms",
+    "rollout.replicas": "--splits (or the split search)",
+    "trainer.pacing.gpus": "--gpus and --splits (the trainer has the GPUs the replicas leave)",
+    "trainer.steps": "--warmup and --iterations",
+    "rollout.pacing.dilation": "--gpus (the dilation grows with the cluster)",
+}
+
+
+def check_overrides(overrides) -> None:
+    """Refuse a ``--set`` of a key the bench sets for each run, naming the flag that does.
+
+    >>> check_overrides(["trainer.lr=1e-4", " seed = 1"])
+    Traceback (most recent call last):
+    ...
+    laminar.errors.ConfigError: --set seed=1: the bench sets seed for each run; use --seeds
+    """
+    for o in overrides:
+        key, _, value = o.partition("=")
+        if key.strip() in PER_RUN:
+            raise ConfigError(
+                f"--set {key.strip()}={value.strip()}: the bench sets {key.strip()} for each "
+                f"run; use {PER_RUN[key.strip()]}"
+            )
+
+
 def check_splits(cluster: Cluster, splits: dict[str, int]) -> None:
     """Refuse a ``--splits`` value the emulated cluster cannot hold: a replica count from
     1 to one replica short of every GPU (the trainer has the rest), sync's (colocated)
@@ -156,6 +186,7 @@ def bench_schedules(
             "(--splits fixes it, --no-search skips it): drop them, or give --seeds 1 or more"
         )
     check_splits(cluster, splits)
+    check_overrides(overrides)
     # Every arm's config, with its --set: a bad split or field fails here, naming it, not
     # hours on, when the arm's turn comes after the others ran.
     from laminar.config import load_config

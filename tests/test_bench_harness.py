@@ -183,3 +183,26 @@ def test_arms_run_each_once_in_the_tables_order_whatever_order_they_are_given_in
         "laminar",
         "laminar_no_repack",
     )
+
+
+@pytest.mark.parametrize(
+    "key, flag",
+    [
+        ("seed=1", "--seeds"),
+        ("pipeline.schedule=sync", "--arms"),
+        ("rollout.replicas=4", "--splits"),
+        ("trainer.pacing.gpus=8", "--gpus"),
+        ("trainer.steps=3", "--warmup and --iterations"),
+        ("rollout.pacing.dilation=1", "--gpus"),
+    ],
+)
+def test_a_set_of_a_key_the_bench_sets_per_run_is_refused_naming_its_flag(
+    key, flag, no_local_cluster
+):
+    """`--set seed=1` gave three "seeds" that all ran seed 1."""
+    from laminar.errors import ConfigError
+    from pipelines.bench_schedules import bench_schedules
+
+    with pytest.raises(ConfigError) as e:
+        bench_schedules(arms=("laminar",), overrides=("trainer.lr=1e-4", key))
+    assert f"--set {key}: the bench sets" in str(e.value) and f"use {flag}" in str(e.value)
