@@ -94,6 +94,23 @@ PER_RUN = {
 }
 
 
+def arm_set(arm: str, overrides) -> list[str]:
+    """The ``--set`` overrides of ``arm``'s runs: all of them, but ``repack.*`` ones in the
+    arms with repack on alone (a repack section switches repack on: in
+    ``laminar_no_repack`` it would measure repack against itself; the other schedules
+    refuse it).
+
+    >>> arm_set("laminar_no_repack", ["repack.max_batch=12", "trainer.lr=1e-4"])
+    ['trainer.lr=1e-4']
+    >>> arm_set("laminar", ["repack.max_batch=12", "trainer.lr=1e-4"])
+    ['repack.max_batch=12', 'trainer.lr=1e-4']
+    """
+    repack = ARMS[arm][1]
+    return [
+        o for o in overrides if repack or o.split("=", 1)[0].split(".", 1)[0].strip() != "repack"
+    ]
+
+
 def check_overrides(overrides) -> None:
     """Refuse a ``--set`` of a key the bench sets for each run, naming the flag that does.
 
@@ -193,7 +210,9 @@ def bench_schedules(
 
     for arm in arms:
         r = splits.get(arm, splits.get(ABLATION_OF.get(arm), cluster.balanced_replicas()))
-        load_config("configs/tiny.yaml", [*cluster.overrides(arm, r, 1, 0), *overrides])
+        load_config(
+            "configs/tiny.yaml", [*cluster.overrides(arm, r, 1, 0), *arm_set(arm, overrides)]
+        )
     probes: dict[str, dict[int, float]] = {}
     results: dict[str, list[dict]] = {a: [] for a in arms}
     failed: list[dict] = []  # runs that failed: left out of every figure, and listed
@@ -216,7 +235,10 @@ def bench_schedules(
 
             run_dir = root / f"{arm}-r{replicas}-{tag}"
             steps = run_steps(arm, steps)
-            arm_overrides = [*cluster.overrides(arm, replicas, steps, seed), *overrides]
+            arm_overrides = [
+                *cluster.overrides(arm, replicas, steps, seed),
+                *arm_set(arm, overrides),
+            ]
             try:
                 summary = _run(client, run_dir, arm_overrides)
             except RunFailed as e:

@@ -206,3 +206,15 @@ def test_a_set_of_a_key_the_bench_sets_per_run_is_refused_naming_its_flag(
     with pytest.raises(ConfigError) as e:
         bench_schedules(arms=("laminar",), overrides=("trainer.lr=1e-4", key))
     assert f"--set {key}: the bench sets" in str(e.value) and f"use {flag}" in str(e.value)
+
+
+def test_a_set_of_repack_goes_to_the_arms_with_repack_on_alone(no_local_cluster):
+    """In every arm's config, a repack section refused the other schedules (the bench
+    aborted at sync) and switched repack on in laminar_no_repack."""
+    from pipelines.bench_schedules import arm_set, bench_schedules
+
+    assert arm_set("laminar_no_repack", ["repack.max_batch=4"]) == []
+    with pytest.raises(AssertionError, match="cluster was started"):  # (its checks passed)
+        bench_schedules(
+            arms=("sync", "laminar", "laminar_no_repack"), overrides=("repack.max_batch=4",)
+        )
