@@ -356,7 +356,7 @@ class Relay:
                     ready[j].set()
                 self.core.complete(snap)
                 self._completed(self.relay_id, version)
-                await self._run(self.core.prewarm, snap.layout.nbytes)
+                await self._prewarm(snap.layout.nbytes)
 
             summing = asyncio.ensure_future(checksums())
             failed = None
@@ -551,7 +551,22 @@ class Relay:
             self._resend_when_complete = {v for v in self._resend_when_complete if v > version}
             self._completed(self.relay_id, version)
             await self._report(version)
-            await self._run(self.core.prewarm, layout.nbytes)
+            await self._prewarm(layout.nbytes)
+
+    async def _prewarm(self, nbytes: int) -> None:
+        """A spare slot ahead of the next version (:meth:`RelayCore.prewarm`). One that
+        cannot be allocated is said in ``errors``, and the next version allocates its
+        slot itself (it escaped as an exception nobody retrieved, and stopped the
+        master's forwarding of that version)."""
+        try:
+            await self._run(self.core.prewarm, nbytes)
+        except (OSError, MemoryError) as e:
+            msg = (
+                f"relay {self.relay_id}: a spare slot of {nbytes / MB:.1f} MiB could not be "
+                f"allocated ahead of the next version ({e!r})"
+            )
+            logger.warning(msg)
+            self._error(msg)
 
     async def _report(self, version: int) -> None:
         if self.master is None:

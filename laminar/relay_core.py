@@ -304,9 +304,10 @@ class RelayCore:
             while self._free and self.allocated_bytes + nbytes > budget:
                 self.allocated_bytes -= self._free.pop().nbytes
             if self.allocated_bytes + nbytes <= budget:
+                buf = host_buffer(nbytes)  # (counted once it exists: a failed one is not)
                 self.allocated_bytes += nbytes
                 self.peak_bytes = max(self.peak_bytes, self.allocated_bytes)
-                return host_buffer(nbytes)
+                return buf
             left = deadline - time.monotonic()
             if left <= 0:
                 raise RelayError(
@@ -349,17 +350,27 @@ class RelayCore:
     def prewarm(self, nbytes: int) -> bool:
         """Allocate and touch one spare slot of ``nbytes`` ahead of the next version, if
         the budget allows (a fresh allocation's first touch costs page faults: better
-        here, in the relay's thread, than inside the next publication stall)."""
+        here, in the relay's thread, than inside the next publication stall). An
+        allocation that fails (``OSError``, ``MemoryError``) raises and counts nothing:
+        the budget is as it was, and the next version allocates its slot itself."""
         with self._lock:
             if any(b.nbytes == nbytes for b in self._free):
                 return False
             if self.allocated_bytes + nbytes > self.budget_for(nbytes):
                 return False
+            # Reserved before the allocation (outside the lock) so that a slot asked for
+            # meanwhile stays within the budget; given back if the allocation fails.
             self.allocated_bytes += nbytes
-            self.peak_bytes = max(self.peak_bytes, self.allocated_bytes)
-        buf = host_buffer(nbytes)
-        buf.fill(0)
+        try:
+            buf = host_buffer(nbytes)
+            buf.fill(0)
+        except BaseException:
+            with self._lock:
+                self.allocated_bytes -= nbytes
+                self._lock.notify_all()
+            raise
         with self._lock:
+            self.peak_bytes = max(self.peak_bytes, self.allocated_bytes)
             self._free.append(buf)
             self._lock.notify_all()
         return True

@@ -1095,3 +1095,74 @@ def test_a_send_that_keeps_failing_is_given_up_and_a_newer_version_goes_down():
             await asyncio.gather(r1.close(), r2.close())
 
     asyncio.run(run())
+
+
+def _failing_allocation(monkeypatch, fail_calls: set[int]) -> list[int]:
+    """The host allocator (``relay_core.host_buffer``) raises ENOMEM at the given calls
+    (1-based), a memory-starved host; the calls are counted in the returned list."""
+    import laminar.relay_core as relay_core
+
+    real, calls = relay_core.host_buffer, []
+
+    def host_buffer(nbytes):
+        calls.append(nbytes)
+        if len(calls) in fail_calls:
+            raise OSError(12, "Cannot allocate memory")
+        return real(nbytes)
+
+    monkeypatch.setattr(relay_core, "host_buffer", host_buffer)
+    return calls
+
+
+def test_a_failed_slot_allocation_leaves_the_budget_as_it_was(monkeypatch):
+    """A spare slot, or a version's slot, whose allocation fails is not counted: it was,
+    and two versions later every begin failed ("raise relay.memory_budget_mb") although
+    the relay held one slot fewer than its budget."""
+    core = RelayCore(keep_versions=2)
+    _failing_allocation(monkeypatch, {2, 3})
+    state = {"w": torch.zeros(1 << 16, dtype=torch.uint8)}
+    nbytes = Layout.of(state).nbytes
+    _publish(core, 1, state, chunk_bytes=nbytes)
+    with pytest.raises(OSError):
+        core.prewarm(nbytes)  # (call 2)
+    assert core.allocated_bytes == nbytes
+    with pytest.raises(OSError):
+        _publish(core, 2, state, chunk_bytes=nbytes)  # (call 3: the version's own slot)
+    assert core.allocated_bytes == nbytes
+    for v in (3, 4, 5, 6):
+        assert _publish(core, v, state, chunk_bytes=nbytes) is not None
+    assert core.versions() == [5, 6] and core.allocated_bytes == 3 * nbytes
+
+
+@pytest.mark.parametrize("relay_id", ["master", "relay1"])
+def test_a_spare_slot_that_cannot_be_allocated_is_an_error_of_the_relay(monkeypatch, relay_id):
+    """The spare slot after version 1 fails to allocate, on the master or a downstream
+    relay: the relay says so in its errors (downstream it escaped as an exception nobody
+    retrieved; on the master it passed for a failure to forward the version) and takes
+    the versions after it, each allocating its own slot."""
+    import asyncio
+
+    async def take(relay: Relay, v: int) -> None:
+        if relay_id == "master":
+            await asyncio.to_thread(relay.publish_local, v, _state(v))
+        else:
+            for layout, cb, j, data, crc in _chunks(v):
+                await relay.receive_chunk(v, layout, cb, j, data, crc, 0.0)
+
+    async def run() -> None:
+        (relay,) = _relays(relay_id)
+        await relay.set_chain(["master", "relay1"][: 1 + (relay_id != "master")], None, None)
+        calls = _failing_allocation(monkeypatch, {2})
+        try:
+            await take(relay, 1)
+            await _until(lambda: relay.errors)
+            assert "spare slot" in relay.errors[0] and "could not be allocated" in relay.errors[0]
+            assert len(calls) == 2
+            for v in (2, 3, 4):
+                await take(relay, v)
+                await _until(lambda v=v: relay.core.versions()[-1:] == [v])
+            assert len(relay.errors) == 1
+        finally:
+            await relay.close()
+
+    asyncio.run(run())
