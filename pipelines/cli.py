@@ -112,6 +112,12 @@ def cmd_report(args: argparse.Namespace) -> int:
     return 0
 
 
+def _user_path(text: str) -> str:
+    """An argparse ``type`` for a path: ``~`` expanded. The shell does not expand it after
+    ``=`` (``--out=~/b.json``): taken as it was, a folder named ``~`` was made here."""
+    return os.path.expanduser(text)
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The ``laminar`` command line: every subcommand and flag."""
     from laminar.pacing import MODELS
@@ -127,6 +133,7 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument(
         "--resume",
         metavar="RUN_DIR",
+        type=_user_path,
         help="continue a stopped or lost run in its own directory, from its newest "
         "checkpoint (docs/faults.md)",
     )
@@ -136,7 +143,9 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="KEY=VALUE",
         help="override a config field, e.g. --set trainer.steps=20 (repeatable)",
     )
-    run.add_argument("--run-dir", help="where the run's stores go (default runs/<timestamp>)")
+    run.add_argument(
+        "--run-dir", type=_user_path, help="where the run's stores go (default runs/<timestamp>)"
+    )
     where = run.add_mutually_exclusive_group()  # (one scheduler: its address or its file)
     where.add_argument(
         "--scheduler",
@@ -166,7 +175,9 @@ def build_parser() -> argparse.ArgumentParser:
         choices=["engine", "relay", "repack", "soak", "schedules", "pacing"],
         help="which benchmark",
     )
-    bench.add_argument("--out", metavar="FILE.json", help="write figures, ratios and samples")
+    bench.add_argument(
+        "--out", metavar="FILE.json", type=_user_path, help="write figures, ratios and samples"
+    )
     bench.add_argument(
         "--repeats",
         type=_positive_int,
@@ -265,7 +276,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     bench.add_argument("--reward-threshold", type=float, help="schedules: time-to-reward target")
     bench.add_argument(
-        "--runs-dir", help="schedules, repack: keep the runs here (default: a temp dir)"
+        "--runs-dir",
+        type=_user_path,
+        help="schedules, repack: keep the runs here (default: a temp dir)",
     )
     bench.add_argument(
         "--from-runs",

@@ -542,3 +542,23 @@ def test_a_stop_signal_during_a_print_to_stdout_still_says_it_stops(monkeypatch,
     cli_run._say_from_a_handler("\nstopping (Ctrl-C): finishing the current update")
     out, err = capfd.readouterr()
     assert err == "stopping (Ctrl-C): finishing the current update\n" and out == ""
+
+
+def test_a_tilde_after_equals_which_the_shell_leaves_is_the_home_folder(tmp_path, monkeypatch):
+    """`--out=~/b.json`: bash does not expand ~ after =; it was checked expanded and
+    written as given, into a folder named ~ here."""
+    monkeypatch.setenv("HOME", str(tmp_path))
+    seen = {}
+
+    def fake(name, out, **options):
+        seen.update(options, out=out)
+        return type("R", (), {"failed": []})()
+
+    monkeypatch.setattr("pipelines.bench.run_bench", fake)
+    argv = ["bench", "schedules", "--out=~/b.json", "--runs-dir=~/runs", "--seeds", "1"]
+    assert cli.main(argv) == 0
+    assert seen["out"] == str(tmp_path / "b.json") and seen["runs_dir"] == str(tmp_path / "runs")
+    args = cli.build_parser().parse_args(["run", "configs/tiny.yaml", "--run-dir=~/r"])
+    assert args.run_dir == str(tmp_path / "r")
+    args = cli.build_parser().parse_args(["run", "--resume=~/r"])
+    assert args.resume == str(tmp_path / "r")
