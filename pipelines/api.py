@@ -249,12 +249,15 @@ def _claim(path: Path, doing: str) -> Claim:
         raise _going(path, doing, e.live, e.here) from None
 
 
-def _write_claimed(path: Path, doing: str, files: dict[Path, str | None]) -> None:
+def _write_claimed(path: Path, doing: str, files: dict[Path, str | None], before=None) -> None:
     """Claim ``path``, then write its ``config.yaml`` and the like (``files``: each
     one's text; None: removed); the claim is given back if a write fails, and kept (for
-    the RunHandle to take over) if none does."""
+    the RunHandle to take over) if none does. ``before``: called once claimed, before
+    the writes (what must not race another start)."""
     held = _claim(path, doing)  # (an idle claim: _claim refuses one a run drives)
     try:
+        if before is not None:
+            before()
         for file, text in files.items():
             if text is None:
                 file.unlink(missing_ok=True)
@@ -409,6 +412,41 @@ RUN_FILES = (
 )
 
 
+def _set_aside_failed_start(path: Path) -> dict[str, str]:
+    """Move what an earlier start that stored nothing left in ``path`` (its
+    :data:`START_OUTPUTS`) aside, as ``<name>.failed-<UTC time>``, and log it: a new run
+    appended to its metrics.zarr and tensorboard/ (its clock from 0 again: ``cluster.time``
+    going backwards, one segment of two starts, TensorBoard steps repeated), and its
+    summary.json stood for the new run's until that one wrote its own. Nothing is
+    deleted. Returns ``{name: new name}``."""
+    found = [name for name in START_OUTPUTS if os.path.lexists(path / name)]
+    if not found:
+        return {}
+    stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
+    suffix, n = f".failed-{stamp}", 1
+    while any(os.path.lexists(path / f"{name}{suffix}") for name in found):
+        n += 1  # (two takeovers in one second)
+        suffix = f".failed-{stamp}-{n}"
+    moved = {}
+    for name in found:
+        os.replace(path / name, path / f"{name}{suffix}")
+        moved[name] = f"{name}{suffix}"
+    logger.warning(
+        "%s: an earlier start here stored no trajectory and recorded no update; its %s "
+        "moved aside (renamed with the suffix %s), so this run's records start afresh",
+        path,
+        ", ".join(found),
+        suffix,
+    )
+    return moved
+
+
+# What a start writes in its run directory besides config.yaml and its prompt
+# fingerprint (both rewritten by the next start): a new run taking over a failed start's
+# directory moves these aside (:func:`_set_aside_failed_start`) rather than append to them.
+START_OUTPUTS = tuple(name for name in RUN_FILES if name != PROMPT_FINGERPRINT)
+
+
 def _trained(path: Path) -> bool:
     """Whether the run directory's ``metrics.zarr`` records an update (its store and
     checkpoints moved aside or lost: a new run would add its rows to that run's)."""
@@ -498,7 +536,8 @@ def _prepare_run_dir(cfg: RunConfig, run_dir: str | Path | None) -> Path:
     cfg = absolute_paths(cfg)  # (submit's and `laminar run`'s already are)
     text = cfg.model_copy(update={"run_dir": str(path)}).to_yaml()
     files = {path / "config.yaml": text, path / PROMPT_FINGERPRINT: _fingerprint(cfg)}
-    _write_claimed(path, "start a run in", files)
+    # (a failed start's records, kept: a directory taken over is this run's alone)
+    _write_claimed(path, "start a run in", files, before=lambda: _set_aside_failed_start(path))
     return path.resolve()
 
 

@@ -95,3 +95,48 @@ def test_a_run_whose_store_and_checkpoints_are_gone_but_its_metrics_are_is_refus
     MetricsWriter(run).append("updates", [{"version": 1, "loss": 0.5}])
     with pytest.raises(ConfigError, match=r"already holds a run with no checkpoint"):
         prepare_run_dir(_cfg(), run)
+
+
+def test_a_failed_starts_records_are_moved_aside_not_appended_to(tmp_path):
+    """A new run in a failed start's directory appended to its metrics.zarr (its clock
+    from 0 again: cluster.time went backwards, one segment of two starts) and its
+    tensorboard/, and the report read its summary.json: each is moved aside, kept."""
+    from storage.metrics import MetricsWriter, open_metrics, segments
+
+    def rows(times, depth):
+        return [
+            {
+                "elapsed_s": t,
+                "wall_time": 1e9 + t,
+                "segment": 0,
+                "version": 0,
+                "buffer_depth": depth,
+            }
+            for t in times
+        ]
+
+    run = prepare_run_dir(_cfg(), tmp_path / "run")
+    w = MetricsWriter(run, tensorboard=True)
+    w.append("cluster", rows((1.0, 8.0), 5))
+    w.close()
+    (run / "summary.json").write_text('{"reason": "failed: RuntimeError"}\n')
+    (run / "dispatch_lease.json").write_text('{"end": 64}\n')
+    assert prepare_run_dir(_cfg(), run) == run
+    aside = {p.name.split(".failed-")[0]: p for p in run.iterdir() if ".failed-" in p.name}
+    assert sorted(aside) == ["dispatch_lease.json", "metrics.zarr", "summary.json", "tensorboard"]
+    assert not any((run / name).exists() for name in aside)
+    assert json.loads(aside["summary.json"].read_text())["reason"].startswith("failed")
+    assert any(aside["tensorboard"].iterdir())
+    # the failed start's rows kept (a copy named metrics.zarr reads them) ...
+    shutil.copytree(aside["metrics.zarr"], tmp_path / "kept" / "metrics.zarr")
+    assert open_metrics(tmp_path / "kept", "cluster")["time"].values.tolist() == [1.0, 8.0]
+    # ... and the new run's clock starts its own store
+    w = MetricsWriter(run)
+    w.append("cluster", rows((0.5, 1.0), 7))
+    cluster = open_metrics(run, "cluster")
+    assert cluster["time"].values.tolist() == [0.5, 1.0]
+    assert [(s["start_s"], s["end_s"]) for s in segments(cluster)] == [(0.5, 1.0)]
+    # a second takeover in the same second keeps the first one's records too
+    (run / "summary.json").write_text("{}\n")
+    assert prepare_run_dir(_cfg(), run) == run
+    assert len([p for p in run.iterdir() if p.name.startswith("summary.json.failed-")]) == 2
