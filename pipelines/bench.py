@@ -15,6 +15,7 @@ Benchmarks: ``engine`` (generation throughput of each engine and of HF ``generat
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -74,6 +75,36 @@ class BenchResult:
         lines = ["  ".join(str(c).rjust(w) for c, w in zip(r, widths, strict=True)) for r in cells]
         lines.insert(1, "  ".join("-" * w for w in widths))
         return "\n".join(lines + [f"note: {n}" for n in self.notes])
+
+
+@contextlib.contextmanager
+def stop_on_interrupt(handle: Callable[[], object], timeout_s: float = 600.0):
+    """Within it, an interrupt (Ctrl-C; SIGTERM or SIGHUP, which ``laminar`` takes as
+    Ctrl-C) stops the run ``handle()`` and waits for it to end in order (the trainer
+    checkpoints, the store is flushed) before it goes on up: a bench's polling loop sits
+    inside its ``local_cluster``, which the interrupt would otherwise close under the
+    live run. (``handle`` is a callable: a soak's run is replaced when it resumes.) One
+    raised by :meth:`~pipelines.api.RunHandle.wait` has stopped its run already."""
+    try:
+        yield
+    except KeyboardInterrupt as e:
+        from pipelines.api import RunInterrupted
+
+        if isinstance(e, RunInterrupted):
+            raise
+        run = handle()
+        run.stop()
+        print(
+            f"interrupted: stopping the run in {run.run_dir} in order (trainer checkpoint, "
+            "store flush) before the cluster closes",
+            file=sys.stderr,
+            flush=True,
+        )
+        try:
+            run.wait(timeout=timeout_s)
+        except Exception:  # (how the run ended: the interrupt is what ends the bench)
+            pass
+        raise
 
 
 def failed_run(why, *, arm: str, replicas: int, run: str, run_dir) -> dict:

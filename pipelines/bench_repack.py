@@ -122,19 +122,21 @@ def arm_overrides(
 def _arm(client, run_dir: Path, overrides: list[str], duration_s: float, scale, warmup) -> dict:
     import pipelines
     from laminar.errors import RunFailed
+    from pipelines.bench import stop_on_interrupt
 
     run = pipelines.submit("configs/tiny.yaml", client, run_dir=run_dir, overrides=overrides)
     deadline = None
-    while True:
-        p = run.progress()
-        if deadline is None and p.get("phase") == "training":
-            deadline = time.time() + duration_s
-        if deadline is not None and time.time() >= deadline:
-            run.stop()
-            break
-        if run.done():
-            break
-        time.sleep(0.2)
+    with stop_on_interrupt(lambda: run):  # (else the cluster closes under the live run)
+        while True:
+            p = run.progress()
+            if deadline is None and p.get("phase") == "training":
+                deadline = time.time() + duration_s
+            if deadline is not None and time.time() >= deadline:
+                run.stop()
+                break
+            if run.done():
+                break
+            time.sleep(0.2)
     # (an interrupt raises pipelines.api.RunInterrupted once the run stopped: the bench ends)
     summary = run.wait(timeout=600)
     if deadline is None or time.time() < deadline:  # ended before its window: no measurement

@@ -37,7 +37,7 @@ from pathlib import Path
 import numpy as np
 
 from laminar.errors import ConfigError
-from pipelines.bench import BenchResult
+from pipelines.bench import BenchResult, stop_on_interrupt
 
 REPLICAS = 3
 WORKLOAD = [  # the fault tests' small task (its warm start is cached), epoch after epoch
@@ -122,59 +122,64 @@ def bench_soak(
         Client(cluster) as client,
     ):
         handle = pipelines.submit("configs/tiny.yaml", client, overrides=workload, run_dir=run)
-        _wait_training(handle)
-        t0 = time.time()
-        next_kill, next_sample = t0 + kill_every_s, t0
-        while time.time() - t0 < duration_s:
-            now = time.time()
-            if now >= next_sample:
-                info = scheduler_workers(client)
-                names = {a: w["name"] for a, w in info.items()}
-                for addr, (pid, rss) in client.run(_rss).items():
-                    memory.append((now - t0, str(names.get(addr, addr)), pid, rss))
-                driver_rss.append((now - t0, me.memory_info().rss))
-                next_sample = now + SAMPLE_S
-            if now >= next_kill:
-                victims = workers_with(client, "rollout") + workers_with(client, "trainer")
-                if data_apart:
-                    victims += workers_with(client, "data")
-                victim = rng.choice(victims)
-                role = next(
-                    r for r in ("trainer", "data", "rollout") if victim in workers_with(client, r)
-                )
-                rid = next(
-                    (r for r, w in handle._schedule.rollout_workers.items() if w == victim), None
-                )
-                pid = client.run(os.getpid, workers=[victim])[victim]
-                t_kill = time.time()
-                os.kill(pid, signal.SIGKILL)
-                kill = {"t": t_kill - t0, "role": role, "rollout": rid}
-                kill["_n"] = len(handle._schedule.rollout_workers)
-                kills.append(kill)
-                if role in ("trainer", "data") and not resume:  # restarted within the run
-                    kill.pop("_n")
-                elif role == "trainer":  # the run fails; resume it as a supervisor would
-                    kill.pop("_n")
-                    try:
-                        handle.wait(timeout=120)
-                    except LaminarError as e:
-                        kill["error"] = str(e).split(";")[0]
-                    handle = pipelines.resume(run, client)  # waits for the worker back
-                    _wait_training(handle)
-                    kill["downtime_s"] = time.time() - t_kill
-                    resumes.append(handle._schedule.resume.summary())
-                next_kill = time.time() + kill_every_s
-            for k in kills:  # a replacement rollout started: how long after the kill
-                if k.get("_n") and len(handle._schedule.rollout_workers) > k["_n"]:
-                    del k["_n"]
-                    k["replaced_s"] = time.time() - t0 - k["t"]
-            if handle.done():  # a failure the soak did not cause: raise it
-                ended = handle.wait()
-                raise RuntimeError(
-                    f"the run ended ({ended['reason']}) {time.time() - t0:.0f} s into a "
-                    f"{duration_s:.0f} s soak"
-                )
-            time.sleep(0.2)
+        # (an interrupt stops the run in order: else the cluster closes under it)
+        with stop_on_interrupt(lambda: handle):
+            _wait_training(handle)
+            t0 = time.time()
+            next_kill, next_sample = t0 + kill_every_s, t0
+            while time.time() - t0 < duration_s:
+                now = time.time()
+                if now >= next_sample:
+                    info = scheduler_workers(client)
+                    names = {a: w["name"] for a, w in info.items()}
+                    for addr, (pid, rss) in client.run(_rss).items():
+                        memory.append((now - t0, str(names.get(addr, addr)), pid, rss))
+                    driver_rss.append((now - t0, me.memory_info().rss))
+                    next_sample = now + SAMPLE_S
+                if now >= next_kill:
+                    victims = workers_with(client, "rollout") + workers_with(client, "trainer")
+                    if data_apart:
+                        victims += workers_with(client, "data")
+                    victim = rng.choice(victims)
+                    role = next(
+                        r
+                        for r in ("trainer", "data", "rollout")
+                        if victim in workers_with(client, r)
+                    )
+                    rid = next(
+                        (r for r, w in handle._schedule.rollout_workers.items() if w == victim),
+                        None,
+                    )
+                    pid = client.run(os.getpid, workers=[victim])[victim]
+                    t_kill = time.time()
+                    os.kill(pid, signal.SIGKILL)
+                    kill = {"t": t_kill - t0, "role": role, "rollout": rid}
+                    kill["_n"] = len(handle._schedule.rollout_workers)
+                    kills.append(kill)
+                    if role in ("trainer", "data") and not resume:  # restarted within the run
+                        kill.pop("_n")
+                    elif role == "trainer":  # the run fails; resume it as a supervisor would
+                        kill.pop("_n")
+                        try:
+                            handle.wait(timeout=120)
+                        except LaminarError as e:
+                            kill["error"] = str(e).split(";")[0]
+                        handle = pipelines.resume(run, client)  # waits for the worker back
+                        _wait_training(handle)
+                        kill["downtime_s"] = time.time() - t_kill
+                        resumes.append(handle._schedule.resume.summary())
+                    next_kill = time.time() + kill_every_s
+                for k in kills:  # a replacement rollout started: how long after the kill
+                    if k.get("_n") and len(handle._schedule.rollout_workers) > k["_n"]:
+                        del k["_n"]
+                        k["replaced_s"] = time.time() - t0 - k["t"]
+                if handle.done():  # a failure the soak did not cause: raise it
+                    ended = handle.wait()
+                    raise RuntimeError(
+                        f"the run ended ({ended['reason']}) {time.time() - t0:.0f} s into a "
+                        f"{duration_s:.0f} s soak"
+                    )
+                time.sleep(0.2)
         handle.stop()
         summary = handle.wait(timeout=300)
     t_end = time.time() - t0

@@ -218,3 +218,53 @@ def test_a_set_of_repack_goes_to_the_arms_with_repack_on_alone(no_local_cluster)
         bench_schedules(
             arms=("sync", "laminar", "laminar_no_repack"), overrides=("repack.max_batch=4",)
         )
+
+
+class _InterruptedRun:
+    """A stand-in run, interrupted at its first poll (Ctrl-C): records what was asked of it."""
+
+    run_dir = "RUN"
+
+    def __init__(self):
+        self.calls = []
+
+    def progress(self):
+        raise KeyboardInterrupt
+
+    def done(self):
+        return False
+
+    def stop(self):
+        self.calls.append("stop")
+
+    def wait(self, timeout=None):
+        self.calls.append("wait")
+        return {"reason": "stopped"}
+
+
+def test_an_interrupt_in_the_repack_benchs_polling_stops_the_run_in_order_then_goes_on_up(
+    monkeypatch, tmp_path
+):
+    """The polling loop runs inside the bench's local_cluster: the interrupt unwound
+    through it, closing the cluster under the live run, never stopped or flushed."""
+    import pipelines
+    from pipelines.bench_repack import _arm
+
+    run = _InterruptedRun()
+    monkeypatch.setattr(pipelines, "submit", lambda *a, **k: run)
+    with pytest.raises(KeyboardInterrupt):
+        _arm(None, tmp_path / "run", [], 10.0, None, 0.25)
+    assert run.calls == ["stop", "wait"]
+
+
+def test_an_interrupt_the_run_stopped_on_already_is_not_stopped_again():
+    from pipelines.api import RunInterrupted
+    from pipelines.bench import stop_on_interrupt
+
+    run = _InterruptedRun()
+    with pytest.raises(RunInterrupted), stop_on_interrupt(lambda: run):
+        raise RunInterrupted("stopped in order", {})
+    assert run.calls == []
+    with pytest.raises(KeyboardInterrupt), stop_on_interrupt(lambda: run):
+        run.progress()
+    assert run.calls == ["stop", "wait"]
