@@ -181,11 +181,16 @@ class WeightsMixin:
             left = scale_of(pacing).wall(pacing.pull_s) - (time.time() - t_load)
             self._serve_for(max(0.0, left))
 
-    def set_relay(self, relay) -> None:
+    async def set_relay(self, relay) -> None:
         """Pull from ``relay`` from now on: the manager's answer to the loss of ours
         (docs/faults.md). A pull waiting on the lost relay starts again on this one.
         ``None``: ours is lost and none replaces it yet (the master, while the trainer
-        restarts): batches go on with the weights held."""
+        restarts): batches go on with the weights held.
+
+        ``async`` so that it runs on the worker's event loop, not the actor thread: a
+        command there (a pause, a move) waits for the generation thread, which may be
+        waiting for this very switch; queued behind it, the switch came only once the
+        pull gave up, ``relay.timeout_s`` later. (It only sets two fields.)"""
         self.puller.switch(relay)
 
     def get_fingerprints(self) -> dict[int, int]:

@@ -27,6 +27,7 @@ from laminar.relay_core import (
     plan_chunks,
 )
 from laminar.relay_tier import start_chain
+from laminar.rollout_weights import WeightsMixin
 
 
 def _state(version: float = 0.0) -> dict[str, torch.Tensor]:
@@ -1166,3 +1167,46 @@ def test_a_spare_slot_that_cannot_be_allocated_is_an_error_of_the_relay(monkeypa
             await relay.close()
 
     asyncio.run(run())
+
+
+class _SwitchWaiter(WeightsMixin):
+    """The rollout's weight methods on a Dask actor (WeightsMixin, as RolloutReplica
+    has them), with a puller and one blocking command: ``blocked`` holds the actor thread
+    until the puller is switched, as a manager command (a pause, a move) does while the
+    generation thread it waits for is waiting in a pull for its relay to be replaced."""
+
+    def __init__(self, wait_s: float) -> None:
+        from laminar.relay_client import Puller
+
+        self.puller = Puller(None, timeout_s=wait_s, poll_s=0.01)
+        self.holding = False
+
+    def blocked(self) -> bool:
+        self.holding = True
+        return self.puller._switched_since(0)
+
+    async def is_holding(self) -> bool:
+        return self.holding
+
+
+def test_a_relay_switch_reaches_a_rollout_whose_actor_thread_is_held():
+    """The manager switches a rollout's relay while a command holds the rollout's actor
+    thread (it waits for the generation thread, which waits for that switch): the switch
+    is served on the event loop at once. A plain method was queued behind the command,
+    and came only once the pull gave up, ``relay.timeout_s`` later."""
+    from distributed import Client, LocalCluster
+
+    with (
+        LocalCluster(
+            n_workers=1, threads_per_worker=1, processes=False, dashboard_address=":0"
+        ) as cluster,
+        Client(cluster) as client,
+    ):
+        rollout = client.submit(_SwitchWaiter, 10.0, actor=True).result()
+        blocked = rollout.blocked()
+        deadline = time.monotonic() + 30
+        while not rollout.is_holding().result():  # (the command holds the actor thread)
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        rollout.set_relay("relay1").result(timeout=60)
+        assert blocked.result(timeout=60) is True  # switched, not given up
