@@ -36,6 +36,7 @@ Run it::
 from __future__ import annotations
 
 import json
+import shutil
 import tempfile
 import time
 from dataclasses import replace
@@ -268,9 +269,10 @@ def bench_repack(
     """The repack bench; see the module docstring. ``duration_s``: wall seconds per
     arm, from its first update; ``warmup_share``: the share of each run left out of the
     figures. ``runs_dir``: keep the arms' run directories there (default: a temporary
-    folder, removed at the end). ``overrides``: ``KEY=VALUE`` settings applied to both
-    arms after the bench's own (``laminar bench repack --set faults.recover=false``),
-    except ``repack.*`` ones, which go to the "on" arm alone (:func:`arm_overrides`).
+    folder, removed at the end unless a run failed). ``overrides``: ``KEY=VALUE``
+    settings applied to both arms after the bench's own (``laminar bench repack --set
+    faults.recover=false``), except ``repack.*`` ones, which go to the "on" arm alone
+    (:func:`arm_overrides`).
     Repack checks every 5 modelled seconds (the paper's) and after each
     publication."""
     from distributed import Client
@@ -286,12 +288,19 @@ def bench_repack(
     results: dict[str, list[dict]] = {"off": [], "on": []}
     by_rep: dict[tuple[str, int], dict] = {}  # (arm, pair) -> figures, for the pairs' ratios
     failed: list[dict] = []  # runs that failed: left out, listed; the bench goes on
+    # Without --runs-dir the runs go to a temporary folder, removed at the end unless a
+    # run failed: then it is kept (the failed runs' directories are what to look at).
+    tmp = None if runs_dir else tempfile.mkdtemp(prefix="laminar-bench-repack-")
+    root = Path(runs_dir or tmp)
+    print(
+        f"runs in {root}"
+        + (" (removed at the end unless a run fails; --runs-dir keeps them)" if tmp else ""),
+        flush=True,
+    )
     with (
-        tempfile.TemporaryDirectory(prefix="laminar-bench-repack-") as tmp,
         local_cluster(replicas, memory_limit="2GiB") as cluster,
         Client(cluster) as client,
     ):
-        root = Path(runs_dir or tmp)
         for rep in range(repeats):
             order = ["off", "on"] if rep % 2 == 0 else ["on", "off"]
             for arm in order:
@@ -310,6 +319,11 @@ def bench_repack(
                     f"  {arm} #{rep}: " + json.dumps({k: round(v, 4) for k, v in fig.items()}),
                     flush=True,
                 )
+    kept = not tmp or bool(failed)
+    if kept and tmp:
+        print(f"kept the runs in {tmp}: a run failed (listed in the notes)", flush=True)
+    elif not kept:
+        shutil.rmtree(tmp, ignore_errors=True)
     if not (results["on"] and results["off"]):
         raise RuntimeError(
             "an arm has no run that finished; nothing to compare:\n"
@@ -359,7 +373,7 @@ def bench_repack(
             "seed": seed,
             "model": model,
             "workload": arms["on"],
-            "runs": str(root),
+            "runs": str(root) if kept else None,  # (None: removed, no run failed)
         },
         notes=[
             "each arm runs the same paced workload for the same wall time; medians over "

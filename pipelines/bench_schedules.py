@@ -218,6 +218,12 @@ def bench_schedules(
     failed: list[dict] = []  # runs that failed: left out of every figure, and listed
     root = Path(runs_dir or tempfile.mkdtemp(prefix="laminar-bench-schedules-"))
     root.mkdir(parents=True, exist_ok=True)
+    # (said first: a bench stopped before its end is re-analysed from the runs it kept)
+    print(
+        f"runs kept in {root} (stopped before the end: laminar bench schedules --from-runs "
+        f"--runs-dir {root})",
+        flush=True,
+    )
     t_bench = time.time()
     with (
         # The data module on a worker of its own, as on the paper's CPU nodes: the

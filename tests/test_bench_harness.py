@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import math
+from pathlib import Path
 
 import pytest
 
@@ -268,3 +269,73 @@ def test_an_interrupt_the_run_stopped_on_already_is_not_stopped_again():
     with pytest.raises(KeyboardInterrupt), stop_on_interrupt(lambda: run):
         run.progress()
     assert run.calls == ["stop", "wait"]
+
+
+def test_the_schedules_bench_says_where_it_keeps_its_runs_before_the_first(
+    monkeypatch, tmp_path, capsys, no_local_cluster
+):
+    """Without --runs-dir the runs went to a temporary folder named nowhere before the
+    end: a bench stopped before it could not be re-analysed (--from-runs)."""
+    import tempfile
+
+    from pipelines.bench_schedules import bench_schedules
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    with pytest.raises(AssertionError, match="cluster was started"):
+        bench_schedules(arms=("laminar",))
+    (root,) = tmp_path.glob("laminar-bench-schedules-*")
+    assert f"--from-runs --runs-dir {root}" in capsys.readouterr().out
+
+
+@pytest.fixture
+def repack_without_a_cluster(monkeypatch):
+    """``laminar bench repack`` whose arms are stubs: each returns the same figures, but
+    ``fail`` (a set of (arm, pair)) fails, as a run that stopped on an error does."""
+    import contextlib
+
+    import distributed
+
+    from laminar.errors import RunFailed
+    from pipelines import bench_repack
+
+    fail = set()
+    calls = []
+
+    def arm(client, run_dir, overrides, duration_s, scale, warmup):
+        run_dir.mkdir(parents=True)
+        arm, rep = run_dir.name.split("-")
+        calls.append(run_dir)
+        if (arm, int(rep)) in fail:
+            raise RunFailed("stub failure", {"reason": "failed: stub"})
+        return dict.fromkeys(
+            ("gen_tok_s", "kv_util_mean", "latency_mean_s", "latency_max_s", "step_ms")
+            + ("decode_batch", "moves", "overhead_frac", "freed_replica_s")
+            + ("latency_trajectories",),
+            1.0,
+        )
+
+    monkeypatch.setattr(bench_repack, "_arm", arm)
+    monkeypatch.setattr(
+        "laminar.cluster.local_cluster", lambda *a, **k: contextlib.nullcontext(None)
+    )
+    monkeypatch.setattr(distributed, "Client", lambda c: contextlib.nullcontext(None))
+    return fail, calls
+
+
+def test_the_repack_bench_keeps_its_runs_where_a_run_failed_and_records_no_removed_path(
+    repack_without_a_cluster, monkeypatch, tmp_path
+):
+    """The temporary folder was removed before the result was built: options.runs and
+    failed[].run_dir named folders that were gone."""
+    import tempfile
+
+    from pipelines.bench_repack import bench_repack
+
+    fail, calls = repack_without_a_cluster
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    result = bench_repack(repeats=2)
+    assert result.options["runs"] is None and not list(tmp_path.iterdir())
+    fail.add(("off", 1))
+    result = bench_repack(repeats=2)
+    assert Path(result.options["runs"]).is_dir()
+    assert Path(result.failed[0]["run_dir"]).is_dir()
