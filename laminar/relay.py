@@ -363,7 +363,10 @@ class Relay:
             try:
                 if self.downstream is not None:
                     for j in range(snap.n_chunks):
-                        await ready[j].wait()
+                        await _either(ready[j], summing)
+                        if not ready[j].is_set():  # the checksums failed: say why
+                            summing.result()
+                            raise RelayError(f"version {version}'s checksums stopped at {j}")
                         try:
                             await self._send(snap, j, t_publish)
                         except Exception as e:  # noqa: BLE001 — sent again once complete
@@ -720,6 +723,19 @@ class Relay:
 
 async def _awaitable(fut):
     return await fut
+
+
+async def _either(event: asyncio.Event, task: asyncio.Future) -> None:
+    """Until ``event`` is set or ``task`` is done (a chunk's checksum, or the task that
+    computes them failing before it: waiting on the event alone then waited forever, and
+    the master forwarded nothing more)."""
+    if event.is_set() or task.done():
+        return
+    waiter = asyncio.ensure_future(event.wait())
+    try:
+        await asyncio.wait([waiter, task], return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        waiter.cancel()
 
 
 def _chunk_bytes(nbytes: int, k: int) -> int:

@@ -1210,3 +1210,35 @@ def test_a_relay_switch_reaches_a_rollout_whose_actor_thread_is_held():
             time.sleep(0.01)
         rollout.set_relay("relay1").result(timeout=60)
         assert blocked.result(timeout=60) is True  # switched, not given up
+
+
+def test_checksums_that_fail_on_the_master_are_an_error_not_a_silent_stop():
+    """The master's checksum of version 1's chunk 1 raises: the forwarding of that
+    version ends with the error in the master's errors, and version 2 goes down the chain
+    as ever. The forwarder waited for that chunk's checksum forever, and the master
+    forwarded nothing more, silently."""
+    import asyncio
+
+    async def run() -> None:
+        m, r1 = _relays("master", "relay1")
+        checksum_chunk = m.core.checksum_chunk
+
+        def failing(snap, j):
+            if snap.version == 1 and j == 1:
+                raise RuntimeError("checksum thread failed")
+            return checksum_chunk(snap, j)
+
+        m.core.checksum_chunk = failing
+        await m.set_chain(["master", "relay1"], _Peer(r1), None)
+        await r1.set_chain(["master", "relay1"], None, m)
+        try:
+            await asyncio.to_thread(m.publish_local, 1, _state(1))
+            await _until(lambda: m.errors)
+            assert "checksum thread failed" in m.errors[0]
+            await asyncio.to_thread(m.publish_local, 2, _state(2))
+            await _until(lambda: r1.core.versions() == [2])
+            assert m.core.versions() == [2] and len(m.errors) == 1
+        finally:
+            await asyncio.gather(m.close(), r1.close())
+
+    asyncio.run(run())
