@@ -371,6 +371,11 @@ def bench_relay(
         raise ConfigError(
             f"laminar bench relay: --senders {','.join(senders)}: each must be thread or loop"
         )
+    if not ps or min(ps) < 2:
+        raise ConfigError(
+            f"laminar bench relay: --relays {','.join(map(str, ps))}: give chain lengths of "
+            "2 or more (a chain of one relay has no hop to measure)"
+        )
     unknown = [p for p in protocols if p not in PROTOCOLS]
     if unknown or not protocols:
         raise ConfigError(

@@ -16,6 +16,9 @@ from dataclasses import dataclass
 from laminar.errors import ConfigError
 
 GPUS_PER_REPLICA = 4
+# The smallest emulated cluster: one replica, and a trainer on at least one GPU of the
+# next replica's (the split search needs two replica counts; sync colocates on two).
+MIN_GPUS = 2 * GPUS_PER_REPLICA
 # The paper's workload (§8): responses lognormal, median 1,500 and P99/median 10, capped
 # at 16,384 tokens; their mean, clipped: ≈ 2,420 tokens.
 PAPER_RESPONSE_CAP = 16384
@@ -127,6 +130,13 @@ class Cluster:
     """The emulated cluster of one bench: ``gpus`` in all, replicas of 4."""
 
     gpus: int = 64
+
+    def __post_init__(self) -> None:
+        if self.gpus < MIN_GPUS:
+            raise ConfigError(
+                f"--gpus {self.gpus}: the emulated cluster needs at least {MIN_GPUS} GPUs "
+                f"(a replica is {GPUS_PER_REPLICA}, and the trainer needs GPUs of its own)"
+            )
 
     @property
     def dilation(self) -> float:

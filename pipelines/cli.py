@@ -26,10 +26,14 @@ from pathlib import Path
 from laminar.errors import LaminarError
 from pipelines.api import _file_in_the_way
 from pipelines.cli_bench import (
+    _chain_lengths,
     _count,
+    _emulated_gpus,
+    _finite,
     _names,
     _positive_int,
     _positive_ints,
+    _positive_seconds,
     _protocols,
     _splits,
     cmd_bench,
@@ -214,7 +218,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--sizes-mb", type=_positive_ints, help="relay: comma-separated weight sizes in MB (64,512)"
     )
     bench.add_argument(
-        "--relays", type=_positive_ints, help="relay: comma-separated chain lengths p (2,4,8)"
+        "--relays", type=_chain_lengths, help="relay: comma-separated chain lengths p (2,4,8)"
     )
     bench.add_argument(
         "--protocols",
@@ -226,7 +230,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="relay: comma-separated relay.sender values to compare, thread,loop (thread)",
     )
     bench.add_argument(
-        "--duration-s", type=float, help="repack: wall seconds per arm (90); soak: seconds (600)"
+        "--duration-s",
+        type=_positive_seconds,
+        help="repack: wall seconds per arm (90); soak: seconds (600)",
     )
     bench.add_argument(
         "--set",
@@ -236,7 +242,9 @@ def build_parser() -> argparse.ArgumentParser:
         "rollout.groups_per_batch=4; repack: repack.* ones apply to the on arm alone; "
         "schedules: every arm's",
     )
-    bench.add_argument("--kill-every-s", type=float, help="soak: seconds between worker kills (60)")
+    bench.add_argument(
+        "--kill-every-s", type=_positive_seconds, help="soak: seconds between worker kills (60)"
+    )
     bench.add_argument(
         "--data-apart",
         action="store_true",
@@ -250,7 +258,9 @@ def build_parser() -> argparse.ArgumentParser:
         "as a supervisor would (faults.restart_trainer=false), instead of restarting in the run",
     )
     bench.add_argument(
-        "--gpus", type=_positive_int, help="schedules, repack: emulated GPUs in all (64)"
+        "--gpus",
+        type=_emulated_gpus,
+        help="schedules, repack: emulated GPUs in all, at least 8 (64)",
     )
     bench.add_argument(
         "--model",
@@ -274,7 +284,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument(
         "--no-search", action="store_true", help="schedules: no split search (model's split)"
     )
-    bench.add_argument("--reward-threshold", type=float, help="schedules: time-to-reward target")
+    bench.add_argument("--reward-threshold", type=_finite, help="schedules: time-to-reward target")
     bench.add_argument(
         "--runs-dir",
         type=_user_path,

@@ -9,6 +9,7 @@ the parser that declares them stays there, whole.
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import sys
 from pathlib import Path
@@ -175,6 +176,14 @@ _positive_int = _whole_number(1)
 _count = _whole_number(0)
 
 
+def _emulated_gpus(text: str) -> int:
+    """``--gpus``: at least two replicas' GPUs (one replica and the trainer's ≥ 1 GPU,
+    in replicas of 4: :class:`pipelines.bench_schedules_cluster.Cluster`)."""
+    from pipelines.bench_schedules_cluster import MIN_GPUS
+
+    return _whole_number(MIN_GPUS)(text)
+
+
 def _names(text: str) -> tuple[str, ...]:
     return tuple(t.strip() for t in text.split(",") if t.strip())
 
@@ -192,14 +201,44 @@ def _protocols(text: str) -> tuple[str, ...]:
     return tuple(dict.fromkeys(names))
 
 
-def _positive_ints(text: str) -> tuple[int, ...]:
-    """A comma-separated list of whole numbers ≥ 1, e.g. ``1,16,64``."""
+def _whole_numbers(least: int, example: str):
+    """An argparse ``type``: a comma-separated list of whole numbers ≥ ``least``."""
+    one = _whole_number(least)
+
+    def parse(text: str) -> tuple[int, ...]:
+        try:
+            return tuple(one(t.strip()) for t in text.split(","))
+        except argparse.ArgumentTypeError as e:
+            raise argparse.ArgumentTypeError(
+                f"{text!r}: {e}; give comma-separated whole numbers, e.g. {example}"
+            ) from None
+
+    return parse
+
+
+# ``1,16,64``; chain lengths from 2 (a chain of one relay has no hop to measure)
+_positive_ints = _whole_numbers(1, "1,16,64")
+_chain_lengths = _whole_numbers(2, "2,4,8")
+
+
+def _finite(text: str) -> float:
+    """An argparse ``type``: a number, not NaN or infinite (every comparison with NaN is
+    false: a NaN threshold is never reached, a NaN duration never ends)."""
     try:
-        return tuple(_positive_int(t.strip()) for t in text.split(","))
-    except argparse.ArgumentTypeError as e:
-        raise argparse.ArgumentTypeError(
-            f"{text!r}: {e}; give comma-separated whole numbers, e.g. 1,16,64"
-        ) from None
+        x = float(text)
+    except ValueError:
+        x = math.nan
+    if not math.isfinite(x):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a finite number")
+    return x
+
+
+def _positive_seconds(text: str) -> float:
+    """An argparse ``type``: seconds, a finite number > 0."""
+    x = _finite(text)
+    if x <= 0:
+        raise argparse.ArgumentTypeError(f"{text!r}: give seconds > 0")
+    return x
 
 
 def _splits(text: str) -> dict[str, int]:

@@ -339,3 +339,12 @@ def test_the_repack_bench_keeps_its_runs_where_a_run_failed_and_records_no_remov
     result = bench_repack(repeats=2)
     assert Path(result.options["runs"]).is_dir()
     assert Path(result.failed[0]["run_dir"]).is_dir()
+
+
+def test_an_emulated_cluster_too_small_for_a_replica_and_a_trainer_is_refused():
+    from laminar.errors import ConfigError
+    from pipelines.bench_schedules_cluster import Cluster
+
+    with pytest.raises(ConfigError, match="--gpus 4: the emulated cluster needs at least 8"):
+        Cluster(4)
+    assert Cluster(8).balanced_replicas() == 1

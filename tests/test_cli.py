@@ -52,6 +52,15 @@ def no_bench(monkeypatch):
         (["schedules", "--splits", "laminar=x"], "--splits"),
         (["engine", "--repeats", "0"], "--repeats"),
         (["engine", "--new-tokens", "-5"], "--new-tokens"),
+        # refused at parse time, not once a cluster has started (or never: a NaN soak ends
+        # at once, a NaN threshold is never reached)
+        (["soak", "--duration-s", "0"], "--duration-s"),
+        (["soak", "--duration-s", "nan"], "--duration-s"),
+        (["soak", "--kill-every-s", "0"], "--kill-every-s"),
+        (["repack", "--duration-s", "-5"], "--duration-s"),
+        (["relay", "--relays", "1,4"], "--relays"),
+        (["schedules", "--gpus", "4"], "--gpus"),
+        (["schedules", "--reward-threshold", "nan"], "--reward-threshold"),
     ],
 )
 def test_a_bench_flag_that_does_not_parse_is_a_usage_error(argv, flag, capsys, no_bench):
