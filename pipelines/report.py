@@ -361,6 +361,17 @@ def plot_events(run: dict, out: Path) -> str | None:
     return _save(fig, out, f"events-{run['index']}.png")
 
 
+def _moves(r: dict) -> int:
+    """Repack moves over every start, as ``events-N.png`` counts them: the ``repacks``
+    table's ok rows (written as the run goes, by every start); summary.json's
+    ``repack.moves`` only without the table (it counts its own start's, and a live,
+    killed or failed start has not written it)."""
+    moves = r["repacks"]
+    if moves is not None:
+        return int(moves["ok"].values.astype(bool).sum()) if moves.sizes["move"] else 0
+    return int((r["summary"].get("repack") or {}).get("moves", 0))
+
+
 def _events_row(r: dict) -> str:
     s = r["summary"]
     pubs = r["publications"]
@@ -374,7 +385,6 @@ def _events_row(r: dict) -> str:
         if pubs is not None and "broadcast_s" in pubs and pubs.sizes["publication"]
         else "-"
     )
-    repack = s.get("repack") or {}
     how = (
         ", ".join(
             f"{k} {int(np.nansum(r['faults']['requests'].values[r['faults']['how'].values == k]))}"
@@ -385,7 +395,7 @@ def _events_row(r: dict) -> str:
     )
     return (
         f"| {r['name']} | {0 if pubs is None else pubs.sizes['publication']} | {stall} | "
-        f"{broadcast} | {repack.get('moves', 0)} | {len(rollout_losses(s, r['faults']))} | {how} | "
+        f"{broadcast} | {_moves(r)} | {len(rollout_losses(s, r['faults']))} | {how} | "
         f"{_replacements(s)} |"
     )
 

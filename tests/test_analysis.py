@@ -283,7 +283,8 @@ def test_report_draws_the_events_of_a_run(run, tmp_path, caplog):
     made = {p.name for p in report.parent.iterdir()}
     assert {"rollouts-0.png", "events-0.png", "buffer.png", "reward.png"} <= made
     text = report.read_text()
-    assert "| run | 3 | 2.0 | 20.0 | 0 | 0 | - | 0 |" in text  # (no faults rows, no summary)
+    # (no faults rows, no summary: the repacks table's move stands)
+    assert "| run | 3 | 2.0 | 20.0 | 1 | 0 | - | 0 |" in text
     damaged = text.split("## Damaged stores (their figures and columns are left out)\n\n")[1]
     faults, summary_json = damaged.splitlines()[:2]
     assert faults.startswith("- run: metrics table 'faults' left out: cannot read '")
