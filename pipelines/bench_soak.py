@@ -180,9 +180,12 @@ def bench_soak(
                         f"{duration_s:.0f} s soak"
                     )
                 time.sleep(0.2)
+        # The soak's end: before the stop, its flush and the cluster's shutdown, in which
+        # nothing more finishes (taken after them, the last minute held that time, and
+        # read its throughput low).
+        t_end = time.time() - t0
         handle.stop()
         summary = handle.wait(timeout=300)
-    t_end = time.time() - t0
     restarts = (summary.get("faults") or {}).get("trainer_restarts", [])
     rebuilds = (summary.get("faults") or {}).get("data_restarts", [])
     if not data_apart:  # (the trainer and data module together)
@@ -241,9 +244,7 @@ def bench_soak(
     # Throughput per minute, from the store (every segment).
     t_fin = ds["t_finish"].values
     tokens = ds["response_len"].values
-    start = t0
-    first = tokens[(t_fin >= start) & (t_fin < start + 60)].sum()
-    last = tokens[(t_fin >= start + t_end - 60) & (t_fin < start + t_end)].sum()
+    first, last = first_and_last_minute(t_fin, tokens, t0, t0 + t_end)
 
     rk = [k for k in kills if k["role"] == "rollout" and "recovery_s" in k]
     tk = [k for k in kills if k["role"] == "trainer"]
@@ -327,6 +328,20 @@ def bench_soak(
             *report.problems,
         ],
     )
+
+
+def first_and_last_minute(t_finish, tokens, start: float, end: float) -> tuple[float, float]:
+    """Response tokens finished in the soak's first minute and in its last, ``end`` the
+    soak's end (before its stop: nothing finishes after it).
+
+    >>> t = np.array([10.0, 50.0, 100.0, 170.0, 175.0])
+    >>> first_and_last_minute(t, np.array([1, 2, 4, 8, 16]), 0.0, 180.0)
+    (3.0, 24.0)
+    """
+    t_finish, tokens = np.asarray(t_finish), np.asarray(tokens)
+    first = tokens[(t_finish >= start) & (t_finish < start + 60)].sum()
+    last = tokens[(t_finish >= end - 60) & (t_finish < end)].sum()
+    return float(first), float(last)
 
 
 def _mean(xs: list[float]) -> float | None:

@@ -348,3 +348,17 @@ def test_an_emulated_cluster_too_small_for_a_replica_and_a_trainer_is_refused():
     with pytest.raises(ConfigError, match="--gpus 4: the emulated cluster needs at least 8"):
         Cluster(4)
     assert Cluster(8).balanced_replicas() == 1
+
+
+def test_the_soaks_last_minute_ends_where_the_soak_did_not_after_its_shutdown():
+    """Taken after the stop, flush and cluster shutdown (here 20 s in which nothing
+    finishes), the last minute held that time and read the soak's throughput low."""
+    import numpy as np
+
+    from pipelines.bench_soak import first_and_last_minute
+
+    t = np.arange(0.0, 120.0, 1.0)  # one token a second, the soak's 120 s
+    first, last = first_and_last_minute(t, np.ones_like(t), 0.0, 120.0)
+    assert last / first == 1.0
+    first, late = first_and_last_minute(t, np.ones_like(t), 0.0, 140.0)
+    assert late / first == pytest.approx(40 / 60)
