@@ -84,8 +84,14 @@ def arm_figures(run_dir: Path, summary: dict, warmup: int) -> dict:
     ups = steady_updates(open_metrics(run_dir, "updates").sortby("version"), cfg.pipeline.schedule)
     version = ups["version"].values
     measured = version > warmup
-    if measured.sum() < 1:
-        raise RuntimeError(f"{run_dir}: no update after the {warmup} warm-up ones")
+    if measured.sum() < 1:  # (a --from-runs --warmup longer than the runs kept)
+        from laminar.errors import ConfigError
+
+        n = int(version.max()) if version.size else 0
+        raise ConfigError(
+            f"--warmup {warmup}: {str(run_dir)!r} has {n} measured updates, none after the "
+            f"warm-up; give --warmup {max(n - 1, 0)} or less"
+        )
     tokens = ups["tokens"].values[measured].sum()
     interval = ups["interval_s"].values[measured].sum()
     t_end = ups["time"].values[measured][-1]

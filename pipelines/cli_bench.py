@@ -72,7 +72,8 @@ def _check_bench_flags(args: argparse.Namespace) -> None:
             "--set": args.set,
             "--splits": args.splits,
         }
-        given = [flag for flag, v in run_only.items() if v not in (None, False)]
+        # (`is`: `0 in (None, False)` is true, and --seeds 0 is given)
+        given = [flag for flag, v in run_only.items() if v is not None and v is not False]
         if given:
             raise ConfigError(
                 "--from-runs computes the result of the runs --runs-dir kept, as they were "

@@ -357,3 +357,14 @@ def test_the_trainers_pacing_check_counts_streams_mini_batch_holds(tmp_path):
     )
     assert fig["trainer_compute_vs_modelled"] == pytest.approx(6.0 / 8.0)
     assert fig["trainer_overruns"] == 3
+
+
+def test_a_warmup_longer_than_the_runs_is_a_config_error_naming_their_length(tmp_path):
+    """`--from-runs --warmup 6` of runs of 6 updates raised an uncaught RuntimeError
+    (a traceback); it is a config error, exit 2, naming --warmup and the runs' length."""
+    from laminar.errors import ConfigError
+    from pipelines.bench_schedules import arm_figures
+
+    run = _synthetic_run(tmp_path, T0 + 0.5 + __import__("numpy").arange(70.0), lambda t: 0.0)
+    with pytest.raises(ConfigError, match="--warmup 6: .* has 6 measured updates.*--warmup 5"):
+        arm_figures(run, SUMMARY, warmup=6)

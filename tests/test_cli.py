@@ -160,6 +160,7 @@ def test_a_bench_out_that_cannot_be_written_is_refused_before_the_bench_runs(
             ["schedules", "--from-runs", "--runs-dir", "KEPT", "--seeds", "2", "--gpus", "128"],
             "drop --gpus, --seeds",
         ),
+        (["schedules", "--from-runs", "--runs-dir", "KEPT", "--seeds", "0"], "drop --seeds"),
         (["schedules", "--arms", "laminar,lamnar"], "unknown schedule 'lamnar' in --arms"),
         (["schedules", "--splits", "lamnar=5"], "unknown schedule 'lamnar' in --splits"),
         (["schedules", "--seeds", "-1"], "argument --seeds: '-1' is not a whole number ≥ 0"),
