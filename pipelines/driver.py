@@ -342,7 +342,12 @@ class Schedule(StatsPolling, FaultHandling, MetricsRecording):
         t_start = last_t = last_flush = time.time()
         self.metrics = None
         try:  # (the metrics store, and a resumed run's earlier starts read from it)
-            self.metrics = MetricsWriter(self.run_dir, tensorboard=self.cfg.metrics.tensorboard)
+            self.metrics = MetricsWriter(
+                self.run_dir,
+                tensorboard=self.cfg.metrics.tensorboard,
+                # (the TensorBoard curves stepped by version go on from its checkpoint)
+                resumed_from=None if self.resume is None else self.resume.version,
+            )
             t_origin = self._origin(t_start)
         except BaseException:
             logger.exception("the run's records could not be opened: stopping its actors")

@@ -208,12 +208,18 @@ class MetricsWriter:
     ([0.5, 0.4], [nan, 1.0])
     """
 
-    def __init__(self, path: str | Path, tensorboard: bool = False) -> None:
+    def __init__(
+        self, path: str | Path, tensorboard: bool = False, resumed_from: int | None = None
+    ) -> None:
         self.path = store_path(path, STORE_NAME)
         with _damage(self.path):  # (what append reads first, read now: a clear error)
             self.root = zarr.open_group(str(self.path), mode="a", zarr_format=3)
             _check_tables(self.root)
-        self.tensorboard = TensorBoardMirror(self.path.parent) if tensorboard else None
+        # (resumed_from: the checkpoint version a resumed start went on from, for the
+        # mirror's version-stepped curves: TensorBoardMirror)
+        self.tensorboard = (
+            TensorBoardMirror(self.path.parent, resumed_from=resumed_from) if tensorboard else None
+        )
         # table -> where its cumulative counters stand (:data:`LAST_ATTR`), as appended
         self._last: dict[str, dict] = {}
 
@@ -302,6 +308,11 @@ _PLACING = {"elapsed_s", "wall_time", "time", "t_publish", "rollout"}
 _WALL = ("wall_time", "time", "t_publish")  # epoch seconds, in the tables that have one
 
 
+# The tables whose TensorBoard step is the weight version, written in a folder of their own
+VERSIONED = ("updates", "publications")
+VERSIONS_DIR = "versions"
+
+
 class TensorBoardMirror:
     """Each metrics row as TensorBoard scalars, tagged ``<table>/<column>`` (``rollouts``:
     ``rollouts/<column>/<rollout>``). The step is the weight version in ``updates`` and
@@ -309,9 +320,16 @@ class TensorBoardMirror:
     their curves line up, and a resumed run continues them), and the event's number in
     ``repacks`` and ``faults``; every point carries its row's wall time, for TensorBoard's
     "relative" axis. Strings, and columns that only place a row, are not drawn.
+
+    The version-stepped tables are written under ``tensorboard/versions`` (a TensorBoard
+    run of their own): a start resumed from its checkpoint of version ``resumed_from``
+    redoes the versions after it, so it opens that folder's writer with ``purge_step =
+    resumed_from + 1`` (TensorBoard drops the earlier start's points from that step on:
+    the curves go on from the checkpoint, not back and forth), and leaves out its
+    re-publication of the checkpoint's version (drawn once, by the start that made it).
     """
 
-    def __init__(self, run_dir: str | Path) -> None:
+    def __init__(self, run_dir: str | Path, resumed_from: int | None = None) -> None:
         try:  # tensorboardX: TensorBoard's event files without TensorFlow (or torch)
             from tensorboardX import SummaryWriter
         except ImportError as e:  # preflight says so first; this is the backstop
@@ -324,9 +342,15 @@ class TensorBoardMirror:
         # A file of its own, even for a writer opened in the same second (a resume).
         suffix = f".{os.getpid()}.{time.time_ns()}"
         self.writer = SummaryWriter(logdir=str(self.log_dir), filename_suffix=suffix)
+        self.resumed_from = resumed_from
+        purge = None if resumed_from is None else int(resumed_from) + 1
+        self.versions = SummaryWriter(
+            logdir=str(self.log_dir / VERSIONS_DIR), filename_suffix=suffix, purge_step=purge
+        )
         self._origin: float | None = None  # wall_time - elapsed_s, from the cluster rows
 
     def add(self, table: str, rows: Sequence[Mapping[str, Any]], first: int) -> None:
+        writer = self.versions if table in VERSIONED else self.writer
         for i, row in enumerate(rows):
             wall = next((float(row[k]) for k in _WALL if row.get(k) is not None), None)
             skip, tag = _PLACING, f"{table}/{{}}"
@@ -338,8 +362,10 @@ class TensorBoardMirror:
                     wall = self._origin + float(row["elapsed_s"])
                 if table == "rollouts":
                     tag = f"{table}/{{}}/{row['rollout']}"
-            elif row.get("version") is not None and table in ("updates", "publications"):
+            elif row.get("version") is not None and table in VERSIONED:
                 step, skip = int(row["version"]), _PLACING | {"version"}
+                if self.resumed_from is not None and step <= self.resumed_from:
+                    continue  # (the checkpoint's version published again by its resume)
             else:
                 step = first + i
             for name, value in row.items():
@@ -347,11 +373,12 @@ class TensorBoardMirror:
                     continue
                 value = float(value)
                 if not np.isnan(value):
-                    self.writer.add_scalar(tag.format(name), value, global_step=step, walltime=wall)
-        self.writer.flush()
+                    writer.add_scalar(tag.format(name), value, global_step=step, walltime=wall)
+        writer.flush()
 
     def close(self) -> None:
         self.writer.close()
+        self.versions.close()
 
 
 def open_metrics(path: str | Path, table: str) -> xr.Dataset:

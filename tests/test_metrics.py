@@ -116,6 +116,42 @@ def test_tensorboard_mirrors_every_numeric_column(tmp_path):
     assert open_metrics(tmp_path, "updates")["loss"].values.tolist()[-1] == 0.2
 
 
+def test_tensorboard_version_curves_of_a_resumed_run_go_on_from_its_checkpoint(tmp_path):
+    """A start resumed from its checkpoint of version 3 redoes versions 4.. and publishes
+    version 3 again: its updates were drawn over the lost start's at the same steps (the
+    curve went 1..6, back to 4, on to 8) and the publication twice; now the earlier
+    points from the checkpoint on are purged, and the re-publication is left out. The
+    cluster curves (stepped by the run's clock) keep every start's points."""
+    t0 = 1.8e9
+    w = MetricsWriter(tmp_path, tensorboard=True)
+    w.append("cluster", [{"elapsed_s": t, "wall_time": t0 + t, "buffer_depth": 1} for t in (1, 2)])
+    w.append(
+        "publications", [{"version": v, "t_publish": t0 + v, "stall_s": 1.0} for v in range(7)]
+    )
+    w.append("updates", [{"version": v, "time": t0 + v, "loss": 1.0} for v in range(1, 7)])
+    w.close()
+    w = MetricsWriter(tmp_path, tensorboard=True, resumed_from=3)
+    w.append(
+        "cluster", [{"elapsed_s": t, "wall_time": t0 + t, "buffer_depth": 2} for t in (50, 51)]
+    )
+    w.append(
+        "publications",
+        [{"version": v, "t_publish": t0 + 50 + v, "stall_s": 2.0} for v in range(3, 9)],
+    )
+    w.append("updates", [{"version": v, "time": t0 + 50 + v, "loss": 2.0} for v in range(4, 9)])
+    w.close()
+
+    got = tensorboard_scalars(tmp_path / "tensorboard")
+    by_step = [(s, v) for _, s, v in got["updates/loss"]]
+    assert by_step == [(1, 1.0), (2, 1.0), (3, 1.0)] + [(v, 2.0) for v in range(4, 9)]
+    stalls = [(s, v) for _, s, v in got["publications/stall_s"]]
+    assert stalls == [(v, 1.0) for v in range(4)] + [(v, 2.0) for v in range(4, 9)]
+    steps = [s for _, s, _ in got["cluster/buffer_depth"]]
+    assert steps == [1000, 2000, 50000, 51000]
+    # ... and metrics.zarr keeps every row, the lost start's too.
+    assert open_metrics(tmp_path, "updates").sizes["update"] == 11
+
+
 def test_tensorboard_without_its_package_is_refused_before_a_run_but_its_config_loads(
     monkeypatch,
 ):
