@@ -214,6 +214,7 @@ def bench_schedules(
             "configs/tiny.yaml", [*cluster.overrides(arm, r, 1, 0), *arm_set(arm, overrides)]
         )
     probes: dict[str, dict[int, float]] = {}
+    unsearched: dict[str, str] = {}  # arm -> why it has no split (its search failed)
     results: dict[str, list[dict]] = {a: [] for a in arms}
     failed: list[dict] = []  # runs that failed: left out of every figure, and listed
     root = Path(runs_dir or tempfile.mkdtemp(prefix="laminar-bench-schedules-"))
@@ -273,6 +274,9 @@ def bench_schedules(
             if arm not in splits and base in splits:  # an ablation: at its base's placement
                 splits[arm] = splits[base]
                 continue
+            if arm not in splits and base in unsearched:  # (its base's search failed)
+                unsearched[arm] = f"runs at {base}'s split, whose search failed"
+                continue
             if arm in splits or not search:
                 splits.setdefault(arm, cluster.balanced_replicas())
                 continue
@@ -285,16 +289,26 @@ def bench_schedules(
             best, seen = search_split(
                 evaluate, lo=1, hi=cluster.max_replicas - 1, start=cluster.balanced_replicas()
             )
-            splits[arm], probes[arm] = best, seen
+            probes[arm] = seen
+            if best is None:  # every probe failed: no split to measure it at
+                unsearched[arm] = f"split search failed (every probe failed: R={sorted(seen)})"
+                print(f"  {arm:<18} {unsearched[arm]}; not measured", flush=True)
+                continue
+            splits[arm] = best
         for seed in range(seeds):
             order = list(arms)[seed % len(arms) :] + list(arms)[: seed % len(arms)]
             for arm in order:
+                if arm in unsearched:
+                    continue
                 fig = run(arm, splits[arm], warmup + iterations, seed, f"s{seed}")
                 if fig is not None:
                     results[arm].append(fig)
+    notes = [f"{arm}: {why}; not measured" for arm, why in unsearched.items()]
     if seeds == 0:
-        return _search_result(cluster, arms, splits, probes, root, failed)
-    return _result(
+        result = _search_result(cluster, arms, splits, probes, root, failed)
+        result.notes += notes
+        return result
+    result = _result(
         cluster,
         arms,
         results,
@@ -313,6 +327,8 @@ def bench_schedules(
             overrides=list(overrides),
         ),
     )
+    result.notes += notes
+    return result
 
 
 def _figures(run_dir, summary, warmup, probe_warmup) -> dict:
@@ -371,7 +387,12 @@ def reanalyse(
         if not probes:
             raise FileNotFoundError(f"{runs_dir}: no completed bench run to read")
         arms = [a for a in ARMS if a in probes]
-        best = {a: max(seen, key=seen.__getitem__) for a, seen in probes.items()}
+        # (a failed probe is never the chosen split: an arm whose every probe failed has none)
+        best = {
+            a: max(seen, key=seen.__getitem__)
+            for a, seen in probes.items()
+            if any(math.isfinite(v) for v in seen.values())
+        }
         return _search_result(cluster, arms, best, probes, root, failed)
     seeds = max(len(rs) for rs in results.values()) if results else 0
     locals_ = dict(seeds=seeds, warmup=warmup, probe_warmup=probe_warmup, reanalysed=str(root))

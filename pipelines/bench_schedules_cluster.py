@@ -10,6 +10,7 @@ bench repack`` runs Laminar's generation alone on the same workload and cluster
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -199,15 +200,19 @@ class Cluster:
 
 def search_split(
     evaluate: Callable[[int], float], *, lo: int, hi: int, start: int
-) -> tuple[int, dict[int, float]]:
+) -> tuple[int | None, dict[int, float]]:
     """The replica count in ``[lo, hi]`` that maximises ``evaluate``, by hill climbing
     from ``start`` in steps of 2, then 1 (throughput is unimodal in the split: too few
     rollouts starve the trainer, too few trainer GPUs leave rollouts back-pressured).
-    Returns the best count and every value evaluated.
+    Returns the best count and every value evaluated; the count is ``None`` where the
+    search found no finite value (``-inf``: every probe it ran failed), since a failed
+    probe is never the chosen split.
 
     >>> best, seen = search_split(lambda r: -abs(r - 9), lo=1, hi=15, start=4)
     >>> best, sorted(seen)
     (9, [4, 6, 8, 9, 10])
+    >>> search_split(lambda r: -math.inf, lo=1, hi=15, start=4)[0] is None
+    True
     """
     seen: dict[int, float] = {}
 
@@ -225,4 +230,4 @@ def search_split(
                 if lo <= r <= hi and f(r) > f(best):
                     best, moved = r, True
                     break
-    return best, seen
+    return (best if math.isfinite(f(best)) else None), seen

@@ -95,11 +95,14 @@ def _search_result(cluster, arms, splits, probes, root, failed=()):
     rows = []
     for arm in arms:
         seen = probes.get(arm, {})
-        best = seen.get(splits[arm])
-        figures[f"{arm}_replicas"] = float(splits[arm])
+        r = splits.get(arm)  # (None: its search failed, every probe)
+        best = seen.get(r)
+        figures[f"{arm}_replicas"] = None if r is None else float(r)
         figures[f"{arm}_probe_throughput"] = best
         probed = ", ".join(f"{r}: {v / 1e3:,.0f}k" for r, v in seen.items())
-        if not probed:
+        if r is None:
+            probed = f"search failed ({probed or 'no probe'})"
+        elif not probed:
             base = ABLATION_OF.get(arm)
             probed = (
                 "colocated"
@@ -108,15 +111,8 @@ def _search_result(cluster, arms, splits, probes, root, failed=()):
                 if base in splits and splits[base] == splits[arm]
                 else "fixed"
             )
-        rows.append(
-            [
-                arm,
-                splits[arm],
-                cluster.gpus if arm == "sync" else cluster.gpus - GPUS_PER_REPLICA * splits[arm],
-                best,
-                probed,
-            ]
-        )
+        trainer = None if r is None else cluster.gpus - GPUS_PER_REPLICA * r
+        rows.append([arm, r, cluster.gpus if arm == "sync" else trainer, best, probed])
     return BenchResult(
         name="schedules",
         figures=figures,

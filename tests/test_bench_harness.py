@@ -362,3 +362,17 @@ def test_the_soaks_last_minute_ends_where_the_soak_did_not_after_its_shutdown():
     assert last / first == 1.0
     first, late = first_and_last_minute(t, np.ones_like(t), 0.0, 140.0)
     assert late / first == pytest.approx(40 / 60)
+
+
+def test_an_arm_whose_every_probe_failed_has_no_split_and_says_so():
+    """The search returned its start when every probe failed (each -inf): a failed probe
+    was the chosen split, and the arm was measured there."""
+    from pipelines.bench_schedules import Cluster, _search_result, search_split
+
+    best, seen = search_split(lambda r: -math.inf, lo=1, hi=15, start=5)
+    assert best is None and seen
+    best, _ = search_split(lambda r: -math.inf if r == 5 else -abs(r - 9), lo=1, hi=15, start=5)
+    assert best == 9  # (one failed probe, the others measured: the best of those)
+    result = _search_result(Cluster(64), ["laminar"], {}, {"laminar": seen}, "d")
+    assert result.figures["laminar_replicas"] is None
+    assert result.rows[0][-1].startswith("search failed")
