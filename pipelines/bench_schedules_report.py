@@ -169,20 +169,44 @@ def _result(cluster, arms, results, splits, probes, reward_threshold, root, fail
         for arm, rs in results.items()
     }
 
-    def ratio(a: str, b: str, key: str = "throughput") -> float | None:
-        if a not in med or b not in med or not med[b][key]:
+    null: list[str] = []  # why each null ratio is null, naming the arm
+
+    def ratio(name: str, a: str, b: str, key: str = "throughput") -> float | None:
+        for arm in (a, b):
+            why = (
+                "was not measured (not in --arms, or its split search failed)"
+                if arm not in med
+                else "has no run that finished (each failed, or its split search did)"
+                if not results[arm]
+                else f"has no {key} (NaN: never reached in its median run)"
+                if key in CENSORED and math.isnan(med[arm][key])
+                else f"has no {key} (NaN)"
+                if math.isnan(med[arm][key])
+                else None
+            )
+            if why:
+                null.append(f"{name} null: {arm} {why}")
+                return None
+        if med[b][key] == 0:
+            null.append(f"{name} null: {b}'s {key} is 0")
             return None
-        value = med[a][key] / med[b][key]
-        return None if math.isnan(value) else value
+        return med[a][key] / med[b][key]
 
     ratios = {
-        f"laminar_vs_{b}": ratio("laminar", b)
+        f"laminar_vs_{b}": ratio(f"laminar_vs_{b}", "laminar", b)
         for b in ("sync", "one_step", "stream", "partial_rollout")
     }
-    ratios["laminar_repack_on_vs_off"] = ratio("laminar", "laminar_no_repack")
-    ratios["ttr_laminar_vs_sync"] = ratio("sync", "laminar", "ttr_s")  # sync's time / Laminar's
-    ratios["ttr_trained_laminar_vs_sync"] = ratio("sync", "laminar", "ttr_trained_s")
-    ratios["gen_throughput_laminar_vs_sync"] = ratio("laminar", "sync", "gen_throughput")
+    ratios["laminar_repack_on_vs_off"] = ratio(
+        "laminar_repack_on_vs_off", "laminar", "laminar_no_repack"
+    )
+    # sync's time over Laminar's
+    ratios["ttr_laminar_vs_sync"] = ratio("ttr_laminar_vs_sync", "sync", "laminar", "ttr_s")
+    ratios["ttr_trained_laminar_vs_sync"] = ratio(
+        "ttr_trained_laminar_vs_sync", "sync", "laminar", "ttr_trained_s"
+    )
+    ratios["gen_throughput_laminar_vs_sync"] = ratio(
+        "gen_throughput_laminar_vs_sync", "laminar", "sync", "gen_throughput"
+    )
     figures = {f"{arm}_{k}": v for arm, m in med.items() for k, v in m.items()}
     # (each seed's: reward_thresholds; their median for the plot and the table's note)
     figures["reward_threshold"] = float(np.median(list(thresholds.values())))
@@ -204,6 +228,7 @@ def _result(cluster, arms, results, splits, probes, reward_threshold, root, fail
             f"{cluster.gpus} emulated H800 GPUs (TP4 replicas; sync colocated on all); "
             f"modelled units of the full-size cluster; medians over {locals_['seeds']} seeds",
             "ratios: " + ", ".join(f"{k} {v:.2f}" for k, v in ratios.items() if v is not None),
+            *null,
             "time to reward: the policy's reward (its rollouts', at its publication; "
             "ttr_trained_s: the trained batches', at their update), 2-point mean >= "
             + ", ".join(f"{v:.3f} (seed {k})" for k, v in sorted(thresholds.items(), key=str)),

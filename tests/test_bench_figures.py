@@ -368,3 +368,16 @@ def test_a_warmup_longer_than_the_runs_is_a_config_error_naming_their_length(tmp
     run = _synthetic_run(tmp_path, T0 + 0.5 + __import__("numpy").arange(70.0), lambda t: 0.0)
     with pytest.raises(ConfigError, match="--warmup 6: .* has 6 measured updates.*--warmup 5"):
         arm_figures(run, SUMMARY, warmup=6)
+
+
+def test_each_null_ratio_has_a_note_naming_the_arm_it_misses():
+    """A null ratio said nothing of why: an arm left out, every run of it failed, or a
+    time to reward its median seed never reached."""
+    nan = float("nan")
+    result = _result({"sync": [_fig(900.0, nan)], "laminar": [_fig(600.0, 700.0)], "stream": []})
+    notes = [n for n in result.notes if " null: " in n]
+    assert result.ratios["laminar_vs_sync"] is not None
+    assert "laminar_vs_one_step null: one_step was not measured" in " ".join(notes)
+    assert "laminar_vs_stream null: stream has no run that finished" in " ".join(notes)
+    assert "ttr_trained_laminar_vs_sync null: sync has no ttr_trained_s" in " ".join(notes)
+    assert len(notes) == sum(v is None for v in result.ratios.values())
