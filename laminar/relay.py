@@ -41,6 +41,7 @@ whose worker died otherwise waits forever.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import math
 import threading
@@ -500,10 +501,11 @@ class Relay:
     ) -> bool:
         """From the upstream relay: hand chunk ``j`` to the relay thread (store, verify)
         and return at once, so the upstream sends ``j+1`` while we verify ``j`` and
-        forward ``j-1``. A chunk that fails verification never completes its version
-        (the error is in :meth:`stats`); the next version replaces it. Returns whether
-        the chunk was taken (``False``: its version is ignored here, held already or
-        older than one begun)."""
+        forward ``j-1``. The last chunk's call is answered once it is stored, and raises
+        if the version is incomplete here (a chunk failed verification: the error is in
+        :meth:`stats`), so that the upstream sends it again. Returns whether the chunk
+        was taken (``False``: its version is ignored here, held already or older than
+        one begun)."""
         self._ensure_forwarder()
         if j == 0:
             # Once the relay thread has run every earlier write, an older version still
@@ -535,6 +537,20 @@ class Relay:
         task = asyncio.ensure_future(self._after_store(stored, version, j, t_publish, layout))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
+        if j == max(1, -(-layout.nbytes // chunk_bytes)) - 1:
+            # The last chunk is answered once stored (the relay thread has then stored
+            # every earlier one): a version left incomplete here by a chunk that failed
+            # its checksum is a failed send, which the upstream makes again (it never
+            # heard of it, and the relays from here down waited for the next version).
+            with contextlib.suppress(RelayError):  # (said by _after_store)
+                await asyncio.shield(stored)
+            missing = self.core.missing(version)
+            if missing:
+                raise RelayError(
+                    f"relay {self.relay_id}: version {version} is incomplete after its last "
+                    f"chunk, chunks {missing} missing (not sent, or failed their checksum): "
+                    "send it again"
+                )
         return True
 
     async def _after_store(self, stored, version: int, j: int, t_publish: float, layout) -> None:

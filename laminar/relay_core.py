@@ -449,6 +449,15 @@ class RelayCore:
         with self._lock:
             return sorted(v for v, s in self._snaps.items() if not s.complete)
 
+    def missing(self, version: int) -> list[int]:
+        """The chunks of ``version``, begun here and not complete, not stored yet (one that
+        failed its checksum among them); ``[]`` if it is complete or not here."""
+        with self._lock:
+            snap = self._snaps.get(version)
+            if snap is None or snap.complete:
+                return []
+            return [j for j, c in enumerate(snap.crcs) if c is None]
+
     def get(self, version: int) -> Snapshot:
         with self._lock:
             snap = self._snaps.get(version)

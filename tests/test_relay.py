@@ -682,7 +682,8 @@ class _Peer:
     ``held(name, args)`` selects waiting until it is set; ``lost``: every later call
     waits forever, and settles only once ``settle`` is set after it was cancelled (a
     bulk send to a dead worker takes a while to stop). ``fail(name, args)`` true: that
-    call raises ``ConnectionError`` (a transient comm failure) without reaching the relay."""
+    call raises ``ConnectionError`` (a transient comm failure) without reaching the relay;
+    ``corrupt(name, args)`` true: that call's chunk arrives with a byte flipped."""
 
     def __init__(self, relay: Relay) -> None:
         import asyncio
@@ -691,6 +692,7 @@ class _Peer:
         self.calls: list[tuple] = []  # (function, version, chunk) of receive_chunk calls
         self.hold, self.held = None, None
         self.fail = None
+        self.corrupt = None
         self.lost = False
         self.settle = asyncio.Event()
 
@@ -714,6 +716,8 @@ class _Peer:
                     await self.settle.wait()
                     raise
             args = [np.array(a) if isinstance(a, np.ndarray) else a for a in args]
+            if self.corrupt is not None and self.corrupt(name, args):
+                args[4][0] ^= 0xFF
             return await getattr(self.relay, name)(*args)
 
         return call
@@ -782,20 +786,27 @@ def test_a_version_dropped_while_its_last_chunk_is_sent_is_released_once():
         await x.set_chain(["master", "relay1", "relay2"], to_y, None)
         await y.set_chain(["master", "relay1", "relay2"], None, None)
         try:
-            for layout, cb, j, data, crc in _chunks(1):
+            v1 = _chunks(1)
+            for layout, cb, j, data, crc in v1[:-1]:
                 await x.receive_chunk(1, layout, cb, j, data, crc ^ (j == 1), 0.0)
+            layout, cb, j, data, crc = v1[-1]
+            with pytest.raises(RelayError, match=r"chunks \[1\] missing"):  # (sent again)
+                await x.receive_chunk(1, layout, cb, j, data, crc, 0.0)
             await _until(lambda: (1, 3) in to_y.calls)  # the last chunk is on its way
             first = x.core._snaps[1]
             layout, cb, j, data, crc = _chunks(2)[0]
             await x.receive_chunk(2, layout, cb, 0, data, crc, 0.0)
             assert first.pins == 1  # (the send's own pin: the slot is not recycled)
             to_y.hold.set()
-            await _until(lambda: first.pins == 0 and x.forwarded_chunks == 4)
+            # (chunks 0 and 2 of version 1 and 0 of version 2: relay2 answers the last
+            # one of version 1 with chunk 1 missing, and version 2 supersedes it)
+            await _until(lambda: first.pins == 0 and x.forwarded_chunks == 3)
             for layout, cb, j, data, crc in _chunks(2)[1:]:
                 await x.receive_chunk(2, layout, cb, j, data, crc, 0.0)
             await _until(lambda: y.core.versions() == [2])
             assert first.pins == 0 and _pins(x).get(2) == 0
-            assert [e for e in x.errors if "checksum" not in e] == []
+            assert len(x.errors) == 2 and "chunk 1 of version 1 failed its checksum" in x.errors[0]
+            assert "version 2 supersedes it" in x.errors[1] and x.send_retries == 0
         finally:
             to_y.hold.set()
             await x.close()
@@ -1240,5 +1251,36 @@ def test_checksums_that_fail_on_the_master_are_an_error_not_a_silent_stop():
             assert m.core.versions() == [2] and len(m.errors) == 1
         finally:
             await asyncio.gather(m.close(), r1.close())
+
+    asyncio.run(run())
+
+
+@pytest.mark.parametrize("last", [False, True])
+def test_a_chunk_that_fails_its_checksum_downstream_is_sent_again(last):
+    """master -> relay1 -> relay2; one chunk of version 1 (the second, or the last)
+    arrives at relay1 corrupt. relay1 answers the last chunk's call with the version
+    incomplete, so the master sends it again and relay1 completes it, as does relay2
+    below; only the next publication brought relay1 and relay2 a version before."""
+    import asyncio
+
+    async def run() -> None:
+        m, r1, r2 = _relays("master", "relay1", "relay2")
+        chain = ["master", "relay1", "relay2"]
+        to_r1 = _Peer(r1)
+        bad = 3 if last else 1
+        to_r1.corrupt = _once(lambda name, a: name == "receive_chunk" and a[3] == bad)
+        await m.set_chain(chain, to_r1, None)
+        await r1.set_chain(chain, _Peer(r2), m)
+        await r2.set_chain(chain, None, m)
+        try:
+            await asyncio.to_thread(m.publish_local, 1, _state(1))
+            await _until(lambda: r2.core.versions() == [1] and r1.core.versions() == [1])
+            back = _read(r2.core, 1)
+            assert all(torch.equal(back[k], _state(1)[k]) for k in back)
+            assert r1.core.counts["corrupt_chunks"] == 1 and any("checksum" in e for e in r1.errors)
+            assert (m.send_failures, m.send_retries) == (1, 1)
+            assert "missing" in m.errors[0] and not r2.errors
+        finally:
+            await asyncio.gather(m.close(), r1.close(), r2.close())
 
     asyncio.run(run())
