@@ -279,7 +279,8 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument(
         "--splits",
         type=_splits,
-        help="schedules: fixed rollout replicas, e.g. laminar=6,stream=7 (no search)",
+        help="schedules: fixed rollout replicas of the arms named, e.g. laminar=6,stream=7 "
+        "(those are not searched, the others still are, unless --no-search)",
     )
     bench.add_argument(
         "--no-search", action="store_true", help="schedules: no split search (model's split)"

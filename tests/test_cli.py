@@ -572,3 +572,11 @@ def test_a_tilde_after_equals_which_the_shell_leaves_is_the_home_folder(tmp_path
     assert args.run_dir == str(tmp_path / "r")
     args = cli.build_parser().parse_args(["run", "--resume=~/r"])
     assert args.resume == str(tmp_path / "r")
+
+
+def test_the_splits_help_says_only_the_arms_named_skip_the_search():
+    """It said "(no search)": the arms --splits does not name are still searched."""
+    subcommands = next(a for a in cli.build_parser()._actions if a.dest == "command")
+    bench = subcommands.choices["bench"]
+    text = next(a.help for a in bench._actions if "--splits" in a.option_strings)
+    assert "(no search)" not in text and "the others still are" in text
