@@ -538,6 +538,7 @@ class Schedule(StatsPolling, FaultHandling, MetricsRecording):
             "earlier_segments": self._earlier_segments,
             "wall_s": wall,
             "trainer": t_stats,
+            "trainer_wait_s": self._trainer_wait_run(t_stats["wait_s"]),  # (every start's)
             "buffer": b_stats,
             "pool": p_stats,
             "rollouts": r_stats,

@@ -178,6 +178,14 @@ class MetricsRecording:
         self._trainer_wait = (before, wait_s)
         return before + wait_s
 
+    def _trainer_wait_run(self, wait_s: float) -> float:
+        """The trainers' wait over the whole run, as the ``cluster`` table's
+        ``trainer_wait_s`` counts it: what a resume carried over from the starts before
+        (``_carry``), the trainers restarted within this start before the current one,
+        and the current one's ``wait_s`` (summary.json's ``trainer_wait_s``)."""
+        before, _ = self._trainer_wait
+        return float(self._carry["cluster"].get("trainer_wait_s", 0.0)) + before + wait_s
+
     def _write_rows(self, final: bool = False) -> None:
         """The rows copied since the last write into the metrics store: the driver's own
         (``cluster``, ``rollouts``), the trainer's, the manager's (:meth:`_copy_rows`) and

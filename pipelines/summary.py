@@ -292,7 +292,9 @@ def summarize(run_dir: Path, raw: dict, sft_info: dict, cfg: RunConfig) -> dict:
         "staleness": store["staleness"],
         "status_counts": store["status_counts"],
         "schedule": cfg.pipeline.schedule,
-        "trainer_wait_s": raw["trainer"]["wait_s"],
+        # every start's and every trainer's, as the cluster table's column (it was only
+        # the last trainer's of the last start)
+        "trainer_wait_s": raw.get("trainer_wait_s", raw["trainer"]["wait_s"]),
         # trainer.pacing: modelled vs real time of updates and weight movements
         "trainer_pacing": raw["trainer"]["paced"],
         "buffer": raw["buffer"],
