@@ -443,6 +443,21 @@ def bench_options(name: str) -> set[str]:
     return set(params) | ({"from_runs"} if name == "schedules" else set())
 
 
+def write_atomically(path: Path, text: str) -> None:
+    """Write ``text`` to ``path`` whole or not at all: to a temporary file in the same
+    folder, then renamed over it. Written in place, an interrupt or a full disk during
+    the write left a truncated JSON where the previous result was (hours of a bench)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    # (not mkstemp: its file is the user's alone, and the rename would keep that)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        tmp.write_text(text)
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
 def run_bench(name: str, out: str | None = None, **options) -> BenchResult:
     """Run benchmark ``name``, print its table, write its JSON to ``out`` if given. An
     option the benchmark does not take is refused, naming the ones it does."""
@@ -459,11 +474,16 @@ def run_bench(name: str, out: str | None = None, **options) -> BenchResult:
             + f"; it takes {', '.join(cli) or 'no option'}"
             + (f" (and from Python: {', '.join(python)})" if python else "")
         )
+    if out and name == "schedules" and Path(out).suffix.lower() in (".md", ".png"):
+        raise ConfigError(
+            f"--out {out!r}: the schedules bench writes its table (.md) and plots (.png) "
+            f"beside the JSON, over this file; give a .json path, e.g. "
+            f"{Path(out).with_suffix('.json')}"
+        )
     result = BENCHES[name](**options)
     print(result.table())
     if out:
-        Path(out).parent.mkdir(parents=True, exist_ok=True)
-        Path(out).write_text(dumps_strict(result.to_json(), indent=2))
+        write_atomically(Path(out), dumps_strict(result.to_json(), indent=2))
         print(f"wrote {out}", file=sys.stderr)
         for path in result.extras(result, Path(out)) if result.extras else []:
             print(f"wrote {path}", file=sys.stderr)

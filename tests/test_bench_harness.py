@@ -376,3 +376,41 @@ def test_an_arm_whose_every_probe_failed_has_no_split_and_says_so():
     result = _search_result(Cluster(64), ["laminar"], {}, {"laminar": seen}, "d")
     assert result.figures["laminar_replicas"] is None
     assert result.rows[0][-1].startswith("search failed")
+
+
+def test_out_is_written_whole_through_a_file_beside_it_renamed_over_it(
+    tmp_path, stub_engine, monkeypatch
+):
+    """Written in place, an interrupt or a full disk mid-write left a truncated JSON
+    where the previous result was."""
+    import os
+
+    renames = []
+    real = os.replace
+
+    def replace(src, dst):
+        renames.append((Path(src), Path(dst)))
+        real(src, dst)
+
+    monkeypatch.setattr(os, "replace", replace)
+    stub_engine["result"] = _stub_result(a=1.0)
+    out = tmp_path / "engine.json"
+    out.write_text("the previous result")
+    bench.run_bench("engine", str(out))
+    ((src, dst),) = renames
+    assert dst == out and src.parent == tmp_path and _strict(out.read_text())["figures"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["engine.json"]
+
+
+def test_a_schedules_out_its_table_or_plot_would_overwrite_is_refused_before_the_bench(
+    monkeypatch,
+):
+    from laminar.errors import ConfigError
+
+    def refuse(**options):
+        raise AssertionError("the bench was started")
+
+    monkeypatch.setitem(bench.BENCHES, "schedules", refuse)
+    for out in ("s.md", "s.PNG"):
+        with pytest.raises(ConfigError, match="give a .json path"):
+            bench.run_bench("schedules", out)
