@@ -338,6 +338,11 @@ class TrainerConfig(_Section):
     # (Dr. GRPO: the std favours groups whose rewards barely differ).
     norm_adv_by_std: bool = True
     max_grad_norm: float = Field(1.0, gt=0)
+    # Updates skipped in a row (a non-finite loss or gradient in every step: the batch is
+    # consumed, nothing published) before the trainer fails the run: past a few, every
+    # update is non-finite (a learning rate that blew the weights up, broken rewards) and
+    # the trainer would consume the buffer forever without training.
+    max_skipped_updates_in_a_row: int = Field(5, ge=1)
     # Padded tokens per forward/backward; the global batch is split into length-sorted
     # micro-batches (same gradient, far less padding with long-tailed lengths).
     micro_batch_tokens: int = Field(4096, gt=0)

@@ -48,6 +48,7 @@ import torch
 from laminar.cluster import actor_threads, start_thread
 from laminar.config import RunConfig
 from laminar.contract import Trajectory
+from laminar.errors import LaminarError
 from laminar.learner import remove_partial_checkpoints, step_means
 from laminar.trainer_data import DataLinkMixin
 from laminar.trainer_publish import PublicationMixin
@@ -161,6 +162,7 @@ class Trainer(DataLinkMixin, PublicationMixin):
         # The version of each update skipped (its batch consumed, nothing published): the
         # next batch is consumed at the same version (the audit's bound, storage.audit).
         self.skipped_updates: list[int] = []
+        self._skipped_in_a_row = 0  # (fails the trainer at trainer.max_skipped_updates_in_a_row)
         self.done = False
         self.error: str | None = None
         self.checkpoint: str | None = None
@@ -334,8 +336,9 @@ class Trainer(DataLinkMixin, PublicationMixin):
         metrics = self.learner.update(batch)
         self._weights_version = self.version if metrics["applied_steps"] else before
         if not metrics["applied_steps"]:
-            self._skipped()
+            self._skipped(metrics)
             return None
+        self._skipped_in_a_row = 0
         if self.clock is not None:
             self._hold(t0, self._model().update_time(self._tokens(batch)), "update")
         return {"update_s": time.time() - t0, **batch_stats(batch), **metrics}
@@ -377,8 +380,9 @@ class Trainer(DataLinkMixin, PublicationMixin):
             steps.append(metrics)
         self._weights_version = self.version if applied else before
         if not applied:
-            self._skipped()
+            self._skipped(steps[-1] if steps else {})
             return None
+        self._skipped_in_a_row = 0
         if self.clock is not None:  # the optimizer, all-reduce and launch costs of the update
             t0 = time.time()
             self._hold(t0, self.cfg.trainer.pacing.update_s, "update")
@@ -389,15 +393,39 @@ class Trainer(DataLinkMixin, PublicationMixin):
         }
         return {"update_s": busy, **batch_stats(trained), **totals}
 
-    def _skipped(self) -> None:
+    def _skipped(self, metrics: dict) -> None:
+        """An update whose every step was skipped (non-finite): counted, and after
+        ``trainer.max_skipped_updates_in_a_row`` of them in a row, the trainer fails
+        (:class:`NonFiniteUpdates`) instead of consuming the buffer forever with
+        nothing published, its heartbeat ticking all the while."""
         self.skipped_updates.append(self.version)
+        self._skipped_in_a_row += 1
         logger.warning(
-            "update at version %d skipped: non-finite loss or gradient (%d so far); its "
-            "batch is consumed, no weights are published",
+            "update at version %d skipped: non-finite loss or gradient (%d so far, %d in "
+            "a row); its batch is consumed, no weights are published",
             self.version,
             self.learner.skipped_steps,
+            self._skipped_in_a_row,
         )
         self._on_buffer(lambda b: b.update_skipped())
+        t_cfg = self.cfg.trainer
+        if self._skipped_in_a_row >= t_cfg.max_skipped_updates_in_a_row:
+            # (one line: the driver reports the last line of the trainer's error)
+            raise NonFiniteUpdates(
+                f"{self._skipped_in_a_row} updates in a row skipped at version "
+                f"{self.version}: non-finite loss or gradient in every step (last "
+                f"loss={metrics.get('loss', float('nan'))!r}, grad_norm="
+                f"{metrics.get('grad_norm', float('nan'))!r}), their batches consumed and "
+                f"nothing published; lower trainer.lr (now {t_cfg.lr!r}), check the "
+                "rewards and behavior logprobs, or raise "
+                f"trainer.max_skipped_updates_in_a_row (now "
+                f"{t_cfg.max_skipped_updates_in_a_row})"
+            )
+
+
+class NonFiniteUpdates(LaminarError):
+    """``trainer.max_skipped_updates_in_a_row`` updates in a row had a non-finite loss or
+    gradient in every step: the trainer fails rather than consume the buffer forever."""
 
 
 def _set_priority(nice: int) -> None:

@@ -305,6 +305,44 @@ def test_a_version_reports_the_steps_that_made_it_not_the_skipped_ones(tiny_poli
         assert record[k] == pytest.approx(alone[k], rel=1e-5), k
 
 
+@pytest.mark.parametrize("spec", [LAMINAR, STREAM], ids=["laminar", "stream"])
+def test_updates_skipped_in_a_row_fail_the_trainer_with_the_fix(tiny_policy, tmp_path, spec):
+    """A learning rate that blows the weights up (AdamW's first step at 1e25) makes every
+    later update non-finite. Each was skipped, its batch consumed, the version left as it
+    was: the trainer ate the buffer forever, published nothing, and its heartbeat kept
+    ticking. After trainer.max_skipped_updates_in_a_row in a row it fails instead, its
+    error (what the driver reports, stats()["error"]) naming the last loss and grad norm
+    and the fix, and it consumes no batch after."""
+    settings = ["trainer.lr=1e25", "trainer.max_skipped_updates_in_a_row=2"]
+    if spec is STREAM:
+        settings += ["trainer.mini_batches=2", "trainer.groups_per_step=2"]
+        parts = [groups(i, 1) for i in range(10)]
+    else:
+        settings += ["trainer.groups_per_step=2"]
+        parts = [groups(i, 2) for i in range(5)]
+    cfg = with_overrides(CFG, settings)
+    trainer, buffer, master = make(tiny_policy, tmp_path, cfg, spec, parts)
+    trainer.start()
+    trainer._thread.join(60)
+    done = trainer.stats()["done"]
+    stats = trainer.stop(timeout=60)  # (without the limit, it would go on forever)
+    assert done, "the trainer went on consuming batches it could not train on"
+    assert master.order == [0, 1] and buffer.skipped == 2
+    assert stats["skipped_updates"] == [1, 1]
+    assert len(buffer.batches) == len(parts) - (6 if spec is STREAM else 3)
+    last = stats["error"].strip().splitlines()[-1]
+    assert last.startswith("laminar.trainer.NonFiniteUpdates: 2 updates in a row skipped")
+    for named in ("loss=", "grad_norm=nan", "trainer.lr (now 1e+25)", "(now 2)"):
+        assert named in last, named
+
+
+def test_the_count_of_skipped_updates_in_a_row_is_validated():
+    from laminar.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="max_skipped_updates_in_a_row"):
+        with_overrides(CFG, ["trainer.max_skipped_updates_in_a_row=0"])
+
+
 def test_a_rank_whose_update_raises_leaves_the_group_with_rank_0(tiny_policy, tmp_path):
     """A data-parallel rank whose part of an update raises (the ranks agree on it, and
     rank 0's trainer stops) still meets rank 0's stop: rank 0 leaves the group at once,
