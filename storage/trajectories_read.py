@@ -61,6 +61,8 @@ def _open_group(path: str | Path) -> tuple[Path, zarr.Group]:
     # directory in between would read a relative path elsewhere, or nothing: zeros)
     store = store_path(Path(os.path.abspath(path)))
     if not (store / "zarr.json").exists():
+        if (store.parent / "config.yaml").exists():  # (a run's directory: nothing yet)
+            raise StoreError(_nothing_stored_yet(store))
         raise StoreError(
             f"no trajectory store at {str(store)!r}; pass a run directory written by "
             "`laminar run` (it holds trajectories.zarr)"
@@ -74,6 +76,33 @@ def _open_group(path: str | Path) -> tuple[Path, zarr.Group]:
         )
     _check_markers(store, group)
     return store, group
+
+
+def _nothing_stored_yet(store: Path) -> str:
+    """Why a run directory (it has its ``config.yaml``) has no trajectory store yet: its
+    driver is still setting it up, or ``summary.json`` says how it ended."""
+    import json
+    import time
+
+    from storage.live import running_driver
+
+    run_dir = store.parent
+    why = "its start may have failed or been stopped before its first batch"
+    live = running_driver(run_dir)
+    if live is not None:
+        since = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(float(live.get("since", 0))))
+        why = f"it is running (driver pid {live.get('pid')} on {live.get('host')}, since {since})"
+    else:
+        try:
+            reason = json.loads((run_dir / "summary.json").read_text()).get("reason")
+        except (OSError, ValueError, AttributeError):
+            reason = None
+        if reason:
+            why = f"its summary.json says: {reason}"
+    return (
+        f"run {str(run_dir)!r} has stored no trajectory yet (no {store.name}): {why}; "
+        "rerun this once it has stored trajectories"
+    )
 
 
 def _apply_events(
