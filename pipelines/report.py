@@ -83,6 +83,18 @@ def _broken(x, y, gaps: list[tuple[float, float]]):
     return x, y
 
 
+def _broken_steps(x, y, gaps: list[tuple[float, float]]):
+    """``x, y`` for a step plot (``where="post"``) with a NaN point at the start of each
+    gap: each value is drawn until the stop, not across it (:func:`_broken`'s point in
+    the gap's middle drew its step on to there)."""
+    x, y = np.asarray(x, dtype=float), np.asarray(y, dtype=float)
+    for a, _ in sorted(gaps, reverse=True):
+        i = int(np.searchsorted(x, a, side="right"))
+        if 0 < i < len(x):
+            x, y = np.insert(x, i, a), np.insert(y, i, np.nan)
+    return x, y
+
+
 NOT_RUNNING = "not running (resumed)"
 
 
@@ -264,10 +276,11 @@ def plot_rollouts(run: dict, out: Path) -> str | None:
         kv = 100 * one["kv_used"] / one["kv_capacity"]
         (line,) = ax_kv.plot(*_broken(one["time"], kv, gaps), label=str(rid))
         colour[str(rid)] = line.get_color()
-        ax_v.step(one["time"], one["version"], where="post", label=str(rid))
+        ax_v.step(*_broken_steps(one["time"], one["version"], gaps), where="post", label=str(rid))
     if run["cluster"] is not None:
         c = run["cluster"]
-        ax_v.step(c["time"], c["version"], "k--", where="post", label="trainer")
+        steps = _broken_steps(c["time"], c["version"], gaps)
+        ax_v.step(*steps, "k--", where="post", label="trainer")
     moves = run["repacks"]
     if moves is not None and run["t0"] is not None and moves.sizes["move"]:
         # Each move: a drop on its source, a rise on its destination, at the move's time.
@@ -318,11 +331,14 @@ def plot_events(run: dict, out: Path) -> str | None:
     if run["t0"] is None or all(x is None for x in (pubs, moves, faults)):
         return None
     fig, (ax_w, ax_m, ax_f) = _figure(f"Events of {run['name']}", 3)
+    gaps = run["gaps"]
     if pubs is not None and pubs.sizes["publication"]:
         t = _since_start(run, pubs["t_publish"].values)
-        ax_w.plot(t, 1e3 * pubs["stall_s"].values, "o-", ms=3, label="trainer stall")
+        stall = _broken(t, 1e3 * pubs["stall_s"].values, gaps)
+        ax_w.plot(*stall, "o-", ms=3, label="trainer stall")
         if "broadcast_s" in pubs:
-            ax_w.plot(t, 1e3 * pubs["broadcast_s"].values, "s-", ms=3, label="to every relay")
+            broadcast = _broken(t, 1e3 * pubs["broadcast_s"].values, gaps)
+            ax_w.plot(*broadcast, "s-", ms=3, label="to every relay")
         ax_w.set_yscale("log")
         ax_w.legend(fontsize=7)
     ax_w.set(xlabel="publish time (s)", ylabel="ms", title="weight publications")
@@ -357,6 +373,7 @@ def plot_events(run: dict, out: Path) -> str | None:
         ax_f.set_title("faults: none", fontsize=10)
     ax_f.set(xlabel="time (s)", ylabel="trajectories recovered")
     for ax in (ax_w, ax_m, ax_f):  # one time axis for the three
+        _shade(ax, gaps)
         ax.set_xlim(0, float(run["cluster"]["time"].values[-1]))
     return _save(fig, out, f"events-{run['index']}.png")
 

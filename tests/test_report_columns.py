@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 
+import numpy as np
 from test_storage import record
 
 from pipelines.report import build_report
@@ -76,3 +77,62 @@ def test_without_a_repacks_table_the_moves_are_summary_jsons(tmp_path):
     _resumed(run)
     (run / "summary.json").write_text(json.dumps({"segments": 2, "repack": {"moves": 3}}))
     assert _events_row(build_report([run], tmp_path / "out"))[4] == "3"
+
+
+def _crossings(ax, a: float, b: float) -> list[str]:
+    """The lines of ``ax`` drawn from before ``a`` to after ``b`` (a segment between two
+    finite points on either side: straight across the stop)."""
+    out = []
+    for line in ax.lines:
+        x = np.asarray(line.get_xdata(), dtype=float)
+        y = np.asarray(line.get_ydata(), dtype=float)
+        ok = np.isfinite(x) & np.isfinite(y)
+        across = ok[:-1] & ok[1:] & (x[:-1] <= a) & (x[1:] >= b)
+        if across.any():
+            out.append(line.get_label())
+    return out
+
+
+def test_the_version_and_publication_lines_break_at_a_stop(tmp_path, monkeypatch):
+    """plot_rollouts' version panel and plot_events' publications drew straight across
+    the time a resumed run was stopped, where the other figures break their lines and
+    shade the stop."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from test_analysis import _resumed_run
+
+    from pipelines import report
+
+    drawn = {}
+    monkeypatch.setattr(report, "_save", lambda fig, out, name: drawn.setdefault(name, fig))
+    run_dir = tmp_path / "run"
+    _resumed_run(run_dir, [(1, 3), (8, 9), (125, 126)])
+    w = MetricsWriter(run_dir)
+    times = [*range(0, 21, 5), *range(120, 141, 5)]
+    w.append(
+        "rollouts",
+        [
+            {"elapsed_s": t, "rollout": r, "kv_used": 1, "kv_capacity": 10, "version": t // 10}
+            for t in times
+            for r in ("r0", "r1")
+        ],
+    )
+    w.append(
+        "publications",
+        [
+            {"version": v, "t_publish": T0 + t, "stall_s": 0.001, "broadcast_s": 0.01}
+            for v, t in [(0, 1), (1, 10), (2, 18), (2, 121), (3, 130)]
+        ],
+    )
+    run = report._load(run_dir) | {"index": 0}
+    ((a, b),) = run["gaps"]
+    assert a <= 20 and b >= 120
+    report.plot_rollouts(run, tmp_path)
+    _, ax_v = drawn["rollouts-0.png"].axes
+    assert sorted(line.get_label() for line in ax_v.lines) == ["r0", "r1", "trainer"]
+    assert _crossings(ax_v, a, b) == []
+    report.plot_events(run, tmp_path)
+    ax_w = drawn["events-0.png"].axes[0]
+    assert len(ax_w.lines) == 2 and _crossings(ax_w, a, b) == []
+    assert any(p.get_label() == report.NOT_RUNNING for p in ax_w.patches)
