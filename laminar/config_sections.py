@@ -332,7 +332,11 @@ class TrainerConfig(_Section):
     betas: tuple[float, float] = (0.9, 0.99)  # AdamW's, each in [0, 1)
     clip_low: float = Field(0.2, ge=0, lt=1)
     clip_high: float = Field(0.28, ge=0)
-    clip_c: float | None = Field(None, gt=1)  # dual-clip bound for negative advantages
+    # Dual-clip (docs/losses.md): a negative-advantage token's loss is capped at
+    # clip_c·|A|. On by default (verl's clip_ratio_c): the input is stale by design, and
+    # one token the behavior policy found unlikely (ratio ~1e4) would otherwise take all
+    # but all of a clipped gradient. null turns it off.
+    clip_c: float | None = 3.0
     loss_agg: Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean"] = "token-mean"
     # GRPO's advantage: (r - group mean) / group std; false keeps the centring only
     # (Dr. GRPO: the std favours groups whose rewards barely differ).
@@ -368,6 +372,17 @@ class TrainerConfig(_Section):
     checkpoint_every: int = Field(0, ge=0)
     pacing: TrainerPacingConfig | None = None  # needs rollout.pacing (its scale)
 
+    @field_validator("clip_c")
+    @classmethod
+    def _clip_c_above_1(cls, value: float | None) -> float | None:
+        if value is not None and value <= 1:
+            raise ValueError(
+                f"dual-clip caps a negative-advantage token's loss at clip_c·|A|, above the "
+                f"clipped surrogate's own bound, so clip_c must be > 1 (got {value!r}): "
+                "e.g. 3, or null to turn dual-clip off"
+            )
+        return value
+
     @field_validator("betas")
     @classmethod
     def _betas_adamw_takes(cls, value: tuple[float, float]) -> tuple[float, float]:
@@ -383,12 +398,14 @@ class TrainerConfig(_Section):
         start), not refused: one base config is naturally run under each correction (a
         sweep of trainer.correction), and a config saved by an earlier run must still
         load to be resumed. A field at its default is not named (a saved config holds
-        every field, so one set to the default cannot be told from one left so)."""
+        every field, so one set to the default cannot be told from one left so), nor one
+        set to null (off)."""
         fields = type(self).model_fields
+        # (None is off: clip_c=null under tis turns off what tis does not do anyway)
         return [
             f
             for f in IGNORED_BY_CORRECTION[self.correction]
-            if getattr(self, f) != fields[f].default
+            if getattr(self, f) not in (fields[f].default, None)
         ]
 
 

@@ -209,7 +209,7 @@ def grpo_step(
     max_grad_norm: float = 1.0,
     micro_batch_tokens: int = 4096,
     agg: str = "token-mean",
-    clip_c: float | None = None,
+    clip_c: float | None = 3.0,
     shard: Sequence[int] | None = None,
     all_reduce=None,
     correction: str = "none",
@@ -244,7 +244,9 @@ def grpo_step(
     behavior policy (the paper's); ``"tis"`` is the truncated-IS policy gradient;
     ``"decoupled"`` clips around the proximal policy — ``proximal_logprobs`` if given,
     else this very forward pass (exact when this is the batch's first optimizer step) —
-    with truncated weights for the behavior gap. ``kl_coef`` adds a KL penalty to
+    with truncated weights for the behavior gap. ``clip_c`` is dual-clip's bound on the
+    loss of negative-advantage tokens (3, as ``trainer.clip_c``; ``None``: off).
+    ``kl_coef`` adds a KL penalty to
     ``ref_model``; ``entropy_coef`` subtracts an entropy bonus.
 
     A non-finite loss or gradient skips the step (``metrics["skipped"] == 1``), leaving

@@ -66,6 +66,7 @@ def test_overrides_are_typed():
         ),
         (["task.median_len=100", "task.max_len=10"], r"task.median_len \(100\) must be below"),
         (["repack.max_batch=999"], r"repack.max_batch \(999\) exceeds what an engine decodes"),
+        (["trainer.clip_c=1"], r"trainer.clip_c: .*must be > 1 \(got 1.0\).*null to turn"),
     ],
 )
 def test_bad_values_name_the_field_and_the_fix(override, message):
@@ -280,12 +281,15 @@ def _field(cfg, key):
 @pytest.mark.parametrize(
     ("overrides", "named"),
     [
-        (["trainer.correction=tis", "trainer.clip_c=3"], ["clip_c"]),
+        (["trainer.correction=tis", "trainer.clip_c=2"], ["clip_c"]),
+        (["trainer.correction=tis"], []),  # (clip_c at its default, 3: nothing set)
         (["trainer.correction=tis", "trainer.clip_high=0.3"], ["clip_high"]),
         (["trainer.is_cap=3"], ["is_cap"]),  # (correction none: no importance weights)
         (["trainer.correction=tis", "trainer.is_cap=3"], []),
         (["trainer.correction=decoupled", "trainer.is_cap=3", "trainer.clip_c=3"], []),
         (["trainer.clip_c=3"], []),
+        # (clip_c is on by default; null under tis, which clips nothing, is no setting)
+        (["trainer.correction=tis", "trainer.clip_c=null"], []),
     ],
 )
 def test_a_setting_the_correction_ignores_is_warned_of_by_name(caplog, tmp_path, overrides, named):

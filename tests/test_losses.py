@@ -316,6 +316,32 @@ def test_k3_stays_finite_where_the_policy_has_all_but_ruled_a_token_out():
     assert lp.grad[0, 0] == 0 and lp.grad[0, 1] == pytest.approx((1 - math.exp(-0.5)) / 2)
 
 
+def test_the_default_trainer_bounds_a_stale_token_with_a_negative_advantage():
+    """One stale token the behavior policy found unlikely (ratio e^9.2 ~ 1e4) with a
+    negative advantage, among 999 on-policy ones: without dual-clip its loss is -r·A, and
+    it takes all but all of the (then clipped) gradient. Laminar's input is stale by
+    design, so dual-clip is on by default (trainer.clip_c=3, verl's clip_ratio_c): that
+    token's loss is capped at 3·|A| and its gradient is 0; `clip_c: null` turns it off."""
+    from laminar.config import RunConfig, with_overrides
+
+    old = torch.zeros(1, 1000)
+    old[0, 0] = -9.2
+
+    def grad(clip_c):
+        lp = torch.zeros(1, 1000, requires_grad=True)
+        loss, _ = policy_loss(lp, old, torch.tensor([-1.0]), torch.ones(1, 1000), clip_c=clip_c)
+        loss.backward()
+        return lp.grad[0]
+
+    default = RunConfig().trainer.clip_c
+    g = grad(default)
+    assert g[0] == 0 and g[1] == pytest.approx(1e-3)
+    off = with_overrides(RunConfig(), ["trainer.clip_c=null"]).trainer.clip_c
+    assert off is None
+    g = grad(off)
+    assert float(g[0] ** 2 / (g**2).sum()) > 0.99
+
+
 @pytest.mark.parametrize("advantage", [1.0, -1.0])
 def test_a_ratio_past_float32_keeps_the_gradient_finite(advantage):
     """log(new / old) = 100: the ratio overflowed float32 to inf, and the branch
