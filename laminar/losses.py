@@ -66,7 +66,8 @@ def _on_loss_tokens(other: torch.Tensor, logprobs: torch.Tensor, mask: torch.Ten
 
 AGGREGATIONS = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean")
 # |log r| a token's ratio is taken at, in :func:`policy_loss` (r = π/π_old: past ~88 it
-# overflows float32) and, below, in :func:`kl_penalty`'s k3 (r = π/π_ref = e^-20: 2e-9)
+# overflows float32; what the bound changes is said there) and, below, in
+# :func:`kl_penalty`'s k3 (r = π/π_ref = e^-20: 2e-9)
 LOG_RATIO_BOUND = 20.0
 
 
@@ -132,8 +133,12 @@ def policy_loss(
     mask = mask.to(logprobs.dtype)
     old_logprobs = _on_loss_tokens(old_logprobs, logprobs, mask)
     # (the log-ratio bounded, as verl does: past ~88 the ratio overflows to inf, and the
-    # branch torch.minimum does not pick back-propagates 0 * inf = NaN; e^20 is far past
-    # any clip, so the loss is unchanged wherever it was finite)
+    # branch torch.minimum does not pick back-propagates 0 * inf = NaN, which skipped the
+    # step. Below -20 nothing is lost: a gradient under 2e-9·|A| becomes 0. Above +20 the
+    # clip takes A > 0 and dual-clip A < 0 (from r = clip_c on) long before: the bound
+    # changes nothing. Without dual-clip, though, a token with A < 0 and log r > 20 is the
+    # one case where it does: its loss stays e^20·|A| and its gradient, e^(log r)·|A| as
+    # the ratio grows, drops to 0.)
     ratio = torch.exp((logprobs - old_logprobs).clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND))
     clipped = ratio.clamp(1.0 - clip_low, 1.0 + clip_high)
     per_token = -torch.minimum(ratio * advantages, clipped * advantages)

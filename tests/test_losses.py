@@ -355,6 +355,34 @@ def test_a_ratio_past_float32_keeps_the_gradient_finite(advantage):
     assert lp.grad[0, 1] == pytest.approx(-advantage / 2)
 
 
+@pytest.mark.parametrize("clip_c", [None, 3.0])
+def test_what_the_log_ratio_bound_changes(clip_c):
+    """What docs/losses.md says of the ±20 bound on log(π/π_old) (it used to say that e^20
+    is past any clip, so nothing changes). With A < 0 and no dual-clip, the loss grows
+    with the ratio up to log r = 20 (gradient r·|A|), then stays at e^20·|A| with a
+    gradient of 0; with dual-clip the loss is clip_c·|A|, gradient 0, on either side
+    of the bound. With A > 0 the clip takes it on either side (gradient 0)."""
+    from laminar.losses import LOG_RATIO_BOUND
+
+    def at(log_r, advantage):
+        lp = torch.zeros(1, 1, requires_grad=True)
+        old = torch.tensor([[-log_r]])
+        loss, _ = policy_loss(lp, old, torch.tensor([advantage]), torch.ones(1, 1), clip_c=clip_c)
+        loss.backward()
+        return float(loss.detach()), float(lp.grad)
+
+    for log_r in (15.0, 25.0):
+        assert at(log_r, 1.0) == (pytest.approx(-1.28), 0.0)
+    if clip_c is None:
+        assert at(15.0, -1.0) == (pytest.approx(math.exp(15)), pytest.approx(math.exp(15)))
+        assert at(25.0, -1.0) == (pytest.approx(math.exp(LOG_RATIO_BOUND)), 0.0)
+    else:
+        assert at(15.0, -1.0) == at(25.0, -1.0) == (pytest.approx(clip_c), 0.0)
+    # below -20: a gradient under 2e-9·|A| is lost
+    loss, grad = at(-25.0, 1.0)
+    assert abs(loss) < 3e-9 and grad == 0.0
+
+
 def test_a_rank_without_rows_issues_the_same_collectives(tiny_policy):
     """Data parallel: every rank must all-reduce tensors of the same shapes in the same
     order, or the collective hangs. A rank whose shard is empty (a batch with fewer rows
