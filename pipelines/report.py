@@ -389,9 +389,27 @@ def _moves(r: dict) -> int:
     return int((r["summary"].get("repack") or {}).get("moves", 0))
 
 
+def _publications(r: dict):
+    """The ``publications`` rows the events table counts: each start's first left out
+    (version 0's, or a resumed start's publication again of its checkpoint's version:
+    made as the start sets up, not by an update). A start's first is the first row of
+    the run, and the first after each stop began."""
+    pubs = r["publications"]
+    if pubs is None or not pubs.sizes["publication"]:
+        return pubs
+    first = np.zeros(pubs.sizes["publication"], dtype=bool)
+    first[0] = True
+    if r["t0"] is not None:
+        t = _since_start(r, pubs["t_publish"].values)
+        for a, _ in r["gaps"]:
+            if (after := np.flatnonzero(t > a)).size:
+                first[after[0]] = True
+    return pubs.isel(publication=np.flatnonzero(~first))
+
+
 def _events_row(r: dict) -> str:
     s = r["summary"]
-    pubs = r["publications"]
+    pubs = _publications(r)
     stall = (
         f"{1e3 * float(np.nanmedian(pubs['stall_s'].values)):.1f}"
         if pubs is not None and pubs.sizes["publication"]

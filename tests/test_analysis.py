@@ -227,7 +227,7 @@ def test_report_draws_the_events_of_a_run(run, tmp_path, caplog):
         "publications",
         [
             {"version": v, "t_publish": t0 + 10 * v, "stall_s": 0.001 * v, "broadcast_s": 0.01 * v}
-            for v in (1, 2, 3)
+            for v in (0, 1, 2, 3)  # (version 0's, as the run set up: not counted)
         ],
     )
     w.append(

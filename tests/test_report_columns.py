@@ -136,3 +136,21 @@ def test_the_version_and_publication_lines_break_at_a_stop(tmp_path, monkeypatch
     ax_w = drawn["events-0.png"].axes[0]
     assert len(ax_w.lines) == 2 and _crossings(ax_w, a, b) == []
     assert any(p.get_label() == report.NOT_RUNNING for p in ax_w.patches)
+
+
+def test_publications_leave_out_each_starts_first(tmp_path):
+    """Version 0's publication, and a resumed start's of its checkpoint's version again,
+    are made as a start sets up, not by an update: the column counted them (3 updates
+    made 5 publications), and their stall (a cold first copy) in its median."""
+    run = tmp_path / "run"
+    w = _resumed(run)
+    w.append(
+        "publications",
+        [
+            {"version": v, "t_publish": T0 + t, "stall_s": stall, "broadcast_s": 0.01}
+            for v, t, stall in [(0, 1, 0.05), (1, 10, 0.001), (2, 18, 0.002), (2, 121, 0.05)]
+            + [(3, 130, 0.003)]
+        ],
+    )
+    row = _events_row(build_report([run], tmp_path / "out"))
+    assert row[1:4] == ["3", "2.0", "10.0"]
