@@ -202,12 +202,19 @@ def plot_throughput(runs: list[dict], out: Path) -> str:
     return _save(fig, out, "throughput.png")
 
 
+# An update's interval this much shorter than the time since the row before it: a new
+# trainer's first (restarted within the run, or a start's), timed from when it started.
+NEW_TRAINER_S = 1e-3
+
+
 def update_throughput(run: dict) -> tuple[np.ndarray, np.ndarray]:
     """The paper's measure per version: tokens of a global batch over the time since the
-    previous actor update, after warm-up. Each start's first update is left out (its
-    interval holds the start: loading the model, the first batch); of a version trained
-    twice (a lost run resumed from an older checkpoint redoes the lost updates) the later
-    row, whose weights stand."""
+    previous actor update, after warm-up. Each trainer's first update is left out (its
+    interval is from the trainer's start, not from an update: the first batch, which
+    after a start waits for the buffer to fill, and after a trainer restarted within the
+    run finds it full): each start's, and each restarted trainer's, whose interval began
+    after the update before it; of a version trained twice (a lost run resumed from an
+    older checkpoint redoes the lost updates) the later row, whose weights stand."""
     u = run["updates"]
     if u is None or not u.sizes["update"] or "interval_s" not in u:
         return np.zeros(0, dtype=np.int64), np.zeros(0)
@@ -222,6 +229,13 @@ def update_throughput(run: dict) -> tuple[np.ndarray, np.ndarray]:
         for _, start in run["gaps"]:  # a later start's first update: the first after it
             if (after := np.flatnonzero(u["time"].values >= run["t0"] + start)).size:
                 first[after[0]] = True
+    if "time" in u and len(version) > 1:
+        # A trainer's updates each time the interval since its previous one (both read
+        # from one clock: equal to the rows' time difference); a new trainer's first, from
+        # when it started, after the row before it (a skipped update's makes the next
+        # interval longer, not shorter).
+        since_row = np.diff(u["time"].values.astype(float))
+        first[1:] |= u["interval_s"].values[1:] < since_row - NEW_TRAINER_S
     keep = kept & ~first
     rate = u["tokens"].values[keep] / u["interval_s"].values[keep]
     return version[keep].astype(np.int64), rate

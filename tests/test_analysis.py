@@ -567,6 +567,35 @@ def test_actor_update_throughput_of_a_lost_and_resumed_run(tmp_path):
     np.testing.assert_allclose(rate, [100.0, 100.0, 100.0, 150.0])
 
 
+def test_actor_update_throughput_leaves_out_a_restarted_trainers_first_update(tmp_path):
+    """A trainer lost after version 3 and restarted within the run (no stop: one start):
+    its first update's interval runs from when it started, not from an update (its first
+    batch, which the buffer filled meanwhile, came at once: 800 tokens/s against 100)."""
+    from pipelines.report import _load, update_throughput
+    from storage.metrics import MetricsWriter
+
+    t0 = 1.8e9
+    w = MetricsWriter(tmp_path)
+    w.append(
+        "cluster",
+        [
+            {"segment": 0, "elapsed_s": t, "wall_time": t0 + t, "version": 0}
+            for t in range(0, 41, 5)
+        ],
+    )
+    # (version, time, interval since the previous update or the trainer's start, tokens)
+    ups = [(v, 4.0 * v, 4.0, 400.0) for v in range(1, 4)]  # lost at 13 s, restarted at 29.5 s
+    ups += [(4, 30.0, 0.5, 400.0), (5, 34.0, 4.0, 400.0), (6, 38.0, 4.0, 800.0)]
+    w.append(
+        "updates",
+        [{"version": v, "time": t0 + t, "interval_s": i, "tokens": n} for v, t, i, n in ups],
+    )
+    TrajectoryWriter(tmp_path).append([])
+    versions, rate = update_throughput(_load(tmp_path))
+    assert versions.tolist() == [2, 3, 5, 6]
+    np.testing.assert_allclose(rate, [100.0, 100.0, 100.0, 200.0])
+
+
 def test_the_throughput_figure_of_several_runs_gives_each_run_one_colour(tmp_path, monkeypatch):
     """`laminar report A B`: each line took the next colour of the cycle, so a run's
     "trained" was another colour than its "generated", and its actor-update line a third
