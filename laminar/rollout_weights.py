@@ -71,16 +71,43 @@ class WeightsMixin:
         self.counts["interrupted_requests"] += len(states)
         return len(states)
 
+    def _say_overdue(self, waited_s: float) -> None:
+        # (The relay is not asked what it holds: a hung one would hold this loop too.)
+        relay = self.puller.relay
+        name = "none (lost, not replaced yet)" if relay is None else getattr(relay, "key", relay)
+        logger.error(
+            "rollout %s: paused for version %d for %.0f s, and its relay %s has not given "
+            "it (the engine holds version %d): the paused requests wait on; see the "
+            "relays' errors (summary.json relay.relays)",
+            self.rollout_id,
+            self._paused[0],
+            waited_s,
+            name,
+            self.engine.version,
+        )
+
     def _paused_states(self) -> list[RequestState]:
         paused = self._paused
         return list(paused[1]) if paused is not None else []
 
     def _resume_paused(self) -> None:
+        """Wait until the relay has the version paused for, load it, resume the requests.
+
+        The wait has no end of its own: the version may yet come (a failed send is made
+        again, a rechain resends it, a restarted trainer publishes anew) and the requests
+        need it. Each ``relay.timeout_s`` without it is logged, naming the relay: under
+        partial rollout every rollout waits here, no trajectory finishes, and the trainer
+        publishes nothing newer, so a version that never arrives stops the run, which
+        used to say nothing at all."""
         from laminar.relay_core import RelayError
 
         t = time.time()
+        overdue = t + self.cfg.relay.timeout_s
         # (The target is read again each round: a pause served meanwhile may raise it.)
         while self.engine.version < self._paused[0] and not self._stop.is_set():
+            if time.time() >= overdue:
+                overdue = time.time() + self.cfg.relay.timeout_s
+                self._say_overdue(time.time() - t)
             self._tick()
             self._serve()
             try:

@@ -1284,3 +1284,39 @@ def test_a_chunk_that_fails_its_checksum_downstream_is_sent_again(last):
             await asyncio.gather(m.close(), r1.close(), r2.close())
 
     asyncio.run(run())
+
+
+def test_a_rollout_paused_for_a_version_that_never_comes_says_so_naming_its_relay(
+    tiny_policy, caplog
+):
+    """A partial rollout paused for version 5, which its relay never gets (a send given
+    up upstream): every rollout waits so, and the run stops. The wait goes on (the
+    version may yet come), but each relay.timeout_s of it is an error naming the relay;
+    it said nothing."""
+    import logging
+
+    from laminar.config import RunConfig, with_overrides
+    from laminar.rollout import RolloutReplica
+
+    class Idle(_LocalRelay):  # holds version 1 and nothing newer, ever
+        key = "relay1"
+
+        def newest(self, have=-1, wait_s=0.0):
+            time.sleep(min(wait_s, 0.05))
+            return super().newest(have, wait_s)
+
+    core = RelayCore()
+    cfg = with_overrides(RunConfig(), ["relay.timeout_s=0.2", "rollout.parity_every=0"])
+    rollout = RolloutReplica("r0", cfg, str(tiny_policy), None, None, Idle(core))
+    rollout._paused = (5, [])
+    waiting = threading.Thread(target=rollout._resume_paused)
+    with caplog.at_level(logging.ERROR, logger="laminar.rollout"):
+        waiting.start()
+        deadline = time.monotonic() + 30
+        while not any("paused for version 5" in r.getMessage() for r in caplog.records):
+            assert time.monotonic() < deadline and waiting.is_alive()
+            time.sleep(0.01)
+        rollout._stop.set()
+        waiting.join(30)
+    said = next(r.getMessage() for r in caplog.records if "paused for" in r.getMessage())
+    assert "relay relay1 has not given it" in said and "engine holds version 0" in said
