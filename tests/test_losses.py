@@ -82,12 +82,16 @@ def test_policy_loss_token_mean_ignores_masked_tokens():
     assert math.isclose(float(loss), -5 / 3, rel_tol=1e-6)
 
 
-@pytest.mark.parametrize(
-    "agg, clip_c",
-    [("token-mean", None), ("seq-mean-token-sum", 3.0), ("seq-mean-token-mean", None)],
-)
-def test_micro_batched_step_equals_one_full_batch_step(tiny_policy, agg, clip_c):
-    """Splitting a global batch into length-sorted micro-batches leaves the gradient unchanged."""
+@pytest.mark.parametrize("correction", ["none", "tis", "decoupled"])
+@pytest.mark.parametrize("agg", AGGREGATIONS)
+def test_micro_batched_step_equals_one_full_batch_step(tiny_policy, agg, correction):
+    """Splitting a global batch into length-sorted micro-batches, or into data-parallel
+    shards (their gradients summed, as the all-reduce does), leaves the gradient and the
+    metrics unchanged: each micro-batch's loss is weighted by its share of the batch's
+    loss tokens (token-mean) or sequences (seq-mean-*). Partial loss masks (tool tokens)
+    make the two shares differ from the padded tokens'; stale behavior logprobs make the
+    clip, dual-clip and truncation bind; the KL and entropy terms follow ``agg`` too.
+    (It used to take ``agg`` and ``clip_c`` as parameters and pass neither.)"""
     import copy
 
     import numpy as np
@@ -96,35 +100,44 @@ def test_micro_batched_step_equals_one_full_batch_step(tiny_policy, agg, clip_c)
     from laminar.update import grpo_step
 
     model, tok = load_policy(tiny_policy)
+    ref, _ = load_policy(tiny_policy)
+    with torch.no_grad():  # (a reference that differs from the policy: a KL to pull)
+        for p in ref.parameters():
+            p.add_(0.05 * torch.randn_like(p))
     rng = np.random.default_rng(0)
     n = 12
     prompts = [rng.integers(4, 60, rng.integers(2, 6)).astype(np.int32) for _ in range(n)]
     responses = [rng.integers(4, 60, rng.integers(1, 30)).astype(np.int32) for _ in range(n)]
-    logps = [-rng.random(len(r)).astype(np.float32) for r in responses]
-    masks = [np.ones(len(r), np.uint8) for r in responses]
+    # behavior logprobs around the policy's (about -5.7): ratios from e^-3 to e^3
+    logps = [-rng.uniform(2.7, 8.7, len(r)).astype(np.float32) for r in responses]
+    masks = [(rng.random(len(r)) > 0.3).astype(np.uint8) for r in responses]
+    masks[0][:] = 0  # (a row with no loss token: a sequence all the same under seq-mean)
     rewards = torch.tensor(rng.random(n), dtype=torch.float32)
     groups = torch.arange(n) // 4
-    grads = []
-    for budget in (10**6, 40):
+
+    def step(budget, shard=None):
         m = copy.deepcopy(model)
         opt = torch.optim.SGD(m.parameters(), lr=0.0)
         metrics = grpo_step(
-            m,
-            opt,
-            prompts,
-            responses,
-            logps,
-            masks,
-            rewards,
-            groups,
-            pad_token_id=tok.pad_token_id,
-            clip_low=0.2,
-            clip_high=0.28,
-            micro_batch_tokens=budget,
-        )
-        grads.append(torch.cat([p.grad.flatten() for p in m.parameters() if p.grad is not None]))
-        assert np.isfinite(metrics["loss"])
-    assert torch.allclose(grads[0], grads[1], atol=1e-6, rtol=1e-4)
+            m, opt, prompts, responses, logps, masks, rewards, groups,
+            pad_token_id=tok.pad_token_id, clip_low=0.2, clip_high=0.28, clip_c=3.0,
+            micro_batch_tokens=budget, shard=shard, max_grad_norm=1e9, agg=agg,
+            correction=correction, ref_model=ref, kl_coef=0.1, entropy_coef=0.01,
+        )  # fmt: skip
+        grad = torch.cat([p.grad.flatten() for p in m.parameters() if p.grad is not None])
+        return grad, metrics
+
+    whole, metrics = step(10**6)
+    split, split_metrics = step(40)
+    assert torch.allclose(whole, split, atol=1e-6, rtol=1e-4)
+    (a, _), (b, _) = step(40, shard=range(0, n, 2)), step(40, shard=range(1, n, 2))
+    assert torch.allclose(whole, a + b, atol=1e-6, rtol=1e-4)
+    binds = {"none": "dual_clip_frac", "tis": "is_weight_capped_frac"}.get(correction)
+    assert binds is None or metrics[binds] > 0  # (the stale tokens reach the clip)
+    for k in ("loss", "pg_loss", "entropy", "kl_ref", "clip_frac", "logprob_diff_mean"):
+        if k in metrics:
+            assert split_metrics[k] == pytest.approx(metrics[k], rel=1e-5, abs=1e-7), k
+    assert np.isfinite(metrics["loss"]) and metrics["kl_ref"] > 0
 
 
 def _hand_loss(logp, old, adv, mask, agg, clip_low=0.2, clip_high=0.28, clip_c=None):
