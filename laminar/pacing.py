@@ -347,15 +347,20 @@ class Pacer:
 
         >>> m = TimeModel.named("H800", "7B", tp=4)
         >>> plain = Pacer(m).modelled(32, 32 * 4000, 0)
-        >>> scaled = Pacer(m, length_scale=250, request_scale=8).modelled(4, 4 * 16, 0)
+        >>> scaled = Pacer(m, length_scale=250, request_scale=8).modelled(4, 4 * 15, 0)
         >>> round(plain * 1e3, 2), round(scaled * 1e3, 2)  # 32 requests at 4K context
         (3.94, 3.96)
 
-        (The scaled step stands for 250 steps, over which the KV grows by 250 × 32 tokens.)
+        (4 real requests of 16 tokens: 32 modelled ones of 4,000, the last decoded. The
+        scaled step stands for 250 steps, over which the KV grows by 250 × 32 tokens.)
         """
         sc = self.scale
+        # ``context_tokens`` is Σ (context − 1) over the decoding requests: a real request
+        # of c tokens writes its c-th token's KV in this step. Scaled, it holds λ·c − 1
+        # modelled KV entries at the first modelled step (its modelled tokens up to λ·c,
+        # the last being decoded), not λ·(c − 1): σ·(λ·(S + b) − b) over the batch.
+        context_tokens = sc.tokens * (context_tokens + batch) - sc.request_scale * batch
         batch *= sc.request_scale
-        context_tokens *= sc.tokens
         prefill_tokens *= sc.tokens
         first = self.model.step_time(
             batch, context_tokens, prefill_tokens, fused=self.fused_prefill
@@ -363,8 +368,10 @@ class Pacer:
         # The other steps decode the admitted requests too, and read the KV their
         # predecessors wrote: ``decoding`` tokens each, so steps 1 .. L-1 read on average
         # ``L·decoding/2`` more than the first (decode time is linear in the KV read).
+        # An admitted request's prefill of λ·n tokens yields its first token, whose KV
+        # the next step writes: λ·n − 1 entries read there, as a decoding request's.
         decoding = batch + admitted * sc.request_scale
-        kv = context_tokens + (prefill_tokens if admitted else 0)
+        kv = context_tokens + (prefill_tokens - admitted * sc.request_scale if admitted else 0)
         mean_context = kv + sc.length_scale * decoding / 2
         rest = (sc.length_scale - 1) * self.model.decode_time(decoding, mean_context)
         return self.dilation * (first + rest) / sc.length_scale
