@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 
 from laminar.errors import ConfigError
-from pipelines.summary import reward_first_last
+from pipelines.summary import ran_s, reward_first_last
 from storage import open_run
 from storage.audit import require_fields, rollout_losses
 from storage.metrics import TABLES, open_metrics, segments, time_origin
@@ -483,7 +483,7 @@ def _versions_and_wall(r: dict) -> tuple[int | None, float, int]:
         return versions, float(wall), int(s.get("segments", 1))
     if not starts:
         return versions, float("nan"), 1
-    return versions, sum(x["end_s"] - x["start_s"] for x in starts), len(starts)
+    return versions, sum(ran_s(x) for x in starts), len(starts)
 
 
 def _check_out(out: Path, given: str) -> None:

@@ -227,6 +227,17 @@ def updates_made(trainer: dict, steps: int) -> int:
     return steps - (trainer["steps"] - trainer["version"])
 
 
+def ran_s(segment: dict) -> float:
+    """How long a start (:func:`storage.metrics.segments`) ran, from its first row to its
+    last, less the stops its rows show where they were not marked by start (written
+    before 2026-12-04, they may hold several: their stops counted as wall time).
+
+    >>> ran_s({"start_s": 0.0, "end_s": 300.0, "stopped_s": 200.0})
+    100.0
+    """
+    return segment["end_s"] - segment["start_s"] - segment.get("stopped_s", 0.0)
+
+
 def median(xs: list[float]) -> float:
     xs = [x for x in xs if x == x]
     return float(np.median(xs)) if xs else math.nan
@@ -286,7 +297,7 @@ def summarize(run_dir: Path, raw: dict, sft_info: dict, cfg: RunConfig) -> dict:
         "prompt_tokens": int(ds.sizes["prompt_token"]),
         "rl_wall_s": raw["wall_s"],  # this start's (a resumed run: since the resume)
         # every start's: the earlier ones' from their first to last metrics row
-        "rl_wall_s_total": raw["wall_s"] + sum(s["end_s"] - s["start_s"] for s in earlier),
+        "rl_wall_s_total": raw["wall_s"] + sum(ran_s(s) for s in earlier),
         "segments": len(earlier) + 1,
         "sft": sft_info,
         "staleness": store["staleness"],
@@ -393,7 +404,7 @@ def summarize_failed(
             seen.append(int(np.nanmax(versions)))
         if table == "cluster" and (starts := segments(rows)):
             # the wall time the rows show (they stop at the driver's last flush)
-            walls = [s["end_s"] - s["start_s"] for s in starts]
+            walls = [ran_s(s) for s in starts]
             summary |= {"rl_wall_s": walls[-1], "rl_wall_s_total": sum(walls)}
             summary["segments"] = len(starts)
     if seen:

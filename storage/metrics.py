@@ -431,12 +431,31 @@ def _read_table(group: zarr.Group, table: str) -> xr.Dataset:
     return ds
 
 
+# Rows written before starts were marked (2026-12-04): a stretch this long between two of
+# them, and this many times their median spacing, is a stop between two starts (a resume
+# takes a cluster's start and the model's load; rows come every metrics.poll_s).
+UNMARKED_STOP_S = 60.0
+UNMARKED_STOP_FACTOR = 20.0
+
+
+def _unmarked_stops(t: np.ndarray) -> float:
+    """The seconds between rows ``t`` (of one segment, unmarked) that look like stops."""
+    if len(t) < 3:
+        return 0.0
+    dt = np.diff(t)
+    long = dt > max(UNMARKED_STOP_S, UNMARKED_STOP_FACTOR * float(np.median(dt)))
+    return float(dt[long].sum())
+
+
 def segments(cluster: xr.Dataset) -> list[dict]:
     """The stretches of time a run ran, one per start (``laminar run --resume`` adds
     one), from its ``cluster`` rows: ``segment`` (0, 1, ...), ``start_s`` and ``end_s``
     (its first and last row, seconds on the run's clock: rows come every
-    ``metrics.poll_s``) and the trainer's ``first_version`` and ``last_version``. A run
-    recorded before segments were marked is one.
+    ``metrics.poll_s``), ``stopped_s`` and the trainer's ``first_version`` and
+    ``last_version``. Rows recorded before segments were marked are the first; as they
+    may hold several starts, ``stopped_s`` is the time between them that looks like a
+    stop (:data:`UNMARKED_STOP_S`: it ran ``end_s - start_s - stopped_s``), 0 for
+    marked rows.
 
     >>> import tempfile
     >>> w = MetricsWriter(tempfile.mkdtemp())
@@ -450,7 +469,8 @@ def segments(cluster: xr.Dataset) -> list[dict]:
     n = cluster.sizes.get("time", 0)
     if not n:
         return []
-    seg = cluster["segment"].values if "segment" in cluster else np.zeros(n)
+    seg = cluster["segment"].values if "segment" in cluster else np.full(n, np.nan)
+    unmarked = np.isnan(seg.astype(np.float64))
     seg = np.nan_to_num(seg, nan=0.0).astype(np.int64)  # (rows from before: the first)
     t, v = cluster["time"].values, cluster["version"].values
     out = []
@@ -461,6 +481,7 @@ def segments(cluster: xr.Dataset) -> list[dict]:
                 "segment": int(s),
                 "start_s": float(t[i[0]]),
                 "end_s": float(t[i[-1]]),
+                "stopped_s": _unmarked_stops(t[i[unmarked[i]]]),
                 "first_version": int(v[i[0]]),
                 "last_version": int(v[i[-1]]),
             }

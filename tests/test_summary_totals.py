@@ -81,3 +81,32 @@ def test_trainer_wait_s_is_the_runs_as_the_cluster_column_is(tmp_path):
         json.loads((tmp_path / "summary.json").read_text())["trainer_wait_s"]
         == summary["trainer_wait_s"]
     )
+
+
+def test_rl_wall_s_total_leaves_out_a_stop_its_unmarked_rows_show(tmp_path):
+    """A store whose first two starts wrote their cluster rows before rows named their
+    start (2026-12-04: no segment column; 0-20 s, stopped, 200-220 s), resumed again
+    now: the earlier rows read as one start, and rl_wall_s_total counted the stop
+    (180 s) as wall time."""
+    from storage.metrics import segments
+
+    TrajectoryWriter(tmp_path).append([record(0), record(1)])
+    MetricsWriter(tmp_path).append(
+        "cluster",
+        [
+            {"elapsed_s": float(t), "wall_time": T0 + t, "version": 1}
+            for t in [*range(0, 21, 5), *range(200, 221, 5)]
+        ],
+    )
+    earlier = segments(open_metrics(tmp_path, "cluster"))
+    assert [(s["start_s"], s["end_s"], s["stopped_s"]) for s in earlier] == [(0.0, 220.0, 180.0)]
+    raw = _raw(0.0, 0.0) | {"earlier_segments": earlier, "wall_s": 30.0}
+    summary = summarize(tmp_path, raw, {}, RunConfig())
+    assert summary["rl_wall_s_total"] == pytest.approx(30.0 + 40.0)
+    # rows a start marked: its polls' spacing, however long, is its own
+    MetricsWriter(tmp_path).append(
+        "cluster",
+        [{"segment": 1, "elapsed_s": t, "wall_time": T0 + t, "version": 2} for t in (300.0, 500.0)],
+    )
+    marked = segments(open_metrics(tmp_path, "cluster"))[1]
+    assert (marked["start_s"], marked["end_s"], marked["stopped_s"]) == (300.0, 500.0, 0.0)
