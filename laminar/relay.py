@@ -130,6 +130,7 @@ class Relay:
         self.rechains = 0
         # Sends to the successor that failed, versions sent again after one, and versions
         # given up (SEND_RETRIES spent). ``_retrying``: the version retried and its tries.
+        self.overtaken = 0  # versions whose forwarding stopped: a newer one was complete
         self.send_failures = 0
         self.send_retries = 0
         self.sends_given_up = 0
@@ -323,7 +324,8 @@ class Relay:
         """Send down the chain in order. The master queues whole versions (a version
         overtaken by a newer one before it started is skipped: downstream only ever needs
         the newest); a downstream relay queues each chunk as it arrives, so it forwards
-        chunk ``j`` while its upstream sends ``j+1``."""
+        chunk ``j`` while its upstream sends ``j+1``, and stops forwarding a version once
+        a newer one is complete here."""
         while True:
             item = await self._queue.get()
             try:
@@ -408,6 +410,15 @@ class Relay:
         snap = self._forwarding.get(version)
         if snap is None:
             return  # its forwarding failed earlier, or was dropped: the rest of it too
+        newest = self.core.newest()
+        if newest is not None and newest.version > version:
+            # Overtaken: a newer version is complete here, and its chunks follow in the
+            # queue. The relays below need only the newest (a pull takes the newest; a
+            # rollout paused for this one resumes with a newer), and a successor slower
+            # than our upstream would otherwise fall further behind at every version.
+            self._stop_forwarding(version, snap)
+            self.overtaken += 1
+            return
         held = self.core.pin(version)
         try:
             await self._send(snap, j, t_publish)
@@ -675,6 +686,7 @@ class Relay:
             if self._sends_from_thread()
             else "loop",
             "rechains": self.rechains,
+            "overtaken": self.overtaken,
             "send_failures": self.send_failures,
             "send_retries": self.send_retries,
             "sends_given_up": self.sends_given_up,

@@ -1320,3 +1320,35 @@ def test_a_rollout_paused_for_a_version_that_never_comes_says_so_naming_its_rela
         waiting.join(30)
     said = next(r.getMessage() for r in caplog.records if "paused for" in r.getMessage())
     assert "relay relay1 has not given it" in said and "engine holds version 0" in said
+
+
+def test_a_relay_stops_forwarding_a_version_overtaken_by_a_complete_newer_one():
+    """relay1's sends to relay2 lag (held at version 1's chunk 1) while version 2 arrives
+    whole: relay1 sends version 2 next, not the rest of version 1, which relay2 would
+    have dropped in any case (only the master skipped overtaken versions; a relay below
+    sent each in full and fell further behind a faster upstream)."""
+    import asyncio
+
+    async def run() -> None:
+        r1, r2 = _relays("relay1", "relay2")
+        to_r2 = _Peer(r2)
+        to_r2.hold = asyncio.Event()
+        to_r2.held = lambda name, a: name == "receive_chunk" and a[0] == 1 and a[3] == 1
+        await r1.set_chain(["master", "relay1", "relay2"], to_r2, None)
+        await r2.set_chain(["master", "relay1", "relay2"], None, None)
+        try:
+            for v in (1, 2):
+                for layout, cb, j, data, crc in _chunks(v):
+                    await r1.receive_chunk(v, layout, cb, j, data, crc, 0.0)
+            await _until(lambda: r1.core.versions() == [1, 2] and (1, 1) in to_r2.calls)
+            to_r2.hold.set()
+            await _until(lambda: r2.core.versions() == [2])
+            assert [c for c in to_r2.calls if c[0] == 1] == [(1, 0), (1, 1)]
+            assert r1.overtaken == 1 and not r1.errors and not r2.errors
+            await _until(lambda: all(p == 0 for p in _pins(r1).values()))
+            assert _read(r2.core, 2)["w"].eq(2.0).all()
+        finally:
+            to_r2.hold.set()
+            await asyncio.gather(r1.close(), r2.close())
+
+    asyncio.run(run())
