@@ -8,9 +8,10 @@ seed and length alone, does not depend on which other requests share its batch, 
 survives export, re-prefill and import anywhere.
 
 A token is drawn by inverting the CDF of the (filtered) tempered distribution at ``u``.
-The behavior logprob returned with it is that of the tempered distribution *before* top-k/
-top-p filtering (what the trainer recomputes with ``log_softmax(logits / T)``); greedy rows
-(``T = 0``) report the ``T = 1`` logprob.
+The filters apply in HF's and vLLM's order: top-k, then top-p over the top-k tokens'
+renormalised mass. The behavior logprob returned with it is that of the tempered
+distribution *before* top-k/top-p filtering (what the trainer recomputes with
+``log_softmax(logits / T)``); greedy rows (``T = 0``) report the ``T = 1`` logprob.
 """
 
 from __future__ import annotations
@@ -102,7 +103,16 @@ def sample(
 
 
 def _filter_mask(probs: torch.Tensor, top_k: np.ndarray, top_p: np.ndarray) -> torch.Tensor:
-    """Keep, per row, the ``top_k`` most likely tokens and the smallest set of mass ≥ top_p."""
+    """Keep, per row, the ``top_k`` most likely tokens, then of those the smallest set
+    whose share of their mass is ≥ ``top_p`` — top-p over the distribution renormalised
+    after top-k, as HF's warpers and vLLM's sampler apply them (top-p over the full
+    distribution kept more: probabilities [.3, .25, .2, .15, .1], k = 3, p = 0.7 kept
+    three tokens where they keep two).
+
+    >>> p = torch.tensor([[0.30, 0.25, 0.20, 0.15, 0.10]], dtype=torch.float64)
+    >>> _filter_mask(p, np.array([3]), np.array([0.7])).tolist()
+    [[1.0, 1.0, 0.0, 0.0, 0.0]]
+    """
     n, vocab = probs.shape
     dev = probs.device
     # Stable: tied tokens keep id order, so top-1 is the argmax (the first maximum) and
@@ -111,12 +121,14 @@ def _filter_mask(probs: torch.Tensor, top_k: np.ndarray, top_p: np.ndarray) -> t
     rank = torch.arange(vocab, device=dev)[None, :]
     k = torch.as_tensor(np.where(top_k > 0, np.minimum(top_k, vocab), vocab), device=dev)
     keep_sorted = rank < k[:, None]
-    # Nucleus: a token stays if the mass strictly before it is below top_p.
-    before = sorted_p.cumsum(-1) - sorted_p
+    # Nucleus, over what top-k kept: a token stays if the mass strictly before it is
+    # below top_p of the kept mass (not divided: no rounding of a row that keeps all).
+    kept_p = sorted_p * keep_sorted
+    before = kept_p.cumsum(-1) - kept_p
     # (only rows that filter: rounding can sum a row's mass past 1, and `before < 1`
     # would then drop its tail, so a row's draw would depend on its neighbours' filters)
     p = torch.as_tensor(top_p, dtype=torch.float64, device=dev)[:, None]
-    keep_sorted &= (before < p) | (p >= 1)
+    keep_sorted &= (before < p * kept_p.sum(-1, keepdim=True)) | (p >= 1)
     keep_sorted[:, 0] = True
     mask = torch.zeros_like(keep_sorted)
     mask.scatter_(1, order, keep_sorted)
