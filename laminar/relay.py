@@ -41,6 +41,7 @@ whose worker died otherwise waits forever.
 from __future__ import annotations
 
 import asyncio
+import bisect
 import contextlib
 import logging
 import math
@@ -78,6 +79,12 @@ logger = logging.getLogger(__name__)
 # until the next publication (a paused partial rollout below waits for it).
 SEND_RETRIES = 3
 SEND_RETRY_S = 0.25
+# A relay keeps its newest KEEP_ERRORS error messages (``error_count`` counts them all)
+# and the completion times of its newest KEEP_COMPLETIONS versions: a long run with a
+# recurring fault grew both by one entry a version. (The master settles a version's
+# publication record when its completions are dropped: it no longer changes.)
+KEEP_ERRORS = 100
+KEEP_COMPLETIONS = 1000
 
 
 # -- the Dask actor ------------------------------------------------------------------------
@@ -115,7 +122,8 @@ class Relay:
         self._new_version: asyncio.Event | None = None  # pulls waiting for a version
         self.publications: list[dict] = []  # master: one record per published version
         self.completions: dict[int, dict[str, float]] = {}  # master: version -> relay -> t
-        self.errors: list[str] = []
+        self.errors: list[str] = []  # the newest KEEP_ERRORS
+        self.error_count = 0
         self._ignored = -1  # a version refused at its first chunk: drop the rest of it
         self._forwarding: dict[int, Snapshot] = {}  # versions pinned until forwarded
         # Versions arriving here when a rechain gave us a new successor: each is sent to
@@ -475,7 +483,10 @@ class Relay:
         queue.put_nowait(("resend", version, t_publish))
 
     def _error(self, msg: str) -> None:
+        self.error_count += 1
         self.errors.append(msg)
+        if len(self.errors) > KEEP_ERRORS:
+            del self.errors[: len(self.errors) - KEEP_ERRORS]
 
     def _stop_forwarding(self, version: int, snap: Snapshot) -> None:
         """Release the forwarding pin of ``snap``, unless it was released already."""
@@ -568,7 +579,7 @@ class Relay:
         try:
             done = await stored
         except RelayError as e:
-            self.errors.append(str(e))
+            self._error(str(e))
             logger.error("relay %s: %s", self.relay_id, e)
             return
         if self.downstream is not None:
@@ -604,7 +615,7 @@ class Relay:
         try:
             await self._call(self.master.relay_completed(self.relay_id, version))
         except Exception as e:  # noqa: BLE001 — a lost master must not stop the chain
-            self.errors.append(f"reporting version {version} to the master: {e!r}")
+            self._error(f"reporting version {version} to the master: {e!r}")
 
     async def relay_completed(self, relay_id: str, version: int) -> None:
         """Master: relay ``relay_id`` holds ``version`` complete (timed on our clock)."""
@@ -612,6 +623,16 @@ class Relay:
 
     def _completed(self, relay_id: str, version: int) -> None:
         self.completions.setdefault(version, {})[relay_id] = time.time()
+        while len(self.completions) > KEEP_COMPLETIONS:
+            self._settle(min(self.completions))
+
+    def _settle(self, version: int) -> None:
+        """Drop ``version``'s completions; its publication record (master) keeps what
+        they said as it stands, for good."""
+        i = bisect.bisect_left(self.publications, version, key=lambda r: r["version"])
+        if i < len(self.publications) and self.publications[i]["version"] == version:
+            self.publications[i] = self._record(self.publications[i], list(self.chain))
+        del self.completions[version]
 
     # -- reading (rollouts) ------------------------------------------------------------------
     async def newest(self, have_version: int = -1, wait_s: float = 0.0) -> dict | None:
@@ -691,6 +712,7 @@ class Relay:
             "send_retries": self.send_retries,
             "sends_given_up": self.sends_given_up,
             "errors": self.errors[-5:],
+            "error_count": self.error_count,
         }
         if self.master is None:
             out["publications"] = self.publication_records()
@@ -711,18 +733,21 @@ class Relay:
         (a record's time is the newest of its relays', so it still reads every one)."""
         chain = list(self.chain)
         members = set(chain)
-        out = []
-        for rec in self.publications[since:]:
-            done = self.completions.get(rec["version"], {})
-            row = dict(rec)
-            if done.keys() >= members:
-                row["relays_complete"] = len(chain)
-                row["broadcast_s"] = max(map(done.__getitem__, chain)) - rec["t_publish"]
-            else:
-                row["relays_complete"] = len(members & done.keys())
-                row["broadcast_s"] = math.nan
-            out.append(row)
-        return out
+        return [self._record(rec, chain, members) for rec in self.publications[since:]]
+
+    def _record(self, rec: dict, chain: list[str], members: set | None = None) -> dict:
+        if "relays_complete" in rec:  # settled (its completions dropped)
+            return dict(rec)
+        members = set(chain) if members is None else members
+        done = self.completions.get(rec["version"], {})
+        row = dict(rec)
+        if done.keys() >= members:
+            row["relays_complete"] = len(chain)
+            row["broadcast_s"] = max(map(done.__getitem__, chain)) - rec["t_publish"]
+        else:
+            row["relays_complete"] = len(members & done.keys())
+            row["broadcast_s"] = math.nan
+        return row
 
     # -- helpers ---------------------------------------------------------------------------
     async def _run(self, fn, *args):

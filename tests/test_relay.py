@@ -1352,3 +1352,32 @@ def test_a_relay_stops_forwarding_a_version_overtaken_by_a_complete_newer_one():
             await asyncio.gather(r1.close(), r2.close())
 
     asyncio.run(run())
+
+
+def test_errors_and_completions_are_kept_for_the_newest_only(monkeypatch):
+    """A relay's errors and completion times grew by one entry a version in a long run
+    with a recurring fault. It keeps the newest (counting every error), and the master's
+    publication records of versions whose completions it dropped stay as they stood."""
+    import asyncio
+
+    import laminar.relay as relay_mod
+
+    monkeypatch.setattr(relay_mod, "KEEP_COMPLETIONS", 4)
+    monkeypatch.setattr(relay_mod, "KEEP_ERRORS", 3)
+    relay = Relay("master")
+    relay.chain = ["master", "relay1"]
+    for v in range(10):
+        relay.publications.append(
+            {"version": v, "t_publish": 10.0 * v, "stall_s": 0.1, "bytes": 8, "chunks": 1}
+        )
+        relay._completed("master", v)
+        if v % 2 == 0:  # (the odd versions never reach relay1)
+            relay._completed("relay1", v)
+        relay._error(f"error {v}")
+    assert sorted(relay.completions) == [6, 7, 8, 9]
+    records = relay.publication_records()
+    assert [r["relays_complete"] for r in records] == [2, 1] * 5
+    assert [math.isnan(r["broadcast_s"]) for r in records] == [False, True] * 5
+    assert relay.errors == ["error 7", "error 8", "error 9"]
+    stats = asyncio.run(relay.stats())
+    assert stats["error_count"] == 10 and stats["errors"] == relay.errors
