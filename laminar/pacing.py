@@ -307,7 +307,12 @@ class Pacer:
 
     ``window`` recent steps are kept; if their median actual/modelled ratio exceeds 1 the
     pacer raises :class:`PacingError` (``strict``) naming the dilation that would do.
-    Single slow steps (a GC pause, a noisy neighbour) are counted, not fatal.
+    Single slow steps (a GC pause, a noisy neighbour) are counted, not fatal: ``overruns``
+    steps whose compute passed their deadline, and ``overrun_s`` the seconds by which
+    steps ended past it — their compute, or the ``sleep`` (a rollout's ``wait_hook``,
+    which serves commands meanwhile) returning late — each such second a second the
+    modelled clock was stretched. ``clock`` is the ``perf_counter`` the step times
+    (``t0``) are read on.
     """
 
     def __init__(
@@ -320,8 +325,10 @@ class Pacer:
         fused_prefill: bool = False,
         length_scale: float = 1.0,
         request_scale: float = 1.0,
+        clock: Callable[[], float] = time.perf_counter,
     ) -> None:
         self.scale = Scale(dilation, length_scale, request_scale)  # checks each > 0
+        self.clock = clock
         self.model = model
         self.dilation = dilation
         self.strict = strict
@@ -329,6 +336,7 @@ class Pacer:
         self._ratios: deque[float] = deque(maxlen=window)
         self.steps = 0
         self.overruns = 0
+        self.overrun_s = 0.0
         self.modelled_s = 0.0
         self.actual_s = 0.0
         self.max_ratio = 0.0
@@ -389,7 +397,8 @@ class Pacer:
         """Wait until ``t0`` (a ``perf_counter`` time) plus the modelled step time, with
         ``sleep(seconds)`` (which may do other work meanwhile, within those seconds)."""
         target = self.modelled(batch, context_tokens, prefill_tokens, admitted)
-        actual = time.perf_counter() - t0
+        deadline = t0 + target
+        actual = self.clock() - t0
         self.steps += 1
         self.modelled_s += target
         self.actual_s += actual
@@ -398,6 +407,7 @@ class Pacer:
         self._ratios.append(ratio)
         if actual > target:
             self.overruns += 1
+            self.overrun_s += actual - target
             if self.strict and len(self._ratios) == self._ratios.maxlen:
                 median = statistics.median(self._ratios)
                 if median > 1.0:
@@ -410,6 +420,8 @@ class Pacer:
                     )
         else:
             sleep(target - actual)
+            # (a command served in the wait may run past the deadline)
+            self.overrun_s += max(0.0, self.clock() - deadline)
 
     def stats(self) -> dict:
         return {
@@ -417,6 +429,7 @@ class Pacer:
             "modelled_s": self.modelled_s,
             "compute_s": self.actual_s,
             "overruns": self.overruns,
+            "overrun_s": self.overrun_s,
             "max_compute_ratio": self.max_ratio,
             "dilation": self.dilation,
         }
@@ -428,8 +441,10 @@ class Clock:
 
     ``hold(t0, modelled_s, what)`` waits until ``t0`` (a ``time.time()``) plus the wall
     time of ``modelled_s``; a stretch whose real work already took longer is counted as
-    an overrun of ``what``. With ``strict``, once the median of the last ``window``
-    stretches of one kind overran, :class:`PacingError` names the dilation that would do.
+    an overrun of ``what``, and the seconds it ran past its end (or the ``sleep`` woke
+    past it) add to ``what``'s ``overrun_s``: wall seconds by which the emulated clock
+    was stretched. With ``strict``, once the median of the last ``window`` stretches of
+    one kind overran, :class:`PacingError` names the dilation that would do.
     """
 
     def __init__(
@@ -439,11 +454,13 @@ class Clock:
         strict: bool = True,
         window: int = 8,
         sleep: Callable[[float], None] = time.sleep,
+        clock: Callable[[], float] = time.time,
     ) -> None:
         self.scale = scale
         self.strict = strict
         self.window = window
         self.sleep = sleep
+        self.clock = clock
         self._ratios: dict[str, deque[float]] = {}
         self.figures: dict[str, dict[str, float]] = {}
 
@@ -451,11 +468,11 @@ class Clock:
         """Wait out ``modelled_s`` from ``t0``; returns the wall seconds since ``t0``.
         A stretch modelled to take no time (e.g. ``publish_s=0``) is not held or counted."""
         target = self.scale.wall(modelled_s)
-        actual = time.time() - t0
+        actual = self.clock() - t0
         if target <= 0:
             return actual
         fig = self.figures.setdefault(
-            what, {"n": 0, "modelled_s": 0.0, "compute_s": 0.0, "overruns": 0}
+            what, {"n": 0, "modelled_s": 0.0, "compute_s": 0.0, "overruns": 0, "overrun_s": 0.0}
         )
         fig["n"] += 1
         fig["modelled_s"] += target
@@ -464,8 +481,11 @@ class Clock:
         ratios.append(actual / target)
         if actual <= target:
             self.sleep(target - actual)
-            return time.time() - t0
+            held = self.clock() - t0
+            fig["overrun_s"] += max(0.0, held - target)
+            return held
         fig["overruns"] += 1
+        fig["overrun_s"] += actual - target
         if self.strict and len(ratios) == self.window and statistics.median(ratios) > 1.0:
             median = statistics.median(ratios)
             raise PacingError(

@@ -25,6 +25,8 @@ when the replicas' batches have drifted apart:
 * decode step — a modelled decode step's mean time (ms) and requests (``decode_batch``):
   repack fills batches, and a fuller step reads more KV, which is why its mean latency
   rises (``docs/repack.md``);
+* overruns — the share of the rollouts' decode-loop time by which paced steps ended past
+  their deadlines (``overrun_share``), which stretches the emulated clock;
 * replica-seconds freed — for each move, from the move to the last of its moved
   requests finishing elsewhere: the time the source would have spent on its stragglers.
 
@@ -204,6 +206,7 @@ def _figures(run_dir: Path, summary: dict, scale, warmup: float) -> dict:
             if summary["engine"].get("modelled_s")
             else float("nan")  # not paced
         ),
+        **overrun_figures(summary),
         "moves": 0,
         "pause_s": 0.0,
         "overhead_frac": 0.0,
@@ -224,6 +227,23 @@ def _figures(run_dir: Path, summary: dict, scale, warmup: float) -> dict:
             _freed(ds, open_metrics(run_dir, "repacks") if rep["moves"] else None)
         )
     return out
+
+
+def overrun_figures(summary: dict) -> dict:
+    """``overrun_share``: the share of the rollouts' decode-loop time (``decode_s``) by
+    which their paced steps ended past their deadlines (``engine_overrun_s``: compute over
+    the model, or a command served in a step's wait past it) — time the emulation
+    stretched, that a GPU run would not have spent. NaN when not paced.
+
+    >>> rollouts = [{"decode_s": 6.0, "engine_overrun_s": 0.3}, {"decode_s": 4.0}]
+    >>> overrun_figures({"engine": {"modelled_s": 9.0}, "rollouts": rollouts})
+    {'overrun_share': 0.03}
+    """
+    rollouts = summary["rollouts"]
+    decode_s = sum(r.get("decode_s", 0.0) for r in rollouts)
+    paced = bool(summary["engine"].get("modelled_s")) and decode_s > 0
+    overrun_s = sum(r.get("engine_overrun_s", 0.0) for r in rollouts)
+    return {"overrun_share": overrun_s / decode_s if paced else float("nan")}
 
 
 def _freed(ds, moves) -> float:
@@ -352,6 +372,7 @@ def bench_repack(
         "latency_max_s",
         "step_ms",
         "decode_batch",
+        "overrun_share",
         "moves",
         "overhead_frac",
         "freed_replica_s",

@@ -1,10 +1,10 @@
 """The scaled pacer against the full-size workload it stands for, modelled step by step.
 
-Pure functions of ``laminar.pacing``: no engine, no wall clock."""
+Pure functions of ``laminar.pacing``: no engine, no wall clock (a fake one where time counts)."""
 
 import pytest
 
-from laminar.pacing import Pacer, TimeModel
+from laminar.pacing import Clock, Pacer, Scale, TimeModel
 
 PROMPT = 5  # real prompt tokens
 
@@ -63,3 +63,60 @@ def test_a_scaled_step_costs_the_full_size_steps_it_stands_for(admit_at, lengths
     paced = sum(pacer.modelled(*step) for step in _real_steps(admit_at, lengths))
     want = _full_size(m, admit_at, lengths, L, R, fused)
     assert paced * L / 2.0 == pytest.approx(want, rel=1e-9)
+
+
+class FakeTime:
+    """A clock and a sleep on it: time passes only when the test (or a sleep) says."""
+
+    def __init__(self) -> None:
+        self.t = 100.0
+        self.late = 0.0  # how far the next sleep overshoots (a command served in it)
+
+    def __call__(self) -> float:
+        return self.t
+
+    def sleep(self, seconds: float) -> None:
+        self.t += seconds + self.late
+        self.late = 0.0
+
+
+def test_overruns_report_how_long_they_stretched_the_modelled_clock():
+    """A step whose compute passes its deadline, and one whose wait (a rollout's
+    wait_hook serving a command) returns past it, stretch the modelled clock by that
+    much: both add to ``overrun_s``; only the first is an overrun step (its compute)."""
+    m = TimeModel.named("H800", "7B", tp=4)
+    clock = FakeTime()
+    pacer = Pacer(m, dilation=10.0, strict=False, clock=clock)
+    target = pacer.modelled(8, 800, 0)
+    t0 = clock.t
+    clock.t += 0.25 * target  # on time
+    pacer.pace(t0, batch=8, context_tokens=800, prefill_tokens=0, sleep=clock.sleep)
+    assert clock.t == pytest.approx(t0 + target) and pacer.overrun_s == 0.0
+    t0 = clock.t
+    clock.t += 1.5 * target  # compute over the model
+    pacer.pace(t0, batch=8, context_tokens=800, prefill_tokens=0, sleep=clock.sleep)
+    assert pacer.overruns == 1 and pacer.overrun_s == pytest.approx(0.5 * target)
+    t0 = clock.t
+    clock.late = 0.2 * target  # the wait served a command that ran past the deadline
+    pacer.pace(t0, batch=8, context_tokens=800, prefill_tokens=0, sleep=clock.sleep)
+    assert pacer.overruns == 1 and pacer.overrun_s == pytest.approx(0.7 * target)
+    assert pacer.stats()["overrun_s"] == pacer.overrun_s
+
+
+def test_a_clock_reports_how_long_its_holds_ran_past_their_model():
+    clock = FakeTime()
+    held = Clock(
+        Scale(dilation=2.0, length_scale=4.0), strict=False, sleep=clock.sleep, clock=clock
+    )
+    t0 = clock.t
+    clock.t += 0.5  # 2 s modelled = 1 s here: on time
+    held.hold(t0, 2.0, "update")
+    t0 = clock.t
+    clock.t += 3.0  # 2 s over
+    held.hold(t0, 2.0, "sync")
+    t0 = clock.t
+    clock.late = 0.25  # woke late
+    held.hold(t0, 2.0, "sync")
+    stats = held.stats()
+    assert stats["update"]["overrun_s"] == 0.0 and stats["update"]["overruns"] == 0
+    assert stats["sync"]["overrun_s"] == pytest.approx(2.25) and stats["sync"]["overruns"] == 1
