@@ -642,7 +642,7 @@ def test_a_resumed_runs_summary_carries_the_earlier_starts_faults(tmp_path, monk
     summary = {"reason": "stopped", "segments": 1, "faults": lost | {"recovered_requests": 4}}
     (tmp_path / "summary.json").write_text(json.dumps(summary))
     s, _ = fake_run(tmp_path, monkeypatch, set(WORKERS.values()))
-    s.resume = SimpleNamespace(summary=lambda: {"version": 2})
+    s.resume = SimpleNamespace(version=2, summary=lambda: {"version": 2})
     out = run_in_thread(s)
     assert "result" in out, out
     faults = out["result"]["faults"]
