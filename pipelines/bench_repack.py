@@ -25,8 +25,10 @@ when the replicas' batches have drifted apart:
 * decode step — a modelled decode step's mean time (ms) and requests (``decode_batch``):
   repack fills batches, and a fuller step reads more KV, which is why its mean latency
   rises (``docs/repack.md``);
-* overruns — the share of the rollouts' decode-loop time by which paced steps ended past
-  their deadlines (``overrun_share``), which stretches the emulated clock;
+* decode loop — the share of the rollouts' decode-loop time that no modelled step
+  accounts for (``decode_unmodelled``, as bench schedules reports it), and the share by
+  which paced steps ended past their deadlines (``overrun_share``), which stretches the
+  emulated clock;
 * replica-seconds freed — for each move, from the move to the last of its moved
   requests finishing elsewhere: the time the source would have spent on its stragglers.
 
@@ -206,7 +208,7 @@ def _figures(run_dir: Path, summary: dict, scale, warmup: float) -> dict:
             if summary["engine"].get("modelled_s")
             else float("nan")  # not paced
         ),
-        **overrun_figures(summary),
+        **decode_loop_figures(summary),
         "moves": 0,
         "pause_s": 0.0,
         "overhead_frac": 0.0,
@@ -214,36 +216,56 @@ def _figures(run_dir: Path, summary: dict, scale, warmup: float) -> dict:
     }
     rep = summary.get("repack")
     if rep:
-        wall = summary["rl_wall_s"]
-        # pause_s sums each move's pause of its source: replica-seconds, so its share of
-        # the rollouts' time divides by them all
-        replicas = max(len(summary["rollouts"]), 1)
-        out.update(
-            moves=rep["moves"],
-            pause_s=rep["pause_s"],
-            overhead_frac=rep["pause_s"] / (wall * replicas),
-        )
+        out.update(pause_figures(summary, scale))
         out["freed_replica_s"] = scale.modelled(
             _freed(ds, open_metrics(run_dir, "repacks") if rep["moves"] else None)
         )
     return out
 
 
-def overrun_figures(summary: dict) -> dict:
-    """``overrun_share``: the share of the rollouts' decode-loop time (``decode_s``) by
-    which their paced steps ended past their deadlines (``engine_overrun_s``: compute over
-    the model, or a command served in a step's wait past it) — time the emulation
-    stretched, that a GPU run would not have spent. NaN when not paced.
+def pause_figures(summary: dict, scale) -> dict:
+    """The moves and the pause they caused their sources: ``pause_s`` in modelled
+    seconds (the manager times it in wall seconds here, as ``rl_wall_s``), and
+    ``overhead_frac``, its share of the rollouts' time — a sum of each move's pause of
+    its source, replica-seconds, so the share divides by them all.
 
-    >>> rollouts = [{"decode_s": 6.0, "engine_overrun_s": 0.3}, {"decode_s": 4.0}]
-    >>> overrun_figures({"engine": {"modelled_s": 9.0}, "rollouts": rollouts})
-    {'overrun_share': 0.03}
+    >>> from laminar.pacing import Scale
+    >>> summary = {"repack": {"moves": 3, "pause_s": 2.0}, "rl_wall_s": 50.0, "rollouts": [{}] * 4}
+    >>> pause_figures(summary, Scale(dilation=32, length_scale=256))  # 8 modelled s a wall s
+    {'moves': 3, 'pause_s': 16.0, 'overhead_frac': 0.01}
+    """
+    rep = summary["repack"]
+    replicas = max(len(summary["rollouts"]), 1)
+    return {
+        "moves": rep["moves"],
+        "pause_s": scale.modelled(rep["pause_s"]),
+        "overhead_frac": rep["pause_s"] / (summary["rl_wall_s"] * replicas),
+    }
+
+
+def decode_loop_figures(summary: dict) -> dict:
+    """What the rollouts' decode loops (``decode_s``, wall) spent besides modelled steps,
+    as bench schedules reports it: ``decode_unmodelled``, the share no paced step
+    accounts for (the work between steps — finished responses handed on, the partial
+    log, pool calls, commands served — and overruns); ``overrun_share``, the share by
+    which paced steps ended past their deadlines (``engine_overrun_s``: compute over the
+    model, or a command served in a step's wait past it) — time the emulation stretched,
+    that a GPU run would not have spent. NaN when not paced.
+
+    >>> rollouts = [{"decode_s": 5.0, "engine_overrun_s": 0.4}, {"decode_s": 3.0}]
+    >>> decode_loop_figures({"engine": {"modelled_s": 6.0}, "rollouts": rollouts})
+    {'decode_unmodelled': 0.25, 'overrun_share': 0.05}
     """
     rollouts = summary["rollouts"]
     decode_s = sum(r.get("decode_s", 0.0) for r in rollouts)
-    paced = bool(summary["engine"].get("modelled_s")) and decode_s > 0
+    modelled_s = summary["engine"].get("modelled_s")
+    if not (modelled_s and decode_s > 0):
+        return {"decode_unmodelled": float("nan"), "overrun_share": float("nan")}
     overrun_s = sum(r.get("engine_overrun_s", 0.0) for r in rollouts)
-    return {"overrun_share": overrun_s / decode_s if paced else float("nan")}
+    return {
+        "decode_unmodelled": 1 - modelled_s / decode_s,
+        "overrun_share": overrun_s / decode_s,
+    }
 
 
 def _freed(ds, moves) -> float:
@@ -372,7 +394,6 @@ def bench_repack(
         "latency_max_s",
         "step_ms",
         "decode_batch",
-        "overrun_share",
         "moves",
         "overhead_frac",
         "freed_replica_s",
