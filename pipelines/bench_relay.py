@@ -328,7 +328,7 @@ def relay_ratios(
                 if "loop" in senders and "thread" in senders:
                     for c in ("broadcast_s", "stall_s", "wait_s"):
                         name = f"{pre}loop_vs_thread_m{mb}_p{p}_{c.removesuffix('_s')}"
-                        ratios[name] = f[f"loop_{k}{c}"] / f[k + c]
+                        ratios[name] = figures[f"{pre}loop_{k}{c}"] / f[k + c]
     if "tcp" not in protocols:
         notes.append(
             f"no <protocol>_vs_tcp ratios: tcp was not measured (--protocols "

@@ -414,3 +414,20 @@ def test_a_schedules_out_its_table_or_plot_would_overwrite_is_refused_before_the
     for out in ("s.md", "s.PNG"):
         with pytest.raises(ConfigError, match="give a .json path"):
             bench.run_bench("schedules", out)
+
+
+def test_relay_ratios_compare_the_loop_sender_with_the_thread_one_of_each_protocol():
+    """Both senders measured: the loop sender's figures (prefixed ``loop_``, after a
+    protocol's own prefix) are compared with the thread sender's, cell by cell, and the
+    headline names the longest chain."""
+    from pipelines.bench_relay import relay_ratios
+
+    senders = ("thread", "loop")
+    figures = _relay_figures(["tcp", "ucx"], (2, 3), (1,), senders)
+    for k in figures:
+        if "loop_" in k:
+            figures[k] *= 3.0
+    ratios, _ = relay_ratios(figures, (1,), (2, 3), ("tcp", "ucx"), senders)
+    assert ratios["loop_vs_thread_m1_p3_broadcast"] == 3.0
+    assert ratios["ucx_loop_vs_thread_m1_p2_stall"] == 3.0
+    assert ratios["broadcast_loop_vs_thread_p3"] == 3.0

@@ -605,10 +605,10 @@ def test_relay_bench_measures_both_senders_side_by_side():
         assert f[f"{pre}m1_p3_send_inner_s"] > 0 and f[f"{pre}m1_p3_send_master_s"] > 0
         assert math.isnan(f[f"{pre}m1_p2_send_inner_s"])  # no relay in the middle
         assert f[f"{pre}m1_p3_broadcast_s"] > 0 and f[f"{pre}m1_p3_chunk_model_s"] > 0
-    assert r["broadcast_loop_vs_thread_p8"] == r["loop_vs_thread_m1_p3_broadcast"] > 0
-    assert r["stall_p8_vs_p2"] > 0 and r["naive_stall_p8_vs_relay_stall_p8"] > 0
+    assert r["broadcast_loop_vs_thread_p3"] == r["loop_vs_thread_m1_p3_broadcast"] > 0
+    assert r["stall_p3_vs_p2"] > 0 and r["naive_stall_p3_vs_relay_stall_p3"] > 0
     alone = bench_relay(sizes_mb=(1,), ps=(2, 3), repeats=1, senders=("loop",))
-    assert alone.rows[0][:2] == ["tcp", "loop"] and alone.ratios["stall_p8_vs_p2"] > 0
+    assert alone.rows[0][:2] == ["tcp", "loop"] and alone.ratios["stall_p3_vs_p2"] > 0
     with pytest.raises(ConfigError, match="--senders"):
         bench_relay(sizes_mb=(1,), ps=(2,), senders=("fast",))
 
