@@ -308,11 +308,12 @@ class Pacer:
     ``window`` recent steps are kept; if their median actual/modelled ratio exceeds 1 the
     pacer raises :class:`PacingError` (``strict``) naming the dilation that would do.
     Single slow steps (a GC pause, a noisy neighbour) are counted, not fatal: ``overruns``
-    steps whose compute passed their deadline, and ``overrun_s`` the seconds by which
-    steps ended past it — their compute, or the ``sleep`` (a rollout's ``wait_hook``,
-    which serves commands meanwhile) returning late — each such second a second the
-    modelled clock was stretched. ``clock`` is the ``perf_counter`` the step times
-    (``t0``) are read on.
+    steps whose compute (and the host work before it, see :meth:`pace`) passed their
+    deadline, and ``overrun_s`` the seconds by which steps ended past it — their compute,
+    or the ``sleep`` (a rollout's ``wait_hook``, which serves commands meanwhile)
+    returning late — that no next step caught up: each such second a second the modelled
+    clock was stretched. ``clock`` is the ``perf_counter`` the step times (``t0``) are
+    read on.
     """
 
     def __init__(
@@ -337,6 +338,8 @@ class Pacer:
         self.steps = 0
         self.overruns = 0
         self.overrun_s = 0.0
+        self._late = 0.0  # how far the last step ended past its deadline
+        self._deadline: float | None = None  # the last step's, while stepping continuously
         self.modelled_s = 0.0
         self.actual_s = 0.0
         self.max_ratio = 0.0
@@ -384,6 +387,14 @@ class Pacer:
         rest = (sc.length_scale - 1) * self.model.decode_time(decoding, mean_context)
         return self.dilation * (first + rest) / sc.length_scale
 
+    def restart(self) -> None:
+        """The engine did not step continuously up to now (a batch boundary: a weight
+        pull, a wait for data): the next step is paced from its own start, with no credit
+        for the time since the last one's deadline."""
+        self.overrun_s += self._late
+        self._late = 0.0
+        self._deadline = None
+
     def pace(
         self,
         t0: float,
@@ -394,20 +405,36 @@ class Pacer:
         admitted: int = 0,
         sleep: Callable[[float], None] = time.sleep,
     ) -> None:
-        """Wait until ``t0`` (a ``perf_counter`` time) plus the modelled step time, with
-        ``sleep(seconds)`` (which may do other work meanwhile, within those seconds)."""
+        """Wait until the step's deadline, with ``sleep(seconds)`` (which may do other
+        work meanwhile, within those seconds); ``t0`` (a ``perf_counter`` time) is when
+        the step's real work began.
+
+        The deadline is the previous step's plus the modelled step time while the engine
+        steps continuously — the previous deadline at most one step before ``t0`` and no
+        :meth:`restart` since — else ``t0`` plus it. Host work between two steps (handing
+        finished responses on, pool calls, commands served) then runs within the next
+        step's modelled time as long as it fits, as a real engine's CPU work overlaps its
+        GPU's, instead of adding to the modelled time at the dilated clock's rate; and a
+        step that ran late is caught up by the next. A step whose real compute and the
+        host work before it pass its deadline is an overrun."""
         target = self.modelled(batch, context_tokens, prefill_tokens, admitted)
-        deadline = t0 + target
-        actual = self.clock() - t0
+        prev = self._deadline
+        chained = prev is not None and t0 - prev <= target
+        if not chained:  # the previous step's lateness was not caught up
+            self.overrun_s += self._late
+        deadline = (prev if chained else t0) + target
+        self._deadline = deadline
+        now = self.clock()
+        actual = now - t0  # the step's real compute
         self.steps += 1
         self.modelled_s += target
         self.actual_s += actual
         ratio = actual / target if target > 0 else 0.0
         self.max_ratio = max(self.max_ratio, ratio)
         self._ratios.append(ratio)
-        if actual > target:
+        if now > deadline:
             self.overruns += 1
-            self.overrun_s += actual - target
+            self._late = now - deadline
             if self.strict and len(self._ratios) == self._ratios.maxlen:
                 median = statistics.median(self._ratios)
                 if median > 1.0:
@@ -419,9 +446,9 @@ class Pacer:
                         f"{self.dilation * median * 1.5:.3g}, or run fewer replicas per core"
                     )
         else:
-            sleep(target - actual)
+            sleep(deadline - now)
             # (a command served in the wait may run past the deadline)
-            self.overrun_s += max(0.0, self.clock() - deadline)
+            self._late = max(0.0, self.clock() - deadline)
 
     def stats(self) -> dict:
         return {
@@ -429,7 +456,8 @@ class Pacer:
             "modelled_s": self.modelled_s,
             "compute_s": self.actual_s,
             "overruns": self.overruns,
-            "overrun_s": self.overrun_s,
+            # (with the last step's lateness, which no later step has caught up yet)
+            "overrun_s": self.overrun_s + self._late,
             "max_compute_ratio": self.max_ratio,
             "dilation": self.dilation,
         }

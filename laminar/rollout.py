@@ -419,6 +419,13 @@ class RolloutReplica(DataLinkMixin, WeightsMixin, RecoveryMixin, MovesMixin, Rew
         t_mark = time.time()
         self._in_batch = True
         self._batch_seq += 1
+        # The engine steps continuously from here to the loop's end: a paced step's
+        # deadline follows the previous one's, so the work between steps runs within it
+        # (laminar.pacing.Pacer.pace); what came before (a pull, a wait for data) earns
+        # the first step no credit.
+        pacer = getattr(self.engine, "pacer", None)
+        if pacer is not None:
+            pacer.restart()
         try:
             self._publish_load()
             while self.engine.has_work() and not self._stop.is_set():

@@ -1,5 +1,6 @@
 """Emulated accelerator timing: the model's numbers and a paced engine that follows them."""
 
+import itertools
 import statistics
 import time
 
@@ -67,21 +68,27 @@ def test_a_paced_engine_steps_at_the_modelled_times(policy):
     for i in range(8):
         prompt = (3,) * (2 + 3 * i)
         eng.add_request(GenerationRequest(str(i), prompt, SamplingParams(4 + 2 * i, seed=i)))
-    walls, modelled = [], []
+    walls, modelled, ends = [], [], []
+    begin = time.perf_counter()
     while eng.has_work():
         kv = eng.kv_stats()
         batch, context = kv.running, kv.used_tokens
         t0 = time.perf_counter()
         before = pacer.modelled_s
         eng.step()
-        walls.append(time.perf_counter() - t0)
+        ends.append(time.perf_counter())
+        walls.append(ends[-1] - t0)
         modelled.append(pacer.modelled_s - before)
         if batch:  # a decode step: its modelled time follows from batch and context alone
             m = pacer.model
             assert modelled[-1] >= 30.0 * m.decode_time(batch, context) * 0.999
     assert len(walls) > 10 and len(set(round(x, 6) for x in modelled)) > 3
+    # Never faster than the model: steps run back to back, each step's deadline the
+    # previous one's plus its modelled time (a late wake-up of one step is caught up by
+    # the next, so a single step may be shorter than its own modelled time).
+    deadlines = itertools.accumulate(modelled, initial=begin)
+    assert all(end > d - 1e-3 for end, d in zip(ends, list(deadlines)[1:], strict=True))
     lag = [w - m for w, m in zip(walls, modelled, strict=True)]
-    assert min(lag) > -1e-3  # never faster than the model
     # ... and close to it. The bound catches a pacer that waits the modelled time over
     # again on top of the step (or twice a step): a lag of ~100 % of the modelled time.
     # It is not tighter because what is left is the OS's late wake-up from the sleep: a

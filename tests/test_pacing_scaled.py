@@ -80,6 +80,13 @@ class FakeTime:
         self.late = 0.0
 
 
+def _step(pacer: Pacer, clock: FakeTime, compute: float) -> None:
+    """One paced step of 8 requests over 800 tokens whose real work takes ``compute``."""
+    t0 = clock.t
+    clock.t += compute
+    pacer.pace(t0, batch=8, context_tokens=800, prefill_tokens=0, sleep=clock.sleep)
+
+
 def test_overruns_report_how_long_they_stretched_the_modelled_clock():
     """A step whose compute passes its deadline, and one whose wait (a rollout's
     wait_hook serving a command) returns past it, stretch the modelled clock by that
@@ -89,18 +96,55 @@ def test_overruns_report_how_long_they_stretched_the_modelled_clock():
     pacer = Pacer(m, dilation=10.0, strict=False, clock=clock)
     target = pacer.modelled(8, 800, 0)
     t0 = clock.t
-    clock.t += 0.25 * target  # on time
-    pacer.pace(t0, batch=8, context_tokens=800, prefill_tokens=0, sleep=clock.sleep)
-    assert clock.t == pytest.approx(t0 + target) and pacer.overrun_s == 0.0
-    t0 = clock.t
-    clock.t += 1.5 * target  # compute over the model
-    pacer.pace(t0, batch=8, context_tokens=800, prefill_tokens=0, sleep=clock.sleep)
-    assert pacer.overruns == 1 and pacer.overrun_s == pytest.approx(0.5 * target)
-    t0 = clock.t
+    _step(pacer, clock, 0.25 * target)  # on time
+    assert clock.t == pytest.approx(t0 + target) and pacer.stats()["overrun_s"] == 0.0
+    pacer.restart()  # (each step from its own start: nothing caught up)
+    _step(pacer, clock, 1.5 * target)  # compute over the model
+    assert pacer.overruns == 1 and pacer.stats()["overrun_s"] == pytest.approx(0.5 * target)
+    pacer.restart()
     clock.late = 0.2 * target  # the wait served a command that ran past the deadline
-    pacer.pace(t0, batch=8, context_tokens=800, prefill_tokens=0, sleep=clock.sleep)
-    assert pacer.overruns == 1 and pacer.overrun_s == pytest.approx(0.7 * target)
-    assert pacer.stats()["overrun_s"] == pacer.overrun_s
+    _step(pacer, clock, 0.0)
+    assert pacer.overruns == 1 and pacer.stats()["overrun_s"] == pytest.approx(0.7 * target)
+
+
+def test_host_work_between_continuous_steps_runs_within_the_next_steps_time():
+    """While the engine steps continuously, a step's deadline is the previous one's plus
+    its modelled time: the host work between two steps (rewards handed on, pool calls,
+    commands) is absorbed while it fits, as a real engine overlaps it with the GPU's
+    step, instead of stretching the modelled clock by ``dilation``× its wall time."""
+    m = TimeModel.named("H800", "7B", tp=4)
+    clock = FakeTime()
+    pacer = Pacer(m, dilation=10.0, strict=False, clock=clock)
+    T = pacer.modelled(8, 800, 0)
+    begin = clock.t
+    for _ in range(4):
+        _step(pacer, clock, 0.2 * T)
+        clock.t += 0.3 * T  # host work between steps
+    # four steps and their host work took four modelled steps (and the last host work)
+    assert clock.t == pytest.approx(begin + 4 * T + 0.3 * T)
+    assert pacer.overruns == 0 and pacer.stats()["overrun_s"] == 0.0
+    # compute and host work past the deadline: an overrun, caught up by the next step
+    clock.t += 0.6 * T  # 0.9 T of host work since the deadline
+    _step(pacer, clock, 0.3 * T)
+    assert pacer.overruns == 1 and clock.t == pytest.approx(begin + 5 * T + 0.2 * T)
+    _step(pacer, clock, 0.1 * T)
+    assert clock.t == pytest.approx(begin + 6 * T) and pacer.stats()["overrun_s"] == 0.0
+    # a lateness no step caught up (the next starts more than a step after the
+    # deadline) stays in overrun_s
+    _step(pacer, clock, 1.5 * T)
+    clock.t += 2 * T
+    assert pacer.stats()["overrun_s"] == pytest.approx(0.5 * T)
+    t0 = clock.t
+    _step(pacer, clock, 0.1 * T)  # idle for more than a step: no credit
+    assert clock.t == pytest.approx(t0 + T) and pacer.stats()["overrun_s"] == pytest.approx(0.5 * T)
+    # restart (a batch boundary: a pull, a wait for data) earns the next step no credit
+    # even when the pause was shorter than a step
+    pacer.restart()
+    clock.t += 0.5 * T
+    t0 = clock.t
+    _step(pacer, clock, 0.1 * T)
+    assert clock.t == pytest.approx(t0 + T)
+    assert pacer.stats()["modelled_s"] == pytest.approx(9 * T)
 
 
 def test_a_clock_reports_how_long_its_holds_ran_past_their_model():
