@@ -31,7 +31,13 @@ RELAY_FIGURES = (
     "budget_bytes",
     "forwarded_chunks",
     "sender",
+    "rechains",
+    "overtaken",
+    "send_failures",
+    "send_retries",
+    "sends_given_up",
     "errors",
+    "error_count",
 )
 # How long a poll waits for the trainer's new rows (and the master relay's publications).
 ROWS_WAIT_S = 5.0
