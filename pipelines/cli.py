@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import re
 import sys
 import time  # noqa: F401 — (tests reach time.sleep as pipelines.cli.time.sleep)
 from pathlib import Path
@@ -111,8 +112,9 @@ def cmd_report(args: argparse.Namespace) -> int:
 
     report = build_report(args.runs, args.out)
     print(f"report             {report}")
-    for png in sorted(report.parent.glob("*.png")):
-        print(f"figure             {png}")
+    # The figures this report links (an earlier report's in the same folder are not).
+    for name in re.findall(r"^!\[[^\]]*\]\(([^)]+)\)$", report.read_text(), re.MULTILINE):
+        print(f"figure             {report.parent / name}")
     return 0
 
 
