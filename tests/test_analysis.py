@@ -540,12 +540,24 @@ def test_the_updates_of_a_lost_and_resumed_run_by_version(tmp_path):
     assert kept["loss"].sel(version=2).item() == pytest.approx(0.2)
 
 
+def _update_throughput(run_dir, w, t0: float, ups: list[tuple]):
+    """The report's actor-update throughput of a run whose metrics writer ``w`` recorded
+    ``ups``: (version, time after ``t0``, interval_s, tokens) per update."""
+    from pipelines.report import _load, update_throughput
+
+    w.append(
+        "updates",
+        [{"version": v, "time": t0 + t, "interval_s": i, "tokens": n} for v, t, i, n in ups],
+    )
+    TrajectoryWriter(run_dir).append([])
+    return update_throughput(_load(run_dir))
+
+
 def test_actor_update_throughput_of_a_lost_and_resumed_run(tmp_path):
     """The report's actor-update throughput (the paper's measure, after warm-up): of a
     version trained twice (a lost run resumed from an older checkpoint) only the later
     row, whose weights stand, and no start's first update (its interval holds the start:
     the model loading, the first batch)."""
-    from pipelines.report import _load, update_throughput
     from storage.metrics import MetricsWriter
 
     t0 = 1.8e9
@@ -556,12 +568,7 @@ def test_actor_update_throughput_of_a_lost_and_resumed_run(tmp_path):
     # (version, time, interval since the previous update or the start, tokens)
     ups = [(v, 4.0 * v, 4.0, 400.0) for v in range(1, 6)]
     ups += [(4, 127.0, 7.0, 100.0), (5, 129.0, 2.0, 200.0), (6, 131.0, 2.0, 300.0)]
-    w.append(
-        "updates",
-        [{"version": v, "time": t0 + t, "interval_s": i, "tokens": n} for v, t, i, n in ups],
-    )
-    TrajectoryWriter(tmp_path).append([])
-    versions, rate = update_throughput(_load(tmp_path))
+    versions, rate = _update_throughput(tmp_path, w, t0, ups)
     # v1: warm-up; v2, v3: 400 / 4 s; v4: the resumed start's first; v5, v6: 2 s each
     assert versions.tolist() == [2, 3, 5, 6]
     np.testing.assert_allclose(rate, [100.0, 100.0, 100.0, 150.0])
@@ -571,7 +578,6 @@ def test_actor_update_throughput_leaves_out_a_restarted_trainers_first_update(tm
     """A trainer lost after version 3 and restarted within the run (no stop: one start):
     its first update's interval runs from when it started, not from an update (its first
     batch, which the buffer filled meanwhile, came at once: 800 tokens/s against 100)."""
-    from pipelines.report import _load, update_throughput
     from storage.metrics import MetricsWriter
 
     t0 = 1.8e9
@@ -586,12 +592,7 @@ def test_actor_update_throughput_leaves_out_a_restarted_trainers_first_update(tm
     # (version, time, interval since the previous update or the trainer's start, tokens)
     ups = [(v, 4.0 * v, 4.0, 400.0) for v in range(1, 4)]  # lost at 13 s, restarted at 29.5 s
     ups += [(4, 30.0, 0.5, 400.0), (5, 34.0, 4.0, 400.0), (6, 38.0, 4.0, 800.0)]
-    w.append(
-        "updates",
-        [{"version": v, "time": t0 + t, "interval_s": i, "tokens": n} for v, t, i, n in ups],
-    )
-    TrajectoryWriter(tmp_path).append([])
-    versions, rate = update_throughput(_load(tmp_path))
+    versions, rate = _update_throughput(tmp_path, w, t0, ups)
     assert versions.tolist() == [2, 3, 5, 6]
     np.testing.assert_allclose(rate, [100.0, 100.0, 100.0, 200.0])
 

@@ -5,7 +5,9 @@ from __future__ import annotations
 import json
 
 import pytest
+from test_analysis_fixes import _Driver as _Recording
 from test_storage import record
+from test_summary import _raw as _stopped
 
 from laminar.config import RunConfig
 from pipelines.driver_metrics import MetricsRecording
@@ -17,15 +19,11 @@ from storage.resume import ResumePlan
 T0 = 1.8e9
 
 
-class _Driver(MetricsRecording):
+class _Driver(MetricsRecording, _Recording):
     """What ``_origin``, ``_record`` and ``_trainer_wait_run`` read of a driver."""
 
     def __init__(self, run_dir, resume):
-        self.run_dir, self.resume = run_dir, resume
-        self._carry = {"cluster": {}, "rollouts": {}}
-        self._earlier_segments, self._segment, self._pauses = [], 0, []
-        self._rows = {"cluster": [], "rollouts": []}
-        self._trainer_wait = (0.0, 0.0)
+        _Recording.__init__(self, run_dir, resume)
         self._old_publications, self._master_publications, self._n_pubs = [], [], 0
 
 
@@ -34,21 +32,8 @@ def _raw(trainer_wait_s: float, wait_s: float) -> dict:
     trainer's ``wait_s`` and the run's ``trainer_wait_s``."""
     trainer = {"version": 2, "steps": 2, "wait_s": wait_s, "paced": None}
     trainer |= {"skipped_steps": 0, "skipped_updates": [], "checkpoint": None}
-    trainer |= {"weights_checksum": "x", "ranks_stats": []}
-    return {
-        "reason": "completed",
-        "earlier_segments": [],
-        "wall_s": 1.0,
-        "trainer": trainer,
-        "trainer_wait_s": trainer_wait_s,
-        "buffer": {},
-        "pool": {},
-        "rollouts": [],
-        "relay": {},
-        "repack": None,
-        "faults": None,
-        "resumed": None,
-    }
+    trainer |= {"weights_checksum": "x"}
+    return _stopped(trainer) | {"trainer_wait_s": trainer_wait_s}
 
 
 def test_trainer_wait_s_is_the_runs_as_the_cluster_column_is(tmp_path):
