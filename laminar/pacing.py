@@ -387,6 +387,13 @@ class Pacer:
         rest = (sc.length_scale - 1) * self.model.decode_time(decoding, mean_context)
         return self.dilation * (first + rest) / sc.length_scale
 
+    def until_deadline(self) -> float:
+        """Seconds left until the current step's deadline: > 0 only while a paced step
+        waits out its modelled time (a command served from its ``wait_hook``)."""
+        if self._deadline is None:
+            return 0.0
+        return max(0.0, self._deadline - self.clock())
+
     def restart(self) -> None:
         """The engine did not step continuously up to now (a batch boundary: a weight
         pull, a wait for data): the next step is paced from its own start, with no credit

@@ -175,12 +175,20 @@ class MovesMixin:
         self._held_since = time.time()
         self.counts["moves_out"] += 1
         self.counts["requests_out"] += len(states)
+        export_s = time.perf_counter() - t0
+        # Served from a paced step's wait, the export holds the step's tokens before the
+        # step has ended in modelled time: handed over now, a destination could decode
+        # on from them while the source's GPU would still be computing them. Withheld
+        # until the step's deadline (the wait the step would have spent anyway).
+        pacer = getattr(self.engine, "pacer", None)
+        if pacer is not None and (left := pacer.until_deadline()) > 0:
+            time.sleep(left)
         return {
             "version": self.engine.version,
             "states": states,
             "tokens": sum(len(st.tokens) for st in states),
             "context_tokens": sum(st.context_len for st in states),
-            "export_s": time.perf_counter() - t0,
+            "export_s": export_s,
         }
 
     def _take_back(self, move: str | None = None, any_move: bool = False) -> int:
