@@ -77,8 +77,9 @@ def test_schedule_configs_that_cannot_run_name_the_fix(override, message):
 
 def test_scales_keep_the_model_and_compress_its_time():
     """A real step of b requests over S tokens, with length scale L and request scale R,
-    lasts the mean of L modelled steps of R·b requests, the first over R·L·S tokens of
-    KV (it also prefills), each later one over the R·b tokens more its predecessor wrote;
+    lasts the mean of L modelled steps of R·b requests, the first over R·(L·(S + b) − b)
+    tokens of KV (a real request of c tokens, c − 1 of them in S, stands for R holding
+    L·c − 1; it also prefills), each later one over the R·b tokens more its predecessor wrote;
     everything else modelled (training, weight syncs) is divided by L."""
     from laminar.pacing import Pacer, TimeModel
 
@@ -86,20 +87,22 @@ def test_scales_keep_the_model_and_compress_its_time():
     plain = Pacer(m, dilation=2.0)
     assert plain.modelled(16, 4000, 300) == pytest.approx(2 * m.step_time(16, 4000, 300))
     scaled = Pacer(m, dilation=2.0, length_scale=100, request_scale=4)
+    # a real request of c tokens (S sums c − 1) stands for R requests holding L·c − 1 of KV
+    kv = 4 * (100 * (4000 + 16) - 16)
     # (the 99 steps after the first read on average the 100 × 64 / 2 tokens written since)
-    rest = 99 * m.decode_time(64, 4000 * 400 + 100 * 64 / 2)
-    want = (m.step_time(64, 4000 * 400, 300 * 400) + rest) / 100
+    rest = 99 * m.decode_time(64, kv + 100 * 64 / 2)
+    want = (m.step_time(64, kv, 300 * 400) + rest) / 100
     assert scaled.modelled(16, 4000, 300) == pytest.approx(2 * want)
     # requests admitted by the step (prefilled: their first token) decode in the 99 after
-    # it, over their prefilled KV: a step that only admits is no cheaper than its prefill
-    # plus 99 decode steps of them (it used to cost the prefill alone)
-    rest = 99 * m.decode_time(64 + 8, 4000 * 400 + 300 * 400 + 100 * (64 + 8) / 2)
-    want = (m.step_time(64, 4000 * 400, 300 * 400) + rest) / 100
+    # it, over their prefilled KV less the token each decodes: a step that only admits is
+    # no cheaper than its prefill plus 99 decode steps of them (it used to cost the
+    # prefill alone)
+    rest = 99 * m.decode_time(64 + 8, kv + 300 * 400 - 8 + 100 * (64 + 8) / 2)
+    want = (m.step_time(64, kv, 300 * 400) + rest) / 100
     assert scaled.modelled(16, 4000, 300, admitted=2) == pytest.approx(2 * want)
     alone = scaled.modelled(0, 0, 300, admitted=2)
-    assert alone == pytest.approx(
-        2 * (m.step_time(0, 0, 300 * 400) + 99 * m.decode_time(8, 300 * 400 + 100 * 8 / 2)) / 100
-    )
+    rest = 99 * m.decode_time(8, 300 * 400 - 8 + 100 * 8 / 2)
+    assert alone == pytest.approx(2 * (m.step_time(0, 0, 300 * 400) + rest) / 100)
     assert alone > 1.4 * scaled.modelled(0, 0, 300)  # (the prefill of 120k tokens: 1.5 s)
     sc = Scale(dilation=16, length_scale=256, request_scale=8)
     assert sc.wall(256.0) == 16.0 and sc.tokens == 2048
