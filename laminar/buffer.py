@@ -25,6 +25,7 @@ from laminar.buffer_core import (  # (re-exported: the core's names, imported fr
     UidSet,
 )
 from laminar.contract import Trajectory
+from storage.resume import group_of
 from storage.schema import SCALARS
 from storage.stores import StoreError
 from storage.trajectories import WriterReplaced
@@ -549,14 +550,31 @@ class ExperienceBuffer:
             arrays = _scalars(self.writer.path)
             lost = (arrays["status"] == "consumed") & (arrays["sample_version"] >= version)
             rows = np.flatnonzero(lost).tolist()
+            # What a lost update consumed from a lost buffer before its store had it
+            # (a rebuild's consumed_elsewhere) and its rollout has not sent again yet is
+            # no longer consumed either: sent again, it is admitted as new and completes
+            # its group, held again above or here. Left as it was, it was stored
+            # consumed at a version no surviving update trained at, and the sibling held
+            # again waited for it for ever.
+            lost_elsewhere = [u for u, (v, _) in self._consumed_elsewhere.items() if v >= version]
+            for uid in lost_elsewhere:
+                del self._consumed_elsewhere[uid]
+            again = {str(arrays["prompt_uid"][i]) for i in rows}
+            again |= {group_of(u) for u in lost_elsewhere}
             # Released when consumed, they are out again: back-pressure counts them until
             # they leave again (a rebuilt data module's pool does the same). The pool
             # hears it before the buffer holds them: else a call running while it is told
             # (a version published) could evict one and release it before it was out
             # again, a release the pool ignores, and its slot stayed taken for good.
-            await self.pool.hold_again(sorted({str(arrays["prompt_uid"][i]) for i in rows}))
+            await self.pool.hold_again(sorted(again))
             groups = self._hold_again(arrays, rows, "trainer_restart")
             self._flush(force=True)
+            if lost_elsewhere:
+                logger.info(
+                    "buffer: %d trajectories a lost update consumed before the lost "
+                    "buffer stored them are admitted as new when sent again",
+                    len(lost_elsewhere),
+                )
             return {"readmitted": len(rows), "groups": groups}
 
     async def update_skipped(self) -> None:

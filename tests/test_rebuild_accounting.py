@@ -222,3 +222,49 @@ def test_a_rebuilt_buffer_counts_staleness_along_the_restarts_it_is_handed(tmp_p
         return evicted
 
     assert asyncio.run(rebuilt()) == ["b-0", "b-1"]
+
+
+def test_a_restart_gives_back_what_a_lost_update_consumed_from_the_lost_buffer(tmp_path):
+    """The trainer consumed a group at version 3 from a buffer lost before its store had
+    it; the rebuilt buffer is to store each sibling consumed as its rollout sends it
+    again. One arrives, then the trainer is lost and restarts from its checkpoint at 2
+    (the update at 3 is lost), then the other arrives. The restart holds the first again
+    and the second must be admitted as new, completing the group for the restarted
+    trainer: stored consumed at 3 instead, the held sibling waited for it for ever, the
+    store recorded training that never happened and the pool counted the group done."""
+    cfg = _buffer_config(flush_interval_s=1e9)
+    lost_pool = PromptPoolCore(PROMPTS, group_size=2, max_outstanding=8, seed=0)
+    (g,) = lost_pool.acquire(1, "r0", 3)
+    sent = [traj(f"{g.prompt_uid}-{i}", g.prompt_uid, 2, i, 3, reward=float(i)) for i in (0, 1)]
+    consumed = {}
+
+    async def lose():
+        buf = ExperienceBuffer(str(tmp_path), _Pool(lost_pool), cfg)
+        await buf.insert(sent, "r0")  # (never stored: lost with the buffer)
+        consumed.update({t.uid: (t.sample_version, t.t_sample) for t in await buf.sample(1, 3)})
+
+    asyncio.run(lose())
+    plan = plan_rebuild(tmp_path, version=4, consumed=consumed, since=3, held_groups=set())
+    assert sorted(plan.consumed_elsewhere) == [t.uid for t in sent]
+    pool = PromptPoolCore(
+        PROMPTS, group_size=2, max_outstanding=8, seed=0, start=plan.start,
+        outstanding=tuple(plan.outstanding),
+    )  # fmt: skip
+    resent = [traj(t.uid, g.prompt_uid, 2, t.sample_idx, 3, reward=t.reward) for t in sent]
+
+    async def rebuilt():
+        buf = ExperienceBuffer(str(tmp_path), _Pool(pool), cfg, rebuild=plan)
+        await buf.insert(resent[:1], "r0")
+        back = await buf.trainer_restarted(2, 4)
+        assert back == {"readmitted": 1, "groups": 1}
+        assert pool.outstanding == {g.prompt_uid}  # out again until it leaves again
+        await buf.insert(resent[1:], "r0")
+        batch = await buf.sample(1, 5)  # the restarted trainer's first update
+        assert sorted(t.uid for t in batch) == [t.uid for t in sent]
+        await buf.close()
+
+    asyncio.run(rebuilt())
+    assert pool.outstanding == set()
+    store = open_trajectories(tmp_path)
+    assert store["status"].tolist() == ["consumed", "consumed"]
+    assert store["sample_version"].tolist() == [5, 5]
