@@ -602,13 +602,23 @@ class ExperienceBuffer:
         if self._write_error is not None:
             raise RuntimeError(f"the trajectory store cannot be written: {self._write_error}")
 
-    async def sync(self) -> int:
-        """Write everything pending and wait until it is committed; returns the number
-        of stored trajectories. The trainer calls it before each checkpoint, so that the
-        store records every trajectory the checkpoint's updates consumed: it raises while
-        the disk refuses writes, and for good once the store refused a leave event as
-        such (lost: a checkpoint past it would not match the store). A refused record is
-        lost alone: counted in ``write_refused``, it does not stop checkpoints."""
+    async def sync(self) -> dict:
+        """Write everything pending and wait until it is committed. The trainer calls it
+        before each checkpoint, so that the store records every trajectory the
+        checkpoint's updates consumed: it raises while the disk refuses writes, and for
+        good once the store refused a leave event as such (lost: a checkpoint past it
+        would not match the store). A refused record is lost alone: counted in
+        ``write_refused``, it does not stop checkpoints.
+
+        Returns ``written`` (the number of stored trajectories) and
+        ``consumed_unstored``: what the trainer consumed from a lost buffer before its
+        store had it and its rollout has not sent again yet (uid -> sample version, time;
+        a rebuild's ``consumed_elsewhere``). The store records none of it, so the trainer
+        keeps it in its record past the checkpoint: dropped there, a second rebuild
+        before it arrives knew it no more, admitted it as new, and its group never
+        completed (or was trained twice). Read before the write: one that arrives while
+        this waits is stored consumed, perhaps after the commit, and is kept too."""
+        unstored = dict(self._consumed_elsewhere)
         await self._write_through()
         if self._refused_events:
             raise RuntimeError(
@@ -616,7 +626,7 @@ class ExperienceBuffer:
                 f"(logged by uid; the last refusal: {self._refused_error}): the store does "
                 "not record everything the trainer consumed"
             )
-        return self._written
+        return {"written": self._written, "consumed_unstored": unstored}
 
     async def groups(self) -> list[str]:
         """The prompt groups the buffer holds samples of (ready, or waiting for their

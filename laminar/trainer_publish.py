@@ -126,7 +126,7 @@ class PublicationMixin:
         if out.exists():
             return str(out)
         try:
-            self._on_buffer(lambda b: b.sync())
+            synced = self._on_buffer(lambda b: b.sync())
             # Where the prompt order stands, for a new run from this checkpoint
             # (trainer.resume_from): the groups dispatched so far.
             position = self._on_buffer(lambda b: b.pool_stats())
@@ -139,8 +139,13 @@ class PublicationMixin:
                 e,
             )
             return self.checkpoint
-        with self._consumed_lock:  # the store has what was sampled before this version
+        # The store has what was sampled before this version, but what a rebuilt buffer
+        # still waits to store as consumed (ExperienceBuffer.sync): kept, for a later
+        # rebuild to know it was consumed.
+        unstored = dict(synced["consumed_unstored"])
+        with self._consumed_lock:
             self._consumed = {u: c for u, c in self._consumed.items() if c[0] >= self.version}
+            self._consumed |= unstored
             self._since = self.version
         tmp = root / f".version-{self.version:06d}.partial"
         shutil.rmtree(tmp, ignore_errors=True)

@@ -59,7 +59,7 @@ def test_a_refused_batch_is_written_by_sync_once_the_disk_takes_writes(tmp_path,
         with pytest.raises(RuntimeError, match="No space left on device"):
             await buf.sync()
         disk.full = False
-        assert await buf.sync() == 2  # nothing new: the refused batch alone
+        assert (await buf.sync())["written"] == 2  # nothing new: the refused batch alone
         assert (await buf.stats())["write_error"] is None
         await buf.close()
 
@@ -106,13 +106,13 @@ def test_a_record_the_store_refuses_costs_only_itself_and_sync_reports_it(tmp_pa
     async def run():
         buf = ExperienceBuffer(str(tmp_path), _Pool(pool), cfg)
         await buf.insert(_generate(pool))  # p0
-        assert await buf.sync() == 2
+        assert (await buf.sync())["written"] == 2
         assert [t.uid for t in await buf.sample(1, 0)] == ["p00000000-0", "p00000000-1"]
         bad, good = _generate(pool)  # p1: a loss mask of -1 fits no uint8
         bad.loss_mask = np.array([-1, 1])
         await buf.insert([bad, good])  # pending with p0's consumed events: one batch
         for _ in range(2):  # (the second after a good batch)
-            assert await buf.sync() == 3 + 2 * _
+            assert (await buf.sync())["written"] == 3 + 2 * _
             await buf.insert(_generate(pool))  # p2, p3
         stats = await buf.close()
         assert stats["write_refused"] == 1 and "p00000001-0" in stats["write_error"]
@@ -147,7 +147,7 @@ def test_a_leave_event_the_store_refuses_stops_checkpoints_past_it(tmp_path, mon
     async def run():
         buf = ExperienceBuffer(str(tmp_path), _Pool(pool), cfg)
         await buf.insert(_generate(pool))
-        assert await buf.sync() == 2
+        assert (await buf.sync())["written"] == 2
         await buf.sample(1, 0)
         monkeypatch.setattr(TrajectoryWriter, "append", refuse_consumed)
         for _ in range(2):

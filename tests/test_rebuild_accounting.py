@@ -268,3 +268,49 @@ def test_a_restart_gives_back_what_a_lost_update_consumed_from_the_lost_buffer(t
     store = open_trajectories(tmp_path)
     assert store["status"].tolist() == ["consumed", "consumed"]
     assert store["sample_version"].tolist() == [5, 5]
+
+
+def test_a_rebuilt_buffers_sync_names_what_it_still_waits_to_store_consumed(tmp_path):
+    """The trainer drops from its record, at each checkpoint, what was sampled before it:
+    the store has it, but for what the lost buffer never stored and its rollout has not
+    sent again. sync() names those, for the trainer to keep; a second loss then rebuilds
+    knowing they were consumed, and one sent again is stored consumed, not admitted as
+    new (its group never complete for want of the sibling sent before)."""
+    cfg = _buffer_config(flush_interval_s=1e9)
+    lost_pool = PromptPoolCore(PROMPTS, group_size=2, max_outstanding=8, seed=0)
+    (g,) = lost_pool.acquire(1, "r0", 0)
+    sent = [traj(f"{g.prompt_uid}-{i}", g.prompt_uid, 2, i, 0, reward=float(i)) for i in (0, 1)]
+    consumed = {}
+
+    async def lose():
+        buf = ExperienceBuffer(str(tmp_path), _Pool(lost_pool), cfg)
+        await buf.insert(sent, "r0")  # (never stored: lost with the buffer)
+        consumed.update({t.uid: (t.sample_version, t.t_sample) for t in await buf.sample(1, 0)})
+
+    asyncio.run(lose())
+    plan = plan_rebuild(tmp_path, version=1, consumed=consumed, since=0, held_groups=set())
+    resent = [traj(t.uid, g.prompt_uid, 2, t.sample_idx, 0, reward=t.reward) for t in sent]
+    kept = {}
+
+    async def rebuilt_then_lost():
+        buf = ExperienceBuffer(str(tmp_path), _Pool(_pool(plan.start)), cfg, rebuild=plan)
+        await buf.insert(resent[:1], "r0")
+        synced = await buf.sync()  # the trainer's checkpoint at version 2
+        assert synced["written"] == 1
+        kept.update(synced["consumed_unstored"])
+
+    asyncio.run(rebuilt_then_lost())
+    assert kept == {sent[1].uid: consumed[sent[1].uid]}
+    # the second rebuild, from the trainer's record past its checkpoint at 2
+    record = {u: c for u, c in consumed.items() if c[0] >= 2} | kept
+    again = plan_rebuild(tmp_path, version=2, consumed=record, since=2, held_groups=set())
+    assert again.consumed_elsewhere == kept and again.outstanding == []
+
+    async def rebuilt_again():
+        buf = ExperienceBuffer(str(tmp_path), _Pool(_pool(again.start)), cfg, rebuild=again)
+        await buf.insert(resent[1:], "r0")
+        assert buf.core.depth == 0 and (await buf.sync())["consumed_unstored"] == {}
+        await buf.close()
+
+    asyncio.run(rebuilt_again())
+    assert open_trajectories(tmp_path)["status"].tolist() == ["consumed", "consumed"]

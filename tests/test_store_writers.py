@@ -18,7 +18,7 @@ def test_a_buffer_whose_store_was_taken_over_writes_nothing_more(tmp_path):
     async def run():
         buf = ExperienceBuffer(str(tmp_path), _Pool(_pool()), _buffer_config())
         await buf.insert([traj("p00000000-0", "p00000000", 2, 0)], "r0")
-        assert await buf.sync() == 1
+        assert (await buf.sync())["written"] == 1
         newer = TrajectoryWriter(tmp_path)  # (the rebuilt data module's)
         await buf.insert([traj("p00000000-1", "p00000000", 2, 1)], "r0")
         with pytest.raises(RuntimeError, match="another writer took the store over"):

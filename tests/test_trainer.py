@@ -54,8 +54,8 @@ class FakeBuffer:
     def update_skipped(self) -> None:
         self.skipped += 1
 
-    def sync(self) -> int:
-        return 0
+    def sync(self) -> dict:
+        return {"written": 0, "consumed_unstored": {}}
 
     def pool_stats(self) -> dict:
         return {"dispatched": 0}
@@ -448,3 +448,43 @@ def test_a_paced_publication_holds_before_its_copy_so_no_rollout_loads_it_early(
     )
     PublicationMixin._move_weights(trainer)
     assert said[-1] == "copy" and len(said) == 2 and said[0].startswith("hold "), said
+
+
+class RebuiltBuffer(FakeBuffer):
+    """A rebuilt buffer that still waits for its rollout to send again what the trainer
+    consumed from the lost one before its store had it: the first batch's trajectories
+    (:meth:`laminar.buffer.ExperienceBuffer.sync` ``consumed_unstored``)."""
+
+    def __init__(self, batches) -> None:
+        super().__init__(batches)
+        self.unstored = {t.uid for t in batches[0]}
+        self.consumed: dict[str, tuple[int, float]] = {}
+
+    def sample(self, n_groups: int, version: int, request=None) -> list[Trajectory] | None:
+        out = super().sample(n_groups, version, request)
+        for t in out or []:
+            if t.uid in self.unstored:
+                self.consumed[t.uid] = (version, time.time())
+        return out
+
+    def sync(self) -> dict:
+        return {"written": 0, "consumed_unstored": dict(self.consumed)}
+
+
+def test_a_checkpoint_keeps_in_the_record_what_the_store_still_lacks(tiny_policy, tmp_path):
+    """A checkpoint drops from the trainer's record what the store has (sampled before its
+    version), but not what a rebuilt buffer still waits to store consumed: dropped, a
+    second data-module loss before it arrived rebuilt from a record without it, and the
+    trajectory was admitted as new (its group never complete, or trained twice)."""
+    cfg = with_overrides(CFG, ["trainer.groups_per_step=2", "trainer.checkpoint_every=1"])
+    parts = [groups(0, 2), groups(1, 2), groups(2, 2)]
+    first = {t.uid for t in parts[0]}
+    buffer = RebuiltBuffer(parts)
+    args = (str(tmp_path), InProcess(buffer), InProcess(FakeMaster()), "", LAMINAR)
+    trainer = Trainer(cfg, str(tiny_policy), *args)
+    stats = run_until_starved(trainer, buffer)
+    assert stats["error"] is None and stats["checkpoint"].endswith("version-000003")
+    record = trainer.consumed_record()
+    assert record["since"] == 3  # (the final checkpoint's version)
+    assert first <= set(record["consumed"])
+    assert all(record["consumed"][u][0] == 0 for u in first)
