@@ -51,7 +51,8 @@ def _no_signal(members: list[Trajectory]) -> bool:
 
 
 def _behavior_version(members: list[Trajectory]) -> int:
-    """A group's behavior version for staleness: its oldest member's."""
+    """A group's behavior version for the samplers' order: its oldest member's. (Not
+    for ``max_train_staleness``, judged member by member: :meth:`BufferCore._too_stale`.)"""
     return min(m.behavior_version for m in members)
 
 
@@ -387,8 +388,15 @@ class BufferCore:
         return [m for u in uids for m in self._leave(self.ready.pop(u), "evicted")]
 
     def _too_stale(self, members: list[Trajectory], version: int) -> bool:
+        """Whether any member would train more than ``max_train_staleness`` behind.
+        Judged member by member: along a restarted lineage the lag is not monotone in
+        the version number (a restart from 10 published as 16: at 16, a member of 14,
+        on the lost branch, is 4 behind, one of 10 none), so the oldest member's alone
+        let a group through with a member past the bound."""
         k = self.max_train_staleness
-        return k is not None and self.lag(version, _behavior_version(members)) > k
+        if k is None:
+            return False
+        return max(self.lag(version, b) for b in {m.behavior_version for m in members}) > k
 
     def trainer_restarted(self, version: int, after: int) -> None:
         """The trainer restarted from its checkpoint at ``version`` and numbers its
