@@ -397,6 +397,10 @@ class ExperienceBuffer:
         they are safe. Returns the depth and, for ``rollout_id``, the uids it sent that
         the store has committed since its last insert (it may forget those)."""
         now = time.time()
+        # (before anything is flushed: the writer thread reports a commit to the list of
+        # the rollout that sent it, if it has one by then; a rollout's first trajectories
+        # were never reported stored, kept and sent again at every rebuild)
+        done = self._durable.setdefault(rollout_id, collections.deque()) if rollout_id else None
         consumed = [t for t in trajs if t.uid in self._consumed_elsewhere]
         if consumed:
             trajs = [t for t in trajs if t.uid not in self._consumed_elsewhere]
@@ -413,8 +417,7 @@ class ExperienceBuffer:
             self._committed.extend(t.uid for t in trajs if t.uid in self._stored_before)
             await self._forget_committed()
         stored = []
-        if rollout_id:
-            done = self._durable.setdefault(rollout_id, collections.deque())
+        if done is not None:
             while done:
                 stored.append(done.popleft())
             # sent again to a rebuilt buffer, and in the store it found: safe already

@@ -363,3 +363,39 @@ def test_a_restarted_trainer_evicts_along_its_weights_lineage(tmp_path):
         await buf.close()
 
     asyncio.run(run())
+
+
+def test_a_rollouts_first_trajectories_are_reported_stored_to_it(tmp_path):
+    """The writer thread reports each commit to the list of the rollout that sent it,
+    and a rollout's list was made at the end of its first insert, after the flush: a
+    commit made while that insert awaited the partial-response pool found no list, and
+    the rollout was never told those trajectories were stored (it kept them, and sent
+    them again to every rebuilt buffer). Here the pool's ``hold`` returns only once the
+    writer has committed the insert's batch."""
+    from laminar.partial import PartialResponsePool
+
+    class _SlowPartial(PartialResponsePool):
+        buf: ExperienceBuffer
+
+        async def hold(self, uids):
+            await asyncio.to_thread(self.buf._jobs.join)  # (committed meanwhile)
+            await super().hold(uids)
+
+    pool = _pool(4, max_outstanding=4)
+
+    async def run():
+        partial = _SlowPartial()
+        buf = partial.buf = ExperienceBuffer(
+            str(tmp_path), _Pool(pool), _buffer_config(flush_records=1), partial=partial
+        )
+        reported = []
+        for _ in range(3):
+            (group,) = pool.acquire(1, "r0", 0)
+            t = traj(f"{group.prompt_uid}-0", group.prompt_uid, 2, 0)
+            reported += (await buf.insert([t], "r0"))["stored"]
+        await buf.sync()
+        reported += (await buf.insert([], "r0"))["stored"]
+        await buf.close()
+        return reported
+
+    assert asyncio.run(run()) == [f"p{g:08d}-0" for g in range(3)]
