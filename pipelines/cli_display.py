@@ -89,10 +89,20 @@ def reissued(r: dict) -> str:
     if "reissued_groups" not in r:
         return f"{samples} samples re-issued"
     whole = r.get("log_groups", 0)
-    return (
-        f"{samples} samples re-issued (the missing siblings of "
-        f"{groups(r['reissued_groups'] - whole)}; {groups(whole)} with nothing stored, whole)"
-    )
+    if siblings := r["reissued_groups"] - whole:  # (a resume before groups stored in part
+        return (  # were dropped: their missing samples were re-issued)
+            f"{samples} samples re-issued (the missing siblings of "
+            f"{groups(siblings)}; {groups(whole)} with nothing stored, whole)"
+        )
+    return f"{samples} samples re-issued ({groups(whole)} with nothing stored, whole)"
+
+
+def dropped(r: dict) -> str:
+    """What a resume dropped, from its plan's summary: the trajectories, and the groups
+    among them stored in part (their missing samples would be another policy's)."""
+    if "dropped_incomplete_groups" not in r:
+        return f"{r['dropped']} dropped"
+    return f"{r['dropped']} dropped ({groups(r['dropped_incomplete_groups'])} stored in part)"
 
 
 def _print_summary(s: dict, began_from: str | None = None) -> None:
@@ -114,7 +124,7 @@ def _print_summary(s: dict, began_from: str | None = None) -> None:
     if r := s.get("resumed"):
         print(
             f"resumed            at version {r['version']}: {r['readmitted']} trajectories "
-            f"back in the buffer, {reissued(r)}, {r['dropped']} dropped"
+            f"back in the buffer, {reissued(r)}, {dropped(r)}"
         )
     left = {k[2:]: v for k, v in s.get("status_counts", {}).items() if k != "n_consumed" and v}
     print(

@@ -55,9 +55,9 @@ def cmd_run(args: argparse.Namespace) -> int:
         print(f"run dir            {run_dir}  (resumed from {cfg.trainer.resume_from})")
         print(
             f"store              {plan.stored} trajectories; {len(plan.readmit)} back in the "
-            f"buffer ({groups(len(plan.readmit_groups))}; the missing siblings of "
-            f"{groups(len(plan.reissue) - plan.log_groups)} re-issued), {len(plan.drop)} dropped "
-            "(docs/faults.md)",
+            f"buffer ({groups(len(plan.readmit_groups))}), {len(plan.drop)} dropped "
+            f"({groups(plan.dropped_incomplete)} stored in part, whose missing samples "
+            "another policy would generate: docs/faults.md)",
             flush=True,
         )
         print(

@@ -274,14 +274,22 @@ def test_a_resume_says_what_it_re_issued_alike_at_its_start_and_in_its_summary(
     monkeypatch.setattr("laminar.deploy.open_cluster", no_cluster)
     assert cli.main(["run", "--resume", str(tmp_path)]) == 2
     out = capsys.readouterr().out
-    assert "back in the buffer (1 group; the missing siblings of 0 groups re-issued)" in out
+    assert "back in the buffer (1 group), 0 dropped (0 groups stored in part" in out
     assert "32 groups with nothing stored re-issued whole" in out
     cli._print_summary(_summary() | {"resumed": plan.summary()})
     out = capsys.readouterr().out
     assert (
-        "1 trajectories back in the buffer, 256 samples re-issued (the missing siblings of "
-        "0 groups; 32 groups with nothing stored, whole), 0 dropped\n" in out
+        "1 trajectories back in the buffer, 256 samples re-issued (32 groups with nothing "
+        "stored, whole), 0 dropped (0 groups stored in part)\n" in out
     ), out
+    # a resume from before groups stored in part were dropped: their siblings re-issued
+    old = plan.summary() | {"reissued_groups": 34, "reissued_samples": 260}
+    del old["dropped_incomplete_groups"]
+    cli._print_summary(_summary() | {"resumed": old})
+    assert (
+        "260 samples re-issued (the missing siblings of 2 groups; 32 groups with nothing "
+        "stored, whole), 0 dropped\n" in capsys.readouterr().out
+    )
     # a summary from before the groups were counted: the samples alone
     cli._print_summary(
         _summary()
