@@ -403,7 +403,8 @@ def bench_repack(
         name="repack",
         figures=figures,
         ratios=ratios,
-        samples={f"{arm}_{k}": [r[k] for r in rs] for arm, rs in results.items() for k in cols},
+        # (every figure of every run, not the table's alone: pause_s, decode_unmodelled, ...)
+        samples={f"{arm}_{k}": [r[k] for r in rs] for arm, rs in results.items() for k in rs[0]},
         columns=["repack"] + cols,
         rows=[[arm] + [med[arm][c] for c in cols] for arm in ("off", "on")],
         options={

@@ -310,7 +310,7 @@ def repack_without_a_cluster(monkeypatch):
         return dict.fromkeys(
             ("gen_tok_s", "kv_util_mean", "latency_mean_s", "latency_max_s", "step_ms")
             + ("decode_batch", "moves", "overhead_frac", "freed_replica_s")
-            + ("latency_trajectories",),
+            + ("latency_trajectories", "pause_s"),
             1.0,
         )
 
@@ -339,6 +339,18 @@ def test_the_repack_bench_keeps_its_runs_where_a_run_failed_and_records_no_remov
     result = bench_repack(repeats=2)
     assert Path(result.options["runs"]).is_dir()
     assert Path(result.failed[0]["run_dir"]).is_dir()
+
+
+def test_the_repack_benchs_samples_hold_every_figure_of_every_run(repack_without_a_cluster):
+    """The samples held the table's columns alone: pause_s, decode_unmodelled and the
+    other figures of each run could not be read back from the JSON, only their medians."""
+    from pipelines.bench_repack import bench_repack
+
+    result = bench_repack(repeats=2)
+    assert result.samples["on_pause_s"] == [1.0, 1.0] and "off_pause_s" in result.samples
+    assert {k.split("_", 1)[1] for k in result.figures} <= {
+        k.split("_", 1)[1] for k in result.samples
+    }
 
 
 def test_an_emulated_cluster_too_small_for_a_replica_and_a_trainer_is_refused():
