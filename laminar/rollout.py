@@ -279,12 +279,17 @@ class RolloutReplica(DataLinkMixin, WeightsMixin, RecoveryMixin, MovesMixin, Rew
     def _tick(self) -> None:
         self._beat = time.time()
 
-    def heartbeat(self) -> float | None:
+    async def heartbeat(self) -> float | None:
         """Seconds since the generation loop last advanced (a step, a served command, a
         chunk pulled, an idle poll, a poll while waiting on its relay); ``None`` once it
         has ended (failed or stopped: not hung). The manager declares a rollout hung when
         this grows past ``faults.heartbeat_timeout_s``, or when this call goes unanswered
-        that long."""
+        that long.
+
+        ``async`` so that it is answered on the worker's event loop: the actor's plain
+        methods share one thread, where a command (a pause, a move) may wait up to
+        ``cluster.actor_timeout_s`` for the generation thread; queued behind it, the
+        heartbeat of a rollout that was making progress went unanswered that long."""
         if self._thread is None or not self._thread.is_alive():
             return None
         return time.time() - self._beat

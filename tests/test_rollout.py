@@ -581,3 +581,61 @@ def test_a_rollout_waits_for_a_rebuilt_data_module_as_long_as_the_driver_may_tak
     rollout_data.DataLinkMixin._await_data(r, 0, serve=False)
     assert r._data_lost is None  # (it answers: slow, not lost)
     assert RunConfig().faults.data_wait()[0] == 240.0
+
+
+class _Beating:
+    """A rollout's heartbeat (RolloutReplica's own) on a Dask actor, with a generation
+    thread that is alive and one command that holds the actor thread until released, as
+    a manager command (a pause, a move) does while it waits for the generation thread."""
+
+    def __init__(self) -> None:
+        import threading
+        import time
+
+        from laminar.rollout import RolloutReplica
+
+        type(self).heartbeat = RolloutReplica.heartbeat
+        self._release = threading.Event()
+        self._thread = threading.Thread(target=self._release.wait, daemon=True)
+        self._thread.start()
+        self._beat = time.time()
+        self.holding = False
+
+    def blocked(self) -> bool:
+        self.holding = True
+        return self._release.wait(60)
+
+    async def is_holding(self) -> bool:
+        return self.holding
+
+    async def release(self) -> None:
+        self._release.set()
+
+
+def test_a_rollouts_heartbeat_is_answered_while_a_command_holds_its_actor_thread():
+    """The actor's plain methods share one thread: a heartbeat queued behind a command
+    that waits for the generation thread went unanswered as long as the command waited
+    (up to cluster.actor_timeout_s), and a rollout making progress could be declared
+    hung. Served on the event loop, it answers at once."""
+    import time
+
+    from distributed import Client, LocalCluster
+
+    with (
+        LocalCluster(
+            n_workers=1, threads_per_worker=1, processes=False, dashboard_address=":0"
+        ) as cluster,
+        Client(cluster) as client,
+    ):
+        rollout = client.submit(_Beating, actor=True).result()
+        blocked = rollout.blocked()
+        deadline = time.monotonic() + 30
+        while not rollout.is_holding().result():  # (the command holds the actor thread)
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        try:
+            age = rollout.heartbeat().result(timeout=20)  # (queued: after the command's 60 s)
+        finally:
+            rollout.release().result()
+        assert age is not None and age >= 0
+        assert blocked.result(timeout=60) is True
