@@ -185,6 +185,7 @@ def _figures(run_dir: Path, summary: dict, scale, warmup: float) -> dict:
     d = {k: float((roll[k].isel(time=-1) - roll[k].isel(time=0)).sum()) for k in STEP_COLUMNS}
     steps = max(d["engine_steps"], 1.0)
     from pipelines.bench_schedules import admitted_decodes
+    from pipelines.bench_schedules_figures import decode_loop_figures
 
     admitted = admitted_decodes(roll, scale)  # (time × rollout)
     # (NaN for a rollout that missed the window's first or last poll: skipped, as above)
@@ -240,31 +241,6 @@ def pause_figures(summary: dict, scale) -> dict:
         "moves": rep["moves"],
         "pause_s": scale.modelled(rep["pause_s"]),
         "overhead_frac": rep["pause_s"] / (summary["rl_wall_s"] * replicas),
-    }
-
-
-def decode_loop_figures(summary: dict) -> dict:
-    """What the rollouts' decode loops (``decode_s``, wall) spent besides modelled steps,
-    as bench schedules reports it: ``decode_unmodelled``, the share no paced step
-    accounts for (the work between steps — finished responses handed on, the partial
-    log, pool calls, commands served — and overruns); ``overrun_share``, the share by
-    which paced steps ended past their deadlines (``engine_overrun_s``: compute over the
-    model, or a command served in a step's wait past it) — time the emulation stretched,
-    that a GPU run would not have spent. NaN when not paced.
-
-    >>> rollouts = [{"decode_s": 5.0, "engine_overrun_s": 0.4}, {"decode_s": 3.0}]
-    >>> decode_loop_figures({"engine": {"modelled_s": 6.0}, "rollouts": rollouts})
-    {'decode_unmodelled': 0.25, 'overrun_share': 0.05}
-    """
-    rollouts = summary["rollouts"]
-    decode_s = sum(r.get("decode_s", 0.0) for r in rollouts)
-    modelled_s = summary["engine"].get("modelled_s")
-    if not (modelled_s and decode_s > 0):
-        return {"decode_unmodelled": float("nan"), "overrun_share": float("nan")}
-    overrun_s = sum(r.get("engine_overrun_s", 0.0) for r in rollouts)
-    return {
-        "decode_unmodelled": 1 - modelled_s / decode_s,
-        "overrun_share": overrun_s / decode_s,
     }
 
 

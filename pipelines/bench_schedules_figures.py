@@ -217,12 +217,8 @@ def arm_figures(run_dir: Path, summary: dict, warmup: int) -> dict:
         eng["compute_s"] / eng["modelled_s"] if eng.get("modelled_s") else math.nan
     )
     out["overrun_steps"] = eng.get("overruns", 0)
-    # Wall time of the decode loops that no modelled step accounts for: between-step work
-    # (rewards handed off, partial log, pool calls, commands served) and overruns.
+    out.update(decode_loop_figures(summary))
     decode_s = sum(r.get("decode_s", 0.0) for r in summary["rollouts"])
-    out["decode_unmodelled"] = (
-        1 - eng["modelled_s"] / decode_s if eng.get("modelled_s") and decode_s else math.nan
-    )
     top_up_s = [r["top_up_s"] for r in summary["rollouts"] if "top_up_s" in r]
     out["top_up_share"] = sum(top_up_s) / decode_s if top_up_s and decode_s else math.nan
     out.update(trainer_paced(summary))
@@ -361,3 +357,28 @@ def reward_thresholds(results: dict[str, list[dict]], given: float | None) -> di
         base = float(np.median([f["reward_first"] for f in runs]))
         out[seed] = base + TTR_FRACTION * (min(f["reward_last"] for f in runs) - base)
     return out
+
+
+def decode_loop_figures(summary: dict) -> dict:
+    """What the rollouts' decode loops (``decode_s``, wall) spent besides modelled steps,
+    as both benches report it: ``decode_unmodelled``, the share no paced step
+    accounts for (the work between steps — finished responses handed on, the partial
+    log, pool calls, commands served — and overruns); ``overrun_share``, the share by
+    which paced steps ended past their deadlines (``engine_overrun_s``: compute over the
+    model, or a command served in a step's wait past it) — time the emulation stretched,
+    that a GPU run would not have spent. NaN when not paced.
+
+    >>> rollouts = [{"decode_s": 5.0, "engine_overrun_s": 0.4}, {"decode_s": 3.0}]
+    >>> decode_loop_figures({"engine": {"modelled_s": 6.0}, "rollouts": rollouts})
+    {'decode_unmodelled': 0.25, 'overrun_share': 0.05}
+    """
+    rollouts = summary["rollouts"]
+    decode_s = sum(r.get("decode_s", 0.0) for r in rollouts)
+    modelled_s = summary["engine"].get("modelled_s")
+    if not (modelled_s and decode_s > 0):
+        return {"decode_unmodelled": float("nan"), "overrun_share": float("nan")}
+    overrun_s = sum(r.get("engine_overrun_s", 0.0) for r in rollouts)
+    return {
+        "decode_unmodelled": 1 - modelled_s / decode_s,
+        "overrun_share": overrun_s / decode_s,
+    }

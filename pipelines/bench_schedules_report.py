@@ -56,6 +56,7 @@ FIGURES = [
     "compute_vs_modelled",
     "overrun_steps",
     "decode_unmodelled",
+    "overrun_share",
     "top_up_share",
     "trainer_compute_vs_modelled",
     "trainer_overruns",

@@ -343,6 +343,8 @@ def _engine_summary(rollouts: list[dict]) -> dict:
         out["modelled_s"] = sum(r["engine_modelled_s"] for r in rollouts)
         out["compute_s"] = sum(r["engine_compute_s"] for r in rollouts)
         out["overruns"] = sum(r["engine_overruns"] for r in rollouts)
+        # (seconds paced steps ended past their deadlines, uncaught by the next step)
+        out["overrun_s"] = sum(r.get("engine_overrun_s", 0.0) for r in rollouts)
     return out
 
 
