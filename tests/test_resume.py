@@ -239,10 +239,10 @@ def test_a_new_run_does_not_overwrite_what_is_not_its_own(tmp_path):
 
     from storage import TrajectoryWriter
 
-    writer = TrajectoryWriter(run)
-    assert prepare_run_dir(cfg, run) == run
+    TrajectoryWriter(run)
+    assert prepare_run_dir(cfg, run) == run  # (its empty store moved aside: 9b4e49d)
     # something stored and no checkpoint: --resume cannot continue it, so not offered
-    writer.append([trajectory("p0-0", "p0").to_record()])
+    TrajectoryWriter(run).append([trajectory("p0-0", "p0").to_record()])
     with pytest.raises(ConfigError, match=r"no checkpoint to continue from; pass a new"):
         prepare_run_dir(cfg, run)
     # moved, or named from another working directory: still its own config.yaml

@@ -71,7 +71,7 @@ def test_a_laminar_run_is_continued_with_resume(tmp_path):
     from storage.stores import StoreError
 
     assert _command(hint, tmp_path / "new") == ["run", "--resume", str(run)]
-    with pytest.raises(StoreError, match="no trajectory store"):
+    with pytest.raises(StoreError, match="has stored no trajectory yet"):
         prepare_resume(run)
 
 
