@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
+import time
 
 import numpy as np
 
@@ -73,3 +75,26 @@ class InProcess:
             return future
 
         return call
+
+
+@contextlib.contextmanager
+def actor_thread_held(cls, *args):
+    """An actor of ``cls`` on an in-process Dask cluster, its ``blocked()`` command
+    running and holding the actor's one thread (its ``is_holding()``, async, says so):
+    yields ``(actor, the command's future)``. For what must be answered on the event
+    loop while a command waits on the actor thread."""
+    from distributed import Client, LocalCluster
+
+    with (
+        LocalCluster(
+            n_workers=1, threads_per_worker=1, processes=False, dashboard_address=":0"
+        ) as cluster,
+        Client(cluster) as client,
+    ):
+        actor = client.submit(cls, *args, actor=True).result()
+        blocked = actor.blocked()
+        deadline = time.monotonic() + 30
+        while not actor.is_holding().result():  # (the command holds the actor thread)
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        yield actor, blocked

@@ -1205,20 +1205,9 @@ def test_a_relay_switch_reaches_a_rollout_whose_actor_thread_is_held():
     thread (it waits for the generation thread, which waits for that switch): the switch
     is served on the event loop at once. A plain method was queued behind the command,
     and came only once the pull gave up, ``relay.timeout_s`` later."""
-    from distributed import Client, LocalCluster
+    from factories import actor_thread_held
 
-    with (
-        LocalCluster(
-            n_workers=1, threads_per_worker=1, processes=False, dashboard_address=":0"
-        ) as cluster,
-        Client(cluster) as client,
-    ):
-        rollout = client.submit(_SwitchWaiter, 10.0, actor=True).result()
-        blocked = rollout.blocked()
-        deadline = time.monotonic() + 30
-        while not rollout.is_holding().result():  # (the command holds the actor thread)
-            assert time.monotonic() < deadline
-            time.sleep(0.01)
+    with actor_thread_held(_SwitchWaiter, 10.0) as (rollout, blocked):
         rollout.set_relay("relay1").result(timeout=60)
         assert blocked.result(timeout=60) is True  # switched, not given up
 

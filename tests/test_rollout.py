@@ -4,7 +4,7 @@ protocol (pause, data-module rebuild, adoption, weight pulls) and its reward col
 from __future__ import annotations
 
 import pytest
-from factories import InProcess
+from factories import InProcess, actor_thread_held
 
 
 def _rollout(tiny_policy, small_config, overrides=(), relay=None):
@@ -617,22 +617,7 @@ def test_a_rollouts_heartbeat_is_answered_while_a_command_holds_its_actor_thread
     that waits for the generation thread went unanswered as long as the command waited
     (up to cluster.actor_timeout_s), and a rollout making progress could be declared
     hung. Served on the event loop, it answers at once."""
-    import time
-
-    from distributed import Client, LocalCluster
-
-    with (
-        LocalCluster(
-            n_workers=1, threads_per_worker=1, processes=False, dashboard_address=":0"
-        ) as cluster,
-        Client(cluster) as client,
-    ):
-        rollout = client.submit(_Beating, actor=True).result()
-        blocked = rollout.blocked()
-        deadline = time.monotonic() + 30
-        while not rollout.is_holding().result():  # (the command holds the actor thread)
-            assert time.monotonic() < deadline
-            time.sleep(0.01)
+    with actor_thread_held(_Beating) as (rollout, blocked):
         try:
             age = rollout.heartbeat().result(timeout=20)  # (queued: after the command's 60 s)
         finally:
