@@ -91,7 +91,10 @@ def actor_thread_held(cls, *args):
         ) as cluster,
         Client(cluster) as client,
     ):
-        actor = client.submit(cls, *args, actor=True).result()
+        # (the creating future held to the end: dropped, the scheduler may release the key
+        # and the worker its actor, the handle's own reference registered too late)
+        made = client.submit(cls, *args, actor=True)
+        actor = made.result()
         blocked = actor.blocked()
         deadline = time.monotonic() + 30
         while not actor.is_holding().result():  # (the command holds the actor thread)
