@@ -10,8 +10,9 @@ that left again untrained (filtered, evicted) no longer count against the back-p
 bound.
 
 So before a pool hands out a position at or past its lease, it writes a new lease
-``ahead`` positions further (``RUN_DIR/dispatch_lease.json``, replaced atomically):
-every position ever handed out lies below the lease on disk.
+``ahead`` positions further (``RUN_DIR/dispatch_lease.json``, replaced atomically), or
+the one on disk where that is further (another pool's): the lease on disk never goes
+back, and every position ever handed out lies below it.
 A rebuild with a silent rollout starts its order at the lease (the positions between go
 untrained). The pool writes once per ``ahead`` groups, so the cost is one small file
 write per ``buffer.max_outstanding_groups`` groups.
@@ -59,7 +60,9 @@ class DispatchLease:
         commits, rather than fail the rollout that asked."""
         if below <= self.end:
             return True
-        end = below + self.ahead
+        # Never below what is on disk: a pool fenced as lost may still write, and its
+        # lower lease would let the pool rebuilt in its place hand out positions again.
+        end = max(below + self.ahead, read_lease(self.path.parent) or 0)
         try:  # (whole or not at all, on disk before the name; a failed write leaves no temp)
             replace_text(self.path, json.dumps({"dispatched_below": end}))
         except OSError as e:

@@ -47,3 +47,16 @@ def test_a_lease_that_holds_no_count_is_damaged_and_ignored(tmp_path, caplog, te
         assert read_lease(tmp_path) is None
         assert DispatchLease(tmp_path, ahead=4).end == 0
     assert "cannot be read" in caplog.text
+
+
+def test_the_lease_on_disk_never_goes_back(tmp_path):
+    """A pool fenced as lost may still run and write its lease; the pool rebuilt in its
+    place wrote a higher one, and the old pool's lower write took it back below positions
+    the new pool had handed out (a later rebuild would hand them out again). A write
+    keeps what is on disk where that is further."""
+    old = DispatchLease(tmp_path, ahead=16)
+    assert old.cover(3) and read_lease(tmp_path) == 19
+    new = DispatchLease(tmp_path, ahead=16)  # the rebuilt pool starts at the lease
+    assert new.cover(100) and read_lease(tmp_path) == 116
+    assert old.cover(20) and read_lease(tmp_path) == 116  # (it wrote 36)
+    assert new.cover(117) and read_lease(tmp_path) == 133
