@@ -20,6 +20,19 @@ REPO = Path(__file__).resolve().parent.parent
 settings.register_profile("laminar", deadline=None)
 settings.load_profile("laminar")
 
+
+def pytest_configure(config) -> None:
+    """Ctrl-C as from a terminal, however the suite was started: a background job of a
+    shell without job control (`nohup pytest ... &`, a CI step's `cmd &`) starts with
+    SIGINT ignored, Python then installs no handler, and every process the tests start
+    inherits the ignored signal. The tests of Ctrl-C (the CLI's, RunHandle.wait's, a
+    child's `laminar run`) then waited for a stop that never came, to the timeout."""
+    import signal
+
+    if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+
+
 # Small enough for CI on 2 cores, big enough to exercise every actor and the store.
 SMALL_RUN = [
     "task.num_prompts=200",

@@ -92,25 +92,15 @@ def test_cli_ctrl_c_stops_cleanly_with_the_store_intact(tmp_path):
     the local cluster's worker processes. The workers must not die of it (the driver
     would take that for lost roles and fail the run); the driver stops the run."""
     run_dir = tmp_path / "run"
-    # A background job of a shell without job control (`nohup pytest ... &`) starts with
-    # SIGINT ignored, and a child inherits that: the CLI would never see the Ctrl-C, and
-    # the run went on until communicate() timed out. A handled signal is reset to its
-    # default in the child: the CLI gets Ctrl-C as from a terminal.
-    ignored = signal.getsignal(signal.SIGINT) == signal.SIG_IGN
-    if ignored:
-        signal.signal(signal.SIGINT, signal.default_int_handler)
-    try:
-        proc = laminar_cli(
-            "run",
-            "configs/tiny.yaml",
-            "--run-dir",
-            str(run_dir),
-            *sets(SMALL_RUN + [ONE_THREAD_SFT, "trainer.steps=1000"]),
-            start_new_session=True,  # a process group of its own, as a terminal's job
-        )
-    finally:
-        if ignored:
-            signal.signal(signal.SIGINT, signal.SIG_IGN)
+    # (SIGINT not ignored here, however the suite was started: conftest.pytest_configure)
+    proc = laminar_cli(
+        "run",
+        "configs/tiny.yaml",
+        "--run-dir",
+        str(run_dir),
+        *sets(SMALL_RUN + [ONE_THREAD_SFT, "trainer.steps=1000"]),
+        start_new_session=True,  # a process group of its own, as a terminal's job
+    )
     lines = []
     deadline = time.time() + 300
     try:
