@@ -49,7 +49,13 @@ import time
 from pathlib import Path
 
 from laminar.errors import ConfigError
-from pipelines.bench_schedules_cluster import ABLATION_OF, ARMS, GPUS_PER_REPLICA, Cluster
+from pipelines.bench_schedules_cluster import (
+    ABLATION_OF,
+    ARMS,
+    GPUS_PER_REPLICA,
+    Cluster,
+    Probe,
+)
 from pipelines.bench_schedules_cluster import CONCURRENCY as CONCURRENCY
 from pipelines.bench_schedules_cluster import GROUP_SIZE as GROUP_SIZE
 from pipelines.bench_schedules_cluster import REPACK_INTERVAL_S as REPACK_INTERVAL_S
@@ -172,7 +178,7 @@ def bench_schedules(
     iterations: int = 6,
     search: bool = True,
     probe_warmup: int = 2,
-    probe_iterations: int = 2,
+    probe_iterations: int = 4,
     arms: tuple[str, ...] = tuple(ARMS),
     splits: dict[str, int] | None = None,
     reward_threshold: float | None = None,
@@ -181,11 +187,16 @@ def bench_schedules(
 ):
     """The schedules bench; see the module docstring.
 
+    ``probe_warmup`` and ``probe_iterations``: the split search's probes, each of seed
+    0, measuring ``probe_iterations`` updates after ``probe_warmup`` (4: with 2, a
+    probe's figure was two intervals that vary by 7-10% within a run, more than
+    neighbouring splits differ); the JSON records each probe's interval throughputs and
+    their standard error, and the splits within that noise of the chosen one.
     ``splits`` fixes an arm's rollout replicas (skipping its search); ``overrides``
     (``--set``) go to every arm's config after the bench's own; ``reward_threshold``
-    the time-to-reward threshold (default: ``TTR_FRACTION`` of the way from the base
-    policy's reward to the lowest final reward of any schedule, so that every schedule
-    reaches it)."""
+    the time-to-reward threshold (default, per seed: ``TTR_FRACTION`` of the way from the
+    base policy's reward to the lowest final reward of the runs compared, so that each
+    reaches it: a ratio's two arms', the table's every arm's)."""
     from distributed import Client
 
     from laminar.cluster import local_cluster
@@ -284,7 +295,9 @@ def bench_schedules(
 
             def evaluate(r: int, arm=arm, steps=steps) -> float:
                 fig = run(arm, r, steps, seed=0, tag="probe")
-                return -math.inf if fig is None else fig["throughput"]  # (never chosen)
+                if fig is None:
+                    return -math.inf  # (never chosen)
+                return Probe(fig["throughput"], fig["_interval_throughputs"])
 
             best, seen = search_split(
                 evaluate, lo=1, hi=cluster.max_replicas - 1, start=cluster.balanced_replicas()
@@ -379,7 +392,7 @@ def reanalyse(
         fig = _figures(d, summary, warmup, probe_warmup)
         fig["_seed"] = seed
         if seed is None:
-            probes.setdefault(arm, {})[r] = fig["throughput"]
+            probes.setdefault(arm, {})[r] = Probe(fig["throughput"], fig["_interval_throughputs"])
         elif arm in results:
             results[arm].append(fig)
             splits[arm] = r

@@ -100,6 +100,13 @@ def arm_figures(run_dir: Path, summary: dict, warmup: int) -> dict:
         # prompt + response tokens of a global batch / time between adjacent updates
         "throughput": tokens * scale_tok / modelled(interval),
         "iteration_s": modelled(interval / measured.sum()),
+        # each measured interval's own (a probe's spread: Probe, noise_band)
+        "_interval_throughputs": [
+            float(t * scale_tok / modelled(i))
+            for t, i in zip(
+                ups["tokens"].values[measured], ups["interval_s"].values[measured], strict=True
+            )
+        ],
     }
     # The trainer's idle share on its own clock, over the throughput's window: what each
     # measured interval between publications leaves besides training (``update_s``) and
@@ -328,26 +335,50 @@ def time_to_reward(curve: list[tuple[float, float]], threshold: float) -> float:
     >>> time_to_reward([(0, 0.9), (10, 0.6), (20, 0.8)], 0.7)
     20
     """
-    for i in range(1, len(curve)):
-        window = [r for _, r in curve[max(1, i - 1) : i + 1]]  # (never the base's point)
-        if np.mean(window) >= threshold:
-            return curve[i][0]
-    return math.nan
+    return crossing(curve, threshold)[0]
 
 
-def reward_thresholds(results: dict[str, list[dict]], given: float | None) -> dict:
-    """Each seed's time-to-reward threshold (``given``: one for all). Three quarters
-    (``TTR_FRACTION``) of the way from the seed's base reward (the median over its runs'
-    version 0) to the lowest final reward of its runs: every run of the seed reaches
-    it, late enough that the first iterations do not decide it. Per seed, because a
-    seed's prompts set its base: on the 64-GPU workload the bases of two seeds differ by
-    0.02 against a rise of 0.03, and one threshold for all lay below one seed's base.
+def crossing(curve: list[tuple[float, float]], threshold: float) -> tuple[float, float, float]:
+    """:func:`time_to_reward`, with how far the crossing cleared the threshold: the
+    two-point mean there less the threshold (``cleared``, >= 0), and the threshold less
+    the highest two-point mean before it (``short``, > 0; NaN at the first point). A
+    threshold moved by less than either gives the same time: the smaller is what the
+    time to reward is known to. NaN throughout where the curve never reaches it.
+
+    >>> [round(x, 3) for x in crossing([(0, 0.5), (10, 0.6), (20, 0.8), (30, 0.9)], 0.69)]
+    [20, 0.01, 0.09]
+    >>> [round(x, 3) for x in crossing([(0, 0.5), (10, 0.68), (20, 0.6), (30, 0.8)], 0.69)]
+    [30, 0.01, 0.01]
+    """
+    means = [
+        float(np.mean([r for _, r in curve[max(1, i - 1) : i + 1]]))  # (never the base's)
+        for i in range(1, len(curve))
+    ]
+    for i, m in enumerate(means, start=1):
+        if m >= threshold:
+            short = threshold - max(means[: i - 1]) if i > 1 else math.nan
+            return curve[i][0], m - threshold, short
+    return math.nan, math.nan, math.nan
+
+
+def reward_thresholds(results: dict[str, list[dict]], given: float | None, arms=None) -> dict:
+    """Each seed's time-to-reward threshold (``given``: one for all), from the runs of
+    ``arms`` alone (default: every arm's). Three quarters (``TTR_FRACTION``) of the way
+    from the seed's base reward (the median over those runs' version 0) to the lowest
+    final reward of those runs: every one of them reaches it, late enough that the first
+    iterations do not decide it. Per seed, because a seed's prompts set its base: on the
+    64-GPU workload the bases of two seeds differ by 0.02 against a rise of 0.03, and
+    one threshold for all lay below one seed's base. A time-to-reward ratio takes the
+    threshold of the two arms it compares (:func:`pair_times_to_reward`): from every
+    arm's, it moved with the arms run beside them.
 
     >>> runs = {"a": [{"_seed": 0, "reward_first": 0.8, "reward_last": 0.9},
     ...               {"_seed": 1, "reward_first": 0.6, "reward_last": 0.7}]}
     >>> {k: round(v, 3) for k, v in reward_thresholds(runs, None).items()}
     {0: 0.875, 1: 0.675}
     """
+    if arms is not None:
+        results = {a: results.get(a, []) for a in arms}
     seeds = {f.get("_seed") for rs in results.values() for f in rs}
     if given is not None:
         return dict.fromkeys(seeds, given)
@@ -356,6 +387,34 @@ def reward_thresholds(results: dict[str, list[dict]], given: float | None) -> di
         runs = [f for rs in results.values() for f in rs if f.get("_seed") == seed]
         base = float(np.median([f["reward_first"] for f in runs]))
         out[seed] = base + TTR_FRACTION * (min(f["reward_last"] for f in runs) - base)
+    return out
+
+
+def pair_times_to_reward(
+    results: dict[str, list[dict]], a: str, b: str, curve: str, given: float | None
+) -> dict:
+    """The times to reward of arms ``a`` and ``b`` for the ratio between them: each seed's
+    threshold from their runs alone (:func:`reward_thresholds`; ``given`` wins), so an
+    arm run beside them, whose final reward may be the seed's lowest, moves neither.
+    ``curve``: ``"_policy"`` or ``"_trained"``. Returns the thresholds per seed, and per
+    arm each run's ``(seed, time, cleared, short)`` (:func:`crossing`).
+
+    >>> def run(seed, first, last, curve):
+    ...     return {"_seed": seed, "reward_first": first, "reward_last": last, "_policy": curve}
+    >>> res = {"sync": [run(0, 0.5, 0.9, [(0, 0.5), (10, 0.7), (20, 0.9)])],
+    ...        "laminar": [run(0, 0.5, 0.9, [(0, 0.5), (5, 0.8), (10, 0.9)])],
+    ...        "stream": [run(0, 0.5, 0.6, [(0, 0.5), (5, 0.6), (10, 0.6)])]}
+    >>> pair = pair_times_to_reward(res, "sync", "laminar", "_policy", None)
+    >>> pair["thresholds"], [t for _, t, _, _ in pair["sync"]]
+    ({0: 0.8}, [20])
+    """
+    thresholds = reward_thresholds(results, given, arms=(a, b))
+    out: dict = {"thresholds": thresholds}
+    for arm in (a, b):
+        out[arm] = [
+            (f.get("_seed"), *crossing(f[curve], thresholds[f.get("_seed")]))
+            for f in results.get(arm, [])
+        ]
     return out
 
 

@@ -21,8 +21,14 @@ from pipelines.bench_schedules_cluster import (
     LENGTH_SCALE,
     REQUEST_SCALE,
     WORKLOAD,
+    noise_band,
+    spread_of,
 )
-from pipelines.bench_schedules_figures import reward_thresholds, time_to_reward
+from pipelines.bench_schedules_figures import (
+    pair_times_to_reward,
+    reward_thresholds,
+    time_to_reward,
+)
 
 FIGURES = [
     "throughput",
@@ -126,10 +132,37 @@ def _search_result(cluster, arms, splits, probes, root, failed=()):
             f"{cluster.gpus} emulated H800 GPUs: the split search alone (--seeds 0), probes "
             "of seed 0 in the probes' order; run with --splits ARM=R to measure at these; "
             "no table or plots beside the JSON (nothing was measured at the splits)",
+            *band_notes(splits, probes),
             *failed_notes(list(failed)),
         ],
         failed=list(failed),
     )
+
+
+def band_notes(splits, probes) -> list[str]:
+    """A note per searched arm whose chosen split the probes did not tell apart from
+    another (:func:`noise_band`): its probe ± standard error, and theirs.
+
+    >>> from pipelines.bench_schedules_cluster import Probe
+    >>> band_notes({"laminar": 9}, {"laminar": {8: Probe(203e3, [193e3, 213e3]),
+    ...                                         9: Probe(210e3, [200e3, 220e3])}})
+    ['laminar: split R=9 (probe 210k ± 10k) not told apart from R=8 (203k ± 10k), within noise']
+    """
+
+    def pm(v: float) -> str:
+        return f"{v / 1e3:,.0f}k ± {spread_of(v) / 1e3:,.0f}k"
+
+    notes = []
+    for arm, seen in probes.items():
+        r = splits.get(arm)
+        band = [b for b in noise_band(r, seen) if b != r]
+        if band:
+            notes.append(
+                f"{arm}: split R={r} (probe {pm(seen[r])}) not told apart from "
+                + ", ".join(f"R={b} ({pm(seen[b])})" for b in band)
+                + ", within noise"
+            )
+    return notes
 
 
 def _options(cluster, splits, probes, root, **more) -> dict:
@@ -141,6 +174,18 @@ def _options(cluster, splits, probes, root, **more) -> dict:
         "request_scale": REQUEST_SCALE,
         "splits": splits,
         "probes": {arm: {str(r): v for r, v in seen.items()} for arm, seen in probes.items()},
+        # each probe's measured intervals' throughputs and their standard error, and the
+        # probed splits within that noise of the chosen one (noise_band)
+        "probe_intervals": {
+            arm: {str(r): list(getattr(v, "intervals", ())) for r, v in seen.items()}
+            for arm, seen in probes.items()
+        },
+        "probe_spread": {
+            arm: {str(r): spread_of(v) for r, v in seen.items()} for arm, seen in probes.items()
+        },
+        "split_band": {
+            arm: noise_band(splits.get(arm), seen) for arm, seen in probes.items() if seen
+        },
         "workload": WORKLOAD,
         "runs": str(root),
         **more,
@@ -200,18 +245,34 @@ def _result(cluster, arms, results, splits, probes, reward_threshold, root, fail
     ratios["laminar_repack_on_vs_off"] = ratio(
         "laminar_repack_on_vs_off", "laminar", "laminar_no_repack"
     )
-    # sync's time over Laminar's
-    ratios["ttr_laminar_vs_sync"] = ratio("ttr_laminar_vs_sync", "sync", "laminar", "ttr_s")
-    ratios["ttr_trained_laminar_vs_sync"] = ratio(
-        "ttr_trained_laminar_vs_sync", "sync", "laminar", "ttr_trained_s"
-    )
+    # sync's time over Laminar's, each to the threshold of their runs alone
+    # (pair_times_to_reward): the table's ttr_s takes every arm's, which moved the ratio
+    # with the arms run beside them (1.45 with five, 1.11 with the two, in one bench)
+    ttr_pairs: dict[str, dict] = {}
+    ttr_notes: list[str] = []
+    for name, key, curve in (
+        ("ttr_laminar_vs_sync", "ttr_s", "_policy"),
+        ("ttr_trained_laminar_vs_sync", "ttr_trained_s", "_trained"),
+    ):
+        ratios[name], ttr_pairs[name] = _ttr_ratio(
+            name, "sync", "laminar", key, curve, results, reward_threshold, null
+        )
+        if ratios[name] is not None:
+            ttr_notes.append(_ttr_note(name, ratios[name], ttr_pairs[name]))
     ratios["gen_throughput_laminar_vs_sync"] = ratio(
         "gen_throughput_laminar_vs_sync", "laminar", "sync", "gen_throughput"
     )
     figures = {f"{arm}_{k}": v for arm, m in med.items() for k, v in m.items()}
     # (each seed's: reward_thresholds; their median for the plot and the table's note)
     figures["reward_threshold"] = float(np.median(list(thresholds.values())))
-    locals_ = {**locals_, "reward_thresholds": {str(k): v for k, v in thresholds.items()}}
+    locals_ = {
+        **locals_,
+        "reward_thresholds": {str(k): v for k, v in thresholds.items()},
+        "ttr_pairs": ttr_pairs,
+    }
+    for name, pair in ttr_pairs.items():
+        if pair.get("thresholds"):
+            figures[f"{name}_threshold"] = float(np.median(list(pair["thresholds"].values())))
     samples = {f"{arm}_{k}": [f[k] for f in rs] for arm, rs in results.items() for k in FIGURES}
     for curve in ("policy", "trained"):  # [(modelled s, reward)] of every run
         samples |= {
@@ -230,9 +291,12 @@ def _result(cluster, arms, results, splits, probes, reward_threshold, root, fail
             f"modelled units of the full-size cluster; medians over {locals_['seeds']} seeds",
             "ratios: " + ", ".join(f"{k} {v:.2f}" for k, v in ratios.items() if v is not None),
             *null,
+            *band_notes(splits, probes),
             "time to reward: the policy's reward (its rollouts', at its publication; "
             "ttr_trained_s: the trained batches', at their update), 2-point mean >= "
-            + ", ".join(f"{v:.3f} (seed {k})" for k, v in sorted(thresholds.items(), key=str)),
+            + ", ".join(f"{v:.3f} (seed {k})" for k, v in sorted(thresholds.items(), key=str))
+            + " in the table (from every arm's runs); the ratios take the two arms' own",
+            *ttr_notes,
             *(
                 f"{arm}: {note}"
                 for arm, rs in results.items()
@@ -245,6 +309,93 @@ def _result(cluster, arms, results, splits, probes, reward_threshold, root, fail
     )
     result.extras = write_extras
     return result
+
+
+def _ttr_ratio(name, a, b, key, curve, results, given, null):
+    """``a``'s median time to reward over ``b``'s, each run's to the threshold of the two
+    arms' runs alone (:func:`pair_times_to_reward`), and what the JSON keeps of it: the
+    thresholds, each run's time with how far its crossing cleared the threshold (and fell
+    short before it), and the ratio per seed. ``None`` (and a note in ``null``,
+    naming the arm) where it cannot be computed."""
+    for arm in (a, b):
+        why = (
+            "was not measured (not in --arms, or its split search failed)"
+            if arm not in results
+            else "has no run that finished (each failed, or its split search did)"
+            if not results[arm]
+            else None
+        )
+        if why:
+            null.append(f"{name} null: {arm} {why}")
+            return None, {}
+    pair = pair_times_to_reward(results, a, b, curve, given)
+    times = {arm: [t for _, t, _, _ in pair[arm]] for arm in (a, b)}
+    med = {arm: _median_censored(times[arm]) for arm in (a, b)}
+    seeds = sorted({s for arm in (a, b) for s, *_ in pair[arm]}, key=str)
+
+    def per_seed(arm, seed) -> float:
+        return _median_censored([t for s, t, _, _ in pair[arm] if s == seed])
+
+    detail = {
+        "thresholds": {str(k): pair["thresholds"][k] for k in seeds},
+        "median_s": med,
+        "runs": {
+            arm: [{"seed": s, "time_s": t, "cleared": c, "short": sh} for s, t, c, sh in pair[arm]]
+            for arm in (a, b)
+        },
+        "per_seed": {},
+    }
+    for seed in seeds:
+        ta, tb = per_seed(a, seed), per_seed(b, seed)
+        ok = math.isfinite(ta) and math.isfinite(tb) and tb > 0
+        detail["per_seed"][str(seed)] = ta / tb if ok else None
+    for arm in (a, b):
+        if math.isnan(med[arm]):
+            null.append(f"{name} null: {arm} has no {key} (NaN: never reached in its median run)")
+            return None, detail
+    if med[b] == 0:
+        null.append(f"{name} null: {b}'s {key} is 0")
+        return None, detail
+    return med[a] / med[b], detail
+
+
+def _ttr_note(name: str, value: float, detail: dict) -> str:
+    """A time-to-reward ratio with what it rests on: its thresholds, the ratio per seed,
+    and each run's margins (how far its crossing cleared the threshold / the highest mean
+    before it fell short: a threshold moved by less gives the same time).
+
+    >>> note = _ttr_note("ttr_laminar_vs_sync", 1.2, {"thresholds": {"0": 0.9},
+    ...     "per_seed": {"0": 1.2}, "median_s": {"sync": 600.0, "laminar": 500.0},
+    ...     "runs": {"sync": [{"seed": 0, "cleared": 0.004, "short": 0.001}],
+    ...              "laminar": [{"seed": 0, "cleared": 0.01, "short": math.nan}]}})
+    >>> note.split("; ")  # doctest: +NORMALIZE_WHITESPACE
+    ['ttr_laminar_vs_sync 1.20 (sync 600 s, laminar 500 s',
+     'thresholds of its two arms: 0.900 (seed 0)', 'per seed 1.20',
+     'crossings cleared the threshold by / fell short before by:
+     sync +0.0040/0.0010 (seed 0), laminar +0.0100/– (seed 0))']
+    """
+
+    def fmt(x) -> str:
+        return "–" if x is None or not math.isfinite(x) else f"{x:.4f}"
+
+    runs = ", ".join(
+        f"{arm} "
+        + ("never" if not math.isfinite(r["cleared"]) else f"+{fmt(r['cleared'])}")
+        + f"/{fmt(r['short'])} (seed {r['seed']})"
+        for arm, rs in detail["runs"].items()
+        for r in rs
+    )
+    return (
+        f"{name} {value:.2f} ("
+        + ", ".join(f"{arm} {t:,.0f} s" for arm, t in detail["median_s"].items())
+        + "; thresholds of its two arms: "
+        + ", ".join(f"{v:.3f} (seed {k})" for k, v in detail["thresholds"].items())
+        + "; per seed "
+        + ", ".join("–" if v is None else f"{v:.2f}" for v in detail["per_seed"].values())
+        + "; crossings cleared the threshold by / fell short before by: "
+        + runs
+        + ")"
+    )
 
 
 # Times to reward: NaN in a run's sample means it never reached the threshold within the
