@@ -223,12 +223,19 @@ def _going(path: Path, doing: str, live: dict, here: bool = False) -> ConfigErro
             f"cannot {doing} {str(path)!r}: this process drives a run there already; "
             "wait for it or stop it first (RunHandle.stop())"
         )
+    ago = time.time() - float(live.get("seen", 0))
+    stalled = (
+        " (it has not renewed its claim since: stopped with Ctrl-Z, or stalled; on its "
+        "own host a driver holds the directory for as long as its process lives: "
+        "continue it, or end it)"
+        if ago > LIVE_STALE_S
+        else ""
+    )
     return ConfigError(
         f"cannot {doing} {str(path)!r}: a run is going there (its driver, pid "
-        f"{live.get('pid')} on {live.get('host')!r}, said so "
-        f"{time.time() - float(live.get('seen', 0)):.0f} s ago); stop it first (Ctrl-C, or "
-        f"RunHandle.stop()). If that process is gone, its {LIVE_FILE} goes stale "
-        f"within {LIVE_STALE_S:.0f} s (at once on its own host)"
+        f"{live.get('pid')} on {live.get('host')!r}, said so {ago:.0f} s ago{stalled}); "
+        f"stop it first (Ctrl-C, or RunHandle.stop()). If that process is gone, its "
+        f"{LIVE_FILE} goes stale within {LIVE_STALE_S:.0f} s (at once on its own host)"
     )
 
 

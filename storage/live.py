@@ -9,8 +9,11 @@ refused, naming the driver. ``laminar audit`` reads a run that has a live driver
 running, not lost.
 
 A driver killed outright leaves the file behind. It counts as gone at once when it names
-a process on this host that no longer exists, else once it is older than
-:data:`LIVE_STALE_S` (another host's driver, or a pid reused since).
+a process on this host that no longer exists, or one that started after the claim (its
+pid reused since); another host's driver once the file is older than
+:data:`LIVE_STALE_S`. A living driver on this host holds the directory however long it
+has not renewed (stopped with Ctrl-Z, swapping): taken over, it went on writing there
+once it ran again.
 """
 
 from __future__ import annotations
@@ -47,11 +50,30 @@ def _pid_gone(pid: object) -> bool:
     return False
 
 
+# A process that started this long after a claim's ``since`` is not the one that made it
+# (its pid reused since): the start times read back are rounded (the boot time to 1 s).
+STARTED_AFTER_S = 2.0
+
+
+def _started_at(pid: object) -> float | None:
+    """When process ``pid`` of this host started (epoch seconds), or ``None`` where that
+    cannot be read (psutil missing, no such process, no access)."""
+    try:
+        import psutil  # (distributed's dependency)
+
+        return float(psutil.Process(int(pid)).create_time())
+    except Exception:  # noqa: BLE001 — unknown: judged by its renewals instead
+        return None
+
+
 def _alive(live: dict, run_dir: Path) -> bool:
     """Whether ``live`` (``run_dir``'s ``driver.json``) names a driver that still holds
     the directory: this process only if it holds a claim there now (not a directory
-    moved from under it); another process on this host if it exists and renewed lately;
-    one on another host if it renewed lately."""
+    moved from under it); another process on this host if it exists and is the one that
+    claimed (it started before the claim's ``since``: else its pid was reused), however
+    long ago it renewed (stopped with Ctrl-Z, or swapping: it goes on writing once it
+    runs again); one on another host, or one whose start time cannot be read, if it
+    renewed lately."""
     try:
         seen = float(live["seen"])
     except (KeyError, TypeError, ValueError):
@@ -61,6 +83,13 @@ def _alive(live: dict, run_dir: Path) -> bool:
             return run_dir.resolve() in _held
         if _pid_gone(live.get("pid")):
             return False
+        started = _started_at(live.get("pid"))
+        try:
+            since = float(live["since"])
+        except (KeyError, TypeError, ValueError):
+            since = None
+        if started is not None and since is not None:
+            return started <= since + STARTED_AFTER_S
     return time.time() - seen < LIVE_STALE_S
 
 

@@ -144,3 +144,55 @@ def test_a_claim_taken_over_while_its_process_stalled_is_not_renewed_over(tmp_pa
     assert tmp_path.resolve() not in storage.live._held
     held.release()  # (gives up nothing of theirs)
     assert running_driver(tmp_path)["host"] == "node7"
+
+
+def test_a_stalled_driver_on_this_host_keeps_the_directory(tmp_path, monkeypatch):
+    """A driver stopped with Ctrl-Z (or swapping) renews nothing: past LIVE_STALE_S its
+    claim was taken over although it lives, and once continued it went on writing in a
+    directory another run now used. Its process started before its claim: still it."""
+    import signal
+
+    import storage.live
+
+    proc = subprocess.Popen(
+        [sys.executable, "-c", CLAIMER, str(tmp_path), "ends"],
+        cwd=REPO,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert proc.stdout.readline().strip() == "ready"
+        proc.stdin.write(f"{time.time()}\n")
+        proc.stdin.flush()
+        assert proc.stdout.readline().strip() == "claimed"
+        os.kill(proc.pid, signal.SIGSTOP)
+        monkeypatch.setattr(storage.live, "LIVE_STALE_S", 0.2)
+        time.sleep(0.5)  # (its claim now older than that)
+        with pytest.raises(RunGoing) as e:
+            claim(tmp_path)
+        assert e.value.live["pid"] == proc.pid
+        assert running_driver(tmp_path)["pid"] == proc.pid
+    finally:
+        os.kill(proc.pid, signal.SIGCONT)
+        proc.communicate("go\n", timeout=60)
+    assert running_driver(tmp_path) is None
+
+
+def test_a_claim_naming_a_pid_reused_since_is_taken_over_at_once(tmp_path):
+    """The claim's process died and its pid went to a process started after the claim
+    (here: a process claimed for an hour before it started): not the driver, however
+    fresh the file."""
+    other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        import socket
+
+        now = time.time()
+        live = {"pid": other.pid, "host": socket.gethostname(), "since": now - 3600, "seen": now}
+        (tmp_path / LIVE_FILE).write_text(json.dumps(live))
+        assert running_driver(tmp_path) is None
+        held = claim(tmp_path)
+        held.release()
+    finally:
+        other.kill()
+        other.wait()
