@@ -479,7 +479,8 @@ class EngineBase:
         return stop_reason(state, token, eos=self.eos, tokenizer=self.tokenizer)
 
     def _end_step(self, start: StepStart, finished: list[FinishedOutput]) -> None:
-        """Count the step and, if paced, wait out the modelled step time."""
+        """Count the step and, if paced, wait out the modelled step time; the outputs the
+        step ``finished`` (the list its ``step`` returns) then finish at its deadline."""
         self.counters["steps"] += 1
         self.counters["decode_tokens"] += start.decoding
         self.counters["prefill_tokens"] += start.prefill_tokens
@@ -487,6 +488,19 @@ class EngineBase:
         self.counters["finished"] += len(finished)
         if self.pacer is not None:
             self._finishing = finished
+            sleep = self.wait_hook or time.sleep
+
+            def wait(seconds: float) -> None:
+                # The step ends in modelled time at its deadline, ``seconds`` from now: its
+                # finished outputs end there, not when its compute did (stamped by the
+                # subclass, up to a whole paced step early). Stamped before the wait, so a
+                # command served meanwhile (finishing()) sees the same time; a step that
+                # overran is never waited on and keeps its compute's stamp, already past
+                # its deadline. (In place: ``finished`` is the list step() returns.)
+                t_end = time.time() + seconds
+                finished[:] = [replace(o, t_finish=max(o.t_finish, t_end)) for o in finished]
+                sleep(seconds)
+
             try:
                 self.pacer.pace(
                     start.t0,
@@ -494,7 +508,7 @@ class EngineBase:
                     context_tokens=start.context_tokens,
                     prefill_tokens=start.prefill_tokens,
                     admitted=len(start.admitted),
-                    sleep=self.wait_hook or time.sleep,
+                    sleep=wait,
                 )
             finally:
                 self._finishing = []

@@ -205,3 +205,41 @@ def test_a_step_that_only_prefills_pays_the_fixed_cost_and_the_weight_read():
     assert Pacer(m, dilation=2.0).modelled(0, 0, 100, admitted=1) == pytest.approx(
         2 * (m.t_fix + m.weight_read_time + m.prefill_time(100))
     )
+
+
+def test_a_paced_steps_outputs_finish_at_its_deadline_not_when_its_compute_ended(policy):
+    """A paced step's last token ends in modelled time at the step's deadline. The
+    engine stamped ``t_finish`` when the compute ended, before the step waited out its
+    modelled time: every latency read short by up to one paced step. Seen from a
+    command served in the wait (``finishing()``) too, and unchanged unpaced."""
+    pacer = Pacer(TimeModel.named("H800", "7B", tp=4), dilation=30.0)
+    eng = paced_engine(policy, pacer)
+    seen = []
+
+    def hook(seconds):
+        seen.extend(eng.finishing())
+        time.sleep(seconds)
+
+    eng.wait_hook = hook
+    for i, n in enumerate((1, 3)):
+        eng.add_request(GenerationRequest(f"r{i}", (3, 4, 5), SamplingParams(n, seed=i)))
+    done = []
+    while eng.has_work():
+        before, modelled = time.time(), pacer.modelled_s
+        finished = eng.step()
+        step = pacer.modelled_s - modelled
+        # (each step paced from its own start: no credit from the one before)
+        pacer.restart()
+        for out in finished:
+            assert out.t_finish >= before + 0.999 * step, (out.t_finish - before, step)
+        done += finished
+    assert sorted(o.request.request_id for o in done) == ["r0", "r1"]
+    assert {o.request.request_id: o.t_finish for o in seen} == {
+        o.request.request_id: o.t_finish for o in done
+    }
+    unpaced = paced_engine(policy, None)
+    unpaced.add_request(GenerationRequest("u", (3, 4, 5), SamplingParams(1, seed=0)))
+    before = time.time()
+    (out,) = unpaced.step()
+    assert before <= out.t_finish <= time.time()
+
