@@ -340,6 +340,7 @@ class Pacer:
         self.overrun_s = 0.0
         self._late = 0.0  # how far the last step ended past its deadline
         self._deadline: float | None = None  # the last step's, while stepping continuously
+        self._floor: float | None = None  # the next step is paced from here at the earliest
         self.modelled_s = 0.0
         self.actual_s = 0.0
         self.max_ratio = 0.0
@@ -401,6 +402,17 @@ class Pacer:
         self.overrun_s += self._late
         self._late = 0.0
         self._deadline = None
+        self._floor = None
+
+    def floor(self, t: float) -> None:
+        """Requests joined the engine at ``t`` (a ``clock`` time): a move's import, or a
+        source taking its export back. The next step is paced from ``t`` at the earliest,
+        ``max(previous deadline, t) + its modelled time``: served between two steps after
+        a step that ran late, chained to that step's deadline it would inherit the
+        catch-up credit, and run the requests that joined ahead of the time model (their
+        next token less than a modelled step after they arrived). An import served
+        within a step's wait (``t`` before its deadline) changes nothing."""
+        self._floor = t if self._floor is None else max(self._floor, t)
 
     def pace(
         self,
@@ -422,14 +434,22 @@ class Pacer:
         finished responses on, pool calls, commands served) then runs within the next
         step's modelled time as long as it fits, as a real engine's CPU work overlaps its
         GPU's, instead of adding to the modelled time at the dilated clock's rate; and a
-        step that ran late is caught up by the next. A step whose real compute and the
-        host work before it pass its deadline is an overrun."""
+        step that ran late is caught up by the next — unless requests joined the engine
+        after its deadline (:meth:`floor`): then the deadline is the time they joined
+        plus the modelled step time. A step whose real compute and the host work before
+        it pass its deadline is an overrun."""
         target = self.modelled(batch, context_tokens, prefill_tokens, admitted)
         prev = self._deadline
+        floor, self._floor = self._floor, None
         chained = prev is not None and t0 - prev <= target
+        base = prev if chained else t0
+        if chained and floor is not None and floor > prev:
+            # requests joined after the previous deadline (:meth:`floor`): no credit
+            # from before they came, and the lateness up to them is not caught up
+            chained, base = False, floor
         if not chained:  # the previous step's lateness was not caught up
             self.overrun_s += self._late
-        deadline = (prev if chained else t0) + target
+        deadline = base + target
         self._deadline = deadline
         now = self.clock()
         actual = now - t0  # the step's real compute

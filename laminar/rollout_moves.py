@@ -5,8 +5,10 @@ carry out a move that :mod:`laminar.repack` planned: the load it plans with, the
 a draining batch (the source then *held* at its batch boundary until the manager releases
 it, so a failed import can always be undone), the import into a running batch of the same
 version, and the undo of an export whose move did not happen. The manager's requests run
-on the generation thread, between decode steps, through its command mailbox
-(:meth:`laminar.rollout.RolloutReplica._command`).
+on the generation thread through its command mailbox
+(:meth:`laminar.rollout.RolloutReplica._command`): between decode steps, or, on a paced
+engine, within a step's wait for its modelled time (an export is then withheld until
+that step's deadline).
 
 Apart from the generation loop (:mod:`laminar.rollout`), which meets a move only at its
 holds and in its mailbox: a move is a protocol with the manager of its own.
@@ -191,6 +193,14 @@ class MovesMixin:
             "export_s": export_s,
         }
 
+    def _joined(self) -> None:
+        """Requests joined the engine now (an import, a take-back): a paced engine's next
+        step is paced from now at the earliest (:meth:`laminar.pacing.Pacer.floor`), not
+        chained to a deadline that passed before they came."""
+        pacer = getattr(self.engine, "pacer", None)
+        if pacer is not None:
+            pacer.floor(pacer.clock())
+
     def _take_back(self, move: str | None = None, any_move: bool = False) -> int:
         """The exported requests back into the engine, as they were before the export
         (not counted as moved, nor this rollout as on their path twice): those of
@@ -214,6 +224,7 @@ class MovesMixin:
             st.request.meta["rollout_path"] = st.request.meta["rollout_path"][:-1]
             back.append(replace(st, n_moves=st.n_moves - 1))
         self.engine.import_(back)
+        self._joined()
         self._logged.update({st.request_id: len(st.tokens) for st in back})
         self._reprefill = True  # (its time in reprefill_s: its tokens beside it)
         self.counts["reprefill_tokens"] += sum(st.context_len for st in back)
@@ -249,6 +260,7 @@ class MovesMixin:
             if after > max_kv * kv.capacity_tokens:
                 return False
         self.engine.import_(states)
+        self._joined()
         if move is not None:
             self._imported.append(move)
         self._taken_in += 1

@@ -243,3 +243,55 @@ def test_a_paced_steps_outputs_finish_at_its_deadline_not_when_its_compute_ended
     (out,) = unpaced.step()
     assert before <= out.t_finish <= time.time()
 
+
+def test_requests_that_join_after_a_late_step_earn_no_catch_up_credit():
+    """After a step that ran late, the next step chains to its deadline and catches up.
+    An import served between the two (after that deadline) rode that credit: the moved
+    requests' next step ended less than its modelled time after they arrived. With
+    ``floor`` (what a rollout calls as it imports) the next deadline is at least the
+    import's time plus the step's modelled time; the lateness is counted as not caught
+    up. An import served within a step's wait (before its deadline) changes nothing."""
+    now = [0.0]
+
+    def pacer():
+        return Pacer(
+            TimeModel.named("H800", "7B", tp=4), dilation=30, strict=False, clock=lambda: now[0]
+        )
+
+    def run(floor_at, t_start):
+        """Step M starts at 0 and overruns (its compute ends at 1.5 T, no wait); requests
+        join at ``floor_at`` (None: none do); the next step starts at ``t_start``."""
+        p = pacer()
+        T = p.modelled(8, 8 * 50, 0)
+        now[0] = 1.5 * T
+        p.pace(0.0, batch=8, context_tokens=8 * 50, prefill_tokens=0, sleep=lambda s: None)
+        if floor_at is not None:
+            p.floor(floor_at * T)
+        now[0] = t_start * T
+        target = p.modelled(8, 8 * 51, 60, admitted=1)
+        slept = []
+        p.pace(
+            now[0],
+            batch=8,
+            context_tokens=8 * 51,
+            prefill_tokens=60,
+            admitted=1,
+            sleep=slept.append,
+        )
+        return T, target, now[0] + slept[0], p
+
+    T, target, deadline, p = run(None, 1.6)  # nothing joined: the catch-up holds
+    assert deadline == pytest.approx(T + target)
+    T, target, deadline, p = run(1.55, 1.6)  # an import between the steps
+    assert deadline == pytest.approx(1.55 * T + target)
+    assert p.stats()["overrun_s"] == pytest.approx(0.5 * T)  # step M's lateness: kept
+    # Joined within a wait (before the previous deadline): chained as before.
+    p = pacer()
+    T = p.modelled(8, 8 * 50, 0)
+    now[0] = 0.1 * T
+    p.pace(0.0, batch=8, context_tokens=8 * 50, prefill_tokens=0, sleep=lambda s: None)
+    p.floor(0.5 * T)
+    now[0] = 1.05 * T
+    slept = []
+    p.pace(now[0], batch=8, context_tokens=8 * 50, prefill_tokens=0, sleep=slept.append)
+    assert now[0] + slept[0] == pytest.approx(2 * T)
