@@ -25,15 +25,22 @@ the manager asks every rollout for its load, plans with :func:`laminar.repack.pl
 executes each move in three steps:
 
 1. the source exports every unfinished request (tokens, logprobs and versions so far)
-   and holds at its batch boundary;
+   and holds at its batch boundary (a paced source hands them over at its step's
+   deadline);
 2. the destination imports them into its running batch, which re-prefills them — only
    if it still decodes a batch of the same version (it may have drained meanwhile);
    otherwise the source takes them back;
 3. the source is released: it pulls the newest weights and takes new prompts.
 
-No request is ever in two engines or in none: a state leaves the source only into the
-destination or back into the source. Each move is a row of the ``repacks`` table of
-``metrics.zarr`` (requests and tokens moved, re-prefilled tokens, the pause it caused);
+No request is lost: the source holds what it exported until the move is committed or
+aborted, so a state leaves the source only into the destination or back into the
+source. Nor is one in two engines, except where the manager lost track of a move: a
+destination that answered neither its import nor the question whether it took it (the
+source takes the requests back), or a source whose hold ran out, its manager lost
+mid-round, after the destination imported. Both then decode them, and the buffer keeps
+the copy that finishes first (docs/repack.md, "Moves"). Each move is a row of the
+``repacks`` table of ``metrics.zarr`` (requests and tokens moved, re-prefilled tokens,
+the pause it caused its source's requests, from the export's hand-over to the release);
 the manager keeps a row only until the driver has copied it (:meth:`get_rows`), and
 keeps the totals of :meth:`stats` as moves and recoveries happen.
 
@@ -111,7 +118,15 @@ class RolloutManager(RecoveryMixin, RepackMixin):
         self.rows: list[dict] = []
         self._rows_base = 0
         self._rows_lock = threading.Lock()  # (appended by the loop, dropped by get_rows)
-        self.counts = {"checks": 0, "moves": 0, "rolled_back": 0, "skipped": 0}
+        # (skipped: exports answered with nothing to move; exports_unanswered: not
+        # answered in time, aborted)
+        self.counts = {
+            "checks": 0,
+            "moves": 0,
+            "rolled_back": 0,
+            "skipped": 0,
+            "exports_unanswered": 0,
+        }
         self.partial = partial
         self.workers = dict(workers or {})
         self.lost: dict[str, float] = {}  # rollout id -> when its loss was detected
@@ -182,7 +197,8 @@ class RolloutManager(RecoveryMixin, RepackMixin):
 
             fencing = start_thread(fence, "fence-lost")
             fencing.join()
-        for k in ("checks", "moves", "rolled_back", "skipped", "global_pauses"):
+        counted = ("checks", "moves", "rolled_back", "skipped", "exports_unanswered")
+        for k in (*counted, "global_pauses"):
             if k in last:
                 self.counts[k] = self.counts.get(k, 0) + last[k]
         for k in _TOTALS:

@@ -125,7 +125,13 @@ class RepackMixin:
         Every export and import carries a token of its own: a release or abort acts on
         the export of its token only (one delivered late leaves a later move alone), and
         the question to a destination whose import was not answered is whether the
-        import of its token went through."""
+        import of its token went through.
+
+        Each move's row times its source's pause from the export's hand-over (a paced
+        source withholds it until its step's deadline, decoding until then) to the
+        release (``pause_s``), and the round from its start (``round_s``). An export not
+        answered is counted in ``exports_unanswered``, one answered with nothing to
+        move (its batch drained or changed) in ``skipped``."""
         t0 = time.time()
         # Each phase's calls run at once: one deadline for all of them. (A command the
         # manager stops waiting for may still run on its rollout, which starts its own
@@ -146,6 +152,7 @@ class RepackMixin:
             for m in moves
         }
         outs: dict[str, dict] = {}
+        handed: dict[str, float] = {}  # source -> when its export was handed over
         ok_of: dict[str, bool] = {}
         aborts: dict[str, object] = {}
         try:
@@ -158,10 +165,16 @@ class RepackMixin:
                     aborts[src] = self._try(
                         lambda s=src: self.rollouts[s].abort_export(move=token[s])
                     )
-                if out is None:  # (or its batch drained or changed meanwhile)
+                    self.counts["exports_unanswered"] += 1
+                elif out is None:  # its batch drained or changed meanwhile: nothing moves
                     self.counts["skipped"] += 1
                 else:
                     outs[src] = out
+                    # A paced source decodes until its step's deadline and hands its
+                    # requests over then: their pause starts there, not at t0. (The
+                    # rollout's clock: kept between t0 and the answer here.)
+                    now = time.time()
+                    handed[src] = min(max(out.get("handed_at", now), t0), now)
             t1 = time.time()
             # One import per destination and version (the planner merges one version;
             # a source that loaded another since is refused and takes its states back).
@@ -278,7 +291,11 @@ class RepackMixin:
                     "context_tokens": out["context_tokens"],
                     "export_s": out["export_s"],
                     "import_s": t_import,
-                    "pause_s": t_released - t0,
+                    # the source's requests paused: from its hand-over to the release
+                    "pause_s": t_released - handed[m.source],
+                    "t_handed": handed[m.source],
+                    "t_released": t_released,
+                    "round_s": t_released - t0,  # the round, its exports' waits included
                     "round_moves": len(outs),
                 }
             )

@@ -75,7 +75,11 @@ class MovesMixin:
         requests): the destination's limits were planned without them. ``None`` too
         while the data module is flagged lost (recovery log on): the destination takes
         the exported requests as logged up to their last token, and only a flush that
-        went through makes them so."""
+        went through makes them so.
+
+        Served within a paced step's wait, the export returns at that step's deadline
+        (the states hold its tokens); ``handed_at`` (epoch seconds) says when it was
+        handed over, where the moved requests' pause begins."""
         return self._command(lambda: self._export_all(batch, max_requests, taken_in, move))
 
     def import_for_move(
@@ -191,6 +195,10 @@ class MovesMixin:
             "tokens": sum(len(st.tokens) for st in states),
             "context_tokens": sum(st.context_len for st in states),
             "export_s": export_s,
+            # (epoch seconds) when the requests left this rollout's decoding, the withheld
+            # wait past: their pause starts here, not at the manager's round start — the
+            # source decoded them until its step's deadline
+            "handed_at": time.time(),
         }
 
     def _joined(self) -> None:

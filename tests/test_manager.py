@@ -185,9 +185,9 @@ def exported(states, version: int = 0) -> dict:
 
 
 def test_a_moves_pause_ends_at_its_sources_release_not_at_the_pools_answer(cfg):
-    """The ``repacks`` table's ``pause_s`` is from the round's start to its sources'
-    release (docs/repack.md): the pool is told of the new owners after the releases, and
-    a slow pool holds no source, so it adds nothing to the pause."""
+    """The ``repacks`` table's ``pause_s`` ends at its source's release (docs/repack.md):
+    the pool is told of the new owners after the releases, and a slow pool holds no
+    source, so it adds nothing to the pause."""
     states = [state("g0-000"), state("g0-001")]
     src = FakeRollout(export_for_move=lambda **k: done(exported(states)))
     dst = FakeRollout(import_for_move=lambda *a, **k: done(True))
@@ -240,6 +240,69 @@ def test_a_round_names_each_move_and_the_batch_it_planned_with(cfg, monkeypatch)
     assert imp[2]["move"] != export[2]["move"]
     (abort,) = src.called("abort_export")
     assert abort[2] == {"move": export[2]["move"]} and not src.called("release")
+
+
+def test_a_moves_pause_runs_from_its_exports_hand_over_not_from_the_rounds_start(cfg):
+    """A paced source withholds its export until its step's deadline and decodes the
+    requests until then (d119e55): their pause starts at the hand-over the export
+    reports (``handed_at``), where ``pause_s`` counted from the round's start, that wait
+    included. The round's span is ``round_s``; a hand-over time off the manager's clock
+    (another host's) is kept within the round's start and the export's answer."""
+    import threading
+
+    def move(handed_at):
+        """A round of one move whose export answers 0.2 s late, handed over then."""
+        states = [state("g0-000"), state("g0-001")]
+        handed: list[float] = []
+
+        def export(**kwargs):
+            future = Future()
+
+            def hand_over():
+                handed.append(time.time())
+                at = handed_at(handed[0])
+                future.set_result(exported(states) | ({} if at is None else {"handed_at": at}))
+
+            threading.Timer(0.2, hand_over).start()
+            return future
+
+        src = FakeRollout(export_for_move=export)
+        dst = FakeRollout(import_for_move=lambda *a, **k: done(True))
+        manager = RolloutManager(cfg, {"r0": src, "r1": dst}, None)
+        manager._prev = {"r0": (1, 0.1), "r1": (1, 0.2)}
+        loads = {"r0": RolloutLoad("r0", 0, 0.1, 0.2, 2), "r1": RolloutLoad("r1", 0, 0.2, 0.3, 2)}
+        (row,) = manager._execute([Move("r0", "r1")], loads)
+        assert row["ok"] and row["time"] <= row["t_handed"] <= row["t_released"]
+        assert row["round_s"] == pytest.approx(row["t_released"] - row["time"])
+        assert row["pause_s"] == pytest.approx(row["t_released"] - row["t_handed"])
+        return row, handed[0]
+
+    row, handed = move(lambda t: t)
+    assert row["t_handed"] == handed
+    assert row["round_s"] - row["pause_s"] >= 0.19  # the withheld wait: not a pause
+    row, _ = move(lambda t: t - 1000.0)  # a clock far behind: from the round's start
+    assert row["t_handed"] == row["time"] and row["pause_s"] == pytest.approx(row["round_s"])
+    row, handed = move(lambda t: None)  # (a rollout that does not say): its answer's time
+    assert row["t_handed"] >= handed and row["round_s"] - row["pause_s"] >= 0.19
+
+
+def test_an_export_not_answered_is_counted_apart_from_one_with_nothing_to_move(cfg):
+    """``skipped`` counted both an export answered ``None`` (the planned batch drained or
+    changed: nothing to move) and one the manager got no answer to (aborted, as it may
+    yet run): the latter is ``exports_unanswered``, and carries over a take-over."""
+    src_a = FakeRollout(export_for_move=lambda **k: never())
+    src_b = FakeRollout(export_for_move=lambda **k: done(None))
+    dst = FakeRollout(import_for_move=lambda *a, **k: done(True))
+    manager = RolloutManager(cfg, {"a": src_a, "b": src_b, "d": dst}, None)
+    manager._prev = {"a": (1, 0.1), "b": (1, 0.1), "d": (1, 0.2)}
+    loads = {r: RolloutLoad(r, 0, 0.1, 0.2, 2) for r in ("a", "b")}
+    assert manager._execute([Move("a", "d"), Move("b", "d")], loads) == []
+    assert len(src_a.called("abort_export")) == 1 and not src_b.called("abort_export")
+    stats = manager.stats()
+    assert stats["skipped"] == 1 and stats["exports_unanswered"] == 1
+    after = RolloutManager(cfg, {}, None)
+    after.take_over(stats, {}, {})
+    assert after.stats()["exports_unanswered"] == 1 and after.stats()["skipped"] == 1
 
 
 # -- the manager's loop --------------------------------------------------------------------

@@ -21,10 +21,12 @@ def test_an_export_served_in_a_paced_steps_wait_is_handed_over_at_the_steps_dead
     rollout._add([PromptGroup(f"p{g:08d}", g, (5, 6, 7), "x", 4, 0) for g in range(2)])
     rollout._in_batch = True  # (as in the decode loop)
     exported: list[tuple[dict | None, float]] = []
+    due: list[float] = []
     asked = False
 
     def hook(seconds):  # the rollout's _serve_for, with the manager's export waiting
         if asked and not exported:
+            due.append(time.time() + pacer.until_deadline())  # (the step's deadline)
             exported.append((rollout._export_all(), pacer.until_deadline()))
         rollout._serve_for(pacer.until_deadline())
 
@@ -35,6 +37,8 @@ def test_an_export_served_in_a_paced_steps_wait_is_handed_over_at_the_steps_dead
     ((out, left),) = exported
     assert out is not None and out["states"] and all(st.tokens for st in out["states"])
     assert left == 0.0  # handed over at the deadline, not while the step still ran
+    # ... and says so: the requests' pause starts there (the manager's pause_s)
+    assert out["handed_at"] >= due[0] - 1e-3
 
 
 def test_requests_imported_between_steps_get_a_whole_modelled_step_after_they_arrive(
