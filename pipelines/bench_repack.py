@@ -18,8 +18,11 @@ when the replicas' batches have drifted apart:
 
 * generation throughput — response tokens decoded per second;
 * mean KV utilisation — ``kv_used / kv_capacity`` over rollouts × polls, busy or not;
-* repack overhead — the pause moves caused their sources, as a share of the rollouts'
-  time (``overhead_frac``: replica-seconds paused over replicas × run), and per move;
+* repack overhead — the moves of the window (``moves``, committed; ``rolled_back``) and
+  the pause they caused their sources' requests, from each export's hand-over to the
+  source's release: summed over every move (``pause_sum_s``), as a share of the
+  rollouts' time (``overhead_frac``: that sum over replicas × window), and a committed
+  move's mean (``pause_per_move_s``);
 * mean / max trajectory latency — ``t_finish − t_submit`` of the trajectories submitted
   in the window that ends a cap-length generation before the stop (none is cut short);
 * decode step — a modelled decode step's mean time (ms) and requests (``decode_batch``):
@@ -29,8 +32,9 @@ when the replicas' batches have drifted apart:
   accounts for (``decode_unmodelled``, as bench schedules reports it), and the share by
   which paced steps ended past their deadlines (``overrun_share``), which stretches the
   emulated clock;
-* replica-seconds freed — for each move, from the move to the last of its moved
-  requests finishing elsewhere: the time the source would have spent on its stragglers.
+* replica-seconds freed (``freed_replica_s``, a sum over the window's committed moves)
+  — for each, from its source's release to the last of its moved requests finishing
+  elsewhere: the time the source would have spent on its stragglers.
 
 Run it::
 
@@ -210,53 +214,79 @@ def _figures(run_dir: Path, summary: dict, scale, warmup: float) -> dict:
             else float("nan")  # not paced
         ),
         **decode_loop_figures(summary),
-        "moves": 0,
-        "pause_s": 0.0,
-        "overhead_frac": 0.0,
+        **pause_figures(np.zeros(0, bool), np.zeros(0), replicas=1, window_s=window, scale=scale),
         "freed_replica_s": 0.0,
     }
     rep = summary.get("repack")
-    if rep:
-        out.update(pause_figures(summary, scale))
-        out["freed_replica_s"] = scale.modelled(
-            _freed(ds, open_metrics(run_dir, "repacks") if rep["moves"] else None)
+    moved = rep and rep.get("moves", 0) + rep.get("rolled_back", 0)
+    moves = open_metrics(run_dir, "repacks") if moved else None
+    if moves is not None and moves.sizes.get("move"):
+        # The steady window's rows (a move's time is its round's start, epoch seconds);
+        # warmup 0: every row, those of rounds before the first poll too.
+        since = t[i0] if i0 else -np.inf
+        steady = moves["time"].values >= since
+        out.update(
+            pause_figures(
+                moves["ok"].values.astype(bool)[steady],
+                moves["pause_s"].values[steady],
+                replicas=max(len(summary["rollouts"]), 1),
+                window_s=window,
+                scale=scale,
+            )
         )
+        out["freed_replica_s"] = scale.modelled(_freed(ds, moves, since))
     return out
 
 
-def pause_figures(summary: dict, scale) -> dict:
-    """The moves and the pause they caused their sources: ``pause_s`` in modelled
-    seconds (the manager times it in wall seconds here, as ``rl_wall_s``), and
-    ``overhead_frac``, its share of the rollouts' time — a sum of each move's pause of
-    its source, replica-seconds, so the share divides by them all.
+def pause_figures(ok, pause_s, *, replicas: int, window_s: float, scale) -> dict:
+    """The window's moves (``ok``: committed, else rolled back) and the pause they caused
+    their sources' requests (``pause_s``, each move's, wall seconds as the manager times
+    them): ``pause_sum_s``, summed over every move (a rolled-back one paused its source
+    too), and ``pause_per_move_s``, a committed move's mean, in modelled seconds;
+    ``overhead_frac``, the sum's share of the rollouts' time over the window — a sum of
+    replica-seconds, so the share divides by replicas × ``window_s`` (wall seconds).
 
     >>> from laminar.pacing import Scale
-    >>> summary = {"repack": {"moves": 3, "pause_s": 2.0}, "rl_wall_s": 50.0, "rollouts": [{}] * 4}
-    >>> pause_figures(summary, Scale(dilation=32, length_scale=256))  # 8 modelled s a wall s
-    {'moves': 3, 'pause_s': 16.0, 'overhead_frac': 0.01}
+    >>> ok, pause = np.array([True, True, False]), np.array([0.5, 1.0, 0.5])
+    >>> scale = Scale(dilation=32, length_scale=256)  # 8 modelled s a wall s
+    >>> fig = pause_figures(ok, pause, replicas=4, window_s=50.0, scale=scale)
+    >>> fig["moves"], fig["rolled_back"], fig["pause_sum_s"], fig["pause_per_move_s"]
+    (2, 1, 16.0, 6.0)
+    >>> fig["overhead_frac"]  # 2 replica-seconds of 4 replicas × 50 s
+    0.01
     """
-    rep = summary["repack"]
-    replicas = max(len(summary["rollouts"]), 1)
+    ok, pause_s = np.asarray(ok, bool), np.asarray(pause_s, float)
+    total = float(np.nansum(pause_s))
     return {
-        "moves": rep["moves"],
-        "pause_s": scale.modelled(rep["pause_s"]),
-        "overhead_frac": rep["pause_s"] / (summary["rl_wall_s"] * replicas),
+        "moves": int(ok.sum()),
+        "rolled_back": int((~ok).sum()),
+        "pause_sum_s": scale.modelled(total),
+        "pause_per_move_s": scale.modelled(float(np.nanmean(pause_s[ok]))) if ok.any() else 0.0,
+        "overhead_frac": total / (window_s * replicas) if window_s > 0 else 0.0,
     }
 
 
-def _freed(ds, moves) -> float:
-    """Σ over moves of (the last of its moved requests' finish − the move's time).
+def _freed(ds, moves, since: float = -np.inf) -> float:
+    """Σ over the committed moves of rounds from ``since`` on (epoch seconds) of (the last
+    of its moved requests' finish − its source's release), 0 where they had all
+    finished by then. (Stores from before the rows had ``t_released``: from the round's
+    start, ``time``.)
 
     A move takes a source's requests, so a trajectory's hop ``src -> dst`` is the first
     committed move from ``src`` to ``dst`` after it reached ``src`` (submitted there, or
     moved there by its previous hop): a later move between the same two rollouts moves
-    later requests, whose finish is not this move's."""
+    later requests, whose finish is not this move's. Every move is matched, those
+    before ``since`` too: a trajectory's later hop is found after its earlier one."""
     if moves is None or not moves.sizes.get("move"):
         return 0.0
     ok = moves["ok"].values.astype(bool)
-    src, dst, t = (moves[k].values[ok] for k in ("source", "destination", "time"))
+    freed_from = "t_released" if "t_released" in moves else "time"
+    src, dst, t, t_free = (
+        moves[k].values[ok] for k in ("source", "destination", "time", freed_from)
+    )
+    t_free = np.where(np.isfinite(t_free), t_free, t)  # (a resumed run's older rows)
     order = np.argsort(t, kind="stable")
-    src, dst, t = src[order], dst[order], t[order]
+    src, dst, t, t_free = src[order], dst[order], t[order], t_free[order]
     last = np.full(t.shape, -np.inf)  # per committed move: its moved requests' last finish
     for path, t_submit, t_finish in zip(
         ds["rollout_ids"].values, ds["t_submit"].values, ds["t_finish"].values, strict=True
@@ -269,8 +299,8 @@ def _freed(ds, moves) -> float:
                 continue  # (not in the moves table: a row lost with the data module)
             last[i[0]] = max(last[i[0]], t_finish)
             arrived = t[i[0]]
-    done = np.isfinite(last)
-    return float((last[done] - t[done]).sum())
+    done = np.isfinite(last) & (t >= since)
+    return float(np.maximum(last[done] - t_free[done], 0.0).sum())
 
 
 def bench_repack(
