@@ -22,7 +22,9 @@ from laminar.config_sections import _Section
 
 
 class TLSConfig(_Section):
-    """TLS for every connection of the run (docs/deploy.md, "Security").
+    """TLS for every Dask connection of the run (docs/deploy.md, "Security"): the
+    scheduler's, the workers' and the client's, the relays' weights included. Not the
+    trainer ranks' gloo group (``trainer.ranks`` > 1), which talks plain TCP.
 
     Either the three files (one CA, one certificate and key used by the scheduler, the
     workers and the client), or ``generate: true`` for certificates made for this run only
@@ -103,8 +105,57 @@ def _sbatch_directives(value: Any) -> Any:
                 f"[{i}] {item!r} has an unmatched {quote} (sbatch refuses the job script): "
                 "close it, or escape it with a backslash"
             )
+        taken = _laminar_s_option(text)
+        if taken is not None:
+            raise ValueError(f"[{i}] {item!r}: {taken}; remove it from job_directives")
         out.append(text)
     return out
+
+
+# sbatch options a job of laminar's cannot take: squeue and scancel, the placement wait
+# and the replacer know a job by its id on the default cluster, the placement wait quotes
+# the log laminar names, and dask-jobqueue reads the id sbatch prints at once.
+_MOVES_THE_LOG = "moves the job's log from where laminar reads it (cluster.slurm.log_directory)"
+_LAMINAR_S = {
+    "clusters": (
+        "M",
+        "sends the job to another cluster, where laminar's squeue and scancel "
+        "(on this one) do not find it",
+    ),
+    "array": ("a", "makes several jobs of one worker's, which laminar cannot tell apart"),
+    "output": ("o", _MOVES_THE_LOG),
+    "error": ("e", _MOVES_THE_LOG),
+    "wait": ("W", "makes sbatch wait for the job to end before it answers"),
+}
+
+
+def _laminar_s_option(text: str) -> str | None:
+    """Why the sbatch option ``text`` (one job_directives entry) is laminar's to set, or
+    None. Long options as sbatch's getopt reads them (an unambiguous prefix counts:
+    ``--out`` is ``--output``), short ones with or without their value attached."""
+    first = text.split()[0] if text.split() else ""
+    if first.startswith("--"):
+        name = first[2:].split("=", 1)[0]
+        for long, (short, why) in _LAMINAR_S.items():
+            if name and long.startswith(name) and len(name) >= 2:
+                return f"--{long} (-{short}) {why}"
+    elif first.startswith("-") and len(first) >= 2:
+        for long, (short, why) in _LAMINAR_S.items():
+            if first[1] == short:
+                return f"-{short} (--{long}) {why}"
+    return None
+
+
+def gpu_directive(directives: list[str]) -> str | None:
+    """The first of ``directives`` (job_directives entries) that asks Slurm for GPUs
+    (``--gres=gpu:1``, ``--gpus=1``, ``--gpus-per-node``, ``-G 1``), or None."""
+    for text in directives:
+        first = text.split()[0] if text.split() else ""
+        if first.startswith(("--gres", "--tres")) and "gpu" in text:
+            return text
+        if first.startswith("--gpus") or first.startswith("-G"):
+            return text
+    return None
 
 
 def _unmatched_quote(line: str) -> str | None:
@@ -212,6 +263,43 @@ class SlurmConfig(_JobPlace):
 
 
 _WALLTIME = re.compile(r"\d+(-\d+(:\d+){0,2}|(:\d+){0,2})|(?i:unlimited|infinite)")
+
+
+def walltime_minutes(text: str) -> float | None:
+    """``cluster.slurm.walltime`` in minutes, as sbatch reads it (90: minutes; 1:00:
+    minutes and seconds; 1:00:00: hours; 2-12: days and hours), or None for unlimited."""
+    text = text.strip()
+    if not _WALLTIME.fullmatch(text) or text.lower() in ("unlimited", "infinite"):
+        return None
+    days, dash, rest = text.partition("-")
+    if not dash:
+        days, rest = "0", text
+    parts = [int(p) for p in rest.split(":")]
+    if dash:  # D-H, D-H:M, D-H:M:S
+        h, m, sec = (parts + [0, 0])[:3]
+    elif len(parts) == 3:  # H:M:S
+        h, m, sec = parts
+    else:  # M, M:S
+        h, m, sec = 0, parts[0], (parts[1] if len(parts) == 2 else 0)
+    return int(days) * 1440 + h * 60 + m + sec / 60
+
+
+def vllm_gpu_problem(cluster: ClusterConfig, engine: str) -> str | None:
+    """Why ``rollout.engine`` cannot generate in the rollouts' Slurm jobs, said as a fix,
+    or None: vLLM needs a GPU, and a job that asks for none gets none (or, where the
+    node does not hide the others, takes one of another job's)."""
+    if engine != "vllm" or cluster.kind != "slurm":
+        return None
+    s = cluster.slurm
+    if s.rollout.gpus > 0 or gpu_directive([*s.job_directives, *s.rollout.job_directives]):
+        return None
+    return (
+        "rollout.engine=vllm generates on a GPU, but the rollouts' Slurm jobs ask for none "
+        "(cluster.slurm.rollout.gpus is 0, and no --gres=gpu or --gpus among "
+        "cluster.slurm.job_directives or cluster.slurm.rollout.job_directives): set "
+        "cluster.slurm.rollout.gpus=1 (and the rollouts' partition: "
+        "cluster.slurm.rollout.partition), or rollout.engine=torch"
+    )
 
 
 def _memory_limit_bytes(text: str) -> int | None:

@@ -26,6 +26,7 @@ from laminar.cluster import (
     worker_environ,
 )
 from laminar.config import RunConfig, SlurmRole
+from laminar.config_cluster import gpu_directive, vllm_gpu_problem, walltime_minutes
 from laminar.deploy_lost import SlurmReplacer
 from laminar.deploy_placement import _role_section, run_workers
 from laminar.deploy_tls import _protocol
@@ -49,8 +50,20 @@ def slurm_cluster(cfg: RunConfig, run_dir: str | Path, security=None):
     job's environment (and glibc's adaptive malloc, see :func:`worker_environ`); Slurm
     enforces the job's memory.
     """
+    problem = vllm_gpu_problem(cfg.cluster, cfg.rollout.engine)
+    if problem is not None:  # (before anything starts: no job would run vLLM)
+        raise ConfigError(problem)
     SLURMCluster, SLURMJob = _import_jobqueue()
     s = cfg.cluster.slurm
+    minutes = walltime_minutes(s.walltime)
+    if minutes is not None and minutes < 10:
+        log.warning(
+            "cluster.slurm.walltime=%s is %s to sbatch: every job of the run, and its "
+            "worker, ends then (sbatch reads 1:00 as one minute and 1:00:00 as one hour); "
+            "give H:M:S, e.g. 02:00:00",
+            s.walltime,
+            f"{minutes:g} minute(s)",
+        )
     # Absolute, for what the job scripts name (-e/-o, --tls-*): a job reads them from
     # its working directory, which a --chdir of job_directives or a prologue's cd moves.
     run_dir = _absolute(run_dir)
@@ -96,6 +109,10 @@ def slurm_cluster(cfg: RunConfig, run_dir: str | Path, security=None):
         threads = role.torch_threads or role.cores
         env = worker_environ(threads)
         env[TORCH_THREADS_VAR] = str(threads)  # (its actors', laminar.cluster.actor_threads)
+        if role.gpus == 0 and gpu_directive([*s.job_directives, *role.job_directives]) is None:
+            # A job that asked for no GPU sees none: on a node that does not hide the
+            # others (no cgroup device limits), CUDA would take GPU 0, another job's.
+            env["CUDA_VISIBLE_DEVICES"] = ""
         if not pause_theirs:
             # Without a nanny a worker still pauses at Dask's memory.pause (80%) of its
             # --memory-limit, here the job's memory, and a paused worker starts no task and
@@ -204,14 +221,35 @@ def _import_jobqueue() -> tuple[type, type]:
         return getattr(handler, "__module__", None) == "dask_jobqueue.runner"
 
     before = signal.getsignal(signal.SIGINT)
+    real_signal = signal.signal
+
+    def from_a_thread(signum, handler):
+        # Python sets handlers from the main thread only: dask-jobqueue's, at import,
+        # raised a bare ValueError when a cluster was opened from another thread (a
+        # notebook's or an application's). Its handler is put back below anyway.
+        caller = sys._getframe(1).f_globals.get("__name__")
+        if caller == "dask_jobqueue.runner" and threading.current_thread() is not (
+            threading.main_thread()
+        ):
+            return signal.getsignal(signum)
+        return real_signal(signum, handler)
+
     try:
+        if threading.current_thread() is not threading.main_thread():
+            signal.signal = from_a_thread
         from dask_jobqueue import SLURMCluster
         from dask_jobqueue.slurm import SLURMJob
     except ImportError as e:
         raise ConfigError(
             "cluster.kind=slurm needs dask-jobqueue: pip install 'laminar-rl[slurm]'"
         ) from e
+    except ValueError as e:  # (a dask-jobqueue that sets its handler some other way)
+        raise ConfigError(
+            f"dask-jobqueue could not be imported outside the main thread ({e}): open the "
+            "Slurm cluster (laminar.deploy.open_cluster) from the main thread"
+        ) from None
     finally:
+        signal.signal = real_signal
         if (
             jobqueue_s(signal.getsignal(signal.SIGINT))
             and threading.current_thread() is threading.main_thread()
@@ -301,12 +339,29 @@ def _cancel_submitted(cluster) -> list[str]:
 
     from distributed.core import Status
 
-    accepted = {n: w.job_id for n, w in cluster.workers.items() if getattr(w, "job_id", None)}
+    # Every job sbatch answered for: cluster.workers holds them only once the whole
+    # submission ended, and one still under way (a slow sbatch past _submit's settle_s)
+    # was left out and ran on to its walltime. cluster._created holds each job object
+    # from before its sbatch; job_id is set once sbatch answers (dask-jobqueue 0.9).
+    jobs = [*cluster.workers.values(), *getattr(cluster, "_created", ())]
+    accepted = {w.name: w.job_id for w in jobs if getattr(w, "job_id", None)}
     refused = [n for n in cluster.worker_spec if n not in accepted]  # (close() empties it)
     if accepted:
-        with contextlib.suppress(OSError, subprocess.SubprocessError):
-            subprocess.run(
-                ["scancel", *accepted.values()], capture_output=True, timeout=60, check=False
+        ids = sorted(set(accepted.values()), key=lambda i: (len(i), i))
+        try:
+            r = subprocess.run(
+                ["scancel", *ids], capture_output=True, text=True, timeout=60, check=False
+            )
+            failed = None if r.returncode == 0 else (r.stderr or r.stdout).strip()
+        except (OSError, subprocess.SubprocessError) as e:
+            failed = repr(e)
+        if failed is not None:
+            log.error(
+                "scancel did not cancel the run's Slurm jobs %s (%s): they hold their "
+                "nodes until their walltime; cancel them yourself: scancel %s",
+                ", ".join(ids),
+                failed or "no message",
+                " ".join(ids),
             )
     for w in list(cluster._created):  # never submitted: nothing for close() to wait on
         if w.status == Status.created:
