@@ -28,7 +28,7 @@ import yaml
 from pydantic import BaseModel, Field, ValidationError, model_validator
 
 from laminar.config_cluster import MIN_JOB_MEMORY as MIN_JOB_MEMORY
-from laminar.config_cluster import ClusterConfig
+from laminar.config_cluster import ClusterConfig, vllm_gpu_problem
 from laminar.config_cluster import SlurmConfig as SlurmConfig
 from laminar.config_cluster import SlurmRole as SlurmRole
 from laminar.config_cluster import TLSConfig as TLSConfig
@@ -105,6 +105,8 @@ class RunConfig(_Section):
                 f"queue while their freed source takes new prompts; set repack.max_batch to "
                 f"at most {r.max_batch}, or raise rollout.max_concurrency"
             )
+        if (why := vllm_gpu_problem(self.cluster, r.engine)) is not None:
+            raise ValueError(why)  # (at load: the cluster's open checks it again)
         if b.sampler == "same_version" and b.max_train_staleness is None:
             raise ValueError(
                 "buffer.sampler=same_version needs buffer.max_train_staleness: without it, "

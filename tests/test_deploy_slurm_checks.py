@@ -98,7 +98,13 @@ def test_vllm_rollouts_without_a_gpu_are_refused_before_any_job(fake_slurm, tmp_
     got no --gres, and vLLM failed on the node (or took GPU 0, another job's)."""
     from laminar.deploy import slurm_cluster
 
-    cfg = _slurm_cfg("rollout.engine=vllm")
+    # At load, with the other checks of a config (laminar run refuses before any cluster)
+    with pytest.raises(ConfigError, match=r"cluster\.slurm\.rollout\.gpus=1") as e:
+        _slurm_cfg("rollout.engine=vllm")
+    assert "rollout.engine=vllm" in str(e.value)
+    # and again as the cluster opens (a config built in code, not validated again)
+    cfg = _slurm_cfg()
+    cfg = cfg.model_copy(update={"rollout": cfg.rollout.model_copy(update={"engine": "vllm"})})
     with pytest.raises(ConfigError, match=r"cluster\.slurm\.rollout\.gpus=1") as e:
         slurm_cluster(cfg, tmp_path / "run")
     assert "rollout.engine=vllm" in str(e.value)
