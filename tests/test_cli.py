@@ -462,6 +462,7 @@ def test_ctrl_c_with_the_output_piped_to_a_reader_it_also_ended_stops_in_order(t
     import json
     import subprocess
     import sys
+    import threading
 
     from conftest import REPO
 
@@ -506,7 +507,16 @@ sys.exit(cli._follow(Handle()))
         text=True,
     )
     proc.stdout.close()  # (the reader gone, as `tee` after the Ctrl-C)
-    err = proc.stderr.read()
+    # A child that never stops (its polls do not sleep) is killed, failing the test: it
+    # outlived a timed-out test before, spinning a core under the suite's later tests.
+    killer = threading.Timer(120, proc.kill)
+    killer.start()
+    try:
+        err = proc.stderr.read()
+    finally:
+        killer.cancel()
+        if proc.poll() is None:
+            proc.kill()
     assert proc.wait(timeout=120) == 0, err
     assert "STOPPED" in err and "Traceback" not in err and "BrokenPipe" not in err, err
 

@@ -15,7 +15,7 @@ from types import SimpleNamespace
 
 import pytest
 from conftest import REPO
-from test_slurm_stub import SBATCH, SQUEUE, _fake_dask, _slurm_cfg, _submit_jobs
+from test_slurm_stub import _fake_dask, _slurm_cfg, _submit_jobs, install_fake_slurm
 
 from laminar.config import RunConfig, with_overrides
 from laminar.errors import ConfigError
@@ -35,15 +35,7 @@ fi
 
 @pytest.fixture
 def fake_slurm(tmp_path, monkeypatch):
-    pytest.importorskip("dask_jobqueue")
-    d = tmp_path / "fake-slurm"
-    (d / "bin").mkdir(parents=True)
-    (d / "scripts").mkdir()
-    for name, text in {"sbatch": SBATCH, "scancel": SCANCEL, "squeue": SQUEUE}.items():
-        (d / "bin" / name).write_text(text.format(d=d))
-        (d / "bin" / name).chmod(0o755)
-    monkeypatch.setenv("PATH", f"{d / 'bin'}{os.pathsep}{os.environ['PATH']}")
-    return d
+    return install_fake_slurm(tmp_path, monkeypatch, SCANCEL)
 
 
 # -- job_directives ------------------------------------------------------------------------

@@ -54,19 +54,23 @@ true
 """
 
 
-@pytest.fixture
-def fake_slurm(tmp_path, monkeypatch):
-    """A folder with bin/ (sbatch, squeue, scancel, first on PATH) and what they record:
-    scripts/ID.sh, submitted, cancelled."""
+def install_fake_slurm(tmp_path, monkeypatch, scancel: str = SCANCEL) -> Path:
+    """A folder with bin/ (sbatch, squeue, ``scancel``, first on PATH) and what they
+    record: scripts/ID.sh, submitted, cancelled."""
     pytest.importorskip("dask_jobqueue")
     d = tmp_path / "fake-slurm"
     (d / "bin").mkdir(parents=True)
     (d / "scripts").mkdir()
-    for name, text in {"sbatch": SBATCH, "scancel": SCANCEL, "squeue": SQUEUE}.items():
+    for name, text in {"sbatch": SBATCH, "scancel": scancel, "squeue": SQUEUE}.items():
         (d / "bin" / name).write_text(text.format(d=d))
         (d / "bin" / name).chmod(0o755)
     monkeypatch.setenv("PATH", f"{d / 'bin'}{os.pathsep}{os.environ['PATH']}")
     return d
+
+
+@pytest.fixture
+def fake_slurm(tmp_path, monkeypatch):
+    return install_fake_slurm(tmp_path, monkeypatch)
 
 
 def _lines(path: Path) -> list[str]:
