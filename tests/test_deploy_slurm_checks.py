@@ -263,6 +263,21 @@ def test_a_worker_job_stops_waiting_once_the_scheduler_s_job_is_gone(tmp_path, s
     assert not (tmp_path / "dask.args").exists()
 
 
+def test_a_worker_job_waits_as_long_as_the_scheduler_s_job_queues(tmp_path):
+    """The bound counts from the scheduler's job's start: a queue longer than it (a busy
+    cluster) ended every worker job while the scheduler's still waited to run."""
+    calls, sched = tmp_path / "squeue.calls", tmp_path / "scheduler.json"
+    squeue = (
+        f'echo . >> {calls}; [ "$(wc -l < {calls})" -ge 3 ] && echo "{{}}" > {sched}; echo PENDING'
+    )
+    r = _worker_job(
+        tmp_path, {"LAMINAR_SCHEDULER_WAIT_S": "1", "LAMINAR_SCHEDULER_JOB": "77"}, squeue
+    )
+    assert r.returncode == 0, r.stderr
+    assert len(calls.read_text().split()) >= 3  # (past the bound: about 2 s a call)
+    assert (tmp_path / "dask.args").exists()  # the worker started
+
+
 def test_a_scheduler_job_listens_on_a_free_port_unless_told(tmp_path):
     """scheduler.sbatch started `dask scheduler` on Dask's 8786: a second scheduler on
     the node died with EADDRINUSE. Port 0, which the file carries; a --port given to the
