@@ -1054,12 +1054,14 @@ def test_a_lost_rank_restarts_the_data_parallel_trainer_within_the_run(tmp_path)
     default). Rank 1's worker is SIGKILLed at version >= 3: the group is broken (every
     collective with rank 1 fails), so the driver fences rank 0's worker too, and then
     restarts the whole group within the run with the data module (CoreRestart): two new
-    ranks from the checkpoint, in a new rendezvous. The run ends with its 8 updates,
+    ranks from the checkpoint, in a new rendezvous. The run ends with its 12 updates,
     each batch trained once, both ranks with the same weights, every load equal to what
     was published, and a clean audit."""
     from laminar.cluster import workers_with
 
-    steps = 8
+    # (12: under the suite's load the kill came as late as version 8, and a trainer lost
+    # after its final checkpoint is not restarted, which left nothing to check here)
+    steps = 12
     run_dir = tmp_path / "run"
     overrides = [
         "trainer.ranks=2",
