@@ -229,10 +229,6 @@ class Probe(float):
         se = math.sqrt(var / n)
         return se if math.isfinite(se) else 0.0
 
-    def record(self) -> dict:
-        """What the result's JSON keeps of the probe."""
-        return {"throughput": float(self), "spread": self.spread, "intervals": self.intervals}
-
 
 def spread_of(value: float) -> float:
     """A probe's standard error (:class:`Probe`); 0 for a plain float."""

@@ -219,12 +219,8 @@ def _result(cluster, arms, results, splits, probes, reward_threshold, root, fail
 
     def ratio(name: str, a: str, b: str, key: str = "throughput") -> float | None:
         for arm in (a, b):
-            why = (
-                "was not measured (not in --arms, or its split search failed)"
-                if arm not in med
-                else "has no run that finished (each failed, or its split search did)"
-                if not results[arm]
-                else f"has no {key} (NaN: never reached in its median run)"
+            why = _unmeasured(arm, results) or (
+                f"has no {key} (NaN: never reached in its median run)"
                 if key in CENSORED and math.isnan(med[arm][key])
                 else f"has no {key} (NaN)"
                 if math.isnan(med[arm][key])
@@ -311,6 +307,15 @@ def _result(cluster, arms, results, splits, probes, reward_threshold, root, fail
     return result
 
 
+def _unmeasured(arm: str, results: dict[str, list[dict]]) -> str | None:
+    """Why ``arm`` has no run to take a ratio of, or None."""
+    if arm not in results:
+        return "was not measured (not in --arms, or its split search failed)"
+    if not results[arm]:
+        return "has no run that finished (each failed, or its split search did)"
+    return None
+
+
 def _ttr_ratio(name, a, b, key, curve, results, given, null):
     """``a``'s median time to reward over ``b``'s, each run's to the threshold of the two
     arms' runs alone (:func:`pair_times_to_reward`), and what the JSON keeps of it: the
@@ -318,13 +323,7 @@ def _ttr_ratio(name, a, b, key, curve, results, given, null):
     short before it), and the ratio per seed. ``None`` (and a note in ``null``,
     naming the arm) where it cannot be computed."""
     for arm in (a, b):
-        why = (
-            "was not measured (not in --arms, or its split search failed)"
-            if arm not in results
-            else "has no run that finished (each failed, or its split search did)"
-            if not results[arm]
-            else None
-        )
+        why = _unmeasured(arm, results)
         if why:
             null.append(f"{name} null: {arm} {why}")
             return None, {}
