@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import collections
 import logging
+import math
 import queue
 import threading
 import time
@@ -76,6 +77,34 @@ PARITY_SAMPLE = 8  # responses per parity check
 # relay) before it looks again: waiting costs no calls, and it wakes as soon as groups
 # or a version come.
 IDLE_WAIT_S = 2.0
+
+
+def groups_with_room(max_batch: int, unfinished: int, group_size: int, request_scale: float) -> int:
+    """Whole prompt groups a refilling or topping-up engine takes beside ``unfinished``
+    requests, so that it decodes ``max_batch`` at once.
+
+    A group goes in once the engine has room for a group *of the modelled workload*:
+    ``group_size`` requests unscaled, but with each real request standing for
+    ``request_scale`` modelled ones (``rollout.pacing.request_scale``, docs/pacing.md), a
+    real group is ``request_scale`` modelled groups, and the modelled engine would have
+    taken the first of them when ``group_size / request_scale`` real slots came free. The
+    rest wait in the engine's queue and start as slots free, as the modelled groups would.
+    Waiting for room for a whole real group instead leaves a scaled engine at 16 to 32 of
+    its 32 requests, half of its batch in the worst case, where the workload it stands for
+    (256 requests in groups of 16) leaves at most 15 of 256 empty.
+
+    >>> groups_with_room(256, 241, 16, 1.0), groups_with_room(256, 240, 16, 1.0)
+    (0, 1)
+    >>> groups_with_room(32, 31, 16, 8.0), groups_with_room(32, 30, 16, 8.0)  # 2 real slots
+    (0, 1)
+    >>> groups_with_room(32, 14, 16, 8.0), groups_with_room(32, 0, 16, 8.0)
+    (2, 2)
+    """
+    admit = max(1, min(group_size, math.ceil(group_size / request_scale)))
+    free = max_batch - unfinished
+    if free < admit:
+        return 0
+    return (free + group_size - admit) // group_size
 
 
 class RolloutReplica(DataLinkMixin, WeightsMixin, RecoveryMixin, MovesMixin, RewardsMixin):
@@ -343,13 +372,16 @@ class RolloutReplica(DataLinkMixin, WeightsMixin, RecoveryMixin, MovesMixin, Rew
         return r.groups_per_batch
 
     def _room(self) -> int:
-        """Whole prompt groups the engine has room for beside its unfinished requests."""
+        """Whole prompt groups to take beside the engine's unfinished requests
+        (:func:`groups_with_room`)."""
         r = self.cfg.rollout
-        return (r.max_batch - len(self.engine.request_ids())) // r.group_size
+        scale = r.pacing.request_scale if r.pacing is not None else 1.0
+        return groups_with_room(r.max_batch, len(self.engine.request_ids()), r.group_size, scale)
 
     def _refill(self, finished: bool) -> None:
-        """Refill: take new groups while the engine has room for a whole group (asked
-        when requests finished, else at most every 0.1 s while the pool says no)."""
+        """Refill: take new groups while the engine has room for a group
+        (:func:`groups_with_room`; asked when requests finished, else at most every 0.1 s
+        while the pool says no)."""
         room = self._room()
         if room < 1 or (not finished and time.time() - self._t_refill < 0.1):
             return
@@ -360,8 +392,9 @@ class RolloutReplica(DataLinkMixin, WeightsMixin, RecoveryMixin, MovesMixin, Rew
 
     def _top_up(self) -> None:
         """``rollout.top_up``: take new groups into the draining batch while the engine
-        has room for a whole group and this rollout's version is the newest published;
-        after the first newer publication, drain (and pull it at the boundary)."""
+        has room for a group (:func:`groups_with_room`) and this rollout's version is the
+        newest published; after the first newer publication, drain (and pull it at the
+        boundary)."""
         room = self._room()
         if room < 1:
             return

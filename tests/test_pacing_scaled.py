@@ -164,3 +164,34 @@ def test_a_clock_reports_how_long_its_holds_ran_past_their_model():
     stats = held.stats()
     assert stats["update"]["overrun_s"] == 0.0 and stats["update"]["overruns"] == 0
     assert stats["sync"]["overrun_s"] == pytest.approx(2.25) and stats["sync"]["overruns"] == 1
+
+
+def _engine_fill(max_batch: int, group: int, request_scale: float, steps: int = 20000) -> float:
+    """Mean share of ``max_batch`` a refilling engine decodes, each running request
+    finishing with probability 1/40 a step (geometric lengths) and groups taken by
+    :func:`laminar.rollout.groups_with_room`, the surplus queued."""
+    import random
+
+    from laminar.rollout import groups_with_room
+
+    rng = random.Random(0)
+    unfinished, decoded = 0, 0
+    for _ in range(steps):
+        unfinished += group * groups_with_room(max_batch, unfinished, group, request_scale)
+        running = min(unfinished, max_batch)
+        decoded += running
+        unfinished -= sum(rng.random() < 1 / 40 for _ in range(running))
+    return decoded / (steps * max_batch)
+
+
+def test_a_scaled_engine_refills_as_full_as_the_engine_it_stands_for():
+    """A real group of a scaled workload is ``request_scale`` modelled groups: taken
+    once a modelled group's room is free, it keeps the engine as full as the full-size
+    engine (256 requests, groups of 16) keeps itself. Waiting for a whole real group's
+    room would leave the scaled engine (32 requests) a quarter empty on average."""
+    full_size = _engine_fill(256, 16, 1.0, steps=4000)
+    scaled = _engine_fill(32, 16, 8.0)
+    whole_real_groups = _engine_fill(32, 16, 1.0)
+    assert full_size > 0.95
+    assert abs(scaled - full_size) < 0.04, (scaled, full_size)
+    assert whole_real_groups < full_size - 0.15, (whole_real_groups, full_size)
