@@ -88,10 +88,12 @@ def groups_with_room(max_batch: int, unfinished: int, group_size: int, request_s
     ``request_scale`` modelled ones (``rollout.pacing.request_scale``, docs/pacing.md), a
     real group is ``request_scale`` modelled groups, and the modelled engine would have
     taken the first of them when ``group_size / request_scale`` real slots came free. The
-    rest wait in the engine's queue and start as slots free, as the modelled groups would.
-    Waiting for room for a whole real group instead leaves a scaled engine at 16 to 32 of
-    its 32 requests, half of its batch in the worst case, where the workload it stands for
-    (256 requests in groups of 16) leaves at most 15 of 256 empty.
+    rest wait in the engine's queue and start as slots free, one real request at a time
+    where the modelled engine would take a modelled group at a time: a little fuller than
+    the engine it stands for (docs/pacing.md, "Scaled workloads"). Waiting for room for a
+    whole real group instead leaves a scaled engine at 16 to 32 of its 32 requests, where
+    the workload it stands for (256 requests in groups of 16) leaves at most 15 of 256
+    empty.
 
     >>> groups_with_room(256, 241, 16, 1.0), groups_with_room(256, 240, 16, 1.0)
     (0, 1)

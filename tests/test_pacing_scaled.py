@@ -186,12 +186,14 @@ def _engine_fill(max_batch: int, group: int, request_scale: float, steps: int = 
 
 def test_a_scaled_engine_refills_as_full_as_the_engine_it_stands_for():
     """A real group of a scaled workload is ``request_scale`` modelled groups: taken
-    once a modelled group's room is free, it keeps the engine as full as the full-size
-    engine (256 requests, groups of 16) keeps itself. Waiting for a whole real group's
-    room would leave the scaled engine (32 requests) a quarter empty on average."""
+    once a modelled group's room is free, it keeps the engine about as full as the
+    full-size engine (256 requests, groups of 16) keeps itself: a little fuller, since
+    its queue starts one real request at a time (docs/pacing.md, "Scaled workloads":
+    99.8% against 97.1%). Waiting for a whole real group's room would leave the scaled
+    engine (32 requests) a quarter empty on average."""
     full_size = _engine_fill(256, 16, 1.0, steps=4000)
     scaled = _engine_fill(32, 16, 8.0)
     whole_real_groups = _engine_fill(32, 16, 1.0)
     assert full_size > 0.95
-    assert abs(scaled - full_size) < 0.04, (scaled, full_size)
+    assert full_size <= scaled < full_size + 0.04, (scaled, full_size)
     assert whole_real_groups < full_size - 0.15, (whole_real_groups, full_size)
