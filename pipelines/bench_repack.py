@@ -175,8 +175,14 @@ def _figures(run_dir: Path, summary: dict, scale, warmup: float) -> dict:
     t_submit, t_finish = ds["t_submit"].values, ds["t_finish"].values
     lat = t_finish - t_submit
     # Submitted early enough that even a cap-length generation finished before the stop.
-    late = t[-1] - float(np.max(lat[t_submit >= t[i0]], initial=0.0))
-    sel = (t_submit >= t[i0]) & (t_submit <= late)
+    # Warmup 0 is the whole run: from its first submission, which can precede the first
+    # poll. The stop is the last poll or the last finish, whichever is later. Then the
+    # first submission always qualifies (the longest latency fits between it and the
+    # stop), however long a loaded machine stretched it.
+    since = t[i0] if i0 else -np.inf
+    stop = max(t[-1], float(np.max(t_finish, initial=-np.inf)))
+    late = stop - float(np.max(lat[t_submit >= since], initial=0.0))
+    sel = (t_submit >= since) & (t_submit <= late)
     if not sel.any():
         raise RuntimeError(
             f"{run_dir}: no trajectory submitted in the steady window; raise --duration-s"
@@ -222,8 +228,7 @@ def _figures(run_dir: Path, summary: dict, scale, warmup: float) -> dict:
     moves = open_metrics(run_dir, "repacks") if moved else None
     if moves is not None and moves.sizes.get("move"):
         # The steady window's rows (a move's time is its round's start, epoch seconds);
-        # warmup 0: every row, those of rounds before the first poll too.
-        since = t[i0] if i0 else -np.inf
+        # warmup 0: every row, those of rounds before the first poll too (``since``).
         steady = moves["time"].values >= since
         out.update(
             pause_figures(
