@@ -163,11 +163,11 @@ def test_api_submit_is_non_blocking_and_stop_keeps_every_trajectory(
     # Stopped while the buffer holds trajectories: they must be stored as buffered. The
     # trainer goes on consuming while the rollouts stop (their last trajectories still
     # reach the buffer), so a stop whose groups make whole steps leaves nothing buffered
-    # (about one stop in four here): then it is stopped again, in a new run.
-    for attempt in range(3):
-        t0 = time.time()
+    # (about one stop in four here): then it is stopped again, in a new run. (Three
+    # tries failed about one suite in 60; eight, one in 60,000.)
+    for attempt in range(8):
         run = pipelines.submit(cfg, cluster_client, run_dir=tmp_path / f"run{attempt}")
-        assert time.time() - t0 < 5 and not run.done()
+        assert not run.done()  # (a blocking submit would have run its 1000 steps)
         while (p := run.progress()).get("version", 0) < 2 or not p.get("buffer_depth"):
             assert not run.done(), run.error
             time.sleep(0.1)
@@ -197,7 +197,7 @@ def test_api_submit_is_non_blocking_and_stop_keeps_every_trajectory(
         assert set(np.unique(ds["status"].values)) <= {"consumed", "buffered"}
         if n_buffered:
             break
-    assert n_buffered > 0, "three stops in a row left nothing buffered"
+    assert n_buffered > 0, "eight stops in a row left nothing buffered"
 
 
 def test_a_reward_that_never_scores_marks_trajectories_then_stops_the_run(
@@ -247,7 +247,9 @@ def test_a_reward_that_fails_on_half_its_responses_stops_the_run(
     import pipelines
 
     monkeypatch.setattr("pipelines.driver_polls.REWARD_FAILURE_WINDOW_S", 5.0)  # (the driver
-    monkeypatch.setattr("pipelines.driver_polls.REWARD_SHARE_WINDOW_S", 5.0)  # runs here)
+    # runs here) A window must hold REWARD_FAILURES_TO_STOP (64) failures: a quiet
+    # machine's 5 s held 126, too few to spare for a suite's load on 2 cores.
+    monkeypatch.setattr("pipelines.driver_polls.REWARD_SHARE_WINDOW_S", 10.0)
     run = pipelines.submit(
         small_config,
         cluster_client,
@@ -261,7 +263,7 @@ def test_a_reward_that_fails_on_half_its_responses_stops_the_run(
     summary = err.value.summary
     reason = summary["reason"]
     assert reason.startswith("failed: task.reward 'laminar.rewards:_half_nan' failed on "), reason
-    assert "responses it was given in the last 5 s, a share of 0." in reason
+    assert "responses it was given in the last 10 s, a share of 0." in reason
     assert "over task.reward_max_failure_share=0.25" in reason and "returned nan" in reason
     assert "or raise task.reward_max_failure_share" in reason
     rollouts = summary["rollouts"]

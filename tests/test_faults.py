@@ -21,6 +21,7 @@ from conftest import SMALL_RUN
 from runs import check_store, laminar_cli, rollout_threads, wait_for
 
 from laminar.config import FaultsConfig, MetricsConfig
+from pipelines.driver_polls import ROLLOUT_STATS_WAIT_S
 from pipelines.summary import RESTART_KINDS
 from storage import open_run
 from storage.audit import audit_run
@@ -314,7 +315,10 @@ def test_a_killed_rollout_loses_no_trajectory(tmp_path):
     assert 0 < via_r1.sum() <= recovered <= via_r1.sum() + unfinished
     assert (ds["n_migrations"].values[via_r1] >= 1).all()
     assert sum(p.endswith("r3") for p in paths) > 0  # the replacement generated
-    assert float(rows["recovery_s"].max()) < 10
+    # (about a second on a quiet machine: take, the loads of every rollout, an import;
+    # each call may wait on a busy actor thread of a loaded host. A recovery that waited
+    # on the lost rollout would take the actor timeout, 60 s here.)
+    assert float(rows["recovery_s"].max()) < 30
     # Resumed from the log at the version that sampled them (the relay kept it): the
     # logged tokens were reused, none started over.
     assert sum(r["dropped_requests"] for r in summary["rollouts"]) == 0
@@ -850,7 +854,9 @@ def test_a_lost_trainer_restarts_within_the_run_while_rollouts_generate(tmp_path
     (r,) = summary["faults"]["trainer_restarts"]
     hung = r["hung"]  # the next update stuck; silent past the timeout, then fenced
     assert hung["role"] == "trainer" and hung["worker"] == trainer_w, r
-    assert 5 < hung["silent_s"] < 5 + 3 and hung["restart"] == "OK", r
+    # (noticed at the first poll past the timeout; a poll's cycle may wait up to
+    # ROLLOUT_STATS_WAIT_S on the rollouts' stats, a loaded host's busy actor threads)
+    assert 5 < hung["silent_s"] < 5 + ROLLOUT_STATS_WAIT_S + 3 and hung["restart"] == "OK", r
     assert 5 < hung["time"] - t_kill < 60 and 0 <= r["time"] - hung["time"] < 15, r
     v, after = r["checkpoint_version"], r["after_version"]
     assert v % 2 == 0 and after >= 3 and after - v == r["lost_updates"] >= 0
