@@ -966,7 +966,11 @@ def test_a_lost_trainer_and_data_module_on_one_worker_restart_within_the_run(tmp
     assert r["lost_worker"] == core_w and r["worker"] != core_w, r
     if hung:  # silent for the timeout (its last answer came at most a poll before)
         assert r["hung"]["silent_s"] == 3 and r["hung"]["worker"] == core_w, r
-        assert 3 - POLL_S <= r["hung"]["time"] - t_kill < 3 + 5, r
+        # ... found by the first call after the signal, which waits out that timeout. The
+        # poll cycle under way at the signal may first wait ROLLOUT_STATS_WAIT_S on the
+        # rollouts' stats (9.0 s in a suite on 2 cores, where a bound of 3 + 5 failed).
+        bound = 3 + POLL_S + ROLLOUT_STATS_WAIT_S + 3
+        assert 3 - POLL_S <= r["hung"]["time"] - t_kill < bound, r
         assert 0 <= r["time"] - r["hung"]["time"] < 15, r
     else:
         assert 0 <= r["time"] - t_kill < 10, r
