@@ -271,6 +271,24 @@ def _consumed(ds):
     return {k: ds[k].values[c] for k in ("behavior_version", "sample_version", "prompt_uid")}
 
 
+def decode_reads(ro) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+    """Each rollout's ``decode_s`` and ``read_at`` (its own clock: a poll of several
+    rollouts on a loaded host reads them a fraction of a second apart) at the polls it
+    answered (one that answered a poll's stats call late has no row there: NaN), having
+    checked that over the run it decoded no longer than passed between its first and
+    last reading, but for the iteration under way at the first. Over the whole run, so
+    that one slow data-module call at a single poll cannot fail it (a single interval's
+    bound did, with the code right); 1 s is far below the seconds that decoding counted
+    twice would add."""
+    out = {}
+    for rid in ro["rollout"].values:
+        d, t = ro["decode_s"].sel(rollout=rid).values, ro["read_at"].sel(rollout=rid).values
+        d, t = d[~np.isnan(d)], t[~np.isnan(d)]
+        assert d[-1] - d[0] <= t[-1] - t[0] + 1.0, (rid, d, t)
+        out[str(rid)] = d, t
+    return out
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("schedule", ["sync", "one_step", "stream", "partial_rollout"])
 def test_each_baseline_schedule_runs_end_to_end_and_keeps_its_promises(
@@ -341,15 +359,8 @@ def test_each_baseline_schedule_runs_end_to_end_and_keeps_its_promises(
     steps = np.diff(ro["decode_steps"].values, axis=0)
     decoded = np.diff(ro["decode_s"].values, axis=0)
     assert not (decoded[steps >= 2] <= 0).any(), (steps.T, decoded.T)
-    # ... and never more than the time that passed, but for the iteration under way at
-    # the first poll (on each rollout's own clock, read_at: a poll of several rollouts
-    # on a loaded host reads them a fraction of a second apart). Over the whole run, so
-    # that one slow data-module call at a single poll cannot fail it; 1 s is far below
-    # the seconds that decoding counted twice would add.
-    for rid in ro["rollout"].values:
-        d, t = ro["decode_s"].sel(rollout=rid).values, ro["read_at"].sel(rollout=rid).values
-        d, t = d[~np.isnan(d)], t[~np.isnan(d)]
-        assert d[-1] - d[0] <= t[-1] - t[0] + 1.0, (rid, d, t)
+    # ... and never more than the time that passed
+    decode_reads(ro)
 
 
 @pytest.mark.slow
@@ -444,19 +455,11 @@ def test_paced_schedules_pay_their_weight_movements_and_the_bench_reads_them(
     interval = rows["interval_s"].values[measured].sum()
     assert fig["throughput"] == pytest.approx(tokens * 64 / (interval * 32 / 8))
     assert 0 <= fig["rollout_idle"] <= 1 and 0 <= fig["trainer_idle"] <= 1
-    # Each rollout's counters come with the time it read them: between two readings it
-    # decoded at most that long (plus the step under way at the first one, uncounted
-    # then). Bounded over the whole run, as test_each_baseline_schedule_runs_end_to_end...
-    # bounds it: a loaded host's data-module call at one poll can pass a single
-    # interval's bound with the code right. A rollout that answered a poll's stats call
-    # late has no row at that poll (NaN).
-    ro = open_metrics(run.run_dir, "rollouts")
+    # Each rollout's counters come with the time it read them: over the run it decoded
+    # at most that long (decode_reads), its readings in order.
     decoded = 0.0
-    for rid in ro["rollout"].values:
-        d, t = ro["decode_s"].sel(rollout=rid).values, ro["read_at"].sel(rollout=rid).values
-        d, t = d[~np.isnan(d)], t[~np.isnan(d)]
+    for rid, (d, t) in decode_reads(open_metrics(run.run_dir, "rollouts")).items():
         assert (np.diff(t) > 0).all() and (np.diff(d) >= 0).all(), (rid, d, t)
-        assert d[-1] - d[0] <= t[-1] - t[0] + 1.0, (rid, d, t)
         decoded += d[-1] - d[0]
     assert decoded > 0
     assert fig["s_train_max"] == 1 and fig["audit_ok"] == 1.0
