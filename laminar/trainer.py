@@ -177,6 +177,11 @@ class Trainer(DataLinkMixin, PublicationMixin):
         self._consumed: dict[str, tuple[int, float]] = {}
         self._since = self.learner.version
         self._consumed_lock = threading.Lock()
+        # The newest version this trainer told the buffer of (_tell_published), which a
+        # rebuilt buffer takes as its own: the learner's moves at each update, before
+        # the publication (one-step's waits for the next batch). The starting version is
+        # published: the base policy's, a resumed checkpoint's, or a restart's M.
+        self._told = self.learner.version
         # Ids of the batches it asks the buffer for (_sample): unique to this trainer
         self._token, self._batches = uuid.uuid4().hex, 0
         self._data_epoch = 0  # data modules rebuilt in place of a lost one
@@ -287,7 +292,7 @@ class Trainer(DataLinkMixin, PublicationMixin):
     def _train(self) -> None:
         t_cfg = self.cfg.trainer
         if self.version:  # resumed: trajectories finish at the checkpoint's version on
-            self._on_buffer(lambda b: b.version_published(self.version))
+            self._tell_published()
         if not self.restarted:  # (restarted: the rollouts hold that version or newer)
             self.publish()  # the starting version (rollouts start from the base policy)
         self._last_publication = time.time()

@@ -36,9 +36,22 @@ class DataLinkMixin:
 
     def consumed_record(self) -> dict:
         """What a rebuilt data module needs of this trainer (the data module is lost):
-        every trajectory it sampled at versions ``>= since``, and its version."""
+        every trajectory it sampled at versions ``>= since``, and the newest version it
+        told the buffer was published. Not the learner's version: that moves at each
+        update, before its publication (one-step's waits for the next batch), and a
+        rebuilt buffer at it would stamp trajectories with a version no rollout could
+        have held, and let the prompt pool's staleness bound and the buffer's eviction
+        run one version ahead."""
         with self._consumed_lock:
-            return {"consumed": dict(self._consumed), "since": self._since, "version": self.version}
+            return {"consumed": dict(self._consumed), "since": self._since, "version": self._told}
+
+    def _tell_published(self) -> None:
+        """Tell the buffer the current version is (about to be) published: trajectories
+        finish at it from now on, and its staleness bound counts from it."""
+        version = self.version
+        self._on_buffer(lambda b: b.version_published(version))
+        with self._consumed_lock:
+            self._told = version
 
     def attach_data(self, buffer, manager) -> None:
         """The data module rebuilt in place of a lost one: a call waiting on the lost

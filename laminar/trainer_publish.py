@@ -55,7 +55,7 @@ class PublicationMixin:
         """Tell the buffer, move the weights as the schedule does, record the update, and
         checkpoint when due."""
         timeout = self.cfg.cluster.actor_timeout_s
-        self._on_buffer(lambda b: b.version_published(self.version))
+        self._tell_published()
         t_pub = time.time()
         if self.spec.interrupt:  # every rollout stops before the weights move
             with self._bounded():

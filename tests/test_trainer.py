@@ -217,6 +217,24 @@ def test_one_step_publishes_each_version_once_in_order_and_checkpoints_what_it_p
     assert stats["checkpoint"].endswith("version-000003")
 
 
+def test_a_rebuilt_buffer_takes_the_version_told_not_one_still_unpublished(tiny_policy, tmp_path):
+    """One-step's update moves the learner's version and publishes it only with the next
+    batch. A data module lost in between is rebuilt at the version the trainer told the
+    buffer (pipelines/restart.py plans with ``consumed_record``): at the learner's, the
+    rebuilt buffer stamped trajectories with a version no rollout held, and the pool's
+    staleness bound and the buffer's eviction ran one version ahead."""
+    cfg = with_overrides(CFG, ["trainer.groups_per_step=2"])
+    trainer, buffer, _ = make(tiny_policy, tmp_path, cfg, ONE_STEP, [groups(0, 2)])
+    trainer.start()
+    assert buffer.empty.wait(120), "the trainer never asked for its second batch"
+    # (waiting for the batch that lets it publish version 1)
+    assert trainer.version == 1 and buffer.published == []
+    assert trainer.consumed_record()["version"] == 0
+    stats = trainer.stop(timeout=120)
+    assert stats["error"] is None and buffer.published == [1]
+    assert trainer.consumed_record()["version"] == 1
+
+
 class LateBuffer(FakeBuffer):
     """Keeps its last batch for the request id it answered, as the buffer does
     (:meth:`laminar.buffer.ExperienceBuffer.sample`), and the first time it hands one out,
