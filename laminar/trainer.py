@@ -167,6 +167,7 @@ class Trainer(DataLinkMixin, PublicationMixin):
         self.error: str | None = None
         self.checkpoint: str | None = None
         self._stop = threading.Event()
+        self._checkpoint_at_stop = True  # (stop(checkpoint=False): none)
         self._thread: threading.Thread | None = None
         self.wait_s = 0.0  # time spent waiting for the buffer to hold a full batch
         self.weights_checksum: float | None = None  # at the end, when data-parallel
@@ -229,8 +230,13 @@ class Trainer(DataLinkMixin, PublicationMixin):
         self._tick()
         self._thread = start_thread(self._run, "trainer")
 
-    def stop(self, timeout: float = 60.0) -> dict:
-        """Stop after the current update and write the final checkpoint."""
+    def stop(self, timeout: float = 60.0, checkpoint: bool = True) -> dict:
+        """Stop after the current update and write the final checkpoint; without
+        ``checkpoint`` (a run aborted: the driver's ``_abort``), write none, so that a
+        trainer still finishing its update after the driver has given up cannot put a
+        checkpoint into a run directory a resume may already use."""
+        if not checkpoint:
+            self._checkpoint_at_stop = False
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout)
@@ -284,7 +290,8 @@ class Trainer(DataLinkMixin, PublicationMixin):
                 if self.ranks > 1:
                     _broadcast(None)  # the other ranks leave the group
                     self.weights_checksum = _leave_group(self.learner)
-                self.checkpoint = self._save_checkpoint()
+                if self._checkpoint_at_stop:
+                    self.checkpoint = self._save_checkpoint()
             except Exception:
                 self.error = (self.error or "") + traceback.format_exc()
             self.done = True

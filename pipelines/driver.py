@@ -312,9 +312,7 @@ class Schedule(StatsPolling, FaultHandling, MetricsRecording):
         """Stop what :meth:`run` started, before its loop: its actors are released when
         the run ends, but a released actor's threads go on (nothing may train or
         generate on)."""
-        a = self.actors
-        self._abort()
-        _answers([lambda t=t: t.stop(timeout=5.0) for t in (a["trainer"], *a["trainer_ranks"])])
+        self._abort()  # (the trainer and its ranks too)
 
     def run(self, progress: Callable[[dict], None], should_stop: Callable[[], bool]) -> dict:
         from storage.metrics import MetricsWriter

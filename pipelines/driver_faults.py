@@ -634,11 +634,20 @@ class FaultHandling:
 
     def _abort(self) -> None:
         """Best effort: stop the manager and the rollouts that still run, so no worker
-        generates for a run that has ended, then close the relays they pulled from."""
+        generates for a run that has ended, then the trainer, so it does not train on (a
+        released actor's thread goes on: with the data module lost it waited up to
+        ``FaultsConfig.data_wait`` for it; after a failed stop in order it trained on),
+        then close the relays they pulled from. The trainer writes no final checkpoint:
+        one still finishing its update after the driver has given up would put it into a
+        run directory a resume may already use; the resume starts from the newest
+        checkpoint before. Its other ranks leave with it (its broadcast at the end)."""
         a = self.actors
         workers = set(scheduler_workers(self.client))  # (a call to a lost one never answers)
         stop = [r for r in [a["manager"], *self._live_rollouts()] if r is not None]
         _answers([lambda r=r: r.stop(timeout=5.0) for r in stop if r._address in workers], 15.0)
+        trainer = a["trainer"]
+        if trainer is not None and trainer._address in workers:
+            _answers([lambda: trainer.stop(timeout=5.0, checkpoint=False)], 15.0)
         # the relays: not waited on, a lost one never answers
         _send([lambda r=r: r.close() for r in a["relays"]])
         # The store and the recovery log, where their worker lives on (the trainer was

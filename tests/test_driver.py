@@ -208,14 +208,20 @@ def test_a_data_module_lost_during_the_final_stop_fails_the_run_and_stops_the_re
 ):
     """The data module's worker dies as the run stops: the manager's stop never answers
     (a call in flight to a lost actor waits for ever). The driver does not hang: the
-    run fails, saying what was lost, and its rollouts are stopped."""
+    run fails, saying what was lost, and its rollouts and trainer are stopped (the
+    manager stops first, so the trainer was not yet: it trained on, or waited for the
+    lost buffer for minutes, a released actor's thread going on)."""
     live = {WORKERS["trainer"], WORKERS["r0"]}  # (the data worker is gone)
     s, calls = fake_run(tmp_path, monkeypatch, live, manager=["stop"])
+    stops: list[dict] = []
+    s.actors["trainer"]._answers["stop"] = lambda **kw: stops.append(kw) or _trainer_stats()
     out = run_in_thread(s)
     assert out != "hung", "the driver waited for ever on the lost data module"
     assert isinstance(out.get("error"), ClusterError), out
     assert "data module" in str(out["error"])
     assert f"{WORKERS['r0']}.stop" in calls  # nothing generates on
+    # nor trains on, nor checkpoints after the driver gave up
+    assert [kw.get("checkpoint") for kw in stops] == [False], stops
 
 
 def test_a_trainer_lost_during_the_final_stop_still_flushes_the_store(tmp_path, monkeypatch):

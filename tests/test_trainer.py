@@ -235,6 +235,20 @@ def test_a_rebuilt_buffer_takes_the_version_told_not_one_still_unpublished(tiny_
     assert trainer.consumed_record()["version"] == 1
 
 
+def test_a_trainer_stopped_without_a_checkpoint_writes_none(tiny_policy, tmp_path):
+    """An aborted run stops its trainer with ``checkpoint=False`` (the driver's
+    ``_abort``): a trainer still finishing its update after the driver has given up
+    must not put a checkpoint into a run directory a resume may already use."""
+    cfg = with_overrides(CFG, ["trainer.groups_per_step=2", "trainer.checkpoint_every=0"])
+    trainer, buffer, master = make(tiny_policy, tmp_path, cfg, LAMINAR, [groups(0, 2)])
+    trainer.start()
+    assert buffer.empty.wait(120), "the trainer never asked for its second batch"
+    stats = trainer.stop(timeout=120, checkpoint=False)
+    assert stats["error"] is None and stats["done"] and master.order == [0, 1]
+    assert stats["checkpoint"] is None
+    assert not list((tmp_path / "checkpoints").glob("*")), "a checkpoint was written"
+
+
 class LateBuffer(FakeBuffer):
     """Keeps its last batch for the request id it answered, as the buffer does
     (:meth:`laminar.buffer.ExperienceBuffer.sample`), and the first time it hands one out,
