@@ -312,7 +312,7 @@ class Schedule(StatsPolling, FaultHandling, MetricsRecording):
         """Stop what :meth:`run` started, before its loop: its actors are released when
         the run ends, but a released actor's threads go on (nothing may train or
         generate on)."""
-        self._abort()  # (the trainer and its ranks too)
+        self._abort()  # (the trainer too; its other ranks leave with it)
 
     def run(self, progress: Callable[[dict], None], should_stop: Callable[[], bool]) -> dict:
         from storage.metrics import MetricsWriter
