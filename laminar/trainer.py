@@ -249,6 +249,9 @@ class Trainer(DataLinkMixin, PublicationMixin):
     def stats(self) -> dict:
         return {
             "version": self.version,
+            # the newest version told to the buffer as published: one-step's learner
+            # is one ahead of it between an update and the batch that publishes it
+            "published": self._told,
             "steps": self.steps,
             "skipped_versions": self.skipped_versions,
             "done": self.done,

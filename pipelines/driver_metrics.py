@@ -278,7 +278,7 @@ class MetricsRecording:
         or not. Only the records not yet written are asked for again (a record's
         ``broadcast_s`` comes once every relay holds its version)."""
         copied = self._master_publications
-        version = (self._last_t_stats or {}).get("version")
+        version = (self._last_t_stats or {}).get("published")
         written = min(len(copied), max(0, self._n_pubs - len(self._old_publications)))
         if (
             copied

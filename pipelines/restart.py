@@ -666,7 +666,9 @@ class CoreRestart(DataRestart):
 
         s = self.s
         # (a try that failed saw it too: what saw it then may be lost since)
-        seen = [self.after, self.stand_in["version"], max(s._published_fps, default=0)]
+        # (the lost trainer's published version, not its learner's: one-step's is one
+        # ahead between an update and its publication)
+        seen = [self.after, self.stand_in["published"], max(s._published_fps, default=0)]
         if s._last_data_stats is not None:
             seen.append(s._last_data_stats[0]["version"])
         lost = self.last_manager["lost"]

@@ -37,6 +37,7 @@ def trainer_stand_in(last: dict | None, steps: int) -> dict:
     last = last or {}
     return {
         "version": last.get("version", 0),
+        "published": last.get("published", last.get("version", 0)),
         "steps": last.get("steps", steps),
         "done": False,
         "error": None,

@@ -124,6 +124,27 @@ def test_a_core_restart_tried_again_never_numbers_after_an_older_version(tmp_pat
     assert r._newest_published() == 9
 
 
+def test_a_core_restart_numbers_after_the_published_version_not_the_learners(tmp_path):
+    """One-step's learner is one version ahead of the newest publication between an
+    update and the batch that publishes it. Lost in that window, with nothing else
+    newer seen, M is the published version: M read the learner's, and the new trainer
+    numbered its updates after a version no rollout or relay ever held."""
+    from pipelines.restart import CoreRestart
+
+    s = SimpleNamespace(
+        cfg=RunConfig(),
+        client=SchedulerClient({}),
+        _published_fps={4: 1, 5: 2},
+        _last_data_stats=({"version": 5}, {}),
+        actors={"rollouts": [Rollout({"version": 5})]},
+        tier=SimpleNamespace(handle=lambda rid: None),
+    )
+    last = {"version": 6, "published": 5, "steps": 20}
+    r = CoreRestart(s, LOST, last, {"lost": [], "chain": ["master"]})
+    assert r._newest_published() == 5
+    assert r.stand_in["version"] == 6  # (what the driver reports meanwhile: the learner's)
+
+
 def test_a_new_trainer_that_is_never_created_on_a_live_worker_fails_the_restart_in_time(
     tmp_path,
 ):

@@ -230,9 +230,11 @@ def test_a_rebuilt_buffer_takes_the_version_told_not_one_still_unpublished(tiny_
     # (waiting for the batch that lets it publish version 1)
     assert trainer.version == 1 and buffer.published == []
     assert trainer.consumed_record()["version"] == 0
+    # (and what the driver reads for a core restart's M, pipelines/restart.py)
+    assert trainer.stats()["version"] == 1 and trainer.stats()["published"] == 0
     stats = trainer.stop(timeout=120)
     assert stats["error"] is None and buffer.published == [1]
-    assert trainer.consumed_record()["version"] == 1
+    assert trainer.consumed_record()["version"] == 1 and stats["published"] == 1
 
 
 def test_a_trainer_stopped_without_a_checkpoint_writes_none(tiny_policy, tmp_path):
