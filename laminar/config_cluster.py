@@ -284,6 +284,26 @@ def walltime_minutes(text: str) -> float | None:
     return int(days) * 1440 + h * 60 + m + sec / 60
 
 
+def walltime_problem(cluster: ClusterConfig) -> str | None:
+    """Why the jobs laminar would submit are too short for their run, said as a fix, or
+    None: the run stops in order ``stop_before_walltime_s`` before their walltime
+    (:mod:`laminar.deploy_walltime`), so with no more than that it would stop as soon
+    as it started."""
+    if cluster.kind != "slurm" or cluster.stop_before_walltime_s <= 0:
+        return None
+    s = cluster.slurm
+    minutes = walltime_minutes(s.walltime)
+    if minutes is None or minutes * 60 > cluster.stop_before_walltime_s:
+        return None
+    return (
+        f"cluster.slurm.walltime={s.walltime} ({minutes * 60:g} s) is no longer than "
+        f"cluster.stop_before_walltime_s={cluster.stop_before_walltime_s:g}, before which the "
+        "run stops in order: it would stop as soon as it started; give a longer walltime "
+        "(H:M:S, e.g. 02:00:00) or a smaller cluster.stop_before_walltime_s (0: the run "
+        "never stops for the walltime)"
+    )
+
+
 def vllm_gpu_problem(cluster: ClusterConfig, engine: str) -> str | None:
     """Why ``rollout.engine`` cannot generate in the rollouts' Slurm jobs, said as a fix,
     or None: vLLM needs a GPU, and a job that asks for none gets none (or, where the
@@ -397,6 +417,12 @@ class ClusterConfig(_Section):
     # without LAMINAR_TORCH_THREADS; a Slurm job's: cluster.slurm.<role>.torch_threads.
     torch_threads: int = Field(1, gt=0)
     actor_timeout_s: float = Field(60.0, gt=0)
+    # The run stops in order (its final checkpoint written; `laminar run` exits 124) this
+    # long before the first of the Slurm jobs of its driver, trainer or data module reaches
+    # its walltime, as squeue says: give it the time the final stop takes (the
+    # checkpoint's write, with its optimizer state) and a margin. 0: the run never stops
+    # for a walltime; Slurm's end then fails it (docs/deploy.md, "Walltime").
+    stop_before_walltime_s: float = Field(300.0, ge=0)
     # Per local worker: a size (4GiB, 500MB), a number of bytes, a fraction of the
     # machine's memory (0.5), auto (its share of it) or 0 (no limit): what Dask takes.
     memory_limit: str = "4GiB"
@@ -480,4 +506,6 @@ class ClusterConfig(_Section):
             raise ValueError(
                 "cluster.security (TLS) and protocol=ucx don't combine; use protocol=tls"
             )
+        if (why := walltime_problem(self)) is not None:
+            raise ValueError(why)  # (at load; the jobs' submission checks it again)
         return self

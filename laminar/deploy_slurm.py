@@ -26,7 +26,12 @@ from laminar.cluster import (
     worker_environ,
 )
 from laminar.config import RunConfig, SlurmRole
-from laminar.config_cluster import gpu_directive, vllm_gpu_problem, walltime_minutes
+from laminar.config_cluster import (
+    gpu_directive,
+    vllm_gpu_problem,
+    walltime_minutes,
+    walltime_problem,
+)
 from laminar.deploy_lost import SlurmReplacer
 from laminar.deploy_placement import _role_section, run_workers
 from laminar.deploy_tls import _protocol
@@ -55,6 +60,8 @@ def slurm_cluster(cfg: RunConfig, run_dir: str | Path, security=None):
         raise ConfigError(problem)
     SLURMCluster, SLURMJob = _import_jobqueue()
     s = cfg.cluster.slurm
+    if (problem := walltime_problem(cfg.cluster)) is not None:  # (a config built in code)
+        raise ConfigError(problem)
     minutes = walltime_minutes(s.walltime)
     if minutes is not None and minutes < 10:
         log.warning(

@@ -18,6 +18,7 @@ import sys
 import time
 from pathlib import Path
 
+from laminar.deploy_walltime import WALLTIME_EXIT, WALLTIME_REASON
 from laminar.errors import LaminarError, RunFailed, RunStopped
 from pipelines.cli_display import _Bar, _Lines, _print_failed_summary, _print_summary, groups
 from pipelines.cli_signals import STOP_SIGNALS, _handling, _safely
@@ -166,6 +167,17 @@ def _watch(handle, display) -> int:
         _safely(print, f"laminar: error: {e}", file=sys.stderr)
         return 1
     _safely(_print_summary, summary, _began_from(handle))
+    if str(summary.get("reason", "")).startswith(WALLTIME_REASON):
+        # (stopped in order before its jobs' end: a job script tells it by the exit code)
+        from pipelines.data_module import resume_hint
+
+        _safely(
+            print,
+            f"laminar: {summary['reason']}; its final checkpoint is written: "
+            f"{resume_hint(handle.run_dir)} in new jobs",
+            file=sys.stderr,
+        )
+        return WALLTIME_EXIT
     return 0
 
 

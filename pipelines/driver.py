@@ -32,6 +32,7 @@ from laminar.cluster import (
     workers_with,
 )
 from laminar.config import RunConfig
+from laminar.deploy_walltime import WALLTIME_REASON, WalltimeWatch
 from laminar.errors import ClusterError, RunStopped
 from laminar.learner import checkpoint_restarts
 from laminar.manager import RolloutManager
@@ -357,6 +358,9 @@ class Schedule(StatsPolling, FaultHandling, MetricsRecording):
             raise
         last_tokens = 0
         reason = "completed"
+        walltime = WalltimeWatch(
+            self.client, lambda: dict(self.core_workers), self.cfg.cluster.stop_before_walltime_s
+        ).start()
         try:
             while True:
                 time.sleep(self.cfg.metrics.poll_s)
@@ -421,6 +425,10 @@ class Schedule(StatsPolling, FaultHandling, MetricsRecording):
                 if should_stop():
                     reason = "stopped"
                     break
+                if (why := walltime.due()) is not None:
+                    logger.warning("stopping the run in order: %s", why)
+                    reason = f"{WALLTIME_REASON}: {why}"
+                    break
         except Exception as e:
             try:  # a lost trainer or data module: say so, stop the rest
                 if not self._fail_on_lost_core(e):
@@ -432,6 +440,8 @@ class Schedule(StatsPolling, FaultHandling, MetricsRecording):
                     logger.warning("metrics rows not written: %r", w)
                 self.metrics.close()
             raise
+        finally:
+            walltime.close()
         try:
             return self.shutdown(reason, t_start)
         except Exception as e:

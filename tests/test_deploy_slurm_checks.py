@@ -128,12 +128,40 @@ def test_gpus_asked_for_in_job_directives_count(fake_slurm, tmp_path):
 @pytest.mark.parametrize("walltime, warned", [("1:00", True), ("9", True), ("01:00:00", False)])
 def test_a_walltime_under_ten_minutes_is_warned_of(fake_slurm, tmp_path, caplog, walltime, warned):
     """sbatch reads 1:00 as one minute: every job, and the run, ended a minute in."""
+    # (a stop margin below one minute: the default, 300 s, refuses 1:00, below)
+    cfg = _slurm_cfg(f"cluster.slurm.walltime='{walltime}'", "cluster.stop_before_walltime_s=30")
     with caplog.at_level(logging.WARNING, logger="laminar.deploy"):
-        _submit_jobs(_slurm_cfg(f"cluster.slurm.walltime='{walltime}'"), tmp_path / "run")
+        _submit_jobs(cfg, tmp_path / "run")
     said = [r.getMessage() for r in caplog.records if "cluster.slurm.walltime" in r.getMessage()]
     assert len(said) == int(warned), caplog.text
     if warned:
         assert f"walltime={walltime} is" in said[0] and "02:00:00" in said[0], said[0]
+
+
+@pytest.mark.parametrize("walltime", ["5", "1:00"])
+def test_a_walltime_within_the_stop_margin_is_refused_before_any_job(
+    fake_slurm, tmp_path, walltime
+):
+    """The run stops in order cluster.stop_before_walltime_s (300 s) before its jobs'
+    walltime: with 5 minutes or less it would stop as soon as it started."""
+    from laminar.deploy import slurm_cluster
+
+    # At load (laminar run refuses before any cluster)
+    with pytest.raises(ConfigError, match=r"cluster\.stop_before_walltime_s=300") as e:
+        _slurm_cfg(f"cluster.slurm.walltime='{walltime}'")
+    assert f"cluster.slurm.walltime={walltime} " in str(e.value), e.value
+    # and again as the jobs are submitted (a config built in code, not validated again)
+    cfg = _slurm_cfg()
+    slurm = cfg.cluster.slurm.model_copy(update={"walltime": walltime})
+    cfg = cfg.model_copy(update={"cluster": cfg.cluster.model_copy(update={"slurm": slurm})})
+    with pytest.raises(ConfigError, match=r"cluster\.stop_before_walltime_s=300"):
+        slurm_cluster(cfg, tmp_path / "run")
+    assert not (fake_slurm / "submitted").exists()
+    # (0: never stops for the walltime, so nothing to refuse)
+    _submit_jobs(
+        _slurm_cfg(f"cluster.slurm.walltime='{walltime}'", "cluster.stop_before_walltime_s=0"),
+        tmp_path / "run2",
+    )
 
 
 # -- a cluster opened from a thread --------------------------------------------------------

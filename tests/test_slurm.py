@@ -329,3 +329,78 @@ def test_a_lost_or_fenced_worker_gets_a_new_job_with_its_resources(slurm, tmp_pa
         assert len(workers_with(client, "trainer")) == 1
         assert len(_jobs(slurm, name)) == 3
     assert _wait_no_jobs(slurm, name) == []
+
+
+def test_a_run_stops_in_order_before_its_jobs_walltime(slurm, tmp_path):
+    """Jobs of 3 minutes, a run that would take far longer, and
+    `cluster.stop_before_walltime_s=150`: once squeue says the trainer's job has less than
+    150 s left, the run stops in order — its final checkpoint written, its store intact —
+    and `laminar run` exits 124, where Slurm's end would have failed it and lost every
+    update since the last checkpoint. The reason names the job, which is one of the run's."""
+    import json
+    import re
+
+    from laminar.deploy_walltime import WALLTIME_EXIT, WALLTIME_REASON
+
+    run_dir = tmp_path / "walltime"
+    name = f"laminar-{run_dir.name}"
+    overrides = [
+        *RUN,
+        "trainer.steps=100000",
+        "cluster.slurm.walltime=3",
+        "cluster.stop_before_walltime_s=150",
+    ]
+    proc = laminar_cli("run", "configs/slurm.yaml", "--run-dir", str(run_dir), *sets(overrides))
+    out, _ = proc.communicate(timeout=240)
+    assert proc.returncode == WALLTIME_EXIT, out
+    summary = json.loads((run_dir / "summary.json").read_text())
+    reason = summary["reason"]
+    assert reason.startswith(WALLTIME_REASON), reason
+    got = re.search(r"Slurm job (\d+) \(([^)]*)\) reaches its walltime in (\d+) s", reason)
+    assert got, reason
+    job, roles, left = got[1], got[2], int(got[3])
+    assert "trainer" in roles and 0 <= left <= 150, reason
+    assert (run_dir / "slurm" / f"{name}-{job}.err").exists(), "not one of the run's jobs"
+    assert "--resume" in out, out  # (how to go on, in new jobs)
+    # stopped in order: its final checkpoint, at the version it reached
+    assert summary["checkpoint"] and Path(summary["checkpoint"]).exists(), summary
+    check_store(run_dir)
+    assert _wait_no_jobs(slurm, name) == []
+
+
+def test_the_walltime_watch_reads_a_jobs_time_left_and_follows_its_limit(slurm, tmp_path):
+    """A driver in a job of 10 minutes: the watch reads about 600 s left from squeue; a
+    limit raised while the job runs (`scontrol update TimeLimit=`) is seen at the next
+    reading; a job that ended is no longer watched (its loss is the fault handling's)."""
+    from laminar.deploy_walltime import WalltimeWatch
+
+    r = subprocess.run(
+        ["sbatch", "--parsable", "-t", "10", f"--chdir={tmp_path}", "--wrap", "sleep 600"],
+        env=slurm,
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    job = r.stdout.strip().split(";")[0]
+    try:
+        assert _wait(lambda: any(j == f"{job} RUNNING" for j in _jobs(slurm, "wrap")), 30), _jobs(
+            slurm, "wrap"
+        )
+        watch = WalltimeWatch(None, dict, 300, environ={"SLURM_JOB_ID": job})
+        watch.refresh()
+        end, roles = watch.ends[job]
+        assert roles == ["driver"] and 540 < end - time.monotonic() <= 600, watch.ends
+        assert watch.due() is None
+        watch.stop_before_s = 700  # (as if 10 minutes were within the margin)
+        assert f"Slurm job {job} (driver) reaches its walltime in" in watch.due()
+        subprocess.run(
+            ["scontrol", "update", f"JobId={job}", "TimeLimit=30"], env=slurm, check=True
+        )
+        watch.refresh()
+        assert 1740 < watch.ends[job][0] - time.monotonic() <= 1800, watch.ends
+        assert watch.due() is None
+    finally:
+        subprocess.run(["scancel", job], env=slurm, check=False)
+    assert _wait(lambda: not any(j.startswith(f"{job} ") for j in _jobs(slurm, "wrap")), 30)
+    watch.refresh()
+    assert watch.ends == {} and watch.due() is None
