@@ -7,8 +7,10 @@ Slurm's end would lose every update since the last checkpoint and fail the run.
 Which jobs: the one each of those processes runs in, as its ``SLURM_JOB_ID`` says. That
 covers the jobs laminar submitted (``cluster.kind: slurm``), workers you started with the
 sbatch recipe, a local cluster inside an allocation (its workers inherit the driver's
-job) and a driver run from a job script. A rollout's or relay's job ending is a lost
-worker, which the run recovers from (docs/faults.md); it is not watched.
+job), a driver run from a job script, and the scheduler's (path B's `dask scheduler`
+job). A rollout's or relay's job ending is a lost worker, which the run recovers from
+(docs/faults.md); it is not watched. :func:`check_time_left` refuses a run whose jobs
+are already within the margin.
 
 Apart from :mod:`laminar.deploy_lost` (which replaces lost jobs) because it acts on
 jobs that still run, and on a thread of the driver's, not the cluster's event loop.
@@ -29,10 +31,10 @@ log = logging.getLogger("laminar.deploy")
 # update TimeLimit=`), and how long it may take to answer.
 REFRESH_S = 60.0
 SQUEUE_TIMEOUT_S = 30.0
+ASK_TIMEOUT_S = 10.0  # a worker's answer: which job it runs in
 
-# How the reason of a run stopped by the watch begins (summary.json's ``reason``; the CLI
-# exits with WALLTIME_EXIT for it, as timeout(1) does, so that a job script can tell it).
-WALLTIME_REASON = "stopped before the walltime"
+# `laminar run`'s exit code for a run the watch stopped (its reason begins with
+# storage.audit.WALLTIME_REASON), as timeout(1)'s, so that a job script can tell it.
 WALLTIME_EXIT = 124
 
 
@@ -59,6 +61,28 @@ def time_left_s(text: str) -> float | None:
 def slurm_job_id() -> str | None:
     """The Slurm job this process runs in (run on a worker by :class:`WalltimeWatch`)."""
     return os.environ.get("SLURM_JOB_ID") or None
+
+
+def check_time_left(
+    client, core_workers: dict[str, str], stop_before_s: float, environ: dict | None = None
+) -> None:
+    """Before a run starts: a :class:`~laminar.errors.ClusterError` when a job it cannot
+    lose (:class:`WalltimeWatch`'s) has no more than ``stop_before_s`` left. The run
+    would stop at its first poll, and a job script that resumes it on exit code 124 from
+    within that job would start it again and again."""
+    from laminar.errors import ClusterError
+
+    if stop_before_s <= 0:
+        return
+    watch = WalltimeWatch(client, lambda: core_workers, stop_before_s, environ=environ)
+    watch.refresh()
+    if (why := watch.due()) is not None:
+        raise ClusterError(
+            f"not starting the run: {why}, and it would stop in order at once; start it in "
+            "new jobs (from a job script: submit the script again rather than resuming in "
+            "the job that ends; path B: new worker jobs), or lower "
+            "cluster.stop_before_walltime_s"
+        )
 
 
 class WalltimeWatch:
@@ -93,6 +117,8 @@ class WalltimeWatch:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._no_squeue = False
+        self._failures = 0  # squeue's, in a row
+        self._scheduler_job: str | None | bool = False  # (False: not asked yet)
         self._said: tuple[str, float] | None = None  # the end last logged: (job, end)
 
     def start(self) -> WalltimeWatch:
@@ -148,7 +174,15 @@ class WalltimeWatch:
         if left is None:
             return  # (no answer: the last one stands)
         with self._lock:
-            self.ends = {j: (asked + s, roles[j]) for j, s in left.items() if j in roles}
+            ends = {}
+            for j, s in left.items():
+                if j not in roles:
+                    continue
+                if s is not None:
+                    ends[j] = (asked + s, roles[j])
+                elif j in self.ends:  # (past its limit, in a site's OverTimeLimit: INVALID)
+                    ends[j] = (self.ends[j][0], roles[j])
+            self.ends = ends
             first = min(self.ends.items(), key=lambda kv: kv[1][0], default=None)
         if first is not None:
             job, (end, on) = first
@@ -167,31 +201,35 @@ class WalltimeWatch:
                 )
 
     def _worker_jobs(self) -> dict[str, str | None]:
-        """``{role: its worker's Slurm job}`` for the core workers (asked once per
-        worker: a worker's job never changes)."""
+        """``{role: its process's Slurm job}`` for the core workers and the scheduler
+        (each asked once: a process's job never changes)."""
         workers = dict(self.core_workers())
-        new = sorted({w for w in workers.values() if w and w not in self._jobs_of})
-        if new:
+        for w in sorted({w for w in workers.values() if w and w not in self._jobs_of}):
+            # (one at a time, bounded: a hung worker never answers, and must not keep the
+            # others' jobs unknown; Client.run hands callback_timeout to Client.sync)
             try:
-                # (bounded: a hung worker never answers; Client.run hands callback_timeout
-                # to Client.sync)
-                answers = self.client.run(
-                    slurm_job_id,
-                    workers=new,
-                    on_error="return",
-                    callback_timeout=SQUEUE_TIMEOUT_S,
+                self._jobs_of[w] = self.client.run(
+                    slurm_job_id, workers=[w], callback_timeout=ASK_TIMEOUT_S
+                )[w]
+            except Exception as e:  # noqa: BLE001 — lost or hung meanwhile: next time
+                log.debug("cannot ask %s for its Slurm job: %r", w, e)
+        jobs = {role: self._jobs_of.get(w) for role, w in workers.items()}
+        if self._scheduler_job is False and self.client is not None:
+            # (path B's `dask scheduler` job; path A's scheduler is the driver's process)
+            try:
+                self._scheduler_job = self.client.run_on_scheduler(
+                    slurm_job_id, callback_timeout=ASK_TIMEOUT_S
                 )
-            except Exception as e:  # noqa: BLE001 — a worker lost meanwhile: next time
-                log.debug("cannot ask %s for their Slurm jobs: %r", new, e)
-                answers = {}
-            for w, job in answers.items():
-                if not isinstance(job, BaseException):
-                    self._jobs_of[w] = job
-        return {role: self._jobs_of.get(w) for role, w in workers.items()}
+            except Exception as e:  # noqa: BLE001 — next time
+                log.debug("cannot ask the scheduler for its Slurm job: %r", e)
+        if self._scheduler_job:
+            jobs["scheduler"] = self._scheduler_job
+        return jobs
 
-    def _squeue(self, jobs: list[str]) -> dict[str, float] | None:
-        """``{job: seconds left}`` of the jobs squeue lists with a limit (an ended one is
-        not listed: its loss is the fault handling's), or None when squeue cannot say."""
+    def _squeue(self, jobs: list[str]) -> dict[str, float | None] | None:
+        """``{job: seconds left}`` of the jobs squeue lists (None: no limit, or past it;
+        an ended job is not listed: its loss is the fault handling's), or None when
+        squeue cannot say."""
         # (%A: the job's own id, what SLURM_JOB_ID says, also for an array's element,
         # where %i says ARRAY_INDEX)
         cmd = ["squeue", "-h", "-j", ",".join(jobs), "-o", "%A|%L"]
@@ -208,17 +246,30 @@ class WalltimeWatch:
             self._no_squeue = True
             return None
         except (OSError, subprocess.TimeoutExpired) as e:
-            log.warning("squeue did not answer (%r); asking again in %g s", e, self.refresh_s)
+            self._failed(f"squeue did not answer ({e!r})")
             return None
         if r.returncode != 0:
             if "Invalid job id" in r.stderr:  # every one of them ended (and purged)
                 return {}
-            log.warning("squeue failed: %s", r.stderr.strip() or r.returncode)
+            self._failed(f"squeue failed: {r.stderr.strip() or r.returncode}")
             return None
+        self._failures = 0
         out = {}
         for line in r.stdout.splitlines():
             job, _, left = line.partition("|")
-            seconds = time_left_s(left)
-            if seconds is not None:
-                out[job.strip()] = seconds
+            if job.strip():
+                out[job.strip()] = time_left_s(left)
         return out
+
+    def _failed(self, why: str) -> None:
+        """squeue could not say: warned of once, until it answers again (a driver's host
+        without Slurm's configuration fails every minute of the run)."""
+        self._failures += 1
+        level = logging.WARNING if self._failures == 1 else logging.DEBUG
+        log.log(
+            level,
+            "%s; the run cannot stop in order before its Slurm jobs' walltime until squeue "
+            "answers (asked every %g s; cluster.stop_before_walltime_s)",
+            why,
+            self.refresh_s,
+        )

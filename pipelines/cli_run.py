@@ -18,10 +18,11 @@ import sys
 import time
 from pathlib import Path
 
-from laminar.deploy_walltime import WALLTIME_EXIT, WALLTIME_REASON
+from laminar.deploy_walltime import WALLTIME_EXIT
 from laminar.errors import LaminarError, RunFailed, RunStopped
 from pipelines.cli_display import _Bar, _Lines, _print_failed_summary, _print_summary, groups
 from pipelines.cli_signals import STOP_SIGNALS, _handling, _safely
+from storage.audit import WALLTIME_REASON
 
 
 def cmd_run(args: argparse.Namespace) -> int:

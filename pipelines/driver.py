@@ -32,7 +32,7 @@ from laminar.cluster import (
     workers_with,
 )
 from laminar.config import RunConfig
-from laminar.deploy_walltime import WALLTIME_REASON, WalltimeWatch
+from laminar.deploy_walltime import WalltimeWatch, check_time_left
 from laminar.errors import ClusterError, RunStopped
 from laminar.learner import checkpoint_restarts
 from laminar.manager import RolloutManager
@@ -47,6 +47,7 @@ from pipelines.driver_faults import FaultHandling, stuck_workers
 from pipelines.driver_metrics import MetricsRecording
 from pipelines.driver_polls import RewardFailures, StatsPolling
 from pipelines.summary import faults_summary, updates_made
+from storage.audit import WALLTIME_REASON
 
 logger = logging.getLogger("laminar")
 
@@ -138,6 +139,9 @@ class Schedule(StatsPolling, FaultHandling, MetricsRecording):
             trainer_ws = [data_w, *[w for w in trainer_ws if w != data_w]][: len(trainer_ws)]
         trainer_w = trainer_ws[0]
         rollout_ws = place(client, "rollout", cfg.rollout.replicas)
+        # (jobs already within the walltime margin: it would stop at its first poll)
+        core = {"data module": data_w} | {f"trainer rank {r}": w for r, w in enumerate(trainer_ws)}
+        check_time_left(client, core, cfg.cluster.stop_before_walltime_s)
         phase("warm-start")
         t0 = time.time()
         cancel = Event(f"laminar-warm-start-{uuid.uuid4().hex}", client=client)

@@ -262,7 +262,7 @@ def _audit_updates(run_dir: Path, ds, report: AuditReport) -> None:
 def _final_version(run_dir: Path, summary: dict) -> int | None:
     """The version a run ended at: an orderly stop's ``summary.json`` says it; else the last
     start's last ``cluster`` row (it may lag the run by a poll)."""
-    if summary.get("reason") in ENDED and "versions" in summary:
+    if ended_in_order(summary.get("reason")) and "versions" in summary:
         return int(summary["versions"])
     from storage.metrics import open_metrics, segments
 
@@ -324,6 +324,20 @@ def _problem_if_ended(run_dir: Path, report: AuditReport, msg: str) -> None:
 
 
 ENDED = ("completed", "stopped")  # summary.json reasons of a run that ended, not lost
+# ... and how the reason of one stopped in order before its Slurm jobs' walltime begins
+# (it goes on to name the job: laminar/deploy_walltime.py)
+WALLTIME_REASON = "stopped before the walltime"
+
+
+def ended_in_order(reason) -> bool:
+    """Whether ``summary.json``'s ``reason`` is a run's that ended in order, not lost.
+
+    >>> [ended_in_order(r) for r in ("completed", "stopped", "failed: x", None)]
+    [True, True, False, False]
+    >>> ended_in_order(WALLTIME_REASON + ": Slurm job 7 (driver) reaches its walltime in 290 s")
+    True
+    """
+    return reason in ENDED or (isinstance(reason, str) and reason.startswith(WALLTIME_REASON))
 
 
 def _audit_log(run_dir: Path, ds, report: AuditReport) -> list[dict] | None:
@@ -509,7 +523,7 @@ def _audit_unrecovered(run_dir: Path, rows, report: AuditReport) -> None:
     if not held:
         return
     report.figures["rollouts lost, not recovered"] = len(held)
-    ended = summary.get("reason") in ENDED
+    ended = ended_in_order(summary.get("reason"))
     for (seg, rid), info in sorted(held.items(), key=lambda kv: kv[1].get("time") or 0.0):
         name = rid if seg is None or seg == here else f"{rid} (start {seg})"
         what = "what it held is unknown"
@@ -538,7 +552,7 @@ def _ended(run_dir: Path) -> bool:
     from storage.live import running_driver
 
     summary = _summary(run_dir)
-    if summary.get("reason") not in ENDED or running_driver(run_dir) is not None:
+    if not ended_in_order(summary.get("reason")) or running_driver(run_dir) is not None:
         return False
     from storage.metrics import open_metrics, segments
 

@@ -332,26 +332,28 @@ def test_a_lost_or_fenced_worker_gets_a_new_job_with_its_resources(slurm, tmp_pa
 
 
 def test_a_run_stops_in_order_before_its_jobs_walltime(slurm, tmp_path):
-    """Jobs of 3 minutes, a run that would take far longer, and
-    `cluster.stop_before_walltime_s=150`: once squeue says the trainer's job has less than
-    150 s left, the run stops in order — its final checkpoint written, its store intact —
-    and `laminar run` exits 124, where Slurm's end would have failed it and lost every
-    update since the last checkpoint. The reason names the job, which is one of the run's."""
+    """Jobs of 5 minutes, a run that would take far longer, and
+    `cluster.stop_before_walltime_s=270`: once squeue says the trainer's job has less than
+    270 s left, the run stops in order — its final checkpoint written, its store intact,
+    the audit reading it as ended — and `laminar run` exits 124, where Slurm's end would
+    have failed it and lost every update since the last checkpoint. The reason names the
+    job, which is one of the run's."""
     import json
     import re
 
-    from laminar.deploy_walltime import WALLTIME_EXIT, WALLTIME_REASON
+    from laminar.deploy_walltime import WALLTIME_EXIT
+    from storage.audit import WALLTIME_REASON, _ended
 
     run_dir = tmp_path / "walltime"
     name = f"laminar-{run_dir.name}"
     overrides = [
         *RUN,
         "trainer.steps=100000",
-        "cluster.slurm.walltime=3",
-        "cluster.stop_before_walltime_s=150",
+        "cluster.slurm.walltime=5",
+        "cluster.stop_before_walltime_s=270",
     ]
     proc = laminar_cli("run", "configs/slurm.yaml", "--run-dir", str(run_dir), *sets(overrides))
-    out, _ = proc.communicate(timeout=240)
+    out, _ = proc.communicate(timeout=360)
     assert proc.returncode == WALLTIME_EXIT, out
     summary = json.loads((run_dir / "summary.json").read_text())
     reason = summary["reason"]
@@ -359,12 +361,14 @@ def test_a_run_stops_in_order_before_its_jobs_walltime(slurm, tmp_path):
     got = re.search(r"Slurm job (\d+) \(([^)]*)\) reaches its walltime in (\d+) s", reason)
     assert got, reason
     job, roles, left = got[1], got[2], int(got[3])
-    assert "trainer" in roles and 0 <= left <= 150, reason
+    assert "trainer" in roles and 0 <= left <= 270, reason
     assert (run_dir / "slurm" / f"{name}-{job}.err").exists(), "not one of the run's jobs"
     assert "--resume" in out, out  # (how to go on, in new jobs)
     # stopped in order: its final checkpoint, at the version it reached
-    assert summary["checkpoint"] and Path(summary["checkpoint"]).exists(), summary
+    ckpt = Path(summary["checkpoint"])
+    assert ckpt.name == f"version-{summary['versions']:06d}" and ckpt.exists(), summary
     check_store(run_dir)
+    assert _ended(run_dir)  # (the audit's: a problem it finds is one, not a note)
     assert _wait_no_jobs(slurm, name) == []
 
 
@@ -372,7 +376,8 @@ def test_the_walltime_watch_reads_a_jobs_time_left_and_follows_its_limit(slurm, 
     """A driver in a job of 10 minutes: the watch reads about 600 s left from squeue; a
     limit raised while the job runs (`scontrol update TimeLimit=`) is seen at the next
     reading; a job that ended is no longer watched (its loss is the fault handling's)."""
-    from laminar.deploy_walltime import WalltimeWatch
+    from laminar.deploy_walltime import WalltimeWatch, check_time_left
+    from laminar.errors import ClusterError
 
     r = subprocess.run(
         ["sbatch", "--parsable", "-t", "10", f"--chdir={tmp_path}", "--wrap", "sleep 600"],
@@ -393,6 +398,10 @@ def test_the_walltime_watch_reads_a_jobs_time_left_and_follows_its_limit(slurm, 
         assert watch.due() is None
         watch.stop_before_s = 700  # (as if 10 minutes were within the margin)
         assert f"Slurm job {job} (driver) reaches its walltime in" in watch.due()
+        # a run is not started in a job already within the margin (a resume loop's)
+        with pytest.raises(ClusterError, match=f"not starting the run: Slurm job {job}"):
+            check_time_left(None, {}, 700, environ={"SLURM_JOB_ID": job})
+        check_time_left(None, {}, 300, environ={"SLURM_JOB_ID": job})
         subprocess.run(
             ["scontrol", "update", f"JobId={job}", "TimeLimit=30"], env=slurm, check=True
         )
