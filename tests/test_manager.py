@@ -378,16 +378,17 @@ def test_a_global_pause_leaves_a_silent_rollout_to_loss_detection_within_the_tra
     async def paused(version):
         return 2
 
-    # (4 s, not 1: half of it is 2 s by design, the whole 4 s at the least for a manager
-    # that waits the whole timeout on the slow rollout. The bound, 3.5 s, leaves a
-    # loaded host's event loop 1.5 s; with 1 s the design's 0.5 s had 0.3 s to spare.)
-    cfg = with_overrides(RunConfig(), ["cluster.actor_timeout_s=4"])
+    # (8 s, not 1: half of it is 4 s by design, the whole 8 s at the least for a manager
+    # that waits the whole timeout on the slow rollout. The bound, 6.5 s, leaves a
+    # loaded host's event loop 2.5 s; with 1 s the design's 0.5 s had 0.3 s to spare,
+    # with 4 s 1.5 s.)
+    cfg = with_overrides(RunConfig(), ["cluster.actor_timeout_s=8"])
     quick, slow, hung = FakeRollout(pause=paused), FakeRollout(pause=silent), FakeRollout()
     manager = RolloutManager(cfg, {"r0": quick, "r1": slow, "r2": hung}, None)
     manager.hung["r2"] = {"time": time.time()}
     t0 = time.monotonic()
     got = asyncio.run(manager.pause_all(4))
-    assert time.monotonic() - t0 < 3.5  # (half the timeout, not the whole)
+    assert time.monotonic() - t0 < 6.5  # (half the timeout, not the whole)
     assert got == {"paused": 1, "requests": 2}
     assert hung.called("pause") == [] and len(slow.called("pause")) == 1
 

@@ -416,7 +416,8 @@ def test_ending_the_waits_returns_an_idle_rollouts_long_poll_at_once(small_confi
         return ended, loop.time() - t0
 
     ended, later = asyncio.run(scenario())
-    assert ended < 1.0 and later < 1.0, (ended, later)
+    # (at once: 0.1 ms quiet, 0.1 s at load 10-15; the bug waits out wait_s, 30 s)
+    assert ended < 10.0 and later < 10.0, (ended, later)
 
 
 def test_after_a_skipped_update_a_rollout_behind_the_newest_version_gets_no_batch():

@@ -322,9 +322,15 @@ class _LateAnswer(_Handle):
 
 
 class _SlowLog:
-    """A partial-response pool that does not answer a reassign (a busy data worker)."""
+    """A partial-response pool that does not answer a reassign (a busy data worker).
+    (Its signature is the pool's: with one argument fewer, the call raised a TypeError
+    and the test took another path than a timeout's.)"""
 
-    def reassign(self, request_ids, rollout_id):
+    def __init__(self) -> None:
+        self.asked: list[tuple] = []
+
+    def reassign(self, request_ids, rollout_id, moved_from=None):
+        self.asked.append((list(request_ids), rollout_id, moved_from))
         raise TimeoutError("the partial-response pool did not answer")
 
 
@@ -351,8 +357,9 @@ def test_a_move_leaves_every_request_in_exactly_one_engine(
     try:
         before = {*src.engine.request_ids(), *dst.engine.request_ids()}
         to_dst = _LateAnswer(dst) if late else _Handle(dst)
+        log = _SlowLog()
         manager = RolloutManager(
-            cfg, {"r0": _Handle(src), "r1": to_dst}, master_relay=None, partial=_SlowLog()
+            cfg, {"r0": _Handle(src), "r1": to_dst}, master_relay=None, partial=log
         )
         manager._prev = {"r0": (1, 0.1), "r1": (1, 0.2)}
         loads = {"r0": RolloutLoad("r0", 0, 0.1, 0.2, 3), "r1": RolloutLoad("r1", 0, 0.2, 0.3, 2)}
@@ -367,6 +374,8 @@ def test_a_move_leaves_every_request_in_exactly_one_engine(
                 1
             }
             assert (src.counts["moves_out"], dst.counts["moves_in"]) == (1, 1)
+            # (the reassign was asked, as the pool takes it, and timed out)
+            assert [(len(ids), d, s) for ids, d, s in log.asked] == [(3, "r1", "r0")]
         else:
             assert not row["ok"] and len(held[0]) == 3
             assert {s.n_moves for s in src.engine.in_flight()} == {0}

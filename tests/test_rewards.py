@@ -104,7 +104,10 @@ def test_a_call_that_holds_the_gil_is_cut_at_the_timeout_and_the_loop_goes_on():
     )
     assert 0.5 <= took < 10.0  # (the match alone: tens of seconds)
     gaps = [b - a for a, b in zip(ticks, ticks[1:], strict=False)]
-    assert len(ticks) > 10 and max(gaps) < 0.4  # this process was never stalled
+    # this process was never stalled: the regex run here would hold the GIL for the whole
+    # match (1.9 s for 26 characters, tens of seconds for these 31); a loaded host's
+    # descheduled ticker, a fork, a GC pause are well under 3 s
+    assert len(ticks) > 10 and max(gaps) < 3.0
 
 
 def test_a_call_that_ends_its_process_is_an_error_and_the_rest_are_scored():
@@ -129,7 +132,9 @@ def test_after_a_timed_out_call_the_next_batch_is_scored_normally():
     scores = score_batch("test_rewards:backtracks", [("ab", "", True), ("b", "", True)], 0, 0.5)
     assert [s.reward for s in scores] == [1.0, 0.0]
     assert all(s.error is None for s in scores)
-    assert time.monotonic() - t0 < 5.0
+    # (a new child's start, on a loaded host; handed to the stuck one, the batch would
+    # have timed out with an error, above)
+    assert time.monotonic() - t0 < 30.0
 
 
 def test_an_idle_child_that_is_gone_is_replaced_unseen():
