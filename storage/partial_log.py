@@ -49,11 +49,14 @@ import numpy as np
 import zarr
 
 from storage.schema import STRING
-from storage.stores import CHUNKS_ATTR, WRITE_EVERY_CHUNK, missing_chunks
+from storage.stores import CHECKED_RAW, CHUNKS_ATTR, WRITE_EVERY_CHUNK, missing_chunks
 from storage.trajectories import StoreError, fill_value, new_array, reading, store_path
 
 STORE_NAME = "partial.zarr"
 SCHEMA_VERSION = 1
+# what to do with a damaged log (the store holds everything finished; the log only what
+# was in flight, which a resume without it generates again)
+LOG_FIX = "move it aside (the run resumes without its recovery log) or restore it from a copy"
 
 I64, I32, F64, F32 = (np.dtype(t) for t in ("int64", "int32", "float64", "float32"))
 # table -> (dimension, {column: dtype}); ``seq`` orders rows across tables
@@ -282,8 +285,9 @@ class PartialLogWriter:
 
 
 def _create(group: zarr.Group, name: str, dtype: np.dtype, dim: str, chunk: int):
-    # uncompressed: written by slice, often, and a compressed chunk is rewritten whole
-    arr = new_array(group, name, dtype, dim, chunk, compressors=None)
+    # uncompressed (written by slice, often, and a compressed chunk is rewritten whole),
+    # with a checksum: a chunk a crash left short of its bytes is refused, not replayed
+    arr = new_array(group, name, dtype, dim, chunk, compressors=CHECKED_RAW)
     return arr.with_config(WRITE_EVERY_CHUNK)
 
 
@@ -309,7 +313,7 @@ def read_partial_log(path: str | Path, flat: Collection[str] = tuple(FLAT)) -> d
             out[table] = {c: np.zeros(0, d) for c, d in cols.items()}
         out |= {name: np.zeros(0, d) for name, (_, d, _) in FLAT.items() if name in flat}
         return out
-    with reading(path):
+    with reading(path, LOG_FIX):
         # A compaction between reading the root's pointer and reading the generation it
         # names removes that generation under the reader (a missing array, or chunks that
         # read as fill): the root is read again after, and a moved pointer means again.
@@ -332,8 +336,7 @@ def read_partial_log(path: str | Path, flat: Collection[str] = tuple(FLAT)) -> d
             if read is None:  # (not a compaction's doing)
                 raise StoreError(
                     f"{str(path)!r}: generation g{generation} lacks an array; it is "
-                    "damaged: move it aside (the run resumes without its recovery log) or "
-                    "restore it from a copy"
+                    f"damaged: {LOG_FIX}"
                 )
             return read
     raise StoreError(
@@ -394,8 +397,7 @@ def _check_chunks(group_path: Path, name: str, arr: zarr.Array, n: int) -> None:
             f"lacks chunk {str(chunk)!r}"
             + (f" and {len(missing) - 1} more" if len(missing) > 1 else "")
             + f" of its {n} committed values (zarr would read it as "
-            f"{fill_value(arr.dtype)!r}s); it is damaged: move it aside (the run resumes "
-            "without its recovery log) or restore it from a copy"
+            f"{fill_value(arr.dtype)!r}s); it is damaged: {LOG_FIX}"
         )
 
 

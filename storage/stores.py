@@ -19,7 +19,7 @@ from typing import Any
 
 import numpy as np
 import zarr
-from zarr.codecs import ZstdCodec
+from zarr.codecs import Crc32cCodec, ZstdCodec
 
 from storage.schema import COMMIT_ATTR
 
@@ -74,6 +74,11 @@ def fill_value(dtype: np.dtype) -> Any:
 # still decodes read back as wrong values, silently: 229 of 300 single-bit flips of a
 # 100 KB chunk did.) Arrays written before keep what their zarr.json records.
 CHECKED_ZSTD = (ZstdCodec(level=0, checksum=True),)
+# ... and of an uncompressed one (the recovery log's, written by slice): a CRC32C of each
+# chunk's bytes after them, checked at read. Without it, a chunk whose bytes did not all
+# reach the disk before a crash (zeros) or changed since read back as tokens. Measured:
+# 2,000 appends of 64 values took the same time with it as without (3.86 s, 3.88 s).
+CHECKED_RAW = (Crc32cCodec(),)
 
 
 def new_array(group: zarr.Group, name: str, dtype: np.dtype, dim: str, chunk: int, **kwargs):
@@ -91,13 +96,13 @@ def new_array(group: zarr.Group, name: str, dtype: np.dtype, dim: str, chunk: in
 
 
 @contextmanager
-def reading(store: Path) -> Iterator[None]:
+def reading(store: Path, fix: str = "restore the run directory from a copy") -> Iterator[None]:
     """Reads of ``store``: what a damaged file raises there (a truncated ``zarr.json`` or
     ``summary.json``: a JSON error; a chunk that fails to decompress: the codec's
     ``RuntimeError``; a truncated chunk of an uncompressed array: zarr's codecs'
     ``ValueError``, "cannot reshape array" or "data seem truncated") becomes a
-    :class:`StoreError` naming it. Nothing else is caught: a permission error or a bug
-    must not read as damage."""
+    :class:`StoreError` naming it (and ``fix``, what to do). Nothing else is caught: a
+    permission error or a bug must not read as damage."""
     try:
         yield
     except StoreError:
@@ -107,7 +112,7 @@ def reading(store: Path) -> Iterator[None]:
             raise
         raise StoreError(
             f"cannot read {str(store)!r} ({type(e).__name__}: {e}); it looks damaged (a "
-            "truncated file?): restore the run directory from a copy"
+            f"truncated or changed file?): {fix}"
         ) from e
 
 

@@ -325,6 +325,26 @@ def test_a_missing_chunk_is_named_as_damaged_not_read_as_zeros(tmp_path):
         replay_log(tmp_path)
 
 
+def test_a_chunk_whose_bytes_changed_is_named_as_damaged_not_replayed(tmp_path):
+    """A crash can leave a chunk file whose bytes never reached the disk (zeros), or a
+    byte can change: uncompressed, the log read them back as tokens, and a resume went
+    on after them as if generated. Each chunk carries a CRC32C, checked at read."""
+    core, writer = PartialCore(journal=True), PartialLogWriter(tmp_path)
+    core.register("r0", 0, _states(["p00-000"], seed=0))
+    core.flush("r0", {"p00-000": (0, [5, 6], [-0.5, -0.25], [0, 0])})
+    writer.append(**core.drain_journal())
+    chunk = writer.path / "g0" / "tokens" / "c" / "0"
+    saved = chunk.read_bytes()
+    flipped = bytearray(saved)
+    flipped[1] ^= 0x04  # (token 5 would read as 1029)
+    for damaged in (bytes(flipped), bytes(len(saved))):
+        chunk.write_bytes(damaged)
+        with pytest.raises(StoreError, match=r"partial.zarr.*checksum.*move it aside"):
+            replay_log(tmp_path)
+    chunk.write_bytes(saved)
+    assert read_partial_log(tmp_path)["tokens"].tolist() == [5, 6]
+
+
 def test_a_run_resumed_and_stopped_again_before_it_reissued_a_group_reissues_it_again(
     tmp_path,
 ):
