@@ -4,13 +4,14 @@ left, so that the driver stops the run in order (its final checkpoint written, i
 stores closed) ``cluster.stop_before_walltime_s`` before the first of them ends, where
 Slurm's end would lose every update since the last checkpoint and fail the run.
 
-Which jobs: the one each of those processes runs in, as its ``SLURM_JOB_ID`` says. That
-covers the jobs laminar submitted (``cluster.kind: slurm``), workers you started with the
-sbatch recipe, a local cluster inside an allocation (its workers inherit the driver's
-job), a driver run from a job script, and the scheduler's (path B's `dask scheduler`
-job). A rollout's or relay's job ending is a lost worker, which the run recovers from
-(docs/faults.md); it is not watched. :func:`check_time_left` refuses a run whose jobs
-are already within the margin.
+Which jobs: the one each of those processes runs in, as its ``SLURM_JOB_ID`` says on one
+of the job's nodes (:func:`slurm_job_id`). That covers the jobs laminar submitted
+(``cluster.kind: slurm``), workers you started with the sbatch recipe, a local cluster
+inside a job (its workers inherit the driver's job), a driver run from a job script,
+and the scheduler's (path B's `dask scheduler` job). A rollout's or relay's job ending
+is a lost worker, which the run recovers from (docs/faults.md); it is not watched.
+:meth:`WalltimeWatch.check_start` refuses a run whose jobs are already within the
+margin.
 
 Apart from :mod:`laminar.deploy_lost` (which replaces lost jobs) because it acts on
 jobs that still run, and on a thread of the driver's, not the cluster's event loop.
@@ -32,6 +33,9 @@ log = logging.getLogger("laminar.deploy")
 REFRESH_S = 60.0
 SQUEUE_TIMEOUT_S = 30.0
 ASK_TIMEOUT_S = 10.0  # a worker's answer: which job it runs in
+# The states of a job that still runs, or will (squeue's -t; a job suspended still counts
+# its time left): pending, running, suspended, completing, configuring.
+LIVE_STATES = "PD,R,S,CG,CF"
 
 # `laminar run`'s exit code for a run the watch stopped (its reason begins with
 # storage.audit.WALLTIME_REASON), as timeout(1)'s, so that a job script can tell it.
@@ -58,31 +62,20 @@ def time_left_s(text: str) -> float | None:
     return float(int(days) * 86400 + h * 3600 + m * 60 + s)
 
 
-def slurm_job_id() -> str | None:
-    """The Slurm job this process runs in (run on a worker by :class:`WalltimeWatch`)."""
-    return os.environ.get("SLURM_JOB_ID") or None
+def slurm_job_id(environ: dict | None = None) -> str | None:
+    """The Slurm job this process runs in (run on each worker by :class:`WalltimeWatch`),
+    or None. Only on one of the job's nodes (``SLURMD_NODENAME``: a batch script, an
+    ``srun`` step, what they start): an ``salloc`` shell on a login node has the
+    allocation's ``SLURM_JOB_ID`` too, but outlives it, and so does what it starts.
 
-
-def check_time_left(
-    client, core_workers: dict[str, str], stop_before_s: float, environ: dict | None = None
-) -> None:
-    """Before a run starts: a :class:`~laminar.errors.ClusterError` when a job it cannot
-    lose (:class:`WalltimeWatch`'s) has no more than ``stop_before_s`` left. The run
-    would stop at its first poll, and a job script that resumes it on exit code 124 from
-    within that job would start it again and again."""
-    from laminar.errors import ClusterError
-
-    if stop_before_s <= 0:
-        return
-    watch = WalltimeWatch(client, lambda: core_workers, stop_before_s, environ=environ)
-    watch.refresh()
-    if (why := watch.due()) is not None:
-        raise ClusterError(
-            f"not starting the run: {why}, and it would stop in order at once; start it in "
-            "new jobs (from a job script: submit the script again rather than resuming in "
-            "the job that ends; path B: new worker jobs), or lower "
-            "cluster.stop_before_walltime_s"
-        )
+    >>> in_a_job = {"SLURM_JOB_ID": "7", "SLURMD_NODENAME": "n1"}
+    >>> slurm_job_id(in_a_job), slurm_job_id({"SLURM_JOB_ID": "7"})  # (an salloc shell)
+    ('7', None)
+    """
+    env = os.environ if environ is None else environ
+    if not env.get("SLURMD_NODENAME"):
+        return None
+    return env.get("SLURM_JOB_ID") or None
 
 
 class WalltimeWatch:
@@ -108,8 +101,7 @@ class WalltimeWatch:
         self.core_workers = core_workers
         self.stop_before_s = stop_before_s
         self.refresh_s = refresh_s
-        driver = (os.environ if environ is None else environ).get("SLURM_JOB_ID") or None
-        self._driver_job = driver
+        self._driver_job = slurm_job_id(environ)
         self._jobs_of: dict[str, str | None] = {}  # worker address -> its job (or none)
         # job -> (the monotonic time its walltime ends, the roles it holds)
         self.ends: dict[str, tuple[float, list[str]]] = {}
@@ -120,6 +112,24 @@ class WalltimeWatch:
         self._failures = 0  # squeue's, in a row
         self._scheduler_job: str | None | bool = False  # (False: not asked yet)
         self._said: tuple[str, float] | None = None  # the end last logged: (job, end)
+
+    def check_start(self) -> None:
+        """Before a run starts: a :class:`~laminar.errors.ClusterError` when a job it
+        cannot lose has no more than ``stop_before_s`` left. The run would stop at its
+        first poll, and a job script that resumes it on exit code 124 from within that
+        job would start it again and again."""
+        from laminar.errors import ClusterError
+
+        if self.stop_before_s <= 0:
+            return
+        self.refresh()
+        if (why := self.due()) is not None:
+            raise ClusterError(
+                f"not starting the run: {why}, and it would stop in order at once; start it "
+                "in new jobs (from a job script: submit the script again rather than "
+                "resuming in the job that ends; path B: new worker jobs), or lower "
+                "cluster.stop_before_walltime_s"
+            )
 
     def start(self) -> WalltimeWatch:
         if self.stop_before_s > 0:
@@ -222,8 +232,8 @@ class WalltimeWatch:
                 )
             except Exception as e:  # noqa: BLE001 — next time
                 log.debug("cannot ask the scheduler for its Slurm job: %r", e)
-        if self._scheduler_job:
-            jobs["scheduler"] = self._scheduler_job
+        if self._scheduler_job and self._scheduler_job != self._driver_job:
+            jobs["scheduler"] = self._scheduler_job  # (path A's: the driver's process)
         return jobs
 
     def _squeue(self, jobs: list[str]) -> dict[str, float | None] | None:
@@ -232,9 +242,14 @@ class WalltimeWatch:
         squeue cannot say."""
         # (%A: the job's own id, what SLURM_JOB_ID says, also for an array's element,
         # where %i says ARRAY_INDEX)
-        cmd = ["squeue", "-h", "-j", ",".join(jobs), "-o", "%A|%L"]
+        # (the states asked for, whatever SQUEUE_STATES says: an ended job listed would
+        # read 0:00 left; and no SQUEUE_* filter of the user's may hide a job asked for)
+        cmd = ["squeue", "-h", "-t", LIVE_STATES, "-j", ",".join(jobs), "-o", "%A|%L"]
+        env = {k: v for k, v in os.environ.items() if not k.startswith("SQUEUE_")}
         try:
-            r = subprocess.run(cmd, capture_output=True, text=True, timeout=SQUEUE_TIMEOUT_S)
+            r = subprocess.run(
+                cmd, capture_output=True, text=True, timeout=SQUEUE_TIMEOUT_S, env=env
+            )
         except FileNotFoundError:
             # (a driver on a machine without Slurm's commands, its workers in jobs)
             log.warning(

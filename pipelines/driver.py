@@ -32,7 +32,7 @@ from laminar.cluster import (
     workers_with,
 )
 from laminar.config import RunConfig
-from laminar.deploy_walltime import WalltimeWatch, check_time_left
+from laminar.deploy_walltime import WalltimeWatch
 from laminar.errors import ClusterError, RunStopped
 from laminar.learner import checkpoint_restarts
 from laminar.manager import RolloutManager
@@ -94,6 +94,7 @@ class Schedule(StatsPolling, FaultHandling, MetricsRecording):
         self.resume = resume
         self.actors: dict = {}
         self.sft_info: dict = {}
+        self._walltime: WalltimeWatch | None = None  # (made in setup)
         # this start's segment of the run's metrics, and those before it (_origin)
         self._segment, self._earlier_segments = 0, []
         self._pauses: list[tuple[float, float]] = []  # a resumed run's stops (epoch s)
@@ -139,9 +140,18 @@ class Schedule(StatsPolling, FaultHandling, MetricsRecording):
             trainer_ws = [data_w, *[w for w in trainer_ws if w != data_w]][: len(trainer_ws)]
         trainer_w = trainer_ws[0]
         rollout_ws = place(client, "rollout", cfg.rollout.replicas)
-        # (jobs already within the walltime margin: it would stop at its first poll)
-        core = {"data module": data_w} | {f"trainer rank {r}": w for r, w in enumerate(trainer_ws)}
-        check_time_left(client, core, cfg.cluster.stop_before_walltime_s)
+        # Where the actors that a run cannot go on without live (loss is reported by role).
+        if trainer_w == data_w:
+            self.core_workers = {"trainer and data module": trainer_w}
+        else:
+            self.core_workers = {"trainer": trainer_w, "data module": data_w}
+        self.core_workers |= {f"trainer rank {r}": w for r, w in enumerate(trainer_ws[1:], 1)}
+        # The Slurm jobs it cannot lose, watched from run() on; refused here when they
+        # are already within the walltime margin (it would stop at its first poll)
+        self._walltime = WalltimeWatch(
+            client, lambda: dict(self.core_workers), cfg.cluster.stop_before_walltime_s
+        )
+        self._walltime.check_start()
         phase("warm-start")
         t0 = time.time()
         cancel = Event(f"laminar-warm-start-{uuid.uuid4().hex}", client=client)
@@ -261,11 +271,6 @@ class Schedule(StatsPolling, FaultHandling, MetricsRecording):
             worker=trainer_w,
             resource="trainer",
         )
-        # Where the actors that a run cannot go on without live (loss is reported by role).
-        if trainer_w == data_w:
-            self.core_workers = {"trainer and data module": trainer_w}
-        else:
-            self.core_workers = {"trainer": trainer_w, "data module": data_w}
         # A lost trainer restarts within the run (all its ranks, when data-parallel: a
         # lost rank breaks the group), and a lost data module is rebuilt, under Laminar's
         # schedule (whose dispatch and weights do not count versions), with the
@@ -301,7 +306,6 @@ class Schedule(StatsPolling, FaultHandling, MetricsRecording):
         self._last_t_stats: dict | None = None
         self._updates_before = 0  # rows of the updates table from trainers since lost
         self._master_gone = False  # lost with a trainer that had finished: none replaced it
-        self.core_workers |= {f"trainer rank {r}": w for r, w in enumerate(trainer_ws[1:], 1)}
         self.actors = {
             "manager": manager,
             "partial": partial,
@@ -362,9 +366,13 @@ class Schedule(StatsPolling, FaultHandling, MetricsRecording):
             raise
         last_tokens = 0
         reason = "completed"
-        walltime = WalltimeWatch(
-            self.client, lambda: dict(self.core_workers), self.cfg.cluster.stop_before_walltime_s
-        ).start()
+        if self._walltime is None:  # (a run not set up here: tests drive one on fakes)
+            self._walltime = WalltimeWatch(
+                self.client,
+                lambda: dict(self.core_workers),
+                self.cfg.cluster.stop_before_walltime_s,
+            )
+        walltime = self._walltime.start()
         try:
             while True:
                 time.sleep(self.cfg.metrics.poll_s)
