@@ -362,7 +362,8 @@ def _read_generation(
         arr = group[name]
         if every or name in _NEVER_ALL_FILL:
             _check_chunks(path / f"g{generation}", name, arr, n)
-        values[name] = arr[:n]
+        with reading(path / f"g{generation}" / name, LOG_FIX):  # (a checksum: named)
+            values[name] = arr[:n]
     for table, (_, cols) in TABLES.items():
         out[table] = {c: values[f"{table}/{c}"] for c in cols}
     return out | {name: values[name] for name in FLAT if name in flat}

@@ -83,7 +83,8 @@ CHECKED_RAW = (Crc32cCodec(),)
 
 def new_array(group: zarr.Group, name: str, dtype: np.dtype, dim: str, chunk: int, **kwargs):
     """An empty 1-d array of a run store, on dimension ``dim``, compressed with
-    :data:`CHECKED_ZSTD` (``kwargs``: zarr's; ``compressors=None``: uncompressed)."""
+    :data:`CHECKED_ZSTD` (``kwargs``: zarr's; ``compressors=CHECKED_RAW``: uncompressed,
+    checksummed)."""
     return group.create_array(
         name,
         shape=(0,),
