@@ -3,7 +3,7 @@
 laminar run CONFIG [--set k=v ...] [--run-dir DIR] [--scheduler ADDRESS | --scheduler-file F]
 laminar run --resume RUN_DIR [--set k=v ...] [--scheduler ADDRESS | --scheduler-file F]
 laminar certs DIR
-laminar audit RUN_DIR [--json]
+laminar audit RUN_DIR [--json] [--tokens]
 laminar report RUN_DIR [RUN_DIR ...] [--out DIR]
 laminar bench NAME [--out FILE.json] [--repeats N] [...]
 
@@ -50,7 +50,7 @@ from storage.trajectories import StoreError
 def cmd_audit(args: argparse.Namespace) -> int:
     from storage.audit import audit_run
 
-    report = audit_run(args.run_dir)
+    report = audit_run(args.run_dir, tokens=args.tokens)
     if args.json:  # (alone on stdout, for a script to parse)
         from pipelines.bench import dumps_strict
 
@@ -169,6 +169,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     audit.add_argument("run_dir", metavar="RUN_DIR")
     audit.add_argument("--json", action="store_true", help="print the report as JSON instead")
+    audit.add_argument(
+        "--tokens",
+        action="store_true",
+        help="also read every token array (ids, loss masks, the trained tokens' logprobs)",
+    )
     certs = sub.add_parser("certs", help="write a new TLS CA, certificate and key to a folder")
     certs.add_argument("dir", help="folder for ca.pem, cert.pem, key.pem")
     certs.add_argument("--force", action="store_true", help="replace a set already in the folder")

@@ -22,7 +22,7 @@ from pathlib import Path
 import numpy as np
 
 from storage.schema import ALL_FIELDS, STATUSES
-from storage.stores import StoreError, no_array, store_path
+from storage.stores import StoreError, no_array, reading, store_path
 
 
 @dataclass
@@ -64,8 +64,10 @@ def require_fields(ds, run_dir: Path) -> None:
         raise no_array(store_path(run_dir), missing)
 
 
-def audit_run(run_dir: str | Path) -> AuditReport:
-    """Audit a run directory; raises ``FileNotFoundError`` without a trajectory store."""
+def audit_run(run_dir: str | Path, tokens: bool = False) -> AuditReport:
+    """Audit a run directory; raises ``FileNotFoundError`` without a trajectory store.
+    ``tokens``: also read every token array, chunk by chunk (:func:`_audit_tokens`;
+    ``laminar audit --tokens``): the other checks read the per-trajectory arrays only."""
     from storage.trajectories import open_run
 
     run_dir = Path(run_dir)
@@ -122,6 +124,8 @@ def audit_run(run_dir: str | Path) -> AuditReport:
         report.problems.append(f"{int((sizes > want).sum())} groups have more members than size")
 
     _audit_staleness(ds, report)
+    if tokens:
+        _checked(report, "the token arrays", _audit_tokens, run_dir, ds, report)
     if damaged := _read_summary(run_dir)[1]:
         report.problems.append(damaged)
     _checked(report, "published versions", _audit_updates, run_dir, ds, report)
@@ -134,6 +138,85 @@ def audit_run(run_dir: str | Path) -> AuditReport:
             report, "the lost rollouts' recovery", _audit_faults, run_dir, ds, report, unfinished
         )
     return report
+
+
+# A behavior logprob above this is no log-probability (0 is a token sampled with certainty;
+# an engine's float rounding may land a hair above it).
+LOGPROB_MAX = 1e-3
+
+
+def _audit_tokens(run_dir: Path, ds, report: AuditReport) -> None:
+    """Every stored token, read one stored chunk at a time (a store of any size): token
+    ids (prompt and response) not negative, ``loss_mask`` 0 or 1, and, on every token a
+    consumed trajectory trained on (``loss_mask`` 1), a finite behavior logprob at most
+    :data:`LOGPROB_MAX`: the behavior-policy correction and any analysis of the ratios
+    divide by its exponential. (A response whose logprob was not finite is marked
+    ``error`` and discarded before training: ``logprob_errors``.) A chunk that cannot be
+    read (its checksum) is named as damaged."""
+    uid = ds["uid"].values
+    trained = ds["status"].values == "consumed"
+    store = store_path(run_dir)
+    read = 0
+    for group, fields, check in (
+        ("prompt", ("prompt_tokens",), _prompt_problems),
+        ("response", ("response_tokens", "behavior_logprobs", "loss_mask"), _response_problems),
+    ):
+        starts = ds[f"{group}_start"].values
+        found: dict[str, list] = {}  # problem -> [count, first trajectory]
+        for lo, values in _token_chunks(ds, store, fields):
+            # (each token's trajectory: the stored order keeps the starts rising)
+            owner = np.searchsorted(starts, np.arange(lo, lo + len(values[0])), "right") - 1
+            for what, bad in check(values, trained[owner]):
+                if bad.any():
+                    entry = found.setdefault(what, [0, owner[np.flatnonzero(bad)[0]]])
+                    entry[0] += int(bad.sum())
+            read += len(values[0])
+        for what, (count, first) in found.items():
+            report.problems.append(
+                f"{count} {group} tokens {what}, e.g. in trajectory {str(uid[first])!r}"
+            )
+    report.figures["tokens read"] = read
+
+
+def _token_chunks(ds, store: Path, fields: tuple[str, ...]):
+    """``(start, [values of each field])`` for each stored chunk of ``fields`` (one
+    token dimension, chunked alike); a chunk that cannot be read is a
+    :class:`StoreError` naming its array and file."""
+    first = ds[fields[0]]
+    sizes = first.chunks[0] if first.chunks is not None else (first.size,)
+    lo = 0
+    for i, size in enumerate(sizes):
+        values = []
+        for f in fields:
+            try:
+                with reading(store):
+                    values.append(ds[f][lo : lo + size].values)
+            except StoreError as e:  # (open_run's lazy arrays name the store alone)
+                raise StoreError(
+                    f"array {f!r}, chunk {str(store / f / 'c' / str(i))!r}: {e}"
+                ) from e
+        yield lo, values
+        lo += size
+
+
+def _prompt_problems(values, trained):
+    (tokens,) = values
+    return [("have a negative token id", tokens < 0)]
+
+
+def _response_problems(values, trained):
+    tokens, logprobs, mask = values
+    on = trained & (mask == 1)
+    with np.errstate(invalid="ignore"):
+        return [
+            ("have a negative token id", tokens < 0),
+            ("have a loss_mask neither 0 nor 1", mask > 1),
+            ("trained on have a behavior logprob that is not finite", on & ~np.isfinite(logprobs)),
+            (
+                f"trained on have a behavior logprob above {LOGPROB_MAX:g} (no log-probability)",
+                on & (logprobs > LOGPROB_MAX),
+            ),
+        ]
 
 
 def _has_log(run_dir: Path) -> bool:

@@ -50,3 +50,52 @@ def test_a_damaged_array_is_named_without_asyncios_pending_tasks(tmp_path):
     )
     assert "refused: cannot read" in out.stdout, out
     assert "Task was destroyed" not in out.stderr and "Traceback" not in out.stderr, out.stderr
+
+
+def test_the_token_audit_reads_every_chunk_and_names_what_no_run_can_store(tmp_path, monkeypatch):
+    """`laminar audit --tokens` reads the token arrays the other checks never read: a
+    trained token whose behavior logprob is NaN or positive (the correction divides by
+    its exponential), a negative token id, a loss mask of 2 — each counted and named
+    with a trajectory, across stored chunks (5 tokens a chunk here). A NaN logprob of a
+    discarded response is no problem: it was never trained on."""
+    import numpy as np
+
+    from storage import trajectories
+
+    monkeypatch.setattr(trajectories, "_CHUNK_TOK", 5)
+    good = [record(i, n_resp=4) for i in range(4)]
+    bad = [record(i, n_resp=4) for i in range(4, 10)]
+    bad[0]["behavior_logprobs"] = np.array([-0.1, np.nan, -0.2, np.nan], np.float32)
+    bad[1]["behavior_logprobs"] = np.array([-0.1, 0.5, -0.2, -0.3], np.float32)
+    bad[2]["response_tokens"] = np.array([1, -7, 2, 3], np.int32)
+    bad[3]["loss_mask"] = np.array([1, 2, 1, 1], np.uint8)
+    bad[4]["prompt_tokens"] = np.array([-1, 0, 1], np.int32)
+    # (untrained: discarded, or a token its mask leaves out)
+    bad[5].update(status="discarded", sample_version=-1, t_sample=np.nan)
+    bad[5]["behavior_logprobs"] = np.full(4, np.nan, np.float32)
+    clean = tmp_path / "clean"
+    TrajectoryWriter(clean).append(good)
+    report = audit_run(clean, tokens=True)
+    assert report.figures["tokens read"] == 4 * (3 + 4), report.figures
+    damaged = tmp_path / "damaged"
+    TrajectoryWriter(damaged).append(good + bad)
+    assert "tokens read" not in audit_run(damaged).figures  # (only when asked)
+    said = [p for p in audit_run(damaged, tokens=True).problems if " tokens " in p]
+    assert sorted(said) == sorted(
+        [
+            "2 response tokens trained on have a behavior logprob that is not finite, e.g. in "
+            "trajectory 'u4'",
+            "1 response tokens trained on have a behavior logprob above 0.001 (no "
+            "log-probability), e.g. in trajectory 'u5'",
+            "1 response tokens have a negative token id, e.g. in trajectory 'u6'",
+            "1 response tokens have a loss_mask neither 0 nor 1, e.g. in trajectory 'u7'",
+            "1 prompt tokens have a negative token id, e.g. in trajectory 'u8'",
+        ]
+    ), said
+    # a token chunk that no longer matches its checksum is named, the other checks made
+    chunk = clean / "trajectories.zarr" / "behavior_logprobs" / "c" / "1"
+    chunk.write_bytes(chunk.read_bytes()[:-1] + b"\x00")
+    report = audit_run(clean, tokens=True)
+    (damaged,) = [p for p in report.problems if "token arrays" in p]
+    assert "behavior_logprobs/c/1" in damaged and "checksum" in damaged, damaged
+    assert report.figures["trajectories"] == 4
