@@ -565,6 +565,20 @@ def run_stops(path: str | Path, arrays: Mapping[str, np.ndarray]) -> tuple[list,
     return pairs(starts["pauses_s"]), last if math.isfinite(last) else math.nan
 
 
+def leave_events(path: str | Path, fields=tuple(EVENT_FIELDS)) -> dict[str, np.ndarray]:
+    """The store's committed leave events, in the order they were written: ``fields`` of
+    :data:`~storage.schema.EVENT_FIELDS` by name (``open_run`` shows where each
+    trajectory stands now; these, every step it took: a consumption an update lost and a
+    restarted trainer took back is a ``consumed`` event followed by a ``buffered`` one)."""
+    store = store_path(path)
+    _, group = _open_group(path)
+    with reading(store):
+        n_events = int(group.attrs.get(EVENT_COMMIT_ATTR, 0))
+        if not n_events:
+            return {f: np.zeros(0, SCALARS[EVENT_FIELDS[f]]) for f in fields}
+        return {f: committed_array(store, group, f, n_events)[:n_events] for f in fields}
+
+
 def resume_stops(path: str | Path, now: float) -> list[tuple[float, float]]:
     """Every stop of a run that is being resumed now (epoch seconds, from to), the one
     before this start included: from the last sign of the start before to the resume

@@ -57,7 +57,9 @@ def test_the_token_audit_reads_every_chunk_and_names_what_no_run_can_store(tmp_p
     trained token whose behavior logprob is NaN or positive (the correction divides by
     its exponential), a negative token id, a loss mask of 2 — each counted and named
     with a trajectory, across stored chunks (5 tokens a chunk here). A NaN logprob of a
-    discarded response is no problem: it was never trained on."""
+    discarded response is no problem: it was never trained on; one an update trained on,
+    then lost and taken back (consumed, held again, evicted), is. A damaged token chunk
+    is named, and the other chunks checked all the same."""
     import numpy as np
 
     from storage import trajectories
@@ -73,17 +75,22 @@ def test_the_token_audit_reads_every_chunk_and_names_what_no_run_can_store(tmp_p
     # (untrained: discarded, or a token its mask leaves out)
     bad[5].update(status="discarded", sample_version=-1, t_sample=np.nan)
     bad[5]["behavior_logprobs"] = np.full(4, np.nan, np.float32)
+    # (trained on by an update since lost: consumed, then held again, then evicted)
+    taken_back = record(10, n_resp=4, status="buffered", sample_version=-1, t_sample=np.nan)
+    taken_back["behavior_logprobs"] = np.array([-0.1, -0.2, np.nan, -0.3], np.float32)
+    steps = [("consumed", 3, 6.0), ("buffered", -1, 7.0), ("evicted", -1, np.nan)]
+    events = [{"uid": "u10", "status": s, "sample_version": v, "t_sample": t} for s, v, t in steps]
     clean = tmp_path / "clean"
     TrajectoryWriter(clean).append(good)
     report = audit_run(clean, tokens=True)
     assert report.figures["tokens read"] == 4 * (3 + 4), report.figures
     damaged = tmp_path / "damaged"
-    TrajectoryWriter(damaged).append(good + bad)
+    TrajectoryWriter(damaged).append([*good, *bad, taken_back], events)
     assert "tokens read" not in audit_run(damaged).figures  # (only when asked)
     said = [p for p in audit_run(damaged, tokens=True).problems if " tokens " in p]
-    assert sorted(said) == sorted(
+    found = sorted(
         [
-            "2 response tokens trained on have a behavior logprob that is not finite, e.g. in "
+            "3 response tokens trained on have a behavior logprob that is not finite, e.g. in "
             "trajectory 'u4'",
             "1 response tokens trained on have a behavior logprob above 0.001 (no "
             "log-probability), e.g. in trajectory 'u5'",
@@ -91,11 +98,14 @@ def test_the_token_audit_reads_every_chunk_and_names_what_no_run_can_store(tmp_p
             "1 response tokens have a loss_mask neither 0 nor 1, e.g. in trajectory 'u7'",
             "1 prompt tokens have a negative token id, e.g. in trajectory 'u8'",
         ]
-    ), said
-    # a token chunk that no longer matches its checksum is named, the other checks made
-    chunk = clean / "trajectories.zarr" / "behavior_logprobs" / "c" / "1"
+    )
+    assert sorted(said) == found, said
+    # a token chunk that no longer matches its checksum (u0's and u1's tokens) is named,
+    # and the other chunks are checked all the same
+    chunk = damaged / "trajectories.zarr" / "behavior_logprobs" / "c" / "0"
     chunk.write_bytes(chunk.read_bytes()[:-1] + b"\x00")
-    report = audit_run(clean, tokens=True)
-    (damaged,) = [p for p in report.problems if "token arrays" in p]
-    assert "behavior_logprobs/c/1" in damaged and "checksum" in damaged, damaged
-    assert report.figures["trajectories"] == 4
+    report = audit_run(damaged, tokens=True)
+    (lost,) = [p for p in report.problems if "token chunk not checked" in p]
+    assert "behavior_logprobs/c/0" in lost and "checksum" in lost, lost
+    assert sorted(p for p in report.problems if " tokens " in p) == found, report.problems
+    assert report.figures["tokens read"] == 11 * (3 + 4) - 5, report.figures

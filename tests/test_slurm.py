@@ -374,7 +374,9 @@ def test_a_run_stops_in_order_before_its_jobs_walltime(slurm, tmp_path):
     assert _wait_no_jobs(slurm, name) == []
 
 
-def test_the_walltime_watch_reads_a_jobs_time_left_and_follows_its_limit(slurm, tmp_path):
+def test_the_walltime_watch_reads_a_jobs_time_left_and_follows_its_limit(
+    slurm, tmp_path, monkeypatch
+):
     """A driver in a job of 10 minutes: the watch reads about 600 s left from squeue; a
     limit raised while the job runs (`scontrol update TimeLimit=`) is seen at the next
     reading; a job that ended is no longer watched (its loss is the fault handling's),
@@ -419,9 +421,6 @@ def test_the_walltime_watch_reads_a_jobs_time_left_and_follows_its_limit(slurm, 
     finally:
         subprocess.run(["scancel", job], env=slurm, check=False)
     assert _wait(lambda: not any(j.startswith(f"{job} ") for j in _jobs(slurm, "wrap")), 30)
-    os.environ["SQUEUE_STATES"] = "all"  # (lists the cancelled job, 0:00 left)
-    try:
-        watch.refresh()
-    finally:
-        del os.environ["SQUEUE_STATES"]
+    monkeypatch.setenv("SQUEUE_STATES", "all")  # (lists the cancelled job, 0:00 left)
+    watch.refresh()
     assert watch.ends == {} and watch.due() is None
