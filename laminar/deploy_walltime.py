@@ -232,8 +232,9 @@ class WalltimeWatch:
                 )
             except Exception as e:  # noqa: BLE001 — next time
                 log.debug("cannot ask the scheduler for its Slurm job: %r", e)
+        # (path A's scheduler runs in the driver's process: its job, if any, is named once)
         if self._scheduler_job and self._scheduler_job != self._driver_job:
-            jobs["scheduler"] = self._scheduler_job  # (path A's: the driver's process)
+            jobs["scheduler"] = self._scheduler_job
         return jobs
 
     def _squeue(self, jobs: list[str]) -> dict[str, float | None] | None:
@@ -241,7 +242,7 @@ class WalltimeWatch:
         an ended job is not listed: its loss is the fault handling's), or None when
         squeue cannot say."""
         # (%A: the job's own id, what SLURM_JOB_ID says, also for an array's element,
-        # where %i says ARRAY_INDEX)
+        # which %i shows as ARRAYJOBID_INDEX)
         # (the states asked for, whatever SQUEUE_STATES says: an ended job listed would
         # read 0:00 left; and no SQUEUE_* filter of the user's may hide a job asked for)
         cmd = ["squeue", "-h", "-t", LIVE_STATES, "-j", ",".join(jobs), "-o", "%A|%L"]
