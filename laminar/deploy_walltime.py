@@ -157,6 +157,17 @@ class WalltimeWatch:
             f" (cluster.stop_before_walltime_s={self.stop_before_s:g})"
         )
 
+    def stop_in(self) -> float | None:
+        """Seconds until the run stops for the walltime (0: due), or None while no
+        watched job has a limit (or the watch is off): what the progress shows."""
+        if self.stop_before_s <= 0:
+            return None
+        with self._lock:
+            if not self.ends:
+                return None
+            end = min(e for e, _ in self.ends.values())
+        return max(end - self.stop_before_s - time.monotonic(), 0.0)
+
     def _loop(self) -> None:
         while not self._stop.is_set():
             try:

@@ -26,7 +26,22 @@ def _progress_line(p: dict) -> str:
         f"buffer {p['buffer_depth']:>4}  s_train {_fmt(p['s_train_mean'], '.2f')}  "
         f"trajectories {p['trajectories']}"
         + (f"  discarded {p['discarded']} (reward errors)" if p.get("discarded") else "")
+        + _walltime(p)
     )
+
+
+def _walltime(p: dict) -> str:
+    """When the run stops for its Slurm jobs' walltime (docs/deploy.md, "Walltime").
+
+    >>> _walltime({"walltime_stop_in_s": 3300.0}), _walltime({"walltime_stop_in_s": 75.2})
+    ('  walltime stop in 55 min', '  walltime stop in 75 s')
+    >>> _walltime({"walltime_stop_in_s": None}), _walltime({})
+    ('', '')
+    """
+    s = p.get("walltime_stop_in_s")
+    if s is None:
+        return ""
+    return f"  walltime stop in {s / 60:.0f} min" if s >= 120 else f"  walltime stop in {s:.0f} s"
 
 
 class _Lines:
@@ -69,6 +84,7 @@ class _Bar:
             f"reward {_fmt(p['reward'])} gen {p['gen_tok_s']:.0f} tok/s "
             f"buffer {p['buffer_depth']} s_train {_fmt(p['s_train_mean'], '.2f')}"
             + (f" discarded {p['discarded']}" if p.get("discarded") else "")
+            + _walltime(p).replace("  ", " ", 1)
         )
 
     def close(self) -> None:

@@ -412,6 +412,8 @@ class Schedule(StatsPolling, FaultHandling, MetricsRecording):
                         "evicted": b_stats["evicted"],
                         "filtered": b_stats["filtered"],
                         "rollout_versions": [s["version"] for s in r_stats],
+                        # (None: no Slurm job of the run's core has a limit)
+                        "walltime_stop_in_s": walltime.stop_in(),
                     }
                 )
                 last_t, last_tokens = now, tokens

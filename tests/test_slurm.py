@@ -366,6 +366,7 @@ def test_a_run_stops_in_order_before_its_jobs_walltime(slurm, tmp_path):
     assert "trainer" in roles and 0 <= left <= 300, reason
     assert (run_dir / "slurm" / f"{name}-{job}.err").exists(), "not one of the run's jobs"
     assert "--resume" in out, out  # (how to go on, in new jobs)
+    assert "walltime stop in " in out, out  # (the progress said when, as it went)
     # stopped in order: its final checkpoint, at the version it reached
     ckpt = Path(summary["checkpoint"])
     assert ckpt.name == f"version-{summary['versions']:06d}" and ckpt.exists(), summary
@@ -402,9 +403,10 @@ def test_the_walltime_watch_reads_a_jobs_time_left_and_follows_its_limit(
         watch.refresh()
         end, roles = watch.ends[job]
         assert roles == ["driver"] and 540 < end - time.monotonic() <= 600, watch.ends
-        assert watch.due() is None
+        assert watch.due() is None and 240 < watch.stop_in() <= 300
         watch.stop_before_s = 700  # (as if 10 minutes were within the margin)
         assert f"Slurm job {job} (driver) reaches its walltime in" in watch.due()
+        assert watch.stop_in() == 0
         # a run is not started in a job already within the margin (a resume loop's)
         with pytest.raises(ClusterError, match=f"not starting the run: Slurm job {job}"):
             WalltimeWatch(None, dict, 700, environ=in_job).check_start()
@@ -423,4 +425,4 @@ def test_the_walltime_watch_reads_a_jobs_time_left_and_follows_its_limit(
     assert _wait(lambda: not any(j.startswith(f"{job} ") for j in _jobs(slurm, "wrap")), 30)
     monkeypatch.setenv("SQUEUE_STATES", "all")  # (lists the cancelled job, 0:00 left)
     watch.refresh()
-    assert watch.ends == {} and watch.due() is None
+    assert watch.ends == {} and watch.due() is None and watch.stop_in() is None
