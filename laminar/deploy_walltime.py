@@ -140,15 +140,20 @@ class WalltimeWatch:
     def close(self) -> None:
         self._stop.set()
 
-    def due(self) -> str | None:
-        """Why the run must stop in order now (the first core job's walltime is less
-        than ``stop_before_s`` away), or None."""
-        if self.stop_before_s <= 0:
-            return None
+    def _first(self) -> tuple[str, float, list[str]] | None:
+        """The watched job whose walltime ends first: ``(job, end, roles)``, or None."""
         with self._lock:
             if not self.ends:
                 return None
             job, (end, roles) = min(self.ends.items(), key=lambda kv: kv[1][0])
+        return job, end, roles
+
+    def due(self) -> str | None:
+        """Why the run must stop in order now (the first core job's walltime is less
+        than ``stop_before_s`` away), or None."""
+        if self.stop_before_s <= 0 or (first := self._first()) is None:
+            return None
+        job, end, roles = first
         left = end - time.monotonic()
         if left > self.stop_before_s:
             return None
@@ -160,13 +165,9 @@ class WalltimeWatch:
     def stop_in(self) -> float | None:
         """Seconds until the run stops for the walltime (0: due), or None while no
         watched job has a limit (or the watch is off): what the progress shows."""
-        if self.stop_before_s <= 0:
+        if self.stop_before_s <= 0 or (first := self._first()) is None:
             return None
-        with self._lock:
-            if not self.ends:
-                return None
-            end = min(e for e, _ in self.ends.values())
-        return max(end - self.stop_before_s - time.monotonic(), 0.0)
+        return max(first[1] - self.stop_before_s - time.monotonic(), 0.0)
 
     def _loop(self) -> None:
         while not self._stop.is_set():
@@ -204,9 +205,8 @@ class WalltimeWatch:
                 elif j in self.ends:  # (past its limit, in a site's OverTimeLimit: INVALID)
                     ends[j] = (self.ends[j][0], roles[j])
             self.ends = ends
-            first = min(self.ends.items(), key=lambda kv: kv[1][0], default=None)
-        if first is not None:
-            job, (end, on) = first
+        if (first := self._first()) is not None:
+            job, end, on = first
             # (said once, and again when it moves: a limit changed, a core restart)
             if self._said is None or self._said[0] != job or abs(self._said[1] - end) > 60:
                 self._said = (job, end)

@@ -94,7 +94,11 @@ class Schedule(StatsPolling, FaultHandling, MetricsRecording):
         self.resume = resume
         self.actors: dict = {}
         self.sft_info: dict = {}
-        self._walltime: WalltimeWatch | None = None  # (made in setup)
+        # The Slurm jobs it cannot lose (core_workers, read at each look: set at placement,
+        # moved by restarts): checked in setup, watched from run() on
+        self._walltime = WalltimeWatch(
+            client, lambda: dict(self.core_workers), cfg.cluster.stop_before_walltime_s
+        )
         # this start's segment of the run's metrics, and those before it (_origin)
         self._segment, self._earlier_segments = 0, []
         self._pauses: list[tuple[float, float]] = []  # a resumed run's stops (epoch s)
@@ -146,11 +150,8 @@ class Schedule(StatsPolling, FaultHandling, MetricsRecording):
         else:
             self.core_workers = {"trainer": trainer_w, "data module": data_w}
         self.core_workers |= {f"trainer rank {r}": w for r, w in enumerate(trainer_ws[1:], 1)}
-        # The Slurm jobs it cannot lose, watched from run() on; refused here when they
-        # are already within the walltime margin (it would stop at its first poll)
-        self._walltime = WalltimeWatch(
-            client, lambda: dict(self.core_workers), cfg.cluster.stop_before_walltime_s
-        )
+        # (refused here when its jobs are already within the walltime margin: it would
+        # stop at its first poll)
         self._walltime.check_start()
         phase("warm-start")
         t0 = time.time()
@@ -366,12 +367,6 @@ class Schedule(StatsPolling, FaultHandling, MetricsRecording):
             raise
         last_tokens = 0
         reason = "completed"
-        if self._walltime is None:  # (a run not set up here: tests drive one on fakes)
-            self._walltime = WalltimeWatch(
-                self.client,
-                lambda: dict(self.core_workers),
-                self.cfg.cluster.stop_before_walltime_s,
-            )
         walltime = self._walltime.start()
         try:
             while True:
