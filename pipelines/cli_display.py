@@ -131,6 +131,11 @@ def _print_summary(s: dict, began_from: str | None = None) -> None:
         f"reward             first 20% {s['reward_first_20pct']:.3f} -> last 20% "
         f"{s['reward_last_20pct']:.3f}  (gain {s['reward_gain']:+.3f})"
     )
+    if (flat := s.get("flat_group_share")) is not None and flat == flat:
+        print(
+            f"flat groups        {flat:.0%} of those trained on (every reward equal: "
+            "advantage 0, no gradient)"
+        )
     made = (
         f"  ({s['updates']} updates made)"
         if s.get("updates", s["versions"]) != s["versions"]

@@ -455,12 +455,14 @@ def _row(r: dict) -> str:
     # its earlier start's, has its figures all the same)
     first, last = reward_first_last(r["ds"])
     versions, wall, n_starts = _versions_and_wall(r)
+    flat = st["flat_group_share"]  # (NaN: no group trained on)
     return (
         f"| {r['name']} | {'-' if versions is None else versions} | "
         f"{r['ds'].sizes['trajectory']} | {first:.3f} → {last:.3f}"
         f"{'' if first != first or last != last else f' ({last - first:+.3f})'} | "
         f"{st['s_gen_mean']:.2f} / {st['residence_mean']:.2f} / {st['s_train_mean']:.2f} | "
         f"{st.get('n_discarded', 0)} | "
+        f"{'-' if flat != flat else f'{flat:.0%}'} | "
         + " / ".join(f"{v:.0f}" for v in percentile_lengths(r["ds"]).values())
         + f" | {wall:.0f}"
         + (f" ({n_starts} starts)" if n_starts > 1 else "")
@@ -531,8 +533,9 @@ def build_report(run_dirs: list[str | Path], out: str | Path | None = None) -> P
         "# laminar report",
         "",
         "| run | versions | trajectories | reward first → last 20% | s_gen / residence / "
-        "s_train (mean) | discarded | response length p50 / p90 / p99 | RL wall s |",
-        "|---|---|---|---|---|---|---|---|",
+        "s_train (mean) | discarded | flat groups | response length p50 / p90 / p99 | "
+        "RL wall s |",
+        "|---|---|---|---|---|---|---|---|---|",
         *(_row(r) for r in runs),
         "",
         "| run | publications | stall ms (median) | to every relay ms (median) | "

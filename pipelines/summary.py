@@ -259,7 +259,8 @@ def reward_first_last(ds) -> tuple[float, float]:
 
 def store_figures(ds) -> dict:
     """What the trajectory store says of a run (``ds``: :func:`storage.open_run`):
-    trajectories, consumed, the first vs last 20% reward, mean staleness, status counts."""
+    trajectories, consumed, the first vs last 20% reward, mean staleness, the share of
+    the groups trained on whose rewards were all equal, status counts."""
     first, last = reward_first_last(ds)
     st = ds.laminar.summary()
     return {
@@ -269,6 +270,7 @@ def store_figures(ds) -> dict:
         "reward_last_20pct": last,
         "reward_gain": last - first,
         "staleness": {k: v for k, v in st.items() if k.endswith("_mean")},
+        "flat_group_share": st["flat_group_share"],
         "status_counts": {k: v for k, v in st.items() if k.startswith("n_")},
     }
 
@@ -293,6 +295,7 @@ def summarize(run_dir: Path, raw: dict, sft_info: dict, cfg: RunConfig) -> dict:
         "reward_first_20pct": store["reward_first_20pct"],
         "reward_last_20pct": store["reward_last_20pct"],
         "reward_gain": store["reward_gain"],
+        "flat_group_share": store["flat_group_share"],
         "response_tokens": int(ds.sizes["response_token"]),
         "prompt_tokens": int(ds.sizes["prompt_token"]),
         "rl_wall_s": raw["wall_s"],  # this start's (a resumed run: since the resume)

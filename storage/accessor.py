@@ -215,8 +215,9 @@ class LaminarAccessor:
     @property
     def pauses_s(self) -> list[tuple[float, float]]:
         """The stretches (epoch seconds, from to) a resumed run was stopped, between its
-        starts (from ``metrics.zarr``: :func:`storage.metrics.segments`); none for a run
-        started once."""
+        starts; none for a run started once. :func:`storage.open_run` finds them: each
+        resume the trajectory store recorded ends one, whatever ``metrics.zarr`` holds
+        (docs/analysis.md, "``laminar report``")."""
         flat = np.asarray(self._ds.attrs.get("pauses_s", []), dtype=np.float64)
         return [(float(a), float(b)) for a, b in flat.reshape(-1, 2)]
 
@@ -429,14 +430,40 @@ class LaminarAccessor:
         coords = {dim: coord, "trajectories": (dim, count.astype(np.int64))}
         return xr.DataArray(mean, dims=dim, coords=coords, name="reward")
 
+    def to_dataframe(self):
+        """One row per trajectory: every per-trajectory field (a pandas DataFrame indexed
+        by ``trajectory``). The ragged token fields are left out (read them with
+        :meth:`tokens`): ``ds.to_dataframe()`` takes the product of every dimension, which
+        is empty while ``version_token`` is (no trajectory mixed versions) and the size of
+        the store's tokens squared when it is not."""
+        ds = self._ds
+        ragged = [d for d in ds.dims if d != "trajectory"]
+        return ds.drop_dims(ragged).to_dataframe()
+
     def groups(self) -> xr.Dataset:
         """One row per prompt group (``prompt_uid``): siblings stored, group size,
-        completeness, how many distinct weight versions generated its siblings, and how
-        many were consumed."""
+        completeness, how many distinct weight versions generated its siblings, how many
+        were consumed, and its rewards: ``scored`` siblings (a reward that counts: finite,
+        ``finish_reason`` not ``"error"``, as :meth:`reward_curve` takes them), their
+        ``reward_mean`` and ``reward_std`` (population, as GRPO normalises; NaN with none
+        scored) and ``flat``: two or more scored, every reward equal. A flat group's
+        advantages are all 0 (``laminar.losses.group_advantages``): trained on, it adds
+        nothing to the policy gradient (``buffer.dynamic_sampling`` drops such groups)."""
         ds = self._ds
         pu = ds["prompt_uid"].values
         uids, inverse = np.unique(pu, return_inverse=True)
         n = len(uids)
+        reward = ds["reward"].values.astype(np.float64)
+        ok = np.isfinite(reward) & (ds["finish_reason"].values != "error")
+        scored = np.bincount(inverse, weights=ok, minlength=n)
+        with np.errstate(invalid="ignore", divide="ignore"):  # (NaN: none scored)
+            mean = np.bincount(inverse, weights=np.where(ok, reward, 0.0), minlength=n) / scored
+            dev = np.where(ok, reward - mean[inverse], 0.0)
+            std = np.sqrt(np.bincount(inverse, weights=dev * dev, minlength=n) / scored)
+        # equal rewards exactly, not a std below some rounding (the loss's test too)
+        lo, hi = np.full(n, np.inf), np.full(n, -np.inf)
+        np.minimum.at(lo, inverse[ok], reward[ok])
+        np.maximum.at(hi, inverse[ok], reward[ok])
         stored = np.bincount(inverse, minlength=n)
         size = np.zeros(n, np.int64)
         size[inverse] = ds["group_size"].values
@@ -454,6 +481,10 @@ class LaminarAccessor:
                 "complete": ("group", stored == size),
                 "versions": ("group", versions.astype(np.int64)),
                 "consumed": ("group", consumed.astype(np.int64)),
+                "scored": ("group", scored.astype(np.int64)),
+                "reward_mean": ("group", mean),
+                "reward_std": ("group", std),
+                "flat": ("group", (scored >= 2) & (lo == hi)),
             },
             coords={"group": uids},
         )
@@ -501,7 +532,11 @@ class LaminarAccessor:
         ``consumed`` with no ``sample_version`` (-1; :meth:`audit` reports them), whose
         ``residence`` and ``s_train`` are unknown; they are left out of all three (their
         ``s_gen`` too), and ``unsampled`` says how many, as
-        :meth:`staleness_histogram`'s attribute does."""
+        :meth:`staleness_histogram`'s attribute does.
+
+        ``flat_group_share``: of the groups trained on (a sibling consumed), the share
+        whose rewards were all equal (:meth:`groups`' ``flat``), so that their advantages
+        were 0; NaN while none was trained on."""
         ds = self._ds
         status = ds["status"].values
         # (every status, 0 where none: one key each whatever the run went through; a
@@ -515,6 +550,10 @@ class LaminarAccessor:
             values = st[name].values[sampled]
             out[f"{name}_mean"] = float(values.mean()) if values.size else np.nan
         out["unsampled"] = int((~sampled).sum())
+        groups = self.groups()
+        trained = groups["consumed"].values > 0
+        flat = groups["flat"].values[trained]
+        out["flat_group_share"] = float(flat.mean()) if flat.size else np.nan
         return out
 
     def audit(self) -> list[str]:

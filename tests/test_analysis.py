@@ -137,6 +137,16 @@ def test_groups_and_rollouts(run):
         p for p, s in zip(raw["prompt_uid"], raw["status"], strict=True) if s == "consumed"
     }
     assert set(groups["group"].values[groups["consumed"].values == 4]) == consumed_groups
+    for g in groups["group"].values:  # (the rewards: against numpy, group by group)
+        sel = (raw["prompt_uid"] == g) & (raw["finish_reason"] != "error")
+        row = groups.sel(group=g)
+        assert row["scored"].item() == sel.sum()
+        if sel.any():
+            assert row["reward_mean"].item() == pytest.approx(raw["reward"][sel].mean())
+            assert row["reward_std"].item() == pytest.approx(raw["reward"][sel].std())
+        else:  # (a discarded group: its rewards failed)
+            assert np.isnan(row["reward_mean"].item()) and np.isnan(row["reward_std"].item())
+    assert not groups["flat"].any()  # (rewards drawn at random: none equal)
     per = ds.laminar.by_rollout()
     for r in per["rollout"].values:
         sel = raw["rollout_ids"] == r
@@ -652,6 +662,60 @@ def test_groups_count_the_weight_versions_a_group_was_generated_with(tmp_path):
     )
     groups = open_run(tmp_path).laminar.groups()
     assert groups["versions"].values.tolist() == [2, 1]
+
+
+def test_flat_groups_are_those_whose_scored_rewards_are_all_equal(tmp_path):
+    """A group is flat (advantages 0) when two or more of its siblings have a reward
+    that counts and all are equal, exactly: a failed sibling's reward (NaN, or any value
+    with ``finish_reason == "error"``) is left out, one scored sibling is not a group,
+    and 0.7 six times is flat though its mean rounds. ``summary()``'s share is of the
+    groups trained on."""
+    from factories import trajectory
+
+    def group(p, rewards, reasons=None, status="consumed"):
+        reasons = reasons or ["eos"] * len(rewards)
+        return [
+            trajectory(
+                f"{p}-{i}",
+                p,
+                sample_idx=i,
+                group_size=len(rewards),
+                reward=r,
+                finish_reason=why,
+                status=status,
+                sample_version=1 if status == "consumed" else -1,
+                t_sample=1.0 if status == "consumed" else np.nan,
+            ).to_record()
+            for i, (r, why) in enumerate(zip(rewards, reasons, strict=True))
+        ]
+
+    TrajectoryWriter(tmp_path).append(
+        group("a", [0.7] * 6)  # flat, though 0.7 * 6 / 6 != 0.7 in floats
+        + group("b", [1.0, 0.0, 1.0])
+        + group("c", [1.0, 0.0], ["eos", "error"])  # one scored: not a group of rewards
+        + group("d", [0.0, 0.0, 5.0], ["eos", "eos", "error"])  # the failed one left out
+        + group("e", [1.0, 1.0], status="buffered")  # flat, not trained on
+    )
+    ds = open_run(tmp_path)
+    g = ds.laminar.groups()
+    assert g["flat"].values.tolist() == [True, False, False, True, True]
+    assert g["scored"].values.tolist() == [6, 3, 1, 2, 2]
+    assert g["reward_std"].values[3] == 0 and g["reward_mean"].values[3] == 0
+    assert ds.laminar.summary()["flat_group_share"] == pytest.approx(2 / 4)
+    only_buffered = ds.isel(trajectory=ds.status == "buffered")
+    assert np.isnan(only_buffered.laminar.summary()["flat_group_share"])
+
+
+def test_to_dataframe_has_a_row_per_trajectory_and_every_scalar_field(run):
+    """``ds.to_dataframe()`` takes the product of the dimensions (0 rows while
+    ``version_token`` is empty); the accessor's is one row per trajectory."""
+    ds, raw = run
+    assert len(ds.to_dataframe()) == 0  # (why the accessor has its own)
+    df = ds.laminar.to_dataframe()
+    assert len(df) == ds.sizes["trajectory"] == len(raw["uid"])
+    assert df["uid"].tolist() == list(raw["uid"])
+    assert df["response_len"].tolist() == list(raw["response_len"])
+    assert "response_tokens" not in df.columns and "reward" in df.columns
 
 
 def test_staleness_histogram_of_a_damaged_store_skips_and_counts_unsampled(tmp_path):

@@ -598,3 +598,21 @@ def test_the_splits_help_says_only_the_arms_named_skip_the_search():
     bench = subcommands.choices["bench"]
     text = next(a.help for a in bench._actions if "--splits" in a.option_strings)
     assert "(no search)" not in text and "the others still are" in text
+
+
+@pytest.mark.parametrize("share", [0.54, float("nan"), None])
+def test_the_summary_says_how_many_groups_trained_on_were_flat(share, capsys):
+    """GRPO learns nothing from a group whose rewards are all equal: the printed summary
+    says what share of the groups trained on were (none trained on: NaN, null in
+    summary.json; a summary written before the key: absent), and prints no line when
+    that share is unknown."""
+    summary = _summary() | ({} if share is None else {"flat_group_share": share})
+    cli._print_summary(summary)
+    lines = [x for x in capsys.readouterr().out.splitlines() if x.startswith("flat groups")]
+    if share == 0.54:
+        assert lines == [
+            "flat groups        54% of those trained on (every reward equal: advantage 0, "
+            "no gradient)"
+        ]
+    else:
+        assert lines == []
