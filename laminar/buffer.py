@@ -533,7 +533,13 @@ class ExperienceBuffer:
         trajectory's last leave event is the one that stands: nothing ends up trained
         twice into the weights). They were sampled by versions the new trainer's numbers
         come after (:class:`~laminar.trainer.Trainer` ``after_version``), so any may be
-        trained. Returns how many came back.
+        trained. Returns how many came back (``readmitted``, in ``groups``), and
+        ``consumed_unstored`` as :meth:`sync` does: what the lost trainer consumed before
+        ``version`` from a lost buffer that never stored it, not sent again yet. The
+        restarted trainer starts its record with it (``Trainer(consumed=...)``): the
+        lost trainer's record carried it past each checkpoint, and a data module lost
+        before the new trainer's first checkpoint rebuilt from a record without it,
+        admitted it as new when sent again, and its group was trained twice.
 
         ``after``: the newest version the lost trainer published (the restarted one
         numbers its updates after it): ``max_train_staleness`` then counts along the
@@ -578,7 +584,11 @@ class ExperienceBuffer:
                     "buffer stored them are admitted as new when sent again",
                     len(lost_elsewhere),
                 )
-            return {"readmitted": len(rows), "groups": groups}
+            return {
+                "readmitted": len(rows),
+                "groups": groups,
+                "consumed_unstored": dict(self._consumed_elsewhere),
+            }
 
     async def update_skipped(self) -> None:
         """The trainer consumed a batch and published no version (the pool's dispatch

@@ -94,6 +94,7 @@ class Trainer(DataLinkMixin, PublicationMixin):
         manager=None,
         after_version: int | None = None,
         restarts: list[tuple[int, int]] | None = None,
+        consumed: dict[str, tuple[int, float]] | None = None,
     ) -> None:
         """``spec``: the run's :class:`~laminar.schedule.ScheduleSpec` (default: Laminar's);
         ``manager``: the :class:`~laminar.manager.RolloutManager`, which stops every
@@ -119,7 +120,12 @@ class Trainer(DataLinkMixin, PublicationMixin):
         ``pipelines.restart_steps._lineage``). Each checkpoint records them
         (``trainer_state.json``), for a run resumed from it to count
         ``max_train_staleness`` along the weights' lineage. Without them (the run's first
-        trainer), its checkpoint's stand (none for a new run)."""
+        trainer), its checkpoint's stand (none for a new run).
+
+        ``consumed``: a restarted trainer's record to begin with (uid -> sample version,
+        time): what the lost trainer consumed from a lost buffer that the rebuilt one
+        still waits to store (:meth:`laminar.buffer.ExperienceBuffer.trainer_restarted`),
+        which the lost trainer's record carried past its checkpoints."""
         from laminar.relay_client import Publisher
         from laminar.schedule import LAMINAR
 
@@ -142,6 +148,7 @@ class Trainer(DataLinkMixin, PublicationMixin):
         # counts its lineage's skips, which its checkpoints record.
         self.restarted = after_version is not None
         lineage = self.learner.skipped_versions  # (the checkpoint's)
+        checkpoint_version = self.learner.version
         self.skipped_versions = max(0, (after_version or 0) - self.learner.version)
         self.learner.version += self.skipped_versions
         self.learner.skipped_versions += self.skipped_versions
@@ -175,8 +182,12 @@ class Trainer(DataLinkMixin, PublicationMixin):
         # a data module rebuilt after a loss learns from it what was consumed
         # (storage.resume.plan_rebuild). Emptied up to each checkpoint, whose store
         # commit records it.
-        self._consumed: dict[str, tuple[int, float]] = {}
-        self._since = self.learner.version
+        # A restarted trainer's covers the lost trainer's versions from its checkpoint
+        # on: their consumed events were undone (held again) by the restart, in events
+        # a rebuild before they are committed would not see; with the record's since
+        # there, it holds again what the store still says those updates consumed.
+        self._consumed: dict[str, tuple[int, float]] = dict(consumed or {})
+        self._since = checkpoint_version
         self._consumed_lock = threading.Lock()
         # The newest version this trainer told the buffer of (_tell_published), which a
         # rebuilt buffer takes as its own: the learner's moves at each update, before

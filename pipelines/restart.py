@@ -80,12 +80,21 @@ class _Group:
         self.t_created = time.time()  # (when its actors began to be created)
 
     def start(
-        self, ckpt, steps: int, after: int, buffer, master, restarts: list[tuple[int, int]]
+        self,
+        ckpt,
+        steps: int,
+        after: int,
+        buffer,
+        master,
+        restarts: list[tuple[int, int]],
+        consumed: dict | None = None,
     ) -> None:
         """Create (not yet start) the ranks from checkpoint ``ckpt`` (``None``: the
         warm-started policy); rank 0 numbers its updates after ``after`` and ends at
-        version ``steps`` + the versions it skips, and records ``restarts`` (the run's,
-        its own last: :func:`pipelines.restart_steps._lineage`) in its checkpoints."""
+        version ``steps`` + the versions it skips, records ``restarts`` (the run's,
+        its own last: :func:`pipelines.restart_steps._lineage`) in its checkpoints, and
+        begins its consumed record with ``consumed`` (the buffer's answer to the restart:
+        what it still waits to store consumed)."""
         from laminar.trainer import TrainerRank, rendezvous
 
         s = self.s
@@ -113,6 +122,7 @@ class _Group:
             None,  # (set once it runs: see Trainer.set_manager)
             after_version=after,
             restarts=restarts,
+            consumed=consumed,
             worker=self.worker,
             **on,
         )
@@ -243,7 +253,9 @@ class TrainerRestart:
         self.group = _Group(s, self.worker, rank_workers)
         steps = _steps(s, version, self.record, ckpt)
         restarts = _lineage(s, self, (version, after))  # (what the buffer heard, and this)
-        self.group.start(ckpt, steps, after, a["buffer"], master, restarts)
+        self.group.start(
+            ckpt, steps, after, a["buffer"], master, restarts, back["consumed_unstored"]
+        )
         self.record.update(
             worker_wait_s=time.time() - self.t_lost,
             **fields,

@@ -355,7 +355,7 @@ def test_groups_held_again_for_a_restarted_trainer_count_against_back_pressure(t
         await buf.version_published(1)
         await buf.insert(generate(1))  # (its room went to two new groups)
         back = await buf.trainer_restarted(0)  # ... is lost with the trainer
-        assert back == {"readmitted": 4, "groups": 2}
+        assert back == {"readmitted": 4, "groups": 2, "consumed_unstored": {}}
         held = set(buf.core.ready)
         assert len(held) == 4 and pool.outstanding == held
         assert pool.acquire(2, "r0", 1) == []  # the bound holds

@@ -149,7 +149,7 @@ def test_groups_held_again_for_a_restarted_trainer_leave_once_the_pool_holds_the
         back = await _while_waiting(
             gated, buf.trainer_restarted(0), lambda: buf.version_published(2)
         )
-        assert back == {"readmitted": 4, "groups": 2}
+        assert back == {"readmitted": 4, "groups": 2, "consumed_unstored": {}}
         assert await buf.sample(2, 2) is None  # too stale at 2: they leave
         s = buf.core.stats()
         assert s["groups_evicted"] == 2 and s["depth"] == 0
@@ -281,7 +281,11 @@ def test_a_release_owed_is_made_before_a_restarted_trainer_holds_the_groups_agai
             await buf.sample(2, 0, ("lost", 0))
         except ConnectionError:
             pass
-        assert await buf.trainer_restarted(0) == {"readmitted": 4, "groups": 2}
+        assert await buf.trainer_restarted(0) == {
+            "readmitted": 4,
+            "groups": 2,
+            "consumed_unstored": {},
+        }
         await buf.insert([])
         assert pool.outstanding == {g[0].prompt_uid for g in groups}
         assert await buf.sample(2, 0, ("lost", 0)) is None  # (the lost trainer's: refused)
@@ -320,7 +324,9 @@ def test_a_lost_trainers_sample_waiting_on_the_pool_is_held_again_by_the_restart
         taken = await lost
         assert taken is not None and len(taken) == 4
         back = await restart
-        assert back == {"readmitted": 4, "groups": 2}, "the lost sample's batch not held again"
+        assert back == {"readmitted": 4, "groups": 2, "consumed_unstored": {}}, (
+            "the lost sample's batch not held again"
+        )
         assert await buf.sample(2, 1, ("lost", 8)) is None  # the lost trainer: nothing
         batch = await buf.sample(2, 1, ("new", 0))
         assert sorted(t.uid for t in batch) == sorted(t.uid for t in taken)

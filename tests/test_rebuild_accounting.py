@@ -275,7 +275,7 @@ def test_a_restart_gives_back_what_a_lost_update_consumed_from_the_lost_buffer(t
         buf = ExperienceBuffer(str(tmp_path), _Pool(pool), cfg, rebuild=plan)
         await buf.insert(resent[:1], "r0")
         back = await buf.trainer_restarted(2, 4)
-        assert back == {"readmitted": 1, "groups": 1}
+        assert back == {"readmitted": 1, "groups": 1, "consumed_unstored": {}}
         assert pool.outstanding == {g.prompt_uid}  # out again until it leaves again
         await buf.insert(resent[1:], "r0")
         batch = await buf.sample(1, 5)  # the restarted trainer's first update
@@ -333,3 +333,55 @@ def test_a_rebuilt_buffers_sync_names_what_it_still_waits_to_store_consumed(tmp_
 
     asyncio.run(rebuilt_again())
     assert open_trajectories(tmp_path)["status"].tolist() == ["consumed", "consumed"]
+
+
+def test_a_restarted_trainer_keeps_what_its_buffer_still_waits_to_store_consumed(tmp_path):
+    """A data module lost (the trainer had consumed a group from it, never stored), then
+    the trainer lost (restarted from its checkpoint at 2, which trained the group; the
+    lost one published up to 3), then the data module lost again before the new
+    trainer's first checkpoint. The restart's answer names the group's siblings, which
+    the restarted trainer keeps in its record (``Trainer(consumed=...)``, from its
+    checkpoint's version): the second rebuild knows them consumed, and sent again they
+    are stored consumed at 0. With the restarted trainer's record empty, they were
+    admitted as new and trained again at 4 (helper 183's sequence)."""
+    cfg = _buffer_config(flush_interval_s=1e9)
+    lost_pool = PromptPoolCore(PROMPTS, group_size=2, max_outstanding=8, seed=0)
+    (g,) = lost_pool.acquire(1, "r0", 0)
+    sent = [traj(f"{g.prompt_uid}-{i}", g.prompt_uid, 2, i, 0, reward=float(i)) for i in (0, 1)]
+    consumed = {}
+
+    async def lose():
+        buf = ExperienceBuffer(str(tmp_path), _Pool(lost_pool), cfg)
+        await buf.insert(sent, "r0")  # (never stored: lost with the buffer)
+        consumed.update({t.uid: (t.sample_version, t.t_sample) for t in await buf.sample(1, 0)})
+
+    asyncio.run(lose())
+    plan = plan_rebuild(tmp_path, version=1, consumed=consumed, since=0, held_groups=set())
+    back = {}
+
+    async def rebuilt_then_trainer_lost():
+        buf = ExperienceBuffer(str(tmp_path), _Pool(_pool(plan.start)), cfg, rebuild=plan)
+        await buf.sync()  # the lost trainer's checkpoint at 2 (it trained the group)
+        back.update(await buf.trainer_restarted(2, 3))
+        await buf.close()
+
+    asyncio.run(rebuilt_then_trainer_lost())
+    assert back["consumed_unstored"] == consumed
+    # the restarted trainer's record (Trainer.consumed_record) as the second rebuild reads it
+    again = plan_rebuild(
+        tmp_path, version=3, consumed=back["consumed_unstored"], since=2,
+        held_groups={g.prompt_uid},
+    )  # fmt: skip
+    assert again.consumed_elsewhere == consumed and again.outstanding == []
+    resent = [traj(t.uid, g.prompt_uid, 2, t.sample_idx, 0, reward=t.reward) for t in sent]
+
+    async def rebuilt_again():
+        buf = ExperienceBuffer(str(tmp_path), _Pool(_pool(again.start)), cfg, rebuild=again)
+        await buf.insert(resent, "r0")
+        assert buf.core.depth == 0 and await buf.sample(1, 4) is None
+        await buf.close()
+
+    asyncio.run(rebuilt_again())
+    store = open_trajectories(tmp_path)
+    assert store["status"].tolist() == ["consumed", "consumed"]
+    assert store["sample_version"].tolist() == [0, 0]

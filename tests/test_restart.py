@@ -484,9 +484,9 @@ def test_a_restarted_trainer_is_handed_every_restart_its_own_last(tmp_path, monk
 
     monkeypatch.setattr(restart, "start_actor", start_actor)
     monkeypatch.setattr(restart, "_new_master", lambda s, worker, chain: "master")
-    buffer = Calls(
-        "tcp://data:1", stats={"version": 37}, trainer_restarted={"readmitted": 0, "groups": 0}
-    )
+    unstored = {"p3-0": (30, 1.5)}  # (the buffer still waits to store it consumed)
+    back = {"readmitted": 0, "groups": 0, "consumed_unstored": unstored}
+    buffer = Calls("tcp://data:1", stats={"version": 37}, trainer_restarted=back)
     manager = Calls("tcp://data:1", stats={"chain": ["master"]}, replace_master=None)
     s = _lineage_driver(
         tmp_path,
@@ -496,6 +496,7 @@ def test_a_restarted_trainer_is_handed_every_restart_its_own_last(tmp_path, monk
     r = s._restart = TrainerRestart(s, LOST, {"version": 37, "steps": 40})
     r.step()
     assert started[-1]["restarts"] == [*EARLIER, (35, 37)]
+    assert started[-1]["consumed"] == unstored  # (the new trainer's record begins with it)
     r.group = None  # (tried again: its record has its point from the first try)
     r.step()
     assert started[-1]["restarts"] == [*EARLIER, (35, 37)]

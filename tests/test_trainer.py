@@ -522,3 +522,31 @@ def test_a_checkpoint_keeps_in_the_record_what_the_store_still_lacks(tiny_policy
     assert record["since"] == 3  # (the final checkpoint's version)
     assert first <= set(record["consumed"])
     assert all(record["consumed"][u][0] == 0 for u in first)
+
+
+def test_a_restarted_trainer_begins_its_record_with_what_the_buffer_still_waits_for(
+    tiny_policy, tmp_path
+):
+    """A trainer restarted within the run (after the lost one published up to 5, from its
+    checkpoint at 3) begins its consumed record with what the rebuilt buffer still waits
+    to store consumed (the buffer's answer to the restart), and counts it from its
+    checkpoint's version, not from the 5 it numbers after: a data module lost before its
+    first checkpoint rebuilds from this record (storage.resume.plan_rebuild). With an
+    empty record from 5, it admitted those trajectories as new when sent again and their
+    group was trained twice (helper 183)."""
+    cfg = with_overrides(CFG, ["trainer.groups_per_step=2", "trainer.checkpoint_every=1"])
+    buffer = FakeBuffer([groups(0, 2), groups(1, 2), groups(2, 2)])
+    args = (str(tmp_path), InProcess(buffer), InProcess(FakeMaster()), "", LAMINAR)
+    first = Trainer(cfg, str(tiny_policy), *args)
+    ckpt = run_until_starved(first, buffer)["checkpoint"]
+    assert ckpt.endswith("version-000003")
+    unstored = {"p9-0": (1, 123.0), "p9-1": (1, 123.5)}  # (consumed at 1, never stored)
+    restarted = Trainer(
+        with_overrides(cfg, [f"trainer.resume_from={ckpt}"]),
+        str(tiny_policy),
+        *args,
+        after_version=5,
+        consumed=unstored,
+    )
+    assert restarted.version == 5
+    assert restarted.consumed_record() == {"consumed": unstored, "since": 3, "version": 5}
