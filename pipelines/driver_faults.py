@@ -640,7 +640,12 @@ class FaultHandling:
         then close the relays they pulled from. The trainer writes no final checkpoint:
         one still finishing its update after the driver has given up would put it into a
         run directory a resume may already use; the resume starts from the newest
-        checkpoint before. Its other ranks leave with it (its broadcast at the end)."""
+        checkpoint before. Its other ranks leave with it (its broadcast at the end), once
+        it ran: a restart's ranks started before a rank 0 that then failed wait in their
+        rendezvous until its timeout (``5 × cluster.actor_timeout_s``) and end with an
+        error in their worker's log. A restart in progress: the actors it created and
+        did not start are released and its new master relay closed; a data module it
+        rebuilt is closed as the run's is."""
         a = self.actors
         workers = set(scheduler_workers(self.client))  # (a call to a lost one never answers)
         stop = [r for r in [a["manager"], *self._live_rollouts()] if r is not None]
@@ -649,13 +654,25 @@ class FaultHandling:
         if trainer is not None and trainer._address in workers:
             _answers([lambda: trainer.stop(timeout=5.0, checkpoint=False)], 15.0)
         # the relays: not waited on, a lost one never answers
-        _send([lambda r=r: r.close() for r in a["relays"]])
+        relays = list(a["relays"])
+        for r in (self._restart, self._data_restart):
+            group, master = getattr(r, "group", None), getattr(r, "master", None)
+            if group is not None and not group.started:
+                group.release()  # (created, none started: each loaded a checkpoint)
+            if master is not None and all(master is not x for x in relays):
+                relays.append(master)  # (the restart's, not yet in the tier)
+        _send([lambda r=r: r.close() for r in relays])
         # The store and the recovery log, where their worker lives on (the trainer was
         # lost, or the stop failed): what they hold unwritten is kept for the resume
-        # (the buffer first: the log then keeps only what the store lacks).
-        if self._data_restart is not None or self._data_hung is not None:
+        # (the buffer first: the log then keeps only what the store lacks). A data
+        # module being rebuilt: the new one's, once it runs (the lost one's is gone).
+        if self._data_restart is not None:
+            where = self._data_restart.rebuilt_on
+        elif self._data_hung is None:
+            where = self._data_worker()
+        else:
             return
-        if self._data_worker() not in workers:
+        if where is None or where not in workers:
             return
         wait = min(15.0, self.cfg.cluster.actor_timeout_s)
         for name in ("buffer", "partial"):

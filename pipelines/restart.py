@@ -342,6 +342,9 @@ class DataRestart:
         self.lost_worker = lost_worker
         self.t_lost = time.time()
         self.last_manager = last_manager
+        # The worker of the data module rebuilt, once it runs (the driver's books still
+        # name the lost one's until the restart ends: _abort closes this one)
+        self.rebuilt_on: str | None = None
         self.record: dict = {"lost_worker": lost_worker, "time": self.t_lost}
         self._announce()
 
@@ -513,6 +516,7 @@ class DataRestart:
         manager.start().result(timeout)
         mark("attach_s")
         a.update(pool=pool, partial=partial, buffer=buffer, manager=manager)
+        self.rebuilt_on = worker
         if master is None:
             s.core_workers["data module"] = worker
         now = time.time()

@@ -248,9 +248,10 @@ def _start_again(r, error: Exception, redo_head: bool = True) -> None:
     group = r.group
     tried = {r.worker, *(group.rank_workers if group is not None else ())} - {None}
     live = _still_there(r.s.client, "trainer", tried, error)
-    if not tried or tried == live:
-        raise error
-    if live and ((group is not None and group.started) or (r.worker in live and not redo_head)):
+    started = group is not None and group.started
+    if not tried or tried == live or (live and (started or (r.worker in live and not redo_head))):
+        if group is not None and not started:  # (each loaded a checkpoint: not kept)
+            group.release()
         raise error
     logger.warning(
         "the trainer could not start on %s: %r; waiting for others", sorted(tried), error

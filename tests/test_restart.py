@@ -56,13 +56,19 @@ def _restart(
 def test_a_new_trainer_that_fails_on_a_live_worker_fails_the_restart_with_its_error(tmp_path):
     """The new trainer's own error (a checkpoint it cannot load) with its worker alive is
     the run's error: it used to be logged, the only worker excluded, and the run failed
-    trainer_restart_timeout_s later for "no `trainer` worker came back"."""
+    trainer_restart_timeout_s later for "no `trainer` worker came back". The actors the
+    group created (none started) are released: each had loaded a checkpoint, and stayed
+    on its worker until the run ended (helper 183)."""
     future: Future = Future()
     future.set_exception(ValueError("cannot load checkpoints/version-000010"))
+    rank: Future = Future()  # (another rank's, on the same worker: failed alike)
+    rank.set_exception(ValueError("cannot load checkpoints/version-000010"))
     r, client = _restart(tmp_path, future)
+    r.group.rank_futures, r.group.rank_workers = [rank], [NEW]
     with pytest.raises(ValueError, match="cannot load"):
         r.step()
     assert NEW not in r.exclude
+    assert client.cancelled == [future, rank]
 
 
 def test_a_new_trainer_whose_worker_is_lost_while_it_is_created_is_started_elsewhere(tmp_path):
@@ -603,3 +609,46 @@ def test_a_replacement_started_with_the_lost_master_pulls_from_the_new_one():
     manager._take_joining()
     assert r2.called("set_relay") == [("set_relay", (new,), {})]
     assert manager.rollout_relays["r2"] == "master" and manager.replacements == {"r1": "r2"}
+
+
+@pytest.mark.parametrize("rebuilt", [True, False], ids=["rebuilt", "not_yet_rebuilt"])
+def test_an_abort_during_a_core_restart_closes_what_the_restart_made(rebuilt):
+    """The run fails while a core restart is under way (its new trainer failed to start,
+    say). The abort released nothing the restart had made: the created ranks (each had
+    loaded a checkpoint) stayed on their workers, its new master relay ran on, and the
+    rebuilt buffer and recovery log were never closed, so what they held unwritten (up to
+    a flush interval of trajectories and log) was lost to the resume, because the books
+    still named the lost data module's worker (helper 183). Not yet rebuilt, the lost
+    data module is gone and nothing is closed."""
+    from pipelines.driver_faults import FaultHandling
+
+    calls: dict[str, list] = {k: [] for k in ("buffer", "partial", "master", "relay", "lost")}
+    client = SchedulerClient({NEW: {"trainer": 1, "data": 1}})
+    s = SimpleNamespace(client=client, cfg=RunConfig())
+    group = _Group(s, NEW, [NEW])
+    group.future, group.rank_futures = Future(), [Future()]  # (created, not started)
+    restart = SimpleNamespace(
+        group=group, master=Recorder(NEW, calls["master"]), rebuilt_on=NEW if rebuilt else None
+    )
+    driver = SimpleNamespace(
+        client=client,
+        cfg=RunConfig(),
+        actors={
+            "manager": None,
+            "trainer": Recorder(LOST, calls["lost"]),
+            "relays": [Recorder(NEW, calls["relay"])],
+            "buffer": Recorder(NEW, calls["buffer"]),
+            "partial": Recorder(NEW, calls["partial"]),
+        },
+        _live_rollouts=lambda: [],
+        _restart=None,
+        _data_restart=restart,
+        _data_hung=None,
+        _data_worker=lambda: LOST,  # (the books: the lost one's, until the restart ends)
+    )
+    FaultHandling._abort(driver)
+    assert client.cancelled == [group.future, *group.rank_futures]
+    assert calls["master"] == [("close", ())] and calls["relay"] == [("close", ())]
+    assert calls["lost"] == []  # (its worker is gone: never called)
+    closed = [("close", ())] if rebuilt else []
+    assert calls["buffer"] == closed and calls["partial"] == closed
