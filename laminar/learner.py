@@ -183,7 +183,7 @@ class Learner:
         self.restarts: list[tuple[int, int]] = []
         self._part_applied = 0  # update_part: steps applied so far in this global batch
         if state is not None:
-            self._restore(Path(resume_from), state)
+            self._restore(Path(resume_from).expanduser(), state)
         self.reference = None  # the warm-started policy, frozen: the KL penalty's anchor
         if cfg.trainer.kl_coef:
             self.reference, _ = load_policy(policy_dir)
@@ -448,7 +448,8 @@ def restarts_of(state: dict, ckpt: str | Path | None = None) -> list[tuple[int, 
 
 def checkpoint_restarts(ckpt: str | Path) -> list[tuple[int, int]]:
     """:func:`restarts_of` a checkpoint folder."""
-    return restarts_of(_trainer_state(Path(ckpt) / "trainer_state.json"), ckpt)
+    ckpt = Path(ckpt).expanduser()
+    return restarts_of(_trainer_state(ckpt / "trainer_state.json"), ckpt)
 
 
 def _checkpoints(folder: Path) -> dict[int, Path]:
@@ -594,8 +595,9 @@ def check_checkpoint(
 ) -> dict:
     """The checkpoint's trainer state, after checking its files are as written (their
     digests: :func:`_check_digests`; ``warn_unchecked``: warn, rather than log at INFO,
-    that one written without them is not checked) and it fits this model and config."""
-    ckpt = Path(ckpt)
+    that one written without them is not checked) and it fits this model and config.
+    ``~`` is this machine's home."""
+    ckpt = Path(ckpt).expanduser()
     if not ckpt.is_dir():
         raise CheckpointError(
             f"trainer.resume_from {str(ckpt)!r} is not a folder; point it at a "

@@ -201,8 +201,14 @@ def check_torch_file(path: Path, damaged) -> None:
 def check_policy_dir(path: str | Path) -> Path:
     """Raise :class:`ModelError` unless ``path`` is a loadable HF causal-LM folder: its
     files there and undamaged as far as :func:`check_model_files` reads them, of a
-    supported architecture, without dropout (:func:`_check_no_dropout`)."""
-    path = Path(path)
+    supported architecture, without dropout (:func:`_check_no_dropout`). ``~`` is this
+    machine's home (config paths are left as given: each machine reads its own)."""
+    path = Path(path).expanduser()
+    if path.is_file():
+        raise ModelError(
+            f"model folder {str(path)!r} is a file; set model.path to the folder that "
+            "holds config.json, model.safetensors and tokenizer.json"
+        )
     if not path.is_dir():
         raise ModelError(
             f"model folder {str(path)!r} does not exist; set model.path to a local HF "

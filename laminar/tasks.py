@@ -211,9 +211,10 @@ def _cut(text: str, limit: int = 200) -> str:
 def jsonl_prompts(path: str | Path) -> list[Prompt]:
     """Read prompts from a JSONL file with ``prompt`` and ``answer`` fields on every line.
 
-    Raises :class:`DataError` naming the file, the line and the missing field.
+    Raises :class:`DataError` naming the file, the line and the missing field. ``~`` is
+    this machine's home.
     """
-    path = Path(path)
+    path = Path(path).expanduser()
     if path.is_dir():
         raise DataError(
             f"prompt file {str(path)!r} is a directory; set task.prompt_file to a JSONL file"

@@ -300,7 +300,7 @@ def _fingerprint(cfg: RunConfig) -> str | None:
     """``PROMPT_FINGERPRINT``'s text for ``cfg``'s prompt file; None: no prompt file."""
     if not cfg.task.prompt_file:
         return None
-    return f"{_sha256(cfg.task.prompt_file)}  {cfg.task.prompt_file}\n"
+    return f"{_sha256(Path(cfg.task.prompt_file).expanduser())}  {cfg.task.prompt_file}\n"
 
 
 def _sha256(path: str | Path) -> str:
@@ -516,6 +516,7 @@ def prepare_run_dir(cfg: RunConfig, run_dir: str | Path | None) -> Path:
 
 def _prepare_run_dir(cfg: RunConfig, run_dir: str | Path | None) -> Path:
     path = Path(run_dir or cfg.run_dir or Path("runs") / time.strftime("%Y%m%d-%H%M%S"))
+    path = path.expanduser()  # (--set run_dir=~/runs/x made a folder named ~ here)
     if path.exists() and not path.is_dir():
         raise ConfigError(f"run directory {str(path)!r} is a file; pass a directory as --run-dir")
     _refuse_if_running(path, "start a run in")
@@ -751,7 +752,7 @@ def prepare_resume(run_dir: str | Path, overrides: list[str] | tuple[str, ...] =
     )
     from storage.metrics import check_metrics_store
 
-    path = Path(run_dir).resolve()
+    path = Path(run_dir).expanduser().resolve()
     config = path / "config.yaml"
     if not path.is_dir():
         raise ConfigError(
@@ -773,7 +774,7 @@ def prepare_resume(run_dir: str | Path, overrides: list[str] | tuple[str, ...] =
             "start it again"
         )
     for key, value in parse_overrides(overrides):
-        if key == "run_dir" and (value is None or Path(str(value)).resolve() != path):
+        if key == "run_dir" and (value is None or Path(str(value)).expanduser().resolve() != path):
             raise ConfigError(
                 f"cannot resume {str(path)!r} with run_dir={value}: a resume continues "
                 "the run in its own directory (as --resume refuses --run-dir); drop that "
@@ -990,6 +991,8 @@ def _tried(path: Path, ran: RunConfig, key: str, given: str) -> list[tuple[str, 
     (:func:`_started_in`), then in this working directory; one given now (an
     override), in this working directory; an absolute one, as it is."""
     from_config = given == _field(ran, key)
+    if given.startswith("~"):  # (as given: read where it is read, ~ that machine's home)
+        return [(given, "~ as this user's home")]
     if os.path.isabs(given):
         return [(given, "as config.yaml records it" if from_config else "as given")]
     tried: list[tuple[str, str]] = []

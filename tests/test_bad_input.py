@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from laminar.config import RunConfig, with_overrides
-from laminar.errors import ConfigError
+from laminar.errors import ConfigError, ModelError
 from pipelines import cli
 
 FAST = ["--set", "task.num_prompts=50"]
@@ -118,3 +118,31 @@ def test_a_config_file_that_is_not_utf8_is_refused_with_exit_2(tmp_path, capsys,
     (run / "config.yaml").write_bytes(b"run_dir: x\n\xff\xfe\n")
     assert cli.main(["run", "--resume", str(run)]) == 2
     assert "config.yaml' is not UTF-8 text" in capsys.readouterr().err
+
+
+def test_a_path_from_the_home_folder_is_read_from_there(tmp_path, tiny_policy, monkeypatch):
+    """`~/...` is the home folder of the machine that reads the path (config.md). The
+    prompt file, model and checkpoint readers took it for a folder named `~` ("prompt
+    file '~/p.jsonl' does not exist"), and `run_dir=~/runs/y` made a folder `~` in the
+    working directory, where the run wrote (helper 185)."""
+    import shutil
+
+    from laminar.learner import CheckpointError
+    from pipelines.api import absolute_paths, preflight, prepare_run_dir
+
+    home = tmp_path / "home"
+    home.mkdir()
+    monkeypatch.setenv("HOME", str(home))
+    monkeypatch.chdir(tmp_path)
+    (home / "p.jsonl").write_text('{"prompt": "n 2 >", "answer": "1 2"}\n' * 4)
+    shutil.copytree(tiny_policy, home / "model")
+    given = ["task.prompt_file=~/p.jsonl", "model.path=~/model", "sft.steps=0"]
+    cfg = absolute_paths(with_overrides(RunConfig(), [*given, "run_dir=~/runs/y"]))
+    assert cfg.task.prompt_file == "~/p.jsonl"  # (recorded as given: read where it is read)
+    preflight(cfg)
+    assert prepare_run_dir(cfg, None) == home / "runs" / "y"
+    assert not (tmp_path / "~").exists()
+    with pytest.raises(CheckpointError, match=f"trainer.resume_from '{home}/nothing'"):
+        preflight(with_overrides(cfg, ["trainer.resume_from=~/nothing"]))
+    with pytest.raises(ModelError, match="is a file; set model.path to the folder"):
+        preflight(with_overrides(cfg, ["model.path=~/p.jsonl"]))
