@@ -321,6 +321,18 @@ def _set_path(data: dict[str, Any], dotted: str, value: Any) -> None:
         if not isinstance(child, dict):
             raise ConfigError(f"override {dotted!r}: {k!r} is not a section")
         node = child
+    if (
+        isinstance(value, dict)
+        and isinstance(node.get(keys[-1]), dict)
+        and all(isinstance(k, str) for k in value)
+    ):
+        # A mapping for a section that holds settings sets the keys it names, one by one
+        # (`--set 'trainer={steps: 3}'` is `--set trainer.steps=3`): it replaced the
+        # section, putting every other key of it, the config file's too, back to its
+        # default without a word.
+        for k, v in value.items():
+            _set_path(data, f"{dotted}.{k}", v)
+        return
     node[keys[-1]] = value
 
 

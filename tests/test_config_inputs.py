@@ -52,6 +52,28 @@ def test_a_section_set_to_null_is_refused_naming_it(tmp_path, section, value):
         with_overrides(load_config(f), [f"{section}={value}"])
 
 
+def test_a_mapping_for_a_section_sets_the_keys_it_names_and_keeps_the_others(tmp_path):
+    """`--set 'trainer={steps: 3}'` replaced the section: the file's `lr` and
+    `clip_high` went back to their defaults without a word (and on a resume the
+    checkpoint check then named an lr the user never touched). Two mappings for one
+    optional section left only the second's key (helper 185)."""
+    f = tmp_path / "c.yaml"
+    f.write_text("trainer:\n  lr: 1.0e-3\n  clip_high: 0.5\n  steps: 7\n")
+    cfg = load_config(f, ["trainer={steps: 3}"])
+    assert (cfg.trainer.steps, cfg.trainer.lr, cfg.trainer.clip_high) == (3, 1e-3, 0.5)
+    assert load_config(f, ["trainer={}"]) == load_config(f)  # (names none: changes none)
+    both = ["rollout.pacing={dilation: 3}", "rollout.pacing={tp: 8}"]
+    for cfg in (load_config(f, both), with_overrides(load_config(f), both)):
+        assert (cfg.rollout.pacing.dilation, cfg.rollout.pacing.tp) == (3, 8)
+    nested = with_overrides(load_config(f), ["cluster={slurm: {walltime: '2:00:00'}}"])
+    assert nested.cluster.slurm.walltime == "2:00:00"
+    assert nested.cluster.slurm.partition == RunConfig().cluster.slurm.partition
+    with pytest.raises(ConfigError, match="trainer.stepz"):  # (an unknown key: named)
+        load_config(f, ["trainer={stepz: 3}"])
+    with pytest.raises(ConfigError, match=r"override 'cluster.slurm': cluster.slurm is a sec"):
+        with_overrides(load_config(f), ["cluster={slurm: null}"])  # (as --set cluster.slurm=)
+
+
 def test_an_optional_section_is_still_switched_off_by_null():
     on = with_overrides(RunConfig(), ["repack.max_batch=8", "rollout.pacing.dilation=4"])
     off = with_overrides(on, ["repack=null", "rollout.pacing="])
