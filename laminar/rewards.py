@@ -172,15 +172,38 @@ def resolve_reward(name: str) -> RewardFn:
             f"task.reward {name!r} is neither a built-in reward {sorted(REWARDS)} nor "
             "'module:function'"
         )
+    if "/" in module or "\\" in module or module.endswith(".py"):
+        folder, _, file = module.replace("\\", "/").rpartition("/")
+        raise RewardError(
+            f"task.reward {name!r} names a file; it takes a module name: "
+            f"'{file.removesuffix('.py')}:{attr}', with its folder "
+            f"({folder or '.'!r}) on PYTHONPATH (the workers' too), or the module installed"
+        )
     try:
         imported = importlib.import_module(module)
     except ImportError as e:
         raise RewardError(
             f"task.reward {name!r} cannot be imported ({e}); the module must be importable "
-            "on every Dask worker"
+            "by the driver and on every Dask worker: put the folder that holds it on "
+            "PYTHONPATH (a local cluster's workers inherit the driver's environment, a "
+            "Slurm job the submitting shell's), or install it (pip install -e .); the "
+            "working directory is not on the path of the `laminar` command"
         ) from None
-    except Exception as e:  # the module itself fails as it is imported (a bug, a syntax error)
-        raise RewardError(f"task.reward {name!r}: importing {module!r} raised {_said(e)}") from None
+    except KeyboardInterrupt:
+        raise
+    except BaseException as e:  # noqa: BLE001 — a module that fails, or exits, as it is imported
+        # (a bug, a syntax error; sys.exit or an argparse parse at the top of a script,
+        # which would end the driver with its own usage line and no word of the reward)
+        raise RewardError(
+            f"task.reward {name!r}: importing {module!r} raised {_said(e)}"
+            + (
+                "; a module that exits as it is imported (sys.exit, or argparse parsing "
+                "at the top) cannot be a reward: move that under "
+                "`if __name__ == '__main__':`"
+                if isinstance(e, SystemExit)
+                else ""
+            )
+        ) from None
     fn = getattr(imported, attr, None)
     if fn is None:
         raise RewardError(

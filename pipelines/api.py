@@ -68,6 +68,42 @@ def resolve_config(
     return load_config(config, overrides)
 
 
+# How long preflight waits for the reward's module to import (one that blocks as it is
+# imported would hang the driver, with nothing said, and every worker later)
+REWARD_IMPORT_TIMEOUT_S = 60.0
+
+
+def _check_reward_imports(name: str, resolve, timeout_s: float = REWARD_IMPORT_TIMEOUT_S) -> None:
+    """``resolve(name)`` (:func:`laminar.rewards.resolve_reward`), on a thread: a module
+    that blocks as it is imported (a server started, ``input()``, a network call at its
+    top) is a :class:`~laminar.errors.RewardError` after ``timeout_s``, naming it; the
+    thread is left behind (a daemon: it ends with the process)."""
+    from laminar.errors import RewardError
+
+    out: list[BaseException | None] = []
+
+    def run() -> None:
+        try:
+            resolve(name)
+            out.append(None)
+        except BaseException as e:  # noqa: BLE001 — raised in the caller's thread below
+            out.append(e)
+
+    thread = threading.Thread(target=run, name="laminar-reward-import", daemon=True)
+    thread.start()
+    thread.join(timeout_s)
+    if not out:
+        module = name.partition(":")[0]
+        raise RewardError(
+            f"task.reward {name!r}: importing {module!r} did not finish in {timeout_s:g} s; "
+            "a module that blocks as it is imported (a server started, input(), a network "
+            "call at its top) would hang every worker too: move that work into the "
+            "function, or under `if __name__ == '__main__':`"
+        )
+    if out[0] is not None:
+        raise out[0]
+
+
 def preflight(cfg: RunConfig) -> None:
     """Check what can be checked before any cluster work: the model folder and its
     context (``rollout.max_seq_len`` within its positions); the prompts
@@ -120,7 +156,7 @@ def preflight(cfg: RunConfig) -> None:
             "clip never binds (and clip_frac, approx_kl stay 0). Set trainer.mini_batches "
             "to 2 or more for its trust region (docs/losses.md)"
         )
-    resolve_reward(cfg.task.reward)
+    _check_reward_imports(cfg.task.reward, resolve_reward)
     if cfg.trainer.resume_from:
         check_checkpoint(cfg.trainer.resume_from, model_config, cfg)
 

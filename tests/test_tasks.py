@@ -423,3 +423,39 @@ def test_a_line_json_cannot_read_for_its_size_is_refused_with_its_line(tmp_path)
     f.write_text(good * 2 + '{"prompt": "n 2 >", "answer": "1 2", "x": ' + deep + "}\n")
     with pytest.raises(DataError, match=r"p.jsonl:3: JSON nested too deeply .*nest less deeply"):
         jsonl_prompts(f)
+
+
+def test_a_reward_module_that_exits_blocks_or_is_a_path_is_named(tmp_path, monkeypatch):
+    """Preflight imported the reward's module bare in the driver: one that exits as it is
+    imported (`sys.exit`, an argparse parse at its top) ended `laminar run` with its own
+    usage line, or none, and not a word of task.reward; one that blocks hung it, nothing
+    printed. A file path for the module, or a module not on the path, said nothing of
+    the fix (helper 185)."""
+    from pipelines.api import _check_reward_imports
+
+    monkeypatch.syspath_prepend(str(tmp_path))
+    (tmp_path / "laminar_test_exits.py").write_text("raise SystemExit(3)\n")
+    (tmp_path / "laminar_test_argv.py").write_text(
+        "import argparse\np = argparse.ArgumentParser()\np.add_argument('--judge-url')\n"
+        "p.parse_args(['--nope'])\n"
+    )
+    (tmp_path / "laminar_test_blocks.py").write_text("import time\ntime.sleep(20)\n")
+    for module in ("laminar_test_exits", "laminar_test_argv"):
+        with pytest.raises(
+            RewardError,
+            match=rf"task.reward '{module}:fn': importing '{module}' raised SystemExit.*"
+            r"`if __name__ == '__main__':`",
+        ):
+            _check_reward_imports(f"{module}:fn", resolve_reward)
+    with pytest.raises(
+        RewardError,
+        match=r"importing 'laminar_test_blocks' did not finish in 0.5 s; a module that blocks",
+    ):
+        _check_reward_imports("laminar_test_blocks:fn", resolve_reward, timeout_s=0.5)
+    with pytest.raises(
+        RewardError, match=r"names a file; .*'myrewards:fn', with its folder \('rw'\) on PYTHONPATH"
+    ):
+        resolve_reward("rw/myrewards.py:fn")
+    with pytest.raises(RewardError, match="put the folder that holds it on PYTHONPATH"):
+        resolve_reward("laminar_test_nowhere:fn")
+    _check_reward_imports("exact_match", resolve_reward)  # (one that imports: passes)
