@@ -369,8 +369,8 @@ def parse_overrides(overrides: list[str] | tuple[str, ...]) -> list[tuple[str, A
         except yaml.YAMLError as e:
             reason = str(e).splitlines()[0]
             raise ConfigError(
-                f"override {item!r}: the value {raw!r} is not valid YAML ({reason}); quote "
-                "a string, and write lists as [a, b]"
+                f"override {_cut(repr(item))}: the value {_cut(repr(raw))} is not valid YAML "
+                f"({_cut(reason, 160)}); quote a string, and write lists as [a, b]"
             ) from None
         parsed.append((key.strip(), value))
     return parsed
@@ -444,9 +444,14 @@ def _construct_int(loader: yaml.SafeLoader, node: yaml.ScalarNode) -> int:
     64, while ``09`` was 9). ``0o10``, ``0x1f`` and ``0b101`` keep their bases."""
     value = loader.construct_scalar(node)
     digits = value.replace("_", "").lstrip("+-")
-    if len(digits) > 1 and digits.startswith("0") and digits.isdigit():
-        return int(value.replace("_", ""), 10)
-    return yaml.SafeLoader.construct_yaml_int(loader, node)
+    try:
+        if len(digits) > 1 and digits.startswith("0") and digits.isdigit():
+            return int(value.replace("_", ""), 10)
+        return yaml.SafeLoader.construct_yaml_int(loader, node)
+    except ValueError as e:  # (Python's limit on the digits of an int: a bare ValueError)
+        raise yaml.constructor.ConstructorError(
+            None, None, f"an integer of {len(digits)} digits ({e})", node.start_mark
+        ) from None
 
 
 _UniqueKeyLoader.add_constructor("tag:yaml.org,2002:int", _construct_int)

@@ -101,14 +101,15 @@ def reading(store: Path, fix: str = "restore the run directory from a copy") -> 
     """Reads of ``store``: what a damaged file raises there (a truncated ``zarr.json`` or
     ``summary.json``: a JSON error; a chunk that fails to decompress: the codec's
     ``RuntimeError``; a truncated chunk of an uncompressed array: zarr's codecs'
-    ``ValueError``, "cannot reshape array" or "data seem truncated") becomes a
-    :class:`StoreError` naming it (and ``fix``, what to do). Nothing else is caught: a
-    permission error or a bug must not read as damage."""
+    ``ValueError``, "cannot reshape array" or "data seem truncated"; an array's
+    ``zarr.json`` whose data type or fill value zarr cannot read: its ``TypeError`` or
+    ``ValueError``) becomes a :class:`StoreError` naming it (and ``fix``, what to do).
+    Nothing else is caught: a permission error or a bug must not read as damage."""
     try:
         yield
     except StoreError:
         raise
-    except (json.JSONDecodeError, RuntimeError, ValueError) as e:
+    except (json.JSONDecodeError, RuntimeError, ValueError, TypeError) as e:
         if not isinstance(e, json.JSONDecodeError | RuntimeError) and not _decoding(e):
             raise
         raise StoreError(
@@ -117,18 +118,27 @@ def reading(store: Path, fix: str = "restore the run directory from a copy") -> 
         ) from e
 
 
-_CODECS = os.path.join("zarr", "codecs", "")
+# Where zarr decodes what is on disk: a chunk (its codecs), an array's metadata (its
+# data type and fill value: an edited zarr.json's int8 with a NaN fill is a TypeError)
+_DECODERS = tuple(
+    os.path.join("zarr", *parts, "")
+    for parts in (("codecs",), ("core", "dtype"), ("core", "metadata"))
+)
 
 
 def _decoding(e: BaseException) -> bool:
-    """``e`` was raised decoding a chunk (in one of zarr's codecs)."""
+    """``e`` was raised decoding what is on disk (in zarr's codecs, or its reading of an
+    array's metadata)."""
     return any(
-        _CODECS in frame.f_code.co_filename for frame, _ in traceback.walk_tb(e.__traceback__)
+        any(d in frame.f_code.co_filename for d in _DECODERS)
+        for frame, _ in traceback.walk_tb(e.__traceback__)
     )
 
 
 def _check_markers(store: Path, group: zarr.Group, *extra: str) -> None:
-    """The commit markers are there (a store laminar did not write lacks them)."""
+    """The commit markers are there (a store laminar did not write lacks them), each a
+    count (``n_committed_tokens``: one per token dimension): an edited or garbled one
+    ("x", -5) failed as a bare ValueError, or as xarray's "conflicting sizes"."""
     for attr in (COMMIT_ATTR, "n_committed_tokens", *extra):
         if attr not in group.attrs:
             raise StoreError(
@@ -136,6 +146,28 @@ def _check_markers(store: Path, group: zarr.Group, *extra: str) -> None:
                 "store laminar wrote, or its zarr.json was replaced; pass a run directory "
                 "written by `laminar run`, or restore this one from a copy"
             )
+        value = group.attrs[attr]
+        counts = value if attr == "n_committed_tokens" else {attr: value}
+        if (
+            not isinstance(counts, dict)
+            or not counts
+            or not all(_is_count(v) for v in counts.values())
+        ):
+            raise StoreError(
+                f"{str(store)!r}: its commit marker {attr!r} in zarr.json is "
+                f"{_shown(value)}, not "
+                + ("a count per token dimension" if attr == "n_committed_tokens" else "a count")
+                + "; the file was edited or is damaged: restore the run directory from a copy"
+            )
+
+
+def _is_count(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def _shown(value, limit: int = 60) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[:limit] + "..."
 
 
 # A group attribute: the store's writer writes every chunk, one that holds only the fill

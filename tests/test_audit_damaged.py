@@ -109,3 +109,50 @@ def test_the_token_audit_reads_every_chunk_and_names_what_no_run_can_store(tmp_p
     assert "behavior_logprobs/c/0" in lost and "checksum" in lost, lost
     assert sorted(p for p in report.problems if " tokens " in p) == found, report.problems
     assert report.figures["tokens read"] == 11 * (3 + 4) - 5, report.figures
+
+
+@pytest.mark.parametrize(
+    ("edit", "said"),
+    [
+        (
+            lambda a: a | {"n_committed": "x"},
+            r"commit marker 'n_committed' in zarr.json is 'x', not a count",
+        ),
+        (
+            lambda a: a | {"n_committed": -5},
+            r"commit marker 'n_committed' in zarr.json is -5, not a count",
+        ),
+        (
+            lambda a: a | {"n_committed_tokens": {"prompt_token": 1.5}},
+            r"'n_committed_tokens' in zarr.json is .*not a count per token dimension",
+        ),
+    ],
+    ids=["string", "negative", "tokens_float"],
+)
+def test_an_edited_commit_marker_is_named_by_the_audit_and_the_report(tmp_path, edit, said):
+    """`n_committed: "x"` raised a bare ValueError from int(); -5, xarray's "conflicting
+    sizes" (helper 185): an edited or garbled root zarr.json is named, with the fix."""
+    import json
+
+    TrajectoryWriter(tmp_path).append([record(0), record(1)])
+    root = tmp_path / "trajectories.zarr" / "zarr.json"
+    meta = json.loads(root.read_text())
+    meta["attributes"] = edit(meta["attributes"])
+    root.write_text(json.dumps(meta))
+    for read in (lambda: audit_run(tmp_path), lambda: build_report([tmp_path], tmp_path / "r")):
+        with pytest.raises(StoreError, match=said + ".*restore the run directory from a copy"):
+            read()
+
+
+def test_an_array_whose_data_type_was_edited_is_named(tmp_path):
+    """An array's zarr.json edited to int8 (its NaN fill value then unreadable) raised
+    zarr's TypeError from its metadata parsing (helper 185)."""
+    import json
+
+    TrajectoryWriter(tmp_path).append([record(0), record(1)])
+    meta_file = tmp_path / "trajectories.zarr" / "reward" / "zarr.json"
+    meta = json.loads(meta_file.read_text())
+    meta["data_type"] = "int8"
+    meta_file.write_text(json.dumps(meta))
+    with pytest.raises(StoreError, match=r"cannot read .*trajectories.zarr.*damaged"):
+        audit_run(tmp_path)

@@ -107,3 +107,16 @@ def test_max_new_tokens_must_leave_room_for_a_prompt_whatever_the_task(tmp_path)
             with_overrides(RunConfig(), [f"rollout.max_new_tokens={new}"])
     cfg = with_overrides(RunConfig(), [task, "rollout.max_new_tokens=159"])
     assert cfg.rollout.max_new_tokens == 159
+
+
+def test_an_integer_past_pythons_digit_limit_is_named_not_a_traceback(tmp_path):
+    """A 5,000-digit integer in the file or a --set raised Python's bare ValueError
+    ("Exceeds the limit (4300 digits)"), exit 1 with a traceback (helper 185); the
+    message of the --set is cut, not 5,000 digits long."""
+    f = tmp_path / "c.yaml"
+    f.write_text("seed: " + "9" * 5000 + "\n")
+    with pytest.raises(ConfigError, match=r"is not valid YAML: an integer of 5000 digits"):
+        load_config(f)
+    with pytest.raises(ConfigError, match=r"not valid YAML \(an integer of 5000 digits") as e:
+        with_overrides(RunConfig(), ["seed=" + "9" * 5000])
+    assert len(str(e.value)) < 500
