@@ -293,6 +293,30 @@ def _format_errors(err: ValidationError, source: str) -> str:
         msg = e["msg"].removeprefix("Value error, ")
         given = e.get("input")
         shown = "" if isinstance(given, dict) else f" (got {given!r})"
+        if e["type"] == "invalid_key":
+            # (YAML 1.1 reads an unquoted on/off/yes/no/y/n as true/false: a key too)
+            parent = ".".join(str(p) for p in e["loc"][:-1]) or "(top level)"
+            lines.append(
+                f"  {parent}: a key is {given!r}, not a name"
+                + (
+                    "; YAML reads an unquoted on, off, yes, no, y or n as true/false: "
+                    "quote that key ('on': ...)"
+                    if isinstance(given, bool)
+                    else "; quote it"
+                )
+            )
+            continue
+        if e["type"] in ("model_type", "dict_type") and not isinstance(given, dict):
+            section = _section_at(tuple(e["loc"]))
+            if section is not None:
+                fixes = [f"set its keys ({loc}.KEY=VALUE)"]
+                if "enabled" in section.model_fields:
+                    fixes.append(f"{loc}.enabled=false turns it off")
+                elif _section_at(tuple(e["loc"][:-1])) is not None and not _is_section(
+                    tuple(e["loc"])
+                ):
+                    fixes.append(f"{loc}=null switches it off")
+                shown += f"; {loc} is a section: " + "; ".join(fixes)
         if e["type"] == "string_type" and given is not None:
             # (YAML, in the file or a --set, read it as a number, a boolean or a mapping:
             # an unquoted "2024", "true" or "a: b")

@@ -604,6 +604,16 @@ def check_checkpoint(
             "checkpoints/version-N folder written by laminar"
         )
     missing = [n for n in checkpoint_files(ckpt) if not (ckpt / n).exists()]
+    # (a run's folder, or its checkpoints/: the checkpoint is a version-N within)
+    run = ckpt.parent if ckpt.name == "checkpoints" else ckpt
+    if missing and (newest := newest_checkpoint(run)) is not None:
+        raise CheckpointError(
+            f"trainer.resume_from {str(ckpt)!r} is a run's "
+            + ("checkpoints folder" if run != ckpt else "folder")
+            + f", not a checkpoint; point it at one of its checkpoints, e.g. the newest: "
+            f"trainer.resume_from={newest} (or continue that run in place: laminar run "
+            f"--resume {run})"
+        )
     if missing:
         raise CheckpointError(
             f"checkpoint {str(ckpt)!r} lacks {missing}; point trainer.resume_from at a "

@@ -321,7 +321,17 @@ def _scored(reward_name: str, raw: object, error: BaseException | None) -> Score
         return Score(math.nan, f"reward {reward_name} raised {_said(error)}")
     value = _reward_value(raw)
     if not math.isfinite(value):
-        return Score(math.nan, f"reward {reward_name} returned {_shown(raw)}")
+        # (a number that is not finite is its own message; anything else, what it takes)
+        number = isinstance(raw, int | float) or hasattr(raw, "__float__")
+        return Score(
+            math.nan,
+            f"reward {reward_name} returned {_shown(raw)}"
+            + (
+                ""
+                if number
+                else f" (a {type(raw).__name__}); a reward returns one number a response"
+            ),
+        )
     if abs(value) > FLOAT32_MAX:  # (stored as float32: inf, and a group's variance)
         return Score(
             math.nan,

@@ -798,6 +798,20 @@ def prepare_resume(run_dir: str | Path, overrides: list[str] | tuple[str, ...] =
         )
     _refuse_if_running(path, "resume")
     if not config.exists():
+        held = [n for n in ("checkpoints", "trajectories.zarr") if (path / n).exists()]
+        if held:  # (a run's, its config.yaml deleted or lost in a copy)
+            newest = newest_checkpoint(path)
+            raise ConfigError(
+                f"cannot resume {str(path)!r}: it holds a run ({', '.join(held)}) but its "
+                "config.yaml is gone; restore config.yaml from a copy of the run directory "
+                "(the run wrote it as it started, with every setting), then resume"
+                + (
+                    "; or start a new run from its newest checkpoint: laminar run "
+                    f"CONFIG --run-dir NEW_DIR {_setting(f'trainer.resume_from={newest}')}"
+                    if newest is not None
+                    else ""
+                )
+            )
         raise ConfigError(
             f"cannot resume {str(path)!r}: it has no config.yaml, so it is not a run "
             "directory written by `laminar run`"

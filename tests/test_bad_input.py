@@ -146,3 +146,29 @@ def test_a_path_from_the_home_folder_is_read_from_there(tmp_path, tiny_policy, m
         preflight(with_overrides(cfg, ["trainer.resume_from=~/nothing"]))
     with pytest.raises(ModelError, match="is a file; set model.path to the folder"):
         preflight(with_overrides(cfg, ["model.path=~/p.jsonl"]))
+
+
+def test_a_run_directory_for_a_checkpoint_or_one_without_its_config_says_the_fix(tmp_path):
+    """`trainer.resume_from=RUN_DIR` (or its checkpoints/) listed the files a checkpoint
+    lacks; `--resume` of a run whose config.yaml was deleted said it "is not a run
+    directory", though it held checkpoints and stores (helper 185)."""
+    from laminar.learner import CheckpointError, check_checkpoint
+    from pipelines.api import prepare_resume
+
+    run = tmp_path / "run"
+    (run / "checkpoints" / "version-000003").mkdir(parents=True)
+    (run / "trajectories.zarr").mkdir()
+    newest = run / "checkpoints" / "version-000003"
+    for given, what in ((run, "folder"), (run / "checkpoints", "checkpoints folder")):
+        with pytest.raises(
+            CheckpointError,
+            match=rf"is a run's {what}, not a checkpoint; .* trainer.resume_from={newest} "
+            rf"\(or continue that run in place: laminar run --resume {run}\)",
+        ):
+            check_checkpoint(given, None, RunConfig())
+    with pytest.raises(
+        ConfigError,
+        match=r"holds a run \(checkpoints, trajectories.zarr\) but its config.yaml is gone; "
+        rf"restore config.yaml .* --set trainer.resume_from={newest}",
+    ):
+        prepare_resume(run)

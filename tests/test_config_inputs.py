@@ -3,6 +3,8 @@ each is read as meant, or refused naming the field and the fix."""
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from laminar.config import RunConfig, load_config, with_overrides
@@ -120,3 +122,24 @@ def test_an_integer_past_pythons_digit_limit_is_named_not_a_traceback(tmp_path):
     with pytest.raises(ConfigError, match=r"not valid YAML \(an integer of 5000 digits") as e:
         with_overrides(RunConfig(), ["seed=" + "9" * 5000])
     assert len(str(e.value)) < 500
+
+
+def test_a_section_given_a_scalar_or_a_key_read_as_a_boolean_says_the_fix(tmp_path):
+    """`--set sft=false` said only "Input should be a valid dictionary or instance of
+    SFTConfig"; a key `on:` (YAML 1.1: true) said "trainer.1: Keys should be strings"
+    (helper 185)."""
+    said = {
+        "sft=false": "sft is a section: set its keys (sft.KEY=VALUE); sft.enabled=false turns",
+        "repack=false": "repack.KEY=VALUE); repack=null switches it off",
+        "trainer=5": "trainer is a section: set its keys (trainer.KEY=VALUE)",
+    }
+    for override, fix in said.items():
+        with pytest.raises(ConfigError, match=re.escape(fix)):
+            with_overrides(RunConfig(), [override])
+    with pytest.raises(ConfigError) as e:
+        with_overrides(RunConfig(), ["trainer=5"])
+    assert "null switches" not in str(e.value)  # (an always-on section: null is refused)
+    f = tmp_path / "c.yaml"
+    f.write_text("trainer:\n  on: 3\n")
+    with pytest.raises(ConfigError, match=r"trainer: a key is True, not a name; YAML reads an "):
+        load_config(f)

@@ -326,7 +326,9 @@ def test_in_the_child_errors_and_bad_values_are_reported_as_in_the_task():
             assert broken[0].error == (
                 "reward laminar.rewards:_broken raised ZeroDivisionError: division by zero"
             )
-            assert text[0].error == "reward _text returned '0.5'"
+            assert text[0].error == (
+                "reward _text returned '0.5' (a str); a reward returns one number a response"
+            )
     finally:
         del r.REWARDS["_text"]
 

@@ -222,13 +222,18 @@ def test_what_a_reward_returns_is_a_number_or_marks_the_trajectory():
         "_huge": 10**400,
         "_bool": True,
         "_np": np.float32(0.25),
+        "_list": [0.5],
     }
     for name, value in values.items():
         r.REWARDS[name] = lambda response, answer, value=value: value
     try:
-        for name in ("_none", "_text", "_huge"):
+        for name in ("_none", "_text", "_huge", "_list"):
             (score,) = score_batch(name, [("a", "a", True)])
             assert math.isnan(score.reward) and score.error.startswith(f"reward {name} returned")
+        # (what is not a number says what it is, and what a reward returns)
+        assert score_batch("_list", [("a", "a", True)])[0].error == (
+            "reward _list returned [0.5] (a list); a reward returns one number a response"
+        )
         assert score_batch("_bool", [("a", "a", True)])[0].reward == 1.0
         assert score_batch("_np", [("a", "a", True)])[0].reward == 0.25
     finally:
