@@ -181,8 +181,26 @@ def role_cluster(
                 f"the local cluster did not start: {e}; check the cluster settings it "
                 f"started with: cluster.protocol ({protocol}://), cluster.security "
                 f"({'set' if security is not None else 'none'}), cluster.memory_limit "
-                f"({memory_limit})"
+                f"({memory_limit})" + _script_hint()
             ) from e
+
+
+def _script_hint() -> str:
+    """Why a local cluster may fail to start from a script: its worker processes start
+    by importing the script's ``__main__`` again (Python's ``spawn`` and ``forkserver``),
+    and one that starts a cluster at its top level, unguarded, fails in each (Python's
+    own word on it is in Dask's log above, not in the error)."""
+    import __main__
+
+    main = getattr(__main__, "__file__", None)
+    # (none: a notebook, a REPL, `python -c`; `laminar` itself guards its entry point)
+    if not main or os.path.basename(main) in ("laminar", "cli.py", "__main__.py"):
+        return ""
+    return (
+        f"; or, from a script ({__main__.__file__}): start the cluster, and the run, under "
+        "`if __name__ == '__main__':` (each worker process imports the script again, and "
+        "one that starts a cluster as it is imported fails)"
+    )
 
 
 # What every worker process imports before it can host an actor: forked from a server
@@ -390,6 +408,16 @@ def scheduler_workers(client=None, timeout: float = 30.0) -> dict[str, dict]:
         from distributed import get_client
 
         client = get_client()
+    if client.scheduler is None or client.status in ("closing", "closed"):
+        # (closed under a run: a notebook cell that closed the client or its cluster
+        # early; it read as "'NoneType' object has no attribute 'identity'")
+        raise ClusterError(
+            f"the Dask client is {client.status}: it (or its cluster) was closed while "
+            "the run was going, and the run cannot go on without it; keep the client and "
+            "cluster open until the run has ended (RunHandle.wait), and continue the run "
+            "from its newest checkpoint with pipelines.resume(RUN_DIR, client) or "
+            "`laminar run --resume RUN_DIR`"
+        )
     return client.sync(client.scheduler.identity, n_workers=-1, callback_timeout=timeout)["workers"]
 
 

@@ -47,6 +47,10 @@ def test_live_workers_are_read_from_the_scheduler_not_the_clients_cache():
         # a scheduler that does not answer in time is an error, not a wait for ever
         with pytest.raises(TimeoutError):
             scheduler_workers(client, timeout=1e-6)
+    # a client closed under a run (a notebook cell run early) says so, not
+    # "'NoneType' object has no attribute 'identity'" (helper 186)
+    with pytest.raises(ClusterError, match=r"the Dask client is closed: it \(or its cluster\)"):
+        scheduler_workers(client)
 
 
 class Counter:
@@ -449,3 +453,22 @@ def test_a_script_read_from_stdin_is_told_to_be_saved_to_a_file(tmp_path):
     assert r.returncode == 0, r.stderr
     assert r.stdout.startswith("refused: ") and "'<stdin>'" in r.stdout, r.stdout
     assert "save the script to a file" in r.stdout, r.stdout
+
+
+def test_a_script_that_starts_a_cluster_unguarded_is_told_of_the_main_guard(tmp_path):
+    """Each worker process imports the script again (spawn, forkserver): one that starts
+    a local cluster at its top level fails in each, and the error named only the cluster
+    settings; Python's own word on it was in Dask's log above (helper 186)."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "noguard.py"
+    script.write_text("import laminar.cluster\nlaminar.cluster.local_cluster(n_rollouts=1)\n")
+    out = subprocess.run(
+        [sys.executable, str(script)], capture_output=True, text=True, timeout=120, cwd=tmp_path
+    )
+    assert out.returncode != 0
+    assert "the local cluster did not start" in out.stderr
+    assert f"from a script ({script}): start the cluster, and the run, under `if __name__ ==" in (
+        out.stderr
+    )
