@@ -169,13 +169,22 @@ def role_cluster(
             TORCH_THREADS_VAR: str(torch_threads),
         }
         spec["options"]["config"] = config
+        spec["options"]["silence_logs"] = logging.WARNING  # (the nanny's and its worker's)
     # Dask's statistical profiler samples every thread's stack every 10 ms in every
     # worker; a dozen workers on two cores lose a tenth of a core to it (measured: an
     # idle cluster of 17 workers used 0.37 cores with it, 0.25 without).
     environ["DASK_DISTRIBUTED__WORKER__PROFILE__ENABLED"] = "False"
     with dask.config.set({"distributed.nanny.pre-spawn-environ": environ}):
         try:
-            return SpecCluster(workers=specs, scheduler=scheduler, name=name, security=security)
+            # (Dask's INFO lines of each worker's and the scheduler's start, 70 of them in
+            # a notebook's cell for a tiny run, left out as LocalCluster leaves them out)
+            return SpecCluster(
+                workers=specs,
+                scheduler=scheduler,
+                name=name,
+                security=security,
+                silence_logs=logging.WARNING,
+            )
         except RuntimeError as e:  # ("Cluster failed to start: ..." and Dask's cause)
             raise ClusterError(
                 f"the local cluster did not start: {e}; check the cluster settings it "

@@ -550,9 +550,33 @@ def prepare_run_dir(cfg: RunConfig, run_dir: str | Path | None) -> Path:
         raise ConfigError(_run_dir_problem(str(run_dir or cfg.run_dir or ""), e)) from None
 
 
+def check_run_dir(cfg: RunConfig, run_dir: str | Path | None) -> None:
+    """Refuse, as :func:`prepare_run_dir` would, a run directory a new run cannot start
+    in (one that holds a run, is a file, is another tool's), without making it: checked
+    before a wait for the cluster's workers (queued Slurm jobs), so that a taken
+    directory is not told only after it."""
+    if run_dir is None and cfg.run_dir is None:
+        return  # (a new runs/<time> folder)
+    try:
+        _check_run_dir(Path(run_dir or cfg.run_dir).expanduser())
+    except OSError as e:
+        raise ConfigError(_run_dir_problem(str(run_dir or cfg.run_dir or ""), e)) from None
+
+
 def _prepare_run_dir(cfg: RunConfig, run_dir: str | Path | None) -> Path:
     path = Path(run_dir or cfg.run_dir or Path("runs") / time.strftime("%Y%m%d-%H%M%S"))
     path = path.expanduser()  # (--set run_dir=~/runs/x made a folder named ~ here)
+    _check_run_dir(path)
+    path.mkdir(parents=True, exist_ok=True)
+    cfg = absolute_paths(cfg)  # (submit's and `laminar run`'s already are)
+    text = cfg.model_copy(update={"run_dir": str(path)}).to_yaml()
+    files = {path / "config.yaml": text, path / PROMPT_FINGERPRINT: _fingerprint(cfg)}
+    # (a failed start's records, kept: a directory taken over is this run's alone)
+    _write_claimed(path, "start a run in", files, before=lambda: _set_aside_failed_start(path))
+    return path.resolve()
+
+
+def _check_run_dir(path: Path) -> None:
     if path.exists() and not path.is_dir():
         raise ConfigError(f"run directory {str(path)!r} is a file; pass a directory as --run-dir")
     _refuse_if_running(path, "start a run in")
@@ -576,13 +600,6 @@ def _prepare_run_dir(cfg: RunConfig, run_dir: str | Path | None) -> Path:
             f"{str(path / 'config.yaml')!r} was not written by laminar, and a run would "
             "overwrite it; pass another --run-dir"
         )
-    path.mkdir(parents=True, exist_ok=True)
-    cfg = absolute_paths(cfg)  # (submit's and `laminar run`'s already are)
-    text = cfg.model_copy(update={"run_dir": str(path)}).to_yaml()
-    files = {path / "config.yaml": text, path / PROMPT_FINGERPRINT: _fingerprint(cfg)}
-    # (a failed start's records, kept: a directory taken over is this run's alone)
-    _write_claimed(path, "start a run in", files, before=lambda: _set_aside_failed_start(path))
-    return path.resolve()
 
 
 class RunHandle:
@@ -650,8 +667,15 @@ class RunHandle:
                 )
                 self._set_progress({"phase": "failed", "error": reason})
             else:  # (the last figures, which the polling may have missed)
-                done = {"version": self.summary["versions"], "updates": self.summary["updates"]}
-                self._set_progress({"phase": "done", **done})
+                done = {
+                    "version": self.summary["versions"],
+                    "updates": self.summary["updates"],
+                    "trajectories": self.summary["trajectories"],
+                    "reason": reason,
+                }
+                # (stopped early, by stop(), an interrupt or the walltime: not "done")
+                phase = "stopped" if reason.startswith("stopped") else "done"
+                self._set_progress({"phase": phase, **done})
         except BaseException as e:  # surfaced by wait(); never lost in a thread
             self.error = e
             if running and self.summary is None and not isinstance(e, RunStopped):
@@ -690,7 +714,10 @@ class RunHandle:
         ``steps``: ``trainer.steps``, the updates asked for), ``version`` (the weights'
         version number: a trainer restarted within the run skips the lost one's numbers,
         so it can pass ``steps``; the run ends at ``last_version``), ``reward``,
-        ``gen_tok_s``, ``buffer_depth``, ``s_train_mean``, ``trajectories``."""
+        ``gen_tok_s``, ``buffer_depth``, ``s_train_mean``, ``trajectories``. Once it has
+        ended: ``phase`` ``"done"`` (completed), ``"stopped"`` (stopped early, in order:
+        ``reason`` says how) or ``"failed"`` (``error``), with the summary's ``version``,
+        ``updates`` and ``trajectories``; the other figures are the last ones polled."""
         return dict(self._progress)
 
     def done(self) -> bool:
@@ -771,10 +798,47 @@ def submit(
 
     cfg = absolute_paths(resolve_config(config, overrides))
     preflight(cfg)
+    check_run_dir(cfg, run_dir)  # (before the wait below: a taken one is told at once)
     # Placement errors (a cluster without role resources) surface here, not in wait().
     wait_for_roles(client, role_needs(cfg), cfg.cluster.placement_timeout_s)
+    warn_if_shared(client)
     path = prepare_run_dir(cfg, run_dir)
     return RunHandle(cfg, client, path)
+
+
+class SharedClusterWarning(UserWarning):
+    """The cluster a run is submitted to already holds another run."""
+
+
+def warn_if_shared(client) -> list[str]:
+    """Warn when ``client``'s cluster already holds another run's trainer (a run still
+    going, from this notebook or another): the two share the role workers, and the new
+    one's tasks on the trainer's worker (its warm start, its trainer) wait for the
+    first, while its progress says only "warm-start". Returns the trainers' keys."""
+    import warnings
+
+    def trainers(dask_scheduler) -> list[str]:
+        return [
+            str(ts.key)
+            for ts in dask_scheduler.tasks.values()
+            if ts.actor and ts.state == "memory" and str(ts.key).startswith("Trainer-")
+        ]
+
+    try:
+        found = client.run_on_scheduler(trainers)
+    except Exception:  # noqa: BLE001 — a scheduler that refuses it: nothing to say
+        return []
+    if found:
+        warnings.warn(
+            f"this cluster already holds another run (its trainer actor {found[0]}): "
+            "runs on one cluster share its role workers, and this one waits for the "
+            "other where they meet (its progress shows 'warm-start' meanwhile); give "
+            "each run its own cluster (laminar.deploy.open_cluster), or wait for the "
+            "other to end",
+            SharedClusterWarning,
+            stacklevel=3,
+        )
+    return found
 
 
 def prepare_resume(run_dir: str | Path, overrides: list[str] | tuple[str, ...] = ()):
@@ -1158,6 +1222,7 @@ def resume(
     cfg, plan, path = prepare_resume(run_dir, overrides)
     try:
         wait_for_roles(client, role_needs(cfg), cfg.cluster.placement_timeout_s)
+        warn_if_shared(client)
     except BaseException:  # (the directory is free again for a resume from elsewhere)
         claim(path).release()
         raise

@@ -90,7 +90,7 @@ def _stored_run(path, t0: float = 1.8e9):
 def _report_row(report) -> str:
     """The run's row of report.md's first table (the line below its header's rule)."""
     lines = report.read_text().splitlines()
-    return lines[lines.index("|---|---|---|---|---|---|---|---|") + 1]
+    return lines[next(i for i, x in enumerate(lines) if x.startswith("| run | versions")) + 2]
 
 
 def test_report_of_a_run_without_its_summary_takes_its_figures_from_the_stores(tmp_path):
@@ -402,3 +402,29 @@ def test_the_vllm_engine_without_vllm_is_refused_in_preflight_for_a_local_cluste
         preflight(remote)
     except ConfigError as e:
         assert "vLLM" not in str(e)
+
+
+class Trainer:  # (a stand-in: Dask names an actor of it Trainer-<token>, as laminar's)
+    pass
+
+
+def test_a_run_submitted_to_a_cluster_holding_another_runs_trainer_is_warned():
+    """A second run on one cluster was accepted and then sat in "warm-start" until the
+    first ended, nothing said (helper 186): it is warned at submit."""
+    from distributed import Client, LocalCluster
+
+    from pipelines.api import SharedClusterWarning, warn_if_shared
+
+    with (
+        LocalCluster(n_workers=1, processes=False, dashboard_address=":0") as cluster,
+        Client(cluster) as client,
+    ):
+        import warnings
+
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # (none while no run is there)
+            assert warn_if_shared(client) == []
+        other = client.submit(Trainer, actor=True)
+        other.result()
+        with pytest.warns(SharedClusterWarning, match=r"already holds another run \(its "):
+            assert warn_if_shared(client) == [other.key]

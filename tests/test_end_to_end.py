@@ -178,6 +178,10 @@ def test_api_submit_is_non_blocking_and_stop_keeps_every_trajectory(
         run.stop()
         summary = run.wait(timeout=120)
         assert summary["reason"] == "stopped"
+        # (the progress says it stopped, with the summary's last figures: it said "done",
+        # its trajectories those of the last poll)
+        assert run.progress()["phase"] == "stopped"
+        assert run.progress()["trajectories"] == summary["trajectories"]
         assert running_driver(run.run_dir) is None  # (its driver.json gone at the end)
         # ... and its actors: the handle the notebook keeps holds none of them
         deadline = time.time() + 30

@@ -140,3 +140,22 @@ def test_a_failed_starts_records_are_moved_aside_not_appended_to(tmp_path):
     (run / "summary.json").write_text("{}\n")
     assert prepare_run_dir(_cfg(), run) == run
     assert len([p for p in run.iterdir() if p.name.startswith("summary.json.failed-")]) == 2
+
+
+def test_submit_refuses_a_taken_directory_before_it_waits_for_workers(tmp_path):
+    """`submit` waited for the role workers (up to cluster.placement_timeout_s: queued
+    Slurm jobs) before it looked at the run directory, then said only that no workers
+    came; a finished run's directory is refused at once, as `resume` does (helper 186)."""
+    from distributed import Client, LocalCluster
+
+    import pipelines
+
+    run = prepare_run_dir(_cfg(), tmp_path / "run")
+    (run / "checkpoints" / "version-000001").mkdir(parents=True)
+    cfg = with_overrides(_cfg(), ["cluster.placement_timeout_s=600"])
+    with (
+        LocalCluster(n_workers=1, processes=False, dashboard_address=":0") as cluster,
+        Client(cluster) as client,  # (no role resources: a wait would last 600 s)
+    ):
+        with pytest.raises(ConfigError, match=r"already holds a run; pass a new --run-dir"):
+            pipelines.submit(cfg, client, run_dir=run)
