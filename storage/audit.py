@@ -128,6 +128,13 @@ def audit_run(run_dir: str | Path, tokens: bool = False) -> AuditReport:
         _checked(report, "the token arrays", _audit_tokens, run_dir, ds, report)
     if damaged := _read_summary(run_dir)[1]:
         report.problems.append(damaged)
+    elif not (run_dir / "summary.json").exists():
+        report.notes.append(
+            "no summary.json (the run is still going, or its driver was lost before the "
+            "run ended, or the file was removed): the checks that read it (whether the run "
+            "ended in order, the batches of updates it skipped, the losses and restarts it "
+            "records) took the run as one that did not end"
+        )
     _checked(report, "published versions", _audit_updates, run_dir, ds, report)
     _audit_batches(run_dir, ds, report)
     # (a damaged log cannot bound what a lost rollout may be missing: neither is checked)

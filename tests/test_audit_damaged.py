@@ -156,3 +156,15 @@ def test_an_array_whose_data_type_was_edited_is_named(tmp_path):
     meta_file.write_text(json.dumps(meta))
     with pytest.raises(StoreError, match=r"cannot read .*trajectories.zarr.*damaged"):
         audit_run(tmp_path)
+
+
+def test_an_audit_without_summary_json_says_what_it_took_the_run_for(tmp_path):
+    """Without summary.json the audit read the run as one that did not end and said
+    nothing of it: a file removed read the same as a run still going (helper 185)."""
+    import json
+
+    TrajectoryWriter(tmp_path).append([record(0), record(1)])
+    [note] = [n for n in audit_run(tmp_path).notes if "summary.json" in n]
+    assert note.startswith("no summary.json (the run is still going, or its driver was lost")
+    (tmp_path / "summary.json").write_text(json.dumps({"reason": "completed", "segments": 1}))
+    assert not [n for n in audit_run(tmp_path).notes if "summary.json" in n]
