@@ -176,6 +176,27 @@ def check_answers(tok, prompts: list[Prompt], cfg: RunConfig) -> dict[str, list[
     return dict(zip(demos, encoded, strict=True))
 
 
+def check_reward_answers(prompts: list[Prompt], cfg: RunConfig) -> None:
+    """Under a built-in reward that reads its answer in a form of its own
+    (``count_in_range``: ``"lo hi"``), that a prompt file's answers have it: else every
+    reward of the run fails (each group discarded) and the run stops after a minute of
+    generating for nothing. A :class:`DataError` naming the first that does not."""
+    if cfg.task.reward != "count_in_range" or not cfg.task.prompt_file:
+        return
+    where = _where(cfg)
+    for p in prompts:
+        try:
+            lo, hi = (int(x) for x in p.answer.split())
+        except ValueError:
+            lo = hi = -1
+        if not 0 <= lo <= hi:
+            raise DataError(
+                f"{where(p)}: the answer {p.answer!r} is not 'lo hi', two integers "
+                "0 <= lo <= hi, which task.reward=count_in_range scores against; write "
+                "the answers so, or pick a reward that reads them (task.reward)"
+            )
+
+
 def unreachable_answers(tok, prompts: list[Prompt], cfg: RunConfig) -> str | None:
     """Under a reward that compares whole answers (``exact_match``), what to warn of when
     a prompt file's answers are too long for ``rollout.max_new_tokens`` (with the end of

@@ -121,6 +121,7 @@ def preflight(cfg: RunConfig) -> None:
         load_prompts,
         unreachable_answers,
     )
+    from laminar.prompts import check_reward_answers
     from laminar.rewards import resolve_reward
     from laminar.sft import base_model_config, base_tokenizer, check_cache_dir
 
@@ -141,6 +142,7 @@ def preflight(cfg: RunConfig) -> None:
         )
     _check_torch_engine(cfg, model_config)
     prompts = load_prompts(cfg)
+    check_reward_answers(prompts, cfg)
     tok = base_tokenizer(cfg)
     encoded = encode_prompts(tok, prompts, cfg)
     answers = check_answers(tok, prompts, cfg)

@@ -172,3 +172,21 @@ def test_a_run_directory_for_a_checkpoint_or_one_without_its_config_says_the_fix
         rf"restore config.yaml .* --set trainer.resume_from={newest}",
     ):
         prepare_resume(run)
+
+
+def test_a_prompt_file_whose_answers_count_in_range_cannot_read_is_refused(tmp_path):
+    """task.reward=count_in_range with answers that are not 'lo hi' passed preflight,
+    then every reward failed and the run stopped a minute later (helper 185)."""
+    from laminar.errors import DataError
+    from pipelines.api import preflight
+
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text(
+        '{"prompt": "n 2 >", "answer": "1 3"}\n{"prompt": "n 3 >", "answer": "1 2 3"}\n'
+    )
+    cfg = with_overrides(
+        RunConfig(),
+        [f"task.prompt_file={prompts}", "task.reward=count_in_range", f"sft.cache_dir={tmp_path}"],
+    )
+    with pytest.raises(DataError, match=rf"{prompts}:2: the answer '1 2 3' is not 'lo hi'"):
+        preflight(cfg)
