@@ -31,6 +31,15 @@ def _load(run_dir: Path) -> dict:
     it are still drawn (it refused the whole report, as a damaged trajectory store
     still does: every figure reads that)."""
     run = {"name": run_dir.name, "dir": run_dir, "ds": open_run(run_dir), "damaged": []}
+    run["absent"] = (
+        []
+        if (run_dir / "metrics.zarr").exists()
+        else [
+            "no metrics.zarr (moved, lost in a copy, or a run that failed before its first "
+            "rows): its tables' figures and columns (throughput, buffer, rollouts, events, "
+            "versions and RL wall time) are left out"
+        ]
+    )
     require_fields(run["ds"], run_dir)  # (every figure reads the trajectories)
     for table in TABLES:
         try:
@@ -49,7 +58,7 @@ def _load(run_dir: Path) -> dict:
     except StoreError as e:
         run["summary"] = {}
         run["damaged"].append(f"summary.json left out: {e}")
-    for damaged in run["damaged"]:
+    for damaged in run["damaged"] + run["absent"]:
         logger.warning("%s: %s", run_dir, damaged)
     # Event tables hold epoch seconds; the time series hold seconds since the run began.
     run["t0"] = None if run["cluster"] is None else time_origin(run["cluster"])
@@ -547,6 +556,9 @@ def build_report(run_dirs: list[str | Path], out: str | Path | None = None) -> P
     damaged = [f"- {r['name']}: {d}" for r in runs for d in r["damaged"]]
     if damaged:
         lines += ["## Damaged stores (their figures and columns are left out)", "", *damaged, ""]
+    absent = [f"- {r['name']}: {d}" for r in runs for d in r["absent"]]
+    if absent:
+        lines += ["## Missing stores", "", *absent, ""]
     lines += [f"![{name}]({name})" for name in figures if name]
     report = out / "report.md"
     report.write_text("\n".join(lines) + "\n")

@@ -37,7 +37,7 @@ import xarray as xr
 import zarr
 
 from storage.schema import COMMIT_ATTR, STRING
-from storage.stores import CHECKED_ZSTD
+from storage.stores import CHECKED_ZSTD, CHUNKS_ATTR, WRITE_EVERY_CHUNK, missing_chunks
 from storage.trajectories import (
     StoreError,
     fill_value,
@@ -232,8 +232,10 @@ class MetricsWriter:
             raise ValueError(f"unknown metrics table {table!r}; tables are {sorted(TABLES)}")
         if table not in self.root:
             # (with its marker, in one write: a kill between the two left a table every
-            # later append failed on)
-            return self.root.create_group(table, attributes={COMMIT_ATTR: 0})
+            # later append failed on). Every chunk written, that holding only fill
+            # values too: a chunk missing from its committed rows is then lost data
+            # (a copy cut short), refused where it is read, not NaN in a plot.
+            return self.root.create_group(table, attributes={COMMIT_ATTR: 0, CHUNKS_ATTR: True})
         return self.root[table]
 
     def append(self, table: str, rows: Sequence[Mapping[str, Any]]) -> None:
@@ -268,6 +270,9 @@ class MetricsWriter:
                     fill_value=fill_value(values.dtype),
                     compressors=CHECKED_ZSTD,  # (a changed chunk is refused, not misread)
                 )
+                if n and group.attrs.get(CHUNKS_ATTR):  # (a column new to earlier rows)
+                    fill = np.full(n, fill_value(arrays[name].dtype), dtype=arrays[name].dtype)
+                    arrays[name].with_config(WRITE_EVERY_CHUNK)[:] = fill
             elif values.dtype.kind != old.dtype.kind and all(r.get(name) is None for r in rows):
                 values = np.full(len(rows), fill_value(old.dtype))  # only None: the fill
             elif old.dtype.kind == "T" and values.dtype.kind != "T":
@@ -282,7 +287,7 @@ class MetricsWriter:
             values = columns.get(name)
             if values is None:
                 values = np.full(len(rows), fill_value(arr.dtype), dtype=arr.dtype)
-            arr.append(values)
+            arr.with_config(WRITE_EVERY_CHUNK).append(values)
         attrs: dict[str, Any] = {COMMIT_ATTR: n + len(rows)}
         if table in CUMULATIVE:
             # Where each counter stands, committed with the rows (one write of the
@@ -405,14 +410,16 @@ def open_metrics(path: str | Path, table: str) -> xr.Dataset:
                 "no row of it (yet: it is written with its first rows; repacks and faults "
                 "only by runs that moved or recovered something)"
             )
-        return _read_table(group, table)
+        return _read_table(group, table, store / table)
 
 
-def _read_table(group: zarr.Group, table: str) -> xr.Dataset:
+def _read_table(group: zarr.Group, table: str, folder: Path | None = None) -> xr.Dataset:
     n = int(group.attrs[COMMIT_ATTR])
     dim = TABLES[table]
     data = {}
     for name, arr in group_arrays(group):  # (a store being written: no temp-file warning)
+        if folder is not None and group.attrs.get(CHUNKS_ATTR):
+            _check_table_chunks(folder, table, name, arr, n)
         values = arr[:n]
         if values.dtype.kind == "T":
             values = fixed_width(values)
@@ -429,6 +436,20 @@ def _read_table(group: zarr.Group, table: str) -> xr.Dataset:
             seconds = ds["wall_time"].values
             ds = ds.assign_coords(wall_time=(dim, (seconds * 1e9).astype("datetime64[ns]")))
     return ds
+
+
+def _check_table_chunks(folder: Path, table: str, name: str, arr: zarr.Array, n: int) -> None:
+    """Each chunk of column ``name``'s ``n`` committed rows is on disk (a table written
+    since 2026-12-07 writes every chunk: :data:`~storage.stores.CHUNKS_ATTR`); zarr
+    reads a missing one as NaN, an empty plot and a number cast from NaN in the report."""
+    if missing := missing_chunks(folder / name, arr, n):
+        raise StoreError(
+            f"{str(folder)!r}: column {name!r} of metrics table {table!r} lacks chunk "
+            f"{str(folder / name / missing[0])!r}"
+            + (f" and {len(missing) - 1} more" if len(missing) > 1 else "")
+            + f" of its {n} committed rows: the data is not there (a copy of the run "
+            "directory cut short?); restore the run directory from the copy it came from"
+        )
 
 
 # Rows written before starts were marked (2026-12-04): a stretch this long between two of

@@ -350,3 +350,36 @@ def test_a_table_is_created_with_its_commit_marker_and_one_killed_before_it_stil
     del zarr.open_group(str(tmp_path / "metrics.zarr" / "faults")).attrs["n_committed"]
     with pytest.raises(StoreError, match="faults has columns but no n_committed"):
         check_metrics_store(tmp_path)
+
+
+def test_a_chunk_missing_from_a_table_is_refused_where_it_is_read(tmp_path):
+    """zarr reads a missing chunk as NaN: a metrics table whose chunk was lost (a copy
+    cut short) drew an empty panel in the report, with numpy's cast warning, and said
+    nothing (helper 185). A table written since writes every chunk, the all-NaN ones of
+    a column that appears late too, so one missing is named; the report leaves the
+    table out under "Damaged stores"."""
+    import shutil
+
+    from test_storage import record
+
+    from pipelines.report import build_report
+    from storage import TrajectoryWriter
+    from storage.trajectories import StoreError
+
+    TrajectoryWriter(tmp_path).append([record(0), record(1)])
+    w = MetricsWriter(tmp_path)
+    rows = [{"version": v, "loss": 0.5} for v in range(1, 5001)]  # (two chunks of 4096)
+    w.append("updates", rows)
+    w.append("updates", [{"version": 5001, "loss": 0.4, "grad_norm": 1.0}])  # (a new column)
+    ds = open_metrics(tmp_path, "updates")  # (grad_norm's all-NaN chunk: written, no error)
+    assert np.isnan(ds["grad_norm"].values[:5000]).all() and ds["grad_norm"].values[-1] == 1.0
+    chunk = tmp_path / "metrics.zarr" / "updates" / "loss" / "c" / "1"
+    assert chunk.exists()
+    chunk.unlink()
+    with pytest.raises(StoreError, match=r"column 'loss' of metrics table 'updates' lacks chunk"):
+        open_metrics(tmp_path, "updates")
+    report = build_report([tmp_path], tmp_path / "report").read_text()
+    assert "## Damaged stores" in report and "metrics table 'updates' left out" in report
+    shutil.rmtree(tmp_path / "metrics.zarr")
+    report = build_report([tmp_path], tmp_path / "report2").read_text()
+    assert "no metrics.zarr" in report  # (absent: the figures that read it are said to be)
