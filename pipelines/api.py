@@ -141,6 +141,7 @@ def preflight(cfg: RunConfig) -> None:
             "(and rollout.max_new_tokens), or use a model with a longer context"
         )
     _check_torch_engine(cfg, model_config)
+    _check_engine_memory(cfg, model_config)
     prompts = load_prompts(cfg)
     check_reward_answers(prompts, cfg)
     tok = base_tokenizer(cfg)
@@ -233,6 +234,45 @@ def _check_torch_engine(cfg: RunConfig, model_config) -> None:
         f"{reason}. Its rollouts would sample from other logits than the trainer "
         f"computes; {fix}"
     )
+
+
+# The share of a local worker's memory_limit the torch engine's KV cache may take: the
+# worker holds the policy and Python besides, and Dask's nanny restarts it at 95%.
+KV_MEMORY_SHARE = 0.8
+
+
+def _check_engine_memory(cfg: RunConfig, model_config) -> None:
+    """Refuse, on a local cluster with the torch engine, a KV cache larger than a
+    rollout worker may hold: the engine allocates it whole (``rollout.max_batch`` rows of
+    ``rollout.max_seq_len`` tokens, float32), and a worker past its limit was restarted
+    by Dask as it created the engine, the run failing with "the worker … was lost while
+    it created a RolloutReplica actor", naming no setting."""
+    from laminar.config_cluster import _memory_limit_bytes
+
+    if cfg.cluster.kind != "local" or cfg.rollout.engine != "torch":
+        return
+    limit = _memory_limit_bytes(cfg.cluster.memory_limit)
+    if limit is None:  # (no limit: auto, or 0)
+        return
+    heads = model_config.num_attention_heads
+    n_kv = getattr(model_config, "num_key_value_heads", None) or heads
+    head_dim = getattr(model_config, "head_dim", None) or model_config.hidden_size // heads
+    r = cfg.rollout
+    kv = model_config.num_hidden_layers * 2 * r.max_batch * n_kv * r.max_seq_len * head_dim * 4
+    if kv > KV_MEMORY_SHARE * limit:
+        batch = (
+            f"rollout.max_concurrency={r.max_concurrency}"
+            if r.max_concurrency
+            else f"rollout.groups_per_batch × group_size = {r.max_batch}"
+        )
+        raise ConfigError(
+            f"the torch engine's KV cache would take {kv / 2**30:.2f} GiB on each rollout "
+            f"worker ({batch} requests of rollout.max_seq_len={r.max_seq_len} tokens, "
+            f"{model_config.num_hidden_layers} layers), over {KV_MEMORY_SHARE:.0%} of "
+            f"cluster.memory_limit={cfg.cluster.memory_limit} (the worker also holds the "
+            "policy, and Dask restarts it at 95%); lower the requests or "
+            "rollout.max_seq_len, or raise cluster.memory_limit"
+        )
 
 
 def _check_engine(cfg: RunConfig) -> None:

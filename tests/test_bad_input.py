@@ -190,3 +190,19 @@ def test_a_prompt_file_whose_answers_count_in_range_cannot_read_is_refused(tmp_p
     )
     with pytest.raises(DataError, match=rf"{prompts}:2: the answer '1 2 3' is not 'lo hi'"):
         preflight(cfg)
+
+
+def test_a_kv_cache_past_a_local_workers_memory_is_refused_naming_the_settings(tmp_path):
+    """rollout.max_concurrency=7000 passed every check; 15 s in, Dask restarted the
+    rollout worker as it created the engine past its memory_limit, and the run failed
+    with "lost while it created a RolloutReplica actor", naming no setting (helper 185)."""
+    from pipelines.api import preflight
+
+    cfg = with_overrides(RunConfig(), ["rollout.max_concurrency=7000", f"sft.cache_dir={tmp_path}"])
+    with pytest.raises(
+        ConfigError,
+        match=r"KV cache would take .* GiB on each rollout worker \(rollout.max_concurrency=7000 "
+        r"requests of rollout.max_seq_len=.*cluster.memory_limit=4GiB",
+    ):
+        preflight(cfg)
+    preflight(with_overrides(cfg, ["cluster.memory_limit=0"]))  # (no limit: not checked)
