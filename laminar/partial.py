@@ -262,7 +262,8 @@ class PartialResponsePool:
 
     async def _write_log_now(self) -> None:
         core, w = self.core, self.writer
-        if self._resync or w.tokens() > max(COMPACT_RATIO * core.live_tokens(), COMPACT_MIN_TOKENS):
+        live = core.live_tokens()  # (prompts too)
+        if self._resync or w.all_tokens() > max(COMPACT_RATIO * live, COMPACT_MIN_TOKENS):
             # The snapshot is taken on the loop (a pass over the entries, no token copied)
             # and written from the thread; the changes made meanwhile follow it at once.
             if await self._write(core.snapshot_records(), compact=True):

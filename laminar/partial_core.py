@@ -180,7 +180,14 @@ class PartialCore:
         return journal_rows(self.snapshot_records())
 
     def live_tokens(self) -> int:
-        return sum(len(e["state"].tokens) for e in self.entries.values())
+        """The live entries' tokens, their prompts' too (compaction weighs the log's
+        against them): a log of long prompts and short responses grew by the prompts of
+        every request ever registered, where the responses alone never reached the
+        ratio that compacts it."""
+        return sum(
+            len(e["state"].tokens) + len(e["state"].request.prompt_tokens)
+            for e in self.entries.values()
+        ) + sum(len(row.get("prompt_tokens", ())) for row in self.kept.values())
 
     # -- changes --------------------------------------------------------------------------
     def keep(self, rows: list[dict]) -> None:

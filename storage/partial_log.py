@@ -280,8 +280,13 @@ class PartialLogWriter:
         shutil.rmtree(self.path / f"g{old[0]}", ignore_errors=True)
 
     def tokens(self) -> int:
-        """Tokens in the journal (what compaction weighs against the live entries)."""
+        """Response tokens in the journal."""
         return self.committed["token"]
+
+    def all_tokens(self) -> int:
+        """Tokens in the journal, the requests' prompts too (what compaction weighs
+        against the live entries')."""
+        return self.committed["token"] + self.committed.get("prompt_token", 0)
 
 
 def _create(group: zarr.Group, name: str, dtype: np.dtype, dim: str, chunk: int):

@@ -23,12 +23,12 @@ from storage.trajectories import StoreError
 PARAMS = SamplingParams(16, temperature=0.7, stop_token_ids=(2,), stop=("\n",))
 
 
-def _states(ids: list[str], seed: int) -> list[RequestState]:
-    group = PromptGroup(ids[0][:3], 4, (1, 2, 3), "7", len(ids), 0, None)
+def _states(ids: list[str], seed: int, prompt=(1, 2, 3)) -> list[RequestState]:
+    group = PromptGroup(ids[0][:3], 4, prompt, "7", len(ids), 0, None)
     return [
         RequestState(
             GenerationRequest(
-                rid, (1, 2, 3), PARAMS, {"group": group, "sample_idx": i, "t_submit": 1.5}
+                rid, prompt, PARAMS, {"group": group, "sample_idx": i, "t_submit": 1.5}
             ),
             seed=seed + i,
             t_start=float(i),
@@ -578,3 +578,34 @@ def test_the_pool_goes_on_while_its_log_is_compacted(tmp_path, monkeypatch):
     assert pool.log_counts["compactions"] == 1 and pool.log_counts["writes"] == 3
     assert pool.core.entries["p00-000"]["state"].tokens.tolist() == [5, 8]
     assert _view(replay_log(tmp_path)) == _view(pool.core)  # (not at the next write only)
+
+
+def test_a_log_of_long_prompts_and_short_responses_is_compacted(tmp_path, monkeypatch):
+    """Compaction weighed the journal's response tokens alone against the live entries':
+    with long prompts and one-token responses the log grew by the prompt of every request
+    ever registered and was never compacted (helper's note, left alone before). It now
+    weighs prompts too: the finished, forgotten requests' prompts go at a compaction."""
+    import asyncio
+
+    from laminar.partial import PartialResponsePool
+
+    monkeypatch.setattr(partial, "COMPACT_MIN_TOKENS", 2000)
+    prompt = tuple(range(1, 201))  # (200 tokens a request)
+
+    async def run() -> PartialResponsePool:
+        pool = PartialResponsePool(run_dir=str(tmp_path), log_interval_s=1e6)
+        for b in range(12):
+            ids = [f"p{b:02d}-{i:03d}" for i in range(4)]
+            await pool.register("r0", b, _states(ids, seed=b, prompt=prompt))
+            await pool.flush("r0", {rid: (0, [5], [-0.5], [b]) for rid in ids},
+                             {rid: ("eos", 1.0) for rid in ids})  # fmt: skip
+            await pool.hold(ids)
+            await pool.forget(ids)
+            await pool._write_log()
+        await pool.close()
+        return pool
+
+    pool = asyncio.run(run())
+    # 48 requests: 9,600 prompt tokens and 48 response tokens logged, none live at the end
+    assert pool.log_counts["compactions"] >= 1
+    assert pool.writer.all_tokens() < 2000 + 4 * 201
