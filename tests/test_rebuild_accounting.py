@@ -243,6 +243,28 @@ def test_a_rebuilt_buffer_counts_staleness_along_the_restarts_it_is_handed(tmp_p
     assert asyncio.run(rebuilt()) == ["b-0", "b-1"]
 
 
+def _consumed_from_a_lost_buffer(tmp_path, version: int):
+    """A group of two the trainer sampled at ``version`` from a buffer lost before its
+    store had it: the buffer's config, the group, its trajectories and the trainer's
+    record of them (uid -> sample version, time)."""
+    cfg = _buffer_config(flush_interval_s=1e9)
+    lost_pool = PromptPoolCore(PROMPTS, group_size=2, max_outstanding=8, seed=0)
+    (g,) = lost_pool.acquire(1, "r0", version)
+    sent = [
+        traj(f"{g.prompt_uid}-{i}", g.prompt_uid, 2, i, version, reward=float(i)) for i in (0, 1)
+    ]
+    consumed = {}
+
+    async def lose():
+        buf = ExperienceBuffer(str(tmp_path), _Pool(lost_pool), cfg)
+        await buf.insert(sent, "r0")  # (never stored: lost with the buffer)
+        batch = await buf.sample(1, version)
+        consumed.update({t.uid: (t.sample_version, t.t_sample) for t in batch})
+
+    asyncio.run(lose())
+    return cfg, g, sent, consumed
+
+
 def test_a_restart_gives_back_what_a_lost_update_consumed_from_the_lost_buffer(tmp_path):
     """The trainer consumed a group at version 3 from a buffer lost before its store had
     it; the rebuilt buffer is to store each sibling consumed as its rollout sends it
@@ -251,18 +273,7 @@ def test_a_restart_gives_back_what_a_lost_update_consumed_from_the_lost_buffer(t
     and the second must be admitted as new, completing the group for the restarted
     trainer: stored consumed at 3 instead, the held sibling waited for it for ever, the
     store recorded training that never happened and the pool counted the group done."""
-    cfg = _buffer_config(flush_interval_s=1e9)
-    lost_pool = PromptPoolCore(PROMPTS, group_size=2, max_outstanding=8, seed=0)
-    (g,) = lost_pool.acquire(1, "r0", 3)
-    sent = [traj(f"{g.prompt_uid}-{i}", g.prompt_uid, 2, i, 3, reward=float(i)) for i in (0, 1)]
-    consumed = {}
-
-    async def lose():
-        buf = ExperienceBuffer(str(tmp_path), _Pool(lost_pool), cfg)
-        await buf.insert(sent, "r0")  # (never stored: lost with the buffer)
-        consumed.update({t.uid: (t.sample_version, t.t_sample) for t in await buf.sample(1, 3)})
-
-    asyncio.run(lose())
+    cfg, g, sent, consumed = _consumed_from_a_lost_buffer(tmp_path, 3)
     plan = plan_rebuild(tmp_path, version=4, consumed=consumed, since=3, held_groups=set())
     assert sorted(plan.consumed_elsewhere) == [t.uid for t in sent]
     pool = PromptPoolCore(
@@ -295,18 +306,7 @@ def test_a_rebuilt_buffers_sync_names_what_it_still_waits_to_store_consumed(tmp_
     sent again. sync() names those, for the trainer to keep; a second loss then rebuilds
     knowing they were consumed, and one sent again is stored consumed, not admitted as
     new (its group never complete for want of the sibling sent before)."""
-    cfg = _buffer_config(flush_interval_s=1e9)
-    lost_pool = PromptPoolCore(PROMPTS, group_size=2, max_outstanding=8, seed=0)
-    (g,) = lost_pool.acquire(1, "r0", 0)
-    sent = [traj(f"{g.prompt_uid}-{i}", g.prompt_uid, 2, i, 0, reward=float(i)) for i in (0, 1)]
-    consumed = {}
-
-    async def lose():
-        buf = ExperienceBuffer(str(tmp_path), _Pool(lost_pool), cfg)
-        await buf.insert(sent, "r0")  # (never stored: lost with the buffer)
-        consumed.update({t.uid: (t.sample_version, t.t_sample) for t in await buf.sample(1, 0)})
-
-    asyncio.run(lose())
+    cfg, g, sent, consumed = _consumed_from_a_lost_buffer(tmp_path, 0)
     plan = plan_rebuild(tmp_path, version=1, consumed=consumed, since=0, held_groups=set())
     resent = [traj(t.uid, g.prompt_uid, 2, t.sample_idx, 0, reward=t.reward) for t in sent]
     kept = {}
@@ -344,18 +344,7 @@ def test_a_restarted_trainer_keeps_what_its_buffer_still_waits_to_store_consumed
     checkpoint's version): the second rebuild knows them consumed, and sent again they
     are stored consumed at 0. With the restarted trainer's record empty, they were
     admitted as new and trained again at 4 (helper 183's sequence)."""
-    cfg = _buffer_config(flush_interval_s=1e9)
-    lost_pool = PromptPoolCore(PROMPTS, group_size=2, max_outstanding=8, seed=0)
-    (g,) = lost_pool.acquire(1, "r0", 0)
-    sent = [traj(f"{g.prompt_uid}-{i}", g.prompt_uid, 2, i, 0, reward=float(i)) for i in (0, 1)]
-    consumed = {}
-
-    async def lose():
-        buf = ExperienceBuffer(str(tmp_path), _Pool(lost_pool), cfg)
-        await buf.insert(sent, "r0")  # (never stored: lost with the buffer)
-        consumed.update({t.uid: (t.sample_version, t.t_sample) for t in await buf.sample(1, 0)})
-
-    asyncio.run(lose())
+    cfg, g, sent, consumed = _consumed_from_a_lost_buffer(tmp_path, 0)
     plan = plan_rebuild(tmp_path, version=1, consumed=consumed, since=0, held_groups=set())
     back = {}
 
