@@ -203,7 +203,7 @@ def _script_hint() -> str:
 
     main = getattr(__main__, "__file__", None)
     # (none: a notebook, a REPL, `python -c`; `laminar` itself guards its entry point)
-    if not main or os.path.basename(main) in ("laminar", "cli.py", "__main__.py"):
+    if not main or os.path.basename(main) in ("laminar", "cli.py", "__main__.py", "pytest"):
         return ""
     return (
         f"; or, from a script ({__main__.__file__}): start the cluster, and the run, under "
@@ -421,11 +421,12 @@ def scheduler_workers(client=None, timeout: float = 30.0) -> dict[str, dict]:
         # (closed under a run: a notebook cell that closed the client or its cluster
         # early; it read as "'NoneType' object has no attribute 'identity'")
         raise ClusterError(
-            f"the Dask client is {client.status}: it (or its cluster) was closed while "
-            "the run was going, and the run cannot go on without it; keep the client and "
-            "cluster open until the run has ended (RunHandle.wait), and continue the run "
-            "from its newest checkpoint with pipelines.resume(RUN_DIR, client) or "
-            "`laminar run --resume RUN_DIR`"
+            f"the Dask client is {client.status}: it was closed (by its close() or its "
+            "cluster's, or by itself after it lost its scheduler and could not reconnect) "
+            "while the run was going, and the run cannot go on without it; keep the "
+            "client and cluster open until the run has ended (RunHandle.wait), and "
+            "continue the run from its newest checkpoint with "
+            "pipelines.resume(RUN_DIR, client) or `laminar run --resume RUN_DIR`"
         )
     return client.sync(client.scheduler.identity, n_workers=-1, callback_timeout=timeout)["workers"]
 

@@ -235,7 +235,12 @@ class MetricsWriter:
             # later append failed on). Every chunk written, that holding only fill
             # values too: a chunk missing from its committed rows is then lost data
             # (a copy cut short), refused where it is read, not NaN in a plot.
-            return self.root.create_group(table, attributes={COMMIT_ATTR: 0, CHUNKS_ATTR: True})
+            # Its columns committed with its rows (COLUMNS_ATTR): one made by an append
+            # killed before its commit (its earlier rows' chunks not yet back-filled)
+            # is no column of the table's, not a lost chunk.
+            return self.root.create_group(
+                table, attributes={COMMIT_ATTR: 0, CHUNKS_ATTR: True, COLUMNS_ATTR: []}
+            )
         return self.root[table]
 
     def append(self, table: str, rows: Sequence[Mapping[str, Any]]) -> None:
@@ -251,6 +256,10 @@ class MetricsWriter:
         # One listing of the table's arrays: a lookup by name reads that array's metadata
         # from disk each time (~1 ms a column, twice for each: half an append's time).
         arrays = dict(group.arrays())
+        committed = group.attrs.get(COLUMNS_ATTR)  # (None: a table written before)
+        for name in [a for a in arrays if committed is not None and a not in committed]:
+            del group[name]  # (made by an append killed before its commit: made again)
+            del arrays[name]
         for name, values in columns.items():
             old = arrays.get(name)
             if old is not None and old.dtype.kind != "T" and values.dtype.kind == "T":
@@ -289,6 +298,8 @@ class MetricsWriter:
                 values = np.full(len(rows), fill_value(arr.dtype), dtype=arr.dtype)
             arr.with_config(WRITE_EVERY_CHUNK).append(values)
         attrs: dict[str, Any] = {COMMIT_ATTR: n + len(rows)}
+        if committed is not None:
+            attrs[COLUMNS_ATTR] = sorted(arrays)
         if table in CUMULATIVE:
             # Where each counter stands, committed with the rows (one write of the
             # group's metadata): a resume reads it, not the whole table.
@@ -417,7 +428,10 @@ def _read_table(group: zarr.Group, table: str, folder: Path | None = None) -> xr
     n = int(group.attrs[COMMIT_ATTR])
     dim = TABLES[table]
     data = {}
+    committed = group.attrs.get(COLUMNS_ATTR)  # (None: a table written before)
     for name, arr in group_arrays(group):  # (a store being written: no temp-file warning)
+        if committed is not None and name not in committed:
+            continue  # (being made by an append not yet committed, or killed before it)
         if folder is not None and group.attrs.get(CHUNKS_ATTR):
             _check_table_chunks(folder, table, name, arr, n)
         values = arr[:n]
@@ -436,6 +450,10 @@ def _read_table(group: zarr.Group, table: str, folder: Path | None = None) -> xr
             seconds = ds["wall_time"].values
             ds = ds.assign_coords(wall_time=(dim, (seconds * 1e9).astype("datetime64[ns]")))
     return ds
+
+
+# A table's columns, committed with its rows (tables made since 2026-12-07)
+COLUMNS_ATTR = "committed_columns"
 
 
 def _check_table_chunks(folder: Path, table: str, name: str, arr: zarr.Array, n: int) -> None:

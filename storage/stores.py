@@ -118,20 +118,20 @@ def reading(store: Path, fix: str = "restore the run directory from a copy") -> 
         ) from e
 
 
-# Where zarr decodes what is on disk: a chunk (its codecs), an array's metadata (its
-# data type and fill value: an edited zarr.json's int8 with a NaN fill is a TypeError)
-_DECODERS = tuple(
-    os.path.join("zarr", *parts, "")
-    for parts in (("codecs",), ("core", "dtype"), ("core", "metadata"))
-)
+_CODECS = os.path.join("zarr", "codecs", "")
+# zarr's reading of an array's metadata from its zarr.json (an edited one's int8 with a
+# NaN fill is a TypeError there); not its making of metadata for an array being created,
+# where the same error is a bug of the caller's
+_METADATA_FROM_DISK = "from_dict"
 
 
 def _decoding(e: BaseException) -> bool:
-    """``e`` was raised decoding what is on disk (in zarr's codecs, or its reading of an
-    array's metadata)."""
-    return any(
-        any(d in frame.f_code.co_filename for d in _DECODERS)
-        for frame, _ in traceback.walk_tb(e.__traceback__)
+    """``e`` was raised decoding what is on disk: in zarr's codecs (a chunk), or as zarr
+    read an array's metadata (``from_dict``)."""
+    frames = [frame.f_code for frame, _ in traceback.walk_tb(e.__traceback__)]
+    return any(_CODECS in c.co_filename for c in frames) or any(
+        c.co_name == _METADATA_FROM_DISK and os.path.join("zarr", "") in c.co_filename
+        for c in frames
     )
 
 

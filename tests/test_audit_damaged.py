@@ -168,3 +168,19 @@ def test_an_audit_without_summary_json_says_what_it_took_the_run_for(tmp_path):
     assert note.startswith("no summary.json (the run is still going, or its driver was lost")
     (tmp_path / "summary.json").write_text(json.dumps({"reason": "completed", "segments": 1}))
     assert not [n for n in audit_run(tmp_path).notes if "summary.json" in n]
+
+
+def test_a_bug_making_an_array_is_not_read_as_damage(tmp_path):
+    """Errors zarr raises reading an array's zarr.json are damage; the same errors made
+    creating an array (a writer's bad data type or fill) are a bug, and must not tell
+    the user to restore a brand-new run directory (helper 187)."""
+    import numpy as np
+    import zarr
+
+    from storage.stores import reading
+
+    group = zarr.open_group(str(tmp_path / "s"), mode="w", zarr_format=3)
+    for bad in (dict(dtype="nonsense"), dict(dtype="int8", fill_value=np.nan)):
+        with pytest.raises((TypeError, ValueError)) as e, reading(tmp_path / "s"):
+            group.create_array("b", shape=(4,), overwrite=True, **bad)
+        assert not isinstance(e.value, StoreError)

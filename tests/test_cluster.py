@@ -49,7 +49,9 @@ def test_live_workers_are_read_from_the_scheduler_not_the_clients_cache():
             scheduler_workers(client, timeout=1e-6)
     # a client closed under a run (a notebook cell run early) says so, not
     # "'NoneType' object has no attribute 'identity'" (helper 186)
-    with pytest.raises(ClusterError, match=r"the Dask client is closed: it \(or its cluster\)"):
+    with pytest.raises(
+        ClusterError, match=r"the Dask client is closed: it was closed \(by its close\(\)"
+    ):
         scheduler_workers(client)
 
 

@@ -340,7 +340,8 @@ def test_a_table_is_created_with_its_commit_marker_and_one_killed_before_it_stil
     with attribute_writes(monkeypatch) as writes:
         w = MetricsWriter(tmp_path)
         w.append("cluster", [{"elapsed_s": 1.0, "version": 0}])
-    assert [sorted(a) for a in writes] == [["last_counters", "n_committed"]]  # (the commit)
+    commit = ["committed_columns", "last_counters", "n_committed"]
+    assert [sorted(a) for a in writes] == [commit]  # (the commit: one write)
 
     w.root.create_group("faults")  # (an older writer killed before it wrote the marker)
     check_metrics_store(tmp_path)
@@ -383,3 +384,24 @@ def test_a_chunk_missing_from_a_table_is_refused_where_it_is_read(tmp_path):
     shutil.rmtree(tmp_path / "metrics.zarr")
     report = build_report([tmp_path], tmp_path / "report2").read_text()
     assert "no metrics.zarr" in report  # (absent: the figures that read it are said to be)
+
+
+def test_a_column_made_by_an_append_killed_before_its_commit_is_not_a_lost_chunk(tmp_path):
+    """A column new to a table of 5,000 rows is made at that length, then its earlier
+    rows' chunks written with the fill: a driver killed between the two left a table
+    every read refused for a lost chunk, after a resume too (helper 187). A table's
+    columns are committed with its rows: a reader leaves out one not committed, and the
+    next append makes it again."""
+    import zarr
+
+    w = MetricsWriter(tmp_path)
+    w.append("updates", [{"version": v, "loss": 0.5} for v in range(1, 5001)])
+    group = zarr.open_group(str(tmp_path / "metrics.zarr" / "updates"))
+    group.create_array("grad_norm", shape=(5000,), dtype="float64", chunks=(4096,),
+                       dimension_names=["update"], fill_value=float("nan"))  # fmt: skip
+    group["grad_norm"][4096:] = 1.0  # (killed here: chunk 0 never written)
+    ds = open_metrics(tmp_path, "updates")  # (read while it was being made, or after)
+    assert "grad_norm" not in ds and ds.sizes["update"] == 5000
+    MetricsWriter(tmp_path).append("updates", [{"version": 5001, "loss": 0.4, "grad_norm": 2.0}])
+    ds = open_metrics(tmp_path, "updates")
+    assert np.isnan(ds["grad_norm"].values[:5000]).all() and ds["grad_norm"].values[-1] == 2.0

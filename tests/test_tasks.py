@@ -454,7 +454,7 @@ def test_a_reward_module_that_exits_blocks_or_is_a_path_is_named(tmp_path, monke
             _check_reward_imports(f"{module}:fn", resolve_reward)
     with pytest.raises(
         RewardError,
-        match=r"importing 'laminar_test_blocks' did not finish in 0.5 s; a module that blocks",
+        match=r"importing 'laminar_test_blocks' did not finish in 0.5 s: it blocks as it is",
     ):
         _check_reward_imports("laminar_test_blocks:fn", resolve_reward, timeout_s=0.5)
     with pytest.raises(
@@ -464,3 +464,10 @@ def test_a_reward_module_that_exits_blocks_or_is_a_path_is_named(tmp_path, monke
     with pytest.raises(RewardError, match="put the folder that holds it on PYTHONPATH"):
         resolve_reward("laminar_test_nowhere:fn")
     _check_reward_imports("exact_match", resolve_reward)  # (one that imports: passes)
+    # one that sets a signal handler as it is imported: in the main thread alone (it passed
+    # before the import moved to a thread, and passes still)
+    (tmp_path / "laminar_test_signal.py").write_text(
+        "import signal\nsignal.signal(signal.SIGUSR1, signal.SIG_IGN)\n"
+        "def fn(response, answer): return 1.0\n"
+    )
+    _check_reward_imports("laminar_test_signal:fn", resolve_reward)
