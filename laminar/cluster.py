@@ -417,11 +417,12 @@ def scheduler_workers(client=None, timeout: float = 30.0) -> dict[str, dict]:
         from distributed import get_client
 
         client = get_client()
-    if client.scheduler is None or client.status in ("closing", "closed"):
+    status = getattr(client, "status", "running")
+    if getattr(client, "scheduler", None) is None or status in ("closing", "closed"):
         # (closed under a run: a notebook cell that closed the client or its cluster
         # early; it read as "'NoneType' object has no attribute 'identity'")
         raise ClusterError(
-            f"the Dask client is {client.status}: it was closed (by its close() or its "
+            f"the Dask client is {status}: it was closed (by its close() or its "
             "cluster's, or by itself after it lost its scheduler and could not reconnect) "
             "while the run was going, and the run cannot go on without it; keep the "
             "client and cluster open until the run has ended (RunHandle.wait), and "
