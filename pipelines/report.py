@@ -472,7 +472,7 @@ def _row(r: dict) -> str:
         f"{st['s_gen_mean']:.2f} / {st['residence_mean']:.2f} / {st['s_train_mean']:.2f} | "
         f"{st.get('n_discarded', 0)} | "
         f"{'-' if flat != flat else f'{flat:.0%}'} | "
-        + " / ".join(f"{v:.0f}" for v in percentile_lengths(r["ds"]).values())
+        + " / ".join(f"{round(v, 1):g}" for v in percentile_lengths(r["ds"]).values())
         + f" | {wall:.0f}"
         + (f" ({n_starts} starts)" if n_starts > 1 else "")
         + " |"
