@@ -349,11 +349,14 @@ def _set_path(data: dict[str, Any], dotted: str, value: Any) -> None:
         isinstance(value, dict)
         and isinstance(node.get(keys[-1]), dict)
         and all(isinstance(k, str) for k in value)
+        and _is_section(tuple(keys))
     ):
-        # A mapping for a section that holds settings sets the keys it names, one by one
+        # A mapping for a section that is always on sets the keys it names, one by one
         # (`--set 'trainer={steps: 3}'` is `--set trainer.steps=3`): it replaced the
         # section, putting every other key of it, the config file's too, back to its
-        # default without a word.
+        # default without a word. An optional section's (cluster.security, repack,
+        # rollout.pacing, trainer.pacing) is the section whole, as null is its absence:
+        # its keys may exclude each other (security's generate and its files).
         for k, v in value.items():
             _set_path(data, f"{dotted}.{k}", v)
         return

@@ -4,6 +4,7 @@ each is read as meant, or refused naming the field and the fix."""
 from __future__ import annotations
 
 import re
+from pathlib import Path
 
 import pytest
 
@@ -57,16 +58,29 @@ def test_a_section_set_to_null_is_refused_naming_it(tmp_path, section, value):
 def test_a_mapping_for_a_section_sets_the_keys_it_names_and_keeps_the_others(tmp_path):
     """`--set 'trainer={steps: 3}'` replaced the section: the file's `lr` and
     `clip_high` went back to their defaults without a word (and on a resume the
-    checkpoint check then named an lr the user never touched). Two mappings for one
-    optional section left only the second's key (helper 185)."""
+    checkpoint check then named an lr the user never touched; helper 185). An optional
+    section's mapping is that section whole, as before."""
     f = tmp_path / "c.yaml"
     f.write_text("trainer:\n  lr: 1.0e-3\n  clip_high: 0.5\n  steps: 7\n")
     cfg = load_config(f, ["trainer={steps: 3}"])
     assert (cfg.trainer.steps, cfg.trainer.lr, cfg.trainer.clip_high) == (3, 1e-3, 0.5)
     assert load_config(f, ["trainer={}"]) == load_config(f)  # (names none: changes none)
+    # an optional section's mapping is the section whole: the recipe of docs/deploy.md,
+    # certificate files in place of the file's generate: true (helper 188 found it
+    # refused while mappings merged into optional sections too)
+    g = tmp_path / "g.yaml"
+    g.write_text("cluster:\n  security:\n    generate: true\n")
+    files = "cluster.security={ca_file: /c/ca.pem, cert: /c/cert.pem, key: /c/key.pem}"
+    slurm = Path(__file__).resolve().parents[1] / "configs" / "slurm.yaml"  # (deploy.md's)
+    for cfg in (
+        load_config(g, [files]),
+        with_overrides(load_config(g), [files]),
+        load_config(slurm, [files]),
+    ):
+        assert not cfg.cluster.security.generate and cfg.cluster.security.ca_file == "/c/ca.pem"
     both = ["rollout.pacing={dilation: 3}", "rollout.pacing={tp: 8}"]
     for cfg in (load_config(f, both), with_overrides(load_config(f), both)):
-        assert (cfg.rollout.pacing.dilation, cfg.rollout.pacing.tp) == (3, 8)
+        assert (cfg.rollout.pacing.dilation, cfg.rollout.pacing.tp) == (1.0, 8)
     nested = with_overrides(load_config(f), ["cluster={slurm: {walltime: '2:00:00'}}"])
     assert nested.cluster.slurm.walltime == "2:00:00"
     assert nested.cluster.slurm.partition == RunConfig().cluster.slurm.partition
