@@ -21,6 +21,9 @@ from laminar.errors import ClusterError
 # (laminar.deploy's logger, as before the split: docs/deploy.md quotes its lines)
 log = logging.getLogger("laminar.deploy")
 
+# How long a wait for the role workers is logged at INFO before it is a warning
+QUIET_WAIT_S = 30.0
+
 
 def run_workers(cfg: RunConfig) -> dict:
     """:func:`role_workers` for a run config."""
@@ -52,8 +55,9 @@ def wait_for_roles(
     joined fails the wait at once, quoting its log, and the timeout's message gives the
     state of each job still missing instead of a `dask worker` command.
     """
-    deadline = time.monotonic() + timeout_s
-    logged = None
+    start = time.monotonic()
+    deadline = start + timeout_s
+    logged, logged_quietly = None, False
     while True:
         have = {role: len(workers_with(client, role)) for role in needs}
         short = {r: (have[r], n) for r, n in needs.items() if have[r] < n}
@@ -71,12 +75,17 @@ def wait_for_roles(
                 f"the cluster cannot place this run (waited {timeout_s:g} s, "
                 "cluster.placement_timeout_s):\n" + "\n".join(lines)
             )
-        if short != logged:
-            log.warning(
+        # (said at once, a warning only past QUIET_WAIT_S: Slurm jobs just submitted, or
+        # a local cluster's workers starting, are a wait, not a problem)
+        late = time.monotonic() - start >= QUIET_WAIT_S
+        if short != logged or (late and logged_quietly):
+            level = logging.WARNING if late else logging.INFO
+            log.log(
+                level,
                 "waiting for workers: %s",
                 ", ".join(f"{r} {g}/{n}" for r, (g, n) in short.items()),
             )
-            logged = short
+            logged, logged_quietly = short, not late
         time.sleep(poll_s)
 
 

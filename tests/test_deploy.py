@@ -196,9 +196,18 @@ def test_the_placement_advice_starts_the_data_module_beside_trainer_rank_0(monke
         assert trainer.endswith(trainer_line), trainer
 
 
-def test_a_cluster_without_a_role_fails_fast_naming_it(tmp_path):
+def test_a_cluster_without_a_role_fails_fast_naming_it(tmp_path, caplog, monkeypatch):
+    """... and says it waits: at INFO first (jobs just submitted, workers starting: a
+    wait, not a problem; it was a warning at once, on every Slurm start: helper 188),
+    a warning once the wait is past QUIET_WAIT_S."""
+    import logging
+
     from distributed import Client, LocalCluster
 
+    from laminar import deploy_placement
+
+    monkeypatch.setattr(deploy_placement, "QUIET_WAIT_S", 0.5)
+    caplog.set_level(logging.INFO, logger="laminar.deploy")
     cfg = with_overrides(RunConfig(), ["rollout.replicas=2"])
     with (
         LocalCluster(
@@ -216,6 +225,8 @@ def test_a_cluster_without_a_role_fails_fast_naming_it(tmp_path):
         message = str(e.value)
         assert "rollout: 0 worker(s) with resource 'rollout', the run needs 2" in message
         assert "--resources rollout=1" in message and "trainer" not in message.split("\n", 1)[1]
+    said = [r.levelno for r in caplog.records if "waiting for workers: rollout 0/2" in r.message]
+    assert said == [logging.INFO, logging.WARNING]
 
 
 @pytest.mark.slow
