@@ -128,6 +128,10 @@ def _follow(handle) -> int:
             code = _watch(handle, display)
         except KeyboardInterrupt:  # the second signal: no stop in order, no summary
             _safely(display.close)
+            # (the cluster is torn down under actors still in use: Dask's scheduler and
+            # asyncio then log ~90 lines of errors after the line below, none of them news)
+            for name in ("distributed", "asyncio"):
+                logging.getLogger(name).setLevel(logging.CRITICAL)
             _safely(
                 print,
                 f"\nlaminar: aborted; the run in {handle.run_dir} did not stop in order; "
