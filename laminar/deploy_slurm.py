@@ -200,8 +200,13 @@ def slurm_cluster(cfg: RunConfig, run_dir: str | Path, security=None):
             f"Slurm refused the job(s) of {', '.join(sorted(refused)) or 'the run'} "
             f"({', '.join(sections) or 'cluster.slurm'}; cluster.slurm's walltime and "
             "job_directives apply to every job, its partition and account to those of a "
-            "role without its own):\n  " + "\n  ".join(said) + "\n"
-            "the jobs it had accepted are cancelled"
+            "role without its own):\n  "
+            + "\n  ".join(said)
+            + (
+                "\nthe jobs it had accepted are cancelled"
+                if len(refused) < len(run_workers(cfg))
+                else ""
+            )
         ) from None
     except BaseException:  # Ctrl-C: the jobs sbatch took must not outlive the run
         log.warning("interrupted: cancelling the Slurm jobs submitted so far")

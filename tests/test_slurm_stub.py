@@ -24,13 +24,18 @@ from laminar.errors import ClusterError
 SCRIPTS = REPO / "deploy" / "slurm"
 
 # sbatch keeps each job script and answers with a job id (its pid: unique among calls
-# that run at once); with FAKE_SBATCH_INTERRUPT set, the first call sends the test's
+# that run at once), or refuses a script that holds FAKE_SBATCH_REFUSE; with
+# FAKE_SBATCH_INTERRUPT set, the first call sends the test's
 # process a Ctrl-C (SIGINT) and answers a second later, still under way meanwhile.
 # scancel records the ids it was given; with FAKE_SCANCEL_SLOW=S, S seconds after it
 # started (scancel.started), as a controller that answers slowly.
 SBATCH = """#!/bin/bash
 d={d}
 id=$$
+if [ -n "$FAKE_SBATCH_REFUSE" ] && grep -q -- "$FAKE_SBATCH_REFUSE" "$1"; then
+    echo "sbatch: error: invalid partition specified: nope" >&2
+    exit 1
+fi
 if [ -n "$FAKE_SBATCH_INTERRUPT" ] && mkdir "$d/interrupted" 2>/dev/null; then
     kill -INT $PPID
     sleep 1
@@ -620,3 +625,23 @@ def test_each_role_s_job_computes_on_its_own_threads_a_replaced_job_too(fake_slu
         "rollout-1": ["2", "2", "2"],
         "rollout-0.2": ["2", "2", "2"],
     }, threads
+
+
+@pytest.mark.parametrize("refuse", ["#SBATCH", "rollout-1"], ids=["every_job", "one_job"])
+def test_a_refused_submission_says_the_accepted_jobs_are_cancelled_only_when_some_were(
+    fake_slurm, tmp_path, monkeypatch, refuse
+):
+    """sbatch refusing every job still said "the jobs it had accepted are cancelled"
+    (helper 188); refusing one, it says so, and they are."""
+    from laminar.deploy import open_cluster
+
+    monkeypatch.setenv("FAKE_SBATCH_REFUSE", refuse)
+    with pytest.raises(ClusterError, match="invalid partition specified") as e:
+        with open_cluster(_slurm_cfg("cluster.placement_timeout_s=0"), tmp_path / "run"):
+            pass
+    submitted = _lines(fake_slurm / "submitted")
+    if refuse == "#SBATCH":
+        assert submitted == [] and "accepted" not in str(e.value)
+    else:
+        assert len(submitted) == 2 and "the jobs it had accepted are cancelled" in str(e.value)
+        assert set(submitted) <= set(_lines(fake_slurm / "cancelled"))
