@@ -179,7 +179,13 @@ def _watch(handle, display) -> int:
         _safely(
             print,
             f"laminar: {summary['reason']}; its final checkpoint is written: "
-            f"{resume_hint(handle.run_dir)} in new jobs",
+            f"{resume_hint(handle.run_dir)} in new jobs"
+            + (
+                " (path B: a new scheduler job and new worker jobs first, docs/deploy.md)"
+                if getattr(handle, "config", None) is not None
+                and handle.config.cluster.kind == "address"
+                else ""
+            ),
             file=sys.stderr,
         )
         return WALLTIME_EXIT
