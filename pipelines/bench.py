@@ -74,7 +74,10 @@ class BenchResult:
         widths = [max(len(str(r[i])) for r in cells) for i in range(len(self.columns))]
         lines = ["  ".join(str(c).rjust(w) for c, w in zip(r, widths, strict=True)) for r in cells]
         lines.insert(1, "  ".join("-" * w for w in widths))
-        return "\n".join(lines + [f"note: {n}" for n in self.notes])
+        # (the ratios too: relay's, repack's and soak's headline figures were in the
+        # JSON alone; helper 189)
+        ratios = [f"ratio: {k} = {_cell(v)}" for k, v in self.ratios.items()]
+        return "\n".join(lines + ratios + [f"note: {n}" for n in self.notes])
 
 
 @contextlib.contextmanager
@@ -243,7 +246,16 @@ def _hf_tok_s(policy, batch: int, new_tokens: int) -> float:
 
 def vllm_python(explicit: str | None = None) -> str | None:
     """The interpreter of the vLLM environment: ``--vllm-python``, ``$LAMINAR_VLLM_PYTHON``,
-    or the ``.venv-vllm`` that ``.ci/vllm-env`` builds."""
+    or the ``.venv-vllm`` that ``.ci/vllm-env`` builds. One given that does not exist is a
+    :class:`~laminar.errors.ConfigError` (it fell through to the others, whose figures
+    then read as the one asked for)."""
+    from laminar.errors import ConfigError
+
+    if explicit and not Path(explicit).exists():
+        raise ConfigError(
+            f"--vllm-python {explicit!r} does not exist; give the python of a vLLM "
+            "environment (.ci/vllm-env builds .venv-vllm), or leave it out"
+        )
     for cand in (explicit, os.environ.get("LAMINAR_VLLM_PYTHON"), REPO / ".venv-vllm/bin/python"):
         if cand and Path(cand).exists():
             return str(cand)

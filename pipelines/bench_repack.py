@@ -132,8 +132,9 @@ def _arm(client, run_dir: Path, overrides: list[str], duration_s: float, scale, 
     import pipelines
     from laminar.errors import RunFailed
     from pipelines.bench import stop_on_interrupt
+    from pipelines.bench_schedules_cluster import TINY_CONFIG
 
-    run = pipelines.submit("configs/tiny.yaml", client, run_dir=run_dir, overrides=overrides)
+    run = pipelines.submit(TINY_CONFIG, client, run_dir=run_dir, overrides=overrides)
     deadline = None
     with stop_on_interrupt(lambda: run):  # (else the cluster closes under the live run)
         while True:

@@ -53,6 +53,7 @@ from pipelines.bench_schedules_cluster import (
     ABLATION_OF,
     ARMS,
     GPUS_PER_REPLICA,
+    TINY_CONFIG,
     Cluster,
     Probe,
 )
@@ -162,7 +163,7 @@ def _run(client, run_dir: Path, overrides: list[str]) -> dict:
     import pipelines
     from laminar.errors import RunFailed
 
-    run = pipelines.submit("configs/tiny.yaml", client, run_dir=run_dir, overrides=overrides)
+    run = pipelines.submit(TINY_CONFIG, client, run_dir=run_dir, overrides=overrides)
     summary = run.wait(timeout=3600)
     if summary["reason"] != "completed":
         raise RunFailed(
@@ -221,9 +222,7 @@ def bench_schedules(
 
     for arm in arms:
         r = splits.get(arm, splits.get(ABLATION_OF.get(arm), cluster.balanced_replicas()))
-        load_config(
-            "configs/tiny.yaml", [*cluster.overrides(arm, r, 1, 0), *arm_set(arm, overrides)]
-        )
+        load_config(TINY_CONFIG, [*cluster.overrides(arm, r, 1, 0), *arm_set(arm, overrides)])
     probes: dict[str, dict[int, float]] = {}
     unsearched: dict[str, str] = {}  # arm -> why it has no split (its search failed)
     results: dict[str, list[dict]] = {a: [] for a in arms}
@@ -233,7 +232,12 @@ def bench_schedules(
     # (said first: a bench stopped before its end is re-analysed from the runs it kept)
     print(
         f"runs kept in {root} (stopped before the end: laminar bench schedules --from-runs "
-        f"--runs-dir {root})",
+        f"--runs-dir {root})"
+        + (
+            "; a temporary folder, removed at the end unless a run fails (--runs-dir keeps them)"
+            if runs_dir is None
+            else ""
+        ),
         flush=True,
     )
     t_bench = time.time()
@@ -320,7 +324,7 @@ def bench_schedules(
     if seeds == 0:
         result = _search_result(cluster, arms, splits, probes, root, failed)
         result.notes += notes
-        return result
+        return _tidy(result, root, runs_dir)
     result = _result(
         cluster,
         arms,
@@ -341,6 +345,21 @@ def bench_schedules(
         ),
     )
     result.notes += notes
+    return _tidy(result, root, runs_dir)
+
+
+def _tidy(result, root: Path, runs_dir: str | None):
+    """The result, its runs' temporary folder removed (``runs_dir`` not given) unless a
+    run failed: it kept every run in /tmp (36 MB for two one-update runs; helper 189).
+    A bench interrupted before this keeps them, for ``--from-runs``."""
+    import shutil
+
+    if runs_dir is None and not result.failed:
+        shutil.rmtree(root, ignore_errors=True)
+        result.options["runs"] = None
+        result.notes.append(f"its runs' temporary folder ({root}) removed: --runs-dir keeps them")
+    elif runs_dir is None:
+        print(f"kept the runs in {root}: a run failed (listed in the notes)", flush=True)
     return result
 
 

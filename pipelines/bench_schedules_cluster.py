@@ -13,8 +13,13 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 from laminar.errors import ConfigError
+
+# The benches' base config, found from the checkout (not the working directory: a bench
+# run from anywhere else stopped at "config file 'configs/tiny.yaml' does not exist")
+TINY_CONFIG = str(Path(__file__).resolve().parent.parent / "configs" / "tiny.yaml")
 
 GPUS_PER_REPLICA = 4
 # The smallest emulated cluster: one replica, and a trainer on at least one GPU of the

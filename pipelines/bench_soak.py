@@ -104,6 +104,7 @@ def bench_soak(
     import pipelines
     from laminar.cluster import local_cluster, scheduler_workers, workers_with
     from laminar.errors import LaminarError
+    from pipelines.bench_schedules_cluster import TINY_CONFIG
     from storage import open_run
     from storage.audit import audit_run
     from storage.metrics import open_metrics
@@ -121,7 +122,7 @@ def bench_soak(
         local_cluster(REPLICAS, memory_limit="3GiB", data_apart=data_apart) as cluster,
         Client(cluster) as client,
     ):
-        handle = pipelines.submit("configs/tiny.yaml", client, overrides=workload, run_dir=run)
+        handle = pipelines.submit(TINY_CONFIG, client, overrides=workload, run_dir=run)
         # (an interrupt stops the run in order: else the cluster closes under it)
         with stop_on_interrupt(lambda: handle):
             _wait_training(handle)

@@ -296,7 +296,8 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument(
         "--runs-dir",
         type=_user_path,
-        help="schedules, repack: keep the runs here (default: a temp dir)",
+        help="schedules, repack: keep the runs here (default: a temporary folder, removed "
+        "at the end unless a run fails or the bench is stopped)",
     )
     bench.add_argument(
         "--from-runs",

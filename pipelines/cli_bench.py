@@ -50,6 +50,19 @@ def _check_bench_flags(args: argparse.Namespace) -> None:
             "laminar bench soak: --resume-lost and --data-apart do not go together (a "
             "resumed run is the shared layout's); give one"
         )
+    if args.vllm_python:
+        from pipelines.bench import vllm_python
+
+        vllm_python(args.vllm_python)  # (one that does not exist: refused now, not minutes on)
+    runs_dir = getattr(args, "runs_dir", None)
+    if runs_dir and not args.from_runs:
+        path = Path(runs_dir).expanduser()
+        blocker = _file_in_the_way(path)
+        if blocker is not None:  # (it failed minutes on, in a traceback, or named --run-dir)
+            raise ConfigError(
+                f"--runs-dir {runs_dir!r}: {str(blocker)!r} is a file, not a folder; give "
+                "a folder's path (made if missing) for the bench to keep its runs in"
+            )
     if args.name != "schedules":
         return  # (run_bench refuses flags a bench does not take)
     if args.from_runs:

@@ -443,3 +443,65 @@ def test_relay_ratios_compare_the_loop_sender_with_the_thread_one_of_each_protoc
     assert ratios["loop_vs_thread_m1_p3_broadcast"] == 3.0
     assert ratios["ucx_loop_vs_thread_m1_p2_stall"] == 3.0
     assert ratios["broadcast_loop_vs_thread_p3"] == 3.0
+
+
+def test_the_benches_find_their_config_from_any_working_directory(tmp_path, monkeypatch):
+    """repack, schedules and soak loaded 'configs/tiny.yaml' from the working directory:
+    run from anywhere but the checkout's root they stopped at once, "config file
+    'configs/tiny.yaml' does not exist" (helper 189)."""
+    from pathlib import Path
+
+    from laminar.config import load_config
+    from pipelines import bench_repack, bench_schedules, bench_soak
+    from pipelines.bench_schedules_cluster import TINY_CONFIG
+
+    monkeypatch.chdir(tmp_path)
+    assert Path(TINY_CONFIG).is_absolute()
+    load_config(TINY_CONFIG)
+    for module in (bench_repack, bench_schedules, bench_soak):
+        assert '"configs/tiny.yaml"' not in Path(module.__file__).read_text()
+
+
+def test_the_printed_table_gives_the_ratios():
+    """relay's, repack's and soak's ratios (repack's headline gen_throughput_on_vs_off)
+    were in the JSON alone: the printed table now ends with every ratio (helper 189)."""
+    from pipelines.bench import BenchResult
+
+    result = BenchResult(
+        name="x",
+        figures={"on": 157362.0, "off": 116094.0},
+        ratios={"gen_throughput_on_vs_off": 157362.0 / 116094.0, "not_measured": None},
+        samples={},
+        columns=["arm", "tok/s"],
+        rows=[["on", 157362.0], ["off", 116094.0]],
+        options={},
+        notes=["a note"],
+    )
+    lines = result.table().splitlines()
+    assert lines[-3:] == [
+        "ratio: gen_throughput_on_vs_off = 1.36",
+        "ratio: not_measured = -",
+        "note: a note",
+    ]
+
+
+@pytest.mark.parametrize(
+    ("runs_dir", "failed", "kept"),
+    [(None, [], False), (None, [{"arm": "sync"}], True), ("given", [], True)],
+    ids=["temporary", "a_run_failed", "runs_dir_given"],
+)
+def test_the_schedules_bench_removes_its_temporary_runs_unless_a_run_failed(
+    tmp_path, runs_dir, failed, kept
+):
+    """It kept every run in /tmp for good (36 MB for two one-update runs; helper 189):
+    like repack's, its temporary folder goes at the end, unless a run failed; a folder
+    given as --runs-dir stays."""
+    from pipelines.bench import BenchResult
+    from pipelines.bench_schedules import _tidy
+
+    root = tmp_path / "runs"
+    (root / "sync-r16-s0").mkdir(parents=True)
+    result = BenchResult("schedules", {}, {}, {}, [], [], {"runs": str(root)}, failed=failed)
+    result = _tidy(result, root, str(root) if runs_dir else None)
+    assert root.exists() == kept
+    assert result.options["runs"] == (str(root) if kept else None)

@@ -175,6 +175,10 @@ def test_a_bench_out_that_cannot_be_written_is_refused_before_the_bench_runs(
         (["schedules", "--splits", "lamnar=5"], "unknown schedule 'lamnar' in --splits"),
         (["schedules", "--seeds", "-1"], "argument --seeds: '-1' is not a whole number ≥ 0"),
         (["soak", "--data-apart", "--resume-lost"], "--resume-lost and --data-apart"),
+        # (a file: a traceback minutes on, or an error naming --run-dir; helper 189)
+        (["schedules", "--runs-dir", "FILE"], "is a file, not a folder; give a folder's"),
+        (["repack", "--runs-dir", "FILE/sub"], "is a file, not a folder; give a folder's"),
+        (["engine", "--vllm-python", "NOPE"], "--vllm-python 'NOPE' does not exist"),
     ],
 )
 def test_bench_flags_that_conflict_or_name_nothing_are_refused(
@@ -183,6 +187,8 @@ def test_bench_flags_that_conflict_or_name_nothing_are_refused(
     (tmp_path / "kept").mkdir()
     argv = [str(tmp_path / "kept") if a == "KEPT" else a for a in argv]
     argv = [str(tmp_path / "nope") if a == "NOPE" else a for a in argv]
+    (tmp_path / "afile").write_text("")
+    argv = [a.replace("FILE", str(tmp_path / "afile")) for a in argv]
     assert cli.main(["bench", *argv]) == 2
     err = capsys.readouterr().err
     assert why.replace("'NOPE", repr(str(tmp_path / "nope"))[:-1]) in err, err
