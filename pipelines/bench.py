@@ -470,9 +470,9 @@ def write_atomically(path: Path, text: str) -> None:
         raise
 
 
-def run_bench(name: str, out: str | None = None, **options) -> BenchResult:
-    """Run benchmark ``name``, print its table, write its JSON to ``out`` if given. An
-    option the benchmark does not take is refused, naming the ones it does."""
+def check_options(name: str, options: dict) -> None:
+    """Refuse a benchmark ``name`` that does not exist, or an option it does not take
+    (naming the ones it does), before anything runs or is made."""
     if name not in BENCHES:
         raise KeyError(f"no benchmark {name!r}; known: {sorted(BENCHES)}")
     takes = bench_options(name)
@@ -486,6 +486,12 @@ def run_bench(name: str, out: str | None = None, **options) -> BenchResult:
             + f"; it takes {', '.join(cli) or 'no option'}"
             + (f" (and from Python: {', '.join(python)})" if python else "")
         )
+
+
+def run_bench(name: str, out: str | None = None, **options) -> BenchResult:
+    """Run benchmark ``name``, print its table, write its JSON to ``out`` if given. An
+    option the benchmark does not take is refused, naming the ones it does."""
+    check_options(name, options)
     if out and name == "schedules" and Path(out).suffix.lower() in (".md", ".png"):
         raise ConfigError(
             f"--out {out!r}: the schedules bench writes its table (.md) and plots (.png) "

@@ -101,11 +101,9 @@ def _check_bench_flags(args: argparse.Namespace) -> None:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    from pipelines.bench import run_bench
+    from pipelines.bench import check_options, run_bench
 
     _check_bench_flags(args)
-    if args.out:
-        _check_out(args.out)
     options = {}
     if args.repeats is not None:
         options["repeats"] = args.repeats
@@ -160,6 +158,10 @@ def cmd_bench(args: argparse.Namespace) -> int:
         options["overrides"] = tuple(args.set)  # (repack, schedules: run_bench says so)
     if args.splits:
         options["splits"] = args.splits
+    # (the flags first: a command refused for one left the folder of its --out made)
+    check_options(args.name, options)
+    if args.out:
+        _check_out(args.out)
     result = run_bench(args.name, args.out, **options)
     if result.failed:  # (figures of the other runs written: the failed ones listed)
         print(

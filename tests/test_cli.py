@@ -160,6 +160,15 @@ def test_a_bench_out_that_cannot_be_written_is_refused_before_the_bench_runs(
         assert err.startswith("laminar: error: ") and why in err, err
 
 
+def test_a_refused_bench_command_makes_no_folder_of_its_out(tmp_path, capsys):
+    """--out's folder was made as it was checked, before the bench refused a flag it does
+    not take: the refused command left it behind (helper 189). The bench makes it as it
+    writes (run_bench refuses --gpus for engine before it runs anything)."""
+    out = tmp_path / "new" / "deeper" / "engine.json"
+    assert cli.main(["bench", "engine", "--out", str(out), "--gpus", "64"]) == 2
+    assert "--gpus" in capsys.readouterr().err and not (tmp_path / "new").exists()
+
+
 @pytest.mark.parametrize(
     "argv, why",
     [
