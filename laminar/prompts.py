@@ -181,15 +181,13 @@ def check_reward_answers(prompts: list[Prompt], cfg: RunConfig) -> None:
     (``count_in_range``: ``"lo hi"``), that a prompt file's answers have it: else every
     reward of the run fails (each group discarded) and the run stops after a minute of
     generating for nothing. A :class:`DataError` naming the first that does not."""
+    from laminar.rewards import length_band
+
     if cfg.task.reward != "count_in_range" or not cfg.task.prompt_file:
         return
     where = _where(cfg)
     for p in prompts:
-        try:
-            lo, hi = (int(x) for x in p.answer.split())
-        except ValueError:
-            lo = hi = -1
-        if not 0 <= lo <= hi:
+        if length_band(p.answer) is None:
             raise DataError(
                 f"{where(p)}: the answer {p.answer!r} is not 'lo hi', two integers "
                 "0 <= lo <= hi, which task.reward=count_in_range scores against; write "

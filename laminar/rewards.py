@@ -55,6 +55,20 @@ def prefix_credit(response: str, answer: str) -> float:
     return min(n, len(want) - 1) / len(want) if want else 0.0
 
 
+def length_band(answer: str) -> tuple[int, int] | None:
+    """The band ``(lo, hi)`` of a :func:`count_in_range` answer ``"lo hi"`` (two integers
+    ``0 <= lo <= hi``), or None where the answer is not one.
+
+    >>> length_band("2 5"), length_band("5 2"), length_band("1 2 3")
+    ((2, 5), None, None)
+    """
+    try:
+        lo, hi = (int(x) for x in answer.split())
+    except ValueError:
+        return None
+    return (lo, hi) if 0 <= lo <= hi else None
+
+
 def count_in_range(response: str, answer: str) -> float:
     """The ``count_range`` task's reward: for a response of a length within the band
     ``answer = "lo hi"``, the fraction of its symbols that count right (symbol ``i`` is
@@ -71,15 +85,13 @@ def count_in_range(response: str, answer: str) -> float:
     >>> count_in_range("1 9 3 4", "1 5"), count_in_range("", "1 5")
     (0.75, 0.0)
     """
-    try:
-        lo, hi = (int(x) for x in answer.split())
-    except ValueError:
-        lo = hi = -1
-    if not 0 <= lo <= hi:
+    band = length_band(answer)
+    if band is None:
         raise RewardError(
             f"count_in_range needs the answer 'lo hi', two integers 0 <= lo <= hi, got "
             f"{answer!r}; it scores the count_range task"
         )
+    lo, hi = band
     got = response.split()
     if not lo <= len(got) <= hi:
         return 0.0
