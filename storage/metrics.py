@@ -37,7 +37,7 @@ import xarray as xr
 import zarr
 
 from storage.schema import COMMIT_ATTR, STRING
-from storage.stores import CHECKED_ZSTD, CHUNKS_ATTR, WRITE_EVERY_CHUNK, missing_chunks
+from storage.stores import CHECKED_ZSTD, CHUNKS_ATTR, WRITE_EVERY_CHUNK, check_chunks
 from storage.trajectories import (
     StoreError,
     fill_value,
@@ -433,7 +433,7 @@ def _read_table(group: zarr.Group, table: str, folder: Path | None = None) -> xr
         if committed is not None and name not in committed:
             continue  # (being made by an append not yet committed, or killed before it)
         if folder is not None and group.attrs.get(CHUNKS_ATTR):
-            _check_table_chunks(folder, table, name, arr, n)
+            check_chunks(folder, group, name, arr, n)  # (written since 2026-12-07)
         values = arr[:n]
         if values.dtype.kind == "T":
             values = fixed_width(values)
@@ -454,20 +454,6 @@ def _read_table(group: zarr.Group, table: str, folder: Path | None = None) -> xr
 
 # A table's columns, committed with its rows (tables made since 2026-12-07)
 COLUMNS_ATTR = "committed_columns"
-
-
-def _check_table_chunks(folder: Path, table: str, name: str, arr: zarr.Array, n: int) -> None:
-    """Each chunk of column ``name``'s ``n`` committed rows is on disk (a table written
-    since 2026-12-07 writes every chunk: :data:`~storage.stores.CHUNKS_ATTR`); zarr
-    reads a missing one as NaN, an empty plot and a number cast from NaN in the report."""
-    if missing := missing_chunks(folder / name, arr, n):
-        raise StoreError(
-            f"{str(folder)!r}: column {name!r} of metrics table {table!r} lacks chunk "
-            f"{str(folder / name / missing[0])!r}"
-            + (f" and {len(missing) - 1} more" if len(missing) > 1 else "")
-            + f" of its {n} committed rows: the data is not there (a copy of the run "
-            "directory cut short?); restore the run directory from the copy it came from"
-        )
 
 
 # Rows written before starts were marked (2026-12-04): a stretch this long between two of

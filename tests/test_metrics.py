@@ -377,7 +377,7 @@ def test_a_chunk_missing_from_a_table_is_refused_where_it_is_read(tmp_path):
     chunk = tmp_path / "metrics.zarr" / "updates" / "loss" / "c" / "1"
     assert chunk.exists()
     chunk.unlink()
-    with pytest.raises(StoreError, match=r"column 'loss' of metrics table 'updates' lacks chunk"):
+    with pytest.raises(StoreError, match=r"metrics.zarr/updates': array 'loss' lacks chunk"):
         open_metrics(tmp_path, "updates")
     report = build_report([tmp_path], tmp_path / "report").read_text()
     assert "## Damaged stores" in report and "metrics table 'updates' left out" in report
