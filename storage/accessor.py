@@ -430,6 +430,12 @@ class LaminarAccessor:
         coords = {dim: coord, "trajectories": (dim, count.astype(np.int64))}
         return xr.DataArray(mean, dims=dim, coords=coords, name="reward")
 
+    def _scored_rewards(self) -> tuple[np.ndarray, np.ndarray]:
+        """Each trajectory's reward (float64), and whether it counts in a mean: finite,
+        and not a failed reward's (``finish_reason == "error"``)."""
+        reward = self._ds["reward"].values.astype(np.float64)
+        return reward, np.isfinite(reward) & (self._ds["finish_reason"].values != "error")
+
     def to_dataframe(self):
         """One row per trajectory: every per-trajectory field (a pandas DataFrame indexed
         by ``trajectory``). The ragged token fields are left out (read them with
@@ -453,8 +459,7 @@ class LaminarAccessor:
         pu = ds["prompt_uid"].values
         uids, inverse = np.unique(pu, return_inverse=True)
         n = len(uids)
-        reward = ds["reward"].values.astype(np.float64)
-        ok = np.isfinite(reward) & (ds["finish_reason"].values != "error")
+        reward, ok = self._scored_rewards()
         scored = np.bincount(inverse, weights=ok, minlength=n)
         with np.errstate(invalid="ignore", divide="ignore"):  # (NaN: none scored)
             mean = np.bincount(inverse, weights=np.where(ok, reward, 0.0), minlength=n) / scored
@@ -509,8 +514,7 @@ class LaminarAccessor:
         ids, inverse = np.unique(last, return_inverse=True)
         count = np.bincount(inverse, minlength=len(ids))
         rlen = ds["response_len"].values.astype(np.float64)
-        reward = ds["reward"].values.astype(np.float64)
-        ok = np.isfinite(reward) & (ds["finish_reason"].values != "error")
+        reward, ok = self._scored_rewards()
         scored = np.bincount(inverse, weights=ok, minlength=len(ids))
         total = np.bincount(inverse, weights=np.where(ok, reward, 0.0), minlength=len(ids))
         return xr.Dataset(
