@@ -371,6 +371,22 @@ def _check_supported(cfg) -> None:
         raise ModelError(refusal[0])
 
 
+def _kv_heads(config) -> tuple[int, int]:
+    """An HF config's key-value heads and head dimension (their defaults where it has
+    none: as many as its attention heads, ``hidden_size`` over them)."""
+    heads = config.num_attention_heads
+    n_kv = getattr(config, "num_key_value_heads", None) or heads
+    return n_kv, getattr(config, "head_dim", None) or config.hidden_size // heads
+
+
+def cache_bytes(config, rows: int, columns: int) -> int:
+    """The bytes of the cache :meth:`CachedDecoder.new_cache` makes for ``config`` (the
+    torch engine's KV cache, allocated whole: ``rows`` requests of ``columns`` tokens)."""
+    n_kv, head_dim = _kv_heads(config)
+    values = config.num_hidden_layers * 2 * rows * n_kv * columns * head_dim
+    return values * torch.empty((), dtype=torch.get_default_dtype()).element_size()
+
+
 class CachedDecoder:
     """Llama/Qwen2 forward over a preallocated, slotted KV cache (inference only).
 
@@ -391,8 +407,7 @@ class CachedDecoder:
         self.device = torch.device(device)
         self.n_layers = config.num_hidden_layers
         self.n_heads = config.num_attention_heads
-        self.n_kv = getattr(config, "num_key_value_heads", None) or self.n_heads
-        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.n_heads
+        self.n_kv, self.head_dim = _kv_heads(config)
         self.vocab_size = config.vocab_size
         self.eps = config.rms_norm_eps
         dim = self.head_dim

@@ -251,17 +251,15 @@ def _check_engine_memory(cfg: RunConfig, model_config) -> None:
     by Dask as it created the engine, the run failing with "the worker … was lost while
     it created a RolloutReplica actor", naming no setting."""
     from laminar.config_cluster import _memory_limit_bytes
+    from laminar.model import cache_bytes
 
     if cfg.cluster.kind != "local" or cfg.rollout.engine != "torch":
         return
     limit = _memory_limit_bytes(cfg.cluster.memory_limit)
     if limit is None:  # (no limit: auto, or 0)
         return
-    heads = model_config.num_attention_heads
-    n_kv = getattr(model_config, "num_key_value_heads", None) or heads
-    head_dim = getattr(model_config, "head_dim", None) or model_config.hidden_size // heads
     r = cfg.rollout
-    kv = model_config.num_hidden_layers * 2 * r.max_batch * n_kv * r.max_seq_len * head_dim * 4
+    kv = cache_bytes(model_config, r.max_batch, r.max_seq_len)
     if kv > KV_MEMORY_SHARE * limit:
         batch = (
             f"rollout.max_concurrency={r.max_concurrency}"

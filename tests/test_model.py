@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from laminar.errors import ModelError
-from laminar.model import CachedDecoder, check_policy_dir, load_policy
+from laminar.model import CachedDecoder, cache_bytes, check_policy_dir, load_policy
 
 
 @pytest.fixture(scope="module")
@@ -36,6 +36,8 @@ def check_decoder_against_hf(model, seqs):
         toks[i, : len(s)] = torch.tensor(s)
     lengths = torch.tensor([len(s) for s in seqs])
     cache = dec.new_cache(len(seqs) + 1, width + 4)  # a spare row: views must work
+    # (what preflight weighs against a worker's memory_limit is what the engine makes)
+    assert cache_bytes(model.config, len(seqs) + 1, width + 4) == cache.nbytes
     logits = dec.prefill(toks, lengths, cache[:, :, : len(seqs)])
     nxt = logits.argmax(-1)
     logits2 = dec.decode(nxt, lengths, cache[:, :, : len(seqs)])
