@@ -4,6 +4,9 @@ creating task (:func:`detach`); the actors a run's setup made, released if it fa
 (:func:`actors_made`, :func:`release_actors`); whether a failed call says its actor may be
 lost (:func:`is_lost`); threads that keep the worker's context (:func:`start_thread`).
 
+Importing it quiets one report of ``distributed``'s (:class:`_CancelledCallReport`): every
+process that calls an actor through laminar imports it.
+
 Apart from :mod:`laminar.cluster` (the workers: a local cluster of them, placement, and
 the waits on an actor that watch the scheduler's view of its worker), from where each
 public name here is imported as well: nothing here asks the scheduler about workers.
@@ -21,6 +24,37 @@ logger = logging.getLogger(__name__)
 
 
 _made = threading.local()
+
+
+class _CancelledCallReport(logging.Filter):
+    """Drops tornado's report of an actor call that ended because its actor's worker was
+    lost and the actor then released.
+
+    A call (from a worker-side handle, whose creating future the worker still holds as
+    pending) to a worker that died retries its connection for
+    ``distributed.comm.timeouts.connect`` (30 s), then awaits that future, which the run
+    cancels as it releases the lost actor; the callback that ``distributed`` runs the call
+    in re-raises the cancellation where no one awaits it, and tornado logs it as an ERROR
+    with a 60-line traceback, one per call in flight: a soak's or a recovered run's
+    terminal filled with them. The caller learns of the loss from its own wait and from
+    loss detection (:func:`is_lost`, the manager's), and laminar says what happened; the
+    report adds nothing to that. Only that report is dropped: other errors of the
+    callback, and every other tornado error, are logged as before."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        error = record.exc_info[1] if record.exc_info else None
+        if type(error).__name__ != "FutureCancelledError":
+            return True
+        return "wait_then_set_result" not in record.getMessage()
+
+
+def _quiet_cancelled_calls() -> None:
+    tornado = logging.getLogger("tornado.application")
+    if not any(isinstance(f, _CancelledCallReport) for f in tornado.filters):
+        tornado.addFilter(_CancelledCallReport())
+
+
+_quiet_cancelled_calls()
 
 
 @contextlib.contextmanager

@@ -474,3 +474,90 @@ def test_a_script_that_starts_a_cluster_unguarded_is_told_of_the_main_guard(tmp_
     assert f"from a script ({script}): start the cluster, and the run, under `if __name__ ==" in (
         out.stderr
     )
+
+
+def _caller_of():
+    """An actor that calls another's ``add`` in a thread and keeps what its process's
+    ``tornado.application`` logger emits (made in a function: pickled by value)."""
+
+    class Caller:
+        def __init__(self, counter):
+            import logging
+
+            self.counter, self.emitted, self.outcome = counter, [], []
+            emitted = self.emitted
+
+            class Keep(logging.Handler):
+                def emit(self, record):
+                    emitted.append(record.getMessage()[:300])
+
+            logging.getLogger("tornado.application").addHandler(Keep())
+
+        def call(self):
+            import threading
+
+            def go():
+                try:
+                    self.outcome.append(repr(self.counter.add(2).result(timeout=60)))
+                except Exception as e:  # noqa: BLE001 — kept for the test to read
+                    self.outcome.append(repr(e))
+
+            threading.Thread(target=go, daemon=True).start()
+
+        def calls_in_flight(self):
+            import asyncio
+
+            from distributed import get_worker
+
+            loop = get_worker().loop.asyncio_loop
+            return sum("wait_then_set_result" in repr(t) for t in asyncio.all_tasks(loop))
+
+        def handle_status(self):
+            return self.counter._future.status
+
+        def seen(self):
+            return list(self.emitted)
+
+    return Caller
+
+
+@pytest.mark.slow
+def test_a_call_to_a_lost_and_released_actor_logs_no_traceback():
+    """A call from a worker to an actor whose worker died retries its connection, then
+    awaits the actor's creating future, which the run cancels as it releases the lost
+    actor; ``distributed`` re-raises that cancellation in a callback no one awaits, and
+    tornado logged it as an ERROR with a 60-line traceback per call in flight (a soak's
+    terminal, a recovered run's). Importing laminar.actors drops that report alone."""
+    import signal
+
+    import dask
+    from distributed import Client
+
+    from laminar.cluster import role_cluster, start_actor
+
+    Counter, _ = _counter_and_holder()
+    Caller = _caller_of()
+    with (
+        dask.config.set({"distributed.comm.timeouts.connect": "2s"}),
+        role_cluster({"a": {"data": 1}, "b": {"rollout": 1}}, name="lost-call") as cluster,
+        Client(cluster) as client,
+    ):
+        (a,), (b,) = workers_with(client, "data"), workers_with(client, "rollout")
+        created = start_actor(client, Counter, worker=a, resource="data")
+        counter = bind_actor(client, Counter, a, created)
+        caller = bind_actor(
+            client, Caller, b, start_actor(client, Caller, counter, worker=b, resource="rollout")
+        )
+        os.kill(client.run(os.getpid, workers=[a])[a], signal.SIGKILL)
+        caller.call().result()
+        assert caller.calls_in_flight().result() == 1
+        time.sleep(0.5)
+        client.cancel(created)  # as a run releases a lost actor
+        del counter, created
+        deadline = time.monotonic() + 30
+        while caller.calls_in_flight().result() and time.monotonic() < deadline:
+            time.sleep(0.5)
+        # the call ended by the path the report comes from: its handle's future cancelled
+        assert caller.calls_in_flight().result() == 0
+        assert caller.handle_status().result() == "cancelled"
+        assert caller.seen().result() == []
