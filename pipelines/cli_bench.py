@@ -50,6 +50,15 @@ def _check_bench_flags(args: argparse.Namespace) -> None:
             "laminar bench soak: --resume-lost and --data-apart do not go together (a "
             "resumed run is the shared layout's); give one"
         )
+    if args.name == "soak":
+        duration = 600.0 if args.duration_s is None else args.duration_s
+        every = 60.0 if args.kill_every_s is None else args.kill_every_s
+        if every >= duration:  # (it ran to the end and measured no recovery at all)
+            raise ConfigError(
+                f"laminar bench soak: --kill-every-s {every:g} is not below --duration-s "
+                f"{duration:g}, so no worker would be killed; give a --kill-every-s below "
+                "the duration (the soak measures recoveries), or a longer --duration-s"
+            )
     if args.vllm_python:
         from pipelines.bench import vllm_python
 

@@ -184,6 +184,9 @@ def test_a_refused_bench_command_makes_no_folder_of_its_out(tmp_path, capsys):
         (["schedules", "--splits", "lamnar=5"], "unknown schedule 'lamnar' in --splits"),
         (["schedules", "--seeds", "-1"], "argument --seeds: '-1' is not a whole number ≥ 0"),
         (["soak", "--data-apart", "--resume-lost"], "--resume-lost and --data-apart"),
+        # (it ran to its end, killing nothing: no recovery measured, and nothing said)
+        (["soak", "--duration-s", "60", "--kill-every-s", "90"], "--kill-every-s 90 is not below"),
+        (["soak", "--kill-every-s", "600"], "--kill-every-s 600 is not below --duration-s 600"),
         # (a file: a traceback minutes on, or an error naming --run-dir; helper 189)
         (["schedules", "--runs-dir", "FILE"], "is a file, not a folder; give a folder's"),
         (["repack", "--runs-dir", "FILE/sub"], "is a file, not a folder; give a folder's"),
