@@ -370,6 +370,9 @@ class TrainerConfig(_Section):
     # Also checkpoint every this many versions (0: only when the run ends), so a lost
     # run can be resumed (`laminar run --resume RUN_DIR`) losing at most these updates.
     checkpoint_every: int = Field(0, ge=0)
+    # Keep only the newest this many checkpoints of the run, removing older ones once a
+    # newer is in place (null: every one; a 7B's, with AdamW, is ~100 GB).
+    keep_checkpoints: int | None = Field(None, ge=1)
     pacing: TrainerPacingConfig | None = None  # needs rollout.pacing (its scale)
 
     @field_validator("clip_c")

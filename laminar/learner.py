@@ -452,7 +452,7 @@ def checkpoint_restarts(ckpt: str | Path) -> list[tuple[int, int]]:
     return restarts_of(_trainer_state(ckpt / "trainer_state.json"), ckpt)
 
 
-def _checkpoints(folder: Path) -> dict[int, Path]:
+def saved_checkpoints(folder: Path) -> dict[int, Path]:
     """The checkpoints in a run's ``checkpoints`` folder by version. Only
     ``version-<digits>`` folders count: one renamed aside (``version-000014.damaged``)
     is passed over."""
@@ -465,15 +465,18 @@ def _checkpoints(folder: Path) -> dict[int, Path]:
 
 def remove_partial_checkpoints(folder: Path) -> list[Path]:
     """Remove the partial checkpoint folders (``.version-N.partial``, written aside
-    before the rename into place) in a run's ``checkpoints`` ``folder``: a trainer killed
-    as it wrote one (or one before 2026-12-06 whose write the disk refused) left it,
-    model and optimizer, gigabytes nothing else removes. Only the trainer writes there,
-    one at a time: call it as one starts. Returns those removed (each logged)."""
+    before the rename into place; ``.version-N.removed``, one renamed aside to be removed
+    past ``trainer.keep_checkpoints``) in a run's ``checkpoints`` ``folder``: a trainer
+    killed as it wrote or removed one (or one before 2026-12-06 whose write the disk
+    refused) left it, model and optimizer, gigabytes nothing else removes. Only the
+    trainer writes there, one at a time: call it as one starts. Returns those removed
+    (each logged)."""
     removed = []
-    for p in sorted(folder.glob(".version-*.partial")):
+    for p in sorted([*folder.glob(".version-*.partial"), *folder.glob(".version-*.removed")]):
         if p.is_dir():
             shutil.rmtree(p, ignore_errors=True)
-            logger.info("removed %s, a checkpoint a trainer left unfinished", p)
+            what = "left unfinished" if p.suffix == ".partial" else "left half removed"
+            logger.info("removed %s, a checkpoint a trainer %s", p, what)
             removed.append(p)
     return removed
 
@@ -481,7 +484,7 @@ def remove_partial_checkpoints(folder: Path) -> list[Path]:
 def newest_checkpoint(run_dir: str | Path) -> Path | None:
     """A run's checkpoint of the highest version (every folder there is complete: they
     are written aside and renamed into place), or ``None``."""
-    saved = _checkpoints(Path(run_dir) / "checkpoints")
+    saved = saved_checkpoints(Path(run_dir) / "checkpoints")
     return saved[max(saved)] if saved else None
 
 
@@ -504,7 +507,7 @@ def _damaged(path: Path, e: Exception | str) -> CheckpointError:
 def _another(ckpt: Path) -> str:
     """How to resume from a checkpoint other than the damaged ``ckpt`` (the one before
     it named, where its run has one)."""
-    saved, mine = _checkpoints(ckpt.parent), ckpt.name.removeprefix("version-")
+    saved, mine = saved_checkpoints(ckpt.parent), ckpt.name.removeprefix("version-")
     older = [v for v in saved if mine.isdigit() and v < int(mine)]
     before = saved[max(older)].name if older else None
     run = ckpt.parent.parent if ckpt.parent.name == "checkpoints" else "RUN_DIR"

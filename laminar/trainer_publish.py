@@ -23,6 +23,7 @@ import shutil
 import time
 
 from laminar.files import sync_dir, sync_tree
+from laminar.learner import saved_checkpoints
 from laminar.prompt_pool import DATA_STATE
 
 # (the actor's logger: its records read as the trainer's, whichever module they come from)
@@ -170,7 +171,38 @@ class PublicationMixin:
             )
             return self.checkpoint
         sync_dir(root)
+        self._remove_older_checkpoints(root)
         return str(out)
+
+    def _remove_older_checkpoints(self, root) -> None:
+        """Past ``trainer.keep_checkpoints``, the oldest of the run's checkpoints up to
+        this version go, once this one is in place (a newer one, of a start a resume
+        superseded, is the resume's to handle). Each is renamed aside first
+        (``.version-N.removed``), so a removal cut short leaves no ``version-N`` folder
+        that a resume or the analysis would take for a checkpoint; what a trainer killed
+        meanwhile left is removed as the next starts. A removal the disk refuses is said
+        and the run goes on: disk, not data, is what it costs."""
+        keep = self.cfg.trainer.keep_checkpoints
+        if not keep:
+            return
+        saved = saved_checkpoints(root)
+        older = sorted(v for v in saved if v <= self.version)[:-keep]
+        for v in older:
+            aside = root / f".version-{v:06d}.removed"
+            try:
+                saved[v].rename(aside)
+                shutil.rmtree(aside)
+            except OSError as e:
+                logger.warning(
+                    "could not remove checkpoint %s past trainer.keep_checkpoints=%d "
+                    "(%s: %s); it stays, taking its disk space",
+                    saved[v],
+                    keep,
+                    type(e).__name__,
+                    e,
+                )
+                continue
+            logger.info("removed checkpoint %s (trainer.keep_checkpoints=%d)", saved[v], keep)
 
 
 # What a write that the disk refused raises: OSError (the files laminar writes, the

@@ -52,6 +52,7 @@ WORKLOAD = [  # the fault tests' small task (its warm start is cached), epoch af
     "rollout.max_seq_len=70",
     "trainer.steps=1000000",  # the soak ends it
     "trainer.checkpoint_every=10",
+    "trainer.keep_checkpoints=3",  # (an hour's soak wrote hundreds, every one kept)
     "relay.keep_versions=4",  # the newest + one per rollout's batch (docs/faults.md)
     "buffer.max_outstanding_groups=16",
     "cluster.actor_timeout_s=10",

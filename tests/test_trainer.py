@@ -237,6 +237,45 @@ def test_a_rebuilt_buffer_takes_the_version_told_not_one_still_unpublished(tiny_
     assert trainer.consumed_record()["version"] == 1 and stats["published"] == 1
 
 
+def test_keep_checkpoints_removes_the_oldest_once_a_newer_is_in_place(
+    tiny_policy, tmp_path, caplog
+):
+    """``trainer.keep_checkpoints=2``: a run that checkpoints every version keeps its two
+    newest, whole and loadable. A newer one of a start a resume superseded is not the
+    trainer's to remove; a folder a removal left half done (renamed aside) goes as the
+    next trainer starts."""
+    import logging
+
+    cfg = with_overrides(
+        CFG,
+        ["trainer.groups_per_step=2", "trainer.checkpoint_every=1", "trainer.keep_checkpoints=2"],
+    )
+    folder = tmp_path / "checkpoints"
+    superseded = folder / "version-000009"  # (a lost start's, past this one's versions)
+    superseded.mkdir(parents=True)
+    half = folder / ".version-000004.removed"
+    half.mkdir()
+    (half / "optimizer.pt").write_bytes(b"\0" * 4096)
+    trainer, buffer, master = make(
+        tiny_policy, tmp_path, cfg, LAMINAR, [groups(0, 2), groups(1, 2), groups(2, 2)]
+    )
+    with caplog.at_level(logging.INFO, logger="laminar"):
+        stats = run_until_starved(trainer, buffer)
+    assert stats["error"] is None and trainer.version == 3
+    assert sorted(p.name for p in folder.iterdir()) == [
+        "version-000002",
+        "version-000003",
+        "version-000009",
+    ]
+    for v in (2, 3):
+        path = folder / f"version-{v:06d}"
+        assert same(checkpoint_weights(path), master.versions[v])
+        assert check_manifest(path, leave_out=("data_state.json",)) == ManifestCheck(True)
+    said = caplog.text
+    assert "version-000001 (trainer.keep_checkpoints=2)" in said
+    assert ".version-000004.removed, a checkpoint a trainer left half removed" in said
+
+
 def test_a_trainer_stopped_without_a_checkpoint_writes_none(tiny_policy, tmp_path):
     """An aborted run stops its trainer with ``checkpoint=False`` (the driver's
     ``_abort``): a trainer still finishing its update after the driver has given up
