@@ -139,10 +139,10 @@ def _check_file_address(path: str, address: str, secured: bool) -> None:
     if problem is not None:
         raise ConfigError(f"cluster.scheduler_file: the scheduler address in {path!r}: {problem}")
     if address.startswith("ucx://"):
-        _ucx_is_installed("cluster.scheduler_file", f"{path} (a ucx:// scheduler)")
+        ucx_is_installed("cluster.scheduler_file", f"{path} (a ucx:// scheduler)")
 
 
-def _ucx_is_installed(field: str, value: str) -> None:
+def ucx_is_installed(field: str, value: str, otherwise: str = "use cluster.protocol=tcp") -> None:
     """Dask's UCX comes from `distributed-ucxx`: without it, a scheduler over UCX failed
     to start with no word of why (``Scheduler failed to start.``)."""
     import importlib.util
@@ -153,7 +153,7 @@ def _ucx_is_installed(field: str, value: str) -> None:
             f"({sys.executable}) lacks; it pins its own dask release, so install it with "
             "laminar in an environment of its own and run laminar from there: python3 -m "
             "venv .venv-ucx && . .venv-ucx/bin/activate && pip install -e '.[cpu,ucx]' "
-            "(docs/deploy.md, UCX); or use cluster.protocol=tcp"
+            f"(docs/deploy.md, UCX); or {otherwise}"
         )
 
 
@@ -187,9 +187,9 @@ def open_cluster(cfg: RunConfig, run_dir: str | Path | None = None) -> Iterator:
     c = cfg.cluster
     kind, address, scheduler_file = c.kind, c.address, c.scheduler_file
     if kind != "address" and _protocol(c) == "ucx":
-        _ucx_is_installed("cluster.protocol", "ucx")
+        ucx_is_installed("cluster.protocol", "ucx")
     if address and address.startswith("ucx://"):
-        _ucx_is_installed("cluster.address", address)
+        ucx_is_installed("cluster.address", address)
     security = security_for(c, run_dir)
     jobs = None
     with contextlib.ExitStack() as stack:

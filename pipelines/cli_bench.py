@@ -59,6 +59,11 @@ def _check_bench_flags(args: argparse.Namespace) -> None:
                 f"{duration:g}, so no worker would be killed; give a --kill-every-s below "
                 "the duration (the soak measures recoveries), or a longer --duration-s"
             )
+    if args.protocols and "ucx" in args.protocols:
+        from laminar.deploy import ucx_is_installed
+
+        # (else: "Scheduler failed to start.", naming cluster.protocol, which it has not)
+        ucx_is_installed("--protocols", ",".join(args.protocols), "give --protocols tcp")
     if args.vllm_python:
         from pipelines.bench import vllm_python
 

@@ -191,6 +191,7 @@ def test_a_refused_bench_command_makes_no_folder_of_its_out(tmp_path, capsys):
         (["schedules", "--runs-dir", "FILE"], "is a file, not a folder; give a folder's"),
         (["repack", "--runs-dir", "FILE/sub"], "is a file, not a folder; give a folder's"),
         (["engine", "--vllm-python", "NOPE"], "--vllm-python 'NOPE' does not exist"),
+        (["relay", "--protocols", "tcp,ucx"], "--protocols=tcp,ucx: UCX needs the distributed-"),
     ],
 )
 def test_bench_flags_that_conflict_or_name_nothing_are_refused(
