@@ -193,8 +193,9 @@ class Learner:
     def update(self, batch: list[Trajectory]) -> dict[str, float]:
         """Train on one global batch of complete groups; returns metrics.
 
-        The batch's groups are split into ``trainer.mini_batches`` consecutive optimizer
-        steps (advantages are per group, so each mini-batch holds whole groups). A step
+        The batch's groups are split into ``trainer.mini_batches`` optimizer steps
+        (advantages are per group, so each mini-batch holds whole groups), shuffled
+        (:func:`split_groups`). A step
         whose loss or gradient is not finite is skipped and counted; the version advances
         if at least one step was taken (``metrics["applied_steps"]``).
         """
@@ -204,19 +205,17 @@ class Learner:
         check_groups(batch)
         check_prompts([x.prompt_tokens for x in batch])
         uids = list(dict.fromkeys(x.prompt_uid for x in batch))
-        n_mini = min(t.mini_batches, len(uids))
-        parts = np.array_split(np.arange(len(uids)), n_mini)
+        parts = split_groups(uids, t.mini_batches, seed=self.cfg.seed, version=self.version)
         # Decoupled PPO's proximal policy is the weights before this batch's first step;
         # with several steps, later ones need those logprobs computed up front.
         prox = None
-        if t.correction == "decoupled" and n_mini > 1:
+        if t.correction == "decoupled" and len(parts) > 1:
             # (a rank failing alone would hang the others)
             ranks = self.all_reduce if self.world_size > 1 else None
             with failing_together(ranks, self.rank, self.world_size):
                 prox = dict(zip((x.uid for x in batch), self.logprobs(batch), strict=True))
         steps = []
-        for part in parts:
-            chosen = {uids[i] for i in part}
+        for chosen in parts:
             mini = [x for x in batch if x.prompt_uid in chosen]
             steps.append(self._step(mini, None if prox is None else [prox[x.uid] for x in mini]))
         totals = step_means(steps, t.loss_agg)
@@ -450,6 +449,25 @@ def checkpoint_restarts(ckpt: str | Path) -> list[tuple[int, int]]:
     """:func:`restarts_of` a checkpoint folder."""
     ckpt = Path(ckpt).expanduser()
     return restarts_of(_trainer_state(ckpt / "trainer_state.json"), ckpt)
+
+
+def split_groups(uids: list[str], n: int, *, seed: int, version: int) -> list[set[str]]:
+    """The groups ``uids`` (in the order the buffer handed them out) as ``n`` mini-batches
+    of whole groups (fewer if there are fewer groups), shuffled by ``seed`` and the
+    ``version`` being trained: every data-parallel rank draws the same, a resume draws it
+    again. The buffer hands groups out as they finished, short ones first: split in that
+    order, the first steps took the short responses on fresh weights and the last the
+    long ones on the most-moved weights (clipped most), a bias by length that verl, which
+    splits its shuffled prompts, does not have.
+
+    >>> [sorted(p) for p in split_groups(["a", "b", "c", "d"], 1, seed=0, version=3)]
+    [['a', 'b', 'c', 'd']]
+    >>> [len(p) for p in split_groups(list("abcde"), 2, seed=0, version=3)]
+    [3, 2]
+    """
+    n = min(n, len(uids))
+    order = np.random.default_rng([seed, version]).permutation(len(uids))
+    return [{uids[i] for i in part} for part in np.array_split(order, n)]
 
 
 def saved_checkpoints(folder: Path) -> dict[int, Path]:

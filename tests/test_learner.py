@@ -385,3 +385,107 @@ def test_a_checkpoint_keeps_the_trainer_restarts_and_an_older_one_reads_none(
     (ckpt / "trainer_state.json").write_text(json.dumps(state))
     with pytest.raises(CheckpointError, match="damaged"):
         checkpoint_restarts(ckpt)
+
+
+def _perturbed(learner: Learner, trajs: list[Trajectory], seed: int = 0) -> list[Trajectory]:
+    """The batch with behavior logprobs the learner's own moved by ±0.5 at random: every
+    ratio is e^±0.5 (1.65 or 0.61), on both sides of any clip range below 0.6."""
+    rng = np.random.default_rng(seed)
+    for t, lp in zip(trajs, learner.logprobs(trajs), strict=True):
+        t.behavior_logprobs = (lp + rng.choice([-0.5, 0.5], size=lp.shape)).astype(np.float32)
+    return trajs
+
+
+def test_the_clip_and_cap_settings_reach_the_loss_each_on_its_own_side(tiny_policy):
+    """Each of ``clip_low``, ``clip_high``, ``clip_c`` and ``is_cap`` is read by the loss
+    as what it names: a learner that swapped the clip sides, dropped dual-clip or ignored
+    the cap passed every other test."""
+
+    def first_step(*overrides: str) -> dict[str, float]:
+        learner = Learner(with_overrides(CFG, list(overrides)), tiny_policy)
+        return learner.update(_perturbed(learner, batch(0)))
+
+    low_only = first_step("trainer.clip_low=0.1", "trainer.clip_high=10", "trainer.clip_c=null")
+    assert low_only["clip_frac_low"] > 0 and low_only["clip_frac_high"] == 0
+    high_only = first_step("trainer.clip_low=0.9", "trainer.clip_high=0.1", "trainer.clip_c=null")
+    assert high_only["clip_frac_high"] > 0 and high_only["clip_frac_low"] == 0
+    assert high_only["dual_clip_frac"] == 0
+    # dual-clip: a negative-advantage token whose ratio (1.65) is above clip_c
+    assert first_step("trainer.clip_c=1.5")["dual_clip_frac"] > 0
+    assert first_step("trainer.clip_c=2.0")["dual_clip_frac"] == 0
+    # the cap: weights e^±0.5, so a cap of 1.2 truncates about half, one of 2 none
+    capped = first_step("trainer.correction=tis", "trainer.is_cap=1.2")
+    assert 0.25 < capped["is_weight_capped_frac"] < 0.75
+    assert first_step("trainer.correction=tis", "trainer.is_cap=2.0")["is_weight_capped_frac"] == 0
+
+
+def test_an_update_raises_the_responses_above_their_groups_mean_and_lowers_those_below(
+    tiny_policy,
+):
+    """One update on fresh data: a response rewarded above its group's mean gets likelier,
+    one below less likely (by the mean over each side of the summed logprob change). With
+    the advantages' sign flipped, only two tests failed, and by accident."""
+    learner = Learner(CFG, tiny_policy)
+    trajs = on_policy(learner, batch(0, groups=4, size=4))
+    before = [float(lp.sum()) for lp in learner.logprobs(trajs)]
+    learner.update(trajs)
+    after = [float(lp.sum()) for lp in learner.logprobs(trajs)]
+    means = {}
+    for t in trajs:
+        means.setdefault(t.prompt_uid, []).append(t.reward)
+    up, down = [], []
+    for t, b, a in zip(trajs, before, after, strict=True):
+        mean = np.mean(means[t.prompt_uid])
+        if t.reward != mean:
+            (up if t.reward > mean else down).append(a - b)
+    assert up and down
+    assert np.mean(up) > 0 > np.mean(down)
+
+
+def test_the_entropy_bonus_raises_the_entropy_and_the_kl_term_pulls_back_to_the_reference(
+    tiny_policy,
+):
+    """The two terms' signs. With every reward equal (no policy gradient) the entropy
+    bonus alone moves the policy, and its entropy rises. The KL term, once the policy has
+    left the reference, brings it back: three such steps end nearer the reference (k3 on
+    the batch's tokens) than three without the term, which drift on their momentum.
+    Flipped, each term still changed the update, which was all that was tested."""
+    import dataclasses
+
+    flat = [dataclasses.replace(t, reward=1.0) for t in batch(0)]
+    learner = Learner(
+        with_overrides(CFG, ["trainer.entropy_coef=1.0", "trainer.betas=[0.0,0.999]"]), tiny_policy
+    )
+    entropies = [learner.update(flat)["entropy"] for _ in range(3)]
+    assert entropies[0] < entropies[1] < entropies[2]
+
+    reference = np.concatenate(Learner(CFG, tiny_policy).logprobs(flat))
+
+    def k3_after(kl_coef: float) -> float:
+        learner = Learner(with_overrides(CFG, [f"trainer.kl_coef={kl_coef}"]), tiny_policy)
+        learner.update(batch(1))  # away from the reference (k3's gradient is 0 on it)
+        for _ in range(3):
+            learner.update(flat)
+        d = reference - np.concatenate(learner.logprobs(flat))
+        return float(np.mean(np.exp(d) - d - 1))
+
+    pulled, drifted = k3_after(1.0), k3_after(0.0)
+    assert pulled < 0.5 * drifted
+
+
+def test_mini_batches_are_whole_groups_shuffled_alike_on_every_rank_and_resume():
+    """The groups come in the order they finished (short ones first); the split into
+    mini-batches is shuffled by seed and version, the same wherever it is drawn."""
+    from laminar.learner import split_groups
+
+    uids = [f"g{i}" for i in range(8)]
+    chunks = [{"g0", "g1"}, {"g2", "g3"}, {"g4", "g5"}, {"g6", "g7"}]
+    draws = {v: split_groups(uids, 4, seed=0, version=v) for v in range(20)}
+    for parts in draws.values():
+        assert sorted(len(p) for p in parts) == [2, 2, 2, 2]
+        assert set().union(*parts) == set(uids)
+    assert sum(parts != chunks for parts in draws.values()) >= 18  # not completion order
+    assert len({str(sorted(map(sorted, p))) for p in draws.values()}) > 10  # by version
+    assert split_groups(uids, 4, seed=0, version=7) == draws[7]  # every rank, a resume
+    assert split_groups(uids, 4, seed=1, version=7) != draws[7]
+    assert split_groups(uids, 1, seed=0, version=7) == [set(uids)]

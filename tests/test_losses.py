@@ -12,6 +12,7 @@ from laminar.losses import (
     group_advantages,
     kl_penalty,
     policy_loss,
+    tis_policy_loss,
     truncated_is_weights,
 )
 
@@ -567,3 +568,24 @@ def test_a_group_of_equal_rewards_gets_exactly_zero_advantages():
         adv = group_advantages(rewards, groups, norm_by_std=norm)
         assert adv[:9].tolist() == [0.0] * 9
         assert adv[9] > 0 > adv[10]
+
+
+def test_tis_weights_the_trainer_policy_over_the_behavior_policy():
+    """By hand, on stale data: ``w = min(π/π_behav, cap)``, the loss ``−w·A·log π`` and
+    its gradient ``−w·A`` per token (token-mean over 2). The on-policy doctest has every
+    weight 1, so it passed with the ratio upside down (π_behav/π: weights 0.61 and 1.11)."""
+    logp = torch.tensor([[0.0, -0.3]], requires_grad=True)
+    behavior = torch.tensor([[-0.5, -0.2]])
+    loss, m = tis_policy_loss(logp, behavior, torch.tensor([1.0]), torch.ones(1, 2), is_cap=1.5)
+    w = [1.5, math.exp(-0.1)]  # e^0.5 = 1.65 truncated at 1.5; e^-0.1 under it
+    assert float(loss) == pytest.approx(-(w[0] * 0.0 + w[1] * -0.3) / 2)
+    loss.backward()
+    assert logp.grad[0].tolist() == pytest.approx([-w[0] / 2, -w[1] / 2])
+    assert m["is_weight_mean"] == pytest.approx(sum(w) / 2)
+    assert m["is_weight_capped_frac"] == 0.5
+    # decoupled: the same weights, proximal (here the trainer's own) over behavior
+    prox = logp.detach()
+    _, md = decoupled_policy_loss(
+        logp, prox, behavior, torch.tensor([1.0]), torch.ones(1, 2), is_cap=1.5
+    )
+    assert md["is_weight_mean"] == pytest.approx(sum(w) / 2)
