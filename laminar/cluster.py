@@ -433,9 +433,25 @@ def scheduler_workers(client=None, timeout: float = 30.0) -> dict[str, dict]:
 
 
 def workers_with(client, resource: str) -> list[str]:
-    """Addresses of workers advertising ``resource``, sorted for a stable placement."""
+    """Addresses of workers advertising ``resource``, in the order of their names (numbers
+    within a name by value: ``rollout-2`` before ``rollout-10``), then addresses: a stable
+    placement, and the one the names promise. Sorted by address, the worker named
+    ``rollout-1`` held rollout r0 whenever its port sorted first, and a user who killed
+    ``rollout-1`` to drill a loss read that r0 was lost."""
     info = scheduler_workers(client)
-    return sorted(a for a, w in info.items() if w.get("resources", {}).get(resource, 0) > 0)
+    held = [a for a, w in info.items() if w.get("resources", {}).get(resource, 0) > 0]
+    return sorted(held, key=lambda a: (_natural(str(info[a].get("name", a))), a))
+
+
+def _natural(name: str) -> tuple:
+    """A sort key that reads the numbers in ``name`` by value.
+
+    >>> sorted(["rollout-10", "rollout-2", "rollout-1"], key=_natural)
+    ['rollout-1', 'rollout-2', 'rollout-10']
+    """
+    import re
+
+    return tuple((0, int(p), "") if p.isdigit() else (1, 0, p) for p in re.split(r"(\d+)", name))
 
 
 def place(client, resource: str, count: int) -> list[str]:

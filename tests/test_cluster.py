@@ -561,3 +561,29 @@ def test_a_call_to_a_lost_and_released_actor_logs_no_traceback():
         assert caller.calls_in_flight().result() == 0
         assert caller.handle_status().result() == "cancelled"
         assert caller.seen().result() == []
+
+
+@pytest.mark.slow
+def test_a_roles_workers_are_placed_in_the_order_of_their_names():
+    """Rollout r0 goes to the worker named ``rollout-0``, r1 to ``rollout-1``, ... (numbers
+    by value), whatever their ports: sorted by address, a user who killed the worker
+    named ``rollout-1`` to drill a loss read that r0 was lost. (Four workers: their ports
+    fall in the names' order one time in 24.)"""
+    from distributed import Client
+
+    from laminar.cluster import role_cluster, scheduler_workers
+
+    names = ["rollout-10", "rollout-2", "rollout-0", "rollout-1"]
+    with (
+        role_cluster({n: {"rollout": 1} for n in names}, name="by-name") as cluster,
+        Client(cluster) as client,
+    ):
+        info = scheduler_workers(client)
+        placed = place(client, "rollout", 4)
+        assert [info[a]["name"] for a in placed] == [
+            "rollout-0",
+            "rollout-1",
+            "rollout-2",
+            "rollout-10",
+        ]
+        assert workers_with(client, "rollout") == placed
