@@ -21,6 +21,7 @@ from __future__ import annotations
 import json
 import logging
 import random
+import shlex
 import shutil
 from collections import Counter
 from collections.abc import Callable
@@ -528,6 +529,15 @@ def _another(ckpt: Path) -> str:
     saved, mine = saved_checkpoints(ckpt.parent), ckpt.name.removeprefix("version-")
     older = [v for v in saved if mine.isdigit() and v < int(mine)]
     before = saved[max(older)].name if older else None
+    if before is None and ckpt.parent.name == "checkpoints":
+        # (none older beside it: a resume in place, once it is moved aside, has nothing
+        # to continue from; what does is a new run, in a new directory)
+        config = shlex.quote(str(ckpt.parent.parent / "config.yaml"))
+        return (
+            "its run has no earlier checkpoint to resume from: start it again in a new run "
+            f"directory (`laminar run {config} --run-dir NEW_DIR`), or, for a new run, set "
+            "trainer.resume_from to another checkpoints/version-N folder"
+        )
     run = ckpt.parent.parent if ckpt.parent.name == "checkpoints" else "RUN_DIR"
     return (
         "resume from an earlier checkpoint"
@@ -618,6 +628,8 @@ def check_checkpoint(
     digests: :func:`_check_digests`; ``warn_unchecked``: warn, rather than log at INFO,
     that one written without them is not checked) and it fits this model and config.
     ``~`` is this machine's home."""
+    from laminar.files import MANIFEST
+
     ckpt = Path(ckpt).expanduser()
     if not ckpt.is_dir():
         raise CheckpointError(
@@ -634,6 +646,14 @@ def check_checkpoint(
             + f", not a checkpoint; point it at one of its checkpoints, e.g. the newest: "
             f"trainer.resume_from={newest} (or continue that run in place: laminar run "
             f"--resume {run})"
+        )
+    if missing and (ckpt / MANIFEST).is_file():
+        # (laminar wrote it, whole: a file gone since is damage, as a changed one is,
+        # with the same advice; "a folder written by laminar" sent a resume in place to
+        # trainer.resume_from, which --resume does not take)
+        raise CheckpointError(
+            f"checkpoint {str(ckpt)!r} lacks {missing}: it was written with them (its "
+            f"{MANIFEST} says so), so they are gone since; {_another(ckpt)}"
         )
     if missing:
         raise CheckpointError(

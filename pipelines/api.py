@@ -925,11 +925,11 @@ def prepare_resume(run_dir: str | Path, overrides: list[str] | tuple[str, ...] =
         )
     ckpt = newest_checkpoint(path)
     if ckpt is None:
-        raise ConfigError(
-            f"cannot resume {str(path)!r}: it has no checkpoint (checkpoints/version-N); "
-            "a run checkpoints when it ends and every trainer.checkpoint_every versions; "
-            "start it again"
-        )
+        from pipelines.data_module import resume_hint
+
+        # (its own directory refuses a new run once the run stored anything: the new
+        # run goes in another)
+        raise ConfigError(f"cannot resume {str(path)!r}; {resume_hint(path)}")
     for key, value in parse_overrides(overrides):
         if key == "run_dir" and (value is None or Path(str(value)).expanduser().resolve() != path):
             raise ConfigError(

@@ -189,3 +189,77 @@ def test_a_baseline_run_aborted_by_a_second_ctrl_c_is_told_what_continues_it(
         f"trainer.resume_from={ckpt}` (it ran pipeline.schedule='sync'"
     ) in err, err
     assert "--resume " not in err, err
+
+
+def _checkpoints(tmp_path, versions: tuple[int, ...]):
+    """A laminar run directory with real checkpoints (manifest.json included) at
+    ``versions``."""
+    from laminar.learner import Learner
+    from laminar.model import build_tiny_policy
+
+    cfg = with_overrides(RunConfig(), ["trainer.steps=2"])
+    run = prepare_run_dir(cfg, tmp_path / "run")
+    learner = Learner(cfg, build_tiny_policy(tmp_path / "policy", seed=0))
+    for v in versions:
+        learner.version = v
+        learner.save(run / "checkpoints" / f"version-{v:06d}")
+    return run
+
+
+def _moved_aside(said: str, ckpt) -> None:
+    """Rename ``ckpt`` aside as the advice ``said`` tells."""
+    assert f"e.g. to {ckpt.name}.damaged" in said, said
+    ckpt.rename(ckpt.with_name(f"{ckpt.name}.damaged"))
+
+
+def test_a_file_gone_from_the_newest_checkpoint_names_the_one_before_and_the_move_aside(
+    tmp_path,
+):
+    """`rm version-N/optimizer.pt; laminar run --resume RUN` said "lacks [...]; point
+    trainer.resume_from at a checkpoints/version-N folder", which --resume does not take,
+    naming neither the checkpoint before nor the move aside docs/faults.md promises for
+    a file gone since it was written."""
+    from laminar.learner import CheckpointError
+    from storage.stores import StoreError
+
+    run = _checkpoints(tmp_path, (1, 2))
+    newest = run / "checkpoints" / "version-000002"
+    (newest / "optimizer.pt").unlink()
+    with pytest.raises(CheckpointError) as e:
+        prepare_resume(run, ["trainer.steps=5"])
+    said = str(e.value)
+    assert f"{newest}' lacks ['optimizer.pt']: it was written with them" in said, said
+    assert "resume from an earlier checkpoint (version-000001, beside it)" in said, said
+    assert f"`laminar run --resume {run}`" in said and "point trainer.resume_from" not in said
+    _moved_aside(said, newest)
+    # what it says works: past every checkpoint check (to the stores, which it has none of)
+    with pytest.raises(StoreError, match="has stored no trajectory yet"):
+        prepare_resume(run, ["trainer.steps=5"])
+
+
+def test_a_damaged_only_checkpoint_is_told_to_start_again_in_a_new_directory(tmp_path, monkeypatch):
+    """The run's only checkpoint damaged: the advice said "resume from an earlier
+    checkpoint … move this one aside" (there is none), then --resume said "start it
+    again", and `laminar run RUN/config.yaml` was refused (its directory holds a run).
+    Each step now says the one thing that works: a new run in a new directory."""
+    from laminar.learner import CheckpointError
+
+    run = _checkpoints(tmp_path, (1,))
+    only = run / "checkpoints" / "version-000001"
+    (only / "rng.pt").write_bytes(b"not a zip")
+    (run / "trajectories.zarr").mkdir()  # (something stored: its own directory is refused)
+    with pytest.raises(CheckpointError) as e:
+        prepare_resume(run, ["trainer.steps=5"])
+    said = str(e.value)
+    assert "earlier checkpoint to resume from" in said and "move this one aside" not in said
+    assert "resume from an earlier checkpoint" not in said, said
+    new = tmp_path / "new"
+    cfg, run_dir = _reaches_the_cluster(monkeypatch, _command(said, new))
+    assert run_dir == new.resolve() and cfg.trainer.resume_from is None
+    # moved aside all the same: --resume names the same command, not "start it again"
+    only.rename(only.with_name("version-000001.damaged"))
+    with pytest.raises(ConfigError) as e:
+        prepare_resume(run, ["trainer.steps=5"])
+    said = str(e.value)
+    assert "start it again in a new run directory" in said, said
+    assert _command(said, new) == ["run", str(run / "config.yaml"), "--run-dir", str(new)]
