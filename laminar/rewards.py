@@ -113,6 +113,9 @@ REWARDS: dict[str, RewardFn] = {
 # does one that has failed on this many and on more than task.reward_max_failure_share
 # of its responses (over that window, in the run): it discards nearly every group.
 REWARD_FAILURES_TO_STOP = 64
+# The run's window for that rule (pipelines.driver_polls): it lets a reward service that
+# starts late, or restarts, catch up.
+REWARD_FAILURE_WINDOW_S = 60.0
 
 # What marks a call cut at ``task.reward_timeout_s`` (:mod:`laminar.reward_process`).
 TIMED_OUT = "did not return within task.reward_timeout_s"

@@ -53,6 +53,7 @@ from laminar.model import (
 from laminar.prompt_pool import check_answers, encode_prompts
 from laminar.prompts import prompts_digest
 from laminar.rewards import (
+    REWARD_FAILURE_WINDOW_S,
     REWARD_FAILURES_TO_STOP,
     fails_too_often,
     never_scores,
@@ -77,6 +78,12 @@ SCORE_CHUNK = 16  # the warm start's responses scored at a time (checked between
 # task.reward_timeout_s with no response scored (evaluate).
 TIMEOUTS_TO_GIVE_UP = 3
 SCORING = "scoring the warm start"  # (its reward's failures: laminar.rewards.never_scores)
+# What the run does after a warm start whose reward failed so (a reward given up on here
+# may be a service not up yet; the run's own rule stops it if it stays so).
+GOES_ON = (
+    f"; the run goes on, and stops if its rollouts' rewards fail alike for "
+    f"{REWARD_FAILURE_WINDOW_S:.0f} s (time for a reward service that starts late to come up)"
+)
 
 
 def cache_root(cfg: RunConfig) -> Path:
@@ -445,7 +452,7 @@ def evaluate(cfg: RunConfig, model, tok, prompts: list[Prompt]) -> float:
             "return within task.reward_timeout_s=%g s on %d of the %d responses it was "
             "given and scored none, %s; given up on rather than wait for each of the %d "
             "responses (latest: %s); fix the function, or the service it calls, or raise "
-            "task.reward_timeout_s if it is this slow",
+            "task.reward_timeout_s if it is this slow%s",
             t.reward,
             t.reward_timeout_s,
             timeouts,
@@ -453,19 +460,22 @@ def evaluate(cfg: RunConfig, model, tok, prompts: list[Prompt]) -> float:
             SCORING,
             len(items),
             latest,
+            GOES_ON,
         )
         return float("nan")
     if errors and not scored:  # (the responses not cut off all failed: no score)
         logger.warning(
-            "warm start: its reward is nan (not kept in the cache): %s",
+            "warm start: its reward is nan (not kept in the cache): %s%s",
             never_scores(t.reward, errors, time.time() - t0, latest, SCORING),
+            GOES_ON,
         )
         return float("nan")
     if too_many():
         where = f"in {time.time() - t0:.0f} s, {SCORING}"
         logger.warning(
-            "warm start: its reward is nan (not kept in the cache): %s",
+            "warm start: its reward is nan (not kept in the cache): %s%s",
             fails_too_often(t.reward, errors, scored, t.reward_max_failure_share, where, latest),
+            GOES_ON,
         )
         return float("nan")
     return float(np.mean(rewards))

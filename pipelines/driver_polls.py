@@ -17,6 +17,7 @@ from collections import deque
 
 from laminar.cluster import actor_result, is_lost
 from laminar.rewards import (
+    REWARD_FAILURE_WINDOW_S,
     REWARD_FAILURES_TO_STOP,
     fails_too_often,
     never_scores,
@@ -38,7 +39,6 @@ DATA_SUSPECT_S = 10.0
 # task.reward_max_failure_share of them, stops too (RewardFailures). That window is
 # longer: a judge service that restarts, every call failing meanwhile, costs a share of
 # it (at 0.25, an outage of up to 75 s goes on; over 60 s it was 15 s).
-REWARD_FAILURE_WINDOW_S = 60.0
 REWARD_SHARE_WINDOW_S = 300.0
 # How long a poll waits for the rollouts' stats. A call still unanswered then is kept and
 # read at a later poll, not made again: a silent rollout (lost but not yet detected, or

@@ -205,6 +205,8 @@ def test_a_reward_that_fails_on_everything_is_given_up_on_by_the_runs_rule(
     said = caplog.text
     assert "failed on all 64 responses it was given" in said, said
     assert "scoring the warm start" in said and "ZeroDivisionError" in said
+    # (and what happens next: the run's ~60 s of generating looked like a hang)
+    assert "the run goes on, and stops if its rollouts' rewards fail alike for 60 s" in said
     # (a nan is not kept: the same reward, once fixed, is scored again)
     assert math.isnan(warm_start(cfg, prompts)[1]["eval_reward"])
     fixed = with_overrides(cfg, ["task.reward=exact_match"])

@@ -51,6 +51,7 @@ def test_a_reward_that_hangs_is_given_up_on_after_a_few_timeouts(small_config, t
     assert "task.reward_timeout_s=0.3 s" in first and "test_sft_reward_timeout:hangs" in first
     assert f"after {TIMEOUTS_TO_GIVE_UP} such calls" in first
     assert "its reward is nan" in last and "raise task.reward_timeout_s" in last
+    assert last.endswith("(time for a reward service that starts late to come up)")
     assert f"on {TIMEOUTS_TO_GIVE_UP} of the {TIMEOUTS_TO_GIVE_UP} responses" in last
 
 
