@@ -737,3 +737,20 @@ def test_a_core_restart_numbers_after_a_version_only_the_copied_publication_reco
     written += s._settled_publications(final=True)
     versions = [p["version"] for p in written]
     assert versions == sorted(set(versions)) == [0, 1, 2, 3, 4, 5, 6]
+
+
+@pytest.mark.parametrize(("made", "reason"), [(3, "completed"), (2, "stopped")])
+def test_a_stop_as_the_last_update_is_made_ends_a_completed_run(
+    tmp_path, monkeypatch, made, reason
+):
+    """Ctrl-C during the last update: the trainer's stop finishes it, and the run reached
+    trainer.steps, yet it was labelled "stopped" (`versions 8 (stopped)`), and a wrapper
+    that resumes stopped runs then hit "nothing left to train". The stop's reason stands
+    only when updates are still owed."""
+    s, _ = fake_run(tmp_path, monkeypatch, set(WORKERS.values()))
+    trainer = s.actors["trainer"]
+    trainer._answers["stats"] = {**_trainer_stats(done=False), "version": 2}
+    trainer._answers["stop"] = {**_trainer_stats(), "version": made}
+    out = in_thread(lambda: s.run(lambda p: None, lambda: True), 30.0)
+    assert out != "hung" and "result" in out, out
+    assert out["result"]["reason"] == reason
