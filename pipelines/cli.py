@@ -124,6 +124,40 @@ def _user_path(text: str) -> str:
     return os.path.expanduser(text)
 
 
+# What each benchmark measures, and where its page is (`laminar bench NAME --help`).
+BENCH_ABOUT = {
+    "engine": "tokens/s of the torch engine, HF generate and vLLM by batch (docs/engines.md)",
+    "relay": "the publisher's stall and a chunked broadcast along relay chains, against "
+    "naive fan-out, scatter and replicate (docs/relay.md)",
+    "repack": "repack on against off on the paced, tail-heavy workload (docs/repack.md)",
+    "soak": "a long run with a random worker SIGKILLed every minute (docs/faults.md, Soak)",
+    "schedules": "the five schedules on the emulated cluster, side by side (docs/schedules.md)",
+    "pacing": "the pacing model's constants measured on this device (docs/pacing.md)",
+}
+
+
+class _BenchHelp(argparse.Action):
+    """``laminar bench NAME --help``: the flags benchmark NAME takes (each refuses the
+    others); without a NAME, every flag, each saying which benchmarks take it."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        from pipelines.bench import _FLAGS, bench_options
+
+        name = getattr(namespace, "name", None)
+        if name is None:
+            parser.print_help()
+            parser.exit()
+        takes = {_FLAGS[o] for o in bench_options(name) if o in _FLAGS} | {"--out", "--help"}
+        own = argparse.ArgumentParser(
+            prog=f"laminar bench {name}", description=BENCH_ABOUT[name], add_help=False
+        )
+        for action in parser._actions:
+            if action.option_strings and action.option_strings[-1] in takes:
+                own._add_action(action)
+        own.print_help()
+        parser.exit()
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The ``laminar`` command line: every subcommand and flag."""
     from laminar.pacing import MODELS
@@ -180,7 +214,15 @@ def build_parser() -> argparse.ArgumentParser:
     report = sub.add_parser("report", help="plots and a summary page of one or more runs")
     report.add_argument("runs", nargs="+", metavar="RUN_DIR", help="run directories to compare")
     report.add_argument("--out", help="output folder (default RUN_DIR/report of the first run)")
-    bench = sub.add_parser("bench", help="a benchmark: prints a table, writes figures + ratios")
+    bench = sub.add_parser(
+        "bench",
+        help="a benchmark: prints a table, writes figures + ratios",
+        add_help=False,
+        description="`laminar bench NAME --help` lists the flags NAME takes.",
+    )
+    bench.add_argument(
+        "-h", "--help", action=_BenchHelp, nargs=0, help="show this help message and exit"
+    )
     bench.add_argument(
         "name",
         choices=["engine", "relay", "repack", "soak", "schedules", "pacing"],
