@@ -172,6 +172,8 @@ def _watch(handle, display) -> int:
         _safely(print, f"laminar: error: {e}", file=sys.stderr)
         return 1
     _safely(_print_summary, summary, _began_from(handle))
+    if (said := _stopped_early(handle, summary)) is not None:
+        _safely(print, said, file=sys.stderr)
     if str(summary.get("reason", "")).startswith(WALLTIME_REASON):
         # (stopped in order before its jobs' end: a job script tells it by the exit code)
         from pipelines.data_module import resume_hint
@@ -190,6 +192,32 @@ def _watch(handle, display) -> int:
         )
         return WALLTIME_EXIT
     return 0
+
+
+def _stopped_early(handle, summary: dict) -> str | None:
+    """What continues a run stopped in order (Ctrl-C, SIGTERM, ``stop()``) before
+    ``trainer.steps``, as a failed, aborted or walltime-stopped run is told; None for
+    any other end."""
+    from pipelines.data_module import resume_hint
+
+    if not str(summary.get("reason", "")).startswith("stopped"):
+        return None
+    version = summary.get("versions")
+    updates = summary.get("updates", version)
+    cfg = getattr(handle, "config", None)
+    steps = cfg.trainer.steps if cfg is not None else None
+    if steps is not None and updates is not None and updates >= steps:
+        return None
+    at = f"version {version}" if version is not None else "its last version"
+    if steps is not None:
+        at += f" of {steps}" if updates == version else f" ({updates} of {steps} updates made)"
+    ckpt = summary.get("checkpoint")
+    written = version is not None and ckpt and Path(ckpt).name == f"version-{version:06d}"
+    return (
+        f"laminar: stopped at {at}; "
+        + ("its final checkpoint is written: " if written else "")
+        + resume_hint(handle.run_dir)
+    )
 
 
 def _began_from(handle) -> str | None:

@@ -645,3 +645,64 @@ def test_the_summary_says_how_many_groups_trained_on_were_flat(share, capsys):
         ]
     else:
         assert lines == []
+
+
+def _stopping_handle(monkeypatch, began: bool, end):
+    """`laminar run`'s RunHandle as a run that is Ctrl-C'd at its first poll and ends
+    once asked to stop, with ``end(handle)`` (a summary, or raises)."""
+    import os
+    import signal
+
+    class Handle:
+        training_began = began
+
+        def __init__(self, cfg, client, run_dir, resume=None):
+            self.config, self.run_dir, self.stopped = cfg, run_dir, False
+
+        def done(self):
+            return self.stopped
+
+        def progress(self):
+            if not self.stopped:
+                os.kill(os.getpid(), signal.SIGINT)
+            return {"phase": "setup"}
+
+        def stop(self):
+            self.stopped = True
+
+        def wait(self):
+            return end(self)
+
+    monkeypatch.setattr("pipelines.api.RunHandle", Handle)
+    monkeypatch.setattr("pipelines.cli.time.sleep", lambda s: None)
+
+
+def test_a_run_stopped_in_order_before_its_steps_says_how_to_continue_it(
+    tmp_path, monkeypatch, capsys
+):
+    """A clean stop (Ctrl-C once, SIGTERM) printed its summary and nothing on what
+    continues the run, which the abort, walltime and failure paths all say."""
+    fake_cluster(monkeypatch)
+    run = tmp_path / "run"
+
+    def stopped(handle):
+        (handle.run_dir / "checkpoints" / "version-000003").mkdir(parents=True)
+        return _summary(str(handle.run_dir))
+
+    _stopping_handle(monkeypatch, True, stopped)
+    sets = ["--set", "task.num_prompts=50", "--set", "trainer.steps=10"]
+    assert _main_no_interrupt(["run", "configs/tiny.yaml", *sets, "--run-dir", str(run)]) == 0
+    out, err = capsys.readouterr()
+    assert "stopping (Ctrl-C): finishing the current update" in out, out
+    assert (
+        "laminar: stopped at version 3 of 10; its final checkpoint is written: continue it "
+        f"from its last checkpoint (version-000003) with `laminar run --resume {run.resolve()}`"
+    ) in err, err
+
+
+def test_a_completed_run_says_nothing_of_continuing_it(tmp_path, monkeypatch, capsys):
+    fake_cluster(monkeypatch)
+    _stopping_handle(monkeypatch, True, lambda h: _summary(str(h.run_dir), "completed"))
+    argv = ["run", "configs/tiny.yaml", "--set", "task.num_prompts=50"]
+    assert _main_no_interrupt([*argv, "--run-dir", str(tmp_path / "run")]) == 0
+    assert "laminar: stopped" not in capsys.readouterr().err
