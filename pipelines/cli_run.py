@@ -117,10 +117,11 @@ def _follow(handle) -> int:
             raise KeyboardInterrupt
         handle.stop()
         key = "Ctrl-C" if signum == signal.SIGINT else signal.Signals(signum).name
-        _say_from_a_handler(
-            f"\nstopping ({key}): finishing the current update and flushing the store "
-            f"({key} again to abort)"
-        )
+        if getattr(handle, "training_began", True):
+            doing = "finishing the current update and flushing the store"
+        else:  # (no update yet, nothing stored: the setup ends at its next phase)
+            doing = "ending its setup, before anything is generated"
+        _say_from_a_handler(f"\nstopping ({key}): {doing} ({key} again to abort)")
 
     with _handling(STOP_SIGNALS, on_signal):
         display = _Bar() if sys.stdout.isatty() else _Lines()

@@ -132,10 +132,7 @@ class Schedule(StatsPolling, FaultHandling, MetricsRecording):
 
         def phase(name: str, **more) -> None:
             if should_stop():
-                raise RunStopped(
-                    f"run {str(self.run_dir)!r} was stopped during its setup (before "
-                    f"{name!r}): nothing was generated; start it again when ready"
-                )
+                raise RunStopped(stopped_in_setup(self.run_dir, name))
             progress({"phase": name, **more})
 
         data_w = place(client, "data", 1)[0]
@@ -595,6 +592,26 @@ class Schedule(StatsPolling, FaultHandling, MetricsRecording):
                 if attempt or not lost or not self._begin_restart(lost, e):
                     raise
         raise AssertionError("unreachable")
+
+
+def stopped_in_setup(run_dir: Path, phase: str) -> str:
+    """What a run stopped during its setup (before ``phase``) says: nothing was
+    generated, and the command that starts it again. A new run's directory takes the
+    same command (its empty stores are moved aside: pipelines.api._set_aside_failed_start);
+    a resume's is resumed again."""
+    import shlex
+
+    from laminar.learner import newest_checkpoint
+
+    said = f"run {str(run_dir)!r} was stopped during its setup (before {phase!r}): nothing was "
+    if newest_checkpoint(run_dir) is not None:  # (a resume in place, or its own checkpoint)
+        return said + f"generated; {resume_hint(run_dir)} when ready"
+    config = Path(run_dir) / "config.yaml"
+    return said + (
+        f"generated; start it again when ready with `laminar run {shlex.quote(str(config))}` "
+        f"(or pipelines.submit({str(config)!r}, client)): what this start left in its "
+        "directory is moved aside"
+    )
 
 
 def final_reason(reason: str, m_stats: dict | None) -> str:

@@ -706,3 +706,26 @@ def test_a_completed_run_says_nothing_of_continuing_it(tmp_path, monkeypatch, ca
     argv = ["run", "configs/tiny.yaml", "--set", "task.num_prompts=50"]
     assert _main_no_interrupt([*argv, "--run-dir", str(tmp_path / "run")]) == 0
     assert "laminar: stopped" not in capsys.readouterr().err
+
+
+def test_a_stop_during_the_setup_says_so_and_names_the_command_that_starts_it_again(
+    tmp_path, monkeypatch, capsys
+):
+    """Stopped at `[starting actors]`, it said "finishing the current update and flushing
+    the store" (there was none), then "start it again when ready" with no command."""
+    from laminar.errors import RunStopped
+    from pipelines.driver import stopped_in_setup
+
+    fake_cluster(monkeypatch)
+
+    def setup_stopped(handle):
+        raise RunStopped(stopped_in_setup(handle.run_dir, "relays"))
+
+    _stopping_handle(monkeypatch, False, setup_stopped)
+    run = tmp_path / "run"
+    argv = ["run", "configs/tiny.yaml", "--set", "task.num_prompts=50", "--run-dir", str(run)]
+    assert _main_no_interrupt(argv) == 130
+    out, err = capsys.readouterr()
+    assert "stopping (Ctrl-C): ending its setup, before anything is generated" in out, out
+    assert "finishing the current update" not in out, out
+    assert f"start it again when ready with `laminar run {run.resolve()}/config.yaml`" in err

@@ -263,3 +263,24 @@ def test_a_damaged_only_checkpoint_is_told_to_start_again_in_a_new_directory(tmp
     said = str(e.value)
     assert "start it again in a new run directory" in said, said
     assert _command(said, new) == ["run", str(run / "config.yaml"), "--run-dir", str(new)]
+
+
+def test_a_run_stopped_in_its_setup_is_told_the_command_that_starts_it_again(tmp_path, monkeypatch):
+    """Stopped at `[starting actors]`, it said "start it again when ready", no command.
+    The command it names now works: the same directory takes the new start (what the
+    stopped one left there moved aside); a resume's names --resume."""
+    from pipelines.driver import stopped_in_setup
+    from storage import TrajectoryWriter
+
+    run = _run(tmp_path, "laminar", checkpoint=False)
+    TrajectoryWriter(run)  # (the buffer's empty store, as the setup leaves it)
+    assert (run / "trajectories.zarr").is_dir()
+    said = stopped_in_setup(run, "relays")
+    assert "(before 'relays'): nothing was generated; start it again when ready" in said, said
+    assert _command(said, None) == ["run", str(run / "config.yaml")]
+    cfg, run_dir = _reaches_the_cluster(monkeypatch, _command(said, None))
+    assert run_dir == run and cfg.trainer.resume_from is None
+    assert not (run / "trajectories.zarr").exists()  # (moved aside)
+    resumed = _run(tmp_path / "b", "laminar")
+    said = stopped_in_setup(resumed, "relays")
+    assert f"with `laminar run --resume {resumed}` when ready" in said, said
