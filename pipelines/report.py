@@ -4,7 +4,8 @@ Reads only the run directories (no cluster). Writes PNG figures and ``report.md`
 ``DIR`` (default ``<first run>/report``); several runs are drawn on the same axes, one
 colour each. Per run, ``rollouts-N.png`` marks repack moves and lost rollouts on the
 rollouts' KV use, and ``events-N.png`` draws the events behind them: weight publications
-(stall and chain broadcast), repack moves and fault recoveries.
+(stall and chain broadcast), repack moves, fault recoveries and a trainer or data module
+restarted within the run (from ``summary.json``: unknown, and said so, without it).
 """
 
 from __future__ import annotations
@@ -50,13 +51,21 @@ def _load(run_dir: Path) -> dict:
             run[table] = None
             run["damaged"].append(f"metrics table {table!r} left out: {e}")
     summary = run_dir / "summary.json"
+    # (absent: a killed driver's, or a live run's; the report says so, never "none")
+    run["summary_state"] = "ok" if summary.exists() else "absent"
+    if not summary.exists():
+        run["absent"].append(
+            "no summary.json (its driver was killed, or the run still goes): what only it "
+            "records is unknown, and said so (trainer and data-module restarts, relays "
+            "lost, hangs); its replacements column counts only those earlier starts carried"
+        )
     try:
         with reading(summary):
             run["summary"] = json.loads(summary.read_text()) if summary.exists() else {}
         if not isinstance(run["summary"], dict):
             raise StoreError(f"{str(summary)!r} is not a JSON object; restore it from a copy")
     except StoreError as e:
-        run["summary"] = {}
+        run["summary"], run["summary_state"] = {}, "damaged"
         run["damaged"].append(f"summary.json left out: {e}")
     for damaged in run["damaged"] + run["absent"]:
         logger.warning("%s: %s", run_dir, damaged)
@@ -137,6 +146,84 @@ def _replacements(summary: dict) -> int:
     carried = f.get("earlier") or summary.get("faults_earlier") or []
     earlier = [e.get("replacements") or {} for e in carried]
     return sum(len(r) for r in [f.get("replacements") or {}, *earlier])
+
+
+# What summary.json records of a trainer or data module lost and restarted within the
+# run (its own start's, docs/faults.md), by the name the report gives each.
+RESTARTS = {
+    "trainer_restarts": "trainer",
+    "data_restarts": "data module",
+    "core_restarts": "trainer + data",
+}
+
+
+def _unknown(run: dict, key: str) -> str | None:
+    """Why summary.json does not say ``faults.<key>`` of the run's last start (``None``:
+    it does). The report then says so, never "none": a run whose driver was killed (or
+    that still goes) has no summary.json, or only an earlier start's; a failed driver's
+    records its restarts, not its rollouts' replacements or relays."""
+    s = run["summary"]
+    if run["summary_state"] != "ok":
+        return f"summary.json {run['summary_state']}"
+    if s.get("segments", 1) < len(run["starts"]):
+        return "summary.json is an earlier start's"
+    if key not in (s.get("faults") or {}):
+        return "the driver failed" if s.get("driver_failed") else "summary.json lacks it"
+    return None
+
+
+def _restarts(run: dict) -> list[dict]:
+    """Each restart of a lost trainer or data module summary.json records (its start's):
+    ``what`` (:data:`RESTARTS`), ``t`` (when the loss was found, s since the run began,
+    ``None`` without metrics), ``label`` (a few words for the figure) and ``cost``
+    (versions ``V→M``, the updates redone, the downtime: detection to running again)."""
+    f = run["summary"].get("faults") or {}
+    out = []
+    for key, what in RESTARTS.items():
+        for r in f.get(key) or []:
+            t = None if run["t0"] is None or "time" not in r else r["time"] - run["t0"]
+            down = f"{r['restart_s']:.1f} s down" if "restart_s" in r else "downtime unknown"
+            if key == "data_restarts":
+                label, cost = "data module rebuilt", f"rebuilt, {down}"
+            elif r.get("finished"):  # (lost after its final checkpoint: none started)
+                label = f"{what} lost after v{r.get('checkpoint_version')}"
+                cost = f"after its final checkpoint (v{r.get('checkpoint_version')}), none redone"
+            else:
+                v, m = r.get("checkpoint_version", "?"), r.get("after_version", "?")
+                label = f"{what} restarted v{v}→{m}"
+                n = r.get("lost_updates", "?")
+                cost = f"v{v}→{m}, {n} update{'' if n == 1 else 's'} redone, {down}"
+            down_s = r.get("restart_s")
+            out.append({"what": what, "t": t, "label": label, "cost": cost, "down_s": down_s})
+    return sorted(out, key=lambda e: (e["t"] is None, e["t"] or 0.0))
+
+
+def _restarts_cell(run: dict) -> str:
+    """The events table's "trainer / data restarts": each restart and its cost."""
+    unknown = _unknown(run, "trainer_restarts")
+    if unknown is not None:
+        return f"unknown ({unknown})"
+    each = [f"{e['what']}: {e['cost']}" for e in _restarts(run)]
+    starts = run["summary"].get("segments", 1)
+    # (summary.json carries no earlier start's restarts: faults.earlier keeps losses)
+    mark = " (last start's)" if starts > 1 else ""
+    return f"{len(each)}{mark}" + (": " + "; ".join(each) if each else "")
+
+
+def _relays_hung_cell(run: dict) -> str:
+    """The events table's "relays lost / hung": summary.json's ``faults.relays_lost``
+    and ``faults.hung`` (rollouts and relays declared hung, then fenced)."""
+    unknown = _unknown(run, "relays_lost")
+    if unknown is not None:
+        return f"unknown ({unknown})"
+    f = run["summary"].get("faults") or {}
+    relays, hung = sorted(f.get("relays_lost") or {}), sorted(f.get("hung") or {})
+    return (
+        f"{len(relays)}"
+        + (f" ({', '.join(relays)})" if relays else "")
+        + f" / {len(hung)}"
+        + (f" ({', '.join(hung)})" if hung else "")
+    )
 
 
 def _figure(title: str, ncols: int = 1):
@@ -334,11 +421,14 @@ def plot_rollouts(run: dict, out: Path) -> str | None:
     return _save(fig, out, f"rollouts-{run['index']}.png")
 
 
-def _mark_loss(ax, rid: str, t: float, colour: str, y: float) -> None:
-    """A dotted line at a rollout's loss, labelled along it."""
-    ax.axvline(t, color=colour, ls=":", lw=1.5)
+def _mark_loss(
+    ax, rid: str, t: float, colour: str, y: float, ls: str = ":", lost: str = " lost"
+) -> None:
+    """A dotted line at a rollout's loss, labelled along it (``ls``, ``lost``: another
+    line and words, for a restart's)."""
+    ax.axvline(t, color=colour, ls=ls, lw=1.5)
     ax.annotate(
-        f"{rid} lost",
+        f"{rid}{lost}",
         (t, y),
         xycoords=("data", "axes fraction"),
         fontsize=7,
@@ -349,9 +439,12 @@ def _mark_loss(ax, rid: str, t: float, colour: str, y: float) -> None:
 
 
 def plot_events(run: dict, out: Path) -> str | None:
-    """Weight publications, repack moves and fault recoveries of one run, on one time axis."""
+    """Weight publications, repack moves, fault recoveries and restarts of a trainer or
+    data module (summary.json's) of one run, on one time axis."""
     pubs, moves, faults = run["publications"], run["repacks"], run["faults"]
-    if run["t0"] is None or all(x is None for x in (pubs, moves, faults)):
+    if run["t0"] is None:
+        return None
+    if all(x is None for x in (pubs, moves, faults)) and not _restarts(run):
         return None
     fig, (ax_w, ax_m, ax_f) = _figure(f"Events of {run['name']}", 3)
     gaps = run["gaps"]
@@ -380,6 +473,16 @@ def plot_events(run: dict, out: Path) -> str | None:
     lost = _lost(run)
     for rid, t in lost:
         _mark_loss(ax_f, rid, t, "r", y=0.98)
+    said = [f"{len(lost)} lost"] if lost else []
+    restarts = [e for e in _restarts(run) if e["t"] is not None]
+    for e in restarts:  # (a dashed line at its loss; shaded until it ran again)
+        _mark_loss(ax_f, e["label"], e["t"], "k", y=0.98, ls="--", lost="")
+        if e["down_s"] is not None:
+            ax_f.axvspan(e["t"], e["t"] + e["down_s"], color="k", alpha=0.08, zorder=0)
+    for what in RESTARTS.values():
+        n = sum(e["what"] == what for e in restarts)
+        said += [f"{n} {what} restart{'' if n == 1 else 's'}"] if n else []
+    unknown = _unknown(run, "trainer_restarts")
     if faults is not None and faults.sizes["recovery"]:
         t = _since_start(run, faults["time"].values)
         how, n_req = faults["how"].values, faults["requests"].values
@@ -390,10 +493,11 @@ def plot_events(run: dict, out: Path) -> str | None:
             for ti, n in zip(t[sel], n_req[sel], strict=True):
                 bottom[t == ti] += n
         n = int(np.nansum(faults["requests"].values))
-        ax_f.set_title(f"faults: {len(lost)} lost, {n} trajectories recovered", fontsize=10)
+        said.insert(1 if lost else 0, f"{n} trajectories recovered")
         ax_f.legend(fontsize=7, title="how")
-    else:
-        ax_f.set_title("faults: none", fontsize=10)
+    if unknown is not None:  # (a killed driver's run: what only summary.json says)
+        said.append(f"restarts unknown ({unknown})")
+    ax_f.set_title(f"faults: {', '.join(said) or 'none'}", fontsize=10)
     ax_f.set(xlabel="time (s)", ylabel="trajectories recovered")
     for ax in (ax_w, ax_m, ax_f):  # one time axis for the three
         _shade(ax, gaps)
@@ -454,7 +558,7 @@ def _events_row(r: dict) -> str:
     return (
         f"| {r['name']} | {0 if pubs is None else pubs.sizes['publication']} | {stall} | "
         f"{broadcast} | {_moves(r)} | {len(rollout_losses(s, r['faults']))} | {how} | "
-        f"{_replacements(s)} |"
+        f"{_replacements(s)} | {_restarts_cell(r)} | {_relays_hung_cell(r)} |"
     )
 
 
@@ -548,8 +652,9 @@ def build_report(run_dirs: list[str | Path], out: str | Path | None = None) -> P
         *(_row(r) for r in runs),
         "",
         "| run | publications | stall ms (median) | to every relay ms (median) | "
-        "repack moves | rollouts lost | trajectories recovered, by how | replacements |",
-        "|---|---|---|---|---|---|---|---|",
+        "repack moves | rollouts lost | trajectories recovered, by how | replacements | "
+        "trainer / data restarts | relays lost / hung |",
+        "|---|---|---|---|---|---|---|---|---|---|",
         *(_events_row(r) for r in runs),
         "",
     ]
