@@ -106,6 +106,83 @@ def stuck_workers(m_stats: dict | None) -> set[str]:
     }
 
 
+# What a message quotes of an error at most: a CommClosedError's names both ends and the
+# stream's state, a traceback's last line can run to hundreds of characters.
+SAID_CHARS = 160
+
+
+def said(error: BaseException) -> str:
+    """``error`` as a message quotes it: its type and its words on one line, cut to
+    :data:`SAID_CHARS` (its type alone dropped its cause: ``RuntimeError``).
+
+    >>> said(RuntimeError("actor   lost  (worker gone)"))
+    "RuntimeError: 'actor lost (worker gone)'"
+    >>> said(TimeoutError()), len(said(OSError("x" * 500)))
+    ('TimeoutError', 171)
+    """
+    words = " ".join(str(error).split())
+    if len(words) > SAID_CHARS:
+        words = words[: SAID_CHARS - 1] + "…"
+    return f"{type(error).__name__}: {words!r}" if words else type(error).__name__
+
+
+def why_not_restarted(cfg, roles: list[str], laminar: bool, schedule: str) -> str:
+    """Why a lost trainer or data module (``roles``: ``trainer``, ``data module``,
+    ``trainer and data module``, ``trainer rank N``) fails the run rather than restarting
+    within it: ``schedule`` (``laminar``: the driver's dispatch, weights and trainer are
+    Laminar's) does not, or exactly the settings that are off of those its restart needs
+    (a trainer: ``faults.restart_trainer``, and a rollout manager: ``faults.recover`` or
+    a ``repack`` section; a data module: ``faults.restart_data`` and ``faults.recover``,
+    whose partial-response pool it is rebuilt from; both, sharing a worker: all).
+
+    >>> from laminar.config import RunConfig, with_overrides
+    >>> cfg = with_overrides(RunConfig(), ["faults.restart_trainer=false"])
+    >>> why_not_restarted(cfg, ["trainer and data module"], True, "laminar")
+    '(faults.restart_trainer is off)'
+    >>> print(why_not_restarted(cfg, ["data module"], True, "laminar"))  # (not this one's)
+    (it was lost as the run stopped, or the trainer and the data module on two workers \
+were lost at once)
+    >>> cfg = with_overrides(cfg, ["faults.restart_data=false", "faults.recover=false"])
+    >>> print(why_not_restarted(cfg, ["trainer and data module"], True, "laminar"))
+    (faults.restart_trainer, faults.restart_data and faults.recover are off: a data module \
+is rebuilt from the partial-response pool that faults.recover keeps)
+    >>> why_not_restarted(cfg, ["trainer"], False, "sync")
+    "(schedule 'sync' does not restart them within the run)"
+    """
+    if not laminar:
+        return f"(schedule {schedule!r} does not restart them within the run)"
+    f = cfg.faults
+    trainer = any(r.startswith("trainer") for r in roles)
+    data = any(r.endswith("data module") for r in roles)
+    off = [
+        name
+        for name, needed, on in (
+            ("faults.restart_trainer", trainer, f.restart_trainer),
+            ("faults.restart_data", data, f.restart_data),
+            ("faults.recover", data, f.recover),
+        )
+        if needed and not on
+    ]
+    if off:
+        names = off[0] if len(off) == 1 else f"{', '.join(off[:-1])} and {off[-1]}"
+        why = f"{names} {'is' if len(off) == 1 else 'are'} off"
+        if "faults.recover" in off:
+            why += (
+                ": a data module is rebuilt from the partial-response pool that "
+                "faults.recover keeps"
+            )
+        return f"({why})"
+    if trainer and not f.recover and cfg.repack is None:
+        return (
+            "(faults.recover is off and there is no repack section: a trainer restarts "
+            "through the rollout manager, which then does not run)"
+        )
+    return (
+        "(it was lost as the run stopped, or the trainer and the data module on two "
+        "workers were lost at once)"
+    )
+
+
 class FaultHandling:
     """The fault handling of :class:`~pipelines.driver.Schedule`, which sets up the books
     it keeps (``core_workers``, ``_fenced``, the restarts in progress and done) and
@@ -563,7 +640,7 @@ class FaultHandling:
         self._abort()
         each = []  # (several at once: each named, so that the user sees what is left)
         for role, worker in lost.items():
-            why = type(error).__name__
+            why = f"the scheduler no longer has it; the call that found it: {said(error)}"
             if worker in self._fenced:
                 hung = self._fenced[worker]
                 why = hung.get("why") or f"hung, {hung_because(hung)}"
@@ -571,7 +648,7 @@ class FaultHandling:
             each.append(f"the {role} (worker {worker} is gone: {why})")
         raise ClusterError(
             f"lost {' and '.join(each)}; the run cannot continue "
-            f"{self._why_not_restarted()}; {self.resume_hint()} (docs/faults.md)"
+            f"{self._why_not_restarted(list(lost))}; {self.resume_hint()} (docs/faults.md)"
         ) from error
 
     def _wind_down(self, error: Exception, t_start: float) -> None:
@@ -593,19 +670,12 @@ class FaultHandling:
         if said:
             raise ClusterError(f"{said}; {self.resume_hint()}") from error
 
-    def _why_not_restarted(self) -> str:
-        """Why a lost trainer or data module fails this run (docs/faults.md)."""
-        cfg = self.cfg
-        if not self._laminar:
-            return f"(schedule {self.schedule.name!r} does not restart them within the run)"
-        if not (cfg.faults.restart_trainer and cfg.faults.restart_data):
-            return "(faults.restart_trainer or faults.restart_data is off)"
-        if not cfg.faults.recover:
-            return "(faults.recover is off: no partial-response pool to rebuild from)"
-        return (
-            "(it was lost as the run stopped, or the trainer and the data module on two "
-            "workers were lost at once)"
-        )
+    def _why_not_restarted(self, roles: list[str]) -> str:
+        """Why the lost core actors ``roles`` (:attr:`core_workers`' names) fail this run
+        (docs/faults.md): the schedule, or exactly the settings that are off of those a
+        restart of them needs (``or`` named both when one was off)."""
+        schedule = "laminar" if self._laminar else self.schedule.name
+        return why_not_restarted(self.cfg, roles, self._laminar, schedule)
 
     def _lost_core(self, every: bool = False) -> dict[str, str]:
         """Role -> worker of the core actors whose worker the scheduler no longer has;

@@ -66,3 +66,47 @@ def test_the_trainers_own_error_in_its_update_rows_fails_the_run():
     s.actors["trainer"] = Answering(T, ConnectionError("lost"))
     s._copy_rows(manager_answered=False)  # (lost or slow: the polls judge which)
     assert s._rows == {"updates": []}
+
+
+def _lost_core_error(overrides: list[str], lost_role: str) -> str:
+    """The error of a run whose ``lost_role``'s worker is gone (the driver of
+    test_overlap, data module apart unless the role is both), found by a call that
+    failed with a RuntimeError, under ``overrides``."""
+    from test_overlap import driver
+
+    from laminar.config import with_overrides
+    from laminar.errors import ClusterError
+
+    # (the scheduler has lost the role's worker: the trainer's stays when only the data
+    # module is lost)
+    s = driver({T: {"trainer": 1}} if lost_role == "data module" else {}, [])
+    s.cfg = with_overrides(s.cfg, overrides)
+    s._laminar = True
+    if lost_role == "trainer and data module":
+        s.core_workers = {lost_role: T}
+    s.actors = {"manager": None, "trainer": None, "relays": [], "rollouts": []}
+    s.actors |= {"buffer": None, "partial": None}
+    error = RuntimeError("actor call to 'PromptPool-a667' failed:\n  stream closed " + "x" * 300)
+    with pytest.raises(ClusterError) as failed:
+        s._fail_on_lost_core(error)
+    assert failed.value.__cause__ is error
+    return str(failed.value)
+
+
+def test_a_lost_core_says_why_it_was_gone_and_names_only_the_setting_that_is_off():
+    """r4 of the reviewer's runs (restart_trainer off, the shared worker SIGKILLed) read
+    `(worker … is gone: RuntimeError); the run cannot continue (faults.restart_trainer or
+    faults.restart_data is off)`: the cause dropped, and a setting named that was on."""
+    said = _lost_core_error(["faults.restart_trainer=false"], "trainer and data module")
+    assert (
+        f"lost the trainer and data module (worker {T} is gone: the scheduler no longer "
+        "has it; the call that found it: RuntimeError: \"actor call to 'PromptPool-a667' "
+        "failed: stream closed xxx"
+    ) in said
+    assert "x" * 100 + '…"); the run cannot continue (faults.restart_trainer is off); ' in said
+    assert "restart_data" not in said
+    # The data module apart, rebuilt from the partial-response pool: both settings it needs
+    said = _lost_core_error(["faults.restart_data=false", "faults.recover=false"], "data module")
+    assert said.startswith(f"lost the data module (worker {D} is gone: the scheduler no")
+    assert "(faults.restart_data and faults.recover are off: a data module is rebuilt" in said
+    assert "restart_trainer" not in said
