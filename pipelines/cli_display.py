@@ -3,7 +3,8 @@ lines in logs and pipes) and its summary when it ends, or, for a run whose drive
 what the stores said.
 
 Apart from the command (:mod:`pipelines.cli_run`) because it is formatting alone: a
-progress or summary dict in, lines out, no cluster and no signals.
+progress or summary dict in, lines out, no cluster and no signals (the one store it
+reads: the run's ``faults`` table, which says how each recovery resumed what it took).
 """
 
 from __future__ import annotations
@@ -121,6 +122,51 @@ def dropped(r: dict) -> str:
     return f"{r['dropped']} dropped ({groups(r['dropped_incomplete_groups'])} stored in part)"
 
 
+def replaced(rids: list[str], faults: dict) -> str:
+    """Lost rollouts ``rids`` with the replacement each got (``faults.replacements`` of
+    summary.json), as ``r0 → r2``; one not replaced (none free, or ``faults.replace``
+    off) alone.
+
+    >>> replaced(["r0", "r1"], {"replacements": {"r0": "r2"}})
+    'r0 → r2, r1 not replaced'
+    """
+    new = faults.get("replacements") or {}
+    return ", ".join(f"{r} → {new[r]}" if r in new else f"{r} not replaced" for r in rids)
+
+
+def recovered_how(s: dict) -> str:
+    """What this start's recoveries resumed, from the ``faults`` table of the run's
+    ``metrics.zarr`` (each row's ``how``): unfinished trajectories resumed (imported into
+    a running batch, or adopted as a new one) and finished ones rescored (their rewards
+    were in flight). ``faults.recovered_requests`` counts both: said alone as
+    "unfinished ... resumed", it called 120 rescored trajectories unfinished. Where the
+    table does not add up to it (absent, or rows lost with a data module before the
+    driver copied them), the total, said as both."""
+    faults = s["faults"]
+    total = int(faults.get("recovered_requests", 0))
+    either = f"{total} trajectories recovered elsewhere (unfinished resumed or finished rescored)"
+    import numpy as np
+
+    from storage.metrics import open_metrics
+
+    try:
+        rows = open_metrics(s["run_dir"], "faults")
+    except Exception:  # noqa: BLE001 — no table (or unreadable): the total alone
+        return either
+    start = int(s.get("segments", 1)) - 1
+    if "segment" in rows:  # (this start's rows; an older table's are all the first start's)
+        here = rows["segment"].values == start
+    else:
+        here = np.full(rows.sizes["recovery"], start == 0)
+    how = rows["how"].values.astype(str)[here]
+    n = np.nan_to_num(rows["requests"].values[here].astype(float)).astype(int)
+    rescored = int(n[how == "rescore"].sum())
+    resumed = int(n[how != "rescore"].sum())  # (import, adopt; none and unrecovered: 0)
+    if resumed + rescored != total:
+        return either
+    return f"{resumed} unfinished trajectories resumed elsewhere, {rescored} finished rescored"
+
+
 def _print_summary(s: dict, began_from: str | None = None) -> None:
     """``began_from``: the checkpoint the run began from (``trainer.resume_from`` of a
     new run), whose weights, not the warm start's, it started with."""
@@ -216,8 +262,8 @@ def _print_summary(s: dict, began_from: str | None = None) -> None:
     recovered = sorted(set((faults or {}).get("lost") or {}) - set(unrecovered))
     if recovered:
         print(
-            f"faults             {len(recovered)} rollout(s) lost ({', '.join(recovered)}); "
-            f"{faults['recovered_requests']} unfinished trajectories resumed elsewhere in "
+            f"faults             {len(recovered)} rollout(s) lost "
+            f"({replaced(recovered, faults)}); {recovered_how(s)} in "
             f"{faults['recoveries']} recoveries (`laminar audit RUN_DIR`)"
         )
     for rid, u in sorted(unrecovered.items()):
@@ -227,9 +273,11 @@ def _print_summary(s: dict, began_from: str | None = None) -> None:
             else f"{u['requests']} unfinished requests and {u['unscored']} unscored "
             "trajectories with it"
         )
+        new = (faults.get("replacements") or {}).get(rid)
         print(
             f"faults             {rid} {'hung, then ' if u.get('hung') else ''}lost, not "
             f"recovered (faults.recover=false): {held}"
+            + (f"; replaced: {rid} → {new}" if new else "")
         )
     if hung := sorted(set((faults or {}).get("hung") or {}) - set(unrecovered)):
         print(
