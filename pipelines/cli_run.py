@@ -75,11 +75,15 @@ def cmd_run(args: argparse.Namespace) -> int:
         preflight(cfg)
         run_dir = prepare_run_dir(cfg, args.run_dir)  # (OSError: a ConfigError naming it)
         print(f"run dir            {run_dir}", flush=True)
+    last: list[str] = []  # (an abort's message: said once the cluster has closed)
     with open_cluster(cfg, run_dir) as client:
         client.forward_logging("laminar", level=logging.WARNING)
         print(f"scheduler          {client.scheduler.address}")
         print(f"dashboard          {client.dashboard_link}")  # open_cluster waited for roles
-        return _follow(RunHandle(cfg, client, run_dir, resume=plan))
+        code = _follow(RunHandle(cfg, client, run_dir, resume=plan), last)
+    for said in last:
+        _safely(print, said, file=sys.stderr)
+    return code
 
 
 def _yaml_string(value: str | None) -> str:
@@ -102,19 +106,22 @@ def _say_from_a_handler(text: str) -> None:
             pass
 
 
-def _follow(handle) -> int:
+def _follow(handle, last: list[str] | None = None) -> int:
     """Show a run's progress until it ends, then its summary. Ctrl-C, SIGTERM or SIGHUP
     stops it cleanly (a second one aborts): the same exit code as Ctrl-C's for Ctrl-C,
     128 + its number (143, 129) for another signal, so that a job script can tell a run
-    stopped in order from one that completed."""
+    stopped in order from one that completed. ``last``: where an abort's message goes,
+    for the caller to print once the cluster has closed (printed here without it)."""
     from pipelines.data_module import resume_hint  # (here: not imported mid-abort)
 
     received: list[int] = []
 
     def on_signal(signum, frame):
         received.append(signum)
-        if len(received) > 1:
+        if len(received) == 2:
             raise KeyboardInterrupt
+        if len(received) > 2:  # (the abort is under way: it ends with the cluster closed)
+            return
         handle.stop()
         key = "Ctrl-C" if signum == signal.SIGINT else signal.Signals(signum).name
         if getattr(handle, "training_began", True):
@@ -127,22 +134,39 @@ def _follow(handle) -> int:
         display = _Bar() if sys.stdout.isatty() else _Lines()
         try:
             code = _watch(handle, display)
-        except KeyboardInterrupt:  # the second signal: no stop in order, no summary
+        except KeyboardInterrupt:  # the second signal: no stop in order
             _safely(display.close)
-            # (the cluster is torn down under actors still in use: Dask's scheduler and
-            # asyncio then log ~90 lines of errors after the line below, none of them news)
-            for name in ("distributed", "asyncio"):
-                logging.getLogger(name).setLevel(logging.CRITICAL)
-            _safely(
-                print,
-                f"\nlaminar: aborted; the run in {handle.run_dir} did not stop in order; "
-                f"{resume_hint(handle.run_dir)} (docs/faults.md)",
-                file=sys.stderr,
+            _quiet_after_abort()
+            hint = resume_hint(handle.run_dir)
+            signum = received[-1] if received else signal.SIGINT
+            said = (
+                f"laminar: aborted; the run in {handle.run_dir} did not stop in order; "
+                f"{hint} (docs/faults.md)"
             )
-            return 128 + (received[-1] if received else signal.SIGINT)
+            if last is not None:  # (the cluster's close may take a while: say it goes on)
+                _safely(print, "\nlaminar: aborting; closing the cluster", file=sys.stderr)
+            if last is not None:
+                last.append(said)
+            else:
+                _safely(print, "\n" + said, file=sys.stderr)
+            return 128 + signum
         if received and received[0] != signal.SIGINT and code in (0, 130):
             return 128 + received[0]  # (stopped in order, or in its setup, by that signal)
         return code
+
+
+def _quiet_after_abort() -> None:
+    """Silence what logs as an aborted run's cluster is torn down under actors still in
+    use: Dask's scheduler and asyncio (~90 lines of errors), and laminar's own loggers,
+    the driver's and those forwarded from the workers (a trainer's 'trainer failed:'
+    traceback, 'no checkpoint at version N', warnings): ~35 lines, none of them news,
+    that buried the abort's message. (A forwarded record is handled by its logger
+    whatever its level: those loggers are disabled.)"""
+    for name in ("distributed", "asyncio", "laminar"):
+        logging.getLogger(name).setLevel(logging.CRITICAL)
+    names = [n for n in logging.root.manager.loggerDict if n.startswith("laminar.")]
+    for name in ("laminar", *names):
+        logging.getLogger(name).disabled = True
 
 
 def _watch(handle, display) -> int:

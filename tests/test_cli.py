@@ -101,7 +101,9 @@ def _main_no_interrupt(argv):
         pytest.fail("Ctrl-C escaped `laminar` as a KeyboardInterrupt (a traceback)")
 
 
-def test_ctrl_c_twice_aborts_with_130_and_says_how_to_continue(tmp_path, monkeypatch, capsys):
+def test_ctrl_c_twice_aborts_with_130_and_says_how_to_continue(
+    tmp_path, monkeypatch, capsys, logging_put_back
+):
     """The first Ctrl-C asks the run to stop in order; the second aborts it: exit 130,
     a message (no traceback) naming `--resume`, and the cluster still closed."""
     import logging
@@ -729,3 +731,66 @@ def test_a_stop_during_the_setup_says_so_and_names_the_command_that_starts_it_ag
     assert "stopping (Ctrl-C): ending its setup, before anything is generated" in out, out
     assert "finishing the current update" not in out, out
     assert f"start it again when ready with `laminar run {run.resolve()}/config.yaml`" in err
+
+
+@pytest.fixture
+def logging_put_back():
+    """The loggers an abort silences (levels, and disabled flags), put back after."""
+    import logging
+
+    levels = {n: logging.getLogger(n).level for n in ("distributed", "asyncio", "laminar")}
+    disabled = {
+        n: lg.disabled
+        for n, lg in logging.root.manager.loggerDict.items()
+        if isinstance(lg, logging.Logger)
+    }
+    yield
+    for n, level in levels.items():
+        logging.getLogger(n).setLevel(level)
+    for n, lg in logging.root.manager.loggerDict.items():
+        if isinstance(lg, logging.Logger):
+            lg.disabled = disabled.get(n, False)
+
+
+def test_the_abort_message_is_the_last_thing_said_after_the_cluster_closed(
+    tmp_path, monkeypatch, capsys, caplog, logging_put_back
+):
+    """After the second Ctrl-C's 'laminar: aborted; … --resume …' came ~34 lines: a
+    worker's forwarded 'trainer failed:' traceback, 'no checkpoint at version 41',
+    warnings of the driver's thread, as the cluster was torn down under the run. The
+    abort's message now comes once the cluster has closed, and laminar's loggers (the
+    forwarded records too, handled whatever their level) are silenced before it."""
+    import contextlib
+    import logging
+    import sys
+
+    from conftest import FakeClient
+
+    said: list[str] = []
+
+    @contextlib.contextmanager
+    def closing_cluster(cfg, run_dir=None):
+        try:
+            yield FakeClient()
+        finally:  # what the teardown logs: a worker's record forwarded, the driver's own
+            forwarded = logging.makeLogRecord(
+                {"name": "laminar", "levelno": logging.ERROR, "levelname": "ERROR"}
+                | {"msg": "trainer failed: stopped while the buffer was lost"}
+            )
+            logging.getLogger(forwarded.name).handle(forwarded)  # (as distributed does)
+            logging.getLogger("laminar").warning("metrics rows not written")
+            print("CLUSTER CLOSED", file=sys.stderr)
+            said.append(capsys.readouterr().err)
+
+    monkeypatch.setattr("laminar.deploy.open_cluster", closing_cluster)
+    ctrl_c_every_poll(monkeypatch, "version-000001")
+    run = tmp_path / "run"
+    argv = ["run", "configs/tiny.yaml", "--set", "task.num_prompts=50", "--run-dir", str(run)]
+    with caplog.at_level(logging.WARNING):
+        assert _main_no_interrupt(argv) == 130
+    assert "laminar: aborted" not in said[0], said  # (not before the close)
+    assert "aborting; closing the cluster" in said[0], said
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("laminar: aborted; ") and "\n" not in err, err
+    assert f"laminar run --resume {run.resolve()}" in err
+    assert "trainer failed" not in caplog.text and "rows not written" not in caplog.text

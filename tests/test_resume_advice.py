@@ -22,6 +22,25 @@ from pipelines.cli import main
 from pipelines.data_module import resume_hint
 
 
+@pytest.fixture
+def logging_put_back():
+    """The loggers an abort silences (levels, and disabled flags), put back after."""
+    import logging
+
+    levels = {n: logging.getLogger(n).level for n in ("distributed", "asyncio", "laminar")}
+    disabled = {
+        n: lg.disabled
+        for n, lg in logging.root.manager.loggerDict.items()
+        if isinstance(lg, logging.Logger)
+    }
+    yield
+    for n, level in levels.items():
+        logging.getLogger(n).setLevel(level)
+    for n, lg in logging.root.manager.loggerDict.items():
+        if isinstance(lg, logging.Logger):
+            lg.disabled = disabled.get(n, False)
+
+
 def _run(tmp_path, schedule: str, checkpoint: bool = True):
     """A run directory as `laminar run` leaves it (its config.yaml), of ``schedule``,
     with a real checkpoint at version 1 of the default tiny model."""
@@ -173,7 +192,7 @@ def test_a_run_that_failed_in_order_says_what_continues_it(tmp_path, monkeypatch
 
 
 def test_a_baseline_run_aborted_by_a_second_ctrl_c_is_told_what_continues_it(
-    tmp_path, monkeypatch, capsys
+    tmp_path, monkeypatch, capsys, logging_put_back
 ):
     """The second Ctrl-C aborts `laminar run`: its message named --resume for any run."""
     fake_cluster(monkeypatch)
