@@ -663,7 +663,7 @@ def test_a_lost_trainer_fails_the_run_clearly_and_it_resumes_in_place(tmp_path):
             time.sleep(0.5)
     ckpt = sorted((run_dir / "checkpoints").glob("version-*"))[-1]
     assert "lost the trainer and data module (worker" in str(failed.value)
-    assert "(faults.restart_trainer or faults.restart_data is off)" in str(failed.value)
+    assert "(faults.restart_trainer is off)" in str(failed.value)
     assert f"({ckpt.name}) with `laminar run --resume {run_dir}`" in str(failed.value)
     # The driver failed: summary.json says so, with what the stores hold
     failed_summary = json.loads((run_dir / "summary.json").read_text())
