@@ -645,8 +645,15 @@ def _check_run_dir(path: Path) -> None:
         )
 
 
+class RunAborted(LaminarError):
+    """A run abandoned without an orderly stop (:meth:`RunHandle.abort`)."""
+
+
 class RunHandle:
-    """A run in progress on a Dask cluster; every method returns at once except ``wait``."""
+    """A run in progress on a Dask cluster; every method returns at once except ``wait``
+    (and ``abort``, which writes ``summary.json``)."""
+
+    _aborted: str | None = None  # (abort()'s reason)
 
     def __init__(self, cfg: RunConfig, client, run_dir: Path, resume=None) -> None:
         from pipelines.driver import schedule_class
@@ -661,6 +668,8 @@ class RunHandle:
         self.training_began = False
         self._progress: dict = {"phase": "submitted"}
         self._stop = threading.Event()
+        # (one summary.json at a time: the driver's, or an abort's)
+        self._summary_lock = threading.Lock()
         self._done = threading.Event()
         # The directory's claim (prepare_run_dir's or prepare_resume's, or made here):
         # held, renewed, while the run goes; released when it ends.
@@ -739,14 +748,34 @@ class RunHandle:
         """``summary.json`` from the stores, for a run whose driver failed: the reason
         stays on record, and tools that read it (``laminar bench --from-runs``, the
         audit) see a failed run, not one that may still be going."""
-        from pipelines.summary import summarize_failed
+        from pipelines.summary import summarize_failed, write_summary
 
-        try:
-            start = self._schedule.start_records()
-            self.summary = summarize_failed(self.run_dir, error, self.config, start)
-        except Exception as e:  # noqa: BLE001 — the error that failed the run stands
-            why = f"{type(e).__name__}: {e}"
-            logger.warning("%s: no summary.json written (%s)", self.run_dir, why)
+        with self._summary_lock:
+            if self.summary is not None:  # (an abort's, written first)
+                return
+            try:
+                start = self._schedule.start_records()
+                summary = summarize_failed(self.run_dir, error, self.config, start)
+                if self._aborted is not None:  # (its driver failed as the cluster closed)
+                    summary["reason"] = self._aborted
+                    write_summary(self.run_dir, summary)
+                self.summary = summary
+            except Exception as e:  # noqa: BLE001 — the error that failed the run stands
+                why = f"{type(e).__name__}: {e}"
+                logger.warning("%s: no summary.json written (%s)", self.run_dir, why)
+
+    def abort(self, reason: str) -> None:
+        """Record that the run is abandoned without an orderly stop (``laminar run``'s
+        second Ctrl-C; the cluster is closed under it next): its ``summary.json`` says
+        ``reason`` (``"aborted: …"``, with what continues the run) over what the stores
+        hold, as a failed driver's does (``driver_failed``: no actor's figures), rather
+        than an earlier start's summary standing for this one, or "failed: the Dask
+        client is closed" once its driver trips on the closed cluster. Returns once it is
+        written; during the setup (no run yet) it only stops the run."""
+        self._aborted = reason
+        self._stop.set()
+        if self.training_began:
+            self._summarize_failed(RunAborted(reason))
 
     def __fspath__(self) -> str:
         """The run directory: ``open_run(handle)``, ``open_metrics(handle, "cluster")``."""

@@ -139,12 +139,19 @@ def _follow(handle, last: list[str] | None = None) -> int:
             _quiet_after_abort()
             hint = resume_hint(handle.run_dir)
             signum = received[-1] if received else signal.SIGINT
+            key = "Ctrl-C" if signum == signal.SIGINT else signal.Signals(signum).name
             said = (
                 f"laminar: aborted; the run in {handle.run_dir} did not stop in order; "
                 f"{hint} (docs/faults.md)"
             )
             if last is not None:  # (the cluster's close may take a while: say it goes on)
                 _safely(print, "\nlaminar: aborting; closing the cluster", file=sys.stderr)
+            abort = getattr(handle, "abort", None)
+            if abort is not None:  # (its summary.json: aborted, not an earlier start's)
+                try:
+                    abort(f"aborted: {key} a second time, before it stopped in order; {hint}")
+                except Exception:  # noqa: BLE001 — the abort goes on; its log is silenced
+                    pass
             if last is not None:
                 last.append(said)
             else:

@@ -303,3 +303,91 @@ def test_a_run_stopped_in_its_setup_is_told_the_command_that_starts_it_again(tmp
     resumed = _run(tmp_path / "b", "laminar")
     said = stopped_in_setup(resumed, "relays")
     assert f"with `laminar run --resume {resumed}` when ready" in said, said
+
+
+def _handle(run, began: bool = True):
+    """A RunHandle (no cluster, no driver thread) of the run in ``run``, its setup done
+    (``began``)."""
+    from pipelines.api import RunHandle
+
+    class Schedule:
+        def start_records(self):
+            return {
+                "trainer_restarts": [],
+                "data_restarts": [],
+                "core_restarts": [],
+                "resumed": None,
+            }
+
+    h = RunHandle.__new__(RunHandle)
+    h.config, h.client, h.run_dir = RunConfig(), None, run
+    h.summary = h.error = None
+    h.training_began = began
+    h._stop, h._summary_lock = threading.Event(), threading.Lock()
+    h._schedule = Schedule()
+    return h
+
+
+def test_an_aborted_start_leaves_a_summary_that_says_so_not_an_earlier_starts(tmp_path):
+    """After a second Ctrl-C, summary.json was the earlier start's (`reason: stopped,
+    versions: 1`, which the audit takes as this start's end) or said "failed:
+    ClusterError: the Dask client is closed … keep the client and cluster open until
+    the run has ended (RunHandle.wait)", notebook advice, once the driver tripped on
+    the closed cluster. It says "aborted: …" with what continues the run, and a failed
+    driver's summary after it does not replace it."""
+    import json
+
+    from laminar.errors import ClusterError
+    from storage.audit import ended_in_order
+
+    run = _run(tmp_path, "laminar")
+    (run / "summary.json").write_text(json.dumps({"reason": "stopped", "versions": 1}))
+    h = _handle(run)
+    why = f"aborted: Ctrl-C a second time, before it stopped in order; {resume_hint(run)}"
+    h.abort(why)
+    assert h._stop.is_set()
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["reason"] == why and summary["driver_failed"] is True
+    assert not ended_in_order(summary["reason"])  # (the audit reads its end from the rows)
+    h._summarize_failed(ClusterError("the Dask client is closed"))  # (the driver's, after)
+    assert json.loads((run / "summary.json").read_text())["reason"] == why
+    # one aborted in its setup: no run yet, no summary (as a setup that failed)
+    (run / "summary.json").unlink()
+    _handle(run, began=False).abort(why)
+    assert not (run / "summary.json").exists()
+
+
+def test_a_driver_that_fails_after_an_abort_records_the_abort(tmp_path):
+    """The driver's thread got to its failed summary first: it says aborted all the same."""
+    import json
+
+    from laminar.errors import ClusterError
+
+    run = _run(tmp_path, "laminar")
+    h = _handle(run)
+    h._aborted = "aborted: SIGTERM a second time"
+    h._summarize_failed(ClusterError("the Dask client is closed"))
+    assert json.loads((run / "summary.json").read_text())["reason"] == h._aborted
+
+
+def test_laminar_runs_second_ctrl_c_aborts_the_handle(
+    tmp_path, monkeypatch, capsys, logging_put_back
+):
+    """The CLI's abort records itself in the run's summary (RunHandle.abort)."""
+    import pipelines.api
+
+    fake_cluster(monkeypatch)
+    ctrl_c_every_poll(monkeypatch, "version-000003")
+    aborted: list[str] = []
+
+    class Handle(pipelines.api.RunHandle):  # (ctrl_c_every_poll's stand-in)
+        def abort(self, reason):
+            aborted.append(reason)
+
+    monkeypatch.setattr("pipelines.api.RunHandle", Handle)
+    run = tmp_path / "run"
+    argv = ["run", "configs/tiny.yaml", "--set", "task.num_prompts=50", "--run-dir", str(run)]
+    assert main(argv) == 130
+    assert aborted == [
+        f"aborted: Ctrl-C a second time, before it stopped in order; {resume_hint(run.resolve())}"
+    ]
