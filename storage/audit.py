@@ -16,6 +16,7 @@ nowhere); a *note* is a fact worth knowing (groups still in flight when the run 
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -136,6 +137,7 @@ def audit_run(run_dir: str | Path, tokens: bool = False) -> AuditReport:
             "records) took the run as one that did not end"
         )
     _checked(report, "published versions", _audit_updates, run_dir, ds, report)
+    _checked(report, "the metrics rows of each version", _audit_rows, run_dir, ds, report)
     _audit_batches(run_dir, ds, report)
     # (a damaged log cannot bound what a lost rollout may be missing: neither is checked)
     log = "the recovery log and the lost rollouts' recovery"
@@ -371,6 +373,123 @@ def _audit_updates(run_dir: Path, ds, report: AuditReport) -> None:
             f"{len(missing)} published versions trained a batch the store does not hold "
             f"as consumed (at sample_version one less), e.g. version {missing[0]}",
         )
+
+
+# The tables of metrics.zarr with one row per version of the run's weights, and what a
+# version without its row lacks.
+VERSION_TABLES = {
+    "updates": "the loss, KL, gradient norm and batch figures of each",
+    "publications": "the publication stall and broadcast time of each",
+}
+
+
+def _audit_rows(run_dir: Path, ds, report: AuditReport) -> None:
+    """Each version of the run's lineage has its row in the ``updates`` and
+    ``publications`` tables of ``metrics.zarr``: a note names the versions without one.
+
+    The driver copies those rows from the trainer's process at each poll and writes them
+    every few seconds; one aborted (a second Ctrl-C) or killed meanwhile loses them, and
+    a resume redoes only the versions after its checkpoint, so their curves have a hole
+    where nothing else says so (a resume writes them back from a checkpoint that keeps
+    them, ``metrics_rows.json``: laminar's since 2026-12-07). A note, not a problem: the
+    trajectories and weights are sound; what is missing is the record of those updates.
+
+    The lineage: the versions after the one the run began from (its oldest trajectory's
+    behavior version: 0, or the checkpoint a new run started from) up to the one it ended
+    at (:func:`_lineage_end`), less the numbers a trainer restarted within the run
+    skipped (:func:`storage.lineage.run_restarts`: a lost branch's rows may or may not have
+    been copied), and ``publications`` the version it began from too. Where those
+    restarts are not all known (a start whose driver was killed: its ``summary.json`` is
+    an earlier start's), up to its newest checkpoint, whose trainer was handed every
+    restart before it. Not checked while the run's driver is running (its rows lag by a
+    flush)."""
+    from storage.lineage import run_restarts
+    from storage.live import running_driver
+    from storage.metrics import open_metrics
+
+    if running_driver(run_dir) is not None:
+        return
+    behavior = ds["behavior_version"].values
+    behavior = behavior[behavior >= 0]
+    final, newest = _lineage_end(run_dir)
+    if not behavior.size or final is None:
+        return
+    start = int(behavior.min())
+    unsure: list[str] = []
+    restarts = run_restarts(run_dir, shortfalls=unsure)
+    if unsure:  # (those it knows are the newest checkpoint's, which names all before it)
+        if newest is None:
+            return
+        final = min(final, newest)
+    skipped = {v for lo, hi in restarts for v in range(lo + 1, hi + 1)}
+    lineage = [v for v in range(start + 1, final + 1) if v not in skipped]
+    for table, lacks in VERSION_TABLES.items():
+        try:
+            rows = open_metrics(run_dir, table)
+        except (FileNotFoundError, KeyError):
+            rows = None
+        have = set() if rows is None or "version" not in rows else set(rows["version"].values)
+        want = ([start] if table == "publications" else []) + lineage
+        if rows is None and table == "publications":
+            continue  # (a run recorded before publications were)
+        if missing := [v for v in want if v not in have]:
+            one = len(missing) == 1
+            report.notes.append(
+                f"{len(missing)} {'version' if one else 'versions'} of the run's lineage "
+                f"({start + 1}..{final}) {'has' if one else 'have'} no row in the {table} "
+                f"table of metrics.zarr: {_ranges(missing)}; {lacks} "
+                f"{'is' if one else 'are'} missing (the driver stopped, aborted or lost, "
+                f"before it wrote {'it' if one else 'them'}, and no resume wrote "
+                f"{'it' if one else 'them'} back from its checkpoint)"
+            )
+
+
+def _lineage_end(run_dir: Path) -> tuple[int | None, int | None]:
+    """The newest version of the run's lineage, and its newest checkpoint's: where the
+    run ended (an orderly stop's ``summary.json``, when it is the last start's; else the
+    last start's last ``cluster`` row, which may lag it by a poll), or its newest
+    checkpoint where that is newer (a start's stop checkpoint, written after the last
+    row: the rows of its last versions are the ones an abort loses). A checkpoint of a
+    superseded start is not newer: a resume starts from the newest."""
+    from storage.metrics import open_metrics, segments
+
+    summary = _summary(run_dir)
+    try:
+        starts = segments(open_metrics(run_dir, "cluster"))
+    except (FileNotFoundError, KeyError):
+        starts = []
+    ends = []
+    if (
+        ended_in_order(summary.get("reason"))
+        and "versions" in summary
+        and len(starts) <= int(summary.get("segments", 1))
+    ):
+        ends.append(int(summary["versions"]))
+    elif starts:
+        ends.append(starts[-1]["last_version"])
+    folder = run_dir / "checkpoints"
+    saved = []
+    if folder.is_dir():
+        saved = [int(m[1]) for p in folder.iterdir() if (m := _CHECKPOINT.fullmatch(p.name))]
+    return max(ends + saved, default=None), max(saved, default=None)
+
+
+_CHECKPOINT = re.compile(r"version-(\d+)")  # (laminar.learner.saved_checkpoints' folders)
+
+
+def _ranges(versions: list[int]) -> str:
+    """``[3, 4, 5, 9]`` as ``3-5, 9``.
+
+    >>> _ranges([3, 4, 5, 9]), _ranges([7])
+    ('3-5, 9', '7')
+    """
+    out: list[list[int]] = []
+    for v in sorted(set(versions)):
+        if out and out[-1][1] == v - 1:
+            out[-1][1] = v
+        else:
+            out.append([v, v])
+    return ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in out)
 
 
 def _final_version(run_dir: Path, summary: dict) -> int | None:
