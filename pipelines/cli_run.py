@@ -136,7 +136,7 @@ def _follow(handle, last: list[str] | None = None) -> int:
             code = _watch(handle, display)
         except KeyboardInterrupt:  # the second signal: no stop in order
             _safely(display.close)
-            _quiet_after_abort()
+            _quiet_after_abort(getattr(handle, "client", None))
             hint = resume_hint(handle.run_dir)
             signum = received[-1] if received else signal.SIGINT
             key = "Ctrl-C" if signum == signal.SIGINT else signal.Signals(signum).name
@@ -162,18 +162,32 @@ def _follow(handle, last: list[str] | None = None) -> int:
         return code
 
 
-def _quiet_after_abort() -> None:
+def _quiet_after_abort(client=None) -> None:
     """Silence what logs as an aborted run's cluster is torn down under actors still in
     use: Dask's scheduler and asyncio (~90 lines of errors), and laminar's own loggers,
-    the driver's and those forwarded from the workers (a trainer's 'trainer failed:'
-    traceback, 'no checkpoint at version N', warnings): ~35 lines, none of them news,
-    that buried the abort's message. (A forwarded record is handled by its logger
+    the driver's, those forwarded from the workers and, through ``client``, the
+    workers' own (a local cluster's write to this terminal): a trainer's 'trainer
+    failed:' traceback, 'no checkpoint at version N', warnings, ~35 lines, none of them
+    news, that buried the abort's message. (A forwarded record is handled by its logger
     whatever its level: those loggers are disabled.)"""
     for name in ("distributed", "asyncio", "laminar"):
         logging.getLogger(name).setLevel(logging.CRITICAL)
     names = [n for n in logging.root.manager.loggerDict if n.startswith("laminar.")]
     for name in ("laminar", *names):
         logging.getLogger(name).disabled = True
+    run = getattr(client, "run", None)
+    if run is not None:
+        try:  # (not waited for: a worker that does not answer holds nothing up)
+            run(_quiet_worker, wait=False)
+        except Exception:  # noqa: BLE001 — a closed client: the message still comes last
+            pass
+
+
+async def _quiet_worker() -> None:
+    """On a worker of an aborted run: its laminar loggers silenced (see above). (A
+    coroutine: ``client.run`` takes no other without waiting for it.)"""
+    for name in ("laminar", "distributed", "asyncio", "tornado"):
+        logging.getLogger(name).setLevel(logging.CRITICAL + 1)
 
 
 def _watch(handle, display) -> int:

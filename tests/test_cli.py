@@ -738,7 +738,8 @@ def logging_put_back():
     """The loggers an abort silences (levels, and disabled flags), put back after."""
     import logging
 
-    levels = {n: logging.getLogger(n).level for n in ("distributed", "asyncio", "laminar")}
+    names = ("distributed", "asyncio", "tornado", "laminar")
+    levels = {n: logging.getLogger(n).level for n in names}
     disabled = {
         n: lg.disabled
         for n, lg in logging.root.manager.loggerDict.items()
@@ -767,11 +768,16 @@ def test_the_abort_message_is_the_last_thing_said_after_the_cluster_closed(
     from conftest import FakeClient
 
     said: list[str] = []
+    ran: list = []
+
+    class Client(FakeClient):
+        def run(self, function, wait=True):  # (on every worker: their own logs)
+            ran.append((function, wait))
 
     @contextlib.contextmanager
     def closing_cluster(cfg, run_dir=None):
         try:
-            yield FakeClient()
+            yield Client()
         finally:  # what the teardown logs: a worker's record forwarded, the driver's own
             forwarded = logging.makeLogRecord(
                 {"name": "laminar", "levelno": logging.ERROR, "levelname": "ERROR"}
@@ -784,6 +790,14 @@ def test_the_abort_message_is_the_last_thing_said_after_the_cluster_closed(
 
     monkeypatch.setattr("laminar.deploy.open_cluster", closing_cluster)
     ctrl_c_every_poll(monkeypatch, "version-000001")
+    import pipelines.api
+
+    class Handle(pipelines.api.RunHandle):  # (ctrl_c_every_poll's stand-in, with its client)
+        def __init__(self, cfg, client, run_dir, resume=None):
+            super().__init__(cfg, client, run_dir, resume)
+            self.client = client
+
+    monkeypatch.setattr("pipelines.api.RunHandle", Handle)
     run = tmp_path / "run"
     argv = ["run", "configs/tiny.yaml", "--set", "task.num_prompts=50", "--run-dir", str(run)]
     with caplog.at_level(logging.WARNING):
@@ -794,3 +808,11 @@ def test_the_abort_message_is_the_last_thing_said_after_the_cluster_closed(
     assert err.startswith("laminar: aborted; ") and "\n" not in err, err
     assert f"laminar run --resume {run.resolve()}" in err
     assert "trainer failed" not in caplog.text and "rows not written" not in caplog.text
+    # the workers' own logs (a local cluster's write to this terminal) silenced too, with
+    # no wait on a worker that may not answer
+    import asyncio
+
+    [(quiet, wait)] = ran
+    assert wait is False
+    asyncio.run(quiet())  # (here: as a worker would)
+    assert not logging.getLogger("laminar.trainer").isEnabledFor(logging.CRITICAL)
