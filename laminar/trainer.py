@@ -51,7 +51,7 @@ from laminar.contract import Trajectory
 from laminar.errors import LaminarError
 from laminar.learner import remove_partial_checkpoints, step_means
 from laminar.trainer_data import DataLinkMixin
-from laminar.trainer_publish import PublicationMixin
+from laminar.trainer_publish import PublicationMixin, carried_rows
 from laminar.trainer_ranks import LEARNER_DEVICE as LEARNER_DEVICE
 from laminar.trainer_ranks import TrainerRank as TrainerRank
 from laminar.trainer_ranks import _broadcast, _join_group, _learner, _leave_group
@@ -166,6 +166,9 @@ class Trainer(DataLinkMixin, PublicationMixin):
         # (read from the actor's thread, by get_fingerprints, while the loop publishes)
         self._fingerprints_lock = threading.Lock()
         self.history: list[dict] = []
+        # The update and publication rows the checkpoint it starts from keeps, when it is
+        # this run's: its own checkpoints keep them too (trainer_publish.CHECKPOINT_ROWS)
+        self._carried_rows = carried_rows(cfg.trainer.resume_from, self.run_dir)
         # The version of each update skipped (its batch consumed, nothing published): the
         # next batch is consumed at the same version (the audit's bound, storage.audit).
         self.skipped_updates: list[int] = []

@@ -1,7 +1,9 @@
 """The driver's records: a ``cluster`` row and a ``rollouts`` row per replica at each
 poll, what it copies from the trainer and the manager into ``metrics.zarr`` (updates,
 repacks, faults, the master relay's publications), a resumed run's time origin and
-carried counters, and the relay tier's part of ``summary.json``.
+carried counters, the update and publication rows an earlier start's driver never
+wrote (written back from the checkpoint the resume starts from), and the relay tier's
+part of ``summary.json``.
 
 A mixin of :class:`pipelines.driver.Schedule`, apart from its wiring, polls and stop:
 the metrics store's tables are one concern (their schema is ``storage/metrics.py``'s).
@@ -65,6 +67,60 @@ def _broadcast(publication: dict) -> bool:
     return b is not None and math.isfinite(b)
 
 
+def restore_checkpoint_rows(writer, run_dir, checkpoint, version: int) -> dict[str, list[int]]:
+    """Append to ``metrics.zarr`` (``writer``, a :class:`storage.metrics.MetricsWriter`)
+    the ``updates`` and ``publications`` rows that ``checkpoint`` keeps
+    (:data:`laminar.trainer_publish.CHECKPOINT_ROWS`) and its tables lack, of versions up
+    to ``version`` (the checkpoint's, which a resume starts from); returns table -> the
+    versions of the rows appended.
+
+    The driver copies those rows from the trainer's process at each poll and writes them
+    every few seconds; a driver aborted (a second Ctrl-C) or killed meanwhile lost them,
+    and a resume redoes only the versions after its checkpoint: their curves had a hole
+    for good. A row counts as there when the table holds one of the same version made at
+    the same time (:data:`laminar.trainer_publish.ROW_KEYS`), so none is written twice
+    (after a clean stop the tables hold them all: nothing is appended; a resume from the
+    same checkpoint again finds them written), and a superseded branch's row of a version
+    (a start that went on past an older checkpoint, then resumed) does not stand for the
+    lineage's. Rows of versions after ``version`` are never appended: the resume redoes
+    them."""
+    from laminar.trainer_publish import ROW_KEYS, read_checkpoint_rows
+    from storage.metrics import open_metrics
+
+    kept = read_checkpoint_rows(checkpoint)
+    added: dict[str, list[int]] = {}
+    for table, key in ROW_KEYS.items():
+        rows = [r for r in kept.get(table, []) if r["version"] <= version]
+        if not rows:
+            continue
+        try:
+            have = open_metrics(run_dir, table)
+        except (FileNotFoundError, KeyError):  # (no store, or no row of it yet)
+            there = set()
+        else:
+            there = (
+                set(zip(have["version"].values.tolist(), have[key].values.tolist(), strict=True))
+                if "version" in have and key in have
+                else set()
+            )
+        missing = [r for r in rows if (r["version"], r[key]) not in there]
+        if missing:
+            writer.append(table, missing)
+            added[table] = [int(r["version"]) for r in missing]
+    return added
+
+
+def _versions_said(versions: list[int]) -> str:
+    """``[3, 4, 5, 9]`` as ``3-5, 9``."""
+    out: list[str] = []
+    for v in sorted(set(versions)):
+        if out and int(out[-1].rsplit("-", 1)[-1]) == v - 1:
+            out[-1] = f"{out[-1].split('-')[0]}-{v}"
+        else:
+            out.append(str(v))
+    return ", ".join(out)
+
+
 def _carried(carry: dict[str, float], row: dict) -> dict:
     """``row`` with ``carry``'s counts added to its columns (NaN stays NaN)."""
     for k, v in carry.items():
@@ -83,6 +139,8 @@ class MetricsRecording:
         (:func:`storage.metrics.segments`; the earlier ones are kept for the summary)."""
         if self.resume is None:
             return t_start
+        # (first: whatever else is read or fails below, the rows an earlier start lost)
+        self._restore_rows()
         from storage.metrics import counters_at_end, open_metrics, segments, time_origin
 
         try:
@@ -115,6 +173,36 @@ class MetricsRecording:
             # (between its starts: no trajectory the buffer held again aged meanwhile)
             self._pauses = self._stops(origin, t_start)
         return t_start if origin is None else origin
+
+    def _restore_rows(self) -> None:
+        """A resumed start's first write: the ``updates`` and ``publications`` rows of
+        the versions up to its checkpoint that an earlier start's driver never wrote,
+        from the checkpoint (:func:`restore_checkpoint_rows`). Said at INFO; one that
+        fails is said, and the run goes on (the rows stay in the checkpoint: a later
+        resume from it writes them)."""
+        ckpt = self.cfg.trainer.resume_from
+        if ckpt is None:
+            return
+        try:
+            added = restore_checkpoint_rows(self.metrics, self.run_dir, ckpt, self.resume.version)
+        except Exception as e:  # noqa: BLE001 — metrics rows must not stop the run
+            logger.warning(
+                "the update and publication rows %s keeps were not written back to "
+                "metrics.zarr (%s: %s): the versions an earlier start's driver did not "
+                "write have no row",
+                ckpt,
+                type(e).__name__,
+                e,
+            )
+            return
+        for table, versions in added.items():
+            logger.info(
+                "metrics.zarr's %s lacked the rows of versions %s (an earlier start's "
+                "driver stopped before it wrote them): written back from %s",
+                table,
+                _versions_said(versions),
+                ckpt,
+            )
 
     def _stops(self, origin: float, t_start: float) -> list[tuple[float, float]]:
         """The stops of a resumed run, this start's included, as ``open_run``'s
