@@ -446,31 +446,16 @@ def _audit_rows(run_dir: Path, ds, report: AuditReport) -> None:
 
 def _lineage_end(run_dir: Path) -> tuple[int | None, int | None]:
     """The newest version of the run's lineage, and its newest checkpoint's: where the
-    run ended (an orderly stop's ``summary.json``, when it is the last start's; else the
-    last start's last ``cluster`` row, which may lag it by a poll), or its newest
-    checkpoint where that is newer (a start's stop checkpoint, written after the last
-    row: the rows of its last versions are the ones an abort loses). A checkpoint of a
-    superseded start is not newer: a resume starts from the newest."""
-    from storage.metrics import open_metrics, segments
-
-    summary = _summary(run_dir)
-    try:
-        starts = segments(open_metrics(run_dir, "cluster"))
-    except (FileNotFoundError, KeyError):
-        starts = []
-    ends = []
-    if (
-        ended_in_order(summary.get("reason"))
-        and "versions" in summary
-        and len(starts) <= int(summary.get("segments", 1))
-    ):
-        ends.append(int(summary["versions"]))
-    elif starts:
-        ends.append(starts[-1]["last_version"])
+    run ended (:func:`_final_version`), or its newest checkpoint where that is newer (a
+    start's stop checkpoint, written after the last row: the rows of its last versions
+    are the ones an abort loses). A checkpoint of a superseded start is not newer: a
+    resume starts from the newest."""
+    ended = _final_version(run_dir, _summary(run_dir))
     folder = run_dir / "checkpoints"
     saved = []
     if folder.is_dir():
         saved = [int(m[1]) for p in folder.iterdir() if (m := _CHECKPOINT.fullmatch(p.name))]
+    ends = [] if ended is None else [ended]
     return max(ends + saved, default=None), max(saved, default=None)
 
 
@@ -493,16 +478,23 @@ def _ranges(versions: list[int]) -> str:
 
 
 def _final_version(run_dir: Path, summary: dict) -> int | None:
-    """The version a run ended at: an orderly stop's ``summary.json`` says it; else the last
-    start's last ``cluster`` row (it may lag the run by a poll)."""
-    if ended_in_order(summary.get("reason")) and "versions" in summary:
-        return int(summary["versions"])
+    """The version a run ended at: an orderly stop's ``summary.json`` says it, when it is
+    the last start's (it counts no fewer starts than the ``cluster`` table: a driver
+    killed outright leaves an earlier start's, whose end cut a resumed run's checked
+    versions short); else the last start's last ``cluster`` row (it may lag the run by a
+    poll)."""
     from storage.metrics import open_metrics, segments
 
     try:
         starts = segments(open_metrics(run_dir, "cluster"))
     except (FileNotFoundError, KeyError):
-        return None
+        starts = []
+    if (
+        ended_in_order(summary.get("reason"))
+        and "versions" in summary
+        and len(starts) <= int(summary.get("segments", 1))
+    ):
+        return int(summary["versions"])
     return starts[-1]["last_version"] if starts else None
 
 
@@ -681,9 +673,13 @@ def _audit_faults(run_dir: Path, ds, report: AuditReport, unfinished: list[dict]
         t = rows["recovery_s"].values[recovered]
         report.figures["recovery time mean (s)"] = float(np.mean(t))
         report.figures["recovery time max (s)"] = float(np.max(t))
-        report.figures["since last log, max (s)"] = float(
-            rows["max_since_flush_s"].values[recovered].max()
-        )
+        # The log's bound (faults.flush_s) is on unfinished requests; a finished one
+        # rescored waited for its reward since its last log (23 s read as a broken bound)
+        resumed = recovered & (rows["how"].values != "rescore")
+        if resumed.any():
+            report.figures["unfinished, since last log, max (s)"] = float(
+                rows["max_since_flush_s"].values[resumed].max()
+            )
     # The rollouts each trajectory left (all on its path but the last): only one resumed
     # elsewhere has several (a split of every trajectory's path took ~0.3 s for 200k).
     ids = ds["rollout_ids"].values

@@ -261,3 +261,30 @@ def test_the_audit_names_the_last_versions_an_abort_lost_after_its_stop_checkpoi
         summary={"reason": "completed", "versions": 6, "segments": 1, "faults": faults},
     )
     assert not [n for n in audit_run(run).notes if "no row in the" in n], audit_run(run).text()
+
+
+def test_a_summary_an_earlier_start_left_does_not_cut_the_versions_checked(tmp_path):
+    """Resumed twice, the last start's driver killed outright: summary.json is still the
+    second start's ("stopped" at version 5, two segments) while the cluster table records
+    three starts, the third to version 8. The audit took the stale summary's end and
+    checked only versions up to 5, so the third start's versions 7 and 8, which trained
+    no batch the store holds, passed; it takes the summary only when it counts every
+    start."""
+    run = _run_with_rows(
+        tmp_path,
+        6,
+        list(range(1, 9)),
+        list(range(0, 9)),
+        summary={"reason": "stopped", "versions": 5, "segments": 2},
+    )
+    MetricsWriter(run).append(
+        "cluster",
+        [
+            {"segment": 0, "elapsed_s": 1.0, "wall_time": 1e9, "version": 3},
+            {"segment": 1, "elapsed_s": 1.0, "wall_time": 1e9 + 60, "version": 5},
+            {"segment": 2, "elapsed_s": 1.0, "wall_time": 1e9 + 120, "version": 8},
+        ],
+    )
+    report = audit_run(run)
+    said = [p for p in report.problems + report.notes if "published versions trained" in p]
+    assert said and "2 published versions" in said[0] and "e.g. version 7" in said[0], said

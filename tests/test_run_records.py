@@ -335,3 +335,25 @@ def test_the_audit_bounds_the_groups_a_version_trained_by_its_updates(tmp_path):
     assert "groups trained, max per version" not in audit_run(tmp_path).figures
     (tmp_path / "summary.json").write_text(json.dumps(summary))
     assert "groups trained, max per version" not in audit_run(tmp_path).figures
+
+
+def test_the_audits_log_bound_figure_is_of_the_unfinished_requests_alone(tmp_path):
+    """faults.flush_s bounds what an unfinished request has unlogged. A finished
+    trajectory rescored after its rollout's loss last logged as it finished and then
+    waited for its reward: its 23 s went into "since last log, max (s)", which read as
+    the bound broken. The figure is now of the resumed (unfinished) requests alone."""
+    from storage.audit import audit_run
+
+    _store(tmp_path)
+    summary = {"reason": "completed", "segments": 1, "faults": {"lost": {"r1": T0 + 3}}}
+    (tmp_path / "summary.json").write_text(json.dumps(summary))
+    MetricsWriter(tmp_path).append(
+        "faults",
+        [
+            _fault("r1", T0 + 3, segment=0, max_since_flush_s=0.4),
+            _fault("r1", T0 + 3, segment=0, how="rescore", requests=0, max_since_flush_s=23.5),
+        ],
+    )
+    report = audit_run(tmp_path)
+    assert report.figures["unfinished, since last log, max (s)"] == 0.4
+    assert "since last log, max (s)" not in report.figures
