@@ -25,9 +25,30 @@ def _progress_line(p: dict) -> str:
         f"t={p['elapsed_s']:6.1f}s  version {p['version']:>3}/{p.get('last_version', p['steps'])}  "
         f"reward {_fmt(p['reward'])}  gen {p['gen_tok_s']:7.0f} tok/s  "
         f"buffer {p['buffer_depth']:>4}  s_train {_fmt(p['s_train_mean'], '.2f')}  "
-        f"trajectories {p['trajectories']}"
-        + (f"  discarded {p['discarded']} (reward errors)" if p.get("discarded") else "")
-        + _walltime(p)
+        f"trajectories {p['trajectories']}" + _untrained(p, "  ") + _walltime(p)
+    )
+
+
+def _untrained(p: dict, sep: str) -> str:
+    """The trajectories that left the buffer untrained, by why: a third of what a run
+    generated can be evicted (``buffer.max_train_staleness``) or filtered
+    (``buffer.dynamic_sampling``), and the line said only the discarded.
+
+    >>> _untrained({"evicted": 1920, "filtered": 0, "discarded": 0}, "  ")
+    '  untrained 1920 (evicted 1920)'
+    >>> _untrained({"evicted": 6696, "filtered": 10384, "discarded": 3}, " ")
+    ' untrained 17083 (evicted 6696, filtered 10384, discarded 3: reward errors)'
+    >>> _untrained({"discarded": 0}, "  ")
+    ''
+    """
+    why = {k: int(p.get(k) or 0) for k in ("evicted", "filtered", "discarded")}
+    if not any(why.values()):
+        return ""
+    said = ", ".join(f"{k} {v}" for k, v in why.items() if v)
+    return (
+        f"{sep}untrained {sum(why.values())} ({said}"
+        + (": reward errors" if why["discarded"] else "")
+        + ")"
     )
 
 
@@ -84,7 +105,7 @@ class _Bar:
         self.bar.set_postfix_str(
             f"reward {_fmt(p['reward'])} gen {p['gen_tok_s']:.0f} tok/s "
             f"buffer {p['buffer_depth']} s_train {_fmt(p['s_train_mean'], '.2f')}"
-            + (f" discarded {p['discarded']}" if p.get("discarded") else "")
+            + _untrained(p, " ")
             + _walltime(p).replace("  ", " ", 1)
         )
 
@@ -167,6 +188,23 @@ def recovered_how(s: dict) -> str:
     return f"{resumed} unfinished trajectories resumed elsewhere, {rescored} finished rescored"
 
 
+def trajectories_line(s: dict) -> str:
+    """The summary's trajectories: those stored, and where each ended up (every status
+    but consumed where there are any: ``status_counts``), so that what left the buffer
+    untrained (evicted, filtered, discarded) is said beside what was trained on.
+
+    >>> trajectories_line({"trajectories": 6016, "consumed": 3840, "status_counts":
+    ...     {"n_consumed": 3840, "n_buffered": 256, "n_evicted": 1920, "n_filtered": 0}})
+    'trajectories       6016 (3840 consumed, 256 buffered, 1920 evicted)'
+    """
+    left = {k[2:]: v for k, v in s.get("status_counts", {}).items() if k != "n_consumed" and v}
+    return (
+        f"trajectories       {s['trajectories']} ({s['consumed']} consumed"
+        + "".join(f", {v} {k}" for k, v in sorted(left.items()))
+        + ")"
+    )
+
+
 def _print_summary(s: dict, began_from: str | None = None) -> None:
     """``began_from``: the checkpoint the run began from (``trainer.resume_from`` of a
     new run), whose weights, not the warm start's, it started with."""
@@ -193,12 +231,7 @@ def _print_summary(s: dict, began_from: str | None = None) -> None:
             f"resumed            at version {r['version']}: {r['readmitted']} trajectories "
             f"back in the buffer, {reissued(r)}, {dropped(r)}"
         )
-    left = {k[2:]: v for k, v in s.get("status_counts", {}).items() if k != "n_consumed" and v}
-    print(
-        f"trajectories       {s['trajectories']} ({s['consumed']} consumed"
-        + "".join(f", {v} {k}" for k, v in sorted(left.items()))
-        + ")"
-    )
+    print(trajectories_line(s))
     print(f"tokens             {s['prompt_tokens']} prompt + {s['response_tokens']} response")
     print("staleness (mean)   " + "  ".join(f"{k[:-5]} {v:.2f}" for k, v in s["staleness"].items()))
     whole = (
@@ -334,7 +367,7 @@ def _print_failed_summary(s: dict) -> None:
     print("\n== summary ==")
     print(f"run dir            {s['run_dir']}  ({s['reason']})")
     if "trajectories" in s:
-        print(f"trajectories       {s['trajectories']} ({s['consumed']} consumed)")
+        print(trajectories_line(s))
         print(
             f"reward             first 20% {s['reward_first_20pct']:.3f} -> last 20% "
             f"{s['reward_last_20pct']:.3f}"
