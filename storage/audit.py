@@ -125,6 +125,7 @@ def audit_run(run_dir: str | Path, tokens: bool = False) -> AuditReport:
         report.problems.append(f"{int((sizes > want).sum())} groups have more members than size")
 
     _audit_staleness(ds, report)
+    _audit_train_bound(run_dir, ds, report)
     if tokens:
         _checked(report, "the token arrays", _audit_tokens, run_dir, ds, report)
     if damaged := _read_summary(run_dir)[1]:
@@ -278,7 +279,9 @@ S_TRAIN_RANGE = {"sync": (0, 0), "stream": (0, 0), "one_step": (0, 1)}
 
 def _audit_staleness(ds, report: AuditReport) -> None:
     """The staleness the run's schedule promises, held against its consumed trajectories.
-    (Laminar and partial rollout bound no trajectory's s_train: their figures only.)"""
+    (Laminar and partial rollout promise no s_train of their own: back-pressure and η
+    bound what is out, not each trajectory's lag. ``buffer.max_train_staleness`` is the
+    bound any schedule can be given: :func:`_audit_train_bound`.)"""
     consumed = ds["status"].values == "consumed"
     s_train = (ds["sample_version"].values - ds["behavior_version"].values)[consumed]
     if s_train.size:
@@ -309,6 +312,99 @@ def _audit_staleness(ds, report: AuditReport) -> None:
         report.problems.append(
             f"{int(bad.sum())} consumed trajectories break the {schedule} schedule's "
             f"{want}: s_train {sorted(set(s_train[bad].tolist()))}, e.g. {str(uid)!r}"
+        )
+
+
+def train_staleness_bound(run_dir: str | Path) -> int | None:
+    """``buffer.max_train_staleness`` as the run's ``config.yaml`` records it (``None``:
+    no bound, or no ``config.yaml``: a store not written by ``laminar run``). A resume
+    rewrites the file with its overrides, so it is the last start's. Raises
+    :class:`StoreError` where the file does not read, or the value is no count.
+
+    >>> train_staleness_bound("no/such/run") is None
+    True
+    """
+    import yaml
+
+    path = Path(run_dir) / "config.yaml"
+    try:
+        config = yaml.safe_load(path.read_text())
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError, yaml.YAMLError) as e:
+        raise StoreError(f"{str(path)!r} does not read ({type(e).__name__}: {e})") from e
+    bound = (config if isinstance(config, dict) else {}).get("buffer") or {}
+    bound = bound.get("max_train_staleness") if isinstance(bound, dict) else None
+    if bound is not None and (isinstance(bound, bool) or not isinstance(bound, int)):
+        raise StoreError(f"{str(path)!r} has buffer.max_train_staleness={bound!r}, no count")
+    return bound
+
+
+def train_lags(run_dir: str | Path, ds, unsure: list[str] | None = None) -> np.ndarray:
+    """Each trajectory's ``s_train`` counted along the weights' lineage, as the buffer's
+    ``buffer.max_train_staleness`` counts it (:func:`storage.lineage.lineage_lags` with
+    the run's trainer restarts, :func:`storage.lineage.run_restarts`; by the numbers, a
+    trainer restarted from ``V`` numbering after ``M`` trains ``V``'s trajectories
+    ``M - V`` late): NaN where not sampled. ``unsure``: where the run's restarts are not
+    all known, why (appended)."""
+    from storage.lineage import lineage_lags, run_restarts
+
+    restarts = run_restarts(run_dir, shortfalls=[] if unsure is None else unsure)
+    return lineage_lags(ds["sample_version"].values, ds["behavior_version"].values, restarts)
+
+
+def _audit_train_bound(run_dir: Path, ds, report: AuditReport) -> None:
+    """Where the run's ``config.yaml`` sets ``buffer.max_train_staleness``, no consumed
+    trajectory trained further behind (:func:`train_lags`, along the weights' lineage as
+    the buffer counts it): the buffer evicts a group before it would, so one over it is a
+    problem. Where a lag may cross a trainer restart the stores do not record (a run whose
+    ``summary.json`` is not its last start's), or a trajectory was sampled before the
+    run's last resume (``config.yaml`` holds the last start's settings; an earlier start
+    may have run with another bound), a note instead."""
+    try:
+        bound = train_staleness_bound(run_dir)
+    except StoreError as e:
+        report.notes.append(f"buffer.max_train_staleness not checked: {e}")
+        return
+    if bound is None:
+        return
+    report.figures["max_train_staleness"] = bound
+    consumed = ds["status"].values == "consumed"
+    if not consumed.any():
+        return
+    unsure: list[str] = []
+    lags = train_lags(run_dir, ds, unsure)[consumed]
+    sampled = np.isfinite(lags)
+    if sampled.any():
+        report.figures["s_train max (lineage)"] = int(lags[sampled].max())
+    over = sampled & (lags > bound)
+    if not over.any():
+        return
+    resumes = ds.attrs.get("resumed_from_version") or []
+    before = ds["sample_version"].values[consumed] < (int(resumes[-1]) if resumes else 0)
+    uid = ds["uid"].values[consumed]
+
+    def said(which: np.ndarray) -> str:
+        lags_over = sorted({int(x) for x in lags[which]})
+        return (
+            f"{int(which.sum())} consumed trajectories trained more than "
+            f"buffer.max_train_staleness={bound} versions behind (s_train along the "
+            f"weights' lineage {_ranges(lags_over)}), e.g. {str(uid[which][0])!r}"
+        )
+
+    if (now := over & ~before).any():
+        if unsure:
+            report.notes.append(
+                said(now) + f"; a trainer restart the stores do not record may account for "
+                f"it ({unsure[0]})"
+            )
+        else:
+            report.problems.append(said(now) + ": the buffer evicts a group before it would")
+    if (earlier := over & before).any():
+        report.notes.append(
+            said(earlier) + f", sampled before the run's last resume (from version "
+            f"{int(resumes[-1])}): config.yaml holds the last start's settings, and an "
+            "earlier start may have run with another bound"
         )
 
 

@@ -288,3 +288,73 @@ def test_a_summary_an_earlier_start_left_does_not_cut_the_versions_checked(tmp_p
     report = audit_run(run)
     said = [p for p in report.problems + report.notes if "published versions trained" in p]
     assert said and "2 published versions" in said[0] and "e.g. version 7" in said[0], said
+
+
+def _bounded(run, bound, summary: dict | None = None) -> None:
+    """Two groups consumed at version 3 of behavior version 1 (s_train 2), in a run whose
+    config.yaml sets buffer.max_train_staleness=``bound``."""
+    import json
+
+    TrajectoryWriter(run).append([record(i) for i in range(4)])
+    (run / "config.yaml").write_text(f"buffer:\n  max_train_staleness: {bound}\n")
+    summary = {"reason": "completed", "segments": 1} if summary is None else summary
+    (run / "summary.json").write_text(json.dumps(summary))
+
+
+def test_a_trajectory_trained_past_the_configured_bound_is_a_problem(tmp_path):
+    """`laminar audit` printed s_train max and held it against nothing: the buffer evicts
+    a group before it trains further behind than buffer.max_train_staleness, so a
+    consumed one past it breaks the setting the run was given."""
+    _bounded(tmp_path, 1)
+    report = audit_run(tmp_path)
+    assert report.figures["max_train_staleness"] == 1
+    assert report.figures["s_train max (lineage)"] == 2
+    [said] = [p for p in report.problems if "max_train_staleness" in p]
+    assert said.startswith(
+        "4 consumed trajectories trained more than buffer.max_train_staleness=1 versions "
+        "behind (s_train along the weights' lineage 2), e.g. 'u0'"
+    ), said
+    (tmp_path / "config.yaml").write_text("buffer:\n  max_train_staleness: 2\n")
+    assert audit_run(tmp_path).ok, audit_run(tmp_path).text()
+    (tmp_path / "config.yaml").write_text("buffer:\n  max_train_staleness: null\n")
+    report = audit_run(tmp_path)
+    assert report.ok and "max_train_staleness" not in report.figures, report.text()
+
+
+def test_the_bound_counts_along_the_lineage_of_a_restarted_trainer(tmp_path):
+    """A trainer lost after publishing version 3 and restarted from its checkpoint of 1
+    numbers its updates after 3: its first batch, of version 1's weights, is sampled at
+    3, two behind by the numbers and none along the weights' lineage, as the buffer
+    counted it. Not a problem; where summary.json does not say the restart (a killed
+    driver's run), a note that one may account for it."""
+    restart = {"time": 10.0, "checkpoint_version": 1, "after_version": 3}
+    _bounded(
+        tmp_path,
+        0,
+        {"reason": "completed", "segments": 1, "faults": {"trainer_restarts": [restart]}},
+    )
+    report = audit_run(tmp_path)
+    assert report.ok and report.figures["s_train max (lineage)"] == 0, report.text()
+    assert report.figures["s_train max"] == 2  # (by the numbers, as stored)
+    (tmp_path / "summary.json").unlink()
+    report = audit_run(tmp_path)
+    assert report.ok, report.text()
+    [note] = [n for n in report.notes if "max_train_staleness" in n]
+    assert "a trainer restart the stores do not record may account for it" in note, note
+
+
+def test_a_trajectory_sampled_before_the_last_resume_is_a_note(tmp_path):
+    """A resume may set another bound (config.yaml then holds the last start's): what an
+    earlier start trained past it is said, not counted a problem."""
+    _bounded(tmp_path, 1, {"reason": "completed", "segments": 2, "resumed": {"version": 5}})
+    TrajectoryWriter(tmp_path).record_resume(5, 100.0)
+    report = audit_run(tmp_path)
+    assert not [p for p in report.problems if "max_train_staleness" in p], report.text()
+    [note] = [n for n in report.notes if "max_train_staleness" in n]
+    assert "sampled before the run's last resume (from version 5)" in note, note
+
+
+def test_a_config_yaml_that_does_not_read_leaves_the_bound_unchecked(tmp_path):
+    _bounded(tmp_path, "[1")
+    [note] = [n for n in audit_run(tmp_path).notes if "max_train_staleness" in n]
+    assert note.startswith("buffer.max_train_staleness not checked: ") and "config.yaml" in note
