@@ -162,6 +162,8 @@ def preflight(cfg: RunConfig) -> None:
             "clip never binds (and clip_frac, approx_kl stay 0). Set trainer.mini_batches "
             "to 2 or more for its trust region (docs/losses.md)"
         )
+    if doomed := cfg.doomed_dispatch():
+        logger.warning(doomed)
     _check_reward_imports(cfg.task.reward, resolve_reward)
     if cfg.trainer.resume_from:
         check_checkpoint(cfg.trainer.resume_from, model_config, cfg)

@@ -104,6 +104,40 @@ def test_decoupled_with_one_mini_batch_is_warned_to_train_as_tis(tmp_path, caplo
     assert "mini_batches" not in caplog.text
 
 
+def test_a_staleness_bound_that_evicts_what_it_lets_out_is_warned_with_the_setting(
+    tmp_path, caplog
+):
+    """tiny.yaml with buffer.max_train_staleness=1 (32 groups out, 16 a batch) evicted
+    32% of what it generated, the longest responses, and said nothing; with 16 out, none
+    (docs/schedules.md). The start names the setting; partial rollout's η alike."""
+    import logging
+
+    from laminar.config import load_config
+    from pipelines.api import preflight
+
+    cfg = load_config(
+        "configs/tiny.yaml", [f"sft.cache_dir={tmp_path}", "buffer.max_train_staleness=1"]
+    )
+    with caplog.at_level(logging.WARNING, logger="laminar"):
+        preflight(cfg)
+        assert "Set buffer.max_outstanding_groups=16 to generate only" in caplog.text
+        caplog.clear()
+        for fine in (
+            ["buffer.max_outstanding_groups=16"],
+            ["buffer.max_train_staleness=2"],
+            ["buffer.max_train_staleness=null"],
+        ):
+            assert with_overrides(cfg, fine).doomed_dispatch() is None, fine
+        preflight(with_overrides(cfg, ["buffer.max_outstanding_groups=16"]))
+    assert "max_train_staleness" not in caplog.text
+    eta = with_overrides(
+        cfg,
+        ["pipeline.schedule=partial_rollout", "pipeline.eta=2", "buffer.max_outstanding_groups=48"],
+    )
+    assert "set pipeline.eta=1" in eta.doomed_dispatch()
+    assert with_overrides(eta, ["pipeline.eta=1"]).doomed_dispatch() is None
+
+
 def test_a_config_file_that_is_not_utf8_is_refused_with_exit_2(tmp_path, capsys, no_cluster):
     """It was a UnicodeDecodeError traceback, exit 1; a run directory's config.yaml on
     --resume too (read by the same load_config)."""
