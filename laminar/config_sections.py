@@ -358,6 +358,10 @@ class TrainerConfig(_Section):
     kl_coef: float = Field(0.0, ge=0)  # KL penalty to the warm-started policy
     kl_kind: Literal["k1", "k2", "k3"] = "k3"
     entropy_coef: float = Field(0.0, ge=0)  # entropy bonus
+    # Overlong filtering (DAPO): a response cut at rollout.max_new_tokens takes no part in
+    # the loss (its tokens masked); it still counts in its group's advantages, with its
+    # reward (task.truncated_reward).
+    mask_truncated: bool = False
     # Optimizer steps per global batch (whole groups each); still one version per batch.
     # Stream trains them as they arrive: it needs 2 or more (in one, it is sync).
     mini_batches: int = Field(1, gt=0)

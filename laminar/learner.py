@@ -264,6 +264,14 @@ class Learner:
             micro_batch_tokens=self.cfg.trainer.micro_batch_tokens,
         )
 
+    def _loss_mask(self, x: Trajectory) -> np.ndarray:
+        """``x``'s loss mask, all zeros for a response cut at its length when
+        ``trainer.mask_truncated`` (DAPO's overlong filtering: the tokens of a response
+        that never ended would be pushed up or down for an answer it never gave)."""
+        if self.cfg.trainer.mask_truncated and x.finish_reason == "length":
+            return np.zeros_like(x.loss_mask)
+        return x.loss_mask
+
     def _step(self, batch: list[Trajectory], proximal=None) -> dict[str, float]:
         t = self.cfg.trainer
         groups = {uid: i for i, uid in enumerate(dict.fromkeys(x.prompt_uid for x in batch))}
@@ -273,7 +281,7 @@ class Learner:
             [x.prompt_tokens for x in batch],
             [x.response_tokens for x in batch],
             [x.behavior_logprobs for x in batch],
-            [x.loss_mask for x in batch],
+            [self._loss_mask(x) for x in batch],
             # As stored (float32), which the buffer's no-signal filter and a resumed
             # run read too: rewards equal there are equal here (advantages 0), and a
             # group trains alike before and after a resume. (Advantages in float64.)

@@ -489,3 +489,29 @@ def test_mini_batches_are_whole_groups_shuffled_alike_on_every_rank_and_resume()
     assert split_groups(uids, 4, seed=0, version=7) == draws[7]  # every rank, a resume
     assert split_groups(uids, 4, seed=1, version=7) != draws[7]
     assert split_groups(uids, 1, seed=0, version=7) == [set(uids)]
+
+
+def test_mask_truncated_trains_as_if_the_cut_responses_had_no_loss_tokens(tiny_policy):
+    """``trainer.mask_truncated`` (DAPO's overlong filtering): one update equals the one on
+    the same batch with the cut responses' loss masks zeroed by hand, and differs from
+    the update that trains them; their rewards still count in their groups' advantages."""
+    import dataclasses
+
+    trajs = batch(0)
+    cut = {t.uid for t in trajs[::3]}
+    marked = [dataclasses.replace(t, finish_reason="length") if t.uid in cut else t for t in trajs]
+    zeroed = [
+        dataclasses.replace(t, loss_mask=np.zeros_like(t.loss_mask)) if t.uid in cut else t
+        for t in trajs
+    ]
+
+    def after(cfg, data) -> dict[str, torch.Tensor]:
+        learner = Learner(cfg, tiny_policy)
+        learner.update(data)
+        return weights(learner)
+
+    masked = after(with_overrides(CFG, ["trainer.mask_truncated=true"]), marked)
+    by_hand = after(CFG, zeroed)
+    trained = after(CFG, marked)
+    assert all(torch.equal(masked[k], by_hand[k]) for k in masked)
+    assert not all(torch.equal(masked[k], trained[k]) for k in masked)
