@@ -19,7 +19,12 @@ import numpy as np
 from laminar.errors import ConfigError
 from pipelines.summary import ran_s, reward_first_last
 from storage import open_run
-from storage.audit import require_fields, rollout_losses
+from storage.audit import (
+    require_fields,
+    rollout_losses,
+    train_lags,
+    train_staleness_bound,
+)
 from storage.metrics import TABLES, open_metrics, segments, time_origin
 from storage.trajectories import StoreError, reading
 
@@ -569,18 +574,48 @@ def _row(r: dict) -> str:
     first, last = reward_first_last(r["ds"])
     versions, wall, n_starts = _versions_and_wall(r)
     flat = st["flat_group_share"]  # (NaN: no group trained on)
+    n = r["ds"].sizes["trajectory"]
     return (
         f"| {r['name']} | {'-' if versions is None else versions} | "
-        f"{r['ds'].sizes['trajectory']} | {first:.3f} → {last:.3f}"
+        f"{n} | {first:.3f} → {last:.3f}"
         f"{'' if first != first or last != last else f' ({last - first:+.3f})'} | "
         f"{st['s_gen_mean']:.2f} / {st['residence_mean']:.2f} / {st['s_train_mean']:.2f} | "
         f"{st.get('n_discarded', 0)} | "
+        f"{_share(st.get('n_evicted', 0), n)} | {_share(st.get('n_filtered', 0), n)} | "
+        f"{_s_train_max(r)} | "
         f"{'-' if flat != flat else f'{flat:.0%}'} | "
         + " / ".join(f"{round(v, 1):g}" for v in percentile_lengths(r["ds"]).values())
         + f" | {wall:.0f}"
         + (f" ({n_starts} starts)" if n_starts > 1 else "")
         + " |"
     )
+
+
+def _share(count: int, of: int) -> str:
+    """A count of the trajectories generated, with its share of them.
+
+    >>> _share(1920, 6016), _share(0, 6016), _share(0, 0)
+    ('1920 (32%)', '0', '0')
+    """
+    return f"{count} ({count / of:.0%})" if count else str(count)
+
+
+def _s_train_max(r: dict) -> str:
+    """The most versions behind any trajectory was trained, counted along the weights'
+    lineage as ``buffer.max_train_staleness`` counts it (a restarted trainer's first
+    batch is not read as late by the numbers it skipped), with that bound where the
+    run's ``config.yaml`` sets it: ``1 (bound 1)``. ``-`` where none was trained."""
+    ds = r["ds"]
+    lags = train_lags(r["dir"], ds)[ds["status"].values == "consumed"]
+    lags = lags[np.isfinite(lags)]
+    most = "-" if not lags.size else str(int(lags.max()))
+    try:
+        bound = train_staleness_bound(r["dir"])
+    except StoreError as e:  # (said with the damaged stores; the bound left out)
+        r["damaged"].append(f"buffer.max_train_staleness left out of s_train max: {e}")
+        logger.warning("%s: %s", r["dir"], r["damaged"][-1])
+        bound = None
+    return most if bound is None else f"{most} (bound {bound})"
 
 
 def _versions_and_wall(r: dict) -> tuple[int | None, float, int]:
@@ -646,9 +681,9 @@ def build_report(run_dirs: list[str | Path], out: str | Path | None = None) -> P
         "# laminar report",
         "",
         "| run | versions | trajectories | reward first → last 20% | s_gen / residence / "
-        "s_train (mean) | discarded | flat groups | response length p50 / p90 / p99 | "
-        "RL wall s |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "s_train (mean) | discarded | evicted | filtered | s_train max | flat groups | "
+        "response length p50 / p90 / p99 | RL wall s |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
         *(_row(r) for r in runs),
         "",
         "| run | publications | stall ms (median) | to every relay ms (median) | "

@@ -154,3 +154,54 @@ def test_publications_leave_out_each_starts_first(tmp_path):
     )
     row = _events_row(build_report([run], tmp_path / "out"))
     assert row[1:4] == ["3", "2.0", "10.0"]
+
+
+def _runs_row(report, name: str) -> dict[str, str]:
+    """The run table's row of run ``name``, by column."""
+    lines = report.read_text().splitlines()
+    i = next(i for i, line in enumerate(lines) if line.startswith("| run | versions"))
+    head = [c.strip() for c in lines[i].strip("|").split("|")]
+    for line in lines[i + 2 :]:
+        cells = [c.strip() for c in line.strip("|").split("|")]
+        if cells[0] == name:
+            return dict(zip(head, cells, strict=True))
+    raise AssertionError(f"no row of {name!r}")
+
+
+def test_the_runs_table_says_what_was_evicted_or_filtered_and_the_worst_lag(tmp_path):
+    """`buffer.max_train_staleness=1` evicted 32% of what a run generated, and the table
+    had no column for it (its trajectories counted them, as generated): base and k1 read
+    alike but for the staleness means. Evicted and filtered, each with its share of those
+    generated, and s_train max, with the bound the run's config.yaml set."""
+    from test_storage import record
+
+    base, k1 = tmp_path / "base", tmp_path / "k1"
+    TrajectoryWriter(base).append([record(i, sample_version=3 + i // 4) for i in range(8)])
+    TrajectoryWriter(k1).append(
+        [record(i, sample_version=2) for i in range(6)]
+        + [record(i, status="evicted", sample_version=-1, t_sample=np.nan) for i in (6, 7)]
+        + [record(i, status="filtered", sample_version=-1, t_sample=np.nan) for i in (8, 9)]
+    )
+    (k1 / "config.yaml").write_text("buffer:\n  max_train_staleness: 1\n")
+    report = build_report([base, k1], tmp_path / "out")
+    row = _runs_row(report, "base")
+    assert (row["trajectories"], row["evicted"], row["filtered"]) == ("8", "0", "0")
+    assert row["s_train max"] == "3"  # (behavior 1, sampled at 4)
+    row = _runs_row(report, "k1")
+    assert (row["trajectories"], row["evicted"], row["filtered"]) == ("10", "2 (20%)", "2 (20%)")
+    assert row["s_train max"] == "1 (bound 1)"
+
+
+def test_s_train_max_counts_along_a_restarted_trainers_lineage(tmp_path):
+    """A trainer restarted from version 1's checkpoint numbers its updates after 3: its
+    first batch, of version 1's weights, sampled at 3, is none behind (as the buffer's
+    bound counts it), not 2."""
+    from test_storage import record
+
+    run = tmp_path / "run"
+    TrajectoryWriter(run).append([record(i) for i in range(4)])  # (behavior 1, sampled at 3)
+    restart = {"time": 10.0, "checkpoint_version": 1, "after_version": 3}
+    faults = {"trainer_restarts": [restart]}
+    summary = {"reason": "completed", "segments": 1, "faults": faults}
+    (run / "summary.json").write_text(json.dumps(summary))
+    assert _runs_row(build_report([run], tmp_path / "out"), "run")["s_train max"] == "0"
