@@ -368,3 +368,24 @@ def attribute_writes(monkeypatch):
         yield writes
     finally:
         monkeypatch.setattr(zarr.Group, "update_attributes", real)
+
+
+@pytest.fixture
+def logging_put_back():
+    """The loggers an abort silences (levels, and disabled flags: pipelines.cli_run's
+    second Ctrl-C), put back after the test."""
+    import logging
+
+    names = ("distributed", "asyncio", "tornado", "laminar")
+    levels = {n: logging.getLogger(n).level for n in names}
+    disabled = {
+        n: lg.disabled
+        for n, lg in logging.root.manager.loggerDict.items()
+        if isinstance(lg, logging.Logger)
+    }
+    yield
+    for n, level in levels.items():
+        logging.getLogger(n).setLevel(level)
+    for n, lg in logging.root.manager.loggerDict.items():
+        if isinstance(lg, logging.Logger):
+            lg.disabled = disabled.get(n, False)

@@ -733,26 +733,6 @@ def test_a_stop_during_the_setup_says_so_and_names_the_command_that_starts_it_ag
     assert f"start it again when ready with `laminar run {run.resolve()}/config.yaml`" in err
 
 
-@pytest.fixture
-def logging_put_back():
-    """The loggers an abort silences (levels, and disabled flags), put back after."""
-    import logging
-
-    names = ("distributed", "asyncio", "tornado", "laminar")
-    levels = {n: logging.getLogger(n).level for n in names}
-    disabled = {
-        n: lg.disabled
-        for n, lg in logging.root.manager.loggerDict.items()
-        if isinstance(lg, logging.Logger)
-    }
-    yield
-    for n, level in levels.items():
-        logging.getLogger(n).setLevel(level)
-    for n, lg in logging.root.manager.loggerDict.items():
-        if isinstance(lg, logging.Logger):
-            lg.disabled = disabled.get(n, False)
-
-
 def test_the_abort_message_is_the_last_thing_said_after_the_cluster_closed(
     tmp_path, monkeypatch, capsys, caplog, logging_put_back
 ):

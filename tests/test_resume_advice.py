@@ -22,25 +22,6 @@ from pipelines.cli import main
 from pipelines.data_module import resume_hint
 
 
-@pytest.fixture
-def logging_put_back():
-    """The loggers an abort silences (levels, and disabled flags), put back after."""
-    import logging
-
-    levels = {n: logging.getLogger(n).level for n in ("distributed", "asyncio", "laminar")}
-    disabled = {
-        n: lg.disabled
-        for n, lg in logging.root.manager.loggerDict.items()
-        if isinstance(lg, logging.Logger)
-    }
-    yield
-    for n, level in levels.items():
-        logging.getLogger(n).setLevel(level)
-    for n, lg in logging.root.manager.loggerDict.items():
-        if isinstance(lg, logging.Logger):
-            lg.disabled = disabled.get(n, False)
-
-
 def _run(tmp_path, schedule: str, checkpoint: bool = True):
     """A run directory as `laminar run` leaves it (its config.yaml), of ``schedule``,
     with a real checkpoint at version 1 of the default tiny model."""
