@@ -206,7 +206,7 @@ class Learner:
         check_groups(batch)
         check_prompts([x.prompt_tokens for x in batch])
         uids = list(dict.fromkeys(x.prompt_uid for x in batch))
-        parts = split_groups(uids, t.mini_batches, seed=self.cfg.seed, version=self.version)
+        parts = split_groups(uids, t.mini_batches, seed=self.cfg.seed)
         # Decoupled PPO's proximal policy is the weights before this batch's first step;
         # with several steps, later ones need those logprobs computed up front.
         prox = None
@@ -460,23 +460,29 @@ def checkpoint_restarts(ckpt: str | Path) -> list[tuple[int, int]]:
     return restarts_of(_trainer_state(ckpt / "trainer_state.json"), ckpt)
 
 
-def split_groups(uids: list[str], n: int, *, seed: int, version: int) -> list[set[str]]:
-    """The groups ``uids`` (in the order the buffer handed them out) as ``n`` mini-batches
-    of whole groups (fewer if there are fewer groups), shuffled by ``seed`` and the
-    ``version`` being trained: every data-parallel rank draws the same, a resume draws it
-    again. The buffer hands groups out as they finished, short ones first: split in that
-    order, the first steps took the short responses on fresh weights and the last the
-    long ones on the most-moved weights (clipped most), a bias by length that verl, which
-    splits its shuffled prompts, does not have.
+def split_groups(uids: list[str], n: int, *, seed: int) -> list[set[str]]:
+    """The groups ``uids`` as ``n`` mini-batches of whole groups (fewer if there are
+    fewer groups), in an order drawn from ``seed`` and the groups themselves (their uids),
+    not from the order given: the buffer hands groups out as they finished, short ones
+    first, and split in that order the first steps took the short responses on fresh
+    weights and the last the long ones on the most-moved weights (clipped most), a bias
+    by length that verl, which splits its shuffled prompts, does not have. Every
+    data-parallel rank draws the same split of a batch, whatever version its learner
+    counts (a restart renumbers rank 0's alone), and a resume draws it again.
 
-    >>> [sorted(p) for p in split_groups(["a", "b", "c", "d"], 1, seed=0, version=3)]
+    >>> [sorted(p) for p in split_groups(["a", "b", "c", "d"], 1, seed=0)]
     [['a', 'b', 'c', 'd']]
-    >>> [len(p) for p in split_groups(list("abcde"), 2, seed=0, version=3)]
+    >>> [len(p) for p in split_groups(list("abcde"), 2, seed=0)]
     [3, 2]
+    >>> split_groups(list("abcd"), 2, seed=0) == split_groups(list("dcba"), 2, seed=0)
+    True
     """
-    n = min(n, len(uids))
-    order = np.random.default_rng([seed, version]).permutation(len(uids))
-    return [{uids[i] for i in part} for part in np.array_split(order, n)]
+    import zlib
+
+    ordered = sorted(uids)
+    batch = zlib.crc32("\n".join(ordered).encode())
+    order = np.random.default_rng([seed, batch]).permutation(len(ordered))
+    return [{ordered[i] for i in part} for part in np.array_split(order, min(n, len(uids)))]
 
 
 def saved_checkpoints(folder: Path) -> dict[int, Path]:
