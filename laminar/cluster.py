@@ -446,12 +446,15 @@ def workers_with(client, resource: str) -> list[str]:
 def _natural(name: str) -> tuple:
     """A sort key that reads the numbers in ``name`` by value.
 
-    >>> sorted(["rollout-10", "rollout-2", "rollout-1"], key=_natural)
-    ['rollout-1', 'rollout-2', 'rollout-10']
+    >>> sorted(["rollout-10", "rollout-2", "rollout-1", "node-²"], key=_natural)
+    ['node-²', 'rollout-1', 'rollout-2', 'rollout-10']
     """
     import re
 
-    return tuple((0, int(p), "") if p.isdigit() else (1, 0, p) for p in re.split(r"(\d+)", name))
+    # (the split's odd parts are its runs of digits: str.isdigit takes a superscript
+    # "²" too, which int() refuses)
+    parts = re.split(r"(\d+)", name)
+    return tuple((0, int(p), "") if i % 2 else (1, 0, p) for i, p in enumerate(parts))
 
 
 def place(client, resource: str, count: int) -> list[str]:
