@@ -136,7 +136,11 @@ def _follow(handle, last: list[str] | None = None) -> int:
             code = _watch(handle, display)
         except KeyboardInterrupt:  # the second signal: no stop in order
             _safely(display.close)
-            _quiet_after_abort(getattr(handle, "client", None))
+            # (the workers' logs too, of a cluster laminar started and now closes: one
+            # of yours, cluster.kind=address, outlives the run and serves the resume)
+            cfg = getattr(handle, "config", None)
+            own = cfg is None or cfg.cluster.kind != "address"
+            _quiet_after_abort(getattr(handle, "client", None) if own else None)
             hint = resume_hint(handle.run_dir)
             signum = received[-1] if received else signal.SIGINT
             key = "Ctrl-C" if signum == signal.SIGINT else signal.Signals(signum).name
@@ -246,7 +250,9 @@ def _stopped_early(handle, summary: dict) -> str | None:
     any other end."""
     from pipelines.data_module import resume_hint
 
-    if not str(summary.get("reason", "")).startswith("stopped"):
+    reason = str(summary.get("reason", ""))
+    # (a walltime stop says what continues it, in new jobs: one line, not two)
+    if not reason.startswith("stopped") or reason.startswith(WALLTIME_REASON):
         return None
     version = summary.get("versions")
     updates = summary.get("updates", version)

@@ -522,12 +522,13 @@ class Schedule(StatsPolling, FaultHandling, MetricsRecording):
                 )
             time.sleep(self.cfg.metrics.poll_s)
             t_stats = _stopping(a["trainer"], "stats", timeout)
-        if reason == "stopped" and updates_made(t_stats, self.cfg.trainer.steps) >= (
+        if reason.startswith("stopped") and updates_made(t_stats, self.cfg.trainer.steps) >= (
             self.cfg.trainer.steps
         ):
-            # (the stop came as the last update was made, or the trainer finished it in
-            # its stop: the run reached trainer.steps, and a resume would have nothing
-            # left to train)
+            # (the stop, Ctrl-C or the walltime's, came as the last update was made, or
+            # the trainer finished it in its stop: the run reached trainer.steps, and a
+            # resume would have nothing left to train; a walltime loop's exit 124 would
+            # run one that says so, exit 2)
             reason = "completed"
         t_stats["ranks_stats"] = [_stopping(r, "stats", timeout) for r in a["trainer_ranks"]]
         p_stats = _stopping(a["pool"], "stats", timeout)  # rollouts stopped: dispatch is final

@@ -702,6 +702,29 @@ def test_a_run_stopped_in_order_before_its_steps_says_how_to_continue_it(
     ) in err, err
 
 
+def test_a_walltime_stop_says_what_continues_it_once(tmp_path, monkeypatch, capsys):
+    """A walltime stop is told what continues it in new jobs (exit 124); the clean
+    stop's line ("stopped at version 3 of 10 ... --resume") came before it as well, two
+    continuations that did not agree."""
+    from storage.audit import WALLTIME_REASON
+
+    fake_cluster(monkeypatch)
+    reason = f"{WALLTIME_REASON}: Slurm job 7 (driver) reaches its walltime in 290 s"
+
+    def stopped(handle):
+        (handle.run_dir / "checkpoints" / "version-000003").mkdir(parents=True)
+        return _summary(str(handle.run_dir), reason)
+
+    _stopping_handle(monkeypatch, True, stopped)
+    sets = ["--set", "task.num_prompts=50", "--set", "trainer.steps=10"]
+    run = tmp_path / "run"
+    code = _main_no_interrupt(["run", "configs/tiny.yaml", *sets, "--run-dir", str(run)])
+    err = capsys.readouterr().err
+    assert code == 124, err
+    assert "laminar: stopped at version" not in err, err
+    assert err.count("laminar run --resume") == 1, err
+
+
 def test_a_completed_run_says_nothing_of_continuing_it(tmp_path, monkeypatch, capsys):
     fake_cluster(monkeypatch)
     _stopping_handle(monkeypatch, True, lambda h: _summary(str(h.run_dir), "completed"))
@@ -775,7 +798,7 @@ def test_the_abort_message_is_the_last_thing_said_after_the_cluster_closed(
     class Handle(pipelines.api.RunHandle):  # (ctrl_c_every_poll's stand-in, with its client)
         def __init__(self, cfg, client, run_dir, resume=None):
             super().__init__(cfg, client, run_dir, resume)
-            self.client = client
+            self.client, self.config = client, cfg
 
     monkeypatch.setattr("pipelines.api.RunHandle", Handle)
     run = tmp_path / "run"
@@ -796,3 +819,22 @@ def test_the_abort_message_is_the_last_thing_said_after_the_cluster_closed(
     assert wait is False
     asyncio.run(quiet())  # (here: as a worker would)
     assert not logging.getLogger("laminar.trainer").isEnabledFor(logging.CRITICAL)
+    # Workers of a cluster the user started (cluster.kind=address) outlive the run and
+    # serve the resume the message names: their logs are theirs (it silenced them for good)
+    ran.clear()
+    capsys.readouterr()
+    other = tmp_path / "other"
+    assert (
+        _main_no_interrupt(
+            [
+                *argv[:-1],
+                str(other),
+                "--set",
+                "cluster.kind=address",
+                "--set",
+                "cluster.address=tcp://127.0.0.1:1",
+            ]
+        )
+        == 130
+    )
+    assert ran == []

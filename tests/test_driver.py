@@ -754,3 +754,36 @@ def test_a_stop_as_the_last_update_is_made_ends_a_completed_run(
     out = in_thread(lambda: s.run(lambda p: None, lambda: True), 30.0)
     assert out != "hung" and "result" in out, out
     assert out["result"]["reason"] == reason
+
+
+@pytest.mark.parametrize(("made", "completed"), [(3, True), (2, False)])
+def test_a_walltime_stop_as_the_last_update_is_made_ends_a_completed_run(
+    tmp_path, monkeypatch, made, completed
+):
+    """The walltime's stop in order, as Ctrl-C's: reached trainer.steps, the run is
+    completed (it exited 124, and the documented `while [ $? -eq 124 ]` loop's resume
+    then hit 'nothing left to train', exit 2)."""
+    from storage.audit import WALLTIME_REASON
+
+    class Due:  # (the WalltimeWatch of a Slurm job at its margin)
+        def start(self):
+            return self
+
+        def due(self):
+            return "Slurm job 7 (driver) reaches its walltime in 290 s"
+
+        def stop_in(self):
+            return 290.0
+
+        def close(self):
+            pass
+
+    s, _ = fake_run(tmp_path, monkeypatch, set(WORKERS.values()))
+    s._walltime = Due()
+    trainer = s.actors["trainer"]
+    trainer._answers["stats"] = {**_trainer_stats(done=False), "version": 2}
+    trainer._answers["stop"] = {**_trainer_stats(), "version": made}
+    out = in_thread(lambda: s.run(lambda p: None, lambda: False), 30.0)
+    assert out != "hung" and "result" in out, out
+    said = out["result"]["reason"]
+    assert said == "completed" if completed else said.startswith(WALLTIME_REASON), said
