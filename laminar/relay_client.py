@@ -273,10 +273,18 @@ def fetch_version(
                 ) from None
 
             state: dict[str, torch.Tensor] = {}
-            for f in files:
-                state.update(load_file(f))
+            try:
+                for f in files:
+                    state.update(load_file(f))
+            except OSError as e:  # (removed meanwhile: trainer.keep_checkpoints)
+                raise VersionUnavailable(
+                    f"version {version} is not kept by the relay, and its checkpoint went "
+                    f"as it was read ({type(e).__name__}: {e}; trainer.keep_checkpoints "
+                    "removes the older ones)"
+                ) from None
             return state
     raise VersionUnavailable(
         f"version {version} is neither kept by the relay nor checkpointed under "
-        f"{checkpoints_dir}; raise relay.keep_versions or checkpoint more often"
+        f"{checkpoints_dir}; raise relay.keep_versions, checkpoint more often, or keep "
+        "more checkpoints (trainer.keep_checkpoints)"
     )

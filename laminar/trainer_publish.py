@@ -285,7 +285,8 @@ class PublicationMixin:
             )
             return self.checkpoint
         sync_dir(root)
-        self._remove_older_checkpoints(root)
+        with self._bounded():  # (removing a 100 GB checkpoint is progress, not silence)
+            self._remove_older_checkpoints(root)
         return str(out)
 
     def _checkpoint_rows(self) -> dict:

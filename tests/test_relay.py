@@ -375,6 +375,21 @@ def test_fetch_version_falls_back_to_the_checkpoint(tmp_path):
         fetch_version(8, None, tmp_path)
 
 
+def test_a_checkpoint_removed_as_it_is_read_is_unavailable_not_a_crash(tmp_path):
+    """trainer.keep_checkpoints removes an older checkpoint (renamed aside, then deleted)
+    while a recovery may be reading it: the file gone under the read raised
+    FileNotFoundError, which nothing caught, and the adopting rollout's loop died (counted
+    lost). Here the weights file cannot be read (a folder where it was: the read's
+    error); it is VersionUnavailable, saying why, and its groups are dropped as for a
+    version gone."""
+    folder = tmp_path / "version-000004"
+    (folder / "model.safetensors").mkdir(parents=True)
+    with pytest.raises(VersionUnavailable, match="its checkpoint went as it was read"):
+        fetch_version(4, None, tmp_path)
+    with pytest.raises(VersionUnavailable, match=r"keep more checkpoints"):
+        fetch_version(5, None, tmp_path)
+
+
 def test_fetch_version_refuses_a_damaged_checkpoint_naming_the_file(tmp_path):
     """Recovery loads an old version from its checkpoint only as the trainer wrote it:
     one flipped bit in the weights (the safetensors header intact, so the file loads)
