@@ -190,7 +190,10 @@ class _Driver:
     """What :meth:`MetricsRecording._origin` and ``_record`` read of a driver."""
 
     def __init__(self, run_dir, resume):
+        from laminar.config import RunConfig
+
         self.run_dir, self.resume = run_dir, resume
+        self.cfg = RunConfig()  # (no trainer.resume_from: no checkpoint's rows to write back)
         self._carry = {"cluster": {}, "rollouts": {}}
         self._earlier_segments, self._segment, self._pauses = [], 0, []
         self._rows = {"cluster": [], "rollouts": []}

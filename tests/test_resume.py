@@ -110,7 +110,8 @@ def test_resume_checks_the_checkpoint_before_it_writes_the_config(tmp_path, caps
     assert main(["run", "--resume", str(run)]) == 2
     err = capsys.readouterr().err
     assert f"'{weights}' is damaged (its bytes changed since it was written: xxh3_128" in err
-    assert f"(`laminar run --resume {run}`), move this one aside first" in err
+    # (its only checkpoint: no earlier one to move aside for, a new run directory)
+    assert f"start it again in a new run directory (`laminar run {run}/config.yaml" in err
     weights.write_bytes(good)
     assert (run / "config.yaml").read_text() == before
     from storage import TrajectoryWriter
@@ -139,7 +140,8 @@ def test_a_damaged_checkpoint_state_is_named(tmp_path):
 
     run = _run_dir(tmp_path, checkpoint_version=2)
     (run / "checkpoints" / "version-000002" / "trainer_state.json").write_text('{"vers')
-    with pytest.raises(CheckpointError, match=r"trainer_state.json' is damaged.*move this one"):
+    said = r"trainer_state.json' is damaged.*no earlier checkpoint.*a new run directory"
+    with pytest.raises(CheckpointError, match=said):
         prepare_resume(run)
 
 
