@@ -397,12 +397,13 @@ class Schedule(StatsPolling, FaultHandling, MetricsRecording):
                         "gen_tok_s": gen_tok_s,
                         "buffer_depth": b_stats["depth"],
                         # (the run's, as in the cluster table: a resumed run's earlier
-                        # starts' included)
+                        # starts' included, here and in what left untrained)
                         "trajectories": b_stats["inserted"]
                         + int(self._carry["cluster"].get("inserted", 0)),
-                        "discarded": b_stats["discarded"],
-                        "evicted": b_stats["evicted"],
-                        "filtered": b_stats["filtered"],
+                        **{
+                            k: b_stats[k] + int(self._carry["cluster"].get(k, 0))
+                            for k in ("discarded", "evicted", "filtered")
+                        },
                         "rollout_versions": [s["version"] for s in r_stats],
                         # (None: no Slurm job of the run's core has a limit)
                         "walltime_stop_in_s": walltime.stop_in(),

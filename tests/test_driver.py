@@ -787,3 +787,18 @@ def test_a_walltime_stop_as_the_last_update_is_made_ends_a_completed_run(
     assert out != "hung" and "result" in out, out
     said = out["result"]["reason"]
     assert said == "completed" if completed else said.startswith(WALLTIME_REASON), said
+
+
+def test_a_resumed_runs_progress_counts_what_left_untrained_in_every_start(tmp_path, monkeypatch):
+    """The progress line's trajectories are the run's (the earlier starts' carried), and
+    so now is what left untrained: evicted, filtered and discarded were this start's
+    alone, so 'untrained' read low against 'trajectories' after a resume."""
+    s, _ = fake_run(tmp_path, monkeypatch, set(WORKERS.values()))
+    s._carry["cluster"] = {"inserted": 100, "evicted": 7, "filtered": 3, "discarded": 1}
+    s.actors["buffer"]._answers["stats"] = {**BUFFER, "inserted": 10, "evicted": 2}
+    seen: list[dict] = []
+    out = in_thread(lambda: s.run(seen.append, lambda: True), 30.0)
+    assert out != "hung", out
+    shown = [p for p in seen if "evicted" in p][-1]
+    assert shown["trajectories"] == 110
+    assert (shown["evicted"], shown["filtered"], shown["discarded"]) == (9, 3, 1)
