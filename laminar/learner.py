@@ -364,6 +364,10 @@ class Learner:
 
     def _restore(self, ckpt: Path, state: dict) -> None:
         self.optimizer.load_state_dict(torch.load(ckpt / "optimizer.pt", weights_only=True))
+        # (the state holds the checkpoint's learning rate: a resume may lower it, as
+        # check_checkpoint says; the same one is the same float, bit-identical)
+        for group in self.optimizer.param_groups:
+            group["lr"] = self.cfg.trainer.lr
         rng = torch.load(ckpt / "rng.pt", weights_only=False)
         torch.set_rng_state(rng["torch"])
         np.random.set_state(rng["numpy"])
@@ -693,11 +697,21 @@ def check_checkpoint(
     saved = state.get("trainer", {})
     now = cfg.trainer.model_dump(mode="json")
     diff = [k for k in OPTIMIZER_FIELDS if k in saved and saved[k] != now[k]]
-    if diff:
+    if diff == ["lr"]:  # (the moments stand; the step size is the new one: Learner._restore)
+        (logger.warning if warn_unchecked else logger.info)(
+            "trainer.lr: checkpoint %r, now %r: the run goes on from %s with the new "
+            "learning rate, AdamW's moments as they were (not bit-identical with a run "
+            "at the checkpoint's)",
+            saved["lr"],
+            now["lr"],
+            ckpt.name,
+        )
+    elif diff:
         shown = ", ".join(f"trainer.{k}: checkpoint {saved[k]!r}, now {now[k]!r}" for k in diff)
         raise CheckpointError(
             f"checkpoint {str(ckpt)!r} was trained with other optimizer settings ({shown}); "
-            "set them to the checkpoint's values to resume"
+            "set them to the checkpoint's values to resume (trainer.lr alone may change: "
+            "the moments AdamW keeps are of these betas and weight decay)"
         )
     # (trainer.steps counts updates: a restart within the run skipped version numbers)
     made = state["version"] - skipped_versions(state)

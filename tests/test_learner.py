@@ -42,8 +42,9 @@ def test_a_checkpoint_of_another_model_or_optimizer_is_refused(tiny_policy, tmp_
     from laminar.model import build_tiny_policy
 
     ckpt = Learner(CFG, tiny_policy).save(tmp_path / "ckpt")
-    with pytest.raises(CheckpointError, match=r"trainer.lr: checkpoint 0.001, now 0.01"):
-        Learner(with_overrides(CFG, ["trainer.lr=1e-2"]), tiny_policy, resume_from=ckpt)
+    said = r"trainer.weight_decay: checkpoint 0.0, now 0.1.*trainer.lr alone may change"
+    with pytest.raises(CheckpointError, match=said):
+        Learner(with_overrides(CFG, ["trainer.weight_decay=0.1"]), tiny_policy, resume_from=ckpt)
     wide = build_tiny_policy(tmp_path / "wide", hidden_size=64, num_heads=4)
     with pytest.raises(CheckpointError, match=r"another model \(hidden_size: checkpoint 128"):
         Learner(CFG, wide, resume_from=ckpt)
@@ -534,3 +535,30 @@ def test_mask_truncated_trains_as_if_the_cut_responses_had_no_loss_tokens(tiny_p
     trained = after(CFG, marked)
     assert all(torch.equal(masked[k], by_hand[k]) for k in masked)
     assert not all(torch.equal(masked[k], trained[k]) for k in masked)
+
+
+def test_a_resume_may_lower_the_learning_rate_keeping_the_moments(tiny_policy, tmp_path, caplog):
+    """Lowering the learning rate of a run that went unstable is a resume's commonest
+    change; it was refused ("set them to the checkpoint's values") with no route, a new
+    run from the checkpoint too. Now the run goes on at the new rate, AdamW's moments as
+    they were, and the start says so. (The optimizer's state holds the checkpoint's
+    rate: loaded as it was, the new one would have been ignored.)"""
+    import logging
+
+    first = Learner(CFG, tiny_policy)
+    first.update(batch(0))
+    ckpt = first.save(tmp_path / "version-000001")
+    lower = with_overrides(CFG, ["trainer.lr=1e-4"])
+    with caplog.at_level(logging.INFO, logger="laminar.learner"):
+        resumed = Learner(lower, tiny_policy, resume_from=ckpt)
+    assert "trainer.lr: checkpoint 0.001, now 0.0001: the run goes on" in caplog.text
+    assert [g["lr"] for g in resumed.optimizer.param_groups] == [1e-4]
+    sa, sb = first.optimizer.state_dict()["state"], resumed.optimizer.state_dict()["state"]
+    assert all(torch.equal(sa[p][k], sb[p][k]) for p in sa for k in sa[p])
+    # one step at each rate from the same state: the lower moves the weights less
+    same = Learner(CFG, tiny_policy, resume_from=ckpt)
+    before = weights(same)
+    same.update(batch(1))
+    resumed.update(batch(1))
+    moved = lambda w: sum(float((w[k] - before[k]).abs().sum()) for k in w)  # noqa: E731
+    assert 0 < moved(weights(resumed)) < 0.5 * moved(weights(same))

@@ -98,8 +98,8 @@ def test_resume_checks_the_checkpoint_before_it_writes_the_config(tmp_path, caps
 
     run = _checkpointed_run(tmp_path)
     before = (run / "config.yaml").read_text()
-    with pytest.raises(CheckpointError, match=r"other optimizer settings \(trainer.lr"):
-        prepare_resume(run, ["trainer.lr=1e-2"])
+    with pytest.raises(CheckpointError, match=r"other optimizer settings \(trainer.weight_d"):
+        prepare_resume(run, ["trainer.weight_decay=0.5"])
     with pytest.raises(CheckpointError, match=r"another model.*hidden_size.*model\.\*"):
         prepare_resume(run, ["model.hidden_size=64"])
     weights = run / "checkpoints" / "version-000001" / "model.safetensors"
