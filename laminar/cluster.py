@@ -13,10 +13,13 @@ scheduler's view of its worker (:func:`bind_actor`, :func:`submit_actor`,
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
+import signal
 import sys
 import time
+from collections.abc import Iterator
 
 from laminar.actors import ActorHung as ActorHung
 from laminar.actors import ActorLost as ActorLost
@@ -178,13 +181,18 @@ def role_cluster(
         try:
             # (Dask's INFO lines of each worker's and the scheduler's start, 70 of them in
             # a notebook's cell for a tiny run, left out as LocalCluster leaves them out)
-            return SpecCluster(
-                workers=specs,
-                scheduler=scheduler,
-                name=name,
-                security=security,
-                silence_logs=logging.WARNING,
-            )
+            with _stops_held() as held:
+                cluster = SpecCluster(
+                    workers=specs,
+                    scheduler=scheduler,
+                    name=name,
+                    security=security,
+                    silence_logs=logging.WARNING,
+                )
+            if held:  # (closed first, then the stop goes on as if it came now)
+                cluster.close()
+                signal.raise_signal(held[0])
+            return cluster
         except RuntimeError as e:  # ("Cluster failed to start: ..." and Dask's cause)
             raise ClusterError(
                 f"the local cluster did not start: {e}; check the cluster settings it "
@@ -192,6 +200,40 @@ def role_cluster(
                 f"({'set' if security is not None else 'none'}), cluster.memory_limit "
                 f"({memory_limit})" + _script_hint()
             ) from e
+
+
+@contextlib.contextmanager
+def _stops_held() -> Iterator[list[int]]:
+    """Ctrl-C, SIGTERM and SIGHUP held while a local cluster is built, then handed to
+    the handlers they would have reached (its caller closes what was built first).
+
+    Interrupted part-way (its scheduler up, its nannies starting), a SpecCluster is
+    neither returned nor closed: Python's exit closed it, in an atexit hook that
+    failed (``AssertionError: Status.init``) beside the half-started workers' own
+    tracebacks, ~70 lines under "laminar: interrupted". A start takes seconds; the stop
+    is said at once. (Only in the main thread, the one signals reach.)"""
+    import threading
+
+    held: list[int] = []
+    if threading.current_thread() is not threading.main_thread():
+        yield held
+        return
+
+    def hold(signum, frame):
+        if not held:
+            os.write(2, b"\nstopping once the local cluster has started, then closing it\n")
+        held.append(signum)
+
+    before = {}
+    for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        handler = signal.getsignal(signum)
+        if handler not in (signal.SIG_IGN, None):
+            before[signum] = signal.signal(signum, hold)
+    try:
+        yield held
+    finally:
+        for signum, handler in before.items():
+            signal.signal(signum, handler)
 
 
 def _script_hint() -> str:
