@@ -590,27 +590,28 @@ def test_a_roles_workers_are_placed_in_the_order_of_their_names():
 
 
 @pytest.mark.slow
-def test_ctrl_c_while_a_local_cluster_starts_closes_it_then_stops(capfd):
+def test_ctrl_c_while_a_local_cluster_starts_closes_it_then_stops(capfd, monkeypatch):
     """Interrupted part-way, a SpecCluster was neither returned nor closed: Python's exit
     closed it in an atexit hook that failed (``AssertionError: Status.init``) beside its
     half-started workers' tracebacks, ~70 lines under "laminar: interrupted". The stop is
     held until the cluster is built, said at once, and the cluster closed before the
     interrupt goes on: nothing of it is left (this suite's leak check)."""
     import signal
-    import threading
 
+    import distributed
     from distributed.deploy.spec import SpecCluster
 
     from laminar.cluster import role_cluster
 
+    class CtrlCAsItStarts(SpecCluster):  # (Ctrl-C the moment the cluster is being built)
+        def __init__(self, *args, **kwargs):
+            signal.raise_signal(signal.SIGINT)
+            super().__init__(*args, **kwargs)
+
     before = set(SpecCluster._instances)
-    timer = threading.Timer(0.3, signal.raise_signal, (signal.SIGINT,))
-    timer.start()
-    try:
-        with pytest.raises(KeyboardInterrupt):
-            role_cluster({"a": {"rollout": 1}, "b": {"trainer": 1}}, name="interrupted")
-    finally:
-        timer.cancel()
+    monkeypatch.setattr(distributed, "SpecCluster", CtrlCAsItStarts)
+    with pytest.raises(KeyboardInterrupt):
+        role_cluster({"a": {"rollout": 1}, "b": {"trainer": 1}}, name="interrupted")
     assert "stopping once the local cluster has started, then closing it" in capfd.readouterr().err
     left = [c for c in set(SpecCluster._instances) - before if c.status.name != "closed"]
     assert not left, left
