@@ -55,11 +55,25 @@ def cmd_run(args: argparse.Namespace) -> int:
             )
         cfg, plan, run_dir = prepare_resume(args.resume, overrides)
         print(f"run dir            {run_dir}  (resumed from {cfg.trainer.resume_from})")
+        why = [  # (each group dropped, by why: the ones that apply)
+            f"{groups(n)} {what}"
+            for n, what in (
+                (
+                    plan.dropped_late,
+                    f"finished after version {plan.version}, by weights the resume redoes",
+                ),
+                (plan.dropped_failed, "with a failed reward"),
+                (
+                    plan.dropped_incomplete,
+                    "stored in part, whose missing samples another policy would generate",
+                ),
+            )
+            if n
+        ]
         print(
             f"store              {plan.stored} trajectories; {len(plan.readmit)} back in the "
-            f"buffer ({groups(len(plan.readmit_groups))}), {len(plan.drop)} dropped "
-            f"({groups(plan.dropped_incomplete)} stored in part, whose missing samples "
-            "another policy would generate: docs/faults.md)",
+            f"buffer ({groups(len(plan.readmit_groups))}), {len(plan.drop)} dropped"
+            + (f" ({'; '.join(why)}: docs/faults.md)" if why else ""),
             flush=True,
         )
         print(

@@ -54,6 +54,10 @@ class ResumePlan:
     reissue: dict[str, tuple[int, int, tuple[int, ...]]] = field(default_factory=dict)
     drop: list[str] = field(default_factory=list)
     dropped_incomplete: int = 0  # of the dropped groups, those stored in part
+    # ... those with a failed reward, and those finished after ``version`` (generated
+    # by weights the resume redoes; an earlier resume's drops too)
+    dropped_failed: int = 0
+    dropped_late: int = 0
     start: int = 0
     stored: int = 0
     consumed: int = 0  # consumed into the checkpoint's weights (sample_version < version)
@@ -92,6 +96,8 @@ class ResumePlan:
             "reissued_samples": sum(len(r[2]) for r in self.reissue.values()),
             "dropped": len(self.drop),
             "dropped_incomplete_groups": self.dropped_incomplete,
+            "dropped_failed_groups": self.dropped_failed,
+            "dropped_late_groups": self.dropped_late,
             "prompt_start": self.start,
             "log_unfinished": self.log_unfinished,
             "log_completed": self.log_completed,
@@ -123,9 +129,11 @@ def plan_resume(run_dir: str | Path, version: int) -> ResumePlan:
         groups.setdefault(str(a["prompt_uid"][i]), []).append(int(i))
     for prompt_uid, rows in groups.items():
         # (finished by ``version``: why the checkpoint's restarts suffice, ResumePlan)
-        usable = all(a["finish_reason"][i] != "error" for i in rows) and all(
-            int(a["finish_version"][i]) <= version and not superseded[i] for i in rows
-        )
+        failed = any(a["finish_reason"][i] == "error" for i in rows)
+        late = any(int(a["finish_version"][i]) > version or superseded[i] for i in rows)
+        plan.dropped_failed += failed
+        plan.dropped_late += late and not failed
+        usable = not failed and not late
         if usable and _missing_samples(a, rows) is not None:
             # (its missing samples would be another policy's: the module docstring)
             usable = False

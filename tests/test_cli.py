@@ -305,7 +305,15 @@ def test_a_resume_says_what_it_re_issued_alike_at_its_start_and_in_its_summary(
     monkeypatch.setattr("laminar.deploy.open_cluster", no_cluster)
     assert cli.main(["run", "--resume", str(tmp_path)]) == 2
     out = capsys.readouterr().out
-    assert "back in the buffer (1 group), 0 dropped (0 groups stored in part" in out
+    assert "back in the buffer (1 group), 0 dropped\n" in out
+    # the groups a resume drops, by why (the header named "stored in part" alone)
+    plan.drop, plan.dropped_late, plan.dropped_incomplete = ["u1", "u2", "u3"], 2, 1
+    assert cli.main(["run", "--resume", str(tmp_path)]) == 2
+    assert (
+        "3 dropped (2 groups finished after version 4, by weights the resume redoes; 1 group "
+        "stored in part, whose missing samples another policy would generate: docs/faults.md)"
+    ) in capsys.readouterr().out
+    plan.drop, plan.dropped_late, plan.dropped_incomplete = [], 0, 0
     assert "32 groups with nothing stored re-issued whole" in out
     cli._print_summary(_summary() | {"resumed": plan.summary()})
     out = capsys.readouterr().out

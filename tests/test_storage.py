@@ -386,6 +386,8 @@ def test_a_resume_readmits_untrained_whole_groups_and_drops_the_rest(tmp_path):
     assert plan.readmit_groups == ["p00000001", "p00000002"]
     # p00000003's sample 1 was generating: the group is dropped, nothing re-issued
     assert plan.reissue == {} and plan.dropped_incomplete == 1
+    # and why the others went (the resume's header said "stored in part" alone)
+    assert (plan.dropped_late, plan.dropped_failed) == (1, 1)
     assert plan.drop == [
         "p00000003-0",
         "p00000005-0",
