@@ -20,6 +20,7 @@ from laminar.cluster import actor_result
 from pipelines.driver_calls import _answers, _stopping
 from pipelines.driver_faults import OWN_ERRORS_TO_FAIL
 from pipelines.summary import earlier_faults, median
+from storage.audit import version_ranges
 from storage.metrics import ROLLOUT_COUNTERS, ROLLOUT_GAUGES
 
 # What summary.json keeps of each relay's stats.
@@ -110,17 +111,6 @@ def restore_checkpoint_rows(writer, run_dir, checkpoint, version: int) -> dict[s
     return added
 
 
-def _versions_said(versions: list[int]) -> str:
-    """``[3, 4, 5, 9]`` as ``3-5, 9``."""
-    out: list[str] = []
-    for v in sorted(set(versions)):
-        if out and int(out[-1].rsplit("-", 1)[-1]) == v - 1:
-            out[-1] = f"{out[-1].split('-')[0]}-{v}"
-        else:
-            out.append(str(v))
-    return ", ".join(out)
-
-
 def _carried(carry: dict[str, float], row: dict) -> dict:
     """``row`` with ``carry``'s counts added to its columns (NaN stays NaN)."""
     for k, v in carry.items():
@@ -200,7 +190,7 @@ class MetricsRecording:
                 "metrics.zarr's %s lacked the rows of versions %s (an earlier start's "
                 "driver stopped before it wrote them): written back from %s",
                 table,
-                _versions_said(versions),
+                version_ranges(versions),
                 ckpt,
             )
 

@@ -16,7 +16,6 @@ nowhere); a *note* is a fact worth knowing (groups still in flight when the run 
 from __future__ import annotations
 
 import json
-import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -389,7 +388,7 @@ def _audit_train_bound(run_dir: Path, ds, report: AuditReport) -> None:
         return (
             f"{int(which.sum())} consumed trajectories trained more than "
             f"buffer.max_train_staleness={bound} versions behind (s_train along the "
-            f"weights' lineage {_ranges(lags_over)}), e.g. {str(uid[which][0])!r}"
+            f"weights' lineage {version_ranges(lags_over)}), e.g. {str(uid[which][0])!r}"
         )
 
     if (now := over & ~before).any():
@@ -533,7 +532,7 @@ def _audit_rows(run_dir: Path, ds, report: AuditReport) -> None:
             report.notes.append(
                 f"{len(missing)} {'version' if one else 'versions'} of the run's lineage "
                 f"({start + 1}..{final}) {'has' if one else 'have'} no row in the {table} "
-                f"table of metrics.zarr: {_ranges(missing)}; {lacks} "
+                f"table of metrics.zarr: {version_ranges(missing)}; {lacks} "
                 f"{'is' if one else 'are'} missing (the driver stopped, aborted or lost, "
                 f"before it wrote {'it' if one else 'them'}, and no resume wrote "
                 f"{'it' if one else 'them'} back from its checkpoint)"
@@ -546,22 +545,18 @@ def _lineage_end(run_dir: Path) -> tuple[int | None, int | None]:
     start's stop checkpoint, written after the last row: the rows of its last versions
     are the ones an abort loses). A checkpoint of a superseded start is not newer: a
     resume starts from the newest."""
+    from storage.lineage import run_checkpoints
+
     ended = _final_version(run_dir, _summary(run_dir))
-    folder = run_dir / "checkpoints"
-    saved = []
-    if folder.is_dir():
-        saved = [int(m[1]) for p in folder.iterdir() if (m := _CHECKPOINT.fullmatch(p.name))]
+    saved = list(run_checkpoints(run_dir))
     ends = [] if ended is None else [ended]
     return max(ends + saved, default=None), max(saved, default=None)
 
 
-_CHECKPOINT = re.compile(r"version-(\d+)")  # (laminar.learner.saved_checkpoints' folders)
-
-
-def _ranges(versions: list[int]) -> str:
+def version_ranges(versions: list[int]) -> str:
     """``[3, 4, 5, 9]`` as ``3-5, 9``.
 
-    >>> _ranges([3, 4, 5, 9]), _ranges([7])
+    >>> version_ranges([3, 4, 5, 9]), version_ranges([7])
     ('3-5, 9', '7')
     """
     out: list[list[int]] = []

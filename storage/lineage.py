@@ -270,7 +270,7 @@ def _store_resumes(run_dir: Path, warn=logger.warning) -> list[int] | None:
         return None
 
 
-def _checkpoints(run_dir: Path) -> dict[int, Path]:
+def run_checkpoints(run_dir: Path) -> dict[int, Path]:
     """The run's ``checkpoints/version-<digits>`` folders by version (one moved aside,
     ``version-000014.damaged``, is not one: as :func:`laminar.learner.newest_checkpoint`)."""
     folder = run_dir / "checkpoints"
@@ -302,7 +302,7 @@ def _recorded(ckpt: Path, version: int) -> list[tuple[int, int]] | None:
 def _restarts_before(run_dir: Path, version: int, warn=logger.warning) -> list[tuple[int, int]]:
     """The restarts before the resume from the checkpoint of ``version`` (its own list;
     else those with ``M <= version`` of the oldest readable checkpoint after it)."""
-    saved = _checkpoints(run_dir)
+    saved = run_checkpoints(run_dir)
     ckpt = saved.get(version, run_dir / "checkpoints" / f"version-{version:06d}")
     try:
         if not ckpt.is_dir():
@@ -348,7 +348,7 @@ def _newest_recorded(
 ) -> tuple[Path | None, list[tuple[int, int]]]:
     """The newest readable checkpoint above version ``floor`` that records restarts, and
     them (``None, []``: none)."""
-    saved = _checkpoints(run_dir)
+    saved = run_checkpoints(run_dir)
     for v in sorted((x for x in saved if x > floor), reverse=True):
         try:
             recorded = _recorded(saved[v], v)
