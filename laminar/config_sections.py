@@ -401,7 +401,7 @@ class TrainerConfig(_Section):
     def ignored_by_correction(self) -> list[str]:
         """The trainer fields set (off their defaults) that ``correction`` does not use.
 
-        Warned of by the run's pre-start check (:func:`pipelines.api.preflight`, once per
+        Warned of by the run's pre-start check (:func:`pipelines.preflight.preflight`, once per
         start), not refused: one base config is naturally run under each correction (a
         sweep of trainer.correction), and a config saved by an earlier run must still
         load to be resumed. A field at its default is not named (a saved config holds

@@ -25,7 +25,6 @@ import time  # noqa: F401 — (tests reach time.sleep as pipelines.cli.time.slee
 from pathlib import Path
 
 from laminar.errors import LaminarError
-from pipelines.api import _file_in_the_way
 from pipelines.cli_bench import (
     _chain_lengths,
     _count,
@@ -44,6 +43,7 @@ from pipelines.cli_run import _follow as _follow  # (re-exported: tests call it)
 from pipelines.cli_run import _watch as _watch  # (re-exported: tests call it)
 from pipelines.cli_run import cmd_run
 from pipelines.cli_signals import STOP_SIGNALS, _exit_code, _handling, _safely, _signalled
+from pipelines.run_dir import _file_in_the_way
 from storage.trajectories import StoreError
 
 

@@ -14,7 +14,7 @@ import os
 import sys
 from pathlib import Path
 
-from pipelines.api import _file_in_the_way
+from pipelines.run_dir import _file_in_the_way
 
 
 def _check_out(out: str) -> None:

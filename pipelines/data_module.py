@@ -67,7 +67,7 @@ def resume_hint(run_dir: str | Path, schedule: str | None = None, *, python: boo
     """How to continue the run in ``run_dir`` once it has failed or stopped, as one
     clause that begins with its verb: ``laminar run --resume`` for a laminar run; a new
     run from the newest checkpoint for another ``schedule`` (its ``config.yaml``'s when
-    not given), which ``--resume`` refuses (:func:`pipelines.api.prepare_resume`).
+    not given), which ``--resume`` refuses (:func:`pipelines.resume_plan.prepare_resume`).
     ``python``: the Python API's way too."""
     import shlex
 

@@ -599,7 +599,7 @@ class Schedule(StatsPolling, FaultHandling, MetricsRecording):
 def stopped_in_setup(run_dir: Path, phase: str) -> str:
     """What a run stopped during its setup (before ``phase``) says: nothing was
     generated, and the command that starts it again. A new run's directory takes the
-    same command (its empty stores are moved aside: pipelines.api._set_aside_failed_start);
+    same command (its empty stores are moved aside: pipelines.run_dir._set_aside_failed_start);
     a resume's is resumed again."""
     import shlex
 

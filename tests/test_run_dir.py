@@ -11,7 +11,7 @@ import pytest
 
 from laminar.config import RunConfig, with_overrides
 from laminar.errors import ConfigError
-from pipelines.api import RUN_FILES, prepare_run_dir
+from pipelines.run_dir import RUN_FILES, prepare_run_dir
 
 
 def _cfg():

@@ -436,7 +436,7 @@ def test_a_reward_module_that_exits_blocks_or_is_a_path_is_named(tmp_path, monke
     usage line, or none, and not a word of task.reward; one that blocks hung it, nothing
     printed. A file path for the module, or a module not on the path, said nothing of
     the fix (helper 185)."""
-    from pipelines.api import _check_reward_imports
+    from pipelines.preflight import _check_reward_imports
 
     monkeypatch.syspath_prepend(str(tmp_path))
     (tmp_path / "laminar_test_exits.py").write_text("raise SystemExit(3)\n")
