@@ -429,6 +429,8 @@ _FLAGS = {
     "arms": "--arms",
     "splits": "--splits",
     "search": "--no-search",
+    "probe_warmup": "--probe-warmup",
+    "probe_iterations": "--probe-iterations",
     "reward_threshold": "--reward-threshold",
     "runs_dir": "--runs-dir",
     "from_runs": "--from-runs",

@@ -334,6 +334,14 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument(
         "--no-search", action="store_true", help="schedules: no split search (model's split)"
     )
+    bench.add_argument(
+        "--probe-warmup", type=_count, help="schedules: warm-up updates of a split probe (2)"
+    )
+    bench.add_argument(
+        "--probe-iterations",
+        type=_positive_int,
+        help="schedules: measured updates of a split probe (4)",
+    )
     bench.add_argument("--reward-threshold", type=_finite, help="schedules: time-to-reward target")
     bench.add_argument(
         "--runs-dir",

@@ -95,6 +95,8 @@ def _check_bench_flags(args: argparse.Namespace) -> None:
             "--gpus": args.gpus,
             "--iterations": args.iterations,
             "--no-search": args.no_search,
+            "--probe-iterations": args.probe_iterations,
+            "--probe-warmup": args.probe_warmup,
             "--seeds": args.seeds,
             "--set": args.set,
             "--splits": args.splits,
@@ -106,6 +108,19 @@ def _check_bench_flags(args: argparse.Namespace) -> None:
                 "--from-runs computes the result of the runs --runs-dir kept, as they were "
                 f"run: drop {', '.join(given)} (it takes --warmup, --reward-threshold, --out)"
             )
+    probe = [
+        f
+        for f, v in (
+            ("--probe-warmup", args.probe_warmup),
+            ("--probe-iterations", args.probe_iterations),
+        )
+        if v is not None
+    ]
+    if probe and args.no_search:
+        raise ConfigError(
+            f"{' and '.join(probe)} set the split search's probes, and --no-search runs none: "
+            "drop one or the other"
+        )
     from pipelines.bench_schedules import ARMS
 
     for flag, names in (("--arms", args.arms or ()), ("--splits", args.splits or {})):
@@ -148,6 +163,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
         "seeds",
         "warmup",
         "iterations",
+        "probe_warmup",
+        "probe_iterations",
         "reward_threshold",
         "runs_dir",
         "model",

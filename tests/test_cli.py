@@ -182,6 +182,15 @@ def test_a_refused_bench_command_makes_no_folder_of_its_out(tmp_path, capsys):
             "drop --gpus, --seeds",
         ),
         (["schedules", "--from-runs", "--runs-dir", "KEPT", "--seeds", "0"], "drop --seeds"),
+        (
+            ["schedules", "--from-runs", "--runs-dir", "KEPT", "--probe-iterations", "6"],
+            "drop --probe-iterations",
+        ),
+        (
+            ["schedules", "--no-search", "--probe-warmup", "1"],
+            "--probe-warmup set the split search's probes, and --no-search runs none",
+        ),
+        (["schedules", "--probe-iterations", "0"], "argument --probe-iterations"),
         (["schedules", "--arms", "laminar,lamnar"], "unknown schedule 'lamnar' in --arms"),
         (["schedules", "--splits", "lamnar=5"], "unknown schedule 'lamnar' in --splits"),
         (["schedules", "--seeds", "-1"], "argument --seeds: '-1' is not a whole number ≥ 0"),
@@ -208,6 +217,23 @@ def test_bench_flags_that_conflict_or_name_nothing_are_refused(
     err = capsys.readouterr().err
     assert why.replace("'NOPE", repr(str(tmp_path / "nope"))[:-1]) in err, err
     assert "Traceback" not in err
+
+
+def test_the_split_search_probes_length_reaches_the_bench(monkeypatch):
+    """--probe-warmup and --probe-iterations (Python's probe_warmup, probe_iterations:
+    the CLI had no way to lengthen a probe whose neighbours lie within its noise)."""
+    from types import SimpleNamespace
+
+    given = {}
+
+    def run_bench(name, out, **options):
+        given.update(options)
+        return SimpleNamespace(failed=[])
+
+    monkeypatch.setattr("pipelines.bench.run_bench", run_bench)
+    argv = ["bench", "schedules", "--seeds", "0", "--probe-warmup", "1", "--probe-iterations", "8"]
+    assert cli.main(argv) == 0
+    assert given["probe_warmup"] == 1 and given["probe_iterations"] == 8, given
 
 
 def test_each_bench_flags_help_names_the_benches_that_take_it():
