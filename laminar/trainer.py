@@ -54,8 +54,13 @@ from laminar.trainer_data import DataLinkMixin
 from laminar.trainer_publish import PublicationMixin, carried_rows
 from laminar.trainer_ranks import LEARNER_DEVICE as LEARNER_DEVICE
 from laminar.trainer_ranks import TrainerRank as TrainerRank
-from laminar.trainer_ranks import _broadcast, _join_group, _learner, _leave_group
-from laminar.trainer_ranks import free_port as free_port
+from laminar.trainer_ranks import (
+    _broadcast,
+    _join_group,
+    _learner,
+    _leave_group,
+    close_rendezvous,
+)
 from laminar.trainer_ranks import group_backend as group_backend
 from laminar.trainer_ranks import rendezvous as rendezvous
 
@@ -311,6 +316,8 @@ class Trainer(DataLinkMixin, PublicationMixin):
                     self.checkpoint = self._save_checkpoint()
             except Exception:
                 self.error = (self.error or "") + traceback.format_exc()
+            if self.ranks > 1:
+                close_rendezvous(self.init_method)
             self.done = True
 
     def _train(self) -> None:

@@ -6,7 +6,7 @@ With ``trainer.ranks = N > 1``, ranks 1..N-1 are :class:`TrainerRank` actors on 
 its shard of every batch rank 0 broadcasts. Here too: a rank's learner (:func:`_learner`),
 joining and leaving the group (:func:`_join_group`, :func:`_leave_group`, on the backend
 :func:`group_backend` picks), each batch's broadcast (:func:`_broadcast`), and the
-rendezvous on rank 0's worker (:func:`rendezvous`, :func:`free_port`).
+rendezvous store on rank 0's worker (:func:`rendezvous`, :func:`open_rendezvous`).
 
 Apart from rank 0 (:class:`laminar.trainer.Trainer`), which samples, publishes and
 checkpoints: the other ranks only train, and meet rank 0 only through these calls.
@@ -103,17 +103,22 @@ def group_backend(device: str | torch.device) -> str:
 
 
 def _join_group(cfg: RunConfig, init_method: str, rank: int) -> None:
+    """Join the group through the rendezvous store :func:`rendezvous` opened (every
+    rank, rank 0 too, as a client of it)."""
     import datetime
+    from urllib.parse import urlparse
 
     import torch.distributed as dist
 
-    backend = group_backend(LEARNER_DEVICE)
+    timeout = datetime.timedelta(seconds=cfg.cluster.actor_timeout_s * 5)
+    at = urlparse(init_method)
+    store = dist.TCPStore(at.hostname, at.port, None, False, timeout=timeout)
     dist.init_process_group(
-        backend,
-        init_method=init_method,
+        group_backend(LEARNER_DEVICE),
+        store=store,
         rank=rank,
         world_size=cfg.trainer.ranks,
-        timeout=datetime.timedelta(seconds=cfg.cluster.actor_timeout_s * 5),
+        timeout=timeout,
     )
 
 
@@ -136,18 +141,36 @@ def _leave_group(learner: Learner) -> float:
 
 
 def rendezvous(client, worker: str) -> str:
-    """A ``torch.distributed`` init method on a free port of ``worker`` (rank 0's)."""
+    """The address (``tcp://host:port``) of a rendezvous store opened on ``worker``
+    (rank 0's), which the group's ranks join through (:func:`_join_group`)."""
     from urllib.parse import urlparse
 
     # (bounded: a rank-0 worker lost meanwhile would leave the task pending for ever)
-    port = client.submit(free_port, workers=[worker], pure=False).result(timeout=60)
+    port = client.submit(open_rendezvous, workers=[worker], pure=False).result(timeout=60)
     return f"tcp://{urlparse(worker).hostname}:{port}"
 
 
-def free_port() -> int:
-    """A free TCP port on this machine (a Dask task on rank 0's worker)."""
-    import socket
+# The rendezvous stores this worker process serves, by port. A store listens from the
+# moment its port is chosen until rank 0 is done with the group: a port chosen free and
+# closed again, for rank 0 to bind seconds later, could be taken meanwhile by another
+# process of a shared node, and rank 0's start failed (EADDRINUSE).
+_STORES: dict[int, object] = {}
 
-    with socket.socket() as s:
-        s.bind(("", 0))
-        return s.getsockname()[1]
+
+def open_rendezvous() -> int:
+    """Open a ``torch.distributed`` store on a free port of this machine, kept
+    listening in this process (a Dask task on rank 0's worker, whose trainer closes it:
+    :func:`close_rendezvous`); returns its port."""
+    import torch.distributed as dist
+
+    store = dist.TCPStore("127.0.0.1", 0, None, True, wait_for_workers=False)
+    _STORES[store.port] = store
+    return store.port
+
+
+def close_rendezvous(init_method: str) -> None:
+    """Stop serving the rendezvous store at ``init_method`` (rank 0, once its group is
+    over; nothing if this process does not serve it)."""
+    from urllib.parse import urlparse
+
+    _STORES.pop(urlparse(init_method).port, None)

@@ -153,6 +153,10 @@ def trainer_rank_case(rank: int, port: int, policy: str, out: str) -> None:
         while not os.path.exists(f"{out}/rank0.json") and time.time() < deadline:
             time.sleep(0.2)
         return
+    import torch.distributed as dist
+
+    # (the rendezvous store rank 0's worker serves: laminar.trainer_ranks.open_rendezvous)
+    store = dist.TCPStore("127.0.0.1", port, None, True, wait_for_workers=False)
     learner = tr._learner(cfg, policy, rank=0)
     tr._join_group(cfg, init, rank=0)
     bad = batch(0)
@@ -169,3 +173,4 @@ def trainer_rank_case(rank: int, port: int, policy: str, out: str) -> None:
     tr._leave_group(learner)
     with open(f"{out}/rank0.json", "w") as f:
         json.dump({"raised": raised, "stop_s": time.time() - t0}, f)
+    del store

@@ -615,3 +615,35 @@ def test_ctrl_c_while_a_local_cluster_starts_closes_it_then_stops(capfd, monkeyp
     assert "stopping once the local cluster has started, then closing it" in capfd.readouterr().err
     left = [c for c in set(SpecCluster._instances) - before if c.status.name != "closed"]
     assert not left, left
+
+
+@pytest.mark.slow
+def test_the_rendezvous_port_stays_taken_until_rank_0_is_done(cluster_client):
+    """The rendezvous chose a free port on rank 0's worker and closed it again, for rank 0
+    to bind seconds later: another process of a shared node could take it meanwhile, and
+    rank 0's start failed (EADDRINUSE). The port now listens from the moment it is chosen
+    (the ranks join through it) until rank 0 closes it."""
+    import datetime
+    import socket
+    from urllib.parse import urlparse
+
+    import torch.distributed as dist
+
+    from laminar.trainer_ranks import close_rendezvous, rendezvous
+
+    def _rendezvous_ports() -> list[int]:  # (a local: a worker cannot import tests/)
+        from laminar.trainer_ranks import _STORES
+
+        return sorted(_STORES)
+
+    worker = place(cluster_client, "trainer", 1)[0]
+    init = rendezvous(cluster_client, worker)
+    at = urlparse(init)
+    with socket.socket() as s, pytest.raises(OSError):  # (the LocalCluster: this machine)
+        s.bind(("", at.port))
+    joined = dist.TCPStore(at.hostname, at.port, None, False, timeout=datetime.timedelta(30))
+    joined.set("rank", "1")
+    assert joined.get("rank") == b"1"
+    assert at.port in cluster_client.run(_rendezvous_ports, workers=[worker])[worker]
+    cluster_client.submit(close_rendezvous, init, workers=[worker], pure=False).result()
+    assert at.port not in cluster_client.run(_rendezvous_ports, workers=[worker])[worker]
