@@ -19,7 +19,7 @@ import os
 import signal
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 
 from laminar.actors import ActorHung as ActorHung
 from laminar.actors import ActorLost as ActorLost
@@ -499,13 +499,15 @@ def _natural(name: str) -> tuple:
     return tuple((0, int(p), "") if i % 2 else (1, 0, p) for i, p in enumerate(parts))
 
 
-def place(client, resource: str, count: int) -> list[str]:
+def place(client, resource: str, count: int, avoid: Collection[str] = ()) -> list[str]:
     """``count`` distinct worker addresses for a role, or a :class:`ClusterError` saying why.
 
     Actors hold their worker's resource only while being created, so placement pins each
-    actor to an explicit worker rather than relying on the resource count.
+    actor to an explicit worker rather than relying on the resource count. Workers in
+    ``avoid`` (another role's: a worker started with two roles' resources) are taken
+    last, only where the others are too few.
     """
-    addrs = workers_with(client, resource)
+    addrs = sorted(workers_with(client, resource), key=lambda a: a in avoid)
     if len(addrs) < count:
         setting = ROLE_COUNTS.get(resource)
         lower = f", or set {setting}={len(addrs)}" if setting and addrs else ""

@@ -135,12 +135,17 @@ class Schedule(StatsPolling, FaultHandling, MetricsRecording):
                 raise RunStopped(stopped_in_setup(self.run_dir, name))
             progress({"phase": name, **more})
 
-        data_w = place(client, "data", 1)[0]
-        trainer_ws = place(client, "trainer", cfg.trainer.ranks)
+        # (a worker started with two roles' resources, on a cluster of one's own, hosts
+        # the second role only where too few workers have it alone: a rollout's engine
+        # and the trainer in one process contend for its device and threads)
+        generating = workers_with(client, "rollout")
+        data_w = place(client, "data", 1, avoid=generating)[0]
+        trainer_ws = place(client, "trainer", cfg.trainer.ranks, avoid=generating)
         if data_w in workers_with(client, "trainer"):  # it shares rank 0's (role_workers)
             trainer_ws = [data_w, *[w for w in trainer_ws if w != data_w]][: len(trainer_ws)]
         trainer_w = trainer_ws[0]
-        rollout_ws = place(client, "rollout", cfg.rollout.replicas)
+        rollout_ws = place(client, "rollout", cfg.rollout.replicas, avoid={data_w, *trainer_ws})
+        _warn_shared_workers(trainer_ws, data_w, rollout_ws)
         # Where the actors that a run cannot go on without live (loss is reported by role).
         if trainer_w == data_w:
             self.core_workers = {"trainer and data module": trainer_w}
@@ -594,6 +599,26 @@ class Schedule(StatsPolling, FaultHandling, MetricsRecording):
                 if attempt or not lost or not self._begin_restart(lost, e):
                     raise
         raise AssertionError("unreachable")
+
+
+def _warn_shared_workers(trainer_ws: list[str], data_w: str, rollout_ws: list[str]) -> None:
+    """Warn of each rollout placed on a trainer rank's or the data module's worker (too
+    few workers advertise ``rollout`` alone)."""
+    cores = {w: f"trainer rank {r}" for r, w in reversed(list(enumerate(trainer_ws)))}
+    cores.setdefault(data_w, "data module")
+    for r, w in enumerate(rollout_ws):
+        if w in cores:
+            logger.warning(
+                "rollout r%d shares worker %s with the %s (a worker advertising both roles' "
+                "resources, and too few with 'rollout' alone): its engine and the %s contend "
+                "for one process's device and threads, and a loss of it loses both; start "
+                "rollout workers of their own (`dask worker ADDRESS --resources rollout=1`: "
+                "docs/deploy.md)",
+                r,
+                w,
+                cores[w],
+                cores[w],
+            )
 
 
 def stopped_in_setup(run_dir: Path, phase: str) -> str:

@@ -647,3 +647,40 @@ def test_the_rendezvous_port_stays_taken_until_rank_0_is_done(cluster_client):
     assert at.port in cluster_client.run(_rendezvous_ports, workers=[worker])[worker]
     cluster_client.submit(close_rendezvous, init, workers=[worker], pure=False).result()
     assert at.port not in cluster_client.run(_rendezvous_ports, workers=[worker])[worker]
+
+
+def test_a_worker_with_two_roles_hosts_the_second_only_where_too_few_have_it_alone(caplog):
+    """A path-B worker started with trainer and rollout resources held the trainer and a
+    rollout at once whenever its name sorted first, though rollout workers of their own
+    stood idle; now it is taken last for the role it is avoided in, and the driver warns
+    of each rollout that had to share a core role's worker."""
+    import logging
+
+    from distributed import Client, Scheduler, SpecCluster, Worker
+
+    from pipelines.driver import _warn_shared_workers
+
+    def worker(name: str, **resources) -> dict:
+        return {"cls": Worker, "options": {"resources": resources, "name": name}}
+
+    spec = {
+        "a-both": worker("a-both", data=1, trainer=1, rollout=1),
+        "rollout-1": worker("rollout-1", rollout=1),
+        "rollout-2": worker("rollout-2", rollout=1),
+    }
+    scheduler = {"cls": Scheduler, "options": {"dashboard_address": ":0"}}
+    with SpecCluster(workers=spec, scheduler=scheduler) as cluster, Client(cluster) as client:
+        client.wait_for_workers(3)
+        names = {a: w["name"] for a, w in client.scheduler_info()["workers"].items()}
+        (shared,) = [a for a, n in names.items() if n == "a-both"]
+        assert [names[a] for a in place(client, "rollout", 2)][0] == "a-both"  # (by name)
+        two = place(client, "rollout", 2, avoid={shared})
+        assert [names[a] for a in two] == ["rollout-1", "rollout-2"]
+        three = place(client, "rollout", 3, avoid={shared})
+        assert three[-1] == shared
+        with caplog.at_level(logging.WARNING, logger="laminar"):
+            _warn_shared_workers([shared], shared, two)
+            assert not caplog.records
+            _warn_shared_workers([shared], shared, three)
+        (said,) = [r.getMessage() for r in caplog.records]
+        assert f"rollout r2 shares worker {shared} with the trainer rank 0" in said, said
