@@ -373,7 +373,9 @@ class LaminarAccessor:
         unsampled = int((consumed & ~np.isfinite(ds["t_sample"].values)).sum())
         consumed &= np.isfinite(ds["t_sample"].values)
         sample = np.minimum(self._windows(ds["t_sample"].values[consumed], window), last)
-        n = int(max(finish.max(initial=-1), sample.max(initial=-1))) + 1
+        # (to the window t_end falls in, whether or not the run's last seconds hold an
+        # event: windows up to the last event's alone left those seconds out)
+        n = last + 1
         # Every window lasts `window` seconds except the last, cut where the run ended,
         # less the time the run was stopped in it.
         lo = self.t0 + np.arange(n) * window

@@ -524,10 +524,11 @@ def test_throughput_of_a_resumed_run_counts_only_the_time_it_ran(tmp_path):
     tp = ds.laminar.throughput(window=15.0)
     nan = np.nan
     # [0,15): 3 finished, 15 s; [15,30): 1 finished, ran 5 s; [30,120): stopped;
-    # [120,135): 2 finished in 15 s (the run went on to its last row, at 140 s)
-    expected = [15 / 15, 5 / 5, nan, nan, nan, nan, nan, nan, 10 / 15]
+    # [120,135): 2 finished in 15 s; [135,140): none, the run going on to its last row
+    expected = [15 / 15, 5 / 5, nan, nan, nan, nan, nan, nan, 10 / 15, 0.0]
     np.testing.assert_allclose(tp["generated"].values, expected)
-    np.testing.assert_allclose(tp["trained"].values, [10 / 15, 10 / 5, *[nan] * 6, 10 / 15])
+    np.testing.assert_allclose(tp["trained"].values, [10 / 15, 10 / 5, *[nan] * 6, 10 / 15, 0])
+    assert tp["running_s"].values[-1] == pytest.approx(5.0)
 
 
 def test_the_updates_of_a_lost_and_resumed_run_by_version(tmp_path):
