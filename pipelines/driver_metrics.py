@@ -29,6 +29,8 @@ RELAY_FIGURES = (
     "kept",
     "versions",
     "evicted",
+    "corrupt_chunks",  # (chunks whose checksum failed on arrival: resent)
+    "refused",  # (versions refused at their first chunk: not newer than one begun)
     "allocated_bytes",
     "peak_bytes",
     "budget_bytes",
@@ -215,8 +217,16 @@ class MetricsRecording:
 
     def _record(self, elapsed, now, t_stats, b_stats, p_stats, r_stats, tokens) -> None:
         """One row of the ``cluster`` table and one ``rollouts`` row per replica (their
-        cumulative columns go on from a resumed run's earlier starts: ``_carry``)."""
-        # (the buffer's own reading; a stand-in's, or an older buffer's, has none)
+        cumulative columns go on from a resumed run's earlier starts: ``_carry``).
+
+        The ``cluster`` row is stamped when the buffer was read (its ``read_at``), not
+        when the poll ended: its columns are mostly the buffer's (and the prompt pool's,
+        read with it), and the trainer's and rollouts' calls after it took 0.1 s at the
+        median and up to 1.8 s, so a row's ``inserted`` or age lined up against the
+        store's times or the updates' read up to 128 trajectories off (helper 200)."""
+        polled, elapsed_polled = now, elapsed
+        now = b_stats.get("read_at", now)  # (a stand-in's, or an older buffer's: none)
+        elapsed -= polled - now
         age = b_stats.get("oldest_age_s")
         if age is None:
             age = now - b_stats["oldest_t_insert"]
@@ -251,7 +261,7 @@ class MetricsRecording:
         )
         for s in r_stats:
             rid = s["rollout_id"]
-            row = {"elapsed_s": elapsed, "rollout": rid}
+            row = {"elapsed_s": elapsed_polled, "rollout": rid}
             row |= {k: s.get(k, math.nan) for k in ROLLOUT_METRICS}
             self._rows["rollouts"].append(_carried(self._carry["rollouts"].get(rid, {}), row))
 
