@@ -31,6 +31,14 @@ class AuditReport:
     problems: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
     figures: dict[str, float] = field(default_factory=dict)
+    # The figures that break down the one before (each status of "trajectories", ...):
+    # indented in text() only, their keys plain (``figures["buffered"]``)
+    parts: set[str] = field(default_factory=set, repr=False)
+
+    def part(self, key: str, value: float) -> None:
+        """Set the figure ``key``, a part of the figure before it (indented in text)."""
+        self.figures[key] = value
+        self.parts.add(key)
 
     @property
     def ok(self) -> bool:
@@ -38,7 +46,9 @@ class AuditReport:
 
     def text(self) -> str:
         lines = [f"audit of {self.run_dir}: " + ("CLEAN" if self.ok else "PROBLEMS")]
-        lines += [f"  {k:<34} {_fmt(v)}" for k, v in self.figures.items()]
+        for k, v in self.figures.items():
+            key = f"  {k}" if k in self.parts else k
+            lines.append(f"  {key:<34} {_fmt(v)}")
         lines += [f"  note: {n}" for n in self.notes]
         lines += [f"  PROBLEM: {p}" for p in self.problems]
         return "\n".join(lines)
@@ -49,7 +59,7 @@ class AuditReport:
             "ok": self.ok,
             "problems": self.problems,
             "notes": self.notes,
-            "figures": {k.strip(): v for k, v in self.figures.items()},  # (indents: text)
+            "figures": dict(self.figures),
         }
 
 
@@ -85,7 +95,7 @@ def audit_run(run_dir: str | Path, tokens: bool = False) -> AuditReport:
     n = int(ds.sizes["trajectory"])
     report.figures["trajectories"] = n
     for s in STATUSES:
-        report.figures[f"  {s}"] = int((status == s).sum())
+        report.part(s, int((status == s).sum()))
 
     # Groups: every stored group is whole, except those still generating at the stop
     # (buffered), or when a lost run stopped and was resumed (dropped then).
@@ -675,7 +685,7 @@ def _audit_log(run_dir: Path, ds, report: AuditReport) -> list[dict] | None:
     done = [rid for rid, e in left.items() if e["finished"] or e["held"]]
     unfinished = len(left) - len(done)
     report.figures["unfinished at the stop"] = unfinished
-    report.figures["  tokens logged"] = sum(e["tokens"] for e in left.values())
+    report.part("tokens logged", sum(e["tokens"] for e in left.values()))
     if done:
         msg = f"{len(done)} completed trajectories are in the recovery log but not the store"
         if _ended(run_dir):
@@ -810,7 +820,7 @@ def _audit_faults(run_dir: Path, ds, report: AuditReport, unfinished: list[dict]
                 f"finished elsewhere ({bound(rid)} {whose} were unfinished at the stop)"
             )
             (report.notes if recorded - resumed <= bound(rid) else report.problems).append(msg)
-        report.figures[f"  {rid}: resumed and stored"] = resumed
+        report.part(f"{rid}: resumed and stored", resumed)
 
 
 def _audit_unrecovered(run_dir: Path, rows, report: AuditReport) -> None:

@@ -1143,8 +1143,8 @@ def test_the_audit_counts_each_lost_rollouts_trajectories_stored_elsewhere(tmp_p
     figures = audit_run(tmp_path).figures
     for r in lost:
         want = sum(r in p.split(",")[:-1] for p in paths)
-        assert figures[f"  {r}: resumed and stored"] == want, r
-    assert [figures[f"  {r}: resumed and stored"] for r in lost] == [9, 6, 3, 0]
+        assert figures[f"{r}: resumed and stored"] == want, r
+    assert [figures[f"{r}: resumed and stored"] for r in lost] == [9, 6, 3, 0]
 
 
 def test_groups_and_rollouts_of_many_versions_and_resumed_paths(tmp_path):

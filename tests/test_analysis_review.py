@@ -56,3 +56,20 @@ def test_the_last_throughput_window_ends_at_t_end_though_it_holds_no_event(tmp_p
     rate = tp.weighted(tp["running_s"]).mean("time")
     assert float(rate["trained"]) == pytest.approx(10 / 34.0)  # (5 tokens each)
     assert tp["trained"].values[2:].tolist() == [0.0, 0.0]  # (ran, trained nothing)
+
+
+def test_the_audits_figures_have_plain_keys_and_indent_in_text_only(tmp_path):
+    """``audit_run(run).figures["buffered"]``: the statuses break down "trajectories",
+    indented when printed, not in their keys (``--json`` stripped them; Python had
+    ``"  buffered"``)."""
+    from storage.audit import audit_run
+
+    TrajectoryWriter(tmp_path).append([_traj("a", 2, sample=3), _traj("b", 4)])
+    report = audit_run(tmp_path)
+    assert report.figures["trajectories"] == 2
+    assert report.figures["buffered"] == 1 and report.figures["consumed"] == 1
+    assert not [k for k in report.figures if k != k.strip()]
+    assert report.to_dict()["figures"] == report.figures
+    lines = report.text().splitlines()
+    assert any(line.startswith("  trajectories ") for line in lines)
+    assert any(line.startswith("    buffered ") for line in lines)

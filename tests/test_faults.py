@@ -329,7 +329,7 @@ def test_a_killed_rollout_loses_no_trajectory(tmp_path):
     report = audit_run(run_dir)
     assert report.ok, report.text()
     assert report.figures["rollouts lost"] == 1
-    assert report.figures["  r1: resumed and stored"] == via_r1.sum()
+    assert report.figures["r1: resumed and stored"] == via_r1.sum()
     # ... and catches a recovery whose trajectories are not in the store.
     tampered = tmp_path / "tampered"
     shutil.copytree(run_dir, tampered)

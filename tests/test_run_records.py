@@ -60,7 +60,7 @@ def test_the_audit_flags_a_lost_rollout_whose_recovery_rows_were_lost(tmp_path):
     report = audit_run(tmp_path)
     assert report.ok, report.text()
     assert report.figures["rollouts lost"] == 1
-    assert report.figures["  r1: resumed and stored"] == 2
+    assert report.figures["r1: resumed and stored"] == 2
 
 
 def test_a_lost_rollouts_missing_trajectories_are_excused_only_by_its_own_unfinished_ones(
