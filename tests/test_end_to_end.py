@@ -446,6 +446,7 @@ def test_cli_run_through_a_relay_chain_loads_exactly_the_published_weights(tmp_p
     assert fp["published"] == 9 and fp["mismatched"] == 0 and fp["loads_checked"] >= 3
     for r in relay["relays"]:
         assert not r["errors"] and r["peak_bytes"] <= r["budget_bytes"]
+        assert r["corrupt_chunks"] == 0 and r["refused"] >= 0  # (the checksums' count kept)
     assert [r["sender"] for r in relay["relays"]] == ["thread", "thread", None]
     assert sum(relay["weight_loads"]) >= 3
     from storage.metrics import open_metrics
