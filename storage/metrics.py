@@ -421,7 +421,10 @@ def open_metrics(path: str | Path, table: str) -> xr.Dataset:
                 "no row of it (yet: it is written with its first rows; repacks and faults "
                 "only by runs that moved or recovered something)"
             )
-        return _read_table(group, table, store / table)
+        ds = _read_table(group, table, store / table)
+    # (where it was read: segments() reads the updates and publications beside it)
+    ds.attrs["run_dir"] = str(store.parent.absolute())
+    return ds
 
 
 def _read_table(group: zarr.Group, table: str, folder: Path | None = None) -> xr.Dataset:
@@ -472,7 +475,39 @@ def _unmarked_stops(t: np.ndarray) -> float:
     return float(dt[long].sum())
 
 
-def segments(cluster: xr.Dataset) -> list[dict]:
+# The tables whose rows name a version made at a time (epoch seconds): a start's last
+# update and its publication come after its last ``cluster`` row, a poll or more (a stop
+# finishes the update under way, its row written at the end), and a resumed start
+# publishes its checkpoint's version before its first row.
+VERSION_TABLES = {"updates": "time", "publications": "t_publish"}
+
+
+def version_rows(run_dir: str | Path) -> tuple[np.ndarray, np.ndarray]:
+    """The times (epoch seconds) and versions of the run's :data:`VERSION_TABLES` rows
+    (``updates``, ``publications``), in time order: moments the run was going, and at
+    which version. A table not written yet is left out; one that cannot be read too,
+    said at WARNING (what reads them, a run's starts, stays readable)."""
+    times, versions = [np.zeros(0)], [np.zeros(0)]
+    for table, column in VERSION_TABLES.items():
+        try:
+            rows = open_metrics(run_dir, table)
+        except (FileNotFoundError, KeyError):
+            continue
+        except (StoreError, ValueError, OSError) as e:
+            logger.warning("%s: its %s table cannot be read (%s)", run_dir, table, e)
+            continue
+        if column in rows and "version" in rows:
+            times.append(rows[column].values.astype(np.float64))
+            versions.append(rows["version"].values.astype(np.float64))
+    t, v = np.concatenate(times), np.concatenate(versions)
+    ok = np.isfinite(t) & np.isfinite(v)
+    order = np.argsort(t[ok], kind="stable")
+    return t[ok][order], v[ok][order]
+
+
+def segments(
+    cluster: xr.Dataset, versions: tuple[np.ndarray, np.ndarray] | None = None
+) -> list[dict]:
     """The stretches of time a run ran, one per start (``laminar run --resume`` adds
     one), from its ``cluster`` rows: ``segment`` (0, 1, ...), ``start_s`` and ``end_s``
     (its first and last row, seconds on the run's clock: rows come every
@@ -482,6 +517,16 @@ def segments(cluster: xr.Dataset) -> list[dict]:
     stop (:data:`UNMARKED_STOP_S`: it ran ``end_s - start_s - stopped_s``), 0 for
     marked rows.
 
+    The versions are those of the start's first and last moment among its ``cluster``
+    rows and its ``updates`` and ``publications`` rows (``versions``: their times on
+    the run's clock and versions; by default :func:`version_rows` of the run directory
+    ``cluster`` was read from): a start stopped ends with the update under way, after
+    its last row (before 2026-12-07 ``last_version`` was its last row's, one short of
+    what its stop and ``summary.json`` said), and a resumed start publishes the
+    checkpoint's version it resumed from before its first row. Such a row between two
+    starts is the earlier's if it lies before the longest stretch between them with no
+    row (the stop, as :func:`gaps` finds it), else the later's.
+
     >>> import tempfile
     >>> w = MetricsWriter(tempfile.mkdtemp())
     >>> rows = [(0, 1.0, 0), (0, 2.0, 3), (1, 60.0, 3), (1, 61.0, 5)]
@@ -490,6 +535,9 @@ def segments(cluster: xr.Dataset) -> list[dict]:
     >>> [(s["start_s"], s["end_s"], s["last_version"]) for s in segments(
     ...     open_metrics(w.path.parent, "cluster"))]
     [(1.0, 2.0, 3), (60.0, 61.0, 5)]
+    >>> w.append("updates", [{"version": 4, "time": 1e9 + 2.5}])  # after its last row
+    >>> [s["last_version"] for s in segments(open_metrics(w.path.parent, "cluster"))]
+    [4, 5]
     """
     n = cluster.sizes.get("time", 0)
     if not n:
@@ -511,10 +559,54 @@ def segments(cluster: xr.Dataset) -> list[dict]:
                 "last_version": int(v[i[-1]]),
             }
         )
+    if versions is None:
+        versions = _version_rows_of(cluster)
+    _add_versions(out, *versions)
     return out
 
 
-def gaps(cluster: xr.Dataset, activity: np.ndarray | None = None) -> list[tuple[float, float]]:
+def _version_rows_of(cluster: xr.Dataset) -> tuple[np.ndarray, np.ndarray]:
+    """:func:`version_rows` of the run ``cluster`` was read from (:func:`open_metrics`
+    records it), on the run's clock; none for rows made otherwise."""
+    origin = time_origin(cluster)
+    run_dir = cluster.attrs.get("run_dir")
+    if run_dir is None or origin is None:
+        return np.zeros(0), np.zeros(0)
+    times, versions = version_rows(run_dir)
+    return times - origin, versions
+
+
+def _add_versions(starts: list[dict], times: np.ndarray, versions: np.ndarray) -> None:
+    """Widen each start's ``first_version``/``last_version`` (in place) to the rows at
+    ``times`` (the run's clock) with ``versions`` that are its (:func:`segments`)."""
+    times, versions = np.asarray(times, np.float64), np.asarray(versions, np.float64)
+    if not times.size:
+        return
+    # Where each start after the first begins for these rows: the end of the longest
+    # stretch with none of them between the start before's last row and its first
+    cuts = []
+    for a, b in zip(starts[:-1], starts[1:], strict=True):
+        inside = np.sort(times[(times > a["end_s"]) & (times < b["start_s"])])
+        points = np.concatenate([[a["end_s"]], inside, [b["start_s"]]])
+        cuts.append(float(points[int(np.argmax(np.diff(points))) + 1]))
+    which = np.searchsorted(np.asarray(cuts), times, side="right")
+    for k, s in enumerate(starts):
+        mine = which == k
+        if not mine.any():
+            continue
+        t, v = times[mine], versions[mine]
+        first, last = int(np.argmin(t)), len(t) - 1 - int(np.argmax(t[::-1]))
+        if t[first] < s["start_s"]:
+            s["first_version"] = int(v[first])
+        if t[last] >= s["end_s"]:
+            s["last_version"] = int(v[last])
+
+
+def gaps(
+    cluster: xr.Dataset,
+    activity: np.ndarray | None = None,
+    starts: list[dict] | None = None,
+) -> list[tuple[float, float]]:
     """The stretches a resumed run was stopped, between its starts (:func:`segments`):
     ``(from, to)`` on the run's clock, from one start's last row to the next's first.
 
@@ -531,8 +623,10 @@ def gaps(cluster: xr.Dataset, activity: np.ndarray | None = None) -> list[tuple[
     >>> cluster = open_metrics(w.path.parent, "cluster")
     >>> gaps(cluster), gaps(cluster, np.array([7.0, 59.0]))
     ([(5.0, 60.0)], [(7.0, 59.0)])
+
+    ``starts``: :func:`segments` of ``cluster``, where the caller has them.
     """
-    seg = segments(cluster)
+    seg = segments(cluster) if starts is None else starts
     out = []
     if len(seg) < 2:  # (a run started once has no stop: its activity need not be sorted)
         return out

@@ -15,7 +15,7 @@ import math
 import os
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import xarray as xr
@@ -555,11 +555,12 @@ def run_stops(path: str | Path, arrays: Mapping[str, np.ndarray]) -> tuple[list,
         if n_events:  # (the lost start's sampling times: :func:`_activity`)
             times = committed_array(store, group, "event_t_sample", n_events)[:n_events]
     activity = _activity(arrays, times)
-    cluster, origin = metrics = _cluster(store.parent)  # (read once, for both)
+    metrics = _metrics(store.parent)  # (read once, for both)
     starts = _starts(store.parent, activity, resumes, metrics)
     signs = np.zeros(0) if activity is None else activity[np.isfinite(activity)]
-    if cluster is not None:
-        signs = np.concatenate([signs, origin + cluster["time"].values])
+    signs = np.concatenate([signs, metrics.times])
+    if metrics.cluster is not None:
+        signs = np.concatenate([signs, metrics.origin + metrics.cluster["time"].values])
     previous = resumes[-2] if len(resumes) > 1 else -math.inf
     last = _stop_before(signs, previous, resumes[-1] if resumes else math.inf)
     return pairs(starts["pauses_s"]), last if math.isfinite(last) else math.nan
@@ -622,11 +623,28 @@ def pairs(flat: Sequence[float]) -> list[tuple[float, float]]:
     return [(float(a), float(b)) for a, b in flat.reshape(-1, 2)]
 
 
+class _Metrics(NamedTuple):
+    """What a run's metrics say of its starts: its ``cluster`` rows (``None``: none)
+    and their clock's origin (epoch seconds), and the times (epoch seconds) and versions
+    of its ``updates`` and ``publications`` rows (:func:`storage.metrics.version_rows`)."""
+
+    cluster: xr.Dataset | None
+    origin: float
+    times: np.ndarray
+    versions: np.ndarray
+
+
+def _metrics(run_dir: Path) -> _Metrics:
+    from storage.metrics import version_rows
+
+    return _Metrics(*_cluster(run_dir), *version_rows(run_dir))
+
+
 def _starts(
     run_dir: Path,
     activity: np.ndarray | None = None,
     resumes: Sequence[float] = (),
-    metrics: tuple[xr.Dataset | None, float] | None = None,
+    metrics: _Metrics | None = None,
 ) -> dict:
     """What the run's starts say of it, as attributes (numbers and flat lists of them, so
     ``to_netcdf`` takes them; ``pauses_s`` always, the rest once metrics are written):
@@ -640,9 +658,12 @@ def _starts(
       start's first trajectory time left its first seconds out of their age, and
       divided the tokens of a throughput window by a sliver of it). The stop begins at
       the last sign of the start before (:func:`_stop_before`): its latest ``activity``
-      (epoch seconds the run was going: its trajectories' times and its leave events')
-      or ``cluster`` row since the resume before, or that resume itself (a start that
-      recorded its resume and did nothing else). A boundary between the metrics' starts
+      (epoch seconds the run was going: its trajectories' times and its leave events'),
+      ``cluster`` row, update or publication (a stop finishes the update under way:
+      its row and its publication come after the last ``cluster`` row; before
+      2026-12-07 the stop began before them, and the trajectories held across it lost
+      that time of their age) since the resume before, or that resume itself (a start
+      that recorded its resume and did nothing else). A boundary between the metrics' starts
       with no resume recorded in it (a laminar from before the record) is the longest
       stretch between the rows with no activity, as :func:`storage.metrics.gaps` says: a
       crash loses the last seconds of rows, not of the trajectory store;
@@ -653,22 +674,23 @@ def _starts(
       first row (a resumed start's: the checkpoint's it resumed from, or a later one if
       the trainer had published an update by then).
 
-    ``metrics``: the run's ``cluster`` rows and their origin (:func:`_cluster`), where
-    the caller has read them already.
+    ``metrics``: the run's metrics (:func:`_metrics`), where the caller has read them
+    already.
     """
     from storage.metrics import gaps, segments
 
     act = np.asarray([] if activity is None else activity, dtype=np.float64)
-    act = act[np.isfinite(act)]
+    cluster, origin, times, versions = metrics if metrics is not None else _metrics(run_dir)
+    act = np.concatenate([act[np.isfinite(act)], times])  # (its updates, publications)
     at = np.asarray(resumes, dtype=np.float64)
-    cluster, origin = metrics if metrics is not None else _cluster(run_dir)
     rows = np.zeros(0) if cluster is None else origin + cluster["time"].values
     stops = _resume_stops(at, np.concatenate([act, rows]))
     if cluster is None:
         return {"pauses_s": [t for stop in sorted(stops) for t in stop]}
-    starts = segments(cluster)
+    starts = segments(cluster, (times - origin, versions))
+    between = gaps(cluster, act - origin, starts)
     begun = [origin + starts[0]["start_s"]]
-    for a, b, (lo, hi) in zip(starts[:-1], starts[1:], gaps(cluster, act - origin), strict=True):
+    for a, b, (lo, hi) in zip(starts[:-1], starts[1:], between, strict=True):
         recorded = at[(at > origin + a["end_s"]) & (at <= origin + b["start_s"])]
         if recorded.size:  # (the resume that started b: the last between the rows)
             begun.append(float(recorded[-1]))
