@@ -1,0 +1,173 @@
+"""A repack round between real rollouts in this process (``RolloutManager._execute``):
+the limits the manager passes with each export and import, the rollouts' own refusals,
+and what a failed or slow call leaves behind. Each test names the guarantee it pins; the
+rollouts and their handles are those of ``tests/test_repack.py``."""
+
+from __future__ import annotations
+
+import pytest
+from test_repack import _decoding, _Handle
+
+from laminar.config import with_overrides
+from laminar.manager import RolloutManager
+from laminar.repack import Move, RolloutLoad
+
+ROUND = ["rollout.parity_every=0", "repack.interval_s=1", "cluster.actor_timeout_s=0.5"]
+
+
+def _manager(cfg, handles: dict) -> RolloutManager:
+    """A manager that planned with each rollout's batch 1 (``_prev``, as ``check`` leaves
+    it)."""
+    manager = RolloutManager(cfg, handles, master_relay=None)
+    manager._prev = {rid: (1, 0.1) for rid in handles}
+    return manager
+
+
+def _loads(planned: dict[str, int]) -> dict[str, RolloutLoad]:
+    return {rid: RolloutLoad(rid, 0, 0.1, 0.2, n) for rid, n in planned.items()}
+
+
+# -- the limits the round passes: the only live enforcement once the plan is made ------
+
+
+def test_a_round_never_leaves_a_destination_past_max_batch(tiny_policy, small_config):
+    """The planner saw r1 with 2 requests; it holds 6 now (a top-up since). r0's 4 would
+    take it to 10, past ``max_batch`` (8): the import is refused and r0 takes its
+    requests back. (Pins the import's ``max_requests=self.max_batch``.)"""
+    cfg = with_overrides(small_config, [*ROUND, "repack.max_batch=8"])
+    src, stop_src = _decoding("r0", cfg, tiny_policy, 4)
+    dst, stop_dst = _decoding("r1", cfg, tiny_policy, 6)
+    try:
+        manager = _manager(cfg, {"r0": _Handle(src), "r1": _Handle(dst)})
+        assert manager.max_batch == 8
+        (row,) = manager._execute([Move("r0", "r1")], _loads({"r0": 4, "r1": 2}))
+        assert not row["ok"]
+        assert len(dst.engine.request_ids()) == 6 and len(src.engine.request_ids()) == 4
+    finally:
+        stop_src.set(), stop_dst.set()
+
+
+def test_a_round_never_leaves_a_destination_past_c_max(tiny_policy, small_config):
+    """Both sides' contexts grew since the plan: with r0's requests r1 would pass
+    ``repack.c_max`` of its KV, though it stays within ``max_batch``. The import is
+    refused. (Pins the import's ``max_kv=self.rcfg.c_max``.)"""
+    src, stop_src = _decoding("r0", small_config, tiny_policy, 3)
+    dst, stop_dst = _decoding("r1", small_config, tiny_policy, 2)
+    try:
+        kv = dst.engine.kv_stats()
+        alone = (kv.used_tokens + kv.waiting_tokens) / kv.capacity_tokens
+        incoming = sum(st.context_len for st in src.engine.in_flight()) / kv.capacity_tokens
+        c_max = alone + incoming / 2  # room for r1's own, not for r0's on top
+        cfg = with_overrides(small_config, [*ROUND, "repack.max_batch=16", f"repack.c_max={c_max}"])
+        manager = _manager(cfg, {"r0": _Handle(src), "r1": _Handle(dst)})
+        (row,) = manager._execute([Move("r0", "r1")], _loads({"r0": 3, "r1": 2}))
+        assert not row["ok"]
+        assert len(dst.engine.request_ids()) == 2 and len(src.engine.request_ids()) == 3
+    finally:
+        stop_src.set(), stop_dst.set()
+
+
+def test_a_round_exports_only_the_batch_it_planned_with(tiny_policy, small_config):
+    """r0 was planned while draining batch 1; it decodes a fresh batch 2 now: the round
+    must not move the fresh batch, which no destination's limits counted. (Pins the
+    export's ``batch=self._prev[s][0]``.)"""
+    cfg = with_overrides(small_config, ROUND)
+    src, stop_src = _decoding("r0", cfg, tiny_policy, 3, batch=2)
+    dst, stop_dst = _decoding("r1", cfg, tiny_policy, 2)
+    try:
+        manager = _manager(cfg, {"r0": _Handle(src), "r1": _Handle(dst)})
+        assert manager._execute([Move("r0", "r1")], _loads({"r0": 3, "r1": 2})) == []
+        assert manager.counts["skipped"] == 1 and not src._held
+        assert len(src.engine.request_ids()) == 3 and len(dst.engine.request_ids()) == 2
+    finally:
+        stop_src.set(), stop_dst.set()
+
+
+@pytest.mark.parametrize("grew", ["requests", "taken_in"])
+def test_a_round_exports_nothing_from_a_source_that_grew_since_its_plan(
+    tiny_policy, small_config, grew
+):
+    """The planner saw r0 with 2 requests (it holds 3), or with a ``taken_in`` before its
+    latest top-up or import: its destination's limits were planned without the rest.
+    (Pins the export's ``max_requests=loads[s].n_requests`` and ``taken_in``.)"""
+    cfg = with_overrides(small_config, ROUND)
+    src, stop_src = _decoding("r0", cfg, tiny_policy, 3)
+    dst, stop_dst = _decoding("r1", cfg, tiny_policy, 2)
+    try:
+        manager = _manager(cfg, {"r0": _Handle(src), "r1": _Handle(dst)})
+        if grew == "requests":
+            loads, taken_in = _loads({"r0": 2, "r1": 2}), None
+        else:
+            loads, taken_in = _loads({"r0": 3, "r1": 2}), {"r0": src._taken_in - 1}
+        assert manager._execute([Move("r0", "r1")], loads, taken_in) == []
+        assert manager.counts["skipped"] == 1 and not src._held
+        assert len(src.engine.request_ids()) == 3 and len(dst.engine.request_ids()) == 2
+    finally:
+        stop_src.set(), stop_dst.set()
+
+
+# -- the rollouts' own refusals --------------------------------------------------------
+
+
+def test_a_held_source_takes_no_import(tiny_policy, small_config):
+    """A source held by a move (exported, awaiting its release or abort) refuses an
+    import: its batch is on its way out, and what it took would be stranded there once
+    released. (Pins the import's ``_held`` check.)"""
+    cfg = with_overrides(small_config, ROUND)
+    src, stop_src = _decoding("r0", cfg, tiny_policy, 3)
+    other, stop_other = _decoding("r1", cfg, tiny_policy, 2)
+    try:
+        assert src.export_for_move(batch=1, move="m") is not None and src._held
+        states = other.export_for_move(batch=1, move="n")["states"]
+        assert src.import_for_move(0, states, batch=1, sources=1, move="i") is False
+        assert not src.engine.request_ids() and src.counts["moves_in"] == 0
+        assert other.abort_export(move="n") == 2 and src.abort_export(move="m") == 3
+    finally:
+        stop_src.set(), stop_other.set()
+
+
+def test_a_stopping_rollout_takes_no_import(tiny_policy, small_config):
+    """A rollout being stopped (the run ends, or it is replaced) refuses an import: its
+    loop will not decode what it took. (Pins the import's ``_stop`` check.)"""
+    from laminar.rollout import RolloutReplica
+
+    cfg = with_overrides(small_config, ROUND)
+    dst = RolloutReplica("r1", cfg, str(tiny_policy), None, None, None)
+    dst._in_batch, dst._batch_seq = True, 1
+    v = dst.engine.version
+    assert dst._import(v, [], batch=1, sources=1) is True  # (the same import, not stopping)
+    dst._stop.set()
+    assert dst._import(v, [], batch=1, sources=1) is False
+
+
+def test_a_held_source_exports_nothing_more(tiny_policy, small_config):
+    """A second export while the first move's is still held (a late or repeated command)
+    must not replace the held requests: the first move's abort would then find nothing
+    of its own to take back. (Pins the export's ``_held`` check.)"""
+    from laminar.engine import GenerationRequest
+
+    cfg = with_overrides(small_config, ROUND)
+    src, stop = _decoding("r0", cfg, tiny_policy, 3)
+    try:
+        assert src.export_for_move(batch=1, move="m1") is not None
+        # (a request in its engine meanwhile, so that there is something to export)
+        src.engine.add_request(GenerationRequest("late", (1, 2, 3), src._params, meta={}))
+        assert src.export_for_move(batch=1, move="m2") is None
+        assert src.abort_export(move="m1") == 3
+        assert len(src.engine.request_ids()) == 4 and not src._held
+    finally:
+        stop.set()
+
+
+def test_a_rollout_between_batches_exports_nothing(tiny_policy, small_config):
+    """Requests in an engine whose rollout is not decoding a batch (it has just ended
+    one, or is loading weights) are no draining batch to move. (Pins the export's
+    ``_in_batch`` check.)"""
+    cfg = with_overrides(small_config, ROUND)
+    src, stop = _decoding("r0", cfg, tiny_policy, 3)
+    try:
+        src._in_batch = False
+        assert src.export_for_move(batch=1, move="m") is None
+        assert len(src.engine.request_ids()) == 3 and not src._held
+    finally:
+        stop.set()
