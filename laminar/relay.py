@@ -126,6 +126,12 @@ class Relay:
         self.error_count = 0
         self._ignored = -1  # a version refused at its first chunk: drop the rest of it
         self._forwarding: dict[int, Snapshot] = {}  # versions pinned until forwarded
+        # The forward loop's current item, (version, task): a newer version that needs a
+        # slot, or is complete here, cancels it (:meth:`_abandon`).
+        self._in_flight: tuple[int, asyncio.Future] | None = None
+        # Master: each published version's checksums, (per-chunk events, task), run
+        # apart from the forwarding so that a version is visible here at once.
+        self._sums: dict[int, tuple[list[asyncio.Event], asyncio.Future]] = {}
         # Versions arriving here when a rechain gave us a new successor: each is sent to
         # it whole once complete (its chunks so far went to the lost one).
         self._resend_when_complete: set[int] = set()
@@ -241,6 +247,34 @@ class Relay:
             self._loop = asyncio.get_running_loop()
             self._queue = asyncio.Queue()
             self._forwarder = asyncio.ensure_future(self._forward_loop())
+            self.core.on_slot_wanted = self._slot_wanted
+
+    def _slot_wanted(self, version: int) -> None:
+        """From :meth:`RelayCore.begin` (any thread, the core's lock held): ``version``
+        waits for a slot. Forwarding older versions must not be what it waits for."""
+        loop = self._loop
+        if loop is not None and not loop.is_closed():
+            with contextlib.suppress(RuntimeError):  # (the loop closed meanwhile)
+                loop.call_soon_threadsafe(self._abandon, version)
+
+    def _abandon(self, newer: int) -> None:
+        """Stop forwarding every version older than ``newer`` (a newer version needs a
+        slot here, or is complete here): release their forwarding pins and cancel the
+        send in flight, whose own pin is released as it stops. A send to a hung successor
+        otherwise held its version's slot for up to ``relay.timeout_s``; the next
+        version's :meth:`RelayCore.begin` waited for it on the relay thread, the upstream's
+        send of that version's first chunk waited for the begin, and so on up to the
+        master. The relays below get ``newer`` instead (they only ever need the newest)."""
+        dropped = set()
+        for v, snap in list(self._forwarding.items()):
+            if v < newer:
+                self._stop_forwarding(v, snap)
+                dropped.add(v)
+        flight = self._in_flight
+        if flight is not None and flight[0] < newer and not flight[1].done():
+            flight[1].cancel()
+            dropped.add(flight[0])
+        self.overtaken += len(dropped)
 
     async def calibrate(self, large_bytes: int = 16 * MB, repeats: int = 5) -> dict:
         """Measure ``T_start`` (a tiny call) and ``T_byte`` (a large one) to the next relay,
@@ -291,7 +325,12 @@ class Relay:
             snap = self.core.begin(version, layout, _chunk_bytes(layout.nbytes, k), self.timeout_s)
             if snap is None:
                 raise RelayError(f"version {version} is not newer than one already published")
-            self.core.write_state(snap, state)
+            self.core.pin(version)  # the checksums' (:meth:`_checksums` releases it)
+            try:
+                self.core.write_state(snap, state)
+            except BaseException:
+                self.core.unpin(snap)
+                raise
         stall = time.perf_counter() - t0
         record = {
             "version": version,
@@ -302,11 +341,38 @@ class Relay:
         }
         self.publications.append(record)
         # (The queue is read on the loop: a rechain may have replaced it meanwhile.)
-        self._loop.call_soon_threadsafe(self._enqueue, ("version", version, record["t_publish"]))
+        self._loop.call_soon_threadsafe(self._published, snap, record["t_publish"])
         return stall
 
-    def _enqueue(self, item: tuple) -> None:
-        self._queue.put_nowait(item)
+    def _published(self, snap: Snapshot, t_publish: float) -> None:
+        """On the loop: checksum the new version (it is visible here once they are
+        done, whatever the forwarding does) and queue it to be sent down."""
+        ready = [asyncio.Event() for _ in range(snap.n_chunks)]
+        task = asyncio.ensure_future(self._checksums(snap, ready))
+        self._sums[snap.version] = (ready, task)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        task.add_done_callback(lambda _: self._sums.pop(snap.version, None))
+        self._queue.put_nowait(("version", snap.version, t_publish))
+
+    async def _checksums(self, snap: Snapshot, ready: list[asyncio.Event]) -> None:
+        """Master: checksum chunk after chunk in the relay thread (the forwarder sends
+        each as soon as it is known), then make the version visible here. Holds the pin
+        :meth:`publish_local` took."""
+        try:
+            for j in range(snap.n_chunks):
+                await self._run(self.core.checksum_chunk, snap, j)
+                ready[j].set()
+            self.core.complete(snap)
+        except Exception as e:  # noqa: BLE001 — said in errors; the next version goes on
+            msg = f"{self.relay_id} checksumming version {snap.version}: {e!r}"
+            logger.error(msg)
+            self._error(msg)
+            return
+        finally:
+            self.core.unpin(snap)
+        self._completed(self.relay_id, snap.version)
+        await self._prewarm(snap.layout.nbytes)
 
     async def publish(self, version: int, state: dict[str, torch.Tensor]) -> float:
         """Publish from another process (the state arrived with the call). Prefer
@@ -333,61 +399,63 @@ class Relay:
         overtaken by a newer one before it started is skipped: downstream only ever needs
         the newest); a downstream relay queues each chunk as it arrives, so it forwards
         chunk ``j`` while its upstream sends ``j+1``, and stops forwarding a version once
-        a newer one is complete here."""
+        a newer one is complete here. Each item runs as a task of its own, which
+        :meth:`_abandon` cancels when a newer version needs its slot (or, below the
+        master, is complete here): a hung successor then costs the relays above it
+        nothing but the sends it swallows."""
         while True:
             item = await self._queue.get()
+            if item[0] == "version":  # (only the master queues versions; a "resend"
+                while not self._queue.empty():  # is first in a fresh queue: never skipped)
+                    item = self._queue.get_nowait()
+            if item[0] == "version":
+                work = self._forward_version(item[1], item[2])
+            elif item[0] == "resend":
+                work = self._resend(item[1], item[2])
+            else:
+                work = self._forward_chunk(*item[1:])
+            # Its own task: :meth:`_abandon` cancels it, not the loop.
+            task = asyncio.ensure_future(work)
+            self._in_flight = (item[1], task)
             try:
-                if item[0] == "version":  # (only the master queues versions; a "resend"
-                    while not self._queue.empty():  # is first in a fresh queue: never skipped)
-                        item = self._queue.get_nowait()
-                if item[0] == "version":
-                    await self._forward_version(item[1], item[2])
-                elif item[0] == "resend":
-                    await self._resend(item[1], item[2])
-                else:
-                    await self._forward_chunk(*item[1:])
-            except Exception as e:  # noqa: BLE001 — reported in stats, the loop goes on
+                await asyncio.wait([task])
+            except asyncio.CancelledError:  # (a rechain or close stops the loop)
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
+                raise
+            finally:
+                self._in_flight = None
+            if task.cancelled():
+                continue  # abandoned: a newer version overtook it (counted there)
+            e = task.exception()
+            if e is not None:  # reported in stats, the loop goes on
                 msg = f"{self.relay_id} forwarding {item[:3]}: {e!r}"
                 logger.error(msg)
                 self._error(msg)
 
     async def _forward_version(self, version: int, t_publish: float) -> None:
-        """Master: checksum chunk after chunk (in the relay thread) and send each as soon
-        as its checksum is known; the version is visible here once all are."""
+        """Master: send the version chunk after chunk, each as soon as its checksum is
+        known (:meth:`_checksums`, which makes it visible here on its own)."""
+        if self.downstream is None:
+            return
         try:
             snap = self.core.pin(version)
         except VersionUnavailable:
             return  # evicted by newer versions meanwhile
         try:
-            ready = [asyncio.Event() for _ in range(snap.n_chunks)]
-
-            async def checksums() -> None:
-                for j in range(snap.n_chunks):
-                    await self._run(self.core.checksum_chunk, snap, j)
-                    ready[j].set()
-                self.core.complete(snap)
-                self._completed(self.relay_id, version)
-                await self._prewarm(snap.layout.nbytes)
-
-            summing = asyncio.ensure_future(checksums())
-            failed = None
-            try:
-                if self.downstream is not None:
-                    for j in range(snap.n_chunks):
-                        await _either(ready[j], summing)
-                        if not ready[j].is_set():  # the checksums failed: say why
-                            summing.result()
-                            raise RelayError(f"version {version}'s checksums stopped at {j}")
-                        try:
-                            await self._send(snap, j, t_publish)
-                        except Exception as e:  # noqa: BLE001 — sent again once complete
-                            failed = e
-                            break
-            finally:  # even when a rechain cancels the sends: the version completes here
-                await asyncio.wait([summing])
-            summing.result()
-            if failed is not None:
-                self._send_failed(version, t_publish, failed)
+            ready, summing = self._sums.get(version, (None, None))
+            for j in range(snap.n_chunks):
+                if snap.crcs[j] is None:
+                    if summing is None:
+                        return  # its checksums failed (said in errors)
+                    await _either(ready[j], summing)
+                    if not ready[j].is_set():
+                        return  # its checksums failed (said in errors)
+                try:
+                    await self._send(snap, j, t_publish)
+                except Exception as e:  # noqa: BLE001 — sent again once complete
+                    self._send_failed(version, t_publish, e)
+                    return
         finally:
             self.core.unpin(snap)
 
@@ -550,7 +618,9 @@ class Relay:
                 self._ignored = -1
             if self.downstream is not None and version not in self._forwarding:
                 self._forwarding[version] = self.core.pin(version)
-        elif version == self._ignored:
+        elif version == self._ignored or version < self.core.newest_begun:
+            # (a newer version begun here dropped this one: e.g. the rest of a send that
+            # the upstream abandoned, arriving late)
             return False
         # Submitted now (not when a task first runs): the relay thread keeps arrival order.
         stored = asyncio.get_running_loop().run_in_executor(
@@ -590,6 +660,7 @@ class Relay:
             if version in self._resend_when_complete and self.downstream is not None:
                 self._queue.put_nowait(("resend", version, t_publish))
             self._resend_when_complete = {v for v in self._resend_when_complete if v > version}
+            self._abandon(version)  # (older versions being sent on are overtaken)
             self._completed(self.relay_id, version)
             await self._report(version)
             await self._prewarm(layout.nbytes)

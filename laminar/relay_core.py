@@ -235,6 +235,10 @@ class RelayCore:
         # Called (lock held, from whichever thread completed it) when a version becomes
         # visible: the Relay actor wakes the pulls that wait for one (it must not block).
         self.on_complete = None
+        # Called (lock held, from the waiting thread) with the version that waits for a
+        # slot, each time before it waits: the Relay actor stops forwarding older
+        # versions, whose pins would otherwise keep it waiting (it must not block).
+        self.on_slot_wanted = None
 
     # -- writing ------------------------------------------------------------------------
     def begin(
@@ -269,7 +273,7 @@ class RelayCore:
             # Versions arrive in order: an older one still incomplete will never complete.
             for v in [v for v, s in self._snaps.items() if not s.complete and not s.pins]:
                 self._free.append(self._snaps.pop(v).buf)
-            buf = self._slot(layout.nbytes, timeout)
+            buf = self._slot(version, layout.nbytes, timeout)
             self.slot_bytes = layout.nbytes
             snap = Snapshot(version, layout, chunk_bytes, buf, [None] * n_chunks)
             self._snaps[version] = snap
@@ -283,7 +287,7 @@ class RelayCore:
             return self.budget_bytes
         return nbytes * (self.keep_versions + 1)
 
-    def _slot(self, nbytes: int, timeout: float) -> np.ndarray:
+    def _slot(self, version: int, nbytes: int, timeout: float) -> np.ndarray:
         """A slot of ``nbytes`` (lock held): a free one, a new one within the budget, or
         the oldest evictable version's; waits for a pinned one to be released."""
         budget = self.budget_for(nbytes)
@@ -314,6 +318,8 @@ class RelayCore:
                     f"no slot freed within {timeout:.0f} s: every kept version is held by a "
                     "reader or forwarder; raise relay.memory_budget_mb"
                 )
+            if self.on_slot_wanted is not None:
+                self.on_slot_wanted(version)
             self._lock.wait(min(left, 0.1))
 
     def retain(self, versions) -> None:
@@ -392,6 +398,8 @@ class RelayCore:
         version just became complete. A corrupt chunk raises and leaves it missing."""
         with self._lock:
             snap = self._snaps.get(version)
+            if snap is None and version < self.newest_begun:
+                return False  # dropped for a newer one (the rest of an abandoned send)
         if snap is None:
             raise RelayError(f"version {version} was not begun here (or was dropped)")
         a, b = snap.span(j)

@@ -1398,3 +1398,77 @@ def test_errors_and_completions_are_kept_for_the_newest_only(monkeypatch):
     assert relay.errors == ["error 7", "error 8", "error 9"]
     stats = asyncio.run(relay.stats())
     assert stats["error_count"] == 10 and stats["errors"] == relay.errors
+
+
+def _newest(relay: Relay) -> int:
+    versions = relay.core.versions()
+    return versions[-1] if versions else -1
+
+
+def test_a_held_send_to_the_tail_does_not_stop_the_relays_above_it():
+    """master -> relay1 -> relay2, relay1's sends to relay2 held (a hung tail) for the
+    whole test, relay.timeout_s 60. Each of six publications becomes visible at the
+    master and at relay1 while it lasts: relay1 abandons the send of an overtaken version
+    when a newer one needs its slot (it waited up to timeout_s for that send, holding its
+    pin; the master's send of the next version waited on relay1, and the master made a
+    version visible only once it had sent the one before). Released, relay2 gets the
+    newest; no pin is left and nothing is called an error."""
+    import asyncio
+
+    async def run() -> None:
+        m, r1, r2 = _relays("master", "relay1", "relay2", timeout_s=60)
+        chain = ["master", "relay1", "relay2"]
+        to_r2 = _Peer(r2)
+        to_r2.hold = asyncio.Event()
+        to_r2.held = lambda name, a: name == "receive_chunk"
+        await m.set_chain(chain, _Peer(r1), None)
+        await r1.set_chain(chain, to_r2, m)
+        await r2.set_chain(chain, None, m)
+        try:
+            for v in range(1, 7):
+                await asyncio.to_thread(m.publish_local, v, _state(v))
+                await _until(lambda v=v: _newest(m) == v and _newest(r1) == v, timeout=20)
+            assert r1.overtaken >= 4 and r2.core.versions() == []
+            to_r2.hold.set()
+            await _until(lambda: _newest(r2) == 6, timeout=20)
+            assert _read(r2.core, 6)["a"].eq(6.0).all()
+            for r in (m, r1, r2):
+                await _until(lambda r=r: all(p == 0 for p in _pins(r).values()))
+                assert not r.errors, r.errors
+        finally:
+            to_r2.hold.set()
+            await asyncio.gather(m.close(), r1.close(), r2.close())
+
+    asyncio.run(run())
+
+
+def test_a_held_first_hop_does_not_stop_the_master_nor_the_trainer():
+    """master -> relay1, every send to relay1 held. Each publication becomes visible at
+    the master at once (its checksums no longer wait behind the send of the version
+    before), and the fourth does not wait for a slot that the held send pins: the
+    master abandons that send (it did, the trainer stalling up to relay.timeout_s).
+    Released, relay1 gets the newest."""
+    import asyncio
+
+    async def run() -> None:
+        m, r1 = _relays("master", "relay1", timeout_s=60)
+        chain = ["master", "relay1"]
+        to_r1 = _Peer(r1)
+        to_r1.hold = asyncio.Event()
+        to_r1.held = lambda name, a: name == "receive_chunk"
+        await m.set_chain(chain, to_r1, None)
+        await r1.set_chain(chain, None, m)
+        try:
+            for v in range(1, 7):
+                await asyncio.wait_for(asyncio.to_thread(m.publish_local, v, _state(v)), 20)
+                await _until(lambda v=v: _newest(m) == v, timeout=20)
+            assert m.overtaken >= 1 and r1.core.versions() == []
+            to_r1.hold.set()
+            await _until(lambda: _newest(r1) == 6, timeout=20)
+            await _until(lambda: all(p == 0 for p in _pins(m).values()))
+            assert not m.errors and not r1.errors, (m.errors, r1.errors)
+        finally:
+            to_r1.hold.set()
+            await asyncio.gather(m.close(), r1.close())
+
+    asyncio.run(run())
