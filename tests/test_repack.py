@@ -6,9 +6,18 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from laminar.manager_repack import planner_loads
 from laminar.repack import Move, RolloutLoad, apply, is_candidate, plan
 
 C_MAX, MAX_BATCH = 0.9, 16
+
+
+def draining(load: RolloutLoad, c_max: float, max_batch: int) -> bool:
+    """The candidate rule of docs/repack.md, written out apart from the module's own
+    ``is_candidate``, so that the property tests judge the planner against the rule and
+    not against itself: some requests, fewer than ``max_batch``, and KV below ``c_max``
+    and strictly below the previous check's (flat KV is not falling)."""
+    return 0 < load.n_requests < max_batch and load.kv_used < c_max and load.kv_used < load.kv_prev
 
 
 def test_the_papers_example():
@@ -30,6 +39,40 @@ def test_versions_never_mix_and_rising_or_full_rollouts_stay():
     assert plan(loads, c_max=C_MAX, max_batch=MAX_BATCH) == []
 
 
+def test_flat_kv_is_not_falling():
+    """A rollout whose KV has not moved since the previous check is not draining: the
+    manager reports ``kv_prev = kv_used`` for a batch it sees for the first time, and
+    ``<=`` in the rule would move every such batch at once."""
+    flat = [RolloutLoad("a", 1, 0.1, 0.1, 2), RolloutLoad("b", 1, 0.2, 0.2, 2)]
+    assert not any(is_candidate(load, C_MAX, MAX_BATCH) for load in flat)
+    assert plan(flat, c_max=C_MAX, max_batch=MAX_BATCH) == []
+
+
+def test_a_batch_seen_for_the_first_time_is_not_moved():
+    """The manager's loads of two fresh batches (their first sighting) plan no move:
+    only their next check can tell whether their KV falls."""
+    prev: dict = {}
+    fresh = {"version": 0, "in_batch": True, "held": False, "batch": 1}
+    seen = {
+        "r0": {**fresh, "kv_used": 0.1, "n_requests": 4},
+        "r1": {**fresh, "kv_used": 0.2, "n_requests": 4},
+    }
+    loads = planner_loads(seen, prev)
+    assert [(ld.kv_used, ld.kv_prev) for ld in loads] == [(0.1, 0.1), (0.2, 0.2)]
+    assert plan(loads, c_max=C_MAX, max_batch=MAX_BATCH) == []
+    later = {rid: {**ld, "kv_used": ld["kv_used"] / 2} for rid, ld in seen.items()}
+    assert plan(planner_loads(later, prev), c_max=C_MAX, max_batch=MAX_BATCH) == [Move("r0", "r1")]
+
+
+def test_a_held_rollout_is_not_planned_with():
+    """A rollout held by a move (it exported, awaiting release or abort) is neither a
+    source again nor a destination: its batch is on its way out."""
+    prev = {"r0": (1, 0.4), "r1": (1, 0.4)}
+    tail = {"version": 0, "in_batch": True, "batch": 1, "kv_used": 0.2, "n_requests": 2}
+    loads = planner_loads({"r0": {**tail, "held": True}, "r1": {**tail, "held": False}}, prev)
+    assert [ld.rollout_id for ld in loads] == ["r1"]
+
+
 def test_duplicate_ids_are_refused():
     load = RolloutLoad("a", 1, 0.1, 0.2, 1)
     with pytest.raises(ValueError, match="unique"):
@@ -43,7 +86,8 @@ def loads_strategy(draw):
     out = []
     for i in range(n):
         kv = draw(st.floats(0.0, 1.0))
-        prev = draw(st.floats(0.0, 1.0))
+        # (flat KV, a batch's first sighting, as often as not: random floats never tie)
+        prev = kv if draw(st.booleans()) else draw(st.floats(0.0, 1.0))
         reqs = draw(st.integers(0, MAX_BATCH + 2))
         out.append(RolloutLoad(f"r{i}", draw(st.integers(0, versions - 1)), kv, prev, reqs))
     return out
@@ -62,7 +106,7 @@ def test_planner_rules_hold_on_random_loads(loads, c_max, max_batch):
     for m in moves:
         s, d = by_id[m.source], by_id[m.destination]
         assert s.version == d.version  # never mixes versions
-        assert is_candidate(s, c_max, max_batch) and is_candidate(d, c_max, max_batch)
+        assert draining(s, c_max, max_batch) and draining(d, c_max, max_batch)
     # never over c_max or max_batch after the moves (checked after each one in order)
     kv = {i: load.kv_used for i, load in by_id.items()}
     n = {i: load.n_requests for i, load in by_id.items()}
@@ -95,7 +139,7 @@ def test_each_source_goes_to_the_fullest_feasible_destination(loads):
             r.rollout_id
             for r in loads
             if r.version == src.version
-            and is_candidate(r, C_MAX, MAX_BATCH)
+            and draining(r, C_MAX, MAX_BATCH)
             and r.rollout_id not in moved | {m.source}
         ]
         feasible = [
@@ -118,7 +162,7 @@ def test_every_source_that_could_move_does(loads, c_max, max_batch):
     moves = plan(loads, c_max=c_max, max_batch=max_batch)
     for v in {load.version for load in loads}:
         group = sorted(
-            (r for r in loads if r.version == v and is_candidate(r, c_max, max_batch)),
+            (r for r in loads if r.version == v and draining(r, c_max, max_batch)),
             key=lambda r: (r.kv_used, r.rollout_id),
         )
         ids = {r.rollout_id for r in group}
