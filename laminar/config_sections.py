@@ -451,6 +451,7 @@ class RelayConfig(_Section):
     chunks: int | None = Field(None, gt=0)  # chunks per broadcast; None: the model's k*
     # Receive buffers above glibc's mmap threshold (<= 32 MiB) are fresh mappings that
     # page-fault on every transfer; smaller ones are recycled warm from the heap.
+    # At least MIN_CHUNK_MB: a cap that rounds to no bytes divided by zero in the relay.
     max_chunk_mb: float = Field(8.0, gt=0)
     # Link model T(p,k) = (p+k-2)(M*t_byte/k + t_start); None: measured at start.
     t_byte: float | None = Field(None, gt=0)  # seconds per byte, one hop
@@ -464,6 +465,20 @@ class RelayConfig(_Section):
     # weights; one extra pass over them) so a run proves the loaded weights are the
     # published ones (summary.json `relay.fingerprints`).
     audit_weights: bool = False
+
+    @field_validator("max_chunk_mb")
+    @classmethod
+    def _chunks_of_some_bytes(cls, value: float) -> float:
+        # (a chunk is a call: below 64 KiB the per-call cost dominates any link)
+        if value < MIN_CHUNK_MB:
+            raise ValueError(
+                f"the largest chunk must be at least {MIN_CHUNK_MB} MiB (64 KiB), got "
+                f"{value!r}: e.g. 8 (the default), or set relay.chunks for a fixed count"
+            )
+        return value
+
+
+MIN_CHUNK_MB = 0.0625  # relay.max_chunk_mb's floor: 64 KiB
 
 
 class RepackConfig(_Section):

@@ -1472,3 +1472,21 @@ def test_a_held_first_hop_does_not_stop_the_master_nor_the_trainer():
             await asyncio.gather(m.close(), r1.close())
 
     asyncio.run(run())
+
+
+def test_a_chunk_cap_of_no_bytes_is_refused_at_config_load():
+    """``relay.max_chunk_mb: 1e-7`` rounded to a cap of 0 bytes and failed later, in the
+    relay, with a bare ZeroDivisionError. The config refuses it, naming the field, the
+    floor and the fix; the floor itself plans chunks of 64 KiB."""
+    from pathlib import Path
+
+    from laminar.config import load_config
+    from laminar.errors import LaminarError
+
+    tiny = Path(__file__).parent.parent / "configs" / "tiny.yaml"
+    with pytest.raises(LaminarError) as err:
+        load_config(tiny, ["relay.max_chunk_mb=1e-7"])
+    said = str(err.value)
+    assert "relay.max_chunk_mb" in said and "0.0625" in said and "relay.chunks" in said
+    cap = Relay("m", load_config(tiny, ["relay.max_chunk_mb=0.0625"]).relay).max_chunk_bytes
+    assert cap == 64 << 10 and plan_chunks(2, 1 << 20, 1e-9, 1e-3, max_chunk_bytes=cap) == 16
