@@ -6,7 +6,9 @@ the master in the publisher's process as in a run):
 
 * **relay** — the publisher copies a synthetic state dict into the master relay (the
   *stall*), the chain carries it to every relay (*broadcast*: until the last relay holds
-  it, verified), then a rollout process pulls it from the tail relay (*rollout wait*).
+  it, verified), then a rollout process pulls it from the tail relay (*rollout wait*)
+  and the bench checks that what it pulled is the published state, bit for bit (its
+  xxh3-64 fingerprint), or fails.
 * **naive** — the publisher sends the state to each of the ``p − 1`` other processes
   itself and returns when all hold it (the trainer as the fan-out point).
 * **dask** — ``Client.scatter(..., broadcast=True)`` to the same workers, and
@@ -27,7 +29,7 @@ import numpy as np
 import torch
 
 from laminar.relay_client import Publisher, Puller
-from laminar.relay_core import MB, model_optimum, state_fingerprint
+from laminar.relay_core import MB, RelayError, model_optimum, state_fingerprint
 from laminar.relay_tier import start_chain
 
 N_TENSORS = 8
@@ -76,6 +78,10 @@ class RelayDriver:
         else:  # a marker suffices for timing; the relay copies all bytes either way
             next(iter(self.state.values()))[0] = float(version)
         return self.publisher.publish(version, self.state)
+
+    def fingerprint(self) -> int:
+        """xxh3-64 of the state as last published (:func:`state_fingerprint`)."""
+        return state_fingerprint(self.state)
 
     def fan_out(self, sinks: list) -> float:
         """Send the state to every sink actor ourselves; seconds until all hold it."""
@@ -127,6 +133,28 @@ class Sink:
         state = fetch_version(version, puller, checkpoints_dir)
         values = {float(v) for t in state.values() for v in t.unique().tolist()}
         return {"value": values.pop() if len(values) == 1 else math.nan}
+
+
+def check_pull(pull: dict | None, version: int, fingerprint: int, where: str) -> None:
+    """The bench's proof that the chain carried the weights: the rollout pulled
+    ``version`` from the tail relay, bit for bit the published state (its fingerprint).
+    Otherwise it raises :class:`RelayError` (the bench's figures would time a broken
+    transfer).
+
+    >>> check_pull({"version": 2, "fingerprint": 7}, 2, 7, "M=1 MB p=2")  # whole: silent
+    """
+    if pull is None or pull["version"] != version:
+        got = None if pull is None else pull["version"]
+        raise RelayError(
+            f"{where}: the rollout pulled version {got!r} from the tail relay, which held "
+            f"version {version} (the newest published) complete"
+        )
+    if pull["fingerprint"] != fingerprint:
+        raise RelayError(
+            f"{where}: version {version} as the rollout pulled it from the tail relay "
+            f"differs from the published weights (fingerprint {pull['fingerprint']:#x}, "
+            f"published {fingerprint:#x})"
+        )
 
 
 def relay_cluster(p: int, sinks: int, memory_limit: str = "6GiB", protocol: str = "tcp"):
@@ -207,6 +235,7 @@ def measure(
             stall = driver.publish(v).result()
             rec = wait_broadcast(relays[0], v, timeout_s)
             pull = sink.pull(relays[-1], v - 1, timeout_s).result()
+            check_pull(pull, v, driver.fingerprint().result(), f"M={nbytes / MB:g} MB p={p}")
             naive = driver.fan_out(fan_sinks).result()
             rows.append(
                 {

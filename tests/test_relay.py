@@ -1490,3 +1490,18 @@ def test_a_chunk_cap_of_no_bytes_is_refused_at_config_load():
     assert "relay.max_chunk_mb" in said and "0.0625" in said and "relay.chunks" in said
     cap = Relay("m", load_config(tiny, ["relay.max_chunk_mb=0.0625"]).relay).max_chunk_bytes
     assert cap == 64 << 10 and plan_chunks(2, 1 << 20, 1e-9, 1e-3, max_chunk_bytes=cap) == 16
+
+
+def test_the_relay_bench_fails_on_a_pull_that_is_not_the_published_state():
+    """`laminar bench relay` timed the pull and ignored what it got: a chain that tore or
+    lost the weights still gave figures. It checks the pulled version's fingerprint
+    against the published state's (here: one pulled otherwise, and an older version)."""
+    from pipelines.bench_relay import check_pull
+
+    check_pull({"version": 3, "fingerprint": 0xAB}, 3, 0xAB, "M=1 MB p=2")
+    with pytest.raises(RelayError, match=r"M=1 MB p=2: version 3 .* differs .* 0xac"):
+        check_pull({"version": 3, "fingerprint": 0xAC}, 3, 0xAB, "M=1 MB p=2")
+    with pytest.raises(RelayError, match="pulled version 2 from the tail relay"):
+        check_pull({"version": 2, "fingerprint": 0xAB}, 3, 0xAB, "M=1 MB p=2")
+    with pytest.raises(RelayError, match="pulled version None"):
+        check_pull(None, 3, 0xAB, "M=1 MB p=2")
