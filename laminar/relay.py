@@ -150,6 +150,7 @@ class Relay:
         self.sends_given_up = 0
         self._retrying: tuple[int, int] = (-1, 0)
         self._retry_timer: asyncio.TimerHandle | None = None
+        self._retry_msg: str | None = None  # the error entry that announced that timer
         self._sender: BulkSender | None = None  # set by set_chain on a tcp/tls worker
         self._publishing = threading.Lock()  # (master) one publication's copy at a time
 
@@ -207,6 +208,12 @@ class Relay:
             for snap in forwarding.values():
                 self.core.unpin(snap)
             self._forwarder = None
+            if self._retry_timer is not None:  # (it would send to the lost successor)
+                self._retry_timer.cancel()
+                self._retry_timer = None
+                self._call_off_retry(
+                    "the chain was rebuilt; the new successor gets what it needs from the rechain"
+                )
         await self.set_chain(chain, downstream, master)
         self.rechains += 1
         newest = self.core.newest()
@@ -473,7 +480,9 @@ class Relay:
                     self._send_failed(version, t_publish, e)
                     return
                 if j == 0 and taken is False:
-                    return  # it holds this version or a newer one: the rest is not needed
+                    break  # it holds this version or a newer one: the rest is not needed
+            if self._retrying[0] == version:  # (sent: a later failure starts counting anew)
+                self._retrying = (-1, 0)
         finally:
             self.core.unpin(snap)
 
@@ -528,18 +537,36 @@ class Relay:
             msg += f"; sending it again in {delay:.2f} s (retry {done + 1} of {SEND_RETRIES})"
             if self._retry_timer is not None:
                 self._retry_timer.cancel()
+                self._call_off_retry(f"version {version} failed since, and is retried instead")
             self._retry_timer = asyncio.get_running_loop().call_later(
                 delay, self._retry, self._queue, version, t_publish
             )
+            self._retry_msg = msg
         logger.error(msg)
         self._error(msg)
+
+    def _call_off_retry(self, reason: str) -> None:
+        """The retry announced in ``errors`` will not be made: say so in that entry (it
+        read "sending it again in 0.25 s" after a rechain had called the retry off)."""
+        msg, self._retry_msg = self._retry_msg, None
+        if msg is None:
+            return
+        logger.info("%s; called off: %s", msg, reason)
+        for i in range(len(self.errors) - 1, -1, -1):
+            if self.errors[i] is msg:
+                self.errors[i] = f"{msg}; called off: {reason}"
+                break
 
     def _retry(self, queue: asyncio.Queue, version: int, t_publish: float) -> None:
         """The backoff of a failed send is over: queue the version to be sent again whole
         (once it is complete here, if it is still arriving)."""
         self._retry_timer = None
-        if queue is not self._queue or self.core.newest_begun > version:
-            return  # a rechain replaced the successor, or a newer version supersedes it
+        if queue is not self._queue:  # (a rechain calls it off itself, said there)
+            return
+        if self.core.newest_begun > version:
+            self._call_off_retry(f"version {self.core.newest_begun} supersedes it")
+            return
+        self._retry_msg = None
         try:
             self.core.get(version)
         except VersionUnavailable:

@@ -283,8 +283,15 @@ def fetch_version(
                     "removes the older ones)"
                 ) from None
             return state
+    where = "the relay" if puller is not None else "a relay (none was asked)"
+    if checkpoints_dir is None:
+        raise VersionUnavailable(
+            f"version {version} is not kept by {where}, and this run keeps no "
+            "checkpoints (no checkpoints folder); raise relay.keep_versions, or "
+            "checkpoint (trainer.checkpoint_every)"
+        )
     raise VersionUnavailable(
-        f"version {version} is neither kept by the relay nor checkpointed under "
+        f"version {version} is neither kept by {where} nor checkpointed under "
         f"{checkpoints_dir}; raise relay.keep_versions, checkpoint more often, or keep "
         "more checkpoints (trainer.keep_checkpoints)"
     )

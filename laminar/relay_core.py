@@ -395,13 +395,26 @@ class RelayCore:
 
     def write_chunk(self, version: int, j: int, data, crc: int) -> bool:
         """A downstream relay's path: store and verify chunk ``j``. Returns whether the
-        version just became complete. A corrupt chunk raises and leaves it missing."""
+        version just became complete. A corrupt chunk raises and leaves it missing. The
+        slot is pinned while the chunk is written (outside the lock): a newer version
+        begun meanwhile from another thread must not be given it."""
         with self._lock:
             snap = self._snaps.get(version)
             if snap is None and version < self.newest_begun:
                 return False  # dropped for a newer one (the rest of an abandoned send)
+            if snap is not None:
+                snap.pins += 1
         if snap is None:
             raise RelayError(f"version {version} was not begun here (or was dropped)")
+        try:
+            return self._store(snap, j, data, crc)
+        finally:
+            with self._lock:
+                snap.pins -= 1
+                self._lock.notify_all()
+
+    def _store(self, snap: Snapshot, j: int, data, crc: int) -> bool:
+        version = snap.version
         a, b = snap.span(j)
         data = np.frombuffer(memoryview(data).cast("B"), dtype=np.uint8)
         if data.nbytes != b - a:

@@ -1505,3 +1505,90 @@ def test_the_relay_bench_fails_on_a_pull_that_is_not_the_published_state():
         check_pull({"version": 2, "fingerprint": 0xAB}, 3, 0xAB, "M=1 MB p=2")
     with pytest.raises(RelayError, match="pulled version None"):
         check_pull(None, 3, 0xAB, "M=1 MB p=2")
+
+
+def test_a_retry_called_off_says_so_and_a_successful_one_starts_the_count_anew(monkeypatch):
+    """relay1 -> relay2: version 1's first send fails, its retry succeeds. A rechain to
+    relay3, whose first call fails too, then announces retry 1 of 3 (the count of the
+    retry that had succeeded went on: retry 2). That retry is called off by a second
+    rechain, back to relay2: its error says so (it read "sending it again in ..." though
+    nothing was sent again)."""
+    import asyncio
+
+    import laminar.relay as relay_mod
+
+    async def run() -> None:
+        r1, r2, r3 = _relays("relay1", "relay2", "relay3")
+        chain = ["master", "relay1", "relay2"]
+        to_r2, to_r3 = _Peer(r2), _Peer(r3)
+        to_r2.fail = _once(lambda name, a: name == "receive_chunk")
+        to_r3.fail = _once(lambda name, a: name == "receive_chunk")
+        await r1.set_chain(chain, to_r2, None)
+        await r2.set_chain(chain, None, None)
+        await r3.set_chain(["master", "relay1", "relay3"], None, None)
+        try:
+            for layout, cb, j, data, crc in _chunks(1):
+                await r1.receive_chunk(1, layout, cb, j, data, crc, 0.0)
+            await _until(lambda: r2.core.versions() == [1])
+            assert "(retry 1 of 3)" in r1.errors[0]
+            monkeypatch.setattr(relay_mod, "SEND_RETRY_S", 60.0)  # (the rechain comes first)
+            await r1.rechain(["master", "relay1", "relay3"], to_r3, None)
+            await _until(lambda: len(r1.errors) == 2)
+            assert "sending it again in 60.00 s (retry 1 of 3)" in r1.errors[1]
+            await r1.rechain(chain, _Peer(r2), None)
+            assert r1.errors[1].endswith(
+                "; called off: the chain was rebuilt; the new successor gets what it needs "
+                "from the rechain"
+            )
+            assert "called off" not in r1.errors[0]
+        finally:
+            await asyncio.gather(r1.close(), r2.close(), r3.close())
+
+    asyncio.run(run())
+
+
+def test_fetch_version_without_checkpoints_says_the_run_keeps_none():
+    """Without a checkpoints folder the refusal read "nor checkpointed under None"."""
+    with pytest.raises(VersionUnavailable) as err:
+        fetch_version(3, None, None)
+    said = str(err.value)
+    assert "None" not in said and "keeps no checkpoints" in said
+    assert "relay.keep_versions" in said and "trainer.checkpoint_every" in said
+
+
+def test_a_chunk_being_written_keeps_its_slot_from_a_version_begun_meanwhile(monkeypatch):
+    """RelayCore says it is thread-safe, but wrote a chunk outside its lock without
+    holding the slot: a newer version begun from another thread meanwhile dropped the
+    incomplete one and was given its slot, and the late write landed in the newer,
+    complete version (torn). The write pins the slot; the newer version gets another."""
+    import laminar.relay_core as relay_core
+
+    core = RelayCore(keep_versions=1)
+    v1, v2 = _chunks(1), _chunks(2)
+    layout, cb = v1[0][0], v1[0][1]
+    core.begin(1, layout, cb, resume=True)
+    checking, go = threading.Event(), threading.Event()
+    real = relay_core.checksum
+
+    def slow_checksum(data):  # version 1's chunk is written once version 2 is whole
+        if memoryview(data).nbytes and np.frombuffer(data, np.float32)[0] == 1.0:
+            checking.set()
+            assert go.wait(10)
+        return real(data)
+
+    monkeypatch.setattr(relay_core, "checksum", slow_checksum)
+    writer = threading.Thread(target=core.write_chunk, args=(1, 0, v1[0][3], v1[0][4]))
+    writer.start()
+    try:
+        assert checking.wait(10)
+        assert core.begin(2, layout, cb, timeout=5, resume=True) is not None
+        for _, _, j, data, crc in v2:
+            core.write_chunk(2, j, data, crc)
+    finally:
+        go.set()
+        writer.join(10)
+    assert core.versions() == [2]
+    snap = core.get(2)
+    back = np.concatenate([core.read_chunk(2, j)[0] for j in range(snap.n_chunks)])
+    assert np.frombuffer(back, np.float32).tolist() == [2.0] * 4096
+    assert all(s.pins == 0 for s in core._snaps.values())
