@@ -143,7 +143,10 @@ class ExperienceBuffer:
         readmit = [rows[u] for u in plan.readmit]
         self._hold_again(arrays, readmit, "resume", stored=arrays["uid"], stopped=True)
         self.version = plan.version
-        self._events += [_event(uid, "dropped") for uid in plan.drop]
+        now = time.time()  # (they leave now, at the checkpoint's version)
+        self._events += [
+            _event(uid, "dropped", t_leave=now, leave_version=plan.version) for uid in plan.drop
+        ]
         try:
             self.writer.append([], self._events)  # (the writer thread has no job yet)
         except Exception as e:  # noqa: BLE001 — named, whatever it is
@@ -162,7 +165,10 @@ class ExperienceBuffer:
         for uid, (sample_version, t_sample) in plan.mark_consumed.items():
             self._events.append(_event(uid, "consumed", sample_version, t_sample))
         # (what a resume dropped and the store lacks the event of: storage.resume._superseded)
-        self._events += [_event(uid, "dropped") for uid in plan.drop]
+        now = time.time()
+        self._events += [
+            _event(uid, "dropped", t_leave=now, leave_version=plan.version) for uid in plan.drop
+        ]
         self._consumed_elsewhere = dict(plan.consumed_elsewhere)
         self.version = plan.version
         status = arrays["status"].copy()
@@ -201,6 +207,7 @@ class ExperienceBuffer:
         for rec in records_at(arrays, rows, self.writer.path):
             t = Trajectory(**rec)
             t.status, t.sample_version, t.t_sample = "buffered", -1, math.nan
+            t.leave_version, t.t_leave = -1, math.nan
             groups.setdefault(t.prompt_uid, []).append(t)
         origins = self._origins(arrays, rows, now, stopped)
         self.core.restore(list(groups.values()), stored, why, origins)
@@ -345,7 +352,11 @@ class ExperienceBuffer:
     def _leave(self, trajs: list[Trajectory]) -> None:
         for t in trajs:
             if t.uid not in self._records:  # stored already: its leave is an event
-                self._events.append(_event(t.uid, t.status, t.sample_version, t.t_sample))
+                self._events.append(
+                    _event(
+                        t.uid, t.status, t.sample_version, t.t_sample, t.t_leave, t.leave_version
+                    )
+                )
         self._flush()
 
     async def _stranded(
@@ -365,7 +376,7 @@ class ExperienceBuffer:
         full = room["full"] and room["outstanding"] <= len(self.core.ready)
         if batch is not None or not self.core.ready or not full:
             return left, batch
-        out = self.core.evict_stranded()
+        out = self.core.evict_stranded(version, time.time())
         logger.warning(
             "buffer.sampler=same_version: no behavior version holds a batch and every slot "
             "is taken; %d groups of the oldest version evicted to free them",
@@ -435,6 +446,7 @@ class ExperienceBuffer:
             t.finish_version = max(t.behavior_version, sample_version)
             t.t_insert = min(now, t_sample)
             t.sample_version, t.t_sample, t.status = sample_version, t_sample, "consumed"
+            t.leave_version, t.t_leave = sample_version, t_sample
             self.core.seen.add(t.uid)
             self.core.counts["inserted"] += 1
             self.core.counts["consumed"] += 1
@@ -599,7 +611,7 @@ class ExperienceBuffer:
         self.version = max(self.version, version)
         await self.pool.version_published(self.version)  # its staleness bound counts from it
         # Groups the next update would train too stale leave now, freeing dispatch.
-        await self._release(self.core.evict_stale(self.version))
+        await self._release(self.core.evict_stale(self.version, time.time()))
 
     async def pool_stats(self) -> dict:
         """The prompt pool's counters (``dispatched``: where the prompt order stands),
@@ -726,6 +738,27 @@ def _start_failed(store, what: str, error: BaseException) -> StoreError:
     )
 
 
-def _event(uid: str, status: str, sample_version: int = -1, t_sample: float = math.nan) -> dict:
-    """A leave event of the trajectory store (:data:`storage.schema.EVENT_FIELDS`)."""
-    return {"uid": uid, "status": status, "sample_version": sample_version, "t_sample": t_sample}
+def _event(
+    uid: str,
+    status: str,
+    sample_version: int = -1,
+    t_sample: float = math.nan,
+    t_leave: float | None = None,
+    leave_version: int | None = None,
+) -> dict:
+    """A leave event of the trajectory store (:data:`storage.schema.EVENT_FIELDS`): when
+    it left and at which version (``t_leave``, ``leave_version``), for one consumed by
+    default its sampling's; one held again (``buffered``) has neither."""
+    consumed = status == "consumed"
+    if t_leave is None:
+        t_leave = t_sample if consumed else math.nan
+    if leave_version is None:
+        leave_version = sample_version if consumed else -1
+    return {
+        "uid": uid,
+        "status": status,
+        "sample_version": sample_version,
+        "t_sample": t_sample,
+        "t_leave": t_leave,
+        "leave_version": leave_version,
+    }

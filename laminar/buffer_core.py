@@ -10,7 +10,8 @@ Optionally, groups whose training would exceed ``max_train_staleness`` versions
 (``sample_version - behavior_version``) are *evicted*, and groups whose rewards are all
 equal — no GRPO signal — are *filtered* (DAPO's dynamic sampling). Every trajectory leaves
 exactly once, with a status (consumed, discarded, evicted, filtered, or still buffered at
-the end) — nothing is dropped silently. :class:`UidSet` holds every uid admitted (never
+the end), the time and the trainer's version it left at (``t_leave``,
+``leave_version``) — nothing is dropped silently. :class:`UidSet` holds every uid admitted (never
 admitted again) in a few bytes each.
 
 Apart from :mod:`laminar.buffer`, the actor around it (the store's single writer, its
@@ -344,28 +345,34 @@ class BufferCore:
             del self.partial[t.prompt_uid]
             members = sorted(group.members, key=lambda x: x.sample_idx)
             if any(m.finish_reason == "error" for m in members):
-                leaving += self._leave(members, "discarded")
+                leaving += self._leave(members, "discarded", version, now)
             elif self.dynamic_sampling and _no_signal(members):
-                leaving += self._leave(members, "filtered")
+                leaving += self._leave(members, "filtered", version, now)
             elif self._too_stale(members, version):
-                leaving += self._leave(members, "evicted")
+                leaving += self._leave(members, "evicted", version, now)
             else:
                 if t.prompt_uid in self.ready:  # (replaced: a group completed twice, never so far)
                     self._gone(self.ready[t.prompt_uid])
                 self.ready[t.prompt_uid] = members
         return leaving
 
-    def evict_stale(self, version: int) -> list[Trajectory]:
-        """Evict the complete groups that training at ``version`` would make too stale."""
+    def evict_stale(self, version: int, now: float | None = None) -> list[Trajectory]:
+        """Evict the complete groups that training at ``version`` would make too stale
+        (``now``: when, epoch seconds; default the clock's)."""
+        now = time.time() if now is None else now
         stale = [uid for uid, g in self.ready.items() if self._too_stale(g, version)]
-        return [m for uid in stale for m in self._leave(self.ready.pop(uid), "evicted")]
+        return [
+            m for uid in stale for m in self._leave(self.ready.pop(uid), "evicted", version, now)
+        ]
 
-    def evict_stranded(self) -> list[Trajectory]:
+    def evict_stranded(self, version: int = -1, now: float | None = None) -> list[Trajectory]:
         """``same_version``: evict the complete groups of the oldest behavior version
         held. For the caller to do when no version holds a batch and none can gain a
         group: every group that may be out is complete here (the back-pressure bound is
         reached). Without it such a run waits forever: versions too rare to fill a
-        batch hold every slot, and only a publication would evict them.
+        batch hold every slot, and only a publication would evict them. ``version``:
+        the trainer's that found no batch, ``now``: when (default the clock's), recorded
+        as the evicted trajectories' ``leave_version`` and ``t_leave``.
 
         >>> import numpy as np
         >>> def traj(uid, group, version):
@@ -377,15 +384,17 @@ class BufferCore:
         >>> _ = core.insert([traj("a", "g0", 0), traj("b", "g1", 1)], version=1, now=1.0)
         >>> core.sample(2, version=1, now=2.0) is None   # one group of each version
         True
-        >>> [t.uid for t in core.evict_stranded()], list(core.ready)
-        (['a'], ['g1'])
+        >>> out = core.evict_stranded(version=1, now=3.0)
+        >>> [(t.uid, t.leave_version, t.t_leave) for t in out], list(core.ready)
+        ([('a', 1, 3.0)], ['g1'])
         """
         if self.sampler != "same_version" or not self.ready:
             return []
+        now = time.time() if now is None else now
         oldest = min(_behavior_version(g) for g in self.ready.values())
         uids = [u for u, g in self.ready.items() if _behavior_version(g) == oldest]
         self.counts["groups_stranded"] += len(uids)
-        return [m for u in uids for m in self._leave(self.ready.pop(u), "evicted")]
+        return [m for u in uids for m in self._leave(self.ready.pop(u), "evicted", version, now)]
 
     def _too_stale(self, members: list[Trajectory], version: int) -> bool:
         """Whether any member would train more than ``max_train_staleness`` behind.
@@ -425,10 +434,15 @@ class BufferCore:
         """
         return lineage_lag(version, behavior, self._restarts)
 
-    def _leave(self, members: list[Trajectory], status: str) -> list[Trajectory]:
+    def _leave(
+        self, members: list[Trajectory], status: str, version: int, now: float
+    ) -> list[Trajectory]:
+        """A group leaves with ``status``, at the trainer's ``version`` (the one it was
+        judged at: the published one at admission or a publication, the trainer's
+        asking for a batch) and time ``now``."""
         self._gone(members)
         for m in members:
-            m.status = status
+            m.status, m.leave_version, m.t_leave = status, version, now
         self.counts[status] += len(members)
         self.counts[f"groups_{status}"] += 1
         return members
@@ -452,8 +466,8 @@ class BufferCore:
             members = self.ready.pop(uid)
             self._gone(members)
             for m in members:
-                m.sample_version = version
-                m.t_sample = now
+                m.sample_version = m.leave_version = version
+                m.t_sample = m.t_leave = now
                 m.status = "consumed"
             out.extend(members)
         self.counts["consumed"] += len(out)
@@ -482,7 +496,7 @@ class BufferCore:
         >>> [t.uid for t in evicted], [t.uid for t in batch]
         (['a'], ['b'])
         """
-        evicted = self.evict_stale(version)
+        evicted = self.evict_stale(version, now)
         return evicted, self.sample(n_groups, version=version, now=now)
 
     def _choose(self, n: int) -> list[str] | None:

@@ -46,6 +46,10 @@ class Trajectory:
     t_insert: float = math.nan
     t_sample: float = math.nan
     status: str = "buffered"
+    # When it left the buffer, and the trainer's version then, whatever its status (for
+    # one consumed: t_sample, sample_version); NaN, -1 while buffered
+    t_leave: float = math.nan
+    leave_version: int = -1
 
     def __post_init__(self) -> None:
         if self.finish_reason not in FINISH_REASONS:

@@ -12,7 +12,7 @@ group         dimension             fields
 ============  ====================  ===================================================
 
 Leave events (:data:`EVENT_FIELDS`, on the ``event`` dimension) update a stored
-trajectory's status, ``sample_version`` and ``t_sample``.
+trajectory's status, ``sample_version``, ``t_sample``, ``t_leave`` and ``leave_version``.
 """
 
 from __future__ import annotations
@@ -50,6 +50,10 @@ SCALARS: dict[str, np.dtype] = {
     "t_insert": np.dtype("float64"),
     "t_sample": np.dtype("float64"),
     "status": STRING,
+    # when it left the buffer and the trainer's version then, whatever its status (for
+    # one consumed, t_sample and sample_version); NaN and -1 while buffered
+    "t_leave": np.dtype("float64"),
+    "leave_version": np.dtype("int32"),
 }
 
 # ragged group -> (token dimension, {field: dtype}); the first field sets the lengths
@@ -78,11 +82,38 @@ EVENT_FIELDS: dict[str, str] = {  # event array -> the trajectory field it sets
     "event_status": "status",
     "event_sample_version": "sample_version",
     "event_t_sample": "t_sample",
+    "event_t_leave": "t_leave",
+    "event_leave_version": "leave_version",
 }
+# When and at which trainer version a trajectory left the buffer (any status): stores of
+# schema 3 on. An older store's read as left_as_sampled() says; a writer opening one
+# adds them so (storage.trajectories.TrajectoryWriter).
+LEAVE_FIELDS = ("t_leave", "leave_version")
+LEAVE_SCHEMA = 3
 EVENT_COMMIT_ATTR = "n_committed_events"
 
 COMMIT_ATTR = "n_committed"  # trajectories visible to readers; token counts alongside
+# 3: every trajectory that left records when and at which version (LEAVE_FIELDS);
 # 2: trajectories are stored on admission and leave events follow (1: stored on leaving,
-# no events; still read).
-SCHEMA_VERSION = 2
-READABLE_SCHEMA_VERSIONS = (1, 2)
+# no events). 1 and 2 are still read, and a writer takes a store of 2 on as 3.
+SCHEMA_VERSION = 3
+READABLE_SCHEMA_VERSIONS = (1, 2, 3)
+
+
+def left_as_sampled(
+    status: np.ndarray, t_sample: np.ndarray, sample_version: np.ndarray
+) -> tuple[np.ndarray, np.ndarray]:
+    """``t_leave`` and ``leave_version`` as a store without them (schema 1 and 2) knows
+    them: a consumed trajectory left when it was sampled, at its ``sample_version``;
+    for any other, unknown (NaN, -1). Also what a writer gives a consumed record or leave
+    event that names neither.
+
+    >>> t, v = left_as_sampled(np.array(["consumed", "evicted"]), np.array([5.0, 9.0]),
+    ...                        np.array([3, -1]))
+    >>> t.tolist(), v.tolist()
+    ([5.0, nan], [3, -1])
+    """
+    consumed = np.asarray(status) == "consumed"
+    t = np.where(consumed, np.asarray(t_sample, np.float64), np.nan)
+    v = np.where(consumed, np.asarray(sample_version), -1).astype(SCALARS["leave_version"])
+    return t, v

@@ -24,6 +24,7 @@ store of a run shares (:class:`StoreError`, :func:`store_path`, ...) in
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Collection, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -36,12 +37,15 @@ from storage.schema import (
     EVENT_COMMIT_ATTR,
     EVENT_DIM,
     EVENT_FIELDS,
+    LEAVE_FIELDS,
+    LEAVE_SCHEMA,
     RAGGED,
     RAGGED_FIELDS,
     SCALARS,
     SCHEMA_VERSION,
     STATUSES,
     TRAJECTORY_DIM,
+    left_as_sampled,
 )
 from storage.stores import CHUNKS_ATTR, WRITE_EVERY_CHUNK, _check_markers, _decoding
 from storage.stores import RUN_STORES as RUN_STORES
@@ -57,6 +61,7 @@ from storage.stores import store_path as store_path
 from storage.trajectories_read import HELD_AGAIN as HELD_AGAIN
 from storage.trajectories_read import _open_group
 from storage.trajectories_read import committed as committed
+from storage.trajectories_read import has_leave_fields as has_leave_fields
 from storage.trajectories_read import open_run as open_run
 from storage.trajectories_read import open_runs as open_runs
 from storage.trajectories_read import open_trajectories as open_trajectories
@@ -113,6 +118,9 @@ class TrajectoryWriter:
             created = not exists or _never_created(self.path, self.group)
             if created:
                 self._create(schedule)
+            elif self.group.attrs.get("schema_version") == LEAVE_SCHEMA - 1:
+                _check_markers(self.path, self.group, EVENT_COMMIT_ATTR)
+                self._add_leave_fields()
             elif self.group.attrs.get("schema_version") != SCHEMA_VERSION:
                 raise StoreError(
                     f"{str(self.path)!r} has schema_version "
@@ -153,6 +161,32 @@ class TrajectoryWriter:
                 CHUNKS_ATTR: True,  # (append writes every chunk: a missing one is lost)
             }
         )
+
+    def _add_leave_fields(self) -> None:
+        """Take on a store of schema 2 (before ``t_leave`` and ``leave_version``, a
+        resume of a run an older laminar wrote): their arrays, per trajectory and per
+        leave event, are added for what it committed, as such a store is read
+        (:func:`storage.schema.left_as_sampled`: known for a consumed trajectory, its
+        sampling; NaN, -1 for the rest), then ``schema_version`` is raised in one write
+        of the group's attributes. A kill in between leaves a store of schema 2, whose
+        readers leave the added arrays alone, and which the next writer takes on again.
+        What is past the committed lengths is not read (the writer takes it back)."""
+        g = self.group
+        n, m = int(g.attrs[COMMIT_ATTR]), int(g.attrs[EVENT_COMMIT_ATTR])
+
+        def read(name: str, k: int) -> np.ndarray:
+            return committed_array(self.path, g, name, k)[:k]
+
+        stored = (read(f, n) for f in ("status", "t_sample", "sample_version"))
+        values = dict(zip(LEAVE_FIELDS, left_as_sampled(*stored), strict=True))
+        events = (read(f, m) for f in ("event_status", "event_t_sample", "event_sample_version"))
+        values |= dict(zip(_EVENT_LEAVE, left_as_sampled(*events), strict=True))
+        specs = _arrays()
+        for name, v in values.items():
+            dtype, dim, chunk = specs[name]
+            arr = new_array(g, name, dtype, dim, chunk, overwrite=True)
+            arr.with_config(WRITE_EVERY_CHUNK).append(v.astype(dtype))
+        self.group.update_attributes({"schema_version": SCHEMA_VERSION})
 
     def record_resume(self, from_version: int, t: float) -> None:
         """A start that resumed the run in place from its checkpoint of ``from_version``,
@@ -238,12 +272,21 @@ class TrajectoryWriter:
             per_traj[f"{group}_start"] = tokens[dim] + np.cumsum(lens) - lens
             per_traj[f"{group}_len"] = lens
             tokens[dim] += int(lens.sum())
+        left = _left(records)
         for name, dtype in SCALARS.items():
-            per_traj[name] = _exact(records, name, [r[name] for r in records], dtype)
+            values = left[name] if name in left else [r[name] for r in records]
+            per_traj[name] = _exact(records, name, values, dtype)
         # (checked as records are: numpy stored a sample_version of 1.7 as 1, and a NaN
         # raised a ValueError the buffer took for the store's refusal of the batch)
+        left = _left(events)
         leave = {
-            name: _exact(events, field, [e[field] for e in events], SCALARS[field], "leave event")
+            name: _exact(
+                events,
+                field,
+                left[field] if field in left else [e[field] for e in events],
+                SCALARS[field],
+                "leave event",
+            )
             for name, field in EVENT_FIELDS.items()
         }
         self._check_epoch()  # (before anything is written: a newer writer's to write)
@@ -275,6 +318,29 @@ class TrajectoryWriter:
             n_events,
         )
         return self.n_committed
+
+
+# The leave events' arrays of LEAVE_FIELDS
+_EVENT_LEAVE = tuple(name for name, field in EVENT_FIELDS.items() if field in LEAVE_FIELDS)
+
+
+def _left(items: Sequence[Mapping[str, Any]]) -> dict[str, list]:
+    """``t_leave`` and ``leave_version`` of records or leave events, as the store holds
+    them: as given; where not given (or NaN, -1), a consumed one's sampling's (the
+    contract: they agree); one ``buffered`` (admitted, or held again) has neither."""
+    times, versions = [], []
+    for r in items:
+        t, v = r.get("t_leave", math.nan), r.get("leave_version", -1)
+        if r["status"] == "buffered":
+            t, v = math.nan, -1
+        elif r["status"] == "consumed":
+            if isinstance(t, float) and math.isnan(t):
+                t = r["t_sample"]
+            if v == -1:
+                v = r["sample_version"]
+        times.append(t)
+        versions.append(v)
+    return {"t_leave": times, "leave_version": versions}
 
 
 def _arrays() -> dict[str, tuple[np.dtype, str, int]]:
@@ -366,6 +432,8 @@ def check_resumable(path: str | Path, uids: Collection[str] = ()) -> None:
         **{f"{g}_{end}": n for g in RAGGED for end in ("start", "len")},
         **dict.fromkeys(EVENT_FIELDS, int(group.attrs.get(EVENT_COMMIT_ATTR, 0))),
     }
+    if not has_leave_fields(group):  # (an older store: its writer adds them)
+        lengths = {k: v for k, v in lengths.items() if k not in (*LEAVE_FIELDS, *_EVENT_LEAVE)}
     values = {name: _decoded(store, group, name, m) for name, m in lengths.items()}
     wanted = set(uids)
     if not wanted:

@@ -26,11 +26,14 @@ from storage.schema import (
     EVENT_COMMIT_ATTR,
     EVENT_DIM,
     EVENT_FIELDS,
+    LEAVE_FIELDS,
+    LEAVE_SCHEMA,
     RAGGED,
     RAGGED_FIELDS,
     READABLE_SCHEMA_VERSIONS,
     SCALARS,
     TRAJECTORY_DIM,
+    left_as_sampled,
 )
 from storage.stores import (
     _NEVER_ALL_FILL,
@@ -78,6 +81,27 @@ def _open_group(path: str | Path) -> tuple[Path, zarr.Group]:
     return store, group
 
 
+def has_leave_fields(group: zarr.Group) -> bool:
+    """Whether a store holds ``t_leave`` and ``leave_version`` (schema 3 on): an older
+    one's are read as :func:`storage.schema.left_as_sampled` says (any arrays of them
+    there, a writer's taking it on cut short, left alone)."""
+    return int(group.attrs.get("schema_version", 0)) >= LEAVE_SCHEMA
+
+
+# Arrays of the leave fields (per trajectory and per leave event): absent before schema 3
+_LEAVE_ARRAYS = (
+    *LEAVE_FIELDS,
+    *(name for name, field in EVENT_FIELDS.items() if field in LEAVE_FIELDS),
+)
+
+
+def _event_arrays(group: zarr.Group) -> tuple[str, ...]:
+    """The leave-event arrays the store holds (:data:`EVENT_FIELDS`)."""
+    if has_leave_fields(group):
+        return tuple(EVENT_FIELDS)
+    return tuple(name for name in EVENT_FIELDS if name not in _LEAVE_ARRAYS)
+
+
 def _nothing_stored_yet(store: Path) -> str:
     """Why a run directory (it has its ``config.yaml``) has no trajectory store yet: its
     driver is still setting it up, or ``summary.json`` says how it ended."""
@@ -120,10 +144,21 @@ def _apply_events(
     n_events = int(group.attrs.get(EVENT_COMMIT_ATTR, 0))
     if "t_insert" in scalars:
         scalars["t_held"] = scalars["t_insert"].astype(np.float64)
-    if not n_events:
-        return 0, "", _NO_STAYS, np.zeros(0)
+    out = (0, "", _NO_STAYS, np.zeros(0))
+    if n_events:
+        out = _apply_committed_events(store, group, scalars, n_events)
+    if not has_leave_fields(group) and "status" in scalars:  # (an older store's)
+        left = left_as_sampled(scalars["status"], scalars["t_sample"], scalars["sample_version"])
+        scalars.update(zip(LEAVE_FIELDS, left, strict=True))
+    return out
+
+
+def _apply_committed_events(
+    store: Path, group: zarr.Group, scalars: dict[str, np.ndarray], n_events: int
+) -> tuple[int, str, _Stays, np.ndarray]:
     events = {
-        name: committed_array(store, group, name, n_events)[:n_events] for name in EVENT_FIELDS
+        name: committed_array(store, group, name, n_events)[:n_events]
+        for name in _event_arrays(group)
     }
     rows = {uid: i for i, uid in enumerate(scalars["uid"].tolist())}
     index = np.array([rows.get(u, -1) for u in events["event_uid"].tolist()], dtype=np.int64)
@@ -150,13 +185,14 @@ def _apply_events(
     target, from_end = np.unique(rows_known[::-1], return_index=True)
     last = np.flatnonzero(known)[rows_known.size - 1 - from_end]
     for name, field in EVENT_FIELDS.items():
-        if field != "uid":
+        if field != "uid" and name in events:
             scalars[field] = scalars[field].copy()
             scalars[field][target] = events[name][last]
     stays = _NO_STAYS
     if "t_held" in scalars and (held_again & known).any():
         stays = _stays(index[known], held_again[known], when[known], scalars["t_held"], *stored)
-    return unknown, first, stays, np.asarray(when, dtype=np.float64)
+    left = events.get("event_t_leave", np.zeros(0))  # (when evicted, filtered, ...)
+    return unknown, first, stays, np.concatenate([when, left]).astype(np.float64)
 
 
 # A ``buffered`` event holds a stored trajectory again after it left (a resume, a data
@@ -303,9 +339,10 @@ def _check_all(store: Path, group: zarr.Group) -> None:
         EVENT_DIM: int(group.attrs.get(EVENT_COMMIT_ATTR, 0)),
         **group.attrs["n_committed_tokens"],
     }
+    older = not has_leave_fields(group)
     for name, arr in group_arrays(group):
         (dim,) = arr.metadata.dimension_names
-        if dim in lengths:
+        if dim in lengths and not (older and name in _LEAVE_ARRAYS):
             _holds(store, group, name, arr, lengths[dim])
 
 
@@ -317,8 +354,9 @@ def _read_trajectories(store: Path, group: zarr.Group, fields) -> dict[str, np.n
     unknown = set(wanted) - set(SCALARS)
     if unknown:
         raise StoreError(f"open_trajectories: no per-trajectory fields {sorted(unknown)}")
+    older = not has_leave_fields(group)  # (its leave fields: set by _apply_events)
     for name in SCALARS:
-        if name in wanted:
+        if name in wanted and not (older and name in LEAVE_FIELDS):
             out[name] = committed_array(store, group, name, n)[:n]
     _, _, stays, times = _apply_events(store, group, out)
     if "t_held" in out:
@@ -450,7 +488,10 @@ def _read_run(store: Path, group: zarr.Group) -> xr.Dataset:
     # append, arrays on one dimension have different lengths, which open_zarr refuses.
     variables = {}
     scalars = {}
+    older = not has_leave_fields(group)
     for name, arr in group_arrays(group):
+        if older and name in _LEAVE_ARRAYS:  # (a writer's taking it on, cut short)
+            continue
         (dim,) = arr.metadata.dimension_names
         if dim in lengths:
             _holds(store, group, name, arr, lengths[dim])
@@ -551,9 +592,11 @@ def run_stops(path: str | Path, arrays: Mapping[str, np.ndarray]) -> tuple[list,
     resumes = _resumes(group)
     with reading(store):
         n_events = int(group.attrs.get(EVENT_COMMIT_ATTR, 0))
-        times = np.zeros(0)
-        if n_events:  # (the lost start's sampling times: :func:`_activity`)
-            times = committed_array(store, group, "event_t_sample", n_events)[:n_events]
+        times = [np.zeros(0)]
+        for name in ("event_t_sample", "event_t_leave"):  # (the lost start's: _activity)
+            if n_events and name in _event_arrays(group):
+                times.append(committed_array(store, group, name, n_events)[:n_events])
+        times = np.concatenate(times).astype(np.float64)
     activity = _activity(arrays, times)
     metrics = _metrics(store.parent)  # (read once, for both)
     starts = _starts(store.parent, activity, resumes, metrics)
@@ -577,7 +620,18 @@ def leave_events(path: str | Path, fields=tuple(EVENT_FIELDS)) -> dict[str, np.n
         n_events = int(group.attrs.get(EVENT_COMMIT_ATTR, 0))
         if not n_events:
             return {f: np.zeros(0, SCALARS[EVENT_FIELDS[f]]) for f in fields}
-        return {f: committed_array(store, group, f, n_events)[:n_events] for f in fields}
+        held = _event_arrays(group)
+        out = {
+            f: committed_array(store, group, f, n_events)[:n_events] for f in fields if f in held
+        }
+        if len(out) < len(fields):  # (an older store's leave fields: left_as_sampled)
+            state = (
+                committed_array(store, group, f, n_events)[:n_events]
+                for f in ("event_status", "event_t_sample", "event_sample_version")
+            )
+            left = dict(zip(LEAVE_FIELDS, left_as_sampled(*state), strict=True))
+            out |= {f: left[EVENT_FIELDS[f]] for f in fields if f not in out}
+        return {f: out[f] for f in fields}
 
 
 def resume_stops(path: str | Path, now: float) -> list[tuple[float, float]]:
@@ -599,8 +653,8 @@ def resume_stops(path: str | Path, now: float) -> list[tuple[float, float]]:
 
 
 # Each a moment the run was going: its trajectories' times (``t_held``: when the buffer
-# held one again).
-_TIMES = ("t_submit", "t_start", "t_finish", "t_insert", "t_sample", "t_held")
+# held one again; ``t_leave``: when one left, evicted, filtered, ... as well).
+_TIMES = ("t_submit", "t_start", "t_finish", "t_insert", "t_sample", "t_held", "t_leave")
 
 
 def _activity(

@@ -8,7 +8,7 @@ from hypothesis import strategies as st
 
 from laminar.contract import Trajectory
 from storage import TrajectoryWriter, open_run, open_trajectories
-from storage.schema import ALL_FIELDS, COMMIT_ATTR
+from storage.schema import ALL_FIELDS, COMMIT_ATTR, EVENT_FIELDS
 from storage.trajectories import StoreError
 
 
@@ -272,12 +272,83 @@ def test_stores_of_schema_1_are_still_read(tmp_path):
     w = TrajectoryWriter(tmp_path)
     w.append([record(0), record(1)])
     w.group.attrs.update({"schema_version": 1})
-    for name in ("event_uid", "event_status", "event_sample_version", "event_t_sample"):
+    for name in (*EVENT_FIELDS, "t_leave", "leave_version"):
         del w.group[name]
     del w.group.attrs["n_committed_events"]
-    assert open_run(tmp_path)["status"].values.tolist() == ["consumed", "consumed"]
-    with pytest.raises(StoreError, match="schema_version 1, this code writes 2"):
+    ds = open_run(tmp_path)
+    assert ds["status"].values.tolist() == ["consumed", "consumed"]
+    assert ds["t_leave"].values.tolist() == [5.0, 5.0]  # (as sampled)
+    assert ds["leave_version"].values.tolist() == [3, 3]
+    with pytest.raises(StoreError, match="schema_version 1, this code writes 3"):
         TrajectoryWriter(tmp_path)
+
+
+def _as_schema_2(w: TrajectoryWriter) -> None:
+    """The store of ``w`` as laminar wrote it before ``t_leave`` and ``leave_version``."""
+    for name in ("t_leave", "leave_version", "event_t_leave", "event_leave_version"):
+        del w.group[name]
+    w.group.update_attributes({"schema_version": 2})
+
+
+def test_a_store_of_schema_2_reads_resumes_and_is_taken_on_by_a_writer(tmp_path):
+    """A store written before ``t_leave``/``leave_version`` reads them as its samples
+    say (a consumed trajectory left when sampled; any other's are unknown: NaN, -1),
+    passes the checks a resume makes and the audit, and a writer opening it (a resume)
+    adds them as read, raises its schema, and records the leaves after."""
+    from storage.audit import audit_run
+    from storage.trajectories import check_resumable
+    from storage.trajectories_read import leave_events
+
+    w = TrajectoryWriter(tmp_path)
+    admitted = dict(status="buffered", sample_version=-1, t_sample=np.nan)
+    evicted = dict(status="evicted", sample_version=-1, t_sample=np.nan)
+    w.append(
+        [record(i, **admitted) for i in range(4)]
+        + [record(i, **evicted) for i in (4, 5)]  # (written as they left)
+        + [record(i, **admitted) for i in (6, 7)]
+    )
+    w.append([], events=[_leave(0), _leave(1), _leave(2, **evicted), _leave(3, **evicted)])
+    _as_schema_2(w)
+
+    def read(last="buffered"):
+        ds = open_run(tmp_path)
+        statuses = [*["consumed"] * 2, *["evicted"] * 4, *[last] * 2]
+        assert ds["status"].values.tolist() == statuses
+        return ds["t_leave"].values, ds["leave_version"].values.tolist()
+
+    assert np.array_equal(read()[0], [5.0, 5.0, *[np.nan] * 6], equal_nan=True)
+    assert read()[1] == [3, 3, *[-1] * 6]
+    assert leave_events(tmp_path)["event_leave_version"].tolist() == [3, 3, -1, -1]
+    assert open_trajectories(tmp_path, ["t_leave"])["leave_version"].tolist() == read()[1]
+    check_resumable(tmp_path, ["u6", "u7"])
+    assert audit_run(tmp_path).ok, audit_run(tmp_path).text()
+    before = read()
+
+    w = TrajectoryWriter(tmp_path)  # (a resume's)
+    assert w.group.attrs["schema_version"] == 3
+    assert np.array_equal(read()[0], before[0], equal_nan=True) and read()[1] == before[1]
+    gone = {"t_leave": 9.0, "leave_version": 4}
+    w.append([], events=[_leave(6, **evicted) | gone, _leave(7, **evicted) | gone])
+    t, v = read("evicted")
+    assert v == [3, 3, *[-1] * 4, 4, 4] and t[6:].tolist() == [9.0, 9.0]
+    check_resumable(tmp_path)
+    assert audit_run(tmp_path).ok, audit_run(tmp_path).text()
+
+
+def test_a_writer_fills_a_consumed_ones_leave_from_its_sampling_and_a_buffered_ones_not(
+    tmp_path,
+):
+    """Callers that name no ``t_leave``/``leave_version`` (records and events as laminar
+    wrote them before) get a consumed trajectory's sampling; one buffered, or held
+    again, has neither, whatever it names."""
+    w = TrajectoryWriter(tmp_path)
+    held = {"t_leave": 7.0, "leave_version": 2}
+    admitted = dict(status="buffered", sample_version=-1, t_sample=np.nan, **held)
+    w.append([record(0), record(1, **admitted), record(2, **admitted)])
+    w.append([], events=[_leave(1), _leave(0, "buffered", -1, 8.0) | held])
+    ds = open_run(tmp_path)
+    assert ds["leave_version"].values.tolist() == [-1, 3, -1]
+    assert np.array_equal(ds["t_leave"].values, [np.nan, 5.0, np.nan], equal_nan=True)
 
 
 def test_a_store_whose_creation_was_killed_is_created_again(tmp_path, monkeypatch):
@@ -296,7 +367,7 @@ def test_a_store_whose_creation_was_killed_is_created_again(tmp_path, monkeypatc
     with attribute_writes(monkeypatch) as writes:
         w = TrajectoryWriter(tmp_path, schedule="partial_rollout")
     assert len(writes) == 1 and writes[0]["schedule"] == "partial_rollout"
-    assert writes[0]["schema_version"] == 2 and writes[0][COMMIT_ATTR] == 0
+    assert writes[0]["schema_version"] == 3 and writes[0][COMMIT_ATTR] == 0
     w.append([record(0), record(1)])
     assert open_run(tmp_path).attrs["schedule"] == "partial_rollout"
     assert open_trajectories(tmp_path)["uid"].tolist() == ["u0", "u1"]
