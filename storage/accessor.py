@@ -14,13 +14,21 @@ Every figure is tested against a direct computation on the raw arrays
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from pathlib import Path
 
 import numpy as np
 import xarray as xr
 
 from storage.lineage import lineage_lags, run_restarts
-from storage.schema import ALL_FIELDS, MIXED_VERSION_SCHEDULES, RAGGED_FIELDS, STATUSES
+from storage.schema import (
+    ALL_FIELDS,
+    MIXED_VERSION_SCHEDULES,
+    RAGGED_FIELDS,
+    SCALARS,
+    STATUSES,
+    TRAJECTORY_DIM,
+)
 from storage.trajectories import time_in_buffer
 
 # The token versions the audit checks at a time (of a partial rollout run: one per
@@ -35,20 +43,50 @@ _GROUP_STATS = ("mean", "median", "min", "max", "std", "sum", "count")
 
 @xr.register_dataset_accessor("laminar")
 class LaminarAccessor:
-    """Views of a trajectory dataset returned by :func:`storage.open_run`."""
+    """Views of a trajectory dataset returned by :func:`storage.open_run`, or of one run
+    of :func:`storage.open_runs` (``.sel(run=name)``: its padding left out)."""
 
     def __init__(self, ds: xr.Dataset) -> None:
         if "run" in ds.dims:
             raise ValueError(
                 "ds.laminar reads one run's trajectories (storage.open_run); this Dataset "
                 "has a 'run' dimension (storage.open_runs, padded to the longest run): "
-                "use open_run(path).laminar for each run"
+                "select one, ds.sel(run=name).laminar, or use open_run(path).laminar"
             )
+        # A run selected from open_runs (ds.sel(run=name)): its own rows, without the
+        # padding (status "", NaN) that reached every figure; where it was stored is
+        # found when a figure needs the run's record (_attrs)
+        self._runs: list[str] | None = None
+        self._run_attrs: dict | None = None
+        if _selected_run(ds):
+            ds, self._runs = _own_rows(ds), list(ds.attrs.get("run_dirs", []))
         self._ds = ds
         # tokens(): what it read, with the variables it read them from (xarray keeps this
         # accessor with the Dataset, and an assignment in place swaps a variable only)
         self._spans: dict[str, tuple[tuple, np.ndarray, np.ndarray]] = {}  # read once
         self._blocks: dict[str, tuple[object, int, np.ndarray]] = {}  # the last read
+
+    @property
+    def _attrs(self) -> Mapping:
+        """The run's record (``open_run``'s attributes: its end, stops, resumes,
+        schedule): the Dataset's own, or of a run selected from ``open_runs``, whose
+        attributes are the runs' directories alone, read from its store the first time a
+        figure needs them (one ``open_run``)."""
+        if self._runs is None:
+            return self._ds.attrs
+        if self._run_attrs is None:
+            self._run_attrs = _attrs_of_run(self._ds, self._runs)
+        return self._run_attrs
+
+    def _needs_tokens(self, method: str) -> None:
+        """Refuse ``method`` on a run selected from ``open_runs``: it reads the
+        token-level fields, which ``open_runs`` leaves out."""
+        if self._runs is not None:
+            raise ValueError(
+                f"ds.laminar.{method}() reads the token-level fields, which open_runs leaves "
+                f"out: use open_run(path).laminar.{method}() for run "
+                f"{_run_name(self._ds)!r} (of {self._runs})"
+            )
 
     def tokens(self, field: str, i: int) -> np.ndarray:
         """The ragged ``field`` (e.g. ``"response_tokens"``) of trajectory ``i``.
@@ -58,6 +96,7 @@ class LaminarAccessor:
         them for the next call."""
         if field not in RAGGED_FIELDS:
             raise KeyError(f"{field!r} is not a ragged field; choose from {sorted(RAGGED_FIELDS)}")
+        self._needs_tokens("tokens")
         group = RAGGED_FIELDS[field]
         variables = self._ds.variables
         read_from = (variables[f"{group}_start"], variables[f"{group}_len"])
@@ -112,9 +151,9 @@ class LaminarAccessor:
         if isinstance(restarts, str):
             if restarts != "run":
                 raise ValueError(f"restarts={restarts!r}; a list of (V, M) or 'run'")
-            if "run_dir" not in ds.attrs:
+            if "run_dir" not in self._attrs:
                 raise ValueError("restarts='run' needs a Dataset from storage.open_run")
-            restarts = run_restarts(ds.attrs["run_dir"])
+            restarts = run_restarts(self._attrs["run_dir"])
         restarts = [(int(v), int(m)) for v, m in restarts]
         behavior = ds["behavior_version"].values[consumed]
         finish = ds["finish_version"].values[consumed]
@@ -154,7 +193,7 @@ class LaminarAccessor:
             [
                 ds["t_finish"].values,
                 ds["t_sample"].values,
-                [ds.attrs.get("metrics_end_s", np.nan)],
+                [self._attrs.get("metrics_end_s", np.nan)],
             ]
         ).astype(np.float64)
         return float(np.nanmax(t)) if np.isfinite(t).any() else float("nan")
@@ -218,7 +257,7 @@ class LaminarAccessor:
         starts; none for a run started once. :func:`storage.open_run` finds them: each
         resume the trajectory store recorded ends one, whatever ``metrics.zarr`` holds
         (docs/analysis.md, "``laminar report``")."""
-        flat = np.asarray(self._ds.attrs.get("pauses_s", []), dtype=np.float64)
+        flat = np.asarray(self._attrs.get("pauses_s", []), dtype=np.float64)
         return [(float(a), float(b)) for a, b in flat.reshape(-1, 2)]
 
     def superseded(self) -> xr.DataArray:
@@ -246,13 +285,14 @@ class LaminarAccessor:
         k = ds["behavior_version"].values
         t = ds["t_finish"].values
         out = np.zeros(ds.sizes["trajectory"], dtype=bool)
-        at_s, versions = ds.attrs.get("resumed_at_s", []), ds.attrs.get("resumed_from_version", [])
+        attrs = self._attrs
+        at_s, versions = attrs.get("resumed_at_s", []), attrs.get("resumed_from_version", [])
         recorded = list(zip(at_s, versions, strict=True))
         # Starts before the first resume the store recorded (by an older laminar): from
         # the metrics' segments
         until = min((at for at, _ in recorded), default=np.inf)
-        starts = ds.attrs.get("segment_start_s", [])
-        firsts = ds.attrs.get("segment_first_version", [])
+        starts = attrs.get("segment_start_s", [])
+        firsts = attrs.get("segment_first_version", [])
         older = []
         for start, first in list(zip(starts, firsts, strict=True))[1:]:
             if start >= until - _SEGMENT_SLACK_S:
@@ -275,7 +315,7 @@ class LaminarAccessor:
         it (the rest are superseded, or not, whatever their tokens say)."""
         ds = self._ds
         k = ds["behavior_version"].values
-        if ds.attrs.get("schedule") not in MIXED_VERSION_SCHEDULES or "versions_len" not in ds:
+        if self._attrs.get("schedule") not in MIXED_VERSION_SCHEDULES or "versions_len" not in ds:
             return k
         t, m_f = ds["t_finish"].values, ds["finish_version"].values
         maybe = np.zeros(k.shape, dtype=bool)
@@ -327,6 +367,20 @@ class LaminarAccessor:
     def _windows(self, t: np.ndarray, window: float) -> np.ndarray:
         return np.floor((t - self.t0) / window).astype(np.int64)
 
+    def _windows_end(self) -> float:
+        """Where :meth:`throughput`'s last window ends: :attr:`t_end`, or the last
+        trajectory event where every ``cluster`` row of the run's metrics comes after it
+        (``segment_start_s``, the first row): rows that do not overlap the trajectories
+        are on another clock (synthetic records), or of a resumed start that stored
+        nothing, and windows to them would span the gap."""
+        first_row = self._attrs.get("segment_start_s", [])
+        ds = self._ds
+        events = np.concatenate([ds["t_finish"].values, ds["t_sample"].values])
+        events = events[np.isfinite(events)]
+        if len(first_row) and events.size and first_row[0] > events.max():
+            return float(events.max())
+        return self.t_end
+
     def throughput(self, window: float = 10.0) -> xr.Dataset:
         """Tokens per second in windows of ``window`` seconds since the run started.
 
@@ -365,7 +419,7 @@ class LaminarAccessor:
         # (an event at the very end of a run that ended on a window's start, as one
         # without metrics does at its last event, is the window before's: the one it
         # opens lasts 0 s, and would give its tokens no rate)
-        last = max(int(np.ceil((self.t_end - self.t0) / window)) - 1, 0)
+        last = max(int(np.ceil((self._windows_end() - self.t0) / window)) - 1, 0)
         finish = np.minimum(self._windows(ds["t_finish"].values, window), last)
         consumed = ds["status"].values == "consumed"
         # (a damaged store's consumed trajectory with no t_sample: the audit reports it;
@@ -379,7 +433,7 @@ class LaminarAccessor:
         # Every window lasts `window` seconds except the last, cut where the run ended,
         # less the time the run was stopped in it.
         lo = self.t0 + np.arange(n) * window
-        hi = np.append(lo[1:], min(lo[-1] + window, self.t_end))
+        hi = np.append(lo[1:], min(lo[-1] + window, self._windows_end()))
         span = hi - lo
         for start, end in self.pauses_s:
             span -= np.clip(np.minimum(hi, end) - np.maximum(lo, start), 0.0, None)
@@ -576,6 +630,7 @@ class LaminarAccessor:
         * every consumed group complete: ``group_size`` consumed siblings per prompt_uid,
           all sampled at the same version.
         """
+        self._needs_tokens("audit")
         ds = self._ds
         problems: list[str] = []
         missing = [f for f in ALL_FIELDS if f not in ds]
@@ -650,7 +705,7 @@ class LaminarAccessor:
         in memory)."""
         ds = self._ds
         n_versions = ds["versions_len"].values
-        mixing = ds.attrs.get("schedule") in MIXED_VERSION_SCHEDULES
+        mixing = self._attrs.get("schedule") in MIXED_VERSION_SCHEDULES
         n_resp = ds["response_len"].values
         for block, seg, first in self._token_version_blocks(np.flatnonzero(n_versions)):
             n = n_versions[block]
@@ -676,3 +731,74 @@ class LaminarAccessor:
                 f"most its finish version {m_f[i]}"
             )
         return None
+
+
+def _run_name(ds: xr.Dataset) -> str:
+    return str(ds["run"].values.item())
+
+
+def _selected_run(ds: xr.Dataset) -> bool:
+    """``ds`` is one run of :func:`storage.open_runs`' (``.sel(run=name)``,
+    ``.isel(run=i)``): a scalar ``run`` coordinate beside its count or the runs'
+    directories."""
+    return (
+        "run" in ds.coords
+        and ds["run"].ndim == 0
+        and ("n_trajectories" in ds or "run_dirs" in ds.attrs)
+    )
+
+
+def _own_rows(ds: xr.Dataset) -> xr.Dataset:
+    """A run selected from ``open_runs`` as ``open_run`` has it, less its token-level
+    fields: its ``n_trajectories`` rows (the rest pad it to the longest run: status
+    ``""``, NaN), its integer fields integers again (the padding made them floats)."""
+    if "n_trajectories" in ds:
+        own = ds["trajectory"].values < int(ds["n_trajectories"].values)
+        ds = ds.drop_vars("n_trajectories")
+    else:
+        own = ds["status"].values != ""
+    ds = ds.isel({TRAJECTORY_DIM: np.flatnonzero(own)})
+    ints = {**SCALARS, "s_gen": SCALARS["finish_version"]}
+    restored = {
+        name: ds[name].astype(dtype)
+        for name, dtype in ints.items()
+        if name in ds and dtype.kind in "iu" and ds[name].dtype.kind == "f"
+    }
+    return ds.assign(restored)
+
+
+def _attrs_of_run(ds: xr.Dataset, run_dirs: Sequence[str]) -> dict:
+    """``open_run``'s attributes of the run ``ds`` was selected from, among ``run_dirs``
+    (``open_runs``' ``run_dirs``): the directory named as the run first, then those
+    holding as many trajectories or more (a run still going), opened in turn; the one
+    whose trajectories are ``ds``'s (their ``uid`` and ``t_finish``)."""
+    from storage.trajectories_read import committed, open_run
+
+    name = _run_name(ds)
+    labels = ds[TRAJECTORY_DIM].values
+    n = int(labels.max(initial=-1)) + 1
+
+    def count(path: str) -> int:
+        try:
+            return committed(path)
+        except (OSError, ValueError, KeyError):  # (moved, deleted: not this one)
+            return -1
+
+    counts = {p: count(p) for p in run_dirs}
+    order = sorted(
+        (p for p in run_dirs if counts[p] >= n),
+        key=lambda p: (Path(p).name != name, counts[p] != n),
+    )
+    for path in order:
+        opened = open_run(path)
+        same = all(
+            np.array_equal(opened[f].values[labels], ds[f].values, equal_nan=f != "uid")
+            for f in ("uid", "t_finish")
+        )
+        if same:
+            return dict(opened.attrs)
+    raise ValueError(
+        f"run {name!r} of open_runs: none of its runs' directories {list(run_dirs)} holds "
+        "its trajectories now (moved, or rewritten?), and its record (when it ended, its "
+        "stops and resumes) is read from there: use open_run(path).laminar"
+    )

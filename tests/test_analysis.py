@@ -471,7 +471,7 @@ def test_wrong_paths_and_datasets_get_errors_that_say_what_to_pass(run, tmp_path
         open_metrics(tmp_path / "nothing", "cluster")
     both = open_runs([run_dir])  # (one path as a string would be split into characters)
     assert open_runs(run_dir).sizes == both.sizes
-    with pytest.raises(ValueError, match=r"use open_run\(path\).laminar for each run"):
+    with pytest.raises(ValueError, match=r"ds\.sel\(run=name\)\.laminar, or use open_run\(path\)"):
         both.laminar.summary()
 
 

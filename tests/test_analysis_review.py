@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 from factories import trajectory
 
-from storage import TrajectoryWriter, open_run
+from storage import TrajectoryWriter, open_run, open_runs
 from storage.metrics import MetricsWriter
 
 T0 = 1.8e9
@@ -57,6 +57,20 @@ def test_the_last_throughput_window_ends_at_t_end_though_it_holds_no_event(tmp_p
     assert float(rate["trained"]) == pytest.approx(10 / 34.0)  # (5 tokens each)
     assert tp["trained"].values[2:].tolist() == [0.0, 0.0]  # (ran, trained nothing)
 
+    # Metrics rows that all come after the last trajectory event are on another clock
+    # (a synthetic record: trajectories at 0-12 s, rows at epoch seconds): the windows
+    # end at the last event, not 1.8e9 s of windows later
+    other = tmp_path / "other"
+    TrajectoryWriter(other).append(
+        [
+            trajectory("a", "g", t_finish=2.0).to_record(),
+            trajectory("b", "g", t_finish=12.0).to_record(),
+        ]
+    )
+    _rows(other, 35)
+    tp = open_run(other).laminar.throughput(window=10.0)
+    assert tp["time"].values.tolist() == [0.0, 10.0]
+
 
 def test_the_audits_figures_have_plain_keys_and_indent_in_text_only(tmp_path):
     """``audit_run(run).figures["buffered"]``: the statuses break down "trajectories",
@@ -73,3 +87,61 @@ def test_the_audits_figures_have_plain_keys_and_indent_in_text_only(tmp_path):
     lines = report.text().splitlines()
     assert any(line.startswith("  trajectories ") for line in lines)
     assert any(line.startswith("    buffered ") for line in lines)
+
+
+def _two_runs(tmp_path):
+    """``short``: 3 trajectories (2 of a group of 2), resumed once, metrics to 40 s;
+    ``long``: 6, metrics to 20 s: ``short`` is padded in ``open_runs``."""
+    short, long = tmp_path / "short", tmp_path / "long"
+    writer = TrajectoryWriter(short)
+    writer.append([_traj("a", 2, sample=3, group="g", size=2), _traj("b", 3, group="g", size=2)])
+    writer.record_resume(0, T0 + 25)
+    writer.append([_traj("c", 30, sample=32, version=1, reward=0.0)])
+    _rows(short, 40)
+    TrajectoryWriter(long).append([_traj(f"u{i}", 1 + i, sample=2 + i) for i in range(6)])
+    _rows(long, 20)
+    return short, long
+
+
+@pytest.mark.parametrize("how", ["sel", "isel", "default names"])
+def test_a_run_selected_from_open_runs_is_that_run_without_its_padding(tmp_path, how):
+    """``open_runs(...).sel(run=name).laminar`` passed the accessor's guard with the
+    padding rows (status "", NaN) in: summary() overflowed, throughput() raised, an
+    extra "" rollout, a NaN reward bucket, the audit's "missing contract fields". Each
+    figure is now the run's, as ``open_run`` gives it (its record, the end and stop of
+    its metrics, read from its directory)."""
+    short, long = _two_runs(tmp_path)
+    if how == "default names":
+        one = open_runs([long, short]).sel(run="short")
+    else:
+        runs = open_runs([long, short], names=["fifo", "k1"])
+        one = runs.sel(run="k1") if how == "sel" else runs.isel(run=1)
+    a, b = one.laminar, open_run(short).laminar
+    assert one.laminar is a  # (the accessor's padding left out once)
+    assert a.summary() == b.summary()
+    assert a.t_end == b.t_end == T0 + 40 and a.pauses_s == b.pauses_s != []
+    assert a.throughput().identical(b.throughput())
+    for name in ("by_rollout", "groups", "staleness_histogram", "reward_curve"):
+        assert getattr(a, name)().identical(getattr(b, name)()), name
+    assert a.reward_curve(by="time").identical(b.reward_curve(by="time"))
+    assert a.buffer_age().equals(b.buffer_age())
+    assert a.superseded().identical(b.superseded())
+    lineage = [x.staleness(restarts="run")["s_train_lineage"] for x in (a, b)]
+    assert lineage[0].drop_vars("run").identical(lineage[1])  # (the run's name kept)
+    assert len(a.to_dataframe()) == 3
+    with pytest.raises(ValueError, match=r"open_run\(path\)\.laminar\.audit\(\)"):
+        a.audit()
+    with pytest.raises(ValueError, match=r"open_run\(path\)\.laminar\.tokens\(\)"):
+        a.tokens("response_tokens", 0)
+
+
+def test_open_runs_unselected_and_a_run_moved_since_are_refused_saying_what_to_do(tmp_path):
+    short, long = _two_runs(tmp_path)
+    runs = open_runs([long, short], names=["fifo", "k1"])
+    with pytest.raises(ValueError, match=r"ds\.sel\(run=name\)\.laminar"):
+        _ = runs.laminar
+    one = runs.sel(run="k1")
+    assert one.laminar.summary()["n_consumed"] == 2  # (what needs no record of the run)
+    short.rename(tmp_path / "moved")
+    with pytest.raises(ValueError, match="none of its runs' directories"):
+        one.laminar.throughput()
