@@ -15,7 +15,8 @@ the master in the publisher's process as in a run):
   ``Client.replicate`` of one copy to all of them.
 
 ``T_byte``/``T_start`` are measured on the running cluster (one hop, alone), and the
-model's ``T*(p)`` is reported beside the measured broadcast. Run it::
+model's ``T*(p)`` (its optimal ``k``) and ``T(p, k)`` (the ``k`` the chain ran) are
+reported beside the measured broadcast. Run it::
 
     laminar bench relay --out relay.json
 """
@@ -29,7 +30,7 @@ import numpy as np
 import torch
 
 from laminar.relay_client import Publisher, Puller
-from laminar.relay_core import MB, RelayError, model_optimum, state_fingerprint
+from laminar.relay_core import MB, RelayError, chain_time, model_optimum, state_fingerprint
 from laminar.relay_tier import start_chain
 
 N_TENSORS = 8
@@ -283,6 +284,10 @@ def measure(
             "t_byte": t_byte,
             "t_start": t_start,
             "model_s": model_optimum(p, nbytes, t_byte, t_start),
+            # The model at the k the chain ran: the chunk cap (relay.max_chunk_mb) raises
+            # k above k* (512 MB: k = 64 at every p, where k* = 1 at p = 2), and T*(p)
+            # then compares the chain with a plan it did not run.
+            "model_at_k_s": chain_time(p, med["chunks"], nbytes, t_byte, t_start),
             "t_byte_loaded": t_byte_loaded,
             "model_loaded_s": model_optimum(p, nbytes, t_byte_loaded, t_start),
             "chunk_model_s": nbytes / med["chunks"] * t_byte + t_start,
@@ -304,6 +309,7 @@ COLUMNS = [
     "host_copy_s",
     "broadcast_s",
     "model_s",
+    "model_at_k_s",
     "model_loaded_s",
     "wait_s",
     "naive_s",
@@ -346,6 +352,10 @@ def relay_ratios(
                 k = f"m{mb}_p{p}_"
                 ratios[pre + k + "stall_vs_host_copy"] = f[k + "stall_s"] / f[k + "host_copy_s"]
                 ratios[pre + k + "broadcast_vs_model"] = f[k + "broadcast_s"] / f[k + "model_s"]
+                if k + "model_at_k_s" in f:  # (not in figures of benches before it)
+                    ratios[pre + k + "broadcast_vs_model_at_k"] = (
+                        f[k + "broadcast_s"] / f[k + "model_at_k_s"]
+                    )
                 ratios[pre + k + "broadcast_vs_model_loaded"] = (
                     f[k + "broadcast_s"] / f[k + "model_loaded_s"]
                 )
@@ -370,6 +380,7 @@ def relay_ratios(
         f"stall_p{hi}_vs_p{lo}": f"m{m}_stall_p{hi}_vs_p{lo}",
         "stall_vs_host_copy": f"m{m}_p{hi}_stall_vs_host_copy",
         f"broadcast_vs_model_p{hi}": f"m{m}_p{hi}_broadcast_vs_model",
+        f"broadcast_vs_model_at_k_p{hi}": f"m{m}_p{hi}_broadcast_vs_model_at_k",
         f"broadcast_vs_model_loaded_p{hi}": f"m{m}_p{hi}_broadcast_vs_model_loaded",
         f"naive_stall_p{hi}_vs_relay_stall_p{hi}": f"m{m}_p{hi}_naive_vs_relay_stall",
         f"broadcast_loop_vs_thread_p{hi}": f"loop_vs_thread_m{m}_p{hi}_broadcast",
@@ -451,8 +462,11 @@ def bench_relay(
             "stall: publish() returns once the master (in the publisher's process) holds "
             "a copy; broadcast: until the last relay holds the version, verified",
             "model_s: T*(p) from T_byte/T_start measured on one hop alone (the paper's "
-            "independent links); model_loaded_s: the same with T_byte measured while "
-            "every hop of the chain transfers at once (on one host they share the cores)",
+            "independent links), at the model's optimal k; model_at_k_s: T(p,k) = "
+            "(p+k-2)*chunk_model_s at the k the chain ran (chunks: relay.max_chunk_mb "
+            "raises it above the optimum); model_loaded_s: T*(p) with T_byte measured "
+            "while every hop of the chain transfers at once (on one host they share the "
+            "cores)",
             "host_copy_s: one copy of M into a warm buffer in the publisher's process, "
             "measured right before each publication",
         ],

@@ -627,6 +627,15 @@ def test_relay_bench_measures_both_senders_side_by_side():
         assert math.isnan(f[f"{pre}m1_p2_send_inner_s"])  # no relay in the middle
         assert f[f"{pre}m1_p3_broadcast_s"] > 0 and f[f"{pre}m1_p3_chunk_model_s"] > 0
     assert r["broadcast_loop_vs_thread_p3"] == r["loop_vs_thread_m1_p3_broadcast"] > 0
+    # The model at the k the chain ran, beside T*(p) at the model's own k (the chunk cap
+    # makes them differ: the docs compared the broadcast with a plan it did not run).
+    from laminar.relay_core import MB, chain_time
+
+    for p in (2, 3):
+        k, tb, ts = (f[f"m1_p{p}_{c}"] for c in ("chunks", "t_byte", "t_start"))
+        assert f[f"m1_p{p}_model_at_k_s"] == pytest.approx(chain_time(p, k, MB, tb, ts))
+        assert f[f"m1_p{p}_model_at_k_s"] >= f[f"m1_p{p}_model_s"] * (1 - 1e-9)
+    assert r["broadcast_vs_model_at_k_p3"] == (f["m1_p3_broadcast_s"] / f["m1_p3_model_at_k_s"])
     assert r["stall_p3_vs_p2"] > 0 and r["naive_stall_p3_vs_relay_stall_p3"] > 0
     alone = bench_relay(sizes_mb=(1,), ps=(2, 3), repeats=1, senders=("loop",))
     assert alone.rows[0][:2] == ["tcp", "loop"] and alone.ratios["stall_p3_vs_p2"] > 0
