@@ -29,6 +29,7 @@ from storage.schema import (
     STATUSES,
     TRAJECTORY_DIM,
 )
+from storage.stores import StoreError
 from storage.trajectories import time_in_buffer
 
 # The token versions the audit checks at a time (of a partial rollout run: one per
@@ -367,6 +368,21 @@ class LaminarAccessor:
     def _windows(self, t: np.ndarray, window: float) -> np.ndarray:
         return np.floor((t - self.t0) / window).astype(np.int64)
 
+    @property
+    def pacing(self) -> dict | None:
+        """How a paced run's clock maps onto the cluster it models (``rollout.pacing``
+        of the ``config.yaml`` beside its store: :func:`storage.audit.run_pacing`), or
+        ``None``: not paced, or no ``config.yaml`` (a store not written by ``laminar
+        run``, a Dataset not from ``open_run``). A paced run's times are wall seconds of
+        the dilated run, its tokens real ones: its rates in tokens/s are
+        ``pacing["modelled_rate_per_rate"]`` (``request_scale * dilation``) times lower
+        than the modelled cluster's, and a wall second is ``pacing["modelled_s_per_wall_s"]``
+        (``length_scale / dilation``) modelled ones (docs/analysis.md, "Three clocks")."""
+        from storage.audit import run_pacing
+
+        run_dir = self._attrs.get("run_dir")
+        return None if run_dir is None else run_pacing(run_dir)
+
     def _windows_end(self) -> float:
         """Where :meth:`throughput`'s last window ends: :attr:`t_end`, or the last
         trajectory event where every ``cluster`` row of the run's metrics comes after it
@@ -450,8 +466,27 @@ class LaminarAccessor:
                 "trained": ("time", trained),
             },
             coords={"time": np.arange(n) * window, "running_s": ("time", running)},
-            attrs={"units": "tokens/s", "window_s": window, "unsampled": unsampled},
+            attrs={"units": "tokens/s", "window_s": window, "unsampled": unsampled}
+            | self._paced_attrs(),
         )
+
+    def _paced_attrs(self) -> dict:
+        """A paced run's throughput says so (its tokens/s are real tokens per dilated
+        wall second): the scales, and the factor to the modelled cluster's rate."""
+        try:
+            pacing = self.pacing
+        except StoreError as e:  # (config.yaml damaged: the figures stand, the clock unsure)
+            return {"clock": f"unknown: {e}"}
+        if pacing is None:
+            return {}
+        return {
+            "clock": (
+                "paced: real tokens per wall second of the dilated run; times the attribute "
+                "modelled_rate_per_rate for the modelled cluster's tokens/s, times "
+                "modelled_s_per_wall_s for its seconds (docs/analysis.md, 'Three clocks')"
+            ),
+            **{k: v for k, v in pacing.items() if k != "trainer_paced"},
+        }
 
     def reward_curve(self, by: str = "version", window: float = 10.0) -> xr.DataArray:
         """Mean reward by ``behavior_version`` (``by="version"``) or by finish-time window

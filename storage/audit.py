@@ -333,6 +333,17 @@ def train_staleness_bound(run_dir: str | Path) -> int | None:
     >>> train_staleness_bound("no/such/run") is None
     True
     """
+    bound = _section(run_config(run_dir), "buffer").get("max_train_staleness")
+    if bound is not None and (isinstance(bound, bool) or not isinstance(bound, int)):
+        path = str(Path(run_dir) / "config.yaml")
+        raise StoreError(f"{path!r} has buffer.max_train_staleness={bound!r}, no count")
+    return bound
+
+
+def run_config(run_dir: str | Path) -> dict | None:
+    """The run's ``config.yaml`` (the exact resolved config, the last start's: a resume
+    rewrites it with its overrides), as a dict; ``None`` without one (a store not written
+    by ``laminar run``). Raises :class:`StoreError` where it does not read."""
     import yaml
 
     path = Path(run_dir) / "config.yaml"
@@ -342,11 +353,51 @@ def train_staleness_bound(run_dir: str | Path) -> int | None:
         return None
     except (OSError, ValueError, yaml.YAMLError) as e:
         raise StoreError(f"{str(path)!r} does not read ({type(e).__name__}: {e})") from e
-    bound = (config if isinstance(config, dict) else {}).get("buffer") or {}
-    bound = bound.get("max_train_staleness") if isinstance(bound, dict) else None
-    if bound is not None and (isinstance(bound, bool) or not isinstance(bound, int)):
-        raise StoreError(f"{str(path)!r} has buffer.max_train_staleness={bound!r}, no count")
-    return bound
+    return config if isinstance(config, dict) else {}
+
+
+def _section(config: dict | None, *keys: str) -> dict:
+    for key in keys:
+        config = (config or {}).get(key) if isinstance(config, dict) else None
+    return config if isinstance(config, dict) else {}
+
+
+_SCALES = ("dilation", "length_scale", "request_scale")
+
+
+def run_pacing(run_dir: str | Path) -> dict | None:
+    """How a paced run's clock maps onto the cluster it models (``rollout.pacing`` of its
+    ``config.yaml``; docs/pacing.md, "Scaled workloads"), or ``None``: not paced, or no
+    ``config.yaml``. Its store's times are wall seconds of the dilated run; a full-size
+    duration ``s`` lasted ``s * dilation / length_scale`` of them
+    (``laminar.pacing.Scale.wall``), and a real token stands for ``length_scale *
+    request_scale`` modelled tokens, so a rate in real tokens per wall second is
+    ``request_scale * dilation`` times lower than the modelled cluster's:
+
+    * ``dilation``, ``length_scale``, ``request_scale``: as configured;
+    * ``modelled_s_per_wall_s``: ``length_scale / dilation``;
+    * ``modelled_tokens_per_token``: ``length_scale * request_scale``;
+    * ``modelled_rate_per_rate``: ``request_scale * dilation`` (tokens/s);
+    * ``trainer_paced``: ``trainer.pacing`` is set (otherwise the trainer runs at this
+      machine's speed on the dilated clock: its updates' times are not modelled ones).
+
+    >>> run_pacing("no/such/run") is None
+    True
+    """
+    config = run_config(run_dir)
+    if _section(config, "rollout").get("pacing") is None:
+        return None
+    pacing = _section(config, "rollout", "pacing")
+    d, lam, sigma = (float(pacing.get(k, 1.0)) for k in _SCALES)
+    return {
+        "dilation": d,
+        "length_scale": lam,
+        "request_scale": sigma,
+        "modelled_s_per_wall_s": lam / d,
+        "modelled_tokens_per_token": lam * sigma,
+        "modelled_rate_per_rate": sigma * d,
+        "trainer_paced": bool(_section(config, "trainer", "pacing")),
+    }
 
 
 def train_lags(run_dir: str | Path, ds, unsure: list[str] | None = None) -> np.ndarray:

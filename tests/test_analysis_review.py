@@ -145,3 +145,29 @@ def test_open_runs_unselected_and_a_run_moved_since_are_refused_saying_what_to_d
     short.rename(tmp_path / "moved")
     with pytest.raises(ValueError, match="none of its runs' directories"):
         one.laminar.throughput()
+
+
+@pytest.mark.parametrize("paced", [True, False])
+def test_a_paced_runs_throughput_names_its_clock_and_the_factor_to_the_modelled(tmp_path, paced):
+    """A paced run's tokens/s are real tokens per dilated wall second (701 against the
+    modelled cluster's ~10,500 in a review's run): its throughput says so, from the
+    ``config.yaml`` beside the store, and its figures are unchanged."""
+    TrajectoryWriter(tmp_path).append([_traj("a", 2, sample=3), _traj("b", 12, sample=12.5)])
+    before = open_run(tmp_path).laminar.throughput()
+    pacing = "\n".join(
+        ["  pacing:", "    dilation: 15.0", "    length_scale: 16.0", "    request_scale: 2.0"]
+    )
+    (tmp_path / "config.yaml").write_text(
+        "rollout:\n" + (pacing if paced else "  pacing: null") + "\ntrainer:\n  pacing: null\n"
+    )
+    ds = open_run(tmp_path)
+    tp = ds.laminar.throughput()
+    np.testing.assert_array_equal(tp["generated"].values, before["generated"].values)
+    if not paced:
+        assert ds.laminar.pacing is None and tp.attrs == before.attrs
+        return
+    p = ds.laminar.pacing
+    assert p["modelled_rate_per_rate"] == 30.0 and p["modelled_s_per_wall_s"] == 16 / 15
+    assert p["modelled_tokens_per_token"] == 32.0 and p["trainer_paced"] is False
+    assert tp.attrs["units"] == "tokens/s" and tp.attrs["clock"].startswith("paced")
+    assert tp.attrs["modelled_rate_per_rate"] == 30.0 and tp.attrs["dilation"] == 15.0
