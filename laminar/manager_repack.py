@@ -19,7 +19,14 @@ import uuid
 
 from laminar.cluster import actor_result
 from laminar.config import RunConfig
-from laminar.repack import RolloutLoad, plan
+from laminar.repack import (
+    EXPORT_WAIT_TIMEOUTS,
+    HOLD_LIMIT_TIMEOUTS,
+    IMPORT_WAIT_TIMEOUTS,
+    QUESTION_WAIT_TIMEOUTS,
+    RolloutLoad,
+    plan,
+)
 
 # (the actor's logger: its records read as the manager's, whichever module they come from)
 logger = logging.getLogger("laminar.manager")
@@ -71,6 +78,39 @@ def planner_loads(loads: dict[str, dict], prev: dict[str, tuple[int | None, floa
     return out
 
 
+def _ready(future) -> bool:
+    """Whether a call started by ``_try`` has its answer (or failed to start)."""
+    return isinstance(future, Exception) or future.done()
+
+
+class _Round:
+    """A round's moves in flight, as :meth:`RepackMixin._execute` and
+    :meth:`RepackMixin._advance` share them."""
+
+    def __init__(self, t0: float, token: dict[str, str]) -> None:
+        self.t0, self.token = t0, token  # (source -> its export's token)
+        self.outs: dict[str, dict] = {}  # source -> its export's answer
+        self.handed: dict[str, float] = {}  # source -> when its export was handed over
+        self.groups: dict[tuple[str, int], list[str]] = {}  # (destination, version) -> sources
+        self.into: dict[tuple[str, int], str] = {}  # -> its import's token
+        self.started: dict[tuple[str, int], float] = {}  # -> when its import was sent
+        # -> ("import" or "question", the call, when it was sent, its wait in timeouts)
+        self.waiting: dict[tuple[str, int], tuple] = {}
+        self.import_s: dict[tuple[str, int], float] = {}  # -> its import's call to answer
+        self.ok_of: dict[str, bool] = {}  # source -> whether its move went through
+        # source -> ("release" or "abort", the call (None: to send again), when sent)
+        self.acks: dict[str, tuple] = {}
+        self.due: dict[str, float] = {}  # source -> when to send its release again
+        self.released: dict[str, float] = {}  # source -> when its release or abort ended
+
+    def send(self, src: str, kind: str, future, now: float) -> None:
+        self.acks[src] = (kind, future, now)
+
+    def done(self, src: str, now: float) -> None:
+        self.acks.pop(src, None)
+        self.released[src] = now
+
+
 class RepackMixin:
     """Planning rounds and move execution, for
     :class:`~laminar.manager.RolloutManager` (whose ``__init__`` sets up the state)."""
@@ -110,36 +150,40 @@ class RepackMixin:
     ) -> list[dict]:
         """Carry out a round's moves together: every source exports at once, then each
         destination imports all its sources' requests in one call (destinations at
-        once), then every source whose move went through is released and every other
-        takes its requests back. A command waits for its rollout's next step boundary, so
-        one move at a time cost two steps per move; a round now costs about two steps,
-        however many moves it has.
+        once), and each destination's sources are released (or take their requests
+        back) as soon as that destination's import is answered, whatever the others'
+        do. A command waits for its rollout's next step boundary, so one move at a time
+        cost two steps per move; a round costs about two steps, however many moves it
+        has, and a slow or hung destination holds its own sources alone.
 
         A request is never in no engine: a source holds what it exported until it is
         released or aborted (and takes it back by itself after a hold nobody ends), and
         the manager aborts every export it did not get the answer of, which may yet run.
-        ``loads`` (the planner's input) and ``taken_in`` (each rollout's published
-        ``taken_in`` then) bound each source's export to its planned batch, grown by
-        nothing since.
+        A release not acknowledged is sent again (it is idempotent, tied to its move's
+        token) until it is, or until the source's hold would run out. ``loads`` (the
+        planner's input) and ``taken_in`` (each rollout's published ``taken_in`` then)
+        bound each source's export to its planned batch, grown by nothing since.
 
         Every export and import carries a token of its own: a release or abort acts on
         the export of its token only (one delivered late leaves a later move alone), and
         the question to a destination whose import was not answered is whether the
         import of its token went through.
 
-        Each move's row times its source's pause from the export's hand-over (a paced
-        source withholds it until its step's deadline, decoding until then) to the
-        release (``pause_s``), and the round from its start (``round_s``). An export not
-        answered is counted in ``exports_unanswered``, one answered with nothing to
-        move (its batch drained or changed) in ``skipped``."""
+        Each move's row times its source's hold from the export's hand-over (a paced
+        source withholds it until its step's deadline, decoding until then) to its own
+        release (``pause_s``), its destination's import from its call to its answer (or
+        to the answer of the question about it: ``import_s``), and the round from its
+        start (``round_s``). An export not answered is counted in
+        ``exports_unanswered``, one answered with nothing to move (its batch drained or
+        changed) in ``skipped``."""
         t0 = time.time()
-        # Each phase's calls run at once: one deadline for all of them. (A command the
-        # manager stops waiting for may still run on its rollout, which starts its own
-        # clock later: every export not answered is aborted.)
         window = self.timeout
         taken_in = taken_in or {}
         round_id = uuid.uuid4().hex[:12]
         token = {m.source: f"{round_id}:{m.source}" for m in moves}
+        # Each phase's calls run at once: one deadline for all of them. (A command the
+        # manager stops waiting for may still run on its rollout, which starts its own
+        # clock later: every export not answered is aborted.)
         exports = {
             m.source: self._try(
                 lambda s=m.source: self.rollouts[s].export_for_move(
@@ -151,117 +195,59 @@ class RepackMixin:
             )
             for m in moves
         }
-        outs: dict[str, dict] = {}
-        handed: dict[str, float] = {}  # source -> when its export was handed over
-        ok_of: dict[str, bool] = {}
-        aborts: dict[str, object] = {}
+        rnd = _Round(t0, token)
         try:
-            deadline = time.time() + window
+            deadline = t0 + EXPORT_WAIT_TIMEOUTS * window
             for src, future in exports.items():
                 got, out = self._noting(
                     f"repack: {src} export", future, actor=self.rollouts[src], deadline=deadline
                 )
                 if not got:  # not answered: it may yet export, so undo it there
-                    aborts[src] = self._try(
-                        lambda s=src: self.rollouts[s].abort_export(move=token[s])
-                    )
+                    rnd.send(src, "abort", self._try(self._abort_call(src, rnd)), time.time())
                     self.counts["exports_unanswered"] += 1
                 elif out is None:  # its batch drained or changed meanwhile: nothing moves
                     self.counts["skipped"] += 1
                 else:
-                    outs[src] = out
+                    rnd.outs[src] = out
                     # A paced source decodes until its step's deadline and hands its
                     # requests over then: their pause starts there, not at t0. (The
                     # rollout's clock: kept between t0 and the answer here.)
                     now = time.time()
-                    handed[src] = min(max(out.get("handed_at", now), t0), now)
-            t1 = time.time()
+                    rnd.handed[src] = min(max(out.get("handed_at", now), t0), now)
             # One import per destination and version (the planner merges one version;
             # a source that loaded another since is refused and takes its states back).
-            merged: dict[tuple[str, int], list[str]] = {}
             for m in moves:
-                if m.source in outs:
-                    merged.setdefault((m.destination, outs[m.source]["version"]), []).append(
-                        m.source
-                    )
-            into = {(d, v): f"{round_id}:{d}:{v}" for d, v in merged}  # (each import's token)
-            imports = {
-                (dst, v): self._try(
+                if m.source in rnd.outs:
+                    key = (m.destination, rnd.outs[m.source]["version"])
+                    rnd.groups.setdefault(key, []).append(m.source)
+            for (dst, v), sources in rnd.groups.items():
+                rnd.into[dst, v] = f"{round_id}:{dst}:{v}"  # (each import's token)
+                future = self._try(
                     lambda d=dst, v=v, s=sources: self.rollouts[d].import_for_move(
                         v,
-                        [st for src in s for st in outs[src]["states"]],
+                        [st for src in s for st in rnd.outs[src]["states"]],
                         batch=self._prev[d][0],  # the batch this round planned with
                         sources=len(s),
                         max_requests=self.max_batch,
                         max_kv=self.rcfg.c_max,
-                        move=into[d, v],
+                        move=rnd.into[d, v],
                     )
                 )
-                for (dst, v), sources in merged.items()
-            }
-            deadline = time.time() + window
-            unanswered = {}
-            for (dst, v), sources in merged.items():
-                got, answer = self._noting(
-                    f"repack {sources} -> {dst}: import",
-                    imports[dst, v],
-                    actor=self.rollouts[dst],
-                    deadline=deadline,
-                )
-                ok_of |= dict.fromkeys(sources, got and answer is not False)
-                if not got:  # it may yet be imported: ask, after it (calls run in order)
-                    unanswered[dst, v] = self._try(
-                        lambda d=dst, v=v: self.rollouts[d].holds(into[d, v])
-                    )
-            # Twice as long: the question waits behind the import (and behind a pool call
-            # the destination's generation thread may be in); given up on, the source
-            # takes back what the destination may hold, and both decode it. The source
-            # holds its requests longer than the whole move may take (5 timeouts:
-            # export, import and this question's 2 at most, then the release).
-            deadline = time.time() + 2 * window
-            for (dst, v), future in unanswered.items():
-                got, holds = self._noting(
-                    f"repack: does {dst} hold what it was sent",
-                    future,
-                    actor=self.rollouts[dst],
-                    deadline=deadline,
-                )
-                # (no answer either: the source takes them back, and if the destination
-                # took them too they decode twice, the buffer keeping the first to finish)
-                ok_of |= dict.fromkeys(merged[dst, v], bool(got and holds))
-            t_import = time.time() - t1
+                rnd.started[dst, v] = time.time()
+                rnd.waiting[dst, v] = ("import", future, rnd.started[dst, v], IMPORT_WAIT_TIMEOUTS)
+            self._advance(rnd)
         finally:
-            for src in outs:
-                if not ok_of.get(src) and src not in aborts:  # refused, or not reached
-                    aborts[src] = self._try(
-                        lambda s=src: self.rollouts[s].abort_export(move=token[s])
-                    )
-            released = {
-                src: self._try(lambda s=src: self.rollouts[s].release(move=token[s]))
-                for src in outs
-                if ok_of.get(src)
-            }
-            deadline = time.time() + window
-            for src, future in released.items():
-                self._ok(
-                    future, f"repack: {src} release", actor=self.rollouts[src], deadline=deadline
-                )
-            # Not answered: the source was lost or stopped meanwhile (a lost one's requests
-            # are in the partial-response log, and recovery resumes them), or it is stuck
-            # and takes them back itself when its hold runs out.
-            for src, future in aborts.items():
-                self._noting(
-                    f"repack: {src} takes its states back",
-                    future,
-                    actor=self.rollouts[src],
-                    deadline=deadline,
-                )
-            t_released = time.time()  # the pause a move caused ends here
+            # (an error above: no source is left holding what nobody will import)
+            for src in rnd.outs:
+                if src not in rnd.ok_of and src not in rnd.acks:
+                    rnd.ok_of[src] = False
+                    rnd.send(src, "abort", self._try(self._abort_call(src, rnd)), time.time())
+            self._advance(rnd, acks_only=True)
         if self.partial is not None:  # after the releases: a slow pool holds no source
             reassigned = {}
             for m in moves:
-                if ok_of.get(m.source):
-                    ids = [st.request_id for st in outs[m.source]["states"]]
+                if rnd.ok_of.get(m.source):
+                    ids = [st.request_id for st in rnd.outs[m.source]["states"]]
                     reassigned[m.source] = self._try(
                         lambda i=ids, d=m.destination, s=m.source: self.partial.reassign(i, d, s)
                     )
@@ -273,12 +259,14 @@ class RepackMixin:
                 self._noting(f"repack: {src}'s requests in the log", future, deadline=deadline)
         rows = []
         for m in moves:
-            if m.source not in outs:
+            if m.source not in rnd.outs:
                 continue
-            out, ok = outs[m.source], ok_of.get(m.source, False)
+            out, ok = rnd.outs[m.source], rnd.ok_of.get(m.source, False)
             self.counts["moves" if ok else "rolled_back"] += 1
             for rid in (m.source, m.destination):
                 self._prev.pop(rid, None)  # their KV just jumped: not "falling" next time
+            key = (m.destination, out["version"])
+            released = rnd.released.get(m.source, time.time())
             rows.append(
                 {
                     "time": t0,
@@ -290,19 +278,130 @@ class RepackMixin:
                     "tokens": out["tokens"],
                     "context_tokens": out["context_tokens"],
                     "export_s": out["export_s"],
-                    "import_s": t_import,
-                    # the source's requests paused: from its hand-over to the release
-                    "pause_s": t_released - handed[m.source],
-                    "t_handed": handed[m.source],
-                    "t_released": t_released,
-                    "round_s": t_released - t0,  # the round, its exports' waits included
-                    "round_moves": len(outs),
+                    # its destination's import, from its call to its (or the question's)
+                    # answer: the import of every source of this destination
+                    "import_s": rnd.import_s.get(key, 0.0),
+                    # the source's hold: from its hand-over to its own release
+                    "pause_s": released - rnd.handed[m.source],
+                    "t_handed": rnd.handed[m.source],
+                    "t_released": released,
+                    "round_s": released - t0,  # the round, its exports' waits included
+                    "round_moves": len(rnd.outs),
                 }
             )
         return rows
 
-    def _ok(self, future, what: str, *, actor=None, deadline: float | None = None) -> bool:
-        """Whether an actor call started by :meth:`_try` succeeded and did not refuse
-        (returned ``False``); a failure is logged, and the move rolls back."""
-        ok, result = self._noting(what, future, actor=actor, deadline=deadline)
-        return ok and result is not False
+    def _abort_call(self, src: str, rnd: _Round):
+        return lambda: self.rollouts[src].abort_export(move=rnd.token[src])
+
+    def _advance(self, rnd: _Round, acks_only: bool = False) -> None:
+        """Wait on a round's imports, the questions about those not answered, and its
+        releases and aborts, acting on each answer as it comes: a destination's sources
+        are released (or abort) at its own import's answer, not after every other's.
+        One thread polls them all, so no call waits behind another's deadline."""
+        window = self.timeout
+        while (rnd.waiting and not acks_only) or rnd.acks:
+            now = time.time()
+            for key, (phase, future, start, waits) in list(rnd.waiting.items()):
+                if acks_only:
+                    break
+                dst = key[0]
+                if _ready(future):
+                    got, answer = self._noting(f"repack: {dst} {phase}", future, deadline=now)
+                    if phase == "import" and not got:  # (failed: it may still have run)
+                        self._ask(rnd, key, now)
+                    elif phase == "import":
+                        self._decide(rnd, key, answer is not False, now)
+                    else:
+                        self._decide(rnd, key, bool(got and answer), now)
+                elif now - start >= waits * window:
+                    logger.warning(
+                        "repack %s -> %s: %s not answered within %.1f s",
+                        rnd.groups[key],
+                        dst,
+                        phase,
+                        waits * window,
+                    )
+                    if phase == "import":  # it may yet be imported: ask (served after it)
+                        self._ask(rnd, key, now)
+                    else:
+                        # (no answer either: the source takes them back, and if the
+                        # destination took them too they decode twice, the buffer keeping
+                        # the first to finish)
+                        self._decide(rnd, key, False, now)
+            for src, (kind, future, sent) in list(rnd.acks.items()):
+                if future is None:  # a release to send again
+                    if now >= rnd.due[src]:
+                        rnd.send(src, kind, self._try(self._release_call(src, rnd)), now)
+                    continue
+                if _ready(future):
+                    got, _ = self._noting(f"repack: {src} {kind}", future, deadline=now)
+                    if got or kind == "abort" or not self._may_retry(rnd, src, now):
+                        rnd.done(src, now)
+                    else:  # (failed at once: again a little later, not in a tight loop)
+                        rnd.acks[src] = (kind, None, now)
+                        rnd.due[src] = now + min(window / 10, 1.0)
+                elif now - sent >= window:
+                    logger.warning("repack: %s %s not answered within %.1f s", src, kind, window)
+                    # An abort not answered: the source was lost or stopped meanwhile (a
+                    # lost one's requests are in the partial-response log, and recovery
+                    # resumes them), or it is stuck and takes them back itself when its
+                    # hold runs out.
+                    if kind == "abort" or not self._may_retry(rnd, src, now):
+                        rnd.done(src, now)
+                    else:
+                        rnd.send(src, kind, self._try(self._release_call(src, rnd)), now)
+            if (rnd.waiting and not acks_only) or rnd.acks:
+                time.sleep(0.01)
+
+    def _ask(self, rnd: _Round, key: tuple[str, int], now: float) -> None:
+        """Ask a destination whether the import it did not answer went through. The
+        question waits behind the import (and behind a pool call the destination's
+        generation thread may be in): twice the timeout. The source holds its requests
+        longer than the whole move may take (HOLD_LIMIT_TIMEOUTS)."""
+        dst = key[0]
+        future = self._try(lambda d=dst: self.rollouts[d].holds(rnd.into[key]))
+        rnd.waiting[key] = ("question", future, now, QUESTION_WAIT_TIMEOUTS)
+
+    def _decide(self, rnd: _Round, key: tuple[str, int], ok: bool, now: float) -> None:
+        """A destination's import went through (``ok``) or not: release its sources, or
+        have them take their requests back, at once."""
+        del rnd.waiting[key]
+        rnd.import_s[key] = now - rnd.started.get(key, now)
+        for src in rnd.groups[key]:
+            rnd.ok_of[src] = ok
+            if ok:
+                rnd.send(src, "release", self._try(self._release_call(src, rnd)), now)
+            else:
+                rnd.send(src, "abort", self._try(self._abort_call(src, rnd)), now)
+
+    def _release_call(self, src: str, rnd: _Round):
+        return lambda: self.rollouts[src].release(move=rnd.token[src])
+
+    def _may_retry(self, rnd: _Round, src: str, now: float) -> bool:
+        """Whether to send a release not acknowledged again: yes unless the source's
+        hold has run out (it then takes its requests back by itself: it was first
+        served no earlier than the round's start) or its worker is gone. A release is
+        idempotent and acts on its own move's export only: one that arrives twice, or
+        after the hold ran out, does nothing more."""
+        if now >= rnd.t0 + HOLD_LIMIT_TIMEOUTS * self.timeout or src in self._gone({src}):
+            logger.warning(
+                "repack: %s's release not acknowledged; given up (if it takes its "
+                "requests back, they decode twice and the buffer keeps the first copy)",
+                src,
+            )
+            return False
+        logger.warning("repack: %s's release not acknowledged; sending it again", src)
+        return True
+
+    def _gone(self, rids) -> set[str]:
+        """Those of ``rids`` whose worker the scheduler no longer has (none if it does
+        not answer): a call to them is not waited for any more."""
+        rids = {r for r in rids if r in self.workers}
+        if not rids:
+            return set()
+        try:
+            alive = self._scheduler_workers()
+        except Exception:  # noqa: BLE001 — unknown: wait on
+            return set()
+        return {r for r in rids if self.workers[r] not in alive}

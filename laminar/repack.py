@@ -33,6 +33,18 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
+# The manager's waits on one move, in actor timeouts (laminar.manager_repack): for the
+# export, for the import, and for its question to a destination whose import went
+# unanswered (served behind that import: twice as long).
+EXPORT_WAIT_TIMEOUTS, IMPORT_WAIT_TIMEOUTS, QUESTION_WAIT_TIMEOUTS = 1, 1, 2
+# A source held by a move for this many actor timeouts without being released takes its
+# requests back: the manager that held it was lost or gave up (a copy it had imported
+# elsewhere then decodes twice, and the buffer keeps the first to arrive; losing them would
+# leave their groups incomplete). It outlasts every wait of the move and one more timeout
+# for the release (sent again until acknowledged within the hold): a shorter hold ran out
+# under a slow but answered round, and its requests decoded in two engines.
+HOLD_LIMIT_TIMEOUTS = EXPORT_WAIT_TIMEOUTS + IMPORT_WAIT_TIMEOUTS + QUESTION_WAIT_TIMEOUTS + 1
+
 
 @dataclass(frozen=True)
 class RolloutLoad:

@@ -20,15 +20,10 @@ import logging
 import time
 
 from laminar.engine import RequestState
+from laminar.repack import HOLD_LIMIT_TIMEOUTS as HOLD_LIMIT_TIMEOUTS
 
 # (the actor's logger: its records read as the rollout's, whichever module they come from)
 logger = logging.getLogger("laminar.rollout")
-
-# A source held by a move for this many actor timeouts without being released takes its
-# requests back: the manager that held it was lost or gave up (a copy it had imported
-# elsewhere then decodes twice, and the buffer keeps the first to arrive; losing them would
-# leave their groups incomplete).
-HOLD_LIMIT_TIMEOUTS = 5
 
 
 class MovesMixin:

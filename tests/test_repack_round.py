@@ -171,3 +171,175 @@ def test_a_rollout_between_batches_exports_nothing(tiny_policy, small_config):
         assert len(src.engine.request_ids()) == 3 and not src._held
     finally:
         stop.set()
+
+
+# -- what a failed or slow call leaves behind ------------------------------------------
+
+
+def _failed(error: Exception):
+    from concurrent.futures import Future
+
+    f = Future()
+    f.set_exception(error)
+    return f
+
+
+class _ReleaseFailsOnce(_Handle):
+    """A source whose first release fails in transit (a dropped connection): the call
+    never reaches it."""
+
+    def __init__(self, obj) -> None:
+        super().__init__(obj)
+        self.releases = 0
+
+    def __getattr__(self, name):
+        call = super().__getattr__(name)
+        if name != "release":
+            return call
+
+        def release(*args, **kwargs):
+            self.releases += 1
+            if self.releases == 1:
+                return _failed(OSError("connection reset"))
+            return call(*args, **kwargs)
+
+        return release
+
+
+def test_a_release_that_failed_is_sent_again(tiny_policy, small_config):
+    """The move went through, but its release never reached the source: not sent again,
+    the source stayed held for the whole hold limit, then took its requests back while
+    the destination decoded them too (the row said ok, ``moves_out`` went back down).
+    The release is sent again: the requests are the destination's alone."""
+    cfg = with_overrides(small_config, ROUND)
+    src, stop_src = _decoding("r0", cfg, tiny_policy, 3)
+    dst, stop_dst = _decoding("r1", cfg, tiny_policy, 2)
+    try:
+        to_src = _ReleaseFailsOnce(src)
+        manager = _manager(cfg, {"r0": to_src, "r1": _Handle(dst)})
+        (row,) = manager._execute([Move("r0", "r1")], _loads({"r0": 3, "r1": 2}))
+        assert row["ok"] and to_src.releases == 2
+        assert not src._held and src._exported is None and not src.engine.request_ids()
+        assert len(dst.engine.request_ids()) == 5 and src.counts["moves_out"] == 1
+    finally:
+        stop_src.set(), stop_dst.set()
+
+
+class _Recorded(_Handle):
+    """A handle that notes each move call in ``events`` as (method, rollout id), in the
+    order the manager made them; ``hung`` withholds its imports (never run, never
+    answered: a destination whose generation thread is stuck)."""
+
+    def __init__(self, obj, events: list, hung: bool = False) -> None:
+        super().__init__(obj)
+        self.events, self.hung = events, hung
+
+    def __getattr__(self, name):
+        call = super().__getattr__(name)
+
+        def noted(*args, **kwargs):
+            self.events.append((name, self._obj.rollout_id))
+            if name == "import_for_move" and self.hung:
+                from concurrent.futures import Future
+
+                return Future()  # (never done)
+            return call(*args, **kwargs)
+
+        return noted
+
+
+def test_a_hung_destination_holds_its_own_sources_alone(tiny_policy, small_config):
+    """r0 -> r1 and r2 -> r3 in one round; r3's import never answers. r0 is released
+    at r1's answer, before the manager has even given up on r3's import (it then asks
+    r3 whether it went through), not after every destination's import and question:
+    a hung destination held every source of its round. Each row's ``import_s`` is its
+    own destination's (the round's import phase was copied onto every row)."""
+    cfg = with_overrides(small_config, ROUND)
+    events: list = []
+    up = {r: _decoding(r, cfg, tiny_policy, n) for r, n in (("r0", 3), ("r1", 2), ("r2", 3))}
+    up["r3"] = _decoding("r3", cfg, tiny_policy, 2)
+    try:
+        handles = {r: _Recorded(ro, events, hung=r == "r3") for r, (ro, _) in up.items()}
+        manager = _manager(cfg, handles)
+        rows = manager._execute(
+            [Move("r0", "r1"), Move("r2", "r3")], _loads({"r0": 3, "r1": 2, "r2": 3, "r3": 2})
+        )
+        by_src = {r["source"]: r for r in rows}
+        assert by_src["r0"]["ok"] and not by_src["r2"]["ok"]
+        assert events.index(("release", "r0")) < events.index(("holds", "r3"))
+        assert by_src["r0"]["t_released"] < by_src["r2"]["t_released"]
+        assert by_src["r0"]["import_s"] < by_src["r2"]["import_s"]
+        assert len(up["r2"][0].engine.request_ids()) == 3 and not up["r2"][0]._held
+    finally:
+        for _, stop in up.values():
+            stop.set()
+
+
+class _SlowQuestion(_Handle):
+    """A destination whose import goes through but whose answer is lost, and whose
+    answer to the manager's question comes late: after three quarters of the two
+    timeouts the manager waits for it."""
+
+    def __init__(self, obj, after_s: float) -> None:
+        super().__init__(obj)
+        self.after_s = after_s
+
+    def __getattr__(self, name):
+        import threading
+        from concurrent.futures import Future
+
+        call = super().__getattr__(name)
+        if name == "import_for_move":
+
+            def lost(*args, **kwargs):
+                call(*args, **kwargs)
+                return Future()  # (never done)
+
+            return lost
+        if name == "holds":
+
+            def slow(*args, **kwargs):
+                f = Future()
+                threading.Timer(
+                    self.after_s, lambda: f.set_result(call(*args, **kwargs).result())
+                ).start()
+                return f
+
+            return slow
+        return call
+
+
+def test_a_slow_but_answered_round_never_leaves_a_request_in_two_engines(tiny_policy, small_config):
+    """Every wait of a move answered within its deadline: the import's answer lost
+    (a timeout), the question's answer late but in time. The source's hold must outlast
+    them all: with a hold of 2 timeouts it ran out first, the source took its requests
+    back, and the release that came after found nothing to commit, the requests then in
+    both engines. (Pins HOLD_LIMIT_TIMEOUTS against the manager's waits.)"""
+    from laminar.repack import (
+        EXPORT_WAIT_TIMEOUTS,
+        HOLD_LIMIT_TIMEOUTS,
+        IMPORT_WAIT_TIMEOUTS,
+        QUESTION_WAIT_TIMEOUTS,
+    )
+
+    assert (
+        HOLD_LIMIT_TIMEOUTS > EXPORT_WAIT_TIMEOUTS + IMPORT_WAIT_TIMEOUTS + QUESTION_WAIT_TIMEOUTS
+    )
+    timeout = 1.0
+    cfg = with_overrides(
+        small_config,
+        ["rollout.parity_every=0", "repack.interval_s=1", f"cluster.actor_timeout_s={timeout}"],
+    )
+    src, stop_src = _decoding("r0", cfg, tiny_policy, 3)
+    dst, stop_dst = _decoding("r1", cfg, tiny_policy, 2)
+    try:
+        before = {*src.engine.request_ids(), *dst.engine.request_ids()}
+        late = 0.75 * QUESTION_WAIT_TIMEOUTS * timeout
+        manager = _manager(cfg, {"r0": _Handle(src), "r1": _SlowQuestion(dst, late)})
+        (row,) = manager._execute([Move("r0", "r1")], _loads({"r0": 3, "r1": 2}))
+        held = set(src.engine.request_ids()), set(dst.engine.request_ids())
+        assert row["ok"]
+        assert not held[0] & held[1] and held[0] | held[1] == before
+        assert src.counts["holds_timed_out"] == 0 and not src._held
+    finally:
+        stop_src.set(), stop_dst.set()
