@@ -215,7 +215,7 @@ def scores_in_child(
     order, each made in a child process and waited for up to ``timeout_s``; ``fn``
     ``None``: the child resolves ``reward_name`` itself (a ``module:function``, not
     imported here)."""
-    from laminar.rewards import TIMED_OUT, Score
+    from laminar.rewards import TIMED_OUT, Score, call_context
 
     blob = None if fn is None else _pickled(fn)
     i = 0
@@ -229,7 +229,11 @@ def scores_in_child(
         try:
             while i < len(calls):
                 if not _poll(child.conn, timeout_s):
-                    yield Score(math.nan, f"reward {reward_name} {TIMED_OUT}={timeout_s:g} s")
+                    yield Score(
+                        math.nan,
+                        f"reward {reward_name} {TIMED_OUT}={timeout_s:g} s",
+                        call_context(calls[i]),
+                    )
                     i += 1
                     break
                 try:
@@ -239,6 +243,7 @@ def scores_in_child(
                         math.nan,
                         f"reward {reward_name} ended the process that scored it "
                         f"({child.end()}); the calls after it go to a new one",
+                        call_context(calls[i]),
                     )
                     i += 1
                     break
@@ -348,8 +353,9 @@ def serve(conn: Connection, parent_pid: int) -> None:
             conn.send(None)
             # (no Ctrl-C reaches this process, in its own session: a KeyboardInterrupt
             # here is the function's own)
-            for outcome in _outcomes(fn, calls, main_interrupts=False):
-                conn.send(_scored(name, *outcome))
+            outcomes = _outcomes(fn, calls, main_interrupts=False)
+            for call, outcome in zip(calls, outcomes, strict=False):
+                conn.send(_scored(name, *outcome, call))
         except OSError:  # (the worker gave up on this batch, or is gone)
             return
 

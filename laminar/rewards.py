@@ -18,9 +18,12 @@ from __future__ import annotations
 import importlib
 import inspect
 import math
+import os
+import sysconfig
 import threading
+import traceback
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from laminar.config import FLOAT32_MAX  # (rewards are stored as float32)
 from laminar.errors import RewardError
@@ -283,10 +286,24 @@ def _said(error: BaseException) -> str:
 
 @dataclass(frozen=True)
 class Score:
-    """The outcome of scoring one response: a finite reward, or the error that prevented it."""
+    """The outcome of scoring one response: a finite reward, or the error that prevented
+    it, with its ``context``: the line of the function's own code that raised
+    (``file:line in function``) and the response and answer it was given (shortened).
+
+    >>> Score(float("nan"), "reward m:f raised KeyError: 'x'", "at m.py:3 in f").said
+    "reward m:f raised KeyError: 'x' (at m.py:3 in f)"
+    """
 
     reward: float
     error: str | None = None
+    context: str | None = field(default=None, repr=False)
+
+    @property
+    def said(self) -> str | None:
+        """The error with its context, as a warning and ``last_reward_error`` say it."""
+        if self.error is None or not self.context:
+            return self.error
+        return f"{self.error} ({self.context})"
 
 
 def score_batch(
@@ -310,13 +327,18 @@ def score_batch(
     [Score(reward=1.0, error=None), Score(reward=0.0, error=None)]
     >>> score_batch("laminar.rewards:_broken", [("1", "1", True)])[0].error
     'reward laminar.rewards:_broken raised ZeroDivisionError: division by zero'
+    >>> score_batch("laminar.rewards:_broken", [("1", "2", True)])[0].context  # doctest: +ELLIPSIS
+    "at .../laminar/rewards.py:... in _broken; response '1', answer '2'"
     >>> score_batch("laminar.rewards:_hangs", [("hang", "1", True)], timeout_s=0.05)[0].error
     'reward laminar.rewards:_hangs did not return within task.reward_timeout_s=0.05 s'
     """
     calls = [(r, a) for r, a, ended in items if ended]
     if timeout_s is None:
         fn = resolve_reward(reward_name)
-        scores = [_scored(reward_name, *outcome) for outcome in _outcomes(fn, calls)]
+        scores = [
+            _scored(reward_name, *outcome, call)
+            for call, outcome in zip(calls, _outcomes(fn, calls), strict=False)
+        ]
     else:
         from laminar.reward_process import scores_in_child
 
@@ -330,10 +352,64 @@ def score_batch(
     return [next(scored) if ended else Score(float(truncated_reward)) for _, _, ended in items]
 
 
-def _scored(reward_name: str, raw: object, error: BaseException | None) -> Score:
-    """The score of one call: its value, or the error that marks its item."""
+# Where a reward's frames are not its author's: the standard library and installed
+# packages (a frame of a library the function called is not the line to fix).
+_LIBRARY_DIRS = tuple(
+    {
+        os.path.join(os.path.realpath(p), "")
+        for k in ("stdlib", "platstdlib", "purelib", "platlib")
+        if (p := sysconfig.get_paths().get(k))
+    }
+)
+
+
+def _own_frame(error: BaseException) -> traceback.FrameSummary | None:
+    """The innermost frame of the reward's own code in ``error``'s traceback: the
+    deepest outside the standard library and installed packages (where a library it
+    called raised, the line that called it), else the deepest; not this module's
+    calling frame (:func:`_outcomes`)."""
+    try:
+        frames = [
+            f
+            for f in traceback.extract_tb(error.__traceback__)
+            if not (f.name == "_outcomes" and f.filename == __file__)
+        ]
+    except Exception:  # noqa: BLE001 — a user's traceback object: none to show then
+        return None
+    own = [f for f in frames if not os.path.realpath(f.filename).startswith(_LIBRARY_DIRS)]
+    return (own or frames or [None])[-1]
+
+
+def call_context(call: tuple[str, str] | None, error: BaseException | None = None) -> str | None:
+    """What a failed call's error is shown with (:attr:`Score.context`): where the
+    function raised ``error``, and the ``(response, answer)`` it was given, each cut
+    at 80 characters.
+
+    >>> call_context(("12", "3 4"))
+    "response '12', answer '3 4'"
+    >>> call_context(("x" * 500, ""))[-20:]  # (the repr's first 80 characters, and "...")
+    "xxxxx..., answer ''"
+    """
+    parts = []
+    if error is not None and (frame := _own_frame(error)) is not None:
+        parts.append(f"at {frame.filename}:{frame.lineno} in {frame.name}")
+    if call is not None:
+        parts.append(f"response {_shown(call[0], 80)}, answer {_shown(call[1], 80)}")
+    return "; ".join(parts) or None
+
+
+def _scored(
+    reward_name: str,
+    raw: object,
+    error: BaseException | None,
+    call: tuple[str, str] | None = None,
+) -> Score:
+    """The score of one ``call``: its value, or the error that marks its item, with
+    its :func:`call_context`."""
     if error is not None:  # a user function may raise anything: mark, don't crash
-        return Score(math.nan, f"reward {reward_name} raised {_said(error)}")
+        return Score(
+            math.nan, f"reward {reward_name} raised {_said(error)}", call_context(call, error)
+        )
     value = _reward_value(raw)
     if not math.isfinite(value):
         # (a number that is not finite is its own message; anything else, what it takes)
@@ -346,12 +422,14 @@ def _scored(reward_name: str, raw: object, error: BaseException | None) -> Score
                 if number
                 else f" (a {type(raw).__name__}); a reward returns one number a response"
             ),
+            call_context(call),
         )
     if abs(value) > FLOAT32_MAX:  # (stored as float32: inf, and a group's variance)
         return Score(
             math.nan,
             f"reward {reward_name} returned {_shown(raw)}, beyond float32's range "
             f"(±{FLOAT32_MAX:.4g}) in which rewards are stored; scale it down",
+            call_context(call),
         )
     return Score(value)
 
@@ -419,4 +497,16 @@ def _half_nan(response: str, answer: str) -> float:
 
     if zlib.crc32(response.encode()) % 2:
         return math.nan
+    return exact_match(response, answer)
+
+
+def _raises_on_some(response: str, answer: str) -> float:
+    """:func:`exact_match`, except that it raises ``IndexError`` on every response to
+    about one prompt in eight (by a hash of the answer, the same in every process): a
+    reward with a bug that fails on a few responses, and not often enough to stop the
+    run (the summary's reward errors)."""
+    import zlib
+
+    if zlib.crc32(answer.encode()) % 8 == 0:
+        return float(response.split()[99])
     return exact_match(response, answer)

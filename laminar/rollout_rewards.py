@@ -239,7 +239,7 @@ class RewardsMixin:
                 self.counts["rewards_scored"] += scored
             else:
                 t.finish_reason = "error"
-                self.last_reward_error = s.error
+                self.last_reward_error = s.said
                 self.counts["reward_errors"] += 1
                 n = self.counts["reward_errors"]
                 if n == 1 or n % 1000 == 0:  # say it, without flooding the console
@@ -249,7 +249,7 @@ class RewardsMixin:
                         self.rollout_id,
                         n,
                         t.uid,
-                        s.error,
+                        s.said,
                     )
         self._send(trajs)
         self.counts["inserted"] += len(trajs)

@@ -430,7 +430,7 @@ def evaluate(cfg: RunConfig, model, tok, prompts: list[Prompt]) -> float:
         scored += sum(
             1 for (_, _, ended), s in zip(chunk, scores, strict=True) if ended and not s.error
         )
-        failed = [s.error for s in scores if s.error]
+        failed = [s.said for s in scores if s.error]
         errors, latest = errors + len(failed), failed[-1] if failed else latest
         cut = sum(1 for e in failed if timed_out(e))
         if cut and not timeouts:

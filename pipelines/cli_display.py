@@ -205,6 +205,28 @@ def trajectories_line(s: dict) -> str:
     )
 
 
+def reward_errors_line(errors: dict | None) -> str | None:
+    """The summary's reward failures (:func:`pipelines.summary.reward_errors`), where
+    there were any: the reward line above it is the mean of the responses that scored
+    alone, and said nothing of a reward that failed on 99% of them.
+
+    >>> print(reward_errors_line({"failed": 15, "scored": 265, "groups_discarded": 11,
+    ...     "latest": "m:f raised"}))
+    reward errors      15 of 280 responses (5%), 11 groups discarded; latest: m:f raised
+    >>> reward_errors_line({"failed": 0, "scored": 280, "groups_discarded": 0, "latest": None})
+    """
+    if not errors or not errors.get("failed"):
+        return None
+    failed, given = errors["failed"], errors["failed"] + errors["scored"]
+    share = failed / given
+    # (never "0%" nor "100%" for a share that is neither)
+    shown = "<1%" if share < 0.005 else ">99%" if 0.995 <= share < 1 else f"{share:.0%}"
+    return (
+        f"reward errors      {failed} of {given} responses ({shown}), "
+        f"{errors['groups_discarded']} groups discarded; latest: {errors['latest']}"
+    )
+
+
 def _print_summary(s: dict, began_from: str | None = None) -> None:
     """``began_from``: the checkpoint the run began from (``trainer.resume_from`` of a
     new run), whose weights, not the warm start's, it started with."""
@@ -215,6 +237,8 @@ def _print_summary(s: dict, began_from: str | None = None) -> None:
         f"reward             first 20% {s['reward_first_20pct']:.3f} -> last 20% "
         f"{s['reward_last_20pct']:.3f}  (gain {s['reward_gain']:+.3f})"
     )
+    if line := reward_errors_line(s.get("reward_errors")):
+        print(line)
     if (flat := s.get("flat_group_share")) is not None and flat == flat:
         print(
             f"flat groups        {flat:.0%} of those trained on (every reward equal: "

@@ -314,6 +314,7 @@ def summarize(run_dir: Path, raw: dict, sft_info: dict, cfg: RunConfig) -> dict:
         "buffer": raw["buffer"],
         "pool": raw["pool"],
         "rollouts": raw["rollouts"],
+        "reward_errors": reward_errors(raw["rollouts"], raw["buffer"]),
         "engine": _engine_summary(raw["rollouts"]),
         "trainer_ranks": cfg.trainer.ranks,
         "skipped_steps": raw["trainer"]["skipped_steps"],
@@ -332,6 +333,28 @@ def summarize(run_dir: Path, raw: dict, sft_info: dict, cfg: RunConfig) -> dict:
     }
     write_summary(run_dir, summary)
     return summary
+
+
+def reward_errors(rollouts: list[dict], buffer: dict) -> dict:
+    """The reward function's failures over the run's rollouts (their stats at the stop):
+    ``failed`` and ``scored`` responses (not those cut at the length limit, which it is
+    not given), ``groups_discarded`` by the buffer (every failure discards its group; a
+    non-finite behavior logprob too), and the ``latest`` error one of them kept.
+
+    >>> reward_errors(
+    ...     [{"reward_errors": 3, "rewards_scored": 9, "last_reward_error": "reward f raised"},
+    ...      {"reward_errors": 0, "rewards_scored": 4, "last_reward_error": None}],
+    ...     {"groups_discarded": 2},
+    ... )
+    {'failed': 3, 'scored': 13, 'groups_discarded': 2, 'latest': 'reward f raised'}
+    """
+    latest = [r["last_reward_error"] for r in rollouts if r.get("last_reward_error")]
+    return {
+        "failed": sum(int(r.get("reward_errors") or 0) for r in rollouts),
+        "scored": sum(int(r.get("rewards_scored") or 0) for r in rollouts),
+        "groups_discarded": int(buffer.get("groups_discarded") or 0),
+        "latest": latest[-1] if latest else None,
+    }
 
 
 def _engine_summary(rollouts: list[dict]) -> dict:

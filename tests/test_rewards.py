@@ -420,3 +420,43 @@ def test_reward_tasks_run_on_rollout_workers_only(monkeypatch):
     task = types.SimpleNamespace(reward="exact_match", truncated_reward=0.0, reward_timeout_s=300.0)
     RewardsMixin._reward_task(types.SimpleNamespace(cfg=types.SimpleNamespace(task=task)), [])
     assert submitted["fn"] is score_batch and submitted["resources"] == {"rollout": 1}
+
+
+@pytest.mark.parametrize("timeout_s", [None, 30.0], ids=["in-task", "in-child"])
+def test_a_reward_error_names_the_functions_line_and_what_it_was_given(
+    tmp_path, monkeypatch, timeout_s
+):
+    """A reward error said only ``raised IndexError: list index out of range``: not
+    where in the user's function, nor on which response. It now carries the function's
+    own innermost line (that of the user's file, not of a library it called: here
+    json's decoder), and the response and answer (their reprs, cut at 80 characters);
+    ``Score.said`` shows both, as the warning and ``last_reward_error`` do."""
+    (tmp_path / "laminar_test_parse_reward.py").write_text(
+        "import json\n"
+        "def first(response, answer):\n"
+        "    return float(response.split()[0] == answer)\n"
+        "def parsed(response, answer):\n"
+        "    return float(json.loads(response) == answer)\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    file = tmp_path / "laminar_test_parse_reward.py"
+    long = "7 " * 100
+    items = [("", "146", True), ("146", "146", True), (long, "1", True)]
+    empty, ok, _ = score_batch("laminar_test_parse_reward:first", items, 0, timeout_s)
+    assert ok.error is None and ok.context is None
+    assert empty.error == (
+        "reward laminar_test_parse_reward:first raised IndexError: list index out of range"
+    )
+    assert empty.said == (f"{empty.error} (at {file}:3 in first; response '', answer '146')")
+    (bad,) = score_batch("laminar_test_parse_reward:parsed", [(long, "1", True)], 0, timeout_s)
+    assert bad.said.startswith("reward laminar_test_parse_reward:parsed raised JSONDecodeError")
+    assert f"(at {file}:5 in parsed; response '{long[:79]}..., answer '1')" in bad.said
+
+
+def test_a_call_cut_at_the_timeout_says_what_it_was_given():
+    """A call that did not return within task.reward_timeout_s: which response hung."""
+    (cut,) = score_batch("laminar.rewards:_hangs", [("hang", "1 2", True)], 0, 0.2)
+    assert cut.said == (
+        "reward laminar.rewards:_hangs did not return within task.reward_timeout_s=0.2 s "
+        "(response 'hang', answer '1 2')"
+    )

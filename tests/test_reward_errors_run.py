@@ -1,0 +1,52 @@
+"""A run whose reward fails on some responses, not enough to stop it: what its summary
+and its rollouts say of the failures (the printed summary said nothing of them, and an
+error said neither where the function raised nor on what)."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from pipelines.cli_display import _print_summary
+
+pytestmark = pytest.mark.slow
+
+
+def test_a_completed_run_says_its_reward_errors_where_and_on_what(
+    cluster_client, small_config, tmp_path, capsys
+):
+    """``_raises_on_some`` raises IndexError on the responses to about one prompt in
+    eight: the run completes, its groups with a failure discarded. ``summary.json``
+    counts the failures and the responses scored, the groups discarded and the latest
+    error, which names the function's line and the response and answer it was given;
+    the printed summary says it all in one line."""
+    import pipelines
+
+    run = pipelines.submit(
+        small_config,
+        cluster_client,
+        run_dir=tmp_path / "run",
+        overrides=["task.reward=laminar.rewards:_raises_on_some", "sft.torch_threads=1"],
+    )
+    summary = run.wait(timeout=300)  # generous: CI machines are shared
+    assert summary["reason"] == "completed", summary["reason"]
+    errors = summary["reward_errors"]
+    assert errors["failed"] == sum(r["reward_errors"] for r in summary["rollouts"]) > 0
+    assert errors["scored"] == sum(r["rewards_scored"] for r in summary["rollouts"]) > 0
+    assert errors["groups_discarded"] == summary["buffer"]["groups_discarded"] > 0
+    latest = errors["latest"]
+    assert re.fullmatch(
+        r"reward laminar.rewards:_raises_on_some raised IndexError: list index out of "
+        r"range \(at .*/laminar/rewards.py:\d+ in _raises_on_some; response '.*', "
+        r"answer '[0-9 ]+'\)",
+        latest,
+    ), latest
+    _print_summary(summary)
+    out = capsys.readouterr().out
+    given = errors["failed"] + errors["scored"]
+    assert (
+        f"reward errors      {errors['failed']} of {given} responses "
+        f"({errors['failed'] / given:.0%}), {errors['groups_discarded']} groups discarded; "
+        f"latest: {latest}\n"
+    ) in out
