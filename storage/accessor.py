@@ -167,9 +167,18 @@ class LaminarAccessor:
         out = out.assign({name: ("trajectory", values) for name, values in lags.items()})
         return out.assign_attrs(restarts=[list(r) for r in restarts])  # (a copy of attrs)
 
-    def staleness_histogram(self) -> xr.Dataset:
+    def staleness_histogram(self, normalize: bool = False) -> xr.Dataset:
         """Counts of consumed trajectories per staleness value (in versions), for
         ``s_gen``, ``residence`` and ``s_train``, on a ``staleness`` dimension.
+
+        ``normalize``: each one's share of the trajectories it counts instead (each sums
+        to 1; NaN while none), to compare runs of different lengths. Runs' histograms
+        side by side (docs/analysis.md, "Several runs")::
+
+            xr.concat([h1, h2], dim="run", join="outer", fill_value=0)
+
+        (``fill_value=0``: a staleness one run never reached is none of its trajectories,
+        not NaN, xarray's fill.)
 
         A damaged store can hold trajectories ``consumed`` with no ``sample_version``
         (-1; :meth:`audit` reports them): their ``residence`` and ``s_train`` are unknown
@@ -179,9 +188,16 @@ class LaminarAccessor:
         values = {n: st[n].values[np.isfinite(st[n].values)] for n in names}
         top = max((int(v.max()) for v in values.values() if v.size), default=0)
         edges = np.arange(top + 2)  # one bin per integer staleness 0..top
-        out = {n: ("staleness", np.histogram(v, bins=edges - 0.5)[0]) for n, v in values.items()}
+        counts = {n: np.histogram(v, bins=edges - 0.5)[0] for n, v in values.items()}
+        units = "trajectories"
+        if normalize:
+            with np.errstate(invalid="ignore"):  # (NaN: none counted)
+                counts = {n: c / c.sum() for n, c in counts.items()}
+            units = "share of the consumed trajectories counted"
+        out = {n: ("staleness", c, {"units": units}) for n, c in counts.items()}
         unsampled = int(st.sizes["trajectory"] - values["s_train"].size)
-        return xr.Dataset(out, coords={"staleness": edges[:-1]}, attrs={"unsampled": unsampled})
+        coords = {"staleness": ("staleness", edges[:-1], {"units": "versions"})}
+        return xr.Dataset(out, coords=coords, attrs={"unsampled": unsampled})
 
     @property
     def t_end(self) -> float:

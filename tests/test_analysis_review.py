@@ -171,3 +171,24 @@ def test_a_paced_runs_throughput_names_its_clock_and_the_factor_to_the_modelled(
     assert p["modelled_tokens_per_token"] == 32.0 and p["trainer_paced"] is False
     assert tp.attrs["units"] == "tokens/s" and tp.attrs["clock"].startswith("paced")
     assert tp.attrs["modelled_rate_per_rate"] == 30.0 and tp.attrs["dilation"] == 15.0
+
+
+def test_staleness_histograms_compare_as_shares_and_concat_with_zeros(tmp_path):
+    """Runs of different lengths compare by shares; the docs' concat fills a staleness
+    one run never reached with 0 (join="outer" alone gave NaN)."""
+    import xarray as xr
+
+    one, two = tmp_path / "one", tmp_path / "two"
+    TrajectoryWriter(one).append([_traj(f"u{i}", 1 + i, sample=2 + i) for i in range(3)])
+    late = _traj("late", 1, sample=2)
+    late["sample_version"] = 2  # (s_train 2: residence 2)
+    TrajectoryWriter(two).append([_traj("a", 1, sample=2), late])
+    counts = open_run(two).laminar.staleness_histogram()
+    assert counts["s_train"].values.tolist() == [1, 0, 1]
+    assert counts["s_train"].attrs["units"] == "trajectories"
+    shares = [open_run(r).laminar.staleness_histogram(normalize=True) for r in (one, two)]
+    assert shares[1]["s_train"].values.tolist() == [0.5, 0.0, 0.5]
+    assert shares[1]["s_gen"].values.tolist() == [1.0, 0.0, 0.0]
+    both = xr.concat(shares, dim="run", join="outer", fill_value=0)
+    assert both["s_train"].values.tolist() == [[1.0, 0.0, 0.0], [0.5, 0.0, 0.5]]
+    assert (both["s_train"].sum("staleness") == 1).all()
