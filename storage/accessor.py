@@ -420,9 +420,11 @@ class LaminarAccessor:
         (the paper's token count); ``response``: their response tokens alone (what the
         engines decoded: generation throughput); ``trained``: prompt + response tokens of
         trajectories the trainer consumed in the window. Each window is divided by the
-        seconds the run ran in it, its coordinate ``running_s``: the last ends when the
-        run did (:attr:`t_end`: its last metrics row, or a later event; a run without
-        metrics, at its last event), and a resumed run's stops (:attr:`pauses_s`) are left
+        seconds the run ran in it, its coordinate ``running_s``: the windows go on to
+        when the run ended, whether or not its last seconds hold an event (:attr:`t_end`:
+        its last metrics row, or a later event; a run without metrics, or whose metrics
+        rows all come after its last event, on another clock, at its last event), and a
+        resumed run's stops (:attr:`pauses_s`) are left
         out; a window it was stopped throughout has no rate (NaN, not 0) and
         ``running_s`` 0. (Ending the last window at the last event instead would divide,
         say, a batch the trainer sampled 0.05 s into it by 0.05 s.)
