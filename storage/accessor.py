@@ -15,19 +15,16 @@ Every figure is tested against a direct computation on the raw arrays
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from pathlib import Path
 
 import numpy as np
 import xarray as xr
 
 from storage.lineage import lineage_lags, run_restarts
+from storage.runs_selected import attrs_of_run, own_rows, run_name, selected_run
 from storage.schema import (
-    ALL_FIELDS,
     MIXED_VERSION_SCHEDULES,
     RAGGED_FIELDS,
-    SCALARS,
     STATUSES,
-    TRAJECTORY_DIM,
 )
 from storage.stores import StoreError
 from storage.trajectories import time_in_buffer
@@ -59,8 +56,8 @@ class LaminarAccessor:
         # found when a figure needs the run's record (_attrs)
         self._runs: list[str] | None = None
         self._run_attrs: dict | None = None
-        if _selected_run(ds):
-            ds, self._runs = _own_rows(ds), list(ds.attrs.get("run_dirs", []))
+        if selected_run(ds):
+            ds, self._runs = own_rows(ds), list(ds.attrs.get("run_dirs", []))
         self._ds = ds
         # tokens(): what it read, with the variables it read them from (xarray keeps this
         # accessor with the Dataset, and an assignment in place swaps a variable only)
@@ -76,7 +73,7 @@ class LaminarAccessor:
         if self._runs is None:
             return self._ds.attrs
         if self._run_attrs is None:
-            self._run_attrs = _attrs_of_run(self._ds, self._runs)
+            self._run_attrs = attrs_of_run(self._ds, self._runs)
         return self._run_attrs
 
     def _needs_tokens(self, method: str) -> None:
@@ -86,7 +83,7 @@ class LaminarAccessor:
             raise ValueError(
                 f"ds.laminar.{method}() reads the token-level fields, which open_runs leaves "
                 f"out: use open_run(path).laminar.{method}() for run "
-                f"{_run_name(self._ds)!r} (of {self._runs})"
+                f"{run_name(self._ds)!r} (of {self._runs})"
             )
 
     def tokens(self, field: str, i: int) -> np.ndarray:
@@ -683,175 +680,6 @@ class LaminarAccessor:
         * every consumed group complete: ``group_size`` consumed siblings per prompt_uid,
           all sampled at the same version.
         """
-        self._needs_tokens("audit")
-        ds = self._ds
-        problems: list[str] = []
-        missing = [f for f in ALL_FIELDS if f not in ds]
-        if missing:
-            return [f"missing contract fields: {missing}"]
-        k = ds["behavior_version"].values
-        m_f = ds["finish_version"].values
-        m_t = ds["sample_version"].values
-        status = ds["status"].values
-        consumed = status == "consumed"
-        uid = ds["uid"].values
-        if (bad := np.flatnonzero(k > m_f)).size:
-            problems.append(
-                f"{bad.size} trajectories finish before their behavior version, "
-                f"e.g. {str(uid[bad[0]])!r}"
-            )
-        if (bad := np.flatnonzero(consumed & (m_f > m_t))).size:
-            problems.append(
-                f"{bad.size} consumed trajectories sampled before they finished, "
-                f"e.g. {str(uid[bad[0]])!r}"
-            )
-        if (bad := np.flatnonzero(consumed != (m_t >= 0))).size:
-            problems.append(f"{bad.size} trajectories have sample_version inconsistent with status")
-        if (bad := np.flatnonzero(consumed == np.isnan(ds["t_sample"].values))).size:
-            problems.append(f"{bad.size} trajectories have t_sample inconsistent with status")
-        unknown = set(np.unique(status)) - set(STATUSES)
-        if unknown:
-            problems.append(f"unknown statuses {sorted(str(s) for s in unknown)}")
-        # A reward is NaN only where scoring failed (finish_reason "error"); elsewhere NaN
-        # is a missing or damaged chunk of the store, which zarr reads as its fill value.
-        unscored = ~np.isfinite(ds["reward"].values) & (ds["finish_reason"].values != "error")
-        if (bad := np.flatnonzero(unscored)).size:
-            problems.append(
-                f"{bad.size} trajectories ({int((unscored & consumed).sum())} consumed) have "
-                f"no reward and no reward error, e.g. {str(uid[bad[0]])!r}: a chunk of the store's "
-                "reward array is missing or damaged"
-            )
-        values, counts = np.unique(uid, return_counts=True)
-        if (counts > 1).any():
-            problems.append(
-                f"{int((counts > 1).sum())} uids stored more than once, "
-                f"e.g. {str(values[counts > 1][0])!r}"
-            )
-        if (problem := self._token_versions_problem(k, m_f, uid)) is not None:
-            problems.append(problem)
-        if consumed.any():
-            pu = ds["prompt_uid"].values[consumed]
-            groups, inverse, sizes = np.unique(pu, return_inverse=True, return_counts=True)
-            want = np.zeros(len(groups), dtype=np.int64)
-            want[inverse] = ds["group_size"].values[consumed]
-            if (bad := np.flatnonzero(sizes != want)).size:
-                problems.append(
-                    f"{bad.size} consumed groups incomplete, e.g. {str(groups[bad[0]])!r} "
-                    f"({sizes[bad[0]]}/{want[bad[0]]})"
-                )
-            mt = m_t[consumed]
-            lo = np.full(len(groups), np.iinfo(np.int64).max)
-            hi = np.full(len(groups), np.iinfo(np.int64).min)
-            np.minimum.at(lo, inverse, mt)
-            np.maximum.at(hi, inverse, mt)
-            if (bad := np.flatnonzero(lo != hi)).size:
-                problems.append(f"{bad.size} groups consumed across several trainer versions")
-        return problems
+        from storage.contract_audit import contract_problems
 
-    def _token_versions_problem(self, k: np.ndarray, m_f: np.ndarray, uid) -> str | None:
-        """The first trajectory (in store order) whose ``token_versions`` break the
-        schedule's rule (:meth:`audit`), as a problem; None when all keep it.
-
-        Vectorised, over blocks of about :data:`AUDIT_BLOCK_TOKENS` values read one at a
-        time: a partial rollout run holds one version per response token (a loop per
-        trajectory took ~2 s for 200k of them, and reading them all at once held them all
-        in memory)."""
-        ds = self._ds
-        n_versions = ds["versions_len"].values
-        mixing = self._attrs.get("schedule") in MIXED_VERSION_SCHEDULES
-        n_resp = ds["response_len"].values
-        for block, seg, first in self._token_version_blocks(np.flatnonzero(n_versions)):
-            n = n_versions[block]
-            if not mixing:
-                bad = np.minimum.reduceat(seg, first) != k[block]
-                bad |= np.maximum.reduceat(seg, first) != k[block]
-            else:
-                bad = (n != n_resp[block]) | (seg[first] != k[block])
-                bad |= seg[first + n - 1] > m_f[block]
-                falls = np.diff(seg) < 0
-                falls[first[1:] - 1] = False  # (from one trajectory's last to the next's first)
-                bad[np.searchsorted(first, np.flatnonzero(falls), side="right") - 1] = True
-            if not bad.any():
-                continue
-            j = int(np.argmax(bad))
-            i = block[j]
-            versions = sorted(set(seg[first[j] : first[j] + n[j]].tolist()))
-            if not mixing:
-                return f"trajectory {str(uid[i])!r} mixes weight versions {versions}"
-            return (
-                f"trajectory {str(uid[i])!r}: token versions {versions} are not one "
-                f"per response token, rising from its behavior version {k[i]} to at "
-                f"most its finish version {m_f[i]}"
-            )
-        return None
-
-
-def _run_name(ds: xr.Dataset) -> str:
-    return str(ds["run"].values.item())
-
-
-def _selected_run(ds: xr.Dataset) -> bool:
-    """``ds`` is one run of :func:`storage.open_runs`' (``.sel(run=name)``,
-    ``.isel(run=i)``): a scalar ``run`` coordinate beside its count or the runs'
-    directories."""
-    return (
-        "run" in ds.coords
-        and ds["run"].ndim == 0
-        and ("n_trajectories" in ds or "run_dirs" in ds.attrs)
-    )
-
-
-def _own_rows(ds: xr.Dataset) -> xr.Dataset:
-    """A run selected from ``open_runs`` as ``open_run`` has it, less its token-level
-    fields: its ``n_trajectories`` rows (the rest pad it to the longest run: status
-    ``""``, NaN), its integer fields integers again (the padding made them floats)."""
-    if "n_trajectories" in ds:
-        own = ds["trajectory"].values < int(ds["n_trajectories"].values)
-        ds = ds.drop_vars("n_trajectories")
-    else:
-        own = ds["status"].values != ""
-    ds = ds.isel({TRAJECTORY_DIM: np.flatnonzero(own)})
-    ints = {**SCALARS, "s_gen": SCALARS["finish_version"]}
-    restored = {
-        name: ds[name].astype(dtype)
-        for name, dtype in ints.items()
-        if name in ds and dtype.kind in "iu" and ds[name].dtype.kind == "f"
-    }
-    return ds.assign(restored)
-
-
-def _attrs_of_run(ds: xr.Dataset, run_dirs: Sequence[str]) -> dict:
-    """``open_run``'s attributes of the run ``ds`` was selected from, among ``run_dirs``
-    (``open_runs``' ``run_dirs``): the directory named as the run first, then those
-    holding as many trajectories or more (a run still going), opened in turn; the one
-    whose trajectories are ``ds``'s (their ``uid`` and ``t_finish``)."""
-    from storage.trajectories_read import committed, open_run
-
-    name = _run_name(ds)
-    labels = ds[TRAJECTORY_DIM].values
-    n = int(labels.max(initial=-1)) + 1
-
-    def count(path: str) -> int:
-        try:
-            return committed(path)
-        except (OSError, ValueError, KeyError):  # (moved, deleted: not this one)
-            return -1
-
-    counts = {p: count(p) for p in run_dirs}
-    order = sorted(
-        (p for p in run_dirs if counts[p] >= n),
-        key=lambda p: (Path(p).name != name, counts[p] != n),
-    )
-    for path in order:
-        opened = open_run(path)
-        same = all(
-            np.array_equal(opened[f].values[labels], ds[f].values, equal_nan=f != "uid")
-            for f in ("uid", "t_finish")
-        )
-        if same:
-            return dict(opened.attrs)
-    raise ValueError(
-        f"run {name!r} of open_runs: none of its runs' directories {list(run_dirs)} holds "
-        "its trajectories now (moved, or rewritten?), and its record (when it ended, its "
-        "stops and resumes) is read from there: use open_run(path).laminar"
-    )
+        return contract_problems(self)
