@@ -120,6 +120,20 @@ REWARD_FAILURES_TO_STOP = 64
 # starts late, or restarts, catch up.
 REWARD_FAILURE_WINDOW_S = 60.0
 
+# The run's window for the share rule (task.reward_max_failure_share,
+# pipelines.driver_polls), counted from its first score: a judge service that restarts,
+# every call failing meanwhile, costs a share of it (at 0.25, an outage of up to 75 s
+# goes on).
+REWARD_SHARE_WINDOW_S = 300.0
+
+# A reward that has failed on this share or more of the responses of the last
+# OVERWHELMED_WINDOW_S (and on REWARD_FAILURES_TO_STOP or more) stops the run, whatever
+# it scored (pipelines.driver_polls): a group is kept only when all its responses
+# scored, so next to none is. The window is twice the never-scores rule's: an outage
+# of up to a minute (a late start, a restart) leaves it half scored.
+OVERWHELMED_SHARE = 0.9
+OVERWHELMED_WINDOW_S = 2 * REWARD_FAILURE_WINDOW_S
+
 # What marks a call cut at ``task.reward_timeout_s`` (:mod:`laminar.reward_process`).
 TIMED_OUT = "did not return within task.reward_timeout_s"
 
@@ -177,6 +191,33 @@ to train on the groups it does score
         f"(latest: {latest}); fix the function, or the service it calls, or raise "
         "task.reward_max_failure_share (up to 1.0: only a reward that never scores stops "
         "the run) to train on the groups it does score"
+    )
+
+
+def fails_nearly_always(
+    reward: str, failures: int, scored: int, share: float, window_s: float, latest: str
+) -> str:
+    """Why a run stops when ``task.reward`` has failed on ``share`` (90%) or more of the
+    responses of the last ``window_s``, ``failures`` of them, ``scored`` scored.
+
+    >>> print(fails_nearly_always("m:f", 990, 10, 0.9, 120, "reward m:f returned None"))
+    task.reward 'm:f' failed on 990 of the 1000 responses it was given in the last 120 s \
+(99%, at least 90%); a group is trained on only when every response in it scored, so \
+nearly every group is discarded and the run would train on next to nothing (latest: \
+reward m:f returned None); fix the function (a reward returns a number for every \
+response, e.g. 0.0 for a wrong one), or the service it calls
+    """
+    given = failures + scored
+    shown = f"{failures / given:.0%}" if failures < given else "all"
+    if failures < given and shown == "100%":
+        shown = ">99%"
+    return (
+        f"task.reward {reward!r} failed on {failures} of the {given} responses it was "
+        f"given in the last {window_s:.0f} s ({shown}, at least {share:.0%}); a group is "
+        "trained on only when every response in it scored, so nearly every group is "
+        f"discarded and the run would train on next to nothing (latest: {latest}); fix "
+        "the function (a reward returns a number for every response, e.g. 0.0 for a "
+        "wrong one), or the service it calls"
     )
 
 
@@ -510,3 +551,12 @@ def _raises_on_some(response: str, answer: str) -> float:
     if zlib.crc32(answer.encode()) % 8 == 0:
         return float(response.split()[99])
     return exact_match(response, answer)
+
+
+def _mostly_none(response: str, answer: str) -> float | None:
+    """1.0 for about one response in fifty (at random), ``None`` for the rest: a reward
+    that fails on nearly every response, and scores a few (the run's rule on a reward
+    that fails nearly always)."""
+    import random
+
+    return 1.0 if random.random() < 0.02 else None

@@ -53,8 +53,11 @@ from laminar.model import (
 from laminar.prompt_pool import check_answers, encode_prompts
 from laminar.prompts import prompts_digest
 from laminar.rewards import (
+    OVERWHELMED_SHARE,
+    OVERWHELMED_WINDOW_S,
     REWARD_FAILURE_WINDOW_S,
     REWARD_FAILURES_TO_STOP,
+    REWARD_SHARE_WINDOW_S,
     fails_too_often,
     never_scores,
     past_share,
@@ -81,8 +84,11 @@ SCORING = "scoring the warm start"  # (its reward's failures: laminar.rewards.ne
 # What the run does after a warm start whose reward failed so (a reward given up on here
 # may be a service not up yet; the run's own rule stops it if it stays so).
 GOES_ON = (
-    f"; the run goes on, and stops if its rollouts' rewards fail alike for "
-    f"{REWARD_FAILURE_WINDOW_S:.0f} s (time for a reward service that starts late to come up)"
+    f"; the run goes on, and its rollouts' reward failures stop it: on every response for "
+    f"{REWARD_FAILURE_WINDOW_S:.0f} s (time for a reward service that starts late to come "
+    f"up), on {OVERWHELMED_SHARE:.0%} or more of them over {OVERWHELMED_WINDOW_S:.0f} s once "
+    "some have scored, or on more than task.reward_max_failure_share of them over "
+    f"{REWARD_SHARE_WINDOW_S:.0f} s from the first score"
 )
 
 

@@ -17,8 +17,12 @@ from collections import deque
 
 from laminar.cluster import actor_result, is_lost
 from laminar.rewards import (
+    OVERWHELMED_SHARE,
+    OVERWHELMED_WINDOW_S,
     REWARD_FAILURE_WINDOW_S,
     REWARD_FAILURES_TO_STOP,
+    REWARD_SHARE_WINDOW_S,
+    fails_nearly_always,
     fails_too_often,
     never_scores,
     past_share,
@@ -38,8 +42,10 @@ DATA_SUSPECT_S = 10.0
 # or more of the responses of the last REWARD_SHARE_WINDOW_S, and on more than
 # task.reward_max_failure_share of them, stops too (RewardFailures). That window is
 # longer: a judge service that restarts, every call failing meanwhile, costs a share of
-# it (at 0.25, an outage of up to 75 s goes on; over 60 s it was 15 s).
-REWARD_SHARE_WINDOW_S = 300.0
+# it (at 0.25, an outage of up to 75 s goes on; over 60 s it was 15 s). A reward that
+# fails on nearly every response (OVERWHELMED_SHARE) does not wait for it: over the
+# shorter OVERWHELMED_WINDOW_S it stops the run, scores or none. (REWARD_SHARE_WINDOW_S
+# is laminar.rewards', read here: the warm start says it too.)
 # How long a poll waits for the rollouts' stats. A call still unanswered then is kept and
 # read at a later poll, not made again: a silent rollout (lost but not yet detected, or
 # hung) costs the polls this wait once, not at every poll until the manager declares it.
@@ -63,9 +69,18 @@ class RewardFailures:
     responses discards all but ``0.5**8`` of groups of 8 (0.4%), and the run would train
     on the few whose every response happened to score; :meth:`check` stops it."""
 
-    def __init__(self, reward: str, max_share: float, window_s: float | None = None) -> None:
+    def __init__(
+        self,
+        reward: str,
+        max_share: float,
+        window_s: float | None = None,
+        wait_s: float | None = None,
+    ) -> None:
+        """``wait_s``: how long a stopping run waits for its rollouts' reward batches
+        still in flight (``cluster.actor_timeout_s``), said as the run stops."""
         self.reward, self.max_share = reward, max_share
         self.window_s = REWARD_SHARE_WINDOW_S if window_s is None else window_s
+        self.wait_s = wait_s
         self.failing_since: float | None = None  # the first poll that saw a failure
         # the first poll that saw a response scored, in any rollout (None: the never-scores
         # rule stands)
@@ -78,6 +93,27 @@ class RewardFailures:
         self._timeout_said = False  # (a call cut at task.reward_timeout_s: warned of once)
 
     def check(self, r_stats: list[dict], now: float) -> str | None:
+        """Why the run must stop (:meth:`_why`); said as a warning when first found,
+        with what the stop waits for: a reward that hangs holds its batches until
+        ``cluster.actor_timeout_s``, and the run was silent meanwhile."""
+        why = self._why(r_stats, now)
+        if why is not None:
+            out = sum(int(s.get("pending_rewards") or 0) for s in r_stats)
+            logger.warning(
+                "stopping the run: %s%s",
+                why,
+                f" (waiting up to {self._waits()} for the {out} reward batches in flight)"
+                if out
+                else "",
+            )
+        return why
+
+    def _waits(self) -> str:
+        if self.wait_s is None:
+            return "cluster.actor_timeout_s"
+        return f"{self.wait_s:.0f} s, cluster.actor_timeout_s,"
+
+    def _why(self, r_stats: list[dict], now: float) -> str | None:
         """Why the run must stop, at the poll at ``now`` that read ``r_stats`` (the live
         rollouts' stats), for its reward's failures; ``None`` while it goes on.
 
@@ -89,17 +125,29 @@ class RewardFailures:
         starts late is the rule above's), it has failed on that many and on more than
         ``task.reward_max_failure_share`` of the responses
         (:func:`~laminar.rewards.fails_too_often`); at ``1.0`` it never does, and only
-        the first rule stands."""
+        the first rule stands.
+
+        Whatever has scored, a reward that has failed on :data:`REWARD_FAILURES_TO_STOP`
+        or more, and on :data:`~laminar.rewards.OVERWHELMED_SHARE` (90%) or more of the
+        responses of the last :data:`~laminar.rewards.OVERWHELMED_WINDOW_S` (120 s), stops
+        the run then, not after the share rule's longer window
+        (:func:`~laminar.rewards.fails_nearly_always`): a group is kept only if all its
+        responses scored, so next to none is, and those few are not the policy's
+        (``None`` for a wrong answer, 1.0 for a right one: only the groups right
+        throughout, whose advantages are all 0). An outage of up to a minute (the time
+        the never-scores rule gives a late start) leaves that window half scored. At
+        ``task.reward_max_failure_share`` 0.9 or more, its share is that one instead."""
         self._count(r_stats, now)
         self._say_timeout(r_stats)
+        errors = sum(s.get("reward_errors", 0) for s in r_stats)
+        if errors and self.failing_since is None:
+            self.failing_since = now
         if self.scored_since is None and any(s.get("rewards_scored") for s in r_stats):
             self.scored_since = now
         if self.scored_since is not None:
-            return self._share_stop(now)
-        errors = sum(s.get("reward_errors", 0) for s in r_stats)
+            return self._overwhelmed(now) or self._share_stop(now)
         if not errors:
             return None
-        self.failing_since = now if self.failing_since is None else self.failing_since
         if errors < REWARD_FAILURES_TO_STOP or now - self.failing_since < REWARD_FAILURE_WINDOW_S:
             return None
         latest = next((s["last_reward_error"] for s in r_stats if s.get("last_reward_error")), "")
@@ -143,8 +191,28 @@ class RewardFailures:
             if new_errors and s.get("last_reward_error"):
                 self._latest = s["last_reward_error"]
         self._new.append((now, failed, scored))
-        while self._new and self._new[0][0] <= now - self.window_s:
+        kept_s = max(self.window_s, OVERWHELMED_WINDOW_S)
+        while self._new and self._new[0][0] <= now - kept_s:
             self._new.popleft()
+
+    def _within(self, now: float, window_s: float) -> tuple[int, int]:
+        """Failed and scored responses of the polls of the last ``window_s``."""
+        polls = [(f, d) for t, f, d in self._new if t > now - window_s]
+        return sum(f for f, _ in polls), sum(d for _, d in polls)
+
+    def _overwhelmed(self, now: float) -> str | None:
+        """The rule of :meth:`check` on a reward that fails on nearly every response."""
+        share = max(OVERWHELMED_SHARE, self.max_share)
+        if self.max_share >= 1.0 or self.failing_since is None:
+            return None
+        if now - self.failing_since < OVERWHELMED_WINDOW_S:
+            return None
+        failed, scored = self._within(now, OVERWHELMED_WINDOW_S)
+        if failed < REWARD_FAILURES_TO_STOP or failed < share * (failed + scored):
+            return None
+        return fails_nearly_always(
+            self.reward, failed, scored, share, OVERWHELMED_WINDOW_S, self._latest
+        )
 
     def _share_stop(self, now: float) -> str | None:
         """The failure-share rule of :meth:`check`, once something has scored."""
@@ -153,7 +221,7 @@ class RewardFailures:
             return None
         # (all after the poll that first saw a score: what failed before, a late start,
         # is the never-scores rule's)
-        failed, scored = sum(f for _, f, _ in self._new), sum(d for _, _, d in self._new)
+        failed, scored = self._within(now, window)
         if not past_share(failed, scored, self.max_share):
             return None
         return fails_too_often(

@@ -50,3 +50,45 @@ def test_a_completed_run_says_its_reward_errors_where_and_on_what(
         f"({errors['failed'] / given:.0%}), {errors['groups_discarded']} groups discarded; "
         f"latest: {latest}\n"
     ) in out
+
+
+def test_a_reward_that_fails_nearly_always_stops_the_run_saying_so(
+    cluster_client, small_config, tmp_path, monkeypatch, caplog
+):
+    """``None`` for 98% of responses, 1.0 for the rest (``None`` for a wrong answer):
+    the few scores switched the run from the never-scores rule to the share rule, which
+    waits its window (300 s) from the first score; the reviewer's run went 258 s at
+    version 0 with 41,551 errors. The rule on 90% failing over its own window stops it
+    (here with that window made 5 s, and the share rule's out of reach), said as it is
+    decided; the summary counts the failures."""
+    import logging
+
+    import pipelines
+    from laminar.errors import RunFailed
+
+    monkeypatch.setattr("pipelines.driver_polls.OVERWHELMED_WINDOW_S", 5.0)  # (the driver
+    monkeypatch.setattr("pipelines.driver_polls.REWARD_SHARE_WINDOW_S", 10_000.0)  # is here)
+    run = pipelines.submit(
+        small_config,
+        cluster_client,
+        run_dir=tmp_path / "run",
+        overrides=[
+            "task.reward=laminar.rewards:_mostly_none",
+            "trainer.steps=1000",
+            "sft.torch_threads=1",
+        ],
+    )
+    with caplog.at_level(logging.WARNING, logger="laminar"):
+        with pytest.raises(RunFailed, match="stopped in order") as err:
+            run.wait(timeout=300)  # generous: CI machines are shared
+    summary = err.value.summary
+    reason = summary["reason"]
+    assert reason.startswith("failed: task.reward 'laminar.rewards:_mostly_none' failed on ")
+    assert "responses it was given in the last 5 s (" in reason and "at least 90%)" in reason
+    assert "returned None (a NoneType)" in reason
+    assert any(
+        r.getMessage().startswith("stopping the run: task.reward 'laminar.rewards:_mostly_none'")
+        for r in caplog.records
+    ), caplog.text
+    errors = summary["reward_errors"]
+    assert errors["failed"] > 9 * errors["scored"] > 0

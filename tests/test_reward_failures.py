@@ -202,3 +202,62 @@ def test_the_warm_starts_scoring_by_the_same_share(small_config, tmp_path, caplo
     accepted = with_overrides(cfg, ["task.reward_max_failure_share=1.0"])
     again = warm_start(accepted, prompts)[1]
     assert again["cached"] is True and math.isfinite(again["eval_reward"])
+
+
+def test_a_reward_failing_on_nearly_every_response_stops_without_the_share_window():
+    """``None`` for a wrong answer, 1.0 for a right one: 99% failing, a few scored. The
+    scores switched the run to the share rule, which waits its window (300 s) from the
+    first score: 258 s of a run at version 0 and 41,551 errors, with no group to train.
+    Failing on 90% or more over OVERWHELMED_WINDOW_S (120 s) stops it then."""
+    from laminar.rewards import OVERWHELMED_WINDOW_S
+
+    failures = RewardFailures("m:f", 0.25)  # (the default share window, 300 s)
+    t, why = polls(failures, {"r0": (99, 1), "r1": (99, 1)}, 0.0, 400.0)
+    assert t == OVERWHELMED_WINDOW_S == 120
+    # the polls in (0, 120]: 120 of them, 198 failed and 2 scored each
+    assert why == (
+        "task.reward 'm:f' failed on 23760 of the 24000 responses it was given in the "
+        "last 120 s (99%, at least 90%); a group is trained on only when every response "
+        "in it scored, so nearly every group is discarded and the run would train on "
+        f"next to nothing (latest: {LATEST}); fix the function (a reward returns a number "
+        "for every response, e.g. 0.0 for a wrong one), or the service it calls"
+    )
+
+
+def test_nearly_always_failing_is_judged_over_its_own_window_not_from_the_start():
+    """A reward service that starts late (its first 100 s all failures) and then scores
+    goes on: the last 120 s are not 90% failures once it is up. An outage of a minute
+    later on goes on too; one for good stops the run 108 s into it (at a share limit of
+    0.5, the share rule would take 150 s of its 300)."""
+    failures = RewardFailures("m:f", 0.5)
+    assert polls(failures, {"r0": (8, 0)}, 0.0, 50.0) is None  # (under the never-scores 60 s)
+    assert polls(failures, {"r0": (0, 8)}, 51.0, 600.0) is None
+    assert polls(failures, {"r0": (8, 0)}, 601.0, 660.0) is None  # a minute down
+    assert polls(failures, {"r0": (0, 8)}, 661.0, 1500.0) is None
+    t, why = polls(failures, {"r0": (8, 0)}, 1501.0, 1700.0)  # down for good
+    assert t == 1501.0 + 107 and "(90%, at least 90%)" in why, (t, why)
+
+
+def test_a_share_limit_of_0_9_or_more_is_the_nearly_always_rules_too():
+    """task.reward_max_failure_share=0.95 accepts 92% failing: the rule of 90% over 120 s
+    does not stop it either, and at 1.0 neither does 99%."""
+    assert polls(RewardFailures("m:f", 0.95), {"r0": (92, 8)}, 0.0, 1000.0) is None
+    assert polls(RewardFailures("m:f", 1.0), {"r0": (99, 1)}, 0.0, 1000.0) is None
+    t, why = polls(RewardFailures("m:f", 0.95), {"r0": (97, 3)}, 0.0, 1000.0)
+    assert t == 120 and "(97%, at least 95%)" in why
+
+
+def test_the_stop_is_said_when_decided_with_the_reward_batches_it_waits_for(caplog):
+    """A reward that hangs: the run decided to stop, then said nothing for a minute, until
+    a rollout's "stopped with 2 reward batches still out after 60 s". The decision is
+    said at once, with what it waits for and how long."""
+    failures = RewardFailures("m:f", 0.25, wait_s=60.0)
+    with caplog.at_level(logging.WARNING, logger="laminar"):
+        assert failures.check([stats("r0", 64, 0) | {"pending_rewards": 2}], 0.0) is None
+        why = failures.check([stats("r0", 64, 0) | {"pending_rewards": 2}], W)
+    assert why is not None
+    said = [r.getMessage() for r in caplog.records if r.getMessage().startswith("stopping")]
+    assert said == [
+        f"stopping the run: {why} (waiting up to 60 s, cluster.actor_timeout_s, for the 2 "
+        "reward batches in flight)"
+    ]
