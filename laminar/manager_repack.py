@@ -17,7 +17,7 @@ import logging
 import time
 import uuid
 
-from laminar.cluster import actor_result
+from laminar.cluster import actor_result, start_thread
 from laminar.config import RunConfig
 from laminar.repack import (
     EXPORT_WAIT_TIMEOUTS,
@@ -133,7 +133,8 @@ class RepackMixin:
     def check(self) -> list[dict]:
         """One planning round: loads, plan, moves. Returns the rows of its moves."""
         published = self._loads()
-        loads = planner_loads(published, self._prev)
+        busy = self._open_rounds()["busy"]
+        loads = [ld for ld in planner_loads(published, self._prev) if ld.rollout_id not in busy]
         self.counts["checks"] += 1
         moves = plan(loads, c_max=self.rcfg.c_max, max_batch=self.max_batch)
         taken_in = {rid: ld.get("taken_in") for rid, ld in published.items() if ld}
@@ -235,14 +236,69 @@ class RepackMixin:
                 )
                 rnd.started[dst, v] = time.time()
                 rnd.waiting[dst, v] = ("import", future, rnd.started[dst, v], IMPORT_WAIT_TIMEOUTS)
-            self._advance(rnd)
-        finally:
+            # The round ends with its imports' window; what is still open then (the
+            # questions to destinations that did not answer, releases not acknowledged)
+            # settles in a thread of its own, so that this one goes on detecting losses.
+            self._advance(rnd, until=time.time() + IMPORT_WAIT_TIMEOUTS * window)
+        except BaseException:
             # (an error above: no source is left holding what nobody will import)
             for src in rnd.outs:
                 if src not in rnd.ok_of and src not in rnd.acks:
                     rnd.ok_of[src] = False
                     rnd.send(src, "abort", self._try(self._abort_call(src, rnd)), time.time())
             self._advance(rnd, acks_only=True)
+            raise
+        if rnd.waiting or rnd.acks:
+            self._settle_later(moves, rnd)
+            return []
+        return self._finish(moves, rnd)
+
+    def _settle_later(self, moves: list, rnd: _Round) -> None:
+        """Finish ``rnd`` in a thread of its own: its rows are recorded when it ends.
+        Its rollouts are kept out of planning until then (a held source is out anyway;
+        the destination not answering might be given more)."""
+        open_ = self._open_rounds()
+        busy = {*rnd.outs, *(dst for dst, _ in rnd.groups)}
+        with self._rows_lock:
+            open_["busy"].update(busy)
+
+        rows: list[dict] = []
+
+        def settle() -> None:
+            try:
+                self._advance(rnd)
+                rows.extend(self._finish(moves, rnd))
+                self._record_moves(rows)
+            except Exception:  # noqa: BLE001 — its sources' holds run out: taken back
+                logger.exception("repack: a round's settling failed")
+            finally:
+                with self._rows_lock:
+                    open_["busy"].difference_update(busy)
+
+        # (those done and never joined: only tests join them)
+        open_["threads"] = [(t, r) for t, r in open_["threads"] if t.is_alive()]
+        open_["threads"].append((start_thread(settle, "repack-round"), rows))
+
+    def _open_rounds(self) -> dict:
+        """The rounds settling in the background: their threads with the rows each
+        recorded once done, and the rollouts they hold (kept out of planning)."""
+        return self.__dict__.setdefault("_open", {"threads": [], "busy": set()})
+
+    def _join_rounds(self, timeout: float | None = None) -> list[dict]:
+        """Wait for the rounds settling in the background; the rows they recorded."""
+        open_ = self._open_rounds()
+        out = []
+        for thread, rows in list(open_["threads"]):
+            thread.join(timeout)
+            out += rows
+        open_["threads"] = [(t, rows) for t, rows in open_["threads"] if t.is_alive()]
+        return out
+
+    def _finish(self, moves: list, rnd: _Round) -> list[dict]:
+        """The partial-response pool told of the committed moves' new owners, and each
+        move's row."""
+        window = self.timeout
+        t0 = rnd.t0
         if self.partial is not None:  # after the releases: a slow pool holds no source
             reassigned = {}
             for m in moves:
@@ -262,7 +318,8 @@ class RepackMixin:
             if m.source not in rnd.outs:
                 continue
             out, ok = rnd.outs[m.source], rnd.ok_of.get(m.source, False)
-            self.counts["moves" if ok else "rolled_back"] += 1
+            with self._rows_lock:  # (a round settling in the background counts too)
+                self.counts["moves" if ok else "rolled_back"] += 1
             for rid in (m.source, m.destination):
                 self._prev.pop(rid, None)  # their KV just jumped: not "falling" next time
             key = (m.destination, out["version"])
@@ -294,11 +351,12 @@ class RepackMixin:
     def _abort_call(self, src: str, rnd: _Round):
         return lambda: self.rollouts[src].abort_export(move=rnd.token[src])
 
-    def _advance(self, rnd: _Round, acks_only: bool = False) -> None:
+    def _advance(self, rnd: _Round, until: float | None = None, acks_only: bool = False) -> None:
         """Wait on a round's imports, the questions about those not answered, and its
         releases and aborts, acting on each answer as it comes: a destination's sources
         are released (or abort) at its own import's answer, not after every other's.
-        One thread polls them all, so no call waits behind another's deadline."""
+        One thread polls them all, so no call waits behind another's deadline. Returns
+        when nothing is left open, or at ``until``."""
         window = self.timeout
         while (rnd.waiting and not acks_only) or rnd.acks:
             now = time.time()
@@ -351,6 +409,8 @@ class RepackMixin:
                         rnd.done(src, now)
                     else:
                         rnd.send(src, kind, self._try(self._release_call(src, rnd)), now)
+            if until is not None and time.time() >= until:
+                return
             if (rnd.waiting and not acks_only) or rnd.acks:
                 time.sleep(0.01)
 
