@@ -219,7 +219,9 @@ class LaminarAccessor:
         t = self._ds["t_submit"].values
         return float(np.nanmin(t)) if np.isfinite(t).any() else float("nan")
 
-    def buffer_age(self, by_version: str | None = None) -> xr.DataArray:
+    def buffer_age(
+        self, by_version: str | None = None, statuses: str | Sequence[str] = "consumed"
+    ) -> xr.DataArray:
         """Seconds each consumed trajectory spent in the buffer while the run ran: its
         stays in the buffer, summed, less any stretch the run was stopped in them
         (:func:`storage.trajectories.time_in_buffer`). Most have one stay,
@@ -239,18 +241,33 @@ class LaminarAccessor:
         run still going, or one opened in its first seconds) gets an empty result on
         that dimension, as its per-trajectory ages are empty.
 
+        ``statuses``: the trajectories aged, by how they left (``"consumed"``, the
+        default; ``"evicted"``, ``"filtered"``, ``"discarded"``, ``"dropped"``; several
+        in a list; ``"left"`` for all five), each up to when it left (``t_leave``), with
+        ``status`` and ``leave_version`` as coordinates. The consumed alone are the
+        survivors: under ``buffer.max_train_staleness`` the longest-waiting are evicted,
+        and ``buffer_age(statuses="left").groupby("status").mean()`` says how long they
+        waited. A store written before ``t_leave`` (schema 1 and 2) holds it for the
+        consumed alone: the others' ages are NaN.
+
         A store written before laminar recorded when a trajectory was held again
         (its ``buffered`` events have no time) counts it from ``t_insert``, the time it
         was out of the buffer included; so does a Dataset without ``t_held``."""
         ds = self._ds
-        idx = np.flatnonzero(ds["status"].values == "consumed")
+        wanted = _left_statuses(statuses)
+        idx = np.flatnonzero(np.isin(ds["status"].values, wanted))
         t_in = ds["t_held"] if "t_held" in ds else ds["t_insert"]
         held = ds["held_s"].values[idx] if "held_s" in ds else 0.0
-        age = time_in_buffer(t_in.values[idx], held, ds["t_sample"].values[idx], self.pauses_s)
+        until = ds["t_leave"] if "t_leave" in ds else ds["t_sample"]  # (t_sample: consumed)
+        age = time_in_buffer(t_in.values[idx], held, until.values[idx], self.pauses_s)
         coords = {
             "trajectory": ds["trajectory"].values[idx],  # (the labels: ds may be a slice)
             "behavior_version": ("trajectory", ds["behavior_version"].values[idx]),
         }
+        if wanted != ("consumed",):
+            coords["status"] = ("trajectory", ds["status"].values[idx])
+            left_at = ds["leave_version"] if "leave_version" in ds else ds["sample_version"]
+            coords["leave_version"] = ("trajectory", left_at.values[idx])
         out = xr.DataArray(age, dims="trajectory", coords=coords, name="buffer_age_s")
         if by_version is None:
             return out
@@ -676,10 +693,28 @@ class LaminarAccessor:
           ``schedule`` attribute), one version per response token, rising from the
           behavior version to at most the finish version;
         * uids unique, so nothing was stored — or consumed — twice;
-        * ``sample_version``/``t_sample`` set exactly for consumed trajectories;
+        * ``sample_version``/``t_sample`` set exactly for consumed trajectories, and
+          ``t_leave``/``leave_version`` equal to them there, unset on buffered ones;
         * every consumed group complete: ``group_size`` consumed siblings per prompt_uid,
           all sampled at the same version.
         """
         from storage.contract_audit import contract_problems
 
         return contract_problems(self)
+
+
+# The statuses a trajectory leaves the buffer with (buffer_age's ``statuses="left"``).
+LEFT = ("consumed", "evicted", "filtered", "discarded", "dropped")
+
+
+def _left_statuses(statuses: str | Sequence[str]) -> tuple[str, ...]:
+    """``buffer_age``'s ``statuses`` as a tuple of leaving statuses, or a ValueError
+    naming the ones it takes."""
+    wanted = LEFT if statuses == "left" else (statuses,) if isinstance(statuses, str) else statuses
+    wanted = tuple(wanted)
+    if not wanted or set(wanted) - set(LEFT):
+        raise ValueError(
+            f"statuses={statuses!r}: give one or more of {list(LEFT)}, or 'left' for all "
+            "(a buffered trajectory has not left: it has no age yet)"
+        )
+    return wanted

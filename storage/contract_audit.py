@@ -40,6 +40,20 @@ def contract_problems(acc) -> list[str]:
         problems.append(f"{bad.size} trajectories have sample_version inconsistent with status")
     if (bad := np.flatnonzero(consumed == np.isnan(ds["t_sample"].values))).size:
         problems.append(f"{bad.size} trajectories have t_sample inconsistent with status")
+    if "t_leave" in ds and "leave_version" in ds:  # (when and at which version it left)
+        t_leave, left_at = ds["t_leave"].values, ds["leave_version"].values
+        off = consumed & ((t_leave != ds["t_sample"].values) | (left_at != m_t))
+        if (bad := np.flatnonzero(off)).size:
+            problems.append(
+                f"{bad.size} consumed trajectories left the buffer at another time or version "
+                f"than they were sampled (t_leave, leave_version), e.g. {str(uid[bad[0]])!r}"
+            )
+        still = status == "buffered"
+        if (bad := np.flatnonzero(still & (np.isfinite(t_leave) | (left_at != -1)))).size:
+            problems.append(
+                f"{bad.size} buffered trajectories have a t_leave or leave_version, "
+                f"e.g. {str(uid[bad[0]])!r}"
+            )
     unknown = set(np.unique(status)) - set(STATUSES)
     if unknown:
         problems.append(f"unknown statuses {sorted(str(s) for s in unknown)}")
