@@ -15,6 +15,7 @@ rollout's rewards.
 
 from __future__ import annotations
 
+import difflib
 import importlib
 import inspect
 import math
@@ -229,7 +230,7 @@ def resolve_reward(name: str) -> RewardFn:
     if not sep:
         raise RewardError(
             f"task.reward {name!r} is neither a built-in reward {sorted(REWARDS)} nor "
-            "'module:function'"
+            f"'module:function'{_did_you_mean(name)}"
         )
     if "/" in module or "\\" in module or module.endswith(".py"):
         folder, _, file = module.replace("\\", "/").rpartition("/")
@@ -265,10 +266,11 @@ def resolve_reward(name: str) -> RewardFn:
         ) from None
     fn = getattr(imported, attr, None)
     if fn is None:
+        close = difflib.get_close_matches(attr, [n for n in dir(imported) if n[:1] != "_"], 1)
         raise RewardError(
             f"task.reward {name!r}: module {module!r} imports, but has no {attr!r} "
             f"(from {getattr(imported, '__file__', None) or module!r}); check the name "
-            "after the colon"
+            "after the colon" + (f"; did you mean '{module}:{close[0]}'?" if close else "")
         )
     if not callable(fn):
         raise RewardError(f"task.reward {name!r} is not callable")
@@ -292,6 +294,21 @@ def resolve_reward(name: str) -> RewardFn:
             f"reward takes the response and the answer, two strings (it has {signature})"
         ) from None
     return fn
+
+
+def _did_you_mean(name: str) -> str:
+    """A hint for a ``task.reward`` that is neither: the built-in it is a typo of, or
+    ``module:function`` for a dotted ``module.function``.
+
+    >>> _did_you_mean("exact_mach"), _did_you_mean("rw_cases.ok"), _did_you_mean("zzz")
+    ("; did you mean 'exact_match'?", "; did you mean 'rw_cases:ok'?", '')
+    """
+    if close := difflib.get_close_matches(name, REWARDS, 1):
+        return f"; did you mean {close[0]!r}?"
+    module, dot, attr = name.rpartition(".")
+    if dot and module and attr.isidentifier():
+        return f"; did you mean '{module}:{attr}'?"
+    return ""
 
 
 def _reward_value(value) -> float:

@@ -197,8 +197,8 @@ def warm_start(
     run's warm start raises :class:`~laminar.errors.RunStopped` and caches nothing.
     """
     base = base_policy(cfg)
-    if not cfg.sft.enabled or cfg.sft.steps == 0:
-        return base, {"cached": True, "seconds": 0.0, "final_loss": float("nan")}
+    if not cfg.sft.enabled or cfg.sft.steps == 0:  # ("off": no warm start, none scored)
+        return base, {"cached": True, "off": True, "seconds": 0.0, "final_loss": float("nan")}
     inputs = {
         "base": folder_hash(base),
         "sft": cfg.sft.model_dump(

@@ -227,6 +227,21 @@ def reward_errors_line(errors: dict | None) -> str | None:
     )
 
 
+def warm_start_said(sft: dict) -> str:
+    """The summary's warm start: its time, and whether it was trained or found cached;
+    or that it was off (it said "cached" then, of a warm start that never was).
+
+    >>> warm_start_said({"wall_s": 41.2, "cached": False})
+    'warm start 41.2 s (trained)'
+    >>> warm_start_said({"wall_s": 0.2, "cached": True, "off": True})
+    'warm start off (sft.enabled=false or sft.steps=0)'
+    """
+    if sft.get("off"):
+        return "warm start off (sft.enabled=false or sft.steps=0)"
+    how = "cached" if sft.get("cached") else "trained"
+    return f"warm start {sft.get('wall_s', 0):.1f} s ({how})"
+
+
 def _print_summary(s: dict, began_from: str | None = None) -> None:
     """``began_from``: the checkpoint the run began from (``trainer.resume_from`` of a
     new run), whose weights, not the warm start's, it started with."""
@@ -263,10 +278,7 @@ def _print_summary(s: dict, began_from: str | None = None) -> None:
         if s.get("segments", 1) > 1
         else ""
     )
-    print(
-        f"wall time          RL {s['rl_wall_s']:.1f} s{whole}; warm start "
-        f"{sft.get('wall_s', 0):.1f} s ({'cached' if sft.get('cached') else 'trained'})"
-    )
+    print(f"wall time          RL {s['rl_wall_s']:.1f} s{whole}; {warm_start_said(sft)}")
     if "eval_reward" in sft:
         print(
             f"warm-start reward  {sft['eval_reward']:.3f} "

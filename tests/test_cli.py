@@ -872,3 +872,16 @@ def test_the_abort_message_is_the_last_thing_said_after_the_cluster_closed(
         == 130
     )
     assert ran == []
+
+
+def test_a_run_without_a_warm_start_says_it_was_off_not_cached(capsys):
+    """sft.enabled=false: the summary said `warm start 0.2 s (cached)` of a warm start
+    that never was."""
+    from laminar.config import RunConfig, with_overrides
+    from laminar.sft import warm_start
+
+    cfg = with_overrides(RunConfig(), ["sft.enabled=false"])
+    _, info = warm_start(cfg, [])
+    cli._print_summary(_summary() | {"sft": {**info, "wall_s": 0.2}})
+    out = capsys.readouterr().out
+    assert "; warm start off (sft.enabled=false or sft.steps=0)\n" in out and "cached" not in out

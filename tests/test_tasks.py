@@ -471,3 +471,19 @@ def test_a_reward_module_that_exits_blocks_or_is_a_path_is_named(tmp_path, monke
         "def fn(response, answer): return 1.0\n"
     )
     _check_reward_imports("laminar_test_signal:fn", resolve_reward)
+
+
+def test_a_misspelt_reward_is_told_what_it_may_mean(tmp_path, monkeypatch):
+    """``exact_mach`` (a typo of a built-in), ``rw_cases.ok`` (a dot for the colon), and
+    a function name misspelt after the colon: each refusal says what was likely meant."""
+    with pytest.raises(RewardError, match=r"nor 'module:function'; did you mean 'exact_match'\?"):
+        resolve_reward("exact_mach")
+    with pytest.raises(RewardError, match=r"; did you mean 'rw_cases:ok'\?"):
+        resolve_reward("rw_cases.ok")
+    (tmp_path / "laminar_test_named.py").write_text("def score_add(response, answer): return 1\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.raises(RewardError, match=r"did you mean 'laminar_test_named:score_add'\?"):
+        resolve_reward("laminar_test_named:score_ad")
+    with pytest.raises(RewardError) as nothing_like:
+        resolve_reward("zzz")
+    assert "did you mean" not in str(nothing_like.value)
