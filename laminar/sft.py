@@ -77,6 +77,11 @@ PROMPT_FILE_KEY = "(a prompt file: its prompts)"
 EVAL_PROMPTS = 256  # the warm-started policy's reward is measured on this many prompts
 STOP_CHECK_STEPS = 5  # a stopped run's warm start ends within this many steps
 SCORE_CHUNK = 16  # the warm start's responses scored at a time (checked between)
+# A warm start's scoring still going after this long says how far it has got, at most
+# once every SCORING_SAID_EVERY_S: a reward of 2 s a call kept it silent for 8.5 min
+# (256 calls, one after another; said as warnings, the level the console is sent).
+SCORING_SLOW_S = 20.0
+SCORING_SAID_EVERY_S = 30.0
 # The warm start's scoring gives up on a reward after this many calls cut at
 # task.reward_timeout_s with no response scored (evaluate).
 TIMEOUTS_TO_GIVE_UP = 3
@@ -412,6 +417,7 @@ def evaluate(cfg: RunConfig, model, tok, prompts: list[Prompt]) -> float:
     t = cfg.task
     rewards: list[float] = []
     scored, errors, timeouts, latest, t0 = 0, 0, 0, "", time.time()
+    said = t0  # (when its progress was last said)
 
     def too_many() -> bool:  # (failed on every response, or on more than the share)
         never = errors >= REWARD_FAILURES_TO_STOP and not scored
@@ -452,6 +458,21 @@ def evaluate(cfg: RunConfig, model, tok, prompts: list[Prompt]) -> float:
         timeouts += cut
         if too_many() or (timeouts >= TIMEOUTS_TO_GIVE_UP and not scored):
             break
+        now = time.time()
+        if i < len(items) and now - t0 >= SCORING_SLOW_S and now - said >= SCORING_SAID_EVERY_S:
+            said = now
+            logger.warning(
+                "warm start: scoring its policy with task.reward %r, %d of %d responses "
+                "done in %.0f s (%.2f s a response, one after another; about %.0f s "
+                "left); each run scores it once per reward and sampling (then kept in "
+                "the cache); sft.enabled=false skips the warm start and this",
+                t.reward,
+                i,
+                len(items),
+                now - t0,
+                (now - t0) / i,
+                (now - t0) / i * (len(items) - i),
+            )
     if timeouts >= TIMEOUTS_TO_GIVE_UP and not scored:
         logger.warning(
             "warm start: its reward is nan (not kept in the cache): task.reward %r did not "
