@@ -23,24 +23,36 @@ registered at run time by cloudpickle. Nothing else of the
 worker is there: no ``distributed.get_worker()``, no worker plugin's or preload's state,
 and a model the reward loads is loaded once per child. ``task.reward_timeout_s: null``
 calls the reward in the task's thread instead, on the worker, without a cut-off.
+
+What the reward prints (the child's stdout and stderr) goes to a file, one a worker
+process (:func:`log_path`), not to the worker's output, which a local cluster's workers
+share with ``laminar run``'s console; the first time it grows, a warning names it.
 """
 
 from __future__ import annotations
 
 import importlib
+import logging
 import math
 import os
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from multiprocessing.connection import Connection
+from pathlib import Path
 
 from laminar.errors import RewardError
+
+logger = logging.getLogger(__name__)
+
+# The folder, under the temporary one, of what rewards print (log_path()).
+LOG_FOLDER = "laminar-reward-logs"
 
 # How long a new child may take to start and load the reward function (its imports: a
 # math verifier's can take seconds) before the batch fails; ``timeout_s`` if longer.
@@ -64,6 +76,25 @@ _BOOT = (
 )
 
 
+def log_path() -> Path:
+    """Where the scoring processes of this worker write what the reward prints (its
+    stdout and stderr): one file a worker process, under the temporary folder. It went
+    to the worker's own output, which a local cluster's workers share with `laminar
+    run`'s console: a reward's print()s, hundreds of lines a run, among the run's."""
+    return Path(tempfile.gettempdir()) / LOG_FOLDER / f"{socket.gethostname()}-{os.getpid()}.log"
+
+
+def _log_file():
+    """:func:`log_path` opened to append (the child's stdout and stderr); ``None``
+    (they go where the worker's do) where it cannot be."""
+    path = log_path()
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        return open(path, "ab")  # noqa: SIM115 — handed to the child, closed here after
+    except OSError:
+        return None
+
+
 class _Child:
     """A scoring process and the parent's end of its socket."""
 
@@ -71,6 +102,7 @@ class _Child:
         """Start one. Raises ``OSError`` (or ``SubprocessError``) where it cannot be
         started, or ends at once: nothing of it is left then, no socket nor zombie."""
         ours, theirs = socket.socketpair()
+        log = _log_file()
         try:
             argv = [sys.executable, "-c", _BOOT, str(theirs.fileno()), str(os.getpid())]
             # (started from a thread that lives as long as this process: the child's
@@ -82,6 +114,10 @@ class _Child:
                     argv,
                     pass_fds=[theirs.fileno()],
                     stdin=subprocess.DEVNULL,
+                    stdout=log,
+                    stderr=None if log is None else subprocess.STDOUT,
+                    # (each line in the file as it is printed, not at 8 KiB or the exit)
+                    env={**os.environ, "PYTHONUNBUFFERED": "1"},
                     start_new_session=True,  # (its own group: killed with what it started)
                 )
                 .result()
@@ -91,6 +127,8 @@ class _Child:
             raise
         finally:
             theirs.close()
+            if log is not None:
+                log.close()
         self.conn = Connection(ours.detach())
         self.how: str | None = None  # (once ended)
         self.idle_since = 0.0  # (time.monotonic(), when last parked idle)
@@ -127,6 +165,27 @@ class _Child:
         return self.how
 
 
+def _say_printed(reward_name: str) -> None:
+    """Warn, once a worker process, that the reward has printed, and where that went
+    (:func:`log_path`)."""
+    if _printed_said:
+        return
+    try:
+        printed = log_path().stat().st_size > 0
+    except OSError:
+        return
+    if printed:
+        _printed_said.append(True)
+        logger.warning(
+            "task.reward %r prints: its stdout and stderr go to %s on %s (one file a "
+            "worker process), not to the console",
+            reward_name,
+            log_path(),
+            socket.gethostname(),
+        )
+
+
+_printed_said: list[bool] = []  # (said in this process)
 _idle: list[_Child] = []
 _idle_lock = threading.Lock()
 _idle_changed = threading.Condition(_idle_lock)  # (a child parked: the reaper looks again)
@@ -251,6 +310,7 @@ def scores_in_child(
                 i += 1
             else:
                 healthy = True
+                _say_printed(reward_name)
         finally:  # (cut: killed; a generator closed early, too, may have calls out)
             if healthy:
                 _park(child)

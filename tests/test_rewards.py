@@ -460,3 +460,40 @@ def test_a_call_cut_at_the_timeout_says_what_it_was_given():
         "reward laminar.rewards:_hangs did not return within task.reward_timeout_s=0.2 s "
         "(response 'hang', answer '1 2')"
     )
+
+
+def chatty(response: str, answer: str) -> float:
+    """Prints as it scores, to stdout and stderr (a reward being debugged)."""
+    print("scoring", repr(response), "vs", repr(answer))
+    print("to stderr", file=sys.stderr)
+    return float(response == answer)
+
+
+def test_what_a_reward_prints_goes_to_its_workers_file_not_the_console(capfd, caplog, monkeypatch):
+    """A reward's print()s went to the worker's output, which a local cluster's workers
+    share with `laminar run`'s console: 918 lines for a 4-step run, among the run's own.
+    They go to a file, one a worker process; the first batch after the reward printed
+    says where, once."""
+    import logging
+
+    from laminar import reward_process
+
+    monkeypatch.setattr(reward_process, "_printed_said", [])
+    path = reward_process.log_path()
+    before = path.stat().st_size if path.exists() else 0
+    items = [("1", "1", True), ("2", "1", True)]
+    with caplog.at_level(logging.WARNING, logger="laminar.reward_process"):
+        for _ in range(2):
+            assert [s.reward for s in score_batch("test_rewards:chatty", items, 0, 30.0)] == [
+                1.0,
+                0.0,
+            ]
+    out, err = capfd.readouterr()
+    assert "scoring" not in out + err and "to stderr" not in out + err
+    written = path.read_text()[before:]
+    assert written.count("scoring '1' vs '1'\n") == 2 and written.count("to stderr\n") == 4
+    said = [r.getMessage() for r in caplog.records]
+    assert said == [
+        f"task.reward 'test_rewards:chatty' prints: its stdout and stderr go to {path} on "
+        f"{__import__('socket').gethostname()} (one file a worker process), not to the console"
+    ]
