@@ -17,7 +17,7 @@ import logging
 import time
 import uuid
 
-from laminar.cluster import actor_result, start_thread
+from laminar.cluster import LOST_POLL_S, actor_result, start_thread
 from laminar.config import RunConfig
 from laminar.repack import (
     EXPORT_WAIT_TIMEOUTS,
@@ -102,6 +102,8 @@ class _Round:
         self.acks: dict[str, tuple] = {}
         self.due: dict[str, float] = {}  # source -> when to send its release again
         self.released: dict[str, float] = {}  # source -> when its release or abort ended
+        self.gone: set[str] = set()  # its rollouts whose worker is gone, as of gone_at
+        self.gone_at = 0.0
 
     def send(self, src: str, kind: str, future, now: float) -> None:
         self.acks[src] = (kind, future, now)
@@ -198,11 +200,13 @@ class RepackMixin:
         }
         rnd = _Round(t0, token)
         try:
-            deadline = t0 + EXPORT_WAIT_TIMEOUTS * window
+            self._wait_ready(exports, t0 + EXPORT_WAIT_TIMEOUTS * window)
             for src, future in exports.items():
-                got, out = self._noting(
-                    f"repack: {src} export", future, actor=self.rollouts[src], deadline=deadline
-                )
+                if _ready(future):
+                    got, out = self._noting(f"repack: {src} export", future, deadline=t0)
+                else:
+                    logger.warning("repack: %s export not answered in time", src)
+                    got, out = False, None
                 if not got:  # not answered: it may yet export, so undo it there
                     rnd.send(src, "abort", self._try(self._abort_call(src, rnd)), time.time())
                     self.counts["exports_unanswered"] += 1
@@ -258,7 +262,7 @@ class RepackMixin:
         Its rollouts are kept out of planning until then (a held source is out anyway;
         the destination not answering might be given more)."""
         open_ = self._open_rounds()
-        busy = {*rnd.outs, *(dst for dst, _ in rnd.groups)}
+        busy = {*rnd.outs, *rnd.acks, *(dst for dst, _ in rnd.groups)}
         with self._rows_lock:
             open_["busy"].update(busy)
 
@@ -348,6 +352,18 @@ class RepackMixin:
             )
         return rows
 
+    def _wait_ready(self, calls: dict, deadline: float) -> None:
+        """Until every call of ``calls`` (rollout id -> its call) has its answer, or
+        ``deadline``, or those left are to rollouts whose worker is gone. (One wait for
+        them all: a wait per call took at least 0.1 s each past the deadline.)"""
+        checked = time.time()
+        while (left := [r for r, f in calls.items() if not _ready(f)]) and time.time() < deadline:
+            if time.time() - checked >= LOST_POLL_S:
+                checked = time.time()
+                if set(left) <= self._gone(left):
+                    return
+            time.sleep(0.01)
+
     def _abort_call(self, src: str, rnd: _Round):
         return lambda: self.rollouts[src].abort_export(move=rnd.token[src])
 
@@ -360,11 +376,18 @@ class RepackMixin:
         window = self.timeout
         while (rnd.waiting and not acks_only) or rnd.acks:
             now = time.time()
+            if now - rnd.gone_at >= LOST_POLL_S:  # (a lost rollout answers nothing)
+                rnd.gone_at = now
+                rnd.gone = self._gone({*(dst for dst, _ in rnd.waiting), *rnd.acks})
             for key, (phase, future, start, waits) in list(rnd.waiting.items()):
                 if acks_only:
                     break
                 dst = key[0]
-                if _ready(future):
+                if dst in rnd.gone and not _ready(future):
+                    # (what it took, if anything, went with it: the source takes them back)
+                    logger.warning("repack %s -> %s: %s lost", rnd.groups[key], dst, dst)
+                    self._decide(rnd, key, False, now)
+                elif _ready(future):
                     got, answer = self._noting(f"repack: {dst} {phase}", future, deadline=now)
                     if phase == "import" and not got:  # (failed: it may still have run)
                         self._ask(rnd, key, now)
@@ -388,11 +411,12 @@ class RepackMixin:
                         # the first to finish)
                         self._decide(rnd, key, False, now)
             for src, (kind, future, sent) in list(rnd.acks.items()):
-                if future is None:  # a release to send again
+                if src in rnd.gone and not (future is not None and _ready(future)):
+                    rnd.done(src, now)  # (lost: its requests are recovery's)
+                elif future is None:  # a release to send again
                     if now >= rnd.due[src]:
                         rnd.send(src, kind, self._try(self._release_call(src, rnd)), now)
-                    continue
-                if _ready(future):
+                elif _ready(future):
                     got, _ = self._noting(f"repack: {src} {kind}", future, deadline=now)
                     if got or kind == "abort" or not self._may_retry(rnd, src, now):
                         rnd.done(src, now)

@@ -307,6 +307,32 @@ def test_a_round_does_not_wait_out_a_hung_destinations_question(tiny_policy, sma
             stop.set()
 
 
+def test_a_destination_whose_worker_is_gone_is_not_waited_for(tiny_policy, small_config):
+    """r1's worker is gone (the scheduler no longer has it) and its import never
+    answers: the move is aborted as soon as that is seen, without waiting out the
+    import's timeout and asking r1 a question it cannot answer; r0 takes its requests
+    back."""
+    cfg = with_overrides(
+        small_config,
+        ["rollout.parity_every=0", "repack.interval_s=1", "cluster.actor_timeout_s=30"],
+    )
+    events: list = []
+    src, stop_src = _decoding("r0", cfg, tiny_policy, 3)
+    dst, stop_dst = _decoding("r1", cfg, tiny_policy, 2)
+    try:
+        handles = {"r0": _Recorded(src, events), "r1": _Recorded(dst, events, ("import_for_move",))}
+        manager = RolloutManager(
+            cfg, handles, master_relay=None, workers={"r0": "tcp://a", "r1": "tcp://b"}
+        )
+        manager._prev = {"r0": (1, 0.1), "r1": (1, 0.1)}
+        manager._scheduler_workers = lambda: {"tcp://a"}  # (r1's worker gone)
+        (row,) = _round(manager, [Move("r0", "r1")], _loads({"r0": 3, "r1": 2}))
+        assert not row["ok"] and ("holds", "r1") not in events
+        assert len(src.engine.request_ids()) == 3 and not src._held
+    finally:
+        stop_src.set(), stop_dst.set()
+
+
 class _SlowQuestion(_Handle):
     """A destination whose import goes through but whose answer is lost, and whose
     answer to the manager's question comes late: after three quarters of the two
