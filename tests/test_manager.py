@@ -243,6 +243,23 @@ def test_a_round_names_each_move_and_the_batch_it_planned_with(cfg, monkeypatch)
     assert abort[2] == {"move": export[2]["move"]} and not src.called("release")
 
 
+def test_a_rollout_of_a_round_still_settling_is_not_planned_with(cfg):
+    """A round whose destination did not answer settles in the background (its
+    question may take two timeouts): until it has, its rollouts are left out of
+    planning; the destination might otherwise be given more while its import is in
+    doubt."""
+    r0 = FakeRollout(decoding(kv=0.1))
+    r1 = FakeRollout(decoding(kv=0.2))
+    manager = RolloutManager(cfg, {"r0": r0, "r1": r1}, None)
+    manager._prev = {"r0": (1, 0.3), "r1": (1, 0.3)}  # both falling: r0 -> r1 otherwise
+    manager._open_rounds()["busy"].add("r1")
+    assert manager.check() == [] and not r0.called("export_for_move")
+    manager._open_rounds()["busy"].clear()
+    manager._prev = {"r0": (1, 0.3), "r1": (1, 0.3)}
+    manager.check()
+    assert r0.called("export_for_move")
+
+
 def test_a_moves_pause_runs_from_its_exports_hand_over_not_from_the_rounds_start(cfg):
     """A paced source withholds its export until its step's deadline and decodes the
     requests until then (d119e55): their pause starts at the hand-over the export
