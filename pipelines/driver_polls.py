@@ -44,8 +44,9 @@ DATA_SUSPECT_S = 10.0
 # longer: a judge service that restarts, every call failing meanwhile, costs a share of
 # it (at 0.25, an outage of up to 75 s goes on; over 60 s it was 15 s). A reward that
 # fails on nearly every response (OVERWHELMED_SHARE) does not wait for it: over the
-# shorter OVERWHELMED_WINDOW_S it stops the run, scores or none. (REWARD_SHARE_WINDOW_S
-# is laminar.rewards', read here: the warm start says it too.)
+# shorter OVERWHELMED_WINDOW_S it stops the run, whatever it has scored. (The windows
+# are laminar.rewards', read here: the warm start names them too.)
+
 # How long a poll waits for the rollouts' stats. A call still unanswered then is kept and
 # read at a later poll, not made again: a silent rollout (lost but not yet detected, or
 # hung) costs the polls this wait once, not at every poll until the manager declares it.
@@ -53,7 +54,7 @@ ROLLOUT_STATS_WAIT_S = 5.0
 
 
 class RewardFailures:
-    """The reward function's failures as the driver's polls see them, and the two rules
+    """The reward function's failures as the driver's polls see them, and the rules
     that stop a run for them (:meth:`check`); one per run (``Schedule.run``).
 
     From each poll's rollout stats, the cumulative counters of every rollout
