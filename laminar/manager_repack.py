@@ -208,7 +208,7 @@ class RepackMixin:
                     logger.warning("repack: %s export not answered in time", src)
                     got, out = False, None
                 if not got:  # not answered: it may yet export, so undo it there
-                    rnd.send(src, "abort", self._try(self._abort_call(src, rnd)), time.time())
+                    rnd.send(src, "abort", self._try(self._call("abort", src, rnd)), time.time())
                     self.counts["exports_unanswered"] += 1
                 elif out is None:  # its batch drained or changed meanwhile: nothing moves
                     self.counts["skipped"] += 1
@@ -249,7 +249,7 @@ class RepackMixin:
             for src in rnd.outs:
                 if src not in rnd.ok_of and src not in rnd.acks:
                     rnd.ok_of[src] = False
-                    rnd.send(src, "abort", self._try(self._abort_call(src, rnd)), time.time())
+                    rnd.send(src, "abort", self._try(self._call("abort", src, rnd)), time.time())
             self._advance(rnd, acks_only=True)
             raise
         if rnd.waiting or rnd.acks:
@@ -364,9 +364,6 @@ class RepackMixin:
                     return
             time.sleep(0.01)
 
-    def _abort_call(self, src: str, rnd: _Round):
-        return lambda: self.rollouts[src].abort_export(move=rnd.token[src])
-
     def _advance(self, rnd: _Round, until: float | None = None, acks_only: bool = False) -> None:
         """Wait on a round's imports, the questions about those not answered, and its
         releases and aborts, acting on each answer as it comes: a destination's sources
@@ -413,26 +410,26 @@ class RepackMixin:
             for src, (kind, future, sent) in list(rnd.acks.items()):
                 if src in rnd.gone and not (future is not None and _ready(future)):
                     rnd.done(src, now)  # (lost: its requests are recovery's)
-                elif future is None:  # a release to send again
+                elif future is None:  # a release or abort to send again
                     if now >= rnd.due[src]:
-                        rnd.send(src, kind, self._try(self._release_call(src, rnd)), now)
+                        rnd.send(src, kind, self._try(self._call(kind, src, rnd)), now)
                 elif _ready(future):
                     got, _ = self._noting(f"repack: {src} {kind}", future, deadline=now)
-                    if got or kind == "abort" or not self._may_retry(rnd, src, now):
+                    if got or not self._may_retry(rnd, src, kind, now):
                         rnd.done(src, now)
                     else:  # (failed at once: again a little later, not in a tight loop)
                         rnd.acks[src] = (kind, None, now)
                         rnd.due[src] = now + min(window / 10, 1.0)
                 elif now - sent >= window:
                     logger.warning("repack: %s %s not answered within %.1f s", src, kind, window)
-                    # An abort not answered: the source was lost or stopped meanwhile (a
-                    # lost one's requests are in the partial-response log, and recovery
-                    # resumes them), or it is stuck and takes them back itself when its
-                    # hold runs out.
-                    if kind == "abort" or not self._may_retry(rnd, src, now):
+                    # Not answered by the end of the hold: the source was lost or stopped
+                    # meanwhile (a lost one's requests are in the partial-response log,
+                    # and recovery resumes them), or it is stuck and takes them back
+                    # itself when its hold runs out.
+                    if not self._may_retry(rnd, src, kind, now):
                         rnd.done(src, now)
                     else:
-                        rnd.send(src, kind, self._try(self._release_call(src, rnd)), now)
+                        rnd.send(src, kind, self._try(self._call(kind, src, rnd)), now)
             if until is not None and time.time() >= until:
                 return
             if (rnd.waiting and not acks_only) or rnd.acks:
@@ -455,27 +452,36 @@ class RepackMixin:
         for src in rnd.groups[key]:
             rnd.ok_of[src] = ok
             if ok:
-                rnd.send(src, "release", self._try(self._release_call(src, rnd)), now)
+                rnd.send(src, "release", self._try(self._call("release", src, rnd)), now)
             else:
-                rnd.send(src, "abort", self._try(self._abort_call(src, rnd)), now)
+                rnd.send(src, "abort", self._try(self._call("abort", src, rnd)), now)
 
-    def _release_call(self, src: str, rnd: _Round):
-        return lambda: self.rollouts[src].release(move=rnd.token[src])
+    def _call(self, kind: str, src: str, rnd: _Round):
+        """The release or abort of ``src``'s export in ``rnd``, to start."""
+        if kind == "release":
+            return lambda: self.rollouts[src].release(move=rnd.token[src])
+        return lambda: self.rollouts[src].abort_export(move=rnd.token[src])
 
-    def _may_retry(self, rnd: _Round, src: str, now: float) -> bool:
-        """Whether to send a release not acknowledged again: yes unless the source's
-        hold has run out (it then takes its requests back by itself: it was first
-        served no earlier than the round's start) or its worker is gone. A release is
-        idempotent and acts on its own move's export only: one that arrives twice, or
-        after the hold ran out, does nothing more."""
+    def _may_retry(self, rnd: _Round, src: str, kind: str, now: float) -> bool:
+        """Whether to send a release or abort not acknowledged again: yes unless the
+        source's hold has run out (it then takes its requests back by itself: it was
+        first served no earlier than the round's start) or its worker is gone. Both are
+        idempotent and act on their own move's export only: one that arrives twice, or
+        after the hold ran out, does nothing more. (A release not sent again left the
+        source held for the whole hold, after which it took its requests back while the
+        destination decoded them too; an abort, a source idle as long.)"""
         if now >= rnd.t0 + HOLD_LIMIT_TIMEOUTS * self.timeout or src in self._gone({src}):
             logger.warning(
-                "repack: %s's release not acknowledged; given up (if it takes its "
-                "requests back, they decode twice and the buffer keeps the first copy)",
+                "repack: %s's %s not acknowledged; given up%s",
                 src,
+                kind,
+                " (if it takes its requests back, they decode twice and the buffer keeps "
+                "the first copy)"
+                if kind == "release"
+                else "",
             )
             return False
-        logger.warning("repack: %s's release not acknowledged; sending it again", src)
+        logger.warning("repack: %s's %s not acknowledged; sending it again", src, kind)
         return True
 
     def _gone(self, rids) -> set[str]:

@@ -184,26 +184,26 @@ def _failed(error: Exception):
     return f
 
 
-class _ReleaseFailsOnce(_Handle):
-    """A source whose first release fails in transit (a dropped connection): the call
-    never reaches it."""
+class _FailsOnce(_Handle):
+    """A source whose first call of ``method`` fails in transit (a dropped connection):
+    that call never reaches it."""
 
-    def __init__(self, obj) -> None:
+    def __init__(self, obj, method: str) -> None:
         super().__init__(obj)
-        self.releases = 0
+        self.method, self.calls = method, 0
 
     def __getattr__(self, name):
         call = super().__getattr__(name)
-        if name != "release":
+        if name != self.method:
             return call
 
-        def release(*args, **kwargs):
-            self.releases += 1
-            if self.releases == 1:
+        def once(*args, **kwargs):
+            self.calls += 1
+            if self.calls == 1:
                 return _failed(OSError("connection reset"))
             return call(*args, **kwargs)
 
-        return release
+        return once
 
 
 def test_a_release_that_failed_is_sent_again(tiny_policy, small_config):
@@ -215,12 +215,30 @@ def test_a_release_that_failed_is_sent_again(tiny_policy, small_config):
     src, stop_src = _decoding("r0", cfg, tiny_policy, 3)
     dst, stop_dst = _decoding("r1", cfg, tiny_policy, 2)
     try:
-        to_src = _ReleaseFailsOnce(src)
+        to_src = _FailsOnce(src, "release")
         manager = _manager(cfg, {"r0": to_src, "r1": _Handle(dst)})
         (row,) = _round(manager, [Move("r0", "r1")], _loads({"r0": 3, "r1": 2}))
-        assert row["ok"] and to_src.releases == 2
+        assert row["ok"] and to_src.calls == 2
         assert not src._held and src._exported is None and not src.engine.request_ids()
         assert len(dst.engine.request_ids()) == 5 and src.counts["moves_out"] == 1
+    finally:
+        stop_src.set(), stop_dst.set()
+
+
+def test_an_abort_that_failed_is_sent_again(tiny_policy, small_config):
+    """The destination refused (its planned batch ended), and the abort never reached
+    the source: not sent again, the source sat idle, held, for the whole hold limit
+    before taking its requests back itself. It is sent again."""
+    cfg = with_overrides(small_config, ROUND)
+    src, stop_src = _decoding("r0", cfg, tiny_policy, 3)
+    dst, stop_dst = _decoding("r1", cfg, tiny_policy, 2, batch=2)
+    try:
+        to_src = _FailsOnce(src, "abort_export")
+        manager = _manager(cfg, {"r0": to_src, "r1": _Handle(dst)})
+        (row,) = _round(manager, [Move("r0", "r1")], _loads({"r0": 3, "r1": 2}))
+        assert not row["ok"] and to_src.calls == 2
+        assert not src._held and len(src.engine.request_ids()) == 3
+        assert src.counts["holds_timed_out"] == 0
     finally:
         stop_src.set(), stop_dst.set()
 
