@@ -248,9 +248,12 @@ def _print_summary(s: dict, began_from: str | None = None) -> None:
     sft = s["sft"]
     print("\n== summary ==")
     print(f"run dir            {s['run_dir']}  ({s['reason']})")
+    failed = (s.get("reward_errors") or {}).get("failed")
     print(
         f"reward             first 20% {s['reward_first_20pct']:.3f} -> last 20% "
         f"{s['reward_last_20pct']:.3f}  (gain {s['reward_gain']:+.3f})"
+        # (a mean of what scored alone: 1.000 of a reward that failed on 99%)
+        + ("; reward errors left out" if failed else "")
     )
     if line := reward_errors_line(s.get("reward_errors")):
         print(line)

@@ -885,3 +885,20 @@ def test_a_run_without_a_warm_start_says_it_was_off_not_cached(capsys):
     cli._print_summary(_summary() | {"sft": {**info, "wall_s": 0.2}})
     out = capsys.readouterr().out
     assert "; warm start off (sft.enabled=false or sft.steps=0)\n" in out and "cached" not in out
+
+
+def test_the_printed_summary_says_reward_errors_and_that_the_mean_leaves_them_out(capsys):
+    """A reward failing on 99% of responses: the summary's reward line read 1.000 -> 1.000
+    and nothing said the rest failed. It says the errors are left out of it, and a line
+    counts them; a run without any says neither."""
+    errors = {"failed": 41551, "scored": 378, "groups_discarded": 5190, "latest": "m:f raised"}
+    cli._print_summary(_summary() | {"reward_errors": errors})
+    out = capsys.readouterr().out
+    assert "(gain +0.250); reward errors left out\n" in out
+    assert (
+        "reward errors      41551 of 41929 responses (99%), 5190 groups discarded; "
+        "latest: m:f raised\n"
+    ) in out
+    cli._print_summary(_summary() | {"reward_errors": {**errors, "failed": 0}})
+    out = capsys.readouterr().out
+    assert "left out" not in out and "reward errors" not in out

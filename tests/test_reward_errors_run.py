@@ -44,6 +44,7 @@ def test_a_completed_run_says_its_reward_errors_where_and_on_what(
     ), latest
     _print_summary(summary)
     out = capsys.readouterr().out
+    assert "; reward errors left out\n" in out  # (the mean reward is of what scored)
     given = errors["failed"] + errors["scored"]
     assert (
         f"reward errors      {errors['failed']} of {given} responses "
