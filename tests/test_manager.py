@@ -560,3 +560,24 @@ def test_a_rebuilt_manager_fences_the_lost_rollouts_in_the_new_pool(cfg):
     finally:
         del thread_state.actor
     assert sorted(fenced) == ["r1", "r2"]
+
+
+def test_the_managers_stop_waits_for_a_round_settling_in_the_background(cfg, monkeypatch):
+    """A round whose destination did not answer records its row once it settles, in
+    its own thread: the manager's stop waits for it (within the stop's time), so that the
+    driver's last copy of the manager's rows has it (it could land after)."""
+    import laminar.manager_repack as repack_mod
+
+    states = [state("g0-000")]
+    src = FakeRollout(decoding(kv=0.1), export_for_move=lambda **k: done(exported(states)))
+    # (neither its import nor the question about it answers: the round settles at the
+    # question's deadline, two timeouts on)
+    never_answers = {"import_for_move": lambda *a, **k: never(), "holds": lambda *a: never()}
+    dst = FakeRollout(decoding(kv=0.3), **never_answers)
+    monkeypatch.setattr(repack_mod, "plan", lambda *a, **k: [Move("r0", "r1")])
+    manager = RolloutManager(cfg, {"r0": src, "r1": dst}, None)
+    assert manager.check() == []  # (settling in the background)
+    manager.stop(timeout=60.0)
+    assert not any(t.is_alive() for t, _ in manager._open_rounds()["threads"])
+    (row,) = manager.get_rows()
+    assert not row["ok"]
