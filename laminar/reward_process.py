@@ -90,9 +90,27 @@ def _log_file():
     path = log_path()
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        return open(path, "ab")  # noqa: SIM115 — handed to the child, closed here after
+        log = open(path, "ab")  # noqa: SIM115 — handed to the child, closed here after
     except OSError:
         return None
+    if not _cleanup_registered:  # (a reward that never printed leaves no empty file)
+        import atexit
+
+        atexit.register(_remove_if_empty, path)
+        _cleanup_registered.append(True)
+    return log
+
+
+def _remove_if_empty(path: Path) -> None:
+    """At this process's exit: :func:`log_path` removed if nothing was printed to it."""
+    try:
+        if path.stat().st_size == 0:
+            path.unlink()
+    except OSError:
+        pass
+
+
+_cleanup_registered: list[bool] = []  # (in this process)
 
 
 class _Child:

@@ -347,7 +347,9 @@ class Schedule(StatsPolling, FaultHandling, MetricsRecording):
         self._n_updates = 0
         # (why the run stops for its reward's failures: never scored, or past the share)
         self._reward_failures = RewardFailures(
-            self.cfg.task.reward, self.cfg.task.reward_max_failure_share
+            self.cfg.task.reward,
+            self.cfg.task.reward_max_failure_share,
+            wait_s=self.cfg.cluster.actor_timeout_s,  # (a rollout's stop waits that long)
         )
         t_start = last_t = last_flush = time.time()
         self.metrics = None

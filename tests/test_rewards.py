@@ -497,3 +497,33 @@ def test_what_a_reward_prints_goes_to_its_workers_file_not_the_console(capfd, ca
         f"task.reward 'test_rewards:chatty' prints: its stdout and stderr go to {path} on "
         f"{__import__('socket').gethostname()} (one file a worker process), not to the console"
     ]
+
+
+def test_a_worker_whose_reward_printed_nothing_leaves_no_log_file(tmp_path):
+    """Every worker that started a scoring process left an empty file under
+    laminar-reward-logs: one a worker process a run, on every node. It is removed as the
+    process exits when nothing was printed to it; one that holds output stays."""
+    import os
+    import subprocess
+    from pathlib import Path
+
+    code = (
+        "import sys\n"
+        "from laminar.reward_process import _log_file, log_path\n"
+        "f = _log_file()\n"
+        "f.write(sys.argv[1].encode())\n"
+        "f.close()\n"
+        "print(log_path())\n"
+    )
+    env = {**os.environ, "TMPDIR": str(tmp_path)}
+    for printed in ("", "a reward's print\n"):
+        out = subprocess.run(
+            [sys.executable, "-c", code, printed],
+            capture_output=True,
+            text=True,
+            env=env,
+            check=True,
+        )
+        path = Path(out.stdout.strip())
+        assert path.parent.parent == tmp_path
+        assert path.exists() == bool(printed), (printed, path)
