@@ -1359,7 +1359,8 @@ def test_a_run_loses_a_relay_and_goes_on_through_the_rebuilt_chain(tmp_path, sig
     late = pubs["t_publish"].values > lost["time"] + lost["rechain_s"]
     # Every version published through the rebuilt chain reached both relays, or none:
     # the master skips a version a newer one overtook before it was sent (docs/relay.md,
-    # "Monotonic versions"), never sends one halfway. The last row is written as it
+    # "Monotonic versions"), and abandons one halfway only when a newer one needs its
+    # slot, which a run publishing once an update does not. The last row is written as it
     # stands when the run stops (docs/storage.md): the version published as the trainer
     # finished may have reached one relay, or none, by then. Only a complete row has its
     # broadcast time. (A rebuilt chain that does not carry a version past the master
