@@ -148,9 +148,10 @@ class TaskConfig(_Section):
     # null: no limit.
     reward_timeout_s: float | None = Field(300.0, gt=0)
     # The share of the responses given to the reward that may fail (a raise, a value that
-    # is not a finite number, a timeout) over a minute of the run: more, on 64 or more,
-    # stops the run, since every failure discards its whole group (a reward failing on
-    # half discards 99.6% of groups of 8). 1.0: only a reward that never scores stops it.
+    # is not a finite number, a timeout) over the last 300 s of the run (REWARD_SHARE_
+    # WINDOW_S): more, on 64 or more, stops the run, since every failure discards its
+    # whole group (a reward failing on half discards 99.6% of groups of 8); 90% or more
+    # over the last 120 s stops it sooner. 1.0: only a reward that never scores stops it.
     reward_max_failure_share: float = Field(0.25, gt=0, le=1)
 
 
@@ -170,7 +171,7 @@ class SFTConfig(_Section):
         "cache_dir": "to cache in $LAMINAR_CACHE, else ~/.cache/laminar"
     }
 
-    cache_dir: str | None = None  # default: ~/.cache/laminar
+    cache_dir: str | None = None  # default: $LAMINAR_CACHE, else ~/.cache/laminar
 
 
 _TIME_MODEL_FIELDS = ("t_fix", "bw_efficiency", "kv_efficiency", "decode_mfu", "prefill_mfu")
