@@ -360,7 +360,7 @@ class Schedule(StatsPolling, FaultHandling, MetricsRecording):
                 # (the TensorBoard curves stepped by version go on from its checkpoint)
                 resumed_from=None if self.resume is None else self.resume.version,
             )
-            t_origin = self._t_origin = self._origin(t_start)
+            t_origin = self._origin(t_start)
         except BaseException:
             logger.exception("the run's records could not be opened: stopping its actors")
             with contextlib.suppress(Exception):  # (the error that stopped it stands)
@@ -545,15 +545,6 @@ class Schedule(StatsPolling, FaultHandling, MetricsRecording):
         _answers([lambda r=r: r.close() for r in a["relays"]])  # (a lost one: nothing to stop)
         b_stats = _stopping(a["buffer"], "close", timeout)  # (its last store write)
         wall = time.time() - t_start
-        # The cluster table's last row: the buffer as it closed, the run's final counts
-        # (the last poll's row, up to metrics.poll_s before the stop and more, fell short
-        # of them: of summary.json's and the store's; helper 200).
-        for s in r_stats:
-            if s is not None and "response_tokens" in s:
-                self._tokens_by_rollout[s["rollout_id"]] = s["response_tokens"]
-        tokens = sum(self._tokens_by_rollout.values())
-        now = time.time()
-        self._record(now - self._t_origin, now, t_stats, b_stats, p_stats, [], tokens)
         # (after the buffer's last commit: the log keeps only what the store lacks)
         partial = _stopping(a["partial"], "close", timeout) if a["partial"] is not None else None
         # The driver's own tables last: if writing them fails, the store is whole.

@@ -223,10 +223,17 @@ class MetricsRecording:
         when the poll ended: its columns are mostly the buffer's (and the prompt pool's,
         read with it), and the trainer's and rollouts' calls after it took 0.1 s at the
         median and up to 1.8 s, so a row's ``inserted`` or age lined up against the
-        store's times or the updates' read up to 128 trajectories off (helper 200)."""
-        polled, elapsed_polled = now, elapsed
-        now = b_stats.get("read_at", now)  # (a stand-in's, or an older buffer's: none)
-        elapsed -= polled - now
+        store's times or the updates' read up to 128 trajectories off (helper 200). The
+        ``rollouts`` rows of the poll share the stamp (readers select a poll's rollouts
+        by it; their own reading is their ``read_at``). A reading the buffer did not give
+        this poll (a data module silent or being rebuilt: the driver's last one, read
+        again) stamps the row at the poll's end: restamped at its old time, the rows
+        stood still on the time axis."""
+        read_at = b_stats.get("read_at")  # (a stand-in's, or an older buffer's: none)
+        if read_at is not None and read_at > self.__dict__.get("_last_read_at", -math.inf):
+            self._last_read_at = read_at
+            elapsed -= now - read_at
+            now = read_at
         age = b_stats.get("oldest_age_s")
         if age is None:
             age = now - b_stats["oldest_t_insert"]
@@ -261,7 +268,7 @@ class MetricsRecording:
         )
         for s in r_stats:
             rid = s["rollout_id"]
-            row = {"elapsed_s": elapsed_polled, "rollout": rid}
+            row = {"elapsed_s": elapsed, "rollout": rid}
             row |= {k: s.get(k, math.nan) for k in ROLLOUT_METRICS}
             self._rows["rollouts"].append(_carried(self._carry["rollouts"].get(rid, {}), row))
 

@@ -596,6 +596,31 @@ def test_a_resumed_runs_buffer_age_leaves_out_the_time_it_was_stopped(tmp_path, 
     assert s._rows["cluster"][0]["evicted"] == 2 and s._rows["cluster"][0]["filtered"] == 1
 
 
+def test_a_cluster_row_is_stamped_at_the_buffers_reading_unless_it_is_an_old_one(
+    tmp_path, monkeypatch
+):
+    """A row is stamped when the buffer was read (its read_at), and the poll's rollouts
+    rows with it; a reading the buffer did not give this poll (a silent data module: the
+    driver's last one again) is stamped at the poll's end, not at its old time again
+    (every such row stood at one time)."""
+    s, _ = fake_run(tmp_path, monkeypatch, set(WORKERS.values()))
+    s._rows, s._trainer_wait = {"cluster": [], "rollouts": []}, (0.0, 0.0)
+    s._carry = {"cluster": {}, "rollouts": {}}
+    t0 = 1.8e9
+    stats = {"depth": 0, "ready_groups": 0, "partial_groups": 0, "inserted": 4, "consumed": 0}
+    stats |= {"discarded": 0, "evicted": 0, "filtered": 0, "oldest_age_s": float("nan")}
+    stats["read_at"] = t0 + 9.5
+    pool, trainer = {"outstanding": 1, "dispatched": 1}, {"version": 2, "wait_s": 0.0}
+    rollout = [{"rollout_id": "r0"}]
+    s._record(10.0, t0 + 10.0, trainer, stats, pool, rollout, 0)  # (read 0.5 s before)
+    s._record(11.0, t0 + 11.0, trainer, stats, pool, rollout, 0)  # (the same reading)
+    s._record(12.0, t0 + 12.0, trainer, {**stats, "read_at": t0 + 11.8}, pool, rollout, 0)
+    rows = s._rows["cluster"]
+    assert [r["wall_time"] for r in rows] == [t0 + 9.5, t0 + 11.0, t0 + 11.8]
+    assert [r["elapsed_s"] for r in rows] == [9.5, 11.0, pytest.approx(11.8)]
+    assert [r["elapsed_s"] for r in s._rows["rollouts"]] == [r["elapsed_s"] for r in rows]
+
+
 def test_rows_only_the_trainer_and_manager_hold_outlive_a_lost_data_module(tmp_path, monkeypatch):
     """The trainer's history, the manager's recoveries and the master relay's
     publications are copied every poll and written when the run fails: a data module

@@ -87,16 +87,10 @@ def test_cli_run_end_to_end(tmp_path):
     assert ds.sizes["trajectory"] == summary["trajectories"]
     # Each cluster row is stamped when the buffer was read: its admissions are exactly
     # the store's up to that time (stamped as the poll ended, up to 128 were missing).
-    # Its last row is the buffer as it closed: the run's final counts.
     at = cluster["wall_time"].values.astype("datetime64[ns]").astype(np.int64) / 1e9
     t_insert = np.sort(ds["t_insert"].values)
     admitted = np.searchsorted(t_insert, at, side="right")
     assert (cluster["inserted"].values == admitted).all(), (cluster["inserted"].values, admitted)
-    last = cluster.isel(time=-1)
-    status = ds["status"].values
-    assert int(last["inserted"]) == ds.sizes["trajectory"]
-    assert int(last["buffer_depth"]) == (status == "buffered").sum()
-    assert int(last["consumed"]) == (status == "consumed").sum() == summary["consumed"]
 
 
 def test_cli_ctrl_c_stops_cleanly_with_the_store_intact(tmp_path):
