@@ -46,7 +46,7 @@ from pipelines.driver_calls import _answers, _results, _send, _stopping
 from pipelines.driver_faults import FaultHandling, stuck_workers
 from pipelines.driver_metrics import MetricsRecording
 from pipelines.driver_polls import RewardFailures, StatsPolling
-from pipelines.summary import faults_summary, updates_made
+from pipelines.summary import faults_summary, rollouts_seen, updates_made
 from storage.audit import WALLTIME_REASON
 
 logger = logging.getLogger("laminar")
@@ -572,6 +572,9 @@ class Schedule(StatsPolling, FaultHandling, MetricsRecording):
             "buffer": b_stats,
             "pool": p_stats,
             "rollouts": r_stats,
+            # (every rollout of this start at its last answer: those lost too, whose
+            # reward failures the summary counts)
+            "rollouts_seen": rollouts_seen(self._last_r_stats, r_stats),
             "updates": self._updates_before + self._n_updates,
         }
 

@@ -314,7 +314,7 @@ def summarize(run_dir: Path, raw: dict, sft_info: dict, cfg: RunConfig) -> dict:
         "buffer": raw["buffer"],
         "pool": raw["pool"],
         "rollouts": raw["rollouts"],
-        "reward_errors": reward_errors(raw["rollouts"], raw["buffer"]),
+        "reward_errors": reward_errors(raw.get("rollouts_seen", raw["rollouts"]), raw["buffer"]),
         "engine": _engine_summary(raw["rollouts"]),
         "trainer_ranks": cfg.trainer.ranks,
         "skipped_steps": raw["trainer"]["skipped_steps"],
@@ -335,8 +335,22 @@ def summarize(run_dir: Path, raw: dict, sft_info: dict, cfg: RunConfig) -> dict:
     return summary
 
 
+def rollouts_seen(last: dict[str, dict], answered: list[dict]) -> list[dict]:
+    """Every rollout of a start, at its latest stats: those that ``answered`` the stop,
+    and the others (lost during the run) at their ``last`` poll's answer.
+
+    >>> [r["rollout_id"] for r in rollouts_seen(
+    ...     {"r0": {"rollout_id": "r0", "n": 1}, "r1": {"rollout_id": "r1", "n": 1}},
+    ...     [{"rollout_id": "r1", "n": 2}])]
+    ['r0', 'r1']
+    """
+    return list({**last, **{s["rollout_id"]: s for s in answered}}.values())
+
+
 def reward_errors(rollouts: list[dict], buffer: dict) -> dict:
-    """The reward function's failures over the run's rollouts (their stats at the stop):
+    """The reward function's failures over this start's rollouts (their stats at the
+    stop; a lost one's at its last answer, :class:`pipelines.driver.Schedule`'s
+    ``rollouts_seen``; a resumed run's earlier starts are in their own summaries):
     ``failed`` and ``scored`` responses (not those cut at the length limit, which it is
     not given), ``groups_discarded`` by the buffer (every failure discards its group; a
     non-finite behavior logprob too), and the ``latest`` error one of them kept.

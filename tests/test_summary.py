@@ -102,3 +102,19 @@ def test_a_file_written_whole_keeps_the_mode_a_plain_write_gives(tmp_path):
         assert stat.S_IMODE(whole.stat().st_mode) == 0o640 and whole.read_text() == "[]"
     finally:
         os.umask(old)
+
+
+def test_the_summarys_reward_errors_count_a_lost_rollouts_too():
+    """The summary counted the reward failures of the rollouts that answered the stop
+    alone: a rollout lost during the run took its failures with it. The driver hands
+    every rollout of the start at its latest answer (``rollouts_seen``)."""
+    from pipelines.summary import reward_errors, rollouts_seen
+
+    live = {"rollout_id": "r1", "reward_errors": 2, "rewards_scored": 30}
+    lost = {"rollout_id": "r0", "reward_errors": 5, "rewards_scored": 10}
+    lost["last_reward_error"] = "reward m:f raised KeyError"
+    earlier = {"rollout_id": "r1", "reward_errors": 1, "rewards_scored": 20}
+    seen = rollouts_seen({"r0": lost, "r1": earlier}, [live])
+    errors = reward_errors(seen, {"groups_discarded": 3})
+    assert (errors["failed"], errors["scored"], errors["groups_discarded"]) == (7, 40, 3)
+    assert errors["latest"] == "reward m:f raised KeyError"
