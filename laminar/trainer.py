@@ -316,8 +316,11 @@ class Trainer(DataLinkMixin, PublicationMixin):
                     self.checkpoint = self._save_checkpoint()
             except Exception:
                 self.error = (self.error or "") + traceback.format_exc()
-            if self.ranks > 1:
-                close_rendezvous(self.init_method)
+            try:
+                if self.ranks > 1:
+                    close_rendezvous(self.init_method)
+            except Exception:  # noqa: BLE001 — (said; the trainer is done all the same)
+                self.error = (self.error or "") + traceback.format_exc()
             self.done = True
 
     def _train(self) -> None:

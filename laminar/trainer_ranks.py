@@ -147,7 +147,18 @@ def rendezvous(client, worker: str) -> str:
 
     # (bounded: a rank-0 worker lost meanwhile would leave the task pending for ever)
     port = client.submit(open_rendezvous, workers=[worker], pure=False).result(timeout=60)
-    return f"tcp://{urlparse(worker).hostname}:{port}"
+    host = urlparse(worker).hostname
+    return f"tcp://[{host}]:{port}" if ":" in host else f"tcp://{host}:{port}"  # (IPv6)
+
+
+def close_rendezvous_on(client, worker: str, init_method: str) -> None:
+    """Best effort: close the rendezvous store at ``init_method`` on ``worker`` (a group
+    that never reached rank 0's run, whose end closes it: its store would listen on for
+    the worker's life)."""
+    try:
+        client.submit(close_rendezvous, init_method, workers=[worker], pure=False).result(10)
+    except Exception as e:  # noqa: BLE001 — the worker gone: its store with it
+        logger.warning("could not close the trainer ranks' rendezvous %s: %r", init_method, e)
 
 
 # The rendezvous stores this worker process serves, by port. A store listens from the

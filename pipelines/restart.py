@@ -76,6 +76,7 @@ class _Group:
         self.s, self.worker, self.rank_workers = s, worker, rank_workers
         self.future = None
         self.rank_futures: list = []
+        self.init_method = ""  # (the group's rendezvous, once opened)
         self.started = False  # a rank was started: it waits in this group's rendezvous
         self.t_created = time.time()  # (when its actors began to be created)
 
@@ -104,6 +105,7 @@ class _Group:
         )
         cfg = cfg.model_copy(update={"trainer": tcfg})
         init_method = rendezvous(client, self.worker) if self.rank_workers else ""
+        self.init_method = init_method  # (closed by release() if rank 0 never runs)
         on = {"resource": "trainer"}
         self.rank_futures = [
             start_actor(client, TrainerRank, cfg, s.policy_dir, r, init_method, worker=w, **on)
@@ -157,6 +159,10 @@ class _Group:
             self.s.client.cancel(futures, force=True)
         except Exception as e:  # noqa: BLE001 — the scheduler gone too: the next step says
             logger.warning("could not release the trainer's actors: %r", e)
+        if self.init_method:  # (rank 0 never ran: its store would listen on)
+            from laminar.trainer_ranks import close_rendezvous_on
+
+            close_rendezvous_on(self.s.client, self.worker, self.init_method)
 
     def run(self) -> tuple:
         """Bind the ranks and start them (they wait in the rendezvous), then rank 0 with

@@ -684,3 +684,21 @@ def test_a_worker_with_two_roles_hosts_the_second_only_where_too_few_have_it_alo
             _warn_shared_workers([shared], shared, three)
         (said,) = [r.getMessage() for r in caplog.records]
         assert f"rollout r2 shares worker {shared} with the trainer rank 0" in said, said
+
+
+def test_the_rendezvous_of_an_ipv6_worker_is_an_address_its_ranks_can_read():
+    """An IPv6 worker's rendezvous was ``tcp://fd00::2:PORT``, whose port no rank could
+    read (urlparse raised ValueError, and rank 0's end with it): now bracketed."""
+    from types import SimpleNamespace
+    from urllib.parse import urlparse
+
+    from laminar.trainer_ranks import rendezvous
+
+    # (a client whose task answers the port: what rank 0's worker would)
+    client = SimpleNamespace(submit=lambda *a, **k: SimpleNamespace(result=lambda timeout: 4321))
+    for worker, host in (
+        ("tcp://[fd00::2]:40000", "fd00::2"),
+        ("tls://10.0.0.7:40000", "10.0.0.7"),
+    ):
+        at = urlparse(rendezvous(client, worker))
+        assert (at.hostname, at.port) == (host, 4321)
