@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from storage.schema import ALL_FIELDS, MIXED_VERSION_SCHEDULES, STATUSES
+from storage.schema import ALL_FIELDS, LEAVE_SCHEMA, MIXED_VERSION_SCHEDULES, STATUSES
 
 
 def contract_problems(acc) -> list[str]:
@@ -42,7 +42,9 @@ def contract_problems(acc) -> list[str]:
         problems.append(f"{bad.size} trajectories have t_sample inconsistent with status")
     if "t_leave" in ds and "leave_version" in ds:  # (when and at which version it left)
         t_leave, left_at = ds["t_leave"].values, ds["leave_version"].values
-        off = consumed & ((t_leave != ds["t_sample"].values) | (left_at != m_t))
+        t_sample = ds["t_sample"].values
+        # (a consumed one without t_sample is reported above: NaN != NaN is no second)
+        off = consumed & np.isfinite(t_sample) & ((t_leave != t_sample) | (left_at != m_t))
         if (bad := np.flatnonzero(off)).size:
             problems.append(
                 f"{bad.size} consumed trajectories left the buffer at another time or version "
@@ -54,6 +56,15 @@ def contract_problems(acc) -> list[str]:
                 f"{bad.size} buffered trajectories have a t_leave or leave_version, "
                 f"e.g. {str(uid[bad[0]])!r}"
             )
+        if int(acc._attrs.get("schema_version", 0)) >= LEAVE_SCHEMA:  # (before: consumed alone)
+            # (of the rows written knowing it: a store taken on from schema 2 has older)
+            known = ds["trajectory"].values >= int(acc._attrs.get("leave_known_from", 0))
+            gone = known & ~still & ~consumed & np.isin(status, STATUSES)
+            if (bad := np.flatnonzero(gone & (~np.isfinite(t_leave) | (left_at < 0)))).size:
+                problems.append(
+                    f"{bad.size} trajectories that left the buffer unconsumed have no "
+                    f"t_leave or leave_version, e.g. {str(uid[bad[0]])!r}"
+                )
     unknown = set(np.unique(status)) - set(STATUSES)
     if unknown:
         problems.append(f"unknown statuses {sorted(str(s) for s in unknown)}")

@@ -186,7 +186,8 @@ class TrajectoryWriter:
             dtype, dim, chunk = specs[name]
             arr = new_array(g, name, dtype, dim, chunk, overwrite=True)
             arr.with_config(WRITE_EVERY_CHUNK).append(v.astype(dtype))
-        self.group.update_attributes({"schema_version": SCHEMA_VERSION})
+        # (the rows from n on were written knowing when they left: the audit checks them)
+        self.group.update_attributes({"schema_version": SCHEMA_VERSION, "leave_known_from": n})
 
     def record_resume(self, from_version: int, t: float) -> None:
         """A start that resumed the run in place from its checkpoint of ``from_version``,

@@ -523,6 +523,12 @@ def _read_run(store: Path, group: zarr.Group) -> xr.Dataset:
     if unknown:
         ds.attrs["unknown_event_uid"] = first
     ds.attrs["schedule"] = group.attrs.get("schedule", "laminar")  # older stores: laminar
+    # (3 and on: every trajectory that left has its t_leave and leave_version)
+    ds.attrs["schema_version"] = int(group.attrs.get("schema_version", 0))
+    # The first row written knowing when it left (a store taken on from schema 2: the
+    # rows it held then are known for the consumed alone; of an older one: none)
+    known = 0 if ds.attrs["schema_version"] >= LEAVE_SCHEMA else ds.sizes[TRAJECTORY_DIM]
+    ds.attrs["leave_known_from"] = int(group.attrs.get("leave_known_from", known))
     # (each resume in place: when, from which checkpoint version; TrajectoryWriter.record_resume)
     resumes = recorded_resumes(group)
     ds.attrs["resumed_at_s"] = [t for t, _ in resumes]

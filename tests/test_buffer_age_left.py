@@ -84,3 +84,13 @@ def test_the_audit_checks_the_leave_fields_against_the_sampling_fields(tmp_path)
     ]
     problems = ds.assign(leave_version=("trajectory", leave_version)).laminar.audit()
     assert problems == ["1 buffered trajectories have a t_leave or leave_version, e.g. 'b'"]
+
+
+def test_a_store_that_knows_when_trajectories_left_has_it_for_every_one(tmp_path):
+    """Schema 3 records when and at which version every trajectory left: an evicted one
+    without it is a problem there (a store of schema 2 knew it of the consumed alone)."""
+    silent = _left("c", "evicted", 0, 9, 3) | {"t_leave": np.nan, "leave_version": -1}
+    TrajectoryWriter(tmp_path).append([_left("a", "consumed", 0, 2, 1), silent])
+    assert open_run(tmp_path).laminar.audit() == [
+        "1 trajectories that left the buffer unconsumed have no t_leave or leave_version, e.g. 'c'"
+    ]

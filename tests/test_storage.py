@@ -326,6 +326,8 @@ def test_a_store_of_schema_2_reads_resumes_and_is_taken_on_by_a_writer(tmp_path)
 
     w = TrajectoryWriter(tmp_path)  # (a resume's)
     assert w.group.attrs["schema_version"] == 3
+    # (its 8 rows are known for the consumed alone: the audit asks the rows after it)
+    assert open_run(tmp_path).attrs["leave_known_from"] == 8
     assert np.array_equal(read()[0], before[0], equal_nan=True) and read()[1] == before[1]
     gone = {"t_leave": 9.0, "leave_version": 4}
     w.append([], events=[_leave(6, **evicted) | gone, _leave(7, **evicted) | gone])
