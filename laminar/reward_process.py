@@ -153,7 +153,7 @@ class _Child:
         try:
             self.conn.send(list(sys.path))
         except OSError as e:  # (it ended at once: reaped here)
-            raise OSError(f"it ended as it started ({self.end()})") from e
+            raise OSError(f"it ended as it started ({self.end()}){_output_at()}") from e
         except BaseException:
             self.end()
             raise
@@ -181,6 +181,15 @@ class _Child:
                 except ValueError:
                     self.how = f"killed by signal {-code}"
         return self.how
+
+
+def _output_at() -> str:
+    """Where what the scoring processes printed went, for an error about one that
+    ended (its traceback, a native library's abort message), when anything was."""
+    try:
+        return f"; its output: {log_path()}" if log_path().stat().st_size > 0 else ""
+    except OSError:
+        return ""
 
 
 def _say_printed(reward_name: str) -> None:
@@ -319,7 +328,7 @@ def scores_in_child(
                     yield Score(
                         math.nan,
                         f"reward {reward_name} ended the process that scored it "
-                        f"({child.end()}); the calls after it go to a new one",
+                        f"({child.end()}){_output_at()}; the calls after it go to a new one",
                         call_context(calls[i]),
                     )
                     i += 1
@@ -328,12 +337,12 @@ def scores_in_child(
                 i += 1
             else:
                 healthy = True
-                _say_printed(reward_name)
         finally:  # (cut: killed; a generator closed early, too, may have calls out)
             if healthy:
                 _park(child)
             else:
                 child.end()
+            _say_printed(reward_name)  # (a reward that printed, then crashed or hung, too)
 
 
 def _load(

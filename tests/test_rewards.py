@@ -25,8 +25,10 @@ def backtracks(response: str, answer: str) -> float:
 def exits(response: str, answer: str) -> float:
     """Ends its process (``os._exit(3)``: no exception to catch) for the response ``die``."""
     import os
+    import sys
 
     if response == "die":
+        print("about to die", file=sys.stderr)  # (the error names where this went)
         os._exit(3)
     return float(response == answer)
 
@@ -117,10 +119,13 @@ def test_a_call_that_ends_its_process_is_an_error_and_the_rest_are_scored():
     assert time.monotonic() - t0 < 10.0  # (not waited out: 30 s)
     assert scores[0].reward == 1.0 and scores[2].reward == 1.0 and scores[3].reward == -1.0
     assert math.isnan(scores[1].reward)
+    from laminar.reward_process import log_path
+
     assert scores[1].error == (
-        "reward test_rewards:exits ended the process that scored it (exit code 3); the "
-        "calls after it go to a new one"
+        "reward test_rewards:exits ended the process that scored it (exit code 3); its "
+        f"output: {log_path()}; the calls after it go to a new one"
     )
+    assert "about to die" in log_path().read_text()
 
 
 def test_after_a_timed_out_call_the_next_batch_is_scored_normally():
