@@ -116,23 +116,24 @@ class TrajectoryWriter:
         with reading(self.path):
             self.group = zarr.open_group(str(self.path), mode="a", zarr_format=3)
             created = not exists or _never_created(self.path, self.group)
+            schema = self.group.attrs.get("schema_version")
             if created:
                 self._create(schedule)
-            elif self.group.attrs.get("schema_version") == LEAVE_SCHEMA - 1:
-                _check_markers(self.path, self.group, EVENT_COMMIT_ATTR)
-                self._add_leave_fields()
-            elif self.group.attrs.get("schema_version") != SCHEMA_VERSION:
+            elif schema not in (LEAVE_SCHEMA - 1, SCHEMA_VERSION):
                 raise StoreError(
-                    f"{str(self.path)!r} has schema_version "
-                    f"{self.group.attrs.get('schema_version')!r}, this code writes "
+                    f"{str(self.path)!r} has schema_version {schema!r}, this code writes "
                     f"{SCHEMA_VERSION}; use a new run directory"
                 )
             _check_markers(self.path, self.group, EVENT_COMMIT_ATTR)
             # This writer's turn (created: the first, 1): a writer that opened the store
-            # before it commits nothing more (_check_epoch)
+            # before it commits nothing more (_check_epoch). Before a schema-2 store is
+            # taken on: a writer of it still going would otherwise commit rows without
+            # the arrays the migration adds.
             self.epoch = 1 if created else int(self.group.attrs.get(EPOCH_ATTR, 0)) + 1
             if not created:
                 self.group.update_attributes({EPOCH_ATTR: self.epoch})
+            if not created and schema == LEAVE_SCHEMA - 1:
+                self._add_leave_fields()
             self.n_committed = int(self.group.attrs[COMMIT_ATTR])
             self.tokens_committed = dict(self.group.attrs["n_committed_tokens"])
             self.events_committed = int(self.group.attrs[EVENT_COMMIT_ATTR])
