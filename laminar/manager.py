@@ -159,12 +159,8 @@ class RolloutManager(RecoveryMixin, RepackMixin):
 
     def stop(self, timeout: float = 30.0) -> dict:
         self._stop.set()
-        deadline = time.monotonic() + timeout
         if self._thread is not None:
             self._thread.join(timeout)
-        # (a repack round settling in the background records its rows as it ends: before
-        # the driver's last copy of them, where it ends within the stop's time)
-        self._join_rounds(max(0.0, deadline - time.monotonic()))
         return self.stats()
 
     def take_over(self, last: dict, rollouts: dict, workers: dict) -> None:

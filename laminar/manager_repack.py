@@ -17,7 +17,7 @@ import logging
 import time
 import uuid
 
-from laminar.cluster import LOST_POLL_S, actor_result, start_thread
+from laminar.cluster import LOST_POLL_S, actor_result
 from laminar.config import RunConfig
 from laminar.repack import (
     EXPORT_WAIT_TIMEOUTS,
@@ -135,8 +135,7 @@ class RepackMixin:
     def check(self) -> list[dict]:
         """One planning round: loads, plan, moves. Returns the rows of its moves."""
         published = self._loads()
-        busy = self._open_rounds()["busy"]
-        loads = [ld for ld in planner_loads(published, self._prev) if ld.rollout_id not in busy]
+        loads = planner_loads(published, self._prev)
         self.counts["checks"] += 1
         moves = plan(loads, c_max=self.rcfg.c_max, max_batch=self.max_batch)
         taken_in = {rid: ld.get("taken_in") for rid, ld in published.items() if ld}
@@ -158,6 +157,13 @@ class RepackMixin:
         do. A command waits for its rollout's next step boundary, so one move at a time
         cost two steps per move; a round costs about two steps, however many moves it
         has, and a slow or hung destination holds its own sources alone.
+
+        It returns only once every move is decided and its release or abort acknowledged
+        (or given up): a hung destination keeps the manager's thread here for about four
+        actor timeouts (export, import, the question about it), and loss detection waits
+        meanwhile. Until the round's end the partial-response pool names each moved
+        request's source its owner: a loss of the source recovered in between would
+        resume them elsewhere while its destination decoded them too.
 
         A request is never in no engine: a source holds what it exported until it is
         released or aborted (and takes it back by itself after a hold nobody ends), and
@@ -240,63 +246,19 @@ class RepackMixin:
                 )
                 rnd.started[dst, v] = time.time()
                 rnd.waiting[dst, v] = ("import", future, rnd.started[dst, v], IMPORT_WAIT_TIMEOUTS)
-            # The round ends with its imports' window; what is still open then (the
-            # questions to destinations that did not answer, releases not acknowledged)
-            # settles in a thread of its own, so that this one goes on detecting losses.
-            self._advance(rnd, until=time.time() + IMPORT_WAIT_TIMEOUTS * window)
-        except BaseException:
+            # The round returns once every move is decided and its release or abort
+            # acknowledged (or given up): the partial-response pool names the moved
+            # requests' new owner at its end, so a loss detected in between would recover
+            # them from their source, and they would decode twice (docs/repack.md).
+            self._advance(rnd)
+        finally:
             # (an error above: no source is left holding what nobody will import)
             for src in rnd.outs:
                 if src not in rnd.ok_of and src not in rnd.acks:
                     rnd.ok_of[src] = False
                     rnd.send(src, "abort", self._try(self._call("abort", src, rnd)), time.time())
             self._advance(rnd, acks_only=True)
-            raise
-        if rnd.waiting or rnd.acks:
-            self._settle_later(moves, rnd)
-            return []
         return self._finish(moves, rnd)
-
-    def _settle_later(self, moves: list, rnd: _Round) -> None:
-        """Finish ``rnd`` in a thread of its own: its rows are recorded when it ends.
-        Its rollouts are kept out of planning until then (a held source is out anyway;
-        the destination not answering might be given more)."""
-        open_ = self._open_rounds()
-        busy = {*rnd.outs, *rnd.acks, *(dst for dst, _ in rnd.groups)}
-        with self._rows_lock:
-            open_["busy"].update(busy)
-
-        rows: list[dict] = []
-
-        def settle() -> None:
-            try:
-                self._advance(rnd)
-                rows.extend(self._finish(moves, rnd))
-                self._record_moves(rows)
-            except Exception:  # noqa: BLE001 — its sources' holds run out: taken back
-                logger.exception("repack: a round's settling failed")
-            finally:
-                with self._rows_lock:
-                    open_["busy"].difference_update(busy)
-
-        # (those done and never joined: only tests join them)
-        open_["threads"] = [(t, r) for t, r in open_["threads"] if t.is_alive()]
-        open_["threads"].append((start_thread(settle, "repack-round"), rows))
-
-    def _open_rounds(self) -> dict:
-        """The rounds settling in the background: their threads with the rows each
-        recorded once done, and the rollouts they hold (kept out of planning)."""
-        return self.__dict__.setdefault("_open", {"threads": [], "busy": set()})
-
-    def _join_rounds(self, timeout: float | None = None) -> list[dict]:
-        """Wait for the rounds settling in the background; the rows they recorded."""
-        open_ = self._open_rounds()
-        out = []
-        for thread, rows in list(open_["threads"]):
-            thread.join(timeout)
-            out += rows
-        open_["threads"] = [(t, rows) for t, rows in open_["threads"] if t.is_alive()]
-        return out
 
     def _finish(self, moves: list, rnd: _Round) -> list[dict]:
         """The partial-response pool told of the committed moves' new owners, and each
@@ -322,8 +284,7 @@ class RepackMixin:
             if m.source not in rnd.outs:
                 continue
             out, ok = rnd.outs[m.source], rnd.ok_of.get(m.source, False)
-            with self._rows_lock:  # (a round settling in the background counts too)
-                self.counts["moves" if ok else "rolled_back"] += 1
+            self.counts["moves" if ok else "rolled_back"] += 1
             for rid in (m.source, m.destination):
                 self._prev.pop(rid, None)  # their KV just jumped: not "falling" next time
             key = (m.destination, out["version"])
@@ -364,12 +325,13 @@ class RepackMixin:
                     return
             time.sleep(0.01)
 
-    def _advance(self, rnd: _Round, until: float | None = None, acks_only: bool = False) -> None:
+    def _advance(self, rnd: _Round, acks_only: bool = False) -> None:
         """Wait on a round's imports, the questions about those not answered, and its
         releases and aborts, acting on each answer as it comes: a destination's sources
         are released (or abort) at its own import's answer, not after every other's.
         One thread polls them all, so no call waits behind another's deadline. Returns
-        when nothing is left open, or at ``until``."""
+        when nothing is left open (each wait is bounded: at most about
+        ``HOLD_LIMIT_TIMEOUTS`` timeouts from the round's start)."""
         window = self.timeout
         while (rnd.waiting and not acks_only) or rnd.acks:
             now = time.time()
@@ -430,8 +392,6 @@ class RepackMixin:
                         rnd.done(src, now)
                     else:
                         rnd.send(src, kind, self._try(self._call(kind, src, rnd)), now)
-            if until is not None and time.time() >= until:
-                return
             if (rnd.waiting and not acks_only) or rnd.acks:
                 time.sleep(0.01)
 

@@ -230,9 +230,8 @@ def test_a_round_names_each_move_and_the_batch_it_planned_with(cfg, monkeypatch)
     dst = FakeRollout({**decoding(kv=0.3), "taken_in": 2}, import_for_move=lambda *a, **k: never())
     monkeypatch.setattr(repack_mod, "plan", lambda *a, **k: [Move("r0", "r1")])
     manager = RolloutManager(cfg, {"r0": src, "r1": dst}, None)
-    assert manager.check() == []  # (settled in the background: the import never answered)
-    (row,) = manager._join_rounds()
-    assert not row["ok"]  # (the question neither)
+    (row,) = manager.check()
+    assert not row["ok"]  # (the import never answered; the question neither)
     (export,) = src.called("export_for_move")
     assert export[2]["taken_in"] == 7
     (imp,) = dst.called("import_for_move")
@@ -243,21 +242,48 @@ def test_a_round_names_each_move_and_the_batch_it_planned_with(cfg, monkeypatch)
     assert abort[2] == {"move": export[2]["move"]} and not src.called("release")
 
 
-def test_a_rollout_of_a_round_still_settling_is_not_planned_with(cfg):
-    """A round whose destination did not answer settles in the background (its
-    question may take two timeouts): until it has, its rollouts are left out of
-    planning; the destination might otherwise be given more while its import is in
-    doubt."""
-    r0 = FakeRollout(decoding(kv=0.1))
-    r1 = FakeRollout(decoding(kv=0.2))
-    manager = RolloutManager(cfg, {"r0": r0, "r1": r1}, None)
-    manager._prev = {"r0": (1, 0.3), "r1": (1, 0.3)}  # both falling: r0 -> r1 otherwise
-    manager._open_rounds()["busy"].add("r1")
-    assert manager.check() == [] and not r0.called("export_for_move")
-    manager._open_rounds()["busy"].clear()
-    manager._prev = {"r0": (1, 0.3), "r1": (1, 0.3)}
-    manager.check()
-    assert r0.called("export_for_move")
+def test_a_source_lost_while_its_round_is_open_is_not_recovered_from_its_moved_requests(cfg):
+    """r0's worker is lost while the manager asks r1 whether the import it did not answer
+    went through (r1 answers yes, late). The round returns only once that is decided and
+    the pool names r1 the moved requests' owner: the loss detected after it recovers none
+    of them. (A round settling in the background returned before; the loss detected
+    meanwhile recovered them from r0, still their owner in the pool, into r2, while r1
+    decoded them too: two owners flushing one request.)"""
+    import threading
+
+    states = [state("g0-000"), state("g0-001")]
+    alive = {"tcp://a", "tcp://b", "tcp://c"}
+
+    class OwnedPool(FakePool):  # (take hands out only its rollout's entries, as the pool)
+        def take(self, rollout_id, again=False):
+            mine = [st for st in self.states if self.owner.get(st.request_id) == rollout_id]
+            self.states = [st for st in self.states if st not in mine]
+            return done(mine)
+
+    def late_yes(move):
+        alive.discard("tcp://a")  # (r0's worker lost while the question is open)
+        answer = Future()
+        threading.Timer(0.6, answer.set_result, (True,)).start()  # (within its 2 timeouts)
+        return answer
+
+    pool = OwnedPool(states=states)
+    pool.owner = dict.fromkeys(["g0-000", "g0-001"], "r0")
+    src = FakeRollout(decoding(kv=0.1), export_for_move=lambda **k: done(exported(states)))
+    dst = FakeRollout(decoding(kv=0.3), import_for_move=lambda *a, **k: never(), holds=late_yes)
+    other = FakeRollout(decoding(kv=0.3), import_for_move=lambda *a, **k: done(True))
+    workers = {"r0": "tcp://a", "r1": "tcp://b", "r2": "tcp://c"}
+    rollouts = {"r0": src, "r1": dst, "r2": other}
+    manager = RolloutManager(cfg, rollouts, None, partial=pool, workers=workers)
+    manager._scheduler_workers = lambda: set(alive)
+    manager._prev = {"r0": (1, 0.1), "r1": (1, 0.2), "r2": (1, 0.2)}
+    loads = {"r0": RolloutLoad("r0", 0, 0.1, 0.2, 2), "r1": RolloutLoad("r1", 0, 0.2, 0.3, 2)}
+    rows = manager._execute([Move("r0", "r1")], loads)
+    assert manager.detect() == ["r0"]  # (the manager's thread, as its loop does)
+    assert not other.called("import_for_move") and not other.called("adopt")
+    assert len(dst.called("import_for_move")) == 1  # (the move's alone)
+    assert pool.owner == {"g0-000": "r1", "g0-001": "r1"}
+    (row,) = rows
+    assert row["ok"]
 
 
 def test_a_moves_pause_runs_from_its_exports_hand_over_not_from_the_rounds_start(cfg):
@@ -560,24 +586,3 @@ def test_a_rebuilt_manager_fences_the_lost_rollouts_in_the_new_pool(cfg):
     finally:
         del thread_state.actor
     assert sorted(fenced) == ["r1", "r2"]
-
-
-def test_the_managers_stop_waits_for_a_round_settling_in_the_background(cfg, monkeypatch):
-    """A round whose destination did not answer records its row once it settles, in
-    its own thread: the manager's stop waits for it (within the stop's time), so that the
-    driver's last copy of the manager's rows has it (it could land after)."""
-    import laminar.manager_repack as repack_mod
-
-    states = [state("g0-000")]
-    src = FakeRollout(decoding(kv=0.1), export_for_move=lambda **k: done(exported(states)))
-    # (neither its import nor the question about it answers: the round settles at the
-    # question's deadline, two timeouts on)
-    never_answers = {"import_for_move": lambda *a, **k: never(), "holds": lambda *a: never()}
-    dst = FakeRollout(decoding(kv=0.3), **never_answers)
-    monkeypatch.setattr(repack_mod, "plan", lambda *a, **k: [Move("r0", "r1")])
-    manager = RolloutManager(cfg, {"r0": src, "r1": dst}, None)
-    assert manager.check() == []  # (settling in the background)
-    manager.stop(timeout=60.0)
-    assert not any(t.is_alive() for t, _ in manager._open_rounds()["threads"])
-    (row,) = manager.get_rows()
-    assert not row["ok"]

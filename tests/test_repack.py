@@ -381,12 +381,6 @@ class _SlowLog:
         return Future()
 
 
-def _round(manager, moves, loads, taken_in=None) -> list[dict]:
-    """A round's rows, or, when it settled in the background (a destination's import
-    went unanswered), the rows it recorded once it has."""
-    return manager._execute(moves, loads, taken_in) or manager._join_rounds()
-
-
 @pytest.mark.parametrize(
     "dest_batch, late", [(1, False), (1, True), (2, False)], ids=["imported", "late", "refused"]
 )
@@ -416,7 +410,7 @@ def test_a_move_leaves_every_request_in_exactly_one_engine(
         )
         manager._prev = {"r0": (1, 0.1), "r1": (1, 0.2)}
         loads = {"r0": RolloutLoad("r0", 0, 0.1, 0.2, 3), "r1": RolloutLoad("r1", 0, 0.2, 0.3, 2)}
-        (row,) = _round(manager, [Move("r0", "r1")], loads)
+        (row,) = manager._execute([Move("r0", "r1")], loads)
         held = set(src.engine.request_ids()), set(dst.engine.request_ids())
         assert not held[0] & held[1] and held[0] | held[1] == before
         assert not src._held and src._exported is None
@@ -501,7 +495,7 @@ def test_a_withdrawn_import_is_not_taken_for_an_earlier_one_of_the_same_requests
                 "r0": RolloutLoad("r0", 0, 0.1, 0.2, len(a.engine.request_ids())),
                 "r1": RolloutLoad("r1", 0, 0.2, 0.3, len(b.engine.request_ids())),
             }
-            (row,) = _round(manager, [Move(src, dst)], loads)
+            (row,) = manager._execute([Move(src, dst)], loads)
             return row
 
         assert round_("r0", "r1")["ok"] and set(b.engine.request_ids()) == moved

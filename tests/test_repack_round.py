@@ -6,7 +6,7 @@ rollouts and their handles are those of ``tests/test_repack.py``."""
 from __future__ import annotations
 
 import pytest
-from test_repack import _decoding, _Handle, _round
+from test_repack import _decoding, _Handle
 
 from laminar.config import with_overrides
 from laminar.manager import RolloutManager
@@ -40,7 +40,7 @@ def test_a_round_never_leaves_a_destination_past_max_batch(tiny_policy, small_co
     try:
         manager = _manager(cfg, {"r0": _Handle(src), "r1": _Handle(dst)})
         assert manager.max_batch == 8
-        (row,) = _round(manager, [Move("r0", "r1")], _loads({"r0": 4, "r1": 2}))
+        (row,) = manager._execute([Move("r0", "r1")], _loads({"r0": 4, "r1": 2}))
         assert not row["ok"]
         assert len(dst.engine.request_ids()) == 6 and len(src.engine.request_ids()) == 4
     finally:
@@ -60,7 +60,7 @@ def test_a_round_never_leaves_a_destination_past_c_max(tiny_policy, small_config
         c_max = alone + incoming / 2  # room for r1's own, not for r0's on top
         cfg = with_overrides(small_config, [*ROUND, "repack.max_batch=16", f"repack.c_max={c_max}"])
         manager = _manager(cfg, {"r0": _Handle(src), "r1": _Handle(dst)})
-        (row,) = _round(manager, [Move("r0", "r1")], _loads({"r0": 3, "r1": 2}))
+        (row,) = manager._execute([Move("r0", "r1")], _loads({"r0": 3, "r1": 2}))
         assert not row["ok"]
         assert len(dst.engine.request_ids()) == 2 and len(src.engine.request_ids()) == 3
     finally:
@@ -76,7 +76,7 @@ def test_a_round_exports_only_the_batch_it_planned_with(tiny_policy, small_confi
     dst, stop_dst = _decoding("r1", cfg, tiny_policy, 2)
     try:
         manager = _manager(cfg, {"r0": _Handle(src), "r1": _Handle(dst)})
-        assert _round(manager, [Move("r0", "r1")], _loads({"r0": 3, "r1": 2})) == []
+        assert manager._execute([Move("r0", "r1")], _loads({"r0": 3, "r1": 2})) == []
         assert manager.counts["skipped"] == 1 and not src._held
         assert len(src.engine.request_ids()) == 3 and len(dst.engine.request_ids()) == 2
     finally:
@@ -99,7 +99,7 @@ def test_a_round_exports_nothing_from_a_source_that_grew_since_its_plan(
             loads, taken_in = _loads({"r0": 2, "r1": 2}), None
         else:
             loads, taken_in = _loads({"r0": 3, "r1": 2}), {"r0": src._taken_in - 1}
-        assert _round(manager, [Move("r0", "r1")], loads, taken_in) == []
+        assert manager._execute([Move("r0", "r1")], loads, taken_in) == []
         assert manager.counts["skipped"] == 1 and not src._held
         assert len(src.engine.request_ids()) == 3 and len(dst.engine.request_ids()) == 2
     finally:
@@ -217,7 +217,7 @@ def test_a_release_that_failed_is_sent_again(tiny_policy, small_config):
     try:
         to_src = _FailsOnce(src, "release")
         manager = _manager(cfg, {"r0": to_src, "r1": _Handle(dst)})
-        (row,) = _round(manager, [Move("r0", "r1")], _loads({"r0": 3, "r1": 2}))
+        (row,) = manager._execute([Move("r0", "r1")], _loads({"r0": 3, "r1": 2}))
         assert row["ok"] and to_src.calls == 2
         assert not src._held and src._exported is None and not src.engine.request_ids()
         assert len(dst.engine.request_ids()) == 5 and src.counts["moves_out"] == 1
@@ -235,7 +235,7 @@ def test_an_abort_that_failed_is_sent_again(tiny_policy, small_config):
     try:
         to_src = _FailsOnce(src, "abort_export")
         manager = _manager(cfg, {"r0": to_src, "r1": _Handle(dst)})
-        (row,) = _round(manager, [Move("r0", "r1")], _loads({"r0": 3, "r1": 2}))
+        (row,) = manager._execute([Move("r0", "r1")], _loads({"r0": 3, "r1": 2}))
         assert not row["ok"] and to_src.calls == 2
         assert not src._held and len(src.engine.request_ids()) == 3
         assert src.counts["holds_timed_out"] == 0
@@ -280,8 +280,7 @@ def test_a_hung_destination_holds_its_own_sources_alone(tiny_policy, small_confi
         hung = {"r3": ("import_for_move",)}
         handles = {r: _Recorded(ro, events, hung.get(r, ())) for r, (ro, _) in up.items()}
         manager = _manager(cfg, handles)
-        rows = _round(
-            manager,
+        rows = manager._execute(
             [Move("r0", "r1"), Move("r2", "r3")],
             _loads({"r0": 3, "r1": 2, "r2": 3, "r3": 2}),
         )
@@ -296,12 +295,12 @@ def test_a_hung_destination_holds_its_own_sources_alone(tiny_policy, small_confi
             stop.set()
 
 
-def test_a_round_does_not_wait_out_a_hung_destinations_question(tiny_policy, small_config):
-    """r3 answers neither its import nor the question whether it went through. The
-    manager's thread, which also detects lost rollouts, waited twice the timeout more
-    for that answer: the round returns at the end of its imports' window now, and
-    finishes r2's move in the background (r2 takes its requests back when the question
-    goes unanswered), r0's released at once all the same."""
+def test_a_round_returns_once_a_hung_destinations_move_is_taken_back(tiny_policy, small_config):
+    """r3 answers neither its import nor the question whether it went through. The round
+    returns only once r2 has taken its requests back (acknowledged): a round that left
+    that to a thread of its own let loss detection recover a source whose requests the
+    pool still named it the owner of while its destination might decode them too. r0 is
+    released at r1's answer all the same."""
     cfg = with_overrides(small_config, ROUND)
     events: list = []
     up = {r: _decoding(r, cfg, tiny_policy, n) for r, n in (("r0", 3), ("r1", 2), ("r2", 3))}
@@ -311,44 +310,16 @@ def test_a_round_does_not_wait_out_a_hung_destinations_question(tiny_policy, sma
         handles = {r: _Recorded(ro, events, hung.get(r, ())) for r, (ro, _) in up.items()}
         manager = _manager(cfg, handles)
         moves = [Move("r0", "r1"), Move("r2", "r3")]
-        assert manager._execute(moves, _loads({"r0": 3, "r1": 2, "r2": 3, "r3": 2})) == []
+        rows = manager._execute(moves, _loads({"r0": 3, "r1": 2, "r2": 3, "r3": 2}))
         events.append(("returned", None))
-        assert manager._open_rounds()["busy"] >= {"r2", "r3"}
-        rows = {r["source"]: r for r in manager._join_rounds()}
-        assert rows["r0"]["ok"] and not rows["r2"]["ok"]
-        assert events.index(("release", "r0")) < events.index(("returned", None))
-        assert events.index(("returned", None)) < events.index(("abort_export", "r2"))
+        by_src = {r["source"]: r for r in rows}
+        assert by_src["r0"]["ok"] and not by_src["r2"]["ok"]
+        assert events.index(("release", "r0")) < events.index(("holds", "r3"))
+        assert events.index(("abort_export", "r2")) < events.index(("returned", None))
         assert len(up["r2"][0].engine.request_ids()) == 3 and not up["r2"][0]._held
-        assert not manager._open_rounds()["busy"]
     finally:
         for _, stop in up.values():
             stop.set()
-
-
-def test_a_destination_whose_worker_is_gone_is_not_waited_for(tiny_policy, small_config):
-    """r1's worker is gone (the scheduler no longer has it) and its import never
-    answers: the move is aborted as soon as that is seen, without waiting out the
-    import's timeout and asking r1 a question it cannot answer; r0 takes its requests
-    back."""
-    cfg = with_overrides(
-        small_config,
-        ["rollout.parity_every=0", "repack.interval_s=1", "cluster.actor_timeout_s=30"],
-    )
-    events: list = []
-    src, stop_src = _decoding("r0", cfg, tiny_policy, 3)
-    dst, stop_dst = _decoding("r1", cfg, tiny_policy, 2)
-    try:
-        handles = {"r0": _Recorded(src, events), "r1": _Recorded(dst, events, ("import_for_move",))}
-        manager = RolloutManager(
-            cfg, handles, master_relay=None, workers={"r0": "tcp://a", "r1": "tcp://b"}
-        )
-        manager._prev = {"r0": (1, 0.1), "r1": (1, 0.1)}
-        manager._scheduler_workers = lambda: {"tcp://a"}  # (r1's worker gone)
-        (row,) = _round(manager, [Move("r0", "r1")], _loads({"r0": 3, "r1": 2}))
-        assert not row["ok"] and ("holds", "r1") not in events
-        assert len(src.engine.request_ids()) == 3 and not src._held
-    finally:
-        stop_src.set(), stop_dst.set()
 
 
 class _SlowQuestion(_Handle):
@@ -412,7 +383,7 @@ def test_a_slow_but_answered_round_never_leaves_a_request_in_two_engines(tiny_po
         before = {*src.engine.request_ids(), *dst.engine.request_ids()}
         late = 0.75 * QUESTION_WAIT_TIMEOUTS * timeout
         manager = _manager(cfg, {"r0": _Handle(src), "r1": _SlowQuestion(dst, late)})
-        (row,) = _round(manager, [Move("r0", "r1")], _loads({"r0": 3, "r1": 2}))
+        (row,) = manager._execute([Move("r0", "r1")], _loads({"r0": 3, "r1": 2}))
         held = set(src.engine.request_ids()), set(dst.engine.request_ids())
         assert row["ok"]
         assert not held[0] & held[1] and held[0] | held[1] == before
