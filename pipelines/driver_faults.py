@@ -515,7 +515,8 @@ class FaultHandling:
         hosting |= stuck_workers(m_stats)  # (lost, but its process may live: not free)
         free = [w for w in workers_with(client, "rollout") if w not in hosting]
         # (a worker of the trainer's or the data module's too, last: see place())
-        free.sort(key=lambda w: w in set(self.core_workers.values()))
+        cores = set(getattr(self, "core_workers", {}).values())
+        free.sort(key=lambda w: w in cores)
         if not free:
             return
         rid, worker = f"r{len(a['rollouts'])}", free[0]
