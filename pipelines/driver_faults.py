@@ -520,6 +520,14 @@ class FaultHandling:
         if not free:
             return
         rid, worker = f"r{len(a['rollouts'])}", free[0]
+        if worker in cores:  # (as at the start: pipelines.driver._warn_shared_workers)
+            logger.warning(
+                "replacement rollout %s shares worker %s with the trainer or the data module "
+                "(no worker with 'rollout' alone is free): its engine and theirs contend for "
+                "one process; start rollout workers of their own (docs/deploy.md)",
+                rid,
+                worker,
+            )
         tier = self.tier
         relay_id = tier.ids[tier.local_relay(worker, self._taken, lost=m_stats["relays_lost"])]
         self.rollout_relays[rid] = relay_id
