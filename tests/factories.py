@@ -101,3 +101,38 @@ def actor_thread_held(cls, *args):
             assert time.monotonic() < deadline
             time.sleep(0.01)
         yield actor, blocked
+
+
+def timed(
+    u: str,
+    finish: float,
+    insert: float | None = None,
+    sample: float | None = None,
+    *,
+    t0: float,
+    version: int = 0,
+    status: str | None = None,
+    reward: float = 1.0,
+    group: str | None = None,
+    size: int = 1,
+) -> dict:
+    """A trajectory's record, finished at ``finish`` s after ``t0`` (epoch seconds),
+    submitted 1 s before, inserted at ``insert`` (default: then), consumed at ``sample``
+    (None: buffered, unless ``status`` says otherwise)."""
+    insert = finish if insert is None else insert
+    status = status or ("consumed" if sample is not None else "buffered")
+    return trajectory(
+        u,
+        group or f"g{u}",
+        group_size=size,
+        behavior_version=version,
+        finish_version=version,
+        status=status,
+        sample_version=version if status == "consumed" else -1,
+        reward=reward,
+        t_submit=t0 + finish - 1,
+        t_start=t0 + finish - 1,
+        t_finish=t0 + finish,
+        t_insert=t0 + insert,
+        t_sample=np.nan if sample is None else t0 + sample,
+    ).to_record()

@@ -858,7 +858,7 @@ def _lost_and_resumed_run(path, first_row_version):
     version in the resume's first ``cluster`` row (4 when it had already redone an
     update by its first poll). Rewards: the lost weights' trajectories 0.9, the others
     a tenth of their version."""
-    from factories import trajectory
+    from factories import timed
 
     from storage.metrics import MetricsWriter
 
@@ -870,21 +870,15 @@ def _lost_and_resumed_run(path, first_row_version):
     redone += [(6, 138, 0.6, "buffered")]
     TrajectoryWriter(path).append(
         [
-            trajectory(
+            timed(
                 f"u{i}",
-                f"g{i}",
-                group_size=1,
-                behavior_version=k,
-                finish_version=k,
+                f,
+                sample=f + 0.5 if status == "consumed" else None,
+                t0=t0,
+                version=k,
                 status=status,
-                sample_version=k if status == "consumed" else -1,
                 reward=r,
-                t_submit=t0 + f - 1,
-                t_start=t0 + f - 1,
-                t_finish=t0 + f,
-                t_insert=t0 + f,
-                t_sample=t0 + f + 0.5 if status == "consumed" else np.nan,
-            ).to_record()
+            )
             for i, (k, f, r, status) in enumerate(lost + redone)
         ]
     )

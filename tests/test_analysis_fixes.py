@@ -11,7 +11,7 @@ import warnings
 import numpy as np
 import pytest
 import xarray as xr
-from factories import trajectory
+from factories import timed, trajectory
 
 from storage import StoreError, TrajectoryWriter, open_run, open_runs, open_trajectories
 from storage.metrics import MetricsWriter
@@ -22,23 +22,7 @@ T0 = 1.8e9
 def _traj(u, finish, insert=None, sample=None, *, version=0, status=None, reward=1.0):
     """A trajectory finished at ``finish`` s (the run's clock), submitted 1 s before,
     inserted at ``insert`` (default: then), consumed at ``sample`` (None: buffered)."""
-    insert = finish if insert is None else insert
-    status = status or ("consumed" if sample is not None else "buffered")
-    return trajectory(
-        u,
-        f"g{u}",
-        group_size=1,
-        behavior_version=version,
-        finish_version=version,
-        status=status,
-        sample_version=version if status == "consumed" else -1,
-        reward=reward,
-        t_submit=T0 + finish - 1,
-        t_start=T0 + finish - 1,
-        t_finish=T0 + finish,
-        t_insert=T0 + insert,
-        t_sample=np.nan if sample is None else T0 + sample,
-    ).to_record()
+    return timed(u, finish, insert, sample, t0=T0, version=version, status=status, reward=reward)
 
 
 def _event(uid, status, sample_version, t):

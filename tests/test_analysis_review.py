@@ -5,7 +5,7 @@ a paced run's clock is named; staleness histograms compare as shares."""
 
 import numpy as np
 import pytest
-from factories import trajectory
+from factories import timed, trajectory
 
 from storage import TrajectoryWriter, open_run, open_runs
 from storage.metrics import MetricsWriter
@@ -16,22 +16,9 @@ T0 = 1.8e9
 def _traj(u, finish, sample=None, *, version=0, group=None, size=1, reward=1.0):
     """A trajectory finished at ``finish`` s (the run's clock), submitted 1 s before,
     inserted then, consumed at ``sample`` (None: buffered)."""
-    status = "consumed" if sample is not None else "buffered"
-    return trajectory(
-        u,
-        group or f"g{u}",
-        group_size=size,
-        behavior_version=version,
-        finish_version=version,
-        status=status,
-        sample_version=version if status == "consumed" else -1,
-        reward=reward,
-        t_submit=T0 + finish - 1,
-        t_start=T0 + finish - 1,
-        t_finish=T0 + finish,
-        t_insert=T0 + finish,
-        t_sample=np.nan if sample is None else T0 + sample,
-    ).to_record()
+    return timed(
+        u, finish, None, sample, t0=T0, version=version, group=group, size=size, reward=reward
+    )
 
 
 def _rows(path, until):
