@@ -209,7 +209,7 @@ class RepackMixin:
             self._wait_ready(exports, t0 + EXPORT_WAIT_TIMEOUTS * window)
             for src, future in exports.items():
                 if _ready(future):
-                    got, out = self._noting(f"repack: {src} export", future, deadline=t0)
+                    got, out = self._answer(f"repack: {src} export", future)
                 else:
                     logger.warning("repack: %s export not answered in time", src)
                     got, out = False, None
@@ -347,7 +347,7 @@ class RepackMixin:
                     logger.warning("repack %s -> %s: %s lost", rnd.groups[key], dst, dst)
                     self._decide(rnd, key, False, now)
                 elif _ready(future):
-                    got, answer = self._noting(f"repack: {dst} {phase}", future, deadline=now)
+                    got, answer = self._answer(f"repack: {dst} {phase}", future)
                     if phase == "import" and not got:  # (failed: it may still have run)
                         self._ask(rnd, key, now)
                     elif phase == "import":
@@ -376,7 +376,7 @@ class RepackMixin:
                     if now >= rnd.due[src]:
                         rnd.send(src, kind, self._try(self._call(kind, src, rnd)), now)
                 elif _ready(future):
-                    got, _ = self._noting(f"repack: {src} {kind}", future, deadline=now)
+                    got, _ = self._answer(f"repack: {src} {kind}", future)
                     if got or not self._may_retry(rnd, src, kind, now):
                         rnd.done(src, now)
                     else:  # (failed at once: again a little later, not in a tight loop)
@@ -394,6 +394,14 @@ class RepackMixin:
                         rnd.send(src, kind, self._try(self._call(kind, src, rnd)), now)
             if (rnd.waiting and not acks_only) or rnd.acks:
                 time.sleep(0.01)
+
+    def _answer(self, what: str, future) -> tuple[bool, object]:
+        """:meth:`_noting` of a call whose answer is in (``_ready``). Read with the
+        actor timeout, not what is left of the round's: the client's loop hands the
+        answer over, and on a loaded host it took over 0.1 s, so an export, import or
+        release that had answered was taken for failed (an export undone, a release sent
+        again: three times in a 9-minute bench)."""
+        return self._noting(what, future, deadline=time.time() + self.timeout)
 
     def _ask(self, rnd: _Round, key: tuple[str, int], now: float) -> None:
         """Ask a destination whether the import it did not answer went through. The

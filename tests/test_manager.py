@@ -586,3 +586,22 @@ def test_a_rebuilt_manager_fences_the_lost_rollouts_in_the_new_pool(cfg):
     finally:
         del thread_state.actor
     assert sorted(fenced) == ["r1", "r2"]
+
+
+def test_an_answer_already_in_is_read_with_the_actor_timeout(cfg):
+    """A round read a call whose answer was in (``_ready``) with what was left of its
+    window, 0.1 s at the least: on a loaded host the client's loop took longer to hand
+    it over, and an export, import or release that had answered was taken for failed
+    (three releases sent again in a 9-minute `laminar bench repack`)."""
+
+    class HandedOverSlowly:  # (done, but its result takes the client's loop a while)
+        def done(self) -> bool:
+            return True
+
+        def result(self, timeout=None):
+            if timeout is None or timeout < 0.4:
+                raise TimeoutError(f"timed out after {timeout} s.")
+            return "released"
+
+    manager = RolloutManager(cfg, {}, None)
+    assert manager._answer("repack: r0 release", HandedOverSlowly()) == (True, "released")
