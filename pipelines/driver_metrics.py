@@ -125,6 +125,9 @@ class MetricsRecording:
     """The records of :class:`~pipelines.driver.Schedule`, which opens the metrics
     store (``metrics``) and the rows it fills (``_rows``) in ``run``."""
 
+    # The buffer's reading the last ``cluster`` row was stamped at (:meth:`_record`)
+    _last_read_at = -math.inf
+
     def _origin(self, t_start: float) -> float:
         """When the run first started: a resumed run's ``cluster`` rows go on from its
         earlier ones (``elapsed_s`` keeps rising, across the gap), as a new segment
@@ -230,7 +233,7 @@ class MetricsRecording:
         again) stamps the row at the poll's end: restamped at its old time, the rows
         stood still on the time axis."""
         read_at = b_stats.get("read_at")  # (a stand-in's, or an older buffer's: none)
-        if read_at is not None and read_at > self.__dict__.get("_last_read_at", -math.inf):
+        if read_at is not None and read_at > self._last_read_at:
             self._last_read_at = read_at
             elapsed -= now - read_at
             now = read_at
